@@ -1,0 +1,138 @@
+/* libshard: the client library of shardd.
+ *
+ * A trainer process attaches to the shardd of its node, registers its model (every rank of a job
+ * registers the same description), then per micro-step fetches each unit's gathered weights
+ * (zero-copy, read-only), releases them, and pushes the unit's gradient; at the accumulation
+ * boundary it calls shard_step, which runs the optimizer on the sharded states.
+ *
+ * Every call returns 0 or a negative status (SHARD_E*); none aborts the process. After an error,
+ * shard_last_error() says what was wrong. A shard_ctx_t is not thread-safe: use one per thread.
+ * Gradients are averaged over the world, as DDP does: each rank pushes the gradient of the mean
+ * loss of its own micro-batch; the optimizer sees (sum over ranks and micro-steps) / world. */
+#ifndef SHARD_H
+#define SHARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SHARD_API __attribute__((visibility("default")))
+
+#define SHARD_VERSION_MAJOR 0
+#define SHARD_VERSION_MINOR 1
+
+/* Status codes (values are negated errno codes, project codes below -1000). */
+enum {
+    SHARD_OK = 0,
+    SHARD_EPERM = -1,
+    SHARD_ENOENT = -2,
+    SHARD_EIO = -5,
+    SHARD_EAGAIN = -11,
+    SHARD_ENOMEM = -12,
+    SHARD_EBUSY = -16,
+    SHARD_EEXIST = -17,
+    SHARD_EINVAL = -22,
+    SHARD_ENOSPC = -28,
+    SHARD_ERANGE = -34,
+    SHARD_ENOSYS = -38,
+    SHARD_EPROTO = -71,
+    SHARD_EMSGSIZE = -90,
+    SHARD_ECONNRESET = -104,
+    SHARD_ENOTCONN = -107,
+    SHARD_ETIMEDOUT = -110,
+    SHARD_ECANCELED = -125,
+    SHARD_ESTATE = -1001,
+    SHARD_EMISMATCH = -1002,
+    SHARD_EJOBFAILED = -1003,
+    SHARD_EVERSION = -1004,
+    SHARD_ENOUNIT = -1005,
+    SHARD_ENOJOB = -1006,
+    SHARD_ENOTHELD = -1007,
+    SHARD_ECONFIG = -1008,
+    SHARD_EPEER = -1009,
+};
+
+typedef enum { SHARD_FP32 = 0, SHARD_BF16 = 1, SHARD_FP16 = 2 } shard_dtype_t;
+
+typedef struct shard_ctx shard_ctx_t;
+typedef uint64_t shard_req_t;
+
+typedef struct {
+    const char *name; /* unique within the model */
+    uint32_t ndim;
+    const uint64_t *dims;
+    shard_dtype_t dtype;
+    uint32_t unit; /* units numbered 0, 1, ... in tensor order; one dtype per unit */
+} shard_tensor_t;
+
+typedef struct {
+    const char *name; /* "adamw" or "sgd" */
+    float lr;
+    float beta1, beta2, eps; /* adamw */
+    float weight_decay;
+    float momentum;      /* sgd */
+    float max_grad_norm; /* 0: no clipping */
+} shard_optimizer_t;
+
+typedef struct {
+    const char *job; /* job name, shared by all ranks */
+    uint32_t rank, world;
+    const char *plan; /* "ddp", "zero3", "mics:P" */
+    const shard_tensor_t *tensors;
+    uint32_t n_tensors;
+    shard_optimizer_t optimizer;
+    /* rank 0: initial values, one fp32 array per tensor (NULL entries or NULL: zeros);
+       ignored on other ranks */
+    const float *const *init;
+} shard_model_t;
+
+typedef struct {
+    uint64_t numel;      /* padded elements of the unit's flat buffer */
+    uint64_t bytes;      /* numel * dtype size: what fetch returns and push_grad takes */
+    shard_dtype_t dtype;
+    uint32_t first_tensor, n_tensors;
+} shard_unit_info_t;
+
+typedef struct {
+    uint32_t unit;
+    uint64_t offset; /* elements from the start of the unit's flat buffer */
+    uint64_t numel;
+} shard_tensor_info_t;
+
+/* Connect to shardd. socket_path NULL: $SHARD_SOCKET, else /run/shardd/shardd.sock. */
+SHARD_API int shard_attach(const char *socket_path, shard_ctx_t **ctx_p);
+/* Register the model; returns once every rank of the job registered and rank 0's initial values
+ * are loaded (or with an error after the daemon's register_timeout_ms). */
+SHARD_API int shard_register(shard_ctx_t *ctx, const shard_model_t *model);
+SHARD_API uint32_t shard_num_units(const shard_ctx_t *ctx);
+SHARD_API int shard_unit_info(const shard_ctx_t *ctx, uint32_t unit, shard_unit_info_t *info_p);
+SHARD_API int shard_tensor_info(const shard_ctx_t *ctx, uint32_t tensor,
+                                shard_tensor_info_t *info_p);
+
+/* Gather a unit; *data_p points at the unit's flat buffer (read-only shared memory) until
+ * shard_release. */
+SHARD_API int shard_fetch(shard_ctx_t *ctx, uint32_t unit, const void **data_p);
+SHARD_API int shard_fetch_async(shard_ctx_t *ctx, uint32_t unit, shard_req_t *req_p);
+/* Wait for an async fetch; data_p may be NULL for requests without data. */
+SHARD_API int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p);
+SHARD_API int shard_release(shard_ctx_t *ctx, uint32_t unit);
+/* Push this micro-step's gradient of a unit: bytes must equal shard_unit_info().bytes, laid out
+ * like the fetched buffer, in the unit's dtype. Returns once the gradient is copied; the
+ * reduction completes asynchronously and its error, if any, is returned by shard_step. */
+SHARD_API int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t bytes);
+/* Optimizer step at the accumulation boundary; all ranks call it. *grad_norm_p (may be NULL)
+ * receives the global L2 norm of the averaged gradient before clipping. */
+SHARD_API int shard_step(shard_ctx_t *ctx, double *grad_norm_p);
+SHARD_API int shard_detach(shard_ctx_t *ctx);
+
+SHARD_API const char *shard_strerror(int status);
+/* The message of the last failed call on ctx ("" if none). */
+SHARD_API const char *shard_last_error(const shard_ctx_t *ctx);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,719 @@
+/* libshard: attach, register, and the ring-based data path. */
+#include "shard.h"
+#include "shard_internal.h"
+
+#include "sd/frame.h"
+#include "sd/model.h"
+#include "sd/ring.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include "shard.pb-c.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define DEFAULT_SOCKET   "/run/shardd/shardd.sock"
+#define MAX_REPLY_BYTES  (64u << 20)
+#define MAX_STAGING      64
+#define RING_MASK        (SD_RING_ENTRIES - 1)
+
+enum req_state { REQ_FREE = 0, REQ_INFLIGHT, REQ_DONE };
+
+struct shard_ctx {
+    int sock;
+    struct sd_ring_hdr *ring;
+    int sq_efd, cq_efd;
+    uint32_t op_timeout_ms;
+    uint64_t wait_timeout_ms;
+    uint64_t spin_ns;
+    uint64_t gen;
+    uint32_t next_slot;
+    uint8_t req_state[SD_RING_ENTRIES];
+    uint64_t req_tag[SD_RING_ENTRIES];
+    struct sd_cqe req_cqe[SD_RING_ENTRIES];
+    /* registration */
+    bool registered;
+    uint32_t rank, world, n_units, n_tensors;
+    shard_unit_info_t *units;
+    shard_tensor_info_t *tensors;
+    const uint8_t *pool;
+    size_t pool_bytes;
+    uint8_t *staging;
+    size_t staging_bytes;
+    uint32_t staging_slots;
+    uint64_t staging_slot_bytes;
+    uint64_t slot_tag[MAX_STAGING];
+    bool slot_busy[MAX_STAGING];
+    uint32_t next_staging;
+    int push_status;
+    char push_err[1024];
+    char err[1024];
+};
+
+#define SAME(x) _Static_assert((int)SHARD_##x == (int)SD_##x, "SHARD_" #x " must equal SD_" #x)
+SAME(EINVAL);
+SAME(ENOMEM);
+SAME(ENOSPC);
+SAME(ETIMEDOUT);
+SAME(EPROTO);
+SAME(ENOSYS);
+SAME(EBUSY);
+SAME(EAGAIN);
+SAME(EIO);
+SAME(EPERM);
+SAME(ENOENT);
+SAME(EEXIST);
+SAME(ECONNRESET);
+SAME(ENOTCONN);
+SAME(EMSGSIZE);
+SAME(ERANGE);
+SAME(ECANCELED);
+SAME(ESTATE);
+SAME(EMISMATCH);
+SAME(EJOBFAILED);
+SAME(EVERSION);
+SAME(ENOUNIT);
+SAME(ENOJOB);
+SAME(ENOTHELD);
+SAME(ECONFIG);
+SAME(EPEER);
+#undef SAME
+
+static int fail(shard_ctx_t *ctx, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int fail(shard_ctx_t *ctx, int status, const char *fmt, ...)
+{
+    if (ctx != NULL) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(ctx->err, sizeof(ctx->err), fmt, ap);
+        va_end(ap);
+    }
+    return status;
+}
+
+const char *shard_strerror(int status)
+{
+    return sd_status_str(status);
+}
+
+const char *shard_last_error(const shard_ctx_t *ctx)
+{
+    return ctx ? ctx->err : "no context";
+}
+
+static uint64_t env_u64(const char *name, uint64_t def)
+{
+    const char *v = getenv(name);
+    if (v == NULL || *v == '\0')
+        return def;
+    char *end;
+    unsigned long long x = strtoull(v, &end, 10);
+    return *end == '\0' ? x : def;
+}
+
+/* Receive one DaemonMsg; fds as announced. Error replies become the status and message. */
+static int recv_reply(shard_ctx_t *ctx, Shard__DaemonMsg **msg_p, int *fds, unsigned max_fds,
+                      unsigned *nfds_p, int timeout_ms, const char *what)
+{
+    uint8_t *buf;
+    size_t len;
+    unsigned nfds = 0;
+    int status = sd_frame_recv(ctx->sock, &buf, &len, fds, max_fds, &nfds, MAX_REPLY_BYTES,
+                               timeout_ms);
+    if (status == SD_ETIMEDOUT)
+        return fail(ctx, status, "%s: no answer from shardd within %d ms", what, timeout_ms);
+    if (status != SD_OK)
+        return fail(ctx, status, "%s: connection to shardd lost: %s", what, sd_status_str(status));
+    Shard__DaemonMsg *m = shard__daemon_msg__unpack(NULL, len, buf);
+    free(buf);
+    if (m == NULL) {
+        for (unsigned i = 0; i < nfds; i++)
+            close(fds[i]);
+        return fail(ctx, SD_EPROTO, "%s: undecodable reply from shardd", what);
+    }
+    if (m->msg_case == SHARD__DAEMON_MSG__MSG_ERROR) {
+        status = m->error->status < 0 ? m->error->status : SD_EPROTO;
+        fail(ctx, status, "%s", m->error->message ? m->error->message : "error");
+        shard__daemon_msg__free_unpacked(m, NULL);
+        for (unsigned i = 0; i < nfds; i++)
+            close(fds[i]);
+        return status;
+    }
+    *msg_p = m;
+    if (nfds_p != NULL)
+        *nfds_p = nfds;
+    else
+        for (unsigned i = 0; i < nfds; i++)
+            close(fds[i]);
+    return SD_OK;
+}
+
+int shard__connect(const char *socket_path, int *fd_p, char *err, size_t errlen)
+{
+    const char *path = socket_path ? socket_path : getenv("SHARD_SOCKET");
+    if (path == NULL || *path == '\0')
+        path = DEFAULT_SOCKET;
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof(addr.sun_path)) {
+        snprintf(err, errlen, "socket path %s is longer than %zu bytes", path,
+                 sizeof(addr.sun_path) - 1);
+        return SD_EINVAL;
+    }
+    strcpy(addr.sun_path, path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -errno;
+    if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0) {
+        int status = errno == ENOENT || errno == ECONNREFUSED ? SD_ENOTCONN : -errno;
+        snprintf(err, errlen, "cannot connect to shardd at %s: %s (is shardd running?)", path,
+                 strerror(errno));
+        close(fd);
+        return status;
+    }
+    *fd_p = fd;
+    return SD_OK;
+}
+
+int shard_attach(const char *socket_path, shard_ctx_t **ctx_p)
+{
+    if (ctx_p == NULL)
+        return SD_EINVAL;
+    shard_ctx_t *ctx = calloc(1, sizeof(*ctx));
+    if (ctx == NULL)
+        return SD_ENOMEM;
+    ctx->sq_efd = ctx->cq_efd = ctx->sock = -1;
+    int status = shard__connect(socket_path, &ctx->sock, ctx->err, sizeof(ctx->err));
+    if (status != SD_OK)
+        goto err_out;
+
+    char name[64];
+    snprintf(name, sizeof(name), "libshard pid %d", (int)getpid());
+    Shard__Attach at = SHARD__ATTACH__INIT;
+    at.protocol_version = SD_PROTOCOL_VERSION;
+    at.client_name = name;
+    Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
+    msg.msg_case = SHARD__CLIENT_MSG__MSG_ATTACH;
+    msg.attach = &at;
+    status = sd_frame_send(ctx->sock, &msg.base, NULL, 0, 5000);
+    if (status != SD_OK) {
+        fail(ctx, status, "attach: cannot send to shardd: %s", sd_status_str(status));
+        goto err_out;
+    }
+    Shard__DaemonMsg *rep;
+    int fds[3];
+    unsigned nfds = 0;
+    status = recv_reply(ctx, &rep, fds, 3, &nfds, 10000, "attach");
+    if (status != SD_OK)
+        goto err_out;
+    if (rep->msg_case != SHARD__DAEMON_MSG__MSG_ATTACH || nfds != 3 ||
+        rep->attach->ring_entries != SD_RING_ENTRIES || rep->attach->ring_bytes != SD_RING_BYTES) {
+        fail(ctx, SD_EPROTO, "attach: unexpected reply from shardd (version mismatch?)");
+        status = SD_EPROTO;
+        for (unsigned i = 0; i < nfds; i++)
+            close(fds[i]);
+        shard__daemon_msg__free_unpacked(rep, NULL);
+        goto err_out;
+    }
+    ctx->op_timeout_ms = rep->attach->op_timeout_ms;
+    shard__daemon_msg__free_unpacked(rep, NULL);
+    ctx->ring = mmap(NULL, SD_RING_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+    close(fds[0]);
+    ctx->sq_efd = fds[1];
+    ctx->cq_efd = fds[2];
+    if (ctx->ring == MAP_FAILED) {
+        ctx->ring = NULL;
+        status = fail(ctx, -errno, "attach: cannot map the ring: %s", strerror(errno));
+        goto err_out;
+    }
+    if (ctx->ring->magic != SD_RING_MAGIC || ctx->ring->version != SD_RING_VERSION) {
+        status = fail(ctx, SD_EVERSION, "attach: ring version %u, expected %d",
+                      ctx->ring->version, SD_RING_VERSION);
+        goto err_out;
+    }
+    ctx->wait_timeout_ms = env_u64("SHARD_TIMEOUT_MS", 2ULL * ctx->op_timeout_ms + 10000);
+    ctx->spin_ns = env_u64("SHARD_SPIN_US", 50) * 1000;
+    *ctx_p = ctx;
+    return SD_OK;
+
+err_out:
+    fprintf(stderr, "libshard: %s\n", ctx->err);
+    shard_detach(ctx);
+    return status;
+}
+
+/* ---- the ring */
+
+static void wake_daemon(shard_ctx_t *ctx)
+{
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load_explicit(&ctx->ring->daemon_sleeping, memory_order_relaxed) &&
+        atomic_exchange(&ctx->ring->daemon_sleeping, 0)) {
+        uint64_t one = 1;
+        ssize_t w = write(ctx->sq_efd, &one, sizeof(one));
+        (void)w;
+    }
+}
+
+static int post(shard_ctx_t *ctx, uint32_t op, uint32_t unit, uint64_t a0, uint64_t a1,
+                uint64_t *tag_p)
+{
+    uint32_t slot = UINT32_MAX;
+    for (uint32_t i = 0; i < SD_RING_ENTRIES; i++) {
+        uint32_t c = (ctx->next_slot + i) & RING_MASK;
+        if (ctx->req_state[c] == REQ_FREE) {
+            slot = c;
+            break;
+        }
+    }
+    if (slot == UINT32_MAX)
+        return fail(ctx, SD_EAGAIN, "%s: %d requests already in flight; wait for some first",
+                    sd_op_name((int)op), SD_RING_ENTRIES);
+    ctx->next_slot = (slot + 1) & RING_MASK;
+    uint64_t tag = (++ctx->gen << 8) | slot;
+    struct sd_sqe e = {.op = op, .unit = unit, .tag = tag, .arg0 = a0, .arg1 = a1};
+    if (sd_ring_sq_push(ctx->ring, &e) != 0)
+        return fail(ctx, SD_EAGAIN, "%s: submission ring full", sd_op_name((int)op));
+    ctx->req_state[slot] = REQ_INFLIGHT;
+    ctx->req_tag[slot] = tag;
+    wake_daemon(ctx);
+    *tag_p = tag;
+    return SD_OK;
+}
+
+static void drain(shard_ctx_t *ctx)
+{
+    struct sd_cqe e;
+    while (sd_ring_cq_pop(ctx->ring, &e) == 1) {
+        uint32_t slot = (uint32_t)(e.tag & RING_MASK);
+        if (ctx->req_state[slot] == REQ_INFLIGHT && ctx->req_tag[slot] == e.tag) {
+            ctx->req_cqe[slot] = e;
+            ctx->req_state[slot] = REQ_DONE;
+        }
+    }
+}
+
+/* The daemon wrote on the socket outside a request: an error before it hangs up, or EOF. */
+static int socket_event(shard_ctx_t *ctx, const char *what)
+{
+    Shard__DaemonMsg *m = NULL;
+    int status = recv_reply(ctx, &m, NULL, 0, NULL, 1000, what);
+    if (m != NULL) {
+        shard__daemon_msg__free_unpacked(m, NULL);
+        return fail(ctx, SD_EPROTO, "%s: unexpected message from shardd", what);
+    }
+    return status == SD_OK ? SD_ECONNRESET : status;
+}
+
+static int wait_tag(shard_ctx_t *ctx, uint64_t tag, struct sd_cqe *cqe_p)
+{
+    uint32_t slot = (uint32_t)(tag & RING_MASK);
+    if (ctx->req_tag[slot] != tag || ctx->req_state[slot] == REQ_FREE)
+        return fail(ctx, SD_EINVAL, "wait: request %llu is not in flight (waited twice?)",
+                    (unsigned long long)tag);
+    uint64_t start = sd_now_ns();
+    uint64_t deadline = start + ctx->wait_timeout_ms * 1000000ULL;
+    for (;;) {
+        drain(ctx);
+        if (ctx->req_state[slot] == REQ_DONE)
+            break;
+        uint64_t now = sd_now_ns();
+        if (now - start < ctx->spin_ns) {
+            __builtin_ia32_pause();
+            continue;
+        }
+        if (now >= deadline)
+            return fail(ctx, SD_ETIMEDOUT,
+                        "no completion from shardd within %llu ms (SHARD_TIMEOUT_MS); the "
+                        "daemon may be stopped or overloaded",
+                        (unsigned long long)ctx->wait_timeout_ms);
+        atomic_store(&ctx->ring->client_waiting, 1);
+        atomic_thread_fence(memory_order_seq_cst);
+        drain(ctx);
+        if (ctx->req_state[slot] == REQ_DONE) {
+            atomic_store(&ctx->ring->client_waiting, 0);
+            break;
+        }
+        struct pollfd p[2] = {{.fd = ctx->cq_efd, .events = POLLIN},
+                              {.fd = ctx->sock, .events = POLLIN}};
+        int ms = (int)SD_MIN((deadline - now) / 1000000 + 1, 1000);
+        int r = poll(p, 2, ms);
+        if (r > 0 && (p[0].revents & POLLIN)) {
+            uint64_t v;
+            ssize_t n = read(ctx->cq_efd, &v, sizeof(v));
+            (void)n;
+        }
+        if (r > 0 && (p[1].revents & (POLLIN | POLLHUP | POLLERR))) {
+            drain(ctx);
+            if (ctx->req_state[slot] == REQ_DONE)
+                break;
+            return socket_event(ctx, "wait");
+        }
+    }
+    *cqe_p = ctx->req_cqe[slot];
+    ctx->req_state[slot] = REQ_FREE;
+    if (cqe_p->status != SD_OK)
+        fail(ctx, cqe_p->status, "%s", cqe_p->msg);
+    return cqe_p->status;
+}
+
+/* Post and wait. */
+static int call(shard_ctx_t *ctx, uint32_t op, uint32_t unit, uint64_t a0, uint64_t a1,
+                struct sd_cqe *cqe_p)
+{
+    uint64_t tag;
+    int status = post(ctx, op, unit, a0, a1, &tag);
+    if (status != SD_OK)
+        return status;
+    return wait_tag(ctx, tag, cqe_p);
+}
+
+int shard__post_raw(shard_ctx_t *ctx, uint32_t op, uint32_t unit, uint64_t a0, uint64_t a1)
+{
+    struct sd_cqe cqe;
+    if (ctx == NULL || ctx->ring == NULL)
+        return SD_ENOTCONN;
+    return call(ctx, op, unit, a0, a1, &cqe);
+}
+
+/* ---- registration */
+
+static int check_attached(shard_ctx_t *ctx, const char *what, bool registered)
+{
+    if (ctx == NULL)
+        return SD_EINVAL;
+    if (ctx->ring == NULL)
+        return fail(ctx, SD_ENOTCONN, "%s: not attached", what);
+    if (registered && !ctx->registered)
+        return fail(ctx, SD_ESTATE, "%s: call shard_register first", what);
+    return SD_OK;
+}
+
+static int parse_optim(shard_ctx_t *ctx, const shard_optimizer_t *o, Shard__Optimizer *out)
+{
+    if (o->name == NULL || (strcmp(o->name, "adamw") != 0 && strcmp(o->name, "sgd") != 0))
+        return fail(ctx, SD_EINVAL, "register: optimizer '%s' is not adamw or sgd",
+                    o->name ? o->name : "(null)");
+    out->kind = strcmp(o->name, "adamw") == 0 ? SD_OPTIM_ADAMW : SD_OPTIM_SGD;
+    out->lr = o->lr;
+    out->beta1 = o->beta1;
+    out->beta2 = o->beta2;
+    out->eps = o->eps;
+    out->weight_decay = o->weight_decay;
+    out->momentum = o->momentum;
+    out->max_grad_norm = o->max_grad_norm;
+    return SD_OK;
+}
+
+static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int *fds)
+{
+    struct stat st;
+    if (fstat(fds[0], &st) != 0 || (uint64_t)st.st_size < rep->pool_bytes ||
+        fstat(fds[1], &st) != 0 ||
+        (uint64_t)st.st_size < (uint64_t)rep->staging_slots * rep->staging_slot_bytes ||
+        rep->staging_slots == 0 || rep->staging_slots > MAX_STAGING)
+        return fail(ctx, SD_EPROTO, "register: shared buffers do not match the layout");
+    ctx->pool_bytes = rep->pool_bytes;
+    ctx->pool = mmap(NULL, ctx->pool_bytes ? ctx->pool_bytes : 1, PROT_READ, MAP_SHARED, fds[0], 0);
+    if (ctx->pool == MAP_FAILED) {
+        ctx->pool = NULL;
+        return fail(ctx, -errno, "register: cannot map the gather pool: %s", strerror(errno));
+    }
+    ctx->staging_slots = rep->staging_slots;
+    ctx->staging_slot_bytes = rep->staging_slot_bytes;
+    ctx->staging_bytes = (size_t)rep->staging_slots * rep->staging_slot_bytes;
+    ctx->staging = mmap(NULL, ctx->staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
+    if (ctx->staging == MAP_FAILED) {
+        ctx->staging = NULL;
+        return fail(ctx, -errno, "register: cannot map the staging buffer: %s", strerror(errno));
+    }
+    ctx->n_units = (uint32_t)rep->n_units;
+    ctx->n_tensors = (uint32_t)rep->n_tensors;
+    ctx->units = calloc(ctx->n_units, sizeof(*ctx->units));
+    ctx->tensors = calloc(ctx->n_tensors, sizeof(*ctx->tensors));
+    if (ctx->units == NULL || ctx->tensors == NULL)
+        return fail(ctx, SD_ENOMEM, "register: out of memory");
+    for (uint32_t u = 0; u < ctx->n_units; u++) {
+        const Shard__UnitLayout *ul = rep->units[u];
+        if (ul->dtype >= SD_DTYPE_COUNT || ul->first_tensor + ul->n_tensors > ctx->n_tensors)
+            return fail(ctx, SD_EPROTO, "register: bad unit %u in the layout", u);
+        ctx->units[u] = (shard_unit_info_t){.numel = ul->numel,
+                                            .bytes = ul->numel * sd_dtype_size((int)ul->dtype),
+                                            .dtype = (shard_dtype_t)ul->dtype,
+                                            .first_tensor = ul->first_tensor,
+                                            .n_tensors = ul->n_tensors};
+        for (uint32_t t = ul->first_tensor; t < ul->first_tensor + ul->n_tensors; t++)
+            ctx->tensors[t] = (shard_tensor_info_t){.unit = u,
+                                                    .offset = rep->tensors[t]->offset,
+                                                    .numel = rep->tensors[t]->numel};
+        if (ctx->units[u].numel * sizeof(float) > ctx->staging_slot_bytes)
+            return fail(ctx, SD_EPROTO, "register: staging slots smaller than unit %u", u);
+    }
+    return SD_OK;
+}
+
+/* Rank 0 sends its initial values unit by unit through staging slot 0. */
+static int load_initial(shard_ctx_t *ctx, const shard_model_t *model)
+{
+    struct sd_cqe cqe;
+    for (uint32_t u = 0; u < ctx->n_units; u++) {
+        float *dst = (float *)(void *)ctx->staging;
+        memset(dst, 0, ctx->units[u].numel * sizeof(float));
+        for (uint32_t t = ctx->units[u].first_tensor;
+             t < ctx->units[u].first_tensor + ctx->units[u].n_tensors; t++)
+            if (model->init != NULL && model->init[t] != NULL)
+                memcpy(dst + ctx->tensors[t].offset, model->init[t],
+                       ctx->tensors[t].numel * sizeof(float));
+        int status = call(ctx, SD_OP_INIT, u, 0, 0, &cqe);
+        if (status != SD_OK)
+            return status;
+    }
+    return SD_OK;
+}
+
+int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
+{
+    int status = check_attached(ctx, "register", false);
+    if (status != SD_OK)
+        return status;
+    if (ctx->registered)
+        return fail(ctx, SD_ESTATE, "register: this context is already registered");
+    if (model == NULL || model->job == NULL || model->plan == NULL || model->tensors == NULL ||
+        model->n_tensors == 0)
+        return fail(ctx, SD_EINVAL, "register: job, plan and at least one tensor are required");
+
+    Shard__Optimizer opt = SHARD__OPTIMIZER__INIT;
+    status = parse_optim(ctx, &model->optimizer, &opt);
+    if (status != SD_OK)
+        return status;
+    Shard__TensorDesc *td = calloc(model->n_tensors, sizeof(*td));
+    Shard__TensorDesc **tp = calloc(model->n_tensors, sizeof(*tp));
+    if (td == NULL || tp == NULL) {
+        free(td);
+        free(tp);
+        return fail(ctx, SD_ENOMEM, "register: out of memory");
+    }
+    for (uint32_t i = 0; i < model->n_tensors; i++) {
+        const shard_tensor_t *t = &model->tensors[i];
+        shard__tensor_desc__init(&td[i]);
+        td[i].name = (char *)(t->name ? t->name : "");
+        td[i].n_dims = t->dims ? t->ndim : 0;
+        td[i].dims = (uint64_t *)t->dims;
+        td[i].dtype = (uint32_t)t->dtype;
+        td[i].unit = t->unit;
+        tp[i] = &td[i];
+    }
+    Shard__Register reg = SHARD__REGISTER__INIT;
+    reg.job = (char *)model->job;
+    reg.rank = model->rank;
+    reg.world = model->world;
+    reg.plan = (char *)model->plan;
+    reg.n_tensors = model->n_tensors;
+    reg.tensors = tp;
+    reg.optimizer = &opt;
+    Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
+    msg.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
+    msg.register_ = &reg;
+    status = sd_frame_send(ctx->sock, &msg.base, NULL, 0, 10000);
+    free(td);
+    free(tp);
+    if (status != SD_OK)
+        return fail(ctx, status, "register: cannot send to shardd: %s", sd_status_str(status));
+
+    Shard__DaemonMsg *rep;
+    int fds[2];
+    unsigned nfds = 0;
+    int timeout = (int)env_u64("SHARD_REGISTER_TIMEOUT_MS", 600000);
+    status = recv_reply(ctx, &rep, fds, 2, &nfds, timeout, "register");
+    if (status != SD_OK)
+        return status;
+    if (rep->msg_case != SHARD__DAEMON_MSG__MSG_REGISTER || nfds != 2) {
+        for (unsigned i = 0; i < nfds; i++)
+            close(fds[i]);
+        shard__daemon_msg__free_unpacked(rep, NULL);
+        return fail(ctx, SD_EPROTO, "register: unexpected reply from shardd");
+    }
+    status = map_job(ctx, rep->register_, fds);
+    close(fds[0]);
+    close(fds[1]);
+    shard__daemon_msg__free_unpacked(rep, NULL);
+    if (status != SD_OK)
+        return status;
+    ctx->rank = model->rank;
+    ctx->world = model->world;
+    ctx->registered = true;
+    struct sd_cqe cqe;
+    if (model->rank == 0 && (status = load_initial(ctx, model)) != SD_OK)
+        return status;
+    return call(ctx, SD_OP_READY, 0, 0, 0, &cqe);
+}
+
+uint32_t shard_num_units(const shard_ctx_t *ctx)
+{
+    return ctx && ctx->registered ? ctx->n_units : 0;
+}
+
+int shard_unit_info(const shard_ctx_t *ctx, uint32_t unit, shard_unit_info_t *info_p)
+{
+    if (ctx == NULL || !ctx->registered || info_p == NULL || unit >= ctx->n_units)
+        return SD_EINVAL;
+    *info_p = ctx->units[unit];
+    return SD_OK;
+}
+
+int shard_tensor_info(const shard_ctx_t *ctx, uint32_t tensor, shard_tensor_info_t *info_p)
+{
+    if (ctx == NULL || !ctx->registered || info_p == NULL || tensor >= ctx->n_tensors)
+        return SD_EINVAL;
+    *info_p = ctx->tensors[tensor];
+    return SD_OK;
+}
+
+/* ---- data path */
+
+int shard_fetch_async(shard_ctx_t *ctx, uint32_t unit, shard_req_t *req_p)
+{
+    int status = check_attached(ctx, "fetch", true);
+    if (status != SD_OK)
+        return status;
+    if (req_p == NULL)
+        return fail(ctx, SD_EINVAL, "fetch: req_p is NULL");
+    return post(ctx, SD_OP_FETCH, unit, 0, 0, req_p);
+}
+
+int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p)
+{
+    struct sd_cqe cqe;
+    int status = check_attached(ctx, "wait", false);
+    if (status != SD_OK)
+        return status;
+    status = wait_tag(ctx, req, &cqe);
+    if (status != SD_OK)
+        return status;
+    if (data_p != NULL && cqe.op == SD_OP_FETCH) {
+        if (cqe.value0 > ctx->pool_bytes || cqe.value1 > ctx->pool_bytes - cqe.value0)
+            return fail(ctx, SD_EPROTO, "fetch: slot [%llu, +%llu) outside the pool",
+                        (unsigned long long)cqe.value0, (unsigned long long)cqe.value1);
+        *data_p = ctx->pool + cqe.value0;
+    }
+    return SD_OK;
+}
+
+int shard_fetch(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
+{
+    shard_req_t req;
+    int status = shard_fetch_async(ctx, unit, &req);
+    if (status != SD_OK)
+        return status;
+    return shard_wait(ctx, req, data_p);
+}
+
+int shard_release(shard_ctx_t *ctx, uint32_t unit)
+{
+    struct sd_cqe cqe;
+    int status = check_attached(ctx, "release", true);
+    if (status != SD_OK)
+        return status;
+    return call(ctx, SD_OP_RELEASE, unit, 0, 0, &cqe);
+}
+
+/* Wait for the push that occupies staging slot i; remember the first error. */
+static void reap_push(shard_ctx_t *ctx, uint32_t i)
+{
+    struct sd_cqe cqe;
+    if (!ctx->slot_busy[i])
+        return;
+    ctx->slot_busy[i] = false;
+    int status = wait_tag(ctx, ctx->slot_tag[i], &cqe);
+    if (status != SD_OK && ctx->push_status == SD_OK) {
+        ctx->push_status = status;
+        snprintf(ctx->push_err, sizeof(ctx->push_err), "%s", ctx->err);
+    }
+}
+
+int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t bytes)
+{
+    int status = check_attached(ctx, "push_grad", true);
+    if (status != SD_OK)
+        return status;
+    if (unit >= ctx->n_units)
+        return fail(ctx, SD_ENOUNIT, "push_grad: unit %u does not exist (units 0..%u)", unit,
+                    ctx->n_units - 1);
+    if (grad == NULL || bytes != ctx->units[unit].bytes)
+        return fail(ctx, SD_EMSGSIZE,
+                    "push_grad unit %u: gradient is %zu bytes but the unit is %llu bytes (%llu "
+                    "%s elements, padded; see shard_unit_info)",
+                    unit, grad ? bytes : 0, (unsigned long long)ctx->units[unit].bytes,
+                    (unsigned long long)ctx->units[unit].numel,
+                    sd_dtype_name((int)ctx->units[unit].dtype));
+    uint32_t i = ctx->next_staging;
+    ctx->next_staging = (i + 1) % ctx->staging_slots;
+    reap_push(ctx, i);
+    memcpy(ctx->staging + (size_t)i * ctx->staging_slot_bytes, grad, bytes);
+    status = post(ctx, SD_OP_PUSH, unit, i, bytes, &ctx->slot_tag[i]);
+    if (status == SD_OK)
+        ctx->slot_busy[i] = true;
+    return status;
+}
+
+int shard_step(shard_ctx_t *ctx, double *grad_norm_p)
+{
+    struct sd_cqe cqe;
+    int status = check_attached(ctx, "step", true);
+    if (status != SD_OK)
+        return status;
+    for (uint32_t i = 0; i < ctx->staging_slots; i++)
+        reap_push(ctx, i);
+    if (ctx->push_status != SD_OK) {
+        status = ctx->push_status;
+        ctx->push_status = SD_OK;
+        return fail(ctx, status, "step: an earlier push failed: %s", ctx->push_err);
+    }
+    status = call(ctx, SD_OP_STEP, 0, 0, 0, &cqe);
+    if (status == SD_OK && grad_norm_p != NULL) {
+        double norm;
+        memcpy(&norm, &cqe.value0, sizeof(norm));
+        *grad_norm_p = norm;
+    }
+    return status;
+}
+
+int shard_detach(shard_ctx_t *ctx)
+{
+    if (ctx == NULL)
+        return SD_EINVAL;
+    if (ctx->sock >= 0 && ctx->ring != NULL) {
+        Shard__Detach d = SHARD__DETACH__INIT;
+        Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
+        msg.msg_case = SHARD__CLIENT_MSG__MSG_DETACH;
+        msg.detach = &d;
+        sd_frame_send(ctx->sock, &msg.base, NULL, 0, 1000);
+    }
+    if (ctx->pool != NULL)
+        munmap((void *)ctx->pool, ctx->pool_bytes ? ctx->pool_bytes : 1);
+    if (ctx->staging != NULL)
+        munmap(ctx->staging, ctx->staging_bytes);
+    if (ctx->ring != NULL)
+        munmap(ctx->ring, SD_RING_BYTES);
+    if (ctx->sq_efd >= 0)
+        close(ctx->sq_efd);
+    if (ctx->cq_efd >= 0)
+        close(ctx->cq_efd);
+    if (ctx->sock >= 0)
+        close(ctx->sock);
+    free(ctx->units);
+    free(ctx->tensors);
+    free(ctx);
+    return SD_OK;
+}

@@ -1,0 +1,236 @@
+#include "sd/config.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define OFF(field) offsetof(struct sd_config, field)
+
+const struct sd_config_entry sd_config_table[] = {
+    {"runtime_dir", SD_CFG_STRING, "/run/shardd", 0, SD_PATH_MAX, OFF(runtime_dir),
+     "directory for the client socket (created 0700; socket 0660)"},
+    {"node", SD_CFG_INT, "0", 0, 65535, OFF(node), "index of this node in the cluster"},
+    {"nodes", SD_CFG_INT, "1", 1, 65536, OFF(nodes), "number of nodes (daemons) in the cluster"},
+    {"ranks_per_node", SD_CFG_INT, "0", 0, 1024, OFF(ranks_per_node),
+     "trainer ranks (devices) per node; 0 takes it from each job's world size / nodes"},
+    {"backend", SD_CFG_STRING, "host", 0, 16, OFF(backend),
+     "device backend for shard buffers: host (cuda and hip when built with them)"},
+    {"memory_budget", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(memory_budget),
+     "bytes all jobs together may allocate; 0 means half of physical memory"},
+    {"op_timeout_ms", SD_CFG_INT, "30000", 1, 3600000, OFF(op_timeout_ms),
+     "deadline for a collective operation to gather all ranks"},
+    {"register_timeout_ms", SD_CFG_INT, "60000", 1, 3600000, OFF(register_timeout_ms),
+     "deadline for all ranks of a job to register"},
+    {"log_level", SD_CFG_STRING, "info", 0, 16, OFF(log_level),
+     "error, warn, info, debug or trace"},
+    {"max_clients", SD_CFG_INT, "256", 1, 65536, OFF(max_clients),
+     "connections accepted at once (clients and shardctl)"},
+    {"max_message_bytes", SD_CFG_SIZE, "16MiB", 4096, 1LL << 30, OFF(max_message_bytes),
+     "largest control message accepted on the socket"},
+    {"poll_spin_us", SD_CFG_INT, "200", 0, 1000000, OFF(poll_spin_us),
+     "microseconds the daemon keeps polling client rings after the last request before sleeping"},
+    {"staging_slots", SD_CFG_INT, "4", 1, 1024, OFF(staging_slots),
+     "gradient staging slots per client, each the size of the largest unit"},
+    {"max_live_bytes", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(max_live_bytes),
+     "gather pool size per job; 0 sizes it to hold every unit at once"},
+    {"max_jobs", SD_CFG_INT, "64", 1, 4096, OFF(max_jobs), "jobs served at once"},
+};
+const unsigned sd_config_table_len = SD_ARRAY_SIZE(sd_config_table);
+
+int sd_parse_size(const char *text, uint64_t *value_p)
+{
+    char *end;
+    errno = 0;
+    if (text == NULL || !isdigit((unsigned char)text[0]))
+        return SD_EINVAL;
+    unsigned long long v = strtoull(text, &end, 10);
+    if (errno != 0)
+        return SD_EINVAL;
+    uint64_t mult = 1;
+    if (*end != '\0') {
+        switch (toupper((unsigned char)*end)) {
+        case 'K':
+            mult = 1ULL << 10;
+            break;
+        case 'M':
+            mult = 1ULL << 20;
+            break;
+        case 'G':
+            mult = 1ULL << 30;
+            break;
+        case 'T':
+            mult = 1ULL << 40;
+            break;
+        default:
+            return SD_EINVAL;
+        }
+        end++;
+        if (strcmp(end, "") != 0 && strcasecmp(end, "B") != 0 && strcasecmp(end, "iB") != 0)
+            return SD_EINVAL;
+    }
+    if (v > UINT64_MAX / mult)
+        return SD_EINVAL;
+    *value_p = v * mult;
+    return SD_OK;
+}
+
+static const struct sd_config_entry *find_entry(const char *name)
+{
+    for (unsigned i = 0; i < sd_config_table_len; i++)
+        if (strcmp(sd_config_table[i].name, name) == 0)
+            return &sd_config_table[i];
+    return NULL;
+}
+
+static int check_string(const struct sd_config_entry *e, const char *value, char *err,
+                        size_t errlen)
+{
+    if (strcmp(e->name, "log_level") == 0 && sd_log_level_parse(value) < 0) {
+        snprintf(err, errlen, "option '%s': '%s' is not one of error, warn, info, debug, trace",
+                 e->name, value);
+        return SD_ECONFIG;
+    }
+    if (strcmp(e->name, "backend") == 0 && strcmp(value, "host") != 0 &&
+        strcmp(value, "cuda") != 0 && strcmp(value, "hip") != 0) {
+        snprintf(err, errlen, "option '%s': '%s' is not one of host, cuda, hip", e->name, value);
+        return SD_ECONFIG;
+    }
+    return SD_OK;
+}
+
+int sd_config_set(struct sd_config *cfg, const char *name, const char *value, char *err,
+                  size_t errlen)
+{
+    const struct sd_config_entry *e = find_entry(name);
+    char *base = (char *)cfg;
+    if (e == NULL) {
+        snprintf(err, errlen, "unknown option '%s' (shardd --help lists them)", name);
+        return SD_ECONFIG;
+    }
+    switch (e->type) {
+    case SD_CFG_STRING:
+        if (strlen(value) >= (size_t)e->max) {
+            snprintf(err, errlen, "option '%s': value '%.40s...' is longer than %lld bytes",
+                     name, value, (long long)e->max - 1);
+            return SD_ECONFIG;
+        }
+        if (check_string(e, value, err, errlen) != SD_OK)
+            return SD_ECONFIG;
+        memcpy(base + e->offset, value, strlen(value) + 1);
+        return SD_OK;
+    case SD_CFG_INT: {
+        char *end;
+        errno = 0;
+        long long v = strtoll(value, &end, 0);
+        if (errno != 0 || end == value || *end != '\0' || v < e->min || v > e->max) {
+            snprintf(err, errlen, "option '%s': expected an integer in [%lld, %lld], got '%s'",
+                     name, (long long)e->min, (long long)e->max, value);
+            return SD_ECONFIG;
+        }
+        *(int64_t *)(void *)(base + e->offset) = v;
+        return SD_OK;
+    }
+    case SD_CFG_SIZE: {
+        uint64_t v;
+        if (sd_parse_size(value, &v) != SD_OK || v < (uint64_t)e->min || v > (uint64_t)e->max) {
+            snprintf(err, errlen,
+                     "option '%s': expected a size such as 4096, 64KiB or 2GiB in [%lld, %lld], "
+                     "got '%s'",
+                     name, (long long)e->min, (long long)e->max, value);
+            return SD_ECONFIG;
+        }
+        *(uint64_t *)(void *)(base + e->offset) = v;
+        return SD_OK;
+    }
+    }
+    return SD_ECONFIG;
+}
+
+void sd_config_defaults(struct sd_config *cfg)
+{
+    char err[256];
+    memset(cfg, 0, sizeof(*cfg));
+    for (unsigned i = 0; i < sd_config_table_len; i++) {
+        int status = sd_config_set(cfg, sd_config_table[i].name, sd_config_table[i].defval, err,
+                                   sizeof(err));
+        (void)status;
+    }
+}
+
+int sd_config_load_file(struct sd_config *cfg, const char *path, char *err, size_t errlen)
+{
+    json_error_t jerr;
+    json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
+    if (root == NULL) {
+        snprintf(err, errlen, "config %s: line %d column %d: %s", path, jerr.line, jerr.column,
+                 jerr.text);
+        return SD_ECONFIG;
+    }
+    int status = SD_OK;
+    if (!json_is_object(root)) {
+        snprintf(err, errlen, "config %s: the top level must be a JSON object", path);
+        status = SD_ECONFIG;
+        goto out;
+    }
+    const char *key;
+    json_t *val;
+    json_object_foreach(root, key, val)
+    {
+        char text[SD_PATH_MAX + 32], msg[512];
+        if (json_is_string(val)) {
+            snprintf(text, sizeof(text), "%s", json_string_value(val));
+        } else if (json_is_integer(val)) {
+            snprintf(text, sizeof(text), "%" JSON_INTEGER_FORMAT, json_integer_value(val));
+        } else {
+            char *dump = json_dumps(val, JSON_ENCODE_ANY | JSON_COMPACT);
+            snprintf(err, errlen, "config %s: option '%s': expected a string or integer, got %s",
+                     path, key, dump ? dump : "?");
+            free(dump);
+            status = SD_ECONFIG;
+            goto out;
+        }
+        status = sd_config_set(cfg, key, text, msg, sizeof(msg));
+        if (status != SD_OK) {
+            snprintf(err, errlen, "config %s: %s", path, msg);
+            goto out;
+        }
+    }
+out:
+    json_decref(root);
+    return status;
+}
+
+void sd_config_format(const struct sd_config *cfg, const struct sd_config_entry *e, char *buf,
+                      size_t len)
+{
+    const char *base = (const char *)cfg;
+    switch (e->type) {
+    case SD_CFG_STRING:
+        snprintf(buf, len, "%s", base + e->offset);
+        break;
+    case SD_CFG_INT:
+        snprintf(buf, len, "%" PRId64, *(const int64_t *)(const void *)(base + e->offset));
+        break;
+    case SD_CFG_SIZE:
+        snprintf(buf, len, "%" PRIu64, *(const uint64_t *)(const void *)(base + e->offset));
+        break;
+    }
+}
+
+void sd_config_print_help(FILE *out)
+{
+    static const char *const type_names[] = {"string", "int", "size"};
+    fprintf(out, "Options (JSON keys in --config FILE, or --NAME VALUE on the command line):\n");
+    for (unsigned i = 0; i < sd_config_table_len; i++) {
+        const struct sd_config_entry *e = &sd_config_table[i];
+        fprintf(out, "  %-20s %-6s default %-12s %s\n", e->name, type_names[e->type], e->defval,
+                e->help);
+    }
+}

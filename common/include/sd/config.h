@@ -1,0 +1,57 @@
+/* The daemon's configuration: one table (name, type, default, bounds, help) drives JSON loading,
+ * command-line overrides, `shardd --help` and the effective config in `shardctl status`. */
+#ifndef SD_CONFIG_H
+#define SD_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#define SD_PATH_MAX 256
+
+struct sd_config {
+    char runtime_dir[SD_PATH_MAX];
+    int64_t node;
+    int64_t nodes;
+    int64_t ranks_per_node;
+    char backend[16];
+    uint64_t memory_budget;
+    int64_t op_timeout_ms;
+    int64_t register_timeout_ms;
+    char log_level[16];
+    int64_t max_clients;
+    uint64_t max_message_bytes;
+    int64_t poll_spin_us;
+    int64_t staging_slots;
+    uint64_t max_live_bytes;
+    int64_t max_jobs;
+};
+
+enum sd_config_type { SD_CFG_STRING, SD_CFG_INT, SD_CFG_SIZE };
+
+struct sd_config_entry {
+    const char *name;
+    enum sd_config_type type;
+    const char *defval; /* as text, parsed like any other value */
+    int64_t min, max;   /* integers and sizes; for strings, max is the buffer size */
+    size_t offset;
+    const char *help;
+};
+
+extern const struct sd_config_entry sd_config_table[];
+extern const unsigned sd_config_table_len;
+
+void sd_config_defaults(struct sd_config *cfg);
+/* Set one option from text ("64MiB", "30000", "info"); err names the key and the bad value. */
+int sd_config_set(struct sd_config *cfg, const char *name, const char *value, char *err,
+                  size_t errlen);
+/* Load a JSON object; unknown keys and bad values are errors naming the key, value and file. */
+int sd_config_load_file(struct sd_config *cfg, const char *path, char *err, size_t errlen);
+/* Print every option with its type, default and help. */
+void sd_config_print_help(FILE *out);
+/* Value of one option as text. */
+void sd_config_format(const struct sd_config *cfg, const struct sd_config_entry *e, char *buf,
+                      size_t len);
+/* Parse "123", "64KiB", "2MB", "1G" (binary multiples); returns 0 or SD_EINVAL. */
+int sd_parse_size(const char *text, uint64_t *value_p);
+
+#endif

@@ -1,0 +1,146 @@
+/* Model description, plan, topology and group math, layout: pure functions, no I/O.
+ *
+ * Vocabulary follows DESIGN.md section 1. A rank r lives on node r / k at local index r % k.
+ * For a state X with shard factor f, the partition group of r is the f consecutive ranks
+ * [r - r % f, r - r % f + f) and r holds shard r % f of every unit; the replication group of r
+ * is the world / f ranks {r % f + j * f}. */
+#ifndef SD_MODEL_H
+#define SD_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define SD_MAX_NAME     96
+#define SD_MAX_DIMS     8
+#define SD_MAX_TENSORS  65536
+#define SD_MAX_UNITS    16384
+#define SD_MAX_WORLD    65536
+/* tensor starts and shard boundaries are aligned to this many elements (64 B of bf16) */
+#define SD_ALIGN_ELEMS  32
+
+enum sd_dtype { SD_DTYPE_FP32 = 0, SD_DTYPE_BF16 = 1, SD_DTYPE_FP16 = 2, SD_DTYPE_COUNT };
+enum sd_state { SD_STATE_W = 0, SD_STATE_G = 1, SD_STATE_OS = 2, SD_STATE_COUNT };
+enum sd_optim_kind { SD_OPTIM_ADAMW = 0, SD_OPTIM_SGD = 1 };
+
+size_t sd_dtype_size(int dtype);
+const char *sd_dtype_name(int dtype);
+int sd_dtype_parse(const char *name); /* -1 if unknown */
+const char *sd_state_name(int state);
+
+struct sd_topo {
+    uint32_t nodes;
+    uint32_t ranks_per_node; /* k */
+};
+
+static inline uint32_t sd_topo_world(const struct sd_topo *t)
+{
+    return t->nodes * t->ranks_per_node;
+}
+static inline uint32_t sd_topo_node_of(const struct sd_topo *t, uint32_t rank)
+{
+    return rank / t->ranks_per_node;
+}
+
+/* A group: member j is first + j * stride, j < count. */
+struct sd_group {
+    uint32_t first, count, stride;
+};
+
+static inline uint32_t sd_group_member(const struct sd_group *g, uint32_t j)
+{
+    return g->first + j * g->stride;
+}
+struct sd_group sd_group_partition(uint32_t f, uint32_t rank);
+struct sd_group sd_group_replication(uint32_t world, uint32_t f, uint32_t rank);
+/* Number of distinct nodes a group touches. */
+uint32_t sd_group_nodes(const struct sd_topo *t, const struct sd_group *g);
+
+struct sd_plan {
+    char name[32];             /* as given: "ddp", "zero3", "mics:2" */
+    uint32_t f[SD_STATE_COUNT]; /* shard factor per state */
+    bool hierarchical;         /* gather remote shards once per node (MiCS) */
+    bool two_hop;              /* sync gradients across groups only at the step (MiCS) */
+};
+
+/* Parse a plan for a topology. On error returns SD_EINVAL and writes a message to err. */
+int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *plan_p, char *err,
+                  size_t errlen);
+
+struct sd_optim {
+    int kind;
+    float lr, beta1, beta2, eps, weight_decay, momentum;
+    float max_grad_norm; /* 0: no clipping */
+};
+
+struct sd_tensor_desc {
+    char name[SD_MAX_NAME];
+    uint32_t ndim;
+    uint64_t dims[SD_MAX_DIMS];
+    int dtype;
+    uint32_t unit;
+};
+
+struct sd_model {
+    uint32_t n_tensors;
+    struct sd_tensor_desc *tensors;
+    struct sd_optim optim;
+    char plan[32];
+};
+
+uint64_t sd_tensor_numel(const struct sd_tensor_desc *t);
+/* Digest over every field that must agree across ranks. */
+uint64_t sd_model_digest(const struct sd_model *m);
+/* Check a model for internal consistency; message in err. */
+int sd_model_validate(const struct sd_model *m, char *err, size_t errlen);
+/* Describe the first difference between two models ("tensor 3 'fc.w': dims[1] 64 vs 32"). */
+void sd_model_diff(const struct sd_model *a, const struct sd_model *b, char *out, size_t outlen);
+
+struct sd_tensor_layout {
+    uint64_t offset; /* elements from the start of its unit */
+    uint64_t numel;
+};
+
+struct sd_unit_layout {
+    uint64_t numel;   /* padded: splits into f aligned shards for every state */
+    uint64_t used;    /* end of the last tensor (numel minus padding) */
+    int dtype;
+    uint32_t first_tensor, n_tensors;
+    uint64_t arena_off[SD_STATE_COUNT]; /* element offset of this unit's shard in a rank's arena */
+    uint64_t pool_off;                  /* element offset when every unit is resident (full size) */
+};
+
+struct sd_layout {
+    uint32_t n_units, n_tensors;
+    struct sd_unit_layout *units;
+    struct sd_tensor_layout *tensors;
+    uint32_t f[SD_STATE_COUNT];
+    uint64_t arena_numel[SD_STATE_COUNT]; /* elements per rank per state */
+    uint64_t total_numel;                 /* sum of padded units */
+    uint64_t max_unit_numel;
+    uint64_t max_unit_bytes; /* in the unit's dtype */
+    uint64_t total_bytes;    /* sum of padded units in their dtypes */
+};
+
+/* Compute the flat layout. Returns 0, SD_EINVAL (with err) or SD_ENOMEM. */
+int sd_layout_build(const struct sd_model *m, const struct sd_plan *plan,
+                    struct sd_layout *layout_p, char *err, size_t errlen);
+void sd_layout_free(struct sd_layout *layout);
+
+static inline uint64_t sd_unit_bytes(const struct sd_unit_layout *u)
+{
+    return u->numel * sd_dtype_size(u->dtype);
+}
+/* Shard of `unit` held by `rank` for state with factor f: elements [begin, end) of the unit. */
+static inline void sd_layout_shard(const struct sd_unit_layout *u, uint32_t f, uint32_t rank,
+                                   uint64_t *begin_p, uint64_t *end_p)
+{
+    uint64_t len = u->numel / f;
+    *begin_p = (uint64_t)(rank % f) * len;
+    *end_p = *begin_p + len;
+}
+
+/* Optimizer state floats per parameter: fp32 master + moments. */
+uint32_t sd_optim_state_floats(int kind);
+
+#endif

@@ -1,0 +1,156 @@
+/* The shared-memory request/completion ring between one client and the daemon.
+ *
+ * One memfd per client session holds a header, a submission queue (client -> daemon) and a
+ * completion queue (daemon -> client), each single-producer single-consumer. Indices are free
+ * running 64-bit counters; the slot is index & (entries - 1). Nothing in the region is a pointer.
+ * Wake-ups use eventfds only when the other side has said it sleeps (daemon_sleeping,
+ * client_waiting), so a busy ring costs no system call per operation.
+ *
+ * The daemon never trusts the region: it copies each entry out before validating it and checks
+ * that the client's head index stays within one ring of the tail. */
+#ifndef SD_RING_H
+#define SD_RING_H
+
+#include <stdalign.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define SD_RING_MAGIC   0x314d445241485353ULL /* "SSHARDM1" little-endian */
+#define SD_RING_VERSION 1
+#define SD_RING_ENTRIES 256
+#define SD_CQE_MSG_LEN  224
+
+enum sd_op {
+    SD_OP_NOP = 0,
+    SD_OP_FETCH = 1,   /* unit -> value0 = byte offset of the gathered unit in the pool */
+    SD_OP_RELEASE = 2, /* unit */
+    SD_OP_PUSH = 3,    /* unit, arg0 = staging slot, arg1 = bytes */
+    SD_OP_STEP = 4,    /* -> value0 = bits of the global gradient norm (double), value1 = step */
+    SD_OP_INIT = 5,    /* rank 0: unit, arg0 = staging slot holding fp32 initial values */
+    SD_OP_READY = 6,   /* barrier: completes once rank 0 has loaded the initial values */
+    SD_OP_COUNT
+};
+
+struct sd_sqe {
+    uint32_t op;
+    uint32_t unit;
+    uint64_t tag;
+    uint64_t arg0;
+    uint64_t arg1;
+};
+
+struct sd_cqe {
+    uint64_t tag;
+    int32_t status;
+    uint32_t op;
+    uint64_t value0;
+    uint64_t value1;
+    char msg[SD_CQE_MSG_LEN]; /* NUL-terminated; set when status != 0 */
+};
+
+struct sd_ring_hdr {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t entries;
+    uint64_t sq_off, cq_off, total_bytes;
+    alignas(64) _Atomic uint64_t sq_head; /* written by the client */
+    alignas(64) _Atomic uint64_t sq_tail; /* written by the daemon */
+    alignas(64) _Atomic uint64_t cq_head; /* written by the daemon */
+    alignas(64) _Atomic uint64_t cq_tail; /* written by the client */
+    alignas(64) _Atomic uint32_t daemon_sleeping;
+    alignas(64) _Atomic uint32_t client_waiting;
+};
+
+_Static_assert(sizeof(struct sd_sqe) == 32, "sqe layout is ABI");
+_Static_assert(sizeof(struct sd_cqe) == 256, "cqe layout is ABI");
+_Static_assert(offsetof(struct sd_ring_hdr, sq_head) == 64, "ring header layout is ABI");
+_Static_assert(offsetof(struct sd_ring_hdr, client_waiting) == 384, "ring header layout is ABI");
+_Static_assert(sizeof(struct sd_ring_hdr) == 448, "ring header layout is ABI");
+
+#define SD_RING_SQ_OFF    sizeof(struct sd_ring_hdr)
+#define SD_RING_CQ_OFF    (SD_RING_SQ_OFF + SD_RING_ENTRIES * sizeof(struct sd_sqe))
+#define SD_RING_BYTES_RAW (SD_RING_CQ_OFF + SD_RING_ENTRIES * sizeof(struct sd_cqe))
+#define SD_RING_BYTES     ((SD_RING_BYTES_RAW + 4095) & ~(size_t)4095)
+
+static inline struct sd_sqe *sd_ring_sq(struct sd_ring_hdr *h)
+{
+    return (struct sd_sqe *)(void *)((char *)h + SD_RING_SQ_OFF);
+}
+static inline struct sd_cqe *sd_ring_cq(struct sd_ring_hdr *h)
+{
+    return (struct sd_cqe *)(void *)((char *)h + SD_RING_CQ_OFF);
+}
+
+static inline void sd_ring_init(struct sd_ring_hdr *h)
+{
+    memset(h, 0, sizeof(*h));
+    h->magic = SD_RING_MAGIC;
+    h->version = SD_RING_VERSION;
+    h->entries = SD_RING_ENTRIES;
+    h->sq_off = SD_RING_SQ_OFF;
+    h->cq_off = SD_RING_CQ_OFF;
+    h->total_bytes = SD_RING_BYTES;
+}
+
+/* Client: returns 0 or -1 when the submission queue is full. */
+static inline int sd_ring_sq_push(struct sd_ring_hdr *h, const struct sd_sqe *e)
+{
+    uint64_t head = atomic_load_explicit(&h->sq_head, memory_order_relaxed);
+    uint64_t tail = atomic_load_explicit(&h->sq_tail, memory_order_acquire);
+    if (head - tail >= SD_RING_ENTRIES)
+        return -1;
+    sd_ring_sq(h)[head & (SD_RING_ENTRIES - 1)] = *e;
+    atomic_store_explicit(&h->sq_head, head + 1, memory_order_release);
+    return 0;
+}
+
+/* Daemon: 1 with *e filled, 0 when empty, -1 when the client corrupted the indices. */
+static inline int sd_ring_sq_pop(struct sd_ring_hdr *h, struct sd_sqe *e)
+{
+    uint64_t tail = atomic_load_explicit(&h->sq_tail, memory_order_relaxed);
+    uint64_t head = atomic_load_explicit(&h->sq_head, memory_order_acquire);
+    if (head == tail)
+        return 0;
+    if (head - tail > SD_RING_ENTRIES)
+        return -1;
+    *e = sd_ring_sq(h)[tail & (SD_RING_ENTRIES - 1)];
+    atomic_store_explicit(&h->sq_tail, tail + 1, memory_order_release);
+    return 1;
+}
+
+static inline int sd_ring_sq_empty(struct sd_ring_hdr *h)
+{
+    return atomic_load_explicit(&h->sq_head, memory_order_acquire) ==
+           atomic_load_explicit(&h->sq_tail, memory_order_relaxed);
+}
+
+/* Daemon: returns 0, or -1 when the client left more completions unread than it may have
+ * requests in flight (a misbehaving client). */
+static inline int sd_ring_cq_push(struct sd_ring_hdr *h, const struct sd_cqe *e)
+{
+    uint64_t head = atomic_load_explicit(&h->cq_head, memory_order_relaxed);
+    uint64_t tail = atomic_load_explicit(&h->cq_tail, memory_order_acquire);
+    if (head - tail >= SD_RING_ENTRIES)
+        return -1;
+    sd_ring_cq(h)[head & (SD_RING_ENTRIES - 1)] = *e;
+    atomic_store_explicit(&h->cq_head, head + 1, memory_order_release);
+    return 0;
+}
+
+/* Client: 1 with *e filled, 0 when empty. */
+static inline int sd_ring_cq_pop(struct sd_ring_hdr *h, struct sd_cqe *e)
+{
+    uint64_t tail = atomic_load_explicit(&h->cq_tail, memory_order_relaxed);
+    uint64_t head = atomic_load_explicit(&h->cq_head, memory_order_acquire);
+    if (head == tail)
+        return 0;
+    *e = sd_ring_cq(h)[tail & (SD_RING_ENTRIES - 1)];
+    atomic_store_explicit(&h->cq_tail, tail + 1, memory_order_release);
+    return 1;
+}
+
+const char *sd_op_name(int op);
+
+#endif

@@ -1,0 +1,343 @@
+#include "sd/model.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+size_t sd_dtype_size(int dtype)
+{
+    return dtype == SD_DTYPE_FP32 ? 4 : 2;
+}
+
+static const char *const dtype_names[SD_DTYPE_COUNT] = {"fp32", "bf16", "fp16"};
+
+const char *sd_dtype_name(int dtype)
+{
+    return dtype >= 0 && dtype < SD_DTYPE_COUNT ? dtype_names[dtype] : "?";
+}
+
+int sd_dtype_parse(const char *name)
+{
+    for (int i = 0; i < SD_DTYPE_COUNT; i++)
+        if (strcmp(name, dtype_names[i]) == 0)
+            return i;
+    return -1;
+}
+
+const char *sd_state_name(int state)
+{
+    static const char *const names[SD_STATE_COUNT] = {"w", "g", "os"};
+    return state >= 0 && state < SD_STATE_COUNT ? names[state] : "?";
+}
+
+struct sd_group sd_group_partition(uint32_t f, uint32_t rank)
+{
+    struct sd_group g = {.first = rank - rank % f, .count = f, .stride = 1};
+    return g;
+}
+
+struct sd_group sd_group_replication(uint32_t world, uint32_t f, uint32_t rank)
+{
+    struct sd_group g = {.first = rank % f, .count = world / f, .stride = f};
+    return g;
+}
+
+uint32_t sd_group_nodes(const struct sd_topo *t, const struct sd_group *g)
+{
+    uint32_t n = 0, last = UINT32_MAX;
+    for (uint32_t j = 0; j < g->count; j++) {
+        uint32_t node = sd_topo_node_of(t, sd_group_member(g, j));
+        if (node != last) { /* members are ascending, so nodes are too */
+            n++;
+            last = node;
+        }
+    }
+    return n;
+}
+
+int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *plan_p, char *err,
+                  size_t errlen)
+{
+    uint32_t world = sd_topo_world(topo), k = topo->ranks_per_node;
+    struct sd_plan plan = {.hierarchical = true, .two_hop = true};
+    uint32_t p;
+
+    if (spec == NULL || strlen(spec) >= sizeof(plan.name)) {
+        snprintf(err, errlen, "plan is missing or longer than %zu characters", sizeof(plan.name) - 1);
+        return SD_EINVAL;
+    }
+    if (strcmp(spec, "ddp") == 0) {
+        p = 1;
+    } else if (strcmp(spec, "zero3") == 0) {
+        p = world;
+    } else if (strncmp(spec, "mics:", 5) == 0) {
+        char *end;
+        unsigned long v = strtoul(spec + 5, &end, 10);
+        if (spec[5] == '\0' || *end != '\0' || v == 0 || v > SD_MAX_WORLD) {
+            snprintf(err, errlen, "plan '%s': expected mics:P with P a positive integer", spec);
+            return SD_EINVAL;
+        }
+        p = (uint32_t)v;
+        bool divides_k = k % p == 0;
+        bool multiple_of_k = p % k == 0 && world % p == 0;
+        if (!divides_k && !multiple_of_k) {
+            snprintf(err, errlen,
+                     "plan '%s': P=%u must divide the ranks per node (%u) or be a multiple of it "
+                     "that divides the world size (%u)",
+                     spec, p, k, world);
+            return SD_EINVAL;
+        }
+    } else {
+        snprintf(err, errlen, "unknown plan '%s' (supported: ddp, zero3, mics:P)", spec);
+        return SD_EINVAL;
+    }
+    if (p > world || world % p != 0) {
+        snprintf(err, errlen, "plan '%s': shard factor %u does not divide the world size %u", spec,
+                 p, world);
+        return SD_EINVAL;
+    }
+    snprintf(plan.name, sizeof(plan.name), "%s", spec);
+    for (int s = 0; s < SD_STATE_COUNT; s++)
+        plan.f[s] = p;
+    *plan_p = plan;
+    return SD_OK;
+}
+
+uint32_t sd_optim_state_floats(int kind)
+{
+    return kind == SD_OPTIM_ADAMW ? 3 : 2; /* master + m + v, or master + momentum */
+}
+
+uint64_t sd_tensor_numel(const struct sd_tensor_desc *t)
+{
+    uint64_t n = 1;
+    for (uint32_t d = 0; d < t->ndim; d++)
+        n *= t->dims[d];
+    return n;
+}
+
+static uint64_t hash_float(uint64_t h, float f)
+{
+    return sd_hash_bytes(h, &f, sizeof(f));
+}
+
+uint64_t sd_model_digest(const struct sd_model *m)
+{
+    uint64_t h = sd_hash_u64(SD_FNV_SEED, m->n_tensors);
+    for (uint32_t i = 0; i < m->n_tensors; i++) {
+        const struct sd_tensor_desc *t = &m->tensors[i];
+        h = sd_hash_str(h, t->name);
+        h = sd_hash_u64(h, t->ndim);
+        for (uint32_t d = 0; d < t->ndim && d < SD_MAX_DIMS; d++)
+            h = sd_hash_u64(h, t->dims[d]);
+        h = sd_hash_u64(h, (uint64_t)t->dtype);
+        h = sd_hash_u64(h, t->unit);
+    }
+    const struct sd_optim *o = &m->optim;
+    h = sd_hash_u64(h, (uint64_t)o->kind);
+    h = hash_float(h, o->lr);
+    h = hash_float(h, o->beta1);
+    h = hash_float(h, o->beta2);
+    h = hash_float(h, o->eps);
+    h = hash_float(h, o->weight_decay);
+    h = hash_float(h, o->momentum);
+    h = hash_float(h, o->max_grad_norm);
+    return sd_hash_str(h, m->plan);
+}
+
+int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
+{
+    if (m->n_tensors == 0 || m->n_tensors > SD_MAX_TENSORS) {
+        snprintf(err, errlen, "model has %u tensors; expected 1..%u", m->n_tensors, SD_MAX_TENSORS);
+        return SD_EINVAL;
+    }
+    uint32_t max_unit = 0;
+    for (uint32_t i = 0; i < m->n_tensors; i++) {
+        const struct sd_tensor_desc *t = &m->tensors[i];
+        if (memchr(t->name, '\0', sizeof(t->name)) == NULL || t->name[0] == '\0') {
+            snprintf(err, errlen, "tensor %u: name is empty or longer than %d bytes", i,
+                     SD_MAX_NAME - 1);
+            return SD_EINVAL;
+        }
+        if (t->ndim > SD_MAX_DIMS) {
+            snprintf(err, errlen, "tensor %u '%s': %u dimensions, at most %d", i, t->name, t->ndim,
+                     SD_MAX_DIMS);
+            return SD_EINVAL;
+        }
+        uint64_t n = 1;
+        for (uint32_t d = 0; d < t->ndim; d++) {
+            if (t->dims[d] == 0 || t->dims[d] > (1ULL << 40) / n) {
+                snprintf(err, errlen, "tensor %u '%s': dimension %u is %llu (zero or too large)",
+                         i, t->name, d, (unsigned long long)t->dims[d]);
+                return SD_EINVAL;
+            }
+            n *= t->dims[d];
+        }
+        if (t->dtype < 0 || t->dtype >= SD_DTYPE_COUNT) {
+            snprintf(err, errlen, "tensor %u '%s': unknown dtype %d", i, t->name, t->dtype);
+            return SD_EINVAL;
+        }
+        if (t->unit >= SD_MAX_UNITS) {
+            snprintf(err, errlen, "tensor %u '%s': unit %u, at most %d units", i, t->name,
+                     t->unit, SD_MAX_UNITS);
+            return SD_EINVAL;
+        }
+        if (i > 0 && t->unit != m->tensors[i - 1].unit && t->unit != m->tensors[i - 1].unit + 1) {
+            snprintf(err, errlen,
+                     "tensor %u '%s': unit %u after unit %u; units must be numbered 0, 1, 2, ... "
+                     "in tensor order with each unit's tensors consecutive",
+                     i, t->name, t->unit, m->tensors[i - 1].unit);
+            return SD_EINVAL;
+        }
+        if (i == 0 && t->unit != 0) {
+            snprintf(err, errlen, "tensor 0 '%s': the first unit must be 0, not %u", t->name,
+                     t->unit);
+            return SD_EINVAL;
+        }
+        if (i > 0 && t->unit == m->tensors[i - 1].unit && t->dtype != m->tensors[i - 1].dtype) {
+            snprintf(err, errlen, "tensor %u '%s': dtype %s differs from %s of its unit %u", i,
+                     t->name, sd_dtype_name(t->dtype), sd_dtype_name(m->tensors[i - 1].dtype),
+                     t->unit);
+            return SD_EINVAL;
+        }
+        for (uint32_t j = 0; j < i; j++)
+            if (strcmp(m->tensors[j].name, t->name) == 0) {
+                snprintf(err, errlen, "tensors %u and %u share the name '%s'", j, i, t->name);
+                return SD_EINVAL;
+            }
+        max_unit = t->unit;
+    }
+    (void)max_unit;
+    const struct sd_optim *o = &m->optim;
+    if (o->kind != SD_OPTIM_ADAMW && o->kind != SD_OPTIM_SGD) {
+        snprintf(err, errlen, "unknown optimizer kind %d", o->kind);
+        return SD_EINVAL;
+    }
+    if (!(o->lr >= 0.0f) || !(o->eps >= 0.0f) || !(o->weight_decay >= 0.0f) ||
+        !(o->beta1 >= 0.0f && o->beta1 < 1.0f) || !(o->beta2 >= 0.0f && o->beta2 < 1.0f) ||
+        !(o->momentum >= 0.0f && o->momentum < 1.0f) || !(o->max_grad_norm >= 0.0f)) {
+        snprintf(err, errlen,
+                 "optimizer: lr %g, betas (%g, %g), eps %g, weight_decay %g, momentum %g, "
+                 "max_grad_norm %g: each must be >= 0, betas and momentum < 1",
+                 o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->momentum,
+                 o->max_grad_norm);
+        return SD_EINVAL;
+    }
+    return SD_OK;
+}
+
+void sd_model_diff(const struct sd_model *a, const struct sd_model *b, char *out, size_t outlen)
+{
+    if (strcmp(a->plan, b->plan) != 0) {
+        snprintf(out, outlen, "plan '%s' vs '%s'", a->plan, b->plan);
+        return;
+    }
+    if (a->n_tensors != b->n_tensors) {
+        snprintf(out, outlen, "%u tensors vs %u", a->n_tensors, b->n_tensors);
+        return;
+    }
+    for (uint32_t i = 0; i < a->n_tensors; i++) {
+        const struct sd_tensor_desc *x = &a->tensors[i], *y = &b->tensors[i];
+        if (strcmp(x->name, y->name) != 0) {
+            snprintf(out, outlen, "tensor %u: name '%s' vs '%s'", i, x->name, y->name);
+            return;
+        }
+        if (x->ndim != y->ndim) {
+            snprintf(out, outlen, "tensor %u '%s': %u dims vs %u", i, x->name, x->ndim, y->ndim);
+            return;
+        }
+        for (uint32_t d = 0; d < x->ndim && d < SD_MAX_DIMS; d++)
+            if (x->dims[d] != y->dims[d]) {
+                snprintf(out, outlen, "tensor %u '%s': dims[%u] %llu vs %llu", i, x->name, d,
+                         (unsigned long long)x->dims[d], (unsigned long long)y->dims[d]);
+                return;
+            }
+        if (x->dtype != y->dtype) {
+            snprintf(out, outlen, "tensor %u '%s': dtype %s vs %s", i, x->name,
+                     sd_dtype_name(x->dtype), sd_dtype_name(y->dtype));
+            return;
+        }
+        if (x->unit != y->unit) {
+            snprintf(out, outlen, "tensor %u '%s': unit %u vs %u", i, x->name, x->unit, y->unit);
+            return;
+        }
+    }
+    if (memcmp(&a->optim, &b->optim, sizeof(a->optim)) != 0) {
+        snprintf(out, outlen, "optimizer settings differ (lr %g vs %g, kind %d vs %d)",
+                 a->optim.lr, b->optim.lr, a->optim.kind, b->optim.kind);
+        return;
+    }
+    snprintf(out, outlen, "no difference");
+}
+
+int sd_layout_build(const struct sd_model *m, const struct sd_plan *plan,
+                    struct sd_layout *layout_p, char *err, size_t errlen)
+{
+    struct sd_layout l = {0};
+    int status = sd_model_validate(m, err, errlen);
+    if (status != SD_OK)
+        return status;
+
+    uint64_t fl = 1;
+    for (int s = 0; s < SD_STATE_COUNT; s++) {
+        if (plan->f[s] == 0) {
+            snprintf(err, errlen, "plan '%s': shard factor of %s is 0", plan->name,
+                     sd_state_name(s));
+            return SD_EINVAL;
+        }
+        fl = sd_lcm(fl, plan->f[s]);
+        l.f[s] = plan->f[s];
+    }
+    l.n_tensors = m->n_tensors;
+    l.n_units = m->tensors[m->n_tensors - 1].unit + 1;
+    l.units = calloc(l.n_units, sizeof(*l.units));
+    l.tensors = calloc(l.n_tensors, sizeof(*l.tensors));
+    if (l.units == NULL || l.tensors == NULL) {
+        status = SD_ENOMEM;
+        goto err_free;
+    }
+
+    uint64_t pool_off = 0;
+    for (uint32_t i = 0; i < m->n_tensors;) {
+        uint32_t u = m->tensors[i].unit;
+        struct sd_unit_layout *ul = &l.units[u];
+        ul->first_tensor = i;
+        ul->dtype = m->tensors[i].dtype;
+        uint64_t off = 0;
+        for (; i < m->n_tensors && m->tensors[i].unit == u; i++) {
+            off = sd_round_up(off, SD_ALIGN_ELEMS);
+            l.tensors[i].offset = off;
+            l.tensors[i].numel = sd_tensor_numel(&m->tensors[i]);
+            off += l.tensors[i].numel;
+            ul->n_tensors++;
+        }
+        ul->used = off;
+        ul->numel = sd_round_up(off, fl * SD_ALIGN_ELEMS);
+        ul->pool_off = pool_off;
+        pool_off += ul->numel;
+        for (int s = 0; s < SD_STATE_COUNT; s++) {
+            ul->arena_off[s] = l.arena_numel[s];
+            l.arena_numel[s] += ul->numel / plan->f[s];
+        }
+        l.total_numel += ul->numel;
+        l.total_bytes += sd_unit_bytes(ul);
+        l.max_unit_numel = SD_MAX(l.max_unit_numel, ul->numel);
+        l.max_unit_bytes = SD_MAX(l.max_unit_bytes, sd_unit_bytes(ul));
+    }
+    *layout_p = l;
+    return SD_OK;
+
+err_free:
+    free(l.units);
+    free(l.tensors);
+    return status;
+}
+
+void sd_layout_free(struct sd_layout *layout)
+{
+    free(layout->units);
+    free(layout->tensors);
+    memset(layout, 0, sizeof(*layout));
+}

@@ -1,0 +1,176 @@
+/* Admin commands for shardctl: status, jobs, groups, topology, stats. Answers are JSON; shardctl
+ * renders tables from the same documents. */
+#include "daemon.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static json_t *config_json(const struct sd_config *cfg)
+{
+    json_t *o = json_object();
+    char buf[SD_PATH_MAX + 32];
+    for (unsigned i = 0; i < sd_config_table_len; i++) {
+        const struct sd_config_entry *e = &sd_config_table[i];
+        sd_config_format(cfg, e, buf, sizeof(buf));
+        if (e->type == SD_CFG_STRING)
+            json_object_set_new(o, e->name, json_string(buf));
+        else
+            json_object_set_new(o, e->name, json_integer((json_int_t)strtoll(buf, NULL, 10)));
+    }
+    return o;
+}
+
+static json_t *group_json(const struct sd_group *g)
+{
+    json_t *a = json_array();
+    for (uint32_t j = 0; j < g->count; j++)
+        json_array_append_new(a, json_integer(sd_group_member(g, j)));
+    return a;
+}
+
+static json_t *job_summary(const struct sd_job *job)
+{
+    json_t *ranks = json_array();
+    for (uint32_t r = 0; r < job->k; r++) {
+        const struct sd_session *s = job->ranks[r];
+        json_t *o = json_object();
+        json_object_set_new(o, "rank", json_integer(job->first_rank + r));
+        json_object_set_new(o, "pid", s ? json_integer(s->conn->pid) : json_null());
+        json_object_set_new(o, "attached", json_boolean(s != NULL));
+        json_array_append_new(ranks, o);
+    }
+    return json_pack("{s:s, s:I, s:s, s:i, s:i, s:i, s:s, s:i, s:I, s:I, s:I, s:I, s:f, s:s, s:o}",
+                     "name", job->name, "id", (json_int_t)job->id, "state",
+                     sd_job_state_name(job->state), "uid", (int)job->uid, "world", (int)job->world,
+                     "ranks_per_node", (int)job->k, "plan", job->plan.name, "units",
+                     (int)job->layout.n_units, "parameters", (json_int_t)job->layout.total_numel,
+                     "parameter_bytes", (json_int_t)job->layout.total_bytes, "memory_bytes",
+                     (json_int_t)job->bytes_total, "steps", (json_int_t)job->steps,
+                     "last_grad_norm", job->last_grad_norm, "error", job->fail_msg, "ranks",
+                     ranks);
+}
+
+static json_t *job_groups(const struct sd_job *job)
+{
+    json_t *states = json_object();
+    for (int st = 0; st < SD_STATE_COUNT; st++) {
+        uint32_t f = job->plan.f[st];
+        json_t *part = json_array(), *repl = json_array();
+        for (uint32_t first = 0; first < job->world; first += f) {
+            struct sd_group g = sd_group_partition(f, first);
+            json_array_append_new(part, group_json(&g));
+        }
+        for (uint32_t i = 0; i < f; i++) {
+            struct sd_group g = sd_group_replication(job->world, f, i);
+            json_array_append_new(repl, group_json(&g));
+        }
+        json_object_set_new(states, sd_state_name(st),
+                            json_pack("{s:i, s:o, s:o}", "shard_factor", (int)f, "partition",
+                                      part, "replication", repl));
+    }
+    return json_pack("{s:s, s:s, s:i, s:b, s:b, s:o}", "job", job->name, "plan", job->plan.name,
+                     "world", (int)job->world, "hierarchical", job->plan.hierarchical, "two_hop",
+                     job->plan.two_hop, "states", states);
+}
+
+static json_t *job_stats(const struct sd_job *job)
+{
+    static const char *const link_names[SD_LINK_COUNT] = {"intra_node", "inter_node_sent",
+                                                          "inter_node_recv"};
+    json_t *ops = json_object();
+    for (int op = SD_OP_FETCH; op < SD_OP_COUNT; op++) {
+        const struct sd_latency *l = &job->stats.lat[op];
+        json_t *bytes = json_object();
+        for (int c = 0; c < SD_LINK_COUNT; c++)
+            json_object_set_new(bytes, link_names[c], json_integer((json_int_t)job->stats.bytes[op][c]));
+        json_object_set_new(ops, sd_op_name(op),
+                            json_pack("{s:I, s:o, s:f, s:f, s:f}", "count",
+                                      (json_int_t)job->stats.ops[op], "bytes", bytes, "p50_us",
+                                      sd_latency_quantile_us(l, 0.5), "p99_us",
+                                      sd_latency_quantile_us(l, 0.99), "max_us",
+                                      sd_latency_quantile_us(l, 1.0)));
+    }
+    json_t *totals = json_object();
+    for (int c = 0; c < SD_LINK_COUNT; c++) {
+        uint64_t sum = 0;
+        for (int op = 0; op < SD_OP_COUNT; op++)
+            sum += job->stats.bytes[op][c];
+        json_object_set_new(totals, link_names[c], json_integer((json_int_t)sum));
+    }
+    return json_pack("{s:s, s:I, s:o, s:o, s:I, s:I, s:I, s:I, s:I, s:I}", "job", job->name,
+                     "steps", (json_int_t)job->steps, "ops", ops, "bytes", totals, "errors",
+                     (json_int_t)job->stats.errors, "gathers", (json_int_t)job->stats.gathers,
+                     "cache_hits", (json_int_t)job->stats.cache_hits, "evictions",
+                     (json_int_t)job->stats.evictions, "allocations_since_register",
+                     (json_int_t)job->stats.allocs_after_register, "pool_bytes",
+                     (json_int_t)job->pool.bytes);
+}
+
+int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char **json_p)
+{
+    const char *cmd = req->command ? req->command : "";
+    const char *filter = req->job && req->job[0] ? req->job : NULL;
+    struct sd_registry *reg = srv->reg;
+    json_t *out = NULL;
+
+    if (filter != NULL && sd_registry_find(reg, filter) == NULL) {
+        out = json_pack("{s:s}", "error", "no such job");
+        *json_p = json_dumps(out, JSON_COMPACT);
+        json_decref(out);
+        return SD_ENOJOB;
+    }
+    json_t *jobs = json_array();
+    for (struct sd_job *j = reg->jobs; j; j = j->next) {
+        if (filter != NULL && strcmp(filter, j->name) != 0)
+            continue;
+        if (strcmp(cmd, "groups") == 0)
+            json_array_append_new(jobs, job_groups(j));
+        else if (strcmp(cmd, "stats") == 0)
+            json_array_append_new(jobs, job_stats(j));
+        else
+            json_array_append_new(jobs, job_summary(j));
+    }
+    const struct sd_config *cfg = srv->cfg;
+    if (strcmp(cmd, "status") == 0) {
+        json_t *clients = json_array();
+        for (struct sd_session *s = srv->sessions; s; s = s->next)
+            json_array_append_new(
+                clients, json_pack("{s:I, s:i, s:i, s:s?, s:i}", "session", (json_int_t)s->id,
+                                   "pid", (int)s->conn->pid, "uid", (int)s->conn->uid, "job",
+                                   s->job ? s->job->name : NULL, "rank",
+                                   s->job ? (int)s->rank : -1));
+        out = json_pack("{s:s, s:i, s:f, s:s, s:i, s:i, s:I, s:I, s:o, s:o, s:o}", "version",
+                        SHARD_VERSION, "pid", (int)getpid(),
+                        "uptime_s", (double)(sd_now_ns() - srv->start_ns) / 1e9, "socket",
+                        srv->sock_path, "node", (int)cfg->node, "nodes", (int)cfg->nodes,
+                        "memory_budget_bytes", (json_int_t)reg->budget, "memory_used_bytes",
+                        (json_int_t)reg->used, "config", config_json(cfg), "clients", clients,
+                        "jobs", jobs);
+    } else if (strcmp(cmd, "jobs") == 0 || strcmp(cmd, "groups") == 0 ||
+               strcmp(cmd, "stats") == 0) {
+        out = json_pack("{s:o}", "jobs", jobs);
+    } else if (strcmp(cmd, "topology") == 0) {
+        json_t *nodes = json_array();
+        for (int64_t n = 0; n < cfg->nodes; n++)
+            json_array_append_new(nodes, json_pack("{s:I, s:b, s:s}", "node", (json_int_t)n,
+                                                   "self", n == cfg->node, "socket",
+                                                   n == cfg->node ? srv->sock_path : ""));
+        out = json_pack("{s:i, s:i, s:I, s:s, s:o, s:o}", "node", (int)cfg->node, "nodes",
+                        (int)cfg->nodes, "ranks_per_node", (json_int_t)cfg->ranks_per_node,
+                        "backend", cfg->backend, "topology", nodes, "jobs", jobs);
+    } else {
+        json_decref(jobs);
+        out = json_pack("{s:s}", "error",
+                        "unknown command (status, jobs, groups, topology, stats)");
+        *json_p = json_dumps(out, JSON_COMPACT);
+        json_decref(out);
+        return SD_EINVAL;
+    }
+    *json_p = json_dumps(out, JSON_COMPACT);
+    json_decref(out);
+    return *json_p ? SD_OK : SD_ENOMEM;
+}

@@ -1,0 +1,242 @@
+/* shardd internals: connections and the server (server.c), client sessions and their rings
+ * (session.c), jobs and their registry (job.c), the data-plane operations of a job (job_ops.c),
+ * the gather pool allocator (slot_pool.c), the admin JSON (admin.c). */
+#ifndef SD_DAEMON_H
+#define SD_DAEMON_H
+
+#include "sd/config.h"
+#include "sd/gpu.h"
+#include "sd/model.h"
+#include "sd/ring.h"
+#include "shard.pb-c.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+struct sd_server;
+struct sd_session;
+struct sd_job;
+
+/* ---- gather pool: offsets inside one pre-allocated region, first fit, no malloc after init */
+struct sd_extent {
+    uint64_t off, len;
+};
+struct sd_slot_pool {
+    uint64_t capacity;
+    uint32_t n_used, max_used;
+    struct sd_extent *used; /* sorted by offset */
+};
+int sd_slot_pool_init(struct sd_slot_pool *p, uint64_t capacity, uint32_t max_extents);
+void sd_slot_pool_fini(struct sd_slot_pool *p);
+/* Returns 0 and the offset, or SD_ENOSPC. align must be a power of two. */
+int sd_slot_pool_alloc(struct sd_slot_pool *p, uint64_t len, uint64_t align, uint64_t *off_p);
+void sd_slot_pool_free(struct sd_slot_pool *p, uint64_t off);
+uint64_t sd_slot_pool_used_bytes(const struct sd_slot_pool *p);
+
+/* ---- statistics */
+#define SD_LAT_SAMPLES 2048
+struct sd_latency {
+    uint64_t count;
+    uint32_t samples_ns[SD_LAT_SAMPLES]; /* the most recent ones, ring order */
+};
+void sd_latency_add(struct sd_latency *l, uint64_t ns);
+/* q in [0, 1]; sorts a copy on the stack, for the admin path only */
+double sd_latency_quantile_us(const struct sd_latency *l, double q);
+
+enum sd_link_class { SD_LINK_INTRA = 0, SD_LINK_INTER_SENT = 1, SD_LINK_INTER_RECV = 2, SD_LINK_COUNT };
+struct sd_job_stats {
+    uint64_t ops[SD_OP_COUNT];
+    uint64_t errors;
+    uint64_t bytes[SD_OP_COUNT][SD_LINK_COUNT]; /* by the operation that moved them */
+    uint64_t gathers, cache_hits, evictions;
+    uint64_t allocs_after_register;
+    struct sd_latency lat[SD_OP_COUNT];
+};
+
+/* ---- connection: one accepted socket, maybe with a session */
+struct sd_conn {
+    struct sd_conn *next;
+    struct sd_server *srv;
+    uint64_t id;
+    int fd;
+    uv_poll_t poll;
+    uint8_t *rx;
+    size_t rx_len, rx_cap;
+    pid_t pid;
+    uid_t uid;
+    gid_t gid;
+    struct sd_session *session;
+    bool closing;
+};
+
+int sd_conn_send(struct sd_conn *c, const Shard__DaemonMsg *msg, const int *fds, unsigned nfds);
+int sd_conn_send_error(struct sd_conn *c, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void sd_conn_close(struct sd_conn *c, const char *why);
+
+/* ---- session: an attached client with its ring */
+struct sd_session {
+    struct sd_session *next;
+    struct sd_server *srv;
+    struct sd_conn *conn;
+    uint64_t id;
+    struct sd_mem ring;
+    struct sd_ring_hdr *hdr;
+    int sq_efd, cq_efd;
+    uv_poll_t sq_poll;
+    /* job membership */
+    struct sd_job *job;
+    uint32_t rank, local;
+    bool registered; /* the job accepted our registration and sent the layout */
+    uint32_t *holds; /* per unit: fetches not yet released */
+    uint64_t staging_busy;
+    bool has_stalled;
+    struct sd_sqe stalled;
+    uint64_t stalled_ns;
+    bool broken; /* protocol violation on the ring: stop reading it */
+};
+
+int sd_session_create(struct sd_conn *c, const Shard__Attach *msg);
+/* Leave the job (if any) and free the session; reason appears in the job's error. */
+void sd_session_destroy(struct sd_session *s, const char *reason);
+/* Drain the ring; returns true if any entry was consumed or a stalled one went through. */
+bool sd_session_progress(struct sd_session *s);
+void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status, uint64_t v0,
+                         uint64_t v1, const char *msg);
+void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, const char *fmt,
+                     ...) __attribute__((format(printf, 4, 5)));
+
+/* ---- jobs */
+enum sd_job_state { SD_JOB_REGISTERING, SD_JOB_LOADING, SD_JOB_READY, SD_JOB_FAILED };
+const char *sd_job_state_name(enum sd_job_state s);
+
+struct sd_registry {
+    struct sd_job *jobs;
+    uint32_t n_jobs;
+    uint64_t budget, used;
+    uint64_t next_job_id;
+    const struct sd_config *cfg;
+    const struct sd_gpu_ops *dev;
+};
+
+struct sd_push_entry {
+    struct sd_session *s;
+    uint64_t tag;
+    uint64_t arrive_ns;
+    uint32_t slot;
+};
+
+struct sd_push_round {
+    uint32_t arrived;
+    uint64_t first_ns;
+    uint64_t seq; /* rounds of this unit completed so far */
+};
+
+struct sd_unit_state {
+    uint64_t pool_off; /* bytes; valid while resident */
+    uint64_t gen;      /* weights generation that was gathered */
+    uint64_t lru_tick;
+    uint32_t refs;
+    bool resident;
+};
+
+struct sd_job {
+    struct sd_job *next;
+    struct sd_registry *reg;
+    char name[64];
+    uint64_t id;
+    uid_t uid;
+    enum sd_job_state state;
+    int fail_status;
+    char fail_msg[256];
+    struct sd_model model;
+    uint64_t digest;
+    struct sd_plan plan;
+    struct sd_topo topo;
+    struct sd_layout layout;
+    uint64_t *w_off; /* per unit: byte offset of the unit's w shard in a rank's w arena */
+    uint64_t w_arena_bytes;
+    uint32_t world, k, node, first_rank;
+    struct sd_session **ranks; /* [k], by local index */
+    uint32_t n_registered, n_left;
+    uint64_t created_ns, register_deadline_ns;
+    /* memory, all allocated at registration */
+    struct sd_mem *arena; /* [k * SD_STATE_COUNT] */
+    struct sd_mem pool;
+    struct sd_mem *staging; /* [k] */
+    uint64_t staging_slot_bytes;
+    uint32_t staging_slots;
+    uint64_t bytes_total;
+    float *scratch;
+    struct sd_slot_pool spool;
+    struct sd_unit_state *units;
+    uint64_t tick;
+    /* push rounds: [unit][group][member] for the g-partition groups on this node */
+    uint32_t g_groups, g_members;
+    struct sd_push_round *rounds;
+    struct sd_push_entry *round_entries;
+    /* barriers */
+    uint32_t step_arrived;
+    uint64_t step_first_ns;
+    uint64_t *step_tags, *step_arrive_ns;
+    bool *step_waiting;
+    bool *ready_waiting;
+    uint64_t *ready_tags;
+    uint64_t steps, weights_gen;
+    double last_grad_norm;
+    struct sd_job_stats stats;
+};
+
+void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
+                      const struct sd_gpu_ops *dev);
+/* Handle a Register message; replies now (error) or once every rank arrived. */
+void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg);
+/* A session leaves its job: detach or disconnect. */
+void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason);
+/* Fail the job: every parked operation completes with status and the message. */
+void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Check deadlines of registrations and parked operations. */
+void sd_registry_sweep(struct sd_registry *reg, uint64_t now_ns);
+void sd_registry_destroy_all(struct sd_registry *reg);
+struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name);
+
+/* job_ops.c: returns true if consumed, false if the entry must wait (stall the ring) */
+bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
+void sd_job_release_holds(struct sd_job *job, struct sd_session *s);
+void sd_job_fail_parked(struct sd_job *job, int status, const char *msg);
+
+/* ---- server */
+struct sd_server {
+    uv_loop_t *loop;
+    const struct sd_config *cfg;
+    struct sd_registry *reg;
+    char sock_path[SD_PATH_MAX + 32];
+    int lfd;
+    uv_poll_t lpoll;
+    struct sd_conn *conns;
+    uint32_t n_conns;
+    struct sd_session *sessions;
+    uint32_t n_sessions;
+    uv_idle_t idle;
+    bool spinning;
+    uint64_t last_activity_ns;
+    uv_timer_t sweep;
+    uint64_t start_ns;
+    uint64_t next_id;
+    bool stopping;
+};
+
+int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_config *cfg,
+                    struct sd_registry *reg);
+void sd_server_stop(struct sd_server *srv);
+/* Run every session's ring until nothing moves; then spin or sleep. */
+void sd_server_progress(struct sd_server *srv);
+void sd_server_kick(struct sd_server *srv);
+
+/* admin.c: JSON reply to an admin command; *json_p is malloc'd */
+int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char **json_p);
+
+#endif

@@ -1,0 +1,691 @@
+/* Jobs: registration (all ranks, same model, with a deadline), memory for every buffer of the
+ * job allocated up front within the budget, the layout reply, departures and failures. */
+#include "daemon.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+const char *sd_job_state_name(enum sd_job_state s)
+{
+    static const char *const names[] = {"registering", "loading", "ready", "failed"};
+    return names[s];
+}
+
+void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
+                      const struct sd_gpu_ops *dev)
+{
+    memset(reg, 0, sizeof(*reg));
+    reg->cfg = cfg;
+    reg->dev = dev;
+    reg->budget = cfg->memory_budget;
+}
+
+struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
+{
+    for (struct sd_job *j = reg->jobs; j; j = j->next)
+        if (strcmp(j->name, name) == 0)
+            return j;
+    return NULL;
+}
+
+static void model_free(struct sd_model *m)
+{
+    free(m->tensors);
+    m->tensors = NULL;
+    m->n_tensors = 0;
+}
+
+/* Copy a Register message into a model description; err says what is wrong. */
+static int model_from_msg(const Shard__Register *msg, struct sd_model *m, char *err, size_t len)
+{
+    memset(m, 0, sizeof(*m));
+    if (msg->n_tensors == 0 || msg->n_tensors > SD_MAX_TENSORS) {
+        snprintf(err, len, "model has %zu tensors; expected 1..%d", msg->n_tensors,
+                 SD_MAX_TENSORS);
+        return SD_EINVAL;
+    }
+    if (msg->optimizer == NULL) {
+        snprintf(err, len, "model has no optimizer settings");
+        return SD_EINVAL;
+    }
+    if (msg->plan == NULL || strlen(msg->plan) >= sizeof(m->plan)) {
+        snprintf(err, len, "plan is missing or too long");
+        return SD_EINVAL;
+    }
+    m->tensors = calloc(msg->n_tensors, sizeof(*m->tensors));
+    if (m->tensors == NULL) {
+        snprintf(err, len, "out of memory for %zu tensor descriptions", msg->n_tensors);
+        return SD_ENOMEM;
+    }
+    m->n_tensors = (uint32_t)msg->n_tensors;
+    for (size_t i = 0; i < msg->n_tensors; i++) {
+        const Shard__TensorDesc *t = msg->tensors[i];
+        struct sd_tensor_desc *d = &m->tensors[i];
+        if (t->name == NULL || strlen(t->name) >= SD_MAX_NAME || t->n_dims > SD_MAX_DIMS) {
+            snprintf(err, len, "tensor %zu: name longer than %d bytes or more than %d dims", i,
+                     SD_MAX_NAME - 1, SD_MAX_DIMS);
+            model_free(m);
+            return SD_EINVAL;
+        }
+        snprintf(d->name, sizeof(d->name), "%s", t->name);
+        d->ndim = (uint32_t)t->n_dims;
+        for (size_t k = 0; k < t->n_dims; k++)
+            d->dims[k] = t->dims[k];
+        d->dtype = t->dtype < SD_DTYPE_COUNT ? (int)t->dtype : -1;
+        d->unit = t->unit;
+    }
+    const Shard__Optimizer *o = msg->optimizer;
+    m->optim = (struct sd_optim){.kind = (int)o->kind,
+                                 .lr = o->lr,
+                                 .beta1 = o->beta1,
+                                 .beta2 = o->beta2,
+                                 .eps = o->eps,
+                                 .weight_decay = o->weight_decay,
+                                 .momentum = o->momentum,
+                                 .max_grad_norm = o->max_grad_norm};
+    snprintf(m->plan, sizeof(m->plan), "%s", msg->plan);
+    return sd_model_validate(m, err, len);
+}
+
+static void job_free_memory(struct sd_job *job)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    if (job->arena != NULL)
+        for (uint32_t i = 0; i < job->k * SD_STATE_COUNT; i++)
+            dev->free(&job->arena[i]);
+    if (job->staging != NULL)
+        for (uint32_t i = 0; i < job->k; i++)
+            sd_gpu_host_ops.free(&job->staging[i]);
+    if (job->pool.ptr != NULL)
+        sd_gpu_host_ops.free(&job->pool);
+    free(job->arena);
+    free(job->staging);
+    free(job->scratch);
+    free(job->units);
+    free(job->rounds);
+    free(job->round_entries);
+    free(job->w_off);
+    sd_slot_pool_fini(&job->spool);
+    job->arena = job->staging = NULL;
+    job->scratch = NULL;
+    job->units = NULL;
+    job->rounds = NULL;
+    job->round_entries = NULL;
+    job->w_off = NULL;
+    if (job->bytes_total) {
+        job->reg->used -= job->bytes_total;
+        job->bytes_total = 0;
+    }
+}
+
+static void job_destroy(struct sd_job *job)
+{
+    struct sd_registry *reg = job->reg;
+    for (struct sd_job **pp = &reg->jobs; *pp; pp = &(*pp)->next)
+        if (*pp == job) {
+            *pp = job->next;
+            break;
+        }
+    reg->n_jobs--;
+    SD_INFO("job", "job '%s' (id %llu) freed after %llu steps", job->name,
+            (unsigned long long)job->id, (unsigned long long)job->steps);
+    job_free_memory(job);
+    sd_layout_free(&job->layout);
+    model_free(&job->model);
+    free(job->ranks);
+    free(job->step_tags);
+    free(job->step_arrive_ns);
+    free(job->step_waiting);
+    free(job->ready_waiting);
+    free(job->ready_tags);
+    free(job);
+}
+
+/* Bytes the job needs on this node, by buffer. */
+struct job_bytes {
+    uint64_t w, g, os, pool, staging, scratch, total;
+};
+
+static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct sd_config *cfg)
+{
+    struct job_bytes b = {0};
+    const struct sd_layout *l = &job->layout;
+    b.w = job->w_arena_bytes * job->k;
+    b.g = l->arena_numel[SD_STATE_G] * sizeof(float) * job->k;
+    b.os = l->arena_numel[SD_STATE_OS] * sizeof(float) *
+           sd_optim_state_floats(job->model.optim.kind) * job->k;
+    b.pool = cfg->max_live_bytes ? cfg->max_live_bytes : l->total_bytes;
+    b.staging = (uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) * job->k;
+    b.scratch = l->max_unit_numel * sizeof(float);
+    b.total = b.w + b.g + b.os + b.pool + b.staging + b.scratch;
+    return b;
+}
+
+static uint64_t budget_of(const struct sd_registry *reg)
+{
+    if (reg->budget)
+        return reg->budget;
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    return pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : (1ULL << 32);
+}
+
+/* Allocate every buffer of the job. On failure err says what and how much. */
+static int job_alloc(struct sd_job *job, char *err, size_t errlen)
+{
+    struct sd_registry *reg = job->reg;
+    const struct sd_config *cfg = reg->cfg;
+    const struct sd_gpu_ops *dev = reg->dev;
+    const struct sd_layout *l = &job->layout;
+    struct job_bytes need = job_bytes_needed(job, cfg);
+    uint64_t budget = budget_of(reg);
+    char b1[32], b2[32], b3[32];
+    int status;
+
+    if (need.pool < l->max_unit_bytes) {
+        snprintf(err, errlen,
+                 "max_live_bytes (%s) is smaller than the largest unit (%s): no unit could be "
+                 "gathered",
+                 sd_fmt_bytes(b1, sizeof(b1), need.pool),
+                 sd_fmt_bytes(b2, sizeof(b2), l->max_unit_bytes));
+        return SD_ENOSPC;
+    }
+    if (reg->used + need.total > budget) {
+        snprintf(err, errlen,
+                 "job '%s' needs %llu bytes (%s: w %llu, g %llu, os %llu, gather pool %llu, "
+                 "staging %llu, scratch %llu) but only %llu of the %llu-byte memory budget are "
+                 "free (%s); raise memory_budget or shard more (plan)",
+                 job->name, (unsigned long long)need.total, sd_fmt_bytes(b1, sizeof(b1), need.total),
+                 (unsigned long long)need.w, (unsigned long long)need.g,
+                 (unsigned long long)need.os, (unsigned long long)need.pool,
+                 (unsigned long long)need.staging, (unsigned long long)need.scratch,
+                 (unsigned long long)(budget - reg->used), (unsigned long long)budget,
+                 sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
+        return SD_ENOSPC;
+    }
+
+    uint32_t k = job->k;
+    uint32_t of = sd_optim_state_floats(job->model.optim.kind);
+    job->arena = calloc((size_t)k * SD_STATE_COUNT, sizeof(*job->arena));
+    job->staging = calloc(k, sizeof(*job->staging));
+    job->scratch = malloc(need.scratch ? need.scratch : 1);
+    job->units = calloc(l->n_units, sizeof(*job->units));
+    job->g_members = SD_MIN(job->plan.f[SD_STATE_G], k);
+    job->g_groups = k / job->g_members;
+    size_t n_rounds = (size_t)l->n_units * job->g_groups;
+    job->rounds = calloc(n_rounds, sizeof(*job->rounds));
+    job->round_entries = calloc(n_rounds * job->g_members, sizeof(*job->round_entries));
+    if (!job->arena || !job->staging || !job->scratch || !job->units || !job->rounds ||
+        !job->round_entries) {
+        snprintf(err, errlen, "out of memory for the job's bookkeeping");
+        status = SD_ENOMEM;
+        goto err_free;
+    }
+    for (uint32_t i = 0; i < k * SD_STATE_COUNT; i++)
+        job->arena[i].fd = -1;
+    for (uint32_t i = 0; i < k; i++)
+        job->staging[i].fd = -1;
+    job->pool.fd = -1;
+
+    char tag[96];
+    for (uint32_t r = 0; r < k; r++) {
+        uint64_t bytes[SD_STATE_COUNT] = {job->w_arena_bytes,
+                                          l->arena_numel[SD_STATE_G] * sizeof(float),
+                                          l->arena_numel[SD_STATE_OS] * sizeof(float) * of};
+        for (int st = 0; st < SD_STATE_COUNT; st++) {
+            snprintf(tag, sizeof(tag), "shardd-%s-r%u-%s", job->name, job->first_rank + r,
+                     sd_state_name(st));
+            status = dev->alloc(bytes[st], SD_MEM_PRIVATE, tag,
+                                &job->arena[r * SD_STATE_COUNT + st]);
+            if (status != SD_OK)
+                goto err_alloc;
+        }
+        snprintf(tag, sizeof(tag), "shardd-%s-r%u-staging", job->name, job->first_rank + r);
+        status = sd_gpu_host_ops.alloc(need.staging / k, SD_MEM_SHARED, tag, &job->staging[r]);
+        if (status != SD_OK)
+            goto err_alloc;
+    }
+    snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
+    status = sd_gpu_host_ops.alloc(need.pool, SD_MEM_SHARED, tag, &job->pool);
+    if (status != SD_OK)
+        goto err_alloc;
+    status = sd_slot_pool_init(&job->spool, need.pool, l->n_units + 1);
+    if (status != SD_OK)
+        goto err_alloc;
+    job->staging_slots = (uint32_t)cfg->staging_slots;
+    job->staging_slot_bytes = l->max_unit_numel * sizeof(float);
+    job->bytes_total = need.total;
+    reg->used += need.total;
+    return SD_OK;
+
+err_alloc:
+    snprintf(err, errlen, "allocating %s for job '%s' failed: %s", tag, job->name,
+             sd_status_str(status));
+err_free:
+    job_free_memory(job);
+    return status;
+}
+
+/* Send the layout and the shared fds to one registered rank. */
+static int job_send_layout(struct sd_job *job, struct sd_session *s)
+{
+    const struct sd_layout *l = &job->layout;
+    int status = SD_ENOMEM;
+    Shard__UnitLayout *units = calloc(l->n_units, sizeof(*units));
+    Shard__UnitLayout **up = calloc(l->n_units, sizeof(*up));
+    Shard__TensorLayout *tens = calloc(l->n_tensors, sizeof(*tens));
+    Shard__TensorLayout **tp = calloc(l->n_tensors, sizeof(*tp));
+    s->holds = calloc(l->n_units, sizeof(*s->holds));
+    if (!units || !up || !tens || !tp || !s->holds)
+        goto out;
+    for (uint32_t u = 0; u < l->n_units; u++) {
+        shard__unit_layout__init(&units[u]);
+        units[u].numel = l->units[u].numel;
+        units[u].used = l->units[u].used;
+        units[u].dtype = (uint32_t)l->units[u].dtype;
+        units[u].first_tensor = l->units[u].first_tensor;
+        units[u].n_tensors = l->units[u].n_tensors;
+        up[u] = &units[u];
+    }
+    for (uint32_t t = 0; t < l->n_tensors; t++) {
+        shard__tensor_layout__init(&tens[t]);
+        tens[t].offset = l->tensors[t].offset;
+        tens[t].numel = l->tensors[t].numel;
+        tp[t] = &tens[t];
+    }
+    uint32_t factors[SD_STATE_COUNT];
+    for (int st = 0; st < SD_STATE_COUNT; st++)
+        factors[st] = job->plan.f[st];
+    Shard__RegisterReply rep = SHARD__REGISTER_REPLY__INIT;
+    rep.job_id = job->id;
+    rep.n_units = l->n_units;
+    rep.units = up;
+    rep.n_tensors = l->n_tensors;
+    rep.tensors = tp;
+    rep.pool_bytes = job->pool.bytes;
+    rep.staging_slots = job->staging_slots;
+    rep.staging_slot_bytes = job->staging_slot_bytes;
+    rep.n_shard_factor = SD_STATE_COUNT;
+    rep.shard_factor = factors;
+    rep.ranks_per_node = job->k;
+    Shard__DaemonMsg out = SHARD__DAEMON_MSG__INIT;
+    out.msg_case = SHARD__DAEMON_MSG__MSG_REGISTER;
+    out.register_ = &rep;
+
+    /* the pool goes out read-only: clients read gathered weights, never write them */
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/self/fd/%d", job->pool.fd);
+    int ro = open(path, O_RDONLY | O_CLOEXEC);
+    if (ro < 0) {
+        status = -errno;
+        goto out;
+    }
+    int fds[2] = {ro, job->staging[s->local].fd};
+    status = sd_conn_send(s->conn, &out, fds, 2);
+    close(ro);
+    if (status == SD_OK)
+        s->registered = true;
+out:
+    free(units);
+    free(up);
+    free(tens);
+    free(tp);
+    return status;
+}
+
+static void job_unlink_rank(struct sd_job *job, struct sd_session *s)
+{
+    if (job->ranks[s->local] == s)
+        job->ranks[s->local] = NULL;
+    s->job = NULL;
+}
+
+/* Every rank is here: allocate, answer all, start loading. */
+static void job_complete_registration(struct sd_job *job)
+{
+    char err[768];
+    int status = job_alloc(job, err, sizeof(err));
+    if (status != SD_OK) {
+        SD_WARN("job", "job '%s' refused: %s", job->name, err);
+        for (uint32_t r = 0; r < job->k; r++) {
+            struct sd_session *s = job->ranks[r];
+            if (s == NULL)
+                continue;
+            sd_conn_send_error(s->conn, status, "register: %s", err);
+            job_unlink_rank(job, s);
+        }
+        job_destroy(job);
+        return;
+    }
+    job->state = SD_JOB_LOADING;
+    job->stats.allocs_after_register = 0;
+    char b[32];
+    SD_INFO("job", "job '%s' registered: %u ranks (%u on this node), plan %s, %u units, %s of "
+                   "parameters, %s allocated",
+            job->name, job->world, job->k, job->plan.name, job->layout.n_units,
+            sd_fmt_bytes(b, sizeof(b), job->layout.total_bytes),
+            sd_fmt_bytes((char[32]){0}, 32, job->bytes_total));
+    for (uint32_t r = 0; r < job->k; r++) {
+        struct sd_session *s = job->ranks[r];
+        if (s != NULL && job_send_layout(job, s) != SD_OK)
+            sd_job_fail(job, SD_ECONNRESET, "rank %u could not be sent its layout",
+                        job->first_rank + r);
+    }
+}
+
+static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register *msg,
+                                 struct sd_model *model, uid_t uid, char *err, size_t errlen)
+{
+    const struct sd_config *cfg = reg->cfg;
+    uint32_t nodes = (uint32_t)cfg->nodes;
+    if (msg->world == 0 || msg->world > SD_MAX_WORLD || msg->world % nodes != 0) {
+        snprintf(err, errlen, "world size %u must be in 1..%d and a multiple of the %u nodes",
+                 msg->world, SD_MAX_WORLD, nodes);
+        return NULL;
+    }
+    uint32_t k = msg->world / nodes;
+    if (cfg->ranks_per_node != 0 && k != (uint32_t)cfg->ranks_per_node) {
+        snprintf(err, errlen,
+                 "world size %u over %u nodes gives %u ranks per node, but this daemon is "
+                 "configured for ranks_per_node %lld",
+                 msg->world, nodes, k, (long long)cfg->ranks_per_node);
+        return NULL;
+    }
+    struct sd_job *job = calloc(1, sizeof(*job));
+    if (job == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    job->reg = reg;
+    snprintf(job->name, sizeof(job->name), "%s", msg->job);
+    job->id = ++reg->next_job_id;
+    job->uid = uid;
+    job->world = msg->world;
+    job->k = k;
+    job->node = (uint32_t)cfg->node;
+    job->first_rank = job->node * k;
+    job->topo = (struct sd_topo){.nodes = nodes, .ranks_per_node = k};
+    job->model = *model;
+    memset(model, 0, sizeof(*model));
+    job->digest = sd_model_digest(&job->model);
+    job->created_ns = sd_now_ns();
+    job->register_deadline_ns = job->created_ns + (uint64_t)cfg->register_timeout_ms * 1000000ULL;
+    job->ranks = calloc(k, sizeof(*job->ranks));
+    job->step_tags = calloc(k, sizeof(*job->step_tags));
+    job->step_arrive_ns = calloc(k, sizeof(*job->step_arrive_ns));
+    job->step_waiting = calloc(k, sizeof(*job->step_waiting));
+    job->ready_waiting = calloc(k, sizeof(*job->ready_waiting));
+    job->ready_tags = calloc(k, sizeof(*job->ready_tags));
+    int status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
+    if (status == SD_OK)
+        status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
+    if (status == SD_OK && job->plan.f[SD_STATE_G] > k) {
+        snprintf(err, errlen, "plan '%s': partition groups spanning nodes need the multi-node "
+                              "collective engine, which this build does not have yet",
+                 job->plan.name);
+        status = SD_ENOSYS;
+    }
+    if (status == SD_OK) {
+        job->w_off = calloc(job->layout.n_units, sizeof(*job->w_off));
+        if (job->w_off == NULL)
+            status = SD_ENOMEM;
+    }
+    if (status != SD_OK || !job->ranks || !job->step_tags || !job->step_arrive_ns ||
+        !job->step_waiting || !job->ready_waiting || !job->ready_tags) {
+        if (status == SD_OK)
+            snprintf(err, errlen, "out of memory");
+        job->next = reg->jobs;
+        reg->jobs = job;
+        reg->n_jobs++;
+        job_destroy(job);
+        return NULL;
+    }
+    for (uint32_t u = 0; u < job->layout.n_units; u++) {
+        const struct sd_unit_layout *ul = &job->layout.units[u];
+        job->w_off[u] = job->w_arena_bytes;
+        job->w_arena_bytes += ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
+    }
+    job->next = reg->jobs;
+    reg->jobs = job;
+    reg->n_jobs++;
+    return job;
+}
+
+void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg)
+{
+    char err[768];
+    struct sd_conn *c = s->conn;
+    struct sd_model model;
+    const char *name = msg->job ? msg->job : "";
+    size_t nlen = strlen(name);
+
+    if (nlen == 0 || nlen >= sizeof(((struct sd_job *)0)->name)) {
+        sd_conn_send_error(c, SD_EINVAL, "register: job name must be 1..63 bytes, got %zu", nlen);
+        return;
+    }
+    for (size_t i = 0; i < nlen; i++)
+        if (name[i] < 0x21 || name[i] > 0x7e) {
+            sd_conn_send_error(c, SD_EINVAL,
+                               "register: job name must be printable ASCII without spaces");
+            return;
+        }
+    int status = model_from_msg(msg, &model, err, sizeof(err));
+    if (status != SD_OK) {
+        sd_conn_send_error(c, status, "register job '%s' rank %u: %s", name, msg->rank, err);
+        model_free(&model);
+        return;
+    }
+
+    struct sd_job *job = sd_registry_find(reg, name);
+    if (job == NULL) {
+        if (reg->n_jobs >= (uint32_t)reg->cfg->max_jobs) {
+            sd_conn_send_error(c, SD_EBUSY, "register job '%s': %u jobs are served, max_jobs is "
+                                            "%lld",
+                               name, reg->n_jobs, (long long)reg->cfg->max_jobs);
+            model_free(&model);
+            return;
+        }
+        job = job_create(reg, msg, &model, c->uid, err, sizeof(err));
+        if (job == NULL) {
+            sd_conn_send_error(c, SD_EINVAL, "register job '%s' rank %u: %s", name, msg->rank,
+                               err);
+            model_free(&model);
+            return;
+        }
+        SD_INFO("job", "job '%s' (id %llu) created by pid %d: world %u, plan %s", job->name,
+                (unsigned long long)job->id, (int)c->pid, job->world, job->plan.name);
+    } else {
+        uint64_t digest = sd_model_digest(&model);
+        if (job->uid != c->uid && c->uid != 0) {
+            sd_conn_send_error(c, SD_EPERM, "register job '%s': it belongs to uid %d, you are "
+                                            "uid %d",
+                               name, (int)job->uid, (int)c->uid);
+        } else if (job->state != SD_JOB_REGISTERING) {
+            sd_conn_send_error(c, SD_EEXIST,
+                               "register job '%s' rank %u: the job is already %s; pick another "
+                               "job name or wait until its ranks detach",
+                               name, msg->rank, sd_job_state_name(job->state));
+        } else if (digest != job->digest) {
+            char diff[256];
+            sd_model_diff(&job->model, &model, diff, sizeof(diff));
+            sd_conn_send_error(c, SD_EMISMATCH,
+                               "register job '%s' rank %u: model digest %016llx differs from "
+                               "%016llx registered by the other ranks (%s)",
+                               name, msg->rank, (unsigned long long)digest,
+                               (unsigned long long)job->digest, diff);
+        } else if (msg->world != job->world) {
+            sd_conn_send_error(c, SD_EMISMATCH, "register job '%s': world %u differs from %u",
+                               name, msg->world, job->world);
+        } else {
+            job->model.n_tensors = job->model.n_tensors; /* same model: keep the first copy */
+            model_free(&model);
+            goto add_rank;
+        }
+        model_free(&model);
+        return;
+    }
+add_rank:
+    if (msg->rank >= job->world || msg->rank / job->k != job->node) {
+        sd_conn_send_error(c, SD_EINVAL,
+                           "register job '%s': rank %u is not on this node (node %u serves ranks "
+                           "%u..%u of world %u)",
+                           name, msg->rank, job->node, job->first_rank,
+                           job->first_rank + job->k - 1, job->world);
+        if (job->n_registered == 0)
+            job_destroy(job);
+        return;
+    }
+    uint32_t local = msg->rank - job->first_rank;
+    if (job->ranks[local] != NULL) {
+        sd_conn_send_error(c, SD_EEXIST, "register job '%s': rank %u is already registered by "
+                                         "pid %d",
+                           name, msg->rank, (int)job->ranks[local]->conn->pid);
+        return;
+    }
+    job->ranks[local] = s;
+    s->job = job;
+    s->rank = msg->rank;
+    s->local = local;
+    job->n_registered++;
+    SD_DEBUG("job", "job '%s': rank %u registered (%u of %u)", job->name, msg->rank,
+             job->n_registered, job->k);
+    if (job->n_registered == job->k)
+        job_complete_registration(job);
+}
+
+void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
+{
+    char text[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    if (job->state == SD_JOB_FAILED)
+        return;
+    SD_WARN("job", "job '%s' failed: %s", job->name, text);
+    job->state = SD_JOB_FAILED;
+    job->fail_status = status;
+    snprintf(job->fail_msg, sizeof(job->fail_msg), "%s", text);
+    sd_job_fail_parked(job, status, text);
+}
+
+void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
+{
+    if (job->state == SD_JOB_REGISTERING) {
+        job_unlink_rank(job, s);
+        job->n_registered--;
+        if (job->n_registered == 0)
+            job_destroy(job);
+        return;
+    }
+    if (s->registered)
+        sd_job_release_holds(job, s);
+    if (s->has_stalled) {
+        s->has_stalled = false;
+    }
+    job_unlink_rank(job, s);
+    job->n_left++;
+    if (job->state != SD_JOB_FAILED)
+        sd_job_fail(job, SD_EJOBFAILED, "rank %u (pid %d) %s after step %llu", s->rank,
+                    (int)s->conn->pid, reason, (unsigned long long)job->steps);
+    if (job->n_left == job->k)
+        job_destroy(job);
+}
+
+static void list_missing(char *out, size_t len, const struct sd_job *job, const bool *present)
+{
+    size_t off = 0;
+    out[0] = '\0';
+    for (uint32_t r = 0; r < job->k && off < len; r++)
+        if (!present[r])
+            off += (size_t)snprintf(out + off, len - off, "%s%u", off ? ", " : "",
+                                    job->first_rank + r);
+}
+
+void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
+{
+    uint64_t op_timeout = (uint64_t)reg->cfg->op_timeout_ms * 1000000ULL;
+    char missing[128];
+    bool present[1024];
+    for (struct sd_job *job = reg->jobs, *next; job; job = next) {
+        next = job->next;
+        if (job->state == SD_JOB_REGISTERING) {
+            if (now < job->register_deadline_ns)
+                continue;
+            for (uint32_t r = 0; r < job->k && r < 1024; r++)
+                present[r] = job->ranks[r] != NULL;
+            list_missing(missing, sizeof(missing), job, present);
+            for (uint32_t r = 0; r < job->k; r++) {
+                struct sd_session *s = job->ranks[r];
+                if (s == NULL)
+                    continue;
+                sd_conn_send_error(s->conn, SD_ETIMEDOUT,
+                                   "register job '%s': ranks %s did not register within %lld ms "
+                                   "(register_timeout_ms)",
+                                   job->name, missing, (long long)reg->cfg->register_timeout_ms);
+                job_unlink_rank(job, s);
+            }
+            job_destroy(job);
+            continue;
+        }
+        if (job->state == SD_JOB_FAILED)
+            continue;
+        /* a step barrier that waits too long */
+        if (job->step_arrived > 0 && now - job->step_first_ns > op_timeout) {
+            for (uint32_t r = 0; r < job->k && r < 1024; r++)
+                present[r] = job->step_waiting[r];
+            list_missing(missing, sizeof(missing), job, present);
+            sd_job_fail(job, SD_ETIMEDOUT,
+                        "step %llu: ranks %s did not call step within %lld ms (op_timeout_ms)",
+                        (unsigned long long)job->steps + 1, missing,
+                        (long long)reg->cfg->op_timeout_ms);
+            continue;
+        }
+        if (job->state == SD_JOB_LOADING) {
+            bool waiting = false;
+            for (uint32_t r = 0; r < job->k; r++)
+                waiting |= job->ready_waiting[r];
+            if (waiting && now - job->created_ns > op_timeout +
+                                                       (uint64_t)reg->cfg->register_timeout_ms *
+                                                           1000000ULL)
+                sd_job_fail(job, SD_ETIMEDOUT,
+                            "rank 0 did not finish loading the initial values in time");
+            continue;
+        }
+        for (uint32_t u = 0; u < job->layout.n_units; u++)
+            for (uint32_t g = 0; g < job->g_groups; g++) {
+                struct sd_push_round *rd = &job->rounds[(size_t)u * job->g_groups + g];
+                if (rd->arrived == 0 || now - rd->first_ns <= op_timeout)
+                    continue;
+                struct sd_push_entry *ent =
+                    &job->round_entries[((size_t)u * job->g_groups + g) * job->g_members];
+                for (uint32_t r = 0; r < job->k && r < 1024; r++)
+                    present[r] = r / job->g_members != g || ent[r % job->g_members].s != NULL;
+                list_missing(missing, sizeof(missing), job, present);
+                sd_job_fail(job, SD_ETIMEDOUT,
+                            "push of unit %u (micro-step %llu): ranks %s did not push within "
+                            "%lld ms (op_timeout_ms)",
+                            u, (unsigned long long)rd->seq + 1, missing,
+                            (long long)reg->cfg->op_timeout_ms);
+                goto next_job;
+            }
+    next_job:;
+    }
+}
+
+void sd_registry_destroy_all(struct sd_registry *reg)
+{
+    while (reg->jobs != NULL) {
+        struct sd_job *job = reg->jobs;
+        for (uint32_t r = 0; r < job->k; r++)
+            if (job->ranks[r] != NULL)
+                job_unlink_rank(job, job->ranks[r]);
+        job_destroy(job);
+    }
+}

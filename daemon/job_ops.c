@@ -1,0 +1,508 @@
+/* The data-plane operations of a job among the ranks of this node (DESIGN.md section 3):
+ * fetch (all-gather of a unit's w shards into a slot of the gather pool, shared by the node's
+ * ranks), release, push (reduce-scatter of the ranks' gradients into fp32 g shards, every
+ * micro-step), step (all-reduce of g shards across the replication group, the 2-hop sync, then
+ * the optimizer on fp32 master weights and the cast into w), init and ready.
+ *
+ * Reduction order is fixed: within a partition group contributions are summed in rank order
+ * into a scratch buffer that is then added to the g shard; across the replication group the
+ * group partials are summed in group order. */
+#include "daemon.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#define OP_MSG_LEN SD_CQE_MSG_LEN
+
+static inline struct sd_mem *arena(struct sd_job *job, uint32_t local, int state)
+{
+    return &job->arena[local * SD_STATE_COUNT + state];
+}
+
+static inline uint8_t *staging_slot(struct sd_job *job, uint32_t local, uint32_t slot)
+{
+    return (uint8_t *)job->staging[local].ptr + (uint64_t)slot * job->staging_slot_bytes;
+}
+
+static void complete_ok(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                        uint64_t v0, uint64_t v1, uint64_t start_ns)
+{
+    job->stats.ops[e->op]++;
+    sd_latency_add(&job->stats.lat[e->op], sd_now_ns() - start_ns);
+    sd_session_complete(s, e->tag, (int)e->op, SD_OK, v0, v1, NULL);
+}
+
+/* Common checks; returns false after failing the entry. */
+static bool check_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                        bool needs_unit)
+{
+    if (job->state == SD_JOB_FAILED) {
+        sd_session_fail(s, e, SD_EJOBFAILED, "%s: job '%s' failed: %s", sd_op_name((int)e->op),
+                        job->name, job->fail_msg);
+        return false;
+    }
+    if (job->state != SD_JOB_READY) {
+        sd_session_fail(s, e, SD_ESTATE,
+                        "%s: job '%s' is still %s (rank 0 has not loaded the initial values)",
+                        sd_op_name((int)e->op), job->name, sd_job_state_name(job->state));
+        return false;
+    }
+    if (needs_unit && e->unit >= job->layout.n_units) {
+        sd_session_fail(s, e, SD_ENOUNIT, "%s: unit %u does not exist (job '%s' has units 0..%u)",
+                        sd_op_name((int)e->op), e->unit, job->name, job->layout.n_units - 1);
+        return false;
+    }
+    return true;
+}
+
+/* Gather unit u's w shards of the partition group of `rank` into the pool at off. */
+static void gather(struct sd_job *job, uint32_t u, uint32_t rank, uint64_t off)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint32_t f = job->plan.f[SD_STATE_W];
+    struct sd_group grp = sd_group_partition(f, rank);
+    uint64_t shard_bytes = ul->numel / f * sd_dtype_size(ul->dtype);
+    uint8_t *dst = (uint8_t *)job->pool.ptr + off;
+    for (uint32_t i = 0; i < grp.count; i++) {
+        uint32_t local = sd_group_member(&grp, i) - job->first_rank;
+        dev->copy(dst + i * shard_bytes, (uint8_t *)arena(job, local, SD_STATE_W)->ptr +
+                                             job->w_off[u],
+                  shard_bytes);
+    }
+    job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += sd_unit_bytes(ul);
+    job->stats.gathers++;
+}
+
+/* Find room for unit u in the pool, evicting cached units nobody holds (least recent first). */
+static int pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
+{
+    for (;;) {
+        if (sd_slot_pool_alloc(&job->spool, bytes, SD_CACHELINE, off_p) == SD_OK)
+            return SD_OK;
+        uint32_t victim = UINT32_MAX;
+        uint64_t oldest = UINT64_MAX;
+        for (uint32_t v = 0; v < job->layout.n_units; v++) {
+            struct sd_unit_state *us = &job->units[v];
+            if (us->resident && us->refs == 0 && us->lru_tick < oldest) {
+                oldest = us->lru_tick;
+                victim = v;
+            }
+        }
+        if (victim == UINT32_MAX)
+            return SD_ENOSPC;
+        sd_slot_pool_free(&job->spool, job->units[victim].pool_off);
+        job->units[victim].resident = false;
+        job->stats.evictions++;
+    }
+}
+
+static void op_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                     uint64_t start)
+{
+    struct sd_unit_state *us = &job->units[e->unit];
+    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    if (us->resident && us->gen != job->weights_gen && us->refs == 0) {
+        sd_slot_pool_free(&job->spool, us->pool_off);
+        us->resident = false;
+    }
+    if (!us->resident) {
+        uint64_t off;
+        if (pool_reserve(job, sd_unit_bytes(ul), &off) != SD_OK) {
+            char b1[32], b2[32], b3[32];
+            sd_session_fail(s, e, SD_ENOSPC,
+                            "fetch unit %u needs %s; the gather pool (%s) has %s held by "
+                            "unreleased units: release units or raise max_live_bytes",
+                            e->unit, sd_fmt_bytes(b1, sizeof(b1), sd_unit_bytes(ul)),
+                            sd_fmt_bytes(b2, sizeof(b2), job->spool.capacity),
+                            sd_fmt_bytes(b3, sizeof(b3), sd_slot_pool_used_bytes(&job->spool)));
+            return;
+        }
+        gather(job, e->unit, s->rank, off);
+        us->pool_off = off;
+        us->resident = true;
+        us->gen = job->weights_gen;
+    } else {
+        job->stats.cache_hits++;
+    }
+    us->refs++;
+    s->holds[e->unit]++;
+    complete_ok(job, s, e, us->pool_off, sd_unit_bytes(ul), start);
+}
+
+static void op_release(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                       uint64_t start)
+{
+    struct sd_unit_state *us = &job->units[e->unit];
+    if (s->holds[e->unit] == 0) {
+        sd_session_fail(s, e, SD_ENOTHELD,
+                        "release of unit %u which rank %u does not hold (released twice, or "
+                        "never fetched)",
+                        e->unit, s->rank);
+        return;
+    }
+    s->holds[e->unit]--;
+    us->refs--;
+    if (us->refs == 0)
+        us->lru_tick = ++job->tick;
+    complete_ok(job, s, e, 0, 0, start);
+}
+
+void sd_job_release_holds(struct sd_job *job, struct sd_session *s)
+{
+    if (s->holds == NULL || job->units == NULL)
+        return;
+    for (uint32_t u = 0; u < job->layout.n_units; u++) {
+        job->units[u].refs -= s->holds[u];
+        if (s->holds[u] && job->units[u].refs == 0)
+            job->units[u].lru_tick = ++job->tick;
+        s->holds[u] = 0;
+    }
+}
+
+/* All members of a g-partition group pushed unit u: reduce-scatter into their g shards. */
+static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    size_t ri = (size_t)u * job->g_groups + g;
+    struct sd_push_round *rd = &job->rounds[ri];
+    struct sd_push_entry *ent = &job->round_entries[ri * job->g_members];
+    uint32_t f = job->g_members;
+    uint64_t len = ul->numel / f;
+    size_t esz = sd_dtype_size(ul->dtype);
+    uint64_t now = sd_now_ns();
+
+    for (uint32_t i = 0; i < f; i++) {
+        uint32_t holder = g * f + i; /* local index of the rank holding shard i */
+        float *dst = (float *)arena(job, holder, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+        for (uint32_t m = 0; m < f; m++) {
+            const uint8_t *src = staging_slot(job, ent[m].s->local, ent[m].slot) + i * len * esz;
+            if (m == 0)
+                dev->to_f32(job->scratch, src, ul->dtype, len);
+            else
+                dev->reduce_add(job->scratch, src, ul->dtype, len);
+        }
+        dev->reduce_add(dst, job->scratch, SD_DTYPE_FP32, len);
+    }
+    job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)f * sd_unit_bytes(ul);
+    for (uint32_t m = 0; m < f; m++) {
+        struct sd_session *s = ent[m].s;
+        s->staging_busy &= ~(1ULL << ent[m].slot);
+        job->stats.ops[SD_OP_PUSH]++;
+        sd_latency_add(&job->stats.lat[SD_OP_PUSH], now - ent[m].arrive_ns);
+        sd_session_complete(s, ent[m].tag, SD_OP_PUSH, SD_OK, rd->seq, 0, NULL);
+        ent[m].s = NULL;
+    }
+    rd->arrived = 0;
+    rd->seq++;
+}
+
+/* Returns false to stall: this rank already has a push of this unit waiting for its group. */
+static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    if (e->arg0 >= job->staging_slots) {
+        sd_session_fail(s, e, SD_EINVAL, "push unit %u: staging slot %llu does not exist (%u "
+                                         "slots)",
+                        e->unit, (unsigned long long)e->arg0, job->staging_slots);
+        return true;
+    }
+    if (e->arg1 != sd_unit_bytes(ul)) {
+        sd_session_fail(s, e, SD_EMSGSIZE,
+                        "push unit %u: gradient is %llu bytes but the unit is %llu bytes (%llu "
+                        "%s elements, padded)",
+                        e->unit, (unsigned long long)e->arg1,
+                        (unsigned long long)sd_unit_bytes(ul), (unsigned long long)ul->numel,
+                        sd_dtype_name(ul->dtype));
+        return true;
+    }
+    uint32_t g = s->local / job->g_members, m = s->local % job->g_members;
+    size_t ri = (size_t)e->unit * job->g_groups + g;
+    struct sd_push_entry *ent = &job->round_entries[ri * job->g_members + m];
+    if (ent->s != NULL)
+        return false; /* ahead of its group by a micro-step: wait for the round to finish */
+    if (s->staging_busy & (1ULL << e->arg0)) {
+        sd_session_fail(s, e, SD_EBUSY,
+                        "push unit %u: staging slot %llu still holds an earlier push that has "
+                        "not completed",
+                        e->unit, (unsigned long long)e->arg0);
+        return true;
+    }
+    struct sd_push_round *rd = &job->rounds[ri];
+    uint64_t now = sd_now_ns();
+    s->staging_busy |= 1ULL << e->arg0;
+    *ent = (struct sd_push_entry){.s = s, .tag = e->tag, .arrive_ns = now, .slot = (uint32_t)e->arg0};
+    if (rd->arrived++ == 0)
+        rd->first_ns = now;
+    if (rd->arrived == job->g_members)
+        reduce_round(job, e->unit, g);
+    return true;
+}
+
+/* Is any push round partly filled? Describes the first in msg. */
+static bool partial_round(struct sd_job *job, char *msg, size_t len)
+{
+    for (uint32_t u = 0; u < job->layout.n_units; u++)
+        for (uint32_t g = 0; g < job->g_groups; g++) {
+            size_t ri = (size_t)u * job->g_groups + g;
+            if (job->rounds[ri].arrived == 0)
+                continue;
+            struct sd_push_entry *ent = &job->round_entries[ri * job->g_members];
+            size_t off = (size_t)snprintf(msg, len, "step %llu: unit %u has gradients from ranks",
+                                          (unsigned long long)job->steps + 1, u);
+            for (uint32_t m = 0; m < job->g_members && off < len; m++)
+                if (ent[m].s != NULL)
+                    off += (size_t)snprintf(msg + off, len - off, " %u", ent[m].s->rank);
+            if (off < len)
+                snprintf(msg + off, len - off, " but not from the rest of their group; every "
+                                               "rank must push the same units");
+            return true;
+        }
+    return false;
+}
+
+/* Re-gather units that are held across the step so their holders see the new weights. */
+static void refresh_held(struct sd_job *job)
+{
+    for (uint32_t u = 0; u < job->layout.n_units; u++) {
+        struct sd_unit_state *us = &job->units[u];
+        if (!us->resident || us->refs == 0)
+            continue;
+        gather(job, u, job->first_rank, us->pool_off);
+        us->gen = job->weights_gen;
+    }
+}
+
+static void do_step(struct sd_job *job)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_layout *l = &job->layout;
+    const struct sd_optim *o = &job->model.optim;
+    uint32_t f = job->plan.f[SD_STATE_G];
+    uint32_t replicas = job->k / f;
+    uint64_t t = job->steps + 1;
+    char msg[OP_MSG_LEN];
+
+    if (partial_round(job, msg, sizeof(msg))) {
+        sd_job_fail(job, SD_EMISMATCH, "%s", msg);
+        return;
+    }
+    /* all-reduce across each replication group (the 2-hop sync), and the global norm */
+    double sumsq = 0.0;
+    for (uint32_t u = 0; u < l->n_units; u++) {
+        const struct sd_unit_layout *ul = &l->units[u];
+        uint64_t len = ul->numel / f;
+        for (uint32_t i = 0; i < f; i++) {
+            float *acc = (float *)arena(job, i, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+            for (uint32_t j = 1; j < replicas; j++)
+                dev->reduce_add(acc,
+                                (float *)arena(job, j * f + i, SD_STATE_G)->ptr +
+                                    ul->arena_off[SD_STATE_G],
+                                SD_DTYPE_FP32, len);
+            sumsq += dev->sum_sq(acc, len);
+            for (uint32_t j = 1; j < replicas; j++)
+                dev->copy((float *)arena(job, j * f + i, SD_STATE_G)->ptr +
+                              ul->arena_off[SD_STATE_G],
+                          acc, len * sizeof(float));
+        }
+        if (replicas > 1)
+            job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] +=
+                2ULL * (replicas - 1) * ul->numel * sizeof(float);
+    }
+    double norm = sqrt(sumsq) / (double)job->world;
+    float scale = 1.0f / (float)job->world;
+    if (o->max_grad_norm > 0.0f && norm > (double)o->max_grad_norm)
+        scale = scale * (float)((double)o->max_grad_norm / (norm + 1e-6));
+
+    /* every rank's optimizer shard: master weights, moments, cast into its w shard */
+    uint64_t os_numel = l->arena_numel[SD_STATE_OS];
+    for (uint32_t r = 0; r < job->k; r++) {
+        float *os = arena(job, r, SD_STATE_OS)->ptr;
+        float *g = arena(job, r, SD_STATE_G)->ptr;
+        uint8_t *w = arena(job, r, SD_STATE_W)->ptr;
+        for (uint32_t u = 0; u < l->n_units; u++) {
+            const struct sd_unit_layout *ul = &l->units[u];
+            uint64_t off = ul->arena_off[SD_STATE_OS], len = ul->numel / f;
+            float *gp = g + ul->arena_off[SD_STATE_G];
+            if (o->kind == SD_OPTIM_ADAMW) {
+                struct sd_adamw_args a = {.lr = o->lr,
+                                          .beta1 = o->beta1,
+                                          .beta2 = o->beta2,
+                                          .eps = o->eps,
+                                          .weight_decay = o->weight_decay,
+                                          .step = t};
+                dev->adamw(&a, os + off, os + os_numel + off, os + 2 * os_numel + off, gp, scale,
+                           w + job->w_off[u], ul->dtype, len);
+            } else {
+                struct sd_sgd_args a = {
+                    .lr = o->lr, .momentum = o->momentum, .weight_decay = o->weight_decay};
+                dev->sgd(&a, os + off, os + os_numel + off, gp, scale, w + job->w_off[u],
+                         ul->dtype, len);
+            }
+        }
+    }
+    job->steps = t;
+    job->weights_gen++;
+    job->last_grad_norm = norm;
+    refresh_held(job);
+
+    uint64_t bits, now = sd_now_ns();
+    memcpy(&bits, &norm, sizeof(bits));
+    for (uint32_t r = 0; r < job->k; r++) {
+        if (!job->step_waiting[r] || job->ranks[r] == NULL)
+            continue;
+        job->stats.ops[SD_OP_STEP]++;
+        sd_latency_add(&job->stats.lat[SD_OP_STEP], now - job->step_arrive_ns[r]);
+        sd_session_complete(job->ranks[r], job->step_tags[r], SD_OP_STEP, SD_OK, bits, t, NULL);
+        job->step_waiting[r] = false;
+    }
+    job->step_arrived = 0;
+}
+
+static void op_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
+{
+    if (job->step_waiting[s->local]) {
+        sd_session_fail(s, e, SD_EBUSY, "step: rank %u already waits in step %llu", s->rank,
+                        (unsigned long long)job->steps + 1);
+        return;
+    }
+    uint64_t now = sd_now_ns();
+    job->step_waiting[s->local] = true;
+    job->step_tags[s->local] = e->tag;
+    job->step_arrive_ns[s->local] = now;
+    if (job->step_arrived++ == 0)
+        job->step_first_ns = now;
+    if (job->step_arrived == job->k)
+        do_step(job);
+}
+
+static void op_init(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                    uint64_t start)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    if (s->rank != 0) {
+        sd_session_fail(s, e, SD_EPERM, "init: only rank 0 loads initial values (this is rank %u)",
+                        s->rank);
+        return;
+    }
+    if (job->state != SD_JOB_LOADING) {
+        sd_session_fail(s, e, SD_ESTATE, "init: job '%s' is %s, not loading", job->name,
+                        sd_job_state_name(job->state));
+        return;
+    }
+    if (e->unit >= job->layout.n_units || e->arg0 >= job->staging_slots) {
+        sd_session_fail(s, e, SD_EINVAL, "init: unit %u or staging slot %llu out of range",
+                        e->unit, (unsigned long long)e->arg0);
+        return;
+    }
+    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    const float *src = (const float *)(void *)staging_slot(job, s->local, (uint32_t)e->arg0);
+    uint32_t f = job->plan.f[SD_STATE_OS];
+    uint64_t len = ul->numel / f;
+    for (uint32_t r = 0; r < job->k; r++) {
+        uint64_t b, end;
+        sd_layout_shard(ul, f, job->first_rank + r, &b, &end);
+        float *master = (float *)arena(job, r, SD_STATE_OS)->ptr + ul->arena_off[SD_STATE_OS];
+        dev->copy(master, src + b, len * sizeof(float));
+        dev->from_f32((uint8_t *)arena(job, r, SD_STATE_W)->ptr + job->w_off[e->unit], ul->dtype,
+                      src + b, len);
+    }
+    complete_ok(job, s, e, 0, 0, start);
+}
+
+static void op_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                     uint64_t start)
+{
+    if (job->state == SD_JOB_READY) {
+        complete_ok(job, s, e, 0, 0, start);
+        return;
+    }
+    job->ready_waiting[s->local] = true;
+    job->ready_tags[s->local] = e->tag;
+    if (s->rank != 0)
+        return;
+    job->state = SD_JOB_READY;
+    SD_INFO("job", "job '%s' ready", job->name);
+    for (uint32_t r = 0; r < job->k; r++) {
+        if (!job->ready_waiting[r] || job->ranks[r] == NULL)
+            continue;
+        job->ready_waiting[r] = false;
+        sd_session_complete(job->ranks[r], job->ready_tags[r], SD_OP_READY, SD_OK, 0, 0, NULL);
+    }
+}
+
+bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
+{
+    uint64_t start = sd_now_ns();
+    switch (e->op) {
+    case SD_OP_FETCH:
+        if (check_ready(job, s, e, true))
+            op_fetch(job, s, e, start);
+        return true;
+    case SD_OP_RELEASE:
+        if (check_ready(job, s, e, true))
+            op_release(job, s, e, start);
+        return true;
+    case SD_OP_PUSH:
+        if (!check_ready(job, s, e, true))
+            return true;
+        return op_push(job, s, e);
+    case SD_OP_STEP:
+        if (check_ready(job, s, e, false))
+            op_step(job, s, e);
+        return true;
+    case SD_OP_INIT:
+        if (job->state == SD_JOB_FAILED)
+            check_ready(job, s, e, false);
+        else
+            op_init(job, s, e, start);
+        return true;
+    case SD_OP_READY:
+        if (job->state == SD_JOB_FAILED)
+            check_ready(job, s, e, false);
+        else
+            op_ready(job, s, e, start);
+        return true;
+    default:
+        sd_session_fail(s, e, SD_EINVAL, "unknown operation code %u", e->op);
+        return true;
+    }
+}
+
+void sd_job_fail_parked(struct sd_job *job, int status, const char *msg)
+{
+    char text[OP_MSG_LEN];
+    snprintf(text, sizeof(text), "job '%s' failed: %s", job->name, msg);
+    if (job->round_entries != NULL) {
+        size_t n = (size_t)job->layout.n_units * job->g_groups;
+        for (size_t ri = 0; ri < n; ri++) {
+            for (uint32_t m = 0; m < job->g_members; m++) {
+                struct sd_push_entry *ent = &job->round_entries[ri * job->g_members + m];
+                if (ent->s == NULL)
+                    continue;
+                ent->s->staging_busy &= ~(1ULL << ent->slot);
+                sd_session_complete(ent->s, ent->tag, SD_OP_PUSH, status, 0, 0, text);
+                ent->s = NULL;
+            }
+            job->rounds[ri].arrived = 0;
+        }
+    }
+    for (uint32_t r = 0; r < job->k; r++) {
+        struct sd_session *s = job->ranks[r];
+        if (job->step_waiting[r] && s != NULL)
+            sd_session_complete(s, job->step_tags[r], SD_OP_STEP, status, 0, 0, text);
+        if (job->ready_waiting[r] && s != NULL)
+            sd_session_complete(s, job->ready_tags[r], SD_OP_READY, status, 0, 0, text);
+        job->step_waiting[r] = job->ready_waiting[r] = false;
+        if (s != NULL && s->has_stalled) {
+            sd_session_complete(s, s->stalled.tag, (int)s->stalled.op, status, 0, 0, text);
+            s->has_stalled = false;
+        }
+    }
+    job->step_arrived = 0;
+}

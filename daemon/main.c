@@ -1,0 +1,198 @@
+/* shardd: the per-node daemon. */
+#include "daemon.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <dirent.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: shardd [--config FILE] [--node N] [--runtime-dir DIR] [--OPTION VALUE ...]\n"
+            "\n"
+            "The shardd per-node daemon: holds sharded model states of training jobs and serves\n"
+            "the trainer processes of this node through libshard (Unix socket + shared memory).\n"
+            "Without --config it runs one node on the host backend with the defaults below.\n"
+            "Command-line options override the config file; '-' and '_' are interchangeable.\n"
+            "\n"
+            "  --config FILE   JSON object of options\n"
+            "  --help          this text\n"
+            "  --version       print the version\n"
+            "\n");
+    sd_config_print_help(out);
+    fprintf(out, "\nSignals: SIGTERM or SIGINT shut down cleanly.\n");
+}
+
+static int count_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    int n = 0;
+    if (d == NULL)
+        return -1;
+    while (readdir(d) != NULL)
+        n++;
+    closedir(d);
+    return n;
+}
+
+/* systemd Type=notify: tell the manager we are up, if it asked. */
+static void notify_ready(void)
+{
+    const char *path = getenv("NOTIFY_SOCKET");
+    if (path == NULL || (path[0] != '/' && path[0] != '@'))
+        return;
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    size_t len = strlen(path);
+    if (len >= sizeof(addr.sun_path))
+        return;
+    memcpy(addr.sun_path, path, len);
+    if (addr.sun_path[0] == '@')
+        addr.sun_path[0] = '\0';
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return;
+    static const char msg[] = "READY=1";
+    sendto(fd, msg, sizeof(msg) - 1, 0, (struct sockaddr *)&addr,
+           (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len));
+    close(fd);
+}
+
+struct app {
+    struct sd_server srv;
+    uv_signal_t sigterm, sigint;
+};
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    struct app *app = h->data;
+    SD_INFO("main", "signal %d: shutting down", signum);
+    sd_server_stop(&app->srv);
+    uv_signal_stop(&app->sigterm);
+    uv_signal_stop(&app->sigint);
+    uv_close((uv_handle_t *)&app->sigterm, NULL);
+    uv_close((uv_handle_t *)&app->sigint, NULL);
+}
+
+static int parse_args(int argc, char **argv, struct sd_config *cfg)
+{
+    char err[512];
+    const char *config_file = NULL;
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--config") == 0 && i + 1 < argc)
+            config_file = argv[i + 1];
+    if (config_file != NULL && sd_config_load_file(cfg, config_file, err, sizeof(err)) != SD_OK) {
+        fprintf(stderr, "shardd: %s\n", err);
+        return 2;
+    }
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            usage(stdout);
+            return 1;
+        }
+        if (strcmp(a, "--version") == 0) {
+            printf("shardd %s\n", SHARD_VERSION);
+            return 1;
+        }
+        if (strncmp(a, "--", 2) != 0 || a[2] == '\0') {
+            fprintf(stderr, "shardd: unexpected argument '%s' (see shardd --help)\n", a);
+            return 2;
+        }
+        char name[64];
+        const char *eq = strchr(a, '=');
+        size_t nlen = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+        if (nlen >= sizeof(name)) {
+            fprintf(stderr, "shardd: unknown option '%s' (see shardd --help)\n", a);
+            return 2;
+        }
+        memcpy(name, a + 2, nlen);
+        name[nlen] = '\0';
+        for (char *p = name; *p; p++)
+            if (*p == '-')
+                *p = '_';
+        const char *value = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
+        if (value == NULL) {
+            fprintf(stderr, "shardd: option --%s needs a value\n", name);
+            return 2;
+        }
+        if (strcmp(name, "config") == 0)
+            continue;
+        if (sd_config_set(cfg, name, value, err, sizeof(err)) != SD_OK) {
+            fprintf(stderr, "shardd: %s\n", err);
+            return 2;
+        }
+    }
+    if (cfg->node >= cfg->nodes) {
+        fprintf(stderr, "shardd: option 'node' is %lld but there are only %lld nodes\n",
+                (long long)cfg->node, (long long)cfg->nodes);
+        return 2;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    static struct sd_config cfg;
+    static struct sd_registry reg;
+    static struct app app;
+    int fds_at_start = count_fds();
+
+    sd_config_defaults(&cfg);
+    int r = parse_args(argc, argv, &cfg);
+    if (r != 0)
+        return r == 1 ? 0 : r;
+    sd_log_level = sd_log_level_parse(cfg.log_level);
+    signal(SIGPIPE, SIG_IGN);
+
+    const struct sd_gpu_ops *dev = sd_gpu_find(cfg.backend);
+    if (dev == NULL) {
+        fprintf(stderr, "shardd: backend '%s' is not built into this shardd (available: host)\n",
+                cfg.backend);
+        return 2;
+    }
+    uv_loop_t loop;
+    uv_loop_init(&loop);
+    sd_registry_init(&reg, &cfg, dev);
+    int status = sd_server_start(&app.srv, &loop, &cfg, &reg);
+    if (status != SD_OK) {
+        fprintf(stderr, "shardd: cannot start: %s\n", sd_status_str(status));
+        uv_loop_close(&loop);
+        return 1;
+    }
+    uv_signal_init(&loop, &app.sigterm);
+    uv_signal_init(&loop, &app.sigint);
+    app.sigterm.data = app.sigint.data = &app;
+    uv_signal_start(&app.sigterm, on_signal, SIGTERM);
+    uv_signal_start(&app.sigint, on_signal, SIGINT);
+    SD_INFO("main", "shardd %s node %lld/%lld, backend %s, pid %d", SHARD_VERSION,
+            (long long)cfg.node, (long long)cfg.nodes, cfg.backend, (int)getpid());
+    notify_ready();
+
+    uv_run(&loop, UV_RUN_DEFAULT);
+    int rc = uv_loop_close(&loop) == 0 ? 0 : 3;
+    if (rc != 0)
+        SD_ERROR("main", "event loop still had open handles at exit");
+    int fds_at_end = count_fds();
+    /* libuv keeps an epoll fd and signal pipes open until the loop closes; compare after */
+    if (fds_at_start >= 0 && fds_at_end > fds_at_start) {
+        SD_ERROR("main", "leaked %d file descriptors (had %d at start, %d at exit)",
+                 fds_at_end - fds_at_start, fds_at_start, fds_at_end);
+        rc = 4;
+    }
+    if (reg.n_jobs != 0 || reg.used != 0) {
+        SD_ERROR("main", "%u jobs / %llu bytes still accounted at exit", reg.n_jobs,
+                 (unsigned long long)reg.used);
+        rc = 5;
+    }
+    if (rc == 0)
+        SD_INFO("main", "clean shutdown");
+    return rc;
+}

@@ -1,0 +1,29 @@
+/* Latency samples: the most recent SD_LAT_SAMPLES per operation; quantiles on demand. */
+#include "daemon.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void sd_latency_add(struct sd_latency *l, uint64_t ns)
+{
+    l->samples_ns[l->count % SD_LAT_SAMPLES] = ns > UINT32_MAX ? UINT32_MAX : (uint32_t)ns;
+    l->count++;
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+double sd_latency_quantile_us(const struct sd_latency *l, double q)
+{
+    uint32_t n = l->count < SD_LAT_SAMPLES ? (uint32_t)l->count : SD_LAT_SAMPLES;
+    if (n == 0)
+        return 0.0;
+    uint32_t tmp[SD_LAT_SAMPLES];
+    memcpy(tmp, l->samples_ns, n * sizeof(tmp[0]));
+    qsort(tmp, n, sizeof(tmp[0]), cmp_u32);
+    uint32_t idx = (uint32_t)(q * (double)(n - 1) + 0.5);
+    return tmp[idx] / 1000.0;
+}
