@@ -109,7 +109,8 @@ void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, c
                      ...) __attribute__((format(printf, 4, 5)));
 
 /* ---- jobs */
-enum sd_job_state { SD_JOB_REGISTERING, SD_JOB_LOADING, SD_JOB_READY, SD_JOB_FAILED };
+/* CLOSING: a rank detached cleanly; like FAILED, no collective can complete any more */
+enum sd_job_state { SD_JOB_REGISTERING, SD_JOB_LOADING, SD_JOB_READY, SD_JOB_FAILED, SD_JOB_CLOSING };
 const char *sd_job_state_name(enum sd_job_state s);
 
 struct sd_registry {

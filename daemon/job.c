@@ -14,7 +14,7 @@
 
 const char *sd_job_state_name(enum sd_job_state s)
 {
-    static const char *const names[] = {"registering", "loading", "ready", "failed"};
+    static const char *const names[] = {"registering", "loading", "ready", "failed", "closing"};
     return names[s];
 }
 
@@ -25,6 +25,10 @@ void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
     reg->cfg = cfg;
     reg->dev = dev;
     reg->budget = cfg->memory_budget;
+    if (reg->budget == 0) { /* default: half of physical memory */
+        long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        reg->budget = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : (1ULL << 32);
+    }
 }
 
 struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
@@ -168,14 +172,6 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     return b;
 }
 
-static uint64_t budget_of(const struct sd_registry *reg)
-{
-    if (reg->budget)
-        return reg->budget;
-    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-    return pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : (1ULL << 32);
-}
-
 /* Allocate every buffer of the job. On failure err says what and how much. */
 static int job_alloc(struct sd_job *job, char *err, size_t errlen)
 {
@@ -184,7 +180,7 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
     const struct sd_gpu_ops *dev = reg->dev;
     const struct sd_layout *l = &job->layout;
     struct job_bytes need = job_bytes_needed(job, cfg);
-    uint64_t budget = budget_of(reg);
+    uint64_t budget = reg->budget;
     char b1[32], b2[32], b3[32];
     int status;
 
@@ -566,7 +562,7 @@ void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
-    if (job->state == SD_JOB_FAILED)
+    if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
         return;
     SD_WARN("job", "job '%s' failed: %s", job->name, text);
     job->state = SD_JOB_FAILED;
@@ -591,9 +587,19 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
     }
     job_unlink_rank(job, s);
     job->n_left++;
-    if (job->state != SD_JOB_FAILED)
+    if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING) {
+        /* already over */
+    } else if (strcmp(reason, "detached") == 0) {
+        job->state = SD_JOB_CLOSING;
+        job->fail_status = SD_EJOBFAILED;
+        snprintf(job->fail_msg, sizeof(job->fail_msg), "rank %u (pid %d) detached after step %llu",
+                 s->rank, (int)s->conn->pid, (unsigned long long)job->steps);
+        SD_INFO("job", "job '%s' closing: %s", job->name, job->fail_msg);
+        sd_job_fail_parked(job, SD_EJOBFAILED, job->fail_msg);
+    } else {
         sd_job_fail(job, SD_EJOBFAILED, "rank %u (pid %d) %s after step %llu", s->rank,
                     (int)s->conn->pid, reason, (unsigned long long)job->steps);
+    }
     if (job->n_left == job->k)
         job_destroy(job);
 }
@@ -634,7 +640,7 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
             job_destroy(job);
             continue;
         }
-        if (job->state == SD_JOB_FAILED)
+        if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
             continue;
         /* a step barrier that waits too long */
         if (job->step_arrived > 0 && now - job->step_first_ns > op_timeout) {

@@ -40,12 +40,15 @@ static void complete_ok(struct sd_job *job, struct sd_session *s, const struct s
 static bool check_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                         bool needs_unit)
 {
-    if (job->state == SD_JOB_FAILED) {
-        sd_session_fail(s, e, SD_EJOBFAILED, "%s: job '%s' failed: %s", sd_op_name((int)e->op),
-                        job->name, job->fail_msg);
+    /* after a clean detach the shards are intact: fetch and release still work (to read the
+     * final weights); collectives that need every rank do not */
+    bool local_op = e->op == SD_OP_FETCH || e->op == SD_OP_RELEASE;
+    if (job->state == SD_JOB_FAILED || (job->state == SD_JOB_CLOSING && !local_op)) {
+        sd_session_fail(s, e, SD_EJOBFAILED, "%s: job '%s' %s: %s", sd_op_name((int)e->op),
+                        job->name, sd_job_state_name(job->state), job->fail_msg);
         return false;
     }
-    if (job->state != SD_JOB_READY) {
+    if (job->state != SD_JOB_READY && job->state != SD_JOB_CLOSING) {
         sd_session_fail(s, e, SD_ESTATE,
                         "%s: job '%s' is still %s (rank 0 has not loaded the initial values)",
                         sd_op_name((int)e->op), job->name, sd_job_state_name(job->state));
@@ -432,6 +435,7 @@ static void op_ready(struct sd_job *job, struct sd_session *s, const struct sd_s
         if (!job->ready_waiting[r] || job->ranks[r] == NULL)
             continue;
         job->ready_waiting[r] = false;
+        job->stats.ops[SD_OP_READY]++;
         sd_session_complete(job->ranks[r], job->ready_tags[r], SD_OP_READY, SD_OK, 0, 0, NULL);
     }
 }
@@ -457,13 +461,13 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
             op_step(job, s, e);
         return true;
     case SD_OP_INIT:
-        if (job->state == SD_JOB_FAILED)
+        if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
             check_ready(job, s, e, false);
         else
             op_init(job, s, e, start);
         return true;
     case SD_OP_READY:
-        if (job->state == SD_JOB_FAILED)
+        if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
             check_ready(job, s, e, false);
         else
             op_ready(job, s, e, start);

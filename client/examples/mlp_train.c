@@ -1,1 +1,570 @@
-int main(void){return 0;}
+/* mlp_train: a small MLP trained through shardd, in plain C.
+ *
+ * The model has --layers fully connected layers (tanh between them); each layer (weight + bias)
+ * is one unit. The task is a deterministic synthetic regression: inputs are uniform in [-1, 1]
+ * drawn from a seed, step, micro-step, rank and sample index; targets are sin(A x) for a fixed
+ * random matrix A. Each rank computes the mean squared error of its own micro-batch.
+ *
+ * --reference trains the same global batch (world ranks x accum micro-steps) in one process with
+ * plain data parallelism and no daemon: per micro-step the ranks' gradients are summed in rank
+ * order and accumulated; at the step the sum is divided by the world size and the optimizer
+ * (its own implementation below, the textbook torch.optim formulas) updates fp32 master weights.
+ * --dump-params writes all parameters after the last step as little-endian fp32 in
+ * registration order, so a test can compare the two runs. */
+#include "shard.h"
+#include "sd/dtype.h"
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MAX_LAYERS 16
+#define IN_DIM     64
+#define OUT_DIM    16
+
+struct opts {
+    const char *socket, *job, *plan, *optimizer, *dump;
+    int rank, world, steps, accum, batch, hidden, layers;
+    bool bf16, reference, quiet;
+    uint64_t seed;
+    float lr, max_grad_norm, weight_decay;
+    double compute_ms;
+};
+
+struct model {
+    int layers;
+    int dims[MAX_LAYERS + 1];
+    uint32_t n_tensors;
+    uint64_t numel[2 * MAX_LAYERS];
+};
+
+/* ---- deterministic data */
+
+static uint64_t splitmix(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static float uniform(uint64_t *s) /* [-1, 1) */
+{
+    return (float)((double)(splitmix(s) >> 11) * (1.0 / 9007199254740992.0) * 2.0 - 1.0);
+}
+
+static void make_batch(const struct opts *o, int step, int micro, int rank, float *x, float *y)
+{
+    static float teacher[OUT_DIM * IN_DIM];
+    static bool teacher_ready;
+    if (!teacher_ready) {
+        uint64_t s = 0x7eac4e7ULL;
+        for (int i = 0; i < OUT_DIM * IN_DIM; i++)
+            teacher[i] = uniform(&s) * 0.3f;
+        teacher_ready = true;
+    }
+    for (int b = 0; b < o->batch; b++) {
+        uint64_t s = o->seed * 1000003ULL + ((uint64_t)step << 40) + ((uint64_t)micro << 28) +
+                     ((uint64_t)rank << 16) + (uint64_t)b;
+        splitmix(&s);
+        for (int i = 0; i < IN_DIM; i++)
+            x[b * IN_DIM + i] = uniform(&s);
+        for (int j = 0; j < OUT_DIM; j++) {
+            float acc = 0.0f;
+            for (int i = 0; i < IN_DIM; i++)
+                acc += teacher[j * IN_DIM + i] * x[b * IN_DIM + i];
+            y[b * OUT_DIM + j] = sinf(acc);
+        }
+    }
+}
+
+static void model_init(struct model *m, const struct opts *o)
+{
+    m->layers = o->layers;
+    m->dims[0] = IN_DIM;
+    for (int l = 1; l < o->layers; l++)
+        m->dims[l] = o->hidden;
+    m->dims[o->layers] = OUT_DIM;
+    m->n_tensors = (uint32_t)(2 * o->layers);
+    for (int l = 0; l < o->layers; l++) {
+        m->numel[2 * l] = (uint64_t)m->dims[l + 1] * (uint64_t)m->dims[l];
+        m->numel[2 * l + 1] = (uint64_t)m->dims[l + 1];
+    }
+}
+
+/* Initial parameters: uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) from the seed, biases zero. */
+static float **initial_params(const struct model *m, const struct opts *o)
+{
+    float **p = calloc(m->n_tensors, sizeof(*p));
+    uint64_t s = o->seed ^ 0x5eed5eedULL;
+    for (uint32_t t = 0; t < m->n_tensors; t++) {
+        p[t] = calloc(m->numel[t], sizeof(float));
+        if (t % 2 == 0) {
+            float bound = 1.0f / sqrtf((float)m->dims[t / 2]);
+            for (uint64_t i = 0; i < m->numel[t]; i++)
+                p[t][i] = uniform(&s) * bound;
+        }
+    }
+    return p;
+}
+
+/* ---- forward and backward of one micro-batch; w[t] are fp32 views of the current weights,
+ * g[t] receive the gradients of the mean loss. Returns the loss. */
+
+static void busy_wait_ms(double ms)
+{
+    if (ms <= 0)
+        return;
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    do
+        clock_gettime(CLOCK_MONOTONIC, &b);
+    while ((double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6 < ms);
+}
+
+struct acts {
+    float *a[MAX_LAYERS + 1]; /* a[0] = x, a[l+1] = layer l output */
+    float *dz, *dz_prev;
+};
+
+static void acts_alloc(struct acts *ac, const struct model *m, int batch)
+{
+    int maxd = 0;
+    for (int l = 0; l <= m->layers; l++) {
+        ac->a[l] = calloc((size_t)batch * (size_t)m->dims[l], sizeof(float));
+        if (m->dims[l] > maxd)
+            maxd = m->dims[l];
+    }
+    ac->dz = calloc((size_t)batch * (size_t)maxd, sizeof(float));
+    ac->dz_prev = calloc((size_t)batch * (size_t)maxd, sizeof(float));
+}
+
+static void layer_forward(const struct model *m, int l, const float *w, const float *bias,
+                          struct acts *ac, int batch)
+{
+    int din = m->dims[l], dout = m->dims[l + 1];
+    for (int b = 0; b < batch; b++)
+        for (int j = 0; j < dout; j++) {
+            float acc = bias[j];
+            const float *row = w + (size_t)j * (size_t)din;
+            const float *in = ac->a[l] + (size_t)b * (size_t)din;
+            for (int i = 0; i < din; i++)
+                acc += row[i] * in[i];
+            ac->a[l + 1][(size_t)b * (size_t)dout + (size_t)j] =
+                l + 1 < m->layers ? tanhf(acc) : acc;
+        }
+}
+
+static float loss_grad(const struct model *m, const float *y, struct acts *ac, int batch)
+{
+    int dout = m->dims[m->layers];
+    float loss = 0.0f, scale = 1.0f / (float)(batch * dout);
+    for (int k = 0; k < batch * dout; k++) {
+        float d = ac->a[m->layers][k] - y[k];
+        loss += d * d;
+        ac->dz[k] = 2.0f * d * scale;
+    }
+    return loss * scale;
+}
+
+/* dz holds dL/dz of layer l; writes dW, db into gw, gb and dL/dz of layer l-1 into dz. */
+static void layer_backward(const struct model *m, int l, const float *w, float *gw, float *gb,
+                           struct acts *ac, int batch)
+{
+    int din = m->dims[l], dout = m->dims[l + 1];
+    memset(gw, 0, sizeof(float) * (size_t)din * (size_t)dout);
+    memset(gb, 0, sizeof(float) * (size_t)dout);
+    for (int b = 0; b < batch; b++)
+        for (int j = 0; j < dout; j++) {
+            float d = ac->dz[(size_t)b * (size_t)dout + (size_t)j];
+            const float *in = ac->a[l] + (size_t)b * (size_t)din;
+            float *grow = gw + (size_t)j * (size_t)din;
+            for (int i = 0; i < din; i++)
+                grow[i] += d * in[i];
+            gb[j] += d;
+        }
+    if (l == 0)
+        return;
+    for (int b = 0; b < batch; b++)
+        for (int i = 0; i < din; i++) {
+            float acc = 0.0f;
+            for (int j = 0; j < dout; j++)
+                acc += w[(size_t)j * (size_t)din + (size_t)i] *
+                       ac->dz[(size_t)b * (size_t)dout + (size_t)j];
+            float a = ac->a[l][(size_t)b * (size_t)din + (size_t)i];
+            ac->dz_prev[(size_t)b * (size_t)din + (size_t)i] = acc * (1.0f - a * a);
+        }
+    float *t = ac->dz;
+    ac->dz = ac->dz_prev;
+    ac->dz_prev = t;
+}
+
+/* Round an fp32 buffer through the working dtype (what a bf16 trainer sees and pushes). */
+static void round_bf16(float *x, uint64_t n)
+{
+    for (uint64_t i = 0; i < n; i++)
+        x[i] = sd_bf16_to_f32(sd_f32_to_bf16(x[i]));
+}
+
+/* ---- the reference: plain data parallelism in one process */
+
+struct ref_optim {
+    float *master, *m, *v; /* per tensor, concatenated */
+};
+
+static void ref_adamw(const struct opts *o, float *p, float *mm, float *vv, const float *gsum,
+                      float scale, uint64_t n, uint64_t t)
+{
+    const float lr = o->lr, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = o->weight_decay;
+    const float bc1 = 1.0f - powf(b1, (float)t), bc2 = 1.0f - powf(b2, (float)t);
+    for (uint64_t i = 0; i < n; i++) {
+        float g = gsum[i] * scale;
+        float x = p[i] * (1.0f - lr * wd);
+        mm[i] = b1 * mm[i] + (1.0f - b1) * g;
+        vv[i] = b2 * vv[i] + (1.0f - b2) * g * g;
+        x = x - lr / bc1 * (mm[i] / (sqrtf(vv[i]) / sqrtf(bc2) + eps));
+        p[i] = x;
+    }
+}
+
+static void ref_sgd(const struct opts *o, float *p, float *buf, const float *gsum, float scale,
+                    uint64_t n)
+{
+    const float lr = o->lr, mu = 0.9f, wd = o->weight_decay;
+    for (uint64_t i = 0; i < n; i++) {
+        float g = gsum[i] * scale + wd * p[i];
+        buf[i] = mu * buf[i] + g;
+        p[i] = p[i] - lr * buf[i];
+    }
+}
+
+static int write_params(const char *path, const struct model *m, float *const *p)
+{
+    FILE *f = fopen(path, "wb");
+    if (f == NULL) {
+        perror(path);
+        return 1;
+    }
+    for (uint32_t t = 0; t < m->n_tensors; t++)
+        fwrite(p[t], sizeof(float), m->numel[t], f); /* x86-64 and aarch64: little-endian */
+    return fclose(f) == 0 ? 0 : 1;
+}
+
+static int run_reference(const struct opts *o, const struct model *m)
+{
+    float **master = initial_params(m, o);
+    float *mom[2 * MAX_LAYERS], *vel[2 * MAX_LAYERS], *acc[2 * MAX_LAYERS], *tmp[2 * MAX_LAYERS];
+    float *w[2 * MAX_LAYERS], *g[2 * MAX_LAYERS];
+    for (uint32_t t = 0; t < m->n_tensors; t++) {
+        mom[t] = calloc(m->numel[t], sizeof(float));
+        vel[t] = calloc(m->numel[t], sizeof(float));
+        acc[t] = calloc(m->numel[t], sizeof(float));
+        tmp[t] = calloc(m->numel[t], sizeof(float));
+        w[t] = calloc(m->numel[t], sizeof(float));
+        g[t] = calloc(m->numel[t], sizeof(float));
+    }
+    struct acts ac;
+    acts_alloc(&ac, m, o->batch);
+    float *y = calloc((size_t)o->batch * OUT_DIM, sizeof(float));
+
+    for (int step = 0; step < o->steps; step++) {
+        for (uint32_t t = 0; t < m->n_tensors; t++) { /* working weights */
+            memcpy(w[t], master[t], m->numel[t] * sizeof(float));
+            if (o->bf16)
+                round_bf16(w[t], m->numel[t]);
+            memset(acc[t], 0, m->numel[t] * sizeof(float));
+        }
+        double loss_sum = 0.0;
+        for (int micro = 0; micro < o->accum; micro++) {
+            for (int r = 0; r < o->world; r++) {
+                make_batch(o, step, micro, r, ac.a[0], y);
+                for (int l = 0; l < m->layers; l++)
+                    layer_forward(m, l, w[2 * l], w[2 * l + 1], &ac, o->batch);
+                loss_sum += loss_grad(m, y, &ac, o->batch);
+                for (int l = m->layers - 1; l >= 0; l--)
+                    layer_backward(m, l, w[2 * l], g[2 * l], g[2 * l + 1], &ac, o->batch);
+                for (uint32_t t = 0; t < m->n_tensors; t++) {
+                    if (o->bf16)
+                        round_bf16(g[t], m->numel[t]);
+                    for (uint64_t i = 0; i < m->numel[t]; i++)
+                        tmp[t][i] = r == 0 ? g[t][i] : tmp[t][i] + g[t][i];
+                }
+            }
+            for (uint32_t t = 0; t < m->n_tensors; t++)
+                for (uint64_t i = 0; i < m->numel[t]; i++)
+                    acc[t][i] += tmp[t][i];
+        }
+        double sumsq = 0.0;
+        for (uint32_t t = 0; t < m->n_tensors; t++)
+            for (uint64_t i = 0; i < m->numel[t]; i++)
+                sumsq += (double)acc[t][i] * (double)acc[t][i];
+        double norm = sqrt(sumsq) / (double)o->world;
+        float scale = 1.0f / (float)o->world;
+        if (o->max_grad_norm > 0.0f && norm > (double)o->max_grad_norm)
+            scale = scale * (float)((double)o->max_grad_norm / (norm + 1e-6));
+        for (uint32_t t = 0; t < m->n_tensors; t++) {
+            if (strcmp(o->optimizer, "adamw") == 0)
+                ref_adamw(o, master[t], mom[t], vel[t], acc[t], scale, m->numel[t],
+                          (uint64_t)step + 1);
+            else
+                ref_sgd(o, master[t], mom[t], acc[t], scale, m->numel[t]);
+        }
+        if (!o->quiet)
+            printf("step %d loss %.6f grad_norm %.6f\n", step + 1,
+                   loss_sum / (double)(o->world * o->accum), norm);
+    }
+    if (o->dump != NULL) {
+        for (uint32_t t = 0; t < m->n_tensors; t++)
+            if (o->bf16)
+                round_bf16(master[t], m->numel[t]);
+        return write_params(o->dump, m, master);
+    }
+    return 0;
+}
+
+/* ---- training through shardd */
+
+#define CHECK(call)                                                                                \
+    do {                                                                                           \
+        int st_ = (call);                                                                          \
+        if (st_ != SHARD_OK) {                                                                     \
+            fprintf(stderr, "mlp_train rank %d: %s failed: %s: %s\n", o->rank, #call,              \
+                    shard_strerror(st_), shard_last_error(ctx));                                   \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+/* fp32 view of a fetched unit (converts bf16) */
+static void unit_to_f32(const shard_unit_info_t *ui, const void *data, float *out)
+{
+    if (ui->dtype == SHARD_FP32) {
+        memcpy(out, data, ui->numel * sizeof(float));
+        return;
+    }
+    const uint16_t *h = data;
+    for (uint64_t i = 0; i < ui->numel; i++)
+        out[i] = sd_bf16_to_f32(h[i]);
+}
+
+static int run_shardd(const struct opts *o, const struct model *m)
+{
+    shard_ctx_t *ctx = NULL;
+    CHECK(shard_attach(o->socket, &ctx));
+    shard_tensor_t tensors[2 * MAX_LAYERS];
+    uint64_t dims[2 * MAX_LAYERS][2];
+    char names[2 * MAX_LAYERS][32];
+    for (int l = 0; l < m->layers; l++) {
+        snprintf(names[2 * l], sizeof(names[0]), "fc%d.weight", l);
+        snprintf(names[2 * l + 1], sizeof(names[0]), "fc%d.bias", l);
+        dims[2 * l][0] = (uint64_t)m->dims[l + 1];
+        dims[2 * l][1] = (uint64_t)m->dims[l];
+        dims[2 * l + 1][0] = (uint64_t)m->dims[l + 1];
+        for (int k = 0; k < 2; k++)
+            tensors[2 * l + k] = (shard_tensor_t){.name = names[2 * l + k],
+                                                  .ndim = k == 0 ? 2u : 1u,
+                                                  .dims = dims[2 * l + k],
+                                                  .dtype = o->bf16 ? SHARD_BF16 : SHARD_FP32,
+                                                  .unit = (uint32_t)l};
+    }
+    float **init = initial_params(m, o);
+    shard_model_t model = {
+        .job = o->job,
+        .rank = (uint32_t)o->rank,
+        .world = (uint32_t)o->world,
+        .plan = o->plan,
+        .tensors = tensors,
+        .n_tensors = m->n_tensors,
+        .optimizer = {.name = o->optimizer,
+                      .lr = o->lr,
+                      .beta1 = 0.9f,
+                      .beta2 = 0.999f,
+                      .eps = 1e-8f,
+                      .weight_decay = o->weight_decay,
+                      .momentum = 0.9f,
+                      .max_grad_norm = o->max_grad_norm},
+        .init = (const float *const *)init,
+    };
+    CHECK(shard_register(ctx, &model));
+
+    uint32_t units = shard_num_units(ctx);
+    shard_unit_info_t ui[MAX_LAYERS];
+    shard_tensor_info_t ti[2 * MAX_LAYERS];
+    float *w[MAX_LAYERS], *grad[MAX_LAYERS];
+    uint16_t *grad16[MAX_LAYERS];
+    for (uint32_t u = 0; u < units; u++) {
+        CHECK(shard_unit_info(ctx, u, &ui[u]));
+        w[u] = calloc(ui[u].numel, sizeof(float));
+        grad[u] = calloc(ui[u].numel, sizeof(float));
+        grad16[u] = calloc(ui[u].numel, sizeof(uint16_t));
+    }
+    for (uint32_t t = 0; t < m->n_tensors; t++)
+        CHECK(shard_tensor_info(ctx, t, &ti[t]));
+
+    struct acts ac;
+    acts_alloc(&ac, m, o->batch);
+    float *y = calloc((size_t)o->batch * OUT_DIM, sizeof(float));
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int step = 0; step < o->steps; step++) {
+        double loss_sum = 0.0;
+        for (int micro = 0; micro < o->accum; micro++) {
+            make_batch(o, step, micro, o->rank, ac.a[0], y);
+            for (int l = 0; l < m->layers; l++) { /* forward: fetch, compute, release */
+                const void *data;
+                CHECK(shard_fetch(ctx, (uint32_t)l, &data));
+                unit_to_f32(&ui[l], data, w[l]);
+                CHECK(shard_release(ctx, (uint32_t)l));
+                busy_wait_ms(o->compute_ms);
+                layer_forward(m, l, w[l] + ti[2 * l].offset, w[l] + ti[2 * l + 1].offset, &ac,
+                              o->batch);
+            }
+            loss_sum += loss_grad(m, y, &ac, o->batch);
+            for (int l = m->layers - 1; l >= 0; l--) { /* backward: fetch, grads, push */
+                const void *data;
+                CHECK(shard_fetch(ctx, (uint32_t)l, &data));
+                unit_to_f32(&ui[l], data, w[l]);
+                busy_wait_ms(o->compute_ms);
+                memset(grad[l], 0, ui[l].numel * sizeof(float));
+                layer_backward(m, l, w[l] + ti[2 * l].offset, grad[l] + ti[2 * l].offset,
+                               grad[l] + ti[2 * l + 1].offset, &ac, o->batch);
+                CHECK(shard_release(ctx, (uint32_t)l));
+                if (o->bf16) {
+                    for (uint64_t i = 0; i < ui[l].numel; i++)
+                        grad16[l][i] = sd_f32_to_bf16(grad[l][i]);
+                    CHECK(shard_push_grad(ctx, (uint32_t)l, grad16[l], ui[l].bytes));
+                } else {
+                    CHECK(shard_push_grad(ctx, (uint32_t)l, grad[l], ui[l].bytes));
+                }
+            }
+        }
+        double norm = 0.0;
+        CHECK(shard_step(ctx, &norm));
+        if (!o->quiet && o->rank == 0)
+            printf("step %d loss %.6f grad_norm %.6f (rank 0 micro-batches)\n", step + 1,
+                   loss_sum / o->accum, norm);
+        fflush(stdout);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (!o->quiet && o->rank == 0)
+        printf("rank 0: %d steps in %.3f s\n", o->steps,
+               (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9);
+
+    if (o->dump != NULL) {
+        float *params[2 * MAX_LAYERS];
+        for (uint32_t u = 0; u < units; u++) {
+            const void *data;
+            CHECK(shard_fetch(ctx, u, &data));
+            unit_to_f32(&ui[u], data, w[u]);
+            CHECK(shard_release(ctx, u));
+        }
+        for (uint32_t t = 0; t < m->n_tensors; t++)
+            params[t] = w[ti[t].unit] + ti[t].offset;
+        if (write_params(o->dump, m, params) != 0)
+            return 1;
+    }
+    CHECK(shard_detach(ctx));
+    return 0;
+}
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: mlp_train [--socket PATH] [--job NAME] [--rank R] [--world W]\n"
+            "                 [--plan ddp|zero3|mics:P] [--steps N] [--accum S]\n"
+            "                 [--optimizer adamw|sgd] [--dtype fp32|bf16] [--seed X]\n"
+            "                 [--lr LR] [--weight-decay WD] [--max-grad-norm C]\n"
+            "                 [--batch B] [--hidden H] [--layers L] [--compute-ms MS]\n"
+            "                 [--dump-params FILE] [--reference] [--quiet]\n"
+            "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
+            "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
+            "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
+            "layers 4 (about 327k parameters).\n",
+            IN_DIM, OUT_DIM);
+}
+
+int main(int argc, char **argv)
+{
+    struct opts o = {.job = "mlp",
+                     .plan = "ddp",
+                     .optimizer = "adamw",
+                     .world = 1,
+                     .steps = 20,
+                     .accum = 1,
+                     .batch = 8,
+                     .hidden = 384,
+                     .layers = 4,
+                     .seed = 1,
+                     .lr = 1e-3f};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define ARG(name) (strcmp(a, name) == 0 && v != NULL && ++i)
+        if (strcmp(a, "--help") == 0) {
+            usage(stdout);
+            return 0;
+        } else if (strcmp(a, "--reference") == 0) {
+            o.reference = true;
+        } else if (strcmp(a, "--quiet") == 0) {
+            o.quiet = true;
+        } else if (ARG("--socket")) {
+            o.socket = v;
+        } else if (ARG("--job")) {
+            o.job = v;
+        } else if (ARG("--rank")) {
+            o.rank = atoi(v);
+        } else if (ARG("--world")) {
+            o.world = atoi(v);
+        } else if (ARG("--plan")) {
+            o.plan = v;
+        } else if (ARG("--steps")) {
+            o.steps = atoi(v);
+        } else if (ARG("--accum")) {
+            o.accum = atoi(v);
+        } else if (ARG("--optimizer")) {
+            o.optimizer = v;
+        } else if (ARG("--dtype")) {
+            if (strcmp(v, "bf16") != 0 && strcmp(v, "fp32") != 0) {
+                fprintf(stderr, "mlp_train: --dtype must be fp32 or bf16\n");
+                return 2;
+            }
+            o.bf16 = strcmp(v, "bf16") == 0;
+        } else if (ARG("--seed")) {
+            o.seed = strtoull(v, NULL, 10);
+        } else if (ARG("--lr")) {
+            o.lr = strtof(v, NULL);
+        } else if (ARG("--weight-decay")) {
+            o.weight_decay = strtof(v, NULL);
+        } else if (ARG("--max-grad-norm")) {
+            o.max_grad_norm = strtof(v, NULL);
+        } else if (ARG("--batch")) {
+            o.batch = atoi(v);
+        } else if (ARG("--hidden")) {
+            o.hidden = atoi(v);
+        } else if (ARG("--layers")) {
+            o.layers = atoi(v);
+        } else if (ARG("--compute-ms")) {
+            o.compute_ms = strtod(v, NULL);
+        } else if (ARG("--dump-params")) {
+            o.dump = v;
+        } else {
+            fprintf(stderr, "mlp_train: unknown or incomplete argument '%s'\n", a);
+            usage(stderr);
+            return 2;
+        }
+#undef ARG
+    }
+    if (o.world < 1 || o.rank < 0 || o.rank >= o.world || o.steps < 0 || o.accum < 1 ||
+        o.batch < 1 || o.hidden < 1 || o.layers < 1 || o.layers > MAX_LAYERS ||
+        (strcmp(o.optimizer, "adamw") != 0 && strcmp(o.optimizer, "sgd") != 0)) {
+        fprintf(stderr, "mlp_train: invalid arguments (rank %d world %d layers %d optimizer %s)\n",
+                o.rank, o.world, o.layers, o.optimizer);
+        return 2;
+    }
+    struct model m;
+    model_init(&m, &o);
+    return o.reference ? run_reference(&o, &m) : run_shardd(&o, &m);
+}

@@ -1,0 +1,293 @@
+/* shardctl: inspect a running shardd (status, jobs, groups, topology, stats). */
+#include "shard_internal.h"
+#include "sd/frame.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include "shard.pb-c.h"
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: shardctl [--socket PATH] [--job NAME] [--json] COMMAND\n"
+            "\n"
+            "Commands:\n"
+            "  status     version, uptime, effective configuration, clients, jobs\n"
+            "  jobs       registered jobs: state, world, plan, units, memory, steps\n"
+            "  groups     per job and state: shard factor, partition and replication groups\n"
+            "  topology   this node, the cluster size and the jobs' rank placement\n"
+            "  stats      per job: operations, bytes by link class, latency percentiles,\n"
+            "             allocations since registration\n"
+            "\n"
+            "Options:\n"
+            "  --socket PATH  daemon socket (default $SHARD_SOCKET, else /run/shardd/shardd.sock)\n"
+            "  --job NAME     only this job\n"
+            "  --json         print the daemon's JSON document instead of tables\n");
+}
+
+static const char *str(json_t *o, const char *key)
+{
+    const char *s = json_string_value(json_object_get(o, key));
+    return s ? s : "";
+}
+
+static long long num(json_t *o, const char *key)
+{
+    return (long long)json_integer_value(json_object_get(o, key));
+}
+
+static void print_jobs(json_t *jobs)
+{
+    char mem[32], par[32];
+    printf("%-20s %4s %-11s %5s %-10s %5s %12s %10s %10s %6s\n", "JOB", "ID", "STATE", "WORLD",
+           "PLAN", "UNITS", "PARAMETERS", "PARAM-MEM", "MEMORY", "STEPS");
+    size_t i;
+    json_t *j;
+    json_array_foreach(jobs, i, j)
+    {
+        printf("%-20s %4lld %-11s %5lld %-10s %5lld %12lld %10s %10s %6lld\n", str(j, "name"),
+               num(j, "id"), str(j, "state"), num(j, "world"), str(j, "plan"), num(j, "units"),
+               num(j, "parameters"),
+               sd_fmt_bytes(par, sizeof(par), (uint64_t)num(j, "parameter_bytes")),
+               sd_fmt_bytes(mem, sizeof(mem), (uint64_t)num(j, "memory_bytes")), num(j, "steps"));
+        if (str(j, "error")[0])
+            printf("    %s\n", str(j, "error"));
+    }
+    if (json_array_size(jobs) == 0)
+        printf("(no jobs)\n");
+}
+
+static void print_status(json_t *doc)
+{
+    char b1[32], b2[32];
+    printf("shardd %s, pid %lld, up %.1f s, node %lld of %lld\n", str(doc, "version"),
+           num(doc, "pid"), json_real_value(json_object_get(doc, "uptime_s")), num(doc, "node"),
+           num(doc, "nodes"));
+    printf("socket %s\n", str(doc, "socket"));
+    printf("memory %s used of %s budget\n\n",
+           sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(doc, "memory_used_bytes")),
+           sd_fmt_bytes(b2, sizeof(b2), (uint64_t)num(doc, "memory_budget_bytes")));
+    printf("configuration:\n");
+    const char *key;
+    json_t *v;
+    json_object_foreach(json_object_get(doc, "config"), key, v)
+    {
+        if (json_is_string(v))
+            printf("  %-20s %s\n", key, json_string_value(v));
+        else
+            printf("  %-20s %lld\n", key, (long long)json_integer_value(v));
+    }
+    json_t *clients = json_object_get(doc, "clients");
+    printf("\nclients: %zu\n", json_array_size(clients));
+    size_t i;
+    json_t *c;
+    if (json_array_size(clients) > 0)
+        printf("  %-8s %-8s %-6s %-20s %s\n", "SESSION", "PID", "UID", "JOB", "RANK");
+    json_array_foreach(clients, i, c)
+    {
+        printf("  %-8lld %-8lld %-6lld %-20s %lld\n", num(c, "session"), num(c, "pid"),
+               num(c, "uid"), json_is_string(json_object_get(c, "job")) ? str(c, "job") : "-",
+               num(c, "rank"));
+    }
+    printf("\n");
+    print_jobs(json_object_get(doc, "jobs"));
+}
+
+static void print_group_list(json_t *groups)
+{
+    size_t i, k;
+    json_t *g, *r;
+    json_array_foreach(groups, i, g)
+    {
+        printf(" [");
+        json_array_foreach(g, k, r) printf("%s%lld", k ? " " : "", (long long)json_integer_value(r));
+        printf("]");
+    }
+    printf("\n");
+}
+
+static void print_groups(json_t *doc)
+{
+    size_t i;
+    json_t *j;
+    json_array_foreach(json_object_get(doc, "jobs"), i, j)
+    {
+        printf("job %s: plan %s, world %lld, hierarchical gather %s, 2-hop sync %s\n",
+               str(j, "job"), str(j, "plan"), num(j, "world"),
+               json_is_true(json_object_get(j, "hierarchical")) ? "on" : "off",
+               json_is_true(json_object_get(j, "two_hop")) ? "on" : "off");
+        const char *state;
+        json_t *s;
+        json_object_foreach(json_object_get(j, "states"), state, s)
+        {
+            printf("  %-2s f=%-4lld partition:", state, num(s, "shard_factor"));
+            print_group_list(json_object_get(s, "partition"));
+            printf("          replication:");
+            print_group_list(json_object_get(s, "replication"));
+        }
+    }
+    if (json_array_size(json_object_get(doc, "jobs")) == 0)
+        printf("(no jobs)\n");
+}
+
+static void print_topology(json_t *doc)
+{
+    printf("node %lld of %lld, backend %s, ranks per node %lld%s\n", num(doc, "node"),
+           num(doc, "nodes"), str(doc, "backend"), num(doc, "ranks_per_node"),
+           num(doc, "ranks_per_node") == 0 ? " (from each job)" : "");
+    size_t i;
+    json_t *n, *j;
+    json_array_foreach(json_object_get(doc, "topology"), i, n)
+    {
+        printf("  node %lld%s %s\n", num(n, "node"),
+               json_is_true(json_object_get(n, "self")) ? " (this daemon)" : "", str(n, "socket"));
+    }
+    json_array_foreach(json_object_get(doc, "jobs"), i, j)
+    {
+        printf("job %s: world %lld = %lld nodes x %lld ranks; ranks here:", str(j, "name"),
+               num(j, "world"), num(doc, "nodes"), num(j, "ranks_per_node"));
+        size_t k;
+        json_t *r;
+        json_array_foreach(json_object_get(j, "ranks"), k, r)
+        {
+            printf(" %lld%s", num(r, "rank"), json_is_true(json_object_get(r, "attached")) ? "" : "(gone)");
+        }
+        printf("\n");
+    }
+}
+
+static void print_stats(json_t *doc)
+{
+    size_t i;
+    json_t *j;
+    char b1[32], b2[32], b3[32];
+    json_array_foreach(json_object_get(doc, "jobs"), i, j)
+    {
+        json_t *tot = json_object_get(j, "bytes");
+        printf("job %s: %lld steps, %lld errors, gathers %lld, cache hits %lld, evictions %lld, "
+               "allocations since registration %lld\n",
+               str(j, "job"), num(j, "steps"), num(j, "errors"), num(j, "gathers"),
+               num(j, "cache_hits"), num(j, "evictions"), num(j, "allocations_since_register"));
+        printf("  bytes: intra-node %s, inter-node sent %s, received %s\n",
+               sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(tot, "intra_node")),
+               sd_fmt_bytes(b2, sizeof(b2), (uint64_t)num(tot, "inter_node_sent")),
+               sd_fmt_bytes(b3, sizeof(b3), (uint64_t)num(tot, "inter_node_recv")));
+        printf("  %-8s %10s %10s %10s %10s %12s %12s\n", "OP", "COUNT", "P50-US", "P99-US",
+               "MAX-US", "INTRA", "INTER-SENT");
+        const char *op;
+        json_t *o;
+        json_object_foreach(json_object_get(j, "ops"), op, o)
+        {
+            json_t *b = json_object_get(o, "bytes");
+            printf("  %-8s %10lld %10.1f %10.1f %10.1f %12s %12s\n", op, num(o, "count"),
+                   json_real_value(json_object_get(o, "p50_us")),
+                   json_real_value(json_object_get(o, "p99_us")),
+                   json_real_value(json_object_get(o, "max_us")),
+                   sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(b, "intra_node")),
+                   sd_fmt_bytes(b2, sizeof(b2), (uint64_t)num(b, "inter_node_sent")));
+        }
+    }
+    if (json_array_size(json_object_get(doc, "jobs")) == 0)
+        printf("(no jobs)\n");
+}
+
+int main(int argc, char **argv)
+{
+    const char *socket = NULL, *job = NULL, *cmd = NULL;
+    bool as_json = false;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            usage(stdout);
+            return 0;
+        } else if (strcmp(argv[i], "--json") == 0) {
+            as_json = true;
+        } else if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
+            socket = argv[++i];
+        } else if (strcmp(argv[i], "--job") == 0 && i + 1 < argc) {
+            job = argv[++i];
+        } else if (argv[i][0] != '-' && cmd == NULL) {
+            cmd = argv[i];
+        } else {
+            fprintf(stderr, "shardctl: unexpected argument '%s'\n", argv[i]);
+            usage(stderr);
+            return 2;
+        }
+    }
+    static const char *const cmds[] = {"status", "jobs", "groups", "topology", "stats"};
+    bool known = false;
+    for (size_t i = 0; cmd && i < SD_ARRAY_SIZE(cmds); i++)
+        known |= strcmp(cmd, cmds[i]) == 0;
+    if (!known) {
+        fprintf(stderr, cmd ? "shardctl: unknown command '%s'\n" : "shardctl: no command%s\n",
+                cmd ? cmd : "");
+        usage(stderr);
+        return 2;
+    }
+
+    char err[512];
+    int fd;
+    int status = shard__connect(socket, &fd, err, sizeof(err));
+    if (status != SD_OK) {
+        fprintf(stderr, "shardctl: %s\n", err);
+        return 1;
+    }
+    Shard__AdminRequest req = SHARD__ADMIN_REQUEST__INIT;
+    req.command = (char *)cmd;
+    req.job = (char *)(job ? job : "");
+    Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
+    msg.msg_case = SHARD__CLIENT_MSG__MSG_ADMIN;
+    msg.admin = &req;
+    uint8_t *buf = NULL;
+    size_t len;
+    status = sd_frame_send(fd, &msg.base, NULL, 0, 5000);
+    if (status == SD_OK)
+        status = sd_frame_recv(fd, &buf, &len, NULL, 0, NULL, 64u << 20, 10000);
+    close(fd);
+    if (status != SD_OK) {
+        fprintf(stderr, "shardctl: no answer from shardd: %s\n", sd_status_str(status));
+        return 1;
+    }
+    Shard__DaemonMsg *rep = shard__daemon_msg__unpack(NULL, len, buf);
+    free(buf);
+    if (rep == NULL || rep->msg_case != SHARD__DAEMON_MSG__MSG_ADMIN) {
+        if (rep && rep->msg_case == SHARD__DAEMON_MSG__MSG_ERROR)
+            fprintf(stderr, "shardctl: %s\n", rep->error->message);
+        else
+            fprintf(stderr, "shardctl: unexpected reply from shardd\n");
+        return 1;
+    }
+    json_error_t jerr;
+    json_t *doc = json_loads(rep->admin->json, 0, &jerr);
+    int rc = 0;
+    if (rep->admin->status != SD_OK) {
+        fprintf(stderr, "shardctl: %s: %s%s%s\n", cmd, sd_status_str(rep->admin->status),
+                job ? " " : "", job ? job : "");
+        rc = 1;
+    } else if (doc == NULL) {
+        fprintf(stderr, "shardctl: daemon sent invalid JSON: %s\n", jerr.text);
+        rc = 1;
+    } else if (as_json) {
+        char *out = json_dumps(doc, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        puts(out);
+        free(out);
+    } else if (strcmp(cmd, "status") == 0) {
+        print_status(doc);
+    } else if (strcmp(cmd, "jobs") == 0) {
+        print_jobs(json_object_get(doc, "jobs"));
+    } else if (strcmp(cmd, "groups") == 0) {
+        print_groups(doc);
+    } else if (strcmp(cmd, "topology") == 0) {
+        print_topology(doc);
+    } else {
+        print_stats(doc);
+    }
+    json_decref(doc);
+    shard__daemon_msg__free_unpacked(rep, NULL);
+    return rc;
+}
