@@ -31,16 +31,43 @@ static void usage(FILE *out)
     fprintf(out, "\nSignals: SIGTERM or SIGINT shut down cleanly.\n");
 }
 
-static int count_fds(void)
+/* Open file descriptors as a bitmap, to name any that are leaked at exit. */
+#define FD_TRACK 4096
+static int fd_snapshot(unsigned char *set)
 {
     DIR *d = opendir("/proc/self/fd");
     int n = 0;
     if (d == NULL)
         return -1;
-    while (readdir(d) != NULL)
+    memset(set, 0, FD_TRACK / 8);
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        int fd = atoi(e->d_name);
+        if (e->d_name[0] == '.' || fd == dirfd(d) || fd >= FD_TRACK)
+            continue;
+        set[fd / 8] |= (unsigned char)(1u << (fd % 8));
         n++;
+    }
     closedir(d);
     return n;
+}
+
+static int report_leaked_fds(const unsigned char *before)
+{
+    unsigned char after[FD_TRACK / 8];
+    int leaked = 0;
+    if (fd_snapshot(after) < 0)
+        return 0;
+    for (int fd = 0; fd < FD_TRACK; fd++) {
+        if (!(after[fd / 8] & (1u << (fd % 8))) || (before[fd / 8] & (1u << (fd % 8))))
+            continue;
+        char path[64], target[256] = "?";
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+        ssize_t n = readlink(path, target, sizeof(target) - 1);
+        target[n > 0 ? n : 1] = '\0';
+        SD_ERROR("main", "leaked file descriptor %d -> %s", fd, target);
+        leaked++;
+    }
+    return leaked;
 }
 
 /* systemd Type=notify: tell the manager we are up, if it asked. */
@@ -143,7 +170,7 @@ int main(int argc, char **argv)
     static struct sd_config cfg;
     static struct sd_registry reg;
     static struct app app;
-    int fds_at_start = count_fds();
+    static unsigned char fds_at_start[FD_TRACK / 8];
 
     sd_config_defaults(&cfg);
     int r = parse_args(argc, argv, &cfg);
@@ -160,15 +187,20 @@ int main(int argc, char **argv)
     }
     uv_loop_t loop;
     uv_loop_init(&loop);
+    /* libuv's signal pipe lives as long as the process: take the baseline after it exists */
+    uv_signal_init(&loop, &app.sigterm);
+    uv_signal_init(&loop, &app.sigint);
+    fd_snapshot(fds_at_start);
     sd_registry_init(&reg, &cfg, dev);
     int status = sd_server_start(&app.srv, &loop, &cfg, &reg);
     if (status != SD_OK) {
         fprintf(stderr, "shardd: cannot start: %s\n", sd_status_str(status));
+        uv_close((uv_handle_t *)&app.sigterm, NULL);
+        uv_close((uv_handle_t *)&app.sigint, NULL);
+        uv_run(&loop, UV_RUN_DEFAULT);
         uv_loop_close(&loop);
         return 1;
     }
-    uv_signal_init(&loop, &app.sigterm);
-    uv_signal_init(&loop, &app.sigint);
     app.sigterm.data = app.sigint.data = &app;
     uv_signal_start(&app.sigterm, on_signal, SIGTERM);
     uv_signal_start(&app.sigint, on_signal, SIGINT);
@@ -180,13 +212,8 @@ int main(int argc, char **argv)
     int rc = uv_loop_close(&loop) == 0 ? 0 : 3;
     if (rc != 0)
         SD_ERROR("main", "event loop still had open handles at exit");
-    int fds_at_end = count_fds();
-    /* libuv keeps an epoll fd and signal pipes open until the loop closes; compare after */
-    if (fds_at_start >= 0 && fds_at_end > fds_at_start) {
-        SD_ERROR("main", "leaked %d file descriptors (had %d at start, %d at exit)",
-                 fds_at_end - fds_at_start, fds_at_start, fds_at_end);
+    if (report_leaked_fds(fds_at_start) > 0)
         rc = 4;
-    }
     if (reg.n_jobs != 0 || reg.used != 0) {
         SD_ERROR("main", "%u jobs / %llu bytes still accounted at exit", reg.n_jobs,
                  (unsigned long long)reg.used);

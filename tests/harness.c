@@ -1,0 +1,188 @@
+#include "harness.h"
+#include "shard_internal.h"
+#include "sd/frame.h"
+#include "shard.pb-c.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+int th_passed, th_failed;
+
+double th_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+pid_t th_spawn(const char *const *argv, const char *out_path)
+{
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (out_path != NULL) {
+            int fd = open(out_path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+            if (fd >= 0) {
+                dup2(fd, 1);
+                dup2(fd, 2);
+                close(fd);
+            }
+        }
+        execv(argv[0], (char *const *)argv);
+        fprintf(stderr, "exec %s: %s\n", argv[0], strerror(errno));
+        _exit(127);
+    }
+    return pid;
+}
+
+int th_wait(pid_t pid, int timeout_ms)
+{
+    double end = th_now_s() + timeout_ms / 1000.0;
+    for (;;) {
+        int st;
+        pid_t r = waitpid(pid, &st, WNOHANG);
+        if (r == pid)
+            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        if (r < 0)
+            return -2;
+        if (th_now_s() > end) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &st, 0);
+            return -1;
+        }
+        usleep(2000);
+    }
+}
+
+static bool can_connect(const char *path)
+{
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof(a.sun_path))
+        return false;
+    memcpy(a.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    bool ok = fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
+    if (fd >= 0)
+        close(fd);
+    return ok;
+}
+
+int th_daemon_start(struct th_daemon *d, const char *const *extra)
+{
+    memset(d, 0, sizeof(*d));
+    snprintf(d->dir, sizeof(d->dir), "/tmp/shardd-test-XXXXXX");
+    if (mkdtemp(d->dir) == NULL)
+        return -1;
+    char rundir[300];
+    snprintf(rundir, sizeof(rundir), "%s/run", d->dir);
+    snprintf(d->sock, sizeof(d->sock), "%s/shardd.sock", rundir);
+    snprintf(d->log, sizeof(d->log), "%s/shardd.log", d->dir);
+    const char *argv[64] = {SHARDD_PATH, "--runtime-dir", rundir};
+    int n = 3;
+    for (int i = 0; extra && extra[i] && n < 62; i++)
+        argv[n++] = extra[i];
+    argv[n] = NULL;
+    d->pid = th_spawn(argv, d->log);
+    double end = th_now_s() + 10.0;
+    while (th_now_s() < end) {
+        if (can_connect(d->sock))
+            return 0;
+        int st;
+        if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
+            d->pid = 0;
+            return -1;
+        }
+        usleep(5000);
+    }
+    return -1;
+}
+
+bool th_daemon_alive(const struct th_daemon *d)
+{
+    return d->pid > 0 && kill(d->pid, 0) == 0 && waitpid(d->pid, NULL, WNOHANG) == 0;
+}
+
+int th_daemon_stop(struct th_daemon *d)
+{
+    if (d->pid <= 0)
+        return -1;
+    kill(d->pid, SIGTERM);
+    int rc = th_wait(d->pid, 10000);
+    d->pid = 0;
+    struct stat st;
+    bool sock_gone = stat(d->sock, &st) != 0;
+    if (rc != 0 || !sock_gone || th_failed) {
+        fprintf(stderr, "daemon exit code %d, socket %s; log %s follows:\n", rc,
+                sock_gone ? "removed" : "left behind", d->log);
+        char *log = th_read_file(d->log, NULL);
+        if (log) {
+            size_t len = strlen(log);
+            fputs(len > 6000 ? log + len - 6000 : log, stderr);
+            free(log);
+        }
+    } else {
+        char cmd[600];
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", d->dir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "could not remove %s\n", d->dir);
+    }
+    return sock_gone ? rc : (rc ? rc : 99);
+}
+
+char *th_admin(const char *sock, const char *cmd)
+{
+    char err[256];
+    int fd;
+    if (shard__connect(sock, &fd, err, sizeof(err)) != 0)
+        return NULL;
+    Shard__AdminRequest req = SHARD__ADMIN_REQUEST__INIT;
+    req.command = (char *)cmd;
+    Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
+    msg.msg_case = SHARD__CLIENT_MSG__MSG_ADMIN;
+    msg.admin = &req;
+    uint8_t *buf = NULL;
+    size_t len;
+    char *out = NULL;
+    if (sd_frame_send(fd, &msg.base, NULL, 0, 5000) == 0 &&
+        sd_frame_recv(fd, &buf, &len, NULL, 0, NULL, 64u << 20, 5000) == 0) {
+        Shard__DaemonMsg *rep = shard__daemon_msg__unpack(NULL, len, buf);
+        if (rep && rep->msg_case == SHARD__DAEMON_MSG__MSG_ADMIN && rep->admin->json)
+            out = strdup(rep->admin->json);
+        if (rep)
+            shard__daemon_msg__free_unpacked(rep, NULL);
+    }
+    free(buf);
+    close(fd);
+    return out;
+}
+
+char *th_read_file(const char *path, size_t *len_p)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    size_t got = fread(buf, 1, (size_t)n, f);
+    fclose(f);
+    buf[got] = '\0';
+    if (len_p)
+        *len_p = got;
+    return buf;
+}
+
+int th_summary(const char *name)
+{
+    printf("%s: %d passed, %d failed\n", name, th_passed, th_failed);
+    return th_failed ? 1 : 0;
+}

@@ -1,0 +1,47 @@
+/* Test harness: real shardd processes, real clients, deadlines on everything. */
+#ifndef TH_HARNESS_H
+#define TH_HARNESS_H
+
+#include <stdbool.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+struct th_daemon {
+    pid_t pid;
+    char dir[256];  /* test directory (removed by th_daemon_stop when the test passed) */
+    char sock[320]; /* client socket */
+    char log[320];
+};
+
+extern int th_passed, th_failed;
+
+#define TH_CHECK(cond, ...)                                                                        \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            th_passed++;                                                                           \
+        } else {                                                                                   \
+            th_failed++;                                                                           \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+        }                                                                                          \
+    } while (0)
+
+/* Start shardd with extra "--key", "value" arguments (NULL-terminated list, may be NULL). */
+int th_daemon_start(struct th_daemon *d, const char *const *extra);
+/* SIGTERM and wait; returns the exit code (0: clean shutdown, no leaks), or -1 on timeout. */
+int th_daemon_stop(struct th_daemon *d);
+bool th_daemon_alive(const struct th_daemon *d);
+/* Spawn argv with stdout+stderr to out_path (or inherited when NULL). */
+pid_t th_spawn(const char *const *argv, const char *out_path);
+/* Exit code; 128+signal if killed by a signal; -1 if it ran past timeout_ms (then killed). */
+int th_wait(pid_t pid, int timeout_ms);
+/* One admin command; returns the daemon's JSON (malloc'd) or NULL. */
+char *th_admin(const char *sock, const char *cmd);
+/* Read a whole file (malloc'd) or NULL. */
+char *th_read_file(const char *path, size_t *len_p);
+double th_now_s(void);
+/* Print the closing line and return the process exit code. */
+int th_summary(const char *name);
+
+#endif
