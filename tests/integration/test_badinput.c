@@ -1,0 +1,358 @@
+/* Bad input never crashes shardd, never hangs, and never changes another job: each case gets a
+ * clear error, and afterwards the daemon still answers `shardctl status`. A bystander job trains
+ * beside all of it and must still match its reference bitwise. */
+#include "harness.h"
+#include "shard.h"
+#include "shard_internal.h"
+#include "sd/frame.h"
+#include "sd/ring.h"
+#include "shard.pb-c.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+static struct th_daemon d;
+
+static void expect_alive(const char *after)
+{
+    char *js = th_admin(d.sock, "status");
+    TH_CHECK(js != NULL && strstr(js, "\"version\"") != NULL,
+             "daemon does not answer status after %s", after);
+    free(js);
+}
+
+static int raw_connect(void)
+{
+    int fd;
+    char err[256];
+    return shard__connect(d.sock, &fd, err, sizeof(err)) == 0 ? fd : -1;
+}
+
+/* Read one reply; returns the Error status (0 if another message) and copies its text. */
+static int read_error(int fd, char *msg, size_t len)
+{
+    uint8_t *buf;
+    size_t n;
+    msg[0] = '\0';
+    int st = sd_frame_recv(fd, &buf, &n, NULL, 0, NULL, 1 << 20, 5000);
+    if (st != 0)
+        return st;
+    Shard__DaemonMsg *m = shard__daemon_msg__unpack(NULL, n, buf);
+    free(buf);
+    int status = 0;
+    if (m && m->msg_case == SHARD__DAEMON_MSG__MSG_ERROR) {
+        status = m->error->status;
+        snprintf(msg, len, "%s", m->error->message);
+    }
+    if (m)
+        shard__daemon_msg__free_unpacked(m, NULL);
+    return status;
+}
+
+static void test_garbage(void)
+{
+    char msg[512];
+    /* random bytes: the length prefix is huge, so the daemon answers EMSGSIZE and hangs up */
+    int fd = raw_connect();
+    unsigned char junk[4096];
+    srand(42);
+    for (size_t i = 0; i < sizeof(junk); i++)
+        junk[i] = (unsigned char)rand();
+    junk[3] = 0xff;
+    TH_CHECK(sd_frame_send_raw(fd, junk, sizeof(junk), NULL, 0, 2000) == 0, "send junk");
+    int st = read_error(fd, msg, sizeof(msg));
+    TH_CHECK(st == SHARD_EMSGSIZE && strstr(msg, "max_message_bytes"), "junk: status %d '%s'", st,
+             msg);
+    close(fd);
+    expect_alive("random bytes");
+
+    /* a well-framed message that is not protobuf */
+    fd = raw_connect();
+    unsigned char frame[4 + 64] = {64, 0, 0, 0};
+    memset(frame + 4, 0xff, 64);
+    sd_frame_send_raw(fd, frame, sizeof(frame), NULL, 0, 2000);
+    st = read_error(fd, msg, sizeof(msg));
+    TH_CHECK(st == SHARD_EPROTO && strstr(msg, "could not decode"), "garbage frame: %d '%s'", st,
+             msg);
+    close(fd);
+
+    /* an empty ClientMsg (no body) */
+    fd = raw_connect();
+    unsigned char empty[4] = {0, 0, 0, 0};
+    sd_frame_send_raw(fd, empty, sizeof(empty), NULL, 0, 2000);
+    st = read_error(fd, msg, sizeof(msg));
+    TH_CHECK(st == SHARD_EPROTO, "empty message: %d '%s'", st, msg);
+    close(fd);
+
+    /* register before attach, and an attach with the wrong protocol version */
+    fd = raw_connect();
+    Shard__Register reg = SHARD__REGISTER__INIT;
+    reg.job = "x";
+    Shard__ClientMsg m = SHARD__CLIENT_MSG__INIT;
+    m.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
+    m.register_ = &reg;
+    sd_frame_send(fd, &m.base, NULL, 0, 2000);
+    st = read_error(fd, msg, sizeof(msg));
+    TH_CHECK(st == SHARD_ESTATE && strstr(msg, "attach first"), "register before attach: %d '%s'",
+             st, msg);
+    Shard__Attach at = SHARD__ATTACH__INIT;
+    at.protocol_version = 999;
+    m.msg_case = SHARD__CLIENT_MSG__MSG_ATTACH;
+    m.attach = &at;
+    sd_frame_send(fd, &m.base, NULL, 0, 2000);
+    st = read_error(fd, msg, sizeof(msg));
+    TH_CHECK(st == SHARD_EVERSION && strstr(msg, "v999"), "bad version: %d '%s'", st, msg);
+    close(fd);
+
+    /* a client that connects and vanishes mid-frame */
+    fd = raw_connect();
+    unsigned char half[6] = {100, 0, 0, 0, 1, 2};
+    sd_frame_send_raw(fd, half, sizeof(half), NULL, 0, 2000);
+    close(fd);
+    expect_alive("malformed messages");
+}
+
+/* A tiny model: unit 0 = "a" [n], unit 1 = "b" [3, 5]. */
+struct tiny {
+    uint64_t da[1], db[2];
+    shard_tensor_t t[2];
+    shard_model_t m;
+};
+
+static void tiny_init(struct tiny *x, const char *job, uint32_t rank, uint32_t world, uint64_t n)
+{
+    memset(x, 0, sizeof(*x));
+    x->da[0] = n;
+    x->db[0] = 3;
+    x->db[1] = 5;
+    x->t[0] = (shard_tensor_t){.name = "a", .ndim = 1, .dims = x->da, .dtype = SHARD_FP32, .unit = 0};
+    x->t[1] = (shard_tensor_t){.name = "b", .ndim = 2, .dims = x->db, .dtype = SHARD_FP32, .unit = 1};
+    x->m = (shard_model_t){.job = job,
+                           .rank = rank,
+                           .world = world,
+                           .plan = "zero3",
+                           .tensors = x->t,
+                           .n_tensors = 2,
+                           .optimizer = {.name = "sgd", .lr = 0.1f, .momentum = 0.0f}};
+}
+
+static void test_api_misuse(void)
+{
+    shard_ctx_t *ctx;
+    TH_CHECK(shard_attach(d.sock, &ctx) == 0, "attach");
+    const void *p;
+    int st = shard_fetch(ctx, 0, &p);
+    TH_CHECK(st == SHARD_ESTATE, "fetch before register (client): %d", st);
+    st = shard__post_raw(ctx, SD_OP_FETCH, 0, 0, 0);
+    TH_CHECK(st == SHARD_ESTATE && strstr(shard_last_error(ctx), "register a model first"),
+             "fetch before register (daemon): %d '%s'", st, shard_last_error(ctx));
+    st = shard__post_raw(ctx, 77, 0, 0, 0);
+    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "unknown operation"),
+             "unknown op: %d '%s'", st, shard_last_error(ctx));
+
+    struct tiny x;
+    tiny_init(&x, "misuse", 0, 1, 100);
+    x.m.plan = "mics:3";
+    st = shard_register(ctx, &x.m);
+    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "mics:3"), "bad plan: %d '%s'",
+             st, shard_last_error(ctx));
+    x.m.plan = "zero3";
+    x.m.rank = 5;
+    st = shard_register(ctx, &x.m);
+    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "rank 5"), "bad rank: %d '%s'",
+             st, shard_last_error(ctx));
+    x.m.rank = 0;
+    st = shard_register(ctx, &x.m);
+    TH_CHECK(st == 0, "register: %s", shard_last_error(ctx));
+
+    st = shard_fetch(ctx, 999, &p);
+    TH_CHECK(st == SHARD_ENOUNIT && strstr(shard_last_error(ctx), "unit 999"),
+             "unknown unit: %d '%s'", st, shard_last_error(ctx));
+    st = shard_release(ctx, 0);
+    TH_CHECK(st == SHARD_ENOTHELD && strstr(shard_last_error(ctx), "does not hold"),
+             "release without fetch: %d '%s'", st, shard_last_error(ctx));
+    TH_CHECK(shard_fetch(ctx, 0, &p) == 0, "fetch: %s", shard_last_error(ctx));
+    TH_CHECK(shard_release(ctx, 0) == 0, "release: %s", shard_last_error(ctx));
+    st = shard_release(ctx, 0);
+    TH_CHECK(st == SHARD_ENOTHELD, "double release: %d", st);
+
+    shard_unit_info_t ui;
+    shard_unit_info(ctx, 0, &ui);
+    float *g = calloc(ui.numel + 1, sizeof(float));
+    st = shard_push_grad(ctx, 0, g, ui.bytes - 4);
+    TH_CHECK(st == SHARD_EMSGSIZE && strstr(shard_last_error(ctx), "unit is"),
+             "wrong gradient size (client): %d '%s'", st, shard_last_error(ctx));
+    st = shard__post_raw(ctx, SD_OP_PUSH, 0, 0, ui.bytes + 4);
+    TH_CHECK(st == SHARD_EMSGSIZE && strstr(shard_last_error(ctx), "gradient is"),
+             "wrong gradient size (daemon): %d '%s'", st, shard_last_error(ctx));
+    st = shard__post_raw(ctx, SD_OP_PUSH, 0, 999, ui.bytes);
+    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "staging slot 999"),
+             "bad staging slot: %d '%s'", st, shard_last_error(ctx));
+    st = shard__post_raw(ctx, SD_OP_INIT, 0, 0, 0);
+    TH_CHECK(st == SHARD_ESTATE, "init after ready: %d '%s'", st, shard_last_error(ctx));
+
+    /* a correct step still works after all of that: a=0, grad 1, lr 0.1 -> a = -0.1 */
+    for (uint64_t i = 0; i < 100; i++) /* the tensor's elements; the padding stays zero */
+        g[i] = 1.0f;
+    TH_CHECK(shard_push_grad(ctx, 0, g, ui.bytes) == 0, "push: %s", shard_last_error(ctx));
+    shard_unit_info(ctx, 1, &ui);
+    memset(g, 0, ui.bytes);
+    TH_CHECK(shard_push_grad(ctx, 1, g, ui.bytes) == 0, "push 1: %s", shard_last_error(ctx));
+    double norm = 0;
+    TH_CHECK(shard_step(ctx, &norm) == 0, "step: %s", shard_last_error(ctx));
+    TH_CHECK(norm > 9.99 && norm < 10.01, "grad norm %g, expected sqrt(100) = 10", norm);
+    TH_CHECK(shard_fetch(ctx, 0, &p) == 0, "fetch");
+    TH_CHECK(((const float *)p)[0] == -0.1f && ((const float *)p)[99] == -0.1f,
+             "after one SGD step a[0] = %g, expected -0.1", ((const float *)p)[0]);
+    shard_release(ctx, 0);
+    free(g);
+    shard_detach(ctx);
+    expect_alive("API misuse");
+}
+
+static void *register_thread(void *arg)
+{
+    shard_ctx_t *ctx = NULL;
+    struct tiny *x = arg;
+    intptr_t st = shard_attach(d.sock, &ctx);
+    if (st == 0)
+        st = shard_register(ctx, &x->m);
+    if (ctx)
+        shard_detach(ctx);
+    return (void *)st;
+}
+
+static void test_registration(void)
+{
+    /* rank 0 waits for rank 1; a rank 1 with another model is refused, then the right one joins */
+    struct tiny r0, bad, r1;
+    tiny_init(&r0, "dup", 0, 2, 100);
+    tiny_init(&bad, "dup", 1, 2, 101);
+    tiny_init(&r1, "dup", 1, 2, 100);
+    pthread_t th;
+    pthread_create(&th, NULL, register_thread, &r0);
+    usleep(200000);
+    shard_ctx_t *ctx;
+    shard_attach(d.sock, &ctx);
+    int st = shard_register(ctx, &bad.m);
+    TH_CHECK(st == SHARD_EMISMATCH && strstr(shard_last_error(ctx), "dims[0] 100 vs 101"),
+             "different model: %d '%s'", st, shard_last_error(ctx));
+    shard_detach(ctx);
+    void *ret;
+    shard_attach(d.sock, &ctx);
+    st = shard_register(ctx, &r1.m);
+    TH_CHECK(st == 0, "the matching rank 1 registers: %s", shard_last_error(ctx));
+    pthread_join(th, &ret);
+    TH_CHECK((intptr_t)ret == 0, "rank 0 registered after the refused attempt: %d", (int)(intptr_t)ret);
+    shard_detach(ctx);
+
+    /* a model larger than the memory budget is refused with the numbers */
+    struct tiny big;
+    tiny_init(&big, "huge", 0, 1, 1ULL << 36);
+    shard_attach(d.sock, &ctx);
+    st = shard_register(ctx, &big.m);
+    TH_CHECK(st == SHARD_ENOSPC && strstr(shard_last_error(ctx), "needs") &&
+                 strstr(shard_last_error(ctx), "memory budget"),
+             "over budget: %d '%s'", st, shard_last_error(ctx));
+    shard_detach(ctx);
+
+    /* a job whose second rank never comes: deadline, error naming the missing rank */
+    struct tiny lone;
+    tiny_init(&lone, "lonely", 0, 2, 100);
+    shard_attach(d.sock, &ctx);
+    double t0 = th_now_s();
+    st = shard_register(ctx, &lone.m);
+    double took = th_now_s() - t0;
+    TH_CHECK(st == SHARD_ETIMEDOUT && strstr(shard_last_error(ctx), "ranks 1 did not register"),
+             "register deadline: %d '%s'", st, shard_last_error(ctx));
+    TH_CHECK(took < 2.0 + 1.5, "register deadline took %.2f s (register_timeout_ms 2000)", took);
+    shard_detach(ctx);
+    expect_alive("registration errors");
+}
+
+static pid_t spawn_rank(const char *job, int rank, int world, int steps, const char *plan,
+                        const char *dump, const char *log)
+{
+    char r[8], w[8], s[8];
+    snprintf(r, sizeof(r), "%d", rank);
+    snprintf(w, sizeof(w), "%d", world);
+    snprintf(s, sizeof(s), "%d", steps);
+    const char *argv[] = {MLP_TRAIN_PATH, "--socket", d.sock, "--job", job, "--rank", r,
+                          "--world", w, "--steps", s, "--plan", plan, "--hidden", "128",
+                          "--quiet", dump ? "--dump-params" : NULL, dump, NULL};
+    return th_spawn(argv, log);
+}
+
+static void test_kill_mid_step(void)
+{
+    char log[4][400], bdump[400], bref[400], blog[2][400];
+    /* the bystander: another job, 2 ranks, trains through all of this */
+    pid_t by[2];
+    snprintf(bdump, sizeof(bdump), "%s/bystander.bin", d.dir);
+    snprintf(bref, sizeof(bref), "%s/bystander-ref.bin", d.dir);
+    for (int r = 0; r < 2; r++) {
+        snprintf(blog[r], sizeof(blog[r]), "%s/bystander-%d.log", d.dir, r);
+        by[r] = spawn_rank("bystander", r, 2, 400, "zero3", r == 0 ? bdump : NULL, blog[r]);
+    }
+    pid_t v[4];
+    for (int r = 0; r < 4; r++) {
+        snprintf(log[r], sizeof(log[r]), "%s/victim-%d.log", d.dir, r);
+        v[r] = spawn_rank("victim", r, 4, 100000, "mics:2", NULL, log[r]);
+    }
+    usleep(700000);
+    char *js = th_admin(d.sock, "jobs");
+    TH_CHECK(js && strstr(js, "\"victim\"") && strstr(js, "\"ready\""), "victim running: %s", js);
+    free(js);
+    kill(v[2], SIGKILL);
+    double t0 = th_now_s();
+    for (int r = 0; r < 4; r++) {
+        int rc = th_wait(v[r], 3000 + 1000 + 2000);
+        if (r == 2)
+            continue;
+        double took = th_now_s() - t0;
+        TH_CHECK(rc == 1, "victim rank %d exit code %d", r, rc);
+        TH_CHECK(took <= 3.0 + 1.0, "victim rank %d failed after %.2f s (op_timeout 3 s)", r, took);
+        char *out = th_read_file(log[r], NULL);
+        TH_CHECK(out && strstr(out, "rank 2") && strstr(out, "disconnected"),
+                 "victim rank %d error does not name the dead rank: %s", r, out ? out : "");
+        free(out);
+    }
+    expect_alive("a client killed mid-step");
+    for (int r = 0; r < 2; r++)
+        TH_CHECK(th_wait(by[r], 60000) == 0, "bystander rank %d failed (log %s)", r, blog[r]);
+    const char *argv[] = {MLP_TRAIN_PATH, "--reference", "--world", "2", "--steps", "400",
+                          "--hidden", "128", "--quiet", "--dump-params", bref, NULL};
+    TH_CHECK(th_wait(th_spawn(argv, NULL), 60000) == 0, "bystander reference");
+    size_t a, b;
+    char *x = th_read_file(bdump, &a), *y = th_read_file(bref, &b);
+    TH_CHECK(x && y && a == b && memcmp(x, y, a) == 0,
+             "the bystander job's parameters changed: they differ from its reference");
+    free(x);
+    free(y);
+    /* the victim's job is gone once its ranks are, and a new job can use the name */
+    js = th_admin(d.sock, "jobs");
+    TH_CHECK(js && !strstr(js, "\"victim\""), "victim job still listed: %s", js);
+    free(js);
+}
+
+int main(void)
+{
+    const char *args[] = {"--op-timeout-ms", "3000", "--register-timeout-ms", "2000", NULL};
+    if (th_daemon_start(&d, args) != 0) {
+        fprintf(stderr, "cannot start shardd\n");
+        return 1;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    test_garbage();
+    test_api_misuse();
+    test_registration();
+    test_kill_mid_step();
+    TH_CHECK(th_daemon_alive(&d), "daemon died");
+    TH_CHECK(th_daemon_stop(&d) == 0, "shardd did not shut down cleanly");
+    return th_summary("test_badinput");
+}
