@@ -1,0 +1,68 @@
+/* The host backend's kernels against the optimizer formulas evaluated in double by hand, and its
+ * shared memory (a sealed memfd). */
+#include "harness.h"
+#include "sd/dtype.h"
+#include "sd/gpu.h"
+#include "sd/model.h"
+
+#include <fcntl.h>
+#include <math.h>
+#include <string.h>
+#include <unistd.h>
+
+int main(void)
+{
+    const struct sd_gpu_ops *dev = sd_gpu_find("host");
+    TH_CHECK(dev != NULL && sd_gpu_find("cuda") == NULL, "host backend present, cuda not built");
+
+    /* AdamW, two steps, p = 1, g = 0.5 (given as 1.0 with scale 0.5) */
+    float master = 1.0f, m = 0, v = 0, grad = 1.0f, w = 0;
+    struct sd_adamw_args a = {.lr = 0.1f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                              .weight_decay = 0.01f, .step = 1};
+    dev->adamw(&a, &master, &m, &v, &grad, 0.5f, &w, SD_DTYPE_FP32, 1);
+    /* step 1: p = 0.999, m = 0.05, v = 0.00025, update = 0.1 * 0.5 / (0.5 + 1e-8) */
+    double p1 = 1.0 * (1 - 0.1 * 0.01) - 0.1 * (0.05 / 0.1) / (sqrt(0.00025 / 0.001) + 1e-8);
+    TH_CHECK(fabs(master - p1) < 1e-6 && w == master && grad == 0.0f && fabs(m - 0.05) < 1e-7,
+             "adamw step 1: %.9g vs %.9g", master, p1);
+    grad = 1.0f;
+    a.step = 2;
+    dev->adamw(&a, &master, &m, &v, &grad, 0.5f, &w, SD_DTYPE_FP32, 1);
+    double m2 = 0.9 * 0.05 + 0.1 * 0.5, v2 = 0.999 * 0.00025 + 0.001 * 0.25;
+    double p2 = p1 * (1 - 0.001) - 0.1 * (m2 / (1 - 0.81)) / (sqrt(v2 / (1 - 0.999 * 0.999)) + 1e-8);
+    TH_CHECK(fabs(master - p2) < 1e-6, "adamw step 2: %.9g vs %.9g", master, p2);
+
+    /* SGD with momentum 0.9 and weight decay 0.01 */
+    float sp = 1.0f, buf = 0, sg = 0.5f;
+    uint16_t w16;
+    struct sd_sgd_args s = {.lr = 0.1f, .momentum = 0.9f, .weight_decay = 0.01f};
+    dev->sgd(&s, &sp, &buf, &sg, 1.0f, &w16, SD_DTYPE_BF16, 1);
+    TH_CHECK(fabs(sp - 0.949) < 1e-6 && sg == 0.0f, "sgd step 1: %.9g", sp);
+    TH_CHECK(w16 == sd_f32_to_bf16(sp), "w cast to bf16");
+    sg = 0.5f;
+    dev->sgd(&s, &sp, &buf, &sg, 1.0f, &w16, SD_DTYPE_BF16, 1);
+    TH_CHECK(fabs(sp - 0.852151) < 1e-6, "sgd step 2: %.9g", sp);
+
+    /* reduce, casts, norm */
+    float acc[3] = {1, 2, 3};
+    uint16_t h[3] = {sd_f32_to_bf16(0.5f), sd_f32_to_bf16(-2.0f), sd_f32_to_bf16(4.0f)};
+    dev->reduce_add(acc, h, SD_DTYPE_BF16, 3);
+    TH_CHECK(acc[0] == 1.5f && acc[1] == 0.0f && acc[2] == 7.0f, "reduce_add bf16");
+    TH_CHECK(dev->sum_sq(acc, 3) == 1.5 * 1.5 + 49.0, "sum of squares");
+    float back[3];
+    dev->to_f32(back, h, SD_DTYPE_BF16, 3);
+    TH_CHECK(back[1] == -2.0f, "to_f32");
+
+    /* shared memory: zeroed, sealed against resizing */
+    struct sd_mem mem;
+    TH_CHECK(dev->alloc(1 << 20, SD_MEM_SHARED, "test", &mem) == 0 && mem.fd >= 0, "alloc shared");
+    TH_CHECK(((char *)mem.ptr)[12345] == 0, "zeroed");
+    TH_CHECK(ftruncate(mem.fd, 4096) != 0, "shrinking a sealed memfd fails");
+    TH_CHECK(ftruncate(mem.fd, 1 << 21) != 0, "growing a sealed memfd fails");
+    int seals = fcntl(mem.fd, F_GET_SEALS);
+    TH_CHECK((seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)) ==
+                 (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
+             "seals %x", seals);
+    dev->free(&mem);
+    TH_CHECK(mem.fd == -1 && mem.ptr == NULL, "freed");
+    return th_summary("test_host_backend");
+}

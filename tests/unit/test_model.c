@@ -1,0 +1,172 @@
+/* Plan, group and layout math against hand-computed tables. */
+#include "harness.h"
+#include "sd/model.h"
+#include "sd/status.h"
+
+#include <string.h>
+
+static void test_plans(void)
+{
+    struct sd_topo one = {.nodes = 1, .ranks_per_node = 4}, two = {.nodes = 2, .ranks_per_node = 2};
+    struct sd_plan p;
+    char err[256];
+    const struct {
+        const char *spec;
+        const struct sd_topo *topo;
+        int status;
+        uint32_t f;
+    } cases[] = {
+        {"ddp", &one, SD_OK, 1},       {"zero3", &one, SD_OK, 4},     {"mics:2", &one, SD_OK, 2},
+        {"mics:4", &one, SD_OK, 4},    {"mics:1", &one, SD_OK, 1},    {"mics:3", &one, SD_EINVAL, 0},
+        {"mics:8", &one, SD_EINVAL, 0}, {"mics:0", &one, SD_EINVAL, 0}, {"mics:", &one, SD_EINVAL, 0},
+        {"mics:2x", &one, SD_EINVAL, 0}, {"zero", &one, SD_EINVAL, 0},  {"zero3", &two, SD_OK, 4},
+        {"mics:4", &two, SD_OK, 4},    {"mics:2", &two, SD_OK, 2},    {"mics:3", &two, SD_EINVAL, 0},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        err[0] = '\0';
+        int st = sd_plan_parse(cases[i].spec, cases[i].topo, &p, err, sizeof(err));
+        TH_CHECK(st == cases[i].status, "plan %s: status %d", cases[i].spec, st);
+        if (st == SD_OK)
+            TH_CHECK(p.f[SD_STATE_W] == cases[i].f && p.f[SD_STATE_G] == cases[i].f &&
+                         p.f[SD_STATE_OS] == cases[i].f && p.two_hop && p.hierarchical,
+                     "plan %s: f %u", cases[i].spec, p.f[0]);
+        else
+            TH_CHECK(strstr(err, cases[i].spec) != NULL, "error does not name the plan: %s", err);
+    }
+}
+
+static void test_groups(void)
+{
+    struct sd_group g = sd_group_partition(4, 2);
+    TH_CHECK(g.first == 0 && g.count == 4 && g.stride == 1, "zero3 partition of rank 2");
+    g = sd_group_replication(4, 4, 2);
+    TH_CHECK(g.first == 2 && g.count == 1, "zero3 replication of rank 2 is {2}");
+    g = sd_group_partition(2, 3);
+    TH_CHECK(g.first == 2 && g.count == 2 && sd_group_member(&g, 1) == 3, "mics:2 partition of 3");
+    g = sd_group_replication(4, 2, 3);
+    TH_CHECK(g.first == 1 && g.count == 2 && sd_group_member(&g, 1) == 3,
+             "mics:2 replication of 3 is {1, 3}");
+    g = sd_group_partition(1, 3);
+    TH_CHECK(g.first == 3 && g.count == 1, "ddp partition of 3 is {3} (a group of 1)");
+    g = sd_group_replication(4, 1, 3);
+    TH_CHECK(g.first == 0 && g.count == 4 && g.stride == 1, "ddp replication is everyone");
+    g = sd_group_replication(8, 2, 5); /* 8 ranks, f 2: shard 1 lives on 1, 3, 5, 7 */
+    TH_CHECK(g.first == 1 && g.count == 4 && g.stride == 2 && sd_group_member(&g, 3) == 7,
+             "replication {1,3,5,7}");
+    struct sd_topo t = {.nodes = 4, .ranks_per_node = 2};
+    g = sd_group_partition(4, 5);
+    TH_CHECK(sd_group_nodes(&t, &g) == 2, "mics:4 on 2-rank nodes spans 2 nodes");
+    g = sd_group_replication(8, 4, 1);
+    TH_CHECK(sd_group_nodes(&t, &g) == 2, "replication {1, 5} spans nodes 0 and 2");
+    g = sd_group_partition(2, 6);
+    TH_CHECK(sd_group_nodes(&t, &g) == 1, "mics:2 stays inside a node");
+}
+
+static struct sd_tensor_desc tensors[] = {
+    {.name = "w", .ndim = 2, .dims = {10, 3}, .dtype = SD_DTYPE_FP32, .unit = 0},
+    {.name = "b", .ndim = 1, .dims = {10}, .dtype = SD_DTYPE_FP32, .unit = 0},
+    {.name = "x", .ndim = 1, .dims = {7}, .dtype = SD_DTYPE_BF16, .unit = 1},
+};
+
+static struct sd_model model(void)
+{
+    struct sd_model m = {.n_tensors = 3, .tensors = tensors};
+    m.optim = (struct sd_optim){.kind = SD_OPTIM_ADAMW, .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f};
+    strcpy(m.plan, "zero3");
+    return m;
+}
+
+static void test_layout(void)
+{
+    struct sd_model m = model();
+    struct sd_topo topo = {.nodes = 1, .ranks_per_node = 4};
+    char err[256];
+    static const struct {
+        const char *plan;
+        uint64_t u0, u1, arena; /* padded unit sizes, elements per rank per state */
+    } table[] = {
+        /* unit 0: w at 0 (30), b at 32 (10): used 42; unit 1: x (7) */
+        {"ddp", 64, 32, 96},      /* pad to 32 */
+        {"mics:2", 64, 64, 64},   /* pad to 2 * 32 */
+        {"zero3", 128, 128, 64},  /* pad to 4 * 32 */
+    };
+    for (size_t i = 0; i < 3; i++) {
+        struct sd_plan p;
+        struct sd_layout l;
+        TH_CHECK(sd_plan_parse(table[i].plan, &topo, &p, err, sizeof(err)) == 0, "plan");
+        TH_CHECK(sd_layout_build(&m, &p, &l, err, sizeof(err)) == 0, "layout: %s", err);
+        TH_CHECK(l.n_units == 2 && l.units[0].numel == table[i].u0 &&
+                     l.units[1].numel == table[i].u1,
+                 "%s: unit sizes %llu %llu", table[i].plan, (unsigned long long)l.units[0].numel,
+                 (unsigned long long)l.units[1].numel);
+        TH_CHECK(l.tensors[0].offset == 0 && l.tensors[1].offset == 32 && l.tensors[2].offset == 0,
+                 "tensor offsets aligned to 32 elements");
+        TH_CHECK(l.units[0].used == 42 && l.units[1].used == 7, "used");
+        TH_CHECK(l.arena_numel[SD_STATE_W] == table[i].arena &&
+                     l.arena_numel[SD_STATE_OS] == table[i].arena,
+                 "%s: arena %llu", table[i].plan, (unsigned long long)l.arena_numel[0]);
+        TH_CHECK(l.units[1].arena_off[SD_STATE_G] == table[i].u0 / p.f[SD_STATE_G], "arena off");
+        TH_CHECK(l.units[1].pool_off == table[i].u0, "pool off");
+        TH_CHECK(l.total_bytes == table[i].u0 * 4 + table[i].u1 * 2, "bytes by dtype");
+        TH_CHECK(l.max_unit_bytes == table[i].u0 * 4, "max unit bytes");
+        uint64_t b, e;
+        sd_layout_shard(&l.units[0], p.f[SD_STATE_W], 3, &b, &e);
+        uint64_t len = table[i].u0 / p.f[0];
+        TH_CHECK(b == (3 % p.f[0]) * len && e == b + len && b % SD_ALIGN_ELEMS == 0,
+                 "%s: shard of rank 3 [%llu, %llu)", table[i].plan, (unsigned long long)b,
+                 (unsigned long long)e);
+        sd_layout_free(&l);
+    }
+}
+
+static void test_validation_and_digest(void)
+{
+    char err[256], diff[256];
+    struct sd_model a = model(), b = model();
+    TH_CHECK(sd_model_validate(&a, err, sizeof(err)) == 0, "valid model: %s", err);
+    TH_CHECK(sd_model_digest(&a) == sd_model_digest(&b), "same model, same digest");
+    struct sd_tensor_desc t2[3];
+    memcpy(t2, tensors, sizeof(t2));
+    t2[2].dims[0] = 8;
+    b.tensors = t2;
+    TH_CHECK(sd_model_digest(&a) != sd_model_digest(&b), "dims change the digest");
+    sd_model_diff(&a, &b, diff, sizeof(diff));
+    TH_CHECK(strcmp(diff, "tensor 2 'x': dims[0] 7 vs 8") == 0, "diff: %s", diff);
+    b = model();
+    b.optim.lr = 2e-3f;
+    TH_CHECK(sd_model_digest(&a) != sd_model_digest(&b), "lr changes the digest");
+    strcpy(b.plan, "ddp");
+    sd_model_diff(&a, &b, diff, sizeof(diff));
+    TH_CHECK(strstr(diff, "plan") != NULL, "diff names the plan: %s", diff);
+
+    memcpy(t2, tensors, sizeof(t2));
+    t2[2].unit = 2;
+    b = model();
+    b.tensors = t2;
+    TH_CHECK(sd_model_validate(&b, err, sizeof(err)) == SD_EINVAL && strstr(err, "unit 2"),
+             "unit gap: %s", err);
+    memcpy(t2, tensors, sizeof(t2));
+    t2[1].dtype = SD_DTYPE_BF16;
+    TH_CHECK(sd_model_validate(&b, err, sizeof(err)) == SD_EINVAL && strstr(err, "dtype"),
+             "mixed dtypes in a unit: %s", err);
+    memcpy(t2, tensors, sizeof(t2));
+    strcpy(t2[2].name, "w");
+    TH_CHECK(sd_model_validate(&b, err, sizeof(err)) == SD_EINVAL && strstr(err, "share"),
+             "duplicate names: %s", err);
+    memcpy(t2, tensors, sizeof(t2));
+    t2[0].dims[1] = 0;
+    TH_CHECK(sd_model_validate(&b, err, sizeof(err)) == SD_EINVAL && strstr(err, "dimension 1"),
+             "zero dim: %s", err);
+    b = model();
+    b.optim.beta1 = 1.0f;
+    TH_CHECK(sd_model_validate(&b, err, sizeof(err)) == SD_EINVAL, "beta1 = 1 refused");
+}
+
+int main(void)
+{
+    test_plans();
+    test_groups();
+    test_layout();
+    test_validation_and_digest();
+    return th_summary("test_model");
+}
