@@ -107,7 +107,7 @@ static json_t *job_stats(const struct sd_job *job)
                      "cache_hits", (json_int_t)job->stats.cache_hits, "evictions",
                      (json_int_t)job->stats.evictions, "allocations_since_register",
                      (json_int_t)job->stats.allocs_after_register, "pool_bytes",
-                     (json_int_t)job->pool.bytes);
+                     (json_int_t)job->stats.pool_bytes);
 }
 
 int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char **json_p)
@@ -117,23 +117,26 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
     struct sd_registry *reg = srv->reg;
     json_t *out = NULL;
 
-    if (filter != NULL && sd_registry_find(reg, filter) == NULL) {
+    if (filter != NULL && sd_registry_find_any(reg, filter) == NULL) {
         out = json_pack("{s:s}", "error", "no such job");
         *json_p = json_dumps(out, JSON_COMPACT);
         json_decref(out);
         return SD_ENOJOB;
     }
     json_t *jobs = json_array();
-    for (struct sd_job *j = reg->jobs; j; j = j->next) {
-        if (filter != NULL && strcmp(filter, j->name) != 0)
-            continue;
-        if (strcmp(cmd, "groups") == 0)
-            json_array_append_new(jobs, job_groups(j));
-        else if (strcmp(cmd, "stats") == 0)
-            json_array_append_new(jobs, job_stats(j));
-        else
-            json_array_append_new(jobs, job_summary(j));
-    }
+    struct sd_job *want = filter ? sd_registry_find_any(reg, filter) : NULL;
+    struct sd_job *lists[2] = {reg->jobs, reg->finished}; /* active, then recently ended */
+    for (int li = 0; li < 2; li++)
+        for (struct sd_job *j = lists[li]; j; j = j->next) {
+            if (want != NULL && j != want)
+                continue;
+            if (strcmp(cmd, "groups") == 0)
+                json_array_append_new(jobs, job_groups(j));
+            else if (strcmp(cmd, "stats") == 0)
+                json_array_append_new(jobs, job_stats(j));
+            else
+                json_array_append_new(jobs, job_summary(j));
+        }
     const struct sd_config *cfg = srv->cfg;
     if (strcmp(cmd, "status") == 0) {
         json_t *clients = json_array();

@@ -52,6 +52,7 @@ struct sd_job_stats {
     uint64_t bytes[SD_OP_COUNT][SD_LINK_COUNT]; /* by the operation that moved them */
     uint64_t gathers, cache_hits, evictions;
     uint64_t allocs_after_register;
+    uint64_t pool_bytes;
     struct sd_latency lat[SD_OP_COUNT];
 };
 
@@ -110,12 +111,24 @@ void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, c
 
 /* ---- jobs */
 /* CLOSING: a rank detached cleanly; like FAILED, no collective can complete any more */
-enum sd_job_state { SD_JOB_REGISTERING, SD_JOB_LOADING, SD_JOB_READY, SD_JOB_FAILED, SD_JOB_CLOSING };
+/* FINISHED: every rank left after a clean end; kept (memory freed) for shardctl */
+enum sd_job_state {
+    SD_JOB_REGISTERING,
+    SD_JOB_LOADING,
+    SD_JOB_READY,
+    SD_JOB_FAILED,
+    SD_JOB_CLOSING,
+    SD_JOB_FINISHED
+};
 const char *sd_job_state_name(enum sd_job_state s);
 
+#define SD_FINISHED_JOBS_KEPT 16
+
 struct sd_registry {
-    struct sd_job *jobs;
+    struct sd_job *jobs; /* active */
     uint32_t n_jobs;
+    struct sd_job *finished; /* the most recent ended jobs, newest first, memory freed */
+    uint32_t n_finished;
     uint64_t budget, used;
     uint64_t next_job_id;
     const struct sd_config *cfg;
@@ -202,7 +215,10 @@ void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
 /* Check deadlines of registrations and parked operations. */
 void sd_registry_sweep(struct sd_registry *reg, uint64_t now_ns);
 void sd_registry_destroy_all(struct sd_registry *reg);
+/* Active job by name. */
 struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name);
+/* Active job by name, else the most recent ended one. */
+struct sd_job *sd_registry_find_any(struct sd_registry *reg, const char *name);
 
 /* job_ops.c: returns true if consumed, false if the entry must wait (stall the ring) */
 bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);

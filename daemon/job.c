@@ -14,7 +14,8 @@
 
 const char *sd_job_state_name(enum sd_job_state s)
 {
-    static const char *const names[] = {"registering", "loading", "ready", "failed", "closing"};
+    static const char *const names[] = {"registering", "loading", "ready",
+                                        "failed",      "closing", "finished"};
     return names[s];
 }
 
@@ -37,6 +38,15 @@ struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
         if (strcmp(j->name, name) == 0)
             return j;
     return NULL;
+}
+
+struct sd_job *sd_registry_find_any(struct sd_registry *reg, const char *name)
+{
+    struct sd_job *j = sd_registry_find(reg, name);
+    for (struct sd_job *f = reg->finished; j == NULL && f; f = f->next)
+        if (strcmp(f->name, name) == 0)
+            j = f;
+    return j;
 }
 
 static void model_free(struct sd_model *m)
@@ -129,17 +139,8 @@ static void job_free_memory(struct sd_job *job)
     }
 }
 
-static void job_destroy(struct sd_job *job)
+static void job_free(struct sd_job *job)
 {
-    struct sd_registry *reg = job->reg;
-    for (struct sd_job **pp = &reg->jobs; *pp; pp = &(*pp)->next)
-        if (*pp == job) {
-            *pp = job->next;
-            break;
-        }
-    reg->n_jobs--;
-    SD_INFO("job", "job '%s' (id %llu) freed after %llu steps", job->name,
-            (unsigned long long)job->id, (unsigned long long)job->steps);
     job_free_memory(job);
     sd_layout_free(&job->layout);
     model_free(&job->model);
@@ -150,6 +151,48 @@ static void job_destroy(struct sd_job *job)
     free(job->ready_waiting);
     free(job->ready_tags);
     free(job);
+}
+
+static void job_unlink(struct sd_job *job)
+{
+    struct sd_registry *reg = job->reg;
+    for (struct sd_job **pp = &reg->jobs; *pp; pp = &(*pp)->next)
+        if (*pp == job) {
+            *pp = job->next;
+            break;
+        }
+    reg->n_jobs--;
+}
+
+/* A job that never became ready: nothing worth keeping. */
+static void job_destroy(struct sd_job *job)
+{
+    job_unlink(job);
+    SD_DEBUG("job", "job '%s' (id %llu) dropped", job->name, (unsigned long long)job->id);
+    job_free(job);
+}
+
+/* Every rank left: free the job's memory, keep its record and statistics for shardctl. */
+static void job_retire(struct sd_job *job)
+{
+    struct sd_registry *reg = job->reg;
+    job_unlink(job);
+    job_free_memory(job);
+    if (job->state != SD_JOB_FAILED)
+        job->state = SD_JOB_FINISHED;
+    SD_INFO("job", "job '%s' (id %llu) %s after %llu steps; memory freed", job->name,
+            (unsigned long long)job->id, sd_job_state_name(job->state),
+            (unsigned long long)job->steps);
+    job->next = reg->finished;
+    reg->finished = job;
+    if (++reg->n_finished > SD_FINISHED_JOBS_KEPT) {
+        struct sd_job **pp = &reg->finished;
+        while ((*pp)->next != NULL)
+            pp = &(*pp)->next;
+        job_free(*pp);
+        *pp = NULL;
+        reg->n_finished--;
+    }
 }
 
 /* Bytes the job needs on this node, by buffer. */
@@ -257,6 +300,7 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
     job->staging_slots = (uint32_t)cfg->staging_slots;
     job->staging_slot_bytes = l->max_unit_numel * sizeof(float);
     job->bytes_total = need.total;
+    job->stats.pool_bytes = need.pool;
     reg->used += need.total;
     return SD_OK;
 
@@ -601,7 +645,7 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
                     (int)s->conn->pid, reason, (unsigned long long)job->steps);
     }
     if (job->n_left == job->k)
-        job_destroy(job);
+        job_retire(job);
 }
 
 static void list_missing(char *out, size_t len, const struct sd_job *job, const bool *present)
@@ -694,4 +738,10 @@ void sd_registry_destroy_all(struct sd_registry *reg)
                 job_unlink_rank(job, job->ranks[r]);
         job_destroy(job);
     }
+    while (reg->finished != NULL) {
+        struct sd_job *job = reg->finished;
+        reg->finished = job->next;
+        job_free(job);
+    }
+    reg->n_finished = 0;
 }

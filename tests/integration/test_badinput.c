@@ -334,10 +334,19 @@ static void test_kill_mid_step(void)
              "the bystander job's parameters changed: they differ from its reference");
     free(x);
     free(y);
-    /* the victim's job is gone once its ranks are, and a new job can use the name */
-    js = th_admin(d.sock, "jobs");
-    TH_CHECK(js && !strstr(js, "\"victim\""), "victim job still listed: %s", js);
+    /* the victim's job is kept as a failed record with its memory returned to the budget */
+    js = th_admin(d.sock, "status");
+    TH_CHECK(js && strstr(js, "\"failed\"") && strstr(js, "rank 2 (pid") &&
+                 strstr(js, "\"memory_used_bytes\":0"),
+             "victim not listed as failed, or memory still accounted: %s", js);
     free(js);
+    /* and its name can be used by a new job */
+    pid_t again[2];
+    for (int r = 0; r < 2; r++)
+        again[r] = spawn_rank("victim", r, 2, 3, "ddp", NULL, log[r]);
+    for (int r = 0; r < 2; r++)
+        TH_CHECK(th_wait(again[r], 30000) == 0, "a new job named victim, rank %d (log %s)", r,
+                 log[r]);
 }
 
 int main(void)

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# shardd and shardctl as a user meets them: --help, errors naming the bad option, config files,
+# runtime directory modes, a second daemon on the same socket, shardctl tables and --json.
+set -u
+SHARDD=$1 SHARDCTL=$2 MLP=$3
+dir=$(mktemp -d /tmp/shardd-cli-XXXXXX)
+pass=0 fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
+check() { if eval "$1"; then ok; else bad "$2"; fi; }
+cleanup() { [ -n "${dpid:-}" ] && kill -9 "$dpid" 2>/dev/null; rm -rf "$dir"; }
+trap cleanup EXIT
+
+out=$("$SHARDD" --help); rc=$?
+check '[ $rc -eq 0 ]' "shardd --help exit $rc"
+for opt in runtime_dir node nodes ranks_per_node backend memory_budget op_timeout_ms \
+           register_timeout_ms log_level max_clients max_message_bytes poll_spin_us staging_slots \
+           max_live_bytes max_jobs; do
+  check 'grep -q "^  $opt .*default" <<<"$out"' "--help does not list $opt with its default"
+done
+out=$("$SHARDD" --bogus 1 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "unknown option .bogus." <<<"$out"' "unknown flag: $rc $out"
+out=$("$SHARDD" --op-timeout-ms abc 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "op_timeout_ms.*abc" <<<"$out"' "bad value: $out"
+out=$("$SHARDD" --config "$dir/none.json" 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "none.json" <<<"$out"' "missing config: $out"
+echo '{"op_timeout_ms": 4321, "log_levl": "info"}' >"$dir/typo.json"
+out=$("$SHARDD" --config "$dir/typo.json" 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "log_levl" <<<"$out"' "typo in config: $out"
+out=$("$SHARDD" --node 3 --nodes 2 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "node" <<<"$out"' "node >= nodes: $out"
+
+out=$("$SHARDCTL" --socket "$dir/nothing.sock" status 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "is shardd running" <<<"$out"' "shardctl without daemon: $out"
+out=$("$SHARDCTL" frobnicate 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "unknown command" <<<"$out"' "shardctl bad command: $out"
+
+cat >"$dir/cfg.json" <<JSON
+{"runtime_dir": "$dir/run", "op_timeout_ms": 4321, "memory_budget": "1GiB", "log_level": "warn"}
+JSON
+"$SHARDD" --config "$dir/cfg.json" --staging-slots 6 >"$dir/shardd.log" 2>&1 &
+dpid=$!
+for _ in $(seq 100); do [ -S "$dir/run/shardd.sock" ] && break; sleep 0.05; done
+S=(--socket "$dir/run/shardd.sock")
+check '[ "$(stat -c %a "$dir/run")" = 700 ]' "runtime dir mode $(stat -c %a "$dir/run")"
+check '[ "$(stat -c %a "$dir/run/shardd.sock")" = 660 ]' "socket mode"
+out=$("$SHARDD" --runtime-dir "$dir/run" 2>&1); rc=$?
+check '[ $rc -ne 0 ] && grep -q "another shardd" <<<"$out"' "second daemon: $rc $out"
+
+js=$("$SHARDCTL" "${S[@]}" status --json)
+check 'python3 -c "import json,sys; d=json.loads(sys.argv[1]); c=d[\"config\"]; assert c[\"op_timeout_ms\"]==4321 and c[\"staging_slots\"]==6 and c[\"memory_budget\"]==1<<30 and d[\"memory_budget_bytes\"]==1<<30, c" "$js"' \
+  "status --json does not show the effective config"
+
+for r in 0 1 2 3; do
+  "$MLP" --socket "$dir/run/shardd.sock" --job cli --rank $r --world 4 --plan mics:2 --steps 400 \
+         --hidden 64 --quiet >"$dir/rank$r.log" 2>&1 &
+  pids[$r]=$!
+done
+for _ in $(seq 100); do "$SHARDCTL" "${S[@]}" jobs | grep -q "cli .*ready" && break; sleep 0.05; done
+out=$("$SHARDCTL" "${S[@]}" jobs)
+check 'grep -q "^cli .*ready *4 mics:2" <<<"$out"' "jobs table: $out"
+out=$("$SHARDCTL" "${S[@]}" groups)
+check 'grep -q "partition: \[0 1\] \[2 3\]" <<<"$out" && grep -q "replication: \[0 2\] \[1 3\]" <<<"$out"' "groups: $out"
+out=$("$SHARDCTL" "${S[@]}" --job cli stats)
+check 'grep -q "fetch" <<<"$out" && grep -q "allocations since registration 0" <<<"$out"' "stats: $out"
+out=$("$SHARDCTL" "${S[@]}" topology)
+check 'grep -q "ranks here: 0 1 2 3" <<<"$out"' "topology: $out"
+js=$("$SHARDCTL" "${S[@]}" stats --json)
+check 'python3 -c "import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]; assert j[\"ops\"][\"push\"][\"count\"]>0 and j[\"bytes\"][\"intra_node\"]>0 and j[\"ops\"][\"fetch\"][\"p50_us\"]>=0" "$js"' \
+  "stats --json"
+out=$("$SHARDCTL" "${S[@]}" --job nope jobs 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "unknown job" <<<"$out"' "unknown job filter: $out"
+for r in 0 1 2 3; do wait "${pids[$r]}" || bad "rank $r failed: $(cat "$dir/rank$r.log")"; done
+
+kill -TERM "$dpid"; wait "$dpid"; rc=$?; dpid=
+check '[ $rc -eq 0 ]' "shardd exit code $rc after SIGTERM: $(tail -5 "$dir/shardd.log")"
+check '[ ! -e "$dir/run/shardd.sock" ]' "socket left behind"
+echo "test_cli: $pass passed, $fail failed"
+[ $fail -eq 0 ]

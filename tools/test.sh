@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Install what is missing, build with warnings as errors, run the whole suite through ctest,
+# then build with AddressSanitizer + UndefinedBehaviorSanitizer and run the suite again.
+# Exits non-zero on any failure. SHARD_SKIP_ASAN=1 skips the sanitizer pass.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/deps.sh
+jobs=$(nproc)
+t0=$(date +%s)
+
+echo "== build (-Werror)"
+cmake -S . -B build/ci -DSHARD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build/ci -j"$jobs"
+echo "== test"
+(cd build/ci && ctest --output-on-failure -j"$jobs")
+
+if [ "${SHARD_SKIP_ASAN:-0}" != 1 ]; then
+  echo "== build (ASan + UBSan)"
+  cmake -S . -B build/asan -DSHARD_WERROR=ON -DSHARD_SANITIZE=ON \
+        -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build build/asan -j"$jobs"
+  echo "== test (ASan + UBSan)"
+  (cd build/asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest --output-on-failure -j"$jobs")
+fi
+
+if command -v clang-format >/dev/null; then
+  unformatted=$(git ls-files '*.c' '*.h' | xargs clang-format --dry-run 2>&1 | grep -c warning || true)
+  [ "$unformatted" -eq 0 ] || echo "note: $unformatted clang-format findings (run clang-format -i)"
+fi
+echo "== all tests passed in $(( $(date +%s) - t0 )) s"
