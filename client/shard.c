@@ -522,6 +522,7 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     reg.n_tensors = model->n_tensors;
     reg.tensors = tp;
     reg.optimizer = &opt;
+    reg.max_live_bytes = model->max_live_bytes;
     Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
     msg.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
     msg.register_ = &reg;

@@ -176,6 +176,7 @@ struct sd_job {
     struct sd_session **ranks; /* [k], by local index */
     uint32_t n_registered, n_left;
     uint64_t created_ns, register_deadline_ns;
+    uint64_t max_live_bytes; /* from the registration; 0: the daemon's */
     /* memory, all allocated at registration */
     struct sd_mem *arena; /* [k * SD_STATE_COUNT] */
     struct sd_mem pool;

@@ -208,7 +208,9 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.g = l->arena_numel[SD_STATE_G] * sizeof(float) * job->k;
     b.os = l->arena_numel[SD_STATE_OS] * sizeof(float) *
            sd_optim_state_floats(job->model.optim.kind) * job->k;
-    b.pool = cfg->max_live_bytes ? cfg->max_live_bytes : l->total_bytes;
+    b.pool = job->max_live_bytes   ? job->max_live_bytes
+             : cfg->max_live_bytes ? cfg->max_live_bytes
+                                   : l->total_bytes;
     b.staging = (uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) * job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
     b.total = b.w + b.g + b.os + b.pool + b.staging + b.scratch;
@@ -447,6 +449,7 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->id = ++reg->next_job_id;
     job->uid = uid;
     job->world = msg->world;
+    job->max_live_bytes = msg->max_live_bytes;
     job->k = k;
     job->node = (uint32_t)cfg->node;
     job->first_rank = job->node * k;
@@ -559,9 +562,11 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
                                "%016llx registered by the other ranks (%s)",
                                name, msg->rank, (unsigned long long)digest,
                                (unsigned long long)job->digest, diff);
-        } else if (msg->world != job->world) {
-            sd_conn_send_error(c, SD_EMISMATCH, "register job '%s': world %u differs from %u",
-                               name, msg->world, job->world);
+        } else if (msg->world != job->world || msg->max_live_bytes != job->max_live_bytes) {
+            sd_conn_send_error(c, SD_EMISMATCH, "register job '%s': world %u / max_live_bytes %llu differ from "
+                               "%u / %llu of the other ranks",
+                               name, msg->world, (unsigned long long)msg->max_live_bytes,
+                               job->world, (unsigned long long)job->max_live_bytes);
         } else {
             job->model.n_tensors = job->model.n_tensors; /* same model: keep the first copy */
             model_free(&model);

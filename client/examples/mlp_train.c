@@ -112,6 +112,15 @@ static float **initial_params(const struct model *m, const struct opts *o)
     return p;
 }
 
+static void free_params(const struct model *m, float **p)
+{
+    if (p == NULL)
+        return;
+    for (uint32_t t = 0; t < m->n_tensors; t++)
+        free(p[t]);
+    free(p);
+}
+
 /* ---- forward and backward of one micro-batch; w[t] are fp32 views of the current weights,
  * g[t] receive the gradients of the mean loss. Returns the loss. */
 
@@ -141,6 +150,14 @@ static void acts_alloc(struct acts *ac, const struct model *m, int batch)
     }
     ac->dz = calloc((size_t)batch * (size_t)maxd, sizeof(float));
     ac->dz_prev = calloc((size_t)batch * (size_t)maxd, sizeof(float));
+}
+
+static void acts_free(struct acts *ac, const struct model *m)
+{
+    for (int l = 0; l <= m->layers; l++)
+        free(ac->a[l]);
+    free(ac->dz);
+    free(ac->dz_prev);
 }
 
 static void layer_forward(const struct model *m, int l, const float *w, const float *bias,
@@ -317,13 +334,25 @@ static int run_reference(const struct opts *o, const struct model *m)
             printf("step %d loss %.6f grad_norm %.6f\n", step + 1,
                    loss_sum / (double)(o->world * o->accum), norm);
     }
+    int rc = 0;
     if (o->dump != NULL) {
         for (uint32_t t = 0; t < m->n_tensors; t++)
             if (o->bf16)
                 round_bf16(master[t], m->numel[t]);
-        return write_params(o->dump, m, master);
+        rc = write_params(o->dump, m, master);
     }
-    return 0;
+    for (uint32_t t = 0; t < m->n_tensors; t++) {
+        free(mom[t]);
+        free(vel[t]);
+        free(acc[t]);
+        free(tmp[t]);
+        free(w[t]);
+        free(g[t]);
+    }
+    free_params(m, master);
+    acts_free(&ac, m);
+    free(y);
+    return rc;
 }
 
 /* ---- training through shardd */
@@ -334,7 +363,8 @@ static int run_reference(const struct opts *o, const struct model *m)
         if (st_ != SHARD_OK) {                                                                     \
             fprintf(stderr, "mlp_train rank %d: %s failed: %s: %s\n", o->rank, #call,              \
                     shard_strerror(st_), shard_last_error(ctx));                                   \
-            return 1;                                                                              \
+            rc = 1;                                                                                \
+            goto out;                                                                              \
         }                                                                                          \
     } while (0)
 
@@ -353,6 +383,13 @@ static void unit_to_f32(const shard_unit_info_t *ui, const void *data, float *ou
 static int run_shardd(const struct opts *o, const struct model *m)
 {
     shard_ctx_t *ctx = NULL;
+    int rc = 0;
+    uint32_t units = 0;
+    float *w[MAX_LAYERS] = {0}, *grad[MAX_LAYERS] = {0};
+    uint16_t *grad16[MAX_LAYERS] = {0};
+    struct acts ac = {0};
+    float *y = NULL;
+    float **init = initial_params(m, o);
     CHECK(shard_attach(o->socket, &ctx));
     shard_tensor_t tensors[2 * MAX_LAYERS];
     uint64_t dims[2 * MAX_LAYERS][2];
@@ -370,7 +407,6 @@ static int run_shardd(const struct opts *o, const struct model *m)
                                                   .dtype = o->bf16 ? SHARD_BF16 : SHARD_FP32,
                                                   .unit = (uint32_t)l};
     }
-    float **init = initial_params(m, o);
     shard_model_t model = {
         .job = o->job,
         .rank = (uint32_t)o->rank,
@@ -390,11 +426,11 @@ static int run_shardd(const struct opts *o, const struct model *m)
     };
     CHECK(shard_register(ctx, &model));
 
-    uint32_t units = shard_num_units(ctx);
+    free_params(m, init);
+    init = NULL;
+    units = shard_num_units(ctx);
     shard_unit_info_t ui[MAX_LAYERS];
     shard_tensor_info_t ti[2 * MAX_LAYERS];
-    float *w[MAX_LAYERS], *grad[MAX_LAYERS];
-    uint16_t *grad16[MAX_LAYERS];
     for (uint32_t u = 0; u < units; u++) {
         CHECK(shard_unit_info(ctx, u, &ui[u]));
         w[u] = calloc(ui[u].numel, sizeof(float));
@@ -404,9 +440,8 @@ static int run_shardd(const struct opts *o, const struct model *m)
     for (uint32_t t = 0; t < m->n_tensors; t++)
         CHECK(shard_tensor_info(ctx, t, &ti[t]));
 
-    struct acts ac;
     acts_alloc(&ac, m, o->batch);
-    float *y = calloc((size_t)o->batch * OUT_DIM, sizeof(float));
+    y = calloc((size_t)o->batch * OUT_DIM, sizeof(float));
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int step = 0; step < o->steps; step++) {
@@ -464,10 +499,21 @@ static int run_shardd(const struct opts *o, const struct model *m)
         for (uint32_t t = 0; t < m->n_tensors; t++)
             params[t] = w[ti[t].unit] + ti[t].offset;
         if (write_params(o->dump, m, params) != 0)
-            return 1;
+            rc = 1;
     }
-    CHECK(shard_detach(ctx));
-    return 0;
+out:
+    if (ctx != NULL)
+        shard_detach(ctx);
+    for (uint32_t u = 0; u < MAX_LAYERS; u++) {
+        free(w[u]);
+        free(grad[u]);
+        free(grad16[u]);
+    }
+    if (ac.dz != NULL)
+        acts_free(&ac, m);
+    free(y);
+    free_params(m, init);
+    return rc;
 }
 
 static void usage(FILE *out)

@@ -87,6 +87,9 @@ typedef struct {
     /* rank 0: initial values, one fp32 array per tensor (NULL entries or NULL: zeros);
        ignored on other ranks */
     const float *const *init;
+    /* gather pool size for this job in bytes; 0: the daemon's max_live_bytes (by default room
+       for every unit at once). Smaller pools evict released units least recently used first. */
+    uint64_t max_live_bytes;
 } shard_model_t;
 
 typedef struct {

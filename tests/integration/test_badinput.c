@@ -278,7 +278,7 @@ static void test_registration(void)
 static pid_t spawn_rank(const char *job, int rank, int world, int steps, const char *plan,
                         const char *dump, const char *log)
 {
-    char r[8], w[8], s[8];
+    char r[16], w[16], s[16];
     snprintf(r, sizeof(r), "%d", rank);
     snprintf(w, sizeof(w), "%d", world);
     snprintf(s, sizeof(s), "%d", steps);

@@ -38,7 +38,7 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
     pid_t pids[5];
     double t0 = th_now_s();
     for (int r = 0; r <= 4; r++) { /* 4 ranks, then the reference */
-        char rank[8];
+        char rank[16];
         snprintf(rank, sizeof(rank), "%d", r);
         snprintf(dumps[r], sizeof(dumps[r]), "%s/%s-%s.bin", d->dir, job, r < 4 ? rank : "ref");
         snprintf(logs[r], sizeof(logs[r]), "%s/%s-%s.log", d->dir, job, r < 4 ? rank : "ref");

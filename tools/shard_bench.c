@@ -1,0 +1,289 @@
+/* shard-bench: benchmarks of shardd, each reported as a ratio against a baseline measured in the
+ * same run.
+ *
+ *   fetch    throughput of gathering a unit (default 64 MiB) vs memcpy of the same bytes, and the
+ *            latency of fetching an already resident unit vs a bare Unix-socket round trip
+ *   step     AdamW step throughput on a shard (default 64M parameters) vs the memory-bandwidth
+ *            bound: 32 bytes per parameter (read g, master, m, v; write master, m, v, w) at the
+ *            bandwidth memcpy reaches (bytes read + written per second)
+ *
+ * --json prints one object per measurement with name, size_bytes, time_s, baseline,
+ * baseline_time_s and ratio. Times are medians over --iters repetitions. */
+#include "shard.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+struct opts {
+    const char *socket;
+    uint64_t size;
+    uint64_t params;
+    int iters;
+    bool json;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof(double), cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static void report(const struct opts *o, const char *name, uint64_t bytes, double t,
+                   const char *baseline, double tb, double ratio, const char *unit_note)
+{
+    if (o->json) {
+        printf("{\"name\": \"%s\", \"size_bytes\": %llu, \"time_s\": %.9g, \"baseline\": \"%s\", "
+               "\"baseline_time_s\": %.9g, \"ratio\": %.4f}\n",
+               name, (unsigned long long)bytes, t, baseline, tb, ratio);
+    } else {
+        printf("%-18s %12llu %14.3f %-26s %14.3f %8.3f  %s\n", name, (unsigned long long)bytes,
+               t * 1e6, baseline, tb * 1e6, ratio, unit_note);
+    }
+    fflush(stdout);
+}
+
+static double memcpy_time(uint64_t bytes, int iters)
+{
+    char *a = malloc(bytes), *b = malloc(bytes);
+    memset(a, 1, bytes);
+    memset(b, 2, bytes);
+    double *t = calloc((size_t)iters, sizeof(double));
+    for (int i = 0; i < iters; i++) {
+        double t0 = now_s();
+        memcpy(i % 2 ? a : b, i % 2 ? b : a, bytes);
+        t[i] = now_s() - t0;
+    }
+    double m = median(t, iters);
+    free(a);
+    free(b);
+    free(t);
+    return m;
+}
+
+#define CHECK(call)                                                                                \
+    do {                                                                                           \
+        int st_ = (call);                                                                          \
+        if (st_ != SHARD_OK) {                                                                     \
+            fprintf(stderr, "shard-bench: %s: %s: %s\n", #call, shard_strerror(st_),               \
+                    ctx ? shard_last_error(ctx) : "");                                             \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+static shard_ctx_t *ctx;
+
+/* A job of world 1 with n_units fp32 units of `numel` elements each. */
+static int register_job(const struct opts *o, const char *job, int n_units, uint64_t numel,
+                        uint64_t max_live)
+{
+    static char names[64][16];
+    static uint64_t dims[64][1];
+    shard_tensor_t t[64];
+    for (int u = 0; u < n_units; u++) {
+        snprintf(names[u], sizeof(names[u]), "t%d", u);
+        dims[u][0] = numel;
+        t[u] = (shard_tensor_t){.name = names[u], .ndim = 1, .dims = dims[u],
+                                .dtype = SHARD_FP32, .unit = (uint32_t)u};
+    }
+    char jobname[64];
+    snprintf(jobname, sizeof(jobname), "%s-%d", job, (int)getpid());
+    shard_model_t m = {.job = jobname,
+                       .rank = 0,
+                       .world = 1,
+                       .plan = "zero3",
+                       .tensors = t,
+                       .n_tensors = (uint32_t)n_units,
+                       .optimizer = {.name = "adamw", .lr = 1e-3f, .beta1 = 0.9f,
+                                     .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f},
+                       .max_live_bytes = max_live};
+    CHECK(shard_attach(o->socket, &ctx));
+    CHECK(shard_register(ctx, &m));
+    return 0;
+}
+
+/* Round trip of a 64-byte request and reply over a Unix socket to another process. */
+static double socket_rtt(int iters)
+{
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0)
+        return -1;
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(sv[0]);
+        char buf[64];
+        while (read(sv[1], buf, sizeof(buf)) == (ssize_t)sizeof(buf))
+            if (write(sv[1], buf, sizeof(buf)) != (ssize_t)sizeof(buf))
+                break;
+        _exit(0);
+    }
+    close(sv[1]);
+    char buf[64] = {0};
+    double *t = calloc((size_t)iters, sizeof(double));
+    for (int i = 0; i < iters + 100; i++) {
+        double t0 = now_s();
+        if (write(sv[0], buf, sizeof(buf)) != (ssize_t)sizeof(buf) ||
+            read(sv[0], buf, sizeof(buf)) != (ssize_t)sizeof(buf))
+            break;
+        if (i >= 100)
+            t[i - 100] = now_s() - t0;
+    }
+    close(sv[0]);
+    waitpid(pid, NULL, 0);
+    double m = median(t, iters);
+    free(t);
+    return m;
+}
+
+static int bench_fetch(const struct opts *o)
+{
+    uint64_t numel = o->size / 4;
+    /* two units and a pool that holds one: every fetch evicts the other unit and gathers */
+    if (register_job(o, "bench-fetch", 2, numel, o->size))
+        return 1;
+    shard_unit_info_t ui;
+    CHECK(shard_unit_info(ctx, 0, &ui));
+    int iters = o->iters;
+    double *t = calloc((size_t)iters, sizeof(double));
+    const void *p;
+    for (int i = 0; i < iters + 2; i++) {
+        double t0 = now_s();
+        CHECK(shard_fetch(ctx, (uint32_t)(i % 2), &p));
+        double dt = now_s() - t0;
+        CHECK(shard_release(ctx, (uint32_t)(i % 2)));
+        if (i >= 2)
+            t[i - 2] = dt;
+    }
+    double tf = median(t, iters);
+    double tm = memcpy_time(ui.bytes, iters);
+    report(o, "fetch_gather", ui.bytes, tf, "memcpy", tm, tm / tf,
+           "ratio = memcpy time / fetch time (target >= 0.7)");
+
+    int lat_iters = 20000;
+    double *tl = calloc((size_t)lat_iters, sizeof(double));
+    CHECK(shard_fetch(ctx, 0, &p));
+    CHECK(shard_release(ctx, 0));
+    for (int i = 0; i < lat_iters + 1000; i++) {
+        double t0 = now_s();
+        CHECK(shard_fetch(ctx, 0, &p));
+        double dt = now_s() - t0;
+        CHECK(shard_release(ctx, 0));
+        if (i >= 1000)
+            tl[i - 1000] = dt;
+    }
+    double tr = median(tl, lat_iters);
+    double rtt = socket_rtt(lat_iters);
+    report(o, "fetch_resident", 0, tr, "unix_socket_round_trip", rtt, tr / rtt,
+           "ratio = fetch latency / socket RTT (target <= 0.5)");
+    free(t);
+    free(tl);
+    CHECK(shard_detach(ctx));
+    ctx = NULL;
+    return 0;
+}
+
+static int bench_step(const struct opts *o)
+{
+    int units = 4;
+    uint64_t numel = o->params / (uint64_t)units;
+    if (register_job(o, "bench-step", units, numel, 0))
+        return 1;
+    int iters = o->iters;
+    double *t = calloc((size_t)iters, sizeof(double));
+    double norm;
+    for (int i = 0; i < iters + 1; i++) {
+        double t0 = now_s();
+        CHECK(shard_step(ctx, &norm));
+        if (i >= 1)
+            t[i - 1] = now_s() - t0;
+    }
+    double ts = median(t, iters);
+    uint64_t n = numel * (uint64_t)units;
+    double tm = memcpy_time(n * 4, iters); /* moves 2 * 4n bytes */
+    double bw = 2.0 * (double)n * 4 / tm;
+    double bound = 32.0 * (double)n / bw;
+    report(o, "adamw_step", n * 4, ts, "memcpy_bandwidth_bound", bound, bound / ts,
+           "ratio = (32 B/param at memcpy bandwidth) / step time (target >= 0.5)");
+    free(t);
+    CHECK(shard_detach(ctx));
+    ctx = NULL;
+    return 0;
+}
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: shard-bench fetch|step|all [--socket PATH] [--size BYTES] [--params N]\n"
+            "                   [--iters N] [--json]\n"
+            "  fetch   gather throughput of a --size unit (default 64 MiB) vs memcpy, and the\n"
+            "          latency of fetching a resident unit vs a Unix-socket round trip\n"
+            "  step    AdamW step on --params parameters (default 64M) vs the memcpy bandwidth\n"
+            "          bound (32 bytes per parameter)\n"
+            "Needs a running shardd (--socket, default $SHARD_SOCKET or /run/shardd/shardd.sock).\n");
+}
+
+int main(int argc, char **argv)
+{
+    struct opts o = {.size = 64ULL << 20, .params = 64ULL << 20, .iters = 20};
+    const char *what = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            usage(stdout);
+            return 0;
+        } else if (strcmp(a, "--json") == 0) {
+            o.json = true;
+        } else if (strcmp(a, "--socket") == 0 && v) {
+            o.socket = argv[++i];
+        } else if (strcmp(a, "--size") == 0 && v) {
+            o.size = strtoull(argv[++i], NULL, 0);
+        } else if (strcmp(a, "--params") == 0 && v) {
+            o.params = strtoull(argv[++i], NULL, 0);
+        } else if (strcmp(a, "--iters") == 0 && v) {
+            o.iters = atoi(argv[++i]);
+        } else if (a[0] != '-' && what == NULL) {
+            what = a;
+        } else {
+            fprintf(stderr, "shard-bench: unexpected argument '%s'\n", a);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (what == NULL || o.iters < 1 || o.size < 4096 || o.params < 1024) {
+        usage(stderr);
+        return 2;
+    }
+    if (!o.json)
+        printf("%-18s %12s %14s %-26s %14s %8s\n", "# name", "size_bytes", "time_us", "baseline",
+               "baseline_us", "ratio");
+    int rc = 0;
+    bool all = strcmp(what, "all") == 0;
+    if (all || strcmp(what, "fetch") == 0)
+        rc |= bench_fetch(&o);
+    if (all || strcmp(what, "step") == 0)
+        rc |= bench_step(&o);
+    if (!all && strcmp(what, "fetch") != 0 && strcmp(what, "step") != 0) {
+        fprintf(stderr, "shard-bench: unknown benchmark '%s' (fetch, step, all)\n", what);
+        return 2;
+    }
+    return rc;
+}
