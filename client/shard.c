@@ -22,10 +22,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#define DEFAULT_SOCKET   "/run/shardd/shardd.sock"
-#define MAX_REPLY_BYTES  (64u << 20)
-#define MAX_STAGING      64
-#define RING_MASK        (SD_RING_ENTRIES - 1)
+#define DEFAULT_SOCKET  "/run/shardd/shardd.sock"
+#define MAX_REPLY_BYTES (64u << 20)
+#define MAX_STAGING     64
+#define RING_MASK       (SD_RING_ENTRIES - 1)
 
 enum req_state { REQ_FREE = 0, REQ_INFLIGHT, REQ_DONE };
 
@@ -108,9 +108,12 @@ const char *shard_strerror(int status)
     return sd_status_str(status);
 }
 
+/* the message of the last failed shard_attach of this thread (no context exists then) */
+static _Thread_local char attach_err[1024];
+
 const char *shard_last_error(const shard_ctx_t *ctx)
 {
-    return ctx ? ctx->err : "no context";
+    return ctx ? ctx->err : attach_err;
 }
 
 static uint64_t env_u64(const char *name, uint64_t def)
@@ -130,8 +133,8 @@ static int recv_reply(shard_ctx_t *ctx, Shard__DaemonMsg **msg_p, int *fds, unsi
     uint8_t *buf;
     size_t len;
     unsigned nfds = 0;
-    int status = sd_frame_recv(ctx->sock, &buf, &len, fds, max_fds, &nfds, MAX_REPLY_BYTES,
-                               timeout_ms);
+    int status =
+        sd_frame_recv(ctx->sock, &buf, &len, fds, max_fds, &nfds, MAX_REPLY_BYTES, timeout_ms);
     if (status == SD_ETIMEDOUT)
         return fail(ctx, status, "%s: no answer from shardd within %d ms", what, timeout_ms);
     if (status != SD_OK)
@@ -238,8 +241,8 @@ int shard_attach(const char *socket_path, shard_ctx_t **ctx_p)
         goto err_out;
     }
     if (ctx->ring->magic != SD_RING_MAGIC || ctx->ring->version != SD_RING_VERSION) {
-        status = fail(ctx, SD_EVERSION, "attach: ring version %u, expected %d",
-                      ctx->ring->version, SD_RING_VERSION);
+        status = fail(ctx, SD_EVERSION, "attach: ring version %u, expected %d", ctx->ring->version,
+                      SD_RING_VERSION);
         goto err_out;
     }
     ctx->wait_timeout_ms = env_u64("SHARD_TIMEOUT_MS", 2ULL * ctx->op_timeout_ms + 10000);
@@ -248,8 +251,9 @@ int shard_attach(const char *socket_path, shard_ctx_t **ctx_p)
     return SD_OK;
 
 err_out:
-    fprintf(stderr, "libshard: %s\n", ctx->err);
+    memcpy(attach_err, ctx->err, sizeof(attach_err));
     shard_detach(ctx);
+    *ctx_p = NULL;
     return status;
 }
 
@@ -454,9 +458,8 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
                                             .first_tensor = ul->first_tensor,
                                             .n_tensors = ul->n_tensors};
         for (uint32_t t = ul->first_tensor; t < ul->first_tensor + ul->n_tensors; t++)
-            ctx->tensors[t] = (shard_tensor_info_t){.unit = u,
-                                                    .offset = rep->tensors[t]->offset,
-                                                    .numel = rep->tensors[t]->numel};
+            ctx->tensors[t] = (shard_tensor_info_t){
+                .unit = u, .offset = rep->tensors[t]->offset, .numel = rep->tensors[t]->numel};
         if (ctx->units[u].numel * sizeof(float) > ctx->staging_slot_bytes)
             return fail(ctx, SD_EPROTO, "register: staging slots smaller than unit %u", u);
     }

@@ -36,7 +36,7 @@ const struct sd_config_entry sd_config_table[] = {
      "largest control message accepted on the socket"},
     {"poll_spin_us", SD_CFG_INT, "200", 0, 1000000, OFF(poll_spin_us),
      "microseconds the daemon keeps polling client rings after the last request before sleeping"},
-    {"staging_slots", SD_CFG_INT, "4", 1, 1024, OFF(staging_slots),
+    {"staging_slots", SD_CFG_INT, "4", 1, 64, OFF(staging_slots),
      "gradient staging slots per client, each the size of the largest unit"},
     {"max_live_bytes", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(max_live_bytes),
      "gather pool size per job; 0 sizes it to hold every unit at once"},
@@ -117,8 +117,8 @@ int sd_config_set(struct sd_config *cfg, const char *name, const char *value, ch
     switch (e->type) {
     case SD_CFG_STRING:
         if (strlen(value) >= (size_t)e->max) {
-            snprintf(err, errlen, "option '%s': value '%.40s...' is longer than %lld bytes",
-                     name, value, (long long)e->max - 1);
+            snprintf(err, errlen, "option '%s': value '%.40s...' is longer than %lld bytes", name,
+                     value, (long long)e->max - 1);
             return SD_ECONFIG;
         }
         if (check_string(e, value, err, errlen) != SD_OK)

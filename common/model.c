@@ -65,7 +65,8 @@ int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *
     uint32_t p;
 
     if (spec == NULL || strlen(spec) >= sizeof(plan.name)) {
-        snprintf(err, errlen, "plan is missing or longer than %zu characters", sizeof(plan.name) - 1);
+        snprintf(err, errlen, "plan is missing or longer than %zu characters",
+                 sizeof(plan.name) - 1);
         return SD_EINVAL;
     }
     if (strcmp(spec, "ddp") == 0) {
@@ -169,8 +170,8 @@ int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
         uint64_t n = 1;
         for (uint32_t d = 0; d < t->ndim; d++) {
             if (t->dims[d] == 0 || t->dims[d] > (1ULL << 40) / n) {
-                snprintf(err, errlen, "tensor %u '%s': dimension %u is %llu (zero or too large)",
-                         i, t->name, d, (unsigned long long)t->dims[d]);
+                snprintf(err, errlen, "tensor %u '%s': dimension %u is %llu (zero or too large)", i,
+                         t->name, d, (unsigned long long)t->dims[d]);
                 return SD_EINVAL;
             }
             n *= t->dims[d];
@@ -180,8 +181,8 @@ int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
             return SD_EINVAL;
         }
         if (t->unit >= SD_MAX_UNITS) {
-            snprintf(err, errlen, "tensor %u '%s': unit %u, at most %d units", i, t->name,
-                     t->unit, SD_MAX_UNITS);
+            snprintf(err, errlen, "tensor %u '%s': unit %u, at most %d units", i, t->name, t->unit,
+                     SD_MAX_UNITS);
             return SD_EINVAL;
         }
         if (i > 0 && t->unit != m->tensors[i - 1].unit && t->unit != m->tensors[i - 1].unit + 1) {
@@ -221,8 +222,7 @@ int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
         snprintf(err, errlen,
                  "optimizer: lr %g, betas (%g, %g), eps %g, weight_decay %g, momentum %g, "
                  "max_grad_norm %g: each must be >= 0, betas and momentum < 1",
-                 o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->momentum,
-                 o->max_grad_norm);
+                 o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->momentum, o->max_grad_norm);
         return SD_EINVAL;
     }
     return SD_OK;
@@ -265,8 +265,8 @@ void sd_model_diff(const struct sd_model *a, const struct sd_model *b, char *out
         }
     }
     if (memcmp(&a->optim, &b->optim, sizeof(a->optim)) != 0) {
-        snprintf(out, outlen, "optimizer settings differ (lr %g vs %g, kind %d vs %d)",
-                 a->optim.lr, b->optim.lr, a->optim.kind, b->optim.kind);
+        snprintf(out, outlen, "optimizer settings differ (lr %g vs %g, kind %d vs %d)", a->optim.lr,
+                 b->optim.lr, a->optim.kind, b->optim.kind);
         return;
     }
     snprintf(out, outlen, "no difference");

@@ -50,8 +50,7 @@ static json_t *job_summary(const struct sd_job *job)
                      (int)job->layout.n_units, "parameters", (json_int_t)job->layout.total_numel,
                      "parameter_bytes", (json_int_t)job->layout.total_bytes, "memory_bytes",
                      (json_int_t)job->bytes_total, "steps", (json_int_t)job->steps,
-                     "last_grad_norm", job->last_grad_norm, "error", job->fail_msg, "ranks",
-                     ranks);
+                     "last_grad_norm", job->last_grad_norm, "error", job->fail_msg, "ranks", ranks);
 }
 
 static json_t *job_groups(const struct sd_job *job)
@@ -69,8 +68,8 @@ static json_t *job_groups(const struct sd_job *job)
             json_array_append_new(repl, group_json(&g));
         }
         json_object_set_new(states, sd_state_name(st),
-                            json_pack("{s:i, s:o, s:o}", "shard_factor", (int)f, "partition",
-                                      part, "replication", repl));
+                            json_pack("{s:i, s:o, s:o}", "shard_factor", (int)f, "partition", part,
+                                      "replication", repl));
     }
     return json_pack("{s:s, s:s, s:i, s:b, s:b, s:o}", "job", job->name, "plan", job->plan.name,
                      "world", (int)job->world, "hierarchical", job->plan.hierarchical, "two_hop",
@@ -86,13 +85,13 @@ static json_t *job_stats(const struct sd_job *job)
         const struct sd_latency *l = &job->stats.lat[op];
         json_t *bytes = json_object();
         for (int c = 0; c < SD_LINK_COUNT; c++)
-            json_object_set_new(bytes, link_names[c], json_integer((json_int_t)job->stats.bytes[op][c]));
-        json_object_set_new(ops, sd_op_name(op),
-                            json_pack("{s:I, s:o, s:f, s:f, s:f}", "count",
-                                      (json_int_t)job->stats.ops[op], "bytes", bytes, "p50_us",
-                                      sd_latency_quantile_us(l, 0.5), "p99_us",
-                                      sd_latency_quantile_us(l, 0.99), "max_us",
-                                      sd_latency_quantile_us(l, 1.0)));
+            json_object_set_new(bytes, link_names[c],
+                                json_integer((json_int_t)job->stats.bytes[op][c]));
+        json_object_set_new(
+            ops, sd_op_name(op),
+            json_pack("{s:I, s:o, s:f, s:f, s:f}", "count", (json_int_t)job->stats.ops[op], "bytes",
+                      bytes, "p50_us", sd_latency_quantile_us(l, 0.5), "p99_us",
+                      sd_latency_quantile_us(l, 0.99), "max_us", sd_latency_quantile_us(l, 1.0)));
     }
     json_t *totals = json_object();
     for (int c = 0; c < SD_LINK_COUNT; c++) {
@@ -141,34 +140,33 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
     if (strcmp(cmd, "status") == 0) {
         json_t *clients = json_array();
         for (struct sd_session *s = srv->sessions; s; s = s->next)
-            json_array_append_new(
-                clients, json_pack("{s:I, s:i, s:i, s:s?, s:i}", "session", (json_int_t)s->id,
-                                   "pid", (int)s->conn->pid, "uid", (int)s->conn->uid, "job",
-                                   s->job ? s->job->name : NULL, "rank",
-                                   s->job ? (int)s->rank : -1));
+            json_array_append_new(clients,
+                                  json_pack("{s:I, s:i, s:i, s:s?, s:i}", "session",
+                                            (json_int_t)s->id, "pid", (int)s->conn->pid, "uid",
+                                            (int)s->conn->uid, "job", s->job ? s->job->name : NULL,
+                                            "rank", s->job ? (int)s->rank : -1));
         out = json_pack("{s:s, s:i, s:f, s:s, s:i, s:i, s:I, s:I, s:o, s:o, s:o}", "version",
-                        SHARD_VERSION, "pid", (int)getpid(),
-                        "uptime_s", (double)(sd_now_ns() - srv->start_ns) / 1e9, "socket",
-                        srv->sock_path, "node", (int)cfg->node, "nodes", (int)cfg->nodes,
-                        "memory_budget_bytes", (json_int_t)reg->budget, "memory_used_bytes",
-                        (json_int_t)reg->used, "config", config_json(cfg), "clients", clients,
-                        "jobs", jobs);
+                        SHARD_VERSION, "pid", (int)getpid(), "uptime_s",
+                        (double)(sd_now_ns() - srv->start_ns) / 1e9, "socket", srv->sock_path,
+                        "node", (int)cfg->node, "nodes", (int)cfg->nodes, "memory_budget_bytes",
+                        (json_int_t)reg->budget, "memory_used_bytes", (json_int_t)reg->used,
+                        "config", config_json(cfg), "clients", clients, "jobs", jobs);
     } else if (strcmp(cmd, "jobs") == 0 || strcmp(cmd, "groups") == 0 ||
                strcmp(cmd, "stats") == 0) {
         out = json_pack("{s:o}", "jobs", jobs);
     } else if (strcmp(cmd, "topology") == 0) {
         json_t *nodes = json_array();
         for (int64_t n = 0; n < cfg->nodes; n++)
-            json_array_append_new(nodes, json_pack("{s:I, s:b, s:s}", "node", (json_int_t)n,
-                                                   "self", n == cfg->node, "socket",
+            json_array_append_new(nodes, json_pack("{s:I, s:b, s:s}", "node", (json_int_t)n, "self",
+                                                   n == cfg->node, "socket",
                                                    n == cfg->node ? srv->sock_path : ""));
         out = json_pack("{s:i, s:i, s:I, s:s, s:o, s:o}", "node", (int)cfg->node, "nodes",
                         (int)cfg->nodes, "ranks_per_node", (json_int_t)cfg->ranks_per_node,
                         "backend", cfg->backend, "topology", nodes, "jobs", jobs);
     } else {
         json_decref(jobs);
-        out = json_pack("{s:s}", "error",
-                        "unknown command (status, jobs, groups, topology, stats)");
+        out =
+            json_pack("{s:s}", "error", "unknown command (status, jobs, groups, topology, stats)");
         *json_p = json_dumps(out, JSON_COMPACT);
         json_decref(out);
         return SD_EINVAL;

@@ -45,7 +45,12 @@ void sd_latency_add(struct sd_latency *l, uint64_t ns);
 /* q in [0, 1]; sorts a copy on the stack, for the admin path only */
 double sd_latency_quantile_us(const struct sd_latency *l, double q);
 
-enum sd_link_class { SD_LINK_INTRA = 0, SD_LINK_INTER_SENT = 1, SD_LINK_INTER_RECV = 2, SD_LINK_COUNT };
+enum sd_link_class {
+    SD_LINK_INTRA = 0,
+    SD_LINK_INTER_SENT = 1,
+    SD_LINK_INTER_RECV = 2,
+    SD_LINK_COUNT
+};
 struct sd_job_stats {
     uint64_t ops[SD_OP_COUNT];
     uint64_t errors;
@@ -106,8 +111,8 @@ void sd_session_destroy(struct sd_session *s, const char *reason);
 bool sd_session_progress(struct sd_session *s);
 void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status, uint64_t v0,
                          uint64_t v1, const char *msg);
-void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, const char *fmt,
-                     ...) __attribute__((format(printf, 4, 5)));
+void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 
 /* ---- jobs */
 /* CLOSING: a rank detached cleanly; like FAILED, no collective can complete any more */

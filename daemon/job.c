@@ -61,8 +61,7 @@ static int model_from_msg(const Shard__Register *msg, struct sd_model *m, char *
 {
     memset(m, 0, sizeof(*m));
     if (msg->n_tensors == 0 || msg->n_tensors > SD_MAX_TENSORS) {
-        snprintf(err, len, "model has %zu tensors; expected 1..%d", msg->n_tensors,
-                 SD_MAX_TENSORS);
+        snprintf(err, len, "model has %zu tensors; expected 1..%d", msg->n_tensors, SD_MAX_TENSORS);
         return SD_EINVAL;
     }
     if (msg->optimizer == NULL) {
@@ -242,12 +241,12 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
                  "job '%s' needs %llu bytes (%s: w %llu, g %llu, os %llu, gather pool %llu, "
                  "staging %llu, scratch %llu) but only %llu of the %llu-byte memory budget are "
                  "free (%s); raise memory_budget or shard more (plan)",
-                 job->name, (unsigned long long)need.total, sd_fmt_bytes(b1, sizeof(b1), need.total),
-                 (unsigned long long)need.w, (unsigned long long)need.g,
-                 (unsigned long long)need.os, (unsigned long long)need.pool,
-                 (unsigned long long)need.staging, (unsigned long long)need.scratch,
-                 (unsigned long long)(budget - reg->used), (unsigned long long)budget,
-                 sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
+                 job->name, (unsigned long long)need.total,
+                 sd_fmt_bytes(b1, sizeof(b1), need.total), (unsigned long long)need.w,
+                 (unsigned long long)need.g, (unsigned long long)need.os,
+                 (unsigned long long)need.pool, (unsigned long long)need.staging,
+                 (unsigned long long)need.scratch, (unsigned long long)(budget - reg->used),
+                 (unsigned long long)budget, sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
         return SD_ENOSPC;
     }
 
@@ -282,8 +281,8 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
         for (int st = 0; st < SD_STATE_COUNT; st++) {
             snprintf(tag, sizeof(tag), "shardd-%s-r%u-%s", job->name, job->first_rank + r,
                      sd_state_name(st));
-            status = dev->alloc(bytes[st], SD_MEM_PRIVATE, tag,
-                                &job->arena[r * SD_STATE_COUNT + st]);
+            status =
+                dev->alloc(bytes[st], SD_MEM_PRIVATE, tag, &job->arena[r * SD_STATE_COUNT + st]);
             if (status != SD_OK)
                 goto err_alloc;
         }
@@ -408,8 +407,9 @@ static void job_complete_registration(struct sd_job *job)
     job->state = SD_JOB_LOADING;
     job->stats.allocs_after_register = 0;
     char b[32];
-    SD_INFO("job", "job '%s' registered: %u ranks (%u on this node), plan %s, %u units, %s of "
-                   "parameters, %s allocated",
+    SD_INFO("job",
+            "job '%s' registered: %u ranks (%u on this node), plan %s, %u units, %s of "
+            "parameters, %s allocated",
             job->name, job->world, job->k, job->plan.name, job->layout.n_units,
             sd_fmt_bytes(b, sizeof(b), job->layout.total_bytes),
             sd_fmt_bytes((char[32]){0}, 32, job->bytes_total));
@@ -469,8 +469,9 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     if (status == SD_OK)
         status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
     if (status == SD_OK && job->plan.f[SD_STATE_G] > k) {
-        snprintf(err, errlen, "plan '%s': partition groups spanning nodes need the multi-node "
-                              "collective engine, which this build does not have yet",
+        snprintf(err, errlen,
+                 "plan '%s': partition groups spanning nodes need the multi-node "
+                 "collective engine, which this build does not have yet",
                  job->plan.name);
         status = SD_ENOSYS;
     }
@@ -528,16 +529,16 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
     struct sd_job *job = sd_registry_find(reg, name);
     if (job == NULL) {
         if (reg->n_jobs >= (uint32_t)reg->cfg->max_jobs) {
-            sd_conn_send_error(c, SD_EBUSY, "register job '%s': %u jobs are served, max_jobs is "
-                                            "%lld",
+            sd_conn_send_error(c, SD_EBUSY,
+                               "register job '%s': %u jobs are served, max_jobs is "
+                               "%lld",
                                name, reg->n_jobs, (long long)reg->cfg->max_jobs);
             model_free(&model);
             return;
         }
         job = job_create(reg, msg, &model, c->uid, err, sizeof(err));
         if (job == NULL) {
-            sd_conn_send_error(c, SD_EINVAL, "register job '%s' rank %u: %s", name, msg->rank,
-                               err);
+            sd_conn_send_error(c, SD_EINVAL, "register job '%s' rank %u: %s", name, msg->rank, err);
             model_free(&model);
             return;
         }
@@ -546,8 +547,9 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
     } else {
         uint64_t digest = sd_model_digest(&model);
         if (job->uid != c->uid && c->uid != 0) {
-            sd_conn_send_error(c, SD_EPERM, "register job '%s': it belongs to uid %d, you are "
-                                            "uid %d",
+            sd_conn_send_error(c, SD_EPERM,
+                               "register job '%s': it belongs to uid %d, you are "
+                               "uid %d",
                                name, (int)job->uid, (int)c->uid);
         } else if (job->state != SD_JOB_REGISTERING) {
             sd_conn_send_error(c, SD_EEXIST,
@@ -563,7 +565,8 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
                                name, msg->rank, (unsigned long long)digest,
                                (unsigned long long)job->digest, diff);
         } else if (msg->world != job->world || msg->max_live_bytes != job->max_live_bytes) {
-            sd_conn_send_error(c, SD_EMISMATCH, "register job '%s': world %u / max_live_bytes %llu differ from "
+            sd_conn_send_error(c, SD_EMISMATCH,
+                               "register job '%s': world %u / max_live_bytes %llu differ from "
                                "%u / %llu of the other ranks",
                                name, msg->world, (unsigned long long)msg->max_live_bytes,
                                job->world, (unsigned long long)job->max_live_bytes);
@@ -588,8 +591,9 @@ add_rank:
     }
     uint32_t local = msg->rank - job->first_rank;
     if (job->ranks[local] != NULL) {
-        sd_conn_send_error(c, SD_EEXIST, "register job '%s': rank %u is already registered by "
-                                         "pid %d",
+        sd_conn_send_error(c, SD_EEXIST,
+                           "register job '%s': rank %u is already registered by "
+                           "pid %d",
                            name, msg->rank, (int)job->ranks[local]->conn->pid);
         return;
     }
@@ -706,9 +710,8 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
             bool waiting = false;
             for (uint32_t r = 0; r < job->k; r++)
                 waiting |= job->ready_waiting[r];
-            if (waiting && now - job->created_ns > op_timeout +
-                                                       (uint64_t)reg->cfg->register_timeout_ms *
-                                                           1000000ULL)
+            if (waiting && now - job->created_ns >
+                               op_timeout + (uint64_t)reg->cfg->register_timeout_ms * 1000000ULL)
                 sd_job_fail(job, SD_ETIMEDOUT,
                             "rank 0 did not finish loading the initial values in time");
             continue;

@@ -73,9 +73,8 @@ static void gather(struct sd_job *job, uint32_t u, uint32_t rank, uint64_t off)
     uint8_t *dst = (uint8_t *)job->pool.ptr + off;
     for (uint32_t i = 0; i < grp.count; i++) {
         uint32_t local = sd_group_member(&grp, i) - job->first_rank;
-        dev->copy(dst + i * shard_bytes, (uint8_t *)arena(job, local, SD_STATE_W)->ptr +
-                                             job->w_off[u],
-                  shard_bytes);
+        dev->copy(dst + i * shard_bytes,
+                  (uint8_t *)arena(job, local, SD_STATE_W)->ptr + job->w_off[u], shard_bytes);
     }
     job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += sd_unit_bytes(ul);
     job->stats.gathers++;
@@ -210,8 +209,9 @@ static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sq
 {
     const struct sd_unit_layout *ul = &job->layout.units[e->unit];
     if (e->arg0 >= job->staging_slots) {
-        sd_session_fail(s, e, SD_EINVAL, "push unit %u: staging slot %llu does not exist (%u "
-                                         "slots)",
+        sd_session_fail(s, e, SD_EINVAL,
+                        "push unit %u: staging slot %llu does not exist (%u "
+                        "slots)",
                         e->unit, (unsigned long long)e->arg0, job->staging_slots);
         return true;
     }
@@ -219,9 +219,8 @@ static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sq
         sd_session_fail(s, e, SD_EMSGSIZE,
                         "push unit %u: gradient is %llu bytes but the unit is %llu bytes (%llu "
                         "%s elements, padded)",
-                        e->unit, (unsigned long long)e->arg1,
-                        (unsigned long long)sd_unit_bytes(ul), (unsigned long long)ul->numel,
-                        sd_dtype_name(ul->dtype));
+                        e->unit, (unsigned long long)e->arg1, (unsigned long long)sd_unit_bytes(ul),
+                        (unsigned long long)ul->numel, sd_dtype_name(ul->dtype));
         return true;
     }
     uint32_t g = s->local / job->g_members, m = s->local % job->g_members;
@@ -239,7 +238,8 @@ static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sq
     struct sd_push_round *rd = &job->rounds[ri];
     uint64_t now = sd_now_ns();
     s->staging_busy |= 1ULL << e->arg0;
-    *ent = (struct sd_push_entry){.s = s, .tag = e->tag, .arrive_ns = now, .slot = (uint32_t)e->arg0};
+    *ent =
+        (struct sd_push_entry){.s = s, .tag = e->tag, .arrive_ns = now, .slot = (uint32_t)e->arg0};
     if (rd->arrived++ == 0)
         rd->first_ns = now;
     if (rd->arrived == job->g_members)
@@ -262,8 +262,9 @@ static bool partial_round(struct sd_job *job, char *msg, size_t len)
                 if (ent[m].s != NULL)
                     off += (size_t)snprintf(msg + off, len - off, " %u", ent[m].s->rank);
             if (off < len)
-                snprintf(msg + off, len - off, " but not from the rest of their group; every "
-                                               "rank must push the same units");
+                snprintf(msg + off, len - off,
+                         " but not from the rest of their group; every "
+                         "rank must push the same units");
             return true;
         }
     return false;
@@ -344,8 +345,8 @@ static void do_step(struct sd_job *job)
             } else {
                 struct sd_sgd_args a = {
                     .lr = o->lr, .momentum = o->momentum, .weight_decay = o->weight_decay};
-                dev->sgd(&a, os + off, os + os_numel + off, gp, scale, w + job->w_off[u],
-                         ul->dtype, len);
+                dev->sgd(&a, os + off, os + os_numel + off, gp, scale, w + job->w_off[u], ul->dtype,
+                         len);
             }
         }
     }
@@ -399,8 +400,8 @@ static void op_init(struct sd_job *job, struct sd_session *s, const struct sd_sq
         return;
     }
     if (e->unit >= job->layout.n_units || e->arg0 >= job->staging_slots) {
-        sd_session_fail(s, e, SD_EINVAL, "init: unit %u or staging slot %llu out of range",
-                        e->unit, (unsigned long long)e->arg0);
+        sd_session_fail(s, e, SD_EINVAL, "init: unit %u or staging slot %llu out of range", e->unit,
+                        (unsigned long long)e->arg0);
         return;
     }
     const struct sd_unit_layout *ul = &job->layout.units[e->unit];

@@ -157,6 +157,13 @@ static int parse_args(int argc, char **argv, struct sd_config *cfg)
             return 2;
         }
     }
+    if (cfg->nodes > 1) {
+        fprintf(stderr,
+                "shardd: nodes = %lld: this build serves one node; the multi-node transport "
+                "(libfabric) is not built yet\n",
+                (long long)cfg->nodes);
+        return 2;
+    }
     if (cfg->node >= cfg->nodes) {
         fprintf(stderr, "shardd: option 'node' is %lld but there are only %lld nodes\n",
                 (long long)cfg->node, (long long)cfg->nodes);

@@ -109,8 +109,9 @@ static bool handle_message(struct sd_conn *c, const uint8_t *buf, size_t len)
     switch (m->msg_case) {
     case SHARD__CLIENT_MSG__MSG_ATTACH:
         if (c->session != NULL) {
-            sd_conn_send_error(c, SD_EPROTO, "attach: this connection is already attached "
-                                             "(session %llu)",
+            sd_conn_send_error(c, SD_EPROTO,
+                               "attach: this connection is already attached "
+                               "(session %llu)",
                                (unsigned long long)c->session->id);
             break;
         }
@@ -130,13 +131,15 @@ static bool handle_message(struct sd_conn *c, const uint8_t *buf, size_t len)
         break;
     case SHARD__CLIENT_MSG__MSG_REGISTER:
         if (c->session == NULL) {
-            sd_conn_send_error(c, SD_ESTATE, "register: attach first (no session on this "
-                                             "connection)");
+            sd_conn_send_error(c, SD_ESTATE,
+                               "register: attach first (no session on this "
+                               "connection)");
             break;
         }
         if (c->session->job != NULL) {
-            sd_conn_send_error(c, SD_ESTATE, "register: this session already belongs to job '%s' "
-                                             "as rank %u; attach again for another job",
+            sd_conn_send_error(c, SD_ESTATE,
+                               "register: this session already belongs to job '%s' "
+                               "as rank %u; attach again for another job",
                                c->session->job->name, c->session->rank);
             break;
         }
@@ -259,8 +262,8 @@ static void accept_cb(uv_poll_t *h, int status, int events)
         c->next = srv->conns;
         srv->conns = c;
         srv->n_conns++;
-        SD_DEBUG("server", "conn %llu from pid %d uid %d", (unsigned long long)c->id,
-                 (int)c->pid, (int)c->uid);
+        SD_DEBUG("server", "conn %llu from pid %d uid %d", (unsigned long long)c->id, (int)c->pid,
+                 (int)c->uid);
     }
 }
 

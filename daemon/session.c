@@ -151,8 +151,9 @@ void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status,
     if (msg != NULL)
         snprintf(e.msg, sizeof(e.msg), "%s", msg);
     if (sd_ring_cq_push(s->hdr, &e) != 0) {
-        session_break(s, "completion queue overflow: the client has more than %d requests "
-                         "without reading their completions",
+        session_break(s,
+                      "completion queue overflow: the client has more than %d requests "
+                      "without reading their completions",
                       SD_RING_ENTRIES);
         return;
     }
@@ -165,8 +166,7 @@ void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status,
     }
 }
 
-void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, const char *fmt,
-                     ...)
+void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, const char *fmt, ...)
 {
     char text[SD_CQE_MSG_LEN];
     va_list ap;

@@ -98,8 +98,8 @@ int sd_frame_send(int fd, const ProtobufCMessage *msg, const int *fds, unsigned 
 }
 
 /* Read exactly len bytes; collects SCM_RIGHTS fds if fds != NULL. */
-static int read_full(int fd, uint8_t *buf, size_t len, int *fds, unsigned max_fds,
-                     unsigned *nfds_p, uint64_t deadline)
+static int read_full(int fd, uint8_t *buf, size_t len, int *fds, unsigned max_fds, unsigned *nfds_p,
+                     uint64_t deadline)
 {
     size_t off = 0;
     union {

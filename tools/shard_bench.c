@@ -102,8 +102,8 @@ static int register_job(const struct opts *o, const char *job, int n_units, uint
     for (int u = 0; u < n_units; u++) {
         snprintf(names[u], sizeof(names[u]), "t%d", u);
         dims[u][0] = numel;
-        t[u] = (shard_tensor_t){.name = names[u], .ndim = 1, .dims = dims[u],
-                                .dtype = SHARD_FP32, .unit = (uint32_t)u};
+        t[u] = (shard_tensor_t){
+            .name = names[u], .ndim = 1, .dims = dims[u], .dtype = SHARD_FP32, .unit = (uint32_t)u};
     }
     char jobname[64];
     snprintf(jobname, sizeof(jobname), "%s-%d", job, (int)getpid());
@@ -113,8 +113,12 @@ static int register_job(const struct opts *o, const char *job, int n_units, uint
                        .plan = "zero3",
                        .tensors = t,
                        .n_tensors = (uint32_t)n_units,
-                       .optimizer = {.name = "adamw", .lr = 1e-3f, .beta1 = 0.9f,
-                                     .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f},
+                       .optimizer = {.name = "adamw",
+                                     .lr = 1e-3f,
+                                     .beta1 = 0.9f,
+                                     .beta2 = 0.999f,
+                                     .eps = 1e-8f,
+                                     .weight_decay = 0.01f},
                        .max_live_bytes = max_live};
     CHECK(shard_attach(o->socket, &ctx));
     CHECK(shard_register(ctx, &m));
@@ -231,14 +235,15 @@ static int bench_step(const struct opts *o)
 
 static void usage(FILE *out)
 {
-    fprintf(out,
-            "usage: shard-bench fetch|step|all [--socket PATH] [--size BYTES] [--params N]\n"
-            "                   [--iters N] [--json]\n"
-            "  fetch   gather throughput of a --size unit (default 64 MiB) vs memcpy, and the\n"
-            "          latency of fetching a resident unit vs a Unix-socket round trip\n"
-            "  step    AdamW step on --params parameters (default 64M) vs the memcpy bandwidth\n"
-            "          bound (32 bytes per parameter)\n"
-            "Needs a running shardd (--socket, default $SHARD_SOCKET or /run/shardd/shardd.sock).\n");
+    fprintf(
+        out,
+        "usage: shard-bench fetch|step|all [--socket PATH] [--size BYTES] [--params N]\n"
+        "                   [--iters N] [--json]\n"
+        "  fetch   gather throughput of a --size unit (default 64 MiB) vs memcpy, and the\n"
+        "          latency of fetching a resident unit vs a Unix-socket round trip\n"
+        "  step    AdamW step on --params parameters (default 64M) vs the memcpy bandwidth\n"
+        "          bound (32 bytes per parameter)\n"
+        "Needs a running shardd (--socket, default $SHARD_SOCKET or /run/shardd/shardd.sock).\n");
 }
 
 int main(int argc, char **argv)

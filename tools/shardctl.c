@@ -106,7 +106,8 @@ static void print_group_list(json_t *groups)
     json_array_foreach(groups, i, g)
     {
         printf(" [");
-        json_array_foreach(g, k, r) printf("%s%lld", k ? " " : "", (long long)json_integer_value(r));
+        json_array_foreach(g, k, r)
+            printf("%s%lld", k ? " " : "", (long long)json_integer_value(r));
         printf("]");
     }
     printf("\n");
@@ -156,7 +157,8 @@ static void print_topology(json_t *doc)
         json_t *r;
         json_array_foreach(json_object_get(j, "ranks"), k, r)
         {
-            printf(" %lld%s", num(r, "rank"), json_is_true(json_object_get(r, "attached")) ? "" : "(gone)");
+            printf(" %lld%s", num(r, "rank"),
+                   json_is_true(json_object_get(r, "attached")) ? "" : "(gone)");
         }
         printf("\n");
     }

@@ -93,8 +93,8 @@ typedef struct {
 } shard_model_t;
 
 typedef struct {
-    uint64_t numel;      /* padded elements of the unit's flat buffer */
-    uint64_t bytes;      /* numel * dtype size: what fetch returns and push_grad takes */
+    uint64_t numel; /* padded elements of the unit's flat buffer */
+    uint64_t bytes; /* numel * dtype size: what fetch returns and push_grad takes */
     shard_dtype_t dtype;
     uint32_t first_tensor, n_tensors;
 } shard_unit_info_t;
@@ -105,7 +105,8 @@ typedef struct {
     uint64_t numel;
 } shard_tensor_info_t;
 
-/* Connect to shardd. socket_path NULL: $SHARD_SOCKET, else /run/shardd/shardd.sock. */
+/* Connect to shardd. socket_path NULL: $SHARD_SOCKET, else /run/shardd/shardd.sock.
+ * On failure *ctx_p is NULL and shard_last_error(NULL) says why. */
 SHARD_API int shard_attach(const char *socket_path, shard_ctx_t **ctx_p);
 /* Register the model; returns once every rank of the job registered and rank 0's initial values
  * are loaded (or with an error after the daemon's register_timeout_ms). */
@@ -132,7 +133,8 @@ SHARD_API int shard_step(shard_ctx_t *ctx, double *grad_norm_p);
 SHARD_API int shard_detach(shard_ctx_t *ctx);
 
 SHARD_API const char *shard_strerror(int status);
-/* The message of the last failed call on ctx ("" if none). */
+/* The message of the last failed call on ctx ("" if none); with ctx NULL, the message of this
+ * thread's last failed shard_attach. */
 SHARD_API const char *shard_last_error(const shard_ctx_t *ctx);
 
 #ifdef __cplusplus

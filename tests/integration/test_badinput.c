@@ -130,8 +130,10 @@ static void tiny_init(struct tiny *x, const char *job, uint32_t rank, uint32_t w
     x->da[0] = n;
     x->db[0] = 3;
     x->db[1] = 5;
-    x->t[0] = (shard_tensor_t){.name = "a", .ndim = 1, .dims = x->da, .dtype = SHARD_FP32, .unit = 0};
-    x->t[1] = (shard_tensor_t){.name = "b", .ndim = 2, .dims = x->db, .dtype = SHARD_FP32, .unit = 1};
+    x->t[0] =
+        (shard_tensor_t){.name = "a", .ndim = 1, .dims = x->da, .dtype = SHARD_FP32, .unit = 0};
+    x->t[1] =
+        (shard_tensor_t){.name = "b", .ndim = 2, .dims = x->db, .dtype = SHARD_FP32, .unit = 1};
     x->m = (shard_model_t){.job = job,
                            .rank = rank,
                            .world = world,
@@ -159,13 +161,13 @@ static void test_api_misuse(void)
     tiny_init(&x, "misuse", 0, 1, 100);
     x.m.plan = "mics:3";
     st = shard_register(ctx, &x.m);
-    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "mics:3"), "bad plan: %d '%s'",
-             st, shard_last_error(ctx));
+    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "mics:3"), "bad plan: %d '%s'", st,
+             shard_last_error(ctx));
     x.m.plan = "zero3";
     x.m.rank = 5;
     st = shard_register(ctx, &x.m);
-    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "rank 5"), "bad rank: %d '%s'",
-             st, shard_last_error(ctx));
+    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "rank 5"), "bad rank: %d '%s'", st,
+             shard_last_error(ctx));
     x.m.rank = 0;
     st = shard_register(ctx, &x.m);
     TH_CHECK(st == 0, "register: %s", shard_last_error(ctx));
@@ -248,7 +250,8 @@ static void test_registration(void)
     st = shard_register(ctx, &r1.m);
     TH_CHECK(st == 0, "the matching rank 1 registers: %s", shard_last_error(ctx));
     pthread_join(th, &ret);
-    TH_CHECK((intptr_t)ret == 0, "rank 0 registered after the refused attempt: %d", (int)(intptr_t)ret);
+    TH_CHECK((intptr_t)ret == 0, "rank 0 registered after the refused attempt: %d",
+             (int)(intptr_t)ret);
     shard_detach(ctx);
 
     /* a model larger than the memory budget is refused with the numbers */
@@ -282,9 +285,25 @@ static pid_t spawn_rank(const char *job, int rank, int world, int steps, const c
     snprintf(r, sizeof(r), "%d", rank);
     snprintf(w, sizeof(w), "%d", world);
     snprintf(s, sizeof(s), "%d", steps);
-    const char *argv[] = {MLP_TRAIN_PATH, "--socket", d.sock, "--job", job, "--rank", r,
-                          "--world", w, "--steps", s, "--plan", plan, "--hidden", "128",
-                          "--quiet", dump ? "--dump-params" : NULL, dump, NULL};
+    const char *argv[] = {MLP_TRAIN_PATH,
+                          "--socket",
+                          d.sock,
+                          "--job",
+                          job,
+                          "--rank",
+                          r,
+                          "--world",
+                          w,
+                          "--steps",
+                          s,
+                          "--plan",
+                          plan,
+                          "--hidden",
+                          "128",
+                          "--quiet",
+                          dump ? "--dump-params" : NULL,
+                          dump,
+                          NULL};
     return th_spawn(argv, log);
 }
 
@@ -325,8 +344,9 @@ static void test_kill_mid_step(void)
     expect_alive("a client killed mid-step");
     for (int r = 0; r < 2; r++)
         TH_CHECK(th_wait(by[r], 60000) == 0, "bystander rank %d failed (log %s)", r, blog[r]);
-    const char *argv[] = {MLP_TRAIN_PATH, "--reference", "--world", "2", "--steps", "400",
-                          "--hidden", "128", "--quiet", "--dump-params", bref, NULL};
+    const char *argv[] = {MLP_TRAIN_PATH, "--reference",   "--world",  "2",
+                          "--steps",      "400",           "--hidden", "128",
+                          "--quiet",      "--dump-params", bref,       NULL};
     TH_CHECK(th_wait(th_spawn(argv, NULL), 60000) == 0, "bystander reference");
     size_t a, b;
     char *x = th_read_file(bdump, &a), *y = th_read_file(bref, &b);

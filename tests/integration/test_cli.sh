@@ -29,6 +29,10 @@ out=$("$SHARDD" --config "$dir/typo.json" 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "log_levl" <<<"$out"' "typo in config: $out"
 out=$("$SHARDD" --node 3 --nodes 2 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "node" <<<"$out"' "node >= nodes: $out"
+out=$("$SHARDD" --node 1 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "only 1 nodes" <<<"$out"' "node 1 of 1: $out"
+out=$("$SHARDD" --staging-slots 65 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "staging_slots" <<<"$out"' "staging_slots bound: $out"
 
 out=$("$SHARDCTL" --socket "$dir/nothing.sock" status 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "is shardd running" <<<"$out"' "shardctl without daemon: $out"

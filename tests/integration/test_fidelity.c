@@ -9,8 +9,8 @@
  * |a-b| <= 1e-5 + 1e-5 |b|. The gradients differ by a few ulps; SGD carries that through
  * linearly (observed max 7e-9), but AdamW normalizes every element's update, so an element whose
  * gradient is at the rounding-noise level can take a visibly different step: 1e-5 is 1% of one
- * step at lr 1e-3, and 20 steps of AdamW stayed within 5.3e-6 in our runs. bf16 weights round the same master
- * weights to 8 bits of mantissa, so a reassociation difference can flip one rounding:
+ * step at lr 1e-3, and 20 steps of AdamW stayed within 5.3e-6 in our runs. bf16 weights round the
+ * same master weights to 8 bits of mantissa, so a reassociation difference can flip one rounding:
  * |a-b| <= 2^-7 |b| + 1e-6 (at most one bf16 ulp). Gradient clipping is compared with the fp32
  * tolerance for every plan: the global norm is summed in shard order, which moves the clip
  * coefficient by an ulp. */
@@ -42,10 +42,10 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
         snprintf(rank, sizeof(rank), "%d", r);
         snprintf(dumps[r], sizeof(dumps[r]), "%s/%s-%s.bin", d->dir, job, r < 4 ? rank : "ref");
         snprintf(logs[r], sizeof(logs[r]), "%s/%s-%s.log", d->dir, job, r < 4 ? rank : "ref");
-        const char *argv[40] = {MLP_TRAIN_PATH, "--world", "4", "--steps", "20", "--accum",
-                                accum, "--optimizer", c->optimizer, "--dtype", c->dtype,
-                                "--plan", plan, "--seed", "7", "--dump-params", dumps[r],
-                                "--quiet"};
+        const char *argv[40] = {MLP_TRAIN_PATH,  "--world", "4",           "--steps",    "20",
+                                "--accum",       accum,     "--optimizer", c->optimizer, "--dtype",
+                                c->dtype,        "--plan",  plan,          "--seed",     "7",
+                                "--dump-params", dumps[r],  "--quiet"};
         int n = 18;
         if (c->clip) {
             argv[n++] = "--max-grad-norm";
@@ -67,8 +67,8 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
     int bad = 0;
     for (int r = 0; r <= 4; r++) {
         int rc = th_wait(pids[r], 60000);
-        TH_CHECK(rc == 0, "%s %s accum %d %s: process %d exit code %d (log %s)", plan,
-                 c->optimizer, c->accum, c->dtype, r, rc, logs[r]);
+        TH_CHECK(rc == 0, "%s %s accum %d %s: process %d exit code %d (log %s)", plan, c->optimizer,
+                 c->accum, c->dtype, r, rc, logs[r]);
         bad |= rc != 0;
     }
     if (bad)
@@ -84,8 +84,8 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
         return 1;
     }
     bool bf16 = strcmp(c->dtype, "bf16") == 0;
-    bool want_bitwise = !c->clip && (strcmp(plan, "zero3") == 0 ||
-                                     (strcmp(plan, "ddp") == 0 && c->accum == 1));
+    bool want_bitwise =
+        !c->clip && (strcmp(plan, "zero3") == 0 || (strcmp(plan, "ddp") == 0 && c->accum == 1));
     size_t n = n0 / sizeof(float), differ = 0, outside = 0;
     double max_abs = 0, max_rel = 0;
     for (size_t i = 0; i < n; i++) {
@@ -135,8 +135,8 @@ int main(int argc, char **argv)
     for (char *p = ref20 + strlen(d.dir); *p; p++)
         if (*p == ':')
             *p = '_';
-    const char *argv0[] = {MLP_TRAIN_PATH, "--reference", "--world", "4", "--steps", "0",
-                           "--seed", "7", "--dump-params", ref0, "--quiet", NULL};
+    const char *argv0[] = {MLP_TRAIN_PATH, "--reference", "--world",       "4",  "--steps", "0",
+                           "--seed",       "7",           "--dump-params", ref0, "--quiet", NULL};
     TH_CHECK(th_wait(th_spawn(argv0, NULL), 30000) == 0, "reference with 0 steps");
     size_t a, b;
     char *x = th_read_file(ref0, &a), *y = th_read_file(ref20, &b);

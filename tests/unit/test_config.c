@@ -57,12 +57,10 @@ int main(void)
                  strstr(err, "nodes") && strstr(err, "[1]"),
              "wrong type: %s", err);
     write_file(path, "{\"nodes\": 2,\n \"node\": }");
-    TH_CHECK(sd_config_load_file(&c, path, err, sizeof(err)) == SD_ECONFIG &&
-                 strstr(err, "line 2"),
+    TH_CHECK(sd_config_load_file(&c, path, err, sizeof(err)) == SD_ECONFIG && strstr(err, "line 2"),
              "syntax error with line: %s", err);
     write_file(path, "[1, 2]");
-    TH_CHECK(sd_config_load_file(&c, path, err, sizeof(err)) == SD_ECONFIG &&
-                 strstr(err, "object"),
+    TH_CHECK(sd_config_load_file(&c, path, err, sizeof(err)) == SD_ECONFIG && strstr(err, "object"),
              "not an object: %s", err);
     unlink(path);
 
@@ -70,10 +68,10 @@ int main(void)
         const char *text;
         int status;
         uint64_t v;
-    } sizes[] = {{"0", 0, 0},          {"4096", 0, 4096},          {"64K", 0, 65536},
-                 {"64KiB", 0, 65536},  {"2MB", 0, 2u << 20},        {"1g", 0, 1u << 30},
-                 {"3T", 0, 3ULL << 40}, {"", SD_EINVAL, 0},          {"-1", SD_EINVAL, 0},
-                 {"12Q", SD_EINVAL, 0}, {"5KiBx", SD_EINVAL, 0},     {"99999999999999T", SD_EINVAL, 0}};
+    } sizes[] = {{"0", 0, 0},           {"4096", 0, 4096},       {"64K", 0, 65536},
+                 {"64KiB", 0, 65536},   {"2MB", 0, 2u << 20},    {"1g", 0, 1u << 30},
+                 {"3T", 0, 3ULL << 40}, {"", SD_EINVAL, 0},      {"-1", SD_EINVAL, 0},
+                 {"12Q", SD_EINVAL, 0}, {"5KiBx", SD_EINVAL, 0}, {"99999999999999T", SD_EINVAL, 0}};
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
         uint64_t v = 0;
         int st = sd_parse_size(sizes[i].text, &v);

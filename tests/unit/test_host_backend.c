@@ -17,8 +17,8 @@ int main(void)
 
     /* AdamW, two steps, p = 1, g = 0.5 (given as 1.0 with scale 0.5) */
     float master = 1.0f, m = 0, v = 0, grad = 1.0f, w = 0;
-    struct sd_adamw_args a = {.lr = 0.1f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
-                              .weight_decay = 0.01f, .step = 1};
+    struct sd_adamw_args a = {
+        .lr = 0.1f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f, .step = 1};
     dev->adamw(&a, &master, &m, &v, &grad, 0.5f, &w, SD_DTYPE_FP32, 1);
     /* step 1: p = 0.999, m = 0.05, v = 0.00025, update = 0.1 * 0.5 / (0.5 + 1e-8) */
     double p1 = 1.0 * (1 - 0.1 * 0.01) - 0.1 * (0.05 / 0.1) / (sqrt(0.00025 / 0.001) + 1e-8);
@@ -28,7 +28,8 @@ int main(void)
     a.step = 2;
     dev->adamw(&a, &master, &m, &v, &grad, 0.5f, &w, SD_DTYPE_FP32, 1);
     double m2 = 0.9 * 0.05 + 0.1 * 0.5, v2 = 0.999 * 0.00025 + 0.001 * 0.25;
-    double p2 = p1 * (1 - 0.001) - 0.1 * (m2 / (1 - 0.81)) / (sqrt(v2 / (1 - 0.999 * 0.999)) + 1e-8);
+    double p2 =
+        p1 * (1 - 0.001) - 0.1 * (m2 / (1 - 0.81)) / (sqrt(v2 / (1 - 0.999 * 0.999)) + 1e-8);
     TH_CHECK(fabs(master - p2) < 1e-6, "adamw step 2: %.9g vs %.9g", master, p2);
 
     /* SGD with momentum 0.9 and weight decay 0.01 */

@@ -16,11 +16,14 @@ static void test_plans(void)
         int status;
         uint32_t f;
     } cases[] = {
-        {"ddp", &one, SD_OK, 1},       {"zero3", &one, SD_OK, 4},     {"mics:2", &one, SD_OK, 2},
-        {"mics:4", &one, SD_OK, 4},    {"mics:1", &one, SD_OK, 1},    {"mics:3", &one, SD_EINVAL, 0},
-        {"mics:8", &one, SD_EINVAL, 0}, {"mics:0", &one, SD_EINVAL, 0}, {"mics:", &one, SD_EINVAL, 0},
-        {"mics:2x", &one, SD_EINVAL, 0}, {"zero", &one, SD_EINVAL, 0},  {"zero3", &two, SD_OK, 4},
-        {"mics:4", &two, SD_OK, 4},    {"mics:2", &two, SD_OK, 2},    {"mics:3", &two, SD_EINVAL, 0},
+        {"ddp", &one, SD_OK, 1},        {"zero3", &one, SD_OK, 4},
+        {"mics:2", &one, SD_OK, 2},     {"mics:4", &one, SD_OK, 4},
+        {"mics:1", &one, SD_OK, 1},     {"mics:3", &one, SD_EINVAL, 0},
+        {"mics:8", &one, SD_EINVAL, 0}, {"mics:0", &one, SD_EINVAL, 0},
+        {"mics:", &one, SD_EINVAL, 0},  {"mics:2x", &one, SD_EINVAL, 0},
+        {"zero", &one, SD_EINVAL, 0},   {"zero3", &two, SD_OK, 4},
+        {"mics:4", &two, SD_OK, 4},     {"mics:2", &two, SD_OK, 2},
+        {"mics:3", &two, SD_EINVAL, 0},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         err[0] = '\0';
@@ -71,7 +74,8 @@ static struct sd_tensor_desc tensors[] = {
 static struct sd_model model(void)
 {
     struct sd_model m = {.n_tensors = 3, .tensors = tensors};
-    m.optim = (struct sd_optim){.kind = SD_OPTIM_ADAMW, .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f};
+    m.optim =
+        (struct sd_optim){.kind = SD_OPTIM_ADAMW, .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f};
     strcpy(m.plan, "zero3");
     return m;
 }
@@ -86,9 +90,9 @@ static void test_layout(void)
         uint64_t u0, u1, arena; /* padded unit sizes, elements per rank per state */
     } table[] = {
         /* unit 0: w at 0 (30), b at 32 (10): used 42; unit 1: x (7) */
-        {"ddp", 64, 32, 96},      /* pad to 32 */
-        {"mics:2", 64, 64, 64},   /* pad to 2 * 32 */
-        {"zero3", 128, 128, 64},  /* pad to 4 * 32 */
+        {"ddp", 64, 32, 96},     /* pad to 32 */
+        {"mics:2", 64, 64, 64},  /* pad to 2 * 32 */
+        {"zero3", 128, 128, 64}, /* pad to 4 * 32 */
     };
     for (size_t i = 0; i < 3; i++) {
         struct sd_plan p;

@@ -32,7 +32,8 @@ int main(void)
         e.tag = (uint64_t)i;
         pushed += sd_ring_sq_push(h, &e) == 0;
     }
-    TH_CHECK(pushed == SD_RING_ENTRIES, "ring holds %d entries, pushed %d", SD_RING_ENTRIES, pushed);
+    TH_CHECK(pushed == SD_RING_ENTRIES, "ring holds %d entries, pushed %d", SD_RING_ENTRIES,
+             pushed);
     int in_order = 1;
     for (int i = 0; i < SD_RING_ENTRIES; i++)
         in_order &= sd_ring_sq_pop(h, &out) == 1 && out.tag == (uint64_t)i;
@@ -81,7 +82,8 @@ int main(void)
     TH_CHECK(bits(sd_bf16_to_f32(0x4049)) == 0x40490000, "bf16 -> f32 is a shift");
     TH_CHECK(sd_fp16_to_f32(sd_f32_to_fp16(1.0f / 3.0f)) == 0.333251953125f, "fp16 1/3");
     TH_CHECK(sd_f32_to_fp16(65520.0f) == 0x7c00, "fp16 overflow to inf");
-    TH_CHECK(strcmp(sd_op_name(SD_OP_PUSH), "push") == 0 && strcmp(sd_op_name(99), "unknown-op") == 0,
+    TH_CHECK(strcmp(sd_op_name(SD_OP_PUSH), "push") == 0 &&
+                 strcmp(sd_op_name(99), "unknown-op") == 0,
              "op names");
     return th_summary("test_ring");
 }

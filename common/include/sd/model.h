@@ -11,13 +11,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SD_MAX_NAME     96
-#define SD_MAX_DIMS     8
-#define SD_MAX_TENSORS  65536
-#define SD_MAX_UNITS    16384
-#define SD_MAX_WORLD    65536
+#define SD_MAX_NAME    96
+#define SD_MAX_DIMS    8
+#define SD_MAX_TENSORS 65536
+#define SD_MAX_UNITS   16384
+#define SD_MAX_WORLD   65536
 /* tensor starts and shard boundaries are aligned to this many elements (64 B of bf16) */
-#define SD_ALIGN_ELEMS  32
+#define SD_ALIGN_ELEMS 32
 
 enum sd_dtype { SD_DTYPE_FP32 = 0, SD_DTYPE_BF16 = 1, SD_DTYPE_FP16 = 2, SD_DTYPE_COUNT };
 enum sd_state { SD_STATE_W = 0, SD_STATE_G = 1, SD_STATE_OS = 2, SD_STATE_COUNT };
@@ -57,10 +57,10 @@ struct sd_group sd_group_replication(uint32_t world, uint32_t f, uint32_t rank);
 uint32_t sd_group_nodes(const struct sd_topo *t, const struct sd_group *g);
 
 struct sd_plan {
-    char name[32];             /* as given: "ddp", "zero3", "mics:2" */
+    char name[32];              /* as given: "ddp", "zero3", "mics:2" */
     uint32_t f[SD_STATE_COUNT]; /* shard factor per state */
-    bool hierarchical;         /* gather remote shards once per node (MiCS) */
-    bool two_hop;              /* sync gradients across groups only at the step (MiCS) */
+    bool hierarchical;          /* gather remote shards once per node (MiCS) */
+    bool two_hop;               /* sync gradients across groups only at the step (MiCS) */
 };
 
 /* Parse a plan for a topology. On error returns SD_EINVAL and writes a message to err. */
@@ -102,8 +102,8 @@ struct sd_tensor_layout {
 };
 
 struct sd_unit_layout {
-    uint64_t numel;   /* padded: splits into f aligned shards for every state */
-    uint64_t used;    /* end of the last tensor (numel minus padding) */
+    uint64_t numel; /* padded: splits into f aligned shards for every state */
+    uint64_t used;  /* end of the last tensor (numel minus padding) */
     int dtype;
     uint32_t first_tensor, n_tensors;
     uint64_t arena_off[SD_STATE_COUNT]; /* element offset of this unit's shard in a rank's arena */

@@ -30,15 +30,15 @@ enum sd_status {
     SD_ERANGE = -ERANGE,
     SD_ECANCELED = -ECANCELED,
     /* project codes */
-    SD_ESTATE = -(SD_ERR_OFFSET + 1),    /* call not valid in this state (fetch before register) */
-    SD_EMISMATCH = -(SD_ERR_OFFSET + 2), /* model or schedule differs between ranks */
-    SD_EJOBFAILED = -(SD_ERR_OFFSET + 3),/* another rank or peer of the job failed */
-    SD_EVERSION = -(SD_ERR_OFFSET + 4),  /* protocol or layout version mismatch */
-    SD_ENOUNIT = -(SD_ERR_OFFSET + 5),   /* unknown unit id */
-    SD_ENOJOB = -(SD_ERR_OFFSET + 6),    /* unknown job */
-    SD_ENOTHELD = -(SD_ERR_OFFSET + 7),  /* release of a unit the rank does not hold */
-    SD_ECONFIG = -(SD_ERR_OFFSET + 8),   /* bad configuration value */
-    SD_EPEER = -(SD_ERR_OFFSET + 9),     /* a peer daemon failed or vanished */
+    SD_ESTATE = -(SD_ERR_OFFSET + 1),     /* call not valid in this state (fetch before register) */
+    SD_EMISMATCH = -(SD_ERR_OFFSET + 2),  /* model or schedule differs between ranks */
+    SD_EJOBFAILED = -(SD_ERR_OFFSET + 3), /* another rank or peer of the job failed */
+    SD_EVERSION = -(SD_ERR_OFFSET + 4),   /* protocol or layout version mismatch */
+    SD_ENOUNIT = -(SD_ERR_OFFSET + 5),    /* unknown unit id */
+    SD_ENOJOB = -(SD_ERR_OFFSET + 6),     /* unknown job */
+    SD_ENOTHELD = -(SD_ERR_OFFSET + 7),   /* release of a unit the rank does not hold */
+    SD_ECONFIG = -(SD_ERR_OFFSET + 8),    /* bad configuration value */
+    SD_EPEER = -(SD_ERR_OFFSET + 9),      /* a peer daemon failed or vanished */
     SD_ESTATUS_MIN = -(SD_ERR_OFFSET + 10)
 };
 

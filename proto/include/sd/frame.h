@@ -7,8 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SD_FRAME_HDR      4
-#define SD_FRAME_MAX_FDS  8
+#define SD_FRAME_HDR        4
+#define SD_FRAME_MAX_FDS    8
 #define SD_PROTOCOL_VERSION 1
 
 /* Send one message with optional fds. Waits up to timeout_ms for a full socket buffer to drain.
