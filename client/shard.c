@@ -261,13 +261,7 @@ err_out:
 
 static void wake_daemon(shard_ctx_t *ctx)
 {
-    atomic_thread_fence(memory_order_seq_cst);
-    if (atomic_load_explicit(&ctx->ring->daemon_sleeping, memory_order_relaxed) &&
-        atomic_exchange(&ctx->ring->daemon_sleeping, 0)) {
-        uint64_t one = 1;
-        ssize_t w = write(ctx->sq_efd, &one, sizeof(one));
-        (void)w;
-    }
+    sd_ring_wake(&ctx->ring->daemon_sleeping, ctx->sq_efd);
 }
 
 static int post(shard_ctx_t *ctx, uint32_t op, uint32_t unit, uint64_t a0, uint64_t a1,

@@ -157,13 +157,7 @@ void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status,
                       SD_RING_ENTRIES);
         return;
     }
-    atomic_thread_fence(memory_order_seq_cst);
-    if (atomic_load_explicit(&s->hdr->client_waiting, memory_order_relaxed) &&
-        atomic_exchange(&s->hdr->client_waiting, 0)) {
-        uint64_t one = 1;
-        ssize_t w = write(s->cq_efd, &one, sizeof(one));
-        (void)w;
-    }
+    sd_ring_wake(&s->hdr->client_waiting, s->cq_efd);
 }
 
 void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, const char *fmt, ...)

@@ -141,46 +141,56 @@ static inline void store_w(void *w, int dtype, size_t i, float p)
 
 /* AdamW as torch.optim.AdamW computes it (decoupled decay, bias correction). The expression
  * order is part of the fidelity contract: client/examples/mlp_train.c's reference repeats it. */
+struct adamw_consts {
+    float decay, b1, b2, omb1, omb2, step_size, sqrt_bc2, eps;
+};
+
+struct adamw_out {
+    float p, m, v;
+};
+
+/* One element: the new master weight and moments. */
+static inline struct adamw_out adamw_elem(const struct adamw_consts *c, float master, float m,
+                                          float v, float g)
+{
+    float p = master * c->decay;
+    float mi = c->b1 * m + c->omb1 * g;
+    float vi = c->b2 * v + c->omb2 * g * g;
+    float denom = sqrtf(vi) / c->sqrt_bc2 + c->eps;
+    return (struct adamw_out){.p = p - c->step_size * (mi / denom), .m = mi, .v = vi};
+}
+
 static void host_adamw(const struct sd_adamw_args *a, float *restrict master, float *restrict m,
                        float *restrict v, float *restrict grad, float scale, void *restrict w,
                        int w_dtype, size_t n)
 {
-    const float decay = 1.0f - a->lr * a->weight_decay;
-    const float omb1 = 1.0f - a->beta1, omb2 = 1.0f - a->beta2;
     const float bc1 = 1.0f - powf(a->beta1, (float)a->step);
     const float bc2 = 1.0f - powf(a->beta2, (float)a->step);
-    const float step_size = a->lr / bc1;
-    const float sqrt_bc2 = sqrtf(bc2);
-    const float b1 = a->beta1, b2 = a->beta2, eps = a->eps;
-
+    const struct adamw_consts c = {.decay = 1.0f - a->lr * a->weight_decay,
+                                   .b1 = a->beta1,
+                                   .b2 = a->beta2,
+                                   .omb1 = 1.0f - a->beta1,
+                                   .omb2 = 1.0f - a->beta2,
+                                   .step_size = a->lr / bc1,
+                                   .sqrt_bc2 = sqrtf(bc2),
+                                   .eps = a->eps};
     if (w_dtype == SD_DTYPE_FP32) { /* the common case, kept branch-free for vectorization */
         float *restrict wf = w;
         for (size_t i = 0; i < n; i++) {
-            float g = grad[i] * scale;
-            float p = master[i] * decay;
-            float mi = b1 * m[i] + omb1 * g;
-            float vi = b2 * v[i] + omb2 * g * g;
-            float denom = sqrtf(vi) / sqrt_bc2 + eps;
-            p = p - step_size * (mi / denom);
-            m[i] = mi;
-            v[i] = vi;
-            master[i] = p;
-            wf[i] = p;
+            struct adamw_out o = adamw_elem(&c, master[i], m[i], v[i], grad[i] * scale);
+            master[i] = wf[i] = o.p;
+            m[i] = o.m;
+            v[i] = o.v;
             grad[i] = 0.0f;
         }
         return;
     }
     for (size_t i = 0; i < n; i++) {
-        float g = grad[i] * scale;
-        float p = master[i] * decay;
-        float mi = b1 * m[i] + omb1 * g;
-        float vi = b2 * v[i] + omb2 * g * g;
-        float denom = sqrtf(vi) / sqrt_bc2 + eps;
-        p = p - step_size * (mi / denom);
-        m[i] = mi;
-        v[i] = vi;
-        master[i] = p;
-        store_w(w, w_dtype, i, p);
+        struct adamw_out o = adamw_elem(&c, master[i], m[i], v[i], grad[i] * scale);
+        master[i] = o.p;
+        m[i] = o.m;
+        v[i] = o.v;
+        store_w(w, w_dtype, i, o.p);
         grad[i] = 0.0f;
     }
 }

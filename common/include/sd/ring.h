@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #define SD_RING_MAGIC   0x314d445241485353ULL /* "SSHARDM1" little-endian */
 #define SD_RING_VERSION 1
@@ -149,6 +150,18 @@ static inline int sd_ring_cq_pop(struct sd_ring_hdr *h, struct sd_cqe *e)
     *e = sd_ring_cq(h)[tail & (SD_RING_ENTRIES - 1)];
     atomic_store_explicit(&h->cq_tail, tail + 1, memory_order_release);
     return 1;
+}
+
+/* Wake the other side through its eventfd if its flag says it sleeps; the fence pairs with the
+ * sleeper's "set flag, fence, look at the ring once more". */
+static inline void sd_ring_wake(_Atomic uint32_t *sleeping, int efd)
+{
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load_explicit(sleeping, memory_order_relaxed) && atomic_exchange(sleeping, 0)) {
+        uint64_t one = 1;
+        ssize_t w = write(efd, &one, sizeof(one));
+        (void)w; /* a full eventfd counter already wakes the reader */
+    }
 }
 
 const char *sd_op_name(int op);
