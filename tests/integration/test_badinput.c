@@ -217,6 +217,74 @@ static void test_api_misuse(void)
     expect_alive("API misuse");
 }
 
+static void test_null_and_pool(void)
+{
+    const void *p;
+    double norm;
+    shard_req_t req;
+    TH_CHECK(shard_fetch(NULL, 0, &p) == SHARD_EINVAL && shard_step(NULL, &norm) == SHARD_EINVAL &&
+                 shard_release(NULL, 0) == SHARD_EINVAL &&
+                 shard_register(NULL, NULL) == SHARD_EINVAL && shard_detach(NULL) == SHARD_EINVAL &&
+                 shard_attach(d.sock, NULL) == SHARD_EINVAL,
+             "NULL context");
+    shard_ctx_t *ctx;
+    TH_CHECK(shard_attach(d.sock, &ctx) == 0, "attach");
+    TH_CHECK(shard_register(ctx, NULL) == SHARD_EINVAL, "NULL model");
+    struct tiny x;
+    tiny_init(&x, "pool", 0, 1, 100);
+    x.m.optimizer.name = "lamb";
+    TH_CHECK(shard_register(ctx, &x.m) == SHARD_EINVAL && strstr(shard_last_error(ctx), "lamb"),
+             "unknown optimizer: %s", shard_last_error(ctx));
+    x.m.optimizer.name = "sgd";
+    x.m.max_live_bytes = 512; /* one 128-element fp32 unit */
+    TH_CHECK(shard_register(ctx, &x.m) == 0, "register: %s", shard_last_error(ctx));
+    TH_CHECK(shard_fetch_async(ctx, 0, NULL) == SHARD_EINVAL, "NULL req");
+    TH_CHECK(shard_push_grad(ctx, 0, NULL, 512) == SHARD_EMSGSIZE, "NULL gradient");
+    TH_CHECK(shard_fetch(ctx, 0, &p) == 0, "fetch 0");
+    int st = shard_fetch(ctx, 1, &p);
+    TH_CHECK(st == SHARD_ENOSPC && strstr(shard_last_error(ctx), "max_live_bytes"),
+             "pool full while unit 0 is held: %d '%s'", st, shard_last_error(ctx));
+    TH_CHECK(shard_release(ctx, 0) == 0, "release 0");
+    TH_CHECK(shard_fetch(ctx, 1, &p) == 0, "fetch 1 evicts the released unit 0: %s",
+             shard_last_error(ctx));
+    TH_CHECK(shard_release(ctx, 1) == 0 && shard_fetch_async(ctx, 0, &req) == 0 &&
+                 shard_wait(ctx, req, &p) == 0 && shard_wait(ctx, req, &p) == SHARD_EINVAL,
+             "async fetch, and a second wait on the same request is refused");
+    shard_release(ctx, 0);
+
+    /* random ring entries: every one is answered, none crashes or wedges the daemon */
+    srand(7);
+    int answered = 0;
+    for (int i = 0; i < 2000; i++) {
+        uint32_t op = (uint32_t)(rand() % 10);
+        uint32_t unit = (uint32_t)(rand() % 4);
+        uint64_t a0 = (uint64_t)(rand() % 6), a1 = (uint64_t)(rand() % 3) * 256;
+        if (op == SD_OP_FETCH) /* keep the pool usable: release what we fetched */
+            op = SD_OP_RELEASE;
+        st = shard__post_raw(ctx, op, unit, a0, a1);
+        answered += st <= 0 && st != SHARD_ETIMEDOUT && st != SHARD_ECONNRESET;
+    }
+    TH_CHECK(answered == 2000, "%d of 2000 random entries answered", answered);
+    /* the job still computes right: one SGD step with gradient 1 on the 100 elements of a */
+    TH_CHECK(shard_fetch(ctx, 0, &p) == 0, "fetch after fuzz: %s", shard_last_error(ctx));
+    float before = ((const float *)p)[0];
+    shard_release(ctx, 0);
+    float g[128] = {0};
+    for (int i = 0; i < 100; i++)
+        g[i] = 1.0f;
+    float g1[32] = {0};
+    shard_unit_info_t u1;
+    shard_unit_info(ctx, 1, &u1);
+    TH_CHECK(shard_push_grad(ctx, 0, g, sizeof(g)) == 0 &&
+                 shard_push_grad(ctx, 1, g1, u1.bytes) == 0 && shard_step(ctx, &norm) == 0,
+             "step after fuzz: %s", shard_last_error(ctx));
+    TH_CHECK(shard_fetch(ctx, 0, &p) == 0 && ((const float *)p)[0] == before - 0.1f,
+             "SGD after fuzz: %g -> %g", before, ((const float *)p)[0]);
+    shard_release(ctx, 0);
+    shard_detach(ctx);
+    expect_alive("random ring entries");
+}
+
 static void *register_thread(void *arg)
 {
     shard_ctx_t *ctx = NULL;
@@ -379,6 +447,7 @@ int main(void)
     signal(SIGPIPE, SIG_IGN);
     test_garbage();
     test_api_misuse();
+    test_null_and_pool();
     test_registration();
     test_kill_mid_step();
     TH_CHECK(th_daemon_alive(&d), "daemon died");
