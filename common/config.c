@@ -16,16 +16,16 @@
 const struct sd_config_entry sd_config_table[] = {
     {"runtime_dir", SD_CFG_STRING, "/run/shardd", 0, SD_PATH_MAX, OFF(runtime_dir),
      "directory for the client socket (created 0700; socket 0660)"},
-    {"node", SD_CFG_INT, "0", 0, 65535, OFF(node), "index of this node in the cluster"},
-    {"nodes", SD_CFG_INT, "1", 1, 65536, OFF(nodes), "number of nodes (daemons) in the cluster"},
+    {"node", SD_CFG_INT, "0", 0, 1023, OFF(node), "index of this node in the cluster"},
+    {"nodes", SD_CFG_INT, "1", 1, 1024, OFF(nodes), "number of nodes (daemons) in the cluster", 1},
     {"ranks_per_node", SD_CFG_INT, "0", 0, 1024, OFF(ranks_per_node),
-     "trainer ranks (devices) per node; 0 takes it from each job's world size / nodes"},
+     "trainer ranks (devices) per node; 0 takes it from each job (one node only)", 1},
     {"backend", SD_CFG_STRING, "host", 0, 16, OFF(backend),
-     "device backend for shard buffers: host (cuda and hip when built with them)"},
+     "device backend for shard buffers: host (cuda and hip when built with them)", 1},
     {"memory_budget", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(memory_budget),
      "bytes all jobs together may allocate; 0 means half of physical memory"},
     {"op_timeout_ms", SD_CFG_INT, "30000", 1, 3600000, OFF(op_timeout_ms),
-     "deadline for a collective operation to gather all ranks"},
+     "deadline for a collective operation to gather all ranks and peers", 1},
     {"register_timeout_ms", SD_CFG_INT, "60000", 1, 3600000, OFF(register_timeout_ms),
      "deadline for all ranks of a job to register"},
     {"log_level", SD_CFG_STRING, "info", 0, 16, OFF(log_level),
@@ -41,6 +41,22 @@ const struct sd_config_entry sd_config_table[] = {
     {"max_live_bytes", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(max_live_bytes),
      "gather pool size per job; 0 sizes it to hold every unit at once"},
     {"max_jobs", SD_CFG_INT, "64", 1, 4096, OFF(max_jobs), "jobs served at once"},
+    {"provider", SD_CFG_STRING, "tcp;ofi_rxm", 0, 64, OFF(provider),
+     "libfabric provider between nodes: tcp;ofi_rxm, tcp, shm, efa, verbs;ofi_rxm, cxi", 1},
+    {"fabric_addr", SD_CFG_STRING, "127.0.0.1", 0, 64, OFF(fabric_addr),
+     "local address of this node's fabric endpoint (empty: the provider's first)"},
+    {"coordinator", SD_CFG_STRING, "127.0.0.1:7700", 0, 128, OFF(coordinator),
+     "host:port where node 0 listens for the other daemons (control links, heartbeats)"},
+    {"heartbeat_interval_ms", SD_CFG_INT, "500", 10, 60000, OFF(heartbeat_interval_ms),
+     "heartbeat period on the control links", 1},
+    {"heartbeat_timeout_ms", SD_CFG_INT, "5000", 50, 600000, OFF(heartbeat_timeout_ms),
+     "a peer silent this long is declared down and its jobs fail", 1},
+    {"rendezvous_timeout_ms", SD_CFG_INT, "60000", 100, 3600000, OFF(rendezvous_timeout_ms),
+     "deadline for every node to join the cluster at start-up"},
+    {"chunk_bytes", SD_CFG_SIZE, "1MiB", 4096, 1LL << 30, OFF(chunk_bytes),
+     "large transfers are split into chunks of this size and pipelined", 1},
+    {"small_allreduce_bytes", SD_CFG_SIZE, "64KiB", 0, 1LL << 30, OFF(small_allreduce_bytes),
+     "all-reduces up to this size use the latency-bound direct algorithm instead of the ring", 1},
 };
 const unsigned sd_config_table_len = SD_ARRAY_SIZE(sd_config_table);
 
@@ -222,6 +238,26 @@ void sd_config_format(const struct sd_config *cfg, const struct sd_config_entry 
         snprintf(buf, len, "%" PRIu64, *(const uint64_t *)(const void *)(base + e->offset));
         break;
     }
+}
+
+uint64_t sd_config_digest(const struct sd_config *cfg, char *summary, size_t len)
+{
+    uint64_t h = SD_FNV_SEED;
+    size_t off = 0;
+    char buf[SD_PATH_MAX + 32];
+    if (summary != NULL && len > 0)
+        summary[0] = '\0';
+    for (unsigned i = 0; i < sd_config_table_len; i++) {
+        const struct sd_config_entry *e = &sd_config_table[i];
+        if (!e->cluster)
+            continue;
+        sd_config_format(cfg, e, buf, sizeof(buf));
+        h = sd_hash_str(sd_hash_str(h, e->name), buf);
+        if (summary != NULL && off < len)
+            off += (size_t)snprintf(summary + off, len - off, "%s%s=%s", off ? " " : "", e->name,
+                                    buf);
+    }
+    return h;
 }
 
 void sd_config_print_help(FILE *out)

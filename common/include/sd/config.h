@@ -24,6 +24,14 @@ struct sd_config {
     int64_t staging_slots;
     uint64_t max_live_bytes;
     int64_t max_jobs;
+    char provider[64];
+    char fabric_addr[64];
+    char coordinator[128];
+    int64_t heartbeat_interval_ms;
+    int64_t heartbeat_timeout_ms;
+    int64_t rendezvous_timeout_ms;
+    uint64_t chunk_bytes;
+    uint64_t small_allreduce_bytes;
 };
 
 enum sd_config_type { SD_CFG_STRING, SD_CFG_INT, SD_CFG_SIZE };
@@ -35,6 +43,7 @@ struct sd_config_entry {
     int64_t min, max;   /* integers and sizes; for strings, max is the buffer size */
     size_t offset;
     const char *help;
+    int cluster; /* must be equal on every node: part of the config digest */
 };
 
 extern const struct sd_config_entry sd_config_table[];
@@ -51,6 +60,9 @@ void sd_config_print_help(FILE *out);
 /* Value of one option as text. */
 void sd_config_format(const struct sd_config *cfg, const struct sd_config_entry *e, char *buf,
                       size_t len);
+/* Digest of the options that must agree across the cluster; *summary_p (may be NULL) receives
+ * "name=value ..." of those options for error messages. */
+uint64_t sd_config_digest(const struct sd_config *cfg, char *summary, size_t len);
 /* Parse "123", "64KiB", "2MB", "1G" (binary multiples); returns 0 or SD_EINVAL. */
 int sd_parse_size(const char *text, uint64_t *value_p);
 

@@ -1,0 +1,856 @@
+#include "cluster.h"
+#include "daemon.h"
+#include "sd/frame.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include "shard.pb-c.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_PEER_MSG (1u << 20)
+
+struct link {
+    uv_tcp_t tcp;
+    struct sd_cluster *cl;
+    int node; /* -1 until its hello */
+    uint8_t *rx;
+    size_t rx_len, rx_cap;
+    uint64_t last_seen_ns;
+    bool closing;
+    struct link *next;
+};
+
+/* Coordinator: registrations of a job reported by its nodes. */
+struct coord_job {
+    struct coord_job *next;
+    char name[64];
+    uint32_t nodes, reported;
+    uint8_t *seen;
+    uint64_t digest;
+    uint32_t world;
+    int status;
+    char msg[512];
+    uint64_t deadline_ns;
+};
+
+struct sd_cluster {
+    uv_loop_t *loop;
+    const struct sd_config *cfg;
+    struct sd_transport *tp;
+    struct sd_registry *reg;
+    uint32_t n, self;
+    bool ready, fatal, stopping;
+    uint64_t digest;
+    char summary[1024];
+    uint8_t (*addrs)[256];
+    size_t *addr_len;
+    bool *present, *alive;
+    struct link **by_node; /* coordinator: link of each node; member: [0] is the coordinator */
+    struct link *links;
+    uv_tcp_t listener;
+    bool listening;
+    uv_timer_t timer;
+    uv_timer_t retry;
+    uv_connect_t connect_req;
+    uint64_t start_ns, hb_seq;
+    uint16_t next_tag;
+    struct coord_job *jobs;
+};
+
+static void link_close(struct link *l, const char *why);
+
+static int parse_hostport(const char *spec, struct sockaddr_storage *ss)
+{
+    char host[128];
+    const char *colon = strrchr(spec, ':');
+    if (colon == NULL || colon == spec || (size_t)(colon - spec) >= sizeof(host))
+        return SD_EINVAL;
+    memcpy(host, spec, (size_t)(colon - spec));
+    host[colon - spec] = '\0';
+    int port = atoi(colon + 1);
+    if (port <= 0 || port > 65535)
+        return SD_EINVAL;
+    if (uv_ip4_addr(host, port, (struct sockaddr_in *)ss) == 0)
+        return SD_OK;
+    if (uv_ip6_addr(host, port, (struct sockaddr_in6 *)ss) == 0)
+        return SD_OK;
+    return SD_EINVAL;
+}
+
+/* ---- sending */
+
+struct wreq {
+    uv_write_t req;
+    uint8_t *buf;
+};
+
+static void write_cb(uv_write_t *req, int status)
+{
+    struct wreq *w = (struct wreq *)req;
+    (void)status;
+    free(w->buf);
+    free(w);
+}
+
+static void link_send(struct link *l, const Shard__PeerMsg *m)
+{
+    if (l == NULL || l->closing)
+        return;
+    size_t len = protobuf_c_message_get_packed_size(&m->base);
+    struct wreq *w = malloc(sizeof(*w));
+    uint8_t *buf = malloc(len + SD_FRAME_HDR);
+    if (w == NULL || buf == NULL) {
+        free(w);
+        free(buf);
+        return;
+    }
+    buf[0] = (uint8_t)len;
+    buf[1] = (uint8_t)(len >> 8);
+    buf[2] = (uint8_t)(len >> 16);
+    buf[3] = (uint8_t)(len >> 24);
+    protobuf_c_message_pack(&m->base, buf + SD_FRAME_HDR);
+    w->buf = buf;
+    uv_buf_t b = uv_buf_init((char *)buf, (unsigned)(len + SD_FRAME_HDR));
+    if (uv_write(&w->req, (uv_stream_t *)&l->tcp, &b, 1, write_cb) != 0) {
+        free(buf);
+        free(w);
+    }
+}
+
+/* Send to a node: the coordinator has a link per node; a member reaches others through it. */
+static void send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m)
+{
+    if (node == cl->self)
+        return;
+    if (cl->self == 0)
+        link_send(cl->by_node[node], m);
+    else if (node == 0)
+        link_send(cl->by_node[0], m);
+}
+
+/* ---- node liveness */
+
+static void node_down(struct sd_cluster *cl, uint32_t node, const char *reason)
+{
+    if (node >= cl->n || !cl->alive[node] || cl->stopping)
+        return;
+    cl->alive[node] = false;
+    SD_WARN("cluster", "node %u is down: %s", node, reason);
+    if (cl->self == 0) { /* tell the others */
+        Shard__NodeDown nd = SHARD__NODE_DOWN__INIT;
+        nd.node = node;
+        nd.reason = (char *)reason;
+        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+        m.msg_case = SHARD__PEER_MSG__MSG_NODE_DOWN;
+        m.node_down = &nd;
+        for (uint32_t i = 1; i < cl->n; i++)
+            if (i != node && cl->alive[i])
+                link_send(cl->by_node[i], &m);
+    }
+    sd_registry_node_down(cl->reg, node, reason);
+}
+
+/* ---- coordinator: rendezvous */
+
+static void broadcast_table(struct sd_cluster *cl)
+{
+    ProtobufCBinaryData *a = calloc(cl->n, sizeof(*a));
+    for (uint32_t i = 0; i < cl->n; i++) {
+        a[i].data = cl->addrs[i];
+        a[i].len = cl->addr_len[i];
+    }
+    Shard__PeerTable t = SHARD__PEER_TABLE__INIT;
+    t.n_fabric_addrs = cl->n;
+    t.fabric_addrs = a;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_TABLE;
+    m.table = &t;
+    for (uint32_t i = 1; i < cl->n; i++)
+        link_send(cl->by_node[i], &m);
+    free(a);
+}
+
+static int install_table(struct sd_cluster *cl)
+{
+    const void **p = calloc(cl->n, sizeof(*p));
+    for (uint32_t i = 0; i < cl->n; i++)
+        p[i] = cl->addrs[i];
+    int st = cl->tp->ops->set_peers(cl->tp, p, cl->addr_len, cl->n);
+    free(p);
+    if (st != SD_OK)
+        return st;
+    cl->ready = true;
+    for (uint32_t i = 0; i < cl->n; i++)
+        cl->alive[i] = true;
+    SD_INFO("cluster", "cluster of %u nodes formed in %.2f s", cl->n,
+            (double)(sd_now_ns() - cl->start_ns) / 1e9);
+    return SD_OK;
+}
+
+static void refuse(struct link *l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void refuse(struct link *l, const char *fmt, ...)
+{
+    char text[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    SD_ERROR("cluster", "refusing a daemon: %s", text);
+    Shard__PeerRefuse r = SHARD__PEER_REFUSE__INIT;
+    r.reason = text;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_REFUSE;
+    m.refuse = &r;
+    link_send(l, &m);
+    link_close(l, "refused");
+}
+
+static void on_hello(struct link *l, const Shard__PeerHello *h)
+{
+    struct sd_cluster *cl = l->cl;
+    if (h->node == 0 || h->node >= cl->n) {
+        refuse(l, "node %u is out of range: this cluster has nodes 0..%u", h->node, cl->n - 1);
+        return;
+    }
+    if (h->protocol_version != SD_PROTOCOL_VERSION || strcmp(h->version, SHARD_VERSION) != 0) {
+        refuse(l, "node %u runs shardd %s (protocol v%u); the coordinator runs %s (v%d)", h->node,
+               h->version, h->protocol_version, SHARD_VERSION, SD_PROTOCOL_VERSION);
+        return;
+    }
+    if (h->config_digest != cl->digest) {
+        refuse(l, "node %u has a different cluster configuration: it has [%s], the coordinator "
+                  "has [%s]",
+               h->node, h->config_summary, cl->summary);
+        return;
+    }
+    if (cl->present[h->node] && cl->alive[h->node] && cl->by_node[h->node] != NULL) {
+        refuse(l, "node %u is already in the cluster", h->node);
+        return;
+    }
+    if (h->fabric_addr.len > sizeof(cl->addrs[0])) {
+        refuse(l, "node %u: fabric address of %zu bytes is too long", h->node, h->fabric_addr.len);
+        return;
+    }
+    l->node = (int)h->node;
+    cl->by_node[h->node] = l;
+    memcpy(cl->addrs[h->node], h->fabric_addr.data, h->fabric_addr.len);
+    cl->addr_len[h->node] = h->fabric_addr.len;
+    bool rejoin = cl->present[h->node];
+    cl->present[h->node] = true;
+    SD_INFO("cluster", "node %u joined%s", h->node, rejoin ? " again" : "");
+    if (cl->ready) {
+        /* a restarted node: give everyone the table again, it serves new jobs */
+        if (install_table(cl) == SD_OK)
+            broadcast_table(cl);
+        return;
+    }
+    for (uint32_t i = 0; i < cl->n; i++)
+        if (!cl->present[i])
+            return;
+    if (install_table(cl) == SD_OK)
+        broadcast_table(cl);
+}
+
+/* ---- coordinator: job registration across nodes */
+
+static struct coord_job *coord_job_find(struct sd_cluster *cl, const char *name, bool create,
+                                        uint32_t nodes)
+{
+    for (struct coord_job *j = cl->jobs; j; j = j->next)
+        if (strcmp(j->name, name) == 0)
+            return j;
+    if (!create)
+        return NULL;
+    struct coord_job *j = calloc(1, sizeof(*j));
+    j->seen = calloc(nodes, 1);
+    snprintf(j->name, sizeof(j->name), "%s", name);
+    j->nodes = nodes;
+    j->deadline_ns = sd_now_ns() + (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
+    j->next = cl->jobs;
+    cl->jobs = j;
+    return j;
+}
+
+static void coord_job_free(struct sd_cluster *cl, struct coord_job *job)
+{
+    for (struct coord_job **pp = &cl->jobs; *pp; pp = &(*pp)->next)
+        if (*pp == job) {
+            *pp = job->next;
+            break;
+        }
+    free(job->seen);
+    free(job);
+}
+
+static void coord_decide(struct sd_cluster *cl, struct coord_job *j)
+{
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    Shard__JobConfirm c = SHARD__JOB_CONFIRM__INIT;
+    Shard__JobRefuse r = SHARD__JOB_REFUSE__INIT;
+    if (j->status == SD_OK) {
+        /* a tag no active job uses */
+        uint32_t tag;
+        for (;;) {
+            cl->next_tag = (uint16_t)(cl->next_tag % ((1u << SD_TAG_JOB_BITS) - 1) + 1);
+            tag = cl->next_tag;
+            if (!sd_registry_tag_in_use(cl->reg, tag))
+                break;
+        }
+        c.job = j->name;
+        c.tag = tag;
+        m.msg_case = SHARD__PEER_MSG__MSG_JOB_CONFIRM;
+        m.job_confirm = &c;
+    } else {
+        r.job = j->name;
+        r.status = j->status;
+        r.message = j->msg;
+        m.msg_case = SHARD__PEER_MSG__MSG_JOB_REFUSE;
+        m.job_refuse = &r;
+    }
+    for (uint32_t i = 1; i < j->nodes; i++)
+        if (j->seen[i])
+            link_send(cl->by_node[i], &m);
+    if (j->status == SD_OK)
+        sd_job_confirmed(cl->reg, j->name, c.tag);
+    else
+        sd_job_refused(cl->reg, j->name, j->status, j->msg);
+    coord_job_free(cl, j);
+}
+
+static void coord_report(struct sd_cluster *cl, const Shard__JobReport *rep)
+{
+    uint32_t nodes = rep->world / (uint32_t)cl->cfg->ranks_per_node;
+    if (rep->node >= cl->n || nodes == 0 || nodes > cl->n)
+        return;
+    struct coord_job *j = coord_job_find(cl, rep->job, true, nodes);
+    if (rep->node >= j->nodes || j->seen[rep->node])
+        return;
+    j->seen[rep->node] = 1;
+    j->reported++;
+    if (j->reported == 1) {
+        j->digest = rep->digest;
+        j->world = rep->world;
+    }
+    if (j->status == SD_OK) {
+        if (rep->status != SD_OK) {
+            j->status = rep->status;
+            snprintf(j->msg, sizeof(j->msg), "node %u: %s", rep->node, rep->message);
+        } else if (rep->digest != j->digest || rep->world != j->world) {
+            j->status = SD_EMISMATCH;
+            snprintf(j->msg, sizeof(j->msg),
+                     "job '%s': node %u registered model digest %016llx (world %u), another node "
+                     "%016llx (world %u): every rank must register the same model",
+                     rep->job, rep->node, (unsigned long long)rep->digest, rep->world,
+                     (unsigned long long)j->digest, j->world);
+        }
+    }
+    if (j->reported == j->nodes || j->status != SD_OK)
+        coord_decide(cl, j);
+}
+
+static void coord_sweep(struct sd_cluster *cl, uint64_t now)
+{
+    for (struct coord_job *j = cl->jobs, *next; j; j = next) {
+        next = j->next;
+        bool dead = false;
+        for (uint32_t i = 0; i < j->nodes; i++)
+            dead |= !cl->alive[i];
+        if (now < j->deadline_ns && !dead)
+            continue;
+        char missing[256];
+        size_t off = 0;
+        missing[0] = '\0';
+        for (uint32_t i = 0; i < j->nodes && off < sizeof(missing); i++)
+            if (!j->seen[i])
+                off += (size_t)snprintf(missing + off, sizeof(missing) - off, "%s%u",
+                                        off ? ", " : "", i);
+        j->status = SD_ETIMEDOUT;
+        snprintf(j->msg, sizeof(j->msg),
+                 "job '%s': nodes %s did not register all their ranks within %lld ms "
+                 "(register_timeout_ms)%s",
+                 j->name, missing, (long long)cl->cfg->register_timeout_ms,
+                 dead ? " or are down" : "");
+        coord_decide(cl, j);
+    }
+}
+
+/* ---- receiving */
+
+static void on_message(struct link *l, const Shard__PeerMsg *m)
+{
+    struct sd_cluster *cl = l->cl;
+    l->last_seen_ns = sd_now_ns();
+    if (l->node < 0 && m->msg_case != SHARD__PEER_MSG__MSG_HELLO &&
+        m->msg_case != SHARD__PEER_MSG__MSG_TABLE && m->msg_case != SHARD__PEER_MSG__MSG_REFUSE) {
+        link_close(l, "message before hello");
+        return;
+    }
+    switch (m->msg_case) {
+    case SHARD__PEER_MSG__MSG_HELLO:
+        if (cl->self == 0 && l->node < 0)
+            on_hello(l, m->hello);
+        break;
+    case SHARD__PEER_MSG__MSG_TABLE:
+        if (cl->self == 0 || m->table->n_fabric_addrs != cl->n)
+            break;
+        for (uint32_t i = 0; i < cl->n; i++) {
+            size_t len = SD_MIN(m->table->fabric_addrs[i].len, sizeof(cl->addrs[0]));
+            memcpy(cl->addrs[i], m->table->fabric_addrs[i].data, len);
+            cl->addr_len[i] = len;
+        }
+        l->node = 0;
+        if (install_table(cl) != SD_OK)
+            cl->fatal = true;
+        break;
+    case SHARD__PEER_MSG__MSG_REFUSE:
+        SD_ERROR("cluster", "the coordinator refused this daemon: %s", m->refuse->reason);
+        cl->fatal = true;
+        uv_stop(cl->loop);
+        break;
+    case SHARD__PEER_MSG__MSG_HEARTBEAT:
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_REPORT:
+        if (cl->self == 0)
+            coord_report(cl, m->job_report);
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_CONFIRM:
+        sd_job_confirmed(cl->reg, m->job_confirm->job, m->job_confirm->tag);
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_REFUSE:
+        sd_job_refused(cl->reg, m->job_refuse->job, m->job_refuse->status,
+                       m->job_refuse->message);
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_ABORT: {
+        const Shard__JobAbort *a = m->job_abort;
+        if (cl->self == 0) { /* relay to the others */
+            uint32_t nodes = sd_registry_job_nodes(cl->reg, a->job);
+            for (uint32_t i = 1; i < nodes; i++)
+                if (i != a->origin)
+                    link_send(cl->by_node[i], m);
+        }
+        sd_job_aborted(cl->reg, a->job, a->status, a->message);
+        break;
+    }
+    case SHARD__PEER_MSG__MSG_JOB_READY:
+        sd_job_remote_ready(cl->reg, m->job_ready->job);
+        break;
+    case SHARD__PEER_MSG__MSG_NODE_DOWN:
+        node_down(cl, m->node_down->node, m->node_down->reason);
+        break;
+    default:
+        break;
+    }
+}
+
+static void alloc_cb(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    struct link *l = h->data;
+    (void)suggested;
+    if (l->rx_cap - l->rx_len < 65536) {
+        size_t cap = SD_MAX(l->rx_cap * 2, 131072);
+        uint8_t *rx = realloc(l->rx, cap);
+        if (rx == NULL) {
+            *buf = uv_buf_init(NULL, 0);
+            return;
+        }
+        l->rx = rx;
+        l->rx_cap = cap;
+    }
+    *buf = uv_buf_init((char *)l->rx + l->rx_len, (unsigned)(l->rx_cap - l->rx_len));
+}
+
+static void read_cb(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
+{
+    struct link *l = s->data;
+    (void)buf;
+    if (n < 0) {
+        link_close(l, n == UV_EOF ? "connection closed" : uv_strerror((int)n));
+        return;
+    }
+    l->rx_len += (size_t)n;
+    size_t off = 0;
+    while (l->rx_len - off >= SD_FRAME_HDR) {
+        size_t len = sd_frame_len(l->rx + off);
+        if (len > MAX_PEER_MSG) {
+            link_close(l, "oversized peer message");
+            return;
+        }
+        if (l->rx_len - off < SD_FRAME_HDR + len)
+            break;
+        Shard__PeerMsg *m = shard__peer_msg__unpack(NULL, len, l->rx + off + SD_FRAME_HDR);
+        off += SD_FRAME_HDR + len;
+        if (m == NULL) {
+            link_close(l, "undecodable peer message");
+            return;
+        }
+        on_message(l, m);
+        shard__peer_msg__free_unpacked(m, NULL);
+        if (l->closing)
+            return;
+    }
+    memmove(l->rx, l->rx + off, l->rx_len - off);
+    l->rx_len -= off;
+}
+
+static void link_free_cb(uv_handle_t *h)
+{
+    struct link *l = h->data;
+    free(l->rx);
+    free(l);
+}
+
+static void link_close(struct link *l, const char *why)
+{
+    if (l->closing)
+        return;
+    struct sd_cluster *cl = l->cl;
+    l->closing = true;
+    for (struct link **pp = &cl->links; *pp; pp = &(*pp)->next)
+        if (*pp == l) {
+            *pp = l->next;
+            break;
+        }
+    int node = l->node;
+    if (node >= 0 && (uint32_t)node < cl->n && cl->by_node[node] == l)
+        cl->by_node[node] = NULL;
+    else if (cl->self != 0 && cl->by_node[0] == l)
+        cl->by_node[0] = NULL;
+    uv_close((uv_handle_t *)&l->tcp, link_free_cb);
+    if (cl->stopping)
+        return;
+    if (node >= 0 && cl->ready) {
+        char reason[160];
+        snprintf(reason, sizeof(reason), "control link %s", why);
+        node_down(cl, (uint32_t)node, reason);
+    } else if (cl->self != 0 && !cl->ready && !cl->fatal) {
+        SD_WARN("cluster", "lost the coordinator before the cluster formed: %s", why);
+    }
+}
+
+static struct link *link_new(struct sd_cluster *cl)
+{
+    struct link *l = calloc(1, sizeof(*l));
+    l->cl = cl;
+    l->node = -1;
+    l->last_seen_ns = sd_now_ns();
+    uv_tcp_init(cl->loop, &l->tcp);
+    l->tcp.data = l;
+    l->next = cl->links;
+    cl->links = l;
+    return l;
+}
+
+static void on_connection(uv_stream_t *server, int status)
+{
+    struct sd_cluster *cl = server->data;
+    if (status < 0)
+        return;
+    struct link *l = link_new(cl);
+    if (uv_accept(server, (uv_stream_t *)&l->tcp) != 0) {
+        link_close(l, "accept failed");
+        return;
+    }
+    uv_tcp_nodelay(&l->tcp, 1);
+    uv_read_start((uv_stream_t *)&l->tcp, alloc_cb, read_cb);
+}
+
+/* ---- member: connect to the coordinator, retrying until the rendezvous deadline */
+
+static void send_hello(struct sd_cluster *cl, struct link *l)
+{
+    Shard__PeerHello h = SHARD__PEER_HELLO__INIT;
+    h.node = cl->self;
+    h.protocol_version = SD_PROTOCOL_VERSION;
+    h.config_digest = cl->digest;
+    h.fabric_addr.data = cl->addrs[cl->self];
+    h.fabric_addr.len = cl->addr_len[cl->self];
+    h.version = SHARD_VERSION;
+    h.config_summary = cl->summary;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
+    m.hello = &h;
+    link_send(l, &m);
+}
+
+static void try_connect(struct sd_cluster *cl);
+
+static void retry_cb(uv_timer_t *t)
+{
+    try_connect(t->data);
+}
+
+static void connect_cb(uv_connect_t *req, int status)
+{
+    struct link *l = req->data;
+    struct sd_cluster *cl = l->cl;
+    if (status < 0) {
+        link_close(l, uv_strerror(status));
+        if (!cl->stopping && !cl->fatal)
+            uv_timer_start(&cl->retry, retry_cb, 200, 0);
+        return;
+    }
+    uv_tcp_nodelay(&l->tcp, 1);
+    cl->by_node[0] = l;
+    l->node = 0;
+    uv_read_start((uv_stream_t *)&l->tcp, alloc_cb, read_cb);
+    send_hello(cl, l);
+}
+
+static void try_connect(struct sd_cluster *cl)
+{
+    struct sockaddr_storage ss;
+    if (cl->ready || cl->stopping || parse_hostport(cl->cfg->coordinator, &ss) != SD_OK)
+        return;
+    struct link *l = link_new(cl);
+    cl->connect_req.data = l;
+    if (uv_tcp_connect(&cl->connect_req, &l->tcp, (struct sockaddr *)&ss, connect_cb) != 0) {
+        link_close(l, "connect failed");
+        uv_timer_start(&cl->retry, retry_cb, 200, 0);
+    }
+}
+
+/* ---- heartbeats and deadlines */
+
+static void timer_cb(uv_timer_t *t)
+{
+    struct sd_cluster *cl = t->data;
+    uint64_t now = sd_now_ns();
+    if (!cl->ready) {
+        if (now - cl->start_ns > (uint64_t)cl->cfg->rendezvous_timeout_ms * 1000000ULL) {
+            char missing[256] = "";
+            size_t off = 0;
+            for (uint32_t i = 0; i < cl->n && off < sizeof(missing); i++)
+                if (!cl->present[i])
+                    off += (size_t)snprintf(missing + off, sizeof(missing) - off, "%s%u",
+                                            off ? ", " : "", i);
+            if (cl->self == 0)
+                SD_ERROR("cluster", "rendezvous: nodes %s did not join within %lld ms "
+                                    "(rendezvous_timeout_ms)",
+                         missing, (long long)cl->cfg->rendezvous_timeout_ms);
+            else
+                SD_ERROR("cluster", "rendezvous: no address table from the coordinator at %s "
+                                    "within %lld ms (rendezvous_timeout_ms)",
+                         cl->cfg->coordinator, (long long)cl->cfg->rendezvous_timeout_ms);
+            cl->fatal = true;
+            uv_stop(cl->loop);
+        }
+        return;
+    }
+    Shard__PeerHeartbeat hb = SHARD__PEER_HEARTBEAT__INIT;
+    hb.seq = ++cl->hb_seq;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_HEARTBEAT;
+    m.heartbeat = &hb;
+    uint64_t timeout = (uint64_t)cl->cfg->heartbeat_timeout_ms * 1000000ULL;
+    for (struct link *l = cl->links, *next; l; l = next) {
+        next = l->next;
+        if (l->node < 0)
+            continue;
+        link_send(l, &m);
+        if (now - l->last_seen_ns > timeout) {
+            char reason[128];
+            snprintf(reason, sizeof(reason), "no heartbeat for %llu ms (heartbeat_timeout_ms %lld)",
+                     (unsigned long long)((now - l->last_seen_ns) / 1000000),
+                     (long long)cl->cfg->heartbeat_timeout_ms);
+            int node = l->node;
+            link_close(l, reason);
+            if (cl->self != 0 && node == 0)
+                node_down(cl, 0, reason);
+        }
+    }
+    if (cl->self == 0)
+        coord_sweep(cl, now);
+}
+
+/* ---- API */
+
+int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_config *cfg,
+                     struct sd_transport *tp, struct sd_registry *reg)
+{
+    struct sd_cluster *cl = calloc(1, sizeof(*cl));
+    if (cl == NULL)
+        return SD_ENOMEM;
+    cl->loop = loop;
+    cl->cfg = cfg;
+    cl->tp = tp;
+    cl->reg = reg;
+    cl->n = (uint32_t)cfg->nodes;
+    cl->self = (uint32_t)cfg->node;
+    cl->start_ns = sd_now_ns();
+    cl->digest = sd_config_digest(cfg, cl->summary, sizeof(cl->summary));
+    cl->addrs = calloc(cl->n, sizeof(*cl->addrs));
+    cl->addr_len = calloc(cl->n, sizeof(*cl->addr_len));
+    cl->present = calloc(cl->n, sizeof(bool));
+    cl->alive = calloc(cl->n, sizeof(bool));
+    cl->by_node = calloc(cl->n, sizeof(*cl->by_node));
+    size_t len = sizeof(cl->addrs[0]);
+    int st = tp->ops->getname(tp, cl->addrs[cl->self], &len);
+    if (st != SD_OK) {
+        sd_cluster_stop(cl);
+        return st;
+    }
+    cl->addr_len[cl->self] = len;
+    cl->present[cl->self] = true;
+    uv_timer_init(loop, &cl->timer);
+    cl->timer.data = cl;
+    uv_timer_init(loop, &cl->retry);
+    cl->retry.data = cl;
+    uint64_t period = (uint64_t)cfg->heartbeat_interval_ms;
+    uv_timer_start(&cl->timer, timer_cb, period, period);
+
+    if (cl->self == 0) {
+        struct sockaddr_storage ss;
+        if (parse_hostport(cfg->coordinator, &ss) != SD_OK) {
+            SD_ERROR("cluster", "coordinator '%s' is not host:port", cfg->coordinator);
+            sd_cluster_stop(cl);
+            return SD_ECONFIG;
+        }
+        uv_tcp_init(loop, &cl->listener);
+        cl->listener.data = cl;
+        cl->listening = true;
+        int r = uv_tcp_bind(&cl->listener, (struct sockaddr *)&ss, 0);
+        if (r == 0)
+            r = uv_listen((uv_stream_t *)&cl->listener, 128, on_connection);
+        if (r != 0) {
+            SD_ERROR("cluster", "cannot listen on %s: %s", cfg->coordinator, uv_strerror(r));
+            sd_cluster_stop(cl);
+            return SD_EIO;
+        }
+        SD_INFO("cluster", "coordinator listening on %s for %u nodes", cfg->coordinator, cl->n);
+    } else {
+        try_connect(cl);
+    }
+    *cl_p = cl;
+    return SD_OK;
+}
+
+static void noop_close(uv_handle_t *h)
+{
+    (void)h;
+}
+
+void sd_cluster_stop(struct sd_cluster *cl)
+{
+    if (cl == NULL)
+        return;
+    cl->stopping = true;
+    while (cl->links != NULL)
+        link_close(cl->links, "daemon stopping");
+    if (cl->listening)
+        uv_close((uv_handle_t *)&cl->listener, noop_close);
+    if (uv_is_active((uv_handle_t *)&cl->timer) || !uv_is_closing((uv_handle_t *)&cl->timer)) {
+        uv_timer_stop(&cl->timer);
+        uv_timer_stop(&cl->retry);
+        if (cl->timer.loop)
+            uv_close((uv_handle_t *)&cl->timer, noop_close);
+        if (cl->retry.loop)
+            uv_close((uv_handle_t *)&cl->retry, noop_close);
+    }
+    while (cl->jobs)
+        coord_job_free(cl, cl->jobs);
+    /* the handles are closed; the memory goes once the loop ran their close callbacks */
+}
+
+void sd_cluster_free(struct sd_cluster *cl)
+{
+    if (cl == NULL)
+        return;
+    free(cl->addrs);
+    free(cl->addr_len);
+    free(cl->present);
+    free(cl->alive);
+    free(cl->by_node);
+    free(cl);
+}
+
+bool sd_cluster_ready(const struct sd_cluster *cl)
+{
+    return cl == NULL || cl->ready;
+}
+
+bool sd_cluster_fatal(const struct sd_cluster *cl)
+{
+    return cl != NULL && cl->fatal;
+}
+
+bool sd_cluster_alive(const struct sd_cluster *cl, uint32_t node)
+{
+    return cl == NULL ? node == 0 : node < cl->n && (node == cl->self || cl->alive[node]);
+}
+
+uint32_t sd_cluster_nodes(const struct sd_cluster *cl)
+{
+    return cl ? cl->n : 1;
+}
+
+void sd_cluster_report_job(struct sd_cluster *cl, const char *job, uint64_t digest, uint32_t world,
+                           uint32_t job_nodes, int status, const char *msg)
+{
+    Shard__JobReport r = SHARD__JOB_REPORT__INIT;
+    r.job = (char *)job;
+    r.node = cl->self;
+    r.digest = digest;
+    r.world = world;
+    r.status = status;
+    r.message = (char *)(msg ? msg : "");
+    (void)job_nodes;
+    if (cl->self == 0) {
+        coord_report(cl, &r);
+        return;
+    }
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_REPORT;
+    m.job_report = &r;
+    send_to(cl, 0, &m);
+}
+
+void sd_cluster_abort_job(struct sd_cluster *cl, const char *job, uint32_t job_nodes, int status,
+                          const char *msg)
+{
+    Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
+    a.job = (char *)job;
+    a.status = status;
+    a.message = (char *)msg;
+    a.origin = cl->self;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
+    m.job_abort = &a;
+    if (cl->self == 0) {
+        for (uint32_t i = 1; i < job_nodes; i++)
+            link_send(cl->by_node[i], &m);
+        struct coord_job *cj = coord_job_find(cl, job, false, 0);
+        if (cj != NULL)
+            coord_job_free(cl, cj);
+    } else {
+        send_to(cl, 0, &m);
+    }
+}
+
+void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, uint32_t job_nodes)
+{
+    Shard__JobReady r = SHARD__JOB_READY__INIT;
+    r.job = (char *)job;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_READY;
+    m.job_ready = &r;
+    for (uint32_t i = 1; i < job_nodes; i++)
+        send_to(cl, i, &m);
+}
+
+json_t *sd_cluster_json(const struct sd_cluster *cl)
+{
+    json_t *nodes = json_array();
+    for (uint32_t i = 0; cl && i < cl->n; i++)
+        json_array_append_new(nodes, json_pack("{s:i, s:b, s:s}", "node", (int)i, "self",
+                                               i == cl->self, "state",
+                                               i == cl->self  ? "self"
+                                               : !cl->present[i] ? "absent"
+                                               : cl->alive[i]  ? "up"
+                                                               : "down"));
+    return nodes;
+}

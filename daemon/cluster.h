@@ -1,0 +1,39 @@
+/* The control plane between the daemons of a cluster (DESIGN.md section 6): TCP links driven by
+ * the libuv loop, node 0 the coordinator. Rendezvous (hello with node, version, config digest and
+ * fabric address; the address table once every node is present), heartbeats, and the messages
+ * that keep jobs consistent across nodes: report/confirm/refuse of a registration, abort, ready. */
+#ifndef SD_CLUSTER_H
+#define SD_CLUSTER_H
+
+#include "sd/config.h"
+#include "transport.h"
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+struct sd_cluster;
+struct sd_registry;
+
+int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_config *cfg,
+                     struct sd_transport *tp, struct sd_registry *reg);
+void sd_cluster_stop(struct sd_cluster *cl);
+bool sd_cluster_ready(const struct sd_cluster *cl);
+/* Set when the cluster cannot form (refused, rendezvous deadline): the daemon must exit. */
+bool sd_cluster_fatal(const struct sd_cluster *cl);
+bool sd_cluster_alive(const struct sd_cluster *cl, uint32_t node);
+uint32_t sd_cluster_nodes(const struct sd_cluster *cl);
+
+/* A job finished registering on this node (status 0) or failed to. */
+void sd_cluster_report_job(struct sd_cluster *cl, const char *job, uint64_t digest, uint32_t world,
+                           uint32_t job_nodes, int status, const char *msg);
+/* Tell every node of the job that it failed here. */
+void sd_cluster_abort_job(struct sd_cluster *cl, const char *job, uint32_t job_nodes, int status,
+                          const char *msg);
+/* Node 0: rank 0 finished loading the initial values. */
+void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, uint32_t job_nodes);
+/* Node states for shardctl topology. */
+json_t *sd_cluster_json(const struct sd_cluster *cl);
+
+#endif

@@ -1,0 +1,104 @@
+/* The transport vtable (DESIGN.md section 6): tagged, asynchronous, reliable messages between the
+ * daemons of a cluster. The collective engine uses nothing else; the libfabric transport
+ * (transport_ofi.c) is the production one. Completions are reported through callbacks from
+ * ops->progress(), which the daemon calls from its libuv loop. */
+#ifndef SD_TRANSPORT_H
+#define SD_TRANSPORT_H
+
+#include "sd/config.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct sd_transport;
+struct sd_xfer;
+
+typedef void (*sd_xfer_cb)(struct sd_xfer *x, int status);
+
+/* One send or receive. The caller owns it until the callback ran. */
+struct sd_xfer {
+    uint64_t opaque[8]; /* provider context (struct fi_context2 fits) */
+    sd_xfer_cb cb;
+    void *arg;
+    uint64_t tag;
+    size_t len;         /* bytes actually received, for receives */
+    uint32_t peer;
+    /* private to the transport: the pending queue of -FI_EAGAIN retries */
+    struct sd_xfer *next_pending;
+    const void *buf;
+    size_t buflen;
+    void *desc;
+    uint64_t ignore;
+    int kind;
+};
+
+#define SD_PEER_ANY UINT32_MAX
+
+struct sd_transport_ops {
+    const char *name;
+    /* The local address to publish; *len_p in: buffer size, out: address length. */
+    int (*getname)(struct sd_transport *tp, void *addr, size_t *len_p);
+    /* Install the cluster's address table (index = node). */
+    int (*set_peers)(struct sd_transport *tp, const void *const *addrs, const size_t *lens,
+                     uint32_t n);
+    /* Register memory once (per job); *desc_p is what send/recv take (NULL if not needed). */
+    int (*mr_reg)(struct sd_transport *tp, void *buf, size_t len, void **desc_p, void **handle_p);
+    void (*mr_dereg)(struct sd_transport *tp, void *handle);
+    int (*send)(struct sd_transport *tp, uint32_t peer, uint64_t tag, const void *buf, size_t len,
+                void *desc, struct sd_xfer *x);
+    /* peer SD_PEER_ANY: any source; bits set in ignore are wildcards of the tag */
+    int (*recv)(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64_t ignore, void *buf,
+                size_t len, void *desc, struct sd_xfer *x);
+    /* Drive progress and run callbacks; returns how many completed, or a negative status. */
+    int (*progress)(struct sd_transport *tp);
+    /* An fd that becomes readable when progress may have work, or -1. */
+    int (*wait_fd)(struct sd_transport *tp);
+    /* True if it is safe to sleep on wait_fd now (fi_trywait). */
+    bool (*can_sleep)(struct sd_transport *tp);
+    void (*close)(struct sd_transport *tp);
+};
+
+struct sd_transport {
+    const struct sd_transport_ops *ops;
+    uint32_t n_peers;
+    uint32_t self;
+    uint64_t inflight; /* posted sends and receives not completed */
+};
+
+/* Open the libfabric transport for cfg->provider on cfg->fabric_addr. err says why not. */
+int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_p, char *err,
+                          size_t errlen);
+
+/* Tag layout: kind 4 | job 12 | unit 14 | seq 16 | src 10 | chunk 8 */
+#define SD_TAG_CHUNK_BITS 8
+#define SD_TAG_SRC_BITS   10
+#define SD_TAG_SEQ_BITS   16
+#define SD_TAG_UNIT_BITS  14
+#define SD_TAG_JOB_BITS   12
+#define SD_TAG_MAX_CHUNKS (1u << SD_TAG_CHUNK_BITS)
+#define SD_MAX_NODES      (1u << SD_TAG_SRC_BITS)
+
+enum sd_tag_kind {
+    SD_TAG_REQ = 1,    /* pull request for a unit's weights */
+    SD_TAG_WDATA = 2,  /* weights block */
+    SD_TAG_GRAD = 3,   /* reduce-scatter partial */
+    SD_TAG_AR = 4,     /* all-reduce chunk */
+    SD_TAG_SCALAR = 5, /* small all-reduce */
+    SD_TAG_INIT = 6,   /* initial values broadcast */
+};
+
+static inline uint64_t sd_tag(uint32_t kind, uint32_t job, uint32_t unit, uint32_t seq,
+                              uint32_t src, uint32_t chunk)
+{
+    return (uint64_t)(kind & 0xf) << 60 | (uint64_t)(job & 0xfff) << 48 |
+           (uint64_t)(unit & 0x3fff) << 34 | (uint64_t)(seq & 0xffff) << 18 |
+           (uint64_t)(src & 0x3ff) << 8 | (uint64_t)(chunk & 0xff);
+}
+
+static inline uint32_t sd_tag_src(uint64_t tag)
+{
+    return (uint32_t)(tag >> 8) & 0x3ff;
+}
+
+#endif
