@@ -69,14 +69,34 @@ int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *
                  sizeof(plan.name) - 1);
         return SD_EINVAL;
     }
-    if (strcmp(spec, "ddp") == 0) {
+    /* options after the base plan: ",no-hier" (gather per rank across nodes), ",no-2hop"
+     * (all-reduce gradients across groups every micro-step) */
+    char base[sizeof(plan.name)];
+    snprintf(base, sizeof(base), "%s", spec);
+    char *opt = strchr(base, ',');
+    if (opt != NULL) {
+        *opt++ = '\0';
+        for (char *save = NULL, *tok = strtok_r(opt, ",", &save); tok;
+             tok = strtok_r(NULL, ",", &save)) {
+            if (strcmp(tok, "no-hier") == 0) {
+                plan.hierarchical = false;
+            } else if (strcmp(tok, "no-2hop") == 0) {
+                plan.two_hop = false;
+            } else {
+                snprintf(err, errlen, "plan '%s': unknown option '%s' (no-hier, no-2hop)", spec,
+                         tok);
+                return SD_EINVAL;
+            }
+        }
+    }
+    if (strcmp(base, "ddp") == 0) {
         p = 1;
-    } else if (strcmp(spec, "zero3") == 0) {
+    } else if (strcmp(base, "zero3") == 0) {
         p = world;
-    } else if (strncmp(spec, "mics:", 5) == 0) {
+    } else if (strncmp(base, "mics:", 5) == 0) {
         char *end;
-        unsigned long v = strtoul(spec + 5, &end, 10);
-        if (spec[5] == '\0' || *end != '\0' || v == 0 || v > SD_MAX_WORLD) {
+        unsigned long v = strtoul(base + 5, &end, 10);
+        if (base[5] == '\0' || *end != '\0' || v == 0 || v > SD_MAX_WORLD) {
             snprintf(err, errlen, "plan '%s': expected mics:P with P a positive integer", spec);
             return SD_EINVAL;
         }
@@ -91,7 +111,10 @@ int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *
             return SD_EINVAL;
         }
     } else {
-        snprintf(err, errlen, "unknown plan '%s' (supported: ddp, zero3, mics:P)", spec);
+        snprintf(err, errlen,
+                 "unknown plan '%s' (supported: ddp, zero3, mics:P, each with options "
+                 ",no-hier ,no-2hop)",
+                 spec);
         return SD_EINVAL;
     }
     if (p > world || world % p != 0) {

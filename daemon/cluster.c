@@ -37,6 +37,14 @@ struct coord_job {
     uint64_t deadline_ns;
 };
 
+/* Coordinator: nodes whose ranks of a job all left. */
+struct coord_left {
+    struct coord_left *next;
+    char name[64];
+    uint32_t nodes, left;
+    uint8_t *seen;
+};
+
 struct sd_cluster {
     uv_loop_t *loop;
     const struct sd_config *cfg;
@@ -59,7 +67,10 @@ struct sd_cluster {
     uint64_t start_ns, hb_seq;
     uint16_t next_tag;
     struct coord_job *jobs;
+    struct coord_left *lefts;
 };
+
+static void coord_left(struct sd_cluster *cl, const char *name, uint32_t node, uint32_t nodes);
 
 static void link_close(struct link *l, const char *why);
 
@@ -140,6 +151,12 @@ static void node_down(struct sd_cluster *cl, uint32_t node, const char *reason)
         return;
     cl->alive[node] = false;
     SD_WARN("cluster", "node %u is down: %s", node, reason);
+    if (cl->self == 0) /* a dead node's ranks have left every job */
+        for (struct coord_left *l = cl->lefts, *next; l; l = next) {
+            next = l->next;
+            if (node < l->nodes)
+                coord_left(cl, l->name, node, l->nodes);
+        }
     if (cl->self == 0) { /* tell the others */
         Shard__NodeDown nd = SHARD__NODE_DOWN__INIT;
         nd.node = node;
@@ -186,6 +203,9 @@ static int install_table(struct sd_cluster *cl)
     cl->ready = true;
     for (uint32_t i = 0; i < cl->n; i++)
         cl->alive[i] = true;
+    st = sd_net_post_requests(cl->reg);
+    if (st != SD_OK)
+        return st;
     SD_INFO("cluster", "cluster of %u nodes formed in %.2f s", cl->n,
             (double)(sd_now_ns() - cl->start_ns) / 1e9);
     return SD_OK;
@@ -223,8 +243,9 @@ static void on_hello(struct link *l, const Shard__PeerHello *h)
         return;
     }
     if (h->config_digest != cl->digest) {
-        refuse(l, "node %u has a different cluster configuration: it has [%s], the coordinator "
-                  "has [%s]",
+        refuse(l,
+               "node %u has a different cluster configuration: it has [%s], the coordinator "
+               "has [%s]",
                h->node, h->config_summary, cl->summary);
         return;
     }
@@ -379,6 +400,74 @@ static void coord_sweep(struct sd_cluster *cl, uint64_t now)
     }
 }
 
+/* ---- coordinator: a job ends when the ranks of all its nodes left */
+
+static void coord_left(struct sd_cluster *cl, const char *name, uint32_t node, uint32_t nodes)
+{
+    if (nodes == 0 || node >= nodes)
+        return;
+    struct coord_left *l;
+    for (l = cl->lefts; l; l = l->next)
+        if (strcmp(l->name, name) == 0)
+            break;
+    if (l == NULL) {
+        l = calloc(1, sizeof(*l));
+        l->seen = calloc(nodes, 1);
+        snprintf(l->name, sizeof(l->name), "%s", name);
+        l->nodes = nodes;
+        l->next = cl->lefts;
+        cl->lefts = l;
+        /* nodes already down will never report */
+        for (uint32_t i = 0; i < nodes; i++)
+            if (i != cl->self && cl->ready && !cl->alive[i] && !l->seen[i]) {
+                l->seen[i] = 1;
+                l->left++;
+            }
+    }
+    if (!l->seen[node]) {
+        l->seen[node] = 1;
+        l->left++;
+    }
+    if (l->left < l->nodes)
+        return;
+    for (struct coord_left **pp = &cl->lefts; *pp; pp = &(*pp)->next)
+        if (*pp == l) {
+            *pp = l->next;
+            break;
+        }
+    Shard__JobEnd e = SHARD__JOB_END__INIT;
+    e.job = l->name;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_END;
+    m.job_end = &e;
+    for (uint32_t i = 1; i < l->nodes; i++)
+        if (cl->alive[i])
+            link_send(cl->by_node[i], &m);
+    char job[64];
+    snprintf(job, sizeof(job), "%s", l->name);
+    free(l->seen);
+    free(l);
+    sd_job_ended(cl->reg, job);
+}
+
+bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, uint32_t job_nodes)
+{
+    if (cl->self == 0) {
+        coord_left(cl, job, 0, job_nodes);
+        return true;
+    }
+    if (!cl->alive[0] || cl->by_node[0] == NULL)
+        return false;
+    Shard__JobLeft jl = SHARD__JOB_LEFT__INIT;
+    jl.job = (char *)job;
+    jl.node = cl->self;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_LEFT;
+    m.job_left = &jl;
+    link_send(cl->by_node[0], &m);
+    return true;
+}
+
 /* ---- receiving */
 
 static void on_message(struct link *l, const Shard__PeerMsg *m)
@@ -422,8 +511,7 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         sd_job_confirmed(cl->reg, m->job_confirm->job, m->job_confirm->tag);
         break;
     case SHARD__PEER_MSG__MSG_JOB_REFUSE:
-        sd_job_refused(cl->reg, m->job_refuse->job, m->job_refuse->status,
-                       m->job_refuse->message);
+        sd_job_refused(cl->reg, m->job_refuse->job, m->job_refuse->status, m->job_refuse->message);
         break;
     case SHARD__PEER_MSG__MSG_JOB_ABORT: {
         const Shard__JobAbort *a = m->job_abort;
@@ -438,6 +526,14 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
     }
     case SHARD__PEER_MSG__MSG_JOB_READY:
         sd_job_remote_ready(cl->reg, m->job_ready->job);
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_LEFT:
+        if (cl->self == 0)
+            coord_left(cl, m->job_left->job, m->job_left->node,
+                       sd_registry_job_nodes(cl->reg, m->job_left->job));
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_END:
+        sd_job_ended(cl->reg, m->job_end->job);
         break;
     case SHARD__PEER_MSG__MSG_NODE_DOWN:
         node_down(cl, m->node_down->node, m->node_down->reason);
@@ -629,12 +725,14 @@ static void timer_cb(uv_timer_t *t)
                     off += (size_t)snprintf(missing + off, sizeof(missing) - off, "%s%u",
                                             off ? ", " : "", i);
             if (cl->self == 0)
-                SD_ERROR("cluster", "rendezvous: nodes %s did not join within %lld ms "
-                                    "(rendezvous_timeout_ms)",
+                SD_ERROR("cluster",
+                         "rendezvous: nodes %s did not join within %lld ms "
+                         "(rendezvous_timeout_ms)",
                          missing, (long long)cl->cfg->rendezvous_timeout_ms);
             else
-                SD_ERROR("cluster", "rendezvous: no address table from the coordinator at %s "
-                                    "within %lld ms (rendezvous_timeout_ms)",
+                SD_ERROR("cluster",
+                         "rendezvous: no address table from the coordinator at %s "
+                         "within %lld ms (rendezvous_timeout_ms)",
                          cl->cfg->coordinator, (long long)cl->cfg->rendezvous_timeout_ms);
             cl->fatal = true;
             uv_stop(cl->loop);
@@ -753,6 +851,12 @@ void sd_cluster_stop(struct sd_cluster *cl)
     }
     while (cl->jobs)
         coord_job_free(cl, cl->jobs);
+    while (cl->lefts) {
+        struct coord_left *l = cl->lefts;
+        cl->lefts = l->next;
+        free(l->seen);
+        free(l);
+    }
     /* the handles are closed; the memory goes once the loop ran their close callbacks */
 }
 
@@ -848,9 +952,9 @@ json_t *sd_cluster_json(const struct sd_cluster *cl)
     for (uint32_t i = 0; cl && i < cl->n; i++)
         json_array_append_new(nodes, json_pack("{s:i, s:b, s:s}", "node", (int)i, "self",
                                                i == cl->self, "state",
-                                               i == cl->self  ? "self"
+                                               i == cl->self     ? "self"
                                                : !cl->present[i] ? "absent"
-                                               : cl->alive[i]  ? "up"
-                                                               : "down"));
+                                               : cl->alive[i]    ? "up"
+                                                                 : "down"));
     return nodes;
 }

@@ -19,6 +19,8 @@ struct sd_registry;
 int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_config *cfg,
                      struct sd_transport *tp, struct sd_registry *reg);
 void sd_cluster_stop(struct sd_cluster *cl);
+/* free once the loop has run the close callbacks of its handles */
+void sd_cluster_free(struct sd_cluster *cl);
 bool sd_cluster_ready(const struct sd_cluster *cl);
 /* Set when the cluster cannot form (refused, rendezvous deadline): the daemon must exit. */
 bool sd_cluster_fatal(const struct sd_cluster *cl);
@@ -33,6 +35,9 @@ void sd_cluster_abort_job(struct sd_cluster *cl, const char *job, uint32_t job_n
                           const char *msg);
 /* Node 0: rank 0 finished loading the initial values. */
 void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, uint32_t job_nodes);
+/* Every local rank of the job left this node: the job ends once all its nodes said so. Returns
+ * false when no coordination is possible (the coordinator is down): end it locally. */
+bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, uint32_t job_nodes);
 /* Node states for shardctl topology. */
 json_t *sd_cluster_json(const struct sd_cluster *cl);
 

@@ -8,6 +8,7 @@
 #include "sd/gpu.h"
 #include "sd/model.h"
 #include "sd/ring.h"
+#include "coll.h"
 #include "shard.pb-c.h"
 
 #include <stdbool.h>
@@ -132,12 +133,14 @@ const char *sd_job_state_name(enum sd_job_state s);
 struct sd_registry {
     struct sd_job *jobs; /* active */
     uint32_t n_jobs;
+    struct sd_job *zombies;  /* ended, waiting for their transfers to drain before freeing */
     struct sd_job *finished; /* the most recent ended jobs, newest first, memory freed */
     uint32_t n_finished;
     uint64_t budget, used;
     uint64_t next_job_id;
     const struct sd_config *cfg;
     const struct sd_gpu_ops *dev;
+    struct sd_net *net;
 };
 
 struct sd_push_entry {
@@ -153,13 +156,72 @@ struct sd_push_round {
     uint64_t seq; /* rounds of this unit completed so far */
 };
 
+/* A pull request for a unit's weights block (SD_TAG_REQ), 32 bytes on the wire. */
+#define SD_REQ_MAGIC 0x51455253u
+struct sd_req_msg {
+    uint32_t magic;
+    uint16_t job_tag;
+    uint16_t src;
+    uint32_t unit;
+    uint32_t lslot;
+    uint64_t gen;
+    uint64_t reserved;
+};
+_Static_assert(sizeof(struct sd_req_msg) == 32, "request layout is ABI");
+
+/* The network side of the registry: the transport, the control plane, the standing receives
+ * for pull requests. NULL on a single node. */
+#define SD_NET_REQ_SLOTS 64
+struct sd_net_req {
+    struct sd_xfer x;
+    struct sd_req_msg msg;
+    struct sd_registry *reg;
+};
+struct sd_net {
+    bool posted;
+    struct sd_transport *tp;
+    struct sd_cluster *cl;
+    uint32_t self, n;
+    struct sd_net_req reqs[SD_NET_REQ_SLOTS];
+};
+
+/* A gathered copy of a unit: one per unit, or one per unit and local rank when the hierarchical
+ * gather is off. Across nodes a gather is in flight until every remote block arrived. */
 struct sd_unit_state {
     uint64_t pool_off; /* bytes; valid while resident */
     uint64_t gen;      /* weights generation that was gathered */
     uint64_t lru_tick;
+    uint64_t start_ns;
     uint32_t refs;
-    bool resident;
+    uint32_t unit, lslot;
+    uint32_t remaining; /* remote blocks still to arrive */
+    uint64_t waiters;   /* local ranks whose fetch waits for this gather */
+    bool resident, inflight;
+    int status;
+    uint32_t suspect;
+    struct sd_bulk **rb;   /* [group nodes - 1] */
+    struct sd_xfer *req_x; /* [group nodes - 1] */
+    struct sd_req_msg req;
+    struct sd_job *job;
 };
+
+/* A push round that crosses nodes: node partial, reduce-scatter in the partition group, and
+ * without the 2-hop sync an all-reduce across the replication group, every micro-step. */
+struct sd_node_round {
+    bool active;
+    uint32_t unit;
+    uint64_t seq, start_ns;
+    uint32_t pending;
+    int status;
+    uint32_t suspect;
+    size_t chunk;
+    uint32_t chunk_arrivals[SD_TAG_MAX_CHUNKS];
+    bool ar_active;
+    struct sd_allreduce ar;
+    struct sd_bulk **sb, **rb; /* [group nodes - 1] */
+};
+
+enum sd_step_phase { SD_STEP_IDLE, SD_STEP_SYNC, SD_STEP_NORM, SD_STEP_APPLY, SD_STEP_REFRESH };
 
 struct sd_job {
     struct sd_job *next;
@@ -207,6 +269,50 @@ struct sd_job {
     uint64_t steps, weights_gen;
     double last_grad_norm;
     struct sd_job_stats stats;
+    /* ---- across nodes (job_net.c); nodes == 1 leaves all of this unused */
+    uint32_t nodes;          /* the job spans nodes [0, nodes) */
+    uint32_t tag;            /* job id in transport tags, agreed through the coordinator */
+    uint32_t group_nodes;    /* nodes per partition group (f / k when f > k, else 1) */
+    uint32_t slots_per_unit; /* 1, or k without the hierarchical gather across nodes */
+    uint32_t n_slots;
+    bool node_rounds;    /* pushes reduce across nodes (or all-reduce without 2-hop) */
+    bool retire_pending; /* all ranks left; memory goes once the network is idle */
+    struct sd_net *net;
+    struct sd_bulk_pool bulks;
+    void **mr_handles;
+    void **mr_descs;
+    const void **mr_base;
+    size_t *mr_len;
+    uint32_t n_mrs;
+    uint64_t *wait_tags; /* [n_slots * k] */
+    uint32_t gathers_inflight;
+    uint32_t w_sends_inflight;
+    struct sd_req_msg *req_queue; /* requests waiting for a newer generation or readiness */
+    uint32_t req_queued, req_cap;
+    struct sd_node_round round;
+    uint32_t *round_queue; /* units whose local round completed, FIFO */
+    uint32_t rq_head, rq_len;
+    float *rs_recv, *rs_out, *ar_tmp;
+    size_t ar_tmp_count;
+    uint32_t *members; /* scratch list of member nodes */
+    /* step */
+    enum sd_step_phase step_phase;
+    uint32_t step_unit, step_pending;
+    uint64_t step_start_ns;
+    int step_status;
+    uint32_t step_suspect;
+    struct sd_allreduce step_ar;
+    double *norm_parts; /* [nodes] */
+    struct sd_bulk **norm_b;
+    double local_sumsq;
+    uint32_t refresh_pending;
+    /* init */
+    uint32_t init_next_unit;
+    bool init_done, remote_ready;
+    struct sd_bulk *init_rb;
+    struct sd_session *init_waiter;
+    uint64_t init_tag;
+    uint32_t init_sends;
 };
 
 void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
@@ -226,10 +332,59 @@ struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name);
 /* Active job by name, else the most recent ended one. */
 struct sd_job *sd_registry_find_any(struct sd_registry *reg, const char *name);
 
+/* cluster events (cluster.c calls these) */
+void sd_job_confirmed(struct sd_registry *reg, const char *name, uint32_t tag);
+void sd_job_refused(struct sd_registry *reg, const char *name, int status, const char *msg);
+void sd_job_aborted(struct sd_registry *reg, const char *name, int status, const char *msg);
+void sd_job_remote_ready(struct sd_registry *reg, const char *name);
+void sd_registry_node_down(struct sd_registry *reg, uint32_t node, const char *reason);
+/* every node's ranks left the job: free it */
+void sd_job_ended(struct sd_registry *reg, const char *name);
+bool sd_registry_tag_in_use(struct sd_registry *reg, uint32_t tag);
+uint32_t sd_registry_job_nodes(struct sd_registry *reg, const char *name);
+struct sd_job *sd_registry_find_tag(struct sd_registry *reg, uint32_t tag);
+
+/* job_net.c: the parts of a job that cross nodes */
+int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl);
+/* standing receives for pull requests, once the cluster formed (idempotent) */
+int sd_net_post_requests(struct sd_registry *reg);
+void sd_net_stop(struct sd_registry *reg);
+/* bytes of network buffers a job needs on this node */
+uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg);
+int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen);
+void sd_job_net_teardown(struct sd_job *job);
+bool sd_job_net_idle(const struct sd_job *job);
+void sd_job_net_cancel(struct sd_job *job);
+/* fetch of a unit whose partition group spans nodes: false to stall the ring */
+bool sd_job_net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                      struct sd_unit_state *us);
+/* a push round of all local ranks completed: reduce across nodes */
+void sd_job_net_round_ready(struct sd_job *job, uint32_t unit);
+void sd_job_net_step(struct sd_job *job);
+void sd_job_net_init_sent(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                          const float *values);
+void sd_job_net_loading(struct sd_job *job);
+void sd_job_net_ready(struct sd_job *job);
+void sd_job_net_sweep(struct sd_job *job, uint64_t now);
+/* describe the operation in flight, for failure messages */
+void sd_job_net_describe(const struct sd_job *job, char *out, size_t len);
+
+/* job_ops.c helpers shared with job_net.c */
+void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t rank);
+void sd_job_finish_round(struct sd_job *job, uint32_t unit, uint32_t group);
+void sd_job_step_apply(struct sd_job *job, double sumsq);
+void sd_job_step_done(struct sd_job *job);
+void sd_job_complete_fetch(struct sd_job *job, struct sd_unit_state *us);
+void sd_job_set_ready(struct sd_job *job);
+void sd_job_load_unit(struct sd_job *job, uint32_t unit, const float *src);
+int sd_job_pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);
+
 /* job_ops.c: returns true if consumed, false if the entry must wait (stall the ring) */
 bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
 void sd_job_release_holds(struct sd_job *job, struct sd_session *s);
-void sd_job_fail_parked(struct sd_job *job, int status, const char *msg);
+/* Complete parked operations with an error: push rounds, step and ready barriers, stalled
+ * entries, and (with_fetches) ranks waiting for an in-flight gather. */
+void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches);
 
 /* ---- server */
 struct sd_server {
@@ -250,6 +405,9 @@ struct sd_server {
     uint64_t start_ns;
     uint64_t next_id;
     bool stopping;
+    struct sd_transport *tp; /* multi-node: progressed with the rings */
+    uv_poll_t tpoll;
+    bool tpolling;
 };
 
 int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_config *cfg,
@@ -258,6 +416,9 @@ void sd_server_stop(struct sd_server *srv);
 /* Run every session's ring until nothing moves; then spin or sleep. */
 void sd_server_progress(struct sd_server *srv);
 void sd_server_kick(struct sd_server *srv);
+/* Progress this transport with the rings, and wake on its wait fd. */
+void sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp);
+void sd_server_detach_transport(struct sd_server *srv);
 
 /* admin.c: JSON reply to an admin command; *json_p is malloc'd */
 int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char **json_p);

@@ -1,5 +1,6 @@
 /* Jobs: registration (all ranks, same model, with a deadline), memory for every buffer of the
  * job allocated up front within the budget, the layout reply, departures and failures. */
+#include "cluster.h"
 #include "daemon.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -110,6 +111,8 @@ static int model_from_msg(const Shard__Register *msg, struct sd_model *m, char *
 static void job_free_memory(struct sd_job *job)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
+    if (job->nodes > 1)
+        sd_job_net_teardown(job);
     if (job->arena != NULL)
         for (uint32_t i = 0; i < job->k * SD_STATE_COUNT; i++)
             dev->free(&job->arena[i]);
@@ -172,10 +175,26 @@ static void job_destroy(struct sd_job *job)
 }
 
 /* Every rank left: free the job's memory, keep its record and statistics for shardctl. */
+static void job_bury(struct sd_job *job);
+
 static void job_retire(struct sd_job *job)
 {
     struct sd_registry *reg = job->reg;
     job_unlink(job);
+    if (!sd_job_net_idle(job)) {
+        /* transfers still read or write its memory: free it once they are done */
+        sd_job_net_cancel(job);
+        job->retire_pending = true;
+        job->next = reg->zombies;
+        reg->zombies = job;
+        return;
+    }
+    job_bury(job);
+}
+
+static void job_bury(struct sd_job *job)
+{
+    struct sd_registry *reg = job->reg;
     job_free_memory(job);
     if (job->state != SD_JOB_FAILED)
         job->state = SD_JOB_FINISHED;
@@ -196,7 +215,7 @@ static void job_retire(struct sd_job *job)
 
 /* Bytes the job needs on this node, by buffer. */
 struct job_bytes {
-    uint64_t w, g, os, pool, staging, scratch, total;
+    uint64_t w, g, os, pool, staging, scratch, net, total;
 };
 
 static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct sd_config *cfg)
@@ -207,12 +226,14 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.g = l->arena_numel[SD_STATE_G] * sizeof(float) * job->k;
     b.os = l->arena_numel[SD_STATE_OS] * sizeof(float) *
            sd_optim_state_floats(job->model.optim.kind) * job->k;
+    /* default: every unit at once; without the hierarchy each local rank has its own copy */
     b.pool = job->max_live_bytes   ? job->max_live_bytes
              : cfg->max_live_bytes ? cfg->max_live_bytes
-                                   : l->total_bytes;
+                                   : l->total_bytes * job->slots_per_unit;
     b.staging = (uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) * job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
-    b.total = b.w + b.g + b.os + b.pool + b.staging + b.scratch;
+    b.net = sd_job_net_bytes(job, cfg);
+    b.total = b.w + b.g + b.os + b.pool + b.staging + b.scratch + b.net;
     return b;
 }
 
@@ -239,14 +260,15 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
     if (reg->used + need.total > budget) {
         snprintf(err, errlen,
                  "job '%s' needs %llu bytes (%s: w %llu, g %llu, os %llu, gather pool %llu, "
-                 "staging %llu, scratch %llu) but only %llu of the %llu-byte memory budget are "
-                 "free (%s); raise memory_budget or shard more (plan)",
+                 "staging %llu, scratch %llu, network %llu) but only %llu of the %llu-byte "
+                 "memory budget are free (%s); raise memory_budget or shard more (plan)",
                  job->name, (unsigned long long)need.total,
                  sd_fmt_bytes(b1, sizeof(b1), need.total), (unsigned long long)need.w,
                  (unsigned long long)need.g, (unsigned long long)need.os,
                  (unsigned long long)need.pool, (unsigned long long)need.staging,
-                 (unsigned long long)need.scratch, (unsigned long long)(budget - reg->used),
-                 (unsigned long long)budget, sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
+                 (unsigned long long)need.scratch, (unsigned long long)need.net,
+                 (unsigned long long)(budget - reg->used), (unsigned long long)budget,
+                 sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
         return SD_ENOSPC;
     }
 
@@ -255,9 +277,14 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
     job->arena = calloc((size_t)k * SD_STATE_COUNT, sizeof(*job->arena));
     job->staging = calloc(k, sizeof(*job->staging));
     job->scratch = malloc(need.scratch ? need.scratch : 1);
-    job->units = calloc(l->n_units, sizeof(*job->units));
-    job->g_members = SD_MIN(job->plan.f[SD_STATE_G], k);
-    job->g_groups = k / job->g_members;
+    job->units = calloc(job->n_slots, sizeof(*job->units));
+    if (job->node_rounds) { /* one round per unit over all local ranks, then the network */
+        job->g_members = k;
+        job->g_groups = 1;
+    } else {
+        job->g_members = SD_MIN(job->plan.f[SD_STATE_G], k);
+        job->g_groups = k / job->g_members;
+    }
     size_t n_rounds = (size_t)l->n_units * job->g_groups;
     job->rounds = calloc(n_rounds, sizeof(*job->rounds));
     job->round_entries = calloc(n_rounds * job->g_members, sizeof(*job->round_entries));
@@ -266,6 +293,11 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         status = SD_ENOMEM;
         goto err_free;
+    }
+    for (uint32_t i = 0; i < job->n_slots; i++) {
+        job->units[i].unit = i / job->slots_per_unit;
+        job->units[i].lslot = i % job->slots_per_unit;
+        job->units[i].job = job;
     }
     for (uint32_t i = 0; i < k * SD_STATE_COUNT; i++)
         job->arena[i].fd = -1;
@@ -295,9 +327,17 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
     status = sd_gpu_host_ops.alloc(need.pool, SD_MEM_SHARED, tag, &job->pool);
     if (status != SD_OK)
         goto err_alloc;
-    status = sd_slot_pool_init(&job->spool, need.pool, l->n_units + 1);
+    status = sd_slot_pool_init(&job->spool, need.pool, job->n_slots + 1);
     if (status != SD_OK)
         goto err_alloc;
+    if (job->nodes > 1) {
+        char nerr[256];
+        status = sd_job_net_setup(job, nerr, sizeof(nerr));
+        if (status != SD_OK) {
+            snprintf(err, errlen, "job '%s': %s", job->name, nerr);
+            goto err_free;
+        }
+    }
     job->staging_slots = (uint32_t)cfg->staging_slots;
     job->staging_slot_bytes = l->max_unit_numel * sizeof(float);
     job->bytes_total = need.total;
@@ -387,58 +427,110 @@ static void job_unlink_rank(struct sd_job *job, struct sd_session *s)
     s->job = NULL;
 }
 
-/* Every rank is here: allocate, answer all, start loading. */
+/* Registration is agreed (one node: at once; across nodes: confirmed by the coordinator):
+ * answer every local rank with the layout and start loading the initial values. */
+static void job_start_loading(struct sd_job *job)
+{
+    job->state = SD_JOB_LOADING;
+    job->stats.allocs_after_register = 0;
+    char b[32], c[32];
+    SD_INFO("job",
+            "job '%s' registered: %u ranks (%u on this node, %u nodes), plan %s, %u units, %s of "
+            "parameters, %s allocated",
+            job->name, job->world, job->k, job->nodes, job->plan.name, job->layout.n_units,
+            sd_fmt_bytes(b, sizeof(b), job->layout.total_bytes),
+            sd_fmt_bytes(c, sizeof(c), job->bytes_total));
+    for (uint32_t r = 0; r < job->k; r++) {
+        struct sd_session *s = job->ranks[r];
+        if (s != NULL && job_send_layout(job, s) != SD_OK) {
+            sd_job_fail(job, SD_ECONNRESET, "rank %u could not be sent its layout",
+                        job->first_rank + r);
+            return;
+        }
+    }
+    if (job->nodes > 1)
+        sd_job_net_loading(job);
+}
+
+/* Refuse the registration to every local rank and drop the job. */
+static void job_refuse(struct sd_job *job, int status, const char *msg)
+{
+    SD_WARN("job", "job '%s' refused: %s", job->name, msg);
+    for (uint32_t r = 0; r < job->k; r++) {
+        struct sd_session *s = job->ranks[r];
+        if (s == NULL)
+            continue;
+        sd_conn_send_error(s->conn, status, "register: %s", msg);
+        job_unlink_rank(job, s);
+    }
+    job_destroy(job);
+}
+
+/* Every local rank is here: allocate; one node starts at once, several ask the coordinator. */
 static void job_complete_registration(struct sd_job *job)
 {
     char err[768];
     int status = job_alloc(job, err, sizeof(err));
-    if (status != SD_OK) {
-        SD_WARN("job", "job '%s' refused: %s", job->name, err);
-        for (uint32_t r = 0; r < job->k; r++) {
-            struct sd_session *s = job->ranks[r];
-            if (s == NULL)
-                continue;
-            sd_conn_send_error(s->conn, status, "register: %s", err);
-            job_unlink_rank(job, s);
-        }
-        job_destroy(job);
+    if (job->nodes == 1) {
+        if (status != SD_OK)
+            job_refuse(job, status, err);
+        else
+            job_start_loading(job);
         return;
     }
-    job->state = SD_JOB_LOADING;
-    job->stats.allocs_after_register = 0;
-    char b[32];
-    SD_INFO("job",
-            "job '%s' registered: %u ranks (%u on this node), plan %s, %u units, %s of "
-            "parameters, %s allocated",
-            job->name, job->world, job->k, job->plan.name, job->layout.n_units,
-            sd_fmt_bytes(b, sizeof(b), job->layout.total_bytes),
-            sd_fmt_bytes((char[32]){0}, 32, job->bytes_total));
-    for (uint32_t r = 0; r < job->k; r++) {
-        struct sd_session *s = job->ranks[r];
-        if (s != NULL && job_send_layout(job, s) != SD_OK)
-            sd_job_fail(job, SD_ECONNRESET, "rank %u could not be sent its layout",
-                        job->first_rank + r);
-    }
+    /* the coordinator's decision comes back through sd_job_confirmed / sd_job_refused, possibly
+     * before this call returns (node 0 decides locally): touch nothing of job afterwards */
+    job->register_deadline_ns =
+        sd_now_ns() + 2 * (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL;
+    sd_cluster_report_job(job->reg->net->cl, job->name, job->digest, job->world, job->nodes, status,
+                          status == SD_OK ? "" : err);
+}
+
+void sd_job_confirmed(struct sd_registry *reg, const char *name, uint32_t tag)
+{
+    struct sd_job *job = sd_registry_find(reg, name);
+    if (job == NULL || job->state != SD_JOB_REGISTERING || job->n_registered != job->k)
+        return;
+    job->tag = tag;
+    job_start_loading(job);
+}
+
+void sd_job_refused(struct sd_registry *reg, const char *name, int status, const char *msg)
+{
+    struct sd_job *job = sd_registry_find(reg, name);
+    if (job != NULL && job->state == SD_JOB_REGISTERING)
+        job_refuse(job, status, msg);
 }
 
 static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register *msg,
                                  struct sd_model *model, uid_t uid, char *err, size_t errlen)
 {
     const struct sd_config *cfg = reg->cfg;
-    uint32_t nodes = (uint32_t)cfg->nodes;
-    if (msg->world == 0 || msg->world > SD_MAX_WORLD || msg->world % nodes != 0) {
-        snprintf(err, errlen, "world size %u must be in 1..%d and a multiple of the %u nodes",
-                 msg->world, SD_MAX_WORLD, nodes);
+    if (msg->world == 0 || msg->world > SD_MAX_WORLD) {
+        snprintf(err, errlen, "world size %u must be in 1..%d", msg->world, SD_MAX_WORLD);
         return NULL;
     }
-    uint32_t k = msg->world / nodes;
-    if (cfg->ranks_per_node != 0 && k != (uint32_t)cfg->ranks_per_node) {
+    /* a job spans nodes [0, world / k): one node takes all its ranks; a cluster has k fixed */
+    uint32_t k = cfg->nodes > 1 || cfg->ranks_per_node ? (uint32_t)cfg->ranks_per_node : msg->world;
+    uint32_t nodes = msg->world / k;
+    if (msg->world % k != 0 || nodes > (uint32_t)cfg->nodes) {
         snprintf(err, errlen,
-                 "world size %u over %u nodes gives %u ranks per node, but this daemon is "
-                 "configured for ranks_per_node %lld",
-                 msg->world, nodes, k, (long long)cfg->ranks_per_node);
+                 "world size %u is not a multiple of ranks_per_node %u within the %lld nodes of "
+                 "this cluster",
+                 msg->world, k, (long long)cfg->nodes);
         return NULL;
     }
+    if (nodes > 1 && !sd_cluster_ready(reg->net ? reg->net->cl : NULL)) {
+        snprintf(err, errlen,
+                 "the cluster has not formed yet (waiting for the other daemons); "
+                 "retry in a moment");
+        return NULL;
+    }
+    for (uint32_t n = 0; n < nodes; n++)
+        if (reg->net != NULL && !sd_cluster_alive(reg->net->cl, n)) {
+            snprintf(err, errlen, "node %u of the job's %u nodes is down", n, nodes);
+            return NULL;
+        }
     struct sd_job *job = calloc(1, sizeof(*job));
     if (job == NULL) {
         snprintf(err, errlen, "out of memory");
@@ -468,13 +560,13 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     int status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
     if (status == SD_OK)
         status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
-    if (status == SD_OK && job->plan.f[SD_STATE_G] > k) {
-        snprintf(err, errlen,
-                 "plan '%s': partition groups spanning nodes need the multi-node "
-                 "collective engine, which this build does not have yet",
-                 job->plan.name);
-        status = SD_ENOSYS;
-    }
+    job->nodes = nodes;
+    uint32_t fw = job->plan.f[SD_STATE_W];
+    job->group_nodes = fw > k ? fw / k : 1;
+    job->slots_per_unit = job->group_nodes > 1 && !job->plan.hierarchical ? k : 1;
+    job->node_rounds = nodes > 1 && (job->plan.f[SD_STATE_G] > k || !job->plan.two_hop);
+    if (status == SD_OK)
+        job->n_slots = job->layout.n_units * job->slots_per_unit;
     if (status == SD_OK) {
         job->w_off = calloc(job->layout.n_units, sizeof(*job->w_off));
         if (job->w_off == NULL)
@@ -608,6 +700,24 @@ add_rank:
         job_complete_registration(job);
 }
 
+static void job_fail_text(struct sd_job *job, int status, const char *text, bool tell_peers)
+{
+    if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
+        return;
+    SD_WARN("job", "job '%s' failed: %s", job->name, text);
+    bool registering = job->state == SD_JOB_REGISTERING;
+    job->state = SD_JOB_FAILED;
+    job->fail_status = status;
+    snprintf(job->fail_msg, sizeof(job->fail_msg), "%s", text);
+    job->step_phase = SD_STEP_IDLE;
+    if (job->nodes > 1 && !registering) {
+        sd_job_net_cancel(job);
+        if (tell_peers)
+            sd_cluster_abort_job(job->reg->net->cl, job->name, job->nodes, status, text);
+    }
+    sd_job_fail_parked(job, status, text, true);
+}
+
 void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
 {
     char text[256];
@@ -615,13 +725,67 @@ void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
-    if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
+    job_fail_text(job, status, text, true);
+}
+
+void sd_job_aborted(struct sd_registry *reg, const char *name, int status, const char *msg)
+{
+    struct sd_job *job = sd_registry_find(reg, name);
+    if (job == NULL)
         return;
-    SD_WARN("job", "job '%s' failed: %s", job->name, text);
-    job->state = SD_JOB_FAILED;
-    job->fail_status = status;
-    snprintf(job->fail_msg, sizeof(job->fail_msg), "%s", text);
-    sd_job_fail_parked(job, status, text);
+    if (job->state == SD_JOB_REGISTERING) {
+        job_refuse(job, status, msg);
+        return;
+    }
+    char text[256];
+    snprintf(text, sizeof(text), "on another node: %s", msg);
+    job_fail_text(job, status < 0 ? status : SD_EJOBFAILED, text, false);
+}
+
+void sd_registry_node_down(struct sd_registry *reg, uint32_t node, const char *reason)
+{
+    for (struct sd_job *job = reg->jobs, *next; job; job = next) {
+        next = job->next;
+        if (node >= job->nodes || job->nodes == 1)
+            continue;
+        if (job->n_left == job->k && job->retire_pending) {
+            /* waiting for the coordinator to end it; without the coordinator, end it here */
+            if (node == 0)
+                job_retire(job);
+            continue;
+        }
+        if (job->state == SD_JOB_REGISTERING) {
+            char text[256];
+            snprintf(text, sizeof(text), "node %u is down (%s) while the job registers", node,
+                     reason);
+            job_refuse(job, SD_EPEER, text);
+            continue;
+        }
+        char what[200];
+        sd_job_net_describe(job, what, sizeof(what));
+        sd_job_fail(job, SD_EPEER, "node %u is down (%s); %s", node, reason, what);
+    }
+}
+
+struct sd_job *sd_registry_find_tag(struct sd_registry *reg, uint32_t tag)
+{
+    struct sd_job *lists[2] = {reg->jobs, reg->zombies};
+    for (int i = 0; i < 2; i++)
+        for (struct sd_job *j = lists[i]; j; j = j->next)
+            if (j->nodes > 1 && j->tag == tag && j->tag != 0)
+                return j;
+    return NULL;
+}
+
+bool sd_registry_tag_in_use(struct sd_registry *reg, uint32_t tag)
+{
+    return sd_registry_find_tag(reg, tag) != NULL;
+}
+
+uint32_t sd_registry_job_nodes(struct sd_registry *reg, const char *name)
+{
+    struct sd_job *job = sd_registry_find(reg, name);
+    return job ? job->nodes : 0;
 }
 
 void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
@@ -648,12 +812,27 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
         snprintf(job->fail_msg, sizeof(job->fail_msg), "rank %u (pid %d) detached after step %llu",
                  s->rank, (int)s->conn->pid, (unsigned long long)job->steps);
         SD_INFO("job", "job '%s' closing: %s", job->name, job->fail_msg);
-        sd_job_fail_parked(job, SD_EJOBFAILED, job->fail_msg);
+        sd_job_fail_parked(job, SD_EJOBFAILED, job->fail_msg, false);
     } else {
         sd_job_fail(job, SD_EJOBFAILED, "rank %u (pid %d) %s after step %llu", s->rank,
                     (int)s->conn->pid, reason, (unsigned long long)job->steps);
     }
-    if (job->n_left == job->k)
+    if (job->n_left < job->k)
+        return;
+    /* across nodes the job ends when every node's ranks left: peers may still gather this
+     * node's shards (a rank saving the final weights) */
+    if (job->nodes > 1 && !job->retire_pending) {
+        job->retire_pending = true;
+        if (sd_cluster_job_left(job->reg->net->cl, job->name, job->nodes))
+            return; /* sd_job_ended retires it, maybe already did */
+    }
+    job_retire(job);
+}
+
+void sd_job_ended(struct sd_registry *reg, const char *name)
+{
+    struct sd_job *job = sd_registry_find(reg, name);
+    if (job != NULL && job->n_left == job->k)
         job_retire(job);
 }
 
@@ -669,6 +848,15 @@ static void list_missing(char *out, size_t len, const struct sd_job *job, const 
 
 void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
 {
+    for (struct sd_job **pp = &reg->zombies; *pp;) {
+        struct sd_job *z = *pp;
+        if (!sd_job_net_idle(z)) {
+            pp = &z->next;
+            continue;
+        }
+        *pp = z->next;
+        job_bury(z);
+    }
     uint64_t op_timeout = (uint64_t)reg->cfg->op_timeout_ms * 1000000ULL;
     char missing[128];
     bool present[1024];
@@ -695,6 +883,11 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
         }
         if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
             continue;
+        if (job->nodes > 1 && job->state == SD_JOB_READY) {
+            sd_job_net_sweep(job, now);
+            if (job->state == SD_JOB_FAILED)
+                continue;
+        }
         /* a step barrier that waits too long */
         if (job->step_arrived > 0 && now - job->step_first_ns > op_timeout) {
             for (uint32_t r = 0; r < job->k && r < 1024; r++)
@@ -745,6 +938,11 @@ void sd_registry_destroy_all(struct sd_registry *reg)
             if (job->ranks[r] != NULL)
                 job_unlink_rank(job, job->ranks[r]);
         job_destroy(job);
+    }
+    while (reg->zombies != NULL) {
+        struct sd_job *job = reg->zombies;
+        reg->zombies = job->next;
+        job_free(job);
     }
     while (reg->finished != NULL) {
         struct sd_job *job = reg->finished;

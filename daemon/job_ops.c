@@ -62,15 +62,16 @@ static bool check_ready(struct sd_job *job, struct sd_session *s, const struct s
     return true;
 }
 
-/* Gather unit u's w shards of the partition group of `rank` into the pool at off. */
-static void gather(struct sd_job *job, uint32_t u, uint32_t rank, uint64_t off)
+/* Gather unit u's w shards of the partition group of `rank` (inside this node) into the slot. */
+void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t rank)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
+    uint32_t u = us->unit;
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint32_t f = job->plan.f[SD_STATE_W];
     struct sd_group grp = sd_group_partition(f, rank);
     uint64_t shard_bytes = ul->numel / f * sd_dtype_size(ul->dtype);
-    uint8_t *dst = (uint8_t *)job->pool.ptr + off;
+    uint8_t *dst = (uint8_t *)job->pool.ptr + us->pool_off;
     for (uint32_t i = 0; i < grp.count; i++) {
         uint32_t local = sd_group_member(&grp, i) - job->first_rank;
         dev->copy(dst + i * shard_bytes,
@@ -80,17 +81,17 @@ static void gather(struct sd_job *job, uint32_t u, uint32_t rank, uint64_t off)
     job->stats.gathers++;
 }
 
-/* Find room for unit u in the pool, evicting cached units nobody holds (least recent first). */
-static int pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
+/* Find room in the pool, evicting cached slots nobody holds (least recently released first). */
+int sd_job_pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
 {
     for (;;) {
         if (sd_slot_pool_alloc(&job->spool, bytes, SD_CACHELINE, off_p) == SD_OK)
             return SD_OK;
         uint32_t victim = UINT32_MAX;
         uint64_t oldest = UINT64_MAX;
-        for (uint32_t v = 0; v < job->layout.n_units; v++) {
+        for (uint32_t v = 0; v < job->n_slots; v++) {
             struct sd_unit_state *us = &job->units[v];
-            if (us->resident && us->refs == 0 && us->lru_tick < oldest) {
+            if (us->resident && !us->inflight && us->refs == 0 && us->lru_tick < oldest) {
                 oldest = us->lru_tick;
                 victim = v;
             }
@@ -103,18 +104,55 @@ static int pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
     }
 }
 
-static void op_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+static inline struct sd_unit_state *slot_of(struct sd_job *job, uint32_t unit, uint32_t local)
+{
+    return &job->units[(size_t)unit * job->slots_per_unit + (job->slots_per_unit > 1 ? local : 0)];
+}
+
+/* A gather finished (or failed): answer every rank waiting for it. */
+void sd_job_complete_fetch(struct sd_job *job, struct sd_unit_state *us)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[us->unit];
+    uint64_t now = sd_now_ns();
+    for (uint32_t r = 0; r < job->k && us->waiters; r++) {
+        if (!(us->waiters & (1ULL << r)))
+            continue;
+        us->waiters &= ~(1ULL << r);
+        struct sd_session *s = job->ranks[r];
+        uint64_t tag = job->wait_tags[(size_t)(us - job->units) * job->k + r];
+        if (s == NULL)
+            continue;
+        if (us->status != SD_OK) {
+            char msg[OP_MSG_LEN];
+            snprintf(msg, sizeof(msg), "fetch unit %u: job '%.40s' %s: %.100s", us->unit, job->name,
+                     sd_job_state_name(job->state), job->fail_msg);
+            job->stats.errors++;
+            sd_session_complete(s, tag, SD_OP_FETCH,
+                                job->fail_status ? job->fail_status : us->status, 0, 0, msg);
+            continue;
+        }
+        us->refs++;
+        s->holds[us->unit]++;
+        job->stats.ops[SD_OP_FETCH]++;
+        sd_latency_add(&job->stats.lat[SD_OP_FETCH], now - us->start_ns);
+        sd_session_complete(s, tag, SD_OP_FETCH, SD_OK, us->pool_off, sd_unit_bytes(ul), NULL);
+    }
+}
+
+static bool op_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                      uint64_t start)
 {
-    struct sd_unit_state *us = &job->units[e->unit];
+    struct sd_unit_state *us = slot_of(job, e->unit, s->local);
     const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    if (job->group_nodes > 1)
+        return sd_job_net_fetch(job, s, e, us);
     if (us->resident && us->gen != job->weights_gen && us->refs == 0) {
         sd_slot_pool_free(&job->spool, us->pool_off);
         us->resident = false;
     }
     if (!us->resident) {
         uint64_t off;
-        if (pool_reserve(job, sd_unit_bytes(ul), &off) != SD_OK) {
+        if (sd_job_pool_reserve(job, sd_unit_bytes(ul), &off) != SD_OK) {
             char b1[32], b2[32], b3[32];
             sd_session_fail(s, e, SD_ENOSPC,
                             "fetch unit %u needs %s; the gather pool (%s) has %s held by "
@@ -122,10 +160,10 @@ static void op_fetch(struct sd_job *job, struct sd_session *s, const struct sd_s
                             e->unit, sd_fmt_bytes(b1, sizeof(b1), sd_unit_bytes(ul)),
                             sd_fmt_bytes(b2, sizeof(b2), job->spool.capacity),
                             sd_fmt_bytes(b3, sizeof(b3), sd_slot_pool_used_bytes(&job->spool)));
-            return;
+            return true;
         }
-        gather(job, e->unit, s->rank, off);
         us->pool_off = off;
+        sd_job_local_gather(job, us, s->rank);
         us->resident = true;
         us->gen = job->weights_gen;
     } else {
@@ -134,12 +172,13 @@ static void op_fetch(struct sd_job *job, struct sd_session *s, const struct sd_s
     us->refs++;
     s->holds[e->unit]++;
     complete_ok(job, s, e, us->pool_off, sd_unit_bytes(ul), start);
+    return true;
 }
 
 static void op_release(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                        uint64_t start)
 {
-    struct sd_unit_state *us = &job->units[e->unit];
+    struct sd_unit_state *us = slot_of(job, e->unit, s->local);
     if (s->holds[e->unit] == 0) {
         sd_session_fail(s, e, SD_ENOTHELD,
                         "release of unit %u which rank %u does not hold (released twice, or "
@@ -159,25 +198,26 @@ void sd_job_release_holds(struct sd_job *job, struct sd_session *s)
     if (s->holds == NULL || job->units == NULL)
         return;
     for (uint32_t u = 0; u < job->layout.n_units; u++) {
-        job->units[u].refs -= s->holds[u];
-        if (s->holds[u] && job->units[u].refs == 0)
-            job->units[u].lru_tick = ++job->tick;
+        struct sd_unit_state *us = slot_of(job, u, s->local);
+        us->refs -= s->holds[u];
+        if (s->holds[u] && us->refs == 0)
+            us->lru_tick = ++job->tick;
         s->holds[u] = 0;
+        us->waiters &= ~(1ULL << s->local);
     }
 }
 
-/* All members of a g-partition group pushed unit u: reduce-scatter into their g shards. */
+/* All members of a g-partition group (inside this node) pushed unit u: reduce-scatter into
+ * their g shards. */
 static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[u];
     size_t ri = (size_t)u * job->g_groups + g;
-    struct sd_push_round *rd = &job->rounds[ri];
     struct sd_push_entry *ent = &job->round_entries[ri * job->g_members];
     uint32_t f = job->g_members;
     uint64_t len = ul->numel / f;
     size_t esz = sd_dtype_size(ul->dtype);
-    uint64_t now = sd_now_ns();
 
     for (uint32_t i = 0; i < f; i++) {
         uint32_t holder = g * f + i; /* local index of the rank holding shard i */
@@ -192,8 +232,20 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
         dev->reduce_add(dst, job->scratch, SD_DTYPE_FP32, len);
     }
     job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)f * sd_unit_bytes(ul);
-    for (uint32_t m = 0; m < f; m++) {
+    sd_job_finish_round(job, u, g);
+}
+
+/* Complete the pushes of a finished round and free its entries. */
+void sd_job_finish_round(struct sd_job *job, uint32_t u, uint32_t g)
+{
+    size_t ri = (size_t)u * job->g_groups + g;
+    struct sd_push_round *rd = &job->rounds[ri];
+    struct sd_push_entry *ent = &job->round_entries[ri * job->g_members];
+    uint64_t now = sd_now_ns();
+    for (uint32_t m = 0; m < job->g_members; m++) {
         struct sd_session *s = ent[m].s;
+        if (s == NULL)
+            continue;
         s->staging_busy &= ~(1ULL << ent[m].slot);
         job->stats.ops[SD_OP_PUSH]++;
         sd_latency_add(&job->stats.lat[SD_OP_PUSH], now - ent[m].arrive_ns);
@@ -242,8 +294,12 @@ static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sq
         (struct sd_push_entry){.s = s, .tag = e->tag, .arrive_ns = now, .slot = (uint32_t)e->arg0};
     if (rd->arrived++ == 0)
         rd->first_ns = now;
-    if (rd->arrived == job->g_members)
-        reduce_round(job, e->unit, g);
+    if (rd->arrived == job->g_members) {
+        if (job->node_rounds)
+            sd_job_net_round_ready(job, e->unit);
+        else
+            reduce_round(job, e->unit, g);
+    }
     return true;
 }
 
@@ -273,51 +329,24 @@ static bool partial_round(struct sd_job *job, char *msg, size_t len)
 /* Re-gather units that are held across the step so their holders see the new weights. */
 static void refresh_held(struct sd_job *job)
 {
-    for (uint32_t u = 0; u < job->layout.n_units; u++) {
-        struct sd_unit_state *us = &job->units[u];
+    for (uint32_t i = 0; i < job->n_slots; i++) {
+        struct sd_unit_state *us = &job->units[i];
         if (!us->resident || us->refs == 0)
             continue;
-        gather(job, u, job->first_rank, us->pool_off);
+        sd_job_local_gather(job, us, job->first_rank + us->lslot);
         us->gen = job->weights_gen;
     }
 }
 
-static void do_step(struct sd_job *job)
+/* The optimizer part of a step on this node, once the gradients are synchronized and the
+ * global sum of squares is known. */
+void sd_job_step_apply(struct sd_job *job, double sumsq)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_layout *l = &job->layout;
     const struct sd_optim *o = &job->model.optim;
     uint32_t f = job->plan.f[SD_STATE_G];
-    uint32_t replicas = job->k / f;
     uint64_t t = job->steps + 1;
-    char msg[OP_MSG_LEN];
-
-    if (partial_round(job, msg, sizeof(msg))) {
-        sd_job_fail(job, SD_EMISMATCH, "%s", msg);
-        return;
-    }
-    /* all-reduce across each replication group (the 2-hop sync), and the global norm */
-    double sumsq = 0.0;
-    for (uint32_t u = 0; u < l->n_units; u++) {
-        const struct sd_unit_layout *ul = &l->units[u];
-        uint64_t len = ul->numel / f;
-        for (uint32_t i = 0; i < f; i++) {
-            float *acc = (float *)arena(job, i, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
-            for (uint32_t j = 1; j < replicas; j++)
-                dev->reduce_add(acc,
-                                (float *)arena(job, j * f + i, SD_STATE_G)->ptr +
-                                    ul->arena_off[SD_STATE_G],
-                                SD_DTYPE_FP32, len);
-            sumsq += dev->sum_sq(acc, len);
-            for (uint32_t j = 1; j < replicas; j++)
-                dev->copy((float *)arena(job, j * f + i, SD_STATE_G)->ptr +
-                              ul->arena_off[SD_STATE_G],
-                          acc, len * sizeof(float));
-        }
-        if (replicas > 1)
-            job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] +=
-                2ULL * (replicas - 1) * ul->numel * sizeof(float);
-    }
     double norm = sqrt(sumsq) / (double)job->world;
     float scale = 1.0f / (float)job->world;
     if (o->max_grad_norm > 0.0f && norm > (double)o->max_grad_norm)
@@ -353,19 +382,68 @@ static void do_step(struct sd_job *job)
     job->steps = t;
     job->weights_gen++;
     job->last_grad_norm = norm;
-    refresh_held(job);
+    if (job->group_nodes == 1)
+        refresh_held(job);
+}
 
+/* Answer every rank waiting in step. */
+void sd_job_step_done(struct sd_job *job)
+{
     uint64_t bits, now = sd_now_ns();
+    double norm = job->last_grad_norm;
     memcpy(&bits, &norm, sizeof(bits));
     for (uint32_t r = 0; r < job->k; r++) {
         if (!job->step_waiting[r] || job->ranks[r] == NULL)
             continue;
         job->stats.ops[SD_OP_STEP]++;
         sd_latency_add(&job->stats.lat[SD_OP_STEP], now - job->step_arrive_ns[r]);
-        sd_session_complete(job->ranks[r], job->step_tags[r], SD_OP_STEP, SD_OK, bits, t, NULL);
+        sd_session_complete(job->ranks[r], job->step_tags[r], SD_OP_STEP, SD_OK, bits, job->steps,
+                            NULL);
         job->step_waiting[r] = false;
     }
     job->step_arrived = 0;
+}
+
+static void do_step(struct sd_job *job)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_layout *l = &job->layout;
+    uint32_t f = job->plan.f[SD_STATE_G];
+    uint32_t replicas = job->k / f;
+    char msg[OP_MSG_LEN];
+
+    if (partial_round(job, msg, sizeof(msg))) {
+        sd_job_fail(job, SD_EMISMATCH, "%s", msg);
+        return;
+    }
+    if (job->nodes > 1) {
+        sd_job_net_step(job);
+        return;
+    }
+    /* one node: all-reduce across each replication group (the 2-hop sync), and the norm */
+    double sumsq = 0.0;
+    for (uint32_t u = 0; u < l->n_units; u++) {
+        const struct sd_unit_layout *ul = &l->units[u];
+        uint64_t len = ul->numel / f;
+        for (uint32_t i = 0; i < f; i++) {
+            float *acc = (float *)arena(job, i, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+            for (uint32_t j = 1; j < replicas; j++)
+                dev->reduce_add(acc,
+                                (float *)arena(job, j * f + i, SD_STATE_G)->ptr +
+                                    ul->arena_off[SD_STATE_G],
+                                SD_DTYPE_FP32, len);
+            sumsq += dev->sum_sq(acc, len);
+            for (uint32_t j = 1; j < replicas; j++)
+                dev->copy((float *)arena(job, j * f + i, SD_STATE_G)->ptr +
+                              ul->arena_off[SD_STATE_G],
+                          acc, len * sizeof(float));
+        }
+        if (replicas > 1)
+            job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] +=
+                2ULL * (replicas - 1) * ul->numel * sizeof(float);
+    }
+    sd_job_step_apply(job, sumsq);
+    sd_job_step_done(job);
 }
 
 static void op_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
@@ -383,6 +461,23 @@ static void op_step(struct sd_job *job, struct sd_session *s, const struct sd_sq
         job->step_first_ns = now;
     if (job->step_arrived == job->k)
         do_step(job);
+}
+
+/* Initial fp32 values of a whole unit into this node's shards (master and w). */
+void sd_job_load_unit(struct sd_job *job, uint32_t unit, const float *src)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_unit_layout *ul = &job->layout.units[unit];
+    uint32_t f = job->plan.f[SD_STATE_OS];
+    uint64_t len = ul->numel / f;
+    for (uint32_t r = 0; r < job->k; r++) {
+        uint64_t b, end;
+        sd_layout_shard(ul, f, job->first_rank + r, &b, &end);
+        float *master = (float *)arena(job, r, SD_STATE_OS)->ptr + ul->arena_off[SD_STATE_OS];
+        dev->copy(master, src + b, len * sizeof(float));
+        dev->from_f32((uint8_t *)arena(job, r, SD_STATE_W)->ptr + job->w_off[unit], ul->dtype,
+                      src + b, len);
+    }
 }
 
 static void op_init(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
@@ -408,15 +503,33 @@ static void op_init(struct sd_job *job, struct sd_session *s, const struct sd_sq
     const float *src = (const float *)(void *)staging_slot(job, s->local, (uint32_t)e->arg0);
     uint32_t f = job->plan.f[SD_STATE_OS];
     uint64_t len = ul->numel / f;
-    for (uint32_t r = 0; r < job->k; r++) {
-        uint64_t b, end;
-        sd_layout_shard(ul, f, job->first_rank + r, &b, &end);
-        float *master = (float *)arena(job, r, SD_STATE_OS)->ptr + ul->arena_off[SD_STATE_OS];
-        dev->copy(master, src + b, len * sizeof(float));
-        dev->from_f32((uint8_t *)arena(job, r, SD_STATE_W)->ptr + job->w_off[e->unit], ul->dtype,
-                      src + b, len);
+    sd_job_load_unit(job, e->unit, src);
+    (void)f;
+    (void)len;
+    (void)dev;
+    if (job->nodes > 1) {
+        job->stats.ops[SD_OP_INIT]++;
+        sd_latency_add(&job->stats.lat[SD_OP_INIT], sd_now_ns() - start);
+        sd_job_net_init_sent(job, s, e, src); /* completes once the other nodes have it */
+        return;
     }
     complete_ok(job, s, e, 0, 0, start);
+}
+
+/* The job is ready on this node: answer every rank waiting in the ready barrier. */
+void sd_job_set_ready(struct sd_job *job)
+{
+    if (job->state != SD_JOB_LOADING)
+        return;
+    job->state = SD_JOB_READY;
+    SD_INFO("job", "job '%s' ready", job->name);
+    for (uint32_t r = 0; r < job->k; r++) {
+        if (!job->ready_waiting[r] || job->ranks[r] == NULL)
+            continue;
+        job->ready_waiting[r] = false;
+        job->stats.ops[SD_OP_READY]++;
+        sd_session_complete(job->ranks[r], job->ready_tags[r], SD_OP_READY, SD_OK, 0, 0, NULL);
+    }
 }
 
 static void op_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
@@ -430,15 +543,9 @@ static void op_ready(struct sd_job *job, struct sd_session *s, const struct sd_s
     job->ready_tags[s->local] = e->tag;
     if (s->rank != 0)
         return;
-    job->state = SD_JOB_READY;
-    SD_INFO("job", "job '%s' ready", job->name);
-    for (uint32_t r = 0; r < job->k; r++) {
-        if (!job->ready_waiting[r] || job->ranks[r] == NULL)
-            continue;
-        job->ready_waiting[r] = false;
-        job->stats.ops[SD_OP_READY]++;
-        sd_session_complete(job->ranks[r], job->ready_tags[r], SD_OP_READY, SD_OK, 0, 0, NULL);
-    }
+    if (job->nodes > 1)
+        sd_job_net_ready(job); /* tells the other nodes */
+    sd_job_set_ready(job);
 }
 
 bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
@@ -447,7 +554,7 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
     switch (e->op) {
     case SD_OP_FETCH:
         if (check_ready(job, s, e, true))
-            op_fetch(job, s, e, start);
+            return op_fetch(job, s, e, start);
         return true;
     case SD_OP_RELEASE:
         if (check_ready(job, s, e, true))
@@ -479,7 +586,7 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
     }
 }
 
-void sd_job_fail_parked(struct sd_job *job, int status, const char *msg)
+void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches)
 {
     char text[OP_MSG_LEN];
     snprintf(text, sizeof(text), "job '%s' failed: %s", job->name, msg);
@@ -496,6 +603,17 @@ void sd_job_fail_parked(struct sd_job *job, int status, const char *msg)
             }
             job->rounds[ri].arrived = 0;
         }
+    }
+    for (uint32_t i = 0; with_fetches && job->units != NULL && i < job->n_slots; i++) {
+        struct sd_unit_state *us = &job->units[i];
+        if (us->waiters == 0)
+            continue;
+        us->status = status;
+        sd_job_complete_fetch(job, us);
+    }
+    if (job->init_waiter != NULL) {
+        sd_session_complete(job->init_waiter, job->init_tag, SD_OP_INIT, status, 0, 0, text);
+        job->init_waiter = NULL;
     }
     for (uint32_t r = 0; r < job->k; r++) {
         struct sd_session *s = job->ranks[r];

@@ -1,5 +1,7 @@
 /* shardd: the per-node daemon. */
+#include "cluster.h"
 #include "daemon.h"
+#include "transport.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -94,18 +96,47 @@ static void notify_ready(void)
 
 struct app {
     struct sd_server srv;
+    struct sd_registry *reg;
+    struct sd_transport *tp;
+    struct sd_cluster *cl;
     uv_signal_t sigterm, sigint;
+    uv_check_t fatal_check;
 };
 
-static void on_signal(uv_signal_t *h, int signum)
+/* Shut down in an order that keeps memory alive while the fabric may write into it: control
+ * links, the standing receives, the endpoint, then jobs and their memory. */
+static void app_stop(struct app *app)
 {
-    struct app *app = h->data;
-    SD_INFO("main", "signal %d: shutting down", signum);
+    if (app->cl != NULL)
+        sd_cluster_stop(app->cl);
+    if (app->tp != NULL) {
+        sd_net_stop(app->reg);
+        sd_server_detach_transport(&app->srv);
+        app->tp->ops->close(app->tp);
+        app->tp = NULL;
+    }
     sd_server_stop(&app->srv);
     uv_signal_stop(&app->sigterm);
     uv_signal_stop(&app->sigint);
     uv_close((uv_handle_t *)&app->sigterm, NULL);
     uv_close((uv_handle_t *)&app->sigint, NULL);
+    uv_check_stop(&app->fatal_check);
+    uv_close((uv_handle_t *)&app->fatal_check, NULL);
+}
+
+/* The cluster could not form (refused, rendezvous deadline): stop with an error. */
+static void fatal_check_cb(uv_check_t *h)
+{
+    struct app *app = h->data;
+    if (sd_cluster_fatal(app->cl) && !app->srv.stopping)
+        app_stop(app);
+}
+
+static void on_signal(uv_signal_t *h, int signum)
+{
+    struct app *app = h->data;
+    SD_INFO("main", "signal %d: shutting down", signum);
+    app_stop(app);
 }
 
 static int parse_args(int argc, char **argv, struct sd_config *cfg)
@@ -157,10 +188,10 @@ static int parse_args(int argc, char **argv, struct sd_config *cfg)
             return 2;
         }
     }
-    if (cfg->nodes > 1) {
+    if (cfg->nodes > 1 && cfg->ranks_per_node == 0) {
         fprintf(stderr,
-                "shardd: nodes = %lld: this build serves one node; the multi-node transport "
-                "(libfabric) is not built yet\n",
+                "shardd: a cluster of %lld nodes needs ranks_per_node (the ranks of "
+                "each node)\n",
                 (long long)cfg->nodes);
         return 2;
     }
@@ -211,11 +242,39 @@ int main(int argc, char **argv)
     app.sigterm.data = app.sigint.data = &app;
     uv_signal_start(&app.sigterm, on_signal, SIGTERM);
     uv_signal_start(&app.sigint, on_signal, SIGINT);
+    app.reg = &reg;
+    uv_check_init(&loop, &app.fatal_check);
+    app.fatal_check.data = &app;
+    uv_check_start(&app.fatal_check, fatal_check_cb);
+    if (cfg.nodes > 1) {
+        char err[512] = "";
+        status = sd_transport_ofi_open(&cfg, &app.tp, err, sizeof(err));
+        if (status == SD_OK)
+            status = sd_net_start(&reg, app.tp, NULL);
+        if (status == SD_OK)
+            status = sd_cluster_start(&app.cl, &loop, &cfg, app.tp, &reg);
+        if (status != SD_OK) {
+            fprintf(stderr, "shardd: cannot join the cluster: %s\n",
+                    err[0] ? err : sd_status_str(status));
+            app_stop(&app);
+            uv_run(&loop, UV_RUN_DEFAULT);
+            sd_cluster_free(app.cl);
+            uv_loop_close(&loop);
+            return 1;
+        }
+        reg.net->cl = app.cl;
+        sd_server_attach_transport(&app.srv, app.tp);
+    }
     SD_INFO("main", "shardd %s node %lld/%lld, backend %s, pid %d", SHARD_VERSION,
             (long long)cfg.node, (long long)cfg.nodes, cfg.backend, (int)getpid());
     notify_ready();
 
     uv_run(&loop, UV_RUN_DEFAULT);
+    bool fatal = sd_cluster_fatal(app.cl);
+    if (!app.srv.stopping) /* uv_stop from the cluster */
+        app_stop(&app);
+    uv_run(&loop, UV_RUN_DEFAULT);
+    sd_cluster_free(app.cl);
     int rc = uv_loop_close(&loop) == 0 ? 0 : 3;
     if (rc != 0)
         SD_ERROR("main", "event loop still had open handles at exit");
@@ -225,6 +284,10 @@ int main(int argc, char **argv)
         SD_ERROR("main", "%u jobs / %llu bytes still accounted at exit", reg.n_jobs,
                  (unsigned long long)reg.used);
         rc = 5;
+    }
+    if (fatal) {
+        SD_ERROR("main", "could not join the cluster");
+        return 1;
     }
     if (rc == 0)
         SD_INFO("main", "clean shutdown");

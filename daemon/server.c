@@ -272,6 +272,8 @@ static void accept_cb(uv_poll_t *h, int status, int events)
 static bool progress_once(struct sd_server *srv)
 {
     bool any = false;
+    if (srv->tp != NULL)
+        any |= srv->tp->ops->progress(srv->tp) > 0;
     for (struct sd_session *s = srv->sessions; s; s = s->next)
         any |= sd_session_progress(s);
     return any;
@@ -303,6 +305,8 @@ static void idle_cb(uv_idle_t *h)
     }
     if (now - srv->last_activity_ns < (uint64_t)srv->cfg->poll_spin_us * 1000)
         return;
+    if (srv->tp != NULL && !srv->tp->ops->can_sleep(srv->tp))
+        return; /* the fabric has work only progress calls drive */
     /* go to sleep: announce it, then look once more (pairs with the client's fence) */
     set_sleeping(srv, 1);
     atomic_thread_fence(memory_order_seq_cst);
@@ -329,6 +333,35 @@ void sd_server_kick(struct sd_server *srv)
         srv->spinning = true;
         uv_idle_start(&srv->idle, idle_cb);
     }
+}
+
+static void tp_wake_cb(uv_poll_t *h, int status, int events)
+{
+    (void)status;
+    (void)events;
+    sd_server_kick(h->data);
+}
+
+void sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp)
+{
+    srv->tp = tp;
+    int fd = tp->ops->wait_fd(tp);
+    if (fd >= 0 && uv_poll_init(srv->loop, &srv->tpoll, fd) == 0) {
+        srv->tpoll.data = srv;
+        uv_poll_start(&srv->tpoll, UV_READABLE, tp_wake_cb);
+        srv->tpolling = true;
+    }
+    sd_server_kick(srv);
+}
+
+void sd_server_detach_transport(struct sd_server *srv)
+{
+    if (srv->tpolling) {
+        uv_poll_stop(&srv->tpoll);
+        uv_close((uv_handle_t *)&srv->tpoll, NULL);
+        srv->tpolling = false;
+    }
+    srv->tp = NULL;
 }
 
 static void sweep_cb(uv_timer_t *h)

@@ -22,7 +22,7 @@ struct sd_xfer {
     sd_xfer_cb cb;
     void *arg;
     uint64_t tag;
-    size_t len;         /* bytes actually received, for receives */
+    size_t len; /* bytes actually received, for receives */
     uint32_t peer;
     /* private to the transport: the pending queue of -FI_EAGAIN retries */
     struct sd_xfer *next_pending;
@@ -50,6 +50,8 @@ struct sd_transport_ops {
     /* peer SD_PEER_ANY: any source; bits set in ignore are wildcards of the tag */
     int (*recv)(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64_t ignore, void *buf,
                 size_t len, void *desc, struct sd_xfer *x);
+    /* Cancel a posted receive (it completes with SD_ECANCELED); a no-op when not posted. */
+    void (*cancel)(struct sd_transport *tp, struct sd_xfer *x);
     /* Drive progress and run callbacks; returns how many completed, or a negative status. */
     int (*progress)(struct sd_transport *tp);
     /* An fd that becomes readable when progress may have work, or -1. */

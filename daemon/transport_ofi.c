@@ -119,8 +119,7 @@ static int post(struct ofi *o, struct sd_xfer *x)
         if (o->rx_posted >= o->rx_depth)
             return SD_EAGAIN;
         fi_addr_t src = x->peer == SD_PEER_ANY ? FI_ADDR_UNSPEC : o->peers[x->peer];
-        r = fi_trecv(o->ep, (void *)x->buf, x->buflen, x->desc, src, x->tag, x->ignore,
-                     x->opaque);
+        r = fi_trecv(o->ep, (void *)x->buf, x->buflen, x->desc, src, x->tag, x->ignore, x->opaque);
         if (r == 0)
             o->rx_posted++;
     }
@@ -128,8 +127,9 @@ static int post(struct ofi *o, struct sd_xfer *x)
         return SD_OK;
     if (r == -FI_EAGAIN)
         return SD_EAGAIN;
-    SD_ERROR("ofi", "%s of %zu bytes to node %d: %s", x->kind == XFER_SEND ? "fi_tsend" : "fi_trecv",
-             x->buflen, x->peer == SD_PEER_ANY ? -1 : (int)x->peer, fi_strerror((int)-r));
+    SD_ERROR("ofi", "%s of %zu bytes to node %d: %s",
+             x->kind == XFER_SEND ? "fi_tsend" : "fi_trecv", x->buflen,
+             x->peer == SD_PEER_ANY ? -1 : (int)x->peer, fi_strerror((int)-r));
     return to_status(r);
 }
 
@@ -181,6 +181,26 @@ static int ofi_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64
     return submit(o, x);
 }
 
+static void ofi_cancel(struct sd_transport *tp, struct sd_xfer *x)
+{
+    struct ofi *o = (struct ofi *)tp;
+    if (x->kind != XFER_RECV)
+        return;
+    /* still in the pending queue: take it out and complete it here */
+    for (struct sd_xfer **pp = &o->pending_head, *prev = NULL; *pp;
+         prev = *pp, pp = &(*pp)->next_pending)
+        if (*pp == x) {
+            *pp = x->next_pending;
+            if (o->pending_tail == x)
+                o->pending_tail = prev;
+            o->base.inflight--;
+            x->kind = 0;
+            x->cb(x, SD_ECANCELED);
+            return;
+        }
+    fi_cancel(&o->ep->fid, x->opaque);
+}
+
 static void complete(struct ofi *o, struct sd_xfer *x, int status, size_t len, uint64_t tag)
 {
     if (x->kind == XFER_SEND)
@@ -192,6 +212,7 @@ static void complete(struct ofi *o, struct sd_xfer *x, int status, size_t len, u
         x->len = len;
         x->tag = tag;
     }
+    x->kind = 0; /* no longer posted: cancel ignores it */
     x->cb(x, status);
 }
 
@@ -280,6 +301,7 @@ static const struct sd_transport_ops ofi_ops = {
     .mr_dereg = ofi_mr_dereg,
     .send = ofi_send,
     .recv = ofi_recv,
+    .cancel = ofi_cancel,
     .progress = ofi_progress,
     .wait_fd = ofi_wait_fd,
     .can_sleep = ofi_can_sleep,
@@ -311,7 +333,8 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     r = fi_getinfo(FI_VERSION(1, 17), node, NULL, node ? FI_SOURCE : 0, hints, &o->info);
     fi_freeinfo(hints);
     if (r != 0) {
-        snprintf(err, errlen, "no libfabric provider '%s' with FI_EP_RDM and tagged messages on %s: %s",
+        snprintf(err, errlen,
+                 "no libfabric provider '%s' with FI_EP_RDM and tagged messages on %s: %s",
                  cfg->provider, node ? node : "any interface", fi_strerror(-r));
         free(o);
         return SD_ENOSYS;
@@ -326,12 +349,12 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     o->tx_depth = o->info->tx_attr->size ? o->info->tx_attr->size : 256;
     o->rx_depth = o->info->rx_attr->size ? o->info->rx_attr->size : 256;
     o->need_mr = (o->info->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
-    struct fi_cq_attr cqa = {.format = FI_CQ_FORMAT_TAGGED,
-                             .wait_obj = FI_WAIT_FD,
-                             .size = SD_MIN(o->tx_depth + o->rx_depth,
-                                            o->info->domain_attr->cq_cnt
-                                                ? SD_MAX(o->info->domain_attr->cq_cnt, 64)
-                                                : 4096)};
+    struct fi_cq_attr cqa = {
+        .format = FI_CQ_FORMAT_TAGGED,
+        .wait_obj = FI_WAIT_FD,
+        .size =
+            SD_MIN(o->tx_depth + o->rx_depth,
+                   o->info->domain_attr->cq_cnt ? SD_MAX(o->info->domain_attr->cq_cnt, 64) : 4096)};
     step = "fi_cq_open";
     if ((r = fi_cq_open(o->domain, &cqa, &o->cq, NULL)) != 0) {
         cqa.wait_obj = FI_WAIT_NONE; /* providers without wait objects: poll from the loop */
@@ -354,11 +377,12 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     step = "fi_enable";
     if ((r = fi_enable(o->ep)) != 0)
         goto err_close;
-    SD_INFO("ofi", "provider %s, fabric %s, domain %s: tx depth %zu, rx depth %zu, mr %s, "
-                   "max message %zu",
-            o->info->fabric_attr->prov_name, o->info->fabric_attr->name,
-            o->info->domain_attr->name, o->tx_depth, o->rx_depth,
-            o->need_mr ? "registered" : "not needed", o->info->ep_attr->max_msg_size);
+    SD_INFO("ofi",
+            "provider %s, fabric %s, domain %s: tx depth %zu, rx depth %zu, mr %s, "
+            "max message %zu",
+            o->info->fabric_attr->prov_name, o->info->fabric_attr->name, o->info->domain_attr->name,
+            o->tx_depth, o->rx_depth, o->need_mr ? "registered" : "not needed",
+            o->info->ep_attr->max_msg_size);
     *tp_p = &o->base;
     return SD_OK;
 

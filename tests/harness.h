@@ -27,6 +27,16 @@ extern int th_passed, th_failed;
         }                                                                                          \
     } while (0)
 
+#define TH_MAX_NODES 8
+struct th_cluster {
+    int nodes, k, port;
+    struct th_daemon d[TH_MAX_NODES];
+};
+/* Start `nodes` daemons on loopback (k ranks each) with extra arguments for every one. */
+int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *extra);
+/* Stop every daemon still running; returns the number that did not exit cleanly. */
+int th_cluster_stop(struct th_cluster *c);
+
 /* Start shardd with extra "--key", "value" arguments (NULL-terminated list, may be NULL). */
 int th_daemon_start(struct th_daemon *d, const char *const *extra);
 /* SIGTERM and wait; returns the exit code (0: clean shutdown, no leaks), or -1 on timeout. */

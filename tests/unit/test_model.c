@@ -16,14 +16,24 @@ static void test_plans(void)
         int status;
         uint32_t f;
     } cases[] = {
-        {"ddp", &one, SD_OK, 1},        {"zero3", &one, SD_OK, 4},
-        {"mics:2", &one, SD_OK, 2},     {"mics:4", &one, SD_OK, 4},
-        {"mics:1", &one, SD_OK, 1},     {"mics:3", &one, SD_EINVAL, 0},
-        {"mics:8", &one, SD_EINVAL, 0}, {"mics:0", &one, SD_EINVAL, 0},
-        {"mics:", &one, SD_EINVAL, 0},  {"mics:2x", &one, SD_EINVAL, 0},
-        {"zero", &one, SD_EINVAL, 0},   {"zero3", &two, SD_OK, 4},
-        {"mics:4", &two, SD_OK, 4},     {"mics:2", &two, SD_OK, 2},
+        {"ddp", &one, SD_OK, 1},
+        {"zero3", &one, SD_OK, 4},
+        {"mics:2", &one, SD_OK, 2},
+        {"mics:4", &one, SD_OK, 4},
+        {"mics:1", &one, SD_OK, 1},
+        {"mics:3", &one, SD_EINVAL, 0},
+        {"mics:8", &one, SD_EINVAL, 0},
+        {"mics:0", &one, SD_EINVAL, 0},
+        {"mics:", &one, SD_EINVAL, 0},
+        {"mics:2x", &one, SD_EINVAL, 0},
+        {"zero", &one, SD_EINVAL, 0},
+        {"zero3", &two, SD_OK, 4},
+        {"mics:4", &two, SD_OK, 4},
+        {"mics:2", &two, SD_OK, 2},
         {"mics:3", &two, SD_EINVAL, 0},
+        {"mics:4,no-hier", &two, SD_OK, 4},
+        {"zero3,no-2hop,no-hier", &two, SD_OK, 4},
+        {"mics:4,fast", &two, SD_EINVAL, 0},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         err[0] = '\0';
@@ -31,7 +41,9 @@ static void test_plans(void)
         TH_CHECK(st == cases[i].status, "plan %s: status %d", cases[i].spec, st);
         if (st == SD_OK)
             TH_CHECK(p.f[SD_STATE_W] == cases[i].f && p.f[SD_STATE_G] == cases[i].f &&
-                         p.f[SD_STATE_OS] == cases[i].f && p.two_hop && p.hierarchical,
+                         p.f[SD_STATE_OS] == cases[i].f &&
+                         p.two_hop == (strstr(cases[i].spec, "no-2hop") == NULL) &&
+                         p.hierarchical == (strstr(cases[i].spec, "no-hier") == NULL),
                      "plan %s: f %u", cases[i].spec, p.f[0]);
         else
             TH_CHECK(strstr(err, cases[i].spec) != NULL, "error does not name the plan: %s", err);

@@ -1,0 +1,104 @@
+/* The collective engine: algorithms over the transport vtable, independent of jobs and of
+ * libfabric. Bulk transfers split into chunks (each its own tagged message) so that a receiver
+ * reduces chunk c while chunk c+1 is still on the wire; the ring all-reduce for large buffers and
+ * the direct (latency-bound) all-reduce for small ones, which sums in node order. */
+#ifndef SD_COLL_H
+#define SD_COLL_H
+
+#include "transport.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct sd_bulk;
+typedef void (*sd_bulk_cb)(struct sd_bulk *b, int status);
+/* A received chunk: bytes [off, off + len) of piece `piece` are in place. */
+typedef void (*sd_bulk_chunk_cb)(struct sd_bulk *b, uint32_t piece, size_t off, size_t len);
+
+struct sd_bulk_xfer {
+    struct sd_xfer x;
+    struct sd_bulk *b;
+    uint32_t piece;
+    size_t off, len;
+};
+
+/* One chunked send or receive of n_pieces equal pieces to or from one peer. */
+struct sd_bulk {
+    struct sd_transport *tp;
+    uint32_t peer, n, done, failed;
+    int status;
+    bool active, is_send;
+    uint64_t bytes;
+    sd_bulk_cb cb;
+    sd_bulk_chunk_cb chunk_cb;
+    void *arg;
+    uint64_t arg2;
+    struct sd_bulk *next_free;
+    struct sd_bulk_xfer xs[SD_TAG_MAX_CHUNKS];
+};
+
+#define SD_BULK_MAX_PIECES 64
+
+/* Post a send (is_send) or receive of pieces[0..n_pieces) of piece_len bytes each. Chunk i of
+ * piece p travels with tag tag_base | (p * chunks_per_piece + i). cb runs once, after every
+ * chunk completed or failed. Returns 0 or a negative status (nothing posted then). */
+int sd_bulk_start(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
+                  uint64_t tag_base, void *const *pieces, uint32_t n_pieces, size_t piece_len,
+                  size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
+                  void *arg);
+
+/* A pool of bulks, allocated once. */
+struct sd_bulk_pool {
+    struct sd_bulk *all, *free;
+    uint32_t n, in_use;
+};
+int sd_bulk_pool_init(struct sd_bulk_pool *p, uint32_t n);
+void sd_bulk_pool_fini(struct sd_bulk_pool *p);
+struct sd_bulk *sd_bulk_get(struct sd_bulk_pool *p);
+void sd_bulk_put(struct sd_bulk_pool *p, struct sd_bulk *b);
+
+/* All-reduce (sum) of `count` floats among the nodes in `members` (ascending; self among them),
+ * in place. Ring for large buffers, direct for count * 4 <= small_bytes. */
+struct sd_allreduce;
+typedef void (*sd_allreduce_cb)(struct sd_allreduce *ar, int status, uint32_t suspect);
+
+struct sd_allreduce {
+    struct sd_transport *tp;
+    struct sd_bulk_pool *pool;
+    const uint32_t *members;
+    uint32_t n_members, pos;
+    float *buf;
+    size_t count;
+    float *tmp; /* ring: ceil(count / n) floats; direct: (n - 1) * count floats */
+    size_t tmp_count;
+    uint64_t tag_base; /* kind/job/unit/seq(high byte): the step index goes into seq's low byte */
+    size_t chunk_bytes;
+    bool direct;
+    uint32_t step, phase;
+    uint32_t pending;
+    int status;
+    uint32_t suspect;
+    uint64_t bytes_sent, bytes_recv;
+    sd_allreduce_cb cb;
+    void *arg;
+    struct sd_bulk *sb, *rb;
+    struct sd_bulk *direct_rb[SD_MAX_NODES > 64 ? 64 : SD_MAX_NODES];
+};
+
+/* tmp must hold sd_allreduce_tmp_floats(count, n, small_bytes) floats. */
+size_t sd_allreduce_tmp_floats(size_t count, uint32_t n, size_t small_bytes);
+int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct sd_bulk_pool *pool,
+                       const uint32_t *members, uint32_t n_members, uint32_t self, float *buf,
+                       size_t count, float *tmp, size_t tmp_count, uint64_t tag_base,
+                       size_t chunk_bytes, size_t small_bytes, sd_allreduce_cb cb, void *arg);
+
+/* Ring segment s of count floats among n: [begin, end). */
+static inline void sd_ring_segment(size_t count, uint32_t n, uint32_t s, size_t *begin_p,
+                                   size_t *end_p)
+{
+    *begin_p = count * s / n;
+    *end_p = count * (s + 1) / n;
+}
+
+#endif

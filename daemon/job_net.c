@@ -1,0 +1,1170 @@
+/* The parts of a job that cross nodes (MiCS, DESIGN.md section 3), over the collective engine.
+ *
+ * Fetch: when the partition group of state w spans G nodes, a node pulls each remote node's block
+ * of the unit (the shards of that node's k ranks, contiguous in the unit) once and places it in
+ * the slot its local ranks share (hierarchical: (p - k) / p * S bytes per node). Without the
+ * hierarchy every local rank pulls for itself into its own slot. A node answers pull requests
+ * from its w arenas once it reached the requested weights generation.
+ *
+ * Push: all local ranks' gradients are summed in rank order into a node partial, then
+ * reduce-scattered among the group's nodes (each node receives the partials of its block and sums
+ * them in node order, chunk by chunk as they arrive). Without the 2-hop sync the result is then
+ * all-reduced across the replication group every micro-step.
+ *
+ * Step: with the 2-hop sync, the g shards are all-reduced across the replication group once per
+ * step; then the global squared norm is exchanged (summed in node order), the optimizer runs on
+ * each node's shards, and units held across the step are gathered again. */
+#include "cluster.h"
+#include "daemon.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GATHERS_INFLIGHT 8
+
+static inline struct sd_mem *arena(struct sd_job *job, uint32_t local, int state)
+{
+    return &job->arena[local * SD_STATE_COUNT + state];
+}
+
+static inline struct sd_transport *tp_of(const struct sd_job *job)
+{
+    return job->net->tp;
+}
+
+static inline uint32_t self_node(const struct sd_job *job)
+{
+    return job->node;
+}
+
+/* Chunk size sd_bulk_start uses for one piece of len bytes (all nodes compute the same). */
+static size_t chunk_size(size_t len, uint32_t n_pieces, size_t chunk_bytes)
+{
+    uint32_t max_cpp = SD_TAG_MAX_CHUNKS / n_pieces;
+    size_t chunk = SD_MAX(chunk_bytes, 64);
+    if (len > chunk * max_cpp)
+        chunk = sd_round_up((len + max_cpp - 1) / max_cpp, 64);
+    return chunk;
+}
+
+static void *desc_of(const struct sd_job *job, const void *p)
+{
+    for (uint32_t i = 0; i < job->n_mrs; i++)
+        if ((const char *)p >= (const char *)job->mr_base[i] &&
+            (const char *)p < (const char *)job->mr_base[i] + job->mr_len[i])
+            return job->mr_descs[i];
+    return NULL;
+}
+
+/* nodes of the replication group of this node's shards, ascending */
+static uint32_t replication_nodes(const struct sd_job *job, uint32_t *out)
+{
+    uint32_t n = 0, G = job->group_nodes;
+    for (uint32_t m = 0; m < job->nodes; m++)
+        if (G == 1 || m % G == self_node(job) % G)
+            out[n++] = m;
+    return n;
+}
+
+static uint32_t group_first(const struct sd_job *job)
+{
+    return self_node(job) - self_node(job) % job->group_nodes;
+}
+
+/* ---- sizes and set-up */
+
+static uint32_t bulks_needed(const struct sd_job *job)
+{
+    uint32_t G = job->group_nodes, N = job->nodes;
+    uint32_t gathers = MAX_GATHERS_INFLIGHT * (G - 1);
+    uint32_t serve = MAX_GATHERS_INFLIGHT * (N - 1) * job->slots_per_unit;
+    uint32_t round = 2 * (G - 1) + 2 * (N - 1);
+    uint32_t step = 2 * (N - 1) + 2;
+    uint32_t init = N;
+    return gathers + serve + round + step + init + 4;
+}
+
+static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cfg)
+{
+    uint32_t R = job->group_nodes > 1 ? job->nodes / job->group_nodes : job->nodes;
+    uint64_t maxn = job->layout.max_unit_numel;
+    uint64_t block = job->group_nodes > 1 ? maxn / job->group_nodes : maxn;
+    size_t need = 0;
+    for (uint64_t cnt = block; cnt > 0; cnt = 0) /* the largest all-reduce is one block */
+        need = sd_allreduce_tmp_floats(cnt, R, cfg->small_allreduce_bytes);
+    /* smaller units may take the direct path with (R - 1) * count floats */
+    size_t small = cfg->small_allreduce_bytes / sizeof(float);
+    return SD_MAX(need, (size_t)(R > 1 ? R - 1 : 0) * SD_MIN(small, block)) + 16;
+}
+
+uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg)
+{
+    if (job->nodes <= 1)
+        return 0;
+    uint64_t maxn = job->layout.max_unit_numel;
+    uint32_t G = job->group_nodes;
+    uint64_t block = G > 1 ? maxn / G : 0;
+    uint64_t b = (uint64_t)(G > 1 ? G - 1 : 0) * block * 4 + block * 4;
+    b += ar_tmp_floats(job, cfg) * 4;
+    b += (uint64_t)bulks_needed(job) * sizeof(struct sd_bulk);
+    b += (uint64_t)job->n_slots * (G ? G - 1 : 0) * (sizeof(struct sd_xfer) + sizeof(void *));
+    return b;
+}
+
+static int reg_mr(struct sd_job *job, const void *p, size_t len)
+{
+    if (p == NULL || len == 0)
+        return SD_OK;
+    uint32_t i = job->n_mrs;
+    int st =
+        tp_of(job)->ops->mr_reg(tp_of(job), (void *)p, len, &job->mr_descs[i], &job->mr_handles[i]);
+    if (st == SD_OK) {
+        job->mr_base[i] = p;
+        job->mr_len[i] = len;
+        job->n_mrs++;
+    }
+    return st;
+}
+
+int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
+{
+    const struct sd_config *cfg = job->reg->cfg;
+    uint32_t G = job->group_nodes, N = job->nodes;
+    uint64_t maxn = job->layout.max_unit_numel;
+    uint64_t block = G > 1 ? maxn / G : 0;
+    job->net = job->reg->net;
+    if (job->net == NULL) {
+        snprintf(err, errlen, "this daemon has no cluster (nodes = 1)");
+        return SD_ENOSYS;
+    }
+    if (job->k > 64 || G - 1 > 64 || job->k > SD_BULK_MAX_PIECES) {
+        snprintf(err, errlen, "at most 64 ranks per node across nodes (have %u)", job->k);
+        return SD_ENOSYS;
+    }
+    int st = sd_bulk_pool_init(&job->bulks, bulks_needed(job));
+    if (st != SD_OK)
+        goto err_nomem;
+    if (G > 1) {
+        job->rs_recv = calloc((size_t)(G - 1) * block + 1, sizeof(float));
+        job->rs_out = calloc(block + 1, sizeof(float));
+        job->round.sb = calloc(G, sizeof(*job->round.sb));
+        job->round.rb = calloc(G, sizeof(*job->round.rb));
+        if (!job->rs_recv || !job->rs_out || !job->round.sb || !job->round.rb)
+            goto err_nomem;
+        for (uint32_t i = 0; i < job->n_slots; i++) {
+            job->units[i].rb = calloc(G, sizeof(*job->units[i].rb));
+            job->units[i].req_x = calloc(G, sizeof(*job->units[i].req_x));
+            if (!job->units[i].rb || !job->units[i].req_x)
+                goto err_nomem;
+        }
+    }
+    job->ar_tmp_count = ar_tmp_floats(job, cfg);
+    job->ar_tmp = calloc(job->ar_tmp_count, sizeof(float));
+    job->members = calloc(N, sizeof(*job->members));
+    job->norm_parts = calloc(N, sizeof(*job->norm_parts));
+    job->norm_b = calloc(2 * N, sizeof(*job->norm_b));
+    job->round_queue = calloc(job->layout.n_units, sizeof(*job->round_queue));
+    job->req_cap = N * job->n_slots + 16;
+    job->req_queue = calloc(job->req_cap, sizeof(*job->req_queue));
+    job->wait_tags = calloc((size_t)job->n_slots * job->k, sizeof(*job->wait_tags));
+    uint32_t max_mrs = 2 * job->k + 8;
+    job->mr_handles = calloc(max_mrs, sizeof(void *));
+    job->mr_descs = calloc(max_mrs, sizeof(void *));
+    job->mr_base = calloc(max_mrs, sizeof(void *));
+    job->mr_len = calloc(max_mrs, sizeof(size_t));
+    if (!job->ar_tmp || !job->members || !job->norm_parts || !job->norm_b || !job->round_queue ||
+        !job->req_queue || !job->wait_tags || !job->mr_handles || !job->mr_descs || !job->mr_base ||
+        !job->mr_len)
+        goto err_nomem;
+    /* memory registered once per job */
+    st = reg_mr(job, job->pool.ptr, job->pool.bytes);
+    for (uint32_t r = 0; st == SD_OK && r < job->k; r++) {
+        st = reg_mr(job, arena(job, r, SD_STATE_W)->ptr, arena(job, r, SD_STATE_W)->bytes);
+        if (st == SD_OK)
+            st = reg_mr(job, job->staging[r].ptr, job->staging[r].bytes);
+    }
+    if (st == SD_OK)
+        st = reg_mr(job, job->scratch, maxn * sizeof(float));
+    if (st == SD_OK && G > 1)
+        st = reg_mr(job, job->rs_recv, (G - 1) * block * sizeof(float));
+    if (st == SD_OK && G > 1)
+        st = reg_mr(job, job->rs_out, block * sizeof(float));
+    if (st == SD_OK)
+        st = reg_mr(job, job->ar_tmp, job->ar_tmp_count * sizeof(float));
+    if (st == SD_OK)
+        st = reg_mr(job, job->norm_parts, N * sizeof(double));
+    if (st != SD_OK) {
+        snprintf(err, errlen, "registering the job's memory with the fabric failed: %s",
+                 sd_status_str(st));
+        return st;
+    }
+    return SD_OK;
+
+err_nomem:
+    snprintf(err, errlen, "out of memory for the job's network buffers");
+    return SD_ENOMEM;
+}
+
+void sd_job_net_teardown(struct sd_job *job)
+{
+    for (uint32_t i = 0; job->net && i < job->n_mrs; i++)
+        tp_of(job)->ops->mr_dereg(tp_of(job), job->mr_handles[i]);
+    job->n_mrs = 0;
+    for (uint32_t i = 0; job->units != NULL && i < job->n_slots; i++) {
+        free(job->units[i].rb);
+        free(job->units[i].req_x);
+        job->units[i].rb = NULL;
+        job->units[i].req_x = NULL;
+    }
+    sd_bulk_pool_fini(&job->bulks);
+    free(job->rs_recv);
+    free(job->rs_out);
+    free(job->round.sb);
+    free(job->round.rb);
+    free(job->ar_tmp);
+    free(job->members);
+    free(job->norm_parts);
+    free(job->norm_b);
+    free(job->round_queue);
+    free(job->req_queue);
+    free(job->wait_tags);
+    free(job->mr_handles);
+    free(job->mr_descs);
+    free(job->mr_base);
+    free(job->mr_len);
+    job->rs_recv = job->rs_out = job->ar_tmp = NULL;
+    job->round.sb = job->round.rb = NULL;
+    job->members = NULL;
+    job->norm_parts = NULL;
+    job->norm_b = NULL;
+    job->round_queue = NULL;
+    job->req_queue = NULL;
+    job->wait_tags = NULL;
+    job->mr_handles = job->mr_descs = NULL;
+    job->mr_base = NULL;
+    job->mr_len = NULL;
+}
+
+bool sd_job_net_idle(const struct sd_job *job)
+{
+    return job->net == NULL ||
+           (job->bulks.in_use == 0 && job->w_sends_inflight == 0 && job->gathers_inflight == 0);
+}
+
+void sd_job_net_cancel(struct sd_job *job)
+{
+    if (job->net == NULL || job->bulks.all == NULL)
+        return;
+    struct sd_transport *tp = tp_of(job);
+    for (uint32_t i = 0; i < job->bulks.n; i++) {
+        struct sd_bulk *b = &job->bulks.all[i];
+        if (!b->active || b->is_send)
+            continue;
+        for (uint32_t c = 0; c < b->n; c++)
+            tp->ops->cancel(tp, &b->xs[c].x);
+    }
+}
+
+/* ---- failure messages */
+
+static size_t list_pending_peers(const struct sd_job *job, bool (*want)(const struct sd_bulk *),
+                                 char *out, size_t len)
+{
+    size_t off = 0;
+    uint64_t seen[SD_MAX_NODES / 64] = {0};
+    out[0] = '\0';
+    for (uint32_t i = 0; job->bulks.all && i < job->bulks.n && off < len; i++) {
+        const struct sd_bulk *b = &job->bulks.all[i];
+        if (!b->active || (want && !want(b)) || (seen[b->peer / 64] & (1ULL << (b->peer % 64))))
+            continue;
+        seen[b->peer / 64] |= 1ULL << (b->peer % 64);
+        off += (size_t)snprintf(out + off, len - off, "%s%u", off ? ", " : "", b->peer);
+    }
+    return off;
+}
+
+static bool is_recv(const struct sd_bulk *b)
+{
+    return !b->is_send;
+}
+
+void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
+{
+    char peers[128];
+    if (list_pending_peers(job, is_recv, peers, sizeof(peers)) == 0)
+        list_pending_peers(job, NULL, peers, sizeof(peers));
+    if (peers[0] == '\0')
+        snprintf(peers, sizeof(peers), "none");
+    if (job->step_phase != SD_STEP_IDLE) {
+        static const char *const phase[] = {"idle", "gradient all-reduce", "norm exchange",
+                                            "optimizer", "refresh of held units"};
+        snprintf(out, len,
+                 "step %llu (%s, unit %u; last completed step %llu) waiting for node(s) %s",
+                 (unsigned long long)job->steps + 1, phase[job->step_phase], job->step_unit,
+                 (unsigned long long)job->steps, peers);
+    } else if (job->round.active) {
+        snprintf(out, len,
+                 "push of unit %u (micro-step %llu; last completed %llu) waiting for node(s) %s",
+                 job->round.unit, (unsigned long long)job->round.seq + 1,
+                 (unsigned long long)job->round.seq, peers);
+    } else if (job->gathers_inflight > 0) {
+        uint32_t u = 0;
+        for (uint32_t i = 0; i < job->n_slots; i++)
+            if (job->units[i].inflight) {
+                u = job->units[i].unit;
+                break;
+            }
+        snprintf(out, len,
+                 "fetch of unit %u (weights generation %llu; last completed step %llu) waiting "
+                 "for node(s) %s",
+                 u, (unsigned long long)job->weights_gen, (unsigned long long)job->steps, peers);
+    } else if (job->state == SD_JOB_LOADING) {
+        snprintf(out, len, "loading the initial values (unit %u of %u)", job->init_next_unit,
+                 job->layout.n_units);
+    } else {
+        snprintf(out, len, "no operation in flight (last completed step %llu)",
+                 (unsigned long long)job->steps);
+    }
+}
+
+/* ---- serving pull requests */
+
+static void serve_done(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = b->arg;
+    job->stats.bytes[SD_OP_FETCH][SD_LINK_INTER_SENT] += b->bytes;
+    job->w_sends_inflight--;
+    sd_bulk_put(&job->bulks, b);
+    if (status != SD_OK)
+        SD_WARN_SPARSE("net", "job '%s': sending weights to node %u failed: %s", job->name, b->peer,
+                       sd_status_str(status));
+    if (job->step_phase == SD_STEP_APPLY)
+        sd_job_net_step(job);
+}
+
+/* Returns false if the request must wait. */
+static bool serve(struct sd_job *job, const struct sd_req_msg *m)
+{
+    if (job->state != SD_JOB_READY && job->state != SD_JOB_CLOSING)
+        return job->state == SD_JOB_LOADING ? false : true; /* failed jobs: drop */
+    if (m->gen > job->weights_gen)
+        return false;
+    if (m->gen < job->weights_gen) {
+        SD_WARN_SPARSE("net",
+                       "job '%s': node %u asks for weights generation %llu of unit %u, "
+                       "this node is at %llu",
+                       job->name, m->src, (unsigned long long)m->gen, m->unit,
+                       (unsigned long long)job->weights_gen);
+        return true;
+    }
+    struct sd_bulk *b = sd_bulk_get(&job->bulks);
+    if (b == NULL)
+        return false;
+    const struct sd_unit_layout *ul = &job->layout.units[m->unit];
+    size_t piece = ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
+    void *pieces[SD_BULK_MAX_PIECES];
+    for (uint32_t j = 0; j < job->k; j++)
+        pieces[j] = (uint8_t *)arena(job, j, SD_STATE_W)->ptr + job->w_off[m->unit];
+    uint64_t tag = sd_tag(SD_TAG_WDATA, job->tag, m->unit,
+                          (uint32_t)((m->gen & 0xfff) << 4 | m->lslot), self_node(job), 0);
+    int st =
+        sd_bulk_start(b, tp_of(job), true, m->src, tag, pieces, job->k, piece,
+                      job->reg->cfg->chunk_bytes, desc_of(job, pieces[0]), serve_done, NULL, job);
+    if (st != SD_OK) {
+        sd_bulk_put(&job->bulks, b);
+        SD_WARN("net", "job '%s': cannot send unit %u to node %u: %s", job->name, m->unit, m->src,
+                sd_status_str(st));
+        return true;
+    }
+    job->w_sends_inflight++;
+    return true;
+}
+
+static void serve_queue(struct sd_job *job)
+{
+    uint32_t kept = 0;
+    for (uint32_t i = 0; i < job->req_queued; i++)
+        if (!serve(job, &job->req_queue[i]))
+            job->req_queue[kept++] = job->req_queue[i];
+    job->req_queued = kept;
+}
+
+static void on_request(struct sd_registry *reg, const struct sd_req_msg *m)
+{
+    if (m->magic != SD_REQ_MAGIC) {
+        SD_WARN_SPARSE("net", "dropping a malformed pull request");
+        return;
+    }
+    struct sd_job *job = sd_registry_find_tag(reg, m->job_tag);
+    if (job == NULL || job->units == NULL || m->unit >= job->layout.n_units ||
+        m->lslot >= job->slots_per_unit || m->src >= job->nodes || m->src == self_node(job)) {
+        SD_WARN_SPARSE("net", "dropping a pull request for job tag %u unit %u from node %u",
+                       m->job_tag, m->unit, m->src);
+        return;
+    }
+    if (serve(job, m))
+        return;
+    if (job->req_queued < job->req_cap)
+        job->req_queue[job->req_queued++] = *m;
+    else
+        SD_WARN_SPARSE("net", "job '%s': pull request queue full", job->name);
+}
+
+static void req_recv_cb(struct sd_xfer *x, int status);
+
+static int post_req_recv(struct sd_net_req *r, struct sd_transport *tp)
+{
+    r->x.cb = req_recv_cb;
+    uint64_t tag = sd_tag(SD_TAG_REQ, 0, 0, 0, 0, 0);
+    uint64_t ignore = ~(0xfULL << 60);
+    return tp->ops->recv(tp, SD_PEER_ANY, tag, ignore, &r->msg, sizeof(r->msg), NULL, &r->x);
+}
+
+static void req_recv_cb(struct sd_xfer *x, int status)
+{
+    struct sd_net_req *r = (struct sd_net_req *)x;
+    struct sd_registry *reg = r->reg;
+    if (status != SD_OK || reg->net == NULL)
+        return; /* cancelled at shutdown */
+    if (x->len == sizeof(r->msg))
+        on_request(reg, &r->msg);
+    post_req_recv(r, reg->net->tp);
+}
+
+int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl)
+{
+    struct sd_net *net = calloc(1, sizeof(*net));
+    if (net == NULL)
+        return SD_ENOMEM;
+    net->tp = tp;
+    net->cl = cl;
+    net->self = (uint32_t)reg->cfg->node;
+    net->n = (uint32_t)reg->cfg->nodes;
+    reg->net = net;
+    return SD_OK;
+}
+
+/* Standing receives for pull requests, once the peers are known. */
+int sd_net_post_requests(struct sd_registry *reg)
+{
+    if (reg->net == NULL || reg->net->posted)
+        return SD_OK;
+    reg->net->posted = true;
+    for (uint32_t i = 0; i < SD_NET_REQ_SLOTS; i++) {
+        reg->net->reqs[i].reg = reg;
+        int st = post_req_recv(&reg->net->reqs[i], reg->net->tp);
+        if (st != SD_OK)
+            return st;
+    }
+    return SD_OK;
+}
+
+void sd_net_stop(struct sd_registry *reg)
+{
+    if (reg->net == NULL)
+        return;
+    for (uint32_t i = 0; i < SD_NET_REQ_SLOTS; i++)
+        reg->net->tp->ops->cancel(reg->net->tp, &reg->net->reqs[i].x);
+    reg->net->tp->ops->progress(reg->net->tp);
+    free(reg->net);
+    reg->net = NULL;
+}
+
+/* ---- fetch across nodes */
+
+static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
+{
+    us->inflight = false;
+    job->gathers_inflight--;
+    if (us->status != SD_OK) {
+        us->resident = false;
+        sd_slot_pool_free(&job->spool, us->pool_off);
+        char what[256];
+        snprintf(what, sizeof(what),
+                 "fetch of unit %u (weights generation %llu): the transfer "
+                 "from node %u failed: %s",
+                 us->unit, (unsigned long long)us->gen, us->suspect, sd_status_str(us->status));
+        sd_job_fail(job, SD_EPEER, "%s", what);
+        return;
+    }
+    us->resident = true;
+    job->stats.gathers++;
+    sd_job_complete_fetch(job, us);
+    if (us->waiters == 0 && job->refresh_pending > 0 && job->step_phase == SD_STEP_REFRESH) {
+        job->refresh_pending--;
+        sd_job_net_step(job);
+    } else if (job->step_phase != SD_STEP_IDLE) {
+        sd_job_net_step(job);
+    }
+}
+
+static void gather_recv_done(struct sd_bulk *b, int status)
+{
+    struct sd_unit_state *us = b->arg;
+    struct sd_job *job = us->job;
+    job->stats.bytes[SD_OP_FETCH][SD_LINK_INTER_RECV] += b->bytes;
+    if (status != SD_OK && us->status == SD_OK) {
+        us->status = status;
+        us->suspect = b->peer;
+    }
+    sd_bulk_put(&job->bulks, b);
+    if (--us->remaining == 0)
+        gather_finish(job, us);
+}
+
+static void gather_req_sent(struct sd_xfer *x, int status)
+{
+    struct sd_unit_state *us = x->arg;
+    struct sd_job *job = us->job;
+    if (status != SD_OK && us->status == SD_OK) {
+        us->status = status;
+        us->suspect = x->peer;
+    }
+    if (--us->remaining == 0)
+        gather_finish(job, us);
+}
+
+/* Start pulling the remote blocks of slot us (pool space reserved, local block copied). */
+static int gather_start(struct sd_job *job, struct sd_unit_state *us)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[us->unit];
+    uint32_t G = job->group_nodes, k = job->k, f = job->plan.f[SD_STATE_W];
+    size_t esz = sd_dtype_size(ul->dtype), len = ul->numel / f * esz;
+    uint8_t *slot = (uint8_t *)job->pool.ptr + us->pool_off;
+    uint32_t first = group_first(job), me = self_node(job) % G;
+
+    if (job->bulks.n - job->bulks.in_use < G - 1 || job->gathers_inflight >= MAX_GATHERS_INFLIGHT)
+        return SD_EAGAIN;
+    for (uint32_t j = 0; j < k; j++) /* this node's block: its ranks' shards */
+        job->reg->dev->copy(slot + ((size_t)me * k + j) * len,
+                            (uint8_t *)arena(job, j, SD_STATE_W)->ptr + job->w_off[us->unit], len);
+    job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += (uint64_t)k * len;
+    us->inflight = true;
+    us->status = SD_OK;
+    us->gen = job->weights_gen;
+    us->start_ns = sd_now_ns();
+    us->remaining = 2 * (G - 1);
+    us->req = (struct sd_req_msg){.magic = SD_REQ_MAGIC,
+                                  .job_tag = (uint16_t)job->tag,
+                                  .src = (uint16_t)self_node(job),
+                                  .unit = us->unit,
+                                  .lslot = us->lslot,
+                                  .gen = us->gen};
+    job->gathers_inflight++;
+    uint32_t seq = (uint32_t)((us->gen & 0xfff) << 4 | us->lslot);
+    for (uint32_t i = 0, o = 0; i < G; i++) {
+        uint32_t m = first + i;
+        if (m == self_node(job))
+            continue;
+        void *pieces[SD_BULK_MAX_PIECES];
+        for (uint32_t p = 0; p < k; p++)
+            pieces[p] = slot + ((size_t)i * k + p) * len;
+        struct sd_bulk *b = sd_bulk_get(&job->bulks);
+        b->arg2 = (uint64_t)(uintptr_t)job;
+        us->rb[o] = b;
+        int st = sd_bulk_start(
+            b, tp_of(job), false, m, sd_tag(SD_TAG_WDATA, job->tag, us->unit, seq, m, 0), pieces, k,
+            len, job->reg->cfg->chunk_bytes, desc_of(job, slot), gather_recv_done, NULL, us);
+        b->arg2 = (uint64_t)(uintptr_t)job;
+        if (st != SD_OK) {
+            sd_bulk_put(&job->bulks, b);
+            us->status = st;
+            us->suspect = m;
+            us->remaining--;
+        }
+        struct sd_xfer *x = &us->req_x[o];
+        x->cb = gather_req_sent;
+        x->arg = us;
+        st = tp_of(job)->ops->send(tp_of(job), m,
+                                   sd_tag(SD_TAG_REQ, job->tag, us->unit, seq, self_node(job), 0),
+                                   &us->req, sizeof(us->req), NULL, x);
+        if (st != SD_OK) {
+            us->status = st;
+            us->suspect = m;
+            us->remaining--;
+        }
+        o++;
+    }
+    if (us->remaining == 0)
+        gather_finish(job, us);
+    return SD_OK;
+}
+
+bool sd_job_net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                      struct sd_unit_state *us)
+{
+    uint64_t bit = 1ULL << s->local;
+    if (us->inflight) {
+        if (us->waiters & bit)
+            return false; /* the same rank twice: wait for the first */
+        us->waiters |= bit;
+        job->wait_tags[(size_t)(us - job->units) * job->k + s->local] = e->tag;
+        return true;
+    }
+    if (us->resident && us->gen != job->weights_gen && us->refs == 0) {
+        sd_slot_pool_free(&job->spool, us->pool_off);
+        us->resident = false;
+    }
+    us->waiters |= bit;
+    job->wait_tags[(size_t)(us - job->units) * job->k + s->local] = e->tag;
+    if (us->resident) {
+        job->stats.cache_hits++;
+        us->start_ns = sd_now_ns();
+        sd_job_complete_fetch(job, us);
+        return true;
+    }
+    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    uint64_t off;
+    if (job->gathers_inflight >= MAX_GATHERS_INFLIGHT ||
+        job->bulks.n - job->bulks.in_use < job->group_nodes - 1) {
+        us->waiters &= ~bit;
+        return false;
+    }
+    if (sd_job_pool_reserve(job, sd_unit_bytes(ul), &off) != SD_OK) {
+        us->waiters &= ~bit;
+        char b1[32], b2[32];
+        sd_session_fail(s, e, SD_ENOSPC,
+                        "fetch unit %u needs %s; the gather pool (%s) is held by unreleased or "
+                        "in-flight units: release units or raise max_live_bytes",
+                        e->unit, sd_fmt_bytes(b1, sizeof(b1), sd_unit_bytes(ul)),
+                        sd_fmt_bytes(b2, sizeof(b2), job->spool.capacity));
+        return true;
+    }
+    us->pool_off = off;
+    if (gather_start(job, us) != SD_OK) {
+        sd_slot_pool_free(&job->spool, off);
+        us->waiters &= ~bit;
+        return false;
+    }
+    return true;
+}
+
+/* ---- push rounds across nodes */
+
+static void round_start_next(struct sd_job *job);
+
+static void round_finish(struct sd_job *job)
+{
+    struct sd_node_round *rd = &job->round;
+    if (rd->status != SD_OK) {
+        char what[256];
+        sd_job_net_describe(job, what, sizeof(what));
+        rd->active = false;
+        sd_job_fail(job, SD_EPEER, "%s: transfer with node %u failed: %s", what, rd->suspect,
+                    sd_status_str(rd->status));
+        return;
+    }
+    /* add this micro-step's reduced block into the local g shards */
+    const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+    uint32_t f = job->plan.f[SD_STATE_G];
+    uint64_t len = ul->numel / f;
+    const float *B = job->group_nodes > 1 ? job->rs_out : job->scratch;
+    for (uint32_t j = 0; j < job->k; j++) {
+        float *g = (float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+        uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
+        job->reg->dev->reduce_add(g, B + src, SD_DTYPE_FP32, len);
+    }
+    rd->active = false;
+    sd_job_finish_round(job, rd->unit, 0);
+    round_start_next(job);
+    if (!job->round.active && job->step_phase != SD_STEP_IDLE)
+        sd_job_net_step(job);
+}
+
+static void round_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
+{
+    struct sd_job *job = ar->arg;
+    struct sd_node_round *rd = &job->round;
+    job->stats.bytes[SD_OP_PUSH][SD_LINK_INTER_SENT] += ar->bytes_sent;
+    job->stats.bytes[SD_OP_PUSH][SD_LINK_INTER_RECV] += ar->bytes_recv;
+    rd->ar_active = false;
+    if (status != SD_OK && rd->status == SD_OK) {
+        rd->status = status;
+        rd->suspect = suspect;
+    }
+    round_finish(job);
+}
+
+/* after the reduce-scatter: without 2-hop, all-reduce across the replication group */
+static void round_after_rs(struct sd_job *job)
+{
+    struct sd_node_round *rd = &job->round;
+    if (rd->status == SD_OK && !job->plan.two_hop) {
+        uint32_t R = replication_nodes(job, job->members);
+        const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+        uint64_t count = job->group_nodes > 1 ? ul->numel / job->group_nodes : ul->numel;
+        float *B = job->group_nodes > 1 ? job->rs_out : job->scratch;
+        if (R > 1) {
+            rd->ar_active = true;
+            uint64_t tag =
+                sd_tag(SD_TAG_AR, job->tag, rd->unit, (uint32_t)(rd->seq & 0xff) << 8, 0, 0);
+            int st = sd_allreduce_start(&rd->ar, tp_of(job), &job->bulks, job->members, R,
+                                        self_node(job), B, count, job->ar_tmp, job->ar_tmp_count,
+                                        tag, job->reg->cfg->chunk_bytes,
+                                        job->reg->cfg->small_allreduce_bytes, round_ar_done, job);
+            if (st == SD_OK)
+                return;
+            rd->ar_active = false;
+            rd->status = st;
+        }
+    }
+    round_finish(job);
+}
+
+/* chunk c of the partials of this node's block arrived from some node: once all did, sum it */
+static void rs_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
+{
+    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
+    struct sd_node_round *rd = &job->round;
+    (void)piece;
+    uint32_t c = (uint32_t)(off / rd->chunk);
+    uint32_t G = job->group_nodes;
+    if (++rd->chunk_arrivals[c] < G - 1)
+        return;
+    const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+    size_t block = ul->numel / G, e0 = off / sizeof(float), e1 = (off + len) / sizeof(float);
+    uint32_t me = self_node(job) % G;
+    const float *src[64];
+    for (uint32_t i = 0, o = 0; i < G; i++)
+        src[i] = i == me ? job->scratch + (size_t)me * block : job->rs_recv + (size_t)(o++) * block;
+    for (size_t e = e0; e < e1; e++) { /* node order, as the reference would add them */
+        float s = src[0][e];
+        for (uint32_t i = 1; i < G; i++)
+            s += src[i][e];
+        job->rs_out[e] = s;
+    }
+}
+
+static void rs_done(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
+    struct sd_node_round *rd = &job->round;
+    job->stats.bytes[SD_OP_PUSH][b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV] += b->bytes;
+    if (status != SD_OK && rd->status == SD_OK) {
+        rd->status = status;
+        rd->suspect = b->peer;
+    }
+    sd_bulk_put(&job->bulks, b);
+    if (--rd->pending == 0)
+        round_after_rs(job);
+}
+
+static void round_start_next(struct sd_job *job)
+{
+    struct sd_node_round *rd = &job->round;
+    if (rd->active || job->rq_len == 0 || job->state == SD_JOB_FAILED)
+        return;
+    uint32_t u = job->round_queue[job->rq_head];
+    job->rq_head = (job->rq_head + 1) % job->layout.n_units;
+    job->rq_len--;
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    struct sd_push_entry *ent = &job->round_entries[(size_t)u * job->g_members];
+    memset(rd->chunk_arrivals, 0, sizeof(rd->chunk_arrivals));
+    rd->active = true;
+    rd->unit = u;
+    rd->seq = job->rounds[u].seq;
+    rd->start_ns = sd_now_ns();
+    rd->status = SD_OK;
+    rd->pending = 0;
+    /* the node partial: the local ranks' gradients summed in rank order */
+    for (uint32_t m = 0; m < job->k; m++) {
+        const uint8_t *src = (uint8_t *)job->staging[ent[m].s->local].ptr +
+                             (uint64_t)ent[m].slot * job->staging_slot_bytes;
+        if (m == 0)
+            dev->to_f32(job->scratch, src, ul->dtype, ul->numel);
+        else
+            dev->reduce_add(job->scratch, src, ul->dtype, ul->numel);
+    }
+    job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)job->k * sd_unit_bytes(ul);
+    uint32_t G = job->group_nodes;
+    if (G == 1) {
+        round_after_rs(job);
+        return;
+    }
+    size_t block = ul->numel / G, bytes = block * sizeof(float);
+    rd->chunk = chunk_size(bytes, 1, job->reg->cfg->chunk_bytes);
+    uint32_t first = group_first(job), me = self_node(job) % G;
+    for (uint32_t i = 0, o = 0; i < G; i++) {
+        uint32_t m = first + i;
+        if (i == me)
+            continue;
+        uint64_t seq = rd->seq & 0xffff;
+        void *rp = job->rs_recv + (size_t)o * block, *sp = job->scratch + (size_t)i * block;
+        struct sd_bulk *rb = sd_bulk_get(&job->bulks), *sb = sd_bulk_get(&job->bulks);
+        rb->arg2 = sb->arg2 = (uint64_t)(uintptr_t)job;
+        int st = sd_bulk_start(rb, tp_of(job), false, m,
+                               sd_tag(SD_TAG_GRAD, job->tag, u, (uint32_t)seq, m, 0), &rp, 1, bytes,
+                               job->reg->cfg->chunk_bytes, desc_of(job, rp), rs_done, rs_chunk,
+                               (void *)(uintptr_t)job);
+        rb->arg2 = (uint64_t)(uintptr_t)job;
+        if (st == SD_OK)
+            rd->pending++;
+        else
+            sd_bulk_put(&job->bulks, rb);
+        int st2 = sd_bulk_start(sb, tp_of(job), true, m,
+                                sd_tag(SD_TAG_GRAD, job->tag, u, (uint32_t)seq, self_node(job), 0),
+                                &sp, 1, bytes, job->reg->cfg->chunk_bytes, desc_of(job, sp),
+                                rs_done, NULL, (void *)(uintptr_t)job);
+        sb->arg2 = (uint64_t)(uintptr_t)job;
+        if (st2 == SD_OK)
+            rd->pending++;
+        else
+            sd_bulk_put(&job->bulks, sb);
+        if ((st != SD_OK || st2 != SD_OK) && rd->status == SD_OK) {
+            rd->status = st != SD_OK ? st : st2;
+            rd->suspect = m;
+        }
+        o++;
+    }
+    if (rd->pending == 0)
+        round_after_rs(job);
+}
+
+void sd_job_net_round_ready(struct sd_job *job, uint32_t unit)
+{
+    uint32_t tail = (job->rq_head + job->rq_len) % job->layout.n_units;
+    job->round_queue[tail] = unit;
+    job->rq_len++;
+    round_start_next(job);
+}
+
+/* ---- step across nodes */
+
+static void step_fail(struct sd_job *job, int status, uint32_t suspect)
+{
+    char what[256];
+    sd_job_net_describe(job, what, sizeof(what));
+    job->step_phase = SD_STEP_IDLE;
+    sd_job_fail(job, SD_EPEER, "%s: transfer with node %u failed: %s", what, suspect,
+                sd_status_str(status));
+}
+
+/* this node's copy of unit u's gradient block, into scratch (summing local replicas) */
+static uint64_t step_pack(struct sd_job *job, uint32_t u)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint32_t f = job->plan.f[SD_STATE_G];
+    uint64_t len = ul->numel / f;
+    if (job->group_nodes > 1) {
+        for (uint32_t j = 0; j < job->k; j++)
+            dev->copy(job->scratch + (uint64_t)j * len,
+                      (float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G],
+                      len * sizeof(float));
+        return (uint64_t)job->k * len;
+    }
+    for (uint32_t i = 0; i < f; i++)
+        for (uint32_t j = i; j < job->k; j += f) {
+            const float *g = (float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+            if (j == i)
+                dev->copy(job->scratch + (uint64_t)i * len, g, len * sizeof(float));
+            else
+                dev->reduce_add(job->scratch + (uint64_t)i * len, g, SD_DTYPE_FP32, len);
+        }
+    job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] += (uint64_t)(job->k / f) * ul->numel * 4;
+    return ul->numel;
+}
+
+static void step_unpack(struct sd_job *job, uint32_t u)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint32_t f = job->plan.f[SD_STATE_G];
+    uint64_t len = ul->numel / f;
+    for (uint32_t j = 0; j < job->k; j++) {
+        uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
+        job->reg->dev->copy((float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G],
+                            job->scratch + src, len * sizeof(float));
+    }
+}
+
+static void step_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
+{
+    struct sd_job *job = ar->arg;
+    job->stats.bytes[SD_OP_STEP][SD_LINK_INTER_SENT] += ar->bytes_sent;
+    job->stats.bytes[SD_OP_STEP][SD_LINK_INTER_RECV] += ar->bytes_recv;
+    job->step_pending = 0;
+    if (status != SD_OK) {
+        step_fail(job, status, suspect);
+        return;
+    }
+    step_unpack(job, job->step_unit);
+    job->step_unit++;
+    sd_job_net_step(job);
+}
+
+static void norm_done(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
+    job->stats.bytes[SD_OP_STEP][b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV] += b->bytes;
+    if (status != SD_OK && job->step_status == SD_OK) {
+        job->step_status = status;
+        job->step_suspect = b->peer;
+    }
+    sd_bulk_put(&job->bulks, b);
+    if (--job->step_pending > 0)
+        return;
+    if (job->step_status != SD_OK) {
+        step_fail(job, job->step_status, job->step_suspect);
+        return;
+    }
+    job->step_phase = SD_STEP_APPLY;
+    sd_job_net_step(job);
+}
+
+static void norm_start(struct sd_job *job)
+{
+    /* each distinct shard counts once: the replica in partition group 0 */
+    uint32_t f = job->plan.f[SD_STATE_G], me = self_node(job);
+    double local = 0.0;
+    for (uint32_t j = 0; j < job->k; j++) {
+        if (job->first_rank + j >= f)
+            continue;
+        for (uint32_t u = 0; u < job->layout.n_units; u++) {
+            const struct sd_unit_layout *ul = &job->layout.units[u];
+            local += job->reg->dev->sum_sq(
+                (float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G], ul->numel / f);
+        }
+    }
+    job->norm_parts[me] = local;
+    job->step_phase = SD_STEP_NORM;
+    job->step_status = SD_OK;
+    job->step_pending = 0;
+    uint64_t seq = job->steps & 0xffff;
+    for (uint32_t m = 0; m < job->nodes; m++) {
+        if (m == me)
+            continue;
+        void *rp = &job->norm_parts[m], *sp = &job->norm_parts[me];
+        struct sd_bulk *rb = sd_bulk_get(&job->bulks), *sb = sd_bulk_get(&job->bulks);
+        int st = sd_bulk_start(rb, tp_of(job), false, m,
+                               sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, m, 0), &rp, 1,
+                               sizeof(double), 4096, desc_of(job, rp), norm_done, NULL, job);
+        rb->arg2 = (uint64_t)(uintptr_t)job;
+        if (st == SD_OK)
+            job->step_pending++;
+        else
+            sd_bulk_put(&job->bulks, rb);
+        int st2 = sd_bulk_start(sb, tp_of(job), true, m,
+                                sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, me, 0), &sp, 1,
+                                sizeof(double), 4096, desc_of(job, sp), norm_done, NULL, job);
+        sb->arg2 = (uint64_t)(uintptr_t)job;
+        if (st2 == SD_OK)
+            job->step_pending++;
+        else
+            sd_bulk_put(&job->bulks, sb);
+        if ((st != SD_OK || st2 != SD_OK) && job->step_status == SD_OK) {
+            job->step_status = st != SD_OK ? st : st2;
+            job->step_suspect = m;
+        }
+    }
+    if (job->step_pending == 0) {
+        if (job->step_status != SD_OK) {
+            step_fail(job, job->step_status, job->step_suspect);
+            return;
+        }
+        job->step_phase = SD_STEP_APPLY;
+        sd_job_net_step(job);
+    }
+}
+
+/* Drive the step forward as far as it can go now; called again by every completion. */
+void sd_job_net_step(struct sd_job *job)
+{
+    if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
+        return;
+    if (job->step_phase == SD_STEP_IDLE) {
+        job->step_phase = SD_STEP_SYNC;
+        job->step_unit = 0;
+        job->step_start_ns = sd_now_ns();
+    }
+    if (job->step_phase == SD_STEP_SYNC) {
+        /* everything of this step's micro-steps must be reduced, every gather finished */
+        if (job->round.active || job->rq_len > 0 || job->gathers_inflight > 0 ||
+            job->step_pending > 0)
+            return;
+        uint32_t R = replication_nodes(job, job->members);
+        while (job->plan.two_hop && R > 1 && job->step_unit < job->layout.n_units) {
+            uint32_t u = job->step_unit;
+            uint64_t count = step_pack(job, u);
+            uint64_t tag =
+                sd_tag(SD_TAG_AR, job->tag, u, (uint32_t)((job->steps & 0x7f) | 0x80) << 8, 0, 0);
+            job->step_pending = 1;
+            int st = sd_allreduce_start(&job->step_ar, tp_of(job), &job->bulks, job->members, R,
+                                        self_node(job), job->scratch, count, job->ar_tmp,
+                                        job->ar_tmp_count, tag, job->reg->cfg->chunk_bytes,
+                                        job->reg->cfg->small_allreduce_bytes, step_ar_done, job);
+            if (st != SD_OK) {
+                job->step_pending = 0;
+                step_fail(job, st, job->members[0]);
+            }
+            return; /* step_ar_done continues with the next unit */
+        }
+        norm_start(job);
+        return;
+    }
+    if (job->step_phase == SD_STEP_APPLY) {
+        if (job->w_sends_inflight > 0)
+            return; /* peers still read this node's weights of the current generation */
+        double sumsq = 0.0;
+        for (uint32_t m = 0; m < job->nodes; m++)
+            sumsq += job->norm_parts[m];
+        sd_job_step_apply(job, sumsq);
+        serve_queue(job);
+        job->step_phase = SD_STEP_REFRESH;
+        job->refresh_pending = 0;
+        if (job->group_nodes > 1) {
+            for (uint32_t i = 0; i < job->n_slots; i++) {
+                struct sd_unit_state *us = &job->units[i];
+                if (!us->resident || us->refs == 0 || us->inflight)
+                    continue;
+                if (gather_start(job, us) == SD_OK)
+                    job->refresh_pending++;
+            }
+        }
+    }
+    if (job->step_phase == SD_STEP_REFRESH) {
+        if (job->gathers_inflight > 0)
+            return;
+        job->step_phase = SD_STEP_IDLE;
+        sd_job_step_done(job);
+    }
+}
+
+/* ---- initial values: node 0 broadcasts each unit, the others apply it */
+
+static void init_recv_done(struct sd_bulk *b, int status);
+
+static void init_post_next(struct sd_job *job)
+{
+    if (job->init_next_unit >= job->layout.n_units) {
+        job->init_done = true;
+        if (job->remote_ready) {
+            sd_job_set_ready(job);
+            serve_queue(job);
+        }
+        return;
+    }
+    uint32_t u = job->init_next_unit;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    void *p = job->scratch;
+    struct sd_bulk *b = sd_bulk_get(&job->bulks);
+    int st = sd_bulk_start(b, tp_of(job), false, 0, sd_tag(SD_TAG_INIT, job->tag, u, 0, 0, 0), &p,
+                           1, ul->numel * sizeof(float), job->reg->cfg->chunk_bytes,
+                           desc_of(job, p), init_recv_done, NULL, job);
+    b->arg2 = (uint64_t)(uintptr_t)job;
+    if (st != SD_OK) {
+        sd_bulk_put(&job->bulks, b);
+        sd_job_fail(job, st, "cannot receive the initial values of unit %u from node 0", u);
+        return;
+    }
+    job->init_rb = b;
+}
+
+static void init_recv_done(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
+    job->stats.bytes[SD_OP_INIT][SD_LINK_INTER_RECV] += b->bytes;
+    sd_bulk_put(&job->bulks, b);
+    job->init_rb = NULL;
+    if (status != SD_OK) {
+        sd_job_fail(job, SD_EPEER, "receiving the initial values of unit %u from node 0 failed: %s",
+                    job->init_next_unit, sd_status_str(status));
+        return;
+    }
+    sd_job_load_unit(job, job->init_next_unit, job->scratch);
+    job->init_next_unit++;
+    init_post_next(job);
+}
+
+void sd_job_net_loading(struct sd_job *job)
+{
+    if (self_node(job) != 0)
+        init_post_next(job);
+}
+
+static void init_send_done(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
+    job->stats.bytes[SD_OP_INIT][SD_LINK_INTER_SENT] += b->bytes;
+    sd_bulk_put(&job->bulks, b);
+    if (status != SD_OK && job->init_waiter != NULL) {
+        sd_session_complete(job->init_waiter, job->init_tag, SD_OP_INIT, SD_EPEER, 0, 0,
+                            "sending the initial values to another node failed");
+        job->init_waiter = NULL;
+    }
+    if (--job->init_sends > 0 || job->init_waiter == NULL)
+        return;
+    sd_session_complete(job->init_waiter, job->init_tag, SD_OP_INIT, SD_OK, 0, 0, NULL);
+    job->init_waiter = NULL;
+}
+
+void sd_job_net_init_sent(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                          const float *values)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    job->init_waiter = s;
+    job->init_tag = e->tag;
+    job->init_sends = 0;
+    for (uint32_t m = 1; m < job->nodes; m++) {
+        void *p = (void *)values;
+        struct sd_bulk *b = sd_bulk_get(&job->bulks);
+        int st =
+            sd_bulk_start(b, tp_of(job), true, m, sd_tag(SD_TAG_INIT, job->tag, e->unit, 0, 0, 0),
+                          &p, 1, ul->numel * sizeof(float), job->reg->cfg->chunk_bytes,
+                          desc_of(job, p), init_send_done, NULL, job);
+        b->arg2 = (uint64_t)(uintptr_t)job;
+        if (st == SD_OK)
+            job->init_sends++;
+        else
+            sd_bulk_put(&job->bulks, b);
+    }
+    if (job->init_sends == 0) {
+        sd_session_complete(s, e->tag, SD_OP_INIT, SD_OK, 0, 0, NULL);
+        job->init_waiter = NULL;
+    }
+}
+
+void sd_job_net_ready(struct sd_job *job)
+{
+    sd_cluster_job_ready(job->net->cl, job->name, job->nodes);
+    job->remote_ready = job->init_done = true;
+    serve_queue(job);
+}
+
+void sd_job_remote_ready(struct sd_registry *reg, const char *name)
+{
+    struct sd_job *job = sd_registry_find(reg, name);
+    if (job == NULL || job->state != SD_JOB_LOADING)
+        return;
+    job->remote_ready = true;
+    if (job->init_done) {
+        sd_job_set_ready(job);
+        serve_queue(job);
+    }
+}
+
+/* ---- deadlines */
+
+void sd_job_net_sweep(struct sd_job *job, uint64_t now)
+{
+    uint64_t timeout = (uint64_t)job->reg->cfg->op_timeout_ms * 1000000ULL;
+    uint64_t started = 0;
+    if (job->step_phase != SD_STEP_IDLE)
+        started = job->step_start_ns;
+    else if (job->round.active)
+        started = job->round.start_ns;
+    else if (job->gathers_inflight > 0)
+        for (uint32_t i = 0; i < job->n_slots; i++)
+            if (job->units[i].inflight && (started == 0 || job->units[i].start_ns < started))
+                started = job->units[i].start_ns;
+    if (started == 0 || now - started <= timeout)
+        return;
+    char what[256];
+    sd_job_net_describe(job, what, sizeof(what));
+    sd_job_fail(job, SD_ETIMEDOUT, "%s for %lld ms (op_timeout_ms)", what,
+                (long long)job->reg->cfg->op_timeout_ms);
+}

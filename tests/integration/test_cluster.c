@@ -1,0 +1,206 @@
+/* Several real daemons over libfabric (tcp;ofi_rxm on loopback), real trainer processes:
+ *
+ * Fidelity: every plan, with and without the hierarchical gather and the 2-hop sync, ends with
+ * the parameters of plain data parallelism (mlp_train --reference) within |a-b| <= 1e-5 + 1e-5|b|
+ * (the reduction is hierarchical, (g0+g1)+(g2+g3), so not bitwise; see test_fidelity.c for why
+ * AdamW needs that bound).
+ *
+ * Volume: the inter-node bytes every daemon counted equal the formulas, with S the padded
+ * parameter bytes (fp32), p the shard factor, k ranks per node, N nodes, G = p / k nodes per
+ * partition group, T steps, s micro-steps per step:
+ *   init   node 0 sends (N - 1) S, every other node receives S
+ *   fetch  a hierarchical gather receives (p - k) / p S per node; without the hierarchy every
+ *          rank gathers for itself, k times that per node; a gather runs once per step (the
+ *          backward pass finds the unit cached) plus once for rank 0's final dump on node 0
+ *   push   the reduce-scatter sends and receives (p - k) / p S per node every micro-step
+ *   step   the 2-hop all-reduce across the R = N / G replication nodes sends 2 (R - 1) / R of the
+ *          node's block (S / G) once per step, not per micro-step, plus 8 (N - 1) bytes of norm;
+ *          without 2-hop that all-reduce moves into every micro-step's push. */
+#include "harness.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static struct th_cluster cl;
+static int N, K;
+
+struct run {
+    const char *plan;
+    int accum;
+};
+
+static long long jnum(json_t *o, const char *path)
+{
+    /* path "ops.fetch.bytes.inter_node_recv" */
+    char buf[128];
+    snprintf(buf, sizeof(buf), "%s", path);
+    json_t *cur = o;
+    for (char *save = NULL, *tok = strtok_r(buf, ".", &save); tok && cur;
+         tok = strtok_r(NULL, ".", &save))
+        cur = json_object_get(cur, tok);
+    return cur ? (long long)json_integer_value(cur) : -1;
+}
+
+static json_t *job_stats(int node, const char *job)
+{
+    char *js = th_admin(cl.d[node].sock, "stats");
+    json_t *doc = js ? json_loads(js, 0, NULL) : NULL;
+    free(js);
+    size_t i;
+    json_t *j, *found = NULL;
+    json_array_foreach(json_object_get(doc, "jobs"), i,
+                       j) if (strcmp(json_string_value(json_object_get(j, "job")), job) == 0)
+        found = json_incref(j);
+    json_decref(doc);
+    return found;
+}
+
+static long long job_param_bytes(const char *job)
+{
+    char *js = th_admin(cl.d[0].sock, "jobs");
+    json_t *doc = js ? json_loads(js, 0, NULL) : NULL;
+    free(js);
+    size_t i;
+    json_t *j;
+    long long p = -1;
+    json_array_foreach(json_object_get(doc, "jobs"), i,
+                       j) if (strcmp(json_string_value(json_object_get(j, "name")), job) == 0) p =
+        (long long)json_integer_value(json_object_get(j, "parameters")) * 4;
+    json_decref(doc);
+    return p;
+}
+
+static void run_one(const struct run *r, int idx)
+{
+    const int W = N * K, T = 6;
+    char job[64], accum[16], world[16], steps[16], dump[400], ref[400], logs[64][400];
+    snprintf(job, sizeof(job), "c%d-%d", N, idx);
+    snprintf(accum, sizeof(accum), "%d", r->accum);
+    snprintf(world, sizeof(world), "%d", W);
+    snprintf(steps, sizeof(steps), "%d", T);
+    snprintf(dump, sizeof(dump), "%s/%s.bin", cl.d[0].dir, job);
+    snprintf(ref, sizeof(ref), "%s/%s-ref.bin", cl.d[0].dir, job);
+    pid_t pids[65];
+    double t0 = th_now_s();
+    for (int rank = 0; rank <= W; rank++) {
+        char rs[16];
+        snprintf(rs, sizeof(rs), "%d", rank);
+        snprintf(logs[rank % 64], sizeof(logs[0]), "%s/%s-%d.log", cl.d[0].dir, job, rank);
+        const char *argv[40] = {MLP_TRAIN_PATH, "--world", world,   "--steps", steps, "--accum",
+                                accum,          "--plan",  r->plan, "--seed",  "3",   "--hidden",
+                                "256",          "--quiet"};
+        int n = 14;
+        if (rank < W) {
+            argv[n++] = "--socket";
+            argv[n++] = cl.d[rank / K].sock;
+            argv[n++] = "--job";
+            argv[n++] = job;
+            argv[n++] = "--rank";
+            argv[n++] = rs;
+            if (rank == 0) {
+                argv[n++] = "--dump-params";
+                argv[n++] = dump;
+            }
+        } else {
+            argv[n++] = "--reference";
+            argv[n++] = "--dump-params";
+            argv[n++] = ref;
+        }
+        argv[n] = NULL;
+        pids[rank] = th_spawn(argv, logs[rank % 64]);
+    }
+    int bad = 0;
+    for (int rank = 0; rank <= W; rank++) {
+        int rc = th_wait(pids[rank], 120000);
+        TH_CHECK(rc == 0, "%s: process %d exit code %d (log %s)", r->plan, rank, rc,
+                 logs[rank % 64]);
+        bad |= rc != 0;
+    }
+    if (bad)
+        return;
+    size_t na, nb;
+    float *a = (float *)(void *)th_read_file(dump, &na),
+          *b = (float *)(void *)th_read_file(ref, &nb);
+    TH_CHECK(a && b && na == nb, "dump sizes");
+    size_t n = a && b && na == nb ? na / 4 : 0, outside = 0, differ = 0;
+    double maxd = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        maxd = fmax(maxd, d);
+        differ += a[i] != b[i];
+        outside += !(d <= 1e-5 + 1e-5 * fabs(b[i]));
+    }
+    TH_CHECK(outside == 0, "%s accum %d: %zu parameters outside the tolerance (max %g)", r->plan,
+             r->accum, outside, maxd);
+    free(a);
+    free(b);
+
+    /* bytes against the formulas */
+    long long S = job_param_bytes(job);
+    int p = strncmp(r->plan, "ddp", 3) == 0     ? 1
+            : strncmp(r->plan, "zero3", 5) == 0 ? W
+                                                : atoi(r->plan + 5);
+    bool hier = strstr(r->plan, "no-hier") == NULL, two_hop = strstr(r->plan, "no-2hop") == NULL;
+    int G = p > K ? p / K : 1, R = N / G, s = r->accum;
+    long long block = S / G;
+    for (int node = 0; node < N; node++) {
+        json_t *st = job_stats(node, job);
+        TH_CHECK(st != NULL, "node %d has no stats for %s", node, job);
+        if (st == NULL)
+            continue;
+        long long init_sent = node == 0 ? (long long)(N - 1) * S : 0;
+        long long init_recv = node == 0 ? 0 : S;
+        int dumps = node == 0 ? 1 : 0;
+        long long gathers = G > 1 ? (hier ? T + dumps : (long long)K * T + dumps) : 0;
+        long long fetch_recv = gathers * (G - 1) * block;
+        long long push = (long long)T * s * (G - 1) * block;
+        long long ar_count = G > 1 ? block : S;
+        long long ar = R > 1 ? 2LL * (R - 1) * ar_count / R : 0;
+        if (!two_hop)
+            push += (long long)T * s * ar;
+        long long step = (long long)T * ((two_hop ? ar : 0) + 8LL * (N - 1));
+        long long got[5] = {
+            jnum(st, "ops.init.bytes.inter_node_sent"), jnum(st, "ops.init.bytes.inter_node_recv"),
+            jnum(st, "ops.fetch.bytes.inter_node_recv"), jnum(st, "ops.push.bytes.inter_node_sent"),
+            jnum(st, "ops.step.bytes.inter_node_sent")};
+        long long want[5] = {init_sent, init_recv, fetch_recv, push, step};
+        static const char *const what[5] = {"init sent", "init received", "fetch received",
+                                            "push sent", "step sent"};
+        for (int i = 0; i < 5; i++)
+            TH_CHECK(got[i] == want[i], "%s accum %d node %d: %s %lld bytes, formula %lld (S %lld)",
+                     r->plan, r->accum, node, what[i], got[i], want[i], S);
+        TH_CHECK(jnum(st, "ops.push.bytes.inter_node_recv") == push,
+                 "%s node %d: push received %lld, formula %lld", r->plan, node,
+                 jnum(st, "ops.push.bytes.inter_node_recv"), push);
+        TH_CHECK(jnum(st, "allocations_since_register") == 0, "allocations after registration");
+        json_decref(st);
+    }
+    printf("%dx%d %-22s accum %d: %zu params, %zu differ (max %.3g), S %lld B, %.2f s\n", N, K,
+           r->plan, r->accum, n, differ, maxd, S, th_now_s() - t0);
+}
+
+int main(int argc, char **argv)
+{
+    N = argc > 1 ? atoi(argv[1]) : 2;
+    K = argc > 2 ? atoi(argv[2]) : 2;
+    const char *extra[] = {"--small-allreduce-bytes", "0", "--op-timeout-ms", "20000", NULL};
+    if (th_cluster_start(&cl, N, K, extra) != 0) {
+        fprintf(stderr, "cannot start a cluster of %d nodes\n", N);
+        return 1;
+    }
+    struct run runs2[] = {
+        {"ddp", 1},        {"ddp", 4},    {"zero3", 1},          {"zero3", 4},
+        {"mics:2", 2},     {"mics:4", 2}, {"mics:4,no-hier", 1}, {"mics:2,no-2hop", 2},
+        {"ddp,no-2hop", 2}};
+    struct run runs4[] = {{"ddp", 2},           {"zero3", 2},          {"mics:2", 2},
+                          {"mics:4", 2},        {"mics:4,no-hier", 1}, {"mics:4,no-2hop", 2},
+                          {"mics:2,no-2hop", 1}};
+    struct run *runs = N == 4 ? runs4 : runs2;
+    size_t nr = N == 4 ? sizeof(runs4) / sizeof(runs4[0]) : sizeof(runs2) / sizeof(runs2[0]);
+    for (size_t i = 0; i < nr; i++)
+        run_one(&runs[i], (int)i);
+    TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
+    return th_summary("test_cluster");
+}

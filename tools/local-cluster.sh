@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# An emulated cluster of shardd daemons on this machine.
+#
+#   tools/local-cluster.sh start --nodes N --ranks-per-node K --dir DIR
+#                                [--netns --inter-rate RATE --inter-delay DELAY]
+#                                [--port PORT] [--shardd PATH] [-- shardd options...]
+#   tools/local-cluster.sh stop --dir DIR
+#
+# start runs N daemons; node i's client socket is DIR/node<i>/shardd.sock and its log
+# DIR/node<i>/shardd.log. Without --netns they talk over loopback. With --netns each node gets
+# a network namespace (sdN-<i>) with a veth pair into a bridge in the root namespace; the
+# node's side of each veth is shaped with tc (RATE like 1gbit, DELAY like 100us), so every
+# inter-node byte crosses a shaped link. Trainers of node i must run in its namespace:
+# `ip netns exec $(tools/local-cluster.sh netns --dir DIR --node i) ...` (the socket is a file,
+# so they can also connect from the root namespace). stop kills the daemons and removes the
+# namespaces, links and DIR's contents it made.
+set -euo pipefail
+
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+
+cmd=${1:-}
+[ -n "$cmd" ] || { usage; exit 2; }
+shift
+nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 port= shardd= extra=() node=
+while [ $# -gt 0 ]; do
+  case $1 in
+    --nodes) nodes=$2; shift 2 ;;
+    --ranks-per-node) k=$2; shift 2 ;;
+    --dir) dir=$2; shift 2 ;;
+    --netns) netns=1; shift ;;
+    --inter-rate) rate=$2; shift 2 ;;
+    --inter-delay) delay=$2; shift 2 ;;
+    --port) port=$2; shift 2 ;;
+    --shardd) shardd=$2; shift 2 ;;
+    --node) node=$2; shift 2 ;;
+    --) shift; extra=("$@"); break ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "local-cluster.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+[ -n "$dir" ] || { echo "local-cluster.sh: --dir is required" >&2; exit 2; }
+here=$(cd "$(dirname "$0")/.." && pwd)
+# a prefix unique to this directory, so several clusters can coexist
+tagid=$(printf '%s' "$(realpath -m "$dir")" | cksum | cut -c1-5)
+ns() { echo "sd${tagid}-$1"; }
+br="sdbr${tagid}"
+
+stop() {
+  if [ -d "$dir" ]; then
+    for pidf in "$dir"/node*/pid; do
+      [ -f "$pidf" ] || continue
+      pid=$(cat "$pidf")
+      kill -CONT "$pid" 2>/dev/null || true
+      kill -TERM "$pid" 2>/dev/null || true
+    done
+    for pidf in "$dir"/node*/pid; do
+      [ -f "$pidf" ] || continue
+      pid=$(cat "$pidf")
+      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+      kill -KILL "$pid" 2>/dev/null || true
+      rm -f "$pidf"
+    done
+  fi
+  if [ -f "$dir/netns" ]; then
+    while read -r n; do ip netns del "$n" 2>/dev/null || true; done <"$dir/netns"
+    ip link del "$br" 2>/dev/null || true
+    rm -f "$dir/netns"
+  fi
+}
+
+case $cmd in
+  stop) stop; rm -rf "$dir"/node* "$dir/cluster.env"; exit 0 ;;
+  netns) [ -n "$node" ] || { echo "--node is required" >&2; exit 2; }; ns "$node"; exit 0 ;;
+  start) ;;
+  *) usage; exit 2 ;;
+esac
+
+[ -n "$shardd" ] || shardd=$here/build/daemon/shardd
+[ -x "$shardd" ] || { echo "local-cluster.sh: $shardd not built (cmake --build build)" >&2; exit 1; }
+[ -n "$port" ] || port=$((20000 + RANDOM % 20000))
+mkdir -p "$dir"
+stop
+coord_ip=127.0.0.1
+if [ "$netns" = 1 ]; then
+  command -v ip >/dev/null && command -v tc >/dev/null ||
+    { echo "local-cluster.sh: --netns needs iproute2 (ip, tc)" >&2; exit 1; }
+  # addresses of this cluster's own namespaces: 10.<a>.<b>.<node+1>/24 behind a private bridge
+  a=$((200 + tagid % 50)); b=$((tagid % 250))
+  ip link add "$br" type bridge
+  ip link set "$br" up
+  : >"$dir/netns"
+  for i in $(seq 0 $((nodes - 1))); do
+    n=$(ns "$i")
+    ip netns add "$n"
+    echo "$n" >>"$dir/netns"
+    ip link add "sv${tagid}h$i" type veth peer name "sv${tagid}n$i"
+    ip link set "sv${tagid}n$i" netns "$n"
+    ip link set "sv${tagid}h$i" master "$br" up
+    ip netns exec "$n" ip link set lo up
+    ip netns exec "$n" ip addr add "10.$a.$b.$((i + 1))/24" dev "sv${tagid}n$i"
+    ip netns exec "$n" ip link set "sv${tagid}n$i" up
+    # shape what leaves the node; the delay, if any, on the same qdisc
+    if [ "$delay" != 0 ]; then
+      ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root handle 1: netem delay "$delay" rate "$rate"
+    else
+      ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root tbf rate "$rate" burst 256kb latency 100ms
+    fi
+  done
+  coord_ip="10.$a.$b.1"
+fi
+
+for i in $(seq 0 $((nodes - 1))); do
+  d="$dir/node$i"
+  mkdir -p "$d"
+  addr=127.0.0.1
+  runner=()
+  if [ "$netns" = 1 ]; then
+    addr="10.$a.$b.$((i + 1))"
+    runner=(ip netns exec "$(ns "$i")")
+  fi
+  "${runner[@]}" "$shardd" --nodes "$nodes" --node "$i" --ranks-per-node "$k" \
+    --runtime-dir "$d" --coordinator "$coord_ip:$port" --fabric-addr "$addr" \
+    "${extra[@]}" >"$d/shardd.log" 2>&1 &
+  echo $! >"$d/pid"
+done
+for i in $(seq 0 $((nodes - 1))); do
+  for _ in $(seq 200); do [ -S "$dir/node$i/shardd.sock" ] && break; sleep 0.05; done
+  [ -S "$dir/node$i/shardd.sock" ] || { echo "node $i did not start:"; cat "$dir/node$i/shardd.log"; stop; exit 1; }
+done
+# the cluster forms once every node said hello
+for _ in $(seq 300); do
+  grep -q "cluster of $nodes nodes formed" "$dir/node0/shardd.log" 2>/dev/null && break
+  sleep 0.05
+done
+grep -q "cluster of $nodes nodes formed" "$dir/node0/shardd.log" ||
+  { echo "the cluster did not form:"; tail -5 "$dir"/node*/shardd.log; stop; exit 1; }
+cat >"$dir/cluster.env" <<EOF
+NODES=$nodes
+RANKS_PER_NODE=$k
+PORT=$port
+NETNS=$netns
+EOF
+echo "cluster of $nodes nodes x $k ranks up in $dir (coordinator $coord_ip:$port)"
