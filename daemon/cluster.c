@@ -621,7 +621,7 @@ static void link_close(struct link *l, const char *why)
         return;
     if (node >= 0 && cl->ready) {
         char reason[160];
-        snprintf(reason, sizeof(reason), "control link %s", why);
+        snprintf(reason, sizeof(reason), "%s", why);
         node_down(cl, (uint32_t)node, reason);
     } else if (cl->self != 0 && !cl->ready && !cl->fatal) {
         SD_WARN("cluster", "lost the coordinator before the cluster formed: %s", why);
@@ -752,9 +752,8 @@ static void timer_cb(uv_timer_t *t)
         link_send(l, &m);
         if (now - l->last_seen_ns > timeout) {
             char reason[128];
-            snprintf(reason, sizeof(reason), "no heartbeat for %llu ms (heartbeat_timeout_ms %lld)",
-                     (unsigned long long)((now - l->last_seen_ns) / 1000000),
-                     (long long)cl->cfg->heartbeat_timeout_ms);
+            snprintf(reason, sizeof(reason), "no heartbeat for %llu ms",
+                     (unsigned long long)((now - l->last_seen_ns) / 1000000));
             int node = l->node;
             link_close(l, reason);
             if (cl->self != 0 && node == 0)

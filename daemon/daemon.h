@@ -277,6 +277,7 @@ struct sd_job {
     uint32_t n_slots;
     bool node_rounds;    /* pushes reduce across nodes (or all-reduce without 2-hop) */
     bool retire_pending; /* all ranks left; memory goes once the network is idle */
+    bool was_ready;      /* reached READY: after a clean detach, ready still answers */
     struct sd_net *net;
     struct sd_bulk_pool bulks;
     void **mr_handles;

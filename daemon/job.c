@@ -763,7 +763,7 @@ void sd_registry_node_down(struct sd_registry *reg, uint32_t node, const char *r
         }
         char what[200];
         sd_job_net_describe(job, what, sizeof(what));
-        sd_job_fail(job, SD_EPEER, "node %u is down (%s); %s", node, reason, what);
+        sd_job_fail(job, SD_EPEER, "%s; node %u is down: %s", what, node, reason);
     }
 }
 

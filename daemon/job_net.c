@@ -463,13 +463,9 @@ int sd_net_post_requests(struct sd_registry *reg)
     return SD_OK;
 }
 
+/* After the transport was quiesced and every job freed. */
 void sd_net_stop(struct sd_registry *reg)
 {
-    if (reg->net == NULL)
-        return;
-    for (uint32_t i = 0; i < SD_NET_REQ_SLOTS; i++)
-        reg->net->tp->ops->cancel(reg->net->tp, &reg->net->reqs[i].x);
-    reg->net->tp->ops->progress(reg->net->tp);
     free(reg->net);
     reg->net = NULL;
 }

@@ -522,6 +522,7 @@ void sd_job_set_ready(struct sd_job *job)
     if (job->state != SD_JOB_LOADING)
         return;
     job->state = SD_JOB_READY;
+    job->was_ready = true;
     SD_INFO("job", "job '%s' ready", job->name);
     for (uint32_t r = 0; r < job->k; r++) {
         if (!job->ready_waiting[r] || job->ranks[r] == NULL)
@@ -535,7 +536,7 @@ void sd_job_set_ready(struct sd_job *job)
 static void op_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                      uint64_t start)
 {
-    if (job->state == SD_JOB_READY) {
+    if (job->state == SD_JOB_READY || (job->state == SD_JOB_CLOSING && job->was_ready)) {
         complete_ok(job, s, e, 0, 0, start);
         return;
     }
@@ -575,7 +576,7 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
             op_init(job, s, e, start);
         return true;
     case SD_OP_READY:
-        if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
+        if (job->state == SD_JOB_FAILED || (job->state == SD_JOB_CLOSING && !job->was_ready))
             check_ready(job, s, e, false);
         else
             op_ready(job, s, e, start);

@@ -109,13 +109,16 @@ static void app_stop(struct app *app)
 {
     if (app->cl != NULL)
         sd_cluster_stop(app->cl);
+    if (app->tp != NULL) { /* no more progress, no more writes into job memory */
+        sd_server_detach_transport(&app->srv);
+        app->tp->ops->quiesce(app->tp);
+    }
+    sd_server_stop(&app->srv); /* frees every job, deregistering its memory */
     if (app->tp != NULL) {
         sd_net_stop(app->reg);
-        sd_server_detach_transport(&app->srv);
         app->tp->ops->close(app->tp);
         app->tp = NULL;
     }
-    sd_server_stop(&app->srv);
     uv_signal_stop(&app->sigterm);
     uv_signal_stop(&app->sigint);
     uv_close((uv_handle_t *)&app->sigterm, NULL);

@@ -58,6 +58,8 @@ struct sd_transport_ops {
     int (*wait_fd)(struct sd_transport *tp);
     /* True if it is safe to sleep on wait_fd now (fi_trywait). */
     bool (*can_sleep)(struct sd_transport *tp);
+    /* Stop all I/O (close the endpoint); registrations stay valid until close. */
+    void (*quiesce)(struct sd_transport *tp);
     void (*close)(struct sd_transport *tp);
 };
 

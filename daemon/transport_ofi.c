@@ -135,6 +135,8 @@ static int post(struct ofi *o, struct sd_xfer *x)
 
 static int submit(struct ofi *o, struct sd_xfer *x)
 {
+    if (o->ep == NULL)
+        return SD_ENOTCONN;
     o->base.inflight++;
     if (o->pending_head == NULL) {
         int st = post(o, x);
@@ -184,7 +186,7 @@ static int ofi_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64
 static void ofi_cancel(struct sd_transport *tp, struct sd_xfer *x)
 {
     struct ofi *o = (struct ofi *)tp;
-    if (x->kind != XFER_RECV)
+    if (x->kind != XFER_RECV || o->ep == NULL)
         return;
     /* still in the pending queue: take it out and complete it here */
     for (struct sd_xfer **pp = &o->pending_head, *prev = NULL; *pp;
@@ -274,6 +276,15 @@ static bool ofi_can_sleep(struct sd_transport *tp)
     return fi_trywait(o->fabric, &f, 1) == FI_SUCCESS;
 }
 
+static void ofi_quiesce(struct sd_transport *tp)
+{
+    struct ofi *o = (struct ofi *)tp;
+    if (o->ep)
+        fi_close(&o->ep->fid);
+    o->ep = NULL;
+    o->pending_head = o->pending_tail = NULL;
+}
+
 static void ofi_close(struct sd_transport *tp)
 {
     struct ofi *o = (struct ofi *)tp;
@@ -305,6 +316,7 @@ static const struct sd_transport_ops ofi_ops = {
     .progress = ofi_progress,
     .wait_fd = ofi_wait_fd,
     .can_sleep = ofi_can_sleep,
+    .quiesce = ofi_quiesce,
     .close = ofi_close,
 };
 

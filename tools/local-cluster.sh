@@ -5,6 +5,7 @@
 #                                [--netns --inter-rate RATE --inter-delay DELAY]
 #                                [--port PORT] [--shardd PATH] [-- shardd options...]
 #   tools/local-cluster.sh stop --dir DIR
+#   tools/local-cluster.sh link --dir DIR --node I up|down     (netns clusters: cut a node off)
 #
 # start runs N daemons; node i's client socket is DIR/node<i>/shardd.sock and its log
 # DIR/node<i>/shardd.log. Without --netns they talk over loopback. With --netns each node gets
@@ -16,12 +17,12 @@
 # namespaces, links and DIR's contents it made.
 set -euo pipefail
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ -n "$cmd" ] || { usage; exit 2; }
 shift
-nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 port= shardd= extra=() node=
+state= nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 port= shardd= extra=() node=
 while [ $# -gt 0 ]; do
   case $1 in
     --nodes) nodes=$2; shift 2 ;;
@@ -35,6 +36,7 @@ while [ $# -gt 0 ]; do
     --node) node=$2; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
+    up|down) state=$1; shift ;;
     *) echo "local-cluster.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -71,6 +73,11 @@ stop() {
 case $cmd in
   stop) stop; rm -rf "$dir"/node* "$dir/cluster.env"; exit 0 ;;
   netns) [ -n "$node" ] || { echo "--node is required" >&2; exit 2; }; ns "$node"; exit 0 ;;
+  link)
+    [ -n "$node" ] && [ -n "$state" ] || { echo "link needs --node I and up or down" >&2; exit 2; }
+    [ -f "$dir/netns" ] || { echo "link: $dir is not a --netns cluster" >&2; exit 2; }
+    ip netns exec "$(ns "$node")" ip link set "sv${tagid}n$node" "$state"
+    exit 0 ;;
   start) ;;
   *) usage; exit 2 ;;
 esac

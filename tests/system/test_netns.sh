@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# A cluster in network namespaces (tools/local-cluster.sh --netns): trains across shaped veth
+# links, then one node's link goes down mid-training. The surviving ranks must fail within
+# op_timeout + 1 s naming the operation and the node; the survivors answer shardctl and train a
+# new job; stop removes the namespaces. Skipped with a clear line where namespaces cannot be made.
+set -u
+ROOT=$1 MLP=$2 SHARDCTL=$3 SHARDD=$4
+dir=$(mktemp -d /tmp/shardd-netns-XXXXXX)
+pass=0 fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
+check() { if eval "$1"; then ok; else bad "$2"; fi; }
+cleanup() { "$ROOT/tools/local-cluster.sh" stop --dir "$dir" >/dev/null 2>&1; rm -rf "$dir"; }
+trap cleanup EXIT
+
+if ! ip netns add "sdprobe$$" 2>/dev/null; then
+  echo "SKIP: cannot create network namespaces here (needs root and CAP_SYS_ADMIN)"
+  echo "test_netns: 0 passed, 0 failed, 1 skipped"
+  exit 0
+fi
+ip netns del "sdprobe$$"
+
+"$ROOT/tools/local-cluster.sh" start --nodes 3 --ranks-per-node 2 --dir "$dir" --netns \
+  --inter-rate 1gbit --shardd "$SHARDD" -- --op-timeout-ms 3000 --heartbeat-interval-ms 200 \
+  --heartbeat-timeout-ms 1500 >"$dir/start.log" 2>&1
+check '[ $? -eq 0 ]' "cluster did not start: $(cat "$dir/start.log")"
+ns2=$("$ROOT/tools/local-cluster.sh" netns --dir "$dir" --node 2)
+check 'ip netns list | grep -q "$ns2"' "namespace $ns2 missing"
+
+# a short job across the shaped links first: it must train to completion
+for r in 0 1 2 3 4 5; do
+  "$MLP" --socket "$dir/node$((r / 2))/shardd.sock" --job warm --rank $r --world 6 --plan mics:2 \
+    --steps 5 --hidden 128 --quiet >"$dir/warm$r.log" 2>&1 &
+  pids[$r]=$!
+done
+for r in 0 1 2 3 4 5; do wait "${pids[$r]}" || bad "warm-up rank $r failed: $(cat "$dir/warm$r.log")"; done
+js=$("$SHARDCTL" --socket "$dir/node0/shardd.sock" --job warm stats --json)
+check 'python3 -c "import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]; assert j[\"bytes\"][\"inter_node_sent\"] > 0" "$js"' \
+  "no inter-node bytes counted over the namespaces"
+
+for r in 0 1 2 3 4 5; do
+  "$MLP" --socket "$dir/node$((r / 2))/shardd.sock" --job long --rank $r --world 6 --plan zero3 \
+    --steps 100000 --hidden 128 --quiet >"$dir/long$r.log" 2>&1 &
+  pids[$r]=$!
+done
+sleep 2
+t0=$(date +%s.%N)
+"$ROOT/tools/local-cluster.sh" link --dir "$dir" --node 2 down
+for r in 0 1 2 3; do
+  wait "${pids[$r]}"; rc=$?
+  took=$(python3 -c "print($(date +%s.%N) - $t0)")
+  check '[ $rc -eq 1 ]' "rank $r exit code $rc after the link went down"
+  check 'python3 -c "import sys; sys.exit(0 if $took <= 4.0 else 1)"' "rank $r failed after $took s (op_timeout 3 s)"
+  check 'grep -q "node 2" "$dir/long$r.log" && grep -qE "fetch of unit|push of unit|step " "$dir/long$r.log"' \
+    "rank $r error does not name the operation and node 2: $(cat "$dir/long$r.log")"
+done
+echo "rank 0 after the link went down: $(cat "$dir/long0.log")"
+for n in 0 1; do
+  check '"$SHARDCTL" --socket "$dir/node$n/shardd.sock" status >/dev/null' "node $n does not answer"
+done
+for r in 0 1 2 3; do
+  "$MLP" --socket "$dir/node$((r / 2))/shardd.sock" --job after --rank $r --world 4 --plan mics:4 \
+    --steps 3 --hidden 128 --quiet >"$dir/after$r.log" 2>&1 &
+  apids[$r]=$!
+done
+for r in 0 1 2 3; do wait "${apids[$r]}" || bad "new job on the survivors, rank $r: $(cat "$dir/after$r.log")"; done
+"$ROOT/tools/local-cluster.sh" link --dir "$dir" --node 2 up
+kill "${pids[4]}" "${pids[5]}" 2>/dev/null; wait 2>/dev/null
+"$ROOT/tools/local-cluster.sh" stop --dir "$dir"
+check '! ip netns list | grep -q "$ns2"' "stop left namespace $ns2 behind"
+echo "test_netns: $pass passed, $fail failed"
+[ $fail -eq 0 ]
