@@ -665,10 +665,9 @@ int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t by
     return status;
 }
 
-int shard_step(shard_ctx_t *ctx, double *grad_norm_p)
+int shard__push_flush(shard_ctx_t *ctx)
 {
-    struct sd_cqe cqe;
-    int status = check_attached(ctx, "step", true);
+    int status = check_attached(ctx, "push_flush", true);
     if (status != SD_OK)
         return status;
     for (uint32_t i = 0; i < ctx->staging_slots; i++)
@@ -676,7 +675,30 @@ int shard_step(shard_ctx_t *ctx, double *grad_norm_p)
     if (ctx->push_status != SD_OK) {
         status = ctx->push_status;
         ctx->push_status = SD_OK;
-        return fail(ctx, status, "step: an earlier push failed: %s", ctx->push_err);
+        return fail(ctx, status, "an earlier push failed: %s", ctx->push_err);
+    }
+    return SD_OK;
+}
+
+int shard__drop(shard_ctx_t *ctx, uint32_t unit)
+{
+    struct sd_cqe cqe;
+    int status = check_attached(ctx, "drop", true);
+    if (status != SD_OK)
+        return status;
+    return call(ctx, SD_OP_DROP, unit, 0, 0, &cqe);
+}
+
+int shard_step(shard_ctx_t *ctx, double *grad_norm_p)
+{
+    struct sd_cqe cqe;
+    if (ctx == NULL)
+        return SD_EINVAL;
+    int status = shard__push_flush(ctx);
+    if (status != SD_OK) {
+        char why[sizeof(ctx->err)];
+        memcpy(why, ctx->err, sizeof(why));
+        return fail(ctx, status, "step: %s", why);
     }
     status = call(ctx, SD_OP_STEP, 0, 0, 0, &cqe);
     if (status == SD_OK && grad_norm_p != NULL) {

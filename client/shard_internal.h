@@ -14,4 +14,9 @@ SHARD_API int shard__connect(const char *socket_path, int *fd_p, char *err, size
 SHARD_API int shard__post_raw(shard_ctx_t *ctx, uint32_t op, uint32_t unit, uint64_t a0,
                               uint64_t a1);
 
+/* Wait until every posted gradient push completed; returns the first push error. */
+SHARD_API int shard__push_flush(shard_ctx_t *ctx);
+/* Drop the daemon's cached gathered copy of a unit, so the next fetch gathers again. */
+SHARD_API int shard__drop(shard_ctx_t *ctx, uint32_t unit);
+
 #endif

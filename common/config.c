@@ -54,10 +54,14 @@ const struct sd_config_entry sd_config_table[] = {
      "a peer silent this long is declared down and its jobs fail", 1},
     {"rendezvous_timeout_ms", SD_CFG_INT, "60000", 100, 3600000, OFF(rendezvous_timeout_ms),
      "deadline for every node to join the cluster at start-up", 0},
-    {"chunk_bytes", SD_CFG_SIZE, "1MiB", 4096, 1LL << 30, OFF(chunk_bytes),
+    {"chunk_bytes", SD_CFG_SIZE, "256KiB", 4096, 1LL << 30, OFF(chunk_bytes),
      "large transfers are split into chunks of this size and pipelined", 1},
     {"small_allreduce_bytes", SD_CFG_SIZE, "64KiB", 0, 1LL << 30, OFF(small_allreduce_bytes),
      "all-reduces up to this size use the latency-bound direct algorithm instead of the ring", 1},
+    {"net_spin", SD_CFG_INT, "0", 0, 1, OFF(net_spin),
+     "1: busy-poll the fabric while transfers are in flight (cores to spare); 0: poll but yield "
+     "the core to other processes each pass",
+     0},
 };
 const unsigned sd_config_table_len = SD_ARRAY_SIZE(sd_config_table);
 

@@ -1,5 +1,6 @@
 /* Admin commands for shardctl: status, jobs, groups, topology, stats. Answers are JSON; shardctl
  * renders tables from the same documents. */
+#include "cluster.h"
 #include "daemon.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -155,14 +156,20 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
                strcmp(cmd, "stats") == 0) {
         out = json_pack("{s:o}", "jobs", jobs);
     } else if (strcmp(cmd, "topology") == 0) {
-        json_t *nodes = json_array();
-        for (int64_t n = 0; n < cfg->nodes; n++)
-            json_array_append_new(nodes, json_pack("{s:I, s:b, s:s}", "node", (json_int_t)n, "self",
-                                                   n == cfg->node, "socket",
-                                                   n == cfg->node ? srv->sock_path : ""));
-        out = json_pack("{s:i, s:i, s:I, s:s, s:o, s:o}", "node", (int)cfg->node, "nodes",
-                        (int)cfg->nodes, "ranks_per_node", (json_int_t)cfg->ranks_per_node,
-                        "backend", cfg->backend, "topology", nodes, "jobs", jobs);
+        json_t *nodes;
+        struct sd_cluster *cl = reg->net ? reg->net->cl : NULL;
+        if (cl != NULL) {
+            nodes = sd_cluster_json(cl);
+        } else {
+            nodes = json_array();
+            json_array_append_new(
+                nodes, json_pack("{s:i, s:b, s:s}", "node", 0, "self", 1, "state", "self"));
+        }
+        out = json_pack("{s:i, s:i, s:I, s:s, s:s, s:b, s:s, s:o, s:o}", "node", (int)cfg->node,
+                        "nodes", (int)cfg->nodes, "ranks_per_node", (json_int_t)cfg->ranks_per_node,
+                        "backend", cfg->backend, "provider", cfg->nodes > 1 ? cfg->provider : "",
+                        "cluster_ready", sd_cluster_ready(cl), "socket", srv->sock_path, "topology",
+                        nodes, "jobs", jobs);
     } else {
         json_decref(jobs);
         out =

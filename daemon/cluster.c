@@ -202,7 +202,7 @@ static int install_table(struct sd_cluster *cl)
         return st;
     cl->ready = true;
     for (uint32_t i = 0; i < cl->n; i++)
-        cl->alive[i] = true;
+        cl->alive[i] = cl->present[i] = true;
     st = sd_net_post_requests(cl->reg);
     if (st != SD_OK)
         return st;

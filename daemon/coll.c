@@ -232,6 +232,8 @@ static void ring_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len
 static void ring_done(struct sd_bulk *b, int status)
 {
     struct sd_allreduce *ar = b->arg;
+    SD_DEBUG("coll", "ring step %u: %s to/from node %u done (%d)", ar->step,
+             b->is_send ? "send" : "recv", b->peer, status);
     ar_note(ar, b, status);
     if (--ar->pending > 0)
         return;
@@ -245,6 +247,7 @@ static void ring_done(struct sd_bulk *b, int status)
 static void ring_post(struct sd_allreduce *ar)
 {
     uint32_t n = ar->n_members, t = ar->step;
+    SD_DEBUG("coll", "ring step %u of %u posted", t, 2 * (n - 1));
     uint32_t next = ar->members[(ar->pos + 1) % n], prev = ar->members[(ar->pos + n - 1) % n];
     uint32_t send_seg, recv_seg;
     if (t < n - 1) {

@@ -177,8 +177,14 @@ struct sd_net_req {
     struct sd_req_msg msg;
     struct sd_registry *reg;
 };
+/* pull requests for a job this node has not confirmed yet (the coordinator's confirmation can
+ * arrive after a faster node already asks): kept briefly, retried on confirmation */
+#define SD_NET_EARLY_REQS 256
 struct sd_net {
     bool posted;
+    struct sd_req_msg early[SD_NET_EARLY_REQS];
+    uint64_t early_ns[SD_NET_EARLY_REQS];
+    uint32_t n_early;
     struct sd_transport *tp;
     struct sd_cluster *cl;
     uint32_t self, n;
@@ -350,6 +356,10 @@ int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_clu
 /* standing receives for pull requests, once the cluster formed (idempotent) */
 int sd_net_post_requests(struct sd_registry *reg);
 void sd_net_stop(struct sd_registry *reg);
+/* true while transfers beyond the standing request receives are in flight */
+bool sd_net_busy(const struct sd_registry *reg);
+/* a job was confirmed: serve the requests that came for it too early */
+void sd_net_job_confirmed(struct sd_registry *reg, struct sd_job *job);
 /* bytes of network buffers a job needs on this node */
 uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg);
 int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen);

@@ -493,6 +493,7 @@ void sd_job_confirmed(struct sd_registry *reg, const char *name, uint32_t tag)
         return;
     job->tag = tag;
     job_start_loading(job);
+    sd_net_job_confirmed(reg, job);
 }
 
 void sd_job_refused(struct sd_registry *reg, const char *name, int status, const char *msg)

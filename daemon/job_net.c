@@ -400,6 +400,26 @@ static void on_request(struct sd_registry *reg, const struct sd_req_msg *m)
         return;
     }
     struct sd_job *job = sd_registry_find_tag(reg, m->job_tag);
+    if (job == NULL) { /* maybe confirmed here a moment from now */
+        struct sd_net *net = reg->net;
+        uint64_t now = sd_now_ns(), keep = (uint64_t)reg->cfg->op_timeout_ms * 1000000ULL;
+        uint32_t kept = 0;
+        for (uint32_t i = 0; i < net->n_early; i++)
+            if (now - net->early_ns[i] < keep) {
+                net->early[kept] = net->early[i];
+                net->early_ns[kept++] = net->early_ns[i];
+            }
+        net->n_early = kept;
+        if (kept < SD_NET_EARLY_REQS) {
+            net->early[kept] = *m;
+            net->early_ns[kept] = now;
+            net->n_early++;
+            return;
+        }
+        SD_WARN_SPARSE("net", "too many pull requests for unknown jobs; dropping one for tag %u",
+                       m->job_tag);
+        return;
+    }
     if (job == NULL || job->units == NULL || m->unit >= job->layout.n_units ||
         m->lslot >= job->slots_per_unit || m->src >= job->nodes || m->src == self_node(job)) {
         SD_WARN_SPARSE("net", "dropping a pull request for job tag %u unit %u from node %u",
@@ -412,6 +432,32 @@ static void on_request(struct sd_registry *reg, const struct sd_req_msg *m)
         job->req_queue[job->req_queued++] = *m;
     else
         SD_WARN_SPARSE("net", "job '%s': pull request queue full", job->name);
+}
+
+void sd_net_job_confirmed(struct sd_registry *reg, struct sd_job *job)
+{
+    struct sd_net *net = reg->net;
+    if (net == NULL)
+        return;
+    uint32_t kept = 0, n = net->n_early;
+    struct sd_req_msg mine[SD_NET_EARLY_REQS];
+    uint32_t n_mine = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (net->early[i].job_tag == job->tag) {
+            mine[n_mine++] = net->early[i];
+            continue;
+        }
+        net->early[kept] = net->early[i];
+        net->early_ns[kept++] = net->early_ns[i];
+    }
+    net->n_early = kept;
+    for (uint32_t i = 0; i < n_mine; i++)
+        on_request(reg, &mine[i]);
+}
+
+bool sd_net_busy(const struct sd_registry *reg)
+{
+    return reg->net != NULL && reg->net->tp->inflight > (reg->net->posted ? SD_NET_REQ_SLOTS : 0);
 }
 
 static void req_recv_cb(struct sd_xfer *x, int status);
@@ -665,6 +711,8 @@ static void round_finish(struct sd_job *job)
         job->reg->dev->reduce_add(g, B + src, SD_DTYPE_FP32, len);
     }
     rd->active = false;
+    SD_DEBUG("net", "job '%s': push round of unit %u done in %.1f us", job->name, rd->unit,
+             (double)(sd_now_ns() - rd->start_ns) / 1e3);
     sd_job_finish_round(job, rd->unit, 0);
     round_start_next(job);
     if (!job->round.active && job->step_phase != SD_STEP_IDLE)
@@ -765,6 +813,8 @@ static void round_start_next(struct sd_job *job)
     rd->unit = u;
     rd->seq = job->rounds[u].seq;
     rd->start_ns = sd_now_ns();
+    SD_DEBUG("net", "job '%s': push round of unit %u (micro-step %llu) starts", job->name, u,
+             (unsigned long long)rd->seq + 1);
     rd->status = SD_OK;
     rd->pending = 0;
     /* the node partial: the local ranks' gradients summed in rank order */

@@ -569,6 +569,16 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         if (check_ready(job, s, e, false))
             op_step(job, s, e);
         return true;
+    case SD_OP_DROP:
+        if (check_ready(job, s, e, true)) {
+            struct sd_unit_state *us = slot_of(job, e->unit, s->local);
+            if (us->resident && !us->inflight && us->refs == 0) {
+                sd_slot_pool_free(&job->spool, us->pool_off);
+                us->resident = false;
+            }
+            complete_ok(job, s, e, 0, 0, start);
+        }
+        return true;
     case SD_OP_INIT:
         if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
             check_ready(job, s, e, false);

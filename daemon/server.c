@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sched.h>
 #include <unistd.h>
 
 #define SEND_TIMEOUT_MS 2000
@@ -305,8 +306,20 @@ static void idle_cb(uv_idle_t *h)
     }
     if (now - srv->last_activity_ns < (uint64_t)srv->cfg->poll_spin_us * 1000)
         return;
-    if (srv->tp != NULL && !srv->tp->ops->can_sleep(srv->tp))
-        return; /* the fabric has work only progress calls drive */
+    /* transfers in flight need progress calls (manual-progress providers such as ofi_rxm
+     * advance a transfer one step per call): poll while any is in flight, yielding the core to
+     * trainers and peers unless the daemon has cores to itself (net_spin) */
+    if (srv->tp != NULL) {
+        bool busy = sd_net_busy(srv->reg);
+        if (busy && srv->cfg->net_spin)
+            return;
+        if (busy) { /* keep polling, but give the core to trainers and peers that can run */
+            sched_yield();
+            return;
+        }
+        if (!srv->tp->ops->can_sleep(srv->tp))
+            return;
+    }
     /* go to sleep: announce it, then look once more (pairs with the client's fence) */
     set_sleeping(srv, 1);
     atomic_thread_fence(memory_order_seq_cst);
@@ -361,6 +374,7 @@ void sd_server_detach_transport(struct sd_server *srv)
         uv_close((uv_handle_t *)&srv->tpoll, NULL);
         srv->tpolling = false;
     }
+
     srv->tp = NULL;
 }
 

@@ -22,7 +22,7 @@ usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 cmd=${1:-}
 [ -n "$cmd" ] || { usage; exit 2; }
 shift
-state= nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 port= shardd= extra=() node=
+state= nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 port= shardd= shardctl= extra=() node=
 while [ $# -gt 0 ]; do
   case $1 in
     --nodes) nodes=$2; shift 2 ;;
@@ -33,6 +33,7 @@ while [ $# -gt 0 ]; do
     --inter-delay) delay=$2; shift 2 ;;
     --port) port=$2; shift 2 ;;
     --shardd) shardd=$2; shift 2 ;;
+    --shardctl) shardctl=$2; shift 2 ;;
     --node) node=$2; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
@@ -83,6 +84,7 @@ case $cmd in
 esac
 
 [ -n "$shardd" ] || shardd=$here/build/daemon/shardd
+[ -n "$shardctl" ] || shardctl=$(dirname "$shardd")/../tools/shardctl
 [ -x "$shardd" ] || { echo "local-cluster.sh: $shardd not built (cmake --build build)" >&2; exit 1; }
 [ -n "$port" ] || port=$((20000 + RANDOM % 20000))
 mkdir -p "$dir"
@@ -135,12 +137,14 @@ for i in $(seq 0 $((nodes - 1))); do
   [ -S "$dir/node$i/shardd.sock" ] || { echo "node $i did not start:"; cat "$dir/node$i/shardd.log"; stop; exit 1; }
 done
 # the cluster forms once every node said hello
-for _ in $(seq 300); do
-  grep -q "cluster of $nodes nodes formed" "$dir/node0/shardd.log" 2>/dev/null && break
-  sleep 0.05
-done
-grep -q "cluster of $nodes nodes formed" "$dir/node0/shardd.log" ||
-  { echo "the cluster did not form:"; tail -5 "$dir"/node*/shardd.log; stop; exit 1; }
+formed() {
+  for i in $(seq 0 $((nodes - 1))); do
+    "$shardctl" --socket "$dir/node$i/shardd.sock" topology 2>/dev/null | grep -q "cluster formed" ||
+      return 1
+  done
+}
+for _ in $(seq 300); do formed && break; sleep 0.05; done
+formed || { echo "the cluster did not form:"; tail -n 5 "$dir"/node*/shardd.log; stop; exit 1; }
 cat >"$dir/cluster.env" <<EOF
 NODES=$nodes
 RANKS_PER_NODE=$k

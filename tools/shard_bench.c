@@ -10,6 +10,7 @@
  * --json prints one object per measurement with name, size_bytes, time_s, baseline,
  * baseline_time_s and ratio. Times are medians over --iters repetitions. */
 #include "shard.h"
+#include "shard_internal.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -18,14 +19,23 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <math.h>
 #include <time.h>
 #include <unistd.h>
 
+/* fewer iterations for large sizes: about 1 GiB moved per measurement, at least 3 */
+#define SD_BENCH_ITERS(iters, size)                                                                \
+    ((size) * (uint64_t)(iters) > (1ULL << 30)                                                     \
+         ? ((1ULL << 30) / (size) < 3 ? 3 : (1ULL << 30) / (size))                                 \
+         : (uint64_t)(iters))
+
 struct opts {
     const char *socket;
-    uint64_t size;
+    const char *sockets; /* collectives: one socket per node, comma-separated */
+    int ranks_per_node;
+    uint64_t size, min_size, max_size;
     uint64_t params;
-    int iters;
+    int iters, warmup;
     bool json;
 };
 
@@ -233,6 +243,207 @@ static int bench_step(const struct opts *o)
     return 0;
 }
 
+/* ---- collectives across the daemons of a cluster (nccl-tests conventions)
+ *
+ * One process per rank. allgather: a zero3 fetch that must gather (the cached copy is dropped
+ * before each iteration); reducescatter: a zero3 gradient push (reduce-scatter across the
+ * partition group); allreduce: a push under "ddp,no-2hop" (every micro-step all-reduces across
+ * all ranks). Times are per rank, averaged over the iterations; the reported time is the slowest
+ * rank's. #wrong counts elements that differ from the exact expected result: gathered values
+ * against the initial values, reductions through one SGD step with lr 1 on integer gradients. */
+
+enum { COLL_AG = 1, COLL_RS = 2, COLL_AR = 3 };
+
+struct coll_result {
+    uint64_t size;
+    double time_s;
+    uint64_t wrong;
+    int status;
+};
+
+static int coll_rank(const struct opts *o, int kind, int rank, int world, const char *sock,
+                     uint64_t size, struct coll_result *res)
+{
+    uint64_t numel = size / 4;
+    uint64_t dims[1] = {numel};
+    shard_tensor_t t = {.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32, .unit = 0};
+    char job[96];
+    snprintf(job, sizeof(job), "bench-%d-%d-%llu", kind, (int)getppid(), (unsigned long long)size);
+    float *init = NULL;
+    const float *inits[1] = {NULL};
+    if (kind == COLL_AG && rank == 0) {
+        init = malloc(numel * sizeof(float));
+        for (uint64_t i = 0; i < numel; i++)
+            init[i] = (float)(i % 4099);
+        inits[0] = init;
+    }
+    shard_model_t m = {.job = job,
+                       .rank = (uint32_t)rank,
+                       .world = (uint32_t)world,
+                       .plan = kind == COLL_AR ? "ddp,no-2hop" : "zero3",
+                       .tensors = &t,
+                       .n_tensors = 1,
+                       .optimizer = {.name = "sgd", .lr = 1.0f},
+                       .init = inits};
+    shard_ctx_t *c = NULL;
+    int st = shard_attach(sock, &c);
+    if (st == 0)
+        st = shard_register(c, &m);
+    free(init);
+    if (st != 0) {
+        fprintf(stderr, "shard-bench rank %d: %s\n", rank, shard_last_error(c));
+        if (c)
+            shard_detach(c);
+        return st;
+    }
+    shard_unit_info_t ui;
+    shard_unit_info(c, 0, &ui);
+    int iters = (int)SD_BENCH_ITERS(o->iters, size), total = iters + o->warmup;
+    double sum = 0;
+    const void *p;
+    float *grad = NULL;
+    if (kind != COLL_AG) {
+        grad = malloc(ui.bytes);
+        for (uint64_t i = 0; i < ui.numel; i++)
+            grad[i] = (float)(rank + 1);
+    }
+    for (int it = 0; it < total && st == 0; it++) {
+        double t0;
+        if (kind == COLL_AG) {
+            st = shard__drop(c, 0);
+            t0 = now_s();
+            if (st == 0)
+                st = shard_fetch(c, 0, &p);
+            double dt = now_s() - t0;
+            if (st == 0 && it == total - 1) {
+                const float *x = p;
+                for (uint64_t i = 0; i < numel; i++)
+                    res->wrong += x[i] != (float)(i % 4099);
+            }
+            if (st == 0)
+                st = shard_release(c, 0);
+            if (it >= o->warmup)
+                sum += dt;
+        } else {
+            t0 = now_s();
+            st = shard_push_grad(c, 0, grad, ui.bytes);
+            if (st == 0)
+                st = shard__push_flush(c);
+            if (it >= o->warmup)
+                sum += now_s() - t0;
+        }
+    }
+    if (st == 0 && kind != COLL_AG) {
+        /* w = 0 - lr * (sum over pushes and ranks) / world = -total * (world + 1) / 2 */
+        double norm;
+        st = shard_step(c, &norm);
+        if (st == 0)
+            st = shard_fetch(c, 0, &p);
+        if (st == 0) {
+            const float *x = p;
+            double want = -(double)total * (world + 1) / 2.0;
+            for (uint64_t i = 0; i < ui.numel; i++)
+                res->wrong += fabs(x[i] - want) > 1e-6 * fabs(want);
+            shard_release(c, 0);
+        }
+    }
+    if (st != 0)
+        fprintf(stderr, "shard-bench rank %d size %llu: %s\n", rank, (unsigned long long)size,
+                shard_last_error(c));
+    free(grad);
+    shard_detach(c);
+    res->size = size;
+    res->time_s = sum / iters;
+    res->status = st;
+    return st;
+}
+
+static int bench_coll(const struct opts *o, int kind, const char *name)
+{
+    char buf[4096];
+    const char *socks[64];
+    int nodes = 0;
+    snprintf(buf, sizeof(buf), "%s", o->sockets ? o->sockets : "");
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok && nodes < 64;
+         tok = strtok_r(NULL, ",", &save))
+        socks[nodes++] = tok;
+    if (nodes == 0 || o->ranks_per_node < 1) {
+        fprintf(stderr,
+                "shard-bench %s: needs --sockets S0,S1,... (one per node) and "
+                "--ranks-per-node K\n",
+                name);
+        return 2;
+    }
+    int world = nodes * o->ranks_per_node;
+    int fds[2];
+    if (pipe(fds) != 0)
+        return 1;
+    pid_t kids[512];
+    for (int r = 0; r < world && r < 512; r++) {
+        kids[r] = fork();
+        if (kids[r] == 0) {
+            close(fds[0]);
+            for (uint64_t size = o->min_size; size <= o->max_size; size *= 2) {
+                struct coll_result res = {0};
+                coll_rank(o, kind, r, world, socks[r / o->ranks_per_node], size, &res);
+                if (write(fds[1], &res, sizeof(res)) != (ssize_t)sizeof(res))
+                    _exit(1);
+                if (res.status != 0)
+                    _exit(1);
+            }
+            _exit(0);
+        }
+    }
+    close(fds[1]);
+    double factor = kind == COLL_AR ? 2.0 * (world - 1) / world : (double)(world - 1) / world;
+    if (!o->json)
+        printf("# %s: %d ranks (%d nodes x %d)\n# %12s %12s %12s %12s %12s %8s\n", name, world,
+               nodes, o->ranks_per_node, "size_bytes", "count", "time_us", "algbw_GB/s",
+               "busbw_GB/s", "#wrong");
+    int rc = 0;
+    for (uint64_t size = o->min_size; size <= o->max_size; size *= 2) {
+        double worst = 0;
+        uint64_t wrong = 0;
+        int failed = 0;
+        for (int r = 0; r < world; r++) {
+            struct coll_result res;
+            if (read(fds[0], &res, sizeof(res)) != (ssize_t)sizeof(res)) {
+                failed = 1;
+                break;
+            }
+            worst = res.time_s > worst ? res.time_s : worst;
+            wrong += res.wrong;
+            failed |= res.status != 0;
+        }
+        if (failed) {
+            fprintf(stderr, "shard-bench %s: a rank failed at size %llu\n", name,
+                    (unsigned long long)size);
+            rc = 1;
+            break;
+        }
+        double algbw = (double)size / worst / 1e9, busbw = algbw * factor;
+        if (o->json)
+            printf("{\"name\": \"%s\", \"size_bytes\": %llu, \"ranks\": %d, \"time_s\": %.9g, "
+                   "\"algbw_GBps\": %.4f, \"busbw_GBps\": %.4f, \"wrong\": %llu, \"baseline\": "
+                   "\"none\", \"baseline_time_s\": 0, \"ratio\": 0}\n",
+                   name, (unsigned long long)size, world, worst, algbw, busbw,
+                   (unsigned long long)wrong);
+        else
+            printf("  %12llu %12llu %12.1f %12.3f %12.3f %8llu\n", (unsigned long long)size,
+                   (unsigned long long)(size / 4), worst * 1e6, algbw, busbw,
+                   (unsigned long long)wrong);
+        fflush(stdout);
+        rc |= wrong != 0;
+    }
+    close(fds[0]);
+    for (int r = 0; r < world; r++) {
+        int status;
+        waitpid(kids[r], &status, 0);
+        rc |= !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+    }
+    return rc;
+}
+
 static void usage(FILE *out)
 {
     fprintf(
@@ -248,7 +459,13 @@ static void usage(FILE *out)
 
 int main(int argc, char **argv)
 {
-    struct opts o = {.size = 64ULL << 20, .params = 64ULL << 20, .iters = 20};
+    struct opts o = {.size = 64ULL << 20,
+                     .params = 64ULL << 20,
+                     .iters = 20,
+                     .warmup = 2,
+                     .min_size = 4096,
+                     .max_size = 64ULL << 20,
+                     .ranks_per_node = 1};
     const char *what = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -265,6 +482,16 @@ int main(int argc, char **argv)
             o.params = strtoull(argv[++i], NULL, 0);
         } else if (strcmp(a, "--iters") == 0 && v) {
             o.iters = atoi(argv[++i]);
+        } else if (strcmp(a, "--warmup") == 0 && v) {
+            o.warmup = atoi(argv[++i]);
+        } else if (strcmp(a, "--sockets") == 0 && v) {
+            o.sockets = argv[++i];
+        } else if (strcmp(a, "--ranks-per-node") == 0 && v) {
+            o.ranks_per_node = atoi(argv[++i]);
+        } else if (strcmp(a, "--min") == 0 && v) {
+            o.min_size = strtoull(argv[++i], NULL, 0);
+        } else if (strcmp(a, "--max") == 0 && v) {
+            o.max_size = strtoull(argv[++i], NULL, 0);
         } else if (a[0] != '-' && what == NULL) {
             what = a;
         } else {
@@ -277,6 +504,12 @@ int main(int argc, char **argv)
         usage(stderr);
         return 2;
     }
+    if (strcmp(what, "allgather") == 0)
+        return bench_coll(&o, COLL_AG, what);
+    if (strcmp(what, "reducescatter") == 0)
+        return bench_coll(&o, COLL_RS, what);
+    if (strcmp(what, "allreduce") == 0)
+        return bench_coll(&o, COLL_AR, what);
     if (!o.json)
         printf("%-18s %12s %14s %-26s %14s %8s\n", "# name", "size_bytes", "time_us", "baseline",
                "baseline_us", "ratio");
@@ -287,7 +520,10 @@ int main(int argc, char **argv)
     if (all || strcmp(what, "step") == 0)
         rc |= bench_step(&o);
     if (!all && strcmp(what, "fetch") != 0 && strcmp(what, "step") != 0) {
-        fprintf(stderr, "shard-bench: unknown benchmark '%s' (fetch, step, all)\n", what);
+        fprintf(stderr,
+                "shard-bench: unknown benchmark '%s' (fetch, step, all, allgather, "
+                "reducescatter, allreduce)\n",
+                what);
         return 2;
     }
     return rc;

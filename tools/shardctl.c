@@ -142,12 +142,15 @@ static void print_topology(json_t *doc)
     printf("node %lld of %lld, backend %s, ranks per node %lld%s\n", num(doc, "node"),
            num(doc, "nodes"), str(doc, "backend"), num(doc, "ranks_per_node"),
            num(doc, "ranks_per_node") == 0 ? " (from each job)" : "");
+    if (num(doc, "nodes") > 1)
+        printf("cluster %s, provider %s\n",
+               json_is_true(json_object_get(doc, "cluster_ready")) ? "formed" : "forming",
+               str(doc, "provider"));
     size_t i;
     json_t *n, *j;
     json_array_foreach(json_object_get(doc, "topology"), i, n)
     {
-        printf("  node %lld%s %s\n", num(n, "node"),
-               json_is_true(json_object_get(n, "self")) ? " (this daemon)" : "", str(n, "socket"));
+        printf("  node %-4lld %s\n", num(n, "node"), str(n, "state"));
     }
     json_array_foreach(json_object_get(doc, "jobs"), i, j)
     {

@@ -32,6 +32,7 @@ struct sd_config {
     int64_t rendezvous_timeout_ms;
     uint64_t chunk_bytes;
     uint64_t small_allreduce_bytes;
+    int64_t net_spin;
 };
 
 enum sd_config_type { SD_CFG_STRING, SD_CFG_INT, SD_CFG_SIZE };

@@ -31,6 +31,7 @@ enum sd_op {
     SD_OP_STEP = 4,    /* -> value0 = bits of the global gradient norm (double), value1 = step */
     SD_OP_INIT = 5,    /* rank 0: unit, arg0 = staging slot holding fp32 initial values */
     SD_OP_READY = 6,   /* barrier: completes once rank 0 has loaded the initial values */
+    SD_OP_DROP = 7,    /* forget the cached gathered copy of unit (benchmarks) */
     SD_OP_COUNT
 };
 
