@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# shardd's collectives next to gloo (Debian's python3-torch) and Open MPI (Debian's openmpi),
+# the same number of processes, the same sizes, in one run; prints busbw and the ratios.
+#   tools/bench/compare.sh [--nodes N] [--ranks-per-node K] [--min BYTES] [--max BYTES]
+#                          [--ops "allgather reducescatter allreduce"] [--out FILE.jsonl]
+# shardd runs N daemons on loopback (tools/local-cluster.sh) with K ranks each; gloo and Open MPI
+# run N*K processes. Installs python3-torch and openmpi-bin if missing.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+nodes=4 k=1 min=4096 max=$((64 << 20)) ops="allgather reducescatter allreduce" out= extra=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --nodes) nodes=$2; shift 2 ;;
+    --ranks-per-node) k=$2; shift 2 ;;
+    --min) min=$2; shift 2 ;;
+    --max) max=$2; shift 2 ;;
+    --ops) ops=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --) shift; extra=("$@"); break ;;
+    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    *) echo "compare.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+tools/deps.sh python3-torch openmpi-bin libopenmpi-dev >/dev/null
+cmake -S . -B build/bench -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build/bench -j"$(nproc)" >/dev/null
+work=$(mktemp -d /tmp/shardd-compare-XXXXXX)
+trap 'tools/local-cluster.sh stop --dir "$work/cluster" >/dev/null 2>&1; rm -rf "$work"' EXIT
+mpicc -O2 -o "$work/mpi_bench" tools/bench/mpi_bench.c
+np=$((nodes * k))
+results=$work/results.jsonl
+: >"$results"
+tools/local-cluster.sh start --nodes "$nodes" --ranks-per-node "$k" --dir "$work/cluster" \
+  --shardd build/bench/daemon/shardd -- --log-level warn "${extra[@]}" >/dev/null
+socks=$(for i in $(seq 0 $((nodes - 1))); do printf '%s,' "$work/cluster/node$i/shardd.sock"; done)
+for op in $ops; do
+  echo "== $op: shardd ($nodes daemons x $k), gloo and Open MPI ($np processes)" >&2
+  build/bench/tools/shard-bench "$op" --sockets "${socks%,}" --ranks-per-node "$k" --min "$min" \
+    --max "$max" --json | sed 's/{"name"/{"impl": "shardd", "name"/' >>"$results"
+  /usr/bin/python3 tools/bench/gloo_bench.py "$op" --nprocs "$np" --min "$min" --max "$max" \
+    >>"$results" 2>/dev/null
+  mpirun --allow-run-as-root --oversubscribe -np "$np" "$work/mpi_bench" "$op" "$min" "$max" \
+    >>"$results" 2>/dev/null
+done
+[ -n "$out" ] && cp "$results" "$out"
+/usr/bin/python3 - "$results" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+by = {}
+for r in rows:
+    by.setdefault((r["name"], r["size_bytes"]), {})[r["impl"]] = r
+print(f'{"op":<14}{"size":>12}{"shardd":>10}{"gloo":>10}{"openmpi":>10}{"x gloo":>9}{"x ompi":>9}  busbw GB/s')
+for (name, size), d in sorted(by.items()):
+    s, g, m = (d.get(k, {}).get("busbw_GBps") for k in ("shardd", "gloo", "openmpi"))
+    f = lambda v: f"{v:10.3f}" if v is not None else f'{"-":>10}'
+    rg = f"{s / g:9.2f}" if s and g else f'{"-":>9}'
+    rm = f"{s / m:9.2f}" if s and m else f'{"-":>9}'
+    wrong = d.get("shardd", {}).get("wrong", 0)
+    print(f"{name:<14}{size:>12}{f(s)}{f(g)}{f(m)}{rg}{rm}" + (f"  #wrong {wrong}" if wrong else ""))
+PY
