@@ -419,6 +419,8 @@ struct sd_server {
     struct sd_transport *tp; /* multi-node: progressed with the rings */
     uv_poll_t tpoll;
     bool tpolling;
+    uv_timer_t net_timer; /* re-polls the fabric every ms while transfers wait for data */
+    uint64_t last_net_ns; /* the last time a transfer completed */
 };
 
 int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_config *cfg,

@@ -273,8 +273,10 @@ static void accept_cb(uv_poll_t *h, int status, int events)
 static bool progress_once(struct sd_server *srv)
 {
     bool any = false;
-    if (srv->tp != NULL)
-        any |= srv->tp->ops->progress(srv->tp) > 0;
+    if (srv->tp != NULL && srv->tp->ops->progress(srv->tp) > 0) {
+        any = true;
+        srv->last_net_ns = sd_now_ns();
+    }
     for (struct sd_session *s = srv->sessions; s; s = s->next)
         any |= sd_session_progress(s);
     return any;
@@ -292,6 +294,17 @@ static bool all_empty(struct sd_server *srv)
         if (!s->broken && !sd_ring_sq_empty(s->hdr))
             return false;
     return true;
+}
+
+static void net_timer_cb(uv_timer_t *h)
+{
+    struct sd_server *srv = h->data;
+    uint64_t before = srv->last_net_ns;
+    sd_server_progress(srv);
+    if (srv->last_net_ns != before)
+        sd_server_kick(srv); /* data moves again: poll closely */
+    if (!sd_net_busy(srv->reg))
+        uv_timer_stop(&srv->net_timer);
 }
 
 static void idle_cb(uv_idle_t *h)
@@ -313,12 +326,18 @@ static void idle_cb(uv_idle_t *h)
         bool busy = sd_net_busy(srv->reg);
         if (busy && srv->cfg->net_spin)
             return;
-        if (busy) { /* keep polling, but give the core to trainers and peers that can run */
+        if (busy && now - srv->last_net_ns < (uint64_t)srv->cfg->poll_spin_us * 1000) {
+            sched_yield(); /* keep polling, but let trainers and peers run */
+            return;
+        }
+        if (!srv->tp->ops->can_sleep(srv->tp)) {
             sched_yield();
             return;
         }
-        if (!srv->tp->ops->can_sleep(srv->tp))
-            return;
+        /* a transfer waits for data that is not there yet: sleep on the wait fd, and look
+         * again every millisecond (providers with manual progress need the calls) */
+        if (busy && !uv_is_active((uv_handle_t *)&srv->net_timer))
+            uv_timer_start(&srv->net_timer, net_timer_cb, 1, 1);
     }
     /* go to sleep: announce it, then look once more (pairs with the client's fence) */
     set_sleeping(srv, 1);
@@ -358,6 +377,8 @@ static void tp_wake_cb(uv_poll_t *h, int status, int events)
 void sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp)
 {
     srv->tp = tp;
+    uv_timer_init(srv->loop, &srv->net_timer);
+    srv->net_timer.data = srv;
     int fd = tp->ops->wait_fd(tp);
     if (fd >= 0 && uv_poll_init(srv->loop, &srv->tpoll, fd) == 0) {
         srv->tpoll.data = srv;
@@ -373,6 +394,10 @@ void sd_server_detach_transport(struct sd_server *srv)
         uv_poll_stop(&srv->tpoll);
         uv_close((uv_handle_t *)&srv->tpoll, NULL);
         srv->tpolling = false;
+    }
+    if (srv->tp != NULL) {
+        uv_timer_stop(&srv->net_timer);
+        uv_close((uv_handle_t *)&srv->net_timer, NULL);
     }
 
     srv->tp = NULL;

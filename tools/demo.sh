@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Install what is missing, build, start shardd on this machine, train the example MLP through it
-# with 4 ranks, and print what happened: progress, loss, bytes per link class, time.
-# Usage: tools/demo.sh [--plan PLAN] [--steps N] [--ranks K]
+# Install what is missing, build, start an emulated cluster of shardd daemons on this machine,
+# train the example MLP through it, and print what happened: progress, loss, bytes moved per
+# link class next to the formulas, time.
+# Usage: tools/demo.sh [--nodes N] [--ranks-per-node K] [--plan PLAN] [--steps S] [--netns]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-plan=mics:2 steps=30 ranks=4
+nodes=4 k=2 plan=mics:4 steps=20 accum=2 netns=()
 while [ $# -gt 0 ]; do
   case $1 in
+    --nodes) nodes=$2; shift 2 ;;
+    --ranks-per-node) k=$2; shift 2 ;;
     --plan) plan=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
-    --ranks) ranks=$2; shift 2 ;;
-    -h|--help) sed -n '2,4p' "$0"; exit 0 ;;
+    --netns) netns=(--netns --inter-rate 1gbit); shift ;;
+    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -20,39 +23,77 @@ cmake -S . -B build/demo -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build/demo -j"$(nproc)" >/dev/null
 B=build/demo
 dir=$(mktemp -d /tmp/shardd-demo-XXXXXX)
-cleanup() { [ -n "${dpid:-}" ] && kill "$dpid" 2>/dev/null; wait 2>/dev/null; rm -rf "$dir"; }
+cleanup() {
+  tools/local-cluster.sh stop --dir "$dir" >/dev/null 2>&1 || true
+  rm -rf "$dir"
+}
 trap cleanup EXIT
+world=$((nodes * k))
 
-echo "== starting shardd (1 node, host backend) in $dir"
-$B/daemon/shardd --runtime-dir "$dir/run" --log-level warn >"$dir/shardd.log" 2>&1 &
-dpid=$!
-for _ in $(seq 100); do [ -S "$dir/run/shardd.sock" ] && break; sleep 0.05; done
-S="$dir/run/shardd.sock"
+echo "== starting $nodes shardd daemons x $k ranks (libfabric tcp;ofi_rxm on loopback${netns:+, network namespaces with 1 Gbit/s links})"
+tools/local-cluster.sh start --nodes "$nodes" --ranks-per-node "$k" --dir "$dir" \
+  --shardd "$B/daemon/shardd" "${netns[@]}" -- --log-level warn
+$B/tools/shardctl --socket "$dir/node0/shardd.sock" topology | sed 's/^/  /'
 
-echo "== training a 4-layer MLP (327k parameters) with $ranks ranks, plan $plan, $steps steps, accum 2"
+echo "== training a 4-layer MLP (327k parameters) on $world ranks, plan $plan, $steps steps, accum $accum"
 t0=$(date +%s.%N)
-for r in $(seq 0 $((ranks - 1))); do
-  $B/client/examples/mlp_train --socket "$S" --job demo --rank "$r" --world "$ranks" \
-    --plan "$plan" --steps "$steps" --accum 2 --dump-params "$dir/params$r.bin" \
+for r in $(seq 0 $((world - 1))); do
+  dump=()
+  [ "$r" = 0 ] && dump=(--dump-params "$dir/params.bin")
+  $B/client/examples/mlp_train --socket "$dir/node$((r / k))/shardd.sock" --job demo \
+    --rank "$r" --world "$world" --plan "$plan" --steps "$steps" --accum "$accum" "${dump[@]}" \
     >"$dir/rank$r.log" 2>&1 &
   pids[$r]=$!
 done
-# rank 0's progress, live
 tail -n +1 -f "$dir/rank0.log" --pid "${pids[0]}" 2>/dev/null | sed 's/^/  /'
 for r in "${!pids[@]}"; do wait "${pids[$r]}" || { echo "rank $r failed:"; cat "$dir/rank$r.log"; exit 1; }; done
 t1=$(date +%s.%N)
+
 echo "== partition and replication groups"
-$B/tools/shardctl --socket "$S" groups --job demo
-echo "== daemon statistics (bytes moved per link class, latency per operation)"
-$B/tools/shardctl --socket "$S" stats --job demo
-$B/client/examples/mlp_train --reference --world "$ranks" --steps "$steps" --accum 2 \
-  --dump-params "$dir/ref.bin" --quiet
-python3 - "$dir/params0.bin" "$dir/ref.bin" <<'PY'
+$B/tools/shardctl --socket "$dir/node0/shardd.sock" --job demo groups | sed 's/^/  /'
+echo "== bytes moved per link class, per node, next to the formulas"
+for i in $(seq 0 $((nodes - 1))); do
+  $B/tools/shardctl --socket "$dir/node$i/shardd.sock" --job demo stats --json >"$dir/stats$i.json"
+done
+$B/tools/shardctl --socket "$dir/node0/shardd.sock" --job demo jobs --json >"$dir/jobs.json"
+python3 - "$dir" "$nodes" "$k" "$plan" "$steps" "$accum" <<'PY'
+import json, sys
+d, N, K, plan, T, s = sys.argv[1], *map(int, sys.argv[2:4]), sys.argv[4], *map(int, sys.argv[5:7])
+W = N * K
+S = json.load(open(f"{d}/jobs.json"))["jobs"][0]["parameters"] * 4
+p = 1 if plan.startswith("ddp") else W if plan.startswith("zero3") else int(plan.split(":")[1].split(",")[0])
+G = p // K if p > K else 1
+R = N // G
+two_hop, hier = "no-2hop" not in plan, "no-hier" not in plan
+block = S // G
+print(f"  S = {S} bytes of padded parameters, p = {p}, k = {K}, N = {N}: partition groups span "
+      f"{G} node(s), gradients sync across {R} node(s)")
+print(f"  {'node':>4} {'link class':<28} {'measured':>12} {'formula':>12}")
+for n in range(N):
+    st = json.load(open(f"{d}/stats{n}.json"))["jobs"][0]
+    gathers = (T + (1 if n == 0 else 0)) * (1 if hier else K) if G > 1 else 0
+    ar = 2 * (R - 1) * (block if G > 1 else S) // R if R > 1 else 0
+    rows = [
+        ("intra-node copies (all ops)", st["bytes"]["intra_node"], None),
+        ("fetch: inter-node received", st["ops"]["fetch"]["bytes"]["inter_node_recv"], gathers * (G - 1) * block),
+        ("push: inter-node sent", st["ops"]["push"]["bytes"]["inter_node_sent"],
+         T * s * (G - 1) * block + (0 if two_hop else T * s * ar)),
+        ("step: inter-node sent", st["ops"]["step"]["bytes"]["inter_node_sent"], T * ((ar if two_hop else 0) + 8 * (N - 1))),
+    ]
+    for name, got, want in rows:
+        mark = "" if want is None else ("  ok" if got == want else "  MISMATCH")
+        print(f"  {n:>4} {name:<28} {got:>12} {'' if want is None else want:>12}{mark}")
+PY
+ref_loss=$($B/client/examples/mlp_train --reference --world "$world" --steps "$steps" --accum "$accum" \
+  --dump-params "$dir/ref.bin" | tail -1)
+python3 - "$dir/params.bin" "$dir/ref.bin" <<'PY'
 import struct, sys
 a = open(sys.argv[1], 'rb').read(); b = open(sys.argv[2], 'rb').read()
 x = struct.unpack(f'{len(a)//4}f', a); y = struct.unpack(f'{len(b)//4}f', b)
 d = max(abs(p - q) for p, q in zip(x, y))
-print(f"== parameters vs plain data-parallel reference: {len(x)} values, max |diff| {d:.3g}"
-      + (" (bitwise identical)" if a == b else ""))
+print(f"== parameters vs plain data-parallel training of the same global batch: {len(x)} values, "
+      f"max |diff| {d:.3g}" + (" (bitwise identical)" if a == b else ""))
 PY
-printf "== %d steps on %d ranks in %.2f s\n" "$steps" "$ranks" "$(echo "$t1 - $t0" | bc -l 2>/dev/null || python3 -c "print($t1-$t0)")"
+echo "   reference, last step: $ref_loss"
+printf "== %d steps on %d ranks over %d nodes in %.2f s\n" "$steps" "$world" "$nodes" \
+  "$(python3 -c "print($t1 - $t0)")"

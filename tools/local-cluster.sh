@@ -106,13 +106,15 @@ if [ "$netns" = 1 ]; then
     ip link set "sv${tagid}n$i" netns "$n"
     ip link set "sv${tagid}h$i" master "$br" up
     ip netns exec "$n" ip link set lo up
+    # as on training clusters: no slow start after the idle gaps between collectives
+    ip netns exec "$n" sysctl -qw net.ipv4.tcp_slow_start_after_idle=0 || true
     ip netns exec "$n" ip addr add "10.$a.$b.$((i + 1))/24" dev "sv${tagid}n$i"
     ip netns exec "$n" ip link set "sv${tagid}n$i" up
     # shape what leaves the node; the delay, if any, on the same qdisc
     if [ "$delay" != 0 ]; then
       ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root handle 1: netem delay "$delay" rate "$rate"
     else
-      ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root tbf rate "$rate" burst 256kb latency 100ms
+      ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root tbf rate "$rate" burst 256kb latency 10ms
     fi
   done
   coord_ip="10.$a.$b.1"
