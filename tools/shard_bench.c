@@ -11,6 +11,8 @@
  * baseline_time_s and ratio. Times are medians over --iters repetitions. */
 #include "shard.h"
 #include "shard_internal.h"
+#include "sd/cost.h"
+#include "sd/model.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -444,6 +446,70 @@ static int bench_coll(const struct opts *o, int kind, const char *name)
     return rc;
 }
 
+/* The MiCS cost model for a plan: inter-node bytes per node per step, and their time. */
+static int bench_model(int argc, char **argv)
+{
+    const char *plan_s = "mics:2";
+    struct sd_cost_in in = {.numel = 1 << 20,
+                            .w_bytes = 4,
+                            .nodes = 4,
+                            .k = 2,
+                            .accum = 1,
+                            .cached_in_step = true,
+                            .inter_Bps = 1e9 / 8};
+    double compute_s = 0;
+    bool json = false;
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
+        if (strcmp(a, "--plan") == 0)
+            plan_s = argv[++i];
+        else if (strcmp(a, "--params") == 0)
+            in.numel = strtoull(argv[++i], NULL, 0);
+        else if (strcmp(a, "--nodes") == 0)
+            in.nodes = (uint32_t)atoi(argv[++i]);
+        else if (strcmp(a, "--ranks-per-node") == 0)
+            in.k = (uint32_t)atoi(argv[++i]);
+        else if (strcmp(a, "--accum") == 0)
+            in.accum = (uint32_t)atoi(argv[++i]);
+        else if (strcmp(a, "--gbps") == 0)
+            in.inter_Bps = atof(argv[++i]) * 1e9 / 8;
+        else if (strcmp(a, "--compute-s") == 0)
+            compute_s = atof(argv[++i]);
+        else if (strcmp(a, "--bf16") == 0)
+            in.w_bytes = 2;
+        else if (strcmp(a, "--regather") == 0)
+            in.cached_in_step = false;
+        else if (strcmp(a, "--json") == 0)
+            json = true;
+        else {
+            fprintf(stderr, "shard-bench model: unexpected argument '%s' %s\n", a, v);
+            return 2;
+        }
+    }
+    struct sd_topo topo = {.nodes = in.nodes, .ranks_per_node = in.k};
+    struct sd_plan plan;
+    char err[256];
+    if (sd_plan_parse(plan_s, &topo, &plan, err, sizeof(err)) != 0) {
+        fprintf(stderr, "shard-bench model: %s\n", err);
+        return 2;
+    }
+    struct sd_cost_out o;
+    sd_cost_step(&in, &plan, &o);
+    if (json)
+        printf("{\"name\": \"model\", \"plan\": \"%s\", \"params\": %llu, \"fetch_bytes\": %.0f, "
+               "\"push_bytes\": %.0f, \"step_bytes\": %.0f, \"total_bytes\": %.0f, "
+               "\"comm_s\": %.6f, \"step_s\": %.6f}\n",
+               plan_s, (unsigned long long)in.numel, o.fetch_bytes, o.push_bytes, o.step_bytes,
+               o.total_bytes, o.comm_s, o.comm_s + compute_s);
+    else
+        printf("%s: per node per step %.1f MB inter-node (fetch %.1f, push %.1f, step %.1f): "
+               "%.3f s at %.2f Gbit/s%s\n",
+               plan_s, o.total_bytes / 1e6, o.fetch_bytes / 1e6, o.push_bytes / 1e6,
+               o.step_bytes / 1e6, o.comm_s, in.inter_Bps * 8 / 1e9,
+               compute_s > 0 ? " (+ compute)" : "");
+    return 0;
+}
+
 static void usage(FILE *out)
 {
     fprintf(
@@ -459,6 +525,8 @@ static void usage(FILE *out)
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[1], "model") == 0)
+        return bench_model(argc, argv);
     struct opts o = {.size = 64ULL << 20,
                      .params = 64ULL << 20,
                      .iters = 20,

@@ -33,6 +33,7 @@ struct opts {
     uint64_t seed;
     float lr, max_grad_norm, weight_decay;
     double compute_ms;
+    uint64_t max_live_bytes;
 };
 
 struct model {
@@ -368,6 +369,9 @@ static int run_reference(const struct opts *o, const struct model *m)
         }                                                                                          \
     } while (0)
 
+/* fp32 view of a fetched unit: the shared buffer itself for fp32, else converted into buf */
+static const float *unit_view(const shard_unit_info_t *ui, const void *data, float *buf);
+
 /* fp32 view of a fetched unit (converts bf16) */
 static void unit_to_f32(const shard_unit_info_t *ui, const void *data, float *out)
 {
@@ -378,6 +382,14 @@ static void unit_to_f32(const shard_unit_info_t *ui, const void *data, float *ou
     const uint16_t *h = data;
     for (uint64_t i = 0; i < ui->numel; i++)
         out[i] = sd_bf16_to_f32(h[i]);
+}
+
+static const float *unit_view(const shard_unit_info_t *ui, const void *data, float *buf)
+{
+    if (ui->dtype == SHARD_FP32)
+        return data;
+    unit_to_f32(ui, data, buf);
+    return buf;
 }
 
 static int run_shardd(const struct opts *o, const struct model *m)
@@ -423,6 +435,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
                       .momentum = 0.9f,
                       .max_grad_norm = o->max_grad_norm},
         .init = (const float *const *)init,
+        .max_live_bytes = o->max_live_bytes,
     };
     CHECK(shard_register(ctx, &model));
 
@@ -451,20 +464,20 @@ static int run_shardd(const struct opts *o, const struct model *m)
             for (int l = 0; l < m->layers; l++) { /* forward: fetch, compute, release */
                 const void *data;
                 CHECK(shard_fetch(ctx, (uint32_t)l, &data));
-                unit_to_f32(&ui[l], data, w[l]);
-                CHECK(shard_release(ctx, (uint32_t)l));
+                const float *wl = unit_view(&ui[l], data, w[l]); /* zero-copy for fp32 */
                 busy_wait_ms(o->compute_ms);
-                layer_forward(m, l, w[l] + ti[2 * l].offset, w[l] + ti[2 * l + 1].offset, &ac,
+                layer_forward(m, l, wl + ti[2 * l].offset, wl + ti[2 * l + 1].offset, &ac,
                               o->batch);
+                CHECK(shard_release(ctx, (uint32_t)l));
             }
             loss_sum += loss_grad(m, y, &ac, o->batch);
             for (int l = m->layers - 1; l >= 0; l--) { /* backward: fetch, grads, push */
                 const void *data;
                 CHECK(shard_fetch(ctx, (uint32_t)l, &data));
-                unit_to_f32(&ui[l], data, w[l]);
+                const float *wl = unit_view(&ui[l], data, w[l]);
                 busy_wait_ms(o->compute_ms);
                 memset(grad[l], 0, ui[l].numel * sizeof(float));
-                layer_backward(m, l, w[l] + ti[2 * l].offset, grad[l] + ti[2 * l].offset,
+                layer_backward(m, l, wl + ti[2 * l].offset, grad[l] + ti[2 * l].offset,
                                grad[l] + ti[2 * l + 1].offset, &ac, o->batch);
                 CHECK(shard_release(ctx, (uint32_t)l));
                 if (o->bf16) {
@@ -524,11 +537,13 @@ static void usage(FILE *out)
             "                 [--optimizer adamw|sgd] [--dtype fp32|bf16] [--seed X]\n"
             "                 [--lr LR] [--weight-decay WD] [--max-grad-norm C]\n"
             "                 [--batch B] [--hidden H] [--layers L] [--compute-ms MS]\n"
+            "                 [--max-live-bytes B]\n"
             "                 [--dump-params FILE] [--reference] [--quiet]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
-            "layers 4 (about 327k parameters).\n",
+            "layers 4 (about 327k parameters). --compute-ms adds a busy wait per layer, forward\n"
+            "and backward; --max-live-bytes sizes the job's gather pool (0: every unit).\n",
             IN_DIM, OUT_DIM);
 }
 
@@ -594,6 +609,8 @@ int main(int argc, char **argv)
             o.layers = atoi(v);
         } else if (ARG("--compute-ms")) {
             o.compute_ms = strtod(v, NULL);
+        } else if (ARG("--max-live-bytes")) {
+            o.max_live_bytes = strtoull(v, NULL, 0);
         } else if (ARG("--dump-params")) {
             o.dump = v;
         } else {
