@@ -410,9 +410,13 @@ static void sweep_cb(uv_timer_t *h)
     sd_server_progress(srv);
 }
 
+/* Create the runtime directory 0700. One that exists already (made by systemd's
+ * RuntimeDirectory=, say, 0750 for a trainer group) keeps its mode unless others could write
+ * into it. */
 static int make_runtime_dir(const char *dir)
 {
-    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+    bool created = mkdir(dir, 0700) == 0;
+    if (!created && errno != EEXIST) {
         SD_ERROR("server", "cannot create runtime_dir %s: %s", dir, strerror(errno));
         return -errno;
     }
@@ -426,8 +430,10 @@ static int make_runtime_dir(const char *dir)
                  (int)st.st_uid, (int)geteuid());
         return SD_EPERM;
     }
-    if ((st.st_mode & 07777) != 0700 && chmod(dir, 0700) != 0) {
-        SD_ERROR("server", "chmod 0700 %s: %s", dir, strerror(errno));
+    if ((created || (st.st_mode & 0022)) && (st.st_mode & 07777) != 0700 &&
+        chmod(dir, 0700) != 0) {
+        SD_ERROR("server", "chmod 0700 %s (it was %04o, writable by others): %s", dir,
+                 (unsigned)(st.st_mode & 07777), strerror(errno));
         return -errno;
     }
     return SD_OK;

@@ -48,6 +48,12 @@ for _ in $(seq 100); do [ -S "$dir/run/shardd.sock" ] && break; sleep 0.05; done
 S=(--socket "$dir/run/shardd.sock")
 check '[ "$(stat -c %a "$dir/run")" = 700 ]' "runtime dir mode $(stat -c %a "$dir/run")"
 check '[ "$(stat -c %a "$dir/run/shardd.sock")" = 660 ]' "socket mode"
+mkdir -m 0777 "$dir/loose" && "$SHARDD" --runtime-dir "$dir/loose" --help >/dev/null
+timeout 2 "$SHARDD" --runtime-dir "$dir/loose" >/dev/null 2>&1
+check '[ "$(stat -c %a "$dir/loose")" = 700 ]' "a world-writable runtime dir was not tightened: $(stat -c %a "$dir/loose")"
+mkdir -m 0750 "$dir/group"
+timeout 2 "$SHARDD" --runtime-dir "$dir/group" >/dev/null 2>&1
+check '[ "$(stat -c %a "$dir/group")" = 750 ]' "an existing 0750 runtime dir (systemd RuntimeDirectoryMode) was changed"
 out=$("$SHARDD" --runtime-dir "$dir/run" 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "another shardd" <<<"$out"' "second daemon: $rc $out"
 
