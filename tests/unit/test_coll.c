@@ -1,0 +1,266 @@
+/* The collective engine on an in-process fake transport (tag matching with wildcards, per-node
+ * completion queues, unexpected messages): ring and direct all-reduce for 2..5 members and sizes
+ * that do not divide evenly, against the exact sums, identical on every member, with the bytes
+ * each member sends equal to the formulas; chunked multi-piece bulk transfers. */
+#include "coll.h"
+#include "harness.h"
+#include "sd/status.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define MAXN 8
+
+struct msg {
+    struct msg *next;
+    uint32_t src, dst;
+    uint64_t tag;
+    void *data;
+    size_t len;
+};
+
+struct fake {
+    struct sd_transport base;
+    struct sd_xfer *posted;    /* receives waiting for a message */
+    struct sd_xfer *done_head; /* completions to report on progress */
+    struct msg *unexpected;
+};
+
+static struct fake nodes[MAXN];
+
+static bool matches(const struct sd_xfer *r, uint32_t src, uint64_t tag)
+{
+    return (r->peer == SD_PEER_ANY || r->peer == src) && ((r->tag ^ tag) & ~r->ignore) == 0;
+}
+
+static void complete_later(struct fake *f, struct sd_xfer *x)
+{
+    x->next_pending = NULL;
+    struct sd_xfer **pp = &f->done_head;
+    while (*pp)
+        pp = &(*pp)->next_pending;
+    *pp = x;
+}
+
+static void deliver(struct fake *dst, struct sd_xfer *r, const void *data, size_t len, uint64_t tag)
+{
+    memcpy((void *)r->buf, data, len < r->buflen ? len : r->buflen);
+    r->len = len;
+    r->tag = tag;
+    complete_later(dst, r);
+}
+
+static int f_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const void *buf, size_t len,
+                  void *desc, struct sd_xfer *x)
+{
+    (void)desc;
+    struct fake *src = (struct fake *)tp, *dst = &nodes[peer];
+    tp->inflight++;
+    x->kind = 1;
+    for (struct sd_xfer **pp = &dst->posted; *pp; pp = &(*pp)->next_pending)
+        if (matches(*pp, src->base.self, tag)) {
+            struct sd_xfer *r = *pp;
+            *pp = r->next_pending;
+            deliver(dst, r, buf, len, tag);
+            complete_later(src, x);
+            return SD_OK;
+        }
+    struct msg *m = calloc(1, sizeof(*m));
+    m->src = src->base.self;
+    m->tag = tag;
+    m->len = len;
+    m->data = malloc(len ? len : 1);
+    memcpy(m->data, buf, len);
+    struct msg **mp = &dst->unexpected; /* keep arrival order */
+    while (*mp)
+        mp = &(*mp)->next;
+    *mp = m;
+    complete_later(src, x); /* eager: the send buffer is free again */
+    return SD_OK;
+}
+
+static int f_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64_t ignore, void *buf,
+                  size_t len, void *desc, struct sd_xfer *x)
+{
+    (void)desc;
+    struct fake *f = (struct fake *)tp;
+    tp->inflight++;
+    x->kind = 2;
+    x->peer = peer;
+    x->tag = tag;
+    x->ignore = ignore;
+    x->buf = buf;
+    x->buflen = len;
+    for (struct msg **mp = &f->unexpected; *mp; mp = &(*mp)->next)
+        if (matches(x, (*mp)->src, (*mp)->tag)) {
+            struct msg *m = *mp;
+            *mp = m->next;
+            deliver(f, x, m->data, m->len, m->tag);
+            free(m->data);
+            free(m);
+            return SD_OK;
+        }
+    x->next_pending = f->posted;
+    f->posted = x;
+    return SD_OK;
+}
+
+static int f_progress(struct sd_transport *tp)
+{
+    struct fake *f = (struct fake *)tp;
+    int n = 0;
+    while (f->done_head) {
+        struct sd_xfer *x = f->done_head;
+        f->done_head = x->next_pending;
+        tp->inflight--;
+        x->cb(x, SD_OK);
+        n++;
+    }
+    return n;
+}
+
+static const struct sd_transport_ops fake_ops = {
+    .name = "fake", .send = f_send, .recv = f_recv, .progress = f_progress};
+
+struct done {
+    int finished, status;
+};
+
+static void ar_cb(struct sd_allreduce *ar, int status, uint32_t suspect)
+{
+    struct done *d = ar->arg;
+    (void)suspect;
+    d->finished = 1;
+    d->status = status;
+}
+
+static void run_allreduce(uint32_t n, size_t count, size_t small_bytes)
+{
+    static struct sd_bulk_pool pools[MAXN];
+    static struct sd_allreduce ars[MAXN];
+    float *bufs[MAXN], *tmps[MAXN];
+    struct done done[MAXN] = {0};
+    uint32_t members[MAXN];
+    for (uint32_t i = 0; i < n; i++)
+        members[i] = i;
+    size_t tmpn = sd_allreduce_tmp_floats(count, n, small_bytes);
+    for (uint32_t i = 0; i < n; i++) {
+        memset(&nodes[i], 0, sizeof(nodes[i]));
+        nodes[i].base.ops = &fake_ops;
+        nodes[i].base.self = i;
+        nodes[i].base.n_peers = n;
+        sd_bulk_pool_init(&pools[i], 4 * n);
+        bufs[i] = malloc(count * sizeof(float));
+        tmps[i] = malloc((tmpn + 1) * sizeof(float));
+        for (size_t e = 0; e < count; e++) /* small integers: every sum order is exact */
+            bufs[i][e] = (float)((e * 7 + i * 13) % 64);
+    }
+    int started = 0;
+    for (uint32_t i = 0; i < n; i++)
+        started +=
+            sd_allreduce_start(&ars[i], &nodes[i].base, &pools[i], members, n, i, bufs[i], count,
+                               tmps[i], tmpn, 0x1000, 4096, small_bytes, ar_cb, &done[i]) == SD_OK;
+    TH_CHECK(started == (int)n, "n %u count %zu: %d of %u started", n, count, started, n);
+    for (int round = 0; round < 100000; round++) {
+        int all = 1, moved = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            moved += f_progress(&nodes[i].base);
+            all &= done[i].finished;
+        }
+        if (all || !moved)
+            break;
+    }
+    int wrong = 0, unfinished = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        unfinished += !done[i].finished || done[i].status != SD_OK;
+        for (size_t e = 0; e < count; e++) {
+            float want = 0;
+            for (uint32_t j = 0; j < n; j++)
+                want += (float)((e * 7 + j * 13) % 64);
+            wrong += bufs[i][e] != want;
+        }
+    }
+    bool direct = count * sizeof(float) <= small_bytes;
+    TH_CHECK(unfinished == 0 && wrong == 0, "n %u count %zu %s: %d unfinished, %d wrong elements",
+             n, count, direct ? "direct" : "ring", unfinished, wrong);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t want_sent, want_recv;
+        if (direct) {
+            want_sent = want_recv = (uint64_t)(n - 1) * count * sizeof(float);
+        } else {
+            /* reduce-scatter: sends every segment but (pos+1), receives all but its own (pos);
+             * all-gather: sends all but (pos+2), receives all but (pos+1) */
+            size_t b[3], e[3];
+            for (uint32_t d = 0; d < 3; d++)
+                sd_ring_segment(count, n, (i + d) % n, &b[d], &e[d]);
+            want_sent = (uint64_t)(2 * count - (e[1] - b[1]) - (e[2] - b[2])) * sizeof(float);
+            want_recv = (uint64_t)(2 * count - (e[0] - b[0]) - (e[1] - b[1])) * sizeof(float);
+        }
+        TH_CHECK(ars[i].bytes_sent == want_sent && ars[i].bytes_recv == want_recv,
+                 "n %u count %zu member %u: sent %llu received %llu, formula %llu / %llu", n, count,
+                 i, (unsigned long long)ars[i].bytes_sent, (unsigned long long)ars[i].bytes_recv,
+                 (unsigned long long)want_sent, (unsigned long long)want_recv);
+        TH_CHECK(pools[i].in_use == 0, "bulks not returned");
+        free(bufs[i]);
+        free(tmps[i]);
+        sd_bulk_pool_fini(&pools[i]);
+    }
+}
+
+static int chunks_seen;
+static void bulk_done(struct sd_bulk *b, int status)
+{
+    int *flag = b->arg;
+    *flag = status == SD_OK ? 1 : -1;
+}
+static void bulk_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
+{
+    (void)b, (void)piece, (void)off, (void)len;
+    chunks_seen++;
+}
+
+static void run_bulk(void)
+{
+    for (uint32_t i = 0; i < 2; i++) {
+        memset(&nodes[i], 0, sizeof(nodes[i]));
+        nodes[i].base.ops = &fake_ops;
+        nodes[i].base.self = i;
+        nodes[i].base.n_peers = 2;
+    }
+    /* 3 pieces of 10000 bytes in 4096-byte chunks: 3 chunks each */
+    static char src[3][10000], dst[30000];
+    void *sp[3] = {src[0], src[1], src[2]}, *dp[3] = {dst, dst + 10000, dst + 20000};
+    for (int p = 0; p < 3; p++)
+        for (int i = 0; i < 10000; i++)
+            src[p][i] = (char)(p * 31 + i);
+    static struct sd_bulk sb, rb;
+    int s_ok = 0, r_ok = 0;
+    TH_CHECK(sd_bulk_start(&rb, &nodes[1].base, false, 0, 0x500, dp, 3, 10000, 4096, NULL,
+                           bulk_done, bulk_chunk, &r_ok) == SD_OK,
+             "bulk recv");
+    TH_CHECK(sd_bulk_start(&sb, &nodes[0].base, true, 1, 0x500, sp, 3, 10000, 4096, NULL, bulk_done,
+                           NULL, &s_ok) == SD_OK,
+             "bulk send");
+    f_progress(&nodes[0].base);
+    f_progress(&nodes[1].base);
+    TH_CHECK(s_ok == 1 && r_ok == 1 && rb.n == 9 && chunks_seen == 9, "9 chunks, both done");
+    TH_CHECK(memcmp(dst, src[0], 10000) == 0 && memcmp(dst + 20000, src[2], 10000) == 0,
+             "pieces land in place");
+    TH_CHECK(rb.bytes == 30000 && sb.bytes == 30000, "bytes counted");
+    struct sd_bulk busy = {.active = true};
+    TH_CHECK(sd_bulk_start(&busy, &nodes[0].base, true, 1, 0, sp, 1, 10, 64, NULL, bulk_done, NULL,
+                           &s_ok) == SD_EINVAL,
+             "an active bulk is refused");
+}
+
+int main(void)
+{
+    static const size_t counts[] = {1, 7, 100, 1000, 4099, 65536 + 3};
+    for (uint32_t n = 2; n <= 5; n++)
+        for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+            run_allreduce(n, counts[c], 0);       /* always the ring */
+            run_allreduce(n, counts[c], 1 << 20); /* always direct */
+        }
+    run_bulk();
+    return th_summary("test_coll");
+}
