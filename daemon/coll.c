@@ -114,6 +114,43 @@ void sd_bulk_put(struct sd_bulk_pool *p, struct sd_bulk *b)
     p->in_use--;
 }
 
+uint32_t sd_bulk_exchange(struct sd_bulk_pool *pool, struct sd_transport *tp, uint32_t peer,
+                          uint64_t rtag, void *rp, size_t rbytes, uint64_t stag, const void *sp,
+                          size_t sbytes, size_t chunk_bytes, void *rdesc, void *sdesc,
+                          sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb, void *arg, uint64_t arg2,
+                          struct sd_bulk **rb_p, int *status_p, uint32_t *suspect_p)
+{
+    uint32_t posted = 0;
+    struct sd_bulk *rb = sd_bulk_get(pool), *sb = sd_bulk_get(pool);
+    int st = rb ? sd_bulk_start(rb, tp, false, peer, rtag, &rp, 1, rbytes, chunk_bytes, rdesc, cb,
+                                chunk_cb, arg)
+                : SD_EBUSY;
+    if (st == SD_OK) {
+        rb->arg2 = arg2;
+        posted++;
+    } else if (rb != NULL) {
+        sd_bulk_put(pool, rb);
+        rb = NULL;
+    }
+    void *spv = (void *)sp;
+    int st2 = sb ? sd_bulk_start(sb, tp, true, peer, stag, &spv, 1, sbytes, chunk_bytes, sdesc, cb,
+                                 NULL, arg)
+                 : SD_EBUSY;
+    if (st2 == SD_OK) {
+        sb->arg2 = arg2;
+        posted++;
+    } else if (sb != NULL) {
+        sd_bulk_put(pool, sb);
+    }
+    if ((st != SD_OK || st2 != SD_OK) && *status_p == SD_OK) {
+        *status_p = st != SD_OK ? st : st2;
+        *suspect_p = peer;
+    }
+    if (rb_p != NULL)
+        *rb_p = rb;
+    return posted;
+}
+
 /* ---- all-reduce */
 
 size_t sd_allreduce_tmp_floats(size_t count, uint32_t n, size_t small_bytes)
@@ -185,27 +222,14 @@ static int direct_start(struct sd_allreduce *ar)
     for (uint32_t m = 0, o = 0; m < ar->n_members; m++) {
         if (m == ar->pos)
             continue;
-        struct sd_bulk *rb = sd_bulk_get(ar->pool), *sb = sd_bulk_get(ar->pool);
-        ar->direct_rb[o] = rb;
-        void *rp = ar->tmp + (size_t)o * ar->count, *sp = ar->buf;
         uint32_t peer = ar->members[m];
         uint64_t rtag = ar->tag_base | (uint64_t)(peer & 0x3ff) << 8;
         uint64_t stag = ar->tag_base | (uint64_t)(ar->members[ar->pos] & 0x3ff) << 8;
+        ar->pending +=
+            sd_bulk_exchange(ar->pool, ar->tp, peer, rtag, ar->tmp + (size_t)o * ar->count, bytes,
+                             stag, ar->buf, bytes, ar->chunk_bytes, NULL, NULL, direct_done, NULL,
+                             ar, 0, &ar->direct_rb[o], &ar->status, &ar->suspect);
         o++;
-        int st = sd_bulk_start(rb, ar->tp, false, peer, rtag, &rp, 1, bytes, ar->chunk_bytes, NULL,
-                               direct_done, NULL, ar);
-        if (st == SD_OK)
-            ar->pending++;
-        int st2 = sd_bulk_start(sb, ar->tp, true, peer, stag, &sp, 1, bytes, ar->chunk_bytes, NULL,
-                                direct_done, NULL, ar);
-        if (st2 == SD_OK)
-            ar->pending++;
-        else
-            sd_bulk_put(ar->pool, sb);
-        if ((st != SD_OK || st2 != SD_OK) && ar->status == SD_OK) {
-            ar->status = st != SD_OK ? st : st2;
-            ar->suspect = peer;
-        }
     }
     /* nothing in flight: the caller reports the error; else the callbacks finish the job */
     return ar->pending == 0 ? (ar->status ? ar->status : SD_EIO) : SD_OK;

@@ -48,6 +48,17 @@ int sd_bulk_start(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint
                   size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
                   void *arg);
 
+/* An exchange with one peer: post the receive of rbytes into rp (chunk_cb per received chunk)
+ * and the send of sbytes from sp, each one piece, with bulks from pool; both complete through cb
+ * with arg (and arg2). Returns how many were posted (0..2); a post that failed sets *status_p
+ * (if still 0) and *suspect_p. */
+struct sd_bulk_pool;
+uint32_t sd_bulk_exchange(struct sd_bulk_pool *pool, struct sd_transport *tp, uint32_t peer,
+                          uint64_t rtag, void *rp, size_t rbytes, uint64_t stag, const void *sp,
+                          size_t sbytes, size_t chunk_bytes, void *rdesc, void *sdesc,
+                          sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb, void *arg, uint64_t arg2,
+                          struct sd_bulk **rb_p, int *status_p, uint32_t *suspect_p);
+
 /* A pool of bulks, allocated once. */
 struct sd_bulk_pool {
     struct sd_bulk *all, *free;

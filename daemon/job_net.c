@@ -839,32 +839,13 @@ static void round_start_next(struct sd_job *job)
         uint32_t m = first + i;
         if (i == me)
             continue;
-        uint64_t seq = rd->seq & 0xffff;
+        uint32_t seq = (uint32_t)(rd->seq & 0xffff);
         void *rp = job->rs_recv + (size_t)o * block, *sp = job->scratch + (size_t)i * block;
-        struct sd_bulk *rb = sd_bulk_get(&job->bulks), *sb = sd_bulk_get(&job->bulks);
-        rb->arg2 = sb->arg2 = (uint64_t)(uintptr_t)job;
-        int st = sd_bulk_start(rb, tp_of(job), false, m,
-                               sd_tag(SD_TAG_GRAD, job->tag, u, (uint32_t)seq, m, 0), &rp, 1, bytes,
-                               job->reg->cfg->chunk_bytes, desc_of(job, rp), rs_done, rs_chunk,
-                               (void *)(uintptr_t)job);
-        rb->arg2 = (uint64_t)(uintptr_t)job;
-        if (st == SD_OK)
-            rd->pending++;
-        else
-            sd_bulk_put(&job->bulks, rb);
-        int st2 = sd_bulk_start(sb, tp_of(job), true, m,
-                                sd_tag(SD_TAG_GRAD, job->tag, u, (uint32_t)seq, self_node(job), 0),
-                                &sp, 1, bytes, job->reg->cfg->chunk_bytes, desc_of(job, sp),
-                                rs_done, NULL, (void *)(uintptr_t)job);
-        sb->arg2 = (uint64_t)(uintptr_t)job;
-        if (st2 == SD_OK)
-            rd->pending++;
-        else
-            sd_bulk_put(&job->bulks, sb);
-        if ((st != SD_OK || st2 != SD_OK) && rd->status == SD_OK) {
-            rd->status = st != SD_OK ? st : st2;
-            rd->suspect = m;
-        }
+        rd->pending += sd_bulk_exchange(
+            &job->bulks, tp_of(job), m, sd_tag(SD_TAG_GRAD, job->tag, u, seq, m, 0), rp, bytes,
+            sd_tag(SD_TAG_GRAD, job->tag, u, seq, self_node(job), 0), sp, bytes,
+            job->reg->cfg->chunk_bytes, desc_of(job, rp), desc_of(job, sp), rs_done, rs_chunk,
+            (void *)(uintptr_t)job, (uint64_t)(uintptr_t)job, NULL, &rd->status, &rd->suspect);
         o++;
     }
     if (rd->pending == 0)
@@ -985,27 +966,11 @@ static void norm_start(struct sd_job *job)
         if (m == me)
             continue;
         void *rp = &job->norm_parts[m], *sp = &job->norm_parts[me];
-        struct sd_bulk *rb = sd_bulk_get(&job->bulks), *sb = sd_bulk_get(&job->bulks);
-        int st = sd_bulk_start(rb, tp_of(job), false, m,
-                               sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, m, 0), &rp, 1,
-                               sizeof(double), 4096, desc_of(job, rp), norm_done, NULL, job);
-        rb->arg2 = (uint64_t)(uintptr_t)job;
-        if (st == SD_OK)
-            job->step_pending++;
-        else
-            sd_bulk_put(&job->bulks, rb);
-        int st2 = sd_bulk_start(sb, tp_of(job), true, m,
-                                sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, me, 0), &sp, 1,
-                                sizeof(double), 4096, desc_of(job, sp), norm_done, NULL, job);
-        sb->arg2 = (uint64_t)(uintptr_t)job;
-        if (st2 == SD_OK)
-            job->step_pending++;
-        else
-            sd_bulk_put(&job->bulks, sb);
-        if ((st != SD_OK || st2 != SD_OK) && job->step_status == SD_OK) {
-            job->step_status = st != SD_OK ? st : st2;
-            job->step_suspect = m;
-        }
+        job->step_pending += sd_bulk_exchange(
+            &job->bulks, tp_of(job), m, sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, m, 0), rp,
+            sizeof(double), sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, me, 0), sp,
+            sizeof(double), 4096, desc_of(job, rp), desc_of(job, sp), norm_done, NULL, job,
+            (uint64_t)(uintptr_t)job, NULL, &job->step_status, &job->step_suspect);
     }
     if (job->step_pending == 0) {
         if (job->step_status != SD_OK) {

@@ -430,8 +430,7 @@ static int make_runtime_dir(const char *dir)
                  (int)st.st_uid, (int)geteuid());
         return SD_EPERM;
     }
-    if ((created || (st.st_mode & 0022)) && (st.st_mode & 07777) != 0700 &&
-        chmod(dir, 0700) != 0) {
+    if ((created || (st.st_mode & 0022)) && (st.st_mode & 07777) != 0700 && chmod(dir, 0700) != 0) {
         SD_ERROR("server", "chmod 0700 %s (it was %04o, writable by others): %s", dir,
                  (unsigned)(st.st_mode & 07777), strerror(errno));
         return -errno;
