@@ -34,6 +34,25 @@ check '[ $rc -eq 2 ] && grep -q "only 1 nodes" <<<"$out"' "node 1 of 1: $out"
 out=$("$SHARDD" --staging-slots 65 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "staging_slots" <<<"$out"' "staging_slots bound: $out"
 
+# a cluster: node 0 gives up at the rendezvous deadline naming the missing nodes
+port=$((20000 + RANDOM % 30000))
+out=$("$SHARDD" --runtime-dir "$dir/r0" --nodes 3 --node 0 --ranks-per-node 1 \
+        --coordinator "127.0.0.1:$port" --rendezvous-timeout-ms 600 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "nodes 1, 2 did not join" <<<"$out"' "rendezvous deadline: $rc $out"
+check '[ ! -e "$dir/r0/shardd.sock" ]' "socket left behind after a failed rendezvous"
+out=$("$SHARDD" --runtime-dir "$dir/r0" --nodes 2 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "ranks_per_node" <<<"$out"' "a cluster without ranks_per_node: $out"
+# a node whose cluster-wide options differ is refused, naming them
+"$SHARDD" --runtime-dir "$dir/c0" --nodes 2 --node 0 --ranks-per-node 1 --op-timeout-ms 1000 \
+  --coordinator "127.0.0.1:$port" --rendezvous-timeout-ms 5000 >"$dir/c0.log" 2>&1 &
+c0=$!
+sleep 0.3
+out=$(timeout 10 "$SHARDD" --runtime-dir "$dir/c1" --nodes 2 --node 1 --ranks-per-node 1 \
+        --op-timeout-ms 2000 --coordinator "127.0.0.1:$port" 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "op_timeout_ms=2000" <<<"$out" && grep -q "op_timeout_ms=1000" <<<"$out"' \
+  "differing config not refused with the options named: $rc $out"
+kill -TERM "$c0" 2>/dev/null; wait "$c0" 2>/dev/null
+
 out=$("$SHARDCTL" --socket "$dir/nothing.sock" status 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "is shardd running" <<<"$out"' "shardctl without daemon: $out"
 out=$("$SHARDCTL" frobnicate 2>&1); rc=$?
