@@ -41,7 +41,8 @@ int main(int argc, char **argv)
                 MPI_Reduce(&t, &worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
                 if (rank == 0) {
                     double algbw = size / worst / 1e9;
-                    double f = strcmp(op, "allreduce") == 0 ? 2.0 * (n - 1) / n : (double)(n - 1) / n;
+                    double f =
+                        strcmp(op, "allreduce") == 0 ? 2.0 * (n - 1) / n : (double)(n - 1) / n;
                     printf("{\"name\": \"%s\", \"impl\": \"openmpi\", \"size_bytes\": %ld, "
                            "\"ranks\": %d, \"time_s\": %.9g, \"algbw_GBps\": %.4f, "
                            "\"busbw_GBps\": %.4f}\n",

@@ -10,12 +10,13 @@
 #include <stdint.h>
 
 struct sd_cost_in {
-    uint64_t numel;        /* parameters (padded) */
-    uint32_t w_bytes;      /* bytes per working weight: 4 (fp32) or 2 (bf16) */
-    uint32_t nodes, k;     /* N nodes of k ranks */
-    uint32_t accum;        /* micro-steps per step */
-    bool cached_in_step;   /* a gathered unit stays until the step (else gathered twice per micro-step) */
-    double inter_Bps;      /* bytes per second each node can send to the others */
+    uint64_t numel;      /* parameters (padded) */
+    uint32_t w_bytes;    /* bytes per working weight: 4 (fp32) or 2 (bf16) */
+    uint32_t nodes, k;   /* N nodes of k ranks */
+    uint32_t accum;      /* micro-steps per step */
+    bool cached_in_step; /* a gathered unit stays until the step (else gathered twice per
+                            micro-step) */
+    double inter_Bps;    /* bytes per second each node can send to the others */
 };
 
 struct sd_cost_out {
@@ -23,6 +24,7 @@ struct sd_cost_out {
     double comm_s;
 };
 
-void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan, struct sd_cost_out *out_p);
+void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
+                  struct sd_cost_out *out_p);
 
 #endif
