@@ -840,13 +840,11 @@ void sd_cluster_stop(struct sd_cluster *cl)
         link_close(cl->links, "daemon stopping");
     if (cl->listening)
         uv_close((uv_handle_t *)&cl->listener, noop_close);
-    if (uv_is_active((uv_handle_t *)&cl->timer) || !uv_is_closing((uv_handle_t *)&cl->timer)) {
+    if (cl->timer.loop != NULL) { /* the timers were initialized */
         uv_timer_stop(&cl->timer);
         uv_timer_stop(&cl->retry);
-        if (cl->timer.loop)
-            uv_close((uv_handle_t *)&cl->timer, noop_close);
-        if (cl->retry.loop)
-            uv_close((uv_handle_t *)&cl->retry, noop_close);
+        uv_close((uv_handle_t *)&cl->timer, noop_close);
+        uv_close((uv_handle_t *)&cl->retry, noop_close);
     }
     while (cl->jobs)
         coord_job_free(cl, cl->jobs);

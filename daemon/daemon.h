@@ -312,7 +312,6 @@ struct sd_job {
     double *norm_parts; /* [nodes] */
     struct sd_bulk **norm_b;
     double local_sumsq;
-    uint32_t refresh_pending;
     /* init */
     uint32_t init_next_unit;
     bool init_done, remote_ready;

@@ -577,10 +577,7 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
         !job->step_waiting || !job->ready_waiting || !job->ready_tags) {
         if (status == SD_OK)
             snprintf(err, errlen, "out of memory");
-        job->next = reg->jobs;
-        reg->jobs = job;
-        reg->n_jobs++;
-        job_destroy(job);
+        job_free(job);
         return NULL;
     }
     for (uint32_t u = 0; u < job->layout.n_units; u++) {
@@ -664,7 +661,6 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
                                name, msg->world, (unsigned long long)msg->max_live_bytes,
                                job->world, (unsigned long long)job->max_live_bytes);
         } else {
-            job->model.n_tensors = job->model.n_tensors; /* same model: keep the first copy */
             model_free(&model);
             goto add_rank;
         }

@@ -93,9 +93,8 @@ static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cf
     uint32_t R = job->group_nodes > 1 ? job->nodes / job->group_nodes : job->nodes;
     uint64_t maxn = job->layout.max_unit_numel;
     uint64_t block = job->group_nodes > 1 ? maxn / job->group_nodes : maxn;
-    size_t need = 0;
-    for (uint64_t cnt = block; cnt > 0; cnt = 0) /* the largest all-reduce is one block */
-        need = sd_allreduce_tmp_floats(cnt, R, cfg->small_allreduce_bytes);
+    /* the largest all-reduce is one block */
+    size_t need = sd_allreduce_tmp_floats(block, R, cfg->small_allreduce_bytes);
     /* smaller units may take the direct path with (R - 1) * count floats */
     size_t small = cfg->small_allreduce_bytes / sizeof(float);
     return SD_MAX(need, (size_t)(R > 1 ? R - 1 : 0) * SD_MIN(small, block)) + 16;
@@ -350,7 +349,7 @@ static void serve_done(struct sd_bulk *b, int status)
 static bool serve(struct sd_job *job, const struct sd_req_msg *m)
 {
     if (job->state != SD_JOB_READY && job->state != SD_JOB_CLOSING)
-        return job->state == SD_JOB_LOADING ? false : true; /* failed jobs: drop */
+        return job->state != SD_JOB_LOADING; /* failed jobs: drop the request */
     if (m->gen > job->weights_gen)
         return false;
     if (m->gen < job->weights_gen) {
@@ -536,12 +535,8 @@ static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
     us->resident = true;
     job->stats.gathers++;
     sd_job_complete_fetch(job, us);
-    if (us->waiters == 0 && job->refresh_pending > 0 && job->step_phase == SD_STEP_REFRESH) {
-        job->refresh_pending--;
+    if (job->step_phase != SD_STEP_IDLE) /* a refresh, or a step waiting for gathers */
         sd_job_net_step(job);
-    } else if (job->step_phase != SD_STEP_IDLE) {
-        sd_job_net_step(job);
-    }
 }
 
 static void gather_recv_done(struct sd_bulk *b, int status)
@@ -1026,14 +1021,12 @@ void sd_job_net_step(struct sd_job *job)
         sd_job_step_apply(job, sumsq);
         serve_queue(job);
         job->step_phase = SD_STEP_REFRESH;
-        job->refresh_pending = 0;
         if (job->group_nodes > 1) {
             for (uint32_t i = 0; i < job->n_slots; i++) {
                 struct sd_unit_state *us = &job->units[i];
                 if (!us->resident || us->refs == 0 || us->inflight)
                     continue;
-                if (gather_start(job, us) == SD_OK)
-                    job->refresh_pending++;
+                gather_start(job, us); /* the refresh phase waits for gathers_inflight */
             }
         }
     }
