@@ -101,13 +101,74 @@ static json_t *job_stats(const struct sd_job *job)
             sum += job->stats.bytes[op][c];
         json_object_set_new(totals, link_names[c], json_integer((json_int_t)sum));
     }
-    return json_pack("{s:s, s:I, s:o, s:o, s:I, s:I, s:I, s:I, s:I, s:I}", "job", job->name,
-                     "steps", (json_int_t)job->steps, "ops", ops, "bytes", totals, "errors",
-                     (json_int_t)job->stats.errors, "gathers", (json_int_t)job->stats.gathers,
-                     "cache_hits", (json_int_t)job->stats.cache_hits, "evictions",
-                     (json_int_t)job->stats.evictions, "allocations_since_register",
-                     (json_int_t)job->stats.allocs_after_register, "pool_bytes",
-                     (json_int_t)job->stats.pool_bytes);
+    json_t *o = json_pack("{s:s, s:I, s:o, s:o, s:I, s:I, s:I, s:I, s:I, s:I}", "job", job->name,
+                          "steps", (json_int_t)job->steps, "ops", ops, "bytes", totals, "errors",
+                          (json_int_t)job->stats.errors, "gathers", (json_int_t)job->stats.gathers,
+                          "cache_hits", (json_int_t)job->stats.cache_hits, "evictions",
+                          (json_int_t)job->stats.evictions, "allocations_since_register",
+                          (json_int_t)job->stats.allocs_after_register, "pool_bytes",
+                          (json_int_t)job->stats.pool_bytes);
+    json_object_set_new(o, "allocations_counted", json_boolean(sd_alloc_counted));
+    json_object_set_new(o, "allocations_while_frozen",
+                        json_integer((json_int_t)job->sched.allocs_frozen));
+    json_object_set_new(o, "schedule", json_string(sd_sched_state_name(job->sched.state)));
+    json_object_set_new(o, "schedule_invalidations",
+                        json_integer((json_int_t)job->sched.invalidations));
+    json_object_set_new(o, "prefetches", json_integer((json_int_t)job->sched.prefetches));
+    return o;
+}
+
+/* The frozen schedule: its calls, the prefetch distance, every gather's place in the pool. */
+static json_t *job_schedule(const struct sd_job *job)
+{
+    const struct sd_job_sched *sc = &job->sched;
+    const struct sd_layout *l = &job->layout;
+    uint64_t sum = 0, largest = 0;
+    for (uint32_t u = 0; u < l->n_units; u++) {
+        sum += sd_unit_bytes(&l->units[u]) * job->slots_per_unit;
+        largest = SD_MAX(largest, sd_unit_bytes(&l->units[u]) * job->slots_per_unit);
+    }
+    bool planned = sc->freezes > 0, arrays = planned && sc->ops != NULL; /* freed at the end */
+    json_t *order = json_array(), *slots = json_array();
+    for (uint32_t i = 0; arrays && i < sc->n; i++)
+        json_array_append_new(order, json_pack("{s:s, s:i}", "op",
+                                               sd_sched_op_name(sd_sched_op_of(sc->ops[i])), "unit",
+                                               (int)sd_sched_unit_of(sc->ops[i])));
+    for (uint32_t i = 0; arrays && i < sc->plan.n_iv; i++) {
+        const struct sd_ival *iv = &sc->plan.iv[i];
+        json_array_append_new(slots, json_pack("{s:i, s:I, s:I, s:i, s:i}", "unit",
+                                               (int)sc->plan.iv_unit[i], "offset",
+                                               (json_int_t)iv->off, "bytes", (json_int_t)iv->size,
+                                               "issue", (int)iv->start, "end", (int)iv->end));
+    }
+    double cpu[2];
+    for (int i = 0; i < 2; i++)
+        cpu[i] = sc->fetches[i] ? (double)sc->cpu_ns[i] / (double)sc->fetches[i] / 1e3 : 0.0;
+    json_t *o = json_pack(
+        "{s:s, s:s, s:I, s:I, s:i, s:i, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "job",
+        job->name, "state", sd_sched_state_name(sc->state), "steps", (json_int_t)job->steps,
+        "frozen_after_step", (json_int_t)(planned ? sc->frozen_at_step : 0), "calls_per_step",
+        planned ? (int)sc->n : 0, "prefetch_depth", planned ? (int)sc->params.prefetch_depth : 0,
+        "prefetch_bytes", (json_int_t)sc->params.prefetch_bytes, "reuse_distance",
+        (int)sc->params.reuse_distance, "gathers_per_step", planned ? (int)sc->plan.n_iv : 0,
+        "pool_peak_bytes", (json_int_t)(planned ? sc->plan.peak : 0), "pool_lower_bound_bytes",
+        (json_int_t)(planned ? sc->plan.lower_bound : 0), "pool_bytes",
+        (json_int_t)job->stats.pool_bytes, "units_sum_bytes", (json_int_t)sum, "largest_unit_bytes",
+        (json_int_t)largest, "freezes", (json_int_t)sc->freezes, "invalidations",
+        (json_int_t)sc->invalidations);
+    json_object_set_new(o, "persist_bytes", json_integer((json_int_t)sc->params.persist_bytes));
+    json_object_set_new(o, "prefetches", json_integer((json_int_t)sc->prefetches));
+    json_object_set_new(o, "prefetch_hits", json_integer((json_int_t)sc->prefetch_hits));
+    json_object_set_new(o, "waits", json_integer((json_int_t)sc->waits));
+    json_object_set_new(o, "conflicts", json_integer((json_int_t)sc->conflicts));
+    json_object_set_new(o, "fetch_cpu_us_unfrozen", json_real(cpu[0]));
+    json_object_set_new(o, "fetch_cpu_us_frozen", json_real(cpu[1]));
+    json_object_set_new(o, "allocations_while_frozen",
+                        sd_alloc_counted ? json_integer((json_int_t)sc->allocs_frozen)
+                                         : json_null());
+    json_object_set_new(o, "order", order);
+    json_object_set_new(o, "slots", slots);
+    return o;
 }
 
 int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char **json_p)
@@ -134,6 +195,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
                 json_array_append_new(jobs, job_groups(j));
             else if (strcmp(cmd, "stats") == 0)
                 json_array_append_new(jobs, job_stats(j));
+            else if (strcmp(cmd, "schedule") == 0)
+                json_array_append_new(jobs, job_schedule(j));
             else
                 json_array_append_new(jobs, job_summary(j));
         }
@@ -153,7 +216,7 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
                         (json_int_t)reg->budget, "memory_used_bytes", (json_int_t)reg->used,
                         "config", config_json(cfg), "clients", clients, "jobs", jobs);
     } else if (strcmp(cmd, "jobs") == 0 || strcmp(cmd, "groups") == 0 ||
-               strcmp(cmd, "stats") == 0) {
+               strcmp(cmd, "stats") == 0 || strcmp(cmd, "schedule") == 0) {
         out = json_pack("{s:o}", "jobs", jobs);
     } else if (strcmp(cmd, "topology") == 0) {
         json_t *nodes;
@@ -172,8 +235,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
                         nodes, "jobs", jobs);
     } else {
         json_decref(jobs);
-        out =
-            json_pack("{s:s}", "error", "unknown command (status, jobs, groups, topology, stats)");
+        out = json_pack("{s:s}", "error",
+                        "unknown command (status, jobs, groups, topology, stats, schedule)");
         *json_p = json_dumps(out, JSON_COMPACT);
         json_decref(out);
         return SD_EINVAL;

@@ -8,6 +8,7 @@
 #include "sd/gpu.h"
 #include "sd/model.h"
 #include "sd/ring.h"
+#include "sd/schedule.h"
 #include "coll.h"
 #include "shard.pb-c.h"
 
@@ -34,6 +35,8 @@ void sd_slot_pool_fini(struct sd_slot_pool *p);
 /* Returns 0 and the offset, or SD_ENOSPC. align must be a power of two. */
 int sd_slot_pool_alloc(struct sd_slot_pool *p, uint64_t len, uint64_t align, uint64_t *off_p);
 void sd_slot_pool_free(struct sd_slot_pool *p, uint64_t off);
+/* Mark [off, off + len) used (rebuilding the list from places decided elsewhere). */
+int sd_slot_pool_take(struct sd_slot_pool *p, uint64_t off, uint64_t len);
 uint64_t sd_slot_pool_used_bytes(const struct sd_slot_pool *p);
 
 /* ---- statistics */
@@ -200,6 +203,7 @@ struct sd_unit_state {
     uint64_t start_ns;
     uint32_t refs;
     uint32_t unit, lslot;
+    uint32_t plan_iv;   /* the frozen schedule's gather whose place it occupies, or NONE */
     uint32_t remaining; /* remote blocks still to arrive */
     uint64_t waiters;   /* local ranks whose fetch waits for this gather */
     bool resident, inflight;
@@ -225,6 +229,47 @@ struct sd_node_round {
     bool ar_active;
     struct sd_allreduce ar;
     struct sd_bulk **sb, **rb; /* [group nodes - 1] */
+};
+
+/* The schedule of a job on this node (schedule.c): recorded during the first step, checked
+ * between ranks and nodes at the step boundary, then frozen and replayed with prefetch into
+ * pool places planned offline. A call off the schedule falls back to on-demand fetching for the
+ * rest of the step and a new schedule is recorded. */
+enum sd_sched_state { SD_SCHED_RECORDING, SD_SCHED_FROZEN, SD_SCHED_OFF };
+const char *sd_sched_state_name(enum sd_sched_state s);
+struct sd_job_sched {
+    enum sd_sched_state state;
+    uint32_t cap;      /* calls recorded per rank and step at most */
+    uint32_t *rec;     /* [k * cap] this step's calls per local rank */
+    uint32_t *rec_len; /* [k] */
+    bool overflow;     /* a rank made more calls than cap: not frozen */
+    bool freeze_next;  /* the recording checked out: frozen when the step completes */
+    bool deviated;     /* this step left the schedule: on demand until the step ends */
+    uint64_t digest;   /* of this node's recording (0: not recording), exchanged between nodes */
+    uint32_t n;        /* frozen calls per step */
+    uint32_t *ops;     /* [cap] */
+    struct sd_sched_plan plan;
+    uint32_t *scratch;    /* the planner's */
+    uint64_t *slot_bytes; /* [n_units] */
+    uint64_t stride;      /* bytes between a unit's per-rank copies (no hierarchical gather) */
+    struct sd_sched_params params; /* as planned (prefetch depth may be lowered to fit) */
+    uint32_t *cursor;              /* [k] next position of each local rank */
+    uint32_t lead;                 /* the furthest position a local rank reached this step */
+    uint32_t *pf_next; /* [k] next gather to issue, per copy (one copy with the hierarchy) */
+    bool in_prefetch;  /* a gather that completes at once must not re-enter */
+    uint32_t want_iv;  /* the gather a fetch being served uses, else NONE */
+    uint64_t want_off;
+    uint64_t frozen_at_step;
+    uint64_t freezes, invalidations, deviations, prefetches, prefetch_hits, waits, conflicts;
+    uint64_t cpu_ns[2], fetches[2]; /* fetch handling: [0] not frozen, [1] frozen */
+    uint64_t allocs_frozen;         /* allocations made while serving calls on the schedule */
+};
+
+/* what each node contributes at a step: its part of the gradient norm, and the digest and
+ * length of the schedule it recorded in this step (0 when not recording) */
+struct sd_norm_part {
+    double sumsq;
+    uint64_t digest, n;
 };
 
 enum sd_step_phase { SD_STEP_IDLE, SD_STEP_SYNC, SD_STEP_NORM, SD_STEP_APPLY, SD_STEP_REFRESH };
@@ -309,7 +354,7 @@ struct sd_job {
     int step_status;
     uint32_t step_suspect;
     struct sd_allreduce step_ar;
-    double *norm_parts; /* [nodes] */
+    struct sd_norm_part *norm_parts; /* [nodes] */
     struct sd_bulk **norm_b;
     double local_sumsq;
     /* init */
@@ -319,6 +364,7 @@ struct sd_job {
     struct sd_session *init_waiter;
     uint64_t init_tag;
     uint32_t init_sends;
+    struct sd_job_sched sched;
 };
 
 void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
@@ -388,6 +434,37 @@ void sd_job_complete_fetch(struct sd_job *job, struct sd_unit_state *us);
 void sd_job_set_ready(struct sd_job *job);
 void sd_job_load_unit(struct sd_job *job, uint32_t unit, const float *src);
 int sd_job_pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);
+
+/* schedule.c */
+int sd_sched_alloc(struct sd_job *job);
+void sd_sched_free(struct sd_job *job);
+/* before a fetch, release or push is served: the position it matches (SD_SCHED_NONE if none) */
+uint32_t sd_sched_before(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
+/* after it was served (consumed) or stalled; cpu0/allocs0 as read before */
+void sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint32_t pos,
+                    bool consumed, uint64_t cpu0, uint64_t allocs0);
+/* every local rank called step: check the recording (false after failing the job) */
+bool sd_sched_step_check(struct sd_job *job);
+/* the schedules nodes [first, first + count) of this node's partition group recorded in this
+ * step (parts indexed by node; digest 0: not recording): false after failing the job */
+struct sd_norm_part;
+bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count,
+                          const struct sd_norm_part *parts);
+/* the step completed: freeze, re-record or rewind, and prefetch the first gathers */
+void sd_sched_step_done(struct sd_job *job);
+/* issue the gathers the plan wants by now (retried after every call and gather) */
+void sd_sched_prefetch(struct sd_job *job);
+/* the pool place of a fetch being served: SD_OK, SD_EAGAIN (a slower rank still uses the
+ * place: wait), or SD_ENOENT (not planned: allocate on demand) */
+int sd_sched_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);
+/* allocation calls made by this thread (counted where the allocator can be wrapped) */
+uint64_t sd_alloc_calls(void);
+extern const bool sd_alloc_counted;
+uint64_t sd_thread_cpu_ns(void);
+
+/* job_net.c: start the gather of a slot whose pool place is set (prefetch); SD_EAGAIN when
+ * no transfer resources are free now */
+int sd_job_net_prefetch(struct sd_job *job, struct sd_unit_state *us);
 
 /* job_ops.c: returns true if consumed, false if the entry must wait (stall the ring) */
 bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);

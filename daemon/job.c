@@ -128,6 +128,7 @@ static void job_free_memory(struct sd_job *job)
     free(job->rounds);
     free(job->round_entries);
     free(job->w_off);
+    sd_sched_free(job);
     sd_slot_pool_fini(&job->spool);
     job->arena = job->staging = NULL;
     job->scratch = NULL;
@@ -328,6 +329,9 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
     if (status != SD_OK)
         goto err_alloc;
     status = sd_slot_pool_init(&job->spool, need.pool, job->n_slots + 1);
+    if (status != SD_OK)
+        goto err_alloc;
+    status = sd_sched_alloc(job);
     if (status != SD_OK)
         goto err_alloc;
     if (job->nodes > 1) {
@@ -896,6 +900,23 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
                         (long long)reg->cfg->op_timeout_ms);
             continue;
         }
+        /* a call that cannot proceed (a pool place, transfer resources) for too long */
+        for (uint32_t r = 0; r < job->k; r++) {
+            struct sd_session *s = job->ranks[r];
+            if (s == NULL || !s->has_stalled || now - s->stalled_ns <= op_timeout)
+                continue;
+            sd_job_fail(job, SD_ETIMEDOUT,
+                        "rank %u's %s of unit %u could not proceed for %lld ms (op_timeout_ms): "
+                        "%s",
+                        s->rank, sd_op_name((int)s->stalled.op), s->stalled.unit,
+                        (long long)reg->cfg->op_timeout_ms,
+                        s->stalled.op == SD_OP_FETCH
+                            ? "its pool place or the transfers it needs stayed busy"
+                            : "an earlier call of the same kind did not complete");
+            break;
+        }
+        if (job->state == SD_JOB_FAILED)
+            continue;
         if (job->state == SD_JOB_LOADING) {
             bool waiting = false;
             for (uint32_t r = 0; r < job->k; r++)

@@ -195,7 +195,7 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     if (st == SD_OK)
         st = reg_mr(job, job->ar_tmp, job->ar_tmp_count * sizeof(float));
     if (st == SD_OK)
-        st = reg_mr(job, job->norm_parts, N * sizeof(double));
+        st = reg_mr(job, job->norm_parts, N * sizeof(*job->norm_parts));
     if (st != SD_OK) {
         snprintf(err, errlen, "registering the job's memory with the fabric failed: %s",
                  sd_status_str(st));
@@ -537,6 +537,8 @@ static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
     sd_job_complete_fetch(job, us);
     if (job->step_phase != SD_STEP_IDLE) /* a refresh, or a step waiting for gathers */
         sd_job_net_step(job);
+    else
+        sd_sched_prefetch(job); /* transfer resources are free again */
 }
 
 static void gather_recv_done(struct sd_bulk *b, int status)
@@ -631,6 +633,11 @@ static int gather_start(struct sd_job *job, struct sd_unit_state *us)
     return SD_OK;
 }
 
+int sd_job_net_prefetch(struct sd_job *job, struct sd_unit_state *us)
+{
+    return gather_start(job, us);
+}
+
 bool sd_job_net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                       struct sd_unit_state *us)
 {
@@ -661,7 +668,12 @@ bool sd_job_net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_
         us->waiters &= ~bit;
         return false;
     }
-    if (sd_job_pool_reserve(job, sd_unit_bytes(ul), &off) != SD_OK) {
+    int rst = sd_job_pool_reserve(job, sd_unit_bytes(ul), &off);
+    if (rst == SD_EAGAIN) { /* a slower rank still uses the planned place */
+        us->waiters &= ~bit;
+        return false;
+    }
+    if (rst != SD_OK) {
         us->waiters &= ~bit;
         char b1[32], b2[32];
         sd_session_fail(s, e, SD_ENOSPC,
@@ -919,6 +931,16 @@ static void step_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
     sd_job_net_step(job);
 }
 
+/* the nodes of this node's partition group must have recorded the same schedule */
+static bool check_schedules(struct sd_job *job)
+{
+    if (job->group_nodes < 2 ||
+        sd_sched_check_nodes(job, group_first(job), job->group_nodes, job->norm_parts))
+        return true;
+    job->step_phase = SD_STEP_IDLE;
+    return false;
+}
+
 static void norm_done(struct sd_bulk *b, int status)
 {
     struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
@@ -934,6 +956,8 @@ static void norm_done(struct sd_bulk *b, int status)
         step_fail(job, job->step_status, job->step_suspect);
         return;
     }
+    if (!check_schedules(job))
+        return;
     job->step_phase = SD_STEP_APPLY;
     sd_job_net_step(job);
 }
@@ -952,7 +976,8 @@ static void norm_start(struct sd_job *job)
                 (float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G], ul->numel / f);
         }
     }
-    job->norm_parts[me] = local;
+    job->norm_parts[me] = (struct sd_norm_part){
+        .sumsq = local, .digest = job->sched.digest, .n = job->sched.rec_len[0]};
     job->step_phase = SD_STEP_NORM;
     job->step_status = SD_OK;
     job->step_pending = 0;
@@ -963,9 +988,9 @@ static void norm_start(struct sd_job *job)
         void *rp = &job->norm_parts[m], *sp = &job->norm_parts[me];
         job->step_pending += sd_bulk_exchange(
             &job->bulks, tp_of(job), m, sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, m, 0), rp,
-            sizeof(double), sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, me, 0), sp,
-            sizeof(double), 4096, desc_of(job, rp), desc_of(job, sp), norm_done, NULL, job,
-            (uint64_t)(uintptr_t)job, NULL, &job->step_status, &job->step_suspect);
+            sizeof(*job->norm_parts), sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, me, 0), sp,
+            sizeof(*job->norm_parts), 4096, desc_of(job, rp), desc_of(job, sp), norm_done, NULL,
+            job, (uint64_t)(uintptr_t)job, NULL, &job->step_status, &job->step_suspect);
     }
     if (job->step_pending == 0) {
         if (job->step_status != SD_OK) {
@@ -1017,7 +1042,7 @@ void sd_job_net_step(struct sd_job *job)
             return; /* peers still read this node's weights of the current generation */
         double sumsq = 0.0;
         for (uint32_t m = 0; m < job->nodes; m++)
-            sumsq += job->norm_parts[m];
+            sumsq += job->norm_parts[m].sumsq;
         sd_job_step_apply(job, sumsq);
         serve_queue(job);
         job->step_phase = SD_STEP_REFRESH;

@@ -84,6 +84,9 @@ void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t 
 /* Find room in the pool, evicting cached slots nobody holds (least recently released first). */
 int sd_job_pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
 {
+    int planned = sd_sched_reserve(job, bytes, off_p); /* the frozen schedule's place */
+    if (planned != SD_ENOENT)
+        return planned;
     for (;;) {
         if (sd_slot_pool_alloc(&job->spool, bytes, SD_CACHELINE, off_p) == SD_OK)
             return SD_OK;
@@ -152,7 +155,10 @@ static bool op_fetch(struct sd_job *job, struct sd_session *s, const struct sd_s
     }
     if (!us->resident) {
         uint64_t off;
-        if (sd_job_pool_reserve(job, sd_unit_bytes(ul), &off) != SD_OK) {
+        int st = sd_job_pool_reserve(job, sd_unit_bytes(ul), &off);
+        if (st == SD_EAGAIN)
+            return false; /* a slower rank still uses the planned place */
+        if (st != SD_OK) {
             char b1[32], b2[32], b3[32];
             sd_session_fail(s, e, SD_ENOSPC,
                             "fetch unit %u needs %s; the gather pool (%s) has %s held by "
@@ -389,6 +395,7 @@ void sd_job_step_apply(struct sd_job *job, double sumsq)
 /* Answer every rank waiting in step. */
 void sd_job_step_done(struct sd_job *job)
 {
+    sd_sched_step_done(job); /* freeze or rewind the schedule; first prefetches */
     uint64_t bits, now = sd_now_ns();
     double norm = job->last_grad_norm;
     memcpy(&bits, &norm, sizeof(bits));
@@ -459,7 +466,7 @@ static void op_step(struct sd_job *job, struct sd_session *s, const struct sd_sq
     job->step_arrive_ns[s->local] = now;
     if (job->step_arrived++ == 0)
         job->step_first_ns = now;
-    if (job->step_arrived == job->k)
+    if (job->step_arrived == job->k && sd_sched_step_check(job))
         do_step(job);
 }
 
@@ -549,22 +556,35 @@ static void op_ready(struct sd_job *job, struct sd_session *s, const struct sd_s
     sd_job_set_ready(job);
 }
 
+/* fetch, release and push: matched against the schedule, recorded, counted */
+static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                         uint64_t start)
+{
+    uint64_t allocs0 = sd_alloc_calls();
+    uint64_t cpu0 = e->op == SD_OP_FETCH ? sd_thread_cpu_ns() : 0;
+    uint32_t pos = sd_sched_before(job, s, e);
+    bool consumed = true;
+    if (e->op == SD_OP_FETCH)
+        consumed = op_fetch(job, s, e, start);
+    else if (e->op == SD_OP_RELEASE)
+        op_release(job, s, e, start);
+    else
+        consumed = op_push(job, s, e);
+    sd_sched_after(job, s, e, pos, consumed, cpu0, allocs0);
+    job->stats.allocs_after_register += sd_alloc_calls() - allocs0;
+    return consumed;
+}
+
 bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 {
     uint64_t start = sd_now_ns();
     switch (e->op) {
     case SD_OP_FETCH:
-        if (check_ready(job, s, e, true))
-            return op_fetch(job, s, e, start);
-        return true;
     case SD_OP_RELEASE:
-        if (check_ready(job, s, e, true))
-            op_release(job, s, e, start);
-        return true;
     case SD_OP_PUSH:
-        if (!check_ready(job, s, e, true))
-            return true;
-        return op_push(job, s, e);
+        if (check_ready(job, s, e, true))
+            return scheduled_op(job, s, e, start);
+        return true;
     case SD_OP_STEP:
         if (check_ready(job, s, e, false))
             op_step(job, s, e);

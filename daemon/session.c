@@ -217,6 +217,7 @@ bool sd_session_progress(struct sd_session *s)
         if (!dispatch(s, &e)) {
             s->stalled = e;
             s->has_stalled = true;
+            s->stalled_ns = sd_now_ns();
             break;
         }
     }

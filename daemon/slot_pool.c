@@ -62,3 +62,16 @@ uint64_t sd_slot_pool_used_bytes(const struct sd_slot_pool *p)
         s += p->used[i].len;
     return s;
 }
+
+int sd_slot_pool_take(struct sd_slot_pool *p, uint64_t off, uint64_t len)
+{
+    if (p->n_used >= p->max_used)
+        return SD_ENOSPC;
+    uint32_t i = 0;
+    while (i < p->n_used && p->used[i].off < off)
+        i++;
+    memmove(&p->used[i + 1], &p->used[i], (p->n_used - i) * sizeof(p->used[0]));
+    p->used[i] = (struct sd_extent){.off = off, .len = len};
+    p->n_used++;
+    return SD_OK;
+}

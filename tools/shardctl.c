@@ -1,4 +1,4 @@
-/* shardctl: inspect a running shardd (status, jobs, groups, topology, stats). */
+/* shardctl: inspect a running shardd (status, jobs, groups, topology, stats, schedule). */
 #include "shard_internal.h"
 #include "sd/frame.h"
 #include "sd/status.h"
@@ -24,6 +24,9 @@ static void usage(FILE *out)
             "  topology   this node, the cluster size and the jobs' rank placement\n"
             "  stats      per job: operations, bytes by link class, latency percentiles,\n"
             "             allocations since registration\n"
+            "  schedule   per job: the frozen fetch/release/push order, prefetch distance, each\n"
+            "             gather's pool offset, size and lifetime, the pool peak next to the sum\n"
+            "             of all units and the largest unit, invalidations\n"
             "\n"
             "Options:\n"
             "  --socket PATH  daemon socket (default $SHARD_SOCKET, else /run/shardd/shardd.sock)\n"
@@ -202,6 +205,63 @@ static void print_stats(json_t *doc)
         printf("(no jobs)\n");
 }
 
+static void print_schedule(json_t *jobs)
+{
+    char b[4][32];
+    size_t i, k;
+    json_t *j, *e;
+    json_array_foreach(jobs, i, j)
+    {
+        printf("job %s: schedule %s, %lld steps, %lld invalidations, %lld freezes\n", str(j, "job"),
+               str(j, "state"), num(j, "steps"), num(j, "invalidations"), num(j, "freezes"));
+        if (num(j, "freezes") == 0) {
+            printf("  (not frozen yet: the first step records it)\n");
+            continue;
+        }
+        printf("  frozen after step %lld: %lld calls per step, %lld gathers, prefetch depth %lld "
+               "(at most %s ahead), reuse distance %lld\n",
+               num(j, "frozen_after_step"), num(j, "calls_per_step"), num(j, "gathers_per_step"),
+               num(j, "prefetch_depth"),
+               num(j, "prefetch_bytes")
+                   ? sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)num(j, "prefetch_bytes"))
+                   : "any bytes",
+               num(j, "reuse_distance"));
+        long long peak = num(j, "pool_peak_bytes"), lb = num(j, "pool_lower_bound_bytes");
+        printf("  pool peak %s = %.3fx the most bytes live at once (%s); all units %s, largest "
+               "%s, pool %s\n",
+               sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)peak),
+               lb ? (double)peak / (double)lb : 0.0, sd_fmt_bytes(b[1], sizeof(b[1]), (uint64_t)lb),
+               sd_fmt_bytes(b[2], sizeof(b[2]), (uint64_t)num(j, "units_sum_bytes")),
+               sd_fmt_bytes(b[3], sizeof(b[3]), (uint64_t)num(j, "largest_unit_bytes")),
+               sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)num(j, "pool_bytes")));
+        printf("  prefetches %lld, fetches found ready %lld, waits %lld, conflicts %lld; daemon "
+               "CPU per fetch %.2f us frozen vs %.2f us before\n",
+               num(j, "prefetches"), num(j, "prefetch_hits"), num(j, "waits"), num(j, "conflicts"),
+               json_real_value(json_object_get(j, "fetch_cpu_us_frozen")),
+               json_real_value(json_object_get(j, "fetch_cpu_us_unfrozen")));
+        printf("  %-6s %-6s %12s %12s %7s %7s\n", "GATHER", "UNIT", "OFFSET", "BYTES", "ISSUE",
+               "END");
+        json_array_foreach(json_object_get(j, "slots"), k, e)
+        {
+            printf("  %-6zu %-6lld %12lld %12lld %7lld %7lld\n", k, num(e, "unit"),
+                   num(e, "offset"), num(e, "bytes"), num(e, "issue"), num(e, "end"));
+        }
+        printf("  order:");
+        json_array_foreach(json_object_get(j, "order"), k, e)
+        {
+            const char *op = str(e, "op");
+            printf("%s%c%lld", k % 16 == 0 ? "\n   " : " ",
+                   op[0] == 'f'   ? 'F'
+                   : op[0] == 'r' ? 'R'
+                                  : 'P',
+                   num(e, "unit"));
+        }
+        printf("\n  (F fetch, R release, P push; issue and end are positions in the order)\n");
+    }
+    if (json_array_size(jobs) == 0)
+        printf("(no jobs)\n");
+}
+
 int main(int argc, char **argv)
 {
     const char *socket = NULL, *job = NULL, *cmd = NULL;
@@ -224,7 +284,7 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    static const char *const cmds[] = {"status", "jobs", "groups", "topology", "stats"};
+    static const char *const cmds[] = {"status", "jobs", "groups", "topology", "stats", "schedule"};
     bool known = false;
     for (size_t i = 0; cmd && i < SD_ARRAY_SIZE(cmds); i++)
         known |= strcmp(cmd, cmds[i]) == 0;
@@ -289,6 +349,8 @@ int main(int argc, char **argv)
         print_groups(doc);
     } else if (strcmp(cmd, "topology") == 0) {
         print_topology(doc);
+    } else if (strcmp(cmd, "schedule") == 0) {
+        print_schedule(json_object_get(doc, "jobs"));
     } else {
         print_stats(doc);
     }

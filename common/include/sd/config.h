@@ -33,6 +33,11 @@ struct sd_config {
     uint64_t chunk_bytes;
     uint64_t small_allreduce_bytes;
     int64_t net_spin;
+    int64_t prefetch_depth;
+    uint64_t prefetch_bytes;
+    int64_t reuse_distance;
+    uint64_t persist_bytes;
+    int64_t schedule_max_ops;
 };
 
 enum sd_config_type { SD_CFG_STRING, SD_CFG_INT, SD_CFG_SIZE };

@@ -1,0 +1,492 @@
+/* A job's schedule on this node (DESIGN.md sections 3 and 7).
+ *
+ * Record: during the first step every fetch, release and push a local rank makes is appended
+ * to its recording (arrays sized at registration). Check: when every local rank called step,
+ * the ranks of each partition group must have made the same calls (else the job fails naming
+ * the first differing position and the ranks); across nodes the recordings' digests travel
+ * with the gradient norm (job_net.c). Freeze: the node's sequence is planned (common/schedule.c):
+ * one pool place per gather, fixed offsets from the interval packer, prefetch issue positions.
+ * Replay: each rank's calls are matched against the frozen sequence; a fetch uses its planned
+ * place; gathers are issued ahead of the leading rank. A call off the schedule makes the rest
+ * of the step on demand (first fit in the pool, rebuilt from what is resident), is counted and
+ * logged (rate-limited), and the next step is recorded and frozen again. Data never depends on
+ * the schedule: every fetch still checks the unit's weights generation. */
+#include "daemon.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+const char *sd_sched_state_name(enum sd_sched_state s)
+{
+    switch (s) {
+    case SD_SCHED_RECORDING:
+        return "recording";
+    case SD_SCHED_FROZEN:
+        return "frozen";
+    case SD_SCHED_OFF:
+        return "on-demand";
+    }
+    return "?";
+}
+
+uint64_t sd_thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint64_t unit_bytes(const struct sd_job *job, uint32_t u)
+{
+    return sd_unit_bytes(&job->layout.units[u]);
+}
+
+/* offset of a unit's copy for local slot lslot inside its planned place */
+static inline uint64_t copy_off(const struct sd_job *job, const struct sd_unit_state *us)
+{
+    return (uint64_t)us->lslot * sd_round_up(unit_bytes(job, us->unit), SD_CACHELINE);
+}
+
+int sd_sched_alloc(struct sd_job *job)
+{
+    struct sd_job_sched *sc = &job->sched;
+    uint32_t n_units = job->layout.n_units, k = job->k;
+    int64_t cfg_cap = job->reg->cfg->schedule_max_ops;
+    sc->cap = cfg_cap > 0 ? (uint32_t)cfg_cap : 64 * n_units + 256;
+    sc->rec = calloc((size_t)k * sc->cap, sizeof(*sc->rec));
+    sc->rec_len = calloc(k, sizeof(*sc->rec_len));
+    sc->cursor = calloc(k, sizeof(*sc->cursor));
+    sc->pf_next = calloc(k, sizeof(*sc->pf_next));
+    sc->ops = calloc(sc->cap, sizeof(*sc->ops));
+    sc->plan.iv = calloc(sc->cap, sizeof(*sc->plan.iv));
+    sc->plan.iv_unit = calloc(sc->cap, sizeof(*sc->plan.iv_unit));
+    sc->plan.occ = calloc(sc->cap, sizeof(*sc->plan.occ));
+    sc->scratch = calloc(3 * (size_t)n_units + sc->cap, sizeof(*sc->scratch));
+    sc->slot_bytes = calloc(n_units, sizeof(*sc->slot_bytes));
+    if (!sc->rec || !sc->rec_len || !sc->cursor || !sc->pf_next || !sc->ops || !sc->plan.iv ||
+        !sc->plan.iv_unit || !sc->plan.occ || !sc->scratch || !sc->slot_bytes)
+        return SD_ENOMEM;
+    for (uint32_t u = 0; u < n_units; u++)
+        sc->slot_bytes[u] = job->slots_per_unit * sd_round_up(unit_bytes(job, u), SD_CACHELINE);
+    for (uint32_t i = 0; i < job->n_slots; i++)
+        job->units[i].plan_iv = SD_SCHED_NONE;
+    sc->state = SD_SCHED_RECORDING;
+    sc->want_iv = SD_SCHED_NONE;
+    return SD_OK;
+}
+
+void sd_sched_free(struct sd_job *job)
+{
+    struct sd_job_sched *sc = &job->sched;
+    free(sc->rec);
+    free(sc->rec_len);
+    free(sc->cursor);
+    free(sc->pf_next);
+    free(sc->ops);
+    free(sc->plan.iv);
+    free(sc->plan.iv_unit);
+    free(sc->plan.occ);
+    free(sc->scratch);
+    free(sc->slot_bytes);
+    sc->rec = sc->ops = sc->plan.iv_unit = sc->plan.occ = sc->scratch = NULL;
+    sc->rec_len = sc->cursor = sc->pf_next = NULL;
+    sc->plan.iv = NULL;
+    sc->slot_bytes = NULL;
+}
+
+static uint32_t entry_of(const struct sd_sqe *e)
+{
+    enum sd_sched_op op = e->op == SD_OP_FETCH     ? SD_SCHED_FETCH
+                          : e->op == SD_OP_RELEASE ? SD_SCHED_RELEASE
+                                                   : SD_SCHED_PUSH;
+    return sd_sched_entry(op, e->unit);
+}
+
+static void evict(struct sd_job *job, struct sd_unit_state *us)
+{
+    sd_slot_pool_free(&job->spool, us->pool_off);
+    us->resident = false;
+    us->plan_iv = SD_SCHED_NONE;
+    job->stats.evictions++;
+}
+
+/* Leave the schedule for the rest of this step: the first-fit list is rebuilt from what is
+ * resident or in flight, and the next step is recorded again. */
+static void deviate(struct sd_job *job, const char *why)
+{
+    struct sd_job_sched *sc = &job->sched;
+    sc->deviated = true;
+    sc->invalidations++;
+    SD_WARN_SPARSE("sched",
+                   "job '%s' step %llu: %s; fetching on demand for the rest of the step and "
+                   "recording a new schedule (%llu invalidations so far)",
+                   job->name, (unsigned long long)job->steps + 1, why,
+                   (unsigned long long)sc->invalidations);
+    job->spool.n_used = 0;
+    for (uint32_t i = 0; i < job->n_slots; i++) {
+        struct sd_unit_state *us = &job->units[i];
+        us->plan_iv = SD_SCHED_NONE;
+        if (us->resident || us->inflight)
+            sd_slot_pool_take(&job->spool, us->pool_off, unit_bytes(job, us->unit));
+    }
+}
+
+static void describe_entry(char *out, size_t len, uint32_t entry)
+{
+    snprintf(out, len, "%s unit %u", sd_sched_op_name(sd_sched_op_of(entry)),
+             sd_sched_unit_of(entry));
+}
+
+uint32_t sd_sched_before(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
+{
+    struct sd_job_sched *sc = &job->sched;
+    sc->want_iv = SD_SCHED_NONE;
+    if (sc->state != SD_SCHED_FROZEN || sc->deviated)
+        return SD_SCHED_NONE;
+    uint32_t entry = entry_of(e), c = sc->cursor[s->local];
+    if (c >= sc->n || sc->ops[c] != entry) {
+        char got[48], want[48], why[192];
+        describe_entry(got, sizeof(got), entry);
+        if (c < sc->n)
+            describe_entry(want, sizeof(want), sc->ops[c]);
+        else
+            snprintf(want, sizeof(want), "step");
+        snprintf(why, sizeof(why), "rank %u called %s at position %u where the schedule has %s",
+                 s->rank, got, c, want);
+        deviate(job, why);
+        return SD_SCHED_NONE;
+    }
+    if (e->op != SD_OP_FETCH)
+        return c;
+    uint32_t I = sc->plan.occ[c];
+    struct sd_unit_state *us = &job->units[(size_t)e->unit * job->slots_per_unit +
+                                           (job->slots_per_unit > 1 ? s->local : 0)];
+    uint64_t off = sc->plan.iv[I].off + copy_off(job, us);
+    if ((us->resident || us->inflight) && us->pool_off == off && us->gen == job->weights_gen)
+        sc->prefetch_hits++; /* already there (prefetched, reused or persistent) */
+    else if (us->resident && !us->inflight && us->refs == 0 && us->pool_off != off)
+        evict(us->job, us); /* cached elsewhere: gather it again into its place */
+    sc->want_iv = I;
+    sc->want_off = off;
+    return c;
+}
+
+void sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint32_t pos,
+                    bool consumed, uint64_t cpu0, uint64_t allocs0)
+{
+    struct sd_job_sched *sc = &job->sched;
+    uint64_t want_off = sc->want_off;
+    uint32_t want_iv = sc->want_iv;
+    bool on_schedule = pos != SD_SCHED_NONE && !sc->deviated;
+    sc->want_iv = SD_SCHED_NONE;
+    if (e->op == SD_OP_FETCH) {
+        sc->cpu_ns[on_schedule] += sd_thread_cpu_ns() - cpu0;
+        sc->fetches[on_schedule] += consumed;
+    }
+    if (on_schedule)
+        sc->allocs_frozen += sd_alloc_calls() - allocs0;
+    if (!consumed)
+        return;
+    if (sc->state == SD_SCHED_RECORDING) {
+        if (sc->rec_len[s->local] < sc->cap)
+            sc->rec[(size_t)s->local * sc->cap + sc->rec_len[s->local]++] = entry_of(e);
+        else
+            sc->overflow = true;
+    }
+    if (!on_schedule)
+        return;
+    sc->cursor[s->local] = pos + 1;
+    if (pos + 1 > sc->lead)
+        sc->lead = pos + 1;
+    if (e->op == SD_OP_FETCH && want_iv != SD_SCHED_NONE) {
+        struct sd_unit_state *us = &job->units[(size_t)e->unit * job->slots_per_unit +
+                                               (job->slots_per_unit > 1 ? s->local : 0)];
+        if ((us->resident || us->inflight) && us->pool_off == want_off)
+            us->plan_iv = want_iv;
+    }
+    sd_sched_prefetch(job);
+}
+
+/* Make [off, off + len) free of cached copies. SD_EAGAIN while a copy the plan placed there is
+ * still held or being gathered (a slower rank), SD_EBUSY if a copy off the plan is. */
+static int claim(struct sd_job *job, uint64_t off, uint64_t len)
+{
+    for (uint32_t i = 0; i < job->n_slots; i++) {
+        struct sd_unit_state *us = &job->units[i];
+        if (!us->resident && !us->inflight)
+            continue;
+        if (us->pool_off >= off + len || off >= us->pool_off + unit_bytes(job, us->unit))
+            continue;
+        if (us->inflight || us->refs > 0)
+            return us->plan_iv == SD_SCHED_NONE ? SD_EBUSY : SD_EAGAIN;
+        evict(job, us);
+    }
+    return SD_OK;
+}
+
+int sd_sched_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
+{
+    struct sd_job_sched *sc = &job->sched;
+    if (sc->want_iv == SD_SCHED_NONE || sc->deviated)
+        return SD_ENOENT;
+    int st = claim(job, sc->want_off, bytes);
+    if (st == SD_EAGAIN) {
+        sc->waits++;
+        return SD_EAGAIN;
+    }
+    if (st == SD_EBUSY) {
+        sc->conflicts++;
+        deviate(job, "a unit held outside the planned places is in the way");
+        return SD_ENOENT;
+    }
+    *off_p = sc->want_off;
+    return SD_OK;
+}
+
+/* Gather copy l of gather I into its place; SD_EAGAIN to retry later. */
+static int issue(struct sd_job *job, uint32_t I, uint32_t l)
+{
+    struct sd_job_sched *sc = &job->sched;
+    uint32_t u = sc->plan.iv_unit[I];
+    struct sd_unit_state *us = &job->units[(size_t)u * job->slots_per_unit + l];
+    uint64_t off = sc->plan.iv[I].off + copy_off(job, us);
+    if (us->inflight)
+        return SD_OK; /* a fetch or a refresh is gathering it */
+    if (us->resident && us->pool_off == off && us->gen == job->weights_gen) {
+        us->plan_iv = I;
+        return SD_OK;
+    }
+    if (us->resident && us->refs > 0)
+        return SD_OK; /* held where it is: its fetch sorts it out */
+    if (us->resident)
+        evict(job, us);
+    if (claim(job, off, unit_bytes(job, u)) != SD_OK)
+        return SD_EAGAIN;
+    us->pool_off = off;
+    if (job->group_nodes > 1) {
+        int st = sd_job_net_prefetch(job, us);
+        if (st == SD_EAGAIN)
+            return SD_EAGAIN;
+        if (st != SD_OK)
+            return SD_OK; /* the job failed; nothing more to issue */
+    } else {
+        sd_job_local_gather(job, us, job->first_rank + l);
+        us->resident = true;
+        us->gen = job->weights_gen;
+    }
+    us->plan_iv = I;
+    sc->prefetches++;
+    return SD_OK;
+}
+
+void sd_sched_prefetch(struct sd_job *job)
+{
+    struct sd_job_sched *sc = &job->sched;
+    if (sc->state != SD_SCHED_FROZEN || sc->deviated || job->state != SD_JOB_READY ||
+        job->step_phase != SD_STEP_IDLE || sc->in_prefetch)
+        return;
+    sc->in_prefetch = true;
+    /* one copy per node follows the leading rank; per-rank copies follow their rank */
+    for (uint32_t l = 0; l < job->slots_per_unit; l++) {
+        uint32_t lead = job->slots_per_unit > 1 ? sc->cursor[l] : sc->lead;
+        if (lead == 0)
+            continue; /* the step's first call starts it: nothing for a step that never comes */
+        while (sc->pf_next[l] < sc->plan.n_iv && sc->plan.iv[sc->pf_next[l]].start <= lead) {
+            if (issue(job, sc->pf_next[l], l) != SD_OK)
+                break;
+            sc->pf_next[l]++;
+        }
+    }
+    sc->in_prefetch = false;
+}
+
+/* the local rank this one's calls must equal: the first of its partition group on this node */
+static uint32_t group_reference(const struct sd_job *job, uint32_t local)
+{
+    struct sd_group grp = sd_group_partition(job->plan.f[SD_STATE_W], job->first_rank + local);
+    for (uint32_t i = 0; i < grp.count; i++) {
+        uint32_t m = sd_group_member(&grp, i);
+        if (m >= job->first_rank && m - job->first_rank < job->k)
+            return m - job->first_rank;
+    }
+    return local;
+}
+
+/* first position where two recordings differ, or UINT32_MAX */
+static uint32_t first_difference(const struct sd_job_sched *sc, uint32_t a, uint32_t b)
+{
+    const uint32_t *x = &sc->rec[(size_t)a * sc->cap], *y = &sc->rec[(size_t)b * sc->cap];
+    uint32_t n = SD_MIN(sc->rec_len[a], sc->rec_len[b]);
+    for (uint32_t i = 0; i < n; i++)
+        if (x[i] != y[i])
+            return i;
+    return sc->rec_len[a] == sc->rec_len[b] ? UINT32_MAX : n;
+}
+
+static void call_at(const struct sd_job_sched *sc, uint32_t r, uint32_t pos, char *out, size_t len)
+{
+    if (pos < sc->rec_len[r])
+        describe_entry(out, len, sc->rec[(size_t)r * sc->cap + pos]);
+    else
+        snprintf(out, len, "step (after %u calls)", sc->rec_len[r]);
+}
+
+bool sd_sched_step_check(struct sd_job *job)
+{
+    struct sd_job_sched *sc = &job->sched;
+    if (sc->state == SD_SCHED_FROZEN && !sc->deviated) {
+        for (uint32_t r = 0; r < job->k; r++)
+            if (sc->cursor[r] != sc->n) {
+                char why[160];
+                snprintf(why, sizeof(why),
+                         "rank %u called step at position %u of a %u-call schedule",
+                         job->first_rank + r, sc->cursor[r], sc->n);
+                deviate(job, why);
+                break;
+            }
+        return true;
+    }
+    if (sc->state != SD_SCHED_RECORDING)
+        return true;
+    if (sc->overflow) {
+        SD_WARN("sched",
+                "job '%s': a rank made more than %u fetch/release/push calls in step %llu; "
+                "the schedule is not recorded (raise schedule_max_ops), fetching on demand",
+                job->name, sc->cap, (unsigned long long)job->steps + 1);
+        sc->state = SD_SCHED_OFF;
+        return true;
+    }
+    bool groups_differ = false;
+    for (uint32_t r = 0; r < job->k; r++) {
+        uint32_t ref = group_reference(job, r);
+        uint32_t pos = first_difference(sc, ref, r);
+        if (ref != r && pos != UINT32_MAX) {
+            char a[64], b[64];
+            call_at(sc, ref, pos, a, sizeof(a));
+            call_at(sc, r, pos, b, sizeof(b));
+            sd_job_fail(job, SD_EMISMATCH,
+                        "schedule: ranks %u and %u of one partition group made different calls "
+                        "in step %llu: at call %u rank %u made %s, rank %u made %s; every rank "
+                        "of a partition group must fetch, release and push the same units in the "
+                        "same order",
+                        job->first_rank + ref, job->first_rank + r,
+                        (unsigned long long)job->steps + 1, pos, job->first_rank + ref, a,
+                        job->first_rank + r, b);
+            return false;
+        }
+        groups_differ |= first_difference(sc, 0, r) != UINT32_MAX;
+    }
+    if (groups_differ) { /* legal, but one node schedule cannot serve both */
+        SD_INFO("sched",
+                "job '%s': the partition groups on this node make different calls; fetching on "
+                "demand",
+                job->name);
+        sc->state = SD_SCHED_OFF;
+        return true;
+    }
+    sc->digest = sd_sched_digest(sc->rec, sc->rec_len[0]);
+    sc->freeze_next = true;
+    return true;
+}
+
+bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count,
+                          const struct sd_norm_part *parts)
+{
+    struct sd_job_sched *sc = &job->sched;
+    uint32_t me = job->node;
+    if (!sc->freeze_next)
+        return true;
+    for (uint32_t m = first; m < first + count; m++) {
+        if (m == me || parts[m].digest == 0 || parts[m].digest == sc->digest)
+            continue;
+        sd_job_fail(job, SD_EMISMATCH,
+                    "schedule: node %u and node %u of one partition group recorded different "
+                    "calls in step %llu (%llu vs %llu calls, digests %016llx vs %016llx): every "
+                    "rank of a partition group must fetch, release and push the same units in "
+                    "the same order",
+                    me, m, (unsigned long long)job->steps + 1, (unsigned long long)sc->rec_len[0],
+                    (unsigned long long)parts[m].n, (unsigned long long)sc->digest,
+                    (unsigned long long)parts[m].digest);
+        return false;
+    }
+    return true;
+}
+
+static void freeze(struct sd_job *job)
+{
+    struct sd_job_sched *sc = &job->sched;
+    const struct sd_config *cfg = job->reg->cfg;
+    sc->n = sc->rec_len[0];
+    memcpy(sc->ops, sc->rec, sc->n * sizeof(*sc->ops));
+    sc->params = (struct sd_sched_params){.prefetch_depth = (uint32_t)cfg->prefetch_depth,
+                                          .prefetch_bytes = cfg->prefetch_bytes,
+                                          .reuse_distance = (uint32_t)cfg->reuse_distance,
+                                          .persist_bytes = cfg->persist_bytes,
+                                          .align = SD_CACHELINE};
+    uint64_t all = 0;
+    for (uint32_t u = 0; u < job->layout.n_units; u++)
+        all += sc->slot_bytes[u];
+    if (all <= job->spool.capacity) /* the pool holds every unit: nothing is gathered twice */
+        sc->params.reuse_distance = UINT32_MAX;
+    for (;;) {
+        int st = sd_sched_plan_build(sc->ops, sc->n, sc->slot_bytes, job->layout.n_units,
+                                     &sc->params, &sc->plan, sc->scratch);
+        if (st != SD_OK) {
+            SD_WARN("sched", "job '%s': the schedule could not be planned: %s; on demand",
+                    job->name, sd_status_str(st));
+            sc->state = SD_SCHED_OFF;
+            return;
+        }
+        if (sc->plan.peak <= job->spool.capacity)
+            break;
+        if (sc->params.prefetch_depth > 0) {
+            sc->params.prefetch_depth--; /* less ahead, less live */
+        } else if (sc->params.persist_bytes > 0) {
+            sc->params.persist_bytes = 0;
+        } else {
+            char b1[32], b2[32];
+            SD_WARN("sched",
+                    "job '%s': the planned gather pool (%s) exceeds its %s (max_live_bytes); "
+                    "fetching on demand",
+                    job->name, sd_fmt_bytes(b1, sizeof(b1), sc->plan.peak),
+                    sd_fmt_bytes(b2, sizeof(b2), job->spool.capacity));
+            sc->state = SD_SCHED_OFF;
+            return;
+        }
+    }
+    for (uint32_t i = 0; i < job->n_slots; i++)
+        job->units[i].plan_iv = SD_SCHED_NONE;
+    sc->state = SD_SCHED_FROZEN;
+    sc->freezes++;
+    sc->frozen_at_step = job->steps;
+    char b1[32], b2[32], b3[32];
+    SD_INFO("sched",
+            "job '%s': schedule frozen after step %llu: %u calls, %u gathers, prefetch depth %u, "
+            "pool peak %s (lower bound %s, pool %s)",
+            job->name, (unsigned long long)job->steps, sc->n, sc->plan.n_iv,
+            sc->params.prefetch_depth, sd_fmt_bytes(b1, sizeof(b1), sc->plan.peak),
+            sd_fmt_bytes(b2, sizeof(b2), sc->plan.lower_bound),
+            sd_fmt_bytes(b3, sizeof(b3), job->spool.capacity));
+}
+
+void sd_sched_step_done(struct sd_job *job)
+{
+    struct sd_job_sched *sc = &job->sched;
+    if (sc->rec == NULL)
+        return;
+    if (sc->state == SD_SCHED_RECORDING && sc->freeze_next)
+        freeze(job);
+    else if (sc->state == SD_SCHED_FROZEN && sc->deviated)
+        sc->state = SD_SCHED_RECORDING;
+    sc->deviated = sc->freeze_next = sc->overflow = false;
+    sc->digest = 0;
+    sc->lead = 0;
+    for (uint32_t r = 0; r < job->k; r++)
+        sc->rec_len[r] = sc->cursor[r] = sc->pf_next[r] = 0;
+    /* the first call of the next step starts the prefetch: after the last step nothing is
+     * gathered that nobody fetches */
+}
