@@ -434,6 +434,7 @@ void sd_job_complete_fetch(struct sd_job *job, struct sd_unit_state *us);
 void sd_job_set_ready(struct sd_job *job);
 void sd_job_load_unit(struct sd_job *job, uint32_t unit, const float *src);
 int sd_job_pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);
+bool sd_job_others_hold(const struct sd_job *job, const struct sd_session *s);
 
 /* schedule.c */
 int sd_sched_alloc(struct sd_job *job);

@@ -669,7 +669,8 @@ bool sd_job_net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_
         return false;
     }
     int rst = sd_job_pool_reserve(job, sd_unit_bytes(ul), &off);
-    if (rst == SD_EAGAIN) { /* a slower rank still uses the planned place */
+    if (rst == SD_EAGAIN || (rst == SD_ENOSPC && sd_job_others_hold(job, s))) {
+        /* other ranks (or gathers in flight) still use the space: wait for them */
         us->waiters &= ~bit;
         return false;
     }

@@ -107,6 +107,18 @@ int sd_job_pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
     }
 }
 
+/* Does another rank hold a gathered unit (space it will give back)? A rank that fills the pool
+ * by itself gets an error; one that waits for the others' releases waits. */
+bool sd_job_others_hold(const struct sd_job *job, const struct sd_session *s)
+{
+    for (uint32_t i = 0; i < job->n_slots; i++) {
+        const struct sd_unit_state *us = &job->units[i];
+        if (us->inflight || (us->resident && us->refs > s->holds[us->unit]))
+            return true;
+    }
+    return false;
+}
+
 static inline struct sd_unit_state *slot_of(struct sd_job *job, uint32_t unit, uint32_t local)
 {
     return &job->units[(size_t)unit * job->slots_per_unit + (job->slots_per_unit > 1 ? local : 0)];
@@ -156,8 +168,8 @@ static bool op_fetch(struct sd_job *job, struct sd_session *s, const struct sd_s
     if (!us->resident) {
         uint64_t off;
         int st = sd_job_pool_reserve(job, sd_unit_bytes(ul), &off);
-        if (st == SD_EAGAIN)
-            return false; /* a slower rank still uses the planned place */
+        if (st == SD_EAGAIN || (st == SD_ENOSPC && sd_job_others_hold(job, s)))
+            return false; /* other ranks still use the space: wait for their releases */
         if (st != SD_OK) {
             char b1[32], b2[32], b3[32];
             sd_session_fail(s, e, SD_ENOSPC,

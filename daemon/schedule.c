@@ -189,8 +189,10 @@ void sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sq
     }
     if (on_schedule)
         sc->allocs_frozen += sd_alloc_calls() - allocs0;
-    if (!consumed)
+    if (!consumed) {
+        sc->waits += on_schedule && !s->has_stalled; /* once per call, not per retry */
         return;
+    }
     if (sc->state == SD_SCHED_RECORDING) {
         if (sc->rec_len[s->local] < sc->cap)
             sc->rec[(size_t)s->local * sc->cap + sc->rec_len[s->local]++] = entry_of(e);
@@ -234,10 +236,8 @@ int sd_sched_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
     if (sc->want_iv == SD_SCHED_NONE || sc->deviated)
         return SD_ENOENT;
     int st = claim(job, sc->want_off, bytes);
-    if (st == SD_EAGAIN) {
-        sc->waits++;
+    if (st == SD_EAGAIN)
         return SD_EAGAIN;
-    }
     if (st == SD_EBUSY) {
         sc->conflicts++;
         deviate(job, "a unit held outside the planned places is in the way");
@@ -370,9 +370,8 @@ bool sd_sched_step_check(struct sd_job *job)
             call_at(sc, r, pos, b, sizeof(b));
             sd_job_fail(job, SD_EMISMATCH,
                         "schedule: ranks %u and %u of one partition group made different calls "
-                        "in step %llu: at call %u rank %u made %s, rank %u made %s; every rank "
-                        "of a partition group must fetch, release and push the same units in the "
-                        "same order",
+                        "in step %llu: at call %u rank %u made %s, rank %u made %s (they must "
+                        "make the same calls)",
                         job->first_rank + ref, job->first_rank + r,
                         (unsigned long long)job->steps + 1, pos, job->first_rank + ref, a,
                         job->first_rank + r, b);

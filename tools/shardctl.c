@@ -207,7 +207,7 @@ static void print_stats(json_t *doc)
 
 static void print_schedule(json_t *jobs)
 {
-    char b[4][32];
+    char b[5][32];
     size_t i, k;
     json_t *j, *e;
     json_array_foreach(jobs, i, j)
@@ -218,14 +218,18 @@ static void print_schedule(json_t *jobs)
             printf("  (not frozen yet: the first step records it)\n");
             continue;
         }
+        char reuse[32];
+        long long rd = num(j, "reuse_distance");
+        snprintf(reuse, sizeof(reuse), rd < 0 ? "unlimited (the pool holds every unit)" : "%lld",
+                 rd);
         printf("  frozen after step %lld: %lld calls per step, %lld gathers, prefetch depth %lld "
-               "(at most %s ahead), reuse distance %lld\n",
+               "(at most %s ahead), reuse distance %s\n",
                num(j, "frozen_after_step"), num(j, "calls_per_step"), num(j, "gathers_per_step"),
                num(j, "prefetch_depth"),
                num(j, "prefetch_bytes")
                    ? sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)num(j, "prefetch_bytes"))
                    : "any bytes",
-               num(j, "reuse_distance"));
+               reuse);
         long long peak = num(j, "pool_peak_bytes"), lb = num(j, "pool_lower_bound_bytes");
         printf("  pool peak %s = %.3fx the most bytes live at once (%s); all units %s, largest "
                "%s, pool %s\n",
@@ -233,7 +237,7 @@ static void print_schedule(json_t *jobs)
                lb ? (double)peak / (double)lb : 0.0, sd_fmt_bytes(b[1], sizeof(b[1]), (uint64_t)lb),
                sd_fmt_bytes(b[2], sizeof(b[2]), (uint64_t)num(j, "units_sum_bytes")),
                sd_fmt_bytes(b[3], sizeof(b[3]), (uint64_t)num(j, "largest_unit_bytes")),
-               sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)num(j, "pool_bytes")));
+               sd_fmt_bytes(b[4], sizeof(b[4]), (uint64_t)num(j, "pool_bytes")));
         printf("  prefetches %lld, fetches found ready %lld, waits %lld, conflicts %lld; daemon "
                "CPU per fetch %.2f us frozen vs %.2f us before\n",
                num(j, "prefetches"), num(j, "prefetch_hits"), num(j, "waits"), num(j, "conflicts"),

@@ -34,7 +34,16 @@ struct opts {
     float lr, max_grad_norm, weight_decay;
     double compute_ms;
     uint64_t max_live_bytes;
+    int skip_step, skip_layer; /* --skip-layer STEP:LAYER (steps from 1); 0: none */
+    int eval_every;            /* a forward-only pass after every N steps */
+    int diverge_from;          /* ranks >= this make extra calls in step 1; 0: none */
 };
+
+/* does layer l run in step (counted from 0)? A skipped layer is the identity. */
+static bool skipped(const struct opts *o, int step, int l)
+{
+    return o->skip_step == step + 1 && o->skip_layer == l;
+}
 
 struct model {
     int layers;
@@ -177,6 +186,13 @@ static void layer_forward(const struct model *m, int l, const float *w, const fl
         }
 }
 
+/* a skipped layer (square) passes its input through; its backward leaves dz unchanged, which
+ * is then exactly dL/dz of the layer before (its output equals this layer's) */
+static void layer_skip(const struct model *m, int l, struct acts *ac, int batch)
+{
+    memcpy(ac->a[l + 1], ac->a[l], sizeof(float) * (size_t)batch * (size_t)m->dims[l]);
+}
+
 static float loss_grad(const struct model *m, const float *y, struct acts *ac, int batch)
 {
     int dout = m->dims[m->layers];
@@ -301,10 +317,18 @@ static int run_reference(const struct opts *o, const struct model *m)
             for (int r = 0; r < o->world; r++) {
                 make_batch(o, step, micro, r, ac.a[0], y);
                 for (int l = 0; l < m->layers; l++)
-                    layer_forward(m, l, w[2 * l], w[2 * l + 1], &ac, o->batch);
+                    if (skipped(o, step, l))
+                        layer_skip(m, l, &ac, o->batch);
+                    else
+                        layer_forward(m, l, w[2 * l], w[2 * l + 1], &ac, o->batch);
                 loss_sum += loss_grad(m, y, &ac, o->batch);
                 for (int l = m->layers - 1; l >= 0; l--)
-                    layer_backward(m, l, w[2 * l], g[2 * l], g[2 * l + 1], &ac, o->batch);
+                    if (skipped(o, step, l)) { /* no gradient this step */
+                        memset(g[2 * l], 0, m->numel[2 * l] * sizeof(float));
+                        memset(g[2 * l + 1], 0, m->numel[2 * l + 1] * sizeof(float));
+                    } else {
+                        layer_backward(m, l, w[2 * l], g[2 * l], g[2 * l + 1], &ac, o->batch);
+                    }
                 for (uint32_t t = 0; t < m->n_tensors; t++) {
                     if (o->bf16)
                         round_bf16(g[t], m->numel[t]);
@@ -459,10 +483,19 @@ static int run_shardd(const struct opts *o, const struct model *m)
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int step = 0; step < o->steps; step++) {
         double loss_sum = 0.0;
+        if (step == 0 && o->diverge_from > 0 && o->rank >= o->diverge_from) {
+            const void *data; /* an extra fetch: this rank's schedule differs from the others' */
+            CHECK(shard_fetch(ctx, units - 1, &data));
+            CHECK(shard_release(ctx, units - 1));
+        }
         for (int micro = 0; micro < o->accum; micro++) {
             make_batch(o, step, micro, o->rank, ac.a[0], y);
             for (int l = 0; l < m->layers; l++) { /* forward: fetch, compute, release */
                 const void *data;
+                if (skipped(o, step, l)) {
+                    layer_skip(m, l, &ac, o->batch);
+                    continue;
+                }
                 CHECK(shard_fetch(ctx, (uint32_t)l, &data));
                 const float *wl = unit_view(&ui[l], data, w[l]); /* zero-copy for fp32 */
                 busy_wait_ms(o->compute_ms);
@@ -473,6 +506,8 @@ static int run_shardd(const struct opts *o, const struct model *m)
             loss_sum += loss_grad(m, y, &ac, o->batch);
             for (int l = m->layers - 1; l >= 0; l--) { /* backward: fetch, grads, push */
                 const void *data;
+                if (skipped(o, step, l))
+                    continue; /* nothing fetched, nothing pushed: a zero gradient */
                 CHECK(shard_fetch(ctx, (uint32_t)l, &data));
                 const float *wl = unit_view(&ui[l], data, w[l]);
                 busy_wait_ms(o->compute_ms);
@@ -494,6 +529,21 @@ static int run_shardd(const struct opts *o, const struct model *m)
         if (!o->quiet && o->rank == 0)
             printf("step %d loss %.6f grad_norm %.6f (rank 0 micro-batches)\n", step + 1,
                    loss_sum / o->accum, norm);
+        if (o->eval_every > 0 && (step + 1) % o->eval_every == 0) {
+            /* a forward-only pass on held-out data: fetches and releases, nothing pushed */
+            make_batch(o, 1000000 + step, 0, o->rank, ac.a[0], y);
+            for (int l = 0; l < m->layers; l++) {
+                const void *data;
+                CHECK(shard_fetch(ctx, (uint32_t)l, &data));
+                const float *wl = unit_view(&ui[l], data, w[l]);
+                layer_forward(m, l, wl + ti[2 * l].offset, wl + ti[2 * l + 1].offset, &ac,
+                              o->batch);
+                CHECK(shard_release(ctx, (uint32_t)l));
+            }
+            float eval = loss_grad(m, y, &ac, o->batch);
+            if (!o->quiet && o->rank == 0)
+                printf("eval after step %d: loss %.6f\n", step + 1, eval);
+        }
         fflush(stdout);
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -537,13 +587,18 @@ static void usage(FILE *out)
             "                 [--optimizer adamw|sgd] [--dtype fp32|bf16] [--seed X]\n"
             "                 [--lr LR] [--weight-decay WD] [--max-grad-norm C]\n"
             "                 [--batch B] [--hidden H] [--layers L] [--compute-ms MS]\n"
-            "                 [--max-live-bytes B]\n"
+            "                 [--max-live-bytes B] [--skip-layer STEP:LAYER] [--eval-every N]\n"
+            "                 [--diverge-from R]\n"
             "                 [--dump-params FILE] [--reference] [--quiet]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
             "layers 4 (about 327k parameters). --compute-ms adds a busy wait per layer, forward\n"
-            "and backward; --max-live-bytes sizes the job's gather pool (0: every unit).\n",
+            "and backward; --max-live-bytes sizes the job's gather pool (0: every unit).\n"
+            "--skip-layer makes a hidden layer the identity in one step (no fetch, no gradient;\n"
+            "the reference does the same); --eval-every runs a forward-only pass after every N\n"
+            "steps; --diverge-from makes ranks >= R fetch one extra unit in step 1 (a schedule\n"
+            "that differs between ranks, which shardd must refuse).\n",
             IN_DIM, OUT_DIM);
 }
 
@@ -611,6 +666,15 @@ int main(int argc, char **argv)
             o.compute_ms = strtod(v, NULL);
         } else if (ARG("--max-live-bytes")) {
             o.max_live_bytes = strtoull(v, NULL, 0);
+        } else if (ARG("--skip-layer")) {
+            if (sscanf(v, "%d:%d", &o.skip_step, &o.skip_layer) != 2 || o.skip_step < 1) {
+                fprintf(stderr, "mlp_train: --skip-layer wants STEP:LAYER, steps from 1\n");
+                return 2;
+            }
+        } else if (ARG("--eval-every")) {
+            o.eval_every = atoi(v);
+        } else if (ARG("--diverge-from")) {
+            o.diverge_from = atoi(v);
         } else if (ARG("--dump-params")) {
             o.dump = v;
         } else {
@@ -629,5 +693,11 @@ int main(int argc, char **argv)
     }
     struct model m;
     model_init(&m, &o);
+    if (o.skip_step > 0 && (o.skip_layer < 1 || o.skip_layer >= m.layers - 1 ||
+                            m.dims[o.skip_layer] != m.dims[o.skip_layer + 1])) {
+        fprintf(stderr, "mlp_train: --skip-layer: layer %d is not a square hidden layer (1..%d)\n",
+                o.skip_layer, m.layers - 2);
+        return 2;
+    }
     return o.reference ? run_reference(&o, &m) : run_shardd(&o, &m);
 }
