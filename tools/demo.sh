@@ -78,7 +78,7 @@ for n in range(N):
         ("fetch: inter-node received", st["ops"]["fetch"]["bytes"]["inter_node_recv"], gathers * (G - 1) * block),
         ("push: inter-node sent", st["ops"]["push"]["bytes"]["inter_node_sent"],
          T * s * (G - 1) * block + (0 if two_hop else T * s * ar)),
-        ("step: inter-node sent", st["ops"]["step"]["bytes"]["inter_node_sent"], T * ((ar if two_hop else 0) + 8 * (N - 1))),
+        ("step: inter-node sent", st["ops"]["step"]["bytes"]["inter_node_sent"], T * ((ar if two_hop else 0) + 24 * (N - 1))),
     ]
     for name, got, want in rows:
         mark = "" if want is None else ("  ok" if got == want else "  MISMATCH")

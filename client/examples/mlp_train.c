@@ -33,6 +33,7 @@ struct opts {
     uint64_t seed;
     float lr, max_grad_norm, weight_decay;
     double compute_ms;
+    bool compute_sleep; /* --compute-mode sleep: the host waits idle, as for a GPU kernel */
     uint64_t max_live_bytes;
     int skip_step, skip_layer; /* --skip-layer STEP:LAYER (steps from 1); 0: none */
     int eval_every;            /* a forward-only pass after every N steps */
@@ -134,10 +135,17 @@ static void free_params(const struct model *m, float **p)
 /* ---- forward and backward of one micro-batch; w[t] are fp32 views of the current weights,
  * g[t] receive the gradients of the mean loss. Returns the loss. */
 
-static void busy_wait_ms(double ms)
+static void busy_wait_ms(double ms, bool sleep)
 {
     if (ms <= 0)
         return;
+    if (sleep) {
+        struct timespec ts = {.tv_sec = (time_t)(ms / 1e3),
+                              .tv_nsec = (long)((ms - (double)(time_t)(ms / 1e3) * 1e3) * 1e6)};
+        while (nanosleep(&ts, &ts) != 0)
+            ;
+        return;
+    }
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
     do
@@ -482,6 +490,8 @@ static int run_shardd(const struct opts *o, const struct model *m)
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int step = 0; step < o->steps; step++) {
+        struct timespec ts0, ts1;
+        clock_gettime(CLOCK_MONOTONIC, &ts0);
         double loss_sum = 0.0;
         if (step == 0 && o->diverge_from > 0 && o->rank >= o->diverge_from) {
             const void *data; /* an extra fetch: this rank's schedule differs from the others' */
@@ -498,7 +508,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
                 }
                 CHECK(shard_fetch(ctx, (uint32_t)l, &data));
                 const float *wl = unit_view(&ui[l], data, w[l]); /* zero-copy for fp32 */
-                busy_wait_ms(o->compute_ms);
+                busy_wait_ms(o->compute_ms, o->compute_sleep);
                 layer_forward(m, l, wl + ti[2 * l].offset, wl + ti[2 * l + 1].offset, &ac,
                               o->batch);
                 CHECK(shard_release(ctx, (uint32_t)l));
@@ -510,7 +520,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
                     continue; /* nothing fetched, nothing pushed: a zero gradient */
                 CHECK(shard_fetch(ctx, (uint32_t)l, &data));
                 const float *wl = unit_view(&ui[l], data, w[l]);
-                busy_wait_ms(o->compute_ms);
+                busy_wait_ms(o->compute_ms, o->compute_sleep);
                 memset(grad[l], 0, ui[l].numel * sizeof(float));
                 layer_backward(m, l, wl + ti[2 * l].offset, grad[l] + ti[2 * l].offset,
                                grad[l] + ti[2 * l + 1].offset, &ac, o->batch);
@@ -526,9 +536,11 @@ static int run_shardd(const struct opts *o, const struct model *m)
         }
         double norm = 0.0;
         CHECK(shard_step(ctx, &norm));
+        clock_gettime(CLOCK_MONOTONIC, &ts1);
         if (!o->quiet && o->rank == 0)
-            printf("step %d loss %.6f grad_norm %.6f (rank 0 micro-batches)\n", step + 1,
-                   loss_sum / o->accum, norm);
+            printf("step %d loss %.6f grad_norm %.6f (rank 0 micro-batches) %.4f s\n", step + 1,
+                   loss_sum / o->accum, norm,
+                   (double)(ts1.tv_sec - ts0.tv_sec) + (double)(ts1.tv_nsec - ts0.tv_nsec) / 1e9);
         if (o->eval_every > 0 && (step + 1) % o->eval_every == 0) {
             /* a forward-only pass on held-out data: fetches and releases, nothing pushed */
             make_batch(o, 1000000 + step, 0, o->rank, ac.a[0], y);
@@ -588,14 +600,16 @@ static void usage(FILE *out)
             "                 [--lr LR] [--weight-decay WD] [--max-grad-norm C]\n"
             "                 [--batch B] [--hidden H] [--layers L] [--compute-ms MS]\n"
             "                 [--max-live-bytes B] [--skip-layer STEP:LAYER] [--eval-every N]\n"
-            "                 [--diverge-from R]\n"
+            "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
             "                 [--dump-params FILE] [--reference] [--quiet]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
             "layers 4 (about 327k parameters). --compute-ms adds a busy wait per layer, forward\n"
             "and backward; --max-live-bytes sizes the job's gather pool (0: every unit).\n"
-            "--skip-layer makes a hidden layer the identity in one step (no fetch, no gradient;\n"
+            "--compute-mode sleep waits idle instead (a GPU kernel; for machines with fewer\n"
+            "cores than ranks). --skip-layer makes a hidden layer the identity in one step (no "
+            "fetch, no gradient;\n"
             "the reference does the same); --eval-every runs a forward-only pass after every N\n"
             "steps; --diverge-from makes ranks >= R fetch one extra unit in step 1 (a schedule\n"
             "that differs between ranks, which shardd must refuse).\n",
@@ -666,6 +680,12 @@ int main(int argc, char **argv)
             o.compute_ms = strtod(v, NULL);
         } else if (ARG("--max-live-bytes")) {
             o.max_live_bytes = strtoull(v, NULL, 0);
+        } else if (ARG("--compute-mode")) {
+            if (strcmp(v, "busy") != 0 && strcmp(v, "sleep") != 0) {
+                fprintf(stderr, "mlp_train: --compute-mode must be busy or sleep\n");
+                return 2;
+            }
+            o.compute_sleep = strcmp(v, "sleep") == 0;
         } else if (ARG("--skip-layer")) {
             if (sscanf(v, "%d:%d", &o.skip_step, &o.skip_layer) != 2 || o.skip_step < 1) {
                 fprintf(stderr, "mlp_train: --skip-layer wants STEP:LAYER, steps from 1\n");

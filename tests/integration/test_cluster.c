@@ -176,6 +176,9 @@ static void run_one(const struct run *r, int idx)
                  "%s node %d: push received %lld, formula %lld", r->plan, node,
                  jnum(st, "ops.push.bytes.inter_node_recv"), push);
         TH_CHECK(jnum(st, "allocations_since_register") == 0, "allocations after registration");
+        const char *sched = json_string_value(json_object_get(st, "schedule"));
+        TH_CHECK(sched && strcmp(sched, "frozen") == 0 && jnum(st, "schedule_invalidations") == 0,
+                 "%s node %d: schedule %s", r->plan, node, sched ? sched : "?");
         json_decref(st);
     }
     printf("%dx%d %-22s accum %d: %zu params, %zu differ (max %.3g), S %lld B, %.2f s\n", N, K,
