@@ -737,3 +737,60 @@ int shard_detach(shard_ctx_t *ctx)
     free(ctx);
     return SD_OK;
 }
+
+int shard_admin(const char *socket_path, const char *command, const char *job, char **json_p)
+{
+    if (command == NULL || json_p == NULL) {
+        snprintf(attach_err, sizeof(attach_err), "admin: command and json_p must not be NULL");
+        return SD_EINVAL;
+    }
+    *json_p = NULL;
+    int fd;
+    int status = shard__connect(socket_path, &fd, attach_err, sizeof(attach_err));
+    if (status != SD_OK)
+        return status;
+    Shard__AdminRequest req = SHARD__ADMIN_REQUEST__INIT;
+    req.command = (char *)command;
+    req.job = (char *)(job ? job : "");
+    Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
+    msg.msg_case = SHARD__CLIENT_MSG__MSG_ADMIN;
+    msg.admin = &req;
+    uint8_t *buf = NULL;
+    size_t len;
+    status = sd_frame_send(fd, &msg.base, NULL, 0, 5000);
+    if (status == SD_OK)
+        status = sd_frame_recv(fd, &buf, &len, NULL, 0, NULL, 64u << 20, 10000);
+    close(fd);
+    if (status != SD_OK) {
+        snprintf(attach_err, sizeof(attach_err), "admin %s: no answer from shardd: %s", command,
+                 sd_status_str(status));
+        return status;
+    }
+    Shard__DaemonMsg *rep = shard__daemon_msg__unpack(NULL, len, buf);
+    free(buf);
+    if (rep == NULL || (rep->msg_case != SHARD__DAEMON_MSG__MSG_ADMIN &&
+                        rep->msg_case != SHARD__DAEMON_MSG__MSG_ERROR)) {
+        snprintf(attach_err, sizeof(attach_err), "admin %s: unexpected reply from shardd",
+                 command);
+        status = SD_EPROTO;
+    } else if (rep->msg_case == SHARD__DAEMON_MSG__MSG_ERROR) {
+        snprintf(attach_err, sizeof(attach_err), "admin %s: %s", command, rep->error->message);
+        status = rep->error->status ? rep->error->status : SD_EPROTO;
+    } else {
+        status = rep->admin->status;
+        *json_p = strdup(rep->admin->json ? rep->admin->json : "{}");
+        if (*json_p == NULL)
+            status = SD_ENOMEM;
+        else if (status != SD_OK)
+            snprintf(attach_err, sizeof(attach_err), "admin %s%s%s: %s", command,
+                     job ? " --job " : "", job ? job : "", sd_status_str(status));
+    }
+    if (rep != NULL)
+        shard__daemon_msg__free_unpacked(rep, NULL);
+    return status;
+}
+
+void shard_free(void *p)
+{
+    free(p);
+}

@@ -1,9 +1,7 @@
 /* shardctl: inspect a running shardd (status, jobs, groups, topology, stats, schedule). */
-#include "shard_internal.h"
-#include "sd/frame.h"
+#include "shard.h"
 #include "sd/status.h"
 #include "sd/util.h"
-#include "shard.pb-c.h"
 
 #include <jansson.h>
 #include <stdbool.h>
@@ -299,44 +297,19 @@ int main(int argc, char **argv)
         return 2;
     }
 
-    char err[512];
-    int fd;
-    int status = shard__connect(socket, &fd, err, sizeof(err));
-    if (status != SD_OK) {
-        fprintf(stderr, "shardctl: %s\n", err);
-        return 1;
-    }
-    Shard__AdminRequest req = SHARD__ADMIN_REQUEST__INIT;
-    req.command = (char *)cmd;
-    req.job = (char *)(job ? job : "");
-    Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
-    msg.msg_case = SHARD__CLIENT_MSG__MSG_ADMIN;
-    msg.admin = &req;
-    uint8_t *buf = NULL;
-    size_t len;
-    status = sd_frame_send(fd, &msg.base, NULL, 0, 5000);
-    if (status == SD_OK)
-        status = sd_frame_recv(fd, &buf, &len, NULL, 0, NULL, 64u << 20, 10000);
-    close(fd);
-    if (status != SD_OK) {
-        fprintf(stderr, "shardctl: no answer from shardd: %s\n", sd_status_str(status));
-        return 1;
-    }
-    Shard__DaemonMsg *rep = shard__daemon_msg__unpack(NULL, len, buf);
-    free(buf);
-    if (rep == NULL || rep->msg_case != SHARD__DAEMON_MSG__MSG_ADMIN) {
-        if (rep && rep->msg_case == SHARD__DAEMON_MSG__MSG_ERROR)
-            fprintf(stderr, "shardctl: %s\n", rep->error->message);
-        else
-            fprintf(stderr, "shardctl: unexpected reply from shardd\n");
+    char *text = NULL;
+    int status = shard_admin(socket, cmd, job, &text);
+    if (text == NULL) {
+        fprintf(stderr, "shardctl: %s\n", shard_last_error(NULL));
         return 1;
     }
     json_error_t jerr;
-    json_t *doc = json_loads(rep->admin->json, 0, &jerr);
+    json_t *doc = json_loads(text, 0, &jerr);
+    shard_free(text);
     int rc = 0;
-    if (rep->admin->status != SD_OK) {
-        fprintf(stderr, "shardctl: %s: %s%s%s\n", cmd, sd_status_str(rep->admin->status),
-                job ? " " : "", job ? job : "");
+    if (status != SD_OK) {
+        fprintf(stderr, "shardctl: %s: %s%s%s\n", cmd, sd_status_str(status), job ? " " : "",
+                job ? job : "");
         rc = 1;
     } else if (doc == NULL) {
         fprintf(stderr, "shardctl: daemon sent invalid JSON: %s\n", jerr.text);
@@ -359,6 +332,5 @@ int main(int argc, char **argv)
         print_stats(doc);
     }
     json_decref(doc);
-    shard__daemon_msg__free_unpacked(rep, NULL);
     return rc;
 }

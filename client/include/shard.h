@@ -132,6 +132,14 @@ SHARD_API int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad,
 SHARD_API int shard_step(shard_ctx_t *ctx, double *grad_norm_p);
 SHARD_API int shard_detach(shard_ctx_t *ctx);
 
+/* One admin command ("status", "jobs", "groups", "topology", "stats", "schedule"; job NULL or
+ * "" for all jobs) to the daemon at socket_path (NULL: as shard_attach); *json_p receives the
+ * daemon's JSON document (free it with shard_free), also when the status says the command
+ * failed. On failure shard_last_error(NULL) says why. */
+SHARD_API int shard_admin(const char *socket_path, const char *command, const char *job,
+                          char **json_p);
+SHARD_API void shard_free(void *p);
+
 SHARD_API const char *shard_strerror(int status);
 /* The message of the last failed call on ctx ("" if none); with ctx NULL, the message of this
  * thread's last failed shard_attach. */

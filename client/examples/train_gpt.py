@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""A small GPT-style transformer trained through shardd, next to plain PyTorch DDP (gloo).
+
+The task is deterministic and synthetic: sequences over a 64-token vocabulary that follow
+x[t+1] = (3 x[t] + x[t-1] + 1) mod 64 from random starts, so the model can learn it and the
+loss falls. Every rank draws its micro-batches from (seed, step, micro-step, rank), so shardd and
+DDP train on the same global batch.
+
+  one rank through shardd:
+    train_gpt.py --socket S --job J --rank R --world W --plan mics:2 [--steps 30] [--accum 2]
+  one rank of the DDP baseline (gloo over loopback):
+    train_gpt.py --ddp --rank R --world W --init tcp://127.0.0.1:29500
+  both, on an emulated cluster started by tools/local-cluster.sh (sockets DIR/node<i>/...):
+    train_gpt.py --launch --cluster-dir DIR --nodes 2 --ranks-per-node 2 [--plot loss.png]
+
+Rank 0 prints a progress line per step (step, loss, tokens/s, bytes shardd moved on its node);
+--log FILE writes the losses and timings as JSON, --dump FILE the final parameters (torch.save).
+--launch runs both, prints their throughput side by side and writes a PNG of the two loss curves
+(shardd blue, DDP orange).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+import struct
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))  # the build tree's package
+
+VOCAB = 64
+
+
+class Embed(nn.Module):
+    def __init__(self, width, seq):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, width)
+        self.pos = nn.Parameter(torch.randn(seq, width) * 0.02)
+
+    def forward(self, idx):
+        return self.tok(idx) + self.pos[: idx.shape[1]]
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)  # a key bias gets no gradient
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / (C // self.heads) ** 0.5)
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.lm = nn.Linear(width, VOCAB)
+
+    def forward(self, x):
+        return self.lm(self.ln(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers=4, width=128, heads=4, seq=32):
+        super().__init__()
+        self.embed = Embed(width, seq)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.head = Head(width)
+
+    def units(self):
+        """The submodules that become shardd units, in forward order."""
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def batch(seed, step, micro, rank, size, seq):
+    g = torch.Generator().manual_seed(seed * 1000003 + step * 1009 + micro * 31 + rank)
+    x = torch.empty(size, seq + 1, dtype=torch.long)
+    x[:, :2] = torch.randint(0, VOCAB, (size, 2), generator=g)
+    for t in range(2, seq + 1):
+        x[:, t] = (3 * x[:, t - 1] + x[:, t - 2] + 1) % VOCAB
+    return x[:, :-1], x[:, 1:]
+
+
+def build(a):
+    torch.manual_seed(a.seed)
+    model = GPT(a.layers, a.width, a.heads, a.seq)
+    if a.dtype == "bf16" and not a.ddp:
+        model = model.to(torch.bfloat16)
+    return model
+
+
+def optimizer_dict(a):
+    return {"name": "adamw", "lr": a.lr, "betas": (0.9, 0.999), "eps": 1e-8,
+            "weight_decay": a.weight_decay}
+
+
+def node_bytes(shard, a):
+    try:
+        st = shard.admin("stats", job=a.job, socket=a.socket)["jobs"][0]["bytes"]
+        return st["intra_node"], st["inter_node_sent"] + st["inter_node_recv"]
+    except Exception:
+        return 0, 0
+
+
+def train(a):
+    torch.set_num_threads(1)
+    model = build(a)
+    log = {"mode": "ddp" if a.ddp else "shardd", "plan": a.plan, "dtype": a.dtype, "steps": [],
+           "loss": [], "norm": [], "step_s": []}
+    if a.ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world)
+        net = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
+                                weight_decay=a.weight_decay)
+    else:
+        import shard
+        import shard.torch as st
+        net = st.wrap(model, socket=a.socket, job=a.job, rank=a.rank, world=a.world, plan=a.plan,
+                      optimizer=optimizer_dict(a), units=model.units())
+        if a.check_zero_copy:
+            checked = zero_copy_checks(model, st)
+    tokens = a.batch * a.seq * a.accum * a.world
+    t_start = time.time()
+    for step in range(a.steps):
+        t0 = time.time()
+        total = 0.0
+        for micro in range(a.accum):
+            x, y = batch(a.seed, step, micro, a.rank, a.batch, a.seq)
+            sync = not a.ddp or micro == a.accum - 1
+            ctx = net.no_sync() if a.ddp and not sync else _nullcontext()
+            with ctx:
+                logits = net(x)
+                loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+                (loss / a.accum).backward()
+            total += loss.item() / a.accum
+        if a.ddp:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            norm = float("nan")
+        else:
+            norm = st.step()
+        dt = time.time() - t0
+        log["steps"].append(step + 1)
+        log["loss"].append(total)
+        log["norm"].append(norm)
+        log["step_s"].append(dt)
+        if a.rank == 0 and not a.quiet:
+            line = (f"{log['mode']} step {step + 1:3d} loss {total:.6f} "
+                    f"tokens/s {tokens / dt:9.0f}")
+            if not a.ddp:
+                intra, inter = node_bytes(shard, a)
+                line += (f"  grad_norm {norm:.4f}  node 0 moved {inter / 1e6:.2f} MB inter-node,"
+                         f" {intra / 1e6:.2f} MB intra-node")
+            print(line, flush=True)
+    log["total_s"] = time.time() - t_start
+    if not a.ddp and a.check_zero_copy:
+        print(f"rank {a.rank} zero-copy: {checked[0]} parameter views checked, "
+              f"{checked[1]} outside the shared slot", flush=True)
+        if checked[1] or not checked[0]:
+            sys.exit(3)
+    log["tokens_per_s"] = tokens * a.steps / log["total_s"]
+    if a.ddp:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:
+        state = st.full_state_dict(model)
+    if a.dump:
+        torch.save(state, a.dump)
+    if a.log:
+        with open(a.log, "w") as f:
+            json.dump(log, f)
+    if a.ddp:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    else:
+        st.unwrap(model)
+
+
+def zero_copy_checks(model, st):
+    """A forward pre-hook after the wrapper's: every parameter's data must lie inside the
+    shared slot its unit was fetched into (no copy on the fetch path). Returns [checked, bad]."""
+    counts = [0, 0]
+
+    def check(module, inputs, u):
+        slot = st.slot_of(model, u)
+        for p in module.parameters(recurse=True):
+            if p.numel() == 0:
+                continue
+            counts[0] += 1
+            end = p.data_ptr() + p.numel() * p.element_size()
+            counts[1] += slot is None or not (slot[0] <= p.data_ptr() and end <= slot[0] + slot[1])
+
+    for u, m in enumerate(model.units()):
+        m.register_forward_pre_hook(lambda mod, inp, u=u: check(mod, inp, u))
+    return counts
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- --launch: both trainings on an emulated cluster, throughput and a PNG of the loss curves
+
+def png(path, curves, width=640, height=400):
+    """Write a PNG line plot of curves [(values, (r, g, b))] with axes (standard library only)."""
+    img = [[(255, 255, 255)] * width for _ in range(height)]
+    m = 40
+    lo = min(min(v) for v, _ in curves)
+    hi = max(max(v) for v, _ in curves)
+    n = max(len(v) for v, _ in curves)
+    sx = lambda i: m + int(i * (width - 2 * m) / max(1, n - 1))
+    sy = lambda y: height - m - int((y - lo) * (height - 2 * m) / max(1e-12, hi - lo))
+
+    def line(x0, y0, x1, y1, c):
+        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
+        for s in range(steps + 1):
+            x = x0 + (x1 - x0) * s // steps
+            y = y0 + (y1 - y0) * s // steps
+            for dx in (0, 1):
+                if 0 <= x + dx < width and 0 <= y < height:
+                    img[y][x + dx] = c
+
+    line(m, height - m, width - m, height - m, (0, 0, 0))
+    line(m, m, m, height - m, (0, 0, 0))
+    for i in range(n):
+        line(sx(i), height - m, sx(i), height - m + 4, (0, 0, 0))
+    for k, (values, color) in enumerate(curves):
+        for i in range(1, len(values)):
+            line(sx(i - 1), sy(values[i - 1]), sx(i), sy(values[i]), color)
+        for y in range(10):  # legend swatches, top right
+            for x in range(30):
+                img[m + 16 * k + y // 2][width - m - 40 + x] = color
+    raw = b"".join(b"\0" + bytes(c for px in row for c in px) for row in img)
+
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data +
+                struct.pack(">I", zlib.crc32(kind + data) & 0xffffffff))
+
+    text = b"Title\0loss per step: shardd (blue, top swatch) vs DDP gloo (orange)"
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8,
+                                                                  2, 0, 0, 0)) +
+                chunk(b"tEXt", text) + chunk(b"IDAT", zlib.compress(raw, 9)) +
+                chunk(b"IEND", b""))
+
+
+def launch(a):
+    world = a.nodes * a.ranks_per_node
+    out = a.out or a.cluster_dir
+    common = ["--world", str(world), "--steps", str(a.steps), "--accum", str(a.accum),
+              "--seed", str(a.seed), "--layers", str(a.layers), "--width", str(a.width),
+              "--batch", str(a.batch), "--dtype", a.dtype]
+    procs = []
+    for r in range(world):
+        sock = os.path.join(a.cluster_dir, f"node{r // a.ranks_per_node}", "shardd.sock")
+        cmd = [sys.executable, __file__, "--socket", sock, "--job", a.job, "--rank", str(r),
+               "--plan", a.plan, "--log", os.path.join(out, f"shardd-{r}.json")] + common
+        procs.append(subprocess.Popen(cmd, stdout=None if r == 0 else subprocess.DEVNULL))
+    rc = [p.wait() for p in procs]
+    if any(rc):
+        sys.exit(f"train_gpt: a shardd rank failed (exit codes {rc})")
+    port = 29500 + os.getpid() % 1000
+    procs = []
+    for r in range(world):
+        cmd = [sys.executable, __file__, "--ddp", "--rank", str(r), "--init",
+               f"tcp://127.0.0.1:{port}", "--log", os.path.join(out, f"ddp-{r}.json")] + common
+        procs.append(subprocess.Popen(cmd, stdout=None if r == 0 else subprocess.DEVNULL))
+    rc = [p.wait() for p in procs]
+    if any(rc):
+        sys.exit(f"train_gpt: a DDP rank failed (exit codes {rc})")
+    s = json.load(open(os.path.join(out, "shardd-0.json")))
+    d = json.load(open(os.path.join(out, "ddp-0.json")))
+    worst = max(abs(x - y) / abs(y) for x, y in zip(s["loss"], d["loss"]))
+    print(f"== {a.steps} steps, {world} ranks, plan {a.plan}, {a.dtype}: shardd "
+          f"{s['tokens_per_s']:.0f} tokens/s, DDP (gloo) {d['tokens_per_s']:.0f} tokens/s "
+          f"({s['tokens_per_s'] / d['tokens_per_s']:.2f}x); loss {s['loss'][0]:.4f} -> "
+          f"{s['loss'][-1]:.4f}; largest relative loss difference to DDP {worst:.2e}")
+    if a.plot:
+        png(a.plot, [(s["loss"], (31, 119, 180)), (d["loss"], (255, 127, 14))])
+        print(f"== loss curves (shardd blue, DDP orange): {a.plot}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--socket", help="shardd socket of this rank's node")
+    p.add_argument("--job", default="gpt")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--plan", default="mics:2")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="sequences per micro-batch per rank")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: the weights shardd hands out (the DDP baseline stays fp32)")
+    p.add_argument("--ddp", action="store_true", help="the DDP (gloo) baseline instead")
+    p.add_argument("--init", default="tcp://127.0.0.1:29500", help="DDP rendezvous")
+    p.add_argument("--log", help="write losses and timings as JSON")
+    p.add_argument("--dump", help="write the final parameters (torch.save)")
+    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--check-zero-copy", action="store_true",
+                   help="check that every parameter views the shared slot (exit 3 if not)")
+    p.add_argument("--launch", action="store_true", help="run shardd and DDP on a cluster")
+    p.add_argument("--cluster-dir", help="--launch: tools/local-cluster.sh's --dir")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--out", help="--launch: where the logs go (default the cluster dir)")
+    p.add_argument("--plot", help="--launch: PNG of the loss curves")
+    a = p.parse_args()
+    if a.launch:
+        if not a.cluster_dir:
+            p.error("--launch needs --cluster-dir")
+        launch(a)
+    else:
+        if not a.ddp and not a.socket:
+            p.error("--socket is required (or --ddp)")
+        train(a)
+
+
+if __name__ == "__main__":
+    main()

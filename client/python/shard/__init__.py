@@ -1,0 +1,265 @@
+"""Python binding of libshard, the client library of shardd (ctypes; no compiled extension).
+
+    ctx = shard.Context("/run/shardd/shardd.sock")
+    ctx.register(job="j", rank=0, world=2, plan="mics:2", tensors=[...],
+                 optimizer={"name": "adamw", "lr": 1e-3}, init=[...])
+    addr, nbytes = ctx.fetch(unit)        # the gathered unit, read-only shared memory
+    ctx.release(unit)
+    ctx.push_grad(unit, addr, nbytes)     # this micro-step's gradient of the unit
+    norm = ctx.step()
+
+Every libshard error becomes a ShardError carrying the status (an int, shard.EJOBFAILED ...),
+its name and the daemon's message. See client/include/shard.h for the semantics.
+"""
+import ctypes
+import ctypes.util
+import json
+import os
+
+__all__ = ["Context", "ShardError", "Tensor", "FP32", "BF16", "FP16", "admin", "library_path",
+           "strerror"]
+
+FP32, BF16, FP16 = 0, 1, 2
+DTYPE_BYTES = {FP32: 4, BF16: 2, FP16: 2}
+
+# status codes (shard.h)
+OK = 0
+EINVAL, ENOSPC, ETIMEDOUT, ECONNRESET = -22, -28, -110, -104
+ESTATE, EMISMATCH, EJOBFAILED, EVERSION = -1001, -1002, -1003, -1004
+ENOUNIT, ENOJOB, ENOTHELD, ECONFIG, EPEER = -1005, -1006, -1007, -1008, -1009
+
+
+class ShardError(RuntimeError):
+    """A libshard call failed: .status (negative int), .name ("mismatch between ranks" ...),
+    .message (what the daemon or library said)."""
+
+    def __init__(self, status, message, call=None):
+        self.status = status
+        self.name = strerror(status) if _lib is not None else str(status)
+        self.message = message
+        self.call = call
+        where = f"{call}: " if call else ""
+        super().__init__(f"{where}{self.name} ({status}): {message}")
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("ndim", ctypes.c_uint32),
+                ("dims", ctypes.POINTER(ctypes.c_uint64)), ("dtype", ctypes.c_int),
+                ("unit", ctypes.c_uint32)]
+
+
+class _Optimizer(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("lr", ctypes.c_float), ("beta1", ctypes.c_float),
+                ("beta2", ctypes.c_float), ("eps", ctypes.c_float),
+                ("weight_decay", ctypes.c_float), ("momentum", ctypes.c_float),
+                ("max_grad_norm", ctypes.c_float)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("job", ctypes.c_char_p), ("rank", ctypes.c_uint32), ("world", ctypes.c_uint32),
+                ("plan", ctypes.c_char_p), ("tensors", ctypes.POINTER(_Tensor)),
+                ("n_tensors", ctypes.c_uint32), ("optimizer", _Optimizer),
+                ("init", ctypes.POINTER(ctypes.POINTER(ctypes.c_float))),
+                ("max_live_bytes", ctypes.c_uint64)]
+
+
+class _UnitInfo(ctypes.Structure):
+    _fields_ = [("numel", ctypes.c_uint64), ("bytes", ctypes.c_uint64), ("dtype", ctypes.c_int),
+                ("first_tensor", ctypes.c_uint32), ("n_tensors", ctypes.c_uint32)]
+
+
+class _TensorInfo(ctypes.Structure):
+    _fields_ = [("unit", ctypes.c_uint32), ("offset", ctypes.c_uint64),
+                ("numel", ctypes.c_uint64)]
+
+
+def _candidates():
+    env = os.environ.get("SHARD_LIBRARY")
+    if env:
+        yield env
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, "libshard.so.0")
+    # imported from a source checkout: the build trees next to it
+    src = os.path.dirname(os.path.dirname(os.path.dirname(here)))
+    for build in ("build", "build/ci", "build/demo", "build/bench"):
+        yield os.path.join(src, build, "client", "libshard.so.0")
+    found = ctypes.util.find_library("shard")
+    if found:
+        yield found
+    for d in ("/usr/local/lib", "/usr/lib", "/usr/local/lib64", "/usr/lib/x86_64-linux-gnu"):
+        yield os.path.join(d, "libshard.so.0")
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        if os.path.sep in path and not os.path.exists(path):
+            tried.append(path)
+            continue
+        try:
+            return ctypes.CDLL(path), path
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+    raise ImportError("shard: libshard not found; build shardd (cmake) or set SHARD_LIBRARY. "
+                      "Tried: " + ", ".join(tried))
+
+
+_lib, library_path = _load()
+_c = ctypes
+_lib.shard_attach.argtypes = [_c.c_char_p, _c.POINTER(_c.c_void_p)]
+_lib.shard_register.argtypes = [_c.c_void_p, _c.POINTER(_Model)]
+_lib.shard_num_units.argtypes = [_c.c_void_p]
+_lib.shard_num_units.restype = _c.c_uint32
+_lib.shard_unit_info.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_UnitInfo)]
+_lib.shard_tensor_info.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_TensorInfo)]
+_lib.shard_fetch.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_void_p)]
+_lib.shard_release.argtypes = [_c.c_void_p, _c.c_uint32]
+_lib.shard_push_grad.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_void_p, _c.c_size_t]
+_lib.shard_step.argtypes = [_c.c_void_p, _c.POINTER(_c.c_double)]
+_lib.shard_detach.argtypes = [_c.c_void_p]
+_lib.shard_strerror.argtypes = [_c.c_int]
+_lib.shard_strerror.restype = _c.c_char_p
+_lib.shard_last_error.argtypes = [_c.c_void_p]
+_lib.shard_last_error.restype = _c.c_char_p
+_lib.shard_admin.argtypes = [_c.c_char_p, _c.c_char_p, _c.c_char_p, _c.POINTER(_c.c_void_p)]
+_lib.shard_free.argtypes = [_c.c_void_p]
+
+
+def strerror(status):
+    """The name of a status code."""
+    return _lib.shard_strerror(int(status)).decode()
+
+
+def _b(s):
+    return s.encode() if isinstance(s, str) else s
+
+
+def admin(command, job=None, socket=None):
+    """One admin command (status, jobs, groups, topology, stats, schedule): the daemon's JSON."""
+    out = _c.c_void_p()
+    st = _lib.shard_admin(_b(socket), _b(command), _b(job), _c.byref(out))
+    text = _c.string_at(out.value).decode() if out.value else None
+    if out.value:
+        _lib.shard_free(out)
+    if st != 0:
+        raise ShardError(st, _lib.shard_last_error(None).decode(), f"admin {command}")
+    return json.loads(text)
+
+
+class Tensor:
+    """A tensor of the model: name, dims, dtype (FP32, BF16, FP16) and its unit."""
+
+    def __init__(self, name, dims, dtype=FP32, unit=0):
+        self.name, self.dims, self.dtype, self.unit = name, tuple(int(d) for d in dims), dtype, unit
+
+
+class Context:
+    """An attached trainer process (one per rank; not thread-safe)."""
+
+    def __init__(self, socket=None):
+        self._ctx = _c.c_void_p()
+        st = _lib.shard_attach(_b(socket), _c.byref(self._ctx))
+        if st != 0:
+            raise ShardError(st, _lib.shard_last_error(None).decode(), "attach")
+        self.units = []    # per unit: dict(numel, bytes, dtype, tensors)
+        self.tensors = []  # per tensor: dict(unit, offset, numel)
+
+    def _check(self, st, call):
+        if st != 0:
+            raise ShardError(st, _lib.shard_last_error(self._ctx).decode(), call)
+
+    def register(self, job, rank, world, plan, tensors, optimizer, init=None, max_live_bytes=0):
+        """Register the model (every rank the same tensors). init (rank 0): one fp32 buffer per
+        tensor (objects with the buffer protocol or ctypes addresses), None for zeros."""
+        n = len(tensors)
+        keep = []  # keep ctypes objects alive during the call
+        arr = (_Tensor * n)()
+        for i, t in enumerate(tensors):
+            dims = (_c.c_uint64 * max(1, len(t.dims)))(*t.dims)
+            name = _b(t.name)
+            keep += [dims, name]
+            arr[i] = _Tensor(name, len(t.dims), dims, t.dtype, t.unit)
+        o = dict(optimizer)
+        betas = o.get("betas", (o.get("beta1", 0.9), o.get("beta2", 0.999)))
+        oname = _b(o.get("name", "adamw"))
+        keep.append(oname)
+        opt = _Optimizer(oname, float(o.get("lr", 1e-3)), float(betas[0]), float(betas[1]),
+                         float(o.get("eps", 1e-8)), float(o.get("weight_decay", 0.0)),
+                         float(o.get("momentum", 0.0)), float(o.get("max_grad_norm", 0.0)))
+        init_arr = None
+        if init is not None:
+            init_arr = (_c.POINTER(_c.c_float) * n)()
+            for i, buf in enumerate(init):
+                if buf is None:
+                    continue
+                addr = buf if isinstance(buf, int) else _address_of(buf, keep)
+                init_arr[i] = _c.cast(addr, _c.POINTER(_c.c_float))
+        jobb, planb = _b(job), _b(plan)
+        model = _Model(jobb, rank, world, planb, arr, n, opt, init_arr, int(max_live_bytes))
+        self._check(_lib.shard_register(self._ctx, _c.byref(model)), "register")
+        del keep
+        self.units = []
+        for u in range(_lib.shard_num_units(self._ctx)):
+            ui = _UnitInfo()
+            self._check(_lib.shard_unit_info(self._ctx, u, _c.byref(ui)), "unit_info")
+            self.units.append({"numel": ui.numel, "bytes": ui.bytes, "dtype": ui.dtype,
+                               "tensors": list(range(ui.first_tensor,
+                                                     ui.first_tensor + ui.n_tensors))})
+        self.tensors = []
+        for t in range(n):
+            ti = _TensorInfo()
+            self._check(_lib.shard_tensor_info(self._ctx, t, _c.byref(ti)), "tensor_info")
+            self.tensors.append({"unit": ti.unit, "offset": ti.offset, "numel": ti.numel})
+
+    def fetch(self, unit):
+        """Gather a unit: (address, bytes) of its flat buffer, read-only until release."""
+        p = _c.c_void_p()
+        self._check(_lib.shard_fetch(self._ctx, unit, _c.byref(p)), f"fetch unit {unit}")
+        return p.value, self.units[unit]["bytes"]
+
+    def release(self, unit):
+        self._check(_lib.shard_release(self._ctx, unit), f"release unit {unit}")
+
+    def push_grad(self, unit, addr, nbytes):
+        """Push this micro-step's gradient of a unit from memory at addr (the unit's layout and
+        dtype, nbytes == units[unit]["bytes"]); returns once it is copied."""
+        self._check(_lib.shard_push_grad(self._ctx, unit, _c.c_void_p(addr), nbytes),
+                    f"push_grad unit {unit}")
+
+    def step(self):
+        """Optimizer step at the accumulation boundary (all ranks); the gradient norm."""
+        norm = _c.c_double()
+        self._check(_lib.shard_step(self._ctx, _c.byref(norm)), "step")
+        return norm.value
+
+    def detach(self):
+        if self._ctx:
+            _lib.shard_detach(self._ctx)
+            self._ctx = _c.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
+
+    def __del__(self):
+        try:
+            self.detach()
+        except Exception:
+            pass
+
+
+def _address_of(buf, keep):
+    """Address of a writable or read-only buffer-protocol object (numpy, array, bytearray)."""
+    if hasattr(buf, "data_ptr"):  # a torch tensor
+        keep.append(buf)
+        return buf.data_ptr()
+    mv = memoryview(buf)
+    if mv.readonly:
+        copy = bytearray(mv)
+        keep.append(copy)
+        mv = memoryview(copy)
+    c = (_c.c_char * mv.nbytes).from_buffer(mv)
+    keep += [mv, c]
+    return _c.addressof(c)
