@@ -2,10 +2,14 @@
 # Install what is missing, build, start an emulated cluster of shardd daemons on this machine,
 # train the example MLP through it, and print what happened: progress, loss, bytes moved per
 # link class next to the formulas, time.
+# Then, where PyTorch is installed (it offers to apt-get install python3-torch when it is not),
+# train a small GPT through shardd on a 2-node x 2-rank cluster next to PyTorch DDP (gloo) and
+# plot both loss curves.
 # Usage: tools/demo.sh [--nodes N] [--ranks-per-node K] [--plan PLAN] [--steps S] [--netns]
+#                      [--torch | --no-torch]   (install PyTorch without asking / skip the GPT)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-nodes=4 k=2 plan=mics:4 steps=20 accum=2 netns=()
+nodes=4 k=2 plan=mics:4 steps=20 accum=2 netns=() torch=ask
 while [ $# -gt 0 ]; do
   case $1 in
     --nodes) nodes=$2; shift 2 ;;
@@ -13,7 +17,9 @@ while [ $# -gt 0 ]; do
     --plan) plan=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
     --netns) netns=(--netns --inter-rate 1gbit); shift ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    --torch) torch=yes; shift ;;
+    --no-torch) torch=no; shift ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "demo.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -97,3 +103,28 @@ PY
 echo "   reference, last step: $ref_loss"
 printf "== %d steps on %d ranks over %d nodes in %.2f s\n" "$steps" "$world" "$nodes" \
   "$(python3 -c "print($t1 - $t0)")"
+
+# ---- a PyTorch transformer through shardd, next to DDP
+if [ "$torch" != no ] && ! /usr/bin/python3 -c "import torch" 2>/dev/null; then
+  if [ "$torch" = ask ] && [ -t 0 ]; then
+    read -r -p "== PyTorch is not installed; install Debian's python3-torch now (apt, ~1 GB)? [y/N] " yn
+    [[ "$yn" =~ ^[Yy] ]] && torch=yes
+  fi
+  if [ "$torch" = yes ]; then
+    tools/deps.sh python3-torch
+  else
+    echo "== skipping the PyTorch example: python3-torch is not installed" \
+         "(tools/demo.sh --torch installs it with apt)"
+  fi
+fi
+if [ "$torch" != no ] && /usr/bin/python3 -c "import torch" 2>/dev/null; then
+  tools/local-cluster.sh stop --dir "$dir" >/dev/null
+  gdir=$(mktemp -d /tmp/shardd-gpt-XXXXXX)
+  trap 'cleanup; tools/local-cluster.sh stop --dir "$gdir" >/dev/null 2>&1 || true; rm -rf "$gdir"' EXIT
+  echo "== a 4-layer GPT (width 128) through shardd on 2 nodes x 2 ranks (mics:2), then DDP (gloo)"
+  tools/local-cluster.sh start --nodes 2 --ranks-per-node 2 --dir "$gdir" \
+    --shardd "$B/daemon/shardd" -- --log-level warn >/dev/null
+  SHARD_LIBRARY=$B/client/libshard.so.0 /usr/bin/python3 client/examples/train_gpt.py --launch \
+    --cluster-dir "$gdir" --nodes 2 --ranks-per-node 2 --plan mics:2 --steps 20 \
+    --plot "$B/gpt_loss.png" | sed 's/^/  /'
+fi

@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/deps.sh
+tools/deps.sh --optional python3-torch python3-pip  # test_torch (PyTorch vs DDP)
 jobs=$(nproc)
 t0=$(date +%s)
 

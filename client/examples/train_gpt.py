@@ -242,22 +242,23 @@ def png(path, curves, width=640, height=400):
     sx = lambda i: m + int(i * (width - 2 * m) / max(1, n - 1))
     sy = lambda y: height - m - int((y - lo) * (height - 2 * m) / max(1e-12, hi - lo))
 
-    def line(x0, y0, x1, y1, c):
+    def line(x0, y0, x1, y1, c, w=1):
         steps = max(abs(x1 - x0), abs(y1 - y0), 1)
         for s in range(steps + 1):
             x = x0 + (x1 - x0) * s // steps
             y = y0 + (y1 - y0) * s // steps
-            for dx in (0, 1):
-                if 0 <= x + dx < width and 0 <= y < height:
-                    img[y][x + dx] = c
+            for dx in range(-(w // 2), w // 2 + 1):
+                for dy in range(-(w // 2), w // 2 + 1):
+                    if 0 <= x + dx < width and 0 <= y + dy < height:
+                        img[y + dy][x + dx] = c
 
     line(m, height - m, width - m, height - m, (0, 0, 0))
     line(m, m, m, height - m, (0, 0, 0))
     for i in range(n):
         line(sx(i), height - m, sx(i), height - m + 4, (0, 0, 0))
-    for k, (values, color) in enumerate(curves):
+    for k, (values, color) in enumerate(curves):  # the first curve wide, later ones on top
         for i in range(1, len(values)):
-            line(sx(i - 1), sy(values[i - 1]), sx(i), sy(values[i]), color)
+            line(sx(i - 1), sy(values[i - 1]), sx(i), sy(values[i]), color, 5 if k == 0 else 1)
         for y in range(10):  # legend swatches, top right
             for x in range(30):
                 img[m + 16 * k + y // 2][width - m - 40 + x] = color
