@@ -770,8 +770,7 @@ int shard_admin(const char *socket_path, const char *command, const char *job, c
     free(buf);
     if (rep == NULL || (rep->msg_case != SHARD__DAEMON_MSG__MSG_ADMIN &&
                         rep->msg_case != SHARD__DAEMON_MSG__MSG_ERROR)) {
-        snprintf(attach_err, sizeof(attach_err), "admin %s: unexpected reply from shardd",
-                 command);
+        snprintf(attach_err, sizeof(attach_err), "admin %s: unexpected reply from shardd", command);
         status = SD_EPROTO;
     } else if (rep->msg_case == SHARD__DAEMON_MSG__MSG_ERROR) {
         snprintf(attach_err, sizeof(attach_err), "admin %s: %s", command, rep->error->message);
