@@ -608,11 +608,11 @@ static void usage(FILE *out)
             "layers 4 (about 327k parameters). --compute-ms adds a busy wait per layer, forward\n"
             "and backward; --max-live-bytes sizes the job's gather pool (0: every unit).\n"
             "--compute-mode sleep waits idle instead (a GPU kernel; for machines with fewer\n"
-            "cores than ranks). --skip-layer makes a hidden layer the identity in one step (no "
-            "fetch, no gradient;\n"
-            "the reference does the same); --eval-every runs a forward-only pass after every N\n"
-            "steps; --diverge-from makes ranks >= R fetch one extra unit in step 1 (a schedule\n"
-            "that differs between ranks, which shardd must refuse).\n",
+            "cores than ranks). --skip-layer makes a hidden layer the identity in one step\n"
+            "(no fetch, no gradient; the reference does the same); --eval-every runs a\n"
+            "forward-only pass after every N steps; --diverge-from makes ranks >= R fetch one\n"
+            "extra unit in step 1 (a schedule that differs between ranks, which shardd must\n"
+            "refuse).\n",
             IN_DIM, OUT_DIM);
 }
 
