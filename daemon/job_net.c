@@ -1047,17 +1047,23 @@ void sd_job_net_step(struct sd_job *job)
         sd_job_step_apply(job, sumsq);
         serve_queue(job);
         job->step_phase = SD_STEP_REFRESH;
-        if (job->group_nodes > 1) {
-            for (uint32_t i = 0; i < job->n_slots; i++) {
-                struct sd_unit_state *us = &job->units[i];
-                if (!us->resident || us->refs == 0 || us->inflight)
-                    continue;
-                gather_start(job, us); /* the refresh phase waits for gathers_inflight */
-            }
-        }
     }
     if (job->step_phase == SD_STEP_REFRESH) {
-        if (job->gathers_inflight > 0)
+        /* units held across the step are gathered again in place; one that cannot start now
+         * (transfer resources busy) is retried when a transfer completes */
+        bool pending = false;
+        for (uint32_t i = 0; job->group_nodes > 1 && i < job->n_slots; i++) {
+            struct sd_unit_state *us = &job->units[i];
+            if (!us->resident || us->refs == 0 || us->inflight || us->gen == job->weights_gen)
+                continue;
+            if (gather_start(job, us) != SD_OK) {
+                pending = true;
+                break;
+            }
+            if (job->state == SD_JOB_FAILED || job->step_phase != SD_STEP_REFRESH)
+                return; /* finished (or failed) inside: that call completed the step */
+        }
+        if (pending || job->gathers_inflight > 0)
             return;
         job->step_phase = SD_STEP_IDLE;
         sd_job_step_done(job);
