@@ -788,7 +788,7 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     size_t len = sizeof(cl->addrs[0]);
     int st = tp->ops->getname(tp, cl->addrs[cl->self], &len);
     if (st != SD_OK) {
-        sd_cluster_stop(cl);
+        *cl_p = cl; /* the caller stops and frees it */
         return st;
     }
     cl->addr_len[cl->self] = len;
@@ -804,7 +804,7 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
         struct sockaddr_storage ss;
         if (parse_hostport(cfg->coordinator, &ss) != SD_OK) {
             SD_ERROR("cluster", "coordinator '%s' is not host:port", cfg->coordinator);
-            sd_cluster_stop(cl);
+            *cl_p = cl;
             return SD_ECONFIG;
         }
         uv_tcp_init(loop, &cl->listener);
@@ -815,7 +815,7 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
             r = uv_listen((uv_stream_t *)&cl->listener, 128, on_connection);
         if (r != 0) {
             SD_ERROR("cluster", "cannot listen on %s: %s", cfg->coordinator, uv_strerror(r));
-            sd_cluster_stop(cl);
+            *cl_p = cl;
             return SD_EIO;
         }
         SD_INFO("cluster", "coordinator listening on %s for %u nodes", cfg->coordinator, cl->n);

@@ -16,6 +16,8 @@
 struct sd_cluster;
 struct sd_registry;
 
+/* On failure *cl_p may be set too (handles half made): sd_cluster_stop, run the loop, then
+ * sd_cluster_free, as after a success. */
 int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_config *cfg,
                      struct sd_transport *tp, struct sd_registry *reg);
 void sd_cluster_stop(struct sd_cluster *cl);
