@@ -77,10 +77,9 @@ int sd_sched_plan_build(const uint32_t *ops, uint32_t n, const uint64_t *slot_by
             continue;
         plan->iv[n_iv] = (struct sd_ival){.start = 0, .end = n, .size = slot_bytes[u]};
         plan->iv_unit[n_iv] = u;
-        fpos[n_iv] = pos;
         cur[u] = n_iv++;
     }
-    uint32_t base = n_iv;
+    uint32_t base = n_iv; /* the prefetch window counts the gathers from here on */
     for (uint32_t pos = 0; pos < n; pos++) {
         uint32_t u = sd_sched_unit_of(ops[pos]);
         enum sd_sched_op op = sd_sched_op_of(ops[pos]);
@@ -110,8 +109,6 @@ int sd_sched_plan_build(const uint32_t *ops, uint32_t n, const uint64_t *slot_by
         plan->occ[pos] = n_iv;
         cur[u] = n_iv++;
     }
-    if (n == 0)
-        n_iv = 0;
     plan->n_iv = n_iv;
     plan->lower_bound = sd_ival_max_load(plan->iv, n_iv, p->align);
     plan->peak = sd_ival_plan(plan->iv, n_iv, p->align);

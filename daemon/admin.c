@@ -122,12 +122,9 @@ static json_t *job_stats(const struct sd_job *job)
 static json_t *job_schedule(const struct sd_job *job)
 {
     const struct sd_job_sched *sc = &job->sched;
-    const struct sd_layout *l = &job->layout;
-    uint64_t sum = 0, largest = 0;
-    for (uint32_t u = 0; u < l->n_units; u++) {
-        sum += sd_unit_bytes(&l->units[u]) * job->slots_per_unit;
-        largest = SD_MAX(largest, sd_unit_bytes(&l->units[u]) * job->slots_per_unit);
-    }
+    /* per node: one copy of each unit, or one per local rank without the hierarchy */
+    uint64_t sum = job->layout.total_bytes * job->slots_per_unit;
+    uint64_t largest = job->layout.max_unit_bytes * job->slots_per_unit;
     bool planned = sc->freezes > 0, arrays = planned && sc->ops != NULL; /* freed at the end */
     json_t *order = json_array(), *slots = json_array();
     for (uint32_t i = 0; arrays && i < sc->n; i++)

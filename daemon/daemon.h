@@ -434,16 +434,25 @@ void sd_job_complete_fetch(struct sd_job *job, struct sd_unit_state *us);
 void sd_job_set_ready(struct sd_job *job);
 void sd_job_load_unit(struct sd_job *job, uint32_t unit, const float *src);
 int sd_job_pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);
+/* Drop a cached copy nobody holds from the pool (counted as an eviction). */
+void sd_job_evict(struct sd_job *job, struct sd_unit_state *us);
 bool sd_job_others_hold(const struct sd_job *job, const struct sd_session *s);
+
+/* the copy of a unit a local rank uses: the node's one, or its own without the hierarchy */
+static inline struct sd_unit_state *sd_job_slot(struct sd_job *job, uint32_t unit, uint32_t local)
+{
+    return &job->units[(size_t)unit * job->slots_per_unit + (job->slots_per_unit > 1 ? local : 0)];
+}
 
 /* schedule.c */
 int sd_sched_alloc(struct sd_job *job);
 void sd_sched_free(struct sd_job *job);
 /* before a fetch, release or push is served: the position it matches (SD_SCHED_NONE if none) */
 uint32_t sd_sched_before(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
-/* after it was served (consumed) or stalled; cpu0/allocs0 as read before */
-void sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint32_t pos,
-                    bool consumed, uint64_t cpu0, uint64_t allocs0);
+/* after it was served (consumed) or stalled: records it, or advances the rank on the schedule
+ * and issues the prefetches that allows; true if the call was served on the frozen schedule */
+bool sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint32_t pos,
+                    bool consumed);
 /* every local rank called step: check the recording (false after failing the job) */
 bool sd_sched_step_check(struct sd_job *job);
 /* the schedules nodes [first, first + count) of this node's partition group recorded in this

@@ -101,10 +101,16 @@ int sd_job_pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
         }
         if (victim == UINT32_MAX)
             return SD_ENOSPC;
-        sd_slot_pool_free(&job->spool, job->units[victim].pool_off);
-        job->units[victim].resident = false;
-        job->stats.evictions++;
+        sd_job_evict(job, &job->units[victim]);
     }
+}
+
+void sd_job_evict(struct sd_job *job, struct sd_unit_state *us)
+{
+    sd_slot_pool_free(&job->spool, us->pool_off);
+    us->resident = false;
+    us->plan_iv = SD_SCHED_NONE;
+    job->stats.evictions++;
 }
 
 /* Does another rank hold a gathered unit (space it will give back)? A rank that fills the pool
@@ -117,11 +123,6 @@ bool sd_job_others_hold(const struct sd_job *job, const struct sd_session *s)
             return true;
     }
     return false;
-}
-
-static inline struct sd_unit_state *slot_of(struct sd_job *job, uint32_t unit, uint32_t local)
-{
-    return &job->units[(size_t)unit * job->slots_per_unit + (job->slots_per_unit > 1 ? local : 0)];
 }
 
 /* A gather finished (or failed): answer every rank waiting for it. */
@@ -157,7 +158,7 @@ void sd_job_complete_fetch(struct sd_job *job, struct sd_unit_state *us)
 static bool op_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                      uint64_t start)
 {
-    struct sd_unit_state *us = slot_of(job, e->unit, s->local);
+    struct sd_unit_state *us = sd_job_slot(job, e->unit, s->local);
     const struct sd_unit_layout *ul = &job->layout.units[e->unit];
     if (job->group_nodes > 1)
         return sd_job_net_fetch(job, s, e, us);
@@ -196,7 +197,7 @@ static bool op_fetch(struct sd_job *job, struct sd_session *s, const struct sd_s
 static void op_release(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                        uint64_t start)
 {
-    struct sd_unit_state *us = slot_of(job, e->unit, s->local);
+    struct sd_unit_state *us = sd_job_slot(job, e->unit, s->local);
     if (s->holds[e->unit] == 0) {
         sd_session_fail(s, e, SD_ENOTHELD,
                         "release of unit %u which rank %u does not hold (released twice, or "
@@ -216,7 +217,7 @@ void sd_job_release_holds(struct sd_job *job, struct sd_session *s)
     if (s->holds == NULL || job->units == NULL)
         return;
     for (uint32_t u = 0; u < job->layout.n_units; u++) {
-        struct sd_unit_state *us = slot_of(job, u, s->local);
+        struct sd_unit_state *us = sd_job_slot(job, u, s->local);
         us->refs -= s->holds[u];
         if (s->holds[u] && us->refs == 0)
             us->lru_tick = ++job->tick;
@@ -582,8 +583,16 @@ static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct 
         op_release(job, s, e, start);
     else
         consumed = op_push(job, s, e);
-    sd_sched_after(job, s, e, pos, consumed, cpu0, allocs0);
-    job->stats.allocs_after_register += sd_alloc_calls() - allocs0;
+    /* what the call cost, the prefetches it issued included */
+    bool frozen = sd_sched_after(job, s, e, pos, consumed);
+    uint64_t allocs = sd_alloc_calls() - allocs0;
+    job->stats.allocs_after_register += allocs;
+    if (frozen)
+        job->sched.allocs_frozen += allocs;
+    if (e->op == SD_OP_FETCH) {
+        job->sched.cpu_ns[frozen] += sd_thread_cpu_ns() - cpu0;
+        job->sched.fetches[frozen] += consumed;
+    }
     return consumed;
 }
 
@@ -603,7 +612,7 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         return true;
     case SD_OP_DROP:
         if (check_ready(job, s, e, true)) {
-            struct sd_unit_state *us = slot_of(job, e->unit, s->local);
+            struct sd_unit_state *us = sd_job_slot(job, e->unit, s->local);
             if (us->resident && !us->inflight && us->refs == 0) {
                 sd_slot_pool_free(&job->spool, us->pool_off);
                 us->resident = false;

@@ -106,14 +106,6 @@ static uint32_t entry_of(const struct sd_sqe *e)
     return sd_sched_entry(op, e->unit);
 }
 
-static void evict(struct sd_job *job, struct sd_unit_state *us)
-{
-    sd_slot_pool_free(&job->spool, us->pool_off);
-    us->resident = false;
-    us->plan_iv = SD_SCHED_NONE;
-    job->stats.evictions++;
-}
-
 /* Leave the schedule for the rest of this step: the first-fit list is rebuilt from what is
  * resident or in flight, and the next step is recorded again. */
 static void deviate(struct sd_job *job, const char *why)
@@ -163,35 +155,28 @@ uint32_t sd_sched_before(struct sd_job *job, struct sd_session *s, const struct 
     if (e->op != SD_OP_FETCH)
         return c;
     uint32_t I = sc->plan.occ[c];
-    struct sd_unit_state *us = &job->units[(size_t)e->unit * job->slots_per_unit +
-                                           (job->slots_per_unit > 1 ? s->local : 0)];
+    struct sd_unit_state *us = sd_job_slot(job, e->unit, s->local);
     uint64_t off = sc->plan.iv[I].off + copy_off(job, us);
     if ((us->resident || us->inflight) && us->pool_off == off && us->gen == job->weights_gen)
         sc->prefetch_hits++; /* already there (prefetched, reused or persistent) */
     else if (us->resident && !us->inflight && us->refs == 0 && us->pool_off != off)
-        evict(us->job, us); /* cached elsewhere: gather it again into its place */
+        sd_job_evict(job, us); /* cached elsewhere: gather it again into its place */
     sc->want_iv = I;
     sc->want_off = off;
     return c;
 }
 
-void sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint32_t pos,
-                    bool consumed, uint64_t cpu0, uint64_t allocs0)
+bool sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint32_t pos,
+                    bool consumed)
 {
     struct sd_job_sched *sc = &job->sched;
     uint64_t want_off = sc->want_off;
     uint32_t want_iv = sc->want_iv;
     bool on_schedule = pos != SD_SCHED_NONE && !sc->deviated;
     sc->want_iv = SD_SCHED_NONE;
-    if (e->op == SD_OP_FETCH) {
-        sc->cpu_ns[on_schedule] += sd_thread_cpu_ns() - cpu0;
-        sc->fetches[on_schedule] += consumed;
-    }
-    if (on_schedule)
-        sc->allocs_frozen += sd_alloc_calls() - allocs0;
     if (!consumed) {
         sc->waits += on_schedule && !s->has_stalled; /* once per call, not per retry */
-        return;
+        return on_schedule;
     }
     if (sc->state == SD_SCHED_RECORDING) {
         if (sc->rec_len[s->local] < sc->cap)
@@ -200,17 +185,17 @@ void sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sq
             sc->overflow = true;
     }
     if (!on_schedule)
-        return;
+        return false;
     sc->cursor[s->local] = pos + 1;
     if (pos + 1 > sc->lead)
         sc->lead = pos + 1;
     if (e->op == SD_OP_FETCH && want_iv != SD_SCHED_NONE) {
-        struct sd_unit_state *us = &job->units[(size_t)e->unit * job->slots_per_unit +
-                                               (job->slots_per_unit > 1 ? s->local : 0)];
+        struct sd_unit_state *us = sd_job_slot(job, e->unit, s->local);
         if ((us->resident || us->inflight) && us->pool_off == want_off)
             us->plan_iv = want_iv;
     }
     sd_sched_prefetch(job);
+    return true;
 }
 
 /* Make [off, off + len) free of cached copies. SD_EAGAIN while a copy the plan placed there is
@@ -225,7 +210,7 @@ static int claim(struct sd_job *job, uint64_t off, uint64_t len)
             continue;
         if (us->inflight || us->refs > 0)
             return us->plan_iv == SD_SCHED_NONE ? SD_EBUSY : SD_EAGAIN;
-        evict(job, us);
+        sd_job_evict(job, us);
     }
     return SD_OK;
 }
@@ -263,7 +248,7 @@ static int issue(struct sd_job *job, uint32_t I, uint32_t l)
     if (us->resident && us->refs > 0)
         return SD_OK; /* held where it is: its fetch sorts it out */
     if (us->resident)
-        evict(job, us);
+        sd_job_evict(job, us);
     if (claim(job, off, unit_bytes(job, u)) != SD_OK)
         return SD_EAGAIN;
     us->pool_off = off;
