@@ -1,10 +1,9 @@
 #include "harness.h"
-#include "shard_internal.h"
-#include "sd/frame.h"
-#include "shard.pb-c.h"
+#include "shard.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -212,29 +211,66 @@ int th_daemon_stop(struct th_daemon *d)
 
 char *th_admin(const char *sock, const char *cmd)
 {
-    char err[256];
-    int fd;
-    if (shard__connect(sock, &fd, err, sizeof(err)) != 0)
-        return NULL;
-    Shard__AdminRequest req = SHARD__ADMIN_REQUEST__INIT;
-    req.command = (char *)cmd;
-    Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
-    msg.msg_case = SHARD__CLIENT_MSG__MSG_ADMIN;
-    msg.admin = &req;
-    uint8_t *buf = NULL;
-    size_t len;
-    char *out = NULL;
-    if (sd_frame_send(fd, &msg.base, NULL, 0, 5000) == 0 &&
-        sd_frame_recv(fd, &buf, &len, NULL, 0, NULL, 64u << 20, 5000) == 0) {
-        Shard__DaemonMsg *rep = shard__daemon_msg__unpack(NULL, len, buf);
-        if (rep && rep->msg_case == SHARD__DAEMON_MSG__MSG_ADMIN && rep->admin->json)
-            out = strdup(rep->admin->json);
-        if (rep)
-            shard__daemon_msg__free_unpacked(rep, NULL);
+    char *json = NULL;
+    shard_admin(sock, cmd, NULL, &json); /* the document also when the command failed */
+    return json;
+}
+
+int th_train(const char *dir, const char *job, const char *const *socks, int k, int world,
+             const char *const *args, const char *dump, const char *ref, int *rcs)
+{
+    pid_t pids[TH_MAX_RANKS + 1];
+    if (world > TH_MAX_RANKS)
+        return world + 1;
+    for (int rank = 0; rank <= world; rank++) {
+        char rs[16], log[400];
+        snprintf(rs, sizeof(rs), "%d", rank);
+        snprintf(log, sizeof(log), "%s/%s-%d.log", dir, job, rank);
+        const char *argv[64] = {MLP_TRAIN_PATH};
+        int n = 1;
+        for (int i = 0; args[i] != NULL && n < 50; i++)
+            argv[n++] = args[i];
+        if (rank < world) {
+            const char *own[] = {"--socket", socks[rank / k], "--job", job, "--rank", rs};
+            for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++)
+                argv[n++] = own[i];
+            if (rank == 0) {
+                argv[n++] = "--dump-params";
+                argv[n++] = dump;
+            }
+        } else {
+            argv[n++] = "--reference";
+            argv[n++] = "--dump-params";
+            argv[n++] = ref;
+        }
+        argv[n] = NULL;
+        pids[rank] = th_spawn(argv, log);
     }
-    free(buf);
-    close(fd);
-    return out;
+    int failed = 0;
+    for (int rank = 0; rank <= world; rank++) {
+        rcs[rank] = th_wait(pids[rank], 120000);
+        failed += rcs[rank] != 0;
+    }
+    return failed;
+}
+
+bool th_compare_dumps(const char *a_path, const char *b_path, double tol, struct th_dump_diff *d)
+{
+    size_t na = 0, nb = 0;
+    float *a = (float *)(void *)th_read_file(a_path, &na);
+    float *b = (float *)(void *)th_read_file(b_path, &nb);
+    *d = (struct th_dump_diff){0};
+    bool ok = a != NULL && b != NULL && na == nb && na > 0;
+    for (size_t i = 0; ok && i < na / sizeof(float); i++) {
+        double diff = fabs((double)a[i] - b[i]);
+        d->maxd = fmax(d->maxd, diff);
+        d->differ += a[i] != b[i];
+        d->outside += !(diff <= tol + tol * fabs(b[i]));
+        d->n++;
+    }
+    free(a);
+    free(b);
+    return ok;
 }
 
 char *th_read_file(const char *path, size_t *len_p)

@@ -48,6 +48,22 @@ pid_t th_spawn(const char *const *argv, const char *out_path);
 int th_wait(pid_t pid, int timeout_ms);
 /* One admin command; returns the daemon's JSON (malloc'd) or NULL. */
 char *th_admin(const char *sock, const char *cmd);
+/* Train with mlp_train: world ranks of job (rank r on socks[r / k]) and the one-process
+ * --reference, each with args (NULL-terminated, the options they share); rank 0 dumps its
+ * parameters into dump, the reference into ref; logs go to dir/job-<rank>.log (the
+ * reference's rank is world). rcs[0..world] receive the exit codes; returns how many are not
+ * 0. */
+#define TH_MAX_RANKS 64
+int th_train(const char *dir, const char *job, const char *const *socks, int k, int world,
+             const char *const *args, const char *dump, const char *ref, int *rcs);
+/* Two fp32 parameter dumps: n values, how many differ at all, how many lie outside
+ * |a - b| <= tol + tol |b| (tol 0: bitwise), the largest difference. False if a file is missing,
+ * empty, or the sizes differ. */
+struct th_dump_diff {
+    size_t n, differ, outside;
+    double maxd;
+};
+bool th_compare_dumps(const char *a, const char *b, double tol, struct th_dump_diff *d);
 /* Read a whole file (malloc'd) or NULL. */
 char *th_read_file(const char *path, size_t *len_p);
 double th_now_s(void);

@@ -20,7 +20,6 @@
 #include "harness.h"
 
 #include <jansson.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -76,67 +75,30 @@ static long long job_param_bytes(const char *job)
 static void run_one(const struct run *r, int idx)
 {
     const int W = N * K, T = 6;
-    char job[64], accum[16], world[16], steps[16], dump[400], ref[400], logs[64][400];
+    char job[64], accum[16], world[16], steps[16], dump[400], ref[400];
     snprintf(job, sizeof(job), "c%d-%d", N, idx);
     snprintf(accum, sizeof(accum), "%d", r->accum);
     snprintf(world, sizeof(world), "%d", W);
     snprintf(steps, sizeof(steps), "%d", T);
     snprintf(dump, sizeof(dump), "%s/%s.bin", cl.d[0].dir, job);
     snprintf(ref, sizeof(ref), "%s/%s-ref.bin", cl.d[0].dir, job);
-    pid_t pids[65];
+    const char *socks[TH_MAX_NODES];
+    for (int i = 0; i < N; i++)
+        socks[i] = cl.d[i].sock;
+    const char *args[] = {"--world", world, "--steps",  steps, "--accum", accum, "--plan", r->plan,
+                          "--seed",  "3",   "--hidden", "256", "--quiet", NULL};
+    int rcs[TH_MAX_RANKS + 1];
     double t0 = th_now_s();
-    for (int rank = 0; rank <= W; rank++) {
-        char rs[16];
-        snprintf(rs, sizeof(rs), "%d", rank);
-        snprintf(logs[rank % 64], sizeof(logs[0]), "%s/%s-%d.log", cl.d[0].dir, job, rank);
-        const char *argv[40] = {MLP_TRAIN_PATH, "--world", world,   "--steps", steps, "--accum",
-                                accum,          "--plan",  r->plan, "--seed",  "3",   "--hidden",
-                                "256",          "--quiet"};
-        int n = 14;
-        if (rank < W) {
-            argv[n++] = "--socket";
-            argv[n++] = cl.d[rank / K].sock;
-            argv[n++] = "--job";
-            argv[n++] = job;
-            argv[n++] = "--rank";
-            argv[n++] = rs;
-            if (rank == 0) {
-                argv[n++] = "--dump-params";
-                argv[n++] = dump;
-            }
-        } else {
-            argv[n++] = "--reference";
-            argv[n++] = "--dump-params";
-            argv[n++] = ref;
-        }
-        argv[n] = NULL;
-        pids[rank] = th_spawn(argv, logs[rank % 64]);
-    }
-    int bad = 0;
-    for (int rank = 0; rank <= W; rank++) {
-        int rc = th_wait(pids[rank], 120000);
-        TH_CHECK(rc == 0, "%s: process %d exit code %d (log %s)", r->plan, rank, rc,
-                 logs[rank % 64]);
-        bad |= rc != 0;
-    }
+    int bad = th_train(cl.d[0].dir, job, socks, K, W, args, dump, ref, rcs);
+    for (int rank = 0; rank <= W; rank++)
+        TH_CHECK(rcs[rank] == 0, "%s: process %d exit code %d (log %s/%s-%d.log)", r->plan, rank,
+                 rcs[rank], cl.d[0].dir, job, rank);
     if (bad)
         return;
-    size_t na, nb;
-    float *a = (float *)(void *)th_read_file(dump, &na),
-          *b = (float *)(void *)th_read_file(ref, &nb);
-    TH_CHECK(a && b && na == nb, "dump sizes");
-    size_t n = a && b && na == nb ? na / 4 : 0, outside = 0, differ = 0;
-    double maxd = 0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        maxd = fmax(maxd, d);
-        differ += a[i] != b[i];
-        outside += !(d <= 1e-5 + 1e-5 * fabs(b[i]));
-    }
-    TH_CHECK(outside == 0, "%s accum %d: %zu parameters outside the tolerance (max %g)", r->plan,
-             r->accum, outside, maxd);
-    free(a);
-    free(b);
+    struct th_dump_diff dd;
+    TH_CHECK(th_compare_dumps(dump, ref, 1e-5, &dd), "dump sizes");
+    TH_CHECK(dd.outside == 0, "%s accum %d: %zu parameters outside the tolerance (max %g)", r->plan,
+             r->accum, dd.outside, dd.maxd);
 
     /* bytes against the formulas */
     long long S = job_param_bytes(job);
@@ -182,7 +144,7 @@ static void run_one(const struct run *r, int idx)
         json_decref(st);
     }
     printf("%dx%d %-22s accum %d: %zu params, %zu differ (max %.3g), S %lld B, %.2f s\n", N, K,
-           r->plan, r->accum, n, differ, maxd, S, th_now_s() - t0);
+           r->plan, r->accum, dd.n, dd.differ, dd.maxd, S, th_now_s() - t0);
 }
 
 int main(int argc, char **argv)

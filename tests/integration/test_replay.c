@@ -9,7 +9,6 @@
 #include "harness.h"
 
 #include <jansson.h>
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,67 +45,32 @@ struct run {
     bool expect_fail;
 };
 
-/* Start world ranks plus the reference; returns the number of ranks that failed. */
+/* Start world ranks plus the reference; returns the number of processes that failed. */
 static int train(const char *const *socks, int k, const struct run *r)
 {
-    char world[16], steps[16], accum[16], dump[400], ref[400], logs[9][400];
+    char world[16], steps[16], accum[16], dump[400], ref[400];
     snprintf(world, sizeof(world), "%d", r->world);
     snprintf(steps, sizeof(steps), "%d", r->steps);
     snprintf(accum, sizeof(accum), "%d", r->accum);
     snprintf(dump, sizeof(dump), "%s/%s.bin", d.dir, r->name);
     snprintf(ref, sizeof(ref), "%s/%s-ref.bin", d.dir, r->name);
-    pid_t pids[9];
-    for (int rank = 0; rank <= r->world; rank++) {
-        char rs[16];
-        snprintf(rs, sizeof(rs), "%d", rank);
-        snprintf(logs[rank], sizeof(logs[0]), "%s/%s-%d.log", d.dir, r->name, rank);
-        const char *argv[40] = {MLP_TRAIN_PATH, "--world", world,    "--steps", steps,
-                                "--accum",      accum,     "--plan", r->plan,   "--quiet"};
-        int n = 10;
-        for (int i = 0; r->extra[i]; i++)
-            argv[n++] = r->extra[i];
-        if (rank < r->world) {
-            argv[n++] = "--socket";
-            argv[n++] = socks[rank / k];
-            argv[n++] = "--job";
-            argv[n++] = r->name;
-            argv[n++] = "--rank";
-            argv[n++] = rs;
-            if (rank == 0) {
-                argv[n++] = "--dump-params";
-                argv[n++] = dump;
-            }
-        } else {
-            argv[n++] = "--reference";
-            argv[n++] = "--dump-params";
-            argv[n++] = ref;
-        }
-        argv[n] = NULL;
-        pids[rank] = th_spawn(argv, logs[rank]);
-    }
-    int failed = 0;
-    for (int rank = 0; rank <= r->world; rank++) {
-        int rc = th_wait(pids[rank], 120000);
-        failed += rc != 0;
-        if (!r->expect_fail)
-            TH_CHECK(rc == 0, "%s: process %d exit code %d (log %s)", r->name, rank, rc,
-                     logs[rank]);
-    }
+    const char *args[20] = {"--world", world,    "--steps", steps,    "--accum",
+                            accum,     "--plan", r->plan,   "--quiet"};
+    int n = 9;
+    for (int i = 0; r->extra[i]; i++)
+        args[n++] = r->extra[i];
+    args[n] = NULL;
+    int rcs[TH_MAX_RANKS + 1];
+    int failed = th_train(d.dir, r->name, socks, k, r->world, args, dump, ref, rcs);
     if (r->expect_fail)
         return failed;
-    size_t na = 0, nb = 0;
-    float *a = (float *)(void *)th_read_file(dump, &na);
-    float *b = (float *)(void *)th_read_file(ref, &nb);
-    TH_CHECK(a && b && na == nb && na > 0, "%s: parameter dumps", r->name);
-    size_t outside = 0;
-    for (size_t i = 0; a && b && na == nb && i < na / 4; i++) {
-        double diff = fabs((double)a[i] - b[i]);
-        outside += r->tol == 0 ? a[i] != b[i] : !(diff <= r->tol + r->tol * fabs(b[i]));
-    }
-    TH_CHECK(outside == 0, "%s: %zu parameters differ from the reference (tolerance %g)", r->name,
-             outside, r->tol);
-    free(a);
-    free(b);
+    for (int rank = 0; rank <= r->world; rank++)
+        TH_CHECK(rcs[rank] == 0, "%s: process %d exit code %d (log %s/%s-%d.log)", r->name, rank,
+                 rcs[rank], d.dir, r->name, rank);
+    struct th_dump_diff dd;
+    TH_CHECK(th_compare_dumps(dump, ref, r->tol, &dd), "%s: parameter dumps", r->name);
+    TH_CHECK(dd.outside == 0, "%s: %zu parameters differ from the reference (tolerance %g)",
+             r->name, dd.outside, r->tol);
     return failed;
 }
 
