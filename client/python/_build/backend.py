@@ -31,13 +31,12 @@ def _record_line(path, data):
     return f"{path},sha256={digest},{len(data)}"
 
 
-def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+def _write_wheel(wheel_directory, files):
+    """The wheel of these (path, bytes) files plus METADATA, WHEEL and RECORD; its name."""
     dist = f"{NAME}-{VERSION}.dist-info"
-    files = list(_package_files())
-    files.append((f"{dist}/METADATA", _metadata().encode()))
-    files.append((f"{dist}/WHEEL", (f"Wheel-Version: 1.0\nGenerator: shard-backend\n"
-                                    f"Root-Is-Purelib: true\nTag: {TAG}\n").encode()))
-    files.append((f"{dist}/top_level.txt", f"{NAME}\n".encode()))
+    files = files + [(f"{dist}/METADATA", _metadata().encode()),
+                     (f"{dist}/WHEEL", (f"Wheel-Version: 1.0\nGenerator: shard-backend\n"
+                                        f"Root-Is-Purelib: true\nTag: {TAG}\n").encode())]
     record = [_record_line(p, d) for p, d in files] + [f"{dist}/RECORD,,"]
     files.append((f"{dist}/RECORD", ("\n".join(record) + "\n").encode()))
     name = f"{NAME}-{VERSION}-{TAG}.whl"
@@ -45,21 +44,17 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         for path, data in files:
             z.writestr(path, data)
     return name
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    dist = f"{NAME}-{VERSION}.dist-info"
+    return _write_wheel(wheel_directory, list(_package_files()) +
+                        [(f"{dist}/top_level.txt", f"{NAME}\n".encode())])
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    dist = f"{NAME}-{VERSION}.dist-info"
-    files = [(f"__editable__.{NAME}.pth", (ROOT + "\n").encode()),
-             (f"{dist}/METADATA", _metadata().encode()),
-             (f"{dist}/WHEEL", (f"Wheel-Version: 1.0\nGenerator: shard-backend\n"
-                                f"Root-Is-Purelib: true\nTag: {TAG}\n").encode())]
-    record = [_record_line(p, d) for p, d in files] + [f"{dist}/RECORD,,"]
-    files.append((f"{dist}/RECORD", ("\n".join(record) + "\n").encode()))
-    name = f"{NAME}-{VERSION}-{TAG}.whl"
-    with zipfile.ZipFile(os.path.join(wheel_directory, name), "w", zipfile.ZIP_DEFLATED) as z:
-        for path, data in files:
-            z.writestr(path, data)
-    return name
+    """A wheel whose .pth file puts this source folder on sys.path."""
+    return _write_wheel(wheel_directory, [(f"__editable__.{NAME}.pth", (ROOT + "\n").encode())])
 
 
 def build_sdist(sdist_directory, config_settings=None):
