@@ -424,6 +424,32 @@ static const float *unit_view(const shard_unit_info_t *ui, const void *data, flo
     return buf;
 }
 
+/* The forward pass through shardd: fetch each layer's unit (zero-copy for fp32), compute,
+ * release. step < 0: an evaluation pass (no skipped layer, no compute wait). */
+static int forward_pass(shard_ctx_t *ctx, const struct opts *o, const struct model *m,
+                        const shard_unit_info_t *ui, const shard_tensor_info_t *ti, float *const *w,
+                        struct acts *ac, int step)
+{
+    for (int l = 0; l < m->layers; l++) {
+        if (step >= 0 && skipped(o, step, l)) {
+            layer_skip(m, l, ac, o->batch);
+            continue;
+        }
+        const void *data;
+        int st = shard_fetch(ctx, (uint32_t)l, &data);
+        if (st != SHARD_OK)
+            return st;
+        const float *wl = unit_view(&ui[l], data, w[l]);
+        if (step >= 0)
+            busy_wait_ms(o->compute_ms, o->compute_sleep);
+        layer_forward(m, l, wl + ti[2 * l].offset, wl + ti[2 * l + 1].offset, ac, o->batch);
+        st = shard_release(ctx, (uint32_t)l);
+        if (st != SHARD_OK)
+            return st;
+    }
+    return SHARD_OK;
+}
+
 static int run_shardd(const struct opts *o, const struct model *m)
 {
     shard_ctx_t *ctx = NULL;
@@ -500,19 +526,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
         }
         for (int micro = 0; micro < o->accum; micro++) {
             make_batch(o, step, micro, o->rank, ac.a[0], y);
-            for (int l = 0; l < m->layers; l++) { /* forward: fetch, compute, release */
-                const void *data;
-                if (skipped(o, step, l)) {
-                    layer_skip(m, l, &ac, o->batch);
-                    continue;
-                }
-                CHECK(shard_fetch(ctx, (uint32_t)l, &data));
-                const float *wl = unit_view(&ui[l], data, w[l]); /* zero-copy for fp32 */
-                busy_wait_ms(o->compute_ms, o->compute_sleep);
-                layer_forward(m, l, wl + ti[2 * l].offset, wl + ti[2 * l + 1].offset, &ac,
-                              o->batch);
-                CHECK(shard_release(ctx, (uint32_t)l));
-            }
+            CHECK(forward_pass(ctx, o, m, ui, ti, w, &ac, step));
             loss_sum += loss_grad(m, y, &ac, o->batch);
             for (int l = m->layers - 1; l >= 0; l--) { /* backward: fetch, grads, push */
                 const void *data;
@@ -544,14 +558,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
         if (o->eval_every > 0 && (step + 1) % o->eval_every == 0) {
             /* a forward-only pass on held-out data: fetches and releases, nothing pushed */
             make_batch(o, 1000000 + step, 0, o->rank, ac.a[0], y);
-            for (int l = 0; l < m->layers; l++) {
-                const void *data;
-                CHECK(shard_fetch(ctx, (uint32_t)l, &data));
-                const float *wl = unit_view(&ui[l], data, w[l]);
-                layer_forward(m, l, wl + ti[2 * l].offset, wl + ti[2 * l + 1].offset, &ac,
-                              o->batch);
-                CHECK(shard_release(ctx, (uint32_t)l));
-            }
+            CHECK(forward_pass(ctx, o, m, ui, ti, w, &ac, -1));
             float eval = loss_grad(m, y, &ac, o->batch);
             if (!o->quiet && o->rank == 0)
                 printf("eval after step %d: loss %.6f\n", step + 1, eval);
