@@ -21,9 +21,8 @@ while [ $# -gt 0 ]; do
     *) echo "compare.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-tools/deps.sh python3-torch openmpi-bin libopenmpi-dev >/dev/null
-cmake -S . -B build/bench -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build/bench -j"$(nproc)" >/dev/null
+. tools/bench/lib.sh
+bench_build python3-torch openmpi-bin libopenmpi-dev
 work=$(mktemp -d /tmp/shardd-compare-XXXXXX)
 trap 'tools/local-cluster.sh stop --dir "$work/cluster" >/dev/null 2>&1; rm -rf "$work"' EXIT
 mpicc -O2 -o "$work/mpi_bench" tools/bench/mpi_bench.c

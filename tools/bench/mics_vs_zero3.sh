@@ -18,10 +18,8 @@ while [ $# -gt 0 ]; do
     *) echo "mics_vs_zero3.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-tools/deps.sh >/dev/null
-cmake -S . -B build/bench -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build/bench -j"$(nproc)" >/dev/null
-B=build/bench
+. tools/bench/lib.sh
+bench_build
 dir=$(mktemp -d /tmp/shardd-mics-XXXXXX)
 trap 'tools/local-cluster.sh stop --dir "$dir" >/dev/null 2>&1; rm -rf "$dir"' EXIT
 world=$((nodes * k))
@@ -32,13 +30,8 @@ run_plans() {
   tools/local-cluster.sh start --nodes "$nodes" --ranks-per-node "$k" --dir "$dir" $1 \
     --shardd "$B/daemon/shardd" -- --log-level warn --op-timeout-ms 120000 >/dev/null
   for plan in mics:2 zero3; do
-    for r in $(seq 0 $((world - 1))); do
-      $B/client/examples/mlp_train --socket "$dir/node$((r / k))/shardd.sock" --job "b-${plan/:/}" \
-        --rank "$r" --world "$world" --plan "$plan" --steps "$steps" --accum "$accum" \
-        --hidden "$hidden" --batch 1 >"$dir/$r.log" 2>&1 &
-      pids[$r]=$!
-    done
-    for r in "${!pids[@]}"; do wait "${pids[$r]}" || { cat "$dir/$r.log"; exit 1; }; done
+    run_ranks "$dir" "$k" "$world" "b-${plan/:/}" --plan "$plan" --steps "$steps" \
+      --accum "$accum" --hidden "$hidden" --batch 1
     t[$2$plan]=$(grep -oE "in [0-9.]+ s" "$dir/0.log" | grep -oE "[0-9.]+")
   done
   params=$($B/tools/shardctl --socket "$dir/node0/shardd.sock" --job b-mics2 jobs --json |

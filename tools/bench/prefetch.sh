@@ -31,10 +31,8 @@ while [ $# -gt 0 ]; do
     *) echo "prefetch.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-tools/deps.sh >/dev/null
-cmake -S . -B build/bench -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build/bench -j"$(nproc)" >/dev/null
-B=build/bench
+. tools/bench/lib.sh
+bench_build
 dir=$(mktemp -d /tmp/shardd-prefetch-XXXXXX)
 trap 'tools/local-cluster.sh stop --dir "$dir" >/dev/null 2>&1; rm -rf "$dir"' EXIT
 world=$((nodes * k))
@@ -44,14 +42,8 @@ run() {
   tools/local-cluster.sh start --nodes "$nodes" --ranks-per-node "$k" --dir "$dir" --netns \
     --inter-rate "$rate" --shardd "$B/daemon/shardd" -- --log-level warn \
     --op-timeout-ms 120000 --prefetch-depth "$1" >/dev/null
-  for r in $(seq 0 $((world - 1))); do
-    $B/client/examples/mlp_train --socket "$dir/node$((r / k))/shardd.sock" --job "$3" \
-      --rank "$r" --world "$world" --plan "$plan" --steps "$steps" --accum "$accum" \
-      --hidden "$hidden" --layers "$layers" --batch 1 --compute-ms "$2" --compute-mode sleep \
-      >"$dir/$r.log" 2>&1 &
-    pids[$r]=$!
-  done
-  for r in "${!pids[@]}"; do wait "${pids[$r]}" || { cat "$dir/$r.log" >&2; exit 1; }; done
+  run_ranks "$dir" "$k" "$world" "$3" --plan "$plan" --steps "$steps" --accum "$accum" \
+    --hidden "$hidden" --layers "$layers" --batch 1 --compute-ms "$2" --compute-mode sleep
   $B/tools/shardctl --socket "$dir/node0/shardd.sock" --job "$3" schedule --json >"$dir/$3.json"
   tools/local-cluster.sh stop --dir "$dir" >/dev/null
   grep -oE "^step [0-9]+ .* [0-9.]+ s$" "$dir/0.log" | awk 'NR > 2 { s += $(NF-1); n++ }
