@@ -31,6 +31,7 @@ struct sd_xfer {
     void *desc;
     uint64_t ignore;
     int kind;
+    uint32_t rail;
 };
 
 #define SD_PEER_ANY UINT32_MAX
@@ -103,6 +104,21 @@ static inline uint64_t sd_tag(uint32_t kind, uint32_t job, uint32_t unit, uint32
 static inline uint32_t sd_tag_src(uint64_t tag)
 {
     return (uint32_t)(tag >> 8) & 0x3ff;
+}
+
+static inline uint32_t sd_tag_kind(uint64_t tag)
+{
+    return (uint32_t)(tag >> 60);
+}
+
+/* Small latency-bound messages (pull requests, the step's norm exchange) travel on a control
+ * rail of their own: on a stream transport a request queued behind megabytes of bulk data to the
+ * same peer would wait for all of it, and two nodes pulling from each other would take turns
+ * instead of using both directions at once. Both ends route by the tag alone. */
+static inline bool sd_tag_is_ctrl(uint64_t tag)
+{
+    uint32_t kind = sd_tag_kind(tag);
+    return kind == SD_TAG_REQ || kind == SD_TAG_SCALAR;
 }
 
 #endif

@@ -1,7 +1,15 @@
-/* The libfabric transport: one FI_EP_RDM endpoint, FI_AV_TABLE, tagged messages, one completion
+/* The libfabric transport: three FI_EP_RDM endpoints on one domain. Bulk data leaves through an
+ * outbound endpoint and arrives at an inbound one, so the connection a provider such as ofi_rxm
+ * makes from node a's outbound endpoint to node b's inbound one carries a's data to b and only
+ * b's protocol replies for it (rendezvous reads, acknowledgements) back: b's own data to a never
+ * sits in front of them. With one endpoint both ways, each node's replies queue behind its own
+ * bulk data and two nodes sending to each other take turns at half the link each. Small
+ * latency-bound messages (sd_tag_is_ctrl) use a control endpoint for the same reason. One
+ * FI_AV_TABLE holds every node's three endpoints (rail r of node i at r * n + i); one completion
  * queue with a wait fd the libuv loop polls. Provider limits are read back from fi_getinfo;
- * posts beyond the tx/rx queue depth, and any -FI_EAGAIN, go to a pending queue retried on
- * progress. Memory is registered only when the provider asks for it (FI_MR_LOCAL). */
+ * posts beyond an endpoint's tx/rx queue depth, and any -FI_EAGAIN, go to that endpoint's pending
+ * queue, retried on progress. Memory is registered only when the provider asks for it
+ * (FI_MR_LOCAL). */
 #include "transport.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -21,6 +29,16 @@ _Static_assert(sizeof(((struct sd_xfer *)0)->opaque) >= sizeof(struct fi_context
                "sd_xfer must hold a fi_context2");
 
 enum { XFER_SEND = 1, XFER_RECV = 2 };
+/* a send on rail r goes to the peer's rail peer_rail[r]; a receive on r matches sources there */
+enum { RAIL_OUT = 0, RAIL_IN = 1, RAIL_CTRL = 2, N_RAILS = 3 };
+static const uint32_t peer_rail[N_RAILS] = {RAIL_IN, RAIL_OUT, RAIL_CTRL};
+static const char *const rail_name[N_RAILS] = {"outbound data", "inbound data", "control"};
+
+struct rail {
+    struct fid_ep *ep;
+    size_t tx_posted, rx_posted;
+    struct sd_xfer *pending_head, *pending_tail;
+};
 
 struct ofi {
     struct sd_transport base;
@@ -29,24 +47,41 @@ struct ofi {
     struct fid_domain *domain;
     struct fid_cq *cq;
     struct fid_av *av;
-    struct fid_ep *ep;
-    fi_addr_t *peers;
+    struct rail rails[N_RAILS];
+    fi_addr_t *peers; /* [rail * n_peers + node] */
     int wait_fd;
     bool need_mr;
-    size_t tx_depth, rx_depth, tx_posted, rx_posted;
-    struct sd_xfer *pending_head, *pending_tail;
+    size_t tx_depth, rx_depth;
 };
+
+static struct rail *rail_of(struct ofi *o, const struct sd_xfer *x)
+{
+    return &o->rails[x->rail];
+}
 
 static int to_status(ssize_t r)
 {
     return r == -FI_EAGAIN ? SD_EAGAIN : r == -FI_ETIMEDOUT ? SD_ETIMEDOUT : SD_EIO;
 }
 
+/* The published address: for each rail, one byte with the length of its endpoint's name, then
+ * the name. */
 static int ofi_getname(struct sd_transport *tp, void *addr, size_t *len_p)
 {
     struct ofi *o = (struct ofi *)tp;
-    int r = fi_getname(&o->ep->fid, addr, len_p);
-    return r == 0 ? SD_OK : SD_EMSGSIZE;
+    uint8_t *out = addr;
+    size_t used = 0;
+    for (uint32_t r = 0; r < N_RAILS; r++) {
+        if (*len_p < used + 2)
+            return SD_EMSGSIZE;
+        size_t len = SD_MIN(*len_p - used - 1, 255);
+        if (fi_getname(&o->rails[r].ep->fid, out + used + 1, &len) != 0)
+            return SD_EMSGSIZE;
+        out[used] = (uint8_t)len;
+        used += 1 + len;
+    }
+    *len_p = used;
+    return SD_OK;
 }
 
 static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, const size_t *lens,
@@ -54,15 +89,25 @@ static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, cons
 {
     struct ofi *o = (struct ofi *)tp;
     free(o->peers);
-    o->peers = calloc(n, sizeof(*o->peers));
+    o->peers = calloc((size_t)N_RAILS * n, sizeof(*o->peers));
     if (o->peers == NULL)
         return SD_ENOMEM;
     for (uint32_t i = 0; i < n; i++) {
-        (void)lens;
-        int r = fi_av_insert(o->av, addrs[i], 1, &o->peers[i], 0, NULL);
-        if (r != 1) {
-            SD_ERROR("ofi", "fi_av_insert of node %u failed: %d", i, r);
-            return SD_EINVAL;
+        const uint8_t *a = addrs[i];
+        size_t used = 0;
+        for (uint32_t r = 0; r < N_RAILS; r++) {
+            if (used >= lens[i] || used + 1 + a[used] > lens[i]) {
+                SD_ERROR("ofi", "node %u published a malformed fabric address (%zu bytes)", i,
+                         lens[i]);
+                return SD_EINVAL;
+            }
+            int ret = fi_av_insert(o->av, a + used + 1, 1, &o->peers[(size_t)r * n + i], 0, NULL);
+            if (ret != 1) {
+                SD_ERROR("ofi", "fi_av_insert of node %u's %s endpoint failed: %d", i, rail_name[r],
+                         ret);
+                return SD_EINVAL;
+            }
+            used += 1 + a[used];
         }
     }
     tp->n_peers = n;
@@ -95,33 +140,36 @@ static void ofi_mr_dereg(struct sd_transport *tp, void *handle)
         fi_close(&((struct fid_mr *)handle)->fid);
 }
 
-static void pending_push(struct ofi *o, struct sd_xfer *x)
+static void pending_push(struct rail *rl, struct sd_xfer *x)
 {
     x->next_pending = NULL;
-    if (o->pending_tail)
-        o->pending_tail->next_pending = x;
+    if (rl->pending_tail)
+        rl->pending_tail->next_pending = x;
     else
-        o->pending_head = x;
-    o->pending_tail = x;
+        rl->pending_head = x;
+    rl->pending_tail = x;
 }
 
 /* Try to post; returns 0 when posted, SD_EAGAIN when it must wait, or an error. */
 static int post(struct ofi *o, struct sd_xfer *x)
 {
+    struct rail *rl = rail_of(o, x);
+    size_t base = (size_t)peer_rail[x->rail] * o->base.n_peers;
     ssize_t r;
     if (x->kind == XFER_SEND) {
-        if (o->tx_posted >= o->tx_depth)
+        if (rl->tx_posted >= o->tx_depth)
             return SD_EAGAIN;
-        r = fi_tsend(o->ep, x->buf, x->buflen, x->desc, o->peers[x->peer], x->tag, x->opaque);
+        r = fi_tsend(rl->ep, x->buf, x->buflen, x->desc, o->peers[base + x->peer], x->tag,
+                     x->opaque);
         if (r == 0)
-            o->tx_posted++;
+            rl->tx_posted++;
     } else {
-        if (o->rx_posted >= o->rx_depth)
+        if (rl->rx_posted >= o->rx_depth)
             return SD_EAGAIN;
-        fi_addr_t src = x->peer == SD_PEER_ANY ? FI_ADDR_UNSPEC : o->peers[x->peer];
-        r = fi_trecv(o->ep, (void *)x->buf, x->buflen, x->desc, src, x->tag, x->ignore, x->opaque);
+        fi_addr_t src = x->peer == SD_PEER_ANY ? FI_ADDR_UNSPEC : o->peers[base + x->peer];
+        r = fi_trecv(rl->ep, (void *)x->buf, x->buflen, x->desc, src, x->tag, x->ignore, x->opaque);
         if (r == 0)
-            o->rx_posted++;
+            rl->rx_posted++;
     }
     if (r == 0)
         return SD_OK;
@@ -135,10 +183,16 @@ static int post(struct ofi *o, struct sd_xfer *x)
 
 static int submit(struct ofi *o, struct sd_xfer *x)
 {
-    if (o->ep == NULL)
+    /* a wildcard over the kind bits could match either rail: such receives stay on data */
+    if ((x->ignore >> 60) == 0 && sd_tag_is_ctrl(x->tag))
+        x->rail = RAIL_CTRL;
+    else
+        x->rail = x->kind == XFER_SEND ? RAIL_OUT : RAIL_IN;
+    struct rail *rl = rail_of(o, x);
+    if (rl->ep == NULL)
         return SD_ENOTCONN;
     o->base.inflight++;
-    if (o->pending_head == NULL) {
+    if (rl->pending_head == NULL) {
         int st = post(o, x);
         if (st != SD_EAGAIN) {
             if (st != SD_OK)
@@ -146,7 +200,7 @@ static int submit(struct ofi *o, struct sd_xfer *x)
             return st;
         }
     }
-    pending_push(o, x);
+    pending_push(rl, x);
     return SD_OK;
 }
 
@@ -159,6 +213,7 @@ static int ofi_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const 
     x->kind = XFER_SEND;
     x->peer = peer;
     x->tag = tag;
+    x->ignore = 0;
     x->buf = buf;
     x->buflen = len;
     x->desc = desc;
@@ -186,29 +241,30 @@ static int ofi_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64
 static void ofi_cancel(struct sd_transport *tp, struct sd_xfer *x)
 {
     struct ofi *o = (struct ofi *)tp;
-    if (x->kind != XFER_RECV || o->ep == NULL)
+    if (x->kind != XFER_RECV || rail_of(o, x)->ep == NULL)
         return;
+    struct rail *rl = rail_of(o, x);
     /* still in the pending queue: take it out and complete it here */
-    for (struct sd_xfer **pp = &o->pending_head, *prev = NULL; *pp;
+    for (struct sd_xfer **pp = &rl->pending_head, *prev = NULL; *pp;
          prev = *pp, pp = &(*pp)->next_pending)
         if (*pp == x) {
             *pp = x->next_pending;
-            if (o->pending_tail == x)
-                o->pending_tail = prev;
+            if (rl->pending_tail == x)
+                rl->pending_tail = prev;
             o->base.inflight--;
             x->kind = 0;
             x->cb(x, SD_ECANCELED);
             return;
         }
-    fi_cancel(&o->ep->fid, x->opaque);
+    fi_cancel(&rl->ep->fid, x->opaque);
 }
 
 static void complete(struct ofi *o, struct sd_xfer *x, int status, size_t len, uint64_t tag)
 {
     if (x->kind == XFER_SEND)
-        o->tx_posted--;
+        rail_of(o, x)->tx_posted--;
     else
-        o->rx_posted--;
+        rail_of(o, x)->rx_posted--;
     o->base.inflight--;
     if (x->kind == XFER_RECV) {
         x->len = len;
@@ -245,18 +301,21 @@ static int ofi_progress(struct sd_transport *tp)
         }
         break;
     }
-    while (o->pending_head != NULL) {
-        struct sd_xfer *x = o->pending_head;
-        int st = post(o, x);
-        if (st == SD_EAGAIN)
-            break;
-        o->pending_head = x->next_pending;
-        if (o->pending_head == NULL)
-            o->pending_tail = NULL;
-        if (st != SD_OK) {
-            o->base.inflight--;
-            x->cb(x, st);
-            done++;
+    for (uint32_t i = 0; i < N_RAILS; i++) {
+        struct rail *rl = &o->rails[i];
+        while (rl->pending_head != NULL) {
+            struct sd_xfer *x = rl->pending_head;
+            int st = post(o, x);
+            if (st == SD_EAGAIN)
+                break;
+            rl->pending_head = x->next_pending;
+            if (rl->pending_head == NULL)
+                rl->pending_tail = NULL;
+            if (st != SD_OK) {
+                o->base.inflight--;
+                x->cb(x, st);
+                done++;
+            }
         }
     }
     return done;
@@ -270,7 +329,10 @@ static int ofi_wait_fd(struct sd_transport *tp)
 static bool ofi_can_sleep(struct sd_transport *tp)
 {
     struct ofi *o = (struct ofi *)tp;
-    if (o->pending_head != NULL || o->wait_fd < 0)
+    for (uint32_t i = 0; i < N_RAILS; i++)
+        if (o->rails[i].pending_head != NULL)
+            return false;
+    if (o->wait_fd < 0)
         return false;
     struct fid *f = &o->cq->fid;
     return fi_trywait(o->fabric, &f, 1) == FI_SUCCESS;
@@ -279,17 +341,19 @@ static bool ofi_can_sleep(struct sd_transport *tp)
 static void ofi_quiesce(struct sd_transport *tp)
 {
     struct ofi *o = (struct ofi *)tp;
-    if (o->ep)
-        fi_close(&o->ep->fid);
-    o->ep = NULL;
-    o->pending_head = o->pending_tail = NULL;
+    for (uint32_t i = 0; i < N_RAILS; i++) {
+        struct rail *rl = &o->rails[i];
+        if (rl->ep)
+            fi_close(&rl->ep->fid);
+        rl->ep = NULL;
+        rl->pending_head = rl->pending_tail = NULL;
+    }
 }
 
 static void ofi_close(struct sd_transport *tp)
 {
     struct ofi *o = (struct ofi *)tp;
-    if (o->ep)
-        fi_close(&o->ep->fid);
+    ofi_quiesce(tp);
     if (o->av)
         fi_close(&o->av->fid);
     if (o->cq)
@@ -379,22 +443,26 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     step = "fi_av_open";
     if ((r = fi_av_open(o->domain, &ava, &o->av, NULL)) != 0)
         goto err_close;
-    step = "fi_endpoint";
-    if ((r = fi_endpoint(o->domain, o->info, &o->ep, NULL)) != 0)
-        goto err_close;
-    step = "fi_ep_bind";
-    if ((r = fi_ep_bind(o->ep, &o->av->fid, 0)) != 0 ||
-        (r = fi_ep_bind(o->ep, &o->cq->fid, FI_TRANSMIT | FI_RECV)) != 0)
-        goto err_close;
-    step = "fi_enable";
-    if ((r = fi_enable(o->ep)) != 0)
-        goto err_close;
-    SD_INFO("ofi",
-            "provider %s, fabric %s, domain %s: tx depth %zu, rx depth %zu, mr %s, "
-            "max message %zu",
-            o->info->fabric_attr->prov_name, o->info->fabric_attr->name, o->info->domain_attr->name,
-            o->tx_depth, o->rx_depth, o->need_mr ? "registered" : "not needed",
-            o->info->ep_attr->max_msg_size);
+    for (uint32_t i = 0; i < N_RAILS; i++) {
+        struct fid_ep **ep = &o->rails[i].ep;
+        step = "fi_endpoint";
+        if ((r = fi_endpoint(o->domain, o->info, ep, NULL)) != 0)
+            goto err_close;
+        step = "fi_ep_bind";
+        if ((r = fi_ep_bind(*ep, &o->av->fid, 0)) != 0 ||
+            (r = fi_ep_bind(*ep, &o->cq->fid, FI_TRANSMIT | FI_RECV)) != 0)
+            goto err_close;
+        step = "fi_enable";
+        if ((r = fi_enable(*ep)) != 0)
+            goto err_close;
+    }
+    SD_INFO(
+        "ofi",
+        "provider %s, fabric %s, domain %s: outbound, inbound and control endpoints, tx depth %zu, "
+        "rx depth %zu each, mr %s, max message %zu",
+        o->info->fabric_attr->prov_name, o->info->fabric_attr->name, o->info->domain_attr->name,
+        o->tx_depth, o->rx_depth, o->need_mr ? "registered" : "not needed",
+        o->info->ep_attr->max_msg_size);
     *tp_p = &o->base;
     return SD_OK;
 
