@@ -270,16 +270,20 @@ static void accept_cb(uv_poll_t *h, int status, int events)
 
 /* ---- progress: drain rings; spin while busy, then sleep on eventfds */
 
-static bool progress_once(struct sd_server *srv)
+enum { DID_NET = 1, DID_RING = 2 };
+
+/* one pass over the fabric and the rings: what moved (DID_NET, DID_RING) */
+static int progress_once(struct sd_server *srv)
 {
-    bool any = false;
+    int did = 0;
     if (srv->tp != NULL && srv->tp->ops->progress(srv->tp) > 0) {
-        any = true;
+        did |= DID_NET;
         srv->last_net_ns = sd_now_ns();
     }
     for (struct sd_session *s = srv->sessions; s; s = s->next)
-        any |= sd_session_progress(s);
-    return any;
+        if (sd_session_progress(s))
+            did |= DID_RING;
+    return did;
 }
 
 static void set_sleeping(struct sd_server *srv, uint32_t v)
@@ -311,23 +315,27 @@ static void idle_cb(uv_idle_t *h)
 {
     struct sd_server *srv = h->data;
     uint64_t now = sd_now_ns();
-    if (progress_once(srv)) {
-        while (progress_once(srv))
-            ;
-        srv->last_activity_ns = now;
+    int did = progress_once(srv);
+    if (did) {
+        for (int more = progress_once(srv); more; more = progress_once(srv))
+            did |= more;
+        if (did & DID_RING) /* poll_spin_us counts from the trainers' last request */
+            srv->last_activity_ns = now;
         return;
     }
     if (now - srv->last_activity_ns < (uint64_t)srv->cfg->poll_spin_us * 1000)
         return;
     /* transfers in flight need progress calls (manual-progress providers such as ofi_rxm
-     * advance a transfer one step per call): poll while any is in flight, yielding the core to
-     * trainers and peers unless the daemon has cores to itself (net_spin) */
+     * advance a transfer one step per call): busy-poll with net_spin (cores to spare), poll
+     * yielding the core for net_poll_us after the last completion, then sleep on the completion
+     * queue's wait fd with a 1 ms re-poll. Spinning daemons that share cores with trainers and
+     * other daemons (an emulated cluster) slow the transfers down: the default sleeps at once. */
     if (srv->tp != NULL) {
         bool busy = sd_net_busy(srv->reg);
         if (busy && srv->cfg->net_spin)
             return;
-        if (busy && now - srv->last_net_ns < (uint64_t)srv->cfg->poll_spin_us * 1000) {
-            sched_yield(); /* keep polling, but let trainers and peers run */
+        if (busy && now - srv->last_net_ns < (uint64_t)srv->cfg->net_poll_us * 1000) {
+            sched_yield();
             return;
         }
         if (!srv->tp->ops->can_sleep(srv->tp)) {
