@@ -68,11 +68,19 @@ const struct sd_config_entry sd_config_table[] = {
      "deadline for every node to join the cluster at start-up", 0},
     {"chunk_bytes", SD_CFG_SIZE, "256KiB", 4096, 1LL << 30, OFF(chunk_bytes),
      "large transfers are split into chunks of this size and pipelined", 1},
+    {"coalesce_bytes", SD_CFG_SIZE, "1MiB", 0, 1LL << 30, OFF(coalesce_bytes),
+     "consecutive units smaller than this whose gathers the frozen schedule issues together "
+     "travel as one transfer per peer, up to this many bytes (0: never)",
+     0},
     {"small_allreduce_bytes", SD_CFG_SIZE, "64KiB", 0, 1LL << 30, OFF(small_allreduce_bytes),
      "all-reduces up to this size use the latency-bound direct algorithm instead of the ring", 1},
     {"net_spin", SD_CFG_INT, "0", 0, 1, OFF(net_spin),
-     "1: busy-poll the fabric while transfers are in flight (cores to spare); 0: poll but yield "
-     "the core to other processes each pass",
+     "1: busy-poll the fabric while transfers are in flight (cores to spare); 0: see net_poll_us",
+     0},
+    {"net_poll_us", SD_CFG_INT, "0", 0, 1000000, OFF(net_poll_us),
+     "microseconds the daemon keeps polling the fabric (yielding the core) after the last "
+     "completion while transfers are in flight, before it sleeps on the completion queue's wait "
+     "fd (re-polled every millisecond)",
      0},
 };
 const unsigned sd_config_table_len = SD_ARRAY_SIZE(sd_config_table);

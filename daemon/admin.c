@@ -115,6 +115,9 @@ static json_t *job_stats(const struct sd_job *job)
     json_object_set_new(o, "schedule_invalidations",
                         json_integer((json_int_t)job->sched.invalidations));
     json_object_set_new(o, "prefetches", json_integer((json_int_t)job->sched.prefetches));
+    json_object_set_new(o, "coalesced_gathers",
+                        json_integer((json_int_t)job->stats.coalesced_gathers));
+    json_object_set_new(o, "coalesced_units", json_integer((json_int_t)job->stats.coalesced_units));
     return o;
 }
 
@@ -157,6 +160,11 @@ static json_t *job_schedule(const struct sd_job *job)
     json_object_set_new(o, "persist_bytes", json_integer((json_int_t)sc->params.persist_bytes));
     json_object_set_new(o, "prefetches", json_integer((json_int_t)sc->prefetches));
     json_object_set_new(o, "prefetch_hits", json_integer((json_int_t)sc->prefetch_hits));
+    json_object_set_new(o, "coalesce_bytes",
+                        json_integer((json_int_t)job->reg->cfg->coalesce_bytes));
+    json_object_set_new(o, "coalesced_gathers",
+                        json_integer((json_int_t)job->stats.coalesced_gathers));
+    json_object_set_new(o, "coalesced_units", json_integer((json_int_t)job->stats.coalesced_units));
     json_object_set_new(o, "waits", json_integer((json_int_t)sc->waits));
     json_object_set_new(o, "conflicts", json_integer((json_int_t)sc->conflicts));
     json_object_set_new(o, "fetch_cpu_us_unfrozen", json_real(cpu[0]));

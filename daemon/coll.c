@@ -28,22 +28,27 @@ static void bulk_xfer_cb(struct sd_xfer *x, int status)
     }
 }
 
-int sd_bulk_start(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
-                  uint64_t tag_base, void *const *pieces, uint32_t n_pieces, size_t piece_len,
-                  size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
-                  void *arg)
+int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
+                   uint64_t tag_base, void *const *pieces, const size_t *lens, uint32_t n_pieces,
+                   size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
+                   void *arg)
 {
     if (n_pieces == 0 || n_pieces > SD_BULK_MAX_PIECES || b->active)
         return SD_EINVAL;
+    /* chunks of every piece share the tag's chunk field: at most 256 / n_pieces per piece */
     uint32_t max_cpp = SD_TAG_MAX_CHUNKS / n_pieces;
-    size_t chunk = SD_MAX(chunk_bytes, 64);
-    if (piece_len > chunk * max_cpp)
-        chunk = sd_round_up((piece_len + max_cpp - 1) / max_cpp, 64);
-    uint32_t cpp = piece_len ? (uint32_t)((piece_len + chunk - 1) / chunk) : 1;
+    size_t chunk = SD_MAX(chunk_bytes, 64), longest = 0;
+    for (uint32_t p = 0; p < n_pieces; p++)
+        longest = SD_MAX(longest, lens[p]);
+    if (longest > chunk * max_cpp)
+        chunk = sd_round_up((longest + max_cpp - 1) / max_cpp, 64);
+    uint32_t n = 0;
+    for (uint32_t p = 0; p < n_pieces; p++)
+        n += lens[p] ? (uint32_t)((lens[p] + chunk - 1) / chunk) : 1;
     b->tp = tp;
     b->peer = peer;
     b->is_send = is_send;
-    b->n = n_pieces * cpp;
+    b->n = n;
     b->done = b->failed = 0;
     b->status = SD_OK;
     b->bytes = 0;
@@ -51,14 +56,14 @@ int sd_bulk_start(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint
     b->chunk_cb = chunk_cb;
     b->arg = arg;
     b->active = true;
-    for (uint32_t p = 0; p < n_pieces; p++)
-        for (uint32_t c = 0; c < cpp; c++) {
-            uint32_t i = p * cpp + c;
+    for (uint32_t p = 0, i = 0; p < n_pieces; p++) {
+        uint32_t cpp = lens[p] ? (uint32_t)((lens[p] + chunk - 1) / chunk) : 1;
+        for (uint32_t c = 0; c < cpp; c++, i++) {
             struct sd_bulk_xfer *bx = &b->xs[i];
             bx->b = b;
             bx->piece = p;
             bx->off = (size_t)c * chunk;
-            bx->len = SD_MIN(chunk, piece_len - SD_MIN(piece_len, bx->off));
+            bx->len = SD_MIN(chunk, lens[p] - SD_MIN(lens[p], bx->off));
             bx->x.cb = bulk_xfer_cb;
             char *base = (char *)pieces[p] + bx->off;
             int st = is_send
@@ -74,7 +79,22 @@ int sd_bulk_start(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint
                 return SD_OK;
             }
         }
+    }
     return SD_OK;
+}
+
+int sd_bulk_start(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
+                  uint64_t tag_base, void *const *pieces, uint32_t n_pieces, size_t piece_len,
+                  size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
+                  void *arg)
+{
+    size_t lens[SD_BULK_MAX_PIECES];
+    if (n_pieces == 0 || n_pieces > SD_BULK_MAX_PIECES)
+        return SD_EINVAL;
+    for (uint32_t p = 0; p < n_pieces; p++)
+        lens[p] = piece_len;
+    return sd_bulk_startv(b, tp, is_send, peer, tag_base, pieces, lens, n_pieces, chunk_bytes, desc,
+                          cb, chunk_cb, arg);
 }
 
 int sd_bulk_pool_init(struct sd_bulk_pool *p, uint32_t n)
@@ -162,8 +182,12 @@ size_t sd_allreduce_tmp_floats(size_t count, uint32_t n, size_t small_bytes)
     return count / n + 1;
 }
 
-static void ar_finish(struct sd_allreduce *ar)
+static void ar_release(struct sd_allreduce *ar)
 {
+    if (ar->sb)
+        ar->sb->active = false;
+    if (ar->rb)
+        ar->rb->active = false;
     if (ar->sb)
         sd_bulk_put(ar->pool, ar->sb);
     if (ar->rb)
@@ -174,6 +198,11 @@ static void ar_finish(struct sd_allreduce *ar)
             sd_bulk_put(ar->pool, ar->direct_rb[i]);
             ar->direct_rb[i] = NULL;
         }
+}
+
+static void ar_finish(struct sd_allreduce *ar)
+{
+    ar_release(ar);
     ar->cb(ar, ar->status, ar->suspect);
 }
 
@@ -235,78 +264,168 @@ static int direct_start(struct sd_allreduce *ar)
     return ar->pending == 0 ? (ar->status ? ar->status : SD_EIO) : SD_OK;
 }
 
-/* ring: n-1 reduce-scatter steps, then n-1 all-gather steps */
-static void ring_post(struct sd_allreduce *ar);
-
-static void ring_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
+/* ring: n-1 reduce-scatter steps, then n-1 all-gather steps, pipelined by chunk: what a node
+ * sends at step t+1 is the segment it received (and, reducing, added into) at step t, so chunk
+ * c of step t+1 leaves as soon as chunk c of step t arrived, and the steps overlap instead of
+ * each waiting for the slowest transfer of the one before. Receives of the reduce-scatter land
+ * in tmp at the chunk's offset; the receive of chunk c for a later step is posted once the
+ * previous receive that used chunk c was added. The all-gather receives in place. */
+static uint32_t ring_seg(const struct sd_allreduce *ar, uint32_t t, bool send)
 {
-    struct sd_allreduce *ar = b->arg;
-    (void)piece;
-    if (ar->step >= ar->n_members - 1)
-        return; /* all-gather: received straight into place */
-    size_t begin, end;
     uint32_t n = ar->n_members;
-    sd_ring_segment(ar->count, n, (ar->pos + 2 * n - ar->step - 1) % n, &begin, &end);
-    float *dst = ar->buf + begin + off / sizeof(float);
-    const float *src = ar->tmp + off / sizeof(float);
-    for (size_t i = 0; i < len / sizeof(float); i++)
-        dst[i] += src[i];
+    if (t < n - 1)
+        return send ? (ar->pos + n - t) % n : (ar->pos + 2 * n - t - 1) % n;
+    uint32_t u = t - (n - 1);
+    return send ? (ar->pos + 1 + n - u) % n : (ar->pos + n - u) % n;
 }
 
-static void ring_done(struct sd_bulk *b, int status)
+/* chunk c of segment s: [*b, *b + *len) in floats; false if the segment has no chunk c */
+static bool ring_chunk_range(const struct sd_allreduce *ar, uint32_t s, uint32_t c, size_t *b,
+                             size_t *len)
 {
-    struct sd_allreduce *ar = b->arg;
-    SD_DEBUG("coll", "ring step %u: %s to/from node %u done (%d)", ar->step,
-             b->is_send ? "send" : "recv", b->peer, status);
-    ar_note(ar, b, status);
-    if (--ar->pending > 0)
-        return;
-    if (ar->status != SD_OK || ++ar->step == 2 * (ar->n_members - 1)) {
-        ar_finish(ar);
-        return;
+    size_t begin, end;
+    sd_ring_segment(ar->count, ar->n_members, s, &begin, &end);
+    size_t off = (size_t)c * ar->chunk_floats;
+    if (begin + off >= end)
+        return false;
+    *b = begin + off;
+    *len = SD_MIN(ar->chunk_floats, end - begin - off);
+    return true;
+}
+
+static void ring_xfer_cb(struct sd_xfer *x, int status);
+
+static int ring_post_one(struct sd_allreduce *ar, bool send, uint32_t t, uint32_t c, size_t b,
+                         size_t len)
+{
+    uint32_t slot = t * ar->nch + c;
+    struct sd_bulk *bk = send ? ar->sb : ar->rb;
+    struct sd_bulk_xfer *bx = &bk->xs[slot];
+    uint32_t n = ar->n_members;
+    uint32_t peer = send ? ar->members[(ar->pos + 1) % n] : ar->members[(ar->pos + n - 1) % n];
+    uint32_t src = send ? ar->members[ar->pos] : peer;
+    uint64_t tag = ar->tag_base | (uint64_t)(t & 0xff) << 18 | (uint64_t)(src & 0x3ff) << 8 | c;
+    bx->b = bk;
+    bx->piece = t;
+    bx->off = c;
+    bx->len = len * sizeof(float);
+    bx->x.cb = ring_xfer_cb;
+    float *p = send || t >= n - 1 ? ar->buf + b : ar->tmp + (size_t)c * ar->chunk_floats;
+    int st = send ? ar->tp->ops->send(ar->tp, peer, tag, p, bx->len, NULL, &bx->x)
+                  : ar->tp->ops->recv(ar->tp, peer, tag, 0, p, bx->len, NULL, &bx->x);
+    if (st != SD_OK) {
+        if (ar->status == SD_OK) {
+            ar->status = st;
+            ar->suspect = peer;
+        }
+        return st;
     }
-    ring_post(ar);
+    (send ? ar->sstate : ar->rstate)[slot] = 1;
+    ar->pending++;
+    return SD_OK;
 }
 
-static void ring_post(struct sd_allreduce *ar)
+/* post every receive whose tmp chunk is free, in step order per chunk index */
+static void ring_post_recvs(struct sd_allreduce *ar)
 {
-    uint32_t n = ar->n_members, t = ar->step;
-    SD_DEBUG("coll", "ring step %u of %u posted", t, 2 * (n - 1));
-    uint32_t next = ar->members[(ar->pos + 1) % n], prev = ar->members[(ar->pos + n - 1) % n];
-    uint32_t send_seg, recv_seg;
-    if (t < n - 1) {
-        send_seg = (ar->pos + n - t) % n;
-        recv_seg = (ar->pos + 2 * n - t - 1) % n;
+    for (uint32_t c = 0; c < ar->nch && ar->status == SD_OK; c++)
+        while (ar->rnext[c] < ar->steps) {
+            uint32_t t = ar->rnext[c];
+            size_t b, len;
+            if (!ring_chunk_range(ar, ring_seg(ar, t, false), c, &b, &len)) {
+                ar->rnext[c]++; /* step t has no chunk c */
+                continue;
+            }
+            bool busy = false; /* an earlier receive into tmp chunk c not yet added */
+            for (uint32_t e = 0; e < t && !busy; e++)
+                busy = ar->rstate[e * ar->nch + c] == 1;
+            if (busy || ring_post_one(ar, false, t, c, b, len) != SD_OK)
+                break;
+            ar->rnext[c]++;
+        }
+}
+
+static void ring_xfer_cb(struct sd_xfer *x, int status)
+{
+    struct sd_bulk_xfer *bx = (struct sd_bulk_xfer *)x;
+    struct sd_allreduce *ar = bx->b->arg;
+    bool send = bx->b == ar->sb;
+    uint32_t t = bx->piece, c = (uint32_t)bx->off, n = ar->n_members;
+    (send ? ar->sstate : ar->rstate)[t * ar->nch + c] = 2;
+    ar->pending--;
+    if (status != SD_OK) {
+        if (ar->status == SD_OK) {
+            ar->status = status;
+            ar->suspect = x->peer;
+        }
+    } else if (send) {
+        ar->bytes_sent += bx->len;
+        ar->left--;
     } else {
-        uint32_t u = t - (n - 1);
-        send_seg = (ar->pos + 1 + n - u) % n;
-        recv_seg = (ar->pos + n - u) % n;
+        ar->bytes_recv += x->len;
+        ar->left--;
+        size_t b = 0, len = 0;
+        ring_chunk_range(ar, ring_seg(ar, t, false), c, &b, &len);
+        if (t < n - 1) { /* reduce-scatter: add what arrived */
+            const float *src = ar->tmp + (size_t)c * ar->chunk_floats;
+            for (size_t i = 0; i < len; i++)
+                ar->buf[b + i] += src[i];
+        }
+        if (t + 1 < ar->steps && ar->status == SD_OK)
+            ring_post_one(ar, true, t + 1, c, b, len); /* forward it */
+        ring_post_recvs(ar);
     }
-    size_t sb0, se0, rb0, re0;
-    sd_ring_segment(ar->count, n, send_seg, &sb0, &se0);
-    sd_ring_segment(ar->count, n, recv_seg, &rb0, &re0);
-    void *sp = ar->buf + sb0;
-    void *rp = t < n - 1 ? (void *)ar->tmp : (void *)(ar->buf + rb0);
-    uint64_t tag = ar->tag_base | (uint64_t)(t & 0xff) << 18;
-    ar->pending = 2;
-    int st = sd_bulk_start(ar->rb, ar->tp, false, prev, tag | (uint64_t)(prev & 0x3ff) << 8, &rp, 1,
-                           (re0 - rb0) * sizeof(float), ar->chunk_bytes, NULL, ring_done,
-                           ring_chunk, ar);
-    if (st != SD_OK) {
-        ar->status = st;
-        ar->suspect = prev;
-        ar->pending = 0;
+    if (ar->pending == 0 && (ar->left == 0 || ar->status != SD_OK))
         ar_finish(ar);
-        return;
+}
+
+static int ring_start(struct sd_allreduce *ar)
+{
+    uint32_t n = ar->n_members;
+    ar->steps = 2 * (n - 1);
+    size_t seg_max = (ar->count + n - 1) / n;
+    /* every (step, chunk) needs its own transfer slot in the two bulks */
+    uint32_t nch_cap = SD_MAX(1u, SD_TAG_MAX_CHUNKS / ar->steps);
+    size_t cf = SD_MAX(ar->chunk_bytes / sizeof(float), 16);
+    if ((seg_max + cf - 1) / cf > nch_cap)
+        cf = (seg_max + nch_cap - 1) / nch_cap;
+    ar->chunk_floats = SD_MAX(cf, 1);
+    ar->nch = (uint32_t)SD_MAX(1, (seg_max + ar->chunk_floats - 1) / ar->chunk_floats);
+    if (ar->steps > SD_TAG_MAX_CHUNKS || ar->steps * ar->nch > SD_TAG_MAX_CHUNKS)
+        return SD_EINVAL;
+    /* marked active so that cancelling a job's receives (and its failure message) sees them */
+    ar->sb->arg = ar->rb->arg = ar;
+    ar->sb->active = ar->rb->active = true;
+    ar->sb->is_send = true;
+    ar->rb->is_send = false;
+    ar->sb->peer = ar->members[(ar->pos + 1) % n];
+    ar->rb->peer = ar->members[(ar->pos + n - 1) % n];
+    ar->sb->n = ar->rb->n = ar->steps * ar->nch;
+    for (uint32_t i = 0; i < ar->steps * ar->nch; i++)
+        ar->sb->xs[i].x.kind = ar->rb->xs[i].x.kind = 0;
+    ar->left = 0;
+    for (uint32_t t = 0; t < ar->steps; t++)
+        for (uint32_t c = 0; c < ar->nch; c++) {
+            size_t b, len;
+            ar->left += ring_chunk_range(ar, ring_seg(ar, t, true), c, &b, &len);
+            ar->left += ring_chunk_range(ar, ring_seg(ar, t, false), c, &b, &len);
+        }
+    if (ar->left == 0) { /* nothing to move (count 0) */
+        ar_finish(ar);
+        return SD_OK;
     }
-    st = sd_bulk_start(ar->sb, ar->tp, true, next,
-                       tag | (uint64_t)(ar->members[ar->pos] & 0x3ff) << 8, &sp, 1,
-                       (se0 - sb0) * sizeof(float), ar->chunk_bytes, NULL, ring_done, NULL, ar);
-    if (st != SD_OK) {
-        ar->status = st;
-        ar->suspect = next;
-        ar->pending--; /* the receive still completes (or is cancelled) and finishes */
+    ring_post_recvs(ar);
+    for (uint32_t c = 0; c < ar->nch && ar->status == SD_OK; c++) {
+        size_t b, len;
+        if (ring_chunk_range(ar, ring_seg(ar, 0, true), c, &b, &len))
+            ring_post_one(ar, true, 0, c, b, len);
     }
+    if (ar->status != SD_OK && ar->pending == 0) {
+        int st = ar->status;
+        ar_release(ar);
+        return st; /* nothing in flight: the caller reports it */
+    }
+    return SD_OK;
 }
 
 int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct sd_bulk_pool *pool,
@@ -346,6 +465,5 @@ int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct 
             sd_bulk_put(pool, ar->rb);
         return SD_EBUSY;
     }
-    ring_post(ar);
-    return SD_OK;
+    return ring_start(ar);
 }

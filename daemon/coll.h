@@ -48,6 +48,12 @@ int sd_bulk_start(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint
                   size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
                   void *arg);
 
+/* The same with pieces of different lengths (a coalesced transfer of several units). */
+int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
+                   uint64_t tag_base, void *const *pieces, const size_t *lens, uint32_t n_pieces,
+                   size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
+                   void *arg);
+
 /* An exchange with one peer: post the receive of rbytes into rp (chunk_cb per received chunk)
  * and the send of sbytes from sp, each one piece, with bulks from pool; both complete through cb
  * with arg (and arg2). Returns how many were posted (0..2); a post that failed sets *status_p
@@ -86,14 +92,19 @@ struct sd_allreduce {
     uint64_t tag_base; /* kind/job/unit/seq(high byte): the step index goes into seq's low byte */
     size_t chunk_bytes;
     bool direct;
-    uint32_t step, phase;
-    uint32_t pending;
+    uint32_t pending; /* direct: transfers not completed; ring: posted and not completed */
     int status;
     uint32_t suspect;
     uint64_t bytes_sent, bytes_recv;
     sd_allreduce_cb cb;
     void *arg;
+    /* ring: transfer (step t, chunk c) uses slot t * nch + c of sb's (sends) or rb's (receives)
+     * transfers; state 0 not posted, 1 posted, 2 done */
     struct sd_bulk *sb, *rb;
+    uint32_t steps, nch, left;
+    size_t chunk_floats;
+    uint8_t sstate[SD_TAG_MAX_CHUNKS], rstate[SD_TAG_MAX_CHUNKS];
+    uint8_t rnext[SD_TAG_MAX_CHUNKS]; /* per chunk index: the next step to post a receive for */
     struct sd_bulk *direct_rb[SD_MAX_NODES > 64 ? 64 : SD_MAX_NODES];
 };
 

@@ -60,6 +60,7 @@ struct sd_job_stats {
     uint64_t errors;
     uint64_t bytes[SD_OP_COUNT][SD_LINK_COUNT]; /* by the operation that moved them */
     uint64_t gathers, cache_hits, evictions;
+    uint64_t coalesced_gathers, coalesced_units; /* transfers that moved several units, and those */
     uint64_t allocs_after_register;
     uint64_t pool_bytes;
     struct sd_latency lat[SD_OP_COUNT];
@@ -168,7 +169,8 @@ struct sd_req_msg {
     uint32_t unit;
     uint32_t lslot;
     uint64_t gen;
-    uint64_t reserved;
+    uint32_t n_units; /* a coalesced request: units [unit, unit + n_units); 0 or 1: one */
+    uint32_t reserved;
 };
 _Static_assert(sizeof(struct sd_req_msg) == 32, "request layout is ABI");
 
@@ -213,6 +215,15 @@ struct sd_unit_state {
     struct sd_xfer *req_x; /* [group nodes - 1] */
     struct sd_req_msg req;
     struct sd_job *job;
+    struct sd_unit_state *batch_next; /* the next unit of a coalesced gather this one leads */
+};
+
+/* Gathers the frozen schedule issues together, waiting to leave as one transfer per peer:
+ * consecutive unit ids [lo, hi] of one copy, each smaller than coalesce_bytes. */
+struct sd_gather_batch {
+    struct sd_unit_state *units[SD_BULK_MAX_PIECES];
+    uint32_t n, lo, hi, lslot;
+    uint64_t bytes;
 };
 
 /* A push round that crosses nodes: node partial, reduce-scatter in the partition group, and
@@ -339,6 +350,7 @@ struct sd_job {
     uint64_t *wait_tags; /* [n_slots * k] */
     uint32_t gathers_inflight;
     uint32_t w_sends_inflight;
+    struct sd_gather_batch batch;
     struct sd_req_msg *req_queue; /* requests waiting for a newer generation or readiness */
     uint32_t req_queued, req_cap;
     struct sd_node_round round;
@@ -475,6 +487,10 @@ uint64_t sd_thread_cpu_ns(void);
 /* job_net.c: start the gather of a slot whose pool place is set (prefetch); SD_EAGAIN when
  * no transfer resources are free now */
 int sd_job_net_prefetch(struct sd_job *job, struct sd_unit_state *us);
+/* would a gather of unit (copy lslot) join the open batch? */
+bool sd_job_net_would_join(const struct sd_job *job, uint32_t unit, uint32_t lslot);
+/* send the gathers sd_job_net_prefetch coalesced (a no-op when none wait) */
+void sd_job_net_prefetch_flush(struct sd_job *job);
 
 /* job_ops.c: returns true if consumed, false if the entry must wait (stall the ring) */
 bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);

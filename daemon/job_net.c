@@ -363,16 +363,23 @@ static bool serve(struct sd_job *job, const struct sd_req_msg *m)
     struct sd_bulk *b = sd_bulk_get(&job->bulks);
     if (b == NULL)
         return false;
-    const struct sd_unit_layout *ul = &job->layout.units[m->unit];
-    size_t piece = ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
+    /* this node's block of each unit asked for: its ranks' shards, unit by unit */
+    uint32_t n_units = m->n_units ? m->n_units : 1;
     void *pieces[SD_BULK_MAX_PIECES];
-    for (uint32_t j = 0; j < job->k; j++)
-        pieces[j] = (uint8_t *)arena(job, j, SD_STATE_W)->ptr + job->w_off[m->unit];
+    size_t lens[SD_BULK_MAX_PIECES];
+    for (uint32_t i = 0, p = 0; i < n_units; i++) {
+        const struct sd_unit_layout *ul = &job->layout.units[m->unit + i];
+        size_t piece = ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
+        for (uint32_t j = 0; j < job->k; j++, p++) {
+            pieces[p] = (uint8_t *)arena(job, j, SD_STATE_W)->ptr + job->w_off[m->unit + i];
+            lens[p] = piece;
+        }
+    }
     uint64_t tag = sd_tag(SD_TAG_WDATA, job->tag, m->unit,
                           (uint32_t)((m->gen & 0xfff) << 4 | m->lslot), self_node(job), 0);
     int st =
-        sd_bulk_start(b, tp_of(job), true, m->src, tag, pieces, job->k, piece,
-                      job->reg->cfg->chunk_bytes, desc_of(job, pieces[0]), serve_done, NULL, job);
+        sd_bulk_startv(b, tp_of(job), true, m->src, tag, pieces, lens, n_units * job->k,
+                       job->reg->cfg->chunk_bytes, desc_of(job, pieces[0]), serve_done, NULL, job);
     if (st != SD_OK) {
         sd_bulk_put(&job->bulks, b);
         SD_WARN("net", "job '%s': cannot send unit %u to node %u: %s", job->name, m->unit, m->src,
@@ -419,10 +426,14 @@ static void on_request(struct sd_registry *reg, const struct sd_req_msg *m)
                        m->job_tag);
         return;
     }
+    uint32_t n_units = m->n_units ? m->n_units : 1;
     if (job == NULL || job->units == NULL || m->unit >= job->layout.n_units ||
+        n_units > job->layout.n_units - m->unit || n_units * job->k > SD_BULK_MAX_PIECES ||
         m->lslot >= job->slots_per_unit || m->src >= job->nodes || m->src == self_node(job)) {
-        SD_WARN_SPARSE("net", "dropping a pull request for job tag %u unit %u from node %u",
-                       m->job_tag, m->unit, m->src);
+        SD_WARN_SPARSE("net",
+                       "dropping a pull request for job tag %u units %u..%u from node %u: no such "
+                       "job, units or node here",
+                       m->job_tag, m->unit, m->unit + n_units - 1, m->src);
         return;
     }
     if (serve(job, m))
@@ -517,24 +528,36 @@ void sd_net_stop(struct sd_registry *reg)
 
 /* ---- fetch across nodes */
 
+/* a gather (maybe coalesced: us leads the units linked by batch_next) completed or failed */
 static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
 {
-    us->inflight = false;
+    int status = us->status;
+    uint32_t suspect = us->suspect;
     job->gathers_inflight--;
-    if (us->status != SD_OK) {
-        us->resident = false;
-        sd_slot_pool_free(&job->spool, us->pool_off);
+    if (status != SD_OK) {
         char what[256];
         snprintf(what, sizeof(what),
                  "fetch of unit %u (weights generation %llu): the transfer "
                  "from node %u failed: %s",
-                 us->unit, (unsigned long long)us->gen, us->suspect, sd_status_str(us->status));
+                 us->unit, (unsigned long long)us->gen, suspect, sd_status_str(status));
+        for (struct sd_unit_state *u = us, *next; u; u = next) {
+            next = u->batch_next;
+            u->batch_next = NULL;
+            u->inflight = false;
+            u->resident = false;
+            sd_slot_pool_free(&job->spool, u->pool_off);
+        }
         sd_job_fail(job, SD_EPEER, "%s", what);
         return;
     }
-    us->resident = true;
-    job->stats.gathers++;
-    sd_job_complete_fetch(job, us);
+    for (struct sd_unit_state *u = us, *next; u; u = next) {
+        next = u->batch_next; /* completing a fetch may start new gathers */
+        u->batch_next = NULL;
+        u->inflight = false;
+        u->resident = true;
+        job->stats.gathers++;
+        sd_job_complete_fetch(job, u);
+    }
     if (job->step_phase != SD_STEP_IDLE) /* a refresh, or a step waiting for gathers */
         sd_job_net_step(job);
     else
@@ -567,18 +590,21 @@ static void gather_req_sent(struct sd_xfer *x, int status)
         gather_finish(job, us);
 }
 
-/* Start pulling the remote blocks of slot us (pool space reserved, local block copied). */
-static int gather_start(struct sd_job *job, struct sd_unit_state *us)
+static bool gather_resources(const struct sd_job *job)
+{
+    return job->bulks.n - job->bulks.in_use >= job->group_nodes - 1 &&
+           job->gathers_inflight < MAX_GATHERS_INFLIGHT;
+}
+
+/* slot us (pool space reserved) gets this node's block, its ranks' shards, and is in flight */
+static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
 {
     const struct sd_unit_layout *ul = &job->layout.units[us->unit];
-    uint32_t G = job->group_nodes, k = job->k, f = job->plan.f[SD_STATE_W];
-    size_t esz = sd_dtype_size(ul->dtype), len = ul->numel / f * esz;
+    uint32_t G = job->group_nodes, k = job->k;
+    size_t len = ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
     uint8_t *slot = (uint8_t *)job->pool.ptr + us->pool_off;
-    uint32_t first = group_first(job), me = self_node(job) % G;
-
-    if (job->bulks.n - job->bulks.in_use < G - 1 || job->gathers_inflight >= MAX_GATHERS_INFLIGHT)
-        return SD_EAGAIN;
-    for (uint32_t j = 0; j < k; j++) /* this node's block: its ranks' shards */
+    uint32_t me = self_node(job) % G;
+    for (uint32_t j = 0; j < k; j++)
         job->reg->dev->copy(slot + ((size_t)me * k + j) * len,
                             (uint8_t *)arena(job, j, SD_STATE_W)->ptr + job->w_off[us->unit], len);
     job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += (uint64_t)k * len;
@@ -586,13 +612,27 @@ static int gather_start(struct sd_job *job, struct sd_unit_state *us)
     us->status = SD_OK;
     us->gen = job->weights_gen;
     us->start_ns = sd_now_ns();
+    us->batch_next = NULL;
+}
+
+/* Pull the remote blocks of units[0..n) (begun, consecutive ids ascending, one copy) from every
+ * node of the partition group: one request and one transfer per peer for all of them. units[0]
+ * leads: it holds the transfers, and its completion completes the others. */
+static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n)
+{
+    struct sd_unit_state *us = units[0];
+    uint32_t G = job->group_nodes, k = job->k;
+    uint32_t first = group_first(job);
+    for (uint32_t j = 1; j < n; j++)
+        units[j - 1]->batch_next = units[j];
     us->remaining = 2 * (G - 1);
     us->req = (struct sd_req_msg){.magic = SD_REQ_MAGIC,
                                   .job_tag = (uint16_t)job->tag,
                                   .src = (uint16_t)self_node(job),
                                   .unit = us->unit,
                                   .lslot = us->lslot,
-                                  .gen = us->gen};
+                                  .gen = us->gen,
+                                  .n_units = n};
     job->gathers_inflight++;
     uint32_t seq = (uint32_t)((us->gen & 0xfff) << 4 | us->lslot);
     for (uint32_t i = 0, o = 0; i < G; i++) {
@@ -600,14 +640,23 @@ static int gather_start(struct sd_job *job, struct sd_unit_state *us)
         if (m == self_node(job))
             continue;
         void *pieces[SD_BULK_MAX_PIECES];
-        for (uint32_t p = 0; p < k; p++)
-            pieces[p] = slot + ((size_t)i * k + p) * len;
+        size_t lens[SD_BULK_MAX_PIECES];
+        for (uint32_t j = 0, p = 0; j < n; j++) {
+            const struct sd_unit_layout *ul = &job->layout.units[units[j]->unit];
+            size_t len = ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
+            uint8_t *slot = (uint8_t *)job->pool.ptr + units[j]->pool_off;
+            for (uint32_t q = 0; q < k; q++, p++) {
+                pieces[p] = slot + ((size_t)i * k + q) * len;
+                lens[p] = len;
+            }
+        }
         struct sd_bulk *b = sd_bulk_get(&job->bulks);
         b->arg2 = (uint64_t)(uintptr_t)job;
         us->rb[o] = b;
-        int st = sd_bulk_start(
-            b, tp_of(job), false, m, sd_tag(SD_TAG_WDATA, job->tag, us->unit, seq, m, 0), pieces, k,
-            len, job->reg->cfg->chunk_bytes, desc_of(job, slot), gather_recv_done, NULL, us);
+        int st = sd_bulk_startv(b, tp_of(job), false, m,
+                                sd_tag(SD_TAG_WDATA, job->tag, us->unit, seq, m, 0), pieces, lens,
+                                n * k, job->reg->cfg->chunk_bytes, desc_of(job, job->pool.ptr),
+                                gather_recv_done, NULL, us);
         b->arg2 = (uint64_t)(uintptr_t)job;
         if (st != SD_OK) {
             sd_bulk_put(&job->bulks, b);
@@ -630,12 +679,73 @@ static int gather_start(struct sd_job *job, struct sd_unit_state *us)
     }
     if (us->remaining == 0)
         gather_finish(job, us);
+}
+
+/* Start pulling the remote blocks of slot us (pool space reserved). */
+static int gather_start(struct sd_job *job, struct sd_unit_state *us)
+{
+    if (!gather_resources(job))
+        return SD_EAGAIN;
+    gather_begin(job, us);
+    gather_post(job, &us, 1);
     return SD_OK;
 }
 
+bool sd_job_net_would_join(const struct sd_job *job, uint32_t unit, uint32_t lslot)
+{
+    const struct sd_gather_batch *bt = &job->batch;
+    uint64_t bytes = sd_unit_bytes(&job->layout.units[unit]);
+    uint64_t limit = (uint64_t)job->reg->cfg->coalesce_bytes;
+    return bytes < limit && bt->n > 0 && bt->lslot == lslot && bt->bytes + bytes <= limit &&
+           (bt->n + 1) * job->k <= SD_BULK_MAX_PIECES && (unit == bt->hi + 1 || unit + 1 == bt->lo);
+}
+
+/* A gather the frozen schedule issues: small units join the open batch while their ids stay
+ * consecutive and the batch under coalesce_bytes; sd_job_net_prefetch_flush sends it. */
 int sd_job_net_prefetch(struct sd_job *job, struct sd_unit_state *us)
 {
-    return gather_start(job, us);
+    struct sd_gather_batch *bt = &job->batch;
+    uint64_t bytes = sd_unit_bytes(&job->layout.units[us->unit]);
+    uint64_t limit = (uint64_t)job->reg->cfg->coalesce_bytes;
+    bool small = bytes < limit && job->k <= SD_BULK_MAX_PIECES / 2;
+    bool joins = sd_job_net_would_join(job, us->unit, us->lslot);
+    if (!joins)
+        sd_job_net_prefetch_flush(job);
+    if (!small)
+        return gather_start(job, us);
+    if (bt->n == 0) {
+        if (!gather_resources(job))
+            return SD_EAGAIN; /* the batch, once open, needs nothing more */
+        bt->lo = bt->hi = us->unit;
+        bt->lslot = us->lslot;
+        bt->bytes = 0;
+    }
+    gather_begin(job, us);
+    bt->lo = SD_MIN(bt->lo, us->unit);
+    bt->hi = SD_MAX(bt->hi, us->unit);
+    bt->bytes += bytes;
+    bt->units[bt->n++] = us;
+    return SD_OK;
+}
+
+void sd_job_net_prefetch_flush(struct sd_job *job)
+{
+    struct sd_gather_batch *bt = &job->batch;
+    uint32_t n = bt->n;
+    if (n == 0)
+        return;
+    bt->n = 0;
+    for (uint32_t i = 1; i < n; i++) /* ascending ids, as the request names them */
+        for (uint32_t j = i; j > 0 && bt->units[j - 1]->unit > bt->units[j]->unit; j--) {
+            struct sd_unit_state *t = bt->units[j];
+            bt->units[j] = bt->units[j - 1];
+            bt->units[j - 1] = t;
+        }
+    if (n > 1) {
+        job->stats.coalesced_gathers++;
+        job->stats.coalesced_units += n;
+    }
+    gather_post(job, bt->units, n);
 }
 
 bool sd_job_net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,

@@ -198,6 +198,19 @@ bool sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sq
     return true;
 }
 
+/* true if no copy but self, cached or in flight, lies in [off, off + len) */
+static bool place_empty(const struct sd_job *job, const struct sd_unit_state *self, uint64_t off,
+                        uint64_t len)
+{
+    for (uint32_t i = 0; i < job->n_slots; i++) {
+        const struct sd_unit_state *us = &job->units[i];
+        if (us != self && (us->resident || us->inflight) && us->pool_off < off + len &&
+            off < us->pool_off + unit_bytes(job, us->unit))
+            return false;
+    }
+    return true;
+}
+
 /* Make [off, off + len) free of cached copies. SD_EAGAIN while a copy the plan placed there is
  * still held or being gathered (a slower rank), SD_EBUSY if a copy off the plan is. */
 static int claim(struct sd_job *job, uint64_t off, uint64_t len)
@@ -285,7 +298,21 @@ void sd_sched_prefetch(struct sd_job *job)
                 break;
             sc->pf_next[l]++;
         }
+        /* coalescing: the next gathers of small consecutive units leave with the open batch,
+         * ahead of their planned issue, when their places hold nothing */
+        while (job->group_nodes > 1 && sc->pf_next[l] < sc->plan.n_iv) {
+            uint32_t I = sc->pf_next[l], u = sc->plan.iv_unit[I];
+            struct sd_unit_state *us = &job->units[(size_t)u * job->slots_per_unit + l];
+            uint64_t off = sc->plan.iv[I].off + copy_off(job, us);
+            if (us->inflight || (us->resident && us->refs > 0) ||
+                !sd_job_net_would_join(job, u, us->lslot) ||
+                !place_empty(job, us, off, unit_bytes(job, u)) || issue(job, I, l) != SD_OK)
+                break;
+            sc->pf_next[l]++;
+        }
     }
+    if (job->group_nodes > 1)
+        sd_job_net_prefetch_flush(job); /* small units issued together travel together */
     sc->in_prefetch = false;
 }
 

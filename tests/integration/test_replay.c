@@ -164,8 +164,10 @@ int main(void)
     TH_CHECK(th_daemon_stop(&d) == 0, "clean shutdown");
 
     /* across nodes: both ranks of node 1 make the extra call; the digests differ */
+    /* coalesce_bytes 2 MiB: the two 578 KiB hidden layers of the nok job travel together */
     struct th_cluster cl;
-    if (th_cluster_start(&cl, 2, 2, NULL) != 0) {
+    static const char *const copts[] = {"--coalesce-bytes", "2MiB", NULL};
+    if (th_cluster_start(&cl, 2, 2, copts) != 0) {
         TH_CHECK(0, "cluster start");
         return th_summary("test_replay");
     }
@@ -180,6 +182,15 @@ int main(void)
     train(csocks, 2, &nok);
     expect_schedule(cl.d[0].sock, "nok", 1, 0, 2 * 5 * 4);
     expect_schedule(cl.d[1].sock, "nok", 1, 0, 2 * 5 * 4);
+    /* consecutive units under coalesce_bytes travel together, and the parameters above still
+     * equal the reference */
+    for (int i = 0; i < 2; i++) {
+        json_t *st = job_doc(cl.d[i].sock, "stats", "nok");
+        long long cg = num(st, "coalesced_gathers"), cu = num(st, "coalesced_units");
+        TH_CHECK(cg > 0 && cu >= 2 * cg, "node %d: %lld coalesced gathers moved %lld units", i, cg,
+                 cu);
+        json_decref(st);
+    }
     TH_CHECK(th_cluster_stop(&cl) == 0, "cluster shutdown");
     return th_summary("test_replay");
 }

@@ -1,7 +1,8 @@
 /* The collective engine on an in-process fake transport (tag matching with wildcards, per-node
- * completion queues, unexpected messages): ring and direct all-reduce for 2..5 members and sizes
- * that do not divide evenly, against the exact sums, identical on every member, with the bytes
- * each member sends equal to the formulas; chunked multi-piece bulk transfers. */
+ * completion queues, unexpected messages): ring (pipelined by chunk: steps overlap; 4 KiB and
+ * 64-byte chunks) and direct all-reduce for 2..5 members and sizes that do not divide evenly,
+ * against the exact sums, identical on every member, with the bytes each member sends equal to the
+ * formulas; chunked multi-piece bulk transfers. */
 #include "coll.h"
 #include "harness.h"
 #include "sd/status.h"
@@ -134,7 +135,7 @@ static void ar_cb(struct sd_allreduce *ar, int status, uint32_t suspect)
     d->status = status;
 }
 
-static void run_allreduce(uint32_t n, size_t count, size_t small_bytes)
+static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t chunk)
 {
     static struct sd_bulk_pool pools[MAXN];
     static struct sd_allreduce ars[MAXN];
@@ -159,7 +160,7 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes)
     for (uint32_t i = 0; i < n; i++)
         started +=
             sd_allreduce_start(&ars[i], &nodes[i].base, &pools[i], members, n, i, bufs[i], count,
-                               tmps[i], tmpn, 0x1000, 4096, small_bytes, ar_cb, &done[i]) == SD_OK;
+                               tmps[i], tmpn, 0x1000, chunk, small_bytes, ar_cb, &done[i]) == SD_OK;
     TH_CHECK(started == (int)n, "n %u count %zu: %d of %u started", n, count, started, n);
     for (int round = 0; round < 100000; round++) {
         int all = 1, moved = 0;
@@ -247,6 +248,22 @@ static void run_bulk(void)
     TH_CHECK(memcmp(dst, src[0], 10000) == 0 && memcmp(dst + 20000, src[2], 10000) == 0,
              "pieces land in place");
     TH_CHECK(rb.bytes == 30000 && sb.bytes == 30000, "bytes counted");
+    /* pieces of different lengths (a coalesced gather): 2 + 1 chunks */
+    static struct sd_bulk vs, vr;
+    static char vdst[5123];
+    void *vsp[2] = {src[0], src[1]}, *vdp[2] = {vdst, vdst + 5000};
+    size_t lens[2] = {5000, 123};
+    s_ok = r_ok = 0;
+    TH_CHECK(sd_bulk_startv(&vr, &nodes[1].base, false, 0, 0x600, vdp, lens, 2, 4096, NULL,
+                            bulk_done, NULL, &r_ok) == SD_OK &&
+                 sd_bulk_startv(&vs, &nodes[0].base, true, 1, 0x600, vsp, lens, 2, 4096, NULL,
+                                bulk_done, NULL, &s_ok) == SD_OK,
+             "bulk of unequal pieces posted");
+    f_progress(&nodes[0].base);
+    f_progress(&nodes[1].base);
+    TH_CHECK(s_ok == 1 && r_ok == 1 && vr.n == 3 && vr.bytes == 5123, "3 chunks, 5123 bytes");
+    TH_CHECK(memcmp(vdst, src[0], 5000) == 0 && memcmp(vdst + 5000, src[1], 123) == 0,
+             "unequal pieces land in place");
     struct sd_bulk busy = {.active = true};
     TH_CHECK(sd_bulk_start(&busy, &nodes[0].base, true, 1, 0, sp, 1, 10, 64, NULL, bulk_done, NULL,
                            &s_ok) == SD_EINVAL,
@@ -258,8 +275,9 @@ int main(void)
     static const size_t counts[] = {1, 7, 100, 1000, 4099, 65536 + 3};
     for (uint32_t n = 2; n <= 5; n++)
         for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
-            run_allreduce(n, counts[c], 0);       /* always the ring */
-            run_allreduce(n, counts[c], 1 << 20); /* always direct */
+            run_allreduce(n, counts[c], 0, 4096);    /* always the ring */
+            run_allreduce(n, counts[c], 0, 64);      /* the ring, many chunks per step */
+            run_allreduce(n, counts[c], 1 << 20, 0); /* always direct */
         }
     run_bulk();
     return th_summary("test_coll");

@@ -33,6 +33,8 @@ struct sd_config {
     uint64_t chunk_bytes;
     uint64_t small_allreduce_bytes;
     int64_t net_spin;
+    int64_t net_poll_us;
+    int64_t coalesce_bytes;
     int64_t prefetch_depth;
     uint64_t prefetch_bytes;
     int64_t reuse_distance;
