@@ -28,6 +28,12 @@ static void bulk_xfer_cb(struct sd_xfer *x, int status)
     }
 }
 
+/* chunks of a piece of len bytes (an empty piece still sends one empty message) */
+static uint32_t piece_chunks(size_t len, size_t chunk)
+{
+    return len ? (uint32_t)((len + chunk - 1) / chunk) : 1;
+}
+
 int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
                    uint64_t tag_base, void *const *pieces, const size_t *lens, uint32_t n_pieces,
                    size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
@@ -44,7 +50,7 @@ int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uin
         chunk = sd_round_up((longest + max_cpp - 1) / max_cpp, 64);
     uint32_t n = 0;
     for (uint32_t p = 0; p < n_pieces; p++)
-        n += lens[p] ? (uint32_t)((lens[p] + chunk - 1) / chunk) : 1;
+        n += piece_chunks(lens[p], chunk);
     b->tp = tp;
     b->peer = peer;
     b->is_send = is_send;
@@ -57,7 +63,7 @@ int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uin
     b->arg = arg;
     b->active = true;
     for (uint32_t p = 0, i = 0; p < n_pieces; p++) {
-        uint32_t cpp = lens[p] ? (uint32_t)((lens[p] + chunk - 1) / chunk) : 1;
+        uint32_t cpp = piece_chunks(lens[p], chunk);
         for (uint32_t c = 0; c < cpp; c++, i++) {
             struct sd_bulk_xfer *bx = &b->xs[i];
             bx->b = b;

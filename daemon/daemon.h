@@ -450,6 +450,13 @@ int sd_job_pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);
 void sd_job_evict(struct sd_job *job, struct sd_unit_state *us);
 bool sd_job_others_hold(const struct sd_job *job, const struct sd_session *s);
 
+/* bytes of one rank's weight shard of unit u */
+static inline uint64_t sd_job_w_shard_bytes(const struct sd_job *job, uint32_t u)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    return ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
+}
+
 /* the copy of a unit a local rank uses: the node's one, or its own without the hierarchy */
 static inline struct sd_unit_state *sd_job_slot(struct sd_job *job, uint32_t unit, uint32_t local)
 {

@@ -585,9 +585,8 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
         return NULL;
     }
     for (uint32_t u = 0; u < job->layout.n_units; u++) {
-        const struct sd_unit_layout *ul = &job->layout.units[u];
         job->w_off[u] = job->w_arena_bytes;
-        job->w_arena_bytes += ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
+        job->w_arena_bytes += sd_job_w_shard_bytes(job, u);
     }
     job->next = reg->jobs;
     reg->jobs = job;

@@ -368,11 +368,9 @@ static bool serve(struct sd_job *job, const struct sd_req_msg *m)
     void *pieces[SD_BULK_MAX_PIECES];
     size_t lens[SD_BULK_MAX_PIECES];
     for (uint32_t i = 0, p = 0; i < n_units; i++) {
-        const struct sd_unit_layout *ul = &job->layout.units[m->unit + i];
-        size_t piece = ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
         for (uint32_t j = 0; j < job->k; j++, p++) {
             pieces[p] = (uint8_t *)arena(job, j, SD_STATE_W)->ptr + job->w_off[m->unit + i];
-            lens[p] = piece;
+            lens[p] = sd_job_w_shard_bytes(job, m->unit + i);
         }
     }
     uint64_t tag = sd_tag(SD_TAG_WDATA, job->tag, m->unit,
@@ -599,9 +597,8 @@ static bool gather_resources(const struct sd_job *job)
 /* slot us (pool space reserved) gets this node's block, its ranks' shards, and is in flight */
 static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
 {
-    const struct sd_unit_layout *ul = &job->layout.units[us->unit];
     uint32_t G = job->group_nodes, k = job->k;
-    size_t len = ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
+    size_t len = sd_job_w_shard_bytes(job, us->unit);
     uint8_t *slot = (uint8_t *)job->pool.ptr + us->pool_off;
     uint32_t me = self_node(job) % G;
     for (uint32_t j = 0; j < k; j++)
@@ -642,8 +639,7 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
         void *pieces[SD_BULK_MAX_PIECES];
         size_t lens[SD_BULK_MAX_PIECES];
         for (uint32_t j = 0, p = 0; j < n; j++) {
-            const struct sd_unit_layout *ul = &job->layout.units[units[j]->unit];
-            size_t len = ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
+            size_t len = sd_job_w_shard_bytes(job, units[j]->unit);
             uint8_t *slot = (uint8_t *)job->pool.ptr + units[j]->pool_off;
             for (uint32_t q = 0; q < k; q++, p++) {
                 pieces[p] = slot + ((size_t)i * k + q) * len;
@@ -651,7 +647,6 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
             }
         }
         struct sd_bulk *b = sd_bulk_get(&job->bulks);
-        b->arg2 = (uint64_t)(uintptr_t)job;
         us->rb[o] = b;
         int st = sd_bulk_startv(b, tp_of(job), false, m,
                                 sd_tag(SD_TAG_WDATA, job->tag, us->unit, seq, m, 0), pieces, lens,

@@ -70,7 +70,7 @@ void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t 
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint32_t f = job->plan.f[SD_STATE_W];
     struct sd_group grp = sd_group_partition(f, rank);
-    uint64_t shard_bytes = ul->numel / f * sd_dtype_size(ul->dtype);
+    uint64_t shard_bytes = sd_job_w_shard_bytes(job, u);
     uint8_t *dst = (uint8_t *)job->pool.ptr + us->pool_off;
     for (uint32_t i = 0; i < grp.count; i++) {
         uint32_t local = sd_group_member(&grp, i) - job->first_rank;

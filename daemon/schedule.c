@@ -198,16 +198,21 @@ bool sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sq
     return true;
 }
 
-/* true if no copy but self, cached or in flight, lies in [off, off + len) */
+/* does copy us, cached or in flight, lie in [off, off + len)? */
+static bool occupies(const struct sd_job *job, const struct sd_unit_state *us, uint64_t off,
+                     uint64_t len)
+{
+    return (us->resident || us->inflight) && us->pool_off < off + len &&
+           off < us->pool_off + unit_bytes(job, us->unit);
+}
+
+/* true if no copy but self lies in [off, off + len) */
 static bool place_empty(const struct sd_job *job, const struct sd_unit_state *self, uint64_t off,
                         uint64_t len)
 {
-    for (uint32_t i = 0; i < job->n_slots; i++) {
-        const struct sd_unit_state *us = &job->units[i];
-        if (us != self && (us->resident || us->inflight) && us->pool_off < off + len &&
-            off < us->pool_off + unit_bytes(job, us->unit))
+    for (uint32_t i = 0; i < job->n_slots; i++)
+        if (&job->units[i] != self && occupies(job, &job->units[i], off, len))
             return false;
-    }
     return true;
 }
 
@@ -217,9 +222,7 @@ static int claim(struct sd_job *job, uint64_t off, uint64_t len)
 {
     for (uint32_t i = 0; i < job->n_slots; i++) {
         struct sd_unit_state *us = &job->units[i];
-        if (!us->resident && !us->inflight)
-            continue;
-        if (us->pool_off >= off + len || off >= us->pool_off + unit_bytes(job, us->unit))
+        if (!occupies(job, us, off, len))
             continue;
         if (us->inflight || us->refs > 0)
             return us->plan_iv == SD_SCHED_NONE ? SD_EBUSY : SD_EAGAIN;
