@@ -29,7 +29,7 @@
 struct opts {
     const char *socket, *job, *plan, *optimizer, *dump;
     int rank, world, steps, accum, batch, hidden, layers;
-    bool bf16, reference, quiet;
+    bool bf16, reference, quiet, timing;
     uint64_t seed;
     float lr, max_grad_norm, weight_decay;
     double compute_ms;
@@ -134,6 +134,18 @@ static void free_params(const struct model *m, float **p)
 
 /* ---- forward and backward of one micro-batch; w[t] are fp32 views of the current weights,
  * g[t] receive the gradients of the mean loss. Returns the loss. */
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+/* --timing: where rank 0's step went (seconds spent inside each kind of call) */
+static struct {
+    double fetch, push, step;
+} spent;
 
 static void busy_wait_ms(double ms, bool sleep)
 {
@@ -436,7 +448,9 @@ static int forward_pass(shard_ctx_t *ctx, const struct opts *o, const struct mod
             continue;
         }
         const void *data;
+        double f0 = now_s();
         int st = shard_fetch(ctx, (uint32_t)l, &data);
+        spent.fetch += now_s() - f0;
         if (st != SHARD_OK)
             return st;
         const float *wl = unit_view(&ui[l], data, w[l]);
@@ -532,13 +546,16 @@ static int run_shardd(const struct opts *o, const struct model *m)
                 const void *data;
                 if (skipped(o, step, l))
                     continue; /* nothing fetched, nothing pushed: a zero gradient */
+                double f0 = now_s();
                 CHECK(shard_fetch(ctx, (uint32_t)l, &data));
+                spent.fetch += now_s() - f0;
                 const float *wl = unit_view(&ui[l], data, w[l]);
                 busy_wait_ms(o->compute_ms, o->compute_sleep);
                 memset(grad[l], 0, ui[l].numel * sizeof(float));
                 layer_backward(m, l, wl + ti[2 * l].offset, grad[l] + ti[2 * l].offset,
                                grad[l] + ti[2 * l + 1].offset, &ac, o->batch);
                 CHECK(shard_release(ctx, (uint32_t)l));
+                double p0 = now_s();
                 if (o->bf16) {
                     for (uint64_t i = 0; i < ui[l].numel; i++)
                         grad16[l][i] = sd_f32_to_bf16(grad[l][i]);
@@ -546,11 +563,17 @@ static int run_shardd(const struct opts *o, const struct model *m)
                 } else {
                     CHECK(shard_push_grad(ctx, (uint32_t)l, grad[l], ui[l].bytes));
                 }
+                spent.push += now_s() - p0;
             }
         }
-        double norm = 0.0;
+        double norm = 0.0, s0 = now_s();
         CHECK(shard_step(ctx, &norm));
+        spent.step += now_s() - s0;
         clock_gettime(CLOCK_MONOTONIC, &ts1);
+        if (o->timing && o->rank == 0)
+            printf("timing step %d: in fetch %.4f s, in push %.4f s, in step %.4f s\n", step + 1,
+                   spent.fetch, spent.push, spent.step);
+        memset(&spent, 0, sizeof(spent));
         if (!o->quiet && o->rank == 0)
             printf("step %d loss %.6f grad_norm %.6f (rank 0 micro-batches) %.4f s\n", step + 1,
                    loss_sum / o->accum, norm,
@@ -608,7 +631,7 @@ static void usage(FILE *out)
             "                 [--batch B] [--hidden H] [--layers L] [--compute-ms MS]\n"
             "                 [--max-live-bytes B] [--skip-layer STEP:LAYER] [--eval-every N]\n"
             "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
-            "                 [--dump-params FILE] [--reference] [--quiet]\n"
+            "                 [--dump-params FILE] [--reference] [--quiet] [--timing]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
@@ -619,7 +642,8 @@ static void usage(FILE *out)
             "(no fetch, no gradient; the reference does the same); --eval-every runs a\n"
             "forward-only pass after every N steps; --diverge-from makes ranks >= R fetch one\n"
             "extra unit in step 1 (a schedule that differs between ranks, which shardd must\n"
-            "refuse).\n",
+            "refuse). --timing prints, per step, the seconds rank 0 spent waiting inside\n"
+            "shard_fetch, shard_push_grad and shard_step.\n",
             IN_DIM, OUT_DIM);
 }
 
@@ -647,6 +671,8 @@ int main(int argc, char **argv)
             o.reference = true;
         } else if (strcmp(a, "--quiet") == 0) {
             o.quiet = true;
+        } else if (strcmp(a, "--timing") == 0) {
+            o.timing = true;
         } else if (ARG("--socket")) {
             o.socket = v;
         } else if (ARG("--job")) {

@@ -9,7 +9,9 @@
 #                                                communication)
 # Communication alone is the steady-state step time with no compute (prefetch off); compute
 # alone is the calibrated wait, 2 x layers x accum x compute_ms per step (forward and
-# backward). The waits sleep (--compute-mode sleep, like a host waiting for a GPU kernel): a
+# backward), and, measured in the same run, rank 0's time outside shardd's calls (the wait plus
+# its own matrix products, which 8 ranks and 4 daemons on a small host slow down); the time
+# inside the calls (mlp_train --timing) is the communication left exposed. The waits sleep (--compute-mode sleep, like a host waiting for a GPU kernel): a
 # 2-core machine cannot busy-wait 8 ranks without starving the daemons. Steady state: steps
 # after the first two (the first records the schedule).
 set -euo pipefail
@@ -37,34 +39,41 @@ dir=$(mktemp -d /tmp/shardd-prefetch-XXXXXX)
 trap 'tools/local-cluster.sh stop --dir "$dir" >/dev/null 2>&1; rm -rf "$dir"' EXIT
 world=$((nodes * k))
 
-# $1: prefetch depth, $2: compute ms, $3: job; prints the mean steady-state step time
+# $1: prefetch depth, $2: compute ms, $3: job; prints the mean steady-state step time and the
+# mean time rank 0 spent inside shardd's calls
 run() {
   tools/local-cluster.sh start --nodes "$nodes" --ranks-per-node "$k" --dir "$dir" --netns \
     --inter-rate "$rate" --shardd "$B/daemon/shardd" -- --log-level warn \
     --op-timeout-ms 120000 --prefetch-depth "$1" >/dev/null
   run_ranks "$dir" "$k" "$world" "$3" --plan "$plan" --steps "$steps" --accum "$accum" \
-    --hidden "$hidden" --layers "$layers" --batch 1 --compute-ms "$2" --compute-mode sleep
+    --hidden "$hidden" --layers "$layers" --batch 1 --compute-ms "$2" --compute-mode sleep --timing
   $B/tools/shardctl --socket "$dir/node0/shardd.sock" --job "$3" schedule --json >"$dir/$3.json"
   tools/local-cluster.sh stop --dir "$dir" >/dev/null
-  grep -oE "^step [0-9]+ .* [0-9.]+ s$" "$dir/0.log" | awk 'NR > 2 { s += $(NF-1); n++ }
-    END { printf "%.4f\n", s / n }'
+  step=$(grep -oE "^step [0-9]+ .* [0-9.]+ s$" "$dir/0.log" | awk 'NR > 2 { s += $(NF-1); n++ }
+    END { printf "%.4f\n", s / n }')
+  inside=$(grep -E "^timing step" "$dir/0.log" | awk 'NR > 2 { s += $6 + $10 + $14; n++ }
+    END { printf "%.4f\n", s / n }')
+  echo "$step $inside"
 }
 
-comm=$(run 0 0 comm)
+read -r comm _ < <(run 0 0 comm)
 if [ -z "$cms" ]; then
   cms=$(python3 -c "print(round($comm * 1000 / (2 * $layers * $accum), 3))")
 fi
-off=$(run 0 "$cms" off)
-on=$(run "$depth" "$cms" on)
+read -r off off_in < <(run 0 "$cms" off)
+read -r on on_in < <(run "$depth" "$cms" on)
 python3 - "$comm" "$off" "$on" "$cms" "$layers" "$accum" "$dir/on.json" "$plan" "$rate" \
-  "$nodes" "$k" "$hidden" "$depth" <<'PY'
+  "$nodes" "$k" "$hidden" "$depth" "$on_in" "$off_in" <<'PY'
 import json, sys
 comm, off, on, cms = map(float, sys.argv[1:5])
 layers, accum = int(sys.argv[5]), int(sys.argv[6])
 sc = json.load(open(sys.argv[7]))["jobs"][0]
 plan, rate, nodes, k, hidden, depth = sys.argv[8:14]
+on_in, off_in = float(sys.argv[14]), float(sys.argv[15])
 compute = 2 * layers * accum * cms / 1000
 best, serial = max(compute, comm), compute + comm
+measured = on - on_in  # rank 0 outside shardd's calls, in the prefetch run
+mbest = max(measured, comm)
 print(f"{plan} on {nodes} nodes x {k} ranks, links {rate}, MLP {layers} layers of width {hidden}, "
       f"accum {accum}; steady-state s/step")
 print(f"  communication alone (no compute)     {comm:8.4f}")
@@ -74,6 +83,9 @@ print(f"  compute + communication              {serial:8.4f}")
 print(f"  without prefetch (prefetch_depth 0)  {off:8.4f}  = {off / best:.2f} x max")
 print(f"  with prefetch (prefetch_depth {depth})     {on:8.4f}  = {on / best:.2f} x max  "
       f"(target <= 1.15)")
+print(f"  rank 0 inside shardd calls (exposed)  {on_in:8.4f} with prefetch, {off_in:.4f} without")
+print(f"  compute measured (outside the calls)  {measured:8.4f}  -> prefetch step = "
+      f"{on / mbest:.2f} x max(measured compute, communication)")
 print(f"  daemon CPU per fetch on node 0: {sc['fetch_cpu_us_frozen']:.2f} us frozen vs "
       f"{sc['fetch_cpu_us_unfrozen']:.2f} us in the first step; prefetches {sc['prefetches']}, "
       f"fetches found ready {sc['prefetch_hits']}, waits {sc['waits']}")
