@@ -59,6 +59,16 @@ static int by_class_start(const void *a, const void *b)
     return by_start(a, b);
 }
 
+/* by a perturbed size, largest first (the randomized restarts) */
+static const uint64_t *sort_key;
+static int by_key_desc(const void *a, const void *b)
+{
+    uint64_t x = sort_key[*(const uint32_t *)a], y = sort_key[*(const uint32_t *)b];
+    if (x != y)
+        return x < y ? 1 : -1;
+    return *(const uint32_t *)a < *(const uint32_t *)b ? -1 : 1;
+}
+
 static int by_off(const void *a, const void *b)
 {
     const struct sd_ival *x = *(const struct sd_ival *const *)a;
@@ -131,6 +141,29 @@ uint64_t sd_ival_plan(struct sd_ival *iv, uint32_t n, uint64_t align)
                 first[i] = iv[i].off;
         }
     }
+    /* Still above the lower bound: restart largest-first with each size perturbed by up to a
+     * quarter (units of near-equal size trade places), from a fixed seed (the same schedule
+     * always gets the same plan), within about 2e7 overlap checks so that a plan of thousands
+     * of gathers still takes well under a second. */
+    uint64_t bound = sd_ival_max_load(iv, n, align), rng = 0x9e3779b97f4a7c15ull;
+    uint64_t *key = malloc(n * sizeof(*key));
+    uint32_t restarts = (uint32_t)SD_MIN(48, 20000000ull / ((uint64_t)n * n + 1));
+    for (uint32_t r = 0; key != NULL && r < restarts && peak > bound; r++) {
+        for (uint32_t i = 0; i < n; i++) {
+            rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17; /* xorshift64 */
+            key[i] = iv[i].size + (uint64_t)((double)iv[i].size * (double)(rng >> 11) /
+                                             (double)(1ull << 53) / 4.0);
+        }
+        sort_key = key;
+        qsort(order, n, sizeof(*order), by_key_desc);
+        uint64_t p = place(iv, n, align, order, busy, placed);
+        if (p < peak) {
+            peak = p;
+            for (uint32_t i = 0; i < n; i++)
+                first[i] = iv[i].off;
+        }
+    }
+    free(key);
     for (uint32_t i = 0; i < n; i++) /* the best placement found */
         iv[i].off = first[i];
     free(order);

@@ -96,9 +96,10 @@ int main(void)
         double *worst_of = L >= 8 ? &layer_worst : &tiny_worst;
         *worst_of = r > *worst_of ? r : *worst_of;
     }
-    /* the placements are greedy heuristics: a regression guard at 1.15; the worst ratios are
-     * printed (issue 4's target of 1.1 is for the benchmark's schedule) */
-    TH_CHECK(layer_worst <= 1.15 && tiny_worst <= 1.15,
+    /* the placements are heuristics (greedy orders, then randomized restarts): issue 4's target
+     * of 1.1 guards schedules of 8 units or more; tiny ones (a 4x larger first and last unit
+     * among two to six) cannot always reach the bound and are guarded at 1.15 */
+    TH_CHECK(layer_worst <= 1.1 && tiny_worst <= 1.15,
              "layer schedules: peak up to %.3f / %.3f x the lower bound", layer_worst, tiny_worst);
     printf("layer schedules: worst peak / lower bound %.3f (>= 8 units), %.3f (< 8 units)\n",
            layer_worst, tiny_worst);
