@@ -236,6 +236,7 @@ struct sd_node_round {
     int status;
     uint32_t suspect;
     size_t chunk;
+    const float *part; /* the node partial: scratch, or the one rank's fp32 staging slot */
     uint32_t chunk_arrivals[SD_TAG_MAX_CHUNKS];
     bool ar_active;
     struct sd_allreduce ar;

@@ -887,7 +887,7 @@ static void rs_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
     uint32_t me = self_node(job) % G;
     const float *src[64];
     for (uint32_t i = 0, o = 0; i < G; i++)
-        src[i] = i == me ? job->scratch + (size_t)me * block : job->rs_recv + (size_t)(o++) * block;
+        src[i] = i == me ? rd->part + (size_t)me * block : job->rs_recv + (size_t)(o++) * block;
     for (size_t e = e0; e < e1; e++) { /* node order, as the reference would add them */
         float s = src[0][e];
         for (uint32_t i = 1; i < G; i++)
@@ -910,6 +910,23 @@ static void rs_done(struct sd_bulk *b, int status)
         round_after_rs(job);
 }
 
+/* elements [lo, hi) of the node partial, into scratch: the local ranks' gradients summed in
+ * rank order */
+static void node_partial(struct sd_job *job, const struct sd_push_entry *ent,
+                         const struct sd_unit_layout *ul, uint64_t lo, uint64_t hi)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    size_t esz = sd_dtype_size(ul->dtype);
+    for (uint32_t m = 0; m < job->k; m++) {
+        const uint8_t *src = (uint8_t *)job->staging[ent[m].s->local].ptr +
+                             (uint64_t)ent[m].slot * job->staging_slot_bytes + lo * esz;
+        if (m == 0)
+            dev->to_f32(job->scratch + lo, src, ul->dtype, hi - lo);
+        else
+            dev->reduce_add(job->scratch + lo, src, ul->dtype, hi - lo);
+    }
+}
+
 static void round_start_next(struct sd_job *job)
 {
     struct sd_node_round *rd = &job->round;
@@ -918,7 +935,6 @@ static void round_start_next(struct sd_job *job)
     uint32_t u = job->round_queue[job->rq_head];
     job->rq_head = (job->rq_head + 1) % job->layout.n_units;
     job->rq_len--;
-    const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[u];
     struct sd_push_entry *ent = &job->round_entries[(size_t)u * job->g_members];
     memset(rd->chunk_arrivals, 0, sizeof(rd->chunk_arrivals));
@@ -930,30 +946,32 @@ static void round_start_next(struct sd_job *job)
              (unsigned long long)rd->seq + 1);
     rd->status = SD_OK;
     rd->pending = 0;
-    /* the node partial: the local ranks' gradients summed in rank order */
-    for (uint32_t m = 0; m < job->k; m++) {
-        const uint8_t *src = (uint8_t *)job->staging[ent[m].s->local].ptr +
-                             (uint64_t)ent[m].slot * job->staging_slot_bytes;
-        if (m == 0)
-            dev->to_f32(job->scratch, src, ul->dtype, ul->numel);
-        else
-            dev->reduce_add(job->scratch, src, ul->dtype, ul->numel);
-    }
     job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)job->k * sd_unit_bytes(ul);
     uint32_t G = job->group_nodes;
     if (G == 1) {
+        node_partial(job, ent, ul, 0, ul->numel);
         round_after_rs(job);
         return;
     }
+    /* One rank's fp32 gradient is the node partial as it stands: the blocks leave straight from
+     * its staging slot (held until the round finishes). Otherwise the partial is summed block by
+     * block, each just before it leaves, this node's own block last: the first send starts
+     * after 1/G of the work instead of all of it. */
     size_t block = ul->numel / G, bytes = block * sizeof(float);
-    rd->chunk = chunk_size(bytes, 1, job->reg->cfg->chunk_bytes);
     uint32_t first = group_first(job), me = self_node(job) % G;
+    bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32;
+    rd->part = direct ? (const float *)((const uint8_t *)job->staging[ent[0].s->local].ptr +
+                                        (uint64_t)ent[0].slot * job->staging_slot_bytes)
+                      : job->scratch;
+    rd->chunk = chunk_size(bytes, 1, job->reg->cfg->chunk_bytes);
     for (uint32_t i = 0, o = 0; i < G; i++) {
         uint32_t m = first + i;
         if (i == me)
             continue;
+        if (!direct)
+            node_partial(job, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
         uint32_t seq = (uint32_t)(rd->seq & 0xffff);
-        void *rp = job->rs_recv + (size_t)o * block, *sp = job->scratch + (size_t)i * block;
+        void *rp = job->rs_recv + (size_t)o * block, *sp = (void *)(rd->part + (size_t)i * block);
         rd->pending += sd_bulk_exchange(
             &job->bulks, tp_of(job), m, sd_tag(SD_TAG_GRAD, job->tag, u, seq, m, 0), rp, bytes,
             sd_tag(SD_TAG_GRAD, job->tag, u, seq, self_node(job), 0), sp, bytes,
@@ -961,6 +979,8 @@ static void round_start_next(struct sd_job *job)
             (void *)(uintptr_t)job, (uint64_t)(uintptr_t)job, NULL, &rd->status, &rd->suspect);
         o++;
     }
+    if (!direct)
+        node_partial(job, ent, ul, (uint64_t)me * block, (uint64_t)(me + 1) * block);
     if (rd->pending == 0)
         round_after_rs(job);
 }

@@ -147,6 +147,38 @@ static void run_one(const struct run *r, int idx)
            r->plan, r->accum, dd.n, dd.differ, dd.maxd, S, th_now_s() - t0);
 }
 
+/* shard-bench's three collectives across the daemons, sizes that split unevenly into chunks:
+ * every element must equal the exact expected value (its #wrong column, and its exit code) */
+static void bench_collectives(void)
+{
+    char socks[1024] = "";
+    for (int i = 0; i < N; i++)
+        snprintf(socks + strlen(socks), sizeof(socks) - strlen(socks), "%s%s", i ? "," : "",
+                 cl.d[i].sock);
+    char kstr[16];
+    snprintf(kstr, sizeof(kstr), "%d", K);
+    const char *ops[] = {"allgather", "reducescatter", "allreduce"};
+    for (int i = 0; i < 3; i++) {
+        char out[512];
+        snprintf(out, sizeof(out), "%s/bench-%s.out", cl.d[0].dir, ops[i]);
+        const char *argv[] = {
+            SHARD_BENCH_PATH, ops[i], "--sockets", socks,     "--ranks-per-node", kstr,
+            "--min",          "4096", "--max",     "4194304", "--iters",          "3",
+            "--json",         NULL};
+        int rc = th_wait(th_spawn(argv, out), 120000);
+        char *txt = th_read_file(out, NULL);
+        int rows = 0, bad = 0;
+        for (const char *p = txt; p && (p = strstr(p, "\"wrong\": ")) != NULL; p++) {
+            rows++;
+            bad += atoll(p + 10) != 0;
+        }
+        TH_CHECK(rc == 0 && rows == 11 && bad == 0,
+                 "shard-bench %s: exit %d, %d sizes, %d with wrong elements: %s", ops[i], rc, rows,
+                 bad, txt ? txt : "(no output)");
+        free(txt);
+    }
+}
+
 int main(int argc, char **argv)
 {
     N = argc > 1 ? atoi(argv[1]) : 2;
@@ -163,10 +195,16 @@ int main(int argc, char **argv)
     struct run runs4[] = {{"ddp", 2},           {"zero3", 2},          {"mics:2", 2},
                           {"mics:4", 2},        {"mics:4,no-hier", 1}, {"mics:4,no-2hop", 2},
                           {"mics:2,no-2hop", 1}};
-    struct run *runs = N == 4 ? runs4 : runs2;
-    size_t nr = N == 4 ? sizeof(runs4) / sizeof(runs4[0]) : sizeof(runs2) / sizeof(runs2[0]);
+    /* one rank per node: the reduce-scatter sends straight from the rank's staging slot */
+    struct run runs1[] = {{"zero3", 2}, {"mics:2", 2}, {"mics:2,no-2hop", 1}, {"ddp", 1}};
+    struct run *runs = K == 1 ? runs1 : N == 4 ? runs4 : runs2;
+    size_t nr = K == 1   ? sizeof(runs1) / sizeof(runs1[0])
+                : N == 4 ? sizeof(runs4) / sizeof(runs4[0])
+                         : sizeof(runs2) / sizeof(runs2[0]);
     for (size_t i = 0; i < nr; i++)
         run_one(&runs[i], (int)i);
+    if (K == 1)
+        bench_collectives();
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_cluster");
 }
