@@ -423,7 +423,9 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
         rep->staging_slots == 0 || rep->staging_slots > MAX_STAGING)
         return fail(ctx, SD_EPROTO, "register: shared buffers do not match the layout");
     ctx->pool_bytes = rep->pool_bytes;
-    ctx->pool = mmap(NULL, ctx->pool_bytes ? ctx->pool_bytes : 1, PROT_READ, MAP_SHARED, fds[0], 0);
+    /* populated: the first fetches and pushes do not take the page faults */
+    ctx->pool = mmap(NULL, ctx->pool_bytes ? ctx->pool_bytes : 1, PROT_READ,
+                     MAP_SHARED | MAP_POPULATE, fds[0], 0);
     if (ctx->pool == MAP_FAILED) {
         ctx->pool = NULL;
         return fail(ctx, -errno, "register: cannot map the gather pool: %s", strerror(errno));
@@ -431,7 +433,8 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     ctx->staging_slots = rep->staging_slots;
     ctx->staging_slot_bytes = rep->staging_slot_bytes;
     ctx->staging_bytes = (size_t)rep->staging_slots * rep->staging_slot_bytes;
-    ctx->staging = mmap(NULL, ctx->staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
+    ctx->staging = mmap(NULL, ctx->staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
+                        fds[1], 0);
     if (ctx->staging == MAP_FAILED) {
         ctx->staging = NULL;
         return fail(ctx, -errno, "register: cannot map the staging buffer: %s", strerror(errno));

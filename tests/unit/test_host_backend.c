@@ -7,8 +7,23 @@
 
 #include <fcntl.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+/* pages of [p, p + len) present in memory before anything touched them */
+static size_t resident_pages(void *p, size_t len)
+{
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE), n = (len + pg - 1) / pg, r = 0;
+    unsigned char *vec = calloc(n, 1);
+    if (vec != NULL && mincore(p, len, vec) == 0)
+        for (size_t i = 0; i < n; i++)
+            r += vec[i] & 1;
+    free(vec);
+    return r;
+}
 
 int main(void)
 {
@@ -53,9 +68,16 @@ int main(void)
     dev->to_f32(back, h, SD_DTYPE_BF16, 3);
     TH_CHECK(back[1] == -2.0f, "to_f32");
 
-    /* shared memory: zeroed, sealed against resizing */
+    /* shared memory: backed and mapped up front (no page faults on first touch, no SIGBUS when
+     * memory runs out later), zeroed, sealed against resizing */
     struct sd_mem mem;
     TH_CHECK(dev->alloc(1 << 20, SD_MEM_SHARED, "test", &mem) == 0 && mem.fd >= 0, "alloc shared");
+    size_t pages = (1u << 20) / (size_t)sysconf(_SC_PAGESIZE);
+    size_t res = resident_pages(mem.ptr, 1 << 20);
+    TH_CHECK(res == pages, "shared buffer populated: %zu of %zu pages resident", res, pages);
+    struct stat sb;
+    TH_CHECK(fstat(mem.fd, &sb) == 0 && (uint64_t)sb.st_blocks * 512 >= (1u << 20),
+             "memfd backed: %lld bytes allocated", (long long)sb.st_blocks * 512);
     TH_CHECK(((char *)mem.ptr)[12345] == 0, "zeroed");
     TH_CHECK(ftruncate(mem.fd, 4096) != 0, "shrinking a sealed memfd fails");
     TH_CHECK(ftruncate(mem.fd, 1 << 21) != 0, "growing a sealed memfd fails");
@@ -65,5 +87,9 @@ int main(void)
              "seals %x", seals);
     dev->free(&mem);
     TH_CHECK(mem.fd == -1 && mem.ptr == NULL, "freed");
+    TH_CHECK(dev->alloc(1 << 20, 0, "private", &mem) == 0, "alloc private");
+    res = resident_pages(mem.ptr, 1 << 20);
+    TH_CHECK(res == pages, "private buffer populated: %zu of %zu pages resident", res, pages);
+    dev->free(&mem);
     return th_summary("test_host_backend");
 }
