@@ -260,10 +260,10 @@ static int direct_start(struct sd_allreduce *ar)
         uint32_t peer = ar->members[m];
         uint64_t rtag = ar->tag_base | (uint64_t)(peer & 0x3ff) << 8;
         uint64_t stag = ar->tag_base | (uint64_t)(ar->members[ar->pos] & 0x3ff) << 8;
-        ar->pending +=
-            sd_bulk_exchange(ar->pool, ar->tp, peer, rtag, ar->tmp + (size_t)o * ar->count, bytes,
-                             stag, ar->buf, bytes, ar->chunk_bytes, NULL, NULL, direct_done, NULL,
-                             ar, 0, &ar->direct_rb[o], &ar->status, &ar->suspect);
+        ar->pending += sd_bulk_exchange(
+            ar->pool, ar->tp, peer, rtag, ar->tmp + (size_t)o * ar->count, bytes, stag, ar->buf,
+            bytes, ar->chunk_bytes, ar->tmp_desc, ar->buf_desc, direct_done, NULL, ar, 0,
+            &ar->direct_rb[o], &ar->status, &ar->suspect);
         o++;
     }
     /* nothing in flight: the caller reports the error; else the callbacks finish the job */
@@ -316,9 +316,11 @@ static int ring_post_one(struct sd_allreduce *ar, bool send, uint32_t t, uint32_
     bx->off = c;
     bx->len = len * sizeof(float);
     bx->x.cb = ring_xfer_cb;
-    float *p = send || t >= n - 1 ? ar->buf + b : ar->tmp + (size_t)c * ar->chunk_floats;
-    int st = send ? ar->tp->ops->send(ar->tp, peer, tag, p, bx->len, NULL, &bx->x)
-                  : ar->tp->ops->recv(ar->tp, peer, tag, 0, p, bx->len, NULL, &bx->x);
+    bool in_buf = send || t >= n - 1;
+    float *p = in_buf ? ar->buf + b : ar->tmp + (size_t)c * ar->chunk_floats;
+    void *desc = in_buf ? ar->buf_desc : ar->tmp_desc;
+    int st = send ? ar->tp->ops->send(ar->tp, peer, tag, p, bx->len, desc, &bx->x)
+                  : ar->tp->ops->recv(ar->tp, peer, tag, 0, p, bx->len, desc, &bx->x);
     if (st != SD_OK) {
         if (ar->status == SD_OK) {
             ar->status = st;
@@ -436,8 +438,9 @@ static int ring_start(struct sd_allreduce *ar)
 
 int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct sd_bulk_pool *pool,
                        const uint32_t *members, uint32_t n_members, uint32_t self, float *buf,
-                       size_t count, float *tmp, size_t tmp_count, uint64_t tag_base,
-                       size_t chunk_bytes, size_t small_bytes, sd_allreduce_cb cb, void *arg)
+                       size_t count, float *tmp, size_t tmp_count, void *buf_desc, void *tmp_desc,
+                       uint64_t tag_base, size_t chunk_bytes, size_t small_bytes,
+                       sd_allreduce_cb cb, void *arg)
 {
     memset(ar, 0, sizeof(*ar));
     ar->tp = tp;
@@ -448,6 +451,8 @@ int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct 
     ar->count = count;
     ar->tmp = tmp;
     ar->tmp_count = tmp_count;
+    ar->buf_desc = buf_desc;
+    ar->tmp_desc = tmp_desc;
     ar->tag_base = tag_base;
     ar->chunk_bytes = chunk_bytes;
     ar->cb = cb;

@@ -89,6 +89,7 @@ struct sd_allreduce {
     size_t count;
     float *tmp; /* ring: ceil(count / n) floats; direct: (n - 1) * count floats */
     size_t tmp_count;
+    void *buf_desc, *tmp_desc; /* their registrations (providers with FI_MR_LOCAL), or NULL */
     uint64_t tag_base; /* kind/job/unit/seq(high byte): the step index goes into seq's low byte */
     size_t chunk_bytes;
     bool direct;
@@ -112,8 +113,9 @@ struct sd_allreduce {
 size_t sd_allreduce_tmp_floats(size_t count, uint32_t n, size_t small_bytes);
 int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct sd_bulk_pool *pool,
                        const uint32_t *members, uint32_t n_members, uint32_t self, float *buf,
-                       size_t count, float *tmp, size_t tmp_count, uint64_t tag_base,
-                       size_t chunk_bytes, size_t small_bytes, sd_allreduce_cb cb, void *arg);
+                       size_t count, float *tmp, size_t tmp_count, void *buf_desc, void *tmp_desc,
+                       uint64_t tag_base, size_t chunk_bytes, size_t small_bytes,
+                       sd_allreduce_cb cb, void *arg);
 
 /* Ring segment s of count floats among n: [begin, end). */
 static inline void sd_ring_segment(size_t count, uint32_t n, uint32_t s, size_t *begin_p,

@@ -194,6 +194,7 @@ struct sd_net {
     struct sd_cluster *cl;
     uint32_t self, n;
     struct sd_net_req reqs[SD_NET_REQ_SLOTS];
+    void *reqs_desc, *reqs_mr; /* reqs registered (providers with FI_MR_LOCAL) */
 };
 
 /* A gathered copy of a unit: one per unit, or one per unit and local rank when the hierarchical
@@ -236,7 +237,7 @@ struct sd_node_round {
     int status;
     uint32_t suspect;
     size_t chunk;
-    const float *part; /* the node partial: scratch, or the one rank's fp32 staging slot */
+    float *part; /* the node partial: scratch, or the one rank's fp32 staging slot */
     uint32_t chunk_arrivals[SD_TAG_MAX_CHUNKS];
     bool ar_active;
     struct sd_allreduce ar;

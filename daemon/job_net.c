@@ -196,6 +196,8 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         st = reg_mr(job, job->ar_tmp, job->ar_tmp_count * sizeof(float));
     if (st == SD_OK)
         st = reg_mr(job, job->norm_parts, N * sizeof(*job->norm_parts));
+    if (st == SD_OK) /* the pull requests each gather sends live in its unit state */
+        st = reg_mr(job, job->units, job->n_slots * sizeof(*job->units));
     if (st != SD_OK) {
         snprintf(err, errlen, "registering the job's memory with the fabric failed: %s",
                  sd_status_str(st));
@@ -470,12 +472,14 @@ bool sd_net_busy(const struct sd_registry *reg)
 
 static void req_recv_cb(struct sd_xfer *x, int status);
 
-static int post_req_recv(struct sd_net_req *r, struct sd_transport *tp)
+static int post_req_recv(struct sd_net_req *r, struct sd_net *net)
 {
+    struct sd_transport *tp = net->tp;
     r->x.cb = req_recv_cb;
     uint64_t tag = sd_tag(SD_TAG_REQ, 0, 0, 0, 0, 0);
     uint64_t ignore = ~(0xfULL << 60);
-    return tp->ops->recv(tp, SD_PEER_ANY, tag, ignore, &r->msg, sizeof(r->msg), NULL, &r->x);
+    return tp->ops->recv(tp, SD_PEER_ANY, tag, ignore, &r->msg, sizeof(r->msg), net->reqs_desc,
+                         &r->x);
 }
 
 static void req_recv_cb(struct sd_xfer *x, int status)
@@ -486,7 +490,7 @@ static void req_recv_cb(struct sd_xfer *x, int status)
         return; /* cancelled at shutdown */
     if (x->len == sizeof(r->msg))
         on_request(reg, &r->msg);
-    post_req_recv(r, reg->net->tp);
+    post_req_recv(r, reg->net);
 }
 
 int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl)
@@ -507,10 +511,15 @@ int sd_net_post_requests(struct sd_registry *reg)
 {
     if (reg->net == NULL || reg->net->posted)
         return SD_OK;
-    reg->net->posted = true;
+    struct sd_net *net = reg->net;
+    net->posted = true;
+    int st =
+        net->tp->ops->mr_reg(net->tp, net->reqs, sizeof(net->reqs), &net->reqs_desc, &net->reqs_mr);
+    if (st != SD_OK)
+        return st;
     for (uint32_t i = 0; i < SD_NET_REQ_SLOTS; i++) {
-        reg->net->reqs[i].reg = reg;
-        int st = post_req_recv(&reg->net->reqs[i], reg->net->tp);
+        net->reqs[i].reg = reg;
+        st = post_req_recv(&net->reqs[i], net);
         if (st != SD_OK)
             return st;
     }
@@ -520,6 +529,8 @@ int sd_net_post_requests(struct sd_registry *reg)
 /* After the transport was quiesced and every job freed. */
 void sd_net_stop(struct sd_registry *reg)
 {
+    if (reg->net != NULL && reg->net->reqs_mr != NULL)
+        reg->net->tp->ops->mr_dereg(reg->net->tp, reg->net->reqs_mr);
     free(reg->net);
     reg->net = NULL;
 }
@@ -664,7 +675,7 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
         x->arg = us;
         st = tp_of(job)->ops->send(tp_of(job), m,
                                    sd_tag(SD_TAG_REQ, job->tag, us->unit, seq, self_node(job), 0),
-                                   &us->req, sizeof(us->req), NULL, x);
+                                   &us->req, sizeof(us->req), desc_of(job, &us->req), x);
         if (st != SD_OK) {
             us->status = st;
             us->suspect = m;
@@ -817,7 +828,7 @@ static void round_finish(struct sd_job *job)
     const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
     uint32_t f = job->plan.f[SD_STATE_G];
     uint64_t len = ul->numel / f;
-    const float *B = job->group_nodes > 1 ? job->rs_out : job->scratch;
+    const float *B = job->group_nodes > 1 ? job->rs_out : rd->part;
     for (uint32_t j = 0; j < job->k; j++) {
         float *g = (float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
         uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
@@ -854,14 +865,15 @@ static void round_after_rs(struct sd_job *job)
         uint32_t R = replication_nodes(job, job->members);
         const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
         uint64_t count = job->group_nodes > 1 ? ul->numel / job->group_nodes : ul->numel;
-        float *B = job->group_nodes > 1 ? job->rs_out : job->scratch;
+        float *B = job->group_nodes > 1 ? job->rs_out : rd->part;
         if (R > 1) {
             rd->ar_active = true;
             uint64_t tag =
                 sd_tag(SD_TAG_AR, job->tag, rd->unit, (uint32_t)(rd->seq & 0xff) << 8, 0, 0);
             int st = sd_allreduce_start(&rd->ar, tp_of(job), &job->bulks, job->members, R,
                                         self_node(job), B, count, job->ar_tmp, job->ar_tmp_count,
-                                        tag, job->reg->cfg->chunk_bytes,
+                                        desc_of(job, B), desc_of(job, job->ar_tmp), tag,
+                                        job->reg->cfg->chunk_bytes,
                                         job->reg->cfg->small_allreduce_bytes, round_ar_done, job);
             if (st == SD_OK)
                 return;
@@ -947,22 +959,24 @@ static void round_start_next(struct sd_job *job)
     rd->status = SD_OK;
     rd->pending = 0;
     job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)job->k * sd_unit_bytes(ul);
+    /* One rank's fp32 gradient is the node partial as it stands: the reduce-scatter's blocks
+     * leave straight from its staging slot (held until the round finishes), and within one node
+     * the all-reduce runs in place there. Otherwise the partial is summed into scratch, across
+     * nodes block by block, each just before it leaves, this node's own block last: the first
+     * send starts after 1/G of the work instead of all of it. */
     uint32_t G = job->group_nodes;
+    bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32;
+    rd->part = direct ? (float *)((uint8_t *)job->staging[ent[0].s->local].ptr +
+                                  (uint64_t)ent[0].slot * job->staging_slot_bytes)
+                      : job->scratch;
     if (G == 1) {
-        node_partial(job, ent, ul, 0, ul->numel);
+        if (!direct)
+            node_partial(job, ent, ul, 0, ul->numel);
         round_after_rs(job);
         return;
     }
-    /* One rank's fp32 gradient is the node partial as it stands: the blocks leave straight from
-     * its staging slot (held until the round finishes). Otherwise the partial is summed block by
-     * block, each just before it leaves, this node's own block last: the first send starts
-     * after 1/G of the work instead of all of it. */
     size_t block = ul->numel / G, bytes = block * sizeof(float);
     uint32_t first = group_first(job), me = self_node(job) % G;
-    bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32;
-    rd->part = direct ? (const float *)((const uint8_t *)job->staging[ent[0].s->local].ptr +
-                                        (uint64_t)ent[0].slot * job->staging_slot_bytes)
-                      : job->scratch;
     rd->chunk = chunk_size(bytes, 1, job->reg->cfg->chunk_bytes);
     for (uint32_t i = 0, o = 0; i < G; i++) {
         uint32_t m = first + i;
@@ -971,7 +985,7 @@ static void round_start_next(struct sd_job *job)
         if (!direct)
             node_partial(job, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
         uint32_t seq = (uint32_t)(rd->seq & 0xffff);
-        void *rp = job->rs_recv + (size_t)o * block, *sp = (void *)(rd->part + (size_t)i * block);
+        void *rp = job->rs_recv + (size_t)o * block, *sp = rd->part + (size_t)i * block;
         rd->pending += sd_bulk_exchange(
             &job->bulks, tp_of(job), m, sd_tag(SD_TAG_GRAD, job->tag, u, seq, m, 0), rp, bytes,
             sd_tag(SD_TAG_GRAD, job->tag, u, seq, self_node(job), 0), sp, bytes,
@@ -1152,7 +1166,8 @@ void sd_job_net_step(struct sd_job *job)
             job->step_pending = 1;
             int st = sd_allreduce_start(&job->step_ar, tp_of(job), &job->bulks, job->members, R,
                                         self_node(job), job->scratch, count, job->ar_tmp,
-                                        job->ar_tmp_count, tag, job->reg->cfg->chunk_bytes,
+                                        job->ar_tmp_count, desc_of(job, job->scratch),
+                                        desc_of(job, job->ar_tmp), tag, job->reg->cfg->chunk_bytes,
                                         job->reg->cfg->small_allreduce_bytes, step_ar_done, job);
             if (st != SD_OK) {
                 job->step_pending = 0;

@@ -158,9 +158,9 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
     }
     int started = 0;
     for (uint32_t i = 0; i < n; i++)
-        started +=
-            sd_allreduce_start(&ars[i], &nodes[i].base, &pools[i], members, n, i, bufs[i], count,
-                               tmps[i], tmpn, 0x1000, chunk, small_bytes, ar_cb, &done[i]) == SD_OK;
+        started += sd_allreduce_start(&ars[i], &nodes[i].base, &pools[i], members, n, i, bufs[i],
+                                      count, tmps[i], tmpn, NULL, NULL, 0x1000, chunk, small_bytes,
+                                      ar_cb, &done[i]) == SD_OK;
     TH_CHECK(started == (int)n, "n %u count %zu: %d of %u started", n, count, started, n);
     for (int round = 0; round < 100000; round++) {
         int all = 1, moved = 0;
