@@ -107,6 +107,18 @@ static uint64_t place(struct sd_ival *iv, uint32_t n, uint64_t align, const uint
     return peak;
 }
 
+/* place in this order; keep the placement in best[] if its peak beats *peak */
+static void try_order(struct sd_ival *iv, uint32_t n, uint64_t align, const uint32_t *order,
+                      const struct sd_ival **busy, uint8_t *placed, uint64_t *peak, uint64_t *best)
+{
+    uint64_t p = place(iv, n, align, order, busy, placed);
+    if (p >= *peak)
+        return;
+    *peak = p;
+    for (uint32_t i = 0; i < n; i++)
+        best[i] = iv[i].off;
+}
+
 uint64_t sd_ival_plan(struct sd_ival *iv, uint32_t n, uint64_t align)
 {
     if (n == 0)
@@ -127,19 +139,12 @@ uint64_t sd_ival_plan(struct sd_ival *iv, uint32_t n, uint64_t align)
     for (uint32_t i = 0; i < n; i++)
         order[i] = i;
     sort_base = iv;
-    qsort(order, n, sizeof(*order), by_size_desc);
-    uint64_t peak = place(iv, n, align, order, busy, placed);
-    for (uint32_t i = 0; i < n; i++)
-        first[i] = iv[i].off;
-    int (*const others[])(const void *, const void *) = {by_start, by_class_start, by_end_desc};
-    for (size_t k = 0; k < sizeof(others) / sizeof(others[0]); k++) {
-        qsort(order, n, sizeof(*order), others[k]);
-        uint64_t p = place(iv, n, align, order, busy, placed);
-        if (p < peak) {
-            peak = p;
-            for (uint32_t i = 0; i < n; i++)
-                first[i] = iv[i].off;
-        }
+    uint64_t peak = UINT64_MAX;
+    int (*const orders[])(const void *, const void *) = {by_size_desc, by_start, by_class_start,
+                                                         by_end_desc};
+    for (size_t k = 0; k < sizeof(orders) / sizeof(orders[0]); k++) {
+        qsort(order, n, sizeof(*order), orders[k]);
+        try_order(iv, n, align, order, busy, placed, &peak, first);
     }
     /* Still above the lower bound: restart largest-first with each size perturbed by up to a
      * quarter (units of near-equal size trade places), from a fixed seed (the same schedule
@@ -156,12 +161,7 @@ uint64_t sd_ival_plan(struct sd_ival *iv, uint32_t n, uint64_t align)
         }
         sort_key = key;
         qsort(order, n, sizeof(*order), by_key_desc);
-        uint64_t p = place(iv, n, align, order, busy, placed);
-        if (p < peak) {
-            peak = p;
-            for (uint32_t i = 0; i < n; i++)
-                first[i] = iv[i].off;
-        }
+        try_order(iv, n, align, order, busy, placed, &peak, first);
     }
     free(key);
     for (uint32_t i = 0; i < n; i++) /* the best placement found */

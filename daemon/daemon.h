@@ -452,6 +452,18 @@ int sd_job_pool_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);
 void sd_job_evict(struct sd_job *job, struct sd_unit_state *us);
 bool sd_job_others_hold(const struct sd_job *job, const struct sd_session *s);
 
+/* local rank local's arena of one state (SD_STATE_W, ...) */
+static inline struct sd_mem *sd_job_arena(struct sd_job *job, uint32_t local, int state)
+{
+    return &job->arena[local * SD_STATE_COUNT + state];
+}
+
+/* staging slot slot of local rank local: where its pushed gradient waits for the round */
+static inline uint8_t *sd_job_staging_slot(struct sd_job *job, uint32_t local, uint32_t slot)
+{
+    return (uint8_t *)job->staging[local].ptr + (uint64_t)slot * job->staging_slot_bytes;
+}
+
 /* bytes of one rank's weight shard of unit u */
 static inline uint64_t sd_job_w_shard_bytes(const struct sd_job *job, uint32_t u)
 {

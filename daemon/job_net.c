@@ -26,11 +26,6 @@
 
 #define MAX_GATHERS_INFLIGHT 8
 
-static inline struct sd_mem *arena(struct sd_job *job, uint32_t local, int state)
-{
-    return &job->arena[local * SD_STATE_COUNT + state];
-}
-
 static inline struct sd_transport *tp_of(const struct sd_job *job)
 {
     return job->net->tp;
@@ -182,7 +177,8 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     /* memory registered once per job */
     st = reg_mr(job, job->pool.ptr, job->pool.bytes);
     for (uint32_t r = 0; st == SD_OK && r < job->k; r++) {
-        st = reg_mr(job, arena(job, r, SD_STATE_W)->ptr, arena(job, r, SD_STATE_W)->bytes);
+        st = reg_mr(job, sd_job_arena(job, r, SD_STATE_W)->ptr,
+                    sd_job_arena(job, r, SD_STATE_W)->bytes);
         if (st == SD_OK)
             st = reg_mr(job, job->staging[r].ptr, job->staging[r].bytes);
     }
@@ -371,7 +367,7 @@ static bool serve(struct sd_job *job, const struct sd_req_msg *m)
     size_t lens[SD_BULK_MAX_PIECES];
     for (uint32_t i = 0, p = 0; i < n_units; i++) {
         for (uint32_t j = 0; j < job->k; j++, p++) {
-            pieces[p] = (uint8_t *)arena(job, j, SD_STATE_W)->ptr + job->w_off[m->unit + i];
+            pieces[p] = (uint8_t *)sd_job_arena(job, j, SD_STATE_W)->ptr + job->w_off[m->unit + i];
             lens[p] = sd_job_w_shard_bytes(job, m->unit + i);
         }
     }
@@ -614,7 +610,8 @@ static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
     uint32_t me = self_node(job) % G;
     for (uint32_t j = 0; j < k; j++)
         job->reg->dev->copy(slot + ((size_t)me * k + j) * len,
-                            (uint8_t *)arena(job, j, SD_STATE_W)->ptr + job->w_off[us->unit], len);
+                            (uint8_t *)sd_job_arena(job, j, SD_STATE_W)->ptr + job->w_off[us->unit],
+                            len);
     job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += (uint64_t)k * len;
     us->inflight = true;
     us->status = SD_OK;
@@ -830,7 +827,7 @@ static void round_finish(struct sd_job *job)
     uint64_t len = ul->numel / f;
     const float *B = job->group_nodes > 1 ? job->rs_out : rd->part;
     for (uint32_t j = 0; j < job->k; j++) {
-        float *g = (float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+        float *g = (float *)sd_job_arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
         uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
         job->reg->dev->reduce_add(g, B + src, SD_DTYPE_FP32, len);
     }
@@ -930,8 +927,7 @@ static void node_partial(struct sd_job *job, const struct sd_push_entry *ent,
     const struct sd_gpu_ops *dev = job->reg->dev;
     size_t esz = sd_dtype_size(ul->dtype);
     for (uint32_t m = 0; m < job->k; m++) {
-        const uint8_t *src = (uint8_t *)job->staging[ent[m].s->local].ptr +
-                             (uint64_t)ent[m].slot * job->staging_slot_bytes + lo * esz;
+        const uint8_t *src = sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + lo * esz;
         if (m == 0)
             dev->to_f32(job->scratch + lo, src, ul->dtype, hi - lo);
         else
@@ -966,8 +962,7 @@ static void round_start_next(struct sd_job *job)
      * send starts after 1/G of the work instead of all of it. */
     uint32_t G = job->group_nodes;
     bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32;
-    rd->part = direct ? (float *)((uint8_t *)job->staging[ent[0].s->local].ptr +
-                                  (uint64_t)ent[0].slot * job->staging_slot_bytes)
+    rd->part = direct ? (float *)(void *)sd_job_staging_slot(job, ent[0].s->local, ent[0].slot)
                       : job->scratch;
     if (G == 1) {
         if (!direct)
@@ -1028,13 +1023,14 @@ static uint64_t step_pack(struct sd_job *job, uint32_t u)
     if (job->group_nodes > 1) {
         for (uint32_t j = 0; j < job->k; j++)
             dev->copy(job->scratch + (uint64_t)j * len,
-                      (float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G],
+                      (float *)sd_job_arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G],
                       len * sizeof(float));
         return (uint64_t)job->k * len;
     }
     for (uint32_t i = 0; i < f; i++)
         for (uint32_t j = i; j < job->k; j += f) {
-            const float *g = (float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+            const float *g =
+                (float *)sd_job_arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
             if (j == i)
                 dev->copy(job->scratch + (uint64_t)i * len, g, len * sizeof(float));
             else
@@ -1051,7 +1047,8 @@ static void step_unpack(struct sd_job *job, uint32_t u)
     uint64_t len = ul->numel / f;
     for (uint32_t j = 0; j < job->k; j++) {
         uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
-        job->reg->dev->copy((float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G],
+        job->reg->dev->copy((float *)sd_job_arena(job, j, SD_STATE_G)->ptr +
+                                ul->arena_off[SD_STATE_G],
                             job->scratch + src, len * sizeof(float));
     }
 }
@@ -1112,8 +1109,9 @@ static void norm_start(struct sd_job *job)
             continue;
         for (uint32_t u = 0; u < job->layout.n_units; u++) {
             const struct sd_unit_layout *ul = &job->layout.units[u];
-            local += job->reg->dev->sum_sq(
-                (float *)arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G], ul->numel / f);
+            local += job->reg->dev->sum_sq((float *)sd_job_arena(job, j, SD_STATE_G)->ptr +
+                                               ul->arena_off[SD_STATE_G],
+                                           ul->numel / f);
         }
     }
     job->norm_parts[me] = (struct sd_norm_part){

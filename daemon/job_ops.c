@@ -18,16 +18,6 @@
 
 #define OP_MSG_LEN SD_CQE_MSG_LEN
 
-static inline struct sd_mem *arena(struct sd_job *job, uint32_t local, int state)
-{
-    return &job->arena[local * SD_STATE_COUNT + state];
-}
-
-static inline uint8_t *staging_slot(struct sd_job *job, uint32_t local, uint32_t slot)
-{
-    return (uint8_t *)job->staging[local].ptr + (uint64_t)slot * job->staging_slot_bytes;
-}
-
 static void complete_ok(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                         uint64_t v0, uint64_t v1, uint64_t start_ns)
 {
@@ -75,7 +65,8 @@ void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t 
     for (uint32_t i = 0; i < grp.count; i++) {
         uint32_t local = sd_group_member(&grp, i) - job->first_rank;
         dev->copy(dst + i * shard_bytes,
-                  (uint8_t *)arena(job, local, SD_STATE_W)->ptr + job->w_off[u], shard_bytes);
+                  (uint8_t *)sd_job_arena(job, local, SD_STATE_W)->ptr + job->w_off[u],
+                  shard_bytes);
     }
     job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += sd_unit_bytes(ul);
     job->stats.gathers++;
@@ -240,9 +231,11 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
 
     for (uint32_t i = 0; i < f; i++) {
         uint32_t holder = g * f + i; /* local index of the rank holding shard i */
-        float *dst = (float *)arena(job, holder, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+        float *dst =
+            (float *)sd_job_arena(job, holder, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
         for (uint32_t m = 0; m < f; m++) {
-            const uint8_t *src = staging_slot(job, ent[m].s->local, ent[m].slot) + i * len * esz;
+            const uint8_t *src =
+                sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + i * len * esz;
             if (m == 0)
                 dev->to_f32(job->scratch, src, ul->dtype, len);
             else
@@ -374,9 +367,9 @@ void sd_job_step_apply(struct sd_job *job, double sumsq)
     /* every rank's optimizer shard: master weights, moments, cast into its w shard */
     uint64_t os_numel = l->arena_numel[SD_STATE_OS];
     for (uint32_t r = 0; r < job->k; r++) {
-        float *os = arena(job, r, SD_STATE_OS)->ptr;
-        float *g = arena(job, r, SD_STATE_G)->ptr;
-        uint8_t *w = arena(job, r, SD_STATE_W)->ptr;
+        float *os = sd_job_arena(job, r, SD_STATE_OS)->ptr;
+        float *g = sd_job_arena(job, r, SD_STATE_G)->ptr;
+        uint8_t *w = sd_job_arena(job, r, SD_STATE_W)->ptr;
         for (uint32_t u = 0; u < l->n_units; u++) {
             const struct sd_unit_layout *ul = &l->units[u];
             uint64_t off = ul->arena_off[SD_STATE_OS], len = ul->numel / f;
@@ -446,15 +439,15 @@ static void do_step(struct sd_job *job)
         const struct sd_unit_layout *ul = &l->units[u];
         uint64_t len = ul->numel / f;
         for (uint32_t i = 0; i < f; i++) {
-            float *acc = (float *)arena(job, i, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+            float *acc = (float *)sd_job_arena(job, i, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
             for (uint32_t j = 1; j < replicas; j++)
                 dev->reduce_add(acc,
-                                (float *)arena(job, j * f + i, SD_STATE_G)->ptr +
+                                (float *)sd_job_arena(job, j * f + i, SD_STATE_G)->ptr +
                                     ul->arena_off[SD_STATE_G],
                                 SD_DTYPE_FP32, len);
             sumsq += dev->sum_sq(acc, len);
             for (uint32_t j = 1; j < replicas; j++)
-                dev->copy((float *)arena(job, j * f + i, SD_STATE_G)->ptr +
+                dev->copy((float *)sd_job_arena(job, j * f + i, SD_STATE_G)->ptr +
                               ul->arena_off[SD_STATE_G],
                           acc, len * sizeof(float));
         }
@@ -493,10 +486,11 @@ void sd_job_load_unit(struct sd_job *job, uint32_t unit, const float *src)
     for (uint32_t r = 0; r < job->k; r++) {
         uint64_t b, end;
         sd_layout_shard(ul, f, job->first_rank + r, &b, &end);
-        float *master = (float *)arena(job, r, SD_STATE_OS)->ptr + ul->arena_off[SD_STATE_OS];
+        float *master =
+            (float *)sd_job_arena(job, r, SD_STATE_OS)->ptr + ul->arena_off[SD_STATE_OS];
         dev->copy(master, src + b, len * sizeof(float));
-        dev->from_f32((uint8_t *)arena(job, r, SD_STATE_W)->ptr + job->w_off[unit], ul->dtype,
-                      src + b, len);
+        dev->from_f32((uint8_t *)sd_job_arena(job, r, SD_STATE_W)->ptr + job->w_off[unit],
+                      ul->dtype, src + b, len);
     }
 }
 
@@ -520,7 +514,7 @@ static void op_init(struct sd_job *job, struct sd_session *s, const struct sd_sq
         return;
     }
     const struct sd_unit_layout *ul = &job->layout.units[e->unit];
-    const float *src = (const float *)(void *)staging_slot(job, s->local, (uint32_t)e->arg0);
+    const float *src = (const float *)(void *)sd_job_staging_slot(job, s->local, (uint32_t)e->arg0);
     uint32_t f = job->plan.f[SD_STATE_OS];
     uint64_t len = ul->numel / f;
     sd_job_load_unit(job, e->unit, src);

@@ -147,6 +147,15 @@ static struct {
     double fetch, push, step;
 } spent;
 
+/* shard_fetch, its wait counted for --timing */
+static int timed_fetch(shard_ctx_t *ctx, uint32_t unit, const void **data)
+{
+    double t0 = now_s();
+    int st = shard_fetch(ctx, unit, data);
+    spent.fetch += now_s() - t0;
+    return st;
+}
+
 static void busy_wait_ms(double ms, bool sleep)
 {
     if (ms <= 0)
@@ -448,9 +457,7 @@ static int forward_pass(shard_ctx_t *ctx, const struct opts *o, const struct mod
             continue;
         }
         const void *data;
-        double f0 = now_s();
-        int st = shard_fetch(ctx, (uint32_t)l, &data);
-        spent.fetch += now_s() - f0;
+        int st = timed_fetch(ctx, (uint32_t)l, &data);
         if (st != SHARD_OK)
             return st;
         const float *wl = unit_view(&ui[l], data, w[l]);
@@ -546,9 +553,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
                 const void *data;
                 if (skipped(o, step, l))
                     continue; /* nothing fetched, nothing pushed: a zero gradient */
-                double f0 = now_s();
-                CHECK(shard_fetch(ctx, (uint32_t)l, &data));
-                spent.fetch += now_s() - f0;
+                CHECK(timed_fetch(ctx, (uint32_t)l, &data));
                 const float *wl = unit_view(&ui[l], data, w[l]);
                 busy_wait_ms(o->compute_ms, o->compute_sleep);
                 memset(grad[l], 0, ui[l].numel * sizeof(float));
