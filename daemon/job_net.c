@@ -1208,7 +1208,23 @@ void sd_job_net_step(struct sd_job *job)
     }
 }
 
-/* ---- initial values: node 0 broadcasts each unit, the others apply it */
+/* ---- initial values: node 0 sends each node the part of each unit it holds */
+
+/* Elements [lo, hi) of unit ul cover the optimizer-state shards of node m's ranks, which are all
+ * sd_job_load_unit reads (the weights are made from them): a zero3 node gets 1/N of the unit,
+ * not all of it. */
+static void init_range(const struct sd_job *job, uint32_t m, const struct sd_unit_layout *ul,
+                       uint64_t *lo, uint64_t *hi)
+{
+    *lo = ul->numel;
+    *hi = 0;
+    for (uint32_t r = m * job->k; r < (m + 1) * job->k; r++) {
+        uint64_t b, e;
+        sd_layout_shard(ul, job->plan.f[SD_STATE_OS], r, &b, &e);
+        *lo = SD_MIN(*lo, b);
+        *hi = SD_MAX(*hi, e);
+    }
+}
 
 static void init_recv_done(struct sd_bulk *b, int status);
 
@@ -1224,10 +1240,12 @@ static void init_post_next(struct sd_job *job)
     }
     uint32_t u = job->init_next_unit;
     const struct sd_unit_layout *ul = &job->layout.units[u];
-    void *p = job->scratch;
+    uint64_t lo, hi;
+    init_range(job, self_node(job), ul, &lo, &hi);
+    void *p = job->scratch + lo; /* where sd_job_load_unit looks for elements [lo, hi) */
     struct sd_bulk *b = sd_bulk_get(&job->bulks);
     int st = sd_bulk_start(b, tp_of(job), false, 0, sd_tag(SD_TAG_INIT, job->tag, u, 0, 0, 0), &p,
-                           1, ul->numel * sizeof(float), job->reg->cfg->chunk_bytes,
+                           1, (hi - lo) * sizeof(float), job->reg->cfg->chunk_bytes,
                            desc_of(job, p), init_recv_done, NULL, job);
     b->arg2 = (uint64_t)(uintptr_t)job;
     if (st != SD_OK) {
@@ -1284,11 +1302,13 @@ void sd_job_net_init_sent(struct sd_job *job, struct sd_session *s, const struct
     job->init_tag = e->tag;
     job->init_sends = 0;
     for (uint32_t m = 1; m < job->nodes; m++) {
-        void *p = (void *)values;
+        uint64_t lo, hi;
+        init_range(job, m, ul, &lo, &hi);
+        void *p = (void *)(values + lo);
         struct sd_bulk *b = sd_bulk_get(&job->bulks);
         int st =
             sd_bulk_start(b, tp_of(job), true, m, sd_tag(SD_TAG_INIT, job->tag, e->unit, 0, 0, 0),
-                          &p, 1, ul->numel * sizeof(float), job->reg->cfg->chunk_bytes,
+                          &p, 1, (hi - lo) * sizeof(float), job->reg->cfg->chunk_bytes,
                           desc_of(job, p), init_send_done, NULL, job);
         b->arg2 = (uint64_t)(uintptr_t)job;
         if (st == SD_OK)

@@ -497,7 +497,6 @@ void sd_job_load_unit(struct sd_job *job, uint32_t unit, const float *src)
 static void op_init(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                     uint64_t start)
 {
-    const struct sd_gpu_ops *dev = job->reg->dev;
     if (s->rank != 0) {
         sd_session_fail(s, e, SD_EPERM, "init: only rank 0 loads initial values (this is rank %u)",
                         s->rank);
@@ -513,14 +512,8 @@ static void op_init(struct sd_job *job, struct sd_session *s, const struct sd_sq
                         (unsigned long long)e->arg0);
         return;
     }
-    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
     const float *src = (const float *)(void *)sd_job_staging_slot(job, s->local, (uint32_t)e->arg0);
-    uint32_t f = job->plan.f[SD_STATE_OS];
-    uint64_t len = ul->numel / f;
     sd_job_load_unit(job, e->unit, src);
-    (void)f;
-    (void)len;
-    (void)dev;
     if (job->nodes > 1) {
         job->stats.ops[SD_OP_INIT]++;
         sd_latency_add(&job->stats.lat[SD_OP_INIT], sd_now_ns() - start);

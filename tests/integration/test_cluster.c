@@ -113,8 +113,10 @@ static void run_one(const struct run *r, int idx)
         TH_CHECK(st != NULL, "node %d has no stats for %s", node, job);
         if (st == NULL)
             continue;
-        long long init_sent = node == 0 ? (long long)(N - 1) * S : 0;
-        long long init_recv = node == 0 ? 0 : S;
+        /* node 0 sends each node the shards of its ranks: K of p, or all when p < K */
+        long long init_node = p >= K ? S / p * K : S;
+        long long init_sent = node == 0 ? (long long)(N - 1) * init_node : 0;
+        long long init_recv = node == 0 ? 0 : init_node;
         int dumps = node == 0 ? 1 : 0;
         long long gathers = G > 1 ? (hier ? T + dumps : (long long)K * T + dumps) : 0;
         long long fetch_recv = gathers * (G - 1) * block;
