@@ -2,7 +2,7 @@
 # An emulated cluster of shardd daemons on this machine.
 #
 #   tools/local-cluster.sh start --nodes N --ranks-per-node K --dir DIR
-#                                [--netns --inter-rate RATE --inter-delay DELAY]
+#                                [--netns --inter-rate RATE --inter-delay DELAY --mtu BYTES]
 #                                [--port PORT] [--shardd PATH] [-- shardd options...]
 #   tools/local-cluster.sh stop --dir DIR
 #   tools/local-cluster.sh link --dir DIR --node I up|down     (netns clusters: cut a node off)
@@ -11,18 +11,21 @@
 # DIR/node<i>/shardd.log. Without --netns they talk over loopback. With --netns each node gets
 # a network namespace (sdN-<i>) with a veth pair into a bridge in the root namespace; the
 # node's side of each veth is shaped with tc (RATE like 1gbit, DELAY like 100us), so every
-# inter-node byte crosses a shaped link. Trainers of node i must run in its namespace:
-# `ip netns exec $(tools/local-cluster.sh netns --dir DIR --node i) ...` (the socket is a file,
-# so they can also connect from the root namespace). stop kills the daemons and removes the
-# namespaces, links and DIR's contents it made.
+# inter-node byte crosses a shaped link. The links' MTU is 1500 unless --mtu (9000 for the jumbo
+# frames of cluster fabrics: the shaped rate counts headers, so the MTU sets the payload's share).
+# Trainers of node i must run in its namespace:
+#   ip netns exec $(tools/local-cluster.sh netns --dir DIR --node i) ...
+# (the socket is a file, so they can also connect from the root namespace). stop kills the
+# daemons and removes the namespaces, links and DIR's contents it made.
 set -euo pipefail
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ -n "$cmd" ] || { usage; exit 2; }
+case $cmd in -h|--help|help) usage; exit 0 ;; esac
 shift
-state= nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 port= shardd= shardctl= extra=() node=
+state= nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 mtu=1500 port= shardd= shardctl= extra=() node=
 while [ $# -gt 0 ]; do
   case $1 in
     --nodes) nodes=$2; shift 2 ;;
@@ -31,6 +34,7 @@ while [ $# -gt 0 ]; do
     --netns) netns=1; shift ;;
     --inter-rate) rate=$2; shift 2 ;;
     --inter-delay) delay=$2; shift 2 ;;
+    --mtu) mtu=$2; shift 2 ;;
     --port) port=$2; shift 2 ;;
     --shardd) shardd=$2; shift 2 ;;
     --shardctl) shardctl=$2; shift 2 ;;
@@ -96,7 +100,7 @@ if [ "$netns" = 1 ]; then
   # addresses of this cluster's own namespaces: 10.<a>.<b>.<node+1>/24 behind a private bridge
   a=$((200 + tagid % 50)); b=$((tagid % 250))
   ip link add "$br" type bridge
-  ip link set "$br" up
+  ip link set "$br" mtu "$mtu" up
   : >"$dir/netns"
   for i in $(seq 0 $((nodes - 1))); do
     n=$(ns "$i")
@@ -104,12 +108,12 @@ if [ "$netns" = 1 ]; then
     echo "$n" >>"$dir/netns"
     ip link add "sv${tagid}h$i" type veth peer name "sv${tagid}n$i"
     ip link set "sv${tagid}n$i" netns "$n"
-    ip link set "sv${tagid}h$i" master "$br" up
+    ip link set "sv${tagid}h$i" mtu "$mtu" master "$br" up
     ip netns exec "$n" ip link set lo up
     # as on training clusters: no slow start after the idle gaps between collectives
     ip netns exec "$n" sysctl -qw net.ipv4.tcp_slow_start_after_idle=0 || true
     ip netns exec "$n" ip addr add "10.$a.$b.$((i + 1))/24" dev "sv${tagid}n$i"
-    ip netns exec "$n" ip link set "sv${tagid}n$i" up
+    ip netns exec "$n" ip link set "sv${tagid}n$i" mtu "$mtu" up
     # shape what leaves the node; the delay, if any, on the same qdisc
     if [ "$delay" != 0 ]; then
       ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root handle 1: netem delay "$delay" rate "$rate"
