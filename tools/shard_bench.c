@@ -380,12 +380,29 @@ static int bench_coll(const struct opts *o, int kind, const char *name)
     int fds[2];
     if (pipe(fds) != 0)
         return 1;
+    /* Every rank finishes a size before any starts the next (go[r]: a byte per size from this
+     * process): a rank that went on alone would register the next job, whose buffers the
+     * daemons allocate and fill, while the others still measure. */
     pid_t kids[512];
-    for (int r = 0; r < world && r < 512; r++) {
+    int go[512];
+    if (world > 512) {
+        fprintf(stderr, "shard-bench %s: at most 512 ranks\n", name);
+        return 2;
+    }
+    for (int r = 0; r < world; r++) {
+        int gp[2];
+        if (pipe(gp) != 0)
+            return 1;
         kids[r] = fork();
         if (kids[r] == 0) {
             close(fds[0]);
+            close(gp[1]);
+            for (int q = 0; q < r; q++)
+                close(go[q]);
             for (uint64_t size = o->min_size; size <= o->max_size; size *= 2) {
+                char c;
+                if (size > o->min_size && read(gp[0], &c, 1) != 1)
+                    _exit(1); /* another rank failed */
                 struct coll_result res = {0};
                 coll_rank(o, kind, r, world, socks[r / o->ranks_per_node], size, &res);
                 if (write(fds[1], &res, sizeof(res)) != (ssize_t)sizeof(res))
@@ -395,6 +412,8 @@ static int bench_coll(const struct opts *o, int kind, const char *name)
             }
             _exit(0);
         }
+        close(gp[0]);
+        go[r] = gp[1];
     }
     close(fds[1]);
     double factor = kind == COLL_AR ? 2.0 * (world - 1) / world : (double)(world - 1) / world;
@@ -436,7 +455,12 @@ static int bench_coll(const struct opts *o, int kind, const char *name)
                    (unsigned long long)wrong);
         fflush(stdout);
         rc |= wrong != 0;
+        for (int r = 0; r < world && size * 2 <= o->max_size; r++) /* the ranks go on */
+            if (write(go[r], "g", 1) != 1)
+                rc = 1;
     }
+    for (int r = 0; r < world; r++)
+        close(go[r]);
     close(fds[0]);
     for (int r = 0; r < world; r++) {
         int status;
