@@ -44,12 +44,14 @@ static json_t *job_summary(const struct sd_job *job)
         json_object_set_new(o, "attached", json_boolean(s != NULL));
         json_array_append_new(ranks, o);
     }
-    return json_pack("{s:s, s:I, s:s, s:i, s:i, s:i, s:s, s:i, s:I, s:I, s:I, s:I, s:f, s:s, s:o}",
+    return json_pack("{s:s, s:I, s:s, s:b, s:i, s:i, s:i, s:s, s:i, s:I, s:I, s:I, s:I, s:f, s:s, "
+                     "s:o}",
                      "name", job->name, "id", (json_int_t)job->id, "state",
-                     sd_job_state_name(job->state), "uid", (int)job->uid, "world", (int)job->world,
-                     "ranks_per_node", (int)job->k, "plan", job->plan.name, "units",
-                     (int)job->layout.n_units, "parameters", (json_int_t)job->layout.total_numel,
-                     "parameter_bytes", (json_int_t)job->layout.total_bytes, "memory_bytes",
+                     sd_job_state_name(job->state), "allocating", (int)job->allocating, "uid",
+                     (int)job->uid, "world", (int)job->world, "ranks_per_node", (int)job->k, "plan",
+                     job->plan.name, "units", (int)job->layout.n_units, "parameters",
+                     (json_int_t)job->layout.total_numel, "parameter_bytes",
+                     (json_int_t)job->layout.total_bytes, "memory_bytes",
                      (json_int_t)job->bytes_total, "steps", (json_int_t)job->steps,
                      "last_grad_norm", job->last_grad_norm, "error", job->fail_msg, "ranks", ranks);
 }

@@ -145,6 +145,7 @@ struct sd_registry {
     const struct sd_config *cfg;
     const struct sd_gpu_ops *dev;
     struct sd_net *net;
+    uv_loop_t *loop; /* for allocating off the loop; NULL: allocate in place */
 };
 
 struct sd_push_entry {
@@ -315,6 +316,7 @@ struct sd_job {
     uint64_t staging_slot_bytes;
     uint32_t staging_slots;
     uint64_t bytes_total;
+    uint64_t alloc_start_ns, alloc_ns; /* allocating the job's memory: since, and how long */
     float *scratch;
     struct sd_slot_pool spool;
     struct sd_unit_state *units;
@@ -341,6 +343,8 @@ struct sd_job {
     uint32_t n_slots;
     bool node_rounds;    /* pushes reduce across nodes (or all-reduce without 2-hop) */
     bool retire_pending; /* all ranks left; memory goes once the network is idle */
+    bool allocating;     /* a worker thread backs its buffers (job_alloc_work) */
+    bool doomed;         /* dropped while allocating: freed once the worker is done */
     bool was_ready;      /* reached READY: after a clean detach, ready still answers */
     struct sd_net *net;
     struct sd_bulk_pool bulks;

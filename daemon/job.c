@@ -171,6 +171,10 @@ static void job_unlink(struct sd_job *job)
 static void job_destroy(struct sd_job *job)
 {
     job_unlink(job);
+    if (job->allocating) { /* the worker writes its buffers: alloc_after_cb frees it */
+        job->doomed = true;
+        return;
+    }
     SD_DEBUG("job", "job '%s' (id %llu) dropped", job->name, (unsigned long long)job->id);
     job_free(job);
 }
@@ -239,16 +243,20 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
 }
 
 /* Allocate every buffer of the job. On failure err says what and how much. */
-static int job_alloc(struct sd_job *job, char *err, size_t errlen)
+/* Allocating a job's memory has three parts. job_alloc_begin checks the budget, reserves the
+ * bytes and allocates the bookkeeping; job_alloc_buffers allocates and backs the big buffers (on
+ * a worker thread for host memory: backing 0.5 GiB took the loop up to 1 s here, and a loop that
+ * stalls misses heartbeats and holds up every other job's transfers); job_alloc_finish sets up
+ * the rest on the loop. Each failure leaves err filled and the caller frees with
+ * job_free_memory. */
+static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
 {
     struct sd_registry *reg = job->reg;
     const struct sd_config *cfg = reg->cfg;
-    const struct sd_gpu_ops *dev = reg->dev;
     const struct sd_layout *l = &job->layout;
     struct job_bytes need = job_bytes_needed(job, cfg);
     uint64_t budget = reg->budget;
     char b1[32], b2[32], b3[32];
-    int status;
 
     if (need.pool < l->max_unit_bytes) {
         snprintf(err, errlen,
@@ -272,9 +280,11 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
                  sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
         return SD_ENOSPC;
     }
+    /* reserved now, so that jobs registering meanwhile see it */
+    job->bytes_total = need.total;
+    reg->used += need.total;
 
     uint32_t k = job->k;
-    uint32_t of = sd_optim_state_floats(job->model.optim.kind);
     job->arena = calloc((size_t)k * SD_STATE_COUNT, sizeof(*job->arena));
     job->staging = calloc(k, sizeof(*job->staging));
     job->scratch = malloc(need.scratch ? need.scratch : 1);
@@ -292,8 +302,7 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
     if (!job->arena || !job->staging || !job->scratch || !job->units || !job->rounds ||
         !job->round_entries) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
-        status = SD_ENOMEM;
-        goto err_free;
+        return SD_ENOMEM;
     }
     for (uint32_t i = 0; i < job->n_slots; i++) {
         job->units[i].unit = i / job->slots_per_unit;
@@ -305,56 +314,66 @@ static int job_alloc(struct sd_job *job, char *err, size_t errlen)
     for (uint32_t i = 0; i < k; i++)
         job->staging[i].fd = -1;
     job->pool.fd = -1;
+    job->stats.pool_bytes = need.pool;
+    return SD_OK;
+}
 
-    char tag[96];
-    for (uint32_t r = 0; r < k; r++) {
+/* The arenas (arenas: true) or the host buffers (staging, gather pool). Touches only those
+ * buffers of job, and reads what registration fixed: safe on a worker thread while the job
+ * is allocating. */
+static int job_alloc_buffers(struct sd_job *job, bool arenas, char *err, size_t errlen)
+{
+    const struct sd_layout *l = &job->layout;
+    uint32_t k = job->k, of = sd_optim_state_floats(job->model.optim.kind);
+    char tag[96] = "";
+    int status = SD_OK;
+    for (uint32_t r = 0; r < k && status == SD_OK; r++) {
         uint64_t bytes[SD_STATE_COUNT] = {job->w_arena_bytes,
                                           l->arena_numel[SD_STATE_G] * sizeof(float),
                                           l->arena_numel[SD_STATE_OS] * sizeof(float) * of};
-        for (int st = 0; st < SD_STATE_COUNT; st++) {
+        for (int st = 0; arenas && st < SD_STATE_COUNT && status == SD_OK; st++) {
             snprintf(tag, sizeof(tag), "shardd-%s-r%u-%s", job->name, job->first_rank + r,
                      sd_state_name(st));
-            status =
-                dev->alloc(bytes[st], SD_MEM_PRIVATE, tag, &job->arena[r * SD_STATE_COUNT + st]);
-            if (status != SD_OK)
-                goto err_alloc;
+            status = job->reg->dev->alloc(bytes[st], SD_MEM_PRIVATE, tag,
+                                          &job->arena[r * SD_STATE_COUNT + st]);
         }
+        if (arenas || status != SD_OK)
+            continue;
         snprintf(tag, sizeof(tag), "shardd-%s-r%u-staging", job->name, job->first_rank + r);
-        status = sd_gpu_host_ops.alloc(need.staging / k, SD_MEM_SHARED, tag, &job->staging[r]);
-        if (status != SD_OK)
-            goto err_alloc;
+        status = sd_gpu_host_ops.alloc((uint64_t)job->reg->cfg->staging_slots * l->max_unit_numel *
+                                           sizeof(float),
+                                       SD_MEM_SHARED, tag, &job->staging[r]);
     }
-    snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
-    status = sd_gpu_host_ops.alloc(need.pool, SD_MEM_SHARED, tag, &job->pool);
+    if (!arenas && status == SD_OK) {
+        snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
+        status = sd_gpu_host_ops.alloc(job->stats.pool_bytes, SD_MEM_SHARED, tag, &job->pool);
+    }
     if (status != SD_OK)
-        goto err_alloc;
-    status = sd_slot_pool_init(&job->spool, need.pool, job->n_slots + 1);
-    if (status != SD_OK)
-        goto err_alloc;
-    status = sd_sched_alloc(job);
-    if (status != SD_OK)
-        goto err_alloc;
+        snprintf(err, errlen, "allocating %s for job '%s' failed: %s", tag, job->name,
+                 sd_status_str(status));
+    return status;
+}
+
+static int job_alloc_finish(struct sd_job *job, char *err, size_t errlen)
+{
+    int status = sd_slot_pool_init(&job->spool, job->stats.pool_bytes, job->n_slots + 1);
+    if (status == SD_OK)
+        status = sd_sched_alloc(job);
+    if (status != SD_OK) {
+        snprintf(err, errlen, "out of memory for the job's schedule");
+        return status;
+    }
     if (job->nodes > 1) {
         char nerr[256];
         status = sd_job_net_setup(job, nerr, sizeof(nerr));
         if (status != SD_OK) {
             snprintf(err, errlen, "job '%s': %s", job->name, nerr);
-            goto err_free;
+            return status;
         }
     }
-    job->staging_slots = (uint32_t)cfg->staging_slots;
-    job->staging_slot_bytes = l->max_unit_numel * sizeof(float);
-    job->bytes_total = need.total;
-    job->stats.pool_bytes = need.pool;
-    reg->used += need.total;
+    job->staging_slots = (uint32_t)job->reg->cfg->staging_slots;
+    job->staging_slot_bytes = job->layout.max_unit_numel * sizeof(float);
     return SD_OK;
-
-err_alloc:
-    snprintf(err, errlen, "allocating %s for job '%s' failed: %s", tag, job->name,
-             sd_status_str(status));
-err_free:
-    job_free_memory(job);
-    return status;
 }
 
 /* Send the layout and the shared fds to one registered rank. */
@@ -440,10 +459,10 @@ static void job_start_loading(struct sd_job *job)
     char b[32], c[32];
     SD_INFO("job",
             "job '%s' registered: %u ranks (%u on this node, %u nodes), plan %s, %u units, %s of "
-            "parameters, %s allocated",
+            "parameters, %s allocated in %.1f ms",
             job->name, job->world, job->k, job->nodes, job->plan.name, job->layout.n_units,
             sd_fmt_bytes(b, sizeof(b), job->layout.total_bytes),
-            sd_fmt_bytes(c, sizeof(c), job->bytes_total));
+            sd_fmt_bytes(c, sizeof(c), job->bytes_total), (double)job->alloc_ns / 1e6);
     for (uint32_t r = 0; r < job->k; r++) {
         struct sd_session *s = job->ranks[r];
         if (s != NULL && job_send_layout(job, s) != SD_OK) {
@@ -470,11 +489,10 @@ static void job_refuse(struct sd_job *job, int status, const char *msg)
     job_destroy(job);
 }
 
-/* Every local rank is here: allocate; one node starts at once, several ask the coordinator. */
-static void job_complete_registration(struct sd_job *job)
+/* The job's memory is allocated (status SD_OK) or not (err says why): one node starts at once,
+ * several ask the coordinator. */
+static void job_allocated(struct sd_job *job, int status, const char *err)
 {
-    char err[768];
-    int status = job_alloc(job, err, sizeof(err));
     if (job->nodes == 1) {
         if (status != SD_OK)
             job_refuse(job, status, err);
@@ -488,6 +506,89 @@ static void job_complete_registration(struct sd_job *job)
         sd_now_ns() + 2 * (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL;
     sd_cluster_report_job(job->reg->net->cl, job->name, job->digest, job->world, job->nodes, status,
                           status == SD_OK ? "" : err);
+}
+
+struct job_alloc_work {
+    uv_work_t req;
+    struct sd_job *job;
+    int status;
+    char err[768];
+};
+
+static void alloc_work_cb(uv_work_t *req)
+{
+    struct job_alloc_work *w = req->data;
+    w->status = job_alloc_buffers(w->job, false, w->err, sizeof(w->err));
+}
+
+static void alloc_work_host_cb(uv_work_t *req)
+{
+    struct job_alloc_work *w = req->data;
+    w->status = job_alloc_buffers(w->job, true, w->err, sizeof(w->err));
+    if (w->status == SD_OK)
+        w->status = job_alloc_buffers(w->job, false, w->err, sizeof(w->err));
+}
+
+static void alloc_after_cb(uv_work_t *req, int uv_status)
+{
+    struct job_alloc_work *w = req->data;
+    struct sd_job *job = w->job;
+    int status = uv_status == 0 ? w->status : SD_ECANCELED;
+    job->allocating = false;
+    if (uv_status != 0)
+        snprintf(w->err, sizeof(w->err), "allocating the buffers of job '%s' was cancelled",
+                 job->name);
+    if (job->doomed) { /* unlinked while the worker ran */
+        job_free(job);
+        free(w);
+        return;
+    }
+    if (status == SD_OK)
+        status = job_alloc_finish(job, w->err, sizeof(w->err));
+    job->alloc_ns = sd_now_ns() - job->alloc_start_ns;
+    if (status != SD_OK || job->n_registered != job->k) {
+        job_free_memory(job);
+        if (job->n_registered != job->k) { /* a rank left meanwhile: wait for it again */
+            free(w);
+            return;
+        }
+    }
+    job_allocated(job, status, w->err);
+    free(w);
+}
+
+/* Every local rank is here: allocate, then go on in job_allocated. Host memory is backed on a
+ * worker thread; device memory is allocated here, in the thread the backend set up. */
+static void job_complete_registration(struct sd_job *job)
+{
+    char err[768];
+    bool host = job->reg->dev == &sd_gpu_host_ops;
+    job->alloc_start_ns = sd_now_ns();
+    int status = job_alloc_begin(job, err, sizeof(err));
+    if (status == SD_OK && !host)
+        status = job_alloc_buffers(job, true, err, sizeof(err));
+    struct job_alloc_work *w =
+        status == SD_OK && job->reg->loop != NULL ? calloc(1, sizeof(*w)) : NULL;
+    if (w != NULL) {
+        w->req.data = w;
+        w->job = job;
+        job->allocating = true;
+        if (uv_queue_work(job->reg->loop, &w->req, host ? alloc_work_host_cb : alloc_work_cb,
+                          alloc_after_cb) == 0)
+            return;
+        job->allocating = false;
+        free(w);
+    }
+    if (status == SD_OK && host)
+        status = job_alloc_buffers(job, true, err, sizeof(err));
+    if (status == SD_OK)
+        status = job_alloc_buffers(job, false, err, sizeof(err));
+    if (status == SD_OK)
+        status = job_alloc_finish(job, err, sizeof(err));
+    job->alloc_ns = sd_now_ns() - job->alloc_start_ns;
+    if (status != SD_OK)
+        job_free_memory(job);
+    job_allocated(job, status, err);
 }
 
 void sd_job_confirmed(struct sd_registry *reg, const char *name, uint32_t tag)
@@ -863,7 +964,7 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
     for (struct sd_job *job = reg->jobs, *next; job; job = next) {
         next = job->next;
         if (job->state == SD_JOB_REGISTERING) {
-            if (now < job->register_deadline_ns)
+            if (now < job->register_deadline_ns || job->allocating)
                 continue;
             for (uint32_t r = 0; r < job->k && r < 1024; r++)
                 present[r] = job->ranks[r] != NULL;

@@ -233,6 +233,7 @@ int main(int argc, char **argv)
     uv_signal_init(&loop, &app.sigint);
     fd_snapshot(fds_at_start);
     sd_registry_init(&reg, &cfg, dev);
+    reg.loop = &loop;
     int status = sd_server_start(&app.srv, &loop, &cfg, &reg);
     if (status != SD_OK) {
         fprintf(stderr, "shardd: cannot start: %s\n", sd_status_str(status));

@@ -52,9 +52,10 @@ static void print_jobs(json_t *jobs)
     json_t *j;
     json_array_foreach(jobs, i, j)
     {
+        json_t *alloc = json_object_get(j, "allocating");
         printf("%-20s %4lld %-11s %5lld %-10s %5lld %12lld %10s %10s %6lld\n", str(j, "name"),
-               num(j, "id"), str(j, "state"), num(j, "world"), str(j, "plan"), num(j, "units"),
-               num(j, "parameters"),
+               num(j, "id"), json_is_true(alloc) ? "allocating" : str(j, "state"), num(j, "world"),
+               str(j, "plan"), num(j, "units"), num(j, "parameters"),
                sd_fmt_bytes(par, sizeof(par), (uint64_t)num(j, "parameter_bytes")),
                sd_fmt_bytes(mem, sizeof(mem), (uint64_t)num(j, "memory_bytes")), num(j, "steps"));
         if (str(j, "error")[0])

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static struct th_daemon d;
@@ -346,6 +347,48 @@ static void test_registration(void)
     expect_alive("registration errors");
 }
 
+/* A client that dies while the daemon backs its job's buffers (on a worker thread, so that
+ * the daemon answers meanwhile): the job goes, its bytes return to the budget, nothing leaks,
+ * and the same name registers again. */
+static void test_leave_while_allocating(void)
+{
+    struct tiny big;
+    tiny_init(&big, "alloc-victim", 0, 1, 1ULL << 25); /* ~1 GiB with pool and staging */
+    pid_t pid = fork();
+    if (pid == 0) {
+        shard_ctx_t *ctx;
+        if (shard_attach(d.sock, &ctx) == 0)
+            shard_register(ctx, &big.m);
+        _exit(0);
+    }
+    bool seen = false;
+    double t0 = th_now_s();
+    while (!seen && th_now_s() - t0 < 20) {
+        char *js = th_admin(d.sock, "jobs");
+        seen = js && strstr(js, "\"alloc-victim\"") && strstr(js, "\"allocating\":true");
+        free(js);
+        if (!seen)
+            usleep(1000);
+    }
+    TH_CHECK(seen, "never saw the job allocating (the daemon did not answer while it allocated)");
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    bool gone = false;
+    for (t0 = th_now_s(); !gone && th_now_s() - t0 < 20; usleep(10000)) {
+        char *js = th_admin(d.sock, "status");
+        gone = js && !strstr(js, "\"alloc-victim\"") && strstr(js, "\"memory_used_bytes\":0");
+        free(js);
+    }
+    TH_CHECK(gone, "the job of a client killed while allocating is still there, or its memory");
+    expect_alive("a client killed while its job allocated");
+    shard_ctx_t *ctx;
+    struct tiny again;
+    tiny_init(&again, "alloc-victim", 0, 1, 1000);
+    TH_CHECK(shard_attach(d.sock, &ctx) == 0 && shard_register(ctx, &again.m) == 0,
+             "the name registers again: %s", shard_last_error(ctx));
+    shard_detach(ctx);
+}
+
 static pid_t spawn_rank(const char *job, int rank, int world, int steps, const char *plan,
                         const char *dump, const char *log)
 {
@@ -449,6 +492,7 @@ int main(void)
     test_api_misuse();
     test_null_and_pool();
     test_registration();
+    test_leave_while_allocating();
     test_kill_mid_step();
     TH_CHECK(th_daemon_alive(&d), "daemon died");
     TH_CHECK(th_daemon_stop(&d) == 0, "shardd did not shut down cleanly");
