@@ -6,6 +6,12 @@
  *   step     AdamW step throughput on a shard (default 64M parameters) vs the memory-bandwidth
  *            bound: 32 bytes per parameter (read g, master, m, v; write master, m, v, w) at the
  *            bandwidth memcpy reaches (bytes read + written per second)
+ *   allgather|reducescatter|allreduce
+ *            one job per size across the daemons of --sockets, with the columns of nccl-tests:
+ *            the mean time per operation (the pushes of reducescatter and allreduce go back to
+ *            back and are waited for once; each allgather is a fetch waited for), algbw, busbw,
+ *            and #wrong from checking every element; the sizes run one after the other on every
+ *            rank
  *
  * --json prints one object per measurement with name, size_bytes, time_s, baseline,
  * baseline_time_s and ratio. Times are medians over --iters repetitions. */
@@ -301,7 +307,7 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
     shard_unit_info_t ui;
     shard_unit_info(c, 0, &ui);
     int iters = (int)SD_BENCH_ITERS(o->iters, size), total = iters + o->warmup;
-    double sum = 0;
+    double sum = 0, t0_all = 0;
     const void *p;
     float *grad = NULL;
     if (kind != COLL_AG) {
@@ -326,13 +332,20 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
                 st = shard_release(c, 0);
             if (it >= o->warmup)
                 sum += dt;
-        } else {
-            t0 = now_s();
+        } else if (it < o->warmup) {
             st = shard_push_grad(c, 0, grad, ui.bytes);
             if (st == 0)
                 st = shard__push_flush(c);
-            if (it >= o->warmup)
-                sum += now_s() - t0;
+        } else {
+            /* as nccl-tests: the measured iterations go back to back (a push returns once its
+             * gradient is staged), then one wait; the time is their mean */
+            if (it == o->warmup)
+                t0_all = now_s();
+            st = shard_push_grad(c, 0, grad, ui.bytes);
+            if (st == 0 && it == total - 1) {
+                st = shard__push_flush(c);
+                sum = now_s() - t0_all;
+            }
         }
     }
     if (st == 0 && kind != COLL_AG) {
