@@ -30,6 +30,7 @@ struct opts {
     const char *socket, *job, *plan, *optimizer, *dump;
     int rank, world, steps, accum, batch, hidden, layers;
     bool bf16, reference, quiet, timing;
+    bool compute_only; /* this rank's compute alone: no shardd, no updates */
     uint64_t seed;
     float lr, max_grad_norm, weight_decay;
     double compute_ms;
@@ -626,6 +627,47 @@ out:
     return rc;
 }
 
+/* --compute-only: the forward and backward passes of run_shardd (the same matrix products and
+ * compute waits, the same step lines) on this process's own copy of the initial weights, with
+ * no shardd and no update: the compute a step needs when communication costs nothing. */
+static int run_compute_only(const struct opts *o, const struct model *m)
+{
+    float **p = initial_params(m, o);
+    float *g[2 * MAX_LAYERS];
+    struct acts ac = {0};
+    float *y = calloc((size_t)o->batch * OUT_DIM, sizeof(float));
+    for (uint32_t t = 0; t < m->n_tensors; t++)
+        g[t] = calloc(m->numel[t], sizeof(float));
+    acts_alloc(&ac, m, o->batch);
+    for (int step = 0; step < o->steps; step++) {
+        double t0 = now_s(), loss_sum = 0.0;
+        for (int micro = 0; micro < o->accum; micro++) {
+            make_batch(o, step, micro, o->rank, ac.a[0], y);
+            for (int l = 0; l < m->layers; l++) {
+                busy_wait_ms(o->compute_ms, o->compute_sleep);
+                layer_forward(m, l, p[2 * l], p[2 * l + 1], &ac, o->batch);
+            }
+            loss_sum += loss_grad(m, y, &ac, o->batch);
+            for (int l = m->layers - 1; l >= 0; l--) {
+                busy_wait_ms(o->compute_ms, o->compute_sleep);
+                memset(g[2 * l], 0, m->numel[2 * l] * sizeof(float));
+                memset(g[2 * l + 1], 0, m->numel[2 * l + 1] * sizeof(float));
+                layer_backward(m, l, p[2 * l], g[2 * l], g[2 * l + 1], &ac, o->batch);
+            }
+        }
+        if (!o->quiet && o->rank == 0)
+            printf("step %d loss %.6f (compute only) %.4f s\n", step + 1, loss_sum / o->accum,
+                   now_s() - t0);
+        fflush(stdout);
+    }
+    for (uint32_t t = 0; t < m->n_tensors; t++)
+        free(g[t]);
+    acts_free(&ac, m);
+    free(y);
+    free_params(m, p);
+    return 0;
+}
+
 static void usage(FILE *out)
 {
     fprintf(out,
@@ -636,7 +678,8 @@ static void usage(FILE *out)
             "                 [--batch B] [--hidden H] [--layers L] [--compute-ms MS]\n"
             "                 [--max-live-bytes B] [--skip-layer STEP:LAYER] [--eval-every N]\n"
             "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
-            "                 [--dump-params FILE] [--reference] [--quiet] [--timing]\n"
+            "                 [--dump-params FILE] [--reference] [--compute-only] [--quiet]\n"
+            "                 [--timing]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
@@ -648,7 +691,9 @@ static void usage(FILE *out)
             "forward-only pass after every N steps; --diverge-from makes ranks >= R fetch one\n"
             "extra unit in step 1 (a schedule that differs between ranks, which shardd must\n"
             "refuse). --timing prints, per step, the seconds rank 0 spent waiting inside\n"
-            "shard_fetch, shard_push_grad and shard_step.\n",
+            "shard_fetch, shard_push_grad and shard_step. --compute-only runs this rank's\n"
+            "forward and backward passes (matrix products and compute waits) on its own copy\n"
+            "of the weights, without shardd and without updates: the compute alone.\n",
             IN_DIM, OUT_DIM);
 }
 
@@ -674,6 +719,8 @@ int main(int argc, char **argv)
             return 0;
         } else if (strcmp(a, "--reference") == 0) {
             o.reference = true;
+        } else if (strcmp(a, "--compute-only") == 0) {
+            o.compute_only = true;
         } else if (strcmp(a, "--quiet") == 0) {
             o.quiet = true;
         } else if (strcmp(a, "--timing") == 0) {
@@ -757,5 +804,7 @@ int main(int argc, char **argv)
                 o.skip_layer, m.layers - 2);
         return 2;
     }
+    if (o.compute_only)
+        return run_compute_only(&o, &m);
     return o.reference ? run_reference(&o, &m) : run_shardd(&o, &m);
 }

@@ -101,6 +101,15 @@ out=$("$SHARDCTL" "${S[@]}" --job nope jobs 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "unknown job" <<<"$out"' "unknown job filter: $out"
 for r in 0 1 2 3; do wait "${pids[$r]}" || bad "rank $r failed: $(cat "$dir/rank$r.log")"; done
 
+# mlp_train --compute-only: the same passes without shardd. Its first loss (initial weights, rank
+# 0's first batch) equals the first loss of the same run through shardd.
+out=$("$MLP" --socket "$dir/run/shardd.sock" --job once --steps 1 --hidden 64 2>&1)
+l1=$(sed -n 's/^step 1 loss \([0-9.]*\) .*/\1/p' <<<"$out")
+alone=$("$MLP" --compute-only --steps 3 --hidden 64 2>&1); rc=$?
+l2=$(sed -n 's/^step 1 loss \([0-9.]*\) (compute only).*/\1/p' <<<"$alone")
+check '[ $rc -eq 0 ] && [ -n "$l1" ] && [ "$l1" = "$l2" ] && [ "$(grep -c "(compute only)" <<<"$alone")" = 3 ]' \
+  "compute-only: rc $rc, first loss '$l2' vs '$l1' through shardd: $alone"
+
 kill -TERM "$dpid"; wait "$dpid"; rc=$?; dpid=
 check '[ $rc -eq 0 ]' "shardd exit code $rc after SIGTERM: $(tail -5 "$dir/shardd.log")"
 check '[ ! -e "$dir/run/shardd.sock" ]' "socket left behind"

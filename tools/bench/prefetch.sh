@@ -7,13 +7,15 @@
 #                           [--accum 1] [--steps 8] [--rate 1gbit] [--plan zero3]
 #                           [--depth 2] [--compute-ms MS]   (default: balanced against the measured
 #                                                communication)
-# Communication alone is the steady-state step time with no compute (prefetch off); compute
-# alone is the calibrated wait, 2 x layers x accum x compute_ms per step (forward and
-# backward), and, measured in the same run, rank 0's time outside shardd's calls (the wait plus
-# its own matrix products, which 8 ranks and 4 daemons on a small host slow down); the time
-# inside the calls (mlp_train --timing) is the communication left exposed. The waits sleep (--compute-mode sleep, like a host waiting for a GPU kernel): a
-# 2-core machine cannot busy-wait 8 ranks without starving the daemons. Steady state: steps
-# after the first two (the first records the schedule).
+# Communication alone is the steady-state step time with no compute (prefetch off). Compute
+# alone is, nominally, the calibrated wait (2 x layers x accum x compute_ms per step, forward
+# and backward); measured, all ranks computing at once with no shardd at all (mlp_train
+# --compute-only: the wait plus their own matrix products, which 8 ranks on a small host slow
+# down); and rank 0's time outside shardd's calls in the prefetch run. The time inside the calls
+# (mlp_train --timing) is the communication left exposed. The waits sleep (--compute-mode
+# sleep, like a host waiting for a GPU kernel): a 2-core machine cannot busy-wait 8 ranks
+# without starving the daemons. Steady state: steps after the first two (the first records the
+# schedule).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 nodes=4 k=2 hidden=1024 layers=8 accum=1 steps=8 rate=1gbit plan=zero3 cms= depth=2
@@ -29,7 +31,7 @@ while [ $# -gt 0 ]; do
     --plan) plan=$2; shift 2 ;;
     --compute-ms) cms=$2; shift 2 ;;
     --depth) depth=$2; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "prefetch.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -60,16 +62,22 @@ read -r comm _ < <(run 0 0 comm)
 if [ -z "$cms" ]; then
   cms=$(python3 -c "print(round($comm * 1000 / (2 * $layers * $accum), 3))")
 fi
+# compute alone: the same ranks at the same time, each on its own copy of the weights, no shardd
+# (mlp_train --compute-only): the matrix products and waits under the same CPU contention
+run_ranks "$dir" "$k" "$world" alone --steps "$steps" --accum "$accum" --hidden "$hidden" \
+  --layers "$layers" --batch 1 --compute-ms "$cms" --compute-mode sleep --compute-only
+alone=$(grep -oE "^step [0-9]+ .* [0-9.]+ s$" "$dir/0.log" | awk 'NR > 2 { s += $(NF-1); n++ }
+  END { printf "%.4f\n", s / n }')
 read -r off off_in < <(run 0 "$cms" off)
 read -r on on_in < <(run "$depth" "$cms" on)
 python3 - "$comm" "$off" "$on" "$cms" "$layers" "$accum" "$dir/on.json" "$plan" "$rate" \
-  "$nodes" "$k" "$hidden" "$depth" "$on_in" "$off_in" <<'PY'
+  "$nodes" "$k" "$hidden" "$depth" "$on_in" "$off_in" "$alone" <<'PY'
 import json, sys
 comm, off, on, cms = map(float, sys.argv[1:5])
 layers, accum = int(sys.argv[5]), int(sys.argv[6])
 sc = json.load(open(sys.argv[7]))["jobs"][0]
 plan, rate, nodes, k, hidden, depth = sys.argv[8:14]
-on_in, off_in = float(sys.argv[14]), float(sys.argv[15])
+on_in, off_in, alone = float(sys.argv[14]), float(sys.argv[15]), float(sys.argv[16])
 compute = 2 * layers * accum * cms / 1000
 best, serial = max(compute, comm), compute + comm
 measured = on - on_in  # rank 0 outside shardd's calls, in the prefetch run
@@ -86,6 +94,8 @@ print(f"  with prefetch (prefetch_depth {depth})     {on:8.4f}  = {on / best:.2f
 print(f"  rank 0 inside shardd calls (exposed)  {on_in:8.4f} with prefetch, {off_in:.4f} without")
 print(f"  compute measured (outside the calls)  {measured:8.4f}  -> prefetch step = "
       f"{on / mbest:.2f} x max(measured compute, communication)")
+print(f"  compute alone, all ranks, no shardd   {alone:8.4f}  -> prefetch step = "
+      f"{on / max(alone, comm):.2f} x max(compute alone, communication)  (target <= 1.15)")
 print(f"  daemon CPU per fetch on node 0: {sc['fetch_cpu_us_frozen']:.2f} us frozen vs "
       f"{sc['fetch_cpu_us_unfrozen']:.2f} us in the first step; prefetches {sc['prefetches']}, "
       f"fetches found ready {sc['prefetch_hits']}, waits {sc['waits']}")
