@@ -242,13 +242,12 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     return b;
 }
 
-/* Allocate every buffer of the job. On failure err says what and how much. */
 /* Allocating a job's memory has three parts. job_alloc_begin checks the budget, reserves the
- * bytes and allocates the bookkeeping; job_alloc_buffers allocates and backs the big buffers (on
- * a worker thread for host memory: backing 0.5 GiB took the loop up to 1 s here, and a loop that
- * stalls misses heartbeats and holds up every other job's transfers); job_alloc_finish sets up
- * the rest on the loop. Each failure leaves err filled and the caller frees with
- * job_free_memory. */
+ * bytes and allocates the bookkeeping; job_alloc_arenas and job_alloc_host allocate and back the
+ * big buffers (on a worker thread for host memory: backing 0.5 GiB took the loop up to 1 s here,
+ * and a loop that stalls misses heartbeats and holds up every other job's transfers);
+ * job_alloc_finish sets up the rest on the loop. Each failure leaves err filled and the caller
+ * frees with job_free_memory. */
 static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
 {
     struct sd_registry *reg = job->reg;
@@ -315,43 +314,57 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
         job->staging[i].fd = -1;
     job->pool.fd = -1;
     job->stats.pool_bytes = need.pool;
+    job->staging_slots = (uint32_t)cfg->staging_slots;
+    job->staging_slot_bytes = l->max_unit_numel * sizeof(float);
     return SD_OK;
 }
 
-/* The arenas (arenas: true) or the host buffers (staging, gather pool). Touches only those
- * buffers of job, and reads what registration fixed: safe on a worker thread while the job
- * is allocating. */
-static int job_alloc_buffers(struct sd_job *job, bool arenas, char *err, size_t errlen)
+static int alloc_failed(const struct sd_job *job, const char *tag, int status, char *err,
+                        size_t errlen)
+{
+    snprintf(err, errlen, "allocating %s for job '%s' failed: %s", tag, job->name,
+             sd_status_str(status));
+    return status;
+}
+
+/* The w, g and os arenas of every local rank, in the backend's memory. Like job_alloc_host,
+ * touches only its buffers of job and reads what registration fixed: safe on a worker thread
+ * while the job is allocating. */
+static int job_alloc_arenas(struct sd_job *job, char *err, size_t errlen)
 {
     const struct sd_layout *l = &job->layout;
-    uint32_t k = job->k, of = sd_optim_state_floats(job->model.optim.kind);
-    char tag[96] = "";
-    int status = SD_OK;
-    for (uint32_t r = 0; r < k && status == SD_OK; r++) {
-        uint64_t bytes[SD_STATE_COUNT] = {job->w_arena_bytes,
-                                          l->arena_numel[SD_STATE_G] * sizeof(float),
-                                          l->arena_numel[SD_STATE_OS] * sizeof(float) * of};
-        for (int st = 0; arenas && st < SD_STATE_COUNT && status == SD_OK; st++) {
+    uint32_t of = sd_optim_state_floats(job->model.optim.kind);
+    uint64_t bytes[SD_STATE_COUNT] = {job->w_arena_bytes,
+                                      l->arena_numel[SD_STATE_G] * sizeof(float),
+                                      l->arena_numel[SD_STATE_OS] * sizeof(float) * of};
+    char tag[96];
+    for (uint32_t r = 0; r < job->k; r++)
+        for (int st = 0; st < SD_STATE_COUNT; st++) {
             snprintf(tag, sizeof(tag), "shardd-%s-r%u-%s", job->name, job->first_rank + r,
                      sd_state_name(st));
-            status = job->reg->dev->alloc(bytes[st], SD_MEM_PRIVATE, tag,
-                                          &job->arena[r * SD_STATE_COUNT + st]);
+            int status = job->reg->dev->alloc(bytes[st], SD_MEM_PRIVATE, tag,
+                                              &job->arena[r * SD_STATE_COUNT + st]);
+            if (status != SD_OK)
+                return alloc_failed(job, tag, status, err, errlen);
         }
-        if (arenas || status != SD_OK)
-            continue;
+    return SD_OK;
+}
+
+/* The host memory the trainers map: each local rank's staging slots and the gather pool. */
+static int job_alloc_host(struct sd_job *job, char *err, size_t errlen)
+{
+    char tag[96];
+    int status;
+    for (uint32_t r = 0; r < job->k; r++) {
         snprintf(tag, sizeof(tag), "shardd-%s-r%u-staging", job->name, job->first_rank + r);
-        status = sd_gpu_host_ops.alloc((uint64_t)job->reg->cfg->staging_slots * l->max_unit_numel *
-                                           sizeof(float),
+        status = sd_gpu_host_ops.alloc((uint64_t)job->staging_slots * job->staging_slot_bytes,
                                        SD_MEM_SHARED, tag, &job->staging[r]);
+        if (status != SD_OK)
+            return alloc_failed(job, tag, status, err, errlen);
     }
-    if (!arenas && status == SD_OK) {
-        snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
-        status = sd_gpu_host_ops.alloc(job->stats.pool_bytes, SD_MEM_SHARED, tag, &job->pool);
-    }
-    if (status != SD_OK)
-        snprintf(err, errlen, "allocating %s for job '%s' failed: %s", tag, job->name,
-                 sd_status_str(status));
-    return status;
+    snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
+    status = sd_gpu_host_ops.alloc(job->stats.pool_bytes, SD_MEM_SHARED, tag, &job->pool);
+    return status == SD_OK ? SD_OK : alloc_failed(job, tag, status, err, errlen);
 }
 
 static int job_alloc_finish(struct sd_job *job, char *err, size_t errlen)
@@ -371,8 +384,6 @@ static int job_alloc_finish(struct sd_job *job, char *err, size_t errlen)
             return status;
         }
     }
-    job->staging_slots = (uint32_t)job->reg->cfg->staging_slots;
-    job->staging_slot_bytes = job->layout.max_unit_numel * sizeof(float);
     return SD_OK;
 }
 
@@ -511,6 +522,7 @@ static void job_allocated(struct sd_job *job, int status, const char *err)
 struct job_alloc_work {
     uv_work_t req;
     struct sd_job *job;
+    bool arenas; /* host-memory arenas: backed on the worker too */
     int status;
     char err[768];
 };
@@ -518,42 +530,39 @@ struct job_alloc_work {
 static void alloc_work_cb(uv_work_t *req)
 {
     struct job_alloc_work *w = req->data;
-    w->status = job_alloc_buffers(w->job, false, w->err, sizeof(w->err));
+    w->status = w->arenas ? job_alloc_arenas(w->job, w->err, sizeof(w->err)) : SD_OK;
+    if (w->status == SD_OK)
+        w->status = job_alloc_host(w->job, w->err, sizeof(w->err));
 }
 
-static void alloc_work_host_cb(uv_work_t *req)
+/* The buffers are there (status SD_OK) or not: finish on the loop and go on. */
+static void job_alloc_done(struct sd_job *job, int status, char *err, size_t errlen)
 {
-    struct job_alloc_work *w = req->data;
-    w->status = job_alloc_buffers(w->job, true, w->err, sizeof(w->err));
-    if (w->status == SD_OK)
-        w->status = job_alloc_buffers(w->job, false, w->err, sizeof(w->err));
+    if (status == SD_OK)
+        status = job_alloc_finish(job, err, errlen);
+    job->alloc_ns = sd_now_ns() - job->alloc_start_ns;
+    if (status != SD_OK || job->n_registered != job->k) {
+        job_free_memory(job);
+        if (job->n_registered != job->k) /* a rank left meanwhile: wait for it again */
+            return;
+    }
+    job_allocated(job, status, err);
 }
 
 static void alloc_after_cb(uv_work_t *req, int uv_status)
 {
     struct job_alloc_work *w = req->data;
     struct sd_job *job = w->job;
-    int status = uv_status == 0 ? w->status : SD_ECANCELED;
     job->allocating = false;
-    if (uv_status != 0)
+    if (uv_status != 0) {
+        w->status = SD_ECANCELED;
         snprintf(w->err, sizeof(w->err), "allocating the buffers of job '%s' was cancelled",
                  job->name);
-    if (job->doomed) { /* unlinked while the worker ran */
+    }
+    if (job->doomed) /* unlinked while the worker ran */
         job_free(job);
-        free(w);
-        return;
-    }
-    if (status == SD_OK)
-        status = job_alloc_finish(job, w->err, sizeof(w->err));
-    job->alloc_ns = sd_now_ns() - job->alloc_start_ns;
-    if (status != SD_OK || job->n_registered != job->k) {
-        job_free_memory(job);
-        if (job->n_registered != job->k) { /* a rank left meanwhile: wait for it again */
-            free(w);
-            return;
-        }
-    }
-    job_allocated(job, status, w->err);
+    else
+        job_alloc_done(job, w->status, w->err, sizeof(w->err));
     free(w);
 }
 
@@ -566,29 +575,24 @@ static void job_complete_registration(struct sd_job *job)
     job->alloc_start_ns = sd_now_ns();
     int status = job_alloc_begin(job, err, sizeof(err));
     if (status == SD_OK && !host)
-        status = job_alloc_buffers(job, true, err, sizeof(err));
+        status = job_alloc_arenas(job, err, sizeof(err));
     struct job_alloc_work *w =
         status == SD_OK && job->reg->loop != NULL ? calloc(1, sizeof(*w)) : NULL;
     if (w != NULL) {
         w->req.data = w;
         w->job = job;
+        w->arenas = host;
         job->allocating = true;
-        if (uv_queue_work(job->reg->loop, &w->req, host ? alloc_work_host_cb : alloc_work_cb,
-                          alloc_after_cb) == 0)
+        if (uv_queue_work(job->reg->loop, &w->req, alloc_work_cb, alloc_after_cb) == 0)
             return;
         job->allocating = false;
         free(w);
     }
     if (status == SD_OK && host)
-        status = job_alloc_buffers(job, true, err, sizeof(err));
+        status = job_alloc_arenas(job, err, sizeof(err));
     if (status == SD_OK)
-        status = job_alloc_buffers(job, false, err, sizeof(err));
-    if (status == SD_OK)
-        status = job_alloc_finish(job, err, sizeof(err));
-    job->alloc_ns = sd_now_ns() - job->alloc_start_ns;
-    if (status != SD_OK)
-        job_free_memory(job);
-    job_allocated(job, status, err);
+        status = job_alloc_host(job, err, sizeof(err));
+    job_alloc_done(job, status, err, sizeof(err));
 }
 
 void sd_job_confirmed(struct sd_registry *reg, const char *name, uint32_t tag)
