@@ -292,13 +292,20 @@ static void set_sleeping(struct sd_server *srv, uint32_t v)
         atomic_store(&s->hdr->daemon_sleeping, v);
 }
 
+/* true if no ring holds a request the daemon could take now. Requests queued behind a stalled
+ * one (a push waiting for a transfer slot, a fetch for pool space) wait for what unblocks it: a
+ * completion, another client's request or a timer, each of which wakes the loop. Counting them
+ * kept the daemon busy-polling for as long as a client had more requests queued than it could
+ * start, which starved the other daemons and the kernel's TCP on a shared host. */
 static bool all_empty(struct sd_server *srv)
 {
     for (struct sd_session *s = srv->sessions; s; s = s->next)
-        if (!s->broken && !sd_ring_sq_empty(s->hdr))
+        if (!s->broken && !s->has_stalled && !sd_ring_sq_empty(s->hdr))
             return false;
     return true;
 }
+
+static void wake(struct sd_server *srv);
 
 static void net_timer_cb(uv_timer_t *h)
 {
@@ -306,7 +313,7 @@ static void net_timer_cb(uv_timer_t *h)
     uint64_t before = srv->last_net_ns;
     sd_server_progress(srv);
     if (srv->last_net_ns != before)
-        sd_server_kick(srv); /* data moves again: poll closely */
+        wake(srv); /* data moves again: poll closely */
     if (!sd_net_busy(srv->reg))
         uv_timer_stop(&srv->net_timer);
 }
@@ -364,22 +371,32 @@ void sd_server_progress(struct sd_server *srv)
         ;
 }
 
-void sd_server_kick(struct sd_server *srv)
+/* Progress now, then keep polling from the idle handle until a pass finds nothing to do. The
+ * fabric's wake-ups come here directly: spinning for poll_spin_us after each of them would
+ * busy-poll through a whole transfer (data arrives continuously), taking the CPU that other
+ * daemons and the kernel's TCP need on a shared host. */
+static void wake(struct sd_server *srv)
 {
     set_sleeping(srv, 0);
     sd_server_progress(srv);
-    srv->last_activity_ns = sd_now_ns();
     if (!srv->spinning && !srv->stopping) {
         srv->spinning = true;
         uv_idle_start(&srv->idle, idle_cb);
     }
 }
 
+/* A client's request: poll its ring for poll_spin_us more, for the next one. */
+void sd_server_kick(struct sd_server *srv)
+{
+    srv->last_activity_ns = sd_now_ns();
+    wake(srv);
+}
+
 static void tp_wake_cb(uv_poll_t *h, int status, int events)
 {
     (void)status;
     (void)events;
-    sd_server_kick(h->data);
+    wake(h->data);
 }
 
 void sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp)
