@@ -114,11 +114,13 @@ if [ "$netns" = 1 ]; then
     ip netns exec "$n" sysctl -qw net.ipv4.tcp_slow_start_after_idle=0 || true
     ip netns exec "$n" ip addr add "10.$a.$b.$((i + 1))/24" dev "sv${tagid}n$i"
     ip netns exec "$n" ip link set "sv${tagid}n$i" mtu "$mtu" up
-    # shape what leaves the node; the delay, if any, on the same qdisc
+    # shape what leaves the node; the delay, if any, on the same qdisc. tbf queues up to 50 ms
+    # (6 MB at 1 Gbit/s): with 10 ms, flows to three peers starting at once overflowed it and
+    # TCP lost segments at the shaper (20-47 per node in a prefetch.sh run; none with 50 ms)
     if [ "$delay" != 0 ]; then
       ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root handle 1: netem delay "$delay" rate "$rate"
     else
-      ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root tbf rate "$rate" burst 256kb latency 10ms
+      ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root tbf rate "$rate" burst 256kb latency 50ms
     fi
   done
   coord_ip="10.$a.$b.1"
