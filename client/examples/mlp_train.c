@@ -143,9 +143,10 @@ static double now_s(void)
     return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
-/* --timing: where rank 0's step went (seconds spent inside each kind of call) */
+/* --timing: where rank 0's step went (seconds spent inside each kind of call, and in the
+ * compute waits: over compute_ms per pass when the host is too busy to wake the rank on time) */
 static struct {
-    double fetch, push, step;
+    double fetch, push, step, wait;
 } spent;
 
 /* shard_fetch, its wait counted for --timing */
@@ -161,11 +162,13 @@ static void busy_wait_ms(double ms, bool sleep)
 {
     if (ms <= 0)
         return;
+    double t0 = now_s();
     if (sleep) {
         struct timespec ts = {.tv_sec = (time_t)(ms / 1e3),
                               .tv_nsec = (long)((ms - (double)(time_t)(ms / 1e3) * 1e3) * 1e6)};
         while (nanosleep(&ts, &ts) != 0)
             ;
+        spent.wait += now_s() - t0;
         return;
     }
     struct timespec a, b;
@@ -173,6 +176,7 @@ static void busy_wait_ms(double ms, bool sleep)
     do
         clock_gettime(CLOCK_MONOTONIC, &b);
     while ((double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6 < ms);
+    spent.wait += now_s() - t0;
 }
 
 struct acts {
@@ -240,28 +244,41 @@ static void layer_backward(const struct model *m, int l, const float *w, float *
                            struct acts *ac, int batch)
 {
     int din = m->dims[l], dout = m->dims[l + 1];
-    memset(gw, 0, sizeof(float) * (size_t)din * (size_t)dout);
-    memset(gb, 0, sizeof(float) * (size_t)dout);
+    /* gw = sum over b of dz_b in_b^T, written by the first row, not cleared and then added to:
+     * one pass over gw instead of two (the same sums in the same order) */
     for (int b = 0; b < batch; b++)
         for (int j = 0; j < dout; j++) {
             float d = ac->dz[(size_t)b * (size_t)dout + (size_t)j];
             const float *in = ac->a[l] + (size_t)b * (size_t)din;
             float *grow = gw + (size_t)j * (size_t)din;
-            for (int i = 0; i < din; i++)
-                grow[i] += d * in[i];
-            gb[j] += d;
+            if (b == 0) {
+                for (int i = 0; i < din; i++)
+                    grow[i] = d * in[i];
+                gb[j] = d;
+            } else {
+                for (int i = 0; i < din; i++)
+                    grow[i] += d * in[i];
+                gb[j] += d;
+            }
         }
     if (l == 0)
         return;
-    for (int b = 0; b < batch; b++)
-        for (int i = 0; i < din; i++) {
-            float acc = 0.0f;
-            for (int j = 0; j < dout; j++)
-                acc += w[(size_t)j * (size_t)din + (size_t)i] *
-                       ac->dz[(size_t)b * (size_t)dout + (size_t)j];
-            float a = ac->a[l][(size_t)b * (size_t)din + (size_t)i];
-            ac->dz_prev[(size_t)b * (size_t)din + (size_t)i] = acc * (1.0f - a * a);
+    /* dz_prev = (W^T dz) * (1 - a^2), W read row by row: for each input i the terms are added
+     * in the order of j as before, so the result is bit for bit the same */
+    for (int b = 0; b < batch; b++) {
+        float *acc = ac->dz_prev + (size_t)b * (size_t)din;
+        const float *dz = ac->dz + (size_t)b * (size_t)dout;
+        for (int i = 0; i < din; i++)
+            acc[i] = 0.0f;
+        for (int j = 0; j < dout; j++) {
+            const float *row = w + (size_t)j * (size_t)din;
+            for (int i = 0; i < din; i++)
+                acc[i] += row[i] * dz[j];
         }
+        const float *a = ac->a[l] + (size_t)b * (size_t)din;
+        for (int i = 0; i < din; i++)
+            acc[i] *= 1.0f - a[i] * a[i];
+    }
     float *t = ac->dz;
     ac->dz = ac->dz_prev;
     ac->dz_prev = t;
@@ -557,7 +574,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
                 CHECK(timed_fetch(ctx, (uint32_t)l, &data));
                 const float *wl = unit_view(&ui[l], data, w[l]);
                 busy_wait_ms(o->compute_ms, o->compute_sleep);
-                memset(grad[l], 0, ui[l].numel * sizeof(float));
+                /* layer_backward writes both tensors; the padding between them stays zero */
                 layer_backward(m, l, wl + ti[2 * l].offset, grad[l] + ti[2 * l].offset,
                                grad[l] + ti[2 * l + 1].offset, &ac, o->batch);
                 CHECK(shard_release(ctx, (uint32_t)l));
@@ -577,8 +594,9 @@ static int run_shardd(const struct opts *o, const struct model *m)
         spent.step += now_s() - s0;
         clock_gettime(CLOCK_MONOTONIC, &ts1);
         if (o->timing && o->rank == 0)
-            printf("timing step %d: in fetch %.4f s, in push %.4f s, in step %.4f s\n", step + 1,
-                   spent.fetch, spent.push, spent.step);
+            printf("timing step %d: in fetch %.4f s, in push %.4f s, in step %.4f s, "
+                   "in compute waits %.4f s\n",
+                   step + 1, spent.fetch, spent.push, spent.step, spent.wait);
         memset(&spent, 0, sizeof(spent));
         if (!o->quiet && o->rank == 0)
             printf("step %d loss %.6f grad_norm %.6f (rank 0 micro-batches) %.4f s\n", step + 1,
@@ -650,8 +668,6 @@ static int run_compute_only(const struct opts *o, const struct model *m)
             loss_sum += loss_grad(m, y, &ac, o->batch);
             for (int l = m->layers - 1; l >= 0; l--) {
                 busy_wait_ms(o->compute_ms, o->compute_sleep);
-                memset(g[2 * l], 0, m->numel[2 * l] * sizeof(float));
-                memset(g[2 * l + 1], 0, m->numel[2 * l + 1] * sizeof(float));
                 layer_backward(m, l, p[2 * l], g[2 * l], g[2 * l + 1], &ac, o->batch);
             }
         }
