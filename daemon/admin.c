@@ -143,9 +143,12 @@ static json_t *job_schedule(const struct sd_job *job)
                                                (json_int_t)iv->off, "bytes", (json_int_t)iv->size,
                                                "issue", (int)iv->start, "end", (int)iv->end));
     }
-    double cpu[2];
-    for (int i = 0; i < 2; i++)
-        cpu[i] = sc->fetches[i] ? (double)sc->cpu_ns[i] / (double)sc->fetches[i] / 1e3 : 0.0;
+    double cpu[2], issue[2];
+    for (int i = 0; i < 2; i++) {
+        double n = sc->fetches[i] ? (double)sc->fetches[i] * 1e3 : 1.0;
+        cpu[i] = sc->fetches[i] ? (double)sc->cpu_ns[i] / n : 0.0;
+        issue[i] = sc->fetches[i] ? (double)sc->issue_ns[i] / n : 0.0;
+    }
     json_t *o = json_pack(
         "{s:s, s:s, s:I, s:I, s:i, s:i, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "job",
         job->name, "state", sd_sched_state_name(sc->state), "steps", (json_int_t)job->steps,
@@ -171,6 +174,8 @@ static json_t *job_schedule(const struct sd_job *job)
     json_object_set_new(o, "conflicts", json_integer((json_int_t)sc->conflicts));
     json_object_set_new(o, "fetch_cpu_us_unfrozen", json_real(cpu[0]));
     json_object_set_new(o, "fetch_cpu_us_frozen", json_real(cpu[1]));
+    json_object_set_new(o, "fetch_issue_cpu_us_unfrozen", json_real(issue[0]));
+    json_object_set_new(o, "fetch_issue_cpu_us_frozen", json_real(issue[1]));
     json_object_set_new(o, "allocations_while_frozen",
                         sd_alloc_counted ? json_integer((json_int_t)sc->allocs_frozen)
                                          : json_null());

@@ -604,6 +604,7 @@ static bool gather_resources(const struct sd_job *job)
 /* slot us (pool space reserved) gets this node's block, its ranks' shards, and is in flight */
 static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
 {
+    uint64_t cpu0 = sd_thread_cpu_ns();
     uint32_t G = job->group_nodes, k = job->k;
     size_t len = sd_job_w_shard_bytes(job, us->unit);
     uint8_t *slot = (uint8_t *)job->pool.ptr + us->pool_off;
@@ -618,6 +619,7 @@ static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
     us->gen = job->weights_gen;
     us->start_ns = sd_now_ns();
     us->batch_next = NULL;
+    job->sched.issue_total_ns += sd_thread_cpu_ns() - cpu0;
 }
 
 /* Pull the remote blocks of units[0..n) (begun, consecutive ids ascending, one copy) from every
@@ -625,6 +627,7 @@ static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
  * leads: it holds the transfers, and its completion completes the others. */
 static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n)
 {
+    uint64_t cpu0 = sd_thread_cpu_ns();
     struct sd_unit_state *us = units[0];
     uint32_t G = job->group_nodes, k = job->k;
     uint32_t first = group_first(job);
@@ -680,6 +683,7 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
         }
         o++;
     }
+    job->sched.issue_total_ns += sd_thread_cpu_ns() - cpu0;
     if (us->remaining == 0)
         gather_finish(job, us);
 }

@@ -55,6 +55,7 @@ static bool check_ready(struct sd_job *job, struct sd_session *s, const struct s
 /* Gather unit u's w shards of the partition group of `rank` (inside this node) into the slot. */
 void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t rank)
 {
+    uint64_t cpu0 = sd_thread_cpu_ns();
     const struct sd_gpu_ops *dev = job->reg->dev;
     uint32_t u = us->unit;
     const struct sd_unit_layout *ul = &job->layout.units[u];
@@ -70,6 +71,7 @@ void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t 
     }
     job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += sd_unit_bytes(ul);
     job->stats.gathers++;
+    job->sched.issue_total_ns += sd_thread_cpu_ns() - cpu0;
 }
 
 /* Find room in the pool, evicting cached slots nobody holds (least recently released first). */
@@ -562,6 +564,7 @@ static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct 
 {
     uint64_t allocs0 = sd_alloc_calls();
     uint64_t cpu0 = e->op == SD_OP_FETCH ? sd_thread_cpu_ns() : 0;
+    uint64_t issue0 = job->sched.issue_total_ns;
     uint32_t pos = sd_sched_before(job, s, e);
     bool consumed = true;
     if (e->op == SD_OP_FETCH)
@@ -578,6 +581,7 @@ static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct 
         job->sched.allocs_frozen += allocs;
     if (e->op == SD_OP_FETCH) {
         job->sched.cpu_ns[frozen] += sd_thread_cpu_ns() - cpu0;
+        job->sched.issue_ns[frozen] += job->sched.issue_total_ns - issue0;
         job->sched.fetches[frozen] += consumed;
     }
     return consumed;

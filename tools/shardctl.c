@@ -238,10 +238,13 @@ static void print_schedule(json_t *jobs)
                sd_fmt_bytes(b[3], sizeof(b[3]), (uint64_t)num(j, "largest_unit_bytes")),
                sd_fmt_bytes(b[4], sizeof(b[4]), (uint64_t)num(j, "pool_bytes")));
         printf("  prefetches %lld, fetches found ready %lld, waits %lld, conflicts %lld; daemon "
-               "CPU per fetch %.2f us frozen vs %.2f us before\n",
+               "CPU per fetch %.2f us frozen vs %.2f us before (of which starting gathers %.2f vs "
+               "%.2f)\n",
                num(j, "prefetches"), num(j, "prefetch_hits"), num(j, "waits"), num(j, "conflicts"),
                json_real_value(json_object_get(j, "fetch_cpu_us_frozen")),
-               json_real_value(json_object_get(j, "fetch_cpu_us_unfrozen")));
+               json_real_value(json_object_get(j, "fetch_cpu_us_unfrozen")),
+               json_real_value(json_object_get(j, "fetch_issue_cpu_us_frozen")),
+               json_real_value(json_object_get(j, "fetch_issue_cpu_us_unfrozen")));
         printf("  %-6s %-6s %12s %12s %7s %7s\n", "GATHER", "UNIT", "OFFSET", "BYTES", "ISSUE",
                "END");
         json_array_foreach(json_object_get(j, "slots"), k, e)

@@ -97,7 +97,8 @@ print(f"  compute measured (outside the calls)  {measured:8.4f}  -> prefetch ste
 print(f"  compute alone, all ranks, no shardd   {alone:8.4f}  -> prefetch step = "
       f"{on / max(alone, comm):.2f} x max(compute alone, communication)  (target <= 1.15)")
 print(f"  daemon CPU per fetch on node 0: {sc['fetch_cpu_us_frozen']:.2f} us frozen vs "
-      f"{sc['fetch_cpu_us_unfrozen']:.2f} us in the first step; prefetches {sc['prefetches']}, "
+      f"{sc['fetch_cpu_us_unfrozen']:.2f} us in the first step; starting gathers "
+      f"{sc['fetch_issue_cpu_us_frozen']:.2f} vs {sc['fetch_issue_cpu_us_unfrozen']:.2f}; prefetches {sc['prefetches']}, "
       f"fetches found ready {sc['prefetch_hits']}, waits {sc['waits']}")
 print(f"  pool peak {sc['pool_peak_bytes']} B = "
       f"{sc['pool_peak_bytes'] / max(1, sc['pool_lower_bound_bytes']):.3f} x the lower bound")
