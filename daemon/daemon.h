@@ -278,6 +278,7 @@ struct sd_job_sched {
     uint64_t cpu_ns[2], fetches[2]; /* fetch handling: [0] not frozen, [1] frozen */
     uint64_t issue_ns[2];           /* of cpu_ns: starting gathers (the same work either way) */
     uint64_t issue_total_ns;        /* every gather start, inside a fetch or not */
+    bool in_call;                   /* scheduled_op is timing a call */
     uint64_t allocs_frozen;         /* allocations made while serving calls on the schedule */
 };
 

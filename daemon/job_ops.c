@@ -121,6 +121,11 @@ bool sd_job_others_hold(const struct sd_job *job, const struct sd_session *s)
 /* A gather finished (or failed): answer every rank waiting for it. */
 void sd_job_complete_fetch(struct sd_job *job, struct sd_unit_state *us)
 {
+    /* answering a fetch is part of what it costs: inside its call scheduled_op counts it; a
+     * fetch that waited for its gather is answered here, later */
+    struct sd_job_sched *sc = &job->sched;
+    bool timed = !sc->in_call;
+    uint64_t cpu0 = timed ? sd_thread_cpu_ns() : 0;
     const struct sd_unit_layout *ul = &job->layout.units[us->unit];
     uint64_t now = sd_now_ns();
     for (uint32_t r = 0; r < job->k && us->waiters; r++) {
@@ -146,6 +151,8 @@ void sd_job_complete_fetch(struct sd_job *job, struct sd_unit_state *us)
         sd_latency_add(&job->stats.lat[SD_OP_FETCH], now - us->start_ns);
         sd_session_complete(s, tag, SD_OP_FETCH, SD_OK, us->pool_off, sd_unit_bytes(ul), NULL);
     }
+    if (timed)
+        sc->cpu_ns[sc->state == SD_SCHED_FROZEN && !sc->deviated] += sd_thread_cpu_ns() - cpu0;
 }
 
 static bool op_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
@@ -565,6 +572,7 @@ static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct 
     uint64_t allocs0 = sd_alloc_calls();
     uint64_t cpu0 = e->op == SD_OP_FETCH ? sd_thread_cpu_ns() : 0;
     uint64_t issue0 = job->sched.issue_total_ns;
+    job->sched.in_call = e->op == SD_OP_FETCH; /* its answer, if at once, is timed here */
     uint32_t pos = sd_sched_before(job, s, e);
     bool consumed = true;
     if (e->op == SD_OP_FETCH)
@@ -575,6 +583,7 @@ static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct 
         consumed = op_push(job, s, e);
     /* what the call cost, the prefetches it issued included */
     bool frozen = sd_sched_after(job, s, e, pos, consumed);
+    job->sched.in_call = false;
     uint64_t allocs = sd_alloc_calls() - allocs0;
     job->stats.allocs_after_register += allocs;
     if (frozen)
