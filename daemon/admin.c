@@ -228,6 +228,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
                         "node", (int)cfg->node, "nodes", (int)cfg->nodes, "memory_budget_bytes",
                         (json_int_t)reg->budget, "memory_used_bytes", (json_int_t)reg->used,
                         "config", config_json(cfg), "clients", clients, "jobs", jobs);
+        /* how busy the event loop polls: a daemon with nothing to do should not count up */
+        json_object_set_new(out, "poll_passes", json_integer((json_int_t)srv->polls));
     } else if (strcmp(cmd, "jobs") == 0 || strcmp(cmd, "groups") == 0 ||
                strcmp(cmd, "stats") == 0 || strcmp(cmd, "schedule") == 0) {
         out = json_pack("{s:o}", "jobs", jobs);

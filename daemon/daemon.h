@@ -551,6 +551,7 @@ struct sd_server {
     bool tpolling;
     uv_timer_t net_timer; /* re-polls the fabric every ms while transfers wait for data */
     uint64_t last_net_ns; /* the last time a transfer completed */
+    uint64_t polls;       /* passes of the polling loop since start (shardctl status) */
 };
 
 int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_config *cfg,

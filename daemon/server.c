@@ -322,6 +322,7 @@ static void idle_cb(uv_idle_t *h)
 {
     struct sd_server *srv = h->data;
     uint64_t now = sd_now_ns();
+    srv->polls++;
     int did = progress_once(srv);
     if (did) {
         for (int more = progress_once(srv); more; more = progress_once(srv))

@@ -72,9 +72,10 @@ static void print_status(json_t *doc)
            num(doc, "pid"), json_real_value(json_object_get(doc, "uptime_s")), num(doc, "node"),
            num(doc, "nodes"));
     printf("socket %s\n", str(doc, "socket"));
-    printf("memory %s used of %s budget\n\n",
+    printf("memory %s used of %s budget\n",
            sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(doc, "memory_used_bytes")),
            sd_fmt_bytes(b2, sizeof(b2), (uint64_t)num(doc, "memory_budget_bytes")));
+    printf("polling passes since start %lld\n\n", num(doc, "poll_passes"));
     printf("configuration:\n");
     const char *key;
     json_t *v;
