@@ -144,10 +144,10 @@ static json_t *job_schedule(const struct sd_job *job)
                                                "issue", (int)iv->start, "end", (int)iv->end));
     }
     double cpu[2], issue[2];
-    for (int i = 0; i < 2; i++) {
-        double n = sc->fetches[i] ? (double)sc->fetches[i] * 1e3 : 1.0;
-        cpu[i] = sc->fetches[i] ? (double)sc->cpu_ns[i] / n : 0.0;
-        issue[i] = sc->fetches[i] ? (double)sc->issue_ns[i] / n : 0.0;
+    for (int i = 0; i < 2; i++) { /* microseconds per fetch */
+        double n = (double)sc->fetches[i] * 1e3;
+        cpu[i] = n > 0 ? (double)sc->cpu_ns[i] / n : 0.0;
+        issue[i] = n > 0 ? (double)sc->issue_ns[i] / n : 0.0;
     }
     json_t *o = json_pack(
         "{s:s, s:s, s:I, s:I, s:i, s:i, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "job",

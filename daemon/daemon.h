@@ -277,7 +277,7 @@ struct sd_job_sched {
     uint64_t freezes, invalidations, deviations, prefetches, prefetch_hits, waits, conflicts;
     uint64_t cpu_ns[2], fetches[2]; /* fetch handling: [0] not frozen, [1] frozen */
     uint64_t issue_ns[2];           /* of cpu_ns: starting gathers (the same work either way) */
-    uint64_t issue_total_ns;        /* every gather start, inside a fetch or not */
+    uint64_t issue_ns_in_call;      /* gather starts while a fetch call is timed */
     bool in_call;                   /* scheduled_op is timing a call */
     uint64_t allocs_frozen;         /* allocations made while serving calls on the schedule */
 };
@@ -478,6 +478,19 @@ static inline uint64_t sd_job_w_shard_bytes(const struct sd_job *job, uint32_t u
     return ul->numel / job->plan.f[SD_STATE_W] * sd_dtype_size(ul->dtype);
 }
 
+/* local rank local's weight shard of unit u (in the unit's dtype) */
+static inline uint8_t *sd_job_w_shard(struct sd_job *job, uint32_t local, uint32_t u)
+{
+    return (uint8_t *)sd_job_arena(job, local, SD_STATE_W)->ptr + job->w_off[u];
+}
+
+/* local rank local's fp32 gradient shard of unit ul */
+static inline float *sd_job_g_shard(struct sd_job *job, uint32_t local,
+                                    const struct sd_unit_layout *ul)
+{
+    return (float *)sd_job_arena(job, local, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+}
+
 /* the copy of a unit a local rank uses: the node's one, or its own without the hierarchy */
 static inline struct sd_unit_state *sd_job_slot(struct sd_job *job, uint32_t unit, uint32_t local)
 {
@@ -511,6 +524,19 @@ int sd_sched_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);
 uint64_t sd_alloc_calls(void);
 extern const bool sd_alloc_counted;
 uint64_t sd_thread_cpu_ns(void);
+
+/* The CPU time of starting gathers (copying this node's shards into the pool, posting the
+ * transfers), counted only while scheduled_op times a fetch call: elsewhere nothing reads it. */
+static inline uint64_t sd_job_issue_clock(const struct sd_job *job)
+{
+    return job->sched.in_call ? sd_thread_cpu_ns() : 0;
+}
+
+static inline void sd_job_issue_count(struct sd_job *job, uint64_t t0)
+{
+    if (job->sched.in_call)
+        job->sched.issue_ns_in_call += sd_thread_cpu_ns() - t0;
+}
 
 /* job_net.c: start the gather of a slot whose pool place is set (prefetch); SD_EAGAIN when
  * no transfer resources are free now */

@@ -367,7 +367,7 @@ static bool serve(struct sd_job *job, const struct sd_req_msg *m)
     size_t lens[SD_BULK_MAX_PIECES];
     for (uint32_t i = 0, p = 0; i < n_units; i++) {
         for (uint32_t j = 0; j < job->k; j++, p++) {
-            pieces[p] = (uint8_t *)sd_job_arena(job, j, SD_STATE_W)->ptr + job->w_off[m->unit + i];
+            pieces[p] = sd_job_w_shard(job, j, m->unit + i);
             lens[p] = sd_job_w_shard_bytes(job, m->unit + i);
         }
     }
@@ -604,14 +604,13 @@ static bool gather_resources(const struct sd_job *job)
 /* slot us (pool space reserved) gets this node's block, its ranks' shards, and is in flight */
 static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
 {
-    uint64_t cpu0 = sd_thread_cpu_ns();
+    uint64_t cpu0 = sd_job_issue_clock(job);
     uint32_t G = job->group_nodes, k = job->k;
     size_t len = sd_job_w_shard_bytes(job, us->unit);
     uint8_t *slot = (uint8_t *)job->pool.ptr + us->pool_off;
     uint32_t me = self_node(job) % G;
     for (uint32_t j = 0; j < k; j++)
-        job->reg->dev->copy(slot + ((size_t)me * k + j) * len,
-                            (uint8_t *)sd_job_arena(job, j, SD_STATE_W)->ptr + job->w_off[us->unit],
+        job->reg->dev->copy(slot + ((size_t)me * k + j) * len, sd_job_w_shard(job, j, us->unit),
                             len);
     job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += (uint64_t)k * len;
     us->inflight = true;
@@ -619,7 +618,7 @@ static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
     us->gen = job->weights_gen;
     us->start_ns = sd_now_ns();
     us->batch_next = NULL;
-    job->sched.issue_total_ns += sd_thread_cpu_ns() - cpu0;
+    sd_job_issue_count(job, cpu0);
 }
 
 /* Pull the remote blocks of units[0..n) (begun, consecutive ids ascending, one copy) from every
@@ -627,7 +626,7 @@ static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
  * leads: it holds the transfers, and its completion completes the others. */
 static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n)
 {
-    uint64_t cpu0 = sd_thread_cpu_ns();
+    uint64_t cpu0 = sd_job_issue_clock(job);
     struct sd_unit_state *us = units[0];
     uint32_t G = job->group_nodes, k = job->k;
     uint32_t first = group_first(job);
@@ -683,7 +682,7 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
         }
         o++;
     }
-    job->sched.issue_total_ns += sd_thread_cpu_ns() - cpu0;
+    sd_job_issue_count(job, cpu0);
     if (us->remaining == 0)
         gather_finish(job, us);
 }
@@ -831,7 +830,7 @@ static void round_finish(struct sd_job *job)
     uint64_t len = ul->numel / f;
     const float *B = job->group_nodes > 1 ? job->rs_out : rd->part;
     for (uint32_t j = 0; j < job->k; j++) {
-        float *g = (float *)sd_job_arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+        float *g = sd_job_g_shard(job, j, ul);
         uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
         job->reg->dev->reduce_add(g, B + src, SD_DTYPE_FP32, len);
     }
@@ -1026,15 +1025,13 @@ static uint64_t step_pack(struct sd_job *job, uint32_t u)
     uint64_t len = ul->numel / f;
     if (job->group_nodes > 1) {
         for (uint32_t j = 0; j < job->k; j++)
-            dev->copy(job->scratch + (uint64_t)j * len,
-                      (float *)sd_job_arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G],
+            dev->copy(job->scratch + (uint64_t)j * len, sd_job_g_shard(job, j, ul),
                       len * sizeof(float));
         return (uint64_t)job->k * len;
     }
     for (uint32_t i = 0; i < f; i++)
         for (uint32_t j = i; j < job->k; j += f) {
-            const float *g =
-                (float *)sd_job_arena(job, j, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+            const float *g = sd_job_g_shard(job, j, ul);
             if (j == i)
                 dev->copy(job->scratch + (uint64_t)i * len, g, len * sizeof(float));
             else
@@ -1051,9 +1048,7 @@ static void step_unpack(struct sd_job *job, uint32_t u)
     uint64_t len = ul->numel / f;
     for (uint32_t j = 0; j < job->k; j++) {
         uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
-        job->reg->dev->copy((float *)sd_job_arena(job, j, SD_STATE_G)->ptr +
-                                ul->arena_off[SD_STATE_G],
-                            job->scratch + src, len * sizeof(float));
+        job->reg->dev->copy(sd_job_g_shard(job, j, ul), job->scratch + src, len * sizeof(float));
     }
 }
 
@@ -1113,9 +1108,7 @@ static void norm_start(struct sd_job *job)
             continue;
         for (uint32_t u = 0; u < job->layout.n_units; u++) {
             const struct sd_unit_layout *ul = &job->layout.units[u];
-            local += job->reg->dev->sum_sq((float *)sd_job_arena(job, j, SD_STATE_G)->ptr +
-                                               ul->arena_off[SD_STATE_G],
-                                           ul->numel / f);
+            local += job->reg->dev->sum_sq(sd_job_g_shard(job, j, ul), ul->numel / f);
         }
     }
     job->norm_parts[me] = (struct sd_norm_part){

@@ -55,7 +55,7 @@ static bool check_ready(struct sd_job *job, struct sd_session *s, const struct s
 /* Gather unit u's w shards of the partition group of `rank` (inside this node) into the slot. */
 void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t rank)
 {
-    uint64_t cpu0 = sd_thread_cpu_ns();
+    uint64_t cpu0 = sd_job_issue_clock(job);
     const struct sd_gpu_ops *dev = job->reg->dev;
     uint32_t u = us->unit;
     const struct sd_unit_layout *ul = &job->layout.units[u];
@@ -65,13 +65,11 @@ void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t 
     uint8_t *dst = (uint8_t *)job->pool.ptr + us->pool_off;
     for (uint32_t i = 0; i < grp.count; i++) {
         uint32_t local = sd_group_member(&grp, i) - job->first_rank;
-        dev->copy(dst + i * shard_bytes,
-                  (uint8_t *)sd_job_arena(job, local, SD_STATE_W)->ptr + job->w_off[u],
-                  shard_bytes);
+        dev->copy(dst + i * shard_bytes, sd_job_w_shard(job, local, u), shard_bytes);
     }
     job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += sd_unit_bytes(ul);
     job->stats.gathers++;
-    job->sched.issue_total_ns += sd_thread_cpu_ns() - cpu0;
+    sd_job_issue_count(job, cpu0);
 }
 
 /* Find room in the pool, evicting cached slots nobody holds (least recently released first). */
@@ -240,8 +238,7 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
 
     for (uint32_t i = 0; i < f; i++) {
         uint32_t holder = g * f + i; /* local index of the rank holding shard i */
-        float *dst =
-            (float *)sd_job_arena(job, holder, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+        float *dst = sd_job_g_shard(job, holder, ul);
         for (uint32_t m = 0; m < f; m++) {
             const uint8_t *src =
                 sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + i * len * esz;
@@ -448,17 +445,12 @@ static void do_step(struct sd_job *job)
         const struct sd_unit_layout *ul = &l->units[u];
         uint64_t len = ul->numel / f;
         for (uint32_t i = 0; i < f; i++) {
-            float *acc = (float *)sd_job_arena(job, i, SD_STATE_G)->ptr + ul->arena_off[SD_STATE_G];
+            float *acc = sd_job_g_shard(job, i, ul);
             for (uint32_t j = 1; j < replicas; j++)
-                dev->reduce_add(acc,
-                                (float *)sd_job_arena(job, j * f + i, SD_STATE_G)->ptr +
-                                    ul->arena_off[SD_STATE_G],
-                                SD_DTYPE_FP32, len);
+                dev->reduce_add(acc, sd_job_g_shard(job, j * f + i, ul), SD_DTYPE_FP32, len);
             sumsq += dev->sum_sq(acc, len);
             for (uint32_t j = 1; j < replicas; j++)
-                dev->copy((float *)sd_job_arena(job, j * f + i, SD_STATE_G)->ptr +
-                              ul->arena_off[SD_STATE_G],
-                          acc, len * sizeof(float));
+                dev->copy(sd_job_g_shard(job, j * f + i, ul), acc, len * sizeof(float));
         }
         if (replicas > 1)
             job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] +=
@@ -498,8 +490,7 @@ void sd_job_load_unit(struct sd_job *job, uint32_t unit, const float *src)
         float *master =
             (float *)sd_job_arena(job, r, SD_STATE_OS)->ptr + ul->arena_off[SD_STATE_OS];
         dev->copy(master, src + b, len * sizeof(float));
-        dev->from_f32((uint8_t *)sd_job_arena(job, r, SD_STATE_W)->ptr + job->w_off[unit],
-                      ul->dtype, src + b, len);
+        dev->from_f32(sd_job_w_shard(job, r, unit), ul->dtype, src + b, len);
     }
 }
 
@@ -571,7 +562,7 @@ static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct 
 {
     uint64_t allocs0 = sd_alloc_calls();
     uint64_t cpu0 = e->op == SD_OP_FETCH ? sd_thread_cpu_ns() : 0;
-    uint64_t issue0 = job->sched.issue_total_ns;
+    uint64_t issue0 = job->sched.issue_ns_in_call;
     job->sched.in_call = e->op == SD_OP_FETCH; /* its answer, if at once, is timed here */
     uint32_t pos = sd_sched_before(job, s, e);
     bool consumed = true;
@@ -590,7 +581,7 @@ static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct 
         job->sched.allocs_frozen += allocs;
     if (e->op == SD_OP_FETCH) {
         job->sched.cpu_ns[frozen] += sd_thread_cpu_ns() - cpu0;
-        job->sched.issue_ns[frozen] += job->sched.issue_total_ns - issue0;
+        job->sched.issue_ns[frozen] += job->sched.issue_ns_in_call - issue0;
         job->sched.fetches[frozen] += consumed;
     }
     return consumed;

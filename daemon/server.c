@@ -295,9 +295,9 @@ static void set_sleeping(struct sd_server *srv, uint32_t v)
 /* true if no ring holds a request the daemon could take now. Requests queued behind a stalled
  * one (a push whose unit's previous round still runs, a fetch waiting for pool space or
  * transfer resources) wait for what unblocks it: a completion, another client's request or a
- * timer, each of which wakes the loop. Counting them
- * kept the daemon busy-polling for as long as a client had more requests queued than it could
- * start, which starved the other daemons and the kernel's TCP on a shared host. */
+ * timer, each of which wakes the loop. Counting them kept the daemon busy-polling for as long
+ * as a client had more requests queued than it could start, which starved the other daemons
+ * and the kernel's TCP on a shared host. */
 static bool all_empty(struct sd_server *srv)
 {
     for (struct sd_session *s = srv->sessions; s; s = s->next)
