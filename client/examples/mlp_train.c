@@ -168,14 +168,10 @@ static void busy_wait_ms(double ms, bool sleep)
                               .tv_nsec = (long)((ms - (double)(time_t)(ms / 1e3) * 1e3) * 1e6)};
         while (nanosleep(&ts, &ts) != 0)
             ;
-        spent.wait += now_s() - t0;
-        return;
+    } else {
+        while ((now_s() - t0) * 1e3 < ms)
+            ;
     }
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
-    do
-        clock_gettime(CLOCK_MONOTONIC, &b);
-    while ((double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) / 1e6 < ms);
     spent.wait += now_s() - t0;
 }
 
