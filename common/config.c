@@ -39,6 +39,10 @@ const struct sd_config_entry sd_config_table[] = {
      0},
     {"staging_slots", SD_CFG_INT, "4", 1, 64, OFF(staging_slots),
      "gradient staging slots per client, each the size of the largest unit", 0},
+    {"push_rounds", SD_CFG_INT, "2", 1, 4, OFF(push_rounds),
+     "gradient reductions across nodes a job keeps on the wire at once, each with buffers the "
+     "size of the largest unit",
+     0},
     {"max_live_bytes", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(max_live_bytes),
      "gather pool size per job; 0 sizes it to hold every unit at once", 0},
     {"prefetch_depth", SD_CFG_INT, "2", 0, 1024, OFF(prefetch_depth),

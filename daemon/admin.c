@@ -117,6 +117,8 @@ static json_t *job_stats(const struct sd_job *job)
     json_object_set_new(o, "schedule_invalidations",
                         json_integer((json_int_t)job->sched.invalidations));
     json_object_set_new(o, "prefetches", json_integer((json_int_t)job->sched.prefetches));
+    json_object_set_new(o, "push_rounds_peak",
+                        json_integer((json_int_t)job->stats.push_rounds_peak));
     json_object_set_new(o, "coalesced_gathers",
                         json_integer((json_int_t)job->stats.coalesced_gathers));
     json_object_set_new(o, "coalesced_units", json_integer((json_int_t)job->stats.coalesced_units));

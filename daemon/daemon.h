@@ -63,6 +63,7 @@ struct sd_job_stats {
     uint64_t coalesced_gathers, coalesced_units; /* transfers that moved several units, and those */
     uint64_t allocs_after_register;
     uint64_t pool_bytes;
+    uint32_t push_rounds_peak; /* gradient reductions across nodes on the wire at once, at most */
     struct sd_latency lat[SD_OP_COUNT];
 };
 
@@ -158,7 +159,7 @@ struct sd_push_entry {
 struct sd_push_round {
     uint32_t arrived;
     uint64_t first_ns;
-    uint64_t seq; /* rounds of this unit completed so far */
+    uint64_t seq; /* which round of its (unit, group) it collects: the micro-step */
 };
 
 /* A pull request for a unit's weights block (SD_TAG_REQ), 32 bytes on the wire. */
@@ -229,20 +230,30 @@ struct sd_gather_batch {
 };
 
 /* A push round that crosses nodes: node partial, reduce-scatter in the partition group, and
- * without the 2-hop sync an all-reduce across the replication group, every micro-step. */
+ * without the 2-hop sync an all-reduce across the replication group, every micro-step. Up to
+ * push_rounds of them are on the wire at once, each with its own buffers; they are applied to the
+ * g shards in the order they started, so the sums do not depend on which finishes first. */
 struct sd_node_round {
-    bool active;
+    struct sd_job *job;
+    bool active, net_done; /* started; its transfers (and all-reduce) finished */
     uint32_t unit;
     uint64_t seq, start_ns;
     uint32_t pending;
     int status;
     uint32_t suspect;
     size_t chunk;
-    float *part; /* the node partial: scratch, or the one rank's fp32 staging slot */
+    float *part; /* the node partial: buf, or the one rank's fp32 staging slot */
+    float *buf;  /* [max unit] the node partial when it must be summed (NULL if never) */
+    float *rs_recv, *rs_out, *ar_tmp; /* [G - 1 blocks], [block], [ar_tmp_count] */
     uint32_t chunk_arrivals[SD_TAG_MAX_CHUNKS];
     bool ar_active;
     struct sd_allreduce ar;
-    struct sd_bulk **sb, **rb; /* [group nodes - 1] */
+};
+
+/* a local round whose pushes all arrived, waiting for a node round */
+struct sd_round_ref {
+    uint32_t unit;
+    uint64_t seq;
 };
 
 /* The schedule of a job on this node (schedule.c): recorded during the first step, checked
@@ -324,10 +335,12 @@ struct sd_job {
     struct sd_slot_pool spool;
     struct sd_unit_state *units;
     uint64_t tick;
-    /* push rounds: [unit][group][member] for the g-partition groups on this node */
-    uint32_t g_groups, g_members;
+    /* push rounds: [unit][group][generation][member] for the g-partition groups on this node;
+     * round n of a (unit, group) collects in generation n % round_gens */
+    uint32_t g_groups, g_members, round_gens;
     struct sd_push_round *rounds;
     struct sd_push_entry *round_entries;
+    uint64_t *rounds_done; /* [unit][group] rounds completed: the oldest one collecting */
     /* barriers */
     uint32_t step_arrived;
     uint64_t step_first_ns;
@@ -362,10 +375,11 @@ struct sd_job {
     struct sd_gather_batch batch;
     struct sd_req_msg *req_queue; /* requests waiting for a newer generation or readiness */
     uint32_t req_queued, req_cap;
-    struct sd_node_round round;
-    uint32_t *round_queue; /* units whose local round completed, FIFO */
-    uint32_t rq_head, rq_len;
-    float *rs_recv, *rs_out, *ar_tmp;
+    struct sd_node_round *nr; /* [round_gens] ring of node rounds, oldest at nr_head */
+    uint32_t nr_head, nr_len;
+    struct sd_round_ref *round_queue; /* local rounds complete, waiting for a node round: FIFO */
+    uint32_t rq_head, rq_len, rq_cap;
+    float *nr_mem; /* the node rounds' buffers, one registration */
     size_t ar_tmp_count;
     uint32_t *members; /* scratch list of member nodes */
     /* step */
@@ -436,7 +450,7 @@ void sd_job_net_cancel(struct sd_job *job);
 bool sd_job_net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                       struct sd_unit_state *us);
 /* a push round of all local ranks completed: reduce across nodes */
-void sd_job_net_round_ready(struct sd_job *job, uint32_t unit);
+void sd_job_net_round_ready(struct sd_job *job, uint32_t unit, uint64_t seq);
 void sd_job_net_step(struct sd_job *job);
 void sd_job_net_init_sent(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                           const float *values);
@@ -449,6 +463,8 @@ void sd_job_net_describe(const struct sd_job *job, char *out, size_t len);
 /* job_ops.c helpers shared with job_net.c */
 void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t rank);
 void sd_job_finish_round(struct sd_job *job, uint32_t unit, uint32_t group);
+/* the members' entries of round seq of unit u (group 0) */
+struct sd_push_entry *sd_job_round_entries(struct sd_job *job, uint32_t unit, uint64_t seq);
 void sd_job_step_apply(struct sd_job *job, double sumsq);
 void sd_job_step_done(struct sd_job *job);
 void sd_job_complete_fetch(struct sd_job *job, struct sd_unit_state *us);

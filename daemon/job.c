@@ -124,17 +124,21 @@ static void job_free_memory(struct sd_job *job)
     free(job->arena);
     free(job->staging);
     free(job->scratch);
+    free(job->nr_mem);
     free(job->units);
     free(job->rounds);
     free(job->round_entries);
+    free(job->rounds_done);
     free(job->w_off);
     sd_sched_free(job);
     sd_slot_pool_fini(&job->spool);
     job->arena = job->staging = NULL;
     job->scratch = NULL;
+    job->nr_mem = NULL;
     job->units = NULL;
     job->rounds = NULL;
     job->round_entries = NULL;
+    job->rounds_done = NULL;
     job->w_off = NULL;
     if (job->bytes_total) {
         job->reg->used -= job->bytes_total;
@@ -296,10 +300,12 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
         job->g_groups = k / job->g_members;
     }
     size_t n_rounds = (size_t)l->n_units * job->g_groups;
-    job->rounds = calloc(n_rounds, sizeof(*job->rounds));
-    job->round_entries = calloc(n_rounds * job->g_members, sizeof(*job->round_entries));
+    job->rounds = calloc(n_rounds * job->round_gens, sizeof(*job->rounds));
+    job->round_entries =
+        calloc(n_rounds * job->round_gens * job->g_members, sizeof(*job->round_entries));
+    job->rounds_done = calloc(n_rounds, sizeof(*job->rounds_done));
     if (!job->arena || !job->staging || !job->scratch || !job->units || !job->rounds ||
-        !job->round_entries) {
+        !job->round_entries || !job->rounds_done) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }
@@ -675,6 +681,8 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->group_nodes = fw > k ? fw / k : 1;
     job->slots_per_unit = job->group_nodes > 1 && !job->plan.hierarchical ? k : 1;
     job->node_rounds = nodes > 1 && (job->plan.f[SD_STATE_G] > k || !job->plan.two_hop);
+    /* a round inside the node is reduced as soon as it is complete: one generation is enough */
+    job->round_gens = job->node_rounds ? (uint32_t)reg->cfg->push_rounds : 1;
     if (status == SD_OK)
         job->n_slots = job->layout.n_units * job->slots_per_unit;
     if (status == SD_OK) {
@@ -1031,24 +1039,25 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
                             "rank 0 did not finish loading the initial values in time");
             continue;
         }
-        for (uint32_t u = 0; u < job->layout.n_units; u++)
-            for (uint32_t g = 0; g < job->g_groups; g++) {
-                struct sd_push_round *rd = &job->rounds[(size_t)u * job->g_groups + g];
-                if (rd->arrived == 0 || now - rd->first_ns <= op_timeout)
-                    continue;
-                struct sd_push_entry *ent =
-                    &job->round_entries[((size_t)u * job->g_groups + g) * job->g_members];
-                for (uint32_t r = 0; r < job->k && r < 1024; r++)
-                    present[r] = r / job->g_members != g || ent[r % job->g_members].s != NULL;
-                list_missing(missing, sizeof(missing), job, present);
-                sd_job_fail(job, SD_ETIMEDOUT,
-                            "push of unit %u (micro-step %llu): ranks %s did not push within "
-                            "%lld ms (op_timeout_ms)",
-                            u, (unsigned long long)rd->seq + 1, missing,
-                            (long long)reg->cfg->op_timeout_ms);
-                goto next_job;
-            }
-    next_job:;
+        size_t n_gens = (size_t)job->layout.n_units * job->g_groups * job->round_gens;
+        for (size_t gi = 0; gi < n_gens; gi++) {
+            struct sd_push_round *rd = &job->rounds[gi];
+            if (rd->arrived == 0 || rd->arrived == job->g_members ||
+                now - rd->first_ns <= op_timeout)
+                continue;
+            uint32_t g = (uint32_t)(gi / job->round_gens % job->g_groups);
+            uint32_t u = (uint32_t)(gi / job->round_gens / job->g_groups);
+            struct sd_push_entry *ent = &job->round_entries[gi * job->g_members];
+            for (uint32_t r = 0; r < job->k && r < 1024; r++)
+                present[r] = r / job->g_members != g || ent[r % job->g_members].s != NULL;
+            list_missing(missing, sizeof(missing), job, present);
+            sd_job_fail(job, SD_ETIMEDOUT,
+                        "push of unit %u (micro-step %llu): ranks %s did not push within "
+                        "%lld ms (op_timeout_ms)",
+                        u, (unsigned long long)rd->seq + 1, missing,
+                        (long long)reg->cfg->op_timeout_ms);
+            break;
+        }
     }
 }
 

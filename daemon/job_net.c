@@ -77,7 +77,7 @@ static uint32_t bulks_needed(const struct sd_job *job)
     uint32_t G = job->group_nodes, N = job->nodes;
     uint32_t gathers = MAX_GATHERS_INFLIGHT * (G - 1);
     uint32_t serve = MAX_GATHERS_INFLIGHT * (N - 1) * job->slots_per_unit;
-    uint32_t round = 2 * (G - 1) + 2 * (N - 1);
+    uint32_t round = job->round_gens * (2 * (G - 1) + 2 * (N - 1));
     uint32_t step = 2 * (N - 1) + 2;
     uint32_t init = N;
     return gathers + serve + round + step + init + 4;
@@ -95,15 +95,35 @@ static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cf
     return SD_MAX(need, (size_t)(R > 1 ? R - 1 : 0) * SD_MIN(small, block)) + 16;
 }
 
+/* Does a node round sum its partial into a buffer of its own? Not when one rank's fp32
+ * gradient is the partial. */
+static bool rounds_need_buf(const struct sd_job *job)
+{
+    if (job->k > 1)
+        return true;
+    for (uint32_t u = 0; u < job->layout.n_units; u++)
+        if (job->layout.units[u].dtype != SD_DTYPE_FP32)
+            return true;
+    return false;
+}
+
+/* floats of one node round's buffers: partial, the G - 1 received blocks, the summed block and
+ * the all-reduce's temporary */
+static size_t round_floats(const struct sd_job *job, const struct sd_config *cfg)
+{
+    uint64_t maxn = job->layout.max_unit_numel;
+    uint32_t G = job->group_nodes;
+    uint64_t block = G > 1 ? maxn / G : 0;
+    return (rounds_need_buf(job) ? maxn : 0) + (G > 1 ? (uint64_t)G * block : 0) +
+           ar_tmp_floats(job, cfg) + 4 * 16; /* + 16 floats of slack after each buffer */
+}
+
 uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg)
 {
     if (job->nodes <= 1)
         return 0;
-    uint64_t maxn = job->layout.max_unit_numel;
     uint32_t G = job->group_nodes;
-    uint64_t block = G > 1 ? maxn / G : 0;
-    uint64_t b = (uint64_t)(G > 1 ? G - 1 : 0) * block * 4 + block * 4;
-    b += ar_tmp_floats(job, cfg) * 4;
+    uint64_t b = (uint64_t)job->round_gens * round_floats(job, cfg) * sizeof(float);
     b += (uint64_t)bulks_needed(job) * sizeof(struct sd_bulk);
     b += (uint64_t)job->n_slots * (G ? G - 1 : 0) * (sizeof(struct sd_xfer) + sizeof(void *));
     return b;
@@ -142,13 +162,29 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     int st = sd_bulk_pool_init(&job->bulks, bulks_needed(job));
     if (st != SD_OK)
         goto err_nomem;
+    job->ar_tmp_count = ar_tmp_floats(job, cfg);
+    size_t per_round = round_floats(job, cfg);
+    job->nr = calloc(job->round_gens, sizeof(*job->nr));
+    job->nr_mem = calloc((size_t)job->round_gens * per_round, sizeof(float));
+    if (!job->nr || !job->nr_mem)
+        goto err_nomem;
+    for (uint32_t i = 0; i < job->round_gens; i++) {
+        struct sd_node_round *rd = &job->nr[i];
+        float *p = job->nr_mem + (size_t)i * per_round;
+        rd->job = job;
+        if (rounds_need_buf(job)) {
+            rd->buf = p;
+            p += maxn + 16;
+        }
+        if (G > 1) {
+            rd->rs_recv = p;
+            p += (size_t)(G - 1) * block + 16;
+            rd->rs_out = p;
+            p += block + 16;
+        }
+        rd->ar_tmp = p;
+    }
     if (G > 1) {
-        job->rs_recv = calloc((size_t)(G - 1) * block + 1, sizeof(float));
-        job->rs_out = calloc(block + 1, sizeof(float));
-        job->round.sb = calloc(G, sizeof(*job->round.sb));
-        job->round.rb = calloc(G, sizeof(*job->round.rb));
-        if (!job->rs_recv || !job->rs_out || !job->round.sb || !job->round.rb)
-            goto err_nomem;
         for (uint32_t i = 0; i < job->n_slots; i++) {
             job->units[i].rb = calloc(G, sizeof(*job->units[i].rb));
             job->units[i].req_x = calloc(G, sizeof(*job->units[i].req_x));
@@ -156,23 +192,21 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
                 goto err_nomem;
         }
     }
-    job->ar_tmp_count = ar_tmp_floats(job, cfg);
-    job->ar_tmp = calloc(job->ar_tmp_count, sizeof(float));
     job->members = calloc(N, sizeof(*job->members));
     job->norm_parts = calloc(N, sizeof(*job->norm_parts));
     job->norm_b = calloc(2 * N, sizeof(*job->norm_b));
-    job->round_queue = calloc(job->layout.n_units, sizeof(*job->round_queue));
+    job->rq_cap = job->layout.n_units * job->round_gens;
+    job->round_queue = calloc(job->rq_cap, sizeof(*job->round_queue));
     job->req_cap = N * job->n_slots + 16;
     job->req_queue = calloc(job->req_cap, sizeof(*job->req_queue));
     job->wait_tags = calloc((size_t)job->n_slots * job->k, sizeof(*job->wait_tags));
-    uint32_t max_mrs = 2 * job->k + 8;
+    uint32_t max_mrs = 2 * job->k + 6;
     job->mr_handles = calloc(max_mrs, sizeof(void *));
     job->mr_descs = calloc(max_mrs, sizeof(void *));
     job->mr_base = calloc(max_mrs, sizeof(void *));
     job->mr_len = calloc(max_mrs, sizeof(size_t));
-    if (!job->ar_tmp || !job->members || !job->norm_parts || !job->norm_b || !job->round_queue ||
-        !job->req_queue || !job->wait_tags || !job->mr_handles || !job->mr_descs || !job->mr_base ||
-        !job->mr_len)
+    if (!job->members || !job->norm_parts || !job->norm_b || !job->round_queue || !job->req_queue ||
+        !job->wait_tags || !job->mr_handles || !job->mr_descs || !job->mr_base || !job->mr_len)
         goto err_nomem;
     /* memory registered once per job */
     st = reg_mr(job, job->pool.ptr, job->pool.bytes);
@@ -184,12 +218,8 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     }
     if (st == SD_OK)
         st = reg_mr(job, job->scratch, maxn * sizeof(float));
-    if (st == SD_OK && G > 1)
-        st = reg_mr(job, job->rs_recv, (G - 1) * block * sizeof(float));
-    if (st == SD_OK && G > 1)
-        st = reg_mr(job, job->rs_out, block * sizeof(float));
     if (st == SD_OK)
-        st = reg_mr(job, job->ar_tmp, job->ar_tmp_count * sizeof(float));
+        st = reg_mr(job, job->nr_mem, (size_t)job->round_gens * per_round * sizeof(float));
     if (st == SD_OK)
         st = reg_mr(job, job->norm_parts, N * sizeof(*job->norm_parts));
     if (st == SD_OK) /* the pull requests each gather sends live in its unit state */
@@ -218,11 +248,7 @@ void sd_job_net_teardown(struct sd_job *job)
         job->units[i].req_x = NULL;
     }
     sd_bulk_pool_fini(&job->bulks);
-    free(job->rs_recv);
-    free(job->rs_out);
-    free(job->round.sb);
-    free(job->round.rb);
-    free(job->ar_tmp);
+    free(job->nr); /* nr_mem goes with the job's other big buffers (job_free_memory) */
     free(job->members);
     free(job->norm_parts);
     free(job->norm_b);
@@ -233,8 +259,7 @@ void sd_job_net_teardown(struct sd_job *job)
     free(job->mr_descs);
     free(job->mr_base);
     free(job->mr_len);
-    job->rs_recv = job->rs_out = job->ar_tmp = NULL;
-    job->round.sb = job->round.rb = NULL;
+    job->nr = NULL;
     job->members = NULL;
     job->norm_parts = NULL;
     job->norm_b = NULL;
@@ -303,11 +328,11 @@ void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
                  "step %llu (%s, unit %u; last completed step %llu) waiting for node(s) %s",
                  (unsigned long long)job->steps + 1, phase[job->step_phase], job->step_unit,
                  (unsigned long long)job->steps, peers);
-    } else if (job->round.active) {
+    } else if (job->nr_len > 0) {
+        const struct sd_node_round *rd = &job->nr[job->nr_head];
         snprintf(out, len,
                  "push of unit %u (micro-step %llu; last completed %llu) waiting for node(s) %s",
-                 job->round.unit, (unsigned long long)job->round.seq + 1,
-                 (unsigned long long)job->round.seq, peers);
+                 rd->unit, (unsigned long long)rd->seq + 1, (unsigned long long)rd->seq, peers);
     } else if (job->gathers_inflight > 0) {
         uint32_t u = 0;
         for (uint32_t i = 0; i < job->n_slots; i++)
@@ -813,40 +838,59 @@ bool sd_job_net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_
 
 static void round_start_next(struct sd_job *job);
 
-static void round_finish(struct sd_job *job)
+/* Apply the oldest node rounds whose transfers are done, in the order they started (the g
+ * shards get each unit's micro-steps in order, whichever round finished first), then start
+ * the rounds waiting for buffers. */
+static void rounds_retire(struct sd_job *job)
 {
-    struct sd_node_round *rd = &job->round;
+    while (job->nr_len > 0 && job->state != SD_JOB_FAILED) {
+        struct sd_node_round *rd = &job->nr[job->nr_head];
+        if (!rd->net_done)
+            break;
+        const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+        uint32_t f = job->plan.f[SD_STATE_G];
+        uint64_t len = ul->numel / f;
+        const float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
+        for (uint32_t j = 0; j < job->k; j++) {
+            float *g = sd_job_g_shard(job, j, ul);
+            uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
+            job->reg->dev->reduce_add(g, B + src, SD_DTYPE_FP32, len);
+        }
+        rd->active = rd->net_done = false;
+        job->nr_head = (job->nr_head + 1) % job->round_gens;
+        job->nr_len--;
+        SD_DEBUG("net", "job '%s': push round of unit %u done in %.1f us", job->name, rd->unit,
+                 (double)(sd_now_ns() - rd->start_ns) / 1e3);
+        sd_job_finish_round(job, rd->unit, 0);
+    }
+    if (job->state == SD_JOB_FAILED)
+        return;
+    round_start_next(job);
+    if (job->nr_len == 0 && job->step_phase != SD_STEP_IDLE)
+        sd_job_net_step(job);
+}
+
+/* a round's transfers are over: a failure fails the job now, whatever rounds precede it */
+static void round_net_done(struct sd_node_round *rd)
+{
+    struct sd_job *job = rd->job;
+    rd->net_done = true;
+    if (job->state == SD_JOB_FAILED)
+        return;
     if (rd->status != SD_OK) {
         char what[256];
         sd_job_net_describe(job, what, sizeof(what));
-        rd->active = false;
         sd_job_fail(job, SD_EPEER, "%s: transfer with node %u failed: %s", what, rd->suspect,
                     sd_status_str(rd->status));
         return;
     }
-    /* add this micro-step's reduced block into the local g shards */
-    const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
-    uint32_t f = job->plan.f[SD_STATE_G];
-    uint64_t len = ul->numel / f;
-    const float *B = job->group_nodes > 1 ? job->rs_out : rd->part;
-    for (uint32_t j = 0; j < job->k; j++) {
-        float *g = sd_job_g_shard(job, j, ul);
-        uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
-        job->reg->dev->reduce_add(g, B + src, SD_DTYPE_FP32, len);
-    }
-    rd->active = false;
-    SD_DEBUG("net", "job '%s': push round of unit %u done in %.1f us", job->name, rd->unit,
-             (double)(sd_now_ns() - rd->start_ns) / 1e3);
-    sd_job_finish_round(job, rd->unit, 0);
-    round_start_next(job);
-    if (!job->round.active && job->step_phase != SD_STEP_IDLE)
-        sd_job_net_step(job);
+    rounds_retire(job);
 }
 
 static void round_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
 {
-    struct sd_job *job = ar->arg;
-    struct sd_node_round *rd = &job->round;
+    struct sd_node_round *rd = ar->arg;
+    struct sd_job *job = rd->job;
     job->stats.bytes[SD_OP_PUSH][SD_LINK_INTER_SENT] += ar->bytes_sent;
     job->stats.bytes[SD_OP_PUSH][SD_LINK_INTER_RECV] += ar->bytes_recv;
     rd->ar_active = false;
@@ -854,41 +898,41 @@ static void round_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
         rd->status = status;
         rd->suspect = suspect;
     }
-    round_finish(job);
+    round_net_done(rd);
 }
 
 /* after the reduce-scatter: without 2-hop, all-reduce across the replication group */
-static void round_after_rs(struct sd_job *job)
+static void round_after_rs(struct sd_node_round *rd)
 {
-    struct sd_node_round *rd = &job->round;
-    if (rd->status == SD_OK && !job->plan.two_hop) {
+    struct sd_job *job = rd->job;
+    if (rd->status == SD_OK && !job->plan.two_hop && job->state != SD_JOB_FAILED) {
         uint32_t R = replication_nodes(job, job->members);
         const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
         uint64_t count = job->group_nodes > 1 ? ul->numel / job->group_nodes : ul->numel;
-        float *B = job->group_nodes > 1 ? job->rs_out : rd->part;
+        float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
         if (R > 1) {
             rd->ar_active = true;
             uint64_t tag =
                 sd_tag(SD_TAG_AR, job->tag, rd->unit, (uint32_t)(rd->seq & 0xff) << 8, 0, 0);
             int st = sd_allreduce_start(&rd->ar, tp_of(job), &job->bulks, job->members, R,
-                                        self_node(job), B, count, job->ar_tmp, job->ar_tmp_count,
-                                        desc_of(job, B), desc_of(job, job->ar_tmp), tag,
+                                        self_node(job), B, count, rd->ar_tmp, job->ar_tmp_count,
+                                        desc_of(job, B), desc_of(job, rd->ar_tmp), tag,
                                         job->reg->cfg->chunk_bytes,
-                                        job->reg->cfg->small_allreduce_bytes, round_ar_done, job);
+                                        job->reg->cfg->small_allreduce_bytes, round_ar_done, rd);
             if (st == SD_OK)
                 return;
             rd->ar_active = false;
             rd->status = st;
         }
     }
-    round_finish(job);
+    round_net_done(rd);
 }
 
 /* chunk c of the partials of this node's block arrived from some node: once all did, sum it */
 static void rs_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
 {
-    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
-    struct sd_node_round *rd = &job->round;
+    struct sd_node_round *rd = b->arg;
+    struct sd_job *job = rd->job;
     (void)piece;
     uint32_t c = (uint32_t)(off / rd->chunk);
     uint32_t G = job->group_nodes;
@@ -899,19 +943,19 @@ static void rs_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
     uint32_t me = self_node(job) % G;
     const float *src[64];
     for (uint32_t i = 0, o = 0; i < G; i++)
-        src[i] = i == me ? rd->part + (size_t)me * block : job->rs_recv + (size_t)(o++) * block;
+        src[i] = i == me ? rd->part + (size_t)me * block : rd->rs_recv + (size_t)(o++) * block;
     for (size_t e = e0; e < e1; e++) { /* node order, as the reference would add them */
         float s = src[0][e];
         for (uint32_t i = 1; i < G; i++)
             s += src[i][e];
-        job->rs_out[e] = s;
+        rd->rs_out[e] = s;
     }
 }
 
 static void rs_done(struct sd_bulk *b, int status)
 {
-    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
-    struct sd_node_round *rd = &job->round;
+    struct sd_node_round *rd = b->arg;
+    struct sd_job *job = rd->job;
     job->stats.bytes[SD_OP_PUSH][b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV] += b->bytes;
     if (status != SD_OK && rd->status == SD_OK) {
         rd->status = status;
@@ -919,88 +963,95 @@ static void rs_done(struct sd_bulk *b, int status)
     }
     sd_bulk_put(&job->bulks, b);
     if (--rd->pending == 0)
-        round_after_rs(job);
+        round_after_rs(rd);
 }
 
-/* elements [lo, hi) of the node partial, into scratch: the local ranks' gradients summed in
+/* elements [lo, hi) of the node partial, into rd->buf: the local ranks' gradients summed in
  * rank order */
-static void node_partial(struct sd_job *job, const struct sd_push_entry *ent,
-                         const struct sd_unit_layout *ul, uint64_t lo, uint64_t hi)
+static void node_partial(struct sd_job *job, struct sd_node_round *rd,
+                         const struct sd_push_entry *ent, const struct sd_unit_layout *ul,
+                         uint64_t lo, uint64_t hi)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     size_t esz = sd_dtype_size(ul->dtype);
     for (uint32_t m = 0; m < job->k; m++) {
         const uint8_t *src = sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + lo * esz;
         if (m == 0)
-            dev->to_f32(job->scratch + lo, src, ul->dtype, hi - lo);
+            dev->to_f32(rd->buf + lo, src, ul->dtype, hi - lo);
         else
-            dev->reduce_add(job->scratch + lo, src, ul->dtype, hi - lo);
+            dev->reduce_add(rd->buf + lo, src, ul->dtype, hi - lo);
     }
 }
 
+/* Start node rounds for the local rounds waiting, while a round's buffers are free. */
 static void round_start_next(struct sd_job *job)
 {
-    struct sd_node_round *rd = &job->round;
-    if (rd->active || job->rq_len == 0 || job->state == SD_JOB_FAILED)
-        return;
-    uint32_t u = job->round_queue[job->rq_head];
-    job->rq_head = (job->rq_head + 1) % job->layout.n_units;
-    job->rq_len--;
-    const struct sd_unit_layout *ul = &job->layout.units[u];
-    struct sd_push_entry *ent = &job->round_entries[(size_t)u * job->g_members];
-    memset(rd->chunk_arrivals, 0, sizeof(rd->chunk_arrivals));
-    rd->active = true;
-    rd->unit = u;
-    rd->seq = job->rounds[u].seq;
-    rd->start_ns = sd_now_ns();
-    SD_DEBUG("net", "job '%s': push round of unit %u (micro-step %llu) starts", job->name, u,
-             (unsigned long long)rd->seq + 1);
-    rd->status = SD_OK;
-    rd->pending = 0;
-    job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)job->k * sd_unit_bytes(ul);
-    /* One rank's fp32 gradient is the node partial as it stands: the reduce-scatter's blocks
-     * leave straight from its staging slot (held until the round finishes), and within one node
-     * the all-reduce runs in place there. Otherwise the partial is summed into scratch, across
-     * nodes block by block, each just before it leaves, this node's own block last: the first
-     * send starts after 1/G of the work instead of all of it. */
-    uint32_t G = job->group_nodes;
-    bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32;
-    rd->part = direct ? (float *)(void *)sd_job_staging_slot(job, ent[0].s->local, ent[0].slot)
-                      : job->scratch;
-    if (G == 1) {
-        if (!direct)
-            node_partial(job, ent, ul, 0, ul->numel);
-        round_after_rs(job);
-        return;
-    }
-    size_t block = ul->numel / G, bytes = block * sizeof(float);
-    uint32_t first = group_first(job), me = self_node(job) % G;
-    rd->chunk = chunk_size(bytes, 1, job->reg->cfg->chunk_bytes);
-    for (uint32_t i = 0, o = 0; i < G; i++) {
-        uint32_t m = first + i;
-        if (i == me)
+    while (job->nr_len < job->round_gens && job->rq_len > 0 && job->state != SD_JOB_FAILED) {
+        struct sd_round_ref ref = job->round_queue[job->rq_head];
+        job->rq_head = (job->rq_head + 1) % job->rq_cap;
+        job->rq_len--;
+        struct sd_node_round *rd = &job->nr[(job->nr_head + job->nr_len) % job->round_gens];
+        job->nr_len++;
+        job->stats.push_rounds_peak = SD_MAX(job->stats.push_rounds_peak, job->nr_len);
+        uint32_t u = ref.unit;
+        const struct sd_unit_layout *ul = &job->layout.units[u];
+        const struct sd_push_entry *ent = sd_job_round_entries(job, u, ref.seq);
+        memset(rd->chunk_arrivals, 0, sizeof(rd->chunk_arrivals));
+        rd->active = true;
+        rd->net_done = false;
+        rd->unit = u;
+        rd->seq = ref.seq;
+        rd->start_ns = sd_now_ns();
+        SD_DEBUG("net", "job '%s': push round of unit %u (micro-step %llu) starts", job->name, u,
+                 (unsigned long long)rd->seq + 1);
+        rd->status = SD_OK;
+        rd->pending = 0;
+        job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)job->k * sd_unit_bytes(ul);
+        /* One rank's fp32 gradient is the node partial as it stands: the reduce-scatter's
+         * blocks leave straight from its staging slot (held until the round finishes), and
+         * within one node the all-reduce runs in place there. Otherwise the partial is summed
+         * into the round's buffer, across nodes block by block, each just before it leaves,
+         * this node's own block last: the first send starts after 1/G of the work instead of
+         * all of it. */
+        uint32_t G = job->group_nodes;
+        bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32;
+        rd->part = direct ? (float *)(void *)sd_job_staging_slot(job, ent[0].s->local, ent[0].slot)
+                          : rd->buf;
+        if (G == 1) {
+            if (!direct)
+                node_partial(job, rd, ent, ul, 0, ul->numel);
+            round_after_rs(rd);
             continue;
+        }
+        size_t block = ul->numel / G, bytes = block * sizeof(float);
+        uint32_t first = group_first(job), me = self_node(job) % G;
+        rd->chunk = chunk_size(bytes, 1, job->reg->cfg->chunk_bytes);
+        for (uint32_t i = 0, o = 0; i < G; i++) {
+            uint32_t m = first + i;
+            if (i == me)
+                continue;
+            if (!direct)
+                node_partial(job, rd, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
+            uint32_t seq = (uint32_t)(rd->seq & 0xffff);
+            void *rp = rd->rs_recv + (size_t)o * block, *sp = rd->part + (size_t)i * block;
+            rd->pending += sd_bulk_exchange(
+                &job->bulks, tp_of(job), m, sd_tag(SD_TAG_GRAD, job->tag, u, seq, m, 0), rp, bytes,
+                sd_tag(SD_TAG_GRAD, job->tag, u, seq, self_node(job), 0), sp, bytes,
+                job->reg->cfg->chunk_bytes, desc_of(job, rp), desc_of(job, sp), rs_done, rs_chunk,
+                rd, (uint64_t)(uintptr_t)job, NULL, &rd->status, &rd->suspect);
+            o++;
+        }
         if (!direct)
-            node_partial(job, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
-        uint32_t seq = (uint32_t)(rd->seq & 0xffff);
-        void *rp = job->rs_recv + (size_t)o * block, *sp = rd->part + (size_t)i * block;
-        rd->pending += sd_bulk_exchange(
-            &job->bulks, tp_of(job), m, sd_tag(SD_TAG_GRAD, job->tag, u, seq, m, 0), rp, bytes,
-            sd_tag(SD_TAG_GRAD, job->tag, u, seq, self_node(job), 0), sp, bytes,
-            job->reg->cfg->chunk_bytes, desc_of(job, rp), desc_of(job, sp), rs_done, rs_chunk,
-            (void *)(uintptr_t)job, (uint64_t)(uintptr_t)job, NULL, &rd->status, &rd->suspect);
-        o++;
+            node_partial(job, rd, ent, ul, (uint64_t)me * block, (uint64_t)(me + 1) * block);
+        if (rd->pending == 0)
+            round_after_rs(rd);
     }
-    if (!direct)
-        node_partial(job, ent, ul, (uint64_t)me * block, (uint64_t)(me + 1) * block);
-    if (rd->pending == 0)
-        round_after_rs(job);
 }
 
-void sd_job_net_round_ready(struct sd_job *job, uint32_t unit)
+void sd_job_net_round_ready(struct sd_job *job, uint32_t unit, uint64_t seq)
 {
-    uint32_t tail = (job->rq_head + job->rq_len) % job->layout.n_units;
-    job->round_queue[tail] = unit;
+    uint32_t tail = (job->rq_head + job->rq_len) % job->rq_cap;
+    job->round_queue[tail] = (struct sd_round_ref){.unit = unit, .seq = seq};
     job->rq_len++;
     round_start_next(job);
 }
@@ -1149,7 +1200,7 @@ void sd_job_net_step(struct sd_job *job)
     }
     if (job->step_phase == SD_STEP_SYNC) {
         /* everything of this step's micro-steps must be reduced, every gather finished */
-        if (job->round.active || job->rq_len > 0 || job->gathers_inflight > 0 ||
+        if (job->nr_len > 0 || job->rq_len > 0 || job->gathers_inflight > 0 ||
             job->step_pending > 0)
             return;
         uint32_t R = replication_nodes(job, job->members);
@@ -1159,11 +1210,12 @@ void sd_job_net_step(struct sd_job *job)
             uint64_t tag =
                 sd_tag(SD_TAG_AR, job->tag, u, (uint32_t)((job->steps & 0x7f) | 0x80) << 8, 0, 0);
             job->step_pending = 1;
-            int st = sd_allreduce_start(&job->step_ar, tp_of(job), &job->bulks, job->members, R,
-                                        self_node(job), job->scratch, count, job->ar_tmp,
-                                        job->ar_tmp_count, desc_of(job, job->scratch),
-                                        desc_of(job, job->ar_tmp), tag, job->reg->cfg->chunk_bytes,
-                                        job->reg->cfg->small_allreduce_bytes, step_ar_done, job);
+            int st =
+                sd_allreduce_start(&job->step_ar, tp_of(job), &job->bulks, job->members, R,
+                                   self_node(job), job->scratch, count, job->nr[0].ar_tmp,
+                                   job->ar_tmp_count, desc_of(job, job->scratch),
+                                   desc_of(job, job->nr[0].ar_tmp), tag, job->reg->cfg->chunk_bytes,
+                                   job->reg->cfg->small_allreduce_bytes, step_ar_done, job);
             if (st != SD_OK) {
                 job->step_pending = 0;
                 step_fail(job, st, job->members[0]);
@@ -1346,8 +1398,8 @@ void sd_job_net_sweep(struct sd_job *job, uint64_t now)
     uint64_t started = 0;
     if (job->step_phase != SD_STEP_IDLE)
         started = job->step_start_ns;
-    else if (job->round.active)
-        started = job->round.start_ns;
+    else if (job->nr_len > 0)
+        started = job->nr[job->nr_head].start_ns;
     else if (job->gathers_inflight > 0)
         for (uint32_t i = 0; i < job->n_slots; i++)
             if (job->units[i].inflight && (started == 0 || job->units[i].start_ns < started))

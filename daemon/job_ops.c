@@ -224,14 +224,30 @@ void sd_job_release_holds(struct sd_job *job, struct sd_session *s)
     }
 }
 
+/* Round n of (unit u, group g), and its entries: generation n % round_gens. */
+static inline size_t round_index(const struct sd_job *job, uint32_t u, uint32_t g, uint64_t n)
+{
+    return ((size_t)u * job->g_groups + g) * job->round_gens + (size_t)(n % job->round_gens);
+}
+
+static inline struct sd_push_entry *round_ents(struct sd_job *job, size_t gi)
+{
+    return &job->round_entries[gi * job->g_members];
+}
+
+struct sd_push_entry *sd_job_round_entries(struct sd_job *job, uint32_t u, uint64_t n)
+{
+    return round_ents(job, round_index(job, u, 0, n));
+}
+
 /* All members of a g-partition group (inside this node) pushed unit u: reduce-scatter into
  * their g shards. */
 static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[u];
-    size_t ri = (size_t)u * job->g_groups + g;
-    struct sd_push_entry *ent = &job->round_entries[ri * job->g_members];
+    uint64_t n = job->rounds_done[(size_t)u * job->g_groups + g];
+    struct sd_push_entry *ent = round_ents(job, round_index(job, u, g, n));
     uint32_t f = job->g_members;
     uint64_t len = ul->numel / f;
     size_t esz = sd_dtype_size(ul->dtype);
@@ -253,12 +269,14 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
     sd_job_finish_round(job, u, g);
 }
 
-/* Complete the pushes of a finished round and free its entries. */
+/* Complete the pushes of the oldest round of (u, g), which just finished, and free its
+ * generation for round n + round_gens. */
 void sd_job_finish_round(struct sd_job *job, uint32_t u, uint32_t g)
 {
-    size_t ri = (size_t)u * job->g_groups + g;
-    struct sd_push_round *rd = &job->rounds[ri];
-    struct sd_push_entry *ent = &job->round_entries[ri * job->g_members];
+    uint64_t *done = &job->rounds_done[(size_t)u * job->g_groups + g];
+    size_t gi = round_index(job, u, g, *done);
+    struct sd_push_round *rd = &job->rounds[gi];
+    struct sd_push_entry *ent = round_ents(job, gi);
     uint64_t now = sd_now_ns();
     for (uint32_t m = 0; m < job->g_members; m++) {
         struct sd_session *s = ent[m].s;
@@ -271,10 +289,11 @@ void sd_job_finish_round(struct sd_job *job, uint32_t u, uint32_t g)
         ent[m].s = NULL;
     }
     rd->arrived = 0;
-    rd->seq++;
+    (*done)++;
 }
 
-/* Returns false to stall: this rank already has a push of this unit waiting for its group. */
+/* Returns false to stall: this rank already has a push of this unit waiting in every round
+ * generation (it is round_gens micro-steps ahead of its group). */
 static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 {
     const struct sd_unit_layout *ul = &job->layout.units[e->unit];
@@ -294,10 +313,13 @@ static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sq
         return true;
     }
     uint32_t g = s->local / job->g_members, m = s->local % job->g_members;
-    size_t ri = (size_t)e->unit * job->g_groups + g;
-    struct sd_push_entry *ent = &job->round_entries[ri * job->g_members + m];
-    if (ent->s != NULL)
-        return false; /* ahead of its group by a micro-step: wait for the round to finish */
+    /* a rank's pushes fill the rounds in order: its next is the oldest round it is not in */
+    uint64_t n = job->rounds_done[(size_t)e->unit * job->g_groups + g];
+    uint64_t last = n + job->round_gens;
+    while (n < last && round_ents(job, round_index(job, e->unit, g, n))[m].s != NULL)
+        n++;
+    if (n == last)
+        return false; /* ahead of its group: wait for the oldest round to finish */
     if (s->staging_busy & (1ULL << e->arg0)) {
         sd_session_fail(s, e, SD_EBUSY,
                         "push unit %u: staging slot %llu still holds an earlier push that has "
@@ -305,16 +327,20 @@ static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sq
                         e->unit, (unsigned long long)e->arg0);
         return true;
     }
-    struct sd_push_round *rd = &job->rounds[ri];
+    size_t gi = round_index(job, e->unit, g, n);
+    struct sd_push_round *rd = &job->rounds[gi];
+    struct sd_push_entry *ent = &round_ents(job, gi)[m];
     uint64_t now = sd_now_ns();
     s->staging_busy |= 1ULL << e->arg0;
     *ent =
         (struct sd_push_entry){.s = s, .tag = e->tag, .arrive_ns = now, .slot = (uint32_t)e->arg0};
-    if (rd->arrived++ == 0)
+    if (rd->arrived++ == 0) {
         rd->first_ns = now;
+        rd->seq = n;
+    }
     if (rd->arrived == job->g_members) {
         if (job->node_rounds)
-            sd_job_net_round_ready(job, e->unit);
+            sd_job_net_round_ready(job, e->unit, n);
         else
             reduce_round(job, e->unit, g);
     }
@@ -324,23 +350,23 @@ static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sq
 /* Is any push round partly filled? Describes the first in msg. */
 static bool partial_round(struct sd_job *job, char *msg, size_t len)
 {
-    for (uint32_t u = 0; u < job->layout.n_units; u++)
-        for (uint32_t g = 0; g < job->g_groups; g++) {
-            size_t ri = (size_t)u * job->g_groups + g;
-            if (job->rounds[ri].arrived == 0)
-                continue;
-            struct sd_push_entry *ent = &job->round_entries[ri * job->g_members];
-            size_t off = (size_t)snprintf(msg, len, "step %llu: unit %u has gradients from ranks",
-                                          (unsigned long long)job->steps + 1, u);
-            for (uint32_t m = 0; m < job->g_members && off < len; m++)
-                if (ent[m].s != NULL)
-                    off += (size_t)snprintf(msg + off, len - off, " %u", ent[m].s->rank);
-            if (off < len)
-                snprintf(msg + off, len - off,
-                         " but not from the rest of their group; every "
-                         "rank must push the same units");
-            return true;
-        }
+    size_t n = (size_t)job->layout.n_units * job->g_groups * job->round_gens;
+    for (size_t gi = 0; gi < n; gi++) {
+        if (job->rounds[gi].arrived == 0)
+            continue;
+        uint32_t u = (uint32_t)(gi / job->round_gens / job->g_groups);
+        struct sd_push_entry *ent = round_ents(job, gi);
+        size_t off = (size_t)snprintf(msg, len, "step %llu: unit %u has gradients from ranks",
+                                      (unsigned long long)job->steps + 1, u);
+        for (uint32_t m = 0; m < job->g_members && off < len; m++)
+            if (ent[m].s != NULL)
+                off += (size_t)snprintf(msg + off, len - off, " %u", ent[m].s->rank);
+        if (off < len)
+            snprintf(msg + off, len - off,
+                     " but not from the rest of their group; every "
+                     "rank must push the same units");
+        return true;
+    }
     return false;
 }
 
@@ -634,7 +660,7 @@ void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool wi
     char text[OP_MSG_LEN];
     snprintf(text, sizeof(text), "job '%s' failed: %s", job->name, msg);
     if (job->round_entries != NULL) {
-        size_t n = (size_t)job->layout.n_units * job->g_groups;
+        size_t n = (size_t)job->layout.n_units * job->g_groups * job->round_gens;
         for (size_t ri = 0; ri < n; ri++) {
             for (uint32_t m = 0; m < job->g_members; m++) {
                 struct sd_push_entry *ent = &job->round_entries[ri * job->g_members + m];

@@ -182,10 +182,12 @@ static void print_stats(json_t *doc)
                "allocations since registration %lld\n",
                str(j, "job"), num(j, "steps"), num(j, "errors"), num(j, "gathers"),
                num(j, "cache_hits"), num(j, "evictions"), num(j, "allocations_since_register"));
-        printf("  bytes: intra-node %s, inter-node sent %s, received %s\n",
+        printf("  bytes: intra-node %s, inter-node sent %s, received %s; gradient reductions "
+               "across nodes in flight at most %lld\n",
                sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(tot, "intra_node")),
                sd_fmt_bytes(b2, sizeof(b2), (uint64_t)num(tot, "inter_node_sent")),
-               sd_fmt_bytes(b3, sizeof(b3), (uint64_t)num(tot, "inter_node_recv")));
+               sd_fmt_bytes(b3, sizeof(b3), (uint64_t)num(tot, "inter_node_recv")),
+               num(j, "push_rounds_peak"));
         printf("  %-8s %10s %10s %10s %10s %12s %12s\n", "OP", "COUNT", "P50-US", "P99-US",
                "MAX-US", "INTRA", "INTER-SENT");
         const char *op;

@@ -15,7 +15,7 @@ out=$("$SHARDD" --help); rc=$?
 check '[ $rc -eq 0 ]' "shardd --help exit $rc"
 for opt in runtime_dir node nodes ranks_per_node backend memory_budget op_timeout_ms \
            register_timeout_ms log_level max_clients max_message_bytes poll_spin_us staging_slots \
-           max_live_bytes max_jobs; do
+           push_rounds max_live_bytes max_jobs; do
   check 'grep -q "^  $opt .*default" <<<"$out"' "--help does not list $opt with its default"
 done
 out=$("$SHARDD" --bogus 1 2>&1); rc=$?

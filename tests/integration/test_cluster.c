@@ -16,10 +16,16 @@
  *   step   the 2-hop all-reduce across the R = N / G replication nodes sends 2 (R - 1) / R of the
  *          node's block (S / G) once per step, not per micro-step, plus 24 (N - 1) bytes of norm
  *          and schedule digest;
- *          without 2-hop that all-reduce moves into every micro-step's push. */
+ *          without 2-hop that all-reduce moves into every micro-step's push.
+ *
+ * Order: several micro-steps of one unit reduce across nodes at once (push_rounds), and the g
+ * shards still receive them in micro-step order, which floating point can tell apart. */
 #include "harness.h"
+#include "shard.h"
 
 #include <jansson.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -181,11 +187,95 @@ static void bench_collectives(void)
     }
 }
 
+/* Every rank pushes 1e8, 1 and -1e8 into one unit, back to back, so that the daemons have
+ * several reductions of it on the wire at once. Added to the gradient in micro-step order,
+ * 1e8 W + W rounds to 1e8 W (W a power of two below 32) and the sum is exactly 0; any other order
+ * leaves W. SGD with lr 1 then keeps the weights at exactly 0. */
+struct order_rank {
+    int rank;
+    int st;
+    char err[256];
+    float w0, w_last;
+};
+
+#define ORDER_NUMEL (4u << 20) /* 16 MiB: each round outlasts the next push */
+
+static void *order_thread(void *arg)
+{
+    struct order_rank *o = arg;
+    uint64_t dims[1] = {ORDER_NUMEL};
+    shard_tensor_t t = {.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32, .unit = 0};
+    shard_model_t m = {.job = "order",
+                       .rank = (uint32_t)o->rank,
+                       .world = (uint32_t)(N * K),
+                       .plan = "zero3",
+                       .tensors = &t,
+                       .n_tensors = 1,
+                       .optimizer = {.name = "sgd", .lr = 1.0f}};
+    shard_ctx_t *c = NULL;
+    float *g = malloc(ORDER_NUMEL * sizeof(float));
+    o->st = g ? shard_attach(cl.d[o->rank / K].sock, &c) : -1;
+    if (o->st == 0)
+        o->st = shard_register(c, &m);
+    static const float v[3] = {1e8f, 1.0f, -1e8f};
+    for (int i = 0; i < 3 && o->st == 0; i++) {
+        for (uint32_t e = 0; e < ORDER_NUMEL; e++)
+            g[e] = v[i];
+        o->st = shard_push_grad(c, 0, g, ORDER_NUMEL * sizeof(float));
+    }
+    double norm;
+    const void *p = NULL;
+    if (o->st == 0)
+        o->st = shard_step(c, &norm);
+    if (o->st == 0)
+        o->st = shard_fetch(c, 0, &p);
+    if (o->st == 0) {
+        o->w0 = ((const float *)p)[0];
+        o->w_last = ((const float *)p)[ORDER_NUMEL - 1];
+        shard_release(c, 0);
+    }
+    if (o->st != 0)
+        snprintf(o->err, sizeof(o->err), "%s", c ? shard_last_error(c) : "out of memory");
+    if (c)
+        shard_detach(c);
+    free(g);
+    return NULL;
+}
+
+static void test_round_order(void)
+{
+    int W = N * K;
+    struct order_rank o[TH_MAX_RANKS];
+    pthread_t th[TH_MAX_RANKS];
+    for (int r = 0; r < W; r++) {
+        o[r] = (struct order_rank){.rank = r};
+        pthread_create(&th[r], NULL, order_thread, &o[r]);
+    }
+    for (int r = 0; r < W; r++)
+        pthread_join(th[r], NULL);
+    for (int r = 0; r < W; r++)
+        TH_CHECK(o[r].st == 0 && o[r].w0 == 0.0f && o[r].w_last == 0.0f,
+                 "rank %d: status %d (%s), weights %g ... %g after 1e8, 1, -1e8 (expected 0: the "
+                 "micro-steps were added out of order)",
+                 r, o[r].st, o[r].err, o[r].w0, o[r].w_last);
+    for (int node = 0; node < N; node++) {
+        json_t *st = job_stats(node, "order");
+        long long peak = st ? jnum(st, "push_rounds_peak") : -1;
+        TH_CHECK(peak >= 2 && peak <= 3,
+                 "node %d: %lld reductions in flight at most (push_rounds 3, 3 micro-steps "
+                 "pushed back to back)",
+                 node, peak);
+        json_decref(st);
+    }
+    printf("%dx%d round order: 3 micro-steps of 16 MiB, exact\n", N, K);
+}
+
 int main(int argc, char **argv)
 {
     N = argc > 1 ? atoi(argv[1]) : 2;
     K = argc > 2 ? atoi(argv[2]) : 2;
-    const char *extra[] = {"--small-allreduce-bytes", "0", "--op-timeout-ms", "20000", NULL};
+    const char *extra[] = {
+        "--small-allreduce-bytes", "0", "--op-timeout-ms", "20000", "--push-rounds", "3", NULL};
     if (th_cluster_start(&cl, N, K, extra) != 0) {
         fprintf(stderr, "cannot start a cluster of %d nodes\n", N);
         return 1;
@@ -205,6 +295,7 @@ int main(int argc, char **argv)
                          : sizeof(runs2) / sizeof(runs2[0]);
     for (size_t i = 0; i < nr; i++)
         run_one(&runs[i], (int)i);
+    test_round_order();
     if (K == 1)
         bench_collectives();
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");

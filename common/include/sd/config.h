@@ -22,6 +22,7 @@ struct sd_config {
     uint64_t max_message_bytes;
     int64_t poll_spin_us;
     int64_t staging_slots;
+    int64_t push_rounds;
     uint64_t max_live_bytes;
     int64_t max_jobs;
     char provider[64];
