@@ -108,11 +108,90 @@ static int model_from_msg(const Shard__Register *msg, struct sd_model *m, char *
     return sd_model_validate(m, err, len);
 }
 
+/* A job's big buffers go back on a worker thread: unmapping a job of 64 MiB units (about
+ * 1 GiB) held the loop for 250 ms here, and with it every other job's transfers and the
+ * heartbeats. Its bytes return to the budget once they are really gone. */
+struct job_free_work {
+    uv_work_t req;
+    struct sd_registry *reg;
+    struct sd_mem *mems; /* host memory: arenas (host backend), staging, pool */
+    uint32_t n_mems;
+    void *heap[2]; /* scratch, the node rounds' buffers */
+    uint64_t bytes, start_ns;
+    char job[64];
+};
+
+static void free_work_cb(uv_work_t *req)
+{
+    struct job_free_work *w = req->data;
+    for (uint32_t i = 0; i < w->n_mems; i++)
+        sd_gpu_host_ops.free(&w->mems[i]);
+    free(w->heap[0]);
+    free(w->heap[1]);
+}
+
+static void free_after_cb(uv_work_t *req, int uv_status)
+{
+    struct job_free_work *w = req->data;
+    (void)uv_status; /* work that is queued always runs: uv_cancel is never called on it */
+    w->reg->used -= w->bytes;
+    SD_DEBUG("job", "job '%s': %llu bytes returned in %.1f ms, off the loop", w->job,
+             (unsigned long long)w->bytes, (double)(sd_now_ns() - w->start_ns) / 1e6);
+    free(w->mems);
+    free(w);
+}
+
+/* Hand the job's host buffers to a worker; false if it cannot (no loop, out of memory). */
+static bool free_off_loop(struct sd_job *job)
+{
+    struct sd_registry *reg = job->reg;
+    bool host = reg->dev == &sd_gpu_host_ops;
+    uint32_t n_arena = job->arena != NULL && host ? job->k * SD_STATE_COUNT : 0;
+    uint32_t n_staging = job->staging != NULL ? job->k : 0;
+    if (reg->loop == NULL || job->bytes_total == 0)
+        return false;
+    struct job_free_work *w = calloc(1, sizeof(*w));
+    struct sd_mem *mems = calloc(n_arena + n_staging + 1, sizeof(*mems));
+    if (w == NULL || mems == NULL) {
+        free(w);
+        free(mems);
+        return false;
+    }
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < n_arena; i++) {
+        mems[n++] = job->arena[i];
+        job->arena[i] = (struct sd_mem){.fd = -1};
+    }
+    for (uint32_t i = 0; i < n_staging; i++) {
+        mems[n++] = job->staging[i];
+        job->staging[i] = (struct sd_mem){.fd = -1};
+    }
+    mems[n++] = job->pool;
+    job->pool = (struct sd_mem){.fd = -1};
+    *w = (struct job_free_work){.reg = reg,
+                                .mems = mems,
+                                .n_mems = n,
+                                .heap = {job->scratch, job->nr_mem},
+                                .bytes = job->bytes_total,
+                                .start_ns = sd_now_ns()};
+    w->req.data = w;
+    snprintf(w->job, sizeof(w->job), "%s", job->name);
+    job->scratch = NULL;
+    job->nr_mem = NULL;
+    job->bytes_total = 0;
+    if (uv_queue_work(reg->loop, &w->req, free_work_cb, free_after_cb) != 0) {
+        free_work_cb(&w->req);
+        free_after_cb(&w->req, 0);
+    }
+    return true;
+}
+
 static void job_free_memory(struct sd_job *job)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     if (job->nodes > 1)
-        sd_job_net_teardown(job);
+        sd_job_net_teardown(job); /* deregisters before anything is unmapped */
+    free_off_loop(job);           /* what it took is empty below */
     if (job->arena != NULL)
         for (uint32_t i = 0; i < job->k * SD_STATE_COUNT; i++)
             dev->free(&job->arena[i]);
@@ -207,7 +286,7 @@ static void job_bury(struct sd_job *job)
     job_free_memory(job);
     if (job->state != SD_JOB_FAILED)
         job->state = SD_JOB_FINISHED;
-    SD_INFO("job", "job '%s' (id %llu) %s after %llu steps; memory freed", job->name,
+    SD_INFO("job", "job '%s' (id %llu) %s after %llu steps; memory released", job->name,
             (unsigned long long)job->id, sd_job_state_name(job->state),
             (unsigned long long)job->steps);
     job->next = reg->finished;
