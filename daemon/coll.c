@@ -28,6 +28,16 @@ static void bulk_xfer_cb(struct sd_xfer *x, int status)
     }
 }
 
+size_t sd_bulk_chunk_bytes(size_t longest, uint32_t n_pieces, size_t chunk_bytes)
+{
+    /* chunks of every piece share the tag's chunk field: at most 256 / n_pieces per piece */
+    uint32_t max_cpp = SD_TAG_MAX_CHUNKS / n_pieces;
+    size_t chunk = SD_MAX(chunk_bytes, 64);
+    if (longest > chunk * max_cpp)
+        chunk = sd_round_up((longest + max_cpp - 1) / max_cpp, 64);
+    return chunk;
+}
+
 /* chunks of a piece of len bytes (an empty piece still sends one empty message) */
 static uint32_t piece_chunks(size_t len, size_t chunk)
 {
@@ -41,13 +51,10 @@ int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uin
 {
     if (n_pieces == 0 || n_pieces > SD_BULK_MAX_PIECES || b->active)
         return SD_EINVAL;
-    /* chunks of every piece share the tag's chunk field: at most 256 / n_pieces per piece */
-    uint32_t max_cpp = SD_TAG_MAX_CHUNKS / n_pieces;
-    size_t chunk = SD_MAX(chunk_bytes, 64), longest = 0;
+    size_t longest = 0;
     for (uint32_t p = 0; p < n_pieces; p++)
         longest = SD_MAX(longest, lens[p]);
-    if (longest > chunk * max_cpp)
-        chunk = sd_round_up((longest + max_cpp - 1) / max_cpp, 64);
+    size_t chunk = sd_bulk_chunk_bytes(longest, n_pieces, chunk_bytes);
     uint32_t n = 0;
     for (uint32_t p = 0; p < n_pieces; p++)
         n += piece_chunks(lens[p], chunk);

@@ -48,6 +48,11 @@ int sd_bulk_start(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint
                   size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
                   void *arg);
 
+/* The chunk size a bulk of n_pieces, the longest of `longest` bytes, is cut into: chunk_bytes,
+ * or larger where the tag's chunk field would run out. Both ends of a transfer compute the
+ * same. */
+size_t sd_bulk_chunk_bytes(size_t longest, uint32_t n_pieces, size_t chunk_bytes);
+
 /* The same with pieces of different lengths (a coalesced transfer of several units). */
 int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
                    uint64_t tag_base, void *const *pieces, const size_t *lens, uint32_t n_pieces,

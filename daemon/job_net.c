@@ -36,16 +36,6 @@ static inline uint32_t self_node(const struct sd_job *job)
     return job->node;
 }
 
-/* Chunk size sd_bulk_start uses for one piece of len bytes (all nodes compute the same). */
-static size_t chunk_size(size_t len, uint32_t n_pieces, size_t chunk_bytes)
-{
-    uint32_t max_cpp = SD_TAG_MAX_CHUNKS / n_pieces;
-    size_t chunk = SD_MAX(chunk_bytes, 64);
-    if (len > chunk * max_cpp)
-        chunk = sd_round_up((len + max_cpp - 1) / max_cpp, 64);
-    return chunk;
-}
-
 static void *desc_of(const struct sd_job *job, const void *p)
 {
     for (uint32_t i = 0; i < job->n_mrs; i++)
@@ -1025,7 +1015,7 @@ static void round_start_next(struct sd_job *job)
         }
         size_t block = ul->numel / G, bytes = block * sizeof(float);
         uint32_t first = group_first(job), me = self_node(job) % G;
-        rd->chunk = chunk_size(bytes, 1, job->reg->cfg->chunk_bytes);
+        rd->chunk = sd_bulk_chunk_bytes(bytes, 1, job->reg->cfg->chunk_bytes);
         for (uint32_t i = 0, o = 0; i < G; i++) {
             uint32_t m = first + i;
             if (i == me)
