@@ -235,7 +235,7 @@ struct sd_gather_batch {
  * g shards in the order they started, so the sums do not depend on which finishes first. */
 struct sd_node_round {
     struct sd_job *job;
-    bool active, net_done; /* started; its transfers (and all-reduce) finished */
+    bool net_done; /* its transfers (and all-reduce) finished */
     uint32_t unit;
     uint64_t seq, start_ns;
     uint32_t pending;
@@ -246,7 +246,6 @@ struct sd_node_round {
     float *buf;  /* [max unit] the node partial when it must be summed (NULL if never) */
     float *rs_recv, *rs_out, *ar_tmp; /* [G - 1 blocks], [block], [ar_tmp_count] */
     uint32_t chunk_arrivals[SD_TAG_MAX_CHUNKS];
-    bool ar_active;
     struct sd_allreduce ar;
 };
 

@@ -141,21 +141,22 @@ static void free_after_cb(uv_work_t *req, int uv_status)
     free(w);
 }
 
-/* Hand the job's host buffers to a worker; false if it cannot (no loop, out of memory). */
-static bool free_off_loop(struct sd_job *job)
+/* Hand the job's host buffers to a worker. Without a loop, or out of memory for the hand-over,
+ * it takes nothing and job_free_memory frees them in place. */
+static void free_off_loop(struct sd_job *job)
 {
     struct sd_registry *reg = job->reg;
     bool host = reg->dev == &sd_gpu_host_ops;
     uint32_t n_arena = job->arena != NULL && host ? job->k * SD_STATE_COUNT : 0;
     uint32_t n_staging = job->staging != NULL ? job->k : 0;
     if (reg->loop == NULL || job->bytes_total == 0)
-        return false;
+        return;
     struct job_free_work *w = calloc(1, sizeof(*w));
     struct sd_mem *mems = calloc(n_arena + n_staging + 1, sizeof(*mems));
     if (w == NULL || mems == NULL) {
         free(w);
         free(mems);
-        return false;
+        return;
     }
     uint32_t n = 0;
     for (uint32_t i = 0; i < n_arena; i++) {
@@ -183,7 +184,6 @@ static bool free_off_loop(struct sd_job *job)
         free_work_cb(&w->req);
         free_after_cb(&w->req, 0);
     }
-    return true;
 }
 
 static void job_free_memory(struct sd_job *job)

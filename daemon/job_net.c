@@ -158,11 +158,12 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     job->nr_mem = calloc((size_t)job->round_gens * per_round, sizeof(float));
     if (!job->nr || !job->nr_mem)
         goto err_nomem;
+    bool need_buf = rounds_need_buf(job);
     for (uint32_t i = 0; i < job->round_gens; i++) {
         struct sd_node_round *rd = &job->nr[i];
         float *p = job->nr_mem + (size_t)i * per_round;
         rd->job = job;
-        if (rounds_need_buf(job)) {
+        if (need_buf) {
             rd->buf = p;
             p += maxn + 16;
         }
@@ -828,6 +829,14 @@ bool sd_job_net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_
 
 static void round_start_next(struct sd_job *job);
 
+/* Where local rank j's g shard of a unit sits in this node's reduced block of it (len floats
+ * per shard): the block holds the k ranks' shards when the partition group spans nodes, else
+ * the f shards of the whole unit, which rank j holds shard j % f of. */
+static uint64_t g_block_off(const struct sd_job *job, uint32_t j, uint64_t len)
+{
+    return job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % job->plan.f[SD_STATE_G]) * len;
+}
+
 /* Apply the oldest node rounds whose transfers are done, in the order they started (the g
  * shards get each unit's micro-steps in order, whichever round finished first), then start
  * the rounds waiting for buffers. */
@@ -838,15 +847,12 @@ static void rounds_retire(struct sd_job *job)
         if (!rd->net_done)
             break;
         const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
-        uint32_t f = job->plan.f[SD_STATE_G];
-        uint64_t len = ul->numel / f;
+        uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
         const float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
-        for (uint32_t j = 0; j < job->k; j++) {
-            float *g = sd_job_g_shard(job, j, ul);
-            uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
-            job->reg->dev->reduce_add(g, B + src, SD_DTYPE_FP32, len);
-        }
-        rd->active = rd->net_done = false;
+        for (uint32_t j = 0; j < job->k; j++)
+            job->reg->dev->reduce_add(sd_job_g_shard(job, j, ul), B + g_block_off(job, j, len),
+                                      SD_DTYPE_FP32, len);
+        rd->net_done = false;
         job->nr_head = (job->nr_head + 1) % job->round_gens;
         job->nr_len--;
         SD_DEBUG("net", "job '%s': push round of unit %u done in %.1f us", job->name, rd->unit,
@@ -883,7 +889,6 @@ static void round_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
     struct sd_job *job = rd->job;
     job->stats.bytes[SD_OP_PUSH][SD_LINK_INTER_SENT] += ar->bytes_sent;
     job->stats.bytes[SD_OP_PUSH][SD_LINK_INTER_RECV] += ar->bytes_recv;
-    rd->ar_active = false;
     if (status != SD_OK && rd->status == SD_OK) {
         rd->status = status;
         rd->suspect = suspect;
@@ -901,7 +906,6 @@ static void round_after_rs(struct sd_node_round *rd)
         uint64_t count = job->group_nodes > 1 ? ul->numel / job->group_nodes : ul->numel;
         float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
         if (R > 1) {
-            rd->ar_active = true;
             uint64_t tag =
                 sd_tag(SD_TAG_AR, job->tag, rd->unit, (uint32_t)(rd->seq & 0xff) << 8, 0, 0);
             int st = sd_allreduce_start(&rd->ar, tp_of(job), &job->bulks, job->members, R,
@@ -911,7 +915,6 @@ static void round_after_rs(struct sd_node_round *rd)
                                         job->reg->cfg->small_allreduce_bytes, round_ar_done, rd);
             if (st == SD_OK)
                 return;
-            rd->ar_active = false;
             rd->status = st;
         }
     }
@@ -987,7 +990,6 @@ static void round_start_next(struct sd_job *job)
         const struct sd_unit_layout *ul = &job->layout.units[u];
         const struct sd_push_entry *ent = sd_job_round_entries(job, u, ref.seq);
         memset(rd->chunk_arrivals, 0, sizeof(rd->chunk_arrivals));
-        rd->active = true;
         rd->net_done = false;
         rd->unit = u;
         rd->seq = ref.seq;
@@ -1085,12 +1087,10 @@ static uint64_t step_pack(struct sd_job *job, uint32_t u)
 static void step_unpack(struct sd_job *job, uint32_t u)
 {
     const struct sd_unit_layout *ul = &job->layout.units[u];
-    uint32_t f = job->plan.f[SD_STATE_G];
-    uint64_t len = ul->numel / f;
-    for (uint32_t j = 0; j < job->k; j++) {
-        uint64_t src = job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % f) * len;
-        job->reg->dev->copy(sd_job_g_shard(job, j, ul), job->scratch + src, len * sizeof(float));
-    }
+    uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
+    for (uint32_t j = 0; j < job->k; j++)
+        job->reg->dev->copy(sd_job_g_shard(job, j, ul), job->scratch + g_block_off(job, j, len),
+                            len * sizeof(float));
 }
 
 static void step_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
@@ -1200,6 +1200,7 @@ void sd_job_net_step(struct sd_job *job)
             uint64_t tag =
                 sd_tag(SD_TAG_AR, job->tag, u, (uint32_t)((job->steps & 0x7f) | 0x80) << 8, 0, 0);
             job->step_pending = 1;
+            /* no round runs during the step: it borrows round 0's all-reduce temporary */
             int st =
                 sd_allreduce_start(&job->step_ar, tp_of(job), &job->bulks, job->members, R,
                                    self_node(job), job->scratch, count, job->nr[0].ar_tmp,
