@@ -695,8 +695,9 @@ static void usage(FILE *out)
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
-            "layers 4 (about 327k parameters). --compute-ms adds a busy wait per layer, forward\n"
-            "and backward; --max-live-bytes sizes the job's gather pool (0: every unit).\n"
+            "layers 4 (about 327k parameters; at most %d layers). --compute-ms adds a busy\n"
+            "wait per layer, forward and backward; --max-live-bytes sizes the job's gather\n"
+            "pool (0: every unit).\n"
             "--compute-mode sleep waits idle instead (a GPU kernel; for machines with fewer\n"
             "cores than ranks). --skip-layer makes a hidden layer the identity in one step\n"
             "(no fetch, no gradient; the reference does the same); --eval-every runs a\n"
@@ -706,7 +707,7 @@ static void usage(FILE *out)
             "shard_fetch, shard_push_grad and shard_step. --compute-only runs this rank's\n"
             "forward and backward passes (matrix products and compute waits) on its own copy\n"
             "of the weights, without shardd and without updates: the compute alone.\n",
-            IN_DIM, OUT_DIM);
+            IN_DIM, OUT_DIM, MAX_LAYERS);
 }
 
 int main(int argc, char **argv)
@@ -804,8 +805,11 @@ int main(int argc, char **argv)
     if (o.world < 1 || o.rank < 0 || o.rank >= o.world || o.steps < 0 || o.accum < 1 ||
         o.batch < 1 || o.hidden < 1 || o.layers < 1 || o.layers > MAX_LAYERS ||
         (strcmp(o.optimizer, "adamw") != 0 && strcmp(o.optimizer, "sgd") != 0)) {
-        fprintf(stderr, "mlp_train: invalid arguments (rank %d world %d layers %d optimizer %s)\n",
-                o.rank, o.world, o.layers, o.optimizer);
+        fprintf(stderr,
+                "mlp_train: invalid arguments (rank %d world %d layers %d optimizer %s): need "
+                "0 <= rank < world, 1 <= layers <= %d, accum, batch and hidden >= 1, steps >= 0, "
+                "optimizer adamw or sgd\n",
+                o.rank, o.world, o.layers, o.optimizer, MAX_LAYERS);
         return 2;
     }
     struct model m;
