@@ -7,6 +7,7 @@
 #                           [--accum 1] [--steps 8] [--rate 1gbit] [--plan zero3]
 #                           [--depth 2] [--compute-ms MS]   (default: balanced against the measured
 #                                                communication)
+# The README's table also runs --layers 16 --hidden 724: the same 34 MB in twice the units.
 # Communication alone is the steady-state step time with no compute (prefetch off). Compute
 # alone is, nominally, the calibrated wait (2 x layers x accum x compute_ms per step, forward
 # and backward); measured, all ranks computing at once with no shardd at all (mlp_train
@@ -31,7 +32,7 @@ while [ $# -gt 0 ]; do
     --plan) plan=$2; shift 2 ;;
     --compute-ms) cms=$2; shift 2 ;;
     --depth) depth=$2; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "prefetch.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
