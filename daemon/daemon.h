@@ -462,8 +462,6 @@ void sd_job_net_describe(const struct sd_job *job, char *out, size_t len);
 /* job_ops.c helpers shared with job_net.c */
 void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t rank);
 void sd_job_finish_round(struct sd_job *job, uint32_t unit, uint32_t group);
-/* the members' entries of round seq of unit u (group 0) */
-struct sd_push_entry *sd_job_round_entries(struct sd_job *job, uint32_t unit, uint64_t seq);
 void sd_job_step_apply(struct sd_job *job, double sumsq);
 void sd_job_step_done(struct sd_job *job);
 void sd_job_complete_fetch(struct sd_job *job, struct sd_unit_state *us);
@@ -484,6 +482,31 @@ static inline struct sd_mem *sd_job_arena(struct sd_job *job, uint32_t local, in
 static inline uint8_t *sd_job_staging_slot(struct sd_job *job, uint32_t local, uint32_t slot)
 {
     return (uint8_t *)job->staging[local].ptr + (uint64_t)slot * job->staging_slot_bytes;
+}
+
+/* Push rounds are kept [unit][group][generation]: round n of (unit u, g-partition group g)
+ * collects in generation n % round_gens. gi indexes job->rounds; its members' entries start at
+ * gi * g_members in job->round_entries. */
+static inline size_t sd_job_round_index(const struct sd_job *job, uint32_t u, uint32_t g,
+                                        uint64_t n)
+{
+    return ((size_t)u * job->g_groups + g) * job->round_gens + (size_t)(n % job->round_gens);
+}
+
+static inline struct sd_push_entry *sd_job_round_ents(struct sd_job *job, size_t gi)
+{
+    return &job->round_entries[gi * job->g_members];
+}
+
+/* the unit and the group of round slot gi */
+static inline uint32_t sd_job_round_unit(const struct sd_job *job, size_t gi)
+{
+    return (uint32_t)(gi / job->round_gens / job->g_groups);
+}
+
+static inline uint32_t sd_job_round_group(const struct sd_job *job, size_t gi)
+{
+    return (uint32_t)(gi / job->round_gens % job->g_groups);
 }
 
 /* bytes of one rank's weight shard of unit u */

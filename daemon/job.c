@@ -1124,9 +1124,8 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
             if (rd->arrived == 0 || rd->arrived == job->g_members ||
                 now - rd->first_ns <= op_timeout)
                 continue;
-            uint32_t g = (uint32_t)(gi / job->round_gens % job->g_groups);
-            uint32_t u = (uint32_t)(gi / job->round_gens / job->g_groups);
-            struct sd_push_entry *ent = &job->round_entries[gi * job->g_members];
+            uint32_t g = sd_job_round_group(job, gi), u = sd_job_round_unit(job, gi);
+            struct sd_push_entry *ent = sd_job_round_ents(job, gi);
             for (uint32_t r = 0; r < job->k && r < 1024; r++)
                 present[r] = r / job->g_members != g || ent[r % job->g_members].s != NULL;
             list_missing(missing, sizeof(missing), job, present);

@@ -678,7 +678,6 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
                                 sd_tag(SD_TAG_WDATA, job->tag, us->unit, seq, m, 0), pieces, lens,
                                 n * k, job->reg->cfg->chunk_bytes, desc_of(job, job->pool.ptr),
                                 gather_recv_done, NULL, us);
-        b->arg2 = (uint64_t)(uintptr_t)job;
         if (st != SD_OK) {
             sd_bulk_put(&job->bulks, b);
             us->status = st;
@@ -988,7 +987,8 @@ static void round_start_next(struct sd_job *job)
         job->stats.push_rounds_peak = SD_MAX(job->stats.push_rounds_peak, job->nr_len);
         uint32_t u = ref.unit;
         const struct sd_unit_layout *ul = &job->layout.units[u];
-        const struct sd_push_entry *ent = sd_job_round_entries(job, u, ref.seq);
+        const struct sd_push_entry *ent =
+            sd_job_round_ents(job, sd_job_round_index(job, u, 0, ref.seq));
         memset(rd->chunk_arrivals, 0, sizeof(rd->chunk_arrivals));
         rd->net_done = false;
         rd->unit = u;
@@ -1018,19 +1018,19 @@ static void round_start_next(struct sd_job *job)
         size_t block = ul->numel / G, bytes = block * sizeof(float);
         uint32_t first = group_first(job), me = self_node(job) % G;
         rd->chunk = sd_bulk_chunk_bytes(bytes, 1, job->reg->cfg->chunk_bytes);
+        uint32_t seq = (uint32_t)(rd->seq & 0xffff);
         for (uint32_t i = 0, o = 0; i < G; i++) {
             uint32_t m = first + i;
             if (i == me)
                 continue;
             if (!direct)
                 node_partial(job, rd, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
-            uint32_t seq = (uint32_t)(rd->seq & 0xffff);
             void *rp = rd->rs_recv + (size_t)o * block, *sp = rd->part + (size_t)i * block;
             rd->pending += sd_bulk_exchange(
                 &job->bulks, tp_of(job), m, sd_tag(SD_TAG_GRAD, job->tag, u, seq, m, 0), rp, bytes,
                 sd_tag(SD_TAG_GRAD, job->tag, u, seq, self_node(job), 0), sp, bytes,
                 job->reg->cfg->chunk_bytes, desc_of(job, rp), desc_of(job, sp), rs_done, rs_chunk,
-                rd, (uint64_t)(uintptr_t)job, NULL, &rd->status, &rd->suspect);
+                rd, 0, NULL, &rd->status, &rd->suspect);
             o++;
         }
         if (!direct)

@@ -224,22 +224,6 @@ void sd_job_release_holds(struct sd_job *job, struct sd_session *s)
     }
 }
 
-/* Round n of (unit u, group g), and its entries: generation n % round_gens. */
-static inline size_t round_index(const struct sd_job *job, uint32_t u, uint32_t g, uint64_t n)
-{
-    return ((size_t)u * job->g_groups + g) * job->round_gens + (size_t)(n % job->round_gens);
-}
-
-static inline struct sd_push_entry *round_ents(struct sd_job *job, size_t gi)
-{
-    return &job->round_entries[gi * job->g_members];
-}
-
-struct sd_push_entry *sd_job_round_entries(struct sd_job *job, uint32_t u, uint64_t n)
-{
-    return round_ents(job, round_index(job, u, 0, n));
-}
-
 /* All members of a g-partition group (inside this node) pushed unit u: reduce-scatter into
  * their g shards. */
 static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
@@ -247,7 +231,7 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint64_t n = job->rounds_done[(size_t)u * job->g_groups + g];
-    struct sd_push_entry *ent = round_ents(job, round_index(job, u, g, n));
+    struct sd_push_entry *ent = sd_job_round_ents(job, sd_job_round_index(job, u, g, n));
     uint32_t f = job->g_members;
     uint64_t len = ul->numel / f;
     size_t esz = sd_dtype_size(ul->dtype);
@@ -274,9 +258,9 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
 void sd_job_finish_round(struct sd_job *job, uint32_t u, uint32_t g)
 {
     uint64_t *done = &job->rounds_done[(size_t)u * job->g_groups + g];
-    size_t gi = round_index(job, u, g, *done);
+    size_t gi = sd_job_round_index(job, u, g, *done);
     struct sd_push_round *rd = &job->rounds[gi];
-    struct sd_push_entry *ent = round_ents(job, gi);
+    struct sd_push_entry *ent = sd_job_round_ents(job, gi);
     uint64_t now = sd_now_ns();
     for (uint32_t m = 0; m < job->g_members; m++) {
         struct sd_session *s = ent[m].s;
@@ -316,7 +300,7 @@ static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sq
     /* a rank's pushes fill the rounds in order: its next is the oldest round it is not in */
     uint64_t n = job->rounds_done[(size_t)e->unit * job->g_groups + g];
     uint64_t last = n + job->round_gens;
-    while (n < last && round_ents(job, round_index(job, e->unit, g, n))[m].s != NULL)
+    while (n < last && sd_job_round_ents(job, sd_job_round_index(job, e->unit, g, n))[m].s != NULL)
         n++;
     if (n == last)
         return false; /* ahead of its group: wait for the oldest round to finish */
@@ -327,9 +311,9 @@ static bool op_push(struct sd_job *job, struct sd_session *s, const struct sd_sq
                         e->unit, (unsigned long long)e->arg0);
         return true;
     }
-    size_t gi = round_index(job, e->unit, g, n);
+    size_t gi = sd_job_round_index(job, e->unit, g, n);
     struct sd_push_round *rd = &job->rounds[gi];
-    struct sd_push_entry *ent = &round_ents(job, gi)[m];
+    struct sd_push_entry *ent = &sd_job_round_ents(job, gi)[m];
     uint64_t now = sd_now_ns();
     s->staging_busy |= 1ULL << e->arg0;
     *ent =
@@ -354,8 +338,8 @@ static bool partial_round(struct sd_job *job, char *msg, size_t len)
     for (size_t gi = 0; gi < n; gi++) {
         if (job->rounds[gi].arrived == 0)
             continue;
-        uint32_t u = (uint32_t)(gi / job->round_gens / job->g_groups);
-        struct sd_push_entry *ent = round_ents(job, gi);
+        uint32_t u = sd_job_round_unit(job, gi);
+        struct sd_push_entry *ent = sd_job_round_ents(job, gi);
         size_t off = (size_t)snprintf(msg, len, "step %llu: unit %u has gradients from ranks",
                                       (unsigned long long)job->steps + 1, u);
         for (uint32_t m = 0; m < job->g_members && off < len; m++)
