@@ -55,6 +55,9 @@ struct shard_ctx {
     uint64_t slot_tag[MAX_STAGING];
     bool slot_busy[MAX_STAGING];
     uint32_t next_staging;
+    /* the unit whose staging buffer the caller holds (shard_grad_buffer), or -1, and its slot */
+    int64_t held_unit;
+    uint32_t held_slot;
     int push_status;
     char push_err[1024];
     char err[1024];
@@ -197,6 +200,7 @@ int shard_attach(const char *socket_path, shard_ctx_t **ctx_p)
     if (ctx == NULL)
         return SD_ENOMEM;
     ctx->sq_efd = ctx->cq_efd = ctx->sock = -1;
+    ctx->held_unit = -1;
     int status = shard__connect(socket_path, &ctx->sock, ctx->err, sizeof(ctx->err));
     if (status != SD_OK)
         goto err_out;
@@ -643,14 +647,92 @@ static void reap_push(shard_ctx_t *ctx, uint32_t i)
     }
 }
 
-int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t bytes)
+/* The staging slot the next push goes through, once the push that used it last is reduced; the
+ * slot the caller holds (shard_grad_buffer) is skipped. */
+static int take_staging(shard_ctx_t *ctx, const char *what, uint32_t unit, uint32_t *slot_p)
 {
-    int status = check_attached(ctx, "push_grad", true);
+    uint32_t i = ctx->next_staging;
+    if (ctx->held_unit >= 0 && i == ctx->held_slot) {
+        if (ctx->staging_slots == 1)
+            return fail(ctx, SD_EBUSY,
+                        "%s unit %u: the only staging slot holds unit %lld's gradient buffer, not "
+                        "pushed yet (shard_push_staged)",
+                        what, unit, (long long)ctx->held_unit);
+        i = (i + 1) % ctx->staging_slots;
+    }
+    ctx->next_staging = (i + 1) % ctx->staging_slots;
+    reap_push(ctx, i);
+    *slot_p = i;
+    return SD_OK;
+}
+
+/* hand staging slot i, holding the unit's gradient, to the daemon */
+static int push_slot(shard_ctx_t *ctx, uint32_t unit, uint32_t i)
+{
+    int status = post(ctx, SD_OP_PUSH, unit, i, ctx->units[unit].bytes, &ctx->slot_tag[i]);
+    if (status == SD_OK)
+        ctx->slot_busy[i] = true;
+    return status;
+}
+
+static int check_push_unit(shard_ctx_t *ctx, const char *what, uint32_t unit)
+{
+    int status = check_attached(ctx, what, true);
     if (status != SD_OK)
         return status;
     if (unit >= ctx->n_units)
-        return fail(ctx, SD_ENOUNIT, "push_grad: unit %u does not exist (units 0..%u)", unit,
+        return fail(ctx, SD_ENOUNIT, "%s: unit %u does not exist (units 0..%u)", what, unit,
                     ctx->n_units - 1);
+    return SD_OK;
+}
+
+int shard_grad_buffer(shard_ctx_t *ctx, uint32_t unit, void **buf_p)
+{
+    int status = check_push_unit(ctx, "grad_buffer", unit);
+    if (status != SD_OK)
+        return status;
+    if (buf_p == NULL)
+        return fail(ctx, SD_EINVAL, "grad_buffer unit %u: buf_p is NULL", unit);
+    if (ctx->held_unit >= 0 && ctx->held_unit != (int64_t)unit)
+        return fail(ctx, SD_EBUSY,
+                    "grad_buffer unit %u: unit %lld's gradient buffer is held and not pushed yet "
+                    "(shard_push_staged it first)",
+                    unit, (long long)ctx->held_unit);
+    if (ctx->held_unit < 0) {
+        uint32_t i;
+        status = take_staging(ctx, "grad_buffer", unit, &i);
+        if (status != SD_OK)
+            return status;
+        ctx->held_unit = unit;
+        ctx->held_slot = i;
+    }
+    *buf_p = ctx->staging + (size_t)ctx->held_slot * ctx->staging_slot_bytes;
+    return SD_OK;
+}
+
+int shard_push_staged(shard_ctx_t *ctx, uint32_t unit)
+{
+    int status = check_push_unit(ctx, "push_staged", unit);
+    if (status != SD_OK)
+        return status;
+    if (ctx->held_unit != (int64_t)unit) {
+        if (ctx->held_unit < 0)
+            return fail(ctx, SD_ESTATE,
+                        "push_staged unit %u: no gradient buffer is held (shard_grad_buffer "
+                        "first)",
+                        unit);
+        return fail(ctx, SD_ESTATE, "push_staged unit %u: the gradient buffer held is unit %lld's",
+                    unit, (long long)ctx->held_unit);
+    }
+    ctx->held_unit = -1;
+    return push_slot(ctx, unit, ctx->held_slot);
+}
+
+int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t bytes)
+{
+    int status = check_push_unit(ctx, "push_grad", unit);
+    if (status != SD_OK)
+        return status;
     if (grad == NULL || bytes != ctx->units[unit].bytes)
         return fail(ctx, SD_EMSGSIZE,
                     "push_grad unit %u: gradient is %zu bytes but the unit is %llu bytes (%llu "
@@ -658,14 +740,12 @@ int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t by
                     unit, grad ? bytes : 0, (unsigned long long)ctx->units[unit].bytes,
                     (unsigned long long)ctx->units[unit].numel,
                     sd_dtype_name((int)ctx->units[unit].dtype));
-    uint32_t i = ctx->next_staging;
-    ctx->next_staging = (i + 1) % ctx->staging_slots;
-    reap_push(ctx, i);
+    uint32_t i;
+    status = take_staging(ctx, "push_grad", unit, &i);
+    if (status != SD_OK)
+        return status;
     memcpy(ctx->staging + (size_t)i * ctx->staging_slot_bytes, grad, bytes);
-    status = post(ctx, SD_OP_PUSH, unit, i, bytes, &ctx->slot_tag[i]);
-    if (status == SD_OK)
-        ctx->slot_busy[i] = true;
-    return status;
+    return push_slot(ctx, unit, i);
 }
 
 int shard__push_flush(shard_ctx_t *ctx)
@@ -697,6 +777,11 @@ int shard_step(shard_ctx_t *ctx, double *grad_norm_p)
     struct sd_cqe cqe;
     if (ctx == NULL)
         return SD_EINVAL;
+    if (ctx->held_unit >= 0)
+        return fail(ctx, SD_EBUSY,
+                    "step: unit %lld's gradient buffer is held and not pushed (shard_push_staged "
+                    "it first)",
+                    (long long)ctx->held_unit);
     int status = shard__push_flush(ctx);
     if (status != SD_OK) {
         char why[sizeof(ctx->err)];

@@ -30,6 +30,7 @@ struct opts {
     const char *socket, *job, *plan, *optimizer, *dump;
     int rank, world, steps, accum, batch, hidden, layers;
     bool bf16, reference, quiet, timing;
+    bool zero_copy;    /* gradients written into shardd's staging buffer (shard_grad_buffer) */
     bool compute_only; /* this rank's compute alone: no shardd, no updates */
     uint64_t seed;
     float lr, max_grad_norm, weight_decay;
@@ -236,6 +237,15 @@ static float loss_grad(const struct model *m, const float *y, struct acts *ac, i
 }
 
 /* dz holds dL/dz of layer l; writes dW, db into gw, gb and dL/dz of layer l-1 into dz. */
+/* zero the elements of a layer's fp32 unit buffer outside its two tensors (t[0], t[1]) */
+static void zero_padding(float *g, const shard_unit_info_t *ui, const shard_tensor_info_t *t)
+{
+    uint64_t end0 = t[0].offset + t[0].numel, end1 = t[1].offset + t[1].numel;
+    memset(g, 0, t[0].offset * sizeof(float));
+    memset(g + end0, 0, (t[1].offset - end0) * sizeof(float));
+    memset(g + end1, 0, (ui->numel - end1) * sizeof(float));
+}
+
 static void layer_backward(const struct model *m, int l, const float *w, float *gw, float *gb,
                            struct acts *ac, int batch)
 {
@@ -570,18 +580,31 @@ static int run_shardd(const struct opts *o, const struct model *m)
                 CHECK(timed_fetch(ctx, (uint32_t)l, &data));
                 const float *wl = unit_view(&ui[l], data, w[l]);
                 busy_wait_ms(o->compute_ms, o->compute_sleep);
-                /* layer_backward writes both tensors; the padding between them stays zero */
-                layer_backward(m, l, wl + ti[2 * l].offset, grad[l] + ti[2 * l].offset,
-                               grad[l] + ti[2 * l + 1].offset, &ac, o->batch);
-                CHECK(shard_release(ctx, (uint32_t)l));
+                /* layer_backward writes both tensors; the padding between them stays zero. With
+                 * --zero-copy an fp32 gradient is written straight into the staging buffer,
+                 * whose padding holds what an earlier push left there: zeroed here. */
                 double p0 = now_s();
+                void *sbuf = NULL;
+                if (o->zero_copy)
+                    CHECK(shard_grad_buffer(ctx, (uint32_t)l, &sbuf));
+                spent.push += now_s() - p0;
+                float *gl = o->zero_copy && !o->bf16 ? sbuf : grad[l];
+                if (gl != grad[l])
+                    zero_padding(gl, &ui[l], &ti[2 * l]);
+                layer_backward(m, l, wl + ti[2 * l].offset, gl + ti[2 * l].offset,
+                               gl + ti[2 * l + 1].offset, &ac, o->batch);
+                CHECK(shard_release(ctx, (uint32_t)l));
+                p0 = now_s();
                 if (o->bf16) {
+                    uint16_t *g16 = o->zero_copy ? sbuf : grad16[l];
                     for (uint64_t i = 0; i < ui[l].numel; i++)
-                        grad16[l][i] = sd_f32_to_bf16(grad[l][i]);
-                    CHECK(shard_push_grad(ctx, (uint32_t)l, grad16[l], ui[l].bytes));
-                } else {
-                    CHECK(shard_push_grad(ctx, (uint32_t)l, grad[l], ui[l].bytes));
+                        g16[i] = sd_f32_to_bf16(grad[l][i]);
                 }
+                if (o->zero_copy)
+                    CHECK(shard_push_staged(ctx, (uint32_t)l));
+                else
+                    CHECK(shard_push_grad(ctx, (uint32_t)l, o->bf16 ? (void *)grad16[l] : grad[l],
+                                          ui[l].bytes));
                 spent.push += now_s() - p0;
             }
         }
@@ -691,7 +714,7 @@ static void usage(FILE *out)
             "                 [--max-live-bytes B] [--skip-layer STEP:LAYER] [--eval-every N]\n"
             "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
             "                 [--dump-params FILE] [--reference] [--compute-only] [--quiet]\n"
-            "                 [--timing]\n"
+            "                 [--timing] [--zero-copy]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
@@ -704,7 +727,9 @@ static void usage(FILE *out)
             "forward-only pass after every N steps; --diverge-from makes ranks >= R fetch one\n"
             "extra unit in step 1 (a schedule that differs between ranks, which shardd must\n"
             "refuse). --timing prints, per step, the seconds rank 0 spent waiting inside\n"
-            "shard_fetch, shard_push_grad and shard_step. --compute-only runs this rank's\n"
+            "shard_fetch, shard_push_grad and shard_step. --zero-copy writes each gradient\n"
+            "straight into shardd's staging buffer (shard_grad_buffer, shard_push_staged)\n"
+            "instead of having shard_push_grad copy it. --compute-only runs this rank's\n"
             "forward and backward passes (matrix products and compute waits) on its own copy\n"
             "of the weights, without shardd and without updates: the compute alone.\n",
             IN_DIM, OUT_DIM, MAX_LAYERS);
@@ -734,6 +759,8 @@ int main(int argc, char **argv)
             o.reference = true;
         } else if (strcmp(a, "--compute-only") == 0) {
             o.compute_only = true;
+        } else if (strcmp(a, "--zero-copy") == 0) {
+            o.zero_copy = true;
         } else if (strcmp(a, "--quiet") == 0) {
             o.quiet = true;
         } else if (strcmp(a, "--timing") == 0) {

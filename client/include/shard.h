@@ -127,6 +127,15 @@ SHARD_API int shard_release(shard_ctx_t *ctx, uint32_t unit);
  * like the fetched buffer, in the unit's dtype. Returns once the gradient is copied; the
  * reduction completes asynchronously and its error, if any, is returned by shard_step. */
 SHARD_API int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t bytes);
+/* The zero-copy push: *buf_p receives the staging buffer (shared memory, shard_unit_info().bytes
+ * long) that the next gradient of the unit is to be written into, in place of the buffer that
+ * shard_push_grad copies from; then shard_push_staged hands it over. The buffer is the caller's
+ * until then (asking for the same unit again returns it again); it is not zeroed and holds what
+ * an earlier push left, so write every element. One buffer is held at a time: asking for another
+ * unit's fails with SHARD_EBUSY, and so does shard_step while one is held. Waits, as
+ * shard_push_grad does, while every staging slot is still being reduced. */
+SHARD_API int shard_grad_buffer(shard_ctx_t *ctx, uint32_t unit, void **buf_p);
+SHARD_API int shard_push_staged(shard_ctx_t *ctx, uint32_t unit);
 /* Optimizer step at the accumulation boundary; all ranks call it. *grad_norm_p (may be NULL)
  * receives the global L2 norm of the averaged gradient before clipping. */
 SHARD_API int shard_step(shard_ctx_t *ctx, double *grad_norm_p);

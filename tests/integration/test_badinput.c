@@ -8,6 +8,7 @@
 #include "sd/ring.h"
 #include "shard.pb-c.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -216,6 +217,99 @@ static void test_api_misuse(void)
     free(g);
     shard_detach(ctx);
     expect_alive("API misuse");
+}
+
+/* The zero-copy push (shard_grad_buffer / shard_push_staged): misuse is refused with the unit
+ * named, copying pushes of other units go around the held buffer, and the sums come out as the
+ * formula says. */
+static void test_zero_copy_push(void)
+{
+    shard_ctx_t *ctx;
+    TH_CHECK(shard_attach(d.sock, &ctx) == 0, "attach");
+    void *b = NULL, *again = NULL;
+    int st = shard_grad_buffer(ctx, 0, &b);
+    TH_CHECK(st == SHARD_ESTATE, "grad_buffer before register: %d", st);
+    struct tiny x;
+    tiny_init(&x, "zerocopy", 0, 1, 100);
+    TH_CHECK(shard_register(ctx, &x.m) == 0, "register: %s", shard_last_error(ctx));
+    shard_unit_info_t u0, u1;
+    shard_unit_info(ctx, 0, &u0);
+    shard_unit_info(ctx, 1, &u1);
+
+    st = shard_push_staged(ctx, 0);
+    TH_CHECK(st == SHARD_ESTATE && strstr(shard_last_error(ctx), "no gradient buffer is held"),
+             "push_staged without a buffer: %d '%s'", st, shard_last_error(ctx));
+    st = shard_grad_buffer(ctx, 999, &b);
+    TH_CHECK(st == SHARD_ENOUNIT && strstr(shard_last_error(ctx), "unit 999"),
+             "grad_buffer of an unknown unit: %d '%s'", st, shard_last_error(ctx));
+    TH_CHECK(shard_grad_buffer(ctx, 0, NULL) == SHARD_EINVAL, "grad_buffer with NULL buf_p");
+    TH_CHECK(shard_grad_buffer(ctx, 0, &b) == 0 && shard_grad_buffer(ctx, 0, &again) == 0 &&
+                 b != NULL && again == b,
+             "asking twice for unit 0's buffer gives the same one: %p %p", b, again);
+    st = shard_grad_buffer(ctx, 1, &again);
+    TH_CHECK(st == SHARD_EBUSY && strstr(shard_last_error(ctx), "unit 0's gradient buffer is held"),
+             "a second unit's buffer while unit 0's is held: %d '%s'", st, shard_last_error(ctx));
+    st = shard_push_staged(ctx, 1);
+    TH_CHECK(st == SHARD_ESTATE && strstr(shard_last_error(ctx), "unit 0's"),
+             "push_staged of another unit: %d '%s'", st, shard_last_error(ctx));
+    double norm = 0;
+    st = shard_step(ctx, &norm);
+    TH_CHECK(st == SHARD_EBUSY && strstr(shard_last_error(ctx), "not pushed"),
+             "step while a buffer is held: %d '%s'", st, shard_last_error(ctx));
+
+    /* unit 0's gradient (1 on the 100 elements of a) written in place; meanwhile five copying
+     * pushes of unit 1 (2 on each element) cycle through the other staging slots */
+    float *g0 = b;
+    for (uint64_t i = 0; i < u0.numel; i++)
+        g0[i] = i < 100 ? 1.0f : 0.0f;
+    float g1[64] = {0};
+    for (int i = 0; i < 15; i++)
+        g1[i] = 2.0f;
+    for (int i = 0; i < 5; i++)
+        TH_CHECK(shard_push_grad(ctx, 1, g1, u1.bytes) == 0, "push %d of unit 1: %s", i,
+                 shard_last_error(ctx));
+    int intact = 1;
+    for (uint64_t i = 0; i < 100; i++)
+        intact &= g0[i] == 1.0f;
+    TH_CHECK(intact, "the held buffer was overwritten by the copying pushes");
+    TH_CHECK(shard_push_staged(ctx, 0) == 0, "push_staged: %s", shard_last_error(ctx));
+    st = shard_push_staged(ctx, 0);
+    TH_CHECK(st == SHARD_ESTATE, "pushing the same buffer twice: %d", st);
+    /* SGD, lr 0.1, world 1: a = -0.1 * 1, b = -0.1 * 5 * 2; norm sqrt(100 * 1 + 15 * 10^2) */
+    TH_CHECK(shard_step(ctx, &norm) == 0, "step: %s", shard_last_error(ctx));
+    TH_CHECK(norm > 39.99 && norm < 40.01, "grad norm %g, expected 40", norm);
+    const void *p;
+    TH_CHECK(shard_fetch(ctx, 0, &p) == 0 && ((const float *)p)[0] == -0.1f &&
+                 ((const float *)p)[99] == -0.1f,
+             "a after the step: %g, expected -0.1", ((const float *)p)[0]);
+    shard_release(ctx, 0);
+    TH_CHECK(shard_fetch(ctx, 1, &p) == 0 && fabsf(((const float *)p)[14] + 1.0f) < 1e-6f,
+             "b after the step: %g, expected -1", ((const float *)p)[14]);
+    shard_release(ctx, 1);
+    shard_detach(ctx);
+
+    /* with a single staging slot the held buffer is the only one: a copying push is refused */
+    struct th_daemon one;
+    const char *args[] = {"--staging-slots", "1", NULL};
+    if (th_daemon_start(&one, args) != 0) {
+        TH_CHECK(0, "cannot start shardd with one staging slot");
+        return;
+    }
+    TH_CHECK(shard_attach(one.sock, &ctx) == 0, "attach (one slot)");
+    tiny_init(&x, "zerocopy1", 0, 1, 100);
+    TH_CHECK(shard_register(ctx, &x.m) == 0, "register (one slot): %s", shard_last_error(ctx));
+    TH_CHECK(shard_grad_buffer(ctx, 0, &b) == 0, "grad_buffer (one slot)");
+    st = shard_push_grad(ctx, 1, g1, u1.bytes);
+    TH_CHECK(st == SHARD_EBUSY && strstr(shard_last_error(ctx), "only staging slot"),
+             "copying push while the only slot is held: %d '%s'", st, shard_last_error(ctx));
+    memset(b, 0, u0.bytes);
+    TH_CHECK(shard_push_staged(ctx, 0) == 0 && shard_push_grad(ctx, 1, g1, u1.bytes) == 0 &&
+                 shard_step(ctx, &norm) == 0,
+             "push, push, step (one slot): %s", shard_last_error(ctx));
+    TH_CHECK(norm > 7.74 && norm < 7.75, "grad norm %g, expected sqrt(15 * 4) = 7.746", norm);
+    shard_detach(ctx);
+    TH_CHECK(th_daemon_stop(&one) == 0, "shardd (one slot) did not shut down cleanly");
+    expect_alive("zero-copy push");
 }
 
 static void test_null_and_pool(void)
@@ -570,6 +664,7 @@ int main(void)
     signal(SIGPIPE, SIG_IGN);
     test_garbage();
     test_api_misuse();
+    test_zero_copy_push();
     test_null_and_pool();
     test_registration();
     test_leave_while_allocating();

@@ -25,6 +25,7 @@ struct cfg {
     int accum;
     const char *dtype;
     const char *clip;
+    bool zero_copy; /* gradients written into the staging buffer (mlp_train --zero-copy) */
 };
 
 static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c, int idx)
@@ -58,6 +59,8 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
             argv[n++] = job;
             argv[n++] = "--rank";
             argv[n++] = rank;
+            if (c->zero_copy)
+                argv[n++] = "--zero-copy";
         } else {
             argv[n++] = "--reference";
         }
@@ -97,10 +100,11 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
         if (b != 0)
             max_rel = fmax(max_rel, diff / fabs(b));
     }
-    printf("%-7s %-5s accum %d %-4s clip %-4s: %zu params, %zu differ from the reference "
+    printf("%-7s %-5s accum %d %-4s clip %-4s%s: %zu params, %zu differ from the reference "
            "(max abs %.3g, max rel %.3g), %s, %.2f s\n",
-           plan, c->optimizer, c->accum, c->dtype, c->clip ? c->clip : "-", n, differ, max_abs,
-           max_rel, want_bitwise ? "expected bitwise" : "tolerance", th_now_s() - t0);
+           plan, c->optimizer, c->accum, c->dtype, c->clip ? c->clip : "-",
+           c->zero_copy ? " zero-copy" : "", n, differ, max_abs, max_rel,
+           want_bitwise ? "expected bitwise" : "tolerance", th_now_s() - t0);
     if (want_bitwise)
         TH_CHECK(differ == 0, "%s %s accum %d %s: %zu of %zu parameters differ from the reference",
                  plan, c->optimizer, c->accum, c->dtype, differ, n);
@@ -118,8 +122,11 @@ int main(int argc, char **argv)
 {
     const char *plan = argc > 1 ? argv[1] : "zero3";
     static const struct cfg cfgs[] = {
-        {"adamw", 1, "fp32", NULL}, {"adamw", 4, "fp32", NULL}, {"sgd", 1, "fp32", NULL},
-        {"sgd", 4, "fp32", NULL},   {"adamw", 2, "bf16", NULL}, {"adamw", 1, "fp32", "0.05"},
+        {"adamw", 1, "fp32", NULL, false},  {"adamw", 4, "fp32", NULL, false},
+        {"sgd", 1, "fp32", NULL, false},    {"sgd", 4, "fp32", NULL, false},
+        {"adamw", 2, "bf16", NULL, false},  {"adamw", 1, "fp32", "0.05", false},
+        {"adamw", 4, "fp32", NULL, true},   {"adamw", 2, "bf16", NULL, true},
+        {"adamw", 2, "fp32", "0.05", true},
     };
     struct th_daemon d;
     if (th_daemon_start(&d, NULL) != 0) {

@@ -6,6 +6,8 @@
     addr, nbytes = ctx.fetch(unit)        # the gathered unit, read-only shared memory
     ctx.release(unit)
     ctx.push_grad(unit, addr, nbytes)     # this micro-step's gradient of the unit
+    addr = ctx.grad_buffer(unit)          # or write it into shardd's staging buffer,
+    ctx.push_staged(unit)                 # without the copy
     norm = ctx.step()
 
 Every libshard error becomes a ShardError carrying the status (an int, shard.EJOBFAILED ...),
@@ -115,6 +117,8 @@ _lib.shard_tensor_info.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_TensorI
 _lib.shard_fetch.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_void_p)]
 _lib.shard_release.argtypes = [_c.c_void_p, _c.c_uint32]
 _lib.shard_push_grad.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_void_p, _c.c_size_t]
+_lib.shard_grad_buffer.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_void_p)]
+_lib.shard_push_staged.argtypes = [_c.c_void_p, _c.c_uint32]
 _lib.shard_step.argtypes = [_c.c_void_p, _c.POINTER(_c.c_double)]
 _lib.shard_detach.argtypes = [_c.c_void_p]
 _lib.shard_strerror.argtypes = [_c.c_int]
@@ -225,6 +229,17 @@ class Context:
         dtype, nbytes == units[unit]["bytes"]); returns once it is copied."""
         self._check(_lib.shard_push_grad(self._ctx, unit, _c.c_void_p(addr), nbytes),
                     f"push_grad unit {unit}")
+
+    def grad_buffer(self, unit):
+        """The zero-copy push: the address of the staging buffer (units[unit]["bytes"] of shared
+        memory, not zeroed) to write the unit's next gradient into; push_staged hands it over."""
+        p = _c.c_void_p()
+        self._check(_lib.shard_grad_buffer(self._ctx, unit, _c.byref(p)), f"grad_buffer unit {unit}")
+        return p.value
+
+    def push_staged(self, unit):
+        """Push the gradient written into grad_buffer(unit)."""
+        self._check(_lib.shard_push_staged(self._ctx, unit), f"push_staged unit {unit}")
 
     def step(self):
         """Optimizer step at the accumulation boundary (all ranks); the gradient norm."""

@@ -119,15 +119,26 @@ class _State:
             self._push(u)
 
     def _push(self, u):
+        # written straight into shardd's staging buffer (no temporary, no second copy); the
+        # buffer holds what an earlier push left, so the padding and missing gradients are zeroed
         info = self.ctx.units[u]
-        flat = torch.zeros(info["numel"], dtype=_TORCH[info["dtype"]])
-        for i, t in enumerate(info["tensors"]):
+        addr = self.ctx.grad_buffer(u)
+        buf = (ctypes.c_char * info["bytes"]).from_address(addr)
+        flat = torch.frombuffer(buf, dtype=_TORCH[info["dtype"]], count=info["numel"])
+        done = 0  # elements written, in offset order
+        order = sorted(enumerate(info["tensors"]), key=lambda it: self.ctx.tensors[it[1]]["offset"])
+        for i, t in order:
+            ti = self.ctx.tensors[t]
+            lo, hi = ti["offset"], ti["offset"] + ti["numel"]
+            flat[done:lo].zero_()
             g = self.grads[u].get(i)
             if g is None:
-                continue
-            ti = self.ctx.tensors[t]
-            flat[ti["offset"]:ti["offset"] + ti["numel"]].copy_(g.detach().reshape(-1))
-        self.ctx.push_grad(u, flat.data_ptr(), info["bytes"])
+                flat[lo:hi].zero_()
+            else:
+                flat[lo:hi].copy_(g.detach().reshape(-1))
+            done = hi
+        flat[done:].zero_()
+        self.ctx.push_staged(u)
         self.pushes += 1
         self.bytes_pushed += info["bytes"]
         self.grads[u].clear()
