@@ -45,6 +45,7 @@ struct opts {
     uint64_t params;
     int iters, warmup;
     bool json;
+    bool copy_push; /* reducescatter/allreduce: shard_push_grad instead of the zero-copy push */
 };
 
 static double now_s(void)
@@ -269,6 +270,24 @@ struct coll_result {
     int status;
 };
 
+/* One gradient push of unit 0, every element `value`: written into the staging buffer
+ * (shard_grad_buffer, as a trainer whose backward pass writes there), or with --copy-push
+ * copied from grad by shard_push_grad. */
+static int push_value(shard_ctx_t *c, const struct opts *o, const shard_unit_info_t *ui,
+                      const float *grad, float value)
+{
+    if (o->copy_push)
+        return shard_push_grad(c, 0, grad, ui->bytes);
+    void *b;
+    int st = shard_grad_buffer(c, 0, &b);
+    if (st != 0)
+        return st;
+    float *f = b;
+    for (uint64_t i = 0; i < ui->numel; i++)
+        f[i] = value;
+    return shard_push_staged(c, 0);
+}
+
 static int coll_rank(const struct opts *o, int kind, int rank, int world, const char *sock,
                      uint64_t size, struct coll_result *res)
 {
@@ -333,7 +352,7 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
             if (it >= o->warmup)
                 sum += dt;
         } else if (it < o->warmup) {
-            st = shard_push_grad(c, 0, grad, ui.bytes);
+            st = push_value(c, o, &ui, grad, (float)(rank + 1));
             if (st == 0)
                 st = shard__push_flush(c);
         } else {
@@ -341,7 +360,7 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
              * gradient is staged), then one wait; the time is their mean */
             if (it == o->warmup)
                 t0_all = now_s();
-            st = shard_push_grad(c, 0, grad, ui.bytes);
+            st = push_value(c, o, &ui, grad, (float)(rank + 1));
             if (st == 0 && it == total - 1) {
                 st = shard__push_flush(c);
                 sum = now_s() - t0_all;
@@ -524,31 +543,40 @@ static int bench_model(int argc, char **argv)
     double compute_s = 0;
     bool json = false;
     for (int i = 2; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
-        if (strcmp(a, "--plan") == 0)
-            plan_s = argv[++i];
-        else if (strcmp(a, "--params") == 0)
-            in.numel = strtoull(argv[++i], NULL, 0);
-        else if (strcmp(a, "--nodes") == 0)
-            in.nodes = (uint32_t)atoi(argv[++i]);
-        else if (strcmp(a, "--ranks-per-node") == 0)
-            in.k = (uint32_t)atoi(argv[++i]);
-        else if (strcmp(a, "--accum") == 0)
-            in.accum = (uint32_t)atoi(argv[++i]);
-        else if (strcmp(a, "--gbps") == 0)
-            in.inter_Bps = atof(argv[++i]) * 1e9 / 8;
-        else if (strcmp(a, "--compute-s") == 0)
-            compute_s = atof(argv[++i]);
-        else if (strcmp(a, "--bf16") == 0)
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--bf16") == 0) {
             in.w_bytes = 2;
-        else if (strcmp(a, "--regather") == 0)
+        } else if (strcmp(a, "--regather") == 0) {
             in.cached_in_step = false;
-        else if (strcmp(a, "--json") == 0)
+        } else if (strcmp(a, "--json") == 0) {
             json = true;
-        else {
-            fprintf(stderr, "shard-bench model: unexpected argument '%s' %s\n", a, v);
+        } else if (v == NULL) {
+            fprintf(stderr, "shard-bench model: unexpected argument '%s' (or its value missing)\n",
+                    a);
+            return 2;
+        } else if (strcmp(a, "--plan") == 0) {
+            plan_s = argv[++i];
+        } else if (strcmp(a, "--params") == 0) {
+            in.numel = strtoull(argv[++i], NULL, 0);
+        } else if (strcmp(a, "--nodes") == 0) {
+            in.nodes = (uint32_t)atoi(argv[++i]);
+        } else if (strcmp(a, "--ranks-per-node") == 0) {
+            in.k = (uint32_t)atoi(argv[++i]);
+        } else if (strcmp(a, "--accum") == 0) {
+            in.accum = (uint32_t)atoi(argv[++i]);
+        } else if (strcmp(a, "--gbps") == 0) {
+            in.inter_Bps = atof(argv[++i]) * 1e9 / 8;
+        } else if (strcmp(a, "--compute-s") == 0) {
+            compute_s = atof(argv[++i]);
+        } else {
+            fprintf(stderr, "shard-bench model: unexpected argument '%s'\n", a);
             return 2;
         }
+    }
+    if (in.nodes < 1 || in.k < 1 || in.accum < 1 || in.numel < 1 || !(in.inter_Bps > 0)) {
+        fprintf(stderr, "shard-bench model: --nodes, --ranks-per-node, --accum, --params and "
+                        "--gbps must be positive\n");
+        return 2;
     }
     struct sd_topo topo = {.nodes = in.nodes, .ranks_per_node = in.k};
     struct sd_plan plan;
@@ -580,11 +608,24 @@ static void usage(FILE *out)
         out,
         "usage: shard-bench fetch|step|all [--socket PATH] [--size BYTES] [--params N]\n"
         "                   [--iters N] [--json]\n"
+        "       shard-bench allgather|reducescatter|allreduce --sockets P0,P1,...\n"
+        "                   [--ranks-per-node K] [--min BYTES] [--max BYTES] [--iters N]\n"
+        "                   [--warmup N] [--copy-push] [--json]\n"
+        "       shard-bench model [--plan P] [--params N] [--nodes N] [--ranks-per-node K]\n"
+        "                   [--accum S] [--gbps G] [--compute-s S] [--bf16] [--regather]\n"
+        "                   [--json]\n"
         "  fetch   gather throughput of a --size unit (default 64 MiB) vs memcpy, and the\n"
         "          latency of fetching a resident unit vs a Unix-socket round trip\n"
         "  step    AdamW step on --params parameters (default 64M) vs the memcpy bandwidth\n"
         "          bound (32 bytes per parameter)\n"
-        "Needs a running shardd (--socket, default $SHARD_SOCKET or /run/shardd/shardd.sock).\n");
+        "  allgather, reducescatter, allreduce\n"
+        "          collectives across the daemons of a cluster (one socket per node, K ranks\n"
+        "          each), sizes doubling from --min (4096) to --max (64 MiB), with the columns\n"
+        "          of nccl-tests (time, algbw, busbw, #wrong). Gradients are written into\n"
+        "          shardd's staging buffer (shard_grad_buffer); --copy-push has shard_push_grad\n"
+        "          copy them instead\n"
+        "  model   the MiCS cost model: inter-node bytes per node per step of a plan\n"
+        "Needs running daemons (--socket, default $SHARD_SOCKET or /run/shardd/shardd.sock).\n");
 }
 
 int main(int argc, char **argv)
@@ -606,6 +647,8 @@ int main(int argc, char **argv)
             return 0;
         } else if (strcmp(a, "--json") == 0) {
             o.json = true;
+        } else if (strcmp(a, "--copy-push") == 0) {
+            o.copy_push = true;
         } else if (strcmp(a, "--socket") == 0 && v) {
             o.socket = argv[++i];
         } else if (strcmp(a, "--size") == 0 && v) {
