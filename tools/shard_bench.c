@@ -272,7 +272,7 @@ struct coll_result {
 
 /* One gradient push of unit 0, every element `value`: written into the staging buffer
  * (shard_grad_buffer, as a trainer whose backward pass writes there), or with --copy-push
- * copied from grad by shard_push_grad. */
+ * copied by shard_push_grad from grad, which holds that gradient (NULL otherwise). */
 static int push_value(shard_ctx_t *c, const struct opts *o, const shard_unit_info_t *ui,
                       const float *grad, float value)
 {
@@ -329,7 +329,7 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
     double sum = 0, t0_all = 0;
     const void *p;
     float *grad = NULL;
-    if (kind != COLL_AG) {
+    if (kind != COLL_AG && o->copy_push) {
         grad = malloc(ui.bytes);
         for (uint64_t i = 0; i < ui.numel; i++)
             grad[i] = (float)(rank + 1);

@@ -236,7 +236,6 @@ static float loss_grad(const struct model *m, const float *y, struct acts *ac, i
     return loss * scale;
 }
 
-/* dz holds dL/dz of layer l; writes dW, db into gw, gb and dL/dz of layer l-1 into dz. */
 /* zero the elements of a layer's fp32 unit buffer outside its two tensors (t[0], t[1]) */
 static void zero_padding(float *g, const shard_unit_info_t *ui, const shard_tensor_info_t *t)
 {
@@ -246,6 +245,7 @@ static void zero_padding(float *g, const shard_unit_info_t *ui, const shard_tens
     memset(g + end1, 0, (ui->numel - end1) * sizeof(float));
 }
 
+/* dz holds dL/dz of layer l; writes dW, db into gw, gb and dL/dz of layer l-1 into dz. */
 static void layer_backward(const struct model *m, int l, const float *w, float *gw, float *gb,
                            struct acts *ac, int batch)
 {

@@ -12,11 +12,11 @@
 # alone is all ranks computing at once with no shardd at all (mlp_train --compute-only: the
 # calibrated wait, 2 x layers x accum x compute_ms per step, plus their own matrix products,
 # which 8 ranks on a small host slow down); the target compares against it. Also shown: the
-# calibrated wait alone, and rank 0's time outside shardd's calls in the prefetch run. The time inside the calls
-# (mlp_train --timing) is the communication left exposed. The waits sleep (--compute-mode
-# sleep, like a host waiting for a GPU kernel): a 2-core machine cannot busy-wait 8 ranks
-# without starving the daemons. Steady state: steps after the first two (the first records the
-# schedule).
+# calibrated wait alone, and rank 0's time outside shardd's calls in the prefetch run. The time
+# inside the calls (mlp_train --timing) is the communication left exposed. The waits sleep
+# (--compute-mode sleep, like a host waiting for a GPU kernel): a 2-core machine cannot
+# busy-wait 8 ranks without starving the daemons. Steady state: steps after the first two (the
+# first records the schedule).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 nodes=4 k=2 hidden=724 layers=16 accum=1 steps=8 rate=1gbit plan=zero3 cms= depth=2
