@@ -244,11 +244,12 @@ static void direct_done(struct sd_bulk *b, int status)
         const float *src[SD_ARRAY_SIZE(ar->direct_rb) + 1];
         for (uint32_t m = 0, o = 0; m < ar->n_members; m++)
             src[m] = m == ar->pos ? ar->buf : ar->tmp + (size_t)(o++) * ar->count;
+        float *out = ar->acc ? ar->acc : ar->buf;
         for (size_t i = 0; i < ar->count; i++) {
             float s = src[0][i];
             for (uint32_t m = 1; m < ar->n_members; m++)
                 s += src[m][i];
-            ar->buf[i] = s;
+            out[i] = ar->acc ? out[i] + s : s;
         }
     }
     ar_finish(ar);
@@ -282,7 +283,9 @@ static int direct_start(struct sd_allreduce *ar)
  * c of step t+1 leaves as soon as chunk c of step t arrived, and the steps overlap instead of
  * each waiting for the slowest transfer of the one before. Receives of the reduce-scatter land
  * in tmp at the chunk's offset; the receive of chunk c for a later step is posted once the
- * previous receive that used chunk c was added. The all-gather receives in place. */
+ * previous receive that used chunk c was added. The all-gather receives in place, or into acc:
+ * the last reduce-scatter step adds the finished segment into acc, and the all-gather moves
+ * acc. */
 static uint32_t ring_seg(const struct sd_allreduce *ar, uint32_t t, bool send)
 {
     uint32_t n = ar->n_members;
@@ -323,9 +326,15 @@ static int ring_post_one(struct sd_allreduce *ar, bool send, uint32_t t, uint32_
     bx->off = c;
     bx->len = len * sizeof(float);
     bx->x.cb = ring_xfer_cb;
-    bool in_buf = send || t >= n - 1;
-    float *p = in_buf ? ar->buf + b : ar->tmp + (size_t)c * ar->chunk_floats;
-    void *desc = in_buf ? ar->buf_desc : ar->tmp_desc;
+    float *p = ar->tmp + (size_t)c * ar->chunk_floats;
+    void *desc = ar->tmp_desc;
+    if (t >= n - 1 && ar->acc != NULL) { /* the all-gather of acc */
+        p = ar->acc + b;
+        desc = ar->acc_desc;
+    } else if (send || t >= n - 1) {
+        p = ar->buf + b;
+        desc = ar->buf_desc;
+    }
     int st = send ? ar->tp->ops->send(ar->tp, peer, tag, p, bx->len, desc, &bx->x)
                   : ar->tp->ops->recv(ar->tp, peer, tag, 0, p, bx->len, desc, &bx->x);
     if (st != SD_OK) {
@@ -381,8 +390,13 @@ static void ring_xfer_cb(struct sd_xfer *x, int status)
         ar->left--;
         size_t b = 0, len = 0;
         ring_chunk_range(ar, ring_seg(ar, t, false), c, &b, &len);
-        if (t < n - 1) { /* reduce-scatter: add what arrived */
-            const float *src = ar->tmp + (size_t)c * ar->chunk_floats;
+        const float *src = ar->tmp + (size_t)c * ar->chunk_floats;
+        if (t + 1 == n - 1 && ar->acc != NULL) { /* the segment's sum is done: into acc */
+            for (size_t i = 0; i < len; i++) {
+                float s = ar->buf[b + i] + src[i];
+                ar->acc[b + i] += s;
+            }
+        } else if (t < n - 1) { /* reduce-scatter: add what arrived */
             for (size_t i = 0; i < len; i++)
                 ar->buf[b + i] += src[i];
         }
@@ -445,9 +459,9 @@ static int ring_start(struct sd_allreduce *ar)
 
 int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct sd_bulk_pool *pool,
                        const uint32_t *members, uint32_t n_members, uint32_t self, float *buf,
-                       size_t count, float *tmp, size_t tmp_count, void *buf_desc, void *tmp_desc,
-                       uint64_t tag_base, size_t chunk_bytes, size_t small_bytes,
-                       sd_allreduce_cb cb, void *arg)
+                       size_t count, float *tmp, size_t tmp_count, float *acc, void *buf_desc,
+                       void *tmp_desc, void *acc_desc, uint64_t tag_base, size_t chunk_bytes,
+                       size_t small_bytes, sd_allreduce_cb cb, void *arg)
 {
     memset(ar, 0, sizeof(*ar));
     ar->tp = tp;
@@ -458,8 +472,10 @@ int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct 
     ar->count = count;
     ar->tmp = tmp;
     ar->tmp_count = tmp_count;
+    ar->acc = acc;
     ar->buf_desc = buf_desc;
     ar->tmp_desc = tmp_desc;
+    ar->acc_desc = acc_desc;
     ar->tag_base = tag_base;
     ar->chunk_bytes = chunk_bytes;
     ar->cb = cb;

@@ -81,7 +81,14 @@ struct sd_bulk *sd_bulk_get(struct sd_bulk_pool *p);
 void sd_bulk_put(struct sd_bulk_pool *p, struct sd_bulk *b);
 
 /* All-reduce (sum) of `count` floats among the nodes in `members` (ascending; self among them),
- * in place. Ring for large buffers, direct for count * 4 <= small_bytes. */
+ * in place. Ring for large buffers, direct for count * 4 <= small_bytes.
+ *
+ * With acc (count floats, the same values on every member), the sum is added into acc instead
+ * and buf is scratch: in the ring, the member that completes a segment's sum adds it into its
+ * acc and the all-gather moves that segment of acc, which the others take as theirs (it is the
+ * sum they would have computed, bit for bit). A gradient accumulator that every replica keeps
+ * identical saves the pass that adds the whole sum into it after the all-reduce; only 1/n of
+ * it is added, by its owner. */
 struct sd_allreduce;
 typedef void (*sd_allreduce_cb)(struct sd_allreduce *ar, int status, uint32_t suspect);
 
@@ -94,7 +101,8 @@ struct sd_allreduce {
     size_t count;
     float *tmp; /* ring: ceil(count / n) floats; direct: (n - 1) * count floats */
     size_t tmp_count;
-    void *buf_desc, *tmp_desc; /* their registrations (providers with FI_MR_LOCAL), or NULL */
+    float *acc;                           /* NULL: the sum stays in buf */
+    void *buf_desc, *tmp_desc, *acc_desc; /* registrations (providers with FI_MR_LOCAL) or NULL */
     uint64_t tag_base; /* kind/job/unit/seq(high byte): the step index goes into seq's low byte */
     size_t chunk_bytes;
     bool direct;
@@ -118,9 +126,9 @@ struct sd_allreduce {
 size_t sd_allreduce_tmp_floats(size_t count, uint32_t n, size_t small_bytes);
 int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct sd_bulk_pool *pool,
                        const uint32_t *members, uint32_t n_members, uint32_t self, float *buf,
-                       size_t count, float *tmp, size_t tmp_count, void *buf_desc, void *tmp_desc,
-                       uint64_t tag_base, size_t chunk_bytes, size_t small_bytes,
-                       sd_allreduce_cb cb, void *arg);
+                       size_t count, float *tmp, size_t tmp_count, float *acc, void *buf_desc,
+                       void *tmp_desc, void *acc_desc, uint64_t tag_base, size_t chunk_bytes,
+                       size_t small_bytes, sd_allreduce_cb cb, void *arg);
 
 /* Ring segment s of count floats among n: [begin, end). */
 static inline void sd_ring_segment(size_t count, uint32_t n, uint32_t s, size_t *begin_p,

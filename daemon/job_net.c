@@ -85,6 +85,17 @@ static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cf
     return SD_MAX(need, (size_t)(R > 1 ? R - 1 : 0) * SD_MIN(small, block)) + 16;
 }
 
+/* Does each round's all-reduce add its sum into the g shard itself (sd_allreduce's acc)? With
+ * one rank per node the node's block of a unit is that rank's g shard, which every node of the
+ * replication group keeps identical without 2-hop (the same sums added in the same order from
+ * zero). Two rounds of one unit must not run at once then: the later one's all-gather could
+ * land before the earlier one's. */
+static bool rounds_accumulate(const struct sd_job *job)
+{
+    return job->k == 1 && !job->plan.two_hop && job->nodes / job->group_nodes > 1 &&
+           job->plan.f[SD_STATE_G] == job->group_nodes;
+}
+
 /* Does a node round sum its partial into a buffer of its own? Not when one rank's fp32
  * gradient is the partial. */
 static bool rounds_need_buf(const struct sd_job *job)
@@ -215,6 +226,9 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         st = reg_mr(job, job->norm_parts, N * sizeof(*job->norm_parts));
     if (st == SD_OK) /* the pull requests each gather sends live in its unit state */
         st = reg_mr(job, job->units, job->n_slots * sizeof(*job->units));
+    if (st == SD_OK && rounds_accumulate(job)) /* the all-gathers of the rounds land there */
+        st = reg_mr(job, sd_job_arena(job, 0, SD_STATE_G)->ptr,
+                    sd_job_arena(job, 0, SD_STATE_G)->bytes);
     if (st != SD_OK) {
         snprintf(err, errlen, "registering the job's memory with the fabric failed: %s",
                  sd_status_str(st));
@@ -848,7 +862,7 @@ static void rounds_retire(struct sd_job *job)
         const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
         uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
         const float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
-        for (uint32_t j = 0; j < job->k; j++)
+        for (uint32_t j = 0; j < job->k && !rounds_accumulate(job); j++)
             job->reg->dev->reduce_add(sd_job_g_shard(job, j, ul), B + g_block_off(job, j, len),
                                       SD_DTYPE_FP32, len);
         rd->net_done = false;
@@ -907,10 +921,11 @@ static void round_after_rs(struct sd_node_round *rd)
         if (R > 1) {
             uint64_t tag =
                 sd_tag(SD_TAG_AR, job->tag, rd->unit, (uint32_t)(rd->seq & 0xff) << 8, 0, 0);
+            float *acc = rounds_accumulate(job) ? sd_job_g_shard(job, 0, ul) : NULL;
             int st = sd_allreduce_start(&rd->ar, tp_of(job), &job->bulks, job->members, R,
                                         self_node(job), B, count, rd->ar_tmp, job->ar_tmp_count,
-                                        desc_of(job, B), desc_of(job, rd->ar_tmp), tag,
-                                        job->reg->cfg->chunk_bytes,
+                                        acc, desc_of(job, B), desc_of(job, rd->ar_tmp),
+                                        desc_of(job, acc), tag, job->reg->cfg->chunk_bytes,
                                         job->reg->cfg->small_allreduce_bytes, round_ar_done, rd);
             if (st == SD_OK)
                 return;
@@ -975,11 +990,22 @@ static void node_partial(struct sd_job *job, struct sd_node_round *rd,
     }
 }
 
-/* Start node rounds for the local rounds waiting, while a round's buffers are free. */
+static bool unit_in_round(const struct sd_job *job, uint32_t unit)
+{
+    for (uint32_t i = 0; i < job->nr_len; i++)
+        if (job->nr[(job->nr_head + i) % job->round_gens].unit == unit)
+            return true;
+    return false;
+}
+
+/* Start node rounds for the local rounds waiting, while a round's buffers are free (in order:
+ * one whose unit must wait for an earlier round of it holds back those behind it). */
 static void round_start_next(struct sd_job *job)
 {
     while (job->nr_len < job->round_gens && job->rq_len > 0 && job->state != SD_JOB_FAILED) {
         struct sd_round_ref ref = job->round_queue[job->rq_head];
+        if (rounds_accumulate(job) && unit_in_round(job, ref.unit))
+            break; /* rounds_retire starts it */
         job->rq_head = (job->rq_head + 1) % job->rq_cap;
         job->rq_len--;
         struct sd_node_round *rd = &job->nr[(job->nr_head + job->nr_len) % job->round_gens];
@@ -1201,12 +1227,12 @@ void sd_job_net_step(struct sd_job *job)
                 sd_tag(SD_TAG_AR, job->tag, u, (uint32_t)((job->steps & 0x7f) | 0x80) << 8, 0, 0);
             job->step_pending = 1;
             /* no round runs during the step: it borrows round 0's all-reduce temporary */
-            int st =
-                sd_allreduce_start(&job->step_ar, tp_of(job), &job->bulks, job->members, R,
-                                   self_node(job), job->scratch, count, job->nr[0].ar_tmp,
-                                   job->ar_tmp_count, desc_of(job, job->scratch),
-                                   desc_of(job, job->nr[0].ar_tmp), tag, job->reg->cfg->chunk_bytes,
-                                   job->reg->cfg->small_allreduce_bytes, step_ar_done, job);
+            int st = sd_allreduce_start(&job->step_ar, tp_of(job), &job->bulks, job->members, R,
+                                        self_node(job), job->scratch, count, job->nr[0].ar_tmp,
+                                        job->ar_tmp_count, NULL, desc_of(job, job->scratch),
+                                        desc_of(job, job->nr[0].ar_tmp), NULL, tag,
+                                        job->reg->cfg->chunk_bytes,
+                                        job->reg->cfg->small_allreduce_bytes, step_ar_done, job);
             if (st != SD_OK) {
                 job->step_pending = 0;
                 step_fail(job, st, job->members[0]);

@@ -135,11 +135,13 @@ static void ar_cb(struct sd_allreduce *ar, int status, uint32_t suspect)
     d->status = status;
 }
 
-static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t chunk)
+/* acc: add the sum into accumulators that start equal on every member (and at a value the
+ * sum is exact with), instead of leaving it in the buffers */
+static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t chunk, bool acc)
 {
     static struct sd_bulk_pool pools[MAXN];
     static struct sd_allreduce ars[MAXN];
-    float *bufs[MAXN], *tmps[MAXN];
+    float *bufs[MAXN], *tmps[MAXN], *accs[MAXN] = {0};
     struct done done[MAXN] = {0};
     uint32_t members[MAXN];
     for (uint32_t i = 0; i < n; i++)
@@ -155,12 +157,17 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
         tmps[i] = malloc((tmpn + 1) * sizeof(float));
         for (size_t e = 0; e < count; e++) /* small integers: every sum order is exact */
             bufs[i][e] = (float)((e * 7 + i * 13) % 64);
+        if (acc) {
+            accs[i] = malloc(count * sizeof(float));
+            for (size_t e = 0; e < count; e++)
+                accs[i][e] = (float)(e % 5) - 2.0f;
+        }
     }
     int started = 0;
     for (uint32_t i = 0; i < n; i++)
         started += sd_allreduce_start(&ars[i], &nodes[i].base, &pools[i], members, n, i, bufs[i],
-                                      count, tmps[i], tmpn, NULL, NULL, 0x1000, chunk, small_bytes,
-                                      ar_cb, &done[i]) == SD_OK;
+                                      count, tmps[i], tmpn, accs[i], NULL, NULL, NULL, 0x1000,
+                                      chunk, small_bytes, ar_cb, &done[i]) == SD_OK;
     TH_CHECK(started == (int)n, "n %u count %zu: %d of %u started", n, count, started, n);
     for (int round = 0; round < 100000; round++) {
         int all = 1, moved = 0;
@@ -178,12 +185,15 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
             float want = 0;
             for (uint32_t j = 0; j < n; j++)
                 want += (float)((e * 7 + j * 13) % 64);
-            wrong += bufs[i][e] != want;
+            if (acc)
+                wrong += accs[i][e] != (float)(e % 5) - 2.0f + want;
+            else
+                wrong += bufs[i][e] != want;
         }
     }
     bool direct = count * sizeof(float) <= small_bytes;
-    TH_CHECK(unfinished == 0 && wrong == 0, "n %u count %zu %s: %d unfinished, %d wrong elements",
-             n, count, direct ? "direct" : "ring", unfinished, wrong);
+    TH_CHECK(unfinished == 0 && wrong == 0, "n %u count %zu %s%s: %d unfinished, %d wrong elements",
+             n, count, direct ? "direct" : "ring", acc ? " into acc" : "", unfinished, wrong);
     for (uint32_t i = 0; i < n; i++) {
         uint64_t want_sent, want_recv;
         if (direct) {
@@ -204,6 +214,7 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
         TH_CHECK(pools[i].in_use == 0, "bulks not returned");
         free(bufs[i]);
         free(tmps[i]);
+        free(accs[i]);
         sd_bulk_pool_fini(&pools[i]);
     }
 }
@@ -275,9 +286,11 @@ int main(void)
     static const size_t counts[] = {1, 7, 100, 1000, 4099, 65536 + 3};
     for (uint32_t n = 2; n <= 5; n++)
         for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
-            run_allreduce(n, counts[c], 0, 4096);    /* always the ring */
-            run_allreduce(n, counts[c], 0, 64);      /* the ring, many chunks per step */
-            run_allreduce(n, counts[c], 1 << 20, 0); /* always direct */
+            for (int acc = 0; acc < 2; acc++) {
+                run_allreduce(n, counts[c], 0, 4096, acc);    /* always the ring */
+                run_allreduce(n, counts[c], 0, 64, acc);      /* the ring, many chunks a step */
+                run_allreduce(n, counts[c], 1 << 20, 0, acc); /* always direct */
+            }
         }
     run_bulk();
     return th_summary("test_coll");
