@@ -631,29 +631,34 @@ static bool gather_resources(const struct sd_job *job)
            job->gathers_inflight < MAX_GATHERS_INFLIGHT;
 }
 
-/* slot us (pool space reserved) gets this node's block, its ranks' shards, and is in flight */
+/* slot us (pool space reserved) is in flight; gather_post fills in this node's block */
 static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
 {
-    uint64_t cpu0 = sd_job_issue_clock(job);
-    uint32_t G = job->group_nodes, k = job->k;
-    size_t len = sd_job_w_shard_bytes(job, us->unit);
-    uint8_t *slot = (uint8_t *)job->pool.ptr + us->pool_off;
-    uint32_t me = self_node(job) % G;
-    for (uint32_t j = 0; j < k; j++)
-        job->reg->dev->copy(slot + ((size_t)me * k + j) * len, sd_job_w_shard(job, j, us->unit),
-                            len);
-    job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += (uint64_t)k * len;
     us->inflight = true;
     us->status = SD_OK;
     us->gen = job->weights_gen;
     us->start_ns = sd_now_ns();
     us->batch_next = NULL;
-    sd_job_issue_count(job, cpu0);
+}
+
+/* this node's block of units[0..n), its ranks' shards, into their slots */
+static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n)
+{
+    uint32_t G = job->group_nodes, k = job->k, me = self_node(job) % G;
+    for (uint32_t i = 0; i < n; i++) {
+        size_t len = sd_job_w_shard_bytes(job, units[i]->unit);
+        uint8_t *slot = (uint8_t *)job->pool.ptr + units[i]->pool_off;
+        for (uint32_t j = 0; j < k; j++)
+            job->reg->dev->copy(slot + ((size_t)me * k + j) * len,
+                                sd_job_w_shard(job, j, units[i]->unit), len);
+        job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += (uint64_t)k * len;
+    }
 }
 
 /* Pull the remote blocks of units[0..n) (begun, consecutive ids ascending, one copy) from every
- * node of the partition group: one request and one transfer per peer for all of them. units[0]
- * leads: it holds the transfers, and its completion completes the others. */
+ * node of the partition group: one request and one transfer per peer for all of them, then copy
+ * this node's block while the peers answer. units[0] leads: it holds the transfers, and its
+ * completion completes the others. */
 static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n)
 {
     uint64_t cpu0 = sd_job_issue_clock(job);
@@ -711,6 +716,8 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
         }
         o++;
     }
+    /* no completion runs before the loop polls again, so the slots are still ours */
+    gather_copy_local(job, units, n);
     sd_job_issue_count(job, cpu0);
     if (us->remaining == 0)
         gather_finish(job, us);
