@@ -4,7 +4,10 @@
 #   tools/bench/compare.sh [--nodes N] [--ranks-per-node K] [--min BYTES] [--max BYTES]
 #                          [--ops "allgather reducescatter allreduce"] [--out FILE.jsonl]
 # shardd runs N daemons on loopback (tools/local-cluster.sh) with K ranks each; gloo and Open MPI
-# run N*K processes. Installs python3-torch and openmpi-bin if missing.
+# run N*K processes. Installs python3-torch and openmpi-bin if missing. Open MPI runs twice: with
+# its defaults (shared memory, single copy by process_vm_readv) and with
+# btl_vader_single_copy_mechanism none (two copies through shared buffers, faster on VMs where
+# process_vm_readv is slow): ratios to both are printed.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 nodes=4 k=1 min=4096 max=$((64 << 20)) ops="allgather reducescatter allreduce" out= extra=()
@@ -17,7 +20,7 @@ while [ $# -gt 0 ]; do
     --ops) ops=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "compare.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -40,6 +43,9 @@ for op in $ops; do
     >>"$results" 2>/dev/null
   mpirun --allow-run-as-root --oversubscribe -np "$np" "$work/mpi_bench" "$op" "$min" "$max" \
     >>"$results" 2>/dev/null
+  mpirun --allow-run-as-root --oversubscribe -np "$np" --mca btl_vader_single_copy_mechanism none \
+    "$work/mpi_bench" "$op" "$min" "$max" 2>/dev/null |
+    sed 's/"impl": "openmpi"/"impl": "openmpi-2copy"/' >>"$results"
 done
 [ -n "$out" ] && cp "$results" "$out"
 /usr/bin/python3 - "$results" <<'PY'
@@ -48,12 +54,13 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 by = {}
 for r in rows:
     by.setdefault((r["name"], r["size_bytes"]), {})[r["impl"]] = r
-print(f'{"op":<14}{"size":>12}{"shardd":>10}{"gloo":>10}{"openmpi":>10}{"x gloo":>9}{"x ompi":>9}  busbw GB/s')
+print(f'{"op":<14}{"size":>12}{"shardd":>10}{"gloo":>10}{"openmpi":>10}{"ompi-2cp":>10}'
+      f'{"x gloo":>9}{"x ompi":>9}{"x 2cp":>9}  busbw GB/s')
 for (name, size), d in sorted(by.items()):
-    s, g, m = (d.get(k, {}).get("busbw_GBps") for k in ("shardd", "gloo", "openmpi"))
+    s, g, m, m2 = (d.get(k, {}).get("busbw_GBps") for k in ("shardd", "gloo", "openmpi", "openmpi-2copy"))
     f = lambda v: f"{v:10.3f}" if v is not None else f'{"-":>10}'
-    rg = f"{s / g:9.2f}" if s and g else f'{"-":>9}'
-    rm = f"{s / m:9.2f}" if s and m else f'{"-":>9}'
+    r = lambda b: f"{s / b:9.2f}" if s and b else f'{"-":>9}'
     wrong = d.get("shardd", {}).get("wrong", 0)
-    print(f"{name:<14}{size:>12}{f(s)}{f(g)}{f(m)}{rg}{rm}" + (f"  #wrong {wrong}" if wrong else ""))
+    print(f"{name:<14}{size:>12}{f(s)}{f(g)}{f(m)}{f(m2)}{r(g)}{r(m)}{r(m2)}" +
+          (f"  #wrong {wrong}" if wrong else ""))
 PY
