@@ -93,7 +93,8 @@ static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cf
 static bool rounds_accumulate(const struct sd_job *job)
 {
     return job->k == 1 && !job->plan.two_hop && job->nodes / job->group_nodes > 1 &&
-           job->plan.f[SD_STATE_G] == job->group_nodes;
+           job->plan.f[SD_STATE_G] == job->group_nodes &&
+           job->reg->dev == &sd_gpu_host_ops; /* the ring adds on the CPU */
 }
 
 /* Does a node round sum its partial into a buffer of its own? Not when one rank's fp32
