@@ -227,9 +227,9 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         st = reg_mr(job, job->norm_parts, N * sizeof(*job->norm_parts));
     if (st == SD_OK) /* the pull requests each gather sends live in its unit state */
         st = reg_mr(job, job->units, job->n_slots * sizeof(*job->units));
+    const struct sd_mem *g_arena = sd_job_arena(job, 0, SD_STATE_G);
     if (st == SD_OK && rounds_accumulate(job)) /* the all-gathers of the rounds land there */
-        st = reg_mr(job, sd_job_arena(job, 0, SD_STATE_G)->ptr,
-                    sd_job_arena(job, 0, SD_STATE_G)->bytes);
+        st = reg_mr(job, g_arena->ptr, g_arena->bytes);
     if (st != SD_OK) {
         snprintf(err, errlen, "registering the job's memory with the fabric failed: %s",
                  sd_status_str(st));
@@ -867,12 +867,14 @@ static void rounds_retire(struct sd_job *job)
         struct sd_node_round *rd = &job->nr[job->nr_head];
         if (!rd->net_done)
             break;
-        const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
-        uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
-        const float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
-        for (uint32_t j = 0; j < job->k && !rounds_accumulate(job); j++)
-            job->reg->dev->reduce_add(sd_job_g_shard(job, j, ul), B + g_block_off(job, j, len),
-                                      SD_DTYPE_FP32, len);
+        if (!rounds_accumulate(job)) { /* else the all-reduce added it */
+            const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+            uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
+            const float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
+            for (uint32_t j = 0; j < job->k; j++)
+                job->reg->dev->reduce_add(sd_job_g_shard(job, j, ul), B + g_block_off(job, j, len),
+                                          SD_DTYPE_FP32, len);
+        }
         rd->net_done = false;
         job->nr_head = (job->nr_head + 1) % job->round_gens;
         job->nr_len--;

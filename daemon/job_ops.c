@@ -647,7 +647,7 @@ void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool wi
         size_t n = (size_t)job->layout.n_units * job->g_groups * job->round_gens;
         for (size_t ri = 0; ri < n; ri++) {
             for (uint32_t m = 0; m < job->g_members; m++) {
-                struct sd_push_entry *ent = &job->round_entries[ri * job->g_members + m];
+                struct sd_push_entry *ent = &sd_job_round_ents(job, ri)[m];
                 if (ent->s == NULL)
                     continue;
                 ent->s->staging_busy &= ~(1ULL << ent->slot);
