@@ -89,11 +89,12 @@ int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *
 {
     char base[64];
     snprintf(base, sizeof(base), "/tmp/shardd-cluster-XXXXXX");
-    if (mkdtemp(base) == NULL || nodes > TH_MAX_NODES)
+    if (nodes > TH_MAX_NODES || mkdtemp(base) == NULL)
         return -1;
     srand((unsigned)getpid());
     for (int attempt = 0; attempt < 5; attempt++) {
         memset(c, 0, sizeof(*c));
+        memcpy(c->base, base, sizeof(c->base));
         c->nodes = nodes;
         c->k = k;
         c->port = 20000 + rand() % 30000;
@@ -133,6 +134,7 @@ int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *
                 c->d[i].pid = 0;
             }
     }
+    fprintf(stderr, "cluster of %d nodes did not form; logs under %s\n", nodes, base);
     return -1;
 }
 
@@ -148,6 +150,12 @@ int th_cluster_stop(struct th_cluster *c)
                 bad++;
             }
         }
+    if (c->base[0] != '\0' && bad == 0 && !th_failed) {
+        char cmd[128];
+        snprintf(cmd, sizeof(cmd), "rm -rf '%s'", c->base);
+        if (system(cmd) != 0)
+            fprintf(stderr, "could not remove %s\n", c->base);
+    }
     return bad;
 }
 

@@ -30,11 +30,14 @@ extern int th_passed, th_failed;
 #define TH_MAX_NODES 8
 struct th_cluster {
     int nodes, k, port;
+    char base[64]; /* the cluster's directory; node i's is base/node<i> */
     struct th_daemon d[TH_MAX_NODES];
 };
 /* Start `nodes` daemons on loopback (k ranks each) with extra arguments for every one. */
 int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *extra);
-/* Stop every daemon still running; returns the number that did not exit cleanly. */
+/* Stop every daemon still running and, when they all exited cleanly and no check failed, remove
+ * the cluster's directory (a killed node's log included); returns the number that did not exit
+ * cleanly. */
 int th_cluster_stop(struct th_cluster *c);
 
 /* Start shardd with extra "--key", "value" arguments (NULL-terminated list, may be NULL). */
