@@ -86,6 +86,16 @@ const struct sd_config_entry sd_config_table[] = {
      "completion while transfers are in flight, before it sleeps on the completion queue's wait "
      "fd (re-polled every millisecond)",
      0},
+    {"rendezvous_bytes", SD_CFG_SIZE, "0", 0, 1LL << 30, OFF(rendezvous_bytes),
+     "messages between daemons larger than this are sent only after their receiver said the "
+     "receive is posted (one 16-byte clear-to-send each), so none arrives unexpected (0: off; "
+     "shm_cma 0 turns it on at the provider's inject size)",
+     1},
+    {"shm_cma", SD_CFG_INT, "1", 0, 1, OFF(shm_cma),
+     "shm provider: 1 moves large messages with one process_vm_readv copy (CMA); 0 with two "
+     "copies through shared bounce buffers (FI_SHM_DISABLE_CMA=1), faster where "
+     "process_vm_readv is slow",
+     1},
 };
 const unsigned sd_config_table_len = SD_ARRAY_SIZE(sd_config_table);
 

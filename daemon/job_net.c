@@ -288,9 +288,10 @@ void sd_job_net_cancel(struct sd_job *job)
     if (job->net == NULL || job->bulks.all == NULL)
         return;
     struct sd_transport *tp = tp_of(job);
+    /* receives, and sends that wait for a clear-to-send (rendezvous_bytes) */
     for (uint32_t i = 0; i < job->bulks.n; i++) {
         struct sd_bulk *b = &job->bulks.all[i];
-        if (!b->active || b->is_send)
+        if (!b->active)
             continue;
         for (uint32_t c = 0; c < b->n; c++)
             tp->ops->cancel(tp, &b->xs[c].x);

@@ -32,6 +32,10 @@ struct sd_xfer {
     uint64_t ignore;
     int kind;
     uint32_t rail;
+    /* private to the transport's rendezvous (rendezvous_bytes) */
+    struct sd_xfer *next_rdv;
+    uint64_t since_ns;
+    int rdv;
 };
 
 #define SD_PEER_ANY UINT32_MAX
@@ -51,7 +55,8 @@ struct sd_transport_ops {
     /* peer SD_PEER_ANY: any source; bits set in ignore are wildcards of the tag */
     int (*recv)(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64_t ignore, void *buf,
                 size_t len, void *desc, struct sd_xfer *x);
-    /* Cancel a posted receive (it completes with SD_ECANCELED); a no-op when not posted. */
+    /* Cancel a posted receive, or a send still waiting for its receiver's clear-to-send (it
+     * completes with SD_ECANCELED); a no-op otherwise. */
     void (*cancel)(struct sd_transport *tp, struct sd_xfer *x);
     /* Drive progress and run callbacks; returns how many completed, or a negative status. */
     int (*progress)(struct sd_transport *tp);
@@ -69,6 +74,9 @@ struct sd_transport {
     uint32_t n_peers;
     uint32_t self;
     uint64_t inflight; /* posted sends and receives not completed */
+    /* rendezvous: the threshold in effect (0: off), clear-to-sends sent and received, sends that
+     * waited for theirs and sends that found theirs already there */
+    uint64_t rdv_bytes, cts_sent, cts_received, sends_parked, sends_cleared;
 };
 
 /* Open the libfabric transport for cfg->provider on cfg->fabric_addr. err says why not. */
@@ -91,6 +99,7 @@ enum sd_tag_kind {
     SD_TAG_AR = 4,     /* all-reduce chunk */
     SD_TAG_SCALAR = 5, /* small all-reduce */
     SD_TAG_INIT = 6,   /* initial values broadcast */
+    SD_TAG_RDV = 7,    /* the transport's clear-to-send (rendezvous_bytes), on its own endpoint */
 };
 
 static inline uint64_t sd_tag(uint32_t kind, uint32_t job, uint32_t unit, uint32_t seq,

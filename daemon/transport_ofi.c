@@ -9,7 +9,19 @@
  * queue with a wait fd the libuv loop polls. Provider limits are read back from fi_getinfo;
  * posts beyond an endpoint's tx/rx queue depth, and any -FI_EAGAIN, go to that endpoint's pending
  * queue, retried on progress. Memory is registered only when the provider asks for it
- * (FI_MR_LOCAL). */
+ * (FI_MR_LOCAL).
+ *
+ * Rendezvous (rendezvous_bytes > 0): a message larger than that is sent only once its receiver
+ * has said, with a clear-to-send naming the tag, that the matching receive is posted, so no large
+ * message ever arrives unexpected. A provider then never buffers megabytes it cannot place, and
+ * libfabric < 1.19's shm provider, which hangs when several large messages arrive unexpected in
+ * its two-copy protocol (ofiwg/libfabric#9143), can run that protocol. The receiver injects the
+ * clear-to-send (16 bytes) when the receive reaches the provider; the sender parks a send whose
+ * clear-to-send has not arrived and posts it when it does, and counts the ones that arrive
+ * first. Such a message must be received by a receive that names its peer and its exact tag,
+ * with a buffer of the message's length (the collective engine's chunks). Clear-to-sends have an
+ * endpoint of their own: sharing the control endpoint with them, libfabric 1.17's shm lost pull
+ * requests and norm exchanges now and then (runs hung in 3 of 4 attempts; none in 20 since). */
 #include "transport.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -28,16 +40,65 @@
 _Static_assert(sizeof(((struct sd_xfer *)0)->opaque) >= sizeof(struct fi_context2),
                "sd_xfer must hold a fi_context2");
 
-enum { XFER_SEND = 1, XFER_RECV = 2 };
+/* XFER_PARKED: a rendezvous send waiting for its clear-to-send; XFER_CTS: a standing receive of
+ * clear-to-sends (the transport's own, not counted in inflight) */
+enum { XFER_SEND = 1, XFER_RECV = 2, XFER_PARKED = 3, XFER_CTS = 4 };
 /* a send on rail r goes to the peer's rail peer_rail[r]; a receive on r matches sources there */
-enum { RAIL_OUT = 0, RAIL_IN = 1, RAIL_CTRL = 2, N_RAILS = 3 };
-static const uint32_t peer_rail[N_RAILS] = {RAIL_IN, RAIL_OUT, RAIL_CTRL};
-static const char *const rail_name[N_RAILS] = {"outbound data", "inbound data", "control"};
+enum { RAIL_OUT = 0, RAIL_IN = 1, RAIL_CTRL = 2, RAIL_RDV = 3, N_RAILS = 4 };
+static const uint32_t peer_rail[N_RAILS] = {RAIL_IN, RAIL_OUT, RAIL_CTRL, RAIL_RDV};
+static const char *const rail_name[N_RAILS] = {"outbound data", "inbound data", "control",
+                                               "clear-to-send"};
 
 struct rail {
     struct fid_ep *ep;
     size_t tx_posted, rx_posted;
     struct sd_xfer *pending_head, *pending_tail;
+};
+
+struct rdv_msg {
+    uint64_t tag;
+    uint32_t src;
+    uint32_t magic;
+};
+#define RDV_MAGIC 0x53445254u /* "SDRT" */
+/* Standing receives of clear-to-sends. libfabric 1.17's shm loses some of the small messages
+ * that arrive while every receive is taken (a few dozen in thousands, measured), so each node
+ * keeps at most rdv_credit clear-to-sends unanswered (no data back yet) toward each peer, which
+ * together stay within the peer's standing receives; the rest wait in the peer's queue. */
+#define RDV_RECV_SLOTS 512
+#define RDV_BUCKETS    1024
+/* A clear-to-send that arrived before its send lives this long (a receive cancelled when its
+ * job failed leaves one behind); then it is dropped. */
+#define RDV_STALE_NS (600ULL * 1000000000ULL)
+
+struct rdv_slot {
+    struct sd_xfer x;
+    struct rdv_msg m;
+};
+
+/* Clear-to-sends from peer for tag that arrived before their send, from a pool sized at open:
+ * a peer has at most rdv_credit of them unanswered toward this node, together the standing
+ * receives; twice that leaves room for those whose receive was cancelled (a failed job), which
+ * age out. */
+struct rdv_cts {
+    struct rdv_cts *next;
+    uint64_t tag, since_ns;
+    uint32_t peer, count;
+};
+
+/* a posted receive's clear-to-send: waiting for credit, waiting for the provider to take it,
+ * or sent and not answered yet */
+enum { RDV_NONE = 0, RDV_DEFERRED, RDV_RETRY, RDV_OUT };
+
+struct xqueue {
+    struct sd_xfer *head, *tail;
+};
+
+/* clear-to-sends toward one peer: sent and not answered yet, and the receives waiting for
+ * credit */
+struct rdv_peer {
+    uint32_t out;
+    struct xqueue deferred;
 };
 
 struct ofi {
@@ -48,10 +109,23 @@ struct ofi {
     struct fid_cq *cq;
     struct fid_av *av;
     struct rail rails[N_RAILS];
+    uint32_t n_rails; /* the clear-to-send endpoint only with rendezvous */
     fi_addr_t *peers; /* [rail * n_peers + node] */
     int wait_fd;
     bool need_mr;
     size_t tx_depth, rx_depth;
+    /* rendezvous */
+    uint64_t rdv_bytes; /* 0: off */
+    struct rdv_slot *rdv_slots;
+    uint32_t rdv_slots_n, rdv_credit;
+    void *rdv_desc, *rdv_mr;
+    struct sd_xfer *parked[RDV_BUCKETS]; /* sends waiting, chained through next_pending */
+    struct rdv_cts *early[RDV_BUCKETS];
+    struct rdv_cts *cts_pool, *cts_free;
+    uint32_t cts_pool_n, early_n, parked_n;
+    struct rdv_peer *rdv_peers; /* [node], with the address table */
+    struct xqueue retry;        /* receives whose clear-to-send the provider refused */
+    uint64_t rdv_sweep_ns;
 };
 
 static struct rail *rail_of(struct ofi *o, const struct sd_xfer *x)
@@ -71,7 +145,7 @@ static int ofi_getname(struct sd_transport *tp, void *addr, size_t *len_p)
     struct ofi *o = (struct ofi *)tp;
     uint8_t *out = addr;
     size_t used = 0;
-    for (uint32_t r = 0; r < N_RAILS; r++) {
+    for (uint32_t r = 0; r < o->n_rails; r++) {
         if (*len_p < used + 2)
             return SD_EMSGSIZE;
         size_t len = SD_MIN(*len_p - used - 1, 255);
@@ -89,13 +163,13 @@ static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, cons
 {
     struct ofi *o = (struct ofi *)tp;
     free(o->peers);
-    o->peers = calloc((size_t)N_RAILS * n, sizeof(*o->peers));
+    o->peers = calloc((size_t)o->n_rails * n, sizeof(*o->peers));
     if (o->peers == NULL)
         return SD_ENOMEM;
     for (uint32_t i = 0; i < n; i++) {
         const uint8_t *a = addrs[i];
         size_t used = 0;
-        for (uint32_t r = 0; r < N_RAILS; r++) {
+        for (uint32_t r = 0; r < o->n_rails; r++) {
             if (used >= lens[i] || used + 1 + a[used] > lens[i]) {
                 SD_ERROR("ofi", "node %u published a malformed fabric address (%zu bytes)", i,
                          lens[i]);
@@ -111,6 +185,13 @@ static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, cons
         }
     }
     tp->n_peers = n;
+    if (o->rdv_bytes > 0) {
+        free(o->rdv_peers);
+        o->rdv_peers = calloc(n, sizeof(*o->rdv_peers));
+        if (o->rdv_peers == NULL)
+            return SD_ENOMEM;
+        o->rdv_credit = SD_MAX(1u, o->rdv_slots_n / SD_MAX(1u, n - 1));
+    }
     return SD_OK;
 }
 
@@ -150,6 +231,9 @@ static void pending_push(struct rail *rl, struct sd_xfer *x)
     rl->pending_tail = x;
 }
 
+static bool rdv_sized(const struct ofi *o, uint64_t tag, size_t len);
+static void cts_send(struct ofi *o, struct sd_xfer *x);
+
 /* Try to post; returns 0 when posted, SD_EAGAIN when it must wait, or an error. */
 static int post(struct ofi *o, struct sd_xfer *x)
 {
@@ -170,6 +254,9 @@ static int post(struct ofi *o, struct sd_xfer *x)
         r = fi_trecv(rl->ep, (void *)x->buf, x->buflen, x->desc, src, x->tag, x->ignore, x->opaque);
         if (r == 0)
             rl->rx_posted++;
+        if (r == 0 && x->kind == XFER_RECV && x->peer != SD_PEER_ANY && x->ignore == 0 &&
+            rdv_sized(o, x->tag, x->buflen))
+            cts_send(o, x);
     }
     if (r == 0)
         return SD_OK;
@@ -181,17 +268,11 @@ static int post(struct ofi *o, struct sd_xfer *x)
     return to_status(r);
 }
 
-static int submit(struct ofi *o, struct sd_xfer *x)
+/* Post x, counted in inflight already, or queue it behind its rail's pending posts; on an
+ * error it is no longer counted. */
+static int issue(struct ofi *o, struct sd_xfer *x)
 {
-    /* a wildcard over the kind bits could match either rail: such receives stay on data */
-    if ((x->ignore >> 60) == 0 && sd_tag_is_ctrl(x->tag))
-        x->rail = RAIL_CTRL;
-    else
-        x->rail = x->kind == XFER_SEND ? RAIL_OUT : RAIL_IN;
     struct rail *rl = rail_of(o, x);
-    if (rl->ep == NULL)
-        return SD_ENOTCONN;
-    o->base.inflight++;
     if (rl->pending_head == NULL) {
         int st = post(o, x);
         if (st != SD_EAGAIN) {
@@ -201,6 +282,324 @@ static int submit(struct ofi *o, struct sd_xfer *x)
         }
     }
     pending_push(rl, x);
+    return SD_OK;
+}
+
+static void rail_assign(struct sd_xfer *x)
+{
+    /* a wildcard over the kind bits could match either rail: such receives stay on data */
+    if ((x->ignore >> 60) == 0 && sd_tag_is_ctrl(x->tag))
+        x->rail = RAIL_CTRL;
+    else
+        x->rail = x->kind == XFER_SEND ? RAIL_OUT : RAIL_IN;
+}
+
+static int submit(struct ofi *o, struct sd_xfer *x)
+{
+    rail_assign(x);
+    if (rail_of(o, x)->ep == NULL)
+        return SD_ENOTCONN;
+    o->base.inflight++;
+    return issue(o, x);
+}
+
+/* ---- rendezvous */
+
+static bool rdv_sized(const struct ofi *o, uint64_t tag, size_t len)
+{
+    return o->rdv_bytes > 0 && len > o->rdv_bytes && !sd_tag_is_ctrl(tag);
+}
+
+static uint32_t rdv_bucket(uint32_t peer, uint64_t tag)
+{
+    uint64_t h = (tag ^ ((uint64_t)peer << 32)) * 0x9e3779b97f4a7c15ULL;
+    return (uint32_t)(h >> 54); /* 10 bits: RDV_BUCKETS */
+}
+
+static void xq_push(struct xqueue *q, struct sd_xfer *x)
+{
+    x->next_rdv = NULL;
+    if (q->tail)
+        q->tail->next_rdv = x;
+    else
+        q->head = x;
+    q->tail = x;
+}
+
+static struct sd_xfer *xq_pop(struct xqueue *q)
+{
+    struct sd_xfer *x = q->head;
+    if (x != NULL) {
+        q->head = x->next_rdv;
+        if (q->head == NULL)
+            q->tail = NULL;
+    }
+    return x;
+}
+
+static void xq_remove(struct xqueue *q, struct sd_xfer *x)
+{
+    for (struct sd_xfer **pp = &q->head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next_rdv)
+        if (*pp == x) {
+            *pp = x->next_rdv;
+            if (q->tail == x)
+                q->tail = prev;
+            return;
+        }
+}
+
+/* Tell peer that the receive of tag is posted; false if the provider must be asked again. */
+static bool cts_inject(struct ofi *o, uint32_t peer, uint64_t tag)
+{
+    struct rdv_msg m = {.tag = tag, .src = o->base.self, .magic = RDV_MAGIC};
+    ssize_t r = fi_tinject(o->rails[RAIL_RDV].ep, &m, sizeof(m),
+                           o->peers[(size_t)peer_rail[RAIL_RDV] * o->base.n_peers + peer],
+                           sd_tag(SD_TAG_RDV, 0, 0, 0, o->base.self, 0));
+    if (r == 0)
+        o->base.cts_sent++;
+    if (r != 0 && r != -FI_EAGAIN)
+        SD_WARN_SPARSE("ofi", "clear-to-send to node %u: %s", peer, fi_strerror((int)-r));
+    return r != -FI_EAGAIN; /* an error: the peer's op times out and names this node */
+}
+
+/* Send receive x's clear-to-send now, or behind those the provider could not take yet. */
+static void cts_emit(struct ofi *o, struct sd_xfer *x)
+{
+    o->rdv_peers[x->peer].out++;
+    x->rdv = RDV_OUT;
+    if (o->retry.head == NULL && cts_inject(o, x->peer, x->tag))
+        return;
+    x->rdv = RDV_RETRY;
+    xq_push(&o->retry, x);
+}
+
+/* Receive x is posted: tell its peer, within the peer's credit. */
+static void cts_send(struct ofi *o, struct sd_xfer *x)
+{
+    if (o->rdv_peers == NULL || x->peer >= o->base.n_peers)
+        return; /* receives name a peer of the table, installed before any */
+    struct rdv_peer *rp = &o->rdv_peers[x->peer];
+    if (rp->out < o->rdv_credit && rp->deferred.head == NULL) {
+        cts_emit(o, x);
+        return;
+    }
+    x->rdv = RDV_DEFERRED;
+    xq_push(&rp->deferred, x);
+}
+
+static void cts_retry(struct ofi *o)
+{
+    while (o->retry.head && cts_inject(o, o->retry.head->peer, o->retry.head->tag))
+        xq_pop(&o->retry)->rdv = RDV_OUT;
+}
+
+/* Receive x completed (or was cancelled): its clear-to-send is answered, or no longer needed,
+ * and the next receive waiting for credit toward its peer can send one. */
+static void cts_done(struct ofi *o, struct sd_xfer *x)
+{
+    struct rdv_peer *rp = &o->rdv_peers[x->peer];
+    if (x->rdv == RDV_DEFERRED) {
+        xq_remove(&rp->deferred, x);
+    } else {
+        if (x->rdv == RDV_RETRY)
+            xq_remove(&o->retry, x);
+        rp->out--;
+    }
+    x->rdv = RDV_NONE;
+    while (rp->deferred.head != NULL && rp->out < o->rdv_credit)
+        cts_emit(o, xq_pop(&rp->deferred));
+}
+
+static void early_free(struct ofi *o, struct rdv_cts **pp)
+{
+    struct rdv_cts *c = *pp;
+    *pp = c->next;
+    c->next = o->cts_free;
+    o->cts_free = c;
+    o->early_n--;
+}
+
+/* A clear-to-send from peer: post the send parked for it, or count it for the send to come. */
+static void on_cts(struct ofi *o, uint32_t peer, uint64_t tag)
+{
+    o->base.cts_received++;
+    uint32_t b = rdv_bucket(peer, tag);
+    for (struct sd_xfer **pp = &o->parked[b]; *pp; pp = &(*pp)->next_pending) {
+        struct sd_xfer *x = *pp;
+        if (x->peer != peer || x->tag != tag)
+            continue;
+        *pp = x->next_pending;
+        o->parked_n--;
+        x->kind = XFER_SEND;
+        int st = issue(o, x);
+        if (st != SD_OK) {
+            x->kind = 0;
+            x->cb(x, st);
+        }
+        return;
+    }
+    struct rdv_cts **pp = &o->early[b];
+    while (*pp && ((*pp)->peer != peer || (*pp)->tag != tag))
+        pp = &(*pp)->next;
+    if (*pp == NULL) {
+        if (o->cts_free == NULL) { /* full of ones no send came for: drop the oldest */
+            struct rdv_cts **oldest = NULL;
+            for (uint32_t i = 0; i < RDV_BUCKETS; i++)
+                for (struct rdv_cts **q = &o->early[i]; *q; q = &(*q)->next)
+                    if (oldest == NULL || (*q)->since_ns < (*oldest)->since_ns)
+                        oldest = q;
+            SD_WARN_SPARSE("ofi",
+                           "%u clear-to-sends wait for their sends; dropping the oldest, from node "
+                           "%u",
+                           o->early_n, (*oldest)->peer);
+            early_free(o, oldest);
+            pp = &o->early[b];
+            while (*pp)
+                pp = &(*pp)->next;
+        }
+        struct rdv_cts *c = o->cts_free;
+        o->cts_free = c->next;
+        *c = (struct rdv_cts){.tag = tag, .peer = peer};
+        *pp = c;
+        o->early_n++;
+    }
+    (*pp)->count++;
+    (*pp)->since_ns = sd_now_ns();
+}
+
+/* A send above rdv_bytes: post it if its clear-to-send is here, else park it. */
+static int rdv_send(struct ofi *o, struct sd_xfer *x)
+{
+    uint32_t b = rdv_bucket(x->peer, x->tag);
+    struct rdv_cts **cp = &o->early[b];
+    while (*cp && ((*cp)->peer != x->peer || (*cp)->tag != x->tag))
+        cp = &(*cp)->next;
+    o->base.inflight++;
+    if (*cp != NULL) { /* the receiver is ready */
+        o->base.sends_cleared++;
+        if (--(*cp)->count == 0)
+            early_free(o, cp);
+        return issue(o, x);
+    }
+    x->kind = XFER_PARKED;
+    o->base.sends_parked++;
+    x->since_ns = sd_now_ns();
+    x->next_pending = NULL;
+    struct sd_xfer **pp = &o->parked[b];
+    while (*pp) /* at the end: sends of one tag leave in order */
+        pp = &(*pp)->next_pending;
+    *pp = x;
+    o->parked_n++;
+    return SD_OK;
+}
+
+/* Take parked send x out (cancel); false if it is not parked. */
+static bool rdv_unpark(struct ofi *o, struct sd_xfer *x)
+{
+    for (struct sd_xfer **pp = &o->parked[rdv_bucket(x->peer, x->tag)]; *pp;
+         pp = &(*pp)->next_pending)
+        if (*pp == x) {
+            *pp = x->next_pending;
+            o->parked_n--;
+            return true;
+        }
+    return false;
+}
+
+static void rdv_recv_cb(struct sd_xfer *x, int status);
+
+static int rdv_post_slot(struct ofi *o, struct rdv_slot *sl)
+{
+    sl->x.kind = XFER_CTS;
+    sl->x.cb = rdv_recv_cb;
+    sl->x.arg = o;
+    sl->x.peer = SD_PEER_ANY;
+    sl->x.tag = sd_tag(SD_TAG_RDV, 0, 0, 0, 0, 0);
+    sl->x.ignore = ~(0xfULL << 60);
+    sl->x.buf = &sl->m;
+    sl->x.buflen = sizeof(sl->m);
+    sl->x.desc = o->rdv_desc;
+    sl->x.rail = RAIL_RDV;
+    sl->x.rdv = RDV_NONE;
+    int st = post(o, &sl->x);
+    if (st == SD_EAGAIN) {
+        pending_push(rail_of(o, &sl->x), &sl->x);
+        st = SD_OK;
+    }
+    return st;
+}
+
+static void rdv_recv_cb(struct sd_xfer *x, int status)
+{
+    struct rdv_slot *sl = (struct rdv_slot *)x;
+    struct ofi *o = x->arg;
+    if (status == SD_ECANCELED || o->rails[RAIL_RDV].ep == NULL)
+        return; /* closing */
+    if (status == SD_OK && x->len == sizeof(sl->m) && sl->m.magic == RDV_MAGIC &&
+        sl->m.src < SD_MAX_NODES) /* recorded even before set_peers */
+        on_cts(o, sl->m.src, sl->m.tag);
+    else
+        SD_WARN_SPARSE("ofi", "dropping a malformed clear-to-send (%zu bytes, status %s)", x->len,
+                       sd_status_str(status));
+    if (rdv_post_slot(o, sl) != SD_OK)
+        SD_ERROR("ofi", "cannot repost a clear-to-send receive: large sends to this node stall");
+}
+
+/* Once a second: drop clear-to-sends no send came for (their receives were cancelled), and
+ * name sends that wait long for theirs. */
+static void rdv_sweep(struct ofi *o)
+{
+    uint64_t now = sd_now_ns();
+    if ((o->early_n == 0 && o->parked_n == 0) || now - o->rdv_sweep_ns < 1000000000ULL)
+        return;
+    o->rdv_sweep_ns = now;
+    uint32_t dropped = 0;
+    for (uint32_t b = 0; b < RDV_BUCKETS; b++) {
+        for (struct rdv_cts **pp = &o->early[b]; *pp;)
+            if (now - (*pp)->since_ns > RDV_STALE_NS) {
+                early_free(o, pp);
+                dropped++;
+            } else {
+                pp = &(*pp)->next;
+            }
+        for (struct sd_xfer *x = o->parked[b]; x; x = x->next_pending)
+            if (now - x->since_ns > 5000000000ULL)
+                SD_WARN_SPARSE("ofi",
+                               "a send of tag %#llx to node %u waits for its clear-to-send "
+                               "for %llu ms",
+                               (unsigned long long)x->tag, x->peer,
+                               (unsigned long long)(now - x->since_ns) / 1000000);
+    }
+    if (dropped)
+        SD_DEBUG("ofi", "dropped %u clear-to-sends no send used", dropped);
+}
+
+static int rdv_start(struct ofi *o)
+{
+    o->rdv_slots_n = (uint32_t)SD_MAX(1, SD_MIN(RDV_RECV_SLOTS, o->rx_depth / 2));
+    o->rdv_slots = calloc(o->rdv_slots_n, sizeof(*o->rdv_slots));
+    o->cts_pool_n = 2 * o->rdv_slots_n;
+    o->cts_pool = calloc(o->cts_pool_n, sizeof(*o->cts_pool));
+    if (o->rdv_slots == NULL || o->cts_pool == NULL)
+        return SD_ENOMEM;
+    for (uint32_t i = 0; i < o->cts_pool_n; i++) {
+        o->cts_pool[i].next = o->cts_free;
+        o->cts_free = &o->cts_pool[i];
+    }
+    if (o->need_mr) {
+        struct fid_mr *mr;
+        int r = fi_mr_reg(o->domain, o->rdv_slots, o->rdv_slots_n * sizeof(*o->rdv_slots), FI_RECV,
+                          0, 0, 0, &mr, NULL);
+        if (r != 0)
+            return SD_EIO;
+        o->rdv_mr = mr;
+        o->rdv_desc = fi_mr_desc(mr);
+    }
+    for (uint32_t i = 0; i < o->rdv_slots_n; i++) {
+        int st = rdv_post_slot(o, &o->rdv_slots[i]);
+        if (st != SD_OK)
+            return st;
+    }
     return SD_OK;
 }
 
@@ -218,7 +617,13 @@ static int ofi_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const 
     x->buflen = len;
     x->desc = desc;
     x->len = len;
-    return submit(o, x);
+    x->rdv = RDV_NONE;
+    if (!rdv_sized(o, tag, len))
+        return submit(o, x);
+    rail_assign(x);
+    if (rail_of(o, x)->ep == NULL)
+        return SD_ENOTCONN;
+    return rdv_send(o, x);
 }
 
 static int ofi_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64_t ignore,
@@ -231,6 +636,7 @@ static int ofi_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64
     x->peer = peer;
     x->tag = tag;
     x->ignore = ignore;
+    x->rdv = RDV_NONE;
     x->buf = buf;
     x->buflen = len;
     x->desc = desc;
@@ -241,6 +647,14 @@ static int ofi_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64
 static void ofi_cancel(struct sd_transport *tp, struct sd_xfer *x)
 {
     struct ofi *o = (struct ofi *)tp;
+    if (x->kind == XFER_PARKED) { /* a send still waiting for its clear-to-send */
+        if (rdv_unpark(o, x)) {
+            o->base.inflight--;
+            x->kind = 0;
+            x->cb(x, SD_ECANCELED);
+        }
+        return;
+    }
     if (x->kind != XFER_RECV || rail_of(o, x)->ep == NULL)
         return;
     struct rail *rl = rail_of(o, x);
@@ -265,8 +679,11 @@ static void complete(struct ofi *o, struct sd_xfer *x, int status, size_t len, u
         rail_of(o, x)->tx_posted--;
     else
         rail_of(o, x)->rx_posted--;
-    o->base.inflight--;
-    if (x->kind == XFER_RECV) {
+    if (x->kind != XFER_CTS)
+        o->base.inflight--;
+    if (x->kind == XFER_RECV && x->rdv != RDV_NONE)
+        cts_done(o, x);
+    if (x->kind != XFER_SEND) {
         x->len = len;
         x->tag = tag;
     }
@@ -301,6 +718,8 @@ static int ofi_progress(struct sd_transport *tp)
         }
         break;
     }
+    cts_retry(o);
+    rdv_sweep(o);
     for (uint32_t i = 0; i < N_RAILS; i++) {
         struct rail *rl = &o->rails[i];
         while (rl->pending_head != NULL) {
@@ -312,7 +731,9 @@ static int ofi_progress(struct sd_transport *tp)
             if (rl->pending_head == NULL)
                 rl->pending_tail = NULL;
             if (st != SD_OK) {
-                o->base.inflight--;
+                if (x->kind != XFER_CTS)
+                    o->base.inflight--;
+                x->kind = 0;
                 x->cb(x, st);
                 done++;
             }
@@ -332,7 +753,7 @@ static bool ofi_can_sleep(struct sd_transport *tp)
     for (uint32_t i = 0; i < N_RAILS; i++)
         if (o->rails[i].pending_head != NULL)
             return false;
-    if (o->wait_fd < 0)
+    if (o->wait_fd < 0 || o->retry.head != NULL)
         return false;
     struct fid *f = &o->cq->fid;
     return fi_trywait(o->fabric, &f, 1) == FI_SUCCESS;
@@ -348,12 +769,23 @@ static void ofi_quiesce(struct sd_transport *tp)
         rl->ep = NULL;
         rl->pending_head = rl->pending_tail = NULL;
     }
+    /* parked sends and waiting clear-to-sends are dropped with the rest: the daemon stops */
+    memset(o->parked, 0, sizeof(o->parked));
+    o->parked_n = 0;
+    o->retry.head = o->retry.tail = NULL;
+    for (uint32_t i = 0; o->rdv_peers && i < o->base.n_peers; i++)
+        o->rdv_peers[i] = (struct rdv_peer){0};
 }
 
 static void ofi_close(struct sd_transport *tp)
 {
     struct ofi *o = (struct ofi *)tp;
     ofi_quiesce(tp);
+    if (o->rdv_mr)
+        fi_close(&((struct fid_mr *)o->rdv_mr)->fid);
+    free(o->rdv_slots);
+    free(o->cts_pool);
+    free(o->rdv_peers);
     if (o->av)
         fi_close(&o->av->fid);
     if (o->cq)
@@ -405,6 +837,14 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->fabric_attr->prov_name = strdup(cfg->provider);
+    /* shm's two-copy protocol: read when the provider initialises, at the first fi_getinfo */
+    bool shm = strcmp(cfg->provider, "shm") == 0;
+    if (shm && !cfg->shm_cma)
+        setenv("FI_SHM_DISABLE_CMA", "1", 1);
+    const char *no_cma = getenv("FI_SHM_DISABLE_CMA");
+    bool sar = shm && no_cma != NULL &&
+               (strcmp(no_cma, "1") == 0 || strcasecmp(no_cma, "yes") == 0 ||
+                strcasecmp(no_cma, "true") == 0);
     const char *node = cfg->fabric_addr[0] ? cfg->fabric_addr : NULL;
     r = fi_getinfo(FI_VERSION(1, 17), node, NULL, node ? FI_SOURCE : 0, hints, &o->info);
     fi_freeinfo(hints);
@@ -425,6 +865,21 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     o->tx_depth = o->info->tx_attr->size ? o->info->tx_attr->size : 256;
     o->rx_depth = o->info->rx_attr->size ? o->info->rx_attr->size : 256;
     o->need_mr = (o->info->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
+    /* shm without CMA copies through bounce buffers (SAR), which libfabric < 1.19 cannot do for
+     * several large messages that arrive unexpected: everything above its inject size waits for
+     * the receiver */
+    o->rdv_bytes = cfg->rendezvous_bytes;
+    if (sar && o->rdv_bytes == 0)
+        o->rdv_bytes = SD_MAX(o->info->tx_attr->inject_size, sizeof(struct rdv_msg));
+    o->n_rails = o->rdv_bytes > 0 ? N_RAILS : RAIL_CTRL + 1;
+    o->base.rdv_bytes = o->rdv_bytes;
+    if (o->rdv_bytes > 0 && o->info->tx_attr->inject_size < sizeof(struct rdv_msg)) {
+        snprintf(err, errlen,
+                 "rendezvous_bytes needs a provider that injects %zu-byte messages; %s injects %zu",
+                 sizeof(struct rdv_msg), cfg->provider, o->info->tx_attr->inject_size);
+        ofi_close(&o->base);
+        return SD_ENOSYS;
+    }
     struct fi_cq_attr cqa = {
         .format = FI_CQ_FORMAT_TAGGED,
         .wait_obj = FI_WAIT_FD,
@@ -443,7 +898,7 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     step = "fi_av_open";
     if ((r = fi_av_open(o->domain, &ava, &o->av, NULL)) != 0)
         goto err_close;
-    for (uint32_t i = 0; i < N_RAILS; i++) {
+    for (uint32_t i = 0; i < o->n_rails; i++) {
         struct fid_ep **ep = &o->rails[i].ep;
         step = "fi_endpoint";
         if ((r = fi_endpoint(o->domain, o->info, ep, NULL)) != 0)
@@ -456,13 +911,21 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
         if ((r = fi_enable(*ep)) != 0)
             goto err_close;
     }
+    if (o->rdv_bytes > 0 && rdv_start(o) != SD_OK) {
+        snprintf(err, errlen, "libfabric (provider %s): cannot post the clear-to-send receives",
+                 cfg->provider);
+        ofi_close(&o->base);
+        return SD_EIO;
+    }
     SD_INFO(
         "ofi",
-        "provider %s, fabric %s, domain %s: outbound, inbound and control endpoints, tx depth %zu, "
-        "rx depth %zu each, mr %s, max message %zu",
+        "provider %s, fabric %s, domain %s: outbound, inbound, control%s endpoints, tx depth %zu, "
+        "rx depth %zu each, mr %s, max message %zu, inject %zu%s, rendezvous above %llu bytes%s",
         o->info->fabric_attr->prov_name, o->info->fabric_attr->name, o->info->domain_attr->name,
-        o->tx_depth, o->rx_depth, o->need_mr ? "registered" : "not needed",
-        o->info->ep_attr->max_msg_size);
+        o->n_rails > RAIL_CTRL + 1 ? ", clear-to-send" : "", o->tx_depth, o->rx_depth,
+        o->need_mr ? "registered" : "not needed", o->info->ep_attr->max_msg_size,
+        o->info->tx_attr->inject_size, sar ? ", shm copies through bounce buffers (no CMA)" : "",
+        (unsigned long long)o->rdv_bytes, o->rdv_bytes ? "" : " (off)");
     *tp_p = &o->base;
     return SD_OK;
 

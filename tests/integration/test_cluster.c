@@ -22,15 +22,20 @@
  * shards still receive them in micro-step order, which floating point can tell apart; a push
  * push_rounds micro-steps ahead waits for the oldest round. (Rounds of one unit that start in
  * order also finish in order here, so this shows the sums stay exact with rounds in flight; it
- * cannot force a later round to finish first.) */
+ * cannot force a later round to finish first.)
+ *
+ * Transport variants (argv[3]): the same test with rendezvous_bytes (every message above 4 KiB
+ * waits for its receiver's clear-to-send), and on the shm provider without CMA. */
 #include "harness.h"
 #include "shard.h"
 
 #include <jansson.h>
 #include <math.h>
 #include <pthread.h>
+#include <rdma/fabric.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/statvfs.h>
 
 static struct th_cluster cl;
 static int N, K;
@@ -277,12 +282,96 @@ static void test_round_order(const char *plan, long long peak_min, long long pea
     printf("%dx%d round order under %s: 4 micro-steps of 16 MiB, exact\n", N, K, plan);
 }
 
+/* Whether this host can run the shm provider's daemons: libfabric has it, and /dev/shm holds
+ * their regions (a container's default 64 MiB does not). */
+static bool shm_usable(char *why, size_t len)
+{
+    struct statvfs v;
+    if (statvfs("/dev/shm", &v) != 0 ||
+        (unsigned long long)v.f_bavail * v.f_frsize < (512ULL << 20)) {
+        snprintf(why, len, "/dev/shm has less than 512 MiB free");
+        return false;
+    }
+    struct fi_info *hints = fi_allocinfo(), *info = NULL;
+    if (hints == NULL)
+        return false;
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->caps = FI_TAGGED;
+    hints->fabric_attr->prov_name = strdup("shm");
+    int r = fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, hints, &info);
+    fi_freeinfo(hints);
+    fi_freeinfo(info);
+    if (r != 0)
+        snprintf(why, len, "libfabric has no shm provider: %s", fi_strerror(-r));
+    return r == 0;
+}
+
+/* The transport's rendezvous counters (shardctl status): every clear-to-send a node received
+ * released exactly one of its sends, either parked before it came or finding it on arrival,
+ * and the cluster received every one that was sent. Without rendezvous there are none. */
+static void check_rendezvous(long long want_bytes)
+{
+    long long sent = 0, received = 0;
+    for (int node = 0; node < N; node++) {
+        char *js = th_admin(cl.d[node].sock, "status");
+        json_t *st = js ? json_loads(js, 0, NULL) : NULL;
+        free(js);
+        long long b = jnum(st, "transport.rendezvous_bytes"),
+                  s = jnum(st, "transport.clear_to_sends_sent"),
+                  r = jnum(st, "transport.clear_to_sends_received"),
+                  parked = jnum(st, "transport.sends_parked"),
+                  cleared = jnum(st, "transport.sends_cleared_on_arrival");
+        TH_CHECK(b == want_bytes, "node %d: rendezvous_bytes %lld, expected %lld", node, b,
+                 want_bytes);
+        if (want_bytes > 0)
+            TH_CHECK(s > 0 && r > 0 && parked + cleared == r,
+                     "node %d: %lld clear-to-sends sent, %lld received, %lld sends parked and %lld "
+                     "cleared on arrival (expected parked + cleared = received > 0)",
+                     node, s, r, parked, cleared);
+        else
+            TH_CHECK(s == 0 && r == 0 && parked == 0 && cleared == 0,
+                     "node %d: rendezvous off, yet %lld clear-to-sends sent, %lld received", node,
+                     s, r);
+        sent += s;
+        received += r;
+        if (node == 0)
+            printf("%dx%d rendezvous above %lld bytes: node 0 sent %lld clear-to-sends, received "
+                   "%lld (%lld sends parked, %lld cleared on arrival)\n",
+                   N, K, b, s, r, parked, cleared);
+        json_decref(st);
+    }
+    TH_CHECK(sent == received, "%lld clear-to-sends sent, %lld received", sent, received);
+}
+
 int main(int argc, char **argv)
 {
     N = argc > 1 ? atoi(argv[1]) : 2;
     K = argc > 2 ? atoi(argv[2]) : 2;
-    const char *extra[] = {
+    /* the transport's variants, each through the whole test: "rendezvous" sends every message
+     * above 4 KiB only once its receive is posted (on the default tcp provider); "shm-sar" runs
+     * the daemons on the shm provider copying through bounce buffers, where libfabric < 1.19
+     * needs that rendezvous */
+    const char *variant = argc > 3 ? argv[3] : "";
+    const char *extra[16] = {
         "--small-allreduce-bytes", "0", "--op-timeout-ms", "20000", "--push-rounds", "3", NULL};
+    int ne = 6;
+    if (strcmp(variant, "rendezvous") == 0) {
+        extra[ne++] = "--rendezvous-bytes";
+        extra[ne++] = "4096";
+    } else if (strcmp(variant, "shm-sar") == 0) {
+        char why[256];
+        if (!shm_usable(why, sizeof(why))) {
+            printf("test_cluster %s: skipped: %s\n", variant, why);
+            return 77;
+        }
+        const char *shm[] = {"--provider", "shm", "--fabric-addr", "", "--shm-cma", "0"};
+        for (size_t i = 0; i < sizeof(shm) / sizeof(shm[0]); i++)
+            extra[ne++] = shm[i];
+    } else if (variant[0] != '\0') {
+        fprintf(stderr, "test_cluster: unknown variant '%s' (rendezvous, shm-sar)\n", variant);
+        return 2;
+    }
+    extra[ne] = NULL;
     if (th_cluster_start(&cl, N, K, extra) != 0) {
         fprintf(stderr, "cannot start a cluster of %d nodes\n", N);
         return 1;
@@ -309,6 +398,7 @@ int main(int argc, char **argv)
         test_round_order("ddp,no-2hop", 1, 1);
     if (K == 1)
         bench_collectives();
+    check_rendezvous(variant[0] != '\0' ? 4096 : 0);
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_cluster");
 }

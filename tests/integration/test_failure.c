@@ -1,7 +1,11 @@
 /* A daemon that dies (SIGKILL) or freezes (SIGSTOP) mid-training: every surviving rank's
  * pending operation fails within op_timeout + 1 s with an error naming the operation, its
  * sequence number, the last completed one and the suspect node; the surviving daemons keep
- * answering shardctl; a new job registers and trains on the survivors afterwards. */
+ * answering shardctl; a new job registers and trains on the survivors afterwards.
+ *
+ * With "rendezvous" (argv[1]) every message above 4 KiB waits for its receiver's clear-to-send:
+ * sends parked toward the dead node are cancelled with the job, and the new job finds the
+ * survivors' transports clean. */
 #include "harness.h"
 
 #include <signal.h>
@@ -36,6 +40,8 @@ static pid_t spawn_rank(struct th_cluster *c, const char *job, int rank, int wor
     return th_spawn(argv, log);
 }
 
+static bool rendezvous;
+
 static void scenario(const char *name, int sig)
 {
     struct th_cluster c;
@@ -45,6 +51,8 @@ static void scenario(const char *name, int sig)
                            "200",
                            "--heartbeat-timeout-ms",
                            "1500",
+                           rendezvous ? "--rendezvous-bytes" : NULL,
+                           "4096",
                            NULL};
     if (th_cluster_start(&c, 3, 2, extra) != 0) {
         TH_CHECK(0, "%s: cannot start a cluster of 3 nodes", name);
@@ -111,8 +119,9 @@ static void scenario(const char *name, int sig)
     TH_CHECK(th_cluster_stop(&c) == 0, "%s: surviving daemons did not shut down cleanly", name);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    rendezvous = argc > 1 && strcmp(argv[1], "rendezvous") == 0;
     signal(SIGPIPE, SIG_IGN);
     scenario("sigkill", SIGKILL);
     scenario("sigstop", SIGSTOP);

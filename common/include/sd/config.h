@@ -41,6 +41,8 @@ struct sd_config {
     int64_t reuse_distance;
     uint64_t persist_bytes;
     int64_t schedule_max_ops;
+    uint64_t rendezvous_bytes;
+    int64_t shm_cma;
 };
 
 enum sd_config_type { SD_CFG_STRING, SD_CFG_INT, SD_CFG_SIZE };
