@@ -169,6 +169,8 @@ static void node_down(struct sd_cluster *cl, uint32_t node, const char *reason)
                 link_send(cl->by_node[i], &m);
     }
     sd_registry_node_down(cl->reg, node, reason);
+    if (cl->ready)
+        cl->tp->ops->peer_down(cl->tp, node);
 }
 
 /* ---- coordinator: rendezvous */

@@ -58,6 +58,9 @@ struct sd_transport_ops {
     /* Cancel a posted receive, or a send still waiting for its receiver's clear-to-send (it
      * completes with SD_ECANCELED); a no-op otherwise. */
     void (*cancel)(struct sd_transport *tp, struct sd_xfer *x);
+    /* Node is down for good: its addresses leave the table (the provider may then fail what was
+     * posted to it), and sends and receives naming it fail at once from now on. */
+    void (*peer_down)(struct sd_transport *tp, uint32_t node);
     /* Drive progress and run callbacks; returns how many completed, or a negative status. */
     int (*progress)(struct sd_transport *tp);
     /* An fd that becomes readable when progress may have work, or -1. */

@@ -111,6 +111,7 @@ struct ofi {
     struct rail rails[N_RAILS];
     uint32_t n_rails; /* the clear-to-send endpoint only with rendezvous */
     fi_addr_t *peers; /* [rail * n_peers + node] */
+    bool *down;       /* [node] */
     int wait_fd;
     bool need_mr;
     size_t tx_depth, rx_depth;
@@ -163,8 +164,10 @@ static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, cons
 {
     struct ofi *o = (struct ofi *)tp;
     free(o->peers);
+    free(o->down);
     o->peers = calloc((size_t)o->n_rails * n, sizeof(*o->peers));
-    if (o->peers == NULL)
+    o->down = calloc(n, sizeof(*o->down));
+    if (o->peers == NULL || o->down == NULL)
         return SD_ENOMEM;
     for (uint32_t i = 0; i < n; i++) {
         const uint8_t *a = addrs[i];
@@ -609,6 +612,8 @@ static int ofi_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const 
     struct ofi *o = (struct ofi *)tp;
     if (peer >= tp->n_peers)
         return SD_EINVAL;
+    if (o->down[peer])
+        return SD_EPEER;
     x->kind = XFER_SEND;
     x->peer = peer;
     x->tag = tag;
@@ -632,6 +637,8 @@ static int ofi_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64
     struct ofi *o = (struct ofi *)tp;
     if (peer != SD_PEER_ANY && peer >= tp->n_peers)
         return SD_EINVAL;
+    if (peer != SD_PEER_ANY && o->down[peer])
+        return SD_EPEER;
     x->kind = XFER_RECV;
     x->peer = peer;
     x->tag = tag;
@@ -671,6 +678,20 @@ static void ofi_cancel(struct sd_transport *tp, struct sd_xfer *x)
             return;
         }
     fi_cancel(&rl->ep->fid, x->opaque);
+}
+
+static void ofi_peer_down(struct sd_transport *tp, uint32_t node)
+{
+    struct ofi *o = (struct ofi *)tp;
+    if (node >= tp->n_peers || o->down[node] || node == tp->self)
+        return;
+    o->down[node] = true;
+    for (uint32_t r = 0; r < o->n_rails; r++) {
+        int ret = fi_av_remove(o->av, &o->peers[(size_t)r * tp->n_peers + node], 1, 0);
+        if (ret != 0)
+            SD_WARN("ofi", "removing node %u's %s endpoint from the address table: %s", node,
+                    rail_name[r], fi_strerror(-ret));
+    }
 }
 
 static void complete(struct ofi *o, struct sd_xfer *x, int status, size_t len, uint64_t tag)
@@ -797,6 +818,7 @@ static void ofi_close(struct sd_transport *tp)
     if (o->info)
         fi_freeinfo(o->info);
     free(o->peers);
+    free(o->down);
     free(o);
 }
 
@@ -809,6 +831,7 @@ static const struct sd_transport_ops ofi_ops = {
     .send = ofi_send,
     .recv = ofi_recv,
     .cancel = ofi_cancel,
+    .peer_down = ofi_peer_down,
     .progress = ofi_progress,
     .wait_fd = ofi_wait_fd,
     .can_sleep = ofi_can_sleep,

@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 static struct th_cluster cl;
 static int N, K;
@@ -57,17 +58,24 @@ static long long jnum(json_t *o, const char *path)
     return cur ? (long long)json_integer_value(cur) : -1;
 }
 
+/* The job's stats on node; a job whose transfers still run after its ranks left (serving the
+ * final dump's gather) is listed again once they finished: wait for it, 10 s at most. */
 static json_t *job_stats(int node, const char *job)
 {
-    char *js = th_admin(cl.d[node].sock, "stats");
-    json_t *doc = js ? json_loads(js, 0, NULL) : NULL;
-    free(js);
-    size_t i;
-    json_t *j, *found = NULL;
-    json_array_foreach(json_object_get(doc, "jobs"), i,
-                       j) if (strcmp(json_string_value(json_object_get(j, "job")), job) == 0)
-        found = json_incref(j);
-    json_decref(doc);
+    json_t *found = NULL;
+    for (double end = th_now_s() + 10; found == NULL && th_now_s() < end;) {
+        char *js = th_admin(cl.d[node].sock, "stats");
+        json_t *doc = js ? json_loads(js, 0, NULL) : NULL;
+        free(js);
+        size_t i;
+        json_t *j;
+        json_array_foreach(json_object_get(doc, "jobs"), i,
+                           j) if (strcmp(json_string_value(json_object_get(j, "job")), job) == 0)
+            found = json_incref(j);
+        json_decref(doc);
+        if (found == NULL)
+            usleep(20000);
+    }
     return found;
 }
 
