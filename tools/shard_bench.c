@@ -462,7 +462,9 @@ static int bench_coll(const struct opts *o, int kind, const char *name)
                 if (size > o->min_size && read(gp[0], &c, 1) != 1)
                     _exit(1); /* another rank failed */
                 struct coll_result res = {0};
-                coll_rank(o, kind, r, world, socks[r / o->ranks_per_node], size, &res);
+                int st = coll_rank(o, kind, r, world, socks[r / o->ranks_per_node], size, &res);
+                if (st != 0 && res.status == 0)
+                    res.status = st; /* it failed before measuring (attach, register) */
                 if (write(fds[1], &res, sizeof(res)) != (ssize_t)sizeof(res))
                     _exit(1);
                 if (res.status != 0)

@@ -2,7 +2,7 @@
 # shardd and shardctl as a user meets them: --help, errors naming the bad option, config files,
 # runtime directory modes, a second daemon on the same socket, shardctl tables and --json.
 set -u
-SHARDD=$1 SHARDCTL=$2 MLP=$3
+SHARDD=$1 SHARDCTL=$2 MLP=$3 BENCH=${4:-}
 dir=$(mktemp -d /tmp/shardd-cli-XXXXXX)
 pass=0 fail=0
 ok() { pass=$((pass + 1)); }
@@ -15,9 +15,15 @@ out=$("$SHARDD" --help); rc=$?
 check '[ $rc -eq 0 ]' "shardd --help exit $rc"
 for opt in runtime_dir node nodes ranks_per_node backend memory_budget op_timeout_ms \
            register_timeout_ms log_level max_clients max_message_bytes poll_spin_us staging_slots \
-           push_rounds max_live_bytes max_jobs; do
+           push_rounds max_live_bytes max_jobs rendezvous_bytes shm_cma; do
   check 'grep -q "^  $opt .*default" <<<"$out"' "--help does not list $opt with its default"
 done
+if [ -n "$BENCH" ]; then # a rank that cannot attach fails the run, with no result rows
+  out=$("$BENCH" allgather --sockets "$dir/no0.sock,$dir/no1.sock" --ranks-per-node 1 --min 4096 \
+        --max 8192 2>&1); rc=$?
+  check '[ $rc -ne 0 ] && grep -q "cannot connect" <<<"$out" && ! grep -q "^ *4096 " <<<"$out"' \
+        "shard-bench without daemons: exit $rc: $out"
+fi
 out=$("$SHARDD" --bogus 1 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "unknown option .bogus." <<<"$out"' "unknown flag: $rc $out"
 out=$("$SHARDD" --op-timeout-ms abc 2>&1); rc=$?
