@@ -24,7 +24,8 @@ struct sd_xfer {
     uint64_t tag;
     size_t len; /* bytes actually received, for receives */
     uint32_t peer;
-    /* private to the transport: the pending queue of -FI_EAGAIN retries */
+    /* private to the transport: the link of the one queue it is in (posts waiting for room,
+     * sends waiting for a clear-to-send, receives whose clear-to-send waits) */
     struct sd_xfer *next_pending;
     const void *buf;
     size_t buflen;
@@ -32,8 +33,8 @@ struct sd_xfer {
     uint64_t ignore;
     int kind;
     uint32_t rail;
-    /* private to the transport's rendezvous (rendezvous_bytes) */
-    struct sd_xfer *next_rdv;
+    /* private to the transport's rendezvous (rendezvous_bytes): when a send was parked, and
+     * where a receive's clear-to-send stands */
     uint64_t since_ns;
     int rdv;
 };

@@ -49,10 +49,49 @@ static const uint32_t peer_rail[N_RAILS] = {RAIL_IN, RAIL_OUT, RAIL_CTRL, RAIL_R
 static const char *const rail_name[N_RAILS] = {"outbound data", "inbound data", "control",
                                                "clear-to-send"};
 
+/* A FIFO of transfers, linked through next_pending: a rail's posts that wait for room, or a
+ * rendezvous queue. A transfer is in one at a time. */
+struct xqueue {
+    struct sd_xfer *head, *tail;
+};
+
+static void xq_push(struct xqueue *q, struct sd_xfer *x)
+{
+    x->next_pending = NULL;
+    if (q->tail)
+        q->tail->next_pending = x;
+    else
+        q->head = x;
+    q->tail = x;
+}
+
+static struct sd_xfer *xq_pop(struct xqueue *q)
+{
+    struct sd_xfer *x = q->head;
+    if (x != NULL) {
+        q->head = x->next_pending;
+        if (q->head == NULL)
+            q->tail = NULL;
+    }
+    return x;
+}
+
+static bool xq_remove(struct xqueue *q, struct sd_xfer *x)
+{
+    for (struct sd_xfer **pp = &q->head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next_pending)
+        if (*pp == x) {
+            *pp = x->next_pending;
+            if (q->tail == x)
+                q->tail = prev;
+            return true;
+        }
+    return false;
+}
+
 struct rail {
     struct fid_ep *ep;
     size_t tx_posted, rx_posted;
-    struct sd_xfer *pending_head, *pending_tail;
+    struct xqueue pending;
 };
 
 struct rdv_msg {
@@ -89,10 +128,6 @@ struct rdv_cts {
 /* a posted receive's clear-to-send: waiting for credit, waiting for the provider to take it,
  * or sent and not answered yet */
 enum { RDV_NONE = 0, RDV_DEFERRED, RDV_RETRY, RDV_OUT };
-
-struct xqueue {
-    struct sd_xfer *head, *tail;
-};
 
 /* clear-to-sends toward one peer: sent and not answered yet, and the receives waiting for
  * credit */
@@ -224,16 +259,6 @@ static void ofi_mr_dereg(struct sd_transport *tp, void *handle)
         fi_close(&((struct fid_mr *)handle)->fid);
 }
 
-static void pending_push(struct rail *rl, struct sd_xfer *x)
-{
-    x->next_pending = NULL;
-    if (rl->pending_tail)
-        rl->pending_tail->next_pending = x;
-    else
-        rl->pending_head = x;
-    rl->pending_tail = x;
-}
-
 static bool rdv_sized(const struct ofi *o, uint64_t tag, size_t len);
 static void cts_send(struct ofi *o, struct sd_xfer *x);
 
@@ -276,7 +301,7 @@ static int post(struct ofi *o, struct sd_xfer *x)
 static int issue(struct ofi *o, struct sd_xfer *x)
 {
     struct rail *rl = rail_of(o, x);
-    if (rl->pending_head == NULL) {
+    if (rl->pending.head == NULL) {
         int st = post(o, x);
         if (st != SD_EAGAIN) {
             if (st != SD_OK)
@@ -284,7 +309,7 @@ static int issue(struct ofi *o, struct sd_xfer *x)
             return st;
         }
     }
-    pending_push(rl, x);
+    xq_push(&rl->pending, x);
     return SD_OK;
 }
 
@@ -317,38 +342,6 @@ static uint32_t rdv_bucket(uint32_t peer, uint64_t tag)
 {
     uint64_t h = (tag ^ ((uint64_t)peer << 32)) * 0x9e3779b97f4a7c15ULL;
     return (uint32_t)(h >> 54); /* 10 bits: RDV_BUCKETS */
-}
-
-static void xq_push(struct xqueue *q, struct sd_xfer *x)
-{
-    x->next_rdv = NULL;
-    if (q->tail)
-        q->tail->next_rdv = x;
-    else
-        q->head = x;
-    q->tail = x;
-}
-
-static struct sd_xfer *xq_pop(struct xqueue *q)
-{
-    struct sd_xfer *x = q->head;
-    if (x != NULL) {
-        q->head = x->next_rdv;
-        if (q->head == NULL)
-            q->tail = NULL;
-    }
-    return x;
-}
-
-static void xq_remove(struct xqueue *q, struct sd_xfer *x)
-{
-    for (struct sd_xfer **pp = &q->head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next_rdv)
-        if (*pp == x) {
-            *pp = x->next_rdv;
-            if (q->tail == x)
-                q->tail = prev;
-            return;
-        }
 }
 
 /* Tell peer that the receive of tag is posted; false if the provider must be asked again. */
@@ -526,7 +519,7 @@ static int rdv_post_slot(struct ofi *o, struct rdv_slot *sl)
     sl->x.rdv = RDV_NONE;
     int st = post(o, &sl->x);
     if (st == SD_EAGAIN) {
-        pending_push(rail_of(o, &sl->x), &sl->x);
+        xq_push(&rail_of(o, &sl->x)->pending, &sl->x);
         st = SD_OK;
     }
     return st;
@@ -666,17 +659,12 @@ static void ofi_cancel(struct sd_transport *tp, struct sd_xfer *x)
         return;
     struct rail *rl = rail_of(o, x);
     /* still in the pending queue: take it out and complete it here */
-    for (struct sd_xfer **pp = &rl->pending_head, *prev = NULL; *pp;
-         prev = *pp, pp = &(*pp)->next_pending)
-        if (*pp == x) {
-            *pp = x->next_pending;
-            if (rl->pending_tail == x)
-                rl->pending_tail = prev;
-            o->base.inflight--;
-            x->kind = 0;
-            x->cb(x, SD_ECANCELED);
-            return;
-        }
+    if (xq_remove(&rl->pending, x)) {
+        o->base.inflight--;
+        x->kind = 0;
+        x->cb(x, SD_ECANCELED);
+        return;
+    }
     fi_cancel(&rl->ep->fid, x->opaque);
 }
 
@@ -743,14 +731,18 @@ static int ofi_progress(struct sd_transport *tp)
     rdv_sweep(o);
     for (uint32_t i = 0; i < N_RAILS; i++) {
         struct rail *rl = &o->rails[i];
-        while (rl->pending_head != NULL) {
-            struct sd_xfer *x = rl->pending_head;
+        while (rl->pending.head != NULL) {
+            /* out of the queue before posting: a posted receive may join a rendezvous queue
+             * through the same link */
+            struct sd_xfer *x = xq_pop(&rl->pending);
             int st = post(o, x);
-            if (st == SD_EAGAIN)
+            if (st == SD_EAGAIN) {
+                x->next_pending = rl->pending.head; /* back in front */
+                rl->pending.head = x;
+                if (rl->pending.tail == NULL)
+                    rl->pending.tail = x;
                 break;
-            rl->pending_head = x->next_pending;
-            if (rl->pending_head == NULL)
-                rl->pending_tail = NULL;
+            }
             if (st != SD_OK) {
                 if (x->kind != XFER_CTS)
                     o->base.inflight--;
@@ -772,7 +764,7 @@ static bool ofi_can_sleep(struct sd_transport *tp)
 {
     struct ofi *o = (struct ofi *)tp;
     for (uint32_t i = 0; i < N_RAILS; i++)
-        if (o->rails[i].pending_head != NULL)
+        if (o->rails[i].pending.head != NULL)
             return false;
     if (o->wait_fd < 0 || o->retry.head != NULL)
         return false;
@@ -788,7 +780,7 @@ static void ofi_quiesce(struct sd_transport *tp)
         if (rl->ep)
             fi_close(&rl->ep->fid);
         rl->ep = NULL;
-        rl->pending_head = rl->pending_tail = NULL;
+        rl->pending = (struct xqueue){0};
     }
     /* parked sends and waiting clear-to-sends are dropped with the rest: the daemon stops */
     memset(o->parked, 0, sizeof(o->parked));
