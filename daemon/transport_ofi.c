@@ -21,7 +21,7 @@
  * first. Such a message must be received by a receive that names its peer and its exact tag,
  * with a buffer of the message's length (the collective engine's chunks). Clear-to-sends have an
  * endpoint of their own: sharing the control endpoint with them, libfabric 1.17's shm lost pull
- * requests and norm exchanges now and then (runs hung in 3 of 4 attempts; none in 20 since). */
+ * requests and norm exchanges now and then (runs hung in 3 of 4 attempts; none in 24 since). */
 #include "transport.h"
 #include "sd/log.h"
 #include "sd/status.h"
