@@ -201,19 +201,28 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
     }
     json_t *jobs = json_array();
     struct sd_job *want = filter ? sd_registry_find_any(reg, filter) : NULL;
-    struct sd_job *lists[2] = {reg->jobs, reg->finished}; /* active, then recently ended */
-    for (int li = 0; li < 2; li++)
+    /* active, retiring (every rank left, transfers still hold its memory), recently ended */
+    struct sd_job *lists[3] = {reg->jobs, reg->zombies, reg->finished};
+    for (int li = 0; li < 3; li++)
         for (struct sd_job *j = lists[li]; j; j = j->next) {
             if (want != NULL && j != want)
                 continue;
+            json_t *o;
             if (strcmp(cmd, "groups") == 0)
-                json_array_append_new(jobs, job_groups(j));
+                o = job_groups(j);
             else if (strcmp(cmd, "stats") == 0)
-                json_array_append_new(jobs, job_stats(j));
+                o = job_stats(j);
             else if (strcmp(cmd, "schedule") == 0)
-                json_array_append_new(jobs, job_schedule(j));
+                o = job_schedule(j);
             else
-                json_array_append_new(jobs, job_summary(j));
+                o = job_summary(j);
+            json_object_set_new(o, "retiring", json_boolean(li == 1));
+            if (li == 1) {
+                char peers[128];
+                sd_job_net_pending_peers(j, peers, sizeof(peers));
+                json_object_set_new(o, "transfers_pending_with_nodes", json_string(peers));
+            }
+            json_array_append_new(jobs, o);
         }
     const struct sd_config *cfg = srv->cfg;
     if (strcmp(cmd, "status") == 0) {

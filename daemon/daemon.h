@@ -458,6 +458,8 @@ void sd_job_net_ready(struct sd_job *job);
 void sd_job_net_sweep(struct sd_job *job, uint64_t now);
 /* describe the operation in flight, for failure messages */
 void sd_job_net_describe(const struct sd_job *job, char *out, size_t len);
+/* The nodes the job's unfinished transfers are with, "0, 2" ("" when none). */
+void sd_job_net_pending_peers(const struct sd_job *job, char *out, size_t len);
 
 /* job_ops.c helpers shared with job_net.c */
 void sd_job_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t rank);

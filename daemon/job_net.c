@@ -316,6 +316,11 @@ static size_t list_pending_peers(const struct sd_job *job, bool (*want)(const st
     return off;
 }
 
+void sd_job_net_pending_peers(const struct sd_job *job, char *out, size_t len)
+{
+    list_pending_peers(job, NULL, out, len);
+}
+
 static bool is_recv(const struct sd_bulk *b)
 {
     return !b->is_send;

@@ -59,7 +59,8 @@ static long long jnum(json_t *o, const char *path)
 }
 
 /* The job's stats on node; a job whose transfers still run after its ranks left (serving the
- * final dump's gather) is listed again once they finished: wait for it, 10 s at most. */
+ * final dump's gather) is listed as retiring until they finished: wait for that, 10 s at
+ * most, so that its byte counters are final. */
 static json_t *job_stats(int node, const char *job)
 {
     json_t *found = NULL;
@@ -69,9 +70,12 @@ static json_t *job_stats(int node, const char *job)
         free(js);
         size_t i;
         json_t *j;
-        json_array_foreach(json_object_get(doc, "jobs"), i,
-                           j) if (strcmp(json_string_value(json_object_get(j, "job")), job) == 0)
-            found = json_incref(j);
+        json_array_foreach(json_object_get(doc, "jobs"), i, j)
+        {
+            if (strcmp(json_string_value(json_object_get(j, "job")), job) == 0 &&
+                !json_is_true(json_object_get(j, "retiring")))
+                found = json_incref(j);
+        }
         json_decref(doc);
         if (found == NULL)
             usleep(20000);
