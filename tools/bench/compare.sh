@@ -7,7 +7,8 @@
 # run N*K processes. Installs python3-torch and openmpi-bin if missing. Open MPI runs twice: with
 # its defaults (shared memory, single copy by process_vm_readv) and with
 # btl_vader_single_copy_mechanism none (two copies through shared buffers, faster on VMs where
-# process_vm_readv is slow): ratios to both are printed.
+# process_vm_readv is slow): ratios to both are printed. Arguments after -- go to every shardd:
+# -- --provider shm --fabric-addr "" --shm-cma 0 is the README's loopback configuration.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 nodes=4 k=1 min=4096 max=$((64 << 20)) ops="allgather reducescatter allreduce" out= extra=()
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
     --ops) ops=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --) shift; extra=("$@"); break ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "compare.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
