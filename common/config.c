@@ -96,6 +96,12 @@ const struct sd_config_entry sd_config_table[] = {
      "copies through shared bounce buffers (FI_SHM_DISABLE_CMA=1), faster where "
      "process_vm_readv is slow",
      1},
+    {"queue_depth", SD_CFG_INT, "0", 0, 65536, OFF(queue_depth),
+     "sends and receives posted to each fabric endpoint at once, at most: 0 (the provider's "
+     "queue sizes) or 128 and more; the rest wait in the daemon's queue. 64 standing pull-request "
+     "receives take half of the control endpoint's, and with rendezvous half of the "
+     "clear-to-send endpoint's are standing receives",
+     1},
 };
 const unsigned sd_config_table_len = SD_ARRAY_SIZE(sd_config_table);
 

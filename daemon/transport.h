@@ -79,8 +79,10 @@ struct sd_transport {
     uint32_t self;
     uint64_t inflight; /* posted sends and receives not completed */
     /* rendezvous: the threshold in effect (0: off), clear-to-sends sent and received, sends that
-     * waited for theirs and sends that found theirs already there */
-    uint64_t rdv_bytes, cts_sent, cts_received, sends_parked, sends_cleared;
+     * waited for theirs and sends that found theirs already there, clear-to-sends that waited
+     * for credit */
+    uint64_t rdv_bytes, cts_sent, cts_received, sends_parked, sends_cleared, cts_deferred;
+    uint64_t posts_queued; /* posts that waited for room in an endpoint's queue */
 };
 
 /* Open the libfabric transport for cfg->provider on cfg->fabric_addr. err says why not. */

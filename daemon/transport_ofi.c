@@ -309,6 +309,7 @@ static int issue(struct ofi *o, struct sd_xfer *x)
             return st;
         }
     }
+    o->base.posts_queued++;
     xq_push(&rl->pending, x);
     return SD_OK;
 }
@@ -380,6 +381,7 @@ static void cts_send(struct ofi *o, struct sd_xfer *x)
         return;
     }
     x->rdv = RDV_DEFERRED;
+    o->base.cts_deferred++;
     xq_push(&rp->deferred, x);
 }
 
@@ -879,6 +881,17 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     /* read the limits back rather than trusting the hints */
     o->tx_depth = o->info->tx_attr->size ? o->info->tx_attr->size : 256;
     o->rx_depth = o->info->rx_attr->size ? o->info->rx_attr->size : 256;
+    if (cfg->queue_depth > 0 && cfg->queue_depth < 128) {
+        /* the control endpoint's standing pull-request receives would take every place */
+        snprintf(err, errlen, "queue_depth %lld: must be 0 (the provider's) or at least 128",
+                 (long long)cfg->queue_depth);
+        ofi_close(&o->base);
+        return SD_EINVAL;
+    }
+    if (cfg->queue_depth > 0) { /* fewer posted at once; the rest wait in the pending queues */
+        o->tx_depth = SD_MIN(o->tx_depth, (size_t)cfg->queue_depth);
+        o->rx_depth = SD_MIN(o->rx_depth, (size_t)cfg->queue_depth);
+    }
     o->need_mr = (o->info->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
     /* shm without CMA copies through bounce buffers (SAR), which libfabric < 1.19 cannot do for
      * several large messages that arrive unexpected: everything above its inject size waits for

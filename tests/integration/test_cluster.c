@@ -25,7 +25,9 @@
  * cannot force a later round to finish first.)
  *
  * Transport variants (argv[3]): the same test with rendezvous_bytes (every message above 4 KiB
- * waits for its receiver's clear-to-send), and on the shm provider without CMA. */
+ * waits for its receiver's clear-to-send), the same with 128 posts per endpoint and 64 KiB
+ * chunks (queue_depth: the pending queues, the credit and the deferred clear-to-sends all at
+ * work), and on the shm provider without CMA. */
 #include "harness.h"
 #include "shard.h"
 
@@ -320,10 +322,11 @@ static bool shm_usable(char *why, size_t len)
 
 /* The transport's rendezvous counters (shardctl status): every clear-to-send a node received
  * released exactly one of its sends, either parked before it came or finding it on arrival,
- * and the cluster received every one that was sent. Without rendezvous there are none. */
-static void check_rendezvous(long long want_bytes)
+ * and the cluster received every one that was sent. Without rendezvous there are none. With
+ * small queues, posts waited for room and clear-to-sends for credit. */
+static void check_rendezvous(long long want_bytes, bool small_queues)
 {
-    long long sent = 0, received = 0;
+    long long sent = 0, received = 0, queued = 0, deferred = 0;
     for (int node = 0; node < N; node++) {
         char *js = th_admin(cl.d[node].sock, "status");
         json_t *st = js ? json_loads(js, 0, NULL) : NULL;
@@ -346,6 +349,8 @@ static void check_rendezvous(long long want_bytes)
                      s, r);
         sent += s;
         received += r;
+        queued += jnum(st, "transport.posts_queued");
+        deferred += jnum(st, "transport.clear_to_sends_deferred");
         if (node == 0)
             printf("%dx%d rendezvous above %lld bytes: node 0 sent %lld clear-to-sends, received "
                    "%lld (%lld sends parked, %lld cleared on arrival)\n",
@@ -353,6 +358,14 @@ static void check_rendezvous(long long want_bytes)
         json_decref(st);
     }
     TH_CHECK(sent == received, "%lld clear-to-sends sent, %lld received", sent, received);
+    if (small_queues) { /* the paths the small queues are there for were taken */
+        TH_CHECK(queued > 0 && deferred > 0,
+                 "small queues: %lld posts waited for room, %lld clear-to-sends for credit "
+                 "(expected both > 0)",
+                 queued, deferred);
+        printf("%dx%d small queues: %lld posts waited for room, %lld clear-to-sends for credit\n",
+               N, K, queued, deferred);
+    }
 }
 
 int main(int argc, char **argv)
@@ -367,9 +380,17 @@ int main(int argc, char **argv)
     const char *extra[16] = {
         "--small-allreduce-bytes", "0", "--op-timeout-ms", "20000", "--push-rounds", "3", NULL};
     int ne = 6;
-    if (strcmp(variant, "rendezvous") == 0) {
+    if (strcmp(variant, "rendezvous") == 0 || strcmp(variant, "rendezvous-q128") == 0) {
         extra[ne++] = "--rendezvous-bytes";
         extra[ne++] = "4096";
+        if (strcmp(variant, "rendezvous-q128") == 0) {
+            /* 128 posts per endpoint and 64 KiB chunks: transfers wait in the pending queues,
+             * 64 standing clear-to-send receives give each peer a credit of 21, and clear-to-sends
+             * wait for it */
+            const char *q[] = {"--queue-depth", "128", "--chunk-bytes", "65536"};
+            for (size_t i = 0; i < sizeof(q) / sizeof(q[0]); i++)
+                extra[ne++] = q[i];
+        }
     } else if (strcmp(variant, "shm-sar") == 0) {
         char why[256];
         if (!shm_usable(why, sizeof(why))) {
@@ -380,7 +401,9 @@ int main(int argc, char **argv)
         for (size_t i = 0; i < sizeof(shm) / sizeof(shm[0]); i++)
             extra[ne++] = shm[i];
     } else if (variant[0] != '\0') {
-        fprintf(stderr, "test_cluster: unknown variant '%s' (rendezvous, shm-sar)\n", variant);
+        fprintf(stderr,
+                "test_cluster: unknown variant '%s' (rendezvous, rendezvous-q128, shm-sar)\n",
+                variant);
         return 2;
     }
     extra[ne] = NULL;
@@ -410,7 +433,7 @@ int main(int argc, char **argv)
         test_round_order("ddp,no-2hop", 1, 1);
     if (K == 1)
         bench_collectives();
-    check_rendezvous(variant[0] != '\0' ? 4096 : 0);
+    check_rendezvous(variant[0] != '\0' ? 4096 : 0, strcmp(variant, "rendezvous-q128") == 0);
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_cluster");
 }

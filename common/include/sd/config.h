@@ -43,6 +43,7 @@ struct sd_config {
     int64_t schedule_max_ops;
     uint64_t rendezvous_bytes;
     int64_t shm_cma;
+    int64_t queue_depth;
 };
 
 enum sd_config_type { SD_CFG_STRING, SD_CFG_INT, SD_CFG_SIZE };
