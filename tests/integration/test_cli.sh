@@ -24,6 +24,10 @@ if [ -n "$BENCH" ]; then # a rank that cannot attach fails the run, with no resu
   check '[ $rc -ne 0 ] && grep -q "cannot connect" <<<"$out" && ! grep -q "^ *4096 " <<<"$out"' \
         "shard-bench without daemons: exit $rc: $out"
 fi
+out=$(timeout 20 "$SHARDD" --runtime-dir "$dir/qd" --nodes 2 --node 1 --ranks-per-node 1 \
+      --queue-depth 64 --coordinator 127.0.0.1:1 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "queue_depth 64: must be 0 .* or at least 128" <<<"$out"' \
+      "queue_depth below the standing receives: exit $rc: $out"
 out=$("$SHARDD" --bogus 1 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "unknown option .bogus." <<<"$out"' "unknown flag: $rc $out"
 out=$("$SHARDD" --op-timeout-ms abc 2>&1); rc=$?
