@@ -65,6 +65,14 @@ static void xq_push(struct xqueue *q, struct sd_xfer *x)
     q->tail = x;
 }
 
+static void xq_push_front(struct xqueue *q, struct sd_xfer *x)
+{
+    x->next_pending = q->head;
+    q->head = x;
+    if (q->tail == NULL)
+        q->tail = x;
+}
+
 static struct sd_xfer *xq_pop(struct xqueue *q)
 {
     struct sd_xfer *x = q->head;
@@ -261,6 +269,17 @@ static void ofi_mr_dereg(struct sd_transport *tp, void *handle)
 
 static bool rdv_sized(const struct ofi *o, uint64_t tag, size_t len);
 static void cts_send(struct ofi *o, struct sd_xfer *x);
+static int rdv_send(struct ofi *o, struct sd_xfer *x);
+
+/* A transfer the provider does not hold (queued, parked, or refused) completes here: no longer
+ * counted, and cancel ignores it from now on. */
+static void finish_unposted(struct ofi *o, struct sd_xfer *x, int status)
+{
+    if (x->kind != XFER_CTS)
+        o->base.inflight--;
+    x->kind = 0;
+    x->cb(x, status);
+}
 
 /* Try to post; returns 0 when posted, SD_EAGAIN when it must wait, or an error. */
 static int post(struct ofi *o, struct sd_xfer *x)
@@ -329,6 +348,8 @@ static int submit(struct ofi *o, struct sd_xfer *x)
     if (rail_of(o, x)->ep == NULL)
         return SD_ENOTCONN;
     o->base.inflight++;
+    if (x->kind == XFER_SEND && rdv_sized(o, x->tag, x->buflen))
+        return rdv_send(o, x);
     return issue(o, x);
 }
 
@@ -417,6 +438,15 @@ static void early_free(struct ofi *o, struct rdv_cts **pp)
     o->early_n--;
 }
 
+/* The link to the early clear-to-sends from peer for tag in bucket b (*link NULL: none). */
+static struct rdv_cts **early_find(struct ofi *o, uint32_t b, uint32_t peer, uint64_t tag)
+{
+    struct rdv_cts **pp = &o->early[b];
+    while (*pp && ((*pp)->peer != peer || (*pp)->tag != tag))
+        pp = &(*pp)->next;
+    return pp;
+}
+
 /* A clear-to-send from peer: post the send parked for it, or count it for the send to come. */
 static void on_cts(struct ofi *o, uint32_t peer, uint64_t tag)
 {
@@ -436,9 +466,7 @@ static void on_cts(struct ofi *o, uint32_t peer, uint64_t tag)
         }
         return;
     }
-    struct rdv_cts **pp = &o->early[b];
-    while (*pp && ((*pp)->peer != peer || (*pp)->tag != tag))
-        pp = &(*pp)->next;
+    struct rdv_cts **pp = early_find(o, b, peer, tag);
     if (*pp == NULL) {
         if (o->cts_free == NULL) { /* full of ones no send came for: drop the oldest */
             struct rdv_cts **oldest = NULL;
@@ -451,9 +479,7 @@ static void on_cts(struct ofi *o, uint32_t peer, uint64_t tag)
                            "%u",
                            o->early_n, (*oldest)->peer);
             early_free(o, oldest);
-            pp = &o->early[b];
-            while (*pp)
-                pp = &(*pp)->next;
+            pp = early_find(o, b, peer, tag); /* the eviction may have moved the end */
         }
         struct rdv_cts *c = o->cts_free;
         o->cts_free = c->next;
@@ -465,14 +491,12 @@ static void on_cts(struct ofi *o, uint32_t peer, uint64_t tag)
     (*pp)->since_ns = sd_now_ns();
 }
 
-/* A send above rdv_bytes: post it if its clear-to-send is here, else park it. */
+/* A send above rdv_bytes, counted in inflight: post it if its clear-to-send is here, else park
+ * it. */
 static int rdv_send(struct ofi *o, struct sd_xfer *x)
 {
     uint32_t b = rdv_bucket(x->peer, x->tag);
-    struct rdv_cts **cp = &o->early[b];
-    while (*cp && ((*cp)->peer != x->peer || (*cp)->tag != x->tag))
-        cp = &(*cp)->next;
-    o->base.inflight++;
+    struct rdv_cts **cp = early_find(o, b, x->peer, x->tag);
     if (*cp != NULL) { /* the receiver is ready */
         o->base.sends_cleared++;
         if (--(*cp)->count == 0)
@@ -618,12 +642,7 @@ static int ofi_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const 
     x->desc = desc;
     x->len = len;
     x->rdv = RDV_NONE;
-    if (!rdv_sized(o, tag, len))
-        return submit(o, x);
-    rail_assign(x);
-    if (rail_of(o, x)->ep == NULL)
-        return SD_ENOTCONN;
-    return rdv_send(o, x);
+    return submit(o, x);
 }
 
 static int ofi_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64_t ignore,
@@ -650,11 +669,8 @@ static void ofi_cancel(struct sd_transport *tp, struct sd_xfer *x)
 {
     struct ofi *o = (struct ofi *)tp;
     if (x->kind == XFER_PARKED) { /* a send still waiting for its clear-to-send */
-        if (rdv_unpark(o, x)) {
-            o->base.inflight--;
-            x->kind = 0;
-            x->cb(x, SD_ECANCELED);
-        }
+        if (rdv_unpark(o, x))
+            finish_unposted(o, x, SD_ECANCELED);
         return;
     }
     if (x->kind != XFER_RECV || rail_of(o, x)->ep == NULL)
@@ -662,9 +678,7 @@ static void ofi_cancel(struct sd_transport *tp, struct sd_xfer *x)
     struct rail *rl = rail_of(o, x);
     /* still in the pending queue: take it out and complete it here */
     if (xq_remove(&rl->pending, x)) {
-        o->base.inflight--;
-        x->kind = 0;
-        x->cb(x, SD_ECANCELED);
+        finish_unposted(o, x, SD_ECANCELED);
         return;
     }
     fi_cancel(&rl->ep->fid, x->opaque);
@@ -739,17 +753,11 @@ static int ofi_progress(struct sd_transport *tp)
             struct sd_xfer *x = xq_pop(&rl->pending);
             int st = post(o, x);
             if (st == SD_EAGAIN) {
-                x->next_pending = rl->pending.head; /* back in front */
-                rl->pending.head = x;
-                if (rl->pending.tail == NULL)
-                    rl->pending.tail = x;
+                xq_push_front(&rl->pending, x);
                 break;
             }
             if (st != SD_OK) {
-                if (x->kind != XFER_CTS)
-                    o->base.inflight--;
-                x->kind = 0;
-                x->cb(x, st);
+                finish_unposted(o, x, st);
                 done++;
             }
         }
