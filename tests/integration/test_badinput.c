@@ -28,6 +28,13 @@ static void expect_alive(const char *after)
     free(js);
 }
 
+/* A client call failed with status code, and its error names text. */
+static void expect_error(shard_ctx_t *ctx, int st, int code, const char *text, const char *what)
+{
+    TH_CHECK(st == code && strstr(shard_last_error(ctx), text) != NULL, "%s: %d '%s'", what, st,
+             shard_last_error(ctx));
+}
+
 static int raw_connect(void)
 {
     int fd;
@@ -153,33 +160,27 @@ static void test_api_misuse(void)
     int st = shard_fetch(ctx, 0, &p);
     TH_CHECK(st == SHARD_ESTATE, "fetch before register (client): %d", st);
     st = shard__post_raw(ctx, SD_OP_FETCH, 0, 0, 0);
-    TH_CHECK(st == SHARD_ESTATE && strstr(shard_last_error(ctx), "register a model first"),
-             "fetch before register (daemon): %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_ESTATE, "register a model first", "fetch before register (daemon)");
     st = shard__post_raw(ctx, 77, 0, 0, 0);
-    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "unknown operation"),
-             "unknown op: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_EINVAL, "unknown operation", "unknown op");
 
     struct tiny x;
     tiny_init(&x, "misuse", 0, 1, 100);
     x.m.plan = "mics:3";
     st = shard_register(ctx, &x.m);
-    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "mics:3"), "bad plan: %d '%s'", st,
-             shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_EINVAL, "mics:3", "bad plan");
     x.m.plan = "zero3";
     x.m.rank = 5;
     st = shard_register(ctx, &x.m);
-    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "rank 5"), "bad rank: %d '%s'", st,
-             shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_EINVAL, "rank 5", "bad rank");
     x.m.rank = 0;
     st = shard_register(ctx, &x.m);
     TH_CHECK(st == 0, "register: %s", shard_last_error(ctx));
 
     st = shard_fetch(ctx, 999, &p);
-    TH_CHECK(st == SHARD_ENOUNIT && strstr(shard_last_error(ctx), "unit 999"),
-             "unknown unit: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_ENOUNIT, "unit 999", "unknown unit");
     st = shard_release(ctx, 0);
-    TH_CHECK(st == SHARD_ENOTHELD && strstr(shard_last_error(ctx), "does not hold"),
-             "release without fetch: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_ENOTHELD, "does not hold", "release without fetch");
     TH_CHECK(shard_fetch(ctx, 0, &p) == 0, "fetch: %s", shard_last_error(ctx));
     TH_CHECK(shard_release(ctx, 0) == 0, "release: %s", shard_last_error(ctx));
     st = shard_release(ctx, 0);
@@ -189,14 +190,11 @@ static void test_api_misuse(void)
     shard_unit_info(ctx, 0, &ui);
     float *g = calloc(ui.numel + 1, sizeof(float));
     st = shard_push_grad(ctx, 0, g, ui.bytes - 4);
-    TH_CHECK(st == SHARD_EMSGSIZE && strstr(shard_last_error(ctx), "unit is"),
-             "wrong gradient size (client): %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_EMSGSIZE, "unit is", "wrong gradient size (client)");
     st = shard__post_raw(ctx, SD_OP_PUSH, 0, 0, ui.bytes + 4);
-    TH_CHECK(st == SHARD_EMSGSIZE && strstr(shard_last_error(ctx), "gradient is"),
-             "wrong gradient size (daemon): %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_EMSGSIZE, "gradient is", "wrong gradient size (daemon)");
     st = shard__post_raw(ctx, SD_OP_PUSH, 0, 999, ui.bytes);
-    TH_CHECK(st == SHARD_EINVAL && strstr(shard_last_error(ctx), "staging slot 999"),
-             "bad staging slot: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_EINVAL, "staging slot 999", "bad staging slot");
     st = shard__post_raw(ctx, SD_OP_INIT, 0, 0, 0);
     TH_CHECK(st == SHARD_ESTATE, "init after ready: %d '%s'", st, shard_last_error(ctx));
 
@@ -237,25 +235,22 @@ static void test_zero_copy_push(void)
     shard_unit_info(ctx, 1, &u1);
 
     st = shard_push_staged(ctx, 0);
-    TH_CHECK(st == SHARD_ESTATE && strstr(shard_last_error(ctx), "no gradient buffer is held"),
-             "push_staged without a buffer: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_ESTATE, "no gradient buffer is held",
+                 "push_staged without a buffer");
     st = shard_grad_buffer(ctx, 999, &b);
-    TH_CHECK(st == SHARD_ENOUNIT && strstr(shard_last_error(ctx), "unit 999"),
-             "grad_buffer of an unknown unit: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_ENOUNIT, "unit 999", "grad_buffer of an unknown unit");
     TH_CHECK(shard_grad_buffer(ctx, 0, NULL) == SHARD_EINVAL, "grad_buffer with NULL buf_p");
     TH_CHECK(shard_grad_buffer(ctx, 0, &b) == 0 && shard_grad_buffer(ctx, 0, &again) == 0 &&
                  b != NULL && again == b,
              "asking twice for unit 0's buffer gives the same one: %p %p", b, again);
     st = shard_grad_buffer(ctx, 1, &again);
-    TH_CHECK(st == SHARD_EBUSY && strstr(shard_last_error(ctx), "unit 0's gradient buffer is held"),
-             "a second unit's buffer while unit 0's is held: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_EBUSY, "unit 0's gradient buffer is held",
+                 "a second unit's buffer while unit 0's is held");
     st = shard_push_staged(ctx, 1);
-    TH_CHECK(st == SHARD_ESTATE && strstr(shard_last_error(ctx), "unit 0's"),
-             "push_staged of another unit: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_ESTATE, "unit 0's", "push_staged of another unit");
     double norm = 0;
     st = shard_step(ctx, &norm);
-    TH_CHECK(st == SHARD_EBUSY && strstr(shard_last_error(ctx), "not pushed"),
-             "step while a buffer is held: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_EBUSY, "not pushed", "step while a buffer is held");
 
     /* unit 0's gradient (1 on the 100 elements of a) written in place; meanwhile five copying
      * pushes of unit 1 (2 on each element) cycle through the other staging slots */
@@ -300,8 +295,8 @@ static void test_zero_copy_push(void)
     TH_CHECK(shard_register(ctx, &x.m) == 0, "register (one slot): %s", shard_last_error(ctx));
     TH_CHECK(shard_grad_buffer(ctx, 0, &b) == 0, "grad_buffer (one slot)");
     st = shard_push_grad(ctx, 1, g1, u1.bytes);
-    TH_CHECK(st == SHARD_EBUSY && strstr(shard_last_error(ctx), "only staging slot"),
-             "copying push while the only slot is held: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_EBUSY, "only staging slot",
+                 "copying push while the only slot is held");
     memset(b, 0, u0.bytes);
     TH_CHECK(shard_push_staged(ctx, 0) == 0 && shard_push_grad(ctx, 1, g1, u1.bytes) == 0 &&
                  shard_step(ctx, &norm) == 0,
@@ -337,8 +332,7 @@ static void test_null_and_pool(void)
     TH_CHECK(shard_push_grad(ctx, 0, NULL, 512) == SHARD_EMSGSIZE, "NULL gradient");
     TH_CHECK(shard_fetch(ctx, 0, &p) == 0, "fetch 0");
     int st = shard_fetch(ctx, 1, &p);
-    TH_CHECK(st == SHARD_ENOSPC && strstr(shard_last_error(ctx), "max_live_bytes"),
-             "pool full while unit 0 is held: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_ENOSPC, "max_live_bytes", "pool full while unit 0 is held");
     TH_CHECK(shard_release(ctx, 0) == 0, "release 0");
     TH_CHECK(shard_fetch(ctx, 1, &p) == 0, "fetch 1 evicts the released unit 0: %s",
              shard_last_error(ctx));
@@ -410,8 +404,7 @@ static void test_registration(void)
     shard_ctx_t *ctx;
     shard_attach(d.sock, &ctx);
     int st = shard_register(ctx, &bad.m);
-    TH_CHECK(st == SHARD_EMISMATCH && strstr(shard_last_error(ctx), "dims[0] 100 vs 101"),
-             "different model: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_EMISMATCH, "dims[0] 100 vs 101", "different model");
     shard_detach(ctx);
     shard_attach(d.sock, &ctx);
     st = shard_register(ctx, &r1.m);
@@ -439,8 +432,7 @@ static void test_registration(void)
     double t0 = th_now_s();
     st = shard_register(ctx, &lone.m);
     double took = th_now_s() - t0;
-    TH_CHECK(st == SHARD_ETIMEDOUT && strstr(shard_last_error(ctx), "ranks 1 did not register"),
-             "register deadline: %d '%s'", st, shard_last_error(ctx));
+    expect_error(ctx, st, SHARD_ETIMEDOUT, "ranks 1 did not register", "register deadline");
     TH_CHECK(took < 2.0 + 1.5, "register deadline took %.2f s (register_timeout_ms 2000)", took);
     shard_detach(ctx);
     expect_alive("registration errors");
