@@ -44,12 +44,11 @@ struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
 struct sd_job *sd_registry_find_any(struct sd_registry *reg, const char *name)
 {
     struct sd_job *j = sd_registry_find(reg, name);
-    for (struct sd_job *z = reg->zombies; j == NULL && z; z = z->next) /* retiring */
-        if (strcmp(z->name, name) == 0)
-            j = z;
-    for (struct sd_job *f = reg->finished; j == NULL && f; f = f->next)
-        if (strcmp(f->name, name) == 0)
-            j = f;
+    struct sd_job *lists[2] = {reg->zombies, reg->finished}; /* retiring, then recently ended */
+    for (int i = 0; i < 2 && j == NULL; i++)
+        for (struct sd_job *f = lists[i]; j == NULL && f; f = f->next)
+            if (strcmp(f->name, name) == 0)
+                j = f;
     return j;
 }
 

@@ -53,17 +53,18 @@ static void print_jobs(json_t *jobs)
     json_array_foreach(jobs, i, j)
     {
         json_t *alloc = json_object_get(j, "allocating");
+        bool retiring = json_is_true(json_object_get(j, "retiring"));
         printf("%-20s %4lld %-11s %5lld %-10s %5lld %12lld %10s %10s %6lld\n", str(j, "name"),
                num(j, "id"),
-               json_is_true(alloc)                            ? "allocating"
-               : json_is_true(json_object_get(j, "retiring")) ? "retiring"
-                                                              : str(j, "state"),
+               json_is_true(alloc) ? "allocating"
+               : retiring          ? "retiring"
+                                   : str(j, "state"),
                num(j, "world"), str(j, "plan"), num(j, "units"), num(j, "parameters"),
                sd_fmt_bytes(par, sizeof(par), (uint64_t)num(j, "parameter_bytes")),
                sd_fmt_bytes(mem, sizeof(mem), (uint64_t)num(j, "memory_bytes")), num(j, "steps"));
         if (str(j, "error")[0])
             printf("    %s\n", str(j, "error"));
-        if (json_is_true(json_object_get(j, "retiring")))
+        if (retiring)
             printf("    every rank left; transfers with node(s) %s still hold its memory\n",
                    str(j, "transfers_pending_with_nodes"));
     }
