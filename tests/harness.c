@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <jansson.h>
 #include <math.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -222,6 +223,14 @@ char *th_admin(const char *sock, const char *cmd)
     char *json = NULL;
     shard_admin(sock, cmd, NULL, &json); /* the document also when the command failed */
     return json;
+}
+
+json_t *th_admin_json(const char *sock, const char *cmd)
+{
+    char *js = th_admin(sock, cmd);
+    json_t *doc = js ? json_loads(js, 0, NULL) : NULL;
+    free(js);
+    return doc;
 }
 
 int th_train(const char *dir, const char *job, const char *const *socks, int k, int world,

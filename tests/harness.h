@@ -51,6 +51,8 @@ pid_t th_spawn(const char *const *argv, const char *out_path);
 int th_wait(pid_t pid, int timeout_ms);
 /* One admin command; returns the daemon's JSON (malloc'd) or NULL. */
 char *th_admin(const char *sock, const char *cmd);
+/* The same, parsed (jansson); NULL when the daemon did not answer or the document is not JSON. */
+struct json_t *th_admin_json(const char *sock, const char *cmd);
 /* Train with mlp_train: world ranks of job (rank r on socks[r / k]) and the one-process
  * --reference, each with args (NULL-terminated, the options they share); rank 0 dumps its
  * parameters into dump, the reference into ref; logs go to dir/job-<rank>.log (the

@@ -67,9 +67,7 @@ static json_t *job_stats(int node, const char *job)
 {
     json_t *found = NULL;
     for (double end = th_now_s() + 10; found == NULL && th_now_s() < end;) {
-        char *js = th_admin(cl.d[node].sock, "stats");
-        json_t *doc = js ? json_loads(js, 0, NULL) : NULL;
-        free(js);
+        json_t *doc = th_admin_json(cl.d[node].sock, "stats");
         size_t i;
         json_t *j;
         json_array_foreach(json_object_get(doc, "jobs"), i, j)
@@ -87,9 +85,7 @@ static json_t *job_stats(int node, const char *job)
 
 static long long job_param_bytes(const char *job)
 {
-    char *js = th_admin(cl.d[0].sock, "jobs");
-    json_t *doc = js ? json_loads(js, 0, NULL) : NULL;
-    free(js);
+    json_t *doc = th_admin_json(cl.d[0].sock, "jobs");
     size_t i;
     json_t *j;
     long long p = -1;
@@ -328,9 +324,7 @@ static void check_rendezvous(long long want_bytes, bool small_queues)
 {
     long long sent = 0, received = 0, queued = 0, deferred = 0;
     for (int node = 0; node < N; node++) {
-        char *js = th_admin(cl.d[node].sock, "status");
-        json_t *st = js ? json_loads(js, 0, NULL) : NULL;
-        free(js);
+        json_t *st = th_admin_json(cl.d[node].sock, "status");
         long long b = jnum(st, "transport.rendezvous_bytes"),
                   s = jnum(st, "transport.clear_to_sends_sent"),
                   r = jnum(st, "transport.clear_to_sends_received"),

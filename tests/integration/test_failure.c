@@ -126,9 +126,7 @@ static void scenario(const char *name, int sig)
         int n_retiring = 0;
         char peers[64] = "";
         for (double end = th_now_s() + 10; th_now_s() < end; usleep(50000)) {
-            char *doc = th_admin(c.d[n].sock, "status");
-            json_t *st = doc ? json_loads(doc, 0, NULL) : NULL;
-            free(doc);
+            json_t *st = th_admin_json(c.d[n].sock, "status");
             used = (long long)json_integer_value(json_object_get(st, "memory_used_bytes"));
             retiring = 0;
             n_retiring = 0;

@@ -16,9 +16,7 @@ static struct th_daemon d;
 
 static json_t *job_doc(const char *sock, const char *cmd, const char *job)
 {
-    char *js = th_admin(sock, cmd);
-    json_t *doc = js ? json_loads(js, 0, NULL) : NULL;
-    free(js);
+    json_t *doc = th_admin_json(sock, cmd);
     size_t i;
     json_t *j, *found = NULL;
     json_array_foreach(json_object_get(doc, "jobs"), i, j)
