@@ -102,6 +102,11 @@ const struct sd_config_entry sd_config_table[] = {
      "receives take half of the control endpoint's, and with rendezvous half of the "
      "clear-to-send endpoint's are standing receives",
      1},
+    {"data_lanes", SD_CFG_INT, "1", 1, SD_MAX_DATA_LANES, OFF(data_lanes),
+     "pairs of fabric endpoints that carry bulk data between two daemons: a transfer's chunks "
+     "are spread over them, each a stream of its own in the provider (shm moves one segmented "
+     "message at a time per pair of endpoints; tcp;ofi_rxm opens a connection per pair)",
+     1},
 };
 const unsigned sd_config_table_len = SD_ARRAY_SIZE(sd_config_table);
 

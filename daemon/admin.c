@@ -251,6 +251,10 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
                                           (json_int_t)tp->sends_cleared, "clear_to_sends_deferred",
                                           (json_int_t)tp->cts_deferred, "posts_queued",
                                           (json_int_t)tp->posts_queued));
+            json_t *lanes = json_array();
+            for (uint32_t l = 0; l < tp->data_lanes; l++)
+                json_array_append_new(lanes, json_integer((json_int_t)tp->lane_sends[l]));
+            json_object_set_new(json_object_get(out, "transport"), "data_lane_sends", lanes);
         }
         /* how busy the event loop polls: a daemon with nothing to do should not count up */
         json_object_set_new(out, "poll_passes", json_integer((json_int_t)srv->polls));

@@ -43,11 +43,25 @@ _Static_assert(sizeof(((struct sd_xfer *)0)->opaque) >= sizeof(struct fi_context
 /* XFER_PARKED: a rendezvous send waiting for its clear-to-send; XFER_CTS: a standing receive of
  * clear-to-sends (the transport's own, not counted in inflight) */
 enum { XFER_SEND = 1, XFER_RECV = 2, XFER_PARKED = 3, XFER_CTS = 4 };
-/* a send on rail r goes to the peer's rail peer_rail[r]; a receive on r matches sources there */
-enum { RAIL_OUT = 0, RAIL_IN = 1, RAIL_CTRL = 2, RAIL_RDV = 3, N_RAILS = 4 };
-static const uint32_t peer_rail[N_RAILS] = {RAIL_IN, RAIL_OUT, RAIL_CTRL, RAIL_RDV};
-static const char *const rail_name[N_RAILS] = {"outbound data", "inbound data", "control",
-                                               "clear-to-send"};
+/* Endpoints ("rails"): control, clear-to-send (opened only with rendezvous), then one pair per
+ * data lane, outbound and inbound. A send on rail r goes to the peer's rail peer_rail(r); a
+ * receive on r matches sources there. A chunk travels on lane chunk % lanes, which both ends
+ * compute from the tag: each lane is a stream of its own in the provider (with shm, one
+ * segmented message in flight per pair of endpoints; with tcp;ofi_rxm, one connection). */
+enum { RAIL_CTRL = 0, RAIL_RDV = 1, RAIL_DATA = 2, MAX_RAILS = RAIL_DATA + 2 * SD_MAX_DATA_LANES };
+
+static uint32_t peer_rail(uint32_t r)
+{
+    return r < RAIL_DATA ? r : r ^ 1; /* outbound 2 + 2l <-> inbound 3 + 2l */
+}
+
+static const char *rail_name(uint32_t r, char *buf, size_t len)
+{
+    if (r < RAIL_DATA)
+        return r == RAIL_CTRL ? "control" : "clear-to-send";
+    snprintf(buf, len, "data lane %u %s", (r - RAIL_DATA) / 2, r & 1 ? "inbound" : "outbound");
+    return buf;
+}
 
 /* A FIFO of transfers, linked through next_pending: a rail's posts that wait for room, or a
  * rendezvous queue. A transfer is in one at a time. */
@@ -151,8 +165,8 @@ struct ofi {
     struct fid_domain *domain;
     struct fid_cq *cq;
     struct fid_av *av;
-    struct rail rails[N_RAILS];
-    uint32_t n_rails; /* the clear-to-send endpoint only with rendezvous */
+    struct rail rails[MAX_RAILS]; /* ep NULL: not opened (clear-to-send without rendezvous) */
+    uint32_t n_rails, lanes;
     fi_addr_t *peers; /* [rail * n_peers + node] */
     bool *down;       /* [node] */
     int wait_fd;
@@ -193,7 +207,9 @@ static int ofi_getname(struct sd_transport *tp, void *addr, size_t *len_p)
         if (*len_p < used + 2)
             return SD_EMSGSIZE;
         size_t len = SD_MIN(*len_p - used - 1, 255);
-        if (fi_getname(&o->rails[r].ep->fid, out + used + 1, &len) != 0)
+        if (o->rails[r].ep == NULL)
+            len = 0; /* an endpoint not opened: an empty name */
+        else if (fi_getname(&o->rails[r].ep->fid, out + used + 1, &len) != 0)
             return SD_EMSGSIZE;
         out[used] = (uint8_t)len;
         used += 1 + len;
@@ -221,10 +237,18 @@ static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, cons
                          lens[i]);
                 return SD_EINVAL;
             }
-            int ret = fi_av_insert(o->av, a + used + 1, 1, &o->peers[(size_t)r * n + i], 0, NULL);
+            char rn[32];
+            fi_addr_t *fa = &o->peers[(size_t)r * n + i];
+            *fa = FI_ADDR_NOTAVAIL;
+            if (a[used] == 0 && o->rails[peer_rail(r)].ep != NULL && i != o->base.self) {
+                SD_ERROR("ofi", "node %u has no %s endpoint, which this node uses", i,
+                         rail_name(r, rn, sizeof(rn)));
+                return SD_EINVAL;
+            }
+            int ret = a[used] == 0 ? 1 : fi_av_insert(o->av, a + used + 1, 1, fa, 0, NULL);
             if (ret != 1) {
-                SD_ERROR("ofi", "fi_av_insert of node %u's %s endpoint failed: %d", i, rail_name[r],
-                         ret);
+                SD_ERROR("ofi", "fi_av_insert of node %u's %s endpoint failed: %d", i,
+                         rail_name(r, rn, sizeof(rn)), ret);
                 return SD_EINVAL;
             }
             used += 1 + a[used];
@@ -285,7 +309,7 @@ static void finish_unposted(struct ofi *o, struct sd_xfer *x, int status)
 static int post(struct ofi *o, struct sd_xfer *x)
 {
     struct rail *rl = rail_of(o, x);
-    size_t base = (size_t)peer_rail[x->rail] * o->base.n_peers;
+    size_t base = (size_t)peer_rail(x->rail) * o->base.n_peers;
     ssize_t r;
     if (x->kind == XFER_SEND) {
         if (rl->tx_posted >= o->tx_depth)
@@ -333,21 +357,28 @@ static int issue(struct ofi *o, struct sd_xfer *x)
     return SD_OK;
 }
 
-static void rail_assign(struct sd_xfer *x)
+static void rail_assign(const struct ofi *o, struct sd_xfer *x)
 {
-    /* a wildcard over the kind bits could match either rail: such receives stay on data */
-    if ((x->ignore >> 60) == 0 && sd_tag_is_ctrl(x->tag))
+    /* a wildcard over the kind bits could match either rail: such receives stay on data, and a
+     * wildcard over the chunk bits on lane 0 */
+    if ((x->ignore >> 60) == 0 && sd_tag_is_ctrl(x->tag)) {
         x->rail = RAIL_CTRL;
-    else
-        x->rail = x->kind == XFER_SEND ? RAIL_OUT : RAIL_IN;
+        return;
+    }
+    uint32_t lane = (x->ignore & (SD_TAG_MAX_CHUNKS - 1)) != 0
+                        ? 0
+                        : (uint32_t)(x->tag & (SD_TAG_MAX_CHUNKS - 1)) % o->lanes;
+    x->rail = RAIL_DATA + 2 * lane + (x->kind == XFER_SEND ? 0 : 1);
 }
 
 static int submit(struct ofi *o, struct sd_xfer *x)
 {
-    rail_assign(x);
+    rail_assign(o, x);
     if (rail_of(o, x)->ep == NULL)
         return SD_ENOTCONN;
     o->base.inflight++;
+    if (x->kind == XFER_SEND && x->rail >= RAIL_DATA)
+        o->base.lane_sends[(x->rail - RAIL_DATA) / 2]++;
     if (x->kind == XFER_SEND && rdv_sized(o, x->tag, x->buflen))
         return rdv_send(o, x);
     return issue(o, x);
@@ -371,7 +402,7 @@ static bool cts_inject(struct ofi *o, uint32_t peer, uint64_t tag)
 {
     struct rdv_msg m = {.tag = tag, .src = o->base.self, .magic = RDV_MAGIC};
     ssize_t r = fi_tinject(o->rails[RAIL_RDV].ep, &m, sizeof(m),
-                           o->peers[(size_t)peer_rail[RAIL_RDV] * o->base.n_peers + peer],
+                           o->peers[(size_t)peer_rail(RAIL_RDV) * o->base.n_peers + peer],
                            sd_tag(SD_TAG_RDV, 0, 0, 0, o->base.self, 0));
     if (r == 0)
         o->base.cts_sent++;
@@ -691,10 +722,14 @@ static void ofi_peer_down(struct sd_transport *tp, uint32_t node)
         return;
     o->down[node] = true;
     for (uint32_t r = 0; r < o->n_rails; r++) {
-        int ret = fi_av_remove(o->av, &o->peers[(size_t)r * tp->n_peers + node], 1, 0);
+        fi_addr_t *fa = &o->peers[(size_t)r * tp->n_peers + node];
+        if (*fa == FI_ADDR_NOTAVAIL)
+            continue;
+        int ret = fi_av_remove(o->av, fa, 1, 0);
+        char rn[32];
         if (ret != 0)
             SD_WARN("ofi", "removing node %u's %s endpoint from the address table: %s", node,
-                    rail_name[r], fi_strerror(-ret));
+                    rail_name(r, rn, sizeof(rn)), fi_strerror(-ret));
     }
 }
 
@@ -745,7 +780,7 @@ static int ofi_progress(struct sd_transport *tp)
     }
     cts_retry(o);
     rdv_sweep(o);
-    for (uint32_t i = 0; i < N_RAILS; i++) {
+    for (uint32_t i = 0; i < o->n_rails; i++) {
         struct rail *rl = &o->rails[i];
         while (rl->pending.head != NULL) {
             /* out of the queue before posting: a posted receive may join a rendezvous queue
@@ -773,7 +808,7 @@ static int ofi_wait_fd(struct sd_transport *tp)
 static bool ofi_can_sleep(struct sd_transport *tp)
 {
     struct ofi *o = (struct ofi *)tp;
-    for (uint32_t i = 0; i < N_RAILS; i++)
+    for (uint32_t i = 0; i < o->n_rails; i++)
         if (o->rails[i].pending.head != NULL)
             return false;
     if (o->wait_fd < 0 || o->retry.head != NULL)
@@ -785,7 +820,7 @@ static bool ofi_can_sleep(struct sd_transport *tp)
 static void ofi_quiesce(struct sd_transport *tp)
 {
     struct ofi *o = (struct ofi *)tp;
-    for (uint32_t i = 0; i < N_RAILS; i++) {
+    for (uint32_t i = 0; i < o->n_rails; i++) {
         struct rail *rl = &o->rails[i];
         if (rl->ep)
             fi_close(&rl->ep->fid);
@@ -907,7 +942,9 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     o->rdv_bytes = cfg->rendezvous_bytes;
     if (sar && o->rdv_bytes == 0)
         o->rdv_bytes = SD_MAX(o->info->tx_attr->inject_size, sizeof(struct rdv_msg));
-    o->n_rails = o->rdv_bytes > 0 ? N_RAILS : RAIL_CTRL + 1;
+    o->lanes = (uint32_t)cfg->data_lanes;
+    o->base.data_lanes = o->lanes;
+    o->n_rails = RAIL_DATA + 2 * o->lanes;
     o->base.rdv_bytes = o->rdv_bytes;
     if (o->rdv_bytes > 0 && o->info->tx_attr->inject_size < sizeof(struct rdv_msg)) {
         snprintf(err, errlen,
@@ -935,6 +972,8 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     if ((r = fi_av_open(o->domain, &ava, &o->av, NULL)) != 0)
         goto err_close;
     for (uint32_t i = 0; i < o->n_rails; i++) {
+        if (i == RAIL_RDV && o->rdv_bytes == 0)
+            continue;
         struct fid_ep **ep = &o->rails[i].ep;
         step = "fi_endpoint";
         if ((r = fi_endpoint(o->domain, o->info, ep, NULL)) != 0)
@@ -955,11 +994,12 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     }
     SD_INFO(
         "ofi",
-        "provider %s, fabric %s, domain %s: outbound, inbound, control%s endpoints, tx depth %zu, "
-        "rx depth %zu each, mr %s, max message %zu, inject %zu%s, rendezvous above %llu bytes%s",
+        "provider %s, fabric %s, domain %s: control%s and %u data lane endpoint pair%s, tx depth "
+        "%zu, rx depth %zu each, mr %s, max message %zu, inject %zu%s, rendezvous above %llu "
+        "bytes%s",
         o->info->fabric_attr->prov_name, o->info->fabric_attr->name, o->info->domain_attr->name,
-        o->n_rails > RAIL_CTRL + 1 ? ", clear-to-send" : "", o->tx_depth, o->rx_depth,
-        o->need_mr ? "registered" : "not needed", o->info->ep_attr->max_msg_size,
+        o->rdv_bytes > 0 ? ", clear-to-send" : "", o->lanes, o->lanes == 1 ? "" : "s", o->tx_depth,
+        o->rx_depth, o->need_mr ? "registered" : "not needed", o->info->ep_attr->max_msg_size,
         o->info->tx_attr->inject_size, sar ? ", shm copies through bounce buffers (no CMA)" : "",
         (unsigned long long)o->rdv_bytes, o->rdv_bytes ? "" : " (off)");
     *tp_p = &o->base;

@@ -15,7 +15,7 @@ out=$("$SHARDD" --help); rc=$?
 check '[ $rc -eq 0 ]' "shardd --help exit $rc"
 for opt in runtime_dir node nodes ranks_per_node backend memory_budget op_timeout_ms \
            register_timeout_ms log_level max_clients max_message_bytes poll_spin_us staging_slots \
-           push_rounds max_live_bytes max_jobs rendezvous_bytes shm_cma; do
+           push_rounds max_live_bytes max_jobs rendezvous_bytes shm_cma queue_depth data_lanes; do
   check 'grep -q "^  $opt .*default" <<<"$out"' "--help does not list $opt with its default"
 done
 if [ -n "$BENCH" ]; then # a rank that cannot attach fails the run, with no result rows
@@ -41,6 +41,10 @@ out=$("$SHARDD" --node 3 --nodes 2 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "node" <<<"$out"' "node >= nodes: $out"
 out=$("$SHARDD" --node 1 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "only 1 nodes" <<<"$out"' "node 1 of 1: $out"
+out=$("$SHARDD" --data-lanes 9 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "data_lanes" <<<"$out"' "data_lanes above 8: $rc $out"
+out=$("$SHARDD" --data-lanes 0 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "data_lanes" <<<"$out"' "data_lanes 0: $rc $out"
 out=$("$SHARDD" --staging-slots 65 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "staging_slots" <<<"$out"' "staging_slots bound: $out"
 

@@ -25,9 +25,9 @@
  * cannot force a later round to finish first.)
  *
  * Transport variants (argv[3]): the same test with rendezvous_bytes (every message above 4 KiB
- * waits for its receiver's clear-to-send), the same with 128 posts per endpoint and 64 KiB
- * chunks (queue_depth: the pending queues, the credit and the deferred clear-to-sends all at
- * work), and on the shm provider without CMA. */
+ * waits for its receiver's clear-to-send), the same with 128 posts per endpoint, 64 KiB chunks
+ * and 3 data lanes (queue_depth: the pending queues, the credit and the deferred clear-to-sends
+ * all at work, on every lane), and on the shm provider without CMA, with 2 data lanes. */
 #include "harness.h"
 #include "shard.h"
 
@@ -320,11 +320,18 @@ static bool shm_usable(char *why, size_t len)
  * released exactly one of its sends, either parked before it came or finding it on arrival,
  * and the cluster received every one that was sent. Without rendezvous there are none. With
  * small queues, posts waited for room and clear-to-sends for credit. */
-static void check_rendezvous(long long want_bytes, bool small_queues)
+static void check_rendezvous(long long want_bytes, bool small_queues, int lanes)
 {
     long long sent = 0, received = 0, queued = 0, deferred = 0;
     for (int node = 0; node < N; node++) {
         json_t *st = th_admin_json(cl.d[node].sock, "status");
+        /* the chunks of a transfer spread over the data lanes: each carried some */
+        json_t *ls = json_object_get(json_object_get(st, "transport"), "data_lane_sends");
+        TH_CHECK(json_is_array(ls) && (int)json_array_size(ls) == lanes,
+                 "node %d: data_lane_sends should list %d lanes", node, lanes);
+        for (size_t l = 0; json_is_array(ls) && l < json_array_size(ls); l++)
+            TH_CHECK(json_integer_value(json_array_get(ls, l)) > 0,
+                     "node %d: data lane %zu of %d carried no send", node, l, lanes);
         long long b = jnum(st, "transport.rendezvous_bytes"),
                   s = jnum(st, "transport.clear_to_sends_sent"),
                   r = jnum(st, "transport.clear_to_sends_received"),
@@ -371,6 +378,7 @@ int main(int argc, char **argv)
      * the daemons on the shm provider copying through bounce buffers, where libfabric < 1.19
      * needs that rendezvous */
     const char *variant = argc > 3 ? argv[3] : "";
+    int lanes = 1;
     const char *extra[16] = {
         "--small-allreduce-bytes", "0", "--op-timeout-ms", "20000", "--push-rounds", "3", NULL};
     int ne = 6;
@@ -380,8 +388,10 @@ int main(int argc, char **argv)
         if (strcmp(variant, "rendezvous-q128") == 0) {
             /* 128 posts per endpoint and 64 KiB chunks: transfers wait in the pending queues,
              * 64 standing clear-to-send receives give each peer a credit of 21, and clear-to-sends
-             * wait for it */
-            const char *q[] = {"--queue-depth", "128", "--chunk-bytes", "65536"};
+             * wait for it; a transfer's chunks go over 3 pairs of data endpoints */
+            const char *q[] = {"--queue-depth", "128",          "--chunk-bytes",
+                               "65536",         "--data-lanes", "3"};
+            lanes = 3;
             for (size_t i = 0; i < sizeof(q) / sizeof(q[0]); i++)
                 extra[ne++] = q[i];
         }
@@ -391,7 +401,9 @@ int main(int argc, char **argv)
             printf("test_cluster %s: skipped: %s\n", variant, why);
             return 77;
         }
-        const char *shm[] = {"--provider", "shm", "--fabric-addr", "", "--shm-cma", "0"};
+        const char *shm[] = {"--provider", "shm", "--fabric-addr", "",
+                             "--shm-cma",  "0",   "--data-lanes",  "2"};
+        lanes = 2;
         for (size_t i = 0; i < sizeof(shm) / sizeof(shm[0]); i++)
             extra[ne++] = shm[i];
     } else if (variant[0] != '\0') {
@@ -427,7 +439,7 @@ int main(int argc, char **argv)
         test_round_order("ddp,no-2hop", 1, 1);
     if (K == 1)
         bench_collectives();
-    check_rendezvous(variant[0] != '\0' ? 4096 : 0, strcmp(variant, "rendezvous-q128") == 0);
+    check_rendezvous(variant[0] != '\0' ? 4096 : 0, strcmp(variant, "rendezvous-q128") == 0, lanes);
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_cluster");
 }

@@ -44,7 +44,11 @@ struct sd_config {
     uint64_t rendezvous_bytes;
     int64_t shm_cma;
     int64_t queue_depth;
+    int64_t data_lanes;
 };
+
+/* data_lanes: endpoint pairs that carry bulk data between two daemons, at most */
+#define SD_MAX_DATA_LANES 8
 
 enum sd_config_type { SD_CFG_STRING, SD_CFG_INT, SD_CFG_SIZE };
 
