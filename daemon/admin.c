@@ -241,20 +241,18 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
                         "config", config_json(cfg), "clients", clients, "jobs", jobs);
         if (srv->tp != NULL) {
             const struct sd_transport *tp = srv->tp;
-            json_object_set_new(out, "transport",
-                                json_pack("{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "provider",
-                                          cfg->provider, "rendezvous_bytes",
-                                          (json_int_t)tp->rdv_bytes, "clear_to_sends_sent",
-                                          (json_int_t)tp->cts_sent, "clear_to_sends_received",
-                                          (json_int_t)tp->cts_received, "sends_parked",
-                                          (json_int_t)tp->sends_parked, "sends_cleared_on_arrival",
-                                          (json_int_t)tp->sends_cleared, "clear_to_sends_deferred",
-                                          (json_int_t)tp->cts_deferred, "posts_queued",
-                                          (json_int_t)tp->posts_queued));
+            json_t *t = json_pack(
+                "{s:s, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "provider", cfg->provider,
+                "rendezvous_bytes", (json_int_t)tp->rdv_bytes, "clear_to_sends_sent",
+                (json_int_t)tp->cts_sent, "clear_to_sends_received", (json_int_t)tp->cts_received,
+                "sends_parked", (json_int_t)tp->sends_parked, "sends_cleared_on_arrival",
+                (json_int_t)tp->sends_cleared, "clear_to_sends_deferred",
+                (json_int_t)tp->cts_deferred, "posts_queued", (json_int_t)tp->posts_queued);
             json_t *lanes = json_array();
             for (uint32_t l = 0; l < tp->data_lanes; l++)
                 json_array_append_new(lanes, json_integer((json_int_t)tp->lane_sends[l]));
-            json_object_set_new(json_object_get(out, "transport"), "data_lane_sends", lanes);
+            json_object_set_new(t, "data_lane_sends", lanes);
+            json_object_set_new(out, "transport", t);
         }
         /* how busy the event loop polls: a daemon with nothing to do should not count up */
         json_object_set_new(out, "poll_passes", json_integer((json_int_t)srv->polls));

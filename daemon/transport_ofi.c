@@ -166,14 +166,13 @@ struct ofi {
     struct fid_cq *cq;
     struct fid_av *av;
     struct rail rails[MAX_RAILS]; /* ep NULL: not opened (clear-to-send without rendezvous) */
-    uint32_t n_rails, lanes;
-    fi_addr_t *peers; /* [rail * n_peers + node] */
-    bool *down;       /* [node] */
+    uint32_t n_rails;             /* RAIL_DATA + 2 * base.data_lanes */
+    fi_addr_t *peers;             /* [rail * n_peers + node] */
+    bool *down;                   /* [node] */
     int wait_fd;
     bool need_mr;
     size_t tx_depth, rx_depth;
-    /* rendezvous */
-    uint64_t rdv_bytes; /* 0: off */
+    /* rendezvous (base.rdv_bytes > 0) */
     struct rdv_slot *rdv_slots;
     uint32_t rdv_slots_n, rdv_credit;
     void *rdv_desc, *rdv_mr;
@@ -240,7 +239,7 @@ static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, cons
             char rn[32];
             fi_addr_t *fa = &o->peers[(size_t)r * n + i];
             *fa = FI_ADDR_NOTAVAIL;
-            if (a[used] == 0 && o->rails[peer_rail(r)].ep != NULL && i != o->base.self) {
+            if (a[used] == 0 && o->rails[peer_rail(r)].ep != NULL) {
                 SD_ERROR("ofi", "node %u has no %s endpoint, which this node uses", i,
                          rail_name(r, rn, sizeof(rn)));
                 return SD_EINVAL;
@@ -255,7 +254,7 @@ static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, cons
         }
     }
     tp->n_peers = n;
-    if (o->rdv_bytes > 0) {
+    if (o->base.rdv_bytes > 0) {
         free(o->rdv_peers);
         o->rdv_peers = calloc(n, sizeof(*o->rdv_peers));
         if (o->rdv_peers == NULL)
@@ -367,7 +366,7 @@ static void rail_assign(const struct ofi *o, struct sd_xfer *x)
     }
     uint32_t lane = (x->ignore & (SD_TAG_MAX_CHUNKS - 1)) != 0
                         ? 0
-                        : (uint32_t)(x->tag & (SD_TAG_MAX_CHUNKS - 1)) % o->lanes;
+                        : (uint32_t)(x->tag & (SD_TAG_MAX_CHUNKS - 1)) % o->base.data_lanes;
     x->rail = RAIL_DATA + 2 * lane + (x->kind == XFER_SEND ? 0 : 1);
 }
 
@@ -388,7 +387,7 @@ static int submit(struct ofi *o, struct sd_xfer *x)
 
 static bool rdv_sized(const struct ofi *o, uint64_t tag, size_t len)
 {
-    return o->rdv_bytes > 0 && len > o->rdv_bytes && !sd_tag_is_ctrl(tag);
+    return o->base.rdv_bytes > 0 && len > o->base.rdv_bytes && !sd_tag_is_ctrl(tag);
 }
 
 static uint32_t rdv_bucket(uint32_t peer, uint64_t tag)
@@ -939,14 +938,12 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     /* shm without CMA copies through bounce buffers (SAR), which libfabric < 1.19 cannot do for
      * several large messages that arrive unexpected: everything above its inject size waits for
      * the receiver */
-    o->rdv_bytes = cfg->rendezvous_bytes;
-    if (sar && o->rdv_bytes == 0)
-        o->rdv_bytes = SD_MAX(o->info->tx_attr->inject_size, sizeof(struct rdv_msg));
-    o->lanes = (uint32_t)cfg->data_lanes;
-    o->base.data_lanes = o->lanes;
-    o->n_rails = RAIL_DATA + 2 * o->lanes;
-    o->base.rdv_bytes = o->rdv_bytes;
-    if (o->rdv_bytes > 0 && o->info->tx_attr->inject_size < sizeof(struct rdv_msg)) {
+    o->base.rdv_bytes = cfg->rendezvous_bytes;
+    if (sar && o->base.rdv_bytes == 0)
+        o->base.rdv_bytes = SD_MAX(o->info->tx_attr->inject_size, sizeof(struct rdv_msg));
+    o->base.data_lanes = (uint32_t)cfg->data_lanes;
+    o->n_rails = RAIL_DATA + 2 * o->base.data_lanes;
+    if (o->base.rdv_bytes > 0 && o->info->tx_attr->inject_size < sizeof(struct rdv_msg)) {
         snprintf(err, errlen,
                  "rendezvous_bytes needs a provider that injects %zu-byte messages; %s injects %zu",
                  sizeof(struct rdv_msg), cfg->provider, o->info->tx_attr->inject_size);
@@ -972,7 +969,7 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     if ((r = fi_av_open(o->domain, &ava, &o->av, NULL)) != 0)
         goto err_close;
     for (uint32_t i = 0; i < o->n_rails; i++) {
-        if (i == RAIL_RDV && o->rdv_bytes == 0)
+        if (i == RAIL_RDV && o->base.rdv_bytes == 0)
             continue;
         struct fid_ep **ep = &o->rails[i].ep;
         step = "fi_endpoint";
@@ -986,7 +983,7 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
         if ((r = fi_enable(*ep)) != 0)
             goto err_close;
     }
-    if (o->rdv_bytes > 0 && rdv_start(o) != SD_OK) {
+    if (o->base.rdv_bytes > 0 && rdv_start(o) != SD_OK) {
         snprintf(err, errlen, "libfabric (provider %s): cannot post the clear-to-send receives",
                  cfg->provider);
         ofi_close(&o->base);
@@ -998,10 +995,11 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
         "%zu, rx depth %zu each, mr %s, max message %zu, inject %zu%s, rendezvous above %llu "
         "bytes%s",
         o->info->fabric_attr->prov_name, o->info->fabric_attr->name, o->info->domain_attr->name,
-        o->rdv_bytes > 0 ? ", clear-to-send" : "", o->lanes, o->lanes == 1 ? "" : "s", o->tx_depth,
-        o->rx_depth, o->need_mr ? "registered" : "not needed", o->info->ep_attr->max_msg_size,
+        o->base.rdv_bytes > 0 ? ", clear-to-send" : "", o->base.data_lanes,
+        o->base.data_lanes == 1 ? "" : "s", o->tx_depth, o->rx_depth,
+        o->need_mr ? "registered" : "not needed", o->info->ep_attr->max_msg_size,
         o->info->tx_attr->inject_size, sar ? ", shm copies through bounce buffers (no CMA)" : "",
-        (unsigned long long)o->rdv_bytes, o->rdv_bytes ? "" : " (off)");
+        (unsigned long long)o->base.rdv_bytes, o->base.rdv_bytes ? "" : " (off)");
     *tp_p = &o->base;
     return SD_OK;
 

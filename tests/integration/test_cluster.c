@@ -316,11 +316,11 @@ static bool shm_usable(char *why, size_t len)
     return r == 0;
 }
 
-/* The transport's rendezvous counters (shardctl status): every clear-to-send a node received
- * released exactly one of its sends, either parked before it came or finding it on arrival,
- * and the cluster received every one that was sent. Without rendezvous there are none. With
- * small queues, posts waited for room and clear-to-sends for credit. */
-static void check_rendezvous(long long want_bytes, bool small_queues, int lanes)
+/* The transport's counters (shardctl status): every data lane carried sends; every
+ * clear-to-send a node received released exactly one of its sends, either parked before it came
+ * or finding it on arrival, and the cluster received every one that was sent. Without rendezvous
+ * there are none. With small queues, posts waited for room and clear-to-sends for credit. */
+static void check_transport(long long want_bytes, bool small_queues, int lanes)
 {
     long long sent = 0, received = 0, queued = 0, deferred = 0;
     for (int node = 0; node < N; node++) {
@@ -439,7 +439,7 @@ int main(int argc, char **argv)
         test_round_order("ddp,no-2hop", 1, 1);
     if (K == 1)
         bench_collectives();
-    check_rendezvous(variant[0] != '\0' ? 4096 : 0, strcmp(variant, "rendezvous-q128") == 0, lanes);
+    check_transport(variant[0] != '\0' ? 4096 : 0, strcmp(variant, "rendezvous-q128") == 0, lanes);
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_cluster");
 }
