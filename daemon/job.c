@@ -308,14 +308,27 @@ struct job_bytes {
     uint64_t w, g, os, pool, staging, scratch, net, total;
 };
 
+/* One rank's arena of each state: its data, and the colouring in front of and inside it. */
+static void job_arena_bytes(const struct sd_job *job, uint64_t bytes_p[SD_STATE_COUNT])
+{
+    const struct sd_layout *l = &job->layout;
+    uint64_t os_stride = sd_arena_os_stride(l->arena_numel[SD_STATE_OS]);
+    bytes_p[SD_STATE_W] = job->w_arena_bytes;
+    bytes_p[SD_STATE_G] = l->arena_numel[SD_STATE_G] * sizeof(float);
+    bytes_p[SD_STATE_OS] = os_stride * sizeof(float) * sd_optim_state_floats(job->model.optim.kind);
+    for (int st = 0; st < SD_STATE_COUNT; st++)
+        bytes_p[st] += sd_arena_colour(st);
+}
+
 static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct sd_config *cfg)
 {
     struct job_bytes b = {0};
     const struct sd_layout *l = &job->layout;
-    b.w = job->w_arena_bytes * job->k;
-    b.g = l->arena_numel[SD_STATE_G] * sizeof(float) * job->k;
-    b.os = l->arena_numel[SD_STATE_OS] * sizeof(float) *
-           sd_optim_state_floats(job->model.optim.kind) * job->k;
+    uint64_t arena[SD_STATE_COUNT];
+    job_arena_bytes(job, arena);
+    b.w = arena[SD_STATE_W] * job->k;
+    b.g = arena[SD_STATE_G] * job->k;
+    b.os = arena[SD_STATE_OS] * job->k;
     /* default: every unit at once; without the hierarchy each local rank has its own copy */
     b.pool = job->max_live_bytes   ? job->max_live_bytes
              : cfg->max_live_bytes ? cfg->max_live_bytes
@@ -419,11 +432,8 @@ static int alloc_failed(const struct sd_job *job, const char *tag, int status, c
  * while the job is allocating. */
 static int job_alloc_arenas(struct sd_job *job, char *err, size_t errlen)
 {
-    const struct sd_layout *l = &job->layout;
-    uint32_t of = sd_optim_state_floats(job->model.optim.kind);
-    uint64_t bytes[SD_STATE_COUNT] = {job->w_arena_bytes,
-                                      l->arena_numel[SD_STATE_G] * sizeof(float),
-                                      l->arena_numel[SD_STATE_OS] * sizeof(float) * of};
+    uint64_t bytes[SD_STATE_COUNT];
+    job_arena_bytes(job, bytes);
     char tag[96];
     for (uint32_t r = 0; r < job->k; r++)
         for (int st = 0; st < SD_STATE_COUNT; st++) {

@@ -381,11 +381,11 @@ void sd_job_step_apply(struct sd_job *job, double sumsq)
         scale = scale * (float)((double)o->max_grad_norm / (norm + 1e-6));
 
     /* every rank's optimizer shard: master weights, moments, cast into its w shard */
-    uint64_t os_numel = l->arena_numel[SD_STATE_OS];
+    uint64_t os_stride = sd_arena_os_stride(l->arena_numel[SD_STATE_OS]);
     for (uint32_t r = 0; r < job->k; r++) {
-        float *os = sd_job_arena(job, r, SD_STATE_OS)->ptr;
-        float *g = sd_job_arena(job, r, SD_STATE_G)->ptr;
-        uint8_t *w = sd_job_arena(job, r, SD_STATE_W)->ptr;
+        float *os = sd_job_state(job, r, SD_STATE_OS);
+        float *g = sd_job_state(job, r, SD_STATE_G);
+        uint8_t *w = sd_job_state(job, r, SD_STATE_W);
         for (uint32_t u = 0; u < l->n_units; u++) {
             const struct sd_unit_layout *ul = &l->units[u];
             uint64_t off = ul->arena_off[SD_STATE_OS], len = ul->numel / f;
@@ -397,13 +397,13 @@ void sd_job_step_apply(struct sd_job *job, double sumsq)
                                           .eps = o->eps,
                                           .weight_decay = o->weight_decay,
                                           .step = t};
-                dev->adamw(&a, os + off, os + os_numel + off, os + 2 * os_numel + off, gp, scale,
+                dev->adamw(&a, os + off, os + os_stride + off, os + 2 * os_stride + off, gp, scale,
                            w + job->w_off[u], ul->dtype, len);
             } else {
                 struct sd_sgd_args a = {
                     .lr = o->lr, .momentum = o->momentum, .weight_decay = o->weight_decay};
-                dev->sgd(&a, os + off, os + os_numel + off, gp, scale, w + job->w_off[u], ul->dtype,
-                         len);
+                dev->sgd(&a, os + off, os + os_stride + off, gp, scale, w + job->w_off[u],
+                         ul->dtype, len);
             }
         }
     }
@@ -497,8 +497,7 @@ void sd_job_load_unit(struct sd_job *job, uint32_t unit, const float *src)
     for (uint32_t r = 0; r < job->k; r++) {
         uint64_t b, end;
         sd_layout_shard(ul, f, job->first_rank + r, &b, &end);
-        float *master =
-            (float *)sd_job_arena(job, r, SD_STATE_OS)->ptr + ul->arena_off[SD_STATE_OS];
+        float *master = (float *)sd_job_state(job, r, SD_STATE_OS) + ul->arena_off[SD_STATE_OS];
         dev->copy(master, src + b, len * sizeof(float));
         dev->from_f32(sd_job_w_shard(job, r, unit), ul->dtype, src + b, len);
     }

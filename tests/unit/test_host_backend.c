@@ -28,7 +28,8 @@ static size_t resident_pages(void *p, size_t len)
 int main(void)
 {
     const struct sd_gpu_ops *dev = sd_gpu_find("host");
-    TH_CHECK(dev != NULL && sd_gpu_find("cuda") == NULL, "host backend present, cuda not built");
+    TH_CHECK(dev != NULL && strcmp(dev->name, "host") == 0, "host backend present");
+    TH_CHECK(sd_gpu_find("no-such-backend") == NULL, "an unknown backend name finds nothing");
 
     /* AdamW, two steps, p = 1, g = 0.5 (given as 1.0 with scale 0.5) */
     float master = 1.0f, m = 0, v = 0, grad = 1.0f, w = 0;
@@ -64,6 +65,49 @@ int main(void)
     dev->reduce_add(acc, h, SD_DTYPE_BF16, 3);
     TH_CHECK(acc[0] == 1.5f && acc[1] == 0.0f && acc[2] == 7.0f, "reduce_add bf16");
     TH_CHECK(dev->sum_sq(acc, 3) == 1.5 * 1.5 + 49.0, "sum of squares");
+    /* the sum of squares of a long vector (its partial sums run in lanes) against a long double
+     * sum in plain order, and the same for every length around the lane count */
+    enum { NSQ = 1003 };
+    float *xs = malloc(NSQ * sizeof(float));
+    TH_CHECK(xs != NULL, "alloc");
+    for (int i = 0; i < NSQ; i++)
+        xs[i] = (float)((i * 37) % 101 - 50) * 0.0173f;
+    for (int n = 0; n <= NSQ; n += n < 20 ? 1 : 331) {
+        long double ref = 0;
+        for (int i = 0; i < n; i++)
+            ref += (long double)xs[i] * xs[i];
+        double got = dev->sum_sq(xs, (size_t)n);
+        TH_CHECK(fabsl((long double)got - ref) <= 1e-15L * ref, "sum_sq of %d: %.17g vs %.17Lg", n,
+                 got, ref);
+        TH_CHECK(dev->sum_sq(xs, (size_t)n) == got, "sum_sq of %d is deterministic", n);
+    }
+
+    /* the vectorized AdamW loop gives every element exactly what the same update of that
+     * element alone gives */
+    float *st = calloc(6 * NSQ, sizeof(float));
+    TH_CHECK(st != NULL, "alloc");
+    float *pm = st, *pmm = st + NSQ, *pv = st + 2 * NSQ, *pg = st + 3 * NSQ, *pw = st + 4 * NSQ;
+    for (int i = 0; i < NSQ; i++) {
+        pm[i] = xs[i] + 0.5f;
+        pmm[i] = xs[i] * 0.01f;
+        pv[i] = xs[i] * xs[i] * 0.001f;
+        pg[i] = xs[(i * 7) % NSQ];
+    }
+    float one[5 * NSQ];
+    memcpy(one, st, sizeof(one));
+    a.step = 3;
+    dev->adamw(&a, pm, pmm, pv, pg, 0.25f, pw, SD_DTYPE_FP32, NSQ);
+    int differ = 0;
+    for (int i = 0; i < NSQ; i++) {
+        float e[5] = {one[i], one[NSQ + i], one[2 * NSQ + i], one[3 * NSQ + i], 0};
+        dev->adamw(&a, &e[0], &e[1], &e[2], &e[3], 0.25f, &e[4], SD_DTYPE_FP32, 1);
+        differ += e[0] != pm[i] || e[1] != pmm[i] || e[2] != pv[i] || e[4] != pw[i] || pg[i] != 0;
+    }
+    TH_CHECK(differ == 0, "adamw over %d elements: %d differ from the one-element update", NSQ,
+             differ);
+    free(st);
+    free(xs);
+
     float back[3];
     dev->to_f32(back, h, SD_DTYPE_BF16, 3);
     TH_CHECK(back[1] == -2.0f, "to_f32");
