@@ -9,7 +9,7 @@
 #include "sd/model.h"
 #include "sd/ring.h"
 #include "sd/schedule.h"
-#include "coll.h"
+#include "coll/coll.h"
 #include "shard.pb-c.h"
 
 #include <stdbool.h>

@@ -60,6 +60,59 @@ static uint32_t group_first(const struct sd_job *job)
     return self_node(job) - self_node(job) % job->group_nodes;
 }
 
+/* An all-reduce of count floats of buf across the replication group (job->members, R of them)
+ * with tmp of ar_tmp_count floats; acc as sd_allreduce_param's. The tag's seq names the round
+ * (a micro-step) or the step. */
+static int job_allreduce(struct sd_job *job, struct sd_allreduce *ar, uint32_t R, uint32_t unit,
+                         uint64_t round, bool step_sync, float *buf, size_t count, float *tmp,
+                         float *acc, sd_allreduce_cb cb, void *arg)
+{
+    struct sd_allreduce_param p = {.group = {.tp = tp_of(job),
+                                             .pool = &job->bulks,
+                                             .members = job->members,
+                                             .n_members = R,
+                                             .self = self_node(job)},
+                                   .dev = job->reg->dev,
+                                   .dtype = SD_DTYPE_FP32,
+                                   .codec = SD_CODEC_IDENTITY,
+                                   .buf = buf,
+                                   .count = count,
+                                   .tmp = tmp,
+                                   .tmp_count = job->ar_tmp_count,
+                                   .acc = acc,
+                                   .buf_desc = desc_of(job, buf),
+                                   .tmp_desc = desc_of(job, tmp),
+                                   .acc_desc = desc_of(job, acc),
+                                   .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                   .small_bytes = job->reg->cfg->small_allreduce_bytes,
+                                   .cb = cb,
+                                   .arg = arg};
+    int st = sd_tag_make(SD_TAG_AR, job->tag, unit, sd_tag_allreduce_seq(round, step_sync), 0,
+                         &p.tag_base);
+    return st == SD_OK ? sd_allreduce_start(ar, &p) : st;
+}
+
+/* An exchange of kind with node peer: this node receives the message peer sends (src peer) and
+ * sends its own (src self). Fails like a post that failed when a tag field does not fit. */
+static uint32_t job_exchange(struct sd_job *job, struct sd_exchange_param *x, uint32_t kind,
+                             uint32_t unit, uint32_t seq, int *status_p, uint32_t *suspect_p)
+{
+    x->pool = &job->bulks;
+    x->tp = tp_of(job);
+    x->recv.desc = desc_of(job, x->recv.buf);
+    x->send.desc = desc_of(job, x->send.buf);
+    int st = sd_tag_make(kind, job->tag, unit, seq, x->peer, &x->recv.tag);
+    if (st == SD_OK)
+        st = sd_tag_make(kind, job->tag, unit, seq, self_node(job), &x->send.tag);
+    if (st == SD_OK)
+        return sd_bulk_exchange(x, NULL, status_p, suspect_p);
+    if (*status_p == SD_OK) {
+        *status_p = st;
+        *suspect_p = x->peer;
+    }
+    return 0;
+}
+
 /* ---- sizes and set-up */
 
 static uint32_t bulks_needed(const struct sd_job *job)
@@ -93,8 +146,7 @@ static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cf
 static bool rounds_accumulate(const struct sd_job *job)
 {
     return job->k == 1 && !job->plan.two_hop && job->nodes / job->group_nodes > 1 &&
-           job->plan.f[SD_STATE_G] == job->group_nodes &&
-           job->reg->dev == &sd_gpu_host_ops; /* the ring adds on the CPU */
+           job->plan.f[SD_STATE_G] == job->group_nodes;
 }
 
 /* Does a node round sum its partial into a buffer of its own? Not when one rank's fp32
@@ -408,11 +460,15 @@ static bool serve(struct sd_job *job, const struct sd_req_msg *m)
             lens[p] = sd_job_w_shard_bytes(job, m->unit + i);
         }
     }
-    uint64_t tag = sd_tag(SD_TAG_WDATA, job->tag, m->unit,
-                          (uint32_t)((m->gen & 0xfff) << 4 | m->lslot), self_node(job), 0);
-    int st =
-        sd_bulk_startv(b, tp_of(job), true, m->src, tag, pieces, lens, n_units * job->k,
-                       job->reg->cfg->chunk_bytes, desc_of(job, pieces[0]), serve_done, NULL, job);
+    uint32_t seq = 0;
+    uint64_t tag = 0;
+    int st = sd_tag_weights_seq(m->gen, m->lslot, &seq);
+    if (st == SD_OK)
+        st = sd_tag_make(SD_TAG_WDATA, job->tag, m->unit, seq, self_node(job), &tag);
+    if (st == SD_OK)
+        st = sd_bulk_startv(b, tp_of(job), true, m->src, tag, pieces, lens, n_units * job->k,
+                            job->reg->cfg->chunk_bytes, desc_of(job, pieces[0]), serve_done, NULL,
+                            job);
     if (st != SD_OK) {
         sd_bulk_put(&job->bulks, b);
         SD_WARN("net", "job '%s': cannot send unit %u to node %u: %s", job->name, m->unit, m->src,
@@ -509,10 +565,8 @@ static int post_req_recv(struct sd_net_req *r, struct sd_net *net)
 {
     struct sd_transport *tp = net->tp;
     r->x.cb = req_recv_cb;
-    uint64_t tag = sd_tag(SD_TAG_REQ, 0, 0, 0, 0, 0);
-    uint64_t ignore = ~(0xfULL << 60);
-    return tp->ops->recv(tp, SD_PEER_ANY, tag, ignore, &r->msg, sizeof(r->msg), net->reqs_desc,
-                         &r->x);
+    return tp->ops->recv(tp, SD_PEER_ANY, sd_tag_of_kind(SD_TAG_REQ), sd_tag_any_but_kind(),
+                         &r->msg, sizeof(r->msg), net->reqs_desc, &r->x);
 }
 
 static void req_recv_cb(struct sd_xfer *x, int status)
@@ -683,7 +737,8 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
                                   .gen = us->gen,
                                   .n_units = n};
     job->gathers_inflight++;
-    uint32_t seq = (uint32_t)((us->gen & 0xfff) << 4 | us->lslot);
+    uint32_t seq = 0;
+    int tag_st = sd_tag_weights_seq(us->gen, us->lslot, &seq);
     for (uint32_t i = 0, o = 0; i < G; i++) {
         uint32_t m = first + i;
         if (m == self_node(job))
@@ -698,11 +753,18 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
                 lens[p] = len;
             }
         }
+        uint64_t data_tag = 0, req_tag = 0;
+        int st = tag_st;
+        if (st == SD_OK)
+            st = sd_tag_make(SD_TAG_WDATA, job->tag, us->unit, seq, m, &data_tag);
+        if (st == SD_OK)
+            st = sd_tag_make(SD_TAG_REQ, job->tag, us->unit, seq, self_node(job), &req_tag);
+        int req_st = st;
         struct sd_bulk *b = sd_bulk_get(&job->bulks);
         us->rb[o] = b;
-        int st = sd_bulk_startv(b, tp_of(job), false, m,
-                                sd_tag(SD_TAG_WDATA, job->tag, us->unit, seq, m, 0), pieces, lens,
-                                n * k, job->reg->cfg->chunk_bytes, desc_of(job, job->pool.ptr),
+        if (st == SD_OK)
+            st = sd_bulk_startv(b, tp_of(job), false, m, data_tag, pieces, lens, n * k,
+                                job->reg->cfg->chunk_bytes, desc_of(job, job->pool.ptr),
                                 gather_recv_done, NULL, us);
         if (st != SD_OK) {
             sd_bulk_put(&job->bulks, b);
@@ -713,9 +775,9 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
         struct sd_xfer *x = &us->req_x[o];
         x->cb = gather_req_sent;
         x->arg = us;
-        st = tp_of(job)->ops->send(tp_of(job), m,
-                                   sd_tag(SD_TAG_REQ, job->tag, us->unit, seq, self_node(job), 0),
-                                   &us->req, sizeof(us->req), desc_of(job, &us->req), x);
+        st = req_st != SD_OK ? req_st
+                             : tp_of(job)->ops->send(tp_of(job), m, req_tag, &us->req,
+                                                     sizeof(us->req), desc_of(job, &us->req), x);
         if (st != SD_OK) {
             us->status = st;
             us->suspect = m;
@@ -914,7 +976,7 @@ static void round_net_done(struct sd_node_round *rd)
 
 static void round_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
 {
-    struct sd_node_round *rd = ar->arg;
+    struct sd_node_round *rd = ar->p.arg;
     struct sd_job *job = rd->job;
     job->stats.bytes[SD_OP_PUSH][SD_LINK_INTER_SENT] += ar->bytes_sent;
     job->stats.bytes[SD_OP_PUSH][SD_LINK_INTER_RECV] += ar->bytes_recv;
@@ -935,14 +997,9 @@ static void round_after_rs(struct sd_node_round *rd)
         uint64_t count = job->group_nodes > 1 ? ul->numel / job->group_nodes : ul->numel;
         float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
         if (R > 1) {
-            uint64_t tag =
-                sd_tag(SD_TAG_AR, job->tag, rd->unit, (uint32_t)(rd->seq & 0xff) << 8, 0, 0);
             float *acc = rounds_accumulate(job) ? sd_job_g_shard(job, 0, ul) : NULL;
-            int st = sd_allreduce_start(&rd->ar, tp_of(job), &job->bulks, job->members, R,
-                                        self_node(job), B, count, rd->ar_tmp, job->ar_tmp_count,
-                                        acc, desc_of(job, B), desc_of(job, rd->ar_tmp),
-                                        desc_of(job, acc), tag, job->reg->cfg->chunk_bytes,
-                                        job->reg->cfg->small_allreduce_bytes, round_ar_done, rd);
+            int st = job_allreduce(job, &rd->ar, R, rd->unit, rd->seq, false, B, count, rd->ar_tmp,
+                                   acc, round_ar_done, rd);
             if (st == SD_OK)
                 return;
             rd->status = st;
@@ -964,15 +1021,14 @@ static void rs_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
     const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
     size_t block = ul->numel / G, e0 = off / sizeof(float), e1 = (off + len) / sizeof(float);
     uint32_t me = self_node(job) % G;
-    const float *src[64];
+    const float *src[64] = {NULL};
     for (uint32_t i = 0, o = 0; i < G; i++)
         src[i] = i == me ? rd->part + (size_t)me * block : rd->rs_recv + (size_t)(o++) * block;
-    for (size_t e = e0; e < e1; e++) { /* node order, as the reference would add them */
-        float s = src[0][e];
-        for (uint32_t i = 1; i < G; i++)
-            s += src[i][e];
-        rd->rs_out[e] = s;
-    }
+    /* node order, as the reference would add them: ((s0 + s1) + s2) + ... */
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    dev->copy(rd->rs_out + e0, src[0] + e0, (e1 - e0) * sizeof(float));
+    for (uint32_t i = 1; i < G; i++)
+        dev->reduce_add(rd->rs_out + e0, src[i] + e0, SD_DTYPE_FP32, e1 - e0);
 }
 
 static void rs_done(struct sd_bulk *b, int status)
@@ -1060,7 +1116,7 @@ static void round_start_next(struct sd_job *job)
         size_t block = ul->numel / G, bytes = block * sizeof(float);
         uint32_t first = group_first(job), me = self_node(job) % G;
         rd->chunk = sd_bulk_chunk_bytes(bytes, 1, job->reg->cfg->chunk_bytes);
-        uint32_t seq = (uint32_t)(rd->seq & 0xffff);
+        uint32_t seq = sd_tag_wrap(rd->seq, SD_TAG_SEQ_BITS);
         for (uint32_t i = 0, o = 0; i < G; i++) {
             uint32_t m = first + i;
             if (i == me)
@@ -1068,11 +1124,14 @@ static void round_start_next(struct sd_job *job)
             if (!direct)
                 node_partial(job, rd, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
             void *rp = rd->rs_recv + (size_t)o * block, *sp = rd->part + (size_t)i * block;
-            rd->pending += sd_bulk_exchange(
-                &job->bulks, tp_of(job), m, sd_tag(SD_TAG_GRAD, job->tag, u, seq, m, 0), rp, bytes,
-                sd_tag(SD_TAG_GRAD, job->tag, u, seq, self_node(job), 0), sp, bytes,
-                job->reg->cfg->chunk_bytes, desc_of(job, rp), desc_of(job, sp), rs_done, rs_chunk,
-                rd, 0, NULL, &rd->status, &rd->suspect);
+            struct sd_exchange_param x = {.peer = m,
+                                          .recv = {.buf = rp, .bytes = bytes},
+                                          .send = {.buf = sp, .bytes = bytes},
+                                          .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                          .cb = rs_done,
+                                          .chunk_cb = rs_chunk,
+                                          .arg = rd};
+            rd->pending += job_exchange(job, &x, SD_TAG_GRAD, u, seq, &rd->status, &rd->suspect);
             o++;
         }
         if (!direct)
@@ -1137,7 +1196,7 @@ static void step_unpack(struct sd_job *job, uint32_t u)
 
 static void step_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
 {
-    struct sd_job *job = ar->arg;
+    struct sd_job *job = ar->p.arg;
     job->stats.bytes[SD_OP_STEP][SD_LINK_INTER_SENT] += ar->bytes_sent;
     job->stats.bytes[SD_OP_STEP][SD_LINK_INTER_RECV] += ar->bytes_recv;
     job->step_pending = 0;
@@ -1199,16 +1258,20 @@ static void norm_start(struct sd_job *job)
     job->step_phase = SD_STEP_NORM;
     job->step_status = SD_OK;
     job->step_pending = 0;
-    uint64_t seq = job->steps & 0xffff;
+    uint32_t seq = sd_tag_wrap(job->steps, SD_TAG_SEQ_BITS);
     for (uint32_t m = 0; m < job->nodes; m++) {
         if (m == me)
             continue;
         void *rp = &job->norm_parts[m], *sp = &job->norm_parts[me];
-        job->step_pending += sd_bulk_exchange(
-            &job->bulks, tp_of(job), m, sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, m, 0), rp,
-            sizeof(*job->norm_parts), sd_tag(SD_TAG_SCALAR, job->tag, 0, (uint32_t)seq, me, 0), sp,
-            sizeof(*job->norm_parts), 4096, desc_of(job, rp), desc_of(job, sp), norm_done, NULL,
-            job, (uint64_t)(uintptr_t)job, NULL, &job->step_status, &job->step_suspect);
+        struct sd_exchange_param x = {.peer = m,
+                                      .recv = {.buf = rp, .bytes = sizeof(*job->norm_parts)},
+                                      .send = {.buf = sp, .bytes = sizeof(*job->norm_parts)},
+                                      .chunk_bytes = 4096,
+                                      .cb = norm_done,
+                                      .arg = job,
+                                      .arg2 = (uint64_t)(uintptr_t)job};
+        job->step_pending +=
+            job_exchange(job, &x, SD_TAG_SCALAR, 0, seq, &job->step_status, &job->step_suspect);
     }
     if (job->step_pending == 0) {
         if (job->step_status != SD_OK) {
@@ -1239,16 +1302,10 @@ void sd_job_net_step(struct sd_job *job)
         while (job->plan.two_hop && R > 1 && job->step_unit < job->layout.n_units) {
             uint32_t u = job->step_unit;
             uint64_t count = step_pack(job, u);
-            uint64_t tag =
-                sd_tag(SD_TAG_AR, job->tag, u, (uint32_t)((job->steps & 0x7f) | 0x80) << 8, 0, 0);
             job->step_pending = 1;
             /* no round runs during the step: it borrows round 0's all-reduce temporary */
-            int st = sd_allreduce_start(&job->step_ar, tp_of(job), &job->bulks, job->members, R,
-                                        self_node(job), job->scratch, count, job->nr[0].ar_tmp,
-                                        job->ar_tmp_count, NULL, desc_of(job, job->scratch),
-                                        desc_of(job, job->nr[0].ar_tmp), NULL, tag,
-                                        job->reg->cfg->chunk_bytes,
-                                        job->reg->cfg->small_allreduce_bytes, step_ar_done, job);
+            int st = job_allreduce(job, &job->step_ar, R, u, job->steps, true, job->scratch, count,
+                                   job->nr[0].ar_tmp, NULL, step_ar_done, job);
             if (st != SD_OK) {
                 job->step_pending = 0;
                 step_fail(job, st, job->members[0]);
@@ -1326,9 +1383,11 @@ static void init_post_next(struct sd_job *job)
     init_range(job, self_node(job), ul, &lo, &hi);
     void *p = job->scratch + lo; /* where sd_job_load_unit looks for elements [lo, hi) */
     struct sd_bulk *b = sd_bulk_get(&job->bulks);
-    int st = sd_bulk_start(b, tp_of(job), false, 0, sd_tag(SD_TAG_INIT, job->tag, u, 0, 0, 0), &p,
-                           1, (hi - lo) * sizeof(float), job->reg->cfg->chunk_bytes,
-                           desc_of(job, p), init_recv_done, NULL, job);
+    uint64_t tag = 0;
+    int st = sd_tag_make(SD_TAG_INIT, job->tag, u, 0, 0, &tag);
+    if (st == SD_OK)
+        st = sd_bulk_start(b, tp_of(job), false, 0, tag, &p, 1, (hi - lo) * sizeof(float),
+                           job->reg->cfg->chunk_bytes, desc_of(job, p), init_recv_done, NULL, job);
     b->arg2 = (uint64_t)(uintptr_t)job;
     if (st != SD_OK) {
         sd_bulk_put(&job->bulks, b);
@@ -1388,10 +1447,12 @@ void sd_job_net_init_sent(struct sd_job *job, struct sd_session *s, const struct
         init_range(job, m, ul, &lo, &hi);
         void *p = (void *)(values + lo);
         struct sd_bulk *b = sd_bulk_get(&job->bulks);
-        int st =
-            sd_bulk_start(b, tp_of(job), true, m, sd_tag(SD_TAG_INIT, job->tag, e->unit, 0, 0, 0),
-                          &p, 1, (hi - lo) * sizeof(float), job->reg->cfg->chunk_bytes,
-                          desc_of(job, p), init_send_done, NULL, job);
+        uint64_t tag = 0;
+        int st = sd_tag_make(SD_TAG_INIT, job->tag, e->unit, 0, 0, &tag);
+        if (st == SD_OK)
+            st = sd_bulk_start(b, tp_of(job), true, m, tag, &p, 1, (hi - lo) * sizeof(float),
+                               job->reg->cfg->chunk_bytes, desc_of(job, p), init_send_done, NULL,
+                               job);
         b->arg2 = (uint64_t)(uintptr_t)job;
         if (st == SD_OK)
             job->init_sends++;

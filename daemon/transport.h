@@ -5,6 +5,7 @@
 #ifndef SD_TRANSPORT_H
 #define SD_TRANSPORT_H
 
+#include "coll/tag.h"
 #include "sd/config.h"
 
 #include <stdbool.h>
@@ -90,52 +91,5 @@ struct sd_transport {
 /* Open the libfabric transport for cfg->provider on cfg->fabric_addr. err says why not. */
 int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_p, char *err,
                           size_t errlen);
-
-/* Tag layout: kind 4 | job 12 | unit 14 | seq 16 | src 10 | chunk 8 */
-#define SD_TAG_CHUNK_BITS 8
-#define SD_TAG_SRC_BITS   10
-#define SD_TAG_SEQ_BITS   16
-#define SD_TAG_UNIT_BITS  14
-#define SD_TAG_JOB_BITS   12
-#define SD_TAG_MAX_CHUNKS (1u << SD_TAG_CHUNK_BITS)
-#define SD_MAX_NODES      (1u << SD_TAG_SRC_BITS)
-
-enum sd_tag_kind {
-    SD_TAG_REQ = 1,    /* pull request for a unit's weights */
-    SD_TAG_WDATA = 2,  /* weights block */
-    SD_TAG_GRAD = 3,   /* reduce-scatter partial */
-    SD_TAG_AR = 4,     /* all-reduce chunk */
-    SD_TAG_SCALAR = 5, /* small all-reduce */
-    SD_TAG_INIT = 6,   /* initial values broadcast */
-    SD_TAG_RDV = 7,    /* the transport's clear-to-send (rendezvous_bytes), on its own endpoint */
-};
-
-static inline uint64_t sd_tag(uint32_t kind, uint32_t job, uint32_t unit, uint32_t seq,
-                              uint32_t src, uint32_t chunk)
-{
-    return (uint64_t)(kind & 0xf) << 60 | (uint64_t)(job & 0xfff) << 48 |
-           (uint64_t)(unit & 0x3fff) << 34 | (uint64_t)(seq & 0xffff) << 18 |
-           (uint64_t)(src & 0x3ff) << 8 | (uint64_t)(chunk & 0xff);
-}
-
-static inline uint32_t sd_tag_src(uint64_t tag)
-{
-    return (uint32_t)(tag >> 8) & 0x3ff;
-}
-
-static inline uint32_t sd_tag_kind(uint64_t tag)
-{
-    return (uint32_t)(tag >> 60);
-}
-
-/* Small latency-bound messages (pull requests, the step's norm exchange) travel on a control
- * rail of their own: on a stream transport a request queued behind megabytes of bulk data to the
- * same peer would wait for all of it, and two nodes pulling from each other would take turns
- * instead of using both directions at once. Both ends route by the tag alone. */
-static inline bool sd_tag_is_ctrl(uint64_t tag)
-{
-    uint32_t kind = sd_tag_kind(tag);
-    return kind == SD_TAG_REQ || kind == SD_TAG_SCALAR;
-}
 
 #endif

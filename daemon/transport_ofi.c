@@ -360,13 +360,13 @@ static void rail_assign(const struct ofi *o, struct sd_xfer *x)
 {
     /* a wildcard over the kind bits could match either rail: such receives stay on data, and a
      * wildcard over the chunk bits on lane 0 */
-    if ((x->ignore >> 60) == 0 && sd_tag_is_ctrl(x->tag)) {
+    if ((x->ignore & sd_tag_mask(SD_TAGF_KIND)) == 0 && sd_tag_is_ctrl(x->tag)) {
         x->rail = RAIL_CTRL;
         return;
     }
-    uint32_t lane = (x->ignore & (SD_TAG_MAX_CHUNKS - 1)) != 0
+    uint32_t lane = (x->ignore & sd_tag_mask(SD_TAGF_CHUNK)) != 0
                         ? 0
-                        : (uint32_t)(x->tag & (SD_TAG_MAX_CHUNKS - 1)) % o->base.data_lanes;
+                        : sd_tag_chunk(x->tag) % o->base.data_lanes;
     x->rail = RAIL_DATA + 2 * lane + (x->kind == XFER_SEND ? 0 : 1);
 }
 
@@ -400,9 +400,10 @@ static uint32_t rdv_bucket(uint32_t peer, uint64_t tag)
 static bool cts_inject(struct ofi *o, uint32_t peer, uint64_t tag)
 {
     struct rdv_msg m = {.tag = tag, .src = o->base.self, .magic = RDV_MAGIC};
+    uint64_t cts_tag = sd_tag_of_kind(SD_TAG_RDV);
+    sd_tag_set(&cts_tag, SD_TAGF_SRC, o->base.self); /* self < nodes <= SD_MAX_NODES */
     ssize_t r = fi_tinject(o->rails[RAIL_RDV].ep, &m, sizeof(m),
-                           o->peers[(size_t)peer_rail(RAIL_RDV) * o->base.n_peers + peer],
-                           sd_tag(SD_TAG_RDV, 0, 0, 0, o->base.self, 0));
+                           o->peers[(size_t)peer_rail(RAIL_RDV) * o->base.n_peers + peer], cts_tag);
     if (r == 0)
         o->base.cts_sent++;
     if (r != 0 && r != -FI_EAGAIN)
@@ -566,8 +567,8 @@ static int rdv_post_slot(struct ofi *o, struct rdv_slot *sl)
     sl->x.cb = rdv_recv_cb;
     sl->x.arg = o;
     sl->x.peer = SD_PEER_ANY;
-    sl->x.tag = sd_tag(SD_TAG_RDV, 0, 0, 0, 0, 0);
-    sl->x.ignore = ~(0xfULL << 60);
+    sl->x.tag = sd_tag_of_kind(SD_TAG_RDV);
+    sl->x.ignore = sd_tag_any_but_kind();
     sl->x.buf = &sl->m;
     sl->x.buflen = sizeof(sl->m);
     sl->x.desc = o->rdv_desc;

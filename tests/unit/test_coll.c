@@ -3,7 +3,8 @@
  * 64-byte chunks) and direct all-reduce for 2..5 members and sizes that do not divide evenly,
  * against the exact sums, identical on every member, with the bytes each member sends equal to the
  * formulas; chunked multi-piece bulk transfers. */
-#include "coll.h"
+#include "coll/coll.h"
+#include "sd/model.h"
 #include "harness.h"
 #include "sd/status.h"
 
@@ -129,7 +130,7 @@ struct done {
 
 static void ar_cb(struct sd_allreduce *ar, int status, uint32_t suspect)
 {
-    struct done *d = ar->arg;
+    struct done *d = ar->p.arg;
     (void)suspect;
     d->finished = 1;
     d->status = status;
@@ -165,9 +166,24 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
     }
     int started = 0;
     for (uint32_t i = 0; i < n; i++)
-        started += sd_allreduce_start(&ars[i], &nodes[i].base, &pools[i], members, n, i, bufs[i],
-                                      count, tmps[i], tmpn, accs[i], NULL, NULL, NULL, 0x1000,
-                                      chunk, small_bytes, ar_cb, &done[i]) == SD_OK;
+        started +=
+            sd_allreduce_start(&ars[i], &(struct sd_allreduce_param){.group = {.tp = &nodes[i].base,
+                                                                               .pool = &pools[i],
+                                                                               .members = members,
+                                                                               .n_members = n,
+                                                                               .self = i},
+                                                                     .dev = &sd_gpu_host_ops,
+                                                                     .dtype = SD_DTYPE_FP32,
+                                                                     .buf = bufs[i],
+                                                                     .count = count,
+                                                                     .tmp = tmps[i],
+                                                                     .tmp_count = tmpn,
+                                                                     .acc = accs[i],
+                                                                     .tag_base = 0x1000,
+                                                                     .chunk_bytes = chunk,
+                                                                     .small_bytes = small_bytes,
+                                                                     .cb = ar_cb,
+                                                                     .arg = &done[i]}) == SD_OK;
     TH_CHECK(started == (int)n, "n %u count %zu: %d of %u started", n, count, started, n);
     for (int round = 0; round < 100000; round++) {
         int all = 1, moved = 0;

@@ -5,6 +5,7 @@
 #ifndef SD_COLL_H
 #define SD_COLL_H
 
+#include "sd/gpu.h"
 #include "transport.h"
 
 #include <stdbool.h>
@@ -59,16 +60,31 @@ int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uin
                    size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
                    void *arg);
 
-/* An exchange with one peer: post the receive of rbytes into rp (chunk_cb per received chunk)
- * and the send of sbytes from sp, each one piece, with bulks from pool; both complete through cb
- * with arg (and arg2). Returns how many were posted (0..2); a post that failed sets *status_p
- * (if still 0) and *suspect_p. */
+/* An exchange with one peer: the receive of recv.bytes into recv.buf (chunk_cb per received
+ * chunk) and the send of send.bytes from send.buf, each one piece, with bulks from pool; both
+ * complete through cb with arg (and arg2). */
+struct sd_coll_span {
+    uint64_t tag;
+    void *buf;
+    size_t bytes;
+    void *desc; /* the registration (providers with FI_MR_LOCAL) or NULL */
+};
 struct sd_bulk_pool;
-uint32_t sd_bulk_exchange(struct sd_bulk_pool *pool, struct sd_transport *tp, uint32_t peer,
-                          uint64_t rtag, void *rp, size_t rbytes, uint64_t stag, const void *sp,
-                          size_t sbytes, size_t chunk_bytes, void *rdesc, void *sdesc,
-                          sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb, void *arg, uint64_t arg2,
-                          struct sd_bulk **rb_p, int *status_p, uint32_t *suspect_p);
+struct sd_exchange_param {
+    struct sd_bulk_pool *pool;
+    struct sd_transport *tp;
+    uint32_t peer;
+    struct sd_coll_span recv, send;
+    size_t chunk_bytes;
+    sd_bulk_cb cb;
+    sd_bulk_chunk_cb chunk_cb;
+    void *arg;
+    uint64_t arg2;
+};
+/* Returns how many were posted (0..2); a post that failed sets *status_p (if still 0) and
+ * *suspect_p. *rb_p (if not NULL) is the receive's bulk, or NULL. */
+uint32_t sd_bulk_exchange(const struct sd_exchange_param *p, struct sd_bulk **rb_p, int *status_p,
+                          uint32_t *suspect_p);
 
 /* A pool of bulks, allocated once. */
 struct sd_bulk_pool {
@@ -92,26 +108,45 @@ void sd_bulk_put(struct sd_bulk_pool *p, struct sd_bulk *b);
 struct sd_allreduce;
 typedef void (*sd_allreduce_cb)(struct sd_allreduce *ar, int status, uint32_t suspect);
 
-struct sd_allreduce {
+/* The group of an all-reduce: its members (node ids, ascending, self among them) and the
+ * resources it runs on. */
+struct sd_coll_group {
     struct sd_transport *tp;
     struct sd_bulk_pool *pool;
     const uint32_t *members;
-    uint32_t n_members, pos;
+    uint32_t n_members, self;
+};
+
+/* The codec a collective moves its data with. Only the identity exists; the quantized formats
+ * (int8 and int4 blocks with a scale per block) plug in here. */
+enum sd_codec { SD_CODEC_IDENTITY = 0 };
+
+struct sd_allreduce_param {
+    struct sd_coll_group group;
+    const struct sd_gpu_ops *dev; /* every sum goes through the device backend */
+    int dtype;                    /* of buf, tmp and acc: SD_DTYPE_FP32 */
+    enum sd_codec codec;
     float *buf;
     size_t count;
     float *tmp; /* ring: ceil(count / n) floats; direct: (n - 1) * count floats */
     size_t tmp_count;
     float *acc;                           /* NULL: the sum stays in buf */
     void *buf_desc, *tmp_desc, *acc_desc; /* registrations (providers with FI_MR_LOCAL) or NULL */
-    uint64_t tag_base; /* kind/job/unit/seq(high byte): the step index goes into seq's low byte */
-    size_t chunk_bytes;
+    uint64_t
+        tag_base; /* an SD_TAG_AR tag: the ring step goes into its seq (sd_tag_set_ring_step) */
+    size_t chunk_bytes, small_bytes;
+    sd_allreduce_cb cb;
+    void *arg;
+};
+
+struct sd_allreduce {
+    struct sd_allreduce_param p;
+    uint32_t pos;
     bool direct;
     uint32_t pending; /* direct: transfers not completed; ring: posted and not completed */
     int status;
     uint32_t suspect;
     uint64_t bytes_sent, bytes_recv;
-    sd_allreduce_cb cb;
-    void *arg;
     /* ring: transfer (step t, chunk c) uses slot t * nch + c of sb's (sends) or rb's (receives)
      * transfers; state 0 not posted, 1 posted, 2 done */
     struct sd_bulk *sb, *rb;
@@ -124,11 +159,9 @@ struct sd_allreduce {
 
 /* tmp must hold sd_allreduce_tmp_floats(count, n, small_bytes) floats. */
 size_t sd_allreduce_tmp_floats(size_t count, uint32_t n, size_t small_bytes);
-int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct sd_bulk_pool *pool,
-                       const uint32_t *members, uint32_t n_members, uint32_t self, float *buf,
-                       size_t count, float *tmp, size_t tmp_count, float *acc, void *buf_desc,
-                       void *tmp_desc, void *acc_desc, uint64_t tag_base, size_t chunk_bytes,
-                       size_t small_bytes, sd_allreduce_cb cb, void *arg);
+/* SD_EINVAL for a group without self or of fewer than two, a short tmp, or another dtype or
+ * codec than the engine has; SD_EBUSY when the pool has no bulks for it now. */
+int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param *p);
 
 /* Ring segment s of count floats among n: [begin, end). */
 static inline void sd_ring_segment(size_t count, uint32_t n, uint32_t s, size_t *begin_p,

@@ -1,4 +1,5 @@
-#include "coll.h"
+#include "coll/coll.h"
+#include "sd/model.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -58,6 +59,8 @@ int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uin
     uint32_t n = 0;
     for (uint32_t p = 0; p < n_pieces; p++)
         n += piece_chunks(lens[p], chunk);
+    if (n > SD_TAG_MAX_CHUNKS) /* pieces of no length each still take a chunk */
+        return SD_ERANGE;
     b->tp = tp;
     b->peer = peer;
     b->is_send = is_send;
@@ -79,9 +82,11 @@ int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uin
             bx->len = SD_MIN(chunk, lens[p] - SD_MIN(lens[p], bx->off));
             bx->x.cb = bulk_xfer_cb;
             char *base = (char *)pieces[p] + bx->off;
-            int st = is_send
-                         ? tp->ops->send(tp, peer, tag_base | i, base, bx->len, desc, &bx->x)
-                         : tp->ops->recv(tp, peer, tag_base | i, 0, base, bx->len, desc, &bx->x);
+            uint64_t tag = tag_base;
+            int st = sd_tag_set(&tag, SD_TAGF_CHUNK, i);
+            if (st == SD_OK)
+                st = is_send ? tp->ops->send(tp, peer, tag, base, bx->len, desc, &bx->x)
+                             : tp->ops->recv(tp, peer, tag, 0, base, bx->len, desc, &bx->x);
             if (st != SD_OK) {
                 if (i == 0) {
                     b->active = false;
@@ -147,37 +152,34 @@ void sd_bulk_put(struct sd_bulk_pool *p, struct sd_bulk *b)
     p->in_use--;
 }
 
-uint32_t sd_bulk_exchange(struct sd_bulk_pool *pool, struct sd_transport *tp, uint32_t peer,
-                          uint64_t rtag, void *rp, size_t rbytes, uint64_t stag, const void *sp,
-                          size_t sbytes, size_t chunk_bytes, void *rdesc, void *sdesc,
-                          sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb, void *arg, uint64_t arg2,
-                          struct sd_bulk **rb_p, int *status_p, uint32_t *suspect_p)
+uint32_t sd_bulk_exchange(const struct sd_exchange_param *p, struct sd_bulk **rb_p, int *status_p,
+                          uint32_t *suspect_p)
 {
     uint32_t posted = 0;
-    struct sd_bulk *rb = sd_bulk_get(pool), *sb = sd_bulk_get(pool);
-    int st = rb ? sd_bulk_start(rb, tp, false, peer, rtag, &rp, 1, rbytes, chunk_bytes, rdesc, cb,
-                                chunk_cb, arg)
+    struct sd_bulk *rb = sd_bulk_get(p->pool), *sb = sd_bulk_get(p->pool);
+    void *rp = p->recv.buf, *sp = p->send.buf;
+    int st = rb ? sd_bulk_start(rb, p->tp, false, p->peer, p->recv.tag, &rp, 1, p->recv.bytes,
+                                p->chunk_bytes, p->recv.desc, p->cb, p->chunk_cb, p->arg)
                 : SD_EBUSY;
     if (st == SD_OK) {
-        rb->arg2 = arg2;
+        rb->arg2 = p->arg2;
         posted++;
     } else if (rb != NULL) {
-        sd_bulk_put(pool, rb);
+        sd_bulk_put(p->pool, rb);
         rb = NULL;
     }
-    void *spv = (void *)sp;
-    int st2 = sb ? sd_bulk_start(sb, tp, true, peer, stag, &spv, 1, sbytes, chunk_bytes, sdesc, cb,
-                                 NULL, arg)
+    int st2 = sb ? sd_bulk_start(sb, p->tp, true, p->peer, p->send.tag, &sp, 1, p->send.bytes,
+                                 p->chunk_bytes, p->send.desc, p->cb, NULL, p->arg)
                  : SD_EBUSY;
     if (st2 == SD_OK) {
-        sb->arg2 = arg2;
+        sb->arg2 = p->arg2;
         posted++;
     } else if (sb != NULL) {
-        sd_bulk_put(pool, sb);
+        sd_bulk_put(p->pool, sb);
     }
     if ((st != SD_OK || st2 != SD_OK) && *status_p == SD_OK) {
         *status_p = st != SD_OK ? st : st2;
-        *suspect_p = peer;
+        *suspect_p = p->peer;
     }
     if (rb_p != NULL)
         *rb_p = rb;
@@ -202,13 +204,13 @@ static void ar_release(struct sd_allreduce *ar)
     if (ar->rb)
         ar->rb->active = false;
     if (ar->sb)
-        sd_bulk_put(ar->pool, ar->sb);
+        sd_bulk_put(ar->p.group.pool, ar->sb);
     if (ar->rb)
-        sd_bulk_put(ar->pool, ar->rb);
+        sd_bulk_put(ar->p.group.pool, ar->rb);
     ar->sb = ar->rb = NULL;
-    for (uint32_t i = 0; i + 1 < ar->n_members && i < SD_ARRAY_SIZE(ar->direct_rb); i++)
+    for (uint32_t i = 0; i + 1 < ar->p.group.n_members && i < SD_ARRAY_SIZE(ar->direct_rb); i++)
         if (ar->direct_rb[i]) {
-            sd_bulk_put(ar->pool, ar->direct_rb[i]);
+            sd_bulk_put(ar->p.group.pool, ar->direct_rb[i]);
             ar->direct_rb[i] = NULL;
         }
 }
@@ -216,7 +218,7 @@ static void ar_release(struct sd_allreduce *ar)
 static void ar_finish(struct sd_allreduce *ar)
 {
     ar_release(ar);
-    ar->cb(ar, ar->status, ar->suspect);
+    ar->p.cb(ar, ar->status, ar->suspect);
 }
 
 static void ar_note(struct sd_allreduce *ar, struct sd_bulk *b, int status)
@@ -237,41 +239,55 @@ static void direct_done(struct sd_bulk *b, int status)
     struct sd_allreduce *ar = b->arg;
     ar_note(ar, b, status);
     if (b->is_send)
-        sd_bulk_put(ar->pool, b);
+        sd_bulk_put(ar->p.group.pool, b);
     if (--ar->pending > 0)
         return;
     if (ar->status == SD_OK) {
-        const float *src[SD_ARRAY_SIZE(ar->direct_rb) + 1];
-        for (uint32_t m = 0, o = 0; m < ar->n_members; m++)
-            src[m] = m == ar->pos ? ar->buf : ar->tmp + (size_t)(o++) * ar->count;
-        float *out = ar->acc ? ar->acc : ar->buf;
-        for (size_t i = 0; i < ar->count; i++) {
-            float s = src[0][i];
-            for (uint32_t m = 1; m < ar->n_members; m++)
-                s += src[m][i];
-            out[i] = ar->acc ? out[i] + s : s;
-        }
+        /* the sum in member order, ((m0 + m1) + m2) + ..., into member 0's buffer: this node's
+         * own, or the first received one; then into acc or back into buf */
+        float *src[SD_ARRAY_SIZE(ar->direct_rb) + 1] = {NULL};
+        for (uint32_t m = 0, o = 0; m < ar->p.group.n_members; m++)
+            src[m] = m == ar->pos ? ar->p.buf : ar->p.tmp + (size_t)(o++) * ar->p.count;
+        const struct sd_gpu_ops *dev = ar->p.dev;
+        for (uint32_t m = 1; m < ar->p.group.n_members; m++)
+            dev->reduce_add(src[0], src[m], SD_DTYPE_FP32, ar->p.count);
+        if (ar->p.acc != NULL)
+            dev->reduce_add(ar->p.acc, src[0], SD_DTYPE_FP32, ar->p.count);
+        else if (src[0] != ar->p.buf)
+            dev->copy(ar->p.buf, src[0], ar->p.count * sizeof(float));
     }
     ar_finish(ar);
 }
 
 static int direct_start(struct sd_allreduce *ar)
 {
-    size_t bytes = ar->count * sizeof(float);
-    uint32_t others = ar->n_members - 1;
-    if (ar->pool->n - ar->pool->in_use < 2 * others)
+    size_t bytes = ar->p.count * sizeof(float);
+    uint32_t others = ar->p.group.n_members - 1;
+    if (ar->p.group.pool->n - ar->p.group.pool->in_use < 2 * others)
         return SD_EBUSY;
     ar->pending = 0;
-    for (uint32_t m = 0, o = 0; m < ar->n_members; m++) {
+    for (uint32_t m = 0, o = 0; m < ar->p.group.n_members; m++) {
         if (m == ar->pos)
             continue;
-        uint32_t peer = ar->members[m];
-        uint64_t rtag = ar->tag_base | (uint64_t)(peer & 0x3ff) << 8;
-        uint64_t stag = ar->tag_base | (uint64_t)(ar->members[ar->pos] & 0x3ff) << 8;
-        ar->pending += sd_bulk_exchange(
-            ar->pool, ar->tp, peer, rtag, ar->tmp + (size_t)o * ar->count, bytes, stag, ar->buf,
-            bytes, ar->chunk_bytes, ar->tmp_desc, ar->buf_desc, direct_done, NULL, ar, 0,
-            &ar->direct_rb[o], &ar->status, &ar->suspect);
+        uint32_t peer = ar->p.group.members[m];
+        struct sd_exchange_param x = {.pool = ar->p.group.pool,
+                                      .tp = ar->p.group.tp,
+                                      .peer = peer,
+                                      .recv = {.tag = ar->p.tag_base,
+                                               .buf = ar->p.tmp + (size_t)o * ar->p.count,
+                                               .bytes = bytes,
+                                               .desc = ar->p.tmp_desc},
+                                      .send = {.tag = ar->p.tag_base,
+                                               .buf = ar->p.buf,
+                                               .bytes = bytes,
+                                               .desc = ar->p.buf_desc},
+                                      .chunk_bytes = ar->p.chunk_bytes,
+                                      .cb = direct_done,
+                                      .arg = ar};
+        if (sd_tag_set(&x.recv.tag, SD_TAGF_SRC, peer) != SD_OK ||
+            sd_tag_set(&x.send.tag, SD_TAGF_SRC, ar->p.group.self) != SD_OK)
+            return SD_ERANGE; /* nothing posted yet: members are checked before */
+        ar->pending += sd_bulk_exchange(&x, &ar->direct_rb[o], &ar->status, &ar->suspect);
         o++;
     }
     /* nothing in flight: the caller reports the error; else the callbacks finish the job */
@@ -288,7 +304,7 @@ static int direct_start(struct sd_allreduce *ar)
  * acc. */
 static uint32_t ring_seg(const struct sd_allreduce *ar, uint32_t t, bool send)
 {
-    uint32_t n = ar->n_members;
+    uint32_t n = ar->p.group.n_members;
     if (t < n - 1)
         return send ? (ar->pos + n - t) % n : (ar->pos + 2 * n - t - 1) % n;
     uint32_t u = t - (n - 1);
@@ -300,7 +316,7 @@ static bool ring_chunk_range(const struct sd_allreduce *ar, uint32_t s, uint32_t
                              size_t *len)
 {
     size_t begin, end;
-    sd_ring_segment(ar->count, ar->n_members, s, &begin, &end);
+    sd_ring_segment(ar->p.count, ar->p.group.n_members, s, &begin, &end);
     size_t off = (size_t)c * ar->chunk_floats;
     if (begin + off >= end)
         return false;
@@ -317,26 +333,39 @@ static int ring_post_one(struct sd_allreduce *ar, bool send, uint32_t t, uint32_
     uint32_t slot = t * ar->nch + c;
     struct sd_bulk *bk = send ? ar->sb : ar->rb;
     struct sd_bulk_xfer *bx = &bk->xs[slot];
-    uint32_t n = ar->n_members;
-    uint32_t peer = send ? ar->members[(ar->pos + 1) % n] : ar->members[(ar->pos + n - 1) % n];
-    uint32_t src = send ? ar->members[ar->pos] : peer;
-    uint64_t tag = ar->tag_base | (uint64_t)(t & 0xff) << 18 | (uint64_t)(src & 0x3ff) << 8 | c;
+    uint32_t n = ar->p.group.n_members;
+    uint32_t peer =
+        send ? ar->p.group.members[(ar->pos + 1) % n] : ar->p.group.members[(ar->pos + n - 1) % n];
+    uint32_t src = send ? ar->p.group.members[ar->pos] : peer;
+    uint64_t tag = ar->p.tag_base;
+    int st = sd_tag_set_ring_step(&tag, t);
+    if (st == SD_OK)
+        st = sd_tag_set(&tag, SD_TAGF_SRC, src);
+    if (st == SD_OK)
+        st = sd_tag_set(&tag, SD_TAGF_CHUNK, c);
+    if (st != SD_OK) {
+        if (ar->status == SD_OK) {
+            ar->status = st;
+            ar->suspect = peer;
+        }
+        return st;
+    }
     bx->b = bk;
     bx->piece = t;
     bx->off = c;
     bx->len = len * sizeof(float);
     bx->x.cb = ring_xfer_cb;
-    float *p = ar->tmp + (size_t)c * ar->chunk_floats;
-    void *desc = ar->tmp_desc;
-    if (t >= n - 1 && ar->acc != NULL) { /* the all-gather of acc */
-        p = ar->acc + b;
-        desc = ar->acc_desc;
+    float *p = ar->p.tmp + (size_t)c * ar->chunk_floats;
+    void *desc = ar->p.tmp_desc;
+    if (t >= n - 1 && ar->p.acc != NULL) { /* the all-gather of acc */
+        p = ar->p.acc + b;
+        desc = ar->p.acc_desc;
     } else if (send || t >= n - 1) {
-        p = ar->buf + b;
-        desc = ar->buf_desc;
+        p = ar->p.buf + b;
+        desc = ar->p.buf_desc;
     }
-    int st = send ? ar->tp->ops->send(ar->tp, peer, tag, p, bx->len, desc, &bx->x)
-                  : ar->tp->ops->recv(ar->tp, peer, tag, 0, p, bx->len, desc, &bx->x);
+    st = send ? ar->p.group.tp->ops->send(ar->p.group.tp, peer, tag, p, bx->len, desc, &bx->x)
+              : ar->p.group.tp->ops->recv(ar->p.group.tp, peer, tag, 0, p, bx->len, desc, &bx->x);
     if (st != SD_OK) {
         if (ar->status == SD_OK) {
             ar->status = st;
@@ -374,7 +403,7 @@ static void ring_xfer_cb(struct sd_xfer *x, int status)
     struct sd_bulk_xfer *bx = (struct sd_bulk_xfer *)x;
     struct sd_allreduce *ar = bx->b->arg;
     bool send = bx->b == ar->sb;
-    uint32_t t = bx->piece, c = (uint32_t)bx->off, n = ar->n_members;
+    uint32_t t = bx->piece, c = (uint32_t)bx->off, n = ar->p.group.n_members;
     (send ? ar->sstate : ar->rstate)[t * ar->nch + c] = 2;
     ar->pending--;
     if (status != SD_OK) {
@@ -390,16 +419,11 @@ static void ring_xfer_cb(struct sd_xfer *x, int status)
         ar->left--;
         size_t b = 0, len = 0;
         ring_chunk_range(ar, ring_seg(ar, t, false), c, &b, &len);
-        const float *src = ar->tmp + (size_t)c * ar->chunk_floats;
-        if (t + 1 == n - 1 && ar->acc != NULL) { /* the segment's sum is done: into acc */
-            for (size_t i = 0; i < len; i++) {
-                float s = ar->buf[b + i] + src[i];
-                ar->acc[b + i] += s;
-            }
-        } else if (t < n - 1) { /* reduce-scatter: add what arrived */
-            for (size_t i = 0; i < len; i++)
-                ar->buf[b + i] += src[i];
-        }
+        const float *src = ar->p.tmp + (size_t)c * ar->chunk_floats;
+        if (t < n - 1) /* reduce-scatter: add what arrived */
+            ar->p.dev->reduce_add(ar->p.buf + b, src, SD_DTYPE_FP32, len);
+        if (t + 1 == n - 1 && ar->p.acc != NULL) /* the segment's sum is done: into acc */
+            ar->p.dev->reduce_add(ar->p.acc + b, ar->p.buf + b, SD_DTYPE_FP32, len);
         if (t + 1 < ar->steps && ar->status == SD_OK)
             ring_post_one(ar, true, t + 1, c, b, len); /* forward it */
         ring_post_recvs(ar);
@@ -410,12 +434,12 @@ static void ring_xfer_cb(struct sd_xfer *x, int status)
 
 static int ring_start(struct sd_allreduce *ar)
 {
-    uint32_t n = ar->n_members;
+    uint32_t n = ar->p.group.n_members;
     ar->steps = 2 * (n - 1);
-    size_t seg_max = (ar->count + n - 1) / n;
+    size_t seg_max = (ar->p.count + n - 1) / n;
     /* every (step, chunk) needs its own transfer slot in the two bulks */
     uint32_t nch_cap = SD_MAX(1u, SD_TAG_MAX_CHUNKS / ar->steps);
-    size_t cf = SD_MAX(ar->chunk_bytes / sizeof(float), 16);
+    size_t cf = SD_MAX(ar->p.chunk_bytes / sizeof(float), 16);
     if ((seg_max + cf - 1) / cf > nch_cap)
         cf = (seg_max + nch_cap - 1) / nch_cap;
     ar->chunk_floats = SD_MAX(cf, 1);
@@ -427,8 +451,8 @@ static int ring_start(struct sd_allreduce *ar)
     ar->sb->active = ar->rb->active = true;
     ar->sb->is_send = true;
     ar->rb->is_send = false;
-    ar->sb->peer = ar->members[(ar->pos + 1) % n];
-    ar->rb->peer = ar->members[(ar->pos + n - 1) % n];
+    ar->sb->peer = ar->p.group.members[(ar->pos + 1) % n];
+    ar->rb->peer = ar->p.group.members[(ar->pos + n - 1) % n];
     ar->sb->n = ar->rb->n = ar->steps * ar->nch;
     for (uint32_t i = 0; i < ar->steps * ar->nch; i++)
         ar->sb->xs[i].x.kind = ar->rb->xs[i].x.kind = 0;
@@ -457,46 +481,33 @@ static int ring_start(struct sd_allreduce *ar)
     return SD_OK;
 }
 
-int sd_allreduce_start(struct sd_allreduce *ar, struct sd_transport *tp, struct sd_bulk_pool *pool,
-                       const uint32_t *members, uint32_t n_members, uint32_t self, float *buf,
-                       size_t count, float *tmp, size_t tmp_count, float *acc, void *buf_desc,
-                       void *tmp_desc, void *acc_desc, uint64_t tag_base, size_t chunk_bytes,
-                       size_t small_bytes, sd_allreduce_cb cb, void *arg)
+int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param *p)
 {
     memset(ar, 0, sizeof(*ar));
-    ar->tp = tp;
-    ar->pool = pool;
-    ar->members = members;
-    ar->n_members = n_members;
-    ar->buf = buf;
-    ar->count = count;
-    ar->tmp = tmp;
-    ar->tmp_count = tmp_count;
-    ar->acc = acc;
-    ar->buf_desc = buf_desc;
-    ar->tmp_desc = tmp_desc;
-    ar->acc_desc = acc_desc;
-    ar->tag_base = tag_base;
-    ar->chunk_bytes = chunk_bytes;
-    ar->cb = cb;
-    ar->arg = arg;
+    ar->p = *p;
     ar->pos = UINT32_MAX;
-    for (uint32_t i = 0; i < n_members; i++)
-        if (members[i] == self)
+    const struct sd_coll_group *g = &p->group;
+    for (uint32_t i = 0; i < g->n_members; i++)
+        if (g->members[i] == g->self)
             ar->pos = i;
-    if (ar->pos == UINT32_MAX || n_members < 2 || n_members - 1 > SD_ARRAY_SIZE(ar->direct_rb) ||
-        tmp_count < sd_allreduce_tmp_floats(count, n_members, small_bytes))
+    if (ar->pos == UINT32_MAX || g->n_members < 2 ||
+        g->n_members - 1 > SD_ARRAY_SIZE(ar->direct_rb) || p->dev == NULL ||
+        p->dtype != SD_DTYPE_FP32 || p->codec != SD_CODEC_IDENTITY ||
+        p->tmp_count < sd_allreduce_tmp_floats(p->count, g->n_members, p->small_bytes))
         return SD_EINVAL;
-    ar->direct = count * sizeof(float) <= small_bytes;
+    for (uint32_t i = 0; i < g->n_members; i++)
+        if (g->members[i] >= SD_MAX_NODES)
+            return SD_ERANGE;
+    ar->direct = p->count * sizeof(float) <= p->small_bytes;
     if (ar->direct)
         return direct_start(ar);
-    ar->sb = sd_bulk_get(pool);
-    ar->rb = sd_bulk_get(pool);
+    ar->sb = sd_bulk_get(g->pool);
+    ar->rb = sd_bulk_get(g->pool);
     if (ar->sb == NULL || ar->rb == NULL) {
         if (ar->sb)
-            sd_bulk_put(pool, ar->sb);
+            sd_bulk_put(g->pool, ar->sb);
         if (ar->rb)
-            sd_bulk_put(pool, ar->rb);
+            sd_bulk_put(g->pool, ar->rb);
         return SD_EBUSY;
     }
     return ring_start(ar);
