@@ -1,7 +1,12 @@
 /* Admin commands for shardctl: status, jobs, groups, topology, stats. Answers are JSON; shardctl
  * renders tables from the same documents. */
-#include "cluster.h"
-#include "daemon.h"
+#include "cluster/cluster.h"
+#include "job.h"
+#include "net.h"
+#include "registry.h"
+#include "schedule.h"
+#include "server.h"
+#include "session.h"
 #include "sd/status.h"
 #include "sd/util.h"
 
@@ -47,12 +52,12 @@ static json_t *job_summary(const struct sd_job *job)
     return json_pack("{s:s, s:I, s:s, s:b, s:i, s:i, s:i, s:s, s:i, s:I, s:I, s:I, s:I, s:f, s:s, "
                      "s:o}",
                      "name", job->name, "id", (json_int_t)job->id, "state",
-                     sd_job_state_name(job->state), "allocating", (int)job->allocating, "uid",
+                     sd_job_state_name(job->state), "allocating", (int)job->mem.allocating, "uid",
                      (int)job->uid, "world", (int)job->world, "ranks_per_node", (int)job->k, "plan",
                      job->plan.name, "units", (int)job->layout.n_units, "parameters",
                      (json_int_t)job->layout.total_numel, "parameter_bytes",
                      (json_int_t)job->layout.total_bytes, "memory_bytes",
-                     (json_int_t)job->bytes_total, "steps", (json_int_t)job->steps,
+                     (json_int_t)job->mem.bytes_total, "steps", (json_int_t)job->steps,
                      "last_grad_norm", job->last_grad_norm, "error", job->fail_msg, "ranks", ranks);
 }
 
@@ -107,7 +112,7 @@ static json_t *job_stats(const struct sd_job *job)
                           "steps", (json_int_t)job->steps, "ops", ops, "bytes", totals, "errors",
                           (json_int_t)job->stats.errors, "gathers", (json_int_t)job->stats.gathers,
                           "cache_hits", (json_int_t)job->stats.cache_hits, "evictions",
-                          (json_int_t)job->stats.evictions, "allocations_since_register",
+                          (json_int_t)job->cache.evictions, "allocations_since_register",
                           (json_int_t)job->stats.allocs_after_register, "pool_bytes",
                           (json_int_t)job->stats.pool_bytes);
     json_object_set_new(o, "allocations_counted", json_boolean(sd_alloc_counted));

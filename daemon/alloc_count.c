@@ -3,7 +3,7 @@
  * library's allocator (glibc's __libc_* entry points), counting per thread. Under
  * AddressSanitizer the sanitizer owns the allocator: nothing is counted and
  * sd_alloc_counted says so. */
-#include "daemon.h"
+#include "stats.h"
 
 #include <malloc.h>
 #include <stddef.h>

@@ -1,7 +1,8 @@
 /* shardd: the per-node daemon. */
-#include "cluster.h"
-#include "daemon.h"
-#include "transport.h"
+#include "cluster/cluster.h"
+#include "registry.h"
+#include "server.h"
+#include "transport/transport.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -255,8 +256,10 @@ int main(int argc, char **argv)
         status = sd_transport_ofi_open(&cfg, &app.tp, err, sizeof(err));
         if (status == SD_OK)
             status = sd_net_start(&reg, app.tp, NULL);
+        struct sd_cluster_events ev;
+        sd_registry_cluster_events(&reg, &ev);
         if (status == SD_OK)
-            status = sd_cluster_start(&app.cl, &loop, &cfg, app.tp, &reg);
+            status = sd_cluster_start(&app.cl, &loop, &cfg, app.tp, &ev);
         if (status != SD_OK) {
             fprintf(stderr, "shardd: cannot join the cluster: %s\n",
                     err[0] ? err : sd_status_str(status));
@@ -266,7 +269,7 @@ int main(int argc, char **argv)
             uv_loop_close(&loop);
             return 1;
         }
-        reg.net->cl = app.cl;
+        sd_net_set_cluster(&reg, app.cl);
         sd_server_attach_transport(&app.srv, app.tp);
     }
     SD_INFO("main", "shardd %s node %lld/%lld, backend %s, pid %d", SHARD_VERSION,

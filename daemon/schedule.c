@@ -11,7 +11,10 @@
  * of the step on demand (first fit in the pool, rebuilt from what is resident), is counted and
  * logged (rate-limited), and the next step is recorded and frozen again. Data never depends on
  * the schedule: every fetch still checks the unit's weights generation. */
-#include "daemon.h"
+#include "job.h"
+#include "ops.h"
+#include "schedule.h"
+#include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -73,7 +76,7 @@ int sd_sched_alloc(struct sd_job *job)
     for (uint32_t u = 0; u < n_units; u++)
         sc->slot_bytes[u] = job->slots_per_unit * sd_round_up(unit_bytes(job, u), SD_CACHELINE);
     for (uint32_t i = 0; i < job->n_slots; i++)
-        job->units[i].plan_iv = SD_SCHED_NONE;
+        job->cache.units[i].plan_iv = SD_SCHED_NONE;
     sc->state = SD_SCHED_RECORDING;
     sc->want_iv = SD_SCHED_NONE;
     return SD_OK;
@@ -118,12 +121,12 @@ static void deviate(struct sd_job *job, const char *why)
                    "recording a new schedule (%llu invalidations so far)",
                    job->name, (unsigned long long)job->steps + 1, why,
                    (unsigned long long)sc->invalidations);
-    job->spool.n_used = 0;
+    job->cache.spool.n_used = 0;
     for (uint32_t i = 0; i < job->n_slots; i++) {
-        struct sd_unit_state *us = &job->units[i];
+        struct sd_unit_state *us = &job->cache.units[i];
         us->plan_iv = SD_SCHED_NONE;
         if (us->resident || us->inflight)
-            sd_slot_pool_take(&job->spool, us->pool_off, unit_bytes(job, us->unit));
+            sd_slot_pool_take(&job->cache.spool, us->pool_off, unit_bytes(job, us->unit));
     }
 }
 
@@ -160,7 +163,7 @@ uint32_t sd_sched_before(struct sd_job *job, struct sd_session *s, const struct 
     if ((us->resident || us->inflight) && us->pool_off == off && us->gen == job->weights_gen)
         sc->prefetch_hits++; /* already there (prefetched, reused or persistent) */
     else if (us->resident && !us->inflight && us->refs == 0 && us->pool_off != off)
-        sd_job_evict(job, us); /* cached elsewhere: gather it again into its place */
+        sd_unit_cache_evict(&job->cache, us); /* cached elsewhere: gather it again into its place */
     sc->want_iv = I;
     sc->want_off = off;
     return c;
@@ -211,7 +214,7 @@ static bool place_empty(const struct sd_job *job, const struct sd_unit_state *se
                         uint64_t len)
 {
     for (uint32_t i = 0; i < job->n_slots; i++)
-        if (&job->units[i] != self && occupies(job, &job->units[i], off, len))
+        if (&job->cache.units[i] != self && occupies(job, &job->cache.units[i], off, len))
             return false;
     return true;
 }
@@ -221,12 +224,12 @@ static bool place_empty(const struct sd_job *job, const struct sd_unit_state *se
 static int claim(struct sd_job *job, uint64_t off, uint64_t len)
 {
     for (uint32_t i = 0; i < job->n_slots; i++) {
-        struct sd_unit_state *us = &job->units[i];
+        struct sd_unit_state *us = &job->cache.units[i];
         if (!occupies(job, us, off, len))
             continue;
         if (us->inflight || us->refs > 0)
             return us->plan_iv == SD_SCHED_NONE ? SD_EBUSY : SD_EAGAIN;
-        sd_job_evict(job, us);
+        sd_unit_cache_evict(&job->cache, us);
     }
     return SD_OK;
 }
@@ -253,7 +256,7 @@ static int issue(struct sd_job *job, uint32_t I, uint32_t l)
 {
     struct sd_job_sched *sc = &job->sched;
     uint32_t u = sc->plan.iv_unit[I];
-    struct sd_unit_state *us = &job->units[(size_t)u * job->slots_per_unit + l];
+    struct sd_unit_state *us = &job->cache.units[(size_t)u * job->slots_per_unit + l];
     uint64_t off = sc->plan.iv[I].off + copy_off(job, us);
     if (us->inflight)
         return SD_OK; /* a fetch or a refresh is gathering it */
@@ -264,18 +267,18 @@ static int issue(struct sd_job *job, uint32_t I, uint32_t l)
     if (us->resident && us->refs > 0)
         return SD_OK; /* held where it is: its fetch sorts it out */
     if (us->resident)
-        sd_job_evict(job, us);
+        sd_unit_cache_evict(&job->cache, us);
     if (claim(job, off, unit_bytes(job, u)) != SD_OK)
         return SD_EAGAIN;
     us->pool_off = off;
     if (job->group_nodes > 1) {
-        int st = sd_job_net_prefetch(job, us);
+        int st = sd_fetch_prefetch(job, us);
         if (st == SD_EAGAIN)
             return SD_EAGAIN;
         if (st != SD_OK)
             return SD_OK; /* the job failed; nothing more to issue */
     } else {
-        sd_job_local_gather(job, us, job->first_rank + l);
+        sd_fetch_local_gather(job, us, job->first_rank + l);
         us->resident = true;
         us->gen = job->weights_gen;
     }
@@ -288,7 +291,7 @@ void sd_sched_prefetch(struct sd_job *job)
 {
     struct sd_job_sched *sc = &job->sched;
     if (sc->state != SD_SCHED_FROZEN || sc->deviated || job->state != SD_JOB_READY ||
-        job->step_phase != SD_STEP_IDLE || sc->in_prefetch)
+        job->step.phase != SD_STEP_IDLE || sc->in_prefetch)
         return;
     sc->in_prefetch = true;
     /* one copy per node follows the leading rank; per-rank copies follow their rank */
@@ -305,17 +308,17 @@ void sd_sched_prefetch(struct sd_job *job)
          * ahead of their planned issue, when their places hold nothing */
         while (job->group_nodes > 1 && sc->pf_next[l] < sc->plan.n_iv) {
             uint32_t I = sc->pf_next[l], u = sc->plan.iv_unit[I];
-            struct sd_unit_state *us = &job->units[(size_t)u * job->slots_per_unit + l];
+            struct sd_unit_state *us = &job->cache.units[(size_t)u * job->slots_per_unit + l];
             uint64_t off = sc->plan.iv[I].off + copy_off(job, us);
             if (us->inflight || (us->resident && us->refs > 0) ||
-                !sd_job_net_would_join(job, u, us->lslot) ||
+                !sd_fetch_would_join(job, u, us->lslot) ||
                 !place_empty(job, us, off, unit_bytes(job, u)) || issue(job, I, l) != SD_OK)
                 break;
             sc->pf_next[l]++;
         }
     }
     if (job->group_nodes > 1)
-        sd_job_net_prefetch_flush(job); /* small units issued together travel together */
+        sd_fetch_prefetch_flush(job); /* small units issued together travel together */
     sc->in_prefetch = false;
 }
 
@@ -444,7 +447,7 @@ static void freeze(struct sd_job *job)
     uint64_t all = 0;
     for (uint32_t u = 0; u < job->layout.n_units; u++)
         all += sc->slot_bytes[u];
-    if (all <= job->spool.capacity) /* the pool holds every unit: nothing is gathered twice */
+    if (all <= job->cache.spool.capacity) /* the pool holds every unit: nothing is gathered twice */
         sc->params.reuse_distance = UINT32_MAX;
     for (;;) {
         int st = sd_sched_plan_build(sc->ops, sc->n, sc->slot_bytes, job->layout.n_units,
@@ -455,7 +458,7 @@ static void freeze(struct sd_job *job)
             sc->state = SD_SCHED_OFF;
             return;
         }
-        if (sc->plan.peak <= job->spool.capacity)
+        if (sc->plan.peak <= job->cache.spool.capacity)
             break;
         if (sc->params.prefetch_depth > 0) {
             sc->params.prefetch_depth--; /* less ahead, less live */
@@ -467,13 +470,13 @@ static void freeze(struct sd_job *job)
                     "job '%s': the planned gather pool (%s) exceeds its %s (max_live_bytes); "
                     "fetching on demand",
                     job->name, sd_fmt_bytes(b1, sizeof(b1), sc->plan.peak),
-                    sd_fmt_bytes(b2, sizeof(b2), job->spool.capacity));
+                    sd_fmt_bytes(b2, sizeof(b2), job->cache.spool.capacity));
             sc->state = SD_SCHED_OFF;
             return;
         }
     }
     for (uint32_t i = 0; i < job->n_slots; i++)
-        job->units[i].plan_iv = SD_SCHED_NONE;
+        job->cache.units[i].plan_iv = SD_SCHED_NONE;
     sc->state = SD_SCHED_FROZEN;
     sc->freezes++;
     sc->frozen_at_step = job->steps;
@@ -484,7 +487,7 @@ static void freeze(struct sd_job *job)
             job->name, (unsigned long long)job->steps, sc->n, sc->plan.n_iv,
             sc->params.prefetch_depth, sd_fmt_bytes(b1, sizeof(b1), sc->plan.peak),
             sd_fmt_bytes(b2, sizeof(b2), sc->plan.lower_bound),
-            sd_fmt_bytes(b3, sizeof(b3), job->spool.capacity));
+            sd_fmt_bytes(b3, sizeof(b3), job->cache.spool.capacity));
 }
 
 void sd_sched_step_done(struct sd_job *job)

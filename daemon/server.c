@@ -1,7 +1,10 @@
 /* The client socket: accept, SO_PEERCRED, frame parsing and dispatch; and the progress engine
  * that drains every session's ring, spinning for poll_spin_us after activity before it sleeps
  * on the sessions' eventfds. */
-#include "daemon.h"
+#include "registry.h"
+#include "server.h"
+#include "session.h"
+#include "transport/transport.h"
 #include "sd/frame.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -141,7 +144,7 @@ static bool handle_message(struct sd_conn *c, const uint8_t *buf, size_t len)
             sd_conn_send_error(c, SD_ESTATE,
                                "register: this session already belongs to job '%s' "
                                "as rank %u; attach again for another job",
-                               c->session->job->name, c->session->rank);
+                               sd_job_name(c->session->job), c->session->rank);
             break;
         }
         sd_job_register(c->srv->reg, c->session, m->register_);

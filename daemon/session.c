@@ -1,6 +1,8 @@
 /* A client session: the shared-memory ring, its two eventfds, and the job membership.
  * The daemon copies each submission out of shared memory before it validates it. */
-#include "daemon.h"
+#include "registry.h"
+#include "server.h"
+#include "session.h"
 #include "sd/frame.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -168,7 +170,7 @@ void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, c
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
     if (s->job != NULL)
-        s->job->stats.errors++;
+        sd_job_count_error(s->job);
     SD_DEBUG("session", "session %llu: %s failed: %s", (unsigned long long)s->id,
              sd_op_name((int)e->op), text);
     sd_session_complete(s, e->tag, (int)e->op, status, 0, 0, text);

@@ -1,6 +1,6 @@
 /* Offsets inside the pre-allocated gather pool: a sorted array of used extents, first fit.
  * The array is sized once (one extent per unit at most), so no call allocates. */
-#include "daemon.h"
+#include "slot_pool.h"
 #include "sd/status.h"
 #include "sd/util.h"
 

@@ -1,5 +1,5 @@
 /* Latency samples: the most recent SD_LAT_SAMPLES per operation; quantiles on demand. */
-#include "daemon.h"
+#include "stats.h"
 
 #include <stdlib.h>
 #include <string.h>

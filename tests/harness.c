@@ -15,8 +15,6 @@
 #include <time.h>
 #include <unistd.h>
 
-int th_passed, th_failed;
-
 double th_now_s(void)
 {
     struct timespec ts;
@@ -305,10 +303,4 @@ char *th_read_file(const char *path, size_t *len_p)
     if (len_p)
         *len_p = got;
     return buf;
-}
-
-int th_summary(const char *name)
-{
-    printf("%s: %d passed, %d failed\n", name, th_passed, th_failed);
-    return th_failed ? 1 : 0;
 }

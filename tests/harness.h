@@ -2,6 +2,8 @@
 #ifndef TH_HARNESS_H
 #define TH_HARNESS_H
 
+#include "check.h"
+
 #include <stdbool.h>
 #include <stdio.h>
 #include <sys/types.h>
@@ -12,20 +14,6 @@ struct th_daemon {
     char sock[320]; /* client socket */
     char log[320];
 };
-
-extern int th_passed, th_failed;
-
-#define TH_CHECK(cond, ...)                                                                        \
-    do {                                                                                           \
-        if (cond) {                                                                                \
-            th_passed++;                                                                           \
-        } else {                                                                                   \
-            th_failed++;                                                                           \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-        }                                                                                          \
-    } while (0)
 
 #define TH_MAX_NODES 8
 struct th_cluster {
@@ -72,7 +60,5 @@ bool th_compare_dumps(const char *a, const char *b, double tol, struct th_dump_d
 /* Read a whole file (malloc'd) or NULL. */
 char *th_read_file(const char *path, size_t *len_p);
 double th_now_s(void);
-/* Print the closing line and return the process exit code. */
-int th_summary(const char *name);
 
 #endif

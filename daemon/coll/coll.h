@@ -6,7 +6,7 @@
 #define SD_COLL_H
 
 #include "sd/gpu.h"
-#include "transport.h"
+#include "transport/transport.h"
 
 #include <stdbool.h>
 #include <stddef.h>

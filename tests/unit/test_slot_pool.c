@@ -1,8 +1,8 @@
 /* The gather pool's offset allocator: hand cases, then a property test on random sequences:
  * live extents never overlap, stay inside the pool, and an allocation fails only when no gap of
  * that size exists. */
-#include "harness.h"
-#include "daemon.h"
+#include "check.h"
+#include "slot_pool.h"
 #include "sd/status.h"
 
 #include <stdlib.h>

@@ -3,7 +3,7 @@
  * keep apart what the old hand packing mixed up (copy slots above 15 collided with the next
  * weights generation). */
 #include "coll/tag.h"
-#include "harness.h"
+#include "check.h"
 
 #include <stdlib.h>
 #include <string.h>

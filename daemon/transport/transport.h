@@ -1,6 +1,6 @@
 /* The transport vtable (DESIGN.md section 6): tagged, asynchronous, reliable messages between the
  * daemons of a cluster. The collective engine uses nothing else; the libfabric transport
- * (transport_ofi.c) is the production one. Completions are reported through callbacks from
+ * (transport/ofi.c) is the production one. Completions are reported through callbacks from
  * ops->progress(), which the daemon calls from its libuv loop. */
 #ifndef SD_TRANSPORT_H
 #define SD_TRANSPORT_H

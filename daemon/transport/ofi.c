@@ -22,178 +22,7 @@
  * with a buffer of the message's length (the collective engine's chunks). Clear-to-sends have an
  * endpoint of their own: sharing the control endpoint with them, libfabric 1.17's shm lost pull
  * requests and norm exchanges now and then (runs hung in 3 of 4 attempts; none in 24 since). */
-#include "transport.h"
-#include "sd/log.h"
-#include "sd/status.h"
-#include "sd/util.h"
-
-#include <rdma/fabric.h>
-#include <rdma/fi_cm.h>
-#include <rdma/fi_domain.h>
-#include <rdma/fi_endpoint.h>
-#include <rdma/fi_errno.h>
-#include <rdma/fi_tagged.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-_Static_assert(sizeof(((struct sd_xfer *)0)->opaque) >= sizeof(struct fi_context2),
-               "sd_xfer must hold a fi_context2");
-
-/* XFER_PARKED: a rendezvous send waiting for its clear-to-send; XFER_CTS: a standing receive of
- * clear-to-sends (the transport's own, not counted in inflight) */
-enum { XFER_SEND = 1, XFER_RECV = 2, XFER_PARKED = 3, XFER_CTS = 4 };
-/* Endpoints ("rails"): control, clear-to-send (opened only with rendezvous), then one pair per
- * data lane, outbound and inbound. A send on rail r goes to the peer's rail peer_rail(r); a
- * receive on r matches sources there. A chunk travels on lane chunk % lanes, which both ends
- * compute from the tag: each lane is a stream of its own in the provider (with shm, one
- * segmented message in flight per pair of endpoints; with tcp;ofi_rxm, one connection). */
-enum { RAIL_CTRL = 0, RAIL_RDV = 1, RAIL_DATA = 2, MAX_RAILS = RAIL_DATA + 2 * SD_MAX_DATA_LANES };
-
-static uint32_t peer_rail(uint32_t r)
-{
-    return r < RAIL_DATA ? r : r ^ 1; /* outbound 2 + 2l <-> inbound 3 + 2l */
-}
-
-static const char *rail_name(uint32_t r, char *buf, size_t len)
-{
-    if (r < RAIL_DATA)
-        return r == RAIL_CTRL ? "control" : "clear-to-send";
-    snprintf(buf, len, "data lane %u %s", (r - RAIL_DATA) / 2, r & 1 ? "inbound" : "outbound");
-    return buf;
-}
-
-/* A FIFO of transfers, linked through next_pending: a rail's posts that wait for room, or a
- * rendezvous queue. A transfer is in one at a time. */
-struct xqueue {
-    struct sd_xfer *head, *tail;
-};
-
-static void xq_push(struct xqueue *q, struct sd_xfer *x)
-{
-    x->next_pending = NULL;
-    if (q->tail)
-        q->tail->next_pending = x;
-    else
-        q->head = x;
-    q->tail = x;
-}
-
-static void xq_push_front(struct xqueue *q, struct sd_xfer *x)
-{
-    x->next_pending = q->head;
-    q->head = x;
-    if (q->tail == NULL)
-        q->tail = x;
-}
-
-static struct sd_xfer *xq_pop(struct xqueue *q)
-{
-    struct sd_xfer *x = q->head;
-    if (x != NULL) {
-        q->head = x->next_pending;
-        if (q->head == NULL)
-            q->tail = NULL;
-    }
-    return x;
-}
-
-static bool xq_remove(struct xqueue *q, struct sd_xfer *x)
-{
-    for (struct sd_xfer **pp = &q->head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next_pending)
-        if (*pp == x) {
-            *pp = x->next_pending;
-            if (q->tail == x)
-                q->tail = prev;
-            return true;
-        }
-    return false;
-}
-
-struct rail {
-    struct fid_ep *ep;
-    size_t tx_posted, rx_posted;
-    struct xqueue pending;
-};
-
-struct rdv_msg {
-    uint64_t tag;
-    uint32_t src;
-    uint32_t magic;
-};
-#define RDV_MAGIC 0x53445254u /* "SDRT" */
-/* Standing receives of clear-to-sends. libfabric 1.17's shm loses some of the small messages
- * that arrive while every receive is taken (a few dozen in thousands, measured), so each node
- * keeps at most rdv_credit clear-to-sends unanswered (no data back yet) toward each peer, which
- * together stay within the peer's standing receives; the rest wait in the peer's queue. */
-#define RDV_RECV_SLOTS 512
-#define RDV_BUCKETS    1024
-/* A clear-to-send that arrived before its send lives this long (a receive cancelled when its
- * job failed leaves one behind); then it is dropped. */
-#define RDV_STALE_NS (600ULL * 1000000000ULL)
-
-struct rdv_slot {
-    struct sd_xfer x;
-    struct rdv_msg m;
-};
-
-/* Clear-to-sends from peer for tag that arrived before their send, from a pool sized at open:
- * a peer has at most rdv_credit of them unanswered toward this node, together the standing
- * receives; twice that leaves room for those whose receive was cancelled (a failed job), which
- * age out. */
-struct rdv_cts {
-    struct rdv_cts *next;
-    uint64_t tag, since_ns;
-    uint32_t peer, count;
-};
-
-/* a posted receive's clear-to-send: waiting for credit, waiting for the provider to take it,
- * or sent and not answered yet */
-enum { RDV_NONE = 0, RDV_DEFERRED, RDV_RETRY, RDV_OUT };
-
-/* clear-to-sends toward one peer: sent and not answered yet, and the receives waiting for
- * credit */
-struct rdv_peer {
-    uint32_t out;
-    struct xqueue deferred;
-};
-
-struct ofi {
-    struct sd_transport base;
-    struct fi_info *info;
-    struct fid_fabric *fabric;
-    struct fid_domain *domain;
-    struct fid_cq *cq;
-    struct fid_av *av;
-    struct rail rails[MAX_RAILS]; /* ep NULL: not opened (clear-to-send without rendezvous) */
-    uint32_t n_rails;             /* RAIL_DATA + 2 * base.data_lanes */
-    fi_addr_t *peers;             /* [rail * n_peers + node] */
-    bool *down;                   /* [node] */
-    int wait_fd;
-    bool need_mr;
-    size_t tx_depth, rx_depth;
-    /* rendezvous (base.rdv_bytes > 0) */
-    struct rdv_slot *rdv_slots;
-    uint32_t rdv_slots_n, rdv_credit;
-    void *rdv_desc, *rdv_mr;
-    struct sd_xfer *parked[RDV_BUCKETS]; /* sends waiting, chained through next_pending */
-    struct rdv_cts *early[RDV_BUCKETS];
-    struct rdv_cts *cts_pool, *cts_free;
-    uint32_t cts_pool_n, early_n, parked_n;
-    struct rdv_peer *rdv_peers; /* [node], with the address table */
-    struct xqueue retry;        /* receives whose clear-to-send the provider refused */
-    uint64_t rdv_sweep_ns;
-};
-
-static struct rail *rail_of(struct ofi *o, const struct sd_xfer *x)
-{
-    return &o->rails[x->rail];
-}
-
-static int to_status(ssize_t r)
-{
-    return r == -FI_EAGAIN ? SD_EAGAIN : r == -FI_ETIMEDOUT ? SD_ETIMEDOUT : SD_EIO;
-}
+#include "transport/ofi.h"
 
 /* The published address: for each rail, one byte with the length of its endpoint's name, then
  * the name. */
@@ -290,10 +119,6 @@ static void ofi_mr_dereg(struct sd_transport *tp, void *handle)
         fi_close(&((struct fid_mr *)handle)->fid);
 }
 
-static bool rdv_sized(const struct ofi *o, uint64_t tag, size_t len);
-static void cts_send(struct ofi *o, struct sd_xfer *x);
-static int rdv_send(struct ofi *o, struct sd_xfer *x);
-
 /* A transfer the provider does not hold (queued, parked, or refused) completes here: no longer
  * counted, and cancel ignores it from now on. */
 static void finish_unposted(struct ofi *o, struct sd_xfer *x, int status)
@@ -305,7 +130,7 @@ static void finish_unposted(struct ofi *o, struct sd_xfer *x, int status)
 }
 
 /* Try to post; returns 0 when posted, SD_EAGAIN when it must wait, or an error. */
-static int post(struct ofi *o, struct sd_xfer *x)
+int sd_ofi__post(struct ofi *o, struct sd_xfer *x)
 {
     struct rail *rl = rail_of(o, x);
     size_t base = (size_t)peer_rail(x->rail) * o->base.n_peers;
@@ -325,8 +150,8 @@ static int post(struct ofi *o, struct sd_xfer *x)
         if (r == 0)
             rl->rx_posted++;
         if (r == 0 && x->kind == XFER_RECV && x->peer != SD_PEER_ANY && x->ignore == 0 &&
-            rdv_sized(o, x->tag, x->buflen))
-            cts_send(o, x);
+            sd_ofi__rdv_sized(o, x->tag, x->buflen))
+            sd_ofi__cts_send(o, x);
     }
     if (r == 0)
         return SD_OK;
@@ -340,11 +165,11 @@ static int post(struct ofi *o, struct sd_xfer *x)
 
 /* Post x, counted in inflight already, or queue it behind its rail's pending posts; on an
  * error it is no longer counted. */
-static int issue(struct ofi *o, struct sd_xfer *x)
+int sd_ofi__issue(struct ofi *o, struct sd_xfer *x)
 {
     struct rail *rl = rail_of(o, x);
     if (rl->pending.head == NULL) {
-        int st = post(o, x);
+        int st = sd_ofi__post(o, x);
         if (st != SD_EAGAIN) {
             if (st != SD_OK)
                 o->base.inflight--;
@@ -378,282 +203,9 @@ static int submit(struct ofi *o, struct sd_xfer *x)
     o->base.inflight++;
     if (x->kind == XFER_SEND && x->rail >= RAIL_DATA)
         o->base.lane_sends[(x->rail - RAIL_DATA) / 2]++;
-    if (x->kind == XFER_SEND && rdv_sized(o, x->tag, x->buflen))
-        return rdv_send(o, x);
-    return issue(o, x);
-}
-
-/* ---- rendezvous */
-
-static bool rdv_sized(const struct ofi *o, uint64_t tag, size_t len)
-{
-    return o->base.rdv_bytes > 0 && len > o->base.rdv_bytes && !sd_tag_is_ctrl(tag);
-}
-
-static uint32_t rdv_bucket(uint32_t peer, uint64_t tag)
-{
-    uint64_t h = (tag ^ ((uint64_t)peer << 32)) * 0x9e3779b97f4a7c15ULL;
-    return (uint32_t)(h >> 54); /* 10 bits: RDV_BUCKETS */
-}
-
-/* Tell peer that the receive of tag is posted; false if the provider must be asked again. */
-static bool cts_inject(struct ofi *o, uint32_t peer, uint64_t tag)
-{
-    struct rdv_msg m = {.tag = tag, .src = o->base.self, .magic = RDV_MAGIC};
-    uint64_t cts_tag = sd_tag_of_kind(SD_TAG_RDV);
-    sd_tag_set(&cts_tag, SD_TAGF_SRC, o->base.self); /* self < nodes <= SD_MAX_NODES */
-    ssize_t r = fi_tinject(o->rails[RAIL_RDV].ep, &m, sizeof(m),
-                           o->peers[(size_t)peer_rail(RAIL_RDV) * o->base.n_peers + peer], cts_tag);
-    if (r == 0)
-        o->base.cts_sent++;
-    if (r != 0 && r != -FI_EAGAIN)
-        SD_WARN_SPARSE("ofi", "clear-to-send to node %u: %s", peer, fi_strerror((int)-r));
-    return r != -FI_EAGAIN; /* an error: the peer's op times out and names this node */
-}
-
-/* Send receive x's clear-to-send now, or behind those the provider could not take yet. */
-static void cts_emit(struct ofi *o, struct sd_xfer *x)
-{
-    o->rdv_peers[x->peer].out++;
-    x->rdv = RDV_OUT;
-    if (o->retry.head == NULL && cts_inject(o, x->peer, x->tag))
-        return;
-    x->rdv = RDV_RETRY;
-    xq_push(&o->retry, x);
-}
-
-/* Receive x is posted: tell its peer, within the peer's credit. */
-static void cts_send(struct ofi *o, struct sd_xfer *x)
-{
-    if (o->rdv_peers == NULL || x->peer >= o->base.n_peers)
-        return; /* receives name a peer of the table, installed before any */
-    struct rdv_peer *rp = &o->rdv_peers[x->peer];
-    if (rp->out < o->rdv_credit && rp->deferred.head == NULL) {
-        cts_emit(o, x);
-        return;
-    }
-    x->rdv = RDV_DEFERRED;
-    o->base.cts_deferred++;
-    xq_push(&rp->deferred, x);
-}
-
-static void cts_retry(struct ofi *o)
-{
-    while (o->retry.head && cts_inject(o, o->retry.head->peer, o->retry.head->tag))
-        xq_pop(&o->retry)->rdv = RDV_OUT;
-}
-
-/* Receive x completed (or was cancelled): its clear-to-send is answered, or no longer needed,
- * and the next receive waiting for credit toward its peer can send one. */
-static void cts_done(struct ofi *o, struct sd_xfer *x)
-{
-    struct rdv_peer *rp = &o->rdv_peers[x->peer];
-    if (x->rdv == RDV_DEFERRED) {
-        xq_remove(&rp->deferred, x);
-    } else {
-        if (x->rdv == RDV_RETRY)
-            xq_remove(&o->retry, x);
-        rp->out--;
-    }
-    x->rdv = RDV_NONE;
-    while (rp->deferred.head != NULL && rp->out < o->rdv_credit)
-        cts_emit(o, xq_pop(&rp->deferred));
-}
-
-static void early_free(struct ofi *o, struct rdv_cts **pp)
-{
-    struct rdv_cts *c = *pp;
-    *pp = c->next;
-    c->next = o->cts_free;
-    o->cts_free = c;
-    o->early_n--;
-}
-
-/* The link to the early clear-to-sends from peer for tag in bucket b (*link NULL: none). */
-static struct rdv_cts **early_find(struct ofi *o, uint32_t b, uint32_t peer, uint64_t tag)
-{
-    struct rdv_cts **pp = &o->early[b];
-    while (*pp && ((*pp)->peer != peer || (*pp)->tag != tag))
-        pp = &(*pp)->next;
-    return pp;
-}
-
-/* A clear-to-send from peer: post the send parked for it, or count it for the send to come. */
-static void on_cts(struct ofi *o, uint32_t peer, uint64_t tag)
-{
-    o->base.cts_received++;
-    uint32_t b = rdv_bucket(peer, tag);
-    for (struct sd_xfer **pp = &o->parked[b]; *pp; pp = &(*pp)->next_pending) {
-        struct sd_xfer *x = *pp;
-        if (x->peer != peer || x->tag != tag)
-            continue;
-        *pp = x->next_pending;
-        o->parked_n--;
-        x->kind = XFER_SEND;
-        int st = issue(o, x);
-        if (st != SD_OK) {
-            x->kind = 0;
-            x->cb(x, st);
-        }
-        return;
-    }
-    struct rdv_cts **pp = early_find(o, b, peer, tag);
-    if (*pp == NULL) {
-        if (o->cts_free == NULL) { /* full of ones no send came for: drop the oldest */
-            struct rdv_cts **oldest = NULL;
-            for (uint32_t i = 0; i < RDV_BUCKETS; i++)
-                for (struct rdv_cts **q = &o->early[i]; *q; q = &(*q)->next)
-                    if (oldest == NULL || (*q)->since_ns < (*oldest)->since_ns)
-                        oldest = q;
-            SD_WARN_SPARSE("ofi",
-                           "%u clear-to-sends wait for their sends; dropping the oldest, from node "
-                           "%u",
-                           o->early_n, (*oldest)->peer);
-            early_free(o, oldest);
-            pp = early_find(o, b, peer, tag); /* the eviction may have moved the end */
-        }
-        struct rdv_cts *c = o->cts_free;
-        o->cts_free = c->next;
-        *c = (struct rdv_cts){.tag = tag, .peer = peer};
-        *pp = c;
-        o->early_n++;
-    }
-    (*pp)->count++;
-    (*pp)->since_ns = sd_now_ns();
-}
-
-/* A send above rdv_bytes, counted in inflight: post it if its clear-to-send is here, else park
- * it. */
-static int rdv_send(struct ofi *o, struct sd_xfer *x)
-{
-    uint32_t b = rdv_bucket(x->peer, x->tag);
-    struct rdv_cts **cp = early_find(o, b, x->peer, x->tag);
-    if (*cp != NULL) { /* the receiver is ready */
-        o->base.sends_cleared++;
-        if (--(*cp)->count == 0)
-            early_free(o, cp);
-        return issue(o, x);
-    }
-    x->kind = XFER_PARKED;
-    o->base.sends_parked++;
-    x->since_ns = sd_now_ns();
-    x->next_pending = NULL;
-    struct sd_xfer **pp = &o->parked[b];
-    while (*pp) /* at the end: sends of one tag leave in order */
-        pp = &(*pp)->next_pending;
-    *pp = x;
-    o->parked_n++;
-    return SD_OK;
-}
-
-/* Take parked send x out (cancel); false if it is not parked. */
-static bool rdv_unpark(struct ofi *o, struct sd_xfer *x)
-{
-    for (struct sd_xfer **pp = &o->parked[rdv_bucket(x->peer, x->tag)]; *pp;
-         pp = &(*pp)->next_pending)
-        if (*pp == x) {
-            *pp = x->next_pending;
-            o->parked_n--;
-            return true;
-        }
-    return false;
-}
-
-static void rdv_recv_cb(struct sd_xfer *x, int status);
-
-static int rdv_post_slot(struct ofi *o, struct rdv_slot *sl)
-{
-    sl->x.kind = XFER_CTS;
-    sl->x.cb = rdv_recv_cb;
-    sl->x.arg = o;
-    sl->x.peer = SD_PEER_ANY;
-    sl->x.tag = sd_tag_of_kind(SD_TAG_RDV);
-    sl->x.ignore = sd_tag_any_but_kind();
-    sl->x.buf = &sl->m;
-    sl->x.buflen = sizeof(sl->m);
-    sl->x.desc = o->rdv_desc;
-    sl->x.rail = RAIL_RDV;
-    sl->x.rdv = RDV_NONE;
-    int st = post(o, &sl->x);
-    if (st == SD_EAGAIN) {
-        xq_push(&rail_of(o, &sl->x)->pending, &sl->x);
-        st = SD_OK;
-    }
-    return st;
-}
-
-static void rdv_recv_cb(struct sd_xfer *x, int status)
-{
-    struct rdv_slot *sl = (struct rdv_slot *)x;
-    struct ofi *o = x->arg;
-    if (status == SD_ECANCELED || o->rails[RAIL_RDV].ep == NULL)
-        return; /* closing */
-    if (status == SD_OK && x->len == sizeof(sl->m) && sl->m.magic == RDV_MAGIC &&
-        sl->m.src < SD_MAX_NODES) /* recorded even before set_peers */
-        on_cts(o, sl->m.src, sl->m.tag);
-    else
-        SD_WARN_SPARSE("ofi", "dropping a malformed clear-to-send (%zu bytes, status %s)", x->len,
-                       sd_status_str(status));
-    if (rdv_post_slot(o, sl) != SD_OK)
-        SD_ERROR("ofi", "cannot repost a clear-to-send receive: large sends to this node stall");
-}
-
-/* Once a second: drop clear-to-sends no send came for (their receives were cancelled), and
- * name sends that wait long for theirs. */
-static void rdv_sweep(struct ofi *o)
-{
-    uint64_t now = sd_now_ns();
-    if ((o->early_n == 0 && o->parked_n == 0) || now - o->rdv_sweep_ns < 1000000000ULL)
-        return;
-    o->rdv_sweep_ns = now;
-    uint32_t dropped = 0;
-    for (uint32_t b = 0; b < RDV_BUCKETS; b++) {
-        for (struct rdv_cts **pp = &o->early[b]; *pp;)
-            if (now - (*pp)->since_ns > RDV_STALE_NS) {
-                early_free(o, pp);
-                dropped++;
-            } else {
-                pp = &(*pp)->next;
-            }
-        for (struct sd_xfer *x = o->parked[b]; x; x = x->next_pending)
-            if (now - x->since_ns > 5000000000ULL)
-                SD_WARN_SPARSE("ofi",
-                               "a send of tag %#llx to node %u waits for its clear-to-send "
-                               "for %llu ms",
-                               (unsigned long long)x->tag, x->peer,
-                               (unsigned long long)(now - x->since_ns) / 1000000);
-    }
-    if (dropped)
-        SD_DEBUG("ofi", "dropped %u clear-to-sends no send used", dropped);
-}
-
-static int rdv_start(struct ofi *o)
-{
-    o->rdv_slots_n = (uint32_t)SD_MAX(1, SD_MIN(RDV_RECV_SLOTS, o->rx_depth / 2));
-    o->rdv_slots = calloc(o->rdv_slots_n, sizeof(*o->rdv_slots));
-    o->cts_pool_n = 2 * o->rdv_slots_n;
-    o->cts_pool = calloc(o->cts_pool_n, sizeof(*o->cts_pool));
-    if (o->rdv_slots == NULL || o->cts_pool == NULL)
-        return SD_ENOMEM;
-    for (uint32_t i = 0; i < o->cts_pool_n; i++) {
-        o->cts_pool[i].next = o->cts_free;
-        o->cts_free = &o->cts_pool[i];
-    }
-    if (o->need_mr) {
-        struct fid_mr *mr;
-        int r = fi_mr_reg(o->domain, o->rdv_slots, o->rdv_slots_n * sizeof(*o->rdv_slots), FI_RECV,
-                          0, 0, 0, &mr, NULL);
-        if (r != 0)
-            return SD_EIO;
-        o->rdv_mr = mr;
-        o->rdv_desc = fi_mr_desc(mr);
-    }
-    for (uint32_t i = 0; i < o->rdv_slots_n; i++) {
-        int st = rdv_post_slot(o, &o->rdv_slots[i]);
-        if (st != SD_OK)
-            return st;
-    }
-    return SD_OK;
+    if (x->kind == XFER_SEND && sd_ofi__rdv_sized(o, x->tag, x->buflen))
+        return sd_ofi__rdv_send(o, x);
+    return sd_ofi__issue(o, x);
 }
 
 static int ofi_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const void *buf,
@@ -700,7 +252,7 @@ static void ofi_cancel(struct sd_transport *tp, struct sd_xfer *x)
 {
     struct ofi *o = (struct ofi *)tp;
     if (x->kind == XFER_PARKED) { /* a send still waiting for its clear-to-send */
-        if (rdv_unpark(o, x))
+        if (sd_ofi__rdv_unpark(o, x))
             finish_unposted(o, x, SD_ECANCELED);
         return;
     }
@@ -742,7 +294,7 @@ static void complete(struct ofi *o, struct sd_xfer *x, int status, size_t len, u
     if (x->kind != XFER_CTS)
         o->base.inflight--;
     if (x->kind == XFER_RECV && x->rdv != RDV_NONE)
-        cts_done(o, x);
+        sd_ofi__cts_done(o, x);
     if (x->kind != XFER_SEND) {
         x->len = len;
         x->tag = tag;
@@ -778,15 +330,15 @@ static int ofi_progress(struct sd_transport *tp)
         }
         break;
     }
-    cts_retry(o);
-    rdv_sweep(o);
+    sd_ofi__cts_retry(o);
+    sd_ofi__rdv_sweep(o);
     for (uint32_t i = 0; i < o->n_rails; i++) {
         struct rail *rl = &o->rails[i];
         while (rl->pending.head != NULL) {
             /* out of the queue before posting: a posted receive may join a rendezvous queue
              * through the same link */
             struct sd_xfer *x = xq_pop(&rl->pending);
-            int st = post(o, x);
+            int st = sd_ofi__post(o, x);
             if (st == SD_EAGAIN) {
                 xq_push_front(&rl->pending, x);
                 break;
@@ -984,7 +536,7 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
         if ((r = fi_enable(*ep)) != 0)
             goto err_close;
     }
-    if (o->base.rdv_bytes > 0 && rdv_start(o) != SD_OK) {
+    if (o->base.rdv_bytes > 0 && sd_ofi__rdv_start(o) != SD_OK) {
         snprintf(err, errlen, "libfabric (provider %s): cannot post the clear-to-send receives",
                  cfg->provider);
         ofi_close(&o->base);

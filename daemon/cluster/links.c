@@ -1,76 +1,9 @@
-#include "cluster.h"
-#include "daemon.h"
-#include "sd/frame.h"
-#include "sd/log.h"
-#include "sd/status.h"
-#include "sd/util.h"
-#include "shard.pb-c.h"
-
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define MAX_PEER_MSG (1u << 20)
-
-struct link {
-    uv_tcp_t tcp;
-    struct sd_cluster *cl;
-    int node; /* -1 until its hello */
-    uint8_t *rx;
-    size_t rx_len, rx_cap;
-    uint64_t last_seen_ns;
-    bool closing;
-    struct link *next;
-};
-
-/* Coordinator: registrations of a job reported by its nodes. */
-struct coord_job {
-    struct coord_job *next;
-    char name[64];
-    uint32_t nodes, reported;
-    uint8_t *seen;
-    uint64_t digest;
-    uint32_t world;
-    int status;
-    char msg[512];
-    uint64_t deadline_ns;
-};
-
-/* Coordinator: nodes whose ranks of a job all left. */
-struct coord_left {
-    struct coord_left *next;
-    char name[64];
-    uint32_t nodes, left;
-    uint8_t *seen;
-};
-
-struct sd_cluster {
-    uv_loop_t *loop;
-    const struct sd_config *cfg;
-    struct sd_transport *tp;
-    struct sd_registry *reg;
-    uint32_t n, self;
-    bool ready, fatal, stopping;
-    uint64_t digest;
-    char summary[1024];
-    uint8_t (*addrs)[256];
-    size_t *addr_len;
-    bool *present, *alive;
-    struct link **by_node; /* coordinator: link of each node; member: [0] is the coordinator */
-    struct link *links;
-    uv_tcp_t listener;
-    bool listening;
-    uv_timer_t timer;
-    uv_timer_t retry;
-    uv_connect_t connect_req;
-    uint64_t start_ns, hb_seq;
-    uint16_t next_tag;
-    struct coord_job *jobs;
-    struct coord_left *lefts;
-};
-
-static void coord_left(struct sd_cluster *cl, const char *name, uint32_t node, uint32_t nodes);
+/* The control plane between the daemons of a cluster (DESIGN.md section 6): TCP links driven by
+ * the libuv loop, node 0 the coordinator. Rendezvous (hello with node, version, config digest and
+ * fabric address; the address table once every node is present), heartbeats, node failures, and
+ * the framing of peer messages, which go to the coordinator (coordinator.c) or to the registry
+ * (the events of cluster.h). */
+#include "cluster/cluster_int.h"
 
 static void link_close(struct link *l, const char *why);
 
@@ -107,7 +40,7 @@ static void write_cb(uv_write_t *req, int status)
     free(w);
 }
 
-static void link_send(struct link *l, const Shard__PeerMsg *m)
+void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m)
 {
     if (l == NULL || l->closing)
         return;
@@ -133,14 +66,14 @@ static void link_send(struct link *l, const Shard__PeerMsg *m)
 }
 
 /* Send to a node: the coordinator has a link per node; a member reaches others through it. */
-static void send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m)
+void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m)
 {
     if (node == cl->self)
         return;
     if (cl->self == 0)
-        link_send(cl->by_node[node], m);
+        sd_cluster__link_send(cl->by_node[node], m);
     else if (node == 0)
-        link_send(cl->by_node[0], m);
+        sd_cluster__link_send(cl->by_node[0], m);
 }
 
 /* ---- node liveness */
@@ -151,12 +84,8 @@ static void node_down(struct sd_cluster *cl, uint32_t node, const char *reason)
         return;
     cl->alive[node] = false;
     SD_WARN("cluster", "node %u is down: %s", node, reason);
-    if (cl->self == 0) /* a dead node's ranks have left every job */
-        for (struct coord_left *l = cl->lefts, *next; l; l = next) {
-            next = l->next;
-            if (node < l->nodes)
-                coord_left(cl, l->name, node, l->nodes);
-        }
+    if (cl->self == 0)
+        sd_cluster__coord_node_down(cl, node);
     if (cl->self == 0) { /* tell the others */
         Shard__NodeDown nd = SHARD__NODE_DOWN__INIT;
         nd.node = node;
@@ -166,9 +95,9 @@ static void node_down(struct sd_cluster *cl, uint32_t node, const char *reason)
         m.node_down = &nd;
         for (uint32_t i = 1; i < cl->n; i++)
             if (i != node && cl->alive[i])
-                link_send(cl->by_node[i], &m);
+                sd_cluster__link_send(cl->by_node[i], &m);
     }
-    sd_registry_node_down(cl->reg, node, reason);
+    cl->ev.node_down(cl->ev.ctx, node, reason);
     if (cl->ready)
         cl->tp->ops->peer_down(cl->tp, node);
 }
@@ -189,7 +118,7 @@ static void broadcast_table(struct sd_cluster *cl)
     m.msg_case = SHARD__PEER_MSG__MSG_TABLE;
     m.table = &t;
     for (uint32_t i = 1; i < cl->n; i++)
-        link_send(cl->by_node[i], &m);
+        sd_cluster__link_send(cl->by_node[i], &m);
     free(a);
 }
 
@@ -205,7 +134,7 @@ static int install_table(struct sd_cluster *cl)
     cl->ready = true;
     for (uint32_t i = 0; i < cl->n; i++)
         cl->alive[i] = cl->present[i] = true;
-    st = sd_net_post_requests(cl->reg);
+    st = cl->ev.formed(cl->ev.ctx);
     if (st != SD_OK)
         return st;
     SD_INFO("cluster", "cluster of %u nodes formed in %.2f s", cl->n,
@@ -228,7 +157,7 @@ static void refuse(struct link *l, const char *fmt, ...)
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_REFUSE;
     m.refuse = &r;
-    link_send(l, &m);
+    sd_cluster__link_send(l, &m);
     link_close(l, "refused");
 }
 
@@ -279,197 +208,6 @@ static void on_hello(struct link *l, const Shard__PeerHello *h)
         broadcast_table(cl);
 }
 
-/* ---- coordinator: job registration across nodes */
-
-static struct coord_job *coord_job_find(struct sd_cluster *cl, const char *name, bool create,
-                                        uint32_t nodes)
-{
-    for (struct coord_job *j = cl->jobs; j; j = j->next)
-        if (strcmp(j->name, name) == 0)
-            return j;
-    if (!create)
-        return NULL;
-    struct coord_job *j = calloc(1, sizeof(*j));
-    j->seen = calloc(nodes, 1);
-    snprintf(j->name, sizeof(j->name), "%s", name);
-    j->nodes = nodes;
-    j->deadline_ns = sd_now_ns() + (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
-    j->next = cl->jobs;
-    cl->jobs = j;
-    return j;
-}
-
-static void coord_job_free(struct sd_cluster *cl, struct coord_job *job)
-{
-    for (struct coord_job **pp = &cl->jobs; *pp; pp = &(*pp)->next)
-        if (*pp == job) {
-            *pp = job->next;
-            break;
-        }
-    free(job->seen);
-    free(job);
-}
-
-static void coord_decide(struct sd_cluster *cl, struct coord_job *j)
-{
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    Shard__JobConfirm c = SHARD__JOB_CONFIRM__INIT;
-    Shard__JobRefuse r = SHARD__JOB_REFUSE__INIT;
-    if (j->status == SD_OK) {
-        /* a tag no active job uses */
-        uint32_t tag;
-        for (;;) {
-            cl->next_tag = (uint16_t)(cl->next_tag % ((1u << SD_TAG_JOB_BITS) - 1) + 1);
-            tag = cl->next_tag;
-            if (!sd_registry_tag_in_use(cl->reg, tag))
-                break;
-        }
-        c.job = j->name;
-        c.tag = tag;
-        m.msg_case = SHARD__PEER_MSG__MSG_JOB_CONFIRM;
-        m.job_confirm = &c;
-    } else {
-        r.job = j->name;
-        r.status = j->status;
-        r.message = j->msg;
-        m.msg_case = SHARD__PEER_MSG__MSG_JOB_REFUSE;
-        m.job_refuse = &r;
-    }
-    for (uint32_t i = 1; i < j->nodes; i++)
-        if (j->seen[i])
-            link_send(cl->by_node[i], &m);
-    if (j->status == SD_OK)
-        sd_job_confirmed(cl->reg, j->name, c.tag);
-    else
-        sd_job_refused(cl->reg, j->name, j->status, j->msg);
-    coord_job_free(cl, j);
-}
-
-static void coord_report(struct sd_cluster *cl, const Shard__JobReport *rep)
-{
-    uint32_t nodes = rep->world / (uint32_t)cl->cfg->ranks_per_node;
-    if (rep->node >= cl->n || nodes == 0 || nodes > cl->n)
-        return;
-    struct coord_job *j = coord_job_find(cl, rep->job, true, nodes);
-    if (rep->node >= j->nodes || j->seen[rep->node])
-        return;
-    j->seen[rep->node] = 1;
-    j->reported++;
-    if (j->reported == 1) {
-        j->digest = rep->digest;
-        j->world = rep->world;
-    }
-    if (j->status == SD_OK) {
-        if (rep->status != SD_OK) {
-            j->status = rep->status;
-            snprintf(j->msg, sizeof(j->msg), "node %u: %s", rep->node, rep->message);
-        } else if (rep->digest != j->digest || rep->world != j->world) {
-            j->status = SD_EMISMATCH;
-            snprintf(j->msg, sizeof(j->msg),
-                     "job '%s': node %u registered model digest %016llx (world %u), another node "
-                     "%016llx (world %u): every rank must register the same model",
-                     rep->job, rep->node, (unsigned long long)rep->digest, rep->world,
-                     (unsigned long long)j->digest, j->world);
-        }
-    }
-    if (j->reported == j->nodes || j->status != SD_OK)
-        coord_decide(cl, j);
-}
-
-static void coord_sweep(struct sd_cluster *cl, uint64_t now)
-{
-    for (struct coord_job *j = cl->jobs, *next; j; j = next) {
-        next = j->next;
-        bool dead = false;
-        for (uint32_t i = 0; i < j->nodes; i++)
-            dead |= !cl->alive[i];
-        if (now < j->deadline_ns && !dead)
-            continue;
-        char missing[256];
-        size_t off = 0;
-        missing[0] = '\0';
-        for (uint32_t i = 0; i < j->nodes && off < sizeof(missing); i++)
-            if (!j->seen[i])
-                off += (size_t)snprintf(missing + off, sizeof(missing) - off, "%s%u",
-                                        off ? ", " : "", i);
-        j->status = SD_ETIMEDOUT;
-        snprintf(j->msg, sizeof(j->msg),
-                 "job '%s': nodes %s did not register all their ranks within %lld ms "
-                 "(register_timeout_ms)%s",
-                 j->name, missing, (long long)cl->cfg->register_timeout_ms,
-                 dead ? " or are down" : "");
-        coord_decide(cl, j);
-    }
-}
-
-/* ---- coordinator: a job ends when the ranks of all its nodes left */
-
-static void coord_left(struct sd_cluster *cl, const char *name, uint32_t node, uint32_t nodes)
-{
-    if (nodes == 0 || node >= nodes)
-        return;
-    struct coord_left *l;
-    for (l = cl->lefts; l; l = l->next)
-        if (strcmp(l->name, name) == 0)
-            break;
-    if (l == NULL) {
-        l = calloc(1, sizeof(*l));
-        l->seen = calloc(nodes, 1);
-        snprintf(l->name, sizeof(l->name), "%s", name);
-        l->nodes = nodes;
-        l->next = cl->lefts;
-        cl->lefts = l;
-        /* nodes already down will never report */
-        for (uint32_t i = 0; i < nodes; i++)
-            if (i != cl->self && cl->ready && !cl->alive[i] && !l->seen[i]) {
-                l->seen[i] = 1;
-                l->left++;
-            }
-    }
-    if (!l->seen[node]) {
-        l->seen[node] = 1;
-        l->left++;
-    }
-    if (l->left < l->nodes)
-        return;
-    for (struct coord_left **pp = &cl->lefts; *pp; pp = &(*pp)->next)
-        if (*pp == l) {
-            *pp = l->next;
-            break;
-        }
-    Shard__JobEnd e = SHARD__JOB_END__INIT;
-    e.job = l->name;
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_END;
-    m.job_end = &e;
-    for (uint32_t i = 1; i < l->nodes; i++)
-        if (cl->alive[i])
-            link_send(cl->by_node[i], &m);
-    char job[64];
-    snprintf(job, sizeof(job), "%s", l->name);
-    free(l->seen);
-    free(l);
-    sd_job_ended(cl->reg, job);
-}
-
-bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, uint32_t job_nodes)
-{
-    if (cl->self == 0) {
-        coord_left(cl, job, 0, job_nodes);
-        return true;
-    }
-    if (!cl->alive[0] || cl->by_node[0] == NULL)
-        return false;
-    Shard__JobLeft jl = SHARD__JOB_LEFT__INIT;
-    jl.job = (char *)job;
-    jl.node = cl->self;
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_LEFT;
-    m.job_left = &jl;
-    link_send(cl->by_node[0], &m);
-    return true;
-}
-
 /* ---- receiving */
 
 static void on_message(struct link *l, const Shard__PeerMsg *m)
@@ -507,35 +245,36 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         break;
     case SHARD__PEER_MSG__MSG_JOB_REPORT:
         if (cl->self == 0)
-            coord_report(cl, m->job_report);
+            sd_cluster__coord_report(cl, m->job_report);
         break;
     case SHARD__PEER_MSG__MSG_JOB_CONFIRM:
-        sd_job_confirmed(cl->reg, m->job_confirm->job, m->job_confirm->tag);
+        cl->ev.job_confirmed(cl->ev.ctx, m->job_confirm->job, m->job_confirm->tag);
         break;
     case SHARD__PEER_MSG__MSG_JOB_REFUSE:
-        sd_job_refused(cl->reg, m->job_refuse->job, m->job_refuse->status, m->job_refuse->message);
+        cl->ev.job_refused(cl->ev.ctx, m->job_refuse->job, m->job_refuse->status,
+                           m->job_refuse->message);
         break;
     case SHARD__PEER_MSG__MSG_JOB_ABORT: {
         const Shard__JobAbort *a = m->job_abort;
         if (cl->self == 0) { /* relay to the others */
-            uint32_t nodes = sd_registry_job_nodes(cl->reg, a->job);
+            uint32_t nodes = cl->ev.job_nodes(cl->ev.ctx, a->job);
             for (uint32_t i = 1; i < nodes; i++)
                 if (i != a->origin)
-                    link_send(cl->by_node[i], m);
+                    sd_cluster__link_send(cl->by_node[i], m);
         }
-        sd_job_aborted(cl->reg, a->job, a->status, a->message);
+        cl->ev.job_aborted(cl->ev.ctx, a->job, a->status, a->message);
         break;
     }
     case SHARD__PEER_MSG__MSG_JOB_READY:
-        sd_job_remote_ready(cl->reg, m->job_ready->job);
+        cl->ev.job_remote_ready(cl->ev.ctx, m->job_ready->job);
         break;
     case SHARD__PEER_MSG__MSG_JOB_LEFT:
         if (cl->self == 0)
-            coord_left(cl, m->job_left->job, m->job_left->node,
-                       sd_registry_job_nodes(cl->reg, m->job_left->job));
+            sd_cluster__coord_left(cl, m->job_left->job, m->job_left->node,
+                                   cl->ev.job_nodes(cl->ev.ctx, m->job_left->job));
         break;
     case SHARD__PEER_MSG__MSG_JOB_END:
-        sd_job_ended(cl->reg, m->job_end->job);
+        cl->ev.job_ended(cl->ev.ctx, m->job_end->job);
         break;
     case SHARD__PEER_MSG__MSG_NODE_DOWN:
         node_down(cl, m->node_down->node, m->node_down->reason);
@@ -672,7 +411,7 @@ static void send_hello(struct sd_cluster *cl, struct link *l)
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
     m.hello = &h;
-    link_send(l, &m);
+    sd_cluster__link_send(l, &m);
 }
 
 static void try_connect(struct sd_cluster *cl);
@@ -751,7 +490,7 @@ static void timer_cb(uv_timer_t *t)
         next = l->next;
         if (l->node < 0)
             continue;
-        link_send(l, &m);
+        sd_cluster__link_send(l, &m);
         if (now - l->last_seen_ns > timeout) {
             char reason[128];
             snprintf(reason, sizeof(reason), "no heartbeat for %llu ms",
@@ -763,13 +502,13 @@ static void timer_cb(uv_timer_t *t)
         }
     }
     if (cl->self == 0)
-        coord_sweep(cl, now);
+        sd_cluster__coord_sweep(cl, now);
 }
 
 /* ---- API */
 
 int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_config *cfg,
-                     struct sd_transport *tp, struct sd_registry *reg)
+                     struct sd_transport *tp, const struct sd_cluster_events *ev)
 {
     struct sd_cluster *cl = calloc(1, sizeof(*cl));
     if (cl == NULL)
@@ -777,7 +516,7 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     cl->loop = loop;
     cl->cfg = cfg;
     cl->tp = tp;
-    cl->reg = reg;
+    cl->ev = *ev;
     cl->n = (uint32_t)cfg->nodes;
     cl->self = (uint32_t)cfg->node;
     cl->start_ns = sd_now_ns();
@@ -848,14 +587,7 @@ void sd_cluster_stop(struct sd_cluster *cl)
         uv_close((uv_handle_t *)&cl->timer, noop_close);
         uv_close((uv_handle_t *)&cl->retry, noop_close);
     }
-    while (cl->jobs)
-        coord_job_free(cl, cl->jobs);
-    while (cl->lefts) {
-        struct coord_left *l = cl->lefts;
-        cl->lefts = l->next;
-        free(l->seen);
-        free(l);
-    }
+    sd_cluster__coord_free(cl);
     /* the handles are closed; the memory goes once the loop ran their close callbacks */
 }
 
@@ -889,60 +621,6 @@ bool sd_cluster_alive(const struct sd_cluster *cl, uint32_t node)
 uint32_t sd_cluster_nodes(const struct sd_cluster *cl)
 {
     return cl ? cl->n : 1;
-}
-
-void sd_cluster_report_job(struct sd_cluster *cl, const char *job, uint64_t digest, uint32_t world,
-                           uint32_t job_nodes, int status, const char *msg)
-{
-    Shard__JobReport r = SHARD__JOB_REPORT__INIT;
-    r.job = (char *)job;
-    r.node = cl->self;
-    r.digest = digest;
-    r.world = world;
-    r.status = status;
-    r.message = (char *)(msg ? msg : "");
-    (void)job_nodes;
-    if (cl->self == 0) {
-        coord_report(cl, &r);
-        return;
-    }
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_REPORT;
-    m.job_report = &r;
-    send_to(cl, 0, &m);
-}
-
-void sd_cluster_abort_job(struct sd_cluster *cl, const char *job, uint32_t job_nodes, int status,
-                          const char *msg)
-{
-    Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
-    a.job = (char *)job;
-    a.status = status;
-    a.message = (char *)msg;
-    a.origin = cl->self;
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
-    m.job_abort = &a;
-    if (cl->self == 0) {
-        for (uint32_t i = 1; i < job_nodes; i++)
-            link_send(cl->by_node[i], &m);
-        struct coord_job *cj = coord_job_find(cl, job, false, 0);
-        if (cj != NULL)
-            coord_job_free(cl, cj);
-    } else {
-        send_to(cl, 0, &m);
-    }
-}
-
-void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, uint32_t job_nodes)
-{
-    Shard__JobReady r = SHARD__JOB_READY__INIT;
-    r.job = (char *)job;
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_READY;
-    m.job_ready = &r;
-    for (uint32_t i = 1; i < job_nodes; i++)
-        send_to(cl, i, &m);
 }
 
 json_t *sd_cluster_json(const struct sd_cluster *cl)

@@ -6,7 +6,7 @@
 #define SD_CLUSTER_H
 
 #include "sd/config.h"
-#include "transport.h"
+#include "transport/transport.h"
 
 #include <jansson.h>
 #include <stdbool.h>
@@ -14,12 +14,33 @@
 #include <uv.h>
 
 struct sd_cluster;
-struct sd_registry;
+
+/* What the cluster tells this node about jobs, and asks of it. The cluster knows jobs only by
+ * their names and transport tags; the registry implements these (sd_registry_cluster_events). */
+struct sd_cluster_events {
+    void *ctx;
+    /* the coordinator's decision on a registration */
+    void (*job_confirmed)(void *ctx, const char *job, uint32_t tag);
+    void (*job_refused)(void *ctx, const char *job, int status, const char *msg);
+    /* the job failed on another node */
+    void (*job_aborted)(void *ctx, const char *job, int status, const char *msg);
+    /* node 0's rank 0 loaded the initial values */
+    void (*job_remote_ready)(void *ctx, const char *job);
+    /* every node's ranks left the job */
+    void (*job_ended)(void *ctx, const char *job);
+    void (*node_down)(void *ctx, uint32_t node, const char *reason);
+    /* the address table is installed: the standing receives can be posted */
+    int (*formed)(void *ctx);
+    /* a transport tag a job of this node still uses (active or retiring) */
+    bool (*tag_in_use)(void *ctx, uint32_t tag);
+    /* the nodes a job of this node spans (0: no such job) */
+    uint32_t (*job_nodes)(void *ctx, const char *job);
+};
 
 /* On failure *cl_p may be set too (handles half made): sd_cluster_stop, run the loop, then
  * sd_cluster_free, as after a success. */
 int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_config *cfg,
-                     struct sd_transport *tp, struct sd_registry *reg);
+                     struct sd_transport *tp, const struct sd_cluster_events *ev);
 void sd_cluster_stop(struct sd_cluster *cl);
 /* free once the loop has run the close callbacks of its handles */
 void sd_cluster_free(struct sd_cluster *cl);

@@ -1,0 +1,91 @@
+/* The cluster's private parts, shared by links.c (TCP links, rendezvous, heartbeats, the
+ * address table) and coordinator.c (node 0's decisions about jobs). */
+#ifndef SD_CLUSTER_INT_H
+#define SD_CLUSTER_INT_H
+
+#include "cluster/cluster.h"
+#include "sd/frame.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include "shard.pb-c.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_PEER_MSG (1u << 20)
+
+struct link {
+    uv_tcp_t tcp;
+    struct sd_cluster *cl;
+    int node; /* -1 until its hello */
+    uint8_t *rx;
+    size_t rx_len, rx_cap;
+    uint64_t last_seen_ns;
+    bool closing;
+    struct link *next;
+};
+
+/* Coordinator: registrations of a job reported by its nodes. */
+struct coord_job {
+    struct coord_job *next;
+    char name[64];
+    uint32_t nodes, reported;
+    uint8_t *seen;
+    uint64_t digest;
+    uint32_t world;
+    int status;
+    char msg[512];
+    uint64_t deadline_ns;
+};
+
+/* Coordinator: nodes whose ranks of a job all left. */
+struct coord_left {
+    struct coord_left *next;
+    char name[64];
+    uint32_t nodes, left;
+    uint8_t *seen;
+};
+
+struct sd_cluster {
+    uv_loop_t *loop;
+    const struct sd_config *cfg;
+    struct sd_transport *tp;
+    struct sd_cluster_events ev;
+    uint32_t n, self;
+    bool ready, fatal, stopping;
+    uint64_t digest;
+    char summary[1024];
+    uint8_t (*addrs)[256];
+    size_t *addr_len;
+    bool *present, *alive;
+    struct link **by_node; /* coordinator: link of each node; member: [0] is the coordinator */
+    struct link *links;
+    uv_tcp_t listener;
+    bool listening;
+    uv_timer_t timer;
+    uv_timer_t retry;
+    uv_connect_t connect_req;
+    uint64_t start_ns, hb_seq;
+    uint16_t next_tag;
+    struct coord_job *jobs;
+    struct coord_left *lefts;
+};
+
+/* ---- links.c, for the coordinator */
+void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m);
+/* send m to node (its link, or the coordinator's for a member) */
+void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m);
+
+/* ---- coordinator.c, for the links */
+void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep);
+void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t node, uint32_t nodes);
+/* registrations that missed their deadline are refused */
+void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now);
+/* a node went down: the jobs it was part of are decided without it */
+void sd_cluster__coord_node_down(struct sd_cluster *cl, uint32_t node);
+void sd_cluster__coord_free(struct sd_cluster *cl);
+
+#endif

@@ -1,0 +1,154 @@
+/* A ring entry to its operation: the checks every operation shares (the job's state, the unit),
+ * the schedule's bookkeeping around fetch, release and push, and the failure of every parked
+ * operation at once when the job fails. */
+#include "ops.h"
+#include "session.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include <stdio.h>
+
+void sd_op_done(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t v0,
+                uint64_t v1, uint64_t start_ns)
+{
+    job->stats.ops[e->op]++;
+    sd_latency_add(&job->stats.lat[e->op], sd_now_ns() - start_ns);
+    sd_session_complete(s, e->tag, (int)e->op, SD_OK, v0, v1, NULL);
+}
+
+/* Common checks; returns false after failing the entry. */
+static bool check_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                        bool needs_unit)
+{
+    /* after a clean detach the shards are intact: fetch and release still work (to read the
+     * final weights); collectives that need every rank do not */
+    bool local_op = e->op == SD_OP_FETCH || e->op == SD_OP_RELEASE;
+    if (job->state == SD_JOB_FAILED || (job->state == SD_JOB_CLOSING && !local_op)) {
+        sd_session_fail(s, e, SD_EJOBFAILED, "%s: job '%s' %s: %s", sd_op_name((int)e->op),
+                        job->name, sd_job_state_name(job->state), job->fail_msg);
+        return false;
+    }
+    if (job->state != SD_JOB_READY && job->state != SD_JOB_CLOSING) {
+        sd_session_fail(s, e, SD_ESTATE,
+                        "%s: job '%s' is still %s (rank 0 has not loaded the initial values)",
+                        sd_op_name((int)e->op), job->name, sd_job_state_name(job->state));
+        return false;
+    }
+    if (needs_unit && e->unit >= job->layout.n_units) {
+        sd_session_fail(s, e, SD_ENOUNIT, "%s: unit %u does not exist (job '%s' has units 0..%u)",
+                        sd_op_name((int)e->op), e->unit, job->name, job->layout.n_units - 1);
+        return false;
+    }
+    return true;
+}
+
+/* fetch, release and push: matched against the schedule, recorded, counted */
+static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                         uint64_t start)
+{
+    uint64_t allocs0 = sd_alloc_calls();
+    uint64_t cpu0 = e->op == SD_OP_FETCH ? sd_thread_cpu_ns() : 0;
+    uint64_t issue0 = job->sched.issue_ns_in_call;
+    job->sched.in_call = e->op == SD_OP_FETCH; /* its answer, if at once, is timed here */
+    uint32_t pos = sd_sched_before(job, s, e);
+    bool consumed = true;
+    if (e->op == SD_OP_FETCH)
+        consumed = sd_fetch(job, s, e, start);
+    else if (e->op == SD_OP_RELEASE)
+        sd_fetch_release(job, s, e, start);
+    else
+        consumed = sd_push(job, s, e);
+    /* what the call cost, the prefetches it issued included */
+    bool frozen = sd_sched_after(job, s, e, pos, consumed);
+    job->sched.in_call = false;
+    uint64_t allocs = sd_alloc_calls() - allocs0;
+    job->stats.allocs_after_register += allocs;
+    if (frozen)
+        job->sched.allocs_frozen += allocs;
+    if (e->op == SD_OP_FETCH) {
+        job->sched.cpu_ns[frozen] += sd_thread_cpu_ns() - cpu0;
+        job->sched.issue_ns[frozen] += job->sched.issue_ns_in_call - issue0;
+        job->sched.fetches[frozen] += consumed;
+    }
+    return consumed;
+}
+
+bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
+{
+    uint64_t start = sd_now_ns();
+    switch (e->op) {
+    case SD_OP_FETCH:
+    case SD_OP_RELEASE:
+    case SD_OP_PUSH:
+        if (check_ready(job, s, e, true))
+            return scheduled_op(job, s, e, start);
+        return true;
+    case SD_OP_STEP:
+        if (check_ready(job, s, e, false))
+            sd_step(job, s, e);
+        return true;
+    case SD_OP_DROP:
+        if (check_ready(job, s, e, true))
+            sd_fetch_drop(job, s, e, start);
+        return true;
+    case SD_OP_INIT:
+        if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
+            check_ready(job, s, e, false);
+        else
+            sd_loading_init(job, s, e, start);
+        return true;
+    case SD_OP_READY:
+        if (job->state == SD_JOB_FAILED || (job->state == SD_JOB_CLOSING && !job->was_ready))
+            check_ready(job, s, e, false);
+        else
+            sd_loading_ready(job, s, e, start);
+        return true;
+    default:
+        sd_session_fail(s, e, SD_EINVAL, "unknown operation code %u", e->op);
+        return true;
+    }
+}
+
+void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches)
+{
+    char text[SD_OP_MSG_LEN];
+    snprintf(text, sizeof(text), "job '%s' failed: %s", job->name, msg);
+    if (job->push.round_entries != NULL) {
+        size_t n = (size_t)job->layout.n_units * job->push.g_groups * job->push.round_gens;
+        for (size_t ri = 0; ri < n; ri++) {
+            for (uint32_t m = 0; m < job->push.g_members; m++) {
+                struct sd_push_entry *ent = &sd_job_round_ents(job, ri)[m];
+                if (ent->s == NULL)
+                    continue;
+                ent->s->staging_busy &= ~(1ULL << ent->slot);
+                sd_session_complete(ent->s, ent->tag, SD_OP_PUSH, status, 0, 0, text);
+                ent->s = NULL;
+            }
+            job->push.rounds[ri].arrived = 0;
+        }
+    }
+    for (uint32_t i = 0; with_fetches && job->cache.units != NULL && i < job->n_slots; i++) {
+        struct sd_unit_state *us = &job->cache.units[i];
+        if (us->waiters == 0)
+            continue;
+        us->status = status;
+        sd_fetch_complete(job, us);
+    }
+    if (job->load.waiter != NULL) {
+        sd_session_complete(job->load.waiter, job->load.tag, SD_OP_INIT, status, 0, 0, text);
+        job->load.waiter = NULL;
+    }
+    for (uint32_t r = 0; r < job->k; r++) {
+        struct sd_session *s = job->ranks[r];
+        if (job->step.waiting[r] && s != NULL)
+            sd_session_complete(s, job->step.tags[r], SD_OP_STEP, status, 0, 0, text);
+        if (job->load.ready_waiting[r] && s != NULL)
+            sd_session_complete(s, job->load.ready_tags[r], SD_OP_READY, status, 0, 0, text);
+        job->step.waiting[r] = job->load.ready_waiting[r] = false;
+        if (s != NULL && s->has_stalled) {
+            sd_session_complete(s, s->stalled.tag, (int)s->stalled.op, status, 0, 0, text);
+            s->has_stalled = false;
+        }
+    }
+    job->step.arrived = 0;
+}

@@ -1,0 +1,661 @@
+/* Fetch: a unit's weights gathered into a slot of the gather pool (DESIGN.md section 3, step
+ * 2), release and drop; and the other side, serving peers' pull requests.
+ *
+ * Within a node the gather copies the partition group's w shards into the slot. When the
+ * partition group of state w spans G nodes, a node pulls each remote node's block of the unit
+ * (the shards of that node's k ranks, contiguous in the unit) once and places it in the slot its
+ * local ranks share (hierarchical: (p - k) / p * S bytes per node); without the hierarchy every
+ * local rank pulls for itself into its own slot. Gathers the frozen schedule issues for small
+ * consecutive units leave as one transfer per peer. A node answers pull requests from its w
+ * arenas once it reached the requested weights generation. */
+#include "net.h"
+#include "ops.h"
+#include "session.h"
+#include "registry.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static bool net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                      struct sd_unit_state *us);
+
+/* Gather unit u's w shards of the partition group of `rank` (inside this node) into the slot. */
+void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t rank)
+{
+    uint64_t cpu0 = sd_job_issue_clock(job);
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    uint32_t u = us->unit;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint32_t f = job->plan.f[SD_STATE_W];
+    struct sd_group grp = sd_group_partition(f, rank);
+    uint64_t shard_bytes = sd_job_w_shard_bytes(job, u);
+    uint8_t *dst = (uint8_t *)job->mem.pool.ptr + us->pool_off;
+    for (uint32_t i = 0; i < grp.count; i++) {
+        uint32_t local = sd_group_member(&grp, i) - job->first_rank;
+        dev->copy(dst + i * shard_bytes, sd_job_w_shard(job, local, u), shard_bytes);
+    }
+    job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += sd_unit_bytes(ul);
+    job->stats.gathers++;
+    sd_job_issue_count(job, cpu0);
+}
+
+/* Room in the pool: the frozen schedule's place, else the cache's, evicting cached copies nobody
+ * holds (least recently released first). */
+int sd_fetch_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
+{
+    int planned = sd_sched_reserve(job, bytes, off_p); /* the frozen schedule's place */
+    if (planned != SD_ENOENT)
+        return planned;
+    return sd_unit_cache_reserve(&job->cache, bytes, SD_CACHELINE, off_p);
+}
+
+/* A gather finished (or failed): answer every rank waiting for it. */
+void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
+{
+    /* answering a fetch is part of what it costs: inside its call scheduled_op counts it; a
+     * fetch that waited for its gather is answered here, later */
+    struct sd_job_sched *sc = &job->sched;
+    bool timed = !sc->in_call;
+    uint64_t cpu0 = timed ? sd_thread_cpu_ns() : 0;
+    const struct sd_unit_layout *ul = &job->layout.units[us->unit];
+    uint64_t now = sd_now_ns();
+    for (uint32_t r = 0; r < job->k && us->waiters; r++) {
+        if (!(us->waiters & (1ULL << r)))
+            continue;
+        us->waiters &= ~(1ULL << r);
+        struct sd_session *s = job->ranks[r];
+        uint64_t tag = job->xfer.wait_tags[(size_t)(us - job->cache.units) * job->k + r];
+        if (s == NULL)
+            continue;
+        if (us->status != SD_OK) {
+            char msg[SD_OP_MSG_LEN];
+            snprintf(msg, sizeof(msg), "fetch unit %u: job '%.40s' %s: %.100s", us->unit, job->name,
+                     sd_job_state_name(job->state), job->fail_msg);
+            job->stats.errors++;
+            sd_session_complete(s, tag, SD_OP_FETCH,
+                                job->fail_status ? job->fail_status : us->status, 0, 0, msg);
+            continue;
+        }
+        sd_unit_cache_hold(&job->cache, us);
+        s->holds[us->unit]++;
+        job->stats.ops[SD_OP_FETCH]++;
+        sd_latency_add(&job->stats.lat[SD_OP_FETCH], now - us->start_ns);
+        sd_session_complete(s, tag, SD_OP_FETCH, SD_OK, us->pool_off, sd_unit_bytes(ul), NULL);
+    }
+    if (timed)
+        sc->cpu_ns[sc->state == SD_SCHED_FROZEN && !sc->deviated] += sd_thread_cpu_ns() - cpu0;
+}
+
+bool sd_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t start)
+{
+    struct sd_unit_state *us = sd_job_slot(job, e->unit, s->local);
+    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    if (job->group_nodes > 1)
+        return net_fetch(job, s, e, us);
+    sd_unit_cache_drop_stale(&job->cache, us, job->weights_gen);
+    if (!us->resident) {
+        uint64_t off;
+        int st = sd_fetch_reserve(job, sd_unit_bytes(ul), &off);
+        if (st == SD_EAGAIN ||
+            (st == SD_ENOSPC && sd_unit_cache_others_hold(&job->cache, s->holds)))
+            return false; /* other ranks still use the space: wait for their releases */
+        if (st != SD_OK) {
+            char b1[32], b2[32], b3[32];
+            sd_session_fail(
+                s, e, SD_ENOSPC,
+                "fetch unit %u needs %s; the gather pool (%s) has %s held by "
+                "unreleased units: release units or raise max_live_bytes",
+                e->unit, sd_fmt_bytes(b1, sizeof(b1), sd_unit_bytes(ul)),
+                sd_fmt_bytes(b2, sizeof(b2), job->cache.spool.capacity),
+                sd_fmt_bytes(b3, sizeof(b3), sd_slot_pool_used_bytes(&job->cache.spool)));
+            return true;
+        }
+        us->pool_off = off;
+        sd_fetch_local_gather(job, us, s->rank);
+        us->resident = true;
+        us->gen = job->weights_gen;
+    } else {
+        job->stats.cache_hits++;
+    }
+    sd_unit_cache_hold(&job->cache, us);
+    s->holds[e->unit]++;
+    sd_op_done(job, s, e, us->pool_off, sd_unit_bytes(ul), start);
+    return true;
+}
+
+void sd_fetch_release(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                      uint64_t start)
+{
+    struct sd_unit_state *us = sd_job_slot(job, e->unit, s->local);
+    if (s->holds[e->unit] == 0) {
+        sd_session_fail(s, e, SD_ENOTHELD,
+                        "release of unit %u which rank %u does not hold (released twice, or "
+                        "never fetched)",
+                        e->unit, s->rank);
+        return;
+    }
+    s->holds[e->unit]--;
+    sd_unit_cache_unhold(&job->cache, us, 1);
+    sd_op_done(job, s, e, 0, 0, start);
+}
+
+void sd_fetch_drop(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t start)
+{
+    sd_unit_cache_drop(&job->cache, sd_job_slot(job, e->unit, s->local));
+    sd_op_done(job, s, e, 0, 0, start);
+}
+
+void sd_fetch_release_holds(struct sd_job *job, struct sd_session *s)
+{
+    if (s->holds == NULL || job->cache.units == NULL)
+        return;
+    for (uint32_t u = 0; u < job->layout.n_units; u++) {
+        struct sd_unit_state *us = sd_job_slot(job, u, s->local);
+        sd_unit_cache_unhold(&job->cache, us, s->holds[u]);
+        s->holds[u] = 0;
+        us->waiters &= ~(1ULL << s->local);
+    }
+}
+
+/* ---- serving pull requests */
+
+static void serve_done(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = b->arg;
+    job->stats.bytes[SD_OP_FETCH][SD_LINK_INTER_SENT] += b->bytes;
+    job->xfer.w_sends_inflight--;
+    sd_bulk_put(&job->xfer.bulks, b);
+    if (status != SD_OK)
+        SD_WARN_SPARSE("net", "job '%s': sending weights to node %u failed: %s", job->name, b->peer,
+                       sd_status_str(status));
+    if (job->step.phase == SD_STEP_APPLY)
+        sd_step_progress(job);
+}
+
+/* Returns false if the request must wait. */
+static bool serve(struct sd_job *job, const struct sd_req_msg *m)
+{
+    if (job->state != SD_JOB_READY && job->state != SD_JOB_CLOSING)
+        return job->state != SD_JOB_LOADING; /* failed jobs: drop the request */
+    if (m->gen > job->weights_gen)
+        return false;
+    if (m->gen < job->weights_gen) {
+        SD_WARN_SPARSE("net",
+                       "job '%s': node %u asks for weights generation %llu of unit %u, "
+                       "this node is at %llu",
+                       job->name, m->src, (unsigned long long)m->gen, m->unit,
+                       (unsigned long long)job->weights_gen);
+        return true;
+    }
+    struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
+    if (b == NULL)
+        return false;
+    /* this node's block of each unit asked for: its ranks' shards, unit by unit */
+    uint32_t n_units = m->n_units ? m->n_units : 1;
+    void *pieces[SD_BULK_MAX_PIECES];
+    size_t lens[SD_BULK_MAX_PIECES];
+    for (uint32_t i = 0, p = 0; i < n_units; i++) {
+        for (uint32_t j = 0; j < job->k; j++, p++) {
+            pieces[p] = sd_job_w_shard(job, j, m->unit + i);
+            lens[p] = sd_job_w_shard_bytes(job, m->unit + i);
+        }
+    }
+    uint32_t seq = 0;
+    uint64_t tag = 0;
+    int st = sd_tag_weights_seq(m->gen, m->lslot, &seq);
+    if (st == SD_OK)
+        st = sd_tag_make(SD_TAG_WDATA, job->xfer.tag, m->unit, seq, job->node, &tag);
+    if (st == SD_OK)
+        st = sd_bulk_startv(b, sd_job_tp(job), true, m->src, tag, pieces, lens, n_units * job->k,
+                            job->reg->cfg->chunk_bytes, sd_job_net_desc(job, pieces[0]), serve_done,
+                            NULL, job);
+    if (st != SD_OK) {
+        sd_bulk_put(&job->xfer.bulks, b);
+        SD_WARN("net", "job '%s': cannot send unit %u to node %u: %s", job->name, m->unit, m->src,
+                sd_status_str(st));
+        return true;
+    }
+    job->xfer.w_sends_inflight++;
+    return true;
+}
+
+void sd_fetch_serve_queue(struct sd_job *job)
+{
+    uint32_t kept = 0;
+    for (uint32_t i = 0; i < job->xfer.req_queued; i++)
+        if (!serve(job, &job->xfer.req_queue[i]))
+            job->xfer.req_queue[kept++] = job->xfer.req_queue[i];
+    job->xfer.req_queued = kept;
+}
+
+static void on_request(struct sd_registry *reg, const struct sd_req_msg *m)
+{
+    if (m->magic != SD_REQ_MAGIC) {
+        SD_WARN_SPARSE("net", "dropping a malformed pull request");
+        return;
+    }
+    struct sd_job *job = sd_registry_find_tag(reg, m->job_tag);
+    if (job == NULL) { /* maybe confirmed here a moment from now */
+        struct sd_net *net = reg->net;
+        uint64_t now = sd_now_ns(), keep = (uint64_t)reg->cfg->op_timeout_ms * 1000000ULL;
+        uint32_t kept = 0;
+        for (uint32_t i = 0; i < net->n_early; i++)
+            if (now - net->early_ns[i] < keep) {
+                net->early[kept] = net->early[i];
+                net->early_ns[kept++] = net->early_ns[i];
+            }
+        net->n_early = kept;
+        if (kept < SD_NET_EARLY_REQS) {
+            net->early[kept] = *m;
+            net->early_ns[kept] = now;
+            net->n_early++;
+            return;
+        }
+        SD_WARN_SPARSE("net", "too many pull requests for unknown jobs; dropping one for tag %u",
+                       m->job_tag);
+        return;
+    }
+    uint32_t n_units = m->n_units ? m->n_units : 1;
+    if (job == NULL || job->cache.units == NULL || m->unit >= job->layout.n_units ||
+        n_units > job->layout.n_units - m->unit || n_units * job->k > SD_BULK_MAX_PIECES ||
+        m->lslot >= job->slots_per_unit || m->src >= job->nodes || m->src == job->node) {
+        SD_WARN_SPARSE("net",
+                       "dropping a pull request for job tag %u units %u..%u from node %u: no such "
+                       "job, units or node here",
+                       m->job_tag, m->unit, m->unit + n_units - 1, m->src);
+        return;
+    }
+    if (serve(job, m))
+        return;
+    if (job->xfer.req_queued < job->xfer.req_cap)
+        job->xfer.req_queue[job->xfer.req_queued++] = *m;
+    else
+        SD_WARN_SPARSE("net", "job '%s': pull request queue full", job->name);
+}
+
+void sd_net_job_confirmed(struct sd_registry *reg, struct sd_job *job)
+{
+    struct sd_net *net = reg->net;
+    if (net == NULL)
+        return;
+    uint32_t kept = 0, n = net->n_early;
+    struct sd_req_msg mine[SD_NET_EARLY_REQS];
+    uint32_t n_mine = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (net->early[i].job_tag == job->xfer.tag) {
+            mine[n_mine++] = net->early[i];
+            continue;
+        }
+        net->early[kept] = net->early[i];
+        net->early_ns[kept++] = net->early_ns[i];
+    }
+    net->n_early = kept;
+    for (uint32_t i = 0; i < n_mine; i++)
+        on_request(reg, &mine[i]);
+}
+
+bool sd_net_busy(const struct sd_registry *reg)
+{
+    return reg->net != NULL && reg->net->tp->inflight > (reg->net->posted ? SD_NET_REQ_SLOTS : 0);
+}
+
+static void req_recv_cb(struct sd_xfer *x, int status);
+
+static int post_req_recv(struct sd_net_req *r, struct sd_net *net)
+{
+    struct sd_transport *tp = net->tp;
+    r->x.cb = req_recv_cb;
+    return tp->ops->recv(tp, SD_PEER_ANY, sd_tag_of_kind(SD_TAG_REQ), sd_tag_any_but_kind(),
+                         &r->msg, sizeof(r->msg), net->reqs_desc, &r->x);
+}
+
+static void req_recv_cb(struct sd_xfer *x, int status)
+{
+    struct sd_net_req *r = (struct sd_net_req *)x;
+    struct sd_registry *reg = r->reg;
+    if (status != SD_OK || reg->net == NULL)
+        return; /* cancelled at shutdown */
+    if (x->len == sizeof(r->msg))
+        on_request(reg, &r->msg);
+    post_req_recv(r, reg->net);
+}
+
+int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl)
+{
+    struct sd_net *net = calloc(1, sizeof(*net));
+    if (net == NULL)
+        return SD_ENOMEM;
+    net->tp = tp;
+    net->cl = cl;
+    net->self = (uint32_t)reg->cfg->node;
+    net->n = (uint32_t)reg->cfg->nodes;
+    reg->net = net;
+    return SD_OK;
+}
+
+void sd_net_set_cluster(struct sd_registry *reg, struct sd_cluster *cl)
+{
+    reg->net->cl = cl;
+}
+
+/* Standing receives for pull requests, once the peers are known. */
+int sd_net_post_requests(struct sd_registry *reg)
+{
+    if (reg->net == NULL || reg->net->posted)
+        return SD_OK;
+    struct sd_net *net = reg->net;
+    net->posted = true;
+    int st =
+        net->tp->ops->mr_reg(net->tp, net->reqs, sizeof(net->reqs), &net->reqs_desc, &net->reqs_mr);
+    if (st != SD_OK)
+        return st;
+    for (uint32_t i = 0; i < SD_NET_REQ_SLOTS; i++) {
+        net->reqs[i].reg = reg;
+        st = post_req_recv(&net->reqs[i], net);
+        if (st != SD_OK)
+            return st;
+    }
+    return SD_OK;
+}
+
+/* After the transport was quiesced and every job freed. */
+void sd_net_stop(struct sd_registry *reg)
+{
+    if (reg->net != NULL && reg->net->reqs_mr != NULL)
+        reg->net->tp->ops->mr_dereg(reg->net->tp, reg->net->reqs_mr);
+    free(reg->net);
+    reg->net = NULL;
+}
+
+/* ---- fetch across nodes */
+
+/* a gather (maybe coalesced: us leads the units linked by batch_next) completed or failed */
+static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
+{
+    int status = us->status;
+    uint32_t suspect = us->suspect;
+    job->xfer.gathers_inflight--;
+    if (status != SD_OK) {
+        char what[256];
+        snprintf(what, sizeof(what),
+                 "fetch of unit %u (weights generation %llu): the transfer "
+                 "from node %u failed: %s",
+                 us->unit, (unsigned long long)us->gen, suspect, sd_status_str(status));
+        for (struct sd_unit_state *u = us, *next; u; u = next) {
+            next = u->batch_next;
+            u->batch_next = NULL;
+            u->inflight = false;
+            u->resident = false;
+            sd_slot_pool_free(&job->cache.spool, u->pool_off);
+        }
+        sd_job_fail(job, SD_EPEER, "%s", what);
+        return;
+    }
+    for (struct sd_unit_state *u = us, *next; u; u = next) {
+        next = u->batch_next; /* completing a fetch may start new gathers */
+        u->batch_next = NULL;
+        u->inflight = false;
+        u->resident = true;
+        job->stats.gathers++;
+        sd_fetch_complete(job, u);
+    }
+    if (job->step.phase != SD_STEP_IDLE) /* a refresh, or a step waiting for gathers */
+        sd_step_progress(job);
+    else
+        sd_sched_prefetch(job); /* transfer resources are free again */
+}
+
+static void gather_recv_done(struct sd_bulk *b, int status)
+{
+    struct sd_unit_state *us = b->arg;
+    struct sd_job *job = us->job;
+    job->stats.bytes[SD_OP_FETCH][SD_LINK_INTER_RECV] += b->bytes;
+    if (status != SD_OK && us->status == SD_OK) {
+        us->status = status;
+        us->suspect = b->peer;
+    }
+    sd_bulk_put(&job->xfer.bulks, b);
+    if (--us->remaining == 0)
+        gather_finish(job, us);
+}
+
+static void gather_req_sent(struct sd_xfer *x, int status)
+{
+    struct sd_unit_state *us = x->arg;
+    struct sd_job *job = us->job;
+    if (status != SD_OK && us->status == SD_OK) {
+        us->status = status;
+        us->suspect = x->peer;
+    }
+    if (--us->remaining == 0)
+        gather_finish(job, us);
+}
+
+static bool gather_resources(const struct sd_job *job)
+{
+    return job->xfer.bulks.n - job->xfer.bulks.in_use >= job->group_nodes - 1 &&
+           job->xfer.gathers_inflight < SD_MAX_GATHERS_INFLIGHT;
+}
+
+/* slot us (pool space reserved) is in flight; gather_post fills in this node's block */
+static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
+{
+    us->inflight = true;
+    us->status = SD_OK;
+    us->gen = job->weights_gen;
+    us->start_ns = sd_now_ns();
+    us->batch_next = NULL;
+}
+
+/* this node's block of units[0..n), its ranks' shards, into their slots */
+static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n)
+{
+    uint32_t G = job->group_nodes, k = job->k, me = job->node % G;
+    for (uint32_t i = 0; i < n; i++) {
+        size_t len = sd_job_w_shard_bytes(job, units[i]->unit);
+        uint8_t *slot = (uint8_t *)job->mem.pool.ptr + units[i]->pool_off;
+        for (uint32_t j = 0; j < k; j++)
+            job->reg->dev->copy(slot + ((size_t)me * k + j) * len,
+                                sd_job_w_shard(job, j, units[i]->unit), len);
+        job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += (uint64_t)k * len;
+    }
+}
+
+/* Pull the remote blocks of units[0..n) (begun, consecutive ids ascending, one copy) from every
+ * node of the partition group: one request and one transfer per peer for all of them, then copy
+ * this node's block while the peers answer. units[0] leads: it holds the transfers, and its
+ * completion completes the others. */
+static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n)
+{
+    uint64_t cpu0 = sd_job_issue_clock(job);
+    struct sd_unit_state *us = units[0];
+    uint32_t G = job->group_nodes, k = job->k;
+    uint32_t first = sd_job_group_first(job);
+    for (uint32_t j = 1; j < n; j++)
+        units[j - 1]->batch_next = units[j];
+    us->remaining = 2 * (G - 1);
+    us->req = (struct sd_req_msg){.magic = SD_REQ_MAGIC,
+                                  .job_tag = (uint16_t)job->xfer.tag,
+                                  .src = (uint16_t)job->node,
+                                  .unit = us->unit,
+                                  .lslot = us->lslot,
+                                  .gen = us->gen,
+                                  .n_units = n};
+    job->xfer.gathers_inflight++;
+    uint32_t seq = 0;
+    int tag_st = sd_tag_weights_seq(us->gen, us->lslot, &seq);
+    for (uint32_t i = 0, o = 0; i < G; i++) {
+        uint32_t m = first + i;
+        if (m == job->node)
+            continue;
+        void *pieces[SD_BULK_MAX_PIECES];
+        size_t lens[SD_BULK_MAX_PIECES];
+        for (uint32_t j = 0, p = 0; j < n; j++) {
+            size_t len = sd_job_w_shard_bytes(job, units[j]->unit);
+            uint8_t *slot = (uint8_t *)job->mem.pool.ptr + units[j]->pool_off;
+            for (uint32_t q = 0; q < k; q++, p++) {
+                pieces[p] = slot + ((size_t)i * k + q) * len;
+                lens[p] = len;
+            }
+        }
+        uint64_t data_tag = 0, req_tag = 0;
+        int st = tag_st;
+        if (st == SD_OK)
+            st = sd_tag_make(SD_TAG_WDATA, job->xfer.tag, us->unit, seq, m, &data_tag);
+        if (st == SD_OK)
+            st = sd_tag_make(SD_TAG_REQ, job->xfer.tag, us->unit, seq, job->node, &req_tag);
+        int req_st = st;
+        struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
+        us->rb[o] = b;
+        if (st == SD_OK)
+            st = sd_bulk_startv(b, sd_job_tp(job), false, m, data_tag, pieces, lens, n * k,
+                                job->reg->cfg->chunk_bytes, sd_job_net_desc(job, job->mem.pool.ptr),
+                                gather_recv_done, NULL, us);
+        if (st != SD_OK) {
+            sd_bulk_put(&job->xfer.bulks, b);
+            us->status = st;
+            us->suspect = m;
+            us->remaining--;
+        }
+        struct sd_xfer *x = &us->req_x[o];
+        x->cb = gather_req_sent;
+        x->arg = us;
+        st = req_st != SD_OK
+                 ? req_st
+                 : sd_job_tp(job)->ops->send(sd_job_tp(job), m, req_tag, &us->req, sizeof(us->req),
+                                             sd_job_net_desc(job, &us->req), x);
+        if (st != SD_OK) {
+            us->status = st;
+            us->suspect = m;
+            us->remaining--;
+        }
+        o++;
+    }
+    /* no completion runs before the loop polls again, so the slots are still ours */
+    gather_copy_local(job, units, n);
+    sd_job_issue_count(job, cpu0);
+    if (us->remaining == 0)
+        gather_finish(job, us);
+}
+
+int sd_fetch_gather_start(struct sd_job *job, struct sd_unit_state *us)
+{
+    if (!gather_resources(job))
+        return SD_EAGAIN;
+    gather_begin(job, us);
+    gather_post(job, &us, 1);
+    return SD_OK;
+}
+
+bool sd_fetch_would_join(const struct sd_job *job, uint32_t unit, uint32_t lslot)
+{
+    const struct sd_gather_batch *bt = &job->xfer.batch;
+    uint64_t bytes = sd_unit_bytes(&job->layout.units[unit]);
+    uint64_t limit = (uint64_t)job->reg->cfg->coalesce_bytes;
+    return bytes < limit && bt->n > 0 && bt->lslot == lslot && bt->bytes + bytes <= limit &&
+           (bt->n + 1) * job->k <= SD_BULK_MAX_PIECES && (unit == bt->hi + 1 || unit + 1 == bt->lo);
+}
+
+/* A gather the frozen schedule issues: small units join the open batch while their ids stay
+ * consecutive and the batch under coalesce_bytes; sd_fetch_prefetch_flush sends it. */
+int sd_fetch_prefetch(struct sd_job *job, struct sd_unit_state *us)
+{
+    struct sd_gather_batch *bt = &job->xfer.batch;
+    uint64_t bytes = sd_unit_bytes(&job->layout.units[us->unit]);
+    uint64_t limit = (uint64_t)job->reg->cfg->coalesce_bytes;
+    bool small = bytes < limit && job->k <= SD_BULK_MAX_PIECES / 2;
+    bool joins = sd_fetch_would_join(job, us->unit, us->lslot);
+    if (!joins)
+        sd_fetch_prefetch_flush(job);
+    if (!small)
+        return sd_fetch_gather_start(job, us);
+    if (bt->n == 0) {
+        if (!gather_resources(job))
+            return SD_EAGAIN; /* the batch, once open, needs nothing more */
+        bt->lo = bt->hi = us->unit;
+        bt->lslot = us->lslot;
+        bt->bytes = 0;
+    }
+    gather_begin(job, us);
+    bt->lo = SD_MIN(bt->lo, us->unit);
+    bt->hi = SD_MAX(bt->hi, us->unit);
+    bt->bytes += bytes;
+    bt->units[bt->n++] = us;
+    return SD_OK;
+}
+
+void sd_fetch_prefetch_flush(struct sd_job *job)
+{
+    struct sd_gather_batch *bt = &job->xfer.batch;
+    uint32_t n = bt->n;
+    if (n == 0)
+        return;
+    bt->n = 0;
+    for (uint32_t i = 1; i < n; i++) /* ascending ids, as the request names them */
+        for (uint32_t j = i; j > 0 && bt->units[j - 1]->unit > bt->units[j]->unit; j--) {
+            struct sd_unit_state *t = bt->units[j];
+            bt->units[j] = bt->units[j - 1];
+            bt->units[j - 1] = t;
+        }
+    if (n > 1) {
+        job->stats.coalesced_gathers++;
+        job->stats.coalesced_units += n;
+    }
+    gather_post(job, bt->units, n);
+}
+
+static bool net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                      struct sd_unit_state *us)
+{
+    uint64_t bit = 1ULL << s->local;
+    if (us->inflight) {
+        if (us->waiters & bit)
+            return false; /* the same rank twice: wait for the first */
+        us->waiters |= bit;
+        job->xfer.wait_tags[(size_t)(us - job->cache.units) * job->k + s->local] = e->tag;
+        return true;
+    }
+    sd_unit_cache_drop_stale(&job->cache, us, job->weights_gen);
+    us->waiters |= bit;
+    job->xfer.wait_tags[(size_t)(us - job->cache.units) * job->k + s->local] = e->tag;
+    if (us->resident) {
+        job->stats.cache_hits++;
+        us->start_ns = sd_now_ns();
+        sd_fetch_complete(job, us);
+        return true;
+    }
+    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    uint64_t off;
+    if (job->xfer.gathers_inflight >= SD_MAX_GATHERS_INFLIGHT ||
+        job->xfer.bulks.n - job->xfer.bulks.in_use < job->group_nodes - 1) {
+        us->waiters &= ~bit;
+        return false;
+    }
+    int rst = sd_fetch_reserve(job, sd_unit_bytes(ul), &off);
+    if (rst == SD_EAGAIN ||
+        (rst == SD_ENOSPC && sd_unit_cache_others_hold(&job->cache, s->holds))) {
+        /* other ranks (or gathers in flight) still use the space: wait for them */
+        us->waiters &= ~bit;
+        return false;
+    }
+    if (rst != SD_OK) {
+        us->waiters &= ~bit;
+        char b1[32], b2[32];
+        sd_session_fail(s, e, SD_ENOSPC,
+                        "fetch unit %u needs %s; the gather pool (%s) is held by unreleased or "
+                        "in-flight units: release units or raise max_live_bytes",
+                        e->unit, sd_fmt_bytes(b1, sizeof(b1), sd_unit_bytes(ul)),
+                        sd_fmt_bytes(b2, sizeof(b2), job->cache.spool.capacity));
+        return true;
+    }
+    us->pool_off = off;
+    if (sd_fetch_gather_start(job, us) != SD_OK) {
+        sd_slot_pool_free(&job->cache.spool, off);
+        us->waiters &= ~bit;
+        return false;
+    }
+    return true;
+}

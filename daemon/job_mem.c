@@ -1,0 +1,383 @@
+/* A job's memory, all of it allocated at registration (DESIGN.md section 7): the w, g and os
+ * arenas of every local rank in the backend's memory (cache-coloured, see SD_ARENA_COLOUR), the
+ * gather pool and staging slots the trainers map, scratch and the network buffers, within the
+ * daemon's memory budget. Host memory is backed and given back on a worker thread. */
+#include "job.h"
+#include "net.h"
+#include "ops.h"
+#include "registry.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+/* A job's big buffers go back on a worker thread: unmapping a job of 64 MiB units (about
+ * 1 GiB) held the loop for 250 ms here, and with it every other job's transfers and the
+ * heartbeats. Its bytes return to the budget once they are really gone. */
+struct job_free_work {
+    uv_work_t req;
+    struct sd_registry *reg;
+    struct sd_mem *mems; /* host memory: arenas (host backend), staging, pool */
+    uint32_t n_mems;
+    void *heap[2]; /* scratch, the node rounds' buffers */
+    uint64_t bytes, start_ns;
+    char job[64];
+};
+
+static void free_work_cb(uv_work_t *req)
+{
+    struct job_free_work *w = req->data;
+    for (uint32_t i = 0; i < w->n_mems; i++)
+        sd_gpu_host_ops.free(&w->mems[i]);
+    free(w->heap[0]);
+    free(w->heap[1]);
+}
+
+static void free_after_cb(uv_work_t *req, int uv_status)
+{
+    struct job_free_work *w = req->data;
+    (void)uv_status; /* work that is queued always runs: uv_cancel is never called on it */
+    w->reg->used -= w->bytes;
+    SD_DEBUG("job", "job '%s': %llu bytes returned in %.1f ms, off the loop", w->job,
+             (unsigned long long)w->bytes, (double)(sd_now_ns() - w->start_ns) / 1e6);
+    free(w->mems);
+    free(w);
+}
+
+/* Hand the job's host buffers to a worker. Without a loop, or out of memory for the hand-over,
+ * it takes nothing and sd_job_mem_free frees them in place. */
+static void free_off_loop(struct sd_job *job)
+{
+    struct sd_registry *reg = job->reg;
+    bool host = reg->dev == &sd_gpu_host_ops;
+    uint32_t n_arena = job->mem.arena != NULL && host ? job->k * SD_STATE_COUNT : 0;
+    uint32_t n_staging = job->mem.staging != NULL ? job->k : 0;
+    if (reg->loop == NULL || job->mem.bytes_total == 0)
+        return;
+    struct job_free_work *w = calloc(1, sizeof(*w));
+    struct sd_mem *mems = calloc(n_arena + n_staging + 1, sizeof(*mems));
+    if (w == NULL || mems == NULL) {
+        free(w);
+        free(mems);
+        return;
+    }
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < n_arena; i++) {
+        mems[n++] = job->mem.arena[i];
+        job->mem.arena[i] = (struct sd_mem){.fd = -1};
+    }
+    for (uint32_t i = 0; i < n_staging; i++) {
+        mems[n++] = job->mem.staging[i];
+        job->mem.staging[i] = (struct sd_mem){.fd = -1};
+    }
+    mems[n++] = job->mem.pool;
+    job->mem.pool = (struct sd_mem){.fd = -1};
+    *w = (struct job_free_work){.reg = reg,
+                                .mems = mems,
+                                .n_mems = n,
+                                .heap = {job->mem.scratch, job->push.nr_mem},
+                                .bytes = job->mem.bytes_total,
+                                .start_ns = sd_now_ns()};
+    w->req.data = w;
+    snprintf(w->job, sizeof(w->job), "%s", job->name);
+    job->mem.scratch = NULL;
+    job->push.nr_mem = NULL;
+    job->mem.bytes_total = 0;
+    if (uv_queue_work(reg->loop, &w->req, free_work_cb, free_after_cb) != 0) {
+        free_work_cb(&w->req);
+        free_after_cb(&w->req, 0);
+    }
+}
+
+void sd_job_mem_free(struct sd_job *job)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    if (job->nodes > 1)
+        sd_job_net_teardown(job); /* deregisters before anything is unmapped */
+    free_off_loop(job);           /* what it took is empty below */
+    if (job->mem.arena != NULL)
+        for (uint32_t i = 0; i < job->k * SD_STATE_COUNT; i++)
+            dev->free(&job->mem.arena[i]);
+    if (job->mem.staging != NULL)
+        for (uint32_t i = 0; i < job->k; i++)
+            sd_gpu_host_ops.free(&job->mem.staging[i]);
+    if (job->mem.pool.ptr != NULL)
+        sd_gpu_host_ops.free(&job->mem.pool);
+    free(job->mem.arena);
+    free(job->mem.staging);
+    free(job->mem.scratch);
+    free(job->push.nr_mem);
+    sd_unit_cache_fini(&job->cache);
+    free(job->push.rounds);
+    free(job->push.round_entries);
+    free(job->push.rounds_done);
+    free(job->mem.w_off);
+    sd_sched_free(job);
+    job->mem.arena = job->mem.staging = NULL;
+    job->mem.scratch = NULL;
+    job->push.nr_mem = NULL;
+    job->push.rounds = NULL;
+    job->push.round_entries = NULL;
+    job->push.rounds_done = NULL;
+    job->mem.w_off = NULL;
+    if (job->mem.bytes_total) {
+        job->reg->used -= job->mem.bytes_total;
+        job->mem.bytes_total = 0;
+    }
+}
+
+/* Bytes the job needs on this node, by buffer. */
+struct job_bytes {
+    uint64_t w, g, os, pool, staging, scratch, net, total;
+};
+
+/* One rank's arena of each state: its data, and the colouring in front of and inside it. */
+void sd_job_mem_arena_bytes(const struct sd_job *job, uint64_t bytes_p[SD_STATE_COUNT])
+{
+    const struct sd_layout *l = &job->layout;
+    uint64_t os_stride = sd_arena_os_stride(l->arena_numel[SD_STATE_OS]);
+    bytes_p[SD_STATE_W] = job->mem.w_arena_bytes;
+    bytes_p[SD_STATE_G] = l->arena_numel[SD_STATE_G] * sizeof(float);
+    bytes_p[SD_STATE_OS] = os_stride * sizeof(float) * sd_optim_state_floats(job->model.optim.kind);
+    for (int st = 0; st < SD_STATE_COUNT; st++)
+        bytes_p[st] += sd_arena_colour(st);
+}
+
+static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct sd_config *cfg)
+{
+    struct job_bytes b = {0};
+    const struct sd_layout *l = &job->layout;
+    uint64_t arena[SD_STATE_COUNT];
+    sd_job_mem_arena_bytes(job, arena);
+    b.w = arena[SD_STATE_W] * job->k;
+    b.g = arena[SD_STATE_G] * job->k;
+    b.os = arena[SD_STATE_OS] * job->k;
+    /* default: every unit at once; without the hierarchy each local rank has its own copy */
+    b.pool = job->mem.max_live_bytes ? job->mem.max_live_bytes
+             : cfg->max_live_bytes   ? cfg->max_live_bytes
+                                     : l->total_bytes * job->slots_per_unit;
+    b.staging = (uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) * job->k;
+    b.scratch = l->max_unit_numel * sizeof(float);
+    b.net = sd_job_net_bytes(job, cfg);
+    b.total = b.w + b.g + b.os + b.pool + b.staging + b.scratch + b.net;
+    return b;
+}
+
+/* Allocating a job's memory has three parts. job_alloc_begin checks the budget, reserves the
+ * bytes and allocates the bookkeeping; job_alloc_arenas and job_alloc_host allocate and back the
+ * big buffers (on a worker thread for host memory: backing 0.5 GiB took the loop up to 1 s here,
+ * and a loop that stalls misses heartbeats and holds up every other job's transfers);
+ * job_alloc_finish sets up the rest on the loop. Each failure leaves err filled and the caller
+ * frees with sd_job_mem_free. */
+static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
+{
+    struct sd_registry *reg = job->reg;
+    const struct sd_config *cfg = reg->cfg;
+    const struct sd_layout *l = &job->layout;
+    struct job_bytes need = job_bytes_needed(job, cfg);
+    uint64_t budget = reg->budget;
+    char b1[32], b2[32], b3[32];
+
+    if (need.pool < l->max_unit_bytes) {
+        snprintf(err, errlen,
+                 "max_live_bytes (%s) is smaller than the largest unit (%s): no unit could be "
+                 "gathered",
+                 sd_fmt_bytes(b1, sizeof(b1), need.pool),
+                 sd_fmt_bytes(b2, sizeof(b2), l->max_unit_bytes));
+        return SD_ENOSPC;
+    }
+    if (reg->used + need.total > budget) {
+        snprintf(err, errlen,
+                 "job '%s' needs %llu bytes (%s: w %llu, g %llu, os %llu, gather pool %llu, "
+                 "staging %llu, scratch %llu, network %llu) but only %llu of the %llu-byte "
+                 "memory budget are free (%s); raise memory_budget or shard more (plan)",
+                 job->name, (unsigned long long)need.total,
+                 sd_fmt_bytes(b1, sizeof(b1), need.total), (unsigned long long)need.w,
+                 (unsigned long long)need.g, (unsigned long long)need.os,
+                 (unsigned long long)need.pool, (unsigned long long)need.staging,
+                 (unsigned long long)need.scratch, (unsigned long long)need.net,
+                 (unsigned long long)(budget - reg->used), (unsigned long long)budget,
+                 sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
+        return SD_ENOSPC;
+    }
+    /* reserved now, so that jobs registering meanwhile see it */
+    job->mem.bytes_total = need.total;
+    reg->used += need.total;
+
+    uint32_t k = job->k;
+    job->mem.arena = calloc((size_t)k * SD_STATE_COUNT, sizeof(*job->mem.arena));
+    job->mem.staging = calloc(k, sizeof(*job->mem.staging));
+    job->mem.scratch = malloc(need.scratch ? need.scratch : 1);
+    int cache_st = sd_unit_cache_init(&job->cache, l->n_units, job->slots_per_unit, need.pool);
+    if (job->push.node_rounds) { /* one round per unit over all local ranks, then the network */
+        job->push.g_members = k;
+        job->push.g_groups = 1;
+    } else {
+        job->push.g_members = SD_MIN(job->plan.f[SD_STATE_G], k);
+        job->push.g_groups = k / job->push.g_members;
+    }
+    size_t n_rounds = (size_t)l->n_units * job->push.g_groups;
+    job->push.rounds = calloc(n_rounds * job->push.round_gens, sizeof(*job->push.rounds));
+    job->push.round_entries = calloc(n_rounds * job->push.round_gens * job->push.g_members,
+                                     sizeof(*job->push.round_entries));
+    job->push.rounds_done = calloc(n_rounds, sizeof(*job->push.rounds_done));
+    if (!job->mem.arena || !job->mem.staging || !job->mem.scratch || cache_st != SD_OK ||
+        !job->push.rounds || !job->push.round_entries || !job->push.rounds_done) {
+        snprintf(err, errlen, "out of memory for the job's bookkeeping");
+        return SD_ENOMEM;
+    }
+    for (uint32_t i = 0; i < job->n_slots; i++)
+        job->cache.units[i].job = job;
+    for (uint32_t i = 0; i < k * SD_STATE_COUNT; i++)
+        job->mem.arena[i].fd = -1;
+    for (uint32_t i = 0; i < k; i++)
+        job->mem.staging[i].fd = -1;
+    job->mem.pool.fd = -1;
+    job->stats.pool_bytes = need.pool;
+    job->mem.staging_slots = (uint32_t)cfg->staging_slots;
+    job->mem.staging_slot_bytes = l->max_unit_numel * sizeof(float);
+    return SD_OK;
+}
+
+static int alloc_failed(const struct sd_job *job, const char *tag, int status, char *err,
+                        size_t errlen)
+{
+    snprintf(err, errlen, "allocating %s for job '%s' failed: %s", tag, job->name,
+             sd_status_str(status));
+    return status;
+}
+
+/* The w, g and os arenas of every local rank, in the backend's memory. Like job_alloc_host,
+ * touches only its buffers of job and reads what registration fixed: safe on a worker thread
+ * while the job is allocating. */
+static int job_alloc_arenas(struct sd_job *job, char *err, size_t errlen)
+{
+    uint64_t bytes[SD_STATE_COUNT];
+    sd_job_mem_arena_bytes(job, bytes);
+    char tag[96];
+    for (uint32_t r = 0; r < job->k; r++)
+        for (int st = 0; st < SD_STATE_COUNT; st++) {
+            snprintf(tag, sizeof(tag), "shardd-%s-r%u-%s", job->name, job->first_rank + r,
+                     sd_state_name(st));
+            int status = job->reg->dev->alloc(bytes[st], SD_MEM_PRIVATE, tag,
+                                              &job->mem.arena[r * SD_STATE_COUNT + st]);
+            if (status != SD_OK)
+                return alloc_failed(job, tag, status, err, errlen);
+        }
+    return SD_OK;
+}
+
+/* The host memory the trainers map: each local rank's staging slots and the gather pool. */
+static int job_alloc_host(struct sd_job *job, char *err, size_t errlen)
+{
+    char tag[96];
+    int status;
+    for (uint32_t r = 0; r < job->k; r++) {
+        snprintf(tag, sizeof(tag), "shardd-%s-r%u-staging", job->name, job->first_rank + r);
+        status =
+            sd_gpu_host_ops.alloc((uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes,
+                                  SD_MEM_SHARED, tag, &job->mem.staging[r]);
+        if (status != SD_OK)
+            return alloc_failed(job, tag, status, err, errlen);
+    }
+    snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
+    status = sd_gpu_host_ops.alloc(job->stats.pool_bytes, SD_MEM_SHARED, tag, &job->mem.pool);
+    return status == SD_OK ? SD_OK : alloc_failed(job, tag, status, err, errlen);
+}
+
+static int job_alloc_finish(struct sd_job *job, char *err, size_t errlen)
+{
+    int status = sd_sched_alloc(job);
+    if (status != SD_OK) {
+        snprintf(err, errlen, "out of memory for the job's schedule");
+        return status;
+    }
+    if (job->nodes > 1) {
+        char nerr[256];
+        status = sd_job_net_setup(job, nerr, sizeof(nerr));
+        if (status != SD_OK) {
+            snprintf(err, errlen, "job '%s': %s", job->name, nerr);
+            return status;
+        }
+    }
+    return SD_OK;
+}
+
+struct job_alloc_work {
+    uv_work_t req;
+    struct sd_job *job;
+    bool arenas; /* host-memory arenas: backed on the worker too */
+    int status;
+    char err[768];
+};
+
+static void alloc_work_cb(uv_work_t *req)
+{
+    struct job_alloc_work *w = req->data;
+    w->status = w->arenas ? job_alloc_arenas(w->job, w->err, sizeof(w->err)) : SD_OK;
+    if (w->status == SD_OK)
+        w->status = job_alloc_host(w->job, w->err, sizeof(w->err));
+}
+
+/* The buffers are there (status SD_OK) or not: finish on the loop and go on. */
+static void job_alloc_done(struct sd_job *job, int status, char *err, size_t errlen)
+{
+    if (status == SD_OK)
+        status = job_alloc_finish(job, err, errlen);
+    job->mem.alloc_ns = sd_now_ns() - job->mem.alloc_start_ns;
+    if (status != SD_OK || job->n_registered != job->k) {
+        sd_job_mem_free(job);
+        if (job->n_registered != job->k) /* a rank left meanwhile: wait for it again */
+            return;
+    }
+    sd_job_allocated(job, status, err);
+}
+
+static void alloc_after_cb(uv_work_t *req, int uv_status)
+{
+    struct job_alloc_work *w = req->data;
+    struct sd_job *job = w->job;
+    job->mem.allocating = false;
+    if (uv_status != 0) {
+        w->status = SD_ECANCELED;
+        snprintf(w->err, sizeof(w->err), "allocating the buffers of job '%s' was cancelled",
+                 job->name);
+    }
+    if (job->mem.doomed) /* unlinked while the worker ran */
+        sd_job_free(job);
+    else
+        job_alloc_done(job, w->status, w->err, sizeof(w->err));
+    free(w);
+}
+
+/* Every local rank is here: allocate, then go on in sd_job_allocated. Host memory is backed on a
+ * worker thread; device memory is allocated here, in the thread the backend set up. */
+void sd_job_mem_alloc(struct sd_job *job)
+{
+    char err[768];
+    bool host = job->reg->dev == &sd_gpu_host_ops;
+    job->mem.alloc_start_ns = sd_now_ns();
+    int status = job_alloc_begin(job, err, sizeof(err));
+    if (status == SD_OK && !host)
+        status = job_alloc_arenas(job, err, sizeof(err));
+    struct job_alloc_work *w =
+        status == SD_OK && job->reg->loop != NULL ? calloc(1, sizeof(*w)) : NULL;
+    if (w != NULL) {
+        w->req.data = w;
+        w->job = job;
+        w->arenas = host;
+        job->mem.allocating = true;
+        if (uv_queue_work(job->reg->loop, &w->req, alloc_work_cb, alloc_after_cb) == 0)
+            return;
+        job->mem.allocating = false;
+        free(w);
+    }
+    if (status == SD_OK && host)
+        status = job_alloc_arenas(job, err, sizeof(err));
+    if (status == SD_OK)
+        status = job_alloc_host(job, err, sizeof(err));
+    job_alloc_done(job, status, err, sizeof(err));
+}

@@ -1,0 +1,229 @@
+/* Loading: rank 0's initial values into every node's shards (node 0 sends each node the part of
+ * each unit it holds), and the ready barrier every rank waits in before its first fetch. */
+#include "cluster/cluster.h"
+#include "net.h"
+#include "ops.h"
+#include "session.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include <stdio.h>
+
+static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                      const float *values);
+static void tell_ready(struct sd_job *job);
+
+/* Initial fp32 values of a whole unit into this node's shards (master and w). */
+static void load_unit(struct sd_job *job, uint32_t unit, const float *src)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_unit_layout *ul = &job->layout.units[unit];
+    uint32_t f = job->plan.f[SD_STATE_OS];
+    uint64_t len = ul->numel / f;
+    for (uint32_t r = 0; r < job->k; r++) {
+        uint64_t b, end;
+        sd_layout_shard(ul, f, job->first_rank + r, &b, &end);
+        float *master = (float *)sd_job_state(job, r, SD_STATE_OS) + ul->arena_off[SD_STATE_OS];
+        dev->copy(master, src + b, len * sizeof(float));
+        dev->from_f32(sd_job_w_shard(job, r, unit), ul->dtype, src + b, len);
+    }
+}
+
+void sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                     uint64_t start)
+{
+    if (s->rank != 0) {
+        sd_session_fail(s, e, SD_EPERM, "init: only rank 0 loads initial values (this is rank %u)",
+                        s->rank);
+        return;
+    }
+    if (job->state != SD_JOB_LOADING) {
+        sd_session_fail(s, e, SD_ESTATE, "init: job '%s' is %s, not loading", job->name,
+                        sd_job_state_name(job->state));
+        return;
+    }
+    if (e->unit >= job->layout.n_units || e->arg0 >= job->mem.staging_slots) {
+        sd_session_fail(s, e, SD_EINVAL, "init: unit %u or staging slot %llu out of range", e->unit,
+                        (unsigned long long)e->arg0);
+        return;
+    }
+    const float *src = (const float *)(void *)sd_job_staging_slot(job, s->local, (uint32_t)e->arg0);
+    load_unit(job, e->unit, src);
+    if (job->nodes > 1) {
+        job->stats.ops[SD_OP_INIT]++;
+        sd_latency_add(&job->stats.lat[SD_OP_INIT], sd_now_ns() - start);
+        init_sent(job, s, e, src); /* completes once the other nodes have it */
+        return;
+    }
+    sd_op_done(job, s, e, 0, 0, start);
+}
+
+/* The job is ready on this node: answer every rank waiting in the ready barrier. */
+static void set_ready(struct sd_job *job)
+{
+    if (job->state != SD_JOB_LOADING)
+        return;
+    job->state = SD_JOB_READY;
+    job->was_ready = true;
+    SD_INFO("job", "job '%s' ready", job->name);
+    for (uint32_t r = 0; r < job->k; r++) {
+        if (!job->load.ready_waiting[r] || job->ranks[r] == NULL)
+            continue;
+        job->load.ready_waiting[r] = false;
+        job->stats.ops[SD_OP_READY]++;
+        sd_session_complete(job->ranks[r], job->load.ready_tags[r], SD_OP_READY, SD_OK, 0, 0, NULL);
+    }
+}
+
+void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                      uint64_t start)
+{
+    if (job->state == SD_JOB_READY || (job->state == SD_JOB_CLOSING && job->was_ready)) {
+        sd_op_done(job, s, e, 0, 0, start);
+        return;
+    }
+    job->load.ready_waiting[s->local] = true;
+    job->load.ready_tags[s->local] = e->tag;
+    if (s->rank != 0)
+        return;
+    if (job->nodes > 1)
+        tell_ready(job); /* tells the other nodes */
+    set_ready(job);
+}
+
+/* ---- initial values: node 0 sends each node the part of each unit it holds */
+
+/* Elements [lo, hi) of unit ul cover the optimizer-state shards of node m's ranks, which are all
+ * load_unit reads (the weights are made from them): a zero3 node gets 1/N of the unit,
+ * not all of it. */
+static void init_range(const struct sd_job *job, uint32_t m, const struct sd_unit_layout *ul,
+                       uint64_t *lo, uint64_t *hi)
+{
+    *lo = ul->numel;
+    *hi = 0;
+    for (uint32_t r = m * job->k; r < (m + 1) * job->k; r++) {
+        uint64_t b, e;
+        sd_layout_shard(ul, job->plan.f[SD_STATE_OS], r, &b, &e);
+        *lo = SD_MIN(*lo, b);
+        *hi = SD_MAX(*hi, e);
+    }
+}
+
+static void init_recv_done(struct sd_bulk *b, int status);
+
+static void init_post_next(struct sd_job *job)
+{
+    if (job->load.next_unit >= job->layout.n_units) {
+        job->load.done = true;
+        if (job->load.remote_ready) {
+            set_ready(job);
+            sd_fetch_serve_queue(job);
+        }
+        return;
+    }
+    uint32_t u = job->load.next_unit;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint64_t lo, hi;
+    init_range(job, job->node, ul, &lo, &hi);
+    void *p = job->mem.scratch + lo; /* where load_unit looks for elements [lo, hi) */
+    struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
+    uint64_t tag = 0;
+    int st = sd_tag_make(SD_TAG_INIT, job->xfer.tag, u, 0, 0, &tag);
+    if (st == SD_OK)
+        st = sd_bulk_start(b, sd_job_tp(job), false, 0, tag, &p, 1, (hi - lo) * sizeof(float),
+                           job->reg->cfg->chunk_bytes, sd_job_net_desc(job, p), init_recv_done,
+                           NULL, job);
+    b->arg2 = (uint64_t)(uintptr_t)job;
+    if (st != SD_OK) {
+        sd_bulk_put(&job->xfer.bulks, b);
+        sd_job_fail(job, st, "cannot receive the initial values of unit %u from node 0", u);
+        return;
+    }
+    job->load.rb = b;
+}
+
+static void init_recv_done(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
+    job->stats.bytes[SD_OP_INIT][SD_LINK_INTER_RECV] += b->bytes;
+    sd_bulk_put(&job->xfer.bulks, b);
+    job->load.rb = NULL;
+    if (status != SD_OK) {
+        sd_job_fail(job, SD_EPEER, "receiving the initial values of unit %u from node 0 failed: %s",
+                    job->load.next_unit, sd_status_str(status));
+        return;
+    }
+    load_unit(job, job->load.next_unit, job->mem.scratch);
+    job->load.next_unit++;
+    init_post_next(job);
+}
+
+void sd_loading_start(struct sd_job *job)
+{
+    if (job->node != 0)
+        init_post_next(job);
+}
+
+static void init_send_done(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
+    job->stats.bytes[SD_OP_INIT][SD_LINK_INTER_SENT] += b->bytes;
+    sd_bulk_put(&job->xfer.bulks, b);
+    if (status != SD_OK && job->load.waiter != NULL) {
+        sd_session_complete(job->load.waiter, job->load.tag, SD_OP_INIT, SD_EPEER, 0, 0,
+                            "sending the initial values to another node failed");
+        job->load.waiter = NULL;
+    }
+    if (--job->load.sends > 0 || job->load.waiter == NULL)
+        return;
+    sd_session_complete(job->load.waiter, job->load.tag, SD_OP_INIT, SD_OK, 0, 0, NULL);
+    job->load.waiter = NULL;
+}
+
+static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                      const float *values)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    job->load.waiter = s;
+    job->load.tag = e->tag;
+    job->load.sends = 0;
+    for (uint32_t m = 1; m < job->nodes; m++) {
+        uint64_t lo, hi;
+        init_range(job, m, ul, &lo, &hi);
+        void *p = (void *)(values + lo);
+        struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
+        uint64_t tag = 0;
+        int st = sd_tag_make(SD_TAG_INIT, job->xfer.tag, e->unit, 0, 0, &tag);
+        if (st == SD_OK)
+            st = sd_bulk_start(b, sd_job_tp(job), true, m, tag, &p, 1, (hi - lo) * sizeof(float),
+                               job->reg->cfg->chunk_bytes, sd_job_net_desc(job, p), init_send_done,
+                               NULL, job);
+        b->arg2 = (uint64_t)(uintptr_t)job;
+        if (st == SD_OK)
+            job->load.sends++;
+        else
+            sd_bulk_put(&job->xfer.bulks, b);
+    }
+    if (job->load.sends == 0) {
+        sd_session_complete(s, e->tag, SD_OP_INIT, SD_OK, 0, 0, NULL);
+        job->load.waiter = NULL;
+    }
+}
+
+static void tell_ready(struct sd_job *job)
+{
+    sd_cluster_job_ready(job->xfer.net->cl, job->name, job->nodes);
+    job->load.remote_ready = job->load.done = true;
+    sd_fetch_serve_queue(job);
+}
+
+void sd_loading_remote_ready(struct sd_job *job)
+{
+    if (job->state != SD_JOB_LOADING)
+        return;
+    job->load.remote_ready = true;
+    if (job->load.done) {
+        set_ready(job);
+        sd_fetch_serve_queue(job);
+    }
+}

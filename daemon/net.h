@@ -1,0 +1,96 @@
+/* Transfers across nodes. The node-wide part (struct sd_net: the transport, the cluster, the
+ * standing receives for pull requests) is set up in main.c and served in fetch.c; a job's part
+ * (its registrations, bulks and node-round buffers, the failure descriptions and deadlines of
+ * its transfers) is in job_net.c. Nothing here is used on a single node. */
+#ifndef SD_NET_H
+#define SD_NET_H
+
+#include "coll/coll.h"
+#include "job.h"
+#include "pull.h"
+#include "registry.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct sd_cluster;
+struct sd_registry;
+
+/* gathers of one job on the wire at once, at most */
+#define SD_MAX_GATHERS_INFLIGHT 8
+
+/* The network side of the registry: the transport, the control plane, the standing receives
+ * for pull requests. NULL on a single node. */
+#define SD_NET_REQ_SLOTS 64
+struct sd_net_req {
+    struct sd_xfer x;
+    struct sd_req_msg msg;
+    struct sd_registry *reg;
+};
+/* pull requests for a job this node has not confirmed yet (the coordinator's confirmation can
+ * arrive after a faster node already asks): kept briefly, retried on confirmation */
+#define SD_NET_EARLY_REQS 256
+struct sd_net {
+    bool posted;
+    struct sd_req_msg early[SD_NET_EARLY_REQS];
+    uint64_t early_ns[SD_NET_EARLY_REQS];
+    uint32_t n_early;
+    struct sd_transport *tp;
+    struct sd_cluster *cl;
+    uint32_t self, n;
+    struct sd_net_req reqs[SD_NET_REQ_SLOTS];
+    void *reqs_desc, *reqs_mr; /* reqs registered (providers with FI_MR_LOCAL) */
+};
+
+/* ---- a job's (job_net.c) */
+/* bytes of network buffers a job needs on this node */
+uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg);
+int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen);
+void sd_job_net_teardown(struct sd_job *job);
+bool sd_job_net_idle(const struct sd_job *job);
+void sd_job_net_cancel(struct sd_job *job);
+/* describe the operation in flight, for failure messages */
+void sd_job_net_describe(const struct sd_job *job, char *out, size_t len);
+/* The nodes the job's unfinished transfers are with, "0, 2" ("" when none). */
+void sd_job_net_pending_peers(const struct sd_job *job, char *out, size_t len);
+/* a transfer that waits longer than op_timeout_ms fails the job, naming the node */
+void sd_job_net_sweep(struct sd_job *job, uint64_t now);
+/* the registration p lies in (providers with FI_MR_LOCAL), or NULL */
+void *sd_job_net_desc(const struct sd_job *job, const void *p);
+/* Does each round's all-reduce add its sum into the g shard itself (sd_allreduce's acc)? */
+bool sd_job_net_rounds_accumulate(const struct sd_job *job);
+/* An all-reduce of count floats of buf across the replication group (job->xfer.members, R of
+ * them) with tmp; acc as sd_allreduce_param's. The tag's seq names the round (a micro-step) or
+ * the step. */
+int sd_job_net_allreduce(struct sd_job *job, struct sd_allreduce *ar, uint32_t R, uint32_t unit,
+                         uint64_t round, bool step_sync, float *buf, size_t count, float *tmp,
+                         float *acc, sd_allreduce_cb cb, void *arg);
+/* An exchange of kind with node x->peer: this node receives the message the peer sends (src
+ * peer) and sends its own (src self). Fails like a post that failed when a tag field does not
+ * fit. */
+uint32_t sd_job_net_exchange(struct sd_job *job, struct sd_exchange_param *x, uint32_t kind,
+                             uint32_t unit, uint32_t seq, int *status_p, uint32_t *suspect_p);
+
+static inline struct sd_transport *sd_job_tp(const struct sd_job *job)
+{
+    return job->xfer.net->tp;
+}
+
+/* nodes of the replication group of this node's shards, ascending */
+static inline uint32_t sd_job_replication_nodes(const struct sd_job *job, uint32_t *out)
+{
+    uint32_t n = 0, G = job->group_nodes;
+    for (uint32_t m = 0; m < job->nodes; m++)
+        if (G == 1 || m % G == job->node % G)
+            out[n++] = m;
+    return n;
+}
+
+/* the first node of this node's partition group */
+static inline uint32_t sd_job_group_first(const struct sd_job *job)
+{
+    return job->node - job->node % job->group_nodes;
+}
+
+#endif

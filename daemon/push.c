@@ -1,0 +1,380 @@
+/* Push: the gradients of one micro-step, from the local ranks' staging slots to the fp32 g shards
+ * (DESIGN.md section 3, step 4). A push round owns the whole way: it collects a unit's pushes
+ * from the ranks of a g-partition group, and once all arrived either reduces them inside the node
+ * (summed in rank order into scratch, then added to each holder's g shard) or, across nodes, sums
+ * the node partial, reduce-scatters it among the group's nodes (each node sums the partials of
+ * its block in node order, chunk by chunk as they arrive) and, without the 2-hop sync, all-reduces
+ * the result across the replication group. Up to push_rounds node rounds are on the wire at once,
+ * each with its own buffers; they are retired into the g shards in the order they started, so the
+ * sums do not depend on which finishes first. */
+#include "net.h"
+#include "ops.h"
+#include "session.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include <stdio.h>
+#include <string.h>
+
+static void finish_round(struct sd_job *job, uint32_t u, uint32_t g);
+static void node_round_ready(struct sd_job *job, uint32_t unit, uint64_t seq);
+
+/* All members of a g-partition group (inside this node) pushed unit u: reduce-scatter into
+ * their g shards. */
+static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint64_t n = job->push.rounds_done[(size_t)u * job->push.g_groups + g];
+    struct sd_push_entry *ent = sd_job_round_ents(job, sd_job_round_index(job, u, g, n));
+    uint32_t f = job->push.g_members;
+    uint64_t len = ul->numel / f;
+    size_t esz = sd_dtype_size(ul->dtype);
+
+    for (uint32_t i = 0; i < f; i++) {
+        uint32_t holder = g * f + i; /* local index of the rank holding shard i */
+        float *dst = sd_job_g_shard(job, holder, ul);
+        for (uint32_t m = 0; m < f; m++) {
+            const uint8_t *src =
+                sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + i * len * esz;
+            if (m == 0)
+                dev->to_f32(job->mem.scratch, src, ul->dtype, len);
+            else
+                dev->reduce_add(job->mem.scratch, src, ul->dtype, len);
+        }
+        dev->reduce_add(dst, job->mem.scratch, SD_DTYPE_FP32, len);
+    }
+    job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)f * sd_unit_bytes(ul);
+    finish_round(job, u, g);
+}
+
+/* Complete the pushes of the oldest round of (u, g), which just finished, and free its
+ * generation for round n + round_gens. */
+static void finish_round(struct sd_job *job, uint32_t u, uint32_t g)
+{
+    uint64_t *done = &job->push.rounds_done[(size_t)u * job->push.g_groups + g];
+    size_t gi = sd_job_round_index(job, u, g, *done);
+    struct sd_push_round *rd = &job->push.rounds[gi];
+    struct sd_push_entry *ent = sd_job_round_ents(job, gi);
+    uint64_t now = sd_now_ns();
+    for (uint32_t m = 0; m < job->push.g_members; m++) {
+        struct sd_session *s = ent[m].s;
+        if (s == NULL)
+            continue;
+        s->staging_busy &= ~(1ULL << ent[m].slot);
+        job->stats.ops[SD_OP_PUSH]++;
+        sd_latency_add(&job->stats.lat[SD_OP_PUSH], now - ent[m].arrive_ns);
+        sd_session_complete(s, ent[m].tag, SD_OP_PUSH, SD_OK, rd->seq, 0, NULL);
+        ent[m].s = NULL;
+    }
+    rd->arrived = 0;
+    (*done)++;
+}
+
+/* Returns false to stall: this rank already has a push of this unit waiting in every round
+ * generation (it is round_gens micro-steps ahead of its group). */
+bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    if (e->arg0 >= job->mem.staging_slots) {
+        sd_session_fail(s, e, SD_EINVAL,
+                        "push unit %u: staging slot %llu does not exist (%u "
+                        "slots)",
+                        e->unit, (unsigned long long)e->arg0, job->mem.staging_slots);
+        return true;
+    }
+    if (e->arg1 != sd_unit_bytes(ul)) {
+        sd_session_fail(s, e, SD_EMSGSIZE,
+                        "push unit %u: gradient is %llu bytes but the unit is %llu bytes (%llu "
+                        "%s elements, padded)",
+                        e->unit, (unsigned long long)e->arg1, (unsigned long long)sd_unit_bytes(ul),
+                        (unsigned long long)ul->numel, sd_dtype_name(ul->dtype));
+        return true;
+    }
+    uint32_t g = s->local / job->push.g_members, m = s->local % job->push.g_members;
+    /* a rank's pushes fill the rounds in order: its next is the oldest round it is not in */
+    uint64_t n = job->push.rounds_done[(size_t)e->unit * job->push.g_groups + g];
+    uint64_t last = n + job->push.round_gens;
+    while (n < last && sd_job_round_ents(job, sd_job_round_index(job, e->unit, g, n))[m].s != NULL)
+        n++;
+    if (n == last)
+        return false; /* ahead of its group: wait for the oldest round to finish */
+    if (s->staging_busy & (1ULL << e->arg0)) {
+        sd_session_fail(s, e, SD_EBUSY,
+                        "push unit %u: staging slot %llu still holds an earlier push that has "
+                        "not completed",
+                        e->unit, (unsigned long long)e->arg0);
+        return true;
+    }
+    size_t gi = sd_job_round_index(job, e->unit, g, n);
+    struct sd_push_round *rd = &job->push.rounds[gi];
+    struct sd_push_entry *ent = &sd_job_round_ents(job, gi)[m];
+    uint64_t now = sd_now_ns();
+    s->staging_busy |= 1ULL << e->arg0;
+    *ent =
+        (struct sd_push_entry){.s = s, .tag = e->tag, .arrive_ns = now, .slot = (uint32_t)e->arg0};
+    if (rd->arrived++ == 0) {
+        rd->first_ns = now;
+        rd->seq = n;
+    }
+    if (rd->arrived == job->push.g_members) {
+        if (job->push.node_rounds)
+            node_round_ready(job, e->unit, n);
+        else
+            reduce_round(job, e->unit, g);
+    }
+    return true;
+}
+
+/* Is any push round partly filled? Describes the first in msg. */
+bool sd_push_partial_round(struct sd_job *job, char *msg, size_t len)
+{
+    size_t n = (size_t)job->layout.n_units * job->push.g_groups * job->push.round_gens;
+    for (size_t gi = 0; gi < n; gi++) {
+        if (job->push.rounds[gi].arrived == 0)
+            continue;
+        uint32_t u = sd_job_round_unit(job, gi);
+        struct sd_push_entry *ent = sd_job_round_ents(job, gi);
+        size_t off = (size_t)snprintf(msg, len, "step %llu: unit %u has gradients from ranks",
+                                      (unsigned long long)job->steps + 1, u);
+        for (uint32_t m = 0; m < job->push.g_members && off < len; m++)
+            if (ent[m].s != NULL)
+                off += (size_t)snprintf(msg + off, len - off, " %u", ent[m].s->rank);
+        if (off < len)
+            snprintf(msg + off, len - off,
+                     " but not from the rest of their group; every "
+                     "rank must push the same units");
+        return true;
+    }
+    return false;
+}
+
+/* ---- push rounds across nodes */
+
+static void round_start_next(struct sd_job *job);
+
+/* Apply the oldest node rounds whose transfers are done, in the order they started (the g
+ * shards get each unit's micro-steps in order, whichever round finished first), then start
+ * the rounds waiting for buffers. */
+static void rounds_retire(struct sd_job *job)
+{
+    while (job->push.nr_len > 0 && job->state != SD_JOB_FAILED) {
+        struct sd_node_round *rd = &job->push.nr[job->push.nr_head];
+        if (!rd->net_done)
+            break;
+        if (!sd_job_net_rounds_accumulate(job)) { /* else the all-reduce added it */
+            const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+            uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
+            const float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
+            for (uint32_t j = 0; j < job->k; j++)
+                job->reg->dev->reduce_add(sd_job_g_shard(job, j, ul),
+                                          B + sd_job_g_block_off(job, j, len), SD_DTYPE_FP32, len);
+        }
+        rd->net_done = false;
+        job->push.nr_head = (job->push.nr_head + 1) % job->push.round_gens;
+        job->push.nr_len--;
+        SD_DEBUG("net", "job '%s': push round of unit %u done in %.1f us", job->name, rd->unit,
+                 (double)(sd_now_ns() - rd->start_ns) / 1e3);
+        finish_round(job, rd->unit, 0);
+    }
+    if (job->state == SD_JOB_FAILED)
+        return;
+    round_start_next(job);
+    if (job->push.nr_len == 0 && job->step.phase != SD_STEP_IDLE)
+        sd_step_progress(job);
+}
+
+/* a round's transfers are over: a failure fails the job now, whatever rounds precede it */
+static void round_net_done(struct sd_node_round *rd)
+{
+    struct sd_job *job = rd->job;
+    rd->net_done = true;
+    if (job->state == SD_JOB_FAILED)
+        return;
+    if (rd->status != SD_OK) {
+        char what[256];
+        sd_job_net_describe(job, what, sizeof(what));
+        sd_job_fail(job, SD_EPEER, "%s: transfer with node %u failed: %s", what, rd->suspect,
+                    sd_status_str(rd->status));
+        return;
+    }
+    rounds_retire(job);
+}
+
+static void round_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
+{
+    struct sd_node_round *rd = ar->p.arg;
+    struct sd_job *job = rd->job;
+    job->stats.bytes[SD_OP_PUSH][SD_LINK_INTER_SENT] += ar->bytes_sent;
+    job->stats.bytes[SD_OP_PUSH][SD_LINK_INTER_RECV] += ar->bytes_recv;
+    if (status != SD_OK && rd->status == SD_OK) {
+        rd->status = status;
+        rd->suspect = suspect;
+    }
+    round_net_done(rd);
+}
+
+/* after the reduce-scatter: without 2-hop, all-reduce across the replication group */
+static void round_after_rs(struct sd_node_round *rd)
+{
+    struct sd_job *job = rd->job;
+    if (rd->status == SD_OK && !job->plan.two_hop && job->state != SD_JOB_FAILED) {
+        uint32_t R = sd_job_replication_nodes(job, job->xfer.members);
+        const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+        uint64_t count = job->group_nodes > 1 ? ul->numel / job->group_nodes : ul->numel;
+        float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
+        if (R > 1) {
+            float *acc = sd_job_net_rounds_accumulate(job) ? sd_job_g_shard(job, 0, ul) : NULL;
+            int st = sd_job_net_allreduce(job, &rd->ar, R, rd->unit, rd->seq, false, B, count,
+                                          rd->ar_tmp, acc, round_ar_done, rd);
+            if (st == SD_OK)
+                return;
+            rd->status = st;
+        }
+    }
+    round_net_done(rd);
+}
+
+/* chunk c of the partials of this node's block arrived from some node: once all did, sum it */
+static void rs_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
+{
+    struct sd_node_round *rd = b->arg;
+    struct sd_job *job = rd->job;
+    (void)piece;
+    uint32_t c = (uint32_t)(off / rd->chunk);
+    uint32_t G = job->group_nodes;
+    if (++rd->chunk_arrivals[c] < G - 1)
+        return;
+    const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+    size_t block = ul->numel / G, e0 = off / sizeof(float), e1 = (off + len) / sizeof(float);
+    uint32_t me = job->node % G;
+    const float *src[64] = {NULL};
+    for (uint32_t i = 0, o = 0; i < G; i++)
+        src[i] = i == me ? rd->part + (size_t)me * block : rd->rs_recv + (size_t)(o++) * block;
+    /* node order, as the reference would add them: ((s0 + s1) + s2) + ... */
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    dev->copy(rd->rs_out + e0, src[0] + e0, (e1 - e0) * sizeof(float));
+    for (uint32_t i = 1; i < G; i++)
+        dev->reduce_add(rd->rs_out + e0, src[i] + e0, SD_DTYPE_FP32, e1 - e0);
+}
+
+static void rs_done(struct sd_bulk *b, int status)
+{
+    struct sd_node_round *rd = b->arg;
+    struct sd_job *job = rd->job;
+    job->stats.bytes[SD_OP_PUSH][b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV] += b->bytes;
+    if (status != SD_OK && rd->status == SD_OK) {
+        rd->status = status;
+        rd->suspect = b->peer;
+    }
+    sd_bulk_put(&job->xfer.bulks, b);
+    if (--rd->pending == 0)
+        round_after_rs(rd);
+}
+
+/* elements [lo, hi) of the node partial, into rd->buf: the local ranks' gradients summed in
+ * rank order */
+static void node_partial(struct sd_job *job, struct sd_node_round *rd,
+                         const struct sd_push_entry *ent, const struct sd_unit_layout *ul,
+                         uint64_t lo, uint64_t hi)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    size_t esz = sd_dtype_size(ul->dtype);
+    for (uint32_t m = 0; m < job->k; m++) {
+        const uint8_t *src = sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + lo * esz;
+        if (m == 0)
+            dev->to_f32(rd->buf + lo, src, ul->dtype, hi - lo);
+        else
+            dev->reduce_add(rd->buf + lo, src, ul->dtype, hi - lo);
+    }
+}
+
+static bool unit_in_round(const struct sd_job *job, uint32_t unit)
+{
+    for (uint32_t i = 0; i < job->push.nr_len; i++)
+        if (job->push.nr[(job->push.nr_head + i) % job->push.round_gens].unit == unit)
+            return true;
+    return false;
+}
+
+/* Start node rounds for the local rounds waiting, while a round's buffers are free (in order:
+ * one whose unit must wait for an earlier round of it holds back those behind it). */
+static void round_start_next(struct sd_job *job)
+{
+    while (job->push.nr_len < job->push.round_gens && job->push.rq_len > 0 &&
+           job->state != SD_JOB_FAILED) {
+        struct sd_round_ref ref = job->push.round_queue[job->push.rq_head];
+        if (sd_job_net_rounds_accumulate(job) && unit_in_round(job, ref.unit))
+            break; /* rounds_retire starts it */
+        job->push.rq_head = (job->push.rq_head + 1) % job->push.rq_cap;
+        job->push.rq_len--;
+        struct sd_node_round *rd =
+            &job->push.nr[(job->push.nr_head + job->push.nr_len) % job->push.round_gens];
+        job->push.nr_len++;
+        job->stats.push_rounds_peak = SD_MAX(job->stats.push_rounds_peak, job->push.nr_len);
+        uint32_t u = ref.unit;
+        const struct sd_unit_layout *ul = &job->layout.units[u];
+        const struct sd_push_entry *ent =
+            sd_job_round_ents(job, sd_job_round_index(job, u, 0, ref.seq));
+        memset(rd->chunk_arrivals, 0, sizeof(rd->chunk_arrivals));
+        rd->net_done = false;
+        rd->unit = u;
+        rd->seq = ref.seq;
+        rd->start_ns = sd_now_ns();
+        SD_DEBUG("net", "job '%s': push round of unit %u (micro-step %llu) starts", job->name, u,
+                 (unsigned long long)rd->seq + 1);
+        rd->status = SD_OK;
+        rd->pending = 0;
+        job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)job->k * sd_unit_bytes(ul);
+        /* One rank's fp32 gradient is the node partial as it stands: the reduce-scatter's
+         * blocks leave straight from its staging slot (held until the round finishes), and
+         * within one node the all-reduce runs in place there. Otherwise the partial is summed
+         * into the round's buffer, across nodes block by block, each just before it leaves,
+         * this node's own block last: the first send starts after 1/G of the work instead of
+         * all of it. */
+        uint32_t G = job->group_nodes;
+        bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32;
+        rd->part = direct ? (float *)(void *)sd_job_staging_slot(job, ent[0].s->local, ent[0].slot)
+                          : rd->buf;
+        if (G == 1) {
+            if (!direct)
+                node_partial(job, rd, ent, ul, 0, ul->numel);
+            round_after_rs(rd);
+            continue;
+        }
+        size_t block = ul->numel / G, bytes = block * sizeof(float);
+        uint32_t first = sd_job_group_first(job), me = job->node % G;
+        rd->chunk = sd_bulk_chunk_bytes(bytes, 1, job->reg->cfg->chunk_bytes);
+        uint32_t seq = sd_tag_wrap(rd->seq, SD_TAG_SEQ_BITS);
+        for (uint32_t i = 0, o = 0; i < G; i++) {
+            uint32_t m = first + i;
+            if (i == me)
+                continue;
+            if (!direct)
+                node_partial(job, rd, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
+            void *rp = rd->rs_recv + (size_t)o * block, *sp = rd->part + (size_t)i * block;
+            struct sd_exchange_param x = {.peer = m,
+                                          .recv = {.buf = rp, .bytes = bytes},
+                                          .send = {.buf = sp, .bytes = bytes},
+                                          .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                          .cb = rs_done,
+                                          .chunk_cb = rs_chunk,
+                                          .arg = rd};
+            rd->pending +=
+                sd_job_net_exchange(job, &x, SD_TAG_GRAD, u, seq, &rd->status, &rd->suspect);
+            o++;
+        }
+        if (!direct)
+            node_partial(job, rd, ent, ul, (uint64_t)me * block, (uint64_t)(me + 1) * block);
+        if (rd->pending == 0)
+            round_after_rs(rd);
+    }
+}
+
+static void node_round_ready(struct sd_job *job, uint32_t unit, uint64_t seq)
+{
+    uint32_t tail = (job->push.rq_head + job->push.rq_len) % job->push.rq_cap;
+    job->push.round_queue[tail] = (struct sd_round_ref){.unit = unit, .seq = seq};
+    job->push.rq_len++;
+    round_start_next(job);
+}

@@ -1,0 +1,233 @@
+/* The job registry: lookups, the memory budget, the deadline sweep, and the events the
+ * cluster's coordinator sends about jobs. */
+#include "cluster/cluster.h"
+#include "job.h"
+#include "net.h"
+#include "ops.h"
+#include "registry.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
+                      const struct sd_gpu_ops *dev)
+{
+    memset(reg, 0, sizeof(*reg));
+    reg->cfg = cfg;
+    reg->dev = dev;
+    reg->budget = cfg->memory_budget;
+    if (reg->budget == 0) { /* default: half of physical memory */
+        long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        reg->budget = pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz / 2 : (1ULL << 32);
+    }
+}
+
+struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
+{
+    for (struct sd_job *j = reg->jobs; j; j = j->next)
+        if (strcmp(j->name, name) == 0)
+            return j;
+    return NULL;
+}
+
+struct sd_job *sd_registry_find_any(struct sd_registry *reg, const char *name)
+{
+    struct sd_job *j = sd_registry_find(reg, name);
+    struct sd_job *lists[2] = {reg->zombies, reg->finished}; /* retiring, then recently ended */
+    for (int i = 0; i < 2 && j == NULL; i++)
+        for (struct sd_job *f = lists[i]; j == NULL && f; f = f->next)
+            if (strcmp(f->name, name) == 0)
+                j = f;
+    return j;
+}
+
+/* ---- what the cluster tells this node about jobs */
+
+static void ev_job_confirmed(void *ctx, const char *name, uint32_t tag)
+{
+    struct sd_registry *reg = ctx;
+    struct sd_job *job = sd_registry_find(reg, name);
+    if (job == NULL || job->state != SD_JOB_REGISTERING || job->n_registered != job->k)
+        return;
+    sd_job_confirm(job, tag);
+    sd_net_job_confirmed(reg, job);
+}
+
+static void ev_job_refused(void *ctx, const char *name, int status, const char *msg)
+{
+    struct sd_job *job = sd_registry_find(ctx, name);
+    if (job != NULL && job->state == SD_JOB_REGISTERING)
+        sd_job_refuse(job, status, msg);
+}
+
+static void ev_job_aborted(void *ctx, const char *name, int status, const char *msg)
+{
+    struct sd_job *job = sd_registry_find(ctx, name);
+    if (job == NULL)
+        return;
+    if (job->state == SD_JOB_REGISTERING) {
+        sd_job_refuse(job, status, msg);
+        return;
+    }
+    char text[256];
+    snprintf(text, sizeof(text), "on another node: %s", msg);
+    sd_job_fail_from_peer(job, status < 0 ? status : SD_EJOBFAILED, text);
+}
+
+static void ev_job_remote_ready(void *ctx, const char *name)
+{
+    struct sd_job *job = sd_registry_find(ctx, name);
+    if (job != NULL)
+        sd_loading_remote_ready(job);
+}
+
+static void ev_node_down(void *ctx, uint32_t node, const char *reason)
+{
+    struct sd_registry *reg = ctx;
+    for (struct sd_job *job = reg->jobs, *next; job; job = next) {
+        next = job->next;
+        if (node >= job->nodes || job->nodes == 1)
+            continue;
+        if (job->n_left == job->k && job->retire_pending) {
+            /* waiting for the coordinator to end it; without the coordinator, end it here */
+            if (node == 0)
+                sd_job_retire(job);
+            continue;
+        }
+        if (job->state == SD_JOB_REGISTERING) {
+            char text[256];
+            snprintf(text, sizeof(text), "node %u is down (%s) while the job registers", node,
+                     reason);
+            sd_job_refuse(job, SD_EPEER, text);
+            continue;
+        }
+        char what[200];
+        sd_job_net_describe(job, what, sizeof(what));
+        sd_job_fail(job, SD_EPEER, "%s; node %u is down: %s", what, node, reason);
+    }
+}
+
+struct sd_job *sd_registry_find_tag(struct sd_registry *reg, uint32_t tag)
+{
+    struct sd_job *lists[2] = {reg->jobs, reg->zombies};
+    for (int i = 0; i < 2; i++)
+        for (struct sd_job *j = lists[i]; j; j = j->next)
+            if (j->nodes > 1 && j->xfer.tag == tag && j->xfer.tag != 0)
+                return j;
+    return NULL;
+}
+
+static bool ev_tag_in_use(void *ctx, uint32_t tag)
+{
+    return sd_registry_find_tag(ctx, tag) != NULL;
+}
+
+static uint32_t ev_job_nodes(void *ctx, const char *name)
+{
+    struct sd_job *job = sd_registry_find(ctx, name);
+    return job ? job->nodes : 0;
+}
+
+static void ev_job_ended(void *ctx, const char *name)
+{
+    struct sd_job *job = sd_registry_find(ctx, name);
+    if (job != NULL && job->n_left == job->k)
+        sd_job_retire(job);
+}
+
+static int ev_formed(void *ctx)
+{
+    return sd_net_post_requests(ctx);
+}
+
+void sd_registry_cluster_events(struct sd_registry *reg, struct sd_cluster_events *ev_p)
+{
+    *ev_p = (struct sd_cluster_events){.ctx = reg,
+                                       .job_confirmed = ev_job_confirmed,
+                                       .job_refused = ev_job_refused,
+                                       .job_aborted = ev_job_aborted,
+                                       .job_remote_ready = ev_job_remote_ready,
+                                       .job_ended = ev_job_ended,
+                                       .node_down = ev_node_down,
+                                       .formed = ev_formed,
+                                       .tag_in_use = ev_tag_in_use,
+                                       .job_nodes = ev_job_nodes};
+}
+
+/* ---- the list of jobs */
+
+void sd_registry_link(struct sd_registry *reg, struct sd_job *job)
+{
+    job->next = reg->jobs;
+    reg->jobs = job;
+    reg->n_jobs++;
+}
+
+void sd_registry_unlink(struct sd_registry *reg, struct sd_job *job)
+{
+    for (struct sd_job **pp = &reg->jobs; *pp; pp = &(*pp)->next)
+        if (*pp == job) {
+            *pp = job->next;
+            reg->n_jobs--;
+            return;
+        }
+}
+
+void sd_registry_add_retiring(struct sd_registry *reg, struct sd_job *job)
+{
+    job->next = reg->zombies;
+    reg->zombies = job;
+}
+
+void sd_registry_add_finished(struct sd_registry *reg, struct sd_job *job)
+{
+    job->next = reg->finished;
+    reg->finished = job;
+    if (++reg->n_finished > SD_FINISHED_JOBS_KEPT) {
+        struct sd_job **pp = &reg->finished;
+        while ((*pp)->next != NULL)
+            pp = &(*pp)->next;
+        sd_job_free(*pp);
+        *pp = NULL;
+        reg->n_finished--;
+    }
+}
+
+void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
+{
+    for (struct sd_job **pp = &reg->zombies; *pp;) {
+        struct sd_job *z = *pp;
+        if (!sd_job_net_idle(z)) {
+            pp = &z->next;
+            continue;
+        }
+        *pp = z->next;
+        sd_job_bury(z);
+    }
+    for (struct sd_job *job = reg->jobs, *next; job; job = next) {
+        next = job->next; /* the sweep may drop the job */
+        sd_job_sweep(job, now);
+    }
+}
+
+void sd_registry_destroy_all(struct sd_registry *reg)
+{
+    while (reg->jobs != NULL) {
+        sd_job_destroy(reg->jobs);
+    }
+    while (reg->zombies != NULL) {
+        struct sd_job *job = reg->zombies;
+        reg->zombies = job->next;
+        sd_job_free(job);
+    }
+    while (reg->finished != NULL) {
+        struct sd_job *job = reg->finished;
+        reg->finished = job->next;
+        sd_job_free(job);
+    }
+    reg->n_finished = 0;
+}

@@ -1,0 +1,87 @@
+/* The job registry: the jobs this daemon serves (active, retiring while transfers drain, and
+ * recently ended ones kept for shardctl), the memory budget, lookups, the deadline sweep, and
+ * the events the cluster's coordinator sends about jobs (sd_registry_cluster_events). */
+#ifndef SD_REGISTRY_H
+#define SD_REGISTRY_H
+
+#include "sd/config.h"
+#include "sd/gpu.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+struct sd_job;
+struct sd_net;
+struct sd_cluster;
+struct sd_cluster_events;
+struct sd_session;
+struct sd_sqe;
+struct sd_transport;
+struct Shard__Register;
+
+#define SD_FINISHED_JOBS_KEPT 16
+
+struct sd_registry {
+    struct sd_job *jobs; /* active */
+    uint32_t n_jobs;
+    struct sd_job *zombies;  /* ended, waiting for their transfers to drain before freeing */
+    struct sd_job *finished; /* the most recent ended jobs, newest first, memory freed */
+    uint32_t n_finished;
+    uint64_t budget, used;
+    uint64_t next_job_id;
+    const struct sd_config *cfg;
+    const struct sd_gpu_ops *dev;
+    struct sd_net *net;
+    uv_loop_t *loop; /* for allocating off the loop; NULL: allocate in place */
+};
+
+void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
+                      const struct sd_gpu_ops *dev);
+/* Check deadlines of registrations and parked operations; free retired jobs whose transfers
+ * drained. */
+void sd_registry_sweep(struct sd_registry *reg, uint64_t now_ns);
+void sd_registry_destroy_all(struct sd_registry *reg);
+/* Active job by name. */
+struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name);
+/* Active job by name, else a retiring one, else the most recent ended one. */
+struct sd_job *sd_registry_find_any(struct sd_registry *reg, const char *name);
+/* Active or retiring job spanning nodes by its transport tag. */
+struct sd_job *sd_registry_find_tag(struct sd_registry *reg, uint32_t tag);
+/* A job was added (it is already linked) or unlinked. */
+void sd_registry_link(struct sd_registry *reg, struct sd_job *job);
+void sd_registry_unlink(struct sd_registry *reg, struct sd_job *job);
+/* An ended job whose transfers still run: kept until they drain, then buried. */
+void sd_registry_add_retiring(struct sd_registry *reg, struct sd_job *job);
+/* An ended job, memory freed: kept for shardctl (the oldest beyond SD_FINISHED_JOBS_KEPT go). */
+void sd_registry_add_finished(struct sd_registry *reg, struct sd_job *job);
+
+/* What the cluster tells this node about jobs (cluster.h's events), bound to reg. */
+void sd_registry_cluster_events(struct sd_registry *reg, struct sd_cluster_events *ev_p);
+
+/* ---- what a session asks of its job (the server and sessions see no more of a job) */
+/* Handle a Register message; replies now (error) or once every rank arrived (job.c). */
+void sd_job_register(struct sd_registry *reg, struct sd_session *s,
+                     const struct Shard__Register *msg);
+/* A session leaves its job: detach or disconnect (job.c). */
+void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason);
+/* A ring entry: true if consumed, false if it must wait (stall the ring) (dispatch.c). */
+bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
+const char *sd_job_name(const struct sd_job *job);
+/* a call of this job failed (its statistics) */
+void sd_job_count_error(struct sd_job *job);
+
+/* ---- the node's transfers across nodes (fetch.c): the transport, the cluster, the standing
+ * receives for pull requests; reg->net is NULL on a single node */
+int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl);
+/* the cluster, once started (it needs the registry's events first) */
+void sd_net_set_cluster(struct sd_registry *reg, struct sd_cluster *cl);
+/* standing receives for pull requests, once the cluster formed (idempotent) */
+int sd_net_post_requests(struct sd_registry *reg);
+void sd_net_stop(struct sd_registry *reg);
+/* true while transfers beyond the standing request receives are in flight */
+bool sd_net_busy(const struct sd_registry *reg);
+/* a job was confirmed: serve the requests that came for it too early */
+void sd_net_job_confirmed(struct sd_registry *reg, struct sd_job *job);
+
+#endif

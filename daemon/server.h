@@ -1,0 +1,81 @@
+/* The server: the client socket (SO_PEERCRED, framing, fd passing), its connections, the
+ * progress loop that drives every session's ring and the transport, and the admin socket's
+ * JSON (admin.c). */
+#ifndef SD_SERVER_H
+#define SD_SERVER_H
+
+#include "sd/config.h"
+#include "shard.pb-c.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+struct sd_server;
+struct sd_session;
+struct sd_registry;
+struct sd_transport;
+
+/* ---- connection: one accepted socket, maybe with a session */
+struct sd_conn {
+    struct sd_conn *next;
+    struct sd_server *srv;
+    uint64_t id;
+    int fd;
+    uv_poll_t poll;
+    uint8_t *rx;
+    size_t rx_len, rx_cap;
+    pid_t pid;
+    uid_t uid;
+    gid_t gid;
+    struct sd_session *session;
+    bool closing;
+};
+
+int sd_conn_send(struct sd_conn *c, const Shard__DaemonMsg *msg, const int *fds, unsigned nfds);
+int sd_conn_send_error(struct sd_conn *c, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void sd_conn_close(struct sd_conn *c, const char *why);
+
+/* ---- server */
+struct sd_server {
+    uv_loop_t *loop;
+    const struct sd_config *cfg;
+    struct sd_registry *reg;
+    char sock_path[SD_PATH_MAX + 32];
+    int lfd;
+    uv_poll_t lpoll;
+    struct sd_conn *conns;
+    uint32_t n_conns;
+    struct sd_session *sessions;
+    uint32_t n_sessions;
+    uv_idle_t idle;
+    bool spinning;
+    uint64_t last_activity_ns;
+    uv_timer_t sweep;
+    uint64_t start_ns;
+    uint64_t next_id;
+    bool stopping;
+    struct sd_transport *tp; /* multi-node: progressed with the rings */
+    uv_poll_t tpoll;
+    bool tpolling;
+    uv_timer_t net_timer; /* re-polls the fabric every ms while transfers wait for data */
+    uint64_t last_net_ns; /* the last time a transfer completed */
+    uint64_t polls;       /* passes of the polling loop since start (shardctl status) */
+};
+
+int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_config *cfg,
+                    struct sd_registry *reg);
+void sd_server_stop(struct sd_server *srv);
+/* Run every session's ring until nothing moves; then spin or sleep. */
+void sd_server_progress(struct sd_server *srv);
+void sd_server_kick(struct sd_server *srv);
+/* Progress this transport with the rings, and wake on its wait fd. */
+void sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp);
+void sd_server_detach_transport(struct sd_server *srv);
+
+/* admin.c: JSON reply to an admin command; *json_p is malloc'd */
+int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char **json_p);
+
+#endif

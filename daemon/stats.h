@@ -1,0 +1,43 @@
+/* Statistics of jobs (latency samples, bytes by operation and link class) and of the daemon's
+ * own thread (allocation calls, CPU time), for shardctl and the allocation invariant. */
+#ifndef SD_STATS_H
+#define SD_STATS_H
+
+#include "sd/ring.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define SD_LAT_SAMPLES 2048
+struct sd_latency {
+    uint64_t count;
+    uint32_t samples_ns[SD_LAT_SAMPLES]; /* the most recent ones, ring order */
+};
+void sd_latency_add(struct sd_latency *l, uint64_t ns);
+/* q in [0, 1]; sorts a copy on the stack, for the admin path only */
+double sd_latency_quantile_us(const struct sd_latency *l, double q);
+
+enum sd_link_class {
+    SD_LINK_INTRA = 0,
+    SD_LINK_INTER_SENT = 1,
+    SD_LINK_INTER_RECV = 2,
+    SD_LINK_COUNT
+};
+struct sd_job_stats {
+    uint64_t ops[SD_OP_COUNT];
+    uint64_t errors;
+    uint64_t bytes[SD_OP_COUNT][SD_LINK_COUNT];  /* by the operation that moved them */
+    uint64_t gathers, cache_hits;                /* evictions: the unit cache counts them */
+    uint64_t coalesced_gathers, coalesced_units; /* transfers that moved several units, and those */
+    uint64_t allocs_after_register;
+    uint64_t pool_bytes;
+    uint32_t push_rounds_peak; /* gradient reductions across nodes on the wire at once, at most */
+    struct sd_latency lat[SD_OP_COUNT];
+};
+
+/* allocation calls made by this thread (counted where the allocator can be wrapped) */
+uint64_t sd_alloc_calls(void);
+extern const bool sd_alloc_counted;
+uint64_t sd_thread_cpu_ns(void);
+
+#endif

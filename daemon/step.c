@@ -1,0 +1,311 @@
+/* Step: the barrier of the local ranks at the accumulation boundary, then one phase machine
+ * (DESIGN.md section 3, step 5): SYNC waits for the micro-steps' rounds and gathers, and with the
+ * 2-hop sync all-reduces the g shards across the replication group once per step; NORM exchanges
+ * each node's squared norm (summed in node order) with the schedule digests; APPLY runs the
+ * optimizer once no peer still reads this generation's weights; REFRESH gathers the units held
+ * across the step again. On one node every phase but APPLY completes at once. */
+#include "net.h"
+#include "ops.h"
+#include "session.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include <stdio.h>
+#include <string.h>
+
+/* Re-gather units that are held across the step so their holders see the new weights. */
+static void refresh_held(struct sd_job *job)
+{
+    for (uint32_t i = 0; i < job->n_slots; i++) {
+        struct sd_unit_state *us = &job->cache.units[i];
+        if (!us->resident || us->refs == 0)
+            continue;
+        sd_fetch_local_gather(job, us, job->first_rank + us->lslot);
+        us->gen = job->weights_gen;
+    }
+}
+
+/* The optimizer ran: the weights are of the next generation, and units held across the step
+ * are gathered again so their holders see them (across nodes the REFRESH phase does it). */
+static void step_apply(struct sd_job *job, double sumsq)
+{
+    double norm = sd_optimizer_apply(job, sumsq);
+    job->steps++;
+    job->weights_gen++;
+    job->last_grad_norm = norm;
+    if (job->group_nodes == 1)
+        refresh_held(job);
+}
+
+/* Answer every rank waiting in step. */
+static void step_done(struct sd_job *job)
+{
+    sd_sched_step_done(job); /* freeze or rewind the schedule; first prefetches */
+    uint64_t bits, now = sd_now_ns();
+    double norm = job->last_grad_norm;
+    memcpy(&bits, &norm, sizeof(bits));
+    for (uint32_t r = 0; r < job->k; r++) {
+        if (!job->step.waiting[r] || job->ranks[r] == NULL)
+            continue;
+        job->stats.ops[SD_OP_STEP]++;
+        sd_latency_add(&job->stats.lat[SD_OP_STEP], now - job->step.arrive_ns[r]);
+        sd_session_complete(job->ranks[r], job->step.tags[r], SD_OP_STEP, SD_OK, bits, job->steps,
+                            NULL);
+        job->step.waiting[r] = false;
+    }
+    job->step.arrived = 0;
+}
+
+static void do_step(struct sd_job *job)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_layout *l = &job->layout;
+    uint32_t f = job->plan.f[SD_STATE_G];
+    uint32_t replicas = job->k / f;
+    char msg[SD_OP_MSG_LEN];
+
+    if (sd_push_partial_round(job, msg, sizeof(msg))) {
+        sd_job_fail(job, SD_EMISMATCH, "%s", msg);
+        return;
+    }
+    if (job->nodes > 1) {
+        sd_step_progress(job);
+        return;
+    }
+    /* one node: all-reduce across each replication group (the 2-hop sync), and the norm */
+    double sumsq = 0.0;
+    for (uint32_t u = 0; u < l->n_units; u++) {
+        const struct sd_unit_layout *ul = &l->units[u];
+        uint64_t len = ul->numel / f;
+        for (uint32_t i = 0; i < f; i++) {
+            float *acc = sd_job_g_shard(job, i, ul);
+            for (uint32_t j = 1; j < replicas; j++)
+                dev->reduce_add(acc, sd_job_g_shard(job, j * f + i, ul), SD_DTYPE_FP32, len);
+            sumsq += dev->sum_sq(acc, len);
+            for (uint32_t j = 1; j < replicas; j++)
+                dev->copy(sd_job_g_shard(job, j * f + i, ul), acc, len * sizeof(float));
+        }
+        if (replicas > 1)
+            job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] +=
+                2ULL * (replicas - 1) * ul->numel * sizeof(float);
+    }
+    step_apply(job, sumsq);
+    step_done(job);
+}
+
+void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
+{
+    if (job->step.waiting[s->local]) {
+        sd_session_fail(s, e, SD_EBUSY, "step: rank %u already waits in step %llu", s->rank,
+                        (unsigned long long)job->steps + 1);
+        return;
+    }
+    uint64_t now = sd_now_ns();
+    job->step.waiting[s->local] = true;
+    job->step.tags[s->local] = e->tag;
+    job->step.arrive_ns[s->local] = now;
+    if (job->step.arrived++ == 0)
+        job->step.first_ns = now;
+    if (job->step.arrived == job->k && sd_sched_step_check(job))
+        do_step(job);
+}
+
+/* ---- step across nodes */
+
+static void step_fail(struct sd_job *job, int status, uint32_t suspect)
+{
+    char what[256];
+    sd_job_net_describe(job, what, sizeof(what));
+    job->step.phase = SD_STEP_IDLE;
+    sd_job_fail(job, SD_EPEER, "%s: transfer with node %u failed: %s", what, suspect,
+                sd_status_str(status));
+}
+
+/* this node's copy of unit u's gradient block, into scratch (summing local replicas) */
+static uint64_t step_pack(struct sd_job *job, uint32_t u)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint32_t f = job->plan.f[SD_STATE_G];
+    uint64_t len = ul->numel / f;
+    if (job->group_nodes > 1) {
+        for (uint32_t j = 0; j < job->k; j++)
+            dev->copy(job->mem.scratch + (uint64_t)j * len, sd_job_g_shard(job, j, ul),
+                      len * sizeof(float));
+        return (uint64_t)job->k * len;
+    }
+    for (uint32_t i = 0; i < f; i++)
+        for (uint32_t j = i; j < job->k; j += f) {
+            const float *g = sd_job_g_shard(job, j, ul);
+            if (j == i)
+                dev->copy(job->mem.scratch + (uint64_t)i * len, g, len * sizeof(float));
+            else
+                dev->reduce_add(job->mem.scratch + (uint64_t)i * len, g, SD_DTYPE_FP32, len);
+        }
+    job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] += (uint64_t)(job->k / f) * ul->numel * 4;
+    return ul->numel;
+}
+
+static void step_unpack(struct sd_job *job, uint32_t u)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
+    for (uint32_t j = 0; j < job->k; j++)
+        job->reg->dev->copy(sd_job_g_shard(job, j, ul),
+                            job->mem.scratch + sd_job_g_block_off(job, j, len),
+                            len * sizeof(float));
+}
+
+static void step_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
+{
+    struct sd_job *job = ar->p.arg;
+    job->stats.bytes[SD_OP_STEP][SD_LINK_INTER_SENT] += ar->bytes_sent;
+    job->stats.bytes[SD_OP_STEP][SD_LINK_INTER_RECV] += ar->bytes_recv;
+    job->step.pending = 0;
+    if (status != SD_OK) {
+        step_fail(job, status, suspect);
+        return;
+    }
+    step_unpack(job, job->step.unit);
+    job->step.unit++;
+    sd_step_progress(job);
+}
+
+/* the nodes of this node's partition group must have recorded the same schedule */
+static bool check_schedules(struct sd_job *job)
+{
+    if (job->group_nodes < 2 ||
+        sd_sched_check_nodes(job, sd_job_group_first(job), job->group_nodes, job->step.norm_parts))
+        return true;
+    job->step.phase = SD_STEP_IDLE;
+    return false;
+}
+
+static void norm_done(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
+    job->stats.bytes[SD_OP_STEP][b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV] += b->bytes;
+    if (status != SD_OK && job->step.status == SD_OK) {
+        job->step.status = status;
+        job->step.suspect = b->peer;
+    }
+    sd_bulk_put(&job->xfer.bulks, b);
+    if (--job->step.pending > 0)
+        return;
+    if (job->step.status != SD_OK) {
+        step_fail(job, job->step.status, job->step.suspect);
+        return;
+    }
+    if (!check_schedules(job))
+        return;
+    job->step.phase = SD_STEP_APPLY;
+    sd_step_progress(job);
+}
+
+static void norm_start(struct sd_job *job)
+{
+    /* each distinct shard counts once: the replica in partition group 0 */
+    uint32_t f = job->plan.f[SD_STATE_G], me = job->node;
+    double local = 0.0;
+    for (uint32_t j = 0; j < job->k; j++) {
+        if (job->first_rank + j >= f)
+            continue;
+        for (uint32_t u = 0; u < job->layout.n_units; u++) {
+            const struct sd_unit_layout *ul = &job->layout.units[u];
+            local += job->reg->dev->sum_sq(sd_job_g_shard(job, j, ul), ul->numel / f);
+        }
+    }
+    job->step.norm_parts[me] = (struct sd_norm_part){
+        .sumsq = local, .digest = job->sched.digest, .n = job->sched.rec_len[0]};
+    job->step.phase = SD_STEP_NORM;
+    job->step.status = SD_OK;
+    job->step.pending = 0;
+    uint32_t seq = sd_tag_wrap(job->steps, SD_TAG_SEQ_BITS);
+    for (uint32_t m = 0; m < job->nodes; m++) {
+        if (m == me)
+            continue;
+        void *rp = &job->step.norm_parts[m], *sp = &job->step.norm_parts[me];
+        struct sd_exchange_param x = {.peer = m,
+                                      .recv = {.buf = rp, .bytes = sizeof(*job->step.norm_parts)},
+                                      .send = {.buf = sp, .bytes = sizeof(*job->step.norm_parts)},
+                                      .chunk_bytes = 4096,
+                                      .cb = norm_done,
+                                      .arg = job,
+                                      .arg2 = (uint64_t)(uintptr_t)job};
+        job->step.pending += sd_job_net_exchange(job, &x, SD_TAG_SCALAR, 0, seq, &job->step.status,
+                                                 &job->step.suspect);
+    }
+    if (job->step.pending == 0) {
+        if (job->step.status != SD_OK) {
+            step_fail(job, job->step.status, job->step.suspect);
+            return;
+        }
+        job->step.phase = SD_STEP_APPLY;
+        sd_step_progress(job);
+    }
+}
+
+/* Drive the step forward as far as it can go now; called again by every completion. */
+void sd_step_progress(struct sd_job *job)
+{
+    if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
+        return;
+    if (job->step.phase == SD_STEP_IDLE) {
+        job->step.phase = SD_STEP_SYNC;
+        job->step.unit = 0;
+        job->step.start_ns = sd_now_ns();
+    }
+    if (job->step.phase == SD_STEP_SYNC) {
+        /* everything of this step's micro-steps must be reduced, every gather finished */
+        if (job->push.nr_len > 0 || job->push.rq_len > 0 || job->xfer.gathers_inflight > 0 ||
+            job->step.pending > 0)
+            return;
+        uint32_t R = sd_job_replication_nodes(job, job->xfer.members);
+        while (job->plan.two_hop && R > 1 && job->step.unit < job->layout.n_units) {
+            uint32_t u = job->step.unit;
+            uint64_t count = step_pack(job, u);
+            job->step.pending = 1;
+            /* no round runs during the step: it borrows round 0's all-reduce temporary */
+            int st =
+                sd_job_net_allreduce(job, &job->step.ar, R, u, job->steps, true, job->mem.scratch,
+                                     count, job->push.nr[0].ar_tmp, NULL, step_ar_done, job);
+            if (st != SD_OK) {
+                job->step.pending = 0;
+                step_fail(job, st, job->xfer.members[0]);
+            }
+            return; /* step_ar_done continues with the next unit */
+        }
+        norm_start(job);
+        return;
+    }
+    if (job->step.phase == SD_STEP_APPLY) {
+        if (job->xfer.w_sends_inflight > 0)
+            return; /* peers still read this node's weights of the current generation */
+        double sumsq = 0.0;
+        for (uint32_t m = 0; m < job->nodes; m++)
+            sumsq += job->step.norm_parts[m].sumsq;
+        step_apply(job, sumsq);
+        sd_fetch_serve_queue(job);
+        job->step.phase = SD_STEP_REFRESH;
+    }
+    if (job->step.phase == SD_STEP_REFRESH) {
+        /* units held across the step are gathered again in place; one that cannot start now
+         * (transfer resources busy) is retried when a transfer completes */
+        bool pending = false;
+        for (uint32_t i = 0; job->group_nodes > 1 && i < job->n_slots; i++) {
+            struct sd_unit_state *us = &job->cache.units[i];
+            if (!us->resident || us->refs == 0 || us->inflight || us->gen == job->weights_gen)
+                continue;
+            if (sd_fetch_gather_start(job, us) != SD_OK) {
+                pending = true;
+                break;
+            }
+            if (job->state == SD_JOB_FAILED || job->step.phase != SD_STEP_REFRESH)
+                return; /* finished (or failed) inside: that call completed the step */
+        }
+        if (pending || job->xfer.gathers_inflight > 0)
+            return;
+        job->step.phase = SD_STEP_IDLE;
+        step_done(job);
+    }
+}

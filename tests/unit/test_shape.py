@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""The daemon's shape (issue: rebuild the core around its operations), held by a test:
+- no daemon source file above 900 lines;
+- no struct above 40 members (a declaration "int a, b;" counts two);
+- no daemon header that most of the daemon's .c files include;
+- only transport/ calls libfabric, only coll/tag.h packs a tag, and coll/, transport/ and
+  cluster/ include nothing of jobs.
+Usage: test_shape.py DAEMON_DIR"""
+import os
+import re
+import sys
+
+MAX_LINES = 900
+MAX_MEMBERS = 40
+
+passed = failed = 0
+
+
+def check(cond, msg):
+    global passed, failed
+    if cond:
+        passed += 1
+    else:
+        failed += 1
+        print("FAIL: " + msg, file=sys.stderr)
+
+
+def strip_comments(text):
+    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def struct_members(text):
+    """(name, members) of every struct body in text, nested ones separately."""
+    out = []
+    for m in re.finditer(r"\bstruct\s+(\w+)\s*\{", text):
+        depth, i, start = 1, m.end(), m.end()
+        while depth and i < len(text):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        body = text[start:i - 1]
+        # the struct's own declarations: drop nested bodies, then count declarators
+        flat, depth = [], 0
+        for ch in body:
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+            elif depth == 0:
+                flat.append(ch)
+        n = 0
+        for decl in "".join(flat).split(";"):
+            decl = re.sub(r"\([^()]*\)", "()", decl.strip())  # function pointer arguments
+            if decl:
+                n += decl.count(",") + 1
+        out.append((m.group(1), n))
+    return out
+
+
+def main():
+    root = sys.argv[1]
+    files = []
+    for d, _, names in os.walk(root):
+        files += [os.path.join(d, n) for n in names if n.endswith((".c", ".h"))]
+    sources = [f for f in files if f.endswith(".c")]
+    check(len(sources) >= 20, "found %d daemon sources under %s" % (len(sources), root))
+    text = {f: open(f).read() for f in files}
+    for f in files:
+        rel = os.path.relpath(f, root)
+        lines = text[f].count("\n")
+        check(lines <= MAX_LINES, "%s has %d lines (at most %d)" % (rel, lines, MAX_LINES))
+        for name, n in struct_members(strip_comments(text[f])):
+            check(n <= MAX_MEMBERS, "%s: struct %s has %d members (at most %d)" %
+                  (rel, name, n, MAX_MEMBERS))
+
+    # no header that most of the daemon includes (daemon.h was included by 12 of 14 files)
+    by_name = {os.path.relpath(f, root): f for f in files if f.endswith(".h")}
+    reach = {h: 0 for h in by_name}
+    for f in sources:
+        for inc in set(re.findall(r'#include\s+"([^"]+)"', text[f])):
+            if inc in reach:
+                reach[inc] += 1
+    for h, n in reach.items():
+        check(2 * n <= len(sources), "%s is included by %d of %d daemon sources" %
+              (h, n, len(sources)))
+
+    for f in files:
+        rel = os.path.relpath(f, root)
+        code = strip_comments(text[f])
+        if not rel.startswith("transport/"):
+            check(not re.search(r"\bfi_\w+\s*\(", code), "%s calls libfabric" % rel)
+        if rel != "coll/tag.h":
+            check(not re.search(r"<<\s*(60|48|34|18)\b", code), "%s packs a tag by hand" % rel)
+        if rel.startswith(("coll/", "transport/", "cluster/")):
+            for inc in re.findall(r'#include\s+"([^"]+)"', code):
+                check(inc not in ("job.h", "ops.h", "registry.h", "net.h", "session.h"),
+                      "%s includes %s" % (rel, inc))
+    print("test_shape: %d passed, %d failed" % (passed, failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
