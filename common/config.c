@@ -21,7 +21,9 @@ const struct sd_config_entry sd_config_table[] = {
     {"ranks_per_node", SD_CFG_INT, "0", 0, 1024, OFF(ranks_per_node),
      "trainer ranks (devices) per node; 0 takes it from each job (one node only)", 1},
     {"backend", SD_CFG_STRING, "host", 0, 16, OFF(backend),
-     "device backend for shard buffers: host (cuda and hip when built with them)", 1},
+     "device backend for shard buffers: host, or host-deferred (kernels run only when the "
+     "daemon waits for them: a test of its waits), cuda and hip when built with them",
+     1},
     {"memory_budget", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(memory_budget),
      "bytes all jobs together may allocate; 0 means half of physical memory", 0},
     {"op_timeout_ms", SD_CFG_INT, "30000", 1, 3600000, OFF(op_timeout_ms),
@@ -164,8 +166,10 @@ static int check_string(const struct sd_config_entry *e, const char *value, char
         return SD_ECONFIG;
     }
     if (strcmp(e->name, "backend") == 0 && strcmp(value, "host") != 0 &&
-        strcmp(value, "cuda") != 0 && strcmp(value, "hip") != 0) {
-        snprintf(err, errlen, "option '%s': '%s' is not one of host, cuda, hip", e->name, value);
+        strcmp(value, "host-deferred") != 0 && strcmp(value, "cuda") != 0 &&
+        strcmp(value, "hip") != 0) {
+        snprintf(err, errlen, "option '%s': '%s' is not one of host, host-deferred, cuda, hip",
+                 e->name, value);
         return SD_ECONFIG;
     }
     return SD_OK;

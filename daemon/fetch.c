@@ -19,25 +19,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-static bool net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
-                      struct sd_unit_state *us);
+static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n);
+static bool gather_resources(const struct sd_job *job);
+static void gather_begin(struct sd_job *job, struct sd_unit_state *us);
+static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n);
 
-/* Gather unit u's w shards of the partition group of `rank` (inside this node) into the slot. */
-void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t rank)
+/* A gather inside the node, done when this returns (one node: the whole gather): a refresh of a
+ * held copy, or the schedule's prefetch. */
+void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us)
 {
     uint64_t cpu0 = sd_job_issue_clock(job);
-    const struct sd_gpu_ops *dev = job->reg->dev;
-    uint32_t u = us->unit;
-    const struct sd_unit_layout *ul = &job->layout.units[u];
-    uint32_t f = job->plan.f[SD_STATE_W];
-    struct sd_group grp = sd_group_partition(f, rank);
-    uint64_t shard_bytes = sd_job_w_shard_bytes(job, u);
-    uint8_t *dst = (uint8_t *)job->mem.pool.ptr + us->pool_off;
-    for (uint32_t i = 0; i < grp.count; i++) {
-        uint32_t local = sd_group_member(&grp, i) - job->first_rank;
-        dev->copy(dst + i * shard_bytes, sd_job_w_shard(job, local, u), shard_bytes);
-    }
-    job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += sd_unit_bytes(ul);
+    gather_copy_local(job, &us, 1);
     job->stats.gathers++;
     sd_job_issue_count(job, cpu0);
 }
@@ -62,6 +54,11 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
     uint64_t cpu0 = timed ? sd_thread_cpu_ns() : 0;
     const struct sd_unit_layout *ul = &job->layout.units[us->unit];
     uint64_t now = sd_now_ns();
+    int synced = SD_OK; /* the clients read the slot from now on */
+    if (us->status == SD_OK && us->waiters) {
+        synced = job->reg->dev->sync(job->mem.queue);
+        us->status = synced;
+    }
     for (uint32_t r = 0; r < job->k && us->waiters; r++) {
         if (!(us->waiters & (1ULL << r)))
             continue;
@@ -87,42 +84,57 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
     }
     if (timed)
         sc->cpu_ns[sc->state == SD_SCHED_FROZEN && !sc->deviated] += sd_thread_cpu_ns() - cpu0;
+    if (synced != SD_OK)
+        sd_job_fail(job, synced, "fetch of unit %u: the %s backend failed: %s", us->unit,
+                    job->reg->dev->name, sd_status_str(synced));
 }
 
+/* A fetch: a copy of the unit that is resident (of this weights generation) answers at once; one
+ * in flight takes the rank as a waiter; otherwise a gather into a new place starts, which inside
+ * a node (the degenerate gather: no peers) completes before this returns. */
 bool sd_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t start)
 {
     struct sd_unit_state *us = sd_job_slot(job, e->unit, s->local);
     const struct sd_unit_layout *ul = &job->layout.units[e->unit];
-    if (job->group_nodes > 1)
-        return net_fetch(job, s, e, us);
-    sd_unit_cache_drop_stale(&job->cache, us, job->weights_gen);
-    if (!us->resident) {
-        uint64_t off;
-        int st = sd_fetch_reserve(job, sd_unit_bytes(ul), &off);
-        if (st == SD_EAGAIN ||
-            (st == SD_ENOSPC && sd_unit_cache_others_hold(&job->cache, s->holds)))
-            return false; /* other ranks still use the space: wait for their releases */
-        if (st != SD_OK) {
-            char b1[32], b2[32], b3[32];
-            sd_session_fail(
-                s, e, SD_ENOSPC,
-                "fetch unit %u needs %s; the gather pool (%s) has %s held by "
-                "unreleased units: release units or raise max_live_bytes",
-                e->unit, sd_fmt_bytes(b1, sizeof(b1), sd_unit_bytes(ul)),
-                sd_fmt_bytes(b2, sizeof(b2), job->cache.spool.capacity),
-                sd_fmt_bytes(b3, sizeof(b3), sd_slot_pool_used_bytes(&job->cache.spool)));
-            return true;
-        }
-        us->pool_off = off;
-        sd_fetch_local_gather(job, us, s->rank);
-        us->resident = true;
-        us->gen = job->weights_gen;
-    } else {
-        job->stats.cache_hits++;
+    uint64_t bit = 1ULL << s->local;
+    uint64_t *wait_tag = &job->xfer.wait_tags[(size_t)(us - job->cache.units) * job->k + s->local];
+    if (us->inflight) {
+        if (us->waiters & bit)
+            return false; /* the same rank twice: wait for the first */
+        us->waiters |= bit;
+        *wait_tag = e->tag;
+        return true;
     }
-    sd_unit_cache_hold(&job->cache, us);
-    s->holds[e->unit]++;
-    sd_op_done(job, s, e, us->pool_off, sd_unit_bytes(ul), start);
+    sd_unit_cache_drop_stale(&job->cache, us, job->weights_gen);
+    if (us->resident) {
+        job->stats.cache_hits++;
+        us->start_ns = start;
+        us->waiters |= bit;
+        *wait_tag = e->tag;
+        sd_fetch_complete(job, us);
+        return true;
+    }
+    if (!gather_resources(job))
+        return false;
+    uint64_t off;
+    int st = sd_fetch_reserve(job, sd_unit_bytes(ul), &off);
+    if (st == SD_EAGAIN || (st == SD_ENOSPC && sd_unit_cache_others_hold(&job->cache, s->holds)))
+        return false; /* other ranks (or gathers in flight) still use the space: wait for them */
+    if (st != SD_OK) {
+        char b1[32], b2[32], b3[32];
+        sd_session_fail(s, e, SD_ENOSPC,
+                        "fetch unit %u needs %s; the gather pool (%s) has %s held by unreleased "
+                        "or in-flight units: release units or raise max_live_bytes",
+                        e->unit, sd_fmt_bytes(b1, sizeof(b1), sd_unit_bytes(ul)),
+                        sd_fmt_bytes(b2, sizeof(b2), job->cache.spool.capacity),
+                        sd_fmt_bytes(b3, sizeof(b3), sd_slot_pool_used_bytes(&job->cache.spool)));
+        return true;
+    }
+    us->pool_off = off;
+    us->waiters |= bit;
+    *wait_tag = e->tag;
+    gather_begin(job, us);
+    gather_post(job, &us, 1);
     return true;
 }
 
@@ -402,6 +414,8 @@ static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
         job->stats.gathers++;
         sd_fetch_complete(job, u);
     }
+    if (job->nodes == 1)
+        return; /* inside the node: nothing was waiting for transfer resources */
     if (job->step.phase != SD_STEP_IDLE) /* a refresh, or a step waiting for gathers */
         sd_step_progress(job);
     else
@@ -450,17 +464,28 @@ static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
     us->batch_next = NULL;
 }
 
-/* this node's block of units[0..n), its ranks' shards, into their slots */
+/* This node's part of each of units[0..n) into its slot: the w shards of the partition group's
+ * members on this node, each at its place in the unit. When the group spans nodes those are the
+ * node's k ranks (its block); inside the node, the group of the copy's first rank (every
+ * partition group on the node holds the same weights). */
 static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n)
 {
-    uint32_t G = job->group_nodes, k = job->k, me = job->node % G;
+    uint32_t f = job->plan.f[SD_STATE_W];
     for (uint32_t i = 0; i < n; i++) {
-        size_t len = sd_job_w_shard_bytes(job, units[i]->unit);
+        uint32_t u = units[i]->unit;
+        size_t len = sd_job_w_shard_bytes(job, u);
         uint8_t *slot = (uint8_t *)job->mem.pool.ptr + units[i]->pool_off;
-        for (uint32_t j = 0; j < k; j++)
-            job->reg->dev->copy(slot + ((size_t)me * k + j) * len,
-                                sd_job_w_shard(job, j, units[i]->unit), len);
-        job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += (uint64_t)k * len;
+        struct sd_group grp = sd_group_partition(f, job->first_rank + units[i]->lslot);
+        uint32_t copied = 0;
+        for (uint32_t m = 0; m < grp.count; m++) {
+            uint32_t rank = sd_group_member(&grp, m);
+            if (rank < job->first_rank || rank >= job->first_rank + job->k)
+                continue; /* another node's: pulled from there */
+            job->reg->dev->copy(job->mem.queue, slot + (size_t)m * len,
+                                sd_job_w_shard(job, rank - job->first_rank, u), len);
+            copied++;
+        }
+        job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += (uint64_t)copied * len;
     }
 }
 
@@ -563,6 +588,12 @@ bool sd_fetch_would_join(const struct sd_job *job, uint32_t unit, uint32_t lslot
  * consecutive and the batch under coalesce_bytes; sd_fetch_prefetch_flush sends it. */
 int sd_fetch_prefetch(struct sd_job *job, struct sd_unit_state *us)
 {
+    if (job->group_nodes == 1) { /* the partition group is on this node: a copy, done now */
+        sd_fetch_local_gather(job, us);
+        us->resident = true;
+        us->gen = job->weights_gen;
+        return SD_OK;
+    }
     struct sd_gather_batch *bt = &job->xfer.batch;
     uint64_t bytes = sd_unit_bytes(&job->layout.units[us->unit]);
     uint64_t limit = (uint64_t)job->reg->cfg->coalesce_bytes;
@@ -605,57 +636,4 @@ void sd_fetch_prefetch_flush(struct sd_job *job)
         job->stats.coalesced_units += n;
     }
     gather_post(job, bt->units, n);
-}
-
-static bool net_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
-                      struct sd_unit_state *us)
-{
-    uint64_t bit = 1ULL << s->local;
-    if (us->inflight) {
-        if (us->waiters & bit)
-            return false; /* the same rank twice: wait for the first */
-        us->waiters |= bit;
-        job->xfer.wait_tags[(size_t)(us - job->cache.units) * job->k + s->local] = e->tag;
-        return true;
-    }
-    sd_unit_cache_drop_stale(&job->cache, us, job->weights_gen);
-    us->waiters |= bit;
-    job->xfer.wait_tags[(size_t)(us - job->cache.units) * job->k + s->local] = e->tag;
-    if (us->resident) {
-        job->stats.cache_hits++;
-        us->start_ns = sd_now_ns();
-        sd_fetch_complete(job, us);
-        return true;
-    }
-    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
-    uint64_t off;
-    if (job->xfer.gathers_inflight >= SD_MAX_GATHERS_INFLIGHT ||
-        job->xfer.bulks.n - job->xfer.bulks.in_use < job->group_nodes - 1) {
-        us->waiters &= ~bit;
-        return false;
-    }
-    int rst = sd_fetch_reserve(job, sd_unit_bytes(ul), &off);
-    if (rst == SD_EAGAIN ||
-        (rst == SD_ENOSPC && sd_unit_cache_others_hold(&job->cache, s->holds))) {
-        /* other ranks (or gathers in flight) still use the space: wait for them */
-        us->waiters &= ~bit;
-        return false;
-    }
-    if (rst != SD_OK) {
-        us->waiters &= ~bit;
-        char b1[32], b2[32];
-        sd_session_fail(s, e, SD_ENOSPC,
-                        "fetch unit %u needs %s; the gather pool (%s) is held by unreleased or "
-                        "in-flight units: release units or raise max_live_bytes",
-                        e->unit, sd_fmt_bytes(b1, sizeof(b1), sd_unit_bytes(ul)),
-                        sd_fmt_bytes(b2, sizeof(b2), job->cache.spool.capacity));
-        return true;
-    }
-    us->pool_off = off;
-    if (sd_fetch_gather_start(job, us) != SD_OK) {
-        sd_slot_pool_free(&job->cache.spool, off);
-        us->waiters &= ~bit;
-        return false;
-    }
-    return true;
 }

@@ -295,6 +295,12 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
                  msg->world, k, (long long)cfg->nodes);
         return NULL;
     }
+    if (k > SD_MAX_LOCAL_RANKS) {
+        snprintf(err, errlen,
+                 "%u ranks on this node (world %u over %u nodes); a node serves at most %d ranks",
+                 k, msg->world, nodes, SD_MAX_LOCAL_RANKS);
+        return NULL;
+    }
     if (nodes > 1 && !sd_cluster_ready(reg->net ? reg->net->cl : NULL)) {
         snprintf(err, errlen,
                  "the cluster has not formed yet (waiting for the other daemons); "
@@ -486,6 +492,16 @@ static void job_fail_text(struct sd_job *job, int status, const char *text, bool
             sd_cluster_abort_job(job->reg->net->cl, job->name, job->nodes, status, text);
     }
     sd_job_fail_parked(job, status, text, true);
+}
+
+bool sd_job_sync(struct sd_job *job)
+{
+    int status = job->reg->dev->sync(job->mem.queue);
+    if (status == SD_OK)
+        return true;
+    sd_job_fail(job, status, "the %s backend failed: %s", job->reg->dev->name,
+                sd_status_str(status));
+    return false;
 }
 
 const char *sd_job_name(const struct sd_job *job)

@@ -21,6 +21,9 @@
 struct sd_registry;
 struct sd_session;
 struct sd_net;
+
+/* ranks one node serves in a job, at most: a gather's waiting ranks are a 64-bit set */
+#define SD_MAX_LOCAL_RANKS 64
 struct sd_push_round;
 struct sd_push_entry;
 struct sd_node_round;
@@ -61,9 +64,10 @@ struct sd_job_mem {
     float *scratch;
     uint64_t *w_off; /* per unit: byte offset of the unit's w shard in a rank's w arena */
     uint64_t w_arena_bytes;
-    uint64_t max_live_bytes; /* from the registration; 0: the daemon's */
-    bool allocating;         /* a worker thread backs its buffers (job_alloc_work) */
-    bool doomed;             /* dropped while allocating: freed once the worker is done */
+    uint64_t max_live_bytes;    /* from the registration; 0: the daemon's */
+    struct sd_gpu_queue *queue; /* the device work of the job's operations, in order */
+    bool allocating;            /* a worker thread backs its buffers (job_alloc_work) */
+    bool doomed;                /* dropped while allocating: freed once the worker is done */
 };
 
 /* Push rounds (push.c): [unit][group][generation][member] for the g-partition groups on this
@@ -96,6 +100,7 @@ struct sd_step_state {
     uint32_t suspect;
     struct sd_allreduce ar;
     struct sd_norm_part *norm_parts; /* [nodes] */
+    double *sumsq_parts; /* [n_units * k]: the device's sums of squares, added up in order */
     struct sd_bulk **norm_b;
     double local_sumsq;
 };
@@ -190,6 +195,10 @@ void sd_job_free(struct sd_job *job);
 void sd_job_sweep(struct sd_job *job, uint64_t now_ns);
 /* Its memory is allocated (status SD_OK) or not (err says why): go on (job_mem.c calls it). */
 void sd_job_allocated(struct sd_job *job, int status, const char *err);
+
+/* Wait for the job's device work (kernels write what is read next: by the CPU, the network or a
+ * client). False after failing the job when the backend reports an error. */
+bool sd_job_sync(struct sd_job *job);
 
 /* ---- memory (job_mem.c) */
 /* Every local rank registered: check the budget, allocate every buffer (host memory on a worker

@@ -52,7 +52,7 @@ static void free_after_cb(uv_work_t *req, int uv_status)
 static void free_off_loop(struct sd_job *job)
 {
     struct sd_registry *reg = job->reg;
-    bool host = reg->dev == &sd_gpu_host_ops;
+    bool host = reg->dev->host_memory;
     uint32_t n_arena = job->mem.arena != NULL && host ? job->k * SD_STATE_COUNT : 0;
     uint32_t n_staging = job->mem.staging != NULL ? job->k : 0;
     if (reg->loop == NULL || job->mem.bytes_total == 0)
@@ -95,6 +95,11 @@ static void free_off_loop(struct sd_job *job)
 void sd_job_mem_free(struct sd_job *job)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
+    if (job->mem.queue != NULL) { /* no kernel may still touch what goes below */
+        dev->sync(job->mem.queue);
+        dev->queue_destroy(job->mem.queue);
+        job->mem.queue = NULL;
+    }
     if (job->nodes > 1)
         sd_job_net_teardown(job); /* deregisters before anything is unmapped */
     free_off_loop(job);           /* what it took is empty below */
@@ -112,6 +117,12 @@ void sd_job_mem_free(struct sd_job *job)
     free(job->push.nr_mem);
     sd_unit_cache_fini(&job->cache);
     free(job->push.rounds);
+    free(job->step.sumsq_parts);
+    job->step.sumsq_parts = NULL;
+    free(job->xfer.wait_tags);
+    job->xfer.wait_tags = NULL;
+    free(job->step.norm_parts);
+    job->step.norm_parts = NULL;
     free(job->push.round_entries);
     free(job->push.rounds_done);
     free(job->mem.w_off);
@@ -212,6 +223,10 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->mem.staging = calloc(k, sizeof(*job->mem.staging));
     job->mem.scratch = malloc(need.scratch ? need.scratch : 1);
     int cache_st = sd_unit_cache_init(&job->cache, l->n_units, job->slots_per_unit, need.pool);
+    int queue_st = reg->dev->queue_create(&job->mem.queue);
+    job->step.sumsq_parts = calloc((size_t)l->n_units * k, sizeof(*job->step.sumsq_parts));
+    job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
+    job->step.norm_parts = calloc(job->nodes, sizeof(*job->step.norm_parts));
     if (job->push.node_rounds) { /* one round per unit over all local ranks, then the network */
         job->push.g_members = k;
         job->push.g_groups = 1;
@@ -225,7 +240,9 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
                                      sizeof(*job->push.round_entries));
     job->push.rounds_done = calloc(n_rounds, sizeof(*job->push.rounds_done));
     if (!job->mem.arena || !job->mem.staging || !job->mem.scratch || cache_st != SD_OK ||
-        !job->push.rounds || !job->push.round_entries || !job->push.rounds_done) {
+        queue_st != SD_OK || !job->step.sumsq_parts || !job->xfer.wait_tags ||
+        !job->step.norm_parts || !job->push.rounds || !job->push.round_entries ||
+        !job->push.rounds_done) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }
@@ -358,7 +375,7 @@ static void alloc_after_cb(uv_work_t *req, int uv_status)
 void sd_job_mem_alloc(struct sd_job *job)
 {
     char err[768];
-    bool host = job->reg->dev == &sd_gpu_host_ops;
+    bool host = job->reg->dev->host_memory;
     job->mem.alloc_start_ns = sd_now_ns();
     int status = job_alloc_begin(job, err, sizeof(err));
     if (status == SD_OK && !host)

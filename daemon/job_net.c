@@ -34,6 +34,7 @@ int sd_job_net_allreduce(struct sd_job *job, struct sd_allreduce *ar, uint32_t R
                                              .n_members = R,
                                              .self = job->node},
                                    .dev = job->reg->dev,
+                                   .queue = job->mem.queue,
                                    .dtype = SD_DTYPE_FP32,
                                    .codec = SD_CODEC_IDENTITY,
                                    .buf = buf,
@@ -209,20 +210,17 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         }
     }
     job->xfer.members = calloc(N, sizeof(*job->xfer.members));
-    job->step.norm_parts = calloc(N, sizeof(*job->step.norm_parts));
     job->step.norm_b = calloc(2 * N, sizeof(*job->step.norm_b));
     job->push.rq_cap = job->layout.n_units * job->push.round_gens;
     job->push.round_queue = calloc(job->push.rq_cap, sizeof(*job->push.round_queue));
     job->xfer.req_cap = N * job->n_slots + 16;
     job->xfer.req_queue = calloc(job->xfer.req_cap, sizeof(*job->xfer.req_queue));
-    job->xfer.wait_tags = calloc((size_t)job->n_slots * job->k, sizeof(*job->xfer.wait_tags));
     uint32_t max_mrs = 2 * job->k + 6;
     job->xfer.mr_handles = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_descs = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_base = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_len = calloc(max_mrs, sizeof(size_t));
-    if (!job->xfer.members || !job->step.norm_parts || !job->step.norm_b ||
-        !job->push.round_queue || !job->xfer.req_queue || !job->xfer.wait_tags ||
+    if (!job->xfer.members || !job->step.norm_b || !job->push.round_queue || !job->xfer.req_queue ||
         !job->xfer.mr_handles || !job->xfer.mr_descs || !job->xfer.mr_base || !job->xfer.mr_len)
         goto err_nomem;
     /* memory registered once per job */
@@ -272,22 +270,18 @@ void sd_job_net_teardown(struct sd_job *job)
     sd_bulk_pool_fini(&job->xfer.bulks);
     free(job->push.nr); /* nr_mem goes with the job's other big buffers (sd_job_mem_free) */
     free(job->xfer.members);
-    free(job->step.norm_parts);
     free(job->step.norm_b);
     free(job->push.round_queue);
     free(job->xfer.req_queue);
-    free(job->xfer.wait_tags);
     free(job->xfer.mr_handles);
     free(job->xfer.mr_descs);
     free(job->xfer.mr_base);
     free(job->xfer.mr_len);
     job->push.nr = NULL;
     job->xfer.members = NULL;
-    job->step.norm_parts = NULL;
     job->step.norm_b = NULL;
     job->push.round_queue = NULL;
     job->xfer.req_queue = NULL;
-    job->xfer.wait_tags = NULL;
     job->xfer.mr_handles = job->xfer.mr_descs = NULL;
     job->xfer.mr_base = NULL;
     job->xfer.mr_len = NULL;

@@ -24,8 +24,8 @@ static void load_unit(struct sd_job *job, uint32_t unit, const float *src)
         uint64_t b, end;
         sd_layout_shard(ul, f, job->first_rank + r, &b, &end);
         float *master = (float *)sd_job_state(job, r, SD_STATE_OS) + ul->arena_off[SD_STATE_OS];
-        dev->copy(master, src + b, len * sizeof(float));
-        dev->from_f32(sd_job_w_shard(job, r, unit), ul->dtype, src + b, len);
+        dev->copy(job->mem.queue, master, src + b, len * sizeof(float));
+        dev->from_f32(job->mem.queue, sd_job_w_shard(job, r, unit), ul->dtype, src + b, len);
     }
 }
 
@@ -49,6 +49,10 @@ void sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_s
     }
     const float *src = (const float *)(void *)sd_job_staging_slot(job, s->local, (uint32_t)e->arg0);
     load_unit(job, e->unit, src);
+    if (!sd_job_sync(job)) { /* the kernels read the staging slot the client refills next */
+        sd_session_fail(s, e, job->fail_status, "init: %s", job->fail_msg);
+        return;
+    }
     if (job->nodes > 1) {
         job->stats.ops[SD_OP_INIT]++;
         sd_latency_add(&job->stats.lat[SD_OP_INIT], sd_now_ns() - start);
@@ -154,6 +158,8 @@ static void init_recv_done(struct sd_bulk *b, int status)
         return;
     }
     load_unit(job, job->load.next_unit, job->mem.scratch);
+    if (!sd_job_sync(job)) /* the next unit's values arrive where these are read */
+        return;
     job->load.next_unit++;
     init_post_next(job);
 }

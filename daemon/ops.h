@@ -110,8 +110,8 @@ void sd_fetch_drop(struct sd_job *job, struct sd_session *s, const struct sd_sqe
                    uint64_t start);
 /* a session leaves: its holds go */
 void sd_fetch_release_holds(struct sd_job *job, struct sd_session *s);
-/* Gather unit us->unit's w shards of the partition group of `rank` (inside this node). */
-void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us, uint32_t rank);
+/* A gather inside the node, done when this returns: a refresh of a held copy, or a prefetch. */
+void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us);
 /* A gather finished (or failed): answer every rank waiting for it. */
 void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us);
 /* every rank waiting for a gather gets status */
@@ -121,8 +121,8 @@ void sd_fetch_fail(struct sd_job *job, int status);
 int sd_fetch_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);
 /* Drop a cached copy nobody holds from the pool, counted as an eviction. */
 void sd_fetch_evict(struct sd_job *job, struct sd_unit_state *us);
-/* start the gather of a slot whose pool place is set (prefetch); SD_EAGAIN when no transfer
- * resources are free now */
+/* Start the gather of a slot whose pool place is set (the schedule's prefetch): inside the node
+ * it is done when this returns; SD_EAGAIN when no transfer resources are free now. */
 int sd_fetch_prefetch(struct sd_job *job, struct sd_unit_state *us);
 /* would a gather of unit (copy lslot) join the open batch? */
 bool sd_fetch_would_join(const struct sd_job *job, uint32_t unit, uint32_t lslot);

@@ -37,13 +37,14 @@ double sd_optimizer_apply(struct sd_job *job, double sumsq)
                                           .eps = o->eps,
                                           .weight_decay = o->weight_decay,
                                           .step = t};
-                dev->adamw(&a, os + off, os + os_stride + off, os + 2 * os_stride + off, gp, scale,
-                           w + job->mem.w_off[u], ul->dtype, len);
+                dev->adamw(job->mem.queue, &a, os + off, os + os_stride + off,
+                           os + 2 * os_stride + off, gp, scale, w + job->mem.w_off[u], ul->dtype,
+                           len);
             } else {
                 struct sd_sgd_args a = {
                     .lr = o->lr, .momentum = o->momentum, .weight_decay = o->weight_decay};
-                dev->sgd(&a, os + off, os + os_stride + off, gp, scale, w + job->mem.w_off[u],
-                         ul->dtype, len);
+                dev->sgd(job->mem.queue, &a, os + off, os + os_stride + off, gp, scale,
+                         w + job->mem.w_off[u], ul->dtype, len);
             }
         }
     }

@@ -38,11 +38,11 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
             const uint8_t *src =
                 sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + i * len * esz;
             if (m == 0)
-                dev->to_f32(job->mem.scratch, src, ul->dtype, len);
+                dev->to_f32(job->mem.queue, job->mem.scratch, src, ul->dtype, len);
             else
-                dev->reduce_add(job->mem.scratch, src, ul->dtype, len);
+                dev->reduce_add(job->mem.queue, job->mem.scratch, src, ul->dtype, len);
         }
-        dev->reduce_add(dst, job->mem.scratch, SD_DTYPE_FP32, len);
+        dev->reduce_add(job->mem.queue, dst, job->mem.scratch, SD_DTYPE_FP32, len);
     }
     job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)f * sd_unit_bytes(ul);
     finish_round(job, u, g);
@@ -52,6 +52,10 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
  * generation for round n + round_gens. */
 static void finish_round(struct sd_job *job, uint32_t u, uint32_t g)
 {
+    /* the clients reuse their staging slots once their pushes complete: the kernels that read
+     * them must be done */
+    if (!sd_job_sync(job))
+        return;
     uint64_t *done = &job->push.rounds_done[(size_t)u * job->push.g_groups + g];
     size_t gi = sd_job_round_index(job, u, g, *done);
     struct sd_push_round *rd = &job->push.rounds[gi];
@@ -167,7 +171,7 @@ static void rounds_retire(struct sd_job *job)
             uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
             const float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
             for (uint32_t j = 0; j < job->k; j++)
-                job->reg->dev->reduce_add(sd_job_g_shard(job, j, ul),
+                job->reg->dev->reduce_add(job->mem.queue, sd_job_g_shard(job, j, ul),
                                           B + sd_job_g_block_off(job, j, len), SD_DTYPE_FP32, len);
         }
         rd->net_done = false;
@@ -253,9 +257,9 @@ static void rs_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
         src[i] = i == me ? rd->part + (size_t)me * block : rd->rs_recv + (size_t)(o++) * block;
     /* node order, as the reference would add them: ((s0 + s1) + s2) + ... */
     const struct sd_gpu_ops *dev = job->reg->dev;
-    dev->copy(rd->rs_out + e0, src[0] + e0, (e1 - e0) * sizeof(float));
+    dev->copy(job->mem.queue, rd->rs_out + e0, src[0] + e0, (e1 - e0) * sizeof(float));
     for (uint32_t i = 1; i < G; i++)
-        dev->reduce_add(rd->rs_out + e0, src[i] + e0, SD_DTYPE_FP32, e1 - e0);
+        dev->reduce_add(job->mem.queue, rd->rs_out + e0, src[i] + e0, SD_DTYPE_FP32, e1 - e0);
 }
 
 static void rs_done(struct sd_bulk *b, int status)
@@ -283,9 +287,9 @@ static void node_partial(struct sd_job *job, struct sd_node_round *rd,
     for (uint32_t m = 0; m < job->k; m++) {
         const uint8_t *src = sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + lo * esz;
         if (m == 0)
-            dev->to_f32(rd->buf + lo, src, ul->dtype, hi - lo);
+            dev->to_f32(job->mem.queue, rd->buf + lo, src, ul->dtype, hi - lo);
         else
-            dev->reduce_add(rd->buf + lo, src, ul->dtype, hi - lo);
+            dev->reduce_add(job->mem.queue, rd->buf + lo, src, ul->dtype, hi - lo);
     }
 }
 
@@ -352,6 +356,8 @@ static void round_start_next(struct sd_job *job)
                 continue;
             if (!direct)
                 node_partial(job, rd, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
+            if (!direct && !sd_job_sync(job)) /* the block leaves now */
+                return;
             void *rp = rd->rs_recv + (size_t)o * block, *sp = rd->part + (size_t)i * block;
             struct sd_exchange_param x = {.peer = m,
                                           .recv = {.buf = rp, .bytes = bytes},

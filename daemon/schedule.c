@@ -271,17 +271,11 @@ static int issue(struct sd_job *job, uint32_t I, uint32_t l)
     if (claim(job, off, unit_bytes(job, u)) != SD_OK)
         return SD_EAGAIN;
     us->pool_off = off;
-    if (job->group_nodes > 1) {
-        int st = sd_fetch_prefetch(job, us);
-        if (st == SD_EAGAIN)
-            return SD_EAGAIN;
-        if (st != SD_OK)
-            return SD_OK; /* the job failed; nothing more to issue */
-    } else {
-        sd_fetch_local_gather(job, us, job->first_rank + l);
-        us->resident = true;
-        us->gen = job->weights_gen;
-    }
+    int st = sd_fetch_prefetch(job, us);
+    if (st == SD_EAGAIN)
+        return SD_EAGAIN;
+    if (st != SD_OK)
+        return SD_OK; /* the job failed; nothing more to issue */
     us->plan_iv = I;
     sc->prefetches++;
     return SD_OK;
@@ -317,8 +311,7 @@ void sd_sched_prefetch(struct sd_job *job)
             sc->pf_next[l]++;
         }
     }
-    if (job->group_nodes > 1)
-        sd_fetch_prefetch_flush(job); /* small units issued together travel together */
+    sd_fetch_prefetch_flush(job); /* small units issued together travel together */
     sc->in_prefetch = false;
 }
 

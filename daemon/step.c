@@ -20,14 +20,15 @@ static void refresh_held(struct sd_job *job)
         struct sd_unit_state *us = &job->cache.units[i];
         if (!us->resident || us->refs == 0)
             continue;
-        sd_fetch_local_gather(job, us, job->first_rank + us->lslot);
+        sd_fetch_local_gather(job, us);
         us->gen = job->weights_gen;
     }
 }
 
 /* The optimizer ran: the weights are of the next generation, and units held across the step
- * are gathered again so their holders see them (across nodes the REFRESH phase does it). */
-static void step_apply(struct sd_job *job, double sumsq)
+ * are gathered again so their holders see them (across nodes the REFRESH phase does it). False
+ * after failing the job. */
+static bool step_apply(struct sd_job *job, double sumsq)
 {
     double norm = sd_optimizer_apply(job, sumsq);
     job->steps++;
@@ -35,6 +36,8 @@ static void step_apply(struct sd_job *job, double sumsq)
     job->last_grad_norm = norm;
     if (job->group_nodes == 1)
         refresh_held(job);
+    /* the new weights are served to peers, and the refreshed slots read by their holders */
+    return sd_job_sync(job);
 }
 
 /* Answer every rank waiting in step. */
@@ -56,41 +59,51 @@ static void step_done(struct sd_job *job)
     job->step.arrived = 0;
 }
 
-static void do_step(struct sd_job *job)
+/* One node: the replicas of each g shard are all here. Each shard is reduced into its first
+ * replica and copied back to the others (the 2-hop sync), and its sum of squares taken: this
+ * node's squared norm is the whole one. False after failing the job. */
+static bool sync_in_node(struct sd_job *job)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_layout *l = &job->layout;
     uint32_t f = job->plan.f[SD_STATE_G];
     uint32_t replicas = job->k / f;
-    char msg[SD_OP_MSG_LEN];
-
-    if (sd_push_partial_round(job, msg, sizeof(msg))) {
-        sd_job_fail(job, SD_EMISMATCH, "%s", msg);
-        return;
-    }
-    if (job->nodes > 1) {
-        sd_step_progress(job);
-        return;
-    }
-    /* one node: all-reduce across each replication group (the 2-hop sync), and the norm */
-    double sumsq = 0.0;
+    double *parts = job->step.sumsq_parts;
     for (uint32_t u = 0; u < l->n_units; u++) {
         const struct sd_unit_layout *ul = &l->units[u];
         uint64_t len = ul->numel / f;
         for (uint32_t i = 0; i < f; i++) {
             float *acc = sd_job_g_shard(job, i, ul);
             for (uint32_t j = 1; j < replicas; j++)
-                dev->reduce_add(acc, sd_job_g_shard(job, j * f + i, ul), SD_DTYPE_FP32, len);
-            sumsq += dev->sum_sq(acc, len);
+                dev->reduce_add(job->mem.queue, acc, sd_job_g_shard(job, j * f + i, ul),
+                                SD_DTYPE_FP32, len);
+            dev->sum_sq(job->mem.queue, acc, len, &parts[(size_t)u * f + i]);
             for (uint32_t j = 1; j < replicas; j++)
-                dev->copy(sd_job_g_shard(job, j * f + i, ul), acc, len * sizeof(float));
+                dev->copy(job->mem.queue, sd_job_g_shard(job, j * f + i, ul), acc,
+                          len * sizeof(float));
         }
         if (replicas > 1)
             job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] +=
                 2ULL * (replicas - 1) * ul->numel * sizeof(float);
     }
-    step_apply(job, sumsq);
-    step_done(job);
+    if (!sd_job_sync(job))
+        return false;
+    double sumsq = 0.0;
+    for (size_t p = 0; p < (size_t)l->n_units * f; p++)
+        sumsq += parts[p];
+    job->step.norm_parts[0].sumsq = sumsq;
+    return true;
+}
+
+/* every local rank called step */
+static void do_step(struct sd_job *job)
+{
+    char msg[SD_OP_MSG_LEN];
+    if (sd_push_partial_round(job, msg, sizeof(msg))) {
+        sd_job_fail(job, SD_EMISMATCH, "%s", msg);
+        return;
+    }
+    sd_step_progress(job);
 }
 
 void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
@@ -130,17 +143,19 @@ static uint64_t step_pack(struct sd_job *job, uint32_t u)
     uint64_t len = ul->numel / f;
     if (job->group_nodes > 1) {
         for (uint32_t j = 0; j < job->k; j++)
-            dev->copy(job->mem.scratch + (uint64_t)j * len, sd_job_g_shard(job, j, ul),
-                      len * sizeof(float));
+            dev->copy(job->mem.queue, job->mem.scratch + (uint64_t)j * len,
+                      sd_job_g_shard(job, j, ul), len * sizeof(float));
         return (uint64_t)job->k * len;
     }
     for (uint32_t i = 0; i < f; i++)
         for (uint32_t j = i; j < job->k; j += f) {
             const float *g = sd_job_g_shard(job, j, ul);
             if (j == i)
-                dev->copy(job->mem.scratch + (uint64_t)i * len, g, len * sizeof(float));
+                dev->copy(job->mem.queue, job->mem.scratch + (uint64_t)i * len, g,
+                          len * sizeof(float));
             else
-                dev->reduce_add(job->mem.scratch + (uint64_t)i * len, g, SD_DTYPE_FP32, len);
+                dev->reduce_add(job->mem.queue, job->mem.scratch + (uint64_t)i * len, g,
+                                SD_DTYPE_FP32, len);
         }
     job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] += (uint64_t)(job->k / f) * ul->numel * 4;
     return ul->numel;
@@ -151,7 +166,7 @@ static void step_unpack(struct sd_job *job, uint32_t u)
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
     for (uint32_t j = 0; j < job->k; j++)
-        job->reg->dev->copy(sd_job_g_shard(job, j, ul),
+        job->reg->dev->copy(job->mem.queue, sd_job_g_shard(job, j, ul),
                             job->mem.scratch + sd_job_g_block_off(job, j, len),
                             len * sizeof(float));
 }
@@ -206,15 +221,22 @@ static void norm_start(struct sd_job *job)
 {
     /* each distinct shard counts once: the replica in partition group 0 */
     uint32_t f = job->plan.f[SD_STATE_G], me = job->node;
-    double local = 0.0;
+    double *parts = job->step.sumsq_parts;
+    size_t n_parts = 0;
     for (uint32_t j = 0; j < job->k; j++) {
         if (job->first_rank + j >= f)
             continue;
         for (uint32_t u = 0; u < job->layout.n_units; u++) {
             const struct sd_unit_layout *ul = &job->layout.units[u];
-            local += job->reg->dev->sum_sq(sd_job_g_shard(job, j, ul), ul->numel / f);
+            job->reg->dev->sum_sq(job->mem.queue, sd_job_g_shard(job, j, ul), ul->numel / f,
+                                  &parts[n_parts++]);
         }
     }
+    if (!sd_job_sync(job))
+        return;
+    double local = 0.0;
+    for (size_t p = 0; p < n_parts; p++)
+        local += parts[p];
     job->step.norm_parts[me] = (struct sd_norm_part){
         .sumsq = local, .digest = job->sched.digest, .n = job->sched.rec_len[0]};
     job->step.phase = SD_STEP_NORM;
@@ -260,23 +282,29 @@ void sd_step_progress(struct sd_job *job)
         if (job->push.nr_len > 0 || job->push.rq_len > 0 || job->xfer.gathers_inflight > 0 ||
             job->step.pending > 0)
             return;
-        uint32_t R = sd_job_replication_nodes(job, job->xfer.members);
-        while (job->plan.two_hop && R > 1 && job->step.unit < job->layout.n_units) {
-            uint32_t u = job->step.unit;
-            uint64_t count = step_pack(job, u);
-            job->step.pending = 1;
-            /* no round runs during the step: it borrows round 0's all-reduce temporary */
-            int st =
-                sd_job_net_allreduce(job, &job->step.ar, R, u, job->steps, true, job->mem.scratch,
-                                     count, job->push.nr[0].ar_tmp, NULL, step_ar_done, job);
-            if (st != SD_OK) {
-                job->step.pending = 0;
-                step_fail(job, st, job->xfer.members[0]);
+        if (job->nodes == 1) { /* the replicas are here, and the norm needs no exchange */
+            if (!sync_in_node(job))
+                return;
+            job->step.phase = SD_STEP_APPLY;
+        } else {
+            uint32_t R = sd_job_replication_nodes(job, job->xfer.members);
+            while (job->plan.two_hop && R > 1 && job->step.unit < job->layout.n_units) {
+                uint32_t u = job->step.unit;
+                uint64_t count = step_pack(job, u);
+                job->step.pending = 1;
+                /* no round runs during the step: it borrows round 0's all-reduce temporary */
+                int st = sd_job_net_allreduce(job, &job->step.ar, R, u, job->steps, true,
+                                              job->mem.scratch, count, job->push.nr[0].ar_tmp, NULL,
+                                              step_ar_done, job);
+                if (st != SD_OK) {
+                    job->step.pending = 0;
+                    step_fail(job, st, job->xfer.members[0]);
+                }
+                return; /* step_ar_done continues with the next unit */
             }
-            return; /* step_ar_done continues with the next unit */
+            norm_start(job);
+            return;
         }
-        norm_start(job);
-        return;
     }
     if (job->step.phase == SD_STEP_APPLY) {
         if (job->xfer.w_sends_inflight > 0)
@@ -284,7 +312,8 @@ void sd_step_progress(struct sd_job *job)
         double sumsq = 0.0;
         for (uint32_t m = 0; m < job->nodes; m++)
             sumsq += job->step.norm_parts[m].sumsq;
-        step_apply(job, sumsq);
+        if (!step_apply(job, sumsq))
+            return;
         sd_fetch_serve_queue(job);
         job->step.phase = SD_STEP_REFRESH;
     }

@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -79,13 +80,16 @@ static void host_free(struct sd_mem *mem)
     mem->bytes = 0;
 }
 
-static void host_copy(void *dst, const void *src, size_t bytes)
+static void host_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes)
 {
+    (void)q;
     memcpy(dst, src, bytes);
 }
 
-static void host_reduce_add(float *restrict acc, const void *restrict src, int dtype, size_t n)
+static void host_reduce_add(struct sd_gpu_queue *q, float *restrict acc, const void *restrict src,
+                            int dtype, size_t n)
 {
+    (void)q;
     if (dtype == SD_DTYPE_FP32) {
         const float *s = src;
         for (size_t i = 0; i < n; i++)
@@ -101,8 +105,10 @@ static void host_reduce_add(float *restrict acc, const void *restrict src, int d
     }
 }
 
-static void host_to_f32(float *restrict dst, const void *restrict src, int dtype, size_t n)
+static void host_to_f32(struct sd_gpu_queue *q, float *restrict dst, const void *restrict src,
+                        int dtype, size_t n)
 {
+    (void)q;
     if (dtype == SD_DTYPE_FP32) {
         memcpy(dst, src, n * sizeof(float));
     } else if (dtype == SD_DTYPE_BF16) {
@@ -116,8 +122,10 @@ static void host_to_f32(float *restrict dst, const void *restrict src, int dtype
     }
 }
 
-static void host_from_f32(void *restrict dst, int dtype, const float *restrict src, size_t n)
+static void host_from_f32(struct sd_gpu_queue *q, void *restrict dst, int dtype,
+                          const float *restrict src, size_t n)
 {
+    (void)q;
     if (dtype == SD_DTYPE_FP32) {
         memcpy(dst, src, n * sizeof(float));
     } else if (dtype == SD_DTYPE_BF16) {
@@ -135,7 +143,7 @@ static void host_from_f32(void *restrict dst, int dtype, const float *restrict s
  * additions ran at the adder's latency (30% of a 64M-parameter step, longer than reading the
  * data). The association is fixed, so the result does not depend on anything but x. */
 #define SUMSQ_LANES 8
-static double host_sum_sq(const float *restrict x, size_t n)
+static double sum_sq_lanes(const float *restrict x, size_t n)
 {
     double s[SUMSQ_LANES] = {0.0};
     size_t i = 0;
@@ -182,10 +190,11 @@ static inline struct adamw_out adamw_elem(const struct adamw_consts *c, float ma
     return (struct adamw_out){.p = p - c->step_size * (mi / denom), .m = mi, .v = vi};
 }
 
-static void host_adamw(const struct sd_adamw_args *a, float *restrict master, float *restrict m,
-                       float *restrict v, float *restrict grad, float scale, void *restrict w,
-                       int w_dtype, size_t n)
+static void host_adamw(struct sd_gpu_queue *q, const struct sd_adamw_args *a,
+                       float *restrict master, float *restrict m, float *restrict v,
+                       float *restrict grad, float scale, void *restrict w, int w_dtype, size_t n)
 {
+    (void)q;
     const float bc1 = 1.0f - powf(a->beta1, (float)a->step);
     const float bc2 = 1.0f - powf(a->beta2, (float)a->step);
     const struct adamw_consts c = {.decay = 1.0f - a->lr * a->weight_decay,
@@ -219,9 +228,11 @@ static void host_adamw(const struct sd_adamw_args *a, float *restrict master, fl
 
 /* SGD with momentum (dampening 0, not Nesterov) as torch.optim.SGD computes it; the momentum
  * buffer starts at zero, which equals torch's "first step copies the gradient". */
-static void host_sgd(const struct sd_sgd_args *a, float *restrict master, float *restrict buf,
-                     float *restrict grad, float scale, void *restrict w, int w_dtype, size_t n)
+static void host_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *restrict master,
+                     float *restrict buf, float *restrict grad, float scale, void *restrict w,
+                     int w_dtype, size_t n)
 {
+    (void)q;
     const float lr = a->lr, mu = a->momentum, wd = a->weight_decay;
     for (size_t i = 0; i < n; i++) {
         float p = master[i];
@@ -236,10 +247,63 @@ static void host_sgd(const struct sd_sgd_args *a, float *restrict master, float 
     }
 }
 
+static void host_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *out)
+{
+    (void)q;
+    *out = sum_sq_lanes(x, n);
+}
+
+/* ---- queues: the host backend's work is done when the call returns */
+
+struct sd_gpu_queue {
+    uint64_t recorded;
+    /* host-deferred: the kernels waiting to run, in order */
+    struct deferred_op *ops;
+    uint32_t n_ops, cap_ops;
+    uint64_t flushes;
+};
+
+static int host_queue_create(struct sd_gpu_queue **q_p)
+{
+    struct sd_gpu_queue *q = calloc(1, sizeof(*q));
+    if (q == NULL)
+        return SD_ENOMEM;
+    *q_p = q;
+    return SD_OK;
+}
+
+static void host_queue_destroy(struct sd_gpu_queue *q)
+{
+    free(q);
+}
+
+static int host_sync(struct sd_gpu_queue *q)
+{
+    (void)q;
+    return SD_OK;
+}
+
+static int host_record(struct sd_gpu_queue *q, uint64_t *ticket_p)
+{
+    *ticket_p = ++q->recorded;
+    return SD_OK;
+}
+
+static int host_query(struct sd_gpu_queue *q, uint64_t ticket)
+{
+    return ticket <= q->recorded ? SD_OK : SD_EINVAL;
+}
+
 const struct sd_gpu_ops sd_gpu_host_ops = {
     .name = "host",
+    .host_memory = true,
     .alloc = host_alloc,
     .free = host_free,
+    .queue_create = host_queue_create,
+    .queue_destroy = host_queue_destroy,
+    .sync = host_sync,
+    .record = host_record,
+    .query = host_query,
     .copy = host_copy,
     .reduce_add = host_reduce_add,
     .to_f32 = host_to_f32,
@@ -249,9 +313,198 @@ const struct sd_gpu_ops sd_gpu_host_ops = {
     .sgd = host_sgd,
 };
 
+/* ---- host-deferred: the same kernels, run only when the queue is waited for (or full), as a
+ * GPU stream may run them any time before. The kernels are kept in a ring sized when the queue
+ * is created, so enqueueing allocates nothing. */
+
+enum deferred_kind { D_COPY, D_REDUCE, D_TO_F32, D_FROM_F32, D_SUM_SQ, D_ADAMW, D_SGD };
+
+struct deferred_op {
+    enum deferred_kind kind;
+    void *dst;
+    const void *src;
+    size_t n;
+    int dtype;
+    float scale;
+    float *a, *b, *c, *d; /* adamw: master, m, v, grad; sgd: master, buf, grad */
+    struct sd_adamw_args adamw;
+    struct sd_sgd_args sgd;
+};
+
+#define DEFERRED_OPS 4096
+
+static void deferred_flush(struct sd_gpu_queue *q)
+{
+    for (uint32_t i = 0; i < q->n_ops; i++) {
+        struct deferred_op *o = &q->ops[i];
+        switch (o->kind) {
+        case D_COPY:
+            host_copy(q, o->dst, o->src, o->n);
+            break;
+        case D_REDUCE:
+            host_reduce_add(q, o->dst, o->src, o->dtype, o->n);
+            break;
+        case D_TO_F32:
+            host_to_f32(q, o->dst, o->src, o->dtype, o->n);
+            break;
+        case D_FROM_F32:
+            host_from_f32(q, o->dst, o->dtype, o->src, o->n);
+            break;
+        case D_SUM_SQ:
+            *(double *)o->dst = sum_sq_lanes(o->src, o->n);
+            break;
+        case D_ADAMW:
+            host_adamw(q, &o->adamw, o->a, o->b, o->c, o->d, o->scale, o->dst, o->dtype, o->n);
+            break;
+        case D_SGD:
+            host_sgd(q, &o->sgd, o->a, o->b, o->d, o->scale, o->dst, o->dtype, o->n);
+            break;
+        }
+    }
+    q->n_ops = 0;
+    q->flushes++;
+}
+
+static struct deferred_op *deferred_push(struct sd_gpu_queue *q, enum deferred_kind kind)
+{
+    if (q->n_ops == q->cap_ops)
+        deferred_flush(q);
+    struct deferred_op *o = &q->ops[q->n_ops++];
+    memset(o, 0, sizeof(*o));
+    o->kind = kind;
+    return o;
+}
+
+static int deferred_queue_create(struct sd_gpu_queue **q_p)
+{
+    struct sd_gpu_queue *q = calloc(1, sizeof(*q));
+    struct deferred_op *ops = calloc(DEFERRED_OPS, sizeof(*ops));
+    if (q == NULL || ops == NULL) {
+        free(q);
+        free(ops);
+        return SD_ENOMEM;
+    }
+    q->ops = ops;
+    q->cap_ops = DEFERRED_OPS;
+    *q_p = q;
+    return SD_OK;
+}
+
+static void deferred_queue_destroy(struct sd_gpu_queue *q)
+{
+    if (q == NULL)
+        return;
+    deferred_flush(q);
+    free(q->ops);
+    free(q);
+}
+
+static int deferred_sync(struct sd_gpu_queue *q)
+{
+    deferred_flush(q);
+    return SD_OK;
+}
+
+/* every ticket is reached once its queue ran: a query runs it */
+static int deferred_query(struct sd_gpu_queue *q, uint64_t ticket)
+{
+    deferred_flush(q);
+    return host_query(q, ticket);
+}
+
+/* an elementwise kernel (or a sum of squares into *dst) of n elements, kept for later */
+static void deferred_enqueue(struct sd_gpu_queue *q, enum deferred_kind kind, void *dst,
+                             const void *src, int dtype, size_t n)
+{
+    struct deferred_op *o = deferred_push(q, kind);
+    o->dst = dst;
+    o->src = src;
+    o->dtype = dtype;
+    o->n = n;
+}
+
+static void deferred_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes)
+{
+    deferred_enqueue(q, D_COPY, dst, src, 0, bytes);
+}
+
+static void deferred_reduce_add(struct sd_gpu_queue *q, float *acc, const void *src, int dtype,
+                                size_t n)
+{
+    deferred_enqueue(q, D_REDUCE, acc, src, dtype, n);
+}
+
+static void deferred_to_f32(struct sd_gpu_queue *q, float *dst, const void *src, int dtype,
+                            size_t n)
+{
+    deferred_enqueue(q, D_TO_F32, dst, src, dtype, n);
+}
+
+static void deferred_from_f32(struct sd_gpu_queue *q, void *dst, int dtype, const float *src,
+                              size_t n)
+{
+    deferred_enqueue(q, D_FROM_F32, dst, src, dtype, n);
+}
+
+static void deferred_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *out)
+{
+    deferred_enqueue(q, D_SUM_SQ, out, x, 0, n);
+}
+
+static void deferred_adamw(struct sd_gpu_queue *q, const struct sd_adamw_args *a, float *master,
+                           float *m, float *v, float *grad, float scale, void *w, int w_dtype,
+                           size_t n)
+{
+    struct deferred_op *o = deferred_push(q, D_ADAMW);
+    o->adamw = *a;
+    o->a = master;
+    o->b = m;
+    o->c = v;
+    o->d = grad;
+    o->scale = scale;
+    o->dst = w;
+    o->dtype = w_dtype;
+    o->n = n;
+}
+
+static void deferred_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *master,
+                         float *buf, float *grad, float scale, void *w, int w_dtype, size_t n)
+{
+    struct deferred_op *o = deferred_push(q, D_SGD);
+    o->sgd = *a;
+    o->a = master;
+    o->b = buf;
+    o->d = grad;
+    o->scale = scale;
+    o->dst = w;
+    o->dtype = w_dtype;
+    o->n = n;
+}
+
+const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
+    .name = "host-deferred",
+    .host_memory = true,
+    .alloc = host_alloc,
+    .free = host_free,
+    .queue_create = deferred_queue_create,
+    .queue_destroy = deferred_queue_destroy,
+    .sync = deferred_sync,
+    .record = host_record,
+    .query = deferred_query,
+    .copy = deferred_copy,
+    .reduce_add = deferred_reduce_add,
+    .to_f32 = deferred_to_f32,
+    .from_f32 = deferred_from_f32,
+    .sum_sq = deferred_sum_sq,
+    .adamw = deferred_adamw,
+    .sgd = deferred_sgd,
+};
+
 const struct sd_gpu_ops *sd_gpu_find(const char *name)
 {
     if (strcmp(name, "host") == 0)
         return &sd_gpu_host_ops;
+    if (strcmp(name, "host-deferred") == 0)
+        return &sd_gpu_host_deferred_ops;
     return NULL;
 }

@@ -215,6 +215,16 @@ static void ar_release(struct sd_allreduce *ar)
         }
 }
 
+/* wait for the sums enqueued so far; a failure fails the all-reduce */
+static void ar_sync(struct sd_allreduce *ar)
+{
+    int st = ar->p.dev->sync(ar->p.queue);
+    if (st != SD_OK && ar->status == SD_OK) {
+        ar->status = st;
+        ar->suspect = ar->p.group.self;
+    }
+}
+
 static void ar_finish(struct sd_allreduce *ar)
 {
     ar_release(ar);
@@ -250,11 +260,12 @@ static void direct_done(struct sd_bulk *b, int status)
             src[m] = m == ar->pos ? ar->p.buf : ar->p.tmp + (size_t)(o++) * ar->p.count;
         const struct sd_gpu_ops *dev = ar->p.dev;
         for (uint32_t m = 1; m < ar->p.group.n_members; m++)
-            dev->reduce_add(src[0], src[m], SD_DTYPE_FP32, ar->p.count);
+            dev->reduce_add(ar->p.queue, src[0], src[m], SD_DTYPE_FP32, ar->p.count);
         if (ar->p.acc != NULL)
-            dev->reduce_add(ar->p.acc, src[0], SD_DTYPE_FP32, ar->p.count);
+            dev->reduce_add(ar->p.queue, ar->p.acc, src[0], SD_DTYPE_FP32, ar->p.count);
         else if (src[0] != ar->p.buf)
-            dev->copy(ar->p.buf, src[0], ar->p.count * sizeof(float));
+            dev->copy(ar->p.queue, ar->p.buf, src[0], ar->p.count * sizeof(float));
+        ar_sync(ar); /* the caller reads the sum */
     }
     ar_finish(ar);
 }
@@ -421,9 +432,12 @@ static void ring_xfer_cb(struct sd_xfer *x, int status)
         ring_chunk_range(ar, ring_seg(ar, t, false), c, &b, &len);
         const float *src = ar->p.tmp + (size_t)c * ar->chunk_floats;
         if (t < n - 1) /* reduce-scatter: add what arrived */
-            ar->p.dev->reduce_add(ar->p.buf + b, src, SD_DTYPE_FP32, len);
+            ar->p.dev->reduce_add(ar->p.queue, ar->p.buf + b, src, SD_DTYPE_FP32, len);
         if (t + 1 == n - 1 && ar->p.acc != NULL) /* the segment's sum is done: into acc */
-            ar->p.dev->reduce_add(ar->p.acc + b, ar->p.buf + b, SD_DTYPE_FP32, len);
+            ar->p.dev->reduce_add(ar->p.queue, ar->p.acc + b, ar->p.buf + b, SD_DTYPE_FP32, len);
+        /* the sum leaves next, and the next step's chunk lands where this one was read */
+        if (t < n - 1)
+            ar_sync(ar);
         if (t + 1 < ar->steps && ar->status == SD_OK)
             ring_post_one(ar, true, t + 1, c, b, len); /* forward it */
         ring_post_recvs(ar);
@@ -498,6 +512,9 @@ int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param 
     for (uint32_t i = 0; i < g->n_members; i++)
         if (g->members[i] >= SD_MAX_NODES)
             return SD_ERANGE;
+    int st = p->dev->sync(p->queue); /* buf and acc as the kernels left them leave from now on */
+    if (st != SD_OK)
+        return st;
     ar->direct = p->count * sizeof(float) <= p->small_bytes;
     if (ar->direct)
         return direct_start(ar);

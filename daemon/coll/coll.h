@@ -123,7 +123,8 @@ enum sd_codec { SD_CODEC_IDENTITY = 0 };
 
 struct sd_allreduce_param {
     struct sd_coll_group group;
-    const struct sd_gpu_ops *dev; /* every sum goes through the device backend */
+    const struct sd_gpu_ops *dev; /* every sum goes through the device backend, */
+    struct sd_gpu_queue *queue;   /* on this queue: waited for before a sum leaves or is read */
     int dtype;                    /* of buf, tmp and acc: SD_DTYPE_FP32 */
     enum sd_codec codec;
     float *buf;

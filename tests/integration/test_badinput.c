@@ -174,6 +174,11 @@ static void test_api_misuse(void)
     st = shard_register(ctx, &x.m);
     expect_error(ctx, st, SHARD_EINVAL, "rank 5", "bad rank");
     x.m.rank = 0;
+    x.m.world = 65; /* a single daemon serves the whole world: 65 ranks on one node */
+    st = shard_register(ctx, &x.m);
+    expect_error(ctx, st, SHARD_EINVAL, "at most 64 ranks", "65 ranks on one node");
+    x.m.world = 1;
+    x.m.rank = 0;
     st = shard_register(ctx, &x.m);
     TH_CHECK(st == 0, "register: %s", shard_last_error(ctx));
 

@@ -121,6 +121,8 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
 int main(int argc, char **argv)
 {
     const char *plan = argc > 1 ? argv[1] : "zero3";
+    /* argv[2]: the device backend (host-deferred runs kernels only when the daemon waits) */
+    const char *backend_args[] = {"--backend", argc > 2 ? argv[2] : "host", NULL};
     static const struct cfg cfgs[] = {
         {"adamw", 1, "fp32", NULL, false},  {"adamw", 4, "fp32", NULL, false},
         {"sgd", 1, "fp32", NULL, false},    {"sgd", 4, "fp32", NULL, false},
@@ -129,7 +131,7 @@ int main(int argc, char **argv)
         {"adamw", 2, "fp32", "0.05", true},
     };
     struct th_daemon d;
-    if (th_daemon_start(&d, NULL) != 0) {
+    if (th_daemon_start(&d, backend_args) != 0) {
         fprintf(stderr, "cannot start shardd\n");
         return 1;
     }

@@ -138,9 +138,14 @@ static void ar_cb(struct sd_allreduce *ar, int status, uint32_t suspect)
 
 /* acc: add the sum into accumulators that start equal on every member (and at a value the
  * sum is exact with), instead of leaving it in the buffers */
+/* the backend the all-reduces sum with: host, and host-deferred, whose sums happen only when the
+ * engine waits for them (a send of a sum it did not wait for carries the old values) */
+static const struct sd_gpu_ops *dev_under_test = &sd_gpu_host_ops;
+
 static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t chunk, bool acc)
 {
     static struct sd_bulk_pool pools[MAXN];
+    struct sd_gpu_queue *queues[MAXN] = {0};
     static struct sd_allreduce ars[MAXN];
     float *bufs[MAXN], *tmps[MAXN], *accs[MAXN] = {0};
     struct done done[MAXN] = {0};
@@ -148,6 +153,8 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
     for (uint32_t i = 0; i < n; i++)
         members[i] = i;
     size_t tmpn = sd_allreduce_tmp_floats(count, n, small_bytes);
+    for (uint32_t i = 0; i < n; i++)
+        TH_CHECK(dev_under_test->queue_create(&queues[i]) == SD_OK, "queue");
     for (uint32_t i = 0; i < n; i++) {
         memset(&nodes[i], 0, sizeof(nodes[i]));
         nodes[i].base.ops = &fake_ops;
@@ -172,7 +179,8 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
                                                                                .members = members,
                                                                                .n_members = n,
                                                                                .self = i},
-                                                                     .dev = &sd_gpu_host_ops,
+                                                                     .dev = dev_under_test,
+                                                                     .queue = queues[i],
                                                                      .dtype = SD_DTYPE_FP32,
                                                                      .buf = bufs[i],
                                                                      .count = count,
@@ -208,8 +216,9 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
         }
     }
     bool direct = count * sizeof(float) <= small_bytes;
-    TH_CHECK(unfinished == 0 && wrong == 0, "n %u count %zu %s%s: %d unfinished, %d wrong elements",
-             n, count, direct ? "direct" : "ring", acc ? " into acc" : "", unfinished, wrong);
+    TH_CHECK(unfinished == 0 && wrong == 0,
+             "%s n %u count %zu %s%s: %d unfinished, %d wrong elements", dev_under_test->name, n,
+             count, direct ? "direct" : "ring", acc ? " into acc" : "", unfinished, wrong);
     for (uint32_t i = 0; i < n; i++) {
         uint64_t want_sent, want_recv;
         if (direct) {
@@ -232,6 +241,7 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
         free(tmps[i]);
         free(accs[i]);
         sd_bulk_pool_fini(&pools[i]);
+        dev_under_test->queue_destroy(queues[i]);
     }
 }
 
@@ -300,14 +310,18 @@ static void run_bulk(void)
 int main(void)
 {
     static const size_t counts[] = {1, 7, 100, 1000, 4099, 65536 + 3};
-    for (uint32_t n = 2; n <= 5; n++)
-        for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
-            for (int acc = 0; acc < 2; acc++) {
-                run_allreduce(n, counts[c], 0, 4096, acc);    /* always the ring */
-                run_allreduce(n, counts[c], 0, 64, acc);      /* the ring, many chunks a step */
-                run_allreduce(n, counts[c], 1 << 20, 0, acc); /* always direct */
+    const struct sd_gpu_ops *backends[] = {&sd_gpu_host_ops, &sd_gpu_host_deferred_ops};
+    for (int be = 0; be < 2; be++) {
+        dev_under_test = backends[be];
+        for (uint32_t n = 2; n <= 5; n++)
+            for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+                for (int acc = 0; acc < 2; acc++) {
+                    run_allreduce(n, counts[c], 0, 4096, acc);    /* always the ring */
+                    run_allreduce(n, counts[c], 0, 64, acc);      /* many chunks a step */
+                    run_allreduce(n, counts[c], 1 << 20, 0, acc); /* always direct */
+                }
             }
-        }
+    }
     run_bulk();
     return th_summary("test_coll");
 }

@@ -3,6 +3,7 @@
 #ifndef SD_GPU_H
 #define SD_GPU_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -23,30 +24,53 @@ struct sd_sgd_args {
     float lr, momentum, weight_decay;
 };
 
+/* A queue of device work (a CUDA or HIP stream): kernels enqueued on one run in the order they
+ * were enqueued and may still be running, or not have started, when the call that enqueued them
+ * returns. Whoever reads what they wrote on the CPU, hands it to the network or to a client,
+ * or lets a client overwrite what they read, first waits for the queue: sd_gpu_ops.sync, or
+ * record + query where blocking the loop is not wanted. The host backend runs every kernel at
+ * once; host-deferred (a test backend) runs them only when the queue is synced or full. */
+struct sd_gpu_queue;
+
 struct sd_gpu_ops {
     const char *name;
+    bool host_memory; /* its buffers are host memory (backed and freed off the loop) */
     /* Allocate zeroed memory; SD_MEM_SHARED gives a sealed memfd other processes can map. */
     int (*alloc)(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p);
     void (*free)(struct sd_mem *mem);
-    void (*copy)(void *dst, const void *src, size_t bytes);
+    /* A queue of work for this backend; freed with everything enqueued on it completed. */
+    int (*queue_create)(struct sd_gpu_queue **q_p);
+    void (*queue_destroy)(struct sd_gpu_queue *q);
+    /* Wait until everything enqueued on q completed: SD_OK, or the first error of a kernel. */
+    int (*sync)(struct sd_gpu_queue *q);
+    /* A completion point after everything enqueued on q so far, and whether it was reached:
+     * SD_OK, SD_EAGAIN (not yet), or the first error of a kernel before it. */
+    int (*record)(struct sd_gpu_queue *q, uint64_t *ticket_p);
+    int (*query)(struct sd_gpu_queue *q, uint64_t ticket);
+    /* The kernels: enqueued on q. */
+    void (*copy)(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes);
     /* acc[i] += (float)src[i] with src in dtype */
-    void (*reduce_add)(float *acc, const void *src, int src_dtype, size_t n);
+    void (*reduce_add)(struct sd_gpu_queue *q, float *acc, const void *src, int src_dtype,
+                       size_t n);
     /* dst[i] = (float)src[i] (fp32 destination) */
-    void (*to_f32)(float *dst, const void *src, int src_dtype, size_t n);
+    void (*to_f32)(struct sd_gpu_queue *q, float *dst, const void *src, int src_dtype, size_t n);
     /* dst[i] = src[i] rounded to dtype */
-    void (*from_f32)(void *dst, int dst_dtype, const float *src, size_t n);
-    /* sum of squares in double */
-    double (*sum_sq)(const float *x, size_t n);
+    void (*from_f32)(struct sd_gpu_queue *q, void *dst, int dst_dtype, const float *src, size_t n);
+    /* *out = the sum of squares of x in double (out is host memory, written by the kernel) */
+    void (*sum_sq)(struct sd_gpu_queue *q, const float *x, size_t n, double *out);
     /* grad is scaled by `scale`, then zeroed. master/moments fp32, w in w_dtype. */
-    void (*adamw)(const struct sd_adamw_args *a, float *master, float *m, float *v, float *grad,
-                  float scale, void *w, int w_dtype, size_t n);
-    void (*sgd)(const struct sd_sgd_args *a, float *master, float *buf, float *grad, float scale,
-                void *w, int w_dtype, size_t n);
+    void (*adamw)(struct sd_gpu_queue *q, const struct sd_adamw_args *a, float *master, float *m,
+                  float *v, float *grad, float scale, void *w, int w_dtype, size_t n);
+    void (*sgd)(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *master, float *buf,
+                float *grad, float scale, void *w, int w_dtype, size_t n);
 };
 
 extern const struct sd_gpu_ops sd_gpu_host_ops;
+/* The host backend's kernels run only when their queue is synced, queried or full: a daemon that
+ * reads a result before waiting for it reads stale memory, and its tests fail. */
+extern const struct sd_gpu_ops sd_gpu_host_deferred_ops;
 
-/* Backend by name ("host", "cuda", "hip"); NULL when not built or unknown. */
+/* Backend by name ("host", "host-deferred", "cuda", "hip"); NULL when not built or unknown. */
 const struct sd_gpu_ops *sd_gpu_find(const char *name);
 
 #endif
