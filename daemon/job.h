@@ -6,28 +6,27 @@
 #define SD_JOB_H
 
 #include "coll/coll.h"
+#include "registry.h"
 #include "schedule.h"
 #include "stats.h"
 #include "unit_cache.h"
 #include "sd/gpu.h"
 #include "sd/model.h"
-#include "registry.h"
 #include "shard.pb-c.h"
 
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
 
-struct sd_registry;
 struct sd_session;
 struct sd_net;
-
-/* ranks one node serves in a job, at most: a gather's waiting ranks are a 64-bit set */
-#define SD_MAX_LOCAL_RANKS 64
-struct sd_push_round;
+struct sd_push_round; /* the push rounds' types are push.c's (ops.h) */
 struct sd_push_entry;
 struct sd_node_round;
 struct sd_round_ref;
+
+/* ranks one node serves in a job, at most: a gather's waiting ranks are a 64-bit set */
+#define SD_MAX_LOCAL_RANKS 64
 
 /* ---- jobs */
 /* CLOSING: a rank detached cleanly; like FAILED, no collective can complete any more */
