@@ -221,9 +221,17 @@ static bool serve(struct sd_job *job, const struct sd_req_msg *m)
     if (st == SD_OK)
         st = sd_tag_make(SD_TAG_WDATA, job->xfer.tag, m->unit, seq, job->node, &tag);
     if (st == SD_OK)
-        st = sd_bulk_startv(b, sd_job_tp(job), true, m->src, tag, pieces, lens, n_units * job->k,
-                            job->reg->cfg->chunk_bytes, sd_job_net_desc(job, pieces[0]), serve_done,
-                            NULL, job);
+        st = sd_bulk_start(b, &(struct sd_bulk_param){.tp = sd_job_tp(job),
+                                                      .is_send = true,
+                                                      .peer = m->src,
+                                                      .tag = tag,
+                                                      .pieces = pieces,
+                                                      .lens = lens,
+                                                      .n_pieces = n_units * job->k,
+                                                      .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                                      .desc = sd_job_net_desc(job, pieces[0]),
+                                                      .cb = serve_done,
+                                                      .arg = job});
     if (st != SD_OK) {
         sd_bulk_put(&job->xfer.bulks, b);
         SD_WARN("net", "job '%s': cannot send unit %u to node %u: %s", job->name, m->unit, m->src,
@@ -536,9 +544,17 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
         struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
         us->rb[o] = b;
         if (st == SD_OK)
-            st = sd_bulk_startv(b, sd_job_tp(job), false, m, data_tag, pieces, lens, n * k,
-                                job->reg->cfg->chunk_bytes, sd_job_net_desc(job, job->mem.pool.ptr),
-                                gather_recv_done, NULL, us);
+            st = sd_bulk_start(
+                b, &(struct sd_bulk_param){.tp = sd_job_tp(job),
+                                           .peer = m,
+                                           .tag = data_tag,
+                                           .pieces = pieces,
+                                           .lens = lens,
+                                           .n_pieces = n * k,
+                                           .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                           .desc = sd_job_net_desc(job, job->mem.pool.ptr),
+                                           .cb = gather_recv_done,
+                                           .arg = us});
         if (st != SD_OK) {
             sd_bulk_put(&job->xfer.bulks, b);
             us->status = st;

@@ -134,10 +134,17 @@ static void init_post_next(struct sd_job *job)
     uint64_t tag = 0;
     int st = sd_tag_make(SD_TAG_INIT, job->xfer.tag, u, 0, 0, &tag);
     if (st == SD_OK)
-        st = sd_bulk_start(b, sd_job_tp(job), false, 0, tag, &p, 1, (hi - lo) * sizeof(float),
-                           job->reg->cfg->chunk_bytes, sd_job_net_desc(job, p), init_recv_done,
-                           NULL, job);
-    b->arg2 = (uint64_t)(uintptr_t)job;
+        st = sd_bulk_start(b, &(struct sd_bulk_param){.tp = sd_job_tp(job),
+                                                      .peer = 0,
+                                                      .tag = tag,
+                                                      .pieces = &p,
+                                                      .n_pieces = 1,
+                                                      .piece_len = (hi - lo) * sizeof(float),
+                                                      .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                                      .desc = sd_job_net_desc(job, p),
+                                                      .cb = init_recv_done,
+                                                      .arg = job,
+                                                      .arg2 = (uint64_t)(uintptr_t)job});
     if (st != SD_OK) {
         sd_bulk_put(&job->xfer.bulks, b);
         sd_job_fail(job, st, "cannot receive the initial values of unit %u from node 0", u);
@@ -201,10 +208,18 @@ static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_
         uint64_t tag = 0;
         int st = sd_tag_make(SD_TAG_INIT, job->xfer.tag, e->unit, 0, 0, &tag);
         if (st == SD_OK)
-            st = sd_bulk_start(b, sd_job_tp(job), true, m, tag, &p, 1, (hi - lo) * sizeof(float),
-                               job->reg->cfg->chunk_bytes, sd_job_net_desc(job, p), init_send_done,
-                               NULL, job);
-        b->arg2 = (uint64_t)(uintptr_t)job;
+            st = sd_bulk_start(b, &(struct sd_bulk_param){.tp = sd_job_tp(job),
+                                                          .is_send = true,
+                                                          .peer = m,
+                                                          .tag = tag,
+                                                          .pieces = &p,
+                                                          .n_pieces = 1,
+                                                          .piece_len = (hi - lo) * sizeof(float),
+                                                          .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                                          .desc = sd_job_net_desc(job, p),
+                                                          .cb = init_send_done,
+                                                          .arg = job,
+                                                          .arg2 = (uint64_t)(uintptr_t)job});
         if (st == SD_OK)
             job->load.sends++;
         else

@@ -45,17 +45,24 @@ static uint32_t piece_chunks(size_t len, size_t chunk)
     return len ? (uint32_t)((len + chunk - 1) / chunk) : 1;
 }
 
-int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
-                   uint64_t tag_base, void *const *pieces, const size_t *lens, uint32_t n_pieces,
-                   size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
-                   void *arg)
+int sd_bulk_start(struct sd_bulk *b, const struct sd_bulk_param *prm)
 {
-    if (n_pieces == 0 || n_pieces > SD_BULK_MAX_PIECES || b->active)
+    if (b == NULL || b->active)
+        return b == NULL ? SD_EBUSY : SD_EINVAL;
+    uint32_t n_pieces = prm->n_pieces;
+    if (n_pieces == 0 || n_pieces > SD_BULK_MAX_PIECES)
         return SD_EINVAL;
+    size_t lens[SD_BULK_MAX_PIECES];
+    for (uint32_t p = 0; p < n_pieces; p++)
+        lens[p] = prm->lens ? prm->lens[p] : prm->piece_len;
+    struct sd_transport *tp = prm->tp;
+    bool is_send = prm->is_send;
+    uint32_t peer = prm->peer;
+    void *desc = prm->desc;
     size_t longest = 0;
     for (uint32_t p = 0; p < n_pieces; p++)
         longest = SD_MAX(longest, lens[p]);
-    size_t chunk = sd_bulk_chunk_bytes(longest, n_pieces, chunk_bytes);
+    size_t chunk = sd_bulk_chunk_bytes(longest, n_pieces, prm->chunk_bytes);
     uint32_t n = 0;
     for (uint32_t p = 0; p < n_pieces; p++)
         n += piece_chunks(lens[p], chunk);
@@ -68,9 +75,10 @@ int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uin
     b->done = b->failed = 0;
     b->status = SD_OK;
     b->bytes = 0;
-    b->cb = cb;
-    b->chunk_cb = chunk_cb;
-    b->arg = arg;
+    b->cb = prm->cb;
+    b->chunk_cb = prm->chunk_cb;
+    b->arg = prm->arg;
+    b->arg2 = prm->arg2;
     b->active = true;
     for (uint32_t p = 0, i = 0; p < n_pieces; p++) {
         uint32_t cpp = piece_chunks(lens[p], chunk);
@@ -81,8 +89,8 @@ int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uin
             bx->off = (size_t)c * chunk;
             bx->len = SD_MIN(chunk, lens[p] - SD_MIN(lens[p], bx->off));
             bx->x.cb = bulk_xfer_cb;
-            char *base = (char *)pieces[p] + bx->off;
-            uint64_t tag = tag_base;
+            char *base = (char *)prm->pieces[p] + bx->off;
+            uint64_t tag = prm->tag;
             int st = sd_tag_set(&tag, SD_TAGF_CHUNK, i);
             if (st == SD_OK)
                 st = is_send ? tp->ops->send(tp, peer, tag, base, bx->len, desc, &bx->x)
@@ -99,20 +107,6 @@ int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uin
         }
     }
     return SD_OK;
-}
-
-int sd_bulk_start(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
-                  uint64_t tag_base, void *const *pieces, uint32_t n_pieces, size_t piece_len,
-                  size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
-                  void *arg)
-{
-    size_t lens[SD_BULK_MAX_PIECES];
-    if (n_pieces == 0 || n_pieces > SD_BULK_MAX_PIECES)
-        return SD_EINVAL;
-    for (uint32_t p = 0; p < n_pieces; p++)
-        lens[p] = piece_len;
-    return sd_bulk_startv(b, tp, is_send, peer, tag_base, pieces, lens, n_pieces, chunk_bytes, desc,
-                          cb, chunk_cb, arg);
 }
 
 int sd_bulk_pool_init(struct sd_bulk_pool *p, uint32_t n)
@@ -158,21 +152,33 @@ uint32_t sd_bulk_exchange(const struct sd_exchange_param *p, struct sd_bulk **rb
     uint32_t posted = 0;
     struct sd_bulk *rb = sd_bulk_get(p->pool), *sb = sd_bulk_get(p->pool);
     void *rp = p->recv.buf, *sp = p->send.buf;
-    int st = rb ? sd_bulk_start(rb, p->tp, false, p->peer, p->recv.tag, &rp, 1, p->recv.bytes,
-                                p->chunk_bytes, p->recv.desc, p->cb, p->chunk_cb, p->arg)
-                : SD_EBUSY;
+    struct sd_bulk_param bp = {.tp = p->tp,
+                               .peer = p->peer,
+                               .tag = p->recv.tag,
+                               .pieces = &rp,
+                               .n_pieces = 1,
+                               .piece_len = p->recv.bytes,
+                               .chunk_bytes = p->chunk_bytes,
+                               .desc = p->recv.desc,
+                               .cb = p->cb,
+                               .chunk_cb = p->chunk_cb,
+                               .arg = p->arg,
+                               .arg2 = p->arg2};
+    int st = sd_bulk_start(rb, &bp);
     if (st == SD_OK) {
-        rb->arg2 = p->arg2;
         posted++;
     } else if (rb != NULL) {
         sd_bulk_put(p->pool, rb);
         rb = NULL;
     }
-    int st2 = sb ? sd_bulk_start(sb, p->tp, true, p->peer, p->send.tag, &sp, 1, p->send.bytes,
-                                 p->chunk_bytes, p->send.desc, p->cb, NULL, p->arg)
-                 : SD_EBUSY;
+    bp.is_send = true;
+    bp.tag = p->send.tag;
+    bp.pieces = &sp;
+    bp.piece_len = p->send.bytes;
+    bp.desc = p->send.desc;
+    bp.chunk_cb = NULL;
+    int st2 = sd_bulk_start(sb, &bp);
     if (st2 == SD_OK) {
-        sb->arg2 = p->arg2;
         posted++;
     } else if (sb != NULL) {
         sd_bulk_put(p->pool, sb);

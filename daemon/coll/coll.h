@@ -41,24 +41,35 @@ struct sd_bulk {
 
 #define SD_BULK_MAX_PIECES 64
 
-/* Post a send (is_send) or receive of pieces[0..n_pieces) of piece_len bytes each. Chunk i of
- * piece p travels with tag tag_base | (p * chunks_per_piece + i). cb runs once, after every
- * chunk completed or failed. Returns 0 or a negative status (nothing posted then). */
-int sd_bulk_start(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
-                  uint64_t tag_base, void *const *pieces, uint32_t n_pieces, size_t piece_len,
-                  size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
-                  void *arg);
+/* One chunked send or receive of n_pieces pieces to or from one peer. Chunk i (counted over
+ * all pieces in order) travels with the tag's chunk field set to i; chunks are chunk_bytes, or
+ * larger where the chunk field would run out (sd_bulk_chunk_bytes), and both ends compute the
+ * same. cb runs once, after every chunk completed or failed; chunk_cb (receives) once per
+ * chunk in place. */
+struct sd_bulk_param {
+    struct sd_transport *tp;
+    bool is_send;
+    uint32_t peer;
+    uint64_t tag; /* its chunk field is set per chunk */
+    void *const *pieces;
+    const size_t *lens; /* bytes of each piece; NULL: every piece is piece_len */
+    uint32_t n_pieces;
+    size_t piece_len;
+    size_t chunk_bytes;
+    void *desc; /* the registration (providers with FI_MR_LOCAL) or NULL */
+    sd_bulk_cb cb;
+    sd_bulk_chunk_cb chunk_cb;
+    void *arg;
+    uint64_t arg2;
+};
+
+/* Post it; 0, or a negative status (nothing posted then; SD_EBUSY for a NULL or active bulk). */
+int sd_bulk_start(struct sd_bulk *b, const struct sd_bulk_param *p);
 
 /* The chunk size a bulk of n_pieces, the longest of `longest` bytes, is cut into: chunk_bytes,
  * or larger where the tag's chunk field would run out. Both ends of a transfer compute the
  * same. */
 size_t sd_bulk_chunk_bytes(size_t longest, uint32_t n_pieces, size_t chunk_bytes);
-
-/* The same with pieces of different lengths (a coalesced transfer of several units). */
-int sd_bulk_startv(struct sd_bulk *b, struct sd_transport *tp, bool is_send, uint32_t peer,
-                   uint64_t tag_base, void *const *pieces, const size_t *lens, uint32_t n_pieces,
-                   size_t chunk_bytes, void *desc, sd_bulk_cb cb, sd_bulk_chunk_cb chunk_cb,
-                   void *arg);
 
 /* An exchange with one peer: the receive of recv.bytes into recv.buf (chunk_cb per received
  * chunk) and the send of send.bytes from send.buf, each one piece, with bulks from pool; both

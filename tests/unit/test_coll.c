@@ -273,12 +273,25 @@ static void run_bulk(void)
             src[p][i] = (char)(p * 31 + i);
     static struct sd_bulk sb, rb;
     int s_ok = 0, r_ok = 0;
-    TH_CHECK(sd_bulk_start(&rb, &nodes[1].base, false, 0, 0x500, dp, 3, 10000, 4096, NULL,
-                           bulk_done, bulk_chunk, &r_ok) == SD_OK,
-             "bulk recv");
-    TH_CHECK(sd_bulk_start(&sb, &nodes[0].base, true, 1, 0x500, sp, 3, 10000, 4096, NULL, bulk_done,
-                           NULL, &s_ok) == SD_OK,
-             "bulk send");
+    struct sd_bulk_param rp = {.tp = &nodes[1].base,
+                               .peer = 0,
+                               .tag = 0x500,
+                               .pieces = dp,
+                               .n_pieces = 3,
+                               .piece_len = 10000,
+                               .chunk_bytes = 4096,
+                               .cb = bulk_done,
+                               .chunk_cb = bulk_chunk,
+                               .arg = &r_ok};
+    struct sd_bulk_param sp_ = rp;
+    sp_.tp = &nodes[0].base;
+    sp_.is_send = true;
+    sp_.peer = 1;
+    sp_.pieces = sp;
+    sp_.chunk_cb = NULL;
+    sp_.arg = &s_ok;
+    TH_CHECK(sd_bulk_start(&rb, &rp) == SD_OK, "bulk recv");
+    TH_CHECK(sd_bulk_start(&sb, &sp_) == SD_OK, "bulk send");
     f_progress(&nodes[0].base);
     f_progress(&nodes[1].base);
     TH_CHECK(s_ok == 1 && r_ok == 1 && rb.n == 9 && chunks_seen == 9, "9 chunks, both done");
@@ -291,10 +304,22 @@ static void run_bulk(void)
     void *vsp[2] = {src[0], src[1]}, *vdp[2] = {vdst, vdst + 5000};
     size_t lens[2] = {5000, 123};
     s_ok = r_ok = 0;
-    TH_CHECK(sd_bulk_startv(&vr, &nodes[1].base, false, 0, 0x600, vdp, lens, 2, 4096, NULL,
-                            bulk_done, NULL, &r_ok) == SD_OK &&
-                 sd_bulk_startv(&vs, &nodes[0].base, true, 1, 0x600, vsp, lens, 2, 4096, NULL,
-                                bulk_done, NULL, &s_ok) == SD_OK,
+    struct sd_bulk_param vrp = {.tp = &nodes[1].base,
+                                .peer = 0,
+                                .tag = 0x600,
+                                .pieces = vdp,
+                                .lens = lens,
+                                .n_pieces = 2,
+                                .chunk_bytes = 4096,
+                                .cb = bulk_done,
+                                .arg = &r_ok};
+    struct sd_bulk_param vsp_ = vrp;
+    vsp_.tp = &nodes[0].base;
+    vsp_.is_send = true;
+    vsp_.peer = 1;
+    vsp_.pieces = vsp;
+    vsp_.arg = &s_ok;
+    TH_CHECK(sd_bulk_start(&vr, &vrp) == SD_OK && sd_bulk_start(&vs, &vsp_) == SD_OK,
              "bulk of unequal pieces posted");
     f_progress(&nodes[0].base);
     f_progress(&nodes[1].base);
@@ -302,9 +327,11 @@ static void run_bulk(void)
     TH_CHECK(memcmp(vdst, src[0], 5000) == 0 && memcmp(vdst + 5000, src[1], 123) == 0,
              "unequal pieces land in place");
     struct sd_bulk busy = {.active = true};
-    TH_CHECK(sd_bulk_start(&busy, &nodes[0].base, true, 1, 0, sp, 1, 10, 64, NULL, bulk_done, NULL,
-                           &s_ok) == SD_EINVAL,
-             "an active bulk is refused");
+    struct sd_bulk_param bp = sp_;
+    bp.n_pieces = 1;
+    bp.piece_len = 10;
+    TH_CHECK(sd_bulk_start(&busy, &bp) == SD_EINVAL, "an active bulk is refused");
+    TH_CHECK(sd_bulk_start(NULL, &bp) == SD_EBUSY, "no bulk (the pool ran out) is refused");
 }
 
 int main(void)
