@@ -422,8 +422,8 @@ static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
         job->stats.gathers++;
         sd_fetch_complete(job, u);
     }
-    if (job->nodes == 1)
-        return; /* inside the node: nothing was waiting for transfer resources */
+    if (job->group_nodes == 1)
+        return; /* a gather inside the node: it took no transfer resources, freed none */
     if (job->step.phase != SD_STEP_IDLE) /* a refresh, or a step waiting for gathers */
         sd_step_progress(job);
     else

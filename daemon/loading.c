@@ -114,6 +114,38 @@ static void init_range(const struct sd_job *job, uint32_t m, const struct sd_uni
 }
 
 static void init_recv_done(struct sd_bulk *b, int status);
+static void init_send_done(struct sd_bulk *b, int status);
+
+/* count initial values of unit u, from node 0 (a receive into base) or to node peer (a send from
+ * base): one chunked transfer on a bulk of the job's pool. */
+static int init_transfer(struct sd_job *job, bool is_send, uint32_t peer, uint32_t u, void *base,
+                         uint64_t count, struct sd_bulk **b_p)
+{
+    struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
+    uint64_t tag = 0;
+    int st = sd_tag_make(SD_TAG_INIT, job->xfer.tag, u, 0, 0, &tag);
+    if (st == SD_OK)
+        st = sd_bulk_start(b,
+                           &(struct sd_bulk_param){.tp = sd_job_tp(job),
+                                                   .is_send = is_send,
+                                                   .peer = peer,
+                                                   .tag = tag,
+                                                   .pieces = &base,
+                                                   .n_pieces = 1,
+                                                   .piece_len = count * sizeof(float),
+                                                   .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                                   .desc = sd_job_net_desc(job, base),
+                                                   .cb = is_send ? init_send_done : init_recv_done,
+                                                   .arg = job});
+    if (st != SD_OK) {
+        if (b != NULL)
+            sd_bulk_put(&job->xfer.bulks, b);
+        return st;
+    }
+    if (b_p != NULL)
+        *b_p = b;
+    return SD_OK;
+}
 
 static void init_post_next(struct sd_job *job)
 {
@@ -129,33 +161,15 @@ static void init_post_next(struct sd_job *job)
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint64_t lo, hi;
     init_range(job, job->node, ul, &lo, &hi);
-    void *p = job->mem.scratch + lo; /* where load_unit looks for elements [lo, hi) */
-    struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
-    uint64_t tag = 0;
-    int st = sd_tag_make(SD_TAG_INIT, job->xfer.tag, u, 0, 0, &tag);
-    if (st == SD_OK)
-        st = sd_bulk_start(b, &(struct sd_bulk_param){.tp = sd_job_tp(job),
-                                                      .peer = 0,
-                                                      .tag = tag,
-                                                      .pieces = &p,
-                                                      .n_pieces = 1,
-                                                      .piece_len = (hi - lo) * sizeof(float),
-                                                      .chunk_bytes = job->reg->cfg->chunk_bytes,
-                                                      .desc = sd_job_net_desc(job, p),
-                                                      .cb = init_recv_done,
-                                                      .arg = job,
-                                                      .arg2 = (uint64_t)(uintptr_t)job});
-    if (st != SD_OK) {
-        sd_bulk_put(&job->xfer.bulks, b);
+    /* into scratch where load_unit looks for elements [lo, hi) */
+    int st = init_transfer(job, false, 0, u, job->mem.scratch + lo, hi - lo, &job->load.rb);
+    if (st != SD_OK)
         sd_job_fail(job, st, "cannot receive the initial values of unit %u from node 0", u);
-        return;
-    }
-    job->load.rb = b;
 }
 
 static void init_recv_done(struct sd_bulk *b, int status)
 {
-    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
+    struct sd_job *job = b->arg;
     job->stats.bytes[SD_OP_INIT][SD_LINK_INTER_RECV] += b->bytes;
     sd_bulk_put(&job->xfer.bulks, b);
     job->load.rb = NULL;
@@ -179,7 +193,7 @@ void sd_loading_start(struct sd_job *job)
 
 static void init_send_done(struct sd_bulk *b, int status)
 {
-    struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
+    struct sd_job *job = b->arg;
     job->stats.bytes[SD_OP_INIT][SD_LINK_INTER_SENT] += b->bytes;
     sd_bulk_put(&job->xfer.bulks, b);
     if (status != SD_OK && job->load.waiter != NULL) {
@@ -203,27 +217,8 @@ static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_
     for (uint32_t m = 1; m < job->nodes; m++) {
         uint64_t lo, hi;
         init_range(job, m, ul, &lo, &hi);
-        void *p = (void *)(values + lo);
-        struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
-        uint64_t tag = 0;
-        int st = sd_tag_make(SD_TAG_INIT, job->xfer.tag, e->unit, 0, 0, &tag);
-        if (st == SD_OK)
-            st = sd_bulk_start(b, &(struct sd_bulk_param){.tp = sd_job_tp(job),
-                                                          .is_send = true,
-                                                          .peer = m,
-                                                          .tag = tag,
-                                                          .pieces = &p,
-                                                          .n_pieces = 1,
-                                                          .piece_len = (hi - lo) * sizeof(float),
-                                                          .chunk_bytes = job->reg->cfg->chunk_bytes,
-                                                          .desc = sd_job_net_desc(job, p),
-                                                          .cb = init_send_done,
-                                                          .arg = job,
-                                                          .arg2 = (uint64_t)(uintptr_t)job});
-        if (st == SD_OK)
+        if (init_transfer(job, true, m, e->unit, (void *)(values + lo), hi - lo, NULL) == SD_OK)
             job->load.sends++;
-        else
-            sd_bulk_put(&job->xfer.bulks, b);
     }
     if (job->load.sends == 0) {
         sd_session_complete(s, e->tag, SD_OP_INIT, SD_OK, 0, 0, NULL);

@@ -114,13 +114,9 @@ void sd_fetch_release_holds(struct sd_job *job, struct sd_session *s);
 void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us);
 /* A gather finished (or failed): answer every rank waiting for it. */
 void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us);
-/* every rank waiting for a gather gets status */
-void sd_fetch_fail(struct sd_job *job, int status);
 /* Room in the pool: the frozen schedule's place, else the cache's (evicting); SD_EAGAIN: a
  * slower rank still uses the planned place. */
 int sd_fetch_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);
-/* Drop a cached copy nobody holds from the pool, counted as an eviction. */
-void sd_fetch_evict(struct sd_job *job, struct sd_unit_state *us);
 /* Start the gather of a slot whose pool place is set (the schedule's prefetch): inside the node
  * it is done when this returns; SD_EAGAIN when no transfer resources are free now. */
 int sd_fetch_prefetch(struct sd_job *job, struct sd_unit_state *us);
@@ -139,13 +135,11 @@ void sd_fetch_serve_queue(struct sd_job *job);
 bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
 /* at a step: a round some ranks of a group pushed and others did not (msg says which) */
 bool sd_push_partial_round(struct sd_job *job, char *msg, size_t len);
-void sd_push_fail(struct sd_job *job, int status, const char *text);
 
 /* ---- step.c */
 void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
 /* drive the step forward as far as it can go now; called again by every completion */
 void sd_step_progress(struct sd_job *job);
-void sd_step_fail(struct sd_job *job, int status, const char *text);
 
 /* ---- optimizer.c */
 /* The optimizer on every local rank's shards for step job->steps + 1, once the gradients are
@@ -162,6 +156,5 @@ void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_
 void sd_loading_start(struct sd_job *job);
 /* node 0's rank 0 finished loading */
 void sd_loading_remote_ready(struct sd_job *job);
-void sd_loading_fail(struct sd_job *job, int status, const char *text);
 
 #endif

@@ -3,7 +3,8 @@
  * 2-hop sync all-reduces the g shards across the replication group once per step; NORM exchanges
  * each node's squared norm (summed in node order) with the schedule digests; APPLY runs the
  * optimizer once no peer still reads this generation's weights; REFRESH gathers the units held
- * across the step again. On one node every phase but APPLY completes at once. */
+ * across the step again. On one node SYNC reduces the replicas inside the node, NORM has
+ * nothing to exchange, and the phases run through in one call. */
 #include "net.h"
 #include "ops.h"
 #include "session.h"
