@@ -20,6 +20,10 @@ const struct sd_config_entry sd_config_table[] = {
     {"nodes", SD_CFG_INT, "1", 1, 1024, OFF(nodes), "number of nodes (daemons) in the cluster", 1},
     {"ranks_per_node", SD_CFG_INT, "0", 0, 1024, OFF(ranks_per_node),
      "trainer ranks (devices) per node; 0 takes it from each job (one node only)", 1},
+    {"package_size", SD_CFG_INT, "1", 1, 1024, OFF(package_size),
+     "ranks that share a package, the topology level below the node (2 for the GCDs of an "
+     "MI250X); it must divide the ranks per node, and plans' shard factors align with it",
+     1},
     {"backend", SD_CFG_STRING, "host", 0, 16, OFF(backend),
      "device backend for shard buffers: host, or host-deferred (kernels run only when the "
      "daemon waits for them: a test of its waits), cuda and hip when built with them",

@@ -57,20 +57,96 @@ uint32_t sd_group_nodes(const struct sd_topo *t, const struct sd_group *g)
     return n;
 }
 
+/* one factor of topo:W/G/OS: a positive number, k (ranks per node) or n (world) */
+static bool parse_factor(const char *tok, uint32_t k, uint32_t world, uint32_t *f_p)
+{
+    if (strcmp(tok, "k") == 0) {
+        *f_p = k;
+        return true;
+    }
+    if (strcmp(tok, "n") == 0) {
+        *f_p = world;
+        return true;
+    }
+    char *end;
+    unsigned long v = strtoul(tok, &end, 10);
+    if (tok[0] < '0' || tok[0] > '9' || *end != '\0' || v == 0 || v > SD_MAX_WORLD)
+        return false;
+    *f_p = (uint32_t)v;
+    return true;
+}
+
+/* the factors of a base plan (no options) */
+static int plan_factors(const char *spec, const char *base, uint32_t k, uint32_t world,
+                        uint32_t f[SD_STATE_COUNT], char *err, size_t errlen)
+{
+    static const struct {
+        const char *name;
+        char w, g, os; /* '1', 'k' or 'n' */
+    } presets[] = {{"ddp", '1', '1', '1'},
+                   {"zero1", '1', '1', 'n'},
+                   {"zero2", '1', 'n', 'n'},
+                   {"zero3", 'n', 'n', 'n'},
+                   {"topo", '2', 'k', 'n'}};
+    for (size_t i = 0; i < sizeof(presets) / sizeof(presets[0]); i++) {
+        if (strcmp(base, presets[i].name) != 0)
+            continue;
+        const char c[SD_STATE_COUNT] = {presets[i].w, presets[i].g, presets[i].os};
+        for (int s = 0; s < SD_STATE_COUNT; s++)
+            f[s] = c[s] == '1' ? 1 : c[s] == 'k' ? k : c[s] == 'n' ? world : SD_MIN(2u, k);
+        return SD_OK;
+    }
+    if (strncmp(base, "mics:", 5) == 0) {
+        uint32_t p;
+        if (!parse_factor(base + 5, k, world, &p)) {
+            snprintf(err, errlen, "plan '%s': expected mics:P with P a positive integer", spec);
+            return SD_EINVAL;
+        }
+        f[SD_STATE_W] = f[SD_STATE_G] = f[SD_STATE_OS] = p;
+        return SD_OK;
+    }
+    if (strncmp(base, "topo:", 5) == 0) {
+        char buf[32];
+        snprintf(buf, sizeof(buf), "%s", base + 5);
+        char *save = NULL, *tok = strtok_r(buf, "/", &save);
+        int n = 0;
+        for (; tok != NULL && n < SD_STATE_COUNT; tok = strtok_r(NULL, "/", &save), n++)
+            if (!parse_factor(tok, k, world, &f[n]))
+                break;
+        if (n != SD_STATE_COUNT || tok != NULL) {
+            snprintf(err, errlen,
+                     "plan '%s': expected topo:W/G/OS, each a positive integer, k (ranks per "
+                     "node) or n (world)",
+                     spec);
+            return SD_EINVAL;
+        }
+        return SD_OK;
+    }
+    snprintf(err, errlen,
+             "unknown plan '%s' (supported: topo:W/G/OS, topo, ddp, zero1, zero2, zero3, mics:P, "
+             "each with options ,no-hier ,no-2hop ,sec=S)",
+             spec);
+    return SD_EINVAL;
+}
+
 int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *plan_p, char *err,
                   size_t errlen)
 {
-    uint32_t world = sd_topo_world(topo), k = topo->ranks_per_node;
+    uint32_t world = sd_topo_world(topo), k = topo->ranks_per_node, P = sd_topo_package(topo);
     struct sd_plan plan = {.hierarchical = true, .two_hop = true};
-    uint32_t p;
 
     if (spec == NULL || strlen(spec) >= sizeof(plan.name)) {
         snprintf(err, errlen, "plan is missing or longer than %zu characters",
                  sizeof(plan.name) - 1);
         return SD_EINVAL;
     }
+    if (k == 0 || k % P != 0) {
+        snprintf(err, errlen, "plan '%s': package_size %u does not divide the ranks per node (%u)",
+                 spec, P, k);
+        return SD_EINVAL;
+    }
     /* options after the base plan: ",no-hier" (gather per rank across nodes), ",no-2hop"
-     * (all-reduce gradients across groups every micro-step) */
+     * (all-reduce gradients across groups every micro-step), ",sec=S" */
     char base[sizeof(plan.name)];
     snprintf(base, sizeof(base), "%s", spec);
     char *opt = strchr(base, ',');
@@ -82,51 +158,64 @@ int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *
                 plan.hierarchical = false;
             } else if (strcmp(tok, "no-2hop") == 0) {
                 plan.two_hop = false;
+            } else if (strncmp(tok, "sec=", 4) == 0) {
+                if (!parse_factor(tok + 4, k, world, &plan.sec) || k % plan.sec != 0) {
+                    snprintf(err, errlen,
+                             "plan '%s': %s: S must be a positive integer that divides the ranks "
+                             "per node (%u)",
+                             spec, tok, k);
+                    return SD_EINVAL;
+                }
             } else {
-                snprintf(err, errlen, "plan '%s': unknown option '%s' (no-hier, no-2hop)", spec,
-                         tok);
+                snprintf(err, errlen, "plan '%s': unknown option '%s' (no-hier, no-2hop, sec=S)",
+                         spec, tok);
                 return SD_EINVAL;
             }
         }
     }
-    if (strcmp(base, "ddp") == 0) {
-        p = 1;
-    } else if (strcmp(base, "zero3") == 0) {
-        p = world;
-    } else if (strncmp(base, "mics:", 5) == 0) {
-        char *end;
-        unsigned long v = strtoul(base + 5, &end, 10);
-        if (base[5] == '\0' || *end != '\0' || v == 0 || v > SD_MAX_WORLD) {
-            snprintf(err, errlen, "plan '%s': expected mics:P with P a positive integer", spec);
-            return SD_EINVAL;
-        }
-        p = (uint32_t)v;
-        bool divides_k = k % p == 0;
-        bool multiple_of_k = p % k == 0 && world % p == 0;
-        if (!divides_k && !multiple_of_k) {
+    int st = plan_factors(spec, base, k, world, plan.f, err, errlen);
+    if (st != SD_OK)
+        return st;
+    static const char *const fname[SD_STATE_COUNT] = {"f_w", "f_g", "f_os"};
+    for (int s = 0; s < SD_STATE_COUNT; s++) {
+        uint32_t f = plan.f[s], next = s + 1 < SD_STATE_COUNT ? plan.f[s + 1] : world;
+        const char *next_name = s + 1 < SD_STATE_COUNT ? fname[s + 1] : "the world size";
+        if (next % f != 0) {
             snprintf(err, errlen,
-                     "plan '%s': P=%u must divide the ranks per node (%u) or be a multiple of it "
-                     "that divides the world size (%u)",
-                     spec, p, k, world);
+                     "plan '%s': %s = %u does not divide %s (%u): the factors must nest, "
+                     "f_w | f_g | f_os | world",
+                     spec, fname[s], f, next_name, next);
             return SD_EINVAL;
         }
-    } else {
-        snprintf(err, errlen,
-                 "unknown plan '%s' (supported: ddp, zero3, mics:P, each with options "
-                 ",no-hier ,no-2hop)",
-                 spec);
-        return SD_EINVAL;
-    }
-    if (p > world || world % p != 0) {
-        snprintf(err, errlen, "plan '%s': shard factor %u does not divide the world size %u", spec,
-                 p, world);
-        return SD_EINVAL;
+        /* a partition group is part of a package, whole packages of one node, or whole nodes */
+        bool in_package = P % f == 0, in_node = f % P == 0 && k % f == 0, nodes = f % k == 0;
+        if (!in_package && !in_node && !nodes) {
+            snprintf(err, errlen,
+                     "plan '%s': %s = %u does not align with the topology: it must divide the "
+                     "package (%u ranks), or be a multiple of it that divides the node (%u "
+                     "ranks), or be a multiple of the node",
+                     spec, fname[s], f, P, k);
+            return SD_EINVAL;
+        }
     }
     snprintf(plan.name, sizeof(plan.name), "%s", spec);
-    for (int s = 0; s < SD_STATE_COUNT; s++)
-        plan.f[s] = p;
     *plan_p = plan;
     return SD_OK;
+}
+
+uint32_t sd_plan_shard(const struct sd_plan *plan, int state, uint32_t rank)
+{
+    uint32_t W = plan->f[SD_STATE_W], G = plan->f[SD_STATE_G], OS = plan->f[SD_STATE_OS];
+    uint32_t d0 = rank % W, d1 = rank % G / W, d2 = rank % OS / G;
+    uint32_t g = d0 * (G / W) + d1;
+    return state == SD_STATE_W ? d0 : state == SD_STATE_G ? g : g * (OS / G) + d2;
+}
+
+uint64_t sd_plan_nested_off(const struct sd_plan *plan, int inner, int outer, uint32_t rank,
+                            uint64_t numel)
+{
+    uint32_t per = plan->f[inner] / plan->f[outer]; /* inner shards in one outer shard */
+    return (uint64_t)(sd_plan_shard(plan, inner, rank) % per) * (numel / plan->f[inner]);
 }
 
 uint32_t sd_optim_state_floats(int kind)

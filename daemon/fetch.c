@@ -422,7 +422,7 @@ static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
         job->stats.gathers++;
         sd_fetch_complete(job, u);
     }
-    if (job->group_nodes == 1)
+    if (job->gnodes[SD_STATE_W] == 1)
         return; /* a gather inside the node: it took no transfer resources, freed none */
     if (job->step.phase != SD_STEP_IDLE) /* a refresh, or a step waiting for gathers */
         sd_step_progress(job);
@@ -458,7 +458,7 @@ static void gather_req_sent(struct sd_xfer *x, int status)
 
 static bool gather_resources(const struct sd_job *job)
 {
-    return job->xfer.bulks.n - job->xfer.bulks.in_use >= job->group_nodes - 1 &&
+    return job->xfer.bulks.n - job->xfer.bulks.in_use >= job->gnodes[SD_STATE_W] - 1 &&
            job->xfer.gathers_inflight < SD_MAX_GATHERS_INFLIGHT;
 }
 
@@ -505,8 +505,8 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
 {
     uint64_t cpu0 = sd_job_issue_clock(job);
     struct sd_unit_state *us = units[0];
-    uint32_t G = job->group_nodes, k = job->k;
-    uint32_t first = sd_job_group_first(job);
+    uint32_t G = job->gnodes[SD_STATE_W], k = job->k;
+    uint32_t first = sd_job_group_first(job, job->gnodes[SD_STATE_W]);
     for (uint32_t j = 1; j < n; j++)
         units[j - 1]->batch_next = units[j];
     us->remaining = 2 * (G - 1);
@@ -604,7 +604,7 @@ bool sd_fetch_would_join(const struct sd_job *job, uint32_t unit, uint32_t lslot
  * consecutive and the batch under coalesce_bytes; sd_fetch_prefetch_flush sends it. */
 int sd_fetch_prefetch(struct sd_job *job, struct sd_unit_state *us)
 {
-    if (job->group_nodes == 1) { /* the partition group is on this node: a copy, done now */
+    if (job->gnodes[SD_STATE_W] == 1) { /* the partition group is on this node: a copy, done now */
         sd_fetch_local_gather(job, us);
         us->resident = true;
         us->gen = job->weights_gen;

@@ -326,7 +326,8 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->k = k;
     job->node = (uint32_t)cfg->node;
     job->first_rank = job->node * k;
-    job->topo = (struct sd_topo){.nodes = nodes, .ranks_per_node = k};
+    job->topo = (struct sd_topo){
+        .nodes = nodes, .ranks_per_node = k, .package_size = (uint32_t)cfg->package_size};
     job->model = *model;
     memset(model, 0, sizeof(*model));
     job->digest = sd_model_digest(&job->model);
@@ -339,13 +340,22 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->load.ready_waiting = calloc(k, sizeof(*job->load.ready_waiting));
     job->load.ready_tags = calloc(k, sizeof(*job->load.ready_tags));
     int status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
+    if (status == SD_OK && job->plan.sec != 0) {
+        snprintf(err, errlen,
+                 "plan '%s': the secondary partition (sec=%u) is not implemented in this "
+                 "version; drop the option",
+                 job->plan.name, job->plan.sec);
+        status = SD_ENOSYS;
+    }
     if (status == SD_OK)
         status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
     job->nodes = nodes;
-    uint32_t fw = job->plan.f[SD_STATE_W];
-    job->group_nodes = fw > k ? fw / k : 1;
-    job->slots_per_unit = job->group_nodes > 1 && !job->plan.hierarchical ? k : 1;
-    job->push.node_rounds = nodes > 1 && (job->plan.f[SD_STATE_G] > k || !job->plan.two_hop);
+    uint32_t fw = job->plan.f[SD_STATE_W], fg = job->plan.f[SD_STATE_G];
+    for (int st = 0; st < SD_STATE_COUNT; st++)
+        job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
+    job->slots_per_unit = job->gnodes[SD_STATE_W] > 1 && !job->plan.hierarchical ? k : 1;
+    job->push.node_rounds = nodes > 1 && (fg > k || !job->plan.two_hop);
+    job->push.g_ident = job->gnodes[SD_STATE_G] == 1 || fw == 1;
     /* a round inside the node is reduced as soon as it is complete: one generation is enough */
     job->push.round_gens = job->push.node_rounds ? (uint32_t)reg->cfg->push_rounds : 1;
     if (status == SD_OK)

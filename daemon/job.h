@@ -41,7 +41,14 @@ enum sd_job_state {
 };
 const char *sd_job_state_name(enum sd_job_state s);
 
-enum sd_step_phase { SD_STEP_IDLE, SD_STEP_SYNC, SD_STEP_NORM, SD_STEP_APPLY, SD_STEP_REFRESH };
+enum sd_step_phase {
+    SD_STEP_IDLE,
+    SD_STEP_SYNC,
+    SD_STEP_NORM,
+    SD_STEP_APPLY,
+    SD_STEP_WEIGHTS,
+    SD_STEP_REFRESH
+};
 
 /* Gathers the frozen schedule issues together, waiting to leave as one transfer per peer:
  * consecutive unit ids [lo, hi] of one copy, each smaller than coalesce_bytes. */
@@ -76,8 +83,10 @@ struct sd_push_state {
     uint32_t g_groups, g_members, round_gens;
     struct sd_push_round *rounds;
     struct sd_push_entry *round_entries;
-    uint64_t *rounds_done;    /* [unit][group] rounds completed: the oldest one collecting */
-    bool node_rounds;         /* pushes reduce across nodes (or all-reduce without 2-hop) */
+    uint64_t *rounds_done; /* [unit][group] rounds completed: the oldest one collecting */
+    bool node_rounds;      /* pushes reduce across nodes (or all-reduce without 2-hop) */
+    bool g_ident; /* the node blocks of a reduce-scatter across nodes are the k ranks' g shards
+                     in unit order (f_w = 1, or the group inside the node) */
     struct sd_node_round *nr; /* [round_gens] ring of node rounds, oldest at nr_head */
     uint32_t nr_head, nr_len;
     struct sd_round_ref *round_queue; /* local rounds complete, waiting for a node round: FIFO */
@@ -102,6 +111,7 @@ struct sd_step_state {
     double *sumsq_parts; /* [n_units * k]: the device's sums of squares, added up in order */
     struct sd_bulk **norm_b;
     double local_sumsq;
+    uint32_t *os_pos; /* [f_os]: where in an os-partition group the owner of os shard p is */
 };
 
 /* Loading the initial values and the ready barrier (loading.c). */
@@ -150,9 +160,10 @@ struct sd_job {
     struct sd_topo topo;
     struct sd_layout layout;
     uint32_t world, k, node, first_rank;
-    uint32_t nodes;          /* the job spans nodes [0, nodes) */
-    uint32_t group_nodes;    /* nodes per partition group (f / k when f > k, else 1) */
-    uint32_t slots_per_unit; /* 1, or k without the hierarchical gather across nodes */
+    uint32_t nodes;                  /* the job spans nodes [0, nodes) */
+    uint32_t gnodes[SD_STATE_COUNT]; /* nodes per partition group of each state (f / k when
+                                        f > k, else 1) */
+    uint32_t slots_per_unit;         /* 1, or k without the hierarchical gather across nodes */
     uint32_t n_slots;
     struct sd_session **ranks; /* [k], by local index */
     uint32_t n_registered, n_left;

@@ -123,6 +123,8 @@ void sd_job_mem_free(struct sd_job *job)
     job->xfer.wait_tags = NULL;
     free(job->step.norm_parts);
     job->step.norm_parts = NULL;
+    free(job->step.os_pos);
+    job->step.os_pos = NULL;
     free(job->push.round_entries);
     free(job->push.rounds_done);
     free(job->mem.w_off);
@@ -227,6 +229,10 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->step.sumsq_parts = calloc((size_t)l->n_units * k, sizeof(*job->step.sumsq_parts));
     job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
     job->step.norm_parts = calloc(job->nodes, sizeof(*job->step.norm_parts));
+    uint32_t OS = job->plan.f[SD_STATE_OS];
+    job->step.os_pos = calloc(OS, sizeof(*job->step.os_pos));
+    for (uint32_t i = 0; job->step.os_pos != NULL && i < OS; i++)
+        job->step.os_pos[sd_plan_shard(&job->plan, SD_STATE_OS, i)] = i;
     if (job->push.node_rounds) { /* one round per unit over all local ranks, then the network */
         job->push.g_members = k;
         job->push.g_groups = 1;
@@ -241,8 +247,8 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->push.rounds_done = calloc(n_rounds, sizeof(*job->push.rounds_done));
     if (!job->mem.arena || !job->mem.staging || !job->mem.scratch || cache_st != SD_OK ||
         queue_st != SD_OK || !job->step.sumsq_parts || !job->xfer.wait_tags ||
-        !job->step.norm_parts || !job->push.rounds || !job->push.round_entries ||
-        !job->push.rounds_done) {
+        !job->step.norm_parts || !job->step.os_pos || !job->push.rounds ||
+        !job->push.round_entries || !job->push.rounds_done) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }

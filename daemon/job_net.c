@@ -79,20 +79,21 @@ uint32_t sd_job_net_exchange(struct sd_job *job, struct sd_exchange_param *x, ui
 
 static uint32_t bulks_needed(const struct sd_job *job)
 {
-    uint32_t G = job->group_nodes, N = job->nodes;
-    uint32_t gathers = SD_MAX_GATHERS_INFLIGHT * (G - 1);
+    uint32_t Gw = job->gnodes[SD_STATE_W], G = job->gnodes[SD_STATE_G], N = job->nodes;
+    uint32_t gathers = SD_MAX_GATHERS_INFLIGHT * (Gw - 1);
     uint32_t serve = SD_MAX_GATHERS_INFLIGHT * (N - 1) * job->slots_per_unit;
     uint32_t round = job->push.round_gens * (2 * (G - 1) + 2 * (N - 1));
-    uint32_t step = 2 * (N - 1) + 2;
+    uint32_t step =
+        2 * (N - 1) + 2 + 2 * (job->gnodes[SD_STATE_OS] - 1); /* + the weights' all-gather */
     uint32_t init = N;
     return gathers + serve + round + step + init + 4;
 }
 
 static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cfg)
 {
-    uint32_t R = job->group_nodes > 1 ? job->nodes / job->group_nodes : job->nodes;
+    uint32_t R = job->gnodes[SD_STATE_G] > 1 ? job->nodes / job->gnodes[SD_STATE_G] : job->nodes;
     uint64_t maxn = job->layout.max_unit_numel;
-    uint64_t block = job->group_nodes > 1 ? maxn / job->group_nodes : maxn;
+    uint64_t block = job->gnodes[SD_STATE_G] > 1 ? maxn / job->gnodes[SD_STATE_G] : maxn;
     /* the largest all-reduce is one block */
     size_t need = sd_allreduce_tmp_floats(block, R, cfg->small_allreduce_bytes);
     /* smaller units may take the direct path with (R - 1) * count floats */
@@ -107,15 +108,15 @@ static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cf
  * land before the earlier one's. */
 bool sd_job_net_rounds_accumulate(const struct sd_job *job)
 {
-    return job->k == 1 && !job->plan.two_hop && job->nodes / job->group_nodes > 1 &&
-           job->plan.f[SD_STATE_G] == job->group_nodes;
+    return job->k == 1 && !job->plan.two_hop && job->nodes / job->gnodes[SD_STATE_G] > 1 &&
+           job->plan.f[SD_STATE_G] == job->gnodes[SD_STATE_G];
 }
 
 /* Does a node round sum its partial into a buffer of its own? Not when one rank's fp32
  * gradient is the partial. */
 static bool rounds_need_buf(const struct sd_job *job)
 {
-    if (job->k > 1)
+    if (job->k > 1 || !job->push.g_ident)
         return true;
     for (uint32_t u = 0; u < job->layout.n_units; u++)
         if (job->layout.units[u].dtype != SD_DTYPE_FP32)
@@ -128,7 +129,7 @@ static bool rounds_need_buf(const struct sd_job *job)
 static size_t round_floats(const struct sd_job *job, const struct sd_config *cfg)
 {
     uint64_t maxn = job->layout.max_unit_numel;
-    uint32_t G = job->group_nodes;
+    uint32_t G = job->gnodes[SD_STATE_G];
     uint64_t block = G > 1 ? maxn / G : 0;
     return (rounds_need_buf(job) ? maxn : 0) + (G > 1 ? (uint64_t)G * block : 0) +
            ar_tmp_floats(job, cfg) + 4 * 16; /* + 16 floats of slack after each buffer */
@@ -138,10 +139,10 @@ uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg)
 {
     if (job->nodes <= 1)
         return 0;
-    uint32_t G = job->group_nodes;
+    uint32_t Gw = job->gnodes[SD_STATE_W];
     uint64_t b = (uint64_t)job->push.round_gens * round_floats(job, cfg) * sizeof(float);
     b += (uint64_t)bulks_needed(job) * sizeof(struct sd_bulk);
-    b += (uint64_t)job->n_slots * (G ? G - 1 : 0) * (sizeof(struct sd_xfer) + sizeof(void *));
+    b += (uint64_t)job->n_slots * (Gw ? Gw - 1 : 0) * (sizeof(struct sd_xfer) + sizeof(void *));
     return b;
 }
 
@@ -163,7 +164,7 @@ static int reg_mr(struct sd_job *job, const void *p, size_t len)
 int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
 {
     const struct sd_config *cfg = job->reg->cfg;
-    uint32_t G = job->group_nodes, N = job->nodes;
+    uint32_t G = job->gnodes[SD_STATE_G], Gw = job->gnodes[SD_STATE_W], N = job->nodes;
     uint64_t maxn = job->layout.max_unit_numel;
     uint64_t block = G > 1 ? maxn / G : 0;
     job->xfer.net = job->reg->net;
@@ -171,7 +172,7 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         snprintf(err, errlen, "this daemon has no cluster (nodes = 1)");
         return SD_ENOSYS;
     }
-    if (job->k > 64 || G - 1 > 64 || job->k > SD_BULK_MAX_PIECES) {
+    if (job->k > 64 || Gw - 1 > 64 || job->k > SD_BULK_MAX_PIECES) {
         snprintf(err, errlen, "at most 64 ranks per node across nodes (have %u)", job->k);
         return SD_ENOSYS;
     }
@@ -201,10 +202,10 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         }
         rd->ar_tmp = p;
     }
-    if (G > 1) {
+    if (Gw > 1) {
         for (uint32_t i = 0; i < job->n_slots; i++) {
-            job->cache.units[i].rb = calloc(G, sizeof(*job->cache.units[i].rb));
-            job->cache.units[i].req_x = calloc(G, sizeof(*job->cache.units[i].req_x));
+            job->cache.units[i].rb = calloc(Gw, sizeof(*job->cache.units[i].rb));
+            job->cache.units[i].req_x = calloc(Gw, sizeof(*job->cache.units[i].req_x));
             if (!job->cache.units[i].rb || !job->cache.units[i].req_x)
                 goto err_nomem;
         }

@@ -18,14 +18,13 @@ static void load_unit(struct sd_job *job, uint32_t unit, const float *src)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[unit];
-    uint32_t f = job->plan.f[SD_STATE_OS];
-    uint64_t len = ul->numel / f;
     for (uint32_t r = 0; r < job->k; r++) {
-        uint64_t b, end;
-        sd_layout_shard(ul, f, job->first_rank + r, &b, &end);
+        uint64_t b, e;
+        sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
         float *master = (float *)sd_job_state(job, r, SD_STATE_OS) + ul->arena_off[SD_STATE_OS];
-        dev->copy(job->mem.queue, master, src + b, len * sizeof(float));
-        dev->from_f32(job->mem.queue, sd_job_w_shard(job, r, unit), ul->dtype, src + b, len);
+        dev->copy(job->mem.queue, master, src + b, (e - b) * sizeof(float));
+        sd_layout_shard(ul, &job->plan, SD_STATE_W, job->first_rank + r, &b, &e);
+        dev->from_f32(job->mem.queue, sd_job_w_shard(job, r, unit), ul->dtype, src + b, e - b);
     }
 }
 
@@ -97,9 +96,9 @@ void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_
 
 /* ---- initial values: node 0 sends each node the part of each unit it holds */
 
-/* Elements [lo, hi) of unit ul cover the optimizer-state shards of node m's ranks, which are all
- * load_unit reads (the weights are made from them): a zero3 node gets 1/N of the unit,
- * not all of it. */
+/* Elements [lo, hi) of unit ul cover the weight shards of node m's ranks, which hold their
+ * optimizer-state shards (model.h): all load_unit reads. A zero3 node gets 1/N of the unit, not
+ * all of it. */
 static void init_range(const struct sd_job *job, uint32_t m, const struct sd_unit_layout *ul,
                        uint64_t *lo, uint64_t *hi)
 {
@@ -107,7 +106,7 @@ static void init_range(const struct sd_job *job, uint32_t m, const struct sd_uni
     *hi = 0;
     for (uint32_t r = m * job->k; r < (m + 1) * job->k; r++) {
         uint64_t b, e;
-        sd_layout_shard(ul, job->plan.f[SD_STATE_OS], r, &b, &e);
+        sd_layout_shard(ul, &job->plan, SD_STATE_W, r, &b, &e);
         *lo = SD_MIN(*lo, b);
         *hi = SD_MAX(*hi, e);
     }

@@ -77,20 +77,20 @@ static inline struct sd_transport *sd_job_tp(const struct sd_job *job)
     return job->xfer.net->tp;
 }
 
-/* nodes of the replication group of this node's shards, ascending */
+/* nodes of the replication group of this node's g shards, ascending */
 static inline uint32_t sd_job_replication_nodes(const struct sd_job *job, uint32_t *out)
 {
-    uint32_t n = 0, G = job->group_nodes;
+    uint32_t n = 0, G = job->gnodes[SD_STATE_G];
     for (uint32_t m = 0; m < job->nodes; m++)
         if (G == 1 || m % G == job->node % G)
             out[n++] = m;
     return n;
 }
 
-/* the first node of this node's partition group */
-static inline uint32_t sd_job_group_first(const struct sd_job *job)
+/* the first node of this node's partition group of group_nodes nodes (job->gnodes[state]) */
+static inline uint32_t sd_job_group_first(const struct sd_job *job, uint32_t group_nodes)
 {
-    return job->node - job->node % job->group_nodes;
+    return job->node - job->node % group_nodes;
 }
 
 #endif

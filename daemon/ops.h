@@ -4,6 +4,7 @@
  *   push.c       push rounds, from the local ranks' gradients to the ordered retire into g
  *   step.c       the step's phases (gradient sync, norm, optimizer, refresh), one node or many
  *   optimizer.c  clipping and the optimizer through the device backend
+ *   weights.c    the weights' all-gather after the optimizer (f_w < f_os)
  *   loading.c    initial values and the ready barrier */
 #ifndef SD_OPS_H
 #define SD_OPS_H
@@ -86,11 +87,13 @@ static inline uint32_t sd_job_round_group(const struct sd_job *job, size_t gi)
 }
 
 /* Where local rank j's g shard of a unit sits in this node's reduced block of it (len floats
- * per shard): the block holds the k ranks' shards when the partition group spans nodes, else
- * the f shards of the whole unit, which rank j holds shard j % f of. */
+ * per shard): the block holds the k ranks' shards in local order when the g-partition group
+ * spans nodes, else the f_g shards of the whole unit in unit order. */
 static inline uint64_t sd_job_g_block_off(const struct sd_job *job, uint32_t j, uint64_t len)
 {
-    return job->group_nodes > 1 ? (uint64_t)j * len : (uint64_t)(j % job->plan.f[SD_STATE_G]) * len;
+    return job->gnodes[SD_STATE_G] > 1
+               ? (uint64_t)j * len
+               : (uint64_t)sd_plan_shard(&job->plan, SD_STATE_G, job->first_rank + j) * len;
 }
 
 /* ---- dispatch.c */
@@ -146,6 +149,17 @@ void sd_step_progress(struct sd_job *job);
  * synchronized and the global sum of squares is known: clipping, AdamW or SGD, the cast into
  * w, the gradients zeroed. Returns the global gradient norm. */
 double sd_optimizer_apply(struct sd_job *job, double sumsq);
+
+/* ---- weights.c */
+/* Does the weights' all-gather after the optimizer cross nodes (f_w < f_os, f_os > k)? */
+bool sd_weights_remote(const struct sd_job *job);
+/* Start unit u's exchanges with the os group's other nodes: job->step.pending counts them and
+ * the last completion calls sd_step_progress; a post that failed sets job->step.status and
+ * suspect and is returned. */
+int sd_weights_exchange(struct sd_job *job, uint32_t u);
+/* The parts of every local rank's w shards that other local ranks own (or that the exchange
+ * received into another local holder), copied in. */
+void sd_weights_local(struct sd_job *job);
 
 /* ---- loading.c */
 void sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,

@@ -31,8 +31,9 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
     uint64_t len = ul->numel / f;
     size_t esz = sd_dtype_size(ul->dtype);
 
-    for (uint32_t i = 0; i < f; i++) {
-        uint32_t holder = g * f + i; /* local index of the rank holding shard i */
+    for (uint32_t h = 0; h < f; h++) {
+        uint32_t holder = g * f + h; /* local index of the rank holding shard i */
+        uint32_t i = sd_plan_shard(&job->plan, SD_STATE_G, job->first_rank + holder);
         float *dst = sd_job_g_shard(job, holder, ul);
         for (uint32_t m = 0; m < f; m++) {
             const uint8_t *src =
@@ -169,7 +170,7 @@ static void rounds_retire(struct sd_job *job)
         if (!sd_job_net_rounds_accumulate(job)) { /* else the all-reduce added it */
             const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
             uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
-            const float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
+            const float *B = job->gnodes[SD_STATE_G] > 1 ? rd->rs_out : rd->part;
             for (uint32_t j = 0; j < job->k; j++)
                 job->reg->dev->reduce_add(job->mem.queue, sd_job_g_shard(job, j, ul),
                                           B + sd_job_g_block_off(job, j, len), SD_DTYPE_FP32, len);
@@ -225,8 +226,9 @@ static void round_after_rs(struct sd_node_round *rd)
     if (rd->status == SD_OK && !job->plan.two_hop && job->state != SD_JOB_FAILED) {
         uint32_t R = sd_job_replication_nodes(job, job->xfer.members);
         const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
-        uint64_t count = job->group_nodes > 1 ? ul->numel / job->group_nodes : ul->numel;
-        float *B = job->group_nodes > 1 ? rd->rs_out : rd->part;
+        uint64_t count =
+            job->gnodes[SD_STATE_G] > 1 ? ul->numel / job->gnodes[SD_STATE_G] : ul->numel;
+        float *B = job->gnodes[SD_STATE_G] > 1 ? rd->rs_out : rd->part;
         if (R > 1) {
             float *acc = sd_job_net_rounds_accumulate(job) ? sd_job_g_shard(job, 0, ul) : NULL;
             int st = sd_job_net_allreduce(job, &rd->ar, R, rd->unit, rd->seq, false, B, count,
@@ -246,7 +248,7 @@ static void rs_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
     struct sd_job *job = rd->job;
     (void)piece;
     uint32_t c = (uint32_t)(off / rd->chunk);
-    uint32_t G = job->group_nodes;
+    uint32_t G = job->gnodes[SD_STATE_G];
     if (++rd->chunk_arrivals[c] < G - 1)
         return;
     const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
@@ -278,18 +280,38 @@ static void rs_done(struct sd_bulk *b, int status)
 
 /* elements [lo, hi) of the node partial, into rd->buf: the local ranks' gradients summed in
  * rank order */
-static void node_partial(struct sd_job *job, struct sd_node_round *rd,
-                         const struct sd_push_entry *ent, const struct sd_unit_layout *ul,
-                         uint64_t lo, uint64_t hi)
+static void partial_range(struct sd_job *job, struct sd_node_round *rd,
+                          const struct sd_push_entry *ent, const struct sd_unit_layout *ul,
+                          uint64_t lo, uint64_t hi, uint64_t src_lo)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     size_t esz = sd_dtype_size(ul->dtype);
     for (uint32_t m = 0; m < job->k; m++) {
-        const uint8_t *src = sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + lo * esz;
+        const uint8_t *src = sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + src_lo * esz;
         if (m == 0)
             dev->to_f32(job->mem.queue, rd->buf + lo, src, ul->dtype, hi - lo);
         else
             dev->reduce_add(job->mem.queue, rd->buf + lo, src, ul->dtype, hi - lo);
+    }
+}
+
+/* Elements [lo, hi) of the node partial in block order: across nodes, block i of the partial is
+ * the g shards of the group's i-th node's ranks in local order, which with f_w > 1 are not the
+ * unit's elements in order (the nesting of model.h): each g-shard-long piece comes from the
+ * shard that rank holds. */
+static void node_partial(struct sd_job *job, struct sd_node_round *rd,
+                         const struct sd_push_entry *ent, const struct sd_unit_layout *ul,
+                         uint64_t lo, uint64_t hi)
+{
+    if (job->push.g_ident) {
+        partial_range(job, rd, ent, ul, lo, hi, lo);
+        return;
+    }
+    uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
+    uint32_t first = sd_job_group_first(job, job->gnodes[SD_STATE_G]) * job->k;
+    for (uint64_t q = lo / len; q * len < hi; q++) { /* block ranges are whole shards */
+        uint32_t shard = sd_plan_shard(&job->plan, SD_STATE_G, first + (uint32_t)q);
+        partial_range(job, rd, ent, ul, q * len, (q + 1) * len, (uint64_t)shard * len);
     }
 }
 
@@ -336,8 +358,8 @@ static void round_start_next(struct sd_job *job)
          * into the round's buffer, across nodes block by block, each just before it leaves,
          * this node's own block last: the first send starts after 1/G of the work instead of
          * all of it. */
-        uint32_t G = job->group_nodes;
-        bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32;
+        uint32_t G = job->gnodes[SD_STATE_G];
+        bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32 && job->push.g_ident;
         rd->part = direct ? (float *)(void *)sd_job_staging_slot(job, ent[0].s->local, ent[0].slot)
                           : rd->buf;
         if (G == 1) {
@@ -347,7 +369,7 @@ static void round_start_next(struct sd_job *job)
             continue;
         }
         size_t block = ul->numel / G, bytes = block * sizeof(float);
-        uint32_t first = sd_job_group_first(job), me = job->node % G;
+        uint32_t first = sd_job_group_first(job, G), me = job->node % G;
         rd->chunk = sd_bulk_chunk_bytes(bytes, 1, job->reg->cfg->chunk_bytes);
         uint32_t seq = sd_tag_wrap(rd->seq, SD_TAG_SEQ_BITS);
         for (uint32_t i = 0, o = 0; i < G; i++) {

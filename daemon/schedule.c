@@ -300,7 +300,7 @@ void sd_sched_prefetch(struct sd_job *job)
         }
         /* coalescing: the next gathers of small consecutive units leave with the open batch,
          * ahead of their planned issue, when their places hold nothing */
-        while (job->group_nodes > 1 && sc->pf_next[l] < sc->plan.n_iv) {
+        while (job->gnodes[SD_STATE_W] > 1 && sc->pf_next[l] < sc->plan.n_iv) {
             uint32_t I = sc->pf_next[l], u = sc->plan.iv_unit[I];
             struct sd_unit_state *us = &job->cache.units[(size_t)u * job->slots_per_unit + l];
             uint64_t off = sc->plan.iv[I].off + copy_off(job, us);

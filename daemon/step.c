@@ -26,16 +26,16 @@ static void refresh_held(struct sd_job *job)
     }
 }
 
-/* The optimizer ran: the weights are of the next generation, and units held across the step
+/* The optimizer updated every os shard, and the weights' all-gather brought every w shard the
+ * parts other ranks own: the weights are of the next generation, and units held across the step
  * are gathered again so their holders see them (across nodes the REFRESH phase does it). False
  * after failing the job. */
-static bool step_apply(struct sd_job *job, double sumsq)
+static bool weights_new(struct sd_job *job)
 {
-    double norm = sd_optimizer_apply(job, sumsq);
+    sd_weights_local(job);
     job->steps++;
     job->weights_gen++;
-    job->last_grad_norm = norm;
-    if (job->group_nodes == 1)
+    if (job->gnodes[SD_STATE_W] == 1)
         refresh_held(job);
     /* the new weights are served to peers, and the refreshed slots read by their holders */
     return sd_job_sync(job);
@@ -60,9 +60,10 @@ static void step_done(struct sd_job *job)
     job->step.arrived = 0;
 }
 
-/* One node: the replicas of each g shard are all here. Each shard is reduced into its first
- * replica and copied back to the others (the 2-hop sync), and its sum of squares taken: this
- * node's squared norm is the whole one. False after failing the job. */
+/* One node: the replicas of each g shard are all here (rank i of the first g-partition group
+ * holds some shard, the rank i + j f_g of group j the same one). Each shard is reduced into its
+ * first replica and copied back to the others (the 2-hop sync), and its sum of squares taken:
+ * this node's squared norm is the whole one. False after failing the job. */
 static bool sync_in_node(struct sd_job *job)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
@@ -142,22 +143,22 @@ static uint64_t step_pack(struct sd_job *job, uint32_t u)
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint32_t f = job->plan.f[SD_STATE_G];
     uint64_t len = ul->numel / f;
-    if (job->group_nodes > 1) {
+    if (job->gnodes[SD_STATE_G] > 1) {
         for (uint32_t j = 0; j < job->k; j++)
             dev->copy(job->mem.queue, job->mem.scratch + (uint64_t)j * len,
                       sd_job_g_shard(job, j, ul), len * sizeof(float));
         return (uint64_t)job->k * len;
     }
-    for (uint32_t i = 0; i < f; i++)
-        for (uint32_t j = i; j < job->k; j += f) {
-            const float *g = sd_job_g_shard(job, j, ul);
-            if (j == i)
-                dev->copy(job->mem.queue, job->mem.scratch + (uint64_t)i * len, g,
-                          len * sizeof(float));
-            else
-                dev->reduce_add(job->mem.queue, job->mem.scratch + (uint64_t)i * len, g,
-                                SD_DTYPE_FP32, len);
-        }
+    /* replicas of a shard inside the node summed in rank order, each shard at its place in the
+     * unit (rank j < f is the first to hold its shard) */
+    for (uint32_t j = 0; j < job->k; j++) {
+        const float *g = sd_job_g_shard(job, j, ul);
+        float *dst = job->mem.scratch + sd_job_g_block_off(job, j, len);
+        if (j < f)
+            dev->copy(job->mem.queue, dst, g, len * sizeof(float));
+        else
+            dev->reduce_add(job->mem.queue, dst, g, SD_DTYPE_FP32, len);
+    }
     job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] += (uint64_t)(job->k / f) * ul->numel * 4;
     return ul->numel;
 }
@@ -190,8 +191,9 @@ static void step_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
 /* the nodes of this node's partition group must have recorded the same schedule */
 static bool check_schedules(struct sd_job *job)
 {
-    if (job->group_nodes < 2 ||
-        sd_sched_check_nodes(job, sd_job_group_first(job), job->group_nodes, job->step.norm_parts))
+    if (job->gnodes[SD_STATE_W] < 2 ||
+        sd_sched_check_nodes(job, sd_job_group_first(job, job->gnodes[SD_STATE_W]),
+                             job->gnodes[SD_STATE_W], job->step.norm_parts))
         return true;
     job->step.phase = SD_STEP_IDLE;
     return false;
@@ -313,7 +315,32 @@ void sd_step_progress(struct sd_job *job)
         double sumsq = 0.0;
         for (uint32_t m = 0; m < job->nodes; m++)
             sumsq += job->step.norm_parts[m].sumsq;
-        if (!step_apply(job, sumsq))
+        job->last_grad_norm = sd_optimizer_apply(job, sumsq);
+        /* the exchanges send the owners' new parts */
+        if (sd_weights_remote(job) && !sd_job_sync(job))
+            return;
+        job->step.phase = SD_STEP_WEIGHTS;
+        job->step.unit = 0;
+        job->step.pending = 0;
+        job->step.status = SD_OK;
+    }
+    if (job->step.phase == SD_STEP_WEIGHTS) {
+        if (job->step.pending > 0)
+            return; /* the unit's exchanges call again */
+        if (job->step.status != SD_OK) {
+            step_fail(job, job->step.status, job->step.suspect);
+            return;
+        }
+        while (sd_weights_remote(job) && job->step.unit < job->layout.n_units) {
+            int st = sd_weights_exchange(job, job->step.unit++);
+            if (st != SD_OK) {
+                step_fail(job, st, job->step.suspect);
+                return;
+            }
+            if (job->step.pending > 0)
+                return;
+        }
+        if (!weights_new(job))
             return;
         sd_fetch_serve_queue(job);
         job->step.phase = SD_STEP_REFRESH;
@@ -322,7 +349,7 @@ void sd_step_progress(struct sd_job *job)
         /* units held across the step are gathered again in place; one that cannot start now
          * (transfer resources busy) is retried when a transfer completes */
         bool pending = false;
-        for (uint32_t i = 0; job->group_nodes > 1 && i < job->n_slots; i++) {
+        for (uint32_t i = 0; job->gnodes[SD_STATE_W] > 1 && i < job->n_slots; i++) {
             struct sd_unit_state *us = &job->cache.units[i];
             if (!us->resident || us->refs == 0 || us->inflight || us->gen == job->weights_gen)
                 continue;

@@ -86,6 +86,12 @@ static void host_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t
     memcpy(dst, src, bytes);
 }
 
+static void host_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
+{
+    (void)q;
+    memset(dst, 0, bytes);
+}
+
 static void host_reduce_add(struct sd_gpu_queue *q, float *restrict acc, const void *restrict src,
                             int dtype, size_t n)
 {
@@ -305,6 +311,7 @@ const struct sd_gpu_ops sd_gpu_host_ops = {
     .record = host_record,
     .query = host_query,
     .copy = host_copy,
+    .zero = host_zero,
     .reduce_add = host_reduce_add,
     .to_f32 = host_to_f32,
     .from_f32 = host_from_f32,
@@ -317,7 +324,7 @@ const struct sd_gpu_ops sd_gpu_host_ops = {
  * GPU stream may run them any time before. The kernels are kept in a ring sized when the queue
  * is created, so enqueueing allocates nothing. */
 
-enum deferred_kind { D_COPY, D_REDUCE, D_TO_F32, D_FROM_F32, D_SUM_SQ, D_ADAMW, D_SGD };
+enum deferred_kind { D_COPY, D_ZERO, D_REDUCE, D_TO_F32, D_FROM_F32, D_SUM_SQ, D_ADAMW, D_SGD };
 
 struct deferred_op {
     enum deferred_kind kind;
@@ -340,6 +347,9 @@ static void deferred_flush(struct sd_gpu_queue *q)
         switch (o->kind) {
         case D_COPY:
             host_copy(q, o->dst, o->src, o->n);
+            break;
+        case D_ZERO:
+            host_zero(q, o->dst, o->n);
             break;
         case D_REDUCE:
             host_reduce_add(q, o->dst, o->src, o->dtype, o->n);
@@ -428,6 +438,11 @@ static void deferred_copy(struct sd_gpu_queue *q, void *dst, const void *src, si
     deferred_enqueue(q, D_COPY, dst, src, 0, bytes);
 }
 
+static void deferred_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
+{
+    deferred_enqueue(q, D_ZERO, dst, NULL, 0, bytes);
+}
+
 static void deferred_reduce_add(struct sd_gpu_queue *q, float *acc, const void *src, int dtype,
                                 size_t n)
 {
@@ -492,6 +507,7 @@ const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
     .record = host_record,
     .query = deferred_query,
     .copy = deferred_copy,
+    .zero = deferred_zero,
     .reduce_add = deferred_reduce_add,
     .to_f32 = deferred_to_f32,
     .from_f32 = deferred_from_f32,

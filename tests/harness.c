@@ -231,6 +231,37 @@ json_t *th_admin_json(const char *sock, const char *cmd)
     return doc;
 }
 
+long long th_json_int(json_t *o, const char *path)
+{
+    char buf[128];
+    snprintf(buf, sizeof(buf), "%s", path);
+    json_t *cur = o;
+    for (char *save = NULL, *tok = strtok_r(buf, ".", &save); tok && cur;
+         tok = strtok_r(NULL, ".", &save))
+        cur = json_object_get(cur, tok);
+    return cur ? (long long)json_integer_value(cur) : -1;
+}
+
+json_t *th_job_stats(const char *sock, const char *job)
+{
+    json_t *found = NULL;
+    for (double end = th_now_s() + 10; found == NULL && th_now_s() < end;) {
+        json_t *doc = th_admin_json(sock, "stats");
+        size_t i;
+        json_t *j;
+        json_array_foreach(json_object_get(doc, "jobs"), i, j)
+        {
+            if (strcmp(json_string_value(json_object_get(j, "job")), job) == 0 &&
+                !json_is_true(json_object_get(j, "retiring")))
+                found = json_incref(j);
+        }
+        json_decref(doc);
+        if (found == NULL)
+            usleep(20000);
+    }
+    return found;
+}
+
 int th_train(const char *dir, const char *job, const char *const *socks, int k, int world,
              const char *const *args, const char *dump, const char *ref, int *rcs)
 {

@@ -41,6 +41,12 @@ int th_wait(pid_t pid, int timeout_ms);
 char *th_admin(const char *sock, const char *cmd);
 /* The same, parsed (jansson); NULL when the daemon did not answer or the document is not JSON. */
 struct json_t *th_admin_json(const char *sock, const char *cmd);
+/* The integer at a dotted path ("ops.fetch.bytes.inter_node_recv") of o, or -1. */
+long long th_json_int(struct json_t *o, const char *path);
+/* The job's entry of a daemon's stats document (a reference), or NULL. A job whose transfers
+ * still run after its ranks left (serving the final dump's gather) is listed as retiring until
+ * they finished: waits for that, 10 s at most, so that its byte counters are final. */
+struct json_t *th_job_stats(const char *sock, const char *job);
 /* Train with mlp_train: world ranks of job (rank r on socks[r / k]) and the one-process
  * --reference, each with args (NULL-terminated, the options they share); rank 0 dumps its
  * parameters into dump, the reference into ref; logs go to dir/job-<rank>.log (the

@@ -14,6 +14,7 @@
  *               ring step 8 (set by the all-reduce per transfer)
  *   GRAD        micro-step mod 2^16
  *   SCALAR      step mod 2^16
+ *   WSTEP       step mod 2^16
  *   INIT, RDV   0
  *
  * A leaf header: the transport reads kind, src and chunk to route, the collective engine and the
@@ -64,6 +65,7 @@ enum sd_tag_kind {
     SD_TAG_SCALAR = 5, /* small all-reduce */
     SD_TAG_INIT = 6,   /* initial values broadcast */
     SD_TAG_RDV = 7,    /* the transport's clear-to-send (rendezvous_bytes), on its own endpoint */
+    SD_TAG_WSTEP = 8,  /* the weights' all-gather after the optimizer (f_w < f_os) */
 };
 
 struct sd_tag_fields {

@@ -48,41 +48,6 @@ struct run {
     int accum;
 };
 
-static long long jnum(json_t *o, const char *path)
-{
-    /* path "ops.fetch.bytes.inter_node_recv" */
-    char buf[128];
-    snprintf(buf, sizeof(buf), "%s", path);
-    json_t *cur = o;
-    for (char *save = NULL, *tok = strtok_r(buf, ".", &save); tok && cur;
-         tok = strtok_r(NULL, ".", &save))
-        cur = json_object_get(cur, tok);
-    return cur ? (long long)json_integer_value(cur) : -1;
-}
-
-/* The job's stats on node; a job whose transfers still run after its ranks left (serving the
- * final dump's gather) is listed as retiring until they finished: wait for that, 10 s at
- * most, so that its byte counters are final. */
-static json_t *job_stats(int node, const char *job)
-{
-    json_t *found = NULL;
-    for (double end = th_now_s() + 10; found == NULL && th_now_s() < end;) {
-        json_t *doc = th_admin_json(cl.d[node].sock, "stats");
-        size_t i;
-        json_t *j;
-        json_array_foreach(json_object_get(doc, "jobs"), i, j)
-        {
-            if (strcmp(json_string_value(json_object_get(j, "job")), job) == 0 &&
-                !json_is_true(json_object_get(j, "retiring")))
-                found = json_incref(j);
-        }
-        json_decref(doc);
-        if (found == NULL)
-            usleep(20000);
-    }
-    return found;
-}
-
 static long long job_param_bytes(const char *job)
 {
     json_t *doc = th_admin_json(cl.d[0].sock, "jobs");
@@ -133,7 +98,7 @@ static void run_one(const struct run *r, int idx)
     int G = p > K ? p / K : 1, R = N / G, s = r->accum;
     long long block = S / G;
     for (int node = 0; node < N; node++) {
-        json_t *st = job_stats(node, job);
+        json_t *st = th_job_stats(cl.d[node].sock, job);
         TH_CHECK(st != NULL, "node %d has no stats for %s", node, job);
         if (st == NULL)
             continue;
@@ -151,21 +116,21 @@ static void run_one(const struct run *r, int idx)
             push += (long long)T * s * ar;
         long long step = (long long)T * ((two_hop ? ar : 0) + 24LL * (N - 1));
         long long got[5] = {
-            jnum(st, "ops.init.bytes.inter_node_sent"), jnum(st, "ops.init.bytes.inter_node_recv"),
-            jnum(st, "ops.fetch.bytes.inter_node_recv"), jnum(st, "ops.push.bytes.inter_node_sent"),
-            jnum(st, "ops.step.bytes.inter_node_sent")};
+            th_json_int(st, "ops.init.bytes.inter_node_sent"), th_json_int(st, "ops.init.bytes.inter_node_recv"),
+            th_json_int(st, "ops.fetch.bytes.inter_node_recv"), th_json_int(st, "ops.push.bytes.inter_node_sent"),
+            th_json_int(st, "ops.step.bytes.inter_node_sent")};
         long long want[5] = {init_sent, init_recv, fetch_recv, push, step};
         static const char *const what[5] = {"init sent", "init received", "fetch received",
                                             "push sent", "step sent"};
         for (int i = 0; i < 5; i++)
             TH_CHECK(got[i] == want[i], "%s accum %d node %d: %s %lld bytes, formula %lld (S %lld)",
                      r->plan, r->accum, node, what[i], got[i], want[i], S);
-        TH_CHECK(jnum(st, "ops.push.bytes.inter_node_recv") == push,
+        TH_CHECK(th_json_int(st, "ops.push.bytes.inter_node_recv") == push,
                  "%s node %d: push received %lld, formula %lld", r->plan, node,
-                 jnum(st, "ops.push.bytes.inter_node_recv"), push);
-        TH_CHECK(jnum(st, "allocations_since_register") == 0, "allocations after registration");
+                 th_json_int(st, "ops.push.bytes.inter_node_recv"), push);
+        TH_CHECK(th_json_int(st, "allocations_since_register") == 0, "allocations after registration");
         const char *sched = json_string_value(json_object_get(st, "schedule"));
-        TH_CHECK(sched && strcmp(sched, "frozen") == 0 && jnum(st, "schedule_invalidations") == 0,
+        TH_CHECK(sched && strcmp(sched, "frozen") == 0 && th_json_int(st, "schedule_invalidations") == 0,
                  "%s node %d: schedule %s", r->plan, node, sched ? sched : "?");
         json_decref(st);
     }
@@ -281,8 +246,8 @@ static void test_round_order(const char *plan, long long peak_min, long long pea
                  "-1: the micro-steps were added out of order)",
                  plan, r, o[r].st, o[r].err, o[r].w0, o[r].w_last);
     for (int node = 0; node < N; node++) {
-        json_t *st = job_stats(node, plan);
-        long long peak = st ? jnum(st, "push_rounds_peak") : -1;
+        json_t *st = th_job_stats(cl.d[node].sock, plan);
+        long long peak = st ? th_json_int(st, "push_rounds_peak") : -1;
         TH_CHECK(peak >= peak_min && peak <= peak_max,
                  "%s node %d: %lld reductions in flight at most, expected %lld..%lld (push_rounds "
                  "3, 4 micro-steps pushed back to back)",
@@ -332,11 +297,11 @@ static void check_transport(long long want_bytes, bool small_queues, int lanes)
         for (size_t l = 0; json_is_array(ls) && l < json_array_size(ls); l++)
             TH_CHECK(json_integer_value(json_array_get(ls, l)) > 0,
                      "node %d: data lane %zu of %d carried no send", node, l, lanes);
-        long long b = jnum(st, "transport.rendezvous_bytes"),
-                  s = jnum(st, "transport.clear_to_sends_sent"),
-                  r = jnum(st, "transport.clear_to_sends_received"),
-                  parked = jnum(st, "transport.sends_parked"),
-                  cleared = jnum(st, "transport.sends_cleared_on_arrival");
+        long long b = th_json_int(st, "transport.rendezvous_bytes"),
+                  s = th_json_int(st, "transport.clear_to_sends_sent"),
+                  r = th_json_int(st, "transport.clear_to_sends_received"),
+                  parked = th_json_int(st, "transport.sends_parked"),
+                  cleared = th_json_int(st, "transport.sends_cleared_on_arrival");
         TH_CHECK(b == want_bytes, "node %d: rendezvous_bytes %lld, expected %lld", node, b,
                  want_bytes);
         if (want_bytes > 0)
@@ -350,8 +315,8 @@ static void check_transport(long long want_bytes, bool small_queues, int lanes)
                      s, r);
         sent += s;
         received += r;
-        queued += jnum(st, "transport.posts_queued");
-        deferred += jnum(st, "transport.clear_to_sends_deferred");
+        queued += th_json_int(st, "transport.posts_queued");
+        deferred += th_json_int(st, "transport.clear_to_sends_deferred");
         if (node == 0)
             printf("%dx%d rendezvous above %lld bytes: node 0 sent %lld clear-to-sends, received "
                    "%lld (%lld sends parked, %lld cleared on arrival)\n",

@@ -33,7 +33,7 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
     char job[64], accum[16], dumps[5][400], logs[5][400];
     snprintf(job, sizeof(job), "fid-%s-%d", plan, idx);
     for (char *p = job; *p; p++)
-        if (*p == ':')
+        if (*p == ':' || *p == '/' || *p == ',')
             *p = '_';
     snprintf(accum, sizeof(accum), "%d", c->accum);
     pid_t pids[5];
@@ -141,8 +141,8 @@ int main(int argc, char **argv)
     char ref0[400], ref20[400];
     snprintf(ref0, sizeof(ref0), "%s/ref0.bin", d.dir);
     snprintf(ref20, sizeof(ref20), "%s/fid-%s-0-ref.bin", d.dir, plan);
-    for (char *p = ref20 + strlen(d.dir); *p; p++)
-        if (*p == ':')
+    for (char *p = ref20 + strlen(d.dir) + 1; *p; p++)
+        if (*p == ':' || *p == '/' || *p == ',')
             *p = '_';
     const char *argv0[] = {MLP_TRAIN_PATH, "--reference", "--world",       "4",  "--steps", "0",
                            "--seed",       "7",           "--dump-params", ref0, "--quiet", NULL};

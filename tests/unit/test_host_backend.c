@@ -160,6 +160,10 @@ int main(void)
     TH_CHECK(dd->query(dq, ticket) == SD_OK, "query runs the queue and reports it done");
     TH_CHECK(y[3] == 4 && z[0] == 11 && z[3] == 14 && sq == 11.0 * 11 + 12 * 12 + 13 * 13 + 14 * 14,
              "after the wait: copy, add, sum of squares in order (%g %g %g)", z[0], z[3], sq);
+    dd->zero(dq, &z[1], 2 * sizeof(float));
+    TH_CHECK(z[1] == 12, "zero waits for the queue");
+    TH_CHECK(dd->sync(dq) == SD_OK && z[0] == 11 && z[1] == 0 && z[2] == 0 && z[3] == 14,
+             "zero: exactly its bytes (%g %g %g %g)", z[0], z[1], z[2], z[3]);
     float g1 = 1.0f, mst = 1.0f, m1 = 0, v1 = 0, w1 = 0;
     a.step = 1;
     dd->adamw(dq, &a, &mst, &m1, &v1, &g1, 0.5f, &w1, SD_DTYPE_FP32, 1);

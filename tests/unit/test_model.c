@@ -126,13 +126,148 @@ static void test_layout(void)
         TH_CHECK(l.total_bytes == table[i].u0 * 4 + table[i].u1 * 2, "bytes by dtype");
         TH_CHECK(l.max_unit_bytes == table[i].u0 * 4, "max unit bytes");
         uint64_t b, e;
-        sd_layout_shard(&l.units[0], p.f[SD_STATE_W], 3, &b, &e);
+        sd_layout_shard(&l.units[0], &p, SD_STATE_W, 3, &b, &e);
         uint64_t len = table[i].u0 / p.f[0];
         TH_CHECK(b == (3 % p.f[0]) * len && e == b + len && b % SD_ALIGN_ELEMS == 0,
                  "%s: shard of rank 3 [%llu, %llu)", table[i].plan, (unsigned long long)b,
                  (unsigned long long)e);
         sd_layout_free(&l);
     }
+}
+
+/* Every preset is a spelling of topo:W/G/OS, and a plan that breaks a rule is refused with a
+ * message naming the factor and the rule. */
+static void test_topo_plans(void)
+{
+    struct sd_topo t24 = {.nodes = 2, .ranks_per_node = 4},
+                   t42p = {.nodes = 4, .ranks_per_node = 4, .package_size = 2};
+    struct sd_plan p;
+    char err[256];
+    const struct {
+        const char *spec;
+        const struct sd_topo *topo;
+        uint32_t w, g, os; /* 0: refused */
+        const char *says;  /* in the refusal */
+    } cases[] = {
+        {"ddp", &t24, 1, 1, 1, NULL},
+        {"zero1", &t24, 1, 1, 8, NULL},
+        {"zero2", &t24, 1, 8, 8, NULL},
+        {"zero3", &t24, 8, 8, 8, NULL},
+        {"mics:4", &t24, 4, 4, 4, NULL},
+        {"topo", &t24, 2, 4, 8, NULL},
+        {"topo:2/4/8", &t24, 2, 4, 8, NULL},
+        {"topo:2/k/n", &t24, 2, 4, 8, NULL},
+        {"topo:1/2/8,no-hier,no-2hop", &t24, 1, 2, 8, NULL},
+        {"topo:2/2/8,sec=2", &t24, 2, 2, 8, NULL},
+        {"topo:4/2/8", &t24, 0, 0, 0, "f_w = 4 does not divide f_g"},
+        {"topo:2/4/6", &t24, 0, 0, 0, "f_g = 4 does not divide f_os"},
+        {"topo:1/1/16", &t24, 0, 0, 0, "f_os = 16 does not divide the world size"},
+        {"topo:1/3/6", &(struct sd_topo){.nodes = 3, .ranks_per_node = 2}, 0, 0, 0,
+         "f_g = 3 does not align"},
+        {"topo:1/2", &t24, 0, 0, 0, "expected topo:W/G/OS"},
+        {"topo:1/2/8/8", &t24, 0, 0, 0, "expected topo:W/G/OS"},
+        {"topo:0/2/8", &t24, 0, 0, 0, "expected topo:W/G/OS"},
+        {"topo:2/4/8,sec=3", &t24, 0, 0, 0, "sec=3"},
+        {"topo:2/4/8,sec=x", &t24, 0, 0, 0, "sec=x"},
+        /* packages of 2 on 4-rank nodes: a factor is part of a package, whole packages of the
+         * node, or whole nodes */
+        {"topo:2/4/16", &t42p, 2, 4, 16, NULL},
+        {"topo:1/4/8", &t42p, 1, 4, 8, NULL},
+        {"topo", &t42p, 2, 4, 16, NULL},
+        {"topo:3/3/6", &(struct sd_topo){.nodes = 1, .ranks_per_node = 6, .package_size = 2}, 0, 0,
+         0, "f_w = 3 does not align"},
+        {"topo:2/6/12", &(struct sd_topo){.nodes = 2, .ranks_per_node = 12, .package_size = 4}, 0,
+         0, 0, "f_g = 6 does not align"},
+        {"zero3", &(struct sd_topo){.nodes = 1, .ranks_per_node = 6, .package_size = 4}, 0, 0, 0,
+         "package_size 4 does not divide"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        err[0] = '\0';
+        int st = sd_plan_parse(cases[i].spec, cases[i].topo, &p, err, sizeof(err));
+        if (cases[i].w != 0) {
+            TH_CHECK(st == SD_OK, "plan %s refused: %s", cases[i].spec, err);
+            if (st == SD_OK)
+                TH_CHECK(p.f[SD_STATE_W] == cases[i].w && p.f[SD_STATE_G] == cases[i].g &&
+                             p.f[SD_STATE_OS] == cases[i].os,
+                         "plan %s: %u/%u/%u", cases[i].spec, p.f[0], p.f[1], p.f[2]);
+        } else {
+            TH_CHECK(st == SD_EINVAL && strstr(err, cases[i].spec) != NULL &&
+                         strstr(err, cases[i].says) != NULL,
+                     "plan %s: status %d, message '%s' (expected '%s')", cases[i].spec, st, err,
+                     cases[i].says);
+        }
+    }
+    TH_CHECK(sd_plan_parse("topo:2/2/8,sec=2", &t24, &p, err, sizeof(err)) == SD_OK && p.sec == 2,
+             "sec=2 parsed");
+}
+
+/* The nesting of model.h for every valid plan over a table of worlds, node sizes and package
+ * sizes: each rank's os shard lies in its g shard, which lies in its w shard; each partition
+ * group holds every shard of its state once; the replication group of a state holds one
+ * shard. Checked against the elements themselves, not the formula. */
+static void test_nesting(void)
+{
+    static const uint32_t shapes[][3] = {/* nodes, k, package */
+                                         {1, 4, 1}, {2, 4, 1}, {4, 2, 1}, {2, 4, 2},
+                                         {4, 4, 2}, {3, 4, 2}, {2, 8, 4}, {8, 1, 1}};
+    uint64_t plans = 0;
+    for (size_t t = 0; t < sizeof(shapes) / sizeof(shapes[0]); t++) {
+        struct sd_topo topo = {
+            .nodes = shapes[t][0], .ranks_per_node = shapes[t][1], .package_size = shapes[t][2]};
+        uint32_t n = sd_topo_world(&topo);
+        for (uint32_t W = 1; W <= n; W++)
+            for (uint32_t G = W; G <= n; G++)
+                for (uint32_t OS = G; OS <= n; OS++) {
+                    char spec[32], err[256];
+                    struct sd_plan p;
+                    snprintf(spec, sizeof(spec), "topo:%u/%u/%u", W, G, OS);
+                    if (sd_plan_parse(spec, &topo, &p, err, sizeof(err)) != SD_OK)
+                        continue;
+                    plans++;
+                    struct sd_unit_layout ul = {.numel = (uint64_t)OS * SD_ALIGN_ELEMS};
+                    bool ok = true;
+                    for (uint32_t r = 0; r < n && ok; r++) {
+                        uint64_t wb, we, gb, ge, ob, oe;
+                        sd_layout_shard(&ul, &p, SD_STATE_W, r, &wb, &we);
+                        sd_layout_shard(&ul, &p, SD_STATE_G, r, &gb, &ge);
+                        sd_layout_shard(&ul, &p, SD_STATE_OS, r, &ob, &oe);
+                        ok =
+                            wb <= gb && ge <= we && gb <= ob && oe <= ge &&
+                            ob - wb ==
+                                sd_plan_nested_off(&p, SD_STATE_OS, SD_STATE_W, r, ul.numel) &&
+                            ob - gb == sd_plan_nested_off(&p, SD_STATE_OS, SD_STATE_G, r, ul.numel);
+                        TH_CHECK(ok,
+                                 "%s on %ux%u (package %u): rank %u holds w [%llu,%llu) g "
+                                 "[%llu,%llu) os [%llu,%llu)",
+                                 spec, topo.nodes, topo.ranks_per_node, topo.package_size, r,
+                                 (unsigned long long)wb, (unsigned long long)we,
+                                 (unsigned long long)gb, (unsigned long long)ge,
+                                 (unsigned long long)ob, (unsigned long long)oe);
+                    }
+                    for (int st = 0; st < SD_STATE_COUNT && ok; st++) {
+                        uint32_t f = p.f[st];
+                        /* a partition group: f consecutive ranks, every shard once */
+                        for (uint32_t first = 0; first < n && ok; first += f) {
+                            uint64_t seen = 0;
+                            for (uint32_t j = 0; j < f; j++)
+                                seen |= 1ULL << sd_plan_shard(&p, st, first + j);
+                            ok = seen == (f == 64 ? ~0ULL : (1ULL << f) - 1);
+                        }
+                        /* a replication group: one shard */
+                        for (uint32_t r = 0; r < n && ok; r++) {
+                            struct sd_group g = sd_group_replication(n, f, r);
+                            for (uint32_t j = 0; j < g.count && ok; j++)
+                                ok = sd_plan_shard(&p, st, sd_group_member(&g, j)) ==
+                                     sd_plan_shard(&p, st, r);
+                        }
+                        TH_CHECK(ok, "%s on %ux%u: the groups of %s", spec, topo.nodes,
+                                 topo.ranks_per_node, sd_state_name(st));
+                    }
+                }
+    }
+    TH_CHECK(plans > 100, "%llu valid plans checked", (unsigned long long)plans);
+    printf("nesting holds for %llu valid plans over %zu topologies\n", (unsigned long long)plans,
+           sizeof(shapes) / sizeof(shapes[0]));
 }
 
 static void test_validation_and_digest(void)
@@ -183,6 +318,8 @@ int main(void)
     test_plans();
     test_groups();
     test_layout();
+    test_topo_plans();
+    test_nesting();
     test_validation_and_digest();
     return th_summary("test_model");
 }

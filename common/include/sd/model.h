@@ -1,9 +1,18 @@
 /* Model description, plan, topology and group math, layout: pure functions, no I/O.
  *
- * Vocabulary follows DESIGN.md section 1. A rank r lives on node r / k at local index r % k.
- * For a state X with shard factor f, the partition group of r is the f consecutive ranks
- * [r - r % f, r - r % f + f) and r holds shard r % f of every unit; the replication group of r
- * is the world / f ranks {r % f + j * f}. */
+ * Vocabulary follows DESIGN.md section 1. A rank r lives on node r / k at local index r % k, in
+ * package (r % k) / package_size. For a state X with shard factor f, the partition group of r is
+ * the f consecutive ranks [r - r % f, r - r % f + f); the replication group of r is the
+ * world / f ranks {r % f + j * f}, which hold the same shard of X.
+ *
+ * Nested shards. With f_w | f_g | f_os, write r = d0 + f_w d1 + f_g d2 + f_os d3 (d0 < f_w,
+ * d1 < f_g / f_w, d2 < f_os / f_g). Rank r holds
+ *     w shard   d0
+ *     g shard   d0 (f_g / f_w) + d1
+ *     os shard  (d0 (f_g / f_w) + d1) (f_os / f_g) + d2
+ * so each of its g shard's f_os / f_g parts is some rank's os shard and its os shard lies in its
+ * g shard, which lies in its w shard: a rank keeps only the gradients and optimizer states of
+ * parameters it holds (ZeRO-topo). With equal factors every shard index is r % f, as in MiCS. */
 #ifndef SD_MODEL_H
 #define SD_MODEL_H
 
@@ -31,7 +40,13 @@ const char *sd_state_name(int state);
 struct sd_topo {
     uint32_t nodes;
     uint32_t ranks_per_node; /* k */
+    uint32_t package_size;   /* ranks that share a package (2 GCDs of an MI250X); 0 means 1 */
 };
+
+static inline uint32_t sd_topo_package(const struct sd_topo *t)
+{
+    return t->package_size ? t->package_size : 1;
+}
 
 static inline uint32_t sd_topo_world(const struct sd_topo *t)
 {
@@ -57,15 +72,28 @@ struct sd_group sd_group_replication(uint32_t world, uint32_t f, uint32_t rank);
 uint32_t sd_group_nodes(const struct sd_topo *t, const struct sd_group *g);
 
 struct sd_plan {
-    char name[32];              /* as given: "ddp", "zero3", "mics:2" */
-    uint32_t f[SD_STATE_COUNT]; /* shard factor per state */
+    char name[32];              /* as given: "ddp", "zero3", "mics:2", "topo:2/4/8" */
+    uint32_t f[SD_STATE_COUNT]; /* shard factor per state: f_w | f_g | f_os | world */
+    uint32_t sec;               /* ,sec=S: secondary partition over S ranks of a node; 0: none */
     bool hierarchical;          /* gather remote shards once per node (MiCS) */
     bool two_hop;               /* sync gradients across groups only at the step (MiCS) */
 };
 
-/* Parse a plan for a topology. On error returns SD_EINVAL and writes a message to err. */
+/* Parse a plan for a topology: topo:W/G/OS (each a number, k or n) or a preset (ddp = 1/1/1,
+ * zero1 = 1/1/n, zero2 = 1/n/n, zero3 = n/n/n, mics:P = P/P/P, topo = min(2,k)/k/n), then
+ * options ,no-hier ,no-2hop ,sec=S. Refused (SD_EINVAL, err names the factor and the rule) unless
+ * every factor divides the next and the world, and each aligns with a topology level: it divides
+ * the package, or is a multiple of the package that divides the node, or a multiple of the
+ * node. */
 int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *plan_p, char *err,
                   size_t errlen);
+
+/* The shard of state that rank holds, in [0, f[state]) (the nesting above). */
+uint32_t sd_plan_shard(const struct sd_plan *plan, int state, uint32_t rank);
+/* Where rank's shard of state inner begins inside its shard of state outer (f[outer] <=
+ * f[inner]), in elements of a unit of numel. */
+uint64_t sd_plan_nested_off(const struct sd_plan *plan, int inner, int outer, uint32_t rank,
+                            uint64_t numel);
 
 struct sd_optim {
     int kind;
@@ -131,12 +159,12 @@ static inline uint64_t sd_unit_bytes(const struct sd_unit_layout *u)
 {
     return u->numel * sd_dtype_size(u->dtype);
 }
-/* Shard of `unit` held by `rank` for state with factor f: elements [begin, end) of the unit. */
-static inline void sd_layout_shard(const struct sd_unit_layout *u, uint32_t f, uint32_t rank,
-                                   uint64_t *begin_p, uint64_t *end_p)
+/* Shard of `unit` that `rank` holds of state: elements [begin, end) of the unit. */
+static inline void sd_layout_shard(const struct sd_unit_layout *u, const struct sd_plan *plan,
+                                   int state, uint32_t rank, uint64_t *begin_p, uint64_t *end_p)
 {
-    uint64_t len = u->numel / f;
-    *begin_p = (uint64_t)(rank % f) * len;
+    uint64_t len = u->numel / plan->f[state];
+    *begin_p = (uint64_t)sd_plan_shard(plan, state, rank) * len;
     *end_p = *begin_p + len;
 }
 

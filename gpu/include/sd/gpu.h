@@ -49,6 +49,8 @@ struct sd_gpu_ops {
     int (*query)(struct sd_gpu_queue *q, uint64_t ticket);
     /* The kernels: enqueued on q. */
     void (*copy)(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes);
+    /* dst = bytes zeros */
+    void (*zero)(struct sd_gpu_queue *q, void *dst, size_t bytes);
     /* acc[i] += (float)src[i] with src in dtype */
     void (*reduce_add)(struct sd_gpu_queue *q, float *acc, const void *src, int src_dtype,
                        size_t n);
