@@ -75,13 +75,33 @@ static json_t *job_groups(const struct sd_job *job)
             struct sd_group g = sd_group_replication(job->world, f, i);
             json_array_append_new(repl, group_json(&g));
         }
+        /* each rank's shard: elements [shard numel / f, (shard + 1) numel / f) of every unit,
+         * and its bytes of the state (w in the units' dtypes, g fp32, os fp32 master and
+         * moments) */
+        uint64_t bytes = st == SD_STATE_W   ? job->mem.w_arena_bytes
+                         : st == SD_STATE_G ? job->layout.arena_numel[st] * sizeof(float)
+                                            : job->layout.arena_numel[st] * sizeof(float) *
+                                                  sd_optim_state_floats(job->model.optim.kind);
+        json_t *ranks = json_array();
+        uint32_t P = sd_topo_package(&job->topo);
+        for (uint32_t r = 0; r < job->world; r++)
+            json_array_append_new(ranks,
+                                  json_pack("{s:i, s:i, s:i, s:i}", "rank", (int)r, "node",
+                                            (int)(r / job->k), "package", (int)(r % job->k / P),
+                                            "shard", (int)sd_plan_shard(&job->plan, st, r)));
         json_object_set_new(states, sd_state_name(st),
-                            json_pack("{s:i, s:o, s:o}", "shard_factor", (int)f, "partition", part,
-                                      "replication", repl));
+                            json_pack("{s:i, s:i, s:I, s:o, s:o, s:o}", "shard_factor", (int)f,
+                                      "nodes_per_group", (int)job->gnodes[st], "bytes_per_rank",
+                                      (json_int_t)bytes, "partition", part, "replication", repl,
+                                      "ranks", ranks));
     }
-    return json_pack("{s:s, s:s, s:i, s:b, s:b, s:o}", "job", job->name, "plan", job->plan.name,
-                     "world", (int)job->world, "hierarchical", job->plan.hierarchical, "two_hop",
-                     job->plan.two_hop, "states", states);
+    return json_pack("{s:s, s:s, s:i, s:i, s:i, s:b, s:b, s:s, s:o}", "job", job->name, "plan",
+                     job->plan.name, "world", (int)job->world, "ranks_per_node", (int)job->k,
+                     "package_size", (int)sd_topo_package(&job->topo), "hierarchical",
+                     job->plan.hierarchical, "two_hop", job->plan.two_hop, "shard_rule",
+                     "a rank holds elements [shard*numel/f, (shard+1)*numel/f) of every unit; "
+                     "its os shard lies in its g shard, which lies in its w shard",
+                     "states", states);
 }
 
 static json_t *job_stats(const struct sd_job *job)
@@ -274,11 +294,12 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
             json_array_append_new(
                 nodes, json_pack("{s:i, s:b, s:s}", "node", 0, "self", 1, "state", "self"));
         }
-        out = json_pack("{s:i, s:i, s:I, s:s, s:s, s:b, s:s, s:o, s:o}", "node", (int)cfg->node,
-                        "nodes", (int)cfg->nodes, "ranks_per_node", (json_int_t)cfg->ranks_per_node,
-                        "backend", cfg->backend, "provider", cfg->nodes > 1 ? cfg->provider : "",
-                        "cluster_ready", sd_cluster_ready(cl), "socket", srv->sock_path, "topology",
-                        nodes, "jobs", jobs);
+        out = json_pack("{s:i, s:i, s:I, s:I, s:s, s:s, s:b, s:s, s:o, s:o}", "node",
+                        (int)cfg->node, "nodes", (int)cfg->nodes, "ranks_per_node",
+                        (json_int_t)cfg->ranks_per_node, "package_size",
+                        (json_int_t)cfg->package_size, "backend", cfg->backend, "provider",
+                        cfg->nodes > 1 ? cfg->provider : "", "cluster_ready", sd_cluster_ready(cl),
+                        "socket", srv->sock_path, "topology", nodes, "jobs", jobs);
     } else {
         json_decref(jobs);
         out = json_pack("{s:s}", "error",

@@ -1,5 +1,8 @@
-/* shardctl: inspect a running shardd (status, jobs, groups, topology, stats, schedule). */
+/* shardctl: inspect a running shardd (status, jobs, groups, topology, stats, schedule), and
+ * plan a model that does not exist yet (plan: no daemon). */
 #include "shard.h"
+#include "sd/cost.h"
+#include "sd/model.h"
 #include "sd/status.h"
 #include "sd/util.h"
 
@@ -25,6 +28,12 @@ static void usage(FILE *out)
             "  schedule   per job: the frozen fetch/release/push order, prefetch distance, each\n"
             "             gather's pool offset, size and lifetime, the pool peak next to the sum\n"
             "             of all units and the largest unit, invalidations\n"
+            "  plan       without a daemon: per-rank memory of each state and the inter-node\n"
+            "             bytes per step of a plan for a hypothetical model:\n"
+            "             plan --params N --world W --ranks-per-node K --plan PLAN\n"
+            "                  [--package-size P] [--accum S] [--dtype bf16|fp32]\n"
+            "                  [--optimizer adamw|sgd] [--gbit-per-node B] [--json]\n"
+            "             (defaults: package 1, accum 1, bf16, adamw; with B, the time too)\n"
             "\n"
             "Options:\n"
             "  --socket PATH  daemon socket (default $SHARD_SOCKET, else /run/shardd/shardd.sock)\n"
@@ -129,18 +138,29 @@ static void print_groups(json_t *doc)
     json_t *j;
     json_array_foreach(json_object_get(doc, "jobs"), i, j)
     {
-        printf("job %s: plan %s, world %lld, hierarchical gather %s, 2-hop sync %s\n",
-               str(j, "job"), str(j, "plan"), num(j, "world"),
+        printf("job %s: plan %s, world %lld (%lld per node, packages of %lld), hierarchical "
+               "gather %s, 2-hop sync %s\n",
+               str(j, "job"), str(j, "plan"), num(j, "world"), num(j, "ranks_per_node"),
+               num(j, "package_size"),
                json_is_true(json_object_get(j, "hierarchical")) ? "on" : "off",
                json_is_true(json_object_get(j, "two_hop")) ? "on" : "off");
         const char *state;
         json_t *s;
         json_object_foreach(json_object_get(j, "states"), state, s)
         {
-            printf("  %-2s f=%-4lld partition:", state, num(s, "shard_factor"));
+            char b[32];
+            printf("  %-2s f=%-4lld %lld node(s) per group, %s per rank\n", state,
+                   num(s, "shard_factor"), num(s, "nodes_per_group"),
+                   sd_fmt_bytes(b, sizeof(b), (uint64_t)num(s, "bytes_per_rank")));
+            printf("          partition:");
             print_group_list(json_object_get(s, "partition"));
             printf("          replication:");
             print_group_list(json_object_get(s, "replication"));
+            printf("          shard of rank 0..:");
+            size_t k;
+            json_t *r;
+            json_array_foreach(json_object_get(s, "ranks"), k, r) printf(" %lld", num(r, "shard"));
+            printf("\n");
         }
     }
     if (json_array_size(json_object_get(doc, "jobs")) == 0)
@@ -149,9 +169,11 @@ static void print_groups(json_t *doc)
 
 static void print_topology(json_t *doc)
 {
-    printf("node %lld of %lld, backend %s, ranks per node %lld%s\n", num(doc, "node"),
-           num(doc, "nodes"), str(doc, "backend"), num(doc, "ranks_per_node"),
-           num(doc, "ranks_per_node") == 0 ? " (from each job)" : "");
+    printf("node %lld of %lld, backend %s, ranks per node %lld%s, ranks per package %lld\n",
+           num(doc, "node"), num(doc, "nodes"), str(doc, "backend"), num(doc, "ranks_per_node"),
+           num(doc, "ranks_per_node") == 0 ? " (from each job)" : "", num(doc, "package_size"));
+    printf("levels: package (%lld ranks) < node < cluster (%lld nodes)\n", num(doc, "package_size"),
+           num(doc, "nodes"));
     if (num(doc, "nodes") > 1)
         printf("cluster %s, provider %s\n",
                json_is_true(json_object_get(doc, "cluster_ready")) ? "formed" : "forming",
@@ -278,8 +300,136 @@ static void print_schedule(json_t *jobs)
         printf("(no jobs)\n");
 }
 
+/* ---- plan: the cost model for a model that does not exist yet */
+
+struct plan_args {
+    unsigned long long params;
+    long world, k, package, accum;
+    const char *plan, *dtype, *optimizer;
+    double gbit;
+};
+
+static int plan_arg(struct plan_args *a, const char *key, const char *val)
+{
+    char *end = NULL;
+    if (strcmp(key, "--params") == 0)
+        a->params = strtoull(val, &end, 10);
+    else if (strcmp(key, "--world") == 0)
+        a->world = strtol(val, &end, 10);
+    else if (strcmp(key, "--ranks-per-node") == 0)
+        a->k = strtol(val, &end, 10);
+    else if (strcmp(key, "--package-size") == 0)
+        a->package = strtol(val, &end, 10);
+    else if (strcmp(key, "--accum") == 0)
+        a->accum = strtol(val, &end, 10);
+    else if (strcmp(key, "--gbit-per-node") == 0)
+        a->gbit = strtod(val, &end);
+    else if (strcmp(key, "--plan") == 0)
+        a->plan = val;
+    else if (strcmp(key, "--dtype") == 0)
+        a->dtype = val;
+    else if (strcmp(key, "--optimizer") == 0)
+        a->optimizer = val;
+    else
+        return -1;
+    if (end != NULL && (*end != '\0' || end == val)) {
+        fprintf(stderr, "shardctl plan: %s '%s' is not a number\n", key, val);
+        return -2;
+    }
+    return 0;
+}
+
+static int run_plan(const struct plan_args *a, bool as_json)
+{
+    if (a->params == 0 || a->world <= 0 || a->k <= 0 || a->plan == NULL || a->package <= 0 ||
+        a->accum <= 0 || a->world % a->k != 0) {
+        fprintf(stderr, "shardctl plan: needs --params N (> 0), --world W, --ranks-per-node K "
+                        "(K divides W) and --plan PLAN\n");
+        return 2;
+    }
+    bool bf16 = strcmp(a->dtype, "bf16") == 0, sgd = strcmp(a->optimizer, "sgd") == 0;
+    if ((!bf16 && strcmp(a->dtype, "fp32") != 0) || (!sgd && strcmp(a->optimizer, "adamw") != 0)) {
+        fprintf(stderr, "shardctl plan: --dtype is bf16 or fp32, --optimizer adamw or sgd\n");
+        return 2;
+    }
+    struct sd_topo topo = {.nodes = (uint32_t)(a->world / a->k),
+                           .ranks_per_node = (uint32_t)a->k,
+                           .package_size = (uint32_t)a->package};
+    struct sd_plan plan;
+    char err[512];
+    if (sd_plan_parse(a->plan, &topo, &plan, err, sizeof(err)) != SD_OK) {
+        fprintf(stderr, "shardctl plan: %s\n", err);
+        return 1;
+    }
+    /* padded as the daemon pads: each shard a whole number of aligned elements */
+    uint64_t grain = (uint64_t)plan.f[SD_STATE_OS] * SD_ALIGN_ELEMS;
+    uint64_t numel = (a->params + grain - 1) / grain * grain;
+    struct sd_cost_in in = {.numel = numel,
+                            .w_bytes = bf16 ? 2 : 4,
+                            .nodes = topo.nodes,
+                            .k = topo.ranks_per_node,
+                            .accum = (uint32_t)a->accum,
+                            .optim_floats = sgd ? 2 : 3,
+                            .cached_in_step = true,
+                            .inter_Bps = a->gbit * 1e9 / 8};
+    struct sd_cost_out o;
+    sd_cost_step(&in, &plan, &o);
+    static const char *const formula[SD_STATE_COUNT][2] = {{"2 Psi / f_w", "4 Psi / f_w"},
+                                                           {"4 Psi / f_g", "4 Psi / f_g"},
+                                                           {"12 Psi / f_os", "8 Psi / f_os"}};
+    uint64_t states = o.rank_bytes[0] + o.rank_bytes[1] + o.rank_bytes[2];
+    if (as_json) {
+        json_t *mem = json_object();
+        for (int st = 0; st < SD_STATE_COUNT; st++)
+            json_object_set_new(mem, sd_state_name(st),
+                                json_pack("{s:i, s:I, s:s}", "shard_factor", (int)plan.f[st],
+                                          "bytes", (json_int_t)o.rank_bytes[st], "formula",
+                                          formula[st][st == SD_STATE_OS ? sgd : !bf16]));
+        json_t *doc = json_pack(
+            "{s:s, s:I, s:I, s:i, s:i, s:i, s:i, s:o, s:I, s:{s:f, s:f, s:f, s:f, s:f, s:f}, s:f}",
+            "plan", a->plan, "params", (json_int_t)a->params, "padded_params", (json_int_t)numel,
+            "nodes", (int)topo.nodes, "ranks_per_node", (int)topo.ranks_per_node, "package_size",
+            (int)sd_topo_package(&topo), "accum", (int)a->accum, "rank_bytes", mem,
+            "rank_state_bytes", (json_int_t)states, "inter_node_bytes_per_step", "fetch",
+            o.fetch_bytes, "push", o.push_bytes, "step_hop", o.hop_bytes, "step_weights",
+            o.weights_bytes, "step", o.step_bytes, "total", o.total_bytes, "comm_s", o.comm_s);
+        char *out = json_dumps(doc, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        puts(out);
+        free(out);
+        json_decref(doc);
+        return 0;
+    }
+    char b[6][32];
+    printf("plan %s: f_w %u, f_g %u, f_os %u on %u nodes x %u ranks (packages of %u), %llu "
+           "parameters (%llu padded), %s weights, %s, accum %ld\n",
+           a->plan, plan.f[0], plan.f[1], plan.f[2], topo.nodes, topo.ranks_per_node,
+           sd_topo_package(&topo), a->params, (unsigned long long)numel, a->dtype, a->optimizer,
+           a->accum);
+    printf("  per rank:\n");
+    for (int st = 0; st < SD_STATE_COUNT; st++)
+        printf("    %-2s %10s   %s\n", sd_state_name(st),
+               sd_fmt_bytes(b[0], sizeof(b[0]), o.rank_bytes[st]),
+               formula[st][st == SD_STATE_OS ? sgd : !bf16]);
+    printf("    all %10s   (plus the gather pool and staging, sized from the units)\n",
+           sd_fmt_bytes(b[0], sizeof(b[0]), states));
+    printf("  inter-node bytes each node sends per step:\n"
+           "    fetch %s, push %s, step %s (hop %s, weights' all-gather %s), total %s\n",
+           sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)o.fetch_bytes),
+           sd_fmt_bytes(b[1], sizeof(b[1]), (uint64_t)o.push_bytes),
+           sd_fmt_bytes(b[2], sizeof(b[2]), (uint64_t)o.step_bytes),
+           sd_fmt_bytes(b[3], sizeof(b[3]), (uint64_t)o.hop_bytes),
+           sd_fmt_bytes(b[4], sizeof(b[4]), (uint64_t)o.weights_bytes),
+           sd_fmt_bytes(b[5], sizeof(b[5]), (uint64_t)o.total_bytes));
+    if (a->gbit > 0)
+        printf("    %.3f s at %g Gbit/s per node\n", o.comm_s, a->gbit);
+    printf("  (a gathered unit kept from forward to backward; shardctl --help for the formulas in "
+           "sd/cost.h)\n");
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    struct plan_args pa = {.package = 1, .accum = 1, .dtype = "bf16", .optimizer = "adamw"};
     const char *socket = NULL, *job = NULL, *cmd = NULL;
     bool as_json = false;
     for (int i = 1; i < argc; i++) {
@@ -294,12 +444,19 @@ int main(int argc, char **argv)
             job = argv[++i];
         } else if (argv[i][0] != '-' && cmd == NULL) {
             cmd = argv[i];
+        } else if (cmd != NULL && strcmp(cmd, "plan") == 0 && i + 1 < argc &&
+                   plan_arg(&pa, argv[i], argv[i + 1]) != -1) {
+            if (plan_arg(&pa, argv[i], argv[i + 1]) != 0)
+                return 2;
+            i++;
         } else {
             fprintf(stderr, "shardctl: unexpected argument '%s'\n", argv[i]);
             usage(stderr);
             return 2;
         }
     }
+    if (cmd != NULL && strcmp(cmd, "plan") == 0)
+        return run_plan(&pa, as_json);
     static const char *const cmds[] = {"status", "jobs", "groups", "topology", "stats", "schedule"};
     bool known = false;
     for (size_t i = 0; cmd && i < SD_ARRAY_SIZE(cmds); i++)

@@ -95,22 +95,49 @@ check 'python3 -c "import json,sys; d=json.loads(sys.argv[1]); c=d[\"config\"]; 
   "status --json does not show the effective config"
 
 for r in 0 1 2 3; do
-  "$MLP" --socket "$dir/run/shardd.sock" --job cli --rank $r --world 4 --plan mics:2 --steps 400 \
+  "$MLP" --socket "$dir/run/shardd.sock" --job cli --rank $r --world 4 --plan topo:1/2/4 --steps 400 \
          --hidden 64 --quiet >"$dir/rank$r.log" 2>&1 &
   pids[$r]=$!
 done
 for _ in $(seq 100); do "$SHARDCTL" "${S[@]}" jobs | grep -q "cli .*ready" && break; sleep 0.05; done
 out=$("$SHARDCTL" "${S[@]}" jobs)
-check 'grep -q "^cli .*ready *4 mics:2" <<<"$out"' "jobs table: $out"
+check 'grep -q "^cli .*ready *4 topo:1/2/4" <<<"$out"' "jobs table: $out"
 out=$("$SHARDCTL" "${S[@]}" groups)
 check 'grep -q "partition: \[0 1\] \[2 3\]" <<<"$out" && grep -q "replication: \[0 2\] \[1 3\]" <<<"$out"' "groups: $out"
+# the nesting: g shards 0 1 0 1 (f_g 2), os shards 0 2 1 3 (f_os 4, each inside its g shard)
+js=$("$SHARDCTL" "${S[@]}" groups --json)
+check 'python3 -c "
+import json,sys
+j=json.loads(sys.argv[1])[\"jobs\"][0]; s=j[\"states\"]
+sh=lambda st: [r[\"shard\"] for r in s[st][\"ranks\"]]
+assert [s[x][\"shard_factor\"] for x in (\"w\",\"g\",\"os\")]==[1,2,4], s
+assert sh(\"w\")==[0,0,0,0] and sh(\"g\")==[0,1,0,1] and sh(\"os\")==[0,2,1,3], (sh(\"g\"),sh(\"os\"))
+assert all(o//2==g for g,o in zip(sh(\"g\"),sh(\"os\")))
+assert s[\"os\"][\"bytes_per_rank\"]*2==s[\"g\"][\"bytes_per_rank\"]*3 and j[\"package_size\"]==1
+" "$js"' "groups --json: $js"
 out=$("$SHARDCTL" "${S[@]}" --job cli stats)
 check 'grep -q "fetch" <<<"$out" && grep -q "allocations since registration 0" <<<"$out"' "stats: $out"
 out=$("$SHARDCTL" "${S[@]}" topology)
-check 'grep -q "ranks here: 0 1 2 3" <<<"$out"' "topology: $out"
+check 'grep -q "ranks here: 0 1 2 3" <<<"$out" && grep -q "levels: package (1 ranks) < node < cluster" <<<"$out"' "topology: $out"
 js=$("$SHARDCTL" "${S[@]}" stats --json)
 check 'python3 -c "import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]; assert j[\"ops\"][\"push\"][\"count\"]>0 and j[\"bytes\"][\"intra_node\"]>0 and j[\"ops\"][\"fetch\"][\"p50_us\"]>=0" "$js"' \
   "stats --json"
+# shardctl plan, without a daemon: ZeRO-topo's tables and the inter-node bytes
+js=$("$SHARDCTL" plan --params 1000 --world 8 --ranks-per-node 2 --plan topo:2/2/8 --accum 4 --json)
+check 'python3 -c "
+import json,sys
+d=json.loads(sys.argv[1]); m=d[\"rank_bytes\"]; b=d[\"inter_node_bytes_per_step\"]; n=d[\"padded_params\"]
+assert n==1024 and m[\"w\"][\"bytes\"]==2*n//2 and m[\"g\"][\"bytes\"]==4*n//2 and m[\"os\"][\"bytes\"]==12*n//8, m
+assert b[\"fetch\"]==0 and b[\"push\"]==0 and b[\"step_hop\"]==1.5*4*n and b[\"step_weights\"]==2*(2*n/8)*3, b
+" "$js"' "plan --json: $js"
+out=$("$SHARDCTL" plan --params 1000 --world 8 --ranks-per-node 2 --plan topo:4/2/8 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "f_w = 4 does not divide f_g" <<<"$out"' "plan refusal: $rc $out"
+out=$("$SHARDCTL" plan --world 8 --plan zero3 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "needs --params" <<<"$out"' "plan without params: $rc $out"
+out=$("$SHARDCTL" plan --params 1e9 --world 8 --ranks-per-node 2 --plan zero3 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "not a number" <<<"$out"' "plan with a bad number: $rc $out"
+out=$("$SHARDCTL" --help)
+check 'grep -q "plan --params N" <<<"$out"' "help lists plan"
 out=$("$SHARDCTL" "${S[@]}" --job nope jobs 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "unknown job" <<<"$out"' "unknown job filter: $out"
 for r in 0 1 2 3; do wait "${pids[$r]}" || bad "rank $r failed: $(cat "$dir/rank$r.log")"; done
