@@ -115,10 +115,11 @@ static void run_one(const struct run *r, int idx)
         if (!two_hop)
             push += (long long)T * s * ar;
         long long step = (long long)T * ((two_hop ? ar : 0) + 24LL * (N - 1));
-        long long got[5] = {
-            th_json_int(st, "ops.init.bytes.inter_node_sent"), th_json_int(st, "ops.init.bytes.inter_node_recv"),
-            th_json_int(st, "ops.fetch.bytes.inter_node_recv"), th_json_int(st, "ops.push.bytes.inter_node_sent"),
-            th_json_int(st, "ops.step.bytes.inter_node_sent")};
+        long long got[5] = {th_json_int(st, "ops.init.bytes.inter_node_sent"),
+                            th_json_int(st, "ops.init.bytes.inter_node_recv"),
+                            th_json_int(st, "ops.fetch.bytes.inter_node_recv"),
+                            th_json_int(st, "ops.push.bytes.inter_node_sent"),
+                            th_json_int(st, "ops.step.bytes.inter_node_sent")};
         long long want[5] = {init_sent, init_recv, fetch_recv, push, step};
         static const char *const what[5] = {"init sent", "init received", "fetch received",
                                             "push sent", "step sent"};
@@ -128,9 +129,11 @@ static void run_one(const struct run *r, int idx)
         TH_CHECK(th_json_int(st, "ops.push.bytes.inter_node_recv") == push,
                  "%s node %d: push received %lld, formula %lld", r->plan, node,
                  th_json_int(st, "ops.push.bytes.inter_node_recv"), push);
-        TH_CHECK(th_json_int(st, "allocations_since_register") == 0, "allocations after registration");
+        TH_CHECK(th_json_int(st, "allocations_since_register") == 0,
+                 "allocations after registration");
         const char *sched = json_string_value(json_object_get(st, "schedule"));
-        TH_CHECK(sched && strcmp(sched, "frozen") == 0 && th_json_int(st, "schedule_invalidations") == 0,
+        TH_CHECK(sched && strcmp(sched, "frozen") == 0 &&
+                     th_json_int(st, "schedule_invalidations") == 0,
                  "%s node %d: schedule %s", r->plan, node, sched ? sched : "?");
         json_decref(st);
     }
