@@ -135,6 +135,8 @@ static json_t *job_stats(const struct sd_job *job)
                           (json_int_t)job->cache.evictions, "allocations_since_register",
                           (json_int_t)job->stats.allocs_after_register, "pool_bytes",
                           (json_int_t)job->stats.pool_bytes);
+    json_object_set_new(o, "memory_bytes_at_register",
+                        json_integer((json_int_t)job->stats.memory_bytes));
     json_object_set_new(o, "allocations_counted", json_boolean(sd_alloc_counted));
     json_object_set_new(o, "allocations_while_frozen",
                         json_integer((json_int_t)job->sched.allocs_frozen));

@@ -260,6 +260,7 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
         job->mem.staging[i].fd = -1;
     job->mem.pool.fd = -1;
     job->stats.pool_bytes = need.pool;
+    job->stats.memory_bytes = need.total;
     job->mem.staging_slots = (uint32_t)cfg->staging_slots;
     job->mem.staging_slot_bytes = l->max_unit_numel * sizeof(float);
     return SD_OK;

@@ -31,6 +31,7 @@ struct sd_job_stats {
     uint64_t coalesced_gathers, coalesced_units; /* transfers that moved several units, and those */
     uint64_t allocs_after_register;
     uint64_t pool_bytes;
+    uint64_t memory_bytes;     /* all the job took on this node at registration (kept once freed) */
     uint32_t push_rounds_peak; /* gradient reductions across nodes on the wire at once, at most */
     struct sd_latency lat[SD_OP_COUNT];
 };

@@ -120,7 +120,7 @@ check 'grep -q "fetch" <<<"$out" && grep -q "allocations since registration 0" <
 out=$("$SHARDCTL" "${S[@]}" topology)
 check 'grep -q "ranks here: 0 1 2 3" <<<"$out" && grep -q "levels: package (1 ranks) < node < cluster" <<<"$out"' "topology: $out"
 js=$("$SHARDCTL" "${S[@]}" stats --json)
-check 'python3 -c "import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]; assert j[\"ops\"][\"push\"][\"count\"]>0 and j[\"bytes\"][\"intra_node\"]>0 and j[\"ops\"][\"fetch\"][\"p50_us\"]>=0" "$js"' \
+check 'python3 -c "import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]; assert j[\"memory_bytes_at_register\"]>0 and j[\"ops\"][\"push\"][\"count\"]>0 and j[\"bytes\"][\"intra_node\"]>0 and j[\"ops\"][\"fetch\"][\"p50_us\"]>=0" "$js"' \
   "stats --json"
 # shardctl plan, without a daemon: ZeRO-topo's tables and the inter-node bytes
 js=$("$SHARDCTL" plan --params 1000 --world 8 --ranks-per-node 2 --plan topo:2/2/8 --accum 4 --json)

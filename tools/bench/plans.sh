@@ -48,7 +48,7 @@ job = json.loads(sys.argv[4])["jobs"][0]
 st = json.loads(sys.argv[5])["jobs"][0]
 sent = {op: v["bytes"]["inter_node_sent"] for op, v in st["ops"].items()}
 print(json.dumps({"key": key, "plan": plan, "s": s, "params": job["parameters"],
-                  "memory": job["memory_bytes"], "sent": sent}))
+                  "memory": st["memory_bytes_at_register"], "sent": sent}))
 PY
   done
   tools/local-cluster.sh stop --dir "$dir" >/dev/null
@@ -71,7 +71,7 @@ shaped = {r["plan"]: r for r in rows if r["key"] == "shaped"}
 params = rows[0]["params"]
 print(f"{params} parameters ({params * 4 / 1e6:.1f} MB fp32), {steps} steps, links {rate}, "
       f"node 0's bytes")
-print(f"| plan | rank memory MB | fetch MB/step | push MB/step | step MB/step | model MB/step "
+print(f"| plan | rank memory MB (states) | fetch MB/step | push MB/step | step MB/step | model MB/step "
       f"| loopback s/step | model comm s | predicted s/step | measured s/step |")
 print("|---|---|---|---|---|---|---|---|---|---|")
 for m in models:
@@ -80,7 +80,8 @@ for m in models:
     per = lambda op: s["sent"].get(op, 0) / steps / 1e6
     b = m["inter_node_bytes_per_step"]
     pred = l["s"] / steps + m["comm_s"]
-    print(f"| {p} | {s['memory'] / k / 1e6:.0f} | {per('fetch'):.1f} | {per('push'):.1f} "
+    states = sum(v["bytes"] for v in m["rank_bytes"].values())
+    print(f"| {p} | {s['memory'] / k / 1e6:.0f} ({states / 1e6:.0f}) | {per('fetch'):.1f} | {per('push'):.1f} "
           f"| {per('step'):.1f} | {b['total'] / 1e6:.1f} | {l['s'] / steps:.3f} "
           f"| {m['comm_s']:.3f} | {pred:.3f} | {s['s'] / steps:.3f} |")
 PY
