@@ -707,7 +707,8 @@ static void usage(FILE *out)
 {
     fprintf(out,
             "usage: mlp_train [--socket PATH] [--job NAME] [--rank R] [--world W]\n"
-            "                 [--plan ddp|zero3|mics:P] [--steps N] [--accum S]\n"
+            "                 [--plan topo:W/G/OS|ddp|zero1|zero2|zero3|mics:P|topo]\n"
+            "                 [--steps N] [--accum S]\n"
             "                 [--optimizer adamw|sgd] [--dtype fp32|bf16] [--seed X]\n"
             "                 [--lr LR] [--weight-decay WD] [--max-grad-norm C]\n"
             "                 [--batch B] [--hidden H] [--layers L] [--compute-ms MS]\n"

@@ -171,8 +171,9 @@ def wrap(model, socket=None, job="torch", rank=0, world=1, plan="zero3", optimiz
     units: submodules (or their names) that become units, in forward order; by default every
     direct child with parameters. Parameters outside them form one more unit fetched around the
     whole model's forward. optimizer: {"name": "adamw"|"sgd", "lr", "betas", "eps",
-    "weight_decay", "momentum", "max_grad_norm"}. plan: "ddp", "zero3", "mics:P" (with
-    ",no-hier" / ",no-2hop"). Every rank must build the same model; rank 0's values are the
+    "weight_decay", "momentum", "max_grad_norm"}. plan: "topo:W/G/OS" (shard factors of the
+    weights, gradients and optimizer states) or a preset: "ddp", "zero1", "zero2", "zero3",
+    "mics:P", "topo" (with ",no-hier" / ",no-2hop"). Every rank must build the same model; rank 0's values are the
     initial ones."""
     global _current
     if optimizer is None:
