@@ -262,6 +262,47 @@ json_t *th_job_stats(const char *sock, const char *job)
     return found;
 }
 
+bool th_cluster_train(const struct th_cluster *c, const char *job, const char *const *args,
+                      const char *what, double tol, struct th_dump_diff *dd)
+{
+    const char *dir = c->d[0].dir;
+    int world = c->nodes * c->k, rcs[TH_MAX_RANKS + 1];
+    if (world > TH_MAX_RANKS) {
+        TH_CHECK(false, "%s: %d ranks, the harness trains at most %d", what, world, TH_MAX_RANKS);
+        return false;
+    }
+    char dump[400], ref[400];
+    snprintf(dump, sizeof(dump), "%s/%s.bin", dir, job);
+    snprintf(ref, sizeof(ref), "%s/%s-ref.bin", dir, job);
+    const char *socks[TH_MAX_NODES];
+    for (int i = 0; i < c->nodes; i++)
+        socks[i] = c->d[i].sock;
+    if (th_train(dir, job, socks, c->k, world, args, dump, ref, rcs) != 0) {
+        for (int rank = 0; rank <= world; rank++)
+            TH_CHECK(rcs[rank] == 0, "%s: process %d exit code %d (log %s/%s-%d.log)", what, rank,
+                     rcs[rank], dir, job, rank);
+        return false;
+    }
+    bool ok = th_compare_dumps(dump, ref, tol, dd);
+    TH_CHECK(ok, "%s: dump sizes", what);
+    return ok;
+}
+
+long long th_job_params(const char *sock, const char *job)
+{
+    json_t *doc = th_admin_json(sock, "jobs");
+    size_t i;
+    json_t *j;
+    long long p = -1;
+    json_array_foreach(json_object_get(doc, "jobs"), i, j)
+    {
+        if (strcmp(json_string_value(json_object_get(j, "name")), job) == 0)
+            p = (long long)json_integer_value(json_object_get(j, "parameters"));
+    }
+    json_decref(doc);
+    return p;
+}
+
 int th_train(const char *dir, const char *job, const char *const *socks, int k, int world,
              const char *const *args, const char *dump, const char *ref, int *rcs)
 {

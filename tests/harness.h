@@ -63,6 +63,14 @@ struct th_dump_diff {
     double maxd;
 };
 bool th_compare_dumps(const char *a, const char *b, double tol, struct th_dump_diff *d);
+/* th_train on cluster c (rank r on node r / c->k, nodes * k ranks; args carry the same --world),
+ * logs and dumps in node 0's directory: checks every process exited 0 (what names the run in
+ * the messages) and compares rank 0's parameters with the reference's within tol into *dd.
+ * False when a process failed or the dumps cannot be compared. */
+bool th_cluster_train(const struct th_cluster *c, const char *job, const char *const *args,
+                      const char *what, double tol, struct th_dump_diff *dd);
+/* The padded parameter count of job as the daemon at sock lists it (shardctl jobs), or -1. */
+long long th_job_params(const char *sock, const char *job);
 /* Read a whole file (malloc'd) or NULL. */
 char *th_read_file(const char *path, size_t *len_p);
 double th_now_s(void);

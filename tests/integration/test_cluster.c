@@ -48,49 +48,25 @@ struct run {
     int accum;
 };
 
-static long long job_param_bytes(const char *job)
-{
-    json_t *doc = th_admin_json(cl.d[0].sock, "jobs");
-    size_t i;
-    json_t *j;
-    long long p = -1;
-    json_array_foreach(json_object_get(doc, "jobs"), i,
-                       j) if (strcmp(json_string_value(json_object_get(j, "name")), job) == 0) p =
-        (long long)json_integer_value(json_object_get(j, "parameters")) * 4;
-    json_decref(doc);
-    return p;
-}
-
 static void run_one(const struct run *r, int idx)
 {
     const int W = N * K, T = 6;
-    char job[64], accum[16], world[16], steps[16], dump[400], ref[400];
+    char job[64], accum[16], world[16], steps[16];
     snprintf(job, sizeof(job), "c%d-%d", N, idx);
     snprintf(accum, sizeof(accum), "%d", r->accum);
     snprintf(world, sizeof(world), "%d", W);
     snprintf(steps, sizeof(steps), "%d", T);
-    snprintf(dump, sizeof(dump), "%s/%s.bin", cl.d[0].dir, job);
-    snprintf(ref, sizeof(ref), "%s/%s-ref.bin", cl.d[0].dir, job);
-    const char *socks[TH_MAX_NODES];
-    for (int i = 0; i < N; i++)
-        socks[i] = cl.d[i].sock;
     const char *args[] = {"--world", world, "--steps",  steps, "--accum", accum, "--plan", r->plan,
                           "--seed",  "3",   "--hidden", "256", "--quiet", NULL};
-    int rcs[TH_MAX_RANKS + 1];
     double t0 = th_now_s();
-    int bad = th_train(cl.d[0].dir, job, socks, K, W, args, dump, ref, rcs);
-    for (int rank = 0; rank <= W; rank++)
-        TH_CHECK(rcs[rank] == 0, "%s: process %d exit code %d (log %s/%s-%d.log)", r->plan, rank,
-                 rcs[rank], cl.d[0].dir, job, rank);
-    if (bad)
-        return;
     struct th_dump_diff dd;
-    TH_CHECK(th_compare_dumps(dump, ref, 1e-5, &dd), "dump sizes");
+    if (!th_cluster_train(&cl, job, args, r->plan, 1e-5, &dd))
+        return;
     TH_CHECK(dd.outside == 0, "%s accum %d: %zu parameters outside the tolerance (max %g)", r->plan,
              r->accum, dd.outside, dd.maxd);
 
     /* bytes against the formulas */
-    long long S = job_param_bytes(job);
+    long long S = th_job_params(cl.d[0].sock, job) * 4;
     int p = strncmp(r->plan, "ddp", 3) == 0     ? 1
             : strncmp(r->plan, "zero3", 5) == 0 ? W
                                                 : atoi(r->plan + 5);

@@ -38,21 +38,6 @@ struct run {
     const char *optimizer, *dtype;
 };
 
-static long long job_params(const char *job)
-{
-    json_t *doc = th_admin_json(cl.d[0].sock, "jobs");
-    size_t i;
-    json_t *j;
-    long long p = -1;
-    json_array_foreach(json_object_get(doc, "jobs"), i, j)
-    {
-        if (strcmp(json_string_value(json_object_get(j, "name")), job) == 0)
-            p = (long long)json_integer_value(json_object_get(j, "parameters"));
-    }
-    json_decref(doc);
-    return p;
-}
-
 static long long nodes_of(uint32_t f)
 {
     return f > (uint32_t)K ? f / K : 1;
@@ -61,34 +46,23 @@ static long long nodes_of(uint32_t f)
 static void run_one(const struct run *r, int idx)
 {
     const int n = N * K, T = 4;
-    char job[64], accum[16], world[16], steps[16], dump[400], ref[400];
+    char job[64], accum[16], world[16], steps[16];
     snprintf(job, sizeof(job), "t%d-%d", N, idx);
     snprintf(accum, sizeof(accum), "%d", r->accum);
     snprintf(world, sizeof(world), "%d", n);
     snprintf(steps, sizeof(steps), "%d", T);
-    snprintf(dump, sizeof(dump), "%s/%s.bin", cl.d[0].dir, job);
-    snprintf(ref, sizeof(ref), "%s/%s-ref.bin", cl.d[0].dir, job);
-    const char *socks[TH_MAX_NODES];
-    for (int i = 0; i < N; i++)
-        socks[i] = cl.d[i].sock;
     const char *args[] = {"--world",     world,        "--steps", steps,    "--accum",  accum,
                           "--plan",      r->plan,      "--seed",  "5",      "--hidden", "128",
                           "--optimizer", r->optimizer, "--dtype", r->dtype, "--quiet",  NULL};
-    int rcs[TH_MAX_RANKS + 1];
     double t0 = th_now_s();
-    int bad = th_train(cl.d[0].dir, job, socks, K, n, args, dump, ref, rcs);
-    for (int rank = 0; rank <= n; rank++)
-        TH_CHECK(rcs[rank] == 0, "%s: process %d exit code %d (log %s/%s-%d.log)", r->plan, rank,
-                 rcs[rank], cl.d[0].dir, job, rank);
-    if (bad)
-        return;
     bool bf16 = strcmp(r->dtype, "bf16") == 0;
     struct th_dump_diff dd;
-    TH_CHECK(th_compare_dumps(dump, ref, bf16 ? 1.0 / 128 : 1e-5, &dd), "dump sizes");
+    if (!th_cluster_train(&cl, job, args, r->plan, bf16 ? 1.0 / 128 : 1e-5, &dd))
+        return;
     TH_CHECK(dd.outside == 0, "%s %s %s accum %d: %zu parameters outside the tolerance (max %g)",
              r->plan, r->optimizer, r->dtype, r->accum, dd.outside, dd.maxd);
 
-    long long P = job_params(job), S = P * 4, Sw = P * (bf16 ? 2 : 4);
+    long long P = th_job_params(cl.d[0].sock, job), S = P * 4, Sw = P * (bf16 ? 2 : 4);
     uint32_t W = r->f[0], G = r->f[1], OS = r->f[2];
     long long Gw = nodes_of(W), Gg = nodes_of(G), Gos = nodes_of(OS), R = N / Gg;
     long long s = r->accum;
