@@ -444,15 +444,18 @@ int main(int argc, char **argv)
             job = argv[++i];
         } else if (argv[i][0] != '-' && cmd == NULL) {
             cmd = argv[i];
-        } else if (cmd != NULL && strcmp(cmd, "plan") == 0 && i + 1 < argc &&
-                   plan_arg(&pa, argv[i], argv[i + 1]) != -1) {
-            if (plan_arg(&pa, argv[i], argv[i + 1]) != 0)
+        } else {
+            /* plan's options: -1 not one of them, -2 a bad value (said) */
+            int pr = cmd != NULL && strcmp(cmd, "plan") == 0 && i + 1 < argc
+                         ? plan_arg(&pa, argv[i], argv[i + 1])
+                         : -1;
+            if (pr == -1) {
+                fprintf(stderr, "shardctl: unexpected argument '%s'\n", argv[i]);
+                usage(stderr);
+            }
+            if (pr != 0)
                 return 2;
             i++;
-        } else {
-            fprintf(stderr, "shardctl: unexpected argument '%s'\n", argv[i]);
-            usage(stderr);
-            return 2;
         }
     }
     if (cmd != NULL && strcmp(cmd, "plan") == 0)
