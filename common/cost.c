@@ -1,8 +1,94 @@
 #include "sd/cost.h"
 
+#include <stdint.h>
+
 static double nodes_of(uint32_t f, uint32_t k)
 {
     return f > k ? (double)(f / k) : 1.0;
+}
+
+/* a copy of bytes from local rank a's memory to local rank b's, under op (0 fetch, 1 push,
+ * 2 step) */
+static void copy(struct sd_cost_out *o, uint32_t P, int op, uint32_t a, uint32_t b, double bytes)
+{
+    o->intra_op[op][a / P == b / P ? SD_COST_PACKAGE : SD_COST_NODE] += bytes;
+}
+
+/* the weights' parts other ranks own, copied into each w shard of node 0 (sd_weights_local) */
+static void weights_local(const struct sd_cost_in *in, const struct sd_plan *plan, uint32_t P,
+                          double part, struct sd_cost_out *o)
+{
+    uint32_t k = in->k, W = plan->f[SD_STATE_W], OS = plan->f[SD_STATE_OS], per = OS / W;
+    if (per == 1)
+        return;
+    for (uint32_t r = 0; r < k; r++) {
+        uint32_t iw = r % W;
+        for (uint32_t e = 0; e < per; e++) {
+            uint32_t p = iw * per + e, owner = UINT32_MAX;
+            for (uint32_t i = 0; i < OS && owner == UINT32_MAX; i++) /* os shard p's owner */
+                if (sd_plan_shard(plan, SD_STATE_OS, r - r % OS + i) == p)
+                    owner = r - r % OS + i;
+            if (owner == r)
+                continue;
+            if (owner < k) {
+                copy(o, P, 2, owner, r, part);
+                continue;
+            }
+            uint32_t first = iw; /* received into the first local holder of w shard iw */
+            if (W > k && iw >= k)
+                continue;
+            if (first != r)
+                copy(o, P, 2, first, r, part);
+        }
+    }
+}
+
+static void intra_node_copies(const struct sd_cost_in *in, const struct sd_plan *plan,
+                              double gathers, struct sd_cost_out *o)
+{
+    uint32_t k = in->k, P = in->package ? in->package : 1, N = in->nodes;
+    uint32_t W = plan->f[SD_STATE_W], G = plan->f[SD_STATE_G], OS = plan->f[SD_STATE_OS];
+    double S_w = (double)in->numel * in->w_bytes, S_g = (double)in->numel * 4.0;
+    bool sec = sd_plan_sec_active(plan);
+    /* fetch: the w group's members on this node into local rank 0's copy */
+    uint32_t members = W >= k ? k : W;
+    double primary = sec ? 1.0 : gathers;
+    for (uint32_t m = 0; m < members; m++)
+        copy(o, P, 0, m, 0, primary * S_w / W);
+    if (sec) {
+        for (uint32_t j = 0; j < plan->sec; j++) {
+            copy(o, P, 0, 0, j, S_w / plan->sec);
+            copy(o, P, 0, j, 0, (gathers - 1.0) * S_w / plan->sec);
+        }
+    }
+    /* push, every micro-step */
+    if (N > 1 && (G > k || !plan->two_hop)) {
+        for (uint32_t j = 0; j < k; j++) {
+            copy(o, P, 1, j, 0, in->accum * S_w);
+            copy(o, P, 1, 0, j, in->accum * S_g / G);
+        }
+    } else {
+        uint32_t f = G < k ? G : k;
+        for (uint32_t h = 0; h < k; h++) /* each holder gets its shard from its group */
+            for (uint32_t m = h - h % f; m < h - h % f + f; m++)
+                copy(o, P, 1, m, h, in->accum * S_w / f);
+    }
+    /* step */
+    uint32_t R = G > k ? N / (G / k) : N;
+    if (N > 1 && plan->two_hop && R > 1) {
+        for (uint32_t j = 0; j < k; j++) {
+            copy(o, P, 2, j, 0, S_g / G);
+            copy(o, P, 2, 0, j, S_g / G);
+        }
+    } else if (N == 1) {
+        for (uint32_t i = 0; i < G; i++)
+            for (uint32_t j = 1; j < k / G; j++)
+                copy(o, P, 2, j * G + i, i, 2.0 * S_g / G);
+    }
+    weights_local(in, plan, P, S_w / OS, o);
+    for (int op = 0; op < 3; op++)
+        for (int c = 0; c < 2; c++)
+            o->intra[c] += o->intra_op[op][c];
 }
 
 void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
@@ -15,8 +101,9 @@ void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
     double R = N / Gg;   /* nodes holding the replicas of a node's g block */
     double B = S_g / Gg; /* a node's g block */
     double gathers = in->cached_in_step ? 1.0 : 2.0 * in->accum;
+    bool sec = sd_plan_sec_active(plan);
     struct sd_cost_out o = {0};
-    o.fetch_bytes = gathers * (Gw - 1) * (S_w / Gw) * (plan->hierarchical ? 1.0 : k);
+    o.fetch_bytes = (sec ? 1.0 : gathers) * (Gw - 1) * (S_w / Gw) * (plan->hierarchical ? 1.0 : k);
     double ar = R > 1 ? 2.0 * (R - 1) / R * B : 0.0;
     o.push_bytes = in->accum * ((Gg - 1) * B + (plan->two_hop ? 0.0 : ar));
     o.hop_bytes = plan->two_hop ? ar : 0.0;
@@ -29,5 +116,7 @@ void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
     o.rank_bytes[SD_STATE_W] = in->numel / W * in->w_bytes;
     o.rank_bytes[SD_STATE_G] = in->numel / G * 4;
     o.rank_bytes[SD_STATE_OS] = in->numel / OS * 4 * floats;
+    o.sec_bytes = sec ? in->numel / plan->sec * in->w_bytes : 0;
+    intra_node_copies(in, plan, gathers, &o);
     *out_p = o;
 }

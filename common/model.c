@@ -402,6 +402,9 @@ int sd_layout_build(const struct sd_model *m, const struct sd_plan *plan,
         fl = sd_lcm(fl, plan->f[s]);
         l.f[s] = plan->f[s];
     }
+    bool sec = sd_plan_sec_active(plan);
+    if (sec) /* a unit's secondary pieces are whole aligned elements too */
+        fl = sd_lcm(fl, plan->sec);
     l.n_tensors = m->n_tensors;
     l.n_units = m->tensors[m->n_tensors - 1].unit + 1;
     l.units = calloc(l.n_units, sizeof(*l.units));
@@ -432,6 +435,11 @@ int sd_layout_build(const struct sd_model *m, const struct sd_plan *plan,
         for (int s = 0; s < SD_STATE_COUNT; s++) {
             ul->arena_off[s] = l.arena_numel[s];
             l.arena_numel[s] += ul->numel / plan->f[s];
+        }
+        if (sec) {
+            ul->sec_off = l.sec_numel;
+            l.sec_numel += ul->numel / plan->sec;
+            l.sec_bytes += ul->numel / plan->sec * sd_dtype_size(ul->dtype);
         }
         l.total_numel += ul->numel;
         l.total_bytes += sd_unit_bytes(ul);

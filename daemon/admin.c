@@ -3,6 +3,7 @@
 #include "cluster/cluster.h"
 #include "job.h"
 #include "net.h"
+#include "ops.h"
 #include "registry.h"
 #include "schedule.h"
 #include "server.h"
@@ -61,6 +62,55 @@ static json_t *job_summary(const struct sd_job *job)
                      "last_grad_norm", job->last_grad_norm, "error", job->fail_msg, "ranks", ranks);
 }
 
+/* The secondary partition: its ranks, who holds it, what it holds per rank. */
+static json_t *sec_json(const struct sd_job *job)
+{
+    uint32_t S = job->plan.sec, holders = sd_sec_holders(job);
+    const char *why = S == 0 ? "no ,sec option"
+                      : holders == 0
+                          ? "inactive: f_w <= S, the w group is no larger than the secondary "
+                            "group, so there is nothing to save"
+                          : "a unit's later gathers of one weights generation copy from S ranks "
+                            "of the node instead of gathering within the w group";
+    return json_pack("{s:i, s:b, s:i, s:I, s:s, s:s}", "ranks", (int)S, "active", holders > 0,
+                     "holders_per_node", (int)holders, "bytes_per_holder",
+                     (json_int_t)(holders ? sd_sec_holder_bytes(job) : 0), "formula",
+                     "S_w / S (the weights in their dtype)", "effect", why);
+}
+
+/* Each rank's bytes of every buffer, as registration computed and the budget enforced them,
+ * next to ZeRO-topo's formulas (Psi parameters). The gather pool and staging are the node's,
+ * divided among its ranks here. */
+static json_t *memory_json(const struct sd_job *job)
+{
+    uint64_t arena[SD_STATE_COUNT];
+    sd_job_mem_arena_bytes(job, arena);
+    json_t *o = json_object();
+    static const char *const formula[SD_STATE_COUNT] = {
+        "2 Psi / f_w (bf16; 4 Psi / f_w in fp32)", "4 Psi / f_g",
+        "12 Psi / f_os with AdamW, 8 Psi / f_os with SGD"};
+    for (int st = 0; st < SD_STATE_COUNT; st++)
+        json_object_set_new(
+            o, sd_state_name(st),
+            json_pack("{s:I, s:s}", "bytes", (json_int_t)arena[st], "formula", formula[st]));
+    json_object_set_new(o, "secondary",
+                        json_pack("{s:I, s:s}", "bytes",
+                                  (json_int_t)(sd_sec_holders(job) ? sd_sec_holder_bytes(job) : 0),
+                                  "formula",
+                                  "2 Psi / S on each holder (bf16), 0 without an active ,sec=S"));
+    json_object_set_new(o, "gather_pool",
+                        json_pack("{s:I, s:s}", "bytes",
+                                  (json_int_t)(job->stats.pool_bytes / job->k), "formula",
+                                  "the node's pool / k (max_live_bytes, or every unit)"));
+    json_object_set_new(
+        o, "staging",
+        json_pack("{s:I, s:s}", "bytes",
+                  (json_int_t)((uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes),
+                  "formula", "staging_slots x the largest unit in fp32"));
+    json_object_set_new(o, "node_total", json_integer((json_int_t)job->stats.memory_bytes));
+    return o;
+}
+
 static json_t *job_groups(const struct sd_job *job)
 {
     json_t *states = json_object();
@@ -95,25 +145,27 @@ static json_t *job_groups(const struct sd_job *job)
                                       (json_int_t)bytes, "partition", part, "replication", repl,
                                       "ranks", ranks));
     }
-    return json_pack("{s:s, s:s, s:i, s:i, s:i, s:b, s:b, s:s, s:o}", "job", job->name, "plan",
-                     job->plan.name, "world", (int)job->world, "ranks_per_node", (int)job->k,
-                     "package_size", (int)sd_topo_package(&job->topo), "hierarchical",
-                     job->plan.hierarchical, "two_hop", job->plan.two_hop, "shard_rule",
-                     "a rank holds elements [shard*numel/f, (shard+1)*numel/f) of every unit; "
-                     "its os shard lies in its g shard, which lies in its w shard",
-                     "states", states);
+    json_t *doc =
+        json_pack("{s:s, s:s, s:i, s:i, s:i, s:b, s:b, s:s, s:o}", "job", job->name, "plan",
+                  job->plan.name, "world", (int)job->world, "ranks_per_node", (int)job->k,
+                  "package_size", (int)sd_topo_package(&job->topo), "hierarchical",
+                  job->plan.hierarchical, "two_hop", job->plan.two_hop, "shard_rule",
+                  "a rank holds elements [shard*numel/f, (shard+1)*numel/f) of every "
+                  "unit; its os shard lies in its g shard, which lies in its w shard",
+                  "states", states);
+    json_object_set_new(doc, "secondary", sec_json(job));
+    json_object_set_new(doc, "memory_per_rank", memory_json(job));
+    return doc;
 }
 
 static json_t *job_stats(const struct sd_job *job)
 {
-    static const char *const link_names[SD_LINK_COUNT] = {"intra_node", "inter_node_sent",
-                                                          "inter_node_recv"};
     json_t *ops = json_object();
     for (int op = SD_OP_FETCH; op < SD_OP_COUNT; op++) {
         const struct sd_latency *l = &job->stats.lat[op];
         json_t *bytes = json_object();
         for (int c = 0; c < SD_LINK_COUNT; c++)
-            json_object_set_new(bytes, link_names[c],
+            json_object_set_new(bytes, sd_link_names[c],
                                 json_integer((json_int_t)job->stats.bytes[op][c]));
         json_object_set_new(
             ops, sd_op_name(op),
@@ -126,7 +178,7 @@ static json_t *job_stats(const struct sd_job *job)
         uint64_t sum = 0;
         for (int op = 0; op < SD_OP_COUNT; op++)
             sum += job->stats.bytes[op][c];
-        json_object_set_new(totals, link_names[c], json_integer((json_int_t)sum));
+        json_object_set_new(totals, sd_link_names[c], json_integer((json_int_t)sum));
     }
     json_t *o = json_pack("{s:s, s:I, s:o, s:o, s:I, s:I, s:I, s:I, s:I, s:I}", "job", job->name,
                           "steps", (json_int_t)job->steps, "ops", ops, "bytes", totals, "errors",
@@ -135,6 +187,7 @@ static json_t *job_stats(const struct sd_job *job)
                           (json_int_t)job->cache.evictions, "allocations_since_register",
                           (json_int_t)job->stats.allocs_after_register, "pool_bytes",
                           (json_int_t)job->stats.pool_bytes);
+    json_object_set_new(o, "units", json_integer((json_int_t)job->layout.n_units));
     json_object_set_new(o, "memory_bytes_at_register",
                         json_integer((json_int_t)job->stats.memory_bytes));
     json_object_set_new(o, "allocations_counted", json_boolean(sd_alloc_counted));
@@ -146,6 +199,10 @@ static json_t *job_stats(const struct sd_job *job)
     json_object_set_new(o, "prefetches", json_integer((json_int_t)job->sched.prefetches));
     json_object_set_new(o, "push_rounds_peak",
                         json_integer((json_int_t)job->stats.push_rounds_peak));
+    json_object_set_new(o, "secondary",
+                        json_pack("{s:i, s:b, s:I, s:I}", "ranks", (int)job->plan.sec, "active",
+                                  sd_sec_holders(job) > 0, "loads", (json_int_t)job->sec.loads,
+                                  "stores", (json_int_t)job->sec.stores));
     json_object_set_new(o, "coalesced_gathers",
                         json_integer((json_int_t)job->stats.coalesced_gathers));
     json_object_set_new(o, "coalesced_units", json_integer((json_int_t)job->stats.coalesced_units));

@@ -25,13 +25,33 @@ static void gather_begin(struct sd_job *job, struct sd_unit_state *us);
 static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n);
 
 /* A gather inside the node, done when this returns (one node: the whole gather): a refresh of a
- * held copy, or the schedule's prefetch. */
+ * held copy, or the schedule's prefetch. From the secondary copy when it holds this weights
+ * generation, else within the w group, refilling the secondary copy. */
 void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us)
 {
     uint64_t cpu0 = sd_job_issue_clock(job);
-    gather_copy_local(job, &us, 1);
+    if (sd_sec_ready(job, us)) {
+        sd_sec_load(job, us);
+    } else {
+        gather_copy_local(job, &us, 1);
+        sd_sec_keep(job, us);
+    }
     job->stats.gathers++;
     sd_job_issue_count(job, cpu0);
+}
+
+/* Fill slot us (pool place set) from the node's secondary copy, which holds this generation:
+ * a copy inside the node, complete when this returns. */
+static void gather_from_sec(struct sd_job *job, struct sd_unit_state *us)
+{
+    uint64_t cpu0 = sd_job_issue_clock(job);
+    gather_begin(job, us);
+    sd_sec_load(job, us);
+    us->inflight = false;
+    us->resident = true;
+    job->stats.gathers++;
+    sd_job_issue_count(job, cpu0);
+    sd_fetch_complete(job, us);
 }
 
 /* Room in the pool: the frozen schedule's place, else the cache's, evicting cached copies nobody
@@ -114,7 +134,8 @@ bool sd_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, 
         sd_fetch_complete(job, us);
         return true;
     }
-    if (!gather_resources(job))
+    bool from_sec = sd_sec_ready(job, us);
+    if (!from_sec && !gather_resources(job))
         return false;
     uint64_t off;
     int st = sd_fetch_reserve(job, sd_unit_bytes(ul), &off);
@@ -133,6 +154,10 @@ bool sd_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, 
     us->pool_off = off;
     us->waiters |= bit;
     *wait_tag = e->tag;
+    if (from_sec) {
+        gather_from_sec(job, us);
+        return true;
+    }
     gather_begin(job, us);
     gather_post(job, &us, 1);
     return true;
@@ -420,6 +445,8 @@ static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
         u->inflight = false;
         u->resident = true;
         job->stats.gathers++;
+        if (u->gen == job->weights_gen && !sd_sec_keep(job, u))
+            return;
         sd_fetch_complete(job, u);
     }
     if (job->gnodes[SD_STATE_W] == 1)
@@ -484,16 +511,14 @@ static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *u
         size_t len = sd_job_w_shard_bytes(job, u);
         uint8_t *slot = (uint8_t *)job->mem.pool.ptr + units[i]->pool_off;
         struct sd_group grp = sd_group_partition(f, job->first_rank + units[i]->lslot);
-        uint32_t copied = 0;
         for (uint32_t m = 0; m < grp.count; m++) {
             uint32_t rank = sd_group_member(&grp, m);
             if (rank < job->first_rank || rank >= job->first_rank + job->k)
                 continue; /* another node's: pulled from there */
             job->reg->dev->copy(job->mem.queue, slot + (size_t)m * len,
                                 sd_job_w_shard(job, rank - job->first_rank, u), len);
-            copied++;
+            sd_job_count_copy(job, SD_OP_FETCH, rank - job->first_rank, units[i]->lslot, len);
         }
-        job->stats.bytes[SD_OP_FETCH][SD_LINK_INTRA] += (uint64_t)copied * len;
     }
 }
 
@@ -584,6 +609,10 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
 
 int sd_fetch_gather_start(struct sd_job *job, struct sd_unit_state *us)
 {
+    if (sd_sec_ready(job, us)) {
+        gather_from_sec(job, us);
+        return SD_OK;
+    }
     if (!gather_resources(job))
         return SD_EAGAIN;
     gather_begin(job, us);
@@ -604,6 +633,10 @@ bool sd_fetch_would_join(const struct sd_job *job, uint32_t unit, uint32_t lslot
  * consecutive and the batch under coalesce_bytes; sd_fetch_prefetch_flush sends it. */
 int sd_fetch_prefetch(struct sd_job *job, struct sd_unit_state *us)
 {
+    if (sd_sec_ready(job, us)) { /* a copy from the secondary partition, done now */
+        gather_from_sec(job, us);
+        return SD_OK;
+    }
     if (job->gnodes[SD_STATE_W] == 1) { /* the partition group is on this node: a copy, done now */
         sd_fetch_local_gather(job, us);
         us->resident = true;

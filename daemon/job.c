@@ -340,13 +340,6 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->load.ready_waiting = calloc(k, sizeof(*job->load.ready_waiting));
     job->load.ready_tags = calloc(k, sizeof(*job->load.ready_tags));
     int status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
-    if (status == SD_OK && job->plan.sec != 0) {
-        snprintf(err, errlen,
-                 "plan '%s': the secondary partition (sec=%u) is not implemented in this "
-                 "version; drop the option",
-                 job->plan.name, job->plan.sec);
-        status = SD_ENOSYS;
-    }
     if (status == SD_OK)
         status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
     job->nodes = nodes;

@@ -126,6 +126,19 @@ struct sd_load_state {
     uint32_t sends;
 };
 
+/* The secondary partition (secondary.c, plan option ,sec=S): S ranks of a node hold one copy
+ * of every unit's weights, 1/S each, refilled from the first gather of each weights generation,
+ * so the unit's later gathers of that generation copy from them instead of gathering within the
+ * w group. Group g is local ranks [g S, g S + S) and serves the copies of its ranks (all of the
+ * node's with the hierarchical gather: only group 0 is allocated then). */
+struct sd_sec_state {
+    struct sd_mem *mem; /* [k]: holders of the groups in use, the rest empty */
+    uint32_t groups;    /* groups in use */
+    uint64_t *gen;      /* [n_units * groups]: weights generation held, UINT64_MAX: none */
+    uint64_t loads;     /* gathers served from it */
+    uint64_t stores;    /* refills after a gather of a new generation */
+};
+
 /* A job's transfers across nodes (job_net.c, fetch.c); unused on one node. */
 struct sd_job_xfer {
     struct sd_net *net;
@@ -174,6 +187,7 @@ struct sd_job {
     double last_grad_norm;
     struct sd_job_stats stats;
     struct sd_job_mem mem;
+    struct sd_sec_state sec;
     struct sd_unit_cache cache;
     struct sd_push_state push;
     struct sd_step_state step;
@@ -279,6 +293,15 @@ static inline float *sd_job_g_shard(struct sd_job *job, uint32_t local,
                                     const struct sd_unit_layout *ul)
 {
     return (float *)sd_job_state(job, local, SD_STATE_G) + ul->arena_off[SD_STATE_G];
+}
+
+/* Count bytes copied inside the node from local rank src's memory to local rank dst's, under
+ * op, by the link between them (stats.h): one package, or two of the node. */
+static inline void sd_job_count_copy(struct sd_job *job, int op, uint32_t src, uint32_t dst,
+                                     uint64_t bytes)
+{
+    uint32_t P = sd_topo_package(&job->topo);
+    job->stats.bytes[op][src / P == dst / P ? SD_LINK_PACKAGE : SD_LINK_NODE] += bytes;
 }
 
 /* the copy of a unit a local rank uses: the node's one, or its own without the hierarchy */

@@ -55,10 +55,11 @@ static void free_off_loop(struct sd_job *job)
     bool host = reg->dev->host_memory;
     uint32_t n_arena = job->mem.arena != NULL && host ? job->k * SD_STATE_COUNT : 0;
     uint32_t n_staging = job->mem.staging != NULL ? job->k : 0;
+    uint32_t n_sec = job->sec.mem != NULL && host ? job->k : 0;
     if (reg->loop == NULL || job->mem.bytes_total == 0)
         return;
     struct job_free_work *w = calloc(1, sizeof(*w));
-    struct sd_mem *mems = calloc(n_arena + n_staging + 1, sizeof(*mems));
+    struct sd_mem *mems = calloc(n_arena + n_staging + n_sec + 1, sizeof(*mems));
     if (w == NULL || mems == NULL) {
         free(w);
         free(mems);
@@ -72,6 +73,10 @@ static void free_off_loop(struct sd_job *job)
     for (uint32_t i = 0; i < n_staging; i++) {
         mems[n++] = job->mem.staging[i];
         job->mem.staging[i] = (struct sd_mem){.fd = -1};
+    }
+    for (uint32_t i = 0; i < n_sec; i++) {
+        mems[n++] = job->sec.mem[i];
+        job->sec.mem[i] = (struct sd_mem){.fd = -1};
     }
     mems[n++] = job->mem.pool;
     job->mem.pool = (struct sd_mem){.fd = -1};
@@ -109,6 +114,14 @@ void sd_job_mem_free(struct sd_job *job)
     if (job->mem.staging != NULL)
         for (uint32_t i = 0; i < job->k; i++)
             sd_gpu_host_ops.free(&job->mem.staging[i]);
+    if (job->sec.mem != NULL)
+        for (uint32_t i = 0; i < job->k; i++)
+            dev->free(&job->sec.mem[i]);
+    free(job->sec.mem);
+    free(job->sec.gen);
+    job->sec.mem = NULL;
+    job->sec.gen = NULL;
+    job->sec.groups = 0;
     if (job->mem.pool.ptr != NULL)
         sd_gpu_host_ops.free(&job->mem.pool);
     free(job->mem.arena);
@@ -144,7 +157,7 @@ void sd_job_mem_free(struct sd_job *job)
 
 /* Bytes the job needs on this node, by buffer. */
 struct job_bytes {
-    uint64_t w, g, os, pool, staging, scratch, net, total;
+    uint64_t w, g, os, sec, pool, staging, scratch, net, total;
 };
 
 /* One rank's arena of each state: its data, and the colouring in front of and inside it. */
@@ -168,6 +181,7 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.w = arena[SD_STATE_W] * job->k;
     b.g = arena[SD_STATE_G] * job->k;
     b.os = arena[SD_STATE_OS] * job->k;
+    b.sec = sd_sec_holder_bytes(job) * sd_sec_holders(job);
     /* default: every unit at once; without the hierarchy each local rank has its own copy */
     b.pool = job->mem.max_live_bytes ? job->mem.max_live_bytes
              : cfg->max_live_bytes   ? cfg->max_live_bytes
@@ -175,7 +189,7 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.staging = (uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) * job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
     b.net = sd_job_net_bytes(job, cfg);
-    b.total = b.w + b.g + b.os + b.pool + b.staging + b.scratch + b.net;
+    b.total = b.w + b.g + b.os + b.sec + b.pool + b.staging + b.scratch + b.net;
     return b;
 }
 
@@ -204,16 +218,17 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     }
     if (reg->used + need.total > budget) {
         snprintf(err, errlen,
-                 "job '%s' needs %llu bytes (%s: w %llu, g %llu, os %llu, gather pool %llu, "
-                 "staging %llu, scratch %llu, network %llu) but only %llu of the %llu-byte "
-                 "memory budget are free (%s); raise memory_budget or shard more (plan)",
+                 "job '%s' needs %llu bytes (%s: w %llu, g %llu, os %llu, secondary %llu, "
+                 "gather pool %llu, staging %llu, scratch %llu, network %llu) but only %llu of "
+                 "the %llu-byte memory budget are free (%s); raise memory_budget or shard more "
+                 "(plan)",
                  job->name, (unsigned long long)need.total,
                  sd_fmt_bytes(b1, sizeof(b1), need.total), (unsigned long long)need.w,
                  (unsigned long long)need.g, (unsigned long long)need.os,
-                 (unsigned long long)need.pool, (unsigned long long)need.staging,
-                 (unsigned long long)need.scratch, (unsigned long long)need.net,
-                 (unsigned long long)(budget - reg->used), (unsigned long long)budget,
-                 sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
+                 (unsigned long long)need.sec, (unsigned long long)need.pool,
+                 (unsigned long long)need.staging, (unsigned long long)need.scratch,
+                 (unsigned long long)need.net, (unsigned long long)(budget - reg->used),
+                 (unsigned long long)budget, sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
         return SD_ENOSPC;
     }
     /* reserved now, so that jobs registering meanwhile see it */
@@ -245,9 +260,19 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->push.round_entries = calloc(n_rounds * job->push.round_gens * job->push.g_members,
                                      sizeof(*job->push.round_entries));
     job->push.rounds_done = calloc(n_rounds, sizeof(*job->push.rounds_done));
-    if (!job->mem.arena || !job->mem.staging || !job->mem.scratch || cache_st != SD_OK ||
-        queue_st != SD_OK || !job->step.sumsq_parts || !job->xfer.wait_tags ||
-        !job->step.norm_parts || !job->step.os_pos || !job->push.rounds ||
+    uint32_t holders = sd_sec_holders(job);
+    if (holders > 0) {
+        job->sec.groups = holders / job->plan.sec;
+        job->sec.mem = calloc(k, sizeof(*job->sec.mem));
+        job->sec.gen = malloc((size_t)l->n_units * job->sec.groups * sizeof(*job->sec.gen));
+        for (uint32_t i = 0; job->sec.mem != NULL && i < k; i++)
+            job->sec.mem[i].fd = -1;
+        for (size_t i = 0; job->sec.gen != NULL && i < (size_t)l->n_units * job->sec.groups; i++)
+            job->sec.gen[i] = UINT64_MAX; /* holds nothing yet */
+    }
+    if ((holders > 0 && (!job->sec.mem || !job->sec.gen)) || !job->mem.arena || !job->mem.staging ||
+        !job->mem.scratch || cache_st != SD_OK || queue_st != SD_OK || !job->step.sumsq_parts ||
+        !job->xfer.wait_tags || !job->step.norm_parts || !job->step.os_pos || !job->push.rounds ||
         !job->push.round_entries || !job->push.rounds_done) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
@@ -291,6 +316,13 @@ static int job_alloc_arenas(struct sd_job *job, char *err, size_t errlen)
             if (status != SD_OK)
                 return alloc_failed(job, tag, status, err, errlen);
         }
+    for (uint32_t r = 0; r < sd_sec_holders(job); r++) {
+        snprintf(tag, sizeof(tag), "shardd-%s-r%u-sec", job->name, job->first_rank + r);
+        int status =
+            job->reg->dev->alloc(sd_sec_holder_bytes(job), SD_MEM_PRIVATE, tag, &job->sec.mem[r]);
+        if (status != SD_OK)
+            return alloc_failed(job, tag, status, err, errlen);
+    }
     return SD_OK;
 }
 

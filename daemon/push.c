@@ -42,10 +42,10 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
                 dev->to_f32(job->mem.queue, job->mem.scratch, src, ul->dtype, len);
             else
                 dev->reduce_add(job->mem.queue, job->mem.scratch, src, ul->dtype, len);
+            sd_job_count_copy(job, SD_OP_PUSH, ent[m].s->local, holder, len * esz);
         }
         dev->reduce_add(job->mem.queue, dst, job->mem.scratch, SD_DTYPE_FP32, len);
     }
-    job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)f * sd_unit_bytes(ul);
     finish_round(job, u, g);
 }
 
@@ -167,13 +167,14 @@ static void rounds_retire(struct sd_job *job)
         struct sd_node_round *rd = &job->push.nr[job->push.nr_head];
         if (!rd->net_done)
             break;
-        if (!sd_job_net_rounds_accumulate(job)) { /* else the all-reduce added it */
-            const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
-            uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
-            const float *B = job->gnodes[SD_STATE_G] > 1 ? rd->rs_out : rd->part;
-            for (uint32_t j = 0; j < job->k; j++)
+        const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+        uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
+        const float *B = job->gnodes[SD_STATE_G] > 1 ? rd->rs_out : rd->part;
+        for (uint32_t j = 0; j < job->k; j++) {     /* the node's result into each rank's g shard */
+            if (!sd_job_net_rounds_accumulate(job)) /* else the all-reduce added it */
                 job->reg->dev->reduce_add(job->mem.queue, sd_job_g_shard(job, j, ul),
                                           B + sd_job_g_block_off(job, j, len), SD_DTYPE_FP32, len);
+            sd_job_count_copy(job, SD_OP_PUSH, 0, j, len * sizeof(float));
         }
         rd->net_done = false;
         job->push.nr_head = (job->push.nr_head + 1) % job->push.round_gens;
@@ -351,7 +352,8 @@ static void round_start_next(struct sd_job *job)
                  (unsigned long long)rd->seq + 1);
         rd->status = SD_OK;
         rd->pending = 0;
-        job->stats.bytes[SD_OP_PUSH][SD_LINK_INTRA] += (uint64_t)job->k * sd_unit_bytes(ul);
+        for (uint32_t j = 0; j < job->k; j++) /* each rank's gradient into the node partial */
+            sd_job_count_copy(job, SD_OP_PUSH, j, 0, sd_unit_bytes(ul));
         /* One rank's fp32 gradient is the node partial as it stands: the reduce-scatter's
          * blocks leave straight from its staging slot (held until the round finishes), and
          * within one node the all-reduce runs in place there. Otherwise the partial is summed

@@ -27,3 +27,6 @@ double sd_latency_quantile_us(const struct sd_latency *l, double q)
     uint32_t idx = (uint32_t)(q * (double)(n - 1) + 0.5);
     return tmp[idx] / 1000.0;
 }
+
+const char *const sd_link_names[SD_LINK_COUNT] = {"intra_package", "intra_node", "inter_node_sent",
+                                                  "inter_node_recv"};

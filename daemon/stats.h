@@ -17,12 +17,22 @@ void sd_latency_add(struct sd_latency *l, uint64_t ns);
 /* q in [0, 1]; sorts a copy on the stack, for the admin path only */
 double sd_latency_quantile_us(const struct sd_latency *l, double q);
 
+/* Link classes (DESIGN.md section 4, minimum volume). A copy inside a node is counted once, by
+ * the link it would cross between two devices: between ranks of one package (a rank's own
+ * memory included) SD_LINK_PACKAGE, between packages of the node SD_LINK_NODE. A buffer of the
+ * node rather than of a rank (the gather copy the node's ranks share, the node partial of a
+ * gradient reduction, the boundary hop's buffer) belongs to local rank 0; without the
+ * hierarchical gather, rank j's own copy to rank j. Bytes across nodes are counted as sent and
+ * as received. */
 enum sd_link_class {
-    SD_LINK_INTRA = 0,
-    SD_LINK_INTER_SENT = 1,
-    SD_LINK_INTER_RECV = 2,
+    SD_LINK_PACKAGE = 0,
+    SD_LINK_NODE = 1,
+    SD_LINK_INTER_SENT = 2,
+    SD_LINK_INTER_RECV = 3,
     SD_LINK_COUNT
 };
+/* the names shardctl stats uses */
+extern const char *const sd_link_names[SD_LINK_COUNT];
 struct sd_job_stats {
     uint64_t ops[SD_OP_COUNT];
     uint64_t errors;

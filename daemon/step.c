@@ -80,13 +80,13 @@ static bool sync_in_node(struct sd_job *job)
                 dev->reduce_add(job->mem.queue, acc, sd_job_g_shard(job, j * f + i, ul),
                                 SD_DTYPE_FP32, len);
             dev->sum_sq(job->mem.queue, acc, len, &parts[(size_t)u * f + i]);
-            for (uint32_t j = 1; j < replicas; j++)
+            for (uint32_t j = 1; j < replicas; j++) {
                 dev->copy(job->mem.queue, sd_job_g_shard(job, j * f + i, ul), acc,
                           len * sizeof(float));
+                /* in from the replica, and back */
+                sd_job_count_copy(job, SD_OP_STEP, j * f + i, i, 2 * len * sizeof(float));
+            }
         }
-        if (replicas > 1)
-            job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] +=
-                2ULL * (replicas - 1) * ul->numel * sizeof(float);
     }
     if (!sd_job_sync(job))
         return false;
@@ -143,6 +143,8 @@ static uint64_t step_pack(struct sd_job *job, uint32_t u)
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint32_t f = job->plan.f[SD_STATE_G];
     uint64_t len = ul->numel / f;
+    for (uint32_t j = 0; j < job->k; j++) /* each rank's g shard into the node's buffer */
+        sd_job_count_copy(job, SD_OP_STEP, j, 0, len * sizeof(float));
     if (job->gnodes[SD_STATE_G] > 1) {
         for (uint32_t j = 0; j < job->k; j++)
             dev->copy(job->mem.queue, job->mem.scratch + (uint64_t)j * len,
@@ -159,7 +161,6 @@ static uint64_t step_pack(struct sd_job *job, uint32_t u)
         else
             dev->reduce_add(job->mem.queue, dst, g, SD_DTYPE_FP32, len);
     }
-    job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] += (uint64_t)(job->k / f) * ul->numel * 4;
     return ul->numel;
 }
 
@@ -167,10 +168,12 @@ static void step_unpack(struct sd_job *job, uint32_t u)
 {
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
-    for (uint32_t j = 0; j < job->k; j++)
+    for (uint32_t j = 0; j < job->k; j++) {
         job->reg->dev->copy(job->mem.queue, sd_job_g_shard(job, j, ul),
                             job->mem.scratch + sd_job_g_block_off(job, j, len),
                             len * sizeof(float));
+        sd_job_count_copy(job, SD_OP_STEP, 0, j, len * sizeof(float));
+    }
 }
 
 static void step_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)

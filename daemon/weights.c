@@ -62,28 +62,27 @@ void sd_weights_local(struct sd_job *job)
         return; /* every w shard is its rank's os shard */
     for (uint32_t u = 0; u < job->layout.n_units; u++) {
         const struct sd_unit_layout *ul = &job->layout.units[u];
-        uint64_t bytes = part_bytes(job, ul), copied = 0;
+        uint64_t bytes = part_bytes(job, ul);
         for (uint32_t r = 0; r < job->k; r++) {
             uint32_t rank = job->first_rank + r, iw = rank % W;
             for (uint32_t e = 0; e < per; e++) {
-                uint32_t p = iw * per + e, owner = part_owner(job, rank, p);
-                const uint8_t *src;
+                uint32_t p = iw * per + e, owner = part_owner(job, rank, p), from;
                 if (owner == rank)
                     continue;
                 if (owner / job->k == job->node) {
-                    src = sd_job_w_shard(job, owner - job->first_rank, u);
+                    from = owner - job->first_rank;
                 } else { /* received into the first local holder of this w shard */
                     int32_t f = first_with_w(job, job->node, iw);
                     if (f < 0 || (uint32_t)f == r)
                         continue;
-                    src = sd_job_w_shard(job, (uint32_t)f, u);
+                    from = (uint32_t)f;
                 }
                 uint64_t off = part_off(job, ul, p);
-                dev->copy(job->mem.queue, sd_job_w_shard(job, r, u) + off, src + off, bytes);
-                copied += bytes;
+                dev->copy(job->mem.queue, sd_job_w_shard(job, r, u) + off,
+                          sd_job_w_shard(job, from, u) + off, bytes);
+                sd_job_count_copy(job, SD_OP_STEP, from, r, bytes);
             }
         }
-        job->stats.bytes[SD_OP_STEP][SD_LINK_INTRA] += copied;
     }
 }
 

@@ -32,8 +32,10 @@ static void usage(FILE *out)
             "             bytes per step of a plan for a hypothetical model:\n"
             "             plan --params N --world W --ranks-per-node K --plan PLAN\n"
             "                  [--package-size P] [--accum S] [--dtype bf16|fp32]\n"
-            "                  [--optimizer adamw|sgd] [--gbit-per-node B] [--json]\n"
-            "             (defaults: package 1, accum 1, bf16, adamw; with B, the time too)\n"
+            "                  [--optimizer adamw|sgd] [--gbit-per-node B] [--regather] [--json]\n"
+            "             (defaults: package 1, accum 1, bf16, adamw; with B, the time too;\n"
+            "             --regather: the gather pool does not keep a unit from forward to\n"
+            "             backward, so each fetch gathers it again)\n"
             "\n"
             "Options:\n"
             "  --socket PATH  daemon socket (default $SHARD_SOCKET, else /run/shardd/shardd.sock)\n"
@@ -162,6 +164,23 @@ static void print_groups(json_t *doc)
             json_array_foreach(json_object_get(s, "ranks"), k, r) printf(" %lld", num(r, "shard"));
             printf("\n");
         }
+        json_t *sec = json_object_get(j, "secondary");
+        printf("  secondary partition: ");
+        if (num(sec, "ranks") == 0)
+            printf("none\n");
+        else
+            printf("sec=%lld, %s\n", num(sec, "ranks"), str(sec, "effect"));
+        printf("  memory per rank:\n");
+        const char *what;
+        json_t *m;
+        json_object_foreach(json_object_get(j, "memory_per_rank"), what, m)
+        {
+            char b[32];
+            if (!json_is_object(m))
+                continue;
+            printf("    %-12s %10s   %s\n", what,
+                   sd_fmt_bytes(b, sizeof(b), (uint64_t)num(m, "bytes")), str(m, "formula"));
+        }
     }
     if (json_array_size(json_object_get(doc, "jobs")) == 0)
         printf("(no jobs)\n");
@@ -203,7 +222,7 @@ static void print_stats(json_t *doc)
 {
     size_t i;
     json_t *j;
-    char b1[32], b2[32], b3[32];
+    char b1[32], b2[32], b3[32], b4[32];
     json_array_foreach(json_object_get(doc, "jobs"), i, j)
     {
         json_t *tot = json_object_get(j, "bytes");
@@ -211,25 +230,32 @@ static void print_stats(json_t *doc)
                "allocations since registration %lld\n",
                str(j, "job"), num(j, "steps"), num(j, "errors"), num(j, "gathers"),
                num(j, "cache_hits"), num(j, "evictions"), num(j, "allocations_since_register"));
-        printf("  bytes: intra-node %s, inter-node sent %s, received %s; gradient reductions "
-               "across nodes in flight at most %lld\n",
-               sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(tot, "intra_node")),
-               sd_fmt_bytes(b2, sizeof(b2), (uint64_t)num(tot, "inter_node_sent")),
-               sd_fmt_bytes(b3, sizeof(b3), (uint64_t)num(tot, "inter_node_recv")),
+        printf("  bytes: intra-package %s, intra-node %s, inter-node sent %s, received %s; "
+               "gradient reductions across nodes in flight at most %lld\n",
+               sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(tot, "intra_package")),
+               sd_fmt_bytes(b2, sizeof(b2), (uint64_t)num(tot, "intra_node")),
+               sd_fmt_bytes(b3, sizeof(b3), (uint64_t)num(tot, "inter_node_sent")),
+               sd_fmt_bytes(b4, sizeof(b4), (uint64_t)num(tot, "inter_node_recv")),
                num(j, "push_rounds_peak"));
-        printf("  %-8s %10s %10s %10s %10s %12s %12s\n", "OP", "COUNT", "P50-US", "P99-US",
-               "MAX-US", "INTRA", "INTER-SENT");
+        json_t *sec = json_object_get(j, "secondary");
+        if (json_is_true(json_object_get(sec, "active")))
+            printf("  secondary partition: %lld ranks, fetches served from it %lld, refills %lld\n",
+                   num(sec, "ranks"), num(sec, "loads"), num(sec, "stores"));
+        printf("  %-8s %10s %10s %10s %10s %12s %12s %12s %12s\n", "OP", "COUNT", "P50-US",
+               "P99-US", "MAX-US", "INTRA-PKG", "INTRA-NODE", "INTER-SENT", "INTER-RECV");
         const char *op;
         json_t *o;
         json_object_foreach(json_object_get(j, "ops"), op, o)
         {
             json_t *b = json_object_get(o, "bytes");
-            printf("  %-8s %10lld %10.1f %10.1f %10.1f %12s %12s\n", op, num(o, "count"),
+            printf("  %-8s %10lld %10.1f %10.1f %10.1f %12s %12s %12s %12s\n", op, num(o, "count"),
                    json_real_value(json_object_get(o, "p50_us")),
                    json_real_value(json_object_get(o, "p99_us")),
                    json_real_value(json_object_get(o, "max_us")),
-                   sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(b, "intra_node")),
-                   sd_fmt_bytes(b2, sizeof(b2), (uint64_t)num(b, "inter_node_sent")));
+                   sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(b, "intra_package")),
+                   sd_fmt_bytes(b2, sizeof(b2), (uint64_t)num(b, "intra_node")),
+                   sd_fmt_bytes(b3, sizeof(b3), (uint64_t)num(b, "inter_node_sent")),
+                   sd_fmt_bytes(b4, sizeof(b4), (uint64_t)num(b, "inter_node_recv")));
         }
     }
     if (json_array_size(json_object_get(doc, "jobs")) == 0)
@@ -305,6 +331,7 @@ static void print_schedule(json_t *jobs)
 struct plan_args {
     unsigned long long params;
     long world, k, package, accum;
+    bool regather;
     const char *plan, *dtype, *optimizer;
     double gbit;
 };
@@ -362,7 +389,9 @@ static int run_plan(const struct plan_args *a, bool as_json)
         return 1;
     }
     /* padded as the daemon pads: each shard a whole number of aligned elements */
-    uint64_t grain = (uint64_t)plan.f[SD_STATE_OS] * SD_ALIGN_ELEMS;
+    uint64_t grain =
+        (sd_plan_sec_active(&plan) ? sd_lcm(plan.f[SD_STATE_OS], plan.sec) : plan.f[SD_STATE_OS]) *
+        SD_ALIGN_ELEMS;
     uint64_t numel = (a->params + grain - 1) / grain * grain;
     struct sd_cost_in in = {.numel = numel,
                             .w_bytes = bf16 ? 2 : 4,
@@ -370,8 +399,9 @@ static int run_plan(const struct plan_args *a, bool as_json)
                             .k = topo.ranks_per_node,
                             .accum = (uint32_t)a->accum,
                             .optim_floats = sgd ? 2 : 3,
-                            .cached_in_step = true,
-                            .inter_Bps = a->gbit * 1e9 / 8};
+                            .cached_in_step = !a->regather,
+                            .inter_Bps = a->gbit * 1e9 / 8,
+                            .package = (uint32_t)a->package};
     struct sd_cost_out o;
     sd_cost_step(&in, &plan, &o);
     static const char *const formula[SD_STATE_COUNT][2] = {{"2 Psi / f_w", "4 Psi / f_w"},
@@ -385,6 +415,20 @@ static int run_plan(const struct plan_args *a, bool as_json)
                                 json_pack("{s:i, s:I, s:s}", "shard_factor", (int)plan.f[st],
                                           "bytes", (json_int_t)o.rank_bytes[st], "formula",
                                           formula[st][st == SD_STATE_OS ? sgd : !bf16]));
+        json_object_set_new(mem, "secondary",
+                            json_pack("{s:i, s:b, s:I, s:s}", "ranks", (int)plan.sec, "active",
+                                      sd_plan_sec_active(&plan), "bytes", (json_int_t)o.sec_bytes,
+                                      "formula", bf16 ? "2 Psi / S" : "4 Psi / S"));
+        json_t *intra = json_object();
+        static const char *const ops[3] = {"fetch", "push", "step"};
+        for (int op = 0; op < 3; op++)
+            json_object_set_new(intra, ops[op],
+                                json_pack("{s:f, s:f}", "intra_package",
+                                          o.intra_op[op][SD_COST_PACKAGE], "intra_node",
+                                          o.intra_op[op][SD_COST_NODE]));
+        json_object_set_new(intra, "total",
+                            json_pack("{s:f, s:f}", "intra_package", o.intra[SD_COST_PACKAGE],
+                                      "intra_node", o.intra[SD_COST_NODE]));
         json_t *doc = json_pack(
             "{s:s, s:I, s:I, s:i, s:i, s:i, s:i, s:o, s:I, s:{s:f, s:f, s:f, s:f, s:f, s:f}, s:f}",
             "plan", a->plan, "params", (json_int_t)a->params, "padded_params", (json_int_t)numel,
@@ -393,6 +437,7 @@ static int run_plan(const struct plan_args *a, bool as_json)
             "rank_state_bytes", (json_int_t)states, "inter_node_bytes_per_step", "fetch",
             o.fetch_bytes, "push", o.push_bytes, "step_hop", o.hop_bytes, "step_weights",
             o.weights_bytes, "step", o.step_bytes, "total", o.total_bytes, "comm_s", o.comm_s);
+        json_object_set_new(doc, "intra_node_bytes_per_step", intra);
         char *out = json_dumps(doc, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
         puts(out);
         free(out);
@@ -407,11 +452,17 @@ static int run_plan(const struct plan_args *a, bool as_json)
            a->accum);
     printf("  per rank:\n");
     for (int st = 0; st < SD_STATE_COUNT; st++)
-        printf("    %-2s %10s   %s\n", sd_state_name(st),
+        printf("    %-3s %10s   %s\n", sd_state_name(st),
                sd_fmt_bytes(b[0], sizeof(b[0]), o.rank_bytes[st]),
                formula[st][st == SD_STATE_OS ? sgd : !bf16]);
-    printf("    all %10s   (plus the gather pool and staging, sized from the units)\n",
-           sd_fmt_bytes(b[0], sizeof(b[0]), states));
+    if (o.sec_bytes)
+        printf("    %-3s %10s   %s on each of %u holders per node\n", "sec",
+               sd_fmt_bytes(b[0], sizeof(b[0]), o.sec_bytes), bf16 ? "2 Psi / S" : "4 Psi / S",
+               plan.sec);
+    else if (plan.sec)
+        printf("    sec %10s   (inactive: f_w <= S, nothing to save)\n", "0 B");
+    printf("    %-3s %10s   (w, g, os; plus the gather pool and staging, sized from the units)\n",
+           "all", sd_fmt_bytes(b[0], sizeof(b[0]), states));
     printf("  inter-node bytes each node sends per step:\n"
            "    fetch %s, push %s, step %s (hop %s, weights' all-gather %s), total %s\n",
            sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)o.fetch_bytes),
@@ -422,8 +473,12 @@ static int run_plan(const struct plan_args *a, bool as_json)
            sd_fmt_bytes(b[5], sizeof(b[5]), (uint64_t)o.total_bytes));
     if (a->gbit > 0)
         printf("    %.3f s at %g Gbit/s per node\n", o.comm_s, a->gbit);
-    printf("  (a gathered unit kept from forward to backward; shardctl --help for the formulas in "
-           "sd/cost.h)\n");
+    printf("  copies inside each node per step: intra-package %s, between packages %s\n",
+           sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)o.intra[SD_COST_PACKAGE]),
+           sd_fmt_bytes(b[1], sizeof(b[1]), (uint64_t)o.intra[SD_COST_NODE]));
+    printf("  (%s; shardctl --help for the formulas in sd/cost.h)\n",
+           a->regather ? "each fetch gathers its unit again"
+                       : "a gathered unit kept from forward to backward");
     return 0;
 }
 
@@ -438,6 +493,8 @@ int main(int argc, char **argv)
             return 0;
         } else if (strcmp(argv[i], "--json") == 0) {
             as_json = true;
+        } else if (strcmp(argv[i], "--regather") == 0 && cmd != NULL && strcmp(cmd, "plan") == 0) {
+            pa.regather = true;
         } else if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
             socket = argv[++i];
         } else if (strcmp(argv[i], "--job") == 0 && i + 1 < argc) {

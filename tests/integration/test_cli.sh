@@ -114,13 +114,16 @@ assert [s[x][\"shard_factor\"] for x in (\"w\",\"g\",\"os\")]==[1,2,4], s
 assert sh(\"w\")==[0,0,0,0] and sh(\"g\")==[0,1,0,1] and sh(\"os\")==[0,2,1,3], (sh(\"g\"),sh(\"os\"))
 assert all(o//2==g for g,o in zip(sh(\"g\"),sh(\"os\")))
 assert s[\"os\"][\"bytes_per_rank\"]*2==s[\"g\"][\"bytes_per_rank\"]*3 and j[\"package_size\"]==1
+assert j[\"secondary\"][\"ranks\"]==0 and not j[\"secondary\"][\"active\"], j[\"secondary\"]
+m=j[\"memory_per_rank\"]
+assert m[\"secondary\"][\"bytes\"]==0 and m[\"w\"][\"bytes\"]>=s[\"w\"][\"bytes_per_rank\"] and \"f_os\" in m[\"os\"][\"formula\"], m
 " "$js"' "groups --json: $js"
 out=$("$SHARDCTL" "${S[@]}" --job cli stats)
 check 'grep -q "fetch" <<<"$out" && grep -q "allocations since registration 0" <<<"$out"' "stats: $out"
 out=$("$SHARDCTL" "${S[@]}" topology)
 check 'grep -q "ranks here: 0 1 2 3" <<<"$out" && grep -q "levels: package (1 ranks) < node < cluster" <<<"$out"' "topology: $out"
 js=$("$SHARDCTL" "${S[@]}" stats --json)
-check 'python3 -c "import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]; assert j[\"memory_bytes_at_register\"]>0 and j[\"ops\"][\"push\"][\"count\"]>0 and j[\"bytes\"][\"intra_node\"]>0 and j[\"ops\"][\"fetch\"][\"p50_us\"]>=0" "$js"' \
+check 'python3 -c "import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]; assert j[\"memory_bytes_at_register\"]>0 and j[\"ops\"][\"push\"][\"count\"]>0 and j[\"bytes\"][\"intra_node\"]+j[\"bytes\"][\"intra_package\"]>0 and j[\"ops\"][\"fetch\"][\"p50_us\"]>=0" "$js"' \
   "stats --json"
 # shardctl plan, without a daemon: ZeRO-topo's tables and the inter-node bytes
 js=$("$SHARDCTL" plan --params 1000 --world 8 --ranks-per-node 2 --plan topo:2/2/8 --accum 4 --json)
@@ -130,6 +133,24 @@ d=json.loads(sys.argv[1]); m=d[\"rank_bytes\"]; b=d[\"inter_node_bytes_per_step\
 assert n==1024 and m[\"w\"][\"bytes\"]==2*n//2 and m[\"g\"][\"bytes\"]==4*n//2 and m[\"os\"][\"bytes\"]==12*n//8, m
 assert b[\"fetch\"]==0 and b[\"push\"]==0 and b[\"step_hop\"]==1.5*4*n and b[\"step_weights\"]==2*(2*n/8)*3, b
 " "$js"' "plan --json: $js"
+# the secondary partition: with units gathered again for the backward (--regather), zero3,sec=2
+# crosses nodes once per step instead of 2 accum times; sec=2 under f_w = 2 holds nothing
+js=$("$SHARDCTL" plan --params 1000 --world 8 --ranks-per-node 2 --plan zero3,sec=2 --accum 4 \
+     --dtype fp32 --regather --json)
+check 'python3 -c "
+import json,sys
+d=json.loads(sys.argv[1]); n=d[\"padded_params\"]; b=d[\"inter_node_bytes_per_step\"]
+assert d[\"rank_bytes\"][\"secondary\"][\"bytes\"]==4*n//2 and d[\"rank_bytes\"][\"secondary\"][\"active\"]
+assert b[\"fetch\"]==0.75*4*n, b
+assert d[\"intra_node_bytes_per_step\"][\"total\"][\"intra_package\"]>0
+" "$js"' "plan zero3,sec=2 --json: $js"
+js=$("$SHARDCTL" plan --params 1000 --world 8 --ranks-per-node 2 --plan zero3 --accum 4 --dtype fp32 \
+     --regather --json)
+check 'python3 -c "
+import json,sys; d=json.loads(sys.argv[1]); assert d[\"inter_node_bytes_per_step\"][\"fetch\"]==8*0.75*4*d[\"padded_params\"]
+" "$js"' "plan zero3 --regather --json: $js"
+out=$("$SHARDCTL" plan --params 1000 --world 8 --ranks-per-node 2 --plan topo:2/2/8,sec=2)
+check 'grep -q "inactive: f_w <= S" <<<"$out"' "plan with an inactive sec: $out"
 out=$("$SHARDCTL" plan --params 1000 --world 8 --ranks-per-node 2 --plan topo:4/2/8 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "f_w = 4 does not divide f_g" <<<"$out"' "plan refusal: $rc $out"
 out=$("$SHARDCTL" plan --world 8 --plan zero3 2>&1); rc=$?

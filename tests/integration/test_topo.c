@@ -20,8 +20,24 @@
  *          part; the weights' all-gather (f_w < f_os, f_os > k) sends each of the node's k os
  *          parts (S_w / f_os each) to every node of the os group that holds its w shard:
  *          G_os - 1 nodes when f_w <= k, else G_os / G_w - 1; 24 (N - 1) bytes of norm and
- *          schedule digest. */
+ *          schedule digest.
+ * With an active secondary partition (,sec=S, f_w > S) and a gather pool too small to keep a
+ * unit from forward to backward (--max-live-bytes), only the first gather of each weights
+ * generation crosses nodes: the fetch formula above holds unchanged, and the run shows gathers
+ * served from the secondary copy (without it the same run moves more).
+ *
+ * Inside each node the copies are counted by link class (stats.h): intra_package between ranks
+ * of one package (the 2x4 cluster runs with packages of 2 ranks, the 4x2 one with packages of
+ * 1, where only a rank's copies to itself are intra-package) and intra_node between packages.
+ * want_intra() below enumerates them from the plan by the rules of DESIGN.md/README (a second
+ * implementation of the daemon's counting): each gather copies the node's w-group members
+ * into local rank 0's copy; a secondary refill copies it out to the S holders; a push round
+ * across nodes sums each rank's gradient into the node partial at rank 0 and adds the result
+ * into each g shard; one inside the node sends each member's shard to its holder; the hop packs
+ * each g shard into rank 0's buffer and back; the weights' parts other ranks own are copied into
+ * each w shard from their owner, or from the first local holder that received them. */
 #include "harness.h"
+#include "sd/model.h"
 
 #include <jansson.h>
 #include <stdint.h>
@@ -29,14 +45,81 @@
 #include <string.h>
 
 static struct th_cluster cl;
-static int N, K;
+static int N, K, PK; /* nodes, ranks per node, ranks per package */
 
 struct run {
     const char *plan;
     uint32_t f[3]; /* what the plan means on this cluster, written out */
     int accum;
     const char *optimizer, *dtype;
+    uint32_t sec;    /* the plan's ,sec=S (0: none) */
+    bool small_pool; /* a gather pool that cannot keep units from forward to backward */
 };
+
+/* bytes copied inside one node, by operation (fetch, push, step) and link class */
+struct intra {
+    long long b[3][2];
+};
+
+static void cp(struct intra *w, int op, int a, int b, long long bytes)
+{
+    w->b[op][a / PK == b / PK ? 0 : 1] += bytes;
+}
+
+/* The copies inside node m over the run (see the top of the file). gp: primary gathers of
+ * every unit (each copying the node's w-group members into rank 0's copy); the secondary's
+ * loads are checked apart. */
+static struct intra want_intra(const struct run *r, int m, int T, long long gp, long long Sw,
+                               long long S)
+{
+    struct intra w = {0};
+    int W = (int)r->f[0], G = (int)r->f[1], OS = (int)r->f[2], s = r->accum;
+    int members = W >= K ? K : W;
+    for (int j = 0; j < members; j++)
+        cp(&w, 0, j, 0, gp * Sw / W);
+    if (r->sec && W > (int)r->sec) /* a refill per generation gathered */
+        for (int j = 0; j < (int)r->sec; j++)
+            cp(&w, 0, 0, j, gp * Sw / r->sec);
+    if (N > 1 && G > K) { /* push rounds across nodes */
+        for (int j = 0; j < K; j++) {
+            cp(&w, 1, j, 0, (long long)T * s * Sw);
+            cp(&w, 1, 0, j, (long long)T * s * S / G);
+        }
+    } else {
+        int f = G < K ? G : K;
+        for (int h = 0; h < K; h++)
+            for (int j = h - h % f; j < h - h % f + f; j++)
+                cp(&w, 1, j, h, (long long)T * s * Sw / f);
+    }
+    int Gg = G > K ? G / K : 1;
+    if (N / Gg > 1) /* the boundary hop: each g shard into rank 0's buffer and back */
+        for (int j = 0; j < K; j++) {
+            cp(&w, 2, j, 0, (long long)T * S / G);
+            cp(&w, 2, 0, j, (long long)T * S / G);
+        }
+    struct sd_plan plan = {.f = {r->f[0], r->f[1], r->f[2]}};
+    int per = OS / W, os_pos[64];
+    for (int i = 0; i < OS && i < 64; i++)
+        os_pos[sd_plan_shard(&plan, SD_STATE_OS, (uint32_t)i)] = i;
+    for (int j = 0; per > 1 && j < K; j++) {
+        int rank = m * K + j, iw = rank % W;
+        for (int e = 0; e < per; e++) {
+            int p = iw * per + e, owner = rank - rank % OS + os_pos[p], from;
+            if (owner == rank)
+                continue;
+            if (owner / K == m) {
+                from = owner - m * K;
+            } else { /* received into the first rank of node m holding w shard iw */
+                int lo = W <= K ? 0 : (m * K) % W;
+                from = W <= K ? iw : iw - lo;
+                if (from < 0 || from >= K || from == j)
+                    continue;
+            }
+            cp(&w, 2, from, j, (long long)T * Sw / OS);
+        }
+    }
+    return w;
+}
 
 static long long nodes_of(uint32_t f)
 {
@@ -51,9 +134,13 @@ static void run_one(const struct run *r, int idx)
     snprintf(accum, sizeof(accum), "%d", r->accum);
     snprintf(world, sizeof(world), "%d", n);
     snprintf(steps, sizeof(steps), "%d", T);
-    const char *args[] = {"--world",     world,        "--steps", steps,    "--accum",  accum,
-                          "--plan",      r->plan,      "--seed",  "5",      "--hidden", "128",
-                          "--optimizer", r->optimizer, "--dtype", r->dtype, "--quiet",  NULL};
+    const char *args[] = {"--world", world, "--steps", steps, "--accum", accum, "--plan", r->plan,
+                          "--seed", "5", "--hidden", "128", "--optimizer", r->optimizer, "--dtype",
+                          r->dtype, "--quiet",
+                          /* two of the hidden layers' units: the forward's copies are evicted
+                           * before the backward needs them */
+                          r->small_pool ? "--max-live-bytes" : NULL,
+                          strcmp(r->dtype, "bf16") == 0 ? "70000" : "140000", NULL};
     double t0 = th_now_s();
     bool bf16 = strcmp(r->dtype, "bf16") == 0;
     struct th_dump_diff dd;
@@ -79,10 +166,62 @@ static void run_one(const struct run *r, int idx)
         long long init_node = W >= (uint32_t)K ? S / W * K : S;
         long long dumps = node == 0 ? 1 : 0;
         long long gathers = Gw > 1 ? T + dumps : 0;
+        long long want_fetch = gathers * (Gw - 1) * (Sw / Gw);
+        bool sec = r->sec && W > r->sec;
+        long long n_units = th_json_int(st, "units");
+        long long n_gathers = th_json_int(st, "gathers");
+        long long loads = th_json_int(st, "secondary.loads");
+        if (r->small_pool && !sec) { /* the contrast run: gathers again for the backward */
+            long long got = th_json_int(st, "ops.fetch.bytes.inter_node_recv");
+            TH_CHECK(Gw == 1 || got > gathers * (Gw - 1) * (Sw / Gw),
+                     "%s node %d: a pool too small for the backward re-gathers across nodes "
+                     "(%lld bytes, %lld with every unit kept)",
+                     r->plan, node, got, gathers * (Gw - 1) * (Sw / Gw));
+            want_fetch = got; /* checked just now */
+        }
+        if (!r->small_pool)
+            TH_CHECK(n_gathers == n_units * (T + dumps),
+                     "%s node %d: %lld gathers, %lld units x %lld generations", r->plan, node,
+                     n_gathers, n_units, (long long)T + dumps);
+        if (sec && r->small_pool) {
+            TH_CHECK(loads > 0 && n_gathers == n_units * (T + dumps) + loads,
+                     "%s node %d: %lld gathers, %lld from the secondary copy: every gather but "
+                     "the first of each unit and generation (%lld) from it",
+                     r->plan, node, n_gathers, loads, n_units * (T + dumps));
+        } else {
+            TH_CHECK(loads == 0, "%s node %d: %lld gathers from a secondary copy", r->plan, node,
+                     loads);
+        }
+        if (!(r->small_pool && !sec)) {
+            struct intra wi = want_intra(r, node, T, T + dumps, Sw, S);
+            static const char *const ops[3] = {"fetch", "push", "step"};
+            static const char *const cls[2] = {"intra_package", "intra_node"};
+            long long rest[2] = {0, 0};
+            for (int op = 0; op < 3; op++)
+                for (int c = 0; c < 2; c++) {
+                    char p[96];
+                    snprintf(p, sizeof(p), "ops.%s.bytes.%s", ops[op], cls[c]);
+                    long long got = th_json_int(st, p);
+                    if (op == 0 && loads > 0) { /* loads: checked below */
+                        rest[c] = got - wi.b[op][c];
+                        continue;
+                    }
+                    TH_CHECK(got == wi.b[op][c], "%s accum %d node %d: %s %lld bytes, formula %lld",
+                             r->plan, r->accum, node, p, got, wi.b[op][c]);
+                }
+            /* each load copies the S holders' pieces into rank 0's copy: of every unit the same
+             * share crosses packages */
+            long long in_pkg = (long long)(r->sec < (uint32_t)PK ? r->sec : (uint32_t)PK);
+            TH_CHECK(loads == 0 || (rest[0] > 0 &&
+                                    rest[0] * ((long long)r->sec - in_pkg) == rest[1] * in_pkg),
+                     "%s node %d: loads from the secondary copied %lld + %lld bytes inside the "
+                     "node, not in the ratio %lld : %lld",
+                     r->plan, node, rest[0], rest[1], in_pkg, (long long)r->sec - in_pkg);
+        }
         long long want[6] = {
             node == 0 ? (N - 1) * init_node : 0,
             node == 0 ? 0 : init_node,
-            gathers * (Gw - 1) * (Sw / Gw),
+            want_fetch,
             T * s * (Gg - 1) * B,
             T * s * (Gg - 1) * B,
             T * (hop + wag + 24LL * (N - 1)),
@@ -117,8 +256,12 @@ int main(int argc, char **argv)
     }
     N = atoi(argv[1]);
     K = atoi(argv[2]);
+    PK = N == 4 ? 1 : 2;
+    char pk[16];
+    snprintf(pk, sizeof(pk), "%d", PK);
     /* the ring all-reduce for every size: the direct one for small units moves (R - 1) B */
-    const char *extra[] = {"--op-timeout-ms", "20000", "--small-allreduce-bytes", "0", NULL};
+    const char *extra[] = {
+        "--op-timeout-ms", "20000", "--small-allreduce-bytes", "0", "--package-size", pk, NULL};
     if (th_cluster_start(&cl, N, K, extra) != 0) {
         fprintf(stderr, "cannot start a cluster of %d nodes\n", N);
         return 1;
@@ -126,20 +269,38 @@ int main(int argc, char **argv)
     uint32_t n = (uint32_t)(N * K);
     /* 2 nodes x 4 ranks: ZeRO-1, ZeRO-2, the paper's weights-over-2 plan and a g group smaller
      * than the node; 4 nodes x 2 ranks: g over the node, os over all */
+    /* ,sec=S changes something only where f_w > S: runs with an inactive one check that it
+     * holds and moves nothing more; the active ones run with a pool too small to keep the
+     * forward's units for the backward, next to the same plan without it */
     struct run runs24[] = {
-        {"zero1", {1, 1, n}, 1, "adamw", "fp32"},
-        {"zero2", {1, n, n}, 3, "sgd", "fp32"},
-        {"topo:2/4/8", {2, 4, 8}, 1, "sgd", "bf16"},
-        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32"},
-        {"topo:1/2/8", {1, 2, 8}, 3, "adamw", "bf16"},
-        {"topo:1/2/8", {1, 2, 8}, 1, "sgd", "fp32"},
+        {"zero1", {1, 1, n}, 1, "adamw", "fp32", 0, false},
+        {"zero2", {1, n, n}, 3, "sgd", "fp32", 0, false},
+        {"topo:2/4/8", {2, 4, 8}, 1, "sgd", "bf16", 0, false},
+        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false},
+        {"topo:1/2/8", {1, 2, 8}, 3, "adamw", "bf16", 0, false},
+        {"topo:1/2/8", {1, 2, 8}, 1, "sgd", "fp32", 0, false},
+        {"zero1,sec=2", {1, 1, n}, 3, "sgd", "bf16", 2, false},
+        {"zero2,sec=4", {1, n, n}, 1, "adamw", "fp32", 4, false},
+        {"topo:2/4/8,sec=2", {2, 4, 8}, 3, "adamw", "bf16", 2, true},
+        {"topo:2/4/8,sec=1", {2, 4, 8}, 3, "sgd", "fp32", 1, true},
+        {"topo:1/2/8,sec=2", {1, 2, 8}, 1, "adamw", "fp32", 2, true},
+        {"zero3", {n, n, n}, 3, "adamw", "fp32", 0, true},
+        {"zero3,sec=4", {n, n, n}, 3, "adamw", "fp32", 4, true},
+        {"zero3,sec=2", {n, n, n}, 1, "sgd", "bf16", 2, true},
+        {"mics:4,sec=2", {4, 4, 4}, 3, "adamw", "fp32", 2, true}, /* across packages only */
     };
     struct run runs42[] = {
-        {"topo:2/2/8", {2, 2, 8}, 1, "adamw", "fp32"},
-        {"topo:2/2/8", {2, 2, 8}, 3, "sgd", "bf16"},
-        {"topo", {2, 2, 8}, 3, "adamw", "fp32"},
-        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32"}, /* w inside, g across nodes */
-        {"zero2", {1, n, n}, 1, "adamw", "bf16"},
+        {"topo:2/2/8", {2, 2, 8}, 1, "adamw", "fp32", 0, false},
+        {"topo:2/2/8", {2, 2, 8}, 3, "sgd", "bf16", 0, false},
+        {"topo", {2, 2, 8}, 3, "adamw", "fp32", 0, false},
+        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false}, /* w inside, g across nodes */
+        {"zero2", {1, n, n}, 1, "adamw", "bf16", 0, false},
+        {"topo:2/2/8,sec=2", {2, 2, 8}, 3, "adamw", "fp32", 2, true},
+        {"topo:2/2/8,sec=1", {2, 2, 8}, 1, "sgd", "bf16", 1, true},
+        {"zero3", {n, n, n}, 3, "sgd", "fp32", 0, true},
+        {"zero3,sec=2", {n, n, n}, 3, "sgd", "fp32", 2, true},
+        {"topo:4/4/8,sec=2", {4, 4, 8}, 1, "adamw", "bf16", 2, true},
+        {"topo:4/4/8,sec=2", {4, 4, 8}, 3, "sgd", "fp32", 2, true},
     };
     bool four = N == 4;
     struct run *runs = four ? runs42 : runs24;

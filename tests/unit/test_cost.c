@@ -65,5 +65,46 @@ int main(void)
                  o.rank_bytes[SD_STATE_OS] == 1200,
              "rank bytes %llu %llu %llu", (unsigned long long)o.rank_bytes[0],
              (unsigned long long)o.rank_bytes[1], (unsigned long long)o.rank_bytes[2]);
+
+    /* the secondary partition: zero3,sec=2 re-gathering (a small pool), accum 4: only the
+     * first gather of the step crosses nodes, 3/4 S instead of 8 x 3/4 S */
+    TH_CHECK(total("zero3,sec=2", 4, false) == 0.75e6 + 4 * 0.75e6 + 24, "zero3,sec=2");
+    /* f_w = 2 = S: nothing to save, nothing held */
+    TH_CHECK(total("topo:2/2/8,sec=2", 4, false) == total("topo:2/2/8", 4, false),
+             "topo:2/2/8,sec=2 is topo:2/2/8");
+    TH_CHECK(sd_plan_parse("zero3,sec=2", &t, &p, err, sizeof(err)) == 0, "parse");
+    in.w_bytes = 4;
+    sd_cost_step(&in, &p, &o);
+    TH_CHECK(o.sec_bytes == 1600, "zero3,sec=2 holds 800 / 2 fp32 weights per holder: %llu",
+             (unsigned long long)o.sec_bytes);
+    TH_CHECK(sd_plan_parse("topo:2/2/8,sec=2", &t, &p, err, sizeof(err)) == 0, "parse");
+    sd_cost_step(&in, &p, &o);
+    TH_CHECK(o.sec_bytes == 0, "inactive secondary holds nothing");
+
+    /* copies inside a node, by hand (S = 4 numel bytes, one node of 4 ranks in 2 packages) */
+    struct sd_topo one = {.nodes = 1, .ranks_per_node = 4, .package_size = 2};
+    struct sd_cost_in in1 = {.numel = 1000,
+                             .w_bytes = 4,
+                             .nodes = 1,
+                             .k = 4,
+                             .accum = 1,
+                             .cached_in_step = true,
+                             .package = 2};
+    double S = 4000;
+    /* mics:4: fetch copies ranks 0..3 into rank 0's copy, S/4 each: 0,1 in its package; push:
+     * each holder gets S/4 from each of the 4 members, 2 of them in its package; no replicas,
+     * no weights' parts to copy */
+    TH_CHECK(sd_plan_parse("mics:4", &one, &p, err, sizeof(err)) == 0, "parse");
+    sd_cost_step(&in1, &p, &o);
+    TH_CHECK(o.intra[SD_COST_PACKAGE] == 2.5 * S && o.intra[SD_COST_NODE] == 2.5 * S,
+             "mics:4 intra %g %g", o.intra[0], o.intra[1]);
+    /* zero1: fetch S from rank 0 to itself; push: each rank's S to itself (4 S); step: the
+     * replicas 1, 2, 3 of the one g shard summed into rank 0 and copied back (2 S each, rank 1
+     * in rank 0's package); the weights: each rank gets the 3 parts of S/4 the others own, 4
+     * of the 12 within a package */
+    TH_CHECK(sd_plan_parse("zero1", &one, &p, err, sizeof(err)) == 0, "parse");
+    sd_cost_step(&in1, &p, &o);
+    TH_CHECK(o.intra[SD_COST_PACKAGE] == 8 * S && o.intra[SD_COST_NODE] == 6 * S,
+             "zero1 intra %g %g", o.intra[0], o.intra[1]);
     return th_summary("test_cost");
 }

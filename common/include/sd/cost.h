@@ -15,9 +15,28 @@
  *            all-gather when f_w < f_os and f_os > k: the node's k os parts (S_w / f_os each) to
  *            each node of the os group that holds their w shard, G_os - 1 of them when
  *            f_w <= k, else G_os / G_w - 1. And 8 (N - 1) bytes of norm.
+ * With an active secondary partition (,sec=S with f_w > S) only the first gather of a step
+ * crosses nodes; the others copy from the S holders.
+ *
+ * Inside the node, intra[SD_COST_PACKAGE] and intra[SD_COST_NODE] count the copies the daemon
+ * makes per step on a node, each by the link between the two ranks whose memory it joins (one
+ * package, a rank's own memory included, or two packages of the node), with the node's
+ * buffers (the hierarchical gather's copy, the node partial, the hop's buffer) at local rank 0:
+ *   fetch   each gather copies the node's members of the w group (k ranks when f_w >= k, else
+ *           the f_w ranks of local rank 0's group) into the copy, S_w / f_w each; with the
+ *           secondary partition the first gather also copies the unit out to the S holders
+ *           and the others copy S_w / S from each holder instead
+ *   push    every micro-step: across nodes (f_g > k or no 2-hop) each rank's gradient into the
+ *           node partial (S_w each) and the node's result back into each g shard (S_g / f_g);
+ *           inside the node each g group's members' gradients (S_w / f_g each) into each holder
+ *   step    the hop (R > 1) packs each rank's g shard into the node's buffer and back; on one
+ *           node the replicas of each g shard are summed into the first and copied back; the
+ *           weights' parts other ranks own copied into each w shard (S_w / f_os each).
+ * Counted for the hierarchical gather.
+ *
  * Per rank: w S_w / f_w, g S_g / f_g, os (4 optim_floats numel) / f_os (fp32 master and
  * moments), the tables of ZeRO-topo (weights 2 Psi / f_w in bf16, gradients 4 Psi / f_g, Adam
- * 12 Psi / f_os). */
+ * 12 Psi / f_os), and S_w / S on each holder of an active secondary partition. */
 #ifndef SD_COST_H
 #define SD_COST_H
 
@@ -35,7 +54,10 @@ struct sd_cost_in {
     bool cached_in_step;   /* a gathered unit stays until the step (else gathered twice per
                               micro-step) */
     double inter_Bps;      /* bytes per second each node can send to the others */
+    uint32_t package;      /* ranks per package; 0: 1 */
 };
+
+enum { SD_COST_PACKAGE = 0, SD_COST_NODE = 1 };
 
 struct sd_cost_out {
     /* sent per node per step */
@@ -43,6 +65,10 @@ struct sd_cost_out {
     double hop_bytes, weights_bytes; /* the parts of step_bytes */
     double comm_s;
     uint64_t rank_bytes[SD_STATE_COUNT]; /* each rank's bytes of w, g and os */
+    uint64_t sec_bytes;                  /* each secondary holder's bytes (0: none active) */
+    /* copied inside node 0 per step, by link class, per operation (SD_OP_FETCH, _PUSH, _STEP
+     * index 0, 1, 2) and in all */
+    double intra_op[3][2], intra[2];
 };
 
 void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,

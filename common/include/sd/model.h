@@ -74,7 +74,8 @@ uint32_t sd_group_nodes(const struct sd_topo *t, const struct sd_group *g);
 struct sd_plan {
     char name[32];              /* as given: "ddp", "zero3", "mics:2", "topo:2/4/8" */
     uint32_t f[SD_STATE_COUNT]; /* shard factor per state: f_w | f_g | f_os | world */
-    uint32_t sec;               /* ,sec=S: secondary partition over S ranks of a node; 0: none */
+    uint32_t sec;               /* ,sec=S: secondary partition over S ranks of a node; 0: none (see
+                                   sd_plan_sec_active) */
     bool hierarchical;          /* gather remote shards once per node (MiCS) */
     bool two_hop;               /* sync gradients across groups only at the step (MiCS) */
 };
@@ -87,6 +88,15 @@ struct sd_plan {
  * node. */
 int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *plan_p, char *err,
                   size_t errlen);
+
+/* Does the secondary partition change anything? It lets a unit's later fetches of one weights
+ * generation gather within S ranks of a node instead of the f_w ranks of the w group, so it
+ * does when f_w > S: a w group that spans nodes (ZeRO++'s hpZ), or, inside a node, one that
+ * spans more packages than S ranks do. With f_w <= S it is accepted and holds nothing. */
+static inline bool sd_plan_sec_active(const struct sd_plan *plan)
+{
+    return plan->sec != 0 && plan->f[0] > plan->sec;
+}
 
 /* The shard of state that rank holds, in [0, f[state]) (the nesting above). */
 uint32_t sd_plan_shard(const struct sd_plan *plan, int state, uint32_t rank);
@@ -135,7 +145,8 @@ struct sd_unit_layout {
     int dtype;
     uint32_t first_tensor, n_tensors;
     uint64_t arena_off[SD_STATE_COUNT]; /* element offset of this unit's shard in a rank's arena */
-    uint64_t pool_off;                  /* element offset when every unit is resident (full size) */
+    uint64_t sec_off;  /* element offset of its secondary piece (numel / sec) in a holder's */
+    uint64_t pool_off; /* element offset when every unit is resident (full size) */
 };
 
 struct sd_layout {
@@ -144,7 +155,9 @@ struct sd_layout {
     struct sd_tensor_layout *tensors;
     uint32_t f[SD_STATE_COUNT];
     uint64_t arena_numel[SD_STATE_COUNT]; /* elements per rank per state */
-    uint64_t total_numel;                 /* sum of padded units */
+    uint64_t sec_numel;   /* elements per holder of the secondary partition (0 if not active) */
+    uint64_t sec_bytes;   /* the same in the units' dtypes */
+    uint64_t total_numel; /* sum of padded units */
     uint64_t max_unit_numel;
     uint64_t max_unit_bytes; /* in the unit's dtype */
     uint64_t total_bytes;    /* sum of padded units in their dtypes */

@@ -1,0 +1,85 @@
+/* The secondary partition (ZeRO++'s hpZ; plan option ,sec=S, DESIGN.md section 3b). After the
+ * first gather of a unit in a weights generation, S ranks of the node keep 1/S of it each; the
+ * unit's later gathers of the same generation (the backward fetch after the forward one was
+ * evicted, the next micro-step's) copy those S pieces instead of gathering within the w group,
+ * so they cross no node boundary, and no package boundary the S ranks do not span. Every copy
+ * carries the weights generation it was made from and is used only while it equals the job's:
+ * any write of the weights (the optimizer step, a load) advances the generation, which
+ * invalidates every secondary copy at once, with no invalidation walk that could be missed. */
+#include "ops.h"
+#include "sd/log.h"
+#include "sd/status.h"
+
+#include <stdint.h>
+
+static uint32_t group_of(const struct sd_job *job, const struct sd_unit_state *us)
+{
+    return us->lslot / job->plan.sec;
+}
+
+static uint64_t *gen_of(const struct sd_job *job, const struct sd_unit_state *us)
+{
+    return &job->sec.gen[(size_t)us->unit * job->sec.groups + group_of(job, us)];
+}
+
+/* holder h's piece of unit ul, and its bytes */
+static uint8_t *piece(struct sd_job *job, uint32_t h, const struct sd_unit_layout *ul)
+{
+    return (uint8_t *)job->sec.mem[h].ptr + ul->sec_off * sd_dtype_size(ul->dtype);
+}
+
+static uint64_t piece_bytes(const struct sd_job *job, const struct sd_unit_layout *ul)
+{
+    return ul->numel / job->plan.sec * sd_dtype_size(ul->dtype);
+}
+
+uint64_t sd_sec_holder_bytes(const struct sd_job *job)
+{
+    return job->layout.sec_bytes;
+}
+
+uint32_t sd_sec_holders(const struct sd_job *job)
+{
+    if (!sd_plan_sec_active(&job->plan))
+        return 0;
+    return job->slots_per_unit == 1 ? job->plan.sec : job->k;
+}
+
+bool sd_sec_ready(const struct sd_job *job, const struct sd_unit_state *us)
+{
+    return job->sec.groups > 0 && *gen_of(job, us) == job->weights_gen;
+}
+
+void sd_sec_load(struct sd_job *job, struct sd_unit_state *us)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[us->unit];
+    uint64_t len = piece_bytes(job, ul);
+    uint8_t *slot = (uint8_t *)job->mem.pool.ptr + us->pool_off;
+    uint32_t S = job->plan.sec, first = group_of(job, us) * S;
+    for (uint32_t j = 0; j < S; j++) {
+        job->reg->dev->copy(job->mem.queue, slot + j * len, piece(job, first + j, ul), len);
+        sd_job_count_copy(job, SD_OP_FETCH, first + j, us->lslot, len);
+    }
+    job->sec.loads++;
+}
+
+bool sd_sec_keep(struct sd_job *job, struct sd_unit_state *us)
+{
+    if (job->sec.groups == 0 || *gen_of(job, us) == job->weights_gen)
+        return true;
+    const struct sd_unit_layout *ul = &job->layout.units[us->unit];
+    uint64_t len = piece_bytes(job, ul);
+    const uint8_t *slot = (const uint8_t *)job->mem.pool.ptr + us->pool_off;
+    uint32_t S = job->plan.sec, first = group_of(job, us) * S;
+    for (uint32_t j = 0; j < S; j++) {
+        job->reg->dev->copy(job->mem.queue, piece(job, first + j, ul), slot + j * len, len);
+        sd_job_count_copy(job, SD_OP_FETCH, us->lslot, first + j, len);
+    }
+    *gen_of(job, us) = job->weights_gen;
+    job->sec.stores++;
+    SD_DEBUG("fetch", "job '%s': secondary copy of unit %u (group %u) refilled, generation %llu",
+             job->name, us->unit, group_of(job, us), (unsigned long long)job->weights_gen);
+    /* the slot may be evicted and refilled by the network once the loop runs again: the copies
+     * out of it are done before that */
+    return sd_job_sync(job);
+}
