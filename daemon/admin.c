@@ -3,7 +3,7 @@
 #include "cluster/cluster.h"
 #include "job.h"
 #include "net.h"
-#include "ops.h"
+#include "secondary.h"
 #include "registry.h"
 #include "schedule.h"
 #include "server.h"

@@ -10,6 +10,7 @@
  * arenas once it reached the requested weights generation. */
 #include "net.h"
 #include "ops.h"
+#include "secondary.h"
 #include "session.h"
 #include "registry.h"
 #include "sd/log.h"

@@ -5,6 +5,7 @@
 #include "job.h"
 #include "net.h"
 #include "ops.h"
+#include "secondary.h"
 #include "registry.h"
 #include "sd/log.h"
 #include "sd/status.h"

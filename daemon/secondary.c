@@ -6,7 +6,8 @@
  * carries the weights generation it was made from and is used only while it equals the job's:
  * any write of the weights (the optimizer step, a load) advances the generation, which
  * invalidates every secondary copy at once, with no invalidation walk that could be missed. */
-#include "ops.h"
+#include "job.h"
+#include "secondary.h"
 #include "sd/log.h"
 #include "sd/status.h"
 
