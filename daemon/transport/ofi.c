@@ -135,6 +135,11 @@ int sd_ofi__post(struct ofi *o, struct sd_xfer *x)
     struct rail *rl = rail_of(o, x);
     size_t base = (size_t)peer_rail(x->rail) * o->base.n_peers;
     ssize_t r;
+    /* a peer declared down left the address table: a transfer queued for it before (or asked
+     * for after) must not reach the provider with its stale address (tcp;ofi_rxm crashed on
+     * one) */
+    if (x->peer != SD_PEER_ANY && x->peer < o->base.n_peers && o->down[x->peer])
+        return SD_EPEER;
     if (x->kind == XFER_SEND) {
         if (rl->tx_posted >= o->tx_depth)
             return SD_EAGAIN;
@@ -282,6 +287,18 @@ static void ofi_peer_down(struct sd_transport *tp, uint32_t node)
         if (ret != 0)
             SD_WARN("ofi", "removing node %u's %s endpoint from the address table: %s", node,
                     rail_name(r, rn, sizeof(rn)), fi_strerror(-ret));
+        *fa = FI_ADDR_NOTAVAIL;
+    }
+    /* what waits in the pending queues for that node fails now (sd_ofi__post refuses it) */
+    for (uint32_t i = 0; i < o->n_rails; i++) {
+        struct rail *rl = &o->rails[i];
+        struct xqueue keep = {0}, dead = {0};
+        struct sd_xfer *x;
+        while ((x = xq_pop(&rl->pending)) != NULL)
+            xq_push(x->peer == node ? &dead : &keep, x);
+        rl->pending = keep; /* before the callbacks, which may queue new transfers */
+        while ((x = xq_pop(&dead)) != NULL)
+            finish_unposted(o, x, SD_EPEER);
     }
 }
 
