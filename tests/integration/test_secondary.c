@@ -183,8 +183,11 @@ int main(void)
         json_t *s = th_job_stats(cl.d[node].sock, "sec");
         json_t *p = th_job_stats(cl.d[node].sock, "plain");
         TH_CHECK(s != NULL && p != NULL, "node %d: stats of both jobs", node);
-        if (s == NULL || p == NULL)
+        if (s == NULL || p == NULL) {
+            json_decref(s);
+            json_decref(p);
             continue;
+        }
         /* loads: only the reload of step 4; refills: units 0 and 1 of generations 0 and 1
          * (the schedule frozen after step 1 gathers unit 1 when unit 0 is released, before the
          * reload departs from it) and unit 1 of generation 2 */
@@ -202,6 +205,8 @@ int main(void)
                  th_json_int(s, "gathers"), th_json_int(p, "gathers"));
         TH_CHECK(th_json_int(s, "errors") == 0 && th_json_int(p, "errors") == 0, "node %d: errors",
                  node);
+        json_decref(s);
+        json_decref(p);
     }
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_secondary");
