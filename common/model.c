@@ -2,6 +2,7 @@
 #include "sd/status.h"
 #include "sd/util.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -152,6 +153,14 @@ int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *
     char *opt = strchr(base, ',');
     if (opt != NULL) {
         *opt++ = '\0';
+        size_t olen = strlen(opt);
+        if (olen == 0 || opt[0] == ',' || opt[olen - 1] == ',' || strstr(opt, ",,") != NULL) {
+            snprintf(err, errlen,
+                     "plan '%s': an empty option (a ',' with nothing after it); options are "
+                     "no-hier, no-2hop, sec=S",
+                     spec);
+            return SD_EINVAL;
+        }
         for (char *save = NULL, *tok = strtok_r(opt, ",", &save); tok;
              tok = strtok_r(NULL, ",", &save)) {
             if (strcmp(tok, "no-hier") == 0) {
@@ -260,13 +269,43 @@ uint64_t sd_model_digest(const struct sd_model *m)
     return sd_hash_str(h, m->plan);
 }
 
+static int cmp_name(const void *a, const void *b, void *arg)
+{
+    const struct sd_model *m = arg;
+    uint32_t i = *(const uint32_t *)a, j = *(const uint32_t *)b;
+    int c = strcmp(m->tensors[i].name, m->tensors[j].name);
+    return c != 0 ? c : (i > j) - (i < j);
+}
+
+/* Two tensors of one name: sorted, O(n log n) (comparing every pair held the daemon's loop
+ * 19 s for 64K tensors). */
+static int check_names_unique(const struct sd_model *m, char *err, size_t errlen)
+{
+    uint32_t *idx = malloc((size_t)m->n_tensors * sizeof(*idx));
+    if (idx == NULL) {
+        snprintf(err, errlen, "out of memory checking %u tensor names", m->n_tensors);
+        return SD_ENOMEM;
+    }
+    for (uint32_t i = 0; i < m->n_tensors; i++)
+        idx[i] = i;
+    qsort_r(idx, m->n_tensors, sizeof(*idx), cmp_name, (void *)m);
+    int st = SD_OK;
+    for (uint32_t i = 1; i < m->n_tensors && st == SD_OK; i++)
+        if (strcmp(m->tensors[idx[i - 1]].name, m->tensors[idx[i]].name) == 0) {
+            snprintf(err, errlen, "tensors %u and %u share the name '%s'", idx[i - 1], idx[i],
+                     m->tensors[idx[i]].name);
+            st = SD_EINVAL;
+        }
+    free(idx);
+    return st;
+}
+
 int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
 {
     if (m->n_tensors == 0 || m->n_tensors > SD_MAX_TENSORS) {
         snprintf(err, errlen, "model has %u tensors; expected 1..%u", m->n_tensors, SD_MAX_TENSORS);
         return SD_EINVAL;
     }
-    uint32_t max_unit = 0;
     for (uint32_t i = 0; i < m->n_tensors; i++) {
         const struct sd_tensor_desc *t = &m->tensors[i];
         if (memchr(t->name, '\0', sizeof(t->name)) == NULL || t->name[0] == '\0') {
@@ -315,27 +354,51 @@ int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
                      t->unit);
             return SD_EINVAL;
         }
-        for (uint32_t j = 0; j < i; j++)
-            if (strcmp(m->tensors[j].name, t->name) == 0) {
-                snprintf(err, errlen, "tensors %u and %u share the name '%s'", j, i, t->name);
-                return SD_EINVAL;
-            }
-        max_unit = t->unit;
     }
-    (void)max_unit;
+    uint64_t total = 0; /* each tensor is below 2^40 elements: the sum cannot wrap */
+    for (uint32_t i = 0; i < m->n_tensors; i++)
+        total += sd_tensor_numel(&m->tensors[i]);
+    if (total > SD_MAX_MODEL_NUMEL) {
+        snprintf(err, errlen,
+                 "model has %llu parameters; at most 2^48 (the daemon's sizes are computed in "
+                 "64 bits)",
+                 (unsigned long long)total);
+        return SD_EINVAL;
+    }
+    int st = check_names_unique(m, err, errlen);
+    if (st != SD_OK)
+        return st;
     const struct sd_optim *o = &m->optim;
     if (o->kind != SD_OPTIM_ADAMW && o->kind != SD_OPTIM_SGD) {
         snprintf(err, errlen, "unknown optimizer kind %d", o->kind);
         return SD_EINVAL;
     }
-    if (!(o->lr >= 0.0f) || !(o->eps >= 0.0f) || !(o->weight_decay >= 0.0f) ||
-        !(o->beta1 >= 0.0f && o->beta1 < 1.0f) || !(o->beta2 >= 0.0f && o->beta2 < 1.0f) ||
-        !(o->momentum >= 0.0f && o->momentum < 1.0f) || !(o->max_grad_norm >= 0.0f)) {
-        snprintf(err, errlen,
-                 "optimizer: lr %g, betas (%g, %g), eps %g, weight_decay %g, momentum %g, "
-                 "max_grad_norm %g: each must be >= 0, betas and momentum < 1",
-                 o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, o->momentum, o->max_grad_norm);
-        return SD_EINVAL;
+    return sd_optim_validate(o, err, errlen);
+}
+
+int sd_optim_validate(const struct sd_optim *o, char *err, size_t errlen)
+{
+    /* finite, and in ranges no training run uses outside of: an infinite lr or weight decay is
+     * a NaN loss a few steps later, not an error a user can trace back */
+    const struct {
+        const char *name;
+        float v, lo, hi;
+        bool hi_open;
+    } f[] = {{"lr", o->lr, 0.0f, 10.0f, false},
+             {"beta1", o->beta1, 0.0f, 1.0f, true},
+             {"beta2", o->beta2, 0.0f, 1.0f, true},
+             {"eps", o->eps, 0.0f, 1.0f, false},
+             {"weight_decay", o->weight_decay, 0.0f, 10.0f, false},
+             {"momentum", o->momentum, 0.0f, 1.0f, true},
+             {"max_grad_norm", o->max_grad_norm, 0.0f, 1e30f, false}};
+    for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++) {
+        float v = f[i].v;
+        bool ok = isfinite(v) && v >= f[i].lo && (f[i].hi_open ? v < f[i].hi : v <= f[i].hi);
+        if (!ok) {
+            snprintf(err, errlen, "optimizer: %s is %g; it must be finite and in [%g, %g%s",
+                     f[i].name, v, f[i].lo, f[i].hi, f[i].hi_open ? ")" : "]");
+            return SD_EINVAL;
+        }
     }
     return SD_OK;
 }

@@ -7,6 +7,7 @@
 #include "registry.h"
 #include "server.h"
 #include "session.h"
+#include "sd/model_msg.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -24,69 +25,11 @@ const char *sd_job_state_name(enum sd_job_state s)
     return names[s];
 }
 
-static void model_free(struct sd_model *m)
-{
-    free(m->tensors);
-    m->tensors = NULL;
-    m->n_tensors = 0;
-}
-
-/* Copy a Register message into a model description; err says what is wrong. */
-static int model_from_msg(const Shard__Register *msg, struct sd_model *m, char *err, size_t len)
-{
-    memset(m, 0, sizeof(*m));
-    if (msg->n_tensors == 0 || msg->n_tensors > SD_MAX_TENSORS) {
-        snprintf(err, len, "model has %zu tensors; expected 1..%d", msg->n_tensors, SD_MAX_TENSORS);
-        return SD_EINVAL;
-    }
-    if (msg->optimizer == NULL) {
-        snprintf(err, len, "model has no optimizer settings");
-        return SD_EINVAL;
-    }
-    if (msg->plan == NULL || strlen(msg->plan) >= sizeof(m->plan)) {
-        snprintf(err, len, "plan is missing or too long");
-        return SD_EINVAL;
-    }
-    m->tensors = calloc(msg->n_tensors, sizeof(*m->tensors));
-    if (m->tensors == NULL) {
-        snprintf(err, len, "out of memory for %zu tensor descriptions", msg->n_tensors);
-        return SD_ENOMEM;
-    }
-    m->n_tensors = (uint32_t)msg->n_tensors;
-    for (size_t i = 0; i < msg->n_tensors; i++) {
-        const Shard__TensorDesc *t = msg->tensors[i];
-        struct sd_tensor_desc *d = &m->tensors[i];
-        if (t->name == NULL || strlen(t->name) >= SD_MAX_NAME || t->n_dims > SD_MAX_DIMS) {
-            snprintf(err, len, "tensor %zu: name longer than %d bytes or more than %d dims", i,
-                     SD_MAX_NAME - 1, SD_MAX_DIMS);
-            model_free(m);
-            return SD_EINVAL;
-        }
-        snprintf(d->name, sizeof(d->name), "%s", t->name);
-        d->ndim = (uint32_t)t->n_dims;
-        for (size_t k = 0; k < t->n_dims; k++)
-            d->dims[k] = t->dims[k];
-        d->dtype = t->dtype < SD_DTYPE_COUNT ? (int)t->dtype : -1;
-        d->unit = t->unit;
-    }
-    const Shard__Optimizer *o = msg->optimizer;
-    m->optim = (struct sd_optim){.kind = (int)o->kind,
-                                 .lr = o->lr,
-                                 .beta1 = o->beta1,
-                                 .beta2 = o->beta2,
-                                 .eps = o->eps,
-                                 .weight_decay = o->weight_decay,
-                                 .momentum = o->momentum,
-                                 .max_grad_norm = o->max_grad_norm};
-    snprintf(m->plan, sizeof(m->plan), "%s", msg->plan);
-    return sd_model_validate(m, err, len);
-}
-
 void sd_job_free(struct sd_job *job)
 {
     sd_job_mem_free(job);
     sd_layout_free(&job->layout);
-    model_free(&job->model);
+    sd_model_free(&job->model);
     free(job->ranks);
     free(job->step.tags);
     free(job->step.arrive_ns);
@@ -277,6 +220,21 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
                           status == SD_OK ? "" : err);
 }
 
+bool sd_job_name_valid(const char *name)
+{
+    size_t n = strlen(name);
+    if (n == 0 || n >= sizeof(((struct sd_job *)0)->name) || name[0] == '.' || name[0] == '-')
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        char ch = name[i];
+        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                  (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '-';
+        if (!ok)
+            return false;
+    }
+    return true;
+}
+
 static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register *msg,
                                  struct sd_model *model, uid_t uid, char *err, size_t errlen)
 {
@@ -381,20 +339,18 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
     const char *name = msg->job ? msg->job : "";
     size_t nlen = strlen(name);
 
-    if (nlen == 0 || nlen >= sizeof(((struct sd_job *)0)->name)) {
-        sd_conn_send_error(c, SD_EINVAL, "register: job name must be 1..63 bytes, got %zu", nlen);
+    if (!sd_job_name_valid(name)) {
+        sd_conn_send_error(c, SD_EINVAL,
+                           "register: job name '%.80s' (%zu bytes): a job name is 1..63 of "
+                           "A-Z a-z 0-9 . _ - and does not start with '.' or '-'",
+                           name, nlen);
         return;
     }
-    for (size_t i = 0; i < nlen; i++)
-        if (name[i] < 0x21 || name[i] > 0x7e) {
-            sd_conn_send_error(c, SD_EINVAL,
-                               "register: job name must be printable ASCII without spaces");
-            return;
-        }
-    int status = model_from_msg(msg, &model, err, sizeof(err));
+    int status = sd_model_from_register(msg, (uint64_t)reg->cfg->max_tensors,
+                                        (uint64_t)reg->cfg->max_units, &model, err, sizeof(err));
     if (status != SD_OK) {
         sd_conn_send_error(c, status, "register job '%s' rank %u: %s", name, msg->rank, err);
-        model_free(&model);
+        sd_model_free(&model);
         return;
     }
 
@@ -405,23 +361,23 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
                                "register job '%s': %u jobs are served, max_jobs is "
                                "%lld",
                                name, reg->n_jobs, (long long)reg->cfg->max_jobs);
-            model_free(&model);
+            sd_model_free(&model);
             return;
         }
         job = job_create(reg, msg, &model, c->uid, err, sizeof(err));
         if (job == NULL) {
             sd_conn_send_error(c, SD_EINVAL, "register job '%s' rank %u: %s", name, msg->rank, err);
-            model_free(&model);
+            sd_model_free(&model);
             return;
         }
         SD_INFO("job", "job '%s' (id %llu) created by pid %d: world %u, plan %s", job->name,
                 (unsigned long long)job->id, (int)c->pid, job->world, job->plan.name);
     } else {
         uint64_t digest = sd_model_digest(&model);
-        if (job->uid != c->uid && c->uid != 0) {
+        if (job->uid != c->uid) { /* root included: it registers jobs of its own */
             sd_conn_send_error(c, SD_EPERM,
                                "register job '%s': it belongs to uid %d, you are "
-                               "uid %d",
+                               "uid %d; a job is joined only by its owner's processes",
                                name, (int)job->uid, (int)c->uid);
         } else if (job->state != SD_JOB_REGISTERING) {
             sd_conn_send_error(c, SD_EEXIST,
@@ -443,10 +399,10 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
                                name, msg->world, (unsigned long long)msg->max_live_bytes,
                                job->world, (unsigned long long)job->mem.max_live_bytes);
         } else {
-            model_free(&model);
+            sd_model_free(&model);
             goto add_rank;
         }
-        model_free(&model);
+        sd_model_free(&model);
         return;
     }
 add_rank:

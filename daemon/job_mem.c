@@ -190,7 +190,11 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.staging = (uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) * job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
     b.net = sd_job_net_bytes(job, cfg);
-    b.total = b.w + b.g + b.os + b.sec + b.pool + b.staging + b.scratch + b.net;
+    const uint64_t parts[] = {b.w, b.g, b.os, b.sec, b.pool, b.staging, b.scratch, b.net};
+    b.total = 0;
+    for (size_t i = 0; i < SD_ARRAY_SIZE(parts); i++) /* max_live_bytes near 2^64 must not wrap */
+        if (__builtin_add_overflow(b.total, parts[i], &b.total))
+            b.total = UINT64_MAX;
     return b;
 }
 
@@ -217,7 +221,7 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
                  sd_fmt_bytes(b2, sizeof(b2), l->max_unit_bytes));
         return SD_ENOSPC;
     }
-    if (reg->used + need.total > budget) {
+    if (need.total > budget || reg->used > budget - need.total) {
         snprintf(err, errlen,
                  "job '%s' needs %llu bytes (%s: w %llu, g %llu, os %llu, secondary %llu, "
                  "gather pool %llu, staging %llu, scratch %llu, network %llu) but only %llu of "
@@ -341,7 +345,8 @@ static int job_alloc_host(struct sd_job *job, char *err, size_t errlen)
             return alloc_failed(job, tag, status, err, errlen);
     }
     snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
-    status = sd_gpu_host_ops.alloc(job->stats.pool_bytes, SD_MEM_SHARED, tag, &job->mem.pool);
+    status = sd_gpu_host_ops.alloc(job->stats.pool_bytes, SD_MEM_SHARED | SD_MEM_CLIENT_RO, tag,
+                                   &job->mem.pool);
     return status == SD_OK ? SD_OK : alloc_failed(job, tag, status, err, errlen);
 }
 

@@ -26,6 +26,12 @@ struct sd_config {
     int64_t push_rounds;
     uint64_t max_live_bytes;
     int64_t max_jobs;
+    int64_t max_tensors;
+    int64_t max_units;
+    int64_t frame_timeout_ms;
+    uint64_t control_memory_bytes;
+    uint64_t conn_queue_bytes;
+    int64_t allowed_gid;
     char provider[64];
     char fabric_addr[64];
     char coordinator[128];

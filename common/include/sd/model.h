@@ -25,6 +25,8 @@
 #define SD_MAX_TENSORS 65536
 #define SD_MAX_UNITS   16384
 #define SD_MAX_WORLD   65536
+/* parameters of one model, at most: every byte count derived from it fits 64 bits */
+#define SD_MAX_MODEL_NUMEL (1ULL << 48)
 /* tensor starts and shard boundaries are aligned to this many elements (64 B of bf16) */
 #define SD_ALIGN_ELEMS 32
 
@@ -131,6 +133,8 @@ uint64_t sd_tensor_numel(const struct sd_tensor_desc *t);
 uint64_t sd_model_digest(const struct sd_model *m);
 /* Check a model for internal consistency; message in err. */
 int sd_model_validate(const struct sd_model *m, char *err, size_t errlen);
+/* Check the optimizer's hyperparameters: finite and in sane ranges; err names the field. */
+int sd_optim_validate(const struct sd_optim *o, char *err, size_t errlen);
 /* Describe the first difference between two models ("tensor 3 'fc.w': dims[1] 64 vs 32"). */
 void sd_model_diff(const struct sd_model *a, const struct sd_model *b, char *out, size_t outlen);
 
