@@ -270,26 +270,29 @@ static json_t *job_schedule(const struct sd_job *job)
     return o;
 }
 
-int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char **json_p)
+int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t uid, char **json_p)
 {
     const char *cmd = req->command ? req->command : "";
     const char *filter = req->job && req->job[0] ? req->job : NULL;
     struct sd_registry *reg = srv->reg;
     json_t *out = NULL;
+    /* root sees every job and client; anyone else only their own */
+    bool all = uid == 0;
+    struct sd_job *named = filter ? sd_registry_find_any(reg, filter) : NULL;
 
-    if (filter != NULL && sd_registry_find_any(reg, filter) == NULL) {
+    if (filter != NULL && (named == NULL || (!all && named->uid != uid))) {
         out = json_pack("{s:s}", "error", "no such job");
         *json_p = json_dumps(out, JSON_COMPACT);
         json_decref(out);
         return SD_ENOJOB;
     }
     json_t *jobs = json_array();
-    struct sd_job *want = filter ? sd_registry_find_any(reg, filter) : NULL;
+    struct sd_job *want = named;
     /* active, retiring (every rank left, transfers still hold its memory), recently ended */
     struct sd_job *lists[3] = {reg->jobs, reg->zombies, reg->finished};
     for (int li = 0; li < 3; li++)
         for (struct sd_job *j = lists[li]; j; j = j->next) {
-            if (want != NULL && j != want)
+            if ((want != NULL && j != want) || (!all && j->uid != uid))
                 continue;
             json_t *o;
             if (strcmp(cmd, "groups") == 0)
@@ -312,17 +315,20 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char 
     if (strcmp(cmd, "status") == 0) {
         json_t *clients = json_array();
         for (struct sd_session *s = srv->sessions; s; s = s->next)
-            json_array_append_new(clients,
-                                  json_pack("{s:I, s:i, s:i, s:s?, s:i}", "session",
-                                            (json_int_t)s->id, "pid", (int)s->conn->pid, "uid",
-                                            (int)s->conn->uid, "job", s->job ? s->job->name : NULL,
-                                            "rank", s->job ? (int)s->rank : -1));
+            if (all || s->conn->uid == uid)
+                json_array_append_new(
+                    clients,
+                    json_pack("{s:I, s:i, s:i, s:s?, s:i}", "session", (json_int_t)s->id, "pid",
+                              (int)s->conn->pid, "uid", (int)s->conn->uid, "job",
+                              s->job ? s->job->name : NULL, "rank", s->job ? (int)s->rank : -1));
         out = json_pack("{s:s, s:i, s:f, s:s, s:i, s:i, s:I, s:I, s:o, s:o, s:o}", "version",
                         SHARD_VERSION, "pid", (int)getpid(), "uptime_s",
                         (double)(sd_now_ns() - srv->start_ns) / 1e9, "socket", srv->sock_path,
                         "node", (int)cfg->node, "nodes", (int)cfg->nodes, "memory_budget_bytes",
                         (json_int_t)reg->budget, "memory_used_bytes", (json_int_t)reg->used,
                         "config", config_json(cfg), "clients", clients, "jobs", jobs);
+        /* what this caller sees: its own jobs and clients, or (root) everyone's */
+        json_object_set_new(out, "visibility", json_string(all ? "all" : "own uid"));
         if (srv->tp != NULL) {
             const struct sd_transport *tp = srv->tp;
             json_t *t = json_pack(

@@ -16,23 +16,109 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sched.h>
 #include <unistd.h>
 
-#define SEND_TIMEOUT_MS 2000
+static void conn_io_cb(uv_poll_t *h, int status, int events);
+
+static void conn_poll(struct sd_conn *c)
+{
+    int ev = UV_READABLE | UV_DISCONNECT | (c->tx_head != NULL ? UV_WRITABLE : 0);
+    c->tx_polling = c->tx_head != NULL;
+    uv_poll_start(&c->poll, ev, conn_io_cb);
+}
+
+static void txbuf_free(struct sd_conn *c, struct sd_txbuf *b)
+{
+    for (unsigned i = 0; i < b->nfds; i++)
+        close(b->fds[i]);
+    c->srv->ctl_bytes -= b->len;
+    c->tx_bytes -= b->len;
+    free(b);
+}
+
+/* Mark c to be closed by the loop (conn_io_cb or the sweep). */
+static void conn_doom(struct sd_conn *c, const char *why)
+{
+    if (c->doomed == NULL)
+        c->doomed = why;
+    uv_poll_start(&c->poll, UV_READABLE | UV_WRITABLE | UV_DISCONNECT, conn_io_cb);
+}
+
+/* Send what the socket takes now; false when the connection failed (then doomed). */
+static bool conn_flush(struct sd_conn *c)
+{
+    while (c->tx_head != NULL) {
+        struct sd_txbuf *b = c->tx_head;
+        int st = sd_frame_send_some(c->fd, b->data, b->len, &b->off, b->off == 0 ? b->fds : NULL,
+                                    b->off == 0 ? b->nfds : 0);
+        if (st == SD_EAGAIN)
+            break;
+        if (st != SD_OK) {
+            SD_WARN("server", "conn %llu (pid %d): send failed: %s", (unsigned long long)c->id,
+                    (int)c->pid, sd_status_str(st));
+            conn_doom(c, "send failed");
+            return false;
+        }
+        c->tx_head = b->next;
+        if (c->tx_head == NULL)
+            c->tx_tail = NULL;
+        txbuf_free(c, b);
+    }
+    if ((c->tx_head != NULL) != c->tx_polling && c->doomed == NULL)
+        conn_poll(c);
+    return true;
+}
 
 int sd_conn_send(struct sd_conn *c, const Shard__DaemonMsg *msg, const int *fds, unsigned nfds)
 {
-    if (c->closing)
+    if (c->closing || c->doomed != NULL)
         return SD_ECONNRESET;
-    int status = sd_frame_send(c->fd, &msg->base, fds, nfds, SEND_TIMEOUT_MS);
-    if (status != SD_OK)
-        SD_WARN("server", "conn %llu (pid %d): send failed: %s", (unsigned long long)c->id,
-                (int)c->pid, sd_status_str(status));
-    return status;
+    size_t len = protobuf_c_message_get_packed_size(&msg->base);
+    const struct sd_config *cfg = c->srv->cfg;
+    if (nfds > SD_ARRAY_SIZE(((struct sd_txbuf *)0)->fds) || len > UINT32_MAX)
+        return SD_EINVAL;
+    if (c->tx_bytes + len + SD_FRAME_HDR > cfg->conn_queue_bytes ||
+        c->srv->ctl_bytes + len + SD_FRAME_HDR > cfg->control_memory_bytes) {
+        SD_WARN("server",
+                "conn %llu (pid %d uid %d): %zu bytes of replies it has not read; closing it "
+                "(conn_queue_bytes %llu, control memory in use %llu of %llu)",
+                (unsigned long long)c->id, (int)c->pid, (int)c->uid, c->tx_bytes,
+                (unsigned long long)cfg->conn_queue_bytes, (unsigned long long)c->srv->ctl_bytes,
+                (unsigned long long)cfg->control_memory_bytes);
+        c->srv->dropped++;
+        conn_doom(c, "does not read its replies");
+        return SD_ECONNRESET;
+    }
+    struct sd_txbuf *b = malloc(sizeof(*b) + len + SD_FRAME_HDR);
+    if (b == NULL)
+        return SD_ENOMEM;
+    *b = (struct sd_txbuf){.len = len + SD_FRAME_HDR};
+    sd_frame_header(b->data, len);
+    protobuf_c_message_pack(&msg->base, b->data + SD_FRAME_HDR);
+    for (unsigned i = 0; i < nfds; i++) { /* the caller keeps its own */
+        int fd = fcntl(fds[i], F_DUPFD_CLOEXEC, 0);
+        if (fd < 0) {
+            int st = -errno;
+            for (unsigned j = 0; j < b->nfds; j++)
+                close(b->fds[j]);
+            free(b);
+            return st;
+        }
+        b->fds[b->nfds++] = fd;
+    }
+    c->tx_bytes += b->len;
+    c->srv->ctl_bytes += b->len;
+    if (c->tx_tail != NULL)
+        c->tx_tail->next = b;
+    else
+        c->tx_head = b;
+    c->tx_tail = b;
+    return conn_flush(c) ? SD_OK : SD_ECONNRESET;
 }
 
 int sd_conn_send_error(struct sd_conn *c, int status, const char *fmt, ...)
@@ -53,11 +139,32 @@ int sd_conn_send_error(struct sd_conn *c, int status, const char *fmt, ...)
     return sd_conn_send(c, &msg, NULL, 0);
 }
 
+/* Receive buffers are mappings of their own, grown with mremap and unmapped when done: a
+ * malloc'd 16 MiB buffer freed goes back to the allocator's heap, not to the system, and 30
+ * clients' abandoned messages left the daemon 200 MB larger. */
+static uint8_t *rx_resize(uint8_t *old, size_t old_cap, size_t cap)
+{
+    void *p = old == NULL
+                  ? mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                  : mremap(old, old_cap, cap, MREMAP_MAYMOVE);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void rx_free(uint8_t *rx, size_t cap)
+{
+    if (rx != NULL)
+        munmap(rx, cap);
+}
+
 static void conn_free_cb(uv_handle_t *h)
 {
     struct sd_conn *c = h->data;
+    while (c->tx_head != NULL) {
+        struct sd_txbuf *b = c->tx_head;
+        c->tx_head = b->next;
+        txbuf_free(c, b);
+    }
     close(c->fd);
-    free(c->rx);
     free(c);
 }
 
@@ -67,6 +174,11 @@ void sd_conn_close(struct sd_conn *c, const char *why)
         return;
     struct sd_server *srv = c->srv;
     c->closing = true;
+    /* its receive buffer goes now: the control memory it held is free for the next one */
+    srv->ctl_bytes -= c->rx_cap;
+    rx_free(c->rx, c->rx_cap);
+    c->rx = NULL;
+    c->rx_cap = c->rx_len = 0;
     SD_DEBUG("server", "conn %llu (pid %d) closed: %s", (unsigned long long)c->id, (int)c->pid,
              why);
     if (c->session != NULL) {
@@ -86,7 +198,7 @@ void sd_conn_close(struct sd_conn *c, const char *why)
 static void handle_admin(struct sd_conn *c, const Shard__AdminRequest *req)
 {
     char *json = NULL;
-    int status = sd_admin_handle(c->srv, req, &json);
+    int status = sd_admin_handle(c->srv, req, c->uid, &json);
     Shard__AdminReply rep = SHARD__ADMIN_REPLY__INIT;
     rep.status = status;
     rep.json = json ? json : "";
@@ -168,26 +280,82 @@ static bool handle_message(struct sd_conn *c, const uint8_t *buf, size_t len)
     return open && !c->closing;
 }
 
-static void conn_read_cb(uv_poll_t *h, int status, int events)
+/* Room for 4 KiB more in c's receive buffer, within max_message_bytes and the daemon's
+ * control memory; false when the connection was closed. */
+static bool rx_reserve(struct sd_conn *c)
 {
-    struct sd_conn *c = h->data;
-    size_t max = c->srv->cfg->max_message_bytes + SD_FRAME_HDR;
-    (void)events;
-    if (status < 0) {
-        sd_conn_close(c, uv_strerror(status));
-        return;
+    struct sd_server *srv = c->srv;
+    size_t max = srv->cfg->max_message_bytes + SD_FRAME_HDR;
+    if (c->rx_cap - c->rx_len >= 4096 || c->rx_cap >= max)
+        return true;
+    size_t cap = SD_MIN(SD_MAX(c->rx_cap * 2, 16384), max);
+    /* over the limit: the connection holding the most of an incomplete message goes first,
+     * so that 30 clients parked on 16 MiB messages cannot starve one sending a normal one */
+    while (srv->ctl_bytes + (cap - c->rx_cap) > srv->cfg->control_memory_bytes) {
+        struct sd_conn *big = c;
+        for (struct sd_conn *o = srv->conns; o; o = o->next)
+            if (!o->closing && o->rx_len > 0 && o->rx_cap > big->rx_cap)
+                big = o;
+        if (big == c)
+            break;
+        SD_WARN("server",
+                "conn %llu (pid %d uid %d): its incomplete message of %zu bytes is the largest "
+                "when the control memory (%llu bytes) is full; closing it",
+                (unsigned long long)big->id, (int)big->pid, (int)big->uid, big->rx_len,
+                (unsigned long long)srv->cfg->control_memory_bytes);
+        srv->dropped++;
+        sd_conn_send_error(big, SD_ENOMEM,
+                           "the daemon's control memory (control_memory_bytes %llu) is full and "
+                           "your incomplete message is the largest in it",
+                           (unsigned long long)srv->cfg->control_memory_bytes);
+        sd_conn_close(big, "control memory limit");
     }
+    if (srv->ctl_bytes + (cap - c->rx_cap) > srv->cfg->control_memory_bytes) {
+        SD_WARN("server",
+                "conn %llu (pid %d uid %d): an incomplete message of %zu bytes would take the "
+                "control memory past %llu bytes (%llu in use by all connections); closing it",
+                (unsigned long long)c->id, (int)c->pid, (int)c->uid, c->rx_len,
+                (unsigned long long)srv->cfg->control_memory_bytes,
+                (unsigned long long)srv->ctl_bytes);
+        srv->dropped++;
+        sd_conn_send_error(c, SD_ENOMEM,
+                           "the daemon's control memory (control_memory_bytes %llu) is in use by "
+                           "incomplete messages; send again later",
+                           (unsigned long long)srv->cfg->control_memory_bytes);
+        sd_conn_close(c, "control memory limit");
+        return false;
+    }
+    uint8_t *rx = rx_resize(c->rx, c->rx_cap, cap);
+    if (rx == NULL) {
+        sd_conn_close(c, "out of memory");
+        return false;
+    }
+    srv->ctl_bytes += cap - c->rx_cap;
+    c->rx = rx;
+    c->rx_cap = cap;
+    return true;
+}
+
+/* After the complete messages left rx: a large buffer nobody needs goes back. */
+static void rx_trim(struct sd_conn *c)
+{
+    if (c->rx_len == 0 && c->rx_cap > 65536) {
+        c->srv->ctl_bytes -= c->rx_cap;
+        rx_free(c->rx, c->rx_cap);
+        c->rx = NULL;
+        c->rx_cap = 0;
+    }
+    if (c->rx_len == 0)
+        c->rx_since_ns = 0;
+    else if (c->rx_since_ns == 0)
+        c->rx_since_ns = sd_now_ns();
+}
+
+static void conn_read(struct sd_conn *c)
+{
     for (;;) {
-        if (c->rx_cap - c->rx_len < 4096 && c->rx_cap < max) {
-            size_t cap = SD_MIN(SD_MAX(c->rx_cap * 2, 16384), max);
-            uint8_t *rx = realloc(c->rx, cap);
-            if (rx == NULL) {
-                sd_conn_close(c, "out of memory");
-                return;
-            }
-            c->rx = rx;
-            c->rx_cap = cap;
-        }
+        if (!rx_reserve(c))
+            return;
         ssize_t n = read(c->fd, c->rx + c->rx_len, c->rx_cap - c->rx_len);
         if (n == 0) {
             sd_conn_close(c, "disconnected");
@@ -197,7 +365,7 @@ static void conn_read_cb(uv_poll_t *h, int status, int events)
             if (errno == EINTR)
                 continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK)
-                return;
+                break;
             sd_conn_close(c, strerror(errno));
             return;
         }
@@ -217,10 +385,111 @@ static void conn_read_cb(uv_poll_t *h, int status, int events)
             if (!handle_message(c, c->rx + off + SD_FRAME_HDR, flen))
                 return;
             off += SD_FRAME_HDR + flen;
+            if (c->doomed != NULL) {
+                sd_conn_close(c, c->doomed);
+                return;
+            }
         }
         memmove(c->rx, c->rx + off, c->rx_len - off);
         c->rx_len -= off;
+        if (off > 0)
+            c->rx_since_ns = 0; /* a message completed: the next one's clock starts now */
+        rx_trim(c);
     }
+    rx_trim(c);
+}
+
+static void conn_io_cb(uv_poll_t *h, int status, int events)
+{
+    struct sd_conn *c = h->data;
+    if (status < 0 || c->doomed != NULL) {
+        sd_conn_close(c, c->doomed ? c->doomed : uv_strerror(status));
+        return;
+    }
+    if ((events & UV_WRITABLE) && !conn_flush(c)) {
+        sd_conn_close(c, c->doomed);
+        return;
+    }
+    if (events & (UV_READABLE | UV_DISCONNECT))
+        conn_read(c);
+}
+
+/* Connections whose incomplete message is older than frame_timeout_ms are dropped. */
+static void sweep_conns(struct sd_server *srv, uint64_t now)
+{
+    uint64_t limit = (uint64_t)srv->cfg->frame_timeout_ms * 1000000ULL;
+    for (struct sd_conn *c = srv->conns, *next; c; c = next) {
+        next = c->next;
+        if (c->doomed != NULL) {
+            sd_conn_close(c, c->doomed);
+            continue;
+        }
+        if (c->rx_since_ns == 0 || now - c->rx_since_ns <= limit)
+            continue;
+        SD_WARN("server",
+                "conn %llu (pid %d uid %d): %zu bytes of a message left incomplete for %lld ms "
+                "(frame_timeout_ms); closing it",
+                (unsigned long long)c->id, (int)c->pid, (int)c->uid, c->rx_len,
+                (long long)((now - c->rx_since_ns) / 1000000));
+        srv->dropped++;
+        sd_conn_send_error(c, SD_ETIMEDOUT,
+                           "a message of yours stayed incomplete for more than %lld ms "
+                           "(frame_timeout_ms)",
+                           (long long)srv->cfg->frame_timeout_ms);
+        sd_conn_close(c, "incomplete message timed out");
+    }
+}
+
+/* Tell a client why it is refused, without waiting for it, and close. */
+static void refuse(struct sd_server *srv, int fd, int status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void refuse(struct sd_server *srv, int fd, int status, const char *fmt, ...)
+{
+    char text[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    Shard__Error err = SHARD__ERROR__INIT;
+    err.status = status;
+    err.message = text;
+    Shard__DaemonMsg msg = SHARD__DAEMON_MSG__INIT;
+    msg.msg_case = SHARD__DAEMON_MSG__MSG_ERROR;
+    msg.error = &err;
+    uint8_t buf[512];
+    size_t len = protobuf_c_message_get_packed_size(&msg.base);
+    if (len + SD_FRAME_HDR <= sizeof(buf)) {
+        sd_frame_header(buf, len);
+        protobuf_c_message_pack(&msg.base, buf + SD_FRAME_HDR);
+        size_t off = 0;
+        (void)sd_frame_send_some(fd, buf, len + SD_FRAME_HDR, &off, NULL, 0);
+    }
+    close(fd);
+    srv->refused++;
+    SD_WARN_SPARSE("server", "refused a connection: %s", text);
+}
+
+/* Is a peer of uid/gid (pid for its supplementary groups) allowed in? */
+static bool peer_allowed(const struct sd_config *cfg, pid_t pid, uid_t uid, gid_t gid)
+{
+    if (cfg->allowed_gid < 0 || uid == 0 || gid == (gid_t)cfg->allowed_gid)
+        return true;
+    char path[64], line[1024];
+    snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "re");
+    bool in = false;
+    while (f != NULL && !in && fgets(line, sizeof(line), f) != NULL) {
+        if (strncmp(line, "Groups:", 7) != 0)
+            continue;
+        char *p = line + 7, *end;
+        for (long g = strtol(p, &end, 10); end != p; p = end, g = strtol(p, &end, 10))
+            if (g == cfg->allowed_gid)
+                in = true;
+        break;
+    }
+    if (f != NULL)
+        fclose(f);
+    return in;
 }
 
 static void accept_cb(uv_poll_t *h, int status, int events)
@@ -231,15 +500,28 @@ static void accept_cb(uv_poll_t *h, int status, int events)
         return;
     for (;;) {
         int fd = accept4(srv->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0 && (errno == EMFILE || errno == ENFILE) && srv->reserve_fd >= 0) {
+            /* out of fds: the connection would stay in the backlog and wake the loop forever;
+             * give up the reserve fd to take it and tell it why */
+            close(srv->reserve_fd);
+            srv->reserve_fd = -1;
+            fd = accept4(srv->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (fd >= 0)
+                refuse(srv, fd, SD_EBUSY,
+                       "shardd is out of file descriptors (%u connections); try again later",
+                       srv->n_conns);
+            srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            continue;
+        }
         if (fd < 0) {
             if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                 SD_WARN_SPARSE("server", "accept: %s", strerror(errno));
             return;
         }
         if (srv->n_conns >= (uint32_t)srv->cfg->max_clients + 8) {
-            SD_WARN_SPARSE("server", "refusing connection: %u open (max_clients %lld)",
-                           srv->n_conns, (long long)srv->cfg->max_clients);
-            close(fd);
+            refuse(srv, fd, SD_EBUSY,
+                   "shardd has %u connections open (max_clients %lld); try again later",
+                   srv->n_conns, (long long)srv->cfg->max_clients);
             continue;
         }
         struct ucred cred;
@@ -247,6 +529,13 @@ static void accept_cb(uv_poll_t *h, int status, int events)
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0) {
             SD_WARN("server", "SO_PEERCRED: %s", strerror(errno));
             close(fd);
+            continue;
+        }
+        if (!peer_allowed(srv->cfg, cred.pid, cred.uid, cred.gid)) {
+            refuse(srv, fd, SD_EPERM,
+                   "uid %d (pid %d) is not in group %lld, which allowed_gid lets use this "
+                   "shardd",
+                   (int)cred.uid, (int)cred.pid, (long long)srv->cfg->allowed_gid);
             continue;
         }
         struct sd_conn *c = calloc(1, sizeof(*c));
@@ -262,7 +551,7 @@ static void accept_cb(uv_poll_t *h, int status, int events)
         c->gid = cred.gid;
         uv_poll_init(srv->loop, &c->poll, fd);
         c->poll.data = c;
-        uv_poll_start(&c->poll, UV_READABLE | UV_DISCONNECT, conn_read_cb);
+        conn_poll(c);
         c->next = srv->conns;
         srv->conns = c;
         srv->n_conns++;
@@ -436,7 +725,9 @@ void sd_server_detach_transport(struct sd_server *srv)
 static void sweep_cb(uv_timer_t *h)
 {
     struct sd_server *srv = h->data;
-    sd_registry_sweep(srv->reg, sd_now_ns());
+    uint64_t now = sd_now_ns();
+    sweep_conns(srv, now);
+    sd_registry_sweep(srv->reg, now);
     sd_server_progress(srv);
 }
 
@@ -478,6 +769,7 @@ int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_conf
     srv->reg = reg;
     srv->start_ns = sd_now_ns();
     srv->lfd = -1;
+    srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC); /* see accept_cb */
 
     status = make_runtime_dir(cfg->runtime_dir);
     if (status != SD_OK)
@@ -516,6 +808,16 @@ int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_conf
         SD_ERROR("server", "cannot listen on %s: %s", srv->sock_path, strerror(errno));
         goto err_close;
     }
+    if (cfg->allowed_gid >= 0) { /* the group may reach the socket: dir 0710, socket 0660 */
+        gid_t g = (gid_t)cfg->allowed_gid;
+        if (chown(cfg->runtime_dir, (uid_t)-1, g) != 0 || chmod(cfg->runtime_dir, 0710) != 0 ||
+            chown(srv->sock_path, (uid_t)-1, g) != 0) {
+            status = -errno;
+            SD_ERROR("server", "cannot give group %lld access to %s: %s",
+                     (long long)cfg->allowed_gid, srv->sock_path, strerror(errno));
+            goto err_close;
+        }
+    }
     uv_poll_init(loop, &srv->lpoll, srv->lfd);
     srv->lpoll.data = srv;
     uv_poll_start(&srv->lpoll, UV_READABLE, accept_cb);
@@ -551,4 +853,7 @@ void sd_server_stop(struct sd_server *srv)
     uv_close((uv_handle_t *)&srv->idle, NULL);
     uv_timer_stop(&srv->sweep);
     uv_close((uv_handle_t *)&srv->sweep, NULL);
+    if (srv->reserve_fd >= 0)
+        close(srv->reserve_fd);
+    srv->reserve_fd = -1;
 }

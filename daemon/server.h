@@ -17,7 +17,20 @@ struct sd_session;
 struct sd_registry;
 struct sd_transport;
 
-/* ---- connection: one accepted socket, maybe with a session */
+/* a reply waiting to leave: the frame and the fds that travel with its first byte (dups, closed
+ * once sent) */
+struct sd_txbuf {
+    struct sd_txbuf *next;
+    size_t len, off;
+    int fds[4];
+    unsigned nfds;
+    uint8_t data[];
+};
+
+/* ---- connection: one accepted socket, maybe with a session. Nothing on it blocks the loop:
+ * replies queue (conn_queue_bytes at most) and leave as the socket takes them; a message left
+ * incomplete longer than frame_timeout_ms, or whose bytes would pass control_memory_bytes, drops
+ * the connection with a reason. */
 struct sd_conn {
     struct sd_conn *next;
     struct sd_server *srv;
@@ -26,11 +39,17 @@ struct sd_conn {
     uv_poll_t poll;
     uint8_t *rx;
     size_t rx_len, rx_cap;
+    uint64_t rx_since_ns; /* when the incomplete message in rx began (0: none) */
+    struct sd_txbuf *tx_head, *tx_tail;
+    size_t tx_bytes;
+    bool tx_polling; /* waiting for the socket to take more */
     pid_t pid;
     uid_t uid;
     gid_t gid;
     struct sd_session *session;
     bool closing;
+    const char *doomed; /* to be closed by the loop, for this reason (a send cannot close it:
+                           its caller may still use the session) */
 };
 
 int sd_conn_send(struct sd_conn *c, const Shard__DaemonMsg *msg, const int *fds, unsigned nfds);
@@ -63,6 +82,10 @@ struct sd_server {
     uv_timer_t net_timer; /* re-polls the fabric every ms while transfers wait for data */
     uint64_t last_net_ns; /* the last time a transfer completed */
     uint64_t polls;       /* passes of the polling loop since start (shardctl status) */
+    uint64_t ctl_bytes;   /* receive buffers and queued replies of every connection */
+    int reserve_fd;       /* given up to accept and refuse a client when out of fds */
+    uint64_t refused;     /* connections refused (max_clients, fds, allowed_gid) */
+    uint64_t dropped;     /* connections dropped for their input or unread replies */
 };
 
 int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_config *cfg,
@@ -75,7 +98,9 @@ void sd_server_kick(struct sd_server *srv);
 void sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp);
 void sd_server_detach_transport(struct sd_server *srv);
 
-/* admin.c: JSON reply to an admin command; *json_p is malloc'd */
-int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, char **json_p);
+/* admin.c: JSON reply to an admin command from a caller of uid (root sees every job and
+ * client, anyone else only their own); *json_p is malloc'd */
+int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t uid,
+                    char **json_p);
 
 #endif

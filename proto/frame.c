@@ -29,12 +29,10 @@ static int wait_fd(int fd, short events, uint64_t deadline_ns)
     }
 }
 
-int sd_frame_send_raw(int fd, const void *buf, size_t len, const int *fds, unsigned nfds,
-                      int timeout_ms)
+int sd_frame_send_some(int fd, const void *buf, size_t len, size_t *off_p, const int *fds,
+                       unsigned nfds)
 {
     const uint8_t *p = buf;
-    size_t off = 0;
-    uint64_t deadline = sd_now_ns() + (uint64_t)timeout_ms * 1000000ULL;
     union {
         char buf[CMSG_SPACE(sizeof(int) * SD_FRAME_MAX_FDS)];
         struct cmsghdr align;
@@ -42,10 +40,10 @@ int sd_frame_send_raw(int fd, const void *buf, size_t len, const int *fds, unsig
 
     if (nfds > SD_FRAME_MAX_FDS)
         return SD_EINVAL;
-    while (off < len) {
-        struct iovec iov = {.iov_base = (void *)(p + off), .iov_len = len - off};
+    while (*off_p < len) {
+        struct iovec iov = {.iov_base = (void *)(p + *off_p), .iov_len = len - *off_p};
         struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
-        if (off == 0 && nfds > 0) { /* fds travel with the first byte */
+        if (*off_p == 0 && nfds > 0 && fds != NULL) { /* fds travel with the first byte */
             memset(&ctl, 0, sizeof(ctl));
             mh.msg_control = ctl.buf;
             mh.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
@@ -57,20 +55,33 @@ int sd_frame_send_raw(int fd, const void *buf, size_t len, const int *fds, unsig
         }
         ssize_t n = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n > 0) {
-            off += (size_t)n;
+            *off_p += (size_t)n;
             continue;
         }
         if (n < 0 && errno == EINTR)
             continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            int status = wait_fd(fd, POLLOUT, deadline);
-            if (status != SD_OK)
-                return status;
-            continue;
-        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return SD_EAGAIN;
         return (n < 0 && (errno == EPIPE || errno == ECONNRESET)) ? SD_ECONNRESET : -errno;
     }
     return SD_OK;
+}
+
+int sd_frame_send_raw(int fd, const void *buf, size_t len, const int *fds, unsigned nfds,
+                      int timeout_ms)
+{
+    size_t off = 0;
+    uint64_t deadline = sd_now_ns() + (uint64_t)timeout_ms * 1000000ULL;
+    for (;;) {
+        size_t before = off;
+        int st = sd_frame_send_some(fd, buf, len, &off, before == 0 ? fds : NULL,
+                                    before == 0 ? nfds : 0);
+        if (st != SD_EAGAIN)
+            return st;
+        st = wait_fd(fd, POLLOUT, deadline);
+        if (st != SD_OK)
+            return st;
+    }
 }
 
 int sd_frame_send(int fd, const ProtobufCMessage *msg, const int *fds, unsigned nfds,
@@ -86,10 +97,7 @@ int sd_frame_send(int fd, const ProtobufCMessage *msg, const int *fds, unsigned 
             free(buf);
         return SD_EMSGSIZE;
     }
-    buf[0] = (uint8_t)len;
-    buf[1] = (uint8_t)(len >> 8);
-    buf[2] = (uint8_t)(len >> 16);
-    buf[3] = (uint8_t)(len >> 24);
+    sd_frame_header(buf, len);
     protobuf_c_message_pack(msg, buf + SD_FRAME_HDR);
     int status = sd_frame_send_raw(fd, buf, len + SD_FRAME_HDR, fds, nfds, timeout_ms);
     if (buf != stackbuf)

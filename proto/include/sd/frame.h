@@ -24,6 +24,20 @@ int sd_frame_send_raw(int fd, const void *buf, size_t len, const int *fds, unsig
 int sd_frame_recv(int fd, uint8_t **buf_p, size_t *len_p, int *fds, unsigned max_fds,
                   unsigned *nfds_p, size_t max_len, int timeout_ms);
 
+/* Send what the socket takes now of buf[*off_p, len) without waiting; fds (may be NULL) go with
+ * the first byte sent (*off_p 0). SD_OK once all is sent, SD_EAGAIN when the socket is full
+ * (*off_p says how far it got), or a negative status. */
+int sd_frame_send_some(int fd, const void *buf, size_t len, size_t *off_p, const int *fds,
+                       unsigned nfds);
+
+static inline void sd_frame_header(uint8_t *hdr, size_t len)
+{
+    hdr[0] = (uint8_t)len;
+    hdr[1] = (uint8_t)(len >> 8);
+    hdr[2] = (uint8_t)(len >> 16);
+    hdr[3] = (uint8_t)(len >> 24);
+}
+
 static inline uint32_t sd_frame_len(const uint8_t *hdr)
 {
     return (uint32_t)hdr[0] | (uint32_t)hdr[1] << 8 | (uint32_t)hdr[2] << 16 |
