@@ -1,5 +1,8 @@
-/* The host backend: shard buffers in host memory. Shared buffers are memfds sealed against
- * shrinking and growing, so a client that maps one cannot fault the daemon by truncating it.
+/* The host backend: shard buffers in host memory. Shared buffers are memfds of mode 0600 sealed
+ * against shrinking and growing, so a client that maps one cannot fault the daemon by
+ * truncating it; those handed out read-only (the gather pool) are also sealed against any write
+ * after the daemon's own mapping (F_SEAL_FUTURE_WRITE: no writable mmap, mprotect, write(),
+ * reopen for writing or hole punching).
  * Every buffer is backed and mapped up front (fallocate, MAP_POPULATE): memory that is not there
  * fails the allocation with ENOMEM instead of a SIGBUS later, and the first pushes and gathers
  * into a buffer do not pay its page faults (64 MiB of first touches took up to 0.6 s on a busy
@@ -16,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static int host_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
@@ -32,6 +36,11 @@ static int host_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *m
             SD_ERROR("host", "memfd_create(%s): %s", tag, strerror(errno));
             return status;
         }
+        if (fchmod(fd, 0600) != 0) { /* memfds are created 0777: /proc/<pid>/fd reopens */
+            status = -errno;
+            SD_ERROR("host", "fchmod 0600 %s: %s", tag, strerror(errno));
+            goto err_close_fd;
+        }
         if (ftruncate(fd, (off_t)len) != 0) {
             status = -errno;
             SD_ERROR("host", "ftruncate(%s, %zu): %s", tag, len, strerror(errno));
@@ -43,12 +52,15 @@ static int host_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *m
             SD_ERROR("host", "backing %zu bytes for %s: %s", len, tag, strerror(e));
             goto err_close_fd;
         }
-        if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        ptr = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+        int seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL |
+                    (flags & SD_MEM_CLIENT_RO ? F_SEAL_FUTURE_WRITE : 0);
+        if (ptr != MAP_FAILED && fcntl(fd, F_ADD_SEALS, seals) != 0) {
             status = -errno;
             SD_ERROR("host", "sealing %s: %s", tag, strerror(errno));
+            munmap(ptr, len);
             goto err_close_fd;
         }
-        ptr = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     } else {
         ptr = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
                    -1, 0);

@@ -7,7 +7,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { SD_MEM_PRIVATE = 0, SD_MEM_SHARED = 1 };
+/* SD_MEM_SHARED: a memfd other processes map (mode 0600, sealed against shrinking and
+ * growing); with SD_MEM_CLIENT_RO also against writes through any mapping or fd made after
+ * the daemon's own (F_SEAL_FUTURE_WRITE): clients map it read-only and cannot upgrade. */
+enum { SD_MEM_PRIVATE = 0, SD_MEM_SHARED = 1, SD_MEM_CLIENT_RO = 2 };
 
 struct sd_mem {
     void *ptr;
