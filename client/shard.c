@@ -294,16 +294,19 @@ static int post(shard_ctx_t *ctx, uint32_t op, uint32_t unit, uint64_t a0, uint6
     return SD_OK;
 }
 
-static void drain(shard_ctx_t *ctx)
+/* false when the completion ring's indices are corrupt */
+static bool drain(shard_ctx_t *ctx)
 {
     struct sd_cqe e;
-    while (sd_ring_cq_pop(ctx->ring, &e) == 1) {
+    int r;
+    while ((r = sd_ring_cq_pop(ctx->ring, &e)) == 1) {
         uint32_t slot = (uint32_t)(e.tag & RING_MASK);
         if (ctx->req_state[slot] == REQ_INFLIGHT && ctx->req_tag[slot] == e.tag) {
             ctx->req_cqe[slot] = e;
             ctx->req_state[slot] = REQ_DONE;
         }
     }
+    return r == 0;
 }
 
 /* The daemon wrote on the socket outside a request: an error before it hangs up, or EOF. */
@@ -318,6 +321,15 @@ static int socket_event(shard_ctx_t *ctx, const char *what)
     return status == SD_OK ? SD_ECONNRESET : status;
 }
 
+static int ring_corrupt(shard_ctx_t *ctx)
+{
+    return fail(ctx, SD_EPROTO,
+                "wait: the completion ring's indices are corrupt (head %llu, tail %llu, %d "
+                "entries): this process wrote into the shared ring; detach and attach again",
+                (unsigned long long)atomic_load(&ctx->ring->cq_head),
+                (unsigned long long)atomic_load(&ctx->ring->cq_tail), SD_RING_ENTRIES);
+}
+
 static int wait_tag(shard_ctx_t *ctx, uint64_t tag, struct sd_cqe *cqe_p)
 {
     uint32_t slot = (uint32_t)(tag & RING_MASK);
@@ -327,7 +339,8 @@ static int wait_tag(shard_ctx_t *ctx, uint64_t tag, struct sd_cqe *cqe_p)
     uint64_t start = sd_now_ns();
     uint64_t deadline = start + ctx->wait_timeout_ms * 1000000ULL;
     for (;;) {
-        drain(ctx);
+        if (!drain(ctx))
+            return ring_corrupt(ctx);
         if (ctx->req_state[slot] == REQ_DONE)
             break;
         uint64_t now = sd_now_ns();
@@ -342,7 +355,8 @@ static int wait_tag(shard_ctx_t *ctx, uint64_t tag, struct sd_cqe *cqe_p)
                         (unsigned long long)ctx->wait_timeout_ms);
         atomic_store(&ctx->ring->client_waiting, 1);
         atomic_thread_fence(memory_order_seq_cst);
-        drain(ctx);
+        if (!drain(ctx))
+            return ring_corrupt(ctx);
         if (ctx->req_state[slot] == REQ_DONE) {
             atomic_store(&ctx->ring->client_waiting, 0);
             break;
@@ -357,7 +371,8 @@ static int wait_tag(shard_ctx_t *ctx, uint64_t tag, struct sd_cqe *cqe_p)
             (void)n;
         }
         if (r > 0 && (p[1].revents & (POLLIN | POLLHUP | POLLERR))) {
-            drain(ctx);
+            if (!drain(ctx))
+                return ring_corrupt(ctx);
             if (ctx->req_state[slot] == REQ_DONE)
                 break;
             return socket_event(ctx, "wait");
@@ -761,6 +776,11 @@ int shard__push_flush(shard_ctx_t *ctx)
         return fail(ctx, status, "an earlier push failed: %s", ctx->push_err);
     }
     return SD_OK;
+}
+
+struct sd_ring_hdr *shard__ring(shard_ctx_t *ctx)
+{
+    return ctx != NULL ? ctx->ring : NULL;
 }
 
 int shard__drop(shard_ctx_t *ctx, uint32_t unit)

@@ -19,4 +19,8 @@ SHARD_API int shard__push_flush(shard_ctx_t *ctx);
 /* Drop the daemon's cached gathered copy of a unit, so the next fetch gathers again. */
 SHARD_API int shard__drop(shard_ctx_t *ctx, uint32_t unit);
 
+/* The shared ring of an attached context (tests corrupt it on purpose). */
+struct sd_ring_hdr;
+SHARD_API struct sd_ring_hdr *shard__ring(shard_ctx_t *ctx);
+
 #endif

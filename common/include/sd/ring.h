@@ -142,12 +142,16 @@ static inline int sd_ring_cq_push(struct sd_ring_hdr *h, const struct sd_cqe *e)
 }
 
 /* Client: 1 with *e filled, 0 when empty. */
+/* Client: 1 with *e filled, 0 when empty, -1 when the indices are corrupt (more completions
+ * than the ring holds). */
 static inline int sd_ring_cq_pop(struct sd_ring_hdr *h, struct sd_cqe *e)
 {
     uint64_t tail = atomic_load_explicit(&h->cq_tail, memory_order_relaxed);
     uint64_t head = atomic_load_explicit(&h->cq_head, memory_order_acquire);
     if (head == tail)
         return 0;
+    if (head - tail > SD_RING_ENTRIES)
+        return -1;
     *e = sd_ring_cq(h)[tail & (SD_RING_ENTRIES - 1)];
     atomic_store_explicit(&h->cq_tail, tail + 1, memory_order_release);
     return 1;
