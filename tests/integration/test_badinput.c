@@ -10,6 +10,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -449,6 +450,115 @@ static void test_registration(void)
     expect_alive("registration errors");
 }
 
+/* Hyperparameters, plan options, job names and sizes a client controls: refused with the field
+ * named, the daemon unharmed (issue 24). */
+static void test_validation(void)
+{
+    shard_ctx_t *ctx;
+    struct tiny x;
+    struct {
+        float *field;
+        float value;
+        const char *name;
+    } bad[] = {{&x.m.optimizer.lr, INFINITY, "lr is inf"},
+               {&x.m.optimizer.lr, 1e6f, "lr is 1e+06"},
+               {&x.m.optimizer.weight_decay, NAN, "weight_decay is nan"},
+               {&x.m.optimizer.eps, -1.0f, "eps is -1"},
+               {&x.m.optimizer.max_grad_norm, INFINITY, "max_grad_norm is inf"},
+               {&x.m.optimizer.beta2, 1.0f, "beta2 is 1"}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        tiny_init(&x, "hyper", 0, 1, 100);
+        *bad[i].field = bad[i].value;
+        TH_CHECK(shard_attach(d.sock, &ctx) == 0, "attach");
+        int st = shard_register(ctx, &x.m);
+        expect_error(ctx, st, SHARD_EINVAL, bad[i].name, bad[i].name);
+        shard_detach(ctx);
+    }
+    const char *plans[] = {"zero3,", "zero3,,no-hier", "mics:2,"};
+    for (size_t i = 0; i < 3; i++) {
+        tiny_init(&x, "plans", 0, 1, 100);
+        x.m.plan = plans[i];
+        shard_attach(d.sock, &ctx);
+        int st = shard_register(ctx, &x.m);
+        expect_error(ctx, st, SHARD_EINVAL, "empty option", plans[i]);
+        shard_detach(ctx);
+    }
+    const char *names[] = {"../../etc/x", "a/b", ".hidden", "-x", "sp ace", "t\x01"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        tiny_init(&x, names[i], 0, 1, 100);
+        shard_attach(d.sock, &ctx);
+        int st = shard_register(ctx, &x.m);
+        expect_error(ctx, st, SHARD_EINVAL, "A-Z a-z 0-9 . _ -", names[i]);
+        shard_detach(ctx);
+    }
+    /* a pool size near 2^64: the budget sum must not wrap into a small number */
+    tiny_init(&x, "wrap", 0, 1, 100);
+    x.m.max_live_bytes = UINT64_MAX - 4096;
+    shard_attach(d.sock, &ctx);
+    int st = shard_register(ctx, &x.m);
+    expect_error(ctx, st, SHARD_ENOSPC, "memory budget", "max_live_bytes near 2^64");
+    shard_detach(ctx);
+
+    /* 64K tensors, the last two of one name: refused in well under a second (comparing every
+     * pair took 19 s and stopped the heartbeats) */
+    uint32_t n = 65536;
+    shard_tensor_t *ts = calloc(n, sizeof(*ts));
+    char(*tn)[16] = calloc(n, sizeof(*tn));
+    uint64_t one = 4;
+    for (uint32_t i = 0; i < n; i++) {
+        snprintf(tn[i], sizeof(tn[i]), "t%u", i == n - 1 ? n - 2 : i);
+        ts[i] = (shard_tensor_t){.name = tn[i], .ndim = 1, .dims = &one, .unit = i / 8};
+    }
+    tiny_init(&x, "many", 0, 1, 100);
+    x.m.tensors = ts;
+    x.m.n_tensors = n;
+    shard_attach(d.sock, &ctx);
+    double t0 = th_now_s();
+    st = shard_register(ctx, &x.m);
+    double took = th_now_s() - t0;
+    expect_error(ctx, st, SHARD_EINVAL, "share the name 't65534'", "64K tensors, one name twice");
+    printf("64K-tensor registration refused in %.3f s\n", took);
+    shard_detach(ctx);
+    /* more tensors than max_tensors (65536 by default) */
+    ts = realloc(ts, (n + 1) * sizeof(*ts));
+    tn = realloc(tn, (n + 1) * sizeof(*tn));
+    for (uint32_t i = 0; i <= n; i++) {
+        snprintf(tn[i], sizeof(tn[i]), "t%u", i);
+        ts[i] = (shard_tensor_t){.name = tn[i], .ndim = 1, .dims = &one, .unit = i / 8};
+    }
+    x.m.tensors = ts;
+    x.m.n_tensors = n + 1;
+    shard_attach(d.sock, &ctx);
+    st = shard_register(ctx, &x.m);
+    expect_error(ctx, st, SHARD_EINVAL, "max_tensors", "65537 tensors");
+    shard_detach(ctx);
+    free(ts);
+    free(tn);
+    expect_alive("validation");
+}
+
+/* libshard's own completion ring corrupted (by this process): the next wait fails with the
+ * reason, in bounded time, instead of spinning through 2^64 entries */
+static void test_corrupt_cq(void)
+{
+    shard_ctx_t *ctx;
+    struct tiny x;
+    tiny_init(&x, "corrupt", 0, 1, 100);
+    TH_CHECK(shard_attach(d.sock, &ctx) == 0 && shard_register(ctx, &x.m) == 0, "register: %s",
+             shard_last_error(ctx));
+    struct sd_ring_hdr *h = shard__ring(ctx);
+    atomic_store(&h->cq_head, atomic_load(&h->cq_tail) + (1ULL << 40));
+    const void *p;
+    double t0 = th_now_s();
+    int st = shard_fetch(ctx, 0, &p);
+    TH_CHECK(st == SHARD_EPROTO && strstr(shard_last_error(ctx), "corrupt") &&
+                 th_now_s() - t0 < 5.0,
+             "fetch with a corrupt completion ring: %d '%s' after %.2f s", st,
+             shard_last_error(ctx), th_now_s() - t0);
+    shard_detach(ctx);
+    expect_alive("corrupt completion ring");
+}
+
 static void *step_thread(void *arg)
 {
     struct joined *j = arg;
@@ -670,6 +780,8 @@ int main(void)
     test_zero_copy_push();
     test_null_and_pool();
     test_registration();
+    test_validation();
+    test_corrupt_cq();
     test_leave_while_allocating();
     test_stalled_requests();
     test_kill_mid_step();
