@@ -511,6 +511,8 @@ static void accept_cb(uv_poll_t *h, int status, int events)
                        "shardd is out of file descriptors (%u connections); try again later",
                        srv->n_conns);
             srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            if (fd < 0) /* accept checks for a free fd before the backlog: none was waiting */
+                return;
             continue;
         }
         if (fd < 0) {
