@@ -166,6 +166,26 @@ static int recv_reply(shard_ctx_t *ctx, Shard__DaemonMsg **msg_p, int *fds, unsi
     return SD_OK;
 }
 
+/* A send to the daemon failed: the daemon may have refused this connection with a reason
+ * before closing it (max_clients, allowed_gid, its fd limit). Its status with the error set if
+ * so, else SD_OK. */
+static int daemon_refusal(shard_ctx_t *ctx, const char *what)
+{
+    uint8_t *buf = NULL;
+    size_t len = 0;
+    if (sd_frame_recv(ctx->sock, &buf, &len, NULL, 0, NULL, MAX_REPLY_BYTES, 200) != SD_OK)
+        return SD_OK;
+    Shard__DaemonMsg *m = shard__daemon_msg__unpack(NULL, len, buf);
+    free(buf);
+    int status = SD_OK;
+    if (m != NULL && m->msg_case == SHARD__DAEMON_MSG__MSG_ERROR)
+        status = fail(ctx, m->error->status < 0 ? m->error->status : SD_EPROTO,
+                      "%s: shardd refused the connection: %s", what, m->error->message);
+    if (m != NULL)
+        shard__daemon_msg__free_unpacked(m, NULL);
+    return status;
+}
+
 int shard__connect(const char *socket_path, int *fd_p, char *err, size_t errlen)
 {
     const char *path = socket_path ? socket_path : getenv("SHARD_SOCKET");
@@ -214,6 +234,11 @@ int shard_attach(const char *socket_path, shard_ctx_t **ctx_p)
     msg.msg_case = SHARD__CLIENT_MSG__MSG_ATTACH;
     msg.attach = &at;
     status = sd_frame_send(ctx->sock, &msg.base, NULL, 0, 5000);
+    int refused;
+    if (status != SD_OK && (refused = daemon_refusal(ctx, "attach")) != SD_OK) {
+        status = refused;
+        goto err_out;
+    }
     if (status != SD_OK) {
         fail(ctx, status, "attach: cannot send to shardd: %s", sd_status_str(status));
         goto err_out;
@@ -548,6 +573,9 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     status = sd_frame_send(ctx->sock, &msg.base, NULL, 0, 10000);
     free(td);
     free(tp);
+    int refused;
+    if (status != SD_OK && (refused = daemon_refusal(ctx, "register")) != SD_OK)
+        return refused;
     if (status != SD_OK)
         return fail(ctx, status, "register: cannot send to shardd: %s", sd_status_str(status));
 
