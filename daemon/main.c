@@ -100,8 +100,9 @@ struct app {
     struct sd_registry *reg;
     struct sd_transport *tp;
     struct sd_cluster *cl;
-    uv_signal_t sigterm, sigint;
+    uv_signal_t sigterm, sigint, sigusr1;
     uv_check_t fatal_check;
+    unsigned stall_ms; /* SHARDD_TEST_STALL_MS: SIGUSR1 holds the loop this long (tests) */
 };
 
 /* Shut down in an order that keeps memory alive while the fabric may write into it: control
@@ -122,8 +123,10 @@ static void app_stop(struct app *app)
     }
     uv_signal_stop(&app->sigterm);
     uv_signal_stop(&app->sigint);
+    uv_signal_stop(&app->sigusr1);
     uv_close((uv_handle_t *)&app->sigterm, NULL);
     uv_close((uv_handle_t *)&app->sigint, NULL);
+    uv_close((uv_handle_t *)&app->sigusr1, NULL);
     uv_check_stop(&app->fatal_check);
     uv_close((uv_handle_t *)&app->fatal_check, NULL);
 }
@@ -141,6 +144,18 @@ static void on_signal(uv_signal_t *h, int signum)
     struct app *app = h->data;
     SD_INFO("main", "signal %d: shutting down", signum);
     app_stop(app);
+}
+
+/* A test hook: the event loop held up, as a long piece of work on it would (the heartbeat
+ * thread must keep the node in the cluster meanwhile). */
+static void on_stall(uv_signal_t *h, int signum)
+{
+    struct app *app = h->data;
+    (void)signum;
+    SD_WARN("main", "SIGUSR1: holding the event loop for %u ms (SHARDD_TEST_STALL_MS)",
+            app->stall_ms);
+    usleep(app->stall_ms * 1000u);
+    SD_WARN("main", "the event loop runs again");
 }
 
 static int parse_args(int argc, char **argv, struct sd_config *cfg)
@@ -232,6 +247,7 @@ int main(int argc, char **argv)
     /* libuv's signal pipe lives as long as the process: take the baseline after it exists */
     uv_signal_init(&loop, &app.sigterm);
     uv_signal_init(&loop, &app.sigint);
+    uv_signal_init(&loop, &app.sigusr1);
     fd_snapshot(fds_at_start);
     sd_registry_init(&reg, &cfg, dev);
     reg.loop = &loop;
@@ -240,6 +256,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "shardd: cannot start: %s\n", sd_status_str(status));
         uv_close((uv_handle_t *)&app.sigterm, NULL);
         uv_close((uv_handle_t *)&app.sigint, NULL);
+        uv_close((uv_handle_t *)&app.sigusr1, NULL);
         uv_run(&loop, UV_RUN_DEFAULT);
         uv_loop_close(&loop);
         return 1;
@@ -247,6 +264,11 @@ int main(int argc, char **argv)
     app.sigterm.data = app.sigint.data = &app;
     uv_signal_start(&app.sigterm, on_signal, SIGTERM);
     uv_signal_start(&app.sigint, on_signal, SIGINT);
+    const char *stall = getenv("SHARDD_TEST_STALL_MS");
+    app.stall_ms = stall ? (unsigned)strtoul(stall, NULL, 10) : 0;
+    app.sigusr1.data = &app;
+    if (app.stall_ms > 0)
+        uv_signal_start(&app.sigusr1, on_stall, SIGUSR1);
     app.reg = &reg;
     uv_check_init(&loop, &app.fatal_check);
     app.fatal_check.data = &app;

@@ -4,6 +4,7 @@
 #define SD_CLUSTER_INT_H
 
 #include "cluster/cluster.h"
+#include "cluster/heartbeat.h"
 #include "sd/frame.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -16,6 +17,8 @@
 #include <string.h>
 
 #define MAX_PEER_MSG (1u << 20)
+/* a member that lost the coordinator tries to reconnect this often */
+#define SD_REJOIN_RETRY_MS 1000
 
 struct link {
     uv_tcp_t tcp;
@@ -56,11 +59,17 @@ struct sd_cluster {
     struct sd_cluster_events ev;
     uint32_t n, self;
     bool ready, fatal, stopping;
+    bool rejoining; /* member: lost the coordinator after the cluster formed; reconnecting */
+    struct link *connecting;     /* member: the link whose connect is pending, or NULL */
+    uint64_t connect_started_ns; /* when it began */
     uint64_t digest;
     char summary[1024];
     uint8_t (*addrs)[256];
     size_t *addr_len;
     bool *present, *alive;
+    protobuf_c_boolean *down_scratch; /* [n]: the down flags of a table being installed */
+    uint32_t *hb_port;                /* [n]: UDP heartbeat port of each node (0: none) */
+    struct sd_heartbeat *hb;          /* the heartbeat thread (heartbeat.c) */
     struct link **by_node; /* coordinator: link of each node; member: [0] is the coordinator */
     struct link *links;
     uv_tcp_t listener;

@@ -6,6 +6,32 @@
 #include "cluster/cluster_int.h"
 
 static void link_close(struct link *l, const char *why);
+static void retry_cb(uv_timer_t *t);
+
+/* The heartbeat thread's peer for node: the address of l's other end, and port. */
+static void hb_peer(struct sd_cluster *cl, uint32_t node, struct link *l, uint32_t port)
+{
+    struct sockaddr_storage ss;
+    int len = sizeof(ss);
+    if (uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&ss, &len) == 0)
+        sd_heartbeat_set_peer(cl->hb, node, (struct sockaddr *)&ss, (uint16_t)port);
+}
+
+static uint32_t count_alive(const struct sd_cluster *cl)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < cl->n; i++)
+        n += cl->alive[i] || i == cl->self;
+    return n;
+}
+
+/* the coordinator's view of which nodes are down, as a table carries it */
+static const protobuf_c_boolean *cl_down_list(struct sd_cluster *cl)
+{
+    for (uint32_t i = 0; i < cl->n; i++)
+        cl->down_scratch[i] = i != cl->self && !cl->alive[i];
+    return cl->down_scratch;
+}
 
 static int parse_hostport(const char *spec, struct sockaddr_storage *ss)
 {
@@ -107,22 +133,37 @@ static void node_down(struct sd_cluster *cl, uint32_t node, const char *reason)
 static void broadcast_table(struct sd_cluster *cl)
 {
     ProtobufCBinaryData *a = calloc(cl->n, sizeof(*a));
+    protobuf_c_boolean *down = calloc(cl->n, sizeof(*down));
+    if (a == NULL || down == NULL) {
+        free(a);
+        free(down);
+        return;
+    }
     for (uint32_t i = 0; i < cl->n; i++) {
         a[i].data = cl->addrs[i];
         a[i].len = cl->addr_len[i];
+        down[i] = !cl->alive[i];
     }
     Shard__PeerTable t = SHARD__PEER_TABLE__INIT;
     t.n_fabric_addrs = cl->n;
     t.fabric_addrs = a;
+    t.n_down = cl->n;
+    t.down = down;
+    t.n_hb_ports = cl->n;
+    t.hb_ports = cl->hb_port;
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_TABLE;
     m.table = &t;
     for (uint32_t i = 1; i < cl->n; i++)
-        sd_cluster__link_send(cl->by_node[i], &m);
+        if (cl->alive[i])
+            sd_cluster__link_send(cl->by_node[i], &m);
     free(a);
+    free(down);
 }
 
-static int install_table(struct sd_cluster *cl)
+/* The address table (again, after a node rejoined): every node is up but those in down[]
+ * (NULL: none), which the transport forgets at once. */
+static int install_table(struct sd_cluster *cl, const protobuf_c_boolean *down)
 {
     const void **p = calloc(cl->n, sizeof(*p));
     for (uint32_t i = 0; i < cl->n; i++)
@@ -131,14 +172,23 @@ static int install_table(struct sd_cluster *cl)
     free(p);
     if (st != SD_OK)
         return st;
+    bool again = cl->ready;
     cl->ready = true;
-    for (uint32_t i = 0; i < cl->n; i++)
-        cl->alive[i] = cl->present[i] = true;
+    cl->rejoining = false;
+    for (uint32_t i = 0; i < cl->n; i++) {
+        cl->alive[i] = cl->present[i] = down == NULL || !down[i] || i == cl->self;
+        if (!cl->alive[i])
+            cl->tp->ops->peer_down(cl->tp, i);
+    }
     st = cl->ev.formed(cl->ev.ctx);
     if (st != SD_OK)
         return st;
-    SD_INFO("cluster", "cluster of %u nodes formed in %.2f s", cl->n,
-            (double)(sd_now_ns() - cl->start_ns) / 1e9);
+    if (again)
+        SD_INFO("cluster", "address table installed again: the cluster has %u nodes up",
+                count_alive(cl));
+    else
+        SD_INFO("cluster", "cluster of %u nodes formed in %.2f s", cl->n,
+                (double)(sd_now_ns() - cl->start_ns) / 1e9);
     return SD_OK;
 }
 
@@ -180,9 +230,19 @@ static void on_hello(struct link *l, const Shard__PeerHello *h)
                h->node, h->config_summary, cl->summary);
         return;
     }
-    if (cl->present[h->node] && cl->alive[h->node] && cl->by_node[h->node] != NULL) {
-        refuse(l, "node %u is already in the cluster", h->node);
-        return;
+    struct link *old = cl->by_node[h->node];
+    if (cl->present[h->node] && cl->alive[h->node] && old != NULL && old != l) {
+        if (!cl->ready) {
+            refuse(l, "node %u is already in the cluster", h->node);
+            return;
+        }
+        /* a node that lost its link (a freeze, a partition) and came back: the old link is
+         * dead whatever TCP says; its jobs fail with it, and the node rejoins */
+        SD_WARN("cluster",
+                "node %u connected again while its previous link was open: dropping "
+                "that link",
+                h->node);
+        link_close(old, "the node connected again");
     }
     if (h->fabric_addr.len > sizeof(cl->addrs[0])) {
         refuse(l, "node %u: fabric address of %zu bytes is too long", h->node, h->fabric_addr.len);
@@ -194,17 +254,20 @@ static void on_hello(struct link *l, const Shard__PeerHello *h)
     cl->addr_len[h->node] = h->fabric_addr.len;
     bool rejoin = cl->present[h->node];
     cl->present[h->node] = true;
+    cl->hb_port[h->node] = h->hb_port;
+    hb_peer(cl, h->node, l, h->hb_port);
     SD_INFO("cluster", "node %u joined%s", h->node, rejoin ? " again" : "");
     if (cl->ready) {
-        /* a restarted node: give everyone the table again, it serves new jobs */
-        if (install_table(cl) == SD_OK)
+        /* a restarted or unfrozen node: give everyone the table again, it serves new jobs */
+        cl->alive[h->node] = true;
+        if (install_table(cl, cl_down_list(cl)) == SD_OK)
             broadcast_table(cl);
         return;
     }
     for (uint32_t i = 0; i < cl->n; i++)
         if (!cl->present[i])
             return;
-    if (install_table(cl) == SD_OK)
+    if (install_table(cl, NULL) == SD_OK)
         broadcast_table(cl);
 }
 
@@ -233,7 +296,11 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
             cl->addr_len[i] = len;
         }
         l->node = 0;
-        if (install_table(cl) != SD_OK)
+        for (uint32_t i = 0; i < cl->n && i < m->table->n_hb_ports; i++)
+            if (i != cl->self)
+                cl->hb_port[i] = m->table->hb_ports[i];
+        hb_peer(cl, 0, l, cl->hb_port[0]); /* a member's one peer: the coordinator */
+        if (install_table(cl, m->table->n_down == cl->n ? m->table->down : NULL) != SD_OK)
             cl->fatal = true;
         break;
     case SHARD__PEER_MSG__MSG_REFUSE:
@@ -364,6 +431,16 @@ static void link_close(struct link *l, const char *why)
         char reason[160];
         snprintf(reason, sizeof(reason), "%s", why);
         node_down(cl, (uint32_t)node, reason);
+        if (cl->self != 0 && node == 0 && !cl->rejoining) {
+            /* without the coordinator this node serves no job across nodes: reconnect, and
+             * rejoin with a new address table (every job that spanned the lost link failed) */
+            cl->rejoining = true;
+            SD_WARN("cluster",
+                    "lost the coordinator (%s): reconnecting to %s every %d ms to "
+                    "rejoin",
+                    why, cl->cfg->coordinator, SD_REJOIN_RETRY_MS);
+            uv_timer_start(&cl->retry, retry_cb, SD_REJOIN_RETRY_MS, 0);
+        }
     } else if (cl->self != 0 && !cl->ready && !cl->fatal) {
         SD_WARN("cluster", "lost the coordinator before the cluster formed: %s", why);
     }
@@ -408,6 +485,7 @@ static void send_hello(struct sd_cluster *cl, struct link *l)
     h.fabric_addr.len = cl->addr_len[cl->self];
     h.version = SHARD_VERSION;
     h.config_summary = cl->summary;
+    h.hb_port = cl->hb_port[cl->self];
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
     m.hello = &h;
@@ -425,10 +503,20 @@ static void connect_cb(uv_connect_t *req, int status)
 {
     struct link *l = req->data;
     struct sd_cluster *cl = l->cl;
+    if (cl->connecting == l)
+        cl->connecting = NULL;
     if (status < 0) {
+        if (cl->rejoining && status != UV_ECANCELED)
+            SD_WARN_SPARSE("cluster",
+                           "rejoin: connecting to the coordinator at %s: %s; again in "
+                           "%d ms",
+                           cl->cfg->coordinator, uv_strerror(status), SD_REJOIN_RETRY_MS);
         link_close(l, uv_strerror(status));
+        /* a connect given up after the reconnect period (UV_ECANCELED) is tried again at once:
+         * one attempt in flight per period, whatever TCP's backoff */
+        uint64_t delay = !cl->rejoining ? 200 : status == UV_ECANCELED ? 0 : SD_REJOIN_RETRY_MS;
         if (!cl->stopping && !cl->fatal)
-            uv_timer_start(&cl->retry, retry_cb, 200, 0);
+            uv_timer_start(&cl->retry, retry_cb, delay, 0);
         return;
     }
     uv_tcp_nodelay(&l->tcp, 1);
@@ -441,13 +529,17 @@ static void connect_cb(uv_connect_t *req, int status)
 static void try_connect(struct sd_cluster *cl)
 {
     struct sockaddr_storage ss;
-    if (cl->ready || cl->stopping || parse_hostport(cl->cfg->coordinator, &ss) != SD_OK)
+    if ((cl->ready && !cl->rejoining) || cl->stopping ||
+        parse_hostport(cl->cfg->coordinator, &ss) != SD_OK)
         return;
     struct link *l = link_new(cl);
     cl->connect_req.data = l;
+    cl->connecting = l;
+    cl->connect_started_ns = sd_now_ns();
     if (uv_tcp_connect(&cl->connect_req, &l->tcp, (struct sockaddr *)&ss, connect_cb) != 0) {
+        cl->connecting = NULL;
         link_close(l, "connect failed");
-        uv_timer_start(&cl->retry, retry_cb, 200, 0);
+        uv_timer_start(&cl->retry, retry_cb, cl->rejoining ? SD_REJOIN_RETRY_MS : 200, 0);
     }
 }
 
@@ -486,15 +578,27 @@ static void timer_cb(uv_timer_t *t)
     m.msg_case = SHARD__PEER_MSG__MSG_HEARTBEAT;
     m.heartbeat = &hb;
     uint64_t timeout = (uint64_t)cl->cfg->heartbeat_timeout_ms * 1000000ULL;
+    sd_heartbeat_tick(cl->hb);
+    /* a reconnect whose SYN went into a partition is retried at TCP's backoff (3 s, 7 s, ...):
+     * give it up after the reconnect period and start a fresh one */
+    if (cl->rejoining && cl->connecting != NULL &&
+        now - cl->connect_started_ns > (uint64_t)SD_REJOIN_RETRY_MS * 1000000ULL) {
+        struct link *c = cl->connecting;
+        cl->connecting = NULL;
+        link_close(c, "connect timed out"); /* its connect_cb schedules the next try */
+    }
     for (struct link *l = cl->links, *next; l; l = next) {
         next = l->next;
         if (l->node < 0)
             continue;
         sd_cluster__link_send(l, &m);
-        if (now - l->last_seen_ns > timeout) {
+        /* the later of the link's last message and the heartbeat thread's last datagram: a
+         * loop that was held up did not read the link, but its thread heard the peer */
+        uint64_t seen = SD_MAX(l->last_seen_ns, sd_heartbeat_last_seen(cl->hb, (uint32_t)l->node));
+        if (now - seen > timeout) {
             char reason[128];
             snprintf(reason, sizeof(reason), "no heartbeat for %llu ms",
-                     (unsigned long long)((now - l->last_seen_ns) / 1000000));
+                     (unsigned long long)((now - seen) / 1000000));
             int node = l->node;
             link_close(l, reason);
             if (cl->self != 0 && node == 0)
@@ -525,6 +629,8 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     cl->addr_len = calloc(cl->n, sizeof(*cl->addr_len));
     cl->present = calloc(cl->n, sizeof(bool));
     cl->alive = calloc(cl->n, sizeof(bool));
+    cl->down_scratch = calloc(cl->n, sizeof(*cl->down_scratch));
+    cl->hb_port = calloc(cl->n, sizeof(*cl->hb_port));
     cl->by_node = calloc(cl->n, sizeof(*cl->by_node));
     size_t len = sizeof(cl->addrs[0]);
     int st = tp->ops->getname(tp, cl->addrs[cl->self], &len);
@@ -534,6 +640,15 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     }
     cl->addr_len[cl->self] = len;
     cl->present[cl->self] = true;
+    /* heartbeats on a thread of their own; it stops vouching for a loop silent 4 timeouts */
+    uint16_t hb_port = 0;
+    st = sd_heartbeat_start(&cl->hb, cl->self, cl->n, cl->digest,
+                            (uint64_t)cfg->heartbeat_interval_ms,
+                            4 * (uint64_t)cfg->heartbeat_timeout_ms, &hb_port);
+    if (st != SD_OK)
+        SD_WARN("cluster", "no heartbeat thread (%s): the control links' heartbeats alone count",
+                sd_status_str(st));
+    cl->hb_port[cl->self] = hb_port;
     uv_timer_init(loop, &cl->timer);
     cl->timer.data = cl;
     uv_timer_init(loop, &cl->retry);
@@ -588,6 +703,8 @@ void sd_cluster_stop(struct sd_cluster *cl)
         uv_close((uv_handle_t *)&cl->retry, noop_close);
     }
     sd_cluster__coord_free(cl);
+    sd_heartbeat_stop(cl->hb);
+    cl->hb = NULL;
     /* the handles are closed; the memory goes once the loop ran their close callbacks */
 }
 
@@ -599,6 +716,8 @@ void sd_cluster_free(struct sd_cluster *cl)
     free(cl->addr_len);
     free(cl->present);
     free(cl->alive);
+    free(cl->down_scratch);
+    free(cl->hb_port);
     free(cl->by_node);
     free(cl);
 }

@@ -1,0 +1,26 @@
+/* The heartbeat thread (heartbeat.c): datagrams to and from the peers on a thread of their own,
+ * so that work on the event loop cannot delay them. */
+#ifndef SD_HEARTBEAT_H
+#define SD_HEARTBEAT_H
+
+#include <stdint.h>
+#include <sys/socket.h>
+
+struct sd_heartbeat;
+
+/* Start the thread: a UDP socket on an ephemeral port (*port_p), a datagram to every peer each
+ * interval_ms while the loop ticked (sd_heartbeat_tick) within stall_ms. */
+int sd_heartbeat_start(struct sd_heartbeat **hb_p, uint32_t self, uint32_t n, uint64_t digest,
+                       uint64_t interval_ms, uint64_t stall_ms, uint16_t *port_p);
+/* node's address (its control link's peer address) and heartbeat port; port 0: not a peer */
+void sd_heartbeat_set_peer(struct sd_heartbeat *hb, uint32_t node, const struct sockaddr *addr,
+                           uint16_t port);
+/* when node's last datagram arrived (sd_now_ns), 0 if none */
+uint64_t sd_heartbeat_last_seen(const struct sd_heartbeat *hb, uint32_t node);
+/* the loop is running */
+void sd_heartbeat_tick(struct sd_heartbeat *hb);
+void sd_heartbeat_counts(const struct sd_heartbeat *hb, uint64_t *sent_p, uint64_t *received_p,
+                         uint64_t *dropped_p);
+void sd_heartbeat_stop(struct sd_heartbeat *hb);
+
+#endif
