@@ -90,7 +90,7 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
             continue;
         if (us->status != SD_OK) {
             char msg[SD_OP_MSG_LEN];
-            snprintf(msg, sizeof(msg), "fetch unit %u: job '%.40s' %s: %.100s", us->unit, job->name,
+            snprintf(msg, sizeof(msg), "fetch unit %u: job '%.40s' %s: %.140s", us->unit, job->name,
                      sd_job_state_name(job->state), job->fail_msg);
             job->stats.errors++;
             sd_session_complete(s, tag, SD_OP_FETCH,
