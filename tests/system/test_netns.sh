@@ -2,7 +2,8 @@
 # A cluster in network namespaces (tools/local-cluster.sh --netns): trains across shaped veth
 # links, then one node's link goes down mid-training. The surviving ranks must fail within
 # op_timeout + 1 s naming the operation and the node; the survivors answer shardctl and train a
-# new job; stop removes the namespaces. Skipped with a clear line where namespaces cannot be made.
+# new job; the link comes back, the node rejoins, and a job across all three trains; stop
+# removes the namespaces. Skipped with a clear line where namespaces cannot be made.
 set -u
 ROOT=$1 MLP=$2 SHARDCTL=$3 SHARDD=$4
 dir=$(mktemp -d /tmp/shardd-netns-XXXXXX)
@@ -72,8 +73,36 @@ for r in 0 1 2 3; do
   apids[$r]=$!
 done
 for r in 0 1 2 3; do wait "${apids[$r]}" || bad "new job on the survivors, rank $r: $(cat "$dir/after$r.log")"; done
-"$ROOT/tools/local-cluster.sh" link --dir "$dir" --node 2 up
 for p in "${pids[4]}" "${pids[5]}"; do pkill -P "$p"; kill "$p"; done 2>/dev/null; wait 2>/dev/null
+# the link comes back: node 2 rejoins through the coordinator (heartbeat timeout 1.5 s, a
+# reconnect every second), every node lists the three up, and a job across all of them trains
+"$ROOT/tools/local-cluster.sh" link --dir "$dir" --node 2 up
+up_at=$(date +%T.%N)
+healed=0
+for i in $(seq 1 100); do
+  up=1
+  for n in 0 1 2; do
+    js=$("$SHARDCTL" --socket "$dir/node$n/shardd.sock" topology --json 2>/dev/null)
+    python3 -c "import json,sys; t=json.loads(sys.argv[1])['topology']; sys.exit(0 if all(x['state'] in ('up','self') for x in t) and len(t)==3 else 1)" "$js" 2>/dev/null || up=0
+  done
+  [ $up -eq 1 ] && { healed=1; break; }
+  sleep 0.1
+done
+check '[ $healed -eq 1 ]' "node 2 did not rejoin within 10 s of its link coming back"
+# when node 2 installed the new address table, from its log, against the moment the link came up
+rejoined_at=$(grep -h "address table installed again" "$dir/node2/shardd.log" | tail -1 | cut -d' ' -f1)
+python3 - "$up_at" "$rejoined_at" <<'PY'
+import sys
+def s(t):
+    h, m, x = t.split(":"); return int(h) * 3600 + int(m) * 60 + float(x)
+print(f"node 2 rejoined {s(sys.argv[2]) - s(sys.argv[1]):.2f} s after its link came back")
+PY
+for r in 0 1 2 3 4 5; do
+  "$MLP" --socket "$dir/node$((r / 2))/shardd.sock" --job healed --rank $r --world 6 --plan zero3 \
+    --steps 3 --hidden 128 --quiet >"$dir/healed$r.log" 2>&1 &
+  hpids[$r]=$!
+done
+for r in 0 1 2 3 4 5; do wait "${hpids[$r]}" || bad "a job on the healed cluster, rank $r: $(cat "$dir/healed$r.log")"; done
 "$ROOT/tools/local-cluster.sh" stop --dir "$dir"
 check '! ip netns list | grep -q "$ns2"' "stop left namespace $ns2 behind"
 echo "test_netns: $pass passed, $fail failed"
