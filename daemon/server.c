@@ -121,6 +121,17 @@ int sd_conn_send(struct sd_conn *c, const Shard__DaemonMsg *msg, const int *fds,
     return conn_flush(c) ? SD_OK : SD_ECONNRESET;
 }
 
+/* msg, an Error with status and text (err is its storage) */
+static void error_msg(Shard__DaemonMsg *msg, Shard__Error *err, int status, char *text)
+{
+    *err = (Shard__Error)SHARD__ERROR__INIT;
+    err->status = status;
+    err->message = text;
+    *msg = (Shard__DaemonMsg)SHARD__DAEMON_MSG__INIT;
+    msg->msg_case = SHARD__DAEMON_MSG__MSG_ERROR;
+    msg->error = err;
+}
+
 int sd_conn_send_error(struct sd_conn *c, int status, const char *fmt, ...)
 {
     char text[1024];
@@ -128,12 +139,9 @@ int sd_conn_send_error(struct sd_conn *c, int status, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
-    Shard__Error err = SHARD__ERROR__INIT;
-    err.status = status;
-    err.message = text;
-    Shard__DaemonMsg msg = SHARD__DAEMON_MSG__INIT;
-    msg.msg_case = SHARD__DAEMON_MSG__MSG_ERROR;
-    msg.error = &err;
+    Shard__Error err;
+    Shard__DaemonMsg msg;
+    error_msg(&msg, &err, status, text);
     SD_INFO("server", "conn %llu (pid %d): %s: %s", (unsigned long long)c->id, (int)c->pid,
             sd_status_name(status), text);
     return sd_conn_send(c, &msg, NULL, 0);
@@ -450,12 +458,9 @@ static void refuse(struct sd_server *srv, int fd, int status, const char *fmt, .
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
-    Shard__Error err = SHARD__ERROR__INIT;
-    err.status = status;
-    err.message = text;
-    Shard__DaemonMsg msg = SHARD__DAEMON_MSG__INIT;
-    msg.msg_case = SHARD__DAEMON_MSG__MSG_ERROR;
-    msg.error = &err;
+    Shard__Error err;
+    Shard__DaemonMsg msg;
+    error_msg(&msg, &err, status, text);
     uint8_t buf[512];
     size_t len = protobuf_c_message_get_packed_size(&msg.base);
     if (len + SD_FRAME_HDR <= sizeof(buf)) {
