@@ -8,6 +8,7 @@
  * into a buffer do not pay its page faults (64 MiB of first touches took up to 0.6 s on a busy
  * 2-core host). */
 #include "sd/gpu.h"
+#include "codec_int.h"
 #include "sd/dtype.h"
 #include "sd/log.h"
 #include "sd/model.h"
@@ -179,12 +180,7 @@ static double sum_sq_lanes(const float *restrict x, size_t n)
 /* Write the updated master weight into w in its dtype. */
 static inline void store_w(void *w, int dtype, size_t i, float p)
 {
-    if (dtype == SD_DTYPE_FP32)
-        ((float *)w)[i] = p;
-    else if (dtype == SD_DTYPE_BF16)
-        ((uint16_t *)w)[i] = sd_f32_to_bf16(p);
-    else
-        ((uint16_t *)w)[i] = sd_f32_to_fp16(p);
+    sd__store(w, dtype, i, p);
 }
 
 /* AdamW as torch.optim.AdamW computes it (decoupled decay, bias correction). The expression
@@ -312,6 +308,20 @@ static int host_query(struct sd_gpu_queue *q, uint64_t ticket)
     return ticket <= q->recorded ? SD_OK : SD_EINVAL;
 }
 
+static void host_quantize(struct sd_gpu_queue *q, void *dst, int bits, const void *src,
+                          int src_dtype, size_t n, uint32_t block)
+{
+    (void)q;
+    sd__codec_quantize(dst, bits, src, src_dtype, n, block);
+}
+
+static void host_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src,
+                            int bits, size_t n, uint32_t block, bool accumulate)
+{
+    (void)q;
+    sd__codec_dequantize(dst, dst_dtype, src, bits, n, block, accumulate);
+}
+
 const struct sd_gpu_ops sd_gpu_host_ops = {
     .name = "host",
     .host_memory = true,
@@ -330,13 +340,26 @@ const struct sd_gpu_ops sd_gpu_host_ops = {
     .sum_sq = host_sum_sq,
     .adamw = host_adamw,
     .sgd = host_sgd,
+    .quantize = host_quantize,
+    .dequantize = host_dequantize,
 };
 
 /* ---- host-deferred: the same kernels, run only when the queue is waited for (or full), as a
  * GPU stream may run them any time before. The kernels are kept in a ring sized when the queue
  * is created, so enqueueing allocates nothing. */
 
-enum deferred_kind { D_COPY, D_ZERO, D_REDUCE, D_TO_F32, D_FROM_F32, D_SUM_SQ, D_ADAMW, D_SGD };
+enum deferred_kind {
+    D_COPY,
+    D_ZERO,
+    D_REDUCE,
+    D_TO_F32,
+    D_FROM_F32,
+    D_SUM_SQ,
+    D_ADAMW,
+    D_SGD,
+    D_QUANT,
+    D_DEQUANT
+};
 
 struct deferred_op {
     enum deferred_kind kind;
@@ -348,6 +371,9 @@ struct deferred_op {
     float *a, *b, *c, *d; /* adamw: master, m, v, grad; sgd: master, buf, grad */
     struct sd_adamw_args adamw;
     struct sd_sgd_args sgd;
+    int bits;
+    uint32_t block;
+    bool accumulate;
 };
 
 #define DEFERRED_OPS 4096
@@ -380,6 +406,12 @@ static void deferred_flush(struct sd_gpu_queue *q)
             break;
         case D_SGD:
             host_sgd(q, &o->sgd, o->a, o->b, o->d, o->scale, o->dst, o->dtype, o->n);
+            break;
+        case D_QUANT:
+            sd__codec_quantize(o->dst, o->bits, o->src, o->dtype, o->n, o->block);
+            break;
+        case D_DEQUANT:
+            sd__codec_dequantize(o->dst, o->dtype, o->src, o->bits, o->n, o->block, o->accumulate);
             break;
         }
     }
@@ -508,6 +540,33 @@ static void deferred_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, fl
     o->n = n;
 }
 
+static void deferred_quantize(struct sd_gpu_queue *q, void *dst, int bits, const void *src,
+                              int src_dtype, size_t n, uint32_t block)
+{
+    struct deferred_op *o = deferred_push(q, D_QUANT);
+    *o = (struct deferred_op){.kind = D_QUANT,
+                              .dst = dst,
+                              .src = src,
+                              .n = n,
+                              .dtype = src_dtype,
+                              .bits = bits,
+                              .block = block};
+}
+
+static void deferred_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src,
+                                int bits, size_t n, uint32_t block, bool accumulate)
+{
+    struct deferred_op *o = deferred_push(q, D_DEQUANT);
+    *o = (struct deferred_op){.kind = D_DEQUANT,
+                              .dst = dst,
+                              .src = src,
+                              .n = n,
+                              .dtype = dst_dtype,
+                              .bits = bits,
+                              .block = block,
+                              .accumulate = accumulate};
+}
+
 const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
     .name = "host-deferred",
     .host_memory = true,
@@ -526,6 +585,8 @@ const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
     .sum_sq = deferred_sum_sq,
     .adamw = deferred_adamw,
     .sgd = deferred_sgd,
+    .quantize = deferred_quantize,
+    .dequantize = deferred_dequantize,
 };
 
 const struct sd_gpu_ops *sd_gpu_find(const char *name)

@@ -16,6 +16,8 @@
  * --json prints one object per measurement with name, size_bytes, time_s, baseline,
  * baseline_time_s and ratio. Times are medians over --iters repetitions. */
 #include "shard.h"
+#include "sd/codec.h"
+#include "sd/gpu.h"
 #include "shard_internal.h"
 #include "sd/cost.h"
 #include "sd/model.h"
@@ -612,11 +614,93 @@ static int bench_model(int argc, char **argv)
     return 0;
 }
 
+/* ---- codec: the host backend's block quantization kernels against memcpy of the same fp32
+ * input, in the same run (GB/s of fp32 input) */
+
+static double time_best(void (*fn)(void *), void *arg, int iters)
+{
+    double best = 1e30;
+    for (int i = 0; i < iters; i++) {
+        double t0 = now_s();
+        fn(arg);
+        double t = now_s() - t0;
+        best = t < best ? t : best;
+    }
+    return best;
+}
+
+struct codec_run {
+    const struct sd_gpu_ops *dev;
+    struct sd_gpu_queue *q;
+    float *x, *y;
+    uint8_t *enc;
+    size_t n;
+    int bits;
+    uint32_t block;
+};
+
+static void run_memcpy(void *arg)
+{
+    struct codec_run *r = arg;
+    memcpy(r->y, r->x, r->n * sizeof(float));
+}
+
+static void run_quant(void *arg)
+{
+    struct codec_run *r = arg;
+    r->dev->quantize(r->q, r->enc, r->bits, r->x, SD_DTYPE_FP32, r->n, r->block);
+    r->dev->sync(r->q);
+}
+
+static void run_dequant(void *arg)
+{
+    struct codec_run *r = arg;
+    r->dev->dequantize(r->q, r->y, SD_DTYPE_FP32, r->enc, r->bits, r->n, r->block, true);
+    r->dev->sync(r->q);
+}
+
+static int bench_codec(const struct opts *o, uint32_t block)
+{
+    struct codec_run r = {.dev = &sd_gpu_host_ops, .n = o->size / sizeof(float), .block = block};
+    r.x = malloc(r.n * sizeof(float));
+    r.y = calloc(r.n, sizeof(float));
+    r.enc = malloc(sd_codec_bytes(8, r.n, block));
+    if (r.x == NULL || r.y == NULL || r.enc == NULL || r.dev->queue_create(&r.q) != 0) {
+        fprintf(stderr, "shard-bench codec: out of memory for %zu elements\n", r.n);
+        return 1;
+    }
+    for (size_t i = 0; i < r.n; i++)
+        r.x[i] = (float)((i * 2654435761u) % 1000) / 500.0f - 1.0f;
+    double mc = time_best(run_memcpy, &r, o->iters);
+    for (int bits = 8; bits >= 4; bits -= 4) {
+        r.bits = bits;
+        double qt = time_best(run_quant, &r, o->iters), dt = time_best(run_dequant, &r, o->iters);
+        double gb = (double)o->size / 1e9;
+        if (o->json)
+            printf("{\"name\": \"codec\", \"bits\": %d, \"block\": %u, \"bytes\": %llu, "
+                   "\"quantize_GBps\": %.3f, \"dequantize_acc_GBps\": %.3f, "
+                   "\"memcpy_GBps\": %.3f, \"encoded_bytes\": %llu}\n",
+                   bits, block, (unsigned long long)o->size, gb / qt, gb / dt, gb / mc,
+                   (unsigned long long)sd_codec_bytes(bits, r.n, block));
+        else
+            printf("int%d block %u, %llu bytes of fp32 (encoded %llu): quantize %.2f GB/s, "
+                   "dequantize-accumulate %.2f GB/s, memcpy %.2f GB/s (ratios %.3f, %.3f)\n",
+                   bits, block, (unsigned long long)o->size,
+                   (unsigned long long)sd_codec_bytes(bits, r.n, block), gb / qt, gb / dt, gb / mc,
+                   mc / qt, mc / dt);
+    }
+    r.dev->queue_destroy(r.q);
+    free(r.x);
+    free(r.y);
+    free(r.enc);
+    return 0;
+}
+
 static void usage(FILE *out)
 {
     fprintf(
         out,
-        "usage: shard-bench fetch|step|all [--socket PATH] [--size BYTES] [--params N]\n"
+        "usage: shard-bench fetch|step|all|codec [--socket PATH] [--size BYTES] [--params N]\n"
         "                   [--optimizer adamw|sgd] [--iters N] [--json]\n"
         "       shard-bench allgather|reducescatter|allreduce --sockets P0,P1,...\n"
         "                   [--ranks-per-node K] [--min BYTES] [--max BYTES] [--iters N]\n"
@@ -636,6 +720,9 @@ static void usage(FILE *out)
         "          shardd's staging buffer (shard_grad_buffer); --copy-push has shard_push_grad\n"
         "          copy them instead\n"
         "  model   the MiCS cost model: inter-node bytes per node per step of a plan\n"
+        "  codec   the host backend's int8/int4 block quantization (quantize, dequantize-\n"
+        "          accumulate) on --size bytes of fp32 (default 64 MiB) in blocks of --block\n"
+        "          (default 256) vs memcpy of the same input, GB/s of fp32 input; no daemon\n"
         "Needs running daemons (--socket, default $SHARD_SOCKET or /run/shardd/shardd.sock).\n");
 }
 
@@ -651,6 +738,7 @@ int main(int argc, char **argv)
                      .max_size = 64ULL << 20,
                      .ranks_per_node = 1};
     const char *what = NULL;
+    uint32_t block = 256;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
@@ -685,6 +773,8 @@ int main(int argc, char **argv)
             o.min_size = strtoull(argv[++i], NULL, 0);
         } else if (strcmp(a, "--max") == 0 && v) {
             o.max_size = strtoull(argv[++i], NULL, 0);
+        } else if (strcmp(a, "--block") == 0 && v) {
+            block = (uint32_t)strtoul(argv[++i], NULL, 0);
         } else if (a[0] != '-' && what == NULL) {
             what = a;
         } else {
@@ -696,6 +786,14 @@ int main(int argc, char **argv)
     if (what == NULL || o.iters < 1 || o.size < 4096 || o.params < 1024) {
         usage(stderr);
         return 2;
+    }
+    if (strcmp(what, "codec") == 0) {
+        if (block < SD_CODEC_MIN_BLOCK || block > SD_CODEC_MAX_BLOCK) {
+            fprintf(stderr, "shard-bench: --block must be %d..%d\n", SD_CODEC_MIN_BLOCK,
+                    SD_CODEC_MAX_BLOCK);
+            return 2;
+        }
+        return bench_codec(&o, block);
     }
     if (strcmp(what, "allgather") == 0)
         return bench_coll(&o, COLL_AG, what);

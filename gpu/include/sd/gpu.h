@@ -68,6 +68,13 @@ struct sd_gpu_ops {
                   float *v, float *grad, float scale, void *w, int w_dtype, size_t n);
     void (*sgd)(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *master, float *buf,
                 float *grad, float scale, void *w, int w_dtype, size_t n);
+    /* Block quantization (sd/codec.h): dst (sd_codec_bytes(bits, n, block) bytes) = src's n
+     * elements in src_dtype, encoded with bits 8 or 4 in blocks of block elements. */
+    void (*quantize)(struct sd_gpu_queue *q, void *dst, int bits, const void *src, int src_dtype,
+                     size_t n, uint32_t block);
+    /* dst = the n decoded elements in dst_dtype, or with accumulate dst (fp32) += them */
+    void (*dequantize)(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src,
+                       int bits, size_t n, uint32_t block, bool accumulate);
 };
 
 extern const struct sd_gpu_ops sd_gpu_host_ops;
