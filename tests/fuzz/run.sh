@@ -2,7 +2,9 @@
 # Build the libFuzzer harnesses with clang (AddressSanitizer + UndefinedBehaviorSanitizer) and run
 # each for SECONDS on its corpus (tests/fuzz/corpus/<harness>, new inputs in a scratch copy).
 #   tests/fuzz/run.sh BUILD_DIR SECONDS [frame model plan]
-# BUILD_DIR is a configured build tree (its proto/ holds the generated shard.pb-c.c). Exits 77
+# BUILD_DIR is a configured build tree (its proto/ holds the generated shard.pb-c.c). A unit may
+# take 120 s of wall time (libFuzzer's clock is wall time: on a loaded 2-core machine a 10 s limit
+# fired on inputs that take 0.1 s of CPU). Exits 77
 # with a line saying so when clang's libFuzzer runtime (Debian: clang, libclang-rt-14-dev) is
 # missing; non-zero when a harness finds a crash, a leak or a broken invariant (the input is
 # left in the scratch directory, named in the output).
@@ -33,7 +35,7 @@ for h in "${harnesses[@]}"; do
   cp -r "$here/corpus/$h/." "$out/corpus_$h/" 2>/dev/null || true
   echo "== fuzz_$h for ${secs}s"
   if ! (cd "$out" && ASAN_OPTIONS=detect_leaks=1 "./fuzz_$h" -max_total_time="$secs" \
-          -max_len=65536 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "corpus_$h" \
+          -max_len=65536 -timeout=120 -rss_limit_mb=2048 -print_final_stats=1 "corpus_$h" \
           2>"$out/fuzz_$h.log"); then
     echo "fuzz_$h FAILED: see $out/fuzz_$h.log"
     tail -40 "$out/fuzz_$h.log"
