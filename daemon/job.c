@@ -228,7 +228,7 @@ bool sd_job_name_valid(const char *name)
     for (size_t i = 0; i < n; i++) {
         char ch = name[i];
         bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-                  (ch >= '0' && ch <= '9') || ch == '.' || ch == '_' || ch == '-';
+                  (ch >= '0' && ch <= '9') || (ch != '\0' && strchr("._-:,+=@", ch) != NULL);
         if (!ok)
             return false;
     }
@@ -342,7 +342,7 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
     if (!sd_job_name_valid(name)) {
         sd_conn_send_error(c, SD_EINVAL,
                            "register: job name '%.80s' (%zu bytes): a job name is 1..63 of "
-                           "A-Z a-z 0-9 . _ - and does not start with '.' or '-'",
+                           "A-Z a-z 0-9 . _ - : , + = @ and does not start with '.' or '-'",
                            name, nlen);
         return;
     }

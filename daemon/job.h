@@ -197,8 +197,9 @@ struct sd_job {
 };
 
 /* ---- lifecycle (job.c) */
-/* A job name: 1..63 of A-Z a-z 0-9 . _ -, not starting with '.' or '-' (it names shared-memory
- * files and log lines, and may name checkpoint directories). */
+/* A job name: 1..63 of A-Z a-z 0-9 . _ - : , + = @, not starting with '.' or '-' (it names
+ * shared-memory files and log lines, and may name checkpoint directories: no '/', no space, no
+ * control character, no quote). */
 bool sd_job_name_valid(const char *name);
 /* Fail the job: every parked operation completes with status and the message; the job's other
  * nodes are told. */

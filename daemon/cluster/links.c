@@ -595,7 +595,8 @@ static void timer_cb(uv_timer_t *t)
         /* the later of the link's last message and the heartbeat thread's last datagram: a
          * loop that was held up did not read the link, but its thread heard the peer */
         uint64_t seen = SD_MAX(l->last_seen_ns, sd_heartbeat_last_seen(cl->hb, (uint32_t)l->node));
-        if (now - seen > timeout) {
+        /* the thread may have heard the peer after `now` was read: then it is fresh */
+        if (seen < now && now - seen > timeout) {
             char reason[128];
             snprintf(reason, sizeof(reason), "no heartbeat for %llu ms",
                      (unsigned long long)((now - seen) / 1000000));

@@ -488,7 +488,7 @@ static void test_validation(void)
         tiny_init(&x, names[i], 0, 1, 100);
         shard_attach(d.sock, &ctx);
         int st = shard_register(ctx, &x.m);
-        expect_error(ctx, st, SHARD_EINVAL, "A-Z a-z 0-9 . _ -", names[i]);
+        expect_error(ctx, st, SHARD_EINVAL, "A-Z a-z 0-9 . _ - : , + = @", names[i]);
         shard_detach(ctx);
     }
     /* a pool size near 2^64: the budget sum must not wrap into a small number */
