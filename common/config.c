@@ -90,6 +90,10 @@ const struct sd_config_entry sd_config_table[] = {
      "host:port where node 0 listens for the other daemons (control links, heartbeats)", 0},
     {"heartbeat_interval_ms", SD_CFG_INT, "500", 10, 60000, OFF(heartbeat_interval_ms),
      "heartbeat period on the control links", 1},
+    {"heartbeat_port", SD_CFG_INT, "0", 0, 65535, OFF(heartbeat_port),
+     "UDP port of the heartbeat thread (0: any free one, announced to the peers); fix it where a "
+     "firewall must let it through",
+     0},
     {"heartbeat_timeout_ms", SD_CFG_INT, "5000", 50, 600000, OFF(heartbeat_timeout_ms),
      "a peer silent this long is declared down and its jobs fail", 1},
     {"rendezvous_timeout_ms", SD_CFG_INT, "60000", 100, 3600000, OFF(rendezvous_timeout_ms),

@@ -105,7 +105,7 @@ static void *hb_thread(void *arg)
 }
 
 int sd_heartbeat_start(struct sd_heartbeat **hb_p, uint32_t self, uint32_t n, uint64_t digest,
-                       uint64_t interval_ms, uint64_t stall_ms, uint16_t *port_p)
+                       uint64_t interval_ms, uint64_t stall_ms, uint16_t port, uint16_t *port_p)
 {
     struct sd_heartbeat *hb = calloc(1, sizeof(*hb));
     if (hb == NULL)
@@ -124,12 +124,13 @@ int sd_heartbeat_start(struct sd_heartbeat **hb_p, uint32_t self, uint32_t n, ui
         goto err_free;
     pthread_mutex_init(&hb->lock, NULL);
     hb->fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    struct sockaddr_in any = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY)};
+    struct sockaddr_in any = {
+        .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_ANY)};
     socklen_t len = sizeof(any);
     if (hb->fd < 0 || bind(hb->fd, (struct sockaddr *)&any, sizeof(any)) != 0 ||
         getsockname(hb->fd, (struct sockaddr *)&any, &len) != 0) {
         status = -errno;
-        SD_ERROR("cluster", "heartbeat socket: %s", strerror(errno));
+        SD_ERROR("cluster", "heartbeat socket (UDP port %u): %s", port, strerror(errno));
         goto err_free;
     }
     if (pthread_create(&hb->thread, NULL, hb_thread, hb) != 0) {

@@ -8,10 +8,10 @@
 
 struct sd_heartbeat;
 
-/* Start the thread: a UDP socket on an ephemeral port (*port_p), a datagram to every peer each
- * interval_ms while the loop ticked (sd_heartbeat_tick) within stall_ms. */
+/* Start the thread: a UDP socket on port (0: any free one; *port_p says which), a datagram to
+ * every peer each interval_ms while the loop ticked (sd_heartbeat_tick) within stall_ms. */
 int sd_heartbeat_start(struct sd_heartbeat **hb_p, uint32_t self, uint32_t n, uint64_t digest,
-                       uint64_t interval_ms, uint64_t stall_ms, uint16_t *port_p);
+                       uint64_t interval_ms, uint64_t stall_ms, uint16_t port, uint16_t *port_p);
 /* node's address (its control link's peer address) and heartbeat port; port 0: not a peer */
 void sd_heartbeat_set_peer(struct sd_heartbeat *hb, uint32_t node, const struct sockaddr *addr,
                            uint16_t port);

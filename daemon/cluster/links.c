@@ -643,9 +643,9 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     cl->present[cl->self] = true;
     /* heartbeats on a thread of their own; it stops vouching for a loop silent 4 timeouts */
     uint16_t hb_port = 0;
-    st = sd_heartbeat_start(&cl->hb, cl->self, cl->n, cl->digest,
-                            (uint64_t)cfg->heartbeat_interval_ms,
-                            4 * (uint64_t)cfg->heartbeat_timeout_ms, &hb_port);
+    st = sd_heartbeat_start(
+        &cl->hb, cl->self, cl->n, cl->digest, (uint64_t)cfg->heartbeat_interval_ms,
+        4 * (uint64_t)cfg->heartbeat_timeout_ms, (uint16_t)cfg->heartbeat_port, &hb_port);
     if (st != SD_OK)
         SD_WARN("cluster", "no heartbeat thread (%s): the control links' heartbeats alone count",
                 sd_status_str(st));
