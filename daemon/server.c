@@ -469,6 +469,12 @@ static void refuse(struct sd_server *srv, int fd, int status, const char *fmt, .
         size_t off = 0;
         (void)sd_frame_send_some(fd, buf, len + SD_FRAME_HDR, &off, NULL, 0);
     }
+    /* closing with the client's first message unread would reset the connection, and the
+     * client would read the reset instead of the reason: end our side, take what it sent */
+    shutdown(fd, SHUT_WR);
+    char sink[4096];
+    while (read(fd, sink, sizeof(sink)) > 0)
+        ;
     close(fd);
     srv->refused++;
     SD_WARN_SPARSE("server", "refused a connection: %s", text);
