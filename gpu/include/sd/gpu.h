@@ -73,8 +73,8 @@ struct sd_gpu_ops {
     void (*quantize)(struct sd_gpu_queue *q, void *dst, int bits, const void *src, int src_dtype,
                      size_t n, uint32_t block);
     /* dst = the n decoded elements in dst_dtype, or with accumulate dst (fp32) += them */
-    void (*dequantize)(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src,
-                       int bits, size_t n, uint32_t block, bool accumulate);
+    void (*dequantize)(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src, int bits,
+                       size_t n, uint32_t block, bool accumulate);
 };
 
 extern const struct sd_gpu_ops sd_gpu_host_ops;
