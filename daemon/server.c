@@ -121,9 +121,11 @@ int sd_conn_send(struct sd_conn *c, const Shard__DaemonMsg *msg, const int *fds,
     return conn_flush(c) ? SD_OK : SD_ECONNRESET;
 }
 
-/* msg, an Error with status and text (err is its storage) */
-static void error_msg(Shard__DaemonMsg *msg, Shard__Error *err, int status, char *text)
+/* msg, an Error with status and the text fmt formats into text (err is its storage) */
+static void error_msg(Shard__DaemonMsg *msg, Shard__Error *err, int status, char *text, size_t len,
+                      const char *fmt, va_list ap)
 {
+    vsnprintf(text, len, fmt, ap);
     *err = (Shard__Error)SHARD__ERROR__INIT;
     err->status = status;
     err->message = text;
@@ -135,13 +137,12 @@ static void error_msg(Shard__DaemonMsg *msg, Shard__Error *err, int status, char
 int sd_conn_send_error(struct sd_conn *c, int status, const char *fmt, ...)
 {
     char text[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof(text), fmt, ap);
-    va_end(ap);
     Shard__Error err;
     Shard__DaemonMsg msg;
-    error_msg(&msg, &err, status, text);
+    va_list ap;
+    va_start(ap, fmt);
+    error_msg(&msg, &err, status, text, sizeof(text), fmt, ap);
+    va_end(ap);
     SD_INFO("server", "conn %llu (pid %d): %s: %s", (unsigned long long)c->id, (int)c->pid,
             sd_status_name(status), text);
     return sd_conn_send(c, &msg, NULL, 0);
@@ -454,21 +455,13 @@ static void refuse(struct sd_server *srv, int fd, int status, const char *fmt, .
 static void refuse(struct sd_server *srv, int fd, int status, const char *fmt, ...)
 {
     char text[256];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof(text), fmt, ap);
-    va_end(ap);
     Shard__Error err;
     Shard__DaemonMsg msg;
-    error_msg(&msg, &err, status, text);
-    uint8_t buf[512];
-    size_t len = protobuf_c_message_get_packed_size(&msg.base);
-    if (len + SD_FRAME_HDR <= sizeof(buf)) {
-        sd_frame_header(buf, len);
-        protobuf_c_message_pack(&msg.base, buf + SD_FRAME_HDR);
-        size_t off = 0;
-        (void)sd_frame_send_some(fd, buf, len + SD_FRAME_HDR, &off, NULL, 0);
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    error_msg(&msg, &err, status, text, sizeof(text), fmt, ap);
+    va_end(ap);
+    (void)sd_frame_send(fd, &msg.base, NULL, 0, 0); /* what the socket takes now, no wait */
     /* closing with the client's first message unread would reset the connection, and the
      * client would read the reset instead of the reason: end our side, take what it sent */
     shutdown(fd, SHUT_WR);
