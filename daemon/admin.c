@@ -346,6 +346,10 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
         }
         /* how busy the event loop polls: a daemon with nothing to do should not count up */
         json_object_set_new(out, "poll_passes", json_integer((json_int_t)srv->polls));
+        /* connections refused at accept (max_clients, fd limit, allowed_gid) and dropped for
+         * their input or unread replies */
+        json_object_set_new(out, "connections_refused", json_integer((json_int_t)srv->refused));
+        json_object_set_new(out, "connections_dropped", json_integer((json_int_t)srv->dropped));
     } else if (strcmp(cmd, "jobs") == 0 || strcmp(cmd, "groups") == 0 ||
                strcmp(cmd, "stats") == 0 || strcmp(cmd, "schedule") == 0) {
         out = json_pack("{s:o}", "jobs", jobs);
@@ -365,6 +369,7 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
                         (json_int_t)cfg->package_size, "backend", cfg->backend, "provider",
                         cfg->nodes > 1 ? cfg->provider : "", "cluster_ready", sd_cluster_ready(cl),
                         "socket", srv->sock_path, "topology", nodes, "jobs", jobs);
+        json_object_set_new(out, "heartbeats", sd_cluster_heartbeat_json(cl));
     } else {
         json_decref(jobs);
         out = json_pack("{s:s}", "error",

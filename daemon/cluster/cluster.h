@@ -63,5 +63,7 @@ void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, uint32_t job_n
 bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, uint32_t job_nodes);
 /* Node states for shardctl topology. */
 json_t *sd_cluster_json(const struct sd_cluster *cl);
+/* The heartbeat thread's datagrams: sent, received, dropped (unknown sender, magic or digest). */
+json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl);
 
 #endif

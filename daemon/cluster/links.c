@@ -743,6 +743,15 @@ uint32_t sd_cluster_nodes(const struct sd_cluster *cl)
     return cl ? cl->n : 1;
 }
 
+json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl)
+{
+    uint64_t sent, received, dropped;
+    sd_heartbeat_counts(cl ? cl->hb : NULL, &sent, &received, &dropped);
+    return json_pack("{s:b, s:I, s:I, s:I, s:i}", "thread", cl != NULL && cl->hb != NULL, "sent",
+                     (json_int_t)sent, "received", (json_int_t)received, "dropped",
+                     (json_int_t)dropped, "port", cl ? (int)cl->hb_port[cl->self] : 0);
+}
+
 json_t *sd_cluster_json(const struct sd_cluster *cl)
 {
     json_t *nodes = json_array();

@@ -16,6 +16,7 @@
 #include "shard.pb-c.h"
 
 #include <errno.h>
+#include <jansson.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -81,13 +82,7 @@ static void *big_register(void *arg)
 {
     double *took = arg;
     uint32_t n = 65536;
-    shard_tensor_t *ts = calloc(n, sizeof(*ts));
-    char(*tn)[16] = calloc(n, sizeof(*tn));
-    uint64_t one = 4;
-    for (uint32_t i = 0; i < n; i++) {
-        snprintf(tn[i], sizeof(tn[i]), "t%u", i == n - 1 ? n - 2 : i);
-        ts[i] = (shard_tensor_t){.name = tn[i], .ndim = 1, .dims = &one, .unit = i / 8};
-    }
+    shard_tensor_t *ts = th_many_tensors(n, true);
     shard_model_t m = {.job = "big",
                        .rank = 1,
                        .world = 2,
@@ -105,7 +100,6 @@ static void *big_register(void *arg)
              "64K tensors: %d '%s'", st, shard_last_error(ctx));
     shard_detach(ctx);
     free(ts);
-    free(tn);
     return NULL;
 }
 
@@ -307,6 +301,11 @@ int main(void)
     TH_CHECK(rss0 > 0 && peak_rss_kb - rss0 < (64 + 32) * 1024, "node 1 grew from %ld to %ld KiB",
              rss0, peak_rss_kb);
 #endif
+    json_t *st = th_admin_json(cl.d[1].sock, "status");
+    TH_CHECK(th_json_int(st, "connections_dropped") >= 31,
+             "node 1 counts %lld dropped connections (the flood and 30 partial frames)",
+             th_json_int(st, "connections_dropped"));
+    json_decref(st);
     for (int i = 0; i < 2; i++) {
         char *s = th_read_file(cl.d[i].log, NULL);
         TH_CHECK(s && !strstr(s, "is down"), "node %d declared a node down", i);

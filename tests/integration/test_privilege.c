@@ -16,6 +16,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -295,6 +296,11 @@ static void test_limits(void)
              "after %d connections the refused client was told: '%s'", n, msg);
     for (int i = 0; i < n && i < 24; i++)
         close(fds[i]);
+    usleep(200000); /* the daemon saw them go: room for the admin connection */
+    json_t *st = th_admin_json(d.sock, "status");
+    TH_CHECK(th_json_int(st, "connections_refused") >= 1, "status counts %lld refused connections",
+             th_json_int(st, "connections_refused"));
+    json_decref(st);
     TH_CHECK(th_daemon_stop(&d) == 0, "shardd did not shut down cleanly");
 
     /* a daemon with few fds: past them, connections are refused with a message, and the

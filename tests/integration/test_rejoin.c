@@ -155,6 +155,14 @@ int main(void)
         TH_CHECK(log_has(1, "holding the event loop for 3000 ms"), "node 1 was not stalled");
         for (int n = 0; n < 3; n++)
             TH_CHECK(!log_has(n, "is down"), "node %d declared a node down during the stall", n);
+        json_t *topo = th_admin_json(cl.d[1].sock, "topology");
+        /* (a datagram that arrives before its sender is known, at formation, is dropped) */
+        TH_CHECK(th_json_int(topo, "heartbeats.received") > 0 &&
+                     th_json_int(topo, "heartbeats.sent") > 0,
+                 "node 1's heartbeat thread: sent %lld, received %lld, dropped %lld",
+                 th_json_int(topo, "heartbeats.sent"), th_json_int(topo, "heartbeats.received"),
+                 th_json_int(topo, "heartbeats.dropped"));
+        json_decref(topo);
         printf("a 3 s stall of node 1's loop (heartbeat timeout 1 s): no node down, the job took "
                "%.2f s and matches its reference\n",
                th_now_s() - t0);
