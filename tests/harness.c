@@ -376,3 +376,19 @@ char *th_read_file(const char *path, size_t *len_p)
         *len_p = got;
     return buf;
 }
+
+shard_tensor_t *th_many_tensors(uint32_t n, bool dup_last)
+{
+    static const uint64_t four = 4;
+    enum { NAME = 16 };
+    shard_tensor_t *ts = calloc(n, sizeof(*ts) + NAME);
+    if (ts == NULL)
+        return NULL;
+    char *names = (char *)(ts + n);
+    for (uint32_t i = 0; i < n; i++) {
+        char *name = names + (size_t)i * NAME;
+        snprintf(name, NAME, "t%u", dup_last && n > 1 && i == n - 1 ? n - 2 : i);
+        ts[i] = (shard_tensor_t){.name = name, .ndim = 1, .dims = &four, .unit = i / 8};
+    }
+    return ts;
+}

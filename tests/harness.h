@@ -3,8 +3,10 @@
 #define TH_HARNESS_H
 
 #include "check.h"
+#include "shard.h"
 
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <sys/types.h>
 
@@ -71,6 +73,11 @@ bool th_cluster_train(const struct th_cluster *c, const char *job, const char *c
                       const char *what, double tol, struct th_dump_diff *dd);
 /* The padded parameter count of job as the daemon at sock lists it (shardctl jobs), or -1. */
 long long th_job_params(const char *sock, const char *job);
+/* n tensors "t0", "t1", ... of 4 fp32 elements, 8 to a unit; with dup_last the last one is
+ * named like the one before it. One allocation (names included): free() it. NULL if out of
+ * memory. */
+shard_tensor_t *th_many_tensors(uint32_t n, bool dup_last);
+
 /* Read a whole file (malloc'd) or NULL. */
 char *th_read_file(const char *path, size_t *len_p);
 double th_now_s(void);

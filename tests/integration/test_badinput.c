@@ -502,13 +502,7 @@ static void test_validation(void)
     /* 64K tensors, the last two of one name: refused in well under a second (comparing every
      * pair took 19 s and stopped the heartbeats) */
     uint32_t n = 65536;
-    shard_tensor_t *ts = calloc(n, sizeof(*ts));
-    char(*tn)[16] = calloc(n, sizeof(*tn));
-    uint64_t one = 4;
-    for (uint32_t i = 0; i < n; i++) {
-        snprintf(tn[i], sizeof(tn[i]), "t%u", i == n - 1 ? n - 2 : i);
-        ts[i] = (shard_tensor_t){.name = tn[i], .ndim = 1, .dims = &one, .unit = i / 8};
-    }
+    shard_tensor_t *ts = th_many_tensors(n, true);
     tiny_init(&x, "many", 0, 1, 100);
     x.m.tensors = ts;
     x.m.n_tensors = n;
@@ -520,12 +514,8 @@ static void test_validation(void)
     printf("64K-tensor registration refused in %.3f s\n", took);
     shard_detach(ctx);
     /* more tensors than max_tensors (65536 by default) */
-    ts = realloc(ts, (n + 1) * sizeof(*ts));
-    tn = realloc(tn, (n + 1) * sizeof(*tn));
-    for (uint32_t i = 0; i <= n; i++) {
-        snprintf(tn[i], sizeof(tn[i]), "t%u", i);
-        ts[i] = (shard_tensor_t){.name = tn[i], .ndim = 1, .dims = &one, .unit = i / 8};
-    }
+    free(ts);
+    ts = th_many_tensors(n + 1, false);
     x.m.tensors = ts;
     x.m.n_tensors = n + 1;
     shard_attach(d.sock, &ctx);
@@ -533,7 +523,6 @@ static void test_validation(void)
     expect_error(ctx, st, SHARD_EINVAL, "max_tensors", "65537 tensors");
     shard_detach(ctx);
     free(ts);
-    free(tn);
     expect_alive("validation");
 }
 
