@@ -80,7 +80,8 @@ for n in range(N):
     gathers = (T + (1 if n == 0 else 0)) * (1 if hier else K) if G > 1 else 0
     ar = 2 * (R - 1) * (block if G > 1 else S) // R if R > 1 else 0
     rows = [
-        ("intra-node copies (all ops)", st["bytes"]["intra_node"], None),
+        ("copies within a package", st["bytes"]["intra_package"], None),
+        ("copies between packages", st["bytes"]["intra_node"], None),
         ("fetch: inter-node received", st["ops"]["fetch"]["bytes"]["inter_node_recv"], gathers * (G - 1) * block),
         ("push: inter-node sent", st["ops"]["push"]["bytes"]["inter_node_sent"],
          T * s * (G - 1) * block + (0 if two_hop else T * s * ar)),

@@ -123,7 +123,7 @@ def optimizer_dict(a):
 def node_bytes(shard, a):
     try:
         st = shard.admin("stats", job=a.job, socket=a.socket)["jobs"][0]["bytes"]
-        return st["intra_node"], st["inter_node_sent"] + st["inter_node_recv"]
+        return st["intra_package"] + st["intra_node"], st["inter_node_sent"] + st["inter_node_recv"]
     except Exception:
         return 0, 0
 
