@@ -104,6 +104,11 @@ const struct sd_config_entry sd_config_table[] = {
      "consecutive units smaller than this whose gathers the frozen schedule issues together "
      "travel as one transfer per peer, up to this many bytes (0: never)",
      0},
+    {"quant_min_bytes", SD_CFG_SIZE, "16KiB", 0, 1LL << 30, OFF(quant_min_bytes),
+     "plan option qg: a unit whose block of the reduce-scatter across nodes (fp32) is smaller "
+     "than this is reduced exactly (quantizing costs more than it saves there); counted as a "
+     "fallback",
+     1},
     {"small_allreduce_bytes", SD_CFG_SIZE, "64KiB", 0, 1LL << 30, OFF(small_allreduce_bytes),
      "all-reduces up to this size use the latency-bound direct algorithm instead of the ring", 1},
     {"net_spin", SD_CFG_INT, "0", 0, 1, OFF(net_spin),

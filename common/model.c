@@ -1,4 +1,5 @@
 #include "sd/model.h"
+#include "sd/codec.h"
 #include "sd/status.h"
 #include "sd/util.h"
 
@@ -58,6 +59,8 @@ uint32_t sd_group_nodes(const struct sd_topo *t, const struct sd_group *g)
     return n;
 }
 
+#define SD_PLAN_OPTIONS "no-hier, no-2hop, sec=S, qw, qg, qsec, ef, qblock=B"
+
 /* one factor of topo:W/G/OS: a positive number, k (ranks per node) or n (world) */
 static bool parse_factor(const char *tok, uint32_t k, uint32_t world, uint32_t *f_p)
 {
@@ -84,11 +87,9 @@ static int plan_factors(const char *spec, const char *base, uint32_t k, uint32_t
     static const struct {
         const char *name;
         char w, g, os; /* '1', 'k' or 'n' */
-    } presets[] = {{"ddp", '1', '1', '1'},
-                   {"zero1", '1', '1', 'n'},
-                   {"zero2", '1', 'n', 'n'},
-                   {"zero3", 'n', 'n', 'n'},
-                   {"topo", '2', 'k', 'n'}};
+    } presets[] = {{"ddp", '1', '1', '1'},    {"zero1", '1', '1', 'n'},  {"zero2", '1', 'n', 'n'},
+                   {"zero3", 'n', 'n', 'n'},  {"zeropp", 'n', 'n', 'n'}, {"topo", '2', 'k', 'n'},
+                   {"topo-fp", '2', 'k', 'n'}};
     for (size_t i = 0; i < sizeof(presets) / sizeof(presets[0]); i++) {
         if (strcmp(base, presets[i].name) != 0)
             continue;
@@ -107,7 +108,7 @@ static int plan_factors(const char *spec, const char *base, uint32_t k, uint32_t
         return SD_OK;
     }
     if (strncmp(base, "topo:", 5) == 0) {
-        char buf[32];
+        char buf[64];
         snprintf(buf, sizeof(buf), "%s", base + 5);
         char *save = NULL, *tok = strtok_r(buf, "/", &save);
         int n = 0;
@@ -124,8 +125,8 @@ static int plan_factors(const char *spec, const char *base, uint32_t k, uint32_t
         return SD_OK;
     }
     snprintf(err, errlen,
-             "unknown plan '%s' (supported: topo:W/G/OS, topo, ddp, zero1, zero2, zero3, mics:P, "
-             "each with options ,no-hier ,no-2hop ,sec=S)",
+             "unknown plan '%s' (supported: topo:W/G/OS, topo, topo-fp, ddp, zero1, zero2, zero3, "
+             "zeropp, mics:P, each with options " SD_PLAN_OPTIONS ")",
              spec);
     return SD_EINVAL;
 }
@@ -147,17 +148,18 @@ int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *
         return SD_EINVAL;
     }
     /* options after the base plan: ",no-hier" (gather per rank across nodes), ",no-2hop"
-     * (all-reduce gradients across groups every micro-step), ",sec=S" */
+     * (all-reduce gradients across groups every micro-step), ",sec=S", the quantized ones */
     char base[sizeof(plan.name)];
     snprintf(base, sizeof(base), "%s", spec);
     char *opt = strchr(base, ',');
+    bool qblock_given = false;
     if (opt != NULL) {
         *opt++ = '\0';
         size_t olen = strlen(opt);
         if (olen == 0 || opt[0] == ',' || opt[olen - 1] == ',' || strstr(opt, ",,") != NULL) {
             snprintf(err, errlen,
-                     "plan '%s': an empty option (a ',' with nothing after it); options are "
-                     "no-hier, no-2hop, sec=S",
+                     "plan '%s': an empty option (a ',' with nothing after it); options "
+                     "are " SD_PLAN_OPTIONS,
                      spec);
             return SD_EINVAL;
         }
@@ -167,6 +169,14 @@ int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *
                 plan.hierarchical = false;
             } else if (strcmp(tok, "no-2hop") == 0) {
                 plan.two_hop = false;
+            } else if (strcmp(tok, "qw") == 0) {
+                plan.qw = true;
+            } else if (strcmp(tok, "qg") == 0) {
+                plan.qg = true;
+            } else if (strcmp(tok, "qsec") == 0) {
+                plan.qsec = true;
+            } else if (strcmp(tok, "ef") == 0) {
+                plan.ef = true;
             } else if (strncmp(tok, "sec=", 4) == 0) {
                 if (!parse_factor(tok + 4, k, world, &plan.sec) || k % plan.sec != 0) {
                     snprintf(err, errlen,
@@ -175,13 +185,48 @@ int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *
                              spec, tok, k);
                     return SD_EINVAL;
                 }
+            } else if (strncmp(tok, "qblock=", 7) == 0) {
+                char *end;
+                unsigned long b = strtoul(tok + 7, &end, 10);
+                if (tok[7] < '0' || tok[7] > '9' || *end != '\0' || b < SD_CODEC_MIN_BLOCK ||
+                    b > SD_CODEC_MAX_BLOCK) {
+                    snprintf(err, errlen,
+                             "plan '%s': %s: the block must be an integer in [%u, %u] elements",
+                             spec, tok, SD_CODEC_MIN_BLOCK, SD_CODEC_MAX_BLOCK);
+                    return SD_EINVAL;
+                }
+                plan.qblock = (uint32_t)b;
+                qblock_given = true;
             } else {
-                snprintf(err, errlen, "plan '%s': unknown option '%s' (no-hier, no-2hop, sec=S)",
-                         spec, tok);
+                snprintf(err, errlen, "plan '%s': unknown option '%s' (" SD_PLAN_OPTIONS ")", spec,
+                         tok);
                 return SD_EINVAL;
             }
         }
     }
+    /* the presets that carry options */
+    if (strcmp(base, "zeropp") == 0) {
+        plan.qw = plan.qg = true;
+        if (plan.sec == 0)
+            plan.sec = k;
+    } else if (strcmp(base, "topo") == 0) {
+        plan.qw = plan.qg = plan.qsec = true;
+    }
+    if (plan.qsec && plan.sec == 0)
+        plan.sec = P;
+    if (plan.ef && !plan.qg) {
+        snprintf(err, errlen,
+                 "plan '%s': ef (error feedback) corrects the int4 gradient reduction: it needs qg",
+                 spec);
+        return SD_EINVAL;
+    }
+    if (qblock_given && !sd_plan_quantized(&plan)) {
+        snprintf(err, errlen, "plan '%s': qblock sets the block of qw, qg or qsec: none is on",
+                 spec);
+        return SD_EINVAL;
+    }
+    if (plan.qblock == 0)
+        plan.qblock = SD_PLAN_QBLOCK;
     int st = plan_factors(spec, base, k, world, plan.f, err, errlen);
     if (st != SD_OK)
         return st;
@@ -499,10 +544,13 @@ int sd_layout_build(const struct sd_model *m, const struct sd_plan *plan,
             ul->arena_off[s] = l.arena_numel[s];
             l.arena_numel[s] += ul->numel / plan->f[s];
         }
-        if (sec) {
+        if (sec) { /* with qsec each piece is int8 blocks */
+            uint64_t n = ul->numel / plan->sec;
             ul->sec_off = l.sec_numel;
-            l.sec_numel += ul->numel / plan->sec;
-            l.sec_bytes += ul->numel / plan->sec * sd_dtype_size(ul->dtype);
+            ul->sec_boff = l.sec_bytes;
+            l.sec_numel += n;
+            l.sec_bytes += plan->qsec ? sd_codec_bytes(SD_CODEC_INT8, n, plan->qblock)
+                                      : n * sd_dtype_size(ul->dtype);
         }
         l.total_numel += ul->numel;
         l.total_bytes += sd_unit_bytes(ul);

@@ -62,6 +62,21 @@ static json_t *job_summary(const struct sd_job *job)
                      "last_grad_norm", job->last_grad_norm, "error", job->fail_msg, "ranks", ranks);
 }
 
+/* The quantized options: what each moves, and the encoded size per element. */
+static json_t *quant_json(const struct sd_job *job)
+{
+    return json_pack(
+        "{s:b, s:b, s:b, s:b, s:i, s:s, s:s, s:s, s:I}", "qw", job->plan.qw, "qg", job->plan.qg,
+        "qsec", job->plan.qsec, "ef", job->plan.ef, "block", (int)job->plan.qblock, "qw_formula",
+        "every weight gather moves each w shard of n elements as int8 blocks: n + 4 ceil(n / "
+        "block) bytes",
+        "qg_formula",
+        "a reduce-scatter across nodes moves each node's block of n elements as int4: ceil(n / "
+        "2) + 4 ceil(n / block) bytes; blocks under quant_min_bytes (fp32) go exact",
+        "qsec_formula", "each secondary piece of n elements is kept as n + 4 ceil(n / block) bytes",
+        "min_bytes", (json_int_t)job->reg->cfg->quant_min_bytes);
+}
+
 /* The secondary partition: its ranks, who holds it, what it holds per rank. */
 static json_t *sec_json(const struct sd_job *job)
 {
@@ -155,6 +170,13 @@ static json_t *job_groups(const struct sd_job *job)
                   "states", states);
     json_object_set_new(doc, "secondary", sec_json(job));
     json_object_set_new(doc, "memory_per_rank", memory_json(job));
+    json_object_set_new(doc, "quantization", quant_json(job));
+    json_t *units = json_array(); /* what every formula above is a sum over */
+    for (uint32_t u = 0; u < job->layout.n_units; u++)
+        json_array_append_new(units, json_pack("{s:I, s:s}", "numel",
+                                               (json_int_t)job->layout.units[u].numel, "dtype",
+                                               sd_dtype_name(job->layout.units[u].dtype)));
+    json_object_set_new(doc, "units", units);
     return doc;
 }
 
@@ -163,22 +185,32 @@ static json_t *job_stats(const struct sd_job *job)
     json_t *ops = json_object();
     for (int op = SD_OP_FETCH; op < SD_OP_COUNT; op++) {
         const struct sd_latency *l = &job->stats.lat[op];
-        json_t *bytes = json_object();
-        for (int c = 0; c < SD_LINK_COUNT; c++)
+        json_t *bytes = json_object(), *unq = json_object();
+        for (int c = 0; c < SD_LINK_COUNT; c++) {
             json_object_set_new(bytes, sd_link_names[c],
                                 json_integer((json_int_t)job->stats.bytes[op][c]));
+            json_object_set_new(unq, sd_link_names[c],
+                                json_integer((json_int_t)job->stats.bytes[op][c] +
+                                             (json_int_t)job->stats.saved[op][c]));
+        }
         json_object_set_new(
             ops, sd_op_name(op),
-            json_pack("{s:I, s:o, s:f, s:f, s:f}", "count", (json_int_t)job->stats.ops[op], "bytes",
-                      bytes, "p50_us", sd_latency_quantile_us(l, 0.5), "p99_us",
-                      sd_latency_quantile_us(l, 0.99), "max_us", sd_latency_quantile_us(l, 1.0)));
+            json_pack("{s:I, s:o, s:o, s:f, s:f, s:f}", "count", (json_int_t)job->stats.ops[op],
+                      "bytes", bytes, "bytes_unquantized", unq, "p50_us",
+                      sd_latency_quantile_us(l, 0.5), "p99_us", sd_latency_quantile_us(l, 0.99),
+                      "max_us", sd_latency_quantile_us(l, 1.0)));
     }
-    json_t *totals = json_object();
+    json_t *totals = json_object(), *totals_unq = json_object();
     for (int c = 0; c < SD_LINK_COUNT; c++) {
         uint64_t sum = 0;
-        for (int op = 0; op < SD_OP_COUNT; op++)
+        int64_t saved = 0;
+        for (int op = 0; op < SD_OP_COUNT; op++) {
             sum += job->stats.bytes[op][c];
+            saved += job->stats.saved[op][c];
+        }
         json_object_set_new(totals, sd_link_names[c], json_integer((json_int_t)sum));
+        json_object_set_new(totals_unq, sd_link_names[c],
+                            json_integer((json_int_t)sum + (json_int_t)saved));
     }
     json_t *o = json_pack("{s:s, s:I, s:o, s:o, s:I, s:I, s:I, s:I, s:I, s:I}", "job", job->name,
                           "steps", (json_int_t)job->steps, "ops", ops, "bytes", totals, "errors",
@@ -203,6 +235,16 @@ static json_t *job_stats(const struct sd_job *job)
                         json_pack("{s:i, s:b, s:I, s:I}", "ranks", (int)job->plan.sec, "active",
                                   sd_sec_holders(job) > 0, "loads", (json_int_t)job->sec.loads,
                                   "stores", (json_int_t)job->sec.stores));
+    /* the bytes above are what moved (encoded where quantized); bytes_unquantized what the
+     * same operations would have moved without quantization */
+    json_object_set_new(o, "bytes_unquantized", totals_unq);
+    json_object_set_new(o, "quantization",
+                        json_pack("{s:b, s:b, s:b, s:b, s:i, s:I, s:I, s:I}", "qw", job->plan.qw,
+                                  "qg", job->plan.qg, "qsec", job->plan.qsec, "ef", job->plan.ef,
+                                  "block", (int)job->plan.qblock, "encodes",
+                                  (json_int_t)job->stats.quant_encodes, "fallbacks",
+                                  (json_int_t)job->stats.quant_fallbacks, "min_bytes",
+                                  (json_int_t)job->reg->cfg->quant_min_bytes));
     json_object_set_new(o, "coalesced_gathers",
                         json_integer((json_int_t)job->stats.coalesced_gathers));
     json_object_set_new(o, "coalesced_units", json_integer((json_int_t)job->stats.coalesced_units));

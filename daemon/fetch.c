@@ -10,9 +10,11 @@
  * arenas once it reached the requested weights generation. */
 #include "net.h"
 #include "ops.h"
+#include "quant.h"
 #include "secondary.h"
 #include "session.h"
 #include "registry.h"
+#include "sd/codec.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -204,6 +206,7 @@ static void serve_done(struct sd_bulk *b, int status)
 {
     struct sd_job *job = b->arg;
     job->stats.bytes[SD_OP_FETCH][SD_LINK_INTER_SENT] += b->bytes;
+    job->stats.saved[SD_OP_FETCH][SD_LINK_INTER_SENT] += (int64_t)b->arg2 - (int64_t)b->bytes;
     job->xfer.w_sends_inflight--;
     sd_bulk_put(&job->xfer.bulks, b);
     if (status != SD_OK)
@@ -232,14 +235,27 @@ static bool serve(struct sd_job *job, const struct sd_req_msg *m)
     if (b == NULL)
         return false;
     /* this node's block of each unit asked for: its ranks' shards, unit by unit */
+    /* (with ,qw their int8 blocks, encoded once per generation) */
     uint32_t n_units = m->n_units ? m->n_units : 1;
     void *pieces[SD_BULK_MAX_PIECES];
     size_t lens[SD_BULK_MAX_PIECES];
+    uint64_t raw = 0;
+    bool fresh = false;
     for (uint32_t i = 0, p = 0; i < n_units; i++) {
         for (uint32_t j = 0; j < job->k; j++, p++) {
+            raw += sd_job_w_shard_bytes(job, m->unit + i);
+            if (job->plan.qw) {
+                pieces[p] = sd_qw_shard(job, j, m->unit + i, &fresh);
+                lens[p] = sd_qw_shard_bytes(job, m->unit + i);
+                continue;
+            }
             pieces[p] = sd_job_w_shard(job, j, m->unit + i);
             lens[p] = sd_job_w_shard_bytes(job, m->unit + i);
         }
+    }
+    if (fresh && !sd_job_sync(job)) { /* the encodings leave now */
+        sd_bulk_put(&job->xfer.bulks, b);
+        return true;
     }
     uint32_t seq = 0;
     uint64_t tag = 0;
@@ -257,7 +273,8 @@ static bool serve(struct sd_job *job, const struct sd_req_msg *m)
                                                       .chunk_bytes = job->reg->cfg->chunk_bytes,
                                                       .desc = sd_job_net_desc(job, pieces[0]),
                                                       .cb = serve_done,
-                                                      .arg = job});
+                                                      .arg = job,
+                                                      .arg2 = raw});
     if (st != SD_OK) {
         sd_bulk_put(&job->xfer.bulks, b);
         SD_WARN("net", "job '%s': cannot send unit %u to node %u: %s", job->name, m->unit, m->src,
@@ -418,12 +435,45 @@ void sd_net_stop(struct sd_registry *reg)
 
 /* ---- fetch across nodes */
 
+/* With ,qw: the remote blocks of the gather us leads arrived as int8 blocks in its receive slot,
+ * node by node, unit by unit, rank by rank (as gather_post laid them out): decode each shard
+ * into its place in the slot. Done when this returns: the receive slot is free again. */
+static int gather_decode(struct sd_job *job, struct sd_unit_state *us)
+{
+    uint32_t G = job->gnodes[SD_STATE_W], k = job->k;
+    uint32_t me = job->node - sd_job_group_first(job, G);
+    const uint8_t *src = sd_qw_rx(job, us->qrx);
+    for (uint32_t i = 0; i < G; i++) {
+        if (i == me)
+            continue;
+        for (struct sd_unit_state *u = us; u; u = u->batch_next) {
+            const struct sd_unit_layout *ul = &job->layout.units[u->unit];
+            size_t len = sd_job_w_shard_bytes(job, u->unit);
+            uint64_t n = ul->numel / job->plan.f[SD_STATE_W], enc = sd_qw_shard_bytes(job, u->unit);
+            uint8_t *slot = (uint8_t *)job->mem.pool.ptr + u->pool_off;
+            for (uint32_t q = 0; q < k; q++, src += enc)
+                job->reg->dev->dequantize(job->mem.queue, slot + ((size_t)i * k + q) * len,
+                                          ul->dtype, src, SD_CODEC_INT8, n, job->plan.qblock,
+                                          false);
+        }
+    }
+    return sd_job_sync(job) ? SD_OK : SD_EIO;
+}
+
 /* a gather (maybe coalesced: us leads the units linked by batch_next) completed or failed */
 static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
 {
     int status = us->status;
     uint32_t suspect = us->suspect;
     job->xfer.gathers_inflight--;
+    if (us->qrx >= 0) {
+        if (status == SD_OK)
+            status = gather_decode(job, us);
+        sd_qw_rx_put(job, us->qrx);
+        us->qrx = -1;
+        if (job->state == SD_JOB_FAILED)
+            return;
+    }
     if (status != SD_OK) {
         char what[256];
         snprintf(what, sizeof(what),
@@ -463,6 +513,7 @@ static void gather_recv_done(struct sd_bulk *b, int status)
     struct sd_unit_state *us = b->arg;
     struct sd_job *job = us->job;
     job->stats.bytes[SD_OP_FETCH][SD_LINK_INTER_RECV] += b->bytes;
+    job->stats.saved[SD_OP_FETCH][SD_LINK_INTER_RECV] += (int64_t)b->arg2 - (int64_t)b->bytes;
     if (status != SD_OK && us->status == SD_OK) {
         us->status = status;
         us->suspect = b->peer;
@@ -487,7 +538,8 @@ static void gather_req_sent(struct sd_xfer *x, int status)
 static bool gather_resources(const struct sd_job *job)
 {
     return job->xfer.bulks.n - job->xfer.bulks.in_use >= job->gnodes[SD_STATE_W] - 1 &&
-           job->xfer.gathers_inflight < SD_MAX_GATHERS_INFLIGHT;
+           job->xfer.gathers_inflight < SD_MAX_GATHERS_INFLIGHT &&
+           (job->quant.rx == NULL || job->quant.rx_busy != (1u << SD_QUANT_RX_SLOTS) - 1);
 }
 
 /* slot us (pool space reserved) is in flight; gather_post fills in this node's block */
@@ -498,6 +550,7 @@ static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
     us->gen = job->weights_gen;
     us->start_ns = sd_now_ns();
     us->batch_next = NULL;
+    us->qrx = -1;
 }
 
 /* This node's part of each of units[0..n) into its slot: the w shards of the partition group's
@@ -516,9 +569,19 @@ static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *u
             uint32_t rank = sd_group_member(&grp, m);
             if (rank < job->first_rank || rank >= job->first_rank + job->k)
                 continue; /* another node's: pulled from there */
+            uint32_t local = rank - job->first_rank;
+            if (job->plan.qw) { /* its int8 blocks, as every other copy of it sees them */
+                const struct sd_unit_layout *ul = &job->layout.units[u];
+                job->reg->dev->dequantize(job->mem.queue, slot + (size_t)m * len, ul->dtype,
+                                          sd_qw_shard(job, local, u, NULL), SD_CODEC_INT8,
+                                          ul->numel / f, job->plan.qblock, false);
+                sd_job_count_coded(job, SD_OP_FETCH, local, units[i]->lslot, len,
+                                   sd_qw_shard_bytes(job, u));
+                continue;
+            }
             job->reg->dev->copy(job->mem.queue, slot + (size_t)m * len,
-                                sd_job_w_shard(job, rank - job->first_rank, u), len);
-            sd_job_count_copy(job, SD_OP_FETCH, rank - job->first_rank, units[i]->lslot, len);
+                                sd_job_w_shard(job, local, u), len);
+            sd_job_count_copy(job, SD_OP_FETCH, local, units[i]->lslot, len);
         }
     }
 }
@@ -546,16 +609,32 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
     job->xfer.gathers_inflight++;
     uint32_t seq = 0;
     int tag_st = sd_tag_weights_seq(us->gen, us->lslot, &seq);
+    /* with ,qw the blocks arrive as int8 in a receive slot, node by node (gather_decode) */
+    uint8_t *rx = NULL;
+    if (job->quant.rx != NULL) {
+        us->qrx = sd_qw_rx_take(job);
+        if (us->qrx < 0 && tag_st == SD_OK)
+            tag_st = SD_EAGAIN; /* gather_resources saw one free: never */
+        rx = us->qrx >= 0 ? sd_qw_rx(job, us->qrx) : NULL;
+    }
     for (uint32_t i = 0, o = 0; i < G; i++) {
         uint32_t m = first + i;
         if (m == job->node)
             continue;
         void *pieces[SD_BULK_MAX_PIECES];
         size_t lens[SD_BULK_MAX_PIECES];
+        uint64_t raw = 0;
         for (uint32_t j = 0, p = 0; j < n; j++) {
             size_t len = sd_job_w_shard_bytes(job, units[j]->unit);
             uint8_t *slot = (uint8_t *)job->mem.pool.ptr + units[j]->pool_off;
+            raw += (uint64_t)k * len;
             for (uint32_t q = 0; q < k; q++, p++) {
+                if (rx != NULL) {
+                    lens[p] = sd_qw_shard_bytes(job, units[j]->unit);
+                    pieces[p] = rx;
+                    rx += lens[p];
+                    continue;
+                }
                 pieces[p] = slot + ((size_t)i * k + q) * len;
                 lens[p] = len;
             }
@@ -570,17 +649,17 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
         struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
         us->rb[o] = b;
         if (st == SD_OK)
-            st = sd_bulk_start(
-                b, &(struct sd_bulk_param){.tp = sd_job_tp(job),
-                                           .peer = m,
-                                           .tag = data_tag,
-                                           .pieces = pieces,
-                                           .lens = lens,
-                                           .n_pieces = n * k,
-                                           .chunk_bytes = job->reg->cfg->chunk_bytes,
-                                           .desc = sd_job_net_desc(job, job->mem.pool.ptr),
-                                           .cb = gather_recv_done,
-                                           .arg = us});
+            st = sd_bulk_start(b, &(struct sd_bulk_param){.tp = sd_job_tp(job),
+                                                          .peer = m,
+                                                          .tag = data_tag,
+                                                          .pieces = pieces,
+                                                          .lens = lens,
+                                                          .n_pieces = n * k,
+                                                          .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                                          .desc = sd_job_net_desc(job, pieces[0]),
+                                                          .cb = gather_recv_done,
+                                                          .arg = us,
+                                                          .arg2 = raw});
         if (st != SD_OK) {
             sd_bulk_put(&job->xfer.bulks, b);
             us->status = st;
@@ -627,7 +706,9 @@ bool sd_fetch_would_join(const struct sd_job *job, uint32_t unit, uint32_t lslot
     uint64_t bytes = sd_unit_bytes(&job->layout.units[unit]);
     uint64_t limit = (uint64_t)job->reg->cfg->coalesce_bytes;
     return bytes < limit && bt->n > 0 && bt->lslot == lslot && bt->bytes + bytes <= limit &&
-           (bt->n + 1) * job->k <= SD_BULK_MAX_PIECES && (unit == bt->hi + 1 || unit + 1 == bt->lo);
+           (bt->n + 1) * job->k <= SD_BULK_MAX_PIECES &&
+           (unit == bt->hi + 1 || unit + 1 == bt->lo) &&
+           (!job->plan.qw || sd_qw_rx_fits(job, bt->qbytes + sd_qw_remote_bytes(job, unit)));
 }
 
 /* A gather the frozen schedule issues: small units join the open batch while their ids stay
@@ -658,12 +739,13 @@ int sd_fetch_prefetch(struct sd_job *job, struct sd_unit_state *us)
             return SD_EAGAIN; /* the batch, once open, needs nothing more */
         bt->lo = bt->hi = us->unit;
         bt->lslot = us->lslot;
-        bt->bytes = 0;
+        bt->bytes = bt->qbytes = 0;
     }
     gather_begin(job, us);
     bt->lo = SD_MIN(bt->lo, us->unit);
     bt->hi = SD_MAX(bt->hi, us->unit);
     bt->bytes += bytes;
+    bt->qbytes += job->plan.qw ? sd_qw_remote_bytes(job, us->unit) : 0;
     bt->units[bt->n++] = us;
     return SD_OK;
 }

@@ -56,6 +56,7 @@ struct sd_gather_batch {
     struct sd_unit_state *units[SD_BULK_MAX_PIECES];
     uint32_t n, lo, hi, lslot;
     uint64_t bytes;
+    uint64_t qbytes; /* with ,qw: the encoded bytes the batch receives */
 };
 
 /* A job's memory, all allocated at registration (job_mem.c). */
@@ -139,6 +140,24 @@ struct sd_sec_state {
     uint64_t stores;    /* refills after a gather of a new generation */
 };
 
+/* The quantized collectives' buffers (quant.c, plan options ,qw ,qg ,ef), one allocation in the
+ * backend's memory, laid out at registration. */
+struct sd_quant_state {
+    struct sd_mem mem;
+    uint8_t *qw; /* [k][qw_rank_bytes]: each rank's w shards as int8 blocks */
+    uint64_t qw_rank_bytes;
+    uint64_t *qw_off; /* [n_units]: where unit u's encoded shard is in a rank's part */
+    uint64_t *qw_gen; /* [n_units * k]: the weights generation encoded, UINT64_MAX: none */
+    uint8_t *rx;      /* [SD_QUANT_RX_SLOTS][rx_slot_bytes]: encoded remote blocks of a gather */
+    uint64_t rx_slot_bytes;
+    uint32_t rx_busy; /* bit i: slot i is a gather's */
+    uint8_t *qg;      /* [round_gens][2 (G - 1)][qg_block_bytes]: a node round's int4 blocks */
+    uint64_t qg_block_bytes;
+    float *ef;        /* [sum of numel]: error feedback, the node partial's quantization error */
+    uint64_t *ef_off; /* [n_units] */
+    uint64_t ef_floats;
+};
+
 /* A job's transfers across nodes (job_net.c, fetch.c); unused on one node. */
 struct sd_job_xfer {
     struct sd_net *net;
@@ -188,6 +207,7 @@ struct sd_job {
     struct sd_job_stats stats;
     struct sd_job_mem mem;
     struct sd_sec_state sec;
+    struct sd_quant_state quant;
     struct sd_unit_cache cache;
     struct sd_push_state push;
     struct sd_step_state step;
@@ -306,6 +326,16 @@ static inline void sd_job_count_copy(struct sd_job *job, int op, uint32_t src, u
 {
     uint32_t P = sd_topo_package(&job->topo);
     job->stats.bytes[op][src / P == dst / P ? SD_LINK_PACKAGE : SD_LINK_NODE] += bytes;
+}
+
+/* The same for a copy of encoded bytes standing for raw bytes unquantized. */
+static inline void sd_job_count_coded(struct sd_job *job, int op, uint32_t src, uint32_t dst,
+                                      uint64_t raw, uint64_t encoded)
+{
+    uint32_t P = sd_topo_package(&job->topo);
+    int c = src / P == dst / P ? SD_LINK_PACKAGE : SD_LINK_NODE;
+    job->stats.bytes[op][c] += encoded;
+    job->stats.saved[op][c] += (int64_t)raw - (int64_t)encoded;
 }
 
 /* the copy of a unit a local rank uses: the node's one, or its own without the hierarchy */

@@ -5,6 +5,7 @@
 #include "job.h"
 #include "net.h"
 #include "ops.h"
+#include "quant.h"
 #include "secondary.h"
 #include "registry.h"
 #include "sd/log.h"
@@ -118,6 +119,7 @@ void sd_job_mem_free(struct sd_job *job)
     if (job->sec.mem != NULL)
         for (uint32_t i = 0; i < job->k; i++)
             dev->free(&job->sec.mem[i]);
+    sd_quant_free(job);
     free(job->sec.mem);
     free(job->sec.gen);
     job->sec.mem = NULL;
@@ -158,7 +160,7 @@ void sd_job_mem_free(struct sd_job *job)
 
 /* Bytes the job needs on this node, by buffer. */
 struct job_bytes {
-    uint64_t w, g, os, sec, pool, staging, scratch, net, total;
+    uint64_t w, g, os, sec, quant, pool, staging, scratch, net, total;
 };
 
 /* One rank's arena of each state: its data, and the colouring in front of and inside it. */
@@ -183,6 +185,7 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.g = arena[SD_STATE_G] * job->k;
     b.os = arena[SD_STATE_OS] * job->k;
     b.sec = sd_sec_holder_bytes(job) * sd_sec_holders(job);
+    b.quant = sd_quant_bytes(job, cfg);
     /* default: every unit at once; without the hierarchy each local rank has its own copy */
     b.pool = job->mem.max_live_bytes ? job->mem.max_live_bytes
              : cfg->max_live_bytes   ? cfg->max_live_bytes
@@ -190,7 +193,7 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.staging = (uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) * job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
     b.net = sd_job_net_bytes(job, cfg);
-    const uint64_t parts[] = {b.w, b.g, b.os, b.sec, b.pool, b.staging, b.scratch, b.net};
+    const uint64_t parts[] = {b.w, b.g, b.os, b.sec, b.quant, b.pool, b.staging, b.scratch, b.net};
     b.total = 0;
     for (size_t i = 0; i < SD_ARRAY_SIZE(parts); i++) /* max_live_bytes near 2^64 must not wrap */
         if (__builtin_add_overflow(b.total, parts[i], &b.total))
@@ -224,16 +227,17 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     if (need.total > budget || reg->used > budget - need.total) {
         snprintf(err, errlen,
                  "job '%s' needs %llu bytes (%s: w %llu, g %llu, os %llu, secondary %llu, "
-                 "gather pool %llu, staging %llu, scratch %llu, network %llu) but only %llu of "
-                 "the %llu-byte memory budget are free (%s); raise memory_budget or shard more "
-                 "(plan)",
+                 "quantization %llu, gather pool %llu, staging %llu, scratch %llu, network %llu) "
+                 "but only %llu of the %llu-byte memory budget are free (%s); raise "
+                 "memory_budget or shard more (plan)",
                  job->name, (unsigned long long)need.total,
                  sd_fmt_bytes(b1, sizeof(b1), need.total), (unsigned long long)need.w,
                  (unsigned long long)need.g, (unsigned long long)need.os,
-                 (unsigned long long)need.sec, (unsigned long long)need.pool,
-                 (unsigned long long)need.staging, (unsigned long long)need.scratch,
-                 (unsigned long long)need.net, (unsigned long long)(budget - reg->used),
-                 (unsigned long long)budget, sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
+                 (unsigned long long)need.sec, (unsigned long long)need.quant,
+                 (unsigned long long)need.pool, (unsigned long long)need.staging,
+                 (unsigned long long)need.scratch, (unsigned long long)need.net,
+                 (unsigned long long)(budget - reg->used), (unsigned long long)budget,
+                 sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
         return SD_ENOSPC;
     }
     /* reserved now, so that jobs registering meanwhile see it */
@@ -328,7 +332,7 @@ static int job_alloc_arenas(struct sd_job *job, char *err, size_t errlen)
         if (status != SD_OK)
             return alloc_failed(job, tag, status, err, errlen);
     }
-    return SD_OK;
+    return sd_quant_alloc(job, err, errlen);
 }
 
 /* The host memory the trainers map: each local rank's staging slots and the gather pool. */
@@ -352,6 +356,7 @@ static int job_alloc_host(struct sd_job *job, char *err, size_t errlen)
 
 static int job_alloc_finish(struct sd_job *job, char *err, size_t errlen)
 {
+    sd_quant_start(job);
     int status = sd_sched_alloc(job);
     if (status != SD_OK) {
         snprintf(err, errlen, "out of memory for the job's schedule");

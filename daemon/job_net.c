@@ -216,7 +216,7 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     job->push.round_queue = calloc(job->push.rq_cap, sizeof(*job->push.round_queue));
     job->xfer.req_cap = N * job->n_slots + 16;
     job->xfer.req_queue = calloc(job->xfer.req_cap, sizeof(*job->xfer.req_queue));
-    uint32_t max_mrs = 2 * job->k + 6;
+    uint32_t max_mrs = 2 * job->k + 7;
     job->xfer.mr_handles = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_descs = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_base = calloc(max_mrs, sizeof(void *));
@@ -239,6 +239,8 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
             reg_mr(job, job->push.nr_mem, (size_t)job->push.round_gens * per_round * sizeof(float));
     if (st == SD_OK)
         st = reg_mr(job, job->step.norm_parts, N * sizeof(*job->step.norm_parts));
+    if (st == SD_OK) /* encoded w shards, gather receive slots, int4 blocks */
+        st = reg_mr(job, job->quant.mem.ptr, job->quant.mem.bytes);
     if (st == SD_OK) /* the pull requests each gather sends live in its unit state */
         st = reg_mr(job, job->cache.units, job->n_slots * sizeof(*job->cache.units));
     const struct sd_mem *g_arena = sd_job_arena(job, 0, SD_STATE_G);

@@ -41,6 +41,7 @@ struct sd_push_round {
 struct sd_node_round {
     struct sd_job *job;
     bool net_done; /* its transfers (and all-reduce) finished */
+    bool quant;    /* ,qg: its blocks travel as int4 (quant.c's buffers of this round) */
     uint32_t unit;
     uint64_t seq, start_ns;
     uint32_t pending;

@@ -9,7 +9,9 @@
  * sums do not depend on which finishes first. */
 #include "net.h"
 #include "ops.h"
+#include "quant.h"
 #include "session.h"
+#include "sd/codec.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -265,18 +267,46 @@ static void rs_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
         dev->reduce_add(job->mem.queue, rd->rs_out + e0, src[i] + e0, SD_DTYPE_FP32, e1 - e0);
 }
 
+/* With ,qg every other node's block arrived as int4: this node's block of the sum, in node
+ * order as the exact path adds them, from its own partial and the decoded others. */
+static void rs_decode(struct sd_node_round *rd)
+{
+    struct sd_job *job = rd->job;
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+    uint32_t G = job->gnodes[SD_STATE_G], me = job->node % G, r = (uint32_t)(rd - job->push.nr);
+    size_t block = ul->numel / G;
+    for (uint32_t i = 0, o = 0; i < G; i++) {
+        if (i == me) {
+            const float *own = rd->part + (size_t)me * block;
+            if (i == 0)
+                dev->copy(job->mem.queue, rd->rs_out, own, block * sizeof(float));
+            else
+                dev->reduce_add(job->mem.queue, rd->rs_out, own, SD_DTYPE_FP32, block);
+            continue;
+        }
+        dev->dequantize(job->mem.queue, rd->rs_out, SD_DTYPE_FP32, sd_qg_recv(job, r, o++),
+                        SD_CODEC_INT4, block, job->plan.qblock, i != 0);
+    }
+}
+
 static void rs_done(struct sd_bulk *b, int status)
 {
     struct sd_node_round *rd = b->arg;
     struct sd_job *job = rd->job;
-    job->stats.bytes[SD_OP_PUSH][b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV] += b->bytes;
+    int c = b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV;
+    job->stats.bytes[SD_OP_PUSH][c] += b->bytes;
+    job->stats.saved[SD_OP_PUSH][c] += (int64_t)b->arg2 - (int64_t)b->bytes;
     if (status != SD_OK && rd->status == SD_OK) {
         rd->status = status;
         rd->suspect = b->peer;
     }
     sd_bulk_put(&job->xfer.bulks, b);
-    if (--rd->pending == 0)
-        round_after_rs(rd);
+    if (--rd->pending > 0)
+        return;
+    if (rd->quant && rd->status == SD_OK && job->state != SD_JOB_FAILED)
+        rs_decode(rd);
+    round_after_rs(rd);
 }
 
 /* elements [lo, hi) of the node partial, into rd->buf: the local ranks' gradients summed in
@@ -352,6 +382,7 @@ static void round_start_next(struct sd_job *job)
                  (unsigned long long)rd->seq + 1);
         rd->status = SD_OK;
         rd->pending = 0;
+        rd->quant = false;
         for (uint32_t j = 0; j < job->k; j++) /* each rank's gradient into the node partial */
             sd_job_count_copy(job, SD_OP_PUSH, j, 0, sd_unit_bytes(ul));
         /* One rank's fp32 gradient is the node partial as it stands: the reduce-scatter's
@@ -372,7 +403,14 @@ static void round_start_next(struct sd_job *job)
         }
         size_t block = ul->numel / G, bytes = block * sizeof(float);
         uint32_t first = sd_job_group_first(job, G), me = job->node % G;
-        rd->chunk = sd_bulk_chunk_bytes(bytes, 1, job->reg->cfg->chunk_bytes);
+        uint32_t r = (uint32_t)(rd - job->push.nr);
+        /* ,qg: each block leaves as int4, quantized once (with ,ef after adding the error its
+         * last quantization left), and the received ones are decoded when all are in */
+        rd->quant = sd_qg_unit(job, u);
+        if (job->plan.qg && !rd->quant)
+            job->stats.quant_fallbacks++;
+        size_t wire = rd->quant ? sd_codec_bytes(SD_CODEC_INT4, block, job->plan.qblock) : bytes;
+        rd->chunk = sd_bulk_chunk_bytes(wire, 1, job->reg->cfg->chunk_bytes);
         uint32_t seq = sd_tag_wrap(rd->seq, SD_TAG_SEQ_BITS);
         for (uint32_t i = 0, o = 0; i < G; i++) {
             uint32_t m = first + i;
@@ -380,16 +418,28 @@ static void round_start_next(struct sd_job *job)
                 continue;
             if (!direct)
                 node_partial(job, rd, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
-            if (!direct && !sd_job_sync(job)) /* the block leaves now */
-                return;
             void *rp = rd->rs_recv + (size_t)o * block, *sp = rd->part + (size_t)i * block;
+            if (rd->quant) {
+                rp = sd_qg_recv(job, r, o);
+                if (job->plan.ef)
+                    job->reg->dev->quantize_ef(job->mem.queue, sd_qg_send(job, r, o), SD_CODEC_INT4,
+                                               sp, sd_qg_ef(job, u, i), block, job->plan.qblock);
+                else
+                    job->reg->dev->quantize(job->mem.queue, sd_qg_send(job, r, o), SD_CODEC_INT4,
+                                            sp, SD_DTYPE_FP32, block, job->plan.qblock);
+                job->stats.quant_encodes++;
+                sp = sd_qg_send(job, r, o);
+            }
+            if ((!direct || rd->quant) && !sd_job_sync(job)) /* the block leaves now */
+                return;
             struct sd_exchange_param x = {.peer = m,
-                                          .recv = {.buf = rp, .bytes = bytes},
-                                          .send = {.buf = sp, .bytes = bytes},
+                                          .recv = {.buf = rp, .bytes = wire},
+                                          .send = {.buf = sp, .bytes = wire},
                                           .chunk_bytes = job->reg->cfg->chunk_bytes,
                                           .cb = rs_done,
-                                          .chunk_cb = rs_chunk,
-                                          .arg = rd};
+                                          .chunk_cb = rd->quant ? NULL : rs_chunk,
+                                          .arg = rd,
+                                          .arg2 = bytes};
             rd->pending +=
                 sd_job_net_exchange(job, &x, SD_TAG_GRAD, u, seq, &rd->status, &rd->suspect);
             o++;

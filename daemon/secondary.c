@@ -5,9 +5,12 @@
  * so they cross no node boundary, and no package boundary the S ranks do not span. Every copy
  * carries the weights generation it was made from and is used only while it equals the job's:
  * any write of the weights (the optimizer step, a load) advances the generation, which
- * invalidates every secondary copy at once, with no invalidation walk that could be missed. */
+ * invalidates every secondary copy at once, with no invalidation walk that could be missed.
+ * With ,qsec the pieces are kept as int8 blocks (sd/codec.h): quantized when kept, decoded into
+ * the slot when loaded. */
 #include "job.h"
 #include "secondary.h"
+#include "sd/codec.h"
 #include "sd/log.h"
 #include "sd/status.h"
 
@@ -23,10 +26,11 @@ static uint64_t *gen_of(const struct sd_job *job, const struct sd_unit_state *us
     return &job->sec.gen[(size_t)us->unit * job->sec.groups + group_of(job, us)];
 }
 
-/* holder h's piece of unit ul, and its bytes */
+/* holder h's piece of unit ul (in the unit's dtype, or int8 blocks with ,qsec), and the bytes
+ * of its slot part */
 static uint8_t *piece(struct sd_job *job, uint32_t h, const struct sd_unit_layout *ul)
 {
-    return (uint8_t *)job->sec.mem[h].ptr + ul->sec_off * sd_dtype_size(ul->dtype);
+    return (uint8_t *)job->sec.mem[h].ptr + ul->sec_boff;
 }
 
 static uint64_t piece_bytes(const struct sd_job *job, const struct sd_unit_layout *ul)
@@ -57,7 +61,15 @@ void sd_sec_load(struct sd_job *job, struct sd_unit_state *us)
     uint64_t len = piece_bytes(job, ul);
     uint8_t *slot = (uint8_t *)job->mem.pool.ptr + us->pool_off;
     uint32_t S = job->plan.sec, first = group_of(job, us) * S;
+    uint64_t n = ul->numel / S, enc = sd_codec_bytes(SD_CODEC_INT8, n, job->plan.qblock);
     for (uint32_t j = 0; j < S; j++) {
+        if (job->plan.qsec) {
+            job->reg->dev->dequantize(job->mem.queue, slot + j * len, ul->dtype,
+                                      piece(job, first + j, ul), SD_CODEC_INT8, n, job->plan.qblock,
+                                      false);
+            sd_job_count_coded(job, SD_OP_FETCH, first + j, us->lslot, len, enc);
+            continue;
+        }
         job->reg->dev->copy(job->mem.queue, slot + j * len, piece(job, first + j, ul), len);
         sd_job_count_copy(job, SD_OP_FETCH, first + j, us->lslot, len);
     }
@@ -72,7 +84,15 @@ bool sd_sec_keep(struct sd_job *job, struct sd_unit_state *us)
     uint64_t len = piece_bytes(job, ul);
     const uint8_t *slot = (const uint8_t *)job->mem.pool.ptr + us->pool_off;
     uint32_t S = job->plan.sec, first = group_of(job, us) * S;
+    uint64_t n = ul->numel / S, enc = sd_codec_bytes(SD_CODEC_INT8, n, job->plan.qblock);
     for (uint32_t j = 0; j < S; j++) {
+        if (job->plan.qsec) {
+            job->reg->dev->quantize(job->mem.queue, piece(job, first + j, ul), SD_CODEC_INT8,
+                                    slot + j * len, ul->dtype, n, job->plan.qblock);
+            sd_job_count_coded(job, SD_OP_FETCH, us->lslot, first + j, len, enc);
+            job->stats.quant_encodes++;
+            continue;
+        }
         job->reg->dev->copy(job->mem.queue, piece(job, first + j, ul), slot + j * len, len);
         sd_job_count_copy(job, SD_OP_FETCH, us->lslot, first + j, len);
     }

@@ -36,7 +36,11 @@ extern const char *const sd_link_names[SD_LINK_COUNT];
 struct sd_job_stats {
     uint64_t ops[SD_OP_COUNT];
     uint64_t errors;
-    uint64_t bytes[SD_OP_COUNT][SD_LINK_COUNT];  /* by the operation that moved them */
+    uint64_t bytes[SD_OP_COUNT][SD_LINK_COUNT]; /* by the operation that moved them */
+    /* what quantization saved: the same operations unquantized would have moved bytes + saved */
+    int64_t saved[SD_OP_COUNT][SD_LINK_COUNT]; /* negative where scales outweigh the gain */
+    uint64_t quant_encodes;   /* buffers quantized (w shards, gradient blocks, secondary pieces) */
+    uint64_t quant_fallbacks; /* reductions ,qg left exact: units below quant_min_bytes */
     uint64_t gathers, cache_hits;                /* evictions: the unit cache counts them */
     uint64_t coalesced_gathers, coalesced_units; /* transfers that moved several units, and those */
     uint64_t allocs_after_register;

@@ -19,6 +19,7 @@ int sd_unit_cache_init(struct sd_unit_cache *c, uint32_t n_units, uint32_t slots
     for (uint32_t i = 0; i < c->n_slots; i++) {
         c->units[i].unit = i / slots_per_unit;
         c->units[i].lslot = i % slots_per_unit;
+        c->units[i].qrx = -1;
     }
     int status = sd_slot_pool_init(&c->spool, capacity, c->n_slots + 1);
     if (status != SD_OK) {

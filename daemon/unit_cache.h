@@ -27,6 +27,7 @@ struct sd_unit_state {
     uint32_t unit, lslot;
     uint32_t plan_iv;   /* the frozen schedule's gather whose place it occupies, or NONE */
     uint32_t remaining; /* remote blocks still to arrive */
+    int32_t qrx;        /* with ,qw: the receive slot of the gather it leads, or -1 */
     uint64_t waiters;   /* local ranks whose fetch waits for this gather */
     bool resident, inflight;
     int status;

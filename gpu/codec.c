@@ -44,6 +44,24 @@ static float quantize_f32_block(const float *restrict x, size_t len, int qmax, i
     return m;
 }
 
+/* the codes of elements [b0, b0 + len) into vals */
+static void store_codes(uint8_t *restrict vals, int bits, size_t b0, size_t len,
+                        const int8_t *restrict q)
+{
+    if (bits == SD_CODEC_INT8) {
+        memcpy(vals + b0, q, len);
+        return;
+    }
+    for (size_t i = 0; i < len; i++) { /* nibbles: element b0 + i */
+        size_t e = b0 + i;
+        uint8_t nib = (uint8_t)(q[i] & 0xf);
+        if (e & 1)
+            vals[e / 2] = (uint8_t)(vals[e / 2] | nib << 4);
+        else
+            vals[e / 2] = nib;
+    }
+}
+
 void sd__codec_quantize(void *dst, int bits, const void *src, int src_dtype, size_t n,
                         uint32_t block)
 {
@@ -55,18 +73,7 @@ void sd__codec_quantize(void *dst, int bits, const void *src, int src_dtype, siz
         for (size_t b0 = 0, k = 0; b0 < n; b0 += block, k++) {
             size_t len = b0 + block < n ? block : n - b0;
             scales[k] = quantize_f32_block((const float *)src + b0, len, qmax, q);
-            if (bits == SD_CODEC_INT8) {
-                memcpy(vals + b0, q, len);
-                continue;
-            }
-            for (size_t i = 0; i < len; i++) { /* nibbles: element b0 + i */
-                size_t e = b0 + i;
-                uint8_t nib = (uint8_t)(q[i] & 0xf);
-                if (e & 1)
-                    vals[e / 2] = (uint8_t)(vals[e / 2] | nib << 4);
-                else
-                    vals[e / 2] = nib;
-            }
+            store_codes(vals, bits, b0, len, q);
         }
         return;
     }
@@ -99,6 +106,29 @@ void sd__codec_quantize(void *dst, int bits, const void *src, int src_dtype, siz
             else
                 vals[i / 2] |= (uint8_t)((q & 0xf) << (4 * (i & 1)));
         }
+    }
+}
+
+void sd__codec_quantize_ef(void *dst, int bits, const float *x, float *err, size_t n,
+                           uint32_t block)
+{
+    float *scales = dst;
+    uint8_t *vals = (uint8_t *)dst + 4 * sd_codec_blocks(n, block);
+    int qmax = sd_codec_qmax(bits);
+    static _Thread_local float y[SD_CODEC_MAX_BLOCK];
+    static _Thread_local int8_t q[SD_CODEC_MAX_BLOCK];
+    if (block > SD_CODEC_MAX_BLOCK)
+        block = SD_CODEC_MAX_BLOCK; /* callers check; never a stack overrun */
+    for (size_t b0 = 0, k = 0; b0 < n; b0 += block, k++) {
+        size_t len = b0 + block < n ? block : n - b0;
+        for (size_t i = 0; i < len; i++)
+            y[i] = x[b0 + i] + err[b0 + i];
+        float m = quantize_f32_block(y, len, qmax, q);
+        scales[k] = m;
+        store_codes(vals, bits, b0, len, q);
+        double f = (double)m / qmax;
+        for (size_t i = 0; i < len; i++) /* what the receiver will not see, for next time */
+            err[b0 + i] = isfinite(m) ? (float)((double)y[i] - q[i] * f) : 0.0f;
     }
 }
 

@@ -32,6 +32,8 @@ static inline void sd__store(void *dst, int dtype, size_t i, float v)
 
 void sd__codec_quantize(void *dst, int bits, const void *src, int src_dtype, size_t n,
                         uint32_t block);
+void sd__codec_quantize_ef(void *dst, int bits, const float *x, float *err, size_t n,
+                           uint32_t block);
 void sd__codec_dequantize(void *dst, int dst_dtype, const void *src, int bits, size_t n,
                           uint32_t block, bool accumulate);
 

@@ -322,6 +322,13 @@ static void host_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, co
     sd__codec_dequantize(dst, dst_dtype, src, bits, n, block, accumulate);
 }
 
+static void host_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const float *x,
+                             float *err, size_t n, uint32_t block)
+{
+    (void)q;
+    sd__codec_quantize_ef(dst, bits, x, err, n, block);
+}
+
 const struct sd_gpu_ops sd_gpu_host_ops = {
     .name = "host",
     .host_memory = true,
@@ -342,6 +349,7 @@ const struct sd_gpu_ops sd_gpu_host_ops = {
     .sgd = host_sgd,
     .quantize = host_quantize,
     .dequantize = host_dequantize,
+    .quantize_ef = host_quantize_ef,
 };
 
 /* ---- host-deferred: the same kernels, run only when the queue is waited for (or full), as a
@@ -358,6 +366,7 @@ enum deferred_kind {
     D_ADAMW,
     D_SGD,
     D_QUANT,
+    D_QUANT_EF,
     D_DEQUANT
 };
 
@@ -409,6 +418,9 @@ static void deferred_flush(struct sd_gpu_queue *q)
             break;
         case D_QUANT:
             sd__codec_quantize(o->dst, o->bits, o->src, o->dtype, o->n, o->block);
+            break;
+        case D_QUANT_EF:
+            sd__codec_quantize_ef(o->dst, o->bits, o->src, o->a, o->n, o->block);
             break;
         case D_DEQUANT:
             sd__codec_dequantize(o->dst, o->dtype, o->src, o->bits, o->n, o->block, o->accumulate);
@@ -567,6 +579,14 @@ static void deferred_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype
                               .accumulate = accumulate};
 }
 
+static void deferred_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const float *x,
+                                 float *err, size_t n, uint32_t block)
+{
+    struct deferred_op *o = deferred_push(q, D_QUANT_EF);
+    *o = (struct deferred_op){
+        .kind = D_QUANT_EF, .dst = dst, .src = x, .a = err, .n = n, .bits = bits, .block = block};
+}
+
 const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
     .name = "host-deferred",
     .host_memory = true,
@@ -587,6 +607,7 @@ const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
     .sgd = deferred_sgd,
     .quantize = deferred_quantize,
     .dequantize = deferred_dequantize,
+    .quantize_ef = deferred_quantize_ef,
 };
 
 const struct sd_gpu_ops *sd_gpu_find(const char *name)

@@ -348,13 +348,16 @@ bool th_compare_dumps(const char *a_path, const char *b_path, double tol, struct
     float *b = (float *)(void *)th_read_file(b_path, &nb);
     *d = (struct th_dump_diff){0};
     bool ok = a != NULL && b != NULL && na == nb && na > 0;
+    double ss = 0.0;
     for (size_t i = 0; ok && i < na / sizeof(float); i++) {
         double diff = fabs((double)a[i] - b[i]);
+        ss += diff * diff;
         d->maxd = fmax(d->maxd, diff);
         d->differ += a[i] != b[i];
         d->outside += !(diff <= tol + tol * fabs(b[i]));
         d->n++;
     }
+    d->rms = d->n ? sqrt(ss / (double)d->n) : 0.0;
     free(a);
     free(b);
     return ok;

@@ -63,6 +63,7 @@ int th_train(const char *dir, const char *job, const char *const *socks, int k, 
 struct th_dump_diff {
     size_t n, differ, outside;
     double maxd;
+    double rms; /* sqrt(mean (a - b)^2) */
 };
 bool th_compare_dumps(const char *a, const char *b, double tol, struct th_dump_diff *d);
 /* th_train on cluster c (rank r on node r / c->k, nodes * k ranks; args carry the same --world),

@@ -40,6 +40,7 @@ struct opts {
     int skip_step, skip_layer; /* --skip-layer STEP:LAYER (steps from 1); 0: none */
     int eval_every;            /* a forward-only pass after every N steps */
     int diverge_from;          /* ranks >= this make extra calls in step 1; 0: none */
+    bool final_loss;           /* --final-loss: the trained parameters' held-out loss */
 };
 
 /* does layer l run in step (counted from 0)? A skipped layer is the identity. */
@@ -236,6 +237,30 @@ static float loss_grad(const struct model *m, const float *y, struct acts *ac, i
     return loss * scale;
 }
 
+/* --final-loss: the mean loss of parameters p (fp32, per tensor) on FINAL_BATCHES held-out
+ * batches of FINAL_BATCH samples, the same for every run of one seed whatever its world, plan or
+ * accumulation: quantized runs and the reference are compared by it. */
+#define FINAL_BATCHES 16
+#define FINAL_BATCH   64
+static double final_loss(const struct opts *o, const struct model *m, float *const *p)
+{
+    struct opts eo = *o;
+    eo.batch = FINAL_BATCH;
+    struct acts ac;
+    acts_alloc(&ac, m, FINAL_BATCH);
+    float *y = calloc((size_t)FINAL_BATCH * OUT_DIM, sizeof(float));
+    double sum = 0.0;
+    for (int b = 0; b < FINAL_BATCHES && y != NULL; b++) {
+        make_batch(&eo, 2000000 + b, 0, 0, ac.a[0], y);
+        for (int l = 0; l < m->layers; l++)
+            layer_forward(m, l, p[2 * l], p[2 * l + 1], &ac, FINAL_BATCH);
+        sum += loss_grad(m, y, &ac, FINAL_BATCH);
+    }
+    free(y);
+    acts_free(&ac, m);
+    return sum / FINAL_BATCHES;
+}
+
 /* zero the elements of a layer's fp32 unit buffer outside its two tensors (t[0], t[1]) */
 static void zero_padding(float *g, const shard_unit_info_t *ui, const shard_tensor_info_t *t)
 {
@@ -413,11 +438,14 @@ static int run_reference(const struct opts *o, const struct model *m)
                    loss_sum / (double)(o->world * o->accum), norm);
     }
     int rc = 0;
-    if (o->dump != NULL) {
+    if (o->dump != NULL || o->final_loss) {
         for (uint32_t t = 0; t < m->n_tensors; t++)
             if (o->bf16)
                 round_bf16(master[t], m->numel[t]);
-        rc = write_params(o->dump, m, master);
+        if (o->final_loss)
+            printf("final loss %.9f\n", final_loss(o, m, master));
+        if (o->dump != NULL)
+            rc = write_params(o->dump, m, master);
     }
     for (uint32_t t = 0; t < m->n_tensors; t++) {
         free(mom[t]);
@@ -636,7 +664,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
         printf("rank 0: %d steps in %.3f s\n", o->steps,
                (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9);
 
-    if (o->dump != NULL) {
+    if (o->dump != NULL || (o->final_loss && o->rank == 0)) {
         float *params[2 * MAX_LAYERS];
         for (uint32_t u = 0; u < units; u++) {
             const void *data;
@@ -646,7 +674,9 @@ static int run_shardd(const struct opts *o, const struct model *m)
         }
         for (uint32_t t = 0; t < m->n_tensors; t++)
             params[t] = w[ti[t].unit] + ti[t].offset;
-        if (write_params(o->dump, m, params) != 0)
+        if (o->final_loss && o->rank == 0)
+            printf("final loss %.9f\n", final_loss(o, m, params));
+        if (o->dump != NULL && write_params(o->dump, m, params) != 0)
             rc = 1;
     }
 out:
@@ -707,7 +737,8 @@ static void usage(FILE *out)
 {
     fprintf(out,
             "usage: mlp_train [--socket PATH] [--job NAME] [--rank R] [--world W]\n"
-            "                 [--plan topo:W/G/OS|ddp|zero1|zero2|zero3|mics:P|topo]\n"
+            "                 [--plan topo:W/G/OS|ddp|zero1|zero2|zero3|zeropp|mics:P|topo|\n"
+            "                         topo-fp, options ,sec=S ,qw ,qg ,qsec ,ef ...]\n"
             "                 [--steps N] [--accum S]\n"
             "                 [--optimizer adamw|sgd] [--dtype fp32|bf16] [--seed X]\n"
             "                 [--lr LR] [--weight-decay WD] [--max-grad-norm C]\n"
@@ -715,7 +746,7 @@ static void usage(FILE *out)
             "                 [--max-live-bytes B] [--skip-layer STEP:LAYER] [--eval-every N]\n"
             "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
             "                 [--dump-params FILE] [--reference] [--compute-only] [--quiet]\n"
-            "                 [--timing] [--zero-copy]\n"
+            "                 [--timing] [--zero-copy] [--final-loss]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
@@ -732,7 +763,9 @@ static void usage(FILE *out)
             "straight into shardd's staging buffer (shard_grad_buffer, shard_push_staged)\n"
             "instead of having shard_push_grad copy it. --compute-only runs this rank's\n"
             "forward and backward passes (matrix products and compute waits) on its own copy\n"
-            "of the weights, without shardd and without updates: the compute alone.\n",
+            "of the weights, without shardd and without updates: the compute alone.\n"
+            "--final-loss prints the trained parameters' mean loss on 16 held-out batches of\n"
+            "64 (rank 0, or the reference): the same measure for any world, plan or accum.\n",
             IN_DIM, OUT_DIM, MAX_LAYERS);
 }
 
@@ -819,6 +852,8 @@ int main(int argc, char **argv)
             }
         } else if (ARG("--eval-every")) {
             o.eval_every = atoi(v);
+        } else if (strcmp(a, "--final-loss") == 0) {
+            o.final_loss = true;
         } else if (ARG("--diverge-from")) {
             o.diverge_from = atoi(v);
         } else if (ARG("--dump-params")) {

@@ -292,7 +292,7 @@ int main(int argc, char **argv)
     struct run runs42[] = {
         {"topo:2/2/8", {2, 2, 8}, 1, "adamw", "fp32", 0, false},
         {"topo:2/2/8", {2, 2, 8}, 3, "sgd", "bf16", 0, false},
-        {"topo", {2, 2, 8}, 3, "adamw", "fp32", 0, false},
+        {"topo-fp", {2, 2, 8}, 3, "adamw", "fp32", 0, false},
         {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false}, /* w inside, g across nodes */
         {"zero2", {1, n, n}, 1, "adamw", "bf16", 0, false},
         {"topo:2/2/8,sec=2", {2, 2, 8}, 3, "adamw", "fp32", 2, true},

@@ -44,6 +44,7 @@ struct sd_config {
     int64_t net_spin;
     int64_t net_poll_us;
     int64_t coalesce_bytes;
+    int64_t quant_min_bytes;
     int64_t prefetch_depth;
     uint64_t prefetch_bytes;
     int64_t reuse_distance;

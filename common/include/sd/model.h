@@ -74,20 +74,37 @@ struct sd_group sd_group_replication(uint32_t world, uint32_t f, uint32_t rank);
 uint32_t sd_group_nodes(const struct sd_topo *t, const struct sd_group *g);
 
 struct sd_plan {
-    char name[32];              /* as given: "ddp", "zero3", "mics:2", "topo:2/4/8" */
+    char name[64];              /* as given: "ddp", "zero3", "mics:2", "topo:2/4/8,qw" */
     uint32_t f[SD_STATE_COUNT]; /* shard factor per state: f_w | f_g | f_os | world */
     uint32_t sec;               /* ,sec=S: secondary partition over S ranks of a node; 0: none (see
                                    sd_plan_sec_active) */
     bool hierarchical;          /* gather remote shards once per node (MiCS) */
     bool two_hop;               /* sync gradients across groups only at the step (MiCS) */
+    /* quantized collectives (sd/codec.h), all in blocks of qblock elements: */
+    bool qw;   /* ,qw: weight gathers move int8 blocks (ZeRO++ qwZ) */
+    bool qg;   /* ,qg: reduce-scatters across nodes move int4 blocks (ZeRO++ qgZ) */
+    bool qsec; /* ,qsec: the secondary partition is kept as int8 blocks */
+    bool ef;   /* ,ef: error feedback for qg (the quantization error goes into the next one) */
+    uint32_t qblock; /* ,qblock=B; SD_PLAN_QBLOCK unless given */
 };
 
+/* the default block of the quantized options: ZeRO++'s group size for weights */
+#define SD_PLAN_QBLOCK 2048
+
+/* Does the plan quantize anything? */
+static inline bool sd_plan_quantized(const struct sd_plan *plan)
+{
+    return plan->qw || plan->qg || plan->qsec;
+}
+
 /* Parse a plan for a topology: topo:W/G/OS (each a number, k or n) or a preset (ddp = 1/1/1,
- * zero1 = 1/1/n, zero2 = 1/n/n, zero3 = n/n/n, mics:P = P/P/P, topo = min(2,k)/k/n), then
- * options ,no-hier ,no-2hop ,sec=S. Refused (SD_EINVAL, err names the factor and the rule) unless
- * every factor divides the next and the world, and each aligns with a topology level: it divides
- * the package, or is a multiple of the package that divides the node, or a multiple of the
- * node. */
+ * zero1 = 1/1/n, zero2 = 1/n/n, zero3 = n/n/n, mics:P = P/P/P, topo-fp = min(2,k)/k/n, topo =
+ * topo-fp,qw,qg,qsec as ZeRO-topo ran it, zeropp = zero3,qw,qg,sec=k as ZeRO++ did), then
+ * options ,no-hier ,no-2hop ,sec=S ,qw ,qg ,qsec ,ef ,qblock=B (,qsec without sec=S keeps a
+ * secondary over the package; ,ef needs ,qg). Refused (SD_EINVAL, err names the factor and the
+ * rule) unless every factor divides the next and the world, and each aligns with a topology level:
+ * it divides the package, or is a multiple of the package that divides the node, or a multiple of
+ * the node. */
 int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *plan_p, char *err,
                   size_t errlen);
 
@@ -125,7 +142,7 @@ struct sd_model {
     uint32_t n_tensors;
     struct sd_tensor_desc *tensors;
     struct sd_optim optim;
-    char plan[32];
+    char plan[64];
 };
 
 uint64_t sd_tensor_numel(const struct sd_tensor_desc *t);
@@ -150,6 +167,7 @@ struct sd_unit_layout {
     uint32_t first_tensor, n_tensors;
     uint64_t arena_off[SD_STATE_COUNT]; /* element offset of this unit's shard in a rank's arena */
     uint64_t sec_off;  /* element offset of its secondary piece (numel / sec) in a holder's */
+    uint64_t sec_boff; /* its byte offset there (int8 blocks with ,qsec) */
     uint64_t pool_off; /* element offset when every unit is resident (full size) */
 };
 
@@ -160,7 +178,7 @@ struct sd_layout {
     uint32_t f[SD_STATE_COUNT];
     uint64_t arena_numel[SD_STATE_COUNT]; /* elements per rank per state */
     uint64_t sec_numel;   /* elements per holder of the secondary partition (0 if not active) */
-    uint64_t sec_bytes;   /* the same in the units' dtypes */
+    uint64_t sec_bytes;   /* the same in the units' dtypes, or encoded with ,qsec */
     uint64_t total_numel; /* sum of padded units */
     uint64_t max_unit_numel;
     uint64_t max_unit_bytes; /* in the unit's dtype */

@@ -75,6 +75,11 @@ struct sd_gpu_ops {
     /* dst = the n decoded elements in dst_dtype, or with accumulate dst (fp32) += them */
     void (*dequantize)(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src, int bits,
                        size_t n, uint32_t block, bool accumulate);
+    /* Error feedback (ZeRO++'s LoCo): dst = the encoding of y = x + err (fp32, n each), then
+     * err = y - decode(dst); x is only read. A block whose y is not finite leaves its error 0,
+     * and its encoding non-finite. */
+    void (*quantize_ef)(struct sd_gpu_queue *q, void *dst, int bits, const float *x, float *err,
+                        size_t n, uint32_t block);
 };
 
 extern const struct sd_gpu_ops sd_gpu_host_ops;

@@ -1,0 +1,226 @@
+/* The quantized collectives' buffers (plan options ,qw ,qg ,ef; the format is sd/codec.h), laid
+ * out once at registration in one allocation of the backend's memory:
+ *   qw   each local rank's w shards as int8 blocks, re-encoded lazily once per weights
+ *        generation by their owner (the first gather or pull request of the generation);
+ *   rx   receive slots of gathers across nodes: the remote blocks arrive encoded and are decoded
+ *        into the gather's pool place when the last one is in;
+ *   qg   per node round, the int4 blocks sent to and received from the other nodes of the
+ *        g-partition group;
+ *   ef   per unit, the node partial's quantization error (error feedback), added to the next
+ *        micro-step's partial before it is quantized. */
+#include "job.h"
+#include "net.h"
+#include "quant.h"
+#include "sd/codec.h"
+#include "sd/config.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+#define QALIGN 64u
+
+struct quant_layout {
+    uint64_t qw_rank, rx_slot, qg_block, ef_floats;
+    uint64_t off_qw, off_rx, off_qg, off_ef, total;
+};
+
+static uint64_t align_up(uint64_t v)
+{
+    return (v + QALIGN - 1) / QALIGN * QALIGN;
+}
+
+uint64_t sd_qw_shard_bytes(const struct sd_job *job, uint32_t u)
+{
+    uint64_t n = job->layout.units[u].numel / job->plan.f[SD_STATE_W];
+    return sd_codec_bytes(SD_CODEC_INT8, n, job->plan.qblock);
+}
+
+uint64_t sd_qw_remote_bytes(const struct sd_job *job, uint32_t u)
+{
+    uint32_t Gw = job->gnodes[SD_STATE_W];
+    return (uint64_t)(Gw - 1) * job->k * sd_qw_shard_bytes(job, u);
+}
+
+static struct quant_layout layout_of(const struct sd_job *job, const struct sd_config *cfg)
+{
+    struct quant_layout q = {0};
+    const struct sd_layout *l = &job->layout;
+    uint32_t Gw = job->gnodes[SD_STATE_W], G = job->gnodes[SD_STATE_G];
+    if (job->plan.qw) {
+        for (uint32_t u = 0; u < l->n_units; u++)
+            q.qw_rank += align_up(sd_qw_shard_bytes(job, u));
+        if (Gw > 1) {
+            /* the largest unit's remote blocks, or a batch of small units: under
+             * coalesce_bytes in their dtype (2 bytes or more an element), at most one block of
+             * scales per shard more than n (1 + 4 / B) bytes for n elements */
+            uint64_t most = 0;
+            for (uint32_t u = 0; u < l->n_units; u++)
+                most = SD_MAX(most, sd_qw_remote_bytes(job, u));
+            uint64_t batch = (uint64_t)cfg->coalesce_bytes / 2;
+            batch += batch * 4 / job->plan.qblock + 4ull * SD_BULK_MAX_PIECES * Gw;
+            q.rx_slot = align_up(SD_MAX(most, batch));
+        }
+    }
+    if (job->plan.qg && G > 1) {
+        q.qg_block =
+            align_up(sd_codec_bytes(SD_CODEC_INT4, l->max_unit_numel / G, job->plan.qblock));
+        if (job->plan.ef)
+            q.ef_floats = l->total_numel;
+    }
+    q.off_qw = 0;
+    q.off_rx = q.off_qw + q.qw_rank * job->k;
+    q.off_qg = q.off_rx + q.rx_slot * SD_QUANT_RX_SLOTS;
+    q.off_ef = q.off_qg + q.qg_block * 2 * (G - 1) * job->push.round_gens;
+    q.total = q.off_ef + q.ef_floats * sizeof(float);
+    return q;
+}
+
+uint64_t sd_quant_bytes(const struct sd_job *job, const struct sd_config *cfg)
+{
+    struct quant_layout q = layout_of(job, cfg);
+    uint64_t book = job->plan.qw ? (uint64_t)job->layout.n_units * (job->k + 1) * 8 : 0;
+    return q.total + book + (q.ef_floats ? job->layout.n_units * 8ull : 0);
+}
+
+int sd_quant_alloc(struct sd_job *job, char *err, size_t errlen)
+{
+    struct sd_quant_state *qs = &job->quant;
+    struct quant_layout q = layout_of(job, job->reg->cfg);
+    const struct sd_layout *l = &job->layout;
+    qs->mem.fd = -1;
+    if (q.total == 0)
+        return SD_OK;
+    char tag[96];
+    snprintf(tag, sizeof(tag), "shardd-%s-quant", job->name);
+    int st = job->reg->dev->alloc(q.total, SD_MEM_PRIVATE, tag, &qs->mem);
+    if (st != SD_OK) {
+        snprintf(err, errlen, "allocating %s for job '%s' failed: %s", tag, job->name,
+                 sd_status_str(st));
+        return st;
+    }
+    uint8_t *base = qs->mem.ptr;
+    if (job->plan.qw) {
+        qs->qw = base + q.off_qw;
+        qs->qw_rank_bytes = q.qw_rank;
+        qs->qw_off = calloc(l->n_units, sizeof(*qs->qw_off));
+        qs->qw_gen = malloc((size_t)l->n_units * job->k * sizeof(*qs->qw_gen));
+        if (qs->qw_off == NULL || qs->qw_gen == NULL)
+            goto nomem;
+        uint64_t off = 0;
+        for (uint32_t u = 0; u < l->n_units; u++) {
+            qs->qw_off[u] = off;
+            off += align_up(sd_qw_shard_bytes(job, u));
+        }
+        for (size_t i = 0; i < (size_t)l->n_units * job->k; i++)
+            qs->qw_gen[i] = UINT64_MAX;
+    }
+    if (q.rx_slot) {
+        qs->rx = base + q.off_rx;
+        qs->rx_slot_bytes = q.rx_slot;
+    }
+    if (q.qg_block) {
+        qs->qg = base + q.off_qg;
+        qs->qg_block_bytes = q.qg_block;
+    }
+    if (q.ef_floats) {
+        qs->ef = (float *)(void *)(base + q.off_ef);
+        qs->ef_off = calloc(l->n_units, sizeof(*qs->ef_off));
+        if (qs->ef_off == NULL)
+            goto nomem;
+        for (uint32_t u = 0; u < l->n_units; u++)
+            qs->ef_off[u] = l->units[u].pool_off; /* the units' elements, in order */
+        qs->ef_floats = q.ef_floats;              /* zeroed on the loop: sd_quant_start */
+    }
+    return SD_OK;
+nomem:
+    snprintf(err, errlen, "out of memory for the job's quantization bookkeeping");
+    return SD_ENOMEM;
+}
+
+void sd_quant_start(struct sd_job *job)
+{
+    if (job->quant.ef != NULL)
+        job->reg->dev->zero(job->mem.queue, job->quant.ef, job->quant.ef_floats * sizeof(float));
+}
+
+void sd_quant_free(struct sd_job *job)
+{
+    struct sd_quant_state *qs = &job->quant;
+    if (qs->mem.ptr != NULL)
+        job->reg->dev->free(&qs->mem);
+    free(qs->qw_off);
+    free(qs->qw_gen);
+    free(qs->ef_off);
+    *qs = (struct sd_quant_state){.mem = {.fd = -1}};
+}
+
+uint8_t *sd_qw_shard(struct sd_job *job, uint32_t local, uint32_t u, bool *fresh_p)
+{
+    struct sd_quant_state *qs = &job->quant;
+    uint8_t *enc = qs->qw + local * qs->qw_rank_bytes + qs->qw_off[u];
+    uint64_t *gen = &qs->qw_gen[(size_t)u * job->k + local];
+    if (*gen != job->weights_gen) {
+        const struct sd_unit_layout *ul = &job->layout.units[u];
+        job->reg->dev->quantize(job->mem.queue, enc, SD_CODEC_INT8, sd_job_w_shard(job, local, u),
+                                ul->dtype, ul->numel / job->plan.f[SD_STATE_W], job->plan.qblock);
+        *gen = job->weights_gen;
+        job->stats.quant_encodes++;
+        if (fresh_p != NULL)
+            *fresh_p = true;
+    }
+    return enc;
+}
+
+int32_t sd_qw_rx_take(struct sd_job *job)
+{
+    for (int32_t i = 0; i < SD_QUANT_RX_SLOTS; i++)
+        if (!(job->quant.rx_busy & (1u << i))) {
+            job->quant.rx_busy |= 1u << i;
+            return i;
+        }
+    return -1;
+}
+
+void sd_qw_rx_put(struct sd_job *job, int32_t i)
+{
+    if (i >= 0)
+        job->quant.rx_busy &= ~(1u << i);
+}
+
+uint8_t *sd_qw_rx(struct sd_job *job, int32_t i)
+{
+    return job->quant.rx + (uint64_t)i * job->quant.rx_slot_bytes;
+}
+
+bool sd_qw_rx_fits(const struct sd_job *job, uint64_t q)
+{
+    return q <= job->quant.rx_slot_bytes;
+}
+
+bool sd_qg_unit(const struct sd_job *job, uint32_t u)
+{
+    uint32_t G = job->gnodes[SD_STATE_G];
+    return job->plan.qg && G > 1 &&
+           job->layout.units[u].numel / G * sizeof(float) >=
+               (uint64_t)job->reg->cfg->quant_min_bytes;
+}
+
+uint8_t *sd_qg_send(struct sd_job *job, uint32_t r, uint32_t o)
+{
+    uint32_t G = job->gnodes[SD_STATE_G];
+    return job->quant.qg + ((uint64_t)r * 2 * (G - 1) + o) * job->quant.qg_block_bytes;
+}
+
+uint8_t *sd_qg_recv(struct sd_job *job, uint32_t r, uint32_t o)
+{
+    uint32_t G = job->gnodes[SD_STATE_G];
+    return job->quant.qg + ((uint64_t)r * 2 * (G - 1) + (G - 1) + o) * job->quant.qg_block_bytes;
+}
+
+float *sd_qg_ef(struct sd_job *job, uint32_t u, uint32_t i)
+{
+    uint64_t block = job->layout.units[u].numel / job->gnodes[SD_STATE_G];
+    return job->quant.ef + job->quant.ef_off[u] + (uint64_t)i * block;
+}

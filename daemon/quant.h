@@ -1,0 +1,53 @@
+/* The quantized collectives (quant.c; plan options ,qw ,qg ,ef; the codecs are sd/codec.h):
+ * their buffers, and what fetch and push call. */
+#ifndef SD_QUANT_H
+#define SD_QUANT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct sd_job;
+struct sd_config;
+
+/* receive slots of ,qw gathers across nodes: one per gather in flight (SD_MAX_GATHERS_INFLIGHT),
+ * and one to spare */
+#define SD_QUANT_RX_SLOTS 9
+
+/* Bytes of the job's quantization buffers on this node (0 without a quantized option), for the
+ * budget; sd_quant_alloc allocates exactly these. */
+uint64_t sd_quant_bytes(const struct sd_job *job, const struct sd_config *cfg);
+/* Lay out and allocate them (any thread: touches only job->quant). */
+int sd_quant_alloc(struct sd_job *job, char *err, size_t errlen);
+/* On the loop, once allocated: the error-feedback residuals start at zero. */
+void sd_quant_start(struct sd_job *job);
+void sd_quant_free(struct sd_job *job);
+
+/* ---- ,qw */
+/* encoded bytes of one w shard of unit u */
+uint64_t sd_qw_shard_bytes(const struct sd_job *job, uint32_t u);
+/* local rank local's w shard of unit u as int8 blocks, of the current weights generation:
+ * quantized on the job's queue the first time it is asked for in a generation (*fresh_p set
+ * then; the network may read it only after a sync). */
+uint8_t *sd_qw_shard(struct sd_job *job, uint32_t local, uint32_t u, bool *fresh_p);
+/* A receive slot for a gather, or -1 when all are taken. */
+int32_t sd_qw_rx_take(struct sd_job *job);
+void sd_qw_rx_put(struct sd_job *job, int32_t i);
+uint8_t *sd_qw_rx(struct sd_job *job, int32_t i);
+/* Can a batch of encoded remote bytes q be received in one slot? */
+bool sd_qw_rx_fits(const struct sd_job *job, uint64_t q);
+/* encoded bytes a gather of unit u receives from the other nodes */
+uint64_t sd_qw_remote_bytes(const struct sd_job *job, uint32_t u);
+
+/* ---- ,qg */
+/* Does the reduce-scatter of unit u across nodes move int4 blocks? (false below
+ * quant_min_bytes: the exact path, counted as a fallback by the caller) */
+bool sd_qg_unit(const struct sd_job *job, uint32_t u);
+/* node round r's buffers: the int4 encoding of the block sent to the o-th other node, and the
+ * one received from it */
+uint8_t *sd_qg_send(struct sd_job *job, uint32_t r, uint32_t o);
+uint8_t *sd_qg_recv(struct sd_job *job, uint32_t r, uint32_t o);
+/* unit u's error-feedback residual of its block i (fp32, numel / G) */
+float *sd_qg_ef(struct sd_job *job, uint32_t u, uint32_t i);
+
+#endif

@@ -1,0 +1,187 @@
+/* Quantized collectives across real daemons (4 nodes x 2 ranks, tcp;ofi_rxm on loopback), real
+ * trainer processes: mlp_train for STEPS steps under zero3,qw / zero3,qg / zeropp /
+ * topo:2/2/8,qw,qg,qsec / zeropp,ef next to the exact reference (mlp_train --reference).
+ *
+ * Fidelity. A quantized run cannot end at the reference's parameters; what must hold is that it
+ * trains as well. Each run's final loss (the trained parameters on 16 held-out batches of 64,
+ * mlp_train --final-loss, computed alike for every run) is within BAND of the reference's,
+ * relative: int8 weights move each weight by at most absmax/254 of its block for one forward and
+ * backward (the master never sees it), and int4 gradients add an unbiased-looking error of at
+ * most absmax/14 per element per micro-step that AdamW's normalisation and 300 steps of averaging
+ * shrink; ZeRO++ reports loss curves on top of the baseline's. Parameters are finite, and
+ * error feedback (,ef) ends closer to the reference's parameters (RMS difference) than the same
+ * run without it.
+ *
+ * Volume. The bytes each daemon counted across nodes equal the encoded formulas exactly, written
+ * here from sd/codec.h's format alone, per unit of n elements (shardctl groups lists the units):
+ *   int8 shard of m elements: m + 4 ceil(m / B) bytes; int4 block: ceil(m / 2) + 4 ceil(m / B).
+ *   fetch  (,qw) a gather receives, from each of the other G_w - 1 nodes of the w group, the k
+ *          int8 shards (n / f_w each) of that node, once per weights generation (T steps, plus
+ *          rank 0's final fetch on node 0);
+ *   push   (,qg) every micro-step each node sends, and receives, G_g - 1 blocks of n / G_g
+ *          elements per unit: int4 when the fp32 block is at least quant_min_bytes, else fp32
+ *          (a fallback, counted once per unit and micro-step).
+ * bytes_unquantized equals the same formulas with the raw sizes. */
+#include "harness.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define STEPS 300
+#define ACCUM 2
+#define BAND  0.02 /* relative difference of the final losses */
+#define QB    2048 /* the plans' block (SD_PLAN_QBLOCK) */
+#define QMIN  16384
+
+static struct th_cluster cl;
+static const int N = 4, K = 2;
+
+struct qrun {
+    const char *plan;
+    int fw, fg;  /* shard factors of w and g on this cluster */
+    bool qw, qg; /* what moves quantized across nodes */
+    double rms;  /* out: RMS parameter difference to the reference */
+    double loss; /* out: final loss */
+};
+
+static long long enc8(long long m)
+{
+    return m + 4 * ((m + QB - 1) / QB);
+}
+
+static long long enc4(long long m)
+{
+    return (m + 1) / 2 + 4 * ((m + QB - 1) / QB);
+}
+
+/* the last "final loss X" line of a log, or NAN */
+static double final_loss_of(const char *log)
+{
+    char *text = th_read_file(log, NULL);
+    double v = NAN;
+    for (char *p = text; p && (p = strstr(p, "final loss ")) != NULL; p++)
+        v = strtod(p + 11, NULL);
+    free(text);
+    return v;
+}
+
+static int units_of(const char *sock, const char *job, long long numel[16])
+{
+    json_t *doc = th_admin_json(sock, "groups");
+    size_t i, j;
+    json_t *o, *u;
+    int n = 0;
+    json_array_foreach(json_object_get(doc, "jobs"), i, o)
+    {
+        if (strcmp(json_string_value(json_object_get(o, "job")), job) != 0)
+            continue;
+        json_array_foreach(json_object_get(o, "units"), j, u)
+        {
+            if (n < 16)
+                numel[n++] = (long long)json_integer_value(json_object_get(u, "numel"));
+        }
+    }
+    json_decref(doc);
+    return n;
+}
+
+static void run_one(struct qrun *r, int idx)
+{
+    char job[64], world[16], steps[16], accum[16];
+    snprintf(job, sizeof(job), "q%d", idx);
+    snprintf(world, sizeof(world), "%d", N * K);
+    snprintf(steps, sizeof(steps), "%d", STEPS);
+    snprintf(accum, sizeof(accum), "%d", ACCUM);
+    const char *args[] = {"--world",  world,    "--steps", steps,          "--accum",
+                          accum,      "--plan", r->plan,   "--seed",       "5",
+                          "--hidden", "128",    "--quiet", "--final-loss", NULL};
+    double t0 = th_now_s();
+    struct th_dump_diff dd;
+    if (!th_cluster_train(&cl, job, args, r->plan, 0.0, &dd))
+        return;
+    char log[400], ref[400];
+    snprintf(log, sizeof(log), "%s/%s-0.log", cl.d[0].dir, job);
+    snprintf(ref, sizeof(ref), "%s/%s-%d.log", cl.d[0].dir, job, N * K);
+    double lq = final_loss_of(log), lr = final_loss_of(ref);
+    r->loss = lq;
+    r->rms = dd.rms;
+    TH_CHECK(isfinite(dd.maxd), "%s: parameters are not finite", r->plan);
+    TH_CHECK(isfinite(lq) && isfinite(lr) && fabs(lq - lr) <= BAND * lr,
+             "%s: final loss %.6f, the reference's %.6f: outside %.0f%%", r->plan, lq, lr,
+             BAND * 100);
+
+    long long numel[16];
+    int nu = units_of(cl.d[0].sock, job, numel);
+    TH_CHECK(nu == 4, "%s: %d units listed, the 4-layer MLP has 4", r->plan, nu);
+    int Gw = r->fw > K ? r->fw / K : 1, Gg = r->fg > K ? r->fg / K : 1;
+    long long fetch_q = 0, fetch_raw = 0, push_q = 0, push_raw = 0, fallbacks = 0;
+    for (int u = 0; u < nu; u++) {
+        long long m = numel[u] / r->fw, b = numel[u] / Gg;
+        fetch_q += (Gw - 1) * K * (r->qw ? enc8(m) : 4 * m);
+        fetch_raw += (Gw - 1) * K * 4 * m;
+        bool q = r->qg && Gg > 1 && b * 4 >= QMIN;
+        push_q += (Gg - 1) * (q ? enc4(b) : 4 * b);
+        push_raw += (Gg - 1) * 4 * b;
+        fallbacks += r->qg && Gg > 1 && !q;
+    }
+    for (int node = 0; node < N; node++) {
+        json_t *st = th_job_stats(cl.d[node].sock, job);
+        TH_CHECK(st != NULL, "%s: node %d has no stats", r->plan, node);
+        if (st == NULL)
+            continue;
+        long long gens = STEPS + (node == 0);
+        struct {
+            const char *path;
+            long long want;
+        } c[] = {
+            {"ops.fetch.bytes.inter_node_recv", gens * fetch_q},
+            {"ops.fetch.bytes_unquantized.inter_node_recv", gens * fetch_raw},
+            {"ops.push.bytes.inter_node_sent", (long long)STEPS * ACCUM * push_q},
+            {"ops.push.bytes.inter_node_recv", (long long)STEPS * ACCUM * push_q},
+            {"ops.push.bytes_unquantized.inter_node_sent", (long long)STEPS * ACCUM * push_raw},
+            {"ops.push.bytes_unquantized.inter_node_recv", (long long)STEPS * ACCUM * push_raw},
+            {"quantization.fallbacks", (long long)STEPS * ACCUM * fallbacks},
+        };
+        for (size_t i = 0; i < sizeof(c) / sizeof(c[0]); i++) {
+            long long got = th_json_int(st, c[i].path);
+            TH_CHECK(got == c[i].want, "%s node %d: %s %lld bytes, formula %lld", r->plan, node,
+                     c[i].path, got, c[i].want);
+        }
+        TH_CHECK(!r->qw || th_json_int(st, "quantization.encodes") > 0,
+                 "%s node %d: nothing encoded", r->plan, node);
+        TH_CHECK(th_json_int(st, "allocations_since_register") == 0,
+                 "%s: allocations after registration", r->plan);
+        json_decref(st);
+    }
+    printf("4x2 %-24s final loss %.6f (reference %.6f, %+.2f%%), parameters: RMS difference "
+           "%.3g, max %.3g; per node and step across nodes: fetch %lld B (%lld unquantized), push "
+           "%lld B (%lld); %.1f s\n",
+           r->plan, lq, lr, 100.0 * (lq - lr) / lr, dd.rms, dd.maxd, fetch_q, fetch_raw,
+           (long long)ACCUM * push_q, (long long)ACCUM * push_raw, th_now_s() - t0);
+}
+
+int main(void)
+{
+    const char *extra[] = {"--op-timeout-ms", "20000", "--package-size", "1", NULL};
+    if (th_cluster_start(&cl, N, K, extra) != 0) {
+        fprintf(stderr, "cannot start a cluster of %d nodes\n", N);
+        return 1;
+    }
+    struct qrun runs[] = {
+        {"zero3,qw", 8, 8, true, false, 0, 0}, {"zero3,qg", 8, 8, false, true, 0, 0},
+        {"zeropp", 8, 8, true, true, 0, 0},    {"topo:2/2/8,qw,qg,qsec", 2, 2, true, true, 0, 0},
+        {"zeropp,ef", 8, 8, true, true, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof(runs) / sizeof(runs[0]); i++)
+        run_one(&runs[i], (int)i);
+    /* error feedback: closer to the reference than the same plan without it */
+    TH_CHECK(runs[4].rms < runs[2].rms,
+             "zeropp,ef ends %.4g (RMS) from the reference's parameters, zeropp %.4g: error "
+             "feedback did not bring it closer",
+             runs[4].rms, runs[2].rms);
+    TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
+    return th_summary("test_quant");
+}
