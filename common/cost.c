@@ -43,6 +43,17 @@ static void weights_local(const struct sd_cost_in *in, const struct sd_plan *pla
     }
 }
 
+/* numel elements as int8 or int4 blocks, ignoring the short last block of each shard */
+static double int8_bytes(uint64_t numel, const struct sd_plan *plan)
+{
+    return (double)numel * (1.0 + 4.0 / (plan->qblock ? plan->qblock : SD_PLAN_QBLOCK));
+}
+
+static double int4_bytes(uint64_t numel, const struct sd_plan *plan)
+{
+    return (double)numel * (0.5 + 4.0 / (plan->qblock ? plan->qblock : SD_PLAN_QBLOCK));
+}
+
 static void intra_node_copies(const struct sd_cost_in *in, const struct sd_plan *plan,
                               double gathers, struct sd_cost_out *o)
 {
@@ -50,15 +61,17 @@ static void intra_node_copies(const struct sd_cost_in *in, const struct sd_plan 
     uint32_t W = plan->f[SD_STATE_W], G = plan->f[SD_STATE_G], OS = plan->f[SD_STATE_OS];
     double S_w = (double)in->numel * in->w_bytes, S_g = (double)in->numel * 4.0;
     bool sec = sd_plan_sec_active(plan);
+    double S_wq = plan->qw ? int8_bytes(in->numel, plan) : S_w;
+    double S_sec = plan->qsec ? int8_bytes(in->numel, plan) : S_w;
     /* fetch: the w group's members on this node into local rank 0's copy */
     uint32_t members = W >= k ? k : W;
     double primary = sec ? 1.0 : gathers;
     for (uint32_t m = 0; m < members; m++)
-        copy(o, P, 0, m, 0, primary * S_w / W);
+        copy(o, P, 0, m, 0, primary * S_wq / W);
     if (sec) {
         for (uint32_t j = 0; j < plan->sec; j++) {
-            copy(o, P, 0, 0, j, S_w / plan->sec);
-            copy(o, P, 0, j, 0, (gathers - 1.0) * S_w / plan->sec);
+            copy(o, P, 0, 0, j, S_sec / plan->sec);
+            copy(o, P, 0, j, 0, (gathers - 1.0) * S_sec / plan->sec);
         }
     }
     /* push, every micro-step */
@@ -103,20 +116,29 @@ void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
     double gathers = in->cached_in_step ? 1.0 : 2.0 * in->accum;
     bool sec = sd_plan_sec_active(plan);
     struct sd_cost_out o = {0};
-    o.fetch_bytes = (sec ? 1.0 : gathers) * (Gw - 1) * (S_w / Gw) * (plan->hierarchical ? 1.0 : k);
+    /* what moves: int8 weights with ,qw, int4 reduce-scatter blocks with ,qg */
+    double S_wq = plan->qw ? int8_bytes(in->numel, plan) : S_w;
+    double Bq = plan->qg ? int4_bytes(in->numel, plan) / Gg : B;
+    double fetch_n = (sec ? 1.0 : gathers) * (Gw - 1) * (plan->hierarchical ? 1.0 : k);
+    o.fetch_bytes = fetch_n * (S_wq / Gw);
     double ar = R > 1 ? 2.0 * (R - 1) / R * B : 0.0;
-    o.push_bytes = in->accum * ((Gg - 1) * B + (plan->two_hop ? 0.0 : ar));
+    o.push_bytes = in->accum * ((Gg - 1) * Bq + (plan->two_hop ? 0.0 : ar));
+    o.unquantized_bytes = fetch_n * (S_w / Gw) + in->accum * ((Gg - 1) * B) - o.fetch_bytes -
+                          in->accum * (Gg - 1) * Bq; /* added to the total below */
     o.hop_bytes = plan->two_hop ? ar : 0.0;
     if (OS > k && W < OS)
         o.weights_bytes = k * (S_w / OS) * (W <= k ? Gos - 1 : Gos / Gw - 1);
     o.step_bytes = o.hop_bytes + o.weights_bytes + 8.0 * (N - 1);
     o.total_bytes = o.fetch_bytes + o.push_bytes + o.step_bytes;
+    o.unquantized_bytes += o.total_bytes;
     o.comm_s = in->inter_Bps > 0 ? o.total_bytes / in->inter_Bps : 0.0;
     uint32_t floats = in->optim_floats ? in->optim_floats : 3;
     o.rank_bytes[SD_STATE_W] = in->numel / W * in->w_bytes;
     o.rank_bytes[SD_STATE_G] = in->numel / G * 4;
     o.rank_bytes[SD_STATE_OS] = in->numel / OS * 4 * floats;
-    o.sec_bytes = sec ? in->numel / plan->sec * in->w_bytes : 0;
+    o.sec_bytes = !sec         ? 0
+                  : plan->qsec ? (uint64_t)int8_bytes(in->numel / plan->sec, plan)
+                               : in->numel / plan->sec * in->w_bytes;
     intra_node_copies(in, plan, gathers, &o);
     *out_p = o;
 }

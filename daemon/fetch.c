@@ -539,7 +539,7 @@ static bool gather_resources(const struct sd_job *job)
 {
     return job->xfer.bulks.n - job->xfer.bulks.in_use >= job->gnodes[SD_STATE_W] - 1 &&
            job->xfer.gathers_inflight < SD_MAX_GATHERS_INFLIGHT &&
-           (job->quant.rx == NULL || job->quant.rx_busy != (1u << SD_QUANT_RX_SLOTS) - 1);
+           (job->mem.quant.rx == NULL || job->mem.quant.rx_busy != (1u << SD_QUANT_RX_SLOTS) - 1);
 }
 
 /* slot us (pool space reserved) is in flight; gather_post fills in this node's block */
@@ -611,7 +611,7 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
     int tag_st = sd_tag_weights_seq(us->gen, us->lslot, &seq);
     /* with ,qw the blocks arrive as int8 in a receive slot, node by node (gather_decode) */
     uint8_t *rx = NULL;
-    if (job->quant.rx != NULL) {
+    if (job->mem.quant.rx != NULL) {
         us->qrx = sd_qw_rx_take(job);
         if (us->qrx < 0 && tag_st == SD_OK)
             tag_st = SD_EAGAIN; /* gather_resources saw one free: never */

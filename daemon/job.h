@@ -59,6 +59,24 @@ struct sd_gather_batch {
     uint64_t qbytes; /* with ,qw: the encoded bytes the batch receives */
 };
 
+/* The quantized collectives' buffers (quant.c, plan options ,qw ,qg ,ef), one allocation in the
+ * backend's memory, laid out at registration. */
+struct sd_quant_state {
+    struct sd_mem mem;
+    uint8_t *qw; /* [k][qw_rank_bytes]: each rank's w shards as int8 blocks */
+    uint64_t qw_rank_bytes;
+    uint64_t *qw_off; /* [n_units]: where unit u's encoded shard is in a rank's part */
+    uint64_t *qw_gen; /* [n_units * k]: the weights generation encoded, UINT64_MAX: none */
+    uint8_t *rx;      /* [SD_QUANT_RX_SLOTS][rx_slot_bytes]: encoded remote blocks of a gather */
+    uint64_t rx_slot_bytes;
+    uint32_t rx_busy; /* bit i: slot i is a gather's */
+    uint8_t *qg;      /* [round_gens][2 (G - 1)][qg_block_bytes]: a node round's int4 blocks */
+    uint64_t qg_block_bytes;
+    float *ef;        /* [sum of numel]: error feedback, the node partial's quantization error */
+    uint64_t *ef_off; /* [n_units] */
+    uint64_t ef_floats;
+};
+
 /* A job's memory, all allocated at registration (job_mem.c). */
 struct sd_job_mem {
     struct sd_mem *arena; /* [k * SD_STATE_COUNT] */
@@ -71,10 +89,11 @@ struct sd_job_mem {
     float *scratch;
     uint64_t *w_off; /* per unit: byte offset of the unit's w shard in a rank's w arena */
     uint64_t w_arena_bytes;
-    uint64_t max_live_bytes;    /* from the registration; 0: the daemon's */
-    struct sd_gpu_queue *queue; /* the device work of the job's operations, in order */
-    bool allocating;            /* a worker thread backs its buffers (job_alloc_work) */
-    bool doomed;                /* dropped while allocating: freed once the worker is done */
+    uint64_t max_live_bytes;     /* from the registration; 0: the daemon's */
+    struct sd_gpu_queue *queue;  /* the device work of the job's operations, in order */
+    struct sd_quant_state quant; /* the quantized collectives' buffers (quant.c) */
+    bool allocating;             /* a worker thread backs its buffers (job_alloc_work) */
+    bool doomed;                 /* dropped while allocating: freed once the worker is done */
 };
 
 /* Push rounds (push.c): [unit][group][generation][member] for the g-partition groups on this
@@ -140,24 +159,6 @@ struct sd_sec_state {
     uint64_t stores;    /* refills after a gather of a new generation */
 };
 
-/* The quantized collectives' buffers (quant.c, plan options ,qw ,qg ,ef), one allocation in the
- * backend's memory, laid out at registration. */
-struct sd_quant_state {
-    struct sd_mem mem;
-    uint8_t *qw; /* [k][qw_rank_bytes]: each rank's w shards as int8 blocks */
-    uint64_t qw_rank_bytes;
-    uint64_t *qw_off; /* [n_units]: where unit u's encoded shard is in a rank's part */
-    uint64_t *qw_gen; /* [n_units * k]: the weights generation encoded, UINT64_MAX: none */
-    uint8_t *rx;      /* [SD_QUANT_RX_SLOTS][rx_slot_bytes]: encoded remote blocks of a gather */
-    uint64_t rx_slot_bytes;
-    uint32_t rx_busy; /* bit i: slot i is a gather's */
-    uint8_t *qg;      /* [round_gens][2 (G - 1)][qg_block_bytes]: a node round's int4 blocks */
-    uint64_t qg_block_bytes;
-    float *ef;        /* [sum of numel]: error feedback, the node partial's quantization error */
-    uint64_t *ef_off; /* [n_units] */
-    uint64_t ef_floats;
-};
-
 /* A job's transfers across nodes (job_net.c, fetch.c); unused on one node. */
 struct sd_job_xfer {
     struct sd_net *net;
@@ -207,7 +208,6 @@ struct sd_job {
     struct sd_job_stats stats;
     struct sd_job_mem mem;
     struct sd_sec_state sec;
-    struct sd_quant_state quant;
     struct sd_unit_cache cache;
     struct sd_push_state push;
     struct sd_step_state step;

@@ -86,7 +86,7 @@ uint64_t sd_quant_bytes(const struct sd_job *job, const struct sd_config *cfg)
 
 int sd_quant_alloc(struct sd_job *job, char *err, size_t errlen)
 {
-    struct sd_quant_state *qs = &job->quant;
+    struct sd_quant_state *qs = &job->mem.quant;
     struct quant_layout q = layout_of(job, job->reg->cfg);
     const struct sd_layout *l = &job->layout;
     qs->mem.fd = -1;
@@ -141,13 +141,14 @@ nomem:
 
 void sd_quant_start(struct sd_job *job)
 {
-    if (job->quant.ef != NULL)
-        job->reg->dev->zero(job->mem.queue, job->quant.ef, job->quant.ef_floats * sizeof(float));
+    if (job->mem.quant.ef != NULL)
+        job->reg->dev->zero(job->mem.queue, job->mem.quant.ef,
+                            job->mem.quant.ef_floats * sizeof(float));
 }
 
 void sd_quant_free(struct sd_job *job)
 {
-    struct sd_quant_state *qs = &job->quant;
+    struct sd_quant_state *qs = &job->mem.quant;
     if (qs->mem.ptr != NULL)
         job->reg->dev->free(&qs->mem);
     free(qs->qw_off);
@@ -158,7 +159,7 @@ void sd_quant_free(struct sd_job *job)
 
 uint8_t *sd_qw_shard(struct sd_job *job, uint32_t local, uint32_t u, bool *fresh_p)
 {
-    struct sd_quant_state *qs = &job->quant;
+    struct sd_quant_state *qs = &job->mem.quant;
     uint8_t *enc = qs->qw + local * qs->qw_rank_bytes + qs->qw_off[u];
     uint64_t *gen = &qs->qw_gen[(size_t)u * job->k + local];
     if (*gen != job->weights_gen) {
@@ -176,8 +177,8 @@ uint8_t *sd_qw_shard(struct sd_job *job, uint32_t local, uint32_t u, bool *fresh
 int32_t sd_qw_rx_take(struct sd_job *job)
 {
     for (int32_t i = 0; i < SD_QUANT_RX_SLOTS; i++)
-        if (!(job->quant.rx_busy & (1u << i))) {
-            job->quant.rx_busy |= 1u << i;
+        if (!(job->mem.quant.rx_busy & (1u << i))) {
+            job->mem.quant.rx_busy |= 1u << i;
             return i;
         }
     return -1;
@@ -186,17 +187,17 @@ int32_t sd_qw_rx_take(struct sd_job *job)
 void sd_qw_rx_put(struct sd_job *job, int32_t i)
 {
     if (i >= 0)
-        job->quant.rx_busy &= ~(1u << i);
+        job->mem.quant.rx_busy &= ~(1u << i);
 }
 
 uint8_t *sd_qw_rx(struct sd_job *job, int32_t i)
 {
-    return job->quant.rx + (uint64_t)i * job->quant.rx_slot_bytes;
+    return job->mem.quant.rx + (uint64_t)i * job->mem.quant.rx_slot_bytes;
 }
 
 bool sd_qw_rx_fits(const struct sd_job *job, uint64_t q)
 {
-    return q <= job->quant.rx_slot_bytes;
+    return q <= job->mem.quant.rx_slot_bytes;
 }
 
 bool sd_qg_unit(const struct sd_job *job, uint32_t u)
@@ -210,17 +211,18 @@ bool sd_qg_unit(const struct sd_job *job, uint32_t u)
 uint8_t *sd_qg_send(struct sd_job *job, uint32_t r, uint32_t o)
 {
     uint32_t G = job->gnodes[SD_STATE_G];
-    return job->quant.qg + ((uint64_t)r * 2 * (G - 1) + o) * job->quant.qg_block_bytes;
+    return job->mem.quant.qg + ((uint64_t)r * 2 * (G - 1) + o) * job->mem.quant.qg_block_bytes;
 }
 
 uint8_t *sd_qg_recv(struct sd_job *job, uint32_t r, uint32_t o)
 {
     uint32_t G = job->gnodes[SD_STATE_G];
-    return job->quant.qg + ((uint64_t)r * 2 * (G - 1) + (G - 1) + o) * job->quant.qg_block_bytes;
+    return job->mem.quant.qg +
+           ((uint64_t)r * 2 * (G - 1) + (G - 1) + o) * job->mem.quant.qg_block_bytes;
 }
 
 float *sd_qg_ef(struct sd_job *job, uint32_t u, uint32_t i)
 {
     uint64_t block = job->layout.units[u].numel / job->gnodes[SD_STATE_G];
-    return job->quant.ef + job->quant.ef_off[u] + (uint64_t)i * block;
+    return job->mem.quant.ef + job->mem.quant.ef_off[u] + (uint64_t)i * block;
 }

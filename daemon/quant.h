@@ -17,7 +17,7 @@ struct sd_config;
 /* Bytes of the job's quantization buffers on this node (0 without a quantized option), for the
  * budget; sd_quant_alloc allocates exactly these. */
 uint64_t sd_quant_bytes(const struct sd_job *job, const struct sd_config *cfg);
-/* Lay out and allocate them (any thread: touches only job->quant). */
+/* Lay out and allocate them (any thread: touches only job->mem.quant). */
 int sd_quant_alloc(struct sd_job *job, char *err, size_t errlen);
 /* On the loop, once allocated: the error-feedback residuals start at zero. */
 void sd_quant_start(struct sd_job *job);

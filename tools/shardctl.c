@@ -438,6 +438,12 @@ static int run_plan(const struct plan_args *a, bool as_json)
             o.fetch_bytes, "push", o.push_bytes, "step_hop", o.hop_bytes, "step_weights",
             o.weights_bytes, "step", o.step_bytes, "total", o.total_bytes, "comm_s", o.comm_s);
         json_object_set_new(doc, "intra_node_bytes_per_step", intra);
+        json_object_set_new(doc, "inter_node_bytes_per_step_unquantized",
+                            json_real(o.unquantized_bytes));
+        json_object_set_new(doc, "quantization",
+                            json_pack("{s:b, s:b, s:b, s:b, s:i, s:i}", "qw", plan.qw, "qg",
+                                      plan.qg, "qsec", plan.qsec, "ef", plan.ef, "block",
+                                      (int)plan.qblock, "secondary_ranks", (int)plan.sec));
         char *out = json_dumps(doc, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
         puts(out);
         free(out);
@@ -471,6 +477,11 @@ static int run_plan(const struct plan_args *a, bool as_json)
            sd_fmt_bytes(b[3], sizeof(b[3]), (uint64_t)o.hop_bytes),
            sd_fmt_bytes(b[4], sizeof(b[4]), (uint64_t)o.weights_bytes),
            sd_fmt_bytes(b[5], sizeof(b[5]), (uint64_t)o.total_bytes));
+    if (sd_plan_quantized(&plan))
+        printf("    quantized:%s%s%s%s in blocks of %u (unquantized the total would be %s)\n",
+               plan.qw ? " weights int8 (qw)" : "", plan.qg ? " reduce-scatters int4 (qg)" : "",
+               plan.qsec ? " secondary int8 (qsec)" : "", plan.ef ? " with error feedback" : "",
+               plan.qblock, sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)o.unquantized_bytes));
     if (a->gbit > 0)
         printf("    %.3f s at %g Gbit/s per node\n", o.comm_s, a->gbit);
     printf("  copies inside each node per step: intra-package %s, between packages %s\n",

@@ -206,6 +206,52 @@ static void check_bf16(const struct sd_gpu_ops *dev)
     dev->queue_destroy(q);
 }
 
+/* Error feedback (quantize_ef): the encoding is that of y = x + err, bit for bit; x is left
+ * alone; and fed the same x for R rounds, the decoded values add up to R x within one rounding
+ * step of the block (the error carried, not accumulated), where plain quantization drifts by
+ * up to R steps. */
+static void check_ef(const struct sd_gpu_ops *dev, int bits, uint32_t B, size_t n)
+{
+    struct sd_gpu_queue *q = NULL;
+    dev->queue_create(&q);
+    size_t eb = sd_codec_bytes(bits, n, B);
+    float *x = malloc(n * 4), *x0 = malloc(n * 4), *err = calloc(n, 4), *y = malloc(n * 4);
+    float *dec = malloc(n * 4);
+    double *sum = calloc(n, sizeof(double));
+    uint8_t *enc = malloc(eb), *ref = malloc(eb);
+    fill(x, n, RANDOM);
+    memcpy(x0, x, n * 4);
+    bool same = true, kept = true;
+    const int R = 50;
+    for (int r = 0; r < R; r++) {
+        for (size_t i = 0; i < n; i++)
+            y[i] = x[i] + err[i];
+        dev->quantize(q, ref, bits, y, SD_DTYPE_FP32, n, B);
+        dev->quantize_ef(q, enc, bits, x, err, n, B);
+        dev->dequantize(q, dec, SD_DTYPE_FP32, enc, bits, n, B, false);
+        dev->sync(q);
+        same = same && memcmp(enc, ref, eb) == 0;
+        for (size_t i = 0; i < n; i++)
+            sum[i] += dec[i];
+    }
+    kept = memcmp(x, x0, n * 4) == 0;
+    double amax = 0.0, worst = 0.0;
+    for (size_t i = 0; i < n; i++)
+        amax = fmax(amax, fabs(x[i]));
+    for (size_t i = 0; i < n; i++)
+        worst = fmax(worst, fabs(sum[i] - R * (double)x[i]));
+    /* |err| <= the step of a block of y, |y| <= |x| + one step */
+    double step = amax / (2 * sd_codec_qmax(bits)) * 1.2 + 1e-6;
+    TH_CHECK(same, "%s: int%d ef block %u n %zu: the encoding differs from that of x + err",
+             dev->name, bits, B, n);
+    TH_CHECK(kept, "%s: int%d ef: x was written", dev->name, bits);
+    TH_CHECK(worst <= step,
+             "%s: int%d ef block %u n %zu: %d rounds drift %.4g from R x (bound %.4g)", dev->name,
+             bits, B, n, R, worst, step);
+    free(x), free(x0), free(err), free(y), free(dec), free(sum), free(enc), free(ref);
+    dev->queue_destroy(q);
+}
+
 int main(void)
 {
     const struct sd_gpu_ops *devs[] = {&sd_gpu_host_ops, &sd_gpu_host_deferred_ops};
@@ -224,6 +270,11 @@ int main(void)
         check_nonfinite(devs[d], 8);
         check_nonfinite(devs[d], 4);
         check_bf16(devs[d]);
+        for (int bits = 4; bits <= 8; bits += 4) {
+            check_ef(devs[d], bits, 32, 1000);
+            check_ef(devs[d], bits, 2048, 4097);
+            check_ef(devs[d], bits, 7, 1);
+        }
     }
     return th_summary("test_codec");
 }

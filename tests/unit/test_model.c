@@ -313,9 +313,72 @@ static void test_validation_and_digest(void)
     TH_CHECK(sd_model_validate(&b, err, sizeof(err)) == SD_EINVAL, "beta1 = 1 refused");
 }
 
+/* The quantized options and the presets that carry them. */
+static void test_quant_plans(void)
+{
+    struct sd_topo t42 = {.nodes = 4, .ranks_per_node = 2, .package_size = 1};
+    struct sd_plan p;
+    char err[256];
+    const struct {
+        const char *spec;
+        bool qw, qg, qsec, ef;
+        uint32_t sec, block, fw;
+        const char *says; /* NULL: accepted */
+    } cases[] = {
+        {"zero3,qw", true, false, false, false, 0, 2048, 8, NULL},
+        {"zero3,qg,ef", false, true, false, true, 0, 2048, 8, NULL},
+        {"zeropp", true, true, false, false, 2, 2048, 8, NULL},       /* sec = k */
+        {"zeropp,sec=1", true, true, false, false, 1, 2048, 8, NULL}, /* given S wins */
+        {"zeropp,ef,qblock=256", true, true, false, true, 2, 256, 8, NULL},
+        {"topo", true, true, true, false, 1, 2048, 2, NULL}, /* sec = package */
+        {"topo-fp", false, false, false, false, 0, 2048, 2, NULL},
+        {"topo:2/2/8,qw,qg,qsec", true, true, true, false, 1, 2048, 2, NULL},
+        {"mics:2,qsec,sec=2", false, false, true, false, 2, 2048, 2, NULL},
+        {"zero3,ef", false, false, false, false, 0, 0, 0, "needs qg"},
+        {"zero3,qblock=64", false, false, false, false, 0, 0, 0, "none is on"},
+        {"zero3,qw,qblock=1", false, false, false, false, 0, 0, 0, "qblock=1"},
+        {"zero3,qw,qblock=65537", false, false, false, false, 0, 0, 0, "qblock=65537"},
+        {"zero3,qw,qblock=x", false, false, false, false, 0, 0, 0, "qblock=x"},
+        {"zero3,q8", false, false, false, false, 0, 0, 0, "unknown option 'q8'"},
+        {"zeropp:2", false, false, false, false, 0, 0, 0, "unknown plan"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        err[0] = '\0';
+        int st = sd_plan_parse(cases[i].spec, &t42, &p, err, sizeof(err));
+        if (cases[i].says != NULL) {
+            TH_CHECK(st == SD_EINVAL && strstr(err, cases[i].says) != NULL,
+                     "plan %s: status %d, message '%s' (expected '%s')", cases[i].spec, st, err,
+                     cases[i].says);
+            continue;
+        }
+        TH_CHECK(st == SD_OK && p.qw == cases[i].qw && p.qg == cases[i].qg &&
+                     p.qsec == cases[i].qsec && p.ef == cases[i].ef && p.sec == cases[i].sec &&
+                     p.qblock == cases[i].block && p.f[SD_STATE_W] == cases[i].fw,
+                 "plan %s: status %d (%s), qw %d qg %d qsec %d ef %d sec %u block %u f_w %u",
+                 cases[i].spec, st, err, p.qw, p.qg, p.qsec, p.ef, p.sec, p.qblock,
+                 p.f[SD_STATE_W]);
+    }
+    /* with ,qsec a secondary piece of n elements is n + 4 ceil(n / B) bytes */
+    struct sd_tensor_desc t = {.name = "w", .ndim = 1, .dims = {8000}, .dtype = SD_DTYPE_BF16};
+    struct sd_model m = {.n_tensors = 1, .tensors = &t};
+    struct sd_layout l;
+    TH_CHECK(sd_plan_parse("zero3,qsec,sec=2,qblock=1000", &t42, &p, err, sizeof(err)) == SD_OK,
+             "zero3,qsec: %s", err);
+    if (sd_layout_build(&m, &p, &l, err, sizeof(err)) == SD_OK) {
+        uint64_t n = l.units[0].numel / 2;
+        TH_CHECK(l.sec_bytes == n + 4 * ((n + 999) / 1000),
+                 "qsec piece of %llu elements: %llu bytes", (unsigned long long)n,
+                 (unsigned long long)l.sec_bytes);
+        sd_layout_free(&l);
+    } else {
+        TH_CHECK(false, "layout of an 8000-element model");
+    }
+}
+
 int main(void)
 {
     test_plans();
+    test_quant_plans();
     test_groups();
     test_layout();
     test_topo_plans();

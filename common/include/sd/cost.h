@@ -17,6 +17,11 @@
  *            f_w <= k, else G_os / G_w - 1. And 8 (N - 1) bytes of norm.
  * With an active secondary partition (,sec=S with f_w > S) only the first gather of a step
  * crosses nodes; the others copy from the S holders.
+ * Quantized options (blocks of B elements, sd/codec.h): with ,qw every S_w above that a gather
+ * moves (across nodes and inside) is numel (1 + 4 / B) bytes; with ,qg the reduce-scatter's
+ * blocks are numel (1/2 + 4 / B) / G_g (the model ignores each shard's short last block and the
+ * units under quant_min_bytes that go exact); with ,qsec the secondary copies are
+ * numel (1 + 4 / B) / S. The boundary hop and the weights' all-gather stay exact.
  *
  * Inside the node, intra[SD_COST_PACKAGE] and intra[SD_COST_NODE] count the copies the daemon
  * makes per step on a node, each by the link between the two ranks whose memory it joins (one
@@ -62,6 +67,7 @@ enum { SD_COST_PACKAGE = 0, SD_COST_NODE = 1 };
 struct sd_cost_out {
     /* sent per node per step */
     double fetch_bytes, push_bytes, step_bytes, total_bytes;
+    double unquantized_bytes;        /* total_bytes without the plan's quantized options */
     double hop_bytes, weights_bytes; /* the parts of step_bytes */
     double comm_s;
     uint64_t rank_bytes[SD_STATE_COUNT]; /* each rank's bytes of w, g and os */
