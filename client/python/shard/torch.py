@@ -173,8 +173,9 @@ def wrap(model, socket=None, job="torch", rank=0, world=1, plan="zero3", optimiz
     whole model's forward. optimizer: {"name": "adamw"|"sgd", "lr", "betas", "eps",
     "weight_decay", "momentum", "max_grad_norm"}. plan: "topo:W/G/OS" (shard factors of the
     weights, gradients and optimizer states) or a preset: "ddp", "zero1", "zero2", "zero3",
-    "mics:P", "topo" (with ",no-hier" / ",no-2hop"). Every rank must build the same model; rank 0's values are the
-    initial ones."""
+    "mics:P", "topo", "topo-fp", "zeropp" (with ",no-hier", ",no-2hop", ",sec=S" and the quantized
+    ",qw", ",qg", ",qsec", ",ef", ",qblock=B"; README, Plans). Every rank must build the same
+    model; rank 0's values are the initial ones."""
     global _current
     if optimizer is None:
         optimizer = {"name": "adamw", "lr": 1e-3}
