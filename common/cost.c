@@ -120,17 +120,17 @@ void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
     double S_wq = plan->qw ? int8_bytes(in->numel, plan) : S_w;
     double Bq = plan->qg ? int4_bytes(in->numel, plan) / Gg : B;
     double fetch_n = (sec ? 1.0 : gathers) * (Gw - 1) * (plan->hierarchical ? 1.0 : k);
-    o.fetch_bytes = fetch_n * (S_wq / Gw);
     double ar = R > 1 ? 2.0 * (R - 1) / R * B : 0.0;
-    o.push_bytes = in->accum * ((Gg - 1) * Bq + (plan->two_hop ? 0.0 : ar));
-    o.unquantized_bytes = fetch_n * (S_w / Gw) + in->accum * ((Gg - 1) * B) - o.fetch_bytes -
-                          in->accum * (Gg - 1) * Bq; /* added to the total below */
+    double push_ar = plan->two_hop ? 0.0 : ar;
+    o.fetch_bytes = fetch_n * (S_wq / Gw);
+    o.push_bytes = in->accum * ((Gg - 1) * Bq + push_ar);
     o.hop_bytes = plan->two_hop ? ar : 0.0;
     if (OS > k && W < OS)
         o.weights_bytes = k * (S_w / OS) * (W <= k ? Gos - 1 : Gos / Gw - 1);
     o.step_bytes = o.hop_bytes + o.weights_bytes + 8.0 * (N - 1);
     o.total_bytes = o.fetch_bytes + o.push_bytes + o.step_bytes;
-    o.unquantized_bytes += o.total_bytes;
+    o.unquantized_bytes =
+        fetch_n * (S_w / Gw) + in->accum * ((Gg - 1) * B + push_ar) + o.step_bytes;
     o.comm_s = in->inter_Bps > 0 ? o.total_bytes / in->inter_Bps : 0.0;
     uint32_t floats = in->optim_floats ? in->optim_floats : 3;
     o.rank_bytes[SD_STATE_W] = in->numel / W * in->w_bytes;

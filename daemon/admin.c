@@ -62,19 +62,29 @@ static json_t *job_summary(const struct sd_job *job)
                      "last_grad_norm", job->last_grad_norm, "error", job->fail_msg, "ranks", ranks);
 }
 
-/* The quantized options: what each moves, and the encoded size per element. */
+/* The quantized options, as groups and stats show them. */
+static json_t *quant_options_json(const struct sd_job *job)
+{
+    return json_pack("{s:b, s:b, s:b, s:b, s:i, s:I}", "qw", job->plan.qw, "qg", job->plan.qg,
+                     "qsec", job->plan.qsec, "ef", job->plan.ef, "block", (int)job->plan.qblock,
+                     "min_bytes", (json_int_t)job->reg->cfg->quant_min_bytes);
+}
+
+/* ... and in groups, what each moves: the encoded size per element. */
 static json_t *quant_json(const struct sd_job *job)
 {
-    return json_pack(
-        "{s:b, s:b, s:b, s:b, s:i, s:s, s:s, s:s, s:I}", "qw", job->plan.qw, "qg", job->plan.qg,
-        "qsec", job->plan.qsec, "ef", job->plan.ef, "block", (int)job->plan.qblock, "qw_formula",
-        "every weight gather moves each w shard of n elements as int8 blocks: n + 4 ceil(n / "
-        "block) bytes",
-        "qg_formula",
-        "a reduce-scatter across nodes moves each node's block of n elements as int4: ceil(n / "
-        "2) + 4 ceil(n / block) bytes; blocks under quant_min_bytes (fp32) go exact",
-        "qsec_formula", "each secondary piece of n elements is kept as n + 4 ceil(n / block) bytes",
-        "min_bytes", (json_int_t)job->reg->cfg->quant_min_bytes);
+    json_t *o = quant_options_json(job);
+    json_object_set_new(o, "qw_formula",
+                        json_string("every weight gather moves each w shard of n elements as "
+                                    "int8 blocks: n + 4 ceil(n / block) bytes"));
+    json_object_set_new(o, "qg_formula",
+                        json_string("a reduce-scatter across nodes moves each node's block of n "
+                                    "elements as int4: ceil(n / 2) + 4 ceil(n / block) bytes; "
+                                    "blocks under quant_min_bytes (fp32) go exact"));
+    json_object_set_new(o, "qsec_formula",
+                        json_string("each secondary piece of n elements is kept as n + 4 ceil(n "
+                                    "/ block) bytes"));
+    return o;
 }
 
 /* The secondary partition: its ranks, who holds it, what it holds per rank. */
@@ -238,13 +248,10 @@ static json_t *job_stats(const struct sd_job *job)
     /* the bytes above are what moved (encoded where quantized); bytes_unquantized what the
      * same operations would have moved without quantization */
     json_object_set_new(o, "bytes_unquantized", totals_unq);
-    json_object_set_new(o, "quantization",
-                        json_pack("{s:b, s:b, s:b, s:b, s:i, s:I, s:I, s:I}", "qw", job->plan.qw,
-                                  "qg", job->plan.qg, "qsec", job->plan.qsec, "ef", job->plan.ef,
-                                  "block", (int)job->plan.qblock, "encodes",
-                                  (json_int_t)job->stats.quant_encodes, "fallbacks",
-                                  (json_int_t)job->stats.quant_fallbacks, "min_bytes",
-                                  (json_int_t)job->reg->cfg->quant_min_bytes));
+    json_t *quant = quant_options_json(job);
+    json_object_set_new(quant, "encodes", json_integer((json_int_t)job->stats.quant_encodes));
+    json_object_set_new(quant, "fallbacks", json_integer((json_int_t)job->stats.quant_fallbacks));
+    json_object_set_new(o, "quantization", quant);
     json_object_set_new(o, "coalesced_gathers",
                         json_integer((json_int_t)job->stats.coalesced_gathers));
     json_object_set_new(o, "coalesced_units", json_integer((json_int_t)job->stats.coalesced_units));

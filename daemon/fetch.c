@@ -538,8 +538,7 @@ static void gather_req_sent(struct sd_xfer *x, int status)
 static bool gather_resources(const struct sd_job *job)
 {
     return job->xfer.bulks.n - job->xfer.bulks.in_use >= job->gnodes[SD_STATE_W] - 1 &&
-           job->xfer.gathers_inflight < SD_MAX_GATHERS_INFLIGHT &&
-           (job->mem.quant.rx == NULL || job->mem.quant.rx_busy != (1u << SD_QUANT_RX_SLOTS) - 1);
+           job->xfer.gathers_inflight < SD_MAX_GATHERS_INFLIGHT && sd_qw_rx_available(job);
 }
 
 /* slot us (pool space reserved) is in flight; gather_post fills in this node's block */

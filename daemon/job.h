@@ -321,14 +321,7 @@ static inline float *sd_job_g_shard(struct sd_job *job, uint32_t local,
 
 /* Count bytes copied inside the node from local rank src's memory to local rank dst's, under
  * op, by the link between them (stats.h): one package, or two of the node. */
-static inline void sd_job_count_copy(struct sd_job *job, int op, uint32_t src, uint32_t dst,
-                                     uint64_t bytes)
-{
-    uint32_t P = sd_topo_package(&job->topo);
-    job->stats.bytes[op][src / P == dst / P ? SD_LINK_PACKAGE : SD_LINK_NODE] += bytes;
-}
-
-/* The same for a copy of encoded bytes standing for raw bytes unquantized. */
+/* The same for a copy of encoded bytes standing for raw bytes unquantized (stats.h's saved). */
 static inline void sd_job_count_coded(struct sd_job *job, int op, uint32_t src, uint32_t dst,
                                       uint64_t raw, uint64_t encoded)
 {
@@ -336,6 +329,12 @@ static inline void sd_job_count_coded(struct sd_job *job, int op, uint32_t src, 
     int c = src / P == dst / P ? SD_LINK_PACKAGE : SD_LINK_NODE;
     job->stats.bytes[op][c] += encoded;
     job->stats.saved[op][c] += (int64_t)raw - (int64_t)encoded;
+}
+
+static inline void sd_job_count_copy(struct sd_job *job, int op, uint32_t src, uint32_t dst,
+                                     uint64_t bytes)
+{
+    sd_job_count_coded(job, op, src, dst, bytes, bytes);
 }
 
 /* the copy of a unit a local rank uses: the node's one, or its own without the hierarchy */

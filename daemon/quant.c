@@ -174,6 +174,12 @@ uint8_t *sd_qw_shard(struct sd_job *job, uint32_t local, uint32_t u, bool *fresh
     return enc;
 }
 
+bool sd_qw_rx_available(const struct sd_job *job)
+{
+    const struct sd_quant_state *qs = &job->mem.quant;
+    return qs->rx == NULL || qs->rx_busy != (1u << SD_QUANT_RX_SLOTS) - 1;
+}
+
 int32_t sd_qw_rx_take(struct sd_job *job)
 {
     for (int32_t i = 0; i < SD_QUANT_RX_SLOTS; i++)

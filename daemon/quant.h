@@ -3,6 +3,8 @@
 #ifndef SD_QUANT_H
 #define SD_QUANT_H
 
+#include "net.h"
+
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -10,9 +12,8 @@
 struct sd_job;
 struct sd_config;
 
-/* receive slots of ,qw gathers across nodes: one per gather in flight (SD_MAX_GATHERS_INFLIGHT),
- * and one to spare */
-#define SD_QUANT_RX_SLOTS 9
+/* receive slots of ,qw gathers across nodes: one per gather in flight, and one to spare */
+#define SD_QUANT_RX_SLOTS (SD_MAX_GATHERS_INFLIGHT + 1)
 
 /* Bytes of the job's quantization buffers on this node (0 without a quantized option), for the
  * budget; sd_quant_alloc allocates exactly these. */
@@ -30,6 +31,8 @@ uint64_t sd_qw_shard_bytes(const struct sd_job *job, uint32_t u);
  * quantized on the job's queue the first time it is asked for in a generation (*fresh_p set
  * then; the network may read it only after a sync). */
 uint8_t *sd_qw_shard(struct sd_job *job, uint32_t local, uint32_t u, bool *fresh_p);
+/* Is a receive slot free (or none needed: no ,qw gathers across nodes)? */
+bool sd_qw_rx_available(const struct sd_job *job);
 /* A receive slot for a gather, or -1 when all are taken. */
 int32_t sd_qw_rx_take(struct sd_job *job);
 void sd_qw_rx_put(struct sd_job *job, int32_t i);
