@@ -67,8 +67,18 @@ static void scenario(const char *name, int sig)
         snprintf(logs[r], sizeof(logs[r]), "%s/%s-rank%d.log", c.d[0].dir, name, r);
         pids[r] = spawn_rank(&c, "long", r, W, "100000", "zero3", logs[r]);
     }
-    usleep(1500000);
-    char *js = th_admin(c.d[0].sock, "jobs");
+    /* training, whatever the machine's load: registration and loading took 1.5 s under ASan
+     * beside another cluster's test, so wait for it (the kill must land mid-training) */
+    char *js = NULL;
+    double spawned = th_now_s();
+    for (double end = spawned + 30; th_now_s() < end; usleep(100000)) {
+        free(js);
+        js = th_admin(c.d[0].sock, "jobs");
+        if (js && strstr(js, "\"ready\""))
+            break;
+    }
+    double in = th_now_s() - spawned; /* a few steps in: 1.5 s after the start, as ever */
+    usleep((useconds_t)((in < 1.2 ? 1.5 - in : 0.3) * 1e6));
     TH_CHECK(js && strstr(js, "\"ready\""), "%s: the job is not training: %s", name, js);
     free(js);
     kill(c.d[victim].pid, sig);
