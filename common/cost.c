@@ -116,21 +116,26 @@ void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
     double gathers = in->cached_in_step ? 1.0 : 2.0 * in->accum;
     bool sec = sd_plan_sec_active(plan);
     struct sd_cost_out o = {0};
-    /* what moves: int8 weights with ,qw, int4 reduce-scatter blocks with ,qg */
+    /* what moves: int8 weights with ,qw, int4 gradient blocks with ,qg */
     double S_wq = plan->qw ? int8_bytes(in->numel, plan) : S_w;
     double Bq = plan->qg ? int4_bytes(in->numel, plan) / Gg : B;
     double fetch_n = (sec ? 1.0 : gathers) * (Gw - 1) * (plan->hierarchical ? 1.0 : k);
     double ar = R > 1 ? 2.0 * (R - 1) / R * B : 0.0;
     double push_ar = plan->two_hop ? 0.0 : ar;
+    /* the boundary hop's all-reduce moves int4 blocks with ,qg, the weights' exchange after the
+     * optimizer int8 blocks with ,qw */
+    double hop_raw = plan->two_hop ? ar : 0.0, weights_raw = 0.0, weights_parts = 0.0;
+    if (OS > k && W < OS)
+        weights_parts = k * (W <= k ? Gos - 1 : Gos / Gw - 1);
+    weights_raw = weights_parts * (S_w / OS);
     o.fetch_bytes = fetch_n * (S_wq / Gw);
     o.push_bytes = in->accum * ((Gg - 1) * Bq + push_ar);
-    o.hop_bytes = plan->two_hop ? ar : 0.0;
-    if (OS > k && W < OS)
-        o.weights_bytes = k * (S_w / OS) * (W <= k ? Gos - 1 : Gos / Gw - 1);
+    o.hop_bytes = plan->qg && R > 1 ? hop_raw * Bq / B : hop_raw;
+    o.weights_bytes = plan->qw ? weights_parts * S_wq / OS : weights_raw;
     o.step_bytes = o.hop_bytes + o.weights_bytes + 8.0 * (N - 1);
     o.total_bytes = o.fetch_bytes + o.push_bytes + o.step_bytes;
-    o.unquantized_bytes =
-        fetch_n * (S_w / Gw) + in->accum * ((Gg - 1) * B + push_ar) + o.step_bytes;
+    o.unquantized_bytes = fetch_n * (S_w / Gw) + in->accum * ((Gg - 1) * B + push_ar) + hop_raw +
+                          weights_raw + 8.0 * (N - 1);
     o.comm_s = in->inter_Bps > 0 ? o.total_bytes / in->inter_Bps : 0.0;
     uint32_t floats = in->optim_floats ? in->optim_floats : 3;
     o.rank_bytes[SD_STATE_W] = in->numel / W * in->w_bytes;

@@ -75,6 +75,13 @@ struct sd_quant_state {
     float *ef;        /* [sum of numel]: error feedback, the node partial's quantization error */
     uint64_t *ef_off; /* [n_units] */
     uint64_t ef_floats;
+    uint8_t *hop;         /* the boundary hop's quantized all-reduce (sd_allreduce's qbuf) */
+    float *hop_ef;        /* [sum of the units' hop counts]: its error feedback */
+    uint64_t *hop_ef_off; /* [n_units] */
+    uint64_t hop_ef_floats;
+    uint8_t *wx; /* [k + f_os][wx_part_bytes]: the weights' exchange after the optimizer as int8
+                    blocks, the local ranks' os parts sent, then the parts received */
+    uint64_t wx_part_bytes;
 };
 
 /* A job's memory, all allocated at registration (job_mem.c). */

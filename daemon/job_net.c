@@ -3,6 +3,8 @@
  * buffers; the job's all-reduces and exchanges with their tags; and what its unfinished transfers
  * tell a failure message and the deadline sweep. */
 #include "net.h"
+#include "quant.h"
+#include "sd/codec.h"
 #include "ops.h"
 #include "registry.h"
 #include "sd/log.h"
@@ -26,7 +28,7 @@ void *sd_job_net_desc(const struct sd_job *job, const void *p)
  * (a micro-step) or the step. */
 int sd_job_net_allreduce(struct sd_job *job, struct sd_allreduce *ar, uint32_t R, uint32_t unit,
                          uint64_t round, bool step_sync, float *buf, size_t count, float *tmp,
-                         float *acc, sd_allreduce_cb cb, void *arg)
+                         float *acc, bool quantized, sd_allreduce_cb cb, void *arg)
 {
     struct sd_allreduce_param p = {.group = {.tp = sd_job_tp(job),
                                              .pool = &job->xfer.bulks,
@@ -36,7 +38,6 @@ int sd_job_net_allreduce(struct sd_job *job, struct sd_allreduce *ar, uint32_t R
                                    .dev = job->reg->dev,
                                    .queue = job->mem.queue,
                                    .dtype = SD_DTYPE_FP32,
-                                   .codec = SD_CODEC_IDENTITY,
                                    .buf = buf,
                                    .count = count,
                                    .tmp = tmp,
@@ -49,6 +50,13 @@ int sd_job_net_allreduce(struct sd_job *job, struct sd_allreduce *ar, uint32_t R
                                    .small_bytes = job->reg->cfg->small_allreduce_bytes,
                                    .cb = cb,
                                    .arg = arg};
+    if (quantized) { /* int4 blocks (quant.h): the boundary hop under ,qg */
+        p.qbits = SD_CODEC_INT4;
+        p.qblock = job->plan.qblock;
+        p.qbuf = sd_qg_hop_buf(job);
+        p.qbuf_desc = sd_job_net_desc(job, p.qbuf);
+        p.qerr = sd_qg_hop_ef(job, unit);
+    }
     int st = sd_tag_make(SD_TAG_AR, job->xfer.tag, unit, sd_tag_allreduce_seq(round, step_sync), 0,
                          &p.tag_base);
     return st == SD_OK ? sd_allreduce_start(ar, &p) : st;

@@ -235,7 +235,7 @@ static void round_after_rs(struct sd_node_round *rd)
         if (R > 1) {
             float *acc = sd_job_net_rounds_accumulate(job) ? sd_job_g_shard(job, 0, ul) : NULL;
             int st = sd_job_net_allreduce(job, &rd->ar, R, rd->unit, rd->seq, false, B, count,
-                                          rd->ar_tmp, acc, round_ar_done, rd);
+                                          rd->ar_tmp, acc, false, round_ar_done, rd);
             if (st == SD_OK)
                 return;
             rd->status = st;

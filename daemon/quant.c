@@ -7,9 +7,13 @@
  *   qg   per node round, the int4 blocks sent to and received from the other nodes of the
  *        g-partition group;
  *   ef   per unit, the node partial's quantization error (error feedback), added to the next
- *        micro-step's partial before it is quantized. */
+ *        micro-step's partial before it is quantized;
+ *   hop  the boundary hop's quantized all-reduce (coll.h), and with ,ef its residuals per unit;
+ *   wx   the weights' exchange after the optimizer: the local ranks' os parts as int8 blocks,
+ *        and the parts received from the other nodes. */
 #include "job.h"
 #include "net.h"
+#include "ops.h"
 #include "quant.h"
 #include "sd/codec.h"
 #include "sd/config.h"
@@ -22,8 +26,8 @@
 #define QALIGN 64u
 
 struct quant_layout {
-    uint64_t qw_rank, rx_slot, qg_block, ef_floats;
-    uint64_t off_qw, off_rx, off_qg, off_ef, total;
+    uint64_t qw_rank, rx_slot, qg_block, ef_floats, hop, hop_ef_floats, wx_part;
+    uint64_t off_qw, off_rx, off_qg, off_ef, off_hop, off_hop_ef, off_wx, total;
 };
 
 static uint64_t align_up(uint64_t v)
@@ -35,6 +39,30 @@ uint64_t sd_qw_shard_bytes(const struct sd_job *job, uint32_t u)
 {
     uint64_t n = job->layout.units[u].numel / job->plan.f[SD_STATE_W];
     return sd_codec_bytes(SD_CODEC_INT8, n, job->plan.qblock);
+}
+
+uint64_t sd_qw_part_bytes(const struct sd_job *job, uint32_t u)
+{
+    uint64_t n = job->layout.units[u].numel / job->plan.f[SD_STATE_OS];
+    return sd_codec_bytes(SD_CODEC_INT8, n, job->plan.qblock);
+}
+
+uint32_t sd_qg_hop_nodes(const struct sd_job *job)
+{
+    return job->plan.two_hop && job->nodes > 1 ? job->nodes / job->gnodes[SD_STATE_G] : 1;
+}
+
+uint64_t sd_qg_hop_count(const struct sd_job *job, uint32_t u)
+{
+    uint64_t numel = job->layout.units[u].numel;
+    return job->gnodes[SD_STATE_G] > 1 ? job->k * (numel / job->plan.f[SD_STATE_G]) : numel;
+}
+
+bool sd_qg_hop(const struct sd_job *job, uint32_t u)
+{
+    uint32_t R = sd_qg_hop_nodes(job);
+    return job->plan.qg && R > 1 &&
+           sd_qg_hop_count(job, u) / R * sizeof(float) >= (uint64_t)job->reg->cfg->quant_min_bytes;
 }
 
 uint64_t sd_qw_remote_bytes(const struct sd_job *job, uint32_t u)
@@ -69,11 +97,26 @@ static struct quant_layout layout_of(const struct sd_job *job, const struct sd_c
         if (job->plan.ef)
             q.ef_floats = l->total_numel;
     }
+    uint32_t R = sd_qg_hop_nodes(job);
+    if (job->plan.qg && R > 1) {
+        for (uint32_t u = 0; u < l->n_units; u++) {
+            uint64_t count = sd_qg_hop_count(job, u);
+            q.hop =
+                SD_MAX(q.hop, sd_allreduce_qbuf_bytes(count, R, SD_CODEC_INT4, job->plan.qblock));
+            q.hop_ef_floats += job->plan.ef ? count : 0;
+        }
+    }
+    if (job->plan.qw && sd_weights_remote(job))
+        for (uint32_t u = 0; u < l->n_units; u++)
+            q.wx_part = SD_MAX(q.wx_part, align_up(sd_qw_part_bytes(job, u)));
     q.off_qw = 0;
     q.off_rx = q.off_qw + q.qw_rank * job->k;
     q.off_qg = q.off_rx + q.rx_slot * SD_QUANT_RX_SLOTS;
     q.off_ef = q.off_qg + q.qg_block * 2 * (G - 1) * job->push.round_gens;
-    q.total = q.off_ef + q.ef_floats * sizeof(float);
+    q.off_hop = align_up(q.off_ef + q.ef_floats * sizeof(float));
+    q.off_hop_ef = align_up(q.off_hop + q.hop);
+    q.off_wx = align_up(q.off_hop_ef + q.hop_ef_floats * sizeof(float));
+    q.total = q.off_wx + q.wx_part * (job->k + job->plan.f[SD_STATE_OS]);
     return q;
 }
 
@@ -81,7 +124,8 @@ uint64_t sd_quant_bytes(const struct sd_job *job, const struct sd_config *cfg)
 {
     struct quant_layout q = layout_of(job, cfg);
     uint64_t book = job->plan.qw ? (uint64_t)job->layout.n_units * (job->k + 1) * 8 : 0;
-    return q.total + book + (q.ef_floats ? job->layout.n_units * 8ull : 0);
+    return q.total + book + (q.ef_floats ? job->layout.n_units * 8ull : 0) +
+           (q.hop_ef_floats ? job->layout.n_units * 8ull : 0);
 }
 
 int sd_quant_alloc(struct sd_job *job, char *err, size_t errlen)
@@ -133,6 +177,22 @@ int sd_quant_alloc(struct sd_job *job, char *err, size_t errlen)
             qs->ef_off[u] = l->units[u].pool_off; /* the units' elements, in order */
         qs->ef_floats = q.ef_floats;              /* zeroed on the loop: sd_quant_start */
     }
+    if (q.hop) {
+        qs->hop = base + q.off_hop;
+        if (q.hop_ef_floats) {
+            qs->hop_ef = (float *)(void *)(base + q.off_hop_ef);
+            qs->hop_ef_off = calloc(l->n_units, sizeof(*qs->hop_ef_off));
+            if (qs->hop_ef_off == NULL)
+                goto nomem;
+            for (uint32_t u = 1; u < l->n_units; u++)
+                qs->hop_ef_off[u] = qs->hop_ef_off[u - 1] + sd_qg_hop_count(job, u - 1);
+            qs->hop_ef_floats = q.hop_ef_floats; /* zeroed on the loop: sd_quant_start */
+        }
+    }
+    if (q.wx_part) {
+        qs->wx = base + q.off_wx;
+        qs->wx_part_bytes = q.wx_part;
+    }
     return SD_OK;
 nomem:
     snprintf(err, errlen, "out of memory for the job's quantization bookkeeping");
@@ -144,6 +204,9 @@ void sd_quant_start(struct sd_job *job)
     if (job->mem.quant.ef != NULL)
         job->reg->dev->zero(job->mem.queue, job->mem.quant.ef,
                             job->mem.quant.ef_floats * sizeof(float));
+    if (job->mem.quant.hop_ef != NULL)
+        job->reg->dev->zero(job->mem.queue, job->mem.quant.hop_ef,
+                            job->mem.quant.hop_ef_floats * sizeof(float));
 }
 
 void sd_quant_free(struct sd_job *job)
@@ -154,6 +217,7 @@ void sd_quant_free(struct sd_job *job)
     free(qs->qw_off);
     free(qs->qw_gen);
     free(qs->ef_off);
+    free(qs->hop_ef_off);
     *qs = (struct sd_quant_state){.mem = {.fd = -1}};
 }
 
@@ -231,4 +295,20 @@ float *sd_qg_ef(struct sd_job *job, uint32_t u, uint32_t i)
 {
     uint64_t block = job->layout.units[u].numel / job->gnodes[SD_STATE_G];
     return job->mem.quant.ef + job->mem.quant.ef_off[u] + (uint64_t)i * block;
+}
+
+uint8_t *sd_qg_hop_buf(struct sd_job *job)
+{
+    return job->mem.quant.hop;
+}
+
+float *sd_qg_hop_ef(struct sd_job *job, uint32_t u)
+{
+    struct sd_quant_state *qs = &job->mem.quant;
+    return qs->hop_ef != NULL ? qs->hop_ef + qs->hop_ef_off[u] : NULL;
+}
+
+uint8_t *sd_qw_wx(struct sd_job *job, uint32_t i)
+{
+    return job->mem.quant.wx + (uint64_t)i * job->mem.quant.wx_part_bytes;
 }

@@ -52,5 +52,21 @@ uint8_t *sd_qg_send(struct sd_job *job, uint32_t r, uint32_t o);
 uint8_t *sd_qg_recv(struct sd_job *job, uint32_t r, uint32_t o);
 /* unit u's error-feedback residual of its block i (fp32, numel / G) */
 float *sd_qg_ef(struct sd_job *job, uint32_t u, uint32_t i);
+/* The boundary hop (the 2-hop sync's all-reduce of each node's g block among the R nodes
+ * holding its replicas, count floats of unit u): does it move int4 blocks (false below
+ * quant_min_bytes a member's segment: the exact all-reduce, counted as a fallback by the
+ * caller)? Its buffer, and unit u's error-feedback residual (NULL without ,ef). */
+uint32_t sd_qg_hop_nodes(const struct sd_job *job);
+uint64_t sd_qg_hop_count(const struct sd_job *job, uint32_t u);
+bool sd_qg_hop(const struct sd_job *job, uint32_t u);
+uint8_t *sd_qg_hop_buf(struct sd_job *job);
+float *sd_qg_hop_ef(struct sd_job *job, uint32_t u);
+
+/* ---- ,qw after the optimizer (weights.c) */
+/* encoded bytes of one os part of unit u (numel / f_os elements) */
+uint64_t sd_qw_part_bytes(const struct sd_job *job, uint32_t u);
+/* slot i < k: local rank i's os part encoded for the other nodes; slot k + j: the j-th part
+ * received */
+uint8_t *sd_qw_wx(struct sd_job *job, uint32_t i);
 
 #endif

@@ -7,6 +7,7 @@
  * nothing to exchange, and the phases run through in one call. */
 #include "net.h"
 #include "ops.h"
+#include "quant.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -181,6 +182,13 @@ static void step_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
     struct sd_job *job = ar->p.arg;
     job->stats.bytes[SD_OP_STEP][SD_LINK_INTER_SENT] += ar->bytes_sent;
     job->stats.bytes[SD_OP_STEP][SD_LINK_INTER_RECV] += ar->bytes_recv;
+    if (ar->p.qbits != 0) { /* it sends and receives the same raw volume */
+        job->stats.saved[SD_OP_STEP][SD_LINK_INTER_SENT] +=
+            (int64_t)(ar->qraw / 2) - (int64_t)ar->bytes_sent;
+        job->stats.saved[SD_OP_STEP][SD_LINK_INTER_RECV] +=
+            (int64_t)(ar->qraw / 2) - (int64_t)ar->bytes_recv;
+        job->stats.quant_encodes++;
+    }
     job->step.pending = 0;
     if (status != SD_OK) {
         step_fail(job, status, suspect);
@@ -299,9 +307,11 @@ void sd_step_progress(struct sd_job *job)
                 uint64_t count = step_pack(job, u);
                 job->step.pending = 1;
                 /* no round runs during the step: it borrows round 0's all-reduce temporary */
+                bool q = sd_qg_hop(job, u);
+                job->stats.quant_fallbacks += job->plan.qg && !q;
                 int st = sd_job_net_allreduce(job, &job->step.ar, R, u, job->steps, true,
                                               job->mem.scratch, count, job->push.nr[0].ar_tmp, NULL,
-                                              step_ar_done, job);
+                                              q, step_ar_done, job);
                 if (st != SD_OK) {
                     job->step.pending = 0;
                     step_fail(job, st, job->xfer.members[0]);
@@ -336,6 +346,8 @@ void sd_step_progress(struct sd_job *job)
         }
         while (sd_weights_remote(job) && job->step.unit < job->layout.n_units) {
             int st = sd_weights_exchange(job, job->step.unit++);
+            if (job->state == SD_JOB_FAILED)
+                return;
             if (st != SD_OK) {
                 step_fail(job, st, job->step.suspect);
                 return;

@@ -5,9 +5,16 @@
  * receives every part it needs once, from the part's one owner in its os group, straight into
  * the w shard of the first local rank that holds it, and copies it to the others: the
  * hierarchical all-gather, each remote byte received once per node. Unit by unit; a unit's
- * exchanges with every peer of the os group are in flight together. */
+ * exchanges with every peer of the os group are in flight together.
+ *
+ * With ,qw the parts cross nodes as int8 blocks (quant.h's wx slots): each owner encodes its
+ * part once and decodes it back into its own w shard, so that every copy of the weights holds
+ * the same values; receivers decode into the first local holder's w shard. The fp32 master in
+ * the os shard never sees them. */
 #include "net.h"
 #include "ops.h"
+#include "quant.h"
+#include "sd/codec.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -88,9 +95,10 @@ void sd_weights_local(struct sd_job *job)
 
 /* The os parts of unit u that go from node src to node dst: owned by a rank of src, in a w
  * shard of a rank of dst; in ascending part order, which both ends compute alike. Each is at
- * the owner's w shard (send) or the first local holder's (receive). */
+ * the owner's w shard (send) or the first local holder's (receive); encoded (,qw), the sender's
+ * is its owner's wx slot and the receiver's wx slot k + rx_base + i. */
 static uint32_t transfer_parts(struct sd_job *job, uint32_t u, uint32_t src, uint32_t dst,
-                               void **pieces, size_t *lens)
+                               bool encoded, uint32_t rx_base, void **pieces, size_t *lens)
 {
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint32_t OS = job->plan.f[SD_STATE_OS], per = parts_per_w(job), n = 0;
@@ -104,16 +112,42 @@ static uint32_t transfer_parts(struct sd_job *job, uint32_t u, uint32_t src, uin
         if (holder < 0)
             continue;
         uint32_t local = sending ? owner - job->first_rank : (uint32_t)holder;
-        pieces[n] = sd_job_w_shard(job, local, u) + part_off(job, ul, p);
-        lens[n++] = part_bytes(job, ul);
+        if (encoded) {
+            pieces[n] = sd_qw_wx(job, sending ? local : job->k + rx_base + n);
+            lens[n++] = sd_qw_part_bytes(job, u);
+        } else {
+            pieces[n] = sd_job_w_shard(job, local, u) + part_off(job, ul, p);
+            lens[n++] = part_bytes(job, ul);
+        }
     }
     return n;
+}
+
+/* ,qw: the parts a bulk received, decoded into place; what it saved counted */
+static void exchange_decode(struct sd_job *job, struct sd_bulk *b, int status)
+{
+    uint32_t u = (uint32_t)(b->arg2 >> 32), rx_base = (uint32_t)b->arg2;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    void *places[SD_BULK_MAX_PIECES];
+    size_t lens[SD_BULK_MAX_PIECES];
+    uint32_t src = b->is_send ? job->node : b->peer, dst = b->is_send ? b->peer : job->node;
+    uint32_t n = transfer_parts(job, u, src, dst, false, 0, places, lens);
+    enum sd_link_class c = b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV;
+    job->stats.saved[SD_OP_STEP][c] += (int64_t)(n * part_bytes(job, ul)) - (int64_t)b->bytes;
+    if (b->is_send || status != SD_OK)
+        return;
+    for (uint32_t i = 0; i < n; i++)
+        job->reg->dev->dequantize(job->mem.queue, places[i], ul->dtype,
+                                  sd_qw_wx(job, job->k + rx_base + i), SD_CODEC_INT8,
+                                  ul->numel / job->plan.f[SD_STATE_OS], job->plan.qblock, false);
 }
 
 static void exchange_done(struct sd_bulk *b, int status)
 {
     struct sd_job *job = b->arg;
     job->stats.bytes[SD_OP_STEP][b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV] += b->bytes;
+    if (job->plan.qw)
+        exchange_decode(job, b, status);
     if (status != SD_OK && job->step.status == SD_OK) {
         job->step.status = status;
         job->step.suspect = b->peer;
@@ -123,14 +157,19 @@ static void exchange_done(struct sd_bulk *b, int status)
         sd_step_progress(job);
 }
 
-static int post(struct sd_job *job, uint32_t u, uint32_t peer, bool is_send)
+/* *rx_base: the receive slots (,qw) taken so far for unit u */
+static int post(struct sd_job *job, uint32_t u, uint32_t peer, bool is_send, uint32_t *rx_base)
 {
     void *pieces[SD_BULK_MAX_PIECES];
     size_t lens[SD_BULK_MAX_PIECES];
-    uint32_t n = is_send ? transfer_parts(job, u, job->node, peer, pieces, lens)
-                         : transfer_parts(job, u, peer, job->node, pieces, lens);
+    bool q = job->plan.qw;
+    uint32_t n = is_send ? transfer_parts(job, u, job->node, peer, q, 0, pieces, lens)
+                         : transfer_parts(job, u, peer, job->node, q, *rx_base, pieces, lens);
     if (n == 0)
         return SD_OK;
+    uint64_t arg2 = (uint64_t)u << 32 | (is_send ? 0 : *rx_base);
+    if (!is_send)
+        *rx_base += n;
     uint64_t tag;
     int st = sd_tag_make(SD_TAG_WSTEP, job->xfer.tag, u, sd_tag_wrap(job->steps, SD_TAG_SEQ_BITS),
                          is_send ? job->node : peer, &tag);
@@ -147,7 +186,8 @@ static int post(struct sd_job *job, uint32_t u, uint32_t peer, bool is_send)
                                                   .chunk_bytes = job->reg->cfg->chunk_bytes,
                                                   .desc = sd_job_net_desc(job, pieces[0]),
                                                   .cb = exchange_done,
-                                                  .arg = job});
+                                                  .arg = job,
+                                                  .arg2 = arg2});
     if (st != SD_OK) {
         if (b != NULL)
             sd_bulk_put(&job->xfer.bulks, b);
@@ -157,18 +197,41 @@ static int post(struct sd_job *job, uint32_t u, uint32_t peer, bool is_send)
     return SD_OK;
 }
 
+/* ,qw: each local rank's os part of unit u encoded into its wx slot, and decoded back in place */
+static void encode_parts(struct sd_job *job, uint32_t u)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint64_t n = ul->numel / job->plan.f[SD_STATE_OS];
+    for (uint32_t r = 0; r < job->k; r++) {
+        uint64_t off =
+            sd_plan_nested_off(&job->plan, SD_STATE_OS, SD_STATE_W, job->first_rank + r, ul->numel);
+        uint8_t *part = sd_job_w_shard(job, r, u) + off * sd_dtype_size(ul->dtype);
+        dev->quantize(job->mem.queue, sd_qw_wx(job, r), SD_CODEC_INT8, part, ul->dtype, n,
+                      job->plan.qblock);
+        dev->dequantize(job->mem.queue, part, ul->dtype, sd_qw_wx(job, r), SD_CODEC_INT8, n,
+                        job->plan.qblock, false);
+        job->stats.quant_encodes++;
+    }
+}
+
 int sd_weights_exchange(struct sd_job *job, uint32_t u)
 {
-    uint32_t first = sd_job_group_first(job, job->gnodes[SD_STATE_OS]);
+    uint32_t first = sd_job_group_first(job, job->gnodes[SD_STATE_OS]), rx_base = 0;
     job->step.status = SD_OK;
     job->step.pending = 0;
+    if (job->plan.qw) {
+        encode_parts(job, u);
+        if (!sd_job_sync(job)) /* failed the job */
+            return SD_OK;
+    }
     for (uint32_t i = 0; i < job->gnodes[SD_STATE_OS]; i++) {
         uint32_t m = first + i;
         if (m == job->node)
             continue;
-        int st = post(job, u, m, false);
+        int st = post(job, u, m, false, &rx_base);
         if (st == SD_OK)
-            st = post(job, u, m, true);
+            st = post(job, u, m, true, &rx_base);
         if (st != SD_OK) {
             job->step.status = st;
             job->step.suspect = m;

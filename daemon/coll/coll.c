@@ -1,4 +1,5 @@
 #include "coll/coll.h"
+#include "sd/codec.h"
 #include "sd/model.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -214,11 +215,16 @@ static void ar_release(struct sd_allreduce *ar)
     if (ar->rb)
         sd_bulk_put(ar->p.group.pool, ar->rb);
     ar->sb = ar->rb = NULL;
-    for (uint32_t i = 0; i + 1 < ar->p.group.n_members && i < SD_ARRAY_SIZE(ar->direct_rb); i++)
+    for (uint32_t i = 0; i + 1 < ar->p.group.n_members && i < SD_ARRAY_SIZE(ar->direct_rb); i++) {
         if (ar->direct_rb[i]) {
             sd_bulk_put(ar->p.group.pool, ar->direct_rb[i]);
             ar->direct_rb[i] = NULL;
         }
+        if (ar->qsb[i]) {
+            sd_bulk_put(ar->p.group.pool, ar->qsb[i]);
+            ar->qsb[i] = NULL;
+        }
+    }
 }
 
 /* wait for the sums enqueued so far; a failure fails the all-reduce */
@@ -501,6 +507,177 @@ static int ring_start(struct sd_allreduce *ar)
     return SD_OK;
 }
 
+/* ---- quantized all-reduce (coll.h) */
+
+void sd_qsegment(size_t count, uint32_t n, uint32_t qblock, uint32_t s, size_t *begin_p,
+                 size_t *end_p)
+{
+    uint64_t nb = sd_codec_blocks(count, qblock);
+    *begin_p = SD_MIN((size_t)(nb * s / n) * qblock, count);
+    *end_p = SD_MIN((size_t)(nb * (s + 1) / n) * qblock, count);
+}
+
+static size_t qslot_bytes(size_t count, uint32_t n, int qbits, uint32_t qblock)
+{
+    uint64_t most = 0;
+    for (uint32_t s = 0; s < n; s++) {
+        size_t b, e;
+        sd_qsegment(count, n, qblock, s, &b, &e);
+        most = SD_MAX(most, sd_codec_bytes(qbits, e - b, qblock));
+    }
+    return sd_round_up(most, 64);
+}
+
+size_t sd_allreduce_qbuf_bytes(size_t count, uint32_t n, int qbits, uint32_t qblock)
+{
+    return n < 2 ? 0 : 2 * (size_t)n * qslot_bytes(count, n, qbits, qblock);
+}
+
+/* qbuf: n send slots (slot m: the encoding of member m's segment; our own: of our sum), then n
+ * receive slots (slot m: what member m sent) */
+static uint8_t *qslot(const struct sd_allreduce *ar, bool recv, uint32_t m)
+{
+    return ar->p.qbuf + ((recv ? ar->p.group.n_members : 0) + m) * ar->qstride;
+}
+
+static size_t qlen(const struct sd_allreduce *ar, uint32_t m)
+{
+    size_t b, e;
+    sd_qsegment(ar->p.count, ar->p.group.n_members, ar->p.qblock, m, &b, &e);
+    return e - b;
+}
+
+static float *qseg(const struct sd_allreduce *ar, uint32_t m)
+{
+    size_t b, e;
+    sd_qsegment(ar->p.count, ar->p.group.n_members, ar->p.qblock, m, &b, &e);
+    return ar->p.buf + b;
+}
+
+static void qar_done(struct sd_bulk *b, int status);
+
+static void qar_post(struct sd_allreduce *ar, struct sd_bulk *b, bool is_send, uint32_t m,
+                     uint32_t slot, size_t elems)
+{
+    uint32_t peer = ar->p.group.members[m];
+    uint64_t tag = ar->p.tag_base;
+    int st = sd_tag_set(&tag, SD_TAGF_SRC, is_send ? ar->p.group.self : peer);
+    if (st == SD_OK)
+        st = sd_tag_set_ring_step(&tag, ar->qphase);
+    void *piece = qslot(ar, !is_send, slot);
+    if (st == SD_OK)
+        st = sd_bulk_start(b, &(struct sd_bulk_param){
+                                  .tp = ar->p.group.tp,
+                                  .is_send = is_send,
+                                  .peer = peer,
+                                  .tag = tag,
+                                  .pieces = &piece,
+                                  .n_pieces = 1,
+                                  .piece_len = sd_codec_bytes(ar->p.qbits, elems, ar->p.qblock),
+                                  .chunk_bytes = ar->p.chunk_bytes,
+                                  .desc = ar->p.qbuf_desc,
+                                  .cb = qar_done,
+                                  .arg = ar});
+    if (st == SD_OK) {
+        ar->pending++;
+        ar->qraw += elems * sizeof(float);
+    } else if (ar->status == SD_OK) {
+        ar->status = st;
+        ar->suspect = peer;
+    }
+}
+
+/* phase 0: member m's segment to m, ours from m; phase 1: our sum to m, m's from m */
+static void qar_exchange(struct sd_allreduce *ar)
+{
+    ar->pending = 0;
+    for (uint32_t m = 0, o = 0; m < ar->p.group.n_members; m++) {
+        if (m == ar->pos)
+            continue;
+        bool first = ar->qphase == 0;
+        qar_post(ar, ar->direct_rb[o], false, m, m, qlen(ar, first ? ar->pos : m));
+        qar_post(ar, ar->qsb[o], true, m, first ? m : ar->pos, qlen(ar, first ? m : ar->pos));
+        o++;
+    }
+}
+
+static void qar_done(struct sd_bulk *b, int status)
+{
+    struct sd_allreduce *ar = b->arg;
+    const struct sd_gpu_ops *dev = ar->p.dev;
+    ar_note(ar, b, status);
+    if (--ar->pending > 0)
+        return;
+    uint32_t n = ar->p.group.n_members, bits = (uint32_t)ar->p.qbits, B = ar->p.qblock;
+    if (ar->status == SD_OK && ar->qphase == 0) {
+        /* our segment: our exact values plus the others' decoded, in member order; encoded
+         * once, and decoded back so that we hold what the others will */
+        float *mine = qseg(ar, ar->pos);
+        size_t len = qlen(ar, ar->pos);
+        for (uint32_t m = 0; m < n; m++)
+            if (m != ar->pos)
+                dev->dequantize(ar->p.queue, mine, SD_DTYPE_FP32, qslot(ar, true, m), (int)bits,
+                                len, B, true);
+        dev->quantize(ar->p.queue, qslot(ar, false, ar->pos), (int)bits, mine, SD_DTYPE_FP32, len,
+                      B);
+        dev->dequantize(ar->p.queue, mine, SD_DTYPE_FP32, qslot(ar, false, ar->pos), (int)bits, len,
+                        B, false);
+        ar_sync(ar); /* the encoding leaves */
+        if (ar->status == SD_OK) {
+            ar->qphase = 1;
+            qar_exchange(ar);
+            if (ar->pending > 0)
+                return; /* a post that failed is in ar->status: the last completion finishes */
+        }
+    } else if (ar->status == SD_OK) {
+        for (uint32_t m = 0; m < n; m++)
+            if (m != ar->pos)
+                dev->dequantize(ar->p.queue, qseg(ar, m), SD_DTYPE_FP32, qslot(ar, true, m),
+                                (int)bits, qlen(ar, m), B, false);
+        ar_sync(ar); /* the caller reads the sum */
+    }
+    ar_finish(ar);
+}
+
+static int qar_start(struct sd_allreduce *ar)
+{
+    uint32_t n = ar->p.group.n_members;
+    ar->qstride = qslot_bytes(ar->p.count, n, ar->p.qbits, ar->p.qblock);
+    for (uint32_t o = 0; o + 1 < n; o++) {
+        ar->direct_rb[o] = sd_bulk_get(ar->p.group.pool);
+        ar->qsb[o] = sd_bulk_get(ar->p.group.pool);
+        if (ar->direct_rb[o] == NULL || ar->qsb[o] == NULL) {
+            ar_release(ar);
+            return SD_EBUSY;
+        }
+    }
+    /* every other member's segment encoded once, with its error kept for the next time */
+    for (uint32_t m = 0; m < n; m++) {
+        if (m == ar->pos)
+            continue;
+        size_t b, e;
+        sd_qsegment(ar->p.count, n, ar->p.qblock, m, &b, &e);
+        if (ar->p.qerr != NULL)
+            ar->p.dev->quantize_ef(ar->p.queue, qslot(ar, false, m), ar->p.qbits, ar->p.buf + b,
+                                   ar->p.qerr + b, e - b, ar->p.qblock);
+        else
+            ar->p.dev->quantize(ar->p.queue, qslot(ar, false, m), ar->p.qbits, ar->p.buf + b,
+                                SD_DTYPE_FP32, e - b, ar->p.qblock);
+    }
+    int st = ar->p.dev->sync(ar->p.queue);
+    if (st != SD_OK) {
+        ar_release(ar);
+        return st;
+    }
+    qar_exchange(ar);
+    if (ar->pending == 0) {
+        st = ar->status ? ar->status : SD_EIO;
+        ar_release(ar);
+        return st;
+    }
+    return SD_OK;
+}
+
 int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param *p)
 {
     memset(ar, 0, sizeof(*ar));
@@ -512,8 +689,13 @@ int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param 
             ar->pos = i;
     if (ar->pos == UINT32_MAX || g->n_members < 2 ||
         g->n_members - 1 > SD_ARRAY_SIZE(ar->direct_rb) || p->dev == NULL ||
-        p->dtype != SD_DTYPE_FP32 || p->codec != SD_CODEC_IDENTITY ||
-        p->tmp_count < sd_allreduce_tmp_floats(p->count, g->n_members, p->small_bytes))
+        p->dtype != SD_DTYPE_FP32)
+        return SD_EINVAL;
+    if (p->qbits != 0
+            ? (p->qbits != SD_CODEC_INT4 && p->qbits != SD_CODEC_INT8) ||
+                  p->qblock < SD_CODEC_MIN_BLOCK || p->qblock > SD_CODEC_MAX_BLOCK ||
+                  p->qbuf == NULL || p->acc != NULL
+            : p->tmp_count < sd_allreduce_tmp_floats(p->count, g->n_members, p->small_bytes))
         return SD_EINVAL;
     for (uint32_t i = 0; i < g->n_members; i++)
         if (g->members[i] >= SD_MAX_NODES)
@@ -521,6 +703,8 @@ int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param 
     int st = p->dev->sync(p->queue); /* buf and acc as the kernels left them leave from now on */
     if (st != SD_OK)
         return st;
+    if (p->qbits != 0)
+        return qar_start(ar);
     ar->direct = p->count * sizeof(float) <= p->small_bytes;
     if (ar->direct)
         return direct_start(ar);

@@ -128,16 +128,29 @@ struct sd_coll_group {
     uint32_t n_members, self;
 };
 
-/* The codec a collective moves its data with. Only the identity exists; the quantized formats
- * (int8 and int4 blocks with a scale per block) plug in here. */
-enum sd_codec { SD_CODEC_IDENTITY = 0 };
+/* The quantized all-reduce (qbits 4 or 8, sd/codec.h's blocks): ZeRO++'s two quantization
+ * passes whatever the group size. buf is cut into n segments of whole blocks, segment s being
+ * member s's. Each member encodes every other member's segment once (with qerr, error feedback:
+ * the encoding error of each element is kept there and added before the next encoding) and
+ * sends it to its member; a member adds the decoded ones into its own exact segment in member
+ * order, encodes that sum once, decodes it back into place (so every member ends with the same
+ * values) and sends it to every other member, which decodes it into place. A ring would encode
+ * at every one of its 2 (n - 1) steps. qbuf holds sd_allreduce_qbuf_bytes bytes. */
+size_t sd_allreduce_qbuf_bytes(size_t count, uint32_t n, int qbits, uint32_t qblock);
+/* Segment s of count elements in blocks of qblock among n: [begin, end). */
+void sd_qsegment(size_t count, uint32_t n, uint32_t qblock, uint32_t s, size_t *begin_p,
+                 size_t *end_p);
 
 struct sd_allreduce_param {
     struct sd_coll_group group;
     const struct sd_gpu_ops *dev; /* every sum goes through the device backend, */
     struct sd_gpu_queue *queue;   /* on this queue: waited for before a sum leaves or is read */
     int dtype;                    /* of buf, tmp and acc: SD_DTYPE_FP32 */
-    enum sd_codec codec;
+    int qbits;                    /* 0: exact; 4 or 8: quantized (no acc then; tmp unused) */
+    uint32_t qblock;
+    uint8_t *qbuf;
+    void *qbuf_desc;
+    float *qerr; /* count floats of error feedback, or NULL */
     float *buf;
     size_t count;
     float *tmp; /* ring: ceil(count / n) floats; direct: (n - 1) * count floats */
@@ -167,12 +180,20 @@ struct sd_allreduce {
     uint8_t sstate[SD_TAG_MAX_CHUNKS], rstate[SD_TAG_MAX_CHUNKS];
     uint8_t rnext[SD_TAG_MAX_CHUNKS]; /* per chunk index: the next step to post a receive for */
     struct sd_bulk *direct_rb[SD_MAX_NODES > 64 ? 64 : SD_MAX_NODES];
+    /* quantized: the phase (0 segments to their members, 1 the sums back), the bytes of a
+     * qbuf slot, the send bulks (the receives are direct_rb's), held from start to finish, and
+     * what the same transfers would have moved unquantized */
+    uint32_t qphase;
+    size_t qstride;
+    struct sd_bulk *qsb[SD_MAX_NODES > 64 ? 64 : SD_MAX_NODES];
+    uint64_t qraw;
 };
 
 /* tmp must hold sd_allreduce_tmp_floats(count, n, small_bytes) floats. */
 size_t sd_allreduce_tmp_floats(size_t count, uint32_t n, size_t small_bytes);
-/* SD_EINVAL for a group without self or of fewer than two, a short tmp, or another dtype or
- * codec than the engine has; SD_EBUSY when the pool has no bulks for it now. */
+/* SD_EINVAL for a group without self or of fewer than two, a short tmp, another dtype than
+ * fp32, or a quantized one with acc or without qbuf; SD_EBUSY when the pool has no bulks for
+ * it now. */
 int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param *p);
 
 /* Ring segment s of count floats among n: [begin, end). */

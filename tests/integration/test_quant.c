@@ -23,6 +23,14 @@
  *   push   (,qg) every micro-step each node sends, and receives, G_g - 1 blocks of n / G_g
  *          elements per unit: int4 when the fp32 block is at least quant_min_bytes, else fp32
  *          (a fallback, counted once per unit and micro-step).
+ *   step   (,qg) the boundary hop, where R = N / G_g > 1 nodes hold replicas of a node's g
+ *          block (c elements a unit): cut into R segments of whole blocks, each node sends
+ *          every other its segment and then its own summed segment, int4 (or the exact
+ *          all-reduce, a fallback per unit and step, when c / R is under quant_min_bytes);
+ *          (,qw) the weights' all-gather after the optimizer when f_w < f_os across nodes:
+ *          each node sends its K os parts (n / f_os each) to the G_os - 1 others, int8. The
+ *          step's counters are checked as what they saved (bytes_unquantized - bytes), which
+ *          leaves out the norm's exchange.
  * bytes_unquantized equals the same formulas with the raw sizes. */
 #include "harness.h"
 
@@ -43,12 +51,12 @@ static const int N = 4, K = 2;
 
 struct qrun {
     const char *plan;
-    int fw, fg;  /* shard factors of w and g on this cluster */
-    bool qw, qg; /* what moves quantized across nodes */
-    bool small;  /* a gather pool too small to keep units from forward to backward: later
-                    gathers of a generation load the (,qsec: int8) secondary copy */
-    double rms;  /* out: RMS parameter difference to the reference */
-    double loss; /* out: final loss */
+    int fw, fg, fos; /* shard factors of w, g and os on this cluster */
+    bool qw, qg;     /* what moves quantized across nodes */
+    bool small;      /* a gather pool too small to keep units from forward to backward: later
+                        gathers of a generation load the (,qsec: int8) secondary copy */
+    double rms;      /* out: RMS parameter difference to the reference */
+    double loss;     /* out: final loss */
 };
 
 static long long enc8(long long m)
@@ -59,6 +67,13 @@ static long long enc8(long long m)
 static long long enc4(long long m)
 {
     return (m + 1) / 2 + 4 * ((m + QB - 1) / QB);
+}
+
+/* elements of segment s of c elements (nb blocks) among R */
+static long long qseg_len(long long c, long long nb, int R, int s)
+{
+    long long lo = nb * s / R * QB, hi = nb * (s + 1) / R * QB;
+    return (hi < c ? hi : c) - (lo < c ? lo : c);
 }
 
 /* the last "final loss X" line of a log, or NAN */
@@ -123,7 +138,10 @@ static void run_one(struct qrun *r, int idx)
     int nu = units_of(cl.d[0].sock, job, numel);
     TH_CHECK(nu == 4, "%s: %d units listed, the 4-layer MLP has 4", r->plan, nu);
     int Gw = r->fw > K ? r->fw / K : 1, Gg = r->fg > K ? r->fg / K : 1;
+    int Gos = r->fos > K ? r->fos / K : 1, R = N / Gg;
     long long fetch_q = 0, fetch_raw = 0, push_q = 0, push_raw = 0, fallbacks = 0;
+    long long hop_fallbacks = 0;
+    long long step_saved[4] = {0}; /* per node, per step and direction */
     for (int u = 0; u < nu; u++) {
         long long m = numel[u] / r->fw, b = numel[u] / Gg;
         fetch_q += (Gw - 1) * K * (r->qw ? enc8(m) : 4 * m);
@@ -132,6 +150,28 @@ static void run_one(struct qrun *r, int idx)
         push_q += (Gg - 1) * (q ? enc4(b) : 4 * b);
         push_raw += (Gg - 1) * 4 * b;
         fallbacks += r->qg && Gg > 1 && !q;
+        /* the boundary hop (R > 1): the node block of c elements cut into R segments of whole
+         * blocks, [nb s / R, nb (s + 1) / R) blocks; a node sends each other member its segment
+         * and then its own summed segment to each; int4 when a member's share c / R is at least
+         * quant_min_bytes in fp32, else the exact all-reduce (a fallback per step) */
+        long long c = Gg > 1 ? K * (numel[u] / r->fg) : numel[u], nb = (c + QB - 1) / QB;
+        bool hq = r->qg && R > 1 && c / R * 4 >= QMIN;
+        hop_fallbacks += r->qg && R > 1 && !hq ? 1 : 0;
+        for (int node = 0; node < N && hq; node++) {
+            int pos = node / Gg; /* its place among the nodes holding its block's replicas */
+            long long mine = qseg_len(c, nb, R, pos);
+            for (int sg = 0; sg < R; sg++) {
+                long long len = qseg_len(c, nb, R, sg);
+                if (sg != pos)
+                    step_saved[node] += 4 * len - enc4(len) + 4 * mine - enc4(mine);
+            }
+        }
+        /* the weights' all-gather after the optimizer (f_w < f_os, across nodes): each node
+         * sends its K os parts (n / f_os) to the Gos - 1 others, and receives theirs, int8 */
+        long long part = numel[u] / r->fos;
+        if (r->qw && r->fw < r->fos && Gos > 1)
+            for (int node = 0; node < N; node++)
+                step_saved[node] += (long long)K * (Gos - 1) * (4 * part - enc8(part));
     }
     for (int node = 0; node < N; node++) {
         json_t *st = th_job_stats(cl.d[node].sock, job);
@@ -149,10 +189,21 @@ static void run_one(struct qrun *r, int idx)
             {"ops.push.bytes.inter_node_recv", (long long)STEPS * ACCUM * push_q},
             {"ops.push.bytes_unquantized.inter_node_sent", (long long)STEPS * ACCUM * push_raw},
             {"ops.push.bytes_unquantized.inter_node_recv", (long long)STEPS * ACCUM * push_raw},
-            {"quantization.fallbacks", (long long)STEPS * ACCUM * fallbacks},
+            {"quantization.fallbacks", (long long)STEPS * (ACCUM * fallbacks + hop_fallbacks)},
+            {"ops.step.saved_sent", (long long)STEPS * step_saved[node]},
+            {"ops.step.saved_recv", (long long)STEPS * step_saved[node]},
         };
         for (size_t i = 0; i < sizeof(c) / sizeof(c[0]); i++) {
-            long long got = th_json_int(st, c[i].path);
+            long long got;
+            if (strncmp(c[i].path, "ops.step.saved_", 15) == 0) { /* unquantized - moved */
+                const char *dir = c[i].path + 15;
+                char a[96], b[96];
+                snprintf(a, sizeof(a), "ops.step.bytes_unquantized.inter_node_%s", dir);
+                snprintf(b, sizeof(b), "ops.step.bytes.inter_node_%s", dir);
+                got = th_json_int(st, a) - th_json_int(st, b);
+            } else {
+                got = th_json_int(st, c[i].path);
+            }
             TH_CHECK(got == c[i].want, "%s node %d: %s %lld bytes, formula %lld", r->plan, node,
                      c[i].path, got, c[i].want);
         }
@@ -169,9 +220,9 @@ static void run_one(struct qrun *r, int idx)
     }
     printf("4x2 %-24s final loss %.6f (reference %.6f, %+.2f%%), parameters: RMS difference "
            "%.3g, max %.3g; per node and step across nodes: fetch %lld B (%lld unquantized), push "
-           "%lld B (%lld); %.1f s\n",
+           "%lld B (%lld), step %lld B fewer each way; %.1f s\n",
            r->plan, lq, lr, 100.0 * (lq - lr) / lr, dd.rms, dd.maxd, fetch_q, fetch_raw,
-           (long long)ACCUM * push_q, (long long)ACCUM * push_raw, th_now_s() - t0);
+           (long long)ACCUM * push_q, (long long)ACCUM * push_raw, step_saved[0], th_now_s() - t0);
 }
 
 int main(void)
@@ -182,12 +233,13 @@ int main(void)
         return 1;
     }
     struct qrun runs[] = {
-        {"zero3,qw", 8, 8, true, false, false, 0, 0},
-        {"zero3,qg", 8, 8, false, true, false, 0, 0},
-        {"zeropp", 8, 8, true, true, false, 0, 0},
-        {"topo:2/2/8,qw,qg,qsec", 2, 2, true, true, false, 0, 0},
-        {"zeropp,ef", 8, 8, true, true, false, 0, 0},
-        {"zeropp,qsec", 8, 8, true, true, true, 0, 0},
+        {"zero3,qw", 8, 8, 8, true, false, false, 0, 0},
+        {"zero3,qg", 8, 8, 8, false, true, false, 0, 0},
+        {"zeropp", 8, 8, 8, true, true, false, 0, 0},
+        {"topo:2/2/8,qw,qg,qsec", 2, 2, 8, true, true, false, 0, 0},
+        {"zeropp,ef", 8, 8, 8, true, true, false, 0, 0},
+        {"zeropp,qsec", 8, 8, 8, true, true, true, 0, 0},
+        {"topo:2/2/8,qw,qg,qsec,ef", 2, 2, 8, true, true, false, 0, 0},
     };
     const char *only = getenv("TEST_QUANT_ONLY"); /* a plan, to run one alone */
     for (size_t i = 0; i < sizeof(runs) / sizeof(runs[0]); i++)
@@ -198,6 +250,10 @@ int main(void)
              "zeropp,ef ends %.4g (RMS) from the reference's parameters, zeropp %.4g: error "
              "feedback did not bring it closer",
              runs[4].rms, runs[2].rms);
+    TH_CHECK(only != NULL || runs[6].rms < runs[3].rms,
+             "%s ends %.4g (RMS) from the reference's parameters, %s %.4g: error feedback on the "
+             "boundary hop did not bring it closer",
+             runs[6].plan, runs[6].rms, runs[3].plan, runs[3].rms);
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_quant");
 }

@@ -2,12 +2,15 @@
  * completion queues, unexpected messages): ring (pipelined by chunk: steps overlap; 4 KiB and
  * 64-byte chunks) and direct all-reduce for 2..5 members and sizes that do not divide evenly,
  * against the exact sums, identical on every member, with the bytes each member sends equal to the
- * formulas; chunked multi-piece bulk transfers. */
+ * formulas; the quantized (int4, two encodings) all-reduce against the exact sums within its
+ * error bound, identical on every member, with the encoded byte formulas and error feedback;
+ * chunked multi-piece bulk transfers. */
 #include "coll/coll.h"
 #include "sd/model.h"
 #include "harness.h"
 #include "sd/status.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -245,6 +248,183 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
     }
 }
 
+/* the quantized all-reduce (coll.h): segment s of member s is whole blocks of B, written here
+ * from the definition: blocks [nb s / n, nb (s + 1) / n) */
+static void qseg_ref(size_t count, uint32_t n, uint32_t B, uint32_t s, size_t *b, size_t *e)
+{
+    size_t nb = (count + B - 1) / B;
+    *b = nb * s / n * B < count ? nb * s / n * B : count;
+    *e = nb * (s + 1) / n * B < count ? nb * (s + 1) / n * B : count;
+}
+
+static size_t enc4(size_t m, uint32_t B)
+{
+    return 4 * ((m + B - 1) / B) + (m + 1) / 2;
+}
+
+static float qinput(size_t e, uint32_t i, uint32_t round)
+{
+    return (float)((e * 2654435761u + i * 40503u + round * 977u) % 2001) / 1000.0f - 1.0f;
+}
+
+/* Every member ends with the same values, each within the two encodings' error of the exact
+ * sum: per block, sum over the other members of (their block's largest magnitude) / 14 for the
+ * first encoding, plus (the sum's largest magnitude) / 14 for the second; the bytes are
+ * the encoded formulas; with error feedback the residual is what the encoding lost. */
+static void run_qallreduce(uint32_t n, size_t count, uint32_t B, bool ef)
+{
+    static struct sd_bulk_pool pools[MAXN];
+    static struct sd_allreduce ars[MAXN];
+    struct sd_gpu_queue *queues[MAXN] = {0};
+    float *bufs[MAXN], *in[MAXN], *errs[MAXN] = {0}, *err0[MAXN] = {0};
+    uint8_t *qbufs[MAXN];
+    struct done done[MAXN] = {0};
+    uint32_t members[MAXN];
+    size_t qb = sd_allreduce_qbuf_bytes(count, n, 4, B);
+    for (uint32_t i = 0; i < n; i++) {
+        members[i] = i;
+        TH_CHECK(dev_under_test->queue_create(&queues[i]) == SD_OK, "queue");
+        memset(&nodes[i], 0, sizeof(nodes[i]));
+        nodes[i].base.ops = &fake_ops;
+        nodes[i].base.self = i;
+        nodes[i].base.n_peers = n;
+        sd_bulk_pool_init(&pools[i], 2 * n);
+        bufs[i] = malloc(count * sizeof(float));
+        in[i] = malloc(count * sizeof(float));
+        qbufs[i] = malloc(qb);
+        for (size_t e = 0; e < count; e++)
+            in[i][e] = bufs[i][e] = qinput(e, i, 0) * (float)(1 + e / B % 3);
+        if (ef) {
+            errs[i] = malloc(count * sizeof(float));
+            err0[i] = malloc(count * sizeof(float));
+            for (size_t e = 0; e < count; e++) /* a residual left by an earlier step */
+                err0[i][e] = errs[i][e] = qinput(e, i, 1) * 0.01f;
+        }
+    }
+    int started = 0;
+    for (uint32_t i = 0; i < n; i++)
+        started +=
+            sd_allreduce_start(&ars[i], &(struct sd_allreduce_param){.group = {.tp = &nodes[i].base,
+                                                                               .pool = &pools[i],
+                                                                               .members = members,
+                                                                               .n_members = n,
+                                                                               .self = i},
+                                                                     .dev = dev_under_test,
+                                                                     .queue = queues[i],
+                                                                     .dtype = SD_DTYPE_FP32,
+                                                                     .qbits = 4,
+                                                                     .qblock = B,
+                                                                     .qbuf = qbufs[i],
+                                                                     .qerr = errs[i],
+                                                                     .buf = bufs[i],
+                                                                     .count = count,
+                                                                     .tag_base = 0x1000,
+                                                                     .chunk_bytes = 4096,
+                                                                     .cb = ar_cb,
+                                                                     .arg = &done[i]}) == SD_OK;
+    TH_CHECK(started == (int)n, "quantized n %u count %zu: %d of %u started", n, count, started, n);
+    for (int round = 0; round < 100000; round++) {
+        int all = 1, moved = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            moved += f_progress(&nodes[i].base);
+            all &= done[i].finished;
+        }
+        if (all || !moved)
+            break;
+    }
+    int unfinished = 0, differ = 0, outside = 0;
+    double worst = 0.0;
+    for (uint32_t i = 0; i < n; i++) {
+        unfinished += !done[i].finished || done[i].status != SD_OK;
+        differ += memcmp(bufs[i], bufs[0], count * sizeof(float)) != 0;
+    }
+    for (uint32_t s = 0; s < n; s++) {
+        size_t b, e;
+        qseg_ref(count, n, B, s, &b, &e);
+        for (size_t k0 = b; k0 < e; k0 += B) {
+            size_t k1 = k0 + B < e ? k0 + B : e;
+            double first = 0.0, most = 0.0;
+            for (uint32_t m = 0; m < n; m++) {
+                double am = 0.0;
+                for (size_t k = k0; k < k1; k++) {
+                    double y = (double)in[m][k] + (ef ? (double)err0[m][k] : 0.0);
+                    am = fabs(y) > am ? fabs(y) : am;
+                }
+                first += m == s ? 0.0 : am / 14.0;
+            }
+            for (size_t k = k0; k < k1; k++) {
+                double exact = 0.0;
+                for (uint32_t m = 0; m < n; m++)
+                    exact += in[m][k] + (ef && m != s ? err0[m][k] : 0.0f);
+                most = fabs(exact) + first > most ? fabs(exact) + first : most;
+            }
+            double bound = first + most / 14.0 + 1e-5;
+            for (size_t k = k0; k < k1; k++) {
+                double exact = 0.0;
+                for (uint32_t m = 0; m < n; m++)
+                    exact += in[m][k] + (ef && m != s ? err0[m][k] : 0.0f);
+                double d = fabs((double)bufs[0][k] - exact);
+                worst = d / bound > worst ? d / bound : worst;
+                outside += d > bound;
+            }
+        }
+    }
+    TH_CHECK(unfinished == 0 && differ == 0 && outside == 0,
+             "%s quantized n %u count %zu B %u%s: %d unfinished, %d members differ from member 0, "
+             "%d elements outside the bound (worst at %.2f of it)",
+             dev_under_test->name, n, count, B, ef ? " ef" : "", unfinished, differ, outside,
+             worst);
+    for (uint32_t i = 0; i < n; i++) {
+        size_t b, e, mine, want = 0;
+        qseg_ref(count, n, B, i, &b, &e);
+        mine = e - b;
+        for (uint32_t s = 0; s < n; s++) {
+            if (s == i)
+                continue;
+            size_t bs, es;
+            qseg_ref(count, n, B, s, &bs, &es);
+            want += enc4(es - bs, B) + enc4(mine, B);
+        }
+        TH_CHECK(ars[i].bytes_sent == want && ars[i].bytes_recv == want &&
+                     ars[i].qraw == 2 * 4 * (uint64_t)(count - mine + (n - 1) * mine),
+                 "quantized n %u count %zu member %u: sent %llu received %llu (raw %llu), formula "
+                 "%zu",
+                 n, count, i, (unsigned long long)ars[i].bytes_sent,
+                 (unsigned long long)ars[i].bytes_recv, (unsigned long long)ars[i].qraw, want);
+        TH_CHECK(pools[i].in_use == 0, "bulks not returned");
+        if (ef) { /* segments sent: the residual is what the encoding in its send slot lost */
+            float *dq = malloc(count * sizeof(float));
+            int bad = 0;
+            for (uint32_t s = 0; s < n; s++) {
+                if (s == i)
+                    continue;
+                size_t bs, es;
+                qseg_ref(count, n, B, s, &bs, &es);
+                size_t stride = qb / (2 * n);
+                dev_under_test->dequantize(queues[i], dq + bs, SD_DTYPE_FP32, qbufs[i] + s * stride,
+                                           4, es - bs, B, false);
+                dev_under_test->sync(queues[i]);
+                for (size_t k = bs; k < es; k++) {
+                    float y = in[i][k] + err0[i][k];
+                    bad += fabsf(dq[k] + errs[i][k] - y) > 1e-6f * (1.0f + fabsf(y));
+                }
+            }
+            for (size_t k = b; k < e; k++) /* its own segment is never encoded by it */
+                bad += errs[i][k] != err0[i][k];
+            TH_CHECK(bad == 0, "quantized n %u member %u: %d residuals are not the encoding's loss",
+                     n, i, bad);
+            free(dq);
+        }
+        free(bufs[i]);
+        free(in[i]);
+        free(qbufs[i]);
+        free(errs[i]);
+        free(err0[i]);
+        sd_bulk_pool_fini(&pools[i]);
+        dev_under_test->queue_destroy(queues[i]);
+    }
+}
+
 static int chunks_seen;
 static void bulk_done(struct sd_bulk *b, int status)
 {
@@ -348,6 +528,16 @@ int main(void)
                     run_allreduce(n, counts[c], 1 << 20, 0, acc); /* always direct */
                 }
             }
+    }
+    static const size_t qcounts[] = {1, 63, 64, 65, 1000, 4099, 65536 + 3};
+    for (int be = 0; be < 2; be++) {
+        dev_under_test = backends[be];
+        for (uint32_t n = 2; n <= 5; n++)
+            for (size_t c = 0; c < sizeof(qcounts) / sizeof(qcounts[0]); c++)
+                for (int ef = 0; ef < 2; ef++) {
+                    run_qallreduce(n, qcounts[c], 64, ef);
+                    run_qallreduce(n, qcounts[c], 2048, ef);
+                }
     }
     run_bulk();
     return th_summary("test_coll");

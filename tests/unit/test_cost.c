@@ -43,6 +43,17 @@ int main(void)
     /* topo:2/2/8 (f_w = f_g = k: nothing per micro-step): the hop all-reduces S across 4 nodes,
      * 1.5 S; the weights' all-gather sends the node's 2 parts of S/8 to the 3 other nodes */
     TH_CHECK(total("topo:2/2/8", 4, true) == 1.5e6 + 2 * 0.125e6 * 3 + 24, "topo:2/2/8");
+    /* quantized, blocks of 2048: int8 is 1 + 4/2048 bytes an element, int4 1/2 + 4/2048. The
+     * hop moves int4 (1.5 numel of them), the weights' all-gather int8 (6 parts of numel/8) */
+    double i8 = 1.0 + 4.0 / 2048, i4 = 0.5 + 4.0 / 2048;
+    TH_CHECK(fabs(total("topo:2/2/8,qw,qg", 4, true) -
+                  (1.5 * 250000 * i4 + 6 * 250000 / 8.0 * i8 + 24)) < 1e-6,
+             "topo:2/2/8,qw,qg: %.3f", total("topo:2/2/8,qw,qg", 4, true));
+    /* zeropp = zero3,qw,qg,sec=2: one gather of 3/4 numel int8 (the secondary serves the rest),
+     * 4 reduce-scatters of 3/4 numel int4 */
+    TH_CHECK(fabs(total("zeropp", 4, false) - (0.75 * 250000 * i8 + 4 * 0.75 * 250000 * i4 + 24)) <
+                 1e-6,
+             "zeropp: %.3f", total("zeropp", 4, false));
     /* zero2 (f_w = 1, g and os over all): reduce-scatter 3/4 S per micro-step, no hop (R 1),
      * the weights' all-gather as above */
     TH_CHECK(total("zero2", 4, true) == 4 * 0.75e6 + 0.75e6 + 24, "zero2");

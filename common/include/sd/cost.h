@@ -21,7 +21,9 @@
  * moves (across nodes and inside) is numel (1 + 4 / B) bytes; with ,qg the reduce-scatter's
  * blocks are numel (1/2 + 4 / B) / G_g (the model ignores each shard's short last block and the
  * units under quant_min_bytes that go exact); with ,qsec the secondary copies are
- * numel (1 + 4 / B) / S. The boundary hop and the weights' all-gather stay exact.
+ * numel (1 + 4 / B) / S; ,qg also sends the boundary hop as int4 blocks (2 (R - 1) / R of
+ * numel (1/2 + 4 / B) / G_g) and ,qw the weights' all-gather after the optimizer as int8 blocks
+ * (numel (1 + 4 / B) / f_os a part).
  *
  * Inside the node, intra[SD_COST_PACKAGE] and intra[SD_COST_NODE] count the copies the daemon
  * makes per step on a node, each by the link between the two ranks whose memory it joins (one
