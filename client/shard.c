@@ -90,6 +90,7 @@ SAME(ENOJOB);
 SAME(ENOTHELD);
 SAME(ECONFIG);
 SAME(EPEER);
+SAME(ENONFINITE);
 #undef SAME
 
 static int fail(shard_ctx_t *ctx, int status, const char *fmt, ...)

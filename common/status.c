@@ -31,7 +31,8 @@
     X(SD_ENOJOB, "unknown job")                                                                    \
     X(SD_ENOTHELD, "unit is not held by this rank")                                                \
     X(SD_ECONFIG, "invalid configuration")                                                         \
-    X(SD_EPEER, "a peer daemon failed")
+    X(SD_EPEER, "a peer daemon failed")                                                            \
+    X(SD_ENONFINITE, "a gradient is not finite; the step was skipped")
 
 const char *sd_status_str(int status)
 {

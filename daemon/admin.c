@@ -230,6 +230,7 @@ static json_t *job_stats(const struct sd_job *job)
                           (json_int_t)job->stats.allocs_after_register, "pool_bytes",
                           (json_int_t)job->stats.pool_bytes);
     json_object_set_new(o, "units", json_integer((json_int_t)job->layout.n_units));
+    json_object_set_new(o, "steps_nonfinite", json_integer((json_int_t)job->stats.steps_nonfinite));
     json_object_set_new(o, "memory_bytes_at_register",
                         json_integer((json_int_t)job->stats.memory_bytes));
     json_object_set_new(o, "allocations_counted", json_boolean(sd_alloc_counted));

@@ -53,6 +53,8 @@ struct sd_job_sched {
 struct sd_norm_part {
     double sumsq;
     uint64_t digest, n;
+    uint32_t nonfinite_unit; /* the first unit whose gradient here is not finite, or UINT32_MAX */
+    uint32_t pad;
 };
 
 int sd_sched_alloc(struct sd_job *job);

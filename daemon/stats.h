@@ -41,6 +41,7 @@ struct sd_job_stats {
     int64_t saved[SD_OP_COUNT][SD_LINK_COUNT]; /* negative where scales outweigh the gain */
     uint64_t quant_encodes;   /* buffers quantized (w shards, gradient blocks, secondary pieces) */
     uint64_t quant_fallbacks; /* reductions ,qg left exact: units below quant_min_bytes */
+    uint64_t steps_nonfinite; /* steps skipped for a gradient that was not finite */
     uint64_t gathers, cache_hits;                /* evictions: the unit cache counts them */
     uint64_t coalesced_gathers, coalesced_units; /* transfers that moved several units, and those */
     uint64_t allocs_after_register;

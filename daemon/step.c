@@ -12,6 +12,7 @@
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -42,8 +43,8 @@ static bool weights_new(struct sd_job *job)
     return sd_job_sync(job);
 }
 
-/* Answer every rank waiting in step. */
-static void step_done(struct sd_job *job)
+/* Answer every rank waiting in step: SD_OK with the norm, or status and msg. */
+static void step_answer(struct sd_job *job, int status, const char *msg)
 {
     sd_sched_step_done(job); /* freeze or rewind the schedule; first prefetches */
     uint64_t bits, now = sd_now_ns();
@@ -54,11 +55,69 @@ static void step_done(struct sd_job *job)
             continue;
         job->stats.ops[SD_OP_STEP]++;
         sd_latency_add(&job->stats.lat[SD_OP_STEP], now - job->step.arrive_ns[r]);
-        sd_session_complete(job->ranks[r], job->step.tags[r], SD_OP_STEP, SD_OK, bits, job->steps,
-                            NULL);
+        sd_session_complete(job->ranks[r], job->step.tags[r], SD_OP_STEP, status, bits, job->steps,
+                            msg);
         job->step.waiting[r] = false;
     }
     job->step.arrived = 0;
+}
+
+static void step_done(struct sd_job *job)
+{
+    step_answer(job, SD_OK, NULL);
+}
+
+/* the first unit whose sum of squares among n parts is not finite (unit of part p: unit_of),
+ * or UINT32_MAX */
+static uint32_t nonfinite_unit(const double *parts, size_t n, uint32_t (*unit_of)(size_t, uint32_t),
+                               uint32_t arg)
+{
+    uint32_t bad = UINT32_MAX;
+    for (size_t p = 0; p < n; p++)
+        if (!isfinite(parts[p]))
+            bad = SD_MIN(bad, unit_of(p, arg));
+    return bad;
+}
+
+static uint32_t unit_major(size_t p, uint32_t per_unit)
+{
+    return (uint32_t)(p / per_unit);
+}
+
+static uint32_t rank_major(size_t p, uint32_t n_units)
+{
+    return (uint32_t)(p % n_units);
+}
+
+/* A gradient that is not finite (a NaN or an infinity in unit `unit`, or UINT32_MAX: finite parts
+ * whose sum of squares overflowed) fails the step on every rank with SD_ENONFINITE, as torch's
+ * clip_grad_norm_(error_if_nonfinite=True) raises, and the step is skipped: the accumulated
+ * gradients are discarded, the weights, the optimizer state and the step count stay as they
+ * were, and the job goes on (the next micro-steps accumulate afresh, like a GradScaler's skipped
+ * step). Every node decides alike from the exchanged norm parts. */
+static void step_skip(struct sd_job *job, uint32_t unit)
+{
+    for (uint32_t r = 0; r < job->k; r++)
+        job->reg->dev->zero(job->mem.queue, sd_job_state(job, r, SD_STATE_G),
+                            job->layout.arena_numel[SD_STATE_G] * sizeof(float));
+    if (!sd_job_sync(job))
+        return;
+    job->stats.steps_nonfinite++;
+    char msg[SD_OP_MSG_LEN];
+    unsigned long long step = (unsigned long long)job->steps + 1;
+    if (unit != UINT32_MAX)
+        snprintf(msg, sizeof(msg),
+                 "step %llu: unit %u (first tensor '%.60s') has a non-finite gradient (NaN or "
+                 "inf): step skipped, gradients discarded, weights unchanged",
+                 step, unit, job->model.tensors[job->layout.units[unit].first_tensor].name);
+    else
+        snprintf(msg, sizeof(msg),
+                 "step %llu: the gradient norm is not finite (its sum of squares overflowed): "
+                 "step skipped, gradients discarded, weights unchanged",
+                 step);
+    SD_WARN("job", "job '%s': %s", job->name, msg);
+    job->step.phase = SD_STEP_IDLE;
+    step_answer(job, SD_ENONFINITE, msg);
 }
 
 /* One node: the replicas of each g shard are all here (rank i of the first g-partition group
@@ -95,6 +154,8 @@ static bool sync_in_node(struct sd_job *job)
     for (size_t p = 0; p < (size_t)l->n_units * f; p++)
         sumsq += parts[p];
     job->step.norm_parts[0].sumsq = sumsq;
+    job->step.norm_parts[0].nonfinite_unit =
+        nonfinite_unit(parts, (size_t)l->n_units * f, unit_major, f);
     return true;
 }
 
@@ -252,7 +313,10 @@ static void norm_start(struct sd_job *job)
     for (size_t p = 0; p < n_parts; p++)
         local += parts[p];
     job->step.norm_parts[me] = (struct sd_norm_part){
-        .sumsq = local, .digest = job->sched.digest, .n = job->sched.rec_len[0]};
+        .sumsq = local,
+        .digest = job->sched.digest,
+        .n = job->sched.rec_len[0],
+        .nonfinite_unit = nonfinite_unit(parts, n_parts, rank_major, job->layout.n_units)};
     job->step.phase = SD_STEP_NORM;
     job->step.status = SD_OK;
     job->step.pending = 0;
@@ -326,8 +390,15 @@ void sd_step_progress(struct sd_job *job)
         if (job->xfer.w_sends_inflight > 0)
             return; /* peers still read this node's weights of the current generation */
         double sumsq = 0.0;
-        for (uint32_t m = 0; m < job->nodes; m++)
+        uint32_t bad = UINT32_MAX;
+        for (uint32_t m = 0; m < job->nodes; m++) {
             sumsq += job->step.norm_parts[m].sumsq;
+            bad = SD_MIN(bad, job->step.norm_parts[m].nonfinite_unit);
+        }
+        if (bad != UINT32_MAX || !isfinite(sumsq)) {
+            step_skip(job, bad);
+            return;
+        }
         job->last_grad_norm = sd_optimizer_apply(job, sumsq);
         /* the exchanges send the owners' new parts */
         if (sd_weights_remote(job) && !sd_job_sync(job))

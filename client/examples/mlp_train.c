@@ -41,7 +41,11 @@ struct opts {
     int eval_every;            /* a forward-only pass after every N steps */
     int diverge_from;          /* ranks >= this make extra calls in step 1; 0: none */
     bool final_loss;           /* --final-loss: the trained parameters' held-out loss */
+    int nonfinite; /* --nonfinite STEP: rank 0 pushes a NaN in unit 1 then; the step fails */
 };
+
+/* the unit (layer) whose gradient --nonfinite poisons */
+#define NONFINITE_UNIT 1
 
 /* does layer l run in step (counted from 0)? A skipped layer is the identity. */
 static bool skipped(const struct opts *o, int step, int l)
@@ -382,6 +386,7 @@ static int run_reference(const struct opts *o, const struct model *m)
     struct acts ac;
     acts_alloc(&ac, m, o->batch);
     float *y = calloc((size_t)o->batch * OUT_DIM, sizeof(float));
+    uint64_t applied = 0; /* optimizer steps taken (AdamW's t) */
 
     for (int step = 0; step < o->steps; step++) {
         for (uint32_t t = 0; t < m->n_tensors; t++) { /* working weights */
@@ -422,14 +427,19 @@ static int run_reference(const struct opts *o, const struct model *m)
         for (uint32_t t = 0; t < m->n_tensors; t++)
             for (uint64_t i = 0; i < m->numel[t]; i++)
                 sumsq += (double)acc[t][i] * (double)acc[t][i];
+        if (o->nonfinite == step + 1) { /* shardd fails and skips this step: so does this */
+            if (!o->quiet)
+                printf("step %d skipped (non-finite gradient)\n", step + 1);
+            continue;
+        }
+        applied++;
         double norm = sqrt(sumsq) / (double)o->world;
         float scale = 1.0f / (float)o->world;
         if (o->max_grad_norm > 0.0f && norm > (double)o->max_grad_norm)
             scale = scale * (float)((double)o->max_grad_norm / (norm + 1e-6));
         for (uint32_t t = 0; t < m->n_tensors; t++) {
             if (strcmp(o->optimizer, "adamw") == 0)
-                ref_adamw(o, master[t], mom[t], vel[t], acc[t], scale, m->numel[t],
-                          (uint64_t)step + 1);
+                ref_adamw(o, master[t], mom[t], vel[t], acc[t], scale, m->numel[t], applied);
             else
                 ref_sgd(o, master[t], mom[t], acc[t], scale, m->numel[t]);
         }
@@ -621,6 +631,8 @@ static int run_shardd(const struct opts *o, const struct model *m)
                     zero_padding(gl, &ui[l], &ti[2 * l]);
                 layer_backward(m, l, wl + ti[2 * l].offset, gl + ti[2 * l].offset,
                                gl + ti[2 * l + 1].offset, &ac, o->batch);
+                if (o->nonfinite == step + 1 && micro == 0 && o->rank == 0 && l == NONFINITE_UNIT)
+                    gl[ti[2 * l].offset + 3] = NAN;
                 CHECK(shard_release(ctx, (uint32_t)l));
                 p0 = now_s();
                 if (o->bf16) {
@@ -637,6 +649,21 @@ static int run_shardd(const struct opts *o, const struct model *m)
             }
         }
         double norm = 0.0, s0 = now_s();
+        if (o->nonfinite == step + 1) { /* the step must fail, naming the unit, and the job go on */
+            int st = shard_step(ctx, &norm);
+            char want[32];
+            snprintf(want, sizeof(want), "unit %d ", NONFINITE_UNIT);
+            if (st != SHARD_ENONFINITE || strstr(shard_last_error(ctx), want) == NULL) {
+                fprintf(
+                    stderr, "mlp_train rank %d: step %d with a NaN gradient in unit %d: %s: %s\n",
+                    o->rank, step + 1, NONFINITE_UNIT, shard_strerror(st), shard_last_error(ctx));
+                rc = 1;
+                goto out;
+            }
+            printf("rank %d step %d failed as it must: %s: %s\n", o->rank, step + 1,
+                   shard_strerror(st), shard_last_error(ctx));
+            continue;
+        }
         CHECK(shard_step(ctx, &norm));
         spent.step += now_s() - s0;
         clock_gettime(CLOCK_MONOTONIC, &ts1);
@@ -746,7 +773,7 @@ static void usage(FILE *out)
             "                 [--max-live-bytes B] [--skip-layer STEP:LAYER] [--eval-every N]\n"
             "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
             "                 [--dump-params FILE] [--reference] [--compute-only] [--quiet]\n"
-            "                 [--timing] [--zero-copy] [--final-loss]\n"
+            "                 [--timing] [--zero-copy] [--final-loss] [--nonfinite STEP]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
@@ -765,7 +792,10 @@ static void usage(FILE *out)
             "forward and backward passes (matrix products and compute waits) on its own copy\n"
             "of the weights, without shardd and without updates: the compute alone.\n"
             "--final-loss prints the trained parameters' mean loss on 16 held-out batches of\n"
-            "64 (rank 0, or the reference): the same measure for any world, plan or accum.\n",
+            "64 (rank 0, or the reference): the same measure for any world, plan or accum.\n"
+            "--nonfinite makes rank 0 push a NaN in unit 1's gradient in step STEP (from 1):\n"
+            "that step must fail with SHARD_ENONFINITE naming the unit, and training go on\n"
+            "(the reference skips the step's update alike).\n",
             IN_DIM, OUT_DIM, MAX_LAYERS);
 }
 
@@ -854,6 +884,8 @@ int main(int argc, char **argv)
             o.eval_every = atoi(v);
         } else if (strcmp(a, "--final-loss") == 0) {
             o.final_loss = true;
+        } else if (ARG("--nonfinite")) {
+            o.nonfinite = atoi(v);
         } else if (ARG("--diverge-from")) {
             o.diverge_from = atoi(v);
         } else if (ARG("--dump-params")) {

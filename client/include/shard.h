@@ -53,6 +53,8 @@ enum {
     SHARD_ENOTHELD = -1007,
     SHARD_ECONFIG = -1008,
     SHARD_EPEER = -1009,
+    SHARD_ENONFINITE = -1010, /* shard_step: a gradient was NaN or infinite; the step was skipped
+                                 (gradients discarded, weights unchanged) and the job goes on */
 };
 
 typedef enum { SHARD_FP32 = 0, SHARD_BF16 = 1, SHARD_FP16 = 2 } shard_dtype_t;

@@ -29,6 +29,7 @@ OK = 0
 EINVAL, ENOSPC, ETIMEDOUT, ECONNRESET = -22, -28, -110, -104
 ESTATE, EMISMATCH, EJOBFAILED, EVERSION = -1001, -1002, -1003, -1004
 ENOUNIT, ENOJOB, ENOTHELD, ECONFIG, EPEER = -1005, -1006, -1007, -1008, -1009
+ENONFINITE = -1010  # step: a gradient was NaN or infinite; the step was skipped, the job goes on
 
 
 class ShardError(RuntimeError):

@@ -39,7 +39,8 @@ enum sd_status {
     SD_ENOTHELD = -(SD_ERR_OFFSET + 7),   /* release of a unit the rank does not hold */
     SD_ECONFIG = -(SD_ERR_OFFSET + 8),    /* bad configuration value */
     SD_EPEER = -(SD_ERR_OFFSET + 9),      /* a peer daemon failed or vanished */
-    SD_ESTATUS_MIN = -(SD_ERR_OFFSET + 10)
+    SD_ENONFINITE = -(SD_ERR_OFFSET + 10), /* a gradient is not finite: the step was skipped */
+    SD_ESTATUS_MIN = -(SD_ERR_OFFSET + 11)
 };
 
 /* Human-readable text for a status; never NULL, also for unknown values. */
