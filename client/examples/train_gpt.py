@@ -132,7 +132,7 @@ def train(a):
     torch.set_num_threads(1)
     model = build(a)
     log = {"mode": "ddp" if a.ddp else "shardd", "plan": a.plan, "dtype": a.dtype, "steps": [],
-           "loss": [], "norm": [], "step_s": []}
+           "loss": [], "norm": [], "step_s": [], "skipped": []}
     if a.ddp:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -159,14 +159,28 @@ def train(a):
             with ctx:
                 logits = net(x)
                 loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
-                (loss / a.accum).backward()
+                poison = a.nan_step == step + 1 and micro == 0 and a.rank == 0
+                (loss * (float("nan") if poison else 1.0) / a.accum).backward()
             total += loss.item() / a.accum
         if a.ddp:
-            opt.step()
+            finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
+                         if p.grad is not None)
+            if finite:
+                opt.step()
+            else:  # as shardd does: the step is skipped, its gradients dropped
+                log["skipped"].append([step + 1, "non-finite gradient"])
             opt.zero_grad(set_to_none=True)
             norm = float("nan")
         else:
-            norm = st.step()
+            try:
+                norm = st.step()
+            except shard.ShardError as e:
+                if e.status != shard.ENONFINITE:
+                    raise
+                log["skipped"].append([step + 1, e.message])  # the job goes on
+                norm = float("nan")
+                if a.rank == 0 and not a.quiet:
+                    print(f"step {step + 1} skipped: {e.message}", flush=True)
         dt = time.time() - t0
         log["steps"].append(step + 1)
         log["loss"].append(total)
@@ -232,7 +246,7 @@ class _nullcontext:
 
 # ---- --launch: both trainings on an emulated cluster, throughput and a PNG of the loss curves
 
-def png(path, curves, width=640, height=400):
+def png(path, curves, plan, width=640, height=400):
     """Write a PNG line plot of curves [(values, (r, g, b))] with axes (standard library only)."""
     img = [[(255, 255, 255)] * width for _ in range(height)]
     m = 40
@@ -268,7 +282,8 @@ def png(path, curves, width=640, height=400):
         return (struct.pack(">I", len(data)) + kind + data +
                 struct.pack(">I", zlib.crc32(kind + data) & 0xffffffff))
 
-    text = b"Title\0loss per step: shardd (blue, top swatch) vs DDP gloo (orange)"
+    text = (b"Title\0loss per step: shardd plan " + plan.encode() +
+            b" (blue, top swatch) vs DDP gloo (orange)")
     with open(path, "wb") as f:
         f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8,
                                                                   2, 0, 0, 0)) +
@@ -303,12 +318,14 @@ def launch(a):
     s = json.load(open(os.path.join(out, "shardd-0.json")))
     d = json.load(open(os.path.join(out, "ddp-0.json")))
     worst = max(abs(x - y) / abs(y) for x, y in zip(s["loss"], d["loss"]))
+    final = (s["loss"][-1] - d["loss"][-1]) / d["loss"][-1]
     print(f"== {a.steps} steps, {world} ranks, plan {a.plan}, {a.dtype}: shardd "
           f"{s['tokens_per_s']:.0f} tokens/s, DDP (gloo) {d['tokens_per_s']:.0f} tokens/s "
           f"({s['tokens_per_s'] / d['tokens_per_s']:.2f}x); loss {s['loss'][0]:.4f} -> "
-          f"{s['loss'][-1]:.4f}; largest relative loss difference to DDP {worst:.2e}")
+          f"{s['loss'][-1]:.4f} (DDP {d['loss'][-1]:.4f}, final difference {final:+.2%}); "
+          f"largest relative loss difference to DDP over the run {worst:.2e}")
     if a.plot:
-        png(a.plot, [(s["loss"], (31, 119, 180)), (d["loss"], (255, 127, 14))])
+        png(a.plot, [(s["loss"], (31, 119, 180)), (d["loss"], (255, 127, 14))], a.plan)
         print(f"== loss curves (shardd blue, DDP orange): {a.plot}")
 
 
@@ -336,6 +353,9 @@ def main():
     p.add_argument("--log", help="write losses and timings as JSON")
     p.add_argument("--dump", help="write the final parameters (torch.save)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--nan-step", type=int, default=0,
+                   help="rank 0's loss is NaN in this step's first micro-step: the step fails "
+                        "with shard.ENONFINITE and is skipped (DDP skips it alike)")
     p.add_argument("--check-zero-copy", action="store_true",
                    help="check that every parameter views the shared slot (exit 3 if not)")
     p.add_argument("--launch", action="store_true", help="run shardd and DDP on a cluster")

@@ -150,12 +150,14 @@ class _State:
         for u in range(len(self.units)):
             if self.grads[u] or self.bwd_held[u]:
                 self._push(u)  # missing gradients count as zero
-        norm = self.ctx.step()
-        for u, plist in enumerate(self.params):
-            for _, p in plist:
-                p.grad = None
-                p.data = self.placeholder[p.dtype]
-            self.views[u] = None
+        try:
+            norm = self.ctx.step()
+        finally:  # also when the step failed (a skipped step, ENONFINITE): the next one goes on
+            for u, plist in enumerate(self.params):
+                for _, p in plist:
+                    p.grad = None
+                    p.data = self.placeholder[p.dtype]
+                self.views[u] = None
         return norm
 
 
@@ -248,7 +250,11 @@ def _state_of(model):
 
 def step(model=None):
     """Push the gradients not pushed yet, run the optimizer step in shardd, return the global
-    gradient norm (before clipping). Replaces optimizer.step() and optimizer.zero_grad()."""
+    gradient norm (before clipping). Replaces optimizer.step() and optimizer.zero_grad().
+
+    A NaN or infinite gradient raises shard.ShardError with .status == shard.ENONFINITE and a
+    message naming the unit: the step was skipped (gradients dropped, weights and optimizer
+    state unchanged) on every rank, and training can go on with the next step."""
     return _state_of(model).step()
 
 
