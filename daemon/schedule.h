@@ -50,6 +50,8 @@ struct sd_job_sched {
 
 /* what each node contributes at a step: its part of the gradient norm, and the digest and
  * length of the schedule it recorded in this step (0 when not recording) */
+/* What each node sends every other at the step (32 bytes): its squared norm, its schedule's
+ * digest and length, and the first unit whose gradient it found not finite. */
 struct sd_norm_part {
     double sumsq;
     uint64_t digest, n;

@@ -16,6 +16,8 @@
 #include <stdio.h>
 #include <string.h>
 
+_Static_assert(sizeof(struct sd_norm_part) == 32, "the norm exchange is 32 bytes (schedule.h)");
+
 /* Re-gather units that are held across the step so their holders see the new weights. */
 static void refresh_held(struct sd_job *job)
 {

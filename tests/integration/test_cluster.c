@@ -14,7 +14,7 @@
  *          backward pass finds the unit cached) plus once for rank 0's final dump on node 0
  *   push   the reduce-scatter sends and receives (p - k) / p S per node every micro-step
  *   step   the 2-hop all-reduce across the R = N / G replication nodes sends 2 (R - 1) / R of the
- *          node's block (S / G) once per step, not per micro-step, plus 24 (N - 1) bytes of norm
+ *          node's block (S / G) once per step, not per micro-step, plus 32 (N - 1) bytes of norm
  *          and schedule digest;
  *          without 2-hop that all-reduce moves into every micro-step's push.
  *
@@ -90,7 +90,7 @@ static void run_one(const struct run *r, int idx)
         long long ar = R > 1 ? 2LL * (R - 1) * ar_count / R : 0;
         if (!two_hop)
             push += (long long)T * s * ar;
-        long long step = (long long)T * ((two_hop ? ar : 0) + 24LL * (N - 1));
+        long long step = (long long)T * ((two_hop ? ar : 0) + 32LL * (N - 1));
         long long got[5] = {th_json_int(st, "ops.init.bytes.inter_node_sent"),
                             th_json_int(st, "ops.init.bytes.inter_node_recv"),
                             th_json_int(st, "ops.fetch.bytes.inter_node_recv"),

@@ -19,7 +19,7 @@
  *          G_g = 1) across the R nodes, 2 (R - 1) / R B, each optimizer owner then reads its os
  *          part; the weights' all-gather (f_w < f_os, f_os > k) sends each of the node's k os
  *          parts (S_w / f_os each) to every node of the os group that holds its w shard:
- *          G_os - 1 nodes when f_w <= k, else G_os / G_w - 1; 24 (N - 1) bytes of norm and
+ *          G_os - 1 nodes when f_w <= k, else G_os / G_w - 1; 32 (N - 1) bytes of norm and
  *          schedule digest.
  * With an active secondary partition (,sec=S, f_w > S) and a gather pool too small to keep a
  * unit from forward to backward (--max-live-bytes), only the first gather of each weights
@@ -224,7 +224,7 @@ static void run_one(const struct run *r, int idx)
             want_fetch,
             T * s * (Gg - 1) * B,
             T * s * (Gg - 1) * B,
-            T * (hop + wag + 24LL * (N - 1)),
+            T * (hop + wag + 32LL * (N - 1)),
         };
         static const char *const path[6] = {
             "ops.init.bytes.inter_node_sent",  "ops.init.bytes.inter_node_recv",
