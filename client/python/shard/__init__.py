@@ -158,6 +158,11 @@ class Tensor:
         self.name, self.dims, self.dtype, self.unit = name, tuple(int(d) for d in dims), dtype, unit
 
 
+# the optimizer dict's keys (shard.h's shard_optimizer_t)
+_OPTIMIZER_KEYS = {"name", "lr", "betas", "beta1", "beta2", "eps", "weight_decay", "momentum",
+                   "max_grad_norm"}
+
+
 class Context:
     """An attached trainer process (one per rank; not thread-safe)."""
 
@@ -185,6 +190,10 @@ class Context:
             keep += [dims, name]
             arr[i] = _Tensor(name, len(t.dims), dims, t.dtype, t.unit)
         o = dict(optimizer)
+        unknown = sorted(set(o) - _OPTIMIZER_KEYS)
+        if unknown:
+            raise ValueError(f"register: unknown optimizer key '{unknown[0]}' (known: "
+                             f"{', '.join(sorted(_OPTIMIZER_KEYS))})")
         betas = o.get("betas", (o.get("beta1", 0.9), o.get("beta2", 0.999)))
         oname = _b(o.get("name", "adamw"))
         keep.append(oname)

@@ -26,6 +26,8 @@ CUDA tensors use the same path: the fetched host view is copied to the parameter
 gradients are copied back before the push (the daemon's CUDA backend replaces both copies).
 """
 import ctypes
+import os
+import warnings
 
 import torch
 
@@ -161,26 +163,162 @@ class _State:
         return norm
 
 
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
 def _default_units(model):
-    units = [m for m in model.children() if any(True for _ in m.parameters())]
+    """Every direct child with parameters; a container (ModuleList, ModuleDict, Sequential) is
+    descended into, so that each of its members is a unit: a ModuleList is never called itself,
+    and its members' hooks are the ones that fire."""
+    units = []
+    for m in model.children():
+        if not any(True for _ in m.parameters()):
+            continue
+        if isinstance(m, _CONTAINERS):
+            units += _default_units(m)
+        else:
+            units.append(m)
     return units
 
 
-def wrap(model, socket=None, job="torch", rank=0, world=1, plan="zero3", optimizer=None,
+# torch's defaults, per optimizer (torch.optim.AdamW, torch.optim.SGD)
+_DEFAULTS = {"adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2},
+             "sgd": {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0}}
+_KEYS = {"adamw": {"name", "lr", "betas", "eps", "weight_decay", "max_grad_norm"},
+         "sgd": {"name", "lr", "momentum", "weight_decay", "max_grad_norm"}}
+# a torch optimizer's options that shardd's optimizer has, and those it accepts only at torch's
+# default value (any other value is refused, naming the option)
+_TORCH_SAME = {"adamw": {"amsgrad": False, "maximize": False, "capturable": False,
+                         "differentiable": False, "fused": None, "foreach": None},
+               "sgd": {"dampening": 0, "nesterov": False, "maximize": False,
+                       "differentiable": False, "foreach": None}}
+
+
+def _optimizer_of(optimizer, params):
+    """The optimizer dict shardd registers, from a dict or a torch optimizer, with torch's
+    defaults; unknown or unsupported keys are refused naming the key."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _from_torch(optimizer, params)
+    if not isinstance(optimizer, dict):
+        raise TypeError(f"shard.torch.wrap: optimizer must be a dict or a torch.optim.AdamW/SGD, "
+                        f"not {type(optimizer).__name__}")
+    name = str(optimizer.get("name", "adamw")).lower()
+    if name not in _DEFAULTS:
+        raise ValueError(f"shard.torch.wrap: optimizer '{name}' is not supported (adamw, sgd)")
+    for k in optimizer:
+        if k not in _KEYS[name]:
+            raise ValueError(f"shard.torch.wrap: optimizer key '{k}' is not known for {name} "
+                             f"(known: {', '.join(sorted(_KEYS[name]))})")
+    out = dict(_DEFAULTS[name], name=name)
+    out.update(optimizer)
+    out["name"] = name
+    return out
+
+
+def _from_torch(opt, params):
+    kinds = {torch.optim.AdamW: "adamw", torch.optim.SGD: "sgd"}
+    name = kinds.get(type(opt))
+    if name is None:
+        raise ValueError(f"shard.torch.wrap: torch optimizer {type(opt).__name__} is not "
+                         "supported (torch.optim.AdamW, torch.optim.SGD)")
+    groups = opt.param_groups
+    keys = ["lr", "weight_decay"] + (["betas", "eps"] if name == "adamw" else ["momentum"])
+    first = groups[0]
+    for g in groups[1:]:
+        for k in keys:
+            if g[k] != first[k]:
+                raise ValueError(f"shard.torch.wrap: the optimizer's param groups differ in "
+                                 f"'{k}' ({first[k]} and {g[k]}); one set of hyperparameters "
+                                 "for the whole model is supported")
+    for k, want in _TORCH_SAME[name].items():
+        for g in groups:
+            if k in g and g[k] != want and not (want is None and g[k] is False):
+                raise ValueError(f"shard.torch.wrap: {type(opt).__name__} option '{k}'={g[k]} "
+                                 "is not supported by shardd's optimizer")
+    mine = {id(p) for g in groups for p in g["params"]}
+    missing = [n for n, p in params if p.requires_grad and id(p) not in mine]
+    if missing:
+        raise ValueError(f"shard.torch.wrap: parameter '{missing[0]}' is not in the torch "
+                         "optimizer's param groups; shardd updates every parameter it holds")
+    out = {"name": name}
+    for k in keys:
+        out[k] = tuple(first[k]) if k == "betas" else first[k]
+    if len(opt.state):
+        raise ValueError("shard.torch.wrap: the torch optimizer has taken steps already; its "
+                         "state cannot be moved into shardd (wrap before the first step)")
+    return out
+
+
+def _launcher(job, rank, world):
+    """rank, world and the job name from torchrun's variables where not given."""
+    env = os.environ
+    if rank is None:
+        rank = int(env.get("RANK", 0))
+    if world is None:
+        world = int(env.get("WORLD_SIZE", 1))
+    if job is None:
+        run = env.get("TORCHELASTIC_RUN_ID")
+        job = f"torch-{run}" if run else "torch"
+    if not 0 <= rank < world:
+        raise ValueError(f"shard.torch.wrap: rank {rank} is outside world {world} (RANK "
+                         f"{env.get('RANK')}, WORLD_SIZE {env.get('WORLD_SIZE')})")
+    return job, rank, world
+
+
+_clip_patched = False
+
+
+def _patch_clip():
+    """torch.nn.utils.clip_grad_norm_ on a wrapped model's parameters sees empty gradients
+    (they are in shardd once pushed): it warns once, pointing to the optimizer's max_grad_norm."""
+    global _clip_patched
+    if _clip_patched:
+        return
+    orig = torch.nn.utils.clip_grad_norm_
+    warned = [False]
+
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        if not warned[0] and any(getattr(p, "_shard_wrapped", False) for p in parameters):
+            warned[0] = True
+            warnings.warn("shard.torch: clip_grad_norm_ on a wrapped model does nothing (the "
+                          "gradients are in shardd); clip with the optimizer's 'max_grad_norm' "
+                          "instead", stacklevel=2)
+        return orig(parameters, *args, **kwargs)
+
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    _clip_patched = True
+
+
+def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
          units=None, max_live_bytes=0):
     """Register model's parameters with shardd and install the hooks; returns model.
 
+    rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
+    ("torch-<id>"; else rank 0 of 1, job "torch"); socket from $SHARD_SOCKET.
     units: submodules (or their names) that become units, in forward order; by default every
-    direct child with parameters. Parameters outside them form one more unit fetched around the
-    whole model's forward. optimizer: {"name": "adamw"|"sgd", "lr", "betas", "eps",
-    "weight_decay", "momentum", "max_grad_norm"}. plan: "topo:W/G/OS" (shard factors of the
+    direct child with parameters, descending into ModuleList, ModuleDict and Sequential.
+    Parameters outside them form one more unit fetched around the whole model's forward.
+    optimizer: {"name": "adamw"|"sgd", "lr", "betas", "eps", "weight_decay", "momentum",
+    "max_grad_norm"} with torch's defaults (AdamW: lr 1e-3, betas (0.9, 0.999), eps 1e-8,
+    weight_decay 0.01; SGD: lr 1e-3, momentum 0, weight_decay 0), unknown keys refused; or a
+    torch.optim.AdamW / SGD built on the model's parameters (one set of hyperparameters for
+    every group), translated. plan: "topo:W/G/OS" (shard factors of the
     weights, gradients and optimizer states) or a preset: "ddp", "zero1", "zero2", "zero3",
     "mics:P", "topo", "topo-fp", "zeropp" (with ",no-hier", ",no-2hop", ",sec=S" and the quantized
     ",qw", ",qg", ",qsec", ",ef", ",qblock=B"; README, Plans). Every rank must build the same
     model; rank 0's values are the initial ones."""
     global _current
-    if optimizer is None:
-        optimizer = {"name": "adamw", "lr": 1e-3}
+    job, rank, world = _launcher(job, rank, world)
+    optimizer = _optimizer_of({"name": "adamw"} if optimizer is None else optimizer,
+                              list(model.named_parameters()))
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ValueError(f"shard.torch.wrap: parameter '{frozen[0]}' does not require a gradient; "
+                         "frozen parameters are not supported yet (keep them outside the wrapped "
+                         "model, or unfreeze them)")
     if units is None:
         units = _default_units(model)
     units = [model.get_submodule(m) if isinstance(m, str) else m for m in units]
@@ -227,18 +365,43 @@ def wrap(model, socket=None, job="torch", rank=0, world=1, plan="zero3", optimiz
     state = _State(model, ctx, units, plist, job)
     for dt in {p.dtype for ps in plist for _, p in ps}:
         state.placeholder[dt] = torch.empty(0, dtype=dt)
-    for u, m in enumerate(units):
-        state.handles.append(m.register_forward_pre_hook(
-            lambda mod, inp, u=u: state._pre_forward(u)))
-        state.handles.append(m.register_forward_hook(
-            lambda mod, inp, out, u=u: state._post_forward(u, out)))
-        for i, (_, p) in enumerate(plist[u]):
-            state.handles.append(p.register_hook(
-                lambda g, u=u, i=i: state._grad_ready(u, i, g)))
-            p.data = state.placeholder[p.dtype]  # the values live in shardd now
+    saved = []  # (param, its data): put back if wrap fails half-way
+    try:
+        for u, m in enumerate(units):
+            state.handles.append(m.register_forward_pre_hook(
+                lambda mod, inp, u=u: state._pre_forward(u)))
+            state.handles.append(m.register_forward_hook(
+                lambda mod, inp, out, u=u: state._post_forward(u, out)))
+            for i, (_, p) in enumerate(plist[u]):
+                state.handles.append(p.register_hook(
+                    lambda g, u=u, i=i: state._grad_ready(u, i, g)))
+                saved.append((p, p.data))
+                p.data = state.placeholder[p.dtype]  # the values live in shardd now
+                p._shard_wrapped = True
+    except BaseException:  # no hooks left behind, the values back, the job left
+        for h in state.handles:
+            h.remove()
+        for p, d in saved:
+            p.data = d
+            p.__dict__.pop("_shard_wrapped", None)
+        ctx.detach()
+        raise
     model._shard_state = state
+    model.state_dict = lambda *a, **k: _full_state_dict_of(model, *a, **k)
+    _patch_clip()
     _current = state
     return model
+
+
+def _full_state_dict_of(model, destination=None, prefix="", keep_vars=False):
+    """model.state_dict() of a wrapped model: the full tensors, as FSDP's full state dict."""
+    out = full_state_dict(model)
+    if destination is None:
+        import collections
+        destination = collections.OrderedDict()
+    for k, v in out.items():
+        destination[prefix + k] = v
+    return destination
 
 
 def _state_of(model):
@@ -290,4 +453,8 @@ def unwrap(model=None):
     st.ctx.detach()
     if _current is st:
         _current = None
+    for ps in st.params:
+        for _, p in ps:
+            p.__dict__.pop("_shard_wrapped", None)
+    st.model.__dict__.pop("state_dict", None)
     del st.model._shard_state

@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""shard.torch's behaviour where training scripts rely on torch's, against single-process torch
+on one real daemon (world 1 in this process; world 2 in two launched processes):
+
+  - default units descend into ModuleList (a GPT's blocks): a model whose blocks sit in a
+    ModuleList trains, and ends allclose to plain torch AdamW after 6 steps (per-step losses too);
+  - optimizer=torch.optim.AdamW(model.parameters(), lr=...) is accepted and translated with
+    torch's defaults (weight decay 0.01), the same run as the reference's;
+  - a dict with an unknown key ('weight_decy'), AdamW(amsgrad=True), param groups that differ in
+    weight decay, an optimizer of another kind: refused naming the key, option or class;
+  - a frozen parameter: refused naming it, before anything is registered (the same job name
+    registers right after);
+  - a wrap that fails half-way (a hook that cannot be installed) leaves no hook, puts the
+    parameters' values back, and leaves no job: wrapping again under the same name works;
+  - model.state_dict() of a wrapped model returns the full tensors (FSDP's full state dict):
+    the keys of the unwrapped model, the values of full_state_dict;
+  - clip_grad_norm_ on a wrapped model warns once, pointing to max_grad_norm;
+  - RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID (torchrun's variables) set rank, world and the job
+    name ("torch-<id>") when wrap is not given them; a RANK outside WORLD_SIZE is refused.
+
+Skipped (exit 77, with the reason) where PyTorch cannot be imported.
+usage: test_torch_api.py SHARDD LIBSHARD
+"""
+import copy
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+try:
+    import torch
+    import torch.nn as nn
+except ImportError as e:
+    print(f"SKIP: PyTorch cannot be imported ({e}); tools/deps.sh installs python3-torch")
+    sys.exit(77)
+
+shardd, libshard = sys.argv[1], sys.argv[2]
+os.environ["SHARD_LIBRARY"] = libshard
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+import shard  # noqa: E402
+import shard.torch as st  # noqa: E402
+
+passed = failed = 0
+
+
+def check(cond, what):
+    global passed, failed
+    if cond:
+        passed += 1
+    else:
+        failed += 1
+        print(f"FAIL: {what}", flush=True)
+
+
+def raises(fn, *words):
+    """fn() raises, and its message names every word"""
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return all(w in str(e) for w in words), str(e)
+    return False, "(nothing raised)"
+
+
+class Net(nn.Module):
+    """embedding, blocks in a ModuleList (called in a loop, as GPTs do), head"""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        for b in self.blocks:
+            h = torch.tanh(b(h))
+        return self.head(h)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+
+
+def train(model, steps, opt=None):
+    """losses; through shardd when opt is None"""
+    losses = []
+    for s in range(steps):
+        x, y = batch(s)
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        losses.append(loss.item())
+        if opt is None:
+            st.step(model)
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return losses
+
+
+work = tempfile.mkdtemp(prefix="shardd-torchapi-")
+sock = os.path.join(work, "shardd.sock")
+daemon = subprocess.Popen([shardd, "--runtime-dir", work, "--log-level", "warn"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+os.environ["SHARD_SOCKET"] = sock
+for _ in range(200):
+    if os.path.exists(sock):
+        break
+    time.sleep(0.05)
+try:
+    check(os.path.exists(sock), "shardd started")
+    torch.manual_seed(0)
+    base = Net()
+
+    # ModuleList units, a torch AdamW translated (torch's default weight decay 0.01)
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    ref_losses = train(ref, 6, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    st.wrap(mine, job="mlist", optimizer=torch.optim.AdamW(mine.parameters(), lr=1e-2))
+    nunits = len(st._state_of(mine).units)
+    check(nunits == 5, f"default units: embed, 3 blocks of the ModuleList, head: {nunits}")
+    losses = train(mine, 6)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    check(worst <= 1e-5, f"per-step losses vs torch AdamW: worst relative {worst:.3g}")
+    full = st.full_state_dict(mine)
+    want = ref.state_dict()
+    maxd = max((full[k] - want[k]).abs().max().item() for k in want)
+    check(sorted(full) == sorted(want) and maxd <= 1e-5,
+          f"parameters vs torch AdamW after 6 steps: max |diff| {maxd:.3g}")
+    print(f"ModuleList model, torch AdamW translated: 6 steps, loss {losses[0]:.4f} -> "
+          f"{losses[-1]:.4f}, worst loss difference {worst:.2e}, parameters max |diff| "
+          f"{maxd:.2e}", flush=True)
+
+    # model.state_dict() is the full state dict
+    sd = mine.state_dict()
+    check(sorted(sd) == sorted(want) and all(torch.equal(sd[k], full[k]) for k in full),
+          "model.state_dict() of a wrapped model: the full tensors")
+
+    # clip_grad_norm_ warns once
+    x, y = batch(0)
+    ((mine(x) - y) ** 2).mean().backward()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.nn.utils.clip_grad_norm_(mine.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(mine.parameters(), 1.0)
+    msgs = [str(m.message) for m in w if "clip_grad_norm_" in str(m.message)]
+    check(len(msgs) == 1 and "max_grad_norm" in msgs[0],
+          f"clip_grad_norm_ on a wrapped model warns once, naming max_grad_norm: {msgs}")
+    st.step(mine)
+    st.unwrap(mine)
+
+    # refusals, naming what is wrong; nothing registered
+    m = copy.deepcopy(base)
+    ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer={"name": "adamw",
+                                                                "weight_decy": 0.1}),
+                     "weight_decy")
+    check(ok, f"unknown optimizer key refused naming it: {msg}")
+    ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer=torch.optim.AdamW(
+        m.parameters(), amsgrad=True)), "amsgrad")
+    check(ok, f"AdamW(amsgrad=True) refused naming the option: {msg}")
+    groups = [{"params": [p for n, p in m.named_parameters() if n.endswith("bias")],
+               "weight_decay": 0.0},
+              {"params": [p for n, p in m.named_parameters() if not n.endswith("bias")]}]
+    ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer=torch.optim.AdamW(groups)),
+                     "weight_decay")
+    check(ok, f"param groups with different weight decay refused naming it: {msg}")
+    ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer=torch.optim.Adagrad(
+        m.parameters())), "Adagrad")
+    check(ok, f"another optimizer refused naming it: {msg}")
+    m.blocks[1].weight.requires_grad_(False)
+    ok, msg = raises(lambda: st.wrap(m, job="bad"), "blocks.1.weight")
+    check(ok, f"a frozen parameter refused naming it: {msg}")
+    m.blocks[1].weight.requires_grad_(True)
+    try:
+        st.wrap(m, job="bad")
+        check(True, "the same job name registers after the refusals")
+        st.unwrap(m)
+    except Exception as e:
+        check(False, f"wrap after the refusals: {e}")
+
+    # a wrap that fails half-way leaves nothing behind
+    m = copy.deepcopy(base)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    orig = nn.Module.register_forward_hook
+    calls = [0]
+
+    def failing(self, hook, *a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("cannot install this hook (test)")
+        return orig(self, hook, *a, **k)
+
+    nn.Module.register_forward_hook = failing
+    try:
+        st.wrap(m, job="half")
+        check(False, "the failing hook made wrap fail")
+    except RuntimeError as e:
+        check("test" in str(e), f"wrap's own error comes through: {e}")
+    finally:
+        nn.Module.register_forward_hook = orig
+    hooks = sum(len(mod._forward_pre_hooks) + len(mod._forward_hooks) for mod in m.modules())
+    hooks += sum(len(p._backward_hooks or {}) for p in m.parameters())
+    check(hooks == 0, f"no hook left after a failed wrap: {hooks}")
+    now = m.state_dict()
+    check(all(torch.equal(now[k], before[k]) for k in before),
+          "the parameters' values are back after a failed wrap")
+    try:
+        st.wrap(m, job="half")
+        losses = train(m, 2)
+        check(len(losses) == 2, "the same job wraps and trains after a failed wrap")
+        st.unwrap(m)
+    except Exception as e:
+        check(False, f"wrap again after a failed wrap: {e}")
+
+    # torchrun's variables
+    script = ("import torch, shard, shard.torch as st\n"
+              "torch.manual_seed(0)\n"
+              "m = torch.nn.Linear(4, 2)\n"
+              "st.wrap(m)\n"
+              "for s in range(2):\n"
+              "    m(torch.ones(3, 4)).sum().backward()\n"
+              "    st.step(m)\n"
+              "jobs = shard.admin('jobs')['jobs']\n"
+              "print('JOBS', [(j['name'], j['world']) for j in jobs])\n")
+    env = dict(os.environ, WORLD_SIZE="2", TORCHELASTIC_RUN_ID="abc123",
+               PYTHONPATH=os.path.join(ROOT, "client", "python"))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        check(p.returncode == 0 and "('torch-abc123', 2)" in out,
+              f"rank {r} from RANK/WORLD_SIZE/TORCHELASTIC_RUN_ID: job torch-abc123 of world 2 "
+              f"(exit {p.returncode}):\n{out}")
+    r = subprocess.run([sys.executable, "-c", script], env=dict(env, RANK="2"),
+                       capture_output=True, text=True, timeout=120)
+    check(r.returncode != 0 and "rank 2 is outside world 2" in r.stderr,
+          f"RANK outside WORLD_SIZE refused: {r.stderr[-300:]}")
+finally:
+    daemon.send_signal(signal.SIGTERM)
+    try:
+        _, err = daemon.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        _, err = daemon.communicate()
+    check(daemon.returncode == 0, f"shardd exit {daemon.returncode}: {err[-500:]}")
+    if failed == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"logs kept in {work}")
+print(f"test_torch_api: {passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
