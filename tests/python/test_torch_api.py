@@ -16,7 +16,11 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
     the keys of the unwrapped model, the values of full_state_dict;
   - clip_grad_norm_ on a wrapped model warns once, pointing to max_grad_norm;
   - RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID (torchrun's variables) set rank, world and the job
-    name ("torch-<id>") when wrap is not given them; a RANK outside WORLD_SIZE is refused.
+    name ("torch-<id>") when wrap is not given them; a RANK outside WORLD_SIZE is refused;
+  - installs as Debian users do it: cmake --install into a prefix puts the package in that
+    prefix's lib/python3.X/dist-packages, where it loads the libshard installed beside it
+    (SHARD_LIBRARY unset, run outside the source tree); a venv with --system-site-packages
+    takes the package with pip (offline) and sees Debian's torch.
 
 Skipped (exit 77, with the reason) where PyTorch cannot be imported.
 usage: test_torch_api.py SHARDD LIBSHARD
@@ -40,7 +44,7 @@ except ImportError as e:
     sys.exit(77)
 
 shardd, libshard = sys.argv[1], sys.argv[2]
-os.environ["SHARD_LIBRARY"] = libshard
+os.environ["SHARD_LIBRARY"] = os.path.abspath(libshard)
 sys.path.insert(0, os.path.join(ROOT, "client", "python"))
 import shard  # noqa: E402
 import shard.torch as st  # noqa: E402
@@ -240,6 +244,39 @@ try:
                        capture_output=True, text=True, timeout=120)
     check(r.returncode != 0 and "rank 2 is outside world 2" in r.stderr,
           f"RANK outside WORLD_SIZE refused: {r.stderr[-300:]}")
+
+    # installs: cmake --install into a prefix, and a venv over Debian's packages
+    build = os.path.dirname(os.path.dirname(os.path.abspath(libshard)))
+    prefix = os.path.join(work, "prefix")
+    r = subprocess.run(["cmake", "--install", build, "--prefix", prefix], capture_output=True,
+                       text=True, timeout=300)
+    check(r.returncode == 0, f"cmake --install --prefix: {r.stdout[-300:]}{r.stderr[-300:]}")
+    pydir = os.path.join(prefix, "lib", "python%d.%d" % sys.version_info[:2], "dist-packages")
+    clean = {k: v for k, v in os.environ.items() if k != "SHARD_LIBRARY"}
+    r = subprocess.run(["/usr/bin/python3", "-c", "import shard, shard.torch; "
+                        "print(shard.__file__); print(shard.library_path)"],
+                       capture_output=True, text=True, cwd=work, timeout=120,
+                       env=dict(clean, PYTHONPATH=pydir))
+    lines = r.stdout.split()
+    check(r.returncode == 0 and len(lines) == 2 and lines[0].startswith(pydir) and
+          lines[1] == os.path.join(prefix, "lib", "libshard.so.0"),
+          f"the installed package loads the installed libshard: {r.stdout}{r.stderr[-300:]}")
+    venv = os.path.join(work, "venv")
+    r = subprocess.run(["/usr/bin/python3", "-m", "venv", "--system-site-packages", venv],
+                       capture_output=True, text=True, timeout=120)
+    check(r.returncode == 0, f"python3 -m venv --system-site-packages (python3-venv): "
+          f"{r.stdout}{r.stderr}")
+    if r.returncode == 0:
+        r = subprocess.run([os.path.join(venv, "bin", "pip"), "install", "--no-index", "--quiet",
+                            os.path.join(ROOT, "client", "python")], capture_output=True,
+                           text=True, timeout=300)
+        check(r.returncode == 0, f"pip install client/python in the venv: {r.stdout}{r.stderr}")
+        r = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
+                            "import shard, shard.torch, torch; print(shard.__file__)"],
+                           capture_output=True, text=True, cwd=work, timeout=120)
+        check(r.returncode == 0 and r.stdout.startswith(venv),
+              f"the venv imports shard.torch from itself and Debian's torch: "
+              f"{r.stdout}{r.stderr[-300:]}")
 finally:
     daemon.send_signal(signal.SIGTERM)
     try:

@@ -82,6 +82,11 @@ def _candidates():
         yield env
     here = os.path.dirname(os.path.abspath(__file__))
     yield os.path.join(here, "libshard.so.0")
+    try:  # installed by cmake --install: the libshard of the same prefix
+        from . import _install
+        yield os.path.join(_install.LIBDIR, "libshard.so.0")
+    except ImportError:
+        pass
     # imported from a source checkout: the build trees next to it
     src = os.path.dirname(os.path.dirname(os.path.dirname(here)))
     for build in ("build", "build/ci", "build/demo", "build/bench"):
