@@ -145,6 +145,35 @@ static void ar_cb(struct sd_allreduce *ar, int status, uint32_t suspect)
  * engine waits for them (a send of a sum it did not wait for carries the old values) */
 static const struct sd_gpu_ops *dev_under_test = &sd_gpu_host_ops;
 
+/* n fake nodes 0..n-1 with a queue and a pool of `bulks` bulks each; members[i] = i */
+static void nodes_init(uint32_t n, struct sd_bulk_pool *pools, uint32_t bulks,
+                       struct sd_gpu_queue **queues, uint32_t *members)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        members[i] = i;
+        TH_CHECK(dev_under_test->queue_create(&queues[i]) == SD_OK, "queue");
+        memset(&nodes[i], 0, sizeof(nodes[i]));
+        nodes[i].base.ops = &fake_ops;
+        nodes[i].base.self = i;
+        nodes[i].base.n_peers = n;
+        sd_bulk_pool_init(&pools[i], bulks);
+    }
+}
+
+/* progress every node until all n finished or nothing moves */
+static void drive(uint32_t n, const struct done *done)
+{
+    for (int round = 0; round < 100000; round++) {
+        int all = 1, moved = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            moved += f_progress(&nodes[i].base);
+            all &= done[i].finished;
+        }
+        if (all || !moved)
+            break;
+    }
+}
+
 static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t chunk, bool acc)
 {
     static struct sd_bulk_pool pools[MAXN];
@@ -153,17 +182,9 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
     float *bufs[MAXN], *tmps[MAXN], *accs[MAXN] = {0};
     struct done done[MAXN] = {0};
     uint32_t members[MAXN];
-    for (uint32_t i = 0; i < n; i++)
-        members[i] = i;
     size_t tmpn = sd_allreduce_tmp_floats(count, n, small_bytes);
-    for (uint32_t i = 0; i < n; i++)
-        TH_CHECK(dev_under_test->queue_create(&queues[i]) == SD_OK, "queue");
+    nodes_init(n, pools, 4 * n, queues, members);
     for (uint32_t i = 0; i < n; i++) {
-        memset(&nodes[i], 0, sizeof(nodes[i]));
-        nodes[i].base.ops = &fake_ops;
-        nodes[i].base.self = i;
-        nodes[i].base.n_peers = n;
-        sd_bulk_pool_init(&pools[i], 4 * n);
         bufs[i] = malloc(count * sizeof(float));
         tmps[i] = malloc((tmpn + 1) * sizeof(float));
         for (size_t e = 0; e < count; e++) /* small integers: every sum order is exact */
@@ -196,15 +217,7 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
                                                                      .cb = ar_cb,
                                                                      .arg = &done[i]}) == SD_OK;
     TH_CHECK(started == (int)n, "n %u count %zu: %d of %u started", n, count, started, n);
-    for (int round = 0; round < 100000; round++) {
-        int all = 1, moved = 0;
-        for (uint32_t i = 0; i < n; i++) {
-            moved += f_progress(&nodes[i].base);
-            all &= done[i].finished;
-        }
-        if (all || !moved)
-            break;
-    }
+    drive(n, done);
     int wrong = 0, unfinished = 0;
     for (uint32_t i = 0; i < n; i++) {
         unfinished += !done[i].finished || done[i].status != SD_OK;
@@ -281,14 +294,8 @@ static void run_qallreduce(uint32_t n, size_t count, uint32_t B, bool ef)
     struct done done[MAXN] = {0};
     uint32_t members[MAXN];
     size_t qb = sd_allreduce_qbuf_bytes(count, n, 4, B);
+    nodes_init(n, pools, 2 * n, queues, members);
     for (uint32_t i = 0; i < n; i++) {
-        members[i] = i;
-        TH_CHECK(dev_under_test->queue_create(&queues[i]) == SD_OK, "queue");
-        memset(&nodes[i], 0, sizeof(nodes[i]));
-        nodes[i].base.ops = &fake_ops;
-        nodes[i].base.self = i;
-        nodes[i].base.n_peers = n;
-        sd_bulk_pool_init(&pools[i], 2 * n);
         bufs[i] = malloc(count * sizeof(float));
         in[i] = malloc(count * sizeof(float));
         qbufs[i] = malloc(qb);
@@ -323,15 +330,7 @@ static void run_qallreduce(uint32_t n, size_t count, uint32_t B, bool ef)
                                                                      .cb = ar_cb,
                                                                      .arg = &done[i]}) == SD_OK;
     TH_CHECK(started == (int)n, "quantized n %u count %zu: %d of %u started", n, count, started, n);
-    for (int round = 0; round < 100000; round++) {
-        int all = 1, moved = 0;
-        for (uint32_t i = 0; i < n; i++) {
-            moved += f_progress(&nodes[i].base);
-            all &= done[i].finished;
-        }
-        if (all || !moved)
-            break;
-    }
+    drive(n, done);
     int unfinished = 0, differ = 0, outside = 0;
     double worst = 0.0;
     for (uint32_t i = 0; i < n; i++) {
