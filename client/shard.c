@@ -60,8 +60,20 @@ struct shard_ctx {
     uint32_t held_slot;
     int push_status;
     char push_err[1024];
+    /* the step's arguments: where they go in the staging map, and the groups' hyperparameters as
+     * of the last step */
+    uint64_t step_args_off;
+    uint32_t n_groups;
+    shard_hparams_t *hparams;
+    int optim_kind;
     char err[1024];
 };
+
+_Static_assert(sizeof(shard_hparams_t) == sizeof(struct sd_hparams) &&
+                   offsetof(shard_hparams_t, weight_decay) ==
+                       offsetof(struct sd_hparams, weight_decay) &&
+                   offsetof(shard_hparams_t, momentum) == offsetof(struct sd_hparams, momentum),
+               "shard_hparams_t is struct sd_hparams");
 
 #define SAME(x) _Static_assert((int)SHARD_##x == (int)SD_##x, "SHARD_" #x " must equal SD_" #x)
 SAME(EINVAL);
@@ -462,10 +474,14 @@ static int parse_optim(shard_ctx_t *ctx, const shard_optimizer_t *o, Shard__Opti
 static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int *fds)
 {
     struct stat st;
+    uint64_t args_bytes = sd_step_args_bytes(ctx->n_groups, (uint32_t)rep->n_tensors);
     if (fstat(fds[0], &st) != 0 || (uint64_t)st.st_size < rep->pool_bytes ||
         fstat(fds[1], &st) != 0 ||
         (uint64_t)st.st_size < (uint64_t)rep->staging_slots * rep->staging_slot_bytes ||
-        rep->staging_slots == 0 || rep->staging_slots > MAX_STAGING)
+        rep->staging_slots == 0 || rep->staging_slots > MAX_STAGING ||
+        rep->step_args_off < (uint64_t)rep->staging_slots * rep->staging_slot_bytes ||
+        rep->step_args_bytes != args_bytes ||
+        (uint64_t)st.st_size < rep->step_args_off + rep->step_args_bytes)
         return fail(ctx, SD_EPROTO, "register: shared buffers do not match the layout");
     ctx->pool_bytes = rep->pool_bytes;
     /* populated: the first fetches and pushes do not take the page faults */
@@ -477,7 +493,8 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     }
     ctx->staging_slots = rep->staging_slots;
     ctx->staging_slot_bytes = rep->staging_slot_bytes;
-    ctx->staging_bytes = (size_t)rep->staging_slots * rep->staging_slot_bytes;
+    ctx->staging_bytes = (size_t)(rep->step_args_off + rep->step_args_bytes);
+    ctx->step_args_off = rep->step_args_off;
     ctx->staging = mmap(NULL, ctx->staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
                         fds[1], 0);
     if (ctx->staging == MAP_FAILED) {
@@ -542,11 +559,49 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     status = parse_optim(ctx, &model->optimizer, &opt);
     if (status != SD_OK)
         return status;
+    if ((model->groups == NULL) != (model->n_groups == 0) || model->n_groups > SD_MAX_GROUPS)
+        return fail(ctx, SD_EINVAL, "register: %u parameter groups%s; 1..%d with groups set",
+                    model->n_groups, model->groups == NULL ? " without groups" : "", SD_MAX_GROUPS);
+    if ((model->flags & ~(uint32_t)SHARD_SKIP_UNUSED) != 0)
+        return fail(ctx, SD_EINVAL, "register: unknown flags 0x%x", model->flags);
+    free(ctx->hparams);
+    ctx->n_groups = model->n_groups ? model->n_groups : 1;
+    ctx->optim_kind = (int)opt.kind;
+    ctx->hparams = calloc(ctx->n_groups, sizeof(*ctx->hparams));
+    Shard__Optimizer *gd = calloc(model->n_groups + 1, sizeof(*gd));
+    Shard__Optimizer **gp = calloc(model->n_groups + 1, sizeof(*gp));
+    if (ctx->hparams == NULL || gd == NULL || gp == NULL) {
+        free(gd);
+        free(gp);
+        return fail(ctx, SD_ENOMEM, "register: out of memory");
+    }
+    for (uint32_t g = 0; g < model->n_groups; g++) {
+        const shard_hparams_t *h = &model->groups[g];
+        shard__optimizer__init(&gd[g]);
+        gd[g].kind = opt.kind;
+        gd[g].lr = h->lr;
+        gd[g].beta1 = h->beta1;
+        gd[g].beta2 = h->beta2;
+        gd[g].eps = h->eps;
+        gd[g].weight_decay = h->weight_decay;
+        gd[g].momentum = h->momentum;
+        gp[g] = &gd[g];
+        ctx->hparams[g] = *h;
+    }
+    if (model->n_groups == 0)
+        ctx->hparams[0] = (shard_hparams_t){.lr = opt.lr,
+                                            .beta1 = opt.beta1,
+                                            .beta2 = opt.beta2,
+                                            .eps = opt.eps,
+                                            .weight_decay = opt.weight_decay,
+                                            .momentum = opt.momentum};
     Shard__TensorDesc *td = calloc(model->n_tensors, sizeof(*td));
     Shard__TensorDesc **tp = calloc(model->n_tensors, sizeof(*tp));
     if (td == NULL || tp == NULL) {
         free(td);
         free(tp);
+        free(gd);
+        free(gp);
         return fail(ctx, SD_ENOMEM, "register: out of memory");
     }
     for (uint32_t i = 0; i < model->n_tensors; i++) {
@@ -557,6 +612,7 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
         td[i].dims = (uint64_t *)t->dims;
         td[i].dtype = (uint32_t)t->dtype;
         td[i].unit = t->unit;
+        td[i].group = t->group;
         tp[i] = &td[i];
     }
     Shard__Register reg = SHARD__REGISTER__INIT;
@@ -568,12 +624,17 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     reg.tensors = tp;
     reg.optimizer = &opt;
     reg.max_live_bytes = model->max_live_bytes;
+    reg.n_groups = model->n_groups;
+    reg.groups = gp;
+    reg.skip_unused = (model->flags & SHARD_SKIP_UNUSED) != 0;
     Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
     msg.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
     msg.register_ = &reg;
     status = sd_frame_send(ctx->sock, &msg.base, NULL, 0, 10000);
     free(td);
     free(tp);
+    free(gd);
+    free(gp);
     int refused;
     if (status != SD_OK && (refused = daemon_refusal(ctx, "register")) != SD_OK)
         return refused;
@@ -639,6 +700,26 @@ int shard_fetch_async(shard_ctx_t *ctx, uint32_t unit, shard_req_t *req_p)
     if (req_p == NULL)
         return fail(ctx, SD_EINVAL, "fetch: req_p is NULL");
     return post(ctx, SD_OP_FETCH, unit, 0, 0, req_p);
+}
+
+int shard_fetch_aside(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
+{
+    shard_req_t req;
+    int status = check_attached(ctx, "fetch", true);
+    if (status != SD_OK)
+        return status;
+    if ((status = post(ctx, SD_OP_FETCH, unit, SD_OP_ASIDE, 0, &req)) != SD_OK)
+        return status;
+    return shard_wait(ctx, req, data_p);
+}
+
+int shard_release_aside(shard_ctx_t *ctx, uint32_t unit)
+{
+    struct sd_cqe cqe;
+    int status = check_attached(ctx, "release", true);
+    if (status != SD_OK)
+        return status;
+    return call(ctx, SD_OP_RELEASE, unit, SD_OP_ASIDE, 0, &cqe);
 }
 
 int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p)
@@ -821,23 +902,83 @@ int shard__drop(shard_ctx_t *ctx, uint32_t unit)
     return call(ctx, SD_OP_DROP, unit, 0, 0, &cqe);
 }
 
+/* The step's arguments into the staging map; the flags that say what was written. */
+static int write_step_args(shard_ctx_t *ctx, const shard_step_args_t *a, uint32_t *flags_p)
+{
+    *flags_p = 0;
+    if (a == NULL)
+        return SD_OK;
+    uint8_t *area = ctx->staging + ctx->step_args_off;
+    struct sd_step_args hdr = {.n_groups = ctx->n_groups, .n_tensors = ctx->n_tensors};
+    if (a->groups != NULL) {
+        if (a->n_groups != ctx->n_groups)
+            return fail(ctx, SD_EINVAL, "step: %u groups' hyperparameters; the model has %u",
+                        a->n_groups, ctx->n_groups);
+        for (uint32_t g = 0; g < a->n_groups; g++) {
+            char err[128];
+            struct sd_hparams h;
+            memcpy(&h, &a->groups[g], sizeof(h));
+            if (sd_hparams_validate(ctx->optim_kind, &h, g, err, sizeof(err)) != SD_OK)
+                return fail(ctx, SD_EINVAL, "step: %s", err);
+        }
+        memcpy(area + sizeof(hdr), a->groups, (size_t)a->n_groups * sizeof(*a->groups));
+        *flags_p |= SD_STEP_ARG_HPARAMS;
+    }
+    if (a->has_grad != NULL) {
+        if (a->n_tensors != ctx->n_tensors)
+            return fail(ctx, SD_EINVAL, "step: has_grad for %u tensors; the model has %u",
+                        a->n_tensors, ctx->n_tensors);
+        memcpy(area + sizeof(hdr) + (size_t)ctx->n_groups * sizeof(shard_hparams_t), a->has_grad,
+               a->n_tensors);
+        *flags_p |= SD_STEP_ARG_HAS_GRAD;
+    }
+    memcpy(area, &hdr, sizeof(hdr));
+    return SD_OK;
+}
+
+void *shard__step_args(shard_ctx_t *ctx)
+{
+    return ctx != NULL && ctx->registered ? ctx->staging + ctx->step_args_off : NULL;
+}
+
+int shard_group_hparams(const shard_ctx_t *ctx, uint32_t group, shard_hparams_t *h_p)
+{
+    if (ctx == NULL || !ctx->registered || h_p == NULL || group >= ctx->n_groups)
+        return SD_EINVAL;
+    *h_p = ctx->hparams[group];
+    return SD_OK;
+}
+
 int shard_step(shard_ctx_t *ctx, double *grad_norm_p)
+{
+    return shard_step_ex(ctx, NULL, grad_norm_p);
+}
+
+int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_norm_p)
 {
     struct sd_cqe cqe;
     if (ctx == NULL)
         return SD_EINVAL;
+    int status = check_attached(ctx, "step", true);
+    if (status != SD_OK)
+        return status;
+    uint32_t flags;
+    if ((status = write_step_args(ctx, args, &flags)) != SD_OK)
+        return status;
     if (ctx->held_unit >= 0)
         return fail(ctx, SD_EBUSY,
                     "step: unit %lld's gradient buffer is held and not pushed (shard_push_staged "
                     "it first)",
                     (long long)ctx->held_unit);
-    int status = shard__push_flush(ctx);
+    status = shard__push_flush(ctx);
     if (status != SD_OK) {
         char why[sizeof(ctx->err)];
         memcpy(why, ctx->err, sizeof(why));
         return fail(ctx, status, "step: %s", why);
     }
-    status = call(ctx, SD_OP_STEP, 0, 0, 0, &cqe);
+    status = call(ctx, SD_OP_STEP, 0, flags, 0, &cqe);
+    if (status == SD_OK && (flags & SD_STEP_ARG_HPARAMS))
+        memcpy(ctx->hparams, args->groups, (size_t)ctx->n_groups * sizeof(*ctx->hparams));
     if (status == SD_OK && grad_norm_p != NULL) {
         double norm;
         memcpy(&norm, &cqe.value0, sizeof(norm));
@@ -871,6 +1012,7 @@ int shard_detach(shard_ctx_t *ctx)
         close(ctx->sock);
     free(ctx->units);
     free(ctx->tensors);
+    free(ctx->hparams);
     free(ctx);
     return SD_OK;
 }

@@ -19,6 +19,9 @@ SHARD_API int shard__push_flush(shard_ctx_t *ctx);
 /* Drop the daemon's cached gathered copy of a unit, so the next fetch gathers again. */
 SHARD_API int shard__drop(shard_ctx_t *ctx, uint32_t unit);
 
+/* Where shard_step_ex writes the step's arguments (tests corrupt them on purpose). */
+SHARD_API void *shard__step_args(shard_ctx_t *ctx);
+
 /* The shared ring of an attached context (tests corrupt it on purpose). */
 struct sd_ring_hdr;
 SHARD_API struct sd_ring_hdr *shard__ring(shard_ctx_t *ctx);

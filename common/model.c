@@ -301,7 +301,14 @@ uint64_t sd_model_digest(const struct sd_model *m)
             h = sd_hash_u64(h, t->dims[d]);
         h = sd_hash_u64(h, (uint64_t)t->dtype);
         h = sd_hash_u64(h, t->unit);
+        h = sd_hash_u64(h, t->group);
     }
+    h = sd_hash_u64(h, sd_model_groups(m)); /* as used: n_groups 0 and 1 alike */
+    for (uint32_t g = 0; g < sd_model_groups(m); g++) {
+        struct sd_hparams hp = sd_model_group(m, g);
+        h = sd_hash_bytes(h, &hp, sizeof(hp));
+    }
+    h = sd_hash_u64(h, m->skip_unused);
     const struct sd_optim *o = &m->optim;
     h = sd_hash_u64(h, (uint64_t)o->kind);
     h = hash_float(h, o->lr);
@@ -393,6 +400,11 @@ int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
                      t->unit);
             return SD_EINVAL;
         }
+        if (t->group >= sd_model_groups(m)) {
+            snprintf(err, errlen, "tensor %u '%s': parameter group %u, but the model has %u", i,
+                     t->name, t->group, sd_model_groups(m));
+            return SD_EINVAL;
+        }
         if (i > 0 && t->unit == m->tensors[i - 1].unit && t->dtype != m->tensors[i - 1].dtype) {
             snprintf(err, errlen, "tensor %u '%s': dtype %s differs from %s of its unit %u", i,
                      t->name, sd_dtype_name(t->dtype), sd_dtype_name(m->tensors[i - 1].dtype),
@@ -418,34 +430,78 @@ int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
         snprintf(err, errlen, "unknown optimizer kind %d", o->kind);
         return SD_EINVAL;
     }
+    if (m->n_groups > SD_MAX_GROUPS || (m->n_groups > 0 && m->groups == NULL)) {
+        snprintf(err, errlen, "model has %u parameter groups; at most %d", m->n_groups,
+                 SD_MAX_GROUPS);
+        return SD_EINVAL;
+    }
+    for (uint32_t g = 0; g < m->n_groups; g++) {
+        st = sd_hparams_validate(o->kind, &m->groups[g], g, err, errlen);
+        if (st != SD_OK)
+            return st;
+    }
     return sd_optim_validate(o, err, errlen);
 }
 
-int sd_optim_validate(const struct sd_optim *o, char *err, size_t errlen)
+struct sd_hparams sd_model_group(const struct sd_model *m, uint32_t g)
 {
-    /* finite, and in ranges no training run uses outside of: an infinite lr or weight decay is
-     * a NaN loss a few steps later, not an error a user can trace back */
-    const struct {
-        const char *name;
-        float v, lo, hi;
-        bool hi_open;
-    } f[] = {{"lr", o->lr, 0.0f, 10.0f, false},
-             {"beta1", o->beta1, 0.0f, 1.0f, true},
-             {"beta2", o->beta2, 0.0f, 1.0f, true},
-             {"eps", o->eps, 0.0f, 1.0f, false},
-             {"weight_decay", o->weight_decay, 0.0f, 10.0f, false},
-             {"momentum", o->momentum, 0.0f, 1.0f, true},
-             {"max_grad_norm", o->max_grad_norm, 0.0f, 1e30f, false}};
-    for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++) {
+    if (m->n_groups > 0)
+        return m->groups[g < m->n_groups ? g : 0];
+    const struct sd_optim *o = &m->optim;
+    return (struct sd_hparams){.lr = o->lr,
+                               .beta1 = o->beta1,
+                               .beta2 = o->beta2,
+                               .eps = o->eps,
+                               .weight_decay = o->weight_decay,
+                               .momentum = o->momentum};
+}
+
+/* finite, and in ranges no training run uses outside of: an infinite lr or weight decay is a NaN
+ * loss a few steps later, not an error a user can trace back */
+struct range {
+    const char *name;
+    float v, lo, hi;
+    bool hi_open;
+};
+
+static int check_ranges(const struct range *f, size_t n, const char *what, char *err, size_t errlen)
+{
+    for (size_t i = 0; i < n; i++) {
         float v = f[i].v;
         bool ok = isfinite(v) && v >= f[i].lo && (f[i].hi_open ? v < f[i].hi : v <= f[i].hi);
         if (!ok) {
-            snprintf(err, errlen, "optimizer: %s is %g; it must be finite and in [%g, %g%s",
+            snprintf(err, errlen, "%s: %s is %g; it must be finite and in [%g, %g%s", what,
                      f[i].name, v, f[i].lo, f[i].hi, f[i].hi_open ? ")" : "]");
             return SD_EINVAL;
         }
     }
     return SD_OK;
+}
+
+int sd_hparams_validate(int kind, const struct sd_hparams *h, uint32_t g, char *err, size_t errlen)
+{
+    (void)kind; /* every field is checked: SGD ignores the betas, which default sanely */
+    const struct range f[] = {{"lr", h->lr, 0.0f, 10.0f, false},
+                              {"beta1", h->beta1, 0.0f, 1.0f, true},
+                              {"beta2", h->beta2, 0.0f, 1.0f, true},
+                              {"eps", h->eps, 0.0f, 1.0f, false},
+                              {"weight_decay", h->weight_decay, 0.0f, 10.0f, false},
+                              {"momentum", h->momentum, 0.0f, 1.0f, true}};
+    char what[48];
+    snprintf(what, sizeof(what), "optimizer group %u", g);
+    return check_ranges(f, sizeof(f) / sizeof(f[0]), what, err, errlen);
+}
+
+int sd_optim_validate(const struct sd_optim *o, char *err, size_t errlen)
+{
+    const struct range f[] = {{"lr", o->lr, 0.0f, 10.0f, false},
+                              {"beta1", o->beta1, 0.0f, 1.0f, true},
+                              {"beta2", o->beta2, 0.0f, 1.0f, true},
+                              {"eps", o->eps, 0.0f, 1.0f, false},
+                              {"weight_decay", o->weight_decay, 0.0f, 10.0f, false},
+                              {"momentum", o->momentum, 0.0f, 1.0f, true},
+                              {"max_grad_norm", o->max_grad_norm, 0.0f, 1e30f, false}};
+    return check_ranges(f, sizeof(f) / sizeof(f[0]), "optimizer", err, errlen);
 }
 
 void sd_model_diff(const struct sd_model *a, const struct sd_model *b, char *out, size_t outlen)
@@ -483,6 +539,29 @@ void sd_model_diff(const struct sd_model *a, const struct sd_model *b, char *out
             snprintf(out, outlen, "tensor %u '%s': unit %u vs %u", i, x->name, x->unit, y->unit);
             return;
         }
+        if (x->group != y->group) {
+            snprintf(out, outlen, "tensor %u '%s': parameter group %u vs %u", i, x->name, x->group,
+                     y->group);
+            return;
+        }
+    }
+    if (sd_model_groups(a) != sd_model_groups(b)) {
+        snprintf(out, outlen, "%u parameter groups vs %u", sd_model_groups(a), sd_model_groups(b));
+        return;
+    }
+    for (uint32_t g = 0; g < sd_model_groups(a); g++) {
+        struct sd_hparams x = sd_model_group(a, g), y = sd_model_group(b, g);
+        if (memcmp(&x, &y, sizeof(x)) != 0) {
+            snprintf(out, outlen,
+                     "parameter group %u: hyperparameters differ (lr %g vs %g, weight_decay %g "
+                     "vs %g)",
+                     g, x.lr, y.lr, x.weight_decay, y.weight_decay);
+            return;
+        }
+    }
+    if (a->skip_unused != b->skip_unused) {
+        snprintf(out, outlen, "skip_unused %d vs %d", a->skip_unused, b->skip_unused);
+        return;
     }
     if (memcmp(&a->optim, &b->optim, sizeof(a->optim)) != 0) {
         snprintf(out, outlen, "optimizer settings differ (lr %g vs %g, kind %d vs %d)", a->optim.lr,

@@ -39,6 +39,34 @@ static json_t *group_json(const struct sd_group *g)
     return a;
 }
 
+/* The optimizer, and each parameter group's hyperparameters of the last step (a schedule moves
+ * them) with its tensors' count. */
+static json_t *optimizer_json(const struct sd_job *job)
+{
+    const struct sd_model *m = &job->model;
+    uint32_t n = sd_model_groups(m);
+    json_t *groups = json_array();
+    for (uint32_t g = 0; g < n; g++) {
+        struct sd_hparams h = job->hparams != NULL ? job->hparams[g] : sd_model_group(m, g);
+        int tensors = 0;
+        for (uint32_t t = 0; t < m->n_tensors; t++)
+            tensors += m->tensors[t].group == g;
+        json_t *o = json_pack("{s:i, s:f, s:f}", "tensors", tensors, "lr", (double)h.lr,
+                              "weight_decay", (double)h.weight_decay);
+        if (m->optim.kind == SD_OPTIM_ADAMW) {
+            json_object_set_new(o, "betas", json_pack("[f, f]", (double)h.beta1, (double)h.beta2));
+            json_object_set_new(o, "eps", json_real(h.eps));
+        } else {
+            json_object_set_new(o, "momentum", json_real(h.momentum));
+        }
+        json_array_append_new(groups, o);
+    }
+    return json_pack("{s:s, s:f, s:b, s:o}", "name",
+                     m->optim.kind == SD_OPTIM_ADAMW ? "adamw" : "sgd", "max_grad_norm",
+                     (double)m->optim.max_grad_norm, "skip_unused", m->skip_unused, "groups",
+                     groups);
+}
+
 static json_t *job_summary(const struct sd_job *job)
 {
     json_t *ranks = json_array();
@@ -50,16 +78,18 @@ static json_t *job_summary(const struct sd_job *job)
         json_object_set_new(o, "attached", json_boolean(s != NULL));
         json_array_append_new(ranks, o);
     }
-    return json_pack("{s:s, s:I, s:s, s:b, s:i, s:i, s:i, s:s, s:i, s:I, s:I, s:I, s:I, s:f, s:s, "
-                     "s:o}",
-                     "name", job->name, "id", (json_int_t)job->id, "state",
-                     sd_job_state_name(job->state), "allocating", (int)job->mem.allocating, "uid",
-                     (int)job->uid, "world", (int)job->world, "ranks_per_node", (int)job->k, "plan",
-                     job->plan.name, "units", (int)job->layout.n_units, "parameters",
-                     (json_int_t)job->layout.total_numel, "parameter_bytes",
-                     (json_int_t)job->layout.total_bytes, "memory_bytes",
-                     (json_int_t)job->mem.bytes_total, "steps", (json_int_t)job->steps,
-                     "last_grad_norm", job->last_grad_norm, "error", job->fail_msg, "ranks", ranks);
+    json_t *doc = json_pack(
+        "{s:s, s:I, s:s, s:b, s:i, s:i, s:i, s:s, s:i, s:I, s:I, s:I, s:I, s:f, "
+        "s:s, s:o}",
+        "name", job->name, "id", (json_int_t)job->id, "state", sd_job_state_name(job->state),
+        "allocating", (int)job->mem.allocating, "uid", (int)job->uid, "world", (int)job->world,
+        "ranks_per_node", (int)job->k, "plan", job->plan.name, "units", (int)job->layout.n_units,
+        "parameters", (json_int_t)job->layout.total_numel, "parameter_bytes",
+        (json_int_t)job->layout.total_bytes, "memory_bytes", (json_int_t)job->mem.bytes_total,
+        "steps", (json_int_t)job->steps, "last_grad_norm", job->last_grad_norm, "error",
+        job->fail_msg, "ranks", ranks);
+    json_object_set_new(doc, "optimizer", optimizer_json(job));
+    return doc;
 }
 
 /* The quantized options, as groups and stats show them. */
@@ -231,6 +261,8 @@ static json_t *job_stats(const struct sd_job *job)
                           (json_int_t)job->stats.pool_bytes);
     json_object_set_new(o, "units", json_integer((json_int_t)job->layout.n_units));
     json_object_set_new(o, "steps_nonfinite", json_integer((json_int_t)job->stats.steps_nonfinite));
+    json_object_set_new(o, "steps_refused", json_integer((json_int_t)job->stats.steps_refused));
+    json_object_set_new(o, "tensors_skipped", json_integer((json_int_t)job->stats.tensors_skipped));
     json_object_set_new(o, "memory_bytes_at_register",
                         json_integer((json_int_t)job->stats.memory_bytes));
     json_object_set_new(o, "allocations_counted", json_boolean(sd_alloc_counted));

@@ -46,6 +46,14 @@ static bool check_ready(struct sd_job *job, struct sd_session *s, const struct s
 static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                          uint64_t start)
 {
+    if ((e->op == SD_OP_FETCH || e->op == SD_OP_RELEASE) && (e->arg0 & SD_OP_ASIDE)) {
+        sd_sched_aside(job, s, e);
+        if (e->op == SD_OP_RELEASE) {
+            sd_fetch_release(job, s, e, start);
+            return true;
+        }
+        return sd_fetch(job, s, e, start);
+    }
     uint64_t allocs0 = sd_alloc_calls();
     uint64_t cpu0 = e->op == SD_OP_FETCH ? sd_thread_cpu_ns() : 0;
     uint64_t issue0 = job->sched.issue_ns_in_call;

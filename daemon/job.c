@@ -30,6 +30,7 @@ void sd_job_free(struct sd_job *job)
     sd_job_mem_free(job);
     sd_layout_free(&job->layout);
     sd_model_free(&job->model);
+    free(job->hparams);
     free(job->ranks);
     free(job->step.tags);
     free(job->step.arrive_ns);
@@ -124,6 +125,8 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     rep.n_shard_factor = SD_STATE_COUNT;
     rep.shard_factor = factors;
     rep.ranks_per_node = job->k;
+    rep.step_args_off = job->mem.step_args_off;
+    rep.step_args_bytes = job->mem.step_args_bytes;
     Shard__DaemonMsg out = SHARD__DAEMON_MSG__INIT;
     out.msg_case = SHARD__DAEMON_MSG__MSG_REGISTER;
     out.register_ = &rep;

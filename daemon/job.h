@@ -91,6 +91,7 @@ struct sd_job_mem {
     struct sd_mem *staging; /* [k] */
     uint64_t staging_slot_bytes;
     uint32_t staging_slots;
+    uint64_t step_args_off, step_args_bytes; /* each rank's step arguments, after its slots */
     uint64_t bytes_total;
     uint64_t alloc_start_ns, alloc_ns; /* allocating the job's memory: since, and how long */
     float *scratch;
@@ -134,7 +135,16 @@ struct sd_step_state {
     int status;
     uint32_t suspect;
     struct sd_allreduce ar;
-    struct sd_norm_part *norm_parts; /* [nodes] */
+    /* [nodes] norm parts of norm_stride bytes: struct sd_norm_part, then with skip_unused the
+     * node's tensors that had a gradient (a bit each, sd_norm_used) */
+    uint8_t *norm_buf;
+    size_t norm_stride;
+    uint32_t *arg_flags;        /* [k]: which step arguments each rank wrote (SD_STEP_ARG_*) */
+    struct sd_hparams *hp_next; /* [n_groups]: this step's hyperparameters (the local ranks') */
+    int arg_status;             /* SD_OK, or why the local ranks' arguments were refused */
+    char arg_msg[160];
+    uint64_t *used; /* [used_words]: tensors some rank gave a gradient in this step */
+    uint32_t used_words;
     double *sumsq_parts; /* [n_units * k]: the device's sums of squares, added up in order */
     struct sd_bulk **norm_b;
     double local_sumsq;
@@ -212,6 +222,8 @@ struct sd_job {
     bool was_ready;      /* reached READY: after a clean detach, ready still answers */
     uint64_t steps, weights_gen;
     double last_grad_norm;
+    struct sd_hparams *hparams; /* [n_groups]: the parameter groups' current hyperparameters */
+    uint64_t *tensor_steps;     /* [n_tensors]: optimizer steps that updated each tensor */
     struct sd_job_stats stats;
     struct sd_job_mem mem;
     struct sd_sec_state sec;
@@ -263,6 +275,17 @@ void sd_job_mem_alloc(struct sd_job *job);
 void sd_job_mem_free(struct sd_job *job);
 /* The arenas' layout, for the budget and for allocating them. */
 void sd_job_mem_arena_bytes(const struct sd_job *job, uint64_t bytes_p[SD_STATE_COUNT]);
+
+/* node m's part of the norm exchange, and the tensors that had a gradient there */
+static inline struct sd_norm_part *sd_norm_part_at(struct sd_job *job, uint32_t m)
+{
+    return (struct sd_norm_part *)(void *)(job->step.norm_buf + (size_t)m * job->step.norm_stride);
+}
+static inline uint64_t *sd_norm_used(struct sd_job *job, uint32_t m)
+{
+    return (uint64_t *)(void *)(job->step.norm_buf + (size_t)m * job->step.norm_stride +
+                                sizeof(struct sd_norm_part));
+}
 
 /* local rank local's arena of one state (SD_STATE_W, ...): the allocation */
 static inline struct sd_mem *sd_job_arena(struct sd_job *job, uint32_t local, int state)

@@ -137,8 +137,16 @@ void sd_job_mem_free(struct sd_job *job)
     job->step.sumsq_parts = NULL;
     free(job->xfer.wait_tags);
     job->xfer.wait_tags = NULL;
-    free(job->step.norm_parts);
-    job->step.norm_parts = NULL;
+    free(job->step.norm_buf);
+    job->step.norm_buf = NULL;
+    free(job->step.arg_flags);
+    free(job->step.hp_next);
+    free(job->step.used);
+    free(job->tensor_steps); /* the hyperparameters stay for shardctl: sd_job_free */
+    job->step.arg_flags = NULL;
+    job->step.hp_next = NULL;
+    job->step.used = NULL;
+    job->tensor_steps = NULL;
     free(job->step.os_pos);
     job->step.os_pos = NULL;
     free(job->push.round_entries);
@@ -190,7 +198,9 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.pool = job->mem.max_live_bytes ? job->mem.max_live_bytes
              : cfg->max_live_bytes   ? cfg->max_live_bytes
                                      : l->total_bytes * job->slots_per_unit;
-    b.staging = (uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) * job->k;
+    b.staging = ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) +
+                 sd_step_args_bytes(sd_model_groups(&job->model), l->n_tensors)) *
+                job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
     b.net = sd_job_net_bytes(job, cfg);
     const uint64_t parts[] = {b.w, b.g, b.os, b.sec, b.quant, b.pool, b.staging, b.scratch, b.net};
@@ -252,7 +262,19 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     int queue_st = reg->dev->queue_create(&job->mem.queue);
     job->step.sumsq_parts = calloc((size_t)l->n_units * k, sizeof(*job->step.sumsq_parts));
     job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
-    job->step.norm_parts = calloc(job->nodes, sizeof(*job->step.norm_parts));
+    uint32_t n_groups = sd_model_groups(&job->model);
+    job->step.used_words = (l->n_tensors + 63) / 64;
+    job->step.norm_stride = sizeof(struct sd_norm_part) +
+                            (job->model.skip_unused ? job->step.used_words * sizeof(uint64_t) : 0);
+    job->step.norm_buf = calloc(job->nodes, job->step.norm_stride);
+    job->step.arg_flags = calloc(k, sizeof(*job->step.arg_flags));
+    job->step.hp_next = calloc(n_groups, sizeof(*job->step.hp_next));
+    job->step.used = calloc(job->step.used_words, sizeof(*job->step.used));
+    free(job->hparams);
+    job->hparams = calloc(n_groups, sizeof(*job->hparams));
+    job->tensor_steps = calloc(l->n_tensors, sizeof(*job->tensor_steps));
+    for (uint32_t g = 0; job->hparams != NULL && g < n_groups; g++)
+        job->hparams[g] = sd_model_group(&job->model, g);
     uint32_t OS = job->plan.f[SD_STATE_OS];
     job->step.os_pos = calloc(OS, sizeof(*job->step.os_pos));
     for (uint32_t i = 0; job->step.os_pos != NULL && i < OS; i++)
@@ -281,8 +303,9 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     }
     if ((holders > 0 && (!job->sec.mem || !job->sec.gen)) || !job->mem.arena || !job->mem.staging ||
         !job->mem.scratch || cache_st != SD_OK || queue_st != SD_OK || !job->step.sumsq_parts ||
-        !job->xfer.wait_tags || !job->step.norm_parts || !job->step.os_pos || !job->push.rounds ||
-        !job->push.round_entries || !job->push.rounds_done) {
+        !job->xfer.wait_tags || !job->step.norm_buf || !job->step.os_pos || !job->push.rounds ||
+        !job->step.arg_flags || !job->step.hp_next || !job->step.used || !job->hparams ||
+        !job->tensor_steps || !job->push.round_entries || !job->push.rounds_done) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }
@@ -297,6 +320,8 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->stats.memory_bytes = need.total;
     job->mem.staging_slots = (uint32_t)cfg->staging_slots;
     job->mem.staging_slot_bytes = l->max_unit_numel * sizeof(float);
+    job->mem.step_args_off = (uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes;
+    job->mem.step_args_bytes = sd_step_args_bytes(n_groups, l->n_tensors);
     return SD_OK;
 }
 
@@ -342,9 +367,8 @@ static int job_alloc_host(struct sd_job *job, char *err, size_t errlen)
     int status;
     for (uint32_t r = 0; r < job->k; r++) {
         snprintf(tag, sizeof(tag), "shardd-%s-r%u-staging", job->name, job->first_rank + r);
-        status =
-            sd_gpu_host_ops.alloc((uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes,
-                                  SD_MEM_SHARED, tag, &job->mem.staging[r]);
+        status = sd_gpu_host_ops.alloc(job->mem.step_args_off + job->mem.step_args_bytes,
+                                       SD_MEM_SHARED, tag, &job->mem.staging[r]);
         if (status != SD_OK)
             return alloc_failed(job, tag, status, err, errlen);
     }

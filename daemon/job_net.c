@@ -246,7 +246,7 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         st =
             reg_mr(job, job->push.nr_mem, (size_t)job->push.round_gens * per_round * sizeof(float));
     if (st == SD_OK)
-        st = reg_mr(job, job->step.norm_parts, N * sizeof(*job->step.norm_parts));
+        st = reg_mr(job, job->step.norm_buf, N * job->step.norm_stride);
     if (st == SD_OK) /* encoded w shards, gather receive slots, int4 blocks */
         st = reg_mr(job, job->mem.quant.mem.ptr, job->mem.quant.mem.bytes);
     if (st == SD_OK) /* the pull requests each gather sends live in its unit state */

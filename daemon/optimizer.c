@@ -1,6 +1,8 @@
 /* The optimizer part of a step: the global norm, clipping, and AdamW or SGD on every local rank's
  * optimizer shard through the device backend (fp32 master weights and moments; the cast into
- * the w shard). */
+ * the w shard). Each tensor is updated with its parameter group's hyperparameters of this step
+ * and its own step count, and with skip_unused a tensor no rank gave a gradient is left as it
+ * is, as torch's optimizers skip a parameter whose .grad is None. */
 #include "job.h"
 #include "ops.h"
 #include "sd/log.h"
@@ -8,16 +10,76 @@
 #include "sd/util.h"
 #include <math.h>
 
-double sd_optimizer_apply(struct sd_job *job, double sumsq)
+/* one rank's os shard of unit u: the arrays the kernels read and write, at element 0 of the
+ * shard */
+struct os_view {
+    float *master, *m, *v, *g;
+    uint8_t *w;
+    size_t w_elem;
+};
+
+static void update_range(struct sd_job *job, const struct os_view *o, uint64_t at, uint64_t n,
+                         uint32_t tensor, float scale)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_hparams *h = &job->hparams[job->model.tensors[tensor].group];
+    uint8_t *w = o->w + at * o->w_elem;
+    int dtype = job->layout.units[job->model.tensors[tensor].unit].dtype;
+    if (job->model.optim.kind == SD_OPTIM_ADAMW) {
+        struct sd_adamw_args a = {.lr = h->lr,
+                                  .beta1 = h->beta1,
+                                  .beta2 = h->beta2,
+                                  .eps = h->eps,
+                                  .weight_decay = h->weight_decay,
+                                  .step = job->tensor_steps[tensor] + 1};
+        dev->adamw(job->mem.queue, &a, o->master + at, o->m + at, o->v + at, o->g + at, scale, w,
+                   dtype, n);
+    } else {
+        struct sd_sgd_args a = {
+            .lr = h->lr, .momentum = h->momentum, .weight_decay = h->weight_decay};
+        dev->sgd(job->mem.queue, &a, o->master + at, o->m + at, o->g + at, scale, w, dtype, n);
+    }
+}
+
+static bool tensor_used(const uint64_t *used, uint32_t t)
+{
+    return used == NULL || (used[t / 64] >> (t % 64) & 1u) != 0;
+}
+
+/* Unit u's part [b, e) of one rank's os shard: each tensor's piece with its group's
+ * hyperparameters, or (no gradient anywhere) only its gradient zeroed, as the padding's is. */
+static void update_unit(struct sd_job *job, const struct os_view *o, uint32_t u, uint64_t b,
+                        uint64_t e, const uint64_t *used, float scale)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    uint64_t at = b; /* unit elements before it are done */
+    for (uint32_t t = ul->first_tensor; t < ul->first_tensor + ul->n_tensors && at < e; t++) {
+        const struct sd_tensor_layout *tl = &job->layout.tensors[t];
+        uint64_t lo = SD_MAX(tl->offset, b), hi = SD_MIN(tl->offset + tl->numel, e);
+        if (lo >= hi)
+            continue;
+        if (lo > at)
+            dev->zero(job->mem.queue, o->g + (at - b), (lo - at) * sizeof(float));
+        if (tensor_used(used, t))
+            update_range(job, o, lo - b, hi - lo, t, scale);
+        else
+            dev->zero(job->mem.queue, o->g + (lo - b), (hi - lo) * sizeof(float));
+        at = hi;
+    }
+    if (at < e)
+        dev->zero(job->mem.queue, o->g + (at - b), (e - at) * sizeof(float));
+}
+
+double sd_optimizer_apply(struct sd_job *job, double sumsq, const uint64_t *used)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_layout *l = &job->layout;
-    const struct sd_optim *o = &job->model.optim;
-    uint64_t t = job->steps + 1;
+    const struct sd_optim *opt = &job->model.optim;
     double norm = sqrt(sumsq) / (double)job->world;
     float scale = 1.0f / (float)job->world;
-    if (o->max_grad_norm > 0.0f && norm > (double)o->max_grad_norm)
-        scale = scale * (float)((double)o->max_grad_norm / (norm + 1e-6));
+    if (opt->max_grad_norm > 0.0f && norm > (double)opt->max_grad_norm)
+        scale = scale * (float)((double)opt->max_grad_norm / (norm + 1e-6));
 
     /* every rank's optimizer shard: master weights, moments, its part of its g shard, cast into
      * its part of its w shard (the nesting of model.h: os in g in w) */
@@ -30,31 +92,29 @@ double sd_optimizer_apply(struct sd_job *job, double sumsq)
         uint8_t *w = sd_job_state(job, r, SD_STATE_W);
         for (uint32_t u = 0; u < l->n_units; u++) {
             const struct sd_unit_layout *ul = &l->units[u];
-            uint64_t off = ul->arena_off[SD_STATE_OS], len = ul->numel / pl->f[SD_STATE_OS];
-            float *gp = g + ul->arena_off[SD_STATE_G] +
-                        sd_plan_nested_off(pl, SD_STATE_OS, SD_STATE_G, rank, ul->numel);
-            uint8_t *wp = w + job->mem.w_off[u] +
-                          sd_plan_nested_off(pl, SD_STATE_OS, SD_STATE_W, rank, ul->numel) *
-                              sd_dtype_size(ul->dtype);
-            if (o->kind == SD_OPTIM_ADAMW) {
-                struct sd_adamw_args a = {.lr = o->lr,
-                                          .beta1 = o->beta1,
-                                          .beta2 = o->beta2,
-                                          .eps = o->eps,
-                                          .weight_decay = o->weight_decay,
-                                          .step = t};
-                dev->adamw(job->mem.queue, &a, os + off, os + os_stride + off,
-                           os + 2 * os_stride + off, gp, scale, wp, ul->dtype, len);
-            } else {
-                struct sd_sgd_args a = {
-                    .lr = o->lr, .momentum = o->momentum, .weight_decay = o->weight_decay};
-                dev->sgd(job->mem.queue, &a, os + off, os + os_stride + off, gp, scale, wp,
-                         ul->dtype, len);
-            }
+            uint64_t off = ul->arena_off[SD_STATE_OS], b, e;
+            sd_layout_shard(ul, pl, SD_STATE_OS, rank, &b, &e);
+            struct os_view o = {
+                .master = os + off,
+                .m = os + os_stride + off,
+                .v = os + 2 * os_stride + off,
+                .g = g + ul->arena_off[SD_STATE_G] +
+                     sd_plan_nested_off(pl, SD_STATE_OS, SD_STATE_G, rank, ul->numel),
+                .w = w + job->mem.w_off[u] +
+                     sd_plan_nested_off(pl, SD_STATE_OS, SD_STATE_W, rank, ul->numel) *
+                         sd_dtype_size(ul->dtype),
+                .w_elem = sd_dtype_size(ul->dtype)};
+            update_unit(job, &o, u, b, e, used, scale);
         }
         /* the optimizer zeroed its part of the g shard; the rest held replicas' sums */
         if (pl->f[SD_STATE_OS] > pl->f[SD_STATE_G])
             dev->zero(job->mem.queue, g, l->arena_numel[SD_STATE_G] * sizeof(float));
+    }
+    for (uint32_t t = 0; t < l->n_tensors; t++) {
+        if (tensor_used(used, t))
+            job->tensor_steps[t]++;
+        else
+            job->stats.tensors_skipped++;
     }
     return norm;
 }

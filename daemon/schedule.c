@@ -130,6 +130,18 @@ static void deviate(struct sd_job *job, const char *why)
     }
 }
 
+void sd_sched_aside(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
+{
+    struct sd_job_sched *sc = &job->sched;
+    sc->want_iv = SD_SCHED_NONE; /* placed as on demand */
+    if (sc->state != SD_SCHED_FROZEN || sc->deviated)
+        return;
+    char why[96];
+    snprintf(why, sizeof(why), "rank %u fetched unit %u aside (outside the schedule)", s->rank,
+             e->unit);
+    deviate(job, why);
+}
+
 static void describe_entry(char *out, size_t len, uint32_t entry)
 {
     snprintf(out, len, "%s unit %u", sd_sched_op_name(sd_sched_op_of(entry)),
@@ -403,15 +415,15 @@ bool sd_sched_step_check(struct sd_job *job)
     return true;
 }
 
-bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count,
-                          const struct sd_norm_part *parts)
+bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count)
 {
     struct sd_job_sched *sc = &job->sched;
     uint32_t me = job->node;
     if (!sc->freeze_next)
         return true;
     for (uint32_t m = first; m < first + count; m++) {
-        if (m == me || parts[m].digest == 0 || parts[m].digest == sc->digest)
+        const struct sd_norm_part *part = sd_norm_part_at(job, m);
+        if (m == me || part->digest == 0 || part->digest == sc->digest)
             continue;
         sd_job_fail(job, SD_EMISMATCH,
                     "schedule: node %u and node %u of one partition group recorded different "
@@ -419,8 +431,8 @@ bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count,
                     "rank of a partition group must fetch, release and push the same units in "
                     "the same order",
                     me, m, (unsigned long long)job->steps + 1, (unsigned long long)sc->rec_len[0],
-                    (unsigned long long)parts[m].n, (unsigned long long)sc->digest,
-                    (unsigned long long)parts[m].digest);
+                    (unsigned long long)part->n, (unsigned long long)sc->digest,
+                    (unsigned long long)part->digest);
         return false;
     }
     return true;

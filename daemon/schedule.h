@@ -48,19 +48,24 @@ struct sd_job_sched {
     uint64_t allocs_frozen;         /* allocations made while serving calls on the schedule */
 };
 
-/* what each node contributes at a step: its part of the gradient norm, and the digest and
- * length of the schedule it recorded in this step (0 when not recording) */
-/* What each node sends every other at the step (32 bytes): its squared norm, its schedule's
- * digest and length, and the first unit whose gradient it found not finite. */
+/* What each node sends every other at the step (32 bytes, then with skip_unused a bit per
+ * tensor): its squared norm, the digest and length of the schedule it recorded in this step (0
+ * when not recording), the first unit whose gradient it found not finite, and a hash of the
+ * step's hyperparameters its ranks gave (SD_HP_REFUSED: they were refused). */
 struct sd_norm_part {
     double sumsq;
     uint64_t digest, n;
     uint32_t nonfinite_unit; /* the first unit whose gradient here is not finite, or UINT32_MAX */
-    uint32_t pad;
+    uint32_t hparams;
 };
+#define SD_HP_REFUSED UINT32_MAX
 
 int sd_sched_alloc(struct sd_job *job);
 void sd_sched_free(struct sd_job *job);
+/* before a fetch or release outside the schedule (SD_OP_ASIDE) is served: not recorded; the
+ * pool plan of a frozen schedule gives way to on-demand places for the rest of the step, as
+ * for any call the schedule does not have, so that no planned copy is overwritten */
+void sd_sched_aside(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
 /* before a fetch, release or push is served: the position it matches (SD_SCHED_NONE if none) */
 uint32_t sd_sched_before(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
 /* after it was served (consumed) or stalled: records it, or advances the rank on the schedule
@@ -71,8 +76,7 @@ bool sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sq
 bool sd_sched_step_check(struct sd_job *job);
 /* the schedules nodes [first, first + count) of this node's partition group recorded in this
  * step (parts indexed by node; digest 0: not recording): false after failing the job */
-bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count,
-                          const struct sd_norm_part *parts);
+bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count);
 /* the step completed: freeze, re-record or rewind, and prefetch the first gathers */
 void sd_sched_step_done(struct sd_job *job);
 /* issue the gathers the plan wants by now (retried after every call and gather) */

@@ -13,6 +13,7 @@
 #include "sd/status.h"
 #include "sd/util.h"
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -91,19 +92,27 @@ static uint32_t rank_major(size_t p, uint32_t n_units)
     return (uint32_t)(p % n_units);
 }
 
-/* A gradient that is not finite (a NaN or an infinity in unit `unit`, or UINT32_MAX: finite parts
- * whose sum of squares overflowed) fails the step on every rank with SD_ENONFINITE, as torch's
- * clip_grad_norm_(error_if_nonfinite=True) raises, and the step is skipped: the accumulated
- * gradients are discarded, the weights, the optimizer state and the step count stay as they
- * were, and the job goes on (the next micro-steps accumulate afresh, like a GradScaler's skipped
- * step). Every node decides alike from the exchanged norm parts. */
-static void step_skip(struct sd_job *job, uint32_t unit)
+/* A skipped step: every rank's step fails with status and msg, the accumulated gradients are
+ * discarded, the weights, the optimizer state and the step count stay as they were, and the job
+ * goes on (the next micro-steps accumulate afresh, like a GradScaler's skipped step). Every node
+ * decides alike from the exchanged norm parts. */
+static void step_skip(struct sd_job *job, int status, const char *msg)
 {
     for (uint32_t r = 0; r < job->k; r++)
         job->reg->dev->zero(job->mem.queue, sd_job_state(job, r, SD_STATE_G),
                             job->layout.arena_numel[SD_STATE_G] * sizeof(float));
     if (!sd_job_sync(job))
         return;
+    SD_WARN("job", "job '%s': %s", job->name, msg);
+    job->step.phase = SD_STEP_IDLE;
+    step_answer(job, status, msg);
+}
+
+/* A gradient that is not finite (a NaN or an infinity in unit `unit`, or UINT32_MAX: finite parts
+ * whose sum of squares overflowed) fails the step on every rank with SD_ENONFINITE, as torch's
+ * clip_grad_norm_(error_if_nonfinite=True) raises, and the step is skipped. */
+static void step_nonfinite(struct sd_job *job, uint32_t unit)
+{
     job->stats.steps_nonfinite++;
     char msg[SD_OP_MSG_LEN];
     unsigned long long step = (unsigned long long)job->steps + 1;
@@ -117,9 +126,157 @@ static void step_skip(struct sd_job *job, uint32_t unit)
                  "step %llu: the gradient norm is not finite (its sum of squares overflowed): "
                  "step skipped, gradients discarded, weights unchanged",
                  step);
-    SD_WARN("job", "job '%s': %s", job->name, msg);
-    job->step.phase = SD_STEP_IDLE;
-    step_answer(job, SD_ENONFINITE, msg);
+    step_skip(job, SD_ENONFINITE, msg);
+}
+
+/* ---- the step's arguments (shard_step_ex) */
+
+static uint32_t hparams_hash(const struct sd_hparams *h, uint32_t n)
+{
+    uint32_t x = (uint32_t)sd_hash_bytes(SD_FNV_SEED, h, (size_t)n * sizeof(*h));
+    return x == SD_HP_REFUSED ? 0 : x;
+}
+
+static void args_refuse(struct sd_job *job, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void args_refuse(struct sd_job *job, int status, const char *fmt, ...)
+{
+    if (job->step.arg_status != SD_OK)
+        return; /* the first reason */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(job->step.arg_msg, sizeof(job->step.arg_msg), fmt, ap);
+    va_end(ap);
+    job->step.arg_status = status;
+}
+
+/* Local rank r's step arguments: its hyperparameters (checked, then compared with hp, the first
+ * rank's, or taken as them when hp_set is false) and its tensors with a gradient, ORed into used
+ * (NULL without skip_unused). The arguments are in memory the client writes: what is checked is
+ * copied first. */
+static void args_of_rank(struct sd_job *job, uint32_t r, bool *hp_set, uint64_t *used)
+{
+    uint32_t n_groups = sd_model_groups(&job->model), T = job->layout.n_tensors;
+    uint32_t flags = job->step.arg_flags[r], rank = job->first_rank + r;
+    const uint8_t *area = (const uint8_t *)job->mem.staging[r].ptr + job->mem.step_args_off;
+    struct sd_step_args hdr;
+    memcpy(&hdr, area, sizeof(hdr));
+    if (flags != 0 && (hdr.n_groups != n_groups || hdr.n_tensors != T)) {
+        args_refuse(job, SD_EINVAL,
+                    "rank %u's step arguments are for %u groups and %u tensors; the job has %u "
+                    "and %u",
+                    rank, hdr.n_groups, hdr.n_tensors, n_groups, T);
+        return;
+    }
+    const struct sd_hparams *src = (const struct sd_hparams *)(const void *)(area + sizeof(hdr));
+    if (flags & SD_STEP_ARG_HPARAMS) {
+        for (uint32_t g = 0; g < n_groups; g++) {
+            struct sd_hparams h;
+            memcpy(&h, &src[g], sizeof(h));
+            char err[128];
+            if (sd_hparams_validate(job->model.optim.kind, &h, g, err, sizeof(err)) != SD_OK) {
+                args_refuse(job, SD_EINVAL, "rank %u: %s", rank, err);
+                return;
+            }
+            if (!*hp_set) {
+                job->step.hp_next[g] = h;
+            } else if (memcmp(&h, &job->step.hp_next[g], sizeof(h)) != 0) {
+                args_refuse(job, SD_EMISMATCH,
+                            "rank %u's hyperparameters of group %u (lr %g, weight_decay %g) differ "
+                            "from rank %u's (lr %g, weight_decay %g): every rank must give the "
+                            "same",
+                            rank, g, (double)h.lr, (double)h.weight_decay, job->first_rank,
+                            (double)job->step.hp_next[g].lr,
+                            (double)job->step.hp_next[g].weight_decay);
+                return;
+            }
+        }
+    } else if (*hp_set &&
+               memcmp(job->step.hp_next, job->hparams, n_groups * sizeof(*job->hparams)) != 0) {
+        args_refuse(job, SD_EMISMATCH,
+                    "rank %u gave no hyperparameters (the last step's), rank %u new ones: every "
+                    "rank must give the same",
+                    rank, job->first_rank);
+        return;
+    }
+    *hp_set = true;
+    if (used == NULL)
+        return;
+    if (!(flags & SD_STEP_ARG_HAS_GRAD)) { /* every tensor */
+        memset(used, 0xff, job->step.used_words * sizeof(*used));
+        return;
+    }
+    const uint8_t *has = area + sizeof(hdr) + (size_t)n_groups * sizeof(struct sd_hparams);
+    for (uint32_t t = 0; t < T; t++)
+        if (has[t] != 0)
+            used[t / 64] |= 1ull << (t % 64);
+}
+
+/* The local ranks' step arguments, once every one called step: this node's hyperparameters of
+ * the step (hp_next) and their hash, and its tensors with a gradient, into its norm part. */
+static void step_args_collect(struct sd_job *job)
+{
+    uint32_t n_groups = sd_model_groups(&job->model);
+    struct sd_norm_part *me = sd_norm_part_at(job, job->node);
+    uint64_t *used = job->model.skip_unused ? sd_norm_used(job, job->node) : NULL;
+    job->step.arg_status = SD_OK;
+    job->step.arg_msg[0] = '\0';
+    memcpy(job->step.hp_next, job->hparams, n_groups * sizeof(*job->hparams));
+    if (used != NULL)
+        memset(used, 0, job->step.used_words * sizeof(*used));
+    bool hp_set = false;
+    for (uint32_t r = 0; r < job->k && job->step.arg_status == SD_OK; r++)
+        args_of_rank(job, r, &hp_set, used);
+    me->hparams =
+        job->step.arg_status != SD_OK ? SD_HP_REFUSED : hparams_hash(job->step.hp_next, n_groups);
+}
+
+/* Every node's ranks gave the same hyperparameters? Else the step is refused on every node:
+ * true after skipping it. */
+static bool step_args_refused(struct sd_job *job)
+{
+    uint32_t mine = sd_norm_part_at(job, job->node)->hparams;
+    char msg[SD_OP_MSG_LEN];
+    unsigned long long step = (unsigned long long)job->steps + 1;
+    int status = SD_EMISMATCH;
+    if (job->step.arg_status != SD_OK) {
+        status = job->step.arg_status;
+        snprintf(msg, sizeof(msg), "step %llu refused: %s", step, job->step.arg_msg);
+    } else {
+        uint32_t m = 0;
+        while (m < job->nodes && sd_norm_part_at(job, m)->hparams == mine)
+            m++;
+        if (m == job->nodes)
+            return false;
+        if (sd_norm_part_at(job, m)->hparams == SD_HP_REFUSED)
+            snprintf(msg, sizeof(msg),
+                     "step %llu refused: node %u refused its ranks' step arguments (ranks that "
+                     "gave other hyperparameters than the rest, or invalid ones; its log says "
+                     "which)",
+                     step, m);
+        else
+            snprintf(msg, sizeof(msg),
+                     "step %llu refused: the ranks of node %u gave other hyperparameters than "
+                     "those of node %u: every rank must give the same",
+                     step, m, job->node);
+    }
+    job->stats.steps_refused++;
+    step_skip(job, status, msg);
+    return true;
+}
+
+/* the tensors some rank of any node gave a gradient in this step, or NULL: every tensor */
+static const uint64_t *step_used(struct sd_job *job)
+{
+    if (!job->model.skip_unused)
+        return NULL;
+    memset(job->step.used, 0, job->step.used_words * sizeof(*job->step.used));
+    for (uint32_t m = 0; m < job->nodes; m++) {
+        const uint64_t *u = sd_norm_used(job, m);
+        for (uint32_t i = 0; i < job->step.used_words; i++)
+            job->step.used[i] |= u[i];
+    }
+    return job->step.used;
 }
 
 /* One node: the replicas of each g shard are all here (rank i of the first g-partition group
@@ -155,8 +312,8 @@ static bool sync_in_node(struct sd_job *job)
     double sumsq = 0.0;
     for (size_t p = 0; p < (size_t)l->n_units * f; p++)
         sumsq += parts[p];
-    job->step.norm_parts[0].sumsq = sumsq;
-    job->step.norm_parts[0].nonfinite_unit =
+    sd_norm_part_at(job, 0)->sumsq = sumsq;
+    sd_norm_part_at(job, 0)->nonfinite_unit =
         nonfinite_unit(parts, (size_t)l->n_units * f, unit_major, f);
     return true;
 }
@@ -169,6 +326,7 @@ static void do_step(struct sd_job *job)
         sd_job_fail(job, SD_EMISMATCH, "%s", msg);
         return;
     }
+    step_args_collect(job);
     sd_step_progress(job);
 }
 
@@ -179,6 +337,12 @@ void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
                         (unsigned long long)job->steps + 1);
         return;
     }
+    if ((e->arg0 & ~(uint64_t)(SD_STEP_ARG_HPARAMS | SD_STEP_ARG_HAS_GRAD)) != 0) {
+        sd_session_fail(s, e, SD_EINVAL, "step: unknown argument flags 0x%llx",
+                        (unsigned long long)e->arg0);
+        return;
+    }
+    job->step.arg_flags[s->local] = (uint32_t)e->arg0;
     uint64_t now = sd_now_ns();
     job->step.waiting[s->local] = true;
     job->step.tags[s->local] = e->tag;
@@ -267,7 +431,7 @@ static bool check_schedules(struct sd_job *job)
 {
     if (job->gnodes[SD_STATE_W] < 2 ||
         sd_sched_check_nodes(job, sd_job_group_first(job, job->gnodes[SD_STATE_W]),
-                             job->gnodes[SD_STATE_W], job->step.norm_parts))
+                             job->gnodes[SD_STATE_W]))
         return true;
     job->step.phase = SD_STEP_IDLE;
     return false;
@@ -314,11 +478,11 @@ static void norm_start(struct sd_job *job)
     double local = 0.0;
     for (size_t p = 0; p < n_parts; p++)
         local += parts[p];
-    job->step.norm_parts[me] = (struct sd_norm_part){
-        .sumsq = local,
-        .digest = job->sched.digest,
-        .n = job->sched.rec_len[0],
-        .nonfinite_unit = nonfinite_unit(parts, n_parts, rank_major, job->layout.n_units)};
+    struct sd_norm_part *mine = sd_norm_part_at(job, me); /* its hparams and used: set already */
+    mine->sumsq = local;
+    mine->digest = job->sched.digest;
+    mine->n = job->sched.rec_len[0];
+    mine->nonfinite_unit = nonfinite_unit(parts, n_parts, rank_major, job->layout.n_units);
     job->step.phase = SD_STEP_NORM;
     job->step.status = SD_OK;
     job->step.pending = 0;
@@ -326,10 +490,10 @@ static void norm_start(struct sd_job *job)
     for (uint32_t m = 0; m < job->nodes; m++) {
         if (m == me)
             continue;
-        void *rp = &job->step.norm_parts[m], *sp = &job->step.norm_parts[me];
+        void *rp = sd_norm_part_at(job, m), *sp = mine;
         struct sd_exchange_param x = {.peer = m,
-                                      .recv = {.buf = rp, .bytes = sizeof(*job->step.norm_parts)},
-                                      .send = {.buf = sp, .bytes = sizeof(*job->step.norm_parts)},
+                                      .recv = {.buf = rp, .bytes = job->step.norm_stride},
+                                      .send = {.buf = sp, .bytes = job->step.norm_stride},
                                       .chunk_bytes = 4096,
                                       .cb = norm_done,
                                       .arg = job,
@@ -391,17 +555,21 @@ void sd_step_progress(struct sd_job *job)
     if (job->step.phase == SD_STEP_APPLY) {
         if (job->xfer.w_sends_inflight > 0)
             return; /* peers still read this node's weights of the current generation */
+        if (step_args_refused(job))
+            return;
         double sumsq = 0.0;
         uint32_t bad = UINT32_MAX;
         for (uint32_t m = 0; m < job->nodes; m++) {
-            sumsq += job->step.norm_parts[m].sumsq;
-            bad = SD_MIN(bad, job->step.norm_parts[m].nonfinite_unit);
+            sumsq += sd_norm_part_at(job, m)->sumsq;
+            bad = SD_MIN(bad, sd_norm_part_at(job, m)->nonfinite_unit);
         }
         if (bad != UINT32_MAX || !isfinite(sumsq)) {
-            step_skip(job, bad);
+            step_nonfinite(job, bad);
             return;
         }
-        job->last_grad_norm = sd_optimizer_apply(job, sumsq);
+        memcpy(job->hparams, job->step.hp_next,
+               sd_model_groups(&job->model) * sizeof(*job->hparams));
+        job->last_grad_norm = sd_optimizer_apply(job, sumsq, step_used(job));
         /* the exchanges send the owners' new parts */
         if (sd_weights_remote(job) && !sd_job_sync(job))
             return;

@@ -9,8 +9,11 @@
 void sd_model_free(struct sd_model *m)
 {
     free(m->tensors);
+    free(m->groups);
     m->tensors = NULL;
+    m->groups = NULL;
     m->n_tensors = 0;
+    m->n_groups = 0;
 }
 
 int sd_model_from_register(const Shard__Register *msg, uint64_t max_tensors, uint64_t max_units,
@@ -59,6 +62,7 @@ int sd_model_from_register(const Shard__Register *msg, uint64_t max_tensors, uin
             d->dims[k] = t->dims[k];
         d->dtype = t->dtype < SD_DTYPE_COUNT ? (int)t->dtype : -1;
         d->unit = t->unit;
+        d->group = t->group;
     }
     const Shard__Optimizer *o = msg->optimizer;
     m->optim = (struct sd_optim){.kind = (int)o->kind,
@@ -69,6 +73,38 @@ int sd_model_from_register(const Shard__Register *msg, uint64_t max_tensors, uin
                                  .weight_decay = o->weight_decay,
                                  .momentum = o->momentum,
                                  .max_grad_norm = o->max_grad_norm};
+    if (msg->n_groups > SD_MAX_GROUPS) {
+        snprintf(err, len, "model has %zu parameter groups; at most %d", msg->n_groups,
+                 SD_MAX_GROUPS);
+        sd_model_free(m);
+        return SD_EINVAL;
+    }
+    if (msg->n_groups > 0) {
+        m->groups = calloc(msg->n_groups, sizeof(*m->groups));
+        if (m->groups == NULL) {
+            snprintf(err, len, "out of memory for %zu parameter groups", msg->n_groups);
+            sd_model_free(m);
+            return SD_ENOMEM;
+        }
+        m->n_groups = (uint32_t)msg->n_groups;
+        for (size_t g = 0; g < msg->n_groups; g++) {
+            const Shard__Optimizer *q = msg->groups[g];
+            m->groups[g] = (struct sd_hparams){.lr = q->lr,
+                                               .beta1 = q->beta1,
+                                               .beta2 = q->beta2,
+                                               .eps = q->eps,
+                                               .weight_decay = q->weight_decay,
+                                               .momentum = q->momentum};
+        }
+        /* group 0's are the optimizer's */
+        m->optim.lr = m->groups[0].lr;
+        m->optim.beta1 = m->groups[0].beta1;
+        m->optim.beta2 = m->groups[0].beta2;
+        m->optim.eps = m->groups[0].eps;
+        m->optim.weight_decay = m->groups[0].weight_decay;
+        m->optim.momentum = m->groups[0].momentum;
+    }
+    m->skip_unused = msg->skip_unused;
     snprintf(m->plan, sizeof(m->plan), "%s", msg->plan);
     int st = sd_model_validate(m, err, len);
     if (st != SD_OK)

@@ -22,7 +22,7 @@ extern "C" {
 #define SHARD_API __attribute__((visibility("default")))
 
 #define SHARD_VERSION_MAJOR 0
-#define SHARD_VERSION_MINOR 1
+#define SHARD_VERSION_MINOR 2
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
 enum {
@@ -67,7 +67,8 @@ typedef struct {
     uint32_t ndim;
     const uint64_t *dims;
     shard_dtype_t dtype;
-    uint32_t unit; /* units numbered 0, 1, ... in tensor order; one dtype per unit */
+    uint32_t unit;  /* units numbered 0, 1, ... in tensor order; one dtype per unit */
+    uint32_t group; /* parameter group: an index into shard_model_t.groups (0 without groups) */
 } shard_tensor_t;
 
 typedef struct {
@@ -78,6 +79,24 @@ typedef struct {
     float momentum;      /* sgd */
     float max_grad_norm; /* 0: no clipping */
 } shard_optimizer_t;
+
+/* One parameter group's hyperparameters (a torch.optim param group). Registered with the model,
+ * and changed by any step (shard_step_ex: a learning-rate schedule); the optimizer's fp32 state
+ * is not touched by a change. */
+typedef struct {
+    float lr;
+    float beta1, beta2, eps; /* adamw */
+    float weight_decay;
+    float momentum; /* sgd */
+} shard_hparams_t;
+
+/* shard_model_t.flags */
+enum {
+    /* skip, as torch's optimizers skip a parameter whose .grad is None, a tensor that no rank gave
+     * a gradient in a step: its weights, moments and step count stay. Each rank says which
+     * tensors it gave one (shard_step_args_t.has_grad); a frozen parameter is one never given. */
+    SHARD_SKIP_UNUSED = 1u << 0,
+};
 
 typedef struct {
     const char *job; /* job name, shared by all ranks */
@@ -92,7 +111,24 @@ typedef struct {
     /* gather pool size for this job in bytes; 0: the daemon's max_live_bytes (by default room
        for every unit at once). Smaller pools evict released units least recently used first. */
     uint64_t max_live_bytes;
+    /* parameter groups: NULL, or n_groups hyperparameter sets that replace the optimizer's
+     * (shard_tensor_t.group indexes them); the kind and max_grad_norm stay the optimizer's */
+    const shard_hparams_t *groups;
+    uint32_t n_groups;
+    uint32_t flags; /* SHARD_SKIP_UNUSED */
 } shard_model_t;
+
+/* What shard_step_ex takes. Every rank of the job must give the same hyperparameters. */
+typedef struct {
+    /* every group's hyperparameters from this step on, n_groups (as registered) of them; NULL:
+     * those of the last step */
+    const shard_hparams_t *groups;
+    uint32_t n_groups;
+    /* with SHARD_SKIP_UNUSED: n_tensors bytes, nonzero for each tensor this rank gave a gradient
+     * since the last step (any micro-step); NULL: every tensor */
+    const uint8_t *has_grad;
+    uint32_t n_tensors;
+} shard_step_args_t;
 
 typedef struct {
     uint64_t numel; /* padded elements of the unit's flat buffer */
@@ -125,6 +161,12 @@ SHARD_API int shard_fetch_async(shard_ctx_t *ctx, uint32_t unit, shard_req_t *re
 /* Wait for an async fetch; data_p may be NULL for requests without data. */
 SHARD_API int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p);
 SHARD_API int shard_release(shard_ctx_t *ctx, uint32_t unit);
+/* shard_fetch and shard_release outside the step's schedule: for reads that only some ranks make
+ * (saving the weights on rank 0, an evaluation), which the schedule, recorded from and replayed
+ * for the calls every rank of a partition group makes alike, must not see. Slower (no
+ * prefetch); release what shard_fetch_aside gave with shard_release_aside. */
+SHARD_API int shard_fetch_aside(shard_ctx_t *ctx, uint32_t unit, const void **data_p);
+SHARD_API int shard_release_aside(shard_ctx_t *ctx, uint32_t unit);
 /* Push this micro-step's gradient of a unit: bytes must equal shard_unit_info().bytes, laid out
  * like the fetched buffer, in the unit's dtype. Returns once the gradient is copied; the
  * reduction completes asynchronously and its error, if any, is returned by shard_step. */
@@ -141,6 +183,13 @@ SHARD_API int shard_push_staged(shard_ctx_t *ctx, uint32_t unit);
 /* Optimizer step at the accumulation boundary; all ranks call it. *grad_norm_p (may be NULL)
  * receives the global L2 norm of the averaged gradient before clipping. */
 SHARD_API int shard_step(shard_ctx_t *ctx, double *grad_norm_p);
+/* shard_step with this step's hyperparameters and the tensors this rank gave a gradient (args
+ * NULL: as shard_step). Bad arguments fail here, before the step is entered (SHARD_EINVAL); ranks
+ * that disagree fail the step on every rank (SHARD_EMISMATCH): it is skipped as a non-finite one
+ * is, and the job goes on. */
+SHARD_API int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_norm_p);
+/* The hyperparameters of group as of the last step (or the registration) */
+SHARD_API int shard_group_hparams(const shard_ctx_t *ctx, uint32_t group, shard_hparams_t *h_p);
 SHARD_API int shard_detach(shard_ctx_t *ctx);
 
 /* One admin command ("status", "jobs", "groups", "topology", "stats", "schedule"; job NULL or

@@ -5,9 +5,11 @@
 #include "shard.h"
 #include "shard_internal.h"
 #include "sd/frame.h"
+#include "sd/model.h"
 #include "sd/ring.h"
 #include "shard.pb-c.h"
 
+#include <jansson.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -227,6 +229,95 @@ static void test_api_misuse(void)
     free(g);
     shard_detach(ctx);
     expect_alive("API misuse");
+}
+
+/* Parameter groups and the step's arguments (shard_step_ex): bad ones refused naming what is
+ * wrong, by the library and, written past it into the shared arguments, by the daemon, which
+ * then skips the step and goes on; good ones change each group's lr from the step on, and a
+ * tensor no rank gave a gradient is left alone. SGD, lr 0.1 and 0.2: a -= lr * grad. */
+static void test_step_args(void)
+{
+    shard_ctx_t *ctx;
+    TH_CHECK(shard_attach(d.sock, &ctx) == 0, "attach");
+    struct tiny x;
+    tiny_init(&x, "stepargs", 0, 1, 100);
+    shard_hparams_t groups[2] = {{.lr = 0.1f}, {.lr = 0.2f}};
+    x.m.groups = groups;
+    x.m.n_groups = 2;
+    x.m.flags = SHARD_SKIP_UNUSED;
+    x.t[1].group = 5;
+    int st = shard_register(ctx, &x.m);
+    expect_error(ctx, st, SHARD_EINVAL, "parameter group 5", "a tensor of an unknown group");
+    x.t[1].group = 1;
+    groups[1].lr = NAN;
+    st = shard_register(ctx, &x.m);
+    expect_error(ctx, st, SHARD_EINVAL, "group 1: lr", "a group's lr NaN");
+    groups[1].lr = 0.2f;
+    TH_CHECK(shard_register(ctx, &x.m) == 0, "register: %s", shard_last_error(ctx));
+
+    shard_unit_info_t u0, u1;
+    shard_unit_info(ctx, 0, &u0);
+    shard_unit_info(ctx, 1, &u1);
+    float *g = calloc(u0.numel + u1.numel, sizeof(float));
+    for (uint64_t i = 0; i < 100; i++)
+        g[i] = 1.0f;
+    for (uint64_t i = 0; i < 15; i++)
+        g[u0.numel + i] = 1.0f;
+    uint8_t has[2] = {1, 0};
+    shard_step_args_t a = {.groups = groups, .n_groups = 1, .has_grad = has, .n_tensors = 2};
+    st = shard_step_ex(ctx, &a, NULL);
+    expect_error(ctx, st, SHARD_EINVAL, "1 groups' hyperparameters; the model has 2",
+                 "step with a group missing");
+    a.n_groups = 2;
+    groups[0].momentum = 1.5f;
+    st = shard_step_ex(ctx, &a, NULL);
+    expect_error(ctx, st, SHARD_EINVAL, "group 0: momentum", "step with momentum 1.5");
+    groups[0].momentum = 0.0f;
+    st = shard__post_raw(ctx, SD_OP_STEP, 0, 0x80, 0);
+    expect_error(ctx, st, SHARD_EINVAL, "unknown argument flags", "step with unknown flags");
+
+    /* past the library: the daemon refuses, skips the step, and the job goes on */
+    uint8_t *area = shard__step_args(ctx);
+    struct sd_step_args bad = {.n_groups = 9, .n_tensors = 2};
+    memcpy(area, &bad, sizeof(bad));
+    st = shard__post_raw(ctx, SD_OP_STEP, 0, SD_STEP_ARG_HPARAMS, 0);
+    expect_error(ctx, st, SHARD_EINVAL, "for 9 groups and 2 tensors; the job has 2 and 2",
+                 "step arguments of the wrong shape");
+    bad.n_groups = 2;
+    memcpy(area, &bad, sizeof(bad));
+    float nan = NAN;
+    memcpy(area + sizeof(bad) + offsetof(shard_hparams_t, lr), &nan, sizeof(nan));
+    st = shard__post_raw(ctx, SD_OP_STEP, 0, SD_STEP_ARG_HPARAMS, 0);
+    expect_error(ctx, st, SHARD_EINVAL, "group 0: lr is nan", "a NaN lr past the library");
+
+    /* good ones: b got no gradient in step 1 and stays; step 2 has lr 0.5 for group 0 */
+    TH_CHECK(shard_push_grad(ctx, 0, g, u0.bytes) == 0, "push: %s", shard_last_error(ctx));
+    TH_CHECK(shard_push_grad(ctx, 1, g + u0.numel, u1.bytes) == 0, "push 1");
+    TH_CHECK(shard_step_ex(ctx, &a, NULL) == 0, "step 1: %s", shard_last_error(ctx));
+    groups[0].lr = 0.5f;
+    has[1] = 1;
+    TH_CHECK(shard_push_grad(ctx, 0, g, u0.bytes) == 0, "push");
+    TH_CHECK(shard_push_grad(ctx, 1, g + u0.numel, u1.bytes) == 0, "push 1");
+    TH_CHECK(shard_step_ex(ctx, &a, NULL) == 0, "step 2: %s", shard_last_error(ctx));
+    const void *p;
+    TH_CHECK(shard_fetch(ctx, 0, &p) == 0 && shard_release(ctx, 0) == 0, "fetch a");
+    float a0 = ((const float *)p)[0];
+    TH_CHECK(shard_fetch(ctx, 1, &p) == 0 && shard_release(ctx, 1) == 0, "fetch b");
+    float b0 = ((const float *)p)[0];
+    TH_CHECK(fabsf(a0 - -0.6f) < 1e-6f && fabsf(b0 - -0.2f) < 1e-6f,
+             "a = -0.1 - 0.5 = %g (want -0.6), b skipped in step 1 then -0.2 = %g", a0, b0);
+    shard_hparams_t now;
+    TH_CHECK(shard_group_hparams(ctx, 0, &now) == 0 && now.lr == 0.5f, "group 0's lr now 0.5");
+    json_t *js = th_job_stats(d.sock, "stepargs");
+    TH_CHECK(js != NULL && th_json_int(js, "tensors_skipped") == 1 &&
+                 th_json_int(js, "steps_refused") == 2 && th_json_int(js, "steps") == 2,
+             "stats: %lld tensors skipped, %lld steps refused, %lld taken; want 1, 2, 2",
+             js ? th_json_int(js, "tensors_skipped") : -1,
+             js ? th_json_int(js, "steps_refused") : -1, js ? th_json_int(js, "steps") : -1);
+    json_decref(js);
+    free(g);
+    shard_detach(ctx);
+    expect_alive("step arguments");
 }
 
 /* The zero-copy push (shard_grad_buffer / shard_push_staged): misuse is refused with the unit
@@ -767,6 +858,7 @@ int main(void)
     test_garbage();
     test_api_misuse();
     test_zero_copy_push();
+    test_step_args();
     test_null_and_pool();
     test_registration();
     test_validation();

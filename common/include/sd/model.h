@@ -124,11 +124,20 @@ uint32_t sd_plan_shard(const struct sd_plan *plan, int state, uint32_t rank);
 uint64_t sd_plan_nested_off(const struct sd_plan *plan, int inner, int outer, uint32_t rank,
                             uint64_t numel);
 
+/* the optimizer: its kind, clipping, and the hyperparameters of parameter group 0 */
 struct sd_optim {
     int kind;
     float lr, beta1, beta2, eps, weight_decay, momentum;
     float max_grad_norm; /* 0: no clipping */
 };
+
+/* the hyperparameters of one parameter group (torch.optim's param_groups): set at registration,
+ * changed by any step (a learning-rate schedule) */
+struct sd_hparams {
+    float lr, beta1, beta2, eps, weight_decay, momentum;
+};
+
+#define SD_MAX_GROUPS 4096
 
 struct sd_tensor_desc {
     char name[SD_MAX_NAME];
@@ -136,14 +145,51 @@ struct sd_tensor_desc {
     uint64_t dims[SD_MAX_DIMS];
     int dtype;
     uint32_t unit;
+    uint32_t group; /* parameter group, < sd_model_groups() */
 };
 
 struct sd_model {
     uint32_t n_tensors;
     struct sd_tensor_desc *tensors;
     struct sd_optim optim;
+    /* parameter groups: n_groups 0 is one group, the optimizer's hyperparameters; else groups
+     * [0, n_groups) (malloc'd; the optimizer's hyperparameters are group 0's) */
+    uint32_t n_groups;
+    struct sd_hparams *groups;
+    /* skip, as torch's optimizers do, a tensor that no rank gave a gradient in a step (its
+     * moments and step count stay): each step carries the ranks' tensors that had one */
+    bool skip_unused;
     char plan[64];
 };
+
+static inline uint32_t sd_model_groups(const struct sd_model *m)
+{
+    return m->n_groups ? m->n_groups : 1;
+}
+/* group g's hyperparameters as registered */
+struct sd_hparams sd_model_group(const struct sd_model *m, uint32_t g);
+/* A step's arguments (shard_step_ex), written by the rank into its staging memfd at
+ * RegisterReply.step_args_off: this header, then n_groups struct sd_hparams, then n_tensors bytes
+ * (nonzero: this rank gave the tensor a gradient since the last step), padded to 8 bytes. The
+ * step's ring entry says in arg0 which parts were written (SD_STEP_ARG_*); parts not written
+ * mean the hyperparameters of the last step and every tensor. The daemon copies the arguments
+ * before it checks them. */
+struct sd_step_args {
+    uint32_t n_groups, n_tensors;
+};
+#define SD_STEP_ARG_HPARAMS  1u
+#define SD_STEP_ARG_HAS_GRAD 2u
+_Static_assert(sizeof(struct sd_hparams) == 24, "step arguments layout is ABI");
+
+static inline uint64_t sd_step_args_bytes(uint32_t n_groups, uint32_t n_tensors)
+{
+    return sizeof(struct sd_step_args) + (uint64_t)n_groups * sizeof(struct sd_hparams) +
+           ((uint64_t)n_tensors + 7) / 8 * 8;
+}
+
+/* hyperparameters h for an optimizer of kind: finite and in sane ranges; err names group g and
+ * the field */
+int sd_hparams_validate(int kind, const struct sd_hparams *h, uint32_t g, char *err, size_t errlen);
 
 uint64_t sd_tensor_numel(const struct sd_tensor_desc *t);
 /* Digest over every field that must agree across ranks. */

@@ -25,8 +25,9 @@
 
 enum sd_op {
     SD_OP_NOP = 0,
-    SD_OP_FETCH = 1,   /* unit -> value0 = byte offset of the gathered unit in the pool */
-    SD_OP_RELEASE = 2, /* unit */
+    SD_OP_FETCH = 1,   /* unit, arg0 = SD_OP_ASIDE or 0 -> value0 = byte offset of the gathered
+                          unit in the pool */
+    SD_OP_RELEASE = 2, /* unit, arg0 = SD_OP_ASIDE or 0 */
     SD_OP_PUSH = 3,    /* unit, arg0 = staging slot, arg1 = bytes */
     SD_OP_STEP = 4,    /* -> value0 = bits of the global gradient norm (double), value1 = step */
     SD_OP_INIT = 5,    /* rank 0: unit, arg0 = staging slot holding fp32 initial values */
@@ -34,6 +35,10 @@ enum sd_op {
     SD_OP_DROP = 7,    /* forget the cached gathered copy of unit (benchmarks) */
     SD_OP_COUNT
 };
+
+/* a fetch or release outside the step's schedule (reading the weights on some ranks only: a
+ * save, an evaluation): neither recorded nor matched against the schedule */
+#define SD_OP_ASIDE 1u
 
 struct sd_sqe {
     uint32_t op;
