@@ -48,7 +48,18 @@ class ShardError(RuntimeError):
 class _Tensor(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("ndim", ctypes.c_uint32),
                 ("dims", ctypes.POINTER(ctypes.c_uint64)), ("dtype", ctypes.c_int),
-                ("unit", ctypes.c_uint32)]
+                ("unit", ctypes.c_uint32), ("group", ctypes.c_uint32)]
+
+
+class _HParams(ctypes.Structure):
+    _fields_ = [("lr", ctypes.c_float), ("beta1", ctypes.c_float), ("beta2", ctypes.c_float),
+                ("eps", ctypes.c_float), ("weight_decay", ctypes.c_float),
+                ("momentum", ctypes.c_float)]
+
+
+class _StepArgs(ctypes.Structure):
+    _fields_ = [("groups", ctypes.POINTER(_HParams)), ("n_groups", ctypes.c_uint32),
+                ("has_grad", ctypes.POINTER(ctypes.c_uint8)), ("n_tensors", ctypes.c_uint32)]
 
 
 class _Optimizer(ctypes.Structure):
@@ -63,7 +74,10 @@ class _Model(ctypes.Structure):
                 ("plan", ctypes.c_char_p), ("tensors", ctypes.POINTER(_Tensor)),
                 ("n_tensors", ctypes.c_uint32), ("optimizer", _Optimizer),
                 ("init", ctypes.POINTER(ctypes.POINTER(ctypes.c_float))),
-                ("max_live_bytes", ctypes.c_uint64)]
+                ("max_live_bytes", ctypes.c_uint64), ("groups", ctypes.POINTER(_HParams)),
+                ("n_groups", ctypes.c_uint32), ("flags", ctypes.c_uint32)]
+
+SKIP_UNUSED = 1  # shard_model_t.flags: tensors no rank gave a gradient in a step are not updated
 
 
 class _UnitInfo(ctypes.Structure):
@@ -122,10 +136,14 @@ _lib.shard_unit_info.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_UnitInfo)
 _lib.shard_tensor_info.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_TensorInfo)]
 _lib.shard_fetch.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_void_p)]
 _lib.shard_release.argtypes = [_c.c_void_p, _c.c_uint32]
+_lib.shard_fetch_aside.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_void_p)]
+_lib.shard_release_aside.argtypes = [_c.c_void_p, _c.c_uint32]
 _lib.shard_push_grad.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_void_p, _c.c_size_t]
 _lib.shard_grad_buffer.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_void_p)]
 _lib.shard_push_staged.argtypes = [_c.c_void_p, _c.c_uint32]
 _lib.shard_step.argtypes = [_c.c_void_p, _c.POINTER(_c.c_double)]
+_lib.shard_group_hparams.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_HParams)]
+_lib.shard_step_ex.argtypes = [_c.c_void_p, _c.POINTER(_StepArgs), _c.POINTER(_c.c_double)]
 _lib.shard_detach.argtypes = [_c.c_void_p]
 _lib.shard_strerror.argtypes = [_c.c_int]
 _lib.shard_strerror.restype = _c.c_char_p
@@ -157,15 +175,32 @@ def admin(command, job=None, socket=None):
 
 
 class Tensor:
-    """A tensor of the model: name, dims, dtype (FP32, BF16, FP16) and its unit."""
+    """A tensor of the model: name, dims, dtype (FP32, BF16, FP16), its unit and its parameter
+    group (an index into register's groups)."""
 
-    def __init__(self, name, dims, dtype=FP32, unit=0):
+    def __init__(self, name, dims, dtype=FP32, unit=0, group=0):
         self.name, self.dims, self.dtype, self.unit = name, tuple(int(d) for d in dims), dtype, unit
+        self.group = group
 
 
-# the optimizer dict's keys (shard.h's shard_optimizer_t)
+# the optimizer dict's keys (shard.h's shard_optimizer_t), and a parameter group's
 _OPTIMIZER_KEYS = {"name", "lr", "betas", "beta1", "beta2", "eps", "weight_decay", "momentum",
                    "max_grad_norm"}
+_GROUP_KEYS = {"lr", "betas", "beta1", "beta2", "eps", "weight_decay", "momentum"}
+
+
+def _hparams(g, defaults, what):
+    """A _HParams from a group dict over defaults; unknown keys are refused naming the key."""
+    unknown = sorted(set(g) - _GROUP_KEYS)
+    if unknown:
+        raise ValueError(f"{what}: unknown hyperparameter '{unknown[0]}' (known: "
+                         f"{', '.join(sorted(_GROUP_KEYS))})")
+    d = dict(defaults)
+    d.update(g)
+    betas = d.get("betas", (d.get("beta1", 0.9), d.get("beta2", 0.999)))
+    return _HParams(float(d.get("lr", 1e-3)), float(betas[0]), float(betas[1]),
+                    float(d.get("eps", 1e-8)), float(d.get("weight_decay", 0.0)),
+                    float(d.get("momentum", 0.0)))
 
 
 class Context:
@@ -183,9 +218,14 @@ class Context:
         if st != 0:
             raise ShardError(st, _lib.shard_last_error(self._ctx).decode(), call)
 
-    def register(self, job, rank, world, plan, tensors, optimizer, init=None, max_live_bytes=0):
+    def register(self, job, rank, world, plan, tensors, optimizer, init=None, max_live_bytes=0,
+                 groups=None, skip_unused=False):
         """Register the model (every rank the same tensors). init (rank 0): one fp32 buffer per
-        tensor (objects with the buffer protocol or ctypes addresses), None for zeros."""
+        tensor (objects with the buffer protocol or ctypes addresses), None for zeros.
+        groups: None, or one dict of hyperparameters per parameter group (lr, betas, eps,
+        weight_decay, momentum; missing keys from optimizer), indexed by Tensor.group.
+        skip_unused: tensors that no rank gave a gradient in a step are not updated (step's
+        has_grad says which this rank gave)."""
         n = len(tensors)
         keep = []  # keep ctypes objects alive during the call
         arr = (_Tensor * n)()
@@ -193,7 +233,7 @@ class Context:
             dims = (_c.c_uint64 * max(1, len(t.dims)))(*t.dims)
             name = _b(t.name)
             keep += [dims, name]
-            arr[i] = _Tensor(name, len(t.dims), dims, t.dtype, t.unit)
+            arr[i] = _Tensor(name, len(t.dims), dims, t.dtype, t.unit, getattr(t, "group", 0))
         o = dict(optimizer)
         unknown = sorted(set(o) - _OPTIMIZER_KEYS)
         if unknown:
@@ -214,7 +254,17 @@ class Context:
                 addr = buf if isinstance(buf, int) else _address_of(buf, keep)
                 init_arr[i] = _c.cast(addr, _c.POINTER(_c.c_float))
         jobb, planb = _b(job), _b(plan)
-        model = _Model(jobb, rank, world, planb, arr, n, opt, init_arr, int(max_live_bytes))
+        defaults = {k: v for k, v in o.items() if k in _GROUP_KEYS}
+        garr, ng = None, 0
+        if groups is not None:
+            if isinstance(groups, dict) or not len(groups):
+                raise ValueError("register: groups must be a non-empty list of dicts")
+            ng = len(groups)
+            garr = (_HParams * ng)(*[_hparams(g, defaults, f"register: group {i}")
+                                     for i, g in enumerate(groups)])
+        self.n_groups = max(1, ng)
+        model = _Model(jobb, rank, world, planb, arr, n, opt, init_arr, int(max_live_bytes),
+                       garr, ng, SKIP_UNUSED if skip_unused else 0)
         self._check(_lib.shard_register(self._ctx, _c.byref(model)), "register")
         del keep
         self.units = []
@@ -239,6 +289,16 @@ class Context:
     def release(self, unit):
         self._check(_lib.shard_release(self._ctx, unit), f"release unit {unit}")
 
+    def fetch_aside(self, unit):
+        """fetch outside the step's schedule (reads some ranks only make: a save, an
+        evaluation); release_aside releases it"""
+        p = _c.c_void_p()
+        self._check(_lib.shard_fetch_aside(self._ctx, unit, _c.byref(p)), f"fetch unit {unit}")
+        return p.value, self.units[unit]["bytes"]
+
+    def release_aside(self, unit):
+        self._check(_lib.shard_release_aside(self._ctx, unit), f"release unit {unit}")
+
     def push_grad(self, unit, addr, nbytes):
         """Push this micro-step's gradient of a unit from memory at addr (the unit's layout and
         dtype, nbytes == units[unit]["bytes"]); returns once it is copied."""
@@ -256,11 +316,34 @@ class Context:
         """Push the gradient written into grad_buffer(unit)."""
         self._check(_lib.shard_push_staged(self._ctx, unit), f"push_staged unit {unit}")
 
-    def step(self):
-        """Optimizer step at the accumulation boundary (all ranks); the gradient norm."""
+    def step(self, groups=None, has_grad=None):
+        """Optimizer step at the accumulation boundary (all ranks); the gradient norm.
+        groups: every parameter group's hyperparameters from this step on (a list of dicts as
+        register's, missing keys as in the last step; None: those of the last step). has_grad (with skip_unused): one truth value
+        per tensor, whether this rank gave it a gradient since the last step (None: all)."""
         norm = _c.c_double()
-        self._check(_lib.shard_step(self._ctx, _c.byref(norm)), "step")
+        if groups is None and has_grad is None:
+            self._check(_lib.shard_step(self._ctx, _c.byref(norm)), "step")
+            return norm.value
+        args = _StepArgs()
+        if groups is not None:
+            last = [self.group_hparams(i) if i < self.n_groups else {}
+                    for i in range(len(groups))]
+            args.groups = (_HParams * len(groups))(*[_hparams(g, d, f"step: group {i}")
+                                                     for i, (g, d) in enumerate(zip(groups, last))])
+            args.n_groups = len(groups)
+        if has_grad is not None:
+            args.has_grad = (_c.c_uint8 * len(has_grad))(*[1 if h else 0 for h in has_grad])
+            args.n_tensors = len(has_grad)
+        self._check(_lib.shard_step_ex(self._ctx, _c.byref(args), _c.byref(norm)), "step")
         return norm.value
+
+    def group_hparams(self, group):
+        """A parameter group's hyperparameters as of the last step: a dict."""
+        h = _HParams()
+        self._check(_lib.shard_group_hparams(self._ctx, group, _c.byref(h)), "group_hparams")
+        return {"lr": h.lr, "betas": (h.beta1, h.beta2), "eps": h.eps,
+                "weight_decay": h.weight_decay, "momentum": h.momentum}
 
     def detach(self):
         if self._ctx:

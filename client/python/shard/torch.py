@@ -1,21 +1,26 @@
 """PyTorch integration: a model trains through shardd unchanged apart from one wrap() call.
 
-    model = shard.torch.wrap(model, socket=..., job="gpt", rank=r, world=w, plan="mics:2",
-                             optimizer={"name": "adamw", "lr": 1e-3, "betas": (0.9, 0.999),
-                                        "weight_decay": 0.01})
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=3e-4)
+    model = shard.torch.wrap(model, plan="mics:2", optimizer=opt, max_grad_norm=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
     for micro in range(accum):
-        loss = loss_fn(model(x[micro]), y[micro]) / accum
-        loss.backward()
-    norm = shard.torch.step()          # instead of optimizer.step(); the gradient norm
+        (loss_fn(model(x[micro]), y[micro]) / accum).backward()
+    norm = opt.step()                  # in shardd, with each group's current lr; the grad norm
+    sched.step()
 
-Each chosen submodule is a unit (by default every direct child that has parameters, plus one
-unit for parameters of the model itself). A forward pre-hook fetches the unit: its parameters
-become zero-copy views of the gathered slot in shardd's shared memory. A forward post-hook
-releases it and marks the outputs so that the backward pass fetches it again before the
-module's backward runs; when every parameter of the unit has its gradient, a gradient hook
-packs them in the unit's layout and pushes them. step() pushes what is left (parameters that got
-no gradient count as zero), runs the sharded optimizer and returns the gradient norm. Gradients
-are averaged over the world as DistributedDataParallel does.
+Each chosen submodule is a unit (by default every direct child that has parameters, descending
+into containers, plus one unit for parameters of the model itself). A forward pre-hook fetches
+the unit (and the units of tied parameters it shares): its parameters become zero-copy views of
+the gathered slot in shardd's shared memory. A forward post-hook releases it and marks the
+outputs so that the backward pass fetches it again before the module's backward runs. A hook on
+each parameter's gradient accumulator takes the gradient out of .grad once accumulated; when
+every parameter of the unit that requires a gradient has one, they are packed in the unit's
+layout and pushed, and the unit's gradients are dropped. Units with only some gradients are
+pushed at the end of backward. The step sends each param group's current hyperparameters and
+the tensors this rank gave a gradient: tensors no rank gave one are not updated (torch's
+set_to_none semantics), nor frozen ones. Gradients are averaged over the world as
+DistributedDataParallel does.
 
 Memory: autograd keeps views of the weights it saved in the forward pass; they stay valid
 because the gather pool keeps a unit's slot for the whole step when it holds every unit, which
@@ -27,13 +32,14 @@ gradients are copied back before the push (the daemon's CUDA backend replaces bo
 """
 import ctypes
 import os
+import types
 import warnings
 
 import torch
 
 import shard as _shard
 
-__all__ = ["wrap", "step", "full_state_dict", "slot_of", "unwrap"]
+__all__ = ["wrap", "step", "optimizer", "ShardOptimizer", "full_state_dict", "slot_of", "unwrap"]
 
 _DTYPES = {torch.float32: _shard.FP32, torch.bfloat16: _shard.BF16, torch.float16: _shard.FP16}
 _TORCH = {v: k for k, v in _DTYPES.items()}
@@ -55,18 +61,28 @@ class _PreBackward(torch.autograd.Function):
 
 
 class _State:
-    def __init__(self, model, ctx, units, params, job):
+    def __init__(self, model, ctx, units, params, needs, job):
         self.model, self.ctx, self.job = model, ctx, job
         self.units = units            # per unit: the module
         self.params = params          # per unit: [(name, param)]
+        self.needs = needs            # per hooked module (units first): the units it reads
         self.shapes = [[p.shape for _, p in ps] for ps in params]
         self.views = [None] * len(units)   # per unit: (address, bytes) while fetched
+        self.refs = [0] * len(units)       # holds of the fetched unit (forwards, one backward)
         self.bwd_held = [False] * len(units)
         self.grads = [dict() for _ in units]
+        self.has_grad = [False] * sum(len(ps) for ps in params)  # per tensor, since the step
+        self.hooked = set()                # id of every parameter with a gradient hook
+        self.acc_nodes = []                # the AccumulateGrad nodes hooked (kept alive)
+        self.final_queued = False
         self.handles = []
         self.placeholder = {}
+        self.opt = None                    # the optimizer object (its param_groups drive steps)
         self.fetches = self.pushes = 0
         self.bytes_fetched = self.bytes_pushed = 0
+
+    def _tensor(self, u, i):
+        return self.ctx.units[u]["tensors"][i]
 
     # ---- fetch: parameters become views of the slot
     def _attach_views(self, u, addr, nbytes):
@@ -86,39 +102,94 @@ class _State:
         self.bytes_fetched += nbytes
         self._attach_views(u, addr, nbytes)
 
-    def _pre_forward(self, u):
-        self._fetch(u)
+    def _acquire(self, u):
+        if self.refs[u] == 0:
+            self._fetch(u)
+        self.refs[u] += 1
 
-    def _post_forward(self, u, outputs):
-        self.ctx.release(u)
+    def _drop(self, u):
+        self.refs[u] -= 1
+        if self.refs[u] == 0:
+            self.ctx.release(u)
+
+    def _pre_forward(self, m):
+        if torch.is_grad_enabled():
+            self._hook_new(m)
+        for u in self.needs[m]:
+            self._acquire(u)
+
+    def _post_forward(self, m, outputs):
+        for u in self.needs[m]:
+            self._drop(u)
         if not torch.is_grad_enabled():
             return outputs
         if isinstance(outputs, torch.Tensor):
             if outputs.requires_grad:
-                return _PreBackward.apply(self, u, outputs)[0]
+                return _PreBackward.apply(self, m, outputs)[0]
             return outputs
         if isinstance(outputs, (tuple, list)):
             idx = [i for i, o in enumerate(outputs)
                    if isinstance(o, torch.Tensor) and o.requires_grad]
             if not idx:
                 return outputs
-            wrapped = _PreBackward.apply(self, u, *[outputs[i] for i in idx])
+            wrapped = _PreBackward.apply(self, m, *[outputs[i] for i in idx])
             out = list(outputs)
             for i, w in zip(idx, wrapped):
                 out[i] = w
             return type(outputs)(out) if isinstance(outputs, tuple) else out
         return outputs
 
-    def _backward_fetch(self, u):
-        if not self.bwd_held[u]:
-            self._fetch(u)
-            self.bwd_held[u] = True
+    def _backward_fetch(self, m):
+        self._queue_final()
+        for u in self.needs[m]:
+            if not self.bwd_held[u]:
+                self._acquire(u)
+                self.bwd_held[u] = True
 
-    # ---- gradients: packed in the unit's layout and pushed once complete
-    def _grad_ready(self, u, i, grad):
-        self.grads[u][i] = grad
-        if len(self.grads[u]) == len(self.params[u]):
+    # ---- gradients: each parameter's is taken from .grad once accumulated (so that no unit's
+    # gradients outlive its push), packed in the unit's layout and pushed once the unit is complete
+    def _hook_new(self, m):
+        """Gradient hooks for the parameters of the units module m reads that require a gradient
+        and have none yet (frozen at wrap and unfrozen since)."""
+        for u in self.needs[m]:
+            if u >= len(self.units):
+                continue
+            for i, (_, p) in enumerate(self.params[u]):
+                if p.requires_grad and id(p) not in self.hooked:
+                    self._hook(u, i, p)
+
+    def _hook(self, u, i, p):
+        # the node that accumulates p's gradient into p.grad: its hook runs once p.grad holds the
+        # sum over every use of p in this backward (a tied parameter's too)
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+        self.handles.append(acc.register_hook(lambda *_: self._grad_ready(u, i, p)))
+        self.acc_nodes.append(acc)
+        self.hooked.add(id(p))
+
+    def _grad_ready(self, u, i, p):
+        g, p.grad = p.grad, None
+        if g is None:
+            return
+        self._queue_final()
+        if i in self.grads[u]:
+            g = self.grads[u][i] + g
+        self.grads[u][i] = g
+        self.has_grad[self._tensor(u, i)] = True
+        if len(self.grads[u]) == sum(1 for _, q in self.params[u] if q.requires_grad):
             self._push(u)
+
+    def _queue_final(self):
+        """Once per backward: at its end, push the units that got only some of their gradients
+        (parameters unused in this forward count as zero, and are not marked as having one)."""
+        if not self.final_queued:
+            self.final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self):
+        self.final_queued = False
+        for u in range(len(self.units)):
+            if self.grads[u] or self.bwd_held[u]:
+                self._push(u)
 
     def _push(self, u):
         # written straight into shardd's staging buffer (no temporary, no second copy); the
@@ -145,22 +216,67 @@ class _State:
         self.bytes_pushed += info["bytes"]
         self.grads[u].clear()
         if self.bwd_held[u]:
-            self.ctx.release(u)
             self.bwd_held[u] = False
+            self._drop(u)
+
+    def hparams(self):
+        """Every registered group's hyperparameters now: the optimizer object's param_groups
+        (a scheduler may have changed them)."""
+        groups = self.opt.param_groups
+        if len(groups) != self.n_groups:
+            raise RuntimeError(f"shard.torch: the optimizer has {len(groups)} param groups; "
+                               f"{self.n_groups} were registered at wrap (groups cannot be added)")
+        out = []
+        for g in groups:
+            h = {"lr": float(g["lr"]), "weight_decay": float(g["weight_decay"])}
+            if self.kind == "adamw":
+                h["betas"] = tuple(float(b) for b in g["betas"])
+                h["eps"] = float(g["eps"])
+            else:
+                h["momentum"] = float(g["momentum"])
+            out.append(h)
+        return out
 
     def step(self):
         for u in range(len(self.units)):
             if self.grads[u] or self.bwd_held[u]:
                 self._push(u)  # missing gradients count as zero
         try:
-            norm = self.ctx.step()
+            norm = self.ctx.step(groups=self.hparams(), has_grad=self.has_grad)
         finally:  # also when the step failed (a skipped step, ENONFINITE): the next one goes on
+            self.has_grad = [False] * len(self.has_grad)
             for u, plist in enumerate(self.params):
                 for _, p in plist:
                     p.grad = None
                     p.data = self.placeholder[p.dtype]
                 self.views[u] = None
         return norm
+
+
+class ShardOptimizer(torch.optim.Optimizer):
+    """The optimizer of a wrapped model, as torch sees it: param_groups with lr, weight_decay,
+    betas and eps (AdamW) or momentum (SGD) per group, which schedulers change; step() runs the
+    step in shardd with the groups' current values and returns the gradient norm (with a closure,
+    the closure's loss, as torch's optimizers do); zero_grad() is accepted (the gradients are in
+    shardd once pushed). The optimizer's state (master weights, moments) lives in shardd."""
+
+    def __init__(self, state, groups, defaults):
+        super().__init__(groups, defaults)
+        self._shard = state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        norm = self._shard.step()
+        return norm if closure is None else loss
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_shard", None) is not None:
+            raise RuntimeError("shard.torch: parameter groups are fixed at wrap")
+        super().add_param_group(param_group)
 
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
@@ -184,8 +300,9 @@ def _default_units(model):
 # torch's defaults, per optimizer (torch.optim.AdamW, torch.optim.SGD)
 _DEFAULTS = {"adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2},
              "sgd": {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0}}
-_KEYS = {"adamw": {"name", "lr", "betas", "eps", "weight_decay", "max_grad_norm"},
-         "sgd": {"name", "lr", "momentum", "weight_decay", "max_grad_norm"}}
+# the hyperparameters a group has, per optimizer; the whole optimizer's keys add these
+_GROUP = {"adamw": ("lr", "betas", "eps", "weight_decay"), "sgd": ("lr", "momentum", "weight_decay")}
+_KEYS = {n: set(g) | {"name", "max_grad_norm", "param_groups"} for n, g in _GROUP.items()}
 # a torch optimizer's options that shardd's optimizer has, and those it accepts only at torch's
 # default value (any other value is refused, naming the option)
 _TORCH_SAME = {"adamw": {"amsgrad": False, "maximize": False, "capturable": False,
@@ -194,14 +311,24 @@ _TORCH_SAME = {"adamw": {"amsgrad": False, "maximize": False, "capturable": Fals
                        "differentiable": False, "foreach": None}}
 
 
-def _optimizer_of(optimizer, params):
-    """The optimizer dict shardd registers, from a dict or a torch optimizer, with torch's
-    defaults; unknown or unsupported keys are refused naming the key."""
+class _Opt:
+    """What wrap registers: the optimizer's name and clipping, each group's hyperparameters
+    (torch's defaults filled in), each parameter's group, and the torch optimizer it came from."""
+
+    def __init__(self, name, max_grad_norm, groups, group_of, torch_opt=None):
+        self.name, self.max_grad_norm = name, max_grad_norm
+        self.groups, self.group_of, self.torch_opt = groups, group_of, torch_opt
+
+
+def _optimizer_of(optimizer, named):
+    """The optimizer wrap registers, from a dict or a torch optimizer, with torch's defaults;
+    unknown or unsupported keys are refused naming the key."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        return _from_torch(optimizer, params)
+        return _from_torch(optimizer, named)
     if not isinstance(optimizer, dict):
         raise TypeError(f"shard.torch.wrap: optimizer must be a dict or a torch.optim.AdamW/SGD, "
-                        f"not {type(optimizer).__name__}")
+                        f"not {type(optimizer).__name__} (parameter groups: a torch optimizer "
+                        "built on them, or the dict's 'param_groups')")
     name = str(optimizer.get("name", "adamw")).lower()
     if name not in _DEFAULTS:
         raise ValueError(f"shard.torch.wrap: optimizer '{name}' is not supported (adamw, sgd)")
@@ -209,44 +336,66 @@ def _optimizer_of(optimizer, params):
         if k not in _KEYS[name]:
             raise ValueError(f"shard.torch.wrap: optimizer key '{k}' is not known for {name} "
                              f"(known: {', '.join(sorted(_KEYS[name]))})")
-    out = dict(_DEFAULTS[name], name=name)
-    out.update(optimizer)
-    out["name"] = name
-    return out
+    base = dict(_DEFAULTS[name])
+    base.update({k: v for k, v in optimizer.items() if k in _GROUP[name]})
+    specs = optimizer.get("param_groups")
+    if specs is None:
+        return _Opt(name, float(optimizer.get("max_grad_norm", 0.0)), [base], {})
+    by_name = dict(named)
+    groups, group_of = [], {}
+    for gi, spec in enumerate(specs):
+        if not isinstance(spec, dict) or "params" not in spec:
+            raise ValueError(f"shard.torch.wrap: param_groups[{gi}] must be a dict with 'params'")
+        for k in spec:
+            if k != "params" and k not in _GROUP[name]:
+                raise ValueError(f"shard.torch.wrap: param_groups[{gi}] key '{k}' is not known "
+                                 f"for {name} (known: params, {', '.join(_GROUP[name])})")
+        for p in spec["params"]:
+            if isinstance(p, str):
+                if p not in by_name:
+                    raise ValueError(f"shard.torch.wrap: param_groups[{gi}]: the model has no "
+                                     f"parameter '{p}'")
+                p = by_name[p]
+            if id(p) in group_of:
+                raise ValueError(f"shard.torch.wrap: a parameter is in param_groups "
+                                 f"{group_of[id(p)]} and {gi}")
+            group_of[id(p)] = gi
+        g = dict(base)
+        g.update({k: v for k, v in spec.items() if k != "params"})
+        groups.append(g)
+    _check_covered(named, group_of, "the optimizer's param_groups")
+    return _Opt(name, float(optimizer.get("max_grad_norm", 0.0)), groups, group_of)
 
 
-def _from_torch(opt, params):
+def _check_covered(named, group_of, what):
+    missing = [n for n, p in named if p.requires_grad and id(p) not in group_of]
+    if missing:
+        raise ValueError(f"shard.torch.wrap: parameter '{missing[0]}' is not in {what}; "
+                         "shardd updates every parameter that requires a gradient (freeze it "
+                         "with requires_grad_(False) to leave it alone)")
+
+
+def _from_torch(opt, named):
     kinds = {torch.optim.AdamW: "adamw", torch.optim.SGD: "sgd"}
     name = kinds.get(type(opt))
     if name is None:
         raise ValueError(f"shard.torch.wrap: torch optimizer {type(opt).__name__} is not "
                          "supported (torch.optim.AdamW, torch.optim.SGD)")
-    groups = opt.param_groups
-    keys = ["lr", "weight_decay"] + (["betas", "eps"] if name == "adamw" else ["momentum"])
-    first = groups[0]
-    for g in groups[1:]:
-        for k in keys:
-            if g[k] != first[k]:
-                raise ValueError(f"shard.torch.wrap: the optimizer's param groups differ in "
-                                 f"'{k}' ({first[k]} and {g[k]}); one set of hyperparameters "
-                                 "for the whole model is supported")
     for k, want in _TORCH_SAME[name].items():
-        for g in groups:
+        for g in opt.param_groups:
             if k in g and g[k] != want and not (want is None and g[k] is False):
                 raise ValueError(f"shard.torch.wrap: {type(opt).__name__} option '{k}'={g[k]} "
                                  "is not supported by shardd's optimizer")
-    mine = {id(p) for g in groups for p in g["params"]}
-    missing = [n for n, p in params if p.requires_grad and id(p) not in mine]
-    if missing:
-        raise ValueError(f"shard.torch.wrap: parameter '{missing[0]}' is not in the torch "
-                         "optimizer's param groups; shardd updates every parameter it holds")
-    out = {"name": name}
-    for k in keys:
-        out[k] = tuple(first[k]) if k == "betas" else first[k]
     if len(opt.state):
         raise ValueError("shard.torch.wrap: the torch optimizer has taken steps already; its "
                          "state cannot be moved into shardd (wrap before the first step)")
-    return out
+    groups, group_of = [], {}
+    for gi, g in enumerate(opt.param_groups):
+        for p in g["params"]:
+            group_of[id(p)] = gi
+        groups.append({k: tuple(g[k]) if k == "betas" else g[k] for k in _GROUP[name]})
+    _check_covered(named, group_of, "the torch optimizer's param groups")
+    return _Opt(name, 0.0, groups, group_of, opt)
 
 
 def _launcher(job, rank, world):
@@ -293,91 +442,112 @@ def _patch_clip():
 
 
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
-         units=None, max_live_bytes=0):
+         units=None, max_live_bytes=0, max_grad_norm=None):
     """Register model's parameters with shardd and install the hooks; returns model.
 
     rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
     ("torch-<id>"; else rank 0 of 1, job "torch"); socket from $SHARD_SOCKET.
     units: submodules (or their names) that become units, in forward order; by default every
     direct child with parameters, descending into ModuleList, ModuleDict and Sequential.
-    Parameters outside them form one more unit fetched around the whole model's forward.
-    optimizer: {"name": "adamw"|"sgd", "lr", "betas", "eps", "weight_decay", "momentum",
-    "max_grad_norm"} with torch's defaults (AdamW: lr 1e-3, betas (0.9, 0.999), eps 1e-8,
-    weight_decay 0.01; SGD: lr 1e-3, momentum 0, weight_decay 0), unknown keys refused; or a
-    torch.optim.AdamW / SGD built on the model's parameters (one set of hyperparameters for
-    every group), translated. plan: "topo:W/G/OS" (shard factors of the
-    weights, gradients and optimizer states) or a preset: "ddp", "zero1", "zero2", "zero3",
-    "mics:P", "topo", "topo-fp", "zeropp" (with ",no-hier", ",no-2hop", ",sec=S" and the quantized
-    ",qw", ",qg", ",qsec", ",ef", ",qblock=B"; README, Plans). Every rank must build the same
-    model; rank 0's values are the initial ones."""
+    Parameters outside them form one more unit fetched around the whole model's forward. A
+    parameter shared by several units (tied weights) belongs to the first; the others fetch that
+    unit too.
+    optimizer: a torch.optim.AdamW or SGD built on the model's parameters, its param groups and
+    their hyperparameters translated (its step() then steps in shardd, so a scheduler built on
+    it drives the learning rate); or {"name": "adamw"|"sgd", "lr", "betas", "eps",
+    "weight_decay", "momentum", "max_grad_norm", "param_groups": [{"params": [...], "lr": ...},
+    ...]} with torch's defaults (AdamW: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01;
+    SGD: lr 1e-3, momentum 0, weight_decay 0), unknown keys refused. shard.torch.optimizer(model)
+    is the torch.optim.Optimizer to step and schedule. max_grad_norm: clip the global gradient
+    norm (0: no clipping).
+    Parameters with requires_grad False are not updated; nor is, in a step, a parameter that no
+    rank gave a gradient (torch's optimizers skip a .grad of None).
+    plan: "topo:W/G/OS" (shard factors of the weights, gradients and optimizer states) or a
+    preset: "ddp", "zero1", "zero2", "zero3", "mics:P", "topo", "topo-fp", "zeropp" (with
+    ",no-hier", ",no-2hop", ",sec=S" and the quantized ",qw", ",qg", ",qsec", ",ef",
+    ",qblock=B"; README, Plans). Every rank must build the same model; rank 0's values are the
+    initial ones."""
     global _current
     job, rank, world = _launcher(job, rank, world)
-    optimizer = _optimizer_of({"name": "adamw"} if optimizer is None else optimizer,
-                              list(model.named_parameters()))
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise ValueError(f"shard.torch.wrap: parameter '{frozen[0]}' does not require a gradient; "
-                         "frozen parameters are not supported yet (keep them outside the wrapped "
-                         "model, or unfreeze them)")
+    named = list(model.named_parameters())
+    opt = _optimizer_of({"name": "adamw"} if optimizer is None else optimizer, named)
+    if max_grad_norm is not None:
+        opt.max_grad_norm = float(max_grad_norm)
     if units is None:
         units = _default_units(model)
     units = [model.get_submodule(m) if isinstance(m, str) else m for m in units]
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in named}
     owner = {}
-    plist = []
+    plist, borrows = [], []
     for u, m in enumerate(units):
-        ps = []
+        ps, borrow = [], []
         for _, p in m.named_parameters():
             if id(p) in owner:
-                if owner[id(p)] != u:
-                    raise ValueError(f"shard.torch.wrap: parameter '{names[id(p)]}' belongs to "
-                                     f"units {owner[id(p)]} and {u}; shared parameters must be "
-                                     "in one unit")
+                if owner[id(p)] != u and owner[id(p)] not in borrow:
+                    borrow.append(owner[id(p)])  # tied: read from its first unit
                 continue
             owner[id(p)] = u
             ps.append((names[id(p)], p))
         plist.append(ps)
-    rest = [(n, p) for n, p in model.named_parameters() if id(p) not in owner]
+        borrows.append(borrow)
+    rest = [(n, p) for n, p in named if id(p) not in owner]
     if rest:
         units.append(model)
         plist.append(rest)
+        borrows.append([])
+    # units with parameters of their own are registered, in order; a module whose parameters
+    # all belong to earlier units (an lm_head tied to the embedding) only fetches those
+    index, reg_units, reg_params, hooked, needs = {}, [], [], [], []
+    for m, ps in zip(units, plist):
+        if ps:
+            index[id(m)] = len(reg_units)
+            reg_units.append(m)
+            reg_params.append(ps)
+    remap = [index.get(id(m)) for m in units]
+    for own in (True, False):  # registered units first: hooked module u is unit u
+        for m, ps, borrow, u in zip(units, plist, borrows, remap):
+            if bool(ps) == own:
+                hooked.append(m)
+                needs.append(([u] if own else []) + [remap[b] for b in borrow])
     tensors, init = [], []
-    for u, ps in enumerate(plist):
-        if not ps:
-            raise ValueError(f"shard.torch.wrap: unit {u} ({type(units[u]).__name__}) has no "
-                             "parameters")
+    for u, ps in enumerate(reg_params):
         dts = {p.dtype for _, p in ps}
         if len(dts) != 1 or next(iter(dts)) not in _DTYPES:
             raise ValueError(f"shard.torch.wrap: unit {u} mixes or uses unsupported dtypes "
                              f"{sorted(str(d) for d in dts)}; one of float32, bfloat16, float16 "
                              "per unit")
         for name, p in ps:
-            tensors.append(_shard.Tensor(name, tuple(p.shape) or (1,), _DTYPES[p.dtype], u))
+            tensors.append(_shard.Tensor(name, tuple(p.shape) or (1,), _DTYPES[p.dtype], u,
+                                         opt.group_of.get(id(p), 0)))
             init.append(p.detach().to("cpu", torch.float32).contiguous().reshape(-1))
     ctx = _shard.Context(socket)
     try:
         ctx.register(job=job, rank=rank, world=world, plan=plan, tensors=tensors,
-                     optimizer=optimizer, init=init if rank == 0 else None,
-                     max_live_bytes=max_live_bytes)
+                     optimizer=dict(opt.groups[0], name=opt.name, max_grad_norm=opt.max_grad_norm),
+                     init=init if rank == 0 else None, max_live_bytes=max_live_bytes,
+                     groups=opt.groups, skip_unused=True)
     except Exception:
         ctx.detach()
         raise
-    state = _State(model, ctx, units, plist, job)
-    for dt in {p.dtype for ps in plist for _, p in ps}:
+    state = _State(model, ctx, reg_units, reg_params, needs, job)
+    state.kind, state.n_groups = opt.name, len(opt.groups)
+    for dt in {p.dtype for ps in reg_params for _, p in ps}:
         state.placeholder[dt] = torch.empty(0, dtype=dt)
     saved = []  # (param, its data): put back if wrap fails half-way
     try:
-        for u, m in enumerate(units):
-            state.handles.append(m.register_forward_pre_hook(
-                lambda mod, inp, u=u: state._pre_forward(u)))
-            state.handles.append(m.register_forward_hook(
-                lambda mod, inp, out, u=u: state._post_forward(u, out)))
-            for i, (_, p) in enumerate(plist[u]):
-                state.handles.append(p.register_hook(
-                    lambda g, u=u, i=i: state._grad_ready(u, i, g)))
+        for m, mod in enumerate(hooked):
+            state.handles.append(mod.register_forward_pre_hook(
+                lambda mod, inp, m=m: state._pre_forward(m)))
+            state.handles.append(mod.register_forward_hook(
+                lambda mod, inp, out, m=m: state._post_forward(m, out)))
+        for u, ps in enumerate(reg_params):
+            for i, (_, p) in enumerate(ps):
+                if p.requires_grad:
+                    state._hook(u, i, p)
                 saved.append((p, p.data))
                 p.data = state.placeholder[p.dtype]  # the values live in shardd now
                 p._shard_wrapped = True
+        state.opt = _make_optimizer(state, opt, reg_params)
     except BaseException:  # no hooks left behind, the values back, the job left
         for h in state.handles:
             h.remove()
@@ -391,6 +561,43 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     _patch_clip()
     _current = state
     return model
+
+
+def _make_optimizer(state, opt, reg_params):
+    """The ShardOptimizer of a wrapped model. Built from a torch optimizer, it shares that one's
+    param_groups (a scheduler on either moves both), and the torch optimizer's step() becomes
+    its step."""
+    if opt.torch_opt is not None:
+        groups = [{"params": list(g["params"])} for g in opt.torch_opt.param_groups]
+    else:
+        groups = [dict(g, params=[]) for g in opt.groups]
+        for ps in reg_params:
+            for _, p in ps:
+                groups[opt.group_of.get(id(p), 0)]["params"].append(p)
+        empty = [i for i, g in enumerate(groups) if not g["params"]]
+        if empty:
+            raise ValueError(f"shard.torch.wrap: param_groups[{empty[0]}] has no parameter")
+    so = ShardOptimizer(state, groups, dict(opt.groups[0]))
+    if opt.torch_opt is not None:
+        so.param_groups = opt.torch_opt.param_groups
+        so.defaults = opt.torch_opt.defaults
+
+        def step(self, closure=None):
+            if hasattr(self, "_step_count"):  # a scheduler counts the steps
+                self._step_count += 1
+            return so.step(closure)
+
+        step._with_counter = True  # what torch's schedulers mark a counted step() with
+        opt.torch_opt.step = types.MethodType(step, opt.torch_opt)
+    return so
+
+
+def optimizer(model=None):
+    """The torch.optim.Optimizer of a wrapped model: param_groups as registered (or the torch
+    optimizer's own), whose lr, weight_decay, betas, eps and momentum each step() sends to
+    shardd, so torch.optim.lr_scheduler schedulers work on it unchanged; step() returns the
+    gradient norm; zero_grad() is accepted."""
+    return _state_of(model).opt
 
 
 def _full_state_dict_of(model, destination=None, prefix="", keep_vars=False):
@@ -422,20 +629,26 @@ def step(model=None):
 
 
 def full_state_dict(model=None):
-    """The full current parameters (and the model's buffers) as ordinary tensors."""
+    """The full current parameters and the model's buffers as ordinary tensors, under every name
+    torch's state_dict() gives them (a tied parameter under each of its names), in its order.
+    Any rank may call it alone (if rank == 0: torch.save(...))."""
     st = _state_of(model)
-    out = {}
+    values = {}
     for u, ps in enumerate(st.params):
-        st._fetch(u)
+        held = st.refs[u] > 0
+        if not held:  # outside the schedule: rank 0 alone may save
+            st._attach_views(u, *st.ctx.fetch_aside(u))
         try:
-            for name, p in ps:
-                out[name] = p.detach().clone()
-        finally:
-            st.ctx.release(u)
             for _, p in ps:
-                p.data = st.placeholder[p.dtype]
-    for name, b in st.model.named_buffers():
-        out[name] = b.detach().clone()
+                values[id(p)] = p.detach().clone()
+        finally:
+            if not held:
+                st.ctx.release_aside(u)
+                for _, p in ps:
+                    p.data = st.placeholder[p.dtype]
+    out = {}
+    for name, t in torch.nn.Module.state_dict(st.model, keep_vars=True).items():
+        out[name] = values[id(t)] if id(t) in values else t.detach().clone()
     return out
 
 
