@@ -1,0 +1,362 @@
+#!/usr/bin/env python3
+"""shard.torch steps as torch.optim does, against single-process torch on the same global batch,
+on a 2-node x 2-rank emulated cluster of real daemons (tools/local-cluster.sh):
+
+  - a small GPT (blocks in a ModuleList, lm_head tied to the token embedding, a frozen position
+    embedding, an adapter that the forward takes only in even steps), AdamW with two param
+    groups (no weight decay on biases and LayerNorm), a warm-up + cosine LambdaLR schedule,
+    clipping at 1.0, accumulation 2, 10 steps, under zero3, mics:2 and topo:1/2/4 (per-state
+    factors): each step's loss (the mean of the ranks' losses) within 1e-5 relative of the
+    reference's, and every parameter allclose (rtol 1e-5, atol 1e-6) to the reference's at the
+    end. The reference steps with zero_grad(set_to_none=True), as torch >= 2.0 does by default:
+    the adapter is not updated in odd steps (its moments and step count stay), nor is the
+    frozen embedding ever. Under zero3 the torch AdamW built before wrap is stepped and
+    scheduled itself; under mics:2 shard.torch.optimizer(model) is; under topo:1/2/4
+    shard.torch.step() with a scheduler on the optimizer object;
+  - SGD with momentum and a StepLR schedule, groups given as the optimizer dict's param_groups
+    by parameter name, a block frozen after wrap from step 4 on (mics:2);
+  - full_state_dict has the tied weight under both names, and loads into an unwrapped model;
+  - shardctl's jobs document shows each group's current lr (the schedule's last value);
+  - memory: a model of 8 units, 1 MiB of gradient each: during backward the process's heap in
+    use (glibc mallinfo2) grows by less than 3 MiB through shardd (each unit's gradients are
+    released once pushed) and by at least 90% of the 8 MiB of all gradients without it;
+  - per-step hyperparameters that the ranks disagree on (rank 1's lr) fail that step on every
+    rank with EMISMATCH, naming the group on rank 1's node and that node elsewhere, and the job
+    goes on (the next step is taken);
+  - rank 0 alone reads full_state_dict in step 5 and at the end (fetches outside the schedule)
+    without failing the job or changing what the other ranks compute.
+
+Skipped (exit 77, with the reason) where PyTorch cannot be imported.
+usage: test_torch_optim.py SHARDD LIBSHARD
+"""
+import ctypes
+import json
+import math
+import os
+import sys
+import tempfile
+
+from harness import Cluster, check, finish, run_all, shard, torch
+
+import shard.torch as st  # noqa: E402
+
+nn = torch.nn
+VOCAB, CTX, D, RANKS, SEQS, ACCUM, STEPS = 32, 8, 16, 4, 2, 2, 10
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc = nn.Linear(D, 2 * D)
+        self.proj = nn.Linear(2 * D, D)
+
+    def forward(self, h):
+        return h + self.proj(torch.relu(self.fc(self.ln(h))))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, D)
+        self.wpe = nn.Embedding(CTX, D)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.adapter = nn.Linear(D, D)
+        self.ln_f = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.wpe.weight.requires_grad_(False)  # frozen
+        self.take_adapter = True
+
+    def forward(self, idx):
+        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            h = b(h)
+        if self.take_adapter:
+            h = h + self.adapter(h)
+        return self.lm_head(self.ln_f(h))
+
+
+def model():
+    torch.manual_seed(0)
+    return GPT()
+
+
+def groups(m, names=False):
+    """AdamW's usual two groups: weight decay on matrices only"""
+    decay = [n if names else p for n, p in m.named_parameters() if p.dim() >= 2]
+    rest = [n if names else p for n, p in m.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def warmup_cosine(step):
+    return min(1.0, (step + 1) / 3) * 0.5 * (1 + math.cos(math.pi * step / STEPS))
+
+
+def data(step, micro):
+    """the global micro-batch: RANKS * SEQS sequences"""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randint(0, VOCAB, (RANKS * SEQS, CTX), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def loss_of(m, x, y):
+    return nn.functional.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def build_opt(kind, m, names=False):
+    if kind == "adamw":
+        o = torch.optim.AdamW(groups(m), lr=3e-2)
+        return o, torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine)
+    o = torch.optim.SGD(groups(m), lr=5e-2, momentum=0.9)
+    return o, torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
+
+
+def before_step(kind, m, step):
+    m.take_adapter = step % 2 == 0
+    if kind == "sgd" and step == 4:
+        m.blocks[0].fc.weight.requires_grad_(False)
+
+
+def reference(kind):
+    """single-process torch on the global batch: per-step losses, final parameters"""
+    m = model()
+    opt, sched = build_opt(kind, m)
+    losses = []
+    for step in range(STEPS):
+        before_step(kind, m, step)
+        total = 0.0
+        for micro in range(ACCUM):
+            x, y = data(step, micro)
+            loss = loss_of(m, x, y) / ACCUM
+            loss.backward()
+            total += loss.item()
+        if kind == "adamw":
+            torch.nn.utils.clip_grad_norm_([p for p in m.parameters() if p.grad is not None],
+                                           1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(total)
+    return losses, m.state_dict()
+
+
+def worker(a):
+    """one rank through shardd"""
+    m = model()
+    if a["form"] == "dict":  # SGD: the groups as the optimizer dict's, by name
+        spec = {"name": "sgd", "lr": 5e-2, "momentum": 0.9, "param_groups": groups(m, True)}
+        st.wrap(m, socket=a["socket"], job=a["job"], rank=a["rank"], world=RANKS,
+                plan=a["plan"], optimizer=spec)
+        opt = st.optimizer(m)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    else:
+        torch_opt, _ = build_opt("adamw", m)
+        st.wrap(m, socket=a["socket"], job=a["job"], rank=a["rank"], world=RANKS,
+                plan=a["plan"], optimizer=torch_opt, max_grad_norm=1.0)
+        opt = torch_opt if a["form"] == "torch" else st.optimizer(m)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
+    kind = "sgd" if a["form"] == "dict" else "adamw"
+    lo, hi = a["rank"] * SEQS, (a["rank"] + 1) * SEQS
+    losses, errors = [], []
+    for step in range(STEPS):
+        before_step(kind, m, step)
+        total = 0.0
+        for micro in range(ACCUM):
+            x, y = data(step, micro)
+            loss = loss_of(m, x[lo:hi], y[lo:hi]) / ACCUM
+            loss.backward()
+            total += loss.item()
+        if a["form"] == "step":
+            st.step(m)
+        else:
+            opt.step()
+            opt.zero_grad()
+        sched.step()
+        losses.append(total)
+        if a["rank"] == 0 and step == 4:  # rank 0 alone reads the weights mid-training
+            mid = st.full_state_dict(m)
+            check_mid = all(torch.isfinite(v).all() for v in mid.values())
+            assert check_mid, "a mid-training full_state_dict is finite"
+    out = {"loss": losses, "errors": errors}
+    if a["rank"] == 0:
+        out["jobs"] = shard.admin("jobs", a["job"], socket=a["socket"])
+        torch.save(st.full_state_dict(m), a["out"] + ".pt")
+    if a.get("disagree"):  # rank 1 gives another lr: the step fails everywhere, then goes on
+        x, y = data(0, 0)
+        loss_of(m, x[lo:hi], y[lo:hi]).backward()
+        if a["rank"] == 1:
+            opt.param_groups[1]["lr"] += 1e-3  # (the schedule ends at lr 0)
+        try:
+            opt.step()
+            errors.append("no error")
+        except shard.ShardError as e:
+            errors.append([e.status, e.message])
+        if a["rank"] == 1:
+            opt.param_groups[1]["lr"] -= 1e-3
+        loss_of(m, x[lo:hi], y[lo:hi]).backward()
+        opt.step()
+    with open(a["out"] + ".json", "w") as f:
+        json.dump(out, f)
+    st.unwrap(m)
+
+
+def run(cluster, work, tag, plan, form, disagree=False):
+    cmds = []
+    for r in range(RANKS):
+        a = {"socket": cluster.socket(r // 2), "job": tag, "rank": r, "plan": plan,
+             "form": form, "out": f"{work}/{tag}-{r}", "disagree": disagree}
+        cmds.append([sys.executable, os.path.abspath(__file__), sys.argv[1], sys.argv[2],
+                     "--worker", json.dumps(a)])
+    outs = run_all(cmds, timeout=300)
+    for r, (rc, out) in enumerate(outs):
+        check(rc == 0, f"{tag} rank {r} exit code {rc}:\n{out}")
+    try:
+        logs = [json.load(open(f"{work}/{tag}-{r}.json")) for r in range(RANKS)]
+        params = torch.load(f"{work}/{tag}-0.pt")
+    except OSError as e:
+        check(False, f"{tag}: results missing ({e})")
+        return None, None
+    losses = [sum(lg["loss"][s] for lg in logs) / RANKS for s in range(STEPS)]
+    return (losses, params, logs)
+
+
+def compare(tag, got, ref):
+    losses, params, _ = got
+    ref_losses, ref_params = ref
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    check(worst <= 1e-5, f"{tag}: per-step loss vs single-process torch: worst relative {worst:.3g}")
+    check(sorted(params) == sorted(ref_params), f"{tag}: full_state_dict has torch's keys "
+          f"(the tied weight under both names): {sorted(set(params) ^ set(ref_params))}")
+    maxd, outside = 0.0, 0
+    for k in ref_params:
+        if k in params:
+            maxd = max(maxd, (params[k] - ref_params[k]).abs().max().item())
+            outside += int((~torch.isclose(params[k], ref_params[k], rtol=1e-5,
+                                           atol=1e-6)).sum())
+    check(outside == 0, f"{tag}: {outside} parameters not allclose, max |diff| {maxd:.3g}")
+    print(f"{tag}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, worst relative difference "
+          f"{worst:.2e}, parameters max |diff| {maxd:.2e}", flush=True)
+    return maxd
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+
+
+def heap_in_use():
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    mi = libc.mallinfo2()
+    return mi.uordblks + mi.hblkhd
+
+
+def backward_growth(m, wrapped):
+    """the heap's growth from before backward to its peak during it (sampled as each parameter's
+    gradient arrives, and at the end)"""
+    x = torch.randn(4, 512)
+    loss = m(x).square().mean()
+    base = heap_in_use()
+    peak = [base]
+
+    def sample(g):
+        peak[0] = max(peak[0], heap_in_use())
+    hooks = [p.register_hook(sample) for p in m.parameters()]
+    loss.backward()
+    peak[0] = max(peak[0], heap_in_use())
+    for h in hooks:
+        h.remove()
+    if wrapped:
+        st.step(m)
+    return peak[0] - base
+
+
+def memory(shardd, work):
+    """on a daemon of its own: one rank"""
+    import subprocess
+    import time
+    rdir = os.path.join(work, "single")
+    os.makedirs(rdir)
+    sock = os.path.join(rdir, "shardd.sock")
+    daemon = subprocess.Popen([shardd, "--runtime-dir", rdir, "--log-level", "warn"])
+    for _ in range(200):
+        if os.path.exists(sock):
+            break
+        time.sleep(0.05)
+    try:
+        measure_memory(sock)
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+
+
+def measure_memory(sock):
+    def net():
+        torch.manual_seed(1)
+        return nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(8)])
+    full = 8 * 512 * 512 * 4
+    plain = net()
+    backward_growth(plain, False)  # warm the allocator up
+    for p in plain.parameters():
+        p.grad = None
+    grow_plain = backward_growth(plain, False)
+    m = st.wrap(net(), socket=sock, job="memory", rank=0, world=1, plan="zero3")
+    backward_growth(m, True)
+    grow = backward_growth(m, True)
+    st.unwrap(m)
+    check(grow_plain >= 0.9 * full, f"without shardd backward holds every gradient: "
+          f"{grow_plain / 2**20:.1f} MiB (the measure sees them)")
+    check(grow < 3 * 2**20, f"through shardd each unit's gradients go once pushed: backward grew "
+          f"the heap by {grow / 2**20:.2f} MiB of {full / 2**20:.0f} MiB of gradients")
+    print(f"memory: backward grows the heap by {grow / 2**20:.2f} MiB through shardd, "
+          f"{grow_plain / 2**20:.2f} MiB without (8 MiB of gradients)", flush=True)
+
+
+def main():
+    work = tempfile.mkdtemp(prefix="shardd-torchopt-")
+    cl = Cluster(sys.argv[1], os.path.join(work, "cluster"), 2, 2)
+    try:
+        if cl.ok:
+            ref = reference("adamw")
+            for tag, plan, form in (("zero3", "zero3", "torch"), ("mics2", "mics:2", "shard"),
+                                    ("topo", "topo:1/2/4", "step")):
+                got = run(cl, work, tag, plan, form, disagree=(tag == "mics2"))
+                if got[0] is None:
+                    continue
+                compare(tag, got, ref)
+                if tag == "mics2":
+                    for r, lg in enumerate(got[2]):  # ranks 0 and 1 share node 0
+                        e = lg["errors"]
+                        words = ["group 1", "lr"] if r < 2 else ["node 0", "hyperparameters"]
+                        check(len(e) == 1 and e[0][0] == shard.EMISMATCH and
+                              all(w in e[0][1] for w in words), f"rank {r}: hyperparameters "
+                              f"that differ between ranks fail the step naming {words}: {e}")
+                if tag == "zero3":
+                    job = got[2][0]["jobs"]["jobs"][0]["optimizer"]
+                    want = 3e-2 * warmup_cosine(STEPS - 1)
+                    lrs = [g["lr"] for g in job["groups"]]
+                    check(job["name"] == "adamw" and len(lrs) == 2 and
+                          all(abs(x - want) <= 1e-6 * want for x in lrs) and
+                          job["groups"][0]["weight_decay"] == torch.tensor(0.1).item(),
+                          f"jobs shows the groups' last lr {want:.6g}: {job}")
+                    back = GPT()
+                    back.load_state_dict(got[1])
+                    check(torch.equal(back.lm_head.weight, got[1]["wte.weight"]),
+                          "the full state dict loads into an unwrapped model")
+            sgd_ref = reference("sgd")
+            got = run(cl, work, "sgd", "mics:2", "dict")
+            if got[0] is not None:
+                compare("sgd", got, sgd_ref)
+            memory(sys.argv[1], work)
+    finally:
+        cl.stop()
+    finish("test_torch_optim", work)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 4 and sys.argv[3] == "--worker":
+        worker(json.loads(sys.argv[4]))
+    else:
+        main()
