@@ -47,7 +47,7 @@ static json_t *optimizer_json(const struct sd_job *job)
     uint32_t n = sd_model_groups(m);
     json_t *groups = json_array();
     for (uint32_t g = 0; g < n; g++) {
-        struct sd_hparams h = job->hparams != NULL ? job->hparams[g] : sd_model_group(m, g);
+        struct sd_hparams h = job->opt.hparams != NULL ? job->opt.hparams[g] : sd_model_group(m, g);
         int tensors = 0;
         for (uint32_t t = 0; t < m->n_tensors; t++)
             tensors += m->tensors[t].group == g;
@@ -86,7 +86,7 @@ static json_t *job_summary(const struct sd_job *job)
         "ranks_per_node", (int)job->k, "plan", job->plan.name, "units", (int)job->layout.n_units,
         "parameters", (json_int_t)job->layout.total_numel, "parameter_bytes",
         (json_int_t)job->layout.total_bytes, "memory_bytes", (json_int_t)job->mem.bytes_total,
-        "steps", (json_int_t)job->steps, "last_grad_norm", job->last_grad_norm, "error",
+        "steps", (json_int_t)job->steps, "last_grad_norm", job->opt.last_grad_norm, "error",
         job->fail_msg, "ranks", ranks);
     json_object_set_new(doc, "optimizer", optimizer_json(job));
     return doc;

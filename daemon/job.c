@@ -30,7 +30,7 @@ void sd_job_free(struct sd_job *job)
     sd_job_mem_free(job);
     sd_layout_free(&job->layout);
     sd_model_free(&job->model);
-    free(job->hparams);
+    free(job->opt.hparams);
     free(job->ranks);
     free(job->step.tags);
     free(job->step.arrive_ns);

@@ -123,6 +123,13 @@ struct sd_push_state {
     size_t ar_tmp_count;
 };
 
+/* The optimizer's bookkeeping (optimizer.c): what a schedule and skipped tensors change. */
+struct sd_optim_state {
+    struct sd_hparams *hparams; /* [n_groups]: the parameter groups' current hyperparameters */
+    uint64_t *tensor_steps;     /* [n_tensors]: optimizer steps that updated each tensor */
+    double last_grad_norm;      /* of the last step taken */
+};
+
 /* The step (step.c): the barrier of the local ranks, then the phases across nodes. */
 struct sd_step_state {
     uint32_t arrived;
@@ -221,9 +228,7 @@ struct sd_job {
     bool retire_pending; /* all ranks left; memory goes once the network is idle */
     bool was_ready;      /* reached READY: after a clean detach, ready still answers */
     uint64_t steps, weights_gen;
-    double last_grad_norm;
-    struct sd_hparams *hparams; /* [n_groups]: the parameter groups' current hyperparameters */
-    uint64_t *tensor_steps;     /* [n_tensors]: optimizer steps that updated each tensor */
+    struct sd_optim_state opt;
     struct sd_job_stats stats;
     struct sd_job_mem mem;
     struct sd_sec_state sec;

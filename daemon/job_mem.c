@@ -142,11 +142,11 @@ void sd_job_mem_free(struct sd_job *job)
     free(job->step.arg_flags);
     free(job->step.hp_next);
     free(job->step.used);
-    free(job->tensor_steps); /* the hyperparameters stay for shardctl: sd_job_free */
+    free(job->opt.tensor_steps); /* the hyperparameters stay for shardctl: sd_job_free */
     job->step.arg_flags = NULL;
     job->step.hp_next = NULL;
     job->step.used = NULL;
-    job->tensor_steps = NULL;
+    job->opt.tensor_steps = NULL;
     free(job->step.os_pos);
     job->step.os_pos = NULL;
     free(job->push.round_entries);
@@ -270,11 +270,11 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->step.arg_flags = calloc(k, sizeof(*job->step.arg_flags));
     job->step.hp_next = calloc(n_groups, sizeof(*job->step.hp_next));
     job->step.used = calloc(job->step.used_words, sizeof(*job->step.used));
-    free(job->hparams);
-    job->hparams = calloc(n_groups, sizeof(*job->hparams));
-    job->tensor_steps = calloc(l->n_tensors, sizeof(*job->tensor_steps));
-    for (uint32_t g = 0; job->hparams != NULL && g < n_groups; g++)
-        job->hparams[g] = sd_model_group(&job->model, g);
+    free(job->opt.hparams);
+    job->opt.hparams = calloc(n_groups, sizeof(*job->opt.hparams));
+    job->opt.tensor_steps = calloc(l->n_tensors, sizeof(*job->opt.tensor_steps));
+    for (uint32_t g = 0; job->opt.hparams != NULL && g < n_groups; g++)
+        job->opt.hparams[g] = sd_model_group(&job->model, g);
     uint32_t OS = job->plan.f[SD_STATE_OS];
     job->step.os_pos = calloc(OS, sizeof(*job->step.os_pos));
     for (uint32_t i = 0; job->step.os_pos != NULL && i < OS; i++)
@@ -304,8 +304,8 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     if ((holders > 0 && (!job->sec.mem || !job->sec.gen)) || !job->mem.arena || !job->mem.staging ||
         !job->mem.scratch || cache_st != SD_OK || queue_st != SD_OK || !job->step.sumsq_parts ||
         !job->xfer.wait_tags || !job->step.norm_buf || !job->step.os_pos || !job->push.rounds ||
-        !job->step.arg_flags || !job->step.hp_next || !job->step.used || !job->hparams ||
-        !job->tensor_steps || !job->push.round_entries || !job->push.rounds_done) {
+        !job->step.arg_flags || !job->step.hp_next || !job->step.used || !job->opt.hparams ||
+        !job->opt.tensor_steps || !job->push.round_entries || !job->push.rounds_done) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }

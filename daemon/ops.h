@@ -148,8 +148,8 @@ void sd_step_progress(struct sd_job *job);
 /* ---- optimizer.c */
 /* The optimizer on every local rank's shards for step job->steps + 1, once the gradients are
  * synchronized and the global sum of squares is known: clipping, AdamW or SGD with each tensor's
- * group's hyperparameters (job->hparams), the cast into w, the gradients zeroed. used: a bit per
- * tensor that some rank gave a gradient (the others are left as they are), or NULL for every
+ * group's hyperparameters (job->opt.hparams), the cast into w, the gradients zeroed. used: a bit
+ * per tensor that some rank gave a gradient (the others are left as they are), or NULL for every
  * tensor. Returns the global gradient norm. */
 double sd_optimizer_apply(struct sd_job *job, double sumsq, const uint64_t *used);
 

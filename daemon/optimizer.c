@@ -22,7 +22,7 @@ static void update_range(struct sd_job *job, const struct os_view *o, uint64_t a
                          uint32_t tensor, float scale)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
-    const struct sd_hparams *h = &job->hparams[job->model.tensors[tensor].group];
+    const struct sd_hparams *h = &job->opt.hparams[job->model.tensors[tensor].group];
     uint8_t *w = o->w + at * o->w_elem;
     int dtype = job->layout.units[job->model.tensors[tensor].unit].dtype;
     if (job->model.optim.kind == SD_OPTIM_ADAMW) {
@@ -31,7 +31,7 @@ static void update_range(struct sd_job *job, const struct os_view *o, uint64_t a
                                   .beta2 = h->beta2,
                                   .eps = h->eps,
                                   .weight_decay = h->weight_decay,
-                                  .step = job->tensor_steps[tensor] + 1};
+                                  .step = job->opt.tensor_steps[tensor] + 1};
         dev->adamw(job->mem.queue, &a, o->master + at, o->m + at, o->v + at, o->g + at, scale, w,
                    dtype, n);
     } else {
@@ -112,7 +112,7 @@ double sd_optimizer_apply(struct sd_job *job, double sumsq, const uint64_t *used
     }
     for (uint32_t t = 0; t < l->n_tensors; t++) {
         if (tensor_used(used, t))
-            job->tensor_steps[t]++;
+            job->opt.tensor_steps[t]++;
         else
             job->stats.tensors_skipped++;
     }

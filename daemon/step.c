@@ -51,7 +51,7 @@ static void step_answer(struct sd_job *job, int status, const char *msg)
 {
     sd_sched_step_done(job); /* freeze or rewind the schedule; first prefetches */
     uint64_t bits, now = sd_now_ns();
-    double norm = job->last_grad_norm;
+    double norm = job->opt.last_grad_norm;
     memcpy(&bits, &norm, sizeof(bits));
     for (uint32_t r = 0; r < job->k; r++) {
         if (!job->step.waiting[r] || job->ranks[r] == NULL)
@@ -191,8 +191,8 @@ static void args_of_rank(struct sd_job *job, uint32_t r, bool *hp_set, uint64_t 
                 return;
             }
         }
-    } else if (*hp_set &&
-               memcmp(job->step.hp_next, job->hparams, n_groups * sizeof(*job->hparams)) != 0) {
+    } else if (*hp_set && memcmp(job->step.hp_next, job->opt.hparams,
+                                 n_groups * sizeof(*job->opt.hparams)) != 0) {
         args_refuse(job, SD_EMISMATCH,
                     "rank %u gave no hyperparameters (the last step's), rank %u new ones: every "
                     "rank must give the same",
@@ -221,7 +221,7 @@ static void step_args_collect(struct sd_job *job)
     uint64_t *used = job->model.skip_unused ? sd_norm_used(job, job->node) : NULL;
     job->step.arg_status = SD_OK;
     job->step.arg_msg[0] = '\0';
-    memcpy(job->step.hp_next, job->hparams, n_groups * sizeof(*job->hparams));
+    memcpy(job->step.hp_next, job->opt.hparams, n_groups * sizeof(*job->opt.hparams));
     if (used != NULL)
         memset(used, 0, job->step.used_words * sizeof(*used));
     bool hp_set = false;
@@ -567,9 +567,9 @@ void sd_step_progress(struct sd_job *job)
             step_nonfinite(job, bad);
             return;
         }
-        memcpy(job->hparams, job->step.hp_next,
-               sd_model_groups(&job->model) * sizeof(*job->hparams));
-        job->last_grad_norm = sd_optimizer_apply(job, sumsq, step_used(job));
+        memcpy(job->opt.hparams, job->step.hp_next,
+               sd_model_groups(&job->model) * sizeof(*job->opt.hparams));
+        job->opt.last_grad_norm = sd_optimizer_apply(job, sumsq, step_used(job));
         /* the exchanges send the owners' new parts */
         if (sd_weights_remote(job) && !sd_job_sync(job))
             return;
