@@ -702,26 +702,6 @@ int shard_fetch_async(shard_ctx_t *ctx, uint32_t unit, shard_req_t *req_p)
     return post(ctx, SD_OP_FETCH, unit, 0, 0, req_p);
 }
 
-int shard_fetch_aside(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
-{
-    shard_req_t req;
-    int status = check_attached(ctx, "fetch", true);
-    if (status != SD_OK)
-        return status;
-    if ((status = post(ctx, SD_OP_FETCH, unit, SD_OP_ASIDE, 0, &req)) != SD_OK)
-        return status;
-    return shard_wait(ctx, req, data_p);
-}
-
-int shard_release_aside(shard_ctx_t *ctx, uint32_t unit)
-{
-    struct sd_cqe cqe;
-    int status = check_attached(ctx, "release", true);
-    if (status != SD_OK)
-        return status;
-    return call(ctx, SD_OP_RELEASE, unit, SD_OP_ASIDE, 0, &cqe);
-}
-
 int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p)
 {
     struct sd_cqe cqe;
@@ -740,22 +720,45 @@ int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p)
     return SD_OK;
 }
 
-int shard_fetch(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
+/* a fetch and its wait; flags: 0 or SD_OP_ASIDE */
+static int fetch_wait(shard_ctx_t *ctx, uint32_t unit, uint64_t flags, const void **data_p)
 {
     shard_req_t req;
-    int status = shard_fetch_async(ctx, unit, &req);
+    int status = check_attached(ctx, "fetch", true);
     if (status != SD_OK)
+        return status;
+    if ((status = post(ctx, SD_OP_FETCH, unit, flags, 0, &req)) != SD_OK)
         return status;
     return shard_wait(ctx, req, data_p);
 }
 
-int shard_release(shard_ctx_t *ctx, uint32_t unit)
+static int release(shard_ctx_t *ctx, uint32_t unit, uint64_t flags)
 {
     struct sd_cqe cqe;
     int status = check_attached(ctx, "release", true);
     if (status != SD_OK)
         return status;
-    return call(ctx, SD_OP_RELEASE, unit, 0, 0, &cqe);
+    return call(ctx, SD_OP_RELEASE, unit, flags, 0, &cqe);
+}
+
+int shard_fetch(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
+{
+    return fetch_wait(ctx, unit, 0, data_p);
+}
+
+int shard_release(shard_ctx_t *ctx, uint32_t unit)
+{
+    return release(ctx, unit, 0);
+}
+
+int shard_fetch_aside(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
+{
+    return fetch_wait(ctx, unit, SD_OP_ASIDE, data_p);
+}
+
+int shard_release_aside(shard_ctx_t *ctx, uint32_t unit)
+{
+    return release(ctx, unit, SD_OP_ASIDE);
 }
 
 /* Wait for the push that occupies staging slot i; remember the first error. */

@@ -21,55 +21,18 @@ usage: test_torch.py SHARDD LIBSHARD
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-try:
-    import torch
-except ImportError as e:
-    print(f"SKIP: PyTorch cannot be imported ({e}); tools/deps.sh installs python3-torch")
-    sys.exit(77)
+from harness import ROOT, check, finish, run_all, shard, torch
 
-shardd, libshard = sys.argv[1], sys.argv[2]
-os.environ["SHARD_LIBRARY"] = libshard
-sys.path.insert(0, os.path.join(ROOT, "client", "python"))
-import shard  # noqa: E402
-
-passed = failed = 0
-
-
-def check(cond, what):
-    global passed, failed
-    if cond:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL: {what}", flush=True)
-
-
+shardd = sys.argv[1]
 GPT = os.path.join(ROOT, "client", "examples", "train_gpt.py")
 CLUSTER = os.path.join(ROOT, "tools", "local-cluster.sh")
 work = tempfile.mkdtemp(prefix="shardd-torch-")
 cdir = os.path.join(work, "cluster")
 port = str(20000 + os.getpid() % 20000)
-
-
-def run_all(cmds, timeout=600):
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            out += "\n(timed out)"
-        outs.append((p.returncode, out))
-    return outs
 
 
 def train(tag, plan, dtype, extra=(), steps=30):
@@ -181,11 +144,6 @@ try:
         d = json.load(open(f"{work}/ddpnan-0.json"))["skipped"]
         check([x[0] for x in d] == [4], f"DDP skipped step 4: {d}")
 finally:
-    stop = subprocess.run(["bash", CLUSTER, "stop", "--dir", cdir], capture_output=True,
-                          text=True, timeout=120)
-    if failed == 0:
-        shutil.rmtree(work, ignore_errors=True)
-    else:
-        print(f"logs kept in {work}")
-print(f"test_torch: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+    subprocess.run(["bash", CLUSTER, "stop", "--dir", cdir], capture_output=True, text=True,
+                   timeout=120)
+finish("test_torch", work)

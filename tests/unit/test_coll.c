@@ -160,6 +160,14 @@ static void nodes_init(uint32_t n, struct sd_bulk_pool *pools, uint32_t bulks,
     }
 }
 
+/* node i's group of all n nodes (nodes_init's pools and members) */
+static struct sd_coll_group node_group(uint32_t i, uint32_t n, struct sd_bulk_pool *pools,
+                                       const uint32_t *members)
+{
+    return (struct sd_coll_group){
+        .tp = &nodes[i].base, .pool = &pools[i], .members = members, .n_members = n, .self = i};
+}
+
 /* progress every node until all n finished or nothing moves */
 static void drive(uint32_t n, const struct done *done)
 {
@@ -197,25 +205,21 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
     }
     int started = 0;
     for (uint32_t i = 0; i < n; i++)
-        started +=
-            sd_allreduce_start(&ars[i], &(struct sd_allreduce_param){.group = {.tp = &nodes[i].base,
-                                                                               .pool = &pools[i],
-                                                                               .members = members,
-                                                                               .n_members = n,
-                                                                               .self = i},
-                                                                     .dev = dev_under_test,
-                                                                     .queue = queues[i],
-                                                                     .dtype = SD_DTYPE_FP32,
-                                                                     .buf = bufs[i],
-                                                                     .count = count,
-                                                                     .tmp = tmps[i],
-                                                                     .tmp_count = tmpn,
-                                                                     .acc = accs[i],
-                                                                     .tag_base = 0x1000,
-                                                                     .chunk_bytes = chunk,
-                                                                     .small_bytes = small_bytes,
-                                                                     .cb = ar_cb,
-                                                                     .arg = &done[i]}) == SD_OK;
+        started += sd_allreduce_start(&ars[i], &(struct sd_allreduce_param){
+                                                   .group = node_group(i, n, pools, members),
+                                                   .dev = dev_under_test,
+                                                   .queue = queues[i],
+                                                   .dtype = SD_DTYPE_FP32,
+                                                   .buf = bufs[i],
+                                                   .count = count,
+                                                   .tmp = tmps[i],
+                                                   .tmp_count = tmpn,
+                                                   .acc = accs[i],
+                                                   .tag_base = 0x1000,
+                                                   .chunk_bytes = chunk,
+                                                   .small_bytes = small_bytes,
+                                                   .cb = ar_cb,
+                                                   .arg = &done[i]}) == SD_OK;
     TH_CHECK(started == (int)n, "n %u count %zu: %d of %u started", n, count, started, n);
     drive(n, done);
     int wrong = 0, unfinished = 0;
@@ -310,25 +314,21 @@ static void run_qallreduce(uint32_t n, size_t count, uint32_t B, bool ef)
     }
     int started = 0;
     for (uint32_t i = 0; i < n; i++)
-        started +=
-            sd_allreduce_start(&ars[i], &(struct sd_allreduce_param){.group = {.tp = &nodes[i].base,
-                                                                               .pool = &pools[i],
-                                                                               .members = members,
-                                                                               .n_members = n,
-                                                                               .self = i},
-                                                                     .dev = dev_under_test,
-                                                                     .queue = queues[i],
-                                                                     .dtype = SD_DTYPE_FP32,
-                                                                     .qbits = 4,
-                                                                     .qblock = B,
-                                                                     .qbuf = qbufs[i],
-                                                                     .qerr = errs[i],
-                                                                     .buf = bufs[i],
-                                                                     .count = count,
-                                                                     .tag_base = 0x1000,
-                                                                     .chunk_bytes = 4096,
-                                                                     .cb = ar_cb,
-                                                                     .arg = &done[i]}) == SD_OK;
+        started += sd_allreduce_start(&ars[i], &(struct sd_allreduce_param){
+                                                   .group = node_group(i, n, pools, members),
+                                                   .dev = dev_under_test,
+                                                   .queue = queues[i],
+                                                   .dtype = SD_DTYPE_FP32,
+                                                   .qbits = 4,
+                                                   .qblock = B,
+                                                   .qbuf = qbufs[i],
+                                                   .qerr = errs[i],
+                                                   .buf = bufs[i],
+                                                   .count = count,
+                                                   .tag_base = 0x1000,
+                                                   .chunk_bytes = 4096,
+                                                   .cb = ar_cb,
+                                                   .arg = &done[i]}) == SD_OK;
     TH_CHECK(started == (int)n, "quantized n %u count %zu: %d of %u started", n, count, started, n);
     drive(n, done);
     int unfinished = 0, differ = 0, outside = 0;
