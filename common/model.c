@@ -443,17 +443,21 @@ int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
     return sd_optim_validate(o, err, errlen);
 }
 
-struct sd_hparams sd_model_group(const struct sd_model *m, uint32_t g)
+static struct sd_hparams optim_hparams(const struct sd_optim *o)
 {
-    if (m->n_groups > 0)
-        return m->groups[g < m->n_groups ? g : 0];
-    const struct sd_optim *o = &m->optim;
     return (struct sd_hparams){.lr = o->lr,
                                .beta1 = o->beta1,
                                .beta2 = o->beta2,
                                .eps = o->eps,
                                .weight_decay = o->weight_decay,
                                .momentum = o->momentum};
+}
+
+struct sd_hparams sd_model_group(const struct sd_model *m, uint32_t g)
+{
+    if (m->n_groups > 0)
+        return m->groups[g < m->n_groups ? g : 0];
+    return optim_hparams(&m->optim);
 }
 
 /* finite, and in ranges no training run uses outside of: an infinite lr or weight decay is a NaN
@@ -478,30 +482,33 @@ static int check_ranges(const struct range *f, size_t n, const char *what, char 
     return SD_OK;
 }
 
-int sd_hparams_validate(int kind, const struct sd_hparams *h, uint32_t g, char *err, size_t errlen)
+static int check_hparams(const struct sd_hparams *h, const char *what, char *err, size_t errlen)
 {
-    (void)kind; /* every field is checked: SGD ignores the betas, which default sanely */
     const struct range f[] = {{"lr", h->lr, 0.0f, 10.0f, false},
                               {"beta1", h->beta1, 0.0f, 1.0f, true},
                               {"beta2", h->beta2, 0.0f, 1.0f, true},
                               {"eps", h->eps, 0.0f, 1.0f, false},
                               {"weight_decay", h->weight_decay, 0.0f, 10.0f, false},
                               {"momentum", h->momentum, 0.0f, 1.0f, true}};
+    return check_ranges(f, sizeof(f) / sizeof(f[0]), what, err, errlen);
+}
+
+int sd_hparams_validate(int kind, const struct sd_hparams *h, uint32_t g, char *err, size_t errlen)
+{
+    (void)kind; /* every field is checked: SGD ignores the betas, which default sanely */
     char what[48];
     snprintf(what, sizeof(what), "optimizer group %u", g);
-    return check_ranges(f, sizeof(f) / sizeof(f[0]), what, err, errlen);
+    return check_hparams(h, what, err, errlen);
 }
 
 int sd_optim_validate(const struct sd_optim *o, char *err, size_t errlen)
 {
-    const struct range f[] = {{"lr", o->lr, 0.0f, 10.0f, false},
-                              {"beta1", o->beta1, 0.0f, 1.0f, true},
-                              {"beta2", o->beta2, 0.0f, 1.0f, true},
-                              {"eps", o->eps, 0.0f, 1.0f, false},
-                              {"weight_decay", o->weight_decay, 0.0f, 10.0f, false},
-                              {"momentum", o->momentum, 0.0f, 1.0f, true},
-                              {"max_grad_norm", o->max_grad_norm, 0.0f, 1e30f, false}};
-    return check_ranges(f, sizeof(f) / sizeof(f[0]), "optimizer", err, errlen);
+    struct sd_hparams h = optim_hparams(o);
+    int st = check_hparams(&h, "optimizer", err, errlen);
+    if (st != SD_OK)
+        return st;
+    const struct range clip = {"max_grad_norm", o->max_grad_norm, 0.0f, 1e30f, false};
+    return check_ranges(&clip, 1, "optimizer", err, errlen);
 }
 
 void sd_model_diff(const struct sd_model *a, const struct sd_model *b, char *out, size_t outlen)

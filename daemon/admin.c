@@ -45,14 +45,14 @@ static json_t *optimizer_json(const struct sd_job *job)
 {
     const struct sd_model *m = &job->model;
     uint32_t n = sd_model_groups(m);
+    uint32_t *tensors = calloc(n, sizeof(*tensors)); /* one pass: 64K tensors, 4096 groups */
+    for (uint32_t t = 0; tensors != NULL && t < m->n_tensors; t++)
+        tensors[m->tensors[t].group]++;
     json_t *groups = json_array();
     for (uint32_t g = 0; g < n; g++) {
         struct sd_hparams h = job->opt.hparams != NULL ? job->opt.hparams[g] : sd_model_group(m, g);
-        int tensors = 0;
-        for (uint32_t t = 0; t < m->n_tensors; t++)
-            tensors += m->tensors[t].group == g;
-        json_t *o = json_pack("{s:i, s:f, s:f}", "tensors", tensors, "lr", (double)h.lr,
-                              "weight_decay", (double)h.weight_decay);
+        json_t *o = json_pack("{s:i, s:f, s:f}", "tensors", tensors ? (int)tensors[g] : -1, "lr",
+                              (double)h.lr, "weight_decay", (double)h.weight_decay);
         if (m->optim.kind == SD_OPTIM_ADAMW) {
             json_object_set_new(o, "betas", json_pack("[f, f]", (double)h.beta1, (double)h.beta2));
             json_object_set_new(o, "eps", json_real(h.eps));
@@ -61,6 +61,7 @@ static json_t *optimizer_json(const struct sd_job *job)
         }
         json_array_append_new(groups, o);
     }
+    free(tensors);
     return json_pack("{s:s, s:f, s:b, s:o}", "name",
                      m->optim.kind == SD_OPTIM_ADAMW ? "adamw" : "sgd", "max_grad_norm",
                      (double)m->optim.max_grad_norm, "skip_unused", m->skip_unused, "groups",

@@ -152,8 +152,6 @@ class _State:
         """Gradient hooks for the parameters of the units module m reads that require a gradient
         and have none yet (frozen at wrap and unfrozen since)."""
         for u in self.needs[m]:
-            if u >= len(self.units):
-                continue
             for i, (_, p) in enumerate(self.params[u]):
                 if p.requires_grad and id(p) not in self.hooked:
                     self._hook(u, i, p)
@@ -187,6 +185,11 @@ class _State:
 
     def _end_backward(self):
         self.final_queued = False
+        self._push_partial()
+
+    def _push_partial(self):
+        """push the units that got some gradients, or were fetched for backward; the missing
+        gradients count as zero"""
         for u in range(len(self.units)):
             if self.grads[u] or self.bwd_held[u]:
                 self._push(u)
@@ -238,9 +241,7 @@ class _State:
         return out
 
     def step(self):
-        for u in range(len(self.units)):
-            if self.grads[u] or self.bwd_held[u]:
-                self._push(u)  # missing gradients count as zero
+        self._push_partial()
         try:
             norm = self.ctx.step(groups=self.hparams(), has_grad=self.has_grad)
         finally:  # also when the step failed (a skipped step, ENONFINITE): the next one goes on
