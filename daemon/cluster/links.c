@@ -439,6 +439,14 @@ static void link_close(struct link *l, const char *why)
                     "lost the coordinator (%s): reconnecting to %s every %d ms to "
                     "rejoin",
                     why, cl->cfg->coordinator, SD_REJOIN_RETRY_MS);
+            /* and every other node with it: the coordinator tells them that this node is
+             * down, so they drop their fabric connections to it; this node drops its own
+             * to them, or after the rejoin it would keep sending over a connection that
+             * the other end has closed and refuse the new one that end opens (libfabric's
+             * rxm takes it for a duplicate of the connection it still believes in) */
+            for (uint32_t i = 1; i < cl->n; i++)
+                if (i != cl->self)
+                    node_down(cl, i, "this node lost the coordinator");
             uv_timer_start(&cl->retry, retry_cb, SD_REJOIN_RETRY_MS, 0);
         }
     } else if (cl->self != 0 && !cl->ready && !cl->fatal) {

@@ -102,7 +102,12 @@ for r in 0 1 2 3 4 5; do
     --steps 3 --hidden 128 --quiet >"$dir/healed$r.log" 2>&1 &
   hpids[$r]=$!
 done
+hfail=$fail
 for r in 0 1 2 3 4 5; do wait "${hpids[$r]}" || bad "a job on the healed cluster, rank $r: $(cat "$dir/healed$r.log")"; done
+if [ $fail -ne $hfail ]; then # what the daemons said, so that a failure here can be read from CI
+  for n in 0 1 2; do echo "--- node $n, the last lines of its log:"; tail -n 25 "$dir/node$n/shardd.log"; done
+  [ -n "${NETNS_KEEP:-}" ] && cp -r "$dir" "$NETNS_KEEP"
+fi
 "$ROOT/tools/local-cluster.sh" stop --dir "$dir"
 check '! ip netns list | grep -q "$ns2"' "stop left namespace $ns2 behind"
 echo "test_netns: $pass passed, $fail failed"
