@@ -1,6 +1,7 @@
 /* libshard: attach, register, and the ring-based data path. */
 #include "shard.h"
 #include "shard_internal.h"
+#include "wguard.h"
 
 #include "sd/frame.h"
 #include "sd/model.h"
@@ -48,6 +49,9 @@ struct shard_ctx {
     shard_tensor_info_t *tensors;
     const uint8_t *pool;
     size_t pool_bytes;
+    int wguard;        /* the pool's write guard (wguard.h), or -1 */
+    uint64_t *unit_at; /* per unit: its pool offset at its last fetch (UINT64_MAX: none) */
+    uint32_t req_unit[SD_RING_ENTRIES]; /* per ring slot: the unit of the request in it */
     uint8_t *staging;
     size_t staging_bytes;
     uint32_t staging_slots;
@@ -234,6 +238,7 @@ int shard_attach(const char *socket_path, shard_ctx_t **ctx_p)
         return SD_ENOMEM;
     ctx->sq_efd = ctx->cq_efd = ctx->sock = -1;
     ctx->held_unit = -1;
+    ctx->wguard = -1;
     int status = shard__connect(socket_path, &ctx->sock, ctx->err, sizeof(ctx->err));
     if (status != SD_OK)
         goto err_out;
@@ -306,9 +311,41 @@ static void wake_daemon(shard_ctx_t *ctx)
     sd_ring_wake(&ctx->ring->daemon_sleeping, ctx->sq_efd);
 }
 
+/* A write into the gather pool was caught (wguard.h): name what it hit. */
+static int pool_written(shard_ctx_t *ctx, uintptr_t addr)
+{
+    uint64_t off = (uint64_t)(addr - (uintptr_t)ctx->pool);
+    char where[160] = "";
+    for (uint32_t u = 0; u < ctx->n_units && ctx->unit_at != NULL; u++) {
+        const shard_unit_info_t *ui = &ctx->units[u];
+        if (ctx->unit_at[u] == UINT64_MAX || off < ctx->unit_at[u] ||
+            off >= ctx->unit_at[u] + ui->bytes)
+            continue;
+        uint64_t el = (off - ctx->unit_at[u]) / sd_dtype_size((int)ui->dtype);
+        uint32_t t = ui->first_tensor;
+        while (t + 1 < ui->first_tensor + ui->n_tensors && ctx->tensors[t + 1].offset <= el)
+            t++;
+        snprintf(where, sizeof(where), " of unit %u (tensor %u, element %llu)", u, t,
+                 (unsigned long long)(el - ctx->tensors[t].offset));
+        break;
+    }
+    return fail(ctx, SD_EPERM,
+                "a write into the gathered weights%s was caught: they are read-only and shared "
+                "with the other ranks (the write went to a private copy, now discarded); change "
+                "parameters through the optimizer in shardd: shard_step (in PyTorch, "
+                "shard.torch.optimizer(model).step(), or the torch optimizer given to "
+                "shard.torch.wrap(optimizer=...))",
+                where);
+}
+
 static int post(shard_ctx_t *ctx, uint32_t op, uint32_t unit, uint64_t a0, uint64_t a1,
                 uint64_t *tag_p)
 {
+    if (ctx->wguard >= 0) {
+        uintptr_t written = sd_wguard_take(ctx->wguard, ctx->pool, ctx->pool_bytes);
+        if (written != 0)
+            return pool_written(ctx, written);
+    }
     uint32_t slot = UINT32_MAX;
     for (uint32_t i = 0; i < SD_RING_ENTRIES; i++) {
         uint32_t c = (ctx->next_slot + i) & RING_MASK;
@@ -327,6 +364,7 @@ static int post(shard_ctx_t *ctx, uint32_t op, uint32_t unit, uint64_t a0, uint6
         return fail(ctx, SD_EAGAIN, "%s: submission ring full", sd_op_name((int)op));
     ctx->req_state[slot] = REQ_INFLIGHT;
     ctx->req_tag[slot] = tag;
+    ctx->req_unit[slot] = unit;
     wake_daemon(ctx);
     *tag_p = tag;
     return SD_OK;
@@ -484,13 +522,17 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
         (uint64_t)st.st_size < rep->step_args_off + rep->step_args_bytes)
         return fail(ctx, SD_EPROTO, "register: shared buffers do not match the layout");
     ctx->pool_bytes = rep->pool_bytes;
-    /* populated: the first fetches and pushes do not take the page faults */
+    /* populated: the first fetches and pushes do not take the page faults. Private and
+     * read-only: pages never written read the daemon's shared memory, and a write lands in a
+     * private copy that the write guard catches and discards (wguard.h) */
     ctx->pool = mmap(NULL, ctx->pool_bytes ? ctx->pool_bytes : 1, PROT_READ,
-                     MAP_SHARED | MAP_POPULATE, fds[0], 0);
+                     MAP_PRIVATE | MAP_POPULATE, fds[0], 0);
     if (ctx->pool == MAP_FAILED) {
         ctx->pool = NULL;
         return fail(ctx, -errno, "register: cannot map the gather pool: %s", strerror(errno));
     }
+    if (ctx->pool_bytes > 0)
+        ctx->wguard = sd_wguard_add(ctx->pool, ctx->pool_bytes);
     ctx->staging_slots = rep->staging_slots;
     ctx->staging_slot_bytes = rep->staging_slot_bytes;
     ctx->staging_bytes = (size_t)(rep->step_args_off + rep->step_args_bytes);
@@ -505,8 +547,10 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     ctx->n_tensors = (uint32_t)rep->n_tensors;
     ctx->units = calloc(ctx->n_units, sizeof(*ctx->units));
     ctx->tensors = calloc(ctx->n_tensors, sizeof(*ctx->tensors));
-    if (ctx->units == NULL || ctx->tensors == NULL)
+    ctx->unit_at = malloc(ctx->n_units * sizeof(*ctx->unit_at) + 1);
+    if (ctx->units == NULL || ctx->tensors == NULL || ctx->unit_at == NULL)
         return fail(ctx, SD_ENOMEM, "register: out of memory");
+    memset(ctx->unit_at, 0xff, ctx->n_units * sizeof(*ctx->unit_at));
     for (uint32_t u = 0; u < ctx->n_units; u++) {
         const Shard__UnitLayout *ul = rep->units[u];
         if (ul->dtype >= SD_DTYPE_COUNT || ul->first_tensor + ul->n_tensors > ctx->n_tensors)
@@ -708,6 +752,7 @@ int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p)
     int status = check_attached(ctx, "wait", false);
     if (status != SD_OK)
         return status;
+    uint32_t unit = ctx->req_unit[req & RING_MASK];
     status = wait_tag(ctx, req, &cqe);
     if (status != SD_OK)
         return status;
@@ -716,6 +761,8 @@ int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p)
             return fail(ctx, SD_EPROTO, "fetch: slot [%llu, +%llu) outside the pool",
                         (unsigned long long)cqe.value0, (unsigned long long)cqe.value1);
         *data_p = ctx->pool + cqe.value0;
+        if (unit < ctx->n_units && ctx->unit_at != NULL)
+            ctx->unit_at[unit] = cqe.value0;
     }
     return SD_OK;
 }
@@ -1001,8 +1048,10 @@ int shard_detach(shard_ctx_t *ctx)
         msg.detach = &d;
         sd_frame_send(ctx->sock, &msg.base, NULL, 0, 1000);
     }
+    sd_wguard_remove(ctx->wguard);
     if (ctx->pool != NULL)
         munmap((void *)ctx->pool, ctx->pool_bytes ? ctx->pool_bytes : 1);
+    free(ctx->unit_at);
     if (ctx->staging != NULL)
         munmap(ctx->staging, ctx->staging_bytes);
     if (ctx->ring != NULL)

@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -847,6 +848,85 @@ static void test_kill_mid_step(void)
                  log[r]);
 }
 
+/* A write into the gathered weights (a torch optimizer's in-place update, a stray pointer) does
+ * not kill the process: it lands in a private copy, the other rank still reads the shared
+ * value, and the writer's next call fails naming the unit and the tensor, after which its view
+ * reads the shared value again. A fault anywhere else still reaches the process's own handler,
+ * or kills it as before. */
+static void chained_segv(int sig)
+{
+    (void)sig;
+    _exit(7);
+}
+
+static int segv_child(bool own_handler)
+{
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (own_handler)
+            signal(SIGSEGV, chained_segv);
+        shard_ctx_t *ctx;
+        struct tiny x;
+        tiny_init(&x, own_handler ? "segv-own" : "segv-dfl", 0, 1, 100);
+        if (shard_attach(d.sock, &ctx) != 0 || shard_register(ctx, &x.m) != 0)
+            _exit(3);
+        volatile char *ro = mmap(NULL, 4096, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        ro[1] = 1; /* outside the pool */
+        _exit(0);
+    }
+    int ws;
+    waitpid(pid, &ws, 0);
+    return ws;
+}
+
+static void test_pool_write(void)
+{
+    struct joined r[2];
+    for (int i = 0; i < 2; i++)
+        tiny_init(&r[i].x, "scribble", (uint32_t)i, 2, 100);
+    pthread_t th;
+    pthread_create(&th, NULL, join_thread, &r[0]);
+    join_thread(&r[1]);
+    pthread_join(th, NULL);
+    TH_CHECK(r[0].st == 0 && r[1].st == 0, "2 ranks register: %d %d", r[0].st, r[1].st);
+    if (r[0].st != 0 || r[1].st != 0)
+        return;
+    const void *p0, *p1;
+    TH_CHECK(shard_fetch(r[0].ctx, 1, &p0) == 0 && shard_fetch(r[1].ctx, 1, &p1) == 0, "fetch: %s",
+             shard_last_error(r[0].ctx));
+    float *w0 = (float *)p0;
+    const float *w1 = p1;
+    float was = w1[4];
+    w0[4] = was + 42.0f; /* tensor b (3x5), element 4 */
+    TH_CHECK(w0[4] == was + 42.0f, "the write did not land in the writer's copy");
+    TH_CHECK(w1[4] == was, "rank 1 reads %g after rank 0's write, not the shared %g", w1[4], was);
+    int st = shard_release(r[0].ctx, 1);
+    expect_error(r[0].ctx, st, SHARD_EPERM, "gathered weights of unit 1 (tensor 1, element 4)",
+                 "the call after a write into the pool");
+    TH_CHECK(strstr(shard_last_error(r[0].ctx), "optimizer") != NULL,
+             "the error does not say what to use instead: %s", shard_last_error(r[0].ctx));
+    TH_CHECK(w0[4] == was, "after the error the writer reads %g, not the shared %g", w0[4], was);
+    TH_CHECK(shard_release(r[0].ctx, 1) == 0 && shard_release(r[1].ctx, 1) == 0,
+             "release after the error: %s", shard_last_error(r[0].ctx));
+    /* the page is read-only again: a second write is caught as the first was */
+    TH_CHECK(shard_fetch(r[0].ctx, 1, &p0) == 0 && shard_fetch(r[1].ctx, 1, &p1) == 0,
+             "fetch again: %s", shard_last_error(r[0].ctx));
+    ((float *)p0)[0] = -1.0f;
+    st = shard_release(r[0].ctx, 1);
+    expect_error(r[0].ctx, st, SHARD_EPERM, "unit 1 (tensor 1, element 0)", "a second write");
+    TH_CHECK(shard_release(r[0].ctx, 1) == 0 && shard_release(r[1].ctx, 1) == 0, "release");
+    for (int i = 0; i < 2; i++)
+        shard_detach(r[i].ctx);
+    expect_alive("writes into the pool");
+
+    int ws = segv_child(true);
+    TH_CHECK(WIFEXITED(ws) && WEXITSTATUS(ws) == 7,
+             "a fault outside the pool did not reach the process's own handler (status %#x)", ws);
+    ws = segv_child(false);
+    TH_CHECK(WIFSIGNALED(ws) && WTERMSIG(ws) == SIGSEGV,
+             "a fault outside the pool did not kill the process with SIGSEGV (status %#x)", ws);
+}
+
 int main(void)
 {
     const char *args[] = {"--op-timeout-ms", "3000", "--register-timeout-ms", "2000", NULL};
@@ -859,6 +939,7 @@ int main(void)
     test_api_misuse();
     test_zero_copy_push();
     test_step_args();
+    test_pool_write();
     test_null_and_pool();
     test_registration();
     test_validation();

@@ -15,6 +15,9 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
   - model.state_dict() of a wrapped model returns the full tensors (FSDP's full state dict):
     the keys of the unwrapped model, the values of full_state_dict;
   - clip_grad_norm_ on a wrapped model warns once, pointing to max_grad_norm;
+  - an in-place write into the gathered weights (p.data.add_ in a forward hook; a torch
+    optimizer not given to wrap, stepping with gradients of its own) raises a ShardError naming
+    the parameter and the optimizer to use, the process lives on, and no parameter changed;
   - RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID (torchrun's variables) set rank, world and the job
     name ("torch-<id>") when wrap is not given them; a RANK outside WORLD_SIZE is refused;
   - installs as Debian users do it: cmake --install into a prefix puts the package in that
@@ -191,6 +194,40 @@ try:
         st.unwrap(m)
     except Exception as e:
         check(False, f"wrap again after a failed wrap: {e}")
+
+    # an in-place write into the gathered weights (a torch optimizer's update, p.data.add_)
+    # raises a Python error naming the parameter and what to use instead, never a segfault,
+    # and the write is discarded
+    m = copy.deepcopy(base)
+    st.wrap(m, job="scribble")
+    before = st.full_state_dict(m)
+    hook = m.blocks[1].register_forward_pre_hook(lambda mod, inp: mod.weight.data.add_(1.0))
+    x, y = batch(0)
+    ok, msg = raises(lambda: m(x), "blocks.1.weight", kinds=(shard.ShardError,))
+    check(ok and "read-only" in msg and "shard.torch.optimizer" in msg,
+          f"p.data.add_ on a gathered weight: a Python error naming it: {msg}")
+    hook.remove()
+    after = st.full_state_dict(m)
+    check(all(torch.equal(after[k], before[k]) for k in before),
+          "the caught write changed no parameter")
+    st.unwrap(m)
+    # the other route to it: a torch optimizer that was not given to wrap steps between backward
+    # and the step (with gradients of the user's own), and the step raises
+    m = copy.deepcopy(base)
+    st.wrap(m, job="scribble2")
+    before = st.full_state_dict(m)
+    stray = torch.optim.SGD(m.parameters(), lr=0.1)
+    ((m(x) - y) ** 2).mean().backward()
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    stray.step()
+    ok, msg2 = raises(lambda: st.step(m), "read-only", "weight", kinds=(shard.ShardError,))
+    check(ok, f"a torch optimizer not given to wrap: the step raises: {msg2}")
+    after = st.full_state_dict(m)
+    check(all(torch.equal(after[k], before[k]) for k in before),
+          "the stray optimizer's update was discarded")
+    print(f"in-place write into gathered weights: {msg[:200]}...", flush=True)
+    st.unwrap(m)
 
     # torchrun's variables
     script = ("import torch, shard, shard.torch as st\n"

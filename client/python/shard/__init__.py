@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import json
 import os
+import re
 
 __all__ = ["Context", "ShardError", "Tensor", "FP32", "BF16", "FP16", "admin", "library_path",
            "strerror"]
@@ -26,6 +27,7 @@ DTYPE_BYTES = {FP32: 4, BF16: 2, FP16: 2}
 
 # status codes (shard.h)
 OK = 0
+EPERM = -1  # a write into the gathered weights was caught (they are read-only)
 EINVAL, ENOSPC, ETIMEDOUT, ECONNRESET = -22, -28, -110, -104
 ESTATE, EMISMATCH, EJOBFAILED, EVERSION = -1001, -1002, -1003, -1004
 ENOUNIT, ENOJOB, ENOTHELD, ECONFIG, EPEER = -1005, -1006, -1007, -1008, -1009
@@ -213,10 +215,16 @@ class Context:
             raise ShardError(st, _lib.shard_last_error(None).decode(), "attach")
         self.units = []    # per unit: dict(numel, bytes, dtype, tensors)
         self.tensors = []  # per tensor: dict(unit, offset, numel)
+        self.names = []    # per tensor: its name, for errors
 
     def _check(self, st, call):
         if st != 0:
-            raise ShardError(st, _lib.shard_last_error(self._ctx).decode(), call)
+            msg = _lib.shard_last_error(self._ctx).decode()
+            if st == EPERM and self.names:  # a write into the gathered weights: name the tensor
+                msg = re.sub(r"\(tensor (\d+),",
+                             lambda m: f"(tensor {m.group(1)} '{self.names[int(m.group(1))]}',"
+                             if int(m.group(1)) < len(self.names) else m.group(0), msg)
+            raise ShardError(st, msg, call)
 
     def register(self, job, rank, world, plan, tensors, optimizer, init=None, max_live_bytes=0,
                  groups=None, skip_unused=False):
@@ -267,6 +275,7 @@ class Context:
                        garr, ng, SKIP_UNUSED if skip_unused else 0)
         self._check(_lib.shard_register(self._ctx, _c.byref(model)), "register")
         del keep
+        self.names = [t.name for t in tensors]
         self.units = []
         for u in range(_lib.shard_num_units(self._ctx)):
             ui = _UnitInfo()
