@@ -67,6 +67,7 @@ struct shard_ctx {
     /* the step's arguments: where they go in the staging map, and the groups' hyperparameters as
      * of the last step */
     uint64_t step_args_off;
+    uint64_t bcast_bytes;
     uint32_t n_groups;
     shard_hparams_t *hparams;
     int optim_kind;
@@ -512,7 +513,8 @@ static int parse_optim(shard_ctx_t *ctx, const shard_optimizer_t *o, Shard__Opti
 static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int *fds)
 {
     struct stat st;
-    uint64_t args_bytes = sd_step_args_bytes(ctx->n_groups, (uint32_t)rep->n_tensors);
+    uint64_t args_bytes =
+        sd_step_args_bytes(ctx->n_groups, (uint32_t)rep->n_tensors, ctx->bcast_bytes);
     if (fstat(fds[0], &st) != 0 || (uint64_t)st.st_size < rep->pool_bytes ||
         fstat(fds[1], &st) != 0 ||
         (uint64_t)st.st_size < (uint64_t)rep->staging_slots * rep->staging_slot_bytes ||
@@ -610,6 +612,7 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
         return fail(ctx, SD_EINVAL, "register: unknown flags 0x%x", model->flags);
     free(ctx->hparams);
     ctx->n_groups = model->n_groups ? model->n_groups : 1;
+    ctx->bcast_bytes = model->bcast_bytes;
     ctx->optim_kind = (int)opt.kind;
     ctx->hparams = calloc(ctx->n_groups, sizeof(*ctx->hparams));
     Shard__Optimizer *gd = calloc(model->n_groups + 1, sizeof(*gd));
@@ -671,6 +674,7 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     reg.n_groups = model->n_groups;
     reg.groups = gp;
     reg.skip_unused = (model->flags & SHARD_SKIP_UNUSED) != 0;
+    reg.bcast_bytes = model->bcast_bytes;
     Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
     msg.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
     msg.register_ = &reg;
@@ -952,6 +956,12 @@ int shard__drop(shard_ctx_t *ctx, uint32_t unit)
     return call(ctx, SD_OP_DROP, unit, 0, 0, &cqe);
 }
 
+static uint8_t *bcast_area(shard_ctx_t *ctx)
+{
+    return ctx->staging + ctx->step_args_off +
+           sd_step_args_bcast_off(ctx->n_groups, ctx->n_tensors);
+}
+
 /* The step's arguments into the staging map; the flags that say what was written. */
 static int write_step_args(shard_ctx_t *ctx, const shard_step_args_t *a, uint32_t *flags_p)
 {
@@ -981,6 +991,15 @@ static int write_step_args(shard_ctx_t *ctx, const shard_step_args_t *a, uint32_
         memcpy(area + sizeof(hdr) + (size_t)ctx->n_groups * sizeof(shard_hparams_t), a->has_grad,
                a->n_tensors);
         *flags_p |= SD_STEP_ARG_HAS_GRAD;
+    }
+    if (a->bcast != NULL) {
+        if (a->bcast_bytes != ctx->bcast_bytes)
+            return fail(ctx, SD_EINVAL,
+                        "step: %llu bytes to broadcast; the model registered bcast_bytes %llu",
+                        (unsigned long long)a->bcast_bytes, (unsigned long long)ctx->bcast_bytes);
+        if (ctx->rank == 0)
+            memcpy(bcast_area(ctx), a->bcast, a->bcast_bytes);
+        *flags_p |= SD_STEP_ARG_BCAST;
     }
     memcpy(area, &hdr, sizeof(hdr));
     return SD_OK;
@@ -1029,6 +1048,11 @@ int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_
     status = call(ctx, SD_OP_STEP, 0, flags, 0, &cqe);
     if (status == SD_OK && (flags & SD_STEP_ARG_HPARAMS))
         memcpy(ctx->hparams, args->groups, (size_t)ctx->n_groups * sizeof(*ctx->hparams));
+    /* rank 0's bytes, which the daemon wrote before the step completed (also one skipped as
+     * non-finite) */
+    if ((status == SD_OK || status == SD_ENONFINITE) && (flags & SD_STEP_ARG_BCAST) &&
+        ctx->rank != 0)
+        memcpy(args->bcast, bcast_area(ctx), args->bcast_bytes);
     if (status == SD_OK && grad_norm_p != NULL) {
         double norm;
         memcpy(&norm, &cqe.value0, sizeof(norm));

@@ -309,6 +309,7 @@ uint64_t sd_model_digest(const struct sd_model *m)
         h = sd_hash_bytes(h, &hp, sizeof(hp));
     }
     h = sd_hash_u64(h, m->skip_unused);
+    h = sd_hash_u64(h, m->bcast_bytes);
     const struct sd_optim *o = &m->optim;
     h = sd_hash_u64(h, (uint64_t)o->kind);
     h = hash_float(h, o->lr);
@@ -440,6 +441,11 @@ int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
         if (st != SD_OK)
             return st;
     }
+    if (m->bcast_bytes > SD_MAX_BCAST_BYTES) {
+        snprintf(err, errlen, "%llu bytes to broadcast with each step; at most %llu",
+                 (unsigned long long)m->bcast_bytes, (unsigned long long)SD_MAX_BCAST_BYTES);
+        return SD_EINVAL;
+    }
     return sd_optim_validate(o, err, errlen);
 }
 
@@ -568,6 +574,11 @@ void sd_model_diff(const struct sd_model *a, const struct sd_model *b, char *out
     }
     if (a->skip_unused != b->skip_unused) {
         snprintf(out, outlen, "skip_unused %d vs %d", a->skip_unused, b->skip_unused);
+        return;
+    }
+    if (a->bcast_bytes != b->bcast_bytes) {
+        snprintf(out, outlen, "broadcast bytes per step %llu vs %llu (the module buffers differ)",
+                 (unsigned long long)a->bcast_bytes, (unsigned long long)b->bcast_bytes);
         return;
     }
     if (memcmp(&a->optim, &b->optim, sizeof(a->optim)) != 0) {

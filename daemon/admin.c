@@ -62,10 +62,10 @@ static json_t *optimizer_json(const struct sd_job *job)
         json_array_append_new(groups, o);
     }
     free(tensors);
-    return json_pack("{s:s, s:f, s:b, s:o}", "name",
+    return json_pack("{s:s, s:f, s:b, s:I, s:o}", "name",
                      m->optim.kind == SD_OPTIM_ADAMW ? "adamw" : "sgd", "max_grad_norm",
-                     (double)m->optim.max_grad_norm, "skip_unused", m->skip_unused, "groups",
-                     groups);
+                     (double)m->optim.max_grad_norm, "skip_unused", m->skip_unused,
+                     "broadcast_bytes", (json_int_t)m->bcast_bytes, "groups", groups);
 }
 
 static json_t *job_summary(const struct sd_job *job)
@@ -264,6 +264,7 @@ static json_t *job_stats(const struct sd_job *job)
     json_object_set_new(o, "steps_nonfinite", json_integer((json_int_t)job->stats.steps_nonfinite));
     json_object_set_new(o, "steps_refused", json_integer((json_int_t)job->stats.steps_refused));
     json_object_set_new(o, "tensors_skipped", json_integer((json_int_t)job->stats.tensors_skipped));
+    json_object_set_new(o, "bcast_bytes", json_integer((json_int_t)job->stats.bcast_bytes));
     json_object_set_new(o, "memory_bytes_at_register",
                         json_integer((json_int_t)job->stats.memory_bytes));
     json_object_set_new(o, "allocations_counted", json_boolean(sd_alloc_counted));

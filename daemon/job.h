@@ -143,9 +143,10 @@ struct sd_step_state {
     uint32_t suspect;
     struct sd_allreduce ar;
     /* [nodes] norm parts of norm_stride bytes: struct sd_norm_part, then with skip_unused the
-     * node's tensors that had a gradient (a bit each, sd_norm_used) */
+     * node's tensors that had a gradient (a bit each, sd_norm_used), then at bcast_at the
+     * model's bcast_bytes (node 0's: global rank 0's broadcast; the others' unused) */
     uint8_t *norm_buf;
-    size_t norm_stride;
+    size_t norm_stride, bcast_at;
     uint32_t *arg_flags;        /* [k]: which step arguments each rank wrote (SD_STEP_ARG_*) */
     struct sd_hparams *hp_next; /* [n_groups]: this step's hyperparameters (the local ranks') */
     int arg_status;             /* SD_OK, or why the local ranks' arguments were refused */

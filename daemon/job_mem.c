@@ -198,9 +198,10 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.pool = job->mem.max_live_bytes ? job->mem.max_live_bytes
              : cfg->max_live_bytes   ? cfg->max_live_bytes
                                      : l->total_bytes * job->slots_per_unit;
-    b.staging = ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) +
-                 sd_step_args_bytes(sd_model_groups(&job->model), l->n_tensors)) *
-                job->k;
+    b.staging =
+        ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) +
+         sd_step_args_bytes(sd_model_groups(&job->model), l->n_tensors, job->model.bcast_bytes)) *
+        job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
     b.net = sd_job_net_bytes(job, cfg);
     const uint64_t parts[] = {b.w, b.g, b.os, b.sec, b.quant, b.pool, b.staging, b.scratch, b.net};
@@ -264,8 +265,9 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
     uint32_t n_groups = sd_model_groups(&job->model);
     job->step.used_words = (l->n_tensors + 63) / 64;
-    job->step.norm_stride = sizeof(struct sd_norm_part) +
-                            (job->model.skip_unused ? job->step.used_words * sizeof(uint64_t) : 0);
+    job->step.bcast_at = sizeof(struct sd_norm_part) +
+                         (job->model.skip_unused ? job->step.used_words * sizeof(uint64_t) : 0);
+    job->step.norm_stride = job->step.bcast_at + (job->model.bcast_bytes + 7) / 8 * 8;
     job->step.norm_buf = calloc(job->nodes, job->step.norm_stride);
     job->step.arg_flags = calloc(k, sizeof(*job->step.arg_flags));
     job->step.hp_next = calloc(n_groups, sizeof(*job->step.hp_next));
@@ -321,7 +323,7 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->mem.staging_slots = (uint32_t)cfg->staging_slots;
     job->mem.staging_slot_bytes = l->max_unit_numel * sizeof(float);
     job->mem.step_args_off = (uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes;
-    job->mem.step_args_bytes = sd_step_args_bytes(n_groups, l->n_tensors);
+    job->mem.step_args_bytes = sd_step_args_bytes(n_groups, l->n_tensors, job->model.bcast_bytes);
     return SD_OK;
 }
 

@@ -199,6 +199,14 @@ static void args_of_rank(struct sd_job *job, uint32_t r, bool *hp_set, uint64_t 
                     rank, job->first_rank);
         return;
     }
+    if ((flags ^ job->step.arg_flags[0]) & SD_STEP_ARG_BCAST) {
+        args_refuse(job, SD_EMISMATCH,
+                    "rank %u %s buffers to broadcast and rank %u %s: every rank must give them, "
+                    "or none",
+                    rank, (flags & SD_STEP_ARG_BCAST) ? "gave" : "gave no", job->first_rank,
+                    (flags & SD_STEP_ARG_BCAST) ? "did not" : "did");
+        return;
+    }
     *hp_set = true;
     if (used == NULL)
         return;
@@ -210,6 +218,13 @@ static void args_of_rank(struct sd_job *job, uint32_t r, bool *hp_set, uint64_t 
     for (uint32_t t = 0; t < T; t++)
         if (has[t] != 0)
             used[t / 64] |= 1ull << (t % 64);
+}
+
+/* local rank r's broadcast area in its staging memfd */
+static uint8_t *bcast_area(struct sd_job *job, uint32_t r)
+{
+    return (uint8_t *)job->mem.staging[r].ptr + job->mem.step_args_off +
+           sd_step_args_bcast_off(sd_model_groups(&job->model), job->layout.n_tensors);
 }
 
 /* The local ranks' step arguments, once every one called step: this node's hyperparameters of
@@ -227,8 +242,25 @@ static void step_args_collect(struct sd_job *job)
     bool hp_set = false;
     for (uint32_t r = 0; r < job->k && job->step.arg_status == SD_OK; r++)
         args_of_rank(job, r, &hp_set, used);
-    me->hparams =
-        job->step.arg_status != SD_OK ? SD_HP_REFUSED : hparams_hash(job->step.hp_next, n_groups);
+    bool bcast = (job->step.arg_flags[0] & SD_STEP_ARG_BCAST) != 0;
+    /* whether the ranks broadcast is compared across nodes with the hyperparameters */
+    me->hparams = job->step.arg_status != SD_OK
+                      ? SD_HP_REFUSED
+                      : hparams_hash(job->step.hp_next, n_groups) ^ (bcast ? 0x5bd1e995u : 0);
+    if (bcast && job->first_rank == 0) /* global rank 0's bytes go out in node 0's part */
+        memcpy((uint8_t *)me + job->step.bcast_at, bcast_area(job, 0), job->model.bcast_bytes);
+}
+
+/* Every rank but global rank 0 gets its bytes (node 0's part, exchanged with the norm). */
+static void step_bcast_deliver(struct sd_job *job)
+{
+    if (!(job->step.arg_flags[0] & SD_STEP_ARG_BCAST))
+        return;
+    const uint8_t *src = (const uint8_t *)sd_norm_part_at(job, 0) + job->step.bcast_at;
+    for (uint32_t r = 0; r < job->k; r++)
+        if (job->first_rank + r != 0)
+            memcpy(bcast_area(job, r), src, job->model.bcast_bytes);
+    job->stats.bcast_bytes += job->model.bcast_bytes;
 }
 
 /* Every node's ranks gave the same hyperparameters? Else the step is refused on every node:
@@ -337,9 +369,16 @@ void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
                         (unsigned long long)job->steps + 1);
         return;
     }
-    if ((e->arg0 & ~(uint64_t)(SD_STEP_ARG_HPARAMS | SD_STEP_ARG_HAS_GRAD)) != 0) {
+    if ((e->arg0 & ~(uint64_t)(SD_STEP_ARG_HPARAMS | SD_STEP_ARG_HAS_GRAD | SD_STEP_ARG_BCAST)) !=
+        0) {
         sd_session_fail(s, e, SD_EINVAL, "step: unknown argument flags 0x%llx",
                         (unsigned long long)e->arg0);
+        return;
+    }
+    if ((e->arg0 & SD_STEP_ARG_BCAST) && job->model.bcast_bytes == 0) {
+        sd_session_fail(s, e, SD_EINVAL,
+                        "step: buffers to broadcast, but the model registered none (bcast_bytes "
+                        "0)");
         return;
     }
     job->step.arg_flags[s->local] = (uint32_t)e->arg0;
@@ -557,6 +596,7 @@ void sd_step_progress(struct sd_job *job)
             return; /* peers still read this node's weights of the current generation */
         if (step_args_refused(job))
             return;
+        step_bcast_deliver(job); /* a step skipped as non-finite broadcasts all the same */
         double sumsq = 0.0;
         uint32_t bad = UINT32_MAX;
         for (uint32_t m = 0; m < job->nodes; m++) {

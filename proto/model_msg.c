@@ -105,6 +105,7 @@ int sd_model_from_register(const Shard__Register *msg, uint64_t max_tensors, uin
         m->optim.momentum = m->groups[0].momentum;
     }
     m->skip_unused = msg->skip_unused;
+    m->bcast_bytes = msg->bcast_bytes;
     snprintf(m->plan, sizeof(m->plan), "%s", msg->plan);
     int st = sd_model_validate(m, err, len);
     if (st != SD_OK)

@@ -119,6 +119,7 @@ if [ "$torch" != no ] && ! /usr/bin/python3 -c "import torch" 2>/dev/null; then
   fi
 fi
 if [ "$torch" != no ] && /usr/bin/python3 -c "import torch" 2>/dev/null; then
+  tools/deps.sh --optional python3-matplotlib >/dev/null # the plot of the curves
   tools/local-cluster.sh stop --dir "$dir" >/dev/null
   gdir=$(mktemp -d /tmp/shardd-gpt-XXXXXX)
   trap 'cleanup; tools/local-cluster.sh stop --dir "$gdir" >/dev/null 2>&1 || true; rm -rf "$gdir"' EXIT

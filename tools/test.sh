@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/deps.sh
-tools/deps.sh --optional python3-torch python3-pip python3-venv  # test_torch, test_torch_api
+tools/deps.sh --optional python3-torch python3-pip python3-venv python3-matplotlib  # test_torch*
 tools/deps.sh --optional clang libclang-rt-14-dev   # test_fuzz (libFuzzer harnesses)
 jobs=$(nproc)
 t0=$(date +%s)

@@ -13,19 +13,24 @@ DDP train on the same global batch.
   both, on an emulated cluster started by tools/local-cluster.sh (sockets DIR/node<i>/...):
     train_gpt.py --launch --cluster-dir DIR --nodes 2 --ranks-per-node 2 [--plot loss.png]
 
-Rank 0 prints a progress line per step (step, loss, tokens/s, bytes shardd moved on its node);
---log FILE writes the losses and timings as JSON, --dump FILE the final parameters (torch.save).
---launch runs both, prints their throughput side by side and writes a PNG of the two loss curves
-(shardd blue, DDP orange).
+Both train as an LLM run does: torch's AdamW with two parameter groups (weight decay on the
+matrices, none on biases, LayerNorms and embeddings) and a LambdaLR schedule of linear warm-up
+(--warmup steps) then cosine decay to --min-lr-ratio of the peak. Through shardd the same torch
+AdamW is handed to shard.torch.wrap, which translates its groups; its step() then steps in
+shardd with each group's current lr, so the scheduler is torch's own, unchanged.
+
+Rank 0 prints a progress line per step (step, loss, lr, tokens/s, bytes shardd moved on its
+node); --log FILE writes the losses, lr and timings as JSON, --dump FILE the final parameters
+(torch.save). --launch runs both, prints their throughput side by side and, with --plot FILE,
+draws the two loss curves and the lr schedule with matplotlib (Debian's python3-matplotlib).
 """
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
-import zlib
-import struct
 
 import torch
 import torch.nn as nn
@@ -115,9 +120,25 @@ def build(a):
     return model
 
 
-def optimizer_dict(a):
-    return {"name": "adamw", "lr": a.lr, "betas": (0.9, 0.999), "eps": 1e-8,
-            "weight_decay": a.weight_decay}
+def param_groups(model, a):
+    """Weight decay on the matrices of the linear layers only: biases, LayerNorms and the
+    embeddings go without, as GPT-2 and most LLM recipes do."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        matrix = p.dim() >= 2 and not name.startswith("embed.")
+        (decay if matrix else no_decay).append(p)
+    return [{"params": decay, "weight_decay": a.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_lambda(a):
+    """Linear warm-up over a.warmup steps, then cosine decay to a.min_lr_ratio of the peak."""
+    def f(step):  # step: how many optimizer steps were taken before this one
+        if step < a.warmup:
+            return (step + 1) / a.warmup
+        t = (step - a.warmup) / max(1, a.steps - a.warmup)
+        return a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1)))
+    return f
 
 
 def node_bytes(shard, a):
@@ -132,21 +153,22 @@ def train(a):
     torch.set_num_threads(1)
     model = build(a)
     log = {"mode": "ddp" if a.ddp else "shardd", "plan": a.plan, "dtype": a.dtype, "steps": [],
-           "loss": [], "norm": [], "step_s": [], "skipped": []}
+           "loss": [], "norm": [], "lr": [], "step_s": [], "skipped": []}
     if a.ddp:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
         dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world)
         net = DDP(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
-                                weight_decay=a.weight_decay)
-    else:
+    opt = torch.optim.AdamW(param_groups(model, a), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
+    if not a.ddp:
         import shard
         import shard.torch as st
+        # the torch AdamW is translated group by group; its step() steps in shardd from now on
         net = st.wrap(model, socket=a.socket, job=a.job, rank=a.rank, world=a.world, plan=a.plan,
-                      optimizer=optimizer_dict(a), units=model.units())
+                      optimizer=opt, units=model.units())
         if a.check_zero_copy:
             checked = zero_copy_checks(model, st)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(a))
     tokens = a.batch * a.seq * a.accum * a.world
     t_start = time.time()
     for step in range(a.steps):
@@ -162,6 +184,7 @@ def train(a):
                 poison = a.nan_step == step + 1 and micro == 0 and a.rank == 0
                 (loss * (float("nan") if poison else 1.0) / a.accum).backward()
             total += loss.item() / a.accum
+        lr = opt.param_groups[0]["lr"]
         if a.ddp:
             finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
                          if p.grad is not None)
@@ -173,7 +196,7 @@ def train(a):
             norm = float("nan")
         else:
             try:
-                norm = st.step()
+                norm = opt.step()  # shardd's step, with each group's current lr
             except shard.ShardError as e:
                 if e.status != shard.ENONFINITE:
                     raise
@@ -181,13 +204,15 @@ def train(a):
                 norm = float("nan")
                 if a.rank == 0 and not a.quiet:
                     print(f"step {step + 1} skipped: {e.message}", flush=True)
+        sched.step()
         dt = time.time() - t0
         log["steps"].append(step + 1)
         log["loss"].append(total)
         log["norm"].append(norm)
+        log["lr"].append(lr)
         log["step_s"].append(dt)
         if a.rank == 0 and not a.quiet:
-            line = (f"{log['mode']} step {step + 1:3d} loss {total:.6f} "
+            line = (f"{log['mode']} step {step + 1:3d} loss {total:.6f} lr {lr:.2e} "
                     f"tokens/s {tokens / dt:9.0f}")
             if not a.ddp:
                 intra, inter = node_bytes(shard, a)
@@ -244,51 +269,34 @@ class _nullcontext:
         return False
 
 
-# ---- --launch: both trainings on an emulated cluster, throughput and a PNG of the loss curves
+# ---- --launch: both trainings on an emulated cluster, throughput and a plot of the curves
 
-def png(path, curves, plan, width=640, height=400):
-    """Write a PNG line plot of curves [(values, (r, g, b))] with axes (standard library only)."""
-    img = [[(255, 255, 255)] * width for _ in range(height)]
-    m = 40
-    lo = min(min(v) for v, _ in curves)
-    hi = max(max(v) for v, _ in curves)
-    n = max(len(v) for v, _ in curves)
-    sx = lambda i: m + int(i * (width - 2 * m) / max(1, n - 1))
-    sy = lambda y: height - m - int((y - lo) * (height - 2 * m) / max(1e-12, hi - lo))
-
-    def line(x0, y0, x1, y1, c, w=1):
-        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for s in range(steps + 1):
-            x = x0 + (x1 - x0) * s // steps
-            y = y0 + (y1 - y0) * s // steps
-            for dx in range(-(w // 2), w // 2 + 1):
-                for dy in range(-(w // 2), w // 2 + 1):
-                    if 0 <= x + dx < width and 0 <= y + dy < height:
-                        img[y + dy][x + dx] = c
-
-    line(m, height - m, width - m, height - m, (0, 0, 0))
-    line(m, m, m, height - m, (0, 0, 0))
-    for i in range(n):
-        line(sx(i), height - m, sx(i), height - m + 4, (0, 0, 0))
-    for k, (values, color) in enumerate(curves):  # the first curve wide, later ones on top
-        for i in range(1, len(values)):
-            line(sx(i - 1), sy(values[i - 1]), sx(i), sy(values[i]), color, 5 if k == 0 else 1)
-        for y in range(10):  # legend swatches, top right
-            for x in range(30):
-                img[m + 16 * k + y // 2][width - m - 40 + x] = color
-    raw = b"".join(b"\0" + bytes(c for px in row for c in px) for row in img)
-
-    def chunk(kind, data):
-        return (struct.pack(">I", len(data)) + kind + data +
-                struct.pack(">I", zlib.crc32(kind + data) & 0xffffffff))
-
-    text = (b"Title\0loss per step: shardd plan " + plan.encode() +
-            b" (blue, top swatch) vs DDP gloo (orange)")
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8,
-                                                                  2, 0, 0, 0)) +
-                chunk(b"tEXt", text) + chunk(b"IDAT", zlib.compress(raw, 9)) +
-                chunk(b"IEND", b""))
+def plot(path, s, d, plan):
+    """The two loss curves and the lr schedule, with matplotlib (python3-matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"== no plot: matplotlib is not installed (apt-get install python3-matplotlib); "
+              f"the curves are in {os.path.dirname(path) or '.'}/shardd-0.json and ddp-0.json")
+        return False
+    fig, (ax, axl) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 1]})
+    ax.plot(s["steps"], s["loss"], lw=4, alpha=0.6, label=f"shardd ({plan})")
+    ax.plot(d["steps"], d["loss"], lw=1.2, label="DDP (gloo)")
+    ax.set_ylabel("training loss")
+    ax.set_title("GPT: shardd vs DDP on the same global batch")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    axl.plot(s["steps"], s["lr"], color="tab:green")
+    axl.set_ylabel("lr")
+    axl.set_xlabel("step")
+    axl.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
 def launch(a):
@@ -296,7 +304,9 @@ def launch(a):
     out = a.out or a.cluster_dir
     common = ["--world", str(world), "--steps", str(a.steps), "--accum", str(a.accum),
               "--seed", str(a.seed), "--layers", str(a.layers), "--width", str(a.width),
-              "--batch", str(a.batch), "--dtype", a.dtype]
+              "--batch", str(a.batch), "--dtype", a.dtype, "--lr", str(a.lr), "--warmup",
+              str(a.warmup), "--min-lr-ratio", str(a.min_lr_ratio), "--weight-decay",
+              str(a.weight_decay)]
     procs = []
     for r in range(world):
         sock = os.path.join(a.cluster_dir, f"node{r // a.ranks_per_node}", "shardd.sock")
@@ -324,9 +334,8 @@ def launch(a):
           f"({s['tokens_per_s'] / d['tokens_per_s']:.2f}x); loss {s['loss'][0]:.4f} -> "
           f"{s['loss'][-1]:.4f} (DDP {d['loss'][-1]:.4f}, final difference {final:+.2%}); "
           f"largest relative loss difference to DDP over the run {worst:.2e}")
-    if a.plot:
-        png(a.plot, [(s["loss"], (31, 119, 180)), (d["loss"], (255, 127, 14))], a.plan)
-        print(f"== loss curves (shardd blue, DDP orange): {a.plot}")
+    if a.plot and plot(a.plot, s, d, a.plan):
+        print(f"== loss curves and lr schedule: {a.plot}")
 
 
 def main():
@@ -343,8 +352,12 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=5, help="steps of linear lr warm-up")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1,
+                   help="the cosine decay ends at this fraction of the peak lr")
+    p.add_argument("--weight-decay", type=float, default=0.01,
+                   help="AdamW's, on the matrices (none on biases, norms, embeddings)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: the weights shardd hands out (the DDP baseline stays fp32)")
@@ -363,7 +376,8 @@ def main():
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--out", help="--launch: where the logs go (default the cluster dir)")
-    p.add_argument("--plot", help="--launch: PNG of the loss curves")
+    p.add_argument("--plot", help="--launch: an image of the loss curves and the lr schedule "
+                                  "(matplotlib)")
     a = p.parse_args()
     if a.launch:
         if not a.cluster_dir:

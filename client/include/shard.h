@@ -22,7 +22,7 @@ extern "C" {
 #define SHARD_API __attribute__((visibility("default")))
 
 #define SHARD_VERSION_MAJOR 0
-#define SHARD_VERSION_MINOR 2
+#define SHARD_VERSION_MINOR 3
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
 enum {
@@ -116,6 +116,9 @@ typedef struct {
     const shard_hparams_t *groups;
     uint32_t n_groups;
     uint32_t flags; /* SHARD_SKIP_UNUSED */
+    /* bytes rank 0 broadcasts to every rank with each step (shard_step_args_t.bcast; at most
+     * 64 MiB): shard.torch's module buffers, as DDP's broadcast_buffers. 0: none */
+    uint64_t bcast_bytes;
 } shard_model_t;
 
 /* What shard_step_ex takes. Every rank of the job must give the same hyperparameters. */
@@ -128,6 +131,11 @@ typedef struct {
      * since the last step (any micro-step); NULL: every tensor */
     const uint8_t *has_grad;
     uint32_t n_tensors;
+    /* with a model's bcast_bytes: bcast_bytes bytes, given by every rank or by none. Rank 0's
+     * are sent; on every other rank the step (returning 0, or SHARD_ENONFINITE) overwrites them
+     * with rank 0's. NULL: nothing broadcast in this step */
+    void *bcast;
+    uint64_t bcast_bytes;
 } shard_step_args_t;
 
 typedef struct {

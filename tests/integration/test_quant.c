@@ -41,6 +41,17 @@
 #include <string.h>
 
 #define STEPS 300
+#if defined(__SANITIZE_ADDRESS__)
+/* under the sanitizers the runs look for memory errors, and the plain build checks fidelity:
+ * 300 steps of twelve instrumented processes took 195 s of the suite's 20 minutes. Fewer steps
+ * keep every code path and the byte formulas exact; the final loss, still falling fast after
+ * 40 steps, is not compared (nor error feedback's distance, which is a 300-step effect) */
+static const int steps = 40;
+static const bool fidelity = false;
+#else
+static const int steps = STEPS;
+static const bool fidelity = true;
+#endif
 #define ACCUM 2
 #define BAND  0.02 /* relative difference of the final losses */
 #define QB    2048 /* the plans' block (SD_PLAN_QBLOCK) */
@@ -109,13 +120,13 @@ static int units_of(const char *sock, const char *job, long long numel[16])
 
 static void run_one(struct qrun *r, int idx)
 {
-    char job[64], world[16], steps[16], accum[16];
+    char job[64], world[16], nsteps[16], accum[16];
     snprintf(job, sizeof(job), "q%d", idx);
     snprintf(world, sizeof(world), "%d", N * K);
-    snprintf(steps, sizeof(steps), "%d", STEPS);
+    snprintf(nsteps, sizeof(nsteps), "%d", steps);
     snprintf(accum, sizeof(accum), "%d", ACCUM);
     const char *args[] = {
-        "--world",  world,    "--steps", steps,          "--accum",
+        "--world",  world,    "--steps", nsteps,         "--accum",
         accum,      "--plan", r->plan,   "--seed",       "5",
         "--hidden", "128",    "--quiet", "--final-loss", r->small ? "--max-live-bytes" : NULL,
         "100000",   NULL};
@@ -130,7 +141,7 @@ static void run_one(struct qrun *r, int idx)
     r->loss = lq;
     r->rms = dd.rms;
     TH_CHECK(isfinite(dd.maxd), "%s: parameters are not finite", r->plan);
-    TH_CHECK(isfinite(lq) && isfinite(lr) && fabs(lq - lr) <= BAND * lr,
+    TH_CHECK(!fidelity || (isfinite(lq) && isfinite(lr) && fabs(lq - lr) <= BAND * lr),
              "%s: final loss %.6f, the reference's %.6f: outside %.0f%%", r->plan, lq, lr,
              BAND * 100);
 
@@ -178,20 +189,20 @@ static void run_one(struct qrun *r, int idx)
         TH_CHECK(st != NULL, "%s: node %d has no stats", r->plan, node);
         if (st == NULL)
             continue;
-        long long gens = STEPS + (node == 0);
+        long long gens = steps + (node == 0);
         struct {
             const char *path;
             long long want;
         } c[] = {
             {"ops.fetch.bytes.inter_node_recv", gens * fetch_q},
             {"ops.fetch.bytes_unquantized.inter_node_recv", gens * fetch_raw},
-            {"ops.push.bytes.inter_node_sent", (long long)STEPS * ACCUM * push_q},
-            {"ops.push.bytes.inter_node_recv", (long long)STEPS * ACCUM * push_q},
-            {"ops.push.bytes_unquantized.inter_node_sent", (long long)STEPS * ACCUM * push_raw},
-            {"ops.push.bytes_unquantized.inter_node_recv", (long long)STEPS * ACCUM * push_raw},
-            {"quantization.fallbacks", (long long)STEPS * (ACCUM * fallbacks + hop_fallbacks)},
-            {"ops.step.saved_sent", (long long)STEPS * step_saved[node]},
-            {"ops.step.saved_recv", (long long)STEPS * step_saved[node]},
+            {"ops.push.bytes.inter_node_sent", (long long)steps * ACCUM * push_q},
+            {"ops.push.bytes.inter_node_recv", (long long)steps * ACCUM * push_q},
+            {"ops.push.bytes_unquantized.inter_node_sent", (long long)steps * ACCUM * push_raw},
+            {"ops.push.bytes_unquantized.inter_node_recv", (long long)steps * ACCUM * push_raw},
+            {"quantization.fallbacks", (long long)steps * (ACCUM * fallbacks + hop_fallbacks)},
+            {"ops.step.saved_sent", (long long)steps * step_saved[node]},
+            {"ops.step.saved_recv", (long long)steps * step_saved[node]},
         };
         for (size_t i = 0; i < sizeof(c) / sizeof(c[0]); i++) {
             long long got;
@@ -238,14 +249,14 @@ static void run_one(struct qrun *r, int idx)
 #define NF_BAND  0.05
 static void run_nonfinite(const char *plan, int idx, bool exact)
 {
-    char job[64], world[16], steps[16], at[16];
+    char job[64], world[16], nsteps[16], at[16];
     snprintf(job, sizeof(job), "nf%d", idx);
     snprintf(world, sizeof(world), "%d", N * K);
-    snprintf(steps, sizeof(steps), "%d", NF_STEPS);
+    snprintf(nsteps, sizeof(nsteps), "%d", NF_STEPS);
     snprintf(at, sizeof(at), "%d", NF_STEP);
-    const char *args[] = {"--world", world,          "--steps",     steps, "--accum",  "2",
-                          "--plan",  plan,           "--seed",      "5",   "--hidden", "128",
-                          "--quiet", "--final-loss", "--nonfinite", at,    NULL};
+    const char *args[] = {"--world", world,          "--steps",     nsteps, "--accum",  "2",
+                          "--plan",  plan,           "--seed",      "5",    "--hidden", "128",
+                          "--quiet", "--final-loss", "--nonfinite", at,     NULL};
     struct th_dump_diff dd;
     if (!th_cluster_train(&cl, job, args, plan, 1e-5, &dd))
         return;
@@ -308,11 +319,14 @@ int main(void)
         if (only == NULL || strcmp(only, runs[i].plan) == 0)
             run_one(&runs[i], (int)i);
     /* error feedback: closer to the reference than the same plan without it */
-    TH_CHECK(only != NULL || runs[4].rms < runs[2].rms,
+    if (!fidelity)
+        printf("(ASan build: %d steps a run; final losses and error feedback not compared)\n",
+               steps);
+    TH_CHECK(!fidelity || only != NULL || runs[4].rms < runs[2].rms,
              "zeropp,ef ends %.4g (RMS) from the reference's parameters, zeropp %.4g: error "
              "feedback did not bring it closer",
              runs[4].rms, runs[2].rms);
-    TH_CHECK(only != NULL || runs[6].rms < runs[3].rms,
+    TH_CHECK(!fidelity || only != NULL || runs[6].rms < runs[3].rms,
              "%s ends %.4g (RMS) from the reference's parameters, %s %.4g: error feedback on the "
              "boundary hop did not bring it closer",
              runs[6].plan, runs[6].rms, runs[3].plan, runs[3].rms);

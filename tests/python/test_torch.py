@@ -2,6 +2,9 @@
 """PyTorch through shardd vs DistributedDataParallel (gloo), on a 2-node x 2-rank emulated
 cluster of real daemons (tools/local-cluster.sh, loopback):
 
+  - the example trains as an LLM run does (two AdamW param groups, warm-up + cosine LambdaLR)
+    with the same torch code under DDP and through shardd: the lr of every step is the
+    schedule's formula in both, and the plot of the curves (matplotlib) is written;
   - mics:2 and zero3, fp32, AdamW, accumulation 2, 30 steps: rank 0's loss of every step equals
     DDP's within 1e-5 relative; the final parameters are allclose with rtol 1e-5 and atol 1e-5:
     an element whose gradient is pure rounding noise (near zero) takes AdamW steps of up to lr =
@@ -19,7 +22,9 @@ cluster of real daemons (tools/local-cluster.sh, loopback):
 Skipped (exit 77, with the reason) where PyTorch cannot be imported.
 usage: test_torch.py SHARDD LIBSHARD
 """
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -66,6 +71,12 @@ def compare(tag, ref, loss_rtol, params, steps=30):
         check(False, f"{tag}: logs missing ({e})")
         return
     check(len(s["loss"]) == steps and len(d["loss"]) == steps, f"{tag}: {steps} steps logged")
+    # the schedule: warm-up over 5 steps to 1e-3, then cosine to 1e-4 (train_gpt's defaults)
+    want = [1e-3 * ((i + 1) / 5 if i < 5 else
+                    0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (i - 5) / (steps - 5))))
+            for i in range(steps)]
+    check(all(abs(a - w) <= 1e-12 for a, w in zip(s["lr"], want)) and s["lr"] == d["lr"],
+          f"{tag}: the lr of every step follows warm-up + cosine, as DDP's: {s['lr'][:7]}")
     worst = max(abs(a - b) / abs(b) for a, b in zip(s["loss"], d["loss"]))
     check(worst <= loss_rtol, f"{tag}: loss differs from DDP by {worst:.3g} relative "
           f"(tolerance {loss_rtol})")
@@ -143,6 +154,15 @@ try:
                   f"the unit, alone: {sk}")
         d = json.load(open(f"{work}/ddpnan-0.json"))["skipped"]
         check([x[0] for x in d] == [4], f"DDP skipped step 4: {d}")
+        # the example's plot of the loss curves and the schedule (matplotlib)
+        spec = importlib.util.spec_from_file_location("train_gpt", GPT)
+        gpt = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gpt)
+        png = os.path.join(work, "gpt.png")
+        drawn = gpt.plot(png, json.load(open(f"{work}/mics2-0.json")),
+                         json.load(open(f"{work}/ddp-0.json")), "mics:2")
+        check(drawn and open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n",
+              "train_gpt.py's plot writes a PNG with matplotlib (python3-matplotlib)")
 finally:
     subprocess.run(["bash", CLUSTER, "stop", "--dir", cdir], capture_output=True, text=True,
                    timeout=120)

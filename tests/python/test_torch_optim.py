@@ -24,7 +24,14 @@ on a 2-node x 2-rank emulated cluster of real daemons (tools/local-cluster.sh):
     rank with EMISMATCH, naming the group on rank 1's node and that node elsewhere, and the job
     goes on (the next step is taken);
   - rank 0 alone reads full_state_dict in step 5 and at the end (fetches outside the schedule)
-    without failing the job or changing what the other ranks compute.
+    without failing the job or changing what the other ranks compute;
+  - BatchNorm (mics:2, AdamW, accumulation 2): every step sets every rank's buffers (running
+    mean and variance, num_batches_tracked) to rank 0's, as DDP's broadcast_buffers does before
+    each forward; the reference is single-process torch that runs each rank's micro-batch
+    through the model separately (BatchNorm normalizes over the rank's own batch) and keeps
+    the running statistics of rank 0's micro-batches alone, as DDP does. Losses within 1e-5,
+    parameters and buffers allclose on every rank, the ranks' buffers bitwise equal, and the
+    eval output the same on every rank; with broadcast_buffers=False the ranks' buffers differ.
 
 Skipped (exit 77, with the reason) where PyTorch cannot be imported.
 usage: test_torch_optim.py SHARDD LIBSHARD
@@ -116,6 +123,143 @@ def before_step(kind, m, step):
     m.take_adapter = step % 2 == 0
     if kind == "sgd" and step == 4:
         m.blocks[0].fc.weight.requires_grad_(False)
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # no bias before the norm (it would cancel it: its gradient is rounding noise, which
+        # AdamW turns into full steps in any direction)
+        self.fc1 = nn.Linear(8, 16, bias=False)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+BN_STEPS, BN_SEQS = 6, 8
+
+
+def bn_data(step, micro):
+    g = torch.Generator().manual_seed(500 + 10 * step + micro)
+    x = torch.randn(RANKS * BN_SEQS, 8, generator=g) * (1 + micro)  # the batches' statistics differ
+    return x, torch.randn(RANKS * BN_SEQS, 4, generator=g)
+
+
+def bn_loss(m, x, y):
+    return ((m(x) - y) ** 2).mean()
+
+
+def bn_reference():
+    """DDP's semantics in one process: each rank's micro-batch through the model on its own, the
+    losses averaged; before each forward every rank has rank 0's buffers, and rank 0's own
+    forward is the one that moves them"""
+    torch.manual_seed(3)
+    m = BNNet()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses = []
+    for step in range(BN_STEPS):
+        total = 0.0
+        for micro in range(ACCUM):
+            x, y = bn_data(step, micro)
+            start = {k: v.clone() for k, v in m.named_buffers()}
+            after0 = None
+            for r in range(RANKS):  # each backward before the buffers are set again
+                with torch.no_grad():
+                    for k, v in m.named_buffers():
+                        v.copy_(start[k])
+                lo, hi = r * BN_SEQS, (r + 1) * BN_SEQS
+                loss = bn_loss(m, x[lo:hi], y[lo:hi]) / RANKS
+                (loss / ACCUM).backward()
+                total += loss.item() / ACCUM
+                if r == 0:
+                    after0 = {k: v.clone() for k, v in m.named_buffers()}
+            with torch.no_grad():
+                for k, v in m.named_buffers():
+                    v.copy_(after0[k])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, m
+
+
+def bn_worker(a):
+    torch.manual_seed(3)
+    m = BNNet()
+    st.wrap(m, socket=a["socket"], job=a["job"], rank=a["rank"], world=RANKS, plan="mics:2",
+            optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2),
+            broadcast_buffers=a["broadcast"])
+    opt = st.optimizer(m)
+    lo, hi = a["rank"] * BN_SEQS, (a["rank"] + 1) * BN_SEQS
+    losses = []
+    for step in range(BN_STEPS):
+        total = 0.0
+        for micro in range(ACCUM):
+            x, y = bn_data(step, micro)
+            loss = bn_loss(m, x[lo:hi], y[lo:hi]) / ACCUM
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    m.eval()
+    with torch.no_grad():
+        out = m(bn_data(99, 0)[0][:4])
+    sd = st.full_state_dict(m)
+    torch.save({"params": sd, "eval": out, "losses": losses}, a["out"] + ".pt")
+    with open(a["out"] + ".json", "w") as f:
+        json.dump({"loss": losses}, f)
+    st.unwrap(m)
+
+
+def batchnorm(cl, work):
+    ref_losses, ref = bn_reference()
+    ref_sd = ref.state_dict()
+    ref.eval()
+    with torch.no_grad():
+        ref_out = ref(bn_data(99, 0)[0][:4])
+    for broadcast in (True, False):
+        tag = "bn" if broadcast else "bn-own"
+        cmds = []
+        for r in range(RANKS):
+            a = {"socket": cl.socket(r // 2), "job": tag, "rank": r, "broadcast": broadcast,
+                 "out": f"{work}/{tag}-{r}"}
+            cmds.append([sys.executable, os.path.abspath(__file__), sys.argv[1], sys.argv[2],
+                         "--bn-worker", json.dumps(a)])
+        outs = run_all(cmds, timeout=300)
+        for r, (rc, out) in enumerate(outs):
+            check(rc == 0, f"{tag} rank {r} exit code {rc}:\n{out}")
+        try:
+            res = [torch.load(f"{work}/{tag}-{r}.pt") for r in range(RANKS)]
+        except OSError as e:
+            check(False, f"{tag}: results missing ({e})")
+            continue
+        bufs = [k for k, _ in ref.named_buffers()]
+        same = all(torch.equal(res[r]["params"][k], res[0]["params"][k])
+                   for r in range(RANKS) for k in bufs)
+        if not broadcast:
+            check(not same, "broadcast_buffers=False: the ranks' running statistics differ")
+            continue
+        losses = [sum(x["losses"][s] for x in res) / RANKS for s in range(BN_STEPS)]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        check(worst <= 1e-5, f"BatchNorm: per-step loss vs DDP's semantics: worst {worst:.3g}")
+        maxd = max((res[r]["params"][k].double() - ref_sd[k].double()).abs().max().item()
+                   for r in range(RANKS) for k in ref_sd)
+        check(all(torch.allclose(res[r]["params"][k].double(), ref_sd[k].double(), rtol=1e-5,
+                                 atol=1e-6) for r in range(RANKS) for k in ref_sd),
+              f"BatchNorm: parameters and buffers of every rank vs the reference: max |diff| "
+              f"{maxd:.3g}")
+        check(same, "BatchNorm: every rank's buffers are rank 0's (bitwise)")
+        check(int(res[1]["params"]["bn.num_batches_tracked"]) == BN_STEPS * ACCUM,
+              f"num_batches_tracked (int64) broadcast: "
+              f"{int(res[1]['params']['bn.num_batches_tracked'])}")
+        evald = max((res[r]["eval"] - ref_out).abs().max().item() for r in range(RANKS))
+        check(all(torch.equal(res[r]["eval"], res[0]["eval"]) for r in range(RANKS)) and
+              evald <= 1e-5, f"BatchNorm: the eval output is the same on every rank and "
+              f"the reference's within {evald:.3g}")
+        print(f"BatchNorm, buffers broadcast from rank 0: loss {losses[0]:.4f} -> "
+              f"{losses[-1]:.4f}, worst relative difference {worst:.2e}, parameters and "
+              f"buffers max |diff| {maxd:.2e}, eval max |diff| {evald:.2e}", flush=True)
 
 
 def reference(kind):
@@ -349,6 +493,7 @@ def main():
             got = run(cl, work, "sgd", "mics:2", "dict")
             if got[0] is not None:
                 compare("sgd", got, sgd_ref)
+            batchnorm(cl, work)
             memory(sys.argv[1], work)
     finally:
         cl.stop()
@@ -358,5 +503,7 @@ def main():
 if __name__ == "__main__":
     if len(sys.argv) > 4 and sys.argv[3] == "--worker":
         worker(json.loads(sys.argv[4]))
+    elif len(sys.argv) > 4 and sys.argv[3] == "--bn-worker":
+        bn_worker(json.loads(sys.argv[4]))
     else:
         main()

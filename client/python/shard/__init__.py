@@ -61,7 +61,8 @@ class _HParams(ctypes.Structure):
 
 class _StepArgs(ctypes.Structure):
     _fields_ = [("groups", ctypes.POINTER(_HParams)), ("n_groups", ctypes.c_uint32),
-                ("has_grad", ctypes.POINTER(ctypes.c_uint8)), ("n_tensors", ctypes.c_uint32)]
+                ("has_grad", ctypes.POINTER(ctypes.c_uint8)), ("n_tensors", ctypes.c_uint32),
+                ("bcast", ctypes.c_void_p), ("bcast_bytes", ctypes.c_uint64)]
 
 
 class _Optimizer(ctypes.Structure):
@@ -77,7 +78,8 @@ class _Model(ctypes.Structure):
                 ("n_tensors", ctypes.c_uint32), ("optimizer", _Optimizer),
                 ("init", ctypes.POINTER(ctypes.POINTER(ctypes.c_float))),
                 ("max_live_bytes", ctypes.c_uint64), ("groups", ctypes.POINTER(_HParams)),
-                ("n_groups", ctypes.c_uint32), ("flags", ctypes.c_uint32)]
+                ("n_groups", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("bcast_bytes", ctypes.c_uint64)]
 
 SKIP_UNUSED = 1  # shard_model_t.flags: tensors no rank gave a gradient in a step are not updated
 
@@ -227,13 +229,14 @@ class Context:
             raise ShardError(st, msg, call)
 
     def register(self, job, rank, world, plan, tensors, optimizer, init=None, max_live_bytes=0,
-                 groups=None, skip_unused=False):
+                 groups=None, skip_unused=False, bcast_bytes=0):
         """Register the model (every rank the same tensors). init (rank 0): one fp32 buffer per
         tensor (objects with the buffer protocol or ctypes addresses), None for zeros.
         groups: None, or one dict of hyperparameters per parameter group (lr, betas, eps,
         weight_decay, momentum; missing keys from optimizer), indexed by Tensor.group.
         skip_unused: tensors that no rank gave a gradient in a step are not updated (step's
-        has_grad says which this rank gave)."""
+        has_grad says which this rank gave). bcast_bytes: what rank 0 broadcasts with each step
+        (step's bcast)."""
         n = len(tensors)
         keep = []  # keep ctypes objects alive during the call
         arr = (_Tensor * n)()
@@ -272,7 +275,7 @@ class Context:
                                      for i, g in enumerate(groups)])
         self.n_groups = max(1, ng)
         model = _Model(jobb, rank, world, planb, arr, n, opt, init_arr, int(max_live_bytes),
-                       garr, ng, SKIP_UNUSED if skip_unused else 0)
+                       garr, ng, SKIP_UNUSED if skip_unused else 0, int(bcast_bytes))
         self._check(_lib.shard_register(self._ctx, _c.byref(model)), "register")
         del keep
         self.names = [t.name for t in tensors]
@@ -325,13 +328,16 @@ class Context:
         """Push the gradient written into grad_buffer(unit)."""
         self._check(_lib.shard_push_staged(self._ctx, unit), f"push_staged unit {unit}")
 
-    def step(self, groups=None, has_grad=None):
+    def step(self, groups=None, has_grad=None, bcast=None):
         """Optimizer step at the accumulation boundary (all ranks); the gradient norm.
         groups: every parameter group's hyperparameters from this step on (a list of dicts as
-        register's, missing keys as in the last step; None: those of the last step). has_grad (with skip_unused): one truth value
-        per tensor, whether this rank gave it a gradient since the last step (None: all)."""
+        register's, missing keys as in the last step; None: those of the last step). has_grad
+        (with skip_unused): one truth value per tensor, whether this rank gave it a gradient
+        since the last step (None: all). bcast: a writable ctypes buffer of the registered
+        bcast_bytes, given by every rank or none: rank 0's contents are sent, and every other
+        rank's are overwritten with them (also when the step raises ENONFINITE)."""
         norm = _c.c_double()
-        if groups is None and has_grad is None:
+        if groups is None and has_grad is None and bcast is None:
             self._check(_lib.shard_step(self._ctx, _c.byref(norm)), "step")
             return norm.value
         args = _StepArgs()
@@ -344,6 +350,9 @@ class Context:
         if has_grad is not None:
             args.has_grad = (_c.c_uint8 * len(has_grad))(*[1 if h else 0 for h in has_grad])
             args.n_tensors = len(has_grad)
+        if bcast is not None:
+            args.bcast = _c.addressof(bcast)
+            args.bcast_bytes = _c.sizeof(bcast)
         self._check(_lib.shard_step_ex(self._ctx, _c.byref(args), _c.byref(norm)), "step")
         return norm.value
 

@@ -60,6 +60,36 @@ class _PreBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+class _Buffers:
+    """The module buffers rank 0 broadcasts with each step: packed byte for byte (any dtype:
+    BatchNorm's num_batches_tracked is int64), each at an 8-byte aligned offset of one area."""
+
+    def __init__(self, model):
+        self.bufs, seen, off = [], set(), 0
+        for _, b in model.named_buffers():
+            if b is None or id(b) in seen:
+                continue
+            seen.add(id(b))
+            n = b.numel() * b.element_size()
+            self.bufs.append((b, off, n))
+            off += (n + 7) // 8 * 8
+        self.nbytes = off
+        self.area = (ctypes.c_uint8 * max(1, off))()
+        self.flat = torch.frombuffer(self.area, dtype=torch.uint8) if off else None
+
+    def pack(self):
+        for b, off, n in self.bufs:
+            if n:
+                self.flat[off:off + n].copy_(
+                    b.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+
+    def unpack(self):
+        with torch.no_grad():
+            for b, off, n in self.bufs:
+                if n:
+                    b.copy_(self.flat[off:off + n].view(b.dtype).view(b.shape))
+
+
 class _State:
     def __init__(self, model, ctx, units, params, needs, job):
         self.model, self.ctx, self.job = model, ctx, job
@@ -78,6 +108,7 @@ class _State:
         self.handles = []
         self.placeholder = {}
         self.opt = None                    # the optimizer object (its param_groups drive steps)
+        self.bufs, self.rank = None, 0     # the buffers rank 0 broadcasts (_Buffers), this rank
         self.fetches = self.pushes = 0
         self.bytes_fetched = self.bytes_pushed = 0
 
@@ -242,8 +273,18 @@ class _State:
 
     def step(self):
         self._push_partial()
+        bufs = self.bufs
+        if bufs is not None and self.rank == 0:
+            bufs.pack()
         try:
-            norm = self.ctx.step(groups=self.hparams(), has_grad=self.has_grad)
+            norm = self.ctx.step(groups=self.hparams(), has_grad=self.has_grad,
+                                 bcast=bufs.area if bufs is not None else None)
+            if bufs is not None and self.rank != 0:
+                bufs.unpack()
+        except _shard.ShardError as e:
+            if bufs is not None and self.rank != 0 and e.status == _shard.ENONFINITE:
+                bufs.unpack()  # a skipped step broadcasts all the same
+            raise
         finally:  # also when the step failed (a skipped step, ENONFINITE): the next one goes on
             self.has_grad = [False] * len(self.has_grad)
             for u, plist in enumerate(self.params):
@@ -443,7 +484,7 @@ def _patch_clip():
 
 
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
-         units=None, max_live_bytes=0, max_grad_norm=None):
+         units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True):
     """Register model's parameters with shardd and install the hooks; returns model.
 
     rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
@@ -461,6 +502,11 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     SGD: lr 1e-3, momentum 0, weight_decay 0), unknown keys refused. shard.torch.optimizer(model)
     is the torch.optim.Optimizer to step and schedule. max_grad_norm: clip the global gradient
     norm (0: no clipping).
+    broadcast_buffers: every step sets every rank's module buffers (BatchNorm's running
+    statistics) to rank 0's, as DDP's broadcast_buffers=True does before each forward; ranks
+    then never drift apart, and evaluation does not depend on the rank. Buffers only move in
+    forwards and are read in eval, so at every step boundary they are what DDP has. False:
+    each rank keeps its own.
     Parameters with requires_grad False are not updated; nor is, in a step, a parameter that no
     rank gave a gradient (torch's optimizers skip a .grad of None).
     plan: "topo:W/G/OS" (shard factors of the weights, gradients and optimizer states) or a
@@ -521,17 +567,21 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
             tensors.append(_shard.Tensor(name, tuple(p.shape) or (1,), _DTYPES[p.dtype], u,
                                          opt.group_of.get(id(p), 0)))
             init.append(p.detach().to("cpu", torch.float32).contiguous().reshape(-1))
+    bufs = _Buffers(model) if broadcast_buffers else None
     ctx = _shard.Context(socket)
     try:
         ctx.register(job=job, rank=rank, world=world, plan=plan, tensors=tensors,
                      optimizer=dict(opt.groups[0], name=opt.name, max_grad_norm=opt.max_grad_norm),
                      init=init if rank == 0 else None, max_live_bytes=max_live_bytes,
-                     groups=opt.groups, skip_unused=True)
+                     groups=opt.groups, skip_unused=True,
+                     bcast_bytes=bufs.nbytes if bufs else 0)
     except Exception:
         ctx.detach()
         raise
     state = _State(model, ctx, reg_units, reg_params, needs, job)
     state.kind, state.n_groups = opt.name, len(opt.groups)
+    state.bufs = bufs if bufs and bufs.nbytes else None
+    state.rank = rank
     for dt in {p.dtype for ps in reg_params for _, p in ps}:
         state.placeholder[dt] = torch.empty(0, dtype=dt)
     saved = []  # (param, its data): put back if wrap fails half-way

@@ -159,6 +159,9 @@ struct sd_model {
     /* skip, as torch's optimizers do, a tensor that no rank gave a gradient in a step (its
      * moments and step count stay): each step carries the ranks' tensors that had one */
     bool skip_unused;
+    /* bytes global rank 0 broadcasts to every rank with each step (shard.torch: the module
+     * buffers, as DDP's broadcast_buffers); 0: none */
+    uint64_t bcast_bytes;
     char plan[64];
 };
 
@@ -170,21 +173,32 @@ static inline uint32_t sd_model_groups(const struct sd_model *m)
 struct sd_hparams sd_model_group(const struct sd_model *m, uint32_t g);
 /* A step's arguments (shard_step_ex), written by the rank into its staging memfd at
  * RegisterReply.step_args_off: this header, then n_groups struct sd_hparams, then n_tensors bytes
- * (nonzero: this rank gave the tensor a gradient since the last step), padded to 8 bytes. The
- * step's ring entry says in arg0 which parts were written (SD_STEP_ARG_*); parts not written
- * mean the hyperparameters of the last step and every tensor. The daemon copies the arguments
- * before it checks them. */
+ * (nonzero: this rank gave the tensor a gradient since the last step), padded to 8 bytes, then
+ * the model's bcast_bytes (padded to 8): global rank 0 writes there what it broadcasts, and the
+ * daemon writes it there for every other rank before the step completes. The step's ring entry
+ * says in arg0 which parts were written (SD_STEP_ARG_*); parts not written mean the
+ * hyperparameters of the last step, every tensor, and nothing broadcast. The daemon copies the
+ * arguments before it checks them. */
 struct sd_step_args {
     uint32_t n_groups, n_tensors;
 };
 #define SD_STEP_ARG_HPARAMS  1u
 #define SD_STEP_ARG_HAS_GRAD 2u
+#define SD_STEP_ARG_BCAST    4u /* every rank sets it alike: rank 0's broadcast area goes out */
+#define SD_MAX_BCAST_BYTES   (64ull << 20)
 _Static_assert(sizeof(struct sd_hparams) == 24, "step arguments layout is ABI");
 
-static inline uint64_t sd_step_args_bytes(uint32_t n_groups, uint32_t n_tensors)
+/* where the broadcast area starts in the step arguments */
+static inline uint64_t sd_step_args_bcast_off(uint32_t n_groups, uint32_t n_tensors)
 {
     return sizeof(struct sd_step_args) + (uint64_t)n_groups * sizeof(struct sd_hparams) +
            ((uint64_t)n_tensors + 7) / 8 * 8;
+}
+
+static inline uint64_t sd_step_args_bytes(uint32_t n_groups, uint32_t n_tensors,
+                                          uint64_t bcast_bytes)
+{
+    return sd_step_args_bcast_off(n_groups, n_tensors) + (bcast_bytes + 7) / 8 * 8;
 }
 
 /* hyperparameters h for an optimizer of kind: finite and in sane ranges; err names group g and
