@@ -15,9 +15,11 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
   - model.state_dict() of a wrapped model returns the full tensors (FSDP's full state dict):
     the keys of the unwrapped model, the values of full_state_dict;
   - clip_grad_norm_ on a wrapped model warns once, pointing to max_grad_norm;
-  - an in-place write into the gathered weights (p.data.add_ in a forward hook; a torch
-    optimizer not given to wrap, stepping with gradients of its own) raises a ShardError naming
-    the parameter and the optimizer to use, the process lives on, and no parameter changed;
+  - an in-place write into the gathered weights (p.data.add_ in a forward hook, a hand-written
+    update between backward and the step) raises a ShardError naming the parameter and the
+    optimizer to use, the process lives on, and no parameter changed; a torch optimizer that
+    was not given to wrap raises at its step(), pointing to wrap(optimizer=), while the torch
+    optimizers given to wrap step as before;
   - RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID (torchrun's variables) set rank, world and the job
     name ("torch-<id>") when wrap is not given them; a RANK outside WORLD_SIZE is refused;
   - installs as Debian users do it: cmake --install into a prefix puts the package in that
@@ -211,8 +213,9 @@ try:
     check(all(torch.equal(after[k], before[k]) for k in before),
           "the caught write changed no parameter")
     st.unwrap(m)
-    # the other route to it: a torch optimizer that was not given to wrap steps between backward
-    # and the step (with gradients of the user's own), and the step raises
+    # the other routes to it: a hand-written update between backward and the step
+    # (p.data -= lr * p.grad, with gradients of the user's own) is caught at the step; a torch
+    # optimizer that was not given to wrap raises at its own step(), before writing anything
     m = copy.deepcopy(base)
     st.wrap(m, job="scribble2")
     before = st.full_state_dict(m)
@@ -220,12 +223,16 @@ try:
     ((m(x) - y) ** 2).mean().backward()
     for p in m.parameters():
         p.grad = torch.ones_like(p)
-    stray.step()
+    ok, msg2 = raises(stray.step, "SGD", "shard.torch.wrap(model, optimizer=",
+                      kinds=(RuntimeError,))
+    check(ok, f"a torch optimizer not given to wrap raises at its step(): {msg2}")
+    for p in m.parameters():
+        p.data -= 0.1 * p.grad
     ok, msg2 = raises(lambda: st.step(m), "read-only", "weight", kinds=(shard.ShardError,))
-    check(ok, f"a torch optimizer not given to wrap: the step raises: {msg2}")
+    check(ok, f"a hand-written in-place update: the step raises: {msg2}")
     after = st.full_state_dict(m)
     check(all(torch.equal(after[k], before[k]) for k in before),
-          "the stray optimizer's update was discarded")
+          "neither changed a parameter")
     print(f"in-place write into gathered weights: {msg[:200]}...", flush=True)
     st.unwrap(m)
 

@@ -457,6 +457,52 @@ def _launcher(job, rank, world):
 
 
 _clip_patched = False
+_steps_guarded = False
+
+
+def _stray_check(opt):
+    """A torch optimizer that was not given to wrap cannot update a wrapped model's parameters
+    (their values live in shardd): say so at its step() instead of letting it do nothing, or
+    write into the read-only gathered weights."""
+    if isinstance(opt, ShardOptimizer) or getattr(opt, "_shard_translated", False):
+        return
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if getattr(p, "_shard_wrapped", False):
+                raise RuntimeError(
+                    f"shard.torch: this {type(opt).__name__} holds parameters of a wrapped model, "
+                    "whose values live in shardd: it cannot update them. Give it to "
+                    "shard.torch.wrap(model, optimizer=...) (its step() then steps in shardd), "
+                    "or step shard.torch.optimizer(model)")
+
+
+def _guard_steps():
+    """Every torch optimizer's step() checks _stray_check first: torch's global step pre-hook
+    where it exists (torch >= 2.0), else each optimizer class's step wrapped once."""
+    global _steps_guarded
+    if _steps_guarded:
+        return
+    _steps_guarded = True
+    optim_mod = getattr(torch.optim, "optimizer", None)
+    if hasattr(optim_mod, "register_optimizer_step_pre_hook"):
+        optim_mod.register_optimizer_step_pre_hook(lambda opt, args, kwargs: _stray_check(opt))
+        return
+    todo = list(torch.optim.Optimizer.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        fn = cls.__dict__.get("step")
+        if fn is None or getattr(fn, "_shard_guarded", False) or cls is ShardOptimizer:
+            continue
+
+        def guarded(self, *args, _fn=fn, **kwargs):
+            _stray_check(self)
+            return _fn(self, *args, **kwargs)
+        guarded._shard_guarded = True
+        guarded.__wrapped__ = fn
+        for attr in ("__name__", "__qualname__", "__doc__"):
+            setattr(guarded, attr, getattr(fn, attr, None))
+        cls.step = guarded
 
 
 def _patch_clip():
@@ -610,6 +656,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     model._shard_state = state
     model.state_dict = lambda *a, **k: _full_state_dict_of(model, *a, **k)
     _patch_clip()
+    _guard_steps()
     _current = state
     return model
 
@@ -640,6 +687,7 @@ def _make_optimizer(state, opt, reg_params):
 
         step._with_counter = True  # what torch's schedulers mark a counted step() with
         opt.torch_opt.step = types.MethodType(step, opt.torch_opt)
+        opt.torch_opt._shard_translated = True
     return so
 
 
