@@ -494,6 +494,24 @@ static void *join_thread(void *arg)
     return NULL;
 }
 
+/* fn on a and b at once (two ranks' calls that wait for each other) */
+static void run_pair(void *(*fn)(void *), void *a, void *b)
+{
+    pthread_t th;
+    pthread_create(&th, NULL, fn, a);
+    fn(b);
+    pthread_join(th, NULL);
+}
+
+/* Two ranks of one job (their models set up) register at once, as they must; false after the
+ * failed check when either did not. */
+static bool join_pair(struct joined *r0, struct joined *r1, const char *what)
+{
+    run_pair(join_thread, r0, r1);
+    TH_CHECK(r0->st == 0 && r1->st == 0, "%s: 2 ranks register: %d %d", what, r0->st, r1->st);
+    return r0->st == 0 && r1->st == 0;
+}
+
 static void test_registration(void)
 {
     /* rank 0 waits for rank 1; a rank 1 with another model is refused, then the right one joins */
@@ -665,12 +683,7 @@ static void test_stalled_requests(void)
     struct joined r[2];
     for (int i = 0; i < 2; i++)
         tiny_init(&r[i].x, "stall", (uint32_t)i, 2, 100);
-    pthread_t th;
-    pthread_create(&th, NULL, join_thread, &r[0]);
-    join_thread(&r[1]);
-    pthread_join(th, NULL);
-    TH_CHECK(r[0].st == 0 && r[1].st == 0, "2 ranks register: %d %d", r[0].st, r[1].st);
-    if (r[0].st != 0 || r[1].st != 0)
+    if (!join_pair(&r[0], &r[1], "stall"))
         return;
     shard_unit_info_t ui;
     shard_unit_info(r[0].ctx, 0, &ui);
@@ -700,9 +713,7 @@ static void test_stalled_requests(void)
     /* the same calls on both ranks of the group, as the schedule check wants */
     TH_CHECK(shard_fetch(r[1].ctx, 1, &p) == 0 && shard_release(r[1].ctx, 1) == 0,
              "rank 1 fetch: %s", shard_last_error(r[1].ctx));
-    pthread_create(&th, NULL, step_thread, &r[0]);
-    step_thread(&r[1]);
-    pthread_join(th, NULL);
+    run_pair(step_thread, &r[0], &r[1]);
     TH_CHECK(r[0].st == 0 && r[1].st == 0, "step: %d %d", r[0].st, r[1].st);
     /* 2 micro-steps x 2 ranks of gradient 1, averaged over the 2 ranks: 2; SGD lr 0.1 */
     TH_CHECK(shard_fetch(r[1].ctx, 0, &p) == 0 && ((const float *)p)[0] == -0.2f &&
@@ -866,10 +877,7 @@ static void *bcast_thread(void *arg)
 
 static void bcast_step(struct bjoined r[2])
 {
-    pthread_t th;
-    pthread_create(&th, NULL, bcast_thread, &r[0]);
-    bcast_thread(&r[1]);
-    pthread_join(th, NULL);
+    run_pair(bcast_thread, &r[0], &r[1]);
 }
 
 static void test_bcast(void)
@@ -880,13 +888,7 @@ static void test_bcast(void)
         tiny_init(&r[i].j.x, "bcast", (uint32_t)i, 2, 100);
         r[i].j.x.m.bcast_bytes = sizeof(r[i].buf);
     }
-    pthread_t th;
-    pthread_create(&th, NULL, join_thread, &r[0].j);
-    join_thread(&r[1].j);
-    pthread_join(th, NULL);
-    TH_CHECK(r[0].j.st == 0 && r[1].j.st == 0, "2 ranks register with bcast_bytes: %d %d",
-             r[0].j.st, r[1].j.st);
-    if (r[0].j.st != 0 || r[1].j.st != 0)
+    if (!join_pair(&r[0].j, &r[1].j, "with bcast_bytes"))
         return;
     for (int i = 0; i < 2; i++) {
         r[i].a = (shard_step_args_t){.bcast = r[i].buf, .bcast_bytes = sizeof(r[i].buf)};
@@ -998,12 +1000,7 @@ static void test_pool_write(void)
     struct joined r[2];
     for (int i = 0; i < 2; i++)
         tiny_init(&r[i].x, "scribble", (uint32_t)i, 2, 100);
-    pthread_t th;
-    pthread_create(&th, NULL, join_thread, &r[0]);
-    join_thread(&r[1]);
-    pthread_join(th, NULL);
-    TH_CHECK(r[0].st == 0 && r[1].st == 0, "2 ranks register: %d %d", r[0].st, r[1].st);
-    if (r[0].st != 0 || r[1].st != 0)
+    if (!join_pair(&r[0], &r[1], "scribble"))
         return;
     const void *p0, *p1;
     TH_CHECK(shard_fetch(r[0].ctx, 1, &p0) == 0 && shard_fetch(r[1].ctx, 1, &p1) == 0, "fetch: %s",

@@ -184,6 +184,31 @@ def bn_reference():
     return losses, m
 
 
+def micro_steps(m, batch, loss, step, lo, hi):
+    """one step's ACCUM micro-steps on this rank's rows [lo, hi) of the global batch: forward
+    and backward; the step's loss"""
+    total = 0.0
+    for micro in range(ACCUM):
+        x, y = batch(step, micro)
+        loss_m = loss(m, x[lo:hi], y[lo:hi]) / ACCUM
+        loss_m.backward()
+        total += loss_m.item()
+    return total
+
+
+def launch(cl, work, tag, mode, args):
+    """one worker process per rank (args: its dict, given the rank); their outputs"""
+    cmds = []
+    for r in range(RANKS):
+        a = dict(args(r), socket=cl.socket(r // 2), job=tag, rank=r, out=f"{work}/{tag}-{r}")
+        cmds.append([sys.executable, os.path.abspath(__file__), sys.argv[1], sys.argv[2], mode,
+                     json.dumps(a)])
+    outs = run_all(cmds, timeout=300)
+    for r, (rc, out) in enumerate(outs):
+        check(rc == 0, f"{tag} rank {r} exit code {rc}:\n{out}")
+    return outs
+
+
 def bn_worker(a):
     torch.manual_seed(3)
     m = BNNet()
@@ -194,14 +219,8 @@ def bn_worker(a):
     lo, hi = a["rank"] * BN_SEQS, (a["rank"] + 1) * BN_SEQS
     losses = []
     for step in range(BN_STEPS):
-        total = 0.0
-        for micro in range(ACCUM):
-            x, y = bn_data(step, micro)
-            loss = bn_loss(m, x[lo:hi], y[lo:hi]) / ACCUM
-            loss.backward()
-            total += loss.item()
+        losses.append(micro_steps(m, bn_data, bn_loss, step, lo, hi))
         opt.step()
-        losses.append(total)
     m.eval()
     with torch.no_grad():
         out = m(bn_data(99, 0)[0][:4])
@@ -220,15 +239,7 @@ def batchnorm(cl, work):
         ref_out = ref(bn_data(99, 0)[0][:4])
     for broadcast in (True, False):
         tag = "bn" if broadcast else "bn-own"
-        cmds = []
-        for r in range(RANKS):
-            a = {"socket": cl.socket(r // 2), "job": tag, "rank": r, "broadcast": broadcast,
-                 "out": f"{work}/{tag}-{r}"}
-            cmds.append([sys.executable, os.path.abspath(__file__), sys.argv[1], sys.argv[2],
-                         "--bn-worker", json.dumps(a)])
-        outs = run_all(cmds, timeout=300)
-        for r, (rc, out) in enumerate(outs):
-            check(rc == 0, f"{tag} rank {r} exit code {rc}:\n{out}")
+        launch(cl, work, tag, "--bn-worker", lambda r: {"broadcast": broadcast})
         try:
             res = [torch.load(f"{work}/{tag}-{r}.pt") for r in range(RANKS)]
         except OSError as e:
@@ -269,12 +280,7 @@ def reference(kind):
     losses = []
     for step in range(STEPS):
         before_step(kind, m, step)
-        total = 0.0
-        for micro in range(ACCUM):
-            x, y = data(step, micro)
-            loss = loss_of(m, x, y) / ACCUM
-            loss.backward()
-            total += loss.item()
+        total = micro_steps(m, data, loss_of, step, 0, RANKS * SEQS)  # every rank's rows
         if kind == "adamw":
             torch.nn.utils.clip_grad_norm_([p for p in m.parameters() if p.grad is not None],
                                            1.0)
@@ -305,12 +311,7 @@ def worker(a):
     losses, errors = [], []
     for step in range(STEPS):
         before_step(kind, m, step)
-        total = 0.0
-        for micro in range(ACCUM):
-            x, y = data(step, micro)
-            loss = loss_of(m, x[lo:hi], y[lo:hi]) / ACCUM
-            loss.backward()
-            total += loss.item()
+        total = micro_steps(m, data, loss_of, step, lo, hi)
         if a["form"] == "step":
             st.step(m)
         else:
@@ -346,15 +347,8 @@ def worker(a):
 
 
 def run(cluster, work, tag, plan, form, disagree=False):
-    cmds = []
-    for r in range(RANKS):
-        a = {"socket": cluster.socket(r // 2), "job": tag, "rank": r, "plan": plan,
-             "form": form, "out": f"{work}/{tag}-{r}", "disagree": disagree}
-        cmds.append([sys.executable, os.path.abspath(__file__), sys.argv[1], sys.argv[2],
-                     "--worker", json.dumps(a)])
-    outs = run_all(cmds, timeout=300)
-    for r, (rc, out) in enumerate(outs):
-        check(rc == 0, f"{tag} rank {r} exit code {rc}:\n{out}")
+    launch(cluster, work, tag, "--worker",
+           lambda r: {"plan": plan, "form": form, "disagree": disagree})
     try:
         logs = [json.load(open(f"{work}/{tag}-{r}.json")) for r in range(RANKS)]
         params = torch.load(f"{work}/{tag}-0.pt")
