@@ -97,7 +97,7 @@ def s(t):
     h, m, x = t.split(":"); return int(h) * 3600 + int(m) * 60 + float(x)
 print(f"node 2 rejoined {s(sys.argv[2]) - s(sys.argv[1]):.2f} s after its link came back")
 PY
-# A job across all three nodes. Known flake (about 1 run in 10 under load, not understood yet):
+# A job across all three nodes. Known flake (about 1 run in 20, not understood yet):
 # the first job after the rejoin can stall on one node pair's fabric connection until
 # op_timeout. The daemons' logs are printed when it does, and the job is run once more: the
 # healed cluster must train then.
