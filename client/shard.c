@@ -3,6 +3,7 @@
 #include "shard_internal.h"
 #include "wguard.h"
 
+#include "sd/ckpt.h"
 #include "sd/frame.h"
 #include "sd/model.h"
 #include "sd/ring.h"
@@ -67,6 +68,7 @@ struct shard_ctx {
     /* the step's arguments: where they go in the staging map, and the groups' hyperparameters as
      * of the last step */
     uint64_t step_args_off;
+    uint64_t save_path_off, start_step;
     uint64_t bcast_bytes;
     uint32_t n_groups;
     shard_hparams_t *hparams;
@@ -515,12 +517,15 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     struct stat st;
     uint64_t args_bytes =
         sd_step_args_bytes(ctx->n_groups, (uint32_t)rep->n_tensors, ctx->bcast_bytes);
+    uint64_t path_off = rep->step_args_off + args_bytes;
+    args_bytes += SD_CKPT_PATH_MAX; /* then a save's directory */
     if (fstat(fds[0], &st) != 0 || (uint64_t)st.st_size < rep->pool_bytes ||
         fstat(fds[1], &st) != 0 ||
         (uint64_t)st.st_size < (uint64_t)rep->staging_slots * rep->staging_slot_bytes ||
         rep->staging_slots == 0 || rep->staging_slots > MAX_STAGING ||
         rep->step_args_off < (uint64_t)rep->staging_slots * rep->staging_slot_bytes ||
-        rep->step_args_bytes != args_bytes ||
+        rep->step_args_bytes != args_bytes || rep->save_path_off != path_off ||
+        (rep->n_groups != 0 && rep->n_groups != ctx->n_groups) ||
         (uint64_t)st.st_size < rep->step_args_off + rep->step_args_bytes)
         return fail(ctx, SD_EPROTO, "register: shared buffers do not match the layout");
     ctx->pool_bytes = rep->pool_bytes;
@@ -539,6 +544,15 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     ctx->staging_slot_bytes = rep->staging_slot_bytes;
     ctx->staging_bytes = (size_t)(rep->step_args_off + rep->step_args_bytes);
     ctx->step_args_off = rep->step_args_off;
+    ctx->save_path_off = rep->save_path_off;
+    ctx->start_step = rep->start_step;
+    for (uint32_t g = 0; g < rep->n_groups; g++) /* in force: a checkpoint's when loading one */
+        ctx->hparams[g] = (shard_hparams_t){.lr = rep->groups[g]->lr,
+                                            .beta1 = rep->groups[g]->beta1,
+                                            .beta2 = rep->groups[g]->beta2,
+                                            .eps = rep->groups[g]->eps,
+                                            .weight_decay = rep->groups[g]->weight_decay,
+                                            .momentum = rep->groups[g]->momentum};
     ctx->staging = mmap(NULL, ctx->staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
                         fds[1], 0);
     if (ctx->staging == MAP_FAILED) {
@@ -587,6 +601,24 @@ static int load_initial(shard_ctx_t *ctx, const shard_model_t *model)
         if (status != SD_OK)
             return status;
     }
+    return SD_OK;
+}
+
+/* path made absolute against the working directory (the daemon's is not the caller's) */
+static int absolute_path(shard_ctx_t *ctx, const char *what, const char *path,
+                         char out[SD_CKPT_PATH_MAX])
+{
+    char cwd[SD_CKPT_PATH_MAX];
+    int n;
+    if (path[0] == '/')
+        n = snprintf(out, SD_CKPT_PATH_MAX, "%s", path);
+    else if (getcwd(cwd, sizeof(cwd)) == NULL)
+        return fail(ctx, -errno, "%s: cannot make '%s' absolute: %s", what, path, strerror(errno));
+    else
+        n = snprintf(out, SD_CKPT_PATH_MAX, "%s/%s", cwd, path);
+    if (n <= 0 || n >= SD_CKPT_PATH_MAX)
+        return fail(ctx, SD_EINVAL, "%s: the path '%.64s...' is longer than %d bytes", what, path,
+                    SD_CKPT_PATH_MAX - 1);
     return SD_OK;
 }
 
@@ -675,6 +707,16 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     reg.groups = gp;
     reg.skip_unused = (model->flags & SHARD_SKIP_UNUSED) != 0;
     reg.bcast_bytes = model->bcast_bytes;
+    char load[SD_CKPT_PATH_MAX];
+    bool loading = model->load != NULL && model->load[0] != '\0';
+    if (loading && (status = absolute_path(ctx, "register: load", model->load, load)) != SD_OK) {
+        free(td);
+        free(tp);
+        free(gd);
+        free(gp);
+        return status;
+    }
+    reg.load = loading ? load : "";
     Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
     msg.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
     msg.register_ = &reg;
@@ -712,7 +754,7 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     ctx->world = model->world;
     ctx->registered = true;
     struct sd_cqe cqe;
-    if (model->rank == 0 && (status = load_initial(ctx, model)) != SD_OK)
+    if (model->rank == 0 && !loading && (status = load_initial(ctx, model)) != SD_OK)
         return status;
     return call(ctx, SD_OP_READY, 0, 0, 0, &cqe);
 }
@@ -1059,6 +1101,41 @@ int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_
         *grad_norm_p = norm;
     }
     return status;
+}
+
+int shard_save(shard_ctx_t *ctx, const char *dir, uint64_t *step_p)
+{
+    struct sd_cqe cqe;
+    int status = check_attached(ctx, "save", true);
+    if (status != SD_OK)
+        return status;
+    if (dir == NULL || dir[0] == '\0')
+        return fail(ctx, SD_EINVAL, "save: no directory given");
+    char path[SD_CKPT_PATH_MAX];
+    if ((status = absolute_path(ctx, "save", dir, path)) != SD_OK)
+        return status;
+    if (ctx->held_unit >= 0)
+        return fail(ctx, SD_EBUSY,
+                    "save: unit %lld's gradient buffer is held and not pushed; save between "
+                    "steps",
+                    (long long)ctx->held_unit);
+    status = shard__push_flush(ctx);
+    if (status != SD_OK) {
+        char why[sizeof(ctx->err)];
+        memcpy(why, ctx->err, sizeof(why));
+        return fail(ctx, status, "save: %s", why);
+    }
+    size_t len = strlen(path);
+    memcpy(ctx->staging + ctx->save_path_off, path, len);
+    status = call(ctx, SD_OP_SAVE, 0, len, 0, &cqe);
+    if (status == SD_OK && step_p != NULL)
+        *step_p = cqe.value0;
+    return status;
+}
+
+uint64_t shard_start_step(const shard_ctx_t *ctx)
+{
+    return ctx != NULL ? ctx->start_step : 0;
 }
 
 int shard_detach(shard_ctx_t *ctx)

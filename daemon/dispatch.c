@@ -1,6 +1,7 @@
 /* A ring entry to its operation: the checks every operation shares (the job's state, the unit),
  * the schedule's bookkeeping around fetch, release and push, and the failure of every parked
  * operation at once when the job fails. */
+#include "checkpoint.h"
 #include "ops.h"
 #include "session.h"
 #include "sd/log.h"
@@ -95,6 +96,10 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         if (check_ready(job, s, e, false))
             sd_step(job, s, e);
         return true;
+    case SD_OP_SAVE:
+        if (check_ready(job, s, e, false))
+            sd_ckpt_save(job, s, e);
+        return true;
     case SD_OP_DROP:
         if (check_ready(job, s, e, true))
             sd_fetch_drop(job, s, e, start);
@@ -159,4 +164,5 @@ void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool wi
         }
     }
     job->step.arrived = 0;
+    sd_ckpt_fail_parked(job, status, text);
 }

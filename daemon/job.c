@@ -1,5 +1,6 @@
 /* Jobs: registration (all ranks, same model, with a deadline), the layout reply, the state
  * machine, departures, failures and deadlines. */
+#include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "job.h"
 #include "net.h"
@@ -37,6 +38,7 @@ void sd_job_free(struct sd_job *job)
     free(job->step.waiting);
     free(job->load.ready_waiting);
     free(job->load.ready_tags);
+    sd_ckpt_job_free(job);
     free(job);
 }
 
@@ -127,6 +129,30 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     rep.ranks_per_node = job->k;
     rep.step_args_off = job->mem.step_args_off;
     rep.step_args_bytes = job->mem.step_args_bytes;
+    rep.save_path_off = job->mem.save_path_off;
+    rep.start_step = sd_ckpt_start_step(job);
+    uint32_t n_groups = sd_model_groups(&job->model);
+    Shard__Optimizer *gd = calloc(n_groups, sizeof(*gd));
+    Shard__Optimizer **gp = calloc(n_groups, sizeof(*gp));
+    if (gd == NULL || gp == NULL) {
+        free(gd);
+        free(gp);
+        goto out;
+    }
+    for (uint32_t g = 0; g < n_groups; g++) {
+        struct sd_hparams hp = sd_ckpt_hparams(job, g), *h = &hp;
+        shard__optimizer__init(&gd[g]);
+        gd[g].kind = (uint32_t)job->model.optim.kind;
+        gd[g].lr = h->lr;
+        gd[g].beta1 = h->beta1;
+        gd[g].beta2 = h->beta2;
+        gd[g].eps = h->eps;
+        gd[g].weight_decay = h->weight_decay;
+        gd[g].momentum = h->momentum;
+        gp[g] = &gd[g];
+    }
+    rep.n_groups = n_groups;
+    rep.groups = gp;
     Shard__DaemonMsg out = SHARD__DAEMON_MSG__INIT;
     out.msg_case = SHARD__DAEMON_MSG__MSG_REGISTER;
     out.register_ = &rep;
@@ -142,6 +168,8 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     int fds[2] = {ro, job->mem.staging[s->local].fd};
     status = sd_conn_send(s->conn, &out, fds, 2);
     close(ro);
+    free(gd);
+    free(gp);
     if (status == SD_OK)
         s->registered = true;
 out:
@@ -180,7 +208,9 @@ static void job_start_loading(struct sd_job *job)
             return;
         }
     }
-    if (job->nodes > 1)
+    if (sd_ckpt_loading(job))
+        sd_ckpt_load_start(job); /* every node reads its part of the checkpoint */
+    else if (job->nodes > 1)
         sd_loading_start(job);
 }
 
@@ -239,8 +269,10 @@ bool sd_job_name_valid(const char *name)
 }
 
 static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register *msg,
-                                 struct sd_model *model, uid_t uid, char *err, size_t errlen)
+                                 struct sd_model *model, uid_t uid, int *status_p, char *err,
+                                 size_t errlen)
 {
+    *status_p = SD_EINVAL;
     const struct sd_config *cfg = reg->cfg;
     if (msg->world == 0 || msg->world > SD_MAX_WORLD) {
         snprintf(err, errlen, "world size %u must be in 1..%d", msg->world, SD_MAX_WORLD);
@@ -304,6 +336,8 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     if (status == SD_OK)
         status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
     job->nodes = nodes;
+    if (status == SD_OK)
+        status = sd_ckpt_job_init(job, msg->load, err, errlen);
     uint32_t fw = job->plan.f[SD_STATE_W], fg = job->plan.f[SD_STATE_G];
     for (int st = 0; st < SD_STATE_COUNT; st++)
         job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
@@ -323,6 +357,7 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
         !job->step.waiting || !job->load.ready_waiting || !job->load.ready_tags) {
         if (status == SD_OK)
             snprintf(err, errlen, "out of memory");
+        *status_p = status == SD_OK ? SD_ENOMEM : status;
         sd_job_free(job);
         return NULL;
     }
@@ -367,9 +402,10 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
             sd_model_free(&model);
             return;
         }
-        job = job_create(reg, msg, &model, c->uid, err, sizeof(err));
+        int cst;
+        job = job_create(reg, msg, &model, c->uid, &cst, err, sizeof(err));
         if (job == NULL) {
-            sd_conn_send_error(c, SD_EINVAL, "register job '%s' rank %u: %s", name, msg->rank, err);
+            sd_conn_send_error(c, cst, "register job '%s' rank %u: %s", name, msg->rank, err);
             sd_model_free(&model);
             return;
         }
@@ -395,6 +431,11 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
                                "%016llx registered by the other ranks (%s)",
                                name, msg->rank, (unsigned long long)digest,
                                (unsigned long long)job->digest, diff);
+        } else if (strcmp(msg->load ? msg->load : "", sd_ckpt_load_dir(job)) != 0) {
+            sd_conn_send_error(c, SD_EMISMATCH,
+                               "register job '%s' rank %u: loads checkpoint '%s', the other ranks "
+                               "'%s'",
+                               name, msg->rank, msg->load ? msg->load : "", sd_ckpt_load_dir(job));
         } else if (msg->world != job->world || msg->max_live_bytes != job->mem.max_live_bytes) {
             sd_conn_send_error(c, SD_EMISMATCH,
                                "register job '%s': world %u / max_live_bytes %llu differ from "
@@ -585,6 +626,15 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
                     (long long)job->reg->cfg->op_timeout_ms);
         return;
     }
+    if (sd_ckpt_overdue(job, now, op_timeout, present)) {
+        list_missing(missing, sizeof(missing), job, present);
+        sd_job_fail(job, SD_ETIMEDOUT,
+                    "save after step %llu: ranks %s did not call save within %lld ms "
+                    "(op_timeout_ms)",
+                    (unsigned long long)job->steps, missing,
+                    (long long)job->reg->cfg->op_timeout_ms);
+        return;
+    }
     /* a call that cannot proceed (a pool place, transfer resources) for too long */
     for (uint32_t r = 0; r < job->k; r++) {
         struct sd_session *s = job->ranks[r];
@@ -606,8 +656,9 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
         bool waiting = false;
         for (uint32_t r = 0; r < job->k; r++)
             waiting |= job->load.ready_waiting[r];
-        if (waiting && now - job->created_ns >
-                           op_timeout + (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL)
+        if (waiting && !sd_ckpt_busy(job) &&
+            now - job->created_ns >
+                op_timeout + (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL)
             sd_job_fail(job, SD_ETIMEDOUT,
                         "rank 0 did not finish loading the initial values in time");
         return;

@@ -24,6 +24,7 @@ struct sd_push_round; /* the push rounds' types are push.c's (ops.h) */
 struct sd_push_entry;
 struct sd_node_round;
 struct sd_round_ref;
+struct sd_ckpt_job;
 
 /* ranks one node serves in a job, at most: a gather's waiting ranks are a 64-bit set */
 #define SD_MAX_LOCAL_RANKS 64
@@ -92,6 +93,7 @@ struct sd_job_mem {
     uint64_t staging_slot_bytes;
     uint32_t staging_slots;
     uint64_t step_args_off, step_args_bytes; /* each rank's step arguments, after its slots */
+    uint64_t save_path_off; /* then the directory of a save (SD_CKPT_PATH_MAX bytes) */
     uint64_t bytes_total;
     uint64_t alloc_start_ns, alloc_ns; /* allocating the job's memory: since, and how long */
     float *scratch;
@@ -159,11 +161,13 @@ struct sd_step_state {
     uint32_t *os_pos; /* [f_os]: where in an os-partition group the owner of os shard p is */
 };
 
-/* Loading the initial values and the ready barrier (loading.c). */
+/* Loading the initial values (rank 0's, or a checkpoint's) and the ready barrier (loading.c),
+ * and the job's checkpoints (checkpoint.c). */
 struct sd_load_state {
-    bool *ready_waiting;  /* [k] */
-    uint64_t *ready_tags; /* [k] */
-    uint32_t next_unit;   /* the unit this node receives next (not node 0) */
+    struct sd_ckpt_job *ckpt; /* checkpoints: the one loaded, saves (checkpoint.c) */
+    bool *ready_waiting;      /* [k] */
+    uint64_t *ready_tags;     /* [k] */
+    uint32_t next_unit;       /* the unit this node receives next (not node 0) */
     bool done, remote_ready;
     struct sd_bulk *rb;
     struct sd_session *waiter; /* rank 0's init call, until the other nodes have the values */

@@ -8,6 +8,7 @@
 #include "quant.h"
 #include "secondary.h"
 #include "registry.h"
+#include "sd/ckpt.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -200,7 +201,8 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
                                      : l->total_bytes * job->slots_per_unit;
     b.staging =
         ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) +
-         sd_step_args_bytes(sd_model_groups(&job->model), l->n_tensors, job->model.bcast_bytes)) *
+         sd_step_args_bytes(sd_model_groups(&job->model), l->n_tensors, job->model.bcast_bytes) +
+         SD_CKPT_PATH_MAX) *
         job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
     b.net = sd_job_net_bytes(job, cfg);
@@ -324,6 +326,9 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->mem.staging_slot_bytes = l->max_unit_numel * sizeof(float);
     job->mem.step_args_off = (uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes;
     job->mem.step_args_bytes = sd_step_args_bytes(n_groups, l->n_tensors, job->model.bcast_bytes);
+    /* a save's directory follows the step arguments (counted in them for the client) */
+    job->mem.save_path_off = job->mem.step_args_off + job->mem.step_args_bytes;
+    job->mem.step_args_bytes += SD_CKPT_PATH_MAX;
     return SD_OK;
 }
 

@@ -2,6 +2,7 @@
  * collective engine: buffer sizes, memory registrations, the bulk pool and the node rounds'
  * buffers; the job's all-reduces and exchanges with their tags; and what its unfinished transfers
  * tell a failure message and the deadline sweep. */
+#include "checkpoint.h"
 #include "net.h"
 #include "quant.h"
 #include "sd/codec.h"
@@ -300,6 +301,8 @@ void sd_job_net_teardown(struct sd_job *job)
 
 bool sd_job_net_idle(const struct sd_job *job)
 {
+    if (sd_ckpt_busy(job)) /* a checkpoint's worker reads or writes its memory */
+        return false;
     return job->xfer.net == NULL ||
            (job->xfer.bulks.in_use == 0 && job->xfer.w_sends_inflight == 0 &&
             job->xfer.gathers_inflight == 0);

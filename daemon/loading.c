@@ -1,5 +1,6 @@
 /* Loading: rank 0's initial values into every node's shards (node 0 sends each node the part of
  * each unit it holds), and the ready barrier every rank waits in before its first fetch. */
+#include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "net.h"
 #include "ops.h"
@@ -36,9 +37,10 @@ void sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_s
                         s->rank);
         return;
     }
-    if (job->state != SD_JOB_LOADING) {
-        sd_session_fail(s, e, SD_ESTATE, "init: job '%s' is %s, not loading", job->name,
-                        sd_job_state_name(job->state));
+    if (job->state != SD_JOB_LOADING || sd_ckpt_loading(job)) {
+        sd_session_fail(
+            s, e, SD_ESTATE, "init: job '%s' is %s, not loading initial values", job->name,
+            sd_ckpt_loading(job) ? "loading a checkpoint" : sd_job_state_name(job->state));
         return;
     }
     if (e->unit >= job->layout.n_units || e->arg0 >= job->mem.staging_slots) {
@@ -87,6 +89,11 @@ void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_
     }
     job->load.ready_waiting[s->local] = true;
     job->load.ready_tags[s->local] = e->tag;
+    if (sd_ckpt_loading(job)) { /* ready once this node read its part (sd_loading_loaded) */
+        if (job->load.done)
+            set_ready(job);
+        return;
+    }
     if (s->rank != 0)
         return;
     if (job->nodes > 1)
@@ -229,6 +236,13 @@ static void tell_ready(struct sd_job *job)
 {
     sd_cluster_job_ready(job->xfer.net->cl, job->name, job->nodes);
     job->load.remote_ready = job->load.done = true;
+    sd_fetch_serve_queue(job);
+}
+
+void sd_loading_loaded(struct sd_job *job)
+{
+    job->load.done = job->load.remote_ready = true;
+    set_ready(job);
     sd_fetch_serve_queue(job);
 }
 

@@ -48,6 +48,7 @@ struct sd_net {
 uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg);
 int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen);
 void sd_job_net_teardown(struct sd_job *job);
+/* nothing reads or writes the job's memory any more: no transfer, no checkpoint worker */
 bool sd_job_net_idle(const struct sd_job *job);
 void sd_job_net_cancel(struct sd_job *job);
 /* describe the operation in flight, for failure messages */

@@ -171,6 +171,8 @@ void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_
                       uint64_t start);
 /* the registration is agreed: the other nodes start receiving their initial values */
 void sd_loading_start(struct sd_job *job);
+/* this node read its part of the checkpoint the job starts from: it is ready */
+void sd_loading_loaded(struct sd_job *job);
 /* node 0's rank 0 finished loading */
 void sd_loading_remote_ready(struct sd_job *job);
 

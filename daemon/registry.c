@@ -1,5 +1,6 @@
 /* The job registry: lookups, the memory budget, the deadline sweep, and the events the
  * cluster's coordinator sends about jobs. */
+#include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "job.h"
 #include "net.h"
@@ -85,6 +86,20 @@ static void ev_job_remote_ready(void *ctx, const char *name)
         sd_loading_remote_ready(job);
 }
 
+static void ev_job_saved(void *ctx, const Shard__JobSaved *m)
+{
+    struct sd_job *job = sd_registry_find(ctx, m->job);
+    if (job != NULL)
+        sd_ckpt_peer_saved(job, m);
+}
+
+static void ev_job_save_done(void *ctx, const char *name, uint64_t seq, int status, const char *msg)
+{
+    struct sd_job *job = sd_registry_find(ctx, name);
+    if (job != NULL)
+        sd_ckpt_peer_done(job, seq, status, msg);
+}
+
 static void ev_node_down(void *ctx, uint32_t node, const char *reason)
 {
     struct sd_registry *reg = ctx;
@@ -152,6 +167,8 @@ void sd_registry_cluster_events(struct sd_registry *reg, struct sd_cluster_event
                                        .job_aborted = ev_job_aborted,
                                        .job_remote_ready = ev_job_remote_ready,
                                        .job_ended = ev_job_ended,
+                                       .job_saved = ev_job_saved,
+                                       .job_save_done = ev_job_save_done,
                                        .node_down = ev_node_down,
                                        .formed = ev_formed,
                                        .tag_in_use = ev_tag_in_use,

@@ -1,6 +1,7 @@
 /* shardctl: inspect a running shardd (status, jobs, groups, topology, stats, schedule), and
  * plan a model that does not exist yet (plan: no daemon). */
 #include "shard.h"
+#include "sd/ckpt.h"
 #include "sd/cost.h"
 #include "sd/model.h"
 #include "sd/status.h"
@@ -36,6 +37,10 @@ static void usage(FILE *out)
             "             (defaults: package 1, accum 1, bf16, adamw; with B, the time too;\n"
             "             --regather: the gather pool does not keep a unit from forward to\n"
             "             backward, so each fetch gathers it again)\n"
+            "  checkpoint-info DIR\n"
+            "             without a daemon: the checkpoint at DIR (or the one DIR/LATEST names):\n"
+            "             step, plan, world, tensors, bytes per state and file, and every\n"
+            "             extent's crc32c checked; exit 1 when it does not load or verify\n"
             "\n"
             "Options:\n"
             "  --socket PATH  daemon socket (default $SHARD_SOCKET, else /run/shardd/shardd.sock)\n"
@@ -493,8 +498,84 @@ static int run_plan(const struct plan_args *a, bool as_json)
     return 0;
 }
 
+/* checkpoint-info: read and verify a checkpoint offline (sd/ckpt.h) */
+static int run_checkpoint_info(const char *dir, bool as_json)
+{
+    struct sd_ckpt ck;
+    char err[1200];
+    if (dir == NULL) {
+        fprintf(stderr, "shardctl: checkpoint-info needs a directory\n");
+        return 2;
+    }
+    int status = sd_ckpt_open(dir, &ck, err, sizeof(err));
+    if (status != SD_OK) {
+        fprintf(stderr, "shardctl: checkpoint-info: %s\n", err);
+        return 1;
+    }
+    uint64_t bad = 0;
+    char verr[1200] = "";
+    int vst = sd_ckpt_verify(&ck, &bad, verr, sizeof(verr));
+    uint64_t state_bytes[SD_CKPT_MAX_STATES] = {0}, params = 0;
+    uint64_t *file_bytes = calloc(ck.n_files + 1, sizeof(uint64_t));
+    for (uint64_t i = 0; i < ck.n_extents; i++) {
+        const struct sd_ckpt_extent *x = &ck.extents[i];
+        uint64_t b = (x->end - x->begin) * sizeof(float);
+        state_bytes[x->state] += b;
+        if (file_bytes != NULL)
+            file_bytes[x->file] += b;
+    }
+    for (uint32_t t = 0; t < ck.n_tensors; t++)
+        params += ck.tensors[t].numel;
+    json_t *states = json_object(), *files = json_object();
+    for (uint32_t st = 0; st < ck.n_states; st++)
+        json_object_set_new(states, sd_ckpt_state_name(ck.optim_kind, st),
+                            json_integer((json_int_t)state_bytes[st]));
+    for (uint32_t f = 0; f < ck.n_files; f++)
+        json_object_set_new(files, ck.files[f],
+                            json_integer(file_bytes ? (json_int_t)file_bytes[f] : 0));
+    json_t *doc = json_pack(
+        "{s:s, s:s, s:I, s:s, s:I, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:o, s:o, s:b, s:I, s:s}",
+        "path", ck.path, "job", ck.job, "step", (json_int_t)ck.step, "plan", ck.plan, "world",
+        (json_int_t)ck.world, "nodes", (json_int_t)ck.nodes, "ranks_per_node",
+        (json_int_t)ck.ranks_per_node, "optimizer",
+        ck.optim_kind == SD_OPTIM_ADAMW ? "adamw" : "sgd", "tensors", (json_int_t)ck.n_tensors,
+        "parameters", (json_int_t)params, "extents", (json_int_t)ck.n_extents, "bytes",
+        (json_int_t)ck.bytes, "state_bytes", states, "file_bytes", files, "crc_ok", vst == SD_OK,
+        "crc_bad_extents", (json_int_t)bad, "crc_error", verr);
+    if (as_json) {
+        char *out = json_dumps(doc, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        puts(out);
+        free(out);
+    } else {
+        char b[32];
+        printf("checkpoint %s\n", ck.path);
+        printf("  job %s, step %llu, plan %s, world %u (%u nodes x %u ranks), %s\n", ck.job,
+               (unsigned long long)ck.step, ck.plan, ck.world, ck.nodes, ck.ranks_per_node,
+               ck.optim_kind == SD_OPTIM_ADAMW ? "adamw" : "sgd");
+        printf("  %u tensors, %llu parameters, %llu extents, %s\n", ck.n_tensors,
+               (unsigned long long)params, (unsigned long long)ck.n_extents,
+               sd_fmt_bytes(b, sizeof(b), ck.bytes));
+        for (uint32_t st = 0; st < ck.n_states; st++)
+            printf("  %-16s %s\n", sd_ckpt_state_name(ck.optim_kind, st),
+                   sd_fmt_bytes(b, sizeof(b), state_bytes[st]));
+        for (uint32_t f = 0; f < ck.n_files; f++)
+            printf("  %-16s %s\n", ck.files[f],
+                   sd_fmt_bytes(b, sizeof(b), file_bytes ? file_bytes[f] : 0));
+        if (vst == SD_OK)
+            printf("  crc32c: all %llu extents verify\n", (unsigned long long)ck.n_extents);
+        else
+            printf("  crc32c: %llu of %llu extents FAIL; first: %s\n", (unsigned long long)bad,
+                   (unsigned long long)ck.n_extents, verr);
+    }
+    json_decref(doc);
+    free(file_bytes);
+    sd_ckpt_close(&ck);
+    return vst == SD_OK ? 0 : 1;
+}
+
 int main(int argc, char **argv)
 {
+    const char *ck_dir = NULL;
     struct plan_args pa = {.package = 1, .accum = 1, .dtype = "bf16", .optimizer = "adamw"};
     const char *socket = NULL, *job = NULL, *cmd = NULL;
     bool as_json = false;
@@ -512,6 +593,8 @@ int main(int argc, char **argv)
             job = argv[++i];
         } else if (argv[i][0] != '-' && cmd == NULL) {
             cmd = argv[i];
+        } else if (argv[i][0] != '-' && ck_dir == NULL && strcmp(cmd, "checkpoint-info") == 0) {
+            ck_dir = argv[i];
         } else {
             /* plan's options: -1 not one of them, -2 a bad value (said) */
             int pr = cmd != NULL && strcmp(cmd, "plan") == 0 && i + 1 < argc
@@ -528,6 +611,8 @@ int main(int argc, char **argv)
     }
     if (cmd != NULL && strcmp(cmd, "plan") == 0)
         return run_plan(&pa, as_json);
+    if (cmd != NULL && strcmp(cmd, "checkpoint-info") == 0)
+        return run_checkpoint_info(ck_dir, as_json);
     static const char *const cmds[] = {"status", "jobs", "groups", "topology", "stats", "schedule"};
     bool known = false;
     for (size_t i = 0; cmd && i < SD_ARRAY_SIZE(cmds); i++)

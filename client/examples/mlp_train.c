@@ -10,10 +10,17 @@
  * order and accumulated; at the step the sum is divided by the world size and the optimizer
  * (its own implementation below, the textbook torch.optim formulas) updates fp32 master weights.
  * --dump-params writes all parameters after the last step as little-endian fp32 in
- * registration order, so a test can compare the two runs. */
+ * registration order, so a test can compare the two runs.
+ *
+ * --save-every N --save-dir DIR saves a checkpoint (shard_save) after every N steps; --load DIR
+ * starts from one (DIR/LATEST's, or DIR itself) and trains from its step to --steps, on the data
+ * an uninterrupted run would have seen. --reference --load DIR reads the checkpoint itself,
+ * following the README's format (jansson for the manifest, its own crc32c): a reader
+ * independent of libshard and shardd. */
 #include "shard.h"
 #include "sd/dtype.h"
 
+#include <jansson.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -28,6 +35,8 @@
 
 struct opts {
     const char *socket, *job, *plan, *optimizer, *dump;
+    const char *save_dir, *load; /* --save-dir, --load */
+    int save_every;
     int rank, world, steps, accum, batch, hidden, layers;
     bool bf16, reference, quiet, timing;
     bool zero_copy;    /* gradients written into shardd's staging buffer (shard_grad_buffer) */
@@ -370,6 +379,106 @@ static int write_params(const char *path, const struct model *m, float *const *p
     return fclose(f) == 0 ? 0 : 1;
 }
 
+/* ---- --reference --load: the checkpoint format read without libshard */
+
+static uint32_t crc32c_bitwise(const uint8_t *p, size_t n)
+{
+    uint32_t c = 0xffffffffu;
+    for (size_t i = 0; i < n; i++) {
+        c ^= p[i];
+        for (int k = 0; k < 8; k++)
+            c = (c >> 1) ^ (0x82f63b78u & (0u - (c & 1u)));
+    }
+    return ~c;
+}
+
+/* the checkpoint at dir (its MANIFEST) or the one dir/LATEST names: path into ck (PATH_MAX) */
+static json_t *ckpt_manifest(const char *dir, char *ck, size_t len)
+{
+    char p[4200], name[256] = "";
+    snprintf(ck, len, "%s", dir);
+    snprintf(p, sizeof(p), "%s/MANIFEST", dir);
+    FILE *f = fopen(p, "r");
+    if (f == NULL) {
+        snprintf(p, sizeof(p), "%s/LATEST", dir);
+        FILE *l = fopen(p, "r");
+        if (l == NULL || fgets(name, sizeof(name), l) == NULL) {
+            fprintf(stderr, "mlp_train: %s holds neither MANIFEST nor LATEST\n", dir);
+            if (l != NULL)
+                fclose(l);
+            return NULL;
+        }
+        fclose(l);
+        name[strcspn(name, "\n")] = '\0';
+        snprintf(ck, len, "%s/%s", dir, name);
+    } else {
+        fclose(f);
+    }
+    snprintf(p, sizeof(p), "%s/MANIFEST", ck);
+    json_error_t e;
+    json_t *root = json_load_file(p, 0, &e);
+    if (root == NULL)
+        fprintf(stderr, "mlp_train: %s: %s\n", p, e.text);
+    return root;
+}
+
+/* Fill master, moments (per tensor) and the step from the checkpoint; 0 or 1 (an error). */
+static int ref_load(const struct opts *o, const struct model *m, float **master, float **mom,
+                    float **vel, uint64_t *step_p, uint64_t *applied_p)
+{
+    char ck[4096];
+    json_t *root = ckpt_manifest(o->load, ck, sizeof(ck));
+    if (root == NULL)
+        return 1;
+    int rc = 1;
+    json_t *tensors = json_object_get(root, "tensors"), *extents = json_object_get(root, "extents");
+    if (json_array_size(tensors) != m->n_tensors) {
+        fprintf(stderr, "mlp_train: the checkpoint has %zu tensors, the model %u\n",
+                json_array_size(tensors), m->n_tensors);
+        goto out;
+    }
+    *step_p = (uint64_t)json_integer_value(json_object_get(root, "step"));
+    *applied_p = (uint64_t)json_integer_value(json_object_get(json_array_get(tensors, 0), "steps"));
+    size_t i;
+    json_t *x;
+    json_array_foreach(extents, i, x)
+    {
+        const char *state = json_string_value(json_object_get(x, "state"));
+        uint32_t t = (uint32_t)json_integer_value(json_object_get(x, "tensor"));
+        json_t *range = json_object_get(x, "range");
+        uint64_t b = (uint64_t)json_integer_value(json_array_get(range, 0));
+        uint64_t e = (uint64_t)json_integer_value(json_array_get(range, 1));
+        uint64_t off = (uint64_t)json_integer_value(json_object_get(x, "offset"));
+        uint32_t crc = (uint32_t)json_integer_value(json_object_get(x, "crc32c"));
+        float *dst = NULL;
+        if (state != NULL && t < m->n_tensors && e > b && e <= m->numel[t])
+            dst = strcmp(state, "master") == 0 ? master[t]
+                  : strcmp(state, "exp_avg") == 0 || strcmp(state, "momentum_buffer") == 0 ? mom[t]
+                  : strcmp(state, "exp_avg_sq") == 0                                       ? vel[t]
+                                                                                           : NULL;
+        if (dst == NULL) {
+            fprintf(stderr, "mlp_train: extent %zu of the checkpoint is not understood\n", i);
+            goto out;
+        }
+        char p[4400];
+        snprintf(p, sizeof(p), "%s/%s", ck, json_string_value(json_object_get(x, "file")));
+        FILE *f = fopen(p, "rb");
+        size_t n = (size_t)(e - b);
+        bool ok = f != NULL && fseek(f, (long)off, SEEK_SET) == 0 &&
+                  fread(dst + b, sizeof(float), n, f) == n;
+        if (f != NULL)
+            fclose(f);
+        if (!ok || crc32c_bitwise((const uint8_t *)(dst + b), n * sizeof(float)) != crc) {
+            fprintf(stderr, "mlp_train: %s: extent %zu cannot be read or fails its crc\n", p, i);
+            goto out;
+        }
+    }
+    rc = 0;
+out:
+    json_decref(root);
+    return rc;
+}
+
 static int run_reference(const struct opts *o, const struct model *m)
 {
     float **master = initial_params(m, o);
@@ -387,8 +496,11 @@ static int run_reference(const struct opts *o, const struct model *m)
     acts_alloc(&ac, m, o->batch);
     float *y = calloc((size_t)o->batch * OUT_DIM, sizeof(float));
     uint64_t applied = 0; /* optimizer steps taken (AdamW's t) */
+    uint64_t first = 0;
+    if (o->load != NULL && ref_load(o, m, master, mom, vel, &first, &applied) != 0)
+        return 1;
 
-    for (int step = 0; step < o->steps; step++) {
+    for (int step = (int)first; step < o->steps; step++) {
         for (uint32_t t = 0; t < m->n_tensors; t++) { /* working weights */
             memcpy(w[t], master[t], m->numel[t] * sizeof(float));
             if (o->bf16)
@@ -577,8 +689,12 @@ static int run_shardd(const struct opts *o, const struct model *m)
                       .max_grad_norm = o->max_grad_norm},
         .init = (const float *const *)init,
         .max_live_bytes = o->max_live_bytes,
+        .load = o->load,
     };
     CHECK(shard_register(ctx, &model));
+    int first = (int)shard_start_step(ctx);
+    if (o->load != NULL && !o->quiet && o->rank == 0)
+        printf("rank 0: loaded step %d from %s\n", first, o->load);
 
     free_params(m, init);
     init = NULL;
@@ -598,7 +714,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
     y = calloc((size_t)o->batch * OUT_DIM, sizeof(float));
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (int step = 0; step < o->steps; step++) {
+    for (int step = first; step < o->steps; step++) {
         struct timespec ts0, ts1;
         clock_gettime(CLOCK_MONOTONIC, &ts0);
         double loss_sum = 0.0;
@@ -672,6 +788,14 @@ static int run_shardd(const struct opts *o, const struct model *m)
                    "in compute waits %.4f s\n",
                    step + 1, spent.fetch, spent.push, spent.step, spent.wait);
         memset(&spent, 0, sizeof(spent));
+        if (o->save_every > 0 && (step + 1) % o->save_every == 0) {
+            uint64_t saved = 0;
+            double sv0 = now_s();
+            CHECK(shard_save(ctx, o->save_dir, &saved));
+            if (!o->quiet && o->rank == 0)
+                printf("rank 0: saved step %llu to %s in %.3f s\n", (unsigned long long)saved,
+                       o->save_dir, now_s() - sv0);
+        }
         if (!o->quiet && o->rank == 0)
             printf("step %d loss %.6f grad_norm %.6f (rank 0 micro-batches) %.4f s\n", step + 1,
                    loss_sum / o->accum, norm,
@@ -774,6 +898,7 @@ static void usage(FILE *out)
             "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
             "                 [--dump-params FILE] [--reference] [--compute-only] [--quiet]\n"
             "                 [--timing] [--zero-copy] [--final-loss] [--nonfinite STEP]\n"
+            "                 [--save-every N --save-dir DIR] [--load DIR]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
@@ -795,7 +920,11 @@ static void usage(FILE *out)
             "64 (rank 0, or the reference): the same measure for any world, plan or accum.\n"
             "--nonfinite makes rank 0 push a NaN in unit 1's gradient in step STEP (from 1):\n"
             "that step must fail with SHARD_ENONFINITE naming the unit, and training go on\n"
-            "(the reference skips the step's update alike).\n",
+            "(the reference skips the step's update alike).\n"
+            "--save-every N --save-dir DIR saves a checkpoint (shard_save) after every N steps\n"
+            "into DIR/step-NNNNNNNN and points DIR/LATEST at it; --load DIR starts from DIR's\n"
+            "LATEST checkpoint (or DIR, a checkpoint) under any world and plan and trains from\n"
+            "its step to --steps; with --reference the checkpoint is read without shardd.\n",
             IN_DIM, OUT_DIM, MAX_LAYERS);
 }
 
@@ -888,6 +1017,12 @@ int main(int argc, char **argv)
             o.nonfinite = atoi(v);
         } else if (ARG("--diverge-from")) {
             o.diverge_from = atoi(v);
+        } else if (ARG("--save-every")) {
+            o.save_every = atoi(v);
+        } else if (ARG("--save-dir")) {
+            o.save_dir = v;
+        } else if (ARG("--load")) {
+            o.load = v;
         } else if (ARG("--dump-params")) {
             o.dump = v;
         } else {
@@ -905,6 +1040,10 @@ int main(int argc, char **argv)
                 "0 <= rank < world, 1 <= layers <= %d, accum, batch and hidden >= 1, steps >= 0, "
                 "optimizer adamw or sgd\n",
                 o.rank, o.world, o.layers, o.optimizer, MAX_LAYERS);
+        return 2;
+    }
+    if ((o.save_every > 0) != (o.save_dir != NULL) || o.save_every < 0) {
+        fprintf(stderr, "mlp_train: --save-every N (N >= 1) and --save-dir DIR go together\n");
         return 2;
     }
     struct model m;

@@ -22,7 +22,7 @@ extern "C" {
 #define SHARD_API __attribute__((visibility("default")))
 
 #define SHARD_VERSION_MAJOR 0
-#define SHARD_VERSION_MINOR 3
+#define SHARD_VERSION_MINOR 4
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
 enum {
@@ -119,6 +119,12 @@ typedef struct {
     /* bytes rank 0 broadcasts to every rank with each step (shard_step_args_t.bcast; at most
      * 64 MiB): shard.torch's module buffers, as DDP's broadcast_buffers. 0: none */
     uint64_t bcast_bytes;
+    /* a checkpoint to start from in place of init (NULL or "": none): a checkpoint's directory,
+     * or a directory of them (the one its LATEST names), written by shard_save under any world
+     * and plan. Every rank gives the same. The fp32 master weights, the optimizer's moments and
+     * step counts and the groups' hyperparameters are the checkpoint's; shard_start_step says
+     * its step, shard_group_hparams its hyperparameters. */
+    const char *load;
 } shard_model_t;
 
 /* What shard_step_ex takes. Every rank of the job must give the same hyperparameters. */
@@ -198,6 +204,16 @@ SHARD_API int shard_step(shard_ctx_t *ctx, double *grad_norm_p);
 SHARD_API int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_norm_p);
 /* The hyperparameters of group as of the last step (or the registration) */
 SHARD_API int shard_group_hparams(const shard_ctx_t *ctx, uint32_t group, shard_hparams_t *h_p);
+/* Save a checkpoint of the job into dir/step-NNNNNNNN (the steps taken so far), then point
+ * dir/LATEST at it; dir is created if missing. Every rank calls it between the same two steps
+ * (after shard_step, before the next push) with the same dir; it returns once the checkpoint is
+ * durable (data and manifest fsynced, renamed into place, LATEST replaced), with *step_p (may be
+ * NULL) the step saved. The directory must be one every node of the job sees (a shared file
+ * system across nodes). A failed save leaves the last checkpoint as it was; the job goes on. */
+SHARD_API int shard_save(shard_ctx_t *ctx, const char *dir, uint64_t *step_p);
+/* The steps the job had taken when this rank registered: the checkpoint's step when it loaded
+ * one (shard_model_t.load), else 0. */
+SHARD_API uint64_t shard_start_step(const shard_ctx_t *ctx);
 SHARD_API int shard_detach(shard_ctx_t *ctx);
 
 /* One admin command ("status", "jobs", "groups", "topology", "stats", "schedule"; job NULL or

@@ -14,6 +14,7 @@
 #include <uv.h>
 
 struct sd_cluster;
+struct Shard__JobSaved;
 
 /* What the cluster tells this node about jobs, and asks of it. The cluster knows jobs only by
  * their names and transport tags; the registry implements these (sd_registry_cluster_events). */
@@ -28,6 +29,9 @@ struct sd_cluster_events {
     void (*job_remote_ready)(void *ctx, const char *job);
     /* every node's ranks left the job */
     void (*job_ended)(void *ctx, const char *job);
+    /* node 0: a node wrote its part of a save; the others: node 0 committed it (or not) */
+    void (*job_saved)(void *ctx, const struct Shard__JobSaved *m);
+    void (*job_save_done)(void *ctx, const char *job, uint64_t seq, int status, const char *msg);
     void (*node_down)(void *ctx, uint32_t node, const char *reason);
     /* the address table is installed: the standing receives can be posted */
     int (*formed)(void *ctx);
@@ -58,6 +62,11 @@ void sd_cluster_abort_job(struct sd_cluster *cl, const char *job, uint32_t job_n
                           const char *msg);
 /* Node 0: rank 0 finished loading the initial values. */
 void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, uint32_t job_nodes);
+/* A member wrote its part of a save: tell node 0. */
+void sd_cluster_job_saved(struct sd_cluster *cl, const struct Shard__JobSaved *m);
+/* Node 0: the save is committed (status 0) or given up; tell the job's other nodes. */
+void sd_cluster_job_save_done(struct sd_cluster *cl, const char *job, uint32_t job_nodes,
+                              uint64_t seq, int status, const char *msg);
 /* Every local rank of the job left this node: the job ends once all its nodes said so. Returns
  * false when no coordination is possible (the coordinator is down): end it locally. */
 bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, uint32_t job_nodes);

@@ -248,6 +248,29 @@ void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, uint32_t job_n
         sd_cluster__send_to(cl, i, &m);
 }
 
+void sd_cluster_job_saved(struct sd_cluster *cl, const Shard__JobSaved *r)
+{
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_SAVED;
+    m.job_saved = (Shard__JobSaved *)r;
+    sd_cluster__send_to(cl, 0, &m);
+}
+
+void sd_cluster_job_save_done(struct sd_cluster *cl, const char *job, uint32_t job_nodes,
+                              uint64_t seq, int status, const char *msg)
+{
+    Shard__JobSaveDone d = SHARD__JOB_SAVE_DONE__INIT;
+    d.job = (char *)job;
+    d.seq = seq;
+    d.status = status;
+    d.message = (char *)(msg ? msg : "");
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_SAVE_DONE;
+    m.job_save_done = &d;
+    for (uint32_t i = 1; i < job_nodes; i++)
+        sd_cluster__send_to(cl, i, &m);
+}
+
 /* a dead node's ranks have left every job */
 void sd_cluster__coord_node_down(struct sd_cluster *cl, uint32_t node)
 {

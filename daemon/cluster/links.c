@@ -343,6 +343,14 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
     case SHARD__PEER_MSG__MSG_JOB_END:
         cl->ev.job_ended(cl->ev.ctx, m->job_end->job);
         break;
+    case SHARD__PEER_MSG__MSG_JOB_SAVED:
+        if (cl->self == 0)
+            cl->ev.job_saved(cl->ev.ctx, m->job_saved);
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_SAVE_DONE:
+        cl->ev.job_save_done(cl->ev.ctx, m->job_save_done->job, m->job_save_done->seq,
+                             m->job_save_done->status, m->job_save_done->message);
+        break;
     case SHARD__PEER_MSG__MSG_NODE_DOWN:
         node_down(cl, m->node_down->node, m->node_down->reason);
         break;

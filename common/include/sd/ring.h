@@ -33,6 +33,8 @@ enum sd_op {
     SD_OP_INIT = 5,    /* rank 0: unit, arg0 = staging slot holding fp32 initial values */
     SD_OP_READY = 6,   /* barrier: completes once rank 0 has loaded the initial values */
     SD_OP_DROP = 7,    /* forget the cached gathered copy of unit (benchmarks) */
+    SD_OP_SAVE = 8,    /* every rank, between steps: arg0 = length of the directory written at
+                          RegisterReply.save_path_off -> value0 = the step saved */
     SD_OP_COUNT
 };
 

@@ -1,0 +1,855 @@
+/* Checkpoints: crc32c, the manifest (jansson), the reader of extents and the commit. */
+#include "sd/ckpt.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* ---- crc32c: slicing by 8 in software, the SSE4.2 instruction where the CPU has it */
+
+static uint32_t crc_table[8][256];
+
+static void crc_init_table(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int j = 0; j < 8; j++)
+            c = c & 1 ? (c >> 1) ^ 0x82f63b78u : c >> 1;
+        crc_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++)
+            crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xff];
+}
+
+static uint32_t crc_soft(uint32_t c, const uint8_t *p, size_t n)
+{
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        v ^= c;
+        c = crc_table[7][v & 0xff] ^ crc_table[6][(v >> 8) & 0xff] ^
+            crc_table[5][(v >> 16) & 0xff] ^ crc_table[4][(v >> 24) & 0xff] ^
+            crc_table[3][(v >> 32) & 0xff] ^ crc_table[2][(v >> 40) & 0xff] ^
+            crc_table[1][(v >> 48) & 0xff] ^ crc_table[0][v >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--)
+        c = (c >> 8) ^ crc_table[0][(c ^ *p++) & 0xff];
+    return c;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const uint8_t *p, size_t n)
+{
+    uint64_t c64 = c;
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c64 = __builtin_ia32_crc32di(c64, v);
+        p += 8;
+        n -= 8;
+    }
+    c = (uint32_t)c64;
+    while (n--)
+        c = __builtin_ia32_crc32qi(c, *p++);
+    return c;
+}
+#endif
+
+uint32_t sd_crc32c(uint32_t crc, const void *data, size_t len)
+{
+    static int mode; /* 0: not chosen, 1: software, 2: SSE4.2 */
+    if (mode == 0) {
+        crc_init_table();
+        mode = 1;
+#if defined(__x86_64__)
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("sse4.2"))
+            mode = 2;
+#endif
+    }
+    uint32_t c = ~crc;
+#if defined(__x86_64__)
+    if (mode == 2)
+        return ~crc_hw(c, data, len);
+#endif
+    return ~crc_soft(c, data, len);
+}
+
+/* ---- states */
+
+const char *sd_ckpt_state_name(int optim_kind, uint32_t s)
+{
+    static const char *const adamw[] = {"master", "exp_avg", "exp_avg_sq"};
+    static const char *const sgd[] = {"master", "momentum_buffer"};
+    if (optim_kind == SD_OPTIM_ADAMW)
+        return s < 3 ? adamw[s] : NULL;
+    return s < 2 ? sgd[s] : NULL;
+}
+
+uint32_t sd_ckpt_states(int optim_kind)
+{
+    return optim_kind == SD_OPTIM_ADAMW ? 3 : 2;
+}
+
+/* ---- reading the manifest */
+
+static bool get_u64(json_t *o, const char *key, uint64_t *v)
+{
+    json_t *j = json_object_get(o, key);
+    if (!json_is_integer(j) || json_integer_value(j) < 0)
+        return false;
+    *v = (uint64_t)json_integer_value(j);
+    return true;
+}
+
+static bool get_f32(json_t *o, const char *key, float *v)
+{
+    json_t *j = json_object_get(o, key);
+    if (!json_is_number(j))
+        return false;
+    *v = (float)json_number_value(j);
+    return true;
+}
+
+static bool get_str(json_t *o, const char *key, char *buf, size_t len)
+{
+    json_t *j = json_object_get(o, key);
+    if (!json_is_string(j) || strlen(json_string_value(j)) >= len)
+        return false;
+    snprintf(buf, len, "%s", json_string_value(j));
+    return true;
+}
+
+static const struct sd_ckpt *key_ck; /* qsort has no context: the extents come through it */
+
+static int key_cmp(const void *a, const void *b)
+{
+    const struct sd_ckpt_extent *x = &key_ck->extents[*(const uint64_t *)a];
+    const struct sd_ckpt_extent *y = &key_ck->extents[*(const uint64_t *)b];
+    if (x->state != y->state)
+        return x->state < y->state ? -1 : 1;
+    if (x->tensor != y->tensor)
+        return x->tensor < y->tensor ? -1 : 1;
+    return x->begin < y->begin ? -1 : x->begin > y->begin;
+}
+
+/* dir/MANIFEST, or dir/LATEST's checkpoint; ck->path set */
+static int resolve(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen)
+{
+    char p[SD_CKPT_PATH_MAX + 16];
+    struct stat st;
+    if (strlen(dir) >= SD_CKPT_PATH_MAX - 32) {
+        snprintf(err, errlen, "checkpoint path '%.64s...' is too long", dir);
+        return SD_EINVAL;
+    }
+    snprintf(p, sizeof(p), "%s/MANIFEST", dir);
+    if (stat(p, &st) == 0) {
+        snprintf(ck->path, sizeof(ck->path), "%s", dir);
+        return SD_OK;
+    }
+    snprintf(p, sizeof(p), "%s/LATEST", dir);
+    FILE *f = fopen(p, "r");
+    if (f == NULL) {
+        snprintf(err, errlen,
+                 "%s: neither a checkpoint (no MANIFEST) nor a directory of them (no "
+                 "LATEST): %s",
+                 dir, strerror(errno));
+        return SD_ENOENT;
+    }
+    char name[256] = "";
+    bool ok = fgets(name, sizeof(name), f) != NULL;
+    fclose(f);
+    name[strcspn(name, "\r\n")] = '\0';
+    if (!ok || name[0] == '\0' || name[0] == '.' || strchr(name, '/') != NULL) {
+        snprintf(err, errlen, "%s: does not name a checkpoint in its directory ('%s')", p, name);
+        return SD_EINVAL;
+    }
+    snprintf(ck->path, sizeof(ck->path), "%s/%s", dir, name);
+    snprintf(p, sizeof(p), "%s/MANIFEST", ck->path);
+    if (stat(p, &st) != 0) {
+        snprintf(err, errlen, "%s/LATEST names '%s', which has no MANIFEST: %s", dir, name,
+                 strerror(errno));
+        return SD_ENOENT;
+    }
+    return SD_OK;
+}
+
+static int parse_tensors(json_t *arr, struct sd_ckpt *ck, char *err, size_t errlen)
+{
+    if (!json_is_array(arr) || json_array_size(arr) == 0 || json_array_size(arr) > SD_MAX_TENSORS) {
+        snprintf(err, errlen, "\"tensors\" must be an array of 1..%d tensors", SD_MAX_TENSORS);
+        return SD_EINVAL;
+    }
+    ck->n_tensors = (uint32_t)json_array_size(arr);
+    ck->tensors = calloc(ck->n_tensors, sizeof(*ck->tensors));
+    if (ck->tensors == NULL)
+        return SD_ENOMEM;
+    for (uint32_t t = 0; t < ck->n_tensors; t++) {
+        json_t *o = json_array_get(arr, t);
+        struct sd_ckpt_tensor *ct = &ck->tensors[t];
+        char dtype[16];
+        json_t *shape = json_object_get(o, "shape");
+        uint64_t unit, group;
+        if (!json_is_object(o) || !get_str(o, "name", ct->name, sizeof(ct->name)) ||
+            !get_str(o, "dtype", dtype, sizeof(dtype)) || !json_is_array(shape) ||
+            json_array_size(shape) > SD_MAX_DIMS || !get_u64(o, "unit", &unit) ||
+            !get_u64(o, "group", &group) || !get_u64(o, "steps", &ct->steps)) {
+            snprintf(err, errlen,
+                     "tensor %u: needs \"name\", \"shape\" (at most %d dims), \"dtype\", "
+                     "\"unit\", \"group\" and \"steps\"",
+                     t, SD_MAX_DIMS);
+            return SD_EINVAL;
+        }
+        ct->dtype = sd_dtype_parse(dtype);
+        ct->unit = (uint32_t)unit;
+        ct->group = (uint32_t)group;
+        ct->ndim = (uint32_t)json_array_size(shape);
+        ct->numel = 1;
+        for (uint32_t d = 0; d < ct->ndim; d++) {
+            json_t *v = json_array_get(shape, d);
+            if (!json_is_integer(v) || json_integer_value(v) <= 0 ||
+                json_integer_value(v) > (json_int_t)SD_MAX_MODEL_NUMEL ||
+                ct->numel * (uint64_t)json_integer_value(v) > SD_MAX_MODEL_NUMEL) {
+                snprintf(err, errlen, "tensor %u '%s': shape[%u] is not a positive size", t,
+                         ct->name, d);
+                return SD_EINVAL;
+            }
+            ct->dims[d] = (uint64_t)json_integer_value(v);
+            ct->numel *= ct->dims[d];
+        }
+        if (ct->dtype < 0 || group >= SD_MAX_GROUPS) {
+            snprintf(err, errlen, "tensor %u '%s': dtype '%s' or group %llu is not valid", t,
+                     ct->name, dtype, (unsigned long long)group);
+            return SD_EINVAL;
+        }
+    }
+    return SD_OK;
+}
+
+static int parse_extents(json_t *arr, struct sd_ckpt *ck, char *err, size_t errlen)
+{
+    if (!json_is_array(arr)) {
+        snprintf(err, errlen, "\"extents\" must be an array");
+        return SD_EINVAL;
+    }
+    ck->n_extents = json_array_size(arr);
+    ck->extents = calloc(ck->n_extents + 1, sizeof(*ck->extents));
+    ck->by_key = calloc(ck->n_extents + 1, sizeof(*ck->by_key));
+    if (ck->extents == NULL || ck->by_key == NULL)
+        return SD_ENOMEM;
+    for (uint64_t i = 0; i < ck->n_extents; i++) {
+        json_t *o = json_array_get(arr, i);
+        struct sd_ckpt_extent *x = &ck->extents[i];
+        char state[32], file[64];
+        json_t *range = json_object_get(o, "range");
+        uint64_t tensor, crc;
+        if (!json_is_object(o) || !get_str(o, "state", state, sizeof(state)) ||
+            !get_u64(o, "tensor", &tensor) || !json_is_array(range) ||
+            json_array_size(range) != 2 || !json_is_integer(json_array_get(range, 0)) ||
+            !json_is_integer(json_array_get(range, 1)) || !get_str(o, "file", file, sizeof(file)) ||
+            !get_u64(o, "offset", &x->file_off) || !get_u64(o, "crc32c", &crc) ||
+            crc > UINT32_MAX) {
+            snprintf(err, errlen,
+                     "extent %llu: needs \"state\", \"tensor\", \"range\" [begin, end), \"file\", "
+                     "\"offset\" and \"crc32c\"",
+                     (unsigned long long)i);
+            return SD_EINVAL;
+        }
+        x->crc = (uint32_t)crc;
+        json_int_t b = json_integer_value(json_array_get(range, 0));
+        json_int_t e = json_integer_value(json_array_get(range, 1));
+        x->state = UINT32_MAX;
+        for (uint32_t s = 0; s < ck->n_states; s++)
+            if (strcmp(state, sd_ckpt_state_name(ck->optim_kind, s)) == 0)
+                x->state = s;
+        x->file = UINT32_MAX;
+        for (uint32_t f = 0; f < ck->n_files; f++)
+            if (strcmp(file, ck->files[f]) == 0)
+                x->file = f;
+        if (x->state == UINT32_MAX || x->file == UINT32_MAX || tensor >= ck->n_tensors || b < 0 ||
+            e <= b || (uint64_t)e > ck->tensors[tensor].numel ||
+            (uint64_t)(e - b) > SD_CKPT_EXTENT_ELEMS) {
+            snprintf(err, errlen,
+                     "extent %llu: state '%s', file '%s', tensor %llu or range [%lld, %lld) is "
+                     "not one of this checkpoint's (ranges are at most %u elements)",
+                     (unsigned long long)i, state, file, (unsigned long long)tensor, (long long)b,
+                     (long long)e, SD_CKPT_EXTENT_ELEMS);
+            return SD_EINVAL;
+        }
+        x->tensor = (uint32_t)tensor;
+        x->begin = (uint64_t)b;
+        x->end = (uint64_t)e;
+        ck->bytes += (x->end - x->begin) * sizeof(float);
+        ck->by_key[i] = i;
+    }
+    key_ck = ck;
+    qsort(ck->by_key, ck->n_extents, sizeof(*ck->by_key), key_cmp);
+    key_ck = NULL;
+    /* every state of every tensor covered exactly once */
+    uint64_t i = 0;
+    for (uint32_t s = 0; s < ck->n_states; s++)
+        for (uint32_t t = 0; t < ck->n_tensors; t++) {
+            uint64_t at = 0;
+            for (; i < ck->n_extents; i++) {
+                const struct sd_ckpt_extent *x = &ck->extents[ck->by_key[i]];
+                if (x->state != s || x->tensor != t)
+                    break;
+                if (x->begin != at) {
+                    snprintf(err, errlen,
+                             "%s of tensor %u '%s': elements [%llu, %llu) are %s by the extents",
+                             sd_ckpt_state_name(ck->optim_kind, s), t, ck->tensors[t].name,
+                             (unsigned long long)SD_MIN(at, x->begin),
+                             (unsigned long long)SD_MAX(at, x->begin),
+                             x->begin > at ? "missing" : "covered twice");
+                    return SD_EINVAL;
+                }
+                at = x->end;
+            }
+            if (at != ck->tensors[t].numel) {
+                snprintf(err, errlen, "%s of tensor %u '%s': elements [%llu, %llu) are missing",
+                         sd_ckpt_state_name(ck->optim_kind, s), t, ck->tensors[t].name,
+                         (unsigned long long)at, (unsigned long long)ck->tensors[t].numel);
+                return SD_EINVAL;
+            }
+        }
+    return SD_OK;
+}
+
+int sd_ckpt_open(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen)
+{
+    memset(ck, 0, sizeof(*ck));
+    int status = resolve(dir, ck, err, errlen);
+    if (status != SD_OK)
+        return status;
+    char p[SD_CKPT_PATH_MAX + 16], msg[512] = "";
+    snprintf(p, sizeof(p), "%s/MANIFEST", ck->path);
+    json_error_t jerr;
+    json_t *root = json_load_file(p, JSON_REJECT_DUPLICATES, &jerr);
+    status = SD_EINVAL;
+    if (root == NULL) {
+        snprintf(err, errlen, "%s: not JSON: %s (line %d)", p, jerr.text, jerr.line);
+        return SD_EINVAL;
+    }
+    char *e = msg;
+    size_t el = sizeof(msg);
+    {
+        char format[32], kind[16];
+        uint64_t version, step, world, k, nodes;
+        json_t *opt = json_object_get(root, "optimizer");
+        if (!get_str(root, "format", format, sizeof(format)) ||
+            strcmp(format, SD_CKPT_FORMAT_NAME) != 0 || !get_u64(root, "version", &version)) {
+            snprintf(e, el, "\"format\" is not \"%s\" with a \"version\"", SD_CKPT_FORMAT_NAME);
+            goto out;
+        }
+        if (version != SD_CKPT_VERSION) {
+            snprintf(e, el, "format version %llu; this shardd reads version %d",
+                     (unsigned long long)version, SD_CKPT_VERSION);
+            goto out;
+        }
+        if (!get_str(root, "job", ck->job, sizeof(ck->job)) ||
+            !get_str(root, "plan", ck->plan, sizeof(ck->plan)) || !get_u64(root, "step", &step) ||
+            !get_u64(root, "world", &world) || !get_u64(root, "ranks_per_node", &k) ||
+            !get_u64(root, "nodes", &nodes) || !json_is_object(opt) ||
+            !get_str(opt, "kind", kind, sizeof(kind)) ||
+            !get_f32(opt, "max_grad_norm", &ck->max_grad_norm)) {
+            snprintf(e, el,
+                     "needs \"job\", \"plan\", \"step\", \"world\", \"ranks_per_node\", \"nodes\" "
+                     "and \"optimizer\" {\"kind\", \"max_grad_norm\"}");
+            goto out;
+        }
+        ck->step = step;
+        ck->world = (uint32_t)world;
+        ck->ranks_per_node = (uint32_t)k;
+        ck->nodes = (uint32_t)nodes;
+        if (strcmp(kind, "adamw") == 0)
+            ck->optim_kind = SD_OPTIM_ADAMW;
+        else if (strcmp(kind, "sgd") == 0)
+            ck->optim_kind = SD_OPTIM_SGD;
+        else {
+            snprintf(e, el, "optimizer kind '%s' is neither adamw nor sgd", kind);
+            goto out;
+        }
+        ck->n_states = sd_ckpt_states(ck->optim_kind);
+        json_t *groups = json_object_get(root, "groups");
+        if (!json_is_array(groups) || json_array_size(groups) == 0 ||
+            json_array_size(groups) > SD_MAX_GROUPS) {
+            snprintf(e, el, "\"groups\" must be an array of 1..%d parameter groups", SD_MAX_GROUPS);
+            goto out;
+        }
+        ck->n_groups = (uint32_t)json_array_size(groups);
+        ck->groups = calloc(ck->n_groups, sizeof(*ck->groups));
+        if (ck->groups == NULL) {
+            status = SD_ENOMEM;
+            snprintf(e, el, "out of memory");
+            goto out;
+        }
+        for (uint32_t g = 0; g < ck->n_groups; g++) {
+            json_t *o = json_array_get(groups, g);
+            struct sd_hparams *h = &ck->groups[g];
+            if (!get_f32(o, "lr", &h->lr) || !get_f32(o, "beta1", &h->beta1) ||
+                !get_f32(o, "beta2", &h->beta2) || !get_f32(o, "eps", &h->eps) ||
+                !get_f32(o, "weight_decay", &h->weight_decay) ||
+                !get_f32(o, "momentum", &h->momentum)) {
+                snprintf(e, el,
+                         "group %u: needs \"lr\", \"beta1\", \"beta2\", \"eps\", "
+                         "\"weight_decay\" and \"momentum\"",
+                         g);
+                goto out;
+            }
+        }
+        json_t *files = json_object_get(root, "files");
+        if (!json_is_array(files) || json_array_size(files) > SD_MAX_WORLD) {
+            snprintf(e, el, "\"files\" must be an array of file names");
+            goto out;
+        }
+        ck->n_files = (uint32_t)json_array_size(files);
+        ck->files = calloc(ck->n_files + 1, sizeof(*ck->files));
+        if (ck->files == NULL) {
+            status = SD_ENOMEM;
+            snprintf(e, el, "out of memory");
+            goto out;
+        }
+        for (uint32_t f = 0; f < ck->n_files; f++) {
+            json_t *v = json_array_get(files, f);
+            const char *s = json_is_string(v) ? json_string_value(v) : "";
+            if (s[0] == '\0' || s[0] == '.' || strchr(s, '/') != NULL ||
+                strlen(s) >= sizeof(ck->files[f])) {
+                snprintf(e, el, "file %u: '%s' is not a file name in the checkpoint", f, s);
+                goto out;
+            }
+            snprintf(ck->files[f], sizeof(ck->files[f]), "%s", s);
+        }
+        if ((status = parse_tensors(json_object_get(root, "tensors"), ck, e, el)) != SD_OK)
+            goto out;
+        status = SD_EINVAL;
+        for (uint32_t t = 0; t < ck->n_tensors; t++)
+            if (ck->tensors[t].group >= ck->n_groups) {
+                snprintf(e, el, "tensor %u '%s': group %u of %u", t, ck->tensors[t].name,
+                         ck->tensors[t].group, ck->n_groups);
+                goto out;
+            }
+        if ((status = parse_extents(json_object_get(root, "extents"), ck, e, el)) != SD_OK)
+            goto out;
+        status = SD_OK;
+    }
+out:
+    json_decref(root);
+    if (status != SD_OK) {
+        snprintf(err, errlen, "%s: %s", p, msg);
+        sd_ckpt_close(ck);
+    }
+    return status;
+}
+
+void sd_ckpt_close(struct sd_ckpt *ck)
+{
+    free(ck->tensors);
+    free(ck->groups);
+    free(ck->files);
+    free(ck->extents);
+    free(ck->by_key);
+    ck->tensors = NULL;
+    ck->groups = NULL;
+    ck->files = NULL;
+    ck->extents = NULL;
+    ck->by_key = NULL;
+    ck->n_tensors = ck->n_groups = ck->n_files = 0;
+    ck->n_extents = 0;
+}
+
+static void dims_str(char *buf, size_t len, uint32_t ndim, const uint64_t *dims)
+{
+    size_t at = 0;
+    at += (size_t)snprintf(buf, len, "[");
+    for (uint32_t d = 0; d < ndim && at < len; d++)
+        at += (size_t)snprintf(buf + at, len - at, "%s%llu", d ? ", " : "",
+                               (unsigned long long)dims[d]);
+    if (at < len)
+        snprintf(buf + at, len - at, "]");
+}
+
+int sd_ckpt_check_model(const struct sd_ckpt *ck, const struct sd_model *m, char *err,
+                        size_t errlen)
+{
+    if (m->optim.kind != ck->optim_kind) {
+        snprintf(err, errlen, "the checkpoint's optimizer is %s, the model registers %s",
+                 ck->optim_kind == SD_OPTIM_ADAMW ? "adamw" : "sgd",
+                 m->optim.kind == SD_OPTIM_ADAMW ? "adamw" : "sgd");
+        return SD_EMISMATCH;
+    }
+    for (uint32_t t = 0; t < SD_MIN(m->n_tensors, ck->n_tensors); t++) {
+        const struct sd_tensor_desc *d = &m->tensors[t];
+        const struct sd_ckpt_tensor *c = &ck->tensors[t];
+        char a[160], b[160];
+        if (strcmp(d->name, c->name) != 0) {
+            snprintf(err, errlen, "tensor %u is '%s' in the checkpoint, '%s' in the model", t,
+                     c->name, d->name);
+            return SD_EMISMATCH;
+        }
+        if (d->ndim != c->ndim || memcmp(d->dims, c->dims, d->ndim * sizeof(uint64_t)) != 0) {
+            dims_str(a, sizeof(a), c->ndim, c->dims);
+            dims_str(b, sizeof(b), d->ndim, d->dims);
+            snprintf(err, errlen, "tensor %u '%s' has shape %s in the checkpoint, %s in the model",
+                     t, d->name, a, b);
+            return SD_EMISMATCH;
+        }
+        if (d->group != c->group) {
+            snprintf(err, errlen,
+                     "tensor %u '%s' is in parameter group %u in the checkpoint, %u in the model",
+                     t, d->name, c->group, d->group);
+            return SD_EMISMATCH;
+        }
+    }
+    if (m->n_tensors != ck->n_tensors) {
+        uint32_t t = SD_MIN(m->n_tensors, ck->n_tensors);
+        snprintf(err, errlen,
+                 "the checkpoint has %u tensors, the model %u (tensor %u '%s' is only "
+                 "in the %s)",
+                 ck->n_tensors, m->n_tensors, t,
+                 m->n_tensors > t ? m->tensors[t].name : ck->tensors[t].name,
+                 m->n_tensors > t ? "model" : "checkpoint");
+        return SD_EMISMATCH;
+    }
+    if (sd_model_groups(m) != ck->n_groups) {
+        snprintf(err, errlen, "the checkpoint has %u parameter groups, the model %u", ck->n_groups,
+                 sd_model_groups(m));
+        return SD_EMISMATCH;
+    }
+    return SD_OK;
+}
+
+/* ---- reading extents */
+
+int sd_ckpt_reader_init(struct sd_ckpt_reader *rd, const struct sd_ckpt *ck, char *err,
+                        size_t errlen)
+{
+    memset(rd, 0, sizeof(*rd));
+    rd->ck = ck;
+    rd->cached = UINT64_MAX;
+    rd->fds = malloc((ck->n_files + 1) * sizeof(int));
+    rd->buf = malloc((size_t)SD_CKPT_EXTENT_ELEMS * sizeof(float));
+    if (rd->fds == NULL || rd->buf == NULL) {
+        sd_ckpt_reader_free(rd);
+        snprintf(err, errlen, "out of memory");
+        return SD_ENOMEM;
+    }
+    for (uint32_t f = 0; f < ck->n_files; f++)
+        rd->fds[f] = -1;
+    return SD_OK;
+}
+
+void sd_ckpt_reader_free(struct sd_ckpt_reader *rd)
+{
+    for (uint32_t f = 0; rd->fds != NULL && f < rd->ck->n_files; f++)
+        if (rd->fds[f] >= 0)
+            close(rd->fds[f]);
+    free(rd->fds);
+    free(rd->buf);
+    rd->fds = NULL;
+    rd->buf = NULL;
+}
+
+/* extent i (by_key index) into rd->buf, verified */
+static int load_extent(struct sd_ckpt_reader *rd, uint64_t i, char *err, size_t errlen)
+{
+    const struct sd_ckpt *ck = rd->ck;
+    uint64_t xi = ck->by_key[i];
+    if (rd->cached == xi)
+        return SD_OK;
+    const struct sd_ckpt_extent *x = &ck->extents[xi];
+    if (rd->fds[x->file] < 0) {
+        char p[SD_CKPT_PATH_MAX + 80];
+        snprintf(p, sizeof(p), "%s/%s", ck->path, ck->files[x->file]);
+        rd->fds[x->file] = open(p, O_RDONLY | O_CLOEXEC);
+        if (rd->fds[x->file] < 0) {
+            snprintf(err, errlen, "%s: %s", p, strerror(errno));
+            return SD_EIO;
+        }
+    }
+    size_t bytes = (x->end - x->begin) * sizeof(float), got = 0;
+    rd->cached = UINT64_MAX;
+    while (got < bytes) {
+        ssize_t n = pread(rd->fds[x->file], (uint8_t *)rd->buf + got, bytes - got,
+                          (off_t)(x->file_off + got));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            snprintf(err, errlen,
+                     "%s/%s: extent %llu (%s of tensor '%s' [%llu, %llu)) at byte "
+                     "%llu: %s",
+                     ck->path, ck->files[x->file], (unsigned long long)xi,
+                     sd_ckpt_state_name(ck->optim_kind, x->state), ck->tensors[x->tensor].name,
+                     (unsigned long long)x->begin, (unsigned long long)x->end,
+                     (unsigned long long)x->file_off,
+                     n == 0 ? "the file ends early" : strerror(errno));
+            return SD_EIO;
+        }
+        got += (size_t)n;
+    }
+    rd->bytes_read += bytes;
+    uint32_t crc = sd_crc32c(0, rd->buf, bytes);
+    if (crc != x->crc) {
+        snprintf(err, errlen,
+                 "extent %llu in %s is corrupt (crc32c 0x%08x, the manifest says 0x%08x): %s of "
+                 "tensor '%s' [%llu, %llu), %zu bytes at byte %llu of %s/%s",
+                 (unsigned long long)xi, ck->files[x->file], crc, x->crc,
+                 sd_ckpt_state_name(ck->optim_kind, x->state), ck->tensors[x->tensor].name,
+                 (unsigned long long)x->begin, (unsigned long long)x->end, bytes,
+                 (unsigned long long)x->file_off, ck->path, ck->files[x->file]);
+        return SD_EIO;
+    }
+    rd->cached = xi;
+    return SD_OK;
+}
+
+int sd_ckpt_read(struct sd_ckpt_reader *rd, uint32_t state, uint32_t tensor, uint64_t begin,
+                 uint64_t end, float *dst, char *err, size_t errlen)
+{
+    const struct sd_ckpt *ck = rd->ck;
+    /* the first extent of (state, tensor) that ends after begin */
+    uint64_t lo = 0, hi = ck->n_extents;
+    while (lo < hi) {
+        uint64_t mid = (lo + hi) / 2;
+        const struct sd_ckpt_extent *x = &ck->extents[ck->by_key[mid]];
+        bool before = x->state < state || (x->state == state && x->tensor < tensor) ||
+                      (x->state == state && x->tensor == tensor && x->end <= begin);
+        if (before)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    uint64_t at = begin;
+    for (uint64_t i = lo; i < ck->n_extents && at < end; i++) {
+        const struct sd_ckpt_extent *x = &ck->extents[ck->by_key[i]];
+        if (x->state != state || x->tensor != tensor || x->begin > at)
+            break;
+        int status = load_extent(rd, i, err, errlen);
+        if (status != SD_OK)
+            return status;
+        uint64_t n = SD_MIN(end, x->end) - at;
+        memcpy(dst + (at - begin), rd->buf + (at - x->begin), n * sizeof(float));
+        at += n;
+    }
+    if (at < end) {
+        snprintf(err, errlen, "%s: no extent holds %s of tensor %u [%llu, %llu)", ck->path,
+                 sd_ckpt_state_name(ck->optim_kind, state), tensor, (unsigned long long)at,
+                 (unsigned long long)end);
+        return SD_EINVAL;
+    }
+    return SD_OK;
+}
+
+int sd_ckpt_verify(const struct sd_ckpt *ck, uint64_t *bad_p, char *err, size_t errlen)
+{
+    struct sd_ckpt_reader rd;
+    int status = sd_ckpt_reader_init(&rd, ck, err, errlen), first = SD_OK;
+    uint64_t bad = 0;
+    char e[1024];
+    for (uint64_t i = 0; status == SD_OK && i < ck->n_extents; i++) {
+        int st = load_extent(&rd, i, e, sizeof(e));
+        if (st != SD_OK && bad++ == 0) {
+            first = st;
+            snprintf(err, errlen, "%s", e);
+        }
+    }
+    if (status == SD_OK)
+        sd_ckpt_reader_free(&rd);
+    if (bad_p != NULL)
+        *bad_p = bad;
+    return status != SD_OK ? status : first;
+}
+
+/* ---- writing */
+
+int sd_ckpt_write_all(int fd, const void *p, size_t len, uint32_t *crc_p)
+{
+    const uint8_t *b = p;
+    if (crc_p != NULL)
+        *crc_p = sd_crc32c(*crc_p, p, len);
+    while (len > 0) {
+        ssize_t n = write(fd, b, SD_MIN(len, (size_t)1 << 30));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return -errno;
+        b += n;
+        len -= (size_t)n;
+    }
+    return SD_OK;
+}
+
+static int fsync_path(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    int st = fsync(fd) == 0 ? SD_OK : -errno;
+    close(fd);
+    return st;
+}
+
+int sd_ckpt_write_manifest(const char *dir, const struct sd_ckpt *ck, char *err, size_t errlen)
+{
+    json_t *root = json_object(), *tens = json_array(), *ext = json_array(), *groups = json_array(),
+           *files = json_array();
+    json_object_set_new(root, "format", json_string(SD_CKPT_FORMAT_NAME));
+    json_object_set_new(root, "version", json_integer(SD_CKPT_VERSION));
+    json_object_set_new(root, "job", json_string(ck->job));
+    json_object_set_new(root, "step", json_integer((json_int_t)ck->step));
+    json_object_set_new(root, "plan", json_string(ck->plan));
+    json_object_set_new(root, "world", json_integer(ck->world));
+    json_object_set_new(root, "ranks_per_node", json_integer(ck->ranks_per_node));
+    json_object_set_new(root, "nodes", json_integer(ck->nodes));
+    json_object_set_new(root, "bytes", json_integer((json_int_t)ck->bytes));
+    json_t *states = json_array();
+    for (uint32_t s = 0; s < ck->n_states; s++)
+        json_array_append_new(states, json_string(sd_ckpt_state_name(ck->optim_kind, s)));
+    json_object_set_new(root, "states", states);
+    json_object_set_new(root, "optimizer",
+                        json_pack("{s:s, s:f}", "kind",
+                                  ck->optim_kind == SD_OPTIM_ADAMW ? "adamw" : "sgd",
+                                  "max_grad_norm", (double)ck->max_grad_norm));
+    for (uint32_t g = 0; g < ck->n_groups; g++) {
+        const struct sd_hparams *h = &ck->groups[g];
+        json_array_append_new(groups,
+                              json_pack("{s:f, s:f, s:f, s:f, s:f, s:f}", "lr", (double)h->lr,
+                                        "beta1", (double)h->beta1, "beta2", (double)h->beta2, "eps",
+                                        (double)h->eps, "weight_decay", (double)h->weight_decay,
+                                        "momentum", (double)h->momentum));
+    }
+    json_object_set_new(root, "groups", groups);
+    for (uint32_t f = 0; f < ck->n_files; f++)
+        json_array_append_new(files, json_string(ck->files[f]));
+    json_object_set_new(root, "files", files);
+    for (uint32_t t = 0; t < ck->n_tensors; t++) {
+        const struct sd_ckpt_tensor *c = &ck->tensors[t];
+        json_t *shape = json_array();
+        for (uint32_t d = 0; d < c->ndim; d++)
+            json_array_append_new(shape, json_integer((json_int_t)c->dims[d]));
+        json_array_append_new(tens, json_pack("{s:s, s:o, s:s, s:I, s:I, s:I}", "name", c->name,
+                                              "shape", shape, "dtype", sd_dtype_name(c->dtype),
+                                              "unit", (json_int_t)c->unit, "group",
+                                              (json_int_t)c->group, "steps", (json_int_t)c->steps));
+    }
+    json_object_set_new(root, "tensors", tens);
+    for (uint64_t i = 0; i < ck->n_extents; i++) {
+        const struct sd_ckpt_extent *x = &ck->extents[i];
+        json_array_append_new(ext,
+                              json_pack("{s:s, s:I, s:[I, I], s:s, s:I, s:I}", "state",
+                                        sd_ckpt_state_name(ck->optim_kind, x->state), "tensor",
+                                        (json_int_t)x->tensor, "range", (json_int_t)x->begin,
+                                        (json_int_t)x->end, "file", ck->files[x->file], "offset",
+                                        (json_int_t)x->file_off, "crc32c", (json_int_t)x->crc));
+    }
+    json_object_set_new(root, "extents", ext);
+    char p[SD_CKPT_PATH_MAX + 16];
+    snprintf(p, sizeof(p), "%s/MANIFEST", dir);
+    char *text = json_dumps(root, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
+    json_decref(root);
+    int status = text == NULL ? SD_ENOMEM : SD_OK;
+    int fd = text == NULL ? -1 : open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+    if (text != NULL && fd < 0)
+        status = -errno;
+    if (fd >= 0) {
+        status = sd_ckpt_write_all(fd, text, strlen(text), NULL);
+        if (status == SD_OK && fsync(fd) != 0)
+            status = -errno;
+        close(fd);
+    }
+    free(text);
+    if (status != SD_OK)
+        snprintf(err, errlen, "writing %s: %s", p, sd_status_str(status));
+    return status;
+}
+
+int sd_ckpt_remove(const char *parent, const char *name)
+{
+    char p[SD_CKPT_PATH_MAX + 320];
+    snprintf(p, sizeof(p), "%s/%s", parent, name);
+    DIR *d = opendir(p);
+    if (d == NULL)
+        return -errno;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
+            continue;
+        char f[sizeof(p) + 300];
+        snprintf(f, sizeof(f), "%s/%s", p, de->d_name);
+        unlink(f);
+    }
+    closedir(d);
+    return rmdir(p) == 0 ? SD_OK : -errno;
+}
+
+void sd_ckpt_step_name(char *buf, size_t len, uint64_t step)
+{
+    snprintf(buf, len, "step-%08llu", (unsigned long long)step);
+}
+
+int sd_ckpt_commit(const char *parent, const char *tmp_name, const char *final_name, char *err,
+                   size_t errlen)
+{
+    char tmp[SD_CKPT_PATH_MAX + 320], fin[SD_CKPT_PATH_MAX + 320], old[SD_CKPT_PATH_MAX + 320];
+    char old_name[300];
+    snprintf(tmp, sizeof(tmp), "%s/%s", parent, tmp_name);
+    snprintf(fin, sizeof(fin), "%s/%s", parent, final_name);
+    snprintf(old_name, sizeof(old_name), "%s.replaced", tmp_name);
+    snprintf(old, sizeof(old), "%s/%s", parent, old_name);
+    int status = fsync_path(tmp);
+    const char *what = "fsync of the new checkpoint's directory";
+    bool replaced = false;
+    if (status == SD_OK) {
+        struct stat st;
+        if (stat(fin, &st) == 0) { /* a checkpoint of the same step: set it aside first */
+            what = "setting aside the checkpoint of the same step";
+            status = rename(fin, old) == 0 ? SD_OK : -errno;
+            replaced = status == SD_OK;
+        }
+    }
+    if (status == SD_OK) {
+        what = "renaming the new checkpoint into place";
+        status = rename(tmp, fin) == 0 ? SD_OK : -errno;
+    }
+    if (status == SD_OK) {
+        what = "fsync of the checkpoints' directory";
+        status = fsync_path(parent);
+    }
+    char lt[SD_CKPT_PATH_MAX + 320], ln[SD_CKPT_PATH_MAX + 320];
+    snprintf(lt, sizeof(lt), "%s/.LATEST.%s", parent, tmp_name);
+    snprintf(ln, sizeof(ln), "%s/LATEST", parent);
+    if (status == SD_OK) {
+        what = "writing LATEST";
+        int fd = open(lt, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+        status = fd < 0 ? -errno : SD_OK;
+        if (fd >= 0) {
+            char line[320];
+            snprintf(line, sizeof(line), "%s\n", final_name);
+            status = sd_ckpt_write_all(fd, line, strlen(line), NULL);
+            if (status == SD_OK && fsync(fd) != 0)
+                status = -errno;
+            close(fd);
+        }
+        if (status == SD_OK)
+            status = rename(lt, ln) == 0 ? SD_OK : -errno;
+        else
+            unlink(lt);
+        if (status == SD_OK)
+            status = fsync_path(parent);
+    }
+    if (replaced)
+        sd_ckpt_remove(parent, old_name);
+    if (status != SD_OK)
+        snprintf(err, errlen, "%s in %s: %s", what, parent, sd_status_str(status));
+    return status;
+}

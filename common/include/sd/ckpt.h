@@ -1,0 +1,115 @@
+/* Checkpoints (DESIGN.md section 3b): the on-disk format, its reader and the commit.
+ *
+ * A checkpoint is a directory: data files of raw little-endian fp32 extents and a MANIFEST
+ * (JSON) written last. An extent is one state ("master", then the optimizer's moments) of
+ * elements [begin, end) of one tensor, in global coordinates, so any world and plan can load it.
+ * Each extent carries the crc32c of its bytes. The README's "Checkpoint format" is the
+ * specification; this file is one implementation of it. */
+#ifndef SD_CKPT_H
+#define SD_CKPT_H
+
+#include "sd/model.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define SD_CKPT_FORMAT_NAME "shardd-checkpoint"
+#define SD_CKPT_VERSION     1
+/* an extent holds at most this many elements (4 MiB of fp32): a load reads whole extents (their
+ * crc is over all of them), so this bounds what it reads beyond what its shards need */
+#define SD_CKPT_EXTENT_ELEMS (1u << 20)
+#define SD_CKPT_PATH_MAX     4096
+#define SD_CKPT_MAX_STATES   3
+
+/* CRC-32C (Castagnoli), as iSCSI and ext4 use it: crc 0 to start, chain by passing it back. */
+uint32_t sd_crc32c(uint32_t crc, const void *data, size_t len);
+
+/* state s of an optimizer of kind: "master", then "exp_avg", "exp_avg_sq" (adamw) or
+ * "momentum_buffer" (sgd), as torch.optim names them; NULL past the last */
+const char *sd_ckpt_state_name(int optim_kind, uint32_t s);
+/* the states a checkpoint holds per parameter for an optimizer of kind */
+uint32_t sd_ckpt_states(int optim_kind);
+
+struct sd_ckpt_extent {
+    uint32_t state, tensor, file;
+    uint64_t begin, end; /* elements of the tensor */
+    uint64_t file_off;   /* bytes into the file */
+    uint32_t crc;
+};
+
+struct sd_ckpt_tensor {
+    char name[SD_MAX_NAME];
+    uint32_t ndim;
+    uint64_t dims[SD_MAX_DIMS];
+    int dtype;
+    uint32_t unit, group;
+    uint64_t numel, steps; /* steps: optimizer updates the tensor has had */
+};
+
+struct sd_ckpt {
+    char path[SD_CKPT_PATH_MAX]; /* the checkpoint's directory (sd_ckpt_open resolves LATEST) */
+    char job[64], plan[64];
+    uint64_t step;
+    uint32_t world, ranks_per_node, nodes;
+    int optim_kind;
+    float max_grad_norm;
+    uint32_t n_states;
+    uint32_t n_tensors;
+    struct sd_ckpt_tensor *tensors;
+    uint32_t n_groups;
+    struct sd_hparams *groups;
+    uint32_t n_files;
+    char (*files)[64];
+    uint64_t n_extents;
+    struct sd_ckpt_extent *extents; /* in the manifest's order */
+    uint64_t *by_key;               /* extents sorted by (state, tensor, begin) */
+    uint64_t bytes;                 /* of all extents */
+};
+
+/* Open the checkpoint at dir: dir itself when it holds a MANIFEST, else the one dir/LATEST
+ * names. Parses and checks the manifest: every field, and that each state of each tensor is
+ * covered by extents exactly once. Returns SD_OK, SD_ENOENT or SD_EINVAL (err says which file
+ * and what). */
+int sd_ckpt_open(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen);
+void sd_ckpt_close(struct sd_ckpt *ck);
+/* Does model (registered) match the checkpoint's? The tensors' names and shapes, the
+ * optimizer's kind and the parameter groups must be equal; the weights' dtypes and units may
+ * differ (they are derived from the fp32 master). err names the first difference. */
+int sd_ckpt_check_model(const struct sd_ckpt *ck, const struct sd_model *model, char *err,
+                        size_t errlen);
+/* Read every extent and check its crc; bad_p (may be NULL) counts the ones that failed, and err
+ * names the first (file, extent). */
+int sd_ckpt_verify(const struct sd_ckpt *ck, uint64_t *bad_p, char *err, size_t errlen);
+
+/* Reads ranges of a checkpoint's states, whole extents at a time, each verified. */
+struct sd_ckpt_reader {
+    const struct sd_ckpt *ck;
+    int *fds;        /* [n_files], -1 until opened */
+    float *buf;      /* one extent */
+    uint64_t cached; /* the extent in buf, UINT64_MAX: none */
+    uint64_t bytes_read;
+};
+int sd_ckpt_reader_init(struct sd_ckpt_reader *rd, const struct sd_ckpt *ck, char *err,
+                        size_t errlen);
+void sd_ckpt_reader_free(struct sd_ckpt_reader *rd);
+/* Elements [begin, end) of state of tensor into dst. */
+int sd_ckpt_read(struct sd_ckpt_reader *rd, uint32_t state, uint32_t tensor, uint64_t begin,
+                 uint64_t end, float *dst, char *err, size_t errlen);
+
+/* ---- writing */
+/* Write len bytes at p to fd, adding them to *crc_p. */
+int sd_ckpt_write_all(int fd, const void *p, size_t len, uint32_t *crc_p);
+/* The manifest of ck into dir/MANIFEST, fsynced. */
+int sd_ckpt_write_manifest(const char *dir, const struct sd_ckpt *ck, char *err, size_t errlen);
+/* Commit: fsync tmp_dir, rename it to parent/final, fsync parent, then point parent/LATEST at it
+ * (a temporary file, fsynced, renamed over LATEST, parent fsynced again). A directory already
+ * named final is replaced. */
+int sd_ckpt_commit(const char *parent, const char *tmp_name, const char *final_name, char *err,
+                   size_t errlen);
+/* Remove parent/name and everything in it (a partial checkpoint). */
+int sd_ckpt_remove(const char *parent, const char *name);
+/* the directory name of the checkpoint of step: "step-00000010" */
+void sd_ckpt_step_name(char *buf, size_t len, uint64_t step);
+
+#endif

@@ -1,0 +1,42 @@
+/* A job's checkpoints (checkpoint.c): the one it loads at registration, and its saves. */
+#ifndef SD_CHECKPOINT_H
+#define SD_CHECKPOINT_H
+
+#include "sd/model.h"
+#include "shard.pb-c.h"
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+struct sd_job;
+struct sd_session;
+struct sd_sqe;
+
+/* At job creation: the checkpoint state, and with load_dir ("" or NULL: none) the checkpoint
+ * opened and checked against the job's model (err says why not). */
+int sd_ckpt_job_init(struct sd_job *job, const char *load_dir, char *err, size_t errlen);
+void sd_ckpt_job_free(struct sd_job *job);
+/* does the job start from a checkpoint? its directory as registered; the step it holds */
+bool sd_ckpt_loading(const struct sd_job *job);
+const char *sd_ckpt_load_dir(const struct sd_job *job);
+uint64_t sd_ckpt_start_step(const struct sd_job *job);
+/* parameter group g's hyperparameters in force once loaded (the checkpoint's, or as registered) */
+struct sd_hparams sd_ckpt_hparams(const struct sd_job *job, uint32_t g);
+/* The job is confirmed: read this node's part on a worker, then sd_loading_loaded. */
+void sd_ckpt_load_start(struct sd_job *job);
+/* a worker reads or writes the job's memory: it must stay */
+bool sd_ckpt_busy(const struct sd_job *job);
+/* SD_OP_SAVE of one rank */
+void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
+/* the job failed: answer the ranks waiting in a save */
+void sd_ckpt_fail_parked(struct sd_job *job, int status, const char *msg);
+/* a save barrier waiting longer than timeout: present[r] set for the ranks in it */
+bool sd_ckpt_overdue(struct sd_job *job, uint64_t now, uint64_t timeout, bool *present);
+/* node 0: a member's report of its part; members: node 0's answer */
+void sd_ckpt_peer_saved(struct sd_job *job, const Shard__JobSaved *m);
+void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char *msg);
+/* shardctl jobs: what was loaded and saved */
+json_t *sd_ckpt_json(const struct sd_job *job);
+
+#endif
