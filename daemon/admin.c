@@ -1,6 +1,7 @@
 /* Admin commands for shardctl: status, jobs, groups, topology, stats. Answers are JSON; shardctl
  * renders tables from the same documents. */
 #include "cluster/cluster.h"
+#include "checkpoint.h"
 #include "job.h"
 #include "net.h"
 #include "secondary.h"
@@ -90,6 +91,7 @@ static json_t *job_summary(const struct sd_job *job)
         "steps", (json_int_t)job->steps, "last_grad_norm", job->opt.last_grad_norm, "error",
         job->fail_msg, "ranks", ranks);
     json_object_set_new(doc, "optimizer", optimizer_json(job));
+    json_object_set_new(doc, "checkpoint", sd_ckpt_json(job));
     return doc;
 }
 

@@ -172,6 +172,36 @@ l2=$(sed -n 's/^step 1 loss \([0-9.]*\) (compute only).*/\1/p' <<<"$alone")
 check '[ $rc -eq 0 ] && [ -n "$l1" ] && [ "$l1" = "$l2" ] && [ "$(grep -c "(compute only)" <<<"$alone")" = 3 ]' \
   "compute-only: rc $rc, first loss '$l2' vs '$l1' through shardd: $alone"
 
+# checkpoints as a user meets them: mlp_train saves, shardctl checkpoint-info reads offline
+out=$("$MLP" --socket "$dir/run/shardd.sock" --job ck --steps 3 --hidden 64 --save-every 3 \
+      --save-dir "$dir/ck" 2>&1); rc=$?
+check '[ $rc -eq 0 ] && grep -q "saved step 3 to $dir/ck" <<<"$out" && [ "$(cat "$dir/ck/LATEST")" = step-00000003 ]' \
+  "mlp_train --save-every: rc $rc: $out"
+out=$("$SHARDCTL" checkpoint-info "$dir/ck"); rc=$?
+check '[ $rc -eq 0 ] && grep -q "step 3, plan ddp, world 1" <<<"$out" && grep -q "all [0-9]* extents verify" <<<"$out" && grep -q "exp_avg_sq" <<<"$out"' \
+  "checkpoint-info: rc $rc: $out"
+js=$("$SHARDCTL" --json checkpoint-info "$dir/ck/step-00000003"); rc=$?
+check '[ $rc -eq 0 ] && python3 -c "
+import json,sys; d=json.loads(sys.argv[1]); assert d[\"step\"]==3 and d[\"crc_ok\"] and d[\"bytes\"]==3*4*d[\"parameters\"]
+" "$js"' "checkpoint-info --json: $js"
+printf '\x01' | dd of="$dir/ck/step-00000003/data-0.bin" bs=1 seek=100 conv=notrunc 2>/dev/null
+out=$("$SHARDCTL" checkpoint-info "$dir/ck" 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "1 of [0-9]* extents FAIL; first: extent [0-9]* in data-0.bin is corrupt" <<<"$out"' \
+  "checkpoint-info of a flipped byte: rc $rc: $out"
+out=$("$SHARDCTL" checkpoint-info "$dir/nothing" 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "neither a checkpoint (no MANIFEST) nor a directory of them" <<<"$out"' \
+  "checkpoint-info of a missing directory: rc $rc: $out"
+out=$("$SHARDCTL" checkpoint-info 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "needs a directory" <<<"$out"' "checkpoint-info without DIR: $out"
+out=$("$MLP" --socket "$dir/run/shardd.sock" --job ck2 --steps 3 --hidden 64 --load "$dir/ck" 2>&1); rc=$?
+check '[ $rc -ne 0 ] && grep -q "data-0.bin is corrupt" <<<"$out"' "loading a corrupt checkpoint: rc $rc: $out"
+out=$("$MLP" --save-every 2 --steps 1 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "go together" <<<"$out"' "--save-every without --save-dir: $out"
+touch "$dir/afile"
+out=$("$MLP" --socket "$dir/run/shardd.sock" --job ck3 --steps 1 --hidden 64 --save-every 1 \
+      --save-dir "$dir/afile/x" 2>&1); rc=$?
+check '[ $rc -ne 0 ] && grep -q "save.*afile" <<<"$out"' "saving under a file: rc $rc: $out"
+
 kill -TERM "$dpid"; wait "$dpid"; rc=$?; dpid=
 check '[ $rc -eq 0 ]' "shardd exit code $rc after SIGTERM: $(tail -5 "$dir/shardd.log")"
 check '[ ! -e "$dir/run/shardd.sock" ]' "socket left behind"
