@@ -1133,6 +1133,11 @@ int shard_save(shard_ctx_t *ctx, const char *dir, uint64_t *step_p)
     return status;
 }
 
+uint32_t shard_crc32c(uint32_t crc, const void *data, size_t len)
+{
+    return sd_crc32c(crc, data, len);
+}
+
 uint64_t shard_start_step(const shard_ctx_t *ctx)
 {
     return ctx != NULL ? ctx->start_step : 0;

@@ -214,6 +214,9 @@ SHARD_API int shard_save(shard_ctx_t *ctx, const char *dir, uint64_t *step_p);
 /* The steps the job had taken when this rank registered: the checkpoint's step when it loaded
  * one (shard_model_t.load), else 0. */
 SHARD_API uint64_t shard_start_step(const shard_ctx_t *ctx);
+/* CRC-32C (Castagnoli) of len bytes, chained from crc (0 to start): a checkpoint extent's
+ * "crc32c" (README, Checkpoint format), for readers of checkpoints such as shard.checkpoint. */
+SHARD_API uint32_t shard_crc32c(uint32_t crc, const void *data, size_t len);
 SHARD_API int shard_detach(shard_ctx_t *ctx);
 
 /* One admin command ("status", "jobs", "groups", "topology", "stats", "schedule"; job NULL or

@@ -22,6 +22,11 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
     optimizers given to wrap step as before;
   - RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID (torchrun's variables) set rank, world and the job
     name ("torch-<id>") when wrap is not given them; a RANK outside WORLD_SIZE is refused;
+  - checkpoints: shard.torch.save after 3 steps, wrap(load=) in a new job resumes at step 3 with
+    the saved parameters (and the checkpoint's lr in the optimizer's param_groups), and 3 more
+    steps end bitwise equal to 6 uninterrupted ones; shard.checkpoint.load_state_dict reads
+    the same parameters without a daemon (and the moments and step counts), and refuses a
+    flipped byte naming the file and the extent;
   - installs as Debian users do it: cmake --install into a prefix puts the package in that
     prefix's lib/python3.X/dist-packages, where it loads the libshard installed beside it
     (SHARD_LIBRARY unset, run outside the source tree); a venv with --system-site-packages
@@ -68,10 +73,10 @@ def batch(step):
     return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
 
 
-def train(model, steps, opt=None):
-    """losses; through shardd when opt is None"""
+def train(model, steps, opt=None, start=0):
+    """losses of steps start .. steps - 1; through shardd when opt is None"""
     losses = []
-    for s in range(steps):
+    for s in range(start, steps):
         x, y = batch(s)
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
@@ -115,6 +120,51 @@ try:
     print(f"ModuleList model, torch AdamW translated: 6 steps, loss {losses[0]:.4f} -> "
           f"{losses[-1]:.4f}, worst loss difference {worst:.2e}, parameters max |diff| "
           f"{maxd:.2e}", flush=True)
+
+    # checkpoints: save, resume in another job, the same as an uninterrupted run
+    import shard.checkpoint as sck
+    torch.manual_seed(1)
+    m0 = Net()
+    a, b = copy.deepcopy(m0), copy.deepcopy(m0)
+    ckdir = os.path.join(work, "ck")
+    st.wrap(a, job="ck-straight", optimizer=torch.optim.AdamW(a.parameters(), lr=1e-2))
+    train(a, 3)
+    saved = st.save(ckdir, a)
+    full3 = st.full_state_dict(a)
+    la = train(a, 6, start=3)
+    full6 = st.full_state_dict(a)
+    st.unwrap(a)
+    check(saved == 3 and open(os.path.join(ckdir, "LATEST")).read() == "step-00000003\n",
+          f"shard.torch.save returns the step and LATEST names it: {saved}")
+    sd = sck.load_state_dict(ckdir, optimizer_states=True)
+    check(all(torch.equal(sd[k], full3[k]) for k in full3) and sd["step"] == 3 and
+          sd["optimizer"]["embed.weight"]["step"] == 3 and
+          sd["optimizer"]["embed.weight"]["exp_avg"].shape == full3["embed.weight"].shape,
+          "shard.checkpoint.load_state_dict: the saved parameters, moments and step counts")
+    ob = torch.optim.AdamW(b.parameters(), lr=5e-2)  # the checkpoint's lr replaces it
+    st.wrap(b, job="ck-resumed", optimizer=ob, load=ckdir)
+    check(st.start_step(b) == 3 and abs(ob.param_groups[0]["lr"] - 1e-2) < 1e-9,
+          f"wrap(load=): start step {st.start_step(b)}, lr {ob.param_groups[0]['lr']}")
+    resumed3 = st.full_state_dict(b)
+    check(all(torch.equal(resumed3[k], full3[k]) for k in full3),
+          "wrap(load=): the saved parameters")
+    lb = train(b, 6, start=3)
+    full6b = st.full_state_dict(b)
+    st.unwrap(b)
+    check(la == lb and all(torch.equal(full6b[k], full6[k]) for k in full6),
+          "3 steps, save, resume, 3 steps: bitwise the 6 uninterrupted steps (losses, params)")
+    bad = os.path.join(work, "ck-bad")
+    import shutil
+    shutil.copytree(sck.info(ckdir)["path"], bad)
+    with open(os.path.join(bad, "data-0.bin"), "r+b") as f:
+        f.seek(10)
+        c = f.read(1)
+        f.seek(10)
+        f.write(bytes([c[0] ^ 1]))
+    ok, msg = raises(lambda: sck.load_state_dict(bad), "data-0.bin is corrupt", "extent")
+    check(ok, f"load_state_dict of a flipped byte: {msg}")
+    print(f"checkpoint: saved step 3, resumed in another job, 3 more steps bitwise equal to 6 "
+          f"uninterrupted (loss {la[-1]:.5f})", flush=True)
 
     # model.state_dict() is the full state dict
     sd = mine.state_dict()

@@ -79,7 +79,7 @@ class _Model(ctypes.Structure):
                 ("init", ctypes.POINTER(ctypes.POINTER(ctypes.c_float))),
                 ("max_live_bytes", ctypes.c_uint64), ("groups", ctypes.POINTER(_HParams)),
                 ("n_groups", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("bcast_bytes", ctypes.c_uint64)]
+                ("bcast_bytes", ctypes.c_uint64), ("load", ctypes.c_char_p)]
 
 SKIP_UNUSED = 1  # shard_model_t.flags: tensors no rank gave a gradient in a step are not updated
 
@@ -149,6 +149,11 @@ _lib.shard_step.argtypes = [_c.c_void_p, _c.POINTER(_c.c_double)]
 _lib.shard_group_hparams.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_HParams)]
 _lib.shard_step_ex.argtypes = [_c.c_void_p, _c.POINTER(_StepArgs), _c.POINTER(_c.c_double)]
 _lib.shard_detach.argtypes = [_c.c_void_p]
+_lib.shard_save.argtypes = [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_uint64)]
+_lib.shard_start_step.argtypes = [_c.c_void_p]
+_lib.shard_start_step.restype = _c.c_uint64
+_lib.shard_crc32c.argtypes = [_c.c_uint32, _c.c_void_p, _c.c_size_t]
+_lib.shard_crc32c.restype = _c.c_uint32
 _lib.shard_strerror.argtypes = [_c.c_int]
 _lib.shard_strerror.restype = _c.c_char_p
 _lib.shard_last_error.argtypes = [_c.c_void_p]
@@ -229,14 +234,16 @@ class Context:
             raise ShardError(st, msg, call)
 
     def register(self, job, rank, world, plan, tensors, optimizer, init=None, max_live_bytes=0,
-                 groups=None, skip_unused=False, bcast_bytes=0):
+                 groups=None, skip_unused=False, bcast_bytes=0, load=None):
         """Register the model (every rank the same tensors). init (rank 0): one fp32 buffer per
         tensor (objects with the buffer protocol or ctypes addresses), None for zeros.
         groups: None, or one dict of hyperparameters per parameter group (lr, betas, eps,
         weight_decay, momentum; missing keys from optimizer), indexed by Tensor.group.
         skip_unused: tensors that no rank gave a gradient in a step are not updated (step's
         has_grad says which this rank gave). bcast_bytes: what rank 0 broadcasts with each step
-        (step's bcast)."""
+        (step's bcast). load: a checkpoint to start from (a directory of them, meaning its
+        LATEST, or one), written by save() under any world and plan; start_step is then its
+        step."""
         n = len(tensors)
         keep = []  # keep ctypes objects alive during the call
         arr = (_Tensor * n)()
@@ -275,8 +282,10 @@ class Context:
                                      for i, g in enumerate(groups)])
         self.n_groups = max(1, ng)
         model = _Model(jobb, rank, world, planb, arr, n, opt, init_arr, int(max_live_bytes),
-                       garr, ng, SKIP_UNUSED if skip_unused else 0, int(bcast_bytes))
+                       garr, ng, SKIP_UNUSED if skip_unused else 0, int(bcast_bytes),
+                       _b(os.fspath(load)) if load else None)
         self._check(_lib.shard_register(self._ctx, _c.byref(model)), "register")
+        self.start_step = int(_lib.shard_start_step(self._ctx))
         del keep
         self.names = [t.name for t in tensors]
         self.units = []
@@ -291,6 +300,13 @@ class Context:
             ti = _TensorInfo()
             self._check(_lib.shard_tensor_info(self._ctx, t, _c.byref(ti)), "tensor_info")
             self.tensors.append({"unit": ti.unit, "offset": ti.offset, "numel": ti.numel})
+
+    def save(self, directory):
+        """Save a checkpoint into directory/step-NNNNNNNN and point directory/LATEST at it
+        (every rank, between two steps, the same directory); returns the step saved."""
+        step = _c.c_uint64()
+        self._check(_lib.shard_save(self._ctx, _b(os.fspath(directory)), _c.byref(step)), "save")
+        return step.value
 
     def fetch(self, unit):
         """Gather a unit: (address, bytes) of its flat buffer, read-only until release."""

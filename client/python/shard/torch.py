@@ -530,7 +530,7 @@ def _patch_clip():
 
 
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
-         units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True):
+         units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None):
     """Register model's parameters with shardd and install the hooks; returns model.
 
     rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
@@ -559,7 +559,12 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     preset: "ddp", "zero1", "zero2", "zero3", "mics:P", "topo", "topo-fp", "zeropp" (with
     ",no-hier", ",no-2hop", ",sec=S" and the quantized ",qw", ",qg", ",qsec", ",ef",
     ",qblock=B"; README, Plans). Every rank must build the same model; rank 0's values are the
-    initial ones."""
+    initial ones.
+    load: a checkpoint written by shard.torch.save (a directory of them, meaning its LATEST, or
+    one checkpoint) to start from instead of rank 0's values, under any world and plan: the
+    parameters, the optimizer's moments and step counts, and the param groups' hyperparameters
+    (set into the optimizer's param_groups, as torch's load_state_dict does) are the
+    checkpoint's; shard.torch.start_step(model) is its step. Module buffers are not in it."""
     global _current
     job, rank, world = _launcher(job, rank, world)
     named = list(model.named_parameters())
@@ -620,7 +625,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                      optimizer=dict(opt.groups[0], name=opt.name, max_grad_norm=opt.max_grad_norm),
                      init=init if rank == 0 else None, max_live_bytes=max_live_bytes,
                      groups=opt.groups, skip_unused=True,
-                     bcast_bytes=bufs.nbytes if bufs else 0)
+                     bcast_bytes=bufs.nbytes if bufs else 0, load=load)
     except Exception:
         ctx.detach()
         raise
@@ -645,6 +650,14 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                 p.data = state.placeholder[p.dtype]  # the values live in shardd now
                 p._shard_wrapped = True
         state.opt = _make_optimizer(state, opt, reg_params)
+        if load:  # the checkpoint's hyperparameters, as torch's load_state_dict sets them
+            for g, pg in enumerate(state.opt.param_groups):
+                h = ctx.group_hparams(g)
+                pg["lr"], pg["weight_decay"] = h["lr"], h["weight_decay"]
+                if opt.name == "adamw":
+                    pg["betas"], pg["eps"] = h["betas"], h["eps"]
+                else:
+                    pg["momentum"] = h["momentum"]
     except BaseException:  # no hooks left behind, the values back, the job left
         for h in state.handles:
             h.remove()
@@ -725,6 +738,25 @@ def step(model=None):
     message naming the unit: the step was skipped (gradients dropped, weights and optimizer
     state unchanged) on every rank, and training can go on with the next step."""
     return _state_of(model).step()
+
+
+def save(directory, model=None):
+    """Save a checkpoint of the wrapped model's job into directory/step-NNNNNNNN and point
+    directory/LATEST at it; returns the step saved. Every rank calls it after the same step, with
+    the same directory (one every node sees). It holds one copy of the fp32 master weights, the
+    optimizer's moments and step counts and the param groups' hyperparameters, in global
+    coordinates: wrap(load=directory) resumes it under any world and plan, and
+    shard.checkpoint.load_state_dict reads it without a daemon. Module buffers are not in it
+    (save them with torch.save)."""
+    st = _state_of(model)
+    st._push_partial()
+    return st.ctx.save(directory)
+
+
+def start_step(model=None):
+    """The steps the wrapped model's job had taken when it was wrapped: the checkpoint's step with
+    wrap(load=...), else 0 (the first step to run; a learning-rate scheduler resumes from it)."""
+    return _state_of(model).ctx.start_step
 
 
 def full_state_dict(model=None):
