@@ -6,6 +6,7 @@
 #include "sd/ckpt.h"
 #include "sd/frame.h"
 #include "sd/model.h"
+#include "sd/model_msg.h"
 #include "sd/ring.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -546,13 +547,10 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     ctx->step_args_off = rep->step_args_off;
     ctx->save_path_off = rep->save_path_off;
     ctx->start_step = rep->start_step;
-    for (uint32_t g = 0; g < rep->n_groups; g++) /* in force: a checkpoint's when loading one */
-        ctx->hparams[g] = (shard_hparams_t){.lr = rep->groups[g]->lr,
-                                            .beta1 = rep->groups[g]->beta1,
-                                            .beta2 = rep->groups[g]->beta2,
-                                            .eps = rep->groups[g]->eps,
-                                            .weight_decay = rep->groups[g]->weight_decay,
-                                            .momentum = rep->groups[g]->momentum};
+    for (uint32_t g = 0; g < rep->n_groups; g++) { /* in force: a checkpoint's when loading one */
+        struct sd_hparams h = sd_hparams_from_msg(rep->groups[g]);
+        memcpy(&ctx->hparams[g], &h, sizeof(h));
+    }
     ctx->staging = mmap(NULL, ctx->staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
                         fds[1], 0);
     if (ctx->staging == MAP_FAILED) {
@@ -655,17 +653,11 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
         return fail(ctx, SD_ENOMEM, "register: out of memory");
     }
     for (uint32_t g = 0; g < model->n_groups; g++) {
-        const shard_hparams_t *h = &model->groups[g];
-        shard__optimizer__init(&gd[g]);
-        gd[g].kind = opt.kind;
-        gd[g].lr = h->lr;
-        gd[g].beta1 = h->beta1;
-        gd[g].beta2 = h->beta2;
-        gd[g].eps = h->eps;
-        gd[g].weight_decay = h->weight_decay;
-        gd[g].momentum = h->momentum;
+        /* shard_hparams_t is struct sd_hparams (asserted above) */
+        sd_hparams_to_msg((const struct sd_hparams *)(const void *)&model->groups[g], (int)opt.kind,
+                          &gd[g]);
         gp[g] = &gd[g];
-        ctx->hparams[g] = *h;
+        ctx->hparams[g] = model->groups[g];
     }
     if (model->n_groups == 0)
         ctx->hparams[0] = (shard_hparams_t){.lr = opt.lr,

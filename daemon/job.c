@@ -140,15 +140,8 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
         goto out;
     }
     for (uint32_t g = 0; g < n_groups; g++) {
-        struct sd_hparams hp = sd_ckpt_hparams(job, g), *h = &hp;
-        shard__optimizer__init(&gd[g]);
-        gd[g].kind = (uint32_t)job->model.optim.kind;
-        gd[g].lr = h->lr;
-        gd[g].beta1 = h->beta1;
-        gd[g].beta2 = h->beta2;
-        gd[g].eps = h->eps;
-        gd[g].weight_decay = h->weight_decay;
-        gd[g].momentum = h->momentum;
+        struct sd_hparams h = sd_ckpt_hparams(job, g);
+        sd_hparams_to_msg(&h, job->model.optim.kind, &gd[g]);
         gp[g] = &gd[g];
     }
     rep.n_groups = n_groups;

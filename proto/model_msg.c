@@ -16,6 +16,28 @@ void sd_model_free(struct sd_model *m)
     m->n_groups = 0;
 }
 
+void sd_hparams_to_msg(const struct sd_hparams *h, int kind, Shard__Optimizer *out)
+{
+    shard__optimizer__init(out);
+    out->kind = (uint32_t)kind;
+    out->lr = h->lr;
+    out->beta1 = h->beta1;
+    out->beta2 = h->beta2;
+    out->eps = h->eps;
+    out->weight_decay = h->weight_decay;
+    out->momentum = h->momentum;
+}
+
+struct sd_hparams sd_hparams_from_msg(const Shard__Optimizer *q)
+{
+    return (struct sd_hparams){.lr = q->lr,
+                               .beta1 = q->beta1,
+                               .beta2 = q->beta2,
+                               .eps = q->eps,
+                               .weight_decay = q->weight_decay,
+                               .momentum = q->momentum};
+}
+
 int sd_model_from_register(const Shard__Register *msg, uint64_t max_tensors, uint64_t max_units,
                            struct sd_model *m, char *err, size_t len)
 {
@@ -87,15 +109,8 @@ int sd_model_from_register(const Shard__Register *msg, uint64_t max_tensors, uin
             return SD_ENOMEM;
         }
         m->n_groups = (uint32_t)msg->n_groups;
-        for (size_t g = 0; g < msg->n_groups; g++) {
-            const Shard__Optimizer *q = msg->groups[g];
-            m->groups[g] = (struct sd_hparams){.lr = q->lr,
-                                               .beta1 = q->beta1,
-                                               .beta2 = q->beta2,
-                                               .eps = q->eps,
-                                               .weight_decay = q->weight_decay,
-                                               .momentum = q->momentum};
-        }
+        for (size_t g = 0; g < msg->n_groups; g++)
+            m->groups[g] = sd_hparams_from_msg(msg->groups[g]);
         /* group 0's are the optimizer's */
         m->optim.lr = m->groups[0].lr;
         m->optim.beta1 = m->groups[0].beta1;

@@ -14,5 +14,9 @@
 int sd_model_from_register(const Shard__Register *msg, uint64_t max_tensors, uint64_t max_units,
                            struct sd_model *m, char *err, size_t len);
 void sd_model_free(struct sd_model *m);
+/* One parameter group's hyperparameters as the wire carries them (Register.groups,
+ * RegisterReply.groups; kind is the optimizer's), and back. */
+void sd_hparams_to_msg(const struct sd_hparams *h, int kind, Shard__Optimizer *out);
+struct sd_hparams sd_hparams_from_msg(const Shard__Optimizer *q);
 
 #endif
