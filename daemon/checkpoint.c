@@ -42,8 +42,7 @@ struct sd_ckpt_job {
     bool load; /* the job starts from src */
     char load_dir[SD_CKPT_PATH_MAX];
     struct sd_ckpt src;
-    float *load_buf;    /* per (rank, unit): the master over the w shard, then moments */
-    uint64_t *load_off; /* [k * n_units] */
+    float *load_buf; /* per unit: the node's masters, then its ranks' moments (unit_block) */
     /* saving: the local barrier */
     uint32_t arrived;
     bool *waiting;  /* [k] */
@@ -203,7 +202,6 @@ void sd_ckpt_job_free(struct sd_job *job)
     sd_ckpt_close(&c->src);
     sd_ckpt_close(&c->man);
     free(c->load_buf);
-    free(c->load_off);
     free(c->waiting);
     free(c->tags);
     free(c->rep_seq);
@@ -230,15 +228,6 @@ json_t *sd_ckpt_json(const struct sd_job *job)
 
 /* ---- loading */
 
-/* the node's ranges: for local rank r and unit u, the w shard [bw, ew) and the os shard [b, e) */
-static void shard_ranges(const struct sd_job *job, uint32_t r, uint32_t u, uint64_t *bw,
-                         uint64_t *ew, uint64_t *b, uint64_t *e)
-{
-    const struct sd_unit_layout *ul = &job->layout.units[u];
-    sd_layout_shard(ul, &job->plan, SD_STATE_W, job->first_rank + r, bw, ew);
-    sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, b, e);
-}
-
 /* state s of unit u's elements [lo, hi) (unit coordinates) into dst, tensor by tensor; padding
  * stays as it is (zero) */
 static int read_unit_range(struct sd_job *job, struct sd_ckpt_reader *rd, uint32_t s, uint32_t u,
@@ -259,23 +248,46 @@ static int read_unit_range(struct sd_job *job, struct sd_ckpt_reader *rd, uint32
     return SD_OK;
 }
 
+/* Unit u's part of load_buf: the masters over the node's range of it (sd_loading_range: every
+ * local rank's w shard, read once for them all), then each local rank's moments over its os
+ * shard. Returns its floats; with at, the read (load_work) or the copies into the arenas. */
+static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_ckpt_reader *rd)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    uint64_t os_stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]), lo, hi;
+    sd_loading_range(job, job->node, ul, &lo, &hi);
+    uint64_t n = hi - lo;
+    if (at != NULL && rd != NULL)
+        c->status = read_unit_range(job, rd, 0, u, lo, hi, at);
+    else if (at != NULL)
+        sd_loading_unit(job, u, at, lo);
+    for (uint32_t r = 0; r < job->k; r++) {
+        uint64_t b, e;
+        sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
+        float *os = (float *)sd_job_state(job, r, SD_STATE_OS) + ul->arena_off[SD_STATE_OS];
+        for (uint32_t s = 1; s < c->src.n_states; s++, n += e - b) {
+            if (at == NULL || c->status != SD_OK)
+                continue;
+            if (rd != NULL)
+                c->status = read_unit_range(job, rd, s, u, b, e, at + n);
+            else
+                dev->copy(job->mem.queue, os + s * os_stride, at + n, (e - b) * sizeof(float));
+        }
+    }
+    return n;
+}
+
 static void load_work(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     struct sd_ckpt_reader rd;
     if ((c->status = sd_ckpt_reader_init(&rd, &c->src, c->err, sizeof(c->err))) != SD_OK)
         return;
-    uint32_t n_units = job->layout.n_units;
-    for (uint32_t r = 0; r < job->k && c->status == SD_OK; r++)
-        for (uint32_t u = 0; u < n_units && c->status == SD_OK; u++) {
-            uint64_t bw, ew, b, e;
-            shard_ranges(job, r, u, &bw, &ew, &b, &e);
-            float *at = c->load_buf + c->load_off[r * n_units + u];
-            c->status = read_unit_range(job, &rd, 0, u, bw, ew, at);
-            at += ew - bw;
-            for (uint32_t s = 1; s < c->src.n_states && c->status == SD_OK; s++, at += e - b)
-                c->status = read_unit_range(job, &rd, s, u, b, e, at);
-        }
+    float *at = c->load_buf;
+    for (uint32_t u = 0; u < job->layout.n_units && c->status == SD_OK; u++)
+        at += unit_block(job, u, at, &rd);
     c->loaded_bytes = rd.bytes_read;
     sd_ckpt_reader_free(&rd);
 }
@@ -289,24 +301,10 @@ static void load_after(struct sd_job *job)
         sd_job_fail(job, c->status, "loading the checkpoint: %s", c->err);
         return;
     }
-    const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_layout *l = &job->layout;
-    uint64_t os_stride = sd_arena_os_stride(l->arena_numel[SD_STATE_OS]);
-    for (uint32_t r = 0; r < job->k; r++) {
-        float *os = sd_job_state(job, r, SD_STATE_OS);
-        for (uint32_t u = 0; u < l->n_units; u++) {
-            const struct sd_unit_layout *ul = &l->units[u];
-            uint64_t bw, ew, b, e;
-            shard_ranges(job, r, u, &bw, &ew, &b, &e);
-            const float *at = c->load_buf + c->load_off[r * l->n_units + u];
-            uint64_t off = ul->arena_off[SD_STATE_OS];
-            dev->from_f32(job->mem.queue, sd_job_w_shard(job, r, u), ul->dtype, at, ew - bw);
-            dev->copy(job->mem.queue, os + off, at + (b - bw), (e - b) * sizeof(float));
-            at += ew - bw;
-            for (uint32_t s = 1; s < c->src.n_states; s++, at += e - b)
-                dev->copy(job->mem.queue, os + s * os_stride + off, at, (e - b) * sizeof(float));
-        }
-    }
+    float *at = c->load_buf;
+    for (uint32_t u = 0; u < l->n_units; u++)
+        at += unit_block(job, u, at, NULL);
     if (!sd_job_sync(job))
         return;
     free(c->load_buf);
@@ -324,17 +322,10 @@ static void load_after(struct sd_job *job)
 void sd_ckpt_load_start(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    uint32_t n_units = job->layout.n_units;
     uint64_t floats = 0;
-    c->load_off = calloc((size_t)job->k * n_units, sizeof(uint64_t));
-    for (uint32_t r = 0; c->load_off != NULL && r < job->k; r++)
-        for (uint32_t u = 0; u < n_units; u++) {
-            uint64_t bw, ew, b, e;
-            shard_ranges(job, r, u, &bw, &ew, &b, &e);
-            c->load_off[r * n_units + u] = floats;
-            floats += (ew - bw) + (uint64_t)(c->src.n_states - 1) * (e - b);
-        }
-    c->load_buf = c->load_off != NULL ? calloc(floats + 1, sizeof(float)) : NULL;
+    for (uint32_t u = 0; u < job->layout.n_units; u++)
+        floats += unit_block(job, u, NULL, NULL);
+    c->load_buf = calloc(floats + 1, sizeof(float));
     if (c->load_buf == NULL) {
         sd_job_fail(job, SD_ENOMEM, "loading checkpoint %s: out of memory for %llu floats",
                     c->src.path, (unsigned long long)floats);

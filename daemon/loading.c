@@ -14,8 +14,7 @@ static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_
                       const float *values);
 static void tell_ready(struct sd_job *job);
 
-/* Initial fp32 values of a whole unit into this node's shards (master and w). */
-static void load_unit(struct sd_job *job, uint32_t unit, const float *src)
+void sd_loading_unit(struct sd_job *job, uint32_t unit, const float *src, uint64_t src_off)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[unit];
@@ -23,9 +22,10 @@ static void load_unit(struct sd_job *job, uint32_t unit, const float *src)
         uint64_t b, e;
         sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
         float *master = (float *)sd_job_state(job, r, SD_STATE_OS) + ul->arena_off[SD_STATE_OS];
-        dev->copy(job->mem.queue, master, src + b, (e - b) * sizeof(float));
+        dev->copy(job->mem.queue, master, src + (b - src_off), (e - b) * sizeof(float));
         sd_layout_shard(ul, &job->plan, SD_STATE_W, job->first_rank + r, &b, &e);
-        dev->from_f32(job->mem.queue, sd_job_w_shard(job, r, unit), ul->dtype, src + b, e - b);
+        dev->from_f32(job->mem.queue, sd_job_w_shard(job, r, unit), ul->dtype, src + (b - src_off),
+                      e - b);
     }
 }
 
@@ -49,7 +49,7 @@ void sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_s
         return;
     }
     const float *src = (const float *)(void *)sd_job_staging_slot(job, s->local, (uint32_t)e->arg0);
-    load_unit(job, e->unit, src);
+    sd_loading_unit(job, e->unit, src, 0);
     if (!sd_job_sync(job)) { /* the kernels read the staging slot the client refills next */
         sd_session_fail(s, e, job->fail_status, "init: %s", job->fail_msg);
         return;
@@ -103,11 +103,8 @@ void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_
 
 /* ---- initial values: node 0 sends each node the part of each unit it holds */
 
-/* Elements [lo, hi) of unit ul cover the weight shards of node m's ranks, which hold their
- * optimizer-state shards (model.h): all load_unit reads. A zero3 node gets 1/N of the unit, not
- * all of it. */
-static void init_range(const struct sd_job *job, uint32_t m, const struct sd_unit_layout *ul,
-                       uint64_t *lo, uint64_t *hi)
+void sd_loading_range(const struct sd_job *job, uint32_t m, const struct sd_unit_layout *ul,
+                      uint64_t *lo, uint64_t *hi)
 {
     *lo = ul->numel;
     *hi = 0;
@@ -166,8 +163,8 @@ static void init_post_next(struct sd_job *job)
     uint32_t u = job->load.next_unit;
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint64_t lo, hi;
-    init_range(job, job->node, ul, &lo, &hi);
-    /* into scratch where load_unit looks for elements [lo, hi) */
+    sd_loading_range(job, job->node, ul, &lo, &hi);
+    /* into scratch where sd_loading_unit looks for elements [lo, hi) */
     int st = init_transfer(job, false, 0, u, job->mem.scratch + lo, hi - lo, &job->load.rb);
     if (st != SD_OK)
         sd_job_fail(job, st, "cannot receive the initial values of unit %u from node 0", u);
@@ -184,7 +181,7 @@ static void init_recv_done(struct sd_bulk *b, int status)
                     job->load.next_unit, sd_status_str(status));
         return;
     }
-    load_unit(job, job->load.next_unit, job->mem.scratch);
+    sd_loading_unit(job, job->load.next_unit, job->mem.scratch, 0);
     if (!sd_job_sync(job)) /* the next unit's values arrive where these are read */
         return;
     job->load.next_unit++;
@@ -222,7 +219,7 @@ static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_
     job->load.sends = 0;
     for (uint32_t m = 1; m < job->nodes; m++) {
         uint64_t lo, hi;
-        init_range(job, m, ul, &lo, &hi);
+        sd_loading_range(job, m, ul, &lo, &hi);
         if (init_transfer(job, true, m, e->unit, (void *)(values + lo), hi - lo, NULL) == SD_OK)
             job->load.sends++;
     }
