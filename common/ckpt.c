@@ -326,6 +326,105 @@ static int parse_extents(json_t *arr, struct sd_ckpt *ck, char *err, size_t errl
     return SD_OK;
 }
 
+/* format, version, what wrote it, the optimizer */
+static int parse_header(json_t *root, struct sd_ckpt *ck, char *err, size_t errlen)
+{
+    char format[32], kind[16];
+    uint64_t version, step, world, k, nodes;
+    json_t *opt = json_object_get(root, "optimizer");
+    if (!get_str(root, "format", format, sizeof(format)) ||
+        strcmp(format, SD_CKPT_FORMAT_NAME) != 0 || !get_u64(root, "version", &version)) {
+        snprintf(err, errlen, "\"format\" is not \"%s\" with a \"version\"", SD_CKPT_FORMAT_NAME);
+        return SD_EINVAL;
+    }
+    if (version != SD_CKPT_VERSION) {
+        snprintf(err, errlen, "format version %llu; this shardd reads version %d",
+                 (unsigned long long)version, SD_CKPT_VERSION);
+        return SD_EINVAL;
+    }
+    if (!get_str(root, "job", ck->job, sizeof(ck->job)) ||
+        !get_str(root, "plan", ck->plan, sizeof(ck->plan)) || !get_u64(root, "step", &step) ||
+        !get_u64(root, "world", &world) || !get_u64(root, "ranks_per_node", &k) ||
+        !get_u64(root, "nodes", &nodes) || !json_is_object(opt) ||
+        !get_str(opt, "kind", kind, sizeof(kind)) ||
+        !get_f32(opt, "max_grad_norm", &ck->max_grad_norm)) {
+        snprintf(err, errlen,
+                 "needs \"job\", \"plan\", \"step\", \"world\", \"ranks_per_node\", \"nodes\" "
+                 "and \"optimizer\" {\"kind\", \"max_grad_norm\"}");
+        return SD_EINVAL;
+    }
+    ck->step = step;
+    ck->world = (uint32_t)world;
+    ck->ranks_per_node = (uint32_t)k;
+    ck->nodes = (uint32_t)nodes;
+    if (strcmp(kind, "adamw") == 0)
+        ck->optim_kind = SD_OPTIM_ADAMW;
+    else if (strcmp(kind, "sgd") == 0)
+        ck->optim_kind = SD_OPTIM_SGD;
+    else {
+        snprintf(err, errlen, "optimizer kind '%s' is neither adamw nor sgd", kind);
+        return SD_EINVAL;
+    }
+    ck->n_states = sd_ckpt_states(ck->optim_kind);
+    return SD_OK;
+}
+
+static int parse_groups(json_t *groups, struct sd_ckpt *ck, char *err, size_t errlen)
+{
+    if (!json_is_array(groups) || json_array_size(groups) == 0 ||
+        json_array_size(groups) > SD_MAX_GROUPS) {
+        snprintf(err, errlen, "\"groups\" must be an array of 1..%d parameter groups",
+                 SD_MAX_GROUPS);
+        return SD_EINVAL;
+    }
+    ck->n_groups = (uint32_t)json_array_size(groups);
+    ck->groups = calloc(ck->n_groups, sizeof(*ck->groups));
+    if (ck->groups == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return SD_ENOMEM;
+    }
+    for (uint32_t g = 0; g < ck->n_groups; g++) {
+        json_t *o = json_array_get(groups, g);
+        struct sd_hparams *h = &ck->groups[g];
+        if (!get_f32(o, "lr", &h->lr) || !get_f32(o, "beta1", &h->beta1) ||
+            !get_f32(o, "beta2", &h->beta2) || !get_f32(o, "eps", &h->eps) ||
+            !get_f32(o, "weight_decay", &h->weight_decay) ||
+            !get_f32(o, "momentum", &h->momentum)) {
+            snprintf(err, errlen,
+                     "group %u: needs \"lr\", \"beta1\", \"beta2\", \"eps\", "
+                     "\"weight_decay\" and \"momentum\"",
+                     g);
+            return SD_EINVAL;
+        }
+    }
+    return SD_OK;
+}
+
+static int parse_files(json_t *files, struct sd_ckpt *ck, char *err, size_t errlen)
+{
+    if (!json_is_array(files) || json_array_size(files) > SD_MAX_WORLD) {
+        snprintf(err, errlen, "\"files\" must be an array of file names");
+        return SD_EINVAL;
+    }
+    ck->n_files = (uint32_t)json_array_size(files);
+    ck->files = calloc(ck->n_files + 1, sizeof(*ck->files));
+    if (ck->files == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return SD_ENOMEM;
+    }
+    for (uint32_t f = 0; f < ck->n_files; f++) {
+        json_t *v = json_array_get(files, f);
+        const char *s = json_is_string(v) ? json_string_value(v) : "";
+        if (s[0] == '\0' || s[0] == '.' || strchr(s, '/') != NULL ||
+            strlen(s) >= sizeof(ck->files[f])) {
+            snprintf(err, errlen, "file %u: '%s' is not a file name in the checkpoint", f, s);
+            return SD_EINVAL;
+        }
+        snprintf(ck->files[f], sizeof(ck->files[f]), "%s", s);
+    }
+    return SD_OK;
+}
+
 int sd_ckpt_open(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen)
 {
     memset(ck, 0, sizeof(*ck));
@@ -336,114 +435,25 @@ int sd_ckpt_open(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen)
     snprintf(p, sizeof(p), "%s/MANIFEST", ck->path);
     json_error_t jerr;
     json_t *root = json_load_file(p, JSON_REJECT_DUPLICATES, &jerr);
-    status = SD_EINVAL;
     if (root == NULL) {
         snprintf(err, errlen, "%s: not JSON: %s (line %d)", p, jerr.text, jerr.line);
         return SD_EINVAL;
     }
-    char *e = msg;
-    size_t el = sizeof(msg);
-    {
-        char format[32], kind[16];
-        uint64_t version, step, world, k, nodes;
-        json_t *opt = json_object_get(root, "optimizer");
-        if (!get_str(root, "format", format, sizeof(format)) ||
-            strcmp(format, SD_CKPT_FORMAT_NAME) != 0 || !get_u64(root, "version", &version)) {
-            snprintf(e, el, "\"format\" is not \"%s\" with a \"version\"", SD_CKPT_FORMAT_NAME);
-            goto out;
+    status = parse_header(root, ck, msg, sizeof(msg));
+    if (status == SD_OK)
+        status = parse_groups(json_object_get(root, "groups"), ck, msg, sizeof(msg));
+    if (status == SD_OK)
+        status = parse_files(json_object_get(root, "files"), ck, msg, sizeof(msg));
+    if (status == SD_OK)
+        status = parse_tensors(json_object_get(root, "tensors"), ck, msg, sizeof(msg));
+    for (uint32_t t = 0; status == SD_OK && t < ck->n_tensors; t++)
+        if (ck->tensors[t].group >= ck->n_groups) {
+            snprintf(msg, sizeof(msg), "tensor %u '%s': group %u of %u", t, ck->tensors[t].name,
+                     ck->tensors[t].group, ck->n_groups);
+            status = SD_EINVAL;
         }
-        if (version != SD_CKPT_VERSION) {
-            snprintf(e, el, "format version %llu; this shardd reads version %d",
-                     (unsigned long long)version, SD_CKPT_VERSION);
-            goto out;
-        }
-        if (!get_str(root, "job", ck->job, sizeof(ck->job)) ||
-            !get_str(root, "plan", ck->plan, sizeof(ck->plan)) || !get_u64(root, "step", &step) ||
-            !get_u64(root, "world", &world) || !get_u64(root, "ranks_per_node", &k) ||
-            !get_u64(root, "nodes", &nodes) || !json_is_object(opt) ||
-            !get_str(opt, "kind", kind, sizeof(kind)) ||
-            !get_f32(opt, "max_grad_norm", &ck->max_grad_norm)) {
-            snprintf(e, el,
-                     "needs \"job\", \"plan\", \"step\", \"world\", \"ranks_per_node\", \"nodes\" "
-                     "and \"optimizer\" {\"kind\", \"max_grad_norm\"}");
-            goto out;
-        }
-        ck->step = step;
-        ck->world = (uint32_t)world;
-        ck->ranks_per_node = (uint32_t)k;
-        ck->nodes = (uint32_t)nodes;
-        if (strcmp(kind, "adamw") == 0)
-            ck->optim_kind = SD_OPTIM_ADAMW;
-        else if (strcmp(kind, "sgd") == 0)
-            ck->optim_kind = SD_OPTIM_SGD;
-        else {
-            snprintf(e, el, "optimizer kind '%s' is neither adamw nor sgd", kind);
-            goto out;
-        }
-        ck->n_states = sd_ckpt_states(ck->optim_kind);
-        json_t *groups = json_object_get(root, "groups");
-        if (!json_is_array(groups) || json_array_size(groups) == 0 ||
-            json_array_size(groups) > SD_MAX_GROUPS) {
-            snprintf(e, el, "\"groups\" must be an array of 1..%d parameter groups", SD_MAX_GROUPS);
-            goto out;
-        }
-        ck->n_groups = (uint32_t)json_array_size(groups);
-        ck->groups = calloc(ck->n_groups, sizeof(*ck->groups));
-        if (ck->groups == NULL) {
-            status = SD_ENOMEM;
-            snprintf(e, el, "out of memory");
-            goto out;
-        }
-        for (uint32_t g = 0; g < ck->n_groups; g++) {
-            json_t *o = json_array_get(groups, g);
-            struct sd_hparams *h = &ck->groups[g];
-            if (!get_f32(o, "lr", &h->lr) || !get_f32(o, "beta1", &h->beta1) ||
-                !get_f32(o, "beta2", &h->beta2) || !get_f32(o, "eps", &h->eps) ||
-                !get_f32(o, "weight_decay", &h->weight_decay) ||
-                !get_f32(o, "momentum", &h->momentum)) {
-                snprintf(e, el,
-                         "group %u: needs \"lr\", \"beta1\", \"beta2\", \"eps\", "
-                         "\"weight_decay\" and \"momentum\"",
-                         g);
-                goto out;
-            }
-        }
-        json_t *files = json_object_get(root, "files");
-        if (!json_is_array(files) || json_array_size(files) > SD_MAX_WORLD) {
-            snprintf(e, el, "\"files\" must be an array of file names");
-            goto out;
-        }
-        ck->n_files = (uint32_t)json_array_size(files);
-        ck->files = calloc(ck->n_files + 1, sizeof(*ck->files));
-        if (ck->files == NULL) {
-            status = SD_ENOMEM;
-            snprintf(e, el, "out of memory");
-            goto out;
-        }
-        for (uint32_t f = 0; f < ck->n_files; f++) {
-            json_t *v = json_array_get(files, f);
-            const char *s = json_is_string(v) ? json_string_value(v) : "";
-            if (s[0] == '\0' || s[0] == '.' || strchr(s, '/') != NULL ||
-                strlen(s) >= sizeof(ck->files[f])) {
-                snprintf(e, el, "file %u: '%s' is not a file name in the checkpoint", f, s);
-                goto out;
-            }
-            snprintf(ck->files[f], sizeof(ck->files[f]), "%s", s);
-        }
-        if ((status = parse_tensors(json_object_get(root, "tensors"), ck, e, el)) != SD_OK)
-            goto out;
-        status = SD_EINVAL;
-        for (uint32_t t = 0; t < ck->n_tensors; t++)
-            if (ck->tensors[t].group >= ck->n_groups) {
-                snprintf(e, el, "tensor %u '%s': group %u of %u", t, ck->tensors[t].name,
-                         ck->tensors[t].group, ck->n_groups);
-                goto out;
-            }
-        if ((status = parse_extents(json_object_get(root, "extents"), ck, e, el)) != SD_OK)
-            goto out;
-        status = SD_OK;
-    }
-out:
+    if (status == SD_OK)
+        status = parse_extents(json_object_get(root, "extents"), ck, msg, sizeof(msg));
     json_decref(root);
     if (status != SD_OK) {
         snprintf(err, errlen, "%s: %s", p, msg);
