@@ -1052,6 +1052,22 @@ int shard_group_hparams(const shard_ctx_t *ctx, uint32_t group, shard_hparams_t 
     return SD_OK;
 }
 
+/* Before a step or a save: no gradient buffer held (hint says what to do), every push reduced;
+ * an error names the call (what) */
+static int settle_pushes(shard_ctx_t *ctx, const char *what, const char *hint)
+{
+    if (ctx->held_unit >= 0)
+        return fail(ctx, SD_EBUSY, "%s: unit %lld's gradient buffer is held and not pushed%s", what,
+                    (long long)ctx->held_unit, hint);
+    int status = shard__push_flush(ctx);
+    if (status != SD_OK) {
+        char why[sizeof(ctx->err)];
+        memcpy(why, ctx->err, sizeof(why));
+        return fail(ctx, status, "%s: %s", what, why);
+    }
+    return SD_OK;
+}
+
 int shard_step(shard_ctx_t *ctx, double *grad_norm_p)
 {
     return shard_step_ex(ctx, NULL, grad_norm_p);
@@ -1068,17 +1084,8 @@ int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_
     uint32_t flags;
     if ((status = write_step_args(ctx, args, &flags)) != SD_OK)
         return status;
-    if (ctx->held_unit >= 0)
-        return fail(ctx, SD_EBUSY,
-                    "step: unit %lld's gradient buffer is held and not pushed (shard_push_staged "
-                    "it first)",
-                    (long long)ctx->held_unit);
-    status = shard__push_flush(ctx);
-    if (status != SD_OK) {
-        char why[sizeof(ctx->err)];
-        memcpy(why, ctx->err, sizeof(why));
-        return fail(ctx, status, "step: %s", why);
-    }
+    if ((status = settle_pushes(ctx, "step", " (shard_push_staged it first)")) != SD_OK)
+        return status;
     status = call(ctx, SD_OP_STEP, 0, flags, 0, &cqe);
     if (status == SD_OK && (flags & SD_STEP_ARG_HPARAMS))
         memcpy(ctx->hparams, args->groups, (size_t)ctx->n_groups * sizeof(*ctx->hparams));
@@ -1106,17 +1113,8 @@ int shard_save(shard_ctx_t *ctx, const char *dir, uint64_t *step_p)
     char path[SD_CKPT_PATH_MAX];
     if ((status = absolute_path(ctx, "save", dir, path)) != SD_OK)
         return status;
-    if (ctx->held_unit >= 0)
-        return fail(ctx, SD_EBUSY,
-                    "save: unit %lld's gradient buffer is held and not pushed; save between "
-                    "steps",
-                    (long long)ctx->held_unit);
-    status = shard__push_flush(ctx);
-    if (status != SD_OK) {
-        char why[sizeof(ctx->err)];
-        memcpy(why, ctx->err, sizeof(why));
-        return fail(ctx, status, "save: %s", why);
-    }
+    if ((status = settle_pushes(ctx, "save", "; save between steps")) != SD_OK)
+        return status;
     size_t len = strlen(path);
     memcpy(ctx->staging + ctx->save_path_off, path, len);
     status = call(ctx, SD_OP_SAVE, 0, len, 0, &cqe);
