@@ -70,6 +70,7 @@ struct shard_ctx {
      * of the last step */
     uint64_t step_args_off;
     uint64_t save_path_off, start_step;
+    bool resumed; /* the registration resumed a paused job */
     uint64_t bcast_bytes;
     uint32_t n_groups;
     shard_hparams_t *hparams;
@@ -111,6 +112,7 @@ SAME(ENOTHELD);
 SAME(ECONFIG);
 SAME(EPEER);
 SAME(ENONFINITE);
+SAME(EPAUSED);
 #undef SAME
 
 static int fail(shard_ctx_t *ctx, int status, const char *fmt, ...)
@@ -547,6 +549,7 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     ctx->step_args_off = rep->step_args_off;
     ctx->save_path_off = rep->save_path_off;
     ctx->start_step = rep->start_step;
+    ctx->resumed = rep->resumed;
     for (uint32_t g = 0; g < rep->n_groups; g++) { /* in force: a checkpoint's when loading one */
         struct sd_hparams h = sd_hparams_from_msg(rep->groups[g]);
         memcpy(&ctx->hparams[g], &h, sizeof(h));
@@ -709,6 +712,7 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
         return status;
     }
     reg.load = loading ? load : "";
+    reg.resume_timeout_ms = model->resume_timeout_ms;
     Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
     msg.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
     msg.register_ = &reg;
@@ -746,7 +750,8 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     ctx->world = model->world;
     ctx->registered = true;
     struct sd_cqe cqe;
-    if (model->rank == 0 && !loading && (status = load_initial(ctx, model)) != SD_OK)
+    if (model->rank == 0 && !loading && !ctx->resumed &&
+        (status = load_initial(ctx, model)) != SD_OK)
         return status;
     return call(ctx, SD_OP_READY, 0, 0, 0, &cqe);
 }
@@ -1131,6 +1136,11 @@ uint32_t shard_crc32c(uint32_t crc, const void *data, size_t len)
 uint64_t shard_start_step(const shard_ctx_t *ctx)
 {
     return ctx != NULL ? ctx->start_step : 0;
+}
+
+int shard_resumed(const shard_ctx_t *ctx)
+{
+    return ctx != NULL && ctx->resumed;
 }
 
 int shard_detach(shard_ctx_t *ctx)

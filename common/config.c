@@ -34,6 +34,11 @@ const struct sd_config_entry sd_config_table[] = {
      "deadline for a collective operation to gather all ranks and peers", 1},
     {"register_timeout_ms", SD_CFG_INT, "60000", 1, 3600000, OFF(register_timeout_ms),
      "deadline for all ranks of a job to register", 0},
+    {"resume_timeout_ms", SD_CFG_INT, "0", 0, 86400000, OFF(resume_timeout_ms),
+     "how long a job whose rank died stays paused, its state kept, for its ranks to register "
+     "again and resume from the last completed step (0: a dead rank ends the job); a job can "
+     "set its own at registration",
+     1},
     {"log_level", SD_CFG_STRING, "info", 0, 16, OFF(log_level), "error, warn, info, debug or trace",
      0},
     {"max_clients", SD_CFG_INT, "256", 1, 65536, OFF(max_clients),

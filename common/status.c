@@ -32,7 +32,8 @@
     X(SD_ENOTHELD, "unit is not held by this rank")                                                \
     X(SD_ECONFIG, "invalid configuration")                                                         \
     X(SD_EPEER, "a peer daemon failed")                                                            \
-    X(SD_ENONFINITE, "a gradient is not finite; the step was skipped")
+    X(SD_ENONFINITE, "a gradient is not finite; the step was skipped")                             \
+    X(SD_EPAUSED, "the job paused: a rank died; register it again to resume")
 
 const char *sd_status_str(int status)
 {

@@ -6,6 +6,7 @@
 #include "net.h"
 #include "secondary.h"
 #include "registry.h"
+#include "resume.h"
 #include "schedule.h"
 #include "server.h"
 #include "session.h"
@@ -83,15 +84,16 @@ static json_t *job_summary(const struct sd_job *job)
     json_t *doc = json_pack(
         "{s:s, s:I, s:s, s:b, s:i, s:i, s:i, s:s, s:i, s:I, s:I, s:I, s:I, s:f, "
         "s:s, s:o}",
-        "name", job->name, "id", (json_int_t)job->id, "state", sd_job_state_name(job->state),
-        "allocating", (int)job->mem.allocating, "uid", (int)job->uid, "world", (int)job->world,
-        "ranks_per_node", (int)job->k, "plan", job->plan.name, "units", (int)job->layout.n_units,
-        "parameters", (json_int_t)job->layout.total_numel, "parameter_bytes",
-        (json_int_t)job->layout.total_bytes, "memory_bytes", (json_int_t)job->mem.bytes_total,
-        "steps", (json_int_t)job->steps, "last_grad_norm", job->opt.last_grad_norm, "error",
-        job->fail_msg, "ranks", ranks);
+        "name", job->name, "id", (json_int_t)job->id, "state",
+        job->load.resume.paused ? "paused" : sd_job_state_name(job->state), "allocating",
+        (int)job->mem.allocating, "uid", (int)job->uid, "world", (int)job->world, "ranks_per_node",
+        (int)job->k, "plan", job->plan.name, "units", (int)job->layout.n_units, "parameters",
+        (json_int_t)job->layout.total_numel, "parameter_bytes", (json_int_t)job->layout.total_bytes,
+        "memory_bytes", (json_int_t)job->mem.bytes_total, "steps", (json_int_t)job->steps,
+        "last_grad_norm", job->opt.last_grad_norm, "error", job->fail_msg, "ranks", ranks);
     json_object_set_new(doc, "optimizer", optimizer_json(job));
     json_object_set_new(doc, "checkpoint", sd_ckpt_json(job));
+    json_object_set_new(doc, "resume", sd_resume_json(job));
     return doc;
 }
 

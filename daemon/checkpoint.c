@@ -63,6 +63,7 @@ struct sd_ckpt_job {
     Shard__JobSaved **reps; /* [nodes]: their reports (node 0's own is items) */
     struct sd_ckpt man;     /* the manifest being committed */
     uint64_t saves, bytes_saved, save_ns, loaded_bytes;
+    uint64_t load_start_ns, load_ns; /* loading the checkpoint: since, and how long it took */
 };
 
 struct ckpt_work {
@@ -219,11 +220,11 @@ json_t *sd_ckpt_json(const struct sd_job *job)
     const struct sd_ckpt_job *c = job->load.ckpt;
     if (c == NULL)
         return json_null();
-    return json_pack("{s:s, s:I, s:I, s:I, s:f, s:I, s:b}", "loaded_from",
+    return json_pack("{s:s, s:I, s:f, s:I, s:I, s:f, s:I, s:b}", "loaded_from",
                      c->load ? c->src.path : "", "loaded_bytes", (json_int_t)c->loaded_bytes,
-                     "saves", (json_int_t)c->saves, "saved_bytes", (json_int_t)c->bytes_saved,
-                     "last_save_ms", (double)c->save_ns / 1e6, "save_seq", (json_int_t)c->seq,
-                     "busy", c->busy);
+                     "load_ms", (double)c->load_ns / 1e6, "saves", (json_int_t)c->saves,
+                     "saved_bytes", (json_int_t)c->bytes_saved, "last_save_ms",
+                     (double)c->save_ns / 1e6, "save_seq", (json_int_t)c->seq, "busy", c->busy);
 }
 
 /* ---- loading */
@@ -314,14 +315,17 @@ static void load_after(struct sd_job *job)
     for (uint32_t g = 0; g < c->src.n_groups; g++)
         job->opt.hparams[g] = c->src.groups[g];
     job->steps = c->src.step;
-    SD_INFO("job", "job '%s': loaded step %llu from %s (%.1f MiB read)", job->name,
-            (unsigned long long)c->src.step, c->src.path, (double)c->loaded_bytes / 1048576.0);
+    c->load_ns = sd_now_ns() - c->load_start_ns;
+    SD_INFO("job", "job '%s': loaded step %llu from %s (%.1f MiB read in %.1f ms)", job->name,
+            (unsigned long long)c->src.step, c->src.path, (double)c->loaded_bytes / 1048576.0,
+            (double)c->load_ns / 1e6);
     sd_loading_loaded(job);
 }
 
 void sd_ckpt_load_start(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
+    c->load_start_ns = sd_now_ns();
     uint64_t floats = 0;
     for (uint32_t u = 0; u < job->layout.n_units; u++)
         floats += unit_block(job, u, NULL, NULL);

@@ -24,6 +24,11 @@ static bool check_ready(struct sd_job *job, struct sd_session *s, const struct s
     /* after a clean detach the shards are intact: fetch and release still work (to read the
      * final weights); collectives that need every rank do not */
     bool local_op = e->op == SD_OP_FETCH || e->op == SD_OP_RELEASE;
+    if (job->state == SD_JOB_FAILED && job->fail_status == SD_EPAUSED) {
+        /* paused (or resumed by a later job): the message says the step and what to do */
+        sd_session_fail(s, e, SD_EPAUSED, "%s: %s", sd_op_name((int)e->op), job->fail_msg);
+        return false;
+    }
     if (job->state == SD_JOB_FAILED || (job->state == SD_JOB_CLOSING && !local_op)) {
         sd_session_fail(s, e, SD_EJOBFAILED, "%s: job '%s' %s: %s", sd_op_name((int)e->op),
                         job->name, sd_job_state_name(job->state), job->fail_msg);
@@ -125,7 +130,10 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches)
 {
     char text[SD_OP_MSG_LEN];
-    snprintf(text, sizeof(text), "job '%s' failed: %s", job->name, msg);
+    if (status == SD_EPAUSED)
+        snprintf(text, sizeof(text), "%s", msg);
+    else
+        snprintf(text, sizeof(text), "job '%s' failed: %s", job->name, msg);
     if (job->push.round_entries != NULL) {
         size_t n = (size_t)job->layout.n_units * job->push.g_groups * job->push.round_gens;
         for (size_t ri = 0; ri < n; ri++) {

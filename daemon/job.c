@@ -6,6 +6,7 @@
 #include "net.h"
 #include "ops.h"
 #include "registry.h"
+#include "resume.h"
 #include "server.h"
 #include "session.h"
 #include "sd/model_msg.h"
@@ -39,6 +40,7 @@ void sd_job_free(struct sd_job *job)
     free(job->load.ready_waiting);
     free(job->load.ready_tags);
     sd_ckpt_job_free(job);
+    sd_resume_unlink(job);
     free(job);
 }
 
@@ -77,8 +79,8 @@ void sd_job_retire(struct sd_job *job)
 void sd_job_bury(struct sd_job *job)
 {
     sd_job_mem_free(job);
-    if (job->state != SD_JOB_FAILED)
-        job->state = SD_JOB_FINISHED;
+    if (job->state != SD_JOB_FAILED || job->load.resume.resumed)
+        job->state = SD_JOB_FINISHED; /* a job resumed by another one ended as it should */
     SD_INFO("job", "job '%s' (id %llu) %s after %llu steps; memory released", job->name,
             (unsigned long long)job->id, sd_job_state_name(job->state),
             (unsigned long long)job->steps);
@@ -130,7 +132,8 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     rep.step_args_off = job->mem.step_args_off;
     rep.step_args_bytes = job->mem.step_args_bytes;
     rep.save_path_off = job->mem.save_path_off;
-    rep.start_step = sd_ckpt_start_step(job);
+    rep.start_step = sd_resume_start_step(job);
+    rep.resumed = job->load.resume.resuming;
     uint32_t n_groups = sd_model_groups(&job->model);
     Shard__Optimizer *gd = calloc(n_groups, sizeof(*gd));
     Shard__Optimizer **gp = calloc(n_groups, sizeof(*gp));
@@ -140,7 +143,9 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
         goto out;
     }
     for (uint32_t g = 0; g < n_groups; g++) {
-        struct sd_hparams h = sd_ckpt_hparams(job, g);
+        struct sd_hparams h;
+        if (!sd_resume_hparams(job, g, &h))
+            h = sd_ckpt_hparams(job, g);
         sd_hparams_to_msg(&h, job->model.optim.kind, &gd[g]);
         gp[g] = &gd[g];
     }
@@ -201,7 +206,9 @@ static void job_start_loading(struct sd_job *job)
             return;
         }
     }
-    if (sd_ckpt_loading(job))
+    if (job->load.resume.resuming)
+        sd_resume_load(job); /* every node takes its part of the paused job over */
+    else if (sd_ckpt_loading(job))
         sd_ckpt_load_start(job); /* every node reads its part of the checkpoint */
     else if (job->nodes > 1)
         sd_loading_start(job);
@@ -242,8 +249,14 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
      * before this call returns (node 0 decides locally): touch nothing of job afterwards */
     job->register_deadline_ns =
         sd_now_ns() + 2 * (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL;
-    sd_cluster_report_job(job->reg->net->cl, job->name, job->digest, job->world, job->nodes, status,
-                          status == SD_OK ? "" : err);
+    sd_cluster_report_job(job->reg->net->cl,
+                          &(struct sd_job_report){.job = job->name,
+                                                  .digest = job->digest,
+                                                  .world = job->world,
+                                                  .start_step = sd_resume_start_step(job),
+                                                  .resumed = job->load.resume.resuming,
+                                                  .status = status,
+                                                  .msg = status == SD_OK ? "" : err});
 }
 
 bool sd_job_name_valid(const char *name)
@@ -331,6 +344,7 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->nodes = nodes;
     if (status == SD_OK)
         status = sd_ckpt_job_init(job, msg->load, err, errlen);
+    sd_resume_init(job, msg->resume_timeout_ms);
     uint32_t fw = job->plan.f[SD_STATE_W], fg = job->plan.f[SD_STATE_G];
     for (int st = 0; st < SD_STATE_COUNT; st++)
         job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
@@ -387,7 +401,8 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
 
     struct sd_job *job = sd_registry_find(reg, name);
     if (job == NULL) {
-        if (reg->n_jobs >= (uint32_t)reg->cfg->max_jobs) {
+        struct sd_job *paused = sd_resume_find(reg, name);
+        if (reg->n_jobs >= (uint32_t)reg->cfg->max_jobs && paused == NULL) {
             sd_conn_send_error(c, SD_EBUSY,
                                "register job '%s': %u jobs are served, max_jobs is "
                                "%lld",
@@ -400,6 +415,12 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
         if (job == NULL) {
             sd_conn_send_error(c, cst, "register job '%s' rank %u: %s", name, msg->rank, err);
             sd_model_free(&model);
+            return;
+        }
+        if (paused != NULL &&
+            (cst = sd_resume_attach(job, paused, msg->load, err, sizeof(err))) != SD_OK) {
+            sd_conn_send_error(c, cst, "register job '%s' rank %u: %s", name, msg->rank, err);
+            sd_job_destroy(job);
             return;
         }
         SD_INFO("job", "job '%s' (id %llu) created by pid %d: world %u, plan %s", job->name,
@@ -435,6 +456,14 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
                                "%u / %llu of the other ranks",
                                name, msg->world, (unsigned long long)msg->max_live_bytes,
                                job->world, (unsigned long long)job->mem.max_live_bytes);
+        } else if ((msg->resume_timeout_ms
+                        ? msg->resume_timeout_ms
+                        : (uint64_t)reg->cfg->resume_timeout_ms) != job->load.resume.timeout_ms) {
+            sd_conn_send_error(c, SD_EMISMATCH,
+                               "register job '%s' rank %u: resume_timeout_ms %llu differs from "
+                               "%llu of the other ranks",
+                               name, msg->rank, (unsigned long long)msg->resume_timeout_ms,
+                               (unsigned long long)job->load.resume.timeout_ms);
         } else {
             sd_model_free(&model);
             goto add_rank;
@@ -472,11 +501,15 @@ add_rank:
         sd_job_mem_alloc(job);
 }
 
-static void job_fail_text(struct sd_job *job, int status, const char *text, bool tell_peers)
+void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tell_peers)
 {
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
         return;
-    SD_WARN("job", "job '%s' failed: %s", job->name, text);
+    if (status == SD_EPAUSED)
+        SD_WARN("job", "%s", text);
+    else
+        SD_WARN("job", "job '%s' failed: %s", job->name, text);
+    job->load.resume.pending = false; /* a failure mid-step: the state is not a step's */
     bool registering = job->state == SD_JOB_REGISTERING;
     job->state = SD_JOB_FAILED;
     job->fail_status = status;
@@ -485,7 +518,12 @@ static void job_fail_text(struct sd_job *job, int status, const char *text, bool
     if (job->nodes > 1 && !registering) {
         sd_job_net_cancel(job);
         if (tell_peers)
-            sd_cluster_abort_job(job->reg->net->cl, job->name, job->nodes, status, text);
+            sd_cluster_abort_job(job->reg->net->cl, &(struct sd_job_abort){.job = job->name,
+                                                                           .nodes = job->nodes,
+                                                                           .tag = job->xfer.tag,
+                                                                           .step = job->steps,
+                                                                           .status = status,
+                                                                           .msg = text});
     }
     sd_job_fail_parked(job, status, text, true);
 }
@@ -512,7 +550,7 @@ void sd_job_count_error(struct sd_job *job)
 
 void sd_job_fail_from_peer(struct sd_job *job, int status, const char *text)
 {
-    job_fail_text(job, status, text, false);
+    sd_job_fail_text(job, status, text, false);
 }
 
 void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
@@ -522,16 +560,31 @@ void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
-    job_fail_text(job, status, text, true);
+    sd_job_fail_text(job, status, text, true);
 }
 
 void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
 {
     if (job->state == SD_JOB_REGISTERING) {
+        bool complete = job->n_registered == job->k;
         job_unlink_rank(job, s);
         job->n_registered--;
-        if (job->n_registered == 0)
+        if (complete) {
+            /* the node reported the registration (across nodes the coordinator may have
+             * confirmed it already): it cannot go on without this rank; end it everywhere */
+            char text[160];
+            snprintf(text, sizeof(text), "rank %u (pid %d) %s while the job registered", s->rank,
+                     (int)s->conn->pid, reason);
+            if (job->nodes > 1)
+                sd_cluster_abort_job(job->reg->net->cl,
+                                     &(struct sd_job_abort){.job = job->name,
+                                                            .nodes = job->nodes,
+                                                            .status = SD_ECONNRESET,
+                                                            .msg = text});
+            sd_job_refuse(job, SD_ECONNRESET, text);
+        } else if (job->n_registered == 0) {
             sd_job_destroy(job);
+        }
         return;
     }
     if (s->registered)
@@ -550,11 +603,11 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
                  s->rank, (int)s->conn->pid, (unsigned long long)job->steps);
         SD_INFO("job", "job '%s' closing: %s", job->name, job->fail_msg);
         sd_job_fail_parked(job, SD_EJOBFAILED, job->fail_msg, false);
-    } else {
+    } else if (!sd_resume_rank_died(job, s, reason)) {
         sd_job_fail(job, SD_EJOBFAILED, "rank %u (pid %d) %s after step %llu", s->rank,
                     (int)s->conn->pid, reason, (unsigned long long)job->steps);
     }
-    if (job->n_left < job->k)
+    if (job->n_left < job->k || sd_resume_all_left(job))
         return;
     /* across nodes the job ends when every node's ranks left: peers may still gather this
      * node's shards (a rank saving the final weights) */
@@ -601,6 +654,7 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
         sd_job_destroy(job);
         return;
     }
+    sd_resume_sweep(job, now); /* may drop the job */
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
         return;
     if (job->nodes > 1 && job->state == SD_JOB_READY) {

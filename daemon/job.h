@@ -161,9 +161,29 @@ struct sd_step_state {
     uint32_t *os_pos; /* [f_os]: where in an os-partition group the owner of os shard p is */
 };
 
-/* Loading the initial values (rank 0's, or a checkpoint's) and the ready barrier (loading.c),
- * and the job's checkpoints (checkpoint.c). */
+/* A job that outlives a dead rank (resume.c). With a resume timeout, a rank's death pauses the
+ * job: it fails with SD_EPAUSED, its state stays for the timeout, and a registration of the same
+ * name and model is a new job that takes the state over (paused stays set until then). */
+struct sd_resume_state {
+    uint64_t timeout_ms; /* 0: a dead rank ends the job */
+    bool paused;         /* its state waits to be taken over */
+    bool pending;        /* a rank died mid-step: pause once the step is over */
+    bool pending_peer;   /* the pause came from another node: why is its message */
+    bool wait;           /* resuming: a save of the paused job still runs; the sweep retries */
+    bool was_paused;     /* it ends on this node alone, without the cluster */
+    bool resuming;       /* this job started from a paused one */
+    bool resumed;        /* a later job took the state over */
+    uint64_t deadline_ns;
+    uint64_t start_step; /* resuming: the step the paused job had taken */
+    char why[384];       /* pending: what happened (a peer's message) */
+    struct sd_job *from; /* resuming: the paused job, until its state is taken over */
+    struct sd_job *by;   /* paused: the job taking its state over */
+};
+
+/* Loading the initial values (rank 0's, a checkpoint's, or a paused job's) and the ready barrier
+ * (loading.c), the job's checkpoints (checkpoint.c) and resuming (resume.c). */
 struct sd_load_state {
+    struct sd_resume_state resume;
     struct sd_ckpt_job *ckpt; /* checkpoints: the one loaded, saves (checkpoint.c) */
     bool *ready_waiting;      /* [k] */
     uint64_t *ready_tags;     /* [k] */
@@ -215,7 +235,7 @@ struct sd_job {
     uid_t uid;
     enum sd_job_state state;
     int fail_status;
-    char fail_msg[256];
+    char fail_msg[384];
     struct sd_model model;
     uint64_t digest;
     struct sd_plan plan;
@@ -254,6 +274,9 @@ bool sd_job_name_valid(const char *name);
  * nodes are told. */
 void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* The same with the text as it is; tell_peers: the job's other nodes are told (with the steps
+ * taken, so that a pause, status SD_EPAUSED, happens at the same step everywhere: resume.h). */
+void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tell_peers);
 /* The same for a failure another node reported: nobody else is told. */
 void sd_job_fail_from_peer(struct sd_job *job, int status, const char *text);
 /* Refuse the registration to every local rank and drop the job. */

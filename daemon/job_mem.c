@@ -10,6 +10,7 @@
 #include "registry.h"
 #include "sd/ckpt.h"
 #include "sd/log.h"
+#include "resume.h"
 #include "sd/status.h"
 #include "sd/util.h"
 #include <stdio.h>
@@ -226,7 +227,8 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     const struct sd_config *cfg = reg->cfg;
     const struct sd_layout *l = &job->layout;
     struct job_bytes need = job_bytes_needed(job, cfg);
-    uint64_t budget = reg->budget;
+    /* resuming: the paused job's memory comes back once its state is taken over */
+    uint64_t budget = reg->budget + sd_resume_reclaim(job);
     char b1[32], b2[32], b3[32];
 
     if (need.pool < l->max_unit_bytes) {

@@ -89,7 +89,8 @@ void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_
     }
     job->load.ready_waiting[s->local] = true;
     job->load.ready_tags[s->local] = e->tag;
-    if (sd_ckpt_loading(job)) { /* ready once this node read its part (sd_loading_loaded) */
+    if (sd_ckpt_loading(job) || job->load.resume.resuming) {
+        /* ready once this node read (or took over) its part (sd_loading_loaded) */
         if (job->load.done)
             set_ready(job);
         return;

@@ -6,6 +6,7 @@
 #include "net.h"
 #include "ops.h"
 #include "registry.h"
+#include "resume.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -29,8 +30,8 @@ void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
 
 struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
 {
-    for (struct sd_job *j = reg->jobs; j; j = j->next)
-        if (strcmp(j->name, name) == 0)
+    for (struct sd_job *j = reg->jobs; j; j = j->next) /* paused: its name is free (resume.h) */
+        if (strcmp(j->name, name) == 0 && !j->load.resume.paused)
             return j;
     return NULL;
 }
@@ -38,6 +39,8 @@ struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
 struct sd_job *sd_registry_find_any(struct sd_registry *reg, const char *name)
 {
     struct sd_job *j = sd_registry_find(reg, name);
+    if (j == NULL)
+        j = sd_resume_find(reg, name);
     struct sd_job *lists[2] = {reg->zombies, reg->finished}; /* retiring, then recently ended */
     for (int i = 0; i < 2 && j == NULL; i++)
         for (struct sd_job *f = lists[i]; j == NULL && f; f = f->next)
@@ -65,11 +68,16 @@ static void ev_job_refused(void *ctx, const char *name, int status, const char *
         sd_job_refuse(job, status, msg);
 }
 
-static void ev_job_aborted(void *ctx, const char *name, int status, const char *msg)
+static void ev_job_aborted(void *ctx, const char *name, uint32_t tag, int status, uint64_t step,
+                           const char *msg)
 {
     struct sd_job *job = sd_registry_find(ctx, name);
-    if (job == NULL)
+    if (job == NULL || (tag != 0 && job->xfer.tag != tag))
+        return; /* (a later job of the same name) */
+    if (status == SD_EPAUSED) {
+        sd_resume_peer_paused(job, step, msg);
         return;
+    }
     if (job->state == SD_JOB_REGISTERING) {
         sd_job_refuse(job, status, msg);
         return;

@@ -8,6 +8,7 @@
 #include "net.h"
 #include "ops.h"
 #include "quant.h"
+#include "resume.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -63,6 +64,7 @@ static void step_answer(struct sd_job *job, int status, const char *msg)
         job->step.waiting[r] = false;
     }
     job->step.arrived = 0;
+    sd_resume_step_over(job); /* a rank died in the step: the job pauses now */
 }
 
 static void step_done(struct sd_job *job)

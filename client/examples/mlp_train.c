@@ -37,6 +37,7 @@ struct opts {
     const char *socket, *job, *plan, *optimizer, *dump;
     const char *save_dir, *load; /* --save-dir, --load */
     int save_every;
+    uint64_t resume_timeout_ms; /* --resume-timeout-ms: a paused job is registered again */
     int rank, world, steps, accum, batch, hidden, layers;
     bool bf16, reference, quiet, timing;
     bool zero_copy;    /* gradients written into shardd's staging buffer (shard_grad_buffer) */
@@ -585,13 +586,14 @@ static int run_reference(const struct opts *o, const struct model *m)
 
 /* ---- training through shardd */
 
+#define RC_PAUSED 75 /* run_shardd: the job paused (another rank died); register again */
 #define CHECK(call)                                                                                \
     do {                                                                                           \
         int st_ = (call);                                                                          \
         if (st_ != SHARD_OK) {                                                                     \
             fprintf(stderr, "mlp_train rank %d: %s failed: %s: %s\n", o->rank, #call,              \
                     shard_strerror(st_), shard_last_error(ctx));                                   \
-            rc = 1;                                                                                \
+            rc = st_ == SHARD_EPAUSED && o->resume_timeout_ms > 0 ? RC_PAUSED : 1;                 \
             goto out;                                                                              \
         }                                                                                          \
     } while (0)
@@ -690,9 +692,12 @@ static int run_shardd(const struct opts *o, const struct model *m)
         .init = (const float *const *)init,
         .max_live_bytes = o->max_live_bytes,
         .load = o->load,
+        .resume_timeout_ms = o->resume_timeout_ms,
     };
     CHECK(shard_register(ctx, &model));
     int first = (int)shard_start_step(ctx);
+    if (shard_resumed(ctx))
+        printf("rank %d: resumed the paused job after step %d\n", o->rank, first);
     if (o->load != NULL && !o->quiet && o->rank == 0)
         printf("rank 0: loaded step %d from %s\n", first, o->load);
 
@@ -899,6 +904,7 @@ static void usage(FILE *out)
             "                 [--dump-params FILE] [--reference] [--compute-only] [--quiet]\n"
             "                 [--timing] [--zero-copy] [--final-loss] [--nonfinite STEP]\n"
             "                 [--save-every N --save-dir DIR] [--load DIR]\n"
+            "                 [--resume-timeout-ms MS]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
@@ -924,7 +930,10 @@ static void usage(FILE *out)
             "--save-every N --save-dir DIR saves a checkpoint (shard_save) after every N steps\n"
             "into DIR/step-NNNNNNNN and points DIR/LATEST at it; --load DIR starts from DIR's\n"
             "LATEST checkpoint (or DIR, a checkpoint) under any world and plan and trains from\n"
-            "its step to --steps; with --reference the checkpoint is read without shardd.\n",
+            "its step to --steps; with --reference the checkpoint is read without shardd.\n"
+            "--resume-timeout-ms MS registers the job with that resume timeout: when a rank\n"
+            "dies the job pauses, and this rank, told so (SHARD_EPAUSED), registers again\n"
+            "and continues from the step the job paused at; a restarted rank does the same.\n",
             IN_DIM, OUT_DIM, MAX_LAYERS);
 }
 
@@ -1021,6 +1030,8 @@ int main(int argc, char **argv)
             o.save_every = atoi(v);
         } else if (ARG("--save-dir")) {
             o.save_dir = v;
+        } else if (ARG("--resume-timeout-ms")) {
+            o.resume_timeout_ms = strtoull(v, NULL, 10);
         } else if (ARG("--load")) {
             o.load = v;
         } else if (ARG("--dump-params")) {
@@ -1056,5 +1067,14 @@ int main(int argc, char **argv)
     }
     if (o.compute_only)
         return run_compute_only(&o, &m);
-    return o.reference ? run_reference(&o, &m) : run_shardd(&o, &m);
+    if (o.reference)
+        return run_reference(&o, &m);
+    /* a paused job (another rank died): register again and go on from where it paused */
+    int rc = run_shardd(&o, &m);
+    for (int again = 0; rc == RC_PAUSED && again < 16; again++) {
+        printf("rank %d: the job paused; registering again\n", o.rank);
+        fflush(stdout);
+        rc = run_shardd(&o, &m);
+    }
+    return rc == RC_PAUSED ? 1 : rc;
 }

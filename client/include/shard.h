@@ -22,7 +22,7 @@ extern "C" {
 #define SHARD_API __attribute__((visibility("default")))
 
 #define SHARD_VERSION_MAJOR 0
-#define SHARD_VERSION_MINOR 4
+#define SHARD_VERSION_MINOR 5
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
 enum {
@@ -55,6 +55,9 @@ enum {
     SHARD_EPEER = -1009,
     SHARD_ENONFINITE = -1010, /* shard_step: a gradient was NaN or infinite; the step was skipped
                                  (gradients discarded, weights unchanged) and the job goes on */
+    SHARD_EPAUSED = -1011,    /* a rank of a job with resume_timeout_ms died: the job paused at
+                                 the step the message names; register again (every rank) to
+                                 resume from it (shard_start_step) */
 };
 
 typedef enum { SHARD_FP32 = 0, SHARD_BF16 = 1, SHARD_FP16 = 2 } shard_dtype_t;
@@ -125,6 +128,13 @@ typedef struct {
      * step counts and the groups' hyperparameters are the checkpoint's; shard_start_step says
      * its step, shard_group_hparams its hyperparameters. */
     const char *load;
+    /* how long the job stays paused when one of its ranks dies (0: the daemon's
+     * resume_timeout_ms, which is 0 unless configured: a dead rank ends the job). While the job
+     * is paused the other ranks' calls fail with SHARD_EPAUSED, naming the rank and the step;
+     * every rank that registers again (same job name and model, load NULL) within the timeout
+     * joins it and continues from that step: shard_start_step, as after a load. A step half
+     * done when the rank died is discarded. Every rank gives the same. */
+    uint64_t resume_timeout_ms;
 } shard_model_t;
 
 /* What shard_step_ex takes. Every rank of the job must give the same hyperparameters. */
@@ -212,8 +222,10 @@ SHARD_API int shard_group_hparams(const shard_ctx_t *ctx, uint32_t group, shard_
  * system across nodes). A failed save leaves the last checkpoint as it was; the job goes on. */
 SHARD_API int shard_save(shard_ctx_t *ctx, const char *dir, uint64_t *step_p);
 /* The steps the job had taken when this rank registered: the checkpoint's step when it loaded
- * one (shard_model_t.load), else 0. */
+ * one (shard_model_t.load), the paused job's when it resumed one (shard_resumed), else 0. */
 SHARD_API uint64_t shard_start_step(const shard_ctx_t *ctx);
+/* 1 if the registration resumed a paused job (shard_model_t.resume_timeout_ms), else 0. */
+SHARD_API int shard_resumed(const shard_ctx_t *ctx);
 /* CRC-32C (Castagnoli) of len bytes, chained from crc (0 to start): a checkpoint extent's
  * "crc32c" (README, Checkpoint format), for readers of checkpoints such as shard.checkpoint. */
 SHARD_API uint32_t shard_crc32c(uint32_t crc, const void *data, size_t len);

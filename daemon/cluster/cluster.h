@@ -23,8 +23,10 @@ struct sd_cluster_events {
     /* the coordinator's decision on a registration */
     void (*job_confirmed)(void *ctx, const char *job, uint32_t tag);
     void (*job_refused)(void *ctx, const char *job, int status, const char *msg);
-    /* the job failed on another node */
-    void (*job_aborted)(void *ctx, const char *job, int status, const char *msg);
+    /* the job failed (or paused, status SD_EPAUSED) on another node; tag: its transport tag (0:
+     * not known), step: the steps it had taken there */
+    void (*job_aborted)(void *ctx, const char *job, uint32_t tag, int status, uint64_t step,
+                        const char *msg);
     /* node 0's rank 0 loaded the initial values */
     void (*job_remote_ready)(void *ctx, const char *job);
     /* every node's ranks left the job */
@@ -54,12 +56,29 @@ bool sd_cluster_fatal(const struct sd_cluster *cl);
 bool sd_cluster_alive(const struct sd_cluster *cl, uint32_t node);
 uint32_t sd_cluster_nodes(const struct sd_cluster *cl);
 
-/* A job finished registering on this node (status 0) or failed to. */
-void sd_cluster_report_job(struct sd_cluster *cl, const char *job, uint64_t digest, uint32_t world,
-                           uint32_t job_nodes, int status, const char *msg);
-/* Tell every node of the job that it failed here. */
-void sd_cluster_abort_job(struct sd_cluster *cl, const char *job, uint32_t job_nodes, int status,
-                          const char *msg);
+/* A job finished registering on this node (status 0) or failed to. The coordinator confirms it
+ * once every node reported the same model, world and start: the step it starts from, and
+ * whether it resumes a paused job. */
+struct sd_job_report {
+    const char *job;
+    uint64_t digest;
+    uint32_t world;
+    uint64_t start_step;
+    bool resumed;
+    int status;
+    const char *msg;
+};
+void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *r);
+/* Tell every node of the job that it failed (or paused: status SD_EPAUSED) here, after step
+ * steps; tag: the job's transport tag. */
+struct sd_job_abort {
+    const char *job;
+    uint32_t nodes, tag;
+    uint64_t step;
+    int status;
+    const char *msg;
+};
+void sd_cluster_abort_job(struct sd_cluster *cl, const struct sd_job_abort *a);
 /* Node 0: rank 0 finished loading the initial values. */
 void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, uint32_t job_nodes);
 /* A member wrote its part of a save: tell node 0. */

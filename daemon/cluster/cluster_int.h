@@ -39,6 +39,9 @@ struct coord_job {
     uint8_t *seen;
     uint64_t digest;
     uint32_t world;
+    uint64_t start_step; /* the first report's (a resume's step, a checkpoint's) */
+    bool resumed;
+    uint32_t first; /* the node that reported first */
     int status;
     char msg[512];
     uint64_t deadline_ns;

@@ -82,6 +82,9 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
     if (j->reported == 1) {
         j->digest = rep->digest;
         j->world = rep->world;
+        j->start_step = rep->start_step;
+        j->resumed = rep->resumed;
+        j->first = rep->node;
     }
     if (j->status == SD_OK) {
         if (rep->status != SD_OK) {
@@ -94,6 +97,16 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
                      "%016llx (world %u): every rank must register the same model",
                      rep->job, rep->node, (unsigned long long)rep->digest, rep->world,
                      (unsigned long long)j->digest, j->world);
+        } else if (rep->resumed != j->resumed || rep->start_step != j->start_step) {
+            /* a resume takes every node's paused state over, all of the same step */
+            j->status = SD_EMISMATCH;
+            snprintf(j->msg, sizeof(j->msg),
+                     "job '%s': node %u %s step %llu, node %u %s step %llu: every node must "
+                     "resume the same paused job (was resume_timeout_ms over on one of them?)",
+                     rep->job, rep->node, rep->resumed ? "resumes a paused job after" : "starts at",
+                     (unsigned long long)rep->start_step, j->first,
+                     j->resumed ? "resumes a paused job after" : "starts at",
+                     (unsigned long long)j->start_step);
         }
     }
     if (j->reported == j->nodes || j->status != SD_OK)
@@ -194,17 +207,17 @@ bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, uint32_t job_no
     return true;
 }
 
-void sd_cluster_report_job(struct sd_cluster *cl, const char *job, uint64_t digest, uint32_t world,
-                           uint32_t job_nodes, int status, const char *msg)
+void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *jr)
 {
     Shard__JobReport r = SHARD__JOB_REPORT__INIT;
-    r.job = (char *)job;
+    r.job = (char *)jr->job;
     r.node = cl->self;
-    r.digest = digest;
-    r.world = world;
-    r.status = status;
-    r.message = (char *)(msg ? msg : "");
-    (void)job_nodes;
+    r.digest = jr->digest;
+    r.world = jr->world;
+    r.start_step = jr->start_step;
+    r.resumed = jr->resumed;
+    r.status = jr->status;
+    r.message = (char *)(jr->msg ? jr->msg : "");
     if (cl->self == 0) {
         sd_cluster__coord_report(cl, &r);
         return;
@@ -215,14 +228,17 @@ void sd_cluster_report_job(struct sd_cluster *cl, const char *job, uint64_t dige
     sd_cluster__send_to(cl, 0, &m);
 }
 
-void sd_cluster_abort_job(struct sd_cluster *cl, const char *job, uint32_t job_nodes, int status,
-                          const char *msg)
+void sd_cluster_abort_job(struct sd_cluster *cl, const struct sd_job_abort *ja)
 {
+    const char *job = ja->job;
+    uint32_t job_nodes = ja->nodes;
     Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
     a.job = (char *)job;
-    a.status = status;
-    a.message = (char *)msg;
+    a.status = ja->status;
+    a.message = (char *)ja->msg;
     a.origin = cl->self;
+    a.tag = ja->tag;
+    a.step = ja->step;
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
     m.job_abort = &a;

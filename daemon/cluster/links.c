@@ -329,7 +329,7 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
                 if (i != a->origin)
                     sd_cluster__link_send(cl->by_node[i], m);
         }
-        cl->ev.job_aborted(cl->ev.ctx, a->job, a->status, a->message);
+        cl->ev.job_aborted(cl->ev.ctx, a->job, a->tag, a->status, a->step, a->message);
         break;
     }
     case SHARD__PEER_MSG__MSG_JOB_READY:

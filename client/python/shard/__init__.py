@@ -31,6 +31,7 @@ EPERM = -1  # a write into the gathered weights was caught (they are read-only)
 EINVAL, ENOSPC, ETIMEDOUT, ECONNRESET = -22, -28, -110, -104
 ESTATE, EMISMATCH, EJOBFAILED, EVERSION = -1001, -1002, -1003, -1004
 ENOUNIT, ENOJOB, ENOTHELD, ECONFIG, EPEER = -1005, -1006, -1007, -1008, -1009
+EPAUSED = -1011  # a rank died: the job paused; register again (every rank) to resume from ctx.start_step
 ENONFINITE = -1010  # step: a gradient was NaN or infinite; the step was skipped, the job goes on
 
 
@@ -79,7 +80,8 @@ class _Model(ctypes.Structure):
                 ("init", ctypes.POINTER(ctypes.POINTER(ctypes.c_float))),
                 ("max_live_bytes", ctypes.c_uint64), ("groups", ctypes.POINTER(_HParams)),
                 ("n_groups", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("bcast_bytes", ctypes.c_uint64), ("load", ctypes.c_char_p)]
+                ("bcast_bytes", ctypes.c_uint64), ("load", ctypes.c_char_p),
+                ("resume_timeout_ms", ctypes.c_uint64)]
 
 SKIP_UNUSED = 1  # shard_model_t.flags: tensors no rank gave a gradient in a step are not updated
 
@@ -152,6 +154,8 @@ _lib.shard_detach.argtypes = [_c.c_void_p]
 _lib.shard_save.argtypes = [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_uint64)]
 _lib.shard_start_step.argtypes = [_c.c_void_p]
 _lib.shard_start_step.restype = _c.c_uint64
+_lib.shard_resumed.argtypes = [_c.c_void_p]
+_lib.shard_resumed.restype = _c.c_int
 _lib.shard_crc32c.argtypes = [_c.c_uint32, _c.c_void_p, _c.c_size_t]
 _lib.shard_crc32c.restype = _c.c_uint32
 _lib.shard_strerror.argtypes = [_c.c_int]
@@ -234,7 +238,7 @@ class Context:
             raise ShardError(st, msg, call)
 
     def register(self, job, rank, world, plan, tensors, optimizer, init=None, max_live_bytes=0,
-                 groups=None, skip_unused=False, bcast_bytes=0, load=None):
+                 groups=None, skip_unused=False, bcast_bytes=0, load=None, resume_timeout_ms=0):
         """Register the model (every rank the same tensors). init (rank 0): one fp32 buffer per
         tensor (objects with the buffer protocol or ctypes addresses), None for zeros.
         groups: None, or one dict of hyperparameters per parameter group (lr, betas, eps,
@@ -243,7 +247,10 @@ class Context:
         has_grad says which this rank gave). bcast_bytes: what rank 0 broadcasts with each step
         (step's bcast). load: a checkpoint to start from (a directory of them, meaning its
         LATEST, or one), written by save() under any world and plan; start_step is then its
-        step."""
+        step. resume_timeout_ms: when a rank dies the job pauses for that long (0: the daemon's
+        resume_timeout_ms) and calls raise ShardError with status EPAUSED; registering every
+        rank again (same job and model) resumes it: resumed is True and start_step the step it
+        paused after."""
         n = len(tensors)
         keep = []  # keep ctypes objects alive during the call
         arr = (_Tensor * n)()
@@ -283,9 +290,10 @@ class Context:
         self.n_groups = max(1, ng)
         model = _Model(jobb, rank, world, planb, arr, n, opt, init_arr, int(max_live_bytes),
                        garr, ng, SKIP_UNUSED if skip_unused else 0, int(bcast_bytes),
-                       _b(os.fspath(load)) if load else None)
+                       _b(os.fspath(load)) if load else None, int(resume_timeout_ms))
         self._check(_lib.shard_register(self._ctx, _c.byref(model)), "register")
         self.start_step = int(_lib.shard_start_step(self._ctx))
+        self.resumed = bool(_lib.shard_resumed(self._ctx))
         del keep
         self.names = [t.name for t in tensors]
         self.units = []

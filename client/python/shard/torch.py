@@ -530,7 +530,8 @@ def _patch_clip():
 
 
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
-         units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None):
+         units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None,
+         resume_timeout_ms=0):
     """Register model's parameters with shardd and install the hooks; returns model.
 
     rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
@@ -564,7 +565,12 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     one checkpoint) to start from instead of rank 0's values, under any world and plan: the
     parameters, the optimizer's moments and step counts, and the param groups' hyperparameters
     (set into the optimizer's param_groups, as torch's load_state_dict does) are the
-    checkpoint's; shard.torch.start_step(model) is its step. Module buffers are not in it."""
+    checkpoint's; shard.torch.start_step(model) is its step. Module buffers are not in it.
+    resume_timeout_ms: when a rank dies the job pauses for that long (0: the daemon's
+    resume_timeout_ms, off unless configured): the other ranks' calls raise shard.ShardError
+    with .status == shard.EPAUSED naming the rank and the step. Wrapping again (every rank, the
+    same model and job) within it resumes the job from that step, as load= would:
+    shard.torch.start_step(model) says which; a step half done is discarded."""
     global _current
     job, rank, world = _launcher(job, rank, world)
     named = list(model.named_parameters())
@@ -625,7 +631,8 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                      optimizer=dict(opt.groups[0], name=opt.name, max_grad_norm=opt.max_grad_norm),
                      init=init if rank == 0 else None, max_live_bytes=max_live_bytes,
                      groups=opt.groups, skip_unused=True,
-                     bcast_bytes=bufs.nbytes if bufs else 0, load=load)
+                     bcast_bytes=bufs.nbytes if bufs else 0, load=load,
+                     resume_timeout_ms=resume_timeout_ms)
     except Exception:
         ctx.detach()
         raise
@@ -650,7 +657,8 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                 p.data = state.placeholder[p.dtype]  # the values live in shardd now
                 p._shard_wrapped = True
         state.opt = _make_optimizer(state, opt, reg_params)
-        if load:  # the checkpoint's hyperparameters, as torch's load_state_dict sets them
+        if load or ctx.resumed:  # the checkpoint's (the paused job's) hyperparameters, as
+            # torch's load_state_dict sets them
             for g, pg in enumerate(state.opt.param_groups):
                 h = ctx.group_hparams(g)
                 pg["lr"], pg["weight_decay"] = h["lr"], h["weight_decay"]

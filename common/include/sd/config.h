@@ -18,6 +18,7 @@ struct sd_config {
     uint64_t memory_budget;
     int64_t op_timeout_ms;
     int64_t register_timeout_ms;
+    int64_t resume_timeout_ms;
     char log_level[16];
     int64_t max_clients;
     uint64_t max_message_bytes;

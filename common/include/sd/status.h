@@ -40,7 +40,8 @@ enum sd_status {
     SD_ECONFIG = -(SD_ERR_OFFSET + 8),    /* bad configuration value */
     SD_EPEER = -(SD_ERR_OFFSET + 9),      /* a peer daemon failed or vanished */
     SD_ENONFINITE = -(SD_ERR_OFFSET + 10), /* a gradient is not finite: the step was skipped */
-    SD_ESTATUS_MIN = -(SD_ERR_OFFSET + 11)
+    SD_EPAUSED = -(SD_ERR_OFFSET + 11),    /* a rank died; the job waits to be registered again */
+    SD_ESTATUS_MIN = -(SD_ERR_OFFSET + 12)
 };
 
 /* Human-readable text for a status; never NULL, also for unknown values. */

@@ -1,0 +1,290 @@
+/* Jobs that outlive their trainers: pause, keep, take over (resume.h). */
+#include "resume.h"
+#include "checkpoint.h"
+#include "job.h"
+#include "ops.h"
+#include "registry.h"
+#include "server.h"
+#include "session.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <stdio.h>
+#include <string.h>
+
+void sd_resume_init(struct sd_job *job, uint64_t timeout_ms)
+{
+    job->load.resume.timeout_ms =
+        timeout_ms != 0 ? timeout_ms : (uint64_t)job->reg->cfg->resume_timeout_ms;
+}
+
+/* Pause now: every parked and later operation fails with text, the state stays until the
+ * deadline; tell: the pause started here, the other nodes are told. */
+static void pause_text(struct sd_job *job, const char *text, bool tell)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    rs->pending = false;
+    rs->paused = rs->was_paused = true;
+    rs->deadline_ns = sd_now_ns() + rs->timeout_ms * 1000000ULL;
+    sd_job_fail_text(job, SD_EPAUSED, text, tell);
+}
+
+static void pause_here(struct sd_job *job, const char *why)
+{
+    char text[384];
+    snprintf(text, sizeof(text),
+             "job '%s' paused after step %llu: %.160s; register every rank again within %llu ms "
+             "(resume_timeout_ms) to resume from step %llu",
+             job->name, (unsigned long long)job->steps, why,
+             (unsigned long long)job->load.resume.timeout_ms, (unsigned long long)job->steps);
+    pause_text(job, text, true);
+}
+
+bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *reason)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    if (rs->timeout_ms == 0 || job->state != SD_JOB_READY)
+        return false;
+    char why[160];
+    snprintf(why, sizeof(why), "rank %u (pid %d) %s", s->rank, (int)s->conn->pid, reason);
+    if (job->step.phase == SD_STEP_IDLE) {
+        pause_here(job, why);
+        return true;
+    }
+    /* every rank had entered the step: it completes on every node, then the job pauses */
+    if (!rs->pending) {
+        rs->pending = true;
+        rs->pending_peer = false;
+        snprintf(rs->why, sizeof(rs->why), "%s", why);
+    }
+    SD_INFO("job", "job '%s': %s in step %llu; it pauses once the step is over", job->name, why,
+            (unsigned long long)job->steps + 1);
+    return true;
+}
+
+void sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    if (job->state != SD_JOB_READY || rs->timeout_ms == 0) {
+        /* loading (nothing to keep yet), or no resume timeout on this node: the job ends */
+        char text[384];
+        snprintf(text, sizeof(text), "on another node: %.360s", msg);
+        sd_job_fail_from_peer(job, SD_EJOBFAILED, text);
+        return;
+    }
+    enum sd_step_phase ph = job->step.phase;
+    if (ph == SD_STEP_IDLE || ((ph == SD_STEP_SYNC || ph == SD_STEP_NORM) && job->steps == step)) {
+        /* the step the pausing node did not enter: nothing of it was applied anywhere */
+        pause_text(job, msg, false);
+        return;
+    }
+    if (job->steps + 1 == step) { /* the step it finished: finish it too */
+        rs->pending = true;
+        rs->pending_peer = true;
+        snprintf(rs->why, sizeof(rs->why), "%s", msg);
+        return;
+    }
+    SD_WARN("job", "job '%s': a node paused after step %llu while this node is in step %llu",
+            job->name, (unsigned long long)step, (unsigned long long)job->steps + 1);
+    pause_text(job, msg, false);
+}
+
+void sd_resume_step_over(struct sd_job *job)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    if (!rs->pending || job->state != SD_JOB_READY)
+        return;
+    if (rs->pending_peer)
+        pause_text(job, rs->why, false);
+    else
+        pause_here(job, rs->why);
+}
+
+/* A paused job nobody took over in time: its state goes (now, or once its ranks left). */
+static void drop(struct sd_job *job)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    rs->paused = false;
+    job->fail_status = SD_EJOBFAILED;
+    snprintf(job->fail_msg, sizeof(job->fail_msg),
+             "job '%s' paused after step %llu and was not registered again within %llu ms "
+             "(resume_timeout_ms): its state is dropped",
+             job->name, (unsigned long long)job->steps, (unsigned long long)rs->timeout_ms);
+    SD_WARN("job", "%s", job->fail_msg);
+    if (job->n_left == job->k)
+        sd_job_retire(job);
+}
+
+void sd_resume_sweep(struct sd_job *job, uint64_t now)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    if (rs->paused && rs->by == NULL && now >= rs->deadline_ns)
+        drop(job);
+    else if (job->state == SD_JOB_LOADING && rs->resuming && rs->wait)
+        sd_resume_load(job);
+}
+
+struct sd_job *sd_resume_find(struct sd_registry *reg, const char *name)
+{
+    for (struct sd_job *j = reg->jobs; j; j = j->next)
+        if (j->load.resume.paused && j->load.resume.by == NULL && strcmp(j->name, name) == 0)
+            return j;
+    return NULL;
+}
+
+int sd_resume_attach(struct sd_job *job, struct sd_job *old, const char *load, char *err,
+                     size_t errlen)
+{
+    if (load != NULL && load[0] != '\0') { /* a checkpoint instead: the paused state goes */
+        SD_INFO("job",
+                "job '%s' registers with a checkpoint to load: the paused job (id %llu) "
+                "is dropped",
+                job->name, (unsigned long long)old->id);
+        old->load.resume.deadline_ns = 0;
+        return SD_OK;
+    }
+    if (old->uid != job->uid) {
+        snprintf(err, errlen, "the job is paused and belongs to uid %d, not uid %d", (int)old->uid,
+                 (int)job->uid);
+        return SD_EPERM;
+    }
+    if (old->digest != job->digest || old->world != job->world) {
+        char diff[256] = "";
+        sd_model_diff(&old->model, &job->model, diff, sizeof(diff));
+        snprintf(err, errlen,
+                 "the job is paused after step %llu with another model or world (world %u, this "
+                 "registration %u; %s): register the same model to resume it, or another job "
+                 "name",
+                 (unsigned long long)old->steps, old->world, job->world,
+                 diff[0] ? diff : "same tensors");
+        return SD_EMISMATCH;
+    }
+    struct sd_resume_state *rs = &job->load.resume;
+    rs->from = old;
+    rs->resuming = true;
+    rs->start_step = old->steps;
+    old->load.resume.by = job;
+    SD_INFO("job", "job '%s' (id %llu) resumes job id %llu, paused after step %llu", job->name,
+            (unsigned long long)job->id, (unsigned long long)old->id,
+            (unsigned long long)old->steps);
+    return SD_OK;
+}
+
+uint64_t sd_resume_start_step(const struct sd_job *job)
+{
+    return job->load.resume.resuming ? job->load.resume.start_step : sd_ckpt_start_step(job);
+}
+
+bool sd_resume_hparams(const struct sd_job *job, uint32_t g, struct sd_hparams *h_p)
+{
+    const struct sd_job *old = job->load.resume.from;
+    if (old == NULL || old->opt.hparams == NULL)
+        return false;
+    *h_p = old->opt.hparams[g];
+    return true;
+}
+
+uint64_t sd_resume_reclaim(const struct sd_job *job)
+{
+    const struct sd_job *old = job->load.resume.from;
+    return old != NULL ? old->mem.bytes_total : 0;
+}
+
+/* job has old's state: old goes once its ranks left (those still attached get its message) */
+static void taken_over(struct sd_job *job, struct sd_job *old)
+{
+    struct sd_resume_state *ors = &old->load.resume;
+    ors->by = NULL;
+    ors->paused = false;
+    ors->resumed = true;
+    snprintf(old->fail_msg, sizeof(old->fail_msg),
+             "job '%s' paused after step %llu and was resumed by job id %llu: register again",
+             old->name, (unsigned long long)old->steps, (unsigned long long)job->id);
+    job->load.resume.from = NULL;
+    if (old->n_left == old->k)
+        sd_job_retire(old);
+}
+
+void sd_resume_load(struct sd_job *job)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_job *old = rs->from;
+    if (old == NULL) {
+        sd_job_fail(job, SD_EJOBFAILED,
+                    "the paused job it resumes was dropped before its state was taken over");
+        return;
+    }
+    rs->wait = sd_ckpt_busy(old); /* a save of it still reads its memory: the sweep retries */
+    if (rs->wait)
+        return;
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    static const int states[] = {SD_STATE_W, SD_STATE_OS};
+    uint64_t bytes = 0;
+    for (uint32_t r = 0; r < job->k; r++)
+        for (size_t i = 0; i < sizeof(states) / sizeof(states[0]); i++) {
+            struct sd_mem *from = sd_job_arena(old, r, states[i]),
+                          *to = sd_job_arena(job, r, states[i]);
+            if (from->bytes != to->bytes) {
+                sd_job_fail(job, SD_EMISMATCH,
+                            "the paused job's %s arena of rank %u has %zu bytes, this job's %zu",
+                            sd_state_name(states[i]), job->first_rank + r, from->bytes, to->bytes);
+                return;
+            }
+            dev->copy(job->mem.queue, to->ptr, from->ptr, from->bytes);
+            bytes += from->bytes;
+        }
+    if (!sd_job_sync(job))
+        return;
+    memcpy(job->opt.tensor_steps, old->opt.tensor_steps,
+           job->layout.n_tensors * sizeof(*job->opt.tensor_steps));
+    memcpy(job->opt.hparams, old->opt.hparams,
+           sd_model_groups(&job->model) * sizeof(*job->opt.hparams));
+    job->opt.last_grad_norm = old->opt.last_grad_norm;
+    job->steps = old->steps;
+    char b[32];
+    SD_INFO("job",
+            "job '%s' (id %llu) resumed job id %llu after step %llu: %s of weights and "
+            "optimizer states taken over",
+            job->name, (unsigned long long)job->id, (unsigned long long)old->id,
+            (unsigned long long)job->steps, sd_fmt_bytes(b, sizeof(b), bytes));
+    taken_over(job, old);
+    sd_loading_loaded(job);
+}
+
+void sd_resume_unlink(struct sd_job *job)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    if (rs->from != NULL)
+        rs->from->load.resume.by = NULL;
+    if (rs->by != NULL)
+        rs->by->load.resume.from = NULL;
+    rs->from = rs->by = NULL;
+}
+
+bool sd_resume_all_left(struct sd_job *job)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    if (rs->pending || rs->paused)
+        return true; /* kept: taken over, or dropped at its deadline */
+    if (!rs->was_paused)
+        return false;
+    sd_job_retire(job); /* resumed or dropped: the other nodes end theirs alike */
+    return true;
+}
+
+json_t *sd_resume_json(const struct sd_job *job)
+{
+    const struct sd_resume_state *rs = &job->load.resume;
+    uint64_t now = sd_now_ns();
+    json_t *o = json_pack("{s:I, s:b, s:b, s:b}", "timeout_ms", (json_int_t)rs->timeout_ms,
+                          "paused", rs->paused, "pausing", rs->pending, "resumed", rs->resumed);
+    if (rs->paused)
+        json_object_set_new(o, "dropped_in_ms",
+                            json_integer(rs->deadline_ns > now
+                                             ? (json_int_t)((rs->deadline_ns - now) / 1000000)
+                                             : 0));
+    if (rs->resuming)
+        json_object_set_new(o, "resumed_from_step", json_integer((json_int_t)rs->start_step));
+    return o;
+}

@@ -1,0 +1,58 @@
+/* Jobs that outlive their trainers (resume.c, DESIGN.md section 3b): with a resume timeout
+ * (resume_timeout_ms, the daemon's or the registration's) a rank that dies pauses its job
+ * instead of ending it. The job's other operations fail with SD_EPAUSED naming the rank and the
+ * step to resume from; its state stays for the timeout; every rank registering again with the
+ * same job name and model makes a new job that takes the state over and starts from that step.
+ *
+ * A pause happens at a step boundary on every node. A node pauses at once when its step is idle
+ * (a step its ranks had not all entered can no longer complete anywhere) and tells the others,
+ * each with the steps it has taken. A node that receives a pause while it runs the step the
+ * pausing node did not enter drops that step (nothing of it was applied: the optimizer needs
+ * every node's part of the norm first); one that runs the step the pausing node finished
+ * completes it first. A half-done step's gradients are never taken over: the new job starts
+ * with none, so the resumed run equals an uninterrupted one. */
+#ifndef SD_RESUME_H
+#define SD_RESUME_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+struct sd_job;
+struct sd_registry;
+struct sd_session;
+struct sd_hparams;
+
+/* At creation: the job's resume timeout (the registration's, 0: the daemon's). */
+void sd_resume_init(struct sd_job *job, uint64_t timeout_ms);
+/* A rank died (not a clean detach): true if the job pauses (now, or after the running step)
+ * instead of failing. */
+bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *reason);
+/* Another node paused the job after step steps (msg says why). */
+void sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg);
+/* The step is over (answered): a pause waiting for it happens now. */
+void sd_resume_step_over(struct sd_job *job);
+/* A paused job past its deadline is dropped; a new job waiting to take a state over retries. */
+void sd_resume_sweep(struct sd_job *job, uint64_t now_ns);
+/* The paused job of this name (not yet taken over), or NULL. */
+struct sd_job *sd_resume_find(struct sd_registry *reg, const char *name);
+/* A registration of a paused job's name: job (just created) takes old's state over. SD_OK, or
+ * why not (err): another model, world, owner; with a checkpoint to load, old is dropped. */
+int sd_resume_attach(struct sd_job *job, struct sd_job *old, const char *load, char *err,
+                     size_t errlen);
+/* Registration reply: the step it starts from, the hyperparameters in force. */
+uint64_t sd_resume_start_step(const struct sd_job *job);
+bool sd_resume_hparams(const struct sd_job *job, uint32_t g, struct sd_hparams *h_p);
+/* Bytes of the memory budget that come back once job took the state over. */
+uint64_t sd_resume_reclaim(const struct sd_job *job);
+/* The job is confirmed: copy the paused job's weights and optimizer states, then ready. */
+void sd_resume_load(struct sd_job *job);
+/* shardctl jobs: the timeout, a pause's deadline, what it resumed */
+json_t *sd_resume_json(const struct sd_job *job);
+/* The job goes: forget the links to the job it resumes or that resumes it. */
+void sd_resume_unlink(struct sd_job *job);
+/* Every local rank left a paused (or once paused) job: true if it is handled here (kept until
+ * taken over or its deadline, or retired on this node alone). */
+bool sd_resume_all_left(struct sd_job *job);
+
+#endif

@@ -1,0 +1,221 @@
+/* Jobs that outlive their trainers (issue 22, item 3): with a resume timeout a rank that dies
+ * pauses the job; the other ranks are told (SHARD_EPAUSED, naming the rank and the step) and
+ * register again, the killed rank is restarted, and the job continues from the step it paused
+ * at. The final parameters must equal an uninterrupted run's bit for bit.
+ *
+ * Runs of mlp_train --resume-timeout-ms (a rank told the job paused registers again by itself):
+ * - 1 node x 4 ranks, zero3: SIGKILL one rank at a random moment and restart it (3 trials);
+ *   SIGKILL all four and restart them;
+ * - 2 nodes x 2 ranks, zero3 and mics:2: the same (the pause crosses nodes);
+ * - a paused job not registered again within its timeout is dropped (shardctl jobs shows it
+ *   paused meanwhile), and a registration of another model is refused naming the step.
+ * Each interrupted run is compared with an uninterrupted run of the same cluster and plan. */
+#include "harness.h"
+
+#include <jansson.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define STEPS "24"
+
+static char base[256];
+
+/* rank r of job on cluster c; dump: its final parameters; extra: more arguments */
+static pid_t start_rank(const struct th_cluster *c, const char *job, const char *plan, int r,
+                        const char *timeout, const char *dump, const char *hidden, int attempt)
+{
+    char world[16], rank[16], log[400];
+    snprintf(world, sizeof(world), "%d", c->nodes * c->k);
+    snprintf(rank, sizeof(rank), "%d", r);
+    snprintf(log, sizeof(log), "%s/%s-%d.%d.log", base, job, r, attempt);
+    const char *argv[40] = {MLP_TRAIN_PATH,
+                            "--socket",
+                            c->d[r / c->k].sock,
+                            "--job",
+                            job,
+                            "--rank",
+                            rank,
+                            "--world",
+                            world,
+                            "--plan",
+                            plan,
+                            "--steps",
+                            STEPS,
+                            "--hidden",
+                            hidden,
+                            "--layers",
+                            "6",
+                            "--accum",
+                            "2",
+                            "--seed",
+                            "5",
+                            "--compute-ms",
+                            "3",
+                            "--compute-mode",
+                            "sleep",
+                            "--quiet"};
+    int n = 26;
+    if (timeout != NULL) {
+        argv[n++] = "--resume-timeout-ms";
+        argv[n++] = timeout;
+    }
+    if (dump != NULL) {
+        argv[n++] = "--dump-params";
+        argv[n++] = dump;
+    }
+    argv[n] = NULL;
+    return th_spawn(argv, log);
+}
+
+/* an uninterrupted run: its rank 0's parameters in ref */
+static bool run_plain(const struct th_cluster *c, const char *job, const char *plan,
+                      const char *ref)
+{
+    int world = c->nodes * c->k, failed = 0;
+    pid_t pids[TH_MAX_RANKS];
+    for (int r = 0; r < world; r++)
+        pids[r] = start_rank(c, job, plan, r, NULL, r == 0 ? ref : NULL, "192", 0);
+    for (int r = 0; r < world; r++)
+        failed += th_wait(pids[r], 120000) != 0;
+    TH_CHECK(failed == 0, "%s: %d ranks of the uninterrupted run failed", job, failed);
+    return failed == 0;
+}
+
+/* the step rank 0 resumed after (its log of run attempt: 0 registered again by itself, 1
+ * restarted), or -1 */
+static int paused_step(const char *job, int attempt)
+{
+    char p[400];
+    snprintf(p, sizeof(p), "%s/%s-0.%d.log", base, job, attempt);
+    char *t = th_read_file(p, NULL);
+    const char *at = t ? strstr(t, "resumed the paused job after step ") : NULL;
+    int step = at ? atoi(at + strlen("resumed the paused job after step ")) : -1;
+    free(t);
+    return step;
+}
+
+/* Kill ranks (all, or one at random) of a running job at a random moment, restart them, and
+ * compare the final parameters with ref's bit for bit. */
+static void kill_and_resume(const struct th_cluster *c, const char *job, const char *plan, bool all,
+                            const char *ref)
+{
+    int world = c->nodes * c->k, failed = 0;
+    char dump[400];
+    snprintf(dump, sizeof(dump), "%s/%s.bin", base, job);
+    pid_t pids[TH_MAX_RANKS];
+    for (int r = 0; r < world; r++)
+        pids[r] = start_rank(c, job, plan, r, "30000", r == 0 ? dump : NULL, "192", 0);
+    int victim = rand() % world;
+    useconds_t delay = 600000 + (useconds_t)(rand() % 1400) * 1000;
+    usleep(delay);
+    for (int r = 0; r < world; r++) { /* all: as a launcher restarting the whole job */
+        if (!all && r != victim)
+            continue;
+        kill(pids[r], SIGKILL);
+        th_wait(pids[r], 10000);
+    }
+    for (int r = 0; r < world; r++)
+        if (all || r == victim)
+            pids[r] = start_rank(c, job, plan, r, "30000", r == 0 ? dump : NULL, "192", 1);
+    for (int r = 0; r < world; r++)
+        failed += th_wait(pids[r], 180000) != 0;
+    TH_CHECK(failed == 0, "%s: %d ranks failed after the restart", job, failed);
+    int step = paused_step(job, all || victim == 0 ? 1 : 0);
+    TH_CHECK(step > 0 && step < atoi(STEPS), "%s: rank 0 did not resume mid-run (step %d)", job,
+             step);
+    struct th_dump_diff dd;
+    bool same = th_compare_dumps(ref, dump, 0.0, &dd);
+    TH_CHECK(same && dd.differ == 0,
+             "%s: %zu of %zu parameters differ from the uninterrupted run "
+             "(max %g)",
+             job, dd.differ, dd.n, dd.maxd);
+    printf("%s: killed %s (rank %d) %.2f s in; rank 0 resumed after step %d; %zu parameters, %zu "
+           "differ from the uninterrupted run\n",
+           job, all ? "every rank" : "one rank", all ? -1 : victim, delay / 1e6, step, dd.n,
+           dd.differ);
+}
+
+/* A paused job not registered again in time is dropped; another model is refused. */
+static void timeout_and_mismatch(const struct th_cluster *c)
+{
+    pid_t pids[TH_MAX_RANKS] = {0};
+    int world = c->nodes * c->k;
+    for (int r = 0; r < world; r++)
+        pids[r] = start_rank(c, "drop", "zero3", r, "2500", NULL, "192", 0);
+    usleep(900000);
+    for (int r = 0; r < world; r++) { /* every trainer dies; nobody registers again */
+        kill(pids[r], SIGKILL);
+        th_wait(pids[r], 10000);
+    }
+    json_t *jobs = th_admin_json(c->d[0].sock, "jobs");
+    const char *state = "";
+    json_t *arr = jobs ? json_object_get(jobs, "jobs") : NULL, *j;
+    size_t i;
+    json_array_foreach(arr, i, j)
+    {
+        if (strcmp(json_string_value(json_object_get(j, "name")), "drop") == 0 &&
+            json_object_get(j, "resume") != NULL &&
+            json_is_true(json_object_get(json_object_get(j, "resume"), "paused")))
+            state = json_string_value(json_object_get(j, "state"));
+    }
+    TH_CHECK(strcmp(state, "paused") == 0, "shardctl jobs does not show job 'drop' paused");
+    json_decref(jobs);
+    /* another model (hidden 128) under the paused name: refused, naming the step */
+    pid_t p = start_rank(c, "drop", "zero3", 0, "2500", NULL, "128", 2);
+    TH_CHECK(th_wait(p, 30000) != 0, "another model resumed the paused job");
+    char lp[400];
+    snprintf(lp, sizeof(lp), "%s/drop-0.2.log", base);
+    char *t = th_read_file(lp, NULL);
+    TH_CHECK(t && strstr(t, "paused after step") && strstr(t, "another model"),
+             "the refusal does not say the job is paused with another model: %s", t ? t : "");
+    if (t)
+        printf("another model refused: %s", t);
+    free(t);
+    usleep(3000000); /* past the timeout: dropped */
+    char *log = th_read_file(c->d[0].log, NULL);
+    TH_CHECK(log && strstr(log, "was not registered again within 2500 ms"),
+             "the daemon did not drop the paused job after its timeout");
+    free(log);
+}
+
+int main(void)
+{
+    unsigned seed = (unsigned)time(NULL);
+    srand(seed);
+    printf("seed %u\n", seed);
+    struct th_cluster one = {.nodes = 1, .k = 4}, two;
+    TH_CHECK(th_daemon_start(&one.d[0], NULL) == 0, "shardd");
+    snprintf(base, sizeof(base), "%s", one.d[0].dir);
+    char ref[400];
+    snprintf(ref, sizeof(ref), "%s/ref1.bin", base);
+    if (run_plain(&one, "plain1", "zero3", ref)) {
+        char job[32];
+        for (int t = 0; t < 3; t++) {
+            snprintf(job, sizeof(job), "one%d", t);
+            kill_and_resume(&one, job, "zero3", false, ref);
+        }
+        kill_and_resume(&one, "all1", "zero3", true, ref);
+    }
+    timeout_and_mismatch(&one);
+    th_daemon_stop(&one.d[0]);
+
+    TH_CHECK(th_cluster_start(&two, 2, 2, NULL) == 0, "2 x 2 cluster");
+    snprintf(base, sizeof(base), "%s", two.base);
+    const char *plans[] = {"zero3", "mics:2"};
+    for (int p = 0; p < 2; p++) {
+        char job[32];
+        snprintf(ref, sizeof(ref), "%s/ref2-%d.bin", base, p);
+        snprintf(job, sizeof(job), "plain2-%d", p);
+        if (!run_plain(&two, job, plans[p], ref))
+            continue;
+        snprintf(job, sizeof(job), "one2-%d", p);
+        kill_and_resume(&two, job, plans[p], false, ref);
+        snprintf(job, sizeof(job), "all2-%d", p);
+        kill_and_resume(&two, job, plans[p], true, ref);
+    }
+    th_cluster_stop(&two);
+    return th_summary("test_resume");
+}

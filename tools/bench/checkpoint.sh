@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Checkpoint throughput (issue 22): save and load of a job whose checkpoint is about 1 GiB (fp32
+# masters and AdamW's two moments of 88M parameters: mlp_train --hidden 2960 --layers 12) vs
+# writing and reading the same bytes sequentially with fsync on the same disk (dd), in the same
+# run; and the step time without saves vs the time a save adds to a step.
+#   tools/bench/checkpoint.sh [--dir DIR] [--hidden 2960] [--layers 12] [--world 2] [--plan zero3]
+# DIR (default build/bench/ckpt) must be on the disk to measure. Save: mlp_train's "saved step N
+# in X s" (shard_save, collective, returns once durable: data fsynced, MANIFEST, renames,
+# LATEST). Load: the daemon's load time of the job (shardctl jobs: checkpoint.load_ms, reading
+# and checking every extent its ranks need, then setting masters, moments and weights). Reads
+# start from a cold page cache when the kernel lets this process drop it (root), else every read
+# (dd's and the load's alike) comes from the cache and the script says so.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dir=build/bench/ckpt hidden=2960 layers=12 world=2 plan=zero3
+while [ $# -gt 0 ]; do
+  case $1 in
+    --dir) dir=$2; shift 2 ;;
+    --hidden) hidden=$2; shift 2 ;;
+    --layers) layers=$2; shift 2 ;;
+    --world) world=$2; shift 2 ;;
+    --plan) plan=$2; shift 2 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    *) echo "checkpoint.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+. tools/bench/lib.sh
+bench_build
+pkill -x shardd 2>/dev/null || true
+rm -rf "$dir" && mkdir -p "$dir"
+cl=$dir/cluster
+tools/local-cluster.sh start --nodes 1 --ranks-per-node "$world" --dir "$cl" \
+  --shardd "$B/daemon/shardd" >/dev/null
+trap 'tools/local-cluster.sh stop --dir "$cl" >/dev/null 2>&1 || true' EXIT
+sock=$cl/node0/shardd.sock
+common=(--plan "$plan" --hidden "$hidden" --layers "$layers" --batch 4)
+
+drop_caches() { sync; if echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then cold=yes; else cold=no; fi; }
+steps_of() { sed -n 's/^step [0-9]* loss .* \([0-9.]*\) s$/\1/p' "$1"; }
+mean() { awk '{ s += $1; n++ } END { if (n) printf "%.4f", s / n; else print "nan" }'; }
+
+# steps without saves, then with a save after every step
+run_ranks "$cl" "$world" "$world" plain "${common[@]}" --steps 4
+step_plain=$(steps_of "$cl/0.log" | tail -n +2 | mean)
+run_ranks "$cl" "$world" "$world" saving "${common[@]}" --steps 4 --save-every 1 \
+  --save-dir "$dir/ck"
+step_saving=$(steps_of "$cl/0.log" | tail -n +2 | mean)
+save_s=$(sed -n 's/^rank 0: saved step [0-9]* to .* in \([0-9.]*\) s$/\1/p' "$cl/0.log" | tail -n +2 | mean)
+bytes=$("$B/tools/shardctl" checkpoint-info "$dir/ck" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["bytes"])')
+
+# the same bytes written and read sequentially with fsync on the same disk
+mib=$(( (bytes + 1048575) / 1048576 ))
+t0=$(date +%s.%N)
+dd if=/dev/zero of="$dir/seq.bin" bs=1M count="$mib" conv=fsync status=none
+t1=$(date +%s.%N)
+write_s=$(echo "$t1 - $t0" | bc -l)
+drop_caches
+t0=$(date +%s.%N)
+dd if="$dir/seq.bin" of=/dev/null bs=1M status=none
+t1=$(date +%s.%N)
+read_s=$(echo "$t1 - $t0" | bc -l)
+rm -f "$dir/seq.bin"
+
+# load: a new job from LATEST (one more step)
+drop_caches
+run_ranks "$cl" "$world" "$world" loading "${common[@]}" --steps 5 --load "$dir/ck"
+load_ms=$("$B/tools/shardctl" --socket "$sock" --job loading --json jobs |
+  python3 -c 'import json,sys; d=json.load(sys.stdin); j=[j for j in d["jobs"] if j["name"]=="loading"][-1]; print(j["checkpoint"]["load_ms"])')
+load_s=$(echo "$load_ms / 1000" | bc -l)
+
+python3 - "$bytes" "$save_s" "$write_s" "$load_s" "$read_s" "$step_plain" "$step_saving" "$cold" <<'EOF'
+import sys
+b, save, write, load, read, plain, saving, cold = sys.argv[1:]
+b = int(b); save, write, load, read, plain, saving = map(float, (save, write, load, read, plain, saving))
+gib = b / 2**30
+mbs = lambda s: b / s / 2**20
+print(f"checkpoint {b} bytes ({gib:.2f} GiB); reads from a cold page cache: {cold}")
+print(f"save  {save:7.3f} s  {mbs(save):8.1f} MiB/s   sequential write + fsync {write:7.3f} s  {mbs(write):8.1f} MiB/s   ratio {write / save:.2f} (target >= 0.8)")
+print(f"load  {load:7.3f} s  {mbs(load):8.1f} MiB/s   sequential read          {read:7.3f} s  {mbs(read):8.1f} MiB/s   ratio {read / load:.2f} (target >= 0.8)")
+print(f"step  {plain:7.3f} s without saves, {saving:7.3f} s with a save after each (the save itself excluded); a save adds {save:.3f} s = {save / plain:.2f} steps")
+EOF
