@@ -92,6 +92,8 @@ void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m);
 void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m);
 
 /* ---- coordinator.c, for the links */
+/* a member gave its registration up (JobAbort without a tag): drop the reports collected */
+void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name);
 void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep);
 void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t node, uint32_t nodes);
 /* registrations that missed their deadline are refused */

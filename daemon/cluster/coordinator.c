@@ -69,6 +69,13 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j)
     coord_job_free(cl, j);
 }
 
+void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name)
+{
+    struct coord_job *cj = coord_job_find(cl, name, false, 0);
+    if (cj != NULL)
+        coord_job_free(cl, cj);
+}
+
 void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep)
 {
     uint32_t nodes = rep->world / (uint32_t)cl->cfg->ranks_per_node;

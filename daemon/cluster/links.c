@@ -323,6 +323,8 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         break;
     case SHARD__PEER_MSG__MSG_JOB_ABORT: {
         const Shard__JobAbort *a = m->job_abort;
+        if (cl->self == 0 && a->tag == 0) /* a registration given up: forget its reports */
+            sd_cluster__coord_forget(cl, a->job);
         if (cl->self == 0) { /* relay to the others */
             uint32_t nodes = cl->ev.job_nodes(cl->ev.ctx, a->job);
             for (uint32_t i = 1; i < nodes; i++)
