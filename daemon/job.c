@@ -344,7 +344,7 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->nodes = nodes;
     if (status == SD_OK)
         status = sd_ckpt_job_init(job, msg->load, err, errlen);
-    sd_resume_init(job, msg->resume_timeout_ms);
+    job->load.resume.timeout_ms = sd_resume_timeout(reg, msg->resume_timeout_ms);
     uint32_t fw = job->plan.f[SD_STATE_W], fg = job->plan.f[SD_STATE_G];
     for (int st = 0; st < SD_STATE_COUNT; st++)
         job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
@@ -456,9 +456,7 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
                                "%u / %llu of the other ranks",
                                name, msg->world, (unsigned long long)msg->max_live_bytes,
                                job->world, (unsigned long long)job->mem.max_live_bytes);
-        } else if ((msg->resume_timeout_ms
-                        ? msg->resume_timeout_ms
-                        : (uint64_t)reg->cfg->resume_timeout_ms) != job->load.resume.timeout_ms) {
+        } else if (sd_resume_timeout(reg, msg->resume_timeout_ms) != job->load.resume.timeout_ms) {
             sd_conn_send_error(c, SD_EMISMATCH,
                                "register job '%s' rank %u: resume_timeout_ms %llu differs from "
                                "%llu of the other ranks",

@@ -75,15 +75,16 @@ static void ev_job_aborted(void *ctx, const char *name, uint32_t tag, int status
     if (job == NULL || (tag != 0 && job->xfer.tag != tag))
         return; /* (a later job of the same name) */
     if (status == SD_EPAUSED) {
-        sd_resume_peer_paused(job, step, msg);
-        return;
+        if (sd_resume_peer_paused(job, step, msg))
+            return;
+        status = SD_EJOBFAILED; /* nothing kept on this node: the job ends here */
     }
     if (job->state == SD_JOB_REGISTERING) {
         sd_job_refuse(job, status, msg);
         return;
     }
-    char text[256];
-    snprintf(text, sizeof(text), "on another node: %s", msg);
+    char text[384]; /* a job's fail_msg */
+    snprintf(text, sizeof(text), "on another node: %.360s", msg);
     sd_job_fail_from_peer(job, status < 0 ? status : SD_EJOBFAILED, text);
 }
 

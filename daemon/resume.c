@@ -13,10 +13,9 @@
 #include <stdio.h>
 #include <string.h>
 
-void sd_resume_init(struct sd_job *job, uint64_t timeout_ms)
+uint64_t sd_resume_timeout(const struct sd_registry *reg, uint64_t asked)
 {
-    job->load.resume.timeout_ms =
-        timeout_ms != 0 ? timeout_ms : (uint64_t)job->reg->cfg->resume_timeout_ms;
+    return asked != 0 ? asked : (uint64_t)reg->cfg->resume_timeout_ms;
 }
 
 /* Pause now: every parked and later operation fails with text, the state stays until the
@@ -63,31 +62,27 @@ bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *r
     return true;
 }
 
-void sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg)
+bool sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg)
 {
     struct sd_resume_state *rs = &job->load.resume;
-    if (job->state != SD_JOB_READY || rs->timeout_ms == 0) {
-        /* loading (nothing to keep yet), or no resume timeout on this node: the job ends */
-        char text[384];
-        snprintf(text, sizeof(text), "on another node: %.360s", msg);
-        sd_job_fail_from_peer(job, SD_EJOBFAILED, text);
-        return;
-    }
+    if (job->state != SD_JOB_READY || rs->timeout_ms == 0)
+        return false; /* loading (nothing to keep yet), or no resume timeout on this node */
     enum sd_step_phase ph = job->step.phase;
     if (ph == SD_STEP_IDLE || ((ph == SD_STEP_SYNC || ph == SD_STEP_NORM) && job->steps == step)) {
         /* the step the pausing node did not enter: nothing of it was applied anywhere */
         pause_text(job, msg, false);
-        return;
+        return true;
     }
     if (job->steps + 1 == step) { /* the step it finished: finish it too */
         rs->pending = true;
         rs->pending_peer = true;
         snprintf(rs->why, sizeof(rs->why), "%s", msg);
-        return;
+        return true;
     }
     SD_WARN("job", "job '%s': a node paused after step %llu while this node is in step %llu",
             job->name, (unsigned long long)step, (unsigned long long)job->steps + 1);
     pause_text(job, msg, false);
+    return true;
 }
 
 void sd_resume_step_over(struct sd_job *job)

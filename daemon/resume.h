@@ -23,13 +23,14 @@ struct sd_registry;
 struct sd_session;
 struct sd_hparams;
 
-/* At creation: the job's resume timeout (the registration's, 0: the daemon's). */
-void sd_resume_init(struct sd_job *job, uint64_t timeout_ms);
+/* The resume timeout a registration asks for (asked; 0: the daemon's) in force. */
+uint64_t sd_resume_timeout(const struct sd_registry *reg, uint64_t asked);
 /* A rank died (not a clean detach): true if the job pauses (now, or after the running step)
  * instead of failing. */
 bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *reason);
-/* Another node paused the job after step steps (msg says why). */
-void sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg);
+/* Another node paused the job after step steps (msg says why): true if it pauses here too (now,
+ * or after the running step); false if it cannot (loading, no resume timeout): it must fail. */
+bool sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg);
 /* The step is over (answered): a pause waiting for it happens now. */
 void sd_resume_step_over(struct sd_job *job);
 /* A paused job past its deadline is dropped; a new job waiting to take a state over retries. */
