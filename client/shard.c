@@ -113,6 +113,7 @@ SAME(ECONFIG);
 SAME(EPEER);
 SAME(ENONFINITE);
 SAME(EPAUSED);
+SAME(ENOREPLICA);
 #undef SAME
 
 static int fail(shard_ctx_t *ctx, int status, const char *fmt, ...)
@@ -1175,7 +1176,8 @@ int shard_detach(shard_ctx_t *ctx)
     return SD_OK;
 }
 
-int shard_admin(const char *socket_path, const char *command, const char *job, char **json_p)
+static int admin_call(const char *socket_path, const char *command, const char *job,
+                      const char *dir, int timeout_ms, char **json_p)
 {
     if (command == NULL || json_p == NULL) {
         snprintf(attach_err, sizeof(attach_err), "admin: command and json_p must not be NULL");
@@ -1189,6 +1191,7 @@ int shard_admin(const char *socket_path, const char *command, const char *job, c
     Shard__AdminRequest req = SHARD__ADMIN_REQUEST__INIT;
     req.command = (char *)command;
     req.job = (char *)(job ? job : "");
+    req.dir = (char *)(dir ? dir : "");
     Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
     msg.msg_case = SHARD__CLIENT_MSG__MSG_ADMIN;
     msg.admin = &req;
@@ -1196,7 +1199,7 @@ int shard_admin(const char *socket_path, const char *command, const char *job, c
     size_t len;
     status = sd_frame_send(fd, &msg.base, NULL, 0, 5000);
     if (status == SD_OK)
-        status = sd_frame_recv(fd, &buf, &len, NULL, 0, NULL, 64u << 20, 10000);
+        status = sd_frame_recv(fd, &buf, &len, NULL, 0, NULL, 64u << 20, timeout_ms);
     close(fd);
     if (status != SD_OK) {
         snprintf(attach_err, sizeof(attach_err), "admin %s: no answer from shardd: %s", command,
@@ -1224,6 +1227,21 @@ int shard_admin(const char *socket_path, const char *command, const char *job, c
     if (rep != NULL)
         shard__daemon_msg__free_unpacked(rep, NULL);
     return status;
+}
+
+int shard_admin(const char *socket_path, const char *command, const char *job, char **json_p)
+{
+    return admin_call(socket_path, command, job, NULL, 10000, json_p);
+}
+
+int shard_checkpoint_job(const char *socket_path, const char *job, const char *dir, char **json_p)
+{
+    if (job == NULL || job[0] == '\0' || dir == NULL || dir[0] == '\0') {
+        snprintf(attach_err, sizeof(attach_err), "checkpoint: a job name and a directory needed");
+        return SD_EINVAL;
+    }
+    /* the daemon answers within its own deadline (10 x op_timeout_ms at most) */
+    return admin_call(socket_path, "checkpoint", job, dir, 3600 * 1000, json_p);
 }
 
 void shard_free(void *p)

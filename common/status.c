@@ -33,7 +33,8 @@
     X(SD_ECONFIG, "invalid configuration")                                                         \
     X(SD_EPEER, "a peer daemon failed")                                                            \
     X(SD_ENONFINITE, "a gradient is not finite; the step was skipped")                             \
-    X(SD_EPAUSED, "the job paused: a rank died; register it again to resume")
+    X(SD_EPAUSED, "the job paused: a rank died; register it again to resume")                      \
+    X(SD_ENOREPLICA, "some state has no copy left on a node that is up")
 
 const char *sd_status_str(int status)
 {

@@ -11,10 +11,11 @@
  * model at registration; once the memory is allocated each node reads, on a worker, the ranges
  * of each state its ranks' shards need, then sets the fp32 masters and moments and derives the
  * weights in their dtype from the masters. Every node loads on its own and is ready when done. */
-#include "checkpoint.h"
+#include "checkpoint_int.h"
 #include "cluster/cluster.h"
 #include "net.h"
 #include "ops.h"
+#include "recover.h"
 #include "session.h"
 #include "sd/ckpt.h"
 #include "sd/log.h"
@@ -30,41 +31,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-/* a piece of job memory that becomes one extent of the node's data file */
-struct save_item {
-    const float *src;
-    struct sd_ckpt_extent x;
-};
-
-struct sd_ckpt_job {
-    /* loading */
-    bool load; /* the job starts from src */
-    char load_dir[SD_CKPT_PATH_MAX];
-    struct sd_ckpt src;
-    float *load_buf; /* per unit: the node's masters, then its ranks' moments (unit_block) */
-    /* saving: the local barrier */
-    uint32_t arrived;
-    bool *waiting;  /* [k] */
-    uint64_t *tags; /* [k] */
-    uint64_t first_ns;
-    char dir[SD_CKPT_PATH_MAX], tmp[128], final[64];
-    uint64_t seq, step; /* saves started; the step of this one */
-    struct save_item *items;
-    uint64_t n_items;
-    /* a worker reads or writes the job's memory: its memory stays until it is done */
-    bool busy;
-    atomic_bool running;
-    int status;
-    char err[1024];
-    /* node 0: the nodes' reports of save seq */
-    uint32_t reports;
-    uint64_t *rep_seq;      /* [nodes]: the save each node reported, 0: none */
-    Shard__JobSaved **reps; /* [nodes]: their reports (node 0's own is items) */
-    struct sd_ckpt man;     /* the manifest being committed */
-    uint64_t saves, bytes_saved, save_ns, loaded_bytes;
-    uint64_t load_start_ns, load_ns; /* loading the checkpoint: since, and how long it took */
-};
 
 struct ckpt_work {
     uv_work_t req;
@@ -92,11 +58,13 @@ static void after_cb(uv_work_t *req, int uv_status)
     void (*after)(struct sd_job *) = w->after;
     free(w);
     after(job);
+    if (job->state == SD_JOB_READY && job->step.phase == SD_STEP_APPLY && !sd_ckpt_busy(job))
+        sd_step_progress(job); /* a step waited for the worker to leave the os shards */
 }
 
 /* fn on a worker thread (in place without a loop), then after on the loop */
-static void run_worker(struct sd_job *job, void (*fn)(struct sd_job *),
-                       void (*after)(struct sd_job *))
+void sd_ckpt__run_worker(struct sd_job *job, void (*fn)(struct sd_job *),
+                         void (*after)(struct sd_job *))
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     struct ckpt_work *w = job->reg->loop != NULL ? calloc(1, sizeof(*w)) : NULL;
@@ -142,6 +110,11 @@ int sd_ckpt_job_init(struct sd_job *job, const char *load_dir, char *err, size_t
 {
     struct sd_ckpt_job *c = calloc(1, sizeof(*c));
     if (c == NULL || (c->waiting = calloc(job->k, sizeof(bool))) == NULL ||
+        (c->writer = calloc(job->k, sizeof(bool))) == NULL ||
+        (c->reporting = calloc(job->nodes, sizeof(bool))) == NULL ||
+        (c->rep_file = calloc(job->nodes, sizeof(uint32_t))) == NULL ||
+        (c->snap_steps = calloc(job->model.n_tensors + 1, sizeof(uint64_t))) == NULL ||
+        (c->snap_hp = calloc(sd_model_groups(&job->model) + 1, sizeof(*c->snap_hp))) == NULL ||
         (c->tags = calloc(job->k, sizeof(uint64_t))) == NULL ||
         (c->rep_seq = calloc(job->nodes, sizeof(uint64_t))) == NULL ||
         (c->reps = calloc(job->nodes, sizeof(*c->reps))) == NULL) {
@@ -204,6 +177,11 @@ void sd_ckpt_job_free(struct sd_job *job)
     sd_ckpt_close(&c->man);
     free(c->load_buf);
     free(c->waiting);
+    free(c->writer);
+    free(c->reporting);
+    free(c->rep_file);
+    free(c->snap_steps);
+    free(c->snap_hp);
     free(c->tags);
     free(c->rep_seq);
     for (uint32_t m = 0; c->reps != NULL && m < job->nodes; m++)
@@ -227,117 +205,6 @@ json_t *sd_ckpt_json(const struct sd_job *job)
                      (double)c->save_ns / 1e6, "save_seq", (json_int_t)c->seq, "busy", c->busy);
 }
 
-/* ---- loading */
-
-/* state s of unit u's elements [lo, hi) (unit coordinates) into dst, tensor by tensor; padding
- * stays as it is (zero) */
-static int read_unit_range(struct sd_job *job, struct sd_ckpt_reader *rd, uint32_t s, uint32_t u,
-                           uint64_t lo, uint64_t hi, float *dst)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    const struct sd_unit_layout *ul = &job->layout.units[u];
-    for (uint32_t t = ul->first_tensor; t < ul->first_tensor + ul->n_tensors; t++) {
-        const struct sd_tensor_layout *tl = &job->layout.tensors[t];
-        uint64_t a = SD_MAX(lo, tl->offset), z = SD_MIN(hi, tl->offset + tl->numel);
-        if (a >= z)
-            continue;
-        int st = sd_ckpt_read(rd, s, t, a - tl->offset, z - tl->offset, dst + (a - lo), c->err,
-                              sizeof(c->err));
-        if (st != SD_OK)
-            return st;
-    }
-    return SD_OK;
-}
-
-/* Unit u's part of load_buf: the masters over the node's range of it (sd_loading_range: every
- * local rank's w shard, read once for them all), then each local rank's moments over its os
- * shard. Returns its floats; with at, the read (load_work) or the copies into the arenas. */
-static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_ckpt_reader *rd)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    const struct sd_unit_layout *ul = &job->layout.units[u];
-    const struct sd_gpu_ops *dev = job->reg->dev;
-    uint64_t os_stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]), lo, hi;
-    sd_loading_range(job, job->node, ul, &lo, &hi);
-    uint64_t n = hi - lo;
-    if (at != NULL && rd != NULL)
-        c->status = read_unit_range(job, rd, 0, u, lo, hi, at);
-    else if (at != NULL)
-        sd_loading_unit(job, u, at, lo);
-    for (uint32_t r = 0; r < job->k; r++) {
-        uint64_t b, e;
-        sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
-        float *os = (float *)sd_job_state(job, r, SD_STATE_OS) + ul->arena_off[SD_STATE_OS];
-        for (uint32_t s = 1; s < c->src.n_states; s++, n += e - b) {
-            if (at == NULL || c->status != SD_OK)
-                continue;
-            if (rd != NULL)
-                c->status = read_unit_range(job, rd, s, u, b, e, at + n);
-            else
-                dev->copy(job->mem.queue, os + s * os_stride, at + n, (e - b) * sizeof(float));
-        }
-    }
-    return n;
-}
-
-static void load_work(struct sd_job *job)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    struct sd_ckpt_reader rd;
-    if ((c->status = sd_ckpt_reader_init(&rd, &c->src, c->err, sizeof(c->err))) != SD_OK)
-        return;
-    float *at = c->load_buf;
-    for (uint32_t u = 0; u < job->layout.n_units && c->status == SD_OK; u++)
-        at += unit_block(job, u, at, &rd);
-    c->loaded_bytes = rd.bytes_read;
-    sd_ckpt_reader_free(&rd);
-}
-
-static void load_after(struct sd_job *job)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    if (job->state != SD_JOB_LOADING)
-        return; /* failed meanwhile: the parked calls were answered */
-    if (c->status != SD_OK) {
-        sd_job_fail(job, c->status, "loading the checkpoint: %s", c->err);
-        return;
-    }
-    const struct sd_layout *l = &job->layout;
-    float *at = c->load_buf;
-    for (uint32_t u = 0; u < l->n_units; u++)
-        at += unit_block(job, u, at, NULL);
-    if (!sd_job_sync(job))
-        return;
-    free(c->load_buf);
-    c->load_buf = NULL;
-    for (uint32_t t = 0; t < l->n_tensors; t++)
-        job->opt.tensor_steps[t] = c->src.tensors[t].steps;
-    for (uint32_t g = 0; g < c->src.n_groups; g++)
-        job->opt.hparams[g] = c->src.groups[g];
-    job->steps = c->src.step;
-    c->load_ns = sd_now_ns() - c->load_start_ns;
-    SD_INFO("job", "job '%s': loaded step %llu from %s (%.1f MiB read in %.1f ms)", job->name,
-            (unsigned long long)c->src.step, c->src.path, (double)c->loaded_bytes / 1048576.0,
-            (double)c->load_ns / 1e6);
-    sd_loading_loaded(job);
-}
-
-void sd_ckpt_load_start(struct sd_job *job)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    c->load_start_ns = sd_now_ns();
-    uint64_t floats = 0;
-    for (uint32_t u = 0; u < job->layout.n_units; u++)
-        floats += unit_block(job, u, NULL, NULL);
-    c->load_buf = calloc(floats + 1, sizeof(float));
-    if (c->load_buf == NULL) {
-        sd_job_fail(job, SD_ENOMEM, "loading checkpoint %s: out of memory for %llu floats",
-                    c->src.path, (unsigned long long)floats);
-        return;
-    }
-    run_worker(job, load_work, load_after);
-}
-
 /* ---- saving */
 
 static void save_answer(struct sd_job *job, int status, const char *msg)
@@ -355,6 +222,7 @@ static void save_answer(struct sd_job *job, int status, const char *msg)
                             status == SD_OK ? NULL : msg);
     }
     c->arrived = 0;
+    c->saving = false;
 }
 
 void sd_ckpt_fail_parked(struct sd_job *job, int status, const char *msg)
@@ -381,7 +249,7 @@ static int save_plan(struct sd_job *job)
         uint64_t file_off = 0;
         n = 0;
         for (uint32_t r = 0; r < job->k; r++) {
-            if (!is_writer(job, job->first_rank + r))
+            if (!c->writer[r])
                 continue;
             const float *os = sd_job_state(job, r, SD_STATE_OS);
             for (uint32_t u = 0; u < l->n_units; u++) {
@@ -473,11 +341,12 @@ static void save_work(struct sd_job *job)
 }
 
 static void save_collect(struct sd_job *job);
+static void save_parked(struct sd_job *job);
 
 static void save_after(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    if (job->state != SD_JOB_READY) {
+    if (!c->recovery && job->state != SD_JOB_READY) {
         if (job->node == 0) /* the save is given up: nobody commits it */
             sd_ckpt_remove(c->dir, c->tmp);
         return;
@@ -511,9 +380,32 @@ static void save_after(struct sd_job *job)
     }
     m.n_extents = m.status == SD_OK ? c->n_items : 0;
     m.extents = xp;
-    sd_cluster_job_saved(job->xfer.net->cl, &m);
+    sd_cluster_job_saved(job->reg->net->cl, &m);
     free(xs);
     free(xp);
+    if (c->recovery) { /* this node's part of it is done */
+        c->recovery = false;
+        c->seq = c->save_seq;
+        save_parked(job);
+    }
+}
+
+/* This node's part of save c->seq (c->dir, c->tmp, c->writer set): the step the os shards hold
+ * and what the manifest says of it, then the extents written on a worker. */
+static int write_part(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    c->step = job->opt.applied;
+    sd_ckpt_step_name(c->final, sizeof(c->final), c->step);
+    memcpy(c->snap_steps, job->opt.tensor_steps, job->model.n_tensors * sizeof(uint64_t));
+    memcpy(c->snap_hp, job->opt.hparams, sd_model_groups(&job->model) * sizeof(*c->snap_hp));
+    if (job->state == SD_JOB_READY && !sd_job_sync(job))
+        return SD_EJOBFAILED;
+    int st = save_plan(job);
+    if (st != SD_OK)
+        return st;
+    sd_ckpt__run_worker(job, save_work, save_after);
+    return SD_OK;
 }
 
 /* every local rank is in the save: plan this node's part and write it */
@@ -521,18 +413,53 @@ static void save_start(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     c->seq++;
-    c->step = job->steps;
-    snprintf(c->tmp, sizeof(c->tmp), ".tmp-%s-%llu-%llu", job->name, (unsigned long long)c->step,
+    c->saving = true;
+    c->recovery = false;
+    snprintf(c->dir, sizeof(c->dir), "%s", c->save_dir);
+    snprintf(c->tmp, sizeof(c->tmp), ".tmp-%s-%llu-%llu", job->name, (unsigned long long)job->steps,
              (unsigned long long)c->seq);
-    sd_ckpt_step_name(c->final, sizeof(c->final), c->step);
-    if (!sd_job_sync(job))
-        return;
-    int st = save_plan(job);
-    if (st != SD_OK) {
+    for (uint32_t r = 0; r < job->k; r++)
+        c->writer[r] = is_writer(job, job->first_rank + r);
+    for (uint32_t m = 0; m < job->nodes; m++)
+        c->reporting[m] = true;
+    int st = write_part(job);
+    if (st == SD_ENOMEM)
         save_answer(job, st, "save: out of memory");
-        return;
+}
+
+bool sd_ckpt_idle(const struct sd_job *job)
+{
+    const struct sd_ckpt_job *c = job->load.ckpt;
+    return c != NULL && !c->busy && !c->recovery && c->arrived == 0;
+}
+
+int sd_ckpt_recover_write(struct sd_job *job, const struct sd_ckpt_recover *r, char *err,
+                          size_t errlen)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (!sd_ckpt_idle(job)) {
+        snprintf(err, errlen, "node %u: job '%s' is saving a checkpoint", job->node, job->name);
+        return SD_EBUSY;
     }
-    run_worker(job, save_work, save_after);
+    snprintf(c->dir, sizeof(c->dir), "%s", r->dir);
+    snprintf(c->tmp, sizeof(c->tmp), "%s", r->tmp);
+    memset(c->writer, 0, job->k * sizeof(bool));
+    for (size_t i = 0; i < r->n_writers; i++)
+        if (r->writers[i] >= job->first_rank && r->writers[i] < job->first_rank + job->k)
+            c->writer[r->writers[i] - job->first_rank] = true;
+    for (uint32_t m = 0; m < job->nodes; m++)
+        c->reporting[m] = r->reporting != NULL && r->reporting[m];
+    c->save_seq = c->seq;
+    c->seq = r->seq;
+    c->recovery = true;
+    c->rec_ns = sd_now_ns();
+    int st = write_part(job);
+    if (st != SD_OK) {
+        c->recovery = false;
+        c->seq = c->save_seq;
+        snprintf(err, errlen, "node %u: %s", job->node, sd_status_str(st));
+    }
+    return st;
 }
 
 void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
@@ -553,7 +480,7 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
         sd_session_fail(s, e, SD_EINVAL, "save: '%s' is not an absolute path", path);
         return;
     }
-    if (c->busy || c->waiting[s->local]) {
+    if (c->waiting[s->local] || (c->busy && !c->recovery)) {
         sd_session_fail(s, e, SD_EBUSY, "save: rank %u's previous save is still running", s->rank);
         return;
     }
@@ -565,17 +492,27 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
         return;
     }
     if (c->arrived == 0) {
-        snprintf(c->dir, sizeof(c->dir), "%s", path);
+        snprintf(c->save_dir, sizeof(c->save_dir), "%s", path);
         c->first_ns = sd_now_ns();
-    } else if (strcmp(c->dir, path) != 0) {
+    } else if (strcmp(c->save_dir, path) != 0) {
         sd_session_fail(s, e, SD_EMISMATCH,
                         "save: rank %u saves to '%s', the other ranks of this node to '%s'",
-                        s->rank, path, c->dir);
+                        s->rank, path, c->save_dir);
         return;
     }
     c->waiting[s->local] = true;
     c->tags[s->local] = e->tag;
-    if (++c->arrived == job->k)
+    c->arrived++;
+    save_parked(job);
+}
+
+/* every local rank is in the save and no recovery writes: start it (the end of a recovery's
+ * part calls again) */
+static void save_parked(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (c->arrived == job->k && !c->saving && !c->recovery && !c->busy &&
+        job->state == SD_JOB_READY)
         save_start(job);
 }
 
@@ -633,6 +570,17 @@ static void commit_after(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     sd_ckpt_close(&c->man);
+    if (c->recovery) {
+        c->recovery = false;
+        c->seq = c->save_seq;
+        if (c->status == SD_OK)
+            SD_INFO("job", "job '%s': step %llu recovered to %s/%s (%.1f MiB, %.1f ms)", job->name,
+                    (unsigned long long)c->step, c->dir, c->final,
+                    (double)c->bytes_saved / 1048576.0, (double)(sd_now_ns() - c->rec_ns) / 1e6);
+        sd_recover_done(job, c->status, c->err);
+        save_parked(job);
+        return;
+    }
     if (job->state != SD_JOB_READY)
         return;
     char msg[1200];
@@ -670,10 +618,14 @@ static int build_manifest(struct sd_job *job, const Shard__JobSaved *const *reps
     man->n_states = sd_ckpt_states(man->optim_kind);
     man->n_tensors = job->model.n_tensors;
     man->n_groups = sd_model_groups(&job->model);
-    man->n_files = job->nodes;
+    uint32_t *file_of = c->rep_file; /* the nodes that wrote, in order: data-<node>.bin */
+    man->n_files = 0;
+    for (uint32_t m = 0; m < job->nodes; m++)
+        if (m == 0 || c->reporting[m])
+            file_of[m] = man->n_files++;
     man->n_extents = c->n_items;
     for (uint32_t m = 1; m < job->nodes; m++)
-        man->n_extents += reps[m]->n_extents;
+        man->n_extents += c->reporting[m] ? reps[m]->n_extents : 0;
     man->tensors = calloc(man->n_tensors, sizeof(*man->tensors));
     man->groups = calloc(man->n_groups, sizeof(*man->groups));
     man->files = calloc(man->n_files, sizeof(*man->files));
@@ -689,22 +641,23 @@ static int build_manifest(struct sd_job *job, const Shard__JobSaved *const *reps
         ct->dtype = d->dtype;
         ct->unit = d->unit;
         ct->group = d->group;
-        ct->steps = job->opt.tensor_steps[t];
+        ct->steps = c->snap_steps[t];
     }
-    memcpy(man->groups, job->opt.hparams, man->n_groups * sizeof(*man->groups));
+    memcpy(man->groups, c->snap_hp, man->n_groups * sizeof(*man->groups));
     for (uint32_t m = 0; m < job->nodes; m++)
-        snprintf(man->files[m], sizeof(man->files[m]), "data-%u.bin", m);
+        if (m == 0 || c->reporting[m])
+            snprintf(man->files[file_of[m]], sizeof(man->files[0]), "data-%u.bin", m);
     uint64_t n = 0;
     for (uint64_t i = 0; i < c->n_items; i++)
         man->extents[n++] = c->items[i].x;
     for (uint32_t m = 1; m < job->nodes; m++)
-        for (size_t i = 0; i < reps[m]->n_extents; i++) {
+        for (size_t i = 0; c->reporting[m] && i < reps[m]->n_extents; i++) {
             const Shard__CkptExtent *x = reps[m]->extents[i];
             if (x->state >= man->n_states || x->tensor >= man->n_tensors || x->end <= x->begin)
                 return SD_EPROTO;
             man->extents[n++] = (struct sd_ckpt_extent){.state = x->state,
                                                         .tensor = x->tensor,
-                                                        .file = m,
+                                                        .file = file_of[m],
                                                         .begin = x->begin,
                                                         .end = x->end,
                                                         .file_off = x->offset,
@@ -726,9 +679,20 @@ static int reports_check(struct sd_job *job, char *msg, size_t len)
     }
     for (uint32_t m = 1; m < job->nodes; m++) {
         const Shard__JobSaved *r = c->reps[m];
+        if (!c->reporting[m])
+            continue;
         if (r->status != SD_OK) {
             snprintf(msg, len, "node %u: %s", m, r->message);
             return r->status;
+        }
+        if (c->recovery && r->step != c->step) {
+            snprintf(msg, len,
+                     "node %u's optimizer states hold step %llu, node 0's step %llu: a step was "
+                     "being applied when the job stopped (a node lost between the update and the "
+                     "new weights)%s",
+                     m, (unsigned long long)r->step, (unsigned long long)c->step,
+                     job->state == SD_JOB_READY ? "; try again between steps" : "");
+            return SD_EMISMATCH;
         }
         if (r->step != c->step || strcmp(r->dir, c->dir) != 0) {
             snprintf(msg, len,
@@ -749,7 +713,7 @@ static void save_collect(struct sd_job *job)
     if (c->busy || c->seq == 0)
         return;
     for (uint32_t m = 0; m < job->nodes; m++)
-        if (c->rep_seq[m] != c->seq)
+        if ((m == 0 || c->reporting[m]) && c->rep_seq[m] != c->seq)
             return;
     c->rep_seq[0] = 0; /* taken */
     char msg[1200];
@@ -770,13 +734,14 @@ static void save_collect(struct sd_job *job)
         commit_after(job);
         return;
     }
-    run_worker(job, commit_work, commit_after);
+    sd_ckpt__run_worker(job, commit_work, commit_after);
 }
 
 void sd_ckpt_peer_saved(struct sd_job *job, const Shard__JobSaved *m)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    if (c == NULL || job->node != 0 || m->node == 0 || m->node >= job->nodes)
+    if (c == NULL || job->node != 0 || m->node == 0 || m->node >= job->nodes ||
+        !c->reporting[m->node])
         return;
     /* keep a copy: the message is the link's */
     size_t len = shard__job_saved__get_packed_size(m);
@@ -792,6 +757,23 @@ void sd_ckpt_peer_saved(struct sd_job *job, const Shard__JobSaved *m)
         return;
     c->rep_seq[m->node] = m->seq;
     save_collect(job);
+}
+
+void sd_ckpt_recover_abandon(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (c == NULL || !c->recovery || c->busy)
+        return;
+    sd_ckpt_remove(c->dir, c->tmp);
+    for (uint32_t m = 0; m < job->nodes; m++) {
+        c->rep_seq[m] = 0;
+        if (c->reps[m] != NULL)
+            shard__job_saved__free_unpacked(c->reps[m], NULL);
+        c->reps[m] = NULL;
+    }
+    c->recovery = false;
+    c->seq = c->save_seq;
+    save_parked(job);
 }
 
 void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char *msg)

@@ -36,6 +36,22 @@ bool sd_ckpt_overdue(struct sd_job *job, uint64_t now, uint64_t timeout, bool *p
 /* node 0: a member's report of its part; members: node 0's answer */
 void sd_ckpt_peer_saved(struct sd_job *job, const Shard__JobSaved *m);
 void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char *msg);
+/* no save or recovery reads the job's memory, and no rank waits in a save */
+bool sd_ckpt_idle(const struct sd_job *job);
+/* A recovery's part on this node (recover.h): write the os shards of the global ranks in
+ * writers (those of this node) as save seq into dir/tmp, then report to node 0 (node 0: wait
+ * for the nodes in reporting[nodes], commit, then sd_recover_done). SD_OK, or why not. */
+struct sd_ckpt_recover {
+    const char *dir, *tmp;
+    uint64_t seq;
+    const uint32_t *writers;
+    size_t n_writers;
+    const bool *reporting;
+};
+int sd_ckpt_recover_write(struct sd_job *job, const struct sd_ckpt_recover *r, char *err,
+                          size_t errlen);
+/* node 0: a recovery that gave up (a writer lost, its deadline) drops what it collected */
+void sd_ckpt_recover_abandon(struct sd_job *job);
 /* shardctl jobs: what was loaded and saved */
 json_t *sd_ckpt_json(const struct sd_job *job);
 

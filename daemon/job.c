@@ -5,6 +5,7 @@
 #include "job.h"
 #include "net.h"
 #include "ops.h"
+#include "recover.h"
 #include "registry.h"
 #include "resume.h"
 #include "server.h"
@@ -39,6 +40,7 @@ void sd_job_free(struct sd_job *job)
     free(job->step.waiting);
     free(job->load.ready_waiting);
     free(job->load.ready_tags);
+    sd_recover_forget(job->reg, job, "the job's state was dropped");
     sd_ckpt_job_free(job);
     sd_resume_unlink(job);
     free(job);
@@ -509,6 +511,7 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
         SD_WARN("job", "job '%s' failed: %s", job->name, text);
     job->load.resume.pending = false; /* a failure mid-step: the state is not a step's */
     bool registering = job->state == SD_JOB_REGISTERING;
+    job->load.resume.failed_ready = job->state == SD_JOB_READY; /* its state is a step's */
     job->state = SD_JOB_FAILED;
     job->fail_status = status;
     snprintf(job->fail_msg, sizeof(job->fail_msg), "%s", text);

@@ -130,6 +130,9 @@ struct sd_optim_state {
     struct sd_hparams *hparams; /* [n_groups]: the parameter groups' current hyperparameters */
     uint64_t *tensor_steps;     /* [n_tensors]: optimizer steps that updated each tensor */
     double last_grad_norm;      /* of the last step taken */
+    /* the steps the os shards hold: steps, or steps + 1 between the optimizer's update and the
+     * new weights (a node lost there leaves the survivors' shards one step ahead) */
+    uint64_t applied;
 };
 
 /* The step (step.c): the barrier of the local ranks, then the phases across nodes. */
@@ -173,6 +176,9 @@ struct sd_resume_state {
     bool was_paused;     /* it ends on this node alone, without the cluster */
     bool resuming;       /* this job started from a paused one */
     bool resumed;        /* a later job took the state over */
+    bool kept;           /* failed (a node was lost): its state stays until the deadline, for
+                            shardctl checkpoint --job (recover.h) */
+    bool failed_ready;   /* it failed while ready: its memory holds the states of a step */
     uint64_t deadline_ns;
     uint64_t start_step; /* resuming: the step the paused job had taken */
     char why[384];       /* pending: what happened (a peer's message) */

@@ -6,6 +6,7 @@
 #include "net.h"
 #include "ops.h"
 #include "registry.h"
+#include "recover.h"
 #include "resume.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -31,7 +32,8 @@ void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
 struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
 {
     for (struct sd_job *j = reg->jobs; j; j = j->next) /* paused: its name is free (resume.h) */
-        if (strcmp(j->name, name) == 0 && !j->load.resume.paused)
+        if (strcmp(j->name, name) == 0 && !j->load.resume.paused &&
+            !(j->load.resume.kept && j->n_left == j->k))
             return j;
     return NULL;
 }
@@ -97,6 +99,8 @@ static void ev_job_remote_ready(void *ctx, const char *name)
 
 static void ev_job_saved(void *ctx, const Shard__JobSaved *m)
 {
+    if (sd_recover_route(ctx, m))
+        return;
     struct sd_job *job = sd_registry_find(ctx, m->job);
     if (job != NULL)
         sd_ckpt_peer_saved(job, m);
@@ -107,6 +111,11 @@ static void ev_job_save_done(void *ctx, const char *name, uint64_t seq, int stat
     struct sd_job *job = sd_registry_find(ctx, name);
     if (job != NULL)
         sd_ckpt_peer_done(job, seq, status, msg);
+}
+
+static void ev_job_recover(void *ctx, const Shard__JobRecover *m)
+{
+    sd_recover_peer(ctx, m);
 }
 
 static void ev_node_down(void *ctx, uint32_t node, const char *reason)
@@ -129,9 +138,14 @@ static void ev_node_down(void *ctx, uint32_t node, const char *reason)
             sd_job_refuse(job, SD_EPEER, text);
             continue;
         }
-        char what[200];
+        char what[200], kept[200] = "";
         sd_job_net_describe(job, what, sizeof(what));
-        sd_job_fail(job, SD_EPEER, "%s; node %u is down: %s", what, node, reason);
+        if (sd_resume_keep(job))
+            snprintf(kept, sizeof(kept),
+                     "; its state is kept for %llu ms: shardctl checkpoint --job %s DIR on node "
+                     "0 writes it from the replicas",
+                     (unsigned long long)job->load.resume.timeout_ms, job->name);
+        sd_job_fail(job, SD_EPEER, "%s; node %u is down: %.100s%s", what, node, reason, kept);
     }
 }
 
@@ -178,6 +192,7 @@ void sd_registry_cluster_events(struct sd_registry *reg, struct sd_cluster_event
                                        .job_ended = ev_job_ended,
                                        .job_saved = ev_job_saved,
                                        .job_save_done = ev_job_save_done,
+                                       .job_recover = ev_job_recover,
                                        .node_down = ev_node_down,
                                        .formed = ev_formed,
                                        .tag_in_use = ev_tag_in_use,
@@ -238,10 +253,12 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
         next = job->next; /* the sweep may drop the job */
         sd_job_sweep(job, now);
     }
+    sd_recover_sweep(reg, now);
 }
 
 void sd_registry_destroy_all(struct sd_registry *reg)
 {
+    sd_recover_forget(reg, NULL, "the daemon stops");
     while (reg->jobs != NULL) {
         sd_job_destroy(reg->jobs);
     }

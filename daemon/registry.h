@@ -33,7 +33,9 @@ struct sd_registry {
     const struct sd_config *cfg;
     const struct sd_gpu_ops *dev;
     struct sd_net *net;
-    uv_loop_t *loop; /* for allocating off the loop; NULL: allocate in place */
+    uv_loop_t *loop;              /* for allocating off the loop; NULL: allocate in place */
+    struct sd_recovery *recovery; /* node 0: the checkpoint being written from replicas */
+    uint64_t recoveries;          /* started (their save numbers) */
 };
 
 void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,

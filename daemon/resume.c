@@ -3,6 +3,7 @@
 #include "checkpoint.h"
 #include "job.h"
 #include "ops.h"
+#include "recover.h"
 #include "registry.h"
 #include "server.h"
 #include "session.h"
@@ -96,25 +97,46 @@ void sd_resume_step_over(struct sd_job *job)
         pause_here(job, rs->why);
 }
 
-/* A paused job nobody took over in time: its state goes (now, or once its ranks left). */
+/* A paused job nobody took over in time, or a failed one kept: its state goes (now, or once its
+ * ranks left). */
 static void drop(struct sd_job *job)
 {
     struct sd_resume_state *rs = &job->load.resume;
-    rs->paused = false;
-    job->fail_status = SD_EJOBFAILED;
-    snprintf(job->fail_msg, sizeof(job->fail_msg),
-             "job '%s' paused after step %llu and was not registered again within %llu ms "
-             "(resume_timeout_ms): its state is dropped",
-             job->name, (unsigned long long)job->steps, (unsigned long long)rs->timeout_ms);
-    SD_WARN("job", "%s", job->fail_msg);
+    if (rs->kept) {
+        rs->kept = false;
+        SD_WARN("job",
+                "job '%s' failed after step %llu; its state, kept for %llu ms "
+                "(resume_timeout_ms), is dropped",
+                job->name, (unsigned long long)job->steps, (unsigned long long)rs->timeout_ms);
+    } else {
+        rs->paused = false;
+        job->fail_status = SD_EJOBFAILED;
+        snprintf(job->fail_msg, sizeof(job->fail_msg),
+                 "job '%s' paused after step %llu and was not registered again within %llu ms "
+                 "(resume_timeout_ms): its state is dropped",
+                 job->name, (unsigned long long)job->steps, (unsigned long long)rs->timeout_ms);
+        SD_WARN("job", "%s", job->fail_msg);
+    }
     if (job->n_left == job->k)
         sd_job_retire(job);
+}
+
+bool sd_resume_keep(struct sd_job *job)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    if (rs->timeout_ms == 0 || rs->paused || rs->pending || rs->kept ||
+        !(job->state == SD_JOB_READY || (job->state == SD_JOB_FAILED && rs->failed_ready)))
+        return false;
+    rs->kept = true;
+    rs->deadline_ns = sd_now_ns() + rs->timeout_ms * 1000000ULL;
+    return true;
 }
 
 void sd_resume_sweep(struct sd_job *job, uint64_t now)
 {
     struct sd_resume_state *rs = &job->load.resume;
-    if (rs->paused && rs->by == NULL && now >= rs->deadline_ns)
+    if (((rs->paused && rs->by == NULL) || rs->kept) && now >= rs->deadline_ns &&
+        !sd_recover_target(job))
         drop(job);
     else if (job->state == SD_JOB_LOADING && rs->resuming && rs->wait)
         sd_resume_load(job);
@@ -236,7 +258,7 @@ void sd_resume_load(struct sd_job *job)
     memcpy(job->opt.hparams, old->opt.hparams,
            sd_model_groups(&job->model) * sizeof(*job->opt.hparams));
     job->opt.last_grad_norm = old->opt.last_grad_norm;
-    job->steps = old->steps;
+    job->steps = job->opt.applied = old->steps;
     char b[32];
     SD_INFO("job",
             "job '%s' (id %llu) resumed job id %llu after step %llu: %s of weights and "
@@ -260,8 +282,8 @@ void sd_resume_unlink(struct sd_job *job)
 bool sd_resume_all_left(struct sd_job *job)
 {
     struct sd_resume_state *rs = &job->load.resume;
-    if (rs->pending || rs->paused)
-        return true; /* kept: taken over, or dropped at its deadline */
+    if (rs->pending || rs->paused || rs->kept)
+        return true; /* kept: taken over, recovered, or dropped at its deadline */
     if (!rs->was_paused)
         return false;
     sd_job_retire(job); /* resumed or dropped: the other nodes end theirs alike */
@@ -272,9 +294,10 @@ json_t *sd_resume_json(const struct sd_job *job)
 {
     const struct sd_resume_state *rs = &job->load.resume;
     uint64_t now = sd_now_ns();
-    json_t *o = json_pack("{s:I, s:b, s:b, s:b}", "timeout_ms", (json_int_t)rs->timeout_ms,
-                          "paused", rs->paused, "pausing", rs->pending, "resumed", rs->resumed);
-    if (rs->paused)
+    json_t *o =
+        json_pack("{s:I, s:b, s:b, s:b, s:b}", "timeout_ms", (json_int_t)rs->timeout_ms, "paused",
+                  rs->paused, "pausing", rs->pending, "resumed", rs->resumed, "kept", rs->kept);
+    if (rs->paused || rs->kept)
         json_object_set_new(o, "dropped_in_ms",
                             json_integer(rs->deadline_ns > now
                                              ? (json_int_t)((rs->deadline_ns - now) / 1000000)

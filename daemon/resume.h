@@ -33,6 +33,9 @@ bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *r
 bool sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg);
 /* The step is over (answered): a pause waiting for it happens now. */
 void sd_resume_step_over(struct sd_job *job);
+/* A node of the job was lost: with a resume timeout its state stays that long (the job fails
+ * all the same) for shardctl checkpoint --job. True if kept. */
+bool sd_resume_keep(struct sd_job *job);
 /* A paused job past its deadline is dropped; a new job waiting to take a state over retries. */
 void sd_resume_sweep(struct sd_job *job, uint64_t now_ns);
 /* The paused job of this name (not yet taken over), or NULL. */

@@ -1,6 +1,7 @@
 /* The client socket: accept, SO_PEERCRED, frame parsing and dispatch; and the progress engine
  * that drains every session's ring, spinning for poll_spin_us after activity before it sleeps
  * on the sessions' eventfds. */
+#include "recover.h"
 #include "registry.h"
 #include "server.h"
 #include "session.h"
@@ -204,17 +205,38 @@ void sd_conn_close(struct sd_conn *c, const char *why)
     uv_close((uv_handle_t *)&c->poll, conn_free_cb);
 }
 
-static void handle_admin(struct sd_conn *c, const Shard__AdminRequest *req)
+static void admin_reply(struct sd_conn *c, int status, const char *json)
 {
-    char *json = NULL;
-    int status = sd_admin_handle(c->srv, req, c->uid, &json);
     Shard__AdminReply rep = SHARD__ADMIN_REPLY__INIT;
     rep.status = status;
-    rep.json = json ? json : "";
+    rep.json = (char *)(json ? json : "");
     Shard__DaemonMsg msg = SHARD__DAEMON_MSG__INIT;
     msg.msg_case = SHARD__DAEMON_MSG__MSG_ADMIN;
     msg.admin = &rep;
     sd_conn_send(c, &msg, NULL, 0);
+}
+
+void sd_server_admin_answer(struct sd_server *srv, uint64_t conn_id, int status, const char *json)
+{
+    for (struct sd_conn *c = srv->conns; c; c = c->next)
+        if (c->id == conn_id && !c->closing) {
+            admin_reply(c, status, json);
+            return;
+        }
+}
+
+static void handle_admin(struct sd_conn *c, const Shard__AdminRequest *req)
+{
+    char *json = NULL;
+    int status;
+    if (req->command != NULL && strcmp(req->command, "checkpoint") == 0) {
+        status = sd_recover_admin(c->srv, c->id, c->uid, req->job, req->dir, &json);
+        if (status == SD_OK && json == NULL)
+            return; /* answered once written (sd_server_admin_answer) */
+    } else {
+        status = sd_admin_handle(c->srv, req, c->uid, &json);
+    }
+    admin_reply(c, status, json);
     free(json);
 }
 

@@ -52,6 +52,9 @@ struct sd_conn {
                            its caller may still use the session) */
 };
 
+/* An admin command answered later (shardctl checkpoint --job): to connection conn_id, if it is
+ * still open. */
+void sd_server_admin_answer(struct sd_server *srv, uint64_t conn_id, int status, const char *json);
 int sd_conn_send(struct sd_conn *c, const Shard__DaemonMsg *msg, const int *fds, unsigned nfds);
 int sd_conn_send_error(struct sd_conn *c, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -5,6 +5,7 @@
  * optimizer once no peer still reads this generation's weights; REFRESH gathers the units held
  * across the step again. On one node SYNC reduces the replicas inside the node, NORM has
  * nothing to exchange, and the phases run through in one call. */
+#include "checkpoint.h"
 #include "net.h"
 #include "ops.h"
 #include "quant.h"
@@ -40,6 +41,7 @@ static bool weights_new(struct sd_job *job)
 {
     sd_weights_local(job);
     job->steps++;
+    job->opt.applied = job->steps;
     job->weights_gen++;
     if (job->gnodes[SD_STATE_W] == 1)
         refresh_held(job);
@@ -596,6 +598,8 @@ void sd_step_progress(struct sd_job *job)
     if (job->step.phase == SD_STEP_APPLY) {
         if (job->xfer.w_sends_inflight > 0)
             return; /* peers still read this node's weights of the current generation */
+        if (sd_ckpt_busy(job))
+            return; /* a checkpoint's worker reads the os shards: its end calls again */
         if (step_args_refused(job))
             return;
         step_bcast_deliver(job); /* a step skipped as non-finite broadcasts all the same */
@@ -612,6 +616,7 @@ void sd_step_progress(struct sd_job *job)
         memcpy(job->opt.hparams, job->step.hp_next,
                sd_model_groups(&job->model) * sizeof(*job->opt.hparams));
         job->opt.last_grad_norm = sd_optimizer_apply(job, sumsq, step_used(job));
+        job->opt.applied = job->steps + 1;
         /* the exchanges send the owners' new parts */
         if (sd_weights_remote(job) && !sd_job_sync(job))
             return;

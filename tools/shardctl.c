@@ -37,6 +37,11 @@ static void usage(FILE *out)
             "             (defaults: package 1, accum 1, bf16, adamw; with B, the time too;\n"
             "             --regather: the gather pool does not keep a unit from forward to\n"
             "             backward, so each fetch gathers it again)\n"
+            "  checkpoint --job NAME DIR\n"
+            "             write a checkpoint of a running, paused or failed job into DIR from\n"
+            "             the daemons still up (each state from one live replica); ask node\n"
+            "             0's daemon. A failed job keeps its state only with resume_timeout_ms.\n"
+            "             Exit 1 when refused: with the extents no live node holds\n"
             "  checkpoint-info DIR\n"
             "             without a daemon: the checkpoint at DIR (or the one DIR/LATEST names):\n"
             "             step, plan, world, tensors, bytes per state and file, and every\n"
@@ -573,6 +578,64 @@ static int run_checkpoint_info(const char *dir, bool as_json)
     return vst == SD_OK ? 0 : 1;
 }
 
+/* checkpoint --job NAME DIR: node 0's daemon writes it from the live replicas */
+static int run_checkpoint(const char *socket, const char *job, const char *dir, bool as_json)
+{
+    if (job == NULL || dir == NULL) {
+        fprintf(stderr, "shardctl: checkpoint needs --job NAME and a directory\n");
+        return 2;
+    }
+    char abs[SD_CKPT_PATH_MAX];
+    if (dir[0] != '/') { /* the daemon's working directory is not ours */
+        if (getcwd(abs, sizeof(abs) - strlen(dir) - 2) == NULL) {
+            fprintf(stderr, "shardctl: checkpoint: cannot resolve '%s'\n", dir);
+            return 2;
+        }
+        strcat(abs, "/");
+        strcat(abs, dir);
+        dir = abs;
+    }
+    char *text = NULL;
+    int status = shard_checkpoint_job(socket, job, dir, &text);
+    if (text == NULL) {
+        fprintf(stderr, "shardctl: %s\n", shard_last_error(NULL));
+        return 1;
+    }
+    json_t *doc = json_loads(text, 0, NULL);
+    if (as_json || doc == NULL) {
+        puts(text);
+    } else if (status == SD_OK) {
+        printf("job %s: step %lld written to %s (%.1f MiB in %lld files, %.0f ms)\n", job,
+               num(doc, "step"), str(doc, "checkpoint"), (double)num(doc, "bytes") / 1048576.0,
+               num(doc, "files"), json_real_value(json_object_get(doc, "ms")));
+        json_t *lost = json_object_get(doc, "lost_nodes");
+        if (json_array_size(lost) > 0) {
+            printf("  from the replicas: nodes");
+            for (size_t i = 0; i < json_array_size(lost); i++)
+                printf(" %lld", (long long)json_integer_value(json_array_get(lost, i)));
+            printf(" lost\n");
+        }
+    } else {
+        fprintf(stderr, "shardctl: checkpoint: %s: %s\n", sd_status_str(status), str(doc, "error"));
+        json_t *missing = json_object_get(doc, "missing");
+        size_t n = json_array_size(missing);
+        if (n > 0)
+            fprintf(stderr, "missing extents (%zu):\n  %-32s %-24s %s\n", n, "tensor", "range",
+                    "os shard");
+        for (size_t i = 0; i < n; i++) {
+            json_t *x = json_array_get(missing, i), *range = json_object_get(x, "range");
+            char r[64];
+            snprintf(r, sizeof(r), "[%lld, %lld)",
+                     (long long)json_integer_value(json_array_get(range, 0)),
+                     (long long)json_integer_value(json_array_get(range, 1)));
+            fprintf(stderr, "  %-32s %-24s %lld\n", str(x, "tensor"), r, num(x, "shard"));
+        }
+    }
+    json_decref(doc);
+    shard_free(text);
+    return status == SD_OK ? 0 : 1;
+}
+
 int main(int argc, char **argv)
 {
     const char *ck_dir = NULL;
@@ -593,7 +656,8 @@ int main(int argc, char **argv)
             job = argv[++i];
         } else if (argv[i][0] != '-' && cmd == NULL) {
             cmd = argv[i];
-        } else if (argv[i][0] != '-' && ck_dir == NULL && strcmp(cmd, "checkpoint-info") == 0) {
+        } else if (argv[i][0] != '-' && ck_dir == NULL &&
+                   (strcmp(cmd, "checkpoint-info") == 0 || strcmp(cmd, "checkpoint") == 0)) {
             ck_dir = argv[i];
         } else {
             /* plan's options: -1 not one of them, -2 a bad value (said) */
@@ -613,6 +677,8 @@ int main(int argc, char **argv)
         return run_plan(&pa, as_json);
     if (cmd != NULL && strcmp(cmd, "checkpoint-info") == 0)
         return run_checkpoint_info(ck_dir, as_json);
+    if (cmd != NULL && strcmp(cmd, "checkpoint") == 0)
+        return run_checkpoint(socket, job, ck_dir, as_json);
     static const char *const cmds[] = {"status", "jobs", "groups", "topology", "stats", "schedule"};
     bool known = false;
     for (size_t i = 0; cmd && i < SD_ARRAY_SIZE(cmds); i++)

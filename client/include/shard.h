@@ -58,6 +58,8 @@ enum {
     SHARD_EPAUSED = -1011,    /* a rank of a job with resume_timeout_ms died: the job paused at
                                  the step the message names; register again (every rank) to
                                  resume from it (shard_start_step) */
+    SHARD_ENOREPLICA = -1012, /* shard_checkpoint_job: a lost node held the only copy of some
+                                 state (the answer's JSON lists the missing extents) */
 };
 
 typedef enum { SHARD_FP32 = 0, SHARD_BF16 = 1, SHARD_FP16 = 2 } shard_dtype_t;
@@ -237,6 +239,14 @@ SHARD_API int shard_detach(shard_ctx_t *ctx);
  * failed. On failure shard_last_error(NULL) says why. */
 SHARD_API int shard_admin(const char *socket_path, const char *command, const char *job,
                           char **json_p);
+/* Write a checkpoint of job (running, paused, or failed and kept: resume_timeout_ms) into dir
+ * (absolute, on the daemons' file systems) from the daemons still up: the daemon at socket_path
+ * must be node 0's, the coordinator. Each state is written from one live replica. Waits until
+ * the checkpoint is committed (dir/LATEST names it) or refused: SHARD_ENOREPLICA when a lost
+ * node held the only copy of some state, *json_p then listing the missing extents. *json_p
+ * (free with shard_free) is the daemon's answer: the checkpoint's path, step, bytes, writers. */
+SHARD_API int shard_checkpoint_job(const char *socket_path, const char *job, const char *dir,
+                                   char **json_p);
 SHARD_API void shard_free(void *p);
 
 SHARD_API const char *shard_strerror(int status);

@@ -15,6 +15,7 @@
 
 struct sd_cluster;
 struct Shard__JobSaved;
+struct Shard__JobRecover;
 
 /* What the cluster tells this node about jobs, and asks of it. The cluster knows jobs only by
  * their names and transport tags; the registry implements these (sd_registry_cluster_events). */
@@ -34,6 +35,8 @@ struct sd_cluster_events {
     /* node 0: a node wrote its part of a save; the others: node 0 committed it (or not) */
     void (*job_saved)(void *ctx, const struct Shard__JobSaved *m);
     void (*job_save_done)(void *ctx, const char *job, uint64_t seq, int status, const char *msg);
+    /* a member: node 0 asks for this node's part of a recovery (shardctl checkpoint --job) */
+    void (*job_recover)(void *ctx, const struct Shard__JobRecover *m);
     void (*node_down)(void *ctx, uint32_t node, const char *reason);
     /* the address table is installed: the standing receives can be posted */
     int (*formed)(void *ctx);
@@ -86,6 +89,9 @@ void sd_cluster_job_saved(struct sd_cluster *cl, const struct Shard__JobSaved *m
 /* Node 0: the save is committed (status 0) or given up; tell the job's other nodes. */
 void sd_cluster_job_save_done(struct sd_cluster *cl, const char *job, uint32_t job_nodes,
                               uint64_t seq, int status, const char *msg);
+/* Node 0: ask node for its part of a recovery. */
+void sd_cluster_job_recover(struct sd_cluster *cl, uint32_t node,
+                            const struct Shard__JobRecover *m);
 /* Every local rank of the job left this node: the job ends once all its nodes said so. Returns
  * false when no coordination is possible (the coordinator is down): end it locally. */
 bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, uint32_t job_nodes);

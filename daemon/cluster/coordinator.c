@@ -294,6 +294,15 @@ void sd_cluster_job_save_done(struct sd_cluster *cl, const char *job, uint32_t j
         sd_cluster__send_to(cl, i, &m);
 }
 
+void sd_cluster_job_recover(struct sd_cluster *cl, uint32_t node, const Shard__JobRecover *r)
+{
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_RECOVER;
+    m.job_recover = (Shard__JobRecover *)r;
+    if (cl->self == 0 && node < cl->n && cl->alive[node])
+        sd_cluster__send_to(cl, node, &m);
+}
+
 /* a dead node's ranks have left every job */
 void sd_cluster__coord_node_down(struct sd_cluster *cl, uint32_t node)
 {

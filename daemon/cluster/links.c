@@ -353,6 +353,10 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         cl->ev.job_save_done(cl->ev.ctx, m->job_save_done->job, m->job_save_done->seq,
                              m->job_save_done->status, m->job_save_done->message);
         break;
+    case SHARD__PEER_MSG__MSG_JOB_RECOVER:
+        if (cl->self != 0)
+            cl->ev.job_recover(cl->ev.ctx, m->job_recover);
+        break;
     case SHARD__PEER_MSG__MSG_NODE_DOWN:
         node_down(cl, m->node_down->node, m->node_down->reason);
         break;

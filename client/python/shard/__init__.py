@@ -32,6 +32,7 @@ EINVAL, ENOSPC, ETIMEDOUT, ECONNRESET = -22, -28, -110, -104
 ESTATE, EMISMATCH, EJOBFAILED, EVERSION = -1001, -1002, -1003, -1004
 ENOUNIT, ENOJOB, ENOTHELD, ECONFIG, EPEER = -1005, -1006, -1007, -1008, -1009
 EPAUSED = -1011  # a rank died: the job paused; register again (every rank) to resume from ctx.start_step
+ENOREPLICA = -1012  # shardctl checkpoint --job: a lost node held the only copy of some state
 ENONFINITE = -1010  # step: a gradient was NaN or infinite; the step was skipped, the job goes on
 
 

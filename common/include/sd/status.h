@@ -41,6 +41,7 @@ enum sd_status {
     SD_EPEER = -(SD_ERR_OFFSET + 9),      /* a peer daemon failed or vanished */
     SD_ENONFINITE = -(SD_ERR_OFFSET + 10), /* a gradient is not finite: the step was skipped */
     SD_EPAUSED = -(SD_ERR_OFFSET + 11),    /* a rank died; the job waits to be registered again */
+    SD_ENOREPLICA = -(SD_ERR_OFFSET + 12), /* some state has no copy on a node that is up */
     SD_ESTATUS_MIN = -(SD_ERR_OFFSET + 12)
 };
 
