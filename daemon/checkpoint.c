@@ -106,6 +106,16 @@ static bool owner_ok(const struct sd_job *job, const char *path, char *err, size
 
 /* ---- lifecycle */
 
+/* node 0: drop the nodes' reports it keeps (node 0's own part is items, never a report) */
+static void reports_free(struct sd_ckpt_job *c, uint32_t nodes)
+{
+    for (uint32_t m = 0; c->reps != NULL && m < nodes; m++) {
+        if (c->reps[m] != NULL)
+            shard__job_saved__free_unpacked(c->reps[m], NULL);
+        c->reps[m] = NULL;
+    }
+}
+
 int sd_ckpt_job_init(struct sd_job *job, const char *load_dir, char *err, size_t errlen)
 {
     struct sd_ckpt_job *c = calloc(1, sizeof(*c));
@@ -184,9 +194,7 @@ void sd_ckpt_job_free(struct sd_job *job)
     free(c->snap_hp);
     free(c->tags);
     free(c->rep_seq);
-    for (uint32_t m = 0; c->reps != NULL && m < job->nodes; m++)
-        if (c->reps[m] != NULL)
-            shard__job_saved__free_unpacked(c->reps[m], NULL);
+    reports_free(c, job->nodes);
     free(c->reps);
     free(c->items);
     free(c);
@@ -231,8 +239,7 @@ void sd_ckpt_fail_parked(struct sd_job *job, int status, const char *msg)
         save_answer(job, status, msg);
 }
 
-/* does rank write its os shard (the replica with index shard % replicas)? */
-static bool is_writer(const struct sd_job *job, uint32_t rank)
+bool sd_ckpt_is_writer(const struct sd_job *job, uint32_t rank)
 {
     uint32_t f = job->plan.f[SD_STATE_OS];
     return rank / f == sd_plan_shard(&job->plan, SD_STATE_OS, rank) % (job->world / f);
@@ -343,6 +350,16 @@ static void save_work(struct sd_job *job)
 static void save_collect(struct sd_job *job);
 static void save_parked(struct sd_job *job);
 
+/* A recovery's write on this node is over (done, failed or given up): the saves' numbering is
+ * back, and a save the ranks wait in meanwhile starts. */
+static void recovery_end(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    c->recovery = false;
+    c->seq = c->save_seq;
+    save_parked(job);
+}
+
 static void save_after(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
@@ -383,11 +400,8 @@ static void save_after(struct sd_job *job)
     sd_cluster_job_saved(job->reg->net->cl, &m);
     free(xs);
     free(xp);
-    if (c->recovery) { /* this node's part of it is done */
-        c->recovery = false;
-        c->seq = c->save_seq;
-        save_parked(job);
-    }
+    if (c->recovery) /* this node's part of it is done */
+        recovery_end(job);
 }
 
 /* This node's part of save c->seq (c->dir, c->tmp, c->writer set): the step the os shards hold
@@ -419,7 +433,7 @@ static void save_start(struct sd_job *job)
     snprintf(c->tmp, sizeof(c->tmp), ".tmp-%s-%llu-%llu", job->name, (unsigned long long)job->steps,
              (unsigned long long)c->seq);
     for (uint32_t r = 0; r < job->k; r++)
-        c->writer[r] = is_writer(job, job->first_rank + r);
+        c->writer[r] = sd_ckpt_is_writer(job, job->first_rank + r);
     for (uint32_t m = 0; m < job->nodes; m++)
         c->reporting[m] = true;
     int st = write_part(job);
@@ -452,11 +466,9 @@ int sd_ckpt_recover_write(struct sd_job *job, const struct sd_ckpt_recover *r, c
     c->save_seq = c->seq;
     c->seq = r->seq;
     c->recovery = true;
-    c->rec_ns = sd_now_ns();
     int st = write_part(job);
     if (st != SD_OK) {
-        c->recovery = false;
-        c->seq = c->save_seq;
+        recovery_end(job);
         snprintf(err, errlen, "node %u: %s", job->node, sd_status_str(st));
     }
     return st;
@@ -570,15 +582,9 @@ static void commit_after(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     sd_ckpt_close(&c->man);
-    if (c->recovery) {
-        c->recovery = false;
-        c->seq = c->save_seq;
-        if (c->status == SD_OK)
-            SD_INFO("job", "job '%s': step %llu recovered to %s/%s (%.1f MiB, %.1f ms)", job->name,
-                    (unsigned long long)c->step, c->dir, c->final,
-                    (double)c->bytes_saved / 1048576.0, (double)(sd_now_ns() - c->rec_ns) / 1e6);
+    if (c->recovery) { /* answered first: a save starting next reuses err */
         sd_recover_done(job, c->status, c->err);
-        save_parked(job);
+        recovery_end(job);
         return;
     }
     if (job->state != SD_JOB_READY)
@@ -721,11 +727,7 @@ static void save_collect(struct sd_job *job)
     if (status == SD_OK &&
         (status = build_manifest(job, (const Shard__JobSaved *const *)c->reps)) != SD_OK)
         snprintf(msg, sizeof(msg), "node 0: building the manifest: %s", sd_status_str(status));
-    for (uint32_t m = 1; m < job->nodes; m++)
-        if (c->reps[m] != NULL) {
-            shard__job_saved__free_unpacked(c->reps[m], NULL);
-            c->reps[m] = NULL;
-        }
+    reports_free(c, job->nodes);
     if (status != SD_OK) {
         sd_ckpt_close(&c->man);
         sd_ckpt_remove(c->dir, c->tmp);
@@ -765,15 +767,9 @@ void sd_ckpt_recover_abandon(struct sd_job *job)
     if (c == NULL || !c->recovery || c->busy)
         return;
     sd_ckpt_remove(c->dir, c->tmp);
-    for (uint32_t m = 0; m < job->nodes; m++) {
-        c->rep_seq[m] = 0;
-        if (c->reps[m] != NULL)
-            shard__job_saved__free_unpacked(c->reps[m], NULL);
-        c->reps[m] = NULL;
-    }
-    c->recovery = false;
-    c->seq = c->save_seq;
-    save_parked(job);
+    reports_free(c, job->nodes);
+    memset(c->rep_seq, 0, job->nodes * sizeof(*c->rep_seq));
+    recovery_end(job);
 }
 
 void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char *msg)

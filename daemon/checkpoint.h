@@ -36,6 +36,9 @@ bool sd_ckpt_overdue(struct sd_job *job, uint64_t now, uint64_t timeout, bool *p
 /* node 0: a member's report of its part; members: node 0's answer */
 void sd_ckpt_peer_saved(struct sd_job *job, const Shard__JobSaved *m);
 void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char *msg);
+/* Does rank write its os shard in a save (the replica with index shard % replicas)? A recovery
+ * picks the same one while its node is up. */
+bool sd_ckpt_is_writer(const struct sd_job *job, uint32_t rank);
 /* no save or recovery reads the job's memory, and no rank waits in a save */
 bool sd_ckpt_idle(const struct sd_job *job);
 /* A recovery's part on this node (recover.h): write the os shards of the global ranks in

@@ -30,7 +30,6 @@ struct sd_ckpt_job {
     uint64_t seq, step; /* saves started; the step of this one */
     bool recovery;      /* the write is a recovery's (recover.h): shardctl waits, no rank */
     uint64_t save_seq;  /* a recovery's write: seq of the saves, back once it is done */
-    uint64_t rec_ns;    /* when the recovery's write began */
     bool saving;        /* the ranks' save started and is not answered yet */
     char save_dir[SD_CKPT_PATH_MAX]; /* the save barrier's directory (dir: the write's) */
     bool *writer;                    /* [k]: the local ranks whose os shards this node writes */

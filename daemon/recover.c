@@ -57,25 +57,25 @@ static bool node_up(struct sd_registry *reg, uint32_t node)
            (reg->net != NULL && sd_cluster_alive(reg->net->cl, node));
 }
 
-/* The rank that writes os shard p: of the ranks holding it (ascending), the one a save picks
- * (index p mod their count: the writes spread over the replicas) or, when its node is down, the
- * next one on a node that is up. UINT32_MAX: none. */
+/* The rank that writes os shard p: the one a save picks (sd_ckpt_is_writer: the writes spread
+ * over the replicas) or, when its node is down, the next rank holding p on a node that is up
+ * (wrapping around). UINT32_MAX: none. */
 static uint32_t pick_writer(const struct sd_job *job, uint32_t p, const bool *up)
 {
-    uint32_t count = 0, first_up = UINT32_MAX, pick = UINT32_MAX;
-    for (uint32_t r = 0; r < job->world; r++)
-        count += sd_plan_shard(&job->plan, SD_STATE_OS, r) == p;
-    uint32_t want = count > 0 ? p % count : 0, i = 0;
-    for (uint32_t r = 0; r < job->world && pick == UINT32_MAX; r++) {
+    uint32_t first_up = UINT32_MAX;
+    bool passed = false; /* the save's writer, or a rank after it */
+    for (uint32_t r = 0; r < job->world; r++) {
         if (sd_plan_shard(&job->plan, SD_STATE_OS, r) != p)
             continue;
-        if (up[r / job->k] && i >= want)
-            pick = r;
-        else if (up[r / job->k] && first_up == UINT32_MAX)
+        passed = passed || sd_ckpt_is_writer(job, r);
+        if (!up[r / job->k])
+            continue;
+        if (passed)
+            return r;
+        if (first_up == UINT32_MAX)
             first_up = r;
-        i++;
     }
-    return pick != UINT32_MAX ? pick : first_up;
+    return first_up;
 }
 
 static int refuse(char **json_p, int status, const char *fmt, ...)
@@ -354,6 +354,9 @@ void sd_recover_done(struct sd_job *job, int status, const char *msg)
         answer_error(reg, st, err);
         return;
     }
+    SD_INFO("job", "job '%s': step %llu recovered to %s (%.1f MiB, %.1f ms)", job->name,
+            (unsigned long long)ck.step, ck.path, (double)ck.bytes / 1048576.0,
+            (double)(sd_now_ns() - rec->start_ns) / 1e6);
     json_t *lost = json_array(), *writers = json_array();
     for (uint32_t m = 0; m < job->nodes; m++)
         if (!node_up(reg, m))
