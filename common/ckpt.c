@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,24 +67,52 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const uint8
 }
 #endif
 
+static int crc_mode; /* 1: software, 2: SSE4.2 */
+
+static void crc_choose(void)
+{
+    crc_init_table();
+    crc_mode = 1;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("sse4.2"))
+        crc_mode = 2;
+#endif
+}
+
 uint32_t sd_crc32c(uint32_t crc, const void *data, size_t len)
 {
-    static int mode; /* 0: not chosen, 1: software, 2: SSE4.2 */
-    if (mode == 0) {
-        crc_init_table();
-        mode = 1;
-#if defined(__x86_64__)
-        __builtin_cpu_init();
-        if (__builtin_cpu_supports("sse4.2"))
-            mode = 2;
-#endif
-    }
+    static pthread_once_t once = PTHREAD_ONCE_INIT; /* the checkpoint threads call it at once */
+    pthread_once(&once, crc_choose);
     uint32_t c = ~crc;
 #if defined(__x86_64__)
-    if (mode == 2)
+    if (crc_mode == 2)
         return ~crc_hw(c, data, len);
 #endif
     return ~crc_soft(c, data, len);
+}
+
+/* Polynomials over GF(2) modulo the CRC's, in its reflected form: bit 31 is x^0, bit 0 x^31. */
+static uint32_t gf_mul(uint32_t a, uint32_t b)
+{
+    uint32_t p = 0;
+    for (uint32_t m = 1u << 31; m != 0; m >>= 1) {
+        if (a & m)
+            p ^= b;
+        b = b & 1 ? (b >> 1) ^ 0x82f63b78u : b >> 1; /* b * x */
+    }
+    return p;
+}
+
+/* The crc of A then B from crc(A), crc(B) and B's length: crc(A B) = crc(A) x^(8 len2) + crc(B)
+ * mod P, the inversions at either end cancelling. */
+uint32_t sd_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2)
+{
+    uint32_t pow = 1u << 31, sq = 1u << 23; /* x^0, and x^8: one byte of zeros */
+    for (; len2 != 0; len2 >>= 1, sq = gf_mul(sq, sq))
+        if (len2 & 1)
+            pow = gf_mul(pow, sq);
+    return gf_mul(pow, crc1) ^ crc2;
 }
 
 /* ---- states */
@@ -548,8 +577,11 @@ int sd_ckpt_reader_init(struct sd_ckpt_reader *rd, const struct sd_ckpt *ck, cha
     rd->ck = ck;
     rd->cached = UINT64_MAX;
     rd->fds = malloc((ck->n_files + 1) * sizeof(int));
-    rd->buf = malloc((size_t)SD_CKPT_EXTENT_ELEMS * sizeof(float));
-    if (rd->fds == NULL || rd->buf == NULL) {
+    /* an extent and the rest of the aligned blocks it starts and ends in */
+    if (posix_memalign((void **)&rd->raw, SD_CKPT_IO_ALIGN,
+                       (size_t)SD_CKPT_EXTENT_ELEMS * sizeof(float) + 2 * SD_CKPT_IO_ALIGN) != 0)
+        rd->raw = NULL;
+    if (rd->fds == NULL || rd->raw == NULL) {
         sd_ckpt_reader_free(rd);
         snprintf(err, errlen, "out of memory");
         return SD_ENOMEM;
@@ -565,54 +597,92 @@ void sd_ckpt_reader_free(struct sd_ckpt_reader *rd)
         if (rd->fds[f] >= 0)
             close(rd->fds[f]);
     free(rd->fds);
-    free(rd->buf);
+    free(rd->raw);
     rd->fds = NULL;
-    rd->buf = NULL;
+    rd->raw = NULL;
+    rd->data = NULL;
 }
 
-/* extent i (by_key index) into rd->buf, verified */
-static int load_extent(struct sd_ckpt_reader *rd, uint64_t i, char *err, size_t errlen)
+/* bytes [off, off + len) of fd into buf; with O_DIRECT, fd's aligned blocks around them: *at is
+ * where they start in buf. A filesystem that refuses the alignment gets the fd buffered. */
+static ssize_t read_range(int fd, uint8_t *buf, uint64_t off, size_t len, size_t *at)
+{
+    int fl = fcntl(fd, F_GETFL);
+    bool direct = fl >= 0 && (fl & O_DIRECT);
+    uint64_t lo = direct ? off / SD_CKPT_IO_ALIGN * SD_CKPT_IO_ALIGN : off;
+    size_t want = direct ? (off + len - lo + SD_CKPT_IO_ALIGN - 1) / SD_CKPT_IO_ALIGN *
+                               SD_CKPT_IO_ALIGN
+                         : len,
+           need = off + len - lo, got = 0;
+    *at = off - lo;
+    while (got < need) {
+        ssize_t n = pread(fd, buf + got, want - got, (off_t)(lo + got));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EINVAL && direct) {
+            if (fcntl(fd, F_SETFL, fl & ~O_DIRECT) != 0)
+                return -1;
+            return read_range(fd, buf, off, len, at);
+        }
+        if (n <= 0) /* 0: the file ends early; a partial direct read ends at the end of the file */
+            return n;
+        got += (size_t)n;
+    }
+    return (ssize_t)len;
+}
+
+/* extent i (by_key index) into rd->data, verified; and into `into` when not NULL (copied a
+ * block at a time as the crc reads it, while the block is in the cache) */
+static int load_extent(struct sd_ckpt_reader *rd, uint64_t i, float *into, char *err, size_t errlen)
 {
     const struct sd_ckpt *ck = rd->ck;
     uint64_t xi = ck->by_key[i];
-    if (rd->cached == xi)
-        return SD_OK;
     const struct sd_ckpt_extent *x = &ck->extents[xi];
+    if (rd->cached == xi) {
+        if (into != NULL)
+            memcpy(into, rd->data, (x->end - x->begin) * sizeof(float));
+        return SD_OK;
+    }
     if (rd->fds[x->file] < 0) {
         char p[SD_CKPT_PATH_MAX + 80];
         snprintf(p, sizeof(p), "%s/%s", ck->path, ck->files[x->file]);
-        rd->fds[x->file] = open(p, O_RDONLY | O_CLOEXEC);
-        if (rd->fds[x->file] < 0) {
-            snprintf(err, errlen, "%s: %s", p, strerror(errno));
+        int fd = -1;
+        if (rd->direct)
+            fd = open(p, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (fd < 0) /* EINVAL: a filesystem without O_DIRECT */
+            fd = open(p, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            snprintf(err, errlen, "%.600s: %s", p, strerror(errno));
             return SD_EIO;
         }
+        rd->fds[x->file] = fd;
     }
-    size_t bytes = (x->end - x->begin) * sizeof(float), got = 0;
+    size_t bytes = (x->end - x->begin) * sizeof(float), at = 0;
     rd->cached = UINT64_MAX;
-    while (got < bytes) {
-        ssize_t n = pread(rd->fds[x->file], (uint8_t *)rd->buf + got, bytes - got,
-                          (off_t)(x->file_off + got));
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0) {
-            snprintf(err, errlen,
-                     "%s/%s: extent %llu (%s of tensor '%s' [%llu, %llu)) at byte "
-                     "%llu: %s",
-                     ck->path, ck->files[x->file], (unsigned long long)xi,
-                     sd_ckpt_state_name(ck->optim_kind, x->state), ck->tensors[x->tensor].name,
-                     (unsigned long long)x->begin, (unsigned long long)x->end,
-                     (unsigned long long)x->file_off,
-                     n == 0 ? "the file ends early" : strerror(errno));
-            return SD_EIO;
-        }
-        got += (size_t)n;
+    ssize_t n = read_range(rd->fds[x->file], rd->raw, x->file_off, bytes, &at);
+    if (n != (ssize_t)bytes) {
+        snprintf(err, errlen,
+                 "%.600s/%s: extent %llu (%s of tensor '%s' [%llu, %llu)) at byte "
+                 "%llu: %s",
+                 ck->path, ck->files[x->file], (unsigned long long)xi,
+                 sd_ckpt_state_name(ck->optim_kind, x->state), ck->tensors[x->tensor].name,
+                 (unsigned long long)x->begin, (unsigned long long)x->end,
+                 (unsigned long long)x->file_off, n >= 0 ? "the file ends early" : strerror(errno));
+        return SD_EIO;
     }
+    rd->data = (float *)(void *)(rd->raw + at);
     rd->bytes_read += bytes;
-    uint32_t crc = sd_crc32c(0, rd->buf, bytes);
+    uint32_t crc = 0;
+    for (size_t b = 0; b < bytes; b += 64 << 10) {
+        size_t len = SD_MIN(bytes - b, (size_t)64 << 10);
+        crc = sd_crc32c(crc, (const uint8_t *)rd->data + b, len);
+        if (into != NULL)
+            memcpy((uint8_t *)into + b, (const uint8_t *)rd->data + b, len);
+    }
     if (crc != x->crc) {
         snprintf(err, errlen,
                  "extent %llu in %s is corrupt (crc32c 0x%08x, the manifest says 0x%08x): %s of "
-                 "tensor '%s' [%llu, %llu), %zu bytes at byte %llu of %s/%s",
+                 "tensor '%s' [%llu, %llu), %zu bytes at byte %llu of %.600s/%s",
                  (unsigned long long)xi, ck->files[x->file], crc, x->crc,
                  sd_ckpt_state_name(ck->optim_kind, x->state), ck->tensors[x->tensor].name,
                  (unsigned long long)x->begin, (unsigned long long)x->end, bytes,
@@ -644,11 +714,13 @@ int sd_ckpt_read(struct sd_ckpt_reader *rd, uint32_t state, uint32_t tensor, uin
         const struct sd_ckpt_extent *x = &ck->extents[ck->by_key[i]];
         if (x->state != state || x->tensor != tensor || x->begin > at)
             break;
-        int status = load_extent(rd, i, err, errlen);
+        bool whole = x->begin == at && x->end <= end;
+        int status = load_extent(rd, i, whole ? dst + (at - begin) : NULL, err, errlen);
         if (status != SD_OK)
             return status;
         uint64_t n = SD_MIN(end, x->end) - at;
-        memcpy(dst + (at - begin), rd->buf + (at - x->begin), n * sizeof(float));
+        if (!whole)
+            memcpy(dst + (at - begin), rd->data + (at - x->begin), n * sizeof(float));
         at += n;
     }
     if (at < end) {
@@ -667,7 +739,7 @@ int sd_ckpt_verify(const struct sd_ckpt *ck, uint64_t *bad_p, char *err, size_t 
     uint64_t bad = 0;
     char e[1024];
     for (uint64_t i = 0; status == SD_OK && i < ck->n_extents; i++) {
-        int st = load_extent(&rd, i, e, sizeof(e));
+        int st = load_extent(&rd, i, NULL, e, sizeof(e));
         if (st != SD_OK && bad++ == 0) {
             first = st;
             snprintf(err, errlen, "%s", e);

@@ -24,6 +24,9 @@
 
 /* CRC-32C (Castagnoli), as iSCSI and ext4 use it: crc 0 to start, chain by passing it back. */
 uint32_t sd_crc32c(uint32_t crc, const void *data, size_t len);
+/* sd_crc32c of A followed by B, from crc1 = sd_crc32c(0, A), crc2 = sd_crc32c(0, B) and B's
+ * length (crcs of pieces computed apart, as the checkpoint writer's threads do) */
+uint32_t sd_crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 
 /* state s of an optimizer of kind: "master", then "exp_avg", "exp_avg_sq" (adamw) or
  * "momentum_buffer" (sgd), as torch.optim names them; NULL past the last */
@@ -85,9 +88,11 @@ int sd_ckpt_verify(const struct sd_ckpt *ck, uint64_t *bad_p, char *err, size_t 
 /* Reads ranges of a checkpoint's states, whole extents at a time, each verified. */
 struct sd_ckpt_reader {
     const struct sd_ckpt *ck;
+    bool direct;     /* open the files with O_DIRECT where the filesystem has it (set after init) */
     int *fds;        /* [n_files], -1 until opened */
-    float *buf;      /* one extent */
-    uint64_t cached; /* the extent in buf, UINT64_MAX: none */
+    uint8_t *raw;    /* aligned: one extent and the blocks around it */
+    float *data;     /* the extent in raw */
+    uint64_t cached; /* that extent, UINT64_MAX: none */
     uint64_t bytes_read;
 };
 int sd_ckpt_reader_init(struct sd_ckpt_reader *rd, const struct sd_ckpt *ck, char *err,
@@ -96,6 +101,27 @@ void sd_ckpt_reader_free(struct sd_ckpt_reader *rd);
 /* Elements [begin, end) of state of tensor into dst. */
 int sd_ckpt_read(struct sd_ckpt_reader *rd, uint32_t state, uint32_t tensor, uint64_t begin,
                  uint64_t end, float *dst, char *err, size_t errlen);
+
+/* ---- moving the data files' bytes: several threads, O_DIRECT writes where the filesystem has
+ * them (checkpoint_threads, checkpoint_direct in the daemon's config) */
+#define SD_CKPT_IO_CHUNK    (4u << 20) /* a thread writes this much at a time, at aligned offsets */
+#define SD_CKPT_IO_ALIGN    4096u      /* of O_DIRECT's buffers, offsets and lengths */
+#define SD_CKPT_MAX_THREADS 64u
+struct sd_ckpt_io {
+    uint32_t threads; /* 1 to SD_CKPT_MAX_THREADS */
+    bool direct;      /* write with O_DIRECT where the filesystem takes it */
+};
+/* fn(arg, thread, i) for every i in [0, n), on `threads` threads (this one and the rest started
+ * for the call), thread in [0, threads): each call may use per-thread state */
+void sd_ckpt_parallel(uint32_t threads, uint64_t n,
+                      void (*fn)(void *arg, uint32_t thread, uint64_t i), void *arg);
+/* One data file's n extents into fd (open for writing, empty), extent i's bytes from src[i],
+ * setting each extent's crc. The extents are packed in file order: xs[0] at 0, each at the end
+ * of the one before (else SD_EINVAL). Chunks of SD_CKPT_IO_CHUNK bytes are gathered into aligned
+ * buffers and written by io->threads threads, with O_DIRECT when io->direct and the filesystem
+ * takes it (*direct_p, may be NULL, says whether it did); no fsync. A negative errno on error. */
+int sd_ckpt_write_extents(int fd, struct sd_ckpt_extent *xs, const void *const *src, uint64_t n,
+                          const struct sd_ckpt_io *io, bool *direct_p);
 
 /* ---- writing */
 /* Write len bytes at p to fd, adding them to *crc_p. */
