@@ -39,6 +39,14 @@ const struct sd_config_entry sd_config_table[] = {
      "again and resume from the last completed step (0: a dead rank ends the job); a job can "
      "set its own at registration",
      1},
+    {"checkpoint_threads", SD_CFG_INT, "4", 1, 64, OFF(checkpoint_threads),
+     "threads of a daemon that write and read a checkpoint's data files, each with a 4 MiB "
+     "buffer",
+     0},
+    {"checkpoint_direct", SD_CFG_INT, "1", 0, 1, OFF(checkpoint_direct),
+     "1: write and read checkpoint data files with O_DIRECT where the filesystem takes it (the "
+     "disk moves the daemon's buffers, nothing goes through the page cache); 0: buffered",
+     0},
     {"log_level", SD_CFG_STRING, "info", 0, 16, OFF(log_level), "error, warn, info, debug or trace",
      0},
     {"max_clients", SD_CFG_INT, "256", 1, 65536, OFF(max_clients),

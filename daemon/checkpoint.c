@@ -94,12 +94,12 @@ static bool owner_ok(const struct sd_job *job, const char *path, char *err, size
 {
     struct stat st;
     if (stat(path, &st) != 0) {
-        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+        snprintf(err, errlen, "%.900s: %s", path, strerror(errno));
         return false;
     }
     if (job->uid == 0 || job->uid == geteuid() || st.st_uid == job->uid)
         return true;
-    snprintf(err, errlen, "%s belongs to uid %d, not to the job's uid %d", path, (int)st.st_uid,
+    snprintf(err, errlen, "%.900s belongs to uid %d, not to the job's uid %d", path, (int)st.st_uid,
              (int)job->uid);
     return false;
 }
@@ -197,6 +197,7 @@ void sd_ckpt_job_free(struct sd_job *job)
     reports_free(c, job->nodes);
     free(c->reps);
     free(c->items);
+    free(c->item_src);
     free(c);
     job->load.ckpt = NULL;
 }
@@ -206,11 +207,12 @@ json_t *sd_ckpt_json(const struct sd_job *job)
     const struct sd_ckpt_job *c = job->load.ckpt;
     if (c == NULL)
         return json_null();
-    return json_pack("{s:s, s:I, s:f, s:I, s:I, s:f, s:I, s:b}", "loaded_from",
+    return json_pack("{s:s, s:I, s:f, s:I, s:I, s:f, s:I, s:b, s:b}", "loaded_from",
                      c->load ? c->src.path : "", "loaded_bytes", (json_int_t)c->loaded_bytes,
                      "load_ms", (double)c->load_ns / 1e6, "saves", (json_int_t)c->saves,
                      "saved_bytes", (json_int_t)c->bytes_saved, "last_save_ms",
-                     (double)c->save_ns / 1e6, "save_seq", (json_int_t)c->seq, "busy", c->busy);
+                     (double)c->save_ns / 1e6, "save_seq", (json_int_t)c->seq, "busy", c->busy,
+                     "save_direct", c->direct);
 }
 
 /* ---- saving */
@@ -269,16 +271,16 @@ static int save_plan(struct sd_job *job)
                     for (uint64_t a = lo; a < hi; a += SD_CKPT_EXTENT_ELEMS) {
                         uint64_t z = SD_MIN(hi, a + SD_CKPT_EXTENT_ELEMS);
                         for (uint32_t s = 0; s < n_states; s++, n++) {
-                            if (pass == 1)
-                                c->items[n] =
-                                    (struct save_item){.src = os + s * os_stride +
-                                                              ul->arena_off[SD_STATE_OS] + (a - b),
-                                                       .x = {.state = s,
-                                                             .tensor = t,
-                                                             .file = job->node,
-                                                             .begin = a - tl->offset,
-                                                             .end = z - tl->offset,
-                                                             .file_off = file_off}};
+                            if (pass == 1) {
+                                c->item_src[n] =
+                                    os + s * os_stride + ul->arena_off[SD_STATE_OS] + (a - b);
+                                c->items[n] = (struct sd_ckpt_extent){.state = s,
+                                                                      .tensor = t,
+                                                                      .file = job->node,
+                                                                      .begin = a - tl->offset,
+                                                                      .end = z - tl->offset,
+                                                                      .file_off = file_off};
+                            }
                             file_off += (z - a) * sizeof(float);
                         }
                     }
@@ -288,8 +290,10 @@ static int save_plan(struct sd_job *job)
         if (pass == 0) {
             cap = n;
             free(c->items);
+            free(c->item_src);
             c->items = calloc(cap + 1, sizeof(*c->items));
-            if (c->items == NULL)
+            c->item_src = calloc(cap + 1, sizeof(*c->item_src));
+            if (c->items == NULL || c->item_src == NULL)
                 return SD_ENOMEM;
         }
     }
@@ -333,11 +337,10 @@ static void save_work(struct sd_job *job)
     }
     if (job->uid != geteuid() && fchown(fd, job->uid, (gid_t)-1) != 0)
         st = -errno;
-    for (uint64_t i = 0; st == SD_OK && i < c->n_items; i++) {
-        struct save_item *it = &c->items[i];
-        it->x.crc = 0;
-        st = sd_ckpt_write_all(fd, it->src, (it->x.end - it->x.begin) * sizeof(float), &it->x.crc);
-    }
+    struct sd_ckpt_io io = {.threads = (uint32_t)job->reg->cfg->checkpoint_threads,
+                            .direct = job->reg->cfg->checkpoint_direct != 0};
+    if (st == SD_OK)
+        st = sd_ckpt_write_extents(fd, c->items, c->item_src, c->n_items, &io, &c->direct);
     if (st == SD_OK && fsync(fd) != 0)
         st = -errno;
     close(fd);
@@ -384,7 +387,7 @@ static void save_after(struct sd_job *job)
     m.message = c->err;
     m.dir = c->dir;
     for (uint64_t i = 0; m.status == SD_OK && i < c->n_items; i++) {
-        const struct sd_ckpt_extent *x = &c->items[i].x;
+        const struct sd_ckpt_extent *x = &c->items[i];
         shard__ckpt_extent__init(&xs[i]);
         xs[i] = (Shard__CkptExtent){.base = xs[i].base,
                                     .state = x->state,
@@ -594,9 +597,10 @@ static void commit_after(struct sd_job *job)
     if (c->status == SD_OK) {
         c->saves++;
         c->save_ns = sd_now_ns() - c->first_ns;
-        SD_INFO("job", "job '%s': step %llu saved to %s/%s (%.1f MiB, %.1f ms)", job->name,
-                (unsigned long long)c->step, c->dir, c->final, (double)c->bytes_saved / 1048576.0,
-                (double)c->save_ns / 1e6);
+        SD_INFO("job", "job '%s': step %llu saved to %s/%s (%.1f MiB, %.1f ms; node 0 wrote %s)",
+                job->name, (unsigned long long)c->step, c->dir, c->final,
+                (double)c->bytes_saved / 1048576.0, (double)c->save_ns / 1e6,
+                c->direct ? "with O_DIRECT" : "buffered");
     } else {
         SD_WARN("job", "job '%s': %s", job->name, msg);
     }
@@ -655,7 +659,7 @@ static int build_manifest(struct sd_job *job, const Shard__JobSaved *const *reps
             snprintf(man->files[file_of[m]], sizeof(man->files[0]), "data-%u.bin", m);
     uint64_t n = 0;
     for (uint64_t i = 0; i < c->n_items; i++)
-        man->extents[n++] = c->items[i].x;
+        man->extents[n++] = c->items[i];
     for (uint32_t m = 1; m < job->nodes; m++)
         for (size_t i = 0; c->reporting[m] && i < reps[m]->n_extents; i++) {
             const Shard__CkptExtent *x = reps[m]->extents[i];

@@ -9,12 +9,6 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-/* a piece of job memory that becomes one extent of the node's data file */
-struct save_item {
-    const float *src;
-    struct sd_ckpt_extent x;
-};
-
 struct sd_ckpt_job {
     /* loading */
     bool load; /* the job starts from src */
@@ -37,10 +31,12 @@ struct sd_ckpt_job {
     uint32_t *rep_file;              /* [nodes]: the manifest's file of each node's part */
     uint64_t *snap_steps;            /* [n_tensors]: at the write, the tensors' steps */
     struct sd_hparams *snap_hp;      /* [groups]: and the hyperparameters in force */
-    struct save_item *items;
+    struct sd_ckpt_extent *items;    /* this node's part: its data file's extents, */
+    const void **item_src;           /* and the job memory each is written from */
     uint64_t n_items;
     /* a worker reads or writes the job's memory: its memory stays until it is done */
     bool busy;
+    bool direct; /* this node's last data file went out with O_DIRECT */
     atomic_bool running;
     int status;
     char err[1024];

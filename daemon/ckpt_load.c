@@ -1,6 +1,11 @@
-/* Loading a checkpoint into a job of any world and plan (checkpoint.h): each node reads, on a
- * worker, the ranges of each state its ranks' shards need, then sets the fp32 masters and
- * moments and derives the weights in their dtype from the masters. */
+/* Loading a checkpoint into a job of any world and plan (checkpoint.h): each node reads, on
+ * worker threads, the ranges of each state its ranks' shards need, sets the fp32 masters and
+ * moments and derives the weights in their dtype from the masters.
+ *
+ * Shard buffers in host memory are filled by the threads themselves (checkpoint_threads of
+ * them, reading with O_DIRECT where the filesystem has it): one task per unit, local rank and
+ * state, then one per unit and local rank for its weights. Device memory is staged in load_buf
+ * and copied through the device's queue on the loop. */
 #include "checkpoint_int.h"
 #include "job.h"
 #include "ops.h"
@@ -8,6 +13,7 @@
 #include "sd/status.h"
 #include "sd/util.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,22 +21,165 @@
 /* state s of unit u's elements [lo, hi) (unit coordinates) into dst, tensor by tensor; padding
  * stays as it is (zero) */
 static int read_unit_range(struct sd_job *job, struct sd_ckpt_reader *rd, uint32_t s, uint32_t u,
-                           uint64_t lo, uint64_t hi, float *dst)
+                           uint64_t lo, uint64_t hi, float *dst, char *err, size_t errlen)
 {
-    struct sd_ckpt_job *c = job->load.ckpt;
     const struct sd_unit_layout *ul = &job->layout.units[u];
     for (uint32_t t = ul->first_tensor; t < ul->first_tensor + ul->n_tensors; t++) {
         const struct sd_tensor_layout *tl = &job->layout.tensors[t];
         uint64_t a = SD_MAX(lo, tl->offset), z = SD_MIN(hi, tl->offset + tl->numel);
         if (a >= z)
             continue;
-        int st = sd_ckpt_read(rd, s, t, a - tl->offset, z - tl->offset, dst + (a - lo), c->err,
-                              sizeof(c->err));
+        int st =
+            sd_ckpt_read(rd, s, t, a - tl->offset, z - tl->offset, dst + (a - lo), err, errlen);
         if (st != SD_OK)
             return st;
     }
     return SD_OK;
 }
+
+/* ---- host memory: the threads fill the shard buffers */
+
+struct par_load {
+    struct sd_job *job;
+    struct sd_ckpt_reader *rd; /* [threads] */
+    uint32_t n_states;
+    atomic_int status; /* the first error's; its message in c->err */
+};
+
+static void par_fail(struct par_load *p, int st, const char *msg)
+{
+    int ok = SD_OK;
+    if (atomic_compare_exchange_strong(&p->status, &ok, st))
+        snprintf(p->job->load.ckpt->err, sizeof(p->job->load.ckpt->err), "%s", msg);
+}
+
+static float *os_shard(struct sd_job *job, uint32_t r, uint32_t s, const struct sd_unit_layout *ul)
+{
+    uint64_t stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]);
+    return (float *)sd_job_state(job, r, SD_STATE_OS) + s * stride + ul->arena_off[SD_STATE_OS];
+}
+
+static void weights(struct par_load *p, uint32_t thread, uint32_t u, uint32_t r);
+
+/* whether local rank r's w shard of ul lies in its own os shard (as under zero3 and mics): its
+ * weights follow from its masters alone */
+static bool w_in_os(const struct sd_job *job, const struct sd_unit_layout *ul, uint32_t r)
+{
+    uint64_t b, e, wb, we;
+    sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
+    sd_layout_shard(ul, &job->plan, SD_STATE_W, job->first_rank + r, &wb, &we);
+    return wb == we || (b <= wb && we <= e);
+}
+
+/* task i: state i % n_states of unit i / (k n_states), over local rank (i / n_states) % k's os
+ * shard, straight into its arena; the rank's weights too when its masters are all they need */
+static void load_state(void *arg, uint32_t thread, uint64_t i)
+{
+    struct par_load *p = arg;
+    struct sd_job *job = p->job;
+    if (atomic_load(&p->status) != SD_OK)
+        return;
+    uint32_t s = (uint32_t)(i % p->n_states), r = (uint32_t)(i / p->n_states % job->k),
+             u = (uint32_t)(i / p->n_states / job->k);
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint64_t b, e;
+    sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
+    char err[1024];
+    int st =
+        read_unit_range(job, &p->rd[thread], s, u, b, e, os_shard(job, r, s, ul), err, sizeof(err));
+    if (st != SD_OK)
+        par_fail(p, st, err);
+    else if (s == 0 && w_in_os(job, ul, r))
+        weights(p, thread, u, r);
+}
+
+/* local rank r's weights of unit u in their dtype, from the masters: those of the node's os
+ * shards, read again where its w shard reaches past them */
+static void weights(struct par_load *p, uint32_t thread, uint32_t u, uint32_t r)
+{
+    struct sd_job *job = p->job;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    size_t dsize = sd_dtype_size(ul->dtype);
+    uint8_t *w = sd_job_w_shard(job, r, u);
+    float *scratch = NULL; /* masters past the node's os shards */
+    uint64_t wb, we;
+    sd_layout_shard(ul, &job->plan, SD_STATE_W, job->first_rank + r, &wb, &we);
+    for (uint64_t at = wb; at < we;) {
+        const float *src = NULL;
+        uint64_t z = we;
+        for (uint32_t q = 0; q < job->k && src == NULL; q++) {
+            uint64_t b, e;
+            sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + q, &b, &e);
+            if (b <= at && at < e) {
+                src = os_shard(job, q, 0, ul) + (at - b);
+                z = SD_MIN(we, e);
+            } else if (b > at) {
+                z = SD_MIN(z, b); /* read up to the next os shard */
+            }
+        }
+        if (src == NULL) {
+            char err[1024] = "out of memory";
+            z = SD_MIN(z, at + SD_CKPT_EXTENT_ELEMS);
+            if (scratch == NULL)
+                scratch = malloc((size_t)SD_CKPT_EXTENT_ELEMS * sizeof(float));
+            int st = scratch == NULL ? SD_ENOMEM
+                                     : read_unit_range(job, &p->rd[thread], 0, u, at, z, scratch,
+                                                       err, sizeof(err));
+            if (st != SD_OK) {
+                par_fail(p, st, err);
+                break;
+            }
+            src = scratch;
+        }
+        sd_gpu_host_ops.from_f32(NULL, w + (at - wb) * dsize, ul->dtype, src, z - at);
+        at = z;
+    }
+    free(scratch);
+}
+
+/* task i: local rank i % k's weights of unit i / k, unless load_state did them */
+static void load_weights(void *arg, uint32_t thread, uint64_t i)
+{
+    struct par_load *p = arg;
+    uint32_t r = (uint32_t)(i % p->job->k), u = (uint32_t)(i / p->job->k);
+    if (atomic_load(&p->status) == SD_OK && !w_in_os(p->job, &p->job->layout.units[u], r))
+        weights(p, thread, u, r);
+}
+
+static void load_host(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    uint32_t threads = (uint32_t)job->reg->cfg->checkpoint_threads;
+    struct par_load p = {.job = job, .n_states = c->src.n_states};
+    atomic_init(&p.status, SD_OK);
+    p.rd = calloc(threads, sizeof(*p.rd));
+    uint32_t ready = 0;
+    for (; p.rd != NULL && ready < threads; ready++) {
+        int st = sd_ckpt_reader_init(&p.rd[ready], &c->src, c->err, sizeof(c->err));
+        if (st != SD_OK) {
+            atomic_store(&p.status, st);
+            break;
+        }
+        p.rd[ready].direct = job->reg->cfg->checkpoint_direct != 0;
+    }
+    if (p.rd == NULL) {
+        snprintf(c->err, sizeof(c->err), "out of memory");
+        atomic_store(&p.status, SD_ENOMEM);
+    }
+    uint64_t units = job->layout.n_units;
+    if (atomic_load(&p.status) == SD_OK)
+        sd_ckpt_parallel(threads, units * job->k * p.n_states, load_state, &p);
+    if (atomic_load(&p.status) == SD_OK) /* every master is in place */
+        sd_ckpt_parallel(threads, units * job->k, load_weights, &p);
+    c->status = atomic_load(&p.status);
+    for (uint32_t t = 0; t < ready; t++) {
+        c->loaded_bytes += p.rd[t].bytes_read;
+        sd_ckpt_reader_free(&p.rd[t]);
+    }
+    free(p.rd);
+}
+
+/* ---- device memory: staged in load_buf */
 
 /* Unit u's part of load_buf: the masters over the node's range of it (sd_loading_range: every
  * local rank's w shard, read once for them all), then each local rank's moments over its os
@@ -40,24 +189,23 @@ static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_
     struct sd_ckpt_job *c = job->load.ckpt;
     const struct sd_unit_layout *ul = &job->layout.units[u];
     const struct sd_gpu_ops *dev = job->reg->dev;
-    uint64_t os_stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]), lo, hi;
+    uint64_t lo, hi;
     sd_loading_range(job, job->node, ul, &lo, &hi);
     uint64_t n = hi - lo;
     if (at != NULL && rd != NULL)
-        c->status = read_unit_range(job, rd, 0, u, lo, hi, at);
+        c->status = read_unit_range(job, rd, 0, u, lo, hi, at, c->err, sizeof(c->err));
     else if (at != NULL)
         sd_loading_unit(job, u, at, lo);
     for (uint32_t r = 0; r < job->k; r++) {
         uint64_t b, e;
         sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
-        float *os = (float *)sd_job_state(job, r, SD_STATE_OS) + ul->arena_off[SD_STATE_OS];
         for (uint32_t s = 1; s < c->src.n_states; s++, n += e - b) {
             if (at == NULL || c->status != SD_OK)
                 continue;
             if (rd != NULL)
-                c->status = read_unit_range(job, rd, s, u, b, e, at + n);
+                c->status = read_unit_range(job, rd, s, u, b, e, at + n, c->err, sizeof(c->err));
             else
-                dev->copy(job->mem.queue, os + s * os_stride, at + n, (e - b) * sizeof(float));
+                dev->copy(job->mem.queue, os_shard(job, r, s, ul), at + n, (e - b) * sizeof(float));
         }
     }
     return n;
@@ -66,6 +214,10 @@ static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_
 static void load_work(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
+    if (job->reg->dev->host_memory) {
+        load_host(job);
+        return;
+    }
     struct sd_ckpt_reader rd;
     if ((c->status = sd_ckpt_reader_init(&rd, &c->src, c->err, sizeof(c->err))) != SD_OK)
         return;
@@ -87,7 +239,7 @@ static void load_after(struct sd_job *job)
     }
     const struct sd_layout *l = &job->layout;
     float *at = c->load_buf;
-    for (uint32_t u = 0; u < l->n_units; u++)
+    for (uint32_t u = 0; at != NULL && u < l->n_units; u++)
         at += unit_block(job, u, at, NULL);
     if (!sd_job_sync(job))
         return;
@@ -109,14 +261,18 @@ void sd_ckpt_load_start(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     c->load_start_ns = sd_now_ns();
-    uint64_t floats = 0;
-    for (uint32_t u = 0; u < job->layout.n_units; u++)
-        floats += unit_block(job, u, NULL, NULL);
-    c->load_buf = calloc(floats + 1, sizeof(float));
-    if (c->load_buf == NULL) {
-        sd_job_fail(job, SD_ENOMEM, "loading checkpoint %s: out of memory for %llu floats",
-                    c->src.path, (unsigned long long)floats);
+    if (!sd_job_sync(job)) /* nothing queued may touch the buffers the threads fill */
         return;
+    if (!job->reg->dev->host_memory) {
+        uint64_t floats = 0;
+        for (uint32_t u = 0; u < job->layout.n_units; u++)
+            floats += unit_block(job, u, NULL, NULL);
+        c->load_buf = calloc(floats + 1, sizeof(float));
+        if (c->load_buf == NULL) {
+            sd_job_fail(job, SD_ENOMEM, "loading checkpoint %s: out of memory for %llu floats",
+                        c->src.path, (unsigned long long)floats);
+            return;
+        }
     }
     sd_ckpt__run_worker(job, load_work, load_after);
 }
