@@ -27,6 +27,9 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
     steps end bitwise equal to 6 uninterrupted ones; shard.checkpoint.load_state_dict reads
     the same parameters without a daemon (and the moments and step counts), and refuses a
     flipped byte naming the file and the extent;
+  - a rank SIGKILLed mid-step (wrap(resume_timeout_ms=)): the other rank's step raises
+    ShardError EPAUSED naming the rank and the step; both processes started again wrap the same
+    job, start at that step, and end bitwise equal to an uninterrupted run (zero3);
   - installs as Debian users do it: cmake --install into a prefix puts the package in that
     prefix's lib/python3.X/dist-packages, where it loads the libshard installed beside it
     (SHARD_LIBRARY unset, run outside the source tree); a venv with --system-site-packages
@@ -285,6 +288,62 @@ try:
           "neither changed a parameter")
     print(f"in-place write into gathered weights: {msg[:200]}...", flush=True)
     st.unwrap(m)
+
+    # a rank dies mid-step: the other's call raises EPAUSED; every rank wraps again and the job
+    # resumes from the last completed step, bitwise the uninterrupted run (zero3)
+    resume = ("import os, signal, sys, torch, shard, shard.torch as st\n"
+              "rank, job, kill_at = int(os.environ['RANK']), os.environ['JOB'], "
+              "int(os.environ['KILL_AT'])\n"
+              "torch.manual_seed(0)\n"
+              "m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), "
+              "torch.nn.Linear(16, 4))\n"
+              "st.wrap(m, job=job, rank=rank, world=2, plan='zero3', resume_timeout_ms=60000,\n"
+              "        optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2))\n"
+              "print('START', st.start_step(m), flush=True)\n"
+              "try:\n"
+              "    for s in range(st.start_step(m), 8):\n"
+              "        g = torch.Generator().manual_seed(1000 * rank + s)\n"
+              "        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)\n"
+              "        ((m(x) - y) ** 2).mean().backward()\n"
+              "        if s == kill_at:  # its gradients pushed, the step not taken\n"
+              "            os.kill(os.getpid(), signal.SIGKILL)\n"
+              "        st.step(m)\n"
+              "except shard.ShardError as e:\n"
+              "    print('PAUSED', e.status == shard.EPAUSED, e, flush=True)\n"
+              "    sys.exit(3)\n"
+              "if rank == 0:\n"
+              "    torch.save(st.full_state_dict(m), os.environ['OUT'])\n"
+              "print('DONE', flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "client", "python"))
+
+    def ranks(job, kill_at, out):
+        procs = [subprocess.Popen([sys.executable, "-c", resume],
+                                  env=dict(env, RANK=str(r), JOB=job, OUT=out,
+                                           KILL_AT=str(kill_at if r == 1 else -1)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(2)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+    whole, resumed = os.path.join(work, "whole.pt"), os.path.join(work, "resumed.pt")
+    outs = ranks("py-whole", -1, whole)
+    check(all(rc == 0 for rc, _ in outs), f"the uninterrupted run: {outs}")
+    outs = ranks("py-resume", 5, resumed)
+    paused = outs[0][1]
+    check(outs[1][0] == -signal.SIGKILL and outs[0][0] == 3 and "PAUSED True" in paused
+          and "rank 1" in paused and "step 5" in paused,
+          f"rank 1 killed in step 5: rank 0's step raises EPAUSED naming rank 1 and step 5: "
+          f"{outs}")
+    outs = ranks("py-resume", -1, resumed)
+    check(all(rc == 0 and "START 5" in out for rc, out in outs),
+          f"wrapping again resumes the paused job at step 5: {outs}")
+    if os.path.exists(whole) and os.path.exists(resumed):
+        a, b = torch.load(whole), torch.load(resumed)
+        check(sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a),
+              "killed in step 5, resumed: bitwise the uninterrupted 8 steps")
+        print(f"paused and resumed: {paused.strip().splitlines()[-1][:200]}", flush=True)
+    else:
+        check(False, "both runs saved their parameters")
 
     # torchrun's variables
     script = ("import torch, shard, shard.torch as st\n"
