@@ -1,9 +1,10 @@
 /* The checkpoint data files' I/O (sd/ckpt.h): crc32c of pieces combined against the crc of the
  * whole; the threaded writer against the bytes and crcs of its sources (extents crossing its
  * 4 MiB chunks, spanning several, empty ones, 1 to 8 threads); the reader of ranges with
- * O_DIRECT (unaligned extents, the last ending mid-block) against the sources, and a flipped
- * byte refused naming the extent. On the build tree's disk, on /dev/shm (tmpfs), and on a ramfs
- * mounted in a private mount namespace, which refuses O_DIRECT: both fall back to buffered I/O. */
+ * O_DIRECT (unaligned extents, the last ending mid-block) against the sources, a flipped byte
+ * refused naming the extent and a cut file naming the extent it cuts. On the build tree's disk, on
+ * /dev/shm (tmpfs), and on a ramfs mounted in a private mount namespace, which refuses O_DIRECT:
+ * both fall back to buffered I/O. */
 #include "check.h"
 #include "sd/ckpt.h"
 #include "sd/status.h"
@@ -173,6 +174,18 @@ static void check_read(const char *dir, struct layout *l)
         st = sd_ckpt_read(&rd, 0, 0, l->xs[2].begin, l->xs[2].begin + 1, dst, err, sizeof(err));
     TH_CHECK(st == SD_EIO && strstr(err, "extent 2 in data.bin is corrupt") != NULL,
              "%s: a flipped byte: %s, %s", dir, sd_status_str(st), err);
+    sd_ckpt_reader_free(&rd);
+
+    /* the file cut 5 bytes into its last extent */
+    const struct sd_ckpt_extent *last = &l->xs[l->n - 1];
+    TH_CHECK(truncate(path, (off_t)last->file_off + 5) == 0, "truncating %s", path);
+    st = sd_ckpt_reader_init(&rd, &ck, err, sizeof(err));
+    rd.direct = true;
+    if (st == SD_OK)
+        st = sd_ckpt_read(&rd, 0, 0, last->end - 1, last->end, dst, err, sizeof(err));
+    TH_CHECK(st == SD_EIO && strstr(err, "the file ends early") != NULL &&
+                 strstr(err, "extent 8") != NULL,
+             "%s: a cut file: %s, %s", dir, sd_status_str(st), err);
     sd_ckpt_reader_free(&rd);
     free(dst);
     free(ck.by_key);
