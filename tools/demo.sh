@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what is missing, build, start an emulated cluster of shardd daemons on this machine,
 # train the example MLP through it, and print what happened: progress, loss, bytes moved per
-# link class next to the formulas, time.
+# link class next to the formulas, time; then load the run's last checkpoint under another plan,
+# train on, and compare with a reader of the checkpoint files that does not use shardd.
 # Then, where PyTorch is installed (it offers to apt-get install python3-torch when it is not),
 # train a small GPT through shardd on a 2-node x 2-rank cluster next to PyTorch DDP (gloo) and
 # plot both loss curves.
@@ -48,7 +49,7 @@ for r in $(seq 0 $((world - 1))); do
   [ "$r" = 0 ] && dump=(--dump-params "$dir/params.bin")
   $B/client/examples/mlp_train --socket "$dir/node$((r / k))/shardd.sock" --job demo \
     --rank "$r" --world "$world" --plan "$plan" --steps "$steps" --accum "$accum" "${dump[@]}" \
-    >"$dir/rank$r.log" 2>&1 &
+    --save-every $(((steps + 1) / 2)) --save-dir "$dir/ck" >"$dir/rank$r.log" 2>&1 &
   pids[$r]=$!
 done
 tail -n +1 -f "$dir/rank0.log" --pid "${pids[0]}" 2>/dev/null | sed 's/^/  /'
@@ -75,6 +76,7 @@ block = S // G
 print(f"  S = {S} bytes of padded parameters, p = {p}, k = {K}, N = {N}: partition groups span "
       f"{G} node(s), gradients sync across {R} node(s)")
 print(f"  {'node':>4} {'link class':<28} {'measured':>12} {'formula':>12}")
+bad = 0
 for n in range(N):
     st = json.load(open(f"{d}/stats{n}.json"))["jobs"][0]
     gathers = (T + (1 if n == 0 else 0)) * (1 if hier else K) if G > 1 else 0
@@ -85,11 +87,15 @@ for n in range(N):
         ("fetch: inter-node received", st["ops"]["fetch"]["bytes"]["inter_node_recv"], gathers * (G - 1) * block),
         ("push: inter-node sent", st["ops"]["push"]["bytes"]["inter_node_sent"],
          T * s * (G - 1) * block + (0 if two_hop else T * s * ar)),
-        ("step: inter-node sent", st["ops"]["step"]["bytes"]["inter_node_sent"], T * ((ar if two_hop else 0) + 24 * (N - 1))),
+        # the step's norm exchange: 32 bytes to every other node (daemon/schedule.h)
+        ("step: inter-node sent", st["ops"]["step"]["bytes"]["inter_node_sent"], T * ((ar if two_hop else 0) + 32 * (N - 1))),
     ]
     for name, got, want in rows:
         mark = "" if want is None else ("  ok" if got == want else "  MISMATCH")
+        bad += want is not None and got != want
         print(f"  {n:>4} {name:<28} {got:>12} {'' if want is None else want:>12}{mark}")
+if bad:
+    sys.exit(f"demo.sh: {bad} byte counts differ from their formulas")
 PY
 ref_loss=$($B/client/examples/mlp_train --reference --world "$world" --steps "$steps" --accum "$accum" \
   --dump-params "$dir/ref.bin" | tail -1)
@@ -104,6 +110,37 @@ PY
 echo "   reference, last step: $ref_loss"
 printf "== %d steps on %d ranks over %d nodes in %.2f s\n" "$steps" "$world" "$nodes" \
   "$(python3 -c "print($t1 - $t0)")"
+
+# ---- checkpoints: the run saved half-way and at the end; load the last under another plan
+more=$((steps + 10)) plan2=zero3
+[ "$plan" = zero3 ] && plan2=ddp
+echo "== checkpoints: the run saved every $(((steps + 1) / 2)) steps into $dir/ck (LATEST names the newest)"
+$B/tools/shardctl checkpoint-info "$dir/ck" | sed 's/^/  /'
+echo "== a new job loads it under $plan2 (each daemon reads only the extents its ranks' shards need) and trains to step $more"
+for r in $(seq 0 $((world - 1))); do
+  dump=()
+  [ "$r" = 0 ] && dump=(--dump-params "$dir/params2.bin")
+  $B/client/examples/mlp_train --socket "$dir/node$((r / k))/shardd.sock" --job demo-load \
+    --rank "$r" --world "$world" --plan "$plan2" --steps "$more" --accum "$accum" \
+    --load "$dir/ck" "${dump[@]}" --quiet >"$dir/load$r.log" 2>&1 &
+  pids[$r]=$!
+done
+for r in "${!pids[@]}"; do wait "${pids[$r]}" || { echo "rank $r failed:"; cat "$dir/load$r.log"; exit 1; }; done
+$B/tools/shardctl --socket "$dir/node0/shardd.sock" --job demo-load jobs --json | python3 -c '
+import json, sys
+j = [j for j in json.load(sys.stdin)["jobs"] if j["name"] == "demo-load"][-1]["checkpoint"]
+got, path, ms = j["loaded_bytes"], j["loaded_from"], j["load_ms"]
+print(f"  node 0 read {got} bytes of {path} in {ms:.1f} ms")'
+$B/client/examples/mlp_train --reference --world "$world" --steps "$more" --accum "$accum" \
+  --load "$dir/ck" --dump-params "$dir/ref2.bin" >/dev/null
+python3 - "$dir/params2.bin" "$dir/ref2.bin" <<'PY'
+import struct, sys
+a = open(sys.argv[1], 'rb').read(); b = open(sys.argv[2], 'rb').read()
+x = struct.unpack(f'{len(a)//4}f', a); y = struct.unpack(f'{len(b)//4}f', b)
+d = max(abs(p - q) for p, q in zip(x, y))
+print(f"  parameters vs the reference that reads the checkpoint files itself (without libshard) "
+      f"and trains on: {len(x)} values, max |diff| {d:.3g}" + (" (bitwise identical)" if a == b else ""))
+PY
 
 # ---- a PyTorch transformer through shardd, next to DDP
 if [ "$torch" != no ] && ! /usr/bin/python3 -c "import torch" 2>/dev/null; then
