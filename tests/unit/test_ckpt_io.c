@@ -257,6 +257,25 @@ int main(void)
             test_dir(ram, false);
             umount(ram);
         }
+        /* a full filesystem (a 1 MiB tmpfs): every thread's write fails, the first error is
+         * returned, nothing hangs */
+        if (ok && mount("none", ram, "tmpfs", 0, "size=1m") == 0) {
+            static const uint64_t sizes[] = {1048576, 1048576, 1048576, 5, 1048576};
+            struct layout l;
+            make_layout(&l, sizes, sizeof(sizes) / sizeof(sizes[0]));
+            char path[512];
+            snprintf(path, sizeof(path), "%s/full.bin", ram);
+            int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+            struct sd_ckpt_io io = {.threads = 4, .direct = true};
+            int st = fd >= 0 ? sd_ckpt_write_extents(fd, l.xs, l.src, l.n, &io, NULL) : SD_EIO;
+            TH_CHECK(st == -ENOSPC, "a full filesystem: %s", sd_status_str(st));
+            if (fd >= 0)
+                close(fd);
+            free_layout(&l);
+            umount(ram);
+        } else if (ok) {
+            TH_CHECK(false, "mounting a 1 MiB tmpfs on %s: %s", ram, strerror(errno));
+        }
         rmdir(ram);
     }
     return th_summary("test_ckpt_io");
