@@ -340,7 +340,7 @@ static void save_work(struct sd_job *job)
     struct sd_ckpt_io io = {.threads = (uint32_t)job->reg->cfg->checkpoint_threads,
                             .direct = job->reg->cfg->checkpoint_direct != 0};
     if (st == SD_OK)
-        st = sd_ckpt_write_extents(fd, c->items, c->item_src, c->n_items, &io, &c->direct);
+        st = sd_ckpt_write_extents(fd, c->items, c->item_src, c->n_items, &io, &c->wrote_direct);
     if (st == SD_OK && fsync(fd) != 0)
         st = -errno;
     close(fd);
@@ -366,6 +366,7 @@ static void recovery_end(struct sd_job *job)
 static void save_after(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
+    c->direct = c->wrote_direct; /* shardctl jobs reads it on the loop, at any time */
     if (!c->recovery && job->state != SD_JOB_READY) {
         if (job->node == 0) /* the save is given up: nobody commits it */
             sd_ckpt_remove(c->dir, c->tmp);

@@ -36,7 +36,8 @@ struct sd_ckpt_job {
     uint64_t n_items;
     /* a worker reads or writes the job's memory: its memory stays until it is done */
     bool busy;
-    bool direct; /* this node's last data file went out with O_DIRECT */
+    bool direct;       /* this node's last data file went out with O_DIRECT */
+    bool wrote_direct; /* the worker's word for it, taken by save_after */
     atomic_bool running;
     int status;
     char err[1024];
@@ -45,7 +46,8 @@ struct sd_ckpt_job {
     uint64_t *rep_seq;      /* [nodes]: the save each node reported, 0: none */
     Shard__JobSaved **reps; /* [nodes]: their reports (node 0's own is items) */
     struct sd_ckpt man;     /* the manifest being committed */
-    uint64_t saves, bytes_saved, save_ns, loaded_bytes;
+    uint64_t saves, bytes_saved, save_ns;
+    _Atomic uint64_t loaded_bytes;   /* a load's worker adds, shardctl jobs reads meanwhile */
     uint64_t load_start_ns, load_ns; /* loading the checkpoint: since, and how long it took */
 };
 
