@@ -212,7 +212,7 @@ json_t *sd_ckpt_json(const struct sd_job *job)
                      "load_ms", (double)c->load_ns / 1e6, "saves", (json_int_t)c->saves,
                      "saved_bytes", (json_int_t)c->bytes_saved, "last_save_ms",
                      (double)c->save_ns / 1e6, "save_seq", (json_int_t)c->seq, "busy", c->busy,
-                     "save_direct", c->direct);
+                     "save_direct", atomic_load(&c->direct));
 }
 
 /* ---- saving */
@@ -339,8 +339,10 @@ static void save_work(struct sd_job *job)
         st = -errno;
     struct sd_ckpt_io io = {.threads = (uint32_t)job->reg->cfg->checkpoint_threads,
                             .direct = job->reg->cfg->checkpoint_direct != 0};
+    bool direct = false;
     if (st == SD_OK)
-        st = sd_ckpt_write_extents(fd, c->items, c->item_src, c->n_items, &io, &c->wrote_direct);
+        st = sd_ckpt_write_extents(fd, c->items, c->item_src, c->n_items, &io, &direct);
+    atomic_store(&c->direct, direct);
     if (st == SD_OK && fsync(fd) != 0)
         st = -errno;
     close(fd);
@@ -366,7 +368,6 @@ static void recovery_end(struct sd_job *job)
 static void save_after(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    c->direct = c->wrote_direct; /* shardctl jobs reads it on the loop, at any time */
     if (!c->recovery && job->state != SD_JOB_READY) {
         if (job->node == 0) /* the save is given up: nobody commits it */
             sd_ckpt_remove(c->dir, c->tmp);
@@ -601,7 +602,7 @@ static void commit_after(struct sd_job *job)
         SD_INFO("job", "job '%s': step %llu saved to %s/%s (%.1f MiB, %.1f ms; node 0 wrote %s)",
                 job->name, (unsigned long long)c->step, c->dir, c->final,
                 (double)c->bytes_saved / 1048576.0, (double)c->save_ns / 1e6,
-                c->direct ? "with O_DIRECT" : "buffered");
+                atomic_load(&c->direct) ? "with O_DIRECT" : "buffered");
     } else {
         SD_WARN("job", "job '%s': %s", job->name, msg);
     }

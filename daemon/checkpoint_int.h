@@ -36,8 +36,8 @@ struct sd_ckpt_job {
     uint64_t n_items;
     /* a worker reads or writes the job's memory: its memory stays until it is done */
     bool busy;
-    bool direct;       /* this node's last data file went out with O_DIRECT */
-    bool wrote_direct; /* the worker's word for it, taken by save_after */
+    atomic_bool direct; /* this node's last data file went out with O_DIRECT (the worker
+                         * says, shardctl jobs reads meanwhile) */
     atomic_bool running;
     int status;
     char err[1024];
