@@ -748,8 +748,9 @@ static void save_collect(struct sd_job *job)
 void sd_ckpt_peer_saved(struct sd_job *job, const Shard__JobSaved *m)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    if (c == NULL || job->node != 0 || m->node == 0 || m->node >= job->nodes ||
-        !c->reporting[m->node])
+    /* kept whatever node 0 waits for now: a node whose ranks came to a save first may report
+     * before node 0's ranks have all come to it (save_collect takes what it waits for) */
+    if (c == NULL || job->node != 0 || m->node == 0 || m->node >= job->nodes)
         return;
     /* keep a copy: the message is the link's */
     size_t len = shard__job_saved__get_packed_size(m);

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MAX_LAYERS 16
 #define IN_DIM     64
@@ -36,7 +37,7 @@
 struct opts {
     const char *socket, *job, *plan, *optimizer, *dump;
     const char *save_dir, *load; /* --save-dir, --load */
-    int save_every;
+    int save_every, save_delay_ms;
     uint64_t resume_timeout_ms; /* --resume-timeout-ms: a paused job is registered again */
     int rank, world, steps, accum, batch, hidden, layers;
     bool bf16, reference, quiet, timing;
@@ -795,6 +796,8 @@ static int run_shardd(const struct opts *o, const struct model *m)
         memset(&spent, 0, sizeof(spent));
         if (o->save_every > 0 && (step + 1) % o->save_every == 0) {
             uint64_t saved = 0;
+            if (o->save_delay_ms > 0)
+                usleep((useconds_t)o->save_delay_ms * 1000);
             double sv0 = now_s();
             CHECK(shard_save(ctx, o->save_dir, &saved));
             if (!o->quiet && o->rank == 0)
@@ -903,7 +906,7 @@ static void usage(FILE *out)
             "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
             "                 [--dump-params FILE] [--reference] [--compute-only] [--quiet]\n"
             "                 [--timing] [--zero-copy] [--final-loss] [--nonfinite STEP]\n"
-            "                 [--save-every N --save-dir DIR] [--load DIR]\n"
+            "                 [--save-every N --save-dir DIR] [--save-delay-ms MS] [--load DIR]\n"
             "                 [--resume-timeout-ms MS]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
@@ -931,6 +934,7 @@ static void usage(FILE *out)
             "into DIR/step-NNNNNNNN and points DIR/LATEST at it; --load DIR starts from DIR's\n"
             "LATEST checkpoint (or DIR, a checkpoint) under any world and plan and trains from\n"
             "its step to --steps; with --reference the checkpoint is read without shardd.\n"
+            "--save-delay-ms MS waits MS before each save: a rank that comes late to it.\n"
             "--resume-timeout-ms MS registers the job with that resume timeout: when a rank\n"
             "dies the job pauses, and this rank, told so (SHARD_EPAUSED), registers again\n"
             "and continues from the step the job paused at; a restarted rank does the same.\n",
@@ -1028,6 +1032,8 @@ int main(int argc, char **argv)
             o.diverge_from = atoi(v);
         } else if (ARG("--save-every")) {
             o.save_every = atoi(v);
+        } else if (ARG("--save-delay-ms")) {
+            o.save_delay_ms = atoi(v);
         } else if (ARG("--save-dir")) {
             o.save_dir = v;
         } else if (ARG("--resume-timeout-ms")) {
