@@ -34,10 +34,23 @@
 
 struct ckpt_work {
     uv_work_t req;
-    struct sd_job *job;
+    struct sd_job *job; /* NULL: freed while the work ran (shutdown), nothing after it */
     void (*fn)(struct sd_job *job);
     void (*after)(struct sd_job *job);
+    struct ckpt_work *next;
 };
+
+/* the works queued and not yet after their after_cb, of every job (the loop's thread) */
+static struct ckpt_work *works;
+
+static void works_unlink(struct ckpt_work *w)
+{
+    for (struct ckpt_work **p = &works; *p != NULL; p = &(*p)->next)
+        if (*p == w) {
+            *p = w->next;
+            return;
+        }
+}
 
 static void work_cb(uv_work_t *req)
 {
@@ -50,6 +63,11 @@ static void after_cb(uv_work_t *req, int uv_status)
 {
     struct ckpt_work *w = req->data;
     struct sd_job *job = w->job;
+    works_unlink(w);
+    if (job == NULL) { /* the job went while the work ran (sd_ckpt_wait_worker) */
+        free(w);
+        return;
+    }
     job->load.ckpt->busy = false;
     if (uv_status != 0 && job->load.ckpt->status == SD_OK) {
         job->load.ckpt->status = SD_ECANCELED;
@@ -75,8 +93,11 @@ void sd_ckpt__run_worker(struct sd_job *job, void (*fn)(struct sd_job *),
         w->req.data = w;
         c->busy = true;
         atomic_store(&c->running, true);
-        if (uv_queue_work(job->reg->loop, &w->req, work_cb, after_cb) == 0)
+        if (uv_queue_work(job->reg->loop, &w->req, work_cb, after_cb) == 0) {
+            w->next = works;
+            works = w;
             return;
+        }
         c->busy = false;
         atomic_store(&c->running, false);
         free(w);
@@ -176,13 +197,26 @@ struct sd_hparams sd_ckpt_hparams(const struct sd_job *job, uint32_t g)
     return sd_model_group(&job->model, g);
 }
 
+void sd_ckpt_wait_worker(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (c == NULL || !c->busy)
+        return;
+    SD_WARN("job", "job '%s': waiting for its checkpoint worker to finish before its memory goes",
+            job->name);
+    while (atomic_load(&c->running)) /* shutdown with a worker still reading or writing */
+        usleep(1000);
+    for (struct ckpt_work *w = works; w != NULL; w = w->next)
+        if (w->job == job)
+            w->job = NULL; /* its after_cb comes once the job is gone */
+}
+
 void sd_ckpt_job_free(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     if (c == NULL)
         return;
-    while (atomic_load(&c->running)) /* shutdown with a worker still writing */
-        usleep(1000);
+    sd_ckpt_wait_worker(job);
     sd_ckpt_close(&c->src);
     sd_ckpt_close(&c->man);
     free(c->load_buf);
@@ -311,9 +345,15 @@ static int mkdir_owned(const struct sd_job *job, const char *path)
     return errno == EEXIST ? SD_OK : -errno;
 }
 
+/* SHARDD_TEST_SAVE_STALL=NODE:MS: that node's writes of its part start MS late (a stalled
+ * filesystem, for tests); read on the loop before the first write */
+static long test_stall_node = -2, test_stall_ms;
+
 static void save_work(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
+    if (test_stall_node == (long)job->node && test_stall_ms > 0)
+        usleep((useconds_t)test_stall_ms * 1000);
     char tmp[SD_CKPT_PATH_MAX + 160], file[SD_CKPT_PATH_MAX + 256];
     snprintf(tmp, sizeof(tmp), "%s/%s", c->dir, c->tmp);
     int st = mkdir_owned(job, c->dir);
@@ -423,6 +463,11 @@ static int write_part(struct sd_job *job)
     int st = save_plan(job);
     if (st != SD_OK)
         return st;
+    if (test_stall_node == -2) {
+        const char *v = getenv("SHARDD_TEST_SAVE_STALL");
+        test_stall_node = v ? strtol(v, NULL, 10) : -1;
+        test_stall_ms = v && strchr(v, ':') ? strtol(strchr(v, ':') + 1, NULL, 10) : 0;
+    }
     sd_ckpt__run_worker(job, save_work, save_after);
     return SD_OK;
 }
@@ -549,6 +594,39 @@ bool sd_ckpt_overdue(struct sd_job *job, uint64_t now, uint64_t timeout, bool *p
 /* Partial checkpoints of this job that an earlier save left (its daemon was killed while it
  * wrote): removed, each with a log line. A job's saves run one at a time, so only the one being
  * committed is its own. */
+static void commit_after(struct sd_job *job);
+
+/* Node 0: a save whose other nodes have not all reported their parts within op_timeout_ms and
+ * the job's states at 16 MiB/s (a stalled filesystem, a lost report) fails naming them, and
+ * every rank is answered, instead of waiting for ever. Late reports are kept and ignored. */
+void sd_ckpt_sweep(struct sd_job *job, uint64_t now, uint64_t timeout)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (c == NULL || job->node != 0 || !c->saving || c->recovery || c->busy || c->seq == 0 ||
+        c->rep_seq[0] != c->seq || c->first_ns == 0)
+        return;
+    uint64_t bytes = 0;
+    for (uint32_t t = 0; t < job->layout.n_tensors; t++)
+        bytes += job->layout.tensors[t].numel * sd_ckpt_states(job->model.optim.kind) * 4;
+    uint64_t limit = timeout + (uint64_t)((double)bytes / (16.0 * 1048576.0) * 1e9);
+    if (now - c->first_ns <= limit)
+        return;
+    char late[256] = "";
+    size_t at = 0;
+    for (uint32_t m = 1; m < job->nodes && at < sizeof(late) - 16; m++)
+        if (c->reporting[m] && c->rep_seq[m] != c->seq)
+            at += (size_t)snprintf(late + at, sizeof(late) - at, "%s%u", at ? ", " : "", m);
+    c->rep_seq[0] = 0; /* taken: the save is over */
+    reports_free(c, job->nodes);
+    sd_ckpt_remove(c->dir, c->tmp);
+    c->status = SD_ETIMEDOUT;
+    snprintf(c->err, sizeof(c->err),
+             "node 0: node %s did not report its part of step %llu within %.1f s (op_timeout_ms, "
+             "and the job's %.1f MiB of states at 16 MiB/s)",
+             late, (unsigned long long)c->step, (double)limit / 1e9, (double)bytes / 1048576.0);
+    commit_after(job);
+}
+
 static void remove_leftovers(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;

@@ -33,6 +33,12 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
 void sd_ckpt_fail_parked(struct sd_job *job, int status, const char *msg);
 /* a save barrier waiting longer than timeout: present[r] set for the ranks in it */
 bool sd_ckpt_overdue(struct sd_job *job, uint64_t now, uint64_t timeout, bool *present);
+/* node 0: fail a save whose nodes have not reported within timeout plus the job's states at
+ * 16 MiB/s, naming them */
+void sd_ckpt_sweep(struct sd_job *job, uint64_t now, uint64_t timeout);
+/* Block until the job's checkpoint worker (reading or writing its memory) has finished: before
+ * the memory is freed at shutdown */
+void sd_ckpt_wait_worker(struct sd_job *job);
 /* node 0: a member's report of its part; members: node 0's answer */
 void sd_ckpt_peer_saved(struct sd_job *job, const Shard__JobSaved *m);
 void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char *msg);

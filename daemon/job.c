@@ -30,6 +30,7 @@ const char *sd_job_state_name(enum sd_job_state s)
 
 void sd_job_free(struct sd_job *job)
 {
+    sd_ckpt_wait_worker(job); /* it may read the buffers freed next */
     sd_job_mem_free(job);
     sd_layout_free(&job->layout);
     sd_model_free(&job->model);
@@ -674,6 +675,7 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
                     (long long)job->reg->cfg->op_timeout_ms);
         return;
     }
+    sd_ckpt_sweep(job, now, op_timeout);
     if (sd_ckpt_overdue(job, now, op_timeout, present)) {
         list_missing(missing, sizeof(missing), job, present);
         sd_job_fail(job, SD_ETIMEDOUT,

@@ -8,7 +8,8 @@
  * one copy of the states (file bytes = parameters x states x 4), a flipped byte is refused
  * naming the file and the extent, a different model is refused naming the first difference;
  * node 0's ranks 700 ms late to every save (the other node reports its part before node 0's
- * save begins) still commit every save.
+ * save begins) still commit every save; node 1's write stalled 6 s fails the save at node 0's
+ * deadline, naming node 1.
  *
  * test_checkpoint crash [TRIALS]: a one-node job saves after every step while a trainer or the
  * daemon is SIGKILLed at a random moment; afterwards LATEST names a complete checkpoint that
@@ -194,6 +195,71 @@ static void late_node0(const struct th_cluster *c)
            (unsigned long long)step);
 }
 
+/* node 1's write of its part stalls 6 s (SHARDD_TEST_SAVE_STALL, a hung filesystem) under an
+ * op_timeout_ms of 1500: node 0 fails the save naming node 1 once the deadline passes, and
+ * every rank is answered then, not when the stall ends */
+static void stalled_node1(void)
+{
+    struct th_cluster c;
+    const char *extra[] = {"--op-timeout-ms", "1500", NULL};
+    setenv("SHARDD_TEST_SAVE_STALL", "1:6000", 1);
+    int st = th_cluster_start(&c, 2, 2, extra);
+    unsetenv("SHARDD_TEST_SAVE_STALL");
+    TH_CHECK(st == 0, "2 x 2 cluster with node 1's saves stalled");
+    if (st != 0)
+        return;
+    char dir[300], logs[4][400], rank[4][16];
+    snprintf(dir, sizeof(dir), "%s/stalled", base);
+    pid_t pids[4];
+    double t0 = th_now_s();
+    for (int r = 0; r < 4; r++) {
+        snprintf(rank[r], sizeof(rank[r]), "%d", r);
+        snprintf(logs[r], sizeof(logs[r]), "%s/stalled-%d.log", base, r);
+        const char *argv[] = {MLP_TRAIN_PATH,
+                              "--socket",
+                              c.d[r / c.k].sock,
+                              "--job",
+                              "stalled",
+                              "--rank",
+                              rank[r],
+                              "--world",
+                              "4",
+                              "--plan",
+                              "zero3",
+                              "--steps",
+                              "4",
+                              "--hidden",
+                              "64",
+                              "--save-every",
+                              "2",
+                              "--save-dir",
+                              dir,
+                              "--quiet",
+                              NULL};
+        pids[r] = th_spawn(argv, logs[r]);
+    }
+    int failed = 0;
+    for (int r = 0; r < 4; r++)
+        failed += th_wait(pids[r], 30000) != 0;
+    double took = th_now_s() - t0;
+    int named = 0;
+    for (int r = 0; r < 4; r++) {
+        char *text = th_read_file(logs[r], NULL);
+        named += text && strstr(text, "node 1 did not report its part of step 2") != NULL;
+        if (r == 0)
+            printf("a save with node 1 stalled: %s", text ? text : "(no log)\n");
+        free(text);
+    }
+    TH_CHECK(failed == 4 && named == 4,
+             "node 1's write stalled: %d of 4 ranks failed, %d were told node 1 did not report",
+             failed, named);
+    TH_CHECK(took < 5.5,
+             "the ranks were answered %.1f s after they started: the deadline (1.5 s "
+             "and the states at 16 MiB/s) did not fire before the 6 s stall ended",
+             took);
+    TH_CHECK(th_cluster_stop(&c) == 0, "the cluster with node 1 stalled stopped uncleanly");
+}
+
 static int copy_file(const char *from, const char *to)
 {
     size_t n;
@@ -217,6 +283,7 @@ static int reshard(void)
     snprintf(d_z3bf, sizeof(d_z3bf), "%s/zero3-bf16", base);
     snprintf(bad, sizeof(bad), "%s/flipped", base);
 
+    stalled_node1();
     TH_CHECK(th_cluster_start(&a, 2, 2, NULL) == 0, "2 x 2 cluster");
     late_node0(&a);
     train(&a, "save-mics", "mics:2", 10, "fp32", d_mics, NULL, TOL_FP32);
