@@ -140,21 +140,22 @@ static void train_refused(const struct th_cluster *c, const char *job, const cha
     free(text);
 }
 
-/* node 0's ranks come to every save 700 ms after node 1's, which has written its part and
- * reported it before node 0's save has begun: the report is kept, every save commits */
-static void late_node0(const struct th_cluster *c)
+/* the 4 ranks of a 2 x 2 zero3 job saving into dir after every 2 of `steps` steps, node 0's
+ * ranks `delay0` ms late to each save; their logs base/JOB-R.log; returns how many failed or
+ * hung for 30 s */
+static int run_saving(const struct th_cluster *c, const char *job, const char *dir,
+                      const char *steps, const char *delay0, char logs[4][400])
 {
-    char dir[300], logs[4][400], rank[4][16];
-    snprintf(dir, sizeof(dir), "%s/late", base);
+    char rank[4][16];
     pid_t pids[4];
     for (int r = 0; r < 4; r++) {
         snprintf(rank[r], sizeof(rank[r]), "%d", r);
-        snprintf(logs[r], sizeof(logs[r]), "%s/late-%d.log", base, r);
+        snprintf(logs[r], 400, "%s/%s-%d.log", base, job, r);
         const char *argv[] = {MLP_TRAIN_PATH,
                               "--socket",
                               c->d[r / c->k].sock,
                               "--job",
-                              "late",
+                              job,
                               "--rank",
                               rank[r],
                               "--world",
@@ -162,7 +163,7 @@ static void late_node0(const struct th_cluster *c)
                               "--plan",
                               "zero3",
                               "--steps",
-                              "6",
+                              steps,
                               "--hidden",
                               "64",
                               "--save-every",
@@ -171,13 +172,23 @@ static void late_node0(const struct th_cluster *c)
                               dir,
                               "--quiet",
                               "--save-delay-ms",
-                              r < 2 ? "700" : "0",
+                              r < 2 ? delay0 : "0",
                               NULL};
         pids[r] = th_spawn(argv, logs[r]);
     }
     int failed = 0;
     for (int r = 0; r < 4; r++)
         failed += th_wait(pids[r], 30000) != 0;
+    return failed;
+}
+
+/* node 0's ranks come to every save 700 ms after node 1's, which has written its part and
+ * reported it before node 0's save has begun: the report is kept, every save commits */
+static void late_node0(const struct th_cluster *c)
+{
+    char dir[300], logs[4][400];
+    snprintf(dir, sizeof(dir), "%s/late", base);
+    int failed = run_saving(c, "late", dir, "6", "700", logs);
     char *text = th_read_file(logs[0], NULL);
     TH_CHECK(failed == 0, "node 0's ranks late to the saves: %d of 4 ranks failed or hung: %s",
              failed, text ? text : "(no log)");
@@ -208,39 +219,10 @@ static void stalled_node1(void)
     TH_CHECK(st == 0, "2 x 2 cluster with node 1's saves stalled");
     if (st != 0)
         return;
-    char dir[300], logs[4][400], rank[4][16];
+    char dir[300], logs[4][400];
     snprintf(dir, sizeof(dir), "%s/stalled", base);
-    pid_t pids[4];
     double t0 = th_now_s();
-    for (int r = 0; r < 4; r++) {
-        snprintf(rank[r], sizeof(rank[r]), "%d", r);
-        snprintf(logs[r], sizeof(logs[r]), "%s/stalled-%d.log", base, r);
-        const char *argv[] = {MLP_TRAIN_PATH,
-                              "--socket",
-                              c.d[r / c.k].sock,
-                              "--job",
-                              "stalled",
-                              "--rank",
-                              rank[r],
-                              "--world",
-                              "4",
-                              "--plan",
-                              "zero3",
-                              "--steps",
-                              "4",
-                              "--hidden",
-                              "64",
-                              "--save-every",
-                              "2",
-                              "--save-dir",
-                              dir,
-                              "--quiet",
-                              NULL};
-        pids[r] = th_spawn(argv, logs[r]);
-    }
-    int failed = 0;
-    for (int r = 0; r < 4; r++)
-        failed += th_wait(pids[r], 30000) != 0;
+    int failed = run_saving(&c, "stalled", dir, "4", "0", logs);
     double took = th_now_s() - t0;
     int named = 0;
     for (int r = 0; r < 4; r++) {
