@@ -303,6 +303,26 @@ long long th_job_params(const char *sock, const char *job)
     return p;
 }
 
+pid_t th_spawn_rank(const char *sock, const char *job, int rank, const char *const *args,
+                    const char *const *more, const char *log)
+{
+    char rs[16];
+    snprintf(rs, sizeof(rs), "%d", rank);
+    const char *argv[64] = {MLP_TRAIN_PATH};
+    int n = 1;
+    if (sock != NULL) { /* else the one-process reference: no daemon, no rank */
+        const char *own[] = {"--socket", sock, "--job", job, "--rank", rs};
+        for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++)
+            argv[n++] = own[i];
+    }
+    for (int i = 0; args != NULL && args[i] != NULL && n < 60; i++)
+        argv[n++] = args[i];
+    for (int i = 0; more != NULL && more[i] != NULL && n < 62; i++)
+        argv[n++] = more[i];
+    argv[n] = NULL;
+    return th_spawn(argv, log);
+}
+
 int th_train(const char *dir, const char *job, const char *const *socks, int k, int world,
              const char *const *args, const char *dump, const char *ref, int *rcs)
 {
@@ -310,28 +330,15 @@ int th_train(const char *dir, const char *job, const char *const *socks, int k, 
     if (world > TH_MAX_RANKS)
         return world + 1;
     for (int rank = 0; rank <= world; rank++) {
-        char rs[16], log[400];
-        snprintf(rs, sizeof(rs), "%d", rank);
+        char log[400];
         snprintf(log, sizeof(log), "%s/%s-%d.log", dir, job, rank);
-        const char *argv[64] = {MLP_TRAIN_PATH};
-        int n = 1;
-        for (int i = 0; args[i] != NULL && n < 50; i++)
-            argv[n++] = args[i];
-        if (rank < world) {
-            const char *own[] = {"--socket", socks[rank / k], "--job", job, "--rank", rs};
-            for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++)
-                argv[n++] = own[i];
-            if (rank == 0) {
-                argv[n++] = "--dump-params";
-                argv[n++] = dump;
-            }
-        } else {
-            argv[n++] = "--reference";
-            argv[n++] = "--dump-params";
-            argv[n++] = ref;
-        }
-        argv[n] = NULL;
-        pids[rank] = th_spawn(argv, log);
+        const char *dumps[] = {"--dump-params", dump, NULL};
+        const char *reference[] = {"--reference", "--dump-params", ref, NULL};
+        if (rank < world)
+            pids[rank] =
+                th_spawn_rank(socks[rank / k], job, rank, args, rank == 0 ? dumps : NULL, log);
+        else
+            pids[rank] = th_spawn_rank(NULL, NULL, -1, args, reference, log);
     }
     int failed = 0;
     for (int rank = 0; rank <= world; rank++) {

@@ -55,6 +55,10 @@ struct json_t *th_job_stats(const char *sock, const char *job);
  * reference's rank is world). rcs[0..world] receive the exit codes; returns how many are not
  * 0. */
 #define TH_MAX_RANKS 64
+/* mlp_train as rank `rank` of job on the daemon at sock, with the options args and more (each
+ * NULL-terminated, either may be NULL; 56 at most), its output into log */
+pid_t th_spawn_rank(const char *sock, const char *job, int rank, const char *const *args,
+                    const char *const *more, const char *log);
 int th_train(const char *dir, const char *job, const char *const *socks, int k, int world,
              const char *const *args, const char *dump, const char *ref, int *rcs);
 /* Two fp32 parameter dumps: n values, how many differ at all, how many lie outside

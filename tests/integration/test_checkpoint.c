@@ -103,30 +103,12 @@ static void train_refused(const struct th_cluster *c, const char *job, const cha
     pid_t pids[TH_MAX_RANKS];
     int world_n = c->nodes * c->k, failed = 0;
     snprintf(log, sizeof(log), "%s/%s-0.log", base, job);
+    const char *args[] = {"--world",  world,  "--plan", "zero3", "--steps", "20",
+                          "--hidden", hidden, "--load", load,    "--quiet", NULL};
     for (int r = 0; r < world_n; r++) {
-        char rank[16], lg[400];
-        snprintf(rank, sizeof(rank), "%d", r);
+        char lg[400];
         snprintf(lg, sizeof(lg), "%s/%s-%d.log", base, job, r);
-        const char *argv[] = {MLP_TRAIN_PATH,
-                              "--socket",
-                              c->d[r / c->k].sock,
-                              "--job",
-                              job,
-                              "--rank",
-                              rank,
-                              "--world",
-                              world,
-                              "--plan",
-                              "zero3",
-                              "--steps",
-                              "20",
-                              "--hidden",
-                              hidden,
-                              "--load",
-                              load,
-                              "--quiet",
-                              NULL};
-        pids[r] = th_spawn(argv, lg);
+        pids[r] = th_spawn_rank(c->d[r / c->k].sock, job, r, args, NULL, lg);
     }
     for (int r = 0; r < world_n; r++)
         failed += th_wait(pids[r], 60000) != 0;
@@ -146,35 +128,14 @@ static void train_refused(const struct th_cluster *c, const char *job, const cha
 static int run_saving(const struct th_cluster *c, const char *job, const char *dir,
                       const char *steps, const char *delay0, char logs[4][400])
 {
-    char rank[4][16];
+    const char *args[] = {"--world",  "4",  "--plan",       "zero3", "--steps",    steps,
+                          "--hidden", "64", "--save-every", "2",     "--save-dir", dir,
+                          "--quiet",  NULL};
     pid_t pids[4];
     for (int r = 0; r < 4; r++) {
-        snprintf(rank[r], sizeof(rank[r]), "%d", r);
         snprintf(logs[r], 400, "%s/%s-%d.log", base, job, r);
-        const char *argv[] = {MLP_TRAIN_PATH,
-                              "--socket",
-                              c->d[r / c->k].sock,
-                              "--job",
-                              job,
-                              "--rank",
-                              rank[r],
-                              "--world",
-                              "4",
-                              "--plan",
-                              "zero3",
-                              "--steps",
-                              steps,
-                              "--hidden",
-                              "64",
-                              "--save-every",
-                              "2",
-                              "--save-dir",
-                              dir,
-                              "--quiet",
-                              "--save-delay-ms",
-                              r < 2 ? delay0 : "0",
-                              NULL};
-        pids[r] = th_spawn(argv, logs[r]);
+        const char *late[] = {"--save-delay-ms", r < 2 ? delay0 : "0", NULL};
+        pids[r] = th_spawn_rank(c->d[r / c->k].sock, job, r, args, late, logs[r]);
     }
     int failed = 0;
     for (int r = 0; r < 4; r++)
@@ -343,35 +304,14 @@ static void start_job(const struct th_daemon *d, const char *dir, bool load, int
 {
     char st[16];
     snprintf(st, sizeof(st), "%d", steps);
+    const char *args[] = {"--world",  "2",          "--plan",  "zero3", "--hidden", "512",
+                          "--layers", "8",          "--steps", st,      "--quiet",  "--save-every",
+                          "1",        "--save-dir", dir,       NULL};
+    const char *loading[] = {"--load", dir, NULL};
     for (int r = 0; r < 2; r++) {
         char log[400];
         snprintf(log, sizeof(log), "%s/crash-%d-%d.log", base, trial, r);
-        const char *argv[] = {MLP_TRAIN_PATH,
-                              "--socket",
-                              d->sock,
-                              "--job",
-                              "crash",
-                              "--rank",
-                              r ? "1" : "0",
-                              "--world",
-                              "2",
-                              "--plan",
-                              "zero3",
-                              "--hidden",
-                              "512",
-                              "--layers",
-                              "8",
-                              "--steps",
-                              st,
-                              "--quiet",
-                              "--save-every",
-                              "1",
-                              "--save-dir",
-                              dir,
-                              load ? "--load" : NULL,
-                              dir,
-                              NULL};
-        pids[r] = th_spawn(argv, log);
+        pids[r] = th_spawn_rank(d->sock, "crash", r, args, load ? loading : NULL, log);
     }
 }
 

@@ -34,39 +34,13 @@ static char base[256];
 static pid_t start_rank(const struct th_cluster *c, const char *job, const char *plan, int r,
                         const char *steps, const char *const *extra)
 {
-    char world[16], rank[16], log[400];
+    char world[16], log[400];
     snprintf(world, sizeof(world), "%d", c->nodes * c->k);
-    snprintf(rank, sizeof(rank), "%d", r);
     snprintf(log, sizeof(log), "%s/%s-%d.log", base, job, r);
-    const char *argv[40] = {MLP_TRAIN_PATH,
-                            "--socket",
-                            c->d[r / c->k].sock,
-                            "--job",
-                            job,
-                            "--rank",
-                            rank,
-                            "--world",
-                            world,
-                            "--plan",
-                            plan,
-                            "--steps",
-                            steps,
-                            "--hidden",
-                            "64",
-                            "--seed",
-                            "7",
-                            "--accum",
-                            "2",
-                            "--compute-ms",
-                            "3",
-                            "--compute-mode",
-                            "sleep",
-                            "--quiet"};
-    int n = 24;
-    for (int i = 0; extra != NULL && extra[i] != NULL && n < 38; i++)
-        argv[n++] = extra[i];
-    argv[n] = NULL;
-    return th_spawn(argv, log);
+    const char *args[] = {"--world",      world, "--plan",         plan,    "--steps", steps,
+                          "--hidden",     "64",  "--seed",         "7",     "--accum", "2",
+                          "--compute-ms", "3",   "--compute-mode", "sleep", "--quiet", NULL};
+    return th_spawn_rank(c->d[r / c->k].sock, job, r, args, extra, log);
 }
 
 /* shardctl --json [--socket sock] checkpoint --job job dir: its exit code, its answer */
@@ -197,18 +171,26 @@ static void same_state(const char *a, const char *b)
 static const char *const keep[] = {"--resume-timeout-ms", "60000", NULL};
 
 /* mics:2 on 4 x 2, node 1 lost: recovered from the replicas, loaded on 2 x 2 under zero3 */
+/* job's 8 ranks on the 4 x 2 cluster a, node `node` SIGKILLed once the job took 12 steps:
+ * every rank must fail */
+static void train_then_lose(struct th_cluster *a, const char *job, const char *plan,
+                            const char *const *extra, int node)
+{
+    pid_t pids[8];
+    for (int r = 0; r < 8; r++)
+        pids[r] = start_rank(a, job, plan, r, "2000", extra);
+    wait_steps(a->d[0].sock, job, 12);
+    kill_node(a, node);
+    TH_CHECK(wait_ranks(pids, 8) == 0, "every rank of %s fails once node %d is lost", job, node);
+}
+
 static void node_loss(void)
 {
     struct th_cluster a, b;
     char dir[300];
     snprintf(dir, sizeof(dir), "%s/from-replicas", base);
     TH_CHECK(th_cluster_start(&a, 4, 2, keep) == 0, "4 x 2 cluster");
-    pid_t pids[8];
-    for (int r = 0; r < 8; r++)
-        pids[r] = start_rank(&a, "lost", "mics:2", r, "2000", NULL);
-    wait_steps(a.d[0].sock, "lost", 12);
-    kill_node(&a, 1);
-    TH_CHECK(wait_ranks(pids, 8) == 0, "every rank fails once node 1 is lost");
+    train_then_lose(&a, "lost", "mics:2", NULL, 1);
     json_t *doc = NULL;
     int rc = shardctl_checkpoint(a.d[0].sock, "lost", dir, &doc);
     TH_CHECK(rc == 0 && doc != NULL, "checkpoint from the survivors: exit %d", rc);
@@ -301,12 +283,7 @@ static void no_replica(void)
     snprintf(saves, sizeof(saves), "%s/zero3-saves", base);
     TH_CHECK(th_cluster_start(&a, 4, 2, keep) == 0, "4 x 2 cluster");
     const char *save[] = {"--save-every", "3", "--save-dir", saves, NULL};
-    pid_t pids[8];
-    for (int r = 0; r < 8; r++)
-        pids[r] = start_rank(&a, "only-copy", "zero3", r, "2000", save);
-    wait_steps(a.d[0].sock, "only-copy", 12);
-    kill_node(&a, 3);
-    TH_CHECK(wait_ranks(pids, 8) == 0, "every rank fails once node 3 is lost");
+    train_then_lose(&a, "only-copy", "zero3", save, 3);
     json_t *doc = NULL;
     int rc = shardctl_checkpoint(a.d[0].sock, "only-copy", dir, &doc);
     TH_CHECK(rc == 1 && th_json_int(doc, "status") == SD_ENOREPLICA, "refused: exit %d", rc);

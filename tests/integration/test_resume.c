@@ -23,51 +23,29 @@
 
 static char base[256];
 
-/* rank r of job on cluster c; dump: its final parameters; extra: more arguments */
+/* rank r of job on cluster c; dump: its final parameters; timeout: --resume-timeout-ms */
 static pid_t start_rank(const struct th_cluster *c, const char *job, const char *plan, int r,
                         const char *timeout, const char *dump, const char *hidden, int attempt)
 {
-    char world[16], rank[16], log[400];
+    char world[16], log[400];
     snprintf(world, sizeof(world), "%d", c->nodes * c->k);
-    snprintf(rank, sizeof(rank), "%d", r);
     snprintf(log, sizeof(log), "%s/%s-%d.%d.log", base, job, r, attempt);
-    const char *argv[40] = {MLP_TRAIN_PATH,
-                            "--socket",
-                            c->d[r / c->k].sock,
-                            "--job",
-                            job,
-                            "--rank",
-                            rank,
-                            "--world",
-                            world,
-                            "--plan",
-                            plan,
-                            "--steps",
-                            STEPS,
-                            "--hidden",
-                            hidden,
-                            "--layers",
-                            "6",
-                            "--accum",
-                            "2",
-                            "--seed",
-                            "5",
-                            "--compute-ms",
-                            "3",
-                            "--compute-mode",
-                            "sleep",
-                            "--quiet"};
-    int n = 26;
+    const char *args[] = {"--world",  world,  "--plan",       plan, "--steps",        STEPS,
+                          "--hidden", hidden, "--layers",     "6",  "--accum",        "2",
+                          "--seed",   "5",    "--compute-ms", "3",  "--compute-mode", "sleep",
+                          "--quiet",  NULL};
+    const char *more[5];
+    int n = 0;
     if (timeout != NULL) {
-        argv[n++] = "--resume-timeout-ms";
-        argv[n++] = timeout;
+        more[n++] = "--resume-timeout-ms";
+        more[n++] = timeout;
     }
     if (dump != NULL) {
-        argv[n++] = "--dump-params";
-        argv[n++] = dump;
+        more[n++] = "--dump-params";
+        more[n++] = dump;
     }
-    argv[n] = NULL;
-    return th_spawn(argv, log);
+    more[n] = NULL;
+    return th_spawn_rank(c->d[r / c->k].sock, job, r, args, more, log);
 }
 
 /* an uninterrupted run: its rank 0's parameters in ref */
