@@ -43,6 +43,41 @@ cleanup() {
 trap cleanup EXIT
 world=$((nodes * k))
 
+# start_ranks JOB LOG DUMP OPTIONS...: the world's mlp_train ranks of JOB, rank r on node r / k,
+# logs in $dir/LOG<r>.log, rank 0 dumping its parameters into DUMP; their pids in pids
+start_ranks() {
+  local job=$1 log=$2 dump=$3 r
+  shift 3
+  for r in $(seq 0 $((world - 1))); do
+    local own=()
+    [ "$r" = 0 ] && own=(--dump-params "$dump")
+    $B/client/examples/mlp_train --socket "$dir/node$((r / k))/shardd.sock" --job "$job" \
+      --rank "$r" --world "$world" "${own[@]}" "$@" >"$dir/$log$r.log" 2>&1 &
+    pids[$r]=$!
+  done
+}
+# wait_ranks LOG: every rank exited 0, else its log and exit 1
+wait_ranks() {
+  local r
+  for r in "${!pids[@]}"; do
+    wait "${pids[$r]}" || { echo "rank $r failed:"; cat "$dir/$1$r.log"; exit 1; }
+  done
+}
+# compare_dumps A B WHAT FAILURE: the max difference of two parameter dumps, printed after
+# WHAT; exit with FAILURE beyond 1e-4 (fp32 sums in another order differ by about 1e-6)
+compare_dumps() {
+  python3 - "$@" <<'PY'
+import struct, sys
+pa, pb, what, failure = sys.argv[1:]
+a = open(pa, 'rb').read(); b = open(pb, 'rb').read()
+x = struct.unpack(f'{len(a)//4}f', a); y = struct.unpack(f'{len(b)//4}f', b)
+d = max((abs(p - q) for p, q in zip(x, y)), default=float("inf"))
+print(f"{what}: {len(x)} values, max |diff| {d:.3g}" + (" (bitwise identical)" if a == b else ""))
+if len(a) != len(b) or not len(a) or d > 1e-4:
+    sys.exit(failure)
+PY
+}
+
 echo "== starting $nodes shardd daemons x $k ranks (libfabric tcp;ofi_rxm on loopback${netns:+, network namespaces with 1 Gbit/s links})"
 tools/local-cluster.sh start --nodes "$nodes" --ranks-per-node "$k" --dir "$dir" \
   --shardd "$B/daemon/shardd" "${netns[@]}" -- --log-level warn
@@ -50,16 +85,10 @@ $B/tools/shardctl --socket "$dir/node0/shardd.sock" topology | sed 's/^/  /'
 
 echo "== training a 4-layer MLP (327k parameters) on $world ranks, plan $plan, $steps steps, accum $accum"
 t0=$(date +%s.%N)
-for r in $(seq 0 $((world - 1))); do
-  dump=()
-  [ "$r" = 0 ] && dump=(--dump-params "$dir/params.bin")
-  $B/client/examples/mlp_train --socket "$dir/node$((r / k))/shardd.sock" --job demo \
-    --rank "$r" --world "$world" --plan "$plan" --steps "$steps" --accum "$accum" "${dump[@]}" \
-    --save-every $(((steps + 1) / 2)) --save-dir "$dir/ck" >"$dir/rank$r.log" 2>&1 &
-  pids[$r]=$!
-done
+start_ranks demo rank "$dir/params.bin" --plan "$plan" --steps "$steps" --accum "$accum" \
+  --save-every $(((steps + 1) / 2)) --save-dir "$dir/ck"
 tail -n +1 -f "$dir/rank0.log" --pid "${pids[0]}" 2>/dev/null | sed 's/^/  /'
-for r in "${!pids[@]}"; do wait "${pids[$r]}" || { echo "rank $r failed:"; cat "$dir/rank$r.log"; exit 1; }; done
+wait_ranks rank
 t1=$(date +%s.%N)
 
 echo "== partition and replication groups"
@@ -105,16 +134,9 @@ if bad:
 PY
 ref_loss=$($B/client/examples/mlp_train --reference --world "$world" --steps "$steps" --accum "$accum" \
   --dump-params "$dir/ref.bin" | tail -1)
-python3 - "$dir/params.bin" "$dir/ref.bin" <<'PY'
-import struct, sys
-a = open(sys.argv[1], 'rb').read(); b = open(sys.argv[2], 'rb').read()
-x = struct.unpack(f'{len(a)//4}f', a); y = struct.unpack(f'{len(b)//4}f', b)
-d = max(abs(p - q) for p, q in zip(x, y))
-print(f"== parameters vs plain data-parallel training of the same global batch: {len(x)} values, "
-      f"max |diff| {d:.3g}" + (" (bitwise identical)" if a == b else ""))
-if len(a) != len(b) or not len(a) or d > 1e-4:  # fp32 sums in another order: ~1e-6
-    sys.exit("demo.sh: the parameters are not those of plain data-parallel training")
-PY
+compare_dumps "$dir/params.bin" "$dir/ref.bin" \
+  "== parameters vs plain data-parallel training of the same global batch" \
+  "demo.sh: the parameters are not those of plain data-parallel training"
 echo "   reference, last step: $ref_loss"
 printf "== %d steps on %d ranks over %d nodes in %.2f s\n" "$steps" "$world" "$nodes" \
   "$(python3 -c "print($t1 - $t0)")"
@@ -125,15 +147,9 @@ more=$((steps + 10)) plan2=zero3
 echo "== checkpoints: the run saved every $(((steps + 1) / 2)) steps into $dir/ck (LATEST names the newest)"
 $B/tools/shardctl checkpoint-info "$dir/ck" | sed 's/^/  /'
 echo "== a new job loads it under $plan2 (each daemon reads only the extents its ranks' shards need) and trains to step $more"
-for r in $(seq 0 $((world - 1))); do
-  dump=()
-  [ "$r" = 0 ] && dump=(--dump-params "$dir/params2.bin")
-  $B/client/examples/mlp_train --socket "$dir/node$((r / k))/shardd.sock" --job demo-load \
-    --rank "$r" --world "$world" --plan "$plan2" --steps "$more" --accum "$accum" \
-    --load "$dir/ck" "${dump[@]}" --quiet >"$dir/load$r.log" 2>&1 &
-  pids[$r]=$!
-done
-for r in "${!pids[@]}"; do wait "${pids[$r]}" || { echo "rank $r failed:"; cat "$dir/load$r.log"; exit 1; }; done
+start_ranks demo-load load "$dir/params2.bin" --plan "$plan2" --steps "$more" --accum "$accum" \
+  --load "$dir/ck" --quiet
+wait_ranks load
 $B/tools/shardctl --socket "$dir/node0/shardd.sock" --job demo-load jobs --json | python3 -c '
 import json, sys
 j = [j for j in json.load(sys.stdin)["jobs"] if j["name"] == "demo-load"][-1]["checkpoint"]
@@ -141,16 +157,9 @@ got, path, ms = j["loaded_bytes"], j["loaded_from"], j["load_ms"]
 print(f"  node 0 read {got} bytes of {path} in {ms:.1f} ms")'
 $B/client/examples/mlp_train --reference --world "$world" --steps "$more" --accum "$accum" \
   --load "$dir/ck" --dump-params "$dir/ref2.bin" >/dev/null
-python3 - "$dir/params2.bin" "$dir/ref2.bin" <<'PY'
-import struct, sys
-a = open(sys.argv[1], 'rb').read(); b = open(sys.argv[2], 'rb').read()
-x = struct.unpack(f'{len(a)//4}f', a); y = struct.unpack(f'{len(b)//4}f', b)
-d = max(abs(p - q) for p, q in zip(x, y))
-print(f"  parameters vs the reference that reads the checkpoint files itself (without libshard) "
-      f"and trains on: {len(x)} values, max |diff| {d:.3g}" + (" (bitwise identical)" if a == b else ""))
-if len(a) != len(b) or not len(a) or d > 1e-4:
-    sys.exit("demo.sh: the loaded job's parameters are not the reference's")
-PY
+compare_dumps "$dir/params2.bin" "$dir/ref2.bin" \
+  "  parameters vs the reference that reads the checkpoint files itself (without libshard) and trains on" \
+  "demo.sh: the loaded job's parameters are not the reference's"
 
 # ---- a PyTorch transformer through shardd, next to DDP
 if [ "$torch" != no ] && ! /usr/bin/python3 -c "import torch" 2>/dev/null; then
