@@ -1,11 +1,14 @@
 /* Checkpoints: crc32c, the manifest (jansson), the reader of extents and the commit. */
 #include "sd/ckpt.h"
+#include "sd/safe_fs.h"
 #include "sd/status.h"
 #include "sd/util.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
+#include <math.h>
 #include <jansson.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -147,7 +150,10 @@ static bool get_f32(json_t *o, const char *key, float *v)
     json_t *j = json_object_get(o, key);
     if (!json_is_number(j))
         return false;
-    *v = (float)json_number_value(j);
+    double d = json_number_value(j);
+    /* past float's range it is an infinity (the conversion itself would be undefined), which
+     * the checks of the value refuse */
+    *v = d > FLT_MAX ? INFINITY : d < -FLT_MAX ? -INFINITY : (float)d;
     return true;
 }
 
@@ -173,44 +179,64 @@ static int key_cmp(const void *a, const void *b)
     return x->begin < y->begin ? -1 : x->begin > y->begin;
 }
 
-/* dir/MANIFEST, or dir/LATEST's checkpoint; ck->path set */
+/* dir itself when it holds a MANIFEST, else the checkpoint dir/LATEST names: ck->path and
+ * ck->dir_fd set */
 static int resolve(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen)
 {
-    char p[SD_CKPT_PATH_MAX + 16];
-    struct stat st;
-    if (strlen(dir) >= SD_CKPT_PATH_MAX - 32) {
+    if (strlen(dir) >= SD_CKPT_PATH_MAX - 320) {
         snprintf(err, errlen, "checkpoint path '%.64s...' is too long", dir);
         return SD_EINVAL;
     }
-    snprintf(p, sizeof(p), "%s/MANIFEST", dir);
-    if (stat(p, &st) == 0) {
-        snprintf(ck->path, sizeof(ck->path), "%s", dir);
-        return SD_OK;
-    }
-    snprintf(p, sizeof(p), "%s/LATEST", dir);
-    FILE *f = fopen(p, "r");
-    if (f == NULL) {
-        snprintf(err, errlen,
-                 "%s: neither a checkpoint (no MANIFEST) nor a directory of them (no "
-                 "LATEST): %s",
-                 dir, strerror(errno));
-        return SD_ENOENT;
-    }
-    char name[256] = "";
-    bool ok = fgets(name, sizeof(name), f) != NULL;
-    fclose(f);
-    name[strcspn(name, "\r\n")] = '\0';
-    if (!ok || name[0] == '\0' || name[0] == '.' || strchr(name, '/') != NULL) {
-        snprintf(err, errlen, "%s: does not name a checkpoint in its directory ('%s')", p, name);
+    if (dir[0] != '/') {
+        snprintf(err, errlen, "'%.200s' is not an absolute path", dir);
         return SD_EINVAL;
     }
-    snprintf(ck->path, sizeof(ck->path), "%s/%s", dir, name);
-    snprintf(p, sizeof(p), "%s/MANIFEST", ck->path);
-    if (stat(p, &st) != 0) {
-        snprintf(err, errlen, "%s/LATEST names '%s', which has no MANIFEST: %s", dir, name,
-                 strerror(errno));
+    int dfd = sd_fs_dir_open(dir, false, 0);
+    if (dfd < 0) {
+        snprintf(err, errlen, "%s: %s", dir, strerror(-dfd));
+        return dfd == -ENOENT ? SD_ENOENT : dfd;
+    }
+    struct stat st;
+    if (fstatat(dfd, "MANIFEST", &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        snprintf(ck->path, sizeof(ck->path), "%s", dir);
+        ck->dir_fd = dfd;
+        ck->dir_open = true;
+        return SD_OK;
+    }
+    char *latest = NULL, msg[512];
+    size_t len = 0;
+    int status = sd_fs_read_input(dfd, "LATEST", ck->owner, 4096, &latest, &len, msg, sizeof(msg));
+    if (status == -ENOENT) {
+        snprintf(err, errlen,
+                 "%s: neither a checkpoint (no MANIFEST) nor a directory of them (no LATEST)", dir);
+        close(dfd);
         return SD_ENOENT;
     }
+    if (status != 0) {
+        snprintf(err, errlen, "%s/%s", dir, msg);
+        close(dfd);
+        return status;
+    }
+    latest[strcspn(latest, "\r\n")] = '\0';
+    if (!sd_fs_name_ok(latest) || latest[0] == '.' || strlen(latest) >= 256) {
+        snprintf(err, errlen, "%s/LATEST: does not name a checkpoint in its directory ('%.64s')",
+                 dir, latest);
+        free(latest);
+        close(dfd);
+        return SD_EINVAL;
+    }
+    snprintf(ck->path, sizeof(ck->path), "%s/%s", dir, latest);
+    int sub = sd_fs_subdir(dfd, latest);
+    close(dfd);
+    if (sub < 0) {
+        snprintf(err, errlen, "%s/LATEST names '%s': %s%s", dir, latest, strerror(-sub),
+                 sub == -ELOOP ? " (a symbolic link: not followed)" : "");
+        free(latest);
+        return sub == -ENOENT ? SD_ENOENT : sub;
+    }
+    free(latest);
+    ck->dir_fd = sub;
+    ck->dir_open = true;
     return SD_OK;
 }
 
@@ -395,6 +421,11 @@ static int parse_header(json_t *root, struct sd_ckpt *ck, char *err, size_t errl
         return SD_EINVAL;
     }
     ck->n_states = sd_ckpt_states(ck->optim_kind);
+    if (!(ck->max_grad_norm >= 0.0f && ck->max_grad_norm <= 1e30f)) {
+        snprintf(err, errlen, "optimizer: max_grad_norm is %g; it must be finite and in [0, 1e30]",
+                 (double)ck->max_grad_norm);
+        return SD_EINVAL;
+    }
     return SD_OK;
 }
 
@@ -425,6 +456,10 @@ static int parse_groups(json_t *groups, struct sd_ckpt *ck, char *err, size_t er
                      g);
             return SD_EINVAL;
         }
+        /* the same bounds as a registration's: a checkpoint is input like any other */
+        int st = sd_hparams_validate(ck->optim_kind, h, g, err, errlen);
+        if (st != SD_OK)
+            return st;
     }
     return SD_OK;
 }
@@ -454,18 +489,34 @@ static int parse_files(json_t *files, struct sd_ckpt *ck, char *err, size_t errl
     return SD_OK;
 }
 
-int sd_ckpt_open(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen)
+int sd_ckpt_open_owned(const char *dir, uid_t owner, uint64_t max_manifest, struct sd_ckpt *ck,
+                       char *err, size_t errlen)
 {
     memset(ck, 0, sizeof(*ck));
+    ck->dir_fd = -1;
+    ck->owner = owner;
     int status = resolve(dir, ck, err, errlen);
     if (status != SD_OK)
         return status;
-    char p[SD_CKPT_PATH_MAX + 16], msg[512] = "";
-    snprintf(p, sizeof(p), "%s/MANIFEST", ck->path);
+    char msg[512] = "", *text = NULL;
+    size_t len = 0;
+    status = sd_fs_read_input(ck->dir_fd, "MANIFEST", owner,
+                              max_manifest ? max_manifest : SD_CKPT_MANIFEST_MAX, &text, &len, msg,
+                              sizeof(msg));
+    if (status != 0) {
+        snprintf(err, errlen, "%s/%s%s", ck->path, msg,
+                 status == -EFBIG ? " (the manifest of the registered model's size is smaller)"
+                                  : "");
+        sd_ckpt_close(ck);
+        return status == -EFBIG ? SD_EINVAL : status;
+    }
     json_error_t jerr;
-    json_t *root = json_load_file(p, JSON_REJECT_DUPLICATES, &jerr);
+    json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
+    free(text);
     if (root == NULL) {
-        snprintf(err, errlen, "%s: not JSON: %s (line %d)", p, jerr.text, jerr.line);
+        snprintf(err, errlen, "%s/MANIFEST: not JSON: %s (line %d)", ck->path, jerr.text,
+                 jerr.line);
+        sd_ckpt_close(ck);
         return SD_EINVAL;
     }
     status = parse_header(root, ck, msg, sizeof(msg));
@@ -485,10 +536,15 @@ int sd_ckpt_open(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen)
         status = parse_extents(json_object_get(root, "extents"), ck, msg, sizeof(msg));
     json_decref(root);
     if (status != SD_OK) {
-        snprintf(err, errlen, "%s: %s", p, msg);
+        snprintf(err, errlen, "%s/MANIFEST: %s", ck->path, msg);
         sd_ckpt_close(ck);
     }
     return status;
+}
+
+int sd_ckpt_open(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen)
+{
+    return sd_ckpt_open_owned(dir, SD_FS_ANY_OWNER, 0, ck, err, errlen);
 }
 
 void sd_ckpt_close(struct sd_ckpt *ck)
@@ -505,6 +561,10 @@ void sd_ckpt_close(struct sd_ckpt *ck)
     ck->by_key = NULL;
     ck->n_tensors = ck->n_groups = ck->n_files = 0;
     ck->n_extents = 0;
+    if (ck->dir_open)
+        close(ck->dir_fd);
+    ck->dir_open = false;
+    ck->dir_fd = -1;
 }
 
 static void dims_str(char *buf, size_t len, uint32_t ndim, const uint64_t *dims)
@@ -576,6 +636,10 @@ int sd_ckpt_reader_init(struct sd_ckpt_reader *rd, const struct sd_ckpt *ck, cha
     memset(rd, 0, sizeof(*rd));
     rd->ck = ck;
     rd->cached = UINT64_MAX;
+    if (!ck->dir_open) {
+        snprintf(err, errlen, "%s: the checkpoint's directory is not open", ck->path);
+        return SD_EINVAL;
+    }
     rd->fds = malloc((ck->n_files + 1) * sizeof(int));
     /* an extent and the rest of the aligned blocks it starts and ends in */
     if (posix_memalign((void **)&rd->raw, SD_CKPT_IO_ALIGN,
@@ -644,16 +708,17 @@ static int load_extent(struct sd_ckpt_reader *rd, uint64_t xi, float *into, char
         return SD_OK;
     }
     if (rd->fds[x->file] < 0) {
-        char p[SD_CKPT_PATH_MAX + 80];
-        snprintf(p, sizeof(p), "%s/%s", ck->path, ck->files[x->file]);
-        int fd = -1;
+        char msg[512];
+        int fd = -EINVAL;
         if (rd->direct)
-            fd = open(p, O_RDONLY | O_CLOEXEC | O_DIRECT);
-        if (fd < 0) /* EINVAL: a filesystem without O_DIRECT */
-            fd = open(p, O_RDONLY | O_CLOEXEC);
+            fd = sd_fs_open_input(ck->dir_fd, ck->files[x->file], ck->owner, 0, O_DIRECT, NULL, msg,
+                                  sizeof(msg));
+        if (fd == -EINVAL) /* a filesystem without O_DIRECT (or a file of the wrong kind) */
+            fd = sd_fs_open_input(ck->dir_fd, ck->files[x->file], ck->owner, 0, 0, NULL, msg,
+                                  sizeof(msg));
         if (fd < 0) {
-            snprintf(err, errlen, "%.600s: %s", p, strerror(errno));
-            return SD_EIO;
+            snprintf(err, errlen, "%.600s/%s", ck->path, msg);
+            return fd == -EPERM || fd == -EACCES ? SD_EPERM : SD_EIO;
         }
         rd->fds[x->file] = fd;
     }
@@ -681,9 +746,9 @@ static int load_extent(struct sd_ckpt_reader *rd, uint64_t xi, float *into, char
     }
     if (crc != x->crc) {
         snprintf(err, errlen,
-                 "extent %llu in %s is corrupt (crc32c 0x%08x, the manifest says 0x%08x): %s of "
-                 "tensor '%s' [%llu, %llu), %zu bytes at byte %llu of %.600s/%s",
-                 (unsigned long long)xi, ck->files[x->file], crc, x->crc,
+                 "extent %llu in %s is corrupt (its bytes do not match the manifest's crc32c "
+                 "0x%08x): %s of tensor '%s' [%llu, %llu), %zu bytes at byte %llu of %.600s/%s",
+                 (unsigned long long)xi, ck->files[x->file], x->crc,
                  sd_ckpt_state_name(ck->optim_kind, x->state), ck->tensors[x->tensor].name,
                  (unsigned long long)x->begin, (unsigned long long)x->end, bytes,
                  (unsigned long long)x->file_off, ck->path, ck->files[x->file]);
@@ -788,122 +853,148 @@ int sd_ckpt_verify(const struct sd_ckpt *ck, uint64_t *bad_p, char *err, size_t 
 
 int sd_ckpt_write_all(int fd, const void *p, size_t len, uint32_t *crc_p)
 {
-    const uint8_t *b = p;
     if (crc_p != NULL)
         *crc_p = sd_crc32c(*crc_p, p, len);
-    while (len > 0) {
-        ssize_t n = write(fd, b, SD_MIN(len, (size_t)1 << 30));
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0)
-            return -errno;
-        b += n;
-        len -= (size_t)n;
+    return sd_fs_write_all(fd, p, len);
+}
+
+/* jansson's constructors return NULL for a string that is not UTF-8 and the setters -1 for a
+ * NULL value: every one is checked, so that no field is dropped without the save failing */
+struct jb {
+    bool bad;
+    char what[160];
+};
+
+static json_t *jb_take(struct jb *b, json_t *v, const char *what)
+{
+    if (v == NULL && !b->bad) {
+        b->bad = true;
+        snprintf(b->what, sizeof(b->what), "%s", what);
     }
-    return SD_OK;
+    return v;
 }
 
-static int fsync_path(const char *path)
+static void jb_set(struct jb *b, json_t *o, const char *key, json_t *v)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -errno;
-    int st = fsync(fd) == 0 ? SD_OK : -errno;
-    close(fd);
-    return st;
+    if (jb_take(b, v, key) == NULL || json_object_set_new(o, key, v) != 0)
+        jb_take(b, NULL, key);
 }
 
-int sd_ckpt_write_manifest(const char *dir, const struct sd_ckpt *ck, char *err, size_t errlen)
+static void jb_append(struct jb *b, json_t *arr, json_t *v, const char *what)
 {
+    if (jb_take(b, v, what) == NULL || json_array_append_new(arr, v) != 0)
+        jb_take(b, NULL, what);
+}
+
+/* the manifest of ck as JSON text (malloc'd), or NULL with err saying which field failed */
+static char *manifest_text(const struct sd_ckpt *ck, char *err, size_t errlen)
+{
+    struct jb b = {0};
     json_t *root = json_object(), *tens = json_array(), *ext = json_array(), *groups = json_array(),
-           *files = json_array();
-    json_object_set_new(root, "format", json_string(SD_CKPT_FORMAT_NAME));
-    json_object_set_new(root, "version", json_integer(SD_CKPT_VERSION));
-    json_object_set_new(root, "job", json_string(ck->job));
-    json_object_set_new(root, "step", json_integer((json_int_t)ck->step));
-    json_object_set_new(root, "plan", json_string(ck->plan));
-    json_object_set_new(root, "world", json_integer(ck->world));
-    json_object_set_new(root, "ranks_per_node", json_integer(ck->ranks_per_node));
-    json_object_set_new(root, "nodes", json_integer(ck->nodes));
-    json_object_set_new(root, "bytes", json_integer((json_int_t)ck->bytes));
-    json_t *states = json_array();
+           *files = json_array(), *states = json_array();
+    if (root == NULL || tens == NULL || ext == NULL || groups == NULL || files == NULL ||
+        states == NULL) {
+        json_decref(root);
+        json_decref(tens);
+        json_decref(ext);
+        json_decref(groups);
+        json_decref(files);
+        json_decref(states);
+        snprintf(err, errlen, "out of memory");
+        return NULL;
+    }
+    jb_set(&b, root, "format", json_string(SD_CKPT_FORMAT_NAME));
+    jb_set(&b, root, "version", json_integer(SD_CKPT_VERSION));
+    jb_set(&b, root, "job", json_string(ck->job));
+    jb_set(&b, root, "step", json_integer((json_int_t)ck->step));
+    jb_set(&b, root, "plan", json_string(ck->plan));
+    jb_set(&b, root, "world", json_integer(ck->world));
+    jb_set(&b, root, "ranks_per_node", json_integer(ck->ranks_per_node));
+    jb_set(&b, root, "nodes", json_integer(ck->nodes));
+    jb_set(&b, root, "bytes", json_integer((json_int_t)ck->bytes));
     for (uint32_t s = 0; s < ck->n_states; s++)
-        json_array_append_new(states, json_string(sd_ckpt_state_name(ck->optim_kind, s)));
-    json_object_set_new(root, "states", states);
-    json_object_set_new(root, "optimizer",
-                        json_pack("{s:s, s:f}", "kind",
-                                  ck->optim_kind == SD_OPTIM_ADAMW ? "adamw" : "sgd",
-                                  "max_grad_norm", (double)ck->max_grad_norm));
+        jb_append(&b, states, json_string(sd_ckpt_state_name(ck->optim_kind, s)), "states");
+    jb_set(&b, root, "states", states);
+    jb_set(&b, root, "optimizer",
+           json_pack("{s:s, s:f}", "kind", ck->optim_kind == SD_OPTIM_ADAMW ? "adamw" : "sgd",
+                     "max_grad_norm", (double)ck->max_grad_norm));
     for (uint32_t g = 0; g < ck->n_groups; g++) {
         const struct sd_hparams *h = &ck->groups[g];
-        json_array_append_new(groups,
-                              json_pack("{s:f, s:f, s:f, s:f, s:f, s:f}", "lr", (double)h->lr,
-                                        "beta1", (double)h->beta1, "beta2", (double)h->beta2, "eps",
-                                        (double)h->eps, "weight_decay", (double)h->weight_decay,
-                                        "momentum", (double)h->momentum));
+        jb_append(&b, groups,
+                  json_pack("{s:f, s:f, s:f, s:f, s:f, s:f}", "lr", (double)h->lr, "beta1",
+                            (double)h->beta1, "beta2", (double)h->beta2, "eps", (double)h->eps,
+                            "weight_decay", (double)h->weight_decay, "momentum",
+                            (double)h->momentum),
+                  "groups");
     }
-    json_object_set_new(root, "groups", groups);
+    jb_set(&b, root, "groups", groups);
     for (uint32_t f = 0; f < ck->n_files; f++)
-        json_array_append_new(files, json_string(ck->files[f]));
-    json_object_set_new(root, "files", files);
-    for (uint32_t t = 0; t < ck->n_tensors; t++) {
+        jb_append(&b, files, json_string(ck->files[f]), "files");
+    jb_set(&b, root, "files", files);
+    for (uint32_t t = 0; t < ck->n_tensors && !b.bad; t++) {
         const struct sd_ckpt_tensor *c = &ck->tensors[t];
         json_t *shape = json_array();
-        for (uint32_t d = 0; d < c->ndim; d++)
-            json_array_append_new(shape, json_integer((json_int_t)c->dims[d]));
-        json_array_append_new(tens, json_pack("{s:s, s:o, s:s, s:I, s:I, s:I}", "name", c->name,
-                                              "shape", shape, "dtype", sd_dtype_name(c->dtype),
-                                              "unit", (json_int_t)c->unit, "group",
-                                              (json_int_t)c->group, "steps", (json_int_t)c->steps));
+        for (uint32_t d = 0; shape != NULL && d < c->ndim; d++)
+            jb_append(&b, shape, json_integer((json_int_t)c->dims[d]), "shape");
+        char what[160];
+        snprintf(what, sizeof(what), "tensor %u's name (not UTF-8?)", t);
+        jb_append(&b, tens,
+                  shape == NULL
+                      ? NULL
+                      : json_pack("{s:s, s:o, s:s, s:I, s:I, s:I}", "name", c->name, "shape", shape,
+                                  "dtype", sd_dtype_name(c->dtype), "unit", (json_int_t)c->unit,
+                                  "group", (json_int_t)c->group, "steps", (json_int_t)c->steps),
+                  what);
     }
-    json_object_set_new(root, "tensors", tens);
-    for (uint64_t i = 0; i < ck->n_extents; i++) {
+    jb_set(&b, root, "tensors", tens);
+    for (uint64_t i = 0; i < ck->n_extents && !b.bad; i++) {
         const struct sd_ckpt_extent *x = &ck->extents[i];
-        json_array_append_new(ext,
-                              json_pack("{s:s, s:I, s:[I, I], s:s, s:I, s:I}", "state",
-                                        sd_ckpt_state_name(ck->optim_kind, x->state), "tensor",
-                                        (json_int_t)x->tensor, "range", (json_int_t)x->begin,
-                                        (json_int_t)x->end, "file", ck->files[x->file], "offset",
-                                        (json_int_t)x->file_off, "crc32c", (json_int_t)x->crc));
+        jb_append(&b, ext,
+                  json_pack("{s:s, s:I, s:[I, I], s:s, s:I, s:I}", "state",
+                            sd_ckpt_state_name(ck->optim_kind, x->state), "tensor",
+                            (json_int_t)x->tensor, "range", (json_int_t)x->begin,
+                            (json_int_t)x->end, "file", ck->files[x->file], "offset",
+                            (json_int_t)x->file_off, "crc32c", (json_int_t)x->crc),
+                  "an extent");
     }
-    json_object_set_new(root, "extents", ext);
-    char p[SD_CKPT_PATH_MAX + 16];
-    snprintf(p, sizeof(p), "%s/MANIFEST", dir);
-    char *text = json_dumps(root, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
+    jb_set(&b, root, "extents", ext);
+    char *text = b.bad ? NULL : json_dumps(root, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
     json_decref(root);
-    int status = text == NULL ? SD_ENOMEM : SD_OK;
-    int fd = text == NULL ? -1 : open(p, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
-    if (text != NULL && fd < 0)
-        status = -errno;
+    if (b.bad)
+        snprintf(err, errlen, "the manifest cannot hold %s", b.what);
+    else if (text == NULL)
+        snprintf(err, errlen, "the manifest could not be encoded (out of memory)");
+    return text;
+}
+
+int sd_ckpt_write_manifest(int dir_fd, const char *dir, const struct sd_ckpt *ck, char *err,
+                           size_t errlen)
+{
+    char msg[256];
+    char *text = manifest_text(ck, msg, sizeof(msg));
+    if (text == NULL) {
+        snprintf(err, errlen, "writing %s/MANIFEST: %s", dir, msg);
+        return SD_EINVAL;
+    }
+    int status = SD_OK;
+    int fd = sd_fs_openat(dir_fd, "MANIFEST", O_WRONLY | O_CREAT | O_EXCL, 0640);
+    if (fd < 0)
+        status = fd;
     if (fd >= 0) {
-        status = sd_ckpt_write_all(fd, text, strlen(text), NULL);
+        status = sd_fs_write_all(fd, text, strlen(text));
         if (status == SD_OK && fsync(fd) != 0)
             status = -errno;
         close(fd);
     }
     free(text);
     if (status != SD_OK)
-        snprintf(err, errlen, "writing %s: %s", p, sd_status_str(status));
+        snprintf(err, errlen, "writing %s/MANIFEST: %s", dir, strerror(-status));
     return status;
 }
 
-int sd_ckpt_remove(const char *parent, const char *name)
+int sd_ckpt_remove(int parent_fd, const char *name)
 {
-    char p[SD_CKPT_PATH_MAX + 320];
-    snprintf(p, sizeof(p), "%s/%s", parent, name);
-    DIR *d = opendir(p);
-    if (d == NULL)
-        return -errno;
-    struct dirent *de;
-    while ((de = readdir(d)) != NULL) {
-        if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
-            continue;
-        char f[sizeof(p) + 300];
-        snprintf(f, sizeof(f), "%s/%s", p, de->d_name);
-        unlink(f);
-    }
-    closedir(d);
-    return rmdir(p) == 0 ? SD_OK : -errno;
+    return sd_fs_remove(parent_fd, name);
 }
 
 void sd_ckpt_step_name(char *buf, size_t len, uint64_t step)
@@ -911,59 +1002,94 @@ void sd_ckpt_step_name(char *buf, size_t len, uint64_t step)
     snprintf(buf, len, "step-%08llu", (unsigned long long)step);
 }
 
-int sd_ckpt_commit(const char *parent, const char *tmp_name, const char *final_name, char *err,
-                   size_t errlen)
+/* parent/LATEST names final: a new file under a random name, fsynced, renamed over LATEST */
+static int write_latest(int parent_fd, const char *final_name)
 {
-    char tmp[SD_CKPT_PATH_MAX + 320], fin[SD_CKPT_PATH_MAX + 320], old[SD_CKPT_PATH_MAX + 320];
-    char old_name[300];
-    snprintf(tmp, sizeof(tmp), "%s/%s", parent, tmp_name);
-    snprintf(fin, sizeof(fin), "%s/%s", parent, final_name);
-    snprintf(old_name, sizeof(old_name), "%s.replaced", tmp_name);
-    snprintf(old, sizeof(old), "%s/%s", parent, old_name);
-    int status = fsync_path(tmp);
+    char tmp[64];
+    uint8_t r[8];
+    int st = sd_fs_random(r, sizeof(r));
+    if (st != 0)
+        return st;
+    snprintf(tmp, sizeof(tmp), ".LATEST-%02x%02x%02x%02x%02x%02x%02x%02x", r[0], r[1], r[2], r[3],
+             r[4], r[5], r[6], r[7]);
+    int fd = sd_fs_openat(parent_fd, tmp, O_WRONLY | O_CREAT | O_EXCL, 0640);
+    if (fd < 0)
+        return fd;
+    char line[320];
+    snprintf(line, sizeof(line), "%s\n", final_name);
+    st = sd_fs_write_all(fd, line, strlen(line));
+    if (st == SD_OK && fsync(fd) != 0)
+        st = -errno;
+    close(fd);
+    if (st == SD_OK && renameat(parent_fd, tmp, parent_fd, "LATEST") != 0)
+        st = -errno;
+    if (st != SD_OK)
+        unlinkat(parent_fd, tmp, 0);
+    return st;
+}
+
+int sd_ckpt_commit(int parent_fd, const char *parent, const char *tmp_name, const char *final_name,
+                   char *err, size_t errlen)
+{
+    /* how the checkpoint of the same step, if any, was set aside: swapped with the new one
+     * (renameat2's RENAME_EXCHANGE: the new one's name then holds it), or renamed aside */
+    enum { NONE, SWAPPED, ASIDE } old = NONE;
+    char aside[300];
+    snprintf(aside, sizeof(aside), "%s.replaced", tmp_name);
     const char *what = "fsync of the new checkpoint's directory";
-    bool replaced = false;
-    if (status == SD_OK) {
-        struct stat st;
-        if (stat(fin, &st) == 0) { /* a checkpoint of the same step: set it aside first */
-            what = "setting aside the checkpoint of the same step";
-            status = rename(fin, old) == 0 ? SD_OK : -errno;
-            replaced = status == SD_OK;
+    int status = sd_fs_fsync(parent_fd, tmp_name);
+    struct stat st;
+    if (status == SD_OK && fstatat(parent_fd, final_name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        what = "replacing the checkpoint of the same step";
+        if (!S_ISDIR(st.st_mode)) {
+            status = SD_EEXIST; /* not a checkpoint: left as it is */
+        } else if (renameat2(parent_fd, tmp_name, parent_fd, final_name, RENAME_EXCHANGE) == 0) {
+            old = SWAPPED;
+        } else if (errno == EINVAL || errno == ENOSYS) { /* a filesystem without the exchange */
+            status = renameat2(parent_fd, final_name, parent_fd, aside, RENAME_NOREPLACE) == 0
+                         ? SD_OK
+                         : -errno;
+            old = status == SD_OK ? ASIDE : NONE;
+        } else {
+            status = -errno;
         }
     }
-    if (status == SD_OK) {
+    bool placed = status == SD_OK && old == SWAPPED; /* the new one is at final_name */
+    if (status == SD_OK && old != SWAPPED) {
         what = "renaming the new checkpoint into place";
-        status = rename(tmp, fin) == 0 ? SD_OK : -errno;
+        if (renameat2(parent_fd, tmp_name, parent_fd, final_name, RENAME_NOREPLACE) != 0)
+            status = errno == EINVAL && renameat(parent_fd, tmp_name, parent_fd, final_name) == 0
+                         ? SD_OK
+                         : -errno;
+        placed = status == SD_OK;
     }
     if (status == SD_OK) {
         what = "fsync of the checkpoints' directory";
-        status = fsync_path(parent);
+        status = sd_fs_fsync(parent_fd, NULL);
     }
-    char lt[SD_CKPT_PATH_MAX + 320], ln[SD_CKPT_PATH_MAX + 320];
-    snprintf(lt, sizeof(lt), "%s/.LATEST.%s", parent, tmp_name);
-    snprintf(ln, sizeof(ln), "%s/LATEST", parent);
     if (status == SD_OK) {
         what = "writing LATEST";
-        int fd = open(lt, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
-        status = fd < 0 ? -errno : SD_OK;
-        if (fd >= 0) {
-            char line[320];
-            snprintf(line, sizeof(line), "%s\n", final_name);
-            status = sd_ckpt_write_all(fd, line, strlen(line), NULL);
-            if (status == SD_OK && fsync(fd) != 0)
-                status = -errno;
-            close(fd);
-        }
-        if (status == SD_OK)
-            status = rename(lt, ln) == 0 ? SD_OK : -errno;
-        else
-            unlink(lt);
-        if (status == SD_OK)
-            status = fsync_path(parent);
+        status = write_latest(parent_fd, final_name);
     }
-    if (replaced)
-        sd_ckpt_remove(parent, old_name);
-    if (status != SD_OK)
-        snprintf(err, errlen, "%s in %s: %s", what, parent, sd_status_str(status));
+    if (status == SD_OK) {
+        what = "fsync of the checkpoints' directory";
+        status = sd_fs_fsync(parent_fd, NULL);
+    }
+    if (status == SD_OK) { /* committed: the old one goes */
+        if (old != NONE)
+            sd_fs_remove(parent_fd, old == SWAPPED ? tmp_name : aside);
+        return SD_OK;
+    }
+    /* the old checkpoint is put back where it was, the new one back under tmp_name (the caller
+     * removes it) */
+    if (old == SWAPPED)
+        renameat2(parent_fd, tmp_name, parent_fd, final_name, RENAME_EXCHANGE);
+    if (old == ASIDE && renameat(parent_fd, final_name, parent_fd, tmp_name) == 0)
+        renameat(parent_fd, aside, parent_fd, final_name);
+    if (old == NONE && placed)
+        renameat2(parent_fd, final_name, parent_fd, tmp_name, RENAME_NOREPLACE);
+    sd_fs_fsync(parent_fd, NULL);
+    snprintf(err, errlen, "%s in %s: %s%s", what, parent, strerror(-status),
+             old != NONE ? " (the checkpoint of the same step is kept)" : "");
     return status;
 }

@@ -38,6 +38,9 @@ static void *par_run(void *v)
     return NULL;
 }
 
+/* A thread starts with a copy of its creator's credentials (Linux copies the calling task's
+ * on clone): the threads started here open files with the caller's filesystem identity
+ * (sd/fsid.h), as the caller would. */
 void sd_ckpt_parallel(uint32_t threads, uint64_t n,
                       void (*fn)(void *arg, uint32_t thread, uint64_t i), void *arg)
 {

@@ -43,6 +43,11 @@ const struct sd_config_entry sd_config_table[] = {
      "threads of a daemon that write and read a checkpoint's data files, each with a 4 MiB "
      "buffer",
      0},
+    {"checkpoint_workers", SD_CFG_INT, "4", 1, 64, OFF(checkpoint_workers),
+     "threads that do the jobs' checkpoint file work (each save, load or commit one at a time, "
+     "with the rights of the job's owner); a user has at most half of them, so one stuck in a "
+     "filesystem leaves the others to everyone else",
+     0},
     {"checkpoint_direct", SD_CFG_INT, "1", 0, 1, OFF(checkpoint_direct),
      "1: write and read checkpoint data files with O_DIRECT where the filesystem takes it (the "
      "disk moves the daemon's buffers, nothing goes through the page cache); 0: buffered",

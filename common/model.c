@@ -366,6 +366,18 @@ int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
                      SD_MAX_NAME - 1);
             return SD_EINVAL;
         }
+        /* a checkpoint's manifest (JSON) holds the names: UTF-8 without control characters */
+        size_t nlen = strlen(t->name);
+        bool printable = true;
+        for (size_t c = 0; c < nlen; c++)
+            printable &= (uint8_t)t->name[c] >= 0x20 && t->name[c] != 0x7f;
+        if (!sd_utf8_valid(t->name, nlen) || !printable) {
+            snprintf(err, errlen,
+                     "tensor %u: its name is not UTF-8 text (a byte sequence that is not UTF-8, "
+                     "or a control character)",
+                     i);
+            return SD_EINVAL;
+        }
         if (t->ndim > SD_MAX_DIMS) {
             snprintf(err, errlen, "tensor %u '%s': %u dimensions, at most %d", i, t->name, t->ndim,
                      SD_MAX_DIMS);

@@ -8,7 +8,7 @@
     X(SD_OK, "success")                                                                            \
     X(SD_EINVAL, "invalid argument")                                                               \
     X(SD_ENOMEM, "out of memory")                                                                  \
-    X(SD_ENOSPC, "not enough space in the memory budget or pool")                                  \
+    X(SD_ENOSPC, "no space left (on a device, or in the memory budget or pool)")                   \
     X(SD_ETIMEDOUT, "operation timed out")                                                         \
     X(SD_EPROTO, "protocol error (malformed message)")                                             \
     X(SD_ENOSYS, "operation not supported by this backend or plan")                                \

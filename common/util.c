@@ -68,3 +68,37 @@ const char *sd_fmt_bytes(char *buf, size_t len, uint64_t bytes)
         snprintf(buf, len, "%.1f %s", v, units[u]);
     return buf;
 }
+
+bool sd_utf8_valid(const char *s, size_t len)
+{
+    const uint8_t *p = (const uint8_t *)s, *end = p + len;
+    while (p < end) {
+        uint8_t b = *p;
+        uint32_t cp, min;
+        int n;
+        if (b < 0x80) {
+            p++;
+            continue;
+        } else if ((b & 0xe0) == 0xc0) {
+            n = 1, cp = b & 0x1f, min = 0x80;
+        } else if ((b & 0xf0) == 0xe0) {
+            n = 2, cp = b & 0x0f, min = 0x800;
+        } else if ((b & 0xf8) == 0xf0) {
+            n = 3, cp = b & 0x07, min = 0x10000;
+        } else {
+            return false; /* a continuation byte first, or 0xf8.. */
+        }
+        if (end - p <= n)
+            return false;
+        for (int i = 1; i <= n; i++) {
+            if ((p[i] & 0xc0) != 0x80)
+                return false;
+            cp = (cp << 6) | (p[i] & 0x3f);
+        }
+        /* overlong forms, UTF-16 surrogates and past U+10FFFF are not UTF-8 */
+        if (cp < min || (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
+            return false;
+        p += n + 1;
+    }
+    return true;
+}

@@ -1,214 +1,272 @@
 /* Checkpoints of a job (DESIGN.md section 3b; the format is sd/ckpt.h's).
  *
  * Save (SD_OP_SAVE, every rank, at a step boundary): once the node's ranks are all in the call,
- * each node writes the optimizer shards it is the designated replica of into its data file on a
- * worker thread and reports the extents and their crcs to node 0. Node 0 writes the MANIFEST,
- * renames the directory into place and replaces LATEST (also on a worker), then answers every
+ * each node writes the optimizer shards it is the designated replica of into a data file in a
+ * temporary directory of its own, on a file-pool thread, and reports the extents, their crcs
+ * and the directory to node 0. Node 0 moves the nodes' files into its own, writes the MANIFEST,
+ * renames the directory into place and replaces LATEST (ckpt_commit.c), then answers every
  * node. One replica per extent: rank R writes its os shard p when R / f_os == p % (world / f_os),
  * so the model states are written once, spread over the replication groups.
  *
- * Load (a registration that names a checkpoint): the manifest is read and checked against the
- * model at registration; once the memory is allocated each node reads, on a worker, the ranges
- * of each state its ranks' shards need, then sets the fp32 masters and moments and derives the
- * weights in their dtype from the masters. Every node loads on its own and is ready when done. */
+ * Every file is touched with the rights of the job's owner (sd/fsid.h), below a directory fd,
+ * one name at a time and never through a symlink (sd/safe_fs.h): a checkpoint can reach nothing
+ * its owner could not reach, and a planted link, FIFO or device is refused.
+ *
+ * Load (ckpt_load.c): at registration a worker reads and checks the manifest; once the memory
+ * is allocated each node reads, on workers, the ranges of each state its ranks' shards need. */
 #include "checkpoint_int.h"
 #include "cluster/cluster.h"
 #include "net.h"
 #include "ops.h"
 #include "recover.h"
+#include "registry.h"
 #include "session.h"
 #include "sd/ckpt.h"
 #include "sd/log.h"
+#include "sd/safe_fs.h"
 #include "sd/status.h"
 #include "sd/util.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
-struct ckpt_work {
-    uv_work_t req;
-    struct sd_job *job; /* NULL: freed while the work ran (shutdown), nothing after it */
-    void (*fn)(struct sd_job *job);
-    void (*after)(struct sd_job *job);
-    struct ckpt_work *next;
-};
+/* ---- the job's file work */
 
-/* the works queued and not yet after their after_cb, of every job (the loop's thread) */
-static struct ckpt_work *works;
-
-static void works_unlink(struct ckpt_work *w)
+static void task_fn(struct sd_file_task *t)
 {
-    for (struct ckpt_work **p = &works; *p != NULL; p = &(*p)->next)
-        if (*p == w) {
-            *p = w->next;
-            return;
-        }
+    struct sd_job *job = t->arg;
+    job->load.ckpt->work.fn(job);
 }
 
-static void work_cb(uv_work_t *req)
+/* on the loop: the worker is done (or never ran: status) */
+static void task_after(struct sd_file_task *t, int status)
 {
-    struct ckpt_work *w = req->data;
-    w->fn(w->job);
-    atomic_store(&w->job->load.ckpt->running, false);
-}
-
-static void after_cb(uv_work_t *req, int uv_status)
-{
-    struct ckpt_work *w = req->data;
-    struct sd_job *job = w->job;
-    works_unlink(w);
-    if (job == NULL) { /* the job went while the work ran (sd_ckpt_wait_worker) */
-        free(w);
-        return;
+    struct sd_job *job = t->arg;
+    struct sd_ckpt_work *w = &job->load.ckpt->work;
+    w->busy = false;
+    if (atomic_load(&w->abandoned)) { /* its operation failed at the deadline, or went */
+        atomic_store(&w->abandoned, false);
+        SD_INFO("job", "job '%s': the file task given up (%s) ended after %.1f s", job->name,
+                w->what, (double)(sd_now_ns() - t->queued_ns) / 1e9);
+        return; /* a job dropped meanwhile is freed by the registry's sweep, now idle */
     }
-    job->load.ckpt->busy = false;
-    if (uv_status != 0 && job->load.ckpt->status == SD_OK) {
-        job->load.ckpt->status = SD_ECANCELED;
-        snprintf(job->load.ckpt->err, sizeof(job->load.ckpt->err), "cancelled");
+    if (status != SD_OK && w->status == SD_OK) {
+        w->status = status;
+        if (status == SD_EPERM)
+            snprintf(w->err, sizeof(w->err),
+                     "shardd cannot take the identity of uid %u (the job's owner) for its "
+                     "files: it lacks CAP_SETUID and CAP_SETGID",
+                     (unsigned)t->id.uid);
+        else
+            snprintf(w->err, sizeof(w->err), "cancelled: the daemon stops");
     }
-    void (*after)(struct sd_job *) = w->after;
-    free(w);
-    after(job);
-    if (job->state == SD_JOB_READY && job->step.phase == SD_STEP_APPLY && !sd_ckpt_busy(job))
-        sd_step_progress(job); /* a step waited for the worker to leave the os shards */
+    w->after(job); /* may free the job: nothing after it */
 }
 
-/* fn on a worker thread (in place without a loop), then after on the loop */
 void sd_ckpt__run_worker(struct sd_job *job, void (*fn)(struct sd_job *),
-                         void (*after)(struct sd_job *))
+                         void (*after)(struct sd_job *), const char *what, uint64_t deadline_ns)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    struct ckpt_work *w = job->reg->loop != NULL ? calloc(1, sizeof(*w)) : NULL;
-    c->status = SD_OK;
-    c->err[0] = '\0';
-    if (w != NULL) {
-        *w = (struct ckpt_work){.job = job, .fn = fn, .after = after};
-        w->req.data = w;
-        c->busy = true;
-        atomic_store(&c->running, true);
-        if (uv_queue_work(job->reg->loop, &w->req, work_cb, after_cb) == 0) {
-            w->next = works;
-            works = w;
-            return;
-        }
-        c->busy = false;
-        atomic_store(&c->running, false);
-        free(w);
+    struct sd_ckpt_work *w = &c->work;
+    w->status = SD_OK;
+    w->err[0] = '\0';
+    w->fn = fn;
+    w->after = after;
+    w->what = what;
+    w->deadline_ns = deadline_ns;
+    w->busy = true;
+    atomic_store(&w->abandoned, false);
+    w->task = (struct sd_file_task){.id = c->id, .fn = task_fn, .after = task_after, .arg = job};
+    if (job->reg->files != NULL) {
+        sd_file_pool_submit(job->reg->files, &w->task);
+        return;
     }
-    fn(job);
-    after(job);
+    /* no pool (a registry without a loop): in place, with the owner's identity */
+    struct sd_fsid saved;
+    int st = sd_fsid_enter(&c->id, &saved);
+    if (st == SD_OK) {
+        fn(job);
+        sd_fsid_leave(&saved);
+    }
+    task_after(&w->task, st);
+}
+
+bool sd_ckpt__working(const struct sd_job *job)
+{
+    const struct sd_ckpt_work *w = &job->load.ckpt->work;
+    return w->busy && !atomic_load(&w->abandoned);
+}
+
+bool sd_ckpt__abandoned(const struct sd_job *job)
+{
+    return atomic_load(&job->load.ckpt->work.abandoned);
+}
+
+void sd_ckpt__fail(struct sd_job *job, int status, const char *fmt, ...)
+{
+    struct sd_ckpt_work *w = &job->load.ckpt->work;
+    if (w->status != SD_OK)
+        return; /* the first failure says why */
+    w->status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->err, sizeof(w->err), fmt, ap);
+    va_end(ap);
+}
+
+uint64_t sd_ckpt__deadline(const struct sd_job *job, uint64_t bytes)
+{
+    return sd_now_ns() + (uint64_t)job->reg->cfg->op_timeout_ms * 1000000ULL +
+           (uint64_t)((double)bytes / (16.0 * 1048576.0) * 1e9);
+}
+
+const char *sd_ckpt__hint(int st)
+{
+    switch (st) {
+    case -EROFS:
+        return "Read-only file system (under systemd's ProtectSystem=strict, add the directory "
+               "to the unit's ReadWritePaths=)";
+    case -EACCES:
+        return "Permission denied (files are written with the rights of the job's owner)";
+    case -ELOOP:
+        return "a symbolic link (never followed inside a checkpoint directory)";
+    case -EEXIST:
+        return "File exists (and is not shardd's to replace)";
+    default:
+        return strerror(-st);
+    }
+}
+
+void sd_ckpt__test_stall(const struct sd_job *job, const char *what)
+{
+    const char *v = getenv("SHARDD_TEST_FILE_STALL");
+    char *end;
+    if (v == NULL || strtol(v, &end, 10) != (long)job->node || *end != ':')
+        return;
+    long ms = strtol(end + 1, &end, 10);
+    if (*end == ':' && strstr(end + 1, what) != NULL && ms > 0)
+        usleep((useconds_t)ms * 1000);
 }
 
 bool sd_ckpt_busy(const struct sd_job *job)
 {
-    return job->load.ckpt != NULL && job->load.ckpt->busy;
+    return job->load.ckpt != NULL && job->load.ckpt->work.busy;
 }
 
-static bool owner_ok(const struct sd_job *job, const char *path, char *err, size_t errlen)
+bool sd_ckpt_reading(const struct sd_job *job)
 {
-    struct stat st;
-    if (stat(path, &st) != 0) {
-        snprintf(err, errlen, "%.900s: %s", path, strerror(errno));
+    return job->load.ckpt != NULL && sd_ckpt__working(job);
+}
+
+void sd_ckpt_drop(struct sd_job *job)
+{
+    if (sd_ckpt_busy(job))
+        atomic_store(&job->load.ckpt->work.abandoned, true);
+}
+
+bool sd_ckpt_work_sweep(struct sd_job *job, uint64_t now)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (c == NULL || !sd_ckpt__working(job) || c->work.deadline_ns == 0 ||
+        now < c->work.deadline_ns)
         return false;
-    }
-    if (job->uid == 0 || job->uid == geteuid() || st.st_uid == job->uid)
-        return true;
-    snprintf(err, errlen, "%.900s belongs to uid %d, not to the job's uid %d", path, (int)st.st_uid,
-             (int)job->uid);
-    return false;
+    struct sd_ckpt_work *w = &c->work;
+    atomic_store(&w->abandoned, true); /* busy stays: the worker still holds the memory */
+    w->status = SD_ETIMEDOUT;
+    snprintf(w->err, sizeof(w->err),
+             "node %u: %s did not finish within %.1f s (op_timeout_ms and the data at 16 MiB/s); "
+             "the filesystem does not answer",
+             job->node, w->what, (double)(now - w->task.queued_ns) / 1e9);
+    SD_WARN("job", "job '%s': %s", job->name, w->err);
+    w->after(job); /* may free the job */
+    return true;
 }
 
 /* ---- lifecycle */
 
-/* node 0: drop the nodes' reports it keeps (node 0's own part is items, never a report) */
-static void reports_free(struct sd_ckpt_job *c, uint32_t nodes)
+static uint64_t manifest_bound(const struct sd_job *job)
 {
-    for (uint32_t m = 0; c->reps != NULL && m < nodes; m++) {
-        if (c->reps[m] != NULL)
-            shard__job_saved__free_unpacked(c->reps[m], NULL);
-        c->reps[m] = NULL;
-    }
+    /* a checkpoint of this model, saved under any plan of up to 4096 optimizer shards: its
+     * extents are the tensors', split at 4 MiB and at shard boundaries */
+    uint64_t t = job->model.n_tensors, u = job->layout.n_units, numel = 0;
+    for (uint32_t i = 0; i < job->layout.n_tensors; i++)
+        numel += job->layout.tensors[i].numel;
+    uint64_t extents = SD_CKPT_MAX_STATES * (t + numel / SD_CKPT_EXTENT_ELEMS + 1 + u * 4096);
+    return SD_MIN((1ull << 20) + t * 1024 + extents * 320, SD_CKPT_MANIFEST_MAX);
 }
 
-int sd_ckpt_job_init(struct sd_job *job, const char *load_dir, char *err, size_t errlen)
+int sd_ckpt_job_init(struct sd_job *job, const struct sd_fsid *owner, const char *load_dir,
+                     char *err, size_t errlen)
 {
     struct sd_ckpt_job *c = calloc(1, sizeof(*c));
+    job->load.ckpt = c;
     if (c == NULL || (c->waiting = calloc(job->k, sizeof(bool))) == NULL ||
         (c->writer = calloc(job->k, sizeof(bool))) == NULL ||
-        (c->reporting = calloc(job->nodes, sizeof(bool))) == NULL ||
-        (c->rep_file = calloc(job->nodes, sizeof(uint32_t))) == NULL ||
         (c->snap_steps = calloc(job->model.n_tensors + 1, sizeof(uint64_t))) == NULL ||
         (c->snap_hp = calloc(sd_model_groups(&job->model) + 1, sizeof(*c->snap_hp))) == NULL ||
         (c->tags = calloc(job->k, sizeof(uint64_t))) == NULL ||
-        (c->rep_seq = calloc(job->nodes, sizeof(uint64_t))) == NULL ||
-        (c->reps = calloc(job->nodes, sizeof(*c->reps))) == NULL) {
-        job->load.ckpt = c;
+        sd_ckpt__commit_init(job) != SD_OK) {
         snprintf(err, errlen, "out of memory");
         return SD_ENOMEM;
     }
-    job->load.ckpt = c;
+    c->id = *owner;
+    c->ld.src.dir_fd = c->cm.man.dir_fd = -1;
     if (load_dir == NULL || load_dir[0] == '\0')
         return SD_OK;
-    if (load_dir[0] != '/') {
-        snprintf(err, errlen, "load: '%s' is not an absolute path", load_dir);
+    if (load_dir[0] != '/' || strlen(load_dir) >= SD_CKPT_PATH_MAX - 320) {
+        snprintf(err, errlen, "load: '%.200s' is not an absolute path of at most %d bytes",
+                 load_dir, SD_CKPT_PATH_MAX - 321);
         return SD_EINVAL;
     }
-    snprintf(c->load_dir, sizeof(c->load_dir), "%s", load_dir);
-    int status = sd_ckpt_open(load_dir, &c->src, err, errlen);
-    if (status != SD_OK)
-        return status;
-    c->load = true;
-    if (!owner_ok(job, c->src.path, err, errlen))
+    if (!sd_fsid_can_act_as(owner->uid)) {
+        snprintf(err, errlen, "load: %s", sd_ckpt_identity_error(job, owner->uid));
         return SD_EPERM;
-    char diff[512];
-    if ((status = sd_ckpt_check_model(&c->src, &job->model, diff, sizeof(diff))) != SD_OK) {
-        snprintf(err, errlen, "checkpoint %s is of another model: %s", c->src.path, diff);
-        return status;
     }
+    snprintf(c->ld.dir, sizeof(c->ld.dir), "%s", load_dir);
+    c->ld.load = true;
+    c->ld.max_manifest = manifest_bound(job);
     return SD_OK;
+}
+
+const char *sd_ckpt_identity_error(const struct sd_job *job, uid_t uid)
+{
+    static _Thread_local char text[400];
+    (void)job;
+    snprintf(text, sizeof(text),
+             "shardd runs as uid %u without CAP_SETUID and CAP_SETGID, so it cannot read or "
+             "write files with the rights of uid %u, the job's owner: run shardd as root or "
+             "give it those two capabilities (the systemd unit's AmbientCapabilities), or run "
+             "the job as uid %u",
+             (unsigned)geteuid(), (unsigned)uid, (unsigned)geteuid());
+    return text;
 }
 
 const char *sd_ckpt_load_dir(const struct sd_job *job)
 {
-    return job->load.ckpt != NULL ? job->load.ckpt->load_dir : "";
+    return job->load.ckpt != NULL ? job->load.ckpt->ld.dir : "";
 }
 
 bool sd_ckpt_loading(const struct sd_job *job)
 {
-    return job->load.ckpt != NULL && job->load.ckpt->load;
+    return job->load.ckpt != NULL && job->load.ckpt->ld.load;
 }
 
 uint64_t sd_ckpt_start_step(const struct sd_job *job)
 {
-    return sd_ckpt_loading(job) ? job->load.ckpt->src.step : 0;
+    return sd_ckpt_loading(job) ? job->load.ckpt->ld.src.step : 0;
 }
 
 struct sd_hparams sd_ckpt_hparams(const struct sd_job *job, uint32_t g)
 {
-    if (sd_ckpt_loading(job) && g < job->load.ckpt->src.n_groups)
-        return job->load.ckpt->src.groups[g];
+    if (sd_ckpt_loading(job) && g < job->load.ckpt->ld.src.n_groups)
+        return job->load.ckpt->ld.src.groups[g];
     return sd_model_group(&job->model, g);
-}
-
-void sd_ckpt_wait_worker(struct sd_job *job)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    if (c == NULL || !c->busy)
-        return;
-    SD_WARN("job", "job '%s': waiting for its checkpoint worker to finish before its memory goes",
-            job->name);
-    while (atomic_load(&c->running)) /* shutdown with a worker still reading or writing */
-        usleep(1000);
-    for (struct ckpt_work *w = works; w != NULL; w = w->next)
-        if (w->job == job)
-            w->job = NULL; /* its after_cb comes once the job is gone */
 }
 
 void sd_ckpt_job_free(struct sd_job *job)
@@ -216,20 +274,14 @@ void sd_ckpt_job_free(struct sd_job *job)
     struct sd_ckpt_job *c = job->load.ckpt;
     if (c == NULL)
         return;
-    sd_ckpt_wait_worker(job);
-    sd_ckpt_close(&c->src);
-    sd_ckpt_close(&c->man);
-    free(c->load_buf);
+    sd_ckpt_close(&c->ld.src);
+    free(c->ld.buf);
+    sd_ckpt__commit_free(job);
     free(c->waiting);
     free(c->writer);
-    free(c->reporting);
-    free(c->rep_file);
     free(c->snap_steps);
     free(c->snap_hp);
     free(c->tags);
-    free(c->rep_seq);
-    reports_free(c, job->nodes);
-    free(c->reps);
     free(c->items);
     free(c->item_src);
     free(c);
@@ -241,17 +293,23 @@ json_t *sd_ckpt_json(const struct sd_job *job)
     const struct sd_ckpt_job *c = job->load.ckpt;
     if (c == NULL)
         return json_null();
-    return json_pack("{s:s, s:I, s:f, s:I, s:I, s:f, s:I, s:b, s:b}", "loaded_from",
-                     c->load ? c->src.path : "", "loaded_bytes", (json_int_t)c->loaded_bytes,
-                     "load_ms", (double)c->load_ns / 1e6, "saves", (json_int_t)c->saves,
-                     "saved_bytes", (json_int_t)c->bytes_saved, "last_save_ms",
-                     (double)c->save_ns / 1e6, "save_seq", (json_int_t)c->seq, "busy", c->busy,
-                     "save_direct", atomic_load(&c->direct));
+    json_t *o = json_pack("{s:s, s:I, s:f, s:I, s:I, s:f, s:I, s:b, s:b}", "loaded_from",
+                          c->ld.load ? c->ld.src.path : "", "loaded_bytes",
+                          (json_int_t)atomic_load(&c->ld.bytes), "load_ms", (double)c->ld.ns / 1e6,
+                          "saves", (json_int_t)c->saves, "saved_bytes", (json_int_t)c->bytes_saved,
+                          "last_save_ms", (double)c->save_ns / 1e6, "save_seq", (json_int_t)c->seq,
+                          "busy", c->work.busy, "save_direct", atomic_load(&c->direct));
+    if (c->work.busy)
+        json_object_set_new(o, "working",
+                            json_pack("{s:s, s:b, s:f}", "what", c->work.what, "given_up",
+                                      atomic_load(&c->work.abandoned), "for_ms",
+                                      (double)(sd_now_ns() - c->work.task.queued_ns) / 1e6));
+    return o;
 }
 
 /* ---- saving */
 
-static void save_answer(struct sd_job *job, int status, const char *msg)
+void sd_ckpt__save_answer(struct sd_job *job, int status, const char *msg)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     for (uint32_t r = 0; r < job->k; r++) {
@@ -272,13 +330,18 @@ static void save_answer(struct sd_job *job, int status, const char *msg)
 void sd_ckpt_fail_parked(struct sd_job *job, int status, const char *msg)
 {
     if (job->load.ckpt != NULL)
-        save_answer(job, status, msg);
+        sd_ckpt__save_answer(job, status, msg);
 }
 
 bool sd_ckpt_is_writer(const struct sd_job *job, uint32_t rank)
 {
     uint32_t f = job->plan.f[SD_STATE_OS];
     return rank / f == sd_plan_shard(&job->plan, SD_STATE_OS, rank) % (job->world / f);
+}
+
+void sd_ckpt__tmp_prefix(const struct sd_job *job, char *buf, size_t len)
+{
+    snprintf(buf, len, ".tmp-%s-", job->name);
 }
 
 /* this node's extents, their sources and their place in its data file */
@@ -335,48 +398,32 @@ static int save_plan(struct sd_job *job)
     return SD_OK;
 }
 
-static int mkdir_owned(const struct sd_job *job, const char *path)
-{
-    if (mkdir(path, 0750) == 0) {
-        if (job->uid != geteuid() && chown(path, job->uid, (gid_t)-1) != 0)
-            return -errno;
-        return SD_OK;
-    }
-    return errno == EEXIST ? SD_OK : -errno;
-}
-
-/* SHARDD_TEST_SAVE_STALL=NODE:MS: that node's writes of its part start MS late (a stalled
- * filesystem, for tests); read on the loop before the first write */
-static long test_stall_node = -2, test_stall_ms;
-
+/* On a worker, as the job's owner: this node's part into data-<node>.bin of a new temporary
+ * directory of its own in c->dir (made when missing). */
 static void save_work(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    if (test_stall_node == (long)job->node && test_stall_ms > 0)
-        usleep((useconds_t)test_stall_ms * 1000);
-    char tmp[SD_CKPT_PATH_MAX + 160], file[SD_CKPT_PATH_MAX + 256];
-    snprintf(tmp, sizeof(tmp), "%s/%s", c->dir, c->tmp);
-    int st = mkdir_owned(job, c->dir);
-    if (st == SD_OK && !owner_ok(job, c->dir, c->err, sizeof(c->err))) {
-        c->status = SD_EPERM;
+    sd_ckpt__test_stall(job, "save");
+    char prefix[96], file[64];
+    sd_ckpt__tmp_prefix(job, prefix, sizeof(prefix));
+    snprintf(file, sizeof(file), "data-%u.bin", job->node);
+    c->tmp[0] = '\0';
+    int dfd = sd_fs_dir_open(c->dir, true, 0750);
+    if (dfd < 0) {
+        sd_ckpt__fail(job, dfd, "opening the checkpoint directory %.900s: %s", c->dir,
+                      sd_ckpt__hint(dfd));
         return;
     }
-    if (st == SD_OK)
-        st = mkdir_owned(job, tmp);
-    if (st != SD_OK) {
-        c->status = st;
-        snprintf(c->err, sizeof(c->err), "creating %.900s: %s", tmp, sd_status_str(st));
+    int tfd = sd_fs_mkdtemp(dfd, prefix, 0750, c->tmp, sizeof(c->tmp));
+    if (tfd < 0) {
+        c->tmp[0] = '\0';
+        sd_ckpt__fail(job, tfd, "creating a temporary directory in %.900s: %s", c->dir,
+                      sd_ckpt__hint(tfd));
+        close(dfd);
         return;
     }
-    snprintf(file, sizeof(file), "%s/data-%u.bin", tmp, job->node);
-    int fd = open(file, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0640);
-    if (fd < 0) {
-        c->status = -errno;
-        snprintf(c->err, sizeof(c->err), "creating %.900s: %s", file, strerror(errno));
-        return;
-    }
-    if (job->uid != geteuid() && fchown(fd, job->uid, (gid_t)-1) != 0)
-        st = -errno;
+    int fd = sd_fs_openat(tfd, file, O_WRONLY | O_CREAT | O_EXCL, 0640);
+    int st = fd < 0 ? fd : SD_OK;
     struct sd_ckpt_io io = {.threads = (uint32_t)job->reg->cfg->checkpoint_threads,
                             .direct = job->reg->cfg->checkpoint_direct != 0};
     bool direct = false;
@@ -385,19 +432,23 @@ static void save_work(struct sd_job *job)
     atomic_store(&c->direct, direct);
     if (st == SD_OK && fsync(fd) != 0)
         st = -errno;
-    close(fd);
-    if (st != SD_OK) {
-        c->status = st;
-        snprintf(c->err, sizeof(c->err), "writing %.900s: %s", file, sd_status_str(st));
+    if (fd >= 0)
+        close(fd);
+    if (st == SD_OK)
+        st = sd_fs_fsync(tfd, NULL);
+    close(tfd);
+    if (st != SD_OK)
+        sd_ckpt__fail(job, st, "writing %.900s/%s/%s: %s", c->dir, c->tmp, file, sd_ckpt__hint(st));
+    if (st != SD_OK || sd_ckpt__abandoned(job)) { /* nobody commits it: it goes */
+        sd_fs_remove(dfd, c->tmp);
+        c->tmp[0] = '\0';
     }
+    close(dfd);
 }
 
-static void save_collect(struct sd_job *job);
 static void save_parked(struct sd_job *job);
 
-/* A recovery's write on this node is over (done, failed or given up): the saves' numbering is
- * back, and a save the ranks wait in meanwhile starts. */
-static void recovery_end(struct sd_job *job)
+void sd_ckpt__recovery_end(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     c->recovery = false;
@@ -408,14 +459,15 @@ static void recovery_end(struct sd_job *job)
 static void save_after(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    if (!c->recovery && job->state != SD_JOB_READY) {
-        if (job->node == 0) /* the save is given up: nobody commits it */
-            sd_ckpt_remove(c->dir, c->tmp);
+    if (!c->recovery && job->state != SD_JOB_READY) { /* the save is given up */
+        if (c->work.status == SD_OK)
+            sd_ckpt__discard(job, c->dir, (const char *const[]){c->tmp}, 1);
         return;
     }
     if (job->node == 0) {
-        c->rep_seq[0] = c->seq;
-        save_collect(job);
+        sd_ckpt__own_part(job);
+        if (job->state == SD_JOB_READY && job->step.phase == SD_STEP_APPLY && !sd_ckpt_reading(job))
+            sd_step_progress(job); /* a step waited for the worker to leave the os shards */
         return;
     }
     Shard__CkptExtent *xs = calloc(c->n_items + 1, sizeof(*xs));
@@ -425,9 +477,10 @@ static void save_after(struct sd_job *job)
     m.node = job->node;
     m.seq = c->seq;
     m.step = c->step;
-    m.status = xs == NULL || xp == NULL ? SD_ENOMEM : c->status;
-    m.message = c->err;
+    m.status = xs == NULL || xp == NULL ? SD_ENOMEM : c->work.status;
+    m.message = c->work.err;
     m.dir = c->dir;
+    m.tmp = m.status == SD_OK ? c->tmp : "";
     for (uint64_t i = 0; m.status == SD_OK && i < c->n_items; i++) {
         const struct sd_ckpt_extent *x = &c->items[i];
         shard__ckpt_extent__init(&xs[i]);
@@ -446,11 +499,14 @@ static void save_after(struct sd_job *job)
     free(xs);
     free(xp);
     if (c->recovery) /* this node's part of it is done */
-        recovery_end(job);
+        sd_ckpt__recovery_end(job);
+    else if (job->state == SD_JOB_READY && job->step.phase == SD_STEP_APPLY &&
+             !sd_ckpt_reading(job))
+        sd_step_progress(job);
 }
 
-/* This node's part of save c->seq (c->dir, c->tmp, c->writer set): the step the os shards hold
- * and what the manifest says of it, then the extents written on a worker. */
+/* This node's part of save c->seq (c->dir and c->writer set): the step the os shards hold and
+ * what the manifest says of it, then the extents written on a worker. */
 static int write_part(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
@@ -463,12 +519,11 @@ static int write_part(struct sd_job *job)
     int st = save_plan(job);
     if (st != SD_OK)
         return st;
-    if (test_stall_node == -2) {
-        const char *v = getenv("SHARDD_TEST_SAVE_STALL");
-        test_stall_node = v ? strtol(v, NULL, 10) : -1;
-        test_stall_ms = v && strchr(v, ':') ? strtol(strchr(v, ':') + 1, NULL, 10) : 0;
-    }
-    sd_ckpt__run_worker(job, save_work, save_after);
+    uint64_t bytes = 0;
+    for (uint64_t i = 0; i < c->n_items; i++)
+        bytes += (c->items[i].end - c->items[i].begin) * sizeof(float);
+    sd_ckpt__run_worker(job, save_work, save_after, "writing its part of the checkpoint",
+                        sd_ckpt__deadline(job, bytes));
     return SD_OK;
 }
 
@@ -480,21 +535,19 @@ static void save_start(struct sd_job *job)
     c->saving = true;
     c->recovery = false;
     snprintf(c->dir, sizeof(c->dir), "%s", c->save_dir);
-    snprintf(c->tmp, sizeof(c->tmp), ".tmp-%s-%llu-%llu", job->name, (unsigned long long)job->steps,
-             (unsigned long long)c->seq);
     for (uint32_t r = 0; r < job->k; r++)
         c->writer[r] = sd_ckpt_is_writer(job, job->first_rank + r);
     for (uint32_t m = 0; m < job->nodes; m++)
-        c->reporting[m] = true;
+        c->cm.reporting[m] = true;
     int st = write_part(job);
     if (st == SD_ENOMEM)
-        save_answer(job, st, "save: out of memory");
+        sd_ckpt__save_answer(job, st, "save: out of memory");
 }
 
 bool sd_ckpt_idle(const struct sd_job *job)
 {
     const struct sd_ckpt_job *c = job->load.ckpt;
-    return c != NULL && !c->busy && !c->recovery && c->arrived == 0;
+    return c != NULL && !c->work.busy && !c->recovery && c->arrived == 0;
 }
 
 int sd_ckpt_recover_write(struct sd_job *job, const struct sd_ckpt_recover *r, char *err,
@@ -505,20 +558,23 @@ int sd_ckpt_recover_write(struct sd_job *job, const struct sd_ckpt_recover *r, c
         snprintf(err, errlen, "node %u: job '%s' is saving a checkpoint", job->node, job->name);
         return SD_EBUSY;
     }
+    if (!sd_fsid_can_act_as(c->id.uid)) {
+        snprintf(err, errlen, "node %u: %s", job->node, sd_ckpt_identity_error(job, c->id.uid));
+        return SD_EPERM;
+    }
     snprintf(c->dir, sizeof(c->dir), "%s", r->dir);
-    snprintf(c->tmp, sizeof(c->tmp), "%s", r->tmp);
     memset(c->writer, 0, job->k * sizeof(bool));
     for (size_t i = 0; i < r->n_writers; i++)
         if (r->writers[i] >= job->first_rank && r->writers[i] < job->first_rank + job->k)
             c->writer[r->writers[i] - job->first_rank] = true;
     for (uint32_t m = 0; m < job->nodes; m++)
-        c->reporting[m] = r->reporting != NULL && r->reporting[m];
+        c->cm.reporting[m] = r->reporting != NULL && r->reporting[m];
     c->save_seq = c->seq;
     c->seq = r->seq;
     c->recovery = true;
     int st = write_part(job);
     if (st != SD_OK) {
-        recovery_end(job);
+        sd_ckpt__recovery_end(job);
         snprintf(err, errlen, "node %u: %s", job->node, sd_status_str(st));
     }
     return st;
@@ -530,10 +586,10 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
     char path[SD_CKPT_PATH_MAX];
     uint64_t len = e->arg0;
     const char *area = (const char *)job->mem.staging[s->local].ptr + job->mem.save_path_off;
-    if (len == 0 || len >= SD_CKPT_PATH_MAX || memchr(area, '\0', len) != NULL) {
+    if (len == 0 || len >= SD_CKPT_PATH_MAX - 320 || memchr(area, '\0', len) != NULL) {
         sd_session_fail(s, e, SD_EINVAL,
                         "save: the directory's length %llu is not in 1..%d or it holds a NUL",
-                        (unsigned long long)len, SD_CKPT_PATH_MAX - 1);
+                        (unsigned long long)len, SD_CKPT_PATH_MAX - 321);
         return;
     }
     memcpy(path, area, len);
@@ -542,8 +598,16 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
         sd_session_fail(s, e, SD_EINVAL, "save: '%s' is not an absolute path", path);
         return;
     }
-    if (c->waiting[s->local] || (c->busy && !c->recovery)) {
-        sd_session_fail(s, e, SD_EBUSY, "save: rank %u's previous save is still running", s->rank);
+    if (!sd_fsid_can_act_as(c->id.uid)) {
+        sd_session_fail(s, e, SD_EPERM, "save: %s", sd_ckpt_identity_error(job, c->id.uid));
+        return;
+    }
+    if (c->waiting[s->local] || (c->work.busy && !c->recovery)) {
+        sd_session_fail(s, e, SD_EBUSY, "save: rank %u's previous save is still running%s", s->rank,
+                        atomic_load(&c->work.abandoned)
+                            ? " (it was given up at its deadline; its worker is stuck in the "
+                              "filesystem)"
+                            : "");
         return;
     }
     if (job->step.arrived > 0) {
@@ -573,7 +637,7 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
 static void save_parked(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    if (c->arrived == job->k && !c->saving && !c->recovery && !c->busy &&
+    if (c->arrived == job->k && !c->saving && !c->recovery && !c->work.busy &&
         job->state == SD_JOB_READY)
         save_start(job);
 }
@@ -589,274 +653,6 @@ bool sd_ckpt_overdue(struct sd_job *job, uint64_t now, uint64_t timeout, bool *p
     return true;
 }
 
-/* ---- node 0: the reports, the manifest and the commit */
-
-/* Partial checkpoints of this job that an earlier save left (its daemon was killed while it
- * wrote): removed, each with a log line. A job's saves run one at a time, so only the one being
- * committed is its own. */
-static void commit_after(struct sd_job *job);
-
-/* Node 0: a save whose other nodes have not all reported their parts within op_timeout_ms and
- * the job's states at 16 MiB/s (a stalled filesystem, a lost report) fails naming them, and
- * every rank is answered, instead of waiting for ever. Late reports are kept and ignored. */
-void sd_ckpt_sweep(struct sd_job *job, uint64_t now, uint64_t timeout)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    if (c == NULL || job->node != 0 || !c->saving || c->recovery || c->busy || c->seq == 0 ||
-        c->rep_seq[0] != c->seq || c->first_ns == 0)
-        return;
-    uint64_t bytes = 0;
-    for (uint32_t t = 0; t < job->layout.n_tensors; t++)
-        bytes += job->layout.tensors[t].numel * sd_ckpt_states(job->model.optim.kind) * 4;
-    uint64_t limit = timeout + (uint64_t)((double)bytes / (16.0 * 1048576.0) * 1e9);
-    if (now - c->first_ns <= limit)
-        return;
-    char late[256] = "";
-    size_t at = 0;
-    for (uint32_t m = 1; m < job->nodes && at < sizeof(late) - 16; m++)
-        if (c->reporting[m] && c->rep_seq[m] != c->seq)
-            at += (size_t)snprintf(late + at, sizeof(late) - at, "%s%u", at ? ", " : "", m);
-    c->rep_seq[0] = 0; /* taken: the save is over */
-    reports_free(c, job->nodes);
-    sd_ckpt_remove(c->dir, c->tmp);
-    c->status = SD_ETIMEDOUT;
-    snprintf(c->err, sizeof(c->err),
-             "node 0: node %s did not report its part of step %llu within %.1f s (op_timeout_ms, "
-             "and the job's %.1f MiB of states at 16 MiB/s)",
-             late, (unsigned long long)c->step, (double)limit / 1e9, (double)bytes / 1048576.0);
-    commit_after(job);
-}
-
-static void remove_leftovers(struct sd_job *job)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    char prefix[96];
-    snprintf(prefix, sizeof(prefix), ".tmp-%s-", job->name);
-    DIR *d = opendir(c->dir);
-    if (d == NULL)
-        return;
-    struct dirent *de;
-    while ((de = readdir(d)) != NULL) {
-        if (strncmp(de->d_name, prefix, strlen(prefix)) != 0 || strcmp(de->d_name, c->tmp) == 0)
-            continue;
-        int st = sd_ckpt_remove(c->dir, de->d_name);
-        SD_WARN("job",
-                "job '%s': removed the partial checkpoint %s/%s an interrupted save left%s%s",
-                job->name, c->dir, de->d_name, st == SD_OK ? "" : ": ",
-                st == SD_OK ? "" : sd_status_str(st));
-    }
-    closedir(d);
-}
-
-static void commit_work(struct sd_job *job)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    char tmp[SD_CKPT_PATH_MAX + 160];
-    snprintf(tmp, sizeof(tmp), "%s/%s", c->dir, c->tmp);
-    c->status = sd_ckpt_write_manifest(tmp, &c->man, c->err, sizeof(c->err));
-    if (c->status == SD_OK)
-        c->status = sd_ckpt_commit(c->dir, c->tmp, c->final, c->err, sizeof(c->err));
-    if (c->status != SD_OK)
-        sd_ckpt_remove(c->dir, c->tmp);
-    remove_leftovers(job);
-}
-
-static void commit_after(struct sd_job *job)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    sd_ckpt_close(&c->man);
-    if (c->recovery) { /* answered first: a save starting next reuses err */
-        sd_recover_done(job, c->status, c->err);
-        recovery_end(job);
-        return;
-    }
-    if (job->state != SD_JOB_READY)
-        return;
-    char msg[1200];
-    snprintf(msg, sizeof(msg), "save: %s", c->err);
-    if (c->status == SD_OK) {
-        c->saves++;
-        c->save_ns = sd_now_ns() - c->first_ns;
-        SD_INFO("job", "job '%s': step %llu saved to %s/%s (%.1f MiB, %.1f ms; node 0 wrote %s)",
-                job->name, (unsigned long long)c->step, c->dir, c->final,
-                (double)c->bytes_saved / 1048576.0, (double)c->save_ns / 1e6,
-                atomic_load(&c->direct) ? "with O_DIRECT" : "buffered");
-    } else {
-        SD_WARN("job", "job '%s': %s", job->name, msg);
-    }
-    if (job->nodes > 1)
-        sd_cluster_job_save_done(job->xfer.net->cl, job->name, job->nodes, c->seq, c->status,
-                                 c->status == SD_OK ? "" : msg);
-    c->first_ns = 0;
-    save_answer(job, c->status, msg);
-}
-
-/* the manifest of save seq from every node's extents (node m's in data-m.bin) */
-static int build_manifest(struct sd_job *job, const Shard__JobSaved *const *reps)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    struct sd_ckpt *man = &c->man;
-    memset(man, 0, sizeof(*man));
-    snprintf(man->job, sizeof(man->job), "%s", job->name);
-    snprintf(man->plan, sizeof(man->plan), "%s", job->plan.name);
-    man->step = c->step;
-    man->world = job->world;
-    man->ranks_per_node = job->k;
-    man->nodes = job->nodes;
-    man->optim_kind = job->model.optim.kind;
-    man->max_grad_norm = job->model.optim.max_grad_norm;
-    man->n_states = sd_ckpt_states(man->optim_kind);
-    man->n_tensors = job->model.n_tensors;
-    man->n_groups = sd_model_groups(&job->model);
-    uint32_t *file_of = c->rep_file; /* the nodes that wrote, in order: data-<node>.bin */
-    man->n_files = 0;
-    for (uint32_t m = 0; m < job->nodes; m++)
-        if (m == 0 || c->reporting[m])
-            file_of[m] = man->n_files++;
-    man->n_extents = c->n_items;
-    for (uint32_t m = 1; m < job->nodes; m++)
-        man->n_extents += c->reporting[m] ? reps[m]->n_extents : 0;
-    man->tensors = calloc(man->n_tensors, sizeof(*man->tensors));
-    man->groups = calloc(man->n_groups, sizeof(*man->groups));
-    man->files = calloc(man->n_files, sizeof(*man->files));
-    man->extents = calloc(man->n_extents + 1, sizeof(*man->extents));
-    if (!man->tensors || !man->groups || !man->files || !man->extents)
-        return SD_ENOMEM;
-    for (uint32_t t = 0; t < man->n_tensors; t++) {
-        const struct sd_tensor_desc *d = &job->model.tensors[t];
-        struct sd_ckpt_tensor *ct = &man->tensors[t];
-        snprintf(ct->name, sizeof(ct->name), "%s", d->name);
-        ct->ndim = d->ndim;
-        memcpy(ct->dims, d->dims, sizeof(ct->dims));
-        ct->dtype = d->dtype;
-        ct->unit = d->unit;
-        ct->group = d->group;
-        ct->steps = c->snap_steps[t];
-    }
-    memcpy(man->groups, c->snap_hp, man->n_groups * sizeof(*man->groups));
-    for (uint32_t m = 0; m < job->nodes; m++)
-        if (m == 0 || c->reporting[m])
-            snprintf(man->files[file_of[m]], sizeof(man->files[0]), "data-%u.bin", m);
-    uint64_t n = 0;
-    for (uint64_t i = 0; i < c->n_items; i++)
-        man->extents[n++] = c->items[i];
-    for (uint32_t m = 1; m < job->nodes; m++)
-        for (size_t i = 0; c->reporting[m] && i < reps[m]->n_extents; i++) {
-            const Shard__CkptExtent *x = reps[m]->extents[i];
-            if (x->state >= man->n_states || x->tensor >= man->n_tensors || x->end <= x->begin)
-                return SD_EPROTO;
-            man->extents[n++] = (struct sd_ckpt_extent){.state = x->state,
-                                                        .tensor = x->tensor,
-                                                        .file = file_of[m],
-                                                        .begin = x->begin,
-                                                        .end = x->end,
-                                                        .file_off = x->offset,
-                                                        .crc = x->crc};
-        }
-    for (uint64_t i = 0; i < n; i++)
-        man->bytes += (man->extents[i].end - man->extents[i].begin) * sizeof(float);
-    c->bytes_saved = man->bytes;
-    return SD_OK;
-}
-
-/* Why save seq cannot be committed (a node's failure, or nodes that disagree), or "" */
-static int reports_check(struct sd_job *job, char *msg, size_t len)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    if (c->status != SD_OK) {
-        snprintf(msg, len, "node 0: %s", c->err);
-        return c->status;
-    }
-    for (uint32_t m = 1; m < job->nodes; m++) {
-        const Shard__JobSaved *r = c->reps[m];
-        if (!c->reporting[m])
-            continue;
-        if (r->status != SD_OK) {
-            snprintf(msg, len, "node %u: %s", m, r->message);
-            return r->status;
-        }
-        if (c->recovery && r->step != c->step) {
-            snprintf(msg, len,
-                     "node %u's optimizer states hold step %llu, node 0's step %llu: a step was "
-                     "being applied when the job stopped (a node lost between the update and the "
-                     "new weights)%s",
-                     m, (unsigned long long)r->step, (unsigned long long)c->step,
-                     job->state == SD_JOB_READY ? "; try again between steps" : "");
-            return SD_EMISMATCH;
-        }
-        if (r->step != c->step || strcmp(r->dir, c->dir) != 0) {
-            snprintf(msg, len,
-                     "node %u saves step %llu to '%.300s', node 0 step %llu to '%.300s': every "
-                     "rank saves "
-                     "to the same directory between the same two steps",
-                     m, (unsigned long long)r->step, r->dir, (unsigned long long)c->step, c->dir);
-            return SD_EMISMATCH;
-        }
-    }
-    return SD_OK;
-}
-
-/* the report of every node is in: commit, or give the save up */
-static void save_collect(struct sd_job *job)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    if (c->busy || c->seq == 0)
-        return;
-    for (uint32_t m = 0; m < job->nodes; m++)
-        if ((m == 0 || c->reporting[m]) && c->rep_seq[m] != c->seq)
-            return;
-    c->rep_seq[0] = 0; /* taken */
-    char msg[1200];
-    int status = reports_check(job, msg, sizeof(msg));
-    if (status == SD_OK &&
-        (status = build_manifest(job, (const Shard__JobSaved *const *)c->reps)) != SD_OK)
-        snprintf(msg, sizeof(msg), "node 0: building the manifest: %s", sd_status_str(status));
-    reports_free(c, job->nodes);
-    if (status != SD_OK) {
-        sd_ckpt_close(&c->man);
-        sd_ckpt_remove(c->dir, c->tmp);
-        c->status = status;
-        snprintf(c->err, sizeof(c->err), "%.1000s", msg);
-        commit_after(job);
-        return;
-    }
-    sd_ckpt__run_worker(job, commit_work, commit_after);
-}
-
-void sd_ckpt_peer_saved(struct sd_job *job, const Shard__JobSaved *m)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    /* kept whatever node 0 waits for now: a node whose ranks came to a save first may report
-     * before node 0's ranks have all come to it (save_collect takes what it waits for) */
-    if (c == NULL || job->node != 0 || m->node == 0 || m->node >= job->nodes)
-        return;
-    /* keep a copy: the message is the link's */
-    size_t len = shard__job_saved__get_packed_size(m);
-    uint8_t *buf = malloc(len + 1);
-    if (buf == NULL)
-        return;
-    shard__job_saved__pack(m, buf);
-    if (c->reps[m->node] != NULL)
-        shard__job_saved__free_unpacked(c->reps[m->node], NULL);
-    c->reps[m->node] = shard__job_saved__unpack(NULL, len, buf);
-    free(buf);
-    if (c->reps[m->node] == NULL)
-        return;
-    c->rep_seq[m->node] = m->seq;
-    save_collect(job);
-}
-
-void sd_ckpt_recover_abandon(struct sd_job *job)
-{
-    struct sd_ckpt_job *c = job->load.ckpt;
-    if (c == NULL || !c->recovery || c->busy)
-        return;
-    sd_ckpt_remove(c->dir, c->tmp);
-    reports_free(c, job->nodes);
-    memset(c->rep_seq, 0, job->nodes * sizeof(*c->rep_seq));
-    recovery_end(job);
-}
-
 void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char *msg)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
@@ -865,5 +661,5 @@ void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char 
     if (status == SD_OK)
         c->saves++;
     c->first_ns = 0;
-    save_answer(job, status, msg);
+    sd_ckpt__save_answer(job, status, msg);
 }

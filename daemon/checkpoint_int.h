@@ -1,59 +1,119 @@
-/* checkpoint.c and ckpt_load.c: a job's checkpoint state, shared between saving and loading. */
+/* checkpoint.c, ckpt_commit.c and ckpt_load.c: a job's checkpoint state, shared between
+ * saving, committing and loading. */
 #ifndef SD_CHECKPOINT_INT_H
 #define SD_CHECKPOINT_INT_H
 
 #include "checkpoint.h"
+#include "file_pool.h"
 #include "sd/ckpt.h"
+#include "sd/fsid.h"
 
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
-struct sd_ckpt_job {
-    /* loading */
-    bool load; /* the job starts from src */
-    char load_dir[SD_CKPT_PATH_MAX];
+/* The job's file work: one task at a time on the file pool, with the owner's identity. The
+ * operation waiting for it gives it up at its deadline (abandoned: the operation fails then,
+ * the worker's end only lets the job's memory go); the memory stays while busy. */
+struct sd_ckpt_work {
+    struct sd_file_task task;
+    void (*fn)(struct sd_job *);
+    void (*after)(struct sd_job *);
+    const char *what; /* "writing its part of a save": the deadline's message */
+    uint64_t deadline_ns;
+    bool busy;             /* a worker runs fn: the job's memory stays */
+    atomic_bool abandoned; /* its operation gave it up at its deadline */
+    int status;            /* fn's outcome, and why */
+    char err[1024];
+};
+
+/* A checkpoint being loaded at registration. */
+struct sd_ckpt_loading {
+    bool load;   /* the job starts from src */
+    bool opened; /* src's manifest is read and checked (a worker's task at registration) */
+    char dir[SD_CKPT_PATH_MAX];
+    uint64_t max_manifest; /* bytes of MANIFEST this model's checkpoint has at most */
     struct sd_ckpt src;
-    float *load_buf; /* per unit: the node's masters, then its ranks' moments (unit_block) */
+    float *buf; /* device memory: per unit, the node's masters, then its ranks' moments */
+    _Atomic uint64_t bytes; /* read (a worker adds, shardctl jobs reads meanwhile) */
+    uint64_t start_ns, ns;  /* loading the checkpoint: since, and how long it took */
+};
+
+/* Node 0: the nodes' reports of save seq, and the manifest it commits. */
+struct sd_ckpt_commit {
+    uint32_t reports;
+    bool *reporting;        /* [nodes]: the nodes whose part it waits for */
+    uint32_t *rep_file;     /* [nodes]: the manifest's file of each node's part */
+    uint64_t *rep_seq;      /* [nodes]: the save each node reported, 0: none */
+    Shard__JobSaved **reps; /* [nodes]: their reports (node 0's own is items) */
+    char (*tmps)[128];      /* [nodes]: their temporary directories, for the commit's worker */
+    struct sd_ckpt man;     /* the manifest being committed */
+};
+
+struct sd_ckpt_job {
+    struct sd_fsid id; /* the job's owner: every file of its checkpoints is touched as it */
+    struct sd_ckpt_work work;
+    struct sd_ckpt_loading ld;
+    struct sd_ckpt_commit cm;
     /* saving: the local barrier */
     uint32_t arrived;
     bool *waiting;  /* [k] */
     uint64_t *tags; /* [k] */
     uint64_t first_ns;
-    char dir[SD_CKPT_PATH_MAX], tmp[128], final[64];
+    char dir[SD_CKPT_PATH_MAX], final[64];
+    char tmp[128];      /* this node's part: its temporary directory in dir (the worker names it) */
     uint64_t seq, step; /* saves started; the step of this one */
     bool recovery;      /* the write is a recovery's (recover.h): shardctl waits, no rank */
     uint64_t save_seq;  /* a recovery's write: seq of the saves, back once it is done */
     bool saving;        /* the ranks' save started and is not answered yet */
     char save_dir[SD_CKPT_PATH_MAX]; /* the save barrier's directory (dir: the write's) */
     bool *writer;                    /* [k]: the local ranks whose os shards this node writes */
-    bool *reporting;                 /* [nodes] node 0: the nodes whose part it waits for */
-    uint32_t *rep_file;              /* [nodes]: the manifest's file of each node's part */
     uint64_t *snap_steps;            /* [n_tensors]: at the write, the tensors' steps */
     struct sd_hparams *snap_hp;      /* [groups]: and the hyperparameters in force */
     struct sd_ckpt_extent *items;    /* this node's part: its data file's extents, */
     const void **item_src;           /* and the job memory each is written from */
     uint64_t n_items;
-    /* a worker reads or writes the job's memory: its memory stays until it is done */
-    bool busy;
     atomic_bool direct; /* this node's last data file went out with O_DIRECT (the worker
                          * says, shardctl jobs reads meanwhile) */
-    atomic_bool running;
-    int status;
-    char err[1024];
-    /* node 0: the nodes' reports of save seq */
-    uint32_t reports;
-    uint64_t *rep_seq;      /* [nodes]: the save each node reported, 0: none */
-    Shard__JobSaved **reps; /* [nodes]: their reports (node 0's own is items) */
-    struct sd_ckpt man;     /* the manifest being committed */
     uint64_t saves, bytes_saved, save_ns;
-    _Atomic uint64_t loaded_bytes;   /* a load's worker adds, shardctl jobs reads meanwhile */
-    uint64_t load_start_ns, load_ns; /* loading the checkpoint: since, and how long it took */
 };
 
-/* fn on a worker thread (in place without a loop), then after on the loop; the job's memory
- * stays while it runs (sd_ckpt_busy) */
+/* ---- the job's file work (checkpoint.c) */
+/* fn on a file-pool thread with the owner's identity (in place without a pool), then after on
+ * the loop; at deadline_ns (0: none) the sweep fails the operation as what ("writing its part
+ * of the save") and after runs then with SD_ETIMEDOUT in work.status */
 void sd_ckpt__run_worker(struct sd_job *job, void (*fn)(struct sd_job *),
-                         void (*after)(struct sd_job *));
+                         void (*after)(struct sd_job *), const char *what, uint64_t deadline_ns);
+/* is the operation still waiting for the worker (busy and not given up)? */
+bool sd_ckpt__working(const struct sd_job *job);
+/* the worker's operation was given up: stop early, and remove what it made */
+bool sd_ckpt__abandoned(const struct sd_job *job);
+/* the worker's outcome: SD_OK, or status and a message (printf) */
+void sd_ckpt__fail(struct sd_job *job, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* a deadline of op_timeout_ms plus bytes at 16 MiB/s, from now */
+uint64_t sd_ckpt__deadline(const struct sd_job *job, uint64_t bytes);
+/* A message for errno st on what the job's owner asked: the errno's text and, where it helps,
+ * what to do (a read-only filesystem, a directory the owner may not write) */
+const char *sd_ckpt__hint(int st);
+/* SHARDD_TEST_FILE_STALL=NODE:MS:WHAT (save, commit, load, open): that node's file task of that
+ * kind starts MS late (a stalled filesystem, for tests) */
+void sd_ckpt__test_stall(const struct sd_job *job, const char *what);
+
+/* ---- node 0's commit (ckpt_commit.c) */
+int sd_ckpt__commit_init(struct sd_job *job);
+void sd_ckpt__commit_free(struct sd_job *job);
+/* Remove the temporary directories names[n] of the job in dir, on a task of their own (nothing
+ * waits for it; only names of the job's, ".tmp-<job>-...", are taken) */
+void sd_ckpt__discard(struct sd_job *job, const char *dir, const char *const *names, uint32_t n);
+/* this node's part of save seq is written (node 0): collect */
+void sd_ckpt__own_part(struct sd_job *job);
+/* ---- checkpoint.c, for the commit */
+/* answer the ranks waiting in the save */
+void sd_ckpt__save_answer(struct sd_job *job, int status, const char *msg);
+/* a recovery's write on this node is over */
+void sd_ckpt__recovery_end(struct sd_job *job);
+/* the prefix of the job's temporary directories: ".tmp-<job>-" */
+void sd_ckpt__tmp_prefix(const struct sd_job *job, char *buf, size_t len);
 
 #endif

@@ -4,10 +4,11 @@
  *
  * Shard buffers in host memory are filled by the threads themselves (checkpoint_threads of
  * them, reading with O_DIRECT where the filesystem has it): one task per unit, local rank and
- * state, then one per unit and local rank for its weights. Device memory is staged in load_buf
+ * state, then one per unit and local rank for its weights. Device memory is staged in ld.buf
  * and copied through the device's queue on the loop. */
 #include "checkpoint_int.h"
 #include "job.h"
+#include "registry.h"
 #include "ops.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -43,14 +44,14 @@ struct par_load {
     struct sd_job *job;
     struct sd_ckpt_reader *rd; /* [threads] */
     uint32_t n_states;
-    atomic_int status; /* the first error's; its message in c->err */
+    atomic_int status; /* the first error's; its message in work.err */
 };
 
 static void par_fail(struct par_load *p, int st, const char *msg)
 {
     int ok = SD_OK;
     if (atomic_compare_exchange_strong(&p->status, &ok, st))
-        snprintf(p->job->load.ckpt->err, sizeof(p->job->load.ckpt->err), "%s", msg);
+        sd_ckpt__fail(p->job, st, "%s", msg);
 }
 
 static float *os_shard(struct sd_job *job, uint32_t r, uint32_t s, const struct sd_unit_layout *ul)
@@ -150,38 +151,36 @@ static void load_host(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     uint32_t threads = (uint32_t)job->reg->cfg->checkpoint_threads;
-    struct par_load p = {.job = job, .n_states = c->src.n_states};
+    struct par_load p = {.job = job, .n_states = c->ld.src.n_states};
     atomic_init(&p.status, SD_OK);
     p.rd = calloc(threads, sizeof(*p.rd));
     uint32_t ready = 0;
     for (; p.rd != NULL && ready < threads; ready++) {
-        int st = sd_ckpt_reader_init(&p.rd[ready], &c->src, c->err, sizeof(c->err));
+        char err[512];
+        int st = sd_ckpt_reader_init(&p.rd[ready], &c->ld.src, err, sizeof(err));
         if (st != SD_OK) {
-            atomic_store(&p.status, st);
+            par_fail(&p, st, err);
             break;
         }
         p.rd[ready].direct = job->reg->cfg->checkpoint_direct != 0;
     }
-    if (p.rd == NULL) {
-        snprintf(c->err, sizeof(c->err), "out of memory");
-        atomic_store(&p.status, SD_ENOMEM);
-    }
+    if (p.rd == NULL)
+        par_fail(&p, SD_ENOMEM, "out of memory");
     uint64_t units = job->layout.n_units;
     if (atomic_load(&p.status) == SD_OK)
         sd_ckpt_parallel(threads, units * job->k * p.n_states, load_state, &p);
     if (atomic_load(&p.status) == SD_OK) /* every master is in place */
         sd_ckpt_parallel(threads, units * job->k, load_weights, &p);
-    c->status = atomic_load(&p.status);
     for (uint32_t t = 0; t < ready; t++) {
-        c->loaded_bytes += p.rd[t].bytes_read;
+        atomic_fetch_add(&c->ld.bytes, p.rd[t].bytes_read);
         sd_ckpt_reader_free(&p.rd[t]);
     }
     free(p.rd);
 }
 
-/* ---- device memory: staged in load_buf */
+/* ---- device memory: staged in ld.buf */
 
-/* Unit u's part of load_buf: the masters over the node's range of it (sd_loading_range: every
+/* Unit u's part of ld.buf: the masters over the node's range of it (sd_loading_range: every
  * local rank's w shard, read once for them all), then each local rank's moments over its os
  * shard. Returns its floats; with at, the read (load_work) or the copies into the arenas. */
 static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_ckpt_reader *rd)
@@ -193,17 +192,19 @@ static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_
     sd_loading_range(job, job->node, ul, &lo, &hi);
     uint64_t n = hi - lo;
     if (at != NULL && rd != NULL)
-        c->status = read_unit_range(job, rd, 0, u, lo, hi, at, c->err, sizeof(c->err));
+        c->work.status =
+            read_unit_range(job, rd, 0, u, lo, hi, at, c->work.err, sizeof(c->work.err));
     else if (at != NULL)
         sd_loading_unit(job, u, at, lo);
     for (uint32_t r = 0; r < job->k; r++) {
         uint64_t b, e;
         sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
-        for (uint32_t s = 1; s < c->src.n_states; s++, n += e - b) {
-            if (at == NULL || c->status != SD_OK)
+        for (uint32_t s = 1; s < c->ld.src.n_states; s++, n += e - b) {
+            if (at == NULL || c->work.status != SD_OK)
                 continue;
             if (rd != NULL)
-                c->status = read_unit_range(job, rd, s, u, b, e, at + n, c->err, sizeof(c->err));
+                c->work.status =
+                    read_unit_range(job, rd, s, u, b, e, at + n, c->work.err, sizeof(c->work.err));
             else
                 dev->copy(job->mem.queue, os_shard(job, r, s, ul), at + n, (e - b) * sizeof(float));
         }
@@ -214,17 +215,19 @@ static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_
 static void load_work(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
+    sd_ckpt__test_stall(job, "load");
     if (job->reg->dev->host_memory) {
         load_host(job);
         return;
     }
     struct sd_ckpt_reader rd;
-    if ((c->status = sd_ckpt_reader_init(&rd, &c->src, c->err, sizeof(c->err))) != SD_OK)
+    if ((c->work.status = sd_ckpt_reader_init(&rd, &c->ld.src, c->work.err, sizeof(c->work.err))) !=
+        SD_OK)
         return;
-    float *at = c->load_buf;
-    for (uint32_t u = 0; u < job->layout.n_units && c->status == SD_OK; u++)
+    float *at = c->ld.buf;
+    for (uint32_t u = 0; u < job->layout.n_units && c->work.status == SD_OK; u++)
         at += unit_block(job, u, at, &rd);
-    c->loaded_bytes = rd.bytes_read;
+    atomic_store(&c->ld.bytes, rd.bytes_read);
     sd_ckpt_reader_free(&rd);
 }
 
@@ -233,46 +236,95 @@ static void load_after(struct sd_job *job)
     struct sd_ckpt_job *c = job->load.ckpt;
     if (job->state != SD_JOB_LOADING)
         return; /* failed meanwhile: the parked calls were answered */
-    if (c->status != SD_OK) {
-        sd_job_fail(job, c->status, "loading the checkpoint: %s", c->err);
+    if (c->work.status != SD_OK) {
+        sd_job_fail(job, c->work.status, "loading the checkpoint: %s", c->work.err);
         return;
     }
     const struct sd_layout *l = &job->layout;
-    float *at = c->load_buf;
+    float *at = c->ld.buf;
     for (uint32_t u = 0; at != NULL && u < l->n_units; u++)
         at += unit_block(job, u, at, NULL);
     if (!sd_job_sync(job))
         return;
-    free(c->load_buf);
-    c->load_buf = NULL;
+    free(c->ld.buf);
+    c->ld.buf = NULL;
     for (uint32_t t = 0; t < l->n_tensors; t++)
-        job->opt.tensor_steps[t] = c->src.tensors[t].steps;
-    for (uint32_t g = 0; g < c->src.n_groups; g++)
-        job->opt.hparams[g] = c->src.groups[g];
-    job->steps = job->opt.applied = c->src.step;
-    c->load_ns = sd_now_ns() - c->load_start_ns;
+        job->opt.tensor_steps[t] = c->ld.src.tensors[t].steps;
+    for (uint32_t g = 0; g < c->ld.src.n_groups; g++)
+        job->opt.hparams[g] = c->ld.src.groups[g];
+    job->steps = job->opt.applied = c->ld.src.step;
+    c->ld.ns = sd_now_ns() - c->ld.start_ns;
     SD_INFO("job", "job '%s': loaded step %llu from %s (%.1f MiB read in %.1f ms)", job->name,
-            (unsigned long long)c->src.step, c->src.path, (double)c->loaded_bytes / 1048576.0,
-            (double)c->load_ns / 1e6);
+            (unsigned long long)c->ld.src.step, c->ld.src.path,
+            (double)atomic_load(&c->ld.bytes) / 1048576.0, (double)c->ld.ns / 1e6);
     sd_loading_loaded(job);
 }
 
 void sd_ckpt_load_start(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    c->load_start_ns = sd_now_ns();
+    c->ld.start_ns = sd_now_ns();
     if (!sd_job_sync(job)) /* nothing queued may touch the buffers the threads fill */
         return;
     if (!job->reg->dev->host_memory) {
         uint64_t floats = 0;
         for (uint32_t u = 0; u < job->layout.n_units; u++)
             floats += unit_block(job, u, NULL, NULL);
-        c->load_buf = calloc(floats + 1, sizeof(float));
-        if (c->load_buf == NULL) {
+        c->ld.buf = calloc(floats + 1, sizeof(float));
+        if (c->ld.buf == NULL) {
             sd_job_fail(job, SD_ENOMEM, "loading checkpoint %s: out of memory for %llu floats",
-                        c->src.path, (unsigned long long)floats);
+                        c->ld.src.path, (unsigned long long)floats);
             return;
         }
     }
-    sd_ckpt__run_worker(job, load_work, load_after);
+    sd_ckpt__run_worker(job, load_work, load_after, "reading its part of the checkpoint",
+                        sd_ckpt__deadline(job, c->ld.src.bytes));
+}
+
+/* ---- the manifest, read and checked at registration */
+
+static void open_work(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    sd_ckpt__test_stall(job, "open");
+    /* root's jobs read anyone's checkpoint; a user's only her own files */
+    uid_t owner = c->id.uid == 0 ? SD_FS_ANY_OWNER : c->id.uid;
+    char err[900];
+    int st = sd_ckpt_open_owned(c->ld.dir, owner, c->ld.max_manifest, &c->ld.src, err, sizeof(err));
+    if (st != SD_OK) {
+        sd_ckpt__fail(job, st, "%s", err);
+        return;
+    }
+    char diff[512];
+    if ((st = sd_ckpt_check_model(&c->ld.src, &job->model, diff, sizeof(diff))) != SD_OK)
+        sd_ckpt__fail(job, st, "checkpoint %s is of another model: %s", c->ld.src.path, diff);
+}
+
+static void open_after(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (c->work.status != SD_OK) {
+        char msg[1100];
+        snprintf(msg, sizeof(msg), "job '%s': %s", job->name, c->work.err);
+        if (job->nodes > 1) /* the coordinator refuses it on every node */
+            sd_job_allocated(job, c->work.status, msg);
+        else
+            sd_job_refuse(job, c->work.status, msg); /* frees the job */
+        return;
+    }
+    c->ld.opened = true;
+    sd_job_registered(job);
+}
+
+void sd_ckpt_open_start(struct sd_job *job)
+{
+    if (!sd_ckpt_loading(job))
+        return;
+    sd_ckpt__run_worker(job, open_work, open_after, "reading the checkpoint's manifest",
+                        sd_ckpt__deadline(job, job->load.ckpt->ld.max_manifest / 8));
+}
+
+bool sd_ckpt_opened(const struct sd_job *job)
+{
+    return !sd_ckpt_loading(job) || job->load.ckpt->ld.opened;
 }

@@ -30,8 +30,7 @@ const char *sd_job_state_name(enum sd_job_state s)
 
 void sd_job_free(struct sd_job *job)
 {
-    sd_ckpt_wait_worker(job); /* it may read the buffers freed next */
-    sd_job_mem_free(job);
+    sd_job_mem_free(job); /* never while sd_ckpt_busy: its worker may use the memory */
     sd_layout_free(&job->layout);
     sd_model_free(&job->model);
     free(job->opt.hparams);
@@ -59,6 +58,12 @@ void sd_job_destroy(struct sd_job *job)
     if (job->mem
             .allocating) { /* the worker writes its buffers: alloc_after_cb (job_mem.c) frees it */
         job->mem.doomed = true;
+        return;
+    }
+    if (sd_ckpt_busy(job)) { /* a file worker uses it: freed once it is done (the sweep) */
+        sd_ckpt_drop(job);
+        job->mem.doomed = true;
+        sd_registry_add_retiring(job->reg, job);
         return;
     }
     SD_DEBUG("job", "job '%s' (id %llu) dropped", job->name, (unsigned long long)job->id);
@@ -278,8 +283,8 @@ bool sd_job_name_valid(const char *name)
 }
 
 static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register *msg,
-                                 struct sd_model *model, uid_t uid, int *status_p, char *err,
-                                 size_t errlen)
+                                 struct sd_model *model, const struct sd_fsid *owner, int *status_p,
+                                 char *err, size_t errlen)
 {
     *status_p = SD_EINVAL;
     const struct sd_config *cfg = reg->cfg;
@@ -322,7 +327,7 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->reg = reg;
     snprintf(job->name, sizeof(job->name), "%s", msg->job);
     job->id = ++reg->next_job_id;
-    job->uid = uid;
+    job->uid = owner->uid;
     job->world = msg->world;
     job->mem.max_live_bytes = msg->max_live_bytes;
     job->k = k;
@@ -346,7 +351,7 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
         status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
     job->nodes = nodes;
     if (status == SD_OK)
-        status = sd_ckpt_job_init(job, msg->load, err, errlen);
+        status = sd_ckpt_job_init(job, owner, msg->load, err, errlen);
     job->load.resume.timeout_ms = sd_resume_timeout(reg, msg->resume_timeout_ms);
     uint32_t fw = job->plan.f[SD_STATE_W], fg = job->plan.f[SD_STATE_G];
     for (int st = 0; st < SD_STATE_COUNT; st++)
@@ -405,6 +410,14 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
     struct sd_job *job = sd_registry_find(reg, name);
     if (job == NULL) {
         struct sd_job *paused = sd_resume_find(reg, name);
+        if (paused != NULL && paused->uid != c->uid) { /* before anything of it is touched */
+            sd_conn_send_error(c, SD_EPERM,
+                               "register job '%s': a paused job of that name belongs to uid %d, "
+                               "you are uid %d; a job is joined only by its owner's processes",
+                               name, (int)paused->uid, (int)c->uid);
+            sd_model_free(&model);
+            return;
+        }
         if (reg->n_jobs >= (uint32_t)reg->cfg->max_jobs && paused == NULL) {
             sd_conn_send_error(c, SD_EBUSY,
                                "register job '%s': %u jobs are served, max_jobs is "
@@ -414,7 +427,7 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
             return;
         }
         int cst;
-        job = job_create(reg, msg, &model, c->uid, &cst, err, sizeof(err));
+        job = job_create(reg, msg, &model, &c->cred, &cst, err, sizeof(err));
         if (job == NULL) {
             sd_conn_send_error(c, cst, "register job '%s' rank %u: %s", name, msg->rank, err);
             sd_model_free(&model);
@@ -428,6 +441,7 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
         }
         SD_INFO("job", "job '%s' (id %llu) created by pid %d: world %u, plan %s", job->name,
                 (unsigned long long)job->id, (int)c->pid, job->world, job->plan.name);
+        sd_ckpt_open_start(job); /* the manifest it loads, read on a worker */
     } else {
         uint64_t digest = sd_model_digest(&model);
         if (job->uid != c->uid) { /* root included: it registers jobs of its own */
@@ -498,7 +512,13 @@ add_rank:
     job->n_registered++;
     SD_DEBUG("job", "job '%s': rank %u registered (%u of %u)", job->name, msg->rank,
              job->n_registered, job->k);
-    if (job->n_registered == job->k)
+    sd_job_registered(job);
+}
+
+void sd_job_registered(struct sd_job *job)
+{
+    if (job->state == SD_JOB_REGISTERING && job->n_registered == job->k && sd_ckpt_opened(job) &&
+        !job->mem.allocating && job->mem.bytes_total == 0)
         sd_job_mem_alloc(job);
 }
 
@@ -637,6 +657,8 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
     uint64_t op_timeout = (uint64_t)job->reg->cfg->op_timeout_ms * 1000000ULL;
     char missing[128];
     bool present[1024];
+    if (sd_ckpt_work_sweep(job, now))
+        return; /* a file task past its deadline failed its operation: the job may be gone */
     if (job->state == SD_JOB_REGISTERING) {
         if (now < job->register_deadline_ns || job->mem.allocating)
             return;
@@ -706,7 +728,7 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
         bool waiting = false;
         for (uint32_t r = 0; r < job->k; r++)
             waiting |= job->load.ready_waiting[r];
-        if (waiting && !sd_ckpt_busy(job) &&
+        if (waiting && !sd_ckpt_reading(job) &&
             now - job->created_ns >
                 op_timeout + (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL)
             sd_job_fail(job, SD_ETIMEDOUT,

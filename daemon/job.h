@@ -103,7 +103,8 @@ struct sd_job_mem {
     struct sd_gpu_queue *queue;  /* the device work of the job's operations, in order */
     struct sd_quant_state quant; /* the quantized collectives' buffers (quant.c) */
     bool allocating;             /* a worker thread backs its buffers (job_alloc_work) */
-    bool doomed;                 /* dropped while allocating: freed once the worker is done */
+    bool doomed; /* dropped while allocating or while a file task ran: freed (not kept for
+                  * shardctl) once the worker is done */
 };
 
 /* Push rounds (push.c): [unit][group][generation][member] for the g-partition groups on this
@@ -287,6 +288,9 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
 void sd_job_fail_from_peer(struct sd_job *job, int status, const char *text);
 /* Refuse the registration to every local rank and drop the job. */
 void sd_job_refuse(struct sd_job *job, int status, const char *msg);
+/* Every local rank registered and the checkpoint it loads is read (sd_ckpt_opened): allocate
+ * its memory (nothing yet otherwise) */
+void sd_job_registered(struct sd_job *job);
 /* The coordinator agreed to the registration: answer the ranks, start loading. */
 void sd_job_confirm(struct sd_job *job, uint32_t tag);
 /* Every rank left (and, across nodes, every node said so): free its memory once its transfers

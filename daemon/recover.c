@@ -259,9 +259,7 @@ int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const c
     rec->start_ns = sd_now_ns();
     rec->deadline_ns = rec->start_ns + 10ULL * (uint64_t)reg->cfg->op_timeout_ms * 1000000ULL;
     snprintf(rec->dir, sizeof(rec->dir), "%s", dir);
-    char tmp[128], err[1024];
-    snprintf(tmp, sizeof(tmp), ".tmp-%s-%llu-r%llu", job->name,
-             (unsigned long long)job->opt.applied, (unsigned long long)reg->recoveries);
+    char err[1024];
     reg->recovery = rec;
     SD_INFO("job", "job '%s': writing a checkpoint of step %llu to %s from %zu ranks' replicas",
             job->name, (unsigned long long)job->opt.applied, dir, rec->n_writers);
@@ -269,14 +267,12 @@ int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const c
     m.job = job->name;
     m.seq = rec->seq;
     m.dir = rec->dir;
-    m.tmp = tmp;
     m.n_writers = rec->n_writers;
     m.writers = rec->writers;
     for (uint32_t node = 1; node < job->nodes; node++)
         if (rec->reporting[node])
             sd_cluster_job_recover(reg->net->cl, node, &m);
     struct sd_ckpt_recover r = {.dir = dir,
-                                .tmp = tmp,
                                 .seq = rec->seq,
                                 .writers = rec->writers,
                                 .n_writers = rec->n_writers,
@@ -303,16 +299,13 @@ void sd_recover_peer(struct sd_registry *reg, const Shard__JobRecover *m)
                  "node %u holds no state of job '%.64s' (it was dropped, or not kept: "
                  "resume_timeout_ms)",
                  (unsigned)reg->cfg->node, m->job);
-    } else if (m->dir[0] != '/' || strncmp(m->tmp, ".tmp-", 5) != 0 || strchr(m->tmp, '/')) {
+    } else if (m->dir[0] != '/' || strlen(m->dir) >= SD_CKPT_PATH_MAX - 320) {
         st = SD_EPROTO;
-        snprintf(err, sizeof(err), "node %u: a recovery into '%.200s/%.100s' is not valid",
-                 (unsigned)reg->cfg->node, m->dir, m->tmp);
+        snprintf(err, sizeof(err), "node %u: a recovery into '%.200s' is not valid",
+                 (unsigned)reg->cfg->node, m->dir);
     } else {
-        struct sd_ckpt_recover r = {.dir = m->dir,
-                                    .tmp = m->tmp,
-                                    .seq = m->seq,
-                                    .writers = m->writers,
-                                    .n_writers = m->n_writers};
+        struct sd_ckpt_recover r = {
+            .dir = m->dir, .seq = m->seq, .writers = m->writers, .n_writers = m->n_writers};
         st = sd_ckpt_recover_write(job, &r, err, sizeof(err));
     }
     if (st == SD_OK)
@@ -336,7 +329,8 @@ bool sd_recover_route(struct sd_registry *reg, const Shard__JobSaved *m)
     return true;
 }
 
-void sd_recover_done(struct sd_job *job, int status, const char *msg)
+void sd_recover_done(struct sd_job *job, int status, const char *msg, const struct sd_ckpt *man,
+                     const char *final)
 {
     struct sd_registry *reg = job->reg;
     struct sd_recovery *rec = reg->recovery;
@@ -346,16 +340,10 @@ void sd_recover_done(struct sd_job *job, int status, const char *msg)
         answer_error(reg, status, msg);
         return;
     }
-    /* what was committed, as a reader sees it */
-    struct sd_ckpt ck;
-    char err[1024];
-    int st = sd_ckpt_open(rec->dir, &ck, err, sizeof(err));
-    if (st != SD_OK) {
-        answer_error(reg, st, err);
-        return;
-    }
+    char path[SD_CKPT_PATH_MAX + 80];
+    snprintf(path, sizeof(path), "%s/%s", rec->dir, final);
     SD_INFO("job", "job '%s': step %llu recovered to %s (%.1f MiB, %.1f ms)", job->name,
-            (unsigned long long)ck.step, ck.path, (double)ck.bytes / 1048576.0,
+            (unsigned long long)man->step, path, (double)man->bytes / 1048576.0,
             (double)(sd_now_ns() - rec->start_ns) / 1e6);
     json_t *lost = json_array(), *writers = json_array();
     for (uint32_t m = 0; m < job->nodes; m++)
@@ -365,17 +353,16 @@ void sd_recover_done(struct sd_job *job, int status, const char *msg)
         json_array_append_new(writers, json_integer(rec->writers[i]));
     json_t *o =
         json_pack("{s:s, s:s, s:I, s:s, s:I, s:i, s:o, s:o, s:f}", "job", job->name, "checkpoint",
-                  ck.path, "step", (json_int_t)ck.step, "plan", ck.plan, "bytes",
-                  (json_int_t)ck.bytes, "files", (int)ck.n_files, "lost_nodes", lost, "writers",
+                  path, "step", (json_int_t)man->step, "plan", man->plan, "bytes",
+                  (json_int_t)man->bytes, "files", (int)man->n_files, "lost_nodes", lost, "writers",
                   writers, "ms", (double)(sd_now_ns() - rec->start_ns) / 1e6);
-    sd_ckpt_close(&ck);
     answer(reg, SD_OK, o);
 }
 
 void sd_recover_sweep(struct sd_registry *reg, uint64_t now)
 {
     struct sd_recovery *rec = reg->recovery;
-    if (rec == NULL || sd_ckpt_busy(rec->job))
+    if (rec == NULL || sd_ckpt_reading(rec->job))
         return; /* a worker writes: its end goes on */
     char msg[256] = "";
     for (uint32_t m = 0; m < rec->job->nodes && !msg[0]; m++)

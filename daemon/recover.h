@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+struct sd_ckpt;
 struct sd_job;
 struct sd_registry;
 struct sd_server;
@@ -32,8 +33,10 @@ int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const c
 void sd_recover_peer(struct sd_registry *reg, const Shard__JobRecover *m);
 /* Node 0: a node's report of the recovery's part; true if it was one. */
 bool sd_recover_route(struct sd_registry *reg, const Shard__JobSaved *m);
-/* Node 0: the recovery of job is committed (status SD_OK) or failed (msg). */
-void sd_recover_done(struct sd_job *job, int status, const char *msg);
+/* Node 0: the recovery of job is committed (status SD_OK: man, as final in its directory) or
+ * failed (msg). */
+void sd_recover_done(struct sd_job *job, int status, const char *msg, const struct sd_ckpt *man,
+                     const char *final);
 /* Node 0: a node that was to write went down, or the deadline passed: give the recovery up. */
 void sd_recover_sweep(struct sd_registry *reg, uint64_t now_ns);
 /* Is a recovery reading the job's state (its deadline waits)? */

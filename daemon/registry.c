@@ -2,6 +2,7 @@
  * cluster's coordinator sends about jobs. */
 #include "checkpoint.h"
 #include "cluster/cluster.h"
+#include "file_pool.h"
 #include "job.h"
 #include "net.h"
 #include "ops.h"
@@ -247,7 +248,10 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
             continue;
         }
         *pp = z->next;
-        sd_job_bury(z);
+        if (z->mem.doomed)
+            sd_job_free(z);
+        else
+            sd_job_bury(z);
     }
     for (struct sd_job *job = reg->jobs, *next; job; job = next) {
         next = job->next; /* the sweep may drop the job */
@@ -259,14 +263,24 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
 void sd_registry_destroy_all(struct sd_registry *reg)
 {
     sd_recover_forget(reg, NULL, "the daemon stops");
+    /* file work first: the tasks that end in time give their jobs back; those stuck in a
+     * filesystem keep theirs, left to the process's exit */
+    uint32_t stuck = sd_file_pool_stop(reg->files, SD_FILE_STOP_WAIT_MS);
+    reg->files = NULL;
     while (reg->jobs != NULL) {
         sd_job_destroy(reg->jobs);
     }
     while (reg->zombies != NULL) {
         struct sd_job *job = reg->zombies;
         reg->zombies = job->next;
+        if (sd_ckpt_busy(job)) { /* its worker is stuck: its memory stays with it */
+            reg->stuck_jobs++;
+            continue;
+        }
         sd_job_free(job);
     }
+    if (stuck > 0)
+        SD_WARN("main", "%u jobs left to %u stuck file tasks", reg->stuck_jobs, stuck);
     while (reg->finished != NULL) {
         struct sd_job *job = reg->finished;
         reg->finished = job->next;

@@ -12,6 +12,7 @@
 #include <uv.h>
 
 struct sd_job;
+struct sd_file_pool;
 struct sd_net;
 struct sd_cluster;
 struct sd_cluster_events;
@@ -21,6 +22,9 @@ struct sd_transport;
 struct Shard__Register;
 
 #define SD_FINISHED_JOBS_KEPT 16
+/* at shutdown, file tasks (checkpoints) are waited for this long before the daemon exits
+ * without them */
+#define SD_FILE_STOP_WAIT_MS 5000
 
 struct sd_registry {
     struct sd_job *jobs; /* active */
@@ -35,6 +39,8 @@ struct sd_registry {
     struct sd_net *net;
     uv_loop_t *loop;              /* for allocating off the loop; NULL: allocate in place */
     struct sd_recovery *recovery; /* node 0: the checkpoint being written from replicas */
+    struct sd_file_pool *files;   /* the jobs' file work (checkpoints), as their owners */
+    uint32_t stuck_jobs;          /* at shutdown: jobs left to file tasks that did not end */
     uint64_t recoveries;          /* started (their save numbers) */
 };
 

@@ -232,7 +232,7 @@ void sd_resume_load(struct sd_job *job)
                     "the paused job it resumes was dropped before its state was taken over");
         return;
     }
-    rs->wait = sd_ckpt_busy(old); /* a save of it still reads its memory: the sweep retries */
+    rs->wait = sd_ckpt_reading(old); /* a save of it still reads its memory: the sweep retries */
     if (rs->wait)
         return;
     const struct sd_gpu_ops *dev = job->reg->dev;

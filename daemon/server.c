@@ -577,6 +577,13 @@ static void accept_cb(uv_poll_t *h, int status, int events)
         c->pid = cred.pid;
         c->uid = cred.uid;
         c->gid = cred.gid;
+        c->cred = (struct sd_fsid){.uid = cred.uid, .gid = cred.gid};
+        socklen_t glen = sizeof(c->cred.groups);
+        /* its groups too (Linux 4.13); a process in more than SD_FSID_MAX_GROUPS groups gets
+         * none but its own gid for its files: fewer rights, never more */
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, c->cred.groups, &glen) == 0)
+            c->cred.n_groups =
+                (uint32_t)SD_MIN((size_t)glen / sizeof(gid_t), (size_t)SD_FSID_MAX_GROUPS);
         uv_poll_init(srv->loop, &c->poll, fd);
         c->poll.data = c;
         conn_poll(c);

@@ -5,6 +5,7 @@
 #define SD_SERVER_H
 
 #include "sd/config.h"
+#include "sd/fsid.h"
 #include "shard.pb-c.h"
 
 #include <stdbool.h>
@@ -46,6 +47,7 @@ struct sd_conn {
     pid_t pid;
     uid_t uid;
     gid_t gid;
+    struct sd_fsid cred; /* uid, gid and groups (SO_PEERGROUPS): the rights of its file work */
     struct sd_session *session;
     bool closing;
     const char *doomed; /* to be closed by the loop, for this reason (a send cannot close it:

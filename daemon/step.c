@@ -598,7 +598,7 @@ void sd_step_progress(struct sd_job *job)
     if (job->step.phase == SD_STEP_APPLY) {
         if (job->xfer.w_sends_inflight > 0)
             return; /* peers still read this node's weights of the current generation */
-        if (sd_ckpt_busy(job))
+        if (sd_ckpt_reading(job))
             return; /* a checkpoint's worker reads the os shards: its end calls again */
         if (step_args_refused(job))
             return;

@@ -129,6 +129,9 @@ static void check_read(const char *dir, struct layout *l)
 {
     struct sd_ckpt ck = {.n_states = 1, .n_tensors = 1, .n_files = 1, .n_extents = l->n};
     snprintf(ck.path, sizeof(ck.path), "%s", dir);
+    ck.dir_fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    ck.dir_open = ck.dir_fd >= 0;
+    ck.owner = SD_FS_ANY_OWNER;
     struct sd_ckpt_tensor t = {.name = "w", .ndim = 1, .dims = {l->numel}, .numel = l->numel};
     char files[1][64] = {"data.bin"};
     ck.tensors = &t;
@@ -189,6 +192,8 @@ static void check_read(const char *dir, struct layout *l)
     sd_ckpt_reader_free(&rd);
     free(dst);
     free(ck.by_key);
+    if (ck.dir_open)
+        close(ck.dir_fd);
 }
 
 static void test_dir(const char *dir, bool has_direct)

@@ -9,10 +9,12 @@
 #define SD_CKPT_H
 
 #include "sd/model.h"
+#include "sd/safe_fs.h"
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #define SD_CKPT_FORMAT_NAME "shardd-checkpoint"
 #define SD_CKPT_VERSION     1
@@ -20,6 +22,8 @@
  * crc is over all of them), so this bounds what it reads beyond what its shards need */
 #define SD_CKPT_EXTENT_ELEMS (1u << 20)
 #define SD_CKPT_PATH_MAX     4096
+/* a MANIFEST has at most this many bytes whatever the model (sd_ckpt_open_owned takes less) */
+#define SD_CKPT_MANIFEST_MAX (256ull << 20)
 #define SD_CKPT_MAX_STATES   3
 
 /* CRC-32C (Castagnoli), as iSCSI and ext4 use it: crc 0 to start, chain by passing it back. */
@@ -52,6 +56,9 @@ struct sd_ckpt_tensor {
 
 struct sd_ckpt {
     char path[SD_CKPT_PATH_MAX]; /* the checkpoint's directory (sd_ckpt_open resolves LATEST) */
+    int dir_fd;                  /* that directory, its files are opened below it (dir_open) */
+    bool dir_open;
+    uid_t owner; /* whose files a reader takes (SD_FS_ANY_OWNER: anyone's) */
     char job[64], plan[64];
     uint64_t step;
     uint32_t world, ranks_per_node, nodes;
@@ -73,8 +80,14 @@ struct sd_ckpt {
 /* Open the checkpoint at dir: dir itself when it holds a MANIFEST, else the one dir/LATEST
  * names. Parses and checks the manifest: every field, and that each state of each tensor is
  * covered by extents exactly once. Returns SD_OK, SD_ENOENT or SD_EINVAL (err says which file
- * and what). */
+ * and what). Every file is taken as sd/safe_fs.h says (no symlink below dir, O_NONBLOCK, a
+ * regular file), of any owner, with this thread's rights. */
 int sd_ckpt_open(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen);
+/* The same for a daemon reading a job's checkpoint: LATEST, MANIFEST and the data files must
+ * belong to owner (SD_FS_ANY_OWNER: anyone), and the MANIFEST may have max_manifest bytes at
+ * most (0: SD_CKPT_MANIFEST_MAX). */
+int sd_ckpt_open_owned(const char *dir, uid_t owner, uint64_t max_manifest, struct sd_ckpt *ck,
+                       char *err, size_t errlen);
 void sd_ckpt_close(struct sd_ckpt *ck);
 /* Does model (registered) match the checkpoint's? The tensors' names and shapes, the
  * optimizer's kind and the parameter groups must be equal; the weights' dtypes and units may
@@ -89,7 +102,7 @@ int sd_ckpt_verify(const struct sd_ckpt *ck, uint64_t *bad_p, char *err, size_t 
 struct sd_ckpt_reader {
     const struct sd_ckpt *ck;
     bool direct;     /* open the files with O_DIRECT where the filesystem has it (set after init) */
-    int *fds;        /* [n_files], -1 until opened */
+    int *fds;        /* [n_files], -1 until opened (below ck->dir_fd, as sd_fs_open_input) */
     uint8_t *raw;    /* aligned: one extent and the blocks around it */
     float *data;     /* the extent in raw */
     uint64_t cached; /* that extent, UINT64_MAX: none */
@@ -123,18 +136,22 @@ void sd_ckpt_parallel(uint32_t threads, uint64_t n,
 int sd_ckpt_write_extents(int fd, struct sd_ckpt_extent *xs, const void *const *src, uint64_t n,
                           const struct sd_ckpt_io *io, bool *direct_p);
 
-/* ---- writing */
+/* ---- writing (below directory fds: sd/safe_fs.h; dir, parent: their paths, for messages) */
 /* Write len bytes at p to fd, adding them to *crc_p. */
 int sd_ckpt_write_all(int fd, const void *p, size_t len, uint32_t *crc_p);
-/* The manifest of ck into dir/MANIFEST, fsynced. */
-int sd_ckpt_write_manifest(const char *dir, const struct sd_ckpt *ck, char *err, size_t errlen);
-/* Commit: fsync tmp_dir, rename it to parent/final, fsync parent, then point parent/LATEST at it
- * (a temporary file, fsynced, renamed over LATEST, parent fsynced again). A directory already
- * named final is replaced. */
-int sd_ckpt_commit(const char *parent, const char *tmp_name, const char *final_name, char *err,
-                   size_t errlen);
-/* Remove parent/name and everything in it (a partial checkpoint). */
-int sd_ckpt_remove(const char *parent, const char *name);
+/* The manifest of ck into a new dir_fd/MANIFEST (O_EXCL), fsynced. A field the JSON cannot hold
+ * (a name that is not UTF-8) fails it with SD_EINVAL naming the field. */
+int sd_ckpt_write_manifest(int dir_fd, const char *dir, const struct sd_ckpt *ck, char *err,
+                           size_t errlen);
+/* Commit: fsync tmp_name, put it in place as final_name, fsync parent, then point LATEST at it
+ * (a new file under a random name, fsynced, renamed over LATEST, parent fsynced again). A
+ * checkpoint already named final_name is swapped out (RENAME_EXCHANGE, or renamed aside) and
+ * removed only once LATEST is committed; on any failure it is put back and the new one is back
+ * under tmp_name for the caller to remove. */
+int sd_ckpt_commit(int parent_fd, const char *parent, const char *tmp_name, const char *final_name,
+                   char *err, size_t errlen);
+/* Remove parent_fd/name and the files in it (a partial checkpoint), as sd_fs_remove does. */
+int sd_ckpt_remove(int parent_fd, const char *name);
 /* the directory name of the checkpoint of step: "step-00000010" */
 void sd_ckpt_step_name(char *buf, size_t len, uint64_t step);
 

@@ -20,6 +20,7 @@ struct sd_config {
     int64_t register_timeout_ms;
     int64_t resume_timeout_ms;
     int64_t checkpoint_threads;
+    int64_t checkpoint_workers;
     int64_t checkpoint_direct;
     char log_level[16];
     int64_t max_clients;

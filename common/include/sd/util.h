@@ -3,6 +3,7 @@
 #define SD_UTIL_H
 
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #define SD_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
@@ -27,5 +28,8 @@ uint64_t sd_lcm(uint64_t a, uint64_t b);
 
 /* Format a byte count as "64.0 MiB" into buf. */
 const char *sd_fmt_bytes(char *buf, size_t len, uint64_t bytes);
+/* Are the len bytes at s well-formed UTF-8 (no overlong forms, surrogates or code points past
+ * U+10FFFF, as JSON needs)? */
+bool sd_utf8_valid(const char *s, size_t len);
 
 #endif
