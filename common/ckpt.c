@@ -193,7 +193,10 @@ static int resolve(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen
     }
     int dfd = sd_fs_dir_open(dir, false, 0);
     if (dfd < 0) {
-        snprintf(err, errlen, "%s: %s", dir, strerror(-dfd));
+        snprintf(err, errlen, "%s: %s%s", dir,
+                 dfd == -ENOENT ? "neither a checkpoint (no MANIFEST) nor a directory of them: "
+                                : "",
+                 strerror(-dfd));
         return dfd == -ENOENT ? SD_ENOENT : dfd;
     }
     struct stat st;

@@ -39,6 +39,14 @@ const struct sd_config_entry sd_config_table[] = {
      "again and resume from the last completed step (0: a dead rank ends the job); a job can "
      "set its own at registration",
      1},
+    {"max_resume_timeout_ms", SD_CFG_INT, "86400000", 0, 604800000, OFF(max_resume_timeout_ms),
+     "the longest resume timeout a job may ask for at registration (its state is kept that "
+     "long after a rank dies); a longer one is refused",
+     0},
+    {"paused_bytes_per_uid", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(paused_bytes_per_uid),
+     "memory the paused (or kept) jobs of one uid may hold together; a job that would pass it "
+     "fails instead of pausing (0: half the memory budget)",
+     0},
     {"checkpoint_threads", SD_CFG_INT, "4", 1, 64, OFF(checkpoint_threads),
      "threads of a daemon that write and read a checkpoint's data files, each with a 4 MiB "
      "buffer",
@@ -106,6 +114,12 @@ const struct sd_config_entry sd_config_table[] = {
      "local address of this node's fabric endpoint (empty: the provider's first)", 0},
     {"coordinator", SD_CFG_STRING, "127.0.0.1:7700", 0, 128, OFF(coordinator),
      "host:port where node 0 listens for the other daemons (control links, heartbeats)", 0},
+    {"cluster_secret_file", SD_CFG_STRING, "/etc/shardd/cluster.key", 0, SD_PATH_MAX,
+     OFF(cluster_secret_file),
+     "the secret every daemon of the cluster holds (16..4096 bytes, owned and readable by the "
+     "daemon's user only): peers prove it (HMAC) before they are heard; made when missing if "
+     "the coordinator is a loopback address",
+     0},
     {"heartbeat_interval_ms", SD_CFG_INT, "500", 10, 60000, OFF(heartbeat_interval_ms),
      "heartbeat period on the control links", 1},
     {"heartbeat_port", SD_CFG_INT, "0", 0, 65535, OFF(heartbeat_port),

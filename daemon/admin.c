@@ -5,6 +5,7 @@
 #include "job.h"
 #include "net.h"
 #include "secondary.h"
+#include "file_pool.h"
 #include "registry.h"
 #include "resume.h"
 #include "schedule.h"
@@ -358,12 +359,53 @@ static json_t *job_schedule(const struct sd_job *job)
     return o;
 }
 
+/* drop --job J (root): the state a paused or kept job holds goes now */
+static int admin_drop(struct sd_registry *reg, const char *name, uid_t uid, char **json_p)
+{
+    char err[512] = "";
+    int st = SD_OK;
+    struct sd_job *job = NULL;
+    for (struct sd_job *j = reg->jobs; name != NULL && j; j = j->next)
+        if (strcmp(j->name, name) == 0 &&
+            ((j->load.resume.paused && j->load.resume.by == NULL) || j->load.resume.kept))
+            job = j;
+    if (uid != 0) {
+        st = SD_EPERM;
+        snprintf(err, sizeof(err),
+                 "drop is root's: the state of a job goes with its trainers, "
+                 "or at its resume timeout");
+    } else if (name == NULL || name[0] == '\0') {
+        st = SD_EINVAL;
+        snprintf(err, sizeof(err), "drop needs --job NAME");
+    } else if (job == NULL) {
+        st = SD_ENOJOB;
+        snprintf(err, sizeof(err), "no paused or kept job '%.64s' on this node", name);
+    } else {
+        uint64_t bytes = job->mem.bytes_total;
+        uid_t owner = job->uid;
+        st = sd_resume_drop(job, err, sizeof(err)); /* may free the job */
+        if (st == SD_OK) {
+            json_t *o = json_pack("{s:s, s:i, s:I}", "dropped", name, "uid", (int)owner, "bytes",
+                                  (json_int_t)bytes);
+            *json_p = json_dumps(o, JSON_COMPACT);
+            json_decref(o);
+            return SD_OK;
+        }
+    }
+    json_t *o = json_pack("{s:s}", "error", err);
+    *json_p = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return st;
+}
+
 int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t uid, char **json_p)
 {
     const char *cmd = req->command ? req->command : "";
     const char *filter = req->job && req->job[0] ? req->job : NULL;
     struct sd_registry *reg = srv->reg;
     json_t *out = NULL;
+    if (strcmp(cmd, "drop") == 0)
+        return admin_drop(reg, filter, uid, json_p);
     /* root sees every job and client; anyone else only their own */
     bool all = uid == 0;
     struct sd_job *named = filter ? sd_registry_find_any(reg, filter) : NULL;
@@ -417,6 +459,18 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
                         "config", config_json(cfg), "clients", clients, "jobs", jobs);
         /* what this caller sees: its own jobs and clients, or (root) everyone's */
         json_object_set_new(out, "visibility", json_string(all ? "all" : "own uid"));
+        /* the memory paused and kept jobs hold, per uid (paused_bytes_per_uid bounds each) */
+        json_t *kept = json_object();
+        for (struct sd_job *j = reg->jobs; j; j = j->next) {
+            char key[16];
+            snprintf(key, sizeof(key), "%d", (int)j->uid);
+            if ((all || j->uid == uid) && json_object_get(kept, key) == NULL &&
+                sd_resume_kept_bytes(reg, j->uid) > 0)
+                json_object_set_new(kept, key,
+                                    json_integer((json_int_t)sd_resume_kept_bytes(reg, j->uid)));
+        }
+        json_object_set_new(out, "paused_bytes_by_uid", kept);
+        json_object_set_new(out, "file_workers", sd_file_pool_json(reg->files));
         if (srv->tp != NULL) {
             const struct sd_transport *tp = srv->tp;
             json_t *t = json_pack(
@@ -461,7 +515,7 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
     } else {
         json_decref(jobs);
         out = json_pack("{s:s}", "error",
-                        "unknown command (status, jobs, groups, topology, stats, schedule)");
+                        "unknown command (status, jobs, groups, topology, stats, schedule, drop)");
         *json_p = json_dumps(out, JSON_COMPACT);
         json_decref(out);
         return SD_EINVAL;

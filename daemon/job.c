@@ -292,6 +292,13 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
         snprintf(err, errlen, "world size %u must be in 1..%d", msg->world, SD_MAX_WORLD);
         return NULL;
     }
+    if (msg->resume_timeout_ms > (uint64_t)cfg->max_resume_timeout_ms) {
+        snprintf(err, errlen,
+                 "resume_timeout_ms %llu is longer than this daemon allows (max_resume_timeout_ms "
+                 "%lld)",
+                 (unsigned long long)msg->resume_timeout_ms, (long long)cfg->max_resume_timeout_ms);
+        return NULL;
+    }
     /* a job spans nodes [0, world / k): one node takes all its ranks; a cluster has k fixed */
     uint32_t k = cfg->nodes > 1 || cfg->ranks_per_node ? (uint32_t)cfg->ranks_per_node : msg->world;
     uint32_t nodes = msg->world / k;

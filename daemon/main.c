@@ -215,6 +215,11 @@ static int parse_args(int argc, char **argv, struct sd_config *cfg)
                 (long long)cfg->nodes);
         return 2;
     }
+    if (cfg->resume_timeout_ms > cfg->max_resume_timeout_ms) {
+        fprintf(stderr, "shardd: resume_timeout_ms %lld is above max_resume_timeout_ms %lld\n",
+                (long long)cfg->resume_timeout_ms, (long long)cfg->max_resume_timeout_ms);
+        return 2;
+    }
     if (cfg->node >= cfg->nodes) {
         fprintf(stderr, "shardd: option 'node' is %lld but there are only %lld nodes\n",
                 (long long)cfg->node, (long long)cfg->nodes);
@@ -252,10 +257,6 @@ int main(int argc, char **argv)
     fd_snapshot(fds_at_start);
     sd_registry_init(&reg, &cfg, dev);
     reg.loop = &loop;
-    if (sd_file_pool_start(&reg.files, &loop, (uint32_t)cfg.checkpoint_workers) != SD_OK) {
-        fprintf(stderr, "shardd: cannot start the file workers\n");
-        return 1;
-    }
     int status = sd_server_start(&app.srv, &loop, &cfg, &reg);
     if (status != SD_OK) {
         fprintf(stderr, "shardd: cannot start: %s\n", sd_status_str(status));
@@ -264,6 +265,11 @@ int main(int argc, char **argv)
         uv_close((uv_handle_t *)&app.sigusr1, NULL);
         uv_run(&loop, UV_RUN_DEFAULT);
         uv_loop_close(&loop);
+        return 1;
+    }
+    /* the jobs' file work, off the loop (nothing runs on the loop before uv_run) */
+    if (sd_file_pool_start(&reg.files, &loop, (uint32_t)cfg.checkpoint_workers) != SD_OK) {
+        fprintf(stderr, "shardd: cannot start the file workers\n");
         return 1;
     }
     app.sigterm.data = app.sigint.data = &app;

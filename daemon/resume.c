@@ -19,12 +19,48 @@ uint64_t sd_resume_timeout(const struct sd_registry *reg, uint64_t asked)
     return asked != 0 ? asked : (uint64_t)reg->cfg->resume_timeout_ms;
 }
 
+uint64_t sd_resume_kept_bytes(const struct sd_registry *reg, uid_t uid)
+{
+    uint64_t bytes = 0;
+    for (const struct sd_job *j = reg->jobs; j; j = j->next)
+        if (j->uid == uid && (j->load.resume.paused || j->load.resume.kept))
+            bytes += j->mem.bytes_total;
+    return bytes;
+}
+
+/* May the job's state be kept (paused or kept) within its uid's share, paused_bytes_per_uid?
+ * Why not into why. */
+static bool within_share(const struct sd_job *job, char *why, size_t len)
+{
+    const struct sd_registry *reg = job->reg;
+    uint64_t cap =
+        reg->cfg->paused_bytes_per_uid ? reg->cfg->paused_bytes_per_uid : reg->budget / 2;
+    uint64_t held = sd_resume_kept_bytes(reg, job->uid);
+    if (held + job->mem.bytes_total <= cap)
+        return true;
+    char a[32], b[32], c[32];
+    snprintf(why, len,
+             "its state (%s) is not kept: uid %d's paused jobs hold %s already and "
+             "paused_bytes_per_uid is %s",
+             sd_fmt_bytes(a, sizeof(a), job->mem.bytes_total), (int)job->uid,
+             sd_fmt_bytes(b, sizeof(b), held), sd_fmt_bytes(c, sizeof(c), cap));
+    return false;
+}
+
 /* Pause now: every parked and later operation fails with text, the state stays until the
- * deadline; tell: the pause started here, the other nodes are told. */
+ * deadline; tell: the pause started here, the other nodes are told. A uid past its share of
+ * kept memory fails instead. */
 static void pause_text(struct sd_job *job, const char *text, bool tell)
 {
     struct sd_resume_state *rs = &job->load.resume;
     rs->pending = false;
+    char why[256];
+    if (!within_share(job, why, sizeof(why))) {
+        char msg[700];
+        snprintf(msg, sizeof(msg), "%s; %s", text, why);
+        sd_job_fail_text(job, SD_EJOBFAILED, msg, tell);
+        return;
+    }
     rs->paused = rs->was_paused = true;
     rs->deadline_ns = sd_now_ns() + rs->timeout_ms * 1000000ULL;
     sd_job_fail_text(job, SD_EPAUSED, text, tell);
@@ -127,9 +163,36 @@ bool sd_resume_keep(struct sd_job *job)
     if (rs->timeout_ms == 0 || rs->paused || rs->pending || rs->kept ||
         !(job->state == SD_JOB_READY || (job->state == SD_JOB_FAILED && rs->failed_ready)))
         return false;
+    char why[256];
+    if (!within_share(job, why, sizeof(why))) {
+        SD_WARN("job", "job '%s' failed: %s", job->name, why);
+        return false;
+    }
     rs->kept = true;
     rs->deadline_ns = sd_now_ns() + rs->timeout_ms * 1000000ULL;
     return true;
+}
+
+int sd_resume_drop(struct sd_job *job, char *err, size_t errlen)
+{
+    struct sd_resume_state *rs = &job->load.resume;
+    if (!((rs->paused && rs->by == NULL) || rs->kept)) {
+        snprintf(err, errlen,
+                 "job '%s' is %s, not paused or kept: only the state of a job whose trainers are "
+                 "gone is dropped",
+                 job->name, sd_job_state_name(job->state));
+        return SD_ESTATE;
+    }
+    if (sd_recover_target(job)) {
+        snprintf(err, errlen, "job '%s': a checkpoint of it is being written from the replicas",
+                 job->name);
+        return SD_EBUSY;
+    }
+    SD_WARN("job", "job '%s' (id %llu, uid %d): its %s state is dropped by root (shardctl drop)",
+            job->name, (unsigned long long)job->id, (int)job->uid, rs->kept ? "kept" : "paused");
+    rs->deadline_ns = 0;
+    drop(job);
+    return SD_OK;
 }
 
 void sd_resume_sweep(struct sd_job *job, uint64_t now)

@@ -17,6 +17,7 @@
 #include <jansson.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 struct sd_job;
 struct sd_registry;
@@ -38,6 +39,10 @@ void sd_resume_step_over(struct sd_job *job);
 bool sd_resume_keep(struct sd_job *job);
 /* A paused job past its deadline is dropped; a new job waiting to take a state over retries. */
 void sd_resume_sweep(struct sd_job *job, uint64_t now_ns);
+/* root's shardctl drop: a paused or kept job's state goes now (SD_OK), or why not */
+int sd_resume_drop(struct sd_job *job, char *err, size_t errlen);
+/* the memory uid's paused and kept jobs hold */
+uint64_t sd_resume_kept_bytes(const struct sd_registry *reg, uid_t uid);
 /* The paused job of this name (not yet taken over), or NULL. */
 struct sd_job *sd_resume_find(struct sd_registry *reg, const char *name);
 /* A registration of a paused job's name: job (just created) takes old's state over. SD_OK, or

@@ -75,6 +75,9 @@ static bool can_connect(const char *path)
 
 static int daemon_start_in(struct th_daemon *d, const char *const *extra, bool wait_socket);
 
+/* a command the next daemon starts under (setpriv to another user), or NULL */
+static const char *const *daemon_wrap;
+
 int th_daemon_start(struct th_daemon *d, const char *const *extra)
 {
     memset(d, 0, sizeof(*d));
@@ -82,6 +85,19 @@ int th_daemon_start(struct th_daemon *d, const char *const *extra)
     if (mkdtemp(d->dir) == NULL)
         return -1;
     return daemon_start_in(d, extra, true);
+}
+
+int th_daemon_start_as(struct th_daemon *d, const char *const *wrap, uid_t owner,
+                       const char *const *extra)
+{
+    memset(d, 0, sizeof(*d));
+    snprintf(d->dir, sizeof(d->dir), "/tmp/shardd-test-XXXXXX");
+    if (mkdtemp(d->dir) == NULL || chown(d->dir, owner, owner) != 0)
+        return -1;
+    daemon_wrap = wrap;
+    int rc = daemon_start_in(d, extra, true);
+    daemon_wrap = NULL;
+    return rc;
 }
 
 int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *extra)
@@ -107,9 +123,20 @@ int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *
             snprintf(d->dir, sizeof(d->dir), "%s/node%d", base, i);
             mkdir(d->dir, 0700);
             snprintf(node_s[i], sizeof(node_s[i]), "%d", i);
-            const char *args[64] = {"--nodes",          nodes_s, "--node",        node_s[i],
-                                    "--ranks-per-node", k_s,     "--coordinator", coord};
-            int n = 8;
+            /* the daemons make the cluster's secret themselves (a loopback coordinator) */
+            char key[128];
+            snprintf(key, sizeof(key), "%s/cluster.key", base);
+            const char *args[64] = {"--nodes",
+                                    nodes_s,
+                                    "--node",
+                                    node_s[i],
+                                    "--ranks-per-node",
+                                    k_s,
+                                    "--coordinator",
+                                    coord,
+                                    "--cluster-secret-file",
+                                    key};
+            int n = 10;
             for (int j = 0; extra && extra[j] && n < 62; j++)
                 args[n++] = extra[j];
             args[n] = NULL;
@@ -166,8 +193,13 @@ static int daemon_start_in(struct th_daemon *d, const char *const *extra, bool w
     snprintf(rundir, sizeof(rundir), "%s/run", d->dir);
     snprintf(d->sock, sizeof(d->sock), "%s/shardd.sock", rundir);
     snprintf(d->log, sizeof(d->log), "%s/shardd.log", d->dir);
-    const char *argv[64] = {SHARDD_PATH, "--runtime-dir", rundir};
-    int n = 3;
+    const char *argv[64];
+    int n = 0;
+    for (int i = 0; daemon_wrap && daemon_wrap[i] && n < 20; i++)
+        argv[n++] = daemon_wrap[i];
+    argv[n++] = SHARDD_PATH;
+    argv[n++] = "--runtime-dir";
+    argv[n++] = rundir;
     for (int i = 0; extra && extra[i] && n < 62; i++)
         argv[n++] = extra[i];
     argv[n] = NULL;

@@ -32,6 +32,10 @@ int th_cluster_stop(struct th_cluster *c);
 
 /* Start shardd with extra "--key", "value" arguments (NULL-terminated list, may be NULL). */
 int th_daemon_start(struct th_daemon *d, const char *const *extra);
+/* The same under the command wrap (setpriv --reuid=...: another user), in a directory owned
+ * by owner. */
+int th_daemon_start_as(struct th_daemon *d, const char *const *wrap, uid_t owner,
+                       const char *const *extra);
 /* SIGTERM and wait; returns the exit code (0: clean shutdown, no leaks), or -1 on timeout. */
 int th_daemon_stop(struct th_daemon *d);
 bool th_daemon_alive(const struct th_daemon *d);

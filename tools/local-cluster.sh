@@ -126,6 +126,10 @@ if [ "$netns" = 1 ]; then
   coord_ip="10.$a.$b.1"
 fi
 
+# the cluster's secret: every daemon proves it holds it before the others hear it
+if [ ! -s "$dir/cluster.key" ]; then
+  (umask 077; head -c 32 /dev/urandom >"$dir/cluster.key")
+fi
 for i in $(seq 0 $((nodes - 1))); do
   d="$dir/node$i"
   mkdir -p "$d"
@@ -137,6 +141,7 @@ for i in $(seq 0 $((nodes - 1))); do
   fi
   "${runner[@]}" "$shardd" --nodes "$nodes" --node "$i" --ranks-per-node "$k" \
     --runtime-dir "$d" --coordinator "$coord_ip:$port" --fabric-addr "$addr" \
+    --cluster-secret-file "$dir/cluster.key" \
     "${extra[@]}" >"$d/shardd.log" 2>&1 &
   echo $! >"$d/pid"
 done

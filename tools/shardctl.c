@@ -42,6 +42,10 @@ static void usage(FILE *out)
             "             the daemons still up (each state from one live replica); ask node\n"
             "             0's daemon. A failed job keeps its state only with resume_timeout_ms.\n"
             "             Exit 1 when refused: with the extents no live node holds\n"
+            "  drop --job NAME\n"
+            "             (root) drop the state a paused job (or a failed one kept with\n"
+            "             resume_timeout_ms) holds on this node now, instead of at its timeout;\n"
+            "             run it on each node of the job\n"
             "  checkpoint-info DIR\n"
             "             without a daemon: the checkpoint at DIR (or the one DIR/LATEST names):\n"
             "             step, plan, world, tensors, bytes per state and file, and every\n"
@@ -679,7 +683,8 @@ int main(int argc, char **argv)
         return run_checkpoint_info(ck_dir, as_json);
     if (cmd != NULL && strcmp(cmd, "checkpoint") == 0)
         return run_checkpoint(socket, job, ck_dir, as_json);
-    static const char *const cmds[] = {"status", "jobs", "groups", "topology", "stats", "schedule"};
+    static const char *const cmds[] = {"status", "jobs",     "groups", "topology",
+                                       "stats",  "schedule", "drop"};
     bool known = false;
     for (size_t i = 0; cmd && i < SD_ARRAY_SIZE(cmds); i++)
         known |= strcmp(cmd, cmds[i]) == 0;
@@ -701,8 +706,9 @@ int main(int argc, char **argv)
     shard_free(text);
     int rc = 0;
     if (status != SD_OK) {
-        fprintf(stderr, "shardctl: %s: %s%s%s\n", cmd, sd_status_str(status), job ? " " : "",
-                job ? job : "");
+        const char *why = doc != NULL ? str(doc, "error") : "";
+        fprintf(stderr, "shardctl: %s: %s%s%s%s%s\n", cmd, sd_status_str(status), job ? " " : "",
+                job ? job : "", why[0] ? ": " : "", why);
         rc = 1;
     } else if (doc == NULL) {
         fprintf(stderr, "shardctl: daemon sent invalid JSON: %s\n", jerr.text);
@@ -721,6 +727,9 @@ int main(int argc, char **argv)
         print_topology(doc);
     } else if (strcmp(cmd, "schedule") == 0) {
         print_schedule(json_object_get(doc, "jobs"));
+    } else if (strcmp(cmd, "drop") == 0) {
+        printf("job %s: the state it kept (%.1f MiB, uid %lld) is dropped\n", str(doc, "dropped"),
+               (double)num(doc, "bytes") / 1048576.0, num(doc, "uid"));
     } else {
         print_stats(doc);
     }

@@ -3,6 +3,7 @@
 #ifndef SD_CLUSTER_INT_H
 #define SD_CLUSTER_INT_H
 
+#include "cluster/auth.h"
 #include "cluster/cluster.h"
 #include "cluster/heartbeat.h"
 #include "sd/frame.h"
@@ -17,13 +18,21 @@
 #include <string.h>
 
 #define MAX_PEER_MSG (1u << 20)
+/* before a link proves the secret: its messages' size, how long it may take, how many wait */
+#define MAX_HELLO_MSG (16u << 10)
+#define SD_AUTH_MS    5000
+#define MAX_UNAUTHED  32
 /* a member that lost the coordinator tries to reconnect this often */
 #define SD_REJOIN_RETRY_MS 1000
 
 struct link {
     uv_tcp_t tcp;
     struct sd_cluster *cl;
-    int node; /* -1 until its hello */
+    int node;    /* -1 until its hello */
+    bool authed; /* the other end proved the cluster's secret (auth.h): it is heard */
+    uint8_t nonce_c[SD_AUTH_NONCE], nonce_m[SD_AUTH_NONCE]; /* the coordinator's, the member's */
+    uint8_t hb_key[SD_SHA256_BYTES];                        /* the session's heartbeat key */
+    uint64_t created_ns;
     uint8_t *rx;
     size_t rx_len, rx_cap;
     uint64_t last_seen_ns;
@@ -58,6 +67,8 @@ struct coord_left {
 struct sd_cluster {
     uv_loop_t *loop;
     const struct sd_config *cfg;
+    struct sd_auth auth;   /* the cluster's secret */
+    uint64_t auth_refused; /* connections that did not prove it */
     struct sd_transport *tp;
     struct sd_cluster_events ev;
     uint32_t n, self;
@@ -90,6 +101,21 @@ struct sd_cluster {
 void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m);
 /* send m to node (its link, or the coordinator's for a member) */
 void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m);
+
+void sd_cluster__link_close(struct link *l, const char *why);
+/* the coordinator: a hello that proved the secret (version, config, the node's place) */
+void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h);
+
+/* ---- handshake.c, for the links */
+/* "a.b.c.d:port" of l's other end */
+const char *sd_cluster__link_addr(struct link *l, char *buf, size_t len);
+/* the coordinator: a new link gets its nonce (and the oldest of too many unproved links goes) */
+void sd_cluster__challenge(struct link *l);
+void sd_cluster__admit(struct sd_cluster *cl);
+/* the coordinator: is the hello's MAC right? (welcome sent) else refused and closed */
+bool sd_cluster__hello_authentic(struct link *l, const Shard__PeerHello *h);
+/* a message on a link that has not proved the secret */
+void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m);
 
 /* ---- coordinator.c, for the links */
 /* a member gave its registration up (JobAbort without a tag): drop the reports collected */

@@ -7,16 +7,23 @@
  * the thread sends only while the loop ticked within stall_ms. A stopped process (SIGSTOP, a
  * freeze of the machine) stops the thread too, and its peers declare it down as before.
  *
- * Datagram: magic, node, cluster config digest, sequence number, 24 bytes little-endian. One
- * whose magic, digest, node or source address is not a known peer's is dropped. IPv4 only; with
- * an IPv6 coordinator the control links' heartbeats alone count (logged). */
+ * Datagram: magic, node, sequence number and an HMAC-SHA256 (the first 16 bytes) over them,
+ * keyed by the session key of the control link's handshake with that peer (cluster/auth.h): 32
+ * bytes little-endian. One whose magic, node, source address or MAC is not a known peer's, or
+ * whose sequence number is not above the last one heard from it (a replay), is dropped: a
+ * process without the cluster's secret cannot keep a stopped node alive. The socket is bound
+ * to the node's configured address. IPv4 only; with an IPv6 coordinator the control links'
+ * heartbeats alone count (logged). */
 #include "cluster/heartbeat.h"
+#include "sd/hmac.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
 
 #include <errno.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
+#include <stddef.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -28,11 +35,30 @@
 
 #define HB_MAGIC 0x53444842u /* "SDHB" */
 
+#define HB_MAC 16
+
 struct hb_msg {
     uint32_t magic, node;
-    uint64_t digest, seq;
+    uint64_t seq;
+    uint8_t mac[HB_MAC];
 };
-_Static_assert(sizeof(struct hb_msg) == 24, "the heartbeat datagram is 24 bytes");
+_Static_assert(sizeof(struct hb_msg) == 32, "the heartbeat datagram is 32 bytes");
+
+struct hb_peer {
+    struct sockaddr_in addr; /* port 0: not a peer */
+    uint8_t key[SD_SHA256_BYTES];
+    uint64_t last_seq; /* the highest sequence number heard in this session */
+};
+
+static void hb_mac(const uint8_t *key, const struct hb_msg *m, uint8_t out[HB_MAC])
+{
+    struct sd_hmac h;
+    uint8_t full[SD_SHA256_BYTES];
+    sd_hmac_init(&h, key, SD_SHA256_BYTES);
+    sd_hmac_update(&h, m, offsetof(struct hb_msg, mac));
+    sd_hmac_final(&h, full);
+    memcpy(out, full, HB_MAC);
+}
 
 struct sd_heartbeat {
     int fd;
@@ -44,7 +70,7 @@ struct sd_heartbeat {
     atomic_uint_fast64_t loop_tick_ns;
     _Atomic uint64_t *last_seen_ns; /* [n] */
     pthread_mutex_t lock;           /* peers */
-    struct sockaddr_in *peers;      /* [n]: port 0 = not a peer */
+    struct hb_peer *peers;          /* [n] */
     _Atomic uint64_t sent, received, dropped;
 };
 
@@ -58,15 +84,15 @@ static void *hb_thread(void *arg)
             next = now + hb->interval_ns;
             /* vouch for the loop only while it runs */
             if (now - atomic_load(&hb->loop_tick_ns) < hb->stall_ns) {
-                struct hb_msg m = {
-                    .magic = HB_MAGIC, .node = hb->self, .digest = hb->digest, .seq = ++seq};
+                struct hb_msg m = {.magic = HB_MAGIC, .node = hb->self, .seq = ++seq};
                 pthread_mutex_lock(&hb->lock);
                 for (uint32_t i = 0; i < hb->n; i++) {
-                    if (hb->peers[i].sin_port == 0)
+                    if (hb->peers[i].addr.sin_port == 0)
                         continue;
-                    ssize_t w =
-                        sendto(hb->fd, &m, sizeof(m), MSG_DONTWAIT | MSG_NOSIGNAL,
-                               (const struct sockaddr *)&hb->peers[i], sizeof(hb->peers[i]));
+                    hb_mac(hb->peers[i].key, &m, m.mac);
+                    ssize_t w = sendto(hb->fd, &m, sizeof(m), MSG_DONTWAIT | MSG_NOSIGNAL,
+                                       (const struct sockaddr *)&hb->peers[i].addr,
+                                       sizeof(hb->peers[i].addr));
                     if (w == (ssize_t)sizeof(m))
                         hb->sent++;
                 }
@@ -85,12 +111,18 @@ static void *hb_thread(void *arg)
                 recvfrom(hb->fd, &m, sizeof(m), MSG_DONTWAIT, (struct sockaddr *)&from, &flen);
             if (r < 0)
                 break;
-            bool ok = r == (ssize_t)sizeof(m) && m.magic == HB_MAGIC && m.digest == hb->digest &&
-                      m.node < hb->n && m.node != hb->self;
+            bool ok = r == (ssize_t)sizeof(m) && m.magic == HB_MAGIC && m.node < hb->n &&
+                      m.node != hb->self;
             if (ok) {
                 pthread_mutex_lock(&hb->lock);
-                const struct sockaddr_in *p2 = &hb->peers[m.node];
-                ok = p2->sin_port != 0 && p2->sin_addr.s_addr == from.sin_addr.s_addr;
+                struct hb_peer *p2 = &hb->peers[m.node];
+                uint8_t want[HB_MAC];
+                ok = p2->addr.sin_port != 0 && p2->addr.sin_addr.s_addr == from.sin_addr.s_addr;
+                if (ok)
+                    hb_mac(p2->key, &m, want);
+                ok = ok && sd_mem_equal(want, m.mac, HB_MAC) && m.seq > p2->last_seq;
+                if (ok)
+                    p2->last_seq = m.seq;
                 pthread_mutex_unlock(&hb->lock);
             }
             if (!ok) {
@@ -105,7 +137,8 @@ static void *hb_thread(void *arg)
 }
 
 int sd_heartbeat_start(struct sd_heartbeat **hb_p, uint32_t self, uint32_t n, uint64_t digest,
-                       uint64_t interval_ms, uint64_t stall_ms, uint16_t port, uint16_t *port_p)
+                       uint64_t interval_ms, uint64_t stall_ms, const char *bind_addr,
+                       uint16_t port, uint16_t *port_p)
 {
     struct sd_heartbeat *hb = calloc(1, sizeof(*hb));
     if (hb == NULL)
@@ -126,6 +159,13 @@ int sd_heartbeat_start(struct sd_heartbeat **hb_p, uint32_t self, uint32_t n, ui
     hb->fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     struct sockaddr_in any = {
         .sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(INADDR_ANY)};
+    /* the node's own address: datagrams from elsewhere never reach the socket */
+    if (bind_addr != NULL && bind_addr[0] != '\0' &&
+        inet_pton(AF_INET, bind_addr, &any.sin_addr) != 1) {
+        SD_WARN("cluster", "heartbeats: '%s' is not an IPv4 address; bound to every address",
+                bind_addr);
+        any.sin_addr.s_addr = htonl(INADDR_ANY);
+    }
     socklen_t len = sizeof(any);
     if (hb->fd < 0 || bind(hb->fd, (struct sockaddr *)&any, sizeof(any)) != 0 ||
         getsockname(hb->fd, (struct sockaddr *)&any, &len) != 0) {
@@ -151,11 +191,13 @@ err_free:
 }
 
 void sd_heartbeat_set_peer(struct sd_heartbeat *hb, uint32_t node, const struct sockaddr *addr,
-                           uint16_t port)
+                           uint16_t port, const uint8_t *key)
 {
     if (hb == NULL || node >= hb->n || node == hb->self)
         return;
     struct sockaddr_in a = {0};
+    if (key == NULL)
+        port = 0; /* no session key: not a peer */
     if (addr != NULL && addr->sa_family == AF_INET && port != 0) {
         a = *(const struct sockaddr_in *)addr;
         a.sin_port = htons(port);
@@ -166,7 +208,10 @@ void sd_heartbeat_set_peer(struct sd_heartbeat *hb, uint32_t node, const struct 
                        node);
     }
     pthread_mutex_lock(&hb->lock);
-    hb->peers[node] = a;
+    hb->peers[node].addr = a;
+    hb->peers[node].last_seq = 0; /* a new session: its own key and numbers */
+    if (key != NULL)
+        memcpy(hb->peers[node].key, key, SD_SHA256_BYTES);
     pthread_mutex_unlock(&hb->lock);
     atomic_store(&hb->last_seen_ns[node], 0);
 }

@@ -5,16 +5,16 @@
  * (the events of cluster.h). */
 #include "cluster/cluster_int.h"
 
-static void link_close(struct link *l, const char *why);
 static void retry_cb(uv_timer_t *t);
 
-/* The heartbeat thread's peer for node: the address of l's other end, and port. */
+/* The heartbeat thread's peer for node: the address of l's other end, port, and the session
+ * key of l's handshake. */
 static void hb_peer(struct sd_cluster *cl, uint32_t node, struct link *l, uint32_t port)
 {
     struct sockaddr_storage ss;
     int len = sizeof(ss);
     if (uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&ss, &len) == 0)
-        sd_heartbeat_set_peer(cl->hb, node, (struct sockaddr *)&ss, (uint16_t)port);
+        sd_heartbeat_set_peer(cl->hb, node, (struct sockaddr *)&ss, (uint16_t)port, l->hb_key);
 }
 
 static uint32_t count_alive(const struct sd_cluster *cl)
@@ -208,12 +208,14 @@ static void refuse(struct link *l, const char *fmt, ...)
     m.msg_case = SHARD__PEER_MSG__MSG_REFUSE;
     m.refuse = &r;
     sd_cluster__link_send(l, &m);
-    link_close(l, "refused");
+    sd_cluster__link_close(l, "refused");
 }
 
-static void on_hello(struct link *l, const Shard__PeerHello *h)
+void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
 {
     struct sd_cluster *cl = l->cl;
+    if (!sd_cluster__hello_authentic(l, h))
+        return;
     if (h->node == 0 || h->node >= cl->n) {
         refuse(l, "node %u is out of range: this cluster has nodes 0..%u", h->node, cl->n - 1);
         return;
@@ -242,7 +244,7 @@ static void on_hello(struct link *l, const Shard__PeerHello *h)
                 "node %u connected again while its previous link was open: dropping "
                 "that link",
                 h->node);
-        link_close(old, "the node connected again");
+        sd_cluster__link_close(old, "the node connected again");
     }
     if (h->fabric_addr.len > sizeof(cl->addrs[0])) {
         refuse(l, "node %u: fabric address of %zu bytes is too long", h->node, h->fabric_addr.len);
@@ -277,15 +279,13 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
 {
     struct sd_cluster *cl = l->cl;
     l->last_seen_ns = sd_now_ns();
-    if (l->node < 0 && m->msg_case != SHARD__PEER_MSG__MSG_HELLO &&
-        m->msg_case != SHARD__PEER_MSG__MSG_TABLE && m->msg_case != SHARD__PEER_MSG__MSG_REFUSE) {
-        link_close(l, "message before hello");
+    if (!l->authed) {
+        sd_cluster__on_unauthed(l, m);
         return;
     }
     switch (m->msg_case) {
-    case SHARD__PEER_MSG__MSG_HELLO:
-        if (cl->self == 0 && l->node < 0)
-            on_hello(l, m->hello);
+    case SHARD__PEER_MSG__MSG_HELLO: /* once per link, before it was heard */
+        sd_cluster__link_close(l, "a second hello");
         break;
     case SHARD__PEER_MSG__MSG_TABLE:
         if (cl->self == 0 || m->table->n_fabric_addrs != cl->n)
@@ -387,15 +387,15 @@ static void read_cb(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
     struct link *l = s->data;
     (void)buf;
     if (n < 0) {
-        link_close(l, n == UV_EOF ? "connection closed" : uv_strerror((int)n));
+        sd_cluster__link_close(l, n == UV_EOF ? "connection closed" : uv_strerror((int)n));
         return;
     }
     l->rx_len += (size_t)n;
     size_t off = 0;
     while (l->rx_len - off >= SD_FRAME_HDR) {
         size_t len = sd_frame_len(l->rx + off);
-        if (len > MAX_PEER_MSG) {
-            link_close(l, "oversized peer message");
+        if (len > (l->authed ? MAX_PEER_MSG : MAX_HELLO_MSG)) {
+            sd_cluster__link_close(l, "oversized peer message");
             return;
         }
         if (l->rx_len - off < SD_FRAME_HDR + len)
@@ -403,7 +403,7 @@ static void read_cb(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
         Shard__PeerMsg *m = shard__peer_msg__unpack(NULL, len, l->rx + off + SD_FRAME_HDR);
         off += SD_FRAME_HDR + len;
         if (m == NULL) {
-            link_close(l, "undecodable peer message");
+            sd_cluster__link_close(l, "undecodable peer message");
             return;
         }
         on_message(l, m);
@@ -422,7 +422,7 @@ static void link_free_cb(uv_handle_t *h)
     free(l);
 }
 
-static void link_close(struct link *l, const char *why)
+void sd_cluster__link_close(struct link *l, const char *why)
 {
     if (l->closing)
         return;
@@ -473,7 +473,7 @@ static struct link *link_new(struct sd_cluster *cl)
     struct link *l = calloc(1, sizeof(*l));
     l->cl = cl;
     l->node = -1;
-    l->last_seen_ns = sd_now_ns();
+    l->last_seen_ns = l->created_ns = sd_now_ns();
     uv_tcp_init(cl->loop, &l->tcp);
     l->tcp.data = l;
     l->next = cl->links;
@@ -486,33 +486,18 @@ static void on_connection(uv_stream_t *server, int status)
     struct sd_cluster *cl = server->data;
     if (status < 0)
         return;
+    sd_cluster__admit(cl);
     struct link *l = link_new(cl);
     if (uv_accept(server, (uv_stream_t *)&l->tcp) != 0) {
-        link_close(l, "accept failed");
+        sd_cluster__link_close(l, "accept failed");
         return;
     }
     uv_tcp_nodelay(&l->tcp, 1);
     uv_read_start((uv_stream_t *)&l->tcp, alloc_cb, read_cb);
+    sd_cluster__challenge(l);
 }
 
 /* ---- member: connect to the coordinator, retrying until the rendezvous deadline */
-
-static void send_hello(struct sd_cluster *cl, struct link *l)
-{
-    Shard__PeerHello h = SHARD__PEER_HELLO__INIT;
-    h.node = cl->self;
-    h.protocol_version = SD_PROTOCOL_VERSION;
-    h.config_digest = cl->digest;
-    h.fabric_addr.data = cl->addrs[cl->self];
-    h.fabric_addr.len = cl->addr_len[cl->self];
-    h.version = SHARD_VERSION;
-    h.config_summary = cl->summary;
-    h.hb_port = cl->hb_port[cl->self];
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
-    m.hello = &h;
-    sd_cluster__link_send(l, &m);
-}
 
 static void try_connect(struct sd_cluster *cl);
 
@@ -533,7 +518,7 @@ static void connect_cb(uv_connect_t *req, int status)
                            "rejoin: connecting to the coordinator at %s: %s; again in "
                            "%d ms",
                            cl->cfg->coordinator, uv_strerror(status), SD_REJOIN_RETRY_MS);
-        link_close(l, uv_strerror(status));
+        sd_cluster__link_close(l, uv_strerror(status));
         /* a connect given up after the reconnect period (UV_ECANCELED) is tried again at once:
          * one attempt in flight per period, whatever TCP's backoff */
         uint64_t delay = !cl->rejoining ? 200 : status == UV_ECANCELED ? 0 : SD_REJOIN_RETRY_MS;
@@ -544,8 +529,7 @@ static void connect_cb(uv_connect_t *req, int status)
     uv_tcp_nodelay(&l->tcp, 1);
     cl->by_node[0] = l;
     l->node = 0;
-    uv_read_start((uv_stream_t *)&l->tcp, alloc_cb, read_cb);
-    send_hello(cl, l);
+    uv_read_start((uv_stream_t *)&l->tcp, alloc_cb, read_cb); /* its challenge comes first */
 }
 
 static void try_connect(struct sd_cluster *cl)
@@ -560,7 +544,7 @@ static void try_connect(struct sd_cluster *cl)
     cl->connect_started_ns = sd_now_ns();
     if (uv_tcp_connect(&cl->connect_req, &l->tcp, (struct sockaddr *)&ss, connect_cb) != 0) {
         cl->connecting = NULL;
-        link_close(l, "connect failed");
+        sd_cluster__link_close(l, "connect failed");
         uv_timer_start(&cl->retry, retry_cb, cl->rejoining ? SD_REJOIN_RETRY_MS : 200, 0);
     }
 }
@@ -607,11 +591,24 @@ static void timer_cb(uv_timer_t *t)
         now - cl->connect_started_ns > (uint64_t)SD_REJOIN_RETRY_MS * 1000000ULL) {
         struct link *c = cl->connecting;
         cl->connecting = NULL;
-        link_close(c, "connect timed out"); /* its connect_cb schedules the next try */
+        sd_cluster__link_close(c, "connect timed out"); /* its connect_cb schedules the next try */
     }
     for (struct link *l = cl->links, *next; l; l = next) {
         next = l->next;
-        if (l->node < 0)
+        if (!l->authed && now - l->created_ns > (uint64_t)SD_AUTH_MS * 1000000ULL) {
+            char addr[64];
+            cl->auth_refused += cl->self == 0;
+            SD_WARN("cluster",
+                    "a connection with %s did not prove the cluster's secret within %d "
+                    "ms: closed",
+                    sd_cluster__link_addr(l, addr, sizeof(addr)), SD_AUTH_MS);
+            int node = l->node;
+            sd_cluster__link_close(l, "no authentication in time");
+            if (cl->self != 0 && node == 0 && !cl->ready)
+                uv_timer_start(&cl->retry, retry_cb, 200, 0);
+            continue;
+        }
+        if (l->node < 0 || !l->authed)
             continue;
         sd_cluster__link_send(l, &m);
         /* the later of the link's last message and the heartbeat thread's last datagram: a
@@ -623,7 +620,7 @@ static void timer_cb(uv_timer_t *t)
             snprintf(reason, sizeof(reason), "no heartbeat for %llu ms",
                      (unsigned long long)((now - seen) / 1000000));
             int node = l->node;
-            link_close(l, reason);
+            sd_cluster__link_close(l, reason);
             if (cl->self != 0 && node == 0)
                 node_down(cl, 0, reason);
         }
@@ -648,6 +645,12 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     cl->self = (uint32_t)cfg->node;
     cl->start_ns = sd_now_ns();
     cl->digest = sd_config_digest(cfg, cl->summary, sizeof(cl->summary));
+    char err[600];
+    if (sd_auth_load(cfg, &cl->auth, err, sizeof(err)) != SD_OK) {
+        SD_ERROR("cluster", "%s", err);
+        *cl_p = cl;
+        return SD_ECONFIG;
+    }
     cl->addrs = calloc(cl->n, sizeof(*cl->addrs));
     cl->addr_len = calloc(cl->n, sizeof(*cl->addr_len));
     cl->present = calloc(cl->n, sizeof(bool));
@@ -665,9 +668,17 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     cl->present[cl->self] = true;
     /* heartbeats on a thread of their own; it stops vouching for a loop silent 4 timeouts */
     uint16_t hb_port = 0;
+    /* bound to this node's address: node 0's is the coordinator's host, the others' the one
+     * they reach it from (fabric_addr) */
+    char host[128] = "";
+    const char *colon = strrchr(cfg->coordinator, ':');
+    if (cl->self == 0 && colon != NULL && (size_t)(colon - cfg->coordinator) < sizeof(host))
+        snprintf(host, sizeof(host), "%.*s", (int)(colon - cfg->coordinator), cfg->coordinator);
+    else
+        snprintf(host, sizeof(host), "%s", cfg->fabric_addr);
     st = sd_heartbeat_start(
         &cl->hb, cl->self, cl->n, cl->digest, (uint64_t)cfg->heartbeat_interval_ms,
-        4 * (uint64_t)cfg->heartbeat_timeout_ms, (uint16_t)cfg->heartbeat_port, &hb_port);
+        4 * (uint64_t)cfg->heartbeat_timeout_ms, host, (uint16_t)cfg->heartbeat_port, &hb_port);
     if (st != SD_OK)
         SD_WARN("cluster", "no heartbeat thread (%s): the control links' heartbeats alone count",
                 sd_status_str(st));
@@ -716,7 +727,7 @@ void sd_cluster_stop(struct sd_cluster *cl)
         return;
     cl->stopping = true;
     while (cl->links != NULL)
-        link_close(cl->links, "daemon stopping");
+        sd_cluster__link_close(cl->links, "daemon stopping");
     if (cl->listening)
         uv_close((uv_handle_t *)&cl->listener, noop_close);
     if (cl->timer.loop != NULL) { /* the timers were initialized */
@@ -769,9 +780,12 @@ json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl)
 {
     uint64_t sent, received, dropped;
     sd_heartbeat_counts(cl ? cl->hb : NULL, &sent, &received, &dropped);
-    return json_pack("{s:b, s:I, s:I, s:I, s:i}", "thread", cl != NULL && cl->hb != NULL, "sent",
-                     (json_int_t)sent, "received", (json_int_t)received, "dropped",
-                     (json_int_t)dropped, "port", cl ? (int)cl->hb_port[cl->self] : 0);
+    /* dropped: datagrams of no peer, a bad MAC or an old sequence number; peers_refused:
+     * connections that did not prove the cluster's secret */
+    return json_pack("{s:b, s:I, s:I, s:I, s:i, s:I}", "thread", cl != NULL && cl->hb != NULL,
+                     "sent", (json_int_t)sent, "received", (json_int_t)received, "dropped",
+                     (json_int_t)dropped, "port", cl ? (int)cl->hb_port[cl->self] : 0,
+                     "peers_refused", (json_int_t)(cl ? cl->auth_refused : 0));
 }
 
 json_t *sd_cluster_json(const struct sd_cluster *cl)

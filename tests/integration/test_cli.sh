@@ -24,8 +24,9 @@ if [ -n "$BENCH" ]; then # a rank that cannot attach fails the run, with no resu
   check '[ $rc -ne 0 ] && grep -q "cannot connect" <<<"$out" && ! grep -q "^ *4096 " <<<"$out"' \
         "shard-bench without daemons: exit $rc: $out"
 fi
+key="$dir/cluster.key"
 out=$(timeout 20 "$SHARDD" --runtime-dir "$dir/qd" --nodes 2 --node 1 --ranks-per-node 1 \
-      --queue-depth 64 --coordinator 127.0.0.1:1 2>&1); rc=$?
+      --queue-depth 64 --coordinator 127.0.0.1:1 --cluster-secret-file "$key" 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "queue_depth 64: must be 0 .* or at least 128" <<<"$out"' \
       "queue_depth below the standing receives: exit $rc: $out"
 out=$("$SHARDD" --bogus 1 2>&1); rc=$?
@@ -51,21 +52,40 @@ check '[ $rc -eq 2 ] && grep -q "staging_slots" <<<"$out"' "staging_slots bound:
 # a cluster: node 0 gives up at the rendezvous deadline naming the missing nodes
 port=$((20000 + RANDOM % 30000))
 out=$("$SHARDD" --runtime-dir "$dir/r0" --nodes 3 --node 0 --ranks-per-node 1 \
-        --coordinator "127.0.0.1:$port" --rendezvous-timeout-ms 600 2>&1); rc=$?
+        --coordinator "127.0.0.1:$port" --rendezvous-timeout-ms 600 --cluster-secret-file "$key" \
+        2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "nodes 1, 2 did not join" <<<"$out"' "rendezvous deadline: $rc $out"
 check '[ ! -e "$dir/r0/shardd.sock" ]' "socket left behind after a failed rendezvous"
 out=$("$SHARDD" --runtime-dir "$dir/r0" --nodes 2 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "ranks_per_node" <<<"$out"' "a cluster without ranks_per_node: $out"
 # a node whose cluster-wide options differ is refused, naming them
 "$SHARDD" --runtime-dir "$dir/c0" --nodes 2 --node 0 --ranks-per-node 1 --op-timeout-ms 1000 \
-  --coordinator "127.0.0.1:$port" --rendezvous-timeout-ms 5000 >"$dir/c0.log" 2>&1 &
+  --coordinator "127.0.0.1:$port" --rendezvous-timeout-ms 5000 --cluster-secret-file "$key" \
+  >"$dir/c0.log" 2>&1 &
 c0=$!
 sleep 0.3
 out=$(timeout 10 "$SHARDD" --runtime-dir "$dir/c1" --nodes 2 --node 1 --ranks-per-node 1 \
-        --op-timeout-ms 2000 --coordinator "127.0.0.1:$port" 2>&1); rc=$?
+        --op-timeout-ms 2000 --coordinator "127.0.0.1:$port" --cluster-secret-file "$key" 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "op_timeout_ms=2000" <<<"$out" && grep -q "op_timeout_ms=1000" <<<"$out"' \
   "differing config not refused with the options named: $rc $out"
+# a node with another secret is refused, told why, and told nothing of the configuration
+(umask 077; head -c 32 /dev/urandom >"$dir/other.key")
+out=$(timeout 10 "$SHARDD" --runtime-dir "$dir/c2" --nodes 2 --node 1 --ranks-per-node 1 \
+        --op-timeout-ms 2000 --coordinator "127.0.0.1:$port" --cluster-secret-file "$dir/other.key" \
+        2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "authentication failed" <<<"$out" && grep -q "cluster_secret_file" <<<"$out" && ! grep -q "op_timeout_ms=1000" <<<"$out"' \
+  "a node with another secret: $rc $out"
+check 'grep -q "does not prove the cluster.s secret" "$dir/c0.log"' "node 0 did not log the refusal"
 kill -TERM "$c0" 2>/dev/null; wait "$c0" 2>/dev/null
+# a secret others may read, or none at a coordinator elsewhere: the daemon does not start
+chmod 644 "$dir/other.key"
+out=$("$SHARDD" --runtime-dir "$dir/c3" --nodes 2 --node 1 --ranks-per-node 1 \
+        --coordinator "127.0.0.1:$port" --cluster-secret-file "$dir/other.key" 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "readable by others" <<<"$out"' "a secret others may read: $rc $out"
+out=$("$SHARDD" --runtime-dir "$dir/c4" --nodes 2 --node 1 --ranks-per-node 1 \
+        --coordinator "10.255.255.1:$port" --cluster-secret-file "$dir/none.key" 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "none.key" <<<"$out" && [ ! -e "$dir/none.key" ]' \
+  "no secret with a remote coordinator: $rc $out"
 
 out=$("$SHARDCTL" --socket "$dir/nothing.sock" status 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "is shardd running" <<<"$out"' "shardctl without daemon: $out"

@@ -19,6 +19,8 @@ struct sd_config {
     int64_t op_timeout_ms;
     int64_t register_timeout_ms;
     int64_t resume_timeout_ms;
+    int64_t max_resume_timeout_ms;
+    uint64_t paused_bytes_per_uid;
     int64_t checkpoint_threads;
     int64_t checkpoint_workers;
     int64_t checkpoint_direct;
@@ -39,6 +41,7 @@ struct sd_config {
     char provider[64];
     char fabric_addr[64];
     char coordinator[128];
+    char cluster_secret_file[SD_PATH_MAX];
     int64_t heartbeat_interval_ms;
     int64_t heartbeat_timeout_ms;
     int64_t heartbeat_port;

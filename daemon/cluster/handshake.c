@@ -1,0 +1,176 @@
+/* The handshake of a control link (cluster/auth.h says what is proved): the coordinator's
+ * challenge, the member's hello, the coordinator's check of it and its welcome, and what an
+ * unproved link may say. */
+#include "cluster/cluster_int.h"
+
+#include <arpa/inet.h>
+
+/* "a.b.c.d:port" of l's other end, for log lines */
+const char *sd_cluster__link_addr(struct link *l, char *buf, size_t len)
+{
+    struct sockaddr_storage ss;
+    int sl = sizeof(ss);
+    snprintf(buf, len, "?");
+    if (uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&ss, &sl) == 0 && ss.ss_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)&ss;
+        char ip[INET_ADDRSTRLEN];
+        uv_ip4_name(a, ip, sizeof(ip));
+        snprintf(buf, len, "%s:%u", ip, ntohs(a->sin_port));
+    }
+    return buf;
+}
+
+/* A hello on a link that has not proved the secret: heard only when its MAC is right. Nothing
+ * of this node's configuration is said to one that is not. */
+bool sd_cluster__hello_authentic(struct link *l, const Shard__PeerHello *h)
+{
+    struct sd_cluster *cl = l->cl;
+    uint8_t want[SD_SHA256_BYTES];
+    char addr[64];
+    bool ok = h->nonce.len == SD_AUTH_NONCE && h->mac.len == SD_SHA256_BYTES;
+    if (ok) {
+        memcpy(l->nonce_m, h->nonce.data, SD_AUTH_NONCE);
+        sd_auth_hello_mac(&cl->auth, l->nonce_c, l->nonce_m, h, want);
+        ok = sd_mem_equal(want, h->mac.data, SD_SHA256_BYTES);
+    }
+    if (!ok) {
+        cl->auth_refused++;
+        SD_ERROR("cluster",
+                 "refusing a daemon at %s that calls itself node %u: its hello does not prove the "
+                 "cluster's secret (a different cluster_secret_file, or not a daemon of this "
+                 "cluster)",
+                 sd_cluster__link_addr(l, addr, sizeof(addr)), h->node);
+        Shard__PeerRefuse r = SHARD__PEER_REFUSE__INIT;
+        r.reason = "authentication failed: the hello's HMAC does not match this cluster's secret "
+                   "(is cluster_secret_file the same file on every node?)";
+        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+        m.msg_case = SHARD__PEER_MSG__MSG_REFUSE;
+        m.refuse = &r;
+        sd_cluster__link_send(l, &m);
+        sd_cluster__link_close(l, "authentication failed");
+        return false;
+    }
+    l->authed = true;
+    sd_auth_hb_key(&cl->auth, l->nonce_c, l->nonce_m, l->hb_key);
+    Shard__PeerWelcome w = SHARD__PEER_WELCOME__INIT;
+    uint8_t mac[SD_SHA256_BYTES];
+    sd_auth_welcome_mac(&cl->auth, l->nonce_c, l->nonce_m, mac);
+    w.mac.data = mac;
+    w.mac.len = sizeof(mac);
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_WELCOME;
+    m.welcome = &w;
+    sd_cluster__link_send(l, &m);
+    return true;
+}
+
+void sd_cluster__challenge(struct link *l)
+{
+    Shard__PeerChallenge ch = SHARD__PEER_CHALLENGE__INIT;
+    if (sd_auth_nonce(l->nonce_c) != SD_OK) {
+        sd_cluster__link_close(l, "no nonce");
+        return;
+    }
+    ch.nonce.data = l->nonce_c;
+    ch.nonce.len = SD_AUTH_NONCE;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_CHALLENGE;
+    m.challenge = &ch;
+    sd_cluster__link_send(l, &m);
+}
+
+void sd_cluster__admit(struct sd_cluster *cl)
+{
+    uint32_t waiting = 0; /* links that have not proved the secret yet: the oldest goes */
+    struct link *oldest = NULL;
+    for (struct link *o = cl->links; o; o = o->next)
+        if (!o->authed && !o->closing) {
+            waiting++;
+            if (oldest == NULL || o->created_ns < oldest->created_ns)
+                oldest = o;
+        }
+    if (waiting >= MAX_UNAUTHED && oldest != NULL)
+        sd_cluster__link_close(oldest, "too many connections waiting to prove the secret");
+}
+
+static void send_hello(struct sd_cluster *cl, struct link *l)
+{
+    uint8_t mac[SD_SHA256_BYTES];
+    if (sd_auth_nonce(l->nonce_m) != SD_OK) {
+        sd_cluster__link_close(l, "no nonce");
+        return;
+    }
+    Shard__PeerHello h = SHARD__PEER_HELLO__INIT;
+    h.node = cl->self;
+    h.protocol_version = SD_PROTOCOL_VERSION;
+    h.config_digest = cl->digest;
+    h.fabric_addr.data = cl->addrs[cl->self];
+    h.fabric_addr.len = cl->addr_len[cl->self];
+    h.version = SHARD_VERSION;
+    h.config_summary = cl->summary;
+    h.hb_port = cl->hb_port[cl->self];
+    h.nonce.data = l->nonce_m;
+    h.nonce.len = SD_AUTH_NONCE;
+    sd_auth_hello_mac(&cl->auth, l->nonce_c, l->nonce_m, &h, mac);
+    h.mac.data = mac;
+    h.mac.len = sizeof(mac);
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
+    m.hello = &h;
+    sd_cluster__link_send(l, &m);
+}
+
+/* Before the other end proved the secret: the coordinator hears a hello, a member the
+ * challenge, the welcome or a refusal; anything else closes the link. True if m was one. */
+void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m)
+{
+    struct sd_cluster *cl = l->cl;
+    char addr[64];
+    if (cl->self == 0) {
+        if (m->msg_case == SHARD__PEER_MSG__MSG_HELLO)
+            sd_cluster__on_hello(l, m->hello);
+        else
+            sd_cluster__link_close(l, "a message before the hello");
+        return;
+    }
+    switch (m->msg_case) {
+    case SHARD__PEER_MSG__MSG_CHALLENGE:
+        if (m->challenge->nonce.len != SD_AUTH_NONCE) {
+            sd_cluster__link_close(l, "a challenge without a nonce");
+            return;
+        }
+        memcpy(l->nonce_c, m->challenge->nonce.data, SD_AUTH_NONCE);
+        send_hello(cl, l);
+        return;
+    case SHARD__PEER_MSG__MSG_WELCOME: {
+        uint8_t want[SD_SHA256_BYTES];
+        sd_auth_welcome_mac(&cl->auth, l->nonce_c, l->nonce_m, want);
+        if (m->welcome->mac.len != SD_SHA256_BYTES ||
+            !sd_mem_equal(want, m->welcome->mac.data, SD_SHA256_BYTES)) {
+            SD_ERROR("cluster",
+                     "the coordinator at %s does not prove the cluster's secret (a different "
+                     "cluster_secret_file?): not heard",
+                     sd_cluster__link_addr(l, addr, sizeof(addr)));
+            sd_cluster__link_close(l, "the coordinator did not prove the secret");
+            return;
+        }
+        l->authed = true;
+        sd_auth_hb_key(&cl->auth, l->nonce_c, l->nonce_m, l->hb_key);
+        return;
+    }
+    case SHARD__PEER_MSG__MSG_REFUSE:
+        /* not proved: a refusal from whoever answers at the coordinator's address ends the
+         * start-up, where it names a misconfiguration, but not a cluster this node is in */
+        SD_ERROR("cluster", "the daemon at %s refused this node: %s", cl->cfg->coordinator,
+                 m->refuse->reason);
+        if (!cl->ready) {
+            cl->fatal = true;
+            uv_stop(cl->loop);
+        }
+        sd_cluster__link_close(l, "refused");
+        return;
+    default:
+        sd_cluster__link_close(l, "a message before the coordinator proved the secret");
+        return;
+    }
+}
