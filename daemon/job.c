@@ -253,6 +253,14 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
             job_start_loading(job);
         return;
     }
+    /* the job's nodes must be reachable over the fabric first: a node whose data path is still
+     * being probed (a table just installed) is waited for, within the registration's deadline */
+    job->xfer.report_waits = false;
+    for (uint32_t n = 0; status == SD_OK && n < job->nodes; n++)
+        if (!sd_cluster_usable(job->reg->net->cl, n)) {
+            job->xfer.report_waits = true;
+            return; /* sd_job_sweep tries again */
+        }
     /* the coordinator's decision comes back through sd_job_confirmed / sd_job_refused, possibly
      * before this call returns (node 0 decides locally): touch nothing of job afterwards */
     job->register_deadline_ns =
@@ -667,6 +675,10 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
     if (sd_ckpt_work_sweep(job, now))
         return; /* a file task past its deadline failed its operation: the job may be gone */
     if (job->state == SD_JOB_REGISTERING) {
+        if (job->xfer.report_waits && now < job->register_deadline_ns) {
+            sd_job_allocated(job, SD_OK, ""); /* its nodes' data paths may work now */
+            return;
+        }
         if (now < job->register_deadline_ns || job->mem.allocating)
             return;
         for (uint32_t r = 0; r < job->k && r < 1024; r++)

@@ -232,6 +232,8 @@ struct sd_job_xfer {
     struct sd_req_msg *req_queue; /* requests waiting for a newer generation or readiness */
     uint32_t req_queued, req_cap;
     uint32_t *members; /* scratch list of member nodes */
+    bool report_waits; /* registered and allocated, waiting for its nodes' data paths (probes)
+                        * before the coordinator hears of it */
 };
 
 struct sd_job {

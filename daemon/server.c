@@ -311,49 +311,95 @@ static bool handle_message(struct sd_conn *c, const uint8_t *buf, size_t len)
     return open && !c->closing;
 }
 
+/* A connection stopped sending this long ago holds its memory without progress: when the
+ * control memory is full, the first to go. */
+#define RX_STALLED_NS (200 * 1000000ULL)
+
+/* When the control memory is full, whose incomplete message goes (c: the one asking): the
+ * connection that stopped sending the longest ago (*stalled_p: hoarders parked on a partial
+ * message), else, when everyone is sending, the one holding the most beyond an equal share (c
+ * included; *share_p). A client sending a large message steadily never goes for connections
+ * that stopped. NULL when nobody holds more than a share: c then waits its turn. */
+static struct sd_conn *rx_victim(struct sd_server *srv, struct sd_conn *c, bool *stalled_p,
+                                 uint64_t *share_p)
+{
+    uint64_t now = sd_now_ns();
+    uint32_t n = 0;
+    for (struct sd_conn *o = srv->conns; o; o = o->next)
+        n += !o->closing && o->rx_len > 0;
+    uint64_t share = srv->cfg->control_memory_bytes / SD_MAX(n, 1u);
+    struct sd_conn *stalled = NULL, *over = NULL;
+    for (struct sd_conn *o = srv->conns; o; o = o->next) {
+        if (o->closing || o->rx_len == 0)
+            continue;
+        uint64_t idle = now - SD_MAX(o->rx_last_ns, o->rx_since_ns);
+        if (o != c && idle >= RX_STALLED_NS &&
+            (stalled == NULL || o->rx_last_ns < stalled->rx_last_ns))
+            stalled = o;
+        if (o->rx_cap > share && (over == NULL || o->rx_cap > over->rx_cap))
+            over = o;
+    }
+    *stalled_p = stalled != NULL;
+    *share_p = share;
+    return stalled != NULL ? stalled : over;
+}
+
+/* close c for the control memory: its receive buffer goes first, so that the error that tells
+ * it why fits */
+static void rx_drop(struct sd_conn *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void rx_drop(struct sd_conn *c, const char *fmt, ...)
+{
+    char text[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    SD_WARN("server", "conn %llu (pid %d uid %d): %s; closing it", (unsigned long long)c->id,
+            (int)c->pid, (int)c->uid, text);
+    c->srv->dropped++;
+    c->srv->ctl_bytes -= c->rx_cap;
+    rx_free(c->rx, c->rx_cap);
+    c->rx = NULL;
+    c->rx_cap = c->rx_len = 0;
+    sd_conn_send_error(c, SD_ENOMEM, "%s", text);
+    sd_conn_close(c, "control memory limit");
+}
+
 /* Room for 4 KiB more in c's receive buffer, within max_message_bytes and the daemon's
  * control memory; false when the connection was closed. */
 static bool rx_reserve(struct sd_conn *c)
 {
     struct sd_server *srv = c->srv;
+    uint64_t limit = srv->cfg->control_memory_bytes;
     size_t max = srv->cfg->max_message_bytes + SD_FRAME_HDR;
     if (c->rx_cap - c->rx_len >= 4096 || c->rx_cap >= max)
         return true;
     size_t cap = SD_MIN(SD_MAX(c->rx_cap * 2, 16384), max);
-    /* over the limit: the connection holding the most of an incomplete message goes first,
-     * so that 30 clients parked on 16 MiB messages cannot starve one sending a normal one */
-    while (srv->ctl_bytes + (cap - c->rx_cap) > srv->cfg->control_memory_bytes) {
-        struct sd_conn *big = c;
-        for (struct sd_conn *o = srv->conns; o; o = o->next)
-            if (!o->closing && o->rx_len > 0 && o->rx_cap > big->rx_cap)
-                big = o;
-        if (big == c)
+    while (srv->ctl_bytes + (cap - c->rx_cap) > limit) {
+        bool stalled;
+        uint64_t share;
+        struct sd_conn *v = rx_victim(srv, c, &stalled, &share);
+        if (v == NULL || v == c)
             break;
-        SD_WARN("server",
-                "conn %llu (pid %d uid %d): its incomplete message of %zu bytes is the largest "
-                "when the control memory (%llu bytes) is full; closing it",
-                (unsigned long long)big->id, (int)big->pid, (int)big->uid, big->rx_len,
-                (unsigned long long)srv->cfg->control_memory_bytes);
-        srv->dropped++;
-        sd_conn_send_error(big, SD_ENOMEM,
-                           "the daemon's control memory (control_memory_bytes %llu) is full and "
-                           "your incomplete message is the largest in it",
-                           (unsigned long long)srv->cfg->control_memory_bytes);
-        sd_conn_close(big, "control memory limit");
+        if (stalled)
+            rx_drop(v,
+                    "the daemon's control memory (control_memory_bytes %llu) is full and your "
+                    "incomplete message (%zu bytes so far) made no progress for %llu ms",
+                    (unsigned long long)limit, v->rx_len,
+                    (unsigned long long)(sd_now_ns() - SD_MAX(v->rx_last_ns, v->rx_since_ns)) /
+                        1000000);
+        else
+            rx_drop(v,
+                    "the daemon's control memory (control_memory_bytes %llu) is full and your "
+                    "incomplete message holds %zu bytes, more than an equal share (%llu) of it",
+                    (unsigned long long)limit, v->rx_cap, (unsigned long long)share);
     }
-    if (srv->ctl_bytes + (cap - c->rx_cap) > srv->cfg->control_memory_bytes) {
-        SD_WARN("server",
-                "conn %llu (pid %d uid %d): an incomplete message of %zu bytes would take the "
-                "control memory past %llu bytes (%llu in use by all connections); closing it",
-                (unsigned long long)c->id, (int)c->pid, (int)c->uid, c->rx_len,
-                (unsigned long long)srv->cfg->control_memory_bytes,
-                (unsigned long long)srv->ctl_bytes);
-        srv->dropped++;
-        sd_conn_send_error(c, SD_ENOMEM,
-                           "the daemon's control memory (control_memory_bytes %llu) is in use by "
-                           "incomplete messages; send again later",
-                           (unsigned long long)srv->cfg->control_memory_bytes);
-        sd_conn_close(c, "control memory limit");
+    if (srv->ctl_bytes + (cap - c->rx_cap) > limit) {
+        rx_drop(c,
+                "the daemon's control memory (control_memory_bytes %llu) is in use by incomplete "
+                "messages of connections sending as steadily (%llu bytes); send again later",
+                (unsigned long long)limit, (unsigned long long)srv->ctl_bytes);
         return false;
     }
     uint8_t *rx = rx_resize(c->rx, c->rx_cap, cap);
@@ -401,6 +447,7 @@ static void conn_read(struct sd_conn *c)
             return;
         }
         c->rx_len += (size_t)n;
+        c->rx_last_ns = sd_now_ns();
         size_t off = 0;
         while (c->rx_len - off >= SD_FRAME_HDR) {
             size_t flen = sd_frame_len(c->rx + off);
@@ -593,168 +640,6 @@ static void accept_cb(uv_poll_t *h, int status, int events)
         SD_DEBUG("server", "conn %llu from pid %d uid %d", (unsigned long long)c->id, (int)c->pid,
                  (int)c->uid);
     }
-}
-
-/* ---- progress: drain rings; spin while busy, then sleep on eventfds */
-
-enum { DID_NET = 1, DID_RING = 2 };
-
-/* one pass over the fabric and the rings: what moved (DID_NET, DID_RING) */
-static int progress_once(struct sd_server *srv)
-{
-    int did = 0;
-    if (srv->tp != NULL && srv->tp->ops->progress(srv->tp) > 0) {
-        did |= DID_NET;
-        srv->last_net_ns = sd_now_ns();
-    }
-    for (struct sd_session *s = srv->sessions; s; s = s->next)
-        if (sd_session_progress(s))
-            did |= DID_RING;
-    return did;
-}
-
-static void set_sleeping(struct sd_server *srv, uint32_t v)
-{
-    for (struct sd_session *s = srv->sessions; s; s = s->next)
-        atomic_store(&s->hdr->daemon_sleeping, v);
-}
-
-/* true if no ring holds a request the daemon could take now. Requests queued behind a stalled
- * one (a push whose unit's previous round still runs, a fetch waiting for pool space or
- * transfer resources) wait for what unblocks it: a completion, another client's request or a
- * timer, each of which wakes the loop. Counting them kept the daemon busy-polling for as long
- * as a client had more requests queued than it could start, which starved the other daemons
- * and the kernel's TCP on a shared host. */
-static bool all_empty(struct sd_server *srv)
-{
-    for (struct sd_session *s = srv->sessions; s; s = s->next)
-        if (!s->broken && !s->has_stalled && !sd_ring_sq_empty(s->hdr))
-            return false;
-    return true;
-}
-
-static void wake(struct sd_server *srv);
-
-static void net_timer_cb(uv_timer_t *h)
-{
-    struct sd_server *srv = h->data;
-    uint64_t before = srv->last_net_ns;
-    sd_server_progress(srv);
-    if (srv->last_net_ns != before)
-        wake(srv); /* data moves again: poll closely */
-    if (!sd_net_busy(srv->reg))
-        uv_timer_stop(&srv->net_timer);
-}
-
-static void idle_cb(uv_idle_t *h)
-{
-    struct sd_server *srv = h->data;
-    uint64_t now = sd_now_ns();
-    srv->polls++;
-    int did = progress_once(srv);
-    if (did) {
-        for (int more = progress_once(srv); more; more = progress_once(srv))
-            did |= more;
-        if (did & DID_RING) /* poll_spin_us counts from the trainers' last request */
-            srv->last_activity_ns = now;
-        return;
-    }
-    if (now - srv->last_activity_ns < (uint64_t)srv->cfg->poll_spin_us * 1000)
-        return;
-    /* transfers in flight need progress calls (manual-progress providers such as ofi_rxm
-     * advance a transfer one step per call): busy-poll with net_spin (cores to spare), poll
-     * yielding the core for net_poll_us after the last completion, then sleep on the completion
-     * queue's wait fd with a 1 ms re-poll. Spinning daemons that share cores with trainers and
-     * other daemons (an emulated cluster) slow the transfers down: the default sleeps at once. */
-    if (srv->tp != NULL) {
-        bool busy = sd_net_busy(srv->reg);
-        if (busy && srv->cfg->net_spin)
-            return;
-        if (busy && now - srv->last_net_ns < (uint64_t)srv->cfg->net_poll_us * 1000) {
-            sched_yield();
-            return;
-        }
-        if (!srv->tp->ops->can_sleep(srv->tp)) {
-            sched_yield();
-            return;
-        }
-        /* a transfer waits for data that is not there yet: sleep on the wait fd, and look
-         * again every millisecond (providers with manual progress need the calls) */
-        if (busy && !uv_is_active((uv_handle_t *)&srv->net_timer))
-            uv_timer_start(&srv->net_timer, net_timer_cb, 1, 1);
-    }
-    /* go to sleep: announce it, then look once more (pairs with the client's fence) */
-    set_sleeping(srv, 1);
-    atomic_thread_fence(memory_order_seq_cst);
-    if (!all_empty(srv)) {
-        set_sleeping(srv, 0);
-        return;
-    }
-    uv_idle_stop(&srv->idle);
-    srv->spinning = false;
-}
-
-void sd_server_progress(struct sd_server *srv)
-{
-    while (progress_once(srv))
-        ;
-}
-
-/* Progress now, then keep polling from the idle handle until a pass finds nothing to do. The
- * fabric's wake-ups come here directly: spinning for poll_spin_us after each of them would
- * busy-poll through a whole transfer (data arrives continuously), taking the CPU that other
- * daemons and the kernel's TCP need on a shared host. */
-static void wake(struct sd_server *srv)
-{
-    set_sleeping(srv, 0);
-    sd_server_progress(srv);
-    if (!srv->spinning && !srv->stopping) {
-        srv->spinning = true;
-        uv_idle_start(&srv->idle, idle_cb);
-    }
-}
-
-/* A client's request: poll its ring for poll_spin_us more, for the next one. */
-void sd_server_kick(struct sd_server *srv)
-{
-    srv->last_activity_ns = sd_now_ns();
-    wake(srv);
-}
-
-static void tp_wake_cb(uv_poll_t *h, int status, int events)
-{
-    (void)status;
-    (void)events;
-    wake(h->data);
-}
-
-void sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp)
-{
-    srv->tp = tp;
-    uv_timer_init(srv->loop, &srv->net_timer);
-    srv->net_timer.data = srv;
-    int fd = tp->ops->wait_fd(tp);
-    if (fd >= 0 && uv_poll_init(srv->loop, &srv->tpoll, fd) == 0) {
-        srv->tpoll.data = srv;
-        uv_poll_start(&srv->tpoll, UV_READABLE, tp_wake_cb);
-        srv->tpolling = true;
-    }
-    sd_server_kick(srv);
-}
-
-void sd_server_detach_transport(struct sd_server *srv)
-{
-    if (srv->tpolling) {
-        uv_poll_stop(&srv->tpoll);
-        uv_close((uv_handle_t *)&srv->tpoll, NULL);
-        srv->tpolling = false;
-    }
-    if (srv->tp != NULL) {
-        uv_timer_stop(&srv->net_timer);
-        uv_close((uv_handle_t *)&srv->net_timer, NULL);
-    }
-
-    srv->tp = NULL;
 }
 
 static void sweep_cb(uv_timer_t *h)

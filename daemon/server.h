@@ -41,6 +41,7 @@ struct sd_conn {
     uint8_t *rx;
     size_t rx_len, rx_cap;
     uint64_t rx_since_ns; /* when the incomplete message in rx began (0: none) */
+    uint64_t rx_last_ns;  /* when its last bytes came: a connection that stopped sending hoards */
     struct sd_txbuf *tx_head, *tx_tail;
     size_t tx_bytes;
     bool tx_polling; /* waiting for the socket to take more */

@@ -6,6 +6,10 @@
 #                                [--port PORT] [--shardd PATH] [-- shardd options...]
 #   tools/local-cluster.sh stop --dir DIR
 #   tools/local-cluster.sh link --dir DIR --node I up|down     (netns clusters: cut a node off)
+#   tools/local-cluster.sh drop --dir DIR --node I --from J on|off
+#                          (netns clusters: node I can no longer send to node J, a blackhole
+#                           route, so every connection between them dies: a dead data path
+#                           between two members, whose control links go to node 0 and stay up)
 #
 # start runs N daemons; node i's client socket is DIR/node<i>/shardd.sock and its log
 # DIR/node<i>/shardd.log. Without --netns they talk over loopback. With --netns each node gets
@@ -19,13 +23,14 @@
 # daemons and removes the namespaces, links and DIR's contents it made.
 set -euo pipefail
 
-usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ -n "$cmd" ] || { usage; exit 2; }
 case $cmd in -h|--help|help) usage; exit 0 ;; esac
 shift
 state= nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 mtu=1500 port= shardd= shardctl= extra=() node=
+from=
 while [ $# -gt 0 ]; do
   case $1 in
     --nodes) nodes=$2; shift 2 ;;
@@ -39,9 +44,10 @@ while [ $# -gt 0 ]; do
     --shardd) shardd=$2; shift 2 ;;
     --shardctl) shardctl=$2; shift 2 ;;
     --node) node=$2; shift 2 ;;
+    --from) from=$2; shift 2 ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
-    up|down) state=$1; shift ;;
+    up|down|on|off) state=$1; shift ;;
     *) echo "local-cluster.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -82,6 +88,14 @@ case $cmd in
     [ -n "$node" ] && [ -n "$state" ] || { echo "link needs --node I and up or down" >&2; exit 2; }
     [ -f "$dir/netns" ] || { echo "link: $dir is not a --netns cluster" >&2; exit 2; }
     ip netns exec "$(ns "$node")" ip link set "sv${tagid}n$node" "$state"
+    exit 0 ;;
+  drop)
+    [ -n "$node" ] && [ -n "$from" ] && [ -n "$state" ] ||
+      { echo "drop needs --node I --from J and on or off" >&2; exit 2; }
+    [ -f "$dir/netns" ] || { echo "drop: $dir is not a --netns cluster" >&2; exit 2; }
+    a=$((200 + tagid % 50)); b=$((tagid % 250))
+    verb=add; [ "$state" = on ] || verb=del
+    ip netns exec "$(ns "$node")" ip route "$verb" blackhole "10.$a.$b.$((from + 1))/32"
     exit 0 ;;
   start) ;;
   *) usage; exit 2 ;;

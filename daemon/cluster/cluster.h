@@ -57,6 +57,9 @@ bool sd_cluster_ready(const struct sd_cluster *cl);
 /* Set when the cluster cannot form (refused, rendezvous deadline): the daemon must exit. */
 bool sd_cluster_fatal(const struct sd_cluster *cl);
 bool sd_cluster_alive(const struct sd_cluster *cl, uint32_t node);
+/* node is alive and its data path works (the probe of the last address table came back):
+ * jobs that span it may start */
+bool sd_cluster_usable(const struct sd_cluster *cl, uint32_t node);
 uint32_t sd_cluster_nodes(const struct sd_cluster *cl);
 
 /* A job finished registering on this node (status 0) or failed to. The coordinator confirms it

@@ -84,6 +84,7 @@ struct sd_cluster {
     protobuf_c_boolean *down_scratch; /* [n]: the down flags of a table being installed */
     uint32_t *hb_port;                /* [n]: UDP heartbeat port of each node (0: none) */
     struct sd_heartbeat *hb;          /* the heartbeat thread (heartbeat.c) */
+    struct sd_probe *probe;           /* the peers' data paths (probe.c) */
     struct link **by_node; /* coordinator: link of each node; member: [0] is the coordinator */
     struct link *links;
     uv_tcp_t listener;
@@ -116,6 +117,15 @@ void sd_cluster__admit(struct sd_cluster *cl);
 bool sd_cluster__hello_authentic(struct link *l, const Shard__PeerHello *h);
 /* a message on a link that has not proved the secret */
 void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m);
+
+/* ---- probe.c, for the links: every peer's data path, probed at each table */
+int sd_probe_init(struct sd_cluster *cl);
+void sd_probe_table(struct sd_cluster *cl);
+void sd_probe_down(struct sd_cluster *cl, uint32_t node);
+void sd_probe_tick(struct sd_cluster *cl, uint64_t now);
+bool sd_probe_ok(const struct sd_cluster *cl, uint32_t node);
+void sd_probe_stop(struct sd_cluster *cl);
+void sd_probe_free(struct sd_cluster *cl);
 
 /* ---- coordinator.c, for the links */
 /* a member gave its registration up (JobAbort without a tag): drop the reports collected */

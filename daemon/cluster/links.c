@@ -123,6 +123,7 @@ static void node_down(struct sd_cluster *cl, uint32_t node, const char *reason)
             if (i != node && cl->alive[i])
                 sd_cluster__link_send(cl->by_node[i], &m);
     }
+    sd_probe_down(cl, node);
     cl->ev.node_down(cl->ev.ctx, node, reason);
     if (cl->ready)
         cl->tp->ops->peer_down(cl->tp, node);
@@ -180,6 +181,7 @@ static int install_table(struct sd_cluster *cl, const protobuf_c_boolean *down)
         if (!cl->alive[i])
             cl->tp->ops->peer_down(cl->tp, i);
     }
+    sd_probe_table(cl); /* "up" once the data path answers */
     st = cl->ev.formed(cl->ev.ctx);
     if (st != SD_OK)
         return st;
@@ -625,6 +627,7 @@ static void timer_cb(uv_timer_t *t)
                 node_down(cl, 0, reason);
         }
     }
+    sd_probe_tick(cl, now);
     if (cl->self == 0)
         sd_cluster__coord_sweep(cl, now);
 }
@@ -666,6 +669,10 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     }
     cl->addr_len[cl->self] = len;
     cl->present[cl->self] = true;
+    if ((st = sd_probe_init(cl)) != SD_OK) {
+        *cl_p = cl;
+        return st;
+    }
     /* heartbeats on a thread of their own; it stops vouching for a loop silent 4 timeouts */
     uint16_t hb_port = 0;
     /* bound to this node's address: node 0's is the coordinator's host, the others' the one
@@ -737,6 +744,7 @@ void sd_cluster_stop(struct sd_cluster *cl)
         uv_close((uv_handle_t *)&cl->retry, noop_close);
     }
     sd_cluster__coord_free(cl);
+    sd_probe_stop(cl);
     sd_heartbeat_stop(cl->hb);
     cl->hb = NULL;
     /* the handles are closed; the memory goes once the loop ran their close callbacks */
@@ -753,6 +761,7 @@ void sd_cluster_free(struct sd_cluster *cl)
     free(cl->down_scratch);
     free(cl->hb_port);
     free(cl->by_node);
+    sd_probe_free(cl);
     free(cl);
 }
 
@@ -769,6 +778,11 @@ bool sd_cluster_fatal(const struct sd_cluster *cl)
 bool sd_cluster_alive(const struct sd_cluster *cl, uint32_t node)
 {
     return cl == NULL ? node == 0 : node < cl->n && (node == cl->self || cl->alive[node]);
+}
+
+bool sd_cluster_usable(const struct sd_cluster *cl, uint32_t node)
+{
+    return sd_cluster_alive(cl, node) && (cl == NULL || sd_probe_ok(cl, node));
 }
 
 uint32_t sd_cluster_nodes(const struct sd_cluster *cl)
@@ -794,9 +808,10 @@ json_t *sd_cluster_json(const struct sd_cluster *cl)
     for (uint32_t i = 0; cl && i < cl->n; i++)
         json_array_append_new(nodes, json_pack("{s:i, s:b, s:s}", "node", (int)i, "self",
                                                i == cl->self, "state",
-                                               i == cl->self     ? "self"
-                                               : !cl->present[i] ? "absent"
-                                               : cl->alive[i]    ? "up"
-                                                                 : "down"));
+                                               i == cl->self        ? "self"
+                                               : !cl->present[i]    ? "absent"
+                                               : !cl->alive[i]      ? "down"
+                                               : sd_probe_ok(cl, i) ? "up"
+                                                                    : "probing"));
     return nodes;
 }

@@ -16,6 +16,7 @@
  *   SCALAR      step mod 2^16
  *   WSTEP       step mod 2^16
  *   INIT, RDV   0
+ *   PROBE       0 (job 0; unit 1 on the control rail, 0 on data lane `chunk`)
  *
  * A leaf header: the transport reads kind, src and chunk to route, the collective engine and the
  * operations build tags, and nothing here depends on either. */
@@ -66,6 +67,8 @@ enum sd_tag_kind {
     SD_TAG_INIT = 6,   /* initial values broadcast */
     SD_TAG_RDV = 7,    /* the transport's clear-to-send (rendezvous_bytes), on its own endpoint */
     SD_TAG_WSTEP = 8,  /* the weights' all-gather after the optimizer (f_w < f_os) */
+    SD_TAG_PROBE = 9,  /* the cluster's probe of a peer's data path (unit 1: the control rail,
+                        * 0: a data lane, chunk: which) */
 };
 
 struct sd_tag_fields {
@@ -204,7 +207,8 @@ static inline uint32_t sd_tag_chunk(uint64_t tag)
 static inline bool sd_tag_is_ctrl(uint64_t tag)
 {
     uint32_t kind = sd_tag_kind(tag);
-    return kind == SD_TAG_REQ || kind == SD_TAG_SCALAR;
+    return kind == SD_TAG_REQ || kind == SD_TAG_SCALAR ||
+           (kind == SD_TAG_PROBE && sd_tag_get(tag, SD_TAGF_UNIT) == 1);
 }
 
 #endif

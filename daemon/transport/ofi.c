@@ -46,41 +46,54 @@ static int ofi_getname(struct sd_transport *tp, void *addr, size_t *len_p)
     return SD_OK;
 }
 
+/* node i's endpoints (its published address a, lens bytes) into the address table */
+static int insert_peer(struct ofi *o, uint32_t i, uint32_t n, const uint8_t *a, size_t len)
+{
+    size_t used = 0;
+    for (uint32_t r = 0; r < o->n_rails; r++) {
+        if (used >= len || used + 1 + a[used] > len) {
+            SD_ERROR("ofi", "node %u published a malformed fabric address (%zu bytes)", i, len);
+            return SD_EINVAL;
+        }
+        char rn[32];
+        fi_addr_t *fa = &o->peers[(size_t)r * n + i];
+        *fa = FI_ADDR_NOTAVAIL;
+        if (a[used] == 0 && o->rails[peer_rail(r)].ep != NULL) {
+            SD_ERROR("ofi", "node %u has no %s endpoint, which this node uses", i,
+                     rail_name(r, rn, sizeof(rn)));
+            return SD_EINVAL;
+        }
+        int ret = a[used] == 0 ? 1 : fi_av_insert(o->av, a + used + 1, 1, fa, 0, NULL);
+        if (ret != 1) {
+            SD_ERROR("ofi", "fi_av_insert of node %u's %s endpoint failed: %d", i,
+                     rail_name(r, rn, sizeof(rn)), ret);
+            return SD_EINVAL;
+        }
+        used += 1 + a[used];
+    }
+    return SD_OK;
+}
+
 static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, const size_t *lens,
                          uint32_t n)
 {
     struct ofi *o = (struct ofi *)tp;
     free(o->peers);
     free(o->down);
+    free(o->addrs);
+    free(o->addr_lens);
     o->peers = calloc((size_t)o->n_rails * n, sizeof(*o->peers));
     o->down = calloc(n, sizeof(*o->down));
-    if (o->peers == NULL || o->down == NULL)
+    o->addrs = calloc(n, sizeof(*o->addrs));
+    o->addr_lens = calloc(n, sizeof(*o->addr_lens));
+    if (o->peers == NULL || o->down == NULL || o->addrs == NULL || o->addr_lens == NULL)
         return SD_ENOMEM;
     for (uint32_t i = 0; i < n; i++) {
-        const uint8_t *a = addrs[i];
-        size_t used = 0;
-        for (uint32_t r = 0; r < o->n_rails; r++) {
-            if (used >= lens[i] || used + 1 + a[used] > lens[i]) {
-                SD_ERROR("ofi", "node %u published a malformed fabric address (%zu bytes)", i,
-                         lens[i]);
-                return SD_EINVAL;
-            }
-            char rn[32];
-            fi_addr_t *fa = &o->peers[(size_t)r * n + i];
-            *fa = FI_ADDR_NOTAVAIL;
-            if (a[used] == 0 && o->rails[peer_rail(r)].ep != NULL) {
-                SD_ERROR("ofi", "node %u has no %s endpoint, which this node uses", i,
-                         rail_name(r, rn, sizeof(rn)));
-                return SD_EINVAL;
-            }
-            int ret = a[used] == 0 ? 1 : fi_av_insert(o->av, a + used + 1, 1, fa, 0, NULL);
-            if (ret != 1) {
-                SD_ERROR("ofi", "fi_av_insert of node %u's %s endpoint failed: %d", i,
-                         rail_name(r, rn, sizeof(rn)), ret);
-                return SD_EINVAL;
-            }
-            used += 1 + a[used];
-        }
+        o->addr_lens[i] = SD_MIN(lens[i], sizeof(o->addrs[0]));
+        memcpy(o->addrs[i], addrs[i], o->addr_lens[i]);
+        int st = insert_peer(o, i, n, addrs[i], lens[i]);
+        if (st != SD_OK)
+            return st;
     }
     tp->n_peers = n;
     if (o->base.rdv_bytes > 0) {
@@ -302,6 +315,22 @@ static void ofi_peer_down(struct sd_transport *tp, uint32_t node)
     }
 }
 
+/* Node's data path is dead while the node is up: fail what is queued for it, close its
+ * connections (removing an address closes the provider's connection to it) and put its
+ * addresses back; the next transfer connects anew. */
+static int ofi_peer_reset(struct sd_transport *tp, uint32_t node)
+{
+    struct ofi *o = (struct ofi *)tp;
+    if (node >= tp->n_peers || node == tp->self || o->addrs == NULL)
+        return SD_EINVAL;
+    if (!o->down[node])
+        ofi_peer_down(tp, node);
+    int st = insert_peer(o, node, tp->n_peers, o->addrs[node], o->addr_lens[node]);
+    if (st == SD_OK)
+        o->down[node] = false;
+    return st;
+}
+
 static void complete(struct ofi *o, struct sd_xfer *x, int status, size_t len, uint64_t tag)
 {
     if (x->kind == XFER_SEND)
@@ -425,6 +454,8 @@ static void ofi_close(struct sd_transport *tp)
         fi_freeinfo(o->info);
     free(o->peers);
     free(o->down);
+    free(o->addrs);
+    free(o->addr_lens);
     free(o);
 }
 
@@ -438,6 +469,7 @@ static const struct sd_transport_ops ofi_ops = {
     .recv = ofi_recv,
     .cancel = ofi_cancel,
     .peer_down = ofi_peer_down,
+    .peer_reset = ofi_peer_reset,
     .progress = ofi_progress,
     .wait_fd = ofi_wait_fd,
     .can_sleep = ofi_can_sleep,

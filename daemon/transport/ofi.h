@@ -155,6 +155,8 @@ struct ofi {
     struct rail rails[MAX_RAILS]; /* ep NULL: not opened (clear-to-send without rendezvous) */
     uint32_t n_rails;             /* RAIL_DATA + 2 * base.data_lanes */
     fi_addr_t *peers;             /* [rail * n_peers + node] */
+    uint8_t (*addrs)[256];        /* [node]: the published addresses, to put back (peer_reset) */
+    size_t *addr_lens;            /* [node] */
     bool *down;                   /* [node] */
     int wait_fd;
     bool need_mr;

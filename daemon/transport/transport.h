@@ -63,6 +63,10 @@ struct sd_transport_ops {
     /* Node is down for good: its addresses leave the table (the provider may then fail what was
      * posted to it), and sends and receives naming it fail at once from now on. */
     void (*peer_down)(struct sd_transport *tp, uint32_t node);
+    /* Node is up but its data path does not carry messages (a probe found it dead): what is
+     * posted to it fails, its connections are closed and its addresses put back, so that the
+     * next transfer opens new ones. NULL: not supported. */
+    int (*peer_reset)(struct sd_transport *tp, uint32_t node);
     /* Drive progress and run callbacks; returns how many completed, or a negative status. */
     int (*progress)(struct sd_transport *tp);
     /* An fd that becomes readable when progress may have work, or -1. */

@@ -633,6 +633,25 @@ static int drop_as(void *arg)
     return st == d->status ? 0 : 1;
 }
 
+struct recover_args {
+    const char *job, *dir;
+    int status;
+    const char *word;
+};
+
+/* shardctl checkpoint --job: the status and a word of the answer as expected */
+static int recover_as(void *arg)
+{
+    struct recover_args *r = arg;
+    char *text = NULL;
+    int st = shard_checkpoint_job(sock, r->job, r->dir, &text);
+    const char *t = text ? text : shard_last_error(NULL);
+    printf("  checkpoint --job %s %s: %d %.300s\n", r->job, r->dir, st, t ? t : "");
+    bool ok = st == r->status && t != NULL && strstr(t, r->word) != NULL;
+    shard_free(text);
+    return ok ? 0 : 1;
+}
+
 static const char *job_state(const char *name, bool *paused)
 {
     static char state[32];
@@ -712,6 +731,23 @@ static void resume_attacks(void)
     json_t *kept = json_object_get(json_object_get(st, "paused_bytes_by_uid"), "61001");
     TH_CHECK(json_integer_value(kept) > 0, "status counts alice's paused bytes");
     json_decref(st);
+    /* a checkpoint of the paused job from its state: with its owner's rights, by its owner */
+    char mine[512], etc[128];
+    pathf(mine, sizeof(mine), "%s/alice/%s", "recovered");
+    snprintf(etc, sizeof(etc), "/etc/shardd-attack-r%d-%d", (int)getpid(), round_no);
+    struct recover_args rec = {.job = job, .dir = etc, .status = -EACCES, .word = "Permission"};
+    TH_CHECK(as_user(ALICE, recover_as, &rec) == 0, "alice's recovery into /etc");
+    rec.status = -EACCES; /* root asks: the files are still touched with alice's rights */
+    TH_CHECK(recover_as(&rec) == 0, "root's recovery of alice's job into /etc");
+    struct stat est;
+    TH_CHECK(lstat(etc, &est) != 0, "a recovery created %s", etc);
+    rec = (struct recover_args){.job = job, .dir = mine, .status = SHARD_ENOJOB, .word = "no job"};
+    TH_CHECK(as_user(BOB, recover_as, &rec) == 0, "bob's recovery of alice's job");
+    rec = (struct recover_args){.job = job, .dir = mine, .status = 0, .word = "step"};
+    TH_CHECK(as_user(ALICE, recover_as, &rec) == 0, "alice's recovery into her home");
+    char first[512] = "";
+    TH_CHECK(foreign_entries(mine, ALICE, first, sizeof(first)) == 0,
+             "the recovered checkpoint has files not alice's: %s", first);
     struct drop_args d = {.job = job, .status = SHARD_EPERM};
     TH_CHECK(as_user(ALICE, drop_as, &d) == 0, "alice's shardctl drop is refused (root's)");
     char *text = NULL;

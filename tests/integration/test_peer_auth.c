@@ -136,8 +136,11 @@ static void forged_hellos(void)
     TH_CHECK(!strstr(why, "op_timeout_ms"), "the configuration was told to a stranger: %s", why);
     closed = try_hello(wrong_mac, 1, why, sizeof(why));
     TH_CHECK(closed && strstr(why, "authentication failed"), "a wrong MAC: '%s'", why);
-    closed = try_hello(wrong_mac, 2, why, sizeof(why)); /* the second hello of the old attack */
-    TH_CHECK(closed && strstr(why, "authentication failed"), "two hellos: '%s'", why);
+    /* the second hello of the old attack: the refusal of the first may be lost to the reset
+     * that closing a connection with unread bytes sends; the link is closed all the same */
+    closed = try_hello(wrong_mac, 2, why, sizeof(why));
+    TH_CHECK(closed && (why[0] == '\0' || strstr(why, "authentication failed")), "two hellos: '%s'",
+             why);
     memset(other_nonce, 0x11, sizeof(other_nonce));
     closed = try_hello(replayed_mac, 1, why, sizeof(why));
     TH_CHECK(closed && strstr(why, "authentication failed"), "a replayed hello: '%s'", why);
@@ -239,7 +242,12 @@ int main(void)
     TH_CHECK(th_compare_dumps(dump, ref, 1e-5, &dd) && dd.differ == 0,
              "the job's parameters differ from its reference (%zu of %zu)", dd.differ, dd.n);
     TH_CHECK(!log_has(0, "is down") && !log_has(1, "is down"), "a node was declared down");
-    TH_CHECK(log_has(0, "does not prove the cluster's secret"), "node 0 did not log the refusals");
+    char *l0 = th_read_file(cl.d[0].log, NULL);
+    int logged = 0;
+    for (const char *p = l0; p && (p = strstr(p, "does not prove the cluster's secret")); p++)
+        logged++;
+    free(l0);
+    TH_CHECK(logged >= 4, "node 0 logged %d of the 4 forged hellos", logged);
     json_t *topo = th_admin_json(cl.d[0].sock, "topology");
     json_t *hb = json_object_get(topo, "heartbeats");
     long long refused = (long long)json_integer_value(json_object_get(hb, "peers_refused"));
