@@ -187,10 +187,6 @@ static int resolve(const char *dir, struct sd_ckpt *ck, char *err, size_t errlen
         snprintf(err, errlen, "checkpoint path '%.64s...' is too long", dir);
         return SD_EINVAL;
     }
-    if (dir[0] != '/') {
-        snprintf(err, errlen, "'%.200s' is not an absolute path", dir);
-        return SD_EINVAL;
-    }
     int dfd = sd_fs_dir_open(dir, false, 0);
     if (dfd < 0) {
         snprintf(err, errlen, "%s: %s%s", dir,

@@ -75,6 +75,10 @@ struct wfile {
     uint64_t *cont_len; /* [chunks] its length; 0: chunk j starts with an extent */
     atomic_bool direct;
     atomic_int status;
+    /* one write at a time: a file's writes (buffered, or extending ones with O_DIRECT) hold its
+     * inode lock anyway, and the kernel's waiters spin on it, taking the core that another
+     * thread would gather its next chunk on; here they sleep */
+    pthread_mutex_t write_lock;
 };
 
 static uint64_t x_bytes(const struct sd_ckpt_extent *x)
@@ -132,7 +136,9 @@ static void write_chunk(void *arg, uint32_t thread, uint64_t j)
     if (atomic_load(&w->direct)) {
         size_t padded = (len + SD_CKPT_IO_ALIGN - 1) / SD_CKPT_IO_ALIGN * SD_CKPT_IO_ALIGN;
         memset(buf + len, 0, padded - len); /* past the end of the file: cut by the ftruncate */
+        pthread_mutex_lock(&w->write_lock);
         st = pwrite_all(w->fd, buf, padded, lo);
+        pthread_mutex_unlock(&w->write_lock);
         if (st == SD_EINVAL) { /* alignment this filesystem refuses: go on buffered */
             atomic_store(&w->direct, false);
             int fl = fcntl(w->fd, F_GETFL);
@@ -140,8 +146,11 @@ static void write_chunk(void *arg, uint32_t thread, uint64_t j)
                 fcntl(w->fd, F_SETFL, fl & ~O_DIRECT);
         }
     }
-    if (st == SD_EINVAL && !atomic_load(&w->direct))
+    if (st == SD_EINVAL && !atomic_load(&w->direct)) {
+        pthread_mutex_lock(&w->write_lock);
         st = pwrite_all(w->fd, buf, len, lo);
+        pthread_mutex_unlock(&w->write_lock);
+    }
     if (st != SD_OK) {
         int ok = SD_OK;
         atomic_compare_exchange_strong(&w->status, &ok, st);
@@ -176,8 +185,10 @@ int sd_ckpt_write_extents(int fd, struct sd_ckpt_extent *xs, const void *const *
     }
     atomic_init(&w.direct, direct);
     atomic_init(&w.status, st);
+    pthread_mutex_init(&w.write_lock, NULL);
     if (st == SD_OK)
         sd_ckpt_parallel(threads, chunks, write_chunk, &w);
+    pthread_mutex_destroy(&w.write_lock);
     st = atomic_load(&w.status);
     direct = atomic_load(&w.direct);
     if (st == SD_OK && direct && ftruncate(fd, (off_t)total) != 0) /* the last chunk's padding */

@@ -21,7 +21,7 @@ bool sd_fs_name_ok(const char *name)
 
 int sd_fs_dir_open(const char *path, bool create, mode_t mode)
 {
-    if (path == NULL || path[0] != '/')
+    if (path == NULL || path[0] == '\0')
         return -EINVAL;
     if (create && mkdir(path, mode) != 0 && errno != EEXIST)
         return -errno;

@@ -208,6 +208,13 @@ printf '\x01' | dd of="$dir/ck/step-00000003/data-0.bin" bs=1 seek=100 conv=notr
 out=$("$SHARDCTL" checkpoint-info "$dir/ck" 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "1 of [0-9]* extents FAIL; first: extent [0-9]* in data-0.bin is corrupt" <<<"$out"' \
   "checkpoint-info of a flipped byte: rc $rc: $out"
+# a relative path is the caller's working directory's
+out=$(cd "$dir" && "$SHARDCTL" checkpoint-info nothing-here 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "nothing-here: neither a checkpoint" <<<"$out"' \
+  "checkpoint-info of a missing relative path: rc $rc: $out"
+out=$(cd "$dir" && "$SHARDCTL" checkpoint-info ck/step-00000003 2>&1); rc=$?
+check 'grep -q "step-00000003" <<<"$out" && grep -q "crc32c" <<<"$out"' \
+  "checkpoint-info of a relative path: rc $rc: $out"
 out=$("$SHARDCTL" checkpoint-info "$dir/nothing" 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "neither a checkpoint (no MANIFEST) nor a directory of them" <<<"$out"' \
   "checkpoint-info of a missing directory: rc $rc: $out"

@@ -22,9 +22,10 @@
 
 /* Is name one path component (not empty, no '/', not "." or "..")? */
 bool sd_fs_name_ok(const char *name);
-/* The directory at path (an absolute path; symlinks in it are followed with this thread's
- * rights, as a shell's cd would), made with mode when create and its last component is missing.
- * An O_DIRECTORY fd, or a negative errno. */
+/* The directory at path (symlinks in it are followed with this thread's rights, as a shell's cd
+ * would; a relative path is the process's working directory's: the daemon takes absolute ones
+ * only), made with mode when create and its last component is missing. An O_DIRECTORY fd, or a
+ * negative errno. */
 int sd_fs_dir_open(const char *path, bool create, mode_t mode);
 /* name below dirfd (one component, never a symlink): an fd, or a negative errno (-EINVAL for a
  * name that is not one component, -ELOOP for a symlink). */
