@@ -898,8 +898,10 @@ static void no_caps(void)
              "a load without the capabilities: %s", log_text(log));
     struct stat st;
     TH_CHECK(lstat(ck, &st) != 0, "nothing was created in alice's home");
+    char *t = log_text(log);
     printf("a service daemon without CAP_SETUID/CAP_SETGID refuses alice's checkpoints: %.200s\n",
-           log_text(log));
+           t);
+    free(t);
 }
 
 static void setup(void)
