@@ -519,9 +519,26 @@ static void loads_through_links(void)
     load_refused("data hard-linked to a root-only file", e, w3);
 }
 
-static void special_files(pid_t daemon_pid)
+/* alice's directory dir with a special file as leaf (a fifo, socket, device or big manifest):
+ * her load of it is refused saying word */
+static void special(const char *dir, const char *leaf, const char *what, const char *word,
+                    const char *title)
 {
     char e[512], q[700];
+    pathf(e, sizeof(e), "%s/alice/%s", dir);
+    plant(ALICE, "dir", e, NULL);
+    snprintf(q, sizeof(q), "%s/%s", e, leaf);
+    if (strcmp(what, "device") == 0) /* mknod is root's: as a device left in her directory */
+        TH_CHECK(mknod(q, S_IFCHR | 0666, makedev(1, 3)) == 0 && chown(q, ALICE, ALICE) == 0,
+                 "a device node in alice's directory");
+    else
+        plant(ALICE, what, q, NULL);
+    const char *words[] = {word, NULL};
+    load_refused(title, e, words);
+}
+
+static void special_files(pid_t daemon_pid)
+{
     atomic_store(&polling, 1);
     worst_status_s = 0;
     pthread_t t;
@@ -536,40 +553,11 @@ static void special_files(pid_t daemon_pid)
     pid_t bob = spawn_as(BOB, bargv, boblog);
     long rss0 = rss_kb(daemon_pid);
 
-    pathf(e, sizeof(e), "%s/alice/%s", "fifo1");
-    plant(ALICE, "dir", e, NULL);
-    snprintf(q, sizeof(q), "%s/MANIFEST", e);
-    plant(ALICE, "fifo", q, NULL);
-    const char *wf[] = {"a FIFO", NULL};
-    load_refused("a FIFO as MANIFEST", e, wf);
-
-    pathf(e, sizeof(e), "%s/alice/%s", "fifo2");
-    plant(ALICE, "dir", e, NULL);
-    snprintf(q, sizeof(q), "%s/LATEST", e);
-    plant(ALICE, "fifo", q, NULL);
-    load_refused("a FIFO as LATEST", e, wf);
-
-    pathf(e, sizeof(e), "%s/alice/%s", "sock1");
-    plant(ALICE, "dir", e, NULL);
-    snprintf(q, sizeof(q), "%s/MANIFEST", e);
-    plant(ALICE, "socket", q, NULL);
-    const char *ws[] = {"a socket", NULL};
-    load_refused("a socket as MANIFEST", e, ws);
-
-    pathf(e, sizeof(e), "%s/alice/%s", "dev1");
-    plant(ALICE, "dir", e, NULL);
-    snprintf(q, sizeof(q), "%s/MANIFEST", e);
-    TH_CHECK(mknod(q, S_IFCHR | 0666, makedev(1, 3)) == 0 && chown(q, ALICE, ALICE) == 0,
-             "a device node in alice's directory");
-    const char *wd[] = {"a character device", NULL};
-    load_refused("a device as MANIFEST", e, wd);
-
-    pathf(e, sizeof(e), "%s/alice/%s", "big1");
-    plant(ALICE, "dir", e, NULL);
-    snprintf(q, sizeof(q), "%s/MANIFEST", e);
-    plant(ALICE, "big", q, NULL);
-    const char *wb[] = {"bytes, more than the", NULL};
-    load_refused("a 40 MB manifest", e, wb);
+    special("fifo1", "MANIFEST", "fifo", "a FIFO", "a FIFO as MANIFEST");
+    special("fifo2", "LATEST", "fifo", "a FIFO", "a FIFO as LATEST");
+    special("sock1", "MANIFEST", "socket", "a socket", "a socket as MANIFEST");
+    special("dev1", "MANIFEST", "device", "a character device", "a device as MANIFEST");
+    special("big1", "MANIFEST", "big", "bytes, more than the", "a 40 MB manifest");
     long rss1 = rss_kb(daemon_pid);
 
     TH_CHECK(th_wait(bob, 120000) == 0, "bob's training beside the attacks: %s", log_text(boblog));
