@@ -75,6 +75,8 @@ static bool conn_flush(struct sd_conn *c)
     return true;
 }
 
+static bool rx_make_room(struct sd_server *srv, struct sd_conn *c, uint64_t need);
+
 int sd_conn_send(struct sd_conn *c, const Shard__DaemonMsg *msg, const int *fds, unsigned nfds)
 {
     if (c->closing || c->doomed != NULL)
@@ -83,6 +85,10 @@ int sd_conn_send(struct sd_conn *c, const Shard__DaemonMsg *msg, const int *fds,
     const struct sd_config *cfg = c->srv->cfg;
     if (nfds > SD_ARRAY_SIZE(((struct sd_txbuf *)0)->fds) || len > UINT32_MAX)
         return SD_EINVAL;
+    /* a reply (a registration's refusal, status) is not refused for connections that hoard the
+     * control memory with incomplete messages: they go first */
+    if (!rx_make_room(c->srv, c, len + SD_FRAME_HDR) || c->closing || c->doomed != NULL)
+        return SD_ECONNRESET;
     if (c->tx_bytes + len + SD_FRAME_HDR > cfg->conn_queue_bytes ||
         c->srv->ctl_bytes + len + SD_FRAME_HDR > cfg->control_memory_bytes) {
         SD_WARN("server",
@@ -366,17 +372,12 @@ static void rx_drop(struct sd_conn *c, const char *fmt, ...)
     sd_conn_close(c, "control memory limit");
 }
 
-/* Room for 4 KiB more in c's receive buffer, within max_message_bytes and the daemon's
- * control memory; false when the connection was closed. */
-static bool rx_reserve(struct sd_conn *c)
+/* need more bytes of control memory for c: the hoarders go (rx_victim) until they fit or only c
+ * holds more than a share; true if c is still open (whether or not they fit) */
+static bool rx_make_room(struct sd_server *srv, struct sd_conn *c, uint64_t need)
 {
-    struct sd_server *srv = c->srv;
     uint64_t limit = srv->cfg->control_memory_bytes;
-    size_t max = srv->cfg->max_message_bytes + SD_FRAME_HDR;
-    if (c->rx_cap - c->rx_len >= 4096 || c->rx_cap >= max)
-        return true;
-    size_t cap = SD_MIN(SD_MAX(c->rx_cap * 2, 16384), max);
-    while (srv->ctl_bytes + (cap - c->rx_cap) > limit) {
+    while (srv->ctl_bytes + need > limit) {
         bool stalled;
         uint64_t share;
         struct sd_conn *v = rx_victim(srv, c, &stalled, &share);
@@ -395,6 +396,21 @@ static bool rx_reserve(struct sd_conn *c)
                     "incomplete message holds %zu bytes, more than an equal share (%llu) of it",
                     (unsigned long long)limit, v->rx_cap, (unsigned long long)share);
     }
+    return !c->closing;
+}
+
+/* Room for 4 KiB more in c's receive buffer, within max_message_bytes and the daemon's
+ * control memory; false when the connection was closed. */
+static bool rx_reserve(struct sd_conn *c)
+{
+    struct sd_server *srv = c->srv;
+    uint64_t limit = srv->cfg->control_memory_bytes;
+    size_t max = srv->cfg->max_message_bytes + SD_FRAME_HDR;
+    if (c->rx_cap - c->rx_len >= 4096 || c->rx_cap >= max)
+        return true;
+    size_t cap = SD_MIN(SD_MAX(c->rx_cap * 2, 16384), max);
+    if (!rx_make_room(srv, c, cap - c->rx_cap))
+        return false;
     if (srv->ctl_bytes + (cap - c->rx_cap) > limit) {
         rx_drop(c,
                 "the daemon's control memory (control_memory_bytes %llu) is in use by incomplete "
