@@ -379,11 +379,18 @@ static void req_recv_cb(struct sd_xfer *x, int status)
 {
     struct sd_net_req *r = (struct sd_net_req *)x;
     struct sd_registry *reg = r->reg;
-    if (status != SD_OK || reg->net == NULL)
+    if (status == SD_ECANCELED || reg->net == NULL)
         return; /* cancelled at shutdown */
-    if (x->len == sizeof(r->msg))
+    if (status == SD_OK && x->len == sizeof(r->msg))
         on_request(reg, &r->msg);
-    post_req_recv(r, reg->net);
+    else /* a receive the provider failed (a connection torn down under it): it stands again,
+          * or each such error would leave one standing receive fewer for good */
+        SD_WARN_SPARSE("net",
+                       "a pull request's receive completed with %s (%zu bytes); posted again",
+                       sd_status_str(status), x->len);
+    if (post_req_recv(r, reg->net) != SD_OK)
+        SD_ERROR("net", "cannot post a pull request's receive again: this node serves fewer "
+                        "gathers at once");
 }
 
 int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl)
