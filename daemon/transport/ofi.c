@@ -315,14 +315,27 @@ static void ofi_peer_down(struct sd_transport *tp, uint32_t node)
     }
 }
 
+/* Whether the provider keeps a connection per pair of endpoints (tcp, and ofi_rxm over tcp or
+ * verbs), one that can outlive the other side's and so be worth closing. shm, efa and cxi are
+ * connectionless: removing a peer's address there only loses what is in flight to it. */
+static bool has_connections(const struct fi_info *info)
+{
+    const char *prov = info->fabric_attr->prov_name;
+    return prov != NULL && (strstr(prov, "ofi_rxm") != NULL || strncmp(prov, "tcp", 3) == 0 ||
+                            strncmp(prov, "sockets", 7) == 0);
+}
+
 /* Node's data path is dead while the node is up: fail what is queued for it, close its
  * connections (removing an address closes the provider's connection to it) and put its
- * addresses back; the next transfer connects anew. */
+ * addresses back; the next transfer connects anew. SD_ENOSYS where the provider has no
+ * connections to close. */
 static int ofi_peer_reset(struct sd_transport *tp, uint32_t node)
 {
     struct ofi *o = (struct ofi *)tp;
     if (node >= tp->n_peers || node == tp->self || o->addrs == NULL)
         return SD_EINVAL;
+    if (!tp->connections)
+        return SD_ENOSYS;
     if (!o->down[node])
         ofi_peer_down(tp, node);
     int st = insert_peer(o, node, tp->n_peers, o->addrs[node], o->addr_lens[node]);
@@ -516,6 +529,7 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
         free(o);
         return SD_ENOSYS;
     }
+    o->base.connections = has_connections(o->info);
     const char *step = "fi_fabric";
     if ((r = fi_fabric(o->info->fabric_attr, &o->fabric, NULL)) != 0)
         goto err_close;

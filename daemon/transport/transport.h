@@ -87,8 +87,11 @@ struct sd_transport {
      * waited for theirs and sends that found theirs already there, clear-to-sends that waited
      * for credit */
     uint64_t rdv_bytes, cts_sent, cts_received, sends_parked, sends_cleared, cts_deferred;
-    uint64_t posts_queued;                  /* posts that waited for room in an endpoint's queue */
-    uint32_t data_lanes;                    /* endpoint pairs for bulk data (data_lanes) */
+    uint64_t posts_queued; /* posts that waited for room in an endpoint's queue */
+    uint32_t data_lanes;   /* endpoint pairs for bulk data (data_lanes) */
+    /* the provider keeps a connection per pair of endpoints (tcp, ofi_rxm), which can outlive
+     * the other side's: the cluster probes them (cluster/probe.c) and peer_reset closes them */
+    bool connections;
     uint64_t lane_sends[SD_MAX_DATA_LANES]; /* data sends per lane */
 };
 
