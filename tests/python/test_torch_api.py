@@ -378,7 +378,7 @@ try:
     check(r.returncode == 0, f"cmake --install --prefix: {r.stdout[-300:]}{r.stderr[-300:]}")
     pydir = os.path.join(prefix, "lib", "python%d.%d" % sys.version_info[:2], "dist-packages")
     clean = {k: v for k, v in os.environ.items() if k != "SHARD_LIBRARY"}
-    r = subprocess.run(["/usr/bin/python3", "-c", "import shard, shard.torch; "
+    r = subprocess.run([sys.executable, "-c", "import shard, shard.torch; "
                         "print(shard.__file__); print(shard.library_path)"],
                        capture_output=True, text=True, cwd=work, timeout=120,
                        env=dict(clean, PYTHONPATH=pydir))
@@ -387,11 +387,18 @@ try:
           lines[1] == os.path.join(prefix, "lib", "libshard.so.0"),
           f"the installed package loads the installed libshard: {r.stdout}{r.stderr[-300:]}")
     venv = os.path.join(work, "venv")
-    r = subprocess.run(["/usr/bin/python3", "-m", "venv", "--system-site-packages", venv],
-                       capture_output=True, text=True, timeout=120)
-    check(r.returncode == 0, f"python3 -m venv --system-site-packages (python3-venv): "
-          f"{r.stdout}{r.stderr}")
-    if r.returncode == 0:
+    # a venv over the system's packages sees torch only where torch is a system package: under
+    # an interpreter that is itself a venv's (torch installed in it), that check cannot run
+    in_venv = sys.prefix != sys.base_prefix
+    if in_venv:
+        print(f"skipped: the README's venv over the system's torch ({sys.executable} is a "
+              f"venv's interpreter)")
+    else:
+        r = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv],
+                           capture_output=True, text=True, timeout=120)
+        check(r.returncode == 0, f"python3 -m venv --system-site-packages (python3-venv): "
+              f"{r.stdout}{r.stderr}")
+    if not in_venv and r.returncode == 0:
         r = subprocess.run([os.path.join(venv, "bin", "pip"), "install", "--no-index", "--quiet",
                             os.path.join(ROOT, "client", "python")], capture_output=True,
                            text=True, timeout=300)
