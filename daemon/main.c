@@ -244,8 +244,26 @@ int main(int argc, char **argv)
 
     const struct sd_gpu_ops *dev = sd_gpu_find(cfg.backend);
     if (dev == NULL) {
-        fprintf(stderr, "shardd: backend '%s' is not built into this shardd (available: host)\n",
-                cfg.backend);
+        char built[128];
+        sd_gpu_list(built, sizeof(built));
+        fprintf(stderr, "shardd: backend '%s' is not built into this shardd (built in: %s)\n",
+                cfg.backend, built);
+        return 2;
+    }
+    if (dev->open != NULL) {
+        char why[512];
+        if (dev->open(why, sizeof(why)) != SD_OK) {
+            fprintf(stderr, "shardd: backend '%s' cannot start: %s\n", cfg.backend, why);
+            return 2;
+        }
+    }
+    if (!dev->host_memory) { /* the job's memory is read and written on the host in places */
+        fprintf(stderr,
+                "shardd: backend '%s' found its device, but this shardd does not yet keep job "
+                "buffers in device memory (README, GPU backends): run --backend host; "
+                "test_kernels %s and shard-bench kernels --backend %s check the device's "
+                "kernels\n",
+                cfg.backend, cfg.backend, cfg.backend);
         return 2;
     }
     uv_loop_t loop;

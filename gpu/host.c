@@ -9,6 +9,7 @@
  * 2-core host). */
 #include "sd/gpu.h"
 #include "codec_int.h"
+#include "host_int.h"
 #include "sd/dtype.h"
 #include "sd/log.h"
 #include "sd/model.h"
@@ -17,13 +18,14 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-static int host_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
+int sd__host_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
 {
     int status;
     size_t len = bytes ? bytes : 1;
@@ -82,7 +84,7 @@ err_close_fd:
     return status;
 }
 
-static void host_free(struct sd_mem *mem)
+void sd__host_free(struct sd_mem *mem)
 {
     if (mem->ptr != NULL)
         munmap(mem->ptr, mem->bytes ? mem->bytes : 1);
@@ -332,8 +334,8 @@ static void host_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const 
 const struct sd_gpu_ops sd_gpu_host_ops = {
     .name = "host",
     .host_memory = true,
-    .alloc = host_alloc,
-    .free = host_free,
+    .alloc = sd__host_alloc,
+    .free = sd__host_free,
     .queue_create = host_queue_create,
     .queue_destroy = host_queue_destroy,
     .sync = host_sync,
@@ -590,8 +592,8 @@ static void deferred_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, co
 const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
     .name = "host-deferred",
     .host_memory = true,
-    .alloc = host_alloc,
-    .free = host_free,
+    .alloc = sd__host_alloc,
+    .free = sd__host_free,
     .queue_create = deferred_queue_create,
     .queue_destroy = deferred_queue_destroy,
     .sync = deferred_sync,
@@ -610,11 +612,31 @@ const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
     .quantize_ef = deferred_quantize_ef,
 };
 
+/* every backend built into this binary, by name */
+static const struct sd_gpu_ops *const backends[] = {
+    &sd_gpu_host_ops, &sd_gpu_host_deferred_ops, &sd_gpu_emu_ops,
+#ifdef SHARD_HAVE_CUDA
+    &sd_gpu_cuda_ops,
+#endif
+#ifdef SHARD_HAVE_HIP
+    &sd_gpu_hip_ops,
+#endif
+};
+
 const struct sd_gpu_ops *sd_gpu_find(const char *name)
 {
-    if (strcmp(name, "host") == 0)
-        return &sd_gpu_host_ops;
-    if (strcmp(name, "host-deferred") == 0)
-        return &sd_gpu_host_deferred_ops;
+    for (size_t i = 0; i < sizeof(backends) / sizeof(backends[0]); i++)
+        if (strcmp(backends[i]->name, name) == 0)
+            return backends[i];
     return NULL;
+}
+
+size_t sd_gpu_list(char *buf, size_t len)
+{
+    size_t at = 0;
+    if (len > 0)
+        buf[0] = '\0';
+    for (size_t i = 0; i < sizeof(backends) / sizeof(backends[0]) && at < len; i++)
+        at += (size_t)snprintf(buf + at, len - at, "%s%s", i ? ", " : "", backends[i]->name);
+    return at;
 }

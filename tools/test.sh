@@ -9,9 +9,14 @@ tools/deps.sh --optional python3-torch python3-pip python3-venv python3-matplotl
 tools/deps.sh --optional clang libclang-rt-14-dev   # test_fuzz (libFuzzer harnesses)
 jobs=$(nproc)
 t0=$(date +%s)
+# the CUDA backend is built (warnings as errors) wherever nvcc is; the HIP one where hipcc is
+gpu=()
+if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null; then
+  gpu+=(-DSHARD_CUDA=ON)
+fi
 
 echo "== build (-Werror)"
-cmake -S . -B build/ci -DSHARD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake -S . -B build/ci -DSHARD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "${gpu[@]}" >/dev/null
 cmake --build build/ci -j"$jobs"
 echo "== test"
 (cd build/ci && ctest --output-on-failure -j"$jobs")
@@ -19,7 +24,7 @@ echo "== test"
 if [ "${SHARD_SKIP_ASAN:-0}" != 1 ]; then
   echo "== build (ASan + UBSan)"
   cmake -S . -B build/asan -DSHARD_WERROR=ON -DSHARD_SANITIZE=ON \
-        -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+        -DCMAKE_BUILD_TYPE=RelWithDebInfo "${gpu[@]}" >/dev/null
   cmake --build build/asan -j"$jobs"
   echo "== test (ASan + UBSan)"
   (cd build/asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \

@@ -38,6 +38,9 @@ struct sd_gpu_queue;
 struct sd_gpu_ops {
     const char *name;
     bool host_memory; /* its buffers are host memory (backed and freed off the loop) */
+    /* Once, before anything else: find the driver and the devices (NULL: nothing to find). On
+     * failure err says what is missing (the library, a device, a device attribute). */
+    int (*open)(char *err, size_t errlen);
     /* Allocate zeroed memory; SD_MEM_SHARED gives a sealed memfd other processes can map. */
     int (*alloc)(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p);
     void (*free)(struct sd_mem *mem);
@@ -87,7 +90,18 @@ extern const struct sd_gpu_ops sd_gpu_host_ops;
  * reads a result before waiting for it reads stale memory, and its tests fail. */
 extern const struct sd_gpu_ops sd_gpu_host_deferred_ops;
 
-/* Backend by name ("host", "host-deferred", "cuda", "hip"); NULL when not built or unknown. */
+/* The device backends' kernels (gpu/kern/kernels.h) run on the host through the emulation:
+ * host memory, each kernel's blocks and threads in order. */
+extern const struct sd_gpu_ops sd_gpu_emu_ops;
+/* Built where CUDA's or HIP's compiler was found (-DSHARD_CUDA, -DSHARD_HIP); the driver is
+ * loaded at run time (open), so the same binary runs on machines without one. */
+extern const struct sd_gpu_ops sd_gpu_cuda_ops;
+extern const struct sd_gpu_ops sd_gpu_hip_ops;
+
+/* Backend by name ("host", "host-deferred", "emu", "cuda", "hip"); NULL when not built into
+ * this binary or unknown. */
 const struct sd_gpu_ops *sd_gpu_find(const char *name);
+/* The names of the backends built in, comma-separated, into buf; returns the length. */
+size_t sd_gpu_list(char *buf, size_t len);
 
 #endif

@@ -1,0 +1,198 @@
+/* The emu backend: host memory, and the device backends' kernels (kern/kernels.h) compiled for
+ * the host through kern/compat.h's emulation, each block's threads run in order. It runs the
+ * one kernel source wherever shardd runs, so CI (no GPU) tests the kernels against the host
+ * backend (tests/unit/test_kernels.c) and trains through them (test_fidelity ... emu); on a
+ * GPU the device's results are compared with it bit for bit. */
+#include "host_int.h"
+#include "kern/kernels.h"
+#include "kern_ops.h"
+#include "sd/status.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+_Thread_local struct sdk_emu sdk_emu;
+
+/* one parameter of a launch, by type */
+#define A(t, i) (*(t *)args[i])
+
+static void emu_run(enum sdk_kernel_id id, void **args)
+{
+    switch (id) {
+    case SDK_K_REDUCE_ADD:
+        sdk_k_reduce_add(A(float *, 0), A(const void *, 1), A(int, 2), A(uint64_t, 3));
+        break;
+    case SDK_K_TO_F32:
+        sdk_k_to_f32(A(float *, 0), A(const void *, 1), A(int, 2), A(uint64_t, 3));
+        break;
+    case SDK_K_FROM_F32:
+        sdk_k_from_f32(A(void *, 0), A(int, 1), A(const float *, 2), A(uint64_t, 3));
+        break;
+    case SDK_K_SUMSQ_PART:
+        sdk_k_sumsq_part(A(const float *, 0), A(uint64_t, 1), A(double *, 2));
+        break;
+    case SDK_K_SUMSQ_FINAL:
+        sdk_k_sumsq_final(A(const double *, 0), A(uint32_t, 1), A(double *, 2));
+        break;
+    case SDK_K_ADAMW:
+        sdk_k_adamw(A(struct sdk_adamw_c, 0), A(float *, 1), A(float *, 2), A(float *, 3),
+                    A(float *, 4), A(float, 5), A(void *, 6), A(int, 7), A(uint64_t, 8));
+        break;
+    case SDK_K_SGD:
+        sdk_k_sgd(A(struct sdk_sgd_c, 0), A(float *, 1), A(float *, 2), A(float *, 3), A(float, 4),
+                  A(void *, 5), A(int, 6), A(uint64_t, 7));
+        break;
+    case SDK_K_SCALES:
+        sdk_k_scales(A(float *, 0), A(const void *, 1), A(int, 2), A(const float *, 3),
+                     A(uint64_t, 4), A(uint32_t, 5));
+        break;
+    case SDK_K_ENCODE:
+        sdk_k_encode(A(uint8_t *, 0), A(int, 1), A(const float *, 2), A(const void *, 3), A(int, 4),
+                     A(float *, 5), A(uint64_t, 6), A(uint32_t, 7));
+        break;
+    case SDK_K_DECODE:
+        sdk_k_decode(A(void *, 0), A(int, 1), A(const float *, 2), A(const uint8_t *, 3), A(int, 4),
+                     A(uint64_t, 5), A(uint32_t, 6), A(int, 7));
+        break;
+    case SDK_K_COUNT:
+        break;
+    }
+}
+
+#undef A
+
+static void emu_launch(struct sdk_launcher *l, enum sdk_kernel_id id, uint64_t blocks, void **args)
+{
+    (void)l;
+    sdk_emu.blocks = blocks;
+    sdk_emu.threads = SDK_THREADS_PER_BLOCK;
+    for (uint64_t b = 0; b < blocks; b++) {
+        sdk_emu.block = b;
+        emu_run(id, args);
+    }
+}
+
+/* like the host backend's, every kernel has run when its call returns */
+struct sd_gpu_queue {
+    struct sdk_launcher l;
+    double scratch[SDK_SUMSQ_MAX_BLOCKS + 1];
+    uint64_t recorded;
+};
+
+static int emu_queue_create(struct sd_gpu_queue **q_p)
+{
+    struct sd_gpu_queue *q = calloc(1, sizeof(*q));
+    if (q == NULL)
+        return SD_ENOMEM;
+    q->l = (struct sdk_launcher){.launch = emu_launch, .scratch = q->scratch};
+    *q_p = q;
+    return SD_OK;
+}
+
+static void emu_queue_destroy(struct sd_gpu_queue *q)
+{
+    free(q);
+}
+
+static int emu_sync(struct sd_gpu_queue *q)
+{
+    (void)q;
+    return SD_OK;
+}
+
+static int emu_record(struct sd_gpu_queue *q, uint64_t *ticket_p)
+{
+    *ticket_p = ++q->recorded;
+    return SD_OK;
+}
+
+static int emu_query(struct sd_gpu_queue *q, uint64_t ticket)
+{
+    return ticket <= q->recorded ? SD_OK : SD_EINVAL;
+}
+
+static void emu_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes)
+{
+    (void)q;
+    memcpy(dst, src, bytes);
+}
+
+static void emu_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
+{
+    (void)q;
+    memset(dst, 0, bytes);
+}
+
+static void emu_reduce_add(struct sd_gpu_queue *q, float *acc, const void *src, int dtype, size_t n)
+{
+    sdk_reduce_add(&q->l, acc, src, dtype, n);
+}
+
+static void emu_to_f32(struct sd_gpu_queue *q, float *dst, const void *src, int dtype, size_t n)
+{
+    sdk_to_f32(&q->l, dst, src, dtype, n);
+}
+
+static void emu_from_f32(struct sd_gpu_queue *q, void *dst, int dtype, const float *src, size_t n)
+{
+    sdk_from_f32(&q->l, dst, dtype, src, n);
+}
+
+static void emu_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *out)
+{
+    sdk_sum_sq(&q->l, x, n);
+    *out = q->scratch[SDK_SUMSQ_MAX_BLOCKS];
+}
+
+static void emu_adamw(struct sd_gpu_queue *q, const struct sd_adamw_args *a, float *master,
+                      float *m, float *v, float *grad, float scale, void *w, int w_dtype, size_t n)
+{
+    sdk_adamw(&q->l, a, master, m, v, grad, scale, w, w_dtype, n);
+}
+
+static void emu_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *master, float *buf,
+                    float *grad, float scale, void *w, int w_dtype, size_t n)
+{
+    sdk_sgd(&q->l, a, master, buf, grad, scale, w, w_dtype, n);
+}
+
+static void emu_quantize(struct sd_gpu_queue *q, void *dst, int bits, const void *src,
+                         int src_dtype, size_t n, uint32_t block)
+{
+    sdk_quantize(&q->l, dst, bits, src, src_dtype, n, block);
+}
+
+static void emu_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src,
+                           int bits, size_t n, uint32_t block, bool accumulate)
+{
+    sdk_dequantize(&q->l, dst, dst_dtype, src, bits, n, block, accumulate);
+}
+
+static void emu_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const float *x, float *err,
+                            size_t n, uint32_t block)
+{
+    sdk_quantize_ef(&q->l, dst, bits, x, err, n, block);
+}
+
+const struct sd_gpu_ops sd_gpu_emu_ops = {
+    .name = "emu",
+    .host_memory = true,
+    .alloc = sd__host_alloc,
+    .free = sd__host_free,
+    .queue_create = emu_queue_create,
+    .queue_destroy = emu_queue_destroy,
+    .sync = emu_sync,
+    .record = emu_record,
+    .query = emu_query,
+    .copy = emu_copy,
+    .zero = emu_zero,
+    .reduce_add = emu_reduce_add,
+    .to_f32 = emu_to_f32,
+    .from_f32 = emu_from_f32,
+    .sum_sq = emu_sum_sq,
+    .adamw = emu_adamw,
+    .sgd = emu_sgd,
+    .quantize = emu_quantize,
+    .dequantize = emu_dequantize,
+    .quantize_ef = emu_quantize_ef,
+};

@@ -1,0 +1,134 @@
+/* Launchers of the one kernel source (kern_ops.h). */
+#include "kern_ops.h"
+#include "sd/codec.h"
+#include "sd/model.h"
+
+#include <math.h>
+
+_Static_assert((int)SDK_FP32 == (int)SD_DTYPE_FP32 && (int)SDK_BF16 == (int)SD_DTYPE_BF16 &&
+                   (int)SDK_FP16 == (int)SD_DTYPE_FP16,
+               "the kernels' dtype codes are sd/model.h's");
+
+/* enough blocks to fill the largest GPUs (132 SMs x 8 blocks of 256 threads), few enough that
+ * each thread has several elements to stream */
+#define SDK_MAX_BLOCKS 2048
+
+#define SDK_NAME(id, name) #name,
+const char *const sdk_kernel_names[SDK_K_COUNT] = {SDK_KERNELS(SDK_NAME)};
+#undef SDK_NAME
+
+uint64_t sdk_blocks(uint64_t work)
+{
+    uint64_t b = (work + SDK_THREADS_PER_BLOCK - 1) / SDK_THREADS_PER_BLOCK;
+    return b == 0 ? 1 : b > SDK_MAX_BLOCKS ? SDK_MAX_BLOCKS : b;
+}
+
+uint64_t sdk_sumsq_blocks(uint64_t n)
+{
+    const uint64_t per_block = (uint64_t)SDK_THREADS_PER_BLOCK * SDK_SUMSQ_PER_THREAD;
+    uint64_t b = (n + per_block - 1) / per_block;
+    return b == 0 ? 1 : b > SDK_SUMSQ_MAX_BLOCKS ? SDK_SUMSQ_MAX_BLOCKS : b;
+}
+
+void sdk_reduce_add(struct sdk_launcher *l, float *acc, const void *src, int dtype, size_t n)
+{
+    uint64_t n64 = n;
+    void *args[] = {&acc, &src, &dtype, &n64};
+    if (n > 0)
+        l->launch(l, SDK_K_REDUCE_ADD, sdk_blocks(n), args);
+}
+
+void sdk_to_f32(struct sdk_launcher *l, float *dst, const void *src, int dtype, size_t n)
+{
+    uint64_t n64 = n;
+    void *args[] = {&dst, &src, &dtype, &n64};
+    if (n > 0)
+        l->launch(l, SDK_K_TO_F32, sdk_blocks(n), args);
+}
+
+void sdk_from_f32(struct sdk_launcher *l, void *dst, int dtype, const float *src, size_t n)
+{
+    uint64_t n64 = n;
+    void *args[] = {&dst, &dtype, &src, &n64};
+    if (n > 0)
+        l->launch(l, SDK_K_FROM_F32, sdk_blocks(n), args);
+}
+
+void sdk_sum_sq(struct sdk_launcher *l, const float *x, size_t n)
+{
+    uint64_t n64 = n, blocks = sdk_sumsq_blocks(n);
+    uint32_t parts = (uint32_t)blocks;
+    double *part = l->scratch, *out = l->scratch + SDK_SUMSQ_MAX_BLOCKS;
+    void *a1[] = {&x, &n64, &part};
+    l->launch(l, SDK_K_SUMSQ_PART, blocks, a1);
+    void *a2[] = {&part, &parts, &out};
+    l->launch(l, SDK_K_SUMSQ_FINAL, 1, a2);
+}
+
+void sdk_adamw(struct sdk_launcher *l, const struct sd_adamw_args *a, float *master, float *m,
+               float *v, float *grad, float scale, void *w, int w_dtype, size_t n)
+{
+    /* host.c's constants, the same operations */
+    const float bc1 = 1.0f - powf(a->beta1, (float)a->step);
+    const float bc2 = 1.0f - powf(a->beta2, (float)a->step);
+    struct sdk_adamw_c c = {.decay = 1.0f - a->lr * a->weight_decay,
+                            .b1 = a->beta1,
+                            .b2 = a->beta2,
+                            .omb1 = 1.0f - a->beta1,
+                            .omb2 = 1.0f - a->beta2,
+                            .step_size = a->lr / bc1,
+                            .sqrt_bc2 = sqrtf(bc2),
+                            .eps = a->eps};
+    uint64_t n64 = n;
+    void *args[] = {&c, &master, &m, &v, &grad, &scale, &w, &w_dtype, &n64};
+    if (n > 0)
+        l->launch(l, SDK_K_ADAMW, sdk_blocks((n + 3) / 4), args);
+}
+
+void sdk_sgd(struct sdk_launcher *l, const struct sd_sgd_args *a, float *master, float *buf,
+             float *grad, float scale, void *w, int w_dtype, size_t n)
+{
+    struct sdk_sgd_c c = {.lr = a->lr, .mu = a->momentum, .wd = a->weight_decay};
+    uint64_t n64 = n;
+    void *args[] = {&c, &master, &buf, &grad, &scale, &w, &w_dtype, &n64};
+    if (n > 0)
+        l->launch(l, SDK_K_SGD, sdk_blocks(n), args);
+}
+
+static void encode(struct sdk_launcher *l, void *dst, int bits, const void *src, int dtype,
+                   float *err, size_t n, uint32_t block)
+{
+    uint64_t n64 = n, blocks = sd_codec_blocks(n, block);
+    float *scales = dst;
+    uint8_t *vals = (uint8_t *)dst + 4 * blocks;
+    void *a1[] = {&scales, &src, &dtype, &err, &n64, &block};
+    l->launch(l, SDK_K_SCALES, sdk_blocks(blocks), a1);
+    void *a2[] = {&vals, &bits, &scales, &src, &dtype, &err, &n64, &block};
+    l->launch(l, SDK_K_ENCODE, sdk_blocks(bits == SD_CODEC_INT8 ? n : (n + 1) / 2), a2);
+}
+
+void sdk_quantize(struct sdk_launcher *l, void *dst, int bits, const void *src, int src_dtype,
+                  size_t n, uint32_t block)
+{
+    if (n > 0)
+        encode(l, dst, bits, src, src_dtype, NULL, n, block);
+}
+
+void sdk_quantize_ef(struct sdk_launcher *l, void *dst, int bits, const float *x, float *err,
+                     size_t n, uint32_t block)
+{
+    if (n > 0)
+        encode(l, dst, bits, x, SD_DTYPE_FP32, err, n, block);
+}
+
+void sdk_dequantize(struct sdk_launcher *l, void *dst, int dst_dtype, const void *src, int bits,
+                    size_t n, uint32_t block, bool accumulate)
+{
+    uint64_t n64 = n;
+    const float *scales = src;
+    const uint8_t *vals = (const uint8_t *)src + 4 * sd_codec_blocks(n, block);
+    int acc = accumulate;
+    void *args[] = {&dst, &dst_dtype, &scales, &vals, &bits, &n64, &block, &acc};
+    if (n > 0)
+        l->launch(l, SDK_K_DECODE, sdk_blocks(n), args);
+}

@@ -1,0 +1,44 @@
+/* The device backends' kernels behind the vtable's signatures (sd/gpu.h), written once over a
+ * launcher: the grid sizes and the optimizers' constants are computed here, and the launcher
+ * runs a kernel of kern/kernels.h with them, on a device (cuda.c, hip.c: a module's function
+ * on a stream) or through the host emulation (emu.c). */
+#ifndef SD_KERN_OPS_H
+#define SD_KERN_OPS_H
+
+#include "kern/params.h"
+#include "sd/gpu.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct sdk_launcher {
+    /* run kernel id on `blocks` blocks of SDK_THREADS_PER_BLOCK threads; args[i] points at the
+     * kernel's i-th parameter, as cuLaunchKernel takes them */
+    void (*launch)(struct sdk_launcher *l, enum sdk_kernel_id id, uint64_t blocks, void **args);
+    /* SDK_SUMSQ_MAX_BLOCKS + 1 doubles the kernels may write (the sum's partials and result) */
+    double *scratch;
+};
+
+/* the blocks of a grid-stride kernel over `work` items */
+uint64_t sdk_blocks(uint64_t work);
+/* the blocks of the sum of squares of n elements: a function of n only (the order of the sum) */
+uint64_t sdk_sumsq_blocks(uint64_t n);
+extern const char *const sdk_kernel_names[SDK_K_COUNT];
+
+void sdk_reduce_add(struct sdk_launcher *l, float *acc, const void *src, int dtype, size_t n);
+void sdk_to_f32(struct sdk_launcher *l, float *dst, const void *src, int dtype, size_t n);
+void sdk_from_f32(struct sdk_launcher *l, void *dst, int dtype, const float *src, size_t n);
+/* the sum lands in l->scratch[SDK_SUMSQ_MAX_BLOCKS] (device memory on a device) */
+void sdk_sum_sq(struct sdk_launcher *l, const float *x, size_t n);
+void sdk_adamw(struct sdk_launcher *l, const struct sd_adamw_args *a, float *master, float *m,
+               float *v, float *grad, float scale, void *w, int w_dtype, size_t n);
+void sdk_sgd(struct sdk_launcher *l, const struct sd_sgd_args *a, float *master, float *buf,
+             float *grad, float scale, void *w, int w_dtype, size_t n);
+void sdk_quantize(struct sdk_launcher *l, void *dst, int bits, const void *src, int src_dtype,
+                  size_t n, uint32_t block);
+void sdk_dequantize(struct sdk_launcher *l, void *dst, int dst_dtype, const void *src, int bits,
+                    size_t n, uint32_t block, bool accumulate);
+void sdk_quantize_ef(struct sdk_launcher *l, void *dst, int bits, const float *x, float *err,
+                     size_t n, uint32_t block);
+
+#endif
