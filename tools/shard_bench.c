@@ -16,6 +16,7 @@
  * --json prints one object per measurement with name, size_bytes, time_s, baseline,
  * baseline_time_s and ratio. Times are medians over --iters repetitions. */
 #include "shard.h"
+#include "bench_kernels.h"
 #include "sd/codec.h"
 #include "sd/gpu.h"
 #include "shard_internal.h"
@@ -701,6 +702,7 @@ static void usage(FILE *out)
     fprintf(
         out,
         "usage: shard-bench fetch|step|all|codec [--socket PATH] [--size BYTES] [--params N]\n"
+        "       shard-bench kernels [--backend cuda|hip|emu|host] [--size BYTES] [--params N]\n"
         "                   [--optimizer adamw|sgd] [--iters N] [--json]\n"
         "       shard-bench allgather|reducescatter|allreduce --sockets P0,P1,...\n"
         "                   [--ranks-per-node K] [--min BYTES] [--max BYTES] [--iters N]\n"
@@ -723,6 +725,9 @@ static void usage(FILE *out)
         "  codec   the host backend's int8/int4 block quantization (quantize, dequantize-\n"
         "          accumulate) on --size bytes of fp32 (default 64 MiB) in blocks of --block\n"
         "          (default 256) vs memcpy of the same input, GB/s of fp32 input; no daemon\n"
+        "  kernels a device backend's kernels (default cuda) against its own copy bandwidth:\n"
+        "          a --size unit (default 256 MiB) gathered from 8 shards, AdamW and SGD on\n"
+        "          --params (default 64M), the codecs; exits 77 without the device; no daemon\n"
         "Needs running daemons (--socket, default $SHARD_SOCKET or /run/shardd/shardd.sock).\n");
 }
 
@@ -737,8 +742,9 @@ int main(int argc, char **argv)
                      .min_size = 4096,
                      .max_size = 64ULL << 20,
                      .ranks_per_node = 1};
-    const char *what = NULL;
+    const char *what = NULL, *backend = "cuda";
     uint32_t block = 256;
+    bool size_set = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
@@ -759,6 +765,9 @@ int main(int argc, char **argv)
             o.socket = argv[++i];
         } else if (strcmp(a, "--size") == 0 && v) {
             o.size = strtoull(argv[++i], NULL, 0);
+            size_set = true;
+        } else if (strcmp(a, "--backend") == 0 && v) {
+            backend = argv[++i];
         } else if (strcmp(a, "--params") == 0 && v) {
             o.params = strtoull(argv[++i], NULL, 0);
         } else if (strcmp(a, "--iters") == 0 && v) {
@@ -795,6 +804,9 @@ int main(int argc, char **argv)
         }
         return bench_codec(&o, block);
     }
+    if (strcmp(what, "kernels") == 0)
+        return sd_bench_kernels(backend, size_set ? o.size : 256ULL << 20, o.params, o.iters,
+                                o.json);
     if (strcmp(what, "allgather") == 0)
         return bench_coll(&o, COLL_AG, what);
     if (strcmp(what, "reducescatter") == 0)

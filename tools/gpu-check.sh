@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for a machine with an NVIDIA GPU (issue 40):
+#   tools/gpu-check.sh [--build DIR] [--all]
+# builds shardd with the CUDA backend (warnings as errors), runs every ctest labelled gpu, the
+# kernel test under compute-sanitizer (memcheck, racecheck), shard-bench kernels and torch's
+# fused AdamW in the same run, and prints a summary: tests passed/failed/skipped, and each
+# benchmark's ratio against its target. --all also runs the whole suite on that build. Logs and
+# JSON go to $OUT (the device tool's) or DIR/gpu-check. Exits 1 when anything failed or a target
+# was missed, 77 when no GPU is found. On the lent GPU machine (../shared/device/README.md):
+#   source .devkit/env.sh is done here when .devkit exists.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+B=/tmp/shard-gpu
+all=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --build) B=$2; shift 2 ;;
+    --all) all=1; shift ;;
+    -h|--help) sed -n 2,12p "$0"; exit 0 ;;
+    *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+[ -f .devkit/env.sh ] && source .devkit/env.sh
+out=${OUT:-$B/gpu-check}
+mkdir -p "$out"
+jobs=$(nproc)
+failed=0
+declare -a lines
+
+note() { lines+=("$1"); echo "$1"; }
+
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >"$out/gpus.txt" 2>&1; then
+  echo "gpu-check: skipped: no NVIDIA GPU here (nvidia-smi -L: $(head -1 "$out/gpus.txt" 2>/dev/null))"
+  exit 77
+fi
+note "GPUs: $(tr '\n' ';' <"$out/gpus.txt")"
+
+t0=$(date +%s)
+if ! cmake -S . -B "$B" -DSHARD_CUDA=ON -DSHARD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+     >"$out/configure.log" 2>&1 || ! cmake --build "$B" -j"$jobs" >"$out/build.log" 2>&1; then
+  echo "gpu-check: the build failed; the end of its log:"
+  tail -30 "$out/build.log" "$out/configure.log" 2>/dev/null
+  exit 1
+fi
+note "build with the CUDA backend (-Werror): ok in $(( $(date +%s) - t0 )) s"
+
+# every gpu test; a skip there means the GPU was not usable: it counts as a failure here
+(cd "$B" && ctest -L gpu --output-on-failure -j4) >"$out/ctest-gpu.log" 2>&1
+pass=$(grep -c " Passed " "$out/ctest-gpu.log")
+fail=$(grep -cE "\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$out/ctest-gpu.log")
+skip=$(grep -c "Not Run\|Skipped" "$out/ctest-gpu.log")
+cuda_skip=$(grep -E "test_kernels_cuda .*Skipped" -c "$out/ctest-gpu.log")
+note "ctest -L gpu: $pass passed, $fail failed, $skip skipped (test_kernels_hip skips on NVIDIA)"
+[ "$fail" -eq 0 ] && [ "$cuda_skip" -eq 0 ] && [ "$pass" -gt 0 ] || failed=1
+
+# compute-sanitizer on the kernel test (quick sizes: the sanitizers run kernels 10-100x slower)
+san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+if [ -x "$san" ]; then
+  for tool in memcheck racecheck; do
+    if SHARD_TEST_QUICK=1 "$san" --tool "$tool" --error-exitcode 3 \
+         "$B/tests/unit/test_kernels" cuda >"$out/sanitizer-$tool.log" 2>&1; then
+      note "compute-sanitizer $tool on test_kernels cuda: clean"
+    else
+      note "compute-sanitizer $tool on test_kernels cuda: FAILED ($out/sanitizer-$tool.log)"
+      failed=1
+    fi
+  done
+else
+  note "compute-sanitizer: not found (CUDA toolkit without it): NOT RUN"
+  failed=1
+fi
+
+# the benchmarks, as ratios against the same GPU's copy, in this run
+"$B/tools/shard-bench" kernels --backend cuda --json >"$out/kernels.json" 2>"$out/kernels.err" ||
+  { note "shard-bench kernels: FAILED ($(cat "$out/kernels.err"))"; failed=1; }
+python3 tools/bench/torch_adamw.py --json >"$out/torch_adamw.json" 2>"$out/torch_adamw.err"
+rc_torch=$?
+python3 - "$out/kernels.json" "$out/torch_adamw.json" "$rc_torch" >"$out/summary-bench.txt" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
+k = {r["name"]: r for r in rows}
+bad = 0
+for r in rows:
+    t = r["target"]
+    ok = t == 0 or r["ratio_to_copy"] >= t
+    bad |= not ok
+    print(f"{r['name']:<28} {r['GBps']:8.1f} GB/s  {r['ratio_to_copy']:.3f} of the copy"
+          + (f"  target {t:.2f}: {'met' if ok else 'NOT met'}" if t else ""))
+if sys.argv[3] == "0":
+    t = json.load(open(sys.argv[2]))
+    ours = k["adamw (fp32 w)"]["time_us"]
+    ahead = ours < t["fused_us"]
+    bad |= not ahead
+    print(f"torch {t['torch']} fused AdamW {t['fused_us']:.0f} us ({t['fused_ratio_to_copy']:.3f} "
+          f"of its copy), foreach {t['foreach_us']:.0f} us; shardd's {ours:.0f} us: "
+          f"{'ahead' if ahead else 'NOT ahead'} of fused")
+else:
+    print("torch's fused AdamW: not measured (no torch with CUDA in this python3)")
+    bad = 1
+sys.exit(1 if bad else 0)
+PY
+[ $? -eq 0 ] || failed=1
+while IFS= read -r l; do note "$l"; done <"$out/summary-bench.txt"
+
+if [ "$all" -eq 1 ]; then
+  (cd "$B" && ctest -j8 --output-on-failure) >"$out/ctest-all.log" 2>&1 || failed=1
+  note "whole suite: $(grep "tests passed" "$out/ctest-all.log")"
+fi
+
+# what the daemon does not yet do on a device, so nothing here can check it
+note "not yet checkable (the daemon keeps job buffers in host memory under every backend):"
+note "  fidelity with --backend cuda, a 2-node cluster with staging, checkpoints device<->host,"
+note "  fd sharing with trainers and the fence page (issues 40 and 37)"
+echo "== gpu-check: $([ $failed -eq 0 ] && echo passed || echo FAILED) in $(( $(date +%s) - t0 )) s; logs in $out"
+printf '%s\n' "${lines[@]}" >"$out/summary.txt"
+exit $failed
