@@ -102,7 +102,7 @@ static void encode(struct sdk_launcher *l, void *dst, int bits, const void *src,
     float *scales = dst;
     uint8_t *vals = (uint8_t *)dst + 4 * blocks;
     void *a1[] = {&scales, &src, &dtype, &err, &n64, &block};
-    l->launch(l, SDK_K_SCALES, sdk_blocks(blocks), a1);
+    l->launch(l, SDK_K_SCALES, sdk_blocks(blocks * 32), a1); /* 32 threads a codec block */
     void *a2[] = {&vals, &bits, &scales, &src, &dtype, &err, &n64, &block};
     l->launch(l, SDK_K_ENCODE, sdk_blocks(bits == SD_CODEC_INT8 ? n : (n + 1) / 2), a2);
 }

@@ -274,24 +274,50 @@ SDK_FN float sdk_value(const void *src, int dtype, const float *err, uint64_t i)
     return err != 0 ? x + err[i] : x;
 }
 
+/* one codec block per 32 threads (a warp on NVIDIA GPUs), 8 blocks per round of a CTA: the
+ * threads read the block's elements coalesced, and combine their largest magnitudes in a tree
+ * (a maximum is exact in any order) with their NaN and infinity flags */
+#define SDK_GROUP  32
+#define SDK_GROUPS (SDK_THREADS_PER_BLOCK / SDK_GROUP)
+
 SDK_KERNEL sdk_k_scales(float *SDK_RESTRICT scales, const void *SDK_RESTRICT src, int dtype,
                         const float *SDK_RESTRICT err, uint64_t n, uint32_t block)
 {
-    SDK_THREADS
-    uint64_t blocks = (n + block - 1) / block;
-    for (uint64_t b = SDK_GRID_FIRST; b < blocks; b += SDK_GRID_STRIDE) {
-        uint64_t i0 = b * block, i1 = i0 + block < n ? i0 + block : n;
+    SDK_SHARED(float, smax, SDK_THREADS_PER_BLOCK);
+    SDK_SHARED(int, sflags, SDK_THREADS_PER_BLOCK); /* 1: a NaN, 2: an infinity */
+    const uint64_t blocks = (n + block - 1) / block;
+    for (uint64_t base = SDK_BLOCK * SDK_GROUPS; base < blocks; base += SDK_BLOCKS * SDK_GROUPS) {
+        SDK_THREADS
+        uint64_t b = base + sdk_t / SDK_GROUP;
         float mx = 0.0f;
-        int inf = 0, nan = 0;
-        for (uint64_t i = i0; i < i1; i++) {
-            float a = fabsf(sdk_value(src, dtype, err, i));
-            nan |= a != a;
-            inf |= a == sdk_bits_f32(0x7f800000u);
-            mx = a > mx ? a : mx;
+        int flags = 0;
+        if (b < blocks) {
+            uint64_t i0 = b * block, i1 = i0 + block < n ? i0 + block : n;
+            for (uint64_t i = i0 + sdk_t % SDK_GROUP; i < i1; i += SDK_GROUP) {
+                float a = fabsf(sdk_value(src, dtype, err, i));
+                flags |= (a != a) | (a == sdk_bits_f32(0x7f800000u)) << 1;
+                mx = a > mx ? a : mx;
+            }
         }
-        scales[b] = nan ? sdk_bits_f32(0x7fc00000u) : inf ? sdk_bits_f32(0x7f800000u) : mx;
+        smax[sdk_t] = mx;
+        sflags[sdk_t] = flags;
+        SDK_SYNC
+        for (unsigned w = SDK_GROUP / 2; w > 0; w /= 2) {
+            SDK_THREADS
+            if (sdk_t % SDK_GROUP < w) {
+                smax[sdk_t] = smax[sdk_t + w] > smax[sdk_t] ? smax[sdk_t + w] : smax[sdk_t];
+                sflags[sdk_t] |= sflags[sdk_t + w];
+            }
+            SDK_SYNC
+        }
+        SDK_THREADS
+        uint64_t b = base + sdk_t / SDK_GROUP;
+        if (sdk_t % SDK_GROUP == 0 && b < blocks)
+            scales[b] = sflags[sdk_t] & 1   ? sdk_bits_f32(0x7fc00000u)
+                        : sflags[sdk_t] & 2 ? sdk_bits_f32(0x7f800000u)
+                                            : smax[sdk_t];
+        SDK_SYNC
     }
-    SDK_SYNC
 }
 
 /* one element's code: round(y qmax / m) to nearest even, clamped; 0 where m is 0 or not finite */
