@@ -257,7 +257,7 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    if (!dev->host_memory) { /* the job's memory is read and written on the host in places */
+    if (!dev->host_visible) { /* the job's memory is read and written on the host in places */
         fprintf(stderr,
                 "shardd: backend '%s' found its device, but this shardd does not yet keep job "
                 "buffers in device memory (README, GPU backends): run --backend host; "

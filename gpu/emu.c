@@ -174,25 +174,14 @@ static void emu_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const f
     sdk_quantize_ef(&q->l, dst, bits, x, err, n, block);
 }
 
-const struct sd_gpu_ops sd_gpu_emu_ops = {
-    .name = "emu",
-    .host_memory = true,
-    .alloc = sd__host_alloc,
-    .free = sd__host_free,
-    .queue_create = emu_queue_create,
-    .queue_destroy = emu_queue_destroy,
-    .sync = emu_sync,
-    .record = emu_record,
-    .query = emu_query,
-    .copy = emu_copy,
-    .zero = emu_zero,
-    .reduce_add = emu_reduce_add,
-    .to_f32 = emu_to_f32,
-    .from_f32 = emu_from_f32,
-    .sum_sq = emu_sum_sq,
-    .adamw = emu_adamw,
-    .sgd = emu_sgd,
-    .quantize = emu_quantize,
-    .dequantize = emu_dequantize,
-    .quantize_ef = emu_quantize_ef,
-};
+#define EMU_OPS                                                                                    \
+    .host_visible = true, .alloc = sd__host_alloc, .free = sd__host_free,                          \
+    .queue_create = emu_queue_create, .queue_destroy = emu_queue_destroy, .sync = emu_sync,        \
+    .record = emu_record, .query = emu_query, .copy = emu_copy, .zero = emu_zero,                  \
+    .reduce_add = emu_reduce_add, .to_f32 = emu_to_f32, .from_f32 = emu_from_f32,                  \
+    .sum_sq = emu_sum_sq, .adamw = emu_adamw, .sgd = emu_sgd, .quantize = emu_quantize,            \
+    .dequantize = emu_dequantize, .quantize_ef = emu_quantize_ef
+
+const struct sd_gpu_ops sd_gpu_emu_ops = {.name = "emu", .host_memory = true, EMU_OPS};
+const struct sd_gpu_ops sd_gpu_emu_device_ops = {
+    .name = "emu-device", .host_memory = false, EMU_OPS};

@@ -11,6 +11,12 @@
  * save begins) still commit every save; node 1's write stalled 6 s fails the save at node 0's
  * deadline, naming node 1.
  *
+ * test_checkpoint device: the daemon's device paths (backend emu-device: allocation on the loop,
+ * loads through a staging buffer and the backend's copies and casts) against the host
+ * backend's: saved on 2 x 2 under emu-device (fp32 and bf16), loaded on 4 x 2 under the host
+ * backend; saved there, loaded on 2 x 2 under emu-device; each continued run against the
+ * reference.
+ *
  * test_checkpoint crash [TRIALS]: a one-node job saves after every step while a trainer or the
  * daemon is SIGKILLed at a random moment; afterwards LATEST names a complete checkpoint that
  * verifies and loads, and the next save removes what the interrupted one left. */
@@ -472,6 +478,36 @@ static void remove_tree(const char *path)
     rmdir(path);
 }
 
+static int device(void)
+{
+    const char *emu_device[] = {"--backend", "emu-device", NULL};
+    struct th_cluster a, b;
+    char d_dev[300], d_devbf[300], d_host[300];
+    snprintf(d_dev, sizeof(d_dev), "%s/device", base);
+    snprintf(d_devbf, sizeof(d_devbf), "%s/device-bf16", base);
+    snprintf(d_host, sizeof(d_host), "%s/host", base);
+
+    TH_CHECK(th_cluster_start(&a, 2, 2, emu_device) == 0, "2 x 2 cluster on emu-device");
+    train(&a, "dev-save", "mics:2", 10, "fp32", d_dev, NULL, TOL_FP32);
+    train(&a, "dev-save-bf16", "mics:2", 10, "bf16", d_devbf, NULL, TOL_BF16);
+    TH_CHECK(th_cluster_stop(&a) == 0, "2 x 2 emu-device cluster stopped uncleanly");
+    check_saved(d_dev, 10, "mics:2");
+    check_saved(d_devbf, 10, "mics:2");
+
+    TH_CHECK(th_cluster_start(&b, 4, 2, NULL) == 0, "4 x 2 cluster on host");
+    train(&b, "host-load", "zero3", 20, "fp32", NULL, d_dev, TOL_FP32);
+    train(&b, "host-load-bf16", "zero3", 20, "bf16", NULL, d_devbf, TOL_BF16);
+    train(&b, "host-save", "zero3", 10, "fp32", d_host, NULL, TOL_FP32);
+    TH_CHECK(th_cluster_stop(&b) == 0, "4 x 2 host cluster stopped uncleanly");
+    check_saved(d_host, 10, "zero3");
+
+    TH_CHECK(th_cluster_start(&a, 2, 2, emu_device) == 0, "2 x 2 cluster on emu-device again");
+    train(&a, "dev-load", "mics:2", 20, "fp32", NULL, d_host, TOL_FP32);
+    train(&a, "dev-load-topo", "topo:1/2/4", 20, "fp32", NULL, d_dev, TOL_FP32);
+    TH_CHECK(th_cluster_stop(&a) == 0, "2 x 2 emu-device cluster stopped uncleanly");
+    return th_summary("test_checkpoint device");
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "reshard";
@@ -480,9 +516,10 @@ int main(int argc, char **argv)
         perror("mkdtemp");
         return 1;
     }
-    int rc = strcmp(mode, "crash") == 0   ? crash(argc > 2 ? atoi(argv[2]) : 50)
-             : strcmp(mode, "stall") == 0 ? stalls()
-                                          : reshard();
+    int rc = strcmp(mode, "crash") == 0    ? crash(argc > 2 ? atoi(argv[2]) : 50)
+             : strcmp(mode, "stall") == 0  ? stalls()
+             : strcmp(mode, "device") == 0 ? device()
+                                           : reshard();
     if (rc == 0)
         remove_tree(base);
     else

@@ -38,6 +38,9 @@ struct sd_gpu_queue;
 struct sd_gpu_ops {
     const char *name;
     bool host_memory; /* its buffers are host memory (backed and freed off the loop) */
+    /* its buffers can be read and written on the host even where host_memory is false
+     * (emu-device: the device paths of the daemon, run on host memory) */
+    bool host_visible;
     /* Once, before anything else: find the driver and the devices (NULL: nothing to find). On
      * failure err says what is missing (the library, a device, a device attribute). */
     int (*open)(char *err, size_t errlen);
@@ -91,8 +94,11 @@ extern const struct sd_gpu_ops sd_gpu_host_ops;
 extern const struct sd_gpu_ops sd_gpu_host_deferred_ops;
 
 /* The device backends' kernels (gpu/kern/kernels.h) run on the host through the emulation:
- * host memory, each kernel's blocks and threads in order. */
+ * host memory, each kernel's blocks and threads in order. emu-device: the same, declared device
+ * memory (host_memory false), so that the daemon takes its device paths (allocation on the
+ * loop, checkpoint loads through a staging buffer) where no GPU is. */
 extern const struct sd_gpu_ops sd_gpu_emu_ops;
+extern const struct sd_gpu_ops sd_gpu_emu_device_ops;
 /* Built where CUDA's or HIP's compiler was found (-DSHARD_CUDA, -DSHARD_HIP); the driver is
  * loaded at run time (open), so the same binary runs on machines without one. */
 extern const struct sd_gpu_ops sd_gpu_cuda_ops;
