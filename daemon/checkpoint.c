@@ -284,6 +284,7 @@ void sd_ckpt_job_free(struct sd_job *job)
     free(c->tags);
     free(c->items);
     free(c->item_src);
+    free(c->stage);
     free(c);
     job->load.ckpt = NULL;
 }
@@ -398,6 +399,30 @@ static int save_plan(struct sd_job *job)
     return SD_OK;
 }
 
+/* Memory of a device backend is written from host memory: every extent is copied into one
+ * staging buffer by the backend, in file order, and written from there. The copies are waited
+ * for here (the loop is held for them, as sd_job_sync holds it: a device's copy of a node's
+ * optimizer states runs at tens of GB/s). */
+static int save_stage(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    uint64_t floats = 0;
+    for (uint64_t i = 0; i < c->n_items; i++)
+        floats += c->items[i].end - c->items[i].begin;
+    free(c->stage);
+    c->stage = malloc((floats + 1) * sizeof(float));
+    if (c->stage == NULL)
+        return SD_ENOMEM;
+    float *at = c->stage;
+    for (uint64_t i = 0; i < c->n_items; i++) {
+        uint64_t len = c->items[i].end - c->items[i].begin;
+        job->reg->dev->copy(job->mem.queue, at, c->item_src[i], len * sizeof(float));
+        c->item_src[i] = at;
+        at += len;
+    }
+    return sd_job_sync(job) ? SD_OK : SD_EJOBFAILED;
+}
+
 /* On a worker, as the job's owner: this node's part into data-<node>.bin of a new temporary
  * directory of its own in c->dir (made when missing). */
 static void save_work(struct sd_job *job)
@@ -459,6 +484,8 @@ void sd_ckpt__recovery_end(struct sd_job *job)
 static void save_after(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
+    free(c->stage);
+    c->stage = NULL;
     if (!c->recovery && job->state != SD_JOB_READY) { /* the save is given up */
         if (c->work.status == SD_OK)
             sd_ckpt__discard(job, c->dir, (const char *const[]){c->tmp}, 1);
@@ -517,6 +544,8 @@ static int write_part(struct sd_job *job)
     if (job->state == SD_JOB_READY && !sd_job_sync(job))
         return SD_EJOBFAILED;
     int st = save_plan(job);
+    if (st == SD_OK && !job->reg->dev->host_memory)
+        st = save_stage(job);
     if (st != SD_OK)
         return st;
     uint64_t bytes = 0;

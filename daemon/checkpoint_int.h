@@ -72,6 +72,7 @@ struct sd_ckpt_job {
     struct sd_hparams *snap_hp;      /* [groups]: and the hyperparameters in force */
     struct sd_ckpt_extent *items;    /* this node's part: its data file's extents, */
     const void **item_src;           /* and the job memory each is written from */
+    float *stage; /* a device backend's: the extents copied to host memory for the writers */
     uint64_t n_items;
     atomic_bool direct; /* this node's last data file went out with O_DIRECT (the worker
                          * says, shardctl jobs reads meanwhile) */
