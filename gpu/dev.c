@@ -408,21 +408,6 @@ static void op_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
         fail(q, "zeroing", r);
 }
 
-static void op_reduce_add(struct sd_gpu_queue *q, float *acc, const void *src, int dtype, size_t n)
-{
-    sdk_reduce_add(&q->l, acc, src, dtype, n);
-}
-
-static void op_to_f32(struct sd_gpu_queue *q, float *dst, const void *src, int dtype, size_t n)
-{
-    sdk_to_f32(&q->l, dst, src, dtype, n);
-}
-
-static void op_from_f32(struct sd_gpu_queue *q, void *dst, int dtype, const float *src, size_t n)
-{
-    sdk_from_f32(&q->l, dst, dtype, src, n);
-}
-
 /* *out is host memory: the sum is copied into a pinned slot and written to out once a record
  * after it is reached (query) or the queue is synced, never by blocking the caller here */
 static void op_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *out)
@@ -439,36 +424,6 @@ static void op_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *
     q->sums_n++;
 }
 
-static void op_adamw(struct sd_gpu_queue *q, const struct sd_adamw_args *a, float *master, float *m,
-                     float *v, float *grad, float scale, void *w, int w_dtype, size_t n)
-{
-    sdk_adamw(&q->l, a, master, m, v, grad, scale, w, w_dtype, n);
-}
-
-static void op_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *master, float *buf,
-                   float *grad, float scale, void *w, int w_dtype, size_t n)
-{
-    sdk_sgd(&q->l, a, master, buf, grad, scale, w, w_dtype, n);
-}
-
-static void op_quantize(struct sd_gpu_queue *q, void *dst, int bits, const void *src, int src_dtype,
-                        size_t n, uint32_t block)
-{
-    sdk_quantize(&q->l, dst, bits, src, src_dtype, n, block);
-}
-
-static void op_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src,
-                          int bits, size_t n, uint32_t block, bool accumulate)
-{
-    sdk_dequantize(&q->l, dst, dst_dtype, src, bits, n, block, accumulate);
-}
-
-static void op_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const float *x, float *err,
-                           size_t n, uint32_t block)
-{
-    sdk_quantize_ef(&q->l, dst, bits, x, err, n, block);
-}
-
 const struct sd_gpu_ops DEV_OPS = {
     .name = DEV_NAME,
     .host_memory = false,
@@ -482,13 +437,6 @@ const struct sd_gpu_ops DEV_OPS = {
     .query = queue_query,
     .copy = op_copy,
     .zero = op_zero,
-    .reduce_add = op_reduce_add,
-    .to_f32 = op_to_f32,
-    .from_f32 = op_from_f32,
     .sum_sq = op_sum_sq,
-    .adamw = op_adamw,
-    .sgd = op_sgd,
-    .quantize = op_quantize,
-    .dequantize = op_dequantize,
-    .quantize_ef = op_quantize_ef,
+    SDK_KERNEL_OPS,
 };

@@ -9,6 +9,17 @@ set(SHARD_HIP AUTO CACHE STRING "build the HIP backend: AUTO, ON or OFF")
 set(SHARD_CUDA_ARCHS "80;90" CACHE STRING "CUDA architectures of the kernels (and PTX of the last)")
 set(SHARD_HIP_ARCHS "gfx90a;gfx940" CACHE STRING
     "AMD GPU architectures of the HIP kernels (gfx90a: MI250X; gfx940: MI300, the newest Debian's hipcc 5.2 knows)")
+# IN (a built device image) as OUT.c, a C array NAME that sd_gpu compiles in
+function(sd_embed in name)
+  add_custom_command(
+    OUTPUT ${CMAKE_CURRENT_BINARY_DIR}/${name}.c
+    COMMAND ${CMAKE_COMMAND} -DIN=${in} -DOUT=${CMAKE_CURRENT_BINARY_DIR}/${name}.c -DNAME=${name}
+            -P ${CMAKE_CURRENT_SOURCE_DIR}/embed.cmake
+    DEPENDS ${in} ${CMAKE_CURRENT_SOURCE_DIR}/embed.cmake
+    VERBATIM)
+  target_sources(sd_gpu PRIVATE ${CMAKE_CURRENT_BINARY_DIR}/${name}.c)
+endfunction()
+
 set(kern_src ${CMAKE_CURRENT_SOURCE_DIR}/kern/kernels.h ${CMAKE_CURRENT_SOURCE_DIR}/kern/compat.h
     ${CMAKE_CURRENT_SOURCE_DIR}/kern/params.h)
 
@@ -35,14 +46,8 @@ if(NOT SHARD_CUDA STREQUAL "OFF")
               ${CMAKE_CURRENT_SOURCE_DIR}/kern/kernels.cu
       DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/kern/kernels.cu ${kern_src}
       COMMENT "nvcc: the device kernels for sm_${SHARD_CUDA_ARCHS}" VERBATIM)
-    add_custom_command(
-      OUTPUT ${CMAKE_CURRENT_BINARY_DIR}/cuda_fatbin.c
-      COMMAND ${CMAKE_COMMAND} -DIN=${CMAKE_CURRENT_BINARY_DIR}/kernels.fatbin
-              -DOUT=${CMAKE_CURRENT_BINARY_DIR}/cuda_fatbin.c -DNAME=sd_cuda_fatbin
-              -P ${CMAKE_CURRENT_SOURCE_DIR}/embed.cmake
-      DEPENDS ${CMAKE_CURRENT_BINARY_DIR}/kernels.fatbin ${CMAKE_CURRENT_SOURCE_DIR}/embed.cmake
-      VERBATIM)
-    target_sources(sd_gpu PRIVATE cuda.c ${CMAKE_CURRENT_BINARY_DIR}/cuda_fatbin.c)
+    sd_embed(${CMAKE_CURRENT_BINARY_DIR}/kernels.fatbin sd_cuda_fatbin)
+    target_sources(sd_gpu PRIVATE cuda.c)
     set_source_files_properties(cuda.c PROPERTIES INCLUDE_DIRECTORIES ${SHARD_CUDA_INCLUDE}
                                 OBJECT_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/dev.c)
     target_compile_definitions(sd_gpu PUBLIC SHARD_HAVE_CUDA)
@@ -72,14 +77,8 @@ if(NOT SHARD_HIP STREQUAL "OFF")
               ${CMAKE_CURRENT_SOURCE_DIR}/kern/kernels.hip
       DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/kern/kernels.hip ${kern_src}
       COMMENT "hipcc: the device kernels for ${hip_archs}" VERBATIM)
-    add_custom_command(
-      OUTPUT ${CMAKE_CURRENT_BINARY_DIR}/hip_code.c
-      COMMAND ${CMAKE_COMMAND} -DIN=${CMAKE_CURRENT_BINARY_DIR}/kernels.hsaco
-              -DOUT=${CMAKE_CURRENT_BINARY_DIR}/hip_code.c -DNAME=sd_hip_code_object
-              -P ${CMAKE_CURRENT_SOURCE_DIR}/embed.cmake
-      DEPENDS ${CMAKE_CURRENT_BINARY_DIR}/kernels.hsaco ${CMAKE_CURRENT_SOURCE_DIR}/embed.cmake
-      VERBATIM)
-    target_sources(sd_gpu PRIVATE hip.c ${CMAKE_CURRENT_BINARY_DIR}/hip_code.c)
+    sd_embed(${CMAKE_CURRENT_BINARY_DIR}/kernels.hsaco sd_hip_code_object)
+    target_sources(sd_gpu PRIVATE hip.c)
     set_source_files_properties(hip.c PROPERTIES INCLUDE_DIRECTORIES ${SHARD_HIP_INCLUDE})
     set_source_files_properties(hip.c cuda.c PROPERTIES OBJECT_DEPENDS
                                 ${CMAKE_CURRENT_SOURCE_DIR}/dev.c)

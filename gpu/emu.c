@@ -123,64 +123,17 @@ static void emu_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
     memset(dst, 0, bytes);
 }
 
-static void emu_reduce_add(struct sd_gpu_queue *q, float *acc, const void *src, int dtype, size_t n)
-{
-    sdk_reduce_add(&q->l, acc, src, dtype, n);
-}
-
-static void emu_to_f32(struct sd_gpu_queue *q, float *dst, const void *src, int dtype, size_t n)
-{
-    sdk_to_f32(&q->l, dst, src, dtype, n);
-}
-
-static void emu_from_f32(struct sd_gpu_queue *q, void *dst, int dtype, const float *src, size_t n)
-{
-    sdk_from_f32(&q->l, dst, dtype, src, n);
-}
-
 static void emu_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *out)
 {
     sdk_sum_sq(&q->l, x, n);
     *out = q->scratch[SDK_SUMSQ_MAX_BLOCKS];
 }
 
-static void emu_adamw(struct sd_gpu_queue *q, const struct sd_adamw_args *a, float *master,
-                      float *m, float *v, float *grad, float scale, void *w, int w_dtype, size_t n)
-{
-    sdk_adamw(&q->l, a, master, m, v, grad, scale, w, w_dtype, n);
-}
-
-static void emu_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *master, float *buf,
-                    float *grad, float scale, void *w, int w_dtype, size_t n)
-{
-    sdk_sgd(&q->l, a, master, buf, grad, scale, w, w_dtype, n);
-}
-
-static void emu_quantize(struct sd_gpu_queue *q, void *dst, int bits, const void *src,
-                         int src_dtype, size_t n, uint32_t block)
-{
-    sdk_quantize(&q->l, dst, bits, src, src_dtype, n, block);
-}
-
-static void emu_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src,
-                           int bits, size_t n, uint32_t block, bool accumulate)
-{
-    sdk_dequantize(&q->l, dst, dst_dtype, src, bits, n, block, accumulate);
-}
-
-static void emu_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const float *x, float *err,
-                            size_t n, uint32_t block)
-{
-    sdk_quantize_ef(&q->l, dst, bits, x, err, n, block);
-}
-
 #define EMU_OPS                                                                                    \
     .host_visible = true, .alloc = sd__host_alloc, .free = sd__host_free,                          \
     .queue_create = emu_queue_create, .queue_destroy = emu_queue_destroy, .sync = emu_sync,        \
     .record = emu_record, .query = emu_query, .copy = emu_copy, .zero = emu_zero,                  \
-    .reduce_add = emu_reduce_add, .to_f32 = emu_to_f32, .from_f32 = emu_from_f32,                  \
-    .sum_sq = emu_sum_sq, .adamw = emu_adamw, .sgd = emu_sgd, .quantize = emu_quantize,            \
-    .dequantize = emu_dequantize, .quantize_ef = emu_quantize_ef
+    .sum_sq = emu_sum_sq, SDK_KERNEL_OPS
 
 const struct sd_gpu_ops sd_gpu_emu_ops = {.name = "emu", .host_memory = true, EMU_OPS};
 const struct sd_gpu_ops sd_gpu_emu_device_ops = {

@@ -10,6 +10,7 @@
 #include "sd/gpu.h"
 #include "codec_int.h"
 #include "host_int.h"
+#include "kern_ops.h"
 #include "sd/dtype.h"
 #include "sd/log.h"
 #include "sd/model.h"
@@ -185,18 +186,16 @@ static inline void store_w(void *w, int dtype, size_t i, float p)
     sd__store(w, dtype, i, p);
 }
 
-/* AdamW as torch.optim.AdamW computes it (decoupled decay, bias correction). The expression
- * order is part of the fidelity contract: client/examples/mlp_train.c's reference repeats it. */
-struct adamw_consts {
-    float decay, b1, b2, omb1, omb2, step_size, sqrt_bc2, eps;
-};
-
+/* AdamW as torch.optim.AdamW computes it (decoupled decay, bias correction), with the constants
+ * of sdk_adamw_consts (kern_ops.c, the device kernels' too). The expression order is part of the
+ * fidelity contract: client/examples/mlp_train.c's reference repeats it, and the device kernels
+ * (kern/kernels.h) are tested against this one. */
 struct adamw_out {
     float p, m, v;
 };
 
 /* One element: the new master weight and moments. */
-static inline struct adamw_out adamw_elem(const struct adamw_consts *c, float master, float m,
+static inline struct adamw_out adamw_elem(const struct sdk_adamw_c *c, float master, float m,
                                           float v, float g)
 {
     float p = master * c->decay;
@@ -211,16 +210,7 @@ static void host_adamw(struct sd_gpu_queue *q, const struct sd_adamw_args *a,
                        float *restrict grad, float scale, void *restrict w, int w_dtype, size_t n)
 {
     (void)q;
-    const float bc1 = 1.0f - powf(a->beta1, (float)a->step);
-    const float bc2 = 1.0f - powf(a->beta2, (float)a->step);
-    const struct adamw_consts c = {.decay = 1.0f - a->lr * a->weight_decay,
-                                   .b1 = a->beta1,
-                                   .b2 = a->beta2,
-                                   .omb1 = 1.0f - a->beta1,
-                                   .omb2 = 1.0f - a->beta2,
-                                   .step_size = a->lr / bc1,
-                                   .sqrt_bc2 = sqrtf(bc2),
-                                   .eps = a->eps};
+    const struct sdk_adamw_c c = sdk_adamw_consts(a);
     if (w_dtype == SD_DTYPE_FP32) { /* the common case, kept branch-free for vectorization */
         float *restrict wf = w;
         for (size_t i = 0; i < n; i++) {

@@ -30,24 +30,33 @@ uint64_t sdk_sumsq_blocks(uint64_t n)
     return b == 0 ? 1 : b > SDK_SUMSQ_MAX_BLOCKS ? SDK_SUMSQ_MAX_BLOCKS : b;
 }
 
-void sdk_reduce_add(struct sdk_launcher *l, float *acc, const void *src, int dtype, size_t n)
+/* the launcher a queue starts with */
+static struct sdk_launcher *L(struct sd_gpu_queue *q)
 {
+    return (struct sdk_launcher *)(void *)q;
+}
+
+void sdk_op_reduce_add(struct sd_gpu_queue *q, float *acc, const void *src, int dtype, size_t n)
+{
+    struct sdk_launcher *l = L(q);
     uint64_t n64 = n;
     void *args[] = {&acc, &src, &dtype, &n64};
     if (n > 0)
         l->launch(l, SDK_K_REDUCE_ADD, sdk_blocks(n), args);
 }
 
-void sdk_to_f32(struct sdk_launcher *l, float *dst, const void *src, int dtype, size_t n)
+void sdk_op_to_f32(struct sd_gpu_queue *q, float *dst, const void *src, int dtype, size_t n)
 {
+    struct sdk_launcher *l = L(q);
     uint64_t n64 = n;
     void *args[] = {&dst, &src, &dtype, &n64};
     if (n > 0)
         l->launch(l, SDK_K_TO_F32, sdk_blocks(n), args);
 }
 
-void sdk_from_f32(struct sdk_launcher *l, void *dst, int dtype, const float *src, size_t n)
+void sdk_op_from_f32(struct sd_gpu_queue *q, void *dst, int dtype, const float *src, size_t n)
 {
+    struct sdk_launcher *l = L(q);
     uint64_t n64 = n;
     void *args[] = {&dst, &dtype, &src, &n64};
     if (n > 0)
@@ -65,29 +74,36 @@ void sdk_sum_sq(struct sdk_launcher *l, const float *x, size_t n)
     l->launch(l, SDK_K_SUMSQ_FINAL, 1, a2);
 }
 
-void sdk_adamw(struct sdk_launcher *l, const struct sd_adamw_args *a, float *master, float *m,
-               float *v, float *grad, float scale, void *w, int w_dtype, size_t n)
+struct sdk_adamw_c sdk_adamw_consts(const struct sd_adamw_args *a)
 {
-    /* host.c's constants, the same operations */
+    /* AdamW as torch.optim.AdamW computes it (decoupled decay, bias correction) */
     const float bc1 = 1.0f - powf(a->beta1, (float)a->step);
     const float bc2 = 1.0f - powf(a->beta2, (float)a->step);
-    struct sdk_adamw_c c = {.decay = 1.0f - a->lr * a->weight_decay,
-                            .b1 = a->beta1,
-                            .b2 = a->beta2,
-                            .omb1 = 1.0f - a->beta1,
-                            .omb2 = 1.0f - a->beta2,
-                            .step_size = a->lr / bc1,
-                            .sqrt_bc2 = sqrtf(bc2),
-                            .eps = a->eps};
+    return (struct sdk_adamw_c){.decay = 1.0f - a->lr * a->weight_decay,
+                                .b1 = a->beta1,
+                                .b2 = a->beta2,
+                                .omb1 = 1.0f - a->beta1,
+                                .omb2 = 1.0f - a->beta2,
+                                .step_size = a->lr / bc1,
+                                .sqrt_bc2 = sqrtf(bc2),
+                                .eps = a->eps};
+}
+
+void sdk_op_adamw(struct sd_gpu_queue *q, const struct sd_adamw_args *a, float *master, float *m,
+                  float *v, float *grad, float scale, void *w, int w_dtype, size_t n)
+{
+    struct sdk_launcher *l = L(q);
+    struct sdk_adamw_c c = sdk_adamw_consts(a);
     uint64_t n64 = n;
     void *args[] = {&c, &master, &m, &v, &grad, &scale, &w, &w_dtype, &n64};
     if (n > 0)
         l->launch(l, SDK_K_ADAMW, sdk_blocks((n + 3) / 4), args);
 }
 
-void sdk_sgd(struct sdk_launcher *l, const struct sd_sgd_args *a, float *master, float *buf,
-             float *grad, float scale, void *w, int w_dtype, size_t n)
+void sdk_op_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *master, float *buf,
+                float *grad, float scale, void *w, int w_dtype, size_t n)
 {
+    struct sdk_launcher *l = L(q);
     struct sdk_sgd_c c = {.lr = a->lr, .mu = a->momentum, .wd = a->weight_decay};
     uint64_t n64 = n;
     void *args[] = {&c, &master, &buf, &grad, &scale, &w, &w_dtype, &n64};
@@ -107,23 +123,24 @@ static void encode(struct sdk_launcher *l, void *dst, int bits, const void *src,
     l->launch(l, SDK_K_ENCODE, sdk_blocks(bits == SD_CODEC_INT8 ? n : (n + 1) / 2), a2);
 }
 
-void sdk_quantize(struct sdk_launcher *l, void *dst, int bits, const void *src, int src_dtype,
-                  size_t n, uint32_t block)
-{
-    if (n > 0)
-        encode(l, dst, bits, src, src_dtype, NULL, n, block);
-}
-
-void sdk_quantize_ef(struct sdk_launcher *l, void *dst, int bits, const float *x, float *err,
+void sdk_op_quantize(struct sd_gpu_queue *q, void *dst, int bits, const void *src, int src_dtype,
                      size_t n, uint32_t block)
 {
     if (n > 0)
-        encode(l, dst, bits, x, SD_DTYPE_FP32, err, n, block);
+        encode(L(q), dst, bits, src, src_dtype, NULL, n, block);
 }
 
-void sdk_dequantize(struct sdk_launcher *l, void *dst, int dst_dtype, const void *src, int bits,
-                    size_t n, uint32_t block, bool accumulate)
+void sdk_op_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const float *x, float *err,
+                        size_t n, uint32_t block)
 {
+    if (n > 0)
+        encode(L(q), dst, bits, x, SD_DTYPE_FP32, err, n, block);
+}
+
+void sdk_op_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src, int bits,
+                       size_t n, uint32_t block, bool accumulate)
+{
+    struct sdk_launcher *l = L(q);
     uint64_t n64 = n;
     const float *scales = src;
     const uint8_t *vals = (const uint8_t *)src + 4 * sd_codec_blocks(n, block);

@@ -25,20 +25,32 @@ uint64_t sdk_blocks(uint64_t work);
 uint64_t sdk_sumsq_blocks(uint64_t n);
 extern const char *const sdk_kernel_names[SDK_K_COUNT];
 
-void sdk_reduce_add(struct sdk_launcher *l, float *acc, const void *src, int dtype, size_t n);
-void sdk_to_f32(struct sdk_launcher *l, float *dst, const void *src, int dtype, size_t n);
-void sdk_from_f32(struct sdk_launcher *l, void *dst, int dtype, const float *src, size_t n);
-/* the sum lands in l->scratch[SDK_SUMSQ_MAX_BLOCKS] (device memory on a device) */
+/* AdamW's per-step constants from its arguments (the host backend's too: one formula) */
+struct sdk_adamw_c sdk_adamw_consts(const struct sd_adamw_args *a);
+
+/* The sum of squares of x: its result lands in l->scratch[SDK_SUMSQ_MAX_BLOCKS] (device memory
+ * on a device), where the backend's sum_sq takes it. */
 void sdk_sum_sq(struct sdk_launcher *l, const float *x, size_t n);
-void sdk_adamw(struct sdk_launcher *l, const struct sd_adamw_args *a, float *master, float *m,
-               float *v, float *grad, float scale, void *w, int w_dtype, size_t n);
-void sdk_sgd(struct sdk_launcher *l, const struct sd_sgd_args *a, float *master, float *buf,
-             float *grad, float scale, void *w, int w_dtype, size_t n);
-void sdk_quantize(struct sdk_launcher *l, void *dst, int bits, const void *src, int src_dtype,
-                  size_t n, uint32_t block);
-void sdk_dequantize(struct sdk_launcher *l, void *dst, int dst_dtype, const void *src, int bits,
-                    size_t n, uint32_t block, bool accumulate);
-void sdk_quantize_ef(struct sdk_launcher *l, void *dst, int bits, const float *x, float *err,
+
+/* The vtable's kernels for a backend whose struct sd_gpu_queue starts with its struct
+ * sdk_launcher (emu.c, dev.c): SDK_KERNEL_OPS in its struct sd_gpu_ops. */
+void sdk_op_reduce_add(struct sd_gpu_queue *q, float *acc, const void *src, int dtype, size_t n);
+void sdk_op_to_f32(struct sd_gpu_queue *q, float *dst, const void *src, int dtype, size_t n);
+void sdk_op_from_f32(struct sd_gpu_queue *q, void *dst, int dtype, const float *src, size_t n);
+void sdk_op_adamw(struct sd_gpu_queue *q, const struct sd_adamw_args *a, float *master, float *m,
+                  float *v, float *grad, float scale, void *w, int w_dtype, size_t n);
+void sdk_op_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *master, float *buf,
+                float *grad, float scale, void *w, int w_dtype, size_t n);
+void sdk_op_quantize(struct sd_gpu_queue *q, void *dst, int bits, const void *src, int src_dtype,
                      size_t n, uint32_t block);
+void sdk_op_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const void *src, int bits,
+                       size_t n, uint32_t block, bool accumulate);
+void sdk_op_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const float *x, float *err,
+                        size_t n, uint32_t block);
+
+#define SDK_KERNEL_OPS                                                                             \
+    .reduce_add = sdk_op_reduce_add, .to_f32 = sdk_op_to_f32, .from_f32 = sdk_op_from_f32,         \
+    .adamw = sdk_op_adamw, .sgd = sdk_op_sgd, .quantize = sdk_op_quantize,                         \
+    .dequantize = sdk_op_dequantize, .quantize_ef = sdk_op_quantize_ef
 
 #endif
