@@ -330,9 +330,9 @@ static struct sd_conn *rx_victim(struct sd_server *srv, struct sd_conn *c, bool 
                                  uint64_t *share_p)
 {
     uint64_t now = sd_now_ns();
-    uint32_t n = 0;
+    uint32_t n = 0; /* the connections sharing the memory: c too, which asks for its part */
     for (struct sd_conn *o = srv->conns; o; o = o->next)
-        n += !o->closing && o->rx_len > 0;
+        n += !o->closing && (o->rx_len > 0 || o == c);
     uint64_t share = srv->cfg->control_memory_bytes / SD_MAX(n, 1u);
     struct sd_conn *stalled = NULL, *over = NULL;
     for (struct sd_conn *o = srv->conns; o; o = o->next) {

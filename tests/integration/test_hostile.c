@@ -246,6 +246,76 @@ static void hoarders_first(void)
     TH_CHECK(told >= 1, "no hoarder was dropped for the registration");
 }
 
+static atomic_int trickling;
+
+/* one byte to each of the connections every 50 ms: they never stall */
+static void *trickle(void *arg)
+{
+    int *fds = arg;
+    uint8_t b = 0;
+    while (atomic_load(&trickling))
+        for (int i = 0; i < 8 && atomic_load(&trickling); i++) {
+            if (fds[i] >= 0 && send(fds[i], &b, 1, MSG_NOSIGNAL | MSG_DONTWAIT) != 1)
+                fds[i] = -1; /* dropped */
+            usleep(50000 / 8);
+        }
+    return NULL;
+}
+
+/* Eight connections that keep sending hold the whole control memory in equal shares (8 MiB
+ * each of 64 MiB): none has stopped, none holds more than the others, yet a newcomer's status
+ * request is answered; one of them goes, told it held more than an equal share once the
+ * newcomer counts (stopped in a loaded run of the whole suite, when the newcomer was not
+ * counted among those sharing). */
+static void steady_hoarders(void)
+{
+    enum { N = 8 };
+    const size_t total = 16u << 20, sent = 5u << 20; /* buffers of 8 MiB */
+    int fds[N], keep[N];
+    uint8_t *chunk = calloc(1, 1 << 16);
+    for (int i = 0; i < N; i++) {
+        fds[i] = keep[i] = raw_connect(cl.d[1].sock);
+        fcntl(fds[i], F_SETFL, fcntl(fds[i], F_GETFL) & ~O_NONBLOCK);
+        uint8_t hdr[SD_FRAME_HDR];
+        sd_frame_header(hdr, total);
+        bool ok = send(fds[i], hdr, sizeof(hdr), MSG_NOSIGNAL) == (ssize_t)sizeof(hdr);
+        for (size_t off = 0; ok && off < sent; off += 1 << 16)
+            ok = send(fds[i], chunk, 1 << 16, MSG_NOSIGNAL) == 1 << 16;
+    }
+    atomic_store(&trickling, 1);
+    pthread_t t;
+    pthread_create(&t, NULL, trickle, keep);
+    usleep(300000);
+    double t0 = th_now_s();
+    char *js = th_admin(cl.d[1].sock, "status");
+    double took = th_now_s() - t0;
+    TH_CHECK(js != NULL && strstr(js, "\"version\"") != NULL,
+             "status beside 8 steady senders holding the control memory: %s",
+             js ? js : "no answer");
+    free(js);
+    atomic_store(&trickling, 0);
+    pthread_join(t, NULL);
+    int told = 0;
+    for (int i = 0; i < N; i++) {
+        uint8_t *buf = NULL;
+        size_t n = 0;
+        if (sd_frame_recv(fds[i], &buf, &n, NULL, 0, NULL, 1 << 16, 100) == 0) {
+            Shard__DaemonMsg *m = shard__daemon_msg__unpack(NULL, n, buf);
+            told += m != NULL && m->msg_case == SHARD__DAEMON_MSG__MSG_ERROR &&
+                    strstr(m->error->message, "more than an equal share") != NULL;
+            if (m)
+                shard__daemon_msg__free_unpacked(m, NULL);
+        }
+        free(buf);
+        close(fds[i]);
+    }
+    free(chunk);
+    printf("8 steady senders holding the control memory: status answered in %.3f s; %d of them "
+           "dropped and told why\n",
+           took, told);
+    TH_CHECK(told >= 1, "no steady sender was dropped for the status request");
+}
+
 static pid_t spawn_rank(int rank, const char *dump, const char *log)
 {
     char rs[8];
@@ -298,6 +368,7 @@ int main(void)
     }
     node1_pid = cl.d[1].pid;
     hoarders_first();
+    steady_hoarders();
     char dump[400], ref[400], log[2][400];
     snprintf(dump, sizeof(dump), "%s/bystander.bin", cl.d[0].dir);
     snprintf(ref, sizeof(ref), "%s/bystander-ref.bin", cl.d[0].dir);
