@@ -4,6 +4,7 @@
 #include "wguard.h"
 
 #include "sd/ckpt.h"
+#include "sd/fence.h"
 #include "sd/frame.h"
 #include "sd/model.h"
 #include "sd/model_msg.h"
@@ -56,6 +57,8 @@ struct shard_ctx {
     uint32_t req_unit[SD_RING_ENTRIES]; /* per ring slot: the unit of the request in it */
     uint8_t *staging;
     size_t staging_bytes;
+    struct sd_fence_page *fence; /* this rank's fence page (sd/fence.h) */
+    uint32_t grad_seq, gathers;  /* pushes signalled and fetches answered, as the page counts */
     uint32_t staging_slots;
     uint64_t staging_slot_bytes;
     uint64_t slot_tag[MAX_STAGING];
@@ -561,6 +564,19 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
         ctx->staging = NULL;
         return fail(ctx, -errno, "register: cannot map the staging buffer: %s", strerror(errno));
     }
+    if (fstat(fds[2], &st) != 0 || (uint64_t)st.st_size < SD_FENCE_BYTES)
+        return fail(ctx, SD_EPROTO, "register: the fence page is not %u bytes", SD_FENCE_BYTES);
+    ctx->fence = mmap(NULL, SD_FENCE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0);
+    if (ctx->fence == MAP_FAILED) {
+        ctx->fence = NULL;
+        return fail(ctx, -errno, "register: cannot map the fence page: %s", strerror(errno));
+    }
+    if (ctx->fence->magic != SD_FENCE_MAGIC || ctx->fence->version != SD_FENCE_VERSION)
+        return fail(ctx, SD_EVERSION, "register: fence page version %u (magic %#x), expected %u",
+                    ctx->fence->version, ctx->fence->magic, SD_FENCE_VERSION);
+    /* a resumed job's counters go on from where its last trainer left them */
+    ctx->grad_seq = sd_fence_load(&ctx->fence->grad_seq);
+    ctx->gathers = sd_fence_load(&ctx->fence->gather_seq);
     ctx->n_units = (uint32_t)rep->n_units;
     ctx->n_tensors = (uint32_t)rep->n_tensors;
     ctx->units = calloc(ctx->n_units, sizeof(*ctx->units));
@@ -729,21 +745,22 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
         return fail(ctx, status, "register: cannot send to shardd: %s", sd_status_str(status));
 
     Shard__DaemonMsg *rep;
-    int fds[2];
+    int fds[3];
     unsigned nfds = 0;
     int timeout = (int)env_u64("SHARD_REGISTER_TIMEOUT_MS", 600000);
-    status = recv_reply(ctx, &rep, fds, 2, &nfds, timeout, "register");
+    status = recv_reply(ctx, &rep, fds, 3, &nfds, timeout, "register");
     if (status != SD_OK)
         return status;
-    if (rep->msg_case != SHARD__DAEMON_MSG__MSG_REGISTER || nfds != 2) {
+    if (rep->msg_case != SHARD__DAEMON_MSG__MSG_REGISTER || nfds != 3) {
         for (unsigned i = 0; i < nfds; i++)
             close(fds[i]);
         shard__daemon_msg__free_unpacked(rep, NULL);
-        return fail(ctx, SD_EPROTO, "register: unexpected reply from shardd");
+        return fail(ctx, SD_EPROTO, "register: unexpected reply from shardd (%u descriptors)",
+                    nfds);
     }
     status = map_job(ctx, rep->register_, fds);
-    close(fds[0]);
-    close(fds[1]);
+    for (unsigned i = 0; i < nfds; i++)
+        close(fds[i]);
     shard__daemon_msg__free_unpacked(rep, NULL);
     if (status != SD_OK)
         return status;
@@ -755,6 +772,22 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
         (status = load_initial(ctx, model)) != SD_OK)
         return status;
     return call(ctx, SD_OP_READY, 0, 0, 0, &cqe);
+}
+
+_Static_assert(SHARD_FENCE_BYTES == SD_FENCE_BYTES, "the fence page's size");
+
+int shard_fence(const shard_ctx_t *ctx, shard_fence_t *fence_p)
+{
+    if (ctx == NULL || fence_p == NULL)
+        return SD_EINVAL;
+    if (ctx->fence == NULL)
+        return SD_ESTATE; /* not registered */
+    *fence_p = (shard_fence_t){.page = ctx->fence,
+                               .grad_seq = &ctx->fence->grad_seq,
+                               .gather_seq = &ctx->fence->gather_seq,
+                               .next_grad = ctx->grad_seq + 1,
+                               .gathers = ctx->gathers};
+    return SD_OK;
 }
 
 uint32_t shard_num_units(const shard_ctx_t *ctx)
@@ -800,6 +833,15 @@ int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p)
     status = wait_tag(ctx, req, &cqe);
     if (status != SD_OK)
         return status;
+    if (cqe.op == SD_OP_FETCH && ctx->fence != NULL) {
+        /* the daemon counts its answers on the fence page before it sends them */
+        uint32_t seen = sd_fence_load(&ctx->fence->gather_seq);
+        if (!sd_fence_reached(seen, ++ctx->gathers))
+            return fail(ctx, SD_EPROTO,
+                        "fetch unit %u: answer %u arrived, but the fence page counts %u (shardd "
+                        "writes it before each answer)",
+                        unit, ctx->gathers, seen);
+    }
     if (data_p != NULL && cqe.op == SD_OP_FETCH) {
         if (cqe.value0 > ctx->pool_bytes || cqe.value1 > ctx->pool_bytes - cqe.value0)
             return fail(ctx, SD_EPROTO, "fetch: slot [%llu, +%llu) outside the pool",
@@ -888,6 +930,8 @@ static int take_staging(shard_ctx_t *ctx, const char *what, uint32_t unit, uint3
 /* hand staging slot i, holding the unit's gradient, to the daemon */
 static int push_slot(shard_ctx_t *ctx, uint32_t unit, uint32_t i)
 {
+    /* the gradient is in the slot: say so on the fence page before the daemon hears of it */
+    sd_fence_store(&ctx->fence->grad_seq, ++ctx->grad_seq);
     int status = post(ctx, SD_OP_PUSH, unit, i, ctx->units[unit].bytes, &ctx->slot_tag[i]);
     if (status == SD_OK)
         ctx->slot_busy[i] = true;
@@ -1161,6 +1205,8 @@ int shard_detach(shard_ctx_t *ctx)
     free(ctx->unit_at);
     if (ctx->staging != NULL)
         munmap(ctx->staging, ctx->staging_bytes);
+    if (ctx->fence != NULL)
+        munmap(ctx->fence, SD_FENCE_BYTES);
     if (ctx->ring != NULL)
         munmap(ctx->ring, SD_RING_BYTES);
     if (ctx->sq_efd >= 0)

@@ -14,6 +14,7 @@
 #include "secondary.h"
 #include "session.h"
 #include "registry.h"
+#include "sd/fence.h"
 #include "sd/codec.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -101,6 +102,9 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
         }
         sd_unit_cache_hold(&job->cache, us);
         s->holds[us->unit]++;
+        /* counted on the rank's fence page before the answer (sd/fence.h) */
+        uint32_t *answered = &job->mem.fence_count[2 * (size_t)r + 1];
+        sd_fence_store(&((struct sd_fence_page *)job->mem.fence[r].ptr)->gather_seq, ++*answered);
         job->stats.ops[SD_OP_FETCH]++;
         sd_latency_add(&job->stats.lat[SD_OP_FETCH], now - us->start_ns);
         sd_session_complete(s, tag, SD_OP_FETCH, SD_OK, us->pool_off, sd_unit_bytes(ul), NULL);

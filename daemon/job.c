@@ -171,8 +171,8 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
         status = -errno;
         goto out;
     }
-    int fds[2] = {ro, job->mem.staging[s->local].fd};
-    status = sd_conn_send(s->conn, &out, fds, 2);
+    int fds[3] = {ro, job->mem.staging[s->local].fd, job->mem.fence[s->local].fd};
+    status = sd_conn_send(s->conn, &out, fds, 3);
     close(ro);
     free(gd);
     free(gp);

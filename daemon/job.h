@@ -90,6 +90,8 @@ struct sd_job_mem {
     struct sd_mem *arena; /* [k * SD_STATE_COUNT] */
     struct sd_mem pool;
     struct sd_mem *staging; /* [k] */
+    struct sd_mem *fence;   /* [k]: each rank's fence page (sd/fence.h), host memory */
+    uint32_t *fence_count;  /* [2k]: per rank, pushes taken and fetches answered */
     uint64_t staging_slot_bytes;
     uint32_t staging_slots;
     uint64_t step_args_off, step_args_bytes; /* each rank's step arguments, after its slots */

@@ -9,6 +9,7 @@
 #include "secondary.h"
 #include "registry.h"
 #include "sd/ckpt.h"
+#include "sd/fence.h"
 #include "sd/log.h"
 #include "resume.h"
 #include "sd/status.h"
@@ -118,6 +119,9 @@ void sd_job_mem_free(struct sd_job *job)
     if (job->mem.staging != NULL)
         for (uint32_t i = 0; i < job->k; i++)
             sd_gpu_host_ops.free(&job->mem.staging[i]);
+    if (job->mem.fence != NULL)
+        for (uint32_t i = 0; i < job->k; i++)
+            sd_gpu_host_ops.free(&job->mem.fence[i]);
     if (job->sec.mem != NULL)
         for (uint32_t i = 0; i < job->k; i++)
             dev->free(&job->sec.mem[i]);
@@ -131,6 +135,10 @@ void sd_job_mem_free(struct sd_job *job)
         sd_gpu_host_ops.free(&job->mem.pool);
     free(job->mem.arena);
     free(job->mem.staging);
+    free(job->mem.fence);
+    free(job->mem.fence_count);
+    job->mem.fence = NULL;
+    job->mem.fence_count = NULL;
     free(job->mem.scratch);
     free(job->push.nr_mem);
     sd_unit_cache_fini(&job->cache);
@@ -203,7 +211,7 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.staging =
         ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) +
          sd_step_args_bytes(sd_model_groups(&job->model), l->n_tensors, job->model.bcast_bytes) +
-         SD_CKPT_PATH_MAX) *
+         SD_CKPT_PATH_MAX + SD_FENCE_BYTES) *
         job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
     b.net = sd_job_net_bytes(job, cfg);
@@ -262,6 +270,8 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     uint32_t k = job->k;
     job->mem.arena = calloc((size_t)k * SD_STATE_COUNT, sizeof(*job->mem.arena));
     job->mem.staging = calloc(k, sizeof(*job->mem.staging));
+    job->mem.fence = calloc(k, sizeof(*job->mem.fence));
+    job->mem.fence_count = calloc(2 * (size_t)k, sizeof(*job->mem.fence_count));
     job->mem.scratch = malloc(need.scratch ? need.scratch : 1);
     int cache_st = sd_unit_cache_init(&job->cache, l->n_units, job->slots_per_unit, need.pool);
     int queue_st = reg->dev->queue_create(&job->mem.queue);
@@ -308,10 +318,11 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
             job->sec.gen[i] = UINT64_MAX; /* holds nothing yet */
     }
     if ((holders > 0 && (!job->sec.mem || !job->sec.gen)) || !job->mem.arena || !job->mem.staging ||
-        !job->mem.scratch || cache_st != SD_OK || queue_st != SD_OK || !job->step.sumsq_parts ||
-        !job->xfer.wait_tags || !job->step.norm_buf || !job->step.os_pos || !job->push.rounds ||
-        !job->step.arg_flags || !job->step.hp_next || !job->step.used || !job->opt.hparams ||
-        !job->opt.tensor_steps || !job->push.round_entries || !job->push.rounds_done) {
+        !job->mem.fence || !job->mem.fence_count || !job->mem.scratch || cache_st != SD_OK ||
+        queue_st != SD_OK || !job->step.sumsq_parts || !job->xfer.wait_tags ||
+        !job->step.norm_buf || !job->step.os_pos || !job->push.rounds || !job->step.arg_flags ||
+        !job->step.hp_next || !job->step.used || !job->opt.hparams || !job->opt.tensor_steps ||
+        !job->push.round_entries || !job->push.rounds_done) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }
@@ -320,7 +331,7 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     for (uint32_t i = 0; i < k * SD_STATE_COUNT; i++)
         job->mem.arena[i].fd = -1;
     for (uint32_t i = 0; i < k; i++)
-        job->mem.staging[i].fd = -1;
+        job->mem.staging[i].fd = job->mem.fence[i].fd = -1;
     job->mem.pool.fd = -1;
     job->stats.pool_bytes = need.pool;
     job->stats.memory_bytes = need.total;
@@ -369,7 +380,8 @@ static int job_alloc_arenas(struct sd_job *job, char *err, size_t errlen)
     return sd_quant_alloc(job, err, errlen);
 }
 
-/* The host memory the trainers map: each local rank's staging slots and the gather pool. */
+/* The host memory the trainers map: each local rank's staging slots and fence page, and the
+ * gather pool. */
 static int job_alloc_host(struct sd_job *job, char *err, size_t errlen)
 {
     char tag[96];
@@ -380,6 +392,15 @@ static int job_alloc_host(struct sd_job *job, char *err, size_t errlen)
                                        SD_MEM_SHARED, tag, &job->mem.staging[r]);
         if (status != SD_OK)
             return alloc_failed(job, tag, status, err, errlen);
+    }
+    for (uint32_t r = 0; r < job->k; r++) { /* host memory whatever the backend */
+        snprintf(tag, sizeof(tag), "shardd-%s-r%u-fence", job->name, job->first_rank + r);
+        status = sd_gpu_host_ops.alloc(SD_FENCE_BYTES, SD_MEM_SHARED, tag, &job->mem.fence[r]);
+        if (status != SD_OK)
+            return alloc_failed(job, tag, status, err, errlen);
+        struct sd_fence_page *f = job->mem.fence[r].ptr;
+        f->magic = SD_FENCE_MAGIC;
+        f->version = SD_FENCE_VERSION;
     }
     snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
     status = sd_gpu_host_ops.alloc(job->stats.pool_bytes, SD_MEM_SHARED | SD_MEM_CLIENT_RO, tag,

@@ -11,6 +11,7 @@
 #include "ops.h"
 #include "quant.h"
 #include "session.h"
+#include "sd/fence.h"
 #include "sd/codec.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -113,6 +114,19 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
                         e->unit, (unsigned long long)e->arg0);
         return true;
     }
+    /* the gradient must have been signalled on the rank's fence page (sd/fence.h): libshard
+     * writes it before each push; a device's stream would wait for it here */
+    uint32_t *taken = &job->mem.fence_count[2 * (size_t)s->local];
+    uint32_t signalled =
+        sd_fence_load(&((const struct sd_fence_page *)job->mem.fence[s->local].ptr)->grad_seq);
+    if (!sd_fence_reached(signalled, *taken + 1)) {
+        sd_session_fail(s, e, SD_ESTATE,
+                        "push unit %u: rank %u's fence page counts %u gradients and this is push "
+                        "%u: its gradient was not signalled (write grad_seq before pushing)",
+                        e->unit, s->rank, signalled, *taken + 1);
+        return true;
+    }
+    (*taken)++;
     size_t gi = sd_job_round_index(job, e->unit, g, n);
     struct sd_push_round *rd = &job->push.rounds[gi];
     struct sd_push_entry *ent = &sd_job_round_ents(job, gi)[m];

@@ -206,6 +206,28 @@ SHARD_API int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad,
  * shard_push_grad does, while every staging slot is still being reduced. */
 SHARD_API int shard_grad_buffer(shard_ctx_t *ctx, uint32_t unit, void **buf_p);
 SHARD_API int shard_push_staged(shard_ctx_t *ctx, uint32_t unit);
+/* The rank's fence page: one page of shared memory (an fd the registration's reply passed, no
+ * IPC namespace shared) with two monotonic 32-bit counters that order the trainer's work and the
+ * daemon's without a host round trip; they wrap, and compare as (int32_t)(a - b) >= 0.
+ *   grad_seq    gradients the trainer signalled: libshard writes next_grad into it before each
+ *               push (shard_push_grad, shard_push_staged), and the daemon refuses a push whose
+ *               gradient was not signalled. A trainer whose gradient comes from a device stream
+ *               writes it from that stream after the producing kernel (cuStreamWriteValue32 on
+ *               the page registered with cuMemHostRegister) and then pushes.
+ *   gather_seq  fetches the daemon answered for this rank, written before each answer: a device
+ *               stream that reads a fetched slot waits for it (cuStreamWaitValue32, GEQ) at the
+ *               value gathers has once the fetch was waited for.
+ * The page lives as long as the job and outlives this process (a resumed job's counters go on).
+ * Valid after shard_register until shard_detach. */
+typedef struct {
+    void *page;                 /* SHARD_FENCE_BYTES, mapped shared, read-write */
+    uint32_t *grad_seq;         /* in page */
+    const uint32_t *gather_seq; /* in page */
+    uint32_t next_grad;         /* what the next push signals */
+    uint32_t gathers;           /* fetch answers this rank has waited for, as gather_seq counts */
+} shard_fence_t;
+#define SHARD_FENCE_BYTES 4096
+SHARD_API int shard_fence(const shard_ctx_t *ctx, shard_fence_t *fence_p);
 /* Optimizer step at the accumulation boundary; all ranks call it. *grad_norm_p (may be NULL)
  * receives the global L2 norm of the averaged gradient before clipping. */
 SHARD_API int shard_step(shard_ctx_t *ctx, double *grad_norm_p);

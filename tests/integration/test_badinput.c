@@ -9,7 +9,10 @@
 #include "sd/ring.h"
 #include "shard.pb-c.h"
 
+#include <dirent.h>
+#include <errno.h>
 #include <jansson.h>
+#include <sched.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -212,6 +215,9 @@ static void test_api_misuse(void)
     expect_error(ctx, st, SHARD_EINVAL, "staging slot 999", "bad staging slot");
     st = shard__post_raw(ctx, SD_OP_INIT, 0, 0, 0);
     TH_CHECK(st == SHARD_ESTATE, "init after ready: %d '%s'", st, shard_last_error(ctx));
+    /* a push whose gradient was not signalled on the fence page (libshard signals each) */
+    st = shard__post_raw(ctx, SD_OP_PUSH, 0, 0, ui.bytes);
+    expect_error(ctx, st, SHARD_ESTATE, "was not signalled", "push without its fence signal");
 
     /* a correct step still works after all of that: a=0, grad 1, lr 0.1 -> a = -0.1 */
     for (uint64_t i = 0; i < 100; i++) /* the tensor's elements; the padding stays zero */
@@ -226,10 +232,97 @@ static void test_api_misuse(void)
     TH_CHECK(shard_fetch(ctx, 0, &p) == 0, "fetch");
     TH_CHECK(((const float *)p)[0] == -0.1f && ((const float *)p)[99] == -0.1f,
              "after one SGD step a[0] = %g, expected -0.1", ((const float *)p)[0]);
+    /* the fence page counted libshard's two pushes and the two fetches answered */
+    shard_fence_t f;
+    TH_CHECK(shard_fence(ctx, &f) == 0, "shard_fence: %s", shard_last_error(ctx));
+    TH_CHECK(*f.grad_seq == 2 && f.next_grad == 3 && *f.gather_seq == 2 && f.gathers == 2,
+             "fence: grad_seq %u (next %u), gather_seq %u (seen %u); expected 2, 3, 2, 2",
+             *f.grad_seq, f.next_grad, *f.gather_seq, f.gathers);
     shard_release(ctx, 0);
     free(g);
     shard_detach(ctx);
     expect_alive("API misuse");
+}
+
+static int count_fds(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+    DIR *dir = opendir(path);
+    int n = 0;
+    for (struct dirent *e; dir != NULL && (e = readdir(dir)) != NULL;)
+        n += e->d_name[0] != '.';
+    if (dir != NULL)
+        closedir(dir);
+    return n;
+}
+
+/* one rank of a one-rank job: register, fetch, push, step; the fence page's counts after */
+static int fence_job(const char *job, bool detach)
+{
+    shard_ctx_t *ctx;
+    if (shard_attach(d.sock, &ctx) != 0)
+        return 1;
+    struct tiny x;
+    tiny_init(&x, job, 0, 1, 100);
+    shard_unit_info_t ui;
+    const void *p;
+    double norm;
+    shard_fence_t f;
+    float g[128] = {0};
+    int bad = shard_register(ctx, &x.m) != 0 || shard_unit_info(ctx, 0, &ui) != 0 ||
+              shard_fetch(ctx, 0, &p) != 0 || shard_release(ctx, 0) != 0 ||
+              shard_push_grad(ctx, 0, g, ui.bytes) != 0 || shard_unit_info(ctx, 1, &ui) != 0 ||
+              shard_push_grad(ctx, 1, g, ui.bytes) != 0 || shard_step(ctx, &norm) != 0 ||
+              shard_fence(ctx, &f) != 0 || *f.grad_seq != 2 || *f.gather_seq != 1;
+    if (bad)
+        fprintf(stderr, "fence job %s: %s\n", job, shard_last_error(ctx));
+    if (detach)
+        shard_detach(ctx);
+    return bad;
+}
+
+/* The fence pages travel as memfds, as the pool and the staging slots do (issue 40, the paths
+ * a device's fds will take): 30 jobs leave no fd behind in the client or the daemon; a client
+ * killed holding them leaves none in the daemon once its job is gone; a client in an IPC
+ * namespace of its own (a pod without hostIPC) trains. */
+static void test_fence(void)
+{
+    int client0 = count_fds(getpid()), daemon0 = count_fds(d.pid);
+    char job[32];
+    for (int i = 0; i < 30; i++) {
+        snprintf(job, sizeof(job), "fence-%d", i);
+        TH_CHECK(fence_job(job, true) == 0, "fence job %d", i);
+    }
+    TH_CHECK(count_fds(getpid()) == client0, "the client holds %d fds after 30 jobs, %d before",
+             count_fds(getpid()), client0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (fence_job("fence-killed", false) != 0)
+            _exit(1);
+        kill(getpid(), SIGKILL); /* holding the pool, staging and fence fds and maps */
+        _exit(1);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    TH_CHECK(WIFSIGNALED(status), "the killed client ended with status %d", status);
+    pid = fork();
+    if (pid == 0) {
+        if (unshare(CLONE_NEWIPC) != 0) {
+            fprintf(stderr, "unshare(CLONE_NEWIPC): %s\n", strerror(errno));
+            _exit(2);
+        }
+        _exit(fence_job("fence-ipc", true));
+    }
+    waitpid(pid, &status, 0);
+    TH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+             "a client in its own IPC namespace: status %d", status);
+    int daemon1 = 0;
+    for (int i = 0; i < 50 && (daemon1 = count_fds(d.pid)) > daemon0; i++)
+        usleep(100000); /* the killed client's job is freed once the daemon sees it gone */
+    TH_CHECK(daemon1 <= daemon0, "the daemon holds %d fds after the fence jobs, %d before", daemon1,
+             daemon0);
+    expect_alive("fence jobs");
 }
 
 /* Parameter groups and the step's arguments (shard_step_ex): bad ones refused naming what is
@@ -1053,6 +1146,7 @@ int main(void)
     signal(SIGPIPE, SIG_IGN);
     test_garbage();
     test_api_misuse();
+    test_fence();
     test_zero_copy_push();
     test_step_args();
     test_pool_write();

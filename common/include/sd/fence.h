@@ -1,0 +1,59 @@
+/* The fence page of a rank (issue 40): one page of a memfd that the daemon and one trainer map
+ * (the trainer's third fd of the registration's reply), holding two monotonic counters that
+ * order their work without a round trip through the control socket.
+ *
+ *   grad_seq    the trainer's: gradients in its staging slots, counted from 1. libshard writes
+ *               it before each push; a device trainer's stream writes it after the kernel that
+ *               produced the gradient (cuStreamWriteValue32), and a device daemon's stream
+ *               waits for it (cuStreamWaitValue32, GEQ) before its reduction reads the slot.
+ *               The host daemon checks it when it takes the push: a push whose gradient was not
+ *               signalled is refused.
+ *   gather_seq  the daemon's: fetches it answered for this rank, counted from 1, written before
+ *               each answer; a device trainer's stream waits for it before the forward reads
+ *               the slot.
+ * Counters compare as the devices' GEQ waits do, (int32_t)(a - b) >= 0, so they wrap. Both sides
+ * continue from the page's values, which outlive a trainer (a resumed job's). Offsets, never
+ * pointers; the layout is pinned below. */
+#ifndef SD_FENCE_H
+#define SD_FENCE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define SD_FENCE_MAGIC      0x45464453u /* "SDFE" */
+#define SD_FENCE_VERSION    1u
+#define SD_FENCE_BYTES      4096u
+#define SD_FENCE_GRAD_OFF   64u
+#define SD_FENCE_GATHER_OFF 128u
+
+struct sd_fence_page {
+    uint32_t magic, version;
+    uint8_t pad0[SD_FENCE_GRAD_OFF - 8];
+    uint32_t grad_seq; /* 64-byte lines of their own: one writer each */
+    uint8_t pad1[SD_FENCE_GATHER_OFF - SD_FENCE_GRAD_OFF - 4];
+    uint32_t gather_seq;
+    uint8_t pad2[60];
+};
+
+_Static_assert(offsetof(struct sd_fence_page, grad_seq) == SD_FENCE_GRAD_OFF, "fence layout");
+_Static_assert(offsetof(struct sd_fence_page, gather_seq) == SD_FENCE_GATHER_OFF, "fence layout");
+_Static_assert(sizeof(struct sd_fence_page) <= SD_FENCE_BYTES, "fence layout");
+
+/* counter a has reached b */
+static inline bool sd_fence_reached(uint32_t a, uint32_t b)
+{
+    return (int32_t)(a - b) >= 0;
+}
+
+static inline uint32_t sd_fence_load(const uint32_t *c)
+{
+    return __atomic_load_n(c, __ATOMIC_ACQUIRE);
+}
+
+static inline void sd_fence_store(uint32_t *c, uint32_t v)
+{
+    __atomic_store_n(c, v, __ATOMIC_RELEASE);
+}
+
+#endif
