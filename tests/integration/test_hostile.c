@@ -203,17 +203,11 @@ static int partial_frames(void)
     return dropped;
 }
 
-/* Hoarders first: 4 connections each send 9 MiB of a 16 MiB message and stop, which holds the
- * whole control memory (64 MiB: their buffers grew to 16 MiB); then a client sends a large
- * registration. The daemon drops the hoarders that stopped, telling them why, and serves the
- * registration (refused for its duplicate names, not reset). */
-static void hoarders_first(void)
+/* n connections, each the header of a total-byte frame and sent bytes of it (blocking sends) */
+static void open_partial(int *fds, int n, size_t total, size_t sent)
 {
-    enum { N = 4 };
-    const size_t total = 16u << 20, sent = 9u << 20;
-    int fds[N];
     uint8_t *chunk = calloc(1, 1 << 16);
-    for (int i = 0; i < N; i++) {
+    for (int i = 0; i < n; i++) {
         fds[i] = raw_connect(cl.d[1].sock);
         fcntl(fds[i], F_SETFL, fcntl(fds[i], F_GETFL) & ~O_NONBLOCK);
         uint8_t hdr[SD_FRAME_HDR];
@@ -222,24 +216,42 @@ static void hoarders_first(void)
         for (size_t off = 0; ok && off < sent; off += 1 << 16)
             ok = send(fds[i], chunk, 1 << 16, MSG_NOSIGNAL) == 1 << 16;
     }
-    usleep(400000); /* they stopped */
-    double took = 0;
-    big_register(&took); /* checks the refusal for the names */
+    free(chunk);
+}
+
+/* how many of the n connections were told an error holding text; closes them */
+static int close_told(const int *fds, int n, const char *text, int timeout_ms)
+{
     int told = 0;
-    for (int i = 0; i < N; i++) {
+    for (int i = 0; i < n; i++) {
         uint8_t *buf = NULL;
-        size_t n = 0;
-        if (sd_frame_recv(fds[i], &buf, &n, NULL, 0, NULL, 1 << 16, 200) == 0) {
-            Shard__DaemonMsg *m = shard__daemon_msg__unpack(NULL, n, buf);
+        size_t len = 0;
+        if (sd_frame_recv(fds[i], &buf, &len, NULL, 0, NULL, 1 << 16, timeout_ms) == 0) {
+            Shard__DaemonMsg *m = shard__daemon_msg__unpack(NULL, len, buf);
             told += m != NULL && m->msg_case == SHARD__DAEMON_MSG__MSG_ERROR &&
-                    strstr(m->error->message, "made no progress") != NULL;
+                    strstr(m->error->message, text) != NULL;
             if (m)
                 shard__daemon_msg__free_unpacked(m, NULL);
         }
         free(buf);
         close(fds[i]);
     }
-    free(chunk);
+    return told;
+}
+
+/* Hoarders first: 4 connections each send 9 MiB of a 16 MiB message and stop, which holds the
+ * whole control memory (64 MiB: their buffers grew to 16 MiB); then a client sends a large
+ * registration. The daemon drops the hoarders that stopped, telling them why, and serves the
+ * registration (refused for its duplicate names, not reset). */
+static void hoarders_first(void)
+{
+    enum { N = 4 };
+    int fds[N];
+    open_partial(fds, N, 16u << 20, 9u << 20);
+    usleep(400000); /* they stopped */
+    double took = 0;
+    big_register(&took); /* checks the refusal for the names */
+    int told = close_told(fds, N, "made no progress", 200);
     printf("4 connections hoarding the control memory: the 64K-tensor registration was served in "
            "%.2f s; %d hoarders were dropped and told why\n",
            took, told);
@@ -270,18 +282,9 @@ static void *trickle(void *arg)
 static void steady_hoarders(void)
 {
     enum { N = 8 };
-    const size_t total = 16u << 20, sent = 5u << 20; /* buffers of 8 MiB */
     int fds[N], keep[N];
-    uint8_t *chunk = calloc(1, 1 << 16);
-    for (int i = 0; i < N; i++) {
-        fds[i] = keep[i] = raw_connect(cl.d[1].sock);
-        fcntl(fds[i], F_SETFL, fcntl(fds[i], F_GETFL) & ~O_NONBLOCK);
-        uint8_t hdr[SD_FRAME_HDR];
-        sd_frame_header(hdr, total);
-        bool ok = send(fds[i], hdr, sizeof(hdr), MSG_NOSIGNAL) == (ssize_t)sizeof(hdr);
-        for (size_t off = 0; ok && off < sent; off += 1 << 16)
-            ok = send(fds[i], chunk, 1 << 16, MSG_NOSIGNAL) == 1 << 16;
-    }
+    open_partial(fds, N, 16u << 20, 5u << 20); /* buffers of 8 MiB */
+    memcpy(keep, fds, sizeof(fds));
     atomic_store(&trickling, 1);
     pthread_t t;
     pthread_create(&t, NULL, trickle, keep);
@@ -295,21 +298,7 @@ static void steady_hoarders(void)
     free(js);
     atomic_store(&trickling, 0);
     pthread_join(t, NULL);
-    int told = 0;
-    for (int i = 0; i < N; i++) {
-        uint8_t *buf = NULL;
-        size_t n = 0;
-        if (sd_frame_recv(fds[i], &buf, &n, NULL, 0, NULL, 1 << 16, 100) == 0) {
-            Shard__DaemonMsg *m = shard__daemon_msg__unpack(NULL, n, buf);
-            told += m != NULL && m->msg_case == SHARD__DAEMON_MSG__MSG_ERROR &&
-                    strstr(m->error->message, "more than an equal share") != NULL;
-            if (m)
-                shard__daemon_msg__free_unpacked(m, NULL);
-        }
-        free(buf);
-        close(fds[i]);
-    }
-    free(chunk);
+    int told = close_told(fds, N, "more than an equal share", 100);
     printf("8 steady senders holding the control memory: status answered in %.3f s; %d of them "
            "dropped and told why\n",
            took, told);
