@@ -288,7 +288,7 @@ static void t_codecs(size_t n, size_t skew)
                 struct opnd o[2] = {{.init = make(dt, n, true, false),
                                      .bytes = n * esize(dt),
                                      .off = skew * esize(dt)},
-                                    {.init = calloc(enc + 1, 1), .bytes = enc, .off = skew}};
+                                    {.init = calloc(enc + 1, 1), .bytes = enc, .off = skew * 4}};
                 setup(o, 2);
                 EACH_BK(b)
                 b->ops->quantize(b->q, at(&o[1], b), bits, at(&o[0], b), dt, n, block);
@@ -298,10 +298,11 @@ static void t_codecs(size_t n, size_t skew)
                 /* decode what the host encoded, into each dtype and accumulating into fp32 */
                 for (int acc = 0; acc < 2; acc++) {
                     int ddt = acc ? SD_DTYPE_FP32 : dt;
-                    struct opnd d[2] = {{.init = result(&o[1], &host), .bytes = enc, .off = skew},
-                                        {.init = make(ddt, n, false, false),
-                                         .bytes = n * esize(ddt),
-                                         .off = skew * esize(ddt)}};
+                    struct opnd d[2] = {
+                        {.init = result(&o[1], &host), .bytes = enc, .off = skew * 4},
+                        {.init = make(ddt, n, false, false),
+                         .bytes = n * esize(ddt),
+                         .off = skew * esize(ddt)}};
                     setup(d, 2);
                     EACH_BK(b)
                     b->ops->dequantize(b->q, at(&d[1], b), ddt, at(&d[0], b), bits, n, block, acc);
@@ -316,7 +317,7 @@ static void t_codecs(size_t n, size_t skew)
             struct opnd e[3] = {
                 {.init = make(SD_DTYPE_FP32, n, true, false), .bytes = n * 4, .off = skew * 4},
                 {.init = make(SD_DTYPE_FP32, n, false, false), .bytes = n * 4, .off = skew * 4},
-                {.init = calloc(enc + 1, 1), .bytes = enc, .off = skew}};
+                {.init = calloc(enc + 1, 1), .bytes = enc, .off = skew * 4}};
             float *err = e[1].init;
             for (size_t i = 0; i < n; i++)
                 err[i] *= 0.01f;
