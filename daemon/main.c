@@ -32,7 +32,10 @@ static void usage(FILE *out)
             "  --version       print the version\n"
             "\n");
     sd_config_print_help(out);
-    fprintf(out, "\nSignals: SIGTERM or SIGINT shut down cleanly.\n");
+    char built[128];
+    sd_gpu_list(built, sizeof(built));
+    fprintf(out, "\nDevice backends built in: %s.\n", built);
+    fprintf(out, "Signals: SIGTERM or SIGINT shut down cleanly.\n");
 }
 
 /* Open file descriptors as a bitmap, to name any that are leaked at exit. */
