@@ -321,11 +321,14 @@ static bool handle_message(struct sd_conn *c, const uint8_t *buf, size_t len)
  * control memory is full, the first to go. */
 #define RX_STALLED_NS (200 * 1000000ULL)
 
-/* When the control memory is full, whose incomplete message goes (c: the one asking): the
- * connection that stopped sending the longest ago (*stalled_p: hoarders parked on a partial
- * message), else, when everyone is sending, the one holding the most beyond an equal share (c
- * included; *share_p). A client sending a large message steadily never goes for connections
- * that stopped. NULL when nobody holds more than a share: c then waits its turn. */
+/* When the control memory is full, whose incomplete message goes (c: the one asking). Only a
+ * connection holding more than an equal share of it (the budget over the connections with an
+ * incomplete message, c included; *share_p) can go, so that a client within its share is never
+ * dropped for another's room, however slowly it sends (a large registration from a starved
+ * process paused 200 ms beside 30 senders of 16 MiB and was dropped). Of those, the one that
+ * stopped sending the longest ago goes first (*stalled_p: hoarders parked on a partial
+ * message), else the one holding the most. NULL when nobody holds more than a share: c then
+ * waits its turn. */
 static struct sd_conn *rx_victim(struct sd_server *srv, struct sd_conn *c, bool *stalled_p,
                                  uint64_t *share_p)
 {
@@ -336,13 +339,13 @@ static struct sd_conn *rx_victim(struct sd_server *srv, struct sd_conn *c, bool 
     uint64_t share = srv->cfg->control_memory_bytes / SD_MAX(n, 1u);
     struct sd_conn *stalled = NULL, *over = NULL;
     for (struct sd_conn *o = srv->conns; o; o = o->next) {
-        if (o->closing || o->rx_len == 0)
+        if (o->closing || o->rx_len == 0 || o->rx_cap <= share)
             continue;
         uint64_t idle = now - SD_MAX(o->rx_last_ns, o->rx_since_ns);
         if (o != c && idle >= RX_STALLED_NS &&
             (stalled == NULL || o->rx_last_ns < stalled->rx_last_ns))
             stalled = o;
-        if (o->rx_cap > share && (over == NULL || o->rx_cap > over->rx_cap))
+        if (over == NULL || o->rx_cap > over->rx_cap)
             over = o;
     }
     *stalled_p = stalled != NULL;

@@ -305,6 +305,58 @@ static void steady_hoarders(void)
     TH_CHECK(told >= 1, "no steady sender was dropped for the status request");
 }
 
+/* A client within its share that pauses mid-message (a starved process: a 64K-tensor
+ * registration paused 200 ms beside the 30 senders of partial_frames and was dropped for them)
+ * keeps its connection while eight senders fill the control memory: the ones over a share go,
+ * and its 1 MiB status request, finished 0.4 s later, is answered. */
+static void slow_within_share(void)
+{
+    static char job[1 << 20];
+    memset(job, 'j', sizeof(job) - 1);
+    Shard__AdminRequest req = SHARD__ADMIN_REQUEST__INIT;
+    req.command = "status";
+    req.job = job;
+    Shard__ClientMsg m = SHARD__CLIENT_MSG__INIT;
+    m.msg_case = SHARD__CLIENT_MSG__MSG_ADMIN;
+    m.admin = &req;
+    size_t len = shard__client_msg__get_packed_size(&m), first = 600u << 10;
+    uint8_t *frame = malloc(len + SD_FRAME_HDR);
+    sd_frame_header(frame, len);
+    shard__client_msg__pack(&m, frame + SD_FRAME_HDR);
+    int slow = raw_connect(cl.d[1].sock);
+    fcntl(slow, F_SETFL, fcntl(slow, F_GETFL) & ~O_NONBLOCK);
+    bool ok = send(slow, frame, first, MSG_NOSIGNAL) == (ssize_t)first;
+    usleep(300000); /* it stopped */
+    enum { N = 8 };
+    int fds[N];
+    open_partial(fds, N, 16u << 20, 5u << 20);
+    ok = ok && send(slow, frame + first, len + SD_FRAME_HDR - first, MSG_NOSIGNAL) ==
+                   (ssize_t)(len + SD_FRAME_HDR - first);
+    uint8_t *buf = NULL;
+    size_t n = 0;
+    char what[256] = "no answer";
+    if (ok && sd_frame_recv(slow, &buf, &n, NULL, 0, NULL, 1 << 20, 5000) == 0) {
+        Shard__DaemonMsg *d = shard__daemon_msg__unpack(NULL, n, buf);
+        snprintf(what, sizeof(what), "%s",
+                 d == NULL                                     ? "an undecodable answer"
+                 : d->msg_case == SHARD__DAEMON_MSG__MSG_ERROR ? d->error->message
+                                                               : "answered");
+        if (d)
+            shard__daemon_msg__free_unpacked(d, NULL);
+    }
+    free(buf);
+    free(frame);
+    close(slow);
+    int told = close_told(fds, N, "more than an equal share", 100);
+    printf("a 1 MiB request paused 0.3 s within its share while 8 senders filled the control "
+           "memory: %s; %d senders over a share dropped\n",
+           what, told);
+    TH_CHECK(strstr(what, "control memory") == NULL && strcmp(what, "no answer") != 0 &&
+                 strstr(what, "undecodable") == NULL,
+             "the slow client within its share: %s", what);
+    TH_CHECK(told >= 1, "no sender over its share was dropped");
+}
+
 static pid_t spawn_rank(int rank, const char *dump, const char *log)
 {
     char rs[8];
@@ -358,6 +410,7 @@ int main(void)
     node1_pid = cl.d[1].pid;
     hoarders_first();
     steady_hoarders();
+    slow_within_share();
     char dump[400], ref[400], log[2][400];
     snprintf(dump, sizeof(dump), "%s/bystander.bin", cl.d[0].dir);
     snprintf(ref, sizeof(ref), "%s/bystander-ref.bin", cl.d[0].dir);
