@@ -403,14 +403,11 @@ static int save_plan(struct sd_job *job)
  * staging buffer by the backend, in file order, and written from there. The copies are waited
  * for here (the loop is held for them, as sd_job_sync holds it: a device's copy of a node's
  * optimizer states runs at tens of GB/s). */
-static int save_stage(struct sd_job *job)
+static int save_stage(struct sd_job *job, uint64_t bytes)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    uint64_t floats = 0;
-    for (uint64_t i = 0; i < c->n_items; i++)
-        floats += c->items[i].end - c->items[i].begin;
     free(c->stage);
-    c->stage = malloc((floats + 1) * sizeof(float));
+    c->stage = malloc(bytes + sizeof(float));
     if (c->stage == NULL)
         return SD_ENOMEM;
     float *at = c->stage;
@@ -544,13 +541,13 @@ static int write_part(struct sd_job *job)
     if (job->state == SD_JOB_READY && !sd_job_sync(job))
         return SD_EJOBFAILED;
     int st = save_plan(job);
-    if (st == SD_OK && !job->reg->dev->host_memory)
-        st = save_stage(job);
     if (st != SD_OK)
         return st;
     uint64_t bytes = 0;
     for (uint64_t i = 0; i < c->n_items; i++)
         bytes += (c->items[i].end - c->items[i].begin) * sizeof(float);
+    if (!job->reg->dev->host_memory && (st = save_stage(job, bytes)) != SD_OK)
+        return st;
     sd_ckpt__run_worker(job, save_work, save_after, "writing its part of the checkpoint",
                         sd_ckpt__deadline(job, bytes));
     return SD_OK;

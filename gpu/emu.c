@@ -94,12 +94,6 @@ static void emu_queue_destroy(struct sd_gpu_queue *q)
     free(q);
 }
 
-static int emu_sync(struct sd_gpu_queue *q)
-{
-    (void)q;
-    return SD_OK;
-}
-
 static int emu_record(struct sd_gpu_queue *q, uint64_t *ticket_p)
 {
     *ticket_p = ++q->recorded;
@@ -111,18 +105,6 @@ static int emu_query(struct sd_gpu_queue *q, uint64_t ticket)
     return ticket <= q->recorded ? SD_OK : SD_EINVAL;
 }
 
-static void emu_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes)
-{
-    (void)q;
-    memcpy(dst, src, bytes);
-}
-
-static void emu_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
-{
-    (void)q;
-    memset(dst, 0, bytes);
-}
-
 static void emu_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *out)
 {
     sdk_sum_sq(&q->l, x, n);
@@ -131,8 +113,8 @@ static void emu_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double 
 
 #define EMU_OPS                                                                                    \
     .host_visible = true, .alloc = sd__host_alloc, .free = sd__host_free,                          \
-    .queue_create = emu_queue_create, .queue_destroy = emu_queue_destroy, .sync = emu_sync,        \
-    .record = emu_record, .query = emu_query, .copy = emu_copy, .zero = emu_zero,                  \
+    .queue_create = emu_queue_create, .queue_destroy = emu_queue_destroy, .sync = sd__host_sync,   \
+    .record = emu_record, .query = emu_query, .copy = sd__host_copy, .zero = sd__host_zero,        \
     .sum_sq = emu_sum_sq, SDK_KERNEL_OPS
 
 const struct sd_gpu_ops sd_gpu_emu_ops = {.name = "emu", .host_memory = true, EMU_OPS};

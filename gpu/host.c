@@ -96,13 +96,13 @@ void sd__host_free(struct sd_mem *mem)
     mem->bytes = 0;
 }
 
-static void host_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes)
+void sd__host_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes)
 {
     (void)q;
     memcpy(dst, src, bytes);
 }
 
-static void host_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
+void sd__host_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
 {
     (void)q;
     memset(dst, 0, bytes);
@@ -283,7 +283,7 @@ static void host_queue_destroy(struct sd_gpu_queue *q)
     free(q);
 }
 
-static int host_sync(struct sd_gpu_queue *q)
+int sd__host_sync(struct sd_gpu_queue *q)
 {
     (void)q;
     return SD_OK;
@@ -329,11 +329,11 @@ const struct sd_gpu_ops sd_gpu_host_ops = {
     .free = sd__host_free,
     .queue_create = host_queue_create,
     .queue_destroy = host_queue_destroy,
-    .sync = host_sync,
+    .sync = sd__host_sync,
     .record = host_record,
     .query = host_query,
-    .copy = host_copy,
-    .zero = host_zero,
+    .copy = sd__host_copy,
+    .zero = sd__host_zero,
     .reduce_add = host_reduce_add,
     .to_f32 = host_to_f32,
     .from_f32 = host_from_f32,
@@ -386,10 +386,10 @@ static void deferred_flush(struct sd_gpu_queue *q)
         struct deferred_op *o = &q->ops[i];
         switch (o->kind) {
         case D_COPY:
-            host_copy(q, o->dst, o->src, o->n);
+            sd__host_copy(q, o->dst, o->src, o->n);
             break;
         case D_ZERO:
-            host_zero(q, o->dst, o->n);
+            sd__host_zero(q, o->dst, o->n);
             break;
         case D_REDUCE:
             host_reduce_add(q, o->dst, o->src, o->dtype, o->n);

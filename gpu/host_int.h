@@ -6,5 +6,9 @@
 
 int sd__host_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p);
 void sd__host_free(struct sd_mem *mem);
+/* the kernels every host-memory backend runs at once, whatever its queue */
+void sd__host_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes);
+void sd__host_zero(struct sd_gpu_queue *q, void *dst, size_t bytes);
+int sd__host_sync(struct sd_gpu_queue *q);
 
 #endif
