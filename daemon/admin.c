@@ -82,6 +82,7 @@ static json_t *job_summary(const struct sd_job *job)
         json_object_set_new(o, "attached", json_boolean(s != NULL));
         json_array_append_new(ranks, o);
     }
+    bool ended = job->state == SD_JOB_CLOSING || job->state == SD_JOB_FINISHED;
     json_t *doc = json_pack(
         "{s:s, s:I, s:s, s:b, s:i, s:i, s:i, s:s, s:i, s:I, s:I, s:I, s:I, s:f, "
         "s:s, s:o}",
@@ -91,7 +92,10 @@ static json_t *job_summary(const struct sd_job *job)
         (int)job->k, "plan", job->plan.name, "units", (int)job->layout.n_units, "parameters",
         (json_int_t)job->layout.total_numel, "parameter_bytes", (json_int_t)job->layout.total_bytes,
         "memory_bytes", (json_int_t)job->mem.bytes_total, "steps", (json_int_t)job->steps,
-        "last_grad_norm", job->opt.last_grad_norm, "error", job->fail_msg, "ranks", ranks);
+        "last_grad_norm", job->opt.last_grad_norm, "error", ended ? "" : job->fail_msg, "ranks",
+        ranks);
+    /* how a job that ended cleanly ended (its ranks detached): not an error */
+    json_object_set_new(doc, "ended", json_string(ended ? job->fail_msg : ""));
     json_object_set_new(doc, "optimizer", optimizer_json(job));
     json_object_set_new(doc, "checkpoint", sd_ckpt_json(job));
     json_object_set_new(doc, "resume", sd_resume_json(job));
@@ -337,6 +341,11 @@ static json_t *job_schedule(const struct sd_job *job)
         (json_int_t)job->stats.pool_bytes, "units_sum_bytes", (json_int_t)sum, "largest_unit_bytes",
         (json_int_t)largest, "freezes", (json_int_t)sc->freezes, "invalidations",
         (json_int_t)sc->invalidations);
+    json_object_set_new(
+        o, "job_state",
+        json_string(job->load.resume.paused ? "paused" : sd_job_state_name(job->state)));
+    /* the gathers and the order: freed with the job's memory when it ends */
+    json_object_set_new(o, "plan_kept", json_boolean(arrays));
     json_object_set_new(o, "persist_bytes", json_integer((json_int_t)sc->params.persist_bytes));
     json_object_set_new(o, "prefetches", json_integer((json_int_t)sc->prefetches));
     json_object_set_new(o, "prefetch_hits", json_integer((json_int_t)sc->prefetch_hits));
@@ -408,21 +417,29 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
         return admin_drop(reg, filter, uid, json_p);
     /* root sees every job and client; anyone else only their own */
     bool all = uid == 0;
-    struct sd_job *named = filter ? sd_registry_find_any(reg, filter) : NULL;
-
-    if (filter != NULL && (named == NULL || (!all && named->uid != uid))) {
+    /* a name shows every job of that name this caller sees that is active or retiring (a
+     * paused job and the registration resuming it: both), else those recently ended */
+    struct sd_job *lists[3] = {reg->jobs, reg->zombies, reg->finished};
+    int lists_shown = 3, visible = 0;
+    for (int li = 0; li < 3 && filter != NULL; li++) {
+        if (li == 2 && visible > 0) {
+            lists_shown = 2;
+            break;
+        }
+        for (struct sd_job *j = lists[li]; j; j = j->next)
+            visible += strcmp(j->name, filter) == 0 && (all || j->uid == uid);
+    }
+    if (filter != NULL && visible == 0) {
         out = json_pack("{s:s}", "error", "no such job");
         *json_p = json_dumps(out, JSON_COMPACT);
         json_decref(out);
         return SD_ENOJOB;
     }
     json_t *jobs = json_array();
-    struct sd_job *want = named;
     /* active, retiring (every rank left, transfers still hold its memory), recently ended */
-    struct sd_job *lists[3] = {reg->jobs, reg->zombies, reg->finished};
-    for (int li = 0; li < 3; li++)
+    for (int li = 0; li < lists_shown; li++)
         for (struct sd_job *j = lists[li]; j; j = j->next) {
-            if ((want != NULL && j != want) || (!all && j->uid != uid))
+            if ((filter != NULL && strcmp(j->name, filter) != 0) || (!all && j->uid != uid))
                 continue;
             json_t *o;
             if (strcmp(cmd, "groups") == 0)

@@ -23,7 +23,7 @@
 
 const char *sd_job_state_name(enum sd_job_state s)
 {
-    static const char *const names[] = {"registering", "loading", "ready",
+    static const char *const names[] = {"registering", "loading", "running",
                                         "failed",      "closing", "finished"};
     return names[s];
 }
@@ -87,6 +87,9 @@ void sd_job_retire(struct sd_job *job)
 void sd_job_bury(struct sd_job *job)
 {
     sd_job_mem_free(job);
+    if (job->state == SD_JOB_CLOSING)
+        snprintf(job->fail_msg, sizeof(job->fail_msg), "every rank detached after step %llu",
+                 (unsigned long long)job->steps);
     if (job->state != SD_JOB_FAILED || job->load.resume.resumed)
         job->state = SD_JOB_FINISHED; /* a job resumed by another one ended as it should */
     SD_INFO("job", "job '%s' (id %llu) %s after %llu steps; memory released", job->name,
@@ -310,11 +313,18 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     /* a job spans nodes [0, world / k): one node takes all its ranks; a cluster has k fixed */
     uint32_t k = cfg->nodes > 1 || cfg->ranks_per_node ? (uint32_t)cfg->ranks_per_node : msg->world;
     uint32_t nodes = msg->world / k;
-    if (msg->world % k != 0 || nodes > (uint32_t)cfg->nodes) {
+    if (msg->world % k != 0) {
         snprintf(err, errlen,
-                 "world size %u is not a multiple of ranks_per_node %u within the %lld nodes of "
-                 "this cluster",
-                 msg->world, k, (long long)cfg->nodes);
+                 "world size %u is not a multiple of ranks_per_node %u (every node of a job "
+                 "serves %u ranks)",
+                 msg->world, k, k);
+        return NULL;
+    }
+    if (nodes > (uint32_t)cfg->nodes) {
+        snprintf(err, errlen,
+                 "world size %u needs %u nodes of %u ranks; this cluster has %lld (at most "
+                 "world %lld)",
+                 msg->world, nodes, k, (long long)cfg->nodes, (long long)cfg->nodes * k);
         return NULL;
     }
     if (k > SD_MAX_LOCAL_RANKS) {
@@ -469,34 +479,55 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
                                "register job '%s' rank %u: the job is already %s; pick another "
                                "job name or wait until its ranks detach",
                                name, msg->rank, sd_job_state_name(job->state));
-        } else if (digest != job->digest) {
-            char diff[256];
-            sd_model_diff(&job->model, &model, diff, sizeof(diff));
-            sd_conn_send_error(c, SD_EMISMATCH,
-                               "register job '%s' rank %u: model digest %016llx differs from "
-                               "%016llx registered by the other ranks (%s)",
-                               name, msg->rank, (unsigned long long)digest,
-                               (unsigned long long)job->digest, diff);
-        } else if (strcmp(msg->load ? msg->load : "", sd_ckpt_load_dir(job)) != 0) {
-            sd_conn_send_error(c, SD_EMISMATCH,
-                               "register job '%s' rank %u: loads checkpoint '%s', the other ranks "
-                               "'%s'",
-                               name, msg->rank, msg->load ? msg->load : "", sd_ckpt_load_dir(job));
-        } else if (msg->world != job->world || msg->max_live_bytes != job->mem.max_live_bytes) {
-            sd_conn_send_error(c, SD_EMISMATCH,
-                               "register job '%s': world %u / max_live_bytes %llu differ from "
-                               "%u / %llu of the other ranks",
-                               name, msg->world, (unsigned long long)msg->max_live_bytes,
-                               job->world, (unsigned long long)job->mem.max_live_bytes);
-        } else if (sd_resume_timeout(reg, msg->resume_timeout_ms) != job->load.resume.timeout_ms) {
-            sd_conn_send_error(c, SD_EMISMATCH,
-                               "register job '%s' rank %u: resume_timeout_ms %llu differs from "
-                               "%llu of the other ranks",
-                               name, msg->rank, (unsigned long long)msg->resume_timeout_ms,
-                               (unsigned long long)job->load.resume.timeout_ms);
         } else {
+            char why[512] = "";
+            if (digest != job->digest) {
+                char diff[256];
+                sd_model_diff(&job->model, &model, diff, sizeof(diff));
+                snprintf(why, sizeof(why), "model digest %016llx differs from %016llx (%s)",
+                         (unsigned long long)digest, (unsigned long long)job->digest, diff);
+            } else if (strcmp(msg->load ? msg->load : "", sd_ckpt_load_dir(job)) != 0) {
+                snprintf(why, sizeof(why), "loads checkpoint '%s', the other ranks '%s'",
+                         msg->load ? msg->load : "", sd_ckpt_load_dir(job));
+            } else if (msg->world != job->world) {
+                snprintf(why, sizeof(why), "world %u differs from world %u of the other ranks",
+                         msg->world, job->world);
+            } else if (msg->max_live_bytes != job->mem.max_live_bytes) {
+                snprintf(why, sizeof(why),
+                         "max_live_bytes %llu differs from %llu of the other ranks",
+                         (unsigned long long)msg->max_live_bytes,
+                         (unsigned long long)job->mem.max_live_bytes);
+            } else if (sd_resume_timeout(reg, msg->resume_timeout_ms) !=
+                       job->load.resume.timeout_ms) {
+                snprintf(why, sizeof(why),
+                         "resume_timeout_ms %llu differs from %llu of the other "
+                         "ranks",
+                         (unsigned long long)msg->resume_timeout_ms,
+                         (unsigned long long)job->load.resume.timeout_ms);
+            }
             sd_model_free(&model);
-            goto add_rank;
+            if (why[0] == '\0')
+                goto add_rank;
+            if (job->n_registered == job->k || job->mem.allocating) {
+                /* every rank is there: this one is a stray, the job goes on */
+                sd_conn_send_error(c, SD_EMISMATCH, "register job '%s' rank %u: %s", name,
+                                   msg->rank, why);
+                return;
+            }
+            /* the job cannot start: the ranks already registered hear it now, not at the
+             * registration's deadline (and the other nodes' ranks, through the coordinator) */
+            sd_conn_send_error(c, SD_EMISMATCH, "register job '%s' rank %u: %s", name, msg->rank,
+                               why);
+            char text[640];
+            snprintf(text, sizeof(text), "job '%s': rank %u (pid %d) registered it differently: %s",
+                     name, msg->rank, (int)c->pid, why);
+            if (job->nodes > 1)
+                sd_cluster_abort_job(reg->net->cl, &(struct sd_job_abort){.job = job->name,
+                                                                          .nodes = job->nodes,
+                                                                          .status = SD_EMISMATCH,
+                                                                          .msg = text});
+            sd_job_refuse(job, SD_EMISMATCH, text);
+            return;
         }
         sd_model_free(&model);
         return;

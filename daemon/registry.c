@@ -39,19 +39,6 @@ struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
     return NULL;
 }
 
-struct sd_job *sd_registry_find_any(struct sd_registry *reg, const char *name)
-{
-    struct sd_job *j = sd_registry_find(reg, name);
-    if (j == NULL)
-        j = sd_resume_find(reg, name);
-    struct sd_job *lists[2] = {reg->zombies, reg->finished}; /* retiring, then recently ended */
-    for (int i = 0; i < 2 && j == NULL; i++)
-        for (struct sd_job *f = lists[i]; j == NULL && f; f = f->next)
-            if (strcmp(f->name, name) == 0)
-                j = f;
-    return j;
-}
-
 /* ---- what the cluster tells this node about jobs */
 
 static void ev_job_confirmed(void *ctx, const char *name, uint32_t tag)

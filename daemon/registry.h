@@ -52,8 +52,6 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now_ns);
 void sd_registry_destroy_all(struct sd_registry *reg);
 /* Active job by name. */
 struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name);
-/* Active job by name, else a retiring one, else the most recent ended one. */
-struct sd_job *sd_registry_find_any(struct sd_registry *reg, const char *name);
 /* Active or retiring job spanning nodes by its transport tag. */
 struct sd_job *sd_registry_find_tag(struct sd_registry *reg, uint32_t tag);
 /* A job was added (it is already linked) or unlinked. */

@@ -728,13 +728,19 @@ static void usage(FILE *out)
         "  kernels a device backend's kernels (default cuda) against its own copy bandwidth:\n"
         "          a --size unit (default 256 MiB) gathered from 8 shards, AdamW and SGD on\n"
         "          --params (default 64M), the codecs; exits 77 without the device; no daemon\n"
-        "Needs running daemons (--socket, default $SHARD_SOCKET or /run/shardd/shardd.sock).\n");
+        "Needs running daemons (--socket, default $SHARD_SOCKET or /run/shardd/shardd.sock).\n"
+        "shard-bench --version prints the version.\n");
 }
 
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "model") == 0)
         return bench_model(argc, argv);
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--version") == 0) {
+            printf("shard-bench %s\n", SHARD_VERSION);
+            return 0;
+        }
     struct opts o = {.size = 64ULL << 20,
                      .params = 64ULL << 20,
                      .iters = 20,

@@ -37,6 +37,17 @@ static void usage(FILE *out)
             "             (defaults: package 1, accum 1, bf16, adamw; with B, the time too;\n"
             "             --regather: the gather pool does not keep a unit from forward to\n"
             "             backward, so each fetch gathers it again)\n"
+            "             The formulas (common/include/sd/cost.h): N nodes of K ranks, S_w =\n"
+            "             params x weight bytes, S_g = 4 params, G_X = f_X / K nodes per group\n"
+            "             of state X (1 when f_X <= K), R = N / G_g; each node sends per step\n"
+            "               fetch  gathers (G_w - 1) / G_w S_w (gathers: 1, or 2 accum with\n"
+            "                      --regather; times K without the hierarchical gather)\n"
+            "               push   accum (G_g - 1) / G_g S_g (the reduce-scatter)\n"
+            "               step   2 (R - 1) / R S_g / G_g (the boundary all-reduce), plus the\n"
+            "                      weights' all-gather when f_w < f_os and f_os > K\n"
+            "             and each rank holds w S_w / f_w, g S_g / f_g, os 12 params / f_os\n"
+            "             (AdamW; 8 with SGD). ,qw / ,qg / ,qsec count int8 / int4 blocks:\n"
+            "             params (1 + 4 / B) and params (1/2 + 4 / B) bytes\n"
             "  checkpoint --job NAME DIR\n"
             "             write a checkpoint of a running, paused or failed job into DIR from\n"
             "             the daemons still up (each state from one live replica); ask node\n"
@@ -54,7 +65,8 @@ static void usage(FILE *out)
             "Options:\n"
             "  --socket PATH  daemon socket (default $SHARD_SOCKET, else /run/shardd/shardd.sock)\n"
             "  --job NAME     only this job\n"
-            "  --json         print the daemon's JSON document instead of tables\n");
+            "  --json         print the daemon's JSON document instead of tables\n"
+            "  --version      print the version and exit\n");
 }
 
 static const char *str(json_t *o, const char *key)
@@ -283,13 +295,14 @@ static void print_schedule(json_t *jobs)
     json_t *j, *e;
     json_array_foreach(jobs, i, j)
     {
-        printf("job %s: schedule %s, %lld steps, %lld invalidations, %lld freezes\n", str(j, "job"),
-               str(j, "state"), num(j, "steps"), num(j, "invalidations"), num(j, "freezes"));
+        printf("job %s (%s): schedule %s, %lld steps, %lld invalidations, %lld freezes\n",
+               str(j, "job"), str(j, "job_state"), str(j, "state"), num(j, "steps"),
+               num(j, "invalidations"), num(j, "freezes"));
         if (num(j, "freezes") == 0) {
             printf("  (not frozen yet: the first step records it)\n");
             continue;
         }
-        char reuse[32];
+        char reuse[64];
         long long rd = num(j, "reuse_distance");
         snprintf(reuse, sizeof(reuse), rd < 0 ? "unlimited (the pool holds every unit)" : "%lld",
                  rd);
@@ -317,6 +330,10 @@ static void print_schedule(json_t *jobs)
                json_real_value(json_object_get(j, "fetch_cpu_us_unfrozen")),
                json_real_value(json_object_get(j, "fetch_issue_cpu_us_frozen")),
                json_real_value(json_object_get(j, "fetch_issue_cpu_us_unfrozen")));
+        if (!json_is_true(json_object_get(j, "plan_kept"))) {
+            printf("  (the job ended: its gathers and call order went with its memory)\n");
+            continue;
+        }
         printf("  %-6s %-6s %12s %12s %7s %7s\n", "GATHER", "UNIT", "OFFSET", "BYTES", "ISSUE",
                "END");
         json_array_foreach(json_object_get(j, "slots"), k, e)
@@ -501,7 +518,7 @@ static int run_plan(const struct plan_args *a, bool as_json)
     printf("  copies inside each node per step: intra-package %s, between packages %s\n",
            sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)o.intra[SD_COST_PACKAGE]),
            sd_fmt_bytes(b[1], sizeof(b[1]), (uint64_t)o.intra[SD_COST_NODE]));
-    printf("  (%s; shardctl --help for the formulas in sd/cost.h)\n",
+    printf("  (%s; the formulas: shardctl --help)\n",
            a->regather ? "each fetch gathers its unit again"
                        : "a gathered unit kept from forward to backward");
     return 0;
@@ -649,6 +666,9 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             usage(stdout);
+            return 0;
+        } else if (strcmp(argv[i], "--version") == 0) {
+            printf("shardctl %s\n", SHARD_VERSION);
             return 0;
         } else if (strcmp(argv[i], "--json") == 0) {
             as_json = true;

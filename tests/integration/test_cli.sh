@@ -119,9 +119,9 @@ for r in 0 1 2 3; do
          --hidden 64 --quiet >"$dir/rank$r.log" 2>&1 &
   pids[$r]=$!
 done
-for _ in $(seq 100); do "$SHARDCTL" "${S[@]}" jobs | grep -q "cli .*ready" && break; sleep 0.05; done
+for _ in $(seq 100); do "$SHARDCTL" "${S[@]}" jobs | grep -q "cli .*running" && break; sleep 0.05; done
 out=$("$SHARDCTL" "${S[@]}" jobs)
-check 'grep -q "^cli .*ready *4 topo:1/2/4" <<<"$out"' "jobs table: $out"
+check 'grep -q "^cli .*running *4 topo:1/2/4" <<<"$out"' "jobs table: $out"
 out=$("$SHARDCTL" "${S[@]}" groups)
 check 'grep -q "partition: \[0 1\] \[2 3\]" <<<"$out" && grep -q "replication: \[0 2\] \[1 3\]" <<<"$out"' "groups: $out"
 # the nesting: g shards 0 1 0 1 (f_g 2), os shards 0 2 1 3 (f_os 4, each inside its g shard)
@@ -181,7 +181,65 @@ out=$("$SHARDCTL" --help)
 check 'grep -q "plan --params N" <<<"$out"' "help lists plan"
 out=$("$SHARDCTL" "${S[@]}" --job nope jobs 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "unknown job" <<<"$out"' "unknown job filter: $out"
+out=$("$SHARDCTL" "${S[@]}" --job cli schedule)
+check 'grep -q "^job cli (running): schedule" <<<"$out" && grep -q "reuse distance \(unlimited (the pool holds every unit)\|[0-9]*\)$" <<<"$out" && grep -q "GATHER" <<<"$out"' \
+  "schedule of a running job (no line cut short): $out"
 for r in 0 1 2 3; do wait "${pids[$r]}" || bad "rank $r failed: $(cat "$dir/rank$r.log")"; done
+# the job ended: finished, its end not an error, no empty tables
+js=$("$SHARDCTL" "${S[@]}" --job cli jobs --json)
+check 'python3 -c "
+import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]
+assert j[\"state\"]==\"finished\" and j[\"error\"]==\"\" and \"detached after step 400\" in j[\"ended\"] and j[\"memory_bytes\"]==0, j
+" "$js"' "a finished job: $js"
+out=$("$SHARDCTL" "${S[@]}" --job cli schedule)
+check 'grep -q "^job cli (finished): schedule" <<<"$out" && grep -q "the job ended" <<<"$out" && ! grep -q "GATHER" <<<"$out"' \
+  "schedule of a finished job: $out"
+# a rank that registers another world: the ranks waiting hear it at once, naming both worlds
+"$MLP" --socket "$dir/run/shardd.sock" --job mixed --rank 0 --world 2 --steps 1 --hidden 64 \
+  >"$dir/mixed0.log" 2>&1 &
+m0=$!
+for _ in $(seq 100); do "$SHARDCTL" "${S[@]}" --job mixed jobs >/dev/null 2>&1 && break; sleep 0.05; done
+out=$(timeout 30 "$MLP" --socket "$dir/run/shardd.sock" --job mixed --rank 1 --world 4 --steps 1 \
+      --hidden 64 2>&1); rc=$?
+check '[ $rc -ne 0 ] && grep -q "world 4 differs from world 2" <<<"$out"' "a rank of another world: $rc $out"
+timeout 30 tail --pid=$m0 -f /dev/null; wait $m0; rc=$?
+out=$(cat "$dir/mixed0.log")
+check '[ $rc -ne 0 ] && grep -q "rank 1 (pid [0-9]*) registered it differently: world 4 differs from world 2" <<<"$out" && ! grep -q "did not register" <<<"$out"' \
+  "the rank waiting with world 2 is told at once why: $rc $out"
+# --job NAME during a resume: the paused job and the registration resuming it
+for r in 0 1; do
+  "$MLP" --socket "$dir/run/shardd.sock" --job res --rank $r --world 2 --steps 100000 --hidden 64 \
+    --resume-timeout-ms 60000 --quiet >"$dir/res$r.log" 2>&1 &
+  rp[$r]=$!
+done
+for _ in $(seq 200); do "$SHARDCTL" "${S[@]}" --job res jobs 2>/dev/null | grep -q running && break; sleep 0.05; done
+sleep 0.3
+kill -9 "${rp[1]}"; wait "${rp[1]}" 2>/dev/null # rank 0 registers again to resume
+for _ in $(seq 100); do
+  js=$("$SHARDCTL" "${S[@]}" --job res jobs --json)
+  grep -q registering <<<"$js" && break; sleep 0.05
+done
+check 'python3 -c "
+import json,sys; js=json.loads(sys.argv[1])[\"jobs\"]
+assert sorted(j[\"state\"] for j in js)==[\"paused\",\"registering\"] and max(j[\"steps\"] for j in js)>0, js
+" "$js"' "--job during a resume shows the paused job and its new registration: $js"
+kill -9 "${rp[0]}" 2>/dev/null; wait "${rp[0]}" 2>/dev/null
+"$SHARDCTL" "${S[@]}" --job res drop >/dev/null 2>&1
+# a world larger than the cluster is said as such
+"$SHARDD" --runtime-dir "$dir/k2" --ranks-per-node 2 --log-level warn >"$dir/k2.log" 2>&1 &
+k2=$!
+for _ in $(seq 100); do [ -S "$dir/k2/shardd.sock" ] && break; sleep 0.05; done
+out=$("$MLP" --socket "$dir/k2/shardd.sock" --job big --rank 0 --world 4 --steps 1 2>&1); rc=$?
+check '[ $rc -ne 0 ] && grep -q "world size 4 needs 2 nodes of 2 ranks; this cluster has 1 (at most world 2)" <<<"$out"' \
+  "a world larger than the cluster: $rc $out"
+out=$("$MLP" --socket "$dir/k2/shardd.sock" --job odd --rank 0 --world 3 --steps 1 2>&1); rc=$?
+check '[ $rc -ne 0 ] && grep -q "world size 3 is not a multiple of ranks_per_node 2" <<<"$out"' \
+  "a world not a multiple of ranks_per_node: $rc $out"
+kill -TERM $k2; wait $k2
+for b in "$SHARDD" "$SHARDCTL" ${BENCH:+"$BENCH"}; do
+  out=$("$b" --version); rc=$?
+  check '[ $rc -eq 0 ] && grep -q "^$(basename "$b") [0-9][0-9.]*$" <<<"$out"' "$b --version: $rc $out"
+done
 
 # mlp_train --compute-only: the same passes without shardd. Its first loss (initial weights, rank
 # 0's first batch) equals the first loss of the same run through shardd.

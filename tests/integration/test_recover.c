@@ -71,7 +71,7 @@ static bool wait_steps(const char *sock, const char *job, long long n)
         {
             const char *name = json_string_value(json_object_get(j, "name"));
             const char *state = json_string_value(json_object_get(j, "state"));
-            if (name && state && strcmp(name, job) == 0 && strcmp(state, "ready") == 0)
+            if (name && state && strcmp(name, job) == 0 && strcmp(state, "running") == 0)
                 steps = (long long)json_integer_value(json_object_get(j, "steps"));
         }
         json_decref(doc);

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""The README as written: every block marked `<!-- readme-test -->` (a shell block) or
+`<!-- readme-test: NAME -->` (a file, written as NAME) runs in README order in a fresh temporary
+directory that holds `build` (the build under test), `client` and `tools` (the sources), with
+`/tmp/` in the blocks turned into that directory's own and HOME set to it (`~/venv`). A block
+fails the test when it exits non-zero or outlives its deadline; what each block must print is
+checked below (EXPECT), and a marked block this test does not know fails it too (a new block
+gets its check here). Processes a block leaves behind are killed with its session. Then
+`cmake --install BUILD --prefix P`: Debian's python3 with P's dist-packages on its path imports
+shard, which loads P's libshard without SHARD_LIBRARY, and trains against P's shardd.
+
+Blocks that need PyTorch run only where Debian's python3 imports torch; without it the test
+runs the others and then exits 77 (skipped, saying why).
+
+usage: test_readme.py SOURCE_DIR BUILD_DIR
+"""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+SRC, BUILD = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+counts = {"passed": 0, "failed": 0}
+
+
+def check(cond, what):
+    counts["passed" if cond else "failed"] += 1
+    if not cond:
+        print(f"FAIL: {what}", flush=True)
+
+
+def blocks(text):
+    """[(name or None, language, body)] of the marked blocks, in order"""
+    out = []
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        m = re.fullmatch(r"<!-- readme-test(?::\s*(\S+))?\s*-->", lines[i].strip())
+        i += 1
+        if not m:
+            continue
+        while i < len(lines) and not lines[i].strip():
+            i += 1
+        fence = re.fullmatch(r"```(\w+)", lines[i].strip()) if i < len(lines) else None
+        if fence is None:
+            out.append((m.group(1), None, None))  # a marker without a block: reported
+            continue
+        j = i + 1
+        while j < len(lines) and lines[j].strip() != "```":
+            j += 1
+        out.append((m.group(1), fence.group(1), "\n".join(lines[i + 1:j]) + "\n"))
+        i = j + 1
+    return out
+
+
+# what each shell block prints, by a phrase of its first line: (regexes all found, needs torch)
+EXPECT = {
+    "build/daemon/shardd --runtime-dir": ([r"demo .*finished", r"fetch"], False),
+    "tools/local-cluster.sh start --nodes 2 --ranks-per-node 2 --dir /tmp/c   # loopback":
+        ([r"cluster of 2 nodes x 2 ranks up", r"demo .*finished"], False),
+    "/usr/bin/python3 -m venv": ([r"libshard\.so\.0"], True),
+    "tools/local-cluster.sh start --nodes 2 --ranks-per-node 2 --dir /tmp/c\n":
+        ([r"step 12: val loss", r"resumed run equals the first: True",
+          r"'blocks\.0\.fc\.bias'", r"gpt .*finished"], True),
+}
+
+
+def expectation(body):
+    for key, (want, torch_needed) in EXPECT.items():
+        if body.startswith(key):
+            return want, torch_needed
+    return None, False
+
+
+def run_block(work, n, body, env):
+    script = body.replace("/tmp/", work + "/")
+    try:
+        p = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=work, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        try:
+            out, _ = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            out += "\n(timed out after 300 s)"
+        return p.returncode, out
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # whatever the block left running
+        except (ProcessLookupError, PermissionError, UnboundLocalError):
+            pass
+
+
+TINY = """
+import os, torch, shard, shard.torch
+m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+shard.torch.wrap(m, socket=os.environ["SOCK"], job="installed", rank=0, world=1,
+                 optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+for _ in range(2):
+    m(torch.ones(2, 4)).sum().backward()
+    shard.torch.step(m)
+print("library", shard.library_path)
+"""
+
+
+def installed(work, env, have_torch):
+    """cmake --install --prefix P: P's python3.X/dist-packages imports shard, which loads P's
+    libshard (no SHARD_LIBRARY), and trains against P's shardd"""
+    prefix = os.path.join(work, "prefix")
+    r = subprocess.run(["cmake", "--install", BUILD, "--prefix", prefix], capture_output=True,
+                       text=True, timeout=120)
+    check(r.returncode == 0, f"cmake --install --prefix: {r.stdout}{r.stderr}")
+    pydirs = [os.path.join(prefix, "lib", d, "dist-packages")
+              for d in os.listdir(os.path.join(prefix, "lib")) if d.startswith("python3")]
+    check(len(pydirs) == 1, f"the package is under {prefix}/lib/python3.X: {pydirs}")
+    if not pydirs or not have_torch:
+        return
+    rdir = os.path.join(work, "inst-run")
+    daemon = subprocess.Popen([os.path.join(prefix, "sbin", "shardd"), "--runtime-dir", rdir,
+                               "--log-level", "warn"])
+    try:
+        sock = os.path.join(rdir, "shardd.sock")
+        for _ in range(200):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        e = dict(env, PYTHONPATH=pydirs[0], SOCK=sock)
+        r = subprocess.run(["/usr/bin/python3", "-c", TINY], cwd=work, env=e,
+                           capture_output=True, text=True, timeout=120)
+        check(r.returncode == 0 and f"library {prefix}/lib" in r.stdout,
+              f"the installed package loads {prefix}/lib's libshard and trains: {r.stdout}"
+              f"{r.stderr}")
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+
+
+def main():
+    readme = open(os.path.join(SRC, "README.md"), encoding="utf-8").read()
+    found = blocks(readme)
+    check(len(found) >= 5, f"the README marks its runnable blocks: {len(found)} found")
+    r = subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True)
+    have_torch = r.returncode == 0
+    work = tempfile.mkdtemp(prefix="shardd-readme-")
+    for name, target in (("build", BUILD), ("client", os.path.join(SRC, "client")),
+                         ("tools", os.path.join(SRC, "tools"))):
+        os.symlink(target, os.path.join(work, name))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SHARD_LIBRARY", "SHARD_SOCKET", "PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HOME=work, PIP_NO_CACHE_DIR="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    skipped = []
+    for n, (name, lang, body) in enumerate(found):
+        if body is None:
+            check(False, f"marker {n} ('{name}') is not followed by a fenced block")
+            continue
+        if name is not None:  # a file the later blocks use
+            with open(os.path.join(work, name), "w") as f:
+                f.write(body)
+            continue
+        first = body.split("\n")[0]
+        want, torch_needed = expectation(body)
+        if want is None:
+            check(False, f"block {n} ({lang}: '{first}') has no expectation in test_readme.py")
+            continue
+        if lang != "sh":
+            check(False, f"block {n}: a runnable block is sh, not {lang}")
+            continue
+        if torch_needed and not have_torch:
+            skipped.append(first)
+            continue
+        rc, out = run_block(work, n, body, env)
+        missing = [w for w in want if not re.search(w, out)]
+        check(rc == 0 and not missing, f"README block {n} ('{first}'): exit {rc}, missing "
+              f"{missing}:\n{out[-4000:]}")
+        print(f"block {n} ('{first[:60]}'): exit {rc}", flush=True)
+    installed(work, env, have_torch)
+    if counts["failed"] == 0:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"the directory is kept: {work}")
+    print(f"test_readme: {counts['passed']} passed, {counts['failed']} failed")
+    if counts["failed"]:
+        sys.exit(1)
+    if skipped:
+        print(f"SKIP: Debian's python3 cannot import torch: the blocks {skipped} did not run "
+              "(tools/deps.sh installs python3-torch)")
+        sys.exit(77)
+
+
+if __name__ == "__main__":
+    main()
