@@ -46,9 +46,20 @@ def _write_wheel(wheel_directory, files):
     return name
 
 
+def _origin():
+    """shard/_origin.py: the source tree the package was built from (pip install client/python
+    in a checkout), so that the installed package finds that tree's build of libshard"""
+    tree = os.path.dirname(os.path.dirname(ROOT))
+    if not os.path.exists(os.path.join(tree, "client", "shard.c")):
+        return []
+    text = ("# written by the build backend: the shardd source tree this package was built "
+            f"from\nSOURCE_TREE = {tree!r}\n")
+    return [(f"{NAME}/_origin.py", text.encode())]
+
+
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     dist = f"{NAME}-{VERSION}.dist-info"
-    return _write_wheel(wheel_directory, list(_package_files()) +
+    return _write_wheel(wheel_directory, list(_package_files()) + _origin() +
                         [(f"{dist}/top_level.txt", f"{NAME}\n".encode())])
 
 

@@ -13,11 +13,14 @@
 Every libshard error becomes a ShardError carrying the status (an int, shard.EJOBFAILED ...),
 its name and the daemon's message. See client/include/shard.h for the semantics.
 """
+import atexit
 import ctypes
 import ctypes.util
 import json
 import os
 import re
+import sys
+import weakref
 
 __all__ = ["Context", "ShardError", "Tensor", "FP32", "BF16", "FP16", "admin", "library_path",
            "strerror"]
@@ -108,10 +111,17 @@ def _candidates():
         yield os.path.join(_install.LIBDIR, "libshard.so.0")
     except ImportError:
         pass
-    # imported from a source checkout: the build trees next to it
-    src = os.path.dirname(os.path.dirname(os.path.dirname(here)))
-    for build in ("build", "build/ci", "build/demo", "build/bench"):
-        yield os.path.join(src, build, "client", "libshard.so.0")
+    # imported from a source checkout: the build trees next to it; pip-installed from one: that
+    # checkout's (the build backend wrote _origin.py)
+    trees = [os.path.dirname(os.path.dirname(os.path.dirname(here)))]
+    try:
+        from . import _origin
+        trees.append(_origin.SOURCE_TREE)
+    except ImportError:
+        pass
+    for src in trees:
+        for build in ("build", "build/ci", "build/demo", "build/bench"):
+            yield os.path.join(src, build, "client", "libshard.so.0")
     found = ctypes.util.find_library("shard")
     if found:
         yield found
@@ -129,7 +139,9 @@ def _load():
             return ctypes.CDLL(path), path
         except OSError as e:
             tried.append(f"{path} ({e})")
-    raise ImportError("shard: libshard not found; build shardd (cmake) or set SHARD_LIBRARY. "
+    raise ImportError("shard: libshard not found. Set SHARD_LIBRARY to the path of "
+                      "libshard.so.0 (a build tree's client/libshard.so.0, or PREFIX/lib after "
+                      "cmake --install), or install shardd where the loader looks (ldconfig). "
                       "Tried: " + ", ".join(tried))
 
 
@@ -228,6 +240,8 @@ class Context:
         self.units = []    # per unit: dict(numel, bytes, dtype, tensors)
         self.tensors = []  # per tensor: dict(unit, offset, numel)
         self.names = []    # per tensor: its name, for errors
+        self._pid = os.getpid()
+        _live.add(self)
 
     def _check(self, st, call):
         if st != 0:
@@ -404,6 +418,33 @@ class Context:
             self.detach()
         except Exception:
             pass
+
+
+# A process that ends normally has finished its part of the job: the contexts it left attached
+# detach at exit (the daemon reports the job finished once every rank did), unless an exception
+# nobody caught ended it (the connection then drops: the job fails, or pauses with
+# resume_timeout_ms). A forked child that exits does not detach its parent's contexts.
+_live = weakref.WeakSet()
+_uncaught = []
+
+
+def _note_uncaught(hook):
+    def excepthook(kind, value, tb):
+        _uncaught.append(kind)
+        hook(kind, value, tb)
+    return excepthook
+
+
+sys.excepthook = _note_uncaught(sys.excepthook)
+
+
+@atexit.register
+def _detach_at_exit():
+    if _uncaught:
+        return
+    for ctx in list(_live):
+        if ctx._pid == os.getpid():
+            ctx.detach()
 
 
 def _address_of(buf, keep):

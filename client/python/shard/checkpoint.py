@@ -39,7 +39,9 @@ def info(directory):
 
 
 def load_state_dict(directory, optimizer_states=False, verify=True, to_torch=True):
-    """{tensor name: fp32 tensor of its registered shape} of the checkpoint's master weights.
+    """{tensor name: fp32 tensor of its registered shape} of the checkpoint's master weights;
+    with a checkpoint of shard.torch.save, a tied parameter under each of its names (the same
+    tensor), so that an unwrapped model's load_state_dict(sd) is strict.
 
     optimizer_states: also {"optimizer": {name: {"exp_avg": ..., "exp_avg_sq": ..., "step": n}}}
     (SGD: "momentum_buffer") and {"step": the checkpoint's step}. verify: check every extent's
@@ -86,6 +88,16 @@ def load_state_dict(directory, optimizer_states=False, verify=True, to_torch=Tru
         return torch.frombuffer(buf, dtype=torch.float32).reshape(t["shape"]).clone()
 
     sd = {t["name"]: out(bufs["master"][i], t) for i, t in enumerate(tensors)}
+    # shard.torch.save notes the other names of tied parameters: the same tensor under each,
+    # as torch's state_dict() has it (a strict load_state_dict needs every key)
+    try:
+        with open(os.path.join(path, "torch.json")) as f:
+            aliases = json.load(f).get("aliases", {})
+    except FileNotFoundError:
+        aliases = {}
+    for alias, name in aliases.items():
+        if name in sd and alias not in sd:
+            sd[alias] = sd[name]
     if optimizer_states:
         opt = {}
         for i, t in enumerate(tensors):

@@ -31,7 +31,9 @@ CUDA tensors use the same path: the fetched host view is copied to the parameter
 gradients are copied back before the push (the daemon's CUDA backend replaces both copies).
 """
 import ctypes
+import json
 import os
+import sys
 import types
 import warnings
 
@@ -90,6 +92,16 @@ class _Buffers:
                     b.copy_(self.flat[off:off + n].view(b.dtype).view(b.shape))
 
 
+def _in_checkpoint():
+    """called (through the module's forward) from torch.utils.checkpoint"""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_filename.endswith(os.path.join("torch", "utils", "checkpoint.py")):
+            return True
+        f = f.f_back
+    return False
+
+
 class _State:
     def __init__(self, model, ctx, units, params, needs, job):
         self.model, self.ctx, self.job = model, ctx, job
@@ -99,6 +111,7 @@ class _State:
         self.shapes = [[p.shape for _, p in ps] for ps in params]
         self.views = [None] * len(units)   # per unit: (address, bytes) while fetched
         self.refs = [0] * len(units)       # holds of the fetched unit (forwards, one backward)
+        self.aside = [False] * len(units)  # the hold is outside the schedule (no autograd)
         self.bwd_held = [False] * len(units)
         self.grads = [dict() for _ in units]
         self.has_grad = [False] * sum(len(ps) for ps in params)  # per tensor, since the step
@@ -127,27 +140,35 @@ class _State:
             p.data = view if p.device.type == "cpu" else view.to(p.device)
         self.views[u] = (addr, nbytes)
 
-    def _fetch(self, u):
-        addr, nbytes = self.ctx.fetch(u)
+    def _fetch(self, u, aside):
+        self.aside[u] = aside
+        addr, nbytes = (self.ctx.fetch_aside if aside else self.ctx.fetch)(u)
         self.fetches += 1
         self.bytes_fetched += nbytes
         self._attach_views(u, addr, nbytes)
 
-    def _acquire(self, u):
+    def _acquire(self, u, aside=False):
         if self.refs[u] == 0:
-            self._fetch(u)
+            self._fetch(u, aside)
         self.refs[u] += 1
 
     def _drop(self, u):
         self.refs[u] -= 1
         if self.refs[u] == 0:
-            self.ctx.release(u)
+            (self.ctx.release_aside if self.aside[u] else self.ctx.release)(u)
 
     def _pre_forward(self, m):
+        # A forward without autograd (torch.no_grad(), inference_mode: an evaluation, which
+        # often only rank 0 runs) reads outside the step's schedule: any rank, at any time. Not
+        # the first forward of torch.utils.checkpoint (reentrant), which every rank runs in the
+        # step (backward runs it again with autograd; its own fetches are never aside).
+        aside = False
         if torch.is_grad_enabled():
             self._hook_new(m)
+        else:
+            aside = not _in_checkpoint()
         for u in self.needs[m]:
-            self._acquire(u)
+            self._acquire(u, aside)
 
     def _post_forward(self, m, outputs):
         for u in self.needs[m]:
@@ -565,7 +586,9 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     one checkpoint) to start from instead of rank 0's values, under any world and plan: the
     parameters, the optimizer's moments and step counts, and the param groups' hyperparameters
     (set into the optimizer's param_groups, as torch's load_state_dict does) are the
-    checkpoint's; shard.torch.start_step(model) is its step. Module buffers are not in it.
+    checkpoint's, and each group's lr and the entries schedulers add (initial_lr) are as
+    shard.torch.save found them; shard.torch.start_step(model) is its step, and a scheduler
+    built with last_epoch=start_step - 1 goes on where it was. Module buffers are not in it.
     resume_timeout_ms: when a rank dies the job pauses for that long (0: the daemon's
     resume_timeout_ms, off unless configured): the other ranks' calls raise shard.ShardError
     with .status == shard.EPAUSED naming the rank and the step. Wrapping again (every rank, the
@@ -637,6 +660,9 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
         ctx.detach()
         raise
     state = _State(model, ctx, reg_units, reg_params, needs, job)
+    state.aliases = {n: names[id(p)]  # a tied parameter's other names, as state_dict has them
+                     for n, p in torch.nn.Module.state_dict(model, keep_vars=True).items()
+                     if id(p) in names and n != names[id(p)]}
     state.kind, state.n_groups = opt.name, len(opt.groups)
     state.bufs = bufs if bufs and bufs.nbytes else None
     state.rank = rank
@@ -666,6 +692,17 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                     pg["betas"], pg["eps"] = h["betas"], h["eps"]
                 else:
                     pg["momentum"] = h["momentum"]
+        saved_torch = _read_torch_json(load, ctx.start_step) if load else None
+        if saved_torch is not None:  # the lr as it was at the save, and what schedulers keep
+            # in the groups (initial_lr: a scheduler built with last_epoch resumes from it)
+            if len(saved_torch["param_groups"]) != len(state.opt.param_groups):
+                raise ValueError(f"shard.torch.wrap: the checkpoint has "
+                                 f"{len(saved_torch['param_groups'])} param groups, the optimizer "
+                                 f"{len(state.opt.param_groups)}")
+            for pg, sg in zip(state.opt.param_groups, saved_torch["param_groups"]):
+                for k, v in sg.items():
+                    if k == "lr" or k not in pg:
+                        pg[k] = tuple(v) if isinstance(v, list) else v
     except BaseException:  # no hooks left behind, the values back, the job left
         for h in state.handles:
             h.remove()
@@ -755,10 +792,51 @@ def save(directory, model=None):
     optimizer's moments and step counts and the param groups' hyperparameters, in global
     coordinates: wrap(load=directory) resumes it under any world and plan, and
     shard.checkpoint.load_state_dict reads it without a daemon. Module buffers are not in it
-    (save them with torch.save)."""
+    (save them with torch.save). Rank 0 adds torch.json: the optimizer's param_groups as they
+    are now (lr, and what a scheduler keeps there: initial_lr) and the other names of tied
+    parameters. Save after scheduler.step(), and resume a scheduler by building it with
+    last_epoch=shard.torch.start_step(model) - 1 (README, PyTorch)."""
     st = _state_of(model)
     st._push_partial()
-    return st.ctx.save(directory)
+    step = st.ctx.save(directory)
+    if st.rank == 0:
+        _write_torch_json(os.path.join(os.fspath(directory), f"step-{step:08d}"), st)
+    return step
+
+
+# What torch knows that the daemon's checkpoint does not, beside it in TORCH_JSON: every param
+# group's entries that are plain values (the lr at save time, and what schedulers add: initial_lr,
+# max_lr, ...), and the other names of tied parameters (the checkpoint has each tensor once).
+TORCH_JSON = "torch.json"
+
+
+def _write_torch_json(path, st):
+    groups = [{k: v for k, v in g.items() if k != "params" and
+               isinstance(v, (int, float, str, bool, type(None), tuple, list))}
+              for g in st.opt.param_groups]
+    doc = {"format": "shard.torch", "version": 1, "param_groups": groups,
+           "aliases": st.aliases}
+    tmp = os.path.join(path, f".{TORCH_JSON}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, TORCH_JSON))
+
+
+def _read_torch_json(load, step):
+    """the TORCH_JSON of the checkpoint wrap(load=) started from, or None"""
+    path = os.fspath(load)
+    if not os.path.exists(os.path.join(path, "MANIFEST")):
+        path = os.path.join(path, f"step-{step:08d}")
+    try:
+        with open(os.path.join(path, TORCH_JSON)) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    if doc.get("format") != "shard.torch" or doc.get("version") != 1:
+        raise ValueError(f"{path}/{TORCH_JSON}: not a shard.torch file of version 1")
+    return doc
 
 
 def start_step(model=None):
