@@ -132,7 +132,16 @@ if [ "$netns" = 1 ]; then
     # (6 MB at 1 Gbit/s): with 10 ms, flows to three peers starting at once overflowed it and
     # TCP lost segments at the shaper (20-47 per node in a prefetch.sh run; none with 50 ms)
     if [ "$delay" != 0 ]; then
-      ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root handle 1: netem delay "$delay" rate "$rate"
+      modprobe -q sch_netem 2>/dev/null || true
+      if ! ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root handle 1: netem delay "$delay" \
+           rate "$rate" 2>"$dir/tc.err"; then
+        echo "local-cluster.sh: --inter-delay needs the kernel's netem qdisc (modprobe sch_netem;" \
+             "Ubuntu ships it in linux-modules-extra-$(uname -r))," \
+             "and tc said: $(cat "$dir/tc.err"). Without --inter-delay the links are shaped by" \
+             "tbf, which every kernel has." >&2
+        stop
+        exit 1
+      fi
     else
       ip netns exec "$n" tc qdisc add dev "sv${tagid}n$i" root tbf rate "$rate" burst 256kb latency 50ms
     fi

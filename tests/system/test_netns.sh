@@ -23,6 +23,19 @@ if ! ip netns add "sdprobe$$" 2>/dev/null; then
 fi
 ip netns del "sdprobe$$"
 
+# --inter-delay shapes with netem: where the kernel has it the cluster starts; where it lacks it,
+# start fails saying what to load, and leaves no namespace behind
+out=$("$ROOT/tools/local-cluster.sh" start --nodes 2 --ranks-per-node 1 --dir "$dir/delay" --netns \
+      --inter-rate 1gbit --inter-delay 100us --shardd "$SHARDD" 2>&1); rc=$?
+if [ $rc -eq 0 ]; then
+  check 'tc -n "$("$ROOT/tools/local-cluster.sh" netns --dir "$dir/delay" --node 1)" qdisc | grep -q netem' \
+    "--inter-delay: no netem qdisc on node 1's link"
+  "$ROOT/tools/local-cluster.sh" stop --dir "$dir/delay" >/dev/null 2>&1
+else
+  check 'grep -q "needs the kernel.s netem qdisc (modprobe sch_netem" <<<"$out" && [ ! -s "$dir/delay/netns" ]' \
+    "--inter-delay without netem: rc $rc: $out"
+fi
+
 "$ROOT/tools/local-cluster.sh" start --nodes 3 --ranks-per-node 2 --dir "$dir" --netns \
   --inter-rate 1gbit --shardd "$SHARDD" -- --op-timeout-ms 3000 --heartbeat-interval-ms 200 \
   --heartbeat-timeout-ms 1500 >"$dir/start.log" 2>&1

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The README as written: every block marked `<!-- readme-test -->` (a shell block) or
-`<!-- readme-test: NAME -->` (a file, written as NAME) runs in README order in a fresh temporary
+`<!-- readme-test: NAME -->` (a file, written as NAME; NAME `output`: a block of "$ COMMAND" and
+the output the README shows, which COMMAND must print exactly) runs in README order in a fresh temporary
 directory that holds `build` (the build under test), `client` and `tools` (the sources), with
 `/tmp/` in the blocks turned into that directory's own and HOME set to it (`~/venv`). A block
 fails the test when it exits non-zero or outlives its deadline; what each block must print is
@@ -45,7 +46,7 @@ def blocks(text):
             continue
         while i < len(lines) and not lines[i].strip():
             i += 1
-        fence = re.fullmatch(r"```(\w+)", lines[i].strip()) if i < len(lines) else None
+        fence = re.fullmatch(r"```(\w*)", lines[i].strip()) if i < len(lines) else None
         if fence is None:
             out.append((m.group(1), None, None))  # a marker without a block: reported
             continue
@@ -157,6 +158,16 @@ def main():
     for n, (name, lang, body) in enumerate(found):
         if body is None:
             check(False, f"marker {n} ('{name}') is not followed by a fenced block")
+            continue
+        if name == "output":  # "$ COMMAND" and what it prints, exactly (build/tools on PATH)
+            cmd, _, want = body.partition("\n")
+            r = subprocess.run(["bash", "-c", cmd.removeprefix("$ ")], cwd=work, text=True,
+                               capture_output=True, timeout=60,
+                               env=dict(env, PATH=os.path.join(BUILD, "tools") + ":" +
+                                        env.get("PATH", "")))
+            check(r.returncode == 0 and r.stdout == want,
+                  f"README block {n}: '{cmd}' prints what the README shows: exit "
+                  f"{r.returncode}, got:\n{r.stdout}{r.stderr}\nthe README:\n{want}")
             continue
         if name is not None:  # a file the later blocks use
             with open(os.path.join(work, name), "w") as f:
