@@ -74,12 +74,12 @@ static void scenario(const char *name, int sig)
     for (double end = spawned + 30; th_now_s() < end; usleep(100000)) {
         free(js);
         js = th_admin(c.d[0].sock, "jobs");
-        if (js && strstr(js, "\"ready\""))
+        if (js && strstr(js, "\"running\""))
             break;
     }
     double in = th_now_s() - spawned; /* a few steps in: 1.5 s after the start, as ever */
     usleep((useconds_t)((in < 1.2 ? 1.5 - in : 0.3) * 1e6));
-    TH_CHECK(js && strstr(js, "\"ready\""), "%s: the job is not training: %s", name, js);
+    TH_CHECK(js && strstr(js, "\"running\""), "%s: the job is not training: %s", name, js);
     free(js);
     kill(c.d[victim].pid, sig);
     double t0 = th_now_s();

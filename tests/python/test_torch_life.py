@@ -8,7 +8,7 @@ LambdaLR, clipping, accumulation 2):
     it `finished` in `shardctl jobs` on both nodes, with its memory released (memory_bytes 0)
     and its end in "ended", not "error"; the same with resume_timeout_ms; a rank killed
     (SIGKILL) mid-run leaves it `failed` (without resume_timeout_ms) or `paused` (with), and a
-    rank that dies of an uncaught exception leaves it `failed`;
+    rank that dies of an uncaught exception, or calls sys.exit(3), leaves it `failed`;
   - evaluation on rank 0 alone (under torch.no_grad(), as `if rank == 0: evaluate()`) before
     the first step, between steps and after the last, under zero3, mics:2 and topo:1/2/4: the
     job goes on, every rank's per-step loss and the final parameters are bitwise those of the
@@ -96,7 +96,8 @@ def checkpointed_forward(self, idx):
 
 def worker(a):
     """one rank: a["mode"] train (with "eval" on rank 0), part1 (save and exit), part2 (resume),
-    exit (steps, then simply ends), die (raises in step 2), hang (sleeps in step 2: killed)"""
+    exit (steps, then simply ends), die (raises in step 2), exit3 (sys.exit(3) in step 2), hang
+    (sleeps in step 2: killed)"""
     mode, rank = a["mode"], a["rank"]
     m = model()
     opt = torch.optim.AdamW(groups(m), lr=3e-2)  # as build_opt's, without its scheduler
@@ -120,6 +121,8 @@ def worker(a):
             break
         if step == 2 and mode == "die":
             raise RuntimeError("a bug in the training script")
+        if step == 2 and mode == "exit3":
+            sys.exit(3)  # a script that gives up, saying so in its status
         if step == 2 and mode == "hang" and rank == 1:
             with open(a["out"] + ".ready", "w") as f:
                 f.write("in step 2\n")
@@ -221,6 +224,13 @@ def job_end(cl, work):
     docs = wait_state(cl, tag, ("failed",))
     check(all(d.get("state") == "failed" for d in docs),
           f"ranks that die of an uncaught exception leave the job failed, not finished: "
+          f"{[(d.get('state'), d.get('error')) for d in docs]}")
+    tag = "exit3"
+    outs = launch(cl, work, tag, {"mode": "exit3", "plan": "mics:2"})
+    check(all(rc == 3 for rc, _ in outs), f"sys.exit(3) exits 3: {[rc for rc, _ in outs]}")
+    docs = wait_state(cl, tag, ("failed",))
+    check(all(d.get("state") == "failed" for d in docs),
+          f"ranks that call sys.exit(3) leave the job failed, not finished: "
           f"{[(d.get('state'), d.get('error')) for d in docs]}")
 
 

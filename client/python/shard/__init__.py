@@ -422,25 +422,36 @@ class Context:
 
 # A process that ends normally has finished its part of the job: the contexts it left attached
 # detach at exit (the daemon reports the job finished once every rank did), unless an exception
-# nobody caught ended it (the connection then drops: the job fails, or pauses with
-# resume_timeout_ms). A forked child that exits does not detach its parent's contexts.
+# nobody caught ended it, or sys.exit with a failing status (the connection then drops: the job
+# fails, or pauses with resume_timeout_ms). A forked child that exits does not detach its
+# parent's contexts.
 _live = weakref.WeakSet()
-_uncaught = []
+_failed_exit = []
 
 
 def _note_uncaught(hook):
     def excepthook(kind, value, tb):
-        _uncaught.append(kind)
+        _failed_exit.append(kind)
         hook(kind, value, tb)
     return excepthook
 
 
+def _note_exit(exit_fn):
+    def exit(status=None):
+        if status is not None and status != 0:  # sys.exit("message") fails too, as Python's
+            _failed_exit.append(status)
+        return exit_fn(status)
+    exit.__doc__ = exit_fn.__doc__
+    return exit
+
+
 sys.excepthook = _note_uncaught(sys.excepthook)
+sys.exit = _note_exit(sys.exit)
 
 
 @atexit.register
 def _detach_at_exit():
-    if _uncaught:
+    if _failed_exit:
         return
     for ctx in list(_live):
         if ctx._pid == os.getpid():
