@@ -209,6 +209,13 @@ try:
     ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer=torch.optim.Adagrad(
         m.parameters())), "Adagrad")
     check(ok, f"another optimizer refused naming it: {msg}")
+    # parameters that are not CPU tensors (a .cuda() model; the meta device stands in for one
+    # here) are refused naming the parameter, its device and the daemon's backend, not moved
+    off = copy.deepcopy(base).to("meta")
+    ok, msg = raises(lambda: st.wrap(off, job="bad"), "embed.weight", "meta", "backend: host",
+                     "model.cpu()")
+    check(ok and all(p.device.type == "meta" for p in off.parameters()),
+          f"a model off the CPU refused, its parameters where they were: {msg}")
     try:
         st.wrap(m, job="bad")
         check(True, "the same job name registers after the refusals")

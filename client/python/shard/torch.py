@@ -137,7 +137,7 @@ class _State:
         for (name, p), shape, t in zip(self.params[u], self.shapes[u], info["tensors"]):
             ti = self.ctx.tensors[t]
             view = flat[ti["offset"]:ti["offset"] + ti["numel"]].view(shape)
-            p.data = view if p.device.type == "cpu" else view.to(p.device)
+            p.data = view
         self.views[u] = (addr, nbytes)
 
     def _fetch(self, u, aside):
@@ -550,6 +550,23 @@ def _patch_clip():
     _clip_patched = True
 
 
+def _check_devices(named, socket):
+    """Parameters shardd cannot hold are refused before anything is registered, never moved:
+    today every parameter must be a CPU tensor (the daemons keep shards in host memory, and
+    shard.torch's parameters are views of host memory)."""
+    off = [(n, p.device) for n, p in named if p.device.type != "cpu"]
+    if not off:
+        return
+    try:
+        backend = _shard.admin("status", socket=socket)["config"]["backend"]
+    except Exception as e:  # the refusal stands; the daemon only adds to its message
+        backend = f"unknown ({e})"
+    raise ValueError(f"shard.torch.wrap: parameter '{off[0][0]}' is on {off[0][1]} ({len(off)} "
+                     f"of {len(named)} parameters are not on the CPU); shard.torch trains CPU "
+                     f"tensors only for now (the daemon's backend: {backend}). Move the model "
+                     "to the CPU before wrap (model.cpu()); nothing was registered")
+
+
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
          units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None,
          resume_timeout_ms=0):
@@ -597,6 +614,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     global _current
     job, rank, world = _launcher(job, rank, world)
     named = list(model.named_parameters())
+    _check_devices(named, socket)
     opt = _optimizer_of({"name": "adamw"} if optimizer is None else optimizer, named)
     if max_grad_norm is not None:
         opt.max_grad_norm = float(max_grad_norm)
