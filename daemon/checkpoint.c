@@ -143,6 +143,7 @@ const char *sd_ckpt__hint(int st)
     }
 }
 
+#ifdef SD_TEST_HOOKS
 void sd_ckpt__test_stall(const struct sd_job *job, const char *what)
 {
     const char *v = getenv("SHARDD_TEST_FILE_STALL");
@@ -153,6 +154,7 @@ void sd_ckpt__test_stall(const struct sd_job *job, const char *what)
     if (*end == ':' && strstr(end + 1, what) != NULL && ms > 0)
         usleep((useconds_t)ms * 1000);
 }
+#endif
 
 bool sd_ckpt_busy(const struct sd_job *job)
 {

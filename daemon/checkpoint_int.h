@@ -98,8 +98,16 @@ uint64_t sd_ckpt__deadline(const struct sd_job *job, uint64_t bytes);
  * what to do (a read-only filesystem, a directory the owner may not write) */
 const char *sd_ckpt__hint(int st);
 /* SHARDD_TEST_FILE_STALL=NODE:MS:WHAT (save, commit, load, open): that node's file task of that
- * kind starts MS late (a stalled filesystem, for tests) */
+ * kind starts MS late (a stalled filesystem, for tests; built with SHARD_TEST_HOOKS only) */
+#ifdef SD_TEST_HOOKS
 void sd_ckpt__test_stall(const struct sd_job *job, const char *what);
+#else
+static inline void sd_ckpt__test_stall(const struct sd_job *job, const char *what)
+{
+    (void)job;
+    (void)what;
+}
+#endif
 
 /* ---- node 0's commit (ckpt_commit.c) */
 int sd_ckpt__commit_init(struct sd_job *job);

@@ -296,8 +296,10 @@ int main(int argc, char **argv)
     app.sigterm.data = app.sigint.data = &app;
     uv_signal_start(&app.sigterm, on_signal, SIGTERM);
     uv_signal_start(&app.sigint, on_signal, SIGINT);
+#ifdef SD_TEST_HOOKS /* tests only (SHARD_TEST_HOOKS): SIGUSR1 holds the loop that long */
     const char *stall = getenv("SHARDD_TEST_STALL_MS");
     app.stall_ms = stall ? (unsigned)strtoul(stall, NULL, 10) : 0;
+#endif
     app.sigusr1.data = &app;
     if (app.stall_ms > 0)
         uv_signal_start(&app.sigusr1, on_stall, SIGUSR1);

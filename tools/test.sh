@@ -16,14 +16,14 @@ if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null; then
 fi
 
 echo "== build (-Werror)"
-cmake -S . -B build/ci -DSHARD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "${gpu[@]}" >/dev/null
+cmake -S . -B build/ci -DSHARD_WERROR=ON -DSHARD_TEST_HOOKS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "${gpu[@]}" >/dev/null
 cmake --build build/ci -j"$jobs"
 echo "== test"
 (cd build/ci && ctest --output-on-failure -j"$jobs")
 
 if [ "${SHARD_SKIP_ASAN:-0}" != 1 ]; then
   echo "== build (ASan + UBSan)"
-  cmake -S . -B build/asan -DSHARD_WERROR=ON -DSHARD_SANITIZE=ON \
+  cmake -S . -B build/asan -DSHARD_WERROR=ON -DSHARD_SANITIZE=ON -DSHARD_TEST_HOOKS=ON \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo "${gpu[@]}" >/dev/null
   cmake --build build/asan -j"$jobs"
   echo "== test (ASan + UBSan)"

@@ -73,6 +73,7 @@ static pid_t spawn_long(int rank, const char *job, char *log, size_t loglen)
     return th_spawn(argv, log);
 }
 
+#ifdef SD_TEST_HOOKS
 static bool log_has(int node, const char *text)
 {
     char *s = th_read_file(cl.d[node].log, NULL);
@@ -80,6 +81,7 @@ static bool log_has(int node, const char *text)
     free(s);
     return has;
 }
+#endif
 
 static void freeze(int node)
 {
@@ -130,6 +132,7 @@ int main(void)
         return 1;
     }
     /* a loop held 3 s: the heartbeat thread keeps the node; the job goes on */
+#ifdef SD_TEST_HOOKS
     {
         const char *args[] = {"--world", "3", "--steps",  "150", "--plan",  "zero3",
                               "--seed",  "3", "--hidden", "64",  "--quiet", NULL};
@@ -167,6 +170,10 @@ int main(void)
                "%.2f s and matches its reference\n",
                th_now_s() - t0);
     }
+#else
+    printf("SKIP: the stall of a node's loop needs shardd's test hooks (-DSHARD_TEST_HOOKS=ON); "
+           "the freezes below run\n");
+#endif
     freeze(1);
     freeze(0);
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
