@@ -19,12 +19,19 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* state s of unit u's elements [lo, hi) (unit coordinates) into dst, tensor by tensor; padding
- * stays as it is (zero) */
-static int read_unit_range(struct sd_job *job, struct sd_ckpt_reader *rd, uint32_t s, uint32_t u,
-                           uint64_t lo, uint64_t hi, float *dst, char *err, size_t errlen)
+/* state s of unit u's elements [lo, hi) (unit coordinates) */
+struct unit_range {
+    uint32_t s, u;
+    uint64_t lo, hi;
+};
+
+/* the range into dst, tensor by tensor; padding stays as it is (zero) */
+static int read_unit_range(struct sd_job *job, struct sd_ckpt_reader *rd,
+                           const struct unit_range *r, float *dst, char *err, size_t errlen)
 {
-    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint32_t s = r->s;
+    uint64_t lo = r->lo, hi = r->hi;
+    const struct sd_unit_layout *ul = &job->layout.units[r->u];
     for (uint32_t t = ul->first_tensor; t < ul->first_tensor + ul->n_tensors; t++) {
         const struct sd_tensor_layout *tl = &job->layout.tensors[t];
         uint64_t a = SD_MAX(lo, tl->offset), z = SD_MIN(hi, tl->offset + tl->numel);
@@ -87,7 +94,8 @@ static void load_state(void *arg, uint32_t thread, uint64_t i)
     sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
     char err[1024];
     int st =
-        read_unit_range(job, &p->rd[thread], s, u, b, e, os_shard(job, r, s, ul), err, sizeof(err));
+        read_unit_range(job, &p->rd[thread], &(struct unit_range){.s = s, .u = u, .lo = b, .hi = e},
+                        os_shard(job, r, s, ul), err, sizeof(err));
     if (st != SD_OK)
         par_fail(p, st, err);
     else if (s == 0 && w_in_os(job, ul, r))
@@ -123,9 +131,11 @@ static void weights(struct par_load *p, uint32_t thread, uint32_t u, uint32_t r)
             z = SD_MIN(z, at + SD_CKPT_EXTENT_ELEMS);
             if (scratch == NULL)
                 scratch = malloc((size_t)SD_CKPT_EXTENT_ELEMS * sizeof(float));
-            int st = scratch == NULL ? SD_ENOMEM
-                                     : read_unit_range(job, &p->rd[thread], 0, u, at, z, scratch,
-                                                       err, sizeof(err));
+            int st = scratch == NULL
+                         ? SD_ENOMEM
+                         : read_unit_range(job, &p->rd[thread],
+                                           &(struct unit_range){.u = u, .lo = at, .hi = z}, scratch,
+                                           err, sizeof(err));
             if (st != SD_OK) {
                 par_fail(p, st, err);
                 break;
@@ -192,8 +202,8 @@ static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_
     sd_loading_range(job, job->node, ul, &lo, &hi);
     uint64_t n = hi - lo;
     if (at != NULL && rd != NULL)
-        c->work.status =
-            read_unit_range(job, rd, 0, u, lo, hi, at, c->work.err, sizeof(c->work.err));
+        c->work.status = read_unit_range(job, rd, &(struct unit_range){.u = u, .lo = lo, .hi = hi},
+                                         at, c->work.err, sizeof(c->work.err));
     else if (at != NULL)
         sd_loading_unit(job, u, at, lo);
     for (uint32_t r = 0; r < job->k; r++) {
@@ -204,7 +214,8 @@ static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_
                 continue;
             if (rd != NULL)
                 c->work.status =
-                    read_unit_range(job, rd, s, u, b, e, at + n, c->work.err, sizeof(c->work.err));
+                    read_unit_range(job, rd, &(struct unit_range){.s = s, .u = u, .lo = b, .hi = e},
+                                    at + n, c->work.err, sizeof(c->work.err));
             else
                 dev->copy(job->mem.queue, os_shard(job, r, s, ul), at + n, (e - b) * sizeof(float));
         }

@@ -24,43 +24,38 @@ void *sd_job_net_desc(const struct sd_job *job, const void *p)
     return NULL;
 }
 
-/* An all-reduce of count floats of buf across the replication group (job->xfer.members, R of them)
- * with tmp of ar_tmp_count floats; acc as sd_allreduce_param's. The tag's seq names the round
- * (a micro-step) or the step. */
-int sd_job_net_allreduce(struct sd_job *job, struct sd_allreduce *ar, uint32_t R, uint32_t unit,
-                         uint64_t round, bool step_sync, float *buf, size_t count, float *tmp,
-                         float *acc, bool quantized, sd_allreduce_cb cb, void *arg)
+int sd_job_net_allreduce(struct sd_job *job, const struct sd_job_allreduce *a)
 {
     struct sd_allreduce_param p = {.group = {.tp = sd_job_tp(job),
                                              .pool = &job->xfer.bulks,
                                              .members = job->xfer.members,
-                                             .n_members = R,
+                                             .n_members = a->R,
                                              .self = job->node},
                                    .dev = job->reg->dev,
                                    .queue = job->mem.queue,
                                    .dtype = SD_DTYPE_FP32,
-                                   .buf = buf,
-                                   .count = count,
-                                   .tmp = tmp,
+                                   .buf = a->buf,
+                                   .count = a->count,
+                                   .tmp = a->tmp,
                                    .tmp_count = job->push.ar_tmp_count,
-                                   .acc = acc,
-                                   .buf_desc = sd_job_net_desc(job, buf),
-                                   .tmp_desc = sd_job_net_desc(job, tmp),
-                                   .acc_desc = sd_job_net_desc(job, acc),
+                                   .acc = a->acc,
+                                   .buf_desc = sd_job_net_desc(job, a->buf),
+                                   .tmp_desc = sd_job_net_desc(job, a->tmp),
+                                   .acc_desc = sd_job_net_desc(job, a->acc),
                                    .chunk_bytes = job->reg->cfg->chunk_bytes,
                                    .small_bytes = job->reg->cfg->small_allreduce_bytes,
-                                   .cb = cb,
-                                   .arg = arg};
-    if (quantized) { /* int4 blocks (quant.h): the boundary hop under ,qg */
+                                   .cb = a->cb,
+                                   .arg = a->arg};
+    if (a->quantized) { /* int4 blocks (quant.h): the boundary hop under ,qg */
         p.qbits = SD_CODEC_INT4;
         p.qblock = job->plan.qblock;
         p.qbuf = sd_qg_hop_buf(job);
         p.qbuf_desc = sd_job_net_desc(job, p.qbuf);
-        p.qerr = sd_qg_hop_ef(job, unit);
+        p.qerr = sd_qg_hop_ef(job, a->unit);
     }
-    int st = sd_tag_make(SD_TAG_AR, job->xfer.tag, unit, sd_tag_allreduce_seq(round, step_sync), 0,
-                         &p.tag_base);
-    return st == SD_OK ? sd_allreduce_start(ar, &p) : st;
+    int st = sd_tag_make(SD_TAG_AR, job->xfer.tag, a->unit,
+                         sd_tag_allreduce_seq(a->round, a->step_sync), 0, &p.tag_base);
+    return st == SD_OK ? sd_allreduce_start(a->ar, &p) : st;
 }
 
 /* An exchange of kind with node peer: this node receives the message peer sends (src peer) and

@@ -61,12 +61,22 @@ void sd_job_net_sweep(struct sd_job *job, uint64_t now);
 void *sd_job_net_desc(const struct sd_job *job, const void *p);
 /* Does each round's all-reduce add its sum into the g shard itself (sd_allreduce's acc)? */
 bool sd_job_net_rounds_accumulate(const struct sd_job *job);
-/* An all-reduce of count floats of buf across the replication group (job->xfer.members, R of
- * them) with tmp; acc as sd_allreduce_param's; quantized: as int4 blocks (the boundary hop under
- * ,qg; quant.h). The tag's seq names the round (a micro-step) or the step. */
-int sd_job_net_allreduce(struct sd_job *job, struct sd_allreduce *ar, uint32_t R, uint32_t unit,
-                         uint64_t round, bool step_sync, float *buf, size_t count, float *tmp,
-                         float *acc, bool quantized, sd_allreduce_cb cb, void *arg);
+/* An all-reduce across the replication group (job->xfer.members, R of them): what a push round
+ * or the step's boundary hop gives. */
+struct sd_job_allreduce {
+    struct sd_allreduce *ar;
+    uint32_t R, unit;
+    uint64_t round; /* the tag's seq names the round (a micro-step) or, with step_sync, the step */
+    bool step_sync;
+    float *buf; /* count floats */
+    size_t count;
+    float *tmp;     /* ar_tmp_count floats */
+    float *acc;     /* as sd_allreduce_param's, or NULL */
+    bool quantized; /* as int4 blocks (the boundary hop under ,qg; quant.h) */
+    sd_allreduce_cb cb;
+    void *arg;
+};
+int sd_job_net_allreduce(struct sd_job *job, const struct sd_job_allreduce *a);
 /* An exchange of kind with node x->peer: this node receives the message the peer sends (src
  * peer) and sends its own (src self). Fails like a post that failed when a tag field does not
  * fit. */

@@ -248,8 +248,16 @@ static void round_after_rs(struct sd_node_round *rd)
         float *B = job->gnodes[SD_STATE_G] > 1 ? rd->rs_out : rd->part;
         if (R > 1) {
             float *acc = sd_job_net_rounds_accumulate(job) ? sd_job_g_shard(job, 0, ul) : NULL;
-            int st = sd_job_net_allreduce(job, &rd->ar, R, rd->unit, rd->seq, false, B, count,
-                                          rd->ar_tmp, acc, false, round_ar_done, rd);
+            int st = sd_job_net_allreduce(job, &(struct sd_job_allreduce){.ar = &rd->ar,
+                                                                          .R = R,
+                                                                          .unit = rd->unit,
+                                                                          .round = rd->seq,
+                                                                          .buf = B,
+                                                                          .count = count,
+                                                                          .tmp = rd->ar_tmp,
+                                                                          .acc = acc,
+                                                                          .cb = round_ar_done,
+                                                                          .arg = rd});
             if (st == SD_OK)
                 return;
             rd->status = st;

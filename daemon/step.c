@@ -582,9 +582,18 @@ void sd_step_progress(struct sd_job *job)
                 /* no round runs during the step: it borrows round 0's all-reduce temporary */
                 bool q = sd_qg_hop(job, u);
                 job->stats.quant_fallbacks += job->plan.qg && !q;
-                int st = sd_job_net_allreduce(job, &job->step.ar, R, u, job->steps, true,
-                                              job->mem.scratch, count, job->push.nr[0].ar_tmp, NULL,
-                                              q, step_ar_done, job);
+                int st = sd_job_net_allreduce(
+                    job, &(struct sd_job_allreduce){.ar = &job->step.ar,
+                                                    .R = R,
+                                                    .unit = u,
+                                                    .round = job->steps,
+                                                    .step_sync = true,
+                                                    .buf = job->mem.scratch,
+                                                    .count = count,
+                                                    .tmp = job->push.nr[0].ar_tmp,
+                                                    .quantized = q,
+                                                    .cb = step_ar_done,
+                                                    .arg = job});
                 if (st != SD_OK) {
                     job->step.pending = 0;
                     step_fail(job, st, job->xfer.members[0]);

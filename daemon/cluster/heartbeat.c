@@ -136,10 +136,13 @@ static void *hb_thread(void *arg)
     return NULL;
 }
 
-int sd_heartbeat_start(struct sd_heartbeat **hb_p, uint32_t self, uint32_t n, uint64_t digest,
-                       uint64_t interval_ms, uint64_t stall_ms, const char *bind_addr,
-                       uint16_t port, uint16_t *port_p)
+int sd_heartbeat_start(struct sd_heartbeat **hb_p, const struct sd_heartbeat_param *p,
+                       uint16_t *port_p)
 {
+    uint32_t self = p->self, n = p->n;
+    uint64_t digest = p->digest, interval_ms = p->interval_ms, stall_ms = p->stall_ms;
+    const char *bind_addr = p->bind_addr;
+    uint16_t port = p->port;
     struct sd_heartbeat *hb = calloc(1, sizeof(*hb));
     if (hb == NULL)
         return SD_ENOMEM;

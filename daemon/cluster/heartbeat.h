@@ -8,12 +8,20 @@
 
 struct sd_heartbeat;
 
-/* Start the thread: a UDP socket on bind_addr (an IPv4 address; "" or NULL: every address)
- * and port (0: any free one; *port_p says which), a datagram to every peer each interval_ms
- * while the loop ticked (sd_heartbeat_tick) within stall_ms. */
-int sd_heartbeat_start(struct sd_heartbeat **hb_p, uint32_t self, uint32_t n, uint64_t digest,
-                       uint64_t interval_ms, uint64_t stall_ms, const char *bind_addr,
-                       uint16_t port, uint16_t *port_p);
+/* What the heartbeat thread serves: node self of n (the cluster's digest in every datagram),
+ * a UDP socket on bind_addr (an IPv4 address; "" or NULL: every address) and port (0: any free
+ * one), a datagram to every peer each interval_ms while the loop ticked (sd_heartbeat_tick)
+ * within stall_ms. */
+struct sd_heartbeat_param {
+    uint32_t self, n;
+    uint64_t digest;
+    uint64_t interval_ms, stall_ms;
+    const char *bind_addr;
+    uint16_t port;
+};
+/* Start the thread; *port_p says which port it bound. */
+int sd_heartbeat_start(struct sd_heartbeat **hb_p, const struct sd_heartbeat_param *p,
+                       uint16_t *port_p);
 /* node's address (its control link's peer address), heartbeat port and the session key of the
  * link's handshake (SD_SHA256_BYTES); port 0 or no key: not a peer */
 void sd_heartbeat_set_peer(struct sd_heartbeat *hb, uint32_t node, const struct sockaddr *addr,

@@ -684,8 +684,15 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     else
         snprintf(host, sizeof(host), "%s", cfg->fabric_addr);
     st = sd_heartbeat_start(
-        &cl->hb, cl->self, cl->n, cl->digest, (uint64_t)cfg->heartbeat_interval_ms,
-        4 * (uint64_t)cfg->heartbeat_timeout_ms, host, (uint16_t)cfg->heartbeat_port, &hb_port);
+        &cl->hb,
+        &(struct sd_heartbeat_param){.self = cl->self,
+                                     .n = cl->n,
+                                     .digest = cl->digest,
+                                     .interval_ms = (uint64_t)cfg->heartbeat_interval_ms,
+                                     .stall_ms = 4 * (uint64_t)cfg->heartbeat_timeout_ms,
+                                     .bind_addr = host,
+                                     .port = (uint16_t)cfg->heartbeat_port},
+        &hb_port);
     if (st != SD_OK)
         SD_WARN("cluster", "no heartbeat thread (%s): the control links' heartbeats alone count",
                 sd_status_str(st));

@@ -52,8 +52,11 @@ int main(void)
 {
     struct sd_heartbeat *h0, *h1;
     uint16_t p0 = 0, p1 = 0;
-    TH_CHECK(sd_heartbeat_start(&h0, 0, 2, 0, 20, 10000, "127.0.0.1", 0, &p0) == 0 &&
-                 sd_heartbeat_start(&h1, 1, 2, 0, 20, 10000, "127.0.0.1", 0, &p1) == 0,
+    struct sd_heartbeat_param hp = {
+        .n = 2, .interval_ms = 20, .stall_ms = 10000, .bind_addr = "127.0.0.1"};
+    struct sd_heartbeat_param hp1 = hp;
+    hp1.self = 1;
+    TH_CHECK(sd_heartbeat_start(&h0, &hp, &p0) == 0 && sd_heartbeat_start(&h1, &hp1, &p1) == 0,
              "two heartbeat threads");
     uint8_t key[SD_SHA256_BYTES], old_key[SD_SHA256_BYTES];
     memset(key, 0x5a, sizeof(key));

@@ -4,7 +4,9 @@
 - no struct above 40 members (a declaration "int a, b;" counts two);
 - no daemon header that most of the daemon's .c files include;
 - only transport/ calls libfabric, only coll/tag.h packs a tag, and coll/, transport/ and
-  cluster/ include nothing of jobs.
+  cluster/ include nothing of jobs;
+- no function declared or defined with more than 8 positional parameters (a parameter struct
+  instead: sd_job_net_allreduce had 13).
 Usage: test_shape.py DAEMON_DIR"""
 import os
 import re
@@ -12,6 +14,7 @@ import sys
 
 MAX_LINES = 900
 MAX_MEMBERS = 40
+MAX_PARAMS = 8
 
 passed = failed = 0
 
@@ -57,6 +60,22 @@ def struct_members(text):
     return out
 
 
+def function_params(text):
+    """(name, parameters) of every function declared or defined in text (comments stripped)"""
+    out = []
+    for m in re.finditer(r"^[A-Za-z_][\w \t\*]*?\b(\w+)\s*\(([^;{}()]*(?:\([^()]*\)[^;{}()]*)*)\)"
+                         r"\s*[{;]", text, re.M):
+        name, args = m.group(1), m.group(2).strip()
+        if name in ("if", "while", "for", "switch", "return", "sizeof") or args in ("", "void"):
+            continue
+        depth, n = 0, 1
+        for ch in args:
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            n += ch == "," and depth == 0
+        out.append((name, n))
+    return out
+
+
 def main():
     root = sys.argv[1]
     files = []
@@ -72,6 +91,12 @@ def main():
         for name, n in struct_members(strip_comments(text[f])):
             check(n <= MAX_MEMBERS, "%s: struct %s has %d members (at most %d)" %
                   (rel, name, n, MAX_MEMBERS))
+        funcs = function_params(strip_comments(text[f]))
+        check(not [x for x in funcs if x[1] > MAX_PARAMS], "%s: functions with more than %d "
+              "positional parameters: %s" % (rel, MAX_PARAMS,
+                                             [x for x in funcs if x[1] > MAX_PARAMS]))
+    n_funcs = sum(len(function_params(strip_comments(t))) for t in text.values())
+    check(n_funcs > 300, "the parameter count sees the daemon's functions: %d" % n_funcs)
 
     # no header that most of the daemon includes (daemon.h was included by 12 of 14 files)
     by_name = {os.path.relpath(f, root): f for f in files if f.endswith(".h")}
