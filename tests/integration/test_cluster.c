@@ -27,7 +27,9 @@
  * Transport variants (argv[3]): the same test with rendezvous_bytes (every message above 4 KiB
  * waits for its receiver's clear-to-send), the same with 128 posts per endpoint, 64 KiB chunks
  * and 3 data lanes (queue_depth: the pending queues, the credit and the deferred clear-to-sends
- * all at work, on every lane), and on the shm provider without CMA, with 2 data lanes. */
+ * all at work, on every lane), and on the shm provider without CMA, with 2 data lanes. Backend
+ * variants: host-deferred (kernels run only when waited for) and emu-device (the device paths,
+ * on host memory). */
 #include "harness.h"
 #include "shard.h"
 
@@ -355,14 +357,20 @@ int main(int argc, char **argv)
          * daemon reads, sends or hands out without waiting is stale, and the checks fail */
         extra[ne++] = "--backend";
         extra[ne++] = "host-deferred";
+    } else if (strcmp(variant, "device") == 0) {
+        /* the daemon's device paths (device allocation on the loop, the device kernels through
+         * the emulation), on host memory that the transport still reads directly */
+        extra[ne++] = "--backend";
+        extra[ne++] = "emu-device";
     } else if (variant[0] != '\0') {
         fprintf(stderr,
                 "test_cluster: unknown variant '%s' (rendezvous, rendezvous-q128, shm-sar, "
-                "deferred)\n",
+                "deferred, device)\n",
                 variant);
         return 2;
     }
-    bool rendezvous = variant[0] != '\0' && strcmp(variant, "deferred") != 0;
+    bool rendezvous =
+        variant[0] != '\0' && strcmp(variant, "deferred") != 0 && strcmp(variant, "device") != 0;
     extra[ne] = NULL;
     if (th_cluster_start(&cl, N, K, extra) != 0) {
         fprintf(stderr, "cannot start a cluster of %d nodes\n", N);
