@@ -407,6 +407,25 @@ static int admin_drop(struct sd_registry *reg, const char *name, uid_t uid, char
     return st;
 }
 
+/* the devices the backend drives: name, memory, fd sharing, RDMA, peer access (none for host) */
+static json_t *devices_json(const struct sd_gpu_ops *dev)
+{
+    json_t *arr = json_array();
+    struct sd_gpu_device d[SD_GPU_MAX_DEVICES];
+    int n = dev->devices != NULL ? dev->devices(d, SD_GPU_MAX_DEVICES) : 0;
+    for (int i = 0; i < n && i < SD_GPU_MAX_DEVICES; i++) {
+        json_t *peers = json_array();
+        for (int j = 0; j < SD_GPU_MAX_DEVICES; j++)
+            if (d[i].peers & (1ULL << j))
+                json_array_append_new(peers, json_integer(j));
+        json_array_append_new(arr, json_pack("{s:i, s:s, s:I, s:b, s:b, s:o}", "index", d[i].index,
+                                             "name", d[i].name, "memory_bytes",
+                                             (json_int_t)d[i].memory_bytes, "fd_handles",
+                                             d[i].fd_handles, "rdma", d[i].rdma, "peers", peers));
+    }
+    return arr;
+}
+
 int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t uid, char **json_p)
 {
     const char *cmd = req->command ? req->command : "";
@@ -529,6 +548,7 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
                         cfg->nodes > 1 ? cfg->provider : "", "cluster_ready", sd_cluster_ready(cl),
                         "socket", srv->sock_path, "topology", nodes, "jobs", jobs);
         json_object_set_new(out, "heartbeats", sd_cluster_heartbeat_json(cl));
+        json_object_set_new(out, "devices", devices_json(reg->dev));
     } else {
         json_decref(jobs);
         out = json_pack("{s:s}", "error",

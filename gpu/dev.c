@@ -105,6 +105,51 @@ static dev_res check_device(char *err, size_t errlen)
     return DEV_OK;
 }
 
+/* what sharing with trainers needs of device d, and whether RDMA can target its memory */
+static void device_caps(dev_device d, bool *fds_p, bool *rdma_p)
+{
+#if defined(SD_DEV_CUDA)
+    int fds = 0, rdma = 0;
+    p_cuDeviceGetAttribute(&fds, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                           d);
+    p_cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, d);
+    *fds_p = fds != 0;
+    *rdma_p = rdma != 0;
+#else
+    (void)d;    /* HIP has no attribute for either: ROCm exports VMM allocations as fds, and the
+                 * amdgpu peer-memory driver makes them RDMA targets; the first allocation tells */
+    *fds_p = *rdma_p = true;
+#endif
+}
+
+/* every device the driver sees: its name, memory, what sharing needs, and peer access */
+static int dev_devices(struct sd_gpu_device *out, int max)
+{
+    int count = 0;
+    if (g.lib == NULL || dev_device_count(&count) != DEV_OK || count <= 0)
+        return 0;
+    int n = count < SD_GPU_MAX_DEVICES ? count : SD_GPU_MAX_DEVICES;
+    dev_device d[SD_GPU_MAX_DEVICES];
+    for (int i = 0; i < n; i++)
+        if (dev_device_get(&d[i], i) != DEV_OK)
+            return i;
+    for (int i = 0; i < n && i < max; i++) {
+        struct sd_gpu_device *o = &out[i];
+        *o = (struct sd_gpu_device){.index = i};
+        dev_device_name(o->name, (int)sizeof(o->name), d[i]);
+        size_t bytes = 0;
+        if (dev_total_mem(&bytes, d[i]) == DEV_OK)
+            o->memory_bytes = bytes;
+        device_caps(d[i], &o->fd_handles, &o->rdma);
+        for (int j = 0; j < n; j++) {
+            int can = 0;
+            if (j != i && dev_can_access_peer(&can, d[i], d[j]) == DEV_OK && can)
+                o->peers |= 1ULL << j;
+        }
+    }
+    return count;
+}
+
 static int dev_open(char *err, size_t errlen)
 {
     if (g.lib != NULL)
@@ -428,6 +473,7 @@ const struct sd_gpu_ops DEV_OPS = {
     .name = DEV_NAME,
     .host_memory = false,
     .open = dev_open,
+    .devices = dev_devices,
     .alloc = dev_alloc,
     .free = dev_free,
     .queue_create = queue_create,

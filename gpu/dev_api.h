@@ -38,6 +38,8 @@ typedef CUmemAccessDesc dev_access;
     X(cuDeviceGet)                                                                                 \
     X(cuDeviceGetAttribute)                                                                        \
     X(cuDeviceGetName)                                                                             \
+    X(cuDeviceTotalMem)                                                                            \
+    X(cuDeviceCanAccessPeer)                                                                       \
     X(cuDevicePrimaryCtxRetain)                                                                    \
     X(cuCtxSetCurrent)                                                                             \
     X(cuModuleLoadData)                                                                            \
@@ -73,6 +75,8 @@ typedef CUmemAccessDesc dev_access;
 #define dev_device_count(n)             p_cuDeviceGetCount(n)
 #define dev_device_get(d, i)            p_cuDeviceGet(d, i)
 #define dev_device_name(buf, len, d)    p_cuDeviceGetName(buf, len, d)
+#define dev_total_mem(bytes, d)         p_cuDeviceTotalMem(bytes, d)
+#define dev_can_access_peer(can, d, p)  p_cuDeviceCanAccessPeer(can, d, p)
 #define dev_ctx_retain(c, d)            p_cuDevicePrimaryCtxRetain(c, d)
 #define dev_ctx_set(c, d)               p_cuCtxSetCurrent(c)
 #define dev_module_load(m, image)       p_cuModuleLoadData(m, image)
@@ -154,6 +158,8 @@ typedef hipMemAccessDesc dev_access;
     X(hipGetDeviceCount)                                                                           \
     X(hipDeviceGet)                                                                                \
     X(hipDeviceGetName)                                                                            \
+    X(hipDeviceTotalMem)                                                                           \
+    X(hipDeviceCanAccessPeer)                                                                      \
     X(hipSetDevice)                                                                                \
     X(hipModuleLoadData)                                                                           \
     X(hipModuleGetFunction)                                                                        \
@@ -187,6 +193,8 @@ typedef hipMemAccessDesc dev_access;
 #define dev_device_count(n)             p_hipGetDeviceCount(n)
 #define dev_device_get(d, i)            p_hipDeviceGet(d, i)
 #define dev_device_name(buf, len, d)    p_hipDeviceGetName(buf, len, d)
+#define dev_total_mem(bytes, d)         p_hipDeviceTotalMem(bytes, d)
+#define dev_can_access_peer(can, d, p)  p_hipDeviceCanAccessPeer(can, d, p)
 #define dev_ctx_retain(c, d)            (*(c) = 0, hipSuccess)
 #define dev_ctx_set(c, d)               p_hipSetDevice(d)
 #define dev_module_load(m, image)       p_hipModuleLoadData(m, image)

@@ -8,8 +8,10 @@
 #include "kern_ops.h"
 #include "sd/status.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 _Thread_local struct sdk_emu sdk_emu;
 
@@ -111,8 +113,22 @@ static void emu_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double 
     *out = q->scratch[SDK_SUMSQ_MAX_BLOCKS];
 }
 
+/* one emulated device: the host's memory, shared as memfds */
+static int emu_devices(struct sd_gpu_device *out, int max)
+{
+    if (max > 0) {
+        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        out[0] = (struct sd_gpu_device){
+            .index = 0,
+            .memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0,
+            .fd_handles = true};
+        snprintf(out[0].name, sizeof(out[0].name), "emulated (host memory)");
+    }
+    return 1;
+}
+
 #define EMU_OPS                                                                                    \
-    .host_visible = true, .alloc = sd__host_alloc, .free = sd__host_free,                          \
+    .host_visible = true, .devices = emu_devices, .alloc = sd__host_alloc, .free = sd__host_free,  \
     .queue_create = emu_queue_create, .queue_destroy = emu_queue_destroy, .sync = sd__host_sync,   \
     .record = emu_record, .query = emu_query, .copy = sd__host_copy, .zero = sd__host_zero,        \
     .sum_sq = emu_sum_sq, SDK_KERNEL_OPS

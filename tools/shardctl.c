@@ -23,7 +23,8 @@ static void usage(FILE *out)
             "  status     version, uptime, effective configuration, clients, jobs\n"
             "  jobs       registered jobs: state, world, plan, units, memory, steps\n"
             "  groups     per job and state: shard factor, partition and replication groups\n"
-            "  topology   this node, the cluster size and the jobs' rank placement\n"
+            "  topology   this node, the cluster size, the backend's devices (memory, fd\n"
+            "             sharing, RDMA, peer access) and the jobs' rank placement\n"
             "  stats      per job: operations, bytes by link class, latency percentiles,\n"
             "             allocations since registration\n"
             "  schedule   per job: the frozen fetch/release/push order, prefetch distance, each\n"
@@ -224,10 +225,28 @@ static void print_topology(json_t *doc)
                json_is_true(json_object_get(doc, "cluster_ready")) ? "formed" : "forming",
                str(doc, "provider"));
     size_t i;
-    json_t *n, *j;
+    json_t *n, *j, *d;
     json_array_foreach(json_object_get(doc, "topology"), i, n)
     {
         printf("  node %-4lld %s\n", num(n, "node"), str(n, "state"));
+    }
+    json_t *devs = json_object_get(doc, "devices");
+    if (json_array_size(devs) == 0)
+        printf("devices: none (the %s backend keeps shards in host memory)\n", str(doc, "backend"));
+    json_array_foreach(devs, i, d)
+    {
+        char mem[32], peers[256] = "";
+        size_t k, off = 0;
+        json_t *p;
+        json_array_foreach(json_object_get(d, "peers"), k, p)
+        {
+            off += (size_t)snprintf(peers + off, sizeof(peers) - SD_MIN(off, sizeof(peers)),
+                                    "%s%lld", k ? " " : "", (long long)json_integer_value(p));
+        }
+        printf("device %lld: %s, %s, fd sharing %s, RDMA %s, peer access: %s\n", num(d, "index"),
+               str(d, "name"), sd_fmt_bytes(mem, sizeof(mem), (uint64_t)num(d, "memory_bytes")),
+               json_is_true(json_object_get(d, "fd_handles")) ? "yes" : "no",
+               json_is_true(json_object_get(d, "rdma")) ? "yes" : "no", peers[0] ? peers : "none");
     }
     json_array_foreach(json_object_get(doc, "jobs"), i, j)
     {

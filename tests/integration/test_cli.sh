@@ -226,9 +226,22 @@ assert sorted(j[\"state\"] for j in js)==[\"paused\",\"registering\"] and max(j[
 kill -9 "${rp[0]}" 2>/dev/null; wait "${rp[0]}" 2>/dev/null
 "$SHARDCTL" "${S[@]}" --job res drop >/dev/null 2>&1
 # a world larger than the cluster is said as such
-"$SHARDD" --runtime-dir "$dir/k2" --ranks-per-node 2 --log-level warn >"$dir/k2.log" 2>&1 &
+"$SHARDD" --runtime-dir "$dir/k2" --ranks-per-node 2 --backend emu-device --log-level warn \
+  >"$dir/k2.log" 2>&1 &
 k2=$!
 for _ in $(seq 100); do [ -S "$dir/k2/shardd.sock" ] && break; sleep 0.05; done
+# topology shows the backend's devices: none for host; emu-device's one, the host's memory
+out=$("$SHARDCTL" "${S[@]}" topology)
+check 'grep -q "^devices: none (the host backend keeps shards in host memory)" <<<"$out"' \
+  "topology of a host daemon: $out"
+out=$("$SHARDCTL" --socket "$dir/k2/shardd.sock" topology)
+check 'grep -q "^device 0: emulated (host memory), .*, fd sharing yes, RDMA no, peer access: none$" <<<"$out"' \
+  "topology of an emu-device daemon: $out"
+js=$("$SHARDCTL" --socket "$dir/k2/shardd.sock" topology --json)
+check 'python3 -c "
+import json,sys; d=json.loads(sys.argv[1])[\"devices\"]
+assert len(d)==1 and d[0][\"memory_bytes\"]==int(sys.argv[2])*int(sys.argv[3]) and d[0][\"peers\"]==[], d
+" "$js" "$(getconf _PHYS_PAGES)" "$(getconf PAGESIZE)"' "topology --json devices: $js"
 out=$("$MLP" --socket "$dir/k2/shardd.sock" --job big --rank 0 --world 4 --steps 1 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "world size 4 needs 2 nodes of 2 ranks; this cluster has 1 (at most world 2)" <<<"$out"' \
   "a world larger than the cluster: $rc $out"

@@ -35,6 +35,17 @@ struct sd_sgd_args {
  * once; host-deferred (a test backend) runs them only when the queue is synced or full. */
 struct sd_gpu_queue;
 
+/* One device a backend drives, as shardctl topology shows it. */
+#define SD_GPU_MAX_DEVICES 64
+struct sd_gpu_device {
+    int index;
+    char name[96];
+    uint64_t memory_bytes;
+    bool fd_handles; /* its VMM allocations export POSIX fds (what sharing with trainers needs) */
+    bool rdma;       /* its VMM allocations can be GPUDirect RDMA targets */
+    uint64_t peers;  /* bit j: it reads and writes device j's memory directly (peer access) */
+};
+
 struct sd_gpu_ops {
     const char *name;
     bool host_memory; /* its buffers are host memory (backed and freed off the loop) */
@@ -44,6 +55,9 @@ struct sd_gpu_ops {
     /* Once, before anything else: find the driver and the devices (NULL: nothing to find). On
      * failure err says what is missing (the library, a device, a device attribute). */
     int (*open)(char *err, size_t errlen);
+    /* After open: how many devices it sees, the first max of them described into out. NULL: it
+     * drives none (the host backend). */
+    int (*devices)(struct sd_gpu_device *out, int max);
     /* Allocate zeroed memory; SD_MEM_SHARED gives a sealed memfd other processes can map. */
     int (*alloc)(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p);
     void (*free)(struct sd_mem *mem);
