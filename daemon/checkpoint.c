@@ -427,7 +427,7 @@ static int save_stage(struct sd_job *job, uint64_t bytes)
 static void save_work(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    sd_ckpt__test_stall(job, "save");
+    sd_ckpt__test_stall(job, c->recovery ? "recover" : "save");
     char prefix[96], file[64];
     sd_ckpt__tmp_prefix(job, prefix, sizeof(prefix));
     snprintf(file, sizeof(file), "data-%u.bin", job->node);
@@ -526,8 +526,9 @@ static void save_after(struct sd_job *job)
     free(xp);
     if (c->recovery) /* this node's part of it is done */
         sd_ckpt__recovery_end(job);
-    else if (job->state == SD_JOB_READY && job->step.phase == SD_STEP_APPLY &&
-             !sd_ckpt_reading(job))
+    /* a step waited for the worker to leave the os shards (a recovery's too: a running job's
+     * checkpoint, whose step went on meanwhile), unless a parked save took them again */
+    if (job->state == SD_JOB_READY && job->step.phase == SD_STEP_APPLY && !sd_ckpt_reading(job))
         sd_step_progress(job);
 }
 

@@ -97,8 +97,8 @@ uint64_t sd_ckpt__deadline(const struct sd_job *job, uint64_t bytes);
 /* A message for errno st on what the job's owner asked: the errno's text and, where it helps,
  * what to do (a read-only filesystem, a directory the owner may not write) */
 const char *sd_ckpt__hint(int st);
-/* SHARDD_TEST_FILE_STALL=NODE:MS:WHAT (save, commit, load, open): that node's file task of that
- * kind starts MS late (a stalled filesystem, for tests; built with SHARD_TEST_HOOKS only) */
+/* SHARDD_TEST_FILE_STALL=NODE:MS:WHAT (save, recover, commit, load, open): that node's file task of
+ * that kind starts MS late (a stalled filesystem, for tests; built with SHARD_TEST_HOOKS only) */
 #ifdef SD_TEST_HOOKS
 void sd_ckpt__test_stall(const struct sd_job *job, const char *what);
 #else
