@@ -276,9 +276,8 @@ def evaluation(cl, work, ref_evals):
 
 
 def resume(cl, work, ref_lrs):
-    full, ckpt = "whole", os.path.join(work, "ckpt")
-    if not all_ok(full, launch(cl, work, full, {"mode": "train", "plan": "zero3"})):
-        return
+    # the uninterrupted run: evaluation()'s zero3 run without evaluation
+    full, ckpt = "eval-zero3-plain", os.path.join(work, "ckpt")
     all_ok("part1", launch(cl, work, "part1", {"mode": "part1", "plan": "zero3", "ckpt": ckpt}))
     all_ok("part2", launch(cl, work, "part2", {"mode": "part2", "plan": "zero3", "ckpt": ckpt}))
     try:
