@@ -8,7 +8,8 @@ LambdaLR, clipping, accumulation 2):
     it `finished` in `shardctl jobs` on both nodes, with its memory released (memory_bytes 0)
     and its end in "ended", not "error"; the same with resume_timeout_ms; a rank killed
     (SIGKILL) mid-run leaves it `failed` (without resume_timeout_ms) or `paused` (with), and a
-    rank that dies of an uncaught exception, or calls sys.exit(3), leaves it `failed`;
+    rank that dies of an uncaught exception (also under an excepthook of the script's own), or
+    calls sys.exit(3), leaves it `failed`;
   - evaluation on rank 0 alone (under torch.no_grad(), as `if rank == 0: evaluate()`) before
     the first step, between steps and after the last, under zero3, mics:2 and topo:1/2/4: the
     job goes on, every rank's per-step loss and the final parameters are bitwise those of the
@@ -96,7 +97,8 @@ def checkpointed_forward(self, idx):
 
 def worker(a):
     """one rank: a["mode"] train (with "eval" on rank 0), part1 (save and exit), part2 (resume),
-    exit (steps, then simply ends), die (raises in step 2), exit3 (sys.exit(3) in step 2), hang
+    exit (steps, then simply ends), die (raises in step 2; die-hooked: under its own excepthook),
+    exit3 (sys.exit(3) in step 2), hang
     (sleeps in step 2: killed)"""
     mode, rank = a["mode"], a["rank"]
     m = model()
@@ -119,7 +121,9 @@ def worker(a):
             evals[step] = evaluate(m)
         if step == end:
             break
-        if step == 2 and mode == "die":
+        if step == 2 and mode in ("die", "die-hooked"):
+            if mode == "die-hooked":  # a script's own excepthook (rich, IPython) replaces ours
+                sys.excepthook = lambda *exc: sys.__excepthook__(*exc)
             raise RuntimeError("a bug in the training script")
         if step == 2 and mode == "exit3":
             sys.exit(3)  # a script that gives up, saying so in its status
@@ -217,14 +221,14 @@ def job_end(cl, work):
         check(all(d.get("state") == want and "rank 1" in d.get("error", "") for d in docs),
               f"rank 1 killed in step 3 (resume_timeout_ms {timeout_ms}): the job is {want} on "
               f"both nodes naming rank 1: {[(d.get('state'), d.get('error')) for d in docs]}")
-    tag = "die"
-    outs = launch(cl, work, tag, {"mode": "die", "plan": "mics:2"})
-    check(all(rc != 0 and "a bug in the training script" in out for rc, out in outs),
-          "an uncaught exception ends every rank with its traceback")
-    docs = wait_state(cl, tag, ("failed",))
-    check(all(d.get("state") == "failed" for d in docs),
-          f"ranks that die of an uncaught exception leave the job failed, not finished: "
-          f"{[(d.get('state'), d.get('error')) for d in docs]}")
+    for tag in ("die", "die-hooked"):
+        outs = launch(cl, work, tag, {"mode": tag, "plan": "mics:2"})
+        check(all(rc != 0 and "a bug in the training script" in out for rc, out in outs),
+              f"{tag}: an uncaught exception ends every rank with its traceback")
+        docs = wait_state(cl, tag, ("failed",))
+        check(all(d.get("state") == "failed" for d in docs),
+              f"{tag}: ranks that die of an uncaught exception leave the job failed, not "
+              f"finished: {[(d.get('state'), d.get('error')) for d in docs]}")
     tag = "exit3"
     outs = launch(cl, work, tag, {"mode": "exit3", "plan": "mics:2"})
     check(all(rc == 3 for rc, _ in outs), f"sys.exit(3) exits 3: {[rc for rc, _ in outs]}")

@@ -451,7 +451,10 @@ sys.exit = _note_exit(sys.exit)
 
 @atexit.register
 def _detach_at_exit():
-    if _failed_exit:
+    # an uncaught exception also leaves sys.last_value (set before any excepthook runs, so also
+    # where a script replaced ours), except in an interactive session, where errors are survived
+    uncaught = getattr(sys, "last_value", None) is not None and not hasattr(sys, "ps1")
+    if _failed_exit or uncaught:
         return
     for ctx in list(_live):
         if ctx._pid == os.getpid():
