@@ -87,9 +87,6 @@ void sd_job_retire(struct sd_job *job)
 void sd_job_bury(struct sd_job *job)
 {
     sd_job_mem_free(job);
-    if (job->state == SD_JOB_CLOSING)
-        snprintf(job->fail_msg, sizeof(job->fail_msg), "every rank detached after step %llu",
-                 (unsigned long long)job->steps);
     if (job->state != SD_JOB_FAILED || job->load.resume.resumed)
         job->state = SD_JOB_FINISHED; /* a job resumed by another one ended as it should */
     SD_INFO("job", "job '%s' (id %llu) %s after %llu steps; memory released", job->name,
