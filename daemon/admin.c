@@ -71,6 +71,12 @@ static json_t *optimizer_json(const struct sd_job *job)
                      "broadcast_bytes", (json_int_t)m->bcast_bytes, "groups", groups);
 }
 
+/* the state shardctl shows: a paused job's (a failed one kept for a resume) is "paused" */
+static const char *shown_state(const struct sd_job *job)
+{
+    return job->load.resume.paused ? "paused" : sd_job_state_name(job->state);
+}
+
 static json_t *job_summary(const struct sd_job *job)
 {
     json_t *ranks = json_array();
@@ -86,8 +92,7 @@ static json_t *job_summary(const struct sd_job *job)
     json_t *doc = json_pack(
         "{s:s, s:I, s:s, s:b, s:i, s:i, s:i, s:s, s:i, s:I, s:I, s:I, s:I, s:f, "
         "s:s, s:o}",
-        "name", job->name, "id", (json_int_t)job->id, "state",
-        job->load.resume.paused ? "paused" : sd_job_state_name(job->state), "allocating",
+        "name", job->name, "id", (json_int_t)job->id, "state", shown_state(job), "allocating",
         (int)job->mem.allocating, "uid", (int)job->uid, "world", (int)job->world, "ranks_per_node",
         (int)job->k, "plan", job->plan.name, "units", (int)job->layout.n_units, "parameters",
         (json_int_t)job->layout.total_numel, "parameter_bytes", (json_int_t)job->layout.total_bytes,
@@ -341,9 +346,7 @@ static json_t *job_schedule(const struct sd_job *job)
         (json_int_t)job->stats.pool_bytes, "units_sum_bytes", (json_int_t)sum, "largest_unit_bytes",
         (json_int_t)largest, "freezes", (json_int_t)sc->freezes, "invalidations",
         (json_int_t)sc->invalidations);
-    json_object_set_new(
-        o, "job_state",
-        json_string(job->load.resume.paused ? "paused" : sd_job_state_name(job->state)));
+    json_object_set_new(o, "job_state", json_string(shown_state(job)));
     /* the gathers and the order: freed with the job's memory when it ends */
     json_object_set_new(o, "plan_kept", json_boolean(arrays));
     json_object_set_new(o, "persist_bytes", json_integer((json_int_t)sc->params.persist_bytes));

@@ -9,7 +9,10 @@ import os
 
 from . import _lib, _c
 
-__all__ = ["info", "load_state_dict"]
+__all__ = ["info", "load_state_dict", "torch_json"]
+
+# what shard.torch.save adds beside a checkpoint's MANIFEST (shard/torch.py)
+TORCH_JSON = "torch.json"
 
 
 def _resolve(directory):
@@ -90,12 +93,8 @@ def load_state_dict(directory, optimizer_states=False, verify=True, to_torch=Tru
     sd = {t["name"]: out(bufs["master"][i], t) for i, t in enumerate(tensors)}
     # shard.torch.save notes the other names of tied parameters: the same tensor under each,
     # as torch's state_dict() has it (a strict load_state_dict needs every key)
-    try:
-        with open(os.path.join(path, "torch.json")) as f:
-            aliases = json.load(f).get("aliases", {})
-    except FileNotFoundError:
-        aliases = {}
-    for alias, name in aliases.items():
+    extra = torch_json(path)
+    for alias, name in (extra["aliases"] if extra else {}).items():
         if name in sd and alias not in sd:
             sd[alias] = sd[name]
     if optimizer_states:
@@ -106,6 +105,19 @@ def load_state_dict(directory, optimizer_states=False, verify=True, to_torch=Tru
         sd["optimizer"] = opt
         sd["step"] = man["step"]
     return sd
+
+
+def torch_json(path):
+    """The TORCH_JSON shard.torch.save wrote into checkpoint `path` (param groups, aliases of tied
+    parameters), or None where there is none (shard_save from C, shardctl checkpoint)."""
+    try:
+        with open(os.path.join(path, TORCH_JSON)) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    if doc.get("format") != "shard.torch" or doc.get("version") != 1:
+        raise ValueError(f"{path}/{TORCH_JSON}: not a shard.torch file of version 1")
+    return doc
 
 
 def _numel(shape):

@@ -27,8 +27,8 @@ because the gather pool keeps a unit's slot for the whole step when it holds eve
 is the default (max_live_bytes=0). A smaller pool is accepted for inference and for models whose
 saved tensors do not alias their weights.
 
-CUDA tensors use the same path: the fetched host view is copied to the parameter's device and
-gradients are copied back before the push (the daemon's CUDA backend replaces both copies).
+Parameters must be CPU tensors: wrap refuses a model with parameters elsewhere (.cuda()),
+naming the parameter, its device and the daemon's backend, and leaves it where it is.
 """
 import ctypes
 import json
@@ -40,6 +40,7 @@ import warnings
 import torch
 
 import shard as _shard
+from shard import checkpoint as _checkpoint
 
 __all__ = ["wrap", "step", "optimizer", "ShardOptimizer", "full_state_dict", "slot_of", "unwrap"]
 
@@ -825,7 +826,7 @@ def save(directory, model=None):
 # What torch knows that the daemon's checkpoint does not, beside it in TORCH_JSON: every param
 # group's entries that are plain values (the lr at save time, and what schedulers add: initial_lr,
 # max_lr, ...), and the other names of tied parameters (the checkpoint has each tensor once).
-TORCH_JSON = "torch.json"
+TORCH_JSON = _checkpoint.TORCH_JSON
 
 
 def _write_torch_json(path, st):
@@ -847,14 +848,7 @@ def _read_torch_json(load, step):
     path = os.fspath(load)
     if not os.path.exists(os.path.join(path, "MANIFEST")):
         path = os.path.join(path, f"step-{step:08d}")
-    try:
-        with open(os.path.join(path, TORCH_JSON)) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        return None
-    if doc.get("format") != "shard.torch" or doc.get("version") != 1:
-        raise ValueError(f"{path}/{TORCH_JSON}: not a shard.torch file of version 1")
-    return doc
+    return _checkpoint.torch_json(path)
 
 
 def start_step(model=None):
