@@ -1,6 +1,7 @@
 /* shardd: the per-node daemon. */
 #include "cluster/cluster.h"
 #include "file_pool.h"
+#include "net_service.h"
 #include "registry.h"
 #include "server.h"
 #include "transport/transport.h"
@@ -9,6 +10,7 @@
 #include "sd/util.h"
 
 #include <dirent.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -244,6 +246,17 @@ int main(int argc, char **argv)
         return r == 1 ? 0 : r;
     sd_log_level = sd_log_level_parse(cfg.log_level);
     signal(SIGPIPE, SIG_IGN);
+    /* SIGTERM and SIGINT wait for the loop's handlers. Until those are installed the process
+     * has libinfinipath's (a dependency of libfabric's psm providers, loaded with libfabric),
+     * which call exit() from the signal handler: a SIGTERM during startup ran the exit handlers
+     * in the middle of a pthread_create and hung there (seen under ASan: its leak check waited
+     * on the thread registry the interrupted call held). Blocked here, they are blocked in every
+     * thread started below and arrive in the main thread once it unblocks them. */
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGTERM);
+    sigaddset(&stop_signals, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
 
     const struct sd_gpu_ops *dev = sd_gpu_find(cfg.backend);
     if (dev == NULL) {
@@ -296,6 +309,7 @@ int main(int argc, char **argv)
     app.sigterm.data = app.sigint.data = &app;
     uv_signal_start(&app.sigterm, on_signal, SIGTERM);
     uv_signal_start(&app.sigint, on_signal, SIGINT);
+    pthread_sigmask(SIG_UNBLOCK, &stop_signals, NULL); /* one that came meanwhile arrives now */
 #ifdef SD_TEST_HOOKS /* tests only (SHARD_TEST_HOOKS): SIGUSR1 holds the loop that long */
     const char *stall = getenv("SHARDD_TEST_STALL_MS");
     app.stall_ms = stall ? (unsigned)strtoul(stall, NULL, 10) : 0;

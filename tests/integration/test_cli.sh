@@ -8,9 +8,24 @@ pass=0 fail=0
 ok() { pass=$((pass + 1)); }
 bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
 check() { if eval "$1"; then ok; else bad "$2"; fi; }
+# where the time went: a timeout under a loaded CI machine names the section it was in
+section() { echo "[${SECONDS}s] $*"; }
+# a process that must end: waited for at most $2 seconds, then killed and named
+await() {
+  local t=0
+  while kill -0 "$1" 2>/dev/null && [ $t -lt $(($2 * 10)) ]; do sleep 0.1; t=$((t + 1)); done
+  if kill -0 "$1" 2>/dev/null; then bad "$3 still running after $2 s"; kill -9 "$1"; fi
+  wait "$1"
+}
+# poll a condition every 50 ms for at most $1 seconds (a loaded machine under ASan starts slowly)
+until_ok() {
+  local end=$((SECONDS + $1)); shift
+  until eval "$1"; do [ $SECONDS -ge $end ] && return 1; sleep 0.05; done
+}
 cleanup() { [ -n "${dpid:-}" ] && kill -9 "$dpid" 2>/dev/null; rm -rf "$dir"; }
 trap cleanup EXIT
 
+section "options and --help"
 out=$("$SHARDD" --help); rc=$?
 check '[ $rc -eq 0 ]' "shardd --help exit $rc"
 for opt in runtime_dir node nodes ranks_per_node backend memory_budget op_timeout_ms \
@@ -29,34 +44,35 @@ out=$(timeout 20 "$SHARDD" --runtime-dir "$dir/qd" --nodes 2 --node 1 --ranks-pe
       --queue-depth 64 --coordinator 127.0.0.1:1 --cluster-secret-file "$key" 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "queue_depth 64: must be 0 .* or at least 128" <<<"$out"' \
       "queue_depth below the standing receives: exit $rc: $out"
-out=$("$SHARDD" --bogus 1 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --bogus 1 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "unknown option .bogus." <<<"$out"' "unknown flag: $rc $out"
-out=$("$SHARDD" --op-timeout-ms abc 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --op-timeout-ms abc 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "op_timeout_ms.*abc" <<<"$out"' "bad value: $out"
-out=$("$SHARDD" --config "$dir/none.json" 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --config "$dir/none.json" 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "none.json" <<<"$out"' "missing config: $out"
 echo '{"op_timeout_ms": 4321, "log_levl": "info"}' >"$dir/typo.json"
-out=$("$SHARDD" --config "$dir/typo.json" 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --config "$dir/typo.json" 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "log_levl" <<<"$out"' "typo in config: $out"
-out=$("$SHARDD" --node 3 --nodes 2 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --node 3 --nodes 2 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "node" <<<"$out"' "node >= nodes: $out"
-out=$("$SHARDD" --node 1 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --node 1 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "only 1 nodes" <<<"$out"' "node 1 of 1: $out"
-out=$("$SHARDD" --data-lanes 9 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --data-lanes 9 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "data_lanes" <<<"$out"' "data_lanes above 8: $rc $out"
-out=$("$SHARDD" --data-lanes 0 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --data-lanes 0 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "data_lanes" <<<"$out"' "data_lanes 0: $rc $out"
-out=$("$SHARDD" --staging-slots 65 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --staging-slots 65 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "staging_slots" <<<"$out"' "staging_slots bound: $out"
 
+section "cluster configuration and secrets"
 # a cluster: node 0 gives up at the rendezvous deadline naming the missing nodes
 port=$((20000 + RANDOM % 30000))
-out=$("$SHARDD" --runtime-dir "$dir/r0" --nodes 3 --node 0 --ranks-per-node 1 \
+out=$(timeout 30 "$SHARDD" --runtime-dir "$dir/r0" --nodes 3 --node 0 --ranks-per-node 1 \
         --coordinator "127.0.0.1:$port" --rendezvous-timeout-ms 600 --cluster-secret-file "$key" \
         2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "nodes 1, 2 did not join" <<<"$out"' "rendezvous deadline: $rc $out"
 check '[ ! -e "$dir/r0/shardd.sock" ]' "socket left behind after a failed rendezvous"
-out=$("$SHARDD" --runtime-dir "$dir/r0" --nodes 2 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --runtime-dir "$dir/r0" --nodes 2 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "ranks_per_node" <<<"$out"' "a cluster without ranks_per_node: $out"
 # a node whose cluster-wide options differ is refused, naming them
 "$SHARDD" --runtime-dir "$dir/c0" --nodes 2 --node 0 --ranks-per-node 1 --op-timeout-ms 1000 \
@@ -64,25 +80,25 @@ check '[ $rc -eq 2 ] && grep -q "ranks_per_node" <<<"$out"' "a cluster without r
   >"$dir/c0.log" 2>&1 &
 c0=$!
 sleep 0.3
-out=$(timeout 10 "$SHARDD" --runtime-dir "$dir/c1" --nodes 2 --node 1 --ranks-per-node 1 \
+out=$(timeout 30 "$SHARDD" --runtime-dir "$dir/c1" --nodes 2 --node 1 --ranks-per-node 1 \
         --op-timeout-ms 2000 --coordinator "127.0.0.1:$port" --cluster-secret-file "$key" 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "op_timeout_ms=2000" <<<"$out" && grep -q "op_timeout_ms=1000" <<<"$out"' \
   "differing config not refused with the options named: $rc $out"
 # a node with another secret is refused, told why, and told nothing of the configuration
 (umask 077; head -c 32 /dev/urandom >"$dir/other.key")
-out=$(timeout 10 "$SHARDD" --runtime-dir "$dir/c2" --nodes 2 --node 1 --ranks-per-node 1 \
+out=$(timeout 30 "$SHARDD" --runtime-dir "$dir/c2" --nodes 2 --node 1 --ranks-per-node 1 \
         --op-timeout-ms 2000 --coordinator "127.0.0.1:$port" --cluster-secret-file "$dir/other.key" \
         2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "authentication failed" <<<"$out" && grep -q "cluster_secret_file" <<<"$out" && ! grep -q "op_timeout_ms=1000" <<<"$out"' \
   "a node with another secret: $rc $out"
 check 'grep -q "does not prove the cluster.s secret" "$dir/c0.log"' "node 0 did not log the refusal"
-kill -TERM "$c0" 2>/dev/null; wait "$c0" 2>/dev/null
+kill -TERM "$c0" 2>/dev/null; await "$c0" 30 "node 0 after SIGTERM" 2>/dev/null
 # a secret others may read, or none at a coordinator elsewhere: the daemon does not start
 chmod 644 "$dir/other.key"
-out=$("$SHARDD" --runtime-dir "$dir/c3" --nodes 2 --node 1 --ranks-per-node 1 \
+out=$(timeout 30 "$SHARDD" --runtime-dir "$dir/c3" --nodes 2 --node 1 --ranks-per-node 1 \
         --coordinator "127.0.0.1:$port" --cluster-secret-file "$dir/other.key" 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "readable by others" <<<"$out"' "a secret others may read: $rc $out"
-out=$("$SHARDD" --runtime-dir "$dir/c4" --nodes 2 --node 1 --ranks-per-node 1 \
+out=$(timeout 30 "$SHARDD" --runtime-dir "$dir/c4" --nodes 2 --node 1 --ranks-per-node 1 \
         --coordinator "10.255.255.1:$port" --cluster-secret-file "$dir/none.key" 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "none.key" <<<"$out" && [ ! -e "$dir/none.key" ]' \
   "no secret with a remote coordinator: $rc $out"
@@ -92,34 +108,52 @@ check '[ $rc -eq 1 ] && grep -q "is shardd running" <<<"$out"' "shardctl without
 out=$("$SHARDCTL" frobnicate 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "unknown command" <<<"$out"' "shardctl bad command: $out"
 
+section "SIGTERM during startup"
+# A SIGTERM at any moment of the start ends the daemon: before the loop's handlers were
+# installed, libfabric's libinfinipath had its own, which called exit() inside a handler and
+# hung the process (ASan's exit) or ended it with 1. Once the socket is up, the end is clean.
+for i in $(seq 20); do
+  mkdir -p "$dir/st$i"
+  "$SHARDD" --runtime-dir "$dir/st$i" >"$dir/st$i.log" 2>&1 &
+  sp=$!
+  sleep "0.0$((i % 10))"
+  [ -S "$dir/st$i/shardd.sock" ] && up=1 || up=0
+  kill -TERM $sp
+  await $sp 30 "shardd given SIGTERM $((i % 10))0 ms into its start"; rc=$?
+  check '[ $up = 0 ] || [ $rc = 0 ]' "SIGTERM after the socket was up: exit $rc: $(cat "$dir/st$i.log")"
+done
+section "a daemon from a config file"
 cat >"$dir/cfg.json" <<JSON
 {"runtime_dir": "$dir/run", "op_timeout_ms": 4321, "memory_budget": "1GiB", "log_level": "warn"}
 JSON
 "$SHARDD" --config "$dir/cfg.json" --staging-slots 6 >"$dir/shardd.log" 2>&1 &
 dpid=$!
-for _ in $(seq 100); do [ -S "$dir/run/shardd.sock" ] && break; sleep 0.05; done
+until_ok 60 '[ -S "$dir/run/shardd.sock" ]' || { bad "shardd did not come up: $(cat "$dir/shardd.log")"; exit 1; }
 S=(--socket "$dir/run/shardd.sock")
 check '[ "$(stat -c %a "$dir/run")" = 700 ]' "runtime dir mode $(stat -c %a "$dir/run")"
 check '[ "$(stat -c %a "$dir/run/shardd.sock")" = 660 ]' "socket mode"
 mkdir -m 0777 "$dir/loose" && "$SHARDD" --runtime-dir "$dir/loose" --help >/dev/null
-timeout 2 "$SHARDD" --runtime-dir "$dir/loose" >/dev/null 2>&1
+"$SHARDD" --runtime-dir "$dir/loose" >/dev/null 2>&1 &
+until_ok 60 '[ -S "$dir/loose/shardd.sock" ]'; kill -TERM $!; await $! 30 "shardd in $dir/loose"
 check '[ "$(stat -c %a "$dir/loose")" = 700 ]' "a world-writable runtime dir was not tightened: $(stat -c %a "$dir/loose")"
 mkdir -m 0750 "$dir/group"
-timeout 2 "$SHARDD" --runtime-dir "$dir/group" >/dev/null 2>&1
+"$SHARDD" --runtime-dir "$dir/group" >/dev/null 2>&1 &
+until_ok 60 '[ -S "$dir/group/shardd.sock" ]'; kill -TERM $!; await $! 30 "shardd in $dir/group"
 check '[ "$(stat -c %a "$dir/group")" = 750 ]' "an existing 0750 runtime dir (systemd RuntimeDirectoryMode) was changed"
-out=$("$SHARDD" --runtime-dir "$dir/run" 2>&1); rc=$?
+out=$(timeout 30 "$SHARDD" --runtime-dir "$dir/run" 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "another shardd" <<<"$out"' "second daemon: $rc $out"
 
 js=$("$SHARDCTL" "${S[@]}" status --json)
 check 'python3 -c "import json,sys; d=json.loads(sys.argv[1]); c=d[\"config\"]; assert c[\"op_timeout_ms\"]==4321 and c[\"staging_slots\"]==6 and c[\"memory_budget\"]==1<<30 and d[\"memory_budget_bytes\"]==1<<30, c" "$js"' \
   "status --json does not show the effective config"
 
+section "job cli: tables while it runs"
 for r in 0 1 2 3; do
   "$MLP" --socket "$dir/run/shardd.sock" --job cli --rank $r --world 4 --plan topo:1/2/4 --steps 400 \
          --hidden 64 --quiet >"$dir/rank$r.log" 2>&1 &
   pids[$r]=$!
 done
-for _ in $(seq 100); do "$SHARDCTL" "${S[@]}" jobs | grep -q "cli .*running" && break; sleep 0.05; done
+until_ok 60 '"$SHARDCTL" "${S[@]}" jobs | grep -q "cli .*running"'
 out=$("$SHARDCTL" "${S[@]}" jobs)
 check 'grep -q "^cli .*running *4 topo:1/2/4" <<<"$out"' "jobs table: $out"
 out=$("$SHARDCTL" "${S[@]}" groups)
@@ -184,7 +218,8 @@ check '[ $rc -eq 1 ] && grep -q "unknown job" <<<"$out"' "unknown job filter: $o
 out=$("$SHARDCTL" "${S[@]}" --job cli schedule)
 check 'grep -q "^job cli (running): schedule" <<<"$out" && grep -q "reuse distance \(unlimited (the pool holds every unit)\|[0-9]*\)$" <<<"$out" && grep -q "GATHER" <<<"$out"' \
   "schedule of a running job (no line cut short): $out"
-for r in 0 1 2 3; do wait "${pids[$r]}" || bad "rank $r failed: $(cat "$dir/rank$r.log")"; done
+section "job cli: its end"
+for r in 0 1 2 3; do await "${pids[$r]}" 120 "rank $r of job cli" || bad "rank $r failed: $(cat "$dir/rank$r.log")"; done
 # the job ended: finished, its end not an error, no empty tables
 js=$("$SHARDCTL" "${S[@]}" --job cli jobs --json)
 check 'python3 -c "
@@ -194,11 +229,12 @@ assert j[\"state\"]==\"finished\" and j[\"error\"]==\"\" and \"detached after st
 out=$("$SHARDCTL" "${S[@]}" --job cli schedule)
 check 'grep -q "^job cli (finished): schedule" <<<"$out" && grep -q "the job ended" <<<"$out" && ! grep -q "GATHER" <<<"$out"' \
   "schedule of a finished job: $out"
+section "registration mismatch"
 # a rank that registers another world: the ranks waiting hear it at once, naming both worlds
 "$MLP" --socket "$dir/run/shardd.sock" --job mixed --rank 0 --world 2 --steps 1 --hidden 64 \
   >"$dir/mixed0.log" 2>&1 &
 m0=$!
-for _ in $(seq 100); do "$SHARDCTL" "${S[@]}" --job mixed jobs >/dev/null 2>&1 && break; sleep 0.05; done
+until_ok 60 '"$SHARDCTL" "${S[@]}" --job mixed jobs >/dev/null 2>&1'
 out=$(timeout 30 "$MLP" --socket "$dir/run/shardd.sock" --job mixed --rank 1 --world 4 --steps 1 \
       --hidden 64 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "world 4 differs from world 2" <<<"$out"' "a rank of another world: $rc $out"
@@ -206,30 +242,29 @@ timeout 30 tail --pid=$m0 -f /dev/null; wait $m0; rc=$?
 out=$(cat "$dir/mixed0.log")
 check '[ $rc -ne 0 ] && grep -q "rank 1 (pid [0-9]*) registered it differently: world 4 differs from world 2" <<<"$out" && ! grep -q "did not register" <<<"$out"' \
   "the rank waiting with world 2 is told at once why: $rc $out"
+section "a job resuming"
 # --job NAME during a resume: the paused job and the registration resuming it
 for r in 0 1; do
   "$MLP" --socket "$dir/run/shardd.sock" --job res --rank $r --world 2 --steps 100000 --hidden 64 \
     --resume-timeout-ms 60000 --quiet >"$dir/res$r.log" 2>&1 &
   rp[$r]=$!
 done
-for _ in $(seq 200); do "$SHARDCTL" "${S[@]}" --job res jobs 2>/dev/null | grep -q running && break; sleep 0.05; done
+until_ok 60 '"$SHARDCTL" "${S[@]}" --job res jobs 2>/dev/null | grep -q running'
 sleep 0.3
-kill -9 "${rp[1]}"; wait "${rp[1]}" 2>/dev/null # rank 0 registers again to resume
-for _ in $(seq 100); do
-  js=$("$SHARDCTL" "${S[@]}" --job res jobs --json)
-  grep -q registering <<<"$js" && break; sleep 0.05
-done
+kill -9 "${rp[1]}"; await "${rp[1]}" 30 "rank 1 of job res" 2>/dev/null # rank 0 registers again to resume
+until_ok 60 'js=$("$SHARDCTL" "${S[@]}" --job res jobs --json); grep -q registering <<<"$js"'
 check 'python3 -c "
 import json,sys; js=json.loads(sys.argv[1])[\"jobs\"]
 assert sorted(j[\"state\"] for j in js)==[\"paused\",\"registering\"] and max(j[\"steps\"] for j in js)>0, js
 " "$js"' "--job during a resume shows the paused job and its new registration: $js"
-kill -9 "${rp[0]}" 2>/dev/null; wait "${rp[0]}" 2>/dev/null
+kill -9 "${rp[0]}" 2>/dev/null; await "${rp[0]}" 30 "rank 0 of job res" 2>/dev/null
 "$SHARDCTL" "${S[@]}" --job res drop >/dev/null 2>&1
+section "an emu-device daemon: devices, worlds too large"
 # a world larger than the cluster is said as such
 "$SHARDD" --runtime-dir "$dir/k2" --ranks-per-node 2 --backend emu-device --log-level warn \
   >"$dir/k2.log" 2>&1 &
 k2=$!
-for _ in $(seq 100); do [ -S "$dir/k2/shardd.sock" ] && break; sleep 0.05; done
+until_ok 60 '[ -S "$dir/k2/shardd.sock" ]' || bad "the emu-device daemon did not come up: $(cat "$dir/k2.log")"
 # topology shows the backend's devices: none for host; emu-device's one, the host's memory
 out=$("$SHARDCTL" "${S[@]}" topology)
 check 'grep -q "^devices: none (the host backend keeps shards in host memory)" <<<"$out"' \
@@ -242,29 +277,31 @@ check 'python3 -c "
 import json,sys; d=json.loads(sys.argv[1])[\"devices\"]
 assert len(d)==1 and d[0][\"memory_bytes\"]==int(sys.argv[2])*int(sys.argv[3]) and d[0][\"peers\"]==[], d
 " "$js" "$(getconf _PHYS_PAGES)" "$(getconf PAGESIZE)"' "topology --json devices: $js"
-out=$("$MLP" --socket "$dir/k2/shardd.sock" --job big --rank 0 --world 4 --steps 1 2>&1); rc=$?
+out=$(timeout 60 "$MLP" --socket "$dir/k2/shardd.sock" --job big --rank 0 --world 4 --steps 1 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "world size 4 needs 2 nodes of 2 ranks; this cluster has 1 (at most world 2)" <<<"$out"' \
   "a world larger than the cluster: $rc $out"
-out=$("$MLP" --socket "$dir/k2/shardd.sock" --job odd --rank 0 --world 3 --steps 1 2>&1); rc=$?
+out=$(timeout 60 "$MLP" --socket "$dir/k2/shardd.sock" --job odd --rank 0 --world 3 --steps 1 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "world size 3 is not a multiple of ranks_per_node 2" <<<"$out"' \
   "a world not a multiple of ranks_per_node: $rc $out"
-kill -TERM $k2; wait $k2
+kill -TERM $k2; await $k2 30 "the emu-device daemon after SIGTERM"
 for b in "$SHARDD" "$SHARDCTL" ${BENCH:+"$BENCH"}; do
   out=$("$b" --version); rc=$?
   check '[ $rc -eq 0 ] && grep -q "^$(basename "$b") [0-9][0-9.]*$" <<<"$out"' "$b --version: $rc $out"
 done
 
+section "--version, --compute-only"
 # mlp_train --compute-only: the same passes without shardd. Its first loss (initial weights, rank
 # 0's first batch) equals the first loss of the same run through shardd.
-out=$("$MLP" --socket "$dir/run/shardd.sock" --job once --steps 1 --hidden 64 2>&1)
+out=$(timeout 60 "$MLP" --socket "$dir/run/shardd.sock" --job once --steps 1 --hidden 64 2>&1)
 l1=$(sed -n 's/^step 1 loss \([0-9.]*\) .*/\1/p' <<<"$out")
 alone=$("$MLP" --compute-only --steps 3 --hidden 64 2>&1); rc=$?
 l2=$(sed -n 's/^step 1 loss \([0-9.]*\) (compute only).*/\1/p' <<<"$alone")
 check '[ $rc -eq 0 ] && [ -n "$l1" ] && [ "$l1" = "$l2" ] && [ "$(grep -c "(compute only)" <<<"$alone")" = 3 ]' \
   "compute-only: rc $rc, first loss '$l2' vs '$l1' through shardd: $alone"
 
+section "checkpoints"
 # checkpoints as a user meets them: mlp_train saves, shardctl checkpoint-info reads offline
-out=$("$MLP" --socket "$dir/run/shardd.sock" --job ck --steps 3 --hidden 64 --save-every 3 \
+out=$(timeout 60 "$MLP" --socket "$dir/run/shardd.sock" --job ck --steps 3 --hidden 64 --save-every 3 \
       --save-dir "$dir/ck" 2>&1); rc=$?
 check '[ $rc -eq 0 ] && grep -q "saved step 3 to $dir/ck" <<<"$out" && [ "$(cat "$dir/ck/LATEST")" = step-00000003 ]' \
   "mlp_train --save-every: rc $rc: $out"
@@ -291,16 +328,17 @@ check '[ $rc -eq 1 ] && grep -q "neither a checkpoint (no MANIFEST) nor a direct
   "checkpoint-info of a missing directory: rc $rc: $out"
 out=$("$SHARDCTL" checkpoint-info 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "needs a directory" <<<"$out"' "checkpoint-info without DIR: $out"
-out=$("$MLP" --socket "$dir/run/shardd.sock" --job ck2 --steps 3 --hidden 64 --load "$dir/ck" 2>&1); rc=$?
+out=$(timeout 60 "$MLP" --socket "$dir/run/shardd.sock" --job ck2 --steps 3 --hidden 64 --load "$dir/ck" 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "data-0.bin is corrupt" <<<"$out"' "loading a corrupt checkpoint: rc $rc: $out"
-out=$("$MLP" --save-every 2 --steps 1 2>&1); rc=$?
+out=$(timeout 60 "$MLP" --save-every 2 --steps 1 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "go together" <<<"$out"' "--save-every without --save-dir: $out"
 touch "$dir/afile"
-out=$("$MLP" --socket "$dir/run/shardd.sock" --job ck3 --steps 1 --hidden 64 --save-every 1 \
+out=$(timeout 60 "$MLP" --socket "$dir/run/shardd.sock" --job ck3 --steps 1 --hidden 64 --save-every 1 \
       --save-dir "$dir/afile/x" 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "save.*afile" <<<"$out"' "saving under a file: rc $rc: $out"
 
-kill -TERM "$dpid"; wait "$dpid"; rc=$?; dpid=
+section "the daemon's end"
+kill -TERM "$dpid"; await "$dpid" 30 "shardd after SIGTERM"; rc=$?; dpid=
 check '[ $rc -eq 0 ]' "shardd exit code $rc after SIGTERM: $(tail -5 "$dir/shardd.log")"
 check '[ ! -e "$dir/run/shardd.sock" ]' "socket left behind"
 echo "test_cli: $pass passed, $fail failed"
