@@ -536,7 +536,7 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
         out = json_pack("{s:o}", "jobs", jobs);
     } else if (strcmp(cmd, "topology") == 0) {
         json_t *nodes;
-        struct sd_cluster *cl = reg->net ? reg->net->cl : NULL;
+        struct sd_cluster *cl = sd_net_cluster(reg->net);
         if (cl != NULL) {
             nodes = sd_cluster_json(cl);
         } else {

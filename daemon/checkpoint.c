@@ -16,10 +16,9 @@
  * is allocated each node reads, on workers, the ranges of each state its ranks' shards need. */
 #include "checkpoint_int.h"
 #include "cluster/cluster.h"
-#include "net.h"
-#include "ops.h"
+#include "push.h"
+#include "step.h"
 #include "recover.h"
-#include "registry.h"
 #include "session.h"
 #include "sd/ckpt.h"
 #include "sd/log.h"
@@ -83,8 +82,8 @@ void sd_ckpt__run_worker(struct sd_job *job, void (*fn)(struct sd_job *),
     w->busy = true;
     atomic_store(&w->abandoned, false);
     w->task = (struct sd_file_task){.id = c->id, .fn = task_fn, .after = task_after, .arg = job};
-    if (job->reg->files != NULL) {
-        sd_file_pool_submit(job->reg->files, &w->task);
+    if (sd_job_files(job) != NULL) {
+        sd_file_pool_submit(sd_job_files(job), &w->task);
         return;
     }
     /* no pool (a registry without a loop): in place, with the owner's identity */
@@ -521,7 +520,7 @@ static void save_after(struct sd_job *job)
     }
     m.n_extents = m.status == SD_OK ? c->n_items : 0;
     m.extents = xp;
-    sd_cluster_job_saved(job->reg->net->cl, &m);
+    sd_cluster_job_saved(sd_job_cluster(job), &m);
     free(xs);
     free(xp);
     if (c->recovery) /* this node's part of it is done */

@@ -5,10 +5,8 @@
  * replaced. A save that fails has every part it made removed, by a task of its own. */
 #include "checkpoint_int.h"
 #include "cluster/cluster.h"
-#include "net.h"
-#include "ops.h"
+#include "step.h"
 #include "recover.h"
-#include "registry.h"
 #include "sd/ckpt.h"
 #include "sd/log.h"
 #include "sd/safe_fs.h"
@@ -98,7 +96,7 @@ void sd_ckpt__discard(struct sd_job *job, const char *dir, const char *const *na
         if (names[i] != NULL && strncmp(names[i], prefix, strlen(prefix)) == 0 &&
             sd_fs_name_ok(names[i]) && strlen(names[i]) < sizeof(d->names[0]))
             snprintf(d->names[d->n++], sizeof(d->names[0]), "%s", names[i]);
-    if (d == NULL || d->n == 0 || job->reg->files == NULL) {
+    if (d == NULL || d->n == 0 || sd_job_files(job) == NULL) {
         free(d);
         return; /* what is left is removed by the next commit in dir */
     }
@@ -106,7 +104,7 @@ void sd_ckpt__discard(struct sd_job *job, const char *dir, const char *const *na
     snprintf(d->dir, sizeof(d->dir), "%s", dir);
     d->task = (struct sd_file_task){
         .id = job->load.ckpt->id, .fn = discard_fn, .after = discard_after, .arg = d};
-    sd_file_pool_submit(job->reg->files, &d->task);
+    sd_file_pool_submit(sd_job_files(job), &d->task);
 }
 
 /* every part of save seq that a node made and reported (node 0's own, when it was written) */
@@ -273,7 +271,7 @@ static void commit_after(struct sd_job *job)
         SD_WARN("job", "job '%s': %s", job->name, msg);
     }
     if (job->nodes > 1)
-        sd_cluster_job_save_done(job->xfer.net->cl, job->name, job->nodes, c->seq, c->work.status,
+        sd_cluster_job_save_done(sd_job_cluster(job), job->name, job->nodes, c->seq, c->work.status,
                                  c->work.status == SD_OK ? "" : msg);
     c->first_ns = 0;
     sd_ckpt__save_answer(job, c->work.status, msg);

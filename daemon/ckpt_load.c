@@ -9,7 +9,7 @@
 #include "checkpoint_int.h"
 #include "job.h"
 #include "registry.h"
-#include "ops.h"
+#include "loading.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"

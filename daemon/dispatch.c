@@ -2,7 +2,12 @@
  * the schedule's bookkeeping around fetch, release and push, and the failure of every parked
  * operation at once when the job fails. */
 #include "checkpoint.h"
-#include "ops.h"
+#include "dispatch.h"
+#include "fetch.h"
+#include "job_api.h"
+#include "push.h"
+#include "step.h"
+#include "loading.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"

@@ -9,7 +9,9 @@
  * consecutive units leave as one transfer per peer. A node answers pull requests from its w
  * arenas once it reached the requested weights generation. */
 #include "net.h"
-#include "ops.h"
+#include "dispatch.h"
+#include "fetch.h"
+#include "step.h"
 #include "quant.h"
 #include "secondary.h"
 #include "session.h"
@@ -298,41 +300,18 @@ void sd_fetch_serve_queue(struct sd_job *job)
     job->xfer.req_queued = kept;
 }
 
-static void on_request(struct sd_registry *reg, const struct sd_req_msg *m)
+/* A pull request for job (found by its tag): checked against the job, then served now or
+ * queued until the requested generation is reached. */
+void sd_fetch_on_request(struct sd_job *job, const struct sd_req_msg *m)
 {
-    if (m->magic != SD_REQ_MAGIC) {
-        SD_WARN_SPARSE("net", "dropping a malformed pull request");
-        return;
-    }
-    struct sd_job *job = sd_registry_find_tag(reg, m->job_tag);
-    if (job == NULL) { /* maybe confirmed here a moment from now */
-        struct sd_net *net = reg->net;
-        uint64_t now = sd_now_ns(), keep = (uint64_t)reg->cfg->op_timeout_ms * 1000000ULL;
-        uint32_t kept = 0;
-        for (uint32_t i = 0; i < net->n_early; i++)
-            if (now - net->early_ns[i] < keep) {
-                net->early[kept] = net->early[i];
-                net->early_ns[kept++] = net->early_ns[i];
-            }
-        net->n_early = kept;
-        if (kept < SD_NET_EARLY_REQS) {
-            net->early[kept] = *m;
-            net->early_ns[kept] = now;
-            net->n_early++;
-            return;
-        }
-        SD_WARN_SPARSE("net", "too many pull requests for unknown jobs; dropping one for tag %u",
-                       m->job_tag);
-        return;
-    }
     uint32_t n_units = m->n_units ? m->n_units : 1;
-    if (job == NULL || job->cache.units == NULL || m->unit >= job->layout.n_units ||
+    if (job->cache.units == NULL || m->unit >= job->layout.n_units ||
         n_units > job->layout.n_units - m->unit || n_units * job->k > SD_BULK_MAX_PIECES ||
         m->lslot >= job->slots_per_unit || m->src >= job->nodes || m->src == job->node) {
         SD_WARN_SPARSE("net",
-                       "dropping a pull request for job tag %u units %u..%u from node %u: no such "
-                       "job, units or node here",
-                       m->job_tag, m->unit, m->unit + n_units - 1, m->src);
+                       "dropping a pull request for job '%s' (tag %u) units %u..%u from node %u: "
+                       "no such units or node here",
+                       job->name, m->job_tag, m->unit, m->unit + n_units - 1, m->src);
         return;
     }
     if (serve(job, m))
@@ -341,107 +320,6 @@ static void on_request(struct sd_registry *reg, const struct sd_req_msg *m)
         job->xfer.req_queue[job->xfer.req_queued++] = *m;
     else
         SD_WARN_SPARSE("net", "job '%s': pull request queue full", job->name);
-}
-
-void sd_net_job_confirmed(struct sd_registry *reg, struct sd_job *job)
-{
-    struct sd_net *net = reg->net;
-    if (net == NULL)
-        return;
-    uint32_t kept = 0, n = net->n_early;
-    struct sd_req_msg mine[SD_NET_EARLY_REQS];
-    uint32_t n_mine = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        if (net->early[i].job_tag == job->xfer.tag) {
-            mine[n_mine++] = net->early[i];
-            continue;
-        }
-        net->early[kept] = net->early[i];
-        net->early_ns[kept++] = net->early_ns[i];
-    }
-    net->n_early = kept;
-    for (uint32_t i = 0; i < n_mine; i++)
-        on_request(reg, &mine[i]);
-}
-
-bool sd_net_busy(const struct sd_registry *reg)
-{
-    return reg->net != NULL && reg->net->tp->inflight > (reg->net->posted ? SD_NET_REQ_SLOTS : 0);
-}
-
-static void req_recv_cb(struct sd_xfer *x, int status);
-
-static int post_req_recv(struct sd_net_req *r, struct sd_net *net)
-{
-    struct sd_transport *tp = net->tp;
-    r->x.cb = req_recv_cb;
-    return tp->ops->recv(tp, SD_PEER_ANY, sd_tag_of_kind(SD_TAG_REQ), sd_tag_any_but_kind(),
-                         &r->msg, sizeof(r->msg), net->reqs_desc, &r->x);
-}
-
-static void req_recv_cb(struct sd_xfer *x, int status)
-{
-    struct sd_net_req *r = (struct sd_net_req *)x;
-    struct sd_registry *reg = r->reg;
-    if (status == SD_ECANCELED || reg->net == NULL)
-        return; /* cancelled at shutdown */
-    if (status == SD_OK && x->len == sizeof(r->msg))
-        on_request(reg, &r->msg);
-    else /* a receive the provider failed (a connection torn down under it): it stands again,
-          * or each such error would leave one standing receive fewer for good */
-        SD_WARN_SPARSE("net",
-                       "a pull request's receive completed with %s (%zu bytes); posted again",
-                       sd_status_str(status), x->len);
-    if (post_req_recv(r, reg->net) != SD_OK)
-        SD_ERROR("net", "cannot post a pull request's receive again: this node serves fewer "
-                        "gathers at once");
-}
-
-int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl)
-{
-    struct sd_net *net = calloc(1, sizeof(*net));
-    if (net == NULL)
-        return SD_ENOMEM;
-    net->tp = tp;
-    net->cl = cl;
-    net->self = (uint32_t)reg->cfg->node;
-    net->n = (uint32_t)reg->cfg->nodes;
-    reg->net = net;
-    return SD_OK;
-}
-
-void sd_net_set_cluster(struct sd_registry *reg, struct sd_cluster *cl)
-{
-    reg->net->cl = cl;
-}
-
-/* Standing receives for pull requests, once the peers are known. */
-int sd_net_post_requests(struct sd_registry *reg)
-{
-    if (reg->net == NULL || reg->net->posted)
-        return SD_OK;
-    struct sd_net *net = reg->net;
-    net->posted = true;
-    int st =
-        net->tp->ops->mr_reg(net->tp, net->reqs, sizeof(net->reqs), &net->reqs_desc, &net->reqs_mr);
-    if (st != SD_OK)
-        return st;
-    for (uint32_t i = 0; i < SD_NET_REQ_SLOTS; i++) {
-        net->reqs[i].reg = reg;
-        st = post_req_recv(&net->reqs[i], net);
-        if (st != SD_OK)
-            return st;
-    }
-    return SD_OK;
-}
-
-/* After the transport was quiesced and every job freed. */
-void sd_net_stop(struct sd_registry *reg)
-{
-    if (reg->net != NULL && reg->net->reqs_mr != NULL)
-        reg->net->tp->ops->mr_dereg(reg->net->tp, reg->net->reqs_mr);
-    free(reg->net);
-    reg->net = NULL;
 }
 
 /* ---- fetch across nodes */

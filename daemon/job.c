@@ -4,8 +4,12 @@
 #include "cluster/cluster.h"
 #include "job.h"
 #include "net.h"
-#include "ops.h"
+#include "dispatch.h"
+#include "fetch.h"
+#include "push.h"
+#include "loading.h"
 #include "recover.h"
+#include "job_api.h"
 #include "registry.h"
 #include "resume.h"
 #include "server.h"
@@ -257,7 +261,7 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
      * being probed (a table just installed) is waited for, within the registration's deadline */
     job->xfer.report_waits = false;
     for (uint32_t n = 0; status == SD_OK && n < job->nodes; n++)
-        if (!sd_cluster_usable(job->reg->net->cl, n)) {
+        if (!sd_cluster_usable(sd_job_cluster(job), n)) {
             job->xfer.report_waits = true;
             return; /* sd_job_sweep tries again */
         }
@@ -265,7 +269,7 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
      * before this call returns (node 0 decides locally): touch nothing of job afterwards */
     job->register_deadline_ns =
         sd_now_ns() + 2 * (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL;
-    sd_cluster_report_job(job->reg->net->cl,
+    sd_cluster_report_job(sd_job_cluster(job),
                           &(struct sd_job_report){.job = job->name,
                                                   .digest = job->digest,
                                                   .world = job->world,
@@ -330,14 +334,14 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
                  k, msg->world, nodes, SD_MAX_LOCAL_RANKS);
         return NULL;
     }
-    if (nodes > 1 && !sd_cluster_ready(reg->net ? reg->net->cl : NULL)) {
+    if (nodes > 1 && !sd_cluster_ready(sd_net_cluster(reg->net))) {
         snprintf(err, errlen,
                  "the cluster has not formed yet (waiting for the other daemons); "
                  "retry in a moment");
         return NULL;
     }
     for (uint32_t n = 0; n < nodes; n++)
-        if (reg->net != NULL && !sd_cluster_alive(reg->net->cl, n)) {
+        if (reg->net != NULL && !sd_cluster_alive(sd_net_cluster(reg->net), n)) {
             snprintf(err, errlen, "node %u of the job's %u nodes is down", n, nodes);
             return NULL;
         }
@@ -519,10 +523,11 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
             snprintf(text, sizeof(text), "job '%s': rank %u (pid %d) registered it differently: %s",
                      name, msg->rank, (int)c->pid, why);
             if (job->nodes > 1)
-                sd_cluster_abort_job(reg->net->cl, &(struct sd_job_abort){.job = job->name,
-                                                                          .nodes = job->nodes,
-                                                                          .status = SD_EMISMATCH,
-                                                                          .msg = text});
+                sd_cluster_abort_job(sd_net_cluster(reg->net),
+                                     &(struct sd_job_abort){.job = job->name,
+                                                            .nodes = job->nodes,
+                                                            .status = SD_EMISMATCH,
+                                                            .msg = text});
             sd_job_refuse(job, SD_EMISMATCH, text);
             return;
         }
@@ -583,12 +588,12 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
     if (job->nodes > 1 && !registering) {
         sd_job_net_cancel(job);
         if (tell_peers)
-            sd_cluster_abort_job(job->reg->net->cl, &(struct sd_job_abort){.job = job->name,
-                                                                           .nodes = job->nodes,
-                                                                           .tag = job->xfer.tag,
-                                                                           .step = job->steps,
-                                                                           .status = status,
-                                                                           .msg = text});
+            sd_cluster_abort_job(sd_job_cluster(job), &(struct sd_job_abort){.job = job->name,
+                                                                             .nodes = job->nodes,
+                                                                             .tag = job->xfer.tag,
+                                                                             .step = job->steps,
+                                                                             .status = status,
+                                                                             .msg = text});
     }
     sd_job_fail_parked(job, status, text, true);
 }
@@ -641,7 +646,7 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
             snprintf(text, sizeof(text), "rank %u (pid %d) %s while the job registered", s->rank,
                      (int)s->conn->pid, reason);
             if (job->nodes > 1)
-                sd_cluster_abort_job(job->reg->net->cl,
+                sd_cluster_abort_job(sd_job_cluster(job),
                                      &(struct sd_job_abort){.job = job->name,
                                                             .nodes = job->nodes,
                                                             .status = SD_ECONNRESET,
@@ -678,7 +683,7 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
      * node's shards (a rank saving the final weights) */
     if (job->nodes > 1 && !job->retire_pending) {
         job->retire_pending = true;
-        if (sd_cluster_job_left(job->reg->net->cl, job->name, job->nodes))
+        if (sd_cluster_job_left(sd_job_cluster(job), job->name, job->nodes))
             return; /* sd_job_ended retires it, maybe already did */
     }
     sd_job_retire(job);
@@ -800,4 +805,14 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
                     (long long)job->reg->cfg->op_timeout_ms);
         break;
     }
+}
+
+struct sd_cluster *sd_job_cluster(const struct sd_job *job)
+{
+    return sd_net_cluster(job->reg->net);
+}
+
+struct sd_file_pool *sd_job_files(const struct sd_job *job)
+{
+    return job->reg->files;
 }

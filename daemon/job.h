@@ -20,7 +20,7 @@
 
 struct sd_session;
 struct sd_net;
-struct sd_push_round; /* the push rounds' types are push.c's (ops.h) */
+struct sd_push_round; /* the push rounds' types are push.c's (push.h) */
 struct sd_push_entry;
 struct sd_node_round;
 struct sd_round_ref;
@@ -432,5 +432,10 @@ static inline void sd_job_issue_count(struct sd_job *job, uint64_t t0)
     if (job->sched.in_call)
         job->sched.issue_ns_in_call += sd_thread_cpu_ns() - t0;
 }
+
+/* the control plane (NULL on a single node) and the file workers of the job's node: the one way
+ * to each from a job (job.c) */
+struct sd_cluster *sd_job_cluster(const struct sd_job *job);
+struct sd_file_pool *sd_job_files(const struct sd_job *job);
 
 #endif

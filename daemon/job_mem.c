@@ -4,7 +4,7 @@
  * daemon's memory budget. Host memory is backed and given back on a worker thread. */
 #include "job.h"
 #include "net.h"
-#include "ops.h"
+#include "push.h"
 #include "quant.h"
 #include "secondary.h"
 #include "registry.h"

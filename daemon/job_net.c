@@ -6,7 +6,7 @@
 #include "net.h"
 #include "quant.h"
 #include "sd/codec.h"
-#include "ops.h"
+#include "push.h"
 #include "registry.h"
 #include "sd/log.h"
 #include "sd/status.h"

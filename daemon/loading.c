@@ -3,7 +3,9 @@
 #include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "net.h"
-#include "ops.h"
+#include "dispatch.h"
+#include "fetch.h"
+#include "loading.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -232,7 +234,7 @@ static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_
 
 static void tell_ready(struct sd_job *job)
 {
-    sd_cluster_job_ready(job->xfer.net->cl, job->name, job->nodes);
+    sd_cluster_job_ready(sd_job_cluster(job), job->name, job->nodes);
     job->load.remote_ready = job->load.done = true;
     sd_fetch_serve_queue(job);
 }

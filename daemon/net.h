@@ -1,5 +1,5 @@
-/* Transfers across nodes. The node-wide part (struct sd_net: the transport, the cluster, the
- * standing receives for pull requests) is set up in main.c and served in fetch.c; a job's part
+/* Transfers across nodes. The node-wide part (the transport, the cluster, the standing receives
+ * for pull requests) is net_service.c's; a job's part
  * (its registrations, bulks and node-round buffers, the failure descriptions and deadlines of
  * its transfers) is in job_net.c. Nothing here is used on a single node. */
 #ifndef SD_NET_H
@@ -7,6 +7,7 @@
 
 #include "coll/coll.h"
 #include "job.h"
+#include "net_service.h"
 #include "pull.h"
 #include "registry.h"
 
@@ -19,29 +20,6 @@ struct sd_registry;
 
 /* gathers of one job on the wire at once, at most */
 #define SD_MAX_GATHERS_INFLIGHT 8
-
-/* The network side of the registry: the transport, the control plane, the standing receives
- * for pull requests. NULL on a single node. */
-#define SD_NET_REQ_SLOTS 64
-struct sd_net_req {
-    struct sd_xfer x;
-    struct sd_req_msg msg;
-    struct sd_registry *reg;
-};
-/* pull requests for a job this node has not confirmed yet (the coordinator's confirmation can
- * arrive after a faster node already asks): kept briefly, retried on confirmation */
-#define SD_NET_EARLY_REQS 256
-struct sd_net {
-    bool posted;
-    struct sd_req_msg early[SD_NET_EARLY_REQS];
-    uint64_t early_ns[SD_NET_EARLY_REQS];
-    uint32_t n_early;
-    struct sd_transport *tp;
-    struct sd_cluster *cl;
-    uint32_t self, n;
-    struct sd_net_req reqs[SD_NET_REQ_SLOTS];
-    void *reqs_desc, *reqs_mr; /* reqs registered (providers with FI_MR_LOCAL) */
-};
 
 /* ---- a job's (job_net.c) */
 /* bytes of network buffers a job needs on this node */
@@ -85,7 +63,7 @@ uint32_t sd_job_net_exchange(struct sd_job *job, struct sd_exchange_param *x, ui
 
 static inline struct sd_transport *sd_job_tp(const struct sd_job *job)
 {
-    return job->xfer.net->tp;
+    return sd_net_transport(job->xfer.net);
 }
 
 /* nodes of the replication group of this node's g shards, ascending */

@@ -4,7 +4,7 @@
  * and its own step count, and with skip_unused a tensor no rank gave a gradient is left as it
  * is, as torch's optimizers skip a parameter whose .grad is None. */
 #include "job.h"
-#include "ops.h"
+#include "optimizer.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"

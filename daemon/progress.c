@@ -1,7 +1,7 @@
 /* The progress engine (server.h): drains every session's ring and the transport, spinning
  * for poll_spin_us after the trainers' last request before it sleeps on the sessions' eventfds
  * and the fabric's wait fd. */
-#include "registry.h"
+#include "net_service.h"
 #include "server.h"
 #include "session.h"
 #include "transport/transport.h"

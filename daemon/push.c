@@ -8,7 +8,8 @@
  * each with its own buffers; they are retired into the g shards in the order they started, so the
  * sums do not depend on which finishes first. */
 #include "net.h"
-#include "ops.h"
+#include "push.h"
+#include "step.h"
 #include "quant.h"
 #include "session.h"
 #include "sd/fence.h"

@@ -12,8 +12,7 @@
  *   wx   the weights' exchange after the optimizer: the local ranks' os parts as int8 blocks,
  *        and the parts received from the other nodes. */
 #include "job.h"
-#include "net.h"
-#include "ops.h"
+#include "weights.h"
 #include "quant.h"
 #include "sd/codec.h"
 #include "sd/config.h"

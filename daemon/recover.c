@@ -3,7 +3,7 @@
 #include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "job.h"
-#include "net.h"
+#include "net_service.h"
 #include "registry.h"
 #include "server.h"
 #include "sd/ckpt.h"
@@ -54,7 +54,7 @@ static struct sd_job *find(struct sd_registry *reg, const char *name)
 static bool node_up(struct sd_registry *reg, uint32_t node)
 {
     return node == (uint32_t)reg->cfg->node ||
-           (reg->net != NULL && sd_cluster_alive(reg->net->cl, node));
+           (reg->net != NULL && sd_cluster_alive(sd_net_cluster(reg->net), node));
 }
 
 /* The rank that writes os shard p: the one a save picks (sd_ckpt_is_writer: the writes spread
@@ -271,7 +271,7 @@ int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const c
     m.writers = rec->writers;
     for (uint32_t node = 1; node < job->nodes; node++)
         if (rec->reporting[node])
-            sd_cluster_job_recover(reg->net->cl, node, &m);
+            sd_cluster_job_recover(sd_net_cluster(reg->net), node, &m);
     struct sd_ckpt_recover r = {.dir = dir,
                                 .seq = rec->seq,
                                 .writers = rec->writers,
@@ -317,7 +317,7 @@ void sd_recover_peer(struct sd_registry *reg, const Shard__JobRecover *m)
     rep.status = st;
     rep.message = err;
     rep.dir = m->dir;
-    sd_cluster_job_saved(reg->net->cl, &rep);
+    sd_cluster_job_saved(sd_net_cluster(reg->net), &rep);
 }
 
 bool sd_recover_route(struct sd_registry *reg, const Shard__JobSaved *m)

@@ -5,7 +5,7 @@
 #include "file_pool.h"
 #include "job.h"
 #include "net.h"
-#include "ops.h"
+#include "loading.h"
 #include "registry.h"
 #include "recover.h"
 #include "resume.h"
@@ -48,7 +48,7 @@ static void ev_job_confirmed(void *ctx, const char *name, uint32_t tag)
     if (job == NULL || job->state != SD_JOB_REGISTERING || job->n_registered != job->k)
         return;
     sd_job_confirm(job, tag);
-    sd_net_job_confirmed(reg, job);
+    sd_net_job_confirmed(reg, job->xfer.tag);
 }
 
 static void ev_job_refused(void *ctx, const char *name, int status, const char *msg)

@@ -65,29 +65,4 @@ void sd_registry_add_finished(struct sd_registry *reg, struct sd_job *job);
 /* What the cluster tells this node about jobs (cluster.h's events), bound to reg. */
 void sd_registry_cluster_events(struct sd_registry *reg, struct sd_cluster_events *ev_p);
 
-/* ---- what a session asks of its job (the server and sessions see no more of a job) */
-/* Handle a Register message; replies now (error) or once every rank arrived (job.c). */
-void sd_job_register(struct sd_registry *reg, struct sd_session *s,
-                     const struct Shard__Register *msg);
-/* A session leaves its job: detach or disconnect (job.c). */
-void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason);
-/* A ring entry: true if consumed, false if it must wait (stall the ring) (dispatch.c). */
-bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
-const char *sd_job_name(const struct sd_job *job);
-/* a call of this job failed (its statistics) */
-void sd_job_count_error(struct sd_job *job);
-
-/* ---- the node's transfers across nodes (fetch.c): the transport, the cluster, the standing
- * receives for pull requests; reg->net is NULL on a single node */
-int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl);
-/* the cluster, once started (it needs the registry's events first) */
-void sd_net_set_cluster(struct sd_registry *reg, struct sd_cluster *cl);
-/* standing receives for pull requests, once the cluster formed (idempotent) */
-int sd_net_post_requests(struct sd_registry *reg);
-void sd_net_stop(struct sd_registry *reg);
-/* true while transfers beyond the standing request receives are in flight */
-bool sd_net_busy(const struct sd_registry *reg);
-/* a job was confirmed: serve the requests that came for it too early */
-void sd_net_job_confirmed(struct sd_registry *reg, struct sd_job *job);
-
 #endif

@@ -2,7 +2,7 @@
 #include "resume.h"
 #include "checkpoint.h"
 #include "job.h"
-#include "ops.h"
+#include "loading.h"
 #include "recover.h"
 #include "registry.h"
 #include "server.h"

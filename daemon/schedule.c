@@ -12,7 +12,7 @@
  * logged (rate-limited), and the next step is recorded and frozen again. Data never depends on
  * the schedule: every fetch still checks the unit's weights generation. */
 #include "job.h"
-#include "ops.h"
+#include "fetch.h"
 #include "schedule.h"
 #include "session.h"
 #include "sd/log.h"

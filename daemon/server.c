@@ -2,6 +2,7 @@
  * that drains every session's ring, spinning for poll_spin_us after activity before it sleeps
  * on the sessions' eventfds. */
 #include "recover.h"
+#include "job_api.h"
 #include "registry.h"
 #include "server.h"
 #include "session.h"

@@ -1,6 +1,6 @@
 /* A client session: the shared-memory ring, its two eventfds, and the job membership.
  * The daemon copies each submission out of shared memory before it validates it. */
-#include "registry.h"
+#include "job_api.h"
 #include "server.h"
 #include "session.h"
 #include "sd/frame.h"

@@ -7,7 +7,12 @@
  * nothing to exchange, and the phases run through in one call. */
 #include "checkpoint.h"
 #include "net.h"
-#include "ops.h"
+#include "dispatch.h"
+#include "fetch.h"
+#include "push.h"
+#include "step.h"
+#include "optimizer.h"
+#include "weights.h"
 #include "quant.h"
 #include "resume.h"
 #include "session.h"

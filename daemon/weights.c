@@ -12,7 +12,8 @@
  * the same values; receivers decode into the first local holder's w shard. The fp32 master in
  * the os shard never sees them. */
 #include "net.h"
-#include "ops.h"
+#include "step.h"
+#include "weights.h"
 #include "quant.h"
 #include "sd/codec.h"
 #include "sd/log.h"

@@ -2,7 +2,7 @@
 """The daemon's shape (issue: rebuild the core around its operations), held by a test:
 - no daemon source file above 900 lines;
 - no struct above 40 members (a declaration "int a, b;" counts two);
-- no daemon header that most of the daemon's .c files include;
+- no daemon header that more than a third of the daemon's .c files include;
 - only transport/ calls libfabric, only coll/tag.h packs a tag, and coll/, transport/ and
   cluster/ include only their own headers, the lower libraries' (sd/) and the few named below;
 - no function declared or defined with more than 8 positional parameters (a parameter struct
@@ -105,7 +105,8 @@ def main():
     n_funcs = sum(len(function_params(strip_comments(t))) for t in text.values())
     check(n_funcs > 300, "the parameter count sees the daemon's functions: %d" % n_funcs)
 
-    # no header that most of the daemon includes (daemon.h was included by 12 of 14 files)
+    # no header that more than a third of the daemon includes (daemon.h was included by 12 of
+    # 14 files; ops.h, every operation's interface in one, by 17 of 38 before it was split)
     by_name = {os.path.relpath(f, root): f for f in files if f.endswith(".h")}
     reach = {h: 0 for h in by_name}
     for f in sources:
@@ -113,7 +114,7 @@ def main():
             if inc in reach:
                 reach[inc] += 1
     for h, n in reach.items():
-        check(2 * n <= len(sources), "%s is included by %d of %d daemon sources" %
+        check(3 * n <= len(sources), "%s is included by %d of %d daemon sources" %
               (h, n, len(sources)))
 
     for f in files:

@@ -1,0 +1,34 @@
+/* loading.c: initial values and the ready barrier. */
+#ifndef SD_LOADING_H
+#define SD_LOADING_H
+
+#include "job.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct sd_session;
+struct sd_sqe;
+struct sd_unit_layout;
+
+void sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                     uint64_t start);
+void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                      uint64_t start);
+/* the registration is agreed: the other nodes start receiving their initial values */
+void sd_loading_start(struct sd_job *job);
+/* Elements [lo, hi) of unit ul cover the weight shards of node m's ranks, which hold their
+ * optimizer-state shards (model.h): all sd_loading_unit reads. A zero3 node gets 1/N of the
+ * unit, not all of it. */
+void sd_loading_range(const struct sd_job *job, uint32_t m, const struct sd_unit_layout *ul,
+                      uint64_t *lo, uint64_t *hi);
+/* fp32 values of unit's elements from src_off on (src[0] is element src_off, through this
+ * node's sd_loading_range) into this node's shards: the masters and the weights in their dtype */
+void sd_loading_unit(struct sd_job *job, uint32_t unit, const float *src, uint64_t src_off);
+/* this node read its part of the checkpoint the job starts from: it is ready */
+void sd_loading_loaded(struct sd_job *job);
+/* node 0's rank 0 finished loading */
+void sd_loading_remote_ready(struct sd_job *job);
+
+#endif
