@@ -15,6 +15,7 @@
  * Load (ckpt_load.c): at registration a worker reads and checks the manifest; once the memory
  * is allocated each node reads, on workers, the ranges of each state its ranks' shards need. */
 #include "checkpoint_int.h"
+#include "job_module.h"
 #include "cluster/cluster.h"
 #include "push.h"
 #include "step.h"
@@ -691,3 +692,32 @@ void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char 
     c->first_ns = 0;
     sd_ckpt__save_answer(job, status, msg);
 }
+
+/* ---- the job's common paths (job_module.h) */
+
+static void ckpt_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
+{
+    (void)with_fetches;
+    sd_ckpt_fail_parked(job, status, text);
+}
+
+/* the nodes' reports of a save (node 0), then a save barrier that waits too long */
+static bool ckpt_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
+{
+    bool present[1024];
+    char missing[128];
+    sd_ckpt_sweep(job, now, op_timeout);
+    if (job->state == SD_JOB_FAILED)
+        return true;
+    if (!sd_ckpt_overdue(job, now, op_timeout, present))
+        return false;
+    sd_job_missing_ranks(job, present, missing, sizeof(missing));
+    sd_job_fail(job, SD_ETIMEDOUT,
+                "save after step %llu: ranks %s did not call save within %lld ms "
+                "(op_timeout_ms)",
+                (unsigned long long)job->steps, missing, (long long)job->reg->cfg->op_timeout_ms);
+    return true;
+}
+
+const struct sd_job_module sd_ckpt_module = {
+    .name = "checkpoint", .fail_parked = ckpt_fail_parked, .sweep = ckpt_sweep};

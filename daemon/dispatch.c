@@ -3,6 +3,7 @@
  * operation at once when the job fails. */
 #include "checkpoint.h"
 #include "dispatch.h"
+#include "job_module.h"
 #include "fetch.h"
 #include "job_api.h"
 #include "push.h"
@@ -132,50 +133,40 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
     }
 }
 
-void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches)
+/* ---- the job's common paths (job_module.h): ring entries stalled waiting for a resource */
+
+static void dispatch_fail_parked(struct sd_job *job, int status, const char *text,
+                                 bool with_fetches)
 {
-    char text[SD_OP_MSG_LEN];
-    if (status == SD_EPAUSED)
-        snprintf(text, sizeof(text), "%s", msg);
-    else
-        snprintf(text, sizeof(text), "job '%s' failed: %s", job->name, msg);
-    if (job->push.round_entries != NULL) {
-        size_t n = (size_t)job->layout.n_units * job->push.g_groups * job->push.round_gens;
-        for (size_t ri = 0; ri < n; ri++) {
-            for (uint32_t m = 0; m < job->push.g_members; m++) {
-                struct sd_push_entry *ent = &sd_job_round_ents(job, ri)[m];
-                if (ent->s == NULL)
-                    continue;
-                ent->s->staging_busy &= ~(1ULL << ent->slot);
-                sd_session_complete(ent->s, ent->tag, SD_OP_PUSH, status, 0, 0, text);
-                ent->s = NULL;
-            }
-            job->push.rounds[ri].arrived = 0;
-        }
-    }
-    for (uint32_t i = 0; with_fetches && job->cache.units != NULL && i < job->n_slots; i++) {
-        struct sd_unit_state *us = &job->cache.units[i];
-        if (us->waiters == 0)
-            continue;
-        us->status = status;
-        sd_fetch_complete(job, us);
-    }
-    if (job->load.waiter != NULL) {
-        sd_session_complete(job->load.waiter, job->load.tag, SD_OP_INIT, status, 0, 0, text);
-        job->load.waiter = NULL;
-    }
+    (void)with_fetches;
     for (uint32_t r = 0; r < job->k; r++) {
         struct sd_session *s = job->ranks[r];
-        if (job->step.waiting[r] && s != NULL)
-            sd_session_complete(s, job->step.tags[r], SD_OP_STEP, status, 0, 0, text);
-        if (job->load.ready_waiting[r] && s != NULL)
-            sd_session_complete(s, job->load.ready_tags[r], SD_OP_READY, status, 0, 0, text);
-        job->step.waiting[r] = job->load.ready_waiting[r] = false;
         if (s != NULL && s->has_stalled) {
             sd_session_complete(s, s->stalled.tag, (int)s->stalled.op, status, 0, 0, text);
             s->has_stalled = false;
         }
     }
-    job->step.arrived = 0;
-    sd_ckpt_fail_parked(job, status, text);
 }
+
+/* a call that cannot proceed (a pool place, transfer resources) for too long */
+static bool dispatch_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
+{
+    for (uint32_t r = 0; r < job->k; r++) {
+        struct sd_session *s = job->ranks[r];
+        if (s == NULL || !s->has_stalled || now - s->stalled_ns <= op_timeout)
+            continue;
+        sd_job_fail(job, SD_ETIMEDOUT,
+                    "rank %u's %s of unit %u could not proceed for %lld ms (op_timeout_ms): "
+                    "%s",
+                    s->rank, sd_op_name((int)s->stalled.op), s->stalled.unit,
+                    (long long)job->reg->cfg->op_timeout_ms,
+                    s->stalled.op == SD_OP_FETCH
+                        ? "its pool place or the transfers it needs stayed busy"
+                        : "an earlier call of the same kind did not complete");
+        return true;
+    }
+    return false;
+}
+
+const struct sd_job_module sd_dispatch_module = {
+    .name = "dispatch", .fail_parked = dispatch_fail_parked, .sweep = dispatch_sweep};

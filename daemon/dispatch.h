@@ -18,8 +18,5 @@ struct sd_sqe;
 /* complete an operation that succeeded, counted in the job's statistics */
 void sd_op_done(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t v0,
                 uint64_t v1, uint64_t start_ns);
-/* Complete parked operations with an error: push rounds, step and ready barriers, stalled
- * entries, and (with_fetches) ranks waiting for an in-flight gather. */
-void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches);
 
 #endif

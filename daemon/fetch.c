@@ -9,6 +9,7 @@
  * consecutive units leave as one transfer per peer. A node answers pull requests from its w
  * arenas once it reached the requested weights generation. */
 #include "net.h"
+#include "job_module.h"
 #include "dispatch.h"
 #include "fetch.h"
 #include "step.h"
@@ -657,3 +658,20 @@ void sd_fetch_prefetch_flush(struct sd_job *job)
     }
     gather_post(job, bt->units, n);
 }
+
+/* ---- the job's common paths (job_module.h) */
+
+/* ranks waiting for an in-flight gather: answered with status */
+static void fetch_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
+{
+    (void)text;
+    for (uint32_t i = 0; with_fetches && job->cache.units != NULL && i < job->n_slots; i++) {
+        struct sd_unit_state *us = &job->cache.units[i];
+        if (us->waiters == 0)
+            continue;
+        us->status = status;
+        sd_fetch_complete(job, us);
+    }
+}
+
+const struct sd_job_module sd_fetch_module = {.name = "fetch", .fail_parked = fetch_fail_parked};

@@ -3,6 +3,7 @@
 #include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "job.h"
+#include "job_module.h"
 #include "net.h"
 #include "dispatch.h"
 #include "fetch.h"
@@ -51,6 +52,7 @@ void sd_job_free(struct sd_job *job)
 }
 
 static void job_unlink_rank(struct sd_job *job, struct sd_session *s);
+static void fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches);
 
 /* A job that never became ready: nothing worth keeping. */
 void sd_job_destroy(struct sd_job *job)
@@ -595,7 +597,7 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
                                                                              .status = status,
                                                                              .msg = text});
     }
-    sd_job_fail_parked(job, status, text, true);
+    fail_parked(job, status, text, true);
 }
 
 bool sd_job_sync(struct sd_job *job)
@@ -672,7 +674,7 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
         snprintf(job->fail_msg, sizeof(job->fail_msg), "rank %u (pid %d) detached after step %llu",
                  s->rank, (int)s->conn->pid, (unsigned long long)job->steps);
         SD_INFO("job", "job '%s' closing: %s", job->name, job->fail_msg);
-        sd_job_fail_parked(job, SD_EJOBFAILED, job->fail_msg, false);
+        fail_parked(job, SD_EJOBFAILED, job->fail_msg, false);
     } else if (!sd_resume_rank_died(job, s, reason)) {
         sd_job_fail(job, SD_EJOBFAILED, "rank %u (pid %d) %s after step %llu", s->rank,
                     (int)s->conn->pid, reason, (unsigned long long)job->steps);
@@ -689,7 +691,7 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
     sd_job_retire(job);
 }
 
-static void list_missing(char *out, size_t len, const struct sd_job *job, const bool *present)
+void sd_job_missing_ranks(const struct sd_job *job, const bool *present, char *out, size_t len)
 {
     size_t off = 0;
     out[0] = '\0';
@@ -698,13 +700,35 @@ static void list_missing(char *out, size_t len, const struct sd_job *job, const 
             off += (size_t)snprintf(out + off, len - off, "%s%u", off ? ", " : "",
                                     job->first_rank + r);
 }
-/* Deadlines: a registration whose ranks did not all come, a step barrier, a stalled call, the
- * initial values, a push round, and the transfers across nodes. */
+
+/* The modules' deadlines in the order they are checked: the first that fails the job names
+ * the reason. */
+static const struct sd_job_module *const sweep_order[] = {
+    &sd_step_module, &sd_ckpt_module, &sd_dispatch_module, &sd_loading_module, &sd_push_module};
+/* The order parked calls are completed in when the job fails or pauses. */
+static const struct sd_job_module *const fail_order[] = {&sd_push_module,     &sd_fetch_module,
+                                                         &sd_loading_module,  &sd_step_module,
+                                                         &sd_dispatch_module, &sd_ckpt_module};
+
+/* Complete every module's parked calls with an error (fail_order); with_fetches: also ranks
+ * waiting for an in-flight gather. */
+static void fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches)
+{
+    char text[SD_OP_MSG_LEN];
+    if (status == SD_EPAUSED)
+        snprintf(text, sizeof(text), "%s", msg);
+    else
+        snprintf(text, sizeof(text), "job '%s' failed: %s", job->name, msg);
+    for (size_t i = 0; i < sizeof(fail_order) / sizeof(fail_order[0]); i++)
+        if (fail_order[i]->fail_parked != NULL)
+            fail_order[i]->fail_parked(job, status, text, with_fetches);
+}
+
+/* Deadlines: a registration whose ranks did not all come, a job paused too long, the transfers
+ * across nodes, then every module's (sweep_order). */
 void sd_job_sweep(struct sd_job *job, uint64_t now)
 {
     uint64_t op_timeout = (uint64_t)job->reg->cfg->op_timeout_ms * 1000000ULL;
-    char missing[128];
-    bool present[1024];
     if (sd_ckpt_work_sweep(job, now))
         return; /* a file task past its deadline failed its operation: the job may be gone */
     if (job->state == SD_JOB_REGISTERING) {
@@ -714,9 +738,11 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
         }
         if (now < job->register_deadline_ns || job->mem.allocating)
             return;
+        char missing[128];
+        bool present[1024];
         for (uint32_t r = 0; r < job->k && r < 1024; r++)
             present[r] = job->ranks[r] != NULL;
-        list_missing(missing, sizeof(missing), job, present);
+        sd_job_missing_ranks(job, present, missing, sizeof(missing));
         for (uint32_t r = 0; r < job->k; r++) {
             struct sd_session *s = job->ranks[r];
             if (s == NULL)
@@ -738,73 +764,9 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
         if (job->state == SD_JOB_FAILED)
             return;
     }
-    /* a step barrier that waits too long */
-    if (job->step.arrived > 0 && now - job->step.first_ns > op_timeout) {
-        for (uint32_t r = 0; r < job->k && r < 1024; r++)
-            present[r] = job->step.waiting[r];
-        list_missing(missing, sizeof(missing), job, present);
-        sd_job_fail(job, SD_ETIMEDOUT,
-                    "step %llu: ranks %s did not call step within %lld ms (op_timeout_ms)",
-                    (unsigned long long)job->steps + 1, missing,
-                    (long long)job->reg->cfg->op_timeout_ms);
-        return;
-    }
-    sd_ckpt_sweep(job, now, op_timeout);
-    if (sd_ckpt_overdue(job, now, op_timeout, present)) {
-        list_missing(missing, sizeof(missing), job, present);
-        sd_job_fail(job, SD_ETIMEDOUT,
-                    "save after step %llu: ranks %s did not call save within %lld ms "
-                    "(op_timeout_ms)",
-                    (unsigned long long)job->steps, missing,
-                    (long long)job->reg->cfg->op_timeout_ms);
-        return;
-    }
-    /* a call that cannot proceed (a pool place, transfer resources) for too long */
-    for (uint32_t r = 0; r < job->k; r++) {
-        struct sd_session *s = job->ranks[r];
-        if (s == NULL || !s->has_stalled || now - s->stalled_ns <= op_timeout)
-            continue;
-        sd_job_fail(job, SD_ETIMEDOUT,
-                    "rank %u's %s of unit %u could not proceed for %lld ms (op_timeout_ms): "
-                    "%s",
-                    s->rank, sd_op_name((int)s->stalled.op), s->stalled.unit,
-                    (long long)job->reg->cfg->op_timeout_ms,
-                    s->stalled.op == SD_OP_FETCH
-                        ? "its pool place or the transfers it needs stayed busy"
-                        : "an earlier call of the same kind did not complete");
-        break;
-    }
-    if (job->state == SD_JOB_FAILED)
-        return;
-    if (job->state == SD_JOB_LOADING) {
-        bool waiting = false;
-        for (uint32_t r = 0; r < job->k; r++)
-            waiting |= job->load.ready_waiting[r];
-        if (waiting && !sd_ckpt_reading(job) &&
-            now - job->created_ns >
-                op_timeout + (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL)
-            sd_job_fail(job, SD_ETIMEDOUT,
-                        "rank 0 did not finish loading the initial values in time");
-        return;
-    }
-    size_t n_gens = (size_t)job->layout.n_units * job->push.g_groups * job->push.round_gens;
-    for (size_t gi = 0; gi < n_gens; gi++) {
-        struct sd_push_round *rd = &job->push.rounds[gi];
-        if (rd->arrived == 0 || rd->arrived == job->push.g_members ||
-            now - rd->first_ns <= op_timeout)
-            continue;
-        uint32_t g = sd_job_round_group(job, gi), u = sd_job_round_unit(job, gi);
-        struct sd_push_entry *ent = sd_job_round_ents(job, gi);
-        for (uint32_t r = 0; r < job->k && r < 1024; r++)
-            present[r] = r / job->push.g_members != g || ent[r % job->push.g_members].s != NULL;
-        list_missing(missing, sizeof(missing), job, present);
-        sd_job_fail(job, SD_ETIMEDOUT,
-                    "push of unit %u (micro-step %llu): ranks %s did not push within "
-                    "%lld ms (op_timeout_ms)",
-                    u, (unsigned long long)rd->seq + 1, missing,
-                    (long long)job->reg->cfg->op_timeout_ms);
-        break;
-    }
+    for (size_t i = 0; i < sizeof(sweep_order) / sizeof(sweep_order[0]); i++)
+        if (sweep_order[i]->sweep != NULL && sweep_order[i]->sweep(job, now, op_timeout))
+            return;
 }
 
 struct sd_cluster *sd_job_cluster(const struct sd_job *job)

@@ -3,6 +3,7 @@
 #include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "net.h"
+#include "job_module.h"
 #include "dispatch.h"
 #include "fetch.h"
 #include "loading.h"
@@ -256,3 +257,39 @@ void sd_loading_remote_ready(struct sd_job *job)
         sd_fetch_serve_queue(job);
     }
 }
+
+/* ---- the job's common paths (job_module.h) */
+
+static void loading_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
+{
+    (void)with_fetches;
+    if (job->load.waiter != NULL) {
+        sd_session_complete(job->load.waiter, job->load.tag, SD_OP_INIT, status, 0, 0, text);
+        job->load.waiter = NULL;
+    }
+    for (uint32_t r = 0; r < job->k; r++) {
+        struct sd_session *s = job->ranks[r];
+        if (job->load.ready_waiting[r] && s != NULL)
+            sd_session_complete(s, job->load.ready_tags[r], SD_OP_READY, status, 0, 0, text);
+        job->load.ready_waiting[r] = false;
+    }
+}
+
+/* ranks at the ready barrier while rank 0's initial values do not come */
+static bool loading_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
+{
+    if (job->state != SD_JOB_LOADING)
+        return false;
+    bool waiting = false;
+    for (uint32_t r = 0; r < job->k; r++)
+        waiting |= job->load.ready_waiting[r];
+    if (!waiting || sd_ckpt_reading(job) ||
+        now - job->created_ns <=
+            op_timeout + (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL)
+        return false;
+    sd_job_fail(job, SD_ETIMEDOUT, "rank 0 did not finish loading the initial values in time");
+    return true;
+}
+
+const struct sd_job_module sd_loading_module = {
+    .name = "loading", .fail_parked = loading_fail_parked, .sweep = loading_sweep};

@@ -8,6 +8,7 @@
  * each with its own buffers; they are retired into the g shards in the order they started, so the
  * sums do not depend on which finishes first. */
 #include "net.h"
+#include "job_module.h"
 #include "push.h"
 #include "step.h"
 #include "quant.h"
@@ -481,3 +482,55 @@ static void node_round_ready(struct sd_job *job, uint32_t unit, uint64_t seq)
     job->push.rq_len++;
     round_start_next(job);
 }
+
+/* ---- the job's common paths (job_module.h) */
+
+static void push_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
+{
+    (void)with_fetches;
+    if (job->push.round_entries == NULL)
+        return;
+    size_t n = (size_t)job->layout.n_units * job->push.g_groups * job->push.round_gens;
+    for (size_t ri = 0; ri < n; ri++) {
+        for (uint32_t m = 0; m < job->push.g_members; m++) {
+            struct sd_push_entry *ent = &sd_job_round_ents(job, ri)[m];
+            if (ent->s == NULL)
+                continue;
+            ent->s->staging_busy &= ~(1ULL << ent->slot);
+            sd_session_complete(ent->s, ent->tag, SD_OP_PUSH, status, 0, 0, text);
+            ent->s = NULL;
+        }
+        job->push.rounds[ri].arrived = 0;
+    }
+}
+
+/* a push round that some ranks of its group joined and others not within op_timeout */
+static bool push_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
+{
+    if (job->state == SD_JOB_LOADING || job->push.rounds == NULL)
+        return false;
+    size_t n_gens = (size_t)job->layout.n_units * job->push.g_groups * job->push.round_gens;
+    for (size_t gi = 0; gi < n_gens; gi++) {
+        struct sd_push_round *rd = &job->push.rounds[gi];
+        if (rd->arrived == 0 || rd->arrived == job->push.g_members ||
+            now - rd->first_ns <= op_timeout)
+            continue;
+        uint32_t g = sd_job_round_group(job, gi), u = sd_job_round_unit(job, gi);
+        struct sd_push_entry *ent = sd_job_round_ents(job, gi);
+        bool present[1024];
+        char missing[128];
+        for (uint32_t r = 0; r < job->k && r < 1024; r++)
+            present[r] = r / job->push.g_members != g || ent[r % job->push.g_members].s != NULL;
+        sd_job_missing_ranks(job, present, missing, sizeof(missing));
+        sd_job_fail(job, SD_ETIMEDOUT,
+                    "push of unit %u (micro-step %llu): ranks %s did not push within "
+                    "%lld ms (op_timeout_ms)",
+                    u, (unsigned long long)rd->seq + 1, missing,
+                    (long long)job->reg->cfg->op_timeout_ms);
+        return true;
+    }
+    return false;
+}
+
+const struct sd_job_module sd_push_module = {
+    .name = "push", .fail_parked = push_fail_parked, .sweep = push_sweep};

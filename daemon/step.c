@@ -7,6 +7,7 @@
  * nothing to exchange, and the phases run through in one call. */
 #include "checkpoint.h"
 #include "net.h"
+#include "job_module.h"
 #include "dispatch.h"
 #include "fetch.h"
 #include "push.h"
@@ -683,3 +684,36 @@ void sd_step_progress(struct sd_job *job)
         step_done(job);
     }
 }
+
+/* ---- the job's common paths (job_module.h) */
+
+static void step_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
+{
+    (void)with_fetches;
+    for (uint32_t r = 0; r < job->k; r++) {
+        struct sd_session *s = job->ranks[r];
+        if (job->step.waiting[r] && s != NULL)
+            sd_session_complete(s, job->step.tags[r], SD_OP_STEP, status, 0, 0, text);
+        job->step.waiting[r] = false;
+    }
+    job->step.arrived = 0;
+}
+
+/* a step barrier that waits too long */
+static bool step_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
+{
+    if (job->step.arrived == 0 || now - job->step.first_ns <= op_timeout)
+        return false;
+    bool present[1024];
+    char missing[128];
+    for (uint32_t r = 0; r < job->k && r < 1024; r++)
+        present[r] = job->step.waiting[r];
+    sd_job_missing_ranks(job, present, missing, sizeof(missing));
+    sd_job_fail(
+        job, SD_ETIMEDOUT, "step %llu: ranks %s did not call step within %lld ms (op_timeout_ms)",
+        (unsigned long long)job->steps + 1, missing, (long long)job->reg->cfg->op_timeout_ms);
+    return true;
+}
+
+const struct sd_job_module sd_step_module = {
+    .name = "step", .fail_parked = step_fail_parked, .sweep = step_sweep};

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""The directories' READMEs stay true about what is in them: every source file of common/,
+proto/, gpu/, client/, daemon/, tools/ and tests/ is named in its directory's README.md (by its
+path below the directory or its file name; a header whose .c of the same name is named counts as
+named with it), and every test of tests/ is in tests/README.md's lists. A file added without a
+line in its README fails this test.
+Usage: test_docs.py SOURCE_ROOT"""
+import os
+import sys
+
+DIRS = ("common", "proto", "gpu", "client", "daemon", "tools", "tests")
+EXTS = (".c", ".h", ".py", ".sh", ".cu", ".hip", ".cmake", ".proto")
+SKIP_DIRS = ("__pycache__", "corpus")
+
+passed = failed = 0
+
+
+def check(cond, msg):
+    global passed, failed
+    if cond:
+        passed += 1
+    else:
+        failed += 1
+        print("FAIL: " + msg, file=sys.stderr)
+
+
+def sources(top):
+    for d, dirs, names in os.walk(top):
+        dirs[:] = [x for x in dirs if x not in SKIP_DIRS and not x.startswith(".")]
+        for n in names:
+            if n.endswith(EXTS):
+                yield os.path.relpath(os.path.join(d, n), top)
+
+
+def named(readme, rel):
+    base = os.path.basename(rel)
+    return ("`%s`" % rel) in readme or base in readme
+
+
+def main():
+    root = sys.argv[1]
+    total = 0
+    for d in DIRS:
+        top = os.path.join(root, d)
+        path = os.path.join(top, "README.md")
+        check(os.path.isfile(path), "%s has no README.md" % d)
+        if not os.path.isfile(path):
+            continue
+        readme = open(path).read()
+        for rel in sorted(sources(top)):
+            total += 1
+            if rel.endswith(".h") and named(readme, rel[:-2] + ".c"):
+                continue
+            check(named(readme, rel), "%s/%s is not named in %s/README.md" % (d, rel, d))
+    check(total > 150, "the walk saw the sources: %d files" % total)
+    print("test_docs: %d passed, %d failed" % (passed, failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
