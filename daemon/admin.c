@@ -282,12 +282,7 @@ static json_t *job_stats(const struct sd_job *job)
     json_object_set_new(o, "memory_bytes_at_register",
                         json_integer((json_int_t)job->stats.memory_bytes));
     json_object_set_new(o, "allocations_counted", json_boolean(sd_alloc_counted));
-    json_object_set_new(o, "allocations_while_frozen",
-                        json_integer((json_int_t)job->sched.allocs_frozen));
-    json_object_set_new(o, "schedule", json_string(sd_sched_state_name(job->sched.state)));
-    json_object_set_new(o, "schedule_invalidations",
-                        json_integer((json_int_t)job->sched.invalidations));
-    json_object_set_new(o, "prefetches", json_integer((json_int_t)job->sched.prefetches));
+    sd_sched_stats_json(job, o);
     json_object_set_new(o, "push_rounds_peak",
                         json_integer((json_int_t)job->stats.push_rounds_peak));
     json_object_set_new(o, "secondary",
@@ -307,67 +302,24 @@ static json_t *job_stats(const struct sd_job *job)
     return o;
 }
 
-/* The frozen schedule: its calls, the prefetch distance, every gather's place in the pool. */
+/* The frozen schedule: its calls, the prefetch distance, every gather's place in the pool
+ * (schedule.c's), with what the job knows of its pool. */
 static json_t *job_schedule(const struct sd_job *job)
 {
-    const struct sd_job_sched *sc = &job->sched;
     /* per node: one copy of each unit, or one per local rank without the hierarchy */
     uint64_t sum = job->layout.total_bytes * job->slots_per_unit;
     uint64_t largest = job->layout.max_unit_bytes * job->slots_per_unit;
-    bool planned = sc->freezes > 0, arrays = planned && sc->ops != NULL; /* freed at the end */
-    json_t *order = json_array(), *slots = json_array();
-    for (uint32_t i = 0; arrays && i < sc->n; i++)
-        json_array_append_new(order, json_pack("{s:s, s:i}", "op",
-                                               sd_sched_op_name(sd_sched_op_of(sc->ops[i])), "unit",
-                                               (int)sd_sched_unit_of(sc->ops[i])));
-    for (uint32_t i = 0; arrays && i < sc->plan.n_iv; i++) {
-        const struct sd_ival *iv = &sc->plan.iv[i];
-        json_array_append_new(slots, json_pack("{s:i, s:I, s:I, s:i, s:i}", "unit",
-                                               (int)sc->plan.iv_unit[i], "offset",
-                                               (json_int_t)iv->off, "bytes", (json_int_t)iv->size,
-                                               "issue", (int)iv->start, "end", (int)iv->end));
-    }
-    double cpu[2], issue[2];
-    for (int i = 0; i < 2; i++) { /* microseconds per fetch */
-        double n = (double)sc->fetches[i] * 1e3;
-        cpu[i] = n > 0 ? (double)sc->cpu_ns[i] / n : 0.0;
-        issue[i] = n > 0 ? (double)sc->issue_ns[i] / n : 0.0;
-    }
-    json_t *o = json_pack(
-        "{s:s, s:s, s:I, s:I, s:i, s:i, s:I, s:i, s:i, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "job",
-        job->name, "state", sd_sched_state_name(sc->state), "steps", (json_int_t)job->steps,
-        "frozen_after_step", (json_int_t)(planned ? sc->frozen_at_step : 0), "calls_per_step",
-        planned ? (int)sc->n : 0, "prefetch_depth", planned ? (int)sc->params.prefetch_depth : 0,
-        "prefetch_bytes", (json_int_t)sc->params.prefetch_bytes, "reuse_distance",
-        sc->params.reuse_distance == UINT32_MAX ? -1 : (int)sc->params.reuse_distance,
-        "gathers_per_step", planned ? (int)sc->plan.n_iv : 0, "pool_peak_bytes",
-        (json_int_t)(planned ? sc->plan.peak : 0), "pool_lower_bound_bytes",
-        (json_int_t)(planned ? sc->plan.lower_bound : 0), "pool_bytes",
-        (json_int_t)job->stats.pool_bytes, "units_sum_bytes", (json_int_t)sum, "largest_unit_bytes",
-        (json_int_t)largest, "freezes", (json_int_t)sc->freezes, "invalidations",
-        (json_int_t)sc->invalidations);
+    json_t *o = json_pack("{s:s, s:I}", "job", job->name, "steps", (json_int_t)job->steps);
+    sd_sched_json(job, o);
+    json_object_set_new(o, "pool_bytes", json_integer((json_int_t)job->stats.pool_bytes));
+    json_object_set_new(o, "units_sum_bytes", json_integer((json_int_t)sum));
+    json_object_set_new(o, "largest_unit_bytes", json_integer((json_int_t)largest));
     json_object_set_new(o, "job_state", json_string(shown_state(job)));
-    /* the gathers and the order: freed with the job's memory when it ends */
-    json_object_set_new(o, "plan_kept", json_boolean(arrays));
-    json_object_set_new(o, "persist_bytes", json_integer((json_int_t)sc->params.persist_bytes));
-    json_object_set_new(o, "prefetches", json_integer((json_int_t)sc->prefetches));
-    json_object_set_new(o, "prefetch_hits", json_integer((json_int_t)sc->prefetch_hits));
     json_object_set_new(o, "coalesce_bytes",
                         json_integer((json_int_t)job->reg->cfg->coalesce_bytes));
     json_object_set_new(o, "coalesced_gathers",
                         json_integer((json_int_t)job->stats.coalesced_gathers));
     json_object_set_new(o, "coalesced_units", json_integer((json_int_t)job->stats.coalesced_units));
-    json_object_set_new(o, "waits", json_integer((json_int_t)sc->waits));
-    json_object_set_new(o, "conflicts", json_integer((json_int_t)sc->conflicts));
-    json_object_set_new(o, "fetch_cpu_us_unfrozen", json_real(cpu[0]));
-    json_object_set_new(o, "fetch_cpu_us_frozen", json_real(cpu[1]));
-    json_object_set_new(o, "fetch_issue_cpu_us_unfrozen", json_real(issue[0]));
-    json_object_set_new(o, "fetch_issue_cpu_us_frozen", json_real(issue[1]));
-    json_object_set_new(o, "allocations_while_frozen",
-                        sd_alloc_counted ? json_integer((json_int_t)sc->allocs_frozen)
-                                         : json_null());
-    json_object_set_new(o, "order", order);
-    json_object_set_new(o, "slots", slots);
     return o;
 }
 

@@ -68,8 +68,7 @@ static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct 
     }
     uint64_t allocs0 = sd_alloc_calls();
     uint64_t cpu0 = e->op == SD_OP_FETCH ? sd_thread_cpu_ns() : 0;
-    uint64_t issue0 = job->sched.issue_ns_in_call;
-    job->sched.in_call = e->op == SD_OP_FETCH; /* its answer, if at once, is timed here */
+    uint64_t issue0 = sd_sched_call_begin(job, e->op == SD_OP_FETCH);
     uint32_t pos = sd_sched_before(job, s, e);
     bool consumed = true;
     if (e->op == SD_OP_FETCH)
@@ -80,16 +79,9 @@ static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct 
         consumed = sd_push(job, s, e);
     /* what the call cost, the prefetches it issued included */
     bool frozen = sd_sched_after(job, s, e, pos, consumed);
-    job->sched.in_call = false;
     uint64_t allocs = sd_alloc_calls() - allocs0;
     job->stats.allocs_after_register += allocs;
-    if (frozen)
-        job->sched.allocs_frozen += allocs;
-    if (e->op == SD_OP_FETCH) {
-        job->sched.cpu_ns[frozen] += sd_thread_cpu_ns() - cpu0;
-        job->sched.issue_ns[frozen] += job->sched.issue_ns_in_call - issue0;
-        job->sched.fetches[frozen] += consumed;
-    }
+    sd_sched_call_end(job, e->op == SD_OP_FETCH, frozen, consumed, allocs, cpu0, issue0);
     return consumed;
 }
 

@@ -36,7 +36,7 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
  * generation, else within the w group, refilling the secondary copy. */
 void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us)
 {
-    uint64_t cpu0 = sd_job_issue_clock(job);
+    uint64_t cpu0 = sd_sched_issue_clock(job);
     if (sd_sec_ready(job, us)) {
         sd_sec_load(job, us);
     } else {
@@ -44,20 +44,20 @@ void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us)
         sd_sec_keep(job, us);
     }
     job->stats.gathers++;
-    sd_job_issue_count(job, cpu0);
+    sd_sched_issue_count(job, cpu0);
 }
 
 /* Fill slot us (pool place set) from the node's secondary copy, which holds this generation:
  * a copy inside the node, complete when this returns. */
 static void gather_from_sec(struct sd_job *job, struct sd_unit_state *us)
 {
-    uint64_t cpu0 = sd_job_issue_clock(job);
+    uint64_t cpu0 = sd_sched_issue_clock(job);
     gather_begin(job, us);
     sd_sec_load(job, us);
     us->inflight = false;
     us->resident = true;
     job->stats.gathers++;
-    sd_job_issue_count(job, cpu0);
+    sd_sched_issue_count(job, cpu0);
     sd_fetch_complete(job, us);
 }
 
@@ -76,9 +76,8 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
 {
     /* answering a fetch is part of what it costs: inside its call scheduled_op counts it; a
      * fetch that waited for its gather is answered here, later */
-    struct sd_job_sched *sc = &job->sched;
-    bool timed = !sc->in_call;
-    uint64_t cpu0 = timed ? sd_thread_cpu_ns() : 0;
+    uint64_t cpu0 = 0;
+    bool timed = sd_sched_answer_begin(job, &cpu0);
     const struct sd_unit_layout *ul = &job->layout.units[us->unit];
     uint64_t now = sd_now_ns();
     int synced = SD_OK; /* the clients read the slot from now on */
@@ -113,7 +112,7 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
         sd_session_complete(s, tag, SD_OP_FETCH, SD_OK, us->pool_off, sd_unit_bytes(ul), NULL);
     }
     if (timed)
-        sc->cpu_ns[sc->state == SD_SCHED_FROZEN && !sc->deviated] += sd_thread_cpu_ns() - cpu0;
+        sd_sched_answer_end(job, cpu0);
     if (synced != SD_OK)
         sd_job_fail(job, synced, "fetch of unit %u: the %s backend failed: %s", us->unit,
                     job->reg->dev->name, sd_status_str(synced));
@@ -481,7 +480,7 @@ static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *u
  * completion completes the others. */
 static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n)
 {
-    uint64_t cpu0 = sd_job_issue_clock(job);
+    uint64_t cpu0 = sd_sched_issue_clock(job);
     struct sd_unit_state *us = units[0];
     uint32_t G = job->gnodes[SD_STATE_W], k = job->k;
     uint32_t first = sd_job_group_first(job, job->gnodes[SD_STATE_W]);
@@ -571,7 +570,7 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
     }
     /* no completion runs before the loop polls again, so the slots are still ours */
     gather_copy_local(job, units, n);
-    sd_job_issue_count(job, cpu0);
+    sd_sched_issue_count(job, cpu0);
     if (us->remaining == 0)
         gather_finish(job, us);
 }

@@ -47,6 +47,7 @@ void sd_job_free(struct sd_job *job)
     free(job->load.ready_tags);
     sd_recover_forget(job->reg, job, "the job's state was dropped");
     sd_ckpt_job_free(job);
+    sd_sched_destroy(job);
     sd_resume_unlink(job);
     free(job);
 }

@@ -273,7 +273,7 @@ struct sd_job {
     struct sd_step_state step;
     struct sd_load_state load;
     struct sd_job_xfer xfer;
-    struct sd_job_sched sched;
+    struct sd_job_sched *sched; /* schedule.c's */
 };
 
 /* ---- lifecycle (job.c) */
@@ -418,19 +418,6 @@ static inline void sd_job_count_copy(struct sd_job *job, int op, uint32_t src, u
 static inline struct sd_unit_state *sd_job_slot(struct sd_job *job, uint32_t unit, uint32_t local)
 {
     return sd_unit_cache_slot(&job->cache, unit, local);
-}
-
-/* The CPU time of starting gathers (copying this node's shards into the pool, posting the
- * transfers), counted only while scheduled_op times a fetch call: elsewhere nothing reads it. */
-static inline uint64_t sd_job_issue_clock(const struct sd_job *job)
-{
-    return job->sched.in_call ? sd_thread_cpu_ns() : 0;
-}
-
-static inline void sd_job_issue_count(struct sd_job *job, uint64_t t0)
-{
-    if (job->sched.in_call)
-        job->sched.issue_ns_in_call += sd_thread_cpu_ns() - t0;
 }
 
 /* the control plane (NULL on a single node) and the file workers of the job's node: the one way

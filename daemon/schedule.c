@@ -19,9 +19,42 @@
 #include "sd/status.h"
 #include "sd/util.h"
 
+#include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+/* The schedule of a job on this node (schedule.h): only this file reads or writes it. */
+struct sd_job_sched {
+    enum sd_sched_state state;
+    uint32_t cap;      /* calls recorded per rank and step at most */
+    uint32_t *rec;     /* [k * cap] this step's calls per local rank */
+    uint32_t *rec_len; /* [k] */
+    bool overflow;     /* a rank made more calls than cap: not frozen */
+    bool freeze_next;  /* the recording checked out: frozen when the step completes */
+    bool deviated;     /* this step left the schedule: on demand until the step ends */
+    uint64_t digest;   /* of this node's recording (0: not recording), exchanged between nodes */
+    uint32_t n;        /* frozen calls per step */
+    uint32_t *ops;     /* [cap] */
+    struct sd_sched_plan plan;
+    uint32_t *scratch;    /* the planner's */
+    uint64_t *slot_bytes; /* [n_units] */
+    uint64_t stride;      /* bytes between a unit's per-rank copies (no hierarchical gather) */
+    struct sd_sched_params params; /* as planned (prefetch depth may be lowered to fit) */
+    uint32_t *cursor;              /* [k] next position of each local rank */
+    uint32_t lead;                 /* the furthest position a local rank reached this step */
+    uint32_t *pf_next; /* [k] next gather to issue, per copy (one copy with the hierarchy) */
+    bool in_prefetch;  /* a gather that completes at once must not re-enter */
+    uint32_t want_iv;  /* the gather a fetch being served uses, else NONE */
+    uint64_t want_off;
+    uint64_t frozen_at_step;
+    uint64_t freezes, invalidations, deviations, prefetches, prefetch_hits, waits, conflicts;
+    uint64_t cpu_ns[2], fetches[2]; /* fetch handling: [0] not frozen, [1] frozen */
+    uint64_t issue_ns[2];           /* of cpu_ns: starting gathers (the same work either way) */
+    uint64_t issue_ns_in_call;      /* gather starts while a fetch call is timed */
+    bool in_call;                   /* scheduled_op is timing a call */
+    uint64_t allocs_frozen;         /* allocations made while serving calls on the schedule */
+};
 
 const char *sd_sched_state_name(enum sd_sched_state s)
 {
@@ -56,7 +89,9 @@ static inline uint64_t copy_off(const struct sd_job *job, const struct sd_unit_s
 
 int sd_sched_alloc(struct sd_job *job)
 {
-    struct sd_job_sched *sc = &job->sched;
+    if (job->sched == NULL && (job->sched = calloc(1, sizeof(*job->sched))) == NULL)
+        return SD_ENOMEM;
+    struct sd_job_sched *sc = job->sched;
     uint32_t n_units = job->layout.n_units, k = job->k;
     int64_t cfg_cap = job->reg->cfg->schedule_max_ops;
     sc->cap = cfg_cap > 0 ? (uint32_t)cfg_cap : 64 * n_units + 256;
@@ -84,7 +119,9 @@ int sd_sched_alloc(struct sd_job *job)
 
 void sd_sched_free(struct sd_job *job)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
+    if (sc == NULL)
+        return;
     free(sc->rec);
     free(sc->rec_len);
     free(sc->cursor);
@@ -113,7 +150,7 @@ static uint32_t entry_of(const struct sd_sqe *e)
  * resident or in flight, and the next step is recorded again. */
 static void deviate(struct sd_job *job, const char *why)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     sc->deviated = true;
     sc->invalidations++;
     SD_WARN_SPARSE("sched",
@@ -132,7 +169,7 @@ static void deviate(struct sd_job *job, const char *why)
 
 void sd_sched_aside(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     sc->want_iv = SD_SCHED_NONE; /* placed as on demand */
     if (sc->state != SD_SCHED_FROZEN || sc->deviated)
         return;
@@ -150,7 +187,7 @@ static void describe_entry(char *out, size_t len, uint32_t entry)
 
 uint32_t sd_sched_before(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     sc->want_iv = SD_SCHED_NONE;
     if (sc->state != SD_SCHED_FROZEN || sc->deviated)
         return SD_SCHED_NONE;
@@ -184,7 +221,7 @@ uint32_t sd_sched_before(struct sd_job *job, struct sd_session *s, const struct 
 bool sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint32_t pos,
                     bool consumed)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     uint64_t want_off = sc->want_off;
     uint32_t want_iv = sc->want_iv;
     bool on_schedule = pos != SD_SCHED_NONE && !sc->deviated;
@@ -248,7 +285,7 @@ static int claim(struct sd_job *job, uint64_t off, uint64_t len)
 
 int sd_sched_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     if (sc->want_iv == SD_SCHED_NONE || sc->deviated)
         return SD_ENOENT;
     int st = claim(job, sc->want_off, bytes);
@@ -266,7 +303,7 @@ int sd_sched_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
 /* Gather copy l of gather I into its place; SD_EAGAIN to retry later. */
 static int issue(struct sd_job *job, uint32_t I, uint32_t l)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     uint32_t u = sc->plan.iv_unit[I];
     struct sd_unit_state *us = &job->cache.units[(size_t)u * job->slots_per_unit + l];
     uint64_t off = sc->plan.iv[I].off + copy_off(job, us);
@@ -295,7 +332,7 @@ static int issue(struct sd_job *job, uint32_t I, uint32_t l)
 
 void sd_sched_prefetch(struct sd_job *job)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     if (sc->state != SD_SCHED_FROZEN || sc->deviated || job->state != SD_JOB_READY ||
         job->step.phase != SD_STEP_IDLE || sc->in_prefetch)
         return;
@@ -360,7 +397,7 @@ static void call_at(const struct sd_job_sched *sc, uint32_t r, uint32_t pos, cha
 
 bool sd_sched_step_check(struct sd_job *job)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     if (sc->state == SD_SCHED_FROZEN && !sc->deviated) {
         for (uint32_t r = 0; r < job->k; r++)
             if (sc->cursor[r] != sc->n) {
@@ -417,7 +454,7 @@ bool sd_sched_step_check(struct sd_job *job)
 
 bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     uint32_t me = job->node;
     if (!sc->freeze_next)
         return true;
@@ -440,7 +477,7 @@ bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count)
 
 static void freeze(struct sd_job *job)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     const struct sd_config *cfg = job->reg->cfg;
     sc->n = sc->rec_len[0];
     memcpy(sc->ops, sc->rec, sc->n * sizeof(*sc->ops));
@@ -497,7 +534,7 @@ static void freeze(struct sd_job *job)
 
 void sd_sched_step_done(struct sd_job *job)
 {
-    struct sd_job_sched *sc = &job->sched;
+    struct sd_job_sched *sc = job->sched;
     if (sc->rec == NULL)
         return;
     if (sc->state == SD_SCHED_RECORDING && sc->freeze_next)
@@ -511,4 +548,139 @@ void sd_sched_step_done(struct sd_job *job)
         sc->rec_len[r] = sc->cursor[r] = sc->pf_next[r] = 0;
     /* the first call of the next step starts the prefetch: after the last step nothing is
      * gathered that nobody fetches */
+}
+
+void sd_sched_destroy(struct sd_job *job)
+{
+    sd_sched_free(job);
+    free(job->sched);
+    job->sched = NULL;
+}
+
+/* ---- what others see of it */
+
+/* a job whose schedule was never allocated reads as a fresh one */
+static const struct sd_job_sched *view(const struct sd_job *job)
+{
+    static const struct sd_job_sched fresh = {.state = SD_SCHED_RECORDING};
+    return job->sched != NULL ? job->sched : &fresh;
+}
+
+uint64_t sd_sched_call_begin(struct sd_job *job, bool fetch)
+{
+    job->sched->in_call = fetch; /* its answer, if at once, is timed here */
+    return job->sched->issue_ns_in_call;
+}
+
+void sd_sched_call_end(struct sd_job *job, bool fetch, bool frozen, bool consumed, uint64_t allocs,
+                       uint64_t cpu0, uint64_t issue0)
+{
+    struct sd_job_sched *sc = job->sched;
+    sc->in_call = false;
+    if (frozen)
+        sc->allocs_frozen += allocs;
+    if (fetch) {
+        sc->cpu_ns[frozen] += sd_thread_cpu_ns() - cpu0;
+        sc->issue_ns[frozen] += sc->issue_ns_in_call - issue0;
+        sc->fetches[frozen] += consumed;
+    }
+}
+
+uint64_t sd_sched_issue_clock(const struct sd_job *job)
+{
+    return job->sched != NULL && job->sched->in_call ? sd_thread_cpu_ns() : 0;
+}
+
+void sd_sched_issue_count(struct sd_job *job, uint64_t t0)
+{
+    if (job->sched != NULL && job->sched->in_call)
+        job->sched->issue_ns_in_call += sd_thread_cpu_ns() - t0;
+}
+
+bool sd_sched_answer_begin(const struct sd_job *job, uint64_t *cpu0_p)
+{
+    if (job->sched == NULL || job->sched->in_call)
+        return false;
+    *cpu0_p = sd_thread_cpu_ns();
+    return true;
+}
+
+void sd_sched_answer_end(struct sd_job *job, uint64_t cpu0)
+{
+    struct sd_job_sched *sc = job->sched;
+    sc->cpu_ns[sc->state == SD_SCHED_FROZEN && !sc->deviated] += sd_thread_cpu_ns() - cpu0;
+}
+
+void sd_sched_recorded(const struct sd_job *job, uint64_t *digest_p, uint64_t *n_p)
+{
+    const struct sd_job_sched *sc = view(job);
+    *digest_p = sc->digest;
+    *n_p = sc->rec_len != NULL ? sc->rec_len[0] : 0;
+}
+
+void sd_sched_stats_json(const struct sd_job *job, json_t *o)
+{
+    const struct sd_job_sched *sc = view(job);
+    json_object_set_new(o, "allocations_while_frozen", json_integer((json_int_t)sc->allocs_frozen));
+    json_object_set_new(o, "schedule", json_string(sd_sched_state_name(sc->state)));
+    json_object_set_new(o, "schedule_invalidations", json_integer((json_int_t)sc->invalidations));
+    json_object_set_new(o, "prefetches", json_integer((json_int_t)sc->prefetches));
+}
+
+void sd_sched_json(const struct sd_job *job, json_t *o)
+{
+    const struct sd_job_sched *sc = view(job);
+    bool planned = sc->freezes > 0, arrays = planned && sc->ops != NULL; /* freed at the end */
+    json_t *order = json_array(), *slots = json_array();
+    for (uint32_t i = 0; arrays && i < sc->n; i++)
+        json_array_append_new(order, json_pack("{s:s, s:i}", "op",
+                                               sd_sched_op_name(sd_sched_op_of(sc->ops[i])), "unit",
+                                               (int)sd_sched_unit_of(sc->ops[i])));
+    for (uint32_t i = 0; arrays && i < sc->plan.n_iv; i++) {
+        const struct sd_ival *iv = &sc->plan.iv[i];
+        json_array_append_new(slots, json_pack("{s:i, s:I, s:I, s:i, s:i}", "unit",
+                                               (int)sc->plan.iv_unit[i], "offset",
+                                               (json_int_t)iv->off, "bytes", (json_int_t)iv->size,
+                                               "issue", (int)iv->start, "end", (int)iv->end));
+    }
+    double cpu[2], issue[2];
+    for (int i = 0; i < 2; i++) { /* microseconds per fetch */
+        double n = (double)sc->fetches[i] * 1e3;
+        cpu[i] = n > 0 ? (double)sc->cpu_ns[i] / n : 0.0;
+        issue[i] = n > 0 ? (double)sc->issue_ns[i] / n : 0.0;
+    }
+    json_object_set_new(o, "state", json_string(sd_sched_state_name(sc->state)));
+    json_object_set_new(o, "frozen_after_step",
+                        json_integer((json_int_t)(planned ? sc->frozen_at_step : 0)));
+    json_object_set_new(o, "calls_per_step", json_integer(planned ? (int)sc->n : 0));
+    json_object_set_new(o, "prefetch_depth",
+                        json_integer(planned ? (int)sc->params.prefetch_depth : 0));
+    json_object_set_new(o, "prefetch_bytes", json_integer((json_int_t)sc->params.prefetch_bytes));
+    json_object_set_new(o, "reuse_distance",
+                        json_integer(sc->params.reuse_distance == UINT32_MAX
+                                         ? -1
+                                         : (int)sc->params.reuse_distance));
+    json_object_set_new(o, "gathers_per_step", json_integer(planned ? (int)sc->plan.n_iv : 0));
+    json_object_set_new(o, "pool_peak_bytes",
+                        json_integer((json_int_t)(planned ? sc->plan.peak : 0)));
+    json_object_set_new(o, "pool_lower_bound_bytes",
+                        json_integer((json_int_t)(planned ? sc->plan.lower_bound : 0)));
+    json_object_set_new(o, "freezes", json_integer((json_int_t)sc->freezes));
+    json_object_set_new(o, "invalidations", json_integer((json_int_t)sc->invalidations));
+    /* the gathers and the order: freed with the job's memory when it ends */
+    json_object_set_new(o, "plan_kept", json_boolean(arrays));
+    json_object_set_new(o, "persist_bytes", json_integer((json_int_t)sc->params.persist_bytes));
+    json_object_set_new(o, "prefetches", json_integer((json_int_t)sc->prefetches));
+    json_object_set_new(o, "prefetch_hits", json_integer((json_int_t)sc->prefetch_hits));
+    json_object_set_new(o, "waits", json_integer((json_int_t)sc->waits));
+    json_object_set_new(o, "conflicts", json_integer((json_int_t)sc->conflicts));
+    json_object_set_new(o, "fetch_cpu_us_unfrozen", json_real(cpu[0]));
+    json_object_set_new(o, "fetch_cpu_us_frozen", json_real(cpu[1]));
+    json_object_set_new(o, "fetch_issue_cpu_us_unfrozen", json_real(issue[0]));
+    json_object_set_new(o, "fetch_issue_cpu_us_frozen", json_real(issue[1]));
+    json_object_set_new(o, "allocations_while_frozen",
+                        sd_alloc_counted ? json_integer((json_int_t)sc->allocs_frozen)
+                                         : json_null());
+    json_object_set_new(o, "order", order);
+    json_object_set_new(o, "slots", slots);
 }

@@ -17,36 +17,7 @@ struct sd_session;
  * rest of the step and a new schedule is recorded. */
 enum sd_sched_state { SD_SCHED_RECORDING, SD_SCHED_FROZEN, SD_SCHED_OFF };
 const char *sd_sched_state_name(enum sd_sched_state s);
-struct sd_job_sched {
-    enum sd_sched_state state;
-    uint32_t cap;      /* calls recorded per rank and step at most */
-    uint32_t *rec;     /* [k * cap] this step's calls per local rank */
-    uint32_t *rec_len; /* [k] */
-    bool overflow;     /* a rank made more calls than cap: not frozen */
-    bool freeze_next;  /* the recording checked out: frozen when the step completes */
-    bool deviated;     /* this step left the schedule: on demand until the step ends */
-    uint64_t digest;   /* of this node's recording (0: not recording), exchanged between nodes */
-    uint32_t n;        /* frozen calls per step */
-    uint32_t *ops;     /* [cap] */
-    struct sd_sched_plan plan;
-    uint32_t *scratch;    /* the planner's */
-    uint64_t *slot_bytes; /* [n_units] */
-    uint64_t stride;      /* bytes between a unit's per-rank copies (no hierarchical gather) */
-    struct sd_sched_params params; /* as planned (prefetch depth may be lowered to fit) */
-    uint32_t *cursor;              /* [k] next position of each local rank */
-    uint32_t lead;                 /* the furthest position a local rank reached this step */
-    uint32_t *pf_next; /* [k] next gather to issue, per copy (one copy with the hierarchy) */
-    bool in_prefetch;  /* a gather that completes at once must not re-enter */
-    uint32_t want_iv;  /* the gather a fetch being served uses, else NONE */
-    uint64_t want_off;
-    uint64_t frozen_at_step;
-    uint64_t freezes, invalidations, deviations, prefetches, prefetch_hits, waits, conflicts;
-    uint64_t cpu_ns[2], fetches[2]; /* fetch handling: [0] not frozen, [1] frozen */
-    uint64_t issue_ns[2];           /* of cpu_ns: starting gathers (the same work either way) */
-    uint64_t issue_ns_in_call;      /* gather starts while a fetch call is timed */
-    bool in_call;                   /* scheduled_op is timing a call */
-    uint64_t allocs_frozen;         /* allocations made while serving calls on the schedule */
-};
+struct sd_job_sched; /* schedule.c's own; job->sched (NULL before registration allocated it) */
 
 /* What each node sends every other at the step (32 bytes, then with skip_unused a bit per
  * tensor): its squared norm, the digest and length of the schedule it recorded in this step (0
@@ -60,8 +31,32 @@ struct sd_norm_part {
 };
 #define SD_HP_REFUSED UINT32_MAX
 
+/* the schedule's state and arrays, at registration; sd_sched_free gives the arrays back when the
+ * job's memory goes (its counters stay for shardctl) and sd_sched_destroy the rest with the job */
 int sd_sched_alloc(struct sd_job *job);
 void sd_sched_free(struct sd_job *job);
+void sd_sched_destroy(struct sd_job *job);
+/* A fetch, release or push timed around its service (dispatch.c's scheduled_op): begin returns
+ * the gather-issue clock to pass to end; fetch: the call is a fetch (its CPU time counted) */
+uint64_t sd_sched_call_begin(struct sd_job *job, bool fetch);
+void sd_sched_call_end(struct sd_job *job, bool fetch, bool frozen, bool consumed, uint64_t allocs,
+                       uint64_t cpu0, uint64_t issue0);
+/* The CPU time of starting gathers (copying this node's shards into the pool, posting the
+ * transfers), counted only while a fetch call is timed: elsewhere nothing reads it. */
+uint64_t sd_sched_issue_clock(const struct sd_job *job);
+/* A fetch answered outside its call (it waited for its gather): begin says whether to time it
+ * (false inside a timed call, which counts it already), end counts it. */
+bool sd_sched_answer_begin(const struct sd_job *job, uint64_t *cpu0_p);
+void sd_sched_answer_end(struct sd_job *job, uint64_t cpu0);
+void sd_sched_issue_count(struct sd_job *job, uint64_t t0);
+/* what this node recorded in this step, for the step's exchange: digest (0: not recording) and
+ * the recording's length */
+void sd_sched_recorded(const struct sd_job *job, uint64_t *digest_p, uint64_t *n_p);
+/* shardctl: the counters stats shows, and the whole schedule (its calls, the prefetch distance,
+ * every gather's place in the pool), each added to o */
+struct json_t;
+void sd_sched_stats_json(const struct sd_job *job, struct json_t *o);
+void sd_sched_json(const struct sd_job *job, struct json_t *o);
 /* before a fetch or release outside the schedule (SD_OP_ASIDE) is served: not recorded; the
  * pool plan of a frozen schedule gives way to on-demand places for the rest of the step, as
  * for any call the schedule does not have, so that no planned copy is overwritten */

@@ -529,8 +529,7 @@ static void norm_start(struct sd_job *job)
         local += parts[p];
     struct sd_norm_part *mine = sd_norm_part_at(job, me); /* its hparams and used: set already */
     mine->sumsq = local;
-    mine->digest = job->sched.digest;
-    mine->n = job->sched.rec_len[0];
+    sd_sched_recorded(job, &mine->digest, &mine->n);
     mine->nonfinite_unit = nonfinite_unit(parts, n_parts, rank_major, job->layout.n_units);
     job->step.phase = SD_STEP_NORM;
     job->step.status = SD_OK;

@@ -5,6 +5,7 @@
 - no daemon header that more than a third of the daemon's .c files include;
 - only transport/ calls libfabric, only coll/tag.h packs a tag, and coll/, transport/ and
   cluster/ include only their own headers, the lower libraries' (sd/) and the few named below;
+- the modules' states listed in OPAQUE are defined only in their own .c;
 - no function declared or defined with more than 8 positional parameters (a parameter struct
   instead: sd_job_net_allreduce had 13).
 Usage: test_shape.py DAEMON_DIR"""
@@ -15,6 +16,11 @@ import sys
 MAX_LINES = 900
 MAX_MEMBERS = 40
 MAX_PARAMS = 8
+# a module's state defined only in its own .c (opaque elsewhere): the ones that are so far
+OPAQUE = {
+    "sd_net": "net_service.c",
+    "sd_job_sched": "schedule.c",
+}
 # what each lower floor may include besides its own headers and sd/ (the build links each floor
 # alone as well: daemon/CMakeLists.txt, layer_check)
 FLOOR_INCLUDES = {
@@ -130,6 +136,11 @@ def main():
                 check(inc.startswith(("sd/", floor + "/")) or inc in FLOOR_INCLUDES[floor],
                       "%s includes %s: the %s floor may include its own headers, common's and "
                       "gpu's (sd/), and %s" % (rel, inc, floor, FLOOR_INCLUDES[floor]))
+    for name, owner in OPAQUE.items():
+        where = [os.path.relpath(f, root) for f in files
+                 if re.search(r"\bstruct\s+%s\s*\{" % name, strip_comments(text[f]))]
+        check(where == [owner], "struct %s is defined in %s, only %s may (the module's own "
+              "state)" % (name, where, owner))
     print("test_shape: %d passed, %d failed" % (passed, failed))
     return 1 if failed else 0
 
