@@ -285,10 +285,12 @@ static json_t *job_stats(const struct sd_job *job)
     sd_sched_stats_json(job, o);
     json_object_set_new(o, "push_rounds_peak",
                         json_integer((json_int_t)job->stats.push_rounds_peak));
+    uint64_t sec_loads, sec_stores;
+    sd_sec_counts(job, &sec_loads, &sec_stores);
     json_object_set_new(o, "secondary",
                         json_pack("{s:i, s:b, s:I, s:I}", "ranks", (int)job->plan.sec, "active",
-                                  sd_sec_holders(job) > 0, "loads", (json_int_t)job->sec.loads,
-                                  "stores", (json_int_t)job->sec.stores));
+                                  sd_sec_holders(job) > 0, "loads", (json_int_t)sec_loads, "stores",
+                                  (json_int_t)sec_stores));
     /* the bytes above are what moved (encoded where quantized); bytes_unquantized what the
      * same operations would have moved without quantization */
     json_object_set_new(o, "bytes_unquantized", totals_unq);

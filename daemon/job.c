@@ -4,6 +4,7 @@
 #include "cluster/cluster.h"
 #include "job.h"
 #include "job_module.h"
+#include "secondary.h"
 #include "net.h"
 #include "dispatch.h"
 #include "fetch.h"
@@ -48,6 +49,7 @@ void sd_job_free(struct sd_job *job)
     sd_recover_forget(job->reg, job, "the job's state was dropped");
     sd_ckpt_job_free(job);
     sd_sched_destroy(job);
+    sd_sec_destroy(job);
     sd_resume_unlink(job);
     free(job);
 }

@@ -20,6 +20,8 @@
 
 struct sd_session;
 struct sd_net;
+struct sd_sec_state; /* secondary.c's */
+struct sd_job_sched; /* schedule.c's */
 struct sd_push_round; /* the push rounds' types are push.c's (push.h) */
 struct sd_push_entry;
 struct sd_node_round;
@@ -209,13 +211,6 @@ struct sd_load_state {
  * so the unit's later gathers of that generation copy from them instead of gathering within the
  * w group. Group g is local ranks [g S, g S + S) and serves the copies of its ranks (all of the
  * node's with the hierarchical gather: only group 0 is allocated then). */
-struct sd_sec_state {
-    struct sd_mem *mem; /* [k]: holders of the groups in use, the rest empty */
-    uint32_t groups;    /* groups in use */
-    uint64_t *gen;      /* [n_units * groups]: weights generation held, UINT64_MAX: none */
-    uint64_t loads;     /* gathers served from it */
-    uint64_t stores;    /* refills after a gather of a new generation */
-};
 
 /* A job's transfers across nodes (job_net.c, fetch.c); unused on one node. */
 struct sd_job_xfer {
@@ -267,7 +262,7 @@ struct sd_job {
     struct sd_optim_state opt;
     struct sd_job_stats stats;
     struct sd_job_mem mem;
-    struct sd_sec_state sec;
+    struct sd_sec_state *sec; /* secondary.c's */
     struct sd_unit_cache cache;
     struct sd_push_state push;
     struct sd_step_state step;

@@ -60,7 +60,7 @@ static void free_off_loop(struct sd_job *job)
     bool host = reg->dev->host_memory;
     uint32_t n_arena = job->mem.arena != NULL && host ? job->k * SD_STATE_COUNT : 0;
     uint32_t n_staging = job->mem.staging != NULL ? job->k : 0;
-    uint32_t n_sec = job->sec.mem != NULL && host ? job->k : 0;
+    uint32_t n_sec = sd_sec_hand_over(job, NULL);
     if (reg->loop == NULL || job->mem.bytes_total == 0)
         return;
     struct job_free_work *w = calloc(1, sizeof(*w));
@@ -79,10 +79,7 @@ static void free_off_loop(struct sd_job *job)
         mems[n++] = job->mem.staging[i];
         job->mem.staging[i] = (struct sd_mem){.fd = -1};
     }
-    for (uint32_t i = 0; i < n_sec; i++) {
-        mems[n++] = job->sec.mem[i];
-        job->sec.mem[i] = (struct sd_mem){.fd = -1};
-    }
+    n += sd_sec_hand_over(job, mems + n);
     mems[n++] = job->mem.pool;
     job->mem.pool = (struct sd_mem){.fd = -1};
     *w = (struct job_free_work){.reg = reg,
@@ -122,15 +119,8 @@ void sd_job_mem_free(struct sd_job *job)
     if (job->mem.fence != NULL)
         for (uint32_t i = 0; i < job->k; i++)
             sd_gpu_host_ops.free(&job->mem.fence[i]);
-    if (job->sec.mem != NULL)
-        for (uint32_t i = 0; i < job->k; i++)
-            dev->free(&job->sec.mem[i]);
+    sd_sec_free(job);
     sd_quant_free(job);
-    free(job->sec.mem);
-    free(job->sec.gen);
-    job->sec.mem = NULL;
-    job->sec.gen = NULL;
-    job->sec.groups = 0;
     if (job->mem.pool.ptr != NULL)
         sd_gpu_host_ops.free(&job->mem.pool);
     free(job->mem.arena);
@@ -307,21 +297,12 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->push.round_entries = calloc(n_rounds * job->push.round_gens * job->push.g_members,
                                      sizeof(*job->push.round_entries));
     job->push.rounds_done = calloc(n_rounds, sizeof(*job->push.rounds_done));
-    uint32_t holders = sd_sec_holders(job);
-    if (holders > 0) {
-        job->sec.groups = holders / job->plan.sec;
-        job->sec.mem = calloc(k, sizeof(*job->sec.mem));
-        job->sec.gen = malloc((size_t)l->n_units * job->sec.groups * sizeof(*job->sec.gen));
-        for (uint32_t i = 0; job->sec.mem != NULL && i < k; i++)
-            job->sec.mem[i].fd = -1;
-        for (size_t i = 0; job->sec.gen != NULL && i < (size_t)l->n_units * job->sec.groups; i++)
-            job->sec.gen[i] = UINT64_MAX; /* holds nothing yet */
-    }
-    if ((holders > 0 && (!job->sec.mem || !job->sec.gen)) || !job->mem.arena || !job->mem.staging ||
-        !job->mem.fence || !job->mem.fence_count || !job->mem.scratch || cache_st != SD_OK ||
-        queue_st != SD_OK || !job->step.sumsq_parts || !job->xfer.wait_tags ||
-        !job->step.norm_buf || !job->step.os_pos || !job->push.rounds || !job->step.arg_flags ||
-        !job->step.hp_next || !job->step.used || !job->opt.hparams || !job->opt.tensor_steps ||
+    int sec_st = sd_sec_setup(job);
+    if (sec_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
+        !job->mem.fence_count || !job->mem.scratch || cache_st != SD_OK || queue_st != SD_OK ||
+        !job->step.sumsq_parts || !job->xfer.wait_tags || !job->step.norm_buf ||
+        !job->step.os_pos || !job->push.rounds || !job->step.arg_flags || !job->step.hp_next ||
+        !job->step.used || !job->opt.hparams || !job->opt.tensor_steps ||
         !job->push.round_entries || !job->push.rounds_done) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
@@ -370,13 +351,9 @@ static int job_alloc_arenas(struct sd_job *job, char *err, size_t errlen)
             if (status != SD_OK)
                 return alloc_failed(job, tag, status, err, errlen);
         }
-    for (uint32_t r = 0; r < sd_sec_holders(job); r++) {
-        snprintf(tag, sizeof(tag), "shardd-%s-r%u-sec", job->name, job->first_rank + r);
-        int status =
-            job->reg->dev->alloc(sd_sec_holder_bytes(job), SD_MEM_PRIVATE, tag, &job->sec.mem[r]);
-        if (status != SD_OK)
-            return alloc_failed(job, tag, status, err, errlen);
-    }
+    int sec_st = sd_sec_alloc(job, tag, sizeof(tag));
+    if (sec_st != SD_OK)
+        return alloc_failed(job, tag, sec_st, err, errlen);
     return sd_quant_alloc(job, err, errlen);
 }
 

@@ -13,8 +13,20 @@
 #include "sd/codec.h"
 #include "sd/log.h"
 #include "sd/status.h"
+#include "sd/util.h"
 
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* The node's secondary copies (secondary.h): only this file reads or writes them. */
+struct sd_sec_state {
+    struct sd_mem *mem; /* [k]: holders of the groups in use, the rest empty */
+    uint32_t groups;    /* groups in use */
+    uint64_t *gen;      /* [n_units * groups]: weights generation held, UINT64_MAX: none */
+    uint64_t loads;     /* gathers served from it */
+    uint64_t stores;    /* refills after a gather of a new generation */
+};
 
 static uint32_t group_of(const struct sd_job *job, const struct sd_unit_state *us)
 {
@@ -23,14 +35,14 @@ static uint32_t group_of(const struct sd_job *job, const struct sd_unit_state *u
 
 static uint64_t *gen_of(const struct sd_job *job, const struct sd_unit_state *us)
 {
-    return &job->sec.gen[(size_t)us->unit * job->sec.groups + group_of(job, us)];
+    return &job->sec->gen[(size_t)us->unit * job->sec->groups + group_of(job, us)];
 }
 
 /* holder h's piece of unit ul (in the unit's dtype, or int8 blocks with ,qsec), and the bytes
  * of its slot part */
 static uint8_t *piece(struct sd_job *job, uint32_t h, const struct sd_unit_layout *ul)
 {
-    return (uint8_t *)job->sec.mem[h].ptr + ul->sec_boff;
+    return (uint8_t *)job->sec->mem[h].ptr + ul->sec_boff;
 }
 
 static uint64_t piece_bytes(const struct sd_job *job, const struct sd_unit_layout *ul)
@@ -52,7 +64,7 @@ uint32_t sd_sec_holders(const struct sd_job *job)
 
 bool sd_sec_ready(const struct sd_job *job, const struct sd_unit_state *us)
 {
-    return job->sec.groups > 0 && *gen_of(job, us) == job->weights_gen;
+    return job->sec != NULL && job->sec->groups > 0 && *gen_of(job, us) == job->weights_gen;
 }
 
 void sd_sec_load(struct sd_job *job, struct sd_unit_state *us)
@@ -73,12 +85,12 @@ void sd_sec_load(struct sd_job *job, struct sd_unit_state *us)
         job->reg->dev->copy(job->mem.queue, slot + j * len, piece(job, first + j, ul), len);
         sd_job_count_copy(job, SD_OP_FETCH, first + j, us->lslot, len);
     }
-    job->sec.loads++;
+    job->sec->loads++;
 }
 
 bool sd_sec_keep(struct sd_job *job, struct sd_unit_state *us)
 {
-    if (job->sec.groups == 0 || *gen_of(job, us) == job->weights_gen)
+    if (job->sec == NULL || job->sec->groups == 0 || *gen_of(job, us) == job->weights_gen)
         return true;
     const struct sd_unit_layout *ul = &job->layout.units[us->unit];
     uint64_t len = piece_bytes(job, ul);
@@ -97,10 +109,85 @@ bool sd_sec_keep(struct sd_job *job, struct sd_unit_state *us)
         sd_job_count_copy(job, SD_OP_FETCH, us->lslot, first + j, len);
     }
     *gen_of(job, us) = job->weights_gen;
-    job->sec.stores++;
+    job->sec->stores++;
     SD_DEBUG("fetch", "job '%s': secondary copy of unit %u (group %u) refilled, generation %llu",
              job->name, us->unit, group_of(job, us), (unsigned long long)job->weights_gen);
     /* the slot may be evicted and refilled by the network once the loop runs again: the copies
      * out of it are done before that */
     return sd_job_sync(job);
+}
+
+/* ---- its memory */
+
+int sd_sec_setup(struct sd_job *job)
+{
+    uint32_t holders = sd_sec_holders(job), k = job->k;
+    size_t n_gen = (size_t)job->layout.n_units * (holders / SD_MAX(job->plan.sec, 1));
+    if (job->sec == NULL && (job->sec = calloc(1, sizeof(*job->sec))) == NULL)
+        return SD_ENOMEM;
+    if (holders == 0)
+        return SD_OK;
+    struct sd_sec_state *sc = job->sec;
+    sc->groups = holders / job->plan.sec;
+    sc->mem = calloc(k, sizeof(*sc->mem));
+    sc->gen = malloc(n_gen * sizeof(*sc->gen));
+    if (sc->mem == NULL || sc->gen == NULL)
+        return SD_ENOMEM;
+    for (uint32_t i = 0; i < k; i++)
+        sc->mem[i].fd = -1;
+    for (size_t i = 0; i < n_gen; i++)
+        sc->gen[i] = UINT64_MAX; /* holds nothing yet */
+    return SD_OK;
+}
+
+int sd_sec_alloc(struct sd_job *job, char *tag, size_t taglen)
+{
+    for (uint32_t r = 0; r < sd_sec_holders(job); r++) {
+        snprintf(tag, taglen, "shardd-%s-r%u-sec", job->name, job->first_rank + r);
+        int status =
+            job->reg->dev->alloc(sd_sec_holder_bytes(job), SD_MEM_PRIVATE, tag, &job->sec->mem[r]);
+        if (status != SD_OK)
+            return status;
+    }
+    return SD_OK;
+}
+
+uint32_t sd_sec_hand_over(struct sd_job *job, struct sd_mem *out)
+{
+    if (job->sec == NULL || job->sec->mem == NULL || !job->reg->dev->host_memory)
+        return 0;
+    if (out == NULL)
+        return job->k;
+    for (uint32_t i = 0; i < job->k; i++) {
+        out[i] = job->sec->mem[i];
+        job->sec->mem[i] = (struct sd_mem){.fd = -1};
+    }
+    return job->k;
+}
+
+void sd_sec_free(struct sd_job *job)
+{
+    struct sd_sec_state *sc = job->sec;
+    if (sc == NULL)
+        return;
+    for (uint32_t i = 0; sc->mem != NULL && i < job->k; i++)
+        job->reg->dev->free(&sc->mem[i]);
+    free(sc->mem);
+    free(sc->gen);
+    sc->mem = NULL;
+    sc->gen = NULL;
+    sc->groups = 0;
+}
+
+void sd_sec_destroy(struct sd_job *job)
+{
+    sd_sec_free(job);
+    free(job->sec);
+    job->sec = NULL;
+}
+
+void sd_sec_counts(const struct sd_job *job, uint64_t *loads_p, uint64_t *stores_p)
+{
+    *loads_p = job->sec != NULL ? job->sec->loads : 0;
+    *stores_p = job->sec != NULL ? job->sec->stores : 0;
 }

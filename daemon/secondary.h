@@ -4,9 +4,12 @@
 #define SD_SECONDARY_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 struct sd_job;
+struct sd_mem;
+struct sd_sec_state; /* secondary.c's own; job->sec (NULL before registration allocated it) */
 struct sd_unit_state;
 
 /* bytes of one holder's secondary memory and the number of holders in use (0 when the plan
@@ -22,5 +25,19 @@ void sd_sec_load(struct sd_job *job, struct sd_unit_state *us);
  * secondary copy of its group from it unless that already holds this generation. False after
  * failing the job (the backend failed). */
 bool sd_sec_keep(struct sd_job *job, struct sd_unit_state *us);
+
+/* At registration: the state and its bookkeeping (SD_ENOMEM), then the holders' memory in the
+ * backend (a failure's status, tag naming the allocation). */
+int sd_sec_setup(struct sd_job *job);
+int sd_sec_alloc(struct sd_job *job, char *tag, size_t taglen);
+/* The holders' host memory handed over to be freed off the loop: moved into out (job->k
+ * entries; NULL: only count them), their count (0 when the backend's memory is not host
+ * memory or none is held). */
+uint32_t sd_sec_hand_over(struct sd_job *job, struct sd_mem *out);
+/* the job's memory goes (the counters stay for shardctl); the job goes */
+void sd_sec_free(struct sd_job *job);
+void sd_sec_destroy(struct sd_job *job);
+/* gathers served from the secondary copies, and their refills */
+void sd_sec_counts(const struct sd_job *job, uint64_t *loads_p, uint64_t *stores_p);
 
 #endif
