@@ -347,57 +347,73 @@ void sd_ckpt__tmp_prefix(const struct sd_job *job, char *buf, size_t len)
     snprintf(buf, len, ".tmp-%s-", job->name);
 }
 
+/* The walk over this node's extents: counted (items NULL), then filled in the same order. */
+struct plan_walk {
+    struct sd_ckpt_job *c;
+    const float *os; /* the writer rank's os arena */
+    uint64_t os_stride, n, file_off;
+    uint32_t n_states, node;
+    bool fill;
+};
+
+/* tensor tl's part of os shard [b, e) of unit ul: an extent per SD_CKPT_EXTENT_ELEMS elements
+ * and state, in file order */
+static void plan_tensor(struct plan_walk *w, const struct sd_unit_layout *ul, uint32_t t,
+                        const struct sd_tensor_layout *tl, uint64_t b, uint64_t e)
+{
+    uint64_t lo = SD_MAX(b, tl->offset), hi = SD_MIN(e, tl->offset + tl->numel);
+    for (uint64_t a = lo; a < hi; a += SD_CKPT_EXTENT_ELEMS) {
+        uint64_t z = SD_MIN(hi, a + SD_CKPT_EXTENT_ELEMS);
+        for (uint32_t s = 0; s < w->n_states; s++, w->n++) {
+            if (w->fill) {
+                w->c->item_src[w->n] =
+                    w->os + s * w->os_stride + ul->arena_off[SD_STATE_OS] + (a - b);
+                w->c->items[w->n] = (struct sd_ckpt_extent){.state = s,
+                                                            .tensor = t,
+                                                            .file = w->node,
+                                                            .begin = a - tl->offset,
+                                                            .end = z - tl->offset,
+                                                            .file_off = w->file_off};
+            }
+            w->file_off += (z - a) * sizeof(float);
+        }
+    }
+}
+
 /* this node's extents, their sources and their place in its data file */
 static int save_plan(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     const struct sd_layout *l = &job->layout;
-    uint32_t n_states = sd_ckpt_states(job->model.optim.kind);
-    uint64_t os_stride = sd_arena_os_stride(l->arena_numel[SD_STATE_OS]), cap = 0, n = 0;
+    struct plan_walk w = {.c = c,
+                          .os_stride = sd_arena_os_stride(l->arena_numel[SD_STATE_OS]),
+                          .n_states = sd_ckpt_states(job->model.optim.kind),
+                          .node = job->node};
     for (int pass = 0; pass < 2; pass++) {
-        uint64_t file_off = 0;
-        n = 0;
+        w.n = w.file_off = 0;
+        w.fill = pass == 1;
         for (uint32_t r = 0; r < job->k; r++) {
             if (!c->writer[r])
                 continue;
-            const float *os = sd_job_state(job, r, SD_STATE_OS);
+            w.os = sd_job_state(job, r, SD_STATE_OS);
             for (uint32_t u = 0; u < l->n_units; u++) {
                 const struct sd_unit_layout *ul = &l->units[u];
                 uint64_t b, e;
                 sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
-                for (uint32_t t = ul->first_tensor; t < ul->first_tensor + ul->n_tensors; t++) {
-                    const struct sd_tensor_layout *tl = &l->tensors[t];
-                    uint64_t lo = SD_MAX(b, tl->offset), hi = SD_MIN(e, tl->offset + tl->numel);
-                    for (uint64_t a = lo; a < hi; a += SD_CKPT_EXTENT_ELEMS) {
-                        uint64_t z = SD_MIN(hi, a + SD_CKPT_EXTENT_ELEMS);
-                        for (uint32_t s = 0; s < n_states; s++, n++) {
-                            if (pass == 1) {
-                                c->item_src[n] =
-                                    os + s * os_stride + ul->arena_off[SD_STATE_OS] + (a - b);
-                                c->items[n] = (struct sd_ckpt_extent){.state = s,
-                                                                      .tensor = t,
-                                                                      .file = job->node,
-                                                                      .begin = a - tl->offset,
-                                                                      .end = z - tl->offset,
-                                                                      .file_off = file_off};
-                            }
-                            file_off += (z - a) * sizeof(float);
-                        }
-                    }
-                }
+                for (uint32_t t = ul->first_tensor; t < ul->first_tensor + ul->n_tensors; t++)
+                    plan_tensor(&w, ul, t, &l->tensors[t], b, e);
             }
         }
         if (pass == 0) {
-            cap = n;
             free(c->items);
             free(c->item_src);
-            c->items = calloc(cap + 1, sizeof(*c->items));
-            c->item_src = calloc(cap + 1, sizeof(*c->item_src));
+            c->items = calloc(w.n + 1, sizeof(*c->items));
+            c->item_src = calloc(w.n + 1, sizeof(*c->item_src));
             if (c->items == NULL || c->item_src == NULL)
                 return SD_ENOMEM;
         }
     }
-    c->n_items = n;
+    c->n_items = w.n;
     return SD_OK;
 }
 

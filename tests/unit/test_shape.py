@@ -5,6 +5,7 @@
 - no daemon header that more than a third of the daemon's .c files include;
 - only transport/ calls libfabric, only coll/tag.h packs a tag, and coll/, transport/ and
   cluster/ include only their own headers, the lower libraries' (sd/) and the few named below;
+- no function nested deeper than MAX_DEPTH braces;
 - the modules' states listed in OPAQUE are defined only in their own .c;
 - no function declared or defined with more than 8 positional parameters (a parameter struct
   instead: sd_job_net_allreduce had 13).
@@ -16,6 +17,7 @@ import sys
 MAX_LINES = 900
 MAX_MEMBERS = 40
 MAX_PARAMS = 8
+MAX_DEPTH = 5  # braces deep inside a function, its body counting 1 (save_plan was 9)
 # a module's state defined only in its own .c (opaque elsewhere): the ones that are so far
 OPAQUE = {
     "sd_net": "net_service.c",
@@ -90,6 +92,24 @@ def function_params(text):
     return out
 
 
+def brace_depths(text):
+    """(function, deepest brace level) of every function in text (comments stripped)"""
+    text = re.sub(r'"(\\.|[^"\\])*"', '""', text)
+    text = re.sub(r"'(\\.|[^'\\])'", "''", text)
+    depth, fn, best = 0, None, {}
+    for line in text.split("\n"):
+        m = re.match(r"^[A-Za-z].*?(\w+)\(", line)
+        if depth == 0 and m:
+            fn = m.group(1)
+        for ch in line:
+            if ch == "{":
+                depth += 1
+                best[fn] = max(best.get(fn, 0), depth)
+            elif ch == "}":
+                depth -= 1
+    return best
+
+
 def main():
     root = sys.argv[1]
     files = []
@@ -109,6 +129,11 @@ def main():
         check(not [x for x in funcs if x[1] > MAX_PARAMS], "%s: functions with more than %d "
               "positional parameters: %s" % (rel, MAX_PARAMS,
                                              [x for x in funcs if x[1] > MAX_PARAMS]))
+        if f.endswith(".c"):
+            deep = [(fn, d) for fn, d in brace_depths(strip_comments(text[f])).items()
+                    if d > MAX_DEPTH]
+            check(not deep, "%s: functions nested deeper than %d braces: %s" %
+                  (rel, MAX_DEPTH, deep))
     n_funcs = sum(len(function_params(strip_comments(t))) for t in text.values())
     check(n_funcs > 300, "the parameter count sees the daemon's functions: %d" % n_funcs)
 
