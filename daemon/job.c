@@ -50,6 +50,7 @@ void sd_job_free(struct sd_job *job)
     sd_ckpt_job_free(job);
     sd_sched_destroy(job);
     sd_sec_destroy(job);
+    sd_push_destroy(job);
     sd_resume_unlink(job);
     free(job);
 }
@@ -384,14 +385,11 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     if (status == SD_OK)
         status = sd_ckpt_job_init(job, owner, msg->load, err, errlen);
     job->load.resume.timeout_ms = sd_resume_timeout(reg, msg->resume_timeout_ms);
-    uint32_t fw = job->plan.f[SD_STATE_W], fg = job->plan.f[SD_STATE_G];
     for (int st = 0; st < SD_STATE_COUNT; st++)
         job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
     job->slots_per_unit = job->gnodes[SD_STATE_W] > 1 && !job->plan.hierarchical ? k : 1;
-    job->push.node_rounds = nodes > 1 && (fg > k || !job->plan.two_hop);
-    job->push.g_ident = job->gnodes[SD_STATE_G] == 1 || fw == 1;
-    /* a round inside the node is reduced as soon as it is complete: one generation is enough */
-    job->push.round_gens = job->push.node_rounds ? (uint32_t)reg->cfg->push_rounds : 1;
+    if (status == SD_OK)
+        status = sd_push_create(job);
     if (status == SD_OK)
         job->n_slots = job->layout.n_units * job->slots_per_unit;
     if (status == SD_OK) {

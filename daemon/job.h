@@ -20,12 +20,9 @@
 
 struct sd_session;
 struct sd_net;
-struct sd_sec_state; /* secondary.c's */
-struct sd_job_sched; /* schedule.c's */
-struct sd_push_round; /* the push rounds' types are push.c's (push.h) */
-struct sd_push_entry;
-struct sd_node_round;
-struct sd_round_ref;
+struct sd_sec_state;  /* secondary.c's */
+struct sd_job_sched;  /* schedule.c's */
+struct sd_push_state; /* push.c's */
 struct sd_ckpt_job;
 
 /* ranks one node serves in a job, at most: a gather's waiting ranks are a 64-bit set */
@@ -114,21 +111,6 @@ struct sd_job_mem {
 /* Push rounds (push.c): [unit][group][generation][member] for the g-partition groups on this
  * node; round n of a (unit, group) collects in generation n % round_gens. Across nodes, up to
  * round_gens node rounds are on the wire at once. */
-struct sd_push_state {
-    uint32_t g_groups, g_members, round_gens;
-    struct sd_push_round *rounds;
-    struct sd_push_entry *round_entries;
-    uint64_t *rounds_done; /* [unit][group] rounds completed: the oldest one collecting */
-    bool node_rounds;      /* pushes reduce across nodes (or all-reduce without 2-hop) */
-    bool g_ident; /* the node blocks of a reduce-scatter across nodes are the k ranks' g shards
-                     in unit order (f_w = 1, or the group inside the node) */
-    struct sd_node_round *nr; /* [round_gens] ring of node rounds, oldest at nr_head */
-    uint32_t nr_head, nr_len;
-    struct sd_round_ref *round_queue; /* local rounds complete, waiting for a node round: FIFO */
-    uint32_t rq_head, rq_len, rq_cap;
-    float *nr_mem; /* the node rounds' buffers, one registration */
-    size_t ar_tmp_count;
-};
 
 /* The optimizer's bookkeeping (optimizer.c): what a schedule and skipped tensors change. */
 struct sd_optim_state {
@@ -264,7 +246,7 @@ struct sd_job {
     struct sd_job_mem mem;
     struct sd_sec_state *sec; /* secondary.c's */
     struct sd_unit_cache cache;
-    struct sd_push_state push;
+    struct sd_push_state *push; /* push.c's */
     struct sd_step_state step;
     struct sd_load_state load;
     struct sd_job_xfer xfer;

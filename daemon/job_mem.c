@@ -85,13 +85,12 @@ static void free_off_loop(struct sd_job *job)
     *w = (struct job_free_work){.reg = reg,
                                 .mems = mems,
                                 .n_mems = n,
-                                .heap = {job->mem.scratch, job->push.nr_mem},
+                                .heap = {job->mem.scratch, sd_push_take_net_mem(job)},
                                 .bytes = job->mem.bytes_total,
                                 .start_ns = sd_now_ns()};
     w->req.data = w;
     snprintf(w->job, sizeof(w->job), "%s", job->name);
     job->mem.scratch = NULL;
-    job->push.nr_mem = NULL;
     job->mem.bytes_total = 0;
     if (uv_queue_work(reg->loop, &w->req, free_work_cb, free_after_cb) != 0) {
         free_work_cb(&w->req);
@@ -130,9 +129,8 @@ void sd_job_mem_free(struct sd_job *job)
     job->mem.fence = NULL;
     job->mem.fence_count = NULL;
     free(job->mem.scratch);
-    free(job->push.nr_mem);
+    sd_push_free(job);
     sd_unit_cache_fini(&job->cache);
-    free(job->push.rounds);
     free(job->step.sumsq_parts);
     job->step.sumsq_parts = NULL;
     free(job->xfer.wait_tags);
@@ -149,16 +147,10 @@ void sd_job_mem_free(struct sd_job *job)
     job->opt.tensor_steps = NULL;
     free(job->step.os_pos);
     job->step.os_pos = NULL;
-    free(job->push.round_entries);
-    free(job->push.rounds_done);
     free(job->mem.w_off);
     sd_sched_free(job);
     job->mem.arena = job->mem.staging = NULL;
     job->mem.scratch = NULL;
-    job->push.nr_mem = NULL;
-    job->push.rounds = NULL;
-    job->push.round_entries = NULL;
-    job->push.rounds_done = NULL;
     job->mem.w_off = NULL;
     if (job->mem.bytes_total) {
         job->reg->used -= job->mem.bytes_total;
@@ -285,25 +277,13 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->step.os_pos = calloc(OS, sizeof(*job->step.os_pos));
     for (uint32_t i = 0; job->step.os_pos != NULL && i < OS; i++)
         job->step.os_pos[sd_plan_shard(&job->plan, SD_STATE_OS, i)] = i;
-    if (job->push.node_rounds) { /* one round per unit over all local ranks, then the network */
-        job->push.g_members = k;
-        job->push.g_groups = 1;
-    } else {
-        job->push.g_members = SD_MIN(job->plan.f[SD_STATE_G], k);
-        job->push.g_groups = k / job->push.g_members;
-    }
-    size_t n_rounds = (size_t)l->n_units * job->push.g_groups;
-    job->push.rounds = calloc(n_rounds * job->push.round_gens, sizeof(*job->push.rounds));
-    job->push.round_entries = calloc(n_rounds * job->push.round_gens * job->push.g_members,
-                                     sizeof(*job->push.round_entries));
-    job->push.rounds_done = calloc(n_rounds, sizeof(*job->push.rounds_done));
+    int push_st = sd_push_alloc(job);
     int sec_st = sd_sec_setup(job);
     if (sec_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
         !job->mem.fence_count || !job->mem.scratch || cache_st != SD_OK || queue_st != SD_OK ||
         !job->step.sumsq_parts || !job->xfer.wait_tags || !job->step.norm_buf ||
-        !job->step.os_pos || !job->push.rounds || !job->step.arg_flags || !job->step.hp_next ||
-        !job->step.used || !job->opt.hparams || !job->opt.tensor_steps ||
-        !job->push.round_entries || !job->push.rounds_done) {
+        !job->step.os_pos || !job->step.arg_flags || !job->step.hp_next || !job->step.used ||
+        !job->opt.hparams || !job->opt.tensor_steps || push_st != SD_OK) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }

@@ -37,7 +37,7 @@ int sd_job_net_allreduce(struct sd_job *job, const struct sd_job_allreduce *a)
                                    .buf = a->buf,
                                    .count = a->count,
                                    .tmp = a->tmp,
-                                   .tmp_count = job->push.ar_tmp_count,
+                                   .tmp_count = sd_push_ar_tmp_count(job),
                                    .acc = a->acc,
                                    .buf_desc = sd_job_net_desc(job, a->buf),
                                    .tmp_desc = sd_job_net_desc(job, a->tmp),
@@ -86,23 +86,11 @@ static uint32_t bulks_needed(const struct sd_job *job)
     uint32_t Gw = job->gnodes[SD_STATE_W], G = job->gnodes[SD_STATE_G], N = job->nodes;
     uint32_t gathers = SD_MAX_GATHERS_INFLIGHT * (Gw - 1);
     uint32_t serve = SD_MAX_GATHERS_INFLIGHT * (N - 1) * job->slots_per_unit;
-    uint32_t round = job->push.round_gens * (2 * (G - 1) + 2 * (N - 1));
+    uint32_t round = sd_push_round_gens(job) * (2 * (G - 1) + 2 * (N - 1));
     uint32_t step =
         2 * (N - 1) + 2 + 2 * (job->gnodes[SD_STATE_OS] - 1); /* + the weights' all-gather */
     uint32_t init = N;
     return gathers + serve + round + step + init + 4;
-}
-
-static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cfg)
-{
-    uint32_t R = job->gnodes[SD_STATE_G] > 1 ? job->nodes / job->gnodes[SD_STATE_G] : job->nodes;
-    uint64_t maxn = job->layout.max_unit_numel;
-    uint64_t block = job->gnodes[SD_STATE_G] > 1 ? maxn / job->gnodes[SD_STATE_G] : maxn;
-    /* the largest all-reduce is one block */
-    size_t need = sd_allreduce_tmp_floats(block, R, cfg->small_allreduce_bytes);
-    /* smaller units may take the direct path with (R - 1) * count floats */
-    size_t small = cfg->small_allreduce_bytes / sizeof(float);
-    return SD_MAX(need, (size_t)(R > 1 ? R - 1 : 0) * SD_MIN(small, block)) + 16;
 }
 
 /* Does each round's all-reduce add its sum into the g shard itself (sd_allreduce's acc)? With
@@ -116,35 +104,12 @@ bool sd_job_net_rounds_accumulate(const struct sd_job *job)
            job->plan.f[SD_STATE_G] == job->gnodes[SD_STATE_G];
 }
 
-/* Does a node round sum its partial into a buffer of its own? Not when one rank's fp32
- * gradient is the partial. */
-static bool rounds_need_buf(const struct sd_job *job)
-{
-    if (job->k > 1 || !job->push.g_ident)
-        return true;
-    for (uint32_t u = 0; u < job->layout.n_units; u++)
-        if (job->layout.units[u].dtype != SD_DTYPE_FP32)
-            return true;
-    return false;
-}
-
-/* floats of one node round's buffers: partial, the G - 1 received blocks, the summed block and
- * the all-reduce's temporary */
-static size_t round_floats(const struct sd_job *job, const struct sd_config *cfg)
-{
-    uint64_t maxn = job->layout.max_unit_numel;
-    uint32_t G = job->gnodes[SD_STATE_G];
-    uint64_t block = G > 1 ? maxn / G : 0;
-    return (rounds_need_buf(job) ? maxn : 0) + (G > 1 ? (uint64_t)G * block : 0) +
-           ar_tmp_floats(job, cfg) + 4 * 16; /* + 16 floats of slack after each buffer */
-}
-
 uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg)
 {
     if (job->nodes <= 1)
         return 0;
     uint32_t Gw = job->gnodes[SD_STATE_W];
-    uint64_t b = (uint64_t)job->push.round_gens * round_floats(job, cfg) * sizeof(float);
+    uint64_t b = (uint64_t)sd_push_net_floats(job, cfg) * sizeof(float);
     b += (uint64_t)bulks_needed(job) * sizeof(struct sd_bulk);
     b += (uint64_t)job->n_slots * (Gw ? Gw - 1 : 0) * (sizeof(struct sd_xfer) + sizeof(void *));
     return b;
@@ -167,10 +132,8 @@ static int reg_mr(struct sd_job *job, const void *p, size_t len)
 
 int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
 {
-    const struct sd_config *cfg = job->reg->cfg;
-    uint32_t G = job->gnodes[SD_STATE_G], Gw = job->gnodes[SD_STATE_W], N = job->nodes;
+    uint32_t Gw = job->gnodes[SD_STATE_W], N = job->nodes;
     uint64_t maxn = job->layout.max_unit_numel;
-    uint64_t block = G > 1 ? maxn / G : 0;
     job->xfer.net = job->reg->net;
     if (job->xfer.net == NULL) {
         snprintf(err, errlen, "this daemon has no cluster (nodes = 1)");
@@ -183,29 +146,10 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     int st = sd_bulk_pool_init(&job->xfer.bulks, bulks_needed(job));
     if (st != SD_OK)
         goto err_nomem;
-    job->push.ar_tmp_count = ar_tmp_floats(job, cfg);
-    size_t per_round = round_floats(job, cfg);
-    job->push.nr = calloc(job->push.round_gens, sizeof(*job->push.nr));
-    job->push.nr_mem = calloc((size_t)job->push.round_gens * per_round, sizeof(float));
-    if (!job->push.nr || !job->push.nr_mem)
+    float *nr_mem = NULL;
+    size_t nr_floats = 0;
+    if (sd_push_net_setup(job, &nr_mem, &nr_floats) != SD_OK)
         goto err_nomem;
-    bool need_buf = rounds_need_buf(job);
-    for (uint32_t i = 0; i < job->push.round_gens; i++) {
-        struct sd_node_round *rd = &job->push.nr[i];
-        float *p = job->push.nr_mem + (size_t)i * per_round;
-        rd->job = job;
-        if (need_buf) {
-            rd->buf = p;
-            p += maxn + 16;
-        }
-        if (G > 1) {
-            rd->rs_recv = p;
-            p += (size_t)(G - 1) * block + 16;
-            rd->rs_out = p;
-            p += block + 16;
-        }
-        rd->ar_tmp = p;
-    }
     if (Gw > 1) {
         for (uint32_t i = 0; i < job->n_slots; i++) {
             job->cache.units[i].rb = calloc(Gw, sizeof(*job->cache.units[i].rb));
@@ -216,8 +160,6 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     }
     job->xfer.members = calloc(N, sizeof(*job->xfer.members));
     job->step.norm_b = calloc(2 * N, sizeof(*job->step.norm_b));
-    job->push.rq_cap = job->layout.n_units * job->push.round_gens;
-    job->push.round_queue = calloc(job->push.rq_cap, sizeof(*job->push.round_queue));
     job->xfer.req_cap = N * job->n_slots + 16;
     job->xfer.req_queue = calloc(job->xfer.req_cap, sizeof(*job->xfer.req_queue));
     uint32_t max_mrs = 2 * job->k + 7;
@@ -225,8 +167,8 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     job->xfer.mr_descs = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_base = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_len = calloc(max_mrs, sizeof(size_t));
-    if (!job->xfer.members || !job->step.norm_b || !job->push.round_queue || !job->xfer.req_queue ||
-        !job->xfer.mr_handles || !job->xfer.mr_descs || !job->xfer.mr_base || !job->xfer.mr_len)
+    if (!job->xfer.members || !job->step.norm_b || !job->xfer.req_queue || !job->xfer.mr_handles ||
+        !job->xfer.mr_descs || !job->xfer.mr_base || !job->xfer.mr_len)
         goto err_nomem;
     /* memory registered once per job */
     st = reg_mr(job, job->mem.pool.ptr, job->mem.pool.bytes);
@@ -239,8 +181,7 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     if (st == SD_OK)
         st = reg_mr(job, job->mem.scratch, maxn * sizeof(float));
     if (st == SD_OK)
-        st =
-            reg_mr(job, job->push.nr_mem, (size_t)job->push.round_gens * per_round * sizeof(float));
+        st = reg_mr(job, nr_mem, nr_floats * sizeof(float));
     if (st == SD_OK)
         st = reg_mr(job, job->step.norm_buf, N * job->step.norm_stride);
     if (st == SD_OK) /* encoded w shards, gather receive slots, int4 blocks */
@@ -275,19 +216,16 @@ void sd_job_net_teardown(struct sd_job *job)
         job->cache.units[i].req_x = NULL;
     }
     sd_bulk_pool_fini(&job->xfer.bulks);
-    free(job->push.nr); /* nr_mem goes with the job's other big buffers (sd_job_mem_free) */
+    sd_push_net_teardown(job); /* the rounds' buffer goes with the job's other big buffers */
     free(job->xfer.members);
     free(job->step.norm_b);
-    free(job->push.round_queue);
     free(job->xfer.req_queue);
     free(job->xfer.mr_handles);
     free(job->xfer.mr_descs);
     free(job->xfer.mr_base);
     free(job->xfer.mr_len);
-    job->push.nr = NULL;
     job->xfer.members = NULL;
     job->step.norm_b = NULL;
-    job->push.round_queue = NULL;
     job->xfer.req_queue = NULL;
     job->xfer.mr_handles = job->xfer.mr_descs = NULL;
     job->xfer.mr_base = NULL;
@@ -349,6 +287,8 @@ static bool is_recv(const struct sd_bulk *b)
 void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
 {
     char peers[128];
+    uint32_t unit;
+    uint64_t seq, start;
     if (list_pending_peers(job, is_recv, peers, sizeof(peers)) == 0)
         list_pending_peers(job, NULL, peers, sizeof(peers));
     if (peers[0] == '\0')
@@ -360,11 +300,10 @@ void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
                  "step %llu (%s, unit %u; last completed step %llu) waiting for node(s) %s",
                  (unsigned long long)job->steps + 1, phase[job->step.phase], job->step.unit,
                  (unsigned long long)job->steps, peers);
-    } else if (job->push.nr_len > 0) {
-        const struct sd_node_round *rd = &job->push.nr[job->push.nr_head];
+    } else if (sd_push_oldest(job, &unit, &seq, &start)) {
         snprintf(out, len,
                  "push of unit %u (micro-step %llu; last completed %llu) waiting for node(s) %s",
-                 rd->unit, (unsigned long long)rd->seq + 1, (unsigned long long)rd->seq, peers);
+                 unit, (unsigned long long)seq + 1, (unsigned long long)seq, peers);
     } else if (job->xfer.gathers_inflight > 0) {
         uint32_t u = 0;
         for (uint32_t i = 0; i < job->n_slots; i++)
@@ -390,11 +329,12 @@ void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
 void sd_job_net_sweep(struct sd_job *job, uint64_t now)
 {
     uint64_t timeout = (uint64_t)job->reg->cfg->op_timeout_ms * 1000000ULL;
-    uint64_t started = 0;
+    uint64_t started = 0, seq, push_start;
+    uint32_t unit;
     if (job->step.phase != SD_STEP_IDLE)
         started = job->step.start_ns;
-    else if (job->push.nr_len > 0)
-        started = job->push.nr[job->push.nr_head].start_ns;
+    else if (sd_push_oldest(job, &unit, &seq, &push_start))
+        started = push_start;
     else if (job->xfer.gathers_inflight > 0)
         for (uint32_t i = 0; i < job->n_slots; i++)
             if (job->cache.units[i].inflight &&

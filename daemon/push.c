@@ -19,7 +19,91 @@
 #include "sd/status.h"
 #include "sd/util.h"
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+struct sd_push_entry {
+    struct sd_session *s;
+    uint64_t tag;
+    uint64_t arrive_ns;
+    uint32_t slot;
+};
+
+struct sd_push_round {
+    uint32_t arrived;
+    uint64_t first_ns;
+    uint64_t seq; /* which round of its (unit, group) it collects: the micro-step */
+};
+
+/* A push round that crosses nodes: node partial, reduce-scatter in the partition group, and
+ * without the 2-hop sync an all-reduce across the replication group, every micro-step. Up to
+ * push_rounds of them are on the wire at once, each with its own buffers; they are applied to the
+ * g shards in the order they started, so the sums do not depend on which finishes first. */
+struct sd_node_round {
+    struct sd_job *job;
+    bool net_done; /* its transfers (and all-reduce) finished */
+    bool quant;    /* ,qg: its blocks travel as int4 (quant.c's buffers of this round) */
+    uint32_t unit;
+    uint64_t seq, start_ns;
+    uint32_t pending;
+    int status;
+    uint32_t suspect;
+    size_t chunk;
+    float *part; /* the node partial: buf, or the one rank's fp32 staging slot */
+    float *buf;  /* [max unit] the node partial when it must be summed (NULL if never) */
+    float *rs_recv, *rs_out, *ar_tmp; /* [G - 1 blocks], [block], [ar_tmp_count] */
+    uint32_t chunk_arrivals[SD_TAG_MAX_CHUNKS];
+    struct sd_allreduce ar;
+};
+
+/* a local round whose pushes all arrived, waiting for a node round */
+struct sd_round_ref {
+    uint32_t unit;
+    uint64_t seq;
+};
+
+/* The push module's state (push.h): only this file reads or writes it. */
+struct sd_push_state {
+    uint32_t g_groups, g_members, round_gens;
+    struct sd_push_round *rounds;
+    struct sd_push_entry *round_entries;
+    uint64_t *rounds_done; /* [unit][group] rounds completed: the oldest one collecting */
+    bool node_rounds;      /* pushes reduce across nodes (or all-reduce without 2-hop) */
+    bool g_ident; /* the node blocks of a reduce-scatter across nodes are the k ranks' g shards
+                     in unit order (f_w = 1, or the group inside the node) */
+    struct sd_node_round *nr; /* [round_gens] ring of node rounds, oldest at nr_head */
+    uint32_t nr_head, nr_len;
+    struct sd_round_ref *round_queue; /* local rounds complete, waiting for a node round: FIFO */
+    uint32_t rq_head, rq_len, rq_cap;
+    float *nr_mem; /* the node rounds' buffers, one registration */
+    size_t ar_tmp_count;
+};
+
+/* Push rounds are kept [unit][group][generation]: round n of (unit u, g-partition group g)
+ * collects in generation n % round_gens. gi indexes job->push->rounds; its members' entries start
+ * at gi * g_members in job->push->round_entries. */
+static inline size_t sd_job_round_index(const struct sd_job *job, uint32_t u, uint32_t g,
+                                        uint64_t n)
+{
+    return ((size_t)u * job->push->g_groups + g) * job->push->round_gens +
+           (size_t)(n % job->push->round_gens);
+}
+
+static inline struct sd_push_entry *sd_job_round_ents(struct sd_job *job, size_t gi)
+{
+    return &job->push->round_entries[gi * job->push->g_members];
+}
+
+/* the unit and the group of round slot gi */
+static inline uint32_t sd_job_round_unit(const struct sd_job *job, size_t gi)
+{
+    return (uint32_t)(gi / job->push->round_gens / job->push->g_groups);
+}
+
+static inline uint32_t sd_job_round_group(const struct sd_job *job, size_t gi)
+{
+    return (uint32_t)(gi / job->push->round_gens % job->push->g_groups);
+}
 
 static void finish_round(struct sd_job *job, uint32_t u, uint32_t g);
 static void node_round_ready(struct sd_job *job, uint32_t unit, uint64_t seq);
@@ -30,9 +114,9 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[u];
-    uint64_t n = job->push.rounds_done[(size_t)u * job->push.g_groups + g];
+    uint64_t n = job->push->rounds_done[(size_t)u * job->push->g_groups + g];
     struct sd_push_entry *ent = sd_job_round_ents(job, sd_job_round_index(job, u, g, n));
-    uint32_t f = job->push.g_members;
+    uint32_t f = job->push->g_members;
     uint64_t len = ul->numel / f;
     size_t esz = sd_dtype_size(ul->dtype);
 
@@ -62,12 +146,12 @@ static void finish_round(struct sd_job *job, uint32_t u, uint32_t g)
      * them must be done */
     if (!sd_job_sync(job))
         return;
-    uint64_t *done = &job->push.rounds_done[(size_t)u * job->push.g_groups + g];
+    uint64_t *done = &job->push->rounds_done[(size_t)u * job->push->g_groups + g];
     size_t gi = sd_job_round_index(job, u, g, *done);
-    struct sd_push_round *rd = &job->push.rounds[gi];
+    struct sd_push_round *rd = &job->push->rounds[gi];
     struct sd_push_entry *ent = sd_job_round_ents(job, gi);
     uint64_t now = sd_now_ns();
-    for (uint32_t m = 0; m < job->push.g_members; m++) {
+    for (uint32_t m = 0; m < job->push->g_members; m++) {
         struct sd_session *s = ent[m].s;
         if (s == NULL)
             continue;
@@ -101,10 +185,10 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
                         (unsigned long long)ul->numel, sd_dtype_name(ul->dtype));
         return true;
     }
-    uint32_t g = s->local / job->push.g_members, m = s->local % job->push.g_members;
+    uint32_t g = s->local / job->push->g_members, m = s->local % job->push->g_members;
     /* a rank's pushes fill the rounds in order: its next is the oldest round it is not in */
-    uint64_t n = job->push.rounds_done[(size_t)e->unit * job->push.g_groups + g];
-    uint64_t last = n + job->push.round_gens;
+    uint64_t n = job->push->rounds_done[(size_t)e->unit * job->push->g_groups + g];
+    uint64_t last = n + job->push->round_gens;
     while (n < last && sd_job_round_ents(job, sd_job_round_index(job, e->unit, g, n))[m].s != NULL)
         n++;
     if (n == last)
@@ -130,7 +214,7 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
     }
     (*taken)++;
     size_t gi = sd_job_round_index(job, e->unit, g, n);
-    struct sd_push_round *rd = &job->push.rounds[gi];
+    struct sd_push_round *rd = &job->push->rounds[gi];
     struct sd_push_entry *ent = &sd_job_round_ents(job, gi)[m];
     uint64_t now = sd_now_ns();
     s->staging_busy |= 1ULL << e->arg0;
@@ -140,8 +224,8 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         rd->first_ns = now;
         rd->seq = n;
     }
-    if (rd->arrived == job->push.g_members) {
-        if (job->push.node_rounds)
+    if (rd->arrived == job->push->g_members) {
+        if (job->push->node_rounds)
             node_round_ready(job, e->unit, n);
         else
             reduce_round(job, e->unit, g);
@@ -152,15 +236,15 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 /* Is any push round partly filled? Describes the first in msg. */
 bool sd_push_partial_round(struct sd_job *job, char *msg, size_t len)
 {
-    size_t n = (size_t)job->layout.n_units * job->push.g_groups * job->push.round_gens;
+    size_t n = (size_t)job->layout.n_units * job->push->g_groups * job->push->round_gens;
     for (size_t gi = 0; gi < n; gi++) {
-        if (job->push.rounds[gi].arrived == 0)
+        if (job->push->rounds[gi].arrived == 0)
             continue;
         uint32_t u = sd_job_round_unit(job, gi);
         struct sd_push_entry *ent = sd_job_round_ents(job, gi);
         size_t off = (size_t)snprintf(msg, len, "step %llu: unit %u has gradients from ranks",
                                       (unsigned long long)job->steps + 1, u);
-        for (uint32_t m = 0; m < job->push.g_members && off < len; m++)
+        for (uint32_t m = 0; m < job->push->g_members && off < len; m++)
             if (ent[m].s != NULL)
                 off += (size_t)snprintf(msg + off, len - off, " %u", ent[m].s->rank);
         if (off < len)
@@ -181,8 +265,8 @@ static void round_start_next(struct sd_job *job);
  * the rounds waiting for buffers. */
 static void rounds_retire(struct sd_job *job)
 {
-    while (job->push.nr_len > 0 && job->state != SD_JOB_FAILED) {
-        struct sd_node_round *rd = &job->push.nr[job->push.nr_head];
+    while (job->push->nr_len > 0 && job->state != SD_JOB_FAILED) {
+        struct sd_node_round *rd = &job->push->nr[job->push->nr_head];
         if (!rd->net_done)
             break;
         const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
@@ -195,8 +279,8 @@ static void rounds_retire(struct sd_job *job)
             sd_job_count_copy(job, SD_OP_PUSH, 0, j, len * sizeof(float));
         }
         rd->net_done = false;
-        job->push.nr_head = (job->push.nr_head + 1) % job->push.round_gens;
-        job->push.nr_len--;
+        job->push->nr_head = (job->push->nr_head + 1) % job->push->round_gens;
+        job->push->nr_len--;
         SD_DEBUG("net", "job '%s': push round of unit %u done in %.1f us", job->name, rd->unit,
                  (double)(sd_now_ns() - rd->start_ns) / 1e3);
         finish_round(job, rd->unit, 0);
@@ -204,7 +288,7 @@ static void rounds_retire(struct sd_job *job)
     if (job->state == SD_JOB_FAILED)
         return;
     round_start_next(job);
-    if (job->push.nr_len == 0 && job->step.phase != SD_STEP_IDLE)
+    if (job->push->nr_len == 0 && job->step.phase != SD_STEP_IDLE)
         sd_step_progress(job);
 }
 
@@ -298,7 +382,7 @@ static void rs_decode(struct sd_node_round *rd)
     struct sd_job *job = rd->job;
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
-    uint32_t G = job->gnodes[SD_STATE_G], me = job->node % G, r = (uint32_t)(rd - job->push.nr);
+    uint32_t G = job->gnodes[SD_STATE_G], me = job->node % G, r = (uint32_t)(rd - job->push->nr);
     size_t block = ul->numel / G;
     for (uint32_t i = 0, o = 0; i < G; i++) {
         if (i == me) {
@@ -358,7 +442,7 @@ static void node_partial(struct sd_job *job, struct sd_node_round *rd,
                          const struct sd_push_entry *ent, const struct sd_unit_layout *ul,
                          uint64_t lo, uint64_t hi)
 {
-    if (job->push.g_ident) {
+    if (job->push->g_ident) {
         partial_range(job, rd, ent, ul, lo, hi, lo);
         return;
     }
@@ -372,8 +456,8 @@ static void node_partial(struct sd_job *job, struct sd_node_round *rd,
 
 static bool unit_in_round(const struct sd_job *job, uint32_t unit)
 {
-    for (uint32_t i = 0; i < job->push.nr_len; i++)
-        if (job->push.nr[(job->push.nr_head + i) % job->push.round_gens].unit == unit)
+    for (uint32_t i = 0; i < job->push->nr_len; i++)
+        if (job->push->nr[(job->push->nr_head + i) % job->push->round_gens].unit == unit)
             return true;
     return false;
 }
@@ -382,17 +466,17 @@ static bool unit_in_round(const struct sd_job *job, uint32_t unit)
  * one whose unit must wait for an earlier round of it holds back those behind it). */
 static void round_start_next(struct sd_job *job)
 {
-    while (job->push.nr_len < job->push.round_gens && job->push.rq_len > 0 &&
+    while (job->push->nr_len < job->push->round_gens && job->push->rq_len > 0 &&
            job->state != SD_JOB_FAILED) {
-        struct sd_round_ref ref = job->push.round_queue[job->push.rq_head];
+        struct sd_round_ref ref = job->push->round_queue[job->push->rq_head];
         if (sd_job_net_rounds_accumulate(job) && unit_in_round(job, ref.unit))
             break; /* rounds_retire starts it */
-        job->push.rq_head = (job->push.rq_head + 1) % job->push.rq_cap;
-        job->push.rq_len--;
+        job->push->rq_head = (job->push->rq_head + 1) % job->push->rq_cap;
+        job->push->rq_len--;
         struct sd_node_round *rd =
-            &job->push.nr[(job->push.nr_head + job->push.nr_len) % job->push.round_gens];
-        job->push.nr_len++;
-        job->stats.push_rounds_peak = SD_MAX(job->stats.push_rounds_peak, job->push.nr_len);
+            &job->push->nr[(job->push->nr_head + job->push->nr_len) % job->push->round_gens];
+        job->push->nr_len++;
+        job->stats.push_rounds_peak = SD_MAX(job->stats.push_rounds_peak, job->push->nr_len);
         uint32_t u = ref.unit;
         const struct sd_unit_layout *ul = &job->layout.units[u];
         const struct sd_push_entry *ent =
@@ -416,7 +500,7 @@ static void round_start_next(struct sd_job *job)
          * this node's own block last: the first send starts after 1/G of the work instead of
          * all of it. */
         uint32_t G = job->gnodes[SD_STATE_G];
-        bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32 && job->push.g_ident;
+        bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32 && job->push->g_ident;
         rd->part = direct ? (float *)(void *)sd_job_staging_slot(job, ent[0].s->local, ent[0].slot)
                           : rd->buf;
         if (G == 1) {
@@ -427,7 +511,7 @@ static void round_start_next(struct sd_job *job)
         }
         size_t block = ul->numel / G, bytes = block * sizeof(float);
         uint32_t first = sd_job_group_first(job, G), me = job->node % G;
-        uint32_t r = (uint32_t)(rd - job->push.nr);
+        uint32_t r = (uint32_t)(rd - job->push->nr);
         /* ,qg: each block leaves as int4, quantized once (with ,ef after adding the error its
          * last quantization left), and the received ones are decoded when all are in */
         rd->quant = sd_qg_unit(job, u);
@@ -477,9 +561,9 @@ static void round_start_next(struct sd_job *job)
 
 static void node_round_ready(struct sd_job *job, uint32_t unit, uint64_t seq)
 {
-    uint32_t tail = (job->push.rq_head + job->push.rq_len) % job->push.rq_cap;
-    job->push.round_queue[tail] = (struct sd_round_ref){.unit = unit, .seq = seq};
-    job->push.rq_len++;
+    uint32_t tail = (job->push->rq_head + job->push->rq_len) % job->push->rq_cap;
+    job->push->round_queue[tail] = (struct sd_round_ref){.unit = unit, .seq = seq};
+    job->push->rq_len++;
     round_start_next(job);
 }
 
@@ -488,11 +572,11 @@ static void node_round_ready(struct sd_job *job, uint32_t unit, uint64_t seq)
 static void push_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
 {
     (void)with_fetches;
-    if (job->push.round_entries == NULL)
+    if (job->push == NULL || job->push->round_entries == NULL)
         return;
-    size_t n = (size_t)job->layout.n_units * job->push.g_groups * job->push.round_gens;
+    size_t n = (size_t)job->layout.n_units * job->push->g_groups * job->push->round_gens;
     for (size_t ri = 0; ri < n; ri++) {
-        for (uint32_t m = 0; m < job->push.g_members; m++) {
+        for (uint32_t m = 0; m < job->push->g_members; m++) {
             struct sd_push_entry *ent = &sd_job_round_ents(job, ri)[m];
             if (ent->s == NULL)
                 continue;
@@ -500,19 +584,19 @@ static void push_fail_parked(struct sd_job *job, int status, const char *text, b
             sd_session_complete(ent->s, ent->tag, SD_OP_PUSH, status, 0, 0, text);
             ent->s = NULL;
         }
-        job->push.rounds[ri].arrived = 0;
+        job->push->rounds[ri].arrived = 0;
     }
 }
 
 /* a push round that some ranks of its group joined and others not within op_timeout */
 static bool push_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
 {
-    if (job->state == SD_JOB_LOADING || job->push.rounds == NULL)
+    if (job->state == SD_JOB_LOADING || job->push == NULL || job->push->rounds == NULL)
         return false;
-    size_t n_gens = (size_t)job->layout.n_units * job->push.g_groups * job->push.round_gens;
+    size_t n_gens = (size_t)job->layout.n_units * job->push->g_groups * job->push->round_gens;
     for (size_t gi = 0; gi < n_gens; gi++) {
-        struct sd_push_round *rd = &job->push.rounds[gi];
-        if (rd->arrived == 0 || rd->arrived == job->push.g_members ||
+        struct sd_push_round *rd = &job->push->rounds[gi];
+        if (rd->arrived == 0 || rd->arrived == job->push->g_members ||
             now - rd->first_ns <= op_timeout)
             continue;
         uint32_t g = sd_job_round_group(job, gi), u = sd_job_round_unit(job, gi);
@@ -520,7 +604,7 @@ static bool push_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
         bool present[1024];
         char missing[128];
         for (uint32_t r = 0; r < job->k && r < 1024; r++)
-            present[r] = r / job->push.g_members != g || ent[r % job->push.g_members].s != NULL;
+            present[r] = r / job->push->g_members != g || ent[r % job->push->g_members].s != NULL;
         sd_job_missing_ranks(job, present, missing, sizeof(missing));
         sd_job_fail(job, SD_ETIMEDOUT,
                     "push of unit %u (micro-step %llu): ranks %s did not push within "
@@ -534,3 +618,191 @@ static bool push_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
 
 const struct sd_job_module sd_push_module = {
     .name = "push", .fail_parked = push_fail_parked, .sweep = push_sweep};
+
+/* ---- its state: geometry, bookkeeping, the node rounds' buffers */
+
+int sd_push_create(struct sd_job *job)
+{
+    struct sd_push_state *ps = calloc(1, sizeof(*ps));
+    if (ps == NULL)
+        return SD_ENOMEM;
+    uint32_t k = job->k, fw = job->plan.f[SD_STATE_W], fg = job->plan.f[SD_STATE_G];
+    ps->node_rounds = job->nodes > 1 && (fg > k || !job->plan.two_hop);
+    ps->g_ident = job->gnodes[SD_STATE_G] == 1 || fw == 1;
+    /* a round inside the node is reduced as soon as it is complete: one generation is enough */
+    ps->round_gens = ps->node_rounds ? (uint32_t)job->reg->cfg->push_rounds : 1;
+    if (ps->node_rounds) { /* one round per unit over all local ranks, then the network */
+        ps->g_members = k;
+        ps->g_groups = 1;
+    } else {
+        ps->g_members = SD_MIN(fg, k);
+        ps->g_groups = k / ps->g_members;
+    }
+    job->push = ps;
+    return SD_OK;
+}
+
+uint32_t sd_push_round_gens(const struct sd_job *job)
+{
+    return job->push != NULL ? job->push->round_gens : 1;
+}
+
+int sd_push_alloc(struct sd_job *job)
+{
+    struct sd_push_state *ps = job->push;
+    size_t n_rounds = (size_t)job->layout.n_units * ps->g_groups;
+    ps->rounds = calloc(n_rounds * ps->round_gens, sizeof(*ps->rounds));
+    ps->round_entries =
+        calloc(n_rounds * ps->round_gens * ps->g_members, sizeof(*ps->round_entries));
+    ps->rounds_done = calloc(n_rounds, sizeof(*ps->rounds_done));
+    return ps->rounds && ps->round_entries && ps->rounds_done ? SD_OK : SD_ENOMEM;
+}
+
+static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cfg)
+{
+    uint32_t R = job->gnodes[SD_STATE_G] > 1 ? job->nodes / job->gnodes[SD_STATE_G] : job->nodes;
+    uint64_t maxn = job->layout.max_unit_numel;
+    uint64_t block = job->gnodes[SD_STATE_G] > 1 ? maxn / job->gnodes[SD_STATE_G] : maxn;
+    /* the largest all-reduce is one block */
+    size_t need = sd_allreduce_tmp_floats(block, R, cfg->small_allreduce_bytes);
+    /* smaller units may take the direct path with (R - 1) * count floats */
+    size_t small = cfg->small_allreduce_bytes / sizeof(float);
+    return SD_MAX(need, (size_t)(R > 1 ? R - 1 : 0) * SD_MIN(small, block)) + 16;
+}
+
+/* Does a node round sum its partial into a buffer of its own? Not when one rank's fp32
+ * gradient is the partial. */
+static bool rounds_need_buf(const struct sd_job *job)
+{
+    if (job->k > 1 || !job->push->g_ident)
+        return true;
+    for (uint32_t u = 0; u < job->layout.n_units; u++)
+        if (job->layout.units[u].dtype != SD_DTYPE_FP32)
+            return true;
+    return false;
+}
+
+/* floats of one node round's buffers: partial, the G - 1 received blocks, the summed block and
+ * the all-reduce's temporary */
+static size_t round_floats(const struct sd_job *job, const struct sd_config *cfg)
+{
+    uint64_t maxn = job->layout.max_unit_numel;
+    uint32_t G = job->gnodes[SD_STATE_G];
+    uint64_t block = G > 1 ? maxn / G : 0;
+    return (rounds_need_buf(job) ? maxn : 0) + (G > 1 ? (uint64_t)G * block : 0) +
+           ar_tmp_floats(job, cfg) + 4 * 16; /* + 16 floats of slack after each buffer */
+}
+
+size_t sd_push_net_floats(const struct sd_job *job, const struct sd_config *cfg)
+{
+    return job->nodes > 1 && job->push != NULL
+               ? (size_t)job->push->round_gens * round_floats(job, cfg)
+               : 0;
+}
+
+int sd_push_net_setup(struct sd_job *job, float **mem_p, size_t *floats_p)
+{
+    struct sd_push_state *ps = job->push;
+    const struct sd_config *cfg = job->reg->cfg;
+    uint32_t G = job->gnodes[SD_STATE_G];
+    uint64_t maxn = job->layout.max_unit_numel, block = G > 1 ? maxn / G : 0;
+    size_t per_round = round_floats(job, cfg);
+    ps->ar_tmp_count = ar_tmp_floats(job, cfg);
+    ps->nr = calloc(ps->round_gens, sizeof(*ps->nr));
+    ps->nr_mem = calloc((size_t)ps->round_gens * per_round, sizeof(float));
+    ps->rq_cap = job->layout.n_units * ps->round_gens;
+    ps->round_queue = calloc(ps->rq_cap, sizeof(*ps->round_queue));
+    if (!ps->nr || !ps->nr_mem || !ps->round_queue)
+        return SD_ENOMEM;
+    bool need_buf = rounds_need_buf(job);
+    for (uint32_t i = 0; i < ps->round_gens; i++) {
+        struct sd_node_round *rd = &ps->nr[i];
+        float *p = ps->nr_mem + (size_t)i * per_round;
+        rd->job = job;
+        if (need_buf) {
+            rd->buf = p;
+            p += maxn + 16;
+        }
+        if (G > 1) {
+            rd->rs_recv = p;
+            p += (size_t)(G - 1) * block + 16;
+            rd->rs_out = p;
+            p += block + 16;
+        }
+        rd->ar_tmp = p;
+    }
+    *mem_p = ps->nr_mem;
+    *floats_p = (size_t)ps->round_gens * per_round;
+    return SD_OK;
+}
+
+void sd_push_net_teardown(struct sd_job *job)
+{
+    struct sd_push_state *ps = job->push;
+    if (ps == NULL)
+        return;
+    free(ps->nr); /* nr_mem goes with the job's other big buffers (sd_push_free) */
+    free(ps->round_queue);
+    ps->nr = NULL;
+    ps->round_queue = NULL;
+}
+
+float *sd_push_take_net_mem(struct sd_job *job)
+{
+    if (job->push == NULL)
+        return NULL;
+    float *m = job->push->nr_mem;
+    job->push->nr_mem = NULL;
+    return m;
+}
+
+void sd_push_free(struct sd_job *job)
+{
+    struct sd_push_state *ps = job->push;
+    if (ps == NULL)
+        return;
+    free(ps->nr_mem);
+    free(ps->rounds);
+    free(ps->round_entries);
+    free(ps->rounds_done);
+    ps->nr_mem = NULL;
+    ps->rounds = NULL;
+    ps->round_entries = NULL;
+    ps->rounds_done = NULL;
+}
+
+void sd_push_destroy(struct sd_job *job)
+{
+    sd_push_net_teardown(job);
+    sd_push_free(job);
+    free(job->push);
+    job->push = NULL;
+}
+
+bool sd_push_idle(const struct sd_job *job)
+{
+    return job->push == NULL || (job->push->nr_len == 0 && job->push->rq_len == 0);
+}
+
+float *sd_push_ar_tmp(const struct sd_job *job)
+{
+    return job->push->nr[0].ar_tmp;
+}
+
+size_t sd_push_ar_tmp_count(const struct sd_job *job)
+{
+    return job->push->ar_tmp_count;
+}
+
+bool sd_push_oldest(const struct sd_job *job, uint32_t *unit_p, uint64_t *seq_p,
+                    uint64_t *start_ns_p)
+{
+    const struct sd_push_state *ps = job->push;
+    if (ps == NULL || ps->nr_len == 0)
+        return false;
+    const struct sd_node_round *rd = &ps->nr[ps->nr_head];
+    *unit_p = rd->unit;
+    *seq_p = rd->seq;
+    *start_ns_p = rd->start_ns;
+    return true;
+}

@@ -571,8 +571,7 @@ void sd_step_progress(struct sd_job *job)
     }
     if (job->step.phase == SD_STEP_SYNC) {
         /* everything of this step's micro-steps must be reduced, every gather finished */
-        if (job->push.nr_len > 0 || job->push.rq_len > 0 || job->xfer.gathers_inflight > 0 ||
-            job->step.pending > 0)
+        if (!sd_push_idle(job) || job->xfer.gathers_inflight > 0 || job->step.pending > 0)
             return;
         if (job->nodes == 1) { /* the replicas are here, and the norm needs no exchange */
             if (!sync_in_node(job))
@@ -587,18 +586,18 @@ void sd_step_progress(struct sd_job *job)
                 /* no round runs during the step: it borrows round 0's all-reduce temporary */
                 bool q = sd_qg_hop(job, u);
                 job->stats.quant_fallbacks += job->plan.qg && !q;
-                int st = sd_job_net_allreduce(
-                    job, &(struct sd_job_allreduce){.ar = &job->step.ar,
-                                                    .R = R,
-                                                    .unit = u,
-                                                    .round = job->steps,
-                                                    .step_sync = true,
-                                                    .buf = job->mem.scratch,
-                                                    .count = count,
-                                                    .tmp = job->push.nr[0].ar_tmp,
-                                                    .quantized = q,
-                                                    .cb = step_ar_done,
-                                                    .arg = job});
+                int st =
+                    sd_job_net_allreduce(job, &(struct sd_job_allreduce){.ar = &job->step.ar,
+                                                                         .R = R,
+                                                                         .unit = u,
+                                                                         .round = job->steps,
+                                                                         .step_sync = true,
+                                                                         .buf = job->mem.scratch,
+                                                                         .count = count,
+                                                                         .tmp = sd_push_ar_tmp(job),
+                                                                         .quantized = q,
+                                                                         .cb = step_ar_done,
+                                                                         .arg = job});
                 if (st != SD_OK) {
                     job->step.pending = 0;
                     step_fail(job, st, job->xfer.members[0]);

@@ -23,6 +23,7 @@ OPAQUE = {
     "sd_net": "net_service.c",
     "sd_job_sched": "schedule.c",
     "sd_sec_state": "secondary.c",
+    "sd_push_state": "push.c",
 }
 # what each lower floor may include besides its own headers and sd/ (the build links each floor
 # alone as well: daemon/CMakeLists.txt, layer_check)
