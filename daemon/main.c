@@ -38,6 +38,10 @@ static void usage(FILE *out)
     sd_gpu_list(built, sizeof(built));
     fprintf(out, "\nDevice backends built in: %s.\n", built);
     fprintf(out, "Signals: SIGTERM or SIGINT shut down cleanly.\n");
+#ifdef SD_TEST_HOOKS
+    fprintf(out, "This build has the test hooks (-DSHARD_TEST_HOOKS=ON): it reads the "
+                 "SHARDD_TEST_* variables; build without them for production.\n");
+#endif
 }
 
 /* Open file descriptors as a bitmap, to name any that are leaked at exit. */
@@ -301,6 +305,12 @@ int main(int argc, char **argv)
         uv_loop_close(&loop);
         return 1;
     }
+#ifdef SD_TEST_HOOKS /* tests only: the start held with its socket up, before the loop's           \
+                      * signal handlers exist (a SIGTERM in that window must end it cleanly) */
+    const char *start_stall = getenv("SHARDD_TEST_START_STALL_MS");
+    if (start_stall != NULL)
+        usleep((useconds_t)strtoul(start_stall, NULL, 10) * 1000u);
+#endif
     /* the jobs' file work, off the loop (nothing runs on the loop before uv_run) */
     if (sd_file_pool_start(&reg.files, &loop, (uint32_t)cfg.checkpoint_workers) != SD_OK) {
         fprintf(stderr, "shardd: cannot start the file workers\n");

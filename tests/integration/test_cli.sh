@@ -122,6 +122,17 @@ for i in $(seq 20); do
   await $sp 30 "shardd given SIGTERM $((i % 10))0 ms into its start"; rc=$?
   check '[ $up = 0 ] || [ $rc = 0 ]' "SIGTERM after the socket was up: exit $rc: $(cat "$dir/st$i.log")"
 done
+# the same, deterministic where the build has the test hooks: the start held 1 s with its socket
+# up and the signal sent inside that window (libinfinipath's exit(1) before the fix)
+if "$SHARDD" --help | grep -q "test hooks"; then
+  SHARDD_TEST_START_STALL_MS=1000 "$SHARDD" --runtime-dir "$dir/stw" >"$dir/stw.log" 2>&1 &
+  sp=$!
+  until_ok 30 '[ -S "$dir/stw/shardd.sock" ]'
+  kill -TERM $sp
+  await $sp 30 "shardd given SIGTERM while its start was held"; rc=$?
+  check '[ $rc = 0 ] && grep -q "signal 15: shutting down" "$dir/stw.log"' \
+    "SIGTERM while the start was held: exit $rc: $(cat "$dir/stw.log")"
+fi
 section "a daemon from a config file"
 cat >"$dir/cfg.json" <<JSON
 {"runtime_dir": "$dir/run", "op_timeout_ms": 4321, "memory_budget": "1GiB", "log_level": "warn"}
