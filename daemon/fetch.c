@@ -499,7 +499,7 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
     int tag_st = sd_tag_weights_seq(us->gen, us->lslot, &seq);
     /* with ,qw the blocks arrive as int8 in a receive slot, node by node (gather_decode) */
     uint8_t *rx = NULL;
-    if (job->mem.quant.rx != NULL) {
+    if (sd_qw_rx_enabled(job)) {
         us->qrx = sd_qw_rx_take(job);
         if (us->qrx < 0 && tag_st == SD_OK)
             tag_st = SD_EAGAIN; /* gather_resources saw one free: never */

@@ -4,6 +4,7 @@
 #include "cluster/cluster.h"
 #include "job.h"
 #include "job_module.h"
+#include "quant.h"
 #include "secondary.h"
 #include "net.h"
 #include "dispatch.h"
@@ -51,6 +52,7 @@ void sd_job_free(struct sd_job *job)
     sd_sched_destroy(job);
     sd_sec_destroy(job);
     sd_push_destroy(job);
+    sd_quant_destroy(job);
     sd_resume_unlink(job);
     free(job);
 }

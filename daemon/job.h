@@ -61,28 +61,6 @@ struct sd_gather_batch {
 
 /* The quantized collectives' buffers (quant.c, plan options ,qw ,qg ,ef), one allocation in the
  * backend's memory, laid out at registration. */
-struct sd_quant_state {
-    struct sd_mem mem;
-    uint8_t *qw; /* [k][qw_rank_bytes]: each rank's w shards as int8 blocks */
-    uint64_t qw_rank_bytes;
-    uint64_t *qw_off; /* [n_units]: where unit u's encoded shard is in a rank's part */
-    uint64_t *qw_gen; /* [n_units * k]: the weights generation encoded, UINT64_MAX: none */
-    uint8_t *rx;      /* [SD_QUANT_RX_SLOTS][rx_slot_bytes]: encoded remote blocks of a gather */
-    uint64_t rx_slot_bytes;
-    uint32_t rx_busy; /* bit i: slot i is a gather's */
-    uint8_t *qg;      /* [round_gens][2 (G - 1)][qg_block_bytes]: a node round's int4 blocks */
-    uint64_t qg_block_bytes;
-    float *ef;        /* [sum of numel]: error feedback, the node partial's quantization error */
-    uint64_t *ef_off; /* [n_units] */
-    uint64_t ef_floats;
-    uint8_t *hop;         /* the boundary hop's quantized all-reduce (sd_allreduce's qbuf) */
-    float *hop_ef;        /* [sum of the units' hop counts]: its error feedback */
-    uint64_t *hop_ef_off; /* [n_units] */
-    uint64_t hop_ef_floats;
-    uint8_t *wx; /* [k + f_os][wx_part_bytes]: the weights' exchange after the optimizer as int8
-                    blocks, the local ranks' os parts sent, then the parts received */
-    uint64_t wx_part_bytes;
-};
 
 /* A job's memory, all allocated at registration (job_mem.c). */
 struct sd_job_mem {
@@ -100,10 +78,10 @@ struct sd_job_mem {
     float *scratch;
     uint64_t *w_off; /* per unit: byte offset of the unit's w shard in a rank's w arena */
     uint64_t w_arena_bytes;
-    uint64_t max_live_bytes;     /* from the registration; 0: the daemon's */
-    struct sd_gpu_queue *queue;  /* the device work of the job's operations, in order */
-    struct sd_quant_state quant; /* the quantized collectives' buffers (quant.c) */
-    bool allocating;             /* a worker thread backs its buffers (job_alloc_work) */
+    uint64_t max_live_bytes;      /* from the registration; 0: the daemon's */
+    struct sd_gpu_queue *queue;   /* the device work of the job's operations, in order */
+    struct sd_quant_state *quant; /* the quantized collectives' buffers: quant.c's */
+    bool allocating;              /* a worker thread backs its buffers (job_alloc_work) */
     bool doomed; /* dropped while allocating or while a file task ran: freed (not kept for
                   * shardctl) once the worker is done */
 };

@@ -185,7 +185,8 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     if (st == SD_OK)
         st = reg_mr(job, job->step.norm_buf, N * job->step.norm_stride);
     if (st == SD_OK) /* encoded w shards, gather receive slots, int4 blocks */
-        st = reg_mr(job, job->mem.quant.mem.ptr, job->mem.quant.mem.bytes);
+        st = sd_quant_mem(job) ? reg_mr(job, sd_quant_mem(job)->ptr, sd_quant_mem(job)->bytes)
+                               : SD_OK;
     if (st == SD_OK) /* the pull requests each gather sends live in its unit state */
         st = reg_mr(job, job->cache.units, job->n_slots * sizeof(*job->cache.units));
     const struct sd_mem *g_arena = sd_job_arena(job, 0, SD_STATE_G);

@@ -30,6 +30,30 @@ struct quant_layout {
     uint64_t off_qw, off_rx, off_qg, off_ef, off_hop, off_hop_ef, off_wx, total;
 };
 
+/* The quantized collectives' buffers of a job (quant.h): only this file reads or writes them. */
+struct sd_quant_state {
+    struct sd_mem mem;
+    uint8_t *qw; /* [k][qw_rank_bytes]: each rank's w shards as int8 blocks */
+    uint64_t qw_rank_bytes;
+    uint64_t *qw_off; /* [n_units]: where unit u's encoded shard is in a rank's part */
+    uint64_t *qw_gen; /* [n_units * k]: the weights generation encoded, UINT64_MAX: none */
+    uint8_t *rx;      /* [SD_QUANT_RX_SLOTS][rx_slot_bytes]: encoded remote blocks of a gather */
+    uint64_t rx_slot_bytes;
+    uint32_t rx_busy; /* bit i: slot i is a gather's */
+    uint8_t *qg;      /* [round_gens][2 (G - 1)][qg_block_bytes]: a node round's int4 blocks */
+    uint64_t qg_block_bytes;
+    float *ef;        /* [sum of numel]: error feedback, the node partial's quantization error */
+    uint64_t *ef_off; /* [n_units] */
+    uint64_t ef_floats;
+    uint8_t *hop;         /* the boundary hop's quantized all-reduce (sd_allreduce's qbuf) */
+    float *hop_ef;        /* [sum of the units' hop counts]: its error feedback */
+    uint64_t *hop_ef_off; /* [n_units] */
+    uint64_t hop_ef_floats;
+    uint8_t *wx; /* [k + f_os][wx_part_bytes]: the weights' exchange after the optimizer as int8
+                    blocks, the local ranks' os parts sent, then the parts received */
+    uint64_t wx_part_bytes;
+};
+
 static uint64_t align_up(uint64_t v)
 {
     return (v + QALIGN - 1) / QALIGN * QALIGN;
@@ -130,7 +154,11 @@ uint64_t sd_quant_bytes(const struct sd_job *job, const struct sd_config *cfg)
 
 int sd_quant_alloc(struct sd_job *job, char *err, size_t errlen)
 {
-    struct sd_quant_state *qs = &job->mem.quant;
+    if (job->mem.quant == NULL && (job->mem.quant = calloc(1, sizeof(*job->mem.quant))) == NULL) {
+        snprintf(err, errlen, "out of memory for job '%s''s quantized buffers", job->name);
+        return SD_ENOMEM;
+    }
+    struct sd_quant_state *qs = job->mem.quant;
     struct quant_layout q = layout_of(job, job->reg->cfg);
     const struct sd_layout *l = &job->layout;
     qs->mem.fd = -1;
@@ -201,17 +229,21 @@ nomem:
 
 void sd_quant_start(struct sd_job *job)
 {
-    if (job->mem.quant.ef != NULL)
-        job->reg->dev->zero(job->mem.queue, job->mem.quant.ef,
-                            job->mem.quant.ef_floats * sizeof(float));
-    if (job->mem.quant.hop_ef != NULL)
-        job->reg->dev->zero(job->mem.queue, job->mem.quant.hop_ef,
-                            job->mem.quant.hop_ef_floats * sizeof(float));
+    if (job->mem.quant == NULL)
+        return;
+    if (job->mem.quant->ef != NULL)
+        job->reg->dev->zero(job->mem.queue, job->mem.quant->ef,
+                            job->mem.quant->ef_floats * sizeof(float));
+    if (job->mem.quant->hop_ef != NULL)
+        job->reg->dev->zero(job->mem.queue, job->mem.quant->hop_ef,
+                            job->mem.quant->hop_ef_floats * sizeof(float));
 }
 
 void sd_quant_free(struct sd_job *job)
 {
-    struct sd_quant_state *qs = &job->mem.quant;
+    struct sd_quant_state *qs = job->mem.quant;
+    if (qs == NULL)
+        return;
     if (qs->mem.ptr != NULL)
         job->reg->dev->free(&qs->mem);
     free(qs->qw_off);
@@ -223,7 +255,7 @@ void sd_quant_free(struct sd_job *job)
 
 uint8_t *sd_qw_shard(struct sd_job *job, uint32_t local, uint32_t u, bool *fresh_p)
 {
-    struct sd_quant_state *qs = &job->mem.quant;
+    struct sd_quant_state *qs = job->mem.quant;
     uint8_t *enc = qs->qw + local * qs->qw_rank_bytes + qs->qw_off[u];
     uint64_t *gen = &qs->qw_gen[(size_t)u * job->k + local];
     if (*gen != job->weights_gen) {
@@ -240,15 +272,15 @@ uint8_t *sd_qw_shard(struct sd_job *job, uint32_t local, uint32_t u, bool *fresh
 
 bool sd_qw_rx_available(const struct sd_job *job)
 {
-    const struct sd_quant_state *qs = &job->mem.quant;
-    return qs->rx == NULL || qs->rx_busy != (1u << SD_QUANT_RX_SLOTS) - 1;
+    const struct sd_quant_state *qs = job->mem.quant;
+    return qs == NULL || qs->rx == NULL || qs->rx_busy != (1u << SD_QUANT_RX_SLOTS) - 1;
 }
 
 int32_t sd_qw_rx_take(struct sd_job *job)
 {
     for (int32_t i = 0; i < SD_QUANT_RX_SLOTS; i++)
-        if (!(job->mem.quant.rx_busy & (1u << i))) {
-            job->mem.quant.rx_busy |= 1u << i;
+        if (!(job->mem.quant->rx_busy & (1u << i))) {
+            job->mem.quant->rx_busy |= 1u << i;
             return i;
         }
     return -1;
@@ -257,17 +289,17 @@ int32_t sd_qw_rx_take(struct sd_job *job)
 void sd_qw_rx_put(struct sd_job *job, int32_t i)
 {
     if (i >= 0)
-        job->mem.quant.rx_busy &= ~(1u << i);
+        job->mem.quant->rx_busy &= ~(1u << i);
 }
 
 uint8_t *sd_qw_rx(struct sd_job *job, int32_t i)
 {
-    return job->mem.quant.rx + (uint64_t)i * job->mem.quant.rx_slot_bytes;
+    return job->mem.quant->rx + (uint64_t)i * job->mem.quant->rx_slot_bytes;
 }
 
 bool sd_qw_rx_fits(const struct sd_job *job, uint64_t q)
 {
-    return q <= job->mem.quant.rx_slot_bytes;
+    return q <= job->mem.quant->rx_slot_bytes;
 }
 
 bool sd_qg_unit(const struct sd_job *job, uint32_t u)
@@ -281,34 +313,51 @@ bool sd_qg_unit(const struct sd_job *job, uint32_t u)
 uint8_t *sd_qg_send(struct sd_job *job, uint32_t r, uint32_t o)
 {
     uint32_t G = job->gnodes[SD_STATE_G];
-    return job->mem.quant.qg + ((uint64_t)r * 2 * (G - 1) + o) * job->mem.quant.qg_block_bytes;
+    return job->mem.quant->qg + ((uint64_t)r * 2 * (G - 1) + o) * job->mem.quant->qg_block_bytes;
 }
 
 uint8_t *sd_qg_recv(struct sd_job *job, uint32_t r, uint32_t o)
 {
     uint32_t G = job->gnodes[SD_STATE_G];
-    return job->mem.quant.qg +
-           ((uint64_t)r * 2 * (G - 1) + (G - 1) + o) * job->mem.quant.qg_block_bytes;
+    return job->mem.quant->qg +
+           ((uint64_t)r * 2 * (G - 1) + (G - 1) + o) * job->mem.quant->qg_block_bytes;
 }
 
 float *sd_qg_ef(struct sd_job *job, uint32_t u, uint32_t i)
 {
     uint64_t block = job->layout.units[u].numel / job->gnodes[SD_STATE_G];
-    return job->mem.quant.ef + job->mem.quant.ef_off[u] + (uint64_t)i * block;
+    return job->mem.quant->ef + job->mem.quant->ef_off[u] + (uint64_t)i * block;
 }
 
 uint8_t *sd_qg_hop_buf(struct sd_job *job)
 {
-    return job->mem.quant.hop;
+    return job->mem.quant->hop;
 }
 
 float *sd_qg_hop_ef(struct sd_job *job, uint32_t u)
 {
-    struct sd_quant_state *qs = &job->mem.quant;
+    struct sd_quant_state *qs = job->mem.quant;
     return qs->hop_ef != NULL ? qs->hop_ef + qs->hop_ef_off[u] : NULL;
 }
 
 uint8_t *sd_qw_wx(struct sd_job *job, uint32_t i)
 {
-    return job->mem.quant.wx + (uint64_t)i * job->mem.quant.wx_part_bytes;
+    return job->mem.quant->wx + (uint64_t)i * job->mem.quant->wx_part_bytes;
+}
+
+void sd_quant_destroy(struct sd_job *job)
+{
+    sd_quant_free(job);
+    free(job->mem.quant);
+    job->mem.quant = NULL;
+}
+
+bool sd_qw_rx_enabled(const struct sd_job *job)
+{
+    return job->mem.quant != NULL && job->mem.quant->rx != NULL;
+}
+
+const struct sd_mem *sd_quant_mem(const struct sd_job *job)
+{
+    return job->mem.quant != NULL && job->mem.quant->mem.ptr != NULL ? &job->mem.quant->mem : NULL;
 }

@@ -23,6 +23,13 @@ int sd_quant_alloc(struct sd_job *job, char *err, size_t errlen);
 /* On the loop, once allocated: the error-feedback residuals start at zero. */
 void sd_quant_start(struct sd_job *job);
 void sd_quant_free(struct sd_job *job);
+/* the job goes: its state too (sd_quant_free keeps it, emptied, until then) */
+void sd_quant_destroy(struct sd_job *job);
+/* do gathers receive int8 blocks into receive slots (,qw across nodes)? */
+bool sd_qw_rx_enabled(const struct sd_job *job);
+/* the one allocation every quantized buffer lies in, for the fabric's registration (NULL: none) */
+struct sd_mem;
+const struct sd_mem *sd_quant_mem(const struct sd_job *job);
 
 /* ---- ,qw */
 /* encoded bytes of one w shard of unit u */

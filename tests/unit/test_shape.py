@@ -24,6 +24,7 @@ OPAQUE = {
     "sd_job_sched": "schedule.c",
     "sd_sec_state": "secondary.c",
     "sd_push_state": "push.c",
+    "sd_quant_state": "quant.c",
 }
 # what each lower floor may include besides its own headers and sd/ (the build links each floor
 # alone as well: daemon/CMakeLists.txt, layer_check)
