@@ -8,20 +8,12 @@ Usage: test_docs.py SOURCE_ROOT"""
 import os
 import sys
 
+from checks import check, finish
+
 DIRS = ("common", "proto", "gpu", "client", "daemon", "tools", "tests")
 EXTS = (".c", ".h", ".py", ".sh", ".cu", ".hip", ".cmake", ".proto")
 SKIP_DIRS = ("__pycache__", "corpus")
 
-passed = failed = 0
-
-
-def check(cond, msg):
-    global passed, failed
-    if cond:
-        passed += 1
-    else:
-        failed += 1
-        print("FAIL: " + msg, file=sys.stderr)
 
 
 def sources(top):
@@ -53,8 +45,7 @@ def main():
                 continue
             check(named(readme, rel), "%s/%s is not named in %s/README.md" % (d, rel, d))
     check(total > 150, "the walk saw the sources: %d files" % total)
-    print("test_docs: %d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
+    return finish("test_docs")
 
 
 if __name__ == "__main__":

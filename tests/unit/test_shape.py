@@ -14,6 +14,8 @@ import os
 import re
 import sys
 
+from checks import check, finish
+
 MAX_LINES = 900
 MAX_MEMBERS = 40
 MAX_PARAMS = 8
@@ -34,16 +36,6 @@ FLOOR_INCLUDES = {
     "cluster": ("transport/transport.h", "shard.pb-c.h"),
 }
 
-passed = failed = 0
-
-
-def check(cond, msg):
-    global passed, failed
-    if cond:
-        passed += 1
-    else:
-        failed += 1
-        print("FAIL: " + msg, file=sys.stderr)
 
 
 def strip_comments(text):
@@ -169,8 +161,7 @@ def main():
                  if re.search(r"\bstruct\s+%s\s*\{" % name, strip_comments(text[f]))]
         check(where == [owner], "struct %s is defined in %s, only %s may (the module's own "
               "state)" % (name, where, owner))
-    print("test_shape: %d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
+    return finish("test_shape")
 
 
 if __name__ == "__main__":
