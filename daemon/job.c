@@ -528,7 +528,7 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
             snprintf(text, sizeof(text), "job '%s': rank %u (pid %d) registered it differently: %s",
                      name, msg->rank, (int)c->pid, why);
             if (job->nodes > 1)
-                sd_cluster_abort_job(sd_net_cluster(reg->net),
+                sd_cluster_abort_job(sd_job_cluster(job),
                                      &(struct sd_job_abort){.job = job->name,
                                                             .nodes = job->nodes,
                                                             .status = SD_EMISMATCH,

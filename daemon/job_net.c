@@ -171,6 +171,7 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         !job->xfer.mr_descs || !job->xfer.mr_base || !job->xfer.mr_len)
         goto err_nomem;
     /* memory registered once per job */
+    const struct sd_mem *quant = sd_quant_mem(job);
     st = reg_mr(job, job->mem.pool.ptr, job->mem.pool.bytes);
     for (uint32_t r = 0; st == SD_OK && r < job->k; r++) {
         st = reg_mr(job, sd_job_arena(job, r, SD_STATE_W)->ptr,
@@ -185,8 +186,7 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     if (st == SD_OK)
         st = reg_mr(job, job->step.norm_buf, N * job->step.norm_stride);
     if (st == SD_OK) /* encoded w shards, gather receive slots, int4 blocks */
-        st = sd_quant_mem(job) ? reg_mr(job, sd_quant_mem(job)->ptr, sd_quant_mem(job)->bytes)
-                               : SD_OK;
+        st = quant != NULL ? reg_mr(job, quant->ptr, quant->bytes) : SD_OK;
     if (st == SD_OK) /* the pull requests each gather sends live in its unit state */
         st = reg_mr(job, job->cache.units, job->n_slots * sizeof(*job->cache.units));
     const struct sd_mem *g_arena = sd_job_arena(job, 0, SD_STATE_G);

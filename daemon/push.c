@@ -82,25 +82,24 @@ struct sd_push_state {
 /* Push rounds are kept [unit][group][generation]: round n of (unit u, g-partition group g)
  * collects in generation n % round_gens. gi indexes job->push->rounds; its members' entries start
  * at gi * g_members in job->push->round_entries. */
-static inline size_t sd_job_round_index(const struct sd_job *job, uint32_t u, uint32_t g,
-                                        uint64_t n)
+static inline size_t round_index(const struct sd_job *job, uint32_t u, uint32_t g, uint64_t n)
 {
     return ((size_t)u * job->push->g_groups + g) * job->push->round_gens +
            (size_t)(n % job->push->round_gens);
 }
 
-static inline struct sd_push_entry *sd_job_round_ents(struct sd_job *job, size_t gi)
+static inline struct sd_push_entry *round_ents(struct sd_job *job, size_t gi)
 {
     return &job->push->round_entries[gi * job->push->g_members];
 }
 
 /* the unit and the group of round slot gi */
-static inline uint32_t sd_job_round_unit(const struct sd_job *job, size_t gi)
+static inline uint32_t round_unit(const struct sd_job *job, size_t gi)
 {
     return (uint32_t)(gi / job->push->round_gens / job->push->g_groups);
 }
 
-static inline uint32_t sd_job_round_group(const struct sd_job *job, size_t gi)
+static inline uint32_t round_group(const struct sd_job *job, size_t gi)
 {
     return (uint32_t)(gi / job->push->round_gens % job->push->g_groups);
 }
@@ -115,7 +114,7 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint64_t n = job->push->rounds_done[(size_t)u * job->push->g_groups + g];
-    struct sd_push_entry *ent = sd_job_round_ents(job, sd_job_round_index(job, u, g, n));
+    struct sd_push_entry *ent = round_ents(job, round_index(job, u, g, n));
     uint32_t f = job->push->g_members;
     uint64_t len = ul->numel / f;
     size_t esz = sd_dtype_size(ul->dtype);
@@ -147,9 +146,9 @@ static void finish_round(struct sd_job *job, uint32_t u, uint32_t g)
     if (!sd_job_sync(job))
         return;
     uint64_t *done = &job->push->rounds_done[(size_t)u * job->push->g_groups + g];
-    size_t gi = sd_job_round_index(job, u, g, *done);
+    size_t gi = round_index(job, u, g, *done);
     struct sd_push_round *rd = &job->push->rounds[gi];
-    struct sd_push_entry *ent = sd_job_round_ents(job, gi);
+    struct sd_push_entry *ent = round_ents(job, gi);
     uint64_t now = sd_now_ns();
     for (uint32_t m = 0; m < job->push->g_members; m++) {
         struct sd_session *s = ent[m].s;
@@ -189,7 +188,7 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
     /* a rank's pushes fill the rounds in order: its next is the oldest round it is not in */
     uint64_t n = job->push->rounds_done[(size_t)e->unit * job->push->g_groups + g];
     uint64_t last = n + job->push->round_gens;
-    while (n < last && sd_job_round_ents(job, sd_job_round_index(job, e->unit, g, n))[m].s != NULL)
+    while (n < last && round_ents(job, round_index(job, e->unit, g, n))[m].s != NULL)
         n++;
     if (n == last)
         return false; /* ahead of its group: wait for the oldest round to finish */
@@ -213,9 +212,9 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         return true;
     }
     (*taken)++;
-    size_t gi = sd_job_round_index(job, e->unit, g, n);
+    size_t gi = round_index(job, e->unit, g, n);
     struct sd_push_round *rd = &job->push->rounds[gi];
-    struct sd_push_entry *ent = &sd_job_round_ents(job, gi)[m];
+    struct sd_push_entry *ent = &round_ents(job, gi)[m];
     uint64_t now = sd_now_ns();
     s->staging_busy |= 1ULL << e->arg0;
     *ent =
@@ -240,8 +239,8 @@ bool sd_push_partial_round(struct sd_job *job, char *msg, size_t len)
     for (size_t gi = 0; gi < n; gi++) {
         if (job->push->rounds[gi].arrived == 0)
             continue;
-        uint32_t u = sd_job_round_unit(job, gi);
-        struct sd_push_entry *ent = sd_job_round_ents(job, gi);
+        uint32_t u = round_unit(job, gi);
+        struct sd_push_entry *ent = round_ents(job, gi);
         size_t off = (size_t)snprintf(msg, len, "step %llu: unit %u has gradients from ranks",
                                       (unsigned long long)job->steps + 1, u);
         for (uint32_t m = 0; m < job->push->g_members && off < len; m++)
@@ -479,8 +478,7 @@ static void round_start_next(struct sd_job *job)
         job->stats.push_rounds_peak = SD_MAX(job->stats.push_rounds_peak, job->push->nr_len);
         uint32_t u = ref.unit;
         const struct sd_unit_layout *ul = &job->layout.units[u];
-        const struct sd_push_entry *ent =
-            sd_job_round_ents(job, sd_job_round_index(job, u, 0, ref.seq));
+        const struct sd_push_entry *ent = round_ents(job, round_index(job, u, 0, ref.seq));
         memset(rd->chunk_arrivals, 0, sizeof(rd->chunk_arrivals));
         rd->net_done = false;
         rd->unit = u;
@@ -577,7 +575,7 @@ static void push_fail_parked(struct sd_job *job, int status, const char *text, b
     size_t n = (size_t)job->layout.n_units * job->push->g_groups * job->push->round_gens;
     for (size_t ri = 0; ri < n; ri++) {
         for (uint32_t m = 0; m < job->push->g_members; m++) {
-            struct sd_push_entry *ent = &sd_job_round_ents(job, ri)[m];
+            struct sd_push_entry *ent = &round_ents(job, ri)[m];
             if (ent->s == NULL)
                 continue;
             ent->s->staging_busy &= ~(1ULL << ent->slot);
@@ -599,8 +597,8 @@ static bool push_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
         if (rd->arrived == 0 || rd->arrived == job->push->g_members ||
             now - rd->first_ns <= op_timeout)
             continue;
-        uint32_t g = sd_job_round_group(job, gi), u = sd_job_round_unit(job, gi);
-        struct sd_push_entry *ent = sd_job_round_ents(job, gi);
+        uint32_t g = round_group(job, gi), u = round_unit(job, gi);
+        struct sd_push_entry *ent = round_ents(job, gi);
         bool present[1024];
         char missing[128];
         for (uint32_t r = 0; r < job->k && r < 1024; r++)
