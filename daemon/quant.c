@@ -155,7 +155,7 @@ uint64_t sd_quant_bytes(const struct sd_job *job, const struct sd_config *cfg)
 int sd_quant_alloc(struct sd_job *job, char *err, size_t errlen)
 {
     if (job->mem.quant == NULL && (job->mem.quant = calloc(1, sizeof(*job->mem.quant))) == NULL) {
-        snprintf(err, errlen, "out of memory for job '%s''s quantized buffers", job->name);
+        snprintf(err, errlen, "out of memory for the quantized buffers of job '%s'", job->name);
         return SD_ENOMEM;
     }
     struct sd_quant_state *qs = job->mem.quant;
@@ -229,14 +229,13 @@ nomem:
 
 void sd_quant_start(struct sd_job *job)
 {
-    if (job->mem.quant == NULL)
+    const struct sd_quant_state *qs = job->mem.quant;
+    if (qs == NULL)
         return;
-    if (job->mem.quant->ef != NULL)
-        job->reg->dev->zero(job->mem.queue, job->mem.quant->ef,
-                            job->mem.quant->ef_floats * sizeof(float));
-    if (job->mem.quant->hop_ef != NULL)
-        job->reg->dev->zero(job->mem.queue, job->mem.quant->hop_ef,
-                            job->mem.quant->hop_ef_floats * sizeof(float));
+    if (qs->ef != NULL)
+        job->reg->dev->zero(job->mem.queue, qs->ef, qs->ef_floats * sizeof(float));
+    if (qs->hop_ef != NULL)
+        job->reg->dev->zero(job->mem.queue, qs->hop_ef, qs->hop_ef_floats * sizeof(float));
 }
 
 void sd_quant_free(struct sd_job *job)

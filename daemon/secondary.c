@@ -13,7 +13,6 @@
 #include "sd/codec.h"
 #include "sd/log.h"
 #include "sd/status.h"
-#include "sd/util.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -122,13 +121,13 @@ bool sd_sec_keep(struct sd_job *job, struct sd_unit_state *us)
 int sd_sec_setup(struct sd_job *job)
 {
     uint32_t holders = sd_sec_holders(job), k = job->k;
-    size_t n_gen = (size_t)job->layout.n_units * (holders / SD_MAX(job->plan.sec, 1));
     if (job->sec == NULL && (job->sec = calloc(1, sizeof(*job->sec))) == NULL)
         return SD_ENOMEM;
     if (holders == 0)
         return SD_OK;
     struct sd_sec_state *sc = job->sec;
     sc->groups = holders / job->plan.sec;
+    size_t n_gen = (size_t)job->layout.n_units * sc->groups;
     sc->mem = calloc(k, sizeof(*sc->mem));
     sc->gen = malloc(n_gen * sizeof(*sc->gen));
     if (sc->mem == NULL || sc->gen == NULL)
