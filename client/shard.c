@@ -4,6 +4,7 @@
 #include "wguard.h"
 
 #include "sd/ckpt.h"
+#include "devmem.h"
 #include "sd/fence.h"
 #include "sd/frame.h"
 #include "sd/model.h"
@@ -50,14 +51,17 @@ struct shard_ctx {
     uint32_t rank, world, n_units, n_tensors;
     shard_unit_info_t *units;
     shard_tensor_info_t *tensors;
+    const struct shard_devmem *mem; /* what the pool and the staging slots are (devmem.h) */
     const uint8_t *pool;
     size_t pool_bytes;
     int wguard;        /* the pool's write guard (wguard.h), or -1 */
     uint64_t *unit_at; /* per unit: its pool offset at its last fetch (UINT64_MAX: none) */
     uint32_t req_unit[SD_RING_ENTRIES]; /* per ring slot: the unit of the request in it */
-    uint8_t *staging;
+    uint8_t *staging;                   /* the staging slots */
     size_t staging_bytes;
-    struct sd_fence_page *fence; /* this rank's fence page (sd/fence.h) */
+    uint8_t *control; /* the control page: the fence page, the step arguments, a save's path */
+    size_t control_bytes;
+    struct sd_fence_page *fence; /* this rank's fence page (sd/fence.h): control's start */
     uint32_t grad_seq, gathers;  /* pushes signalled and fetches answered, as the page counts */
     uint32_t staging_slots;
     uint64_t staging_slot_bytes;
@@ -69,8 +73,8 @@ struct shard_ctx {
     uint32_t held_slot;
     int push_status;
     char push_err[1024];
-    /* the step's arguments: where they go in the staging map, and the groups' hyperparameters as
-     * of the last step */
+    /* the step's arguments: where they go in the control page, and the groups' hyperparameters
+     * as of the last step */
     uint64_t step_args_off;
     uint64_t save_path_off, start_step;
     bool resumed; /* the registration resumed a paused job */
@@ -526,30 +530,35 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
         sd_step_args_bytes(ctx->n_groups, (uint32_t)rep->n_tensors, ctx->bcast_bytes);
     uint64_t path_off = rep->step_args_off + args_bytes;
     args_bytes += SD_CKPT_PATH_MAX; /* then a save's directory */
-    if (fstat(fds[0], &st) != 0 || (uint64_t)st.st_size < rep->pool_bytes ||
-        fstat(fds[1], &st) != 0 ||
-        (uint64_t)st.st_size < (uint64_t)rep->staging_slots * rep->staging_slot_bytes ||
+    struct stat cst;
+    char why[512];
+    ctx->mem = shard_devmem_open(rep->memory, rep->device, why, sizeof(why));
+    if (ctx->mem == NULL)
+        return fail(ctx, SD_ENOSYS, "register: %s", why);
+    /* memfds have sizes to check; a device's fd handles do not (its import checks them) */
+    bool sized = ctx->mem->host;
+    if ((sized &&
+         (fstat(fds[0], &st) != 0 || (uint64_t)st.st_size < rep->pool_bytes ||
+          fstat(fds[1], &st) != 0 ||
+          (uint64_t)st.st_size < (uint64_t)rep->staging_slots * rep->staging_slot_bytes)) ||
         rep->staging_slots == 0 || rep->staging_slots > MAX_STAGING ||
-        rep->step_args_off < (uint64_t)rep->staging_slots * rep->staging_slot_bytes ||
-        rep->step_args_bytes != args_bytes || rep->save_path_off != path_off ||
-        (rep->n_groups != 0 && rep->n_groups != ctx->n_groups) ||
-        (uint64_t)st.st_size < rep->step_args_off + rep->step_args_bytes)
+        rep->step_args_off < SD_FENCE_BYTES || rep->step_args_bytes != args_bytes ||
+        rep->save_path_off != path_off || (rep->n_groups != 0 && rep->n_groups != ctx->n_groups) ||
+        fstat(fds[2], &cst) != 0 ||
+        (uint64_t)cst.st_size < rep->step_args_off + rep->step_args_bytes)
         return fail(ctx, SD_EPROTO, "register: shared buffers do not match the layout");
     ctx->pool_bytes = rep->pool_bytes;
-    /* populated: the first fetches and pushes do not take the page faults. Private and
-     * read-only: pages never written read the daemon's shared memory, and a write lands in a
-     * private copy that the write guard catches and discards (wguard.h) */
-    ctx->pool = mmap(NULL, ctx->pool_bytes ? ctx->pool_bytes : 1, PROT_READ,
-                     MAP_PRIVATE | MAP_POPULATE, fds[0], 0);
-    if (ctx->pool == MAP_FAILED) {
-        ctx->pool = NULL;
-        return fail(ctx, -errno, "register: cannot map the gather pool: %s", strerror(errno));
-    }
-    if (ctx->pool_bytes > 0)
+    void *pool = NULL;
+    int status = ctx->mem->map(fds[0], ctx->pool_bytes, true, &pool, why, sizeof(why));
+    if (status != 0)
+        return fail(ctx, status, "register: cannot map the gather pool: %s", why);
+    ctx->pool = pool;
+    if (ctx->pool_bytes > 0 && ctx->mem->host)
         ctx->wguard = sd_wguard_add(ctx->pool, ctx->pool_bytes);
     ctx->staging_slots = rep->staging_slots;
     ctx->staging_slot_bytes = rep->staging_slot_bytes;
-    ctx->staging_bytes = (size_t)(rep->step_args_off + rep->step_args_bytes);
+    ctx->staging_bytes = (size_t)(rep->staging_slots * rep->staging_slot_bytes);
+    ctx->control_bytes = (size_t)(rep->step_args_off + rep->step_args_bytes);
     ctx->step_args_off = rep->step_args_off;
     ctx->save_path_off = rep->save_path_off;
     ctx->start_step = rep->start_step;
@@ -558,19 +567,17 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
         struct sd_hparams h = sd_hparams_from_msg(rep->groups[g]);
         memcpy(&ctx->hparams[g], &h, sizeof(h));
     }
-    ctx->staging = mmap(NULL, ctx->staging_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
-                        fds[1], 0);
-    if (ctx->staging == MAP_FAILED) {
-        ctx->staging = NULL;
-        return fail(ctx, -errno, "register: cannot map the staging buffer: %s", strerror(errno));
+    void *staging = NULL;
+    status = ctx->mem->map(fds[1], ctx->staging_bytes, false, &staging, why, sizeof(why));
+    if (status != 0)
+        return fail(ctx, status, "register: cannot map the staging slots: %s", why);
+    ctx->staging = staging;
+    ctx->control = mmap(NULL, ctx->control_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0);
+    if (ctx->control == MAP_FAILED) {
+        ctx->control = NULL;
+        return fail(ctx, -errno, "register: cannot map the control page: %s", strerror(errno));
     }
-    if (fstat(fds[2], &st) != 0 || (uint64_t)st.st_size < SD_FENCE_BYTES)
-        return fail(ctx, SD_EPROTO, "register: the fence page is not %u bytes", SD_FENCE_BYTES);
-    ctx->fence = mmap(NULL, SD_FENCE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fds[2], 0);
-    if (ctx->fence == MAP_FAILED) {
-        ctx->fence = NULL;
-        return fail(ctx, -errno, "register: cannot map the fence page: %s", strerror(errno));
-    }
+    ctx->fence = (struct sd_fence_page *)(void *)ctx->control;
     if (ctx->fence->magic != SD_FENCE_MAGIC || ctx->fence->version != SD_FENCE_VERSION)
         return fail(ctx, SD_EVERSION, "register: fence page version %u (magic %#x), expected %u",
                     ctx->fence->version, ctx->fence->magic, SD_FENCE_VERSION);
@@ -607,15 +614,18 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
 static int load_initial(shard_ctx_t *ctx, const shard_model_t *model)
 {
     struct sd_cqe cqe;
+    char why[512];
     for (uint32_t u = 0; u < ctx->n_units; u++) {
         float *dst = (float *)(void *)ctx->staging;
-        memset(dst, 0, ctx->units[u].numel * sizeof(float));
+        int status = ctx->mem->zero(dst, ctx->units[u].numel * sizeof(float), why, sizeof(why));
         for (uint32_t t = ctx->units[u].first_tensor;
-             t < ctx->units[u].first_tensor + ctx->units[u].n_tensors; t++)
+             status == 0 && t < ctx->units[u].first_tensor + ctx->units[u].n_tensors; t++)
             if (model->init != NULL && model->init[t] != NULL)
-                memcpy(dst + ctx->tensors[t].offset, model->init[t],
-                       ctx->tensors[t].numel * sizeof(float));
-        int status = call(ctx, SD_OP_INIT, u, 0, 0, &cqe);
+                status = ctx->mem->copy(dst + ctx->tensors[t].offset, model->init[t],
+                                        ctx->tensors[t].numel * sizeof(float), why, sizeof(why));
+        if (status != 0)
+            return fail(ctx, status, "register: initial values of unit %u: %s", u, why);
+        status = call(ctx, SD_OP_INIT, u, 0, 0, &cqe);
         if (status != SD_OK)
             return status;
     }
@@ -1007,7 +1017,11 @@ int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t by
     status = take_staging(ctx, "push_grad", unit, &i);
     if (status != SD_OK)
         return status;
-    memcpy(ctx->staging + (size_t)i * ctx->staging_slot_bytes, grad, bytes);
+    char why[512];
+    status = ctx->mem->copy(ctx->staging + (size_t)i * ctx->staging_slot_bytes, grad, bytes, why,
+                            sizeof(why));
+    if (status != 0)
+        return fail(ctx, status, "push_grad unit %u: %s", unit, why);
     return push_slot(ctx, unit, i);
 }
 
@@ -1042,7 +1056,7 @@ int shard__drop(shard_ctx_t *ctx, uint32_t unit)
 
 static uint8_t *bcast_area(shard_ctx_t *ctx)
 {
-    return ctx->staging + ctx->step_args_off +
+    return ctx->control + ctx->step_args_off +
            sd_step_args_bcast_off(ctx->n_groups, ctx->n_tensors);
 }
 
@@ -1052,7 +1066,7 @@ static int write_step_args(shard_ctx_t *ctx, const shard_step_args_t *a, uint32_
     *flags_p = 0;
     if (a == NULL)
         return SD_OK;
-    uint8_t *area = ctx->staging + ctx->step_args_off;
+    uint8_t *area = ctx->control + ctx->step_args_off;
     struct sd_step_args hdr = {.n_groups = ctx->n_groups, .n_tensors = ctx->n_tensors};
     if (a->groups != NULL) {
         if (a->n_groups != ctx->n_groups)
@@ -1089,9 +1103,14 @@ static int write_step_args(shard_ctx_t *ctx, const shard_step_args_t *a, uint32_
     return SD_OK;
 }
 
+const char *shard_memory(const shard_ctx_t *ctx)
+{
+    return ctx != NULL && ctx->registered && ctx->mem != NULL ? ctx->mem->name : NULL;
+}
+
 void *shard__step_args(shard_ctx_t *ctx)
 {
-    return ctx != NULL && ctx->registered ? ctx->staging + ctx->step_args_off : NULL;
+    return ctx != NULL && ctx->registered ? ctx->control + ctx->step_args_off : NULL;
 }
 
 int shard_group_hparams(const shard_ctx_t *ctx, uint32_t group, shard_hparams_t *h_p)
@@ -1166,7 +1185,7 @@ int shard_save(shard_ctx_t *ctx, const char *dir, uint64_t *step_p)
     if ((status = settle_pushes(ctx, "save", "; save between steps")) != SD_OK)
         return status;
     size_t len = strlen(path);
-    memcpy(ctx->staging + ctx->save_path_off, path, len);
+    memcpy(ctx->control + ctx->save_path_off, path, len);
     status = call(ctx, SD_OP_SAVE, 0, len, 0, &cqe);
     if (status == SD_OK && step_p != NULL)
         *step_p = cqe.value0;
@@ -1201,12 +1220,12 @@ int shard_detach(shard_ctx_t *ctx)
     }
     sd_wguard_remove(ctx->wguard);
     if (ctx->pool != NULL)
-        munmap((void *)ctx->pool, ctx->pool_bytes ? ctx->pool_bytes : 1);
+        ctx->mem->unmap((void *)ctx->pool, ctx->pool_bytes);
     free(ctx->unit_at);
     if (ctx->staging != NULL)
-        munmap(ctx->staging, ctx->staging_bytes);
-    if (ctx->fence != NULL)
-        munmap(ctx->fence, SD_FENCE_BYTES);
+        ctx->mem->unmap(ctx->staging, ctx->staging_bytes);
+    if (ctx->control != NULL)
+        munmap(ctx->control, ctx->control_bytes);
     if (ctx->ring != NULL)
         munmap(ctx->ring, SD_RING_BYTES);
     if (ctx->sq_efd >= 0)

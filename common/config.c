@@ -27,7 +27,8 @@ const struct sd_config_entry sd_config_table[] = {
     {"backend", SD_CFG_STRING, "host", 0, 16, OFF(backend),
      "device backend for shard buffers: host; host-deferred (kernels run only when the "
      "daemon waits for them: a test of its waits); emu (the GPU kernels' source run on the "
-     "host); emu-device (the same, through the daemon's device paths); cuda and hip when "
+     "host); emu-device (the same, through the daemon's device paths); emu-gpu (the same, its "
+     "memory out of the host's reach as a GPU's is); cuda and hip when "
      "built with them (shardd --help lists those built in)",
      1},
     {"memory_budget", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(memory_budget),
@@ -232,10 +233,11 @@ static int check_string(const struct sd_config_entry *e, const char *value, char
     }
     if (strcmp(e->name, "backend") == 0 && strcmp(value, "host") != 0 &&
         strcmp(value, "host-deferred") != 0 && strcmp(value, "emu") != 0 &&
-        strcmp(value, "emu-device") != 0 && strcmp(value, "cuda") != 0 &&
-        strcmp(value, "hip") != 0) {
+        strcmp(value, "emu-device") != 0 && strcmp(value, "emu-gpu") != 0 &&
+        strcmp(value, "cuda") != 0 && strcmp(value, "hip") != 0) {
         snprintf(err, errlen,
-                 "option '%s': '%s' is not one of host, host-deferred, emu, emu-device, cuda, hip",
+                 "option '%s': '%s' is not one of host, host-deferred, emu, emu-device, emu-gpu, "
+                 "cuda, hip",
                  e->name, value);
         return SD_ECONFIG;
     }

@@ -630,7 +630,7 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
     struct sd_ckpt_job *c = job->load.ckpt;
     char path[SD_CKPT_PATH_MAX];
     uint64_t len = e->arg0;
-    const char *area = (const char *)job->mem.staging[s->local].ptr + job->mem.save_path_off;
+    const char *area = (const char *)sd_job_control(job, s->local, job->mem.save_path_off);
     if (len == 0 || len >= SD_CKPT_PATH_MAX - 320 || memchr(area, '\0', len) != NULL) {
         sd_session_fail(s, e, SD_EINVAL,
                         "save: the directory's length %llu is not in 1..%d or it holds a NUL",

@@ -205,7 +205,7 @@ static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_
         c->work.status = read_unit_range(job, rd, &(struct unit_range){.u = u, .lo = lo, .hi = hi},
                                          at, c->work.err, sizeof(c->work.err));
     else if (at != NULL)
-        sd_loading_unit(job, u, at, lo);
+        sd_loading_unit(job, u, at, lo, true);
     for (uint32_t r = 0; r < job->k; r++) {
         uint64_t b, e;
         sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);

@@ -175,17 +175,24 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     out.msg_case = SHARD__DAEMON_MSG__MSG_REGISTER;
     out.register_ = &rep;
 
-    /* the pool goes out read-only: clients read gathered weights, never write them */
-    char path[64];
-    snprintf(path, sizeof(path), "/proc/self/fd/%d", job->mem.pool.fd);
-    int ro = open(path, O_RDONLY | O_CLOEXEC);
-    if (ro < 0) {
-        status = -errno;
-        goto out;
+    rep.memory = (char *)job->reg->dev->client_memory;
+    rep.device = 0;
+    /* the pool goes out read-only: clients read gathered weights, never write them (a memfd
+     * reopened read-only; a device's fd handle, which the client maps read-only) */
+    bool memfd = strcmp(job->reg->dev->client_memory, "host") == 0;
+    int ro = job->mem.pool.fd;
+    if (memfd) {
+        char path[64];
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", job->mem.pool.fd);
+        if ((ro = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
+            status = -errno;
+            goto out;
+        }
     }
     int fds[3] = {ro, job->mem.staging[s->local].fd, job->mem.fence[s->local].fd};
     status = sd_conn_send(s->conn, &out, fds, 3);
-    close(ro);
+    if (memfd)
+        close(ro);
     free(gd);
     free(gp);
     if (status == SD_OK)
@@ -340,6 +347,15 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
         snprintf(err, errlen,
                  "%u ranks on this node (world %u over %u nodes); a node serves at most %d ranks",
                  k, msg->world, nodes, SD_MAX_LOCAL_RANKS);
+        return NULL;
+    }
+    if (nodes > 1 && !reg->dev->host_visible) {
+        snprintf(err, errlen,
+                 "world size %u spans %u nodes, but backend '%s' keeps the job's buffers in device "
+                 "memory, and this shardd cannot yet send device memory between nodes (pinned "
+                 "staging, README: GPU backends): run the job on one node, or the daemons with "
+                 "--backend host",
+                 msg->world, nodes, reg->dev->name);
         return NULL;
     }
     if (nodes > 1 && !sd_cluster_ready(sd_net_cluster(reg->net))) {

@@ -66,16 +66,19 @@ struct sd_gather_batch {
 struct sd_job_mem {
     struct sd_mem *arena; /* [k * SD_STATE_COUNT] */
     struct sd_mem pool;
-    struct sd_mem *staging; /* [k] */
-    struct sd_mem *fence;   /* [k]: each rank's fence page (sd/fence.h), host memory */
-    uint32_t *fence_count;  /* [2k]: per rank, pushes taken and fetches answered */
+    struct sd_mem *staging; /* [k]: each rank's staging slots, in the backend's memory */
+    /* [k]: each rank's control page, host memory: its fence page (sd/fence.h), then its step
+     * arguments and a save's directory */
+    struct sd_mem *fence;
+    uint32_t *fence_count; /* [2k]: per rank, pushes taken and fetches answered */
     uint64_t staging_slot_bytes;
     uint32_t staging_slots;
-    uint64_t step_args_off, step_args_bytes; /* each rank's step arguments, after its slots */
+    uint64_t step_args_off, step_args_bytes; /* each rank's step arguments, in its control page */
     uint64_t save_path_off; /* then the directory of a save (SD_CKPT_PATH_MAX bytes) */
     uint64_t bytes_total;
     uint64_t alloc_start_ns, alloc_ns; /* allocating the job's memory: since, and how long */
-    float *scratch;
+    struct sd_mem scratch_mem;         /* in the backend's memory: a unit in fp32 */
+    float *scratch;                    /* scratch_mem's */
     uint64_t *w_off; /* per unit: byte offset of the unit's w shard in a rank's w arena */
     uint64_t w_arena_bytes;
     uint64_t max_live_bytes;      /* from the registration; 0: the daemon's */
@@ -277,6 +280,13 @@ void sd_job_mem_alloc(struct sd_job *job);
 void sd_job_mem_free(struct sd_job *job);
 /* The arenas' layout, for the budget and for allocating them. */
 void sd_job_mem_arena_bytes(const struct sd_job *job, uint64_t bytes_p[SD_STATE_COUNT]);
+/* A rank's control page: the fence page, the step arguments and a save's directory. */
+uint64_t sd_job_control_bytes(const struct sd_job *job);
+/* Rank `local`'s control page at offset off (host memory). */
+static inline uint8_t *sd_job_control(struct sd_job *job, uint32_t local, uint64_t off)
+{
+    return (uint8_t *)job->mem.fence[local].ptr + off;
+}
 
 /* node m's part of the norm exchange, and the tensors that had a gradient there */
 static inline struct sd_norm_part *sd_norm_part_at(struct sd_job *job, uint32_t m)

@@ -25,9 +25,9 @@
 struct job_free_work {
     uv_work_t req;
     struct sd_registry *reg;
-    struct sd_mem *mems; /* host memory: arenas (host backend), staging, pool */
+    struct sd_mem *mems; /* host memory: arenas, staging, pool, scratch (host backends) */
     uint32_t n_mems;
-    void *heap[2]; /* scratch, the node rounds' buffers */
+    void *heap; /* the node rounds' buffers */
     uint64_t bytes, start_ns;
     char job[64];
 };
@@ -37,8 +37,7 @@ static void free_work_cb(uv_work_t *req)
     struct job_free_work *w = req->data;
     for (uint32_t i = 0; i < w->n_mems; i++)
         sd_gpu_host_ops.free(&w->mems[i]);
-    free(w->heap[0]);
-    free(w->heap[1]);
+    free(w->heap);
 }
 
 static void free_after_cb(uv_work_t *req, int uv_status)
@@ -59,12 +58,13 @@ static void free_off_loop(struct sd_job *job)
     struct sd_registry *reg = job->reg;
     bool host = reg->dev->host_memory;
     uint32_t n_arena = job->mem.arena != NULL && host ? job->k * SD_STATE_COUNT : 0;
-    uint32_t n_staging = job->mem.staging != NULL ? job->k : 0;
+    uint32_t n_staging = job->mem.staging != NULL && host ? job->k : 0;
+    uint32_t n_fence = job->mem.fence != NULL ? job->k : 0; /* host memory whatever the backend */
     uint32_t n_sec = sd_sec_hand_over(job, NULL);
     if (reg->loop == NULL || job->mem.bytes_total == 0)
         return;
     struct job_free_work *w = calloc(1, sizeof(*w));
-    struct sd_mem *mems = calloc(n_arena + n_staging + n_sec + 1, sizeof(*mems));
+    struct sd_mem *mems = calloc(n_arena + n_staging + n_fence + n_sec + 2, sizeof(*mems));
     if (w == NULL || mems == NULL) {
         free(w);
         free(mems);
@@ -79,13 +79,20 @@ static void free_off_loop(struct sd_job *job)
         mems[n++] = job->mem.staging[i];
         job->mem.staging[i] = (struct sd_mem){.fd = -1};
     }
+    for (uint32_t i = 0; i < n_fence; i++) {
+        mems[n++] = job->mem.fence[i];
+        job->mem.fence[i] = (struct sd_mem){.fd = -1};
+    }
     n += sd_sec_hand_over(job, mems + n);
-    mems[n++] = job->mem.pool;
-    job->mem.pool = (struct sd_mem){.fd = -1};
+    if (host) {
+        mems[n++] = job->mem.pool;
+        mems[n++] = job->mem.scratch_mem;
+        job->mem.pool = job->mem.scratch_mem = (struct sd_mem){.fd = -1};
+    }
     *w = (struct job_free_work){.reg = reg,
                                 .mems = mems,
                                 .n_mems = n,
-                                .heap = {job->mem.scratch, sd_push_take_net_mem(job)},
+                                .heap = sd_push_take_net_mem(job),
                                 .bytes = job->mem.bytes_total,
                                 .start_ns = sd_now_ns()};
     w->req.data = w;
@@ -114,21 +121,22 @@ void sd_job_mem_free(struct sd_job *job)
             dev->free(&job->mem.arena[i]);
     if (job->mem.staging != NULL)
         for (uint32_t i = 0; i < job->k; i++)
-            sd_gpu_host_ops.free(&job->mem.staging[i]);
+            dev->free(&job->mem.staging[i]);
     if (job->mem.fence != NULL)
         for (uint32_t i = 0; i < job->k; i++)
             sd_gpu_host_ops.free(&job->mem.fence[i]);
     sd_sec_free(job);
     sd_quant_free(job);
     if (job->mem.pool.ptr != NULL)
-        sd_gpu_host_ops.free(&job->mem.pool);
+        dev->free(&job->mem.pool);
+    if (job->mem.scratch_mem.ptr != NULL)
+        dev->free(&job->mem.scratch_mem);
     free(job->mem.arena);
     free(job->mem.staging);
     free(job->mem.fence);
     free(job->mem.fence_count);
     job->mem.fence = NULL;
     job->mem.fence_count = NULL;
-    free(job->mem.scratch);
     sd_push_free(job);
     sd_unit_cache_fini(&job->cache);
     free(job->step.sumsq_parts);
@@ -175,6 +183,14 @@ void sd_job_mem_arena_bytes(const struct sd_job *job, uint64_t bytes_p[SD_STATE_
         bytes_p[st] += sd_arena_colour(st);
 }
 
+uint64_t sd_job_control_bytes(const struct sd_job *job)
+{
+    return SD_FENCE_BYTES +
+           sd_step_args_bytes(sd_model_groups(&job->model), job->layout.n_tensors,
+                              job->model.bcast_bytes) +
+           SD_CKPT_PATH_MAX;
+}
+
 static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct sd_config *cfg)
 {
     struct job_bytes b = {0};
@@ -190,11 +206,9 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.pool = job->mem.max_live_bytes ? job->mem.max_live_bytes
              : cfg->max_live_bytes   ? cfg->max_live_bytes
                                      : l->total_bytes * job->slots_per_unit;
-    b.staging =
-        ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) +
-         sd_step_args_bytes(sd_model_groups(&job->model), l->n_tensors, job->model.bcast_bytes) +
-         SD_CKPT_PATH_MAX + SD_FENCE_BYTES) *
-        job->k;
+    b.staging = ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) +
+                 sd_job_control_bytes(job)) *
+                job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
     b.net = sd_job_net_bytes(job, cfg);
     const uint64_t parts[] = {b.w, b.g, b.os, b.sec, b.quant, b.pool, b.staging, b.scratch, b.net};
@@ -206,7 +220,7 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
 }
 
 /* Allocating a job's memory has three parts. job_alloc_begin checks the budget, reserves the
- * bytes and allocates the bookkeeping; job_alloc_arenas and job_alloc_host allocate and back the
+ * bytes and allocates the bookkeeping; job_alloc_device and job_alloc_control allocate and back the
  * big buffers (on a worker thread for host memory: backing 0.5 GiB took the loop up to 1 s here,
  * and a loop that stalls misses heartbeats and holds up every other job's transfers);
  * job_alloc_finish sets up the rest on the loop. Each failure leaves err filled and the caller
@@ -254,7 +268,6 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->mem.staging = calloc(k, sizeof(*job->mem.staging));
     job->mem.fence = calloc(k, sizeof(*job->mem.fence));
     job->mem.fence_count = calloc(2 * (size_t)k, sizeof(*job->mem.fence_count));
-    job->mem.scratch = malloc(need.scratch ? need.scratch : 1);
     int cache_st = sd_unit_cache_init(&job->cache, l->n_units, job->slots_per_unit, need.pool);
     int queue_st = reg->dev->queue_create(&job->mem.queue);
     job->step.sumsq_parts = calloc((size_t)l->n_units * k, sizeof(*job->step.sumsq_parts));
@@ -280,10 +293,10 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     int push_st = sd_push_alloc(job);
     int sec_st = sd_sec_setup(job);
     if (sec_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
-        !job->mem.fence_count || !job->mem.scratch || cache_st != SD_OK || queue_st != SD_OK ||
-        !job->step.sumsq_parts || !job->xfer.wait_tags || !job->step.norm_buf ||
-        !job->step.os_pos || !job->step.arg_flags || !job->step.hp_next || !job->step.used ||
-        !job->opt.hparams || !job->opt.tensor_steps || push_st != SD_OK) {
+        !job->mem.fence_count || cache_st != SD_OK || queue_st != SD_OK || !job->step.sumsq_parts ||
+        !job->xfer.wait_tags || !job->step.norm_buf || !job->step.os_pos || !job->step.arg_flags ||
+        !job->step.hp_next || !job->step.used || !job->opt.hparams || !job->opt.tensor_steps ||
+        push_st != SD_OK) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }
@@ -293,14 +306,15 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
         job->mem.arena[i].fd = -1;
     for (uint32_t i = 0; i < k; i++)
         job->mem.staging[i].fd = job->mem.fence[i].fd = -1;
-    job->mem.pool.fd = -1;
+    job->mem.pool.fd = job->mem.scratch_mem.fd = -1;
     job->stats.pool_bytes = need.pool;
     job->stats.memory_bytes = need.total;
     job->mem.staging_slots = (uint32_t)cfg->staging_slots;
     job->mem.staging_slot_bytes = l->max_unit_numel * sizeof(float);
-    job->mem.step_args_off = (uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes;
+    /* in the control page, after the fence; a save's directory follows the step arguments
+     * (counted in them for the client) */
+    job->mem.step_args_off = SD_FENCE_BYTES;
     job->mem.step_args_bytes = sd_step_args_bytes(n_groups, l->n_tensors, job->model.bcast_bytes);
-    /* a save's directory follows the step arguments (counted in them for the client) */
     job->mem.save_path_off = job->mem.step_args_off + job->mem.step_args_bytes;
     job->mem.step_args_bytes += SD_CKPT_PATH_MAX;
     return SD_OK;
@@ -314,55 +328,67 @@ static int alloc_failed(const struct sd_job *job, const char *tag, int status, c
     return status;
 }
 
-/* The w, g and os arenas of every local rank, in the backend's memory. Like job_alloc_host,
+/* Everything of the job in the backend's memory: the w, g and os arenas of every local rank,
+ * scratch, the secondary and quantized copies, and what the trainers map there (each rank's
+ * staging slots and the gather pool: memfds, or a device's fd handles). Like job_alloc_control,
  * touches only its buffers of job and reads what registration fixed: safe on a worker thread
- * while the job is allocating. */
-static int job_alloc_arenas(struct sd_job *job, char *err, size_t errlen)
+ * while the job is allocating (host memory; a device's memory is allocated on the loop). */
+static int job_alloc_device(struct sd_job *job, char *err, size_t errlen)
 {
+    const struct sd_gpu_ops *dev = job->reg->dev;
     uint64_t bytes[SD_STATE_COUNT];
     sd_job_mem_arena_bytes(job, bytes);
     char tag[96];
+    int status;
     for (uint32_t r = 0; r < job->k; r++)
         for (int st = 0; st < SD_STATE_COUNT; st++) {
             snprintf(tag, sizeof(tag), "shardd-%s-r%u-%s", job->name, job->first_rank + r,
                      sd_state_name(st));
-            int status = job->reg->dev->alloc(bytes[st], SD_MEM_PRIVATE, tag,
-                                              &job->mem.arena[r * SD_STATE_COUNT + st]);
+            status = dev->alloc(bytes[st], SD_MEM_PRIVATE, tag,
+                                &job->mem.arena[r * SD_STATE_COUNT + st]);
             if (status != SD_OK)
                 return alloc_failed(job, tag, status, err, errlen);
         }
-    int sec_st = sd_sec_alloc(job, tag, sizeof(tag));
-    if (sec_st != SD_OK)
-        return alloc_failed(job, tag, sec_st, err, errlen);
-    return sd_quant_alloc(job, err, errlen);
-}
-
-/* The host memory the trainers map: each local rank's staging slots and fence page, and the
- * gather pool. */
-static int job_alloc_host(struct sd_job *job, char *err, size_t errlen)
-{
-    char tag[96];
-    int status;
     for (uint32_t r = 0; r < job->k; r++) {
         snprintf(tag, sizeof(tag), "shardd-%s-r%u-staging", job->name, job->first_rank + r);
-        status = sd_gpu_host_ops.alloc(job->mem.step_args_off + job->mem.step_args_bytes,
-                                       SD_MEM_SHARED, tag, &job->mem.staging[r]);
+        status = dev->alloc((uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes,
+                            SD_MEM_SHARED, tag, &job->mem.staging[r]);
         if (status != SD_OK)
             return alloc_failed(job, tag, status, err, errlen);
     }
-    for (uint32_t r = 0; r < job->k; r++) { /* host memory whatever the backend */
-        snprintf(tag, sizeof(tag), "shardd-%s-r%u-fence", job->name, job->first_rank + r);
-        status = sd_gpu_host_ops.alloc(SD_FENCE_BYTES, SD_MEM_SHARED, tag, &job->mem.fence[r]);
+    snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
+    status =
+        dev->alloc(job->stats.pool_bytes, SD_MEM_SHARED | SD_MEM_CLIENT_RO, tag, &job->mem.pool);
+    if (status != SD_OK)
+        return alloc_failed(job, tag, status, err, errlen);
+    snprintf(tag, sizeof(tag), "shardd-%s-scratch", job->name);
+    status = dev->alloc(job->layout.max_unit_numel * sizeof(float), SD_MEM_PRIVATE, tag,
+                        &job->mem.scratch_mem);
+    if (status != SD_OK)
+        return alloc_failed(job, tag, status, err, errlen);
+    job->mem.scratch = job->mem.scratch_mem.ptr;
+    status = sd_sec_alloc(job, tag, sizeof(tag));
+    if (status != SD_OK)
+        return alloc_failed(job, tag, status, err, errlen);
+    return sd_quant_alloc(job, err, errlen);
+}
+
+/* Each local rank's control page, host memory whatever the backend (the daemon reads it on the
+ * host): its fence page (sd/fence.h), then its step arguments and a save's directory. */
+static int job_alloc_control(struct sd_job *job, char *err, size_t errlen)
+{
+    char tag[96];
+    for (uint32_t r = 0; r < job->k; r++) {
+        snprintf(tag, sizeof(tag), "shardd-%s-r%u-control", job->name, job->first_rank + r);
+        int status = sd_gpu_host_ops.alloc(sd_job_control_bytes(job), SD_MEM_SHARED, tag,
+                                           &job->mem.fence[r]);
         if (status != SD_OK)
             return alloc_failed(job, tag, status, err, errlen);
         struct sd_fence_page *f = job->mem.fence[r].ptr;
         f->magic = SD_FENCE_MAGIC;
         f->version = SD_FENCE_VERSION;
     }
-    snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
-    status = sd_gpu_host_ops.alloc(job->stats.pool_bytes, SD_MEM_SHARED | SD_MEM_CLIENT_RO, tag,
-                                   &job->mem.pool);
-    return status == SD_OK ? SD_OK : alloc_failed(job, tag, status, err, errlen);
+    return SD_OK;
 }
 
 static int job_alloc_finish(struct sd_job *job, char *err, size_t errlen)
@@ -387,7 +413,7 @@ static int job_alloc_finish(struct sd_job *job, char *err, size_t errlen)
 struct job_alloc_work {
     uv_work_t req;
     struct sd_job *job;
-    bool arenas; /* host-memory arenas: backed on the worker too */
+    bool device; /* the backend's memory is host memory: backed on the worker too */
     int status;
     char err[768];
 };
@@ -395,9 +421,9 @@ struct job_alloc_work {
 static void alloc_work_cb(uv_work_t *req)
 {
     struct job_alloc_work *w = req->data;
-    w->status = w->arenas ? job_alloc_arenas(w->job, w->err, sizeof(w->err)) : SD_OK;
+    w->status = w->device ? job_alloc_device(w->job, w->err, sizeof(w->err)) : SD_OK;
     if (w->status == SD_OK)
-        w->status = job_alloc_host(w->job, w->err, sizeof(w->err));
+        w->status = job_alloc_control(w->job, w->err, sizeof(w->err));
 }
 
 /* The buffers are there (status SD_OK) or not: finish on the loop and go on. */
@@ -440,13 +466,13 @@ void sd_job_mem_alloc(struct sd_job *job)
     job->mem.alloc_start_ns = sd_now_ns();
     int status = job_alloc_begin(job, err, sizeof(err));
     if (status == SD_OK && !host)
-        status = job_alloc_arenas(job, err, sizeof(err));
+        status = job_alloc_device(job, err, sizeof(err));
     struct job_alloc_work *w =
         status == SD_OK && job->reg->loop != NULL ? calloc(1, sizeof(*w)) : NULL;
     if (w != NULL) {
         w->req.data = w;
         w->job = job;
-        w->arenas = host;
+        w->device = host;
         job->mem.allocating = true;
         if (uv_queue_work(job->reg->loop, &w->req, alloc_work_cb, alloc_after_cb) == 0)
             return;
@@ -454,8 +480,8 @@ void sd_job_mem_alloc(struct sd_job *job)
         free(w);
     }
     if (status == SD_OK && host)
-        status = job_alloc_arenas(job, err, sizeof(err));
+        status = job_alloc_device(job, err, sizeof(err));
     if (status == SD_OK)
-        status = job_alloc_host(job, err, sizeof(err));
+        status = job_alloc_control(job, err, sizeof(err));
     job_alloc_done(job, status, err, sizeof(err));
 }

@@ -17,18 +17,26 @@ static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_
                       const float *values);
 static void tell_ready(struct sd_job *job);
 
-void sd_loading_unit(struct sd_job *job, uint32_t unit, const float *src, uint64_t src_off)
+void sd_loading_unit(struct sd_job *job, uint32_t unit, const float *src, uint64_t src_off,
+                     bool host_src)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[unit];
+    /* a device's kernels read device memory only: host values pass through scratch (in queue
+     * order, so each rank's conversion reads its own copy) */
+    bool staged = host_src && !dev->host_memory;
     for (uint32_t r = 0; r < job->k; r++) {
         uint64_t b, e;
         sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + r, &b, &e);
         float *master = (float *)sd_job_state(job, r, SD_STATE_OS) + ul->arena_off[SD_STATE_OS];
         dev->copy(job->mem.queue, master, src + (b - src_off), (e - b) * sizeof(float));
         sd_layout_shard(ul, &job->plan, SD_STATE_W, job->first_rank + r, &b, &e);
-        dev->from_f32(job->mem.queue, sd_job_w_shard(job, r, unit), ul->dtype, src + (b - src_off),
-                      e - b);
+        const float *w_src = src + (b - src_off);
+        if (staged) {
+            dev->copy(job->mem.queue, job->mem.scratch, w_src, (e - b) * sizeof(float));
+            w_src = job->mem.scratch;
+        }
+        dev->from_f32(job->mem.queue, sd_job_w_shard(job, r, unit), ul->dtype, w_src, e - b);
     }
 }
 
@@ -52,7 +60,7 @@ void sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_s
         return;
     }
     const float *src = (const float *)(void *)sd_job_staging_slot(job, s->local, (uint32_t)e->arg0);
-    sd_loading_unit(job, e->unit, src, 0);
+    sd_loading_unit(job, e->unit, src, 0, false);
     if (!sd_job_sync(job)) { /* the kernels read the staging slot the client refills next */
         sd_session_fail(s, e, job->fail_status, "init: %s", job->fail_msg);
         return;
@@ -185,7 +193,7 @@ static void init_recv_done(struct sd_bulk *b, int status)
                     job->load.next_unit, sd_status_str(status));
         return;
     }
-    sd_loading_unit(job, job->load.next_unit, job->mem.scratch, 0);
+    sd_loading_unit(job, job->load.next_unit, job->mem.scratch, 0, false);
     if (!sd_job_sync(job)) /* the next unit's values arrive where these are read */
         return;
     job->load.next_unit++;

@@ -24,8 +24,10 @@ void sd_loading_start(struct sd_job *job);
 void sd_loading_range(const struct sd_job *job, uint32_t m, const struct sd_unit_layout *ul,
                       uint64_t *lo, uint64_t *hi);
 /* fp32 values of unit's elements from src_off on (src[0] is element src_off, through this
- * node's sd_loading_range) into this node's shards: the masters and the weights in their dtype */
-void sd_loading_unit(struct sd_job *job, uint32_t unit, const float *src, uint64_t src_off);
+ * node's sd_loading_range) into this node's shards: the masters and the weights in their dtype.
+ * host_src: src is host memory (a checkpoint's staged values), else the backend's. */
+void sd_loading_unit(struct sd_job *job, uint32_t unit, const float *src, uint64_t src_off,
+                     bool host_src);
 /* this node read its part of the checkpoint the job starts from: it is ready */
 void sd_loading_loaded(struct sd_job *job);
 /* node 0's rank 0 finished loading */

@@ -277,15 +277,6 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    if (!dev->host_visible) { /* the job's memory is read and written on the host in places */
-        fprintf(stderr,
-                "shardd: backend '%s' found its device, but this shardd does not yet keep job "
-                "buffers in device memory (README, GPU backends): run --backend host; "
-                "test_kernels %s and shard-bench kernels --backend %s check the device's "
-                "kernels\n",
-                cfg.backend, cfg.backend, cfg.backend);
-        return 2;
-    }
     uv_loop_t loop;
     uv_loop_init(&loop);
     /* libuv's signal pipe lives as long as the process: take the baseline after it exists */

@@ -168,7 +168,7 @@ static void args_of_rank(struct sd_job *job, uint32_t r, bool *hp_set, uint64_t 
 {
     uint32_t n_groups = sd_model_groups(&job->model), T = job->layout.n_tensors;
     uint32_t flags = job->step.arg_flags[r], rank = job->first_rank + r;
-    const uint8_t *area = (const uint8_t *)job->mem.staging[r].ptr + job->mem.step_args_off;
+    const uint8_t *area = sd_job_control(job, r, job->mem.step_args_off);
     struct sd_step_args hdr;
     memcpy(&hdr, area, sizeof(hdr));
     if (flags != 0 && (hdr.n_groups != n_groups || hdr.n_tensors != T)) {
@@ -230,11 +230,13 @@ static void args_of_rank(struct sd_job *job, uint32_t r, bool *hp_set, uint64_t 
             used[t / 64] |= 1ull << (t % 64);
 }
 
-/* local rank r's broadcast area in its staging memfd */
+/* local rank r's broadcast area in its control page */
 static uint8_t *bcast_area(struct sd_job *job, uint32_t r)
 {
-    return (uint8_t *)job->mem.staging[r].ptr + job->mem.step_args_off +
-           sd_step_args_bcast_off(sd_model_groups(&job->model), job->layout.n_tensors);
+    return sd_job_control(
+        job, r,
+        job->mem.step_args_off +
+            sd_step_args_bcast_off(sd_model_groups(&job->model), job->layout.n_tensors));
 }
 
 /* The local ranks' step arguments, once every one called step: this node's hyperparameters of

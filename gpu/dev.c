@@ -471,6 +471,7 @@ static void op_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *
 
 const struct sd_gpu_ops DEV_OPS = {
     .name = DEV_NAME,
+    .client_memory = DEV_NAME,
     .host_memory = false,
     .open = dev_open,
     .devices = dev_devices,

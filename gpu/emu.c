@@ -8,9 +8,13 @@
 #include "kern_ops.h"
 #include "sd/status.h"
 
+#include "sd/log.h"
+
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 _Thread_local struct sdk_emu sdk_emu;
@@ -127,12 +131,178 @@ static int emu_devices(struct sd_gpu_device *out, int max)
     return 1;
 }
 
+/* emu-gpu: the emulation with the device's memory out of the host's reach, as a GPU's is. An
+ * allocation is host memory (its backing, a memfd where shared) that only the backend touches;
+ * the daemon gets the address of a reservation of the same size mapped PROT_NONE (its "device
+ * address"), so that any read or write of it on the host faults at once, where a GPU's pointer
+ * would have read garbage or crashed. Copies and kernels translate device addresses into the
+ * backing; a kernel given memory that is not the device's (host memory a GPU's kernel could not
+ * read) aborts the daemon naming the kernel, as does an address past the end of an allocation.
+ * Clients map the shared allocations' memfds as they do the host backend's: only the daemon's
+ * side is a device. */
+struct emu_region {
+    uintptr_t dev; /* the PROT_NONE reservation */
+    size_t len;
+    struct sd_mem back;
+};
+
+static pthread_mutex_t emu_gpu_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct emu_region *emu_regions;
+static size_t emu_n_regions, emu_cap_regions;
+
+static int emu_gpu_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
+{
+    struct sd_mem back;
+    size_t len = bytes ? bytes : 1;
+    int status = sd__host_alloc(bytes, flags, tag, &back);
+    if (status != SD_OK)
+        return status;
+    void *dev = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (dev == MAP_FAILED) {
+        sd__host_free(&back);
+        return SD_ENOMEM;
+    }
+    pthread_mutex_lock(&emu_gpu_lock);
+    if (emu_n_regions == emu_cap_regions) {
+        size_t cap = emu_cap_regions ? 2 * emu_cap_regions : 64;
+        struct emu_region *r = realloc(emu_regions, cap * sizeof(*r));
+        if (r == NULL) {
+            pthread_mutex_unlock(&emu_gpu_lock);
+            munmap(dev, len);
+            sd__host_free(&back);
+            return SD_ENOMEM;
+        }
+        emu_regions = r;
+        emu_cap_regions = cap;
+    }
+    emu_regions[emu_n_regions++] =
+        (struct emu_region){.dev = (uintptr_t)dev, .len = len, .back = back};
+    pthread_mutex_unlock(&emu_gpu_lock);
+    *mem_p = (struct sd_mem){.ptr = dev, .bytes = bytes, .fd = back.fd};
+    return SD_OK;
+}
+
+static void emu_gpu_free(struct sd_mem *mem)
+{
+    if (mem->ptr == NULL)
+        return;
+    pthread_mutex_lock(&emu_gpu_lock);
+    for (size_t i = 0; i < emu_n_regions; i++)
+        if (emu_regions[i].dev == (uintptr_t)mem->ptr) {
+            munmap(mem->ptr, emu_regions[i].len);
+            sd__host_free(&emu_regions[i].back);
+            emu_regions[i] = emu_regions[--emu_n_regions];
+            break;
+        }
+    pthread_mutex_unlock(&emu_gpu_lock);
+    *mem = (struct sd_mem){.fd = -1};
+}
+
+/* p's backing, for bytes from p on; host memory where host_ok (a copy's other side), else the
+ * daemon broke the device's rules: abort naming what. */
+static void *emu_gpu_at(const void *p, size_t bytes, bool host_ok, const char *what)
+{
+    uintptr_t a = (uintptr_t)p;
+    void *at = NULL;
+    bool past_end = false;
+    if (p == NULL)
+        return NULL;
+    pthread_mutex_lock(&emu_gpu_lock);
+    for (size_t i = 0; i < emu_n_regions && at == NULL; i++) {
+        const struct emu_region *r = &emu_regions[i];
+        if (a >= r->dev && a < r->dev + r->len) {
+            past_end = bytes > r->len - (a - r->dev);
+            at = (uint8_t *)r->back.ptr + (a - r->dev);
+        }
+    }
+    pthread_mutex_unlock(&emu_gpu_lock);
+    if (at != NULL && !past_end)
+        return at;
+    if (at == NULL && host_ok)
+        return (void *)(uintptr_t)p;
+    SD_ERROR("emu-gpu", "%s: %p (%zu bytes) %s", what, p, bytes,
+             past_end ? "runs past the end of its device allocation"
+                      : "is not device memory (a GPU's kernel cannot touch it)");
+    abort();
+}
+
+static void emu_gpu_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes)
+{
+    (void)q;
+    if (bytes > 0)
+        memcpy(emu_gpu_at(dst, bytes, true, "copy's destination"),
+               emu_gpu_at(src, bytes, true, "copy's source"), bytes);
+}
+
+static void emu_gpu_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
+{
+    (void)q;
+    if (bytes > 0)
+        memset(emu_gpu_at(dst, bytes, false, "zero"), 0, bytes);
+}
+
+/* the kernels' parameters: how many, and which are pointers (bit i: parameter i) */
+static const struct {
+    int n;
+    uint32_t ptrs;
+} emu_gpu_params[SDK_K_COUNT] = {
+    [SDK_K_REDUCE_ADD] = {4, 0x3}, [SDK_K_TO_F32] = {4, 0x3},      [SDK_K_FROM_F32] = {4, 0x5},
+    [SDK_K_SUMSQ_PART] = {3, 0x5}, [SDK_K_SUMSQ_FINAL] = {3, 0x5}, [SDK_K_ADAMW] = {9, 0x5e},
+    [SDK_K_SGD] = {8, 0x2e},       [SDK_K_SCALES] = {6, 0xb},      [SDK_K_ENCODE] = {8, 0x2d},
+    [SDK_K_DECODE] = {8, 0xd}};
+
+#define EMU_MAX_ARGS 9
+
+static void emu_gpu_launch(struct sdk_launcher *l, enum sdk_kernel_id id, uint64_t blocks,
+                           void **args)
+{
+    void *ptrs[EMU_MAX_ARGS], *targs[EMU_MAX_ARGS];
+    const double *scratch = l->scratch, *scratch_end = l->scratch + SDK_SUMSQ_MAX_BLOCKS + 1;
+    char what[64];
+    for (int i = 0; i < emu_gpu_params[id].n; i++) {
+        targs[i] = args[i];
+        if (!(emu_gpu_params[id].ptrs >> i & 1))
+            continue;
+        const void *p = *(void **)args[i];
+        bool queue_scratch = (const double *)p >= scratch && (const double *)p < scratch_end;
+        snprintf(what, sizeof(what), "kernel %s, parameter %d", sdk_kernel_names[id], i);
+        ptrs[i] = queue_scratch ? (void *)(uintptr_t)p : emu_gpu_at(p, 1, false, what);
+        targs[i] = &ptrs[i];
+    }
+    emu_launch(l, id, blocks, targs);
+}
+
+static int emu_gpu_queue_create(struct sd_gpu_queue **q_p)
+{
+    int status = emu_queue_create(q_p);
+    if (status == SD_OK)
+        (*q_p)->l.launch = emu_gpu_launch;
+    return status;
+}
+
 #define EMU_OPS                                                                                    \
-    .host_visible = true, .devices = emu_devices, .alloc = sd__host_alloc, .free = sd__host_free,  \
-    .queue_create = emu_queue_create, .queue_destroy = emu_queue_destroy, .sync = sd__host_sync,   \
-    .record = emu_record, .query = emu_query, .copy = sd__host_copy, .zero = sd__host_zero,        \
-    .sum_sq = emu_sum_sq, SDK_KERNEL_OPS
+    .host_visible = true, .client_memory = "host", .devices = emu_devices,                         \
+    .alloc = sd__host_alloc, .free = sd__host_free, .queue_create = emu_queue_create,              \
+    .queue_destroy = emu_queue_destroy, .sync = sd__host_sync, .record = emu_record,               \
+    .query = emu_query, .copy = sd__host_copy, .zero = sd__host_zero, .sum_sq = emu_sum_sq,        \
+    SDK_KERNEL_OPS
 
 const struct sd_gpu_ops sd_gpu_emu_ops = {.name = "emu", .host_memory = true, EMU_OPS};
 const struct sd_gpu_ops sd_gpu_emu_device_ops = {
     .name = "emu-device", .host_memory = false, EMU_OPS};
+const struct sd_gpu_ops sd_gpu_emu_gpu_ops = {.name = "emu-gpu",
+                                              .host_memory = false,
+                                              .host_visible = false,
+                                              .client_memory = "host",
+                                              .devices = emu_devices,
+                                              .alloc = emu_gpu_alloc,
+                                              .free = emu_gpu_free,
+                                              .queue_create = emu_gpu_queue_create,
+                                              .queue_destroy = emu_queue_destroy,
+                                              .sync = sd__host_sync,
+                                              .record = emu_record,
+                                              .query = emu_query,
+                                              .copy = emu_gpu_copy,
+                                              .zero = emu_gpu_zero,
+                                              .sum_sq = emu_sum_sq,
+                                              SDK_KERNEL_OPS};

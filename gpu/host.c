@@ -323,6 +323,7 @@ static void host_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const 
 
 const struct sd_gpu_ops sd_gpu_host_ops = {
     .name = "host",
+    .client_memory = "host",
     .host_memory = true,
     .host_visible = true,
     .alloc = sd__host_alloc,
@@ -582,6 +583,7 @@ static void deferred_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, co
 
 const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
     .name = "host-deferred",
+    .client_memory = "host",
     .host_memory = true,
     .host_visible = true,
     .alloc = sd__host_alloc,
@@ -606,7 +608,8 @@ const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
 
 /* every backend built into this binary, by name */
 static const struct sd_gpu_ops *const backends[] = {
-    &sd_gpu_host_ops, &sd_gpu_host_deferred_ops, &sd_gpu_emu_ops, &sd_gpu_emu_device_ops,
+    &sd_gpu_host_ops,       &sd_gpu_host_deferred_ops, &sd_gpu_emu_ops,
+    &sd_gpu_emu_device_ops, &sd_gpu_emu_gpu_ops,
 #ifdef SHARD_HAVE_CUDA
     &sd_gpu_cuda_ops,
 #endif

@@ -200,8 +200,18 @@ static int daemon_start_in(struct th_daemon *d, const char *const *extra, bool w
     argv[n++] = SHARDD_PATH;
     argv[n++] = "--runtime-dir";
     argv[n++] = rundir;
-    for (int i = 0; extra && extra[i] && n < 62; i++)
+    bool backend_named = false;
+    for (int i = 0; extra && extra[i] && n < 60; i++) {
+        backend_named |= strcmp(extra[i], "--backend") == 0;
         argv[n++] = extra[i];
+    }
+    /* SHARD_TEST_BACKEND: the backend of every daemon whose test names none (a whole suite run
+     * through emu-gpu's device memory, say) */
+    const char *backend = getenv("SHARD_TEST_BACKEND");
+    if (backend != NULL && backend[0] != '\0' && !backend_named) {
+        argv[n++] = "--backend";
+        argv[n++] = backend;
+    }
     argv[n] = NULL;
     d->pid = th_spawn(argv, d->log);
     double end = th_now_s() + 10.0;

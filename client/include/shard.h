@@ -180,8 +180,14 @@ SHARD_API int shard_unit_info(const shard_ctx_t *ctx, uint32_t unit, shard_unit_
 SHARD_API int shard_tensor_info(const shard_ctx_t *ctx, uint32_t tensor,
                                 shard_tensor_info_t *info_p);
 
-/* Gather a unit; *data_p points at the unit's flat buffer (read-only shared memory) until
- * shard_release. */
+/* What the pointers that shard_fetch, shard_wait and shard_grad_buffer give are, after
+ * shard_register: "host" (host memory this process reads and writes), or "cuda" (device
+ * addresses on the GPU of this thread's current CUDA context: the daemon's device memory,
+ * imported; read them with kernels or cuMemcpy). NULL before registration. */
+SHARD_API const char *shard_memory(const shard_ctx_t *ctx);
+
+/* Gather a unit; *data_p points at the unit's flat buffer (read-only shared memory, or device
+ * memory: shard_memory) until shard_release. */
 SHARD_API int shard_fetch(shard_ctx_t *ctx, uint32_t unit, const void **data_p);
 SHARD_API int shard_fetch_async(shard_ctx_t *ctx, uint32_t unit, shard_req_t *req_p);
 /* Wait for an async fetch; data_p may be NULL for requests without data. */

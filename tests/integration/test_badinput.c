@@ -836,6 +836,14 @@ static void test_stalled_requests(void)
  * and the same name registers again. */
 static void test_leave_while_allocating(void)
 {
+    const char *backend = getenv("SHARD_TEST_BACKEND");
+    if (backend != NULL && backend[0] != '\0' && strcmp(backend, "host") != 0 &&
+        strcmp(backend, "host-deferred") != 0 && strcmp(backend, "emu") != 0) {
+        /* a device's memory is allocated on the loop: no window in which the job allocates */
+        printf("skipped: a client killed while allocating (backend %s allocates on the loop)\n",
+               backend);
+        return;
+    }
     struct tiny big;
     tiny_init(&big, "alloc-victim", 0, 1, 1ULL << 25); /* ~1 GiB with pool and staging */
     pid_t pid = fork();

@@ -16,7 +16,8 @@
  * backend's: saved on 2 x 2 under emu-device (fp32 and bf16; the data files bitwise equal to the
  * same run's on the host backend), loaded on 4 x 2 under the host
  * backend; saved there, loaded on 2 x 2 under emu-device; each continued run against the
- * reference.
+ * reference. test_checkpoint device emu-gpu: the same on 1 x 4 under emu-gpu, whose memory
+ * faults when the daemon touches it on the host (a GPU's).
  *
  * test_checkpoint crash [TRIALS]: a one-node job saves after every step while a trainer or the
  * daemon is SIGKILLed at a random moment; afterwards LATEST names a complete checkpoint that
@@ -479,9 +480,12 @@ static void remove_tree(const char *path)
     rmdir(path);
 }
 
-static int device(void)
+/* backend: emu-device (2 x 2 nodes), or emu-gpu (1 x 4: device memory out of the host's reach,
+ * which does not cross nodes yet) */
+static int device(const char *backend)
 {
-    const char *emu_device[] = {"--backend", "emu-device", NULL};
+    const char *emu_device[] = {"--backend", backend, NULL};
+    int nodes = strcmp(backend, "emu-gpu") == 0 ? 1 : 2, k = 4 / nodes;
     struct th_cluster a, b;
     char d_dev[300], d_devbf[300], d_host[300];
     snprintf(d_dev, sizeof(d_dev), "%s/device", base);
@@ -493,26 +497,27 @@ static int device(void)
      * the loads below could not see: the reference reads the files the daemon wrote */
     char d_ref[300];
     snprintf(d_ref, sizeof(d_ref), "%s/host-ref", base);
-    TH_CHECK(th_cluster_start(&a, 2, 2, NULL) == 0, "2 x 2 cluster on host");
+    TH_CHECK(th_cluster_start(&a, nodes, k, NULL) == 0, "%d x %d cluster on host", nodes, k);
     train(&a, "host-ref", "mics:2", 10, "fp32", d_ref, NULL, TOL_FP32);
-    TH_CHECK(th_cluster_stop(&a) == 0, "2 x 2 host cluster stopped uncleanly");
+    TH_CHECK(th_cluster_stop(&a) == 0, "host cluster stopped uncleanly");
 
-    TH_CHECK(th_cluster_start(&a, 2, 2, emu_device) == 0, "2 x 2 cluster on emu-device");
+    TH_CHECK(th_cluster_start(&a, nodes, k, emu_device) == 0, "%d x %d cluster on %s", nodes, k,
+             backend);
     train(&a, "dev-save", "mics:2", 10, "fp32", d_dev, NULL, TOL_FP32);
     train(&a, "dev-save-bf16", "mics:2", 10, "bf16", d_devbf, NULL, TOL_BF16);
-    TH_CHECK(th_cluster_stop(&a) == 0, "2 x 2 emu-device cluster stopped uncleanly");
+    TH_CHECK(th_cluster_stop(&a) == 0, "%s cluster stopped uncleanly", backend);
     check_saved(d_dev, 10, "mics:2");
     check_saved(d_devbf, 10, "mics:2");
-    for (int node = 0; node < 2; node++) {
+    for (int node = 0; node < nodes; node++) {
         char p[400], q[400];
         size_t np = 0, nq = 0;
         snprintf(p, sizeof(p), "%s/step-00000010/data-%d.bin", d_dev, node);
         snprintf(q, sizeof(q), "%s/step-00000010/data-%d.bin", d_ref, node);
         char *x = th_read_file(p, &np), *y = th_read_file(q, &nq);
         TH_CHECK(x && y && np == nq && np > 0 && memcmp(x, y, np) == 0,
-                 "data-%d.bin saved from emu-device (%zu bytes) differs from the host backend's "
-                 "(%zu bytes)",
-                 node, np, nq);
+                 "data-%d.bin saved from %s (%zu bytes) differs from the host backend's (%zu "
+                 "bytes)",
+                 node, backend, np, nq);
         free(x);
         free(y);
     }
@@ -524,11 +529,11 @@ static int device(void)
     TH_CHECK(th_cluster_stop(&b) == 0, "4 x 2 host cluster stopped uncleanly");
     check_saved(d_host, 10, "zero3");
 
-    TH_CHECK(th_cluster_start(&a, 2, 2, emu_device) == 0, "2 x 2 cluster on emu-device again");
+    TH_CHECK(th_cluster_start(&a, nodes, k, emu_device) == 0, "%s cluster again", backend);
     train(&a, "dev-load", "mics:2", 20, "fp32", NULL, d_host, TOL_FP32);
     train(&a, "dev-load-topo", "topo:1/2/4", 20, "fp32", NULL, d_dev, TOL_FP32);
-    TH_CHECK(th_cluster_stop(&a) == 0, "2 x 2 emu-device cluster stopped uncleanly");
-    return th_summary("test_checkpoint device");
+    TH_CHECK(th_cluster_stop(&a) == 0, "%s cluster stopped uncleanly", backend);
+    return th_summary(nodes > 1 ? "test_checkpoint device" : "test_checkpoint device emu-gpu");
 }
 
 int main(int argc, char **argv)
@@ -541,7 +546,7 @@ int main(int argc, char **argv)
     }
     int rc = strcmp(mode, "crash") == 0    ? crash(argc > 2 ? atoi(argv[2]) : 50)
              : strcmp(mode, "stall") == 0  ? stalls()
-             : strcmp(mode, "device") == 0 ? device()
+             : strcmp(mode, "device") == 0 ? device(argc > 2 ? argv[2] : "emu-device")
                                            : reshard();
     if (rc == 0)
         remove_tree(base);

@@ -149,6 +149,8 @@ _lib, library_path = _load()
 _c = ctypes
 _lib.shard_attach.argtypes = [_c.c_char_p, _c.POINTER(_c.c_void_p)]
 _lib.shard_register.argtypes = [_c.c_void_p, _c.POINTER(_Model)]
+_lib.shard_memory.argtypes = [_c.c_void_p]
+_lib.shard_memory.restype = _c.c_char_p
 _lib.shard_num_units.argtypes = [_c.c_void_p]
 _lib.shard_num_units.restype = _c.c_uint32
 _lib.shard_unit_info.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_UnitInfo)]
@@ -307,6 +309,9 @@ class Context:
                        garr, ng, SKIP_UNUSED if skip_unused else 0, int(bcast_bytes),
                        _b(os.fspath(load)) if load else None, int(resume_timeout_ms))
         self._check(_lib.shard_register(self._ctx, _c.byref(model)), "register")
+        # "host", or "cuda": the daemon keeps the job's buffers in a GPU's memory and the
+        # pointers fetch and push use are device addresses
+        self.memory = (_lib.shard_memory(self._ctx) or b"host").decode()
         self.start_step = int(_lib.shard_start_step(self._ctx))
         self.resumed = bool(_lib.shard_resumed(self._ctx))
         del keep

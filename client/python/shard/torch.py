@@ -675,6 +675,11 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                      groups=opt.groups, skip_unused=True,
                      bcast_bytes=bufs.nbytes if bufs else 0, load=load,
                      resume_timeout_ms=resume_timeout_ms)
+        if ctx.memory != "host":
+            raise ValueError(f"shard.torch.wrap: the daemon keeps job '{job}' in {ctx.memory} "
+                             "device memory, and shard.torch maps host memory only for now: "
+                             "run its daemons with --backend host, or use libshard's C API "
+                             "(shard_memory) on device memory")
     except Exception:
         ctx.detach()
         raise

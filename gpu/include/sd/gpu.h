@@ -52,6 +52,9 @@ struct sd_gpu_ops {
     /* its buffers can be read and written on the host even where host_memory is false
      * (emu-device: the device paths of the daemon, run on host memory) */
     bool host_visible;
+    /* what a client imports the shared allocations' fds as: "host" (memfds it maps), "cuda" or
+     * "hip" (POSIX fd handles of VMM memory) */
+    const char *client_memory;
     /* Once, before anything else: find the driver and the devices (NULL: nothing to find). On
      * failure err says what is missing (the library, a device, a device attribute). */
     int (*open)(char *err, size_t errlen);
@@ -113,6 +116,10 @@ extern const struct sd_gpu_ops sd_gpu_host_deferred_ops;
  * loop, checkpoint loads through a staging buffer) where no GPU is. */
 extern const struct sd_gpu_ops sd_gpu_emu_ops;
 extern const struct sd_gpu_ops sd_gpu_emu_device_ops;
+/* emu-gpu: the same kernels with the device's memory out of the host's reach (gpu/emu.c): the
+ * daemon's device addresses fault on the host, and kernels given host memory abort, so that a
+ * daemon that would touch a GPU's memory on the host fails its tests where no GPU is. */
+extern const struct sd_gpu_ops sd_gpu_emu_gpu_ops;
 /* Built where CUDA's or HIP's compiler was found (-DSHARD_CUDA, -DSHARD_HIP); the driver is
  * loaded at run time (open), so the same binary runs on machines without one. */
 extern const struct sd_gpu_ops sd_gpu_cuda_ops;

@@ -1,0 +1,30 @@
+/* How libshard maps a job's shared buffers (the gather pool, the staging slots) and moves bytes
+ * into them: the registration's reply says what the fds are (RegisterReply.memory). "host":
+ * memfds, mapped with mmap and filled with memcpy. "cuda": a GPU's VMM memory as POSIX fd
+ * handles, imported (cuMemImportFromShareableHandle), mapped at a reserved range (read-only for
+ * the pool) and filled with cuMemcpy; the driver is opened at run time, so one libshard runs
+ * everywhere. */
+#ifndef SHARD_DEVMEM_H
+#define SHARD_DEVMEM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+struct shard_devmem {
+    const char *name;
+    bool host; /* its pointers are host memory the caller may read and write */
+    /* map `bytes` of the allocation fd stands for (fd stays the caller's to close) */
+    int (*map)(int fd, size_t bytes, bool read_only, void **ptr_p, char *err, size_t errlen);
+    void (*unmap)(void *ptr, size_t bytes);
+    /* dst = src (either may be host memory or the device's); dst = zeros */
+    int (*copy)(void *dst, const void *src, size_t bytes, char *err, size_t errlen);
+    int (*zero)(void *dst, size_t bytes, char *err, size_t errlen);
+};
+
+/* The importer for a reply's memory kind, opened for `device` (its index on the daemon's side;
+ * the calling thread's current context wins where it has one); NULL with err filled when this
+ * libshard or this machine cannot import it. */
+const struct shard_devmem *shard_devmem_open(const char *kind, int device, char *err,
+                                             size_t errlen);
+
+#endif
