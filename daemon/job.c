@@ -349,15 +349,6 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
                  k, msg->world, nodes, SD_MAX_LOCAL_RANKS);
         return NULL;
     }
-    if (nodes > 1 && !reg->dev->host_visible) {
-        snprintf(err, errlen,
-                 "world size %u spans %u nodes, but backend '%s' keeps the job's buffers in device "
-                 "memory, and this shardd cannot yet send device memory between nodes (pinned "
-                 "staging, README: GPU backends): run the job on one node, or the daemons with "
-                 "--backend host",
-                 msg->world, nodes, reg->dev->name);
-        return NULL;
-    }
     if (nodes > 1 && !sd_cluster_ready(sd_net_cluster(reg->net))) {
         snprintf(err, errlen,
                  "the cluster has not formed yet (waiting for the other daemons); "

@@ -25,9 +25,9 @@
 struct job_free_work {
     uv_work_t req;
     struct sd_registry *reg;
-    struct sd_mem *mems; /* host memory: arenas, staging, pool, scratch (host backends) */
+    /* host memory: arenas, staging, pool, scratch, node rounds (host backends), control pages */
+    struct sd_mem *mems;
     uint32_t n_mems;
-    void *heap; /* the node rounds' buffers */
     uint64_t bytes, start_ns;
     char job[64];
 };
@@ -37,7 +37,6 @@ static void free_work_cb(uv_work_t *req)
     struct job_free_work *w = req->data;
     for (uint32_t i = 0; i < w->n_mems; i++)
         sd_gpu_host_ops.free(&w->mems[i]);
-    free(w->heap);
 }
 
 static void free_after_cb(uv_work_t *req, int uv_status)
@@ -64,7 +63,7 @@ static void free_off_loop(struct sd_job *job)
     if (reg->loop == NULL || job->mem.bytes_total == 0)
         return;
     struct job_free_work *w = calloc(1, sizeof(*w));
-    struct sd_mem *mems = calloc(n_arena + n_staging + n_fence + n_sec + 2, sizeof(*mems));
+    struct sd_mem *mems = calloc(n_arena + n_staging + n_fence + n_sec + 3, sizeof(*mems));
     if (w == NULL || mems == NULL) {
         free(w);
         free(mems);
@@ -87,12 +86,12 @@ static void free_off_loop(struct sd_job *job)
     if (host) {
         mems[n++] = job->mem.pool;
         mems[n++] = job->mem.scratch_mem;
+        mems[n++] = sd_push_take_net_mem(job);
         job->mem.pool = job->mem.scratch_mem = (struct sd_mem){.fd = -1};
     }
     *w = (struct job_free_work){.reg = reg,
                                 .mems = mems,
                                 .n_mems = n,
-                                .heap = sd_push_take_net_mem(job),
                                 .bytes = job->mem.bytes_total,
                                 .start_ns = sd_now_ns()};
     w->req.data = w;

@@ -93,6 +93,22 @@ static uint32_t bulks_needed(const struct sd_job *job)
     return gathers + serve + round + step + init + 4;
 }
 
+/* Pinned buffers for device memory in flight: every chunk of every bulk this job may have on
+ * the wire at once (bulks_needed bounds the bulks, a unit the chunks of one), each of the
+ * largest chunk a bulk of the job may use, at most SD_STAGE_RESERVE_BYTES together (beyond
+ * that a receive makes one, counted in shardctl's staging_buffer_bytes, and sends wait). */
+#define SD_STAGE_RESERVE_BYTES (256ull << 20)
+
+static void stage_buffers(const struct sd_job *job, const struct sd_config *cfg, size_t *bytes_p,
+                          uint32_t *count_p)
+{
+    size_t chunk = sd_bulk_chunk_bytes(job->layout.max_unit_bytes, job->k, cfg->chunk_bytes);
+    uint64_t per_bulk = (job->layout.max_unit_bytes + chunk - 1) / chunk;
+    uint64_t count = (uint64_t)bulks_needed(job) * (per_bulk ? per_bulk : 1);
+    *bytes_p = chunk;
+    *count_p = (uint32_t)SD_MAX(8, SD_MIN(count, SD_STAGE_RESERVE_BYTES / chunk));
+}
+
 /* Does each round's all-reduce add its sum into the g shard itself (sd_allreduce's acc)? With
  * one rank per node the node's block of a unit is that rank's g shard, which every node of the
  * replication group keeps identical without 2-hop (the same sums added in the same order from
@@ -146,6 +162,15 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     int st = sd_bulk_pool_init(&job->xfer.bulks, bulks_needed(job));
     if (st != SD_OK)
         goto err_nomem;
+    /* device memory crosses nodes through pinned buffers: ready before the first transfer */
+    size_t stage_bytes;
+    uint32_t stage_count;
+    stage_buffers(job, job->reg->cfg, &stage_bytes, &stage_count);
+    st = sd_transport_stage_reserve(sd_job_tp(job), stage_bytes, stage_count);
+    if (st != SD_OK) {
+        snprintf(err, errlen, "reserving pinned staging buffers failed: %s", sd_status_str(st));
+        return st;
+    }
     float *nr_mem = NULL;
     size_t nr_floats = 0;
     if (sd_push_net_setup(job, &nr_mem, &nr_floats) != SD_OK)

@@ -128,8 +128,84 @@ static void req_recv_cb(struct sd_xfer *x, int status)
                         "gathers at once");
 }
 
+/* ---- device memory across nodes: the transport stages it through pinned host buffers, with
+ * the backend's copies on a queue of their own (transport/stage.c) */
+
+/* bytes of bounce buffers the node's sends hold at most (receives always get theirs) */
+#define SD_NET_STAGE_SEND_BYTES (256ull << 20)
+
+struct dev_stage {
+    const struct sd_gpu_ops *dev;
+    struct sd_gpu_queue *q;
+};
+
+static bool stage_is_device(void *ctx, const void *p)
+{
+    return ((struct dev_stage *)ctx)->dev->is_device(p);
+}
+
+static int stage_copy(void *ctx, void *dst, const void *src, size_t n, uint64_t *ticket_p)
+{
+    struct dev_stage *ds = ctx;
+    ds->dev->copy(ds->q, dst, src, n);
+    return ds->dev->record(ds->q, ticket_p);
+}
+
+static int stage_done(void *ctx, uint64_t ticket)
+{
+    struct dev_stage *ds = ctx;
+    return ds->dev->query(ds->q, ticket);
+}
+
+static int stage_pinned_alloc(void *ctx, size_t bytes, void **p_p)
+{
+    return ((struct dev_stage *)ctx)->dev->pinned_alloc(bytes, p_p);
+}
+
+static void stage_pinned_free(void *ctx, void *p)
+{
+    ((struct dev_stage *)ctx)->dev->pinned_free(p);
+}
+
+static void stage_release(void *ctx)
+{
+    struct dev_stage *ds = ctx;
+    ds->dev->queue_destroy(ds->q);
+    free(ds);
+}
+
+static int stage_device_memory(struct sd_transport *tp, const struct sd_gpu_ops *dev)
+{
+    struct dev_stage *ds = calloc(1, sizeof(*ds));
+    if (ds == NULL)
+        return SD_ENOMEM;
+    ds->dev = dev;
+    int st = dev->queue_create(&ds->q);
+    if (st != SD_OK) {
+        free(ds);
+        return st;
+    }
+    struct sd_stage_hooks h = {.ctx = ds,
+                               .is_device = stage_is_device,
+                               .copy = stage_copy,
+                               .done = stage_done,
+                               .pinned_alloc = stage_pinned_alloc,
+                               .pinned_free = stage_pinned_free,
+                               .release = stage_release};
+    st = sd_transport_stage(tp, &h, SD_NET_STAGE_SEND_BYTES);
+    if (st != SD_OK)
+        stage_release(ds);
+    return st;
+}
+
 int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl)
 {
+    /* a device whose memory the provider cannot reach (no FI_HMEM in this libfabric build) */
+    if (reg->dev->is_device != NULL) {
+        int st = stage_device_memory(tp, reg->dev);
+        if (st != SD_OK)
+            return st;
+    }
     struct sd_net *net = calloc(1, sizeof(*net));
     if (net == NULL)
         return SD_ENOMEM;

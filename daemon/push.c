@@ -75,7 +75,7 @@ struct sd_push_state {
     uint32_t nr_head, nr_len;
     struct sd_round_ref *round_queue; /* local rounds complete, waiting for a node round: FIFO */
     uint32_t rq_head, rq_len, rq_cap;
-    float *nr_mem; /* the node rounds' buffers, one registration */
+    struct sd_mem nr_mem; /* the node rounds' buffers in the backend's memory, one registration */
     size_t ar_tmp_count;
 };
 
@@ -636,6 +636,7 @@ int sd_push_create(struct sd_job *job)
         ps->g_members = SD_MIN(fg, k);
         ps->g_groups = k / ps->g_members;
     }
+    ps->nr_mem.fd = -1;
     job->push = ps;
     return SD_OK;
 }
@@ -707,15 +708,18 @@ int sd_push_net_setup(struct sd_job *job, float **mem_p, size_t *floats_p)
     size_t per_round = round_floats(job, cfg);
     ps->ar_tmp_count = ar_tmp_floats(job, cfg);
     ps->nr = calloc(ps->round_gens, sizeof(*ps->nr));
-    ps->nr_mem = calloc((size_t)ps->round_gens * per_round, sizeof(float));
+    char tag[96];
+    snprintf(tag, sizeof(tag), "shardd-%s-rounds", job->name);
+    int st = job->reg->dev->alloc((size_t)ps->round_gens * per_round * sizeof(float),
+                                  SD_MEM_PRIVATE, tag, &ps->nr_mem);
     ps->rq_cap = job->layout.n_units * ps->round_gens;
     ps->round_queue = calloc(ps->rq_cap, sizeof(*ps->round_queue));
-    if (!ps->nr || !ps->nr_mem || !ps->round_queue)
+    if (!ps->nr || st != SD_OK || !ps->round_queue)
         return SD_ENOMEM;
     bool need_buf = rounds_need_buf(job);
     for (uint32_t i = 0; i < ps->round_gens; i++) {
         struct sd_node_round *rd = &ps->nr[i];
-        float *p = ps->nr_mem + (size_t)i * per_round;
+        float *p = (float *)ps->nr_mem.ptr + (size_t)i * per_round;
         rd->job = job;
         if (need_buf) {
             rd->buf = p;
@@ -729,7 +733,7 @@ int sd_push_net_setup(struct sd_job *job, float **mem_p, size_t *floats_p)
         }
         rd->ar_tmp = p;
     }
-    *mem_p = ps->nr_mem;
+    *mem_p = ps->nr_mem.ptr;
     *floats_p = (size_t)ps->round_gens * per_round;
     return SD_OK;
 }
@@ -745,12 +749,13 @@ void sd_push_net_teardown(struct sd_job *job)
     ps->round_queue = NULL;
 }
 
-float *sd_push_take_net_mem(struct sd_job *job)
+struct sd_mem sd_push_take_net_mem(struct sd_job *job)
 {
-    if (job->push == NULL)
-        return NULL;
-    float *m = job->push->nr_mem;
-    job->push->nr_mem = NULL;
+    struct sd_mem m = {.fd = -1};
+    if (job->push != NULL) {
+        m = job->push->nr_mem;
+        job->push->nr_mem = (struct sd_mem){.fd = -1};
+    }
     return m;
 }
 
@@ -759,11 +764,11 @@ void sd_push_free(struct sd_job *job)
     struct sd_push_state *ps = job->push;
     if (ps == NULL)
         return;
-    free(ps->nr_mem);
+    if (ps->nr_mem.ptr != NULL)
+        job->reg->dev->free(&ps->nr_mem);
     free(ps->rounds);
     free(ps->round_entries);
     free(ps->rounds_done);
-    ps->nr_mem = NULL;
     ps->rounds = NULL;
     ps->round_entries = NULL;
     ps->rounds_done = NULL;

@@ -42,8 +42,8 @@ int sd_push_alloc(struct sd_job *job);
  * fabric (*mem_p, *floats_p); SD_ENOMEM */
 int sd_push_net_setup(struct sd_job *job, float **mem_p, size_t *floats_p);
 void sd_push_net_teardown(struct sd_job *job);
-/* the node rounds' buffer, handed over to be freed off the loop (NULL: none) */
-float *sd_push_take_net_mem(struct sd_job *job);
+/* the node rounds' buffer, handed over to be freed off the loop (ptr NULL: none) */
+struct sd_mem sd_push_take_net_mem(struct sd_job *job);
 /* the job's memory goes; the job goes */
 void sd_push_free(struct sd_job *job);
 void sd_push_destroy(struct sd_job *job);

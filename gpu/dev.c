@@ -10,6 +10,7 @@
  * namespace is needed. Queues are streams; record/query are events, so the daemon waits for the
  * device without blocking its loop. */
 #include "dev_api.h"
+#include "host_int.h"
 #include "kern_ops.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -267,6 +268,12 @@ static int dev_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *me
         SD_ERROR(DEV_NAME, "exporting %s as a file descriptor: %s", tag, dev_err(r));
         goto err_unmap;
     }
+    if (sd__region_add((void *)(uintptr_t)ptr, len, &(struct sd_mem){.fd = -1}) != SD_OK) {
+        r = DEV_OOM;
+        if (fd >= 0)
+            close(fd);
+        goto err_unmap;
+    }
     dev_mem_release(h); /* the mapping holds the memory until it is unmapped */
     mem_p->ptr = (void *)(uintptr_t)ptr;
     mem_p->bytes = bytes;
@@ -284,6 +291,9 @@ err_release:
 
 static void dev_free(struct sd_mem *mem)
 {
+    struct sd_mem none;
+    if (mem->ptr != NULL)
+        sd__region_remove(mem->ptr, &none);
     if (mem->ptr != NULL && enter() == SD_OK) {
         size_t len = rounded(mem->bytes);
         dev_mem_unmap(dptr(mem->ptr), len); /* frees the memory: its handle was released */
@@ -469,6 +479,30 @@ static void op_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *
     q->sums_n++;
 }
 
+static bool dev_is_device(const void *p)
+{
+    return sd__region_find(p, NULL, NULL);
+}
+
+/* page-locked host memory the device copies into and out of at full speed */
+static int dev_pinned_alloc(size_t bytes, void **p_p)
+{
+    if (g.lib == NULL || enter() != SD_OK)
+        return SD_ENOSYS;
+    dev_res r = dev_host_malloc(p_p, bytes ? bytes : 1);
+    if (r != DEV_OK) {
+        SD_ERROR(DEV_NAME, "allocating %zu bytes of pinned host memory: %s", bytes, dev_err(r));
+        return status_of(r);
+    }
+    return SD_OK;
+}
+
+static void dev_pinned_free(void *p)
+{
+    if (p != NULL && enter() == SD_OK)
+        dev_host_free(p);
+}
+
 const struct sd_gpu_ops DEV_OPS = {
     .name = DEV_NAME,
     .client_memory = DEV_NAME,
@@ -485,5 +519,8 @@ const struct sd_gpu_ops DEV_OPS = {
     .copy = op_copy,
     .zero = op_zero,
     .sum_sq = op_sum_sq,
+    .is_device = dev_is_device,
+    .pinned_alloc = dev_pinned_alloc,
+    .pinned_free = dev_pinned_free,
     SDK_KERNEL_OPS,
 };

@@ -10,7 +10,6 @@
 
 #include "sd/log.h"
 
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -140,16 +139,6 @@ static int emu_devices(struct sd_gpu_device *out, int max)
  * read) aborts the daemon naming the kernel, as does an address past the end of an allocation.
  * Clients map the shared allocations' memfds as they do the host backend's: only the daemon's
  * side is a device. */
-struct emu_region {
-    uintptr_t dev; /* the PROT_NONE reservation */
-    size_t len;
-    struct sd_mem back;
-};
-
-static pthread_mutex_t emu_gpu_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct emu_region *emu_regions;
-static size_t emu_n_regions, emu_cap_regions;
-
 static int emu_gpu_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
 {
     struct sd_mem back;
@@ -158,71 +147,47 @@ static int emu_gpu_alloc(size_t bytes, int flags, const char *tag, struct sd_mem
     if (status != SD_OK)
         return status;
     void *dev = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (dev == MAP_FAILED) {
+    if (dev == MAP_FAILED || sd__region_add(dev, len, &back) != SD_OK) {
+        if (dev != MAP_FAILED)
+            munmap(dev, len);
         sd__host_free(&back);
         return SD_ENOMEM;
     }
-    pthread_mutex_lock(&emu_gpu_lock);
-    if (emu_n_regions == emu_cap_regions) {
-        size_t cap = emu_cap_regions ? 2 * emu_cap_regions : 64;
-        struct emu_region *r = realloc(emu_regions, cap * sizeof(*r));
-        if (r == NULL) {
-            pthread_mutex_unlock(&emu_gpu_lock);
-            munmap(dev, len);
-            sd__host_free(&back);
-            return SD_ENOMEM;
-        }
-        emu_regions = r;
-        emu_cap_regions = cap;
-    }
-    emu_regions[emu_n_regions++] =
-        (struct emu_region){.dev = (uintptr_t)dev, .len = len, .back = back};
-    pthread_mutex_unlock(&emu_gpu_lock);
     *mem_p = (struct sd_mem){.ptr = dev, .bytes = bytes, .fd = back.fd};
     return SD_OK;
 }
 
 static void emu_gpu_free(struct sd_mem *mem)
 {
-    if (mem->ptr == NULL)
-        return;
-    pthread_mutex_lock(&emu_gpu_lock);
-    for (size_t i = 0; i < emu_n_regions; i++)
-        if (emu_regions[i].dev == (uintptr_t)mem->ptr) {
-            munmap(mem->ptr, emu_regions[i].len);
-            sd__host_free(&emu_regions[i].back);
-            emu_regions[i] = emu_regions[--emu_n_regions];
-            break;
-        }
-    pthread_mutex_unlock(&emu_gpu_lock);
+    struct sd_mem back;
+    if (mem->ptr != NULL && sd__region_remove(mem->ptr, &back)) {
+        munmap(mem->ptr, mem->bytes ? mem->bytes : 1);
+        sd__host_free(&back);
+    }
     *mem = (struct sd_mem){.fd = -1};
+}
+
+static bool emu_gpu_is_device(const void *p)
+{
+    return sd__region_find(p, NULL, NULL);
 }
 
 /* p's backing, for bytes from p on; host memory where host_ok (a copy's other side), else the
  * daemon broke the device's rules: abort naming what. */
 static void *emu_gpu_at(const void *p, size_t bytes, bool host_ok, const char *what)
 {
-    uintptr_t a = (uintptr_t)p;
     void *at = NULL;
-    bool past_end = false;
+    size_t room = 0;
     if (p == NULL)
         return NULL;
-    pthread_mutex_lock(&emu_gpu_lock);
-    for (size_t i = 0; i < emu_n_regions && at == NULL; i++) {
-        const struct emu_region *r = &emu_regions[i];
-        if (a >= r->dev && a < r->dev + r->len) {
-            past_end = bytes > r->len - (a - r->dev);
-            at = (uint8_t *)r->back.ptr + (a - r->dev);
-        }
-    }
-    pthread_mutex_unlock(&emu_gpu_lock);
-    if (at != NULL && !past_end)
+    bool found = sd__region_find(p, &at, &room);
+    if (found && bytes <= room)
         return at;
-    if (at == NULL && host_ok)
+    if (!found && host_ok)
         return (void *)(uintptr_t)p;
     SD_ERROR("emu-gpu", "%s: %p (%zu bytes) %s", what, p, bytes,
-             past_end ? "runs past the end of its device allocation"
-                      : "is not device memory (a GPU's kernel cannot touch it)");
+             found ? "runs past the end of its device allocation"
+                   : "is not device memory (a GPU's kernel cannot touch it)");
     abort();
 }
 
@@ -305,4 +270,7 @@ const struct sd_gpu_ops sd_gpu_emu_gpu_ops = {.name = "emu-gpu",
                                               .copy = emu_gpu_copy,
                                               .zero = emu_gpu_zero,
                                               .sum_sq = emu_sum_sq,
+                                              .is_device = emu_gpu_is_device,
+                                              .pinned_alloc = sd__host_pinned_alloc,
+                                              .pinned_free = sd__host_pinned_free,
                                               SDK_KERNEL_OPS};

@@ -96,6 +96,21 @@ void sd__host_free(struct sd_mem *mem)
     mem->bytes = 0;
 }
 
+int sd__host_pinned_alloc(size_t bytes, void **p_p)
+{
+    void *p = NULL;
+    int e = posix_memalign(&p, 4096, bytes ? bytes : 1);
+    if (e != 0)
+        return SD_ENOMEM;
+    *p_p = p;
+    return SD_OK;
+}
+
+void sd__host_pinned_free(void *p)
+{
+    free(p);
+}
+
 void sd__host_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes)
 {
     (void)q;

@@ -14,8 +14,26 @@
 
 struct sd_transport;
 struct sd_xfer;
+struct sd_stage;
+struct sd_bounce;
 
 typedef void (*sd_xfer_cb)(struct sd_xfer *x, int status);
+
+/* private to the stage (stage.c): a transfer of device memory while the stage holds it, kept in
+ * the transfer so that staging allocates nothing per transfer */
+struct sd_xfer_staged {
+    struct sd_xfer *next; /* in the stage's waiting or copying list */
+    struct sd_transport *tp;
+    sd_xfer_cb cb; /* the caller's */
+    void *arg;
+    void *dev; /* the caller's device buffer: len bytes (a receive's capacity) */
+    size_t len;
+    struct sd_bounce *b;
+    uint64_t ticket, tag, ignore;
+    uint32_t peer;
+    uint8_t state;
+    bool send, cancelled;
+};
 
 /* One send or receive. The caller owns it until the callback ran. */
 struct sd_xfer {
@@ -38,6 +56,7 @@ struct sd_xfer {
      * where a receive's clear-to-send stands */
     uint64_t since_ns;
     int rdv;
+    struct sd_xfer_staged staged;
 };
 
 #define SD_PEER_ANY UINT32_MAX
@@ -93,7 +112,33 @@ struct sd_transport {
      * the other side's: the cluster probes them (cluster/probe.c) and peer_reset closes them */
     bool connections;
     uint64_t lane_sends[SD_MAX_DATA_LANES]; /* data sends per lane */
+    /* device memory staged through pinned host buffers (stage.c): the stage, the bytes copied
+     * through it (both ways) and the bytes of bounce buffers it holds */
+    struct sd_stage *stage;
+    uint64_t staged_bytes, staging_buffer_bytes;
 };
+
+/* Memory the transport cannot read or write itself (a GPU's, without FI_HMEM), and how bytes
+ * move between it and host memory: the device backend's, for sd_transport_stage. */
+struct sd_stage_hooks {
+    void *ctx;
+    bool (*is_device)(void *ctx, const void *p);
+    /* enqueue dst = src (one side host memory, the other device memory); a ticket for done */
+    int (*copy)(void *ctx, void *dst, const void *src, size_t n, uint64_t *ticket_p);
+    /* SD_OK once the copy of ticket is done, SD_EAGAIN before, or its error */
+    int (*done)(void *ctx, uint64_t ticket);
+    int (*pinned_alloc)(void *ctx, size_t bytes, void **p_p);
+    void (*pinned_free)(void *ctx, void *p);
+    void (*release)(void *ctx); /* the transport closed: ctx is not used again */
+};
+
+/* From now on tp sends device memory from, and receives it into, pinned host buffers (stage.c):
+ * tp->ops becomes the staged table over the transport's own. Sends hold at most cap bytes of
+ * buffers at once. */
+int sd_transport_stage(struct sd_transport *tp, const struct sd_stage_hooks *h, uint64_t cap);
+/* At least count buffers of bytes each stand ready (a job's transfers in flight, at its set-up:
+ * the data path then allocates none); a no-op on a transport that does not stage. */
+int sd_transport_stage_reserve(struct sd_transport *tp, size_t bytes, uint32_t count);
 
 /* Open the libfabric transport for cfg->provider on cfg->fabric_addr. err says why not. */
 int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_p, char *err,

@@ -11,13 +11,13 @@
  * save begins) still commit every save; node 1's write stalled 6 s fails the save at node 0's
  * deadline, naming node 1.
  *
- * test_checkpoint device: the daemon's device paths (backend emu-device: allocation on the loop,
- * loads through a staging buffer and the backend's copies and casts) against the host
- * backend's: saved on 2 x 2 under emu-device (fp32 and bf16; the data files bitwise equal to the
- * same run's on the host backend), loaded on 4 x 2 under the host
- * backend; saved there, loaded on 2 x 2 under emu-device; each continued run against the
- * reference. test_checkpoint device emu-gpu: the same on 1 x 4 under emu-gpu, whose memory
- * faults when the daemon touches it on the host (a GPU's).
+ * test_checkpoint device [BACKEND]: the daemon's device paths (backend emu-gpu, whose memory
+ * faults when the daemon touches it on the host, as a GPU's: allocation on the loop, saves and
+ * loads through a staging buffer and the backend's copies and casts, transfers across nodes
+ * staged) against the host backend's: saved on 2 x 2 under emu-gpu (fp32 and bf16; the data
+ * files bitwise equal to the same run's on the host backend), loaded on 4 x 2 under the host
+ * backend; saved there, loaded on 2 x 2 under emu-gpu; each continued run against the
+ * reference. BACKEND emu-device runs the same with device memory the host may touch.
  *
  * test_checkpoint crash [TRIALS]: a one-node job saves after every step while a trainer or the
  * daemon is SIGKILLed at a random moment; afterwards LATEST names a complete checkpoint that
@@ -480,12 +480,11 @@ static void remove_tree(const char *path)
     rmdir(path);
 }
 
-/* backend: emu-device (2 x 2 nodes), or emu-gpu (1 x 4: device memory out of the host's reach,
- * which does not cross nodes yet) */
+/* backend: emu-gpu (device memory the daemon cannot touch on the host), or emu-device */
 static int device(const char *backend)
 {
-    const char *emu_device[] = {"--backend", backend, NULL};
-    int nodes = strcmp(backend, "emu-gpu") == 0 ? 1 : 2, k = 4 / nodes;
+    const char *dev_args[] = {"--backend", backend, NULL};
+    int nodes = 2, k = 2;
     struct th_cluster a, b;
     char d_dev[300], d_devbf[300], d_host[300];
     snprintf(d_dev, sizeof(d_dev), "%s/device", base);
@@ -501,7 +500,7 @@ static int device(const char *backend)
     train(&a, "host-ref", "mics:2", 10, "fp32", d_ref, NULL, TOL_FP32);
     TH_CHECK(th_cluster_stop(&a) == 0, "host cluster stopped uncleanly");
 
-    TH_CHECK(th_cluster_start(&a, nodes, k, emu_device) == 0, "%d x %d cluster on %s", nodes, k,
+    TH_CHECK(th_cluster_start(&a, nodes, k, dev_args) == 0, "%d x %d cluster on %s", nodes, k,
              backend);
     train(&a, "dev-save", "mics:2", 10, "fp32", d_dev, NULL, TOL_FP32);
     train(&a, "dev-save-bf16", "mics:2", 10, "bf16", d_devbf, NULL, TOL_BF16);
@@ -529,11 +528,11 @@ static int device(const char *backend)
     TH_CHECK(th_cluster_stop(&b) == 0, "4 x 2 host cluster stopped uncleanly");
     check_saved(d_host, 10, "zero3");
 
-    TH_CHECK(th_cluster_start(&a, nodes, k, emu_device) == 0, "%s cluster again", backend);
+    TH_CHECK(th_cluster_start(&a, nodes, k, dev_args) == 0, "%s cluster again", backend);
     train(&a, "dev-load", "mics:2", 20, "fp32", NULL, d_host, TOL_FP32);
     train(&a, "dev-load-topo", "topo:1/2/4", 20, "fp32", NULL, d_dev, TOL_FP32);
     TH_CHECK(th_cluster_stop(&a) == 0, "%s cluster stopped uncleanly", backend);
-    return th_summary(nodes > 1 ? "test_checkpoint device" : "test_checkpoint device emu-gpu");
+    return th_summary("test_checkpoint device");
 }
 
 int main(int argc, char **argv)
@@ -546,7 +545,7 @@ int main(int argc, char **argv)
     }
     int rc = strcmp(mode, "crash") == 0    ? crash(argc > 2 ? atoi(argv[2]) : 50)
              : strcmp(mode, "stall") == 0  ? stalls()
-             : strcmp(mode, "device") == 0 ? device(argc > 2 ? argv[2] : "emu-device")
+             : strcmp(mode, "device") == 0 ? device(argc > 2 ? argv[2] : "emu-gpu")
                                            : reshard();
     if (rc == 0)
         remove_tree(base);

@@ -44,6 +44,30 @@
 
 static struct th_cluster cl;
 static int N, K;
+static bool staged; /* emu-gpu: device memory crosses nodes through pinned buffers */
+
+static long long staging_bytes(int node)
+{
+    json_t *st = th_admin_json(cl.d[node].sock, "status");
+    long long b = th_json_int(st, "transport.staging_bytes");
+    json_decref(st);
+    return b;
+}
+
+/* the job's bytes across nodes, every operation, sent and received */
+static long long inter_node_bytes(json_t *st)
+{
+    long long sum = 0;
+    const char *op;
+    json_t *v;
+    json_object_foreach(json_object_get(st, "ops"), op, v)
+    {
+        json_t *b = json_object_get(v, "bytes");
+        sum += json_integer_value(json_object_get(b, "inter_node_sent")) +
+               json_integer_value(json_object_get(b, "inter_node_recv"));
+    }
+    return sum;
+}
 
 struct run {
     const char *plan;
@@ -62,6 +86,9 @@ static void run_one(const struct run *r, int idx)
                           "--seed",  "3",   "--hidden", "256", "--quiet", NULL};
     double t0 = th_now_s();
     struct th_dump_diff dd;
+    long long staged0[TH_MAX_NODES];
+    for (int node = 0; node < N; node++)
+        staged0[node] = staging_bytes(node);
     if (!th_cluster_train(&cl, job, args, r->plan, 1e-5, &dd))
         return;
     TH_CHECK(dd.outside == 0, "%s accum %d: %zu parameters outside the tolerance (max %g)", r->plan,
@@ -109,6 +136,13 @@ static void run_one(const struct run *r, int idx)
                  th_json_int(st, "ops.push.bytes.inter_node_recv"), push);
         TH_CHECK(th_json_int(st, "allocations_since_register") == 0,
                  "allocations after registration");
+        /* staged: every byte of device memory that crossed nodes, both ways; not the step's
+         * norm exchange (32 bytes to and from each other node a step, host memory). Host
+         * memory stages nothing. */
+        long long staged_want = staged ? inter_node_bytes(st) - 2LL * T * 32 * (N - 1) : 0;
+        long long staged_got = staging_bytes(node) - staged0[node];
+        TH_CHECK(staged_got == staged_want, "%s accum %d node %d: staged %lld bytes, expected %lld",
+                 r->plan, r->accum, node, staged_got, staged_want);
         const char *sched = json_string_value(json_object_get(st, "schedule"));
         TH_CHECK(sched && strcmp(sched, "frozen") == 0 &&
                      th_json_int(st, "schedule_invalidations") == 0,
@@ -362,6 +396,11 @@ int main(int argc, char **argv)
          * the emulation), on host memory that the transport still reads directly */
         extra[ne++] = "--backend";
         extra[ne++] = "emu-device";
+    } else if (strcmp(variant, "emu-gpu") == 0) {
+        /* device memory the host cannot touch: every transfer across nodes is staged through
+         * pinned host buffers (transport/stage.c) */
+        extra[ne++] = "--backend";
+        extra[ne++] = "emu-gpu";
     } else if (variant[0] != '\0') {
         fprintf(stderr,
                 "test_cluster: unknown variant '%s' (rendezvous, rendezvous-q128, shm-sar, "
@@ -369,13 +408,21 @@ int main(int argc, char **argv)
                 variant);
         return 2;
     }
-    bool rendezvous =
-        variant[0] != '\0' && strcmp(variant, "deferred") != 0 && strcmp(variant, "device") != 0;
+    bool rendezvous = variant[0] != '\0' && strcmp(variant, "deferred") != 0 &&
+                      strcmp(variant, "device") != 0 && strcmp(variant, "emu-gpu") != 0;
     extra[ne] = NULL;
     if (th_cluster_start(&cl, N, K, extra) != 0) {
         fprintf(stderr, "cannot start a cluster of %d nodes\n", N);
         return 1;
     }
+    /* the daemons' backend (the variant's, or SHARD_TEST_BACKEND's): device memory is staged */
+    json_t *status = th_admin_json(cl.d[0].sock, "status");
+    const char *backend =
+        json_string_value(json_object_get(json_object_get(status, "config"), "backend"));
+    staged = backend != NULL && (strcmp(backend, "emu-gpu") == 0 || strcmp(backend, "cuda") == 0 ||
+                                 strcmp(backend, "hip") == 0);
+    TH_CHECK(backend != NULL, "status names the backend");
+    json_decref(status);
     struct run runs2[] = {
         {"ddp", 1},        {"ddp", 4},    {"zero3", 1},          {"zero3", 4},
         {"mics:2", 2},     {"mics:4", 2}, {"mics:4,no-hier", 1}, {"mics:2,no-2hop", 2},

@@ -73,6 +73,12 @@ struct sd_gpu_ops {
      * SD_OK, SD_EAGAIN (not yet), or the first error of a kernel before it. */
     int (*record)(struct sd_gpu_queue *q, uint64_t *ticket_p);
     int (*query)(struct sd_gpu_queue *q, uint64_t ticket);
+    /* Memory the transport cannot read or write itself (NULL: none, every buffer is host
+     * memory): p lies in one of this backend's device allocations. Such memory crosses nodes
+     * through pinned host buffers (pinned_alloc, pinned_free) and the backend's copies. */
+    bool (*is_device)(const void *p);
+    int (*pinned_alloc)(size_t bytes, void **p_p);
+    void (*pinned_free)(void *p);
     /* The kernels: enqueued on q. */
     void (*copy)(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes);
     /* dst = bytes zeros */
