@@ -12,7 +12,8 @@
 
 struct shard_devmem {
     const char *name;
-    bool host; /* its pointers are host memory the caller may read and write */
+    bool host;   /* its pointers are host memory the caller may read and write */
+    bool memfds; /* its fds are memfds (their sizes can be checked) */
     /* map `bytes` of the allocation fd stands for (fd stays the caller's to close) */
     int (*map)(int fd, size_t bytes, bool read_only, void **ptr_p, char *err, size_t errlen);
     void (*unmap)(void *ptr, size_t bytes);

@@ -536,7 +536,7 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     if (ctx->mem == NULL)
         return fail(ctx, SD_ENOSYS, "register: %s", why);
     /* memfds have sizes to check; a device's fd handles do not (its import checks them) */
-    bool sized = ctx->mem->host;
+    bool sized = ctx->mem->memfds;
     if ((sized &&
          (fstat(fds[0], &st) != 0 || (uint64_t)st.st_size < rep->pool_bytes ||
           fstat(fds[1], &st) != 0 ||
@@ -1106,6 +1106,21 @@ static int write_step_args(shard_ctx_t *ctx, const shard_step_args_t *a, uint32_
 const char *shard_memory(const shard_ctx_t *ctx)
 {
     return ctx != NULL && ctx->registered && ctx->mem != NULL ? ctx->mem->name : NULL;
+}
+
+int shard_copy(shard_ctx_t *ctx, void *dst, const void *src, size_t bytes)
+{
+    int status = check_attached(ctx, "copy", true);
+    if (status != SD_OK)
+        return status;
+    if ((dst == NULL || src == NULL) && bytes > 0)
+        return fail(ctx, SD_EINVAL, "copy: a NULL buffer");
+    uintptr_t d = (uintptr_t)dst, pool = (uintptr_t)ctx->pool;
+    if (bytes > 0 && d < pool + ctx->pool_bytes && d + bytes > pool)
+        return fail(ctx, SD_EPERM, "copy: the destination is in the gather pool (read-only)");
+    char why[512];
+    status = ctx->mem->copy(dst, src, bytes, why, sizeof(why));
+    return status == 0 ? SD_OK : fail(ctx, status, "copy: %s", why);
 }
 
 void *shard__step_args(shard_ctx_t *ctx)

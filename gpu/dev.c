@@ -13,6 +13,7 @@
 #include "host_int.h"
 #include "kern_ops.h"
 #include "sd/log.h"
+#include "sd/region.h"
 #include "sd/status.h"
 
 #include <dlfcn.h>
@@ -41,6 +42,9 @@ static struct {
 } g;
 
 static _Thread_local bool g_current;
+
+/* this backend's allocations: what is_device answers from */
+static struct sd_regions dev_regions = SD_REGIONS_INIT;
 
 static const char *dev_err(dev_res r)
 {
@@ -268,7 +272,8 @@ static int dev_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *me
         SD_ERROR(DEV_NAME, "exporting %s as a file descriptor: %s", tag, dev_err(r));
         goto err_unmap;
     }
-    if (sd__region_add((void *)(uintptr_t)ptr, len, &(struct sd_mem){.fd = -1}) != SD_OK) {
+    if (sd_region_add(&dev_regions,
+                      &(struct sd_region){.dev = (uintptr_t)ptr, .len = len, .fd = -1}) != SD_OK) {
         r = DEV_OOM;
         if (fd >= 0)
             close(fd);
@@ -291,9 +296,9 @@ err_release:
 
 static void dev_free(struct sd_mem *mem)
 {
-    struct sd_mem none;
+    struct sd_region none;
     if (mem->ptr != NULL)
-        sd__region_remove(mem->ptr, &none);
+        sd_region_remove(&dev_regions, mem->ptr, &none);
     if (mem->ptr != NULL && enter() == SD_OK) {
         size_t len = rounded(mem->bytes);
         dev_mem_unmap(dptr(mem->ptr), len); /* frees the memory: its handle was released */
@@ -481,7 +486,7 @@ static void op_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *
 
 static bool dev_is_device(const void *p)
 {
-    return sd__region_find(p, NULL, NULL);
+    return sd_region_find(&dev_regions, p, NULL, NULL);
 }
 
 /* page-locked host memory the device copies into and out of at full speed */

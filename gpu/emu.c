@@ -9,6 +9,7 @@
 #include "sd/status.h"
 
 #include "sd/log.h"
+#include "sd/region.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -139,6 +140,8 @@ static int emu_devices(struct sd_gpu_device *out, int max)
  * read) aborts the daemon naming the kernel, as does an address past the end of an allocation.
  * Clients map the shared allocations' memfds as they do the host backend's: only the daemon's
  * side is a device. */
+static struct sd_regions emu_regions = SD_REGIONS_INIT;
+
 static int emu_gpu_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
 {
     struct sd_mem back;
@@ -147,7 +150,8 @@ static int emu_gpu_alloc(size_t bytes, int flags, const char *tag, struct sd_mem
     if (status != SD_OK)
         return status;
     void *dev = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (dev == MAP_FAILED || sd__region_add(dev, len, &back) != SD_OK) {
+    struct sd_region r = {.dev = (uintptr_t)dev, .len = len, .back = back.ptr, .fd = back.fd};
+    if (dev == MAP_FAILED || sd_region_add(&emu_regions, &r) != SD_OK) {
         if (dev != MAP_FAILED)
             munmap(dev, len);
         sd__host_free(&back);
@@ -159,9 +163,10 @@ static int emu_gpu_alloc(size_t bytes, int flags, const char *tag, struct sd_mem
 
 static void emu_gpu_free(struct sd_mem *mem)
 {
-    struct sd_mem back;
-    if (mem->ptr != NULL && sd__region_remove(mem->ptr, &back)) {
-        munmap(mem->ptr, mem->bytes ? mem->bytes : 1);
+    struct sd_region r;
+    if (mem->ptr != NULL && sd_region_remove(&emu_regions, mem->ptr, &r)) {
+        munmap(mem->ptr, r.len);
+        struct sd_mem back = {.ptr = r.back, .bytes = mem->bytes, .fd = r.fd};
         sd__host_free(&back);
     }
     *mem = (struct sd_mem){.fd = -1};
@@ -169,25 +174,24 @@ static void emu_gpu_free(struct sd_mem *mem)
 
 static bool emu_gpu_is_device(const void *p)
 {
-    return sd__region_find(p, NULL, NULL);
+    return sd_region_find(&emu_regions, p, NULL, NULL);
 }
 
 /* p's backing, for bytes from p on; host memory where host_ok (a copy's other side), else the
  * daemon broke the device's rules: abort naming what. */
 static void *emu_gpu_at(const void *p, size_t bytes, bool host_ok, const char *what)
 {
-    void *at = NULL;
-    size_t room = 0;
+    bool past_end;
     if (p == NULL)
         return NULL;
-    bool found = sd__region_find(p, &at, &room);
-    if (found && bytes <= room)
+    void *at = sd_region_host(&emu_regions, p, bytes, &past_end);
+    if (at != NULL)
         return at;
-    if (!found && host_ok)
+    if (!past_end && host_ok)
         return (void *)(uintptr_t)p;
     SD_ERROR("emu-gpu", "%s: %p (%zu bytes) %s", what, p, bytes,
-             found ? "runs past the end of its device allocation"
-                   : "is not device memory (a GPU's kernel cannot touch it)");
+             past_end ? "runs past the end of its device allocation"
+                      : "is not device memory (a GPU's kernel cannot touch it)");
     abort();
 }
 
@@ -258,7 +262,7 @@ const struct sd_gpu_ops sd_gpu_emu_device_ops = {
 const struct sd_gpu_ops sd_gpu_emu_gpu_ops = {.name = "emu-gpu",
                                               .host_memory = false,
                                               .host_visible = false,
-                                              .client_memory = "host",
+                                              .client_memory = "emu-gpu",
                                               .devices = emu_devices,
                                               .alloc = emu_gpu_alloc,
                                               .free = emu_gpu_free,

@@ -11,11 +11,6 @@ void sd__host_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t by
 void sd__host_zero(struct sd_gpu_queue *q, void *dst, size_t bytes);
 int sd__host_sync(struct sd_gpu_queue *q);
 
-/* Device allocations (region.c): [dev, dev + len) with its backing (emu-gpu's host memory, or
- * none). find: whether p lies in one, where in its backing, and the bytes from p to its end. */
-int sd__region_add(const void *dev, size_t len, const struct sd_mem *back);
-bool sd__region_remove(const void *dev, struct sd_mem *back_p);
-bool sd__region_find(const void *p, void **back_p, size_t *room_p);
 /* pinned host memory where the backend has none of its own (emu-gpu) */
 int sd__host_pinned_alloc(size_t bytes, void **p_p);
 void sd__host_pinned_free(void *p);

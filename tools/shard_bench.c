@@ -283,9 +283,10 @@ struct coll_result {
 
 /* One gradient push of unit 0, every element `value`: written into the staging buffer
  * (shard_grad_buffer, as a trainer whose backward pass writes there), or with --copy-push
- * copied by shard_push_grad from grad, which holds that gradient (NULL otherwise). */
+ * copied by shard_push_grad from grad, which holds that gradient (NULL otherwise). host: where
+ * the gradient is made when the job's buffers are a device's (then copied in), else NULL. */
 static int push_value(shard_ctx_t *c, const struct opts *o, const shard_unit_info_t *ui,
-                      const float *grad, float value)
+                      const float *grad, float *host, float value)
 {
     if (o->copy_push)
         return shard_push_grad(c, 0, grad, ui->bytes);
@@ -293,10 +294,22 @@ static int push_value(shard_ctx_t *c, const struct opts *o, const shard_unit_inf
     int st = shard_grad_buffer(c, 0, &b);
     if (st != 0)
         return st;
-    float *f = b;
+    float *f = host != NULL ? host : b;
     for (uint64_t i = 0; i < ui->numel; i++)
         f[i] = value;
+    if (host != NULL && (st = shard_copy(c, b, host, ui->bytes)) != 0)
+        return st;
     return shard_push_staged(c, 0);
+}
+
+/* a fetched unit's bytes where this process can read them: p itself, or copied into host when
+ * the job's buffers are a device's */
+static const float *readable(shard_ctx_t *c, const void *p, float *host, size_t bytes, int *st_p)
+{
+    if (host == NULL)
+        return p;
+    *st_p = shard_copy(c, host, p, bytes);
+    return host;
 }
 
 static int coll_rank(const struct opts *o, int kind, int rank, int world, const char *sock,
@@ -340,6 +353,8 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
     double sum = 0, t0_all = 0;
     const void *p;
     float *grad = NULL;
+    /* the job's buffers are a device's: read and written through shard_copy */
+    float *host = strcmp(shard_memory(c), "host") != 0 ? malloc(ui.bytes ? ui.bytes : 1) : NULL;
     if (kind != COLL_AG && o->copy_push) {
         grad = malloc(ui.bytes);
         for (uint64_t i = 0; i < ui.numel; i++)
@@ -354,8 +369,8 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
                 st = shard_fetch(c, 0, &p);
             double dt = now_s() - t0;
             if (st == 0 && it == total - 1) {
-                const float *x = p;
-                for (uint64_t i = 0; i < numel; i++)
+                const float *x = readable(c, p, host, ui.bytes, &st);
+                for (uint64_t i = 0; st == 0 && i < numel; i++)
                     res->wrong += x[i] != (float)(i % 4099);
             }
             if (st == 0)
@@ -363,7 +378,7 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
             if (it >= o->warmup)
                 sum += dt;
         } else if (it < o->warmup) {
-            st = push_value(c, o, &ui, grad, (float)(rank + 1));
+            st = push_value(c, o, &ui, grad, host, (float)(rank + 1));
             if (st == 0)
                 st = shard__push_flush(c);
         } else {
@@ -371,7 +386,7 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
              * gradient is staged), then one wait; the time is their mean */
             if (it == o->warmup)
                 t0_all = now_s();
-            st = push_value(c, o, &ui, grad, (float)(rank + 1));
+            st = push_value(c, o, &ui, grad, host, (float)(rank + 1));
             if (st == 0 && it == total - 1) {
                 st = shard__push_flush(c);
                 sum = now_s() - t0_all;
@@ -385,9 +400,9 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
         if (st == 0)
             st = shard_fetch(c, 0, &p);
         if (st == 0) {
-            const float *x = p;
+            const float *x = readable(c, p, host, ui.bytes, &st);
             double want = -(double)total * (world + 1) / 2.0;
-            for (uint64_t i = 0; i < ui.numel; i++)
+            for (uint64_t i = 0; st == 0 && i < ui.numel; i++)
                 res->wrong += fabs(x[i] - want) > 1e-6 * fabs(want);
             shard_release(c, 0);
         }
@@ -396,6 +411,7 @@ static int coll_rank(const struct opts *o, int kind, int rank, int world, const 
         fprintf(stderr, "shard-bench rank %d size %llu: %s\n", rank, (unsigned long long)size,
                 shard_last_error(c));
     free(grad);
+    free(host);
     shard_detach(c);
     res->size = size;
     res->time_s = sum / iters;

@@ -602,11 +602,26 @@ static int run_reference(const struct opts *o, const struct model *m)
 /* fp32 view of a fetched unit: the shared buffer itself for fp32, else converted into buf */
 static const float *unit_view(const shard_unit_info_t *ui, const void *data, float *buf);
 
+/* The job's buffers are a device's (shard_memory is not "host"): this process reads fetched
+ * units and fills gradient buffers only through shard_copy, as a GPU trainer's host code must;
+ * host_unit holds a unit's bytes on the way. */
+static shard_ctx_t *dev_ctx;
+static uint16_t *host_unit;
+
 /* fp32 view of a fetched unit (converts bf16) */
 static void unit_to_f32(const shard_unit_info_t *ui, const void *data, float *out)
 {
+    if (dev_ctx != NULL) {
+        void *to = ui->dtype == SHARD_FP32 ? (void *)out : (void *)host_unit;
+        if (shard_copy(dev_ctx, to, data, ui->bytes) != SHARD_OK) {
+            fprintf(stderr, "mlp_train: reading a fetched unit: %s\n", shard_last_error(dev_ctx));
+            exit(1);
+        }
+        data = to;
+    }
     if (ui->dtype == SHARD_FP32) {
-        memcpy(out, data, ui->numel * sizeof(float));
+        if (data != out)
+            memcpy(out, data, ui->numel * sizeof(float));
         return;
     }
     const uint16_t *h = data;
@@ -616,7 +631,7 @@ static void unit_to_f32(const shard_unit_info_t *ui, const void *data, float *ou
 
 static const float *unit_view(const shard_unit_info_t *ui, const void *data, float *buf)
 {
-    if (ui->dtype == SHARD_FP32)
+    if (ui->dtype == SHARD_FP32 && dev_ctx == NULL)
         return data;
     unit_to_f32(ui, data, buf);
     return buf;
@@ -704,15 +719,24 @@ static int run_shardd(const struct opts *o, const struct model *m)
 
     free_params(m, init);
     init = NULL;
+    if (strcmp(shard_memory(ctx), "host") != 0) {
+        dev_ctx = ctx;
+        if (!o->quiet && o->rank == 0)
+            printf("rank 0: the job's buffers are %s memory (read through shard_copy)\n",
+                   shard_memory(ctx));
+    }
     units = shard_num_units(ctx);
     shard_unit_info_t ui[MAX_LAYERS];
     shard_tensor_info_t ti[2 * MAX_LAYERS];
+    size_t max_unit = 0;
     for (uint32_t u = 0; u < units; u++) {
         CHECK(shard_unit_info(ctx, u, &ui[u]));
+        max_unit = ui[u].bytes > max_unit ? ui[u].bytes : max_unit;
         w[u] = calloc(ui[u].numel, sizeof(float));
         grad[u] = calloc(ui[u].numel, sizeof(float));
         grad16[u] = calloc(ui[u].numel, sizeof(uint16_t));
     }
+    host_unit = dev_ctx != NULL ? malloc(max_unit ? max_unit : 1) : NULL;
     for (uint32_t t = 0; t < m->n_tensors; t++)
         CHECK(shard_tensor_info(ctx, t, &ti[t]));
 
@@ -748,7 +772,9 @@ static int run_shardd(const struct opts *o, const struct model *m)
                 if (o->zero_copy)
                     CHECK(shard_grad_buffer(ctx, (uint32_t)l, &sbuf));
                 spent.push += now_s() - p0;
-                float *gl = o->zero_copy && !o->bf16 ? sbuf : grad[l];
+                /* on a device's buffer the gradient is made here and copied in below */
+                bool in_place = o->zero_copy && dev_ctx == NULL;
+                float *gl = in_place && !o->bf16 ? sbuf : grad[l];
                 if (gl != grad[l])
                     zero_padding(gl, &ui[l], &ti[2 * l]);
                 layer_backward(m, l, wl + ti[2 * l].offset, gl + ti[2 * l].offset,
@@ -758,10 +784,13 @@ static int run_shardd(const struct opts *o, const struct model *m)
                 CHECK(shard_release(ctx, (uint32_t)l));
                 p0 = now_s();
                 if (o->bf16) {
-                    uint16_t *g16 = o->zero_copy ? sbuf : grad16[l];
+                    uint16_t *g16 = in_place ? sbuf : grad16[l];
                     for (uint64_t i = 0; i < ui[l].numel; i++)
                         g16[i] = sd_f32_to_bf16(grad[l][i]);
                 }
+                if (o->zero_copy && !in_place)
+                    CHECK(
+                        shard_copy(ctx, sbuf, o->bf16 ? (void *)grad16[l] : grad[l], ui[l].bytes));
                 if (o->zero_copy)
                     CHECK(shard_push_staged(ctx, (uint32_t)l));
                 else
@@ -849,6 +878,9 @@ out:
     if (ac.dz != NULL)
         acts_free(&ac, m);
     free(y);
+    free(host_unit);
+    host_unit = NULL;
+    dev_ctx = NULL;
     free_params(m, init);
     return rc;
 }

@@ -185,6 +185,11 @@ SHARD_API int shard_tensor_info(const shard_ctx_t *ctx, uint32_t tensor,
  * addresses on the GPU of this thread's current CUDA context: the daemon's device memory,
  * imported; read them with kernels or cuMemcpy). NULL before registration. */
 SHARD_API const char *shard_memory(const shard_ctx_t *ctx);
+/* dst = src, bytes long, where either may be memory of the kind shard_memory names or the
+ * caller's host memory (cuMemcpy under "cuda"; memcpy under "host"): how a trainer's host code
+ * reads a fetched unit or fills a gradient buffer it cannot touch directly. A write into the
+ * gather pool is refused. */
+SHARD_API int shard_copy(shard_ctx_t *ctx, void *dst, const void *src, size_t bytes);
 
 /* Gather a unit; *data_p points at the unit's flat buffer (read-only shared memory, or device
  * memory: shard_memory) until shard_release. */
@@ -210,6 +215,9 @@ SHARD_API int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad,
  * an earlier push left, so write every element. One buffer is held at a time: asking for another
  * unit's fails with SHARD_EBUSY, and so does shard_step while one is held. Waits, as
  * shard_push_grad does, while every staging slot is still being reduced. */
+/* On a device's memory (shard_memory is not "host") *buf_p is a device address, and the work
+ * that writes it must be complete before shard_push_staged (synchronize the stream that wrote
+ * it): the daemon reads the slot as soon as it takes the push. */
 SHARD_API int shard_grad_buffer(shard_ctx_t *ctx, uint32_t unit, void **buf_p);
 SHARD_API int shard_push_staged(shard_ctx_t *ctx, uint32_t unit);
 /* The rank's fence page: one page of shared memory (an fd the registration's reply passed, no

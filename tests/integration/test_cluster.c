@@ -231,9 +231,13 @@ static void *order_thread(void *arg)
         o->st = shard_step(c, &norm);
     if (o->st == 0)
         o->st = shard_fetch(c, 0, &p);
-    if (o->st == 0) {
-        o->w0 = ((const float *)p)[0];
-        o->w_last = ((const float *)p)[ORDER_NUMEL - 1];
+    if (o->st == 0) { /* read as a device trainer must (shard_copy works on host memory too) */
+        float first, last;
+        o->st = shard_copy(c, &first, p, sizeof(first));
+        if (o->st == 0)
+            o->st = shard_copy(c, &last, (const float *)p + ORDER_NUMEL - 1, sizeof(last));
+        o->w0 = first;
+        o->w_last = last;
         shard_release(c, 0);
     }
     if (o->st != 0)

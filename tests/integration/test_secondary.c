@@ -86,8 +86,9 @@ static int fetch_copy(struct job *j, uint32_t u, float *out)
     int st = shard_fetch(j->ctx, u, &p);
     if (st != SHARD_OK)
         return st;
-    memcpy(out, p, j->ui[u].bytes);
-    return shard_release(j->ctx, u);
+    st = shard_copy(j->ctx, out, p, j->ui[u].bytes); /* host or a device's memory */
+    int rst = shard_release(j->ctx, u);
+    return st != SHARD_OK ? st : rst;
 }
 
 static int push_and_step(struct job *j, uint32_t rank, int step)

@@ -53,7 +53,7 @@ struct sd_gpu_ops {
      * (emu-device: the device paths of the daemon, run on host memory) */
     bool host_visible;
     /* what a client imports the shared allocations' fds as: "host" (memfds it maps), "cuda" or
-     * "hip" (POSIX fd handles of VMM memory) */
+     * "hip" (POSIX fd handles of VMM memory), "emu-gpu" (memfds it maps out of its own reach) */
     const char *client_memory;
     /* Once, before anything else: find the driver and the devices (NULL: nothing to find). On
      * failure err says what is missing (the library, a device, a device attribute). */
