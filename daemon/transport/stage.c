@@ -9,8 +9,9 @@
  * so the copy of one chunk overlaps the wire time of the others. Bounce buffers are kept by
  * size class and reused; sends hold at most the cap given to sd_transport_stage at once
  * (beyond it they wait for one to come back), receives always get theirs, so a send never waits
- * on a receive that waits on a send. The transfer keeps its identity: the same sd_xfer is posted, its callback is
- * the stage's while the stage holds it, and the caller's is called once, as without staging. */
+ * on a receive that waits on a send. The transfer keeps its identity: the same sd_xfer is posted,
+ * its callback is the stage's while the stage holds it, and the caller's is called once, as without
+ * staging. */
 #include "transport/transport.h"
 #include "sd/log.h"
 #include "sd/status.h"
