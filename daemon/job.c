@@ -179,8 +179,7 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     rep.device = 0;
     /* the pool goes out read-only: clients read gathered weights, never write them (a memfd
      * reopened read-only; a device's fd handle, which the client maps read-only) */
-    bool memfd = strcmp(job->reg->dev->client_memory, "host") == 0 ||
-                 strcmp(job->reg->dev->client_memory, "emu-gpu") == 0;
+    bool memfd = job->reg->dev->client_memfds;
     int ro = job->mem.pool.fd;
     if (memfd) {
         char path[64];

@@ -250,7 +250,7 @@ static int emu_gpu_queue_create(struct sd_gpu_queue **q_p)
 }
 
 #define EMU_OPS                                                                                    \
-    .host_visible = true, .client_memory = "host", .devices = emu_devices,                         \
+    .host_visible = true, .client_memory = "host", .client_memfds = true, .devices = emu_devices,  \
     .alloc = sd__host_alloc, .free = sd__host_free, .queue_create = emu_queue_create,              \
     .queue_destroy = emu_queue_destroy, .sync = sd__host_sync, .record = emu_record,               \
     .query = emu_query, .copy = sd__host_copy, .zero = sd__host_zero, .sum_sq = emu_sum_sq,        \
@@ -263,6 +263,7 @@ const struct sd_gpu_ops sd_gpu_emu_gpu_ops = {.name = "emu-gpu",
                                               .host_memory = false,
                                               .host_visible = false,
                                               .client_memory = "emu-gpu",
+                                              .client_memfds = true,
                                               .devices = emu_devices,
                                               .alloc = emu_gpu_alloc,
                                               .free = emu_gpu_free,

@@ -339,6 +339,7 @@ static void host_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const 
 const struct sd_gpu_ops sd_gpu_host_ops = {
     .name = "host",
     .client_memory = "host",
+    .client_memfds = true,
     .host_memory = true,
     .host_visible = true,
     .alloc = sd__host_alloc,
@@ -599,6 +600,7 @@ static void deferred_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, co
 const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
     .name = "host-deferred",
     .client_memory = "host",
+    .client_memfds = true,
     .host_memory = true,
     .host_visible = true,
     .alloc = sd__host_alloc,

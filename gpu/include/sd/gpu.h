@@ -55,6 +55,9 @@ struct sd_gpu_ops {
     /* what a client imports the shared allocations' fds as: "host" (memfds it maps), "cuda" or
      * "hip" (POSIX fd handles of VMM memory), "emu-gpu" (memfds it maps out of its own reach) */
     const char *client_memory;
+    /* those fds are memfds (the gather pool's goes out reopened read-only); else a device's fd
+     * handles, which the client maps read-only itself */
+    bool client_memfds;
     /* Once, before anything else: find the driver and the devices (NULL: nothing to find). On
      * failure err says what is missing (the library, a device, a device attribute). */
     int (*open)(char *err, size_t errlen);
