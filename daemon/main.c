@@ -237,6 +237,35 @@ static int parse_args(int argc, char **argv, struct sd_config *cfg)
     return 0;
 }
 
+/* SIGTERM and SIGINT wait for the loop's handlers, from the process's first instruction on.
+ * The libraries libfabric loads install their own before main runs: libinfinipath's (a
+ * dependency of the psm providers) calls exit() from the handler, which a SIGTERM during
+ * startup ran in the middle of whatever the process was doing (seen hanging in a
+ * pthread_create under ASan, whose leak check waited on the thread registry the interrupted
+ * call held). Blocked here, in the executable's preinit array, which runs before any shared
+ * library's constructor, the signals stay pending through the libraries' constructors and
+ * main's start, are blocked in every thread started meanwhile, and arrive in the main thread
+ * once the loop's handlers are installed and main unblocks them. */
+static void mask_stop_signals(int how)
+{
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGTERM);
+    sigaddset(&stop_signals, SIGINT);
+    pthread_sigmask(how, &stop_signals, NULL);
+}
+
+static void block_stop_signals_at_exec(int argc, char **argv, char **envp)
+{
+    (void)argc;
+    (void)argv;
+    (void)envp;
+    mask_stop_signals(SIG_BLOCK);
+}
+
+__attribute__((used, section(".preinit_array"))) static void (*const preinit_block)(
+    int, char **, char **) = block_stop_signals_at_exec;
+
 int main(int argc, char **argv)
 {
     static struct sd_config cfg;
@@ -250,17 +279,7 @@ int main(int argc, char **argv)
         return r == 1 ? 0 : r;
     sd_log_level = sd_log_level_parse(cfg.log_level);
     signal(SIGPIPE, SIG_IGN);
-    /* SIGTERM and SIGINT wait for the loop's handlers. Until those are installed the process
-     * has libinfinipath's (a dependency of libfabric's psm providers, loaded with libfabric),
-     * which call exit() from the signal handler: a SIGTERM during startup ran the exit handlers
-     * in the middle of a pthread_create and hung there (seen under ASan: its leak check waited
-     * on the thread registry the interrupted call held). Blocked here, they are blocked in every
-     * thread started below and arrive in the main thread once it unblocks them. */
-    sigset_t stop_signals;
-    sigemptyset(&stop_signals);
-    sigaddset(&stop_signals, SIGTERM);
-    sigaddset(&stop_signals, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
+    mask_stop_signals(SIG_BLOCK); /* again: a loader that skipped the preinit array (none known) */
 
     const struct sd_gpu_ops *dev = sd_gpu_find(cfg.backend);
     if (dev == NULL) {
@@ -310,7 +329,7 @@ int main(int argc, char **argv)
     app.sigterm.data = app.sigint.data = &app;
     uv_signal_start(&app.sigterm, on_signal, SIGTERM);
     uv_signal_start(&app.sigint, on_signal, SIGINT);
-    pthread_sigmask(SIG_UNBLOCK, &stop_signals, NULL); /* one that came meanwhile arrives now */
+    mask_stop_signals(SIG_UNBLOCK); /* one that came meanwhile arrives now */
 #ifdef SD_TEST_HOOKS /* tests only (SHARD_TEST_HOOKS): SIGUSR1 holds the loop that long */
     const char *stall = getenv("SHARDD_TEST_STALL_MS");
     app.stall_ms = stall ? (unsigned)strtoul(stall, NULL, 10) : 0;
