@@ -170,7 +170,11 @@ static const struct shard_devmem emu_mem = {.name = "emu-gpu",
     X(cuMemSetAccess)                                                                              \
     X(cuMemRelease)                                                                                \
     X(cuMemcpy)                                                                                    \
-    X(cuMemsetD8)
+    X(cuMemsetD8)                                                                                  \
+    X(cuMemHostRegister)                                                                           \
+    X(cuMemHostUnregister)                                                                         \
+    X(cuMemHostGetDevicePointer)                                                                   \
+    X(cuStreamWriteValue32)
 
 #define CU_STR2(x) #x
 #define CU_STR(x)  CU_STR2(x)
@@ -280,12 +284,45 @@ static int cu_zero(void *dst, size_t bytes, char *err, size_t errlen)
     return 0;
 }
 
+/* The fence page is host memory the daemon shares (a memfd): registered with the device, a
+ * stream writes it (cuStreamWriteValue32), as the H100 check of issue 40 did across processes. */
+static int cu_stream_write(void *stream, uint32_t *word, uint32_t value, char *err, size_t errlen)
+{
+    void *page = (void *)((uintptr_t)word & ~(uintptr_t)4095);
+    CUdeviceptr dptr = 0;
+    CUresult r = cu_enter();
+    if (r == CUDA_SUCCESS) {
+        r = p_cuMemHostRegister(page, 4096, CU_MEMHOSTREGISTER_DEVICEMAP);
+        if (r == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
+            r = CUDA_SUCCESS;
+    }
+    if (r == CUDA_SUCCESS)
+        r = p_cuMemHostGetDevicePointer(&dptr, word, 0);
+    if (r == CUDA_SUCCESS)
+        r = p_cuStreamWriteValue32((CUstream)stream, dptr, value, CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (r != CUDA_SUCCESS) {
+        snprintf(err, errlen, "signalling the fence page from CUDA stream %p: %s", stream,
+                 cu_err(r));
+        return -EIO;
+    }
+    return 0;
+}
+
+static void cu_forget_host(void *page, size_t bytes)
+{
+    (void)bytes;
+    if (page != NULL && cu_enter() == CUDA_SUCCESS)
+        p_cuMemHostUnregister(page); /* not registered (no stream signalled): an error, none */
+}
+
 static const struct shard_devmem cuda_mem = {.name = "cuda",
                                              .host = false,
                                              .map = cu_map,
                                              .unmap = cu_unmap,
                                              .copy = cu_copy,
-                                             .zero = cu_zero};
+                                             .zero = cu_zero,
+                                             .stream_write = cu_stream_write,
+                                             .forget_host = cu_forget_host};
 
 static int cu_open(int device, char *err, size_t errlen)
 {

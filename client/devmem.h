@@ -9,6 +9,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 struct shard_devmem {
     const char *name;
@@ -20,6 +21,12 @@ struct shard_devmem {
     /* dst = src (either may be host memory or the device's); dst = zeros */
     int (*copy)(void *dst, const void *src, size_t bytes, char *err, size_t errlen);
     int (*zero)(void *dst, size_t bytes, char *err, size_t errlen);
+    /* NULL where the memory has no streams (host, emu-gpu). Else: enqueue on stream (the
+     * device's, e.g. a CUstream) the write of value into *word, a 32-bit word of host memory
+     * (the fence page), after the work enqueued before it; the page is registered with the
+     * device on first use, and forget_host drops that before the page is unmapped. */
+    int (*stream_write)(void *stream, uint32_t *word, uint32_t value, char *err, size_t errlen);
+    void (*forget_host)(void *page, size_t bytes);
 };
 
 /* The importer for a reply's memory kind, opened for `device` (its index on the daemon's side;

@@ -937,12 +937,16 @@ static int take_staging(shard_ctx_t *ctx, const char *what, uint32_t unit, uint3
     return SD_OK;
 }
 
-/* hand staging slot i, holding the unit's gradient, to the daemon */
-static int push_slot(shard_ctx_t *ctx, uint32_t unit, uint32_t i)
+/* hand staging slot i, holding the unit's gradient, to the daemon; signal_later: the caller's
+ * stream signals it on the fence page, and the daemon waits for that */
+static int push_slot(shard_ctx_t *ctx, uint32_t unit, uint32_t i, bool signal_later)
 {
     /* the gradient is in the slot: say so on the fence page before the daemon hears of it */
-    sd_fence_store(&ctx->fence->grad_seq, ++ctx->grad_seq);
-    int status = post(ctx, SD_OP_PUSH, unit, i, ctx->units[unit].bytes, &ctx->slot_tag[i]);
+    ++ctx->grad_seq;
+    if (!signal_later)
+        sd_fence_store(&ctx->fence->grad_seq, ctx->grad_seq);
+    uint64_t arg0 = i | (signal_later ? SD_PUSH_SIGNAL_LATER : 0);
+    int status = post(ctx, SD_OP_PUSH, unit, arg0, ctx->units[unit].bytes, &ctx->slot_tag[i]);
     if (status == SD_OK)
         ctx->slot_busy[i] = true;
     return status;
@@ -983,22 +987,55 @@ int shard_grad_buffer(shard_ctx_t *ctx, uint32_t unit, void **buf_p)
     return SD_OK;
 }
 
-int shard_push_staged(shard_ctx_t *ctx, uint32_t unit)
+static int push_held(shard_ctx_t *ctx, const char *what, uint32_t unit, bool signal_later)
 {
-    int status = check_push_unit(ctx, "push_staged", unit);
+    int status = check_push_unit(ctx, what, unit);
     if (status != SD_OK)
         return status;
     if (ctx->held_unit != (int64_t)unit) {
         if (ctx->held_unit < 0)
             return fail(ctx, SD_ESTATE,
-                        "push_staged unit %u: no gradient buffer is held (shard_grad_buffer "
+                        "%s unit %u: no gradient buffer is held (shard_grad_buffer "
                         "first)",
-                        unit);
-        return fail(ctx, SD_ESTATE, "push_staged unit %u: the gradient buffer held is unit %lld's",
+                        what, unit);
+        return fail(ctx, SD_ESTATE, "%s unit %u: the gradient buffer held is unit %lld's", what,
                     unit, (long long)ctx->held_unit);
     }
     ctx->held_unit = -1;
-    return push_slot(ctx, unit, ctx->held_slot);
+    return push_slot(ctx, unit, ctx->held_slot, signal_later);
+}
+
+int shard_push_staged(shard_ctx_t *ctx, uint32_t unit)
+{
+    return push_held(ctx, "push_staged", unit, false);
+}
+
+int shard_push_staged_signalled(shard_ctx_t *ctx, uint32_t unit)
+{
+    return push_held(ctx, "push_staged_signalled", unit, true);
+}
+
+int shard_push_staged_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
+{
+    const char *what = "push_staged_on_stream";
+    int status = check_push_unit(ctx, what, unit);
+    if (status != SD_OK)
+        return status;
+    if (ctx->held_unit != (int64_t)unit) /* push_held names what is wrong */
+        return push_held(ctx, what, unit, false);
+    if (stream == NULL)
+        return push_held(ctx, what, unit, false);
+    if (ctx->mem->stream_write == NULL)
+        return fail(ctx, SD_EINVAL,
+                    "%s unit %u: the job's memory is %s, which has no streams (pass NULL: the "
+                    "gradient is signalled when the call is made)",
+                    what, unit, ctx->mem->name);
+    char why[512];
+    status =
+        ctx->mem->stream_write(stream, &ctx->fence->grad_seq, ctx->grad_seq + 1, why, sizeof(why));
+    if (status != 0)
+        return fail(ctx, status, "%s unit %u: %s", what, unit, why);
+    return push_held(ctx, what, unit, true);
 }
 
 int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t bytes)
@@ -1022,7 +1059,7 @@ int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t by
                             sizeof(why));
     if (status != 0)
         return fail(ctx, status, "push_grad unit %u: %s", unit, why);
-    return push_slot(ctx, unit, i);
+    return push_slot(ctx, unit, i, false);
 }
 
 int shard__push_flush(shard_ctx_t *ctx)
@@ -1239,8 +1276,11 @@ int shard_detach(shard_ctx_t *ctx)
     free(ctx->unit_at);
     if (ctx->staging != NULL)
         ctx->mem->unmap(ctx->staging, ctx->staging_bytes);
-    if (ctx->control != NULL)
+    if (ctx->control != NULL) {
+        if (ctx->mem != NULL && ctx->mem->forget_host != NULL)
+            ctx->mem->forget_host(ctx->control, ctx->control_bytes);
         munmap(ctx->control, ctx->control_bytes);
+    }
     if (ctx->ring != NULL)
         munmap(ctx->ring, SD_RING_BYTES);
     if (ctx->sq_efd >= 0)

@@ -152,7 +152,9 @@ static bool dispatch_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout
                     "%s",
                     s->rank, sd_op_name((int)s->stalled.op), s->stalled.unit,
                     (long long)job->reg->cfg->op_timeout_ms,
-                    s->stalled.op == SD_OP_FETCH
+                    s->stall_polls ? "its gradient was never signalled on the rank's fence page "
+                                     "(grad_seq; shard_push_staged_signalled)"
+                    : s->stalled.op == SD_OP_FETCH
                         ? "its pool place or the transfers it needs stayed busy"
                         : "an earlier call of the same kind did not complete");
         return true;

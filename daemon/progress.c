@@ -51,6 +51,26 @@ static bool all_empty(struct sd_server *srv)
 
 static void wake(struct sd_server *srv);
 
+/* a call waits for what the loop must look for itself (session.h, stall_polls) */
+static bool any_stall_polls(struct sd_server *srv)
+{
+    for (struct sd_session *s = srv->sessions; s; s = s->next)
+        if (!s->broken && s->has_stalled && s->stall_polls)
+            return true;
+    return false;
+}
+
+static void poll_timer_cb(uv_timer_t *h)
+{
+    struct sd_server *srv = h->data;
+    if (progress_once(srv)) {
+        wake(srv); /* it came: poll closely again */
+        return;
+    }
+    if (!any_stall_polls(srv))
+        uv_timer_stop(&srv->poll_timer);
+}
+
 static void net_timer_cb(uv_timer_t *h)
 {
     struct sd_server *srv = h->data;
@@ -99,6 +119,11 @@ static void idle_cb(uv_idle_t *h)
         if (busy && !uv_is_active((uv_handle_t *)&srv->net_timer))
             uv_timer_start(&srv->net_timer, net_timer_cb, 1, 1);
     }
+    /* a push waits for its gradient's signal on a fence page, which a device stream writes
+     * with no event to wake the loop: look every millisecond until it comes (or the call's
+     * deadline, op_timeout_ms, fails it) */
+    if (any_stall_polls(srv) && !uv_is_active((uv_handle_t *)&srv->poll_timer))
+        uv_timer_start(&srv->poll_timer, poll_timer_cb, 1, 1);
     /* go to sleep: announce it, then look once more (pairs with the client's fence) */
     set_sleeping(srv, 1);
     atomic_thread_fence(memory_order_seq_cst);

@@ -169,11 +169,13 @@ static void finish_round(struct sd_job *job, uint32_t u, uint32_t g)
 bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 {
     const struct sd_unit_layout *ul = &job->layout.units[e->unit];
-    if (e->arg0 >= job->mem.staging_slots) {
+    bool signal_later = (e->arg0 & SD_PUSH_SIGNAL_LATER) != 0;
+    uint64_t slot = e->arg0 & ~SD_PUSH_SIGNAL_LATER;
+    if (slot >= job->mem.staging_slots) {
         sd_session_fail(s, e, SD_EINVAL,
                         "push unit %u: staging slot %llu does not exist (%u "
                         "slots)",
-                        e->unit, (unsigned long long)e->arg0, job->mem.staging_slots);
+                        e->unit, (unsigned long long)slot, job->mem.staging_slots);
         return true;
     }
     if (e->arg1 != sd_unit_bytes(ul)) {
@@ -192,18 +194,25 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         n++;
     if (n == last)
         return false; /* ahead of its group: wait for the oldest round to finish */
-    if (s->staging_busy & (1ULL << e->arg0)) {
+    if (s->staging_busy & (1ULL << slot)) {
         sd_session_fail(s, e, SD_EBUSY,
                         "push unit %u: staging slot %llu still holds an earlier push that has "
                         "not completed",
-                        e->unit, (unsigned long long)e->arg0);
+                        e->unit, (unsigned long long)slot);
         return true;
     }
     /* the gradient must have been signalled on the rank's fence page (sd/fence.h): libshard
-     * writes it before each push; a device's stream would wait for it here */
+     * writes it before each push, or the trainer's stream writes it after the kernels that
+     * produce the gradient (SD_PUSH_SIGNAL_LATER): the push waits for it, the loop polling the
+     * page (a stream's write wakes nothing), and the job fails after op_timeout_ms without it.
+     * The daemon's own queue never waits on a value a client writes. */
     uint32_t *taken = &job->mem.fence_count[2 * (size_t)s->local];
     uint32_t signalled =
         sd_fence_load(&((const struct sd_fence_page *)job->mem.fence[s->local].ptr)->grad_seq);
+    if (!sd_fence_reached(signalled, *taken + 1) && signal_later) {
+        s->stall_polls = true;
+        return false;
+    }
     if (!sd_fence_reached(signalled, *taken + 1)) {
         sd_session_fail(s, e, SD_ESTATE,
                         "push unit %u: rank %u's fence page counts %u gradients and this is push "
@@ -212,13 +221,16 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         return true;
     }
     (*taken)++;
+    if (signal_later && s->has_stalled) { /* the retry of a stalled call */
+        job->stats.signal_waits++;
+        job->stats.signal_wait_ns += sd_now_ns() - s->stalled_ns;
+    }
     size_t gi = round_index(job, e->unit, g, n);
     struct sd_push_round *rd = &job->push->rounds[gi];
     struct sd_push_entry *ent = &round_ents(job, gi)[m];
     uint64_t now = sd_now_ns();
-    s->staging_busy |= 1ULL << e->arg0;
-    *ent =
-        (struct sd_push_entry){.s = s, .tag = e->tag, .arrive_ns = now, .slot = (uint32_t)e->arg0};
+    s->staging_busy |= 1ULL << slot;
+    *ent = (struct sd_push_entry){.s = s, .tag = e->tag, .arrive_ns = now, .slot = (uint32_t)slot};
     if (rd->arrived++ == 0) {
         rd->first_ns = now;
         rd->seq = n;

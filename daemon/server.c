@@ -763,6 +763,8 @@ int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_conf
     uv_poll_start(&srv->lpoll, UV_READABLE, accept_cb);
     uv_idle_init(loop, &srv->idle);
     srv->idle.data = srv;
+    uv_timer_init(loop, &srv->poll_timer);
+    srv->poll_timer.data = srv;
     uv_timer_init(loop, &srv->sweep);
     srv->sweep.data = srv;
     uint64_t period = (uint64_t)SD_MAX(10, SD_MIN(100, cfg->op_timeout_ms / 10));
@@ -791,6 +793,8 @@ void sd_server_stop(struct sd_server *srv)
     }
     uv_idle_stop(&srv->idle);
     uv_close((uv_handle_t *)&srv->idle, NULL);
+    uv_timer_stop(&srv->poll_timer);
+    uv_close((uv_handle_t *)&srv->poll_timer, NULL);
     uv_timer_stop(&srv->sweep);
     uv_close((uv_handle_t *)&srv->sweep, NULL);
     if (srv->reserve_fd >= 0)

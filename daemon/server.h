@@ -86,6 +86,9 @@ struct sd_server {
     uv_poll_t tpoll;
     bool tpolling;
     uv_timer_t net_timer; /* re-polls the fabric every ms while transfers wait for data */
+    /* re-polls the rings every ms while a call waits for what no event announces: a push
+     * whose gradient a device stream signals on the fence page (session.h, stall_polls) */
+    uv_timer_t poll_timer;
     uint64_t last_net_ns; /* the last time a transfer completed */
     uint64_t polls;       /* passes of the polling loop since start (shardctl status) */
     uint64_t ctl_bytes;   /* receive buffers and queued replies of every connection */

@@ -201,6 +201,7 @@ bool sd_session_progress(struct sd_session *s)
     if (s->broken)
         return false;
     if (s->has_stalled) {
+        s->stall_polls = false;
         if (!dispatch(s, &s->stalled))
             return false;
         s->has_stalled = false;
@@ -216,6 +217,7 @@ bool sd_session_progress(struct sd_session *s)
             break;
         }
         any = true;
+        s->stall_polls = false;
         if (!dispatch(s, &e)) {
             s->stalled = e;
             s->has_stalled = true;

@@ -31,6 +31,9 @@ struct sd_session {
     uint32_t *holds; /* per unit: fetches not yet released */
     uint64_t staging_busy;
     bool has_stalled;
+    /* what the stalled call waits for comes without an event (a device stream's write of the
+     * fence page): the loop polls for it (progress.c) */
+    bool stall_polls;
     struct sd_sqe stalled;
     uint64_t stalled_ns;
     bool broken; /* protocol violation on the ring: stop reading it */

@@ -51,6 +51,9 @@ struct sd_job_stats {
     uint64_t pool_bytes;
     uint64_t memory_bytes;     /* all the job took on this node at registration (kept once freed) */
     uint32_t push_rounds_peak; /* gradient reductions across nodes on the wire at once, at most */
+    /* pushes signalled later (a trainer's stream writes the fence page) that were not taken at
+     * once, and the time they waited for it or for their round */
+    uint64_t signal_waits, signal_wait_ns;
     struct sd_latency lat[SD_OP_COUNT];
 };
 

@@ -215,19 +215,35 @@ SHARD_API int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad,
  * an earlier push left, so write every element. One buffer is held at a time: asking for another
  * unit's fails with SHARD_EBUSY, and so does shard_step while one is held. Waits, as
  * shard_push_grad does, while every staging slot is still being reduced. */
-/* On a device's memory (shard_memory is not "host") *buf_p is a device address, and the work
- * that writes it must be complete before shard_push_staged (synchronize the stream that wrote
- * it): the daemon reads the slot as soon as it takes the push. */
+/* On a device's memory (shard_memory is not "host") *buf_p is a device address. The daemon
+ * reads the slot once the gradient is signalled on the fence page (shard_fence): shard_push_staged
+ * signals it at the call, so the work that writes the buffer must be complete by then;
+ * shard_push_staged_on_stream instead has the stream that writes it signal it, after that work,
+ * and returns at once (no host synchronization). */
 SHARD_API int shard_grad_buffer(shard_ctx_t *ctx, uint32_t unit, void **buf_p);
 SHARD_API int shard_push_staged(shard_ctx_t *ctx, uint32_t unit);
+/* shard_push_staged, signalled by `stream`: a stream of the job's device (a CUstream or
+ * cudaStream_t for "cuda" memory) on which the buffer's gradient was written. libshard enqueues
+ * on it the fence page's write (cuStreamWriteValue32 of shard_fence().next_grad into grad_seq,
+ * the page registered with the device on first use) and pushes; the daemon takes the gradient
+ * when the stream gets there, polling the page (within a millisecond). stream NULL: as
+ * shard_push_staged. Memory without streams ("host", "emu-gpu") takes only NULL (SHARD_EINVAL). */
+SHARD_API int shard_push_staged_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream);
+/* The push of shard_push_staged_on_stream with the signal left to the caller: before or after
+ * this call, something writes shard_fence().next_grad (as read before the call) into grad_seq
+ * once the buffer holds the gradient: a HIP stream (hipStreamWriteValue32), another thread.
+ * A gradient not signalled within the daemon's op_timeout_ms fails the job, naming the fence
+ * page. */
+SHARD_API int shard_push_staged_signalled(shard_ctx_t *ctx, uint32_t unit);
 /* The rank's fence page: one page of shared memory (an fd the registration's reply passed, no
  * IPC namespace shared) with two monotonic 32-bit counters that order the trainer's work and the
  * daemon's without a host round trip; they wrap, and compare as (int32_t)(a - b) >= 0.
  *   grad_seq    gradients the trainer signalled: libshard writes next_grad into it before each
  *               push (shard_push_grad, shard_push_staged), and the daemon refuses a push whose
  *               gradient was not signalled. A trainer whose gradient comes from a device stream
- *               writes it from that stream after the producing kernel (cuStreamWriteValue32 on
- *               the page registered with cuMemHostRegister) and then pushes.
+ *               has the stream write it after the producing kernel (shard_push_staged_on_stream,
+ *               or cuStreamWriteValue32 on the page registered with cuMemHostRegister and then
+ *               shard_push_staged_signalled): the daemon waits for that push's signal.
  *   gather_seq  fetches the daemon answered for this rank, written before each answer: a device
  *               stream that reads a fetched slot waits for it (cuStreamWaitValue32, GEQ) at the
  *               value gathers has once the fetch was waited for.

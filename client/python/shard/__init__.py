@@ -162,6 +162,7 @@ _lib.shard_release_aside.argtypes = [_c.c_void_p, _c.c_uint32]
 _lib.shard_push_grad.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_void_p, _c.c_size_t]
 _lib.shard_grad_buffer.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_void_p)]
 _lib.shard_push_staged.argtypes = [_c.c_void_p, _c.c_uint32]
+_lib.shard_push_staged_on_stream.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_void_p]
 _lib.shard_step.argtypes = [_c.c_void_p, _c.POINTER(_c.c_double)]
 _lib.shard_group_hparams.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_HParams)]
 _lib.shard_step_ex.argtypes = [_c.c_void_p, _c.POINTER(_StepArgs), _c.POINTER(_c.c_double)]
@@ -371,6 +372,13 @@ class Context:
     def push_staged(self, unit):
         """Push the gradient written into grad_buffer(unit)."""
         self._check(_lib.shard_push_staged(self._ctx, unit), f"push_staged unit {unit}")
+
+    def push_staged_on_stream(self, unit, stream=None):
+        """push_staged for a gradient a device stream is still writing: the stream (a CUDA
+        stream handle as an int, e.g. torch.cuda.current_stream().cuda_stream) signals it on
+        the fence page after that work, and the call returns at once. None: push_staged."""
+        self._check(_lib.shard_push_staged_on_stream(self._ctx, unit, stream),
+                    f"push_staged_on_stream unit {unit}")
 
     def step(self, groups=None, has_grad=None, bcast=None):
         """Optimizer step at the accumulation boundary (all ranks); the gradient norm.

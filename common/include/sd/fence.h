@@ -4,10 +4,11 @@
  *
  *   grad_seq    the trainer's: gradients in its staging slots, counted from 1. libshard writes
  *               it before each push; a device trainer's stream writes it after the kernel that
- *               produced the gradient (cuStreamWriteValue32), and a device daemon's stream
- *               waits for it (cuStreamWaitValue32, GEQ) before its reduction reads the slot.
- *               The host daemon checks it when it takes the push: a push whose gradient was not
- *               signalled is refused.
+ *               produced the gradient (cuStreamWriteValue32) and the push says so
+ *               (SD_PUSH_SIGNAL_LATER): the daemon takes it when the page counts it, polling.
+ *               The daemon's own queue never waits on it: a value a client writes must not be
+ *               able to hang the daemon's stream. A push whose gradient was not signalled, and
+ *               that does not say it will be, is refused.
  *   gather_seq  the daemon's: fetches it answered for this rank, counted from 1, written before
  *               each answer; a device trainer's stream waits for it before the forward reads
  *               the slot.
@@ -39,6 +40,12 @@ struct sd_fence_page {
 _Static_assert(offsetof(struct sd_fence_page, grad_seq) == SD_FENCE_GRAD_OFF, "fence layout");
 _Static_assert(offsetof(struct sd_fence_page, gather_seq) == SD_FENCE_GATHER_OFF, "fence layout");
 _Static_assert(sizeof(struct sd_fence_page) <= SD_FENCE_BYTES, "fence layout");
+
+/* A push's arg0 is its staging slot, with this bit when the trainer's stream signals the
+ * gradient later (shard_push_staged_signalled): the daemon takes the push once grad_seq counts
+ * it, looking for it every millisecond, and fails the job when it does not come within
+ * op_timeout_ms. Without the bit a push whose gradient is not signalled yet is refused. */
+#define SD_PUSH_SIGNAL_LATER (1ull << 63)
 
 /* counter a has reached b */
 static inline bool sd_fence_reached(uint32_t a, uint32_t b)
