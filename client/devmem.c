@@ -1,7 +1,7 @@
-/* libshard's importers of a job's shared buffers (devmem.h): host memfds, and a GPU's VMM memory
- * passed as POSIX fd handles (CUDA; its driver opened at run time, as shardd's cuda backend
- * does, so that a libshard built with CUDA's headers still runs on machines without a GPU), and
- * emu-gpu's emulated device (memfds this process cannot touch either). */
+/* libshard's importers of a job's shared buffers (devmem.h): host memfds, emu-gpu's emulated
+ * device (memfds this process cannot touch either), and a GPU's VMM memory passed as POSIX fd
+ * handles (devmem_dev.c, built for CUDA and HIP where their headers are; the driver opened at
+ * run time, so that such a libshard still runs on machines without a GPU). */
 #include "devmem.h"
 #include "sd/region.h"
 
@@ -145,247 +145,6 @@ static const struct shard_devmem emu_mem = {.name = "emu-gpu",
                                             .copy = emu_copy,
                                             .zero = emu_zero};
 
-#ifdef SHARD_CLIENT_CUDA
-/* ---- CUDA: VMM memory imported from POSIX fd handles */
-#include <cuda.h>
-#include <dlfcn.h>
-#include <pthread.h>
-
-#define CU_FUNCS(X)                                                                                \
-    X(cuInit)                                                                                      \
-    X(cuGetErrorString)                                                                            \
-    X(cuDeviceGet)                                                                                 \
-    X(cuDeviceGetAttribute)                                                                        \
-    X(cuCtxGetCurrent)                                                                             \
-    X(cuCtxGetDevice)                                                                              \
-    X(cuCtxSetCurrent)                                                                             \
-    X(cuDevicePrimaryCtxRetain)                                                                    \
-    X(cuMemImportFromShareableHandle)                                                              \
-    X(cuMemGetAllocationPropertiesFromHandle)                                                      \
-    X(cuMemGetAllocationGranularity)                                                               \
-    X(cuMemAddressReserve)                                                                         \
-    X(cuMemAddressFree)                                                                            \
-    X(cuMemMap)                                                                                    \
-    X(cuMemUnmap)                                                                                  \
-    X(cuMemSetAccess)                                                                              \
-    X(cuMemRelease)                                                                                \
-    X(cuMemcpy)                                                                                    \
-    X(cuMemsetD8)                                                                                  \
-    X(cuMemHostRegister)                                                                           \
-    X(cuMemHostUnregister)                                                                         \
-    X(cuMemHostGetDevicePointer)                                                                   \
-    X(cuStreamWriteValue32)
-
-#define CU_STR2(x) #x
-#define CU_STR(x)  CU_STR2(x)
-#define CU_PTR(f)  static __typeof__(&f) p_##f;
-CU_FUNCS(CU_PTR)
-#undef CU_PTR
-
-static struct {
-    pthread_mutex_t lock;
-    void *lib;
-    CUdevice dev;
-    CUcontext ctx; /* the device's primary context, where the caller had none current */
-    size_t granularity;
-} cu = {.lock = PTHREAD_MUTEX_INITIALIZER};
-
-static const char *cu_err(CUresult r)
-{
-    const char *s = NULL;
-    if (p_cuGetErrorString != NULL)
-        p_cuGetErrorString(r, &s);
-    return s != NULL ? s : "unknown error";
-}
-
-/* the thread has a context: its own current one, else the device's primary context */
-static CUresult cu_enter(void)
-{
-    CUcontext cur = NULL;
-    CUresult r = p_cuCtxGetCurrent(&cur);
-    if (r == CUDA_SUCCESS && cur == NULL)
-        r = p_cuCtxSetCurrent(cu.ctx);
-    return r;
-}
-
-static size_t cu_rounded(size_t bytes)
-{
-    size_t g = cu.granularity, len = bytes ? bytes : 1;
-    return (len + g - 1) / g * g;
-}
-
-static int cu_map(int fd, size_t bytes, bool read_only, void **ptr_p, char *err, size_t errlen)
-{
-    CUmemGenericAllocationHandle h;
-    CUdeviceptr ptr = 0;
-    size_t len = cu_rounded(bytes);
-    CUresult r = cu_enter();
-    if (r == CUDA_SUCCESS)
-        r = p_cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fd,
-                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    if (r != CUDA_SUCCESS) {
-        snprintf(err, errlen, "importing the daemon's device memory: %s", cu_err(r));
-        return -EIO;
-    }
-    if ((r = p_cuMemAddressReserve(&ptr, len, 0, 0, 0)) != CUDA_SUCCESS)
-        goto err_release;
-    if ((r = p_cuMemMap(ptr, len, 0, h, 0)) != CUDA_SUCCESS)
-        goto err_free;
-    /* read-only for the pool: a write through it is refused at the call, the daemon's bytes
-     * stay as they are */
-    CUmemAccessDesc access = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = cu.dev},
-                              .flags = read_only ? CU_MEM_ACCESS_FLAGS_PROT_READ
-                                                 : CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    if ((r = p_cuMemSetAccess(ptr, len, &access, 1)) != CUDA_SUCCESS)
-        goto err_unmap;
-    p_cuMemRelease(h); /* the mapping holds the memory */
-    *ptr_p = (void *)(uintptr_t)ptr;
-    return 0;
-
-err_unmap:
-    p_cuMemUnmap(ptr, len);
-err_free:
-    p_cuMemAddressFree(ptr, len);
-err_release:
-    p_cuMemRelease(h);
-    snprintf(err, errlen, "mapping %zu bytes of the daemon's device memory: %s", len, cu_err(r));
-    return -EIO;
-}
-
-static void cu_unmap(void *ptr, size_t bytes)
-{
-    if (ptr == NULL || cu_enter() != CUDA_SUCCESS)
-        return;
-    p_cuMemUnmap((CUdeviceptr)(uintptr_t)ptr, cu_rounded(bytes));
-    p_cuMemAddressFree((CUdeviceptr)(uintptr_t)ptr, cu_rounded(bytes));
-}
-
-static int cu_copy(void *dst, const void *src, size_t bytes, char *err, size_t errlen)
-{
-    CUresult r = cu_enter();
-    if (r == CUDA_SUCCESS) /* unified addressing: host or device on either side */
-        r = p_cuMemcpy((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes);
-    if (r != CUDA_SUCCESS) {
-        snprintf(err, errlen, "copying %zu bytes: %s", bytes, cu_err(r));
-        return -EIO;
-    }
-    return 0;
-}
-
-static int cu_zero(void *dst, size_t bytes, char *err, size_t errlen)
-{
-    CUresult r = cu_enter();
-    if (r == CUDA_SUCCESS)
-        r = p_cuMemsetD8((CUdeviceptr)(uintptr_t)dst, 0, bytes);
-    if (r != CUDA_SUCCESS) {
-        snprintf(err, errlen, "zeroing %zu bytes: %s", bytes, cu_err(r));
-        return -EIO;
-    }
-    return 0;
-}
-
-/* The fence page is host memory the daemon shares (a memfd): registered with the device, a
- * stream writes it (cuStreamWriteValue32), as the H100 check of issue 40 did across processes. */
-static int cu_stream_write(void *stream, uint32_t *word, uint32_t value, char *err, size_t errlen)
-{
-    void *page = (void *)((uintptr_t)word & ~(uintptr_t)4095);
-    CUdeviceptr dptr = 0;
-    CUresult r = cu_enter();
-    if (r == CUDA_SUCCESS) {
-        r = p_cuMemHostRegister(page, 4096, CU_MEMHOSTREGISTER_DEVICEMAP);
-        if (r == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)
-            r = CUDA_SUCCESS;
-    }
-    if (r == CUDA_SUCCESS)
-        r = p_cuMemHostGetDevicePointer(&dptr, word, 0);
-    if (r == CUDA_SUCCESS)
-        r = p_cuStreamWriteValue32((CUstream)stream, dptr, value, CU_STREAM_WRITE_VALUE_DEFAULT);
-    if (r != CUDA_SUCCESS) {
-        snprintf(err, errlen, "signalling the fence page from CUDA stream %p: %s", stream,
-                 cu_err(r));
-        return -EIO;
-    }
-    return 0;
-}
-
-static void cu_forget_host(void *page, size_t bytes)
-{
-    (void)bytes;
-    if (page != NULL && cu_enter() == CUDA_SUCCESS)
-        p_cuMemHostUnregister(page); /* not registered (no stream signalled): an error, none */
-}
-
-static const struct shard_devmem cuda_mem = {.name = "cuda",
-                                             .host = false,
-                                             .map = cu_map,
-                                             .unmap = cu_unmap,
-                                             .copy = cu_copy,
-                                             .zero = cu_zero,
-                                             .stream_write = cu_stream_write,
-                                             .forget_host = cu_forget_host};
-
-static int cu_open(int device, char *err, size_t errlen)
-{
-    if (cu.lib != NULL)
-        return 0;
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (lib == NULL) {
-        snprintf(err, errlen,
-                 "the job's buffers are CUDA device memory, but libcuda.so.1 is not found here "
-                 "(%s)",
-                 dlerror());
-        return -ENOSYS;
-    }
-#define CU_LOAD(f)                                                                                 \
-    if ((p_##f = (__typeof__(&f))dlsym(lib, CU_STR(f))) == NULL) {                                 \
-        snprintf(err, errlen, "libcuda.so.1 has no %s: the driver is too old", CU_STR(f));         \
-        dlclose(lib);                                                                              \
-        return -ENOSYS;                                                                            \
-    }
-    CU_FUNCS(CU_LOAD)
-#undef CU_LOAD
-    CUcontext cur = NULL;
-    int fd_handles = 0;
-    CUresult r = p_cuInit(0);
-    if (r == CUDA_SUCCESS)
-        r = p_cuCtxGetCurrent(&cur);
-    /* the caller's device where it has a context (torch's), else the daemon's index */
-    if (r == CUDA_SUCCESS)
-        r = cur != NULL ? p_cuCtxGetDevice(&cu.dev) : p_cuDeviceGet(&cu.dev, device);
-    if (r == CUDA_SUCCESS)
-        r = p_cuDevicePrimaryCtxRetain(&cu.ctx, cu.dev);
-    if (r == CUDA_SUCCESS)
-        r = p_cuDeviceGetAttribute(
-            &fd_handles, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu.dev);
-    if (r != CUDA_SUCCESS) {
-        snprintf(err, errlen, "CUDA device %d: %s", device, cu_err(r));
-        dlclose(lib);
-        return -EIO;
-    }
-    if (!fd_handles) {
-        snprintf(err, errlen,
-                 "CUDA device %d does not import POSIX fd handles "
-                 "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)",
-                 device);
-        dlclose(lib);
-        return -ENOSYS;
-    }
-    CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
-                                .requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                                .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = cu.dev}};
-    r = p_cuMemGetAllocationGranularity(&cu.granularity, &prop,
-                                        CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
-    if (r != CUDA_SUCCESS || cu.granularity == 0) {
-        snprintf(err, errlen, "the allocation granularity of CUDA device %d: %s", device,
-                 cu_err(r));
-        dlclose(lib);
-        return -EIO;
-    }
-    cu.lib = lib;
-    return 0;
-}
-#endif
-
 const struct shard_devmem *shard_devmem_open(const char *kind, int device, char *err, size_t errlen)
 {
     if (kind == NULL || kind[0] == '\0' || strcmp(kind, "host") == 0)
@@ -393,18 +152,20 @@ const struct shard_devmem *shard_devmem_open(const char *kind, int device, char 
     if (strcmp(kind, "emu-gpu") == 0)
         return &emu_mem;
 #ifdef SHARD_CLIENT_CUDA
-    if (strcmp(kind, "cuda") == 0) {
-        pthread_mutex_lock(&cu.lock);
-        int rc = cu_open(device, err, errlen);
-        pthread_mutex_unlock(&cu.lock);
-        return rc == 0 ? &cuda_mem : NULL;
-    }
-#else
-    (void)device;
+    if (strcmp(kind, "cuda") == 0)
+        return shard_devmem_open_cuda(device, err, errlen);
 #endif
+#ifdef SHARD_CLIENT_HIP
+    if (strcmp(kind, "hip") == 0)
+        return shard_devmem_open_hip(device, err, errlen);
+#endif
+    (void)device;
     snprintf(err, errlen,
              "the job's buffers are %s device memory, which this libshard cannot import (built "
              "without %s's headers; rebuild with them)",
-             kind, strcmp(kind, "cuda") == 0 ? "CUDA" : kind);
+             kind,
+             strcmp(kind, "cuda") == 0  ? "CUDA"
+             : strcmp(kind, "hip") == 0 ? "HIP"
+                                        : kind);
     return NULL;
 }

@@ -34,5 +34,8 @@ struct shard_devmem {
  * libshard or this machine cannot import it. */
 const struct shard_devmem *shard_devmem_open(const char *kind, int device, char *err,
                                              size_t errlen);
+/* the GPU importers (devmem_dev.c), where built */
+const struct shard_devmem *shard_devmem_open_cuda(int device, char *err, size_t errlen);
+const struct shard_devmem *shard_devmem_open_hip(int device, char *err, size_t errlen);
 
 #endif

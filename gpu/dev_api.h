@@ -1,6 +1,8 @@
 /* The driver API under dev.c, the one source of the cuda and hip backends: CUDA's driver API
  * (libcuda.so.1) or HIP's module API (libamdhip64.so), both opened at run time. dev.c uses
- * only the names below; each is a function pointer resolved by dlsym in open(). */
+ * only the names below; each is a function pointer resolved by dlsym in open(). libshard's
+ * importer of the daemon's device memory (client/devmem_dev.c) uses DEV_CLIENT_FUNCS and the
+ * dev_client_* names the same way, so that it too is one source for both. */
 #ifndef SD_DEV_API_H
 #define SD_DEV_API_H
 
@@ -123,6 +125,50 @@ static inline void dev_access_init(dev_access *a, dev_device d)
                       .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
 }
 
+/* a client's: import a VMM allocation's fd, map it (read-only where asked), copy with unified
+ * addressing, signal a word of host memory from a stream (devmem_dev.c adds the calling
+ * thread's device and context) */
+#define DEV_CLIENT_FUNCS(X)                                                                        \
+    X(cuInit)                                                                                      \
+    X(cuGetErrorString)                                                                            \
+    X(cuDeviceGet)                                                                                 \
+    X(cuDeviceGetAttribute)                                                                        \
+    X(cuCtxGetCurrent)                                                                             \
+    X(cuCtxGetDevice)                                                                              \
+    X(cuCtxSetCurrent)                                                                             \
+    X(cuDevicePrimaryCtxRetain)                                                                    \
+    X(cuMemImportFromShareableHandle)                                                              \
+    X(cuMemGetAllocationGranularity)                                                               \
+    X(cuMemAddressReserve)                                                                         \
+    X(cuMemAddressFree)                                                                            \
+    X(cuMemMap)                                                                                    \
+    X(cuMemUnmap)                                                                                  \
+    X(cuMemSetAccess)                                                                              \
+    X(cuMemRelease)                                                                                \
+    X(cuMemcpy)                                                                                    \
+    X(cuMemsetD8)                                                                                  \
+    X(cuMemHostRegister)                                                                           \
+    X(cuMemHostUnregister)                                                                         \
+    X(cuMemHostGetDevicePointer)                                                                   \
+    X(cuStreamWriteValue32)
+
+#define DEV_FD_HANDLES_ATTR    "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
+#define DEV_HOST_ALREADY       CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+#define dev_client_err(r, s_p) (void)p_cuGetErrorString(r, s_p)
+#define dev_client_fd_handles(v, d)                                                                \
+    p_cuDeviceGetAttribute(v, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d)
+#define dev_client_import(h, fd)                                                                   \
+    p_cuMemImportFromShareableHandle(h, (void *)(uintptr_t)(fd),                                   \
+                                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+#define dev_client_copy(dst, src, n)                                                               \
+    p_cuMemcpy((CUdeviceptr)(uintptr_t)(dst), (CUdeviceptr)(uintptr_t)(src), n)
+#define dev_client_zero(dst, n)        p_cuMemsetD8((CUdeviceptr)(uintptr_t)(dst), 0, n)
+#define dev_client_host_register(p, n) p_cuMemHostRegister(p, n, CU_MEMHOSTREGISTER_DEVICEMAP)
+#define dev_client_host_unregister(p)  p_cuMemHostUnregister(p)
+#define dev_client_host_devptr(d_p, p) p_cuMemHostGetDevicePointer(d_p, p, 0)
+#define dev_client_stream_write32(s, d, v)                                                         \
+    p_cuStreamWriteValue32((CUstream)(s), d, v, CU_STREAM_WRITE_VALUE_DEFAULT)
+
 #elif defined(SD_DEV_HIP)
 #ifndef __HIP_PLATFORM_AMD__
 #define __HIP_PLATFORM_AMD__ 1
@@ -240,6 +286,44 @@ static inline void dev_access_init(dev_access *a, dev_device d)
     *a = (dev_access){.location = {.type = hipMemLocationTypeDevice, .id = d},
                       .flags = hipMemAccessFlagsProtReadWrite};
 }
+
+#define DEV_CLIENT_FUNCS(X)                                                                        \
+    X(hipInit)                                                                                     \
+    X(hipGetErrorString)                                                                           \
+    X(hipGetDevice)                                                                                \
+    X(hipSetDevice)                                                                                \
+    X(hipGetDeviceCount)                                                                           \
+    X(hipMemImportFromShareableHandle)                                                             \
+    X(hipMemGetAllocationGranularity)                                                              \
+    X(hipMemAddressReserve)                                                                        \
+    X(hipMemAddressFree)                                                                           \
+    X(hipMemMap)                                                                                   \
+    X(hipMemUnmap)                                                                                 \
+    X(hipMemSetAccess)                                                                             \
+    X(hipMemRelease)                                                                               \
+    X(hipMemcpy)                                                                                   \
+    X(hipMemsetD8)                                                                                 \
+    X(hipHostRegister)                                                                             \
+    X(hipHostUnregister)                                                                           \
+    X(hipHostGetDevicePointer)                                                                     \
+    X(hipStreamWriteValue32)
+
+/* HIP has no attribute for POSIX fd handles: an import that cannot be made says so */
+#define DEV_FD_HANDLES_ATTR         "POSIX fd handles of VMM allocations"
+#define DEV_HOST_ALREADY            hipErrorHostMemoryAlreadyRegistered
+#define dev_client_err(r, s_p)      (*(s_p) = p_hipGetErrorString(r))
+#define dev_client_fd_handles(v, d) (*(v) = 1, (void)(d), hipSuccess)
+#define dev_client_import(h, fd)                                                                   \
+    p_hipMemImportFromShareableHandle(h, (void *)(uintptr_t)(fd),                                  \
+                                      hipMemHandleTypePosixFileDescriptor)
+#define dev_client_copy(dst, src, n)   p_hipMemcpy(dst, src, n, hipMemcpyDefault)
+#define dev_client_zero(dst, n)        p_hipMemsetD8((hipDeviceptr_t)(dst), 0, n)
+#define dev_client_host_register(p, n) p_hipHostRegister(p, n, hipHostRegisterMapped)
+#define dev_client_host_unregister(p)  p_hipHostUnregister(p)
+#define dev_client_host_devptr(d_p, p) p_hipHostGetDevicePointer((void **)(d_p), p, 0)
+#define dev_client_stream_write32(s, d, v)                                                         \
+    p_hipStreamWriteValue32((hipStream_t)(s), (void *)(d), v, 0)
+
 #else
 #error "dev.c is built with SD_DEV_CUDA or SD_DEV_HIP"
 #endif
