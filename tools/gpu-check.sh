@@ -51,7 +51,7 @@ note "build with the CUDA backend (-Werror): ok in $(( $(date +%s) - t0 )) s"
 pass=$(grep -c " Passed " "$out/ctest-gpu.log")
 fail=$(grep -cE "\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$out/ctest-gpu.log")
 skip=$(grep -c "Not Run\|Skipped" "$out/ctest-gpu.log")
-cuda_skip=$(grep -E "test_kernels_cuda .*Skipped" -c "$out/ctest-gpu.log")
+cuda_skip=$(grep -E "test_(kernels|fence)_cuda .*Skipped" -c "$out/ctest-gpu.log")
 note "ctest -L gpu: $pass passed, $fail failed, $skip skipped (test_kernels_hip skips on NVIDIA)"
 [ "$fail" -eq 0 ] && [ "$cuda_skip" -eq 0 ] && [ "$pass" -gt 0 ] || failed=1
 
@@ -147,13 +147,23 @@ else
   failed=1
 fi
 
+# (test_fence_cuda, in ctest -L gpu above: a trainer's CUDA stream signals its gradient on the
+# fence page, the push returns at once and the step uses what the stream copied in after it)
+# libshard's importer opens the GPU
+if "$B/tests/unit/test_devmem" >"$out/devmem.log" 2>&1 && grep -q "^cuda: opened" "$out/devmem.log"; then
+  note "test_devmem: libshard's CUDA importer opens the GPU: $(tail -1 "$out/devmem.log")"
+else
+  note "test_devmem: FAILED or the CUDA importer did not open ($out/devmem.log)"
+  failed=1
+fi
+
 if [ "$all" -eq 1 ]; then
   (cd "$B" && ctest -j8 --output-on-failure) >"$out/ctest-all.log" 2>&1 || failed=1
   note "whole suite: $(grep "tests passed" "$out/ctest-all.log")"
 fi
 
 # what the daemon does not yet do on a device, so nothing here can check it
-note "not yet checkable: device streams waiting on and writing the fence page, devices (several"
+note "not yet checkable: a trainer's stream waiting on the daemon's gather_seq, devices (several"
 note "  GPUs per node), FI_HMEM, shard.torch on device memory (issues 40 and 37)"
 echo "== gpu-check: $([ $failed -eq 0 ] && echo passed || echo FAILED) in $(( $(date +%s) - t0 )) s; logs in $out"
 printf '%s\n' "${lines[@]}" >"$out/summary.txt"
