@@ -163,8 +163,8 @@ if [ "$all" -eq 1 ]; then
 fi
 
 # what the daemon does not yet do on a device, so nothing here can check it
-note "not yet checkable: a trainer's stream waiting on the daemon's gather_seq, devices (several"
-note "  GPUs per node), FI_HMEM, shard.torch on device memory (issues 40 and 37)"
+note "not yet checkable: devices (several GPUs per node), FI_HMEM, shard.torch on device memory"
+note "  (issues 40 and 37)"
 echo "== gpu-check: $([ $failed -eq 0 ] && echo passed || echo FAILED) in $(( $(date +%s) - t0 )) s; logs in $out"
 printf '%s\n' "${lines[@]}" >"$out/summary.txt"
 exit $failed
