@@ -44,9 +44,11 @@ const char *sd_job_state_name(enum sd_job_state s);
 enum sd_step_phase {
     SD_STEP_IDLE,
     SD_STEP_SYNC,
+    SD_STEP_SUMS, /* the sums of squares the device took, read once its queue reached them */
     SD_STEP_NORM,
     SD_STEP_APPLY,
     SD_STEP_WEIGHTS,
+    SD_STEP_NEWGEN, /* the new weights, declared once the device wrote them */
     SD_STEP_REFRESH
 };
 
@@ -110,6 +112,10 @@ struct sd_step_state {
     uint64_t *tags, *arrive_ns; /* [k] */
     bool *waiting;              /* [k] */
     enum sd_step_phase phase;
+    /* the phase waits for the job's queue to reach q_ticket (the kernels the phase before
+     * enqueued): the loop polls it (sd_step_queue_poll), never blocking on the device */
+    bool q_wait;
+    uint64_t q_ticket;
     uint32_t unit, pending;
     uint64_t start_ns;
     int status;

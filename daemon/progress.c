@@ -2,6 +2,7 @@
  * for poll_spin_us after the trainers' last request before it sleeps on the sessions' eventfds
  * and the fabric's wait fd. */
 #include "net_service.h"
+#include "registry.h"
 #include "server.h"
 #include "session.h"
 #include "transport/transport.h"
@@ -26,6 +27,9 @@ static int progress_once(struct sd_server *srv)
     for (struct sd_session *s = srv->sessions; s; s = s->next)
         if (sd_session_progress(s))
             did |= DID_RING;
+    /* steps waiting for their device's queue: a query each (a completion wakes nothing) */
+    if (sd_registry_poll_queues(srv->reg, &srv->queue_waiting))
+        did |= DID_RING;
     return did;
 }
 
@@ -97,6 +101,11 @@ static void idle_cb(uv_idle_t *h)
     }
     if (now - srv->last_activity_ns < (uint64_t)srv->cfg->poll_spin_us * 1000)
         return;
+    /* a step waits for kernels on a device: poll, yielding the core, until they are done */
+    if (srv->queue_waiting) {
+        sched_yield();
+        return;
+    }
     /* transfers in flight need progress calls (manual-progress providers such as ofi_rxm
      * advance a transfer one step per call): busy-poll with net_spin (cores to spare), poll
      * yielding the core for net_poll_us after the last completion, then sleep on the completion
@@ -139,6 +148,11 @@ void sd_server_progress(struct sd_server *srv)
 {
     while (progress_once(srv))
         ;
+    /* a step began waiting for its device: the idle handle polls until the kernels are done */
+    if (srv->queue_waiting && !srv->spinning && !srv->stopping) {
+        srv->spinning = true;
+        uv_idle_start(&srv->idle, idle_cb);
+    }
 }
 
 /* Progress now, then keep polling from the idle handle until a pass finds nothing to do. The

@@ -9,6 +9,7 @@
 #include "registry.h"
 #include "recover.h"
 #include "resume.h"
+#include "step.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -245,6 +246,22 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
         sd_job_sweep(job, now);
     }
     sd_recover_sweep(reg, now);
+}
+
+bool sd_registry_poll_queues(struct sd_registry *reg, bool *waiting_p)
+{
+    bool moved = false, waiting = false;
+    for (struct sd_job *job = reg->jobs, *next; job; job = next) {
+        next = job->next; /* the step may end the job */
+        if (!job->step.q_wait)
+            continue;
+        if (sd_step_queue_poll(job))
+            moved = true;
+        else
+            waiting |= job->step.q_wait;
+    }
+    *waiting_p = waiting;
+    return moved;
 }
 
 void sd_registry_destroy_all(struct sd_registry *reg)

@@ -105,7 +105,8 @@ bool sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg)
     if (job->state != SD_JOB_READY || rs->timeout_ms == 0)
         return false; /* loading (nothing to keep yet), or no resume timeout on this node */
     enum sd_step_phase ph = job->step.phase;
-    if (ph == SD_STEP_IDLE || ((ph == SD_STEP_SYNC || ph == SD_STEP_NORM) && job->steps == step)) {
+    if (ph == SD_STEP_IDLE ||
+        ((ph == SD_STEP_SYNC || ph == SD_STEP_SUMS || ph == SD_STEP_NORM) && job->steps == step)) {
         /* the step the pausing node did not enter: nothing of it was applied anywhere */
         pause_text(job, msg, false);
         return true;

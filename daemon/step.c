@@ -27,32 +27,66 @@
 
 _Static_assert(sizeof(struct sd_norm_part) == 32, "the norm exchange is 32 bytes (schedule.h)");
 
-/* Re-gather units that are held across the step so their holders see the new weights. */
-static void refresh_held(struct sd_job *job)
+/* Re-gather units that are held across the step so their holders see the weights of
+ * generation gen. */
+static void refresh_held(struct sd_job *job, uint64_t gen)
 {
     for (uint32_t i = 0; i < job->n_slots; i++) {
         struct sd_unit_state *us = &job->cache.units[i];
         if (!us->resident || us->refs == 0)
             continue;
         sd_fetch_local_gather(job, us);
-        us->gen = job->weights_gen;
+        us->gen = gen;
     }
 }
 
 /* The optimizer updated every os shard, and the weights' all-gather brought every w shard the
- * parts other ranks own: the weights are of the next generation, and units held across the step
- * are gathered again so their holders see them (across nodes the REFRESH phase does it). False
- * after failing the job. */
-static bool weights_new(struct sd_job *job)
+ * parts other ranks own: the w copies are written, and units held across the step are gathered
+ * again so their holders see them (across nodes the REFRESH phase does it). Kernels only: the
+ * generation is declared (weights_new) once the queue reached them. */
+static void weights_write(struct sd_job *job)
 {
     sd_weights_local(job);
+    if (job->gnodes[SD_STATE_W] == 1)
+        refresh_held(job, job->weights_gen + 1);
+}
+
+/* the weights of the next generation are there: served to peers, read by their holders */
+static void weights_new(struct sd_job *job)
+{
     job->steps++;
     job->opt.applied = job->steps;
     job->weights_gen++;
-    if (job->gnodes[SD_STATE_W] == 1)
-        refresh_held(job);
-    /* the new weights are served to peers, and the refreshed slots read by their holders */
-    return sd_job_sync(job);
+}
+
+/* Wait for the kernels enqueued so far without blocking the loop (DESIGN.md 7b): true when they
+ * are done (at once on the host backends); false when the phase machine must wait for them
+ * (q_wait: the loop polls, sd_step_queue_poll, and the machine goes on from its phase) or the
+ * job failed (a backend's error). */
+static bool step_queue_done(struct sd_job *job)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    int st = job->step.q_wait ? SD_OK : dev->record(job->mem.queue, &job->step.q_ticket);
+    if (st == SD_OK)
+        st = dev->query(job->mem.queue, job->step.q_ticket);
+    job->step.q_wait = st == SD_EAGAIN;
+    if (st == SD_OK)
+        return true;
+    if (st != SD_EAGAIN)
+        sd_job_fail(job, st, "the %s backend failed: %s", dev->name, sd_status_str(st));
+    return false;
+}
+
+bool sd_step_queue_poll(struct sd_job *job)
+{
+    if (!job->step.q_wait)
+        return false;
+    if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING) {
+        job->step.q_wait = false;
+        return false;
+    }
+    sd_step_progress(job);
+    return !job->step.q_wait;
 }
 
 /* Answer every rank waiting in step: SD_OK with the norm, or status and msg. */
@@ -325,9 +359,9 @@ static const uint64_t *step_used(struct sd_job *job)
 
 /* One node: the replicas of each g shard are all here (rank i of the first g-partition group
  * holds some shard, the rank i + j f_g of group j the same one). Each shard is reduced into its
- * first replica and copied back to the others (the 2-hop sync), and its sum of squares taken:
- * this node's squared norm is the whole one. False after failing the job. */
-static bool sync_in_node(struct sd_job *job)
+ * first replica and copied back to the others (the 2-hop sync), and its sum of squares taken
+ * (node_sums reads them): this node's squared norm is the whole one. */
+static void sync_in_node(struct sd_job *job)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_layout *l = &job->layout;
@@ -351,15 +385,20 @@ static bool sync_in_node(struct sd_job *job)
             }
         }
     }
-    if (!sd_job_sync(job))
-        return false;
+}
+
+/* sync_in_node's sums of squares, once the device wrote them */
+static void node_sums(struct sd_job *job)
+{
+    const struct sd_layout *l = &job->layout;
+    uint32_t f = job->plan.f[SD_STATE_G];
+    double *parts = job->step.sumsq_parts;
     double sumsq = 0.0;
     for (size_t p = 0; p < (size_t)l->n_units * f; p++)
         sumsq += parts[p];
     sd_norm_part_at(job, 0)->sumsq = sumsq;
     sd_norm_part_at(job, 0)->nonfinite_unit =
         nonfinite_unit(parts, (size_t)l->n_units * f, unit_major, f);
-    return true;
 }
 
 /* every local rank called step */
@@ -509,10 +548,12 @@ static void norm_done(struct sd_bulk *b, int status)
     sd_step_progress(job);
 }
 
-static void norm_start(struct sd_job *job)
+/* this node's sums of squares of its distinct g shards, one part per shard and unit: taken on
+ * the device where enqueue (norm_start reads them once it wrote them); the number of parts */
+static size_t norm_sums(struct sd_job *job, bool enqueue)
 {
     /* each distinct shard counts once: the replica in partition group 0 */
-    uint32_t f = job->plan.f[SD_STATE_G], me = job->node;
+    uint32_t f = job->plan.f[SD_STATE_G];
     double *parts = job->step.sumsq_parts;
     size_t n_parts = 0;
     for (uint32_t j = 0; j < job->k; j++) {
@@ -520,12 +561,21 @@ static void norm_start(struct sd_job *job)
             continue;
         for (uint32_t u = 0; u < job->layout.n_units; u++) {
             const struct sd_unit_layout *ul = &job->layout.units[u];
-            job->reg->dev->sum_sq(job->mem.queue, sd_job_g_shard(job, j, ul), ul->numel / f,
-                                  &parts[n_parts++]);
+            if (enqueue)
+                job->reg->dev->sum_sq(job->mem.queue, sd_job_g_shard(job, j, ul), ul->numel / f,
+                                      &parts[n_parts]);
+            n_parts++;
         }
     }
-    if (!sd_job_sync(job))
-        return;
+    return n_parts;
+}
+
+/* the norm parts' exchange, once the device wrote this node's sums */
+static void norm_start(struct sd_job *job)
+{
+    uint32_t me = job->node;
+    double *parts = job->step.sumsq_parts;
+    size_t n_parts = norm_sums(job, false);
     double local = 0.0;
     for (size_t p = 0; p < n_parts; p++)
         local += parts[p];
@@ -566,6 +616,8 @@ void sd_step_progress(struct sd_job *job)
 {
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
         return;
+    if (job->step.q_wait && !step_queue_done(job))
+        return; /* the device is still at the kernels of the phase before: polled again */
     if (job->step.phase == SD_STEP_IDLE) {
         job->step.phase = SD_STEP_SYNC;
         job->step.unit = 0;
@@ -576,9 +628,10 @@ void sd_step_progress(struct sd_job *job)
         if (!sd_push_idle(job) || job->xfer.gathers_inflight > 0 || job->step.pending > 0)
             return;
         if (job->nodes == 1) { /* the replicas are here, and the norm needs no exchange */
-            if (!sync_in_node(job))
+            sync_in_node(job);
+            job->step.phase = SD_STEP_SUMS;
+            if (!step_queue_done(job))
                 return;
-            job->step.phase = SD_STEP_APPLY;
         } else {
             uint32_t R = sd_job_replication_nodes(job, job->xfer.members);
             while (job->plan.two_hop && R > 1 && job->step.unit < job->layout.n_units) {
@@ -606,9 +659,19 @@ void sd_step_progress(struct sd_job *job)
                 }
                 return; /* step_ar_done continues with the next unit */
             }
-            norm_start(job);
+            norm_sums(job, true);
+            job->step.phase = SD_STEP_SUMS;
+            if (!step_queue_done(job))
+                return;
+        }
+    }
+    if (job->step.phase == SD_STEP_SUMS) {
+        if (job->nodes > 1) {
+            norm_start(job); /* NORM, then APPLY from the exchanges' completions */
             return;
         }
+        node_sums(job);
+        job->step.phase = SD_STEP_APPLY;
     }
     if (job->step.phase == SD_STEP_APPLY) {
         if (job->xfer.w_sends_inflight > 0)
@@ -632,13 +695,13 @@ void sd_step_progress(struct sd_job *job)
                sd_model_groups(&job->model) * sizeof(*job->opt.hparams));
         job->opt.last_grad_norm = sd_optimizer_apply(job, sumsq, step_used(job));
         job->opt.applied = job->steps + 1;
-        /* the exchanges send the owners' new parts */
-        if (sd_weights_remote(job) && !sd_job_sync(job))
-            return;
         job->step.phase = SD_STEP_WEIGHTS;
         job->step.unit = 0;
         job->step.pending = 0;
         job->step.status = SD_OK;
+        /* the exchanges send the owners' new parts */
+        if (sd_weights_remote(job) && !step_queue_done(job))
+            return;
     }
     if (job->step.phase == SD_STEP_WEIGHTS) {
         if (job->step.pending > 0)
@@ -658,8 +721,13 @@ void sd_step_progress(struct sd_job *job)
             if (job->step.pending > 0)
                 return;
         }
-        if (!weights_new(job))
+        weights_write(job);
+        job->step.phase = SD_STEP_NEWGEN;
+        if (!step_queue_done(job))
             return;
+    }
+    if (job->step.phase == SD_STEP_NEWGEN) {
+        weights_new(job);
         sd_fetch_serve_queue(job);
         job->step.phase = SD_STEP_REFRESH;
     }
@@ -690,6 +758,7 @@ void sd_step_progress(struct sd_job *job)
 static void step_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
 {
     (void)with_fetches;
+    job->step.q_wait = false; /* its kernels finish on their own; nothing goes on after them */
     for (uint32_t r = 0; r < job->k; r++) {
         struct sd_session *s = job->ranks[r];
         if (job->step.waiting[r] && s != NULL)

@@ -282,6 +282,7 @@ struct sd_gpu_queue {
     struct deferred_op *ops;
     uint32_t n_ops, cap_ops;
     uint64_t flushes;
+    uint64_t lagged; /* host-deferred: the ticket whose first query answered "not yet" */
 };
 
 static int host_queue_create(struct sd_gpu_queue **q_p)
@@ -481,9 +482,15 @@ static int deferred_sync(struct sd_gpu_queue *q)
     return SD_OK;
 }
 
-/* every ticket is reached once its queue ran: a query runs it */
+/* Every ticket is reached once its queue ran, as a device's: the first query of a ticket answers
+ * "not yet" (a device still at work, so that the daemon's paths that wait without blocking are
+ * taken), the next runs the queue. */
 static int deferred_query(struct sd_gpu_queue *q, uint64_t ticket)
 {
+    if (q->lagged != ticket) {
+        q->lagged = ticket;
+        return SD_EAGAIN;
+    }
     deferred_flush(q);
     return host_query(q, ticket);
 }

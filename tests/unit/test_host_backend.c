@@ -157,6 +157,9 @@ int main(void)
     uint64_t ticket = 0;
     TH_CHECK(dd->record(dq, &ticket) == SD_OK, "record");
     TH_CHECK(y[0] == 0 && z[0] == 10 && sq == -1, "nothing ran before the wait");
+    /* a busy device's first answer, then done */
+    TH_CHECK(dd->query(dq, ticket) == SD_EAGAIN && y[0] == 0 && sq == -1,
+             "the first query of a ticket: not yet, nothing ran");
     TH_CHECK(dd->query(dq, ticket) == SD_OK, "query runs the queue and reports it done");
     TH_CHECK(y[3] == 4 && z[0] == 11 && z[3] == 14 && sq == 11.0 * 11 + 12 * 12 + 13 * 13 + 14 * 14,
              "after the wait: copy, add, sum of squares in order (%g %g %g)", z[0], z[3], sq);

@@ -116,7 +116,8 @@ struct sd_gpu_ops {
 
 extern const struct sd_gpu_ops sd_gpu_host_ops;
 /* The host backend's kernels run only when their queue is synced, queried or full: a daemon that
- * reads a result before waiting for it reads stale memory, and its tests fail. */
+ * reads a result before waiting for it reads stale memory, and its tests fail. The first query of
+ * each ticket answers SD_EAGAIN, as a busy device would, so the waits that poll are taken too. */
 extern const struct sd_gpu_ops sd_gpu_host_deferred_ops;
 
 /* The device backends' kernels (gpu/kern/kernels.h) run on the host through the emulation:
