@@ -71,8 +71,66 @@ int sd_fetch_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
     return sd_unit_cache_reserve(&job->cache, bytes, SD_CACHELINE, off_p);
 }
 
-/* A gather finished (or failed): answer every rank waiting for it. */
+static void answer_waiters(struct sd_job *job, struct sd_unit_state *us, int synced);
+
+/* A gather finished (or failed): answer every rank waiting for it, once the device wrote the
+ * slot (the clients read it from then on). The job's queue is not waited for on the loop
+ * (DESIGN.md 7b): where it has not reached the slot's kernels yet (a device at work), the unit
+ * stays in flight, later fetches join its waiters, and the loop's poll (sd_fetch_queue_poll)
+ * answers them all, in order. The host backends are there at once. */
 void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
+{
+    int synced = SD_OK;
+    if (us->status == SD_OK && us->waiters) {
+        if (us->answer_pending)
+            return; /* answered with the others once the device wrote the slot */
+        const struct sd_gpu_ops *dev = job->reg->dev;
+        uint64_t ticket = 0;
+        synced = dev->record(job->mem.queue, &ticket);
+        if (synced == SD_OK && job->xfer.aq_len == 0)
+            synced = dev->query(job->mem.queue, ticket);
+        else if (synced == SD_OK)
+            synced = SD_EAGAIN; /* after those queued before it */
+        if (synced == SD_EAGAIN) {
+            us->answer_pending = true;
+            us->inflight = true;
+            us->ready_ticket = ticket;
+            struct sd_job_xfer *x = &job->xfer;
+            x->answer_q[(x->aq_head + x->aq_len++) % job->n_slots] = us;
+            return;
+        }
+        us->status = synced;
+    }
+    answer_waiters(job, us, synced);
+}
+
+bool sd_fetch_queue_poll(struct sd_job *job)
+{
+    struct sd_job_xfer *x = &job->xfer;
+    bool moved = false;
+    while (x->aq_len > 0 && job->state != SD_JOB_FAILED) {
+        struct sd_unit_state *us = x->answer_q[x->aq_head];
+        int st = job->reg->dev->query(job->mem.queue, us->ready_ticket);
+        if (st == SD_EAGAIN)
+            break;
+        x->aq_head = (x->aq_head + 1) % job->n_slots;
+        x->aq_len--;
+        us->answer_pending = false;
+        us->inflight = false;
+        us->status = st;
+        answer_waiters(job, us, st);
+        moved = true;
+    }
+    return moved;
+}
+
+bool sd_fetch_queue_waiting(const struct sd_job *job)
+{
+    return job->xfer.aq_len > 0;
+}
+
+/* the waiters of us, answered: the slot (synced: the device wrote it) or the gather's error */
+static void answer_waiters(struct sd_job *job, struct sd_unit_state *us, int synced)
 {
     /* answering a fetch is part of what it costs: inside its call scheduled_op counts it; a
      * fetch that waited for its gather is answered here, later */
@@ -80,11 +138,6 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
     bool timed = sd_sched_answer_begin(job, &cpu0);
     const struct sd_unit_layout *ul = &job->layout.units[us->unit];
     uint64_t now = sd_now_ns();
-    int synced = SD_OK; /* the clients read the slot from now on */
-    if (us->status == SD_OK && us->waiters) {
-        synced = job->reg->dev->sync(job->mem.queue);
-        us->status = synced;
-    }
     for (uint32_t r = 0; r < job->k && us->waiters; r++) {
         if (!(us->waiters & (1ULL << r)))
             continue;
@@ -664,6 +717,17 @@ void sd_fetch_prefetch_flush(struct sd_job *job)
 static void fetch_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
 {
     (void)text;
+    /* answers waiting for the device: nothing else would give them */
+    struct sd_job_xfer *x = &job->xfer;
+    while (x->answer_q != NULL && x->aq_len > 0) {
+        struct sd_unit_state *us = x->answer_q[x->aq_head];
+        x->aq_head = (x->aq_head + 1) % job->n_slots;
+        x->aq_len--;
+        us->answer_pending = false;
+        us->inflight = false;
+        us->status = status;
+        answer_waiters(job, us, SD_OK);
+    }
     for (uint32_t i = 0; with_fetches && job->cache.units != NULL && i < job->n_slots; i++) {
         struct sd_unit_state *us = &job->cache.units[i];
         if (us->waiters == 0)

@@ -25,6 +25,10 @@ void sd_fetch_release_holds(struct sd_job *job, struct sd_session *s);
 void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us);
 /* A gather finished (or failed): answer every rank waiting for it. */
 void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us);
+/* Fetches whose answers wait for the device to write their slots (waiting), and the loop's look
+ * at them: answers those it wrote, in order; true if any. */
+bool sd_fetch_queue_waiting(const struct sd_job *job);
+bool sd_fetch_queue_poll(struct sd_job *job);
 /* Room in the pool: the frozen schedule's place, else the cache's (evicting); SD_EAGAIN: a
  * slower rank still uses the planned place. */
 int sd_fetch_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);

@@ -192,6 +192,9 @@ struct sd_job_xfer {
     size_t *mr_len;
     uint32_t n_mrs;
     uint64_t *wait_tags; /* [n_slots * k] */
+    /* units whose waiters are answered once the device wrote their slots: FIFO (fetch.c) */
+    struct sd_unit_state **answer_q; /* [n_slots] */
+    uint32_t aq_head, aq_len;
     uint32_t gathers_inflight;
     uint32_t w_sends_inflight;
     struct sd_gather_batch batch;

@@ -142,6 +142,9 @@ void sd_job_mem_free(struct sd_job *job)
     job->step.sumsq_parts = NULL;
     free(job->xfer.wait_tags);
     job->xfer.wait_tags = NULL;
+    free(job->xfer.answer_q);
+    job->xfer.answer_q = NULL;
+    job->xfer.aq_len = 0;
     free(job->step.norm_buf);
     job->step.norm_buf = NULL;
     free(job->step.arg_flags);
@@ -271,6 +274,7 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     int queue_st = reg->dev->queue_create(&job->mem.queue);
     job->step.sumsq_parts = calloc((size_t)l->n_units * k, sizeof(*job->step.sumsq_parts));
     job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
+    job->xfer.answer_q = calloc(job->n_slots, sizeof(*job->xfer.answer_q));
     uint32_t n_groups = sd_model_groups(&job->model);
     job->step.used_words = (l->n_tensors + 63) / 64;
     job->step.bcast_at = sizeof(struct sd_norm_part) +
@@ -293,9 +297,9 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     int sec_st = sd_sec_setup(job);
     if (sec_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
         !job->mem.fence_count || cache_st != SD_OK || queue_st != SD_OK || !job->step.sumsq_parts ||
-        !job->xfer.wait_tags || !job->step.norm_buf || !job->step.os_pos || !job->step.arg_flags ||
-        !job->step.hp_next || !job->step.used || !job->opt.hparams || !job->opt.tensor_steps ||
-        push_st != SD_OK) {
+        !job->xfer.wait_tags || !job->xfer.answer_q || !job->step.norm_buf || !job->step.os_pos ||
+        !job->step.arg_flags || !job->step.hp_next || !job->step.used || !job->opt.hparams ||
+        !job->opt.tensor_steps || push_st != SD_OK) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }

@@ -77,6 +77,15 @@ struct sd_push_state {
     uint32_t rq_head, rq_len, rq_cap;
     struct sd_mem nr_mem; /* the node rounds' buffers in the backend's memory, one registration */
     size_t ar_tmp_count;
+    /* local rounds reduced on the device, completed once its queue reached their ticket (the
+     * clients reuse their staging slots then): FIFO, at most one per round slot */
+    struct sd_round_wait *waits;
+    uint32_t w_head, w_len, w_cap;
+};
+
+struct sd_round_wait {
+    uint32_t unit, group;
+    uint64_t ticket;
 };
 
 /* Push rounds are kept [unit][group][generation]: round n of (unit u, g-partition group g)
@@ -104,8 +113,95 @@ static inline uint32_t round_group(const struct sd_job *job, size_t gi)
     return (uint32_t)(gi / job->push->round_gens % job->push->g_groups);
 }
 
-static void finish_round(struct sd_job *job, uint32_t u, uint32_t g);
 static void node_round_ready(struct sd_job *job, uint32_t unit, uint64_t seq);
+
+/* Complete the pushes of the oldest round of (u, g), whose reduction the device finished. */
+static void complete_round(struct sd_job *job, uint32_t u, uint32_t g)
+{
+    uint64_t *done = &job->push->rounds_done[(size_t)u * job->push->g_groups + g];
+    size_t gi = round_index(job, u, g, *done);
+    struct sd_push_round *rd = &job->push->rounds[gi];
+    struct sd_push_entry *ent = round_ents(job, gi);
+    uint64_t now = sd_now_ns();
+    for (uint32_t m = 0; m < job->push->g_members; m++) {
+        struct sd_session *s = ent[m].s;
+        if (s == NULL)
+            continue;
+        s->staging_busy &= ~(1ULL << ent[m].slot);
+        job->stats.ops[SD_OP_PUSH]++;
+        sd_latency_add(&job->stats.lat[SD_OP_PUSH], now - ent[m].arrive_ns);
+        sd_session_complete(s, ent[m].tag, SD_OP_PUSH, SD_OK, rd->seq, 0, NULL);
+        ent[m].s = NULL;
+    }
+    rd->arrived = 0;
+    (*done)++;
+}
+
+/* Complete the pushes of the oldest round of (u, g), which just finished, and free its
+ * generation for round n + round_gens. */
+static void finish_round(struct sd_job *job, uint32_t u, uint32_t g)
+{
+    /* the clients reuse their staging slots once their pushes complete: the kernels that read
+     * them must be done */
+    if (sd_job_sync(job))
+        complete_round(job, u, g);
+}
+
+/* The same without blocking the loop on a device (DESIGN.md 7b): the round completes once the
+ * job's queue reached the kernels just enqueued, at once where it already has (the host
+ * backends), else from the loop's poll (sd_push_queue_poll), in order. Until then the round's
+ * members and later pushes wait as they would for a slow reduction, and the step for the push
+ * to be idle. */
+static void finish_round_later(struct sd_job *job, uint32_t u, uint32_t g)
+{
+    struct sd_push_state *ps = job->push;
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    uint64_t ticket = 0;
+    int st = dev->record(job->mem.queue, &ticket);
+    if (st == SD_OK && ps->w_len == 0)
+        st = dev->query(job->mem.queue, ticket);
+    if (st == SD_OK && ps->w_len == 0) {
+        complete_round(job, u, g);
+        return;
+    }
+    if (st != SD_OK && st != SD_EAGAIN) {
+        sd_job_fail(job, st, "the %s backend failed: %s", dev->name, sd_status_str(st));
+        return;
+    }
+    ps->waits[(ps->w_head + ps->w_len++) % ps->w_cap] =
+        (struct sd_round_wait){.unit = u, .group = g, .ticket = ticket};
+}
+
+bool sd_push_queue_poll(struct sd_job *job)
+{
+    struct sd_push_state *ps = job->push;
+    if (ps == NULL || ps->w_len == 0)
+        return false;
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    bool moved = false;
+    while (ps->w_len > 0 && job->state != SD_JOB_FAILED) {
+        struct sd_round_wait w = ps->waits[ps->w_head];
+        int st = dev->query(job->mem.queue, w.ticket);
+        if (st == SD_EAGAIN)
+            break;
+        ps->w_head = (ps->w_head + 1) % ps->w_cap;
+        ps->w_len--;
+        if (st != SD_OK) {
+            sd_job_fail(job, st, "the %s backend failed: %s", dev->name, sd_status_str(st));
+            break;
+        }
+        complete_round(job, w.unit, w.group);
+        moved = true;
+    }
+    if (moved && job->state != SD_JOB_FAILED && job->step.phase != SD_STEP_IDLE)
+        sd_step_progress(job); /* it waits for the pushes to be idle */
+    return moved;
+}
+
+bool sd_push_queue_waiting(const struct sd_job *job)
+{
+    return job->push != NULL && job->push->w_len > 0;
+}
 
 /* All members of a g-partition group (inside this node) pushed unit u: reduce-scatter into
  * their g shards. */
@@ -134,34 +230,7 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
         }
         dev->reduce_add(job->mem.queue, dst, job->mem.scratch, SD_DTYPE_FP32, len);
     }
-    finish_round(job, u, g);
-}
-
-/* Complete the pushes of the oldest round of (u, g), which just finished, and free its
- * generation for round n + round_gens. */
-static void finish_round(struct sd_job *job, uint32_t u, uint32_t g)
-{
-    /* the clients reuse their staging slots once their pushes complete: the kernels that read
-     * them must be done */
-    if (!sd_job_sync(job))
-        return;
-    uint64_t *done = &job->push->rounds_done[(size_t)u * job->push->g_groups + g];
-    size_t gi = round_index(job, u, g, *done);
-    struct sd_push_round *rd = &job->push->rounds[gi];
-    struct sd_push_entry *ent = round_ents(job, gi);
-    uint64_t now = sd_now_ns();
-    for (uint32_t m = 0; m < job->push->g_members; m++) {
-        struct sd_session *s = ent[m].s;
-        if (s == NULL)
-            continue;
-        s->staging_busy &= ~(1ULL << ent[m].slot);
-        job->stats.ops[SD_OP_PUSH]++;
-        sd_latency_add(&job->stats.lat[SD_OP_PUSH], now - ent[m].arrive_ns);
-        sd_session_complete(s, ent[m].tag, SD_OP_PUSH, SD_OK, rd->seq, 0, NULL);
-        ent[m].s = NULL;
-    }
-    rd->arrived = 0;
-    (*done)++;
+    finish_round_later(job, u, g);
 }
 
 /* Returns false to stall: this rank already has a push of this unit waiting in every round
@@ -596,6 +665,7 @@ static void push_fail_parked(struct sd_job *job, int status, const char *text, b
         }
         job->push->rounds[ri].arrived = 0;
     }
+    job->push->w_len = 0; /* their kernels finish on their own; nothing waits for them */
 }
 
 /* a push round that some ranks of its group joined and others not within op_timeout */
@@ -666,7 +736,9 @@ int sd_push_alloc(struct sd_job *job)
     ps->round_entries =
         calloc(n_rounds * ps->round_gens * ps->g_members, sizeof(*ps->round_entries));
     ps->rounds_done = calloc(n_rounds, sizeof(*ps->rounds_done));
-    return ps->rounds && ps->round_entries && ps->rounds_done ? SD_OK : SD_ENOMEM;
+    ps->w_cap = (uint32_t)(n_rounds * ps->round_gens);
+    ps->waits = calloc(ps->w_cap, sizeof(*ps->waits));
+    return ps->rounds && ps->round_entries && ps->rounds_done && ps->waits ? SD_OK : SD_ENOMEM;
 }
 
 static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cfg)
@@ -781,9 +853,12 @@ void sd_push_free(struct sd_job *job)
     free(ps->rounds);
     free(ps->round_entries);
     free(ps->rounds_done);
+    free(ps->waits);
     ps->rounds = NULL;
     ps->round_entries = NULL;
     ps->rounds_done = NULL;
+    ps->waits = NULL;
+    ps->w_len = ps->w_cap = 0;
 }
 
 void sd_push_destroy(struct sd_job *job)
@@ -796,7 +871,8 @@ void sd_push_destroy(struct sd_job *job)
 
 bool sd_push_idle(const struct sd_job *job)
 {
-    return job->push == NULL || (job->push->nr_len == 0 && job->push->rq_len == 0);
+    return job->push == NULL ||
+           (job->push->nr_len == 0 && job->push->rq_len == 0 && job->push->w_len == 0);
 }
 
 float *sd_push_ar_tmp(const struct sd_job *job)

@@ -48,6 +48,10 @@ struct sd_mem sd_push_take_net_mem(struct sd_job *job);
 void sd_push_free(struct sd_job *job);
 void sd_push_destroy(struct sd_job *job);
 /* no node round is on the wire or waiting for one */
+/* Local rounds whose reduction the device has not finished yet (waiting), and the loop's look
+ * at them: completes those it finished, in order; true if any. */
+bool sd_push_queue_waiting(const struct sd_job *job);
+bool sd_push_queue_poll(struct sd_job *job);
 bool sd_push_idle(const struct sd_job *job);
 /* round 0's all-reduce temporary (the step borrows it: no round runs during the step) and the
  * floats every round's has */

@@ -9,6 +9,8 @@
 #include "registry.h"
 #include "recover.h"
 #include "resume.h"
+#include "fetch.h"
+#include "push.h"
 #include "step.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -253,12 +255,12 @@ bool sd_registry_poll_queues(struct sd_registry *reg, bool *waiting_p)
     bool moved = false, waiting = false;
     for (struct sd_job *job = reg->jobs, *next; job; job = next) {
         next = job->next; /* the step may end the job */
-        if (!job->step.q_wait)
+        if (!job->step.q_wait && !sd_push_queue_waiting(job) && !sd_fetch_queue_waiting(job))
             continue;
-        if (sd_step_queue_poll(job))
-            moved = true;
-        else
-            waiting |= job->step.q_wait;
+        moved |= sd_fetch_queue_poll(job);
+        moved |= sd_push_queue_poll(job);
+        moved |= sd_step_queue_poll(job);
+        waiting |= job->step.q_wait || sd_push_queue_waiting(job) || sd_fetch_queue_waiting(job);
     }
     *waiting_p = waiting;
     return moved;

@@ -49,8 +49,10 @@ void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
 /* Check deadlines of registrations and parked operations; free retired jobs whose transfers
  * drained. */
 void sd_registry_sweep(struct sd_registry *reg, uint64_t now_ns);
-/* Jobs whose step waits for the device's queue: *waiting_p says whether any does (the loop then
- * keeps polling: a device's completion wakes nothing); returns whether any went on. */
+/* Jobs whose step, push rounds or fetch answers wait for the device's queue: *waiting_p says
+ * whether any does
+ * (the loop then keeps polling: a device's completion wakes nothing); returns whether any went
+ * on. */
 bool sd_registry_poll_queues(struct sd_registry *reg, bool *waiting_p);
 void sd_registry_destroy_all(struct sd_registry *reg);
 /* Active job by name. */

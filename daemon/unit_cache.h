@@ -30,6 +30,10 @@ struct sd_unit_state {
     int32_t qrx;        /* with ,qw: the receive slot of the gather it leads, or -1 */
     uint64_t waiters;   /* local ranks whose fetch waits for this gather */
     bool resident, inflight;
+    /* its slot is written but the device may still be writing it: the waiters are answered once
+     * the job's queue reached ready_ticket (fetch.c); inflight meanwhile */
+    bool answer_pending;
+    uint64_t ready_ticket;
     int status;
     uint32_t suspect;
     struct sd_bulk **rb;   /* [group nodes - 1] */

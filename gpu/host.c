@@ -282,7 +282,7 @@ struct sd_gpu_queue {
     struct deferred_op *ops;
     uint32_t n_ops, cap_ops;
     uint64_t flushes;
-    uint64_t lagged; /* host-deferred: the ticket whose first query answered "not yet" */
+    uint64_t lagged; /* host-deferred: the newest ticket a query answered "not yet" */
 };
 
 static int host_queue_create(struct sd_gpu_queue **q_p)
@@ -482,12 +482,13 @@ static int deferred_sync(struct sd_gpu_queue *q)
     return SD_OK;
 }
 
-/* Every ticket is reached once its queue ran, as a device's: the first query of a ticket answers
- * "not yet" (a device still at work, so that the daemon's paths that wait without blocking are
- * taken), the next runs the queue. */
+/* Every ticket is reached once its queue ran, as a device's: the first query of a ticket newer
+ * than any asked before answers "not yet" (a device still at work, so that the daemon's paths
+ * that wait without blocking are taken), the next runs the queue. Older tickets are not held
+ * back again: several waiters polling in turn always get there. */
 static int deferred_query(struct sd_gpu_queue *q, uint64_t ticket)
 {
-    if (q->lagged != ticket) {
+    if (ticket > q->lagged) {
         q->lagged = ticket;
         return SD_EAGAIN;
     }
