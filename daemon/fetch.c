@@ -104,21 +104,29 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
     answer_waiters(job, us, synced);
 }
 
+/* the oldest unit waiting for the device, out of the queue and answered with status (synced:
+ * what the device said, SD_OK where the job failed already) */
+static void answer_oldest(struct sd_job *job, int status, int synced)
+{
+    struct sd_job_xfer *x = &job->xfer;
+    struct sd_unit_state *us = x->answer_q[x->aq_head];
+    x->aq_head = (x->aq_head + 1) % job->n_slots;
+    x->aq_len--;
+    us->answer_pending = false;
+    us->inflight = false;
+    us->status = status;
+    answer_waiters(job, us, synced);
+}
+
 bool sd_fetch_queue_poll(struct sd_job *job)
 {
     struct sd_job_xfer *x = &job->xfer;
     bool moved = false;
     while (x->aq_len > 0 && job->state != SD_JOB_FAILED) {
-        struct sd_unit_state *us = x->answer_q[x->aq_head];
-        int st = job->reg->dev->query(job->mem.queue, us->ready_ticket);
+        int st = job->reg->dev->query(job->mem.queue, x->answer_q[x->aq_head]->ready_ticket);
         if (st == SD_EAGAIN)
             break;
-        x->aq_head = (x->aq_head + 1) % job->n_slots;
-        x->aq_len--;
-        us->answer_pending = false;
-        us->inflight = false;
-        us->status = st;
-        answer_waiters(job, us, st);
+        answer_oldest(job, st, st);
         moved = true;
     }
     return moved;
@@ -718,16 +726,8 @@ static void fetch_fail_parked(struct sd_job *job, int status, const char *text, 
 {
     (void)text;
     /* answers waiting for the device: nothing else would give them */
-    struct sd_job_xfer *x = &job->xfer;
-    while (x->answer_q != NULL && x->aq_len > 0) {
-        struct sd_unit_state *us = x->answer_q[x->aq_head];
-        x->aq_head = (x->aq_head + 1) % job->n_slots;
-        x->aq_len--;
-        us->answer_pending = false;
-        us->inflight = false;
-        us->status = status;
-        answer_waiters(job, us, SD_OK);
-    }
+    while (job->xfer.answer_q != NULL && job->xfer.aq_len > 0)
+        answer_oldest(job, status, SD_OK);
     for (uint32_t i = 0; with_fetches && job->cache.units != NULL && i < job->n_slots; i++) {
         struct sd_unit_state *us = &job->cache.units[i];
         if (us->waiters == 0)
