@@ -142,11 +142,11 @@ static uint32_t rank_major(size_t p, uint32_t n_units)
  * decides alike from the exchanged norm parts. */
 static void step_skip(struct sd_job *job, int status, const char *msg)
 {
+    /* enqueued, not waited for: whatever reads the g shards next (a push round's reduction, the
+     * step's sums and packing, a node round's partial) is a kernel on the same queue */
     for (uint32_t r = 0; r < job->k; r++)
         job->reg->dev->zero(job->mem.queue, sd_job_state(job, r, SD_STATE_G),
                             job->layout.arena_numel[SD_STATE_G] * sizeof(float));
-    if (!sd_job_sync(job))
-        return;
     SD_WARN("job", "job '%s': %s", job->name, msg);
     job->step.phase = SD_STEP_IDLE;
     step_answer(job, status, msg);
