@@ -39,6 +39,7 @@ Skipped (exit 77, with the reason) where PyTorch cannot be imported.
 usage: test_torch_api.py SHARDD LIBSHARD
 """
 import copy
+import ctypes
 import os
 import signal
 import subprocess
@@ -103,6 +104,19 @@ for _ in range(200):
     time.sleep(0.05)
 try:
     check(os.path.exists(sock), "shardd started")
+    # the binding's stream push: a stream on host memory is refused by name; None pushes
+    raw = shard.Context(sock)
+    raw.register(job="stream-api", rank=0, world=1, plan="zero3",
+                 tensors=[shard.Tensor("a", (10,))], optimizer={"name": "sgd", "lr": 0.5})
+    buf = (ctypes.c_float * 10).from_address(raw.grad_buffer(0))
+    for i in range(10):
+        buf[i] = 1.0
+    ok, msg = raises(lambda: raw.push_staged_on_stream(0, 1234), "has no streams", "host",
+                     kinds=(shard.ShardError,))
+    check(ok, f"push_staged_on_stream with a stream on host memory refused: {msg}")
+    raw.push_staged_on_stream(0, None)
+    check(abs(raw.step() - 10 ** 0.5) < 1e-6, "push_staged_on_stream(None) pushed the gradient")
+    raw.detach()
     torch.manual_seed(0)
     base = Net()
 
