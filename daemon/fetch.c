@@ -129,6 +129,8 @@ bool sd_fetch_queue_poll(struct sd_job *job)
         answer_oldest(job, st, st);
         moved = true;
     }
+    if (moved && job->state != SD_JOB_FAILED && job->step.phase == SD_STEP_SYNC)
+        sd_step_progress(job); /* it waits for the answers */
     return moved;
 }
 

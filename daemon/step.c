@@ -624,8 +624,10 @@ void sd_step_progress(struct sd_job *job)
         job->step.start_ns = sd_now_ns();
     }
     if (job->step.phase == SD_STEP_SYNC) {
-        /* everything of this step's micro-steps must be reduced, every gather finished */
-        if (!sd_push_idle(job) || job->xfer.gathers_inflight > 0 || job->step.pending > 0)
+        /* everything of this step's micro-steps must be reduced, every gather finished and
+         * answered (a unit held across the step is refreshed for its holder) */
+        if (!sd_push_idle(job) || job->xfer.gathers_inflight > 0 || job->step.pending > 0 ||
+            sd_fetch_queue_waiting(job))
             return;
         if (job->nodes == 1) { /* the replicas are here, and the norm needs no exchange */
             sync_in_node(job);
