@@ -293,7 +293,8 @@ static void test_cuda_stream(shard_ctx_t *by)
     TH_CHECK(lib != NULL, "libcuda.so.1: %s", dlerror());
     if (lib == NULL)
         return;
-#define CU_LOAD(f) TH_CHECK((p_##f = (__typeof__(&f))dlsym(lib, CU_STR(f))) != NULL, "%s", CU_STR(f));
+#define CU_LOAD(f)                                                                                 \
+    TH_CHECK((p_##f = (__typeof__(&f))dlsym(lib, CU_STR(f))) != NULL, "%s", CU_STR(f));
     CU_FUNCS(CU_LOAD)
 #undef CU_LOAD
     CUdevice dev;
@@ -323,8 +324,7 @@ static void test_cuda_stream(shard_ctx_t *by)
     TH_CHECK(push_zeros(ctx, 1) == 0 && shard_grad_buffer(ctx, 0, &slot) == 0, "buffer: %s",
              shard_last_error(ctx));
     TH_CHECK(p_cuStreamWaitValue32(st, gate_d, 1, CU_STREAM_WAIT_VALUE_GEQ) == 0 &&
-                 p_cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)slot, g, N_A * sizeof(float), st) ==
-                     0,
+                 p_cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)slot, g, N_A * sizeof(float), st) == 0,
              "the stream's gate and copy");
     double t0 = now_s();
     TH_CHECK(shard_push_staged_on_stream(ctx, 0, st) == 0, "push_staged_on_stream: %s",
