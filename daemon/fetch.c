@@ -84,13 +84,8 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
     if (us->status == SD_OK && us->waiters) {
         if (us->answer_pending)
             return; /* answered with the others once the device wrote the slot */
-        const struct sd_gpu_ops *dev = job->reg->dev;
         uint64_t ticket = 0;
-        synced = dev->record(job->mem.queue, &ticket);
-        if (synced == SD_OK && job->xfer.aq_len == 0)
-            synced = dev->query(job->mem.queue, ticket);
-        else if (synced == SD_OK)
-            synced = SD_EAGAIN; /* after those queued before it */
+        synced = sd_job_queue_mark(job, job->xfer.aq_len > 0, &ticket);
         if (synced == SD_EAGAIN) {
             us->answer_pending = true;
             us->inflight = true;

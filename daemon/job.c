@@ -615,9 +615,23 @@ bool sd_job_sync(struct sd_job *job)
     int status = job->reg->dev->sync(job->mem.queue);
     if (status == SD_OK)
         return true;
+    sd_job_backend_failed(job, status);
+    return false;
+}
+
+int sd_job_queue_mark(struct sd_job *job, bool behind, uint64_t *ticket_p)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    int st = dev->record(job->mem.queue, ticket_p);
+    if (st != SD_OK)
+        return st;
+    return behind ? SD_EAGAIN : dev->query(job->mem.queue, *ticket_p);
+}
+
+void sd_job_backend_failed(struct sd_job *job, int status)
+{
     sd_job_fail(job, status, "the %s backend failed: %s", job->reg->dev->name,
                 sd_status_str(status));
-    return false;
 }
 
 const char *sd_job_name(const struct sd_job *job)

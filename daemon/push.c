@@ -155,17 +155,14 @@ static void finish_round(struct sd_job *job, uint32_t u, uint32_t g)
 static void finish_round_later(struct sd_job *job, uint32_t u, uint32_t g)
 {
     struct sd_push_state *ps = job->push;
-    const struct sd_gpu_ops *dev = job->reg->dev;
     uint64_t ticket = 0;
-    int st = dev->record(job->mem.queue, &ticket);
-    if (st == SD_OK && ps->w_len == 0)
-        st = dev->query(job->mem.queue, ticket);
-    if (st == SD_OK && ps->w_len == 0) {
+    int st = sd_job_queue_mark(job, ps->w_len > 0, &ticket);
+    if (st == SD_OK) {
         complete_round(job, u, g);
         return;
     }
-    if (st != SD_OK && st != SD_EAGAIN) {
-        sd_job_fail(job, st, "the %s backend failed: %s", dev->name, sd_status_str(st));
+    if (st != SD_EAGAIN) {
+        sd_job_backend_failed(job, st);
         return;
     }
     ps->waits[(ps->w_head + ps->w_len++) % ps->w_cap] =
@@ -187,7 +184,7 @@ bool sd_push_queue_poll(struct sd_job *job)
         ps->w_head = (ps->w_head + 1) % ps->w_cap;
         ps->w_len--;
         if (st != SD_OK) {
-            sd_job_fail(job, st, "the %s backend failed: %s", dev->name, sd_status_str(st));
+            sd_job_backend_failed(job, st);
             break;
         }
         complete_round(job, w.unit, w.group);

@@ -65,15 +65,13 @@ static void weights_new(struct sd_job *job)
  * job failed (a backend's error). */
 static bool step_queue_done(struct sd_job *job)
 {
-    const struct sd_gpu_ops *dev = job->reg->dev;
-    int st = job->step.q_wait ? SD_OK : dev->record(job->mem.queue, &job->step.q_ticket);
-    if (st == SD_OK)
-        st = dev->query(job->mem.queue, job->step.q_ticket);
+    int st = job->step.q_wait ? job->reg->dev->query(job->mem.queue, job->step.q_ticket)
+                              : sd_job_queue_mark(job, false, &job->step.q_ticket);
     job->step.q_wait = st == SD_EAGAIN;
     if (st == SD_OK)
         return true;
     if (st != SD_EAGAIN)
-        sd_job_fail(job, st, "the %s backend failed: %s", dev->name, sd_status_str(st));
+        sd_job_backend_failed(job, st);
     return false;
 }
 

@@ -55,6 +55,32 @@ static void tiny_init(struct tiny *x, const char *job)
                            .optimizer = {.name = "sgd", .lr = 0.1f, .momentum = 0.0f}};
 }
 
+/* a client of a new job of the tiny model, registered */
+static shard_ctx_t *join(const char *job)
+{
+    shard_ctx_t *ctx = NULL;
+    struct tiny x;
+    tiny_init(&x, job);
+    TH_CHECK(shard_attach(d.sock, &ctx) == 0 && shard_register(ctx, &x.m) == 0, "register %s: %s",
+             job, shard_last_error(ctx));
+    return ctx;
+}
+
+/* a number in the job's entry of shardctl stats (0 where there is none) */
+static double job_stat(const char *job, const char *field)
+{
+    json_t *js = th_admin_json(d.sock, "stats"), *j;
+    size_t i;
+    double v = 0;
+    json_array_foreach(json_object_get(js, "jobs"), i, j)
+    {
+        if (strcmp(json_string_value(json_object_get(j, "job")), job) == 0)
+            v = json_number_value(json_object_get(j, field));
+    }
+    json_decref(js);
+    return v;
+}
+
 static double now_s(void)
 {
     struct timespec ts;
@@ -122,11 +148,7 @@ static void *late_writer(void *arg)
 
 static void test_late_signal(shard_ctx_t *by)
 {
-    shard_ctx_t *ctx;
-    struct tiny x;
-    tiny_init(&x, "late");
-    TH_CHECK(shard_attach(d.sock, &ctx) == 0 && shard_register(ctx, &x.m) == 0, "register: %s",
-             shard_last_error(ctx));
+    shard_ctx_t *ctx = join("late");
     float *a = malloc(N_A * sizeof(float));
     TH_CHECK(read_a(ctx, a) == 0 && a[0] == 0.0f && a[N_A - 1] == 0.0f, "a starts at zero");
     TH_CHECK(push_zeros(ctx, 1) == 0, "push unit 1: %s", shard_last_error(ctx));
@@ -167,18 +189,10 @@ static void test_late_signal(shard_ctx_t *by)
     double t_signal = now_s(), norm = 0;
     TH_CHECK(shard_step(ctx, &norm) == 0, "step: %s", shard_last_error(ctx));
     printf("the step answered %.2f ms after the signal\n", (now_s() - t_signal) * 1e3);
-    json_t *js = th_admin_json(d.sock, "stats");
-    json_t *late = NULL, *j;
-    size_t ji;
-    json_array_foreach(json_object_get(js, "jobs"), ji,
-                       j) if (strcmp(json_string_value(json_object_get(j, "job")), "late") == 0)
-        late = j;
-    json_int_t waits = json_integer_value(json_object_get(late, "signal_waits"));
-    double wait_ms = json_number_value(json_object_get(late, "signal_wait_ms"));
+    double waits = job_stat("late", "signal_waits"), wait_ms = job_stat("late", "signal_wait_ms");
     TH_CHECK(waits == 1 && wait_ms >= 0.5 * LATE_MS,
-             "shardctl stats: signal_waits %lld, signal_wait_ms %.1f; want 1 wait of about %d ms",
-             (long long)waits, wait_ms, LATE_MS);
-    json_decref(js);
+             "shardctl stats: signal_waits %g, signal_wait_ms %.1f; want 1 wait of about %d ms",
+             waits, wait_ms, LATE_MS);
     /* SGD: a = -0.1 * g with the late gradient g[i] = 1 + i % 5 */
     double want_sq = 0;
     for (uint32_t i = 0; i < N_A; i++)
@@ -206,12 +220,8 @@ static void test_late_signal(shard_ctx_t *by)
     usleep(200000);
     TH_CHECK(shard_step(ctx, NULL) == 0, "a push signalled 100 ms later: %s",
              shard_last_error(ctx));
-    js = th_admin_json(d.sock, "stats");
-    json_array_foreach(json_object_get(js, "jobs"), ji,
-                       j) if (strcmp(json_string_value(json_object_get(j, "job")), "late") == 0)
-        printf("quiet loop: the push waited %.2f ms for a signal 100 ms after it\n",
-               json_number_value(json_object_get(j, "signal_wait_ms")) - wait_ms);
-    json_decref(js);
+    printf("quiet loop: the push waited %.2f ms for a signal 100 ms after it\n",
+           job_stat("late", "signal_wait_ms") - wait_ms);
     TH_CHECK(read_a(ctx, a) == 0 && a[1] == -0.2f * 2.0f, "after two steps a[1] = %g, want %g",
              a[1], -0.2f * 2.0f);
 
@@ -237,11 +247,7 @@ static void test_late_signal(shard_ctx_t *by)
  * other job goes on */
 static void test_never_signalled(shard_ctx_t *by)
 {
-    shard_ctx_t *ctx;
-    struct tiny x;
-    tiny_init(&x, "never");
-    TH_CHECK(shard_attach(d.sock, &ctx) == 0 && shard_register(ctx, &x.m) == 0, "register: %s",
-             shard_last_error(ctx));
+    shard_ctx_t *ctx = join("never");
     void *slot;
     TH_CHECK(push_zeros(ctx, 1) == 0 && shard_grad_buffer(ctx, 0, &slot) == 0, "buffer: %s",
              shard_last_error(ctx));
@@ -304,11 +310,7 @@ static void test_cuda_stream(shard_ctx_t *by)
                  p_cuDevicePrimaryCtxRetain(&cx, dev) == 0 && p_cuCtxSetCurrent(cx) == 0 &&
                  p_cuStreamCreate(&st, CU_STREAM_NON_BLOCKING) == 0,
              "a CUDA stream on device 0");
-    shard_ctx_t *ctx;
-    struct tiny x;
-    tiny_init(&x, "stream");
-    TH_CHECK(shard_attach(d.sock, &ctx) == 0 && shard_register(ctx, &x.m) == 0, "register: %s",
-             shard_last_error(ctx));
+    shard_ctx_t *ctx = join("stream");
     TH_CHECK(strcmp(shard_memory(ctx), "cuda") == 0, "memory %s", shard_memory(ctx));
     uint32_t *gate = aligned_alloc(4096, 4096);
     float *g = aligned_alloc(4096, ((N_A * sizeof(float) + 4095) / 4096) * 4096);
@@ -373,11 +375,7 @@ int main(int argc, char **argv)
                 last[0] ? last : "(no log)\n");
         return gpu ? 77 : 1;
     }
-    shard_ctx_t *by;
-    struct tiny x;
-    tiny_init(&x, "bystander");
-    TH_CHECK(shard_attach(d.sock, &by) == 0 && shard_register(by, &x.m) == 0,
-             "register the bystander: %s", shard_last_error(by));
+    shard_ctx_t *by = join("bystander");
     TH_CHECK(strcmp(shard_memory(by), backend) == 0, "the job's memory is %s on backend %s",
              shard_memory(by), backend);
     test_late_signal(by);
