@@ -264,7 +264,10 @@ static int dev_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *me
     }
     dev_access access;
     dev_access_init(&access, g.dev);
-    if ((r = dev_mem_access(ptr, len, &access)) != DEV_OK || (r = dev_zero(ptr, len)) != DEV_OK) {
+    /* the legacy stream's memset is asynchronous to the host for device memory, and the queues'
+     * non-blocking streams do not wait for it: zeroed before anything of theirs touches it */
+    if ((r = dev_mem_access(ptr, len, &access)) != DEV_OK || (r = dev_zero(ptr, len)) != DEV_OK ||
+        (r = dev_stream_sync(NULL)) != DEV_OK) {
         SD_ERROR(DEV_NAME, "mapping %s read-write: %s", tag, dev_err(r));
         goto err_unmap;
     }

@@ -150,6 +150,7 @@ static inline void dev_access_init(dev_access *a, dev_device d)
     X(cuMemHostRegister)                                                                           \
     X(cuMemHostUnregister)                                                                         \
     X(cuMemHostGetDevicePointer)                                                                   \
+    X(cuStreamSynchronize)                                                                         \
     X(cuStreamWriteValue32)
 
 #define DEV_FD_HANDLES_ATTR    "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
@@ -163,6 +164,7 @@ static inline void dev_access_init(dev_access *a, dev_device d)
 #define dev_client_copy(dst, src, n)                                                               \
     p_cuMemcpy((CUdeviceptr)(uintptr_t)(dst), (CUdeviceptr)(uintptr_t)(src), n)
 #define dev_client_zero(dst, n)        p_cuMemsetD8((CUdeviceptr)(uintptr_t)(dst), 0, n)
+#define dev_client_wait()              p_cuStreamSynchronize(NULL)
 #define dev_client_host_register(p, n) p_cuMemHostRegister(p, n, CU_MEMHOSTREGISTER_DEVICEMAP)
 #define dev_client_host_unregister(p)  p_cuMemHostUnregister(p)
 #define dev_client_host_devptr(d_p, p) p_cuMemHostGetDevicePointer(d_p, p, 0)
@@ -306,6 +308,7 @@ static inline void dev_access_init(dev_access *a, dev_device d)
     X(hipHostRegister)                                                                             \
     X(hipHostUnregister)                                                                           \
     X(hipHostGetDevicePointer)                                                                     \
+    X(hipStreamSynchronize)                                                                        \
     X(hipStreamWriteValue32)
 
 /* HIP has no attribute for POSIX fd handles: an import that cannot be made says so */
@@ -318,6 +321,7 @@ static inline void dev_access_init(dev_access *a, dev_device d)
                                       hipMemHandleTypePosixFileDescriptor)
 #define dev_client_copy(dst, src, n)   p_hipMemcpy(dst, src, n, hipMemcpyDefault)
 #define dev_client_zero(dst, n)        p_hipMemsetD8((hipDeviceptr_t)(dst), 0, n)
+#define dev_client_wait()              p_hipStreamSynchronize(NULL)
 #define dev_client_host_register(p, n) p_hipHostRegister(p, n, hipHostRegisterMapped)
 #define dev_client_host_unregister(p)  p_hipHostUnregister(p)
 #define dev_client_host_devptr(d_p, p) p_hipHostGetDevicePointer((void **)(d_p), p, 0)

@@ -55,11 +55,64 @@ cuda_skip=$(grep -E "test_(kernels|fence)_cuda .*Skipped" -c "$out/ctest-gpu.log
 note "ctest -L gpu: $pass passed, $fail failed, $skip skipped (test_kernels_hip skips on NVIDIA)"
 [ "$fail" -eq 0 ] && [ "$cuda_skip" -eq 0 ] && [ "$pass" -gt 0 ] || failed=1
 
+# (test_fence_cuda, in ctest -L gpu above: a trainer's CUDA stream signals its gradient on the
+# fence page, the push returns at once and the step uses what the stream copied in after it)
+# libshard's importer opens the GPU
+if timeout 60 "$B/tests/unit/test_devmem" >"$out/devmem.log" 2>&1 && grep -q "^cuda: opened" "$out/devmem.log"; then
+  note "test_devmem: libshard's CUDA importer opens the GPU: $(tail -1 "$out/devmem.log")"
+else
+  note "test_devmem: FAILED or the CUDA importer did not open ($out/devmem.log)"
+  failed=1
+fi
+
+# the daemon on the GPU: training through device memory against the host backend's same run
+# (test_fidelity prints, per configuration, how many parameters differ from the reference and by
+# how much: identical lines on cuda and host mean the same parameters to every printed digit),
+# a 2-node loopback cluster on the one GPU (every transfer staged through pinned buffers; the
+# bytes staged are checked against the job's device bytes), checkpoints device <-> host
+strip() { sed -E 's/, [0-9.]+ s$//' "$1" | grep -E "params,|differ" ; }
+for plan in ddp zero3 mics:2 topo:2/2/4; do
+  f=$(echo "$plan" | tr ':/' '__')
+  timeout 240 "$B/tests/integration/test_fidelity" "$plan" host >"$out/fidelity-$f-host.log" 2>&1 &
+  host_pid=$!
+  timeout 240 "$B/tests/integration/test_fidelity" "$plan" cuda >"$out/fidelity-$f-cuda.log" 2>&1
+  rc_c=$?
+  wait $host_pid
+  rc_h=$?
+  if [ $rc_h -eq 0 ] && [ $rc_c -eq 0 ] &&
+     diff <(strip "$out/fidelity-$f-host.log") <(strip "$out/fidelity-$f-cuda.log") \
+       >"$out/fidelity-$f.diff"; then
+    note "test_fidelity $plan on cuda (4 ranks, one GPU): passed, every line equal to the host backend's"
+  else
+    note "test_fidelity $plan on cuda: FAILED (exit $rc_c, host $rc_h; $out/fidelity-$f-*.log)"
+    failed=1
+  fi
+done
+if SHARD_TEST_BACKEND=cuda timeout 240 "$B/tests/integration/test_cluster" 2 2 >"$out/cluster-2x2-cuda.log" 2>&1; then
+  note "test_cluster 2 2 on cuda (2 daemons on one GPU, staged): $(tail -1 "$out/cluster-2x2-cuda.log")"
+else
+  note "test_cluster 2 2 on cuda: FAILED ($out/cluster-2x2-cuda.log)"
+  failed=1
+fi
+# zeropp's quantized collectives (4 daemons x 2 ranks on the one GPU) within test_quant's bounds
+if SHARD_TEST_BACKEND=cuda timeout 400 "$B/tests/integration/test_quant" >"$out/quant-cuda.log" 2>&1; then
+  note "test_quant on cuda (zero3,qw / qg / zeropp / secondary, staged): $(tail -1 "$out/quant-cuda.log")"
+else
+  note "test_quant on cuda: FAILED ($out/quant-cuda.log)"
+  failed=1
+fi
+if timeout 240 "$B/tests/integration/test_checkpoint" device cuda >"$out/checkpoint-cuda.log" 2>&1; then
+  note "test_checkpoint device cuda (saved from device memory, bitwise the host's; loaded both ways): $(tail -1 "$out/checkpoint-cuda.log")"
+else
+  note "test_checkpoint device cuda: FAILED ($out/checkpoint-cuda.log)"
+  failed=1
+fi
+
 # compute-sanitizer on the kernel test (quick sizes: the sanitizers run kernels 10-100x slower)
 san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [ -x "$san" ]; then
   for tool in memcheck racecheck; do
-    if SHARD_TEST_QUICK=1 "$san" --tool "$tool" --error-exitcode 3 \
+    if SHARD_TEST_QUICK=1 timeout 240 "$san" --tool "$tool" --error-exitcode 3 \
          "$B/tests/unit/test_kernels" cuda >"$out/sanitizer-$tool.log" 2>&1; then
       note "compute-sanitizer $tool on test_kernels cuda: clean"
     else
@@ -73,9 +126,9 @@ else
 fi
 
 # the benchmarks, as ratios against the same GPU's copy, in this run
-"$B/tools/shard-bench" kernels --backend cuda --json >"$out/kernels.json" 2>"$out/kernels.err" ||
+timeout 240 "$B/tools/shard-bench" kernels --backend cuda --json >"$out/kernels.json" 2>"$out/kernels.err" ||
   { note "shard-bench kernels: FAILED ($(cat "$out/kernels.err"))"; failed=1; }
-python3 tools/bench/torch_adamw.py --json >"$out/torch_adamw.json" 2>"$out/torch_adamw.err"
+timeout 240 python3 tools/bench/torch_adamw.py --json >"$out/torch_adamw.json" 2>"$out/torch_adamw.err"
 rc_torch=$?
 python3 - "$out/kernels.json" "$out/torch_adamw.json" "$rc_torch" >"$out/summary-bench.txt" <<'PY'
 import json, sys
@@ -103,59 +156,6 @@ sys.exit(1 if bad else 0)
 PY
 [ $? -eq 0 ] || failed=1
 while IFS= read -r l; do note "$l"; done <"$out/summary-bench.txt"
-
-# the daemon on the GPU: training through device memory against the host backend's same run
-# (test_fidelity prints, per configuration, how many parameters differ from the reference and by
-# how much: identical lines on cuda and host mean the same parameters to every printed digit),
-# a 2-node loopback cluster on the one GPU (every transfer staged through pinned buffers; the
-# bytes staged are checked against the job's device bytes), checkpoints device <-> host
-strip() { sed -E 's/, [0-9.]+ s$//' "$1" | grep -E "params,|differ" ; }
-for plan in ddp zero3 mics:2 topo:2/2/4; do
-  f=$(echo "$plan" | tr ':/' '__')
-  "$B/tests/integration/test_fidelity" "$plan" host >"$out/fidelity-$f-host.log" 2>&1 &
-  host_pid=$!
-  "$B/tests/integration/test_fidelity" "$plan" cuda >"$out/fidelity-$f-cuda.log" 2>&1
-  rc_c=$?
-  wait $host_pid
-  rc_h=$?
-  if [ $rc_h -eq 0 ] && [ $rc_c -eq 0 ] &&
-     diff <(strip "$out/fidelity-$f-host.log") <(strip "$out/fidelity-$f-cuda.log") \
-       >"$out/fidelity-$f.diff"; then
-    note "test_fidelity $plan on cuda (4 ranks, one GPU): passed, every line equal to the host backend's"
-  else
-    note "test_fidelity $plan on cuda: FAILED (exit $rc_c, host $rc_h; $out/fidelity-$f-*.log)"
-    failed=1
-  fi
-done
-if SHARD_TEST_BACKEND=cuda "$B/tests/integration/test_cluster" 2 2 >"$out/cluster-2x2-cuda.log" 2>&1; then
-  note "test_cluster 2 2 on cuda (2 daemons on one GPU, staged): $(tail -1 "$out/cluster-2x2-cuda.log")"
-else
-  note "test_cluster 2 2 on cuda: FAILED ($out/cluster-2x2-cuda.log)"
-  failed=1
-fi
-# zeropp's quantized collectives (4 daemons x 2 ranks on the one GPU) within test_quant's bounds
-if SHARD_TEST_BACKEND=cuda "$B/tests/integration/test_quant" >"$out/quant-cuda.log" 2>&1; then
-  note "test_quant on cuda (zero3,qw / qg / zeropp / secondary, staged): $(tail -1 "$out/quant-cuda.log")"
-else
-  note "test_quant on cuda: FAILED ($out/quant-cuda.log)"
-  failed=1
-fi
-if "$B/tests/integration/test_checkpoint" device cuda >"$out/checkpoint-cuda.log" 2>&1; then
-  note "test_checkpoint device cuda (saved from device memory, bitwise the host's; loaded both ways): $(tail -1 "$out/checkpoint-cuda.log")"
-else
-  note "test_checkpoint device cuda: FAILED ($out/checkpoint-cuda.log)"
-  failed=1
-fi
-
-# (test_fence_cuda, in ctest -L gpu above: a trainer's CUDA stream signals its gradient on the
-# fence page, the push returns at once and the step uses what the stream copied in after it)
-# libshard's importer opens the GPU
-if "$B/tests/unit/test_devmem" >"$out/devmem.log" 2>&1 && grep -q "^cuda: opened" "$out/devmem.log"; then
-  note "test_devmem: libshard's CUDA importer opens the GPU: $(tail -1 "$out/devmem.log")"
-else
-  note "test_devmem: FAILED or the CUDA importer did not open ($out/devmem.log)"
-  failed=1
-fi
 
 if [ "$all" -eq 1 ]; then
   (cd "$B" && ctest -j8 --output-on-failure) >"$out/ctest-all.log" 2>&1 || failed=1

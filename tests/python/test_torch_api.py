@@ -406,7 +406,7 @@ try:
     lines = r.stdout.split()
     check(r.returncode == 0 and len(lines) == 2 and lines[0].startswith(pydir) and
           lines[1] == os.path.join(prefix, "lib", "libshard.so.0"),
-          f"the installed package loads the installed libshard: {r.stdout}{r.stderr[-300:]}")
+          f"the installed package loads the installed libshard: {r.stdout}{r.stderr[-2000:]}")
     venv = os.path.join(work, "venv")
     # a venv over the system's packages sees torch only where torch is a system package: under
     # an interpreter that is itself a venv's (torch installed in it), that check cannot run

@@ -87,6 +87,7 @@ static void *make(int dtype, size_t n, bool specials, bool bits16)
 struct opnd {
     void *init; /* host: the input, bytes long */
     size_t bytes, off;
+    int fdt; /* 1 + the dtype of its elements where they are floats, 0: bytes (encodings) */
     struct sd_mem mem[3]; /* host, emu, dut */
 };
 
@@ -143,6 +144,21 @@ static void teardown(struct opnd *ops, int n)
     }
 }
 
+/* element i of p, of dtype dt, is a NaN: a device's arithmetic makes NaNs of its own bits
+ * (NVIDIA's canonical 0x7fffffff, x86's the operand's or 0xffc00000), so NaN equals NaN between a
+ * device and the emulation; the emulation and the host backend agree bit for bit */
+static bool is_nan(const uint8_t *p, int dt, size_t i)
+{
+    if (dt == SD_DTYPE_FP32) {
+        uint32_t u;
+        memcpy(&u, p + 4 * i, 4);
+        return (u & 0x7fffffffu) > 0x7f800000u;
+    }
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    return dt == SD_DTYPE_BF16 ? (h & 0x7fffu) > 0x7f80u : (h & 0x7fffu) > 0x7c00u;
+}
+
 /* compares every written operand of emu (and the device) with host's, bit for bit */
 static void compare(const char *what, struct opnd *ops, int n)
 {
@@ -158,14 +174,22 @@ static void compare(const char *what, struct opnd *ops, int n)
                  what, i, bad, ops[i].bytes, first, bad ? e[first] : 0, bad ? h[first] : 0);
         if (device) {
             uint8_t *d = result(&ops[i], &dut);
-            size_t dbad = 0;
-            for (size_t j = 0; j < ops[i].bytes; j++)
-                if (d[j] != e[j] && dbad++ == 0)
+            size_t w = ops[i].fdt == 0 ? 1 : esize(ops[i].fdt - 1), dbad = 0;
+            for (size_t j = 0; j < ops[i].bytes / w; j++)
+                if (memcmp(d + j * w, e + j * w, w) != 0 &&
+                    !(w > 1 && is_nan(d, ops[i].fdt - 1, j) && is_nan(e, ops[i].fdt - 1, j)) &&
+                    dbad++ == 0)
                     first = j;
+            uint32_t dv = 0, ev = 0;
+            if (dbad) {
+                memcpy(&dv, d + first * w, w);
+                memcpy(&ev, e + first * w, w);
+            }
             TH_CHECK(dbad == 0,
-                     "%s, operand %d: %s differs from the emulation in %zu of %zu bytes (first at "
-                     "byte %zu)",
-                     what, i, dut.ops->name, dbad, ops[i].bytes, first);
+                     "%s, operand %d: %s differs from the emulation in %zu of %zu %s (first at "
+                     "%zu: %#x, the emulation's %#x)",
+                     what, i, dut.ops->name, dbad, ops[i].bytes / w, w > 1 ? "elements" : "bytes",
+                     first, dv, ev);
             free(d);
         }
         free(h);
@@ -183,7 +207,7 @@ static void t_casts(size_t n, size_t skew)
     for (int dt = 0; dt < 3; dt++) {
         struct opnd o[2] = {
             {.init = make(dt, n, true, true), .bytes = n * esize(dt), .off = skew * esize(dt)},
-            {.init = calloc(n + 1, 4), .bytes = n * 4, .off = skew * 4}};
+            {.init = calloc(n + 1, 4), .bytes = n * 4, .off = skew * 4, .fdt = 1}};
         setup(o, 2);
         EACH_BK(b)
         b->ops->to_f32(b->q, at(&o[1], b), at(&o[0], b), dt, n);
@@ -193,7 +217,10 @@ static void t_casts(size_t n, size_t skew)
 
         struct opnd f[2] = {
             {.init = make(SD_DTYPE_FP32, n, true, false), .bytes = n * 4, .off = skew * 4},
-            {.init = calloc(n + 1, 4), .bytes = n * esize(dt), .off = skew * esize(dt)}};
+            {.init = calloc(n + 1, 4),
+             .bytes = n * esize(dt),
+             .off = skew * esize(dt),
+             .fdt = 1 + dt}};
         setup(f, 2);
         EACH_BK(b)
         b->ops->from_f32(b->q, at(&f[1], b), dt, at(&f[0], b), n);
@@ -202,7 +229,10 @@ static void t_casts(size_t n, size_t skew)
         teardown(f, 2);
 
         struct opnd r[2] = {
-            {.init = make(SD_DTYPE_FP32, n, true, false), .bytes = n * 4, .off = skew * 4},
+            {.init = make(SD_DTYPE_FP32, n, true, false),
+             .bytes = n * 4,
+             .off = skew * 4,
+             .fdt = 1},
             {.init = make(dt, n, true, false), .bytes = n * esize(dt), .off = skew * esize(dt)}};
         setup(r, 2);
         EACH_BK(b)
@@ -239,13 +269,17 @@ static void t_optim(size_t n, size_t skew)
     for (int dt = 0; dt < 3; dt++) {
         struct opnd o[5];
         for (int i = 0; i < 4; i++)
-            o[i] = (struct opnd){
-                .init = make(SD_DTYPE_FP32, n, false, false), .bytes = n * 4, .off = skew * 4};
+            o[i] = (struct opnd){.init = make(SD_DTYPE_FP32, n, false, false),
+                                 .bytes = n * 4,
+                                 .off = skew * 4,
+                                 .fdt = 1};
         float *v = o[2].init;
         for (size_t i = 0; i < n; i++)
             v[i] = fabsf(v[i]) * 0.01f; /* the second moment is not negative */
-        o[4] = (struct opnd){
-            .init = calloc(n + 1, 4), .bytes = n * esize(dt), .off = skew * esize(dt)};
+        o[4] = (struct opnd){.init = calloc(n + 1, 4),
+                             .bytes = n * esize(dt),
+                             .off = skew * esize(dt),
+                             .fdt = 1 + dt};
         setup(o, 5);
         struct sd_adamw_args a = {.lr = 1e-3f,
                                   .beta1 = 0.9f,
@@ -262,10 +296,14 @@ static void t_optim(size_t n, size_t skew)
 
         struct opnd s[4];
         for (int i = 0; i < 3; i++)
-            s[i] = (struct opnd){
-                .init = make(SD_DTYPE_FP32, n, false, false), .bytes = n * 4, .off = skew * 4};
-        s[3] = (struct opnd){
-            .init = calloc(n + 1, 4), .bytes = n * esize(dt), .off = skew * esize(dt)};
+            s[i] = (struct opnd){.init = make(SD_DTYPE_FP32, n, false, false),
+                                 .bytes = n * 4,
+                                 .off = skew * 4,
+                                 .fdt = 1};
+        s[3] = (struct opnd){.init = calloc(n + 1, 4),
+                             .bytes = n * esize(dt),
+                             .off = skew * esize(dt),
+                             .fdt = 1 + dt};
         setup(s, 4);
         struct sd_sgd_args g = {.lr = 0.05f, .momentum = 0.9f, .weight_decay = 1e-4f};
         EACH_BK(b)
@@ -302,7 +340,8 @@ static void t_codecs(size_t n, size_t skew)
                         {.init = result(&o[1], &host), .bytes = enc, .off = skew * 4},
                         {.init = make(ddt, n, false, false),
                          .bytes = n * esize(ddt),
-                         .off = skew * esize(ddt)}};
+                         .off = skew * esize(ddt),
+                         .fdt = 1 + ddt}};
                     setup(d, 2);
                     EACH_BK(b)
                     b->ops->dequantize(b->q, at(&d[1], b), ddt, at(&d[0], b), bits, n, block, acc);
@@ -316,7 +355,10 @@ static void t_codecs(size_t n, size_t skew)
             }
             struct opnd e[3] = {
                 {.init = make(SD_DTYPE_FP32, n, true, false), .bytes = n * 4, .off = skew * 4},
-                {.init = make(SD_DTYPE_FP32, n, false, false), .bytes = n * 4, .off = skew * 4},
+                {.init = make(SD_DTYPE_FP32, n, false, false),
+                 .bytes = n * 4,
+                 .off = skew * 4,
+                 .fdt = 1},
                 {.init = calloc(enc + 1, 1), .bytes = enc, .off = skew * 4}};
             float *err = e[1].init;
             for (size_t i = 0; i < n; i++)
@@ -337,7 +379,7 @@ static void t_exhaustive(void)
 {
     size_t n = 65536;
     struct opnd o[2] = {{.init = malloc(2 * n), .bytes = 2 * n},
-                        {.init = calloc(n, 4), .bytes = 4 * n}};
+                        {.init = calloc(n, 4), .bytes = 4 * n, .fdt = 1}};
     for (size_t i = 0; i < n; i++)
         ((uint16_t *)o[0].init)[i] = (uint16_t)i;
     setup(o, 2);
@@ -349,7 +391,7 @@ static void t_exhaustive(void)
     n = 1u << 22; /* 4M floats: a stride through all 2^32 bit patterns, and the boundaries */
     for (int dt = 1; dt < 3; dt++) {
         struct opnd f[2] = {{.init = malloc(4 * n), .bytes = 4 * n},
-                            {.init = calloc(n, 2), .bytes = 2 * n}};
+                            {.init = calloc(n, 2), .bytes = 2 * n, .fdt = 1 + dt}};
         uint32_t *u = f[0].init;
         for (size_t i = 0; i < n / 2; i++)
             u[i] = (uint32_t)(i * 2039u);    /* 2039 * 2^21 covers 2^32 */

@@ -274,7 +274,7 @@ static void test_commit(void)
     /* a symlink where the checkpoint goes is not replaced */
     mkdirat(dfd, ".tmp-j-c", 0750);
     manifest(dfd, ".tmp-j-c", "x");
-    symlinkat("/etc", dfd, "step-00000003");
+    TH_CHECK(symlinkat("/etc", dfd, "step-00000003") == 0, "symlink: %s", strerror(errno));
     st = sd_ckpt_commit(dfd, dir, ".tmp-j-c", "step-00000003", err, sizeof(err));
     TH_CHECK(st == SD_EEXIST && fstatat(dfd, ".tmp-j-c", &sb, AT_SYMLINK_NOFOLLOW) == 0,
              "a symlink in the checkpoint's place: %d '%s'", st, err);
