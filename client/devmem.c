@@ -145,6 +145,8 @@ static const struct shard_devmem emu_mem = {.name = "emu-gpu",
                                             .copy = emu_copy,
                                             .zero = emu_zero};
 
+_Atomic unsigned long long sd_devmem_waits;
+
 const struct shard_devmem *shard_devmem_open(const char *kind, int device, char *err, size_t errlen)
 {
     if (kind == NULL || kind[0] == '\0' || strcmp(kind, "host") == 0)

@@ -34,6 +34,10 @@ struct shard_devmem {
  * libshard or this machine cannot import it. */
 const struct shard_devmem *shard_devmem_open(const char *kind, int device, char *err,
                                              size_t errlen);
+/* libshard's waits for a device so far, every importer's (each copy or zeroing into device
+ * memory waits for itself: shard_copy, shard_push_grad): what a trainer's hot path must not do */
+extern _Atomic unsigned long long sd_devmem_waits;
+
 /* the GPU importers (devmem_dev.c), where built */
 const struct shard_devmem *shard_devmem_open_cuda(int device, char *err, size_t errlen);
 const struct shard_devmem *shard_devmem_open_hip(int device, char *err, size_t errlen);

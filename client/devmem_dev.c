@@ -148,8 +148,10 @@ static int dm_copy(void *dst, const void *src, size_t bytes, char *err, size_t e
         r = dev_client_copy(dst, src, bytes);
     /* the legacy stream's copy returns before a copy into device memory is done (from device
      * memory, or once pageable memory is staged): the daemon reads the slot once it is told */
-    if (r == DEV_OK)
+    if (r == DEV_OK) {
+        sd_devmem_waits++;
         r = dev_client_wait();
+    }
     if (r != DEV_OK) {
         snprintf(err, errlen, "copying %zu bytes: %s", bytes, dm_err(r));
         return -EIO;
@@ -162,8 +164,10 @@ static int dm_zero(void *dst, size_t bytes, char *err, size_t errlen)
     dev_res r = dev_client_enter(dm.ctx, dm.dev);
     if (r == DEV_OK)
         r = dev_client_zero(dst, bytes);
-    if (r == DEV_OK) /* a memset of device memory is asynchronous to the host */
+    if (r == DEV_OK) { /* a memset of device memory is asynchronous to the host */
+        sd_devmem_waits++;
         r = dev_client_wait();
+    }
     if (r != DEV_OK) {
         snprintf(err, errlen, "zeroing %zu bytes: %s", bytes, dm_err(r));
         return -EIO;

@@ -52,6 +52,7 @@ struct shard_ctx {
     shard_unit_info_t *units;
     shard_tensor_info_t *tensors;
     const struct shard_devmem *mem; /* what the pool and the staging slots are (devmem.h) */
+    char device_uuid[48];           /* the daemon's device for them ("" for host memory) */
     const uint8_t *pool;
     size_t pool_bytes;
     int wguard;        /* the pool's write guard (wguard.h), or -1 */
@@ -533,6 +534,8 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     struct stat cst;
     char why[512];
     ctx->mem = shard_devmem_open(rep->memory, rep->device, why, sizeof(why));
+    snprintf(ctx->device_uuid, sizeof(ctx->device_uuid), "%s",
+             rep->device_uuid != NULL ? rep->device_uuid : "");
     if (ctx->mem == NULL)
         return fail(ctx, SD_ENOSYS, "register: %s", why);
     /* memfds have sizes to check; a device's fd handles do not (its import checks them) */
@@ -1143,6 +1146,16 @@ static int write_step_args(shard_ctx_t *ctx, const shard_step_args_t *a, uint32_
 const char *shard_memory(const shard_ctx_t *ctx)
 {
     return ctx != NULL && ctx->registered && ctx->mem != NULL ? ctx->mem->name : NULL;
+}
+
+unsigned long long shard_device_syncs(void)
+{
+    return sd_devmem_waits;
+}
+
+const char *shard_device_uuid(const shard_ctx_t *ctx)
+{
+    return ctx != NULL && ctx->registered && ctx->mem != NULL ? ctx->device_uuid : NULL;
 }
 
 int shard_copy(shard_ctx_t *ctx, void *dst, const void *src, size_t bytes)

@@ -146,6 +146,9 @@ static int dev_devices(struct sd_gpu_device *out, int max)
         if (dev_total_mem(&bytes, d[i]) == DEV_OK)
             o->memory_bytes = bytes;
         device_caps(d[i], &o->fd_handles, &o->rdma);
+        dev_uuid_t u;
+        if (dev_uuid(&u, d[i]) == DEV_OK)
+            sd_gpu_uuid_format(o->uuid, sizeof(o->uuid), (const uint8_t *)u.bytes);
         for (int j = 0; j < n; j++) {
             int can = 0;
             if (j != i && dev_can_access_peer(&can, d[i], d[j]) == DEV_OK && can)

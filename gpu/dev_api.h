@@ -41,6 +41,7 @@ typedef CUmemAccessDesc dev_access;
     X(cuDeviceGetAttribute)                                                                        \
     X(cuDeviceGetName)                                                                             \
     X(cuDeviceTotalMem)                                                                            \
+    X(cuDeviceGetUuid)                                                                             \
     X(cuDeviceCanAccessPeer)                                                                       \
     X(cuDevicePrimaryCtxRetain)                                                                    \
     X(cuCtxSetCurrent)                                                                             \
@@ -72,12 +73,14 @@ typedef CUmemAccessDesc dev_access;
     X(cuMemExportToShareableHandle)                                                                \
     X(cuMemGetAllocationGranularity)
 
-#define dev_init()                      p_cuInit(0)
-#define dev_driver_version(v)           p_cuDriverGetVersion(v)
-#define dev_device_count(n)             p_cuDeviceGetCount(n)
-#define dev_device_get(d, i)            p_cuDeviceGet(d, i)
-#define dev_device_name(buf, len, d)    p_cuDeviceGetName(buf, len, d)
-#define dev_total_mem(bytes, d)         p_cuDeviceTotalMem(bytes, d)
+#define dev_init()                   p_cuInit(0)
+#define dev_driver_version(v)        p_cuDriverGetVersion(v)
+#define dev_device_count(n)          p_cuDeviceGetCount(n)
+#define dev_device_get(d, i)         p_cuDeviceGet(d, i)
+#define dev_device_name(buf, len, d) p_cuDeviceGetName(buf, len, d)
+#define dev_total_mem(bytes, d)      p_cuDeviceTotalMem(bytes, d)
+#define dev_uuid(u, d)               p_cuDeviceGetUuid(u, d)
+typedef CUuuid dev_uuid_t;
 #define dev_can_access_peer(can, d, p)  p_cuDeviceCanAccessPeer(can, d, p)
 #define dev_ctx_retain(c, d)            p_cuDevicePrimaryCtxRetain(c, d)
 #define dev_ctx_set(c, d)               p_cuCtxSetCurrent(c)
@@ -207,6 +210,7 @@ typedef hipMemAccessDesc dev_access;
     X(hipDeviceGet)                                                                                \
     X(hipDeviceGetName)                                                                            \
     X(hipDeviceTotalMem)                                                                           \
+    X(hipDeviceGetUuid)                                                                            \
     X(hipDeviceCanAccessPeer)                                                                      \
     X(hipSetDevice)                                                                                \
     X(hipModuleLoadData)                                                                           \
@@ -242,6 +246,8 @@ typedef hipMemAccessDesc dev_access;
 #define dev_device_get(d, i)            p_hipDeviceGet(d, i)
 #define dev_device_name(buf, len, d)    p_hipDeviceGetName(buf, len, d)
 #define dev_total_mem(bytes, d)         p_hipDeviceTotalMem(bytes, d)
+#define dev_uuid(u, d)                  p_hipDeviceGetUuid(u, d)
+typedef hipUUID dev_uuid_t;
 #define dev_can_access_peer(can, d, p)  p_hipDeviceCanAccessPeer(can, d, p)
 #define dev_ctx_retain(c, d)            (*(c) = 0, hipSuccess)
 #define dev_ctx_set(c, d)               p_hipSetDevice(d)

@@ -643,6 +643,13 @@ static const struct sd_gpu_ops *const backends[] = {
 #endif
 };
 
+void sd_gpu_uuid_format(char *out, size_t len, const uint8_t b[16])
+{
+    snprintf(out, len, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+             b[14], b[15]);
+}
+
 const struct sd_gpu_ops *sd_gpu_find(const char *name)
 {
     for (size_t i = 0; i < sizeof(backends) / sizeof(backends[0]); i++)

@@ -51,7 +51,7 @@ note "build with the CUDA backend (-Werror): ok in $(( $(date +%s) - t0 )) s"
 pass=$(grep -c " Passed " "$out/ctest-gpu.log")
 fail=$(grep -cE "\*\*\*Failed|\*\*\*Timeout|\*\*\*Exception" "$out/ctest-gpu.log")
 skip=$(grep -c "Not Run\|Skipped" "$out/ctest-gpu.log")
-cuda_skip=$(grep -E "test_(kernels|fence)_cuda .*Skipped" -c "$out/ctest-gpu.log")
+cuda_skip=$(grep -E "test_(kernels|fence|torch)_cuda .*Skipped" -c "$out/ctest-gpu.log")
 note "ctest -L gpu: $pass passed, $fail failed, $skip skipped (test_kernels_hip skips on NVIDIA)"
 [ "$fail" -eq 0 ] && [ "$cuda_skip" -eq 0 ] && [ "$pass" -gt 0 ] || failed=1
 
@@ -108,6 +108,16 @@ else
   failed=1
 fi
 
+# issue 37: shard.torch's GPT example on CUDA through shardd (test_torch_cuda, in ctest -L gpu
+# above: zero3, mics:2, zeropp, bf16 and a skipped step against one process, zero-copy views, no
+# wait for the GPU per unit, a checkpoint resumed), and its throughput at world 1
+if timeout 500 bash tools/bench/torch_cuda_tokens.sh "$B" "$out/tokens" >"$out/tokens.log" 2>&1; then
+  note "$(tail -1 "$out/tokens.log")"
+else
+  note "tokens/s through shardd on the GPU: FAILED ($out/tokens.log: $(tail -1 "$out/tokens.log"))"
+  failed=1
+fi
+
 # compute-sanitizer on the kernel test (quick sizes: the sanitizers run kernels 10-100x slower)
 san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if [ -x "$san" ]; then
@@ -143,11 +153,14 @@ for r in rows:
           + (f"  target {t:.2f}: {'met' if ok else 'NOT met'}" if t else ""))
 if sys.argv[3] == "0":
     t = json.load(open(sys.argv[2]))
-    ours = k["adamw (fp32 w)"]["time_us"]
-    ahead = ours < t["fused_us"]
+    # issue 40's target: shardd's AdamW ahead of torch's fused one as a ratio to the copy
+    # measured in the same run (shardd's moves 36 B/param, torch's 28: the times are printed)
+    ours = k["adamw (fp32 w)"]
+    ahead = ours["ratio_to_copy"] > t["fused_ratio_to_copy"]
     bad |= not ahead
     print(f"torch {t['torch']} fused AdamW {t['fused_us']:.0f} us ({t['fused_ratio_to_copy']:.3f} "
-          f"of its copy), foreach {t['foreach_us']:.0f} us; shardd's {ours:.0f} us: "
+          f"of its copy), foreach {t['foreach_us']:.0f} us; shardd's {ours['time_us']:.0f} us "
+          f"({ours['ratio_to_copy']:.3f} of its copy): "
           f"{'ahead' if ahead else 'NOT ahead'} of fused")
 else:
     print("torch's fused AdamW: not measured (no torch with CUDA in this python3)")
@@ -163,8 +176,7 @@ if [ "$all" -eq 1 ]; then
 fi
 
 # what the daemon does not yet do on a device, so nothing here can check it
-note "not yet checkable: devices (several GPUs per node), FI_HMEM, shard.torch on device memory"
-note "  (issues 40 and 37)"
+note "not yet checkable: devices (several GPUs per node), FI_HMEM (issue 40)"
 echo "== gpu-check: $([ $failed -eq 0 ] && echo passed || echo FAILED) in $(( $(date +%s) - t0 )) s; logs in $out"
 printf '%s\n' "${lines[@]}" >"$out/summary.txt"
 exit $failed

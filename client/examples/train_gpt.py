@@ -10,8 +10,12 @@ DDP train on the same global batch.
     train_gpt.py --socket S --job J --rank R --world W --plan mics:2 [--steps 30] [--accum 2]
   one rank of the DDP baseline (gloo over loopback):
     train_gpt.py --ddp --rank R --world W --init tcp://127.0.0.1:29500
+  the same model in one process on every rank's micro-batches at once (the reference on a GPU):
+    train_gpt.py --single --world W [--device cuda]
   both, on an emulated cluster started by tools/local-cluster.sh (sockets DIR/node<i>/...):
     train_gpt.py --launch --cluster-dir DIR --nodes 2 --ranks-per-node 2 [--plot loss.png]
+  on a GPU: daemons started with --backend cuda, the model on their GPU, against --single:
+    train_gpt.py --launch --device cuda --cluster-dir DIR --nodes 1 --ranks-per-node 4
 
 Both train as an LLM run does: torch's AdamW with two parameter groups (weight decay on the
 matrices, none on biases, LayerNorms and embeddings) and a LambdaLR schedule of linear warm-up
@@ -68,7 +72,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / (C // self.heads) ** 0.5)
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).reshape(B, T, C)
         x = x + self.proj(y)
@@ -86,11 +90,13 @@ class Head(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, layers=4, width=128, heads=4, seq=32):
+    def __init__(self, layers=4, width=128, heads=4, seq=32, tie=False):
         super().__init__()
         self.embed = Embed(width, seq)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.head = Head(width)
+        if tie:  # the output layer reads the token embedding (GPT-2's tied weights)
+            self.head.lm.weight = self.embed.tok.weight
 
     def units(self):
         """The submodules that become shardd units, in forward order."""
@@ -114,10 +120,35 @@ def batch(seed, step, micro, rank, size, seq):
 
 def build(a):
     torch.manual_seed(a.seed)
-    model = GPT(a.layers, a.width, a.heads, a.seq)
-    if a.dtype == "bf16" and not a.ddp:
+    model = GPT(a.layers, a.width, a.heads, a.seq, tie=a.tie)
+    if a.dtype == "bf16" and not (a.ddp or a.single):
         model = model.to(torch.bfloat16)
-    return model
+    return model.to(a.device)
+
+
+def micro_batch(a, step, micro):
+    """this rank's micro-batch on a.device; --single: every rank's, concatenated in rank order
+    (the global batch, whose mean loss is the mean of the ranks' as DDP averages them)"""
+    ranks = range(a.world) if a.single else [a.rank]
+    xs, ys = zip(*(batch(a.seed, step, micro, r, a.batch, a.seq) for r in ranks))
+    return torch.cat(xs).to(a.device), torch.cat(ys).to(a.device)
+
+
+def no_syncs(a):
+    """where --check-syncs makes torch raise on any operation that waits for the GPU (torch's
+    sync debug mode): the micro-steps, fetches and pushes of every unit included"""
+    if not a.check_syncs or not a.device.startswith("cuda"):
+        return _nullcontext()
+    return _SyncDebug()
+
+
+class _SyncDebug:
+    def __enter__(self):
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+        return False
 
 
 def param_groups(model, a):
@@ -152,43 +183,63 @@ def node_bytes(shard, a):
 def train(a):
     torch.set_num_threads(1)
     model = build(a)
-    log = {"mode": "ddp" if a.ddp else "shardd", "plan": a.plan, "dtype": a.dtype, "steps": [],
+    mode = "ddp" if a.ddp else "single" if a.single else "shardd"
+    log = {"mode": mode, "plan": a.plan, "dtype": a.dtype, "device": a.device,
+           "params": sum(p.numel() for p in model.parameters()), "steps": [],
            "loss": [], "norm": [], "lr": [], "step_s": [], "skipped": []}
+    shardd = mode == "shardd"
     if a.ddp:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
         dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world)
         net = DDP(model)
+    if a.single:
+        net = model
     opt = torch.optim.AdamW(param_groups(model, a), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
-    if not a.ddp:
+    if shardd:
         import shard
         import shard.torch as st
         # the torch AdamW is translated group by group; its step() steps in shardd from now on
         net = st.wrap(model, socket=a.socket, job=a.job, rank=a.rank, world=a.world, plan=a.plan,
-                      optimizer=opt, units=model.units())
+                      optimizer=opt, units=model.units(), max_grad_norm=a.clip)
         if a.check_zero_copy:
             checked = zero_copy_checks(model, st)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(a))
     tokens = a.batch * a.seq * a.accum * a.world
+    syncs0 = shard.device_syncs() if shardd else 0
     t_start = time.time()
     for step in range(a.steps):
         t0 = time.time()
-        total = 0.0
-        for micro in range(a.accum):
-            x, y = batch(a.seed, step, micro, a.rank, a.batch, a.seq)
-            sync = not a.ddp or micro == a.accum - 1
-            ctx = net.no_sync() if a.ddp and not sync else _nullcontext()
-            with ctx:
-                logits = net(x)
-                loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
-                poison = a.nan_step == step + 1 and micro == 0 and a.rank == 0
-                (loss * (float("nan") if poison else 1.0) / a.accum).backward()
-            total += loss.item() / a.accum
+        data = [micro_batch(a, step, micro) for micro in range(a.accum)]
+        total = 0.0  # a tensor on the model's device: read once a step (no sync per micro-step)
+        with no_syncs(a):
+            for micro, (x, y) in enumerate(data):
+                sync = not a.ddp or micro == a.accum - 1
+                ctx = net.no_sync() if a.ddp and not sync else _nullcontext()
+                with ctx:
+                    logits = net(x)
+                    loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+                    poison = (a.nan_step == step + 1 and micro == 0 and a.rank == 0 and
+                              not a.single)
+                    (loss * (float("nan") if poison else 1.0) / a.accum).backward()
+                total = total + loss.detach() / a.accum
+        total = float(total)
         lr = opt.param_groups[0]["lr"]
-        if a.ddp:
+        if a.single:
+            if a.nan_step == step + 1:  # the step shardd skips (rank 0's NaN): skipped here too
+                log["skipped"].append([step + 1, "the step the ranks skip"])
+            else:
+                if a.clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            norm = float("nan")
+        elif a.ddp:
             finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()
                          if p.grad is not None)
             if finite:
+                if a.clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
                 opt.step()
             else:  # as shardd does: the step is skipped, its gradients dropped
                 log["skipped"].append([step + 1, "non-finite gradient"])
@@ -214,22 +265,24 @@ def train(a):
         if a.rank == 0 and not a.quiet:
             line = (f"{log['mode']} step {step + 1:3d} loss {total:.6f} lr {lr:.2e} "
                     f"tokens/s {tokens / dt:9.0f}")
-            if not a.ddp:
+            if shardd:
                 intra, inter = node_bytes(shard, a)
                 line += (f"  grad_norm {norm:.4f}  node 0 moved {inter / 1e6:.2f} MB inter-node,"
                          f" {intra / 1e6:.2f} MB intra-node")
             print(line, flush=True)
     log["total_s"] = time.time() - t_start
-    if not a.ddp and a.check_zero_copy:
+    if shardd:  # libshard's own waits for the device (its copies); the hot path makes none
+        log["device_syncs"] = shard.device_syncs() - syncs0
+    if shardd and a.check_zero_copy:
         print(f"rank {a.rank} zero-copy: {checked[0]} parameter views checked, "
               f"{checked[1]} outside the shared slot", flush=True)
         if checked[1] or not checked[0]:
             sys.exit(3)
     log["tokens_per_s"] = tokens * a.steps / log["total_s"]
-    if a.ddp:
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if shardd:
+        state = st.full_state_dict(model, device="cpu")
     else:
-        state = st.full_state_dict(model)
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     if a.dump:
         torch.save(state, a.dump)
     if a.log:
@@ -238,7 +291,7 @@ def train(a):
     if a.ddp:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    else:
+    elif shardd:
         st.unwrap(model)
 
 
@@ -271,7 +324,7 @@ class _nullcontext:
 
 # ---- --launch: both trainings on an emulated cluster, throughput and a plot of the curves
 
-def plot(path, s, d, plan):
+def plot(path, s, d, plan, name="DDP (gloo)"):
     """The two loss curves and the lr schedule, with matplotlib (python3-matplotlib)."""
     try:
         import matplotlib
@@ -284,9 +337,9 @@ def plot(path, s, d, plan):
     fig, (ax, axl) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
                                   gridspec_kw={"height_ratios": [3, 1]})
     ax.plot(s["steps"], s["loss"], lw=4, alpha=0.6, label=f"shardd ({plan})")
-    ax.plot(d["steps"], d["loss"], lw=1.2, label="DDP (gloo)")
+    ax.plot(d["steps"], d["loss"], lw=1.2, label=name)
     ax.set_ylabel("training loss")
-    ax.set_title("GPT: shardd vs DDP on the same global batch")
+    ax.set_title(f"GPT: shardd vs {name} on the same global batch")
     ax.legend()
     ax.grid(alpha=0.3)
     axl.plot(s["steps"], s["lr"], color="tab:green")
@@ -306,35 +359,61 @@ def launch(a):
               "--seed", str(a.seed), "--layers", str(a.layers), "--width", str(a.width),
               "--batch", str(a.batch), "--dtype", a.dtype, "--lr", str(a.lr), "--warmup",
               str(a.warmup), "--min-lr-ratio", str(a.min_lr_ratio), "--weight-decay",
-              str(a.weight_decay)]
+              str(a.weight_decay), "--device", a.device, "--seq", str(a.seq), "--heads",
+              str(a.heads)]
+    if a.check_syncs:
+        common.append("--check-syncs")
+    if a.tie:
+        common.append("--tie")
+    if a.clip:
+        common += ["--clip", str(a.clip)]
+    if a.nan_step:
+        common += ["--nan-step", str(a.nan_step)]
     procs = []
     for r in range(world):
         sock = os.path.join(a.cluster_dir, f"node{r // a.ranks_per_node}", "shardd.sock")
         cmd = [sys.executable, __file__, "--socket", sock, "--job", a.job, "--rank", str(r),
                "--plan", a.plan, "--log", os.path.join(out, f"shardd-{r}.json")] + common
+        if a.check_zero_copy:
+            cmd.append("--check-zero-copy")
+        if r == 0 and a.dump:
+            cmd += ["--dump", os.path.join(out, "shardd-params.pt")]
         procs.append(subprocess.Popen(cmd, stdout=None if r == 0 else subprocess.DEVNULL))
     rc = [p.wait() for p in procs]
     if any(rc):
         sys.exit(f"train_gpt: a shardd rank failed (exit codes {rc})")
-    port = 29500 + os.getpid() % 1000
-    procs = []
-    for r in range(world):
-        cmd = [sys.executable, __file__, "--ddp", "--rank", str(r), "--init",
-               f"tcp://127.0.0.1:{port}", "--log", os.path.join(out, f"ddp-{r}.json")] + common
-        procs.append(subprocess.Popen(cmd, stdout=None if r == 0 else subprocess.DEVNULL))
-    rc = [p.wait() for p in procs]
-    if any(rc):
-        sys.exit(f"train_gpt: a DDP rank failed (exit codes {rc})")
+    # the baseline: DDP (gloo) on the CPU; on a GPU the same model in one process on the global
+    # batch (one GPU has no second device for DDP's ranks)
+    ref = "single" if a.device.startswith("cuda") else "ddp"
+    if ref == "single":
+        cmd = [sys.executable, __file__, "--single", "--log",
+               os.path.join(out, "single-0.json")] + common
+        if a.dump:
+            cmd += ["--dump", os.path.join(out, "single-params.pt")]
+        if subprocess.call(cmd) != 0:
+            sys.exit("train_gpt: the single-process reference failed")
+    else:
+        port = 29500 + os.getpid() % 1000
+        procs = []
+        for r in range(world):
+            cmd = [sys.executable, __file__, "--ddp", "--rank", str(r), "--init",
+                   f"tcp://127.0.0.1:{port}", "--log", os.path.join(out, f"ddp-{r}.json")] + common
+            procs.append(subprocess.Popen(cmd, stdout=None if r == 0 else subprocess.DEVNULL))
+        rc = [p.wait() for p in procs]
+        if any(rc):
+            sys.exit(f"train_gpt: a DDP rank failed (exit codes {rc})")
     s = json.load(open(os.path.join(out, "shardd-0.json")))
-    d = json.load(open(os.path.join(out, "ddp-0.json")))
+    d = json.load(open(os.path.join(out, f"{ref}-0.json")))
     worst = max(abs(x - y) / abs(y) for x, y in zip(s["loss"], d["loss"]))
     final = (s["loss"][-1] - d["loss"][-1]) / d["loss"][-1]
-    print(f"== {a.steps} steps, {world} ranks, plan {a.plan}, {a.dtype}: shardd "
-          f"{s['tokens_per_s']:.0f} tokens/s, DDP (gloo) {d['tokens_per_s']:.0f} tokens/s "
+    name = "DDP (gloo)" if ref == "ddp" else "one process"
+    print(f"== {a.steps} steps, {world} ranks, plan {a.plan}, {a.dtype} on {a.device}: shardd "
+          f"{s['tokens_per_s']:.0f} tokens/s, {name} {d['tokens_per_s']:.0f} tokens/s "
           f"({s['tokens_per_s'] / d['tokens_per_s']:.2f}x); loss {s['loss'][0]:.4f} -> "
-          f"{s['loss'][-1]:.4f} (DDP {d['loss'][-1]:.4f}, final difference {final:+.2%}); "
-          f"largest relative loss difference to DDP over the run {worst:.2e}")
-    if a.plot and plot(a.plot, s, d, a.plan):
+          f"{s['loss'][-1]:.4f} ({name} {d['loss'][-1]:.4f}, final difference {final:+.2%}); "
+          f"largest relative loss difference over the run {worst:.2e}; libshard's device "
+          f"waits: {s.get('device_syncs', 0)}")
+    if a.plot and plot(a.plot, s, d, a.plan, name):
         print(f"== loss curves and lr schedule: {a.plot}")
 
 
@@ -362,6 +441,19 @@ def main():
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: the weights shardd hands out (the DDP baseline stays fp32)")
     p.add_argument("--ddp", action="store_true", help="the DDP (gloo) baseline instead")
+    p.add_argument("--single", action="store_true",
+                   help="the same model in one process on every rank's micro-batches at once "
+                        "(the baseline on one GPU)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model is: cpu, or cuda (cuda:K) with daemons on that GPU "
+                        "(shardd --backend cuda)")
+    p.add_argument("--tie", action="store_true",
+                   help="the output layer shares the token embedding's weight (GPT-2's tying)")
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="clip the global gradient norm to this (0: no clipping)")
+    p.add_argument("--check-syncs", action="store_true",
+                   help="on a GPU: torch raises on any wait for the device in the micro-steps "
+                        "(torch.cuda.set_sync_debug_mode)")
     p.add_argument("--init", default="tcp://127.0.0.1:29500", help="DDP rendezvous")
     p.add_argument("--log", help="write losses and timings as JSON")
     p.add_argument("--dump", help="write the final parameters (torch.save)")
@@ -384,8 +476,8 @@ def main():
             p.error("--launch needs --cluster-dir")
         launch(a)
     else:
-        if not a.ddp and not a.socket:
-            p.error("--socket is required (or --ddp)")
+        if not a.ddp and not a.single and not a.socket:
+            p.error("--socket is required (or --ddp, --single)")
         train(a)
 
 

@@ -185,6 +185,18 @@ SHARD_API int shard_tensor_info(const shard_ctx_t *ctx, uint32_t tensor,
  * addresses on the GPU of this thread's current CUDA context: the daemon's device memory,
  * imported; read them with kernels or cuMemcpy). NULL before registration. */
 SHARD_API const char *shard_memory(const shard_ctx_t *ctx);
+/* The UUID of the daemon's device that holds that memory, after shard_register: "GPU-" and
+ * 8-4-4-4-12 hex digits as nvidia-smi -L prints it (torch.cuda.get_device_properties(i).uuid
+ * prints the same digits), whatever CUDA_VISIBLE_DEVICES numbers the devices on either side;
+ * "" for memory without a device (host, the emulations). A trainer on another GPU cannot read
+ * it at full speed, if at all: compare before training. NULL before registration. */
+SHARD_API const char *shard_device_uuid(const shard_ctx_t *ctx);
+/* How many times this process's libshard waited for a device so far (every context's): each
+ * shard_copy and shard_push_grad into device memory waits for its copy. A trainer whose
+ * gradients are written on its stream and pushed with shard_push_staged_on_stream, and whose
+ * fetches are read by its kernels, makes none: what a test of "no host synchronization per
+ * unit" counts. */
+SHARD_API unsigned long long shard_device_syncs(void);
 /* dst = src, bytes long, where either may be memory of the kind shard_memory names or the
  * caller's host memory (cuMemcpy under "cuda"; memcpy under "host"): how a trainer's host code
  * reads a fetched unit or fills a gradient buffer it cannot touch directly. A write into the

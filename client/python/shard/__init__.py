@@ -23,7 +23,7 @@ import sys
 import weakref
 
 __all__ = ["Context", "ShardError", "Tensor", "FP32", "BF16", "FP16", "admin", "library_path",
-           "strerror"]
+           "device_syncs", "strerror"]
 
 FP32, BF16, FP16 = 0, 1, 2
 DTYPE_BYTES = {FP32: 4, BF16: 2, FP16: 2}
@@ -151,6 +151,10 @@ _lib.shard_attach.argtypes = [_c.c_char_p, _c.POINTER(_c.c_void_p)]
 _lib.shard_register.argtypes = [_c.c_void_p, _c.POINTER(_Model)]
 _lib.shard_memory.argtypes = [_c.c_void_p]
 _lib.shard_memory.restype = _c.c_char_p
+_lib.shard_device_uuid.argtypes = [_c.c_void_p]
+_lib.shard_device_uuid.restype = _c.c_char_p
+_lib.shard_device_syncs.argtypes = []
+_lib.shard_device_syncs.restype = _c.c_ulonglong
 _lib.shard_num_units.argtypes = [_c.c_void_p]
 _lib.shard_num_units.restype = _c.c_uint32
 _lib.shard_unit_info.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_UnitInfo)]
@@ -190,6 +194,13 @@ def strerror(status):
 def _b(s):
     return s.encode() if isinstance(s, str) else s
 
+
+
+def device_syncs():
+    """How many times libshard waited for a device in this process so far (shard_copy and
+    push_grad into device memory wait for their copies; a trainer that writes gradients on its
+    stream and pushes them with push_staged_on_stream makes none)."""
+    return int(_lib.shard_device_syncs())
 
 def admin(command, job=None, socket=None):
     """One admin command (status, jobs, groups, topology, stats, schedule): the daemon's JSON."""
@@ -313,6 +324,8 @@ class Context:
         # "host", or "cuda": the daemon keeps the job's buffers in a GPU's memory and the
         # pointers fetch and push use are device addresses
         self.memory = (_lib.shard_memory(self._ctx) or b"host").decode()
+        # the daemon's device holding it ("GPU-..." as nvidia-smi -L prints it; "" for none)
+        self.device_uuid = (_lib.shard_device_uuid(self._ctx) or b"").decode()
         self.start_step = int(_lib.shard_start_step(self._ctx))
         self.resumed = bool(_lib.shard_resumed(self._ctx))
         del keep

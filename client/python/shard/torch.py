@@ -27,9 +27,17 @@ because the gather pool keeps a unit's slot for the whole step when it holds eve
 is the default (max_live_bytes=0). A smaller pool is accepted for inference and for models whose
 saved tensors do not alias their weights.
 
-Parameters must be CPU tensors: wrap refuses a model with parameters elsewhere (.cuda()),
-naming the parameter, its device and the daemon's backend, and leaves it where it is.
+Devices: a CPU model trains through daemons that keep shards in host memory; a .cuda() model
+through daemons on a GPU (shardd --backend cuda), on the daemon's GPU itself (compared by UUID,
+whatever CUDA_VISIBLE_DEVICES numbers it). There the parameters are zero-copy CUDA tensors over
+the gathered slot libshard imported (__cuda_array_interface__), the gradients are copied into
+the device staging slot on torch's current stream, which then signals them on the fence page
+(push_staged_on_stream), and the fetch's answer means the gather is complete: no host
+synchronization per unit (at most one per step, for module buffers). Any other pairing (a CUDA
+model and host memory, a CPU model and a GPU's, another GPU, parameters on several devices) is
+refused at wrap naming both sides, and the model is left where it is.
 """
+import contextlib
 import ctypes
 import json
 import os
@@ -47,6 +55,67 @@ __all__ = ["wrap", "step", "optimizer", "ShardOptimizer", "full_state_dict", "sl
 _DTYPES = {torch.float32: _shard.FP32, torch.bfloat16: _shard.BF16, torch.float16: _shard.FP16}
 _TORCH = {v: k for k, v in _DTYPES.items()}
 _current = None
+
+
+class _HostMemory:
+    """A job in host memory: parameters are views of the mapped pool, gradients are written into
+    the mapped staging slot by the CPU."""
+    device = torch.device("cpu")
+
+    def view(self, addr, nbytes, dtype, count, writable=False):
+        buf = (ctypes.c_char * nbytes).from_address(addr)
+        return torch.frombuffer(buf, dtype=dtype, count=count)
+
+    def push(self, ctx, unit):
+        ctx.push_staged(unit)
+
+    def before_release(self):
+        pass
+
+
+class _DevicePointer:
+    """Bytes of the job's device memory as __cuda_array_interface__ (version 2: no stream to
+    wait on; libshard's mapping owns the memory): torch.as_tensor makes a tensor over them
+    without copying, which keeps this object alive."""
+
+    def __init__(self, addr, nbytes, writable):
+        self.__cuda_array_interface__ = {"shape": (int(nbytes),), "typestr": "|u1",
+                                         "data": (int(addr), not writable), "version": 2}
+
+
+class _CudaMemory:
+    """A job in a GPU's memory with the model on that GPU: parameters are zero-copy CUDA tensors
+    over the imported slot; a gradient is copied into the device staging slot on torch's current
+    stream, which then signals it on the fence page (push_staged_on_stream): no host
+    synchronization. With a pool smaller than the model (max_live_bytes) the daemon reuses a
+    released slot for the next gather, so a release waits for the stream's reads of it."""
+
+    def __init__(self, device, sync_release):
+        self.device, self.sync_release = device, sync_release
+
+    def view(self, addr, nbytes, dtype, count, writable=False):
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = torch.as_tensor(_DevicePointer(addr, count * size, writable), device=self.device)
+        return raw.view(dtype)
+
+    def stream(self):
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def push(self, ctx, unit):
+        ctx.push_staged_on_stream(unit, self.stream())
+
+    def before_release(self):
+        if self.sync_release:
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def _memory_for(dev, max_live_bytes):
+    """How a model on dev reaches its job's buffers: a pool that holds every unit for the whole
+    step (max_live_bytes 0) never reuses a slot within it, so only a smaller one makes a release
+    wait for the stream's reads"""
+    if dev.type == "cuda":
+        return _CudaMemory(dev, sync_release=max_live_bytes > 0)
+    return _HostMemory()
 
 
 class _PreBackward(torch.autograd.Function):
@@ -104,8 +173,9 @@ def _in_checkpoint():
 
 
 class _State:
-    def __init__(self, model, ctx, units, params, needs, job):
+    def __init__(self, model, ctx, units, params, needs, job, mem):
         self.model, self.ctx, self.job = model, ctx, job
+        self.mem = mem                # _HostMemory or _CudaMemory: where the views are
         self.units = units            # per unit: the module
         self.params = params          # per unit: [(name, param)]
         self.needs = needs            # per hooked module (units first): the units it reads
@@ -132,9 +202,7 @@ class _State:
     # ---- fetch: parameters become views of the slot
     def _attach_views(self, u, addr, nbytes):
         info = self.ctx.units[u]
-        dtype = _TORCH[info["dtype"]]
-        buf = (ctypes.c_char * nbytes).from_address(addr)
-        flat = torch.frombuffer(buf, dtype=dtype, count=info["numel"])
+        flat = self.mem.view(addr, nbytes, _TORCH[info["dtype"]], info["numel"])
         for (name, p), shape, t in zip(self.params[u], self.shapes[u], info["tensors"]):
             ti = self.ctx.tensors[t]
             view = flat[ti["offset"]:ti["offset"] + ti["numel"]].view(shape)
@@ -156,6 +224,7 @@ class _State:
     def _drop(self, u):
         self.refs[u] -= 1
         if self.refs[u] == 0:
+            self.mem.before_release()
             (self.ctx.release_aside if self.aside[u] else self.ctx.release)(u)
 
     def _pre_forward(self, m):
@@ -248,12 +317,13 @@ class _State:
                 self._push(u)
 
     def _push(self, u):
-        # written straight into shardd's staging buffer (no temporary, no second copy); the
+        # written straight into shardd's staging buffer (no temporary, no second copy; on a GPU
+        # by copies on torch's current stream, which signals the push once they are done); the
         # buffer holds what an earlier push left, so the padding and missing gradients are zeroed
         info = self.ctx.units[u]
         addr = self.ctx.grad_buffer(u)
-        buf = (ctypes.c_char * info["bytes"]).from_address(addr)
-        flat = torch.frombuffer(buf, dtype=_TORCH[info["dtype"]], count=info["numel"])
+        flat = self.mem.view(addr, info["bytes"], _TORCH[info["dtype"]], info["numel"],
+                             writable=True)
         done = 0  # elements written, in offset order
         order = sorted(enumerate(info["tensors"]), key=lambda it: self.ctx.tensors[it[1]]["offset"])
         for i, t in order:
@@ -267,7 +337,7 @@ class _State:
                 flat[lo:hi].copy_(g.detach().reshape(-1))
             done = hi
         flat[done:].zero_()
-        self.ctx.push_staged(u)
+        self.mem.push(self.ctx, u)
         self.pushes += 1
         self.bytes_pushed += info["bytes"]
         self.grads[u].clear()
@@ -551,21 +621,100 @@ def _patch_clip():
     _clip_patched = True
 
 
+def _model_device(named):
+    """The one device every parameter is on (CPU for a model without parameters); parameters on
+    several devices are refused naming two of them."""
+    first = {}
+    for n, p in named:
+        first.setdefault(p.device, n)
+    if len(first) > 1:
+        (da, na), (db, nb) = list(first.items())[:2]
+        raise ValueError(f"shard.torch.wrap: parameter '{na}' is on {da} and '{nb}' on {db}; "
+                         "every parameter of a wrapped model must be on one device (the "
+                         "daemon's GPU, or the CPU); nothing was registered")
+    return next(iter(first)) if first else torch.device("cpu")
+
+
+def _uuid_hex(s):
+    """a UUID's 32 hex digits, whichever way it was printed ("GPU-..." by nvidia-smi and shardd,
+    torch's _CUuuid without the prefix)"""
+    s = str(s).lower()
+    s = s[4:] if s.startswith("gpu-") else s
+    return "".join(c for c in s if c in "0123456789abcdef")
+
+
+def _torch_uuid(device):
+    """torch's UUID of a CUDA device ("" where this torch does not say)"""
+    u = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return _uuid_hex(u) if u is not None else ""
+
+
+def _torch_device_of(uuid):
+    """the torch device (cuda:K) whose UUID is uuid, or None"""
+    want = _uuid_hex(uuid)
+    if want and torch.cuda.is_available():
+        for k in range(torch.cuda.device_count()):
+            if _torch_uuid(k) == want:
+                return torch.device("cuda", k)
+    return None
+
+
+_HOST_MEMORY = ("host", "host-deferred", "emu", "emu-device")
+
+
+def _placement_error(dev, memory, gpu, backend):
+    """Why a model on dev cannot train through a job whose buffers are `memory` ("host", "cuda",
+    "hip", "emu-gpu") on the daemon's device gpu ({"name", "uuid", "index"} or None), or None
+    where it can. Never a move: the caller refuses with this message."""
+    where = (f"GPU {gpu.get('index', 0)} ({gpu.get('name', '?')}, {gpu.get('uuid') or 'no UUID'})"
+             if gpu else "its device")
+    if memory == "host":
+        if dev.type == "cpu":
+            return None
+        return (f"the model is on {dev}, but the daemon (backend {backend}) keeps shards in host "
+                "memory: run shardd with --backend cuda on this GPU's machine, or move the model "
+                "to the CPU (model.cpu())")
+    if memory in ("cuda", "hip"):
+        if dev.type != "cuda":  # torch calls ROCm devices "cuda" too
+            near = _torch_device_of(gpu.get("uuid", "")) if gpu else None
+            return (f"the model is on {dev}, but the daemon (backend {backend}) keeps shards in "
+                    f"the memory of {where}: move the model there "
+                    f"(model.to('{near or 'cuda'}')) before wrap, or run shardd with --backend "
+                    "host")
+        want = _uuid_hex(gpu.get("uuid", "")) if gpu else ""
+        have = _torch_uuid(dev)
+        if want and have and want != have:
+            near = _torch_device_of(want)
+            hint = (f"move the model to {near} (model.to('{near}'))" if near else
+                    "that GPU is not visible to this process (CUDA_VISIBLE_DEVICES?)")
+            return (f"the model is on {dev} ({torch.cuda.get_device_name(dev)}, GPU-{have}), but "
+                    f"the daemon keeps this job's shards on {where}: {hint}")
+        return None
+    return (f"the daemon (backend {backend}) keeps shards in {memory} memory, which torch cannot "
+            "address (the emulated GPU is reached only through copies: shard_copy); use "
+            "--backend host or cuda")
+
+
 def _check_devices(named, socket):
-    """Parameters shardd cannot hold are refused before anything is registered, never moved:
-    today every parameter must be a CPU tensor (the daemons keep shards in host memory, and
-    shard.torch's parameters are views of host memory)."""
-    off = [(n, p.device) for n, p in named if p.device.type != "cpu"]
-    if not off:
-        return
+    """The model's device, checked against the daemon's memory before anything is registered
+    (wrap checks again against what the registration's reply says): a mismatch is refused naming
+    both, the model left where it is. The daemon is asked through its admin socket; where that is
+    not allowed, only the reply's check stands."""
+    dev = _model_device(named)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"shard.torch.wrap: the model is on {dev}; shard.torch trains CPU and "
+                         "CUDA models; nothing was registered")
     try:
-        backend = _shard.admin("status", socket=socket)["config"]["backend"]
-    except Exception as e:  # the refusal stands; the daemon only adds to its message
-        backend = f"unknown ({e})"
-    raise ValueError(f"shard.torch.wrap: parameter '{off[0][0]}' is on {off[0][1]} ({len(off)} "
-                     f"of {len(named)} parameters are not on the CPU); shard.torch trains CPU "
-                     f"tensors only for now (the daemon's backend: {backend}). Move the model "
-                     "to the CPU before wrap (model.cpu()); nothing was registered")
+        st = _shard.admin("topology", socket=socket)
+    except Exception:  # no admin access: the registration's reply decides
+        return dev
+    backend = st.get("backend", "host")
+    memory = "host" if backend in _HOST_MEMORY else backend
+    gpus = st.get("devices") or []
+    err = _placement_error(dev, memory, gpus[0] if gpus else None, backend)
+    if err:
+        raise ValueError(f"shard.torch.wrap: {err}; nothing was registered")
+    return dev
 
 
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
@@ -615,7 +764,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     global _current
     job, rank, world = _launcher(job, rank, world)
     named = list(model.named_parameters())
-    _check_devices(named, socket)
+    dev = _check_devices(named, socket)
     opt = _optimizer_of({"name": "adamw"} if optimizer is None else optimizer, named)
     if max_grad_norm is not None:
         opt.max_grad_norm = float(max_grad_norm)
@@ -669,21 +818,27 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     bufs = _Buffers(model) if broadcast_buffers else None
     ctx = _shard.Context(socket)
     try:
-        ctx.register(job=job, rank=rank, world=world, plan=plan, tensors=tensors,
-                     optimizer=dict(opt.groups[0], name=opt.name, max_grad_norm=opt.max_grad_norm),
-                     init=init if rank == 0 else None, max_live_bytes=max_live_bytes,
-                     groups=opt.groups, skip_unused=True,
-                     bcast_bytes=bufs.nbytes if bufs else 0, load=load,
-                     resume_timeout_ms=resume_timeout_ms)
-        if ctx.memory != "host":
-            raise ValueError(f"shard.torch.wrap: the daemon keeps job '{job}' in {ctx.memory} "
-                             "device memory, and shard.torch maps host memory only for now: "
-                             "run its daemons with --backend host, or use libshard's C API "
-                             "(shard_memory) on device memory")
+        # libshard imports a GPU's memory into the calling thread's current device: the model's
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            if dev.type == "cuda":
+                torch.empty(0, device=dev)  # its context made and current
+            ctx.register(job=job, rank=rank, world=world, plan=plan, tensors=tensors,
+                         optimizer=dict(opt.groups[0], name=opt.name,
+                                        max_grad_norm=opt.max_grad_norm),
+                         init=init if rank == 0 else None, max_live_bytes=max_live_bytes,
+                         groups=opt.groups, skip_unused=True,
+                         bcast_bytes=bufs.nbytes if bufs else 0, load=load,
+                         resume_timeout_ms=resume_timeout_ms)
+        err = _placement_error(dev, ctx.memory,
+                               {"index": 0, "name": "the daemon's", "uuid": ctx.device_uuid},
+                               ctx.memory)
+        if err:
+            raise ValueError(f"shard.torch.wrap: job '{job}': {err}")
     except Exception:
         ctx.detach()
         raise
-    state = _State(model, ctx, reg_units, reg_params, needs, job)
+    state = _State(model, ctx, reg_units, reg_params, needs, job,
+                   _memory_for(dev, max_live_bytes))
     state.aliases = {n: names[id(p)]  # a tied parameter's other names, as state_dict has them
                      for n, p in torch.nn.Module.state_dict(model, keep_vars=True).items()
                      if id(p) in names and n != names[id(p)]}
@@ -691,7 +846,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     state.bufs = bufs if bufs and bufs.nbytes else None
     state.rank = rank
     for dt in {p.dtype for ps in reg_params for _, p in ps}:
-        state.placeholder[dt] = torch.empty(0, dtype=dt)
+        state.placeholder[dt] = torch.empty(0, dtype=dt, device=dev)
     saved = []  # (param, its data): put back if wrap fails half-way
     try:
         for m, mod in enumerate(hooked):
@@ -862,11 +1017,13 @@ def start_step(model=None):
     return _state_of(model).ctx.start_step
 
 
-def full_state_dict(model=None):
+def full_state_dict(model=None, device=None):
     """The full current parameters and the model's buffers as ordinary tensors, under every name
     torch's state_dict() gives them (a tied parameter under each of its names), in its order.
-    Any rank may call it alone (if rank == 0: torch.save(...))."""
+    Any rank may call it alone (if rank == 0: torch.save(...)). device: where the tensors are
+    (None: the model's device, as torch's state_dict(); "cpu": copies in host memory)."""
     st = _state_of(model)
+    to = torch.device(device) if device is not None else None
     values = {}
     for u, ps in enumerate(st.params):
         held = st.refs[u] > 0
@@ -874,15 +1031,21 @@ def full_state_dict(model=None):
             st._attach_views(u, *st.ctx.fetch_aside(u))
         try:
             for _, p in ps:
-                values[id(p)] = p.detach().clone()
+                values[id(p)] = (p.detach().clone() if to is None or to == p.device else
+                                 p.detach().to(to))
         finally:
             if not held:
+                if st.mem.device.type == "cuda":  # the copies read the slot: done before the
+                    torch.cuda.current_stream(st.mem.device).synchronize()  # daemon reuses it
                 st.ctx.release_aside(u)
                 for _, p in ps:
                     p.data = st.placeholder[p.dtype]
     out = {}
     for name, t in torch.nn.Module.state_dict(st.model, keep_vars=True).items():
-        out[name] = values[id(t)] if id(t) in values else t.detach().clone()
+        if id(t) in values:
+            out[name] = values[id(t)]
+        else:
+            out[name] = t.detach().clone() if to is None else t.detach().to(to, copy=True)
     return out
 
 

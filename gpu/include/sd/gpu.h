@@ -44,6 +44,10 @@ struct sd_gpu_device {
     bool fd_handles; /* its VMM allocations export POSIX fds (what sharing with trainers needs) */
     bool rdma;       /* its VMM allocations can be GPUDirect RDMA targets */
     uint64_t peers;  /* bit j: it reads and writes device j's memory directly (peer access) */
+    /* the device's UUID as nvidia-smi -L and torch.cuda.get_device_properties(i).uuid print it
+     * ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"; "" where the driver has none): what a trainer
+     * compares with its own device, whatever CUDA_VISIBLE_DEVICES numbers them */
+    char uuid[48];
 };
 
 struct sd_gpu_ops {
@@ -138,6 +142,8 @@ extern const struct sd_gpu_ops sd_gpu_hip_ops;
 /* Backend by name ("host", "host-deferred", "emu", "cuda", "hip"); NULL when not built into
  * this binary or unknown. */
 const struct sd_gpu_ops *sd_gpu_find(const char *name);
+/* a driver's 16 UUID bytes as "GPU-" and 8-4-4-4-12 hex digits (struct sd_gpu_device.uuid) */
+void sd_gpu_uuid_format(char *out, size_t len, const uint8_t bytes[16]);
 /* The names of the backends built in, comma-separated, into buf; returns the length. */
 size_t sd_gpu_list(char *buf, size_t len);
 

@@ -1,0 +1,339 @@
+#!/usr/bin/env python3
+"""shard.torch on device memory (issue 37).
+
+  test_torch_device.py SHARDD LIBSHARD plumbing   (every machine: ctest test_torch_device)
+  test_torch_device.py SHARDD LIBSHARD cuda       (a GPU: ctest label gpu, tools/gpu-check.sh)
+
+plumbing, what needs no GPU, against one real host daemon and stand-ins for the device:
+  - where a model may train: _placement_error for every pairing of the model's device (CPU, a
+    CUDA device by UUID) and the job's memory (host, cuda, emu-gpu), UUIDs compared however they
+    are printed, each refusal naming both sides and what to do;
+  - a CUDA model (a stand-in parameter on cuda:0) against the host daemon is refused at wrap's
+    check, naming the device and the backend, before anything is registered; parameters on
+    several devices are refused naming two, the model left where it was;
+  - the views: __cuda_array_interface__ of a pointer (read-only for weights, writable for the
+    staging slot) and _CudaMemory.view through torch.as_tensor (replaced by a stand-in that
+    reads the interface as a CPU tensor over the same address): the right dtype, count and
+    data_ptr, fp32, bf16 and fp16;
+  - the order of a push on a GPU, played by a stand-in memory on a real CPU training: every
+    unit's gradient is written into the staging slot libshard gave (grad_buffer), then pushed
+    with the stream's handle, once a unit per backward; a release syncs the stream only where the
+    pool is smaller than the model (max_live_bytes), never with the default pool; and the run
+    equals the same run through the host memory's path bit for bit.
+cuda (exit 77 saying why without a CUDA torch or a GPU shardd can open):
+  - the GPT example (tied embedding, two AdamW param groups, warm-up and cosine, accumulation 2,
+    clipping) on CUDA tensors, 4 ranks on one GPU under zero3, mics:2 and zeropp, against the
+    same model trained in one process: parameters within the CPU tests' tolerances (rtol 1e-5,
+    atol 1e-5; zeropp's quantized collectives 5e-2), every parameter's data_ptr inside its
+    fetched slot (--check-zero-copy), no wait for the GPU in the micro-steps (torch's sync debug
+    mode raises: --check-syncs) and none by libshard (shard.device_syncs() 0);
+  - bf16 weights (mics:2) within the bf16 band of the CPU tests (atol 2e-2);
+  - a non-finite step skipped on every rank, as the reference skips it;
+  - a CPU model against the cuda daemon refused naming both; full_state_dict on CUDA and CPU;
+    a checkpoint saved and resumed in a new job, bitwise equal to an uninterrupted run.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import types
+
+from harness import ROOT, check, finish, raises, shard, torch  # noqa: F401
+
+import shard.torch as st  # noqa: E402
+
+nn = torch.nn
+shardd, libshard = sys.argv[1], sys.argv[2]
+mode = sys.argv[3] if len(sys.argv) > 3 else "plumbing"
+work = tempfile.mkdtemp(prefix="shardd-torchdev-")
+GPT = os.path.join(ROOT, "client", "examples", "train_gpt.py")
+
+
+def start_daemon(backend):
+    run = os.path.join(work, backend)
+    os.makedirs(run)
+    sock = os.path.join(run, "shardd.sock")
+    log = open(os.path.join(run, "shardd.log"), "w")
+    d = subprocess.Popen([shardd, "--runtime-dir", run, "--backend", backend, "--log-level",
+                          "warn"], stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(300):
+        if os.path.exists(sock) or d.poll() is not None:
+            break
+        subprocess.run(["sleep", "0.02"])
+    return d, sock
+
+
+def stop_daemon(d):
+    d.terminate()
+    try:
+        d.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        d.kill()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 12)
+        self.b = nn.Linear(12, 12)
+        self.c = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def plumbing():
+    # ---- _placement_error: every pairing, with stand-ins for torch's view of its GPUs
+    uuids = {0: "11111111-2222-3333-4444-555555555555", 1: "aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"}
+    saved = st._torch_uuid, st._torch_device_of, torch.cuda.get_device_name
+    st._torch_uuid = lambda dev: st._uuid_hex(uuids[torch.device(dev).index or 0])
+    st._torch_device_of = lambda u: next((torch.device("cuda", k) for k, v in uuids.items()
+                                          if st._uuid_hex(v) == st._uuid_hex(u)), None)
+    torch.cuda.get_device_name = lambda dev: "Stand-in GPU"
+    try:
+        gpu1 = {"index": 0, "name": "H200", "uuid": "GPU-AAAAAAAA-BBBB-CCCC-DDDD-EEEEEEEEEEEE"}
+        cpu, c0, c1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+        check(st._uuid_hex(gpu1["uuid"]) == st._uuid_hex(uuids[1]),
+              "a UUID printed with GPU- and capitals is torch's without")
+        check(st._placement_error(cpu, "host", None, "host") is None, "a CPU model, host memory")
+        check(st._placement_error(c1, "cuda", gpu1, "cuda") is None,
+              "a CUDA model on the daemon's GPU (by UUID, whatever its index)")
+        e = st._placement_error(c0, "host", None, "host") or ""
+        check(all(w in e for w in ("cuda:0", "backend host", "host memory", "--backend cuda",
+                                   "model.cpu()")), f"a CUDA model, host memory: {e}")
+        e = st._placement_error(cpu, "cuda", gpu1, "cuda") or ""
+        check(all(w in e for w in ("model is on cpu", "GPU 0 (H200, GPU-AAAAAAAA", "cuda:1",
+                                   "--backend host")), f"a CPU model, a GPU's memory: {e}")
+        e = st._placement_error(c0, "cuda", gpu1, "cuda") or ""
+        check(all(w in e for w in ("cuda:0", "GPU-11111111", "GPU-AAAAAAAA", "cuda:1")),
+              f"another GPU: both named, and the one to move to: {e}")
+        gone = dict(gpu1, uuid="GPU-99999999-0000-0000-0000-000000000000")
+        e = st._placement_error(c0, "cuda", gone, "cuda") or ""
+        check("not visible to this process" in e, f"the daemon's GPU not visible here: {e}")
+        e = st._placement_error(c0, "emu-gpu", None, "emu-gpu") or ""
+        check("emu-gpu" in e and "torch cannot" in e, f"emulated GPU memory: {e}")
+    finally:
+        st._torch_uuid, st._torch_device_of, torch.cuda.get_device_name = saved
+
+    d, sock = start_daemon("host")
+    try:
+        # ---- a CUDA model against the host daemon, at wrap's check: nothing registered
+        fake = [("w", types.SimpleNamespace(device=torch.device("cuda", 0)))]
+        ok, msg = raises(lambda: st._check_devices(fake, sock), "cuda:0", "backend host",
+                         "nothing was registered")
+        check(ok, f"a CUDA model against the host daemon refused before registering: {msg}")
+        m = Net()
+        m.b.to("meta")
+        ok, msg = raises(lambda: st.wrap(m, socket=sock, job="mixed"), "a.weight", "cpu",
+                         "b.weight", "meta", "one device")
+        check(ok and m.a.weight.device.type == "cpu" and m.b.weight.device.type == "meta",
+              f"parameters on two devices refused naming two, left where they were: {msg}")
+        r = shard.admin("jobs", socket=sock)
+        check(not r.get("jobs"), f"nothing registered by the refusals: {r}")
+
+        # ---- the views a GPU's memory gets, through torch.as_tensor's stand-in
+        buf = torch.arange(64, dtype=torch.float32)
+        addr = buf.data_ptr()
+        ptr = st._DevicePointer(addr, 256, writable=False)
+        cai = ptr.__cuda_array_interface__
+        check(cai["data"] == (addr, True) and cai["shape"] == (256,) and cai["typestr"] == "|u1"
+              and cai["version"] == 2 and "stream" not in cai,
+              f"the weights' interface: read-only bytes at the address, no stream: {cai}")
+        check(st._DevicePointer(addr, 8, writable=True).__cuda_array_interface__["data"][1]
+              is False, "the staging slot's interface is writable")
+        real_as_tensor = torch.as_tensor
+        seen = []
+
+        def as_tensor(obj, device=None):  # a CPU tensor over the interface's bytes
+            i = obj.__cuda_array_interface__
+            seen.append(device)
+            import ctypes
+            raw = (ctypes.c_char * i["shape"][0]).from_address(i["data"][0])
+            return torch.frombuffer(raw, dtype=torch.uint8)
+        torch.as_tensor = as_tensor
+        try:
+            mem = st._CudaMemory(torch.device("cuda", 0), sync_release=False)
+            v = mem.view(addr, 256, torch.float32, 64)
+            check(v.dtype == torch.float32 and v.numel() == 64 and v.data_ptr() == addr and
+                  torch.equal(v, buf) and seen[-1] == torch.device("cuda", 0),
+                  "an fp32 unit's view: the slot's address, count and values, on the model's GPU")
+            h = torch.arange(32, dtype=torch.bfloat16)
+            v = mem.view(h.data_ptr(), 64, torch.bfloat16, 32)
+            check(v.dtype == torch.bfloat16 and torch.equal(v, h), "a bf16 unit's view")
+            h = torch.arange(7, dtype=torch.float16)
+            v = mem.view(h.data_ptr(), 16, torch.float16, 7)
+            check(v.dtype == torch.float16 and v.numel() == 7 and torch.equal(v, h),
+                  "an fp16 unit's view, an odd count")
+        finally:
+            torch.as_tensor = real_as_tensor
+
+        # ---- a push on a GPU, played on a CPU training: the order of its calls
+        def run(memory, job, max_live=0):
+            torch.manual_seed(3)
+            m = Net()
+            st.wrap(m, socket=sock, job=job, plan="zero3", max_live_bytes=max_live,
+                    optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2))
+            state = m._shard_state
+            if memory is not None:
+                memory.ctx = state.ctx
+                state.mem = memory
+            for s in range(4):
+                g = torch.Generator().manual_seed(s)
+                x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+                for _ in range(2):
+                    (((m(x) - y) ** 2).mean() / 2).backward()
+                st.optimizer(m).step()
+            out = st.full_state_dict(m)
+            st.unwrap(m)
+            return out
+
+        class Played(st._HostMemory):
+            """_CudaMemory's calls, on host memory: records them"""
+
+            def __init__(self, sync_release):
+                self.calls, self.sync_release, self.last_buffer = [], sync_release, None
+                self.device = torch.device("cpu")
+
+            def view(self, addr, nbytes, dtype, count, writable=False):
+                if writable:
+                    self.calls.append(("write", addr))
+                return super().view(addr, nbytes, dtype, count, writable)
+
+            def stream(self):
+                return 0x5151
+
+            def push(self, ctx, unit):
+                self.calls.append(("push", unit, self.stream()))
+                ctx.push_staged_on_stream(unit, None)  # host memory has no streams
+
+            def before_release(self):
+                self.calls.append(("sync",) if self.sync_release else ("release",))
+
+        ref = run(None, "plain")
+        played = Played(sync_release=False)
+        got = run(played, "played")
+        pushes = [c for c in played.calls if c[0] == "push"]
+        writes = [c for c in played.calls if c[0] == "write"]
+        order_ok = len(pushes) == 3 * 2 * 4 and len(writes) == len(pushes) and all(
+            played.calls[i - 1][0] == "write" for i, c in enumerate(played.calls)
+            if c[0] == "push")
+        check(order_ok and all(p[2] == 0x5151 for p in pushes),
+              f"each push: its gradient written into the staging slot, then pushed with the "
+              f"stream's handle ({len(writes)} writes, {len(pushes)} pushes)")
+        check(not any(c[0] == "sync" for c in played.calls),
+              "the default pool: no release waits for the stream")
+        check(all(torch.equal(got[k], ref[k]) for k in ref),
+              "the played GPU path trains bit for bit as the host path")
+        cuda0 = torch.device("cuda", 0)
+        check(isinstance(st._memory_for(torch.device("cpu"), 0), st._HostMemory) and
+              st._memory_for(cuda0, 0).sync_release is False and
+              st._memory_for(cuda0, 800).sync_release is True,
+              "a CUDA model's releases wait for its stream only with max_live_bytes")
+        small = Played(sync_release=True)
+        run(small, "small", max_live=800)
+        syncs = sum(1 for c in small.calls if c[0] == "sync")
+        check(syncs > 0, f"a pool smaller than the model: each release waits ({syncs})")
+    finally:
+        stop_daemon(d)
+
+
+def cuda():
+    if not torch.cuda.is_available():
+        print("SKIP: this torch has no CUDA device (torch.cuda.is_available() is False)")
+        sys.exit(77)
+    cluster = os.path.join(work, "c")
+    env = dict(os.environ, SHARD_LIBRARY=os.path.abspath(libshard), PYTHONUNBUFFERED="1")
+    script = os.path.join(ROOT, "tools", "local-cluster.sh")
+    port = str(21000 + os.getpid() % 8000)
+    r = subprocess.run(["bash", script, "start", "--nodes", "1", "--ranks-per-node", "4", "--dir",
+                        cluster, "--port", port, "--shardd", shardd, "--", "--backend", "cuda",
+                        "--log-level", "warn"], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        print(f"SKIP: shardd --backend cuda does not start here: {r.stdout[-300:]}"
+              f"{r.stderr[-300:]}")
+        sys.exit(77)
+    sock = os.path.join(cluster, "node0", "shardd.sock")
+    try:
+        def gpt(plan, tag, *extra, tol=1e-5):
+            out = os.path.join(work, tag)
+            os.makedirs(out, exist_ok=True)
+            cmd = [sys.executable, GPT, "--launch", "--device", "cuda", "--cluster-dir", cluster,
+                   "--nodes", "1", "--ranks-per-node", "4", "--plan", plan, "--job", tag,
+                   "--out", out, "--steps", "8", "--accum", "2", "--tie", "--clip", "1.0",
+                   "--check-zero-copy", "--check-syncs", "--dump", "1", "--quiet", *extra]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+            check(r.returncode == 0, f"{tag}: train_gpt --launch --device cuda: "
+                  f"{r.stdout[-1500:]}{r.stderr[-1500:]}")
+            if r.returncode != 0:
+                return
+            a = torch.load(os.path.join(out, "shardd-params.pt"))
+            b = torch.load(os.path.join(out, "single-params.pt"))
+            worst = max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+            outside = sum(int((~torch.isclose(a[k].float(), b[k].float(), rtol=tol,
+                                              atol=tol)).sum()) for k in b)
+            check(sorted(a) == sorted(b) and outside == 0,
+                  f"{tag}: {outside} parameters outside rtol/atol {tol} of the one-process "
+                  f"run (max |diff| {worst:.3g})")
+            import json
+            s = json.load(open(os.path.join(out, "shardd-0.json")))
+            check(s.get("device_syncs") == 0, f"{tag}: libshard waited for the GPU "
+                  f"{s.get('device_syncs')} times")
+            print(f"{tag}: max |diff| to one process {worst:.2e}; {r.stdout.strip()[-300:]}",
+                  flush=True)
+
+        gpt("zero3", "zero3")
+        gpt("mics:2", "mics2")
+        gpt("zeropp", "zeropp", tol=5e-2)
+        gpt("mics:2", "bf16", "--dtype", "bf16", tol=2e-2)
+        gpt("zero3", "nan", "--nan-step", "3")
+
+        # a CPU model against the GPU daemon: refused naming both
+        ok, msg = raises(lambda: st.wrap(Net(), socket=sock, job="cpu-model"), "model is on cpu",
+                         "cuda")
+        check(ok, f"a CPU model against the cuda daemon refused: {msg}")
+
+        # full_state_dict on CUDA and on the CPU; a checkpoint resumed bitwise
+        def train(m, steps, start=0):
+            for s in range(start, steps):
+                g = torch.Generator().manual_seed(s)
+                x = torch.randn(8, 6, generator=g).cuda()
+                y = torch.randn(8, 3, generator=g).cuda()
+                ((m(x) - y) ** 2).mean().backward()
+                st.optimizer(m).step()
+
+        torch.manual_seed(5)
+        base = Net().cuda()
+        m = st.wrap(_copy(base), socket=sock, job="ck-a", plan="zero3")
+        train(m, 3)
+        sd = st.full_state_dict(m)
+        check(all(t.is_cuda for t in sd.values()), "full_state_dict of a CUDA model: CUDA")
+        sc = st.full_state_dict(m, device="cpu")
+        check(all(t.device.type == "cpu" and torch.equal(t, sd[k].cpu()) for k, t in sc.items()),
+              "full_state_dict(device='cpu'): the same values on the CPU")
+        ckpt = os.path.join(work, "ckpt")
+        st.save(ckpt, m)
+        train(m, 6, start=3)
+        want = st.full_state_dict(m, device="cpu")
+        st.unwrap(m)
+        m2 = st.wrap(_copy(base), socket=sock, job="ck-b", plan="zero3", load=ckpt)
+        check(st.start_step(m2) == 3, f"resumed at step {st.start_step(m2)}")
+        train(m2, 6, start=3)
+        got = st.full_state_dict(m2, device="cpu")
+        st.unwrap(m2)
+        check(all(torch.equal(got[k], want[k]) for k in want),
+              "a CUDA model's checkpoint resumed: bitwise the uninterrupted run")
+    finally:
+        subprocess.run(["bash", script, "stop", "--dir", cluster], capture_output=True,
+                       text=True, timeout=120)
+
+
+def _copy(m):
+    import copy
+    return copy.deepcopy(m)
+
+
+if mode == "cuda":
+    cuda()
+else:
+    plumbing()
+finish("test_torch_device", work)
