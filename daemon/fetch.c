@@ -505,7 +505,8 @@ static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
  * partition group on the node holds the same weights). */
 static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n)
 {
-    uint32_t f = job->plan.f[SD_STATE_W];
+    uint32_t f = job->plan.f[SD_STATE_W], np = 0;
+    struct sd_gpu_piece pieces[32]; /* the copies, enqueued together (one launch on a GPU) */
     for (uint32_t i = 0; i < n; i++) {
         uint32_t u = units[i]->unit;
         size_t len = sd_job_w_shard_bytes(job, u);
@@ -525,11 +526,16 @@ static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *u
                                    sd_qw_shard_bytes(job, u));
                 continue;
             }
-            job->reg->dev->copy(job->mem.queue, slot + (size_t)m * len,
-                                sd_job_w_shard(job, local, u), len);
+            if (np == sizeof(pieces) / sizeof(pieces[0])) {
+                sd_gpu_copy_many(job->reg->dev, job->mem.queue, pieces, np);
+                np = 0;
+            }
+            pieces[np++] = (struct sd_gpu_piece){
+                .dst = slot + (size_t)m * len, .src = sd_job_w_shard(job, local, u), .bytes = len};
             sd_job_count_copy(job, SD_OP_FETCH, local, units[i]->lslot, len);
         }
     }
+    sd_gpu_copy_many(job->reg->dev, job->mem.queue, pieces, np);
 }
 
 /* Pull the remote blocks of units[0..n) (begun, consecutive ids ascending, one copy) from every

@@ -60,6 +60,9 @@ static void emu_run(enum sdk_kernel_id id, void **args)
         sdk_k_decode(A(void *, 0), A(int, 1), A(const float *, 2), A(const uint8_t *, 3), A(int, 4),
                      A(uint64_t, 5), A(uint32_t, 6), A(int, 7));
         break;
+    case SDK_K_GATHER:
+        sdk_k_gather(A(struct sdk_pieces, 0));
+        break;
     case SDK_K_COUNT:
         break;
     }
@@ -218,7 +221,7 @@ static const struct {
     [SDK_K_REDUCE_ADD] = {4, 0x3}, [SDK_K_TO_F32] = {4, 0x3},      [SDK_K_FROM_F32] = {4, 0x5},
     [SDK_K_SUMSQ_PART] = {3, 0x5}, [SDK_K_SUMSQ_FINAL] = {3, 0x5}, [SDK_K_ADAMW] = {9, 0x5e},
     [SDK_K_SGD] = {8, 0x2e},       [SDK_K_SCALES] = {6, 0xb},      [SDK_K_ENCODE] = {8, 0x2d},
-    [SDK_K_DECODE] = {8, 0xd}};
+    [SDK_K_DECODE] = {8, 0xd},     [SDK_K_GATHER] = {1, 0}};
 
 #define EMU_MAX_ARGS 9
 
@@ -226,6 +229,17 @@ static void emu_gpu_launch(struct sdk_launcher *l, enum sdk_kernel_id id, uint64
                            void **args)
 {
     void *ptrs[EMU_MAX_ARGS], *targs[EMU_MAX_ARGS];
+    if (id == SDK_K_GATHER) { /* its pointers are in its one parameter, each with its length */
+        struct sdk_pieces p = *(struct sdk_pieces *)args[0];
+        for (uint64_t i = 0; i < p.n; i++) {
+            void *d = (void *)(uintptr_t)p.dst[i], *s = (void *)(uintptr_t)p.src[i];
+            p.dst[i] = (uintptr_t)emu_gpu_at(d, p.bytes[i], false, "kernel sdk_k_gather, a dst");
+            p.src[i] = (uintptr_t)emu_gpu_at(s, p.bytes[i], false, "kernel sdk_k_gather, a src");
+        }
+        void *one[] = {&p};
+        emu_launch(l, id, blocks, one);
+        return;
+    }
     const double *scratch = l->scratch, *scratch_end = l->scratch + SDK_SUMSQ_MAX_BLOCKS + 1;
     char what[64];
     for (int i = 0; i < emu_gpu_params[id].n; i++) {

@@ -643,6 +643,17 @@ static const struct sd_gpu_ops *const backends[] = {
 #endif
 };
 
+void sd_gpu_copy_many(const struct sd_gpu_ops *dev, struct sd_gpu_queue *q,
+                      const struct sd_gpu_piece *pieces, uint32_t n)
+{
+    if (dev->copy_many != NULL) {
+        dev->copy_many(q, pieces, n);
+        return;
+    }
+    for (uint32_t i = 0; i < n; i++)
+        dev->copy(q, pieces[i].dst, pieces[i].src, pieces[i].bytes);
+}
+
 void sd_gpu_uuid_format(char *out, size_t len, const uint8_t b[16])
 {
     snprintf(out, len, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",

@@ -149,3 +149,28 @@ void sdk_op_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const v
     if (n > 0)
         l->launch(l, SDK_K_DECODE, sdk_blocks(n), args);
 }
+
+void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, uint32_t n)
+{
+    struct sdk_launcher *l = L(q);
+    while (n > 0) {
+        struct sdk_pieces p = {.n = 0};
+        uint64_t most = 0;
+        for (; n > 0 && p.n < SDK_PIECES_MAX; pieces++, n--) {
+            if (pieces->bytes == 0)
+                continue;
+            p.dst[p.n] = (uint64_t)(uintptr_t)pieces->dst;
+            p.src[p.n] = (uint64_t)(uintptr_t)pieces->src;
+            p.bytes[p.n] = pieces->bytes;
+            most = pieces->bytes > most ? pieces->bytes : most;
+            p.n++;
+        }
+        if (p.n == 0)
+            return;
+        /* the grid of one copy of the largest piece, shared out (16 bytes a thread) */
+        uint64_t per = sdk_blocks((most + 15) / 16), cap = SDK_MAX_BLOCKS / p.n;
+        p.blocks_per = per < cap ? per : cap > 0 ? cap : 1;
+        void *args[] = {&p};
+        l->launch(l, SDK_K_GATHER, p.n * p.blocks_per, args);
+    }
+}

@@ -47,10 +47,11 @@ void sdk_op_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const v
                        size_t n, uint32_t block, bool accumulate);
 void sdk_op_quantize_ef(struct sd_gpu_queue *q, void *dst, int bits, const float *x, float *err,
                         size_t n, uint32_t block);
+void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, uint32_t n);
 
 #define SDK_KERNEL_OPS                                                                             \
     .reduce_add = sdk_op_reduce_add, .to_f32 = sdk_op_to_f32, .from_f32 = sdk_op_from_f32,         \
     .adamw = sdk_op_adamw, .sgd = sdk_op_sgd, .quantize = sdk_op_quantize,                         \
-    .dequantize = sdk_op_dequantize, .quantize_ef = sdk_op_quantize_ef
+    .dequantize = sdk_op_dequantize, .quantize_ef = sdk_op_quantize_ef, .copy_many = sdk_op_gather
 
 #endif

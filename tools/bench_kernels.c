@@ -84,15 +84,25 @@ struct copy_arg {
     void *dst;
     const void *src;
     size_t bytes;
-    int pieces; /* a gather: pieces copies of bytes / pieces from src's pieces into dst */
+    int pieces;   /* a gather: pieces copies of bytes / pieces from src's pieces into dst */
+    bool at_once; /* the pieces in one copy_many (the daemon's gather), else a copy each */
 };
 
 static void run_copy(struct kb *k, void *arg)
 {
     struct copy_arg *c = arg;
     size_t piece = c->bytes / c->pieces;
+    struct sd_gpu_piece p[64];
+    for (int i = 0; i < c->pieces && i < 64; i++)
+        p[i] = (struct sd_gpu_piece){.dst = (char *)c->dst + i * piece,
+                                     .src = (const char *)c->src + i * piece,
+                                     .bytes = piece};
+    if (c->at_once) {
+        sd_gpu_copy_many(k->dev, k->q, p, (uint32_t)c->pieces);
+        return;
+    }
     for (int i = 0; i < c->pieces; i++)
-        k->dev->copy(k->q, (char *)c->dst + i * piece, (const char *)c->src + i * piece, piece);
+        k->dev->copy(k->q, p[i].dst, p[i].src, p[i].bytes);
 }
 
 struct opt_arg {
@@ -163,6 +173,8 @@ int sd_bench_kernels(const char *backend, uint64_t size, uint64_t params, int it
     k.copy_Bps = 2.0 * (double)size / t;
     report(&k, "copy (baseline)", 2.0 * (double)size, t, 0);
     c.pieces = 8;
+    report(&k, "gather 8 shards, 8 copies", 2.0 * (double)size, best(&k, run_copy, &c), 0);
+    c.at_once = true; /* what the daemon's gather does: the shards in one copy_many */
     report(&k, "gather 8 shards into a slot", 2.0 * (double)size, best(&k, run_copy, &c), 0.9);
     free_all(&k, &b);
 

@@ -33,6 +33,7 @@
 #define SDK_BLOCKS   ((uint64_t)gridDim.x)
 #define SDK_NTHREADS ((unsigned)blockDim.x)
 typedef float4 sdk_f4;
+typedef uint4 sdk_u4;
 SDK_FN float sdk_bits_f32(uint32_t u)
 {
     return __uint_as_float(u);
@@ -64,6 +65,9 @@ extern _Thread_local struct sdk_emu sdk_emu;
 typedef struct {
     float x, y, z, w;
 } sdk_f4;
+typedef struct {
+    uint32_t x, y, z, w;
+} sdk_u4;
 SDK_FN float sdk_bits_f32(uint32_t u)
 {
     float f;

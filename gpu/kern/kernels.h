@@ -380,4 +380,35 @@ SDK_KERNEL sdk_k_decode(void *SDK_RESTRICT dst, int dtype, const float *SDK_REST
     SDK_SYNC
 }
 
+/* ---- copies: several pieces in one launch (a unit's shards gathered into its slot: one launch
+ * instead of a copy per shard, whose gaps cost more than the copies on a fast GPU). Block b copies
+ * piece b / blocks_per, 16 bytes at a time where both ends are aligned, 4 where they allow, else
+ * bytes; the bits move unchanged (integer loads and stores). */
+
+SDK_KERNEL sdk_k_gather(struct sdk_pieces p)
+{
+    SDK_THREADS
+    uint64_t piece = SDK_BLOCK / p.blocks_per;
+    if (piece < p.n) {
+        uint8_t *d = (uint8_t *)(uintptr_t)p.dst[piece];
+        const uint8_t *s = (const uint8_t *)(uintptr_t)p.src[piece];
+        uint64_t n = p.bytes[piece], head = 0;
+        uint64_t t = (SDK_BLOCK % p.blocks_per) * SDK_NTHREADS + sdk_t;
+        uint64_t stride = p.blocks_per * SDK_NTHREADS;
+        uintptr_t both = (uintptr_t)d | (uintptr_t)s;
+        if ((both & 15u) == 0) {
+            for (uint64_t k = t; k < n / 16; k += stride)
+                ((sdk_u4 *)d)[k] = ((const sdk_u4 *)s)[k];
+            head = n / 16 * 16;
+        } else if ((both & 3u) == 0) {
+            for (uint64_t k = t; k < n / 4; k += stride)
+                ((uint32_t *)d)[k] = ((const uint32_t *)s)[k];
+            head = n / 4 * 4;
+        }
+        for (uint64_t k = head + t; k < n; k += stride)
+            d[k] = s[k];
+    }
+    SDK_SYNC
+}
+
 #endif

@@ -22,6 +22,14 @@ struct sdk_sgd_c {
     float lr, mu, wd;
 };
 
+/* one launch of copies (a unit's shards gathered into its slot): piece i is bytes[i] bytes from
+ * src[i] to dst[i] (addresses as integers: the same layout in C and C++), blocks_per blocks each */
+#define SDK_PIECES_MAX 16
+struct sdk_pieces {
+    uint64_t n, blocks_per;
+    uint64_t dst[SDK_PIECES_MAX], src[SDK_PIECES_MAX], bytes[SDK_PIECES_MAX];
+};
+
 /* X(id, name): every kernel of kernels.h, in the order of their ids */
 #define SDK_KERNELS(X)                                                                             \
     X(SDK_K_REDUCE_ADD, sdk_k_reduce_add)                                                          \
@@ -33,7 +41,8 @@ struct sdk_sgd_c {
     X(SDK_K_SGD, sdk_k_sgd)                                                                        \
     X(SDK_K_SCALES, sdk_k_scales)                                                                  \
     X(SDK_K_ENCODE, sdk_k_encode)                                                                  \
-    X(SDK_K_DECODE, sdk_k_decode)
+    X(SDK_K_DECODE, sdk_k_decode)                                                                  \
+    X(SDK_K_GATHER, sdk_k_gather)
 
 #define SDK_ENUM_ID(id, name) id,
 enum sdk_kernel_id { SDK_KERNELS(SDK_ENUM_ID) SDK_K_COUNT };

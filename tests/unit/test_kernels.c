@@ -373,6 +373,45 @@ static void t_codecs(size_t n, size_t skew)
         }
 }
 
+/* copy_many: 19 pieces (two launches of at most 16) of about n bytes each, from a source operand
+ * into a destination one at other places: their ends 16-byte aligned (align 0), 4-byte (1) or
+ * anywhere (2), the gaps between them left as they were */
+static void t_gather(size_t n, int align)
+{
+    enum { P = 19 };
+    size_t len[P], soff[P], doff[P], stot = 0, dtot = 0;
+    const size_t step = align == 0 ? 16 : align == 1 ? 4 : 1, gap = align == 0 ? 0 : step;
+    for (int i = 0; i < P; i++) {
+        len[i] = n / (1 + i % 3) + (size_t)(i % 5) * step;
+        doff[i] = dtot;
+        dtot += (len[i] + 15) / 16 * 16 + gap;
+    }
+    for (int i = P - 1; i >= 0; i--) { /* the sources in the other order */
+        soff[i] = stot;
+        stot += (len[i] + 15) / 16 * 16 + 2 * gap;
+    }
+    uint8_t *src = malloc(stot + 1);
+    for (size_t i = 0; i < stot; i++)
+        src[i] = (uint8_t)rnd();
+    struct opnd o[2] = {{.init = src, .bytes = stot + 1, .off = align == 2 ? 1 : 0},
+                        {.init = calloc(dtot + 1, 1), .bytes = dtot + 1, .off = 0}};
+    setup(o, 2);
+    EACH_BK(b)
+    {
+        struct sd_gpu_piece pc[P];
+        for (int i = 0; i < P; i++)
+            pc[i] = (struct sd_gpu_piece){.dst = (uint8_t *)at(&o[1], b) + doff[i],
+                                          .src = (uint8_t *)at(&o[0], b) + soff[i],
+                                          .bytes = len[i]};
+        sd_gpu_copy_many(b->ops, b->q, pc, P);
+    }
+    char what[96];
+    snprintf(what, sizeof(what), "copy_many of %d pieces of about %zu bytes, aligned to %zu", P, n,
+             step);
+    compare(what, o + 1, 1);
+    teardown(o, 2);
+}
+
 /* every fp16 value to fp32, and fp32 values of every exponent (and the rounding boundaries)
  * to fp16 and bf16, against sd/dtype.h's conversions (the host backend's) */
 static void t_exhaustive(void)
@@ -452,5 +491,8 @@ int main(int argc, char **argv)
             t_optim(lens[li], skew);
             t_codecs(lens[li], skew);
         }
+    for (size_t li = 0; li < nlens; li++)
+        for (int align = 0; align < 3; align++)
+            t_gather(lens[li], align);
     return th_summary("test_kernels");
 }

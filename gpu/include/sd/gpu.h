@@ -50,6 +50,13 @@ struct sd_gpu_device {
     char uuid[48];
 };
 
+/* one of several copies enqueued together (copy_many) */
+struct sd_gpu_piece {
+    void *dst;
+    const void *src;
+    size_t bytes;
+};
+
 struct sd_gpu_ops {
     const char *name;
     bool host_memory; /* its buffers are host memory (backed and freed off the loop) */
@@ -88,6 +95,9 @@ struct sd_gpu_ops {
     void (*pinned_free)(void *p);
     /* The kernels: enqueued on q. */
     void (*copy)(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes);
+    /* the n copies of pieces, in as few launches as the device can (NULL: one copy each; call
+     * through sd_gpu_copy_many) */
+    void (*copy_many)(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, uint32_t n);
     /* dst = bytes zeros */
     void (*zero)(struct sd_gpu_queue *q, void *dst, size_t bytes);
     /* acc[i] += (float)src[i] with src in dtype */
@@ -142,6 +152,9 @@ extern const struct sd_gpu_ops sd_gpu_hip_ops;
 /* Backend by name ("host", "host-deferred", "emu", "cuda", "hip"); NULL when not built into
  * this binary or unknown. */
 const struct sd_gpu_ops *sd_gpu_find(const char *name);
+/* dev's copy_many, or one copy per piece where it has none */
+void sd_gpu_copy_many(const struct sd_gpu_ops *dev, struct sd_gpu_queue *q,
+                      const struct sd_gpu_piece *pieces, uint32_t n);
 /* a driver's 16 UUID bytes as "GPU-" and 8-4-4-4-12 hex digits (struct sd_gpu_device.uuid) */
 void sd_gpu_uuid_format(char *out, size_t len, const uint8_t bytes[16]);
 /* The names of the backends built in, comma-separated, into buf; returns the length. */
