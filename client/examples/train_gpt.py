@@ -222,6 +222,9 @@ def train(a):
                     poison = (a.nan_step == step + 1 and micro == 0 and a.rank == 0 and
                               not a.single)
                     (loss * (float("nan") if poison else 1.0) / a.accum).backward()
+                if a.single:  # rank 0's share of the global batch: its log is rank 0's curve
+                    loss = F.cross_entropy(logits[:a.batch].detach().float().reshape(-1, VOCAB),
+                                           y[:a.batch].reshape(-1))
                 total = total + loss.detach() / a.accum
         total = float(total)
         lr = opt.param_groups[0]["lr"]

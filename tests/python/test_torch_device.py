@@ -23,11 +23,12 @@ plumbing, what needs no GPU, against one real host daemon and stand-ins for the 
 cuda (exit 77 saying why without a CUDA torch or a GPU shardd can open):
   - the GPT example (tied embedding, two AdamW param groups, warm-up and cosine, accumulation 2,
     clipping) on CUDA tensors, 4 ranks on one GPU under zero3, mics:2 and zeropp, against the
-    same model trained in one process: parameters within the CPU tests' tolerances (rtol 1e-5,
-    atol 1e-5; zeropp's quantized collectives 5e-2), every parameter's data_ptr inside its
+    same model trained in one process: parameters within the CPU tests' tolerance (rtol 1e-5,
+    atol 1e-5; zeropp's quantized collectives: the loss within 2% every step), every
+    parameter's data_ptr inside its
     fetched slot (--check-zero-copy), no wait for the GPU in the micro-steps (torch's sync debug
     mode raises: --check-syncs) and none by libshard (shard.device_syncs() 0);
-  - bf16 weights (mics:2) within the bf16 band of the CPU tests (atol 2e-2);
+  - bf16 weights (mics:2) within the bf16 band of the CPU tests (the loss within 2% every step);
   - a non-finite step skipped on every rank, as the reference skips it;
   - a CPU model against the cuda daemon refused naming both; full_state_dict on CUDA and CPU;
     a checkpoint saved and resumed in a new job, bitwise equal to an uninterrupted run.
@@ -254,7 +255,10 @@ def cuda():
         sys.exit(77)
     sock = os.path.join(cluster, "node0", "shardd.sock")
     try:
-        def gpt(plan, tag, *extra, tol=1e-5):
+        def gpt(plan, tag, *extra, tol=1e-5, loss_rtol=None):
+            """the example through shardd against one process: the final parameters within tol,
+            or (loss_rtol: bf16 weights, quantized collectives, as the CPU tests judge them)
+            rank 0's loss within loss_rtol of the same batch's in one process every step"""
             out = os.path.join(work, tag)
             os.makedirs(out, exist_ok=True)
             cmd = [sys.executable, GPT, "--launch", "--device", "cuda", "--cluster-dir", cluster,
@@ -269,13 +273,20 @@ def cuda():
             a = torch.load(os.path.join(out, "shardd-params.pt"))
             b = torch.load(os.path.join(out, "single-params.pt"))
             worst = max((a[k].float() - b[k].float()).abs().max().item() for k in b)
-            outside = sum(int((~torch.isclose(a[k].float(), b[k].float(), rtol=tol,
-                                              atol=tol)).sum()) for k in b)
-            check(sorted(a) == sorted(b) and outside == 0,
-                  f"{tag}: {outside} parameters outside rtol/atol {tol} of the one-process "
-                  f"run (max |diff| {worst:.3g})")
             import json
             s = json.load(open(os.path.join(out, "shardd-0.json")))
+            d = json.load(open(os.path.join(out, "single-0.json")))
+            if loss_rtol is None:
+                outside = sum(int((~torch.isclose(a[k].float(), b[k].float(), rtol=tol,
+                                                  atol=tol)).sum()) for k in b)
+                check(sorted(a) == sorted(b) and outside == 0,
+                      f"{tag}: {outside} parameters outside rtol/atol {tol} of the one-process "
+                      f"run (max |diff| {worst:.3g})")
+            else:
+                lw = max(abs(x - y) / abs(y) for x, y in zip(s["loss"], d["loss"]))
+                check(lw <= loss_rtol and s["loss"][-1] < s["loss"][0],
+                      f"{tag}: loss within {loss_rtol} of one process's every step ({lw:.3g}) "
+                      f"and falling ({s['loss'][0]:.4f} -> {s['loss'][-1]:.4f})")
             check(s.get("device_syncs") == 0, f"{tag}: libshard waited for the GPU "
                   f"{s.get('device_syncs')} times")
             print(f"{tag}: max |diff| to one process {worst:.2e}; {r.stdout.strip()[-300:]}",
@@ -283,8 +294,8 @@ def cuda():
 
         gpt("zero3", "zero3")
         gpt("mics:2", "mics2")
-        gpt("zeropp", "zeropp", tol=5e-2)
-        gpt("mics:2", "bf16", "--dtype", "bf16", tol=2e-2)
+        gpt("zeropp", "zeropp", loss_rtol=2e-2)
+        gpt("mics:2", "bf16", "--dtype", "bf16", loss_rtol=2e-2)
         gpt("zero3", "nan", "--nan-step", "3")
 
         # a CPU model against the GPU daemon: refused naming both
