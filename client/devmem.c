@@ -147,7 +147,8 @@ static const struct shard_devmem emu_mem = {.name = "emu-gpu",
 
 _Atomic unsigned long long sd_devmem_waits;
 
-const struct shard_devmem *shard_devmem_open(const char *kind, int device, char *err, size_t errlen)
+const struct shard_devmem *shard_devmem_open(const char *kind, int device, const char *uuid,
+                                             char *err, size_t errlen)
 {
     if (kind == NULL || kind[0] == '\0' || strcmp(kind, "host") == 0)
         return &host_mem;
@@ -155,13 +156,14 @@ const struct shard_devmem *shard_devmem_open(const char *kind, int device, char 
         return &emu_mem;
 #ifdef SHARD_CLIENT_CUDA
     if (strcmp(kind, "cuda") == 0)
-        return shard_devmem_open_cuda(device, err, errlen);
+        return shard_devmem_open_cuda(device, uuid, err, errlen);
 #endif
 #ifdef SHARD_CLIENT_HIP
     if (strcmp(kind, "hip") == 0)
-        return shard_devmem_open_hip(device, err, errlen);
+        return shard_devmem_open_hip(device, uuid, err, errlen);
 #endif
     (void)device;
+    (void)uuid;
     snprintf(err, errlen,
              "the job's buffers are %s device memory, which this libshard cannot import (built "
              "without %s's headers; rebuild with them)",

@@ -29,17 +29,20 @@ struct shard_devmem {
     void (*forget_host)(void *page, size_t bytes);
 };
 
-/* The importer for a reply's memory kind, opened for `device` (its index on the daemon's side;
- * the calling thread's current context wins where it has one); NULL with err filled when this
- * libshard or this machine cannot import it. */
-const struct shard_devmem *shard_devmem_open(const char *kind, int device, char *err,
-                                             size_t errlen);
+/* The importer for a reply's memory kind, opened on the daemon's device: the one whose UUID is
+ * uuid ("GPU-" and hex digits; "" or not found: index `device`, the daemon's numbering), which
+ * must be the calling thread's current one where it has a context (a trainer on another GPU is
+ * refused naming both); NULL with err filled when this libshard or this machine cannot import. */
+const struct shard_devmem *shard_devmem_open(const char *kind, int device, const char *uuid,
+                                             char *err, size_t errlen);
 /* libshard's waits for a device so far, every importer's (each copy or zeroing into device
  * memory waits for itself: shard_copy, shard_push_grad): what a trainer's hot path must not do */
 extern _Atomic unsigned long long sd_devmem_waits;
 
 /* the GPU importers (devmem_dev.c), where built */
-const struct shard_devmem *shard_devmem_open_cuda(int device, char *err, size_t errlen);
-const struct shard_devmem *shard_devmem_open_hip(int device, char *err, size_t errlen);
+const struct shard_devmem *shard_devmem_open_cuda(int device, const char *uuid, char *err,
+                                                  size_t errlen);
+const struct shard_devmem *shard_devmem_open_hip(int device, const char *uuid, char *err,
+                                                 size_t errlen);
 
 #endif

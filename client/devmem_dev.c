@@ -8,11 +8,13 @@
 #include "dev_api.h"
 #include "devmem.h"
 
+#include <ctype.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #ifndef DEVMEM_OPEN
 #error "devmem_dev.c is built through devmem_cuda.c or devmem_hip.c"
@@ -33,15 +35,80 @@ static struct {
     bool loaded; /* the entry points are resolved (dm_err may ask the driver) */
 } dm = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
+static inline dev_res dev_client_device_at(dev_device *d, int i);
+
+/* do the 16 bytes of a device's UUID print as uuid (its hex digits; "GPU-", dashes and case
+ * aside)? */
+static bool dm_uuid_is(const unsigned char b[16], const char *uuid)
+{
+    static const char hex[] = "0123456789abcdef";
+    int k = 0;
+    for (const char *p = uuid; *p != '\0'; p++) {
+        int c = tolower((unsigned char)*p);
+        if (strchr(hex, c) == NULL)
+            continue;
+        if (k == 32 || hex[k % 2 == 0 ? b[k / 2] >> 4 : b[k / 2] & 15] != c)
+            return false;
+        k++;
+    }
+    return k == 32;
+}
+
+/* is device d the daemon's (uuid; "" says nothing: yes)? */
+static bool dm_is_daemons(dev_device d, const char *uuid)
+{
+    dev_uuid_t u;
+    return uuid[0] == '\0' ||
+           (dev_uuid(&u, d) == DEV_OK && dm_uuid_is((unsigned char *)u.bytes, uuid));
+}
+
+/* the device whose UUID is uuid among those this process sees, else -1 */
+static int dm_find(const char *uuid)
+{
+    int count = 0;
+    if (uuid[0] == '\0' || dev_device_count(&count) != DEV_OK)
+        return -1;
+    for (int i = 0; i < count; i++) {
+        dev_device d;
+        if (dev_client_device_at(&d, i) == DEV_OK && dm_is_daemons(d, uuid))
+            return i;
+    }
+    return -1;
+}
+
 #if defined(SD_DEV_CUDA)
-/* the calling thread's device: its current context's (torch's), else device `index` */
-static inline dev_res dev_client_device(dev_device *d, int index)
+static inline dev_res dev_client_device_at(dev_device *d, int i)
+{
+    return p_cuDeviceGet(d, i);
+}
+
+/* the daemon's device: the calling thread's current context's (torch's), which must be the
+ * daemon's; else the one with its UUID; else device `index` */
+static inline dev_res dev_client_device(dev_device *d, int index, const char *uuid, char *why,
+                                        size_t len)
 {
     CUcontext cur = NULL;
     dev_res r = p_cuCtxGetCurrent(&cur);
-    if (r == DEV_OK)
-        r = cur != NULL ? p_cuCtxGetDevice(d) : p_cuDeviceGet(d, index);
-    return r;
+    if (r == DEV_OK && cur != NULL) {
+        r = p_cuCtxGetDevice(d);
+        if (r == DEV_OK && !dm_is_daemons(*d, uuid)) {
+            snprintf(why, len,
+                     "this thread's current CUDA device (%d) is not the daemon's GPU %s: make that "
+                     "GPU current (cudaSetDevice, torch.cuda.set_device) before registering",
+                     (int)*d, uuid);
+            return CUDA_ERROR_INVALID_DEVICE;
+        }
+        return r;
+    }
+    int found = dm_find(uuid);
+    if (r == DEV_OK && uuid[0] != '\0' && found < 0) {
+        snprintf(why, len,
+                 "the daemon's GPU %s is not visible to this process "
+                 "(CUDA_VISIBLE_DEVICES?)",
+                 uuid);
+        return CUDA_ERROR_INVALID_DEVICE;
+    }
+    return r == DEV_OK ? p_cuDeviceGet(d, found >= 0 ? found : index) : r;
 }
 
 /* the thread has a context: its own current one, else the device's primary context c */
@@ -62,11 +129,31 @@ static inline void dev_client_access(dev_access *a, dev_device d, int read_only)
                                          : CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
 }
 #else
-/* the calling thread's device (HIP keeps one per thread, 0 unless set: torch sets it) */
-static inline dev_res dev_client_device(dev_device *d, int index)
+static inline dev_res dev_client_device_at(dev_device *d, int i)
+{
+    *d = i;
+    return hipSuccess;
+}
+
+/* the daemon's device: the calling thread's (HIP keeps one per thread, 0 unless set: torch
+ * sets it) where it is the daemon's, else the one with its UUID */
+static inline dev_res dev_client_device(dev_device *d, int index, const char *uuid, char *why,
+                                        size_t len)
 {
     (void)index;
-    return p_hipGetDevice(d);
+    dev_res r = p_hipGetDevice(d);
+    if (r != hipSuccess || dm_is_daemons(*d, uuid))
+        return r;
+    int found = dm_find(uuid);
+    if (found < 0) {
+        snprintf(why, len,
+                 "the daemon's GPU %s is not visible to this process "
+                 "(ROCR_VISIBLE_DEVICES, HIP_VISIBLE_DEVICES?)",
+                 uuid);
+        return hipErrorInvalidDevice;
+    }
+    *d = found;
+    return hipSuccess;
 }
 
 static inline dev_res dev_client_enter(dev_ctx c, dev_device d)
@@ -215,10 +302,17 @@ static const struct shard_devmem dm_mem = {.name = DEV_NAME,
                                            .stream_write = dm_stream_write,
                                            .forget_host = dm_forget_host};
 
-static int dm_open(int device, char *err, size_t errlen)
+static int dm_open(int device, const char *uuid, char *err, size_t errlen)
 {
-    if (dm.lib != NULL)
-        return 0;
+    if (dm.lib != NULL) { /* one device per process: a second job's must be the same */
+        if (dm_is_daemons(dm.dev, uuid))
+            return 0;
+        snprintf(err, errlen,
+                 "this process imports %s memory on another device than this daemon's GPU %s "
+                 "(one GPU per process)",
+                 DEV_NAME, uuid);
+        return -EINVAL;
+    }
     void *lib = dlopen(DEV_LIB, RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL) {
         snprintf(err, errlen,
@@ -237,9 +331,14 @@ static int dm_open(int device, char *err, size_t errlen)
     dm.loaded = true;
     int fd_handles = 0;
     dev_prop prop;
+    char why[256] = "";
     dev_res r = dev_init();
     if (r == DEV_OK)
-        r = dev_client_device(&dm.dev, device);
+        r = dev_client_device(&dm.dev, device, uuid, why, sizeof(why));
+    if (r != DEV_OK && why[0] != '\0') {
+        snprintf(err, errlen, "%s", why);
+        goto err_close;
+    }
     if (r == DEV_OK)
         r = dev_ctx_retain(&dm.ctx, dm.dev);
     if (r == DEV_OK)
@@ -272,10 +371,10 @@ err_close:
     return -EIO;
 }
 
-const struct shard_devmem *DEVMEM_OPEN(int device, char *err, size_t errlen)
+const struct shard_devmem *DEVMEM_OPEN(int device, const char *uuid, char *err, size_t errlen)
 {
     pthread_mutex_lock(&dm.lock);
-    int rc = dm_open(device, err, errlen);
+    int rc = dm_open(device, uuid, err, errlen);
     pthread_mutex_unlock(&dm.lock);
     return rc == 0 ? &dm_mem : NULL;
 }

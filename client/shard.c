@@ -533,7 +533,9 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     args_bytes += SD_CKPT_PATH_MAX; /* then a save's directory */
     struct stat cst;
     char why[512];
-    ctx->mem = shard_devmem_open(rep->memory, rep->device, why, sizeof(why));
+    ctx->mem =
+        shard_devmem_open(rep->memory, rep->device,
+                          rep->device_uuid != NULL ? rep->device_uuid : "", why, sizeof(why));
     snprintf(ctx->device_uuid, sizeof(ctx->device_uuid), "%s",
              rep->device_uuid != NULL ? rep->device_uuid : "");
     if (ctx->mem == NULL)

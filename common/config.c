@@ -31,6 +31,12 @@ const struct sd_config_entry sd_config_table[] = {
      "memory out of the host's reach as a GPU's is); cuda and hip when "
      "built with them (shardd --help lists those built in)",
      1},
+    {"devices", SD_CFG_STRING, "", 0, 128, OFF(devices),
+     "the GPU the device backend drives, by the driver's index (CUDA_VISIBLE_DEVICES applies): "
+     "one index, or one per local rank (\"3,3,3,3\"), which must all name one GPU for now "
+     "(several GPUs per daemon are not built: run one shardd per GPU, each with its "
+     "devices); empty: GPU 0",
+     1},
     {"memory_budget", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(memory_budget),
      "bytes all jobs together may allocate; 0 means half of physical memory", 0},
     {"op_timeout_ms", SD_CFG_INT, "30000", 1, 3600000, OFF(op_timeout_ms),
@@ -231,6 +237,8 @@ static int check_string(const struct sd_config_entry *e, const char *value, char
                  e->name, value);
         return SD_ECONFIG;
     }
+    if (strcmp(e->name, "devices") == 0 && sd_config_device(value, err, errlen) < 0)
+        return SD_ECONFIG;
     if (strcmp(e->name, "backend") == 0 && strcmp(value, "host") != 0 &&
         strcmp(value, "host-deferred") != 0 && strcmp(value, "emu") != 0 &&
         strcmp(value, "emu-device") != 0 && strcmp(value, "emu-gpu") != 0 &&
@@ -242,6 +250,41 @@ static int check_string(const struct sd_config_entry *e, const char *value, char
         return SD_ECONFIG;
     }
     return SD_OK;
+}
+
+int sd_config_device(const char *devices, char *err, size_t errlen)
+{
+    const char *p = devices;
+    long first = -1;
+    if (p[0] == '\0')
+        return 0;
+    for (;;) {
+        char *end;
+        if (!isdigit((unsigned char)*p)) {
+            snprintf(err, errlen, "option 'devices': '%s' is not a list of GPU indices", devices);
+            return SD_ECONFIG;
+        }
+        long d = strtol(p, &end, 10);
+        if (d > 1023) {
+            snprintf(err, errlen, "option 'devices': GPU %ld is past 1023", d);
+            return SD_ECONFIG;
+        }
+        if (first >= 0 && d != first) {
+            snprintf(err, errlen,
+                     "option 'devices': '%s' names several GPUs; one shardd drives one GPU for "
+                     "now (run one shardd per GPU, each with its own devices)",
+                     devices);
+            return SD_ECONFIG;
+        }
+        first = d;
+        if (*end == '\0')
+            return (int)first;
+        if (*end != ',') {
+            snprintf(err, errlen, "option 'devices': '%s' is not a list of GPU indices", devices);
+            return SD_ECONFIG;
+        }
+        p = end + 1;
+    }
 }
 
 int sd_config_set(struct sd_config *cfg, const char *name, const char *value, char *err,

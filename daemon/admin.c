@@ -377,11 +377,11 @@ static json_t *devices_json(const struct sd_gpu_ops *dev)
         for (int j = 0; j < SD_GPU_MAX_DEVICES; j++)
             if (d[i].peers & (1ULL << j))
                 json_array_append_new(peers, json_integer(j));
-        json_array_append_new(arr,
-                              json_pack("{s:i, s:s, s:s, s:I, s:b, s:b, s:o}", "index", d[i].index,
-                                        "name", d[i].name, "uuid", d[i].uuid, "memory_bytes",
-                                        (json_int_t)d[i].memory_bytes, "fd_handles",
-                                        d[i].fd_handles, "rdma", d[i].rdma, "peers", peers));
+        json_array_append_new(arr, json_pack("{s:i, s:s, s:s, s:b, s:I, s:b, s:b, s:o}", "index",
+                                             d[i].index, "name", d[i].name, "uuid", d[i].uuid,
+                                             "driven", d[i].driven, "memory_bytes",
+                                             (json_int_t)d[i].memory_bytes, "fd_handles",
+                                             d[i].fd_handles, "rdma", d[i].rdma, "peers", peers));
     }
     return arr;
 }

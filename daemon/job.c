@@ -176,10 +176,14 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     out.register_ = &rep;
 
     rep.memory = (char *)job->reg->dev->client_memory;
-    rep.device = 0; /* the device the backend drives (struct sd_gpu_device 0) */
-    struct sd_gpu_device gpu[SD_GPU_MAX_DEVICES] = {{.uuid = ""}};
-    if (job->reg->dev->devices != NULL && job->reg->dev->devices(gpu, SD_GPU_MAX_DEVICES) > 0)
-        rep.device_uuid = gpu[0].uuid;
+    struct sd_gpu_device gpu[SD_GPU_MAX_DEVICES];
+    int n_gpus =
+        job->reg->dev->devices != NULL ? job->reg->dev->devices(gpu, SD_GPU_MAX_DEVICES) : 0;
+    for (int i = 0; i < n_gpus; i++)
+        if (gpu[i].driven) { /* the device the backend drives (config devices) */
+            rep.device = gpu[i].index;
+            rep.device_uuid = gpu[i].uuid;
+        }
     /* the pool goes out read-only: clients read gathered weights, never write them (a memfd
      * reopened read-only; a device's fd handle, which the client maps read-only) */
     bool memfd = job->reg->dev->client_memfds;

@@ -289,12 +289,16 @@ int main(int argc, char **argv)
                 cfg.backend, built);
         return 2;
     }
-    if (dev->open != NULL) {
-        char why[512];
-        if (dev->open(why, sizeof(why)) != SD_OK) {
-            fprintf(stderr, "shardd: backend '%s' cannot start: %s\n", cfg.backend, why);
-            return 2;
-        }
+    char why[512];
+    int gpu = sd_config_device(cfg.devices, why, sizeof(why));
+    if (gpu > 0 && dev->open == NULL) {
+        snprintf(why, sizeof(why), "devices names GPU %d, and backend '%s' drives no GPU (devices "
+                 "empty or 0)", gpu, cfg.backend);
+        gpu = SD_ECONFIG;
+    }
+    if (gpu < 0 || (dev->open != NULL && dev->open(gpu, why, sizeof(why)) != SD_OK)) {
+        fprintf(stderr, "shardd: backend '%s' cannot start: %s\n", cfg.backend, why);
+        return 2;
     }
     uv_loop_t loop;
     uv_loop_init(&loop);

@@ -37,7 +37,8 @@ static struct {
     dev_module mod;
     dev_fn fn[SDK_K_COUNT];
     size_t granularity;
-    int rdma; /* GPUDirect RDMA with VMM: allocations may ask for it */
+    int rdma;  /* GPUDirect RDMA with VMM: allocations may ask for it */
+    int index; /* the device driven (the driver's index) */
     char name[128];
 } g;
 
@@ -146,6 +147,7 @@ static int dev_devices(struct sd_gpu_device *out, int max)
         if (dev_total_mem(&bytes, d[i]) == DEV_OK)
             o->memory_bytes = bytes;
         device_caps(d[i], &o->fd_handles, &o->rdma);
+        o->driven = i == g.index;
         dev_uuid_t u;
         if (dev_uuid(&u, d[i]) == DEV_OK)
             sd_gpu_uuid_format(o->uuid, sizeof(o->uuid), (const uint8_t *)u.bytes);
@@ -158,7 +160,7 @@ static int dev_devices(struct sd_gpu_device *out, int max)
     return count;
 }
 
-static int dev_open(char *err, size_t errlen)
+static int dev_open(int device, char *err, size_t errlen)
 {
     if (g.lib != NULL)
         return SD_OK;
@@ -193,10 +195,19 @@ static int dev_open(char *err, size_t errlen)
         goto err_close;
     }
     dev_driver_version(&version);
-    if ((r = dev_device_get(&g.dev, 0)) != DEV_OK) {
-        snprintf(err, errlen, "device 0: %s", dev_err(r));
+    if (device < 0 || device >= count) {
+        snprintf(err, errlen,
+                 "devices names %s %d, and the driver sees %d (0 to %d; CUDA_VISIBLE_DEVICES or "
+                 "ROCR_VISIBLE_DEVICES renumber them)",
+                 DEV_NAME, device, count, count - 1);
+        r = DEV_NODEV;
         goto err_close;
     }
+    if ((r = dev_device_get(&g.dev, device)) != DEV_OK) {
+        snprintf(err, errlen, "device %d: %s", device, dev_err(r));
+        goto err_close;
+    }
+    g.index = device;
     dev_device_name(g.name, (int)sizeof(g.name), g.dev);
     if ((r = check_device(err, errlen)) != DEV_OK)
         goto err_close;
@@ -224,8 +235,8 @@ static int dev_open(char *err, size_t errlen)
         goto err_close;
     }
     g.lib = lib;
-    SD_INFO(DEV_NAME, "%s (device 0 of %d), driver %d, granularity %zu KiB, GPUDirect RDMA %s",
-            g.name, count, version, g.granularity >> 10, g.rdma ? "yes" : "no");
+    SD_INFO(DEV_NAME, "%s (device %d of %d), driver %d, granularity %zu KiB, GPUDirect RDMA %s",
+            g.name, device, count, version, g.granularity >> 10, g.rdma ? "yes" : "no");
     return SD_OK;
 
 err_close:

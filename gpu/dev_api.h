@@ -140,6 +140,8 @@ static inline void dev_access_init(dev_access *a, dev_device d)
     X(cuCtxGetDevice)                                                                              \
     X(cuCtxSetCurrent)                                                                             \
     X(cuDevicePrimaryCtxRetain)                                                                    \
+    X(cuDeviceGetCount)                                                                            \
+    X(cuDeviceGetUuid)                                                                             \
     X(cuMemImportFromShareableHandle)                                                              \
     X(cuMemGetAllocationGranularity)                                                               \
     X(cuMemAddressReserve)                                                                         \
@@ -301,6 +303,7 @@ static inline void dev_access_init(dev_access *a, dev_device d)
     X(hipGetDevice)                                                                                \
     X(hipSetDevice)                                                                                \
     X(hipGetDeviceCount)                                                                           \
+    X(hipDeviceGetUuid)                                                                            \
     X(hipMemImportFromShareableHandle)                                                             \
     X(hipMemGetAllocationGranularity)                                                              \
     X(hipMemAddressReserve)                                                                        \

@@ -128,7 +128,8 @@ static int emu_devices(struct sd_gpu_device *out, int max)
         out[0] = (struct sd_gpu_device){
             .index = 0,
             .memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0,
-            .fd_handles = true};
+            .fd_handles = true,
+            .driven = true};
         snprintf(out[0].name, sizeof(out[0].name), "emulated (host memory)");
     }
     return 1;

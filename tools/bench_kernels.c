@@ -153,7 +153,7 @@ int sd_bench_kernels(const char *backend, uint64_t size, uint64_t params, int it
     struct kb k = {.iters = iters, .json = json};
     k.dev = sd_gpu_find(backend);
     char why[512] = "not built into this binary";
-    if (k.dev == NULL || (k.dev->open != NULL && k.dev->open(why, sizeof(why)) != SD_OK) ||
+    if (k.dev == NULL || (k.dev->open != NULL && k.dev->open(0, why, sizeof(why)) != SD_OK) ||
         k.dev->queue_create(&k.q) != SD_OK) {
         fprintf(stderr, "shard-bench kernels: backend %s: %s\n", backend, why);
         return 77;

@@ -3,7 +3,8 @@
 #
 #   tools/local-cluster.sh start --nodes N --ranks-per-node K --dir DIR
 #                                [--netns --inter-rate RATE --inter-delay DELAY --mtu BYTES]
-#                                [--port PORT] [--shardd PATH] [-- shardd options...]
+#                                [--port PORT] [--shardd PATH] [--gpu-per-node]
+#                                [-- shardd options...]
 #   tools/local-cluster.sh stop --dir DIR
 #   tools/local-cluster.sh link --dir DIR --node I up|down     (netns clusters: cut a node off)
 #   tools/local-cluster.sh drop --dir DIR --node I --from J on|off
@@ -20,16 +21,19 @@
 # Trainers of node i must run in its namespace:
 #   ip netns exec $(tools/local-cluster.sh netns --dir DIR --node i) ...
 # (the socket is a file, so they can also connect from the root namespace). stop kills the
-# daemons and removes the namespaces, links and DIR's contents it made.
+# daemons and removes the namespaces, links and DIR's contents it made. --gpu-per-node: node i
+# drives GPU i (--devices i), as one shardd per GPU of a machine with several runs (with
+# -- --backend cuda; its trainers then run on GPU i).
 set -euo pipefail
 
-usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ -n "$cmd" ] || { usage; exit 2; }
 case $cmd in -h|--help|help) usage; exit 0 ;; esac
 shift
 state= nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 mtu=1500 port= shardd= shardctl= extra=() node=
+gpus=0
 from=
 while [ $# -gt 0 ]; do
   case $1 in
@@ -45,6 +49,7 @@ while [ $# -gt 0 ]; do
     --shardctl) shardctl=$2; shift 2 ;;
     --node) node=$2; shift 2 ;;
     --from) from=$2; shift 2 ;;
+    --gpu-per-node) gpus=1; shift ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     up|down|on|off) state=$1; shift ;;
@@ -157,14 +162,15 @@ for i in $(seq 0 $((nodes - 1))); do
   d="$dir/node$i"
   mkdir -p "$d"
   addr=127.0.0.1
-  runner=()
+  runner=() gpu=()
+  [ "$gpus" = 1 ] && gpu=(--devices "$i")
   if [ "$netns" = 1 ]; then
     addr="10.$a.$b.$((i + 1))"
     runner=(ip netns exec "$(ns "$i")")
   fi
   "${runner[@]}" "$shardd" --nodes "$nodes" --node "$i" --ranks-per-node "$k" \
     --runtime-dir "$d" --coordinator "$coord_ip:$port" --fabric-addr "$addr" \
-    --cluster-secret-file "$dir/cluster.key" \
+    --cluster-secret-file "$dir/cluster.key" "${gpu[@]}" \
     "${extra[@]}" >"$d/shardd.log" 2>&1 &
   echo $! >"$d/pid"
 done

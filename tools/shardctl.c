@@ -243,8 +243,9 @@ static void print_topology(json_t *doc)
             off += (size_t)snprintf(peers + off, sizeof(peers) - SD_MIN(off, sizeof(peers)),
                                     "%s%lld", k ? " " : "", (long long)json_integer_value(p));
         }
-        printf("device %lld: %s%s%s, %s, fd sharing %s, RDMA %s, peer access: %s\n",
-               num(d, "index"), str(d, "name"), str(d, "uuid")[0] ? " " : "", str(d, "uuid"),
+        printf("device %lld%s: %s%s%s, %s, fd sharing %s, RDMA %s, peer access: %s\n",
+               num(d, "index"), json_is_true(json_object_get(d, "driven")) ? " (driven)" : "",
+               str(d, "name"), str(d, "uuid")[0] ? " " : "", str(d, "uuid"),
                sd_fmt_bytes(mem, sizeof(mem), (uint64_t)num(d, "memory_bytes")),
                json_is_true(json_object_get(d, "fd_handles")) ? "yes" : "no",
                json_is_true(json_object_get(d, "rdma")) ? "yes" : "no", peers[0] ? peers : "none");

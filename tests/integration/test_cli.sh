@@ -63,6 +63,13 @@ out=$(timeout 30 "$SHARDD" --data-lanes 0 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "data_lanes" <<<"$out"' "data_lanes 0: $rc $out"
 out=$(timeout 30 "$SHARDD" --staging-slots 65 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "staging_slots" <<<"$out"' "staging_slots bound: $out"
+# devices: one GPU per shardd for now; a backend without GPUs takes none but 0
+out=$(timeout 30 "$SHARDD" --devices 0,1 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "several GPUs" <<<"$out" && grep -q "one shardd per GPU" <<<"$out"' \
+  "devices naming two GPUs: $rc $out"
+out=$(timeout 30 "$SHARDD" --backend host --devices 1 --runtime-dir "$dir/dv" 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "devices names GPU 1" <<<"$out" && grep -q "drives no GPU" <<<"$out"' \
+  "devices 1 on the host backend: $rc $out"
 
 section "cluster configuration and secrets"
 # a cluster: node 0 gives up at the rendezvous deadline naming the missing nodes
@@ -292,7 +299,7 @@ out=$("$SHARDCTL" "${S[@]}" topology)
 check 'grep -q "^devices: none (the host backend keeps shards in host memory)" <<<"$out"' \
   "topology of a host daemon: $out"
 out=$("$SHARDCTL" --socket "$dir/k2/shardd.sock" topology)
-check 'grep -q "^device 0: emulated (host memory), .*, fd sharing yes, RDMA no, peer access: none$" <<<"$out"' \
+check 'grep -q "^device 0 (driven): emulated (host memory), .*, fd sharing yes, RDMA no, peer access: none$" <<<"$out"' \
   "topology of an emu-device daemon: $out"
 js=$("$SHARDCTL" --socket "$dir/k2/shardd.sock" topology --json)
 check 'python3 -c "

@@ -25,7 +25,7 @@ static void on_segv(int sig)
 static void test_host(void)
 {
     char err[512] = "";
-    const struct shard_devmem *m = shard_devmem_open("host", 0, err, sizeof(err));
+    const struct shard_devmem *m = shard_devmem_open("host", 0, "", err, sizeof(err));
     TH_CHECK(m != NULL && m->host && m->memfds && m->stream_write == NULL, "host importer: %s",
              err);
     if (m == NULL)
@@ -59,11 +59,16 @@ static void test_host(void)
 static void expect_refused_or_open(const char *kind, const char *want)
 {
     char err[512] = "";
-    const struct shard_devmem *m = shard_devmem_open(kind, 0, err, sizeof(err));
+    const struct shard_devmem *m = shard_devmem_open(kind, 0, "", err, sizeof(err));
     if (m != NULL) { /* a machine with this GPU and its driver */
         TH_CHECK(strcmp(m->name, kind) == 0 && !m->host && m->stream_write != NULL,
                  "%s importer: name %s", kind, m->name);
         printf("%s: opened (a %s device is here)\n", kind, kind);
+        /* a daemon on a GPU this process does not import on (one device per process) */
+        const char *other = "GPU-00000000-0000-0000-0000-0000000000ff";
+        TH_CHECK(shard_devmem_open(kind, 0, other, err, sizeof(err)) == NULL &&
+                     strstr(err, other) != NULL,
+                 "another GPU's memory refused naming it: '%s'", err);
         return;
     }
     TH_CHECK(err[0] != '\0' && strstr(err, want) != NULL, "%s refused: '%s' (want '%s')", kind, err,
@@ -75,10 +80,10 @@ int main(void)
 {
     test_host();
     char err[512] = "";
-    TH_CHECK(shard_devmem_open("quantum", 0, err, sizeof(err)) == NULL &&
+    TH_CHECK(shard_devmem_open("quantum", 0, "", err, sizeof(err)) == NULL &&
                  strstr(err, "quantum") != NULL,
              "an unknown kind: '%s'", err);
-    const struct shard_devmem *e = shard_devmem_open("emu-gpu", 0, err, sizeof(err));
+    const struct shard_devmem *e = shard_devmem_open("emu-gpu", 0, "", err, sizeof(err));
     TH_CHECK(e != NULL && !e->host && e->memfds && e->stream_write == NULL, "emu-gpu importer");
     /* CUDA: built with CUDA's headers, refused naming libcuda or the device where no NVIDIA GPU
      * is; built without, refused naming the headers */

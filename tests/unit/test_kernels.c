@@ -454,7 +454,7 @@ static int open_bk(struct bk *b, const char *name)
         return SD_ENOSYS;
     if (b->ops->open != NULL) {
         char why[512];
-        int st = b->ops->open(why, sizeof(why));
+        int st = b->ops->open(0, why, sizeof(why));
         if (st != SD_OK) {
             printf("test_kernels: skipped: backend %s: %s\n", name, why);
             return st;

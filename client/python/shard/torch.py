@@ -711,7 +711,8 @@ def _check_devices(named, socket):
     backend = st.get("backend", "host")
     memory = "host" if backend in _HOST_MEMORY else backend
     gpus = st.get("devices") or []
-    err = _placement_error(dev, memory, gpus[0] if gpus else None, backend)
+    gpu = next((g for g in gpus if g.get("driven")), gpus[0] if gpus else None)
+    err = _placement_error(dev, memory, gpu, backend)
     if err:
         raise ValueError(f"shard.torch.wrap: {err}; nothing was registered")
     return dev

@@ -15,6 +15,7 @@ struct sd_config {
     int64_t ranks_per_node;
     int64_t package_size;
     char backend[16];
+    char devices[128];
     uint64_t memory_budget;
     int64_t op_timeout_ms;
     int64_t register_timeout_ms;
@@ -87,6 +88,9 @@ int sd_config_set(struct sd_config *cfg, const char *name, const char *value, ch
                   size_t errlen);
 /* Load a JSON object; unknown keys and bad values are errors naming the key, value and file. */
 int sd_config_load_file(struct sd_config *cfg, const char *path, char *err, size_t errlen);
+/* The GPU index option `devices` names (0 where it is empty), or SD_ECONFIG with err filled (not
+ * a list of indices, or one naming several GPUs, which one shardd does not drive yet) */
+int sd_config_device(const char *devices, char *err, size_t errlen);
 /* Print every option with its type, default and help. */
 void sd_config_print_help(FILE *out);
 /* Value of one option as text. */

@@ -48,6 +48,7 @@ struct sd_gpu_device {
      * ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"; "" where the driver has none): what a trainer
      * compares with its own device, whatever CUDA_VISIBLE_DEVICES numbers them */
     char uuid[48];
+    bool driven; /* the one this backend drives (opened with it: config devices) */
 };
 
 /* one of several copies enqueued together (copy_many) */
@@ -69,9 +70,10 @@ struct sd_gpu_ops {
     /* those fds are memfds (the gather pool's goes out reopened read-only); else a device's fd
      * handles, which the client maps read-only itself */
     bool client_memfds;
-    /* Once, before anything else: find the driver and the devices (NULL: nothing to find). On
-     * failure err says what is missing (the library, a device, a device attribute). */
-    int (*open)(char *err, size_t errlen);
+    /* Once, before anything else: find the driver and open device `device` (the driver's index),
+     * which every allocation and queue then uses (NULL: nothing to find; such a backend has one
+     * device, 0). On failure err says what is missing (the library, the device, an attribute). */
+    int (*open)(int device, char *err, size_t errlen);
     /* After open: how many devices it sees, the first max of them described into out. NULL: it
      * drives none (the host backend). */
     int (*devices)(struct sd_gpu_device *out, int max);
