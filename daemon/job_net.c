@@ -114,6 +114,45 @@ static void stage_buffers(const struct sd_job *job, const struct sd_config *cfg,
  * replication group keeps identical without 2-hop (the same sums added in the same order from
  * zero). Two rounds of one unit must not run at once then: the later one's all-gather could
  * land before the earlier one's. */
+size_t sd_job_net_ar_tmp_floats(const struct sd_job *job, const struct sd_config *cfg)
+{
+    uint32_t R = job->gnodes[SD_STATE_G] > 1 ? job->nodes / job->gnodes[SD_STATE_G] : job->nodes;
+    uint64_t maxn = job->layout.max_unit_numel;
+    uint64_t block = job->gnodes[SD_STATE_G] > 1 ? maxn / job->gnodes[SD_STATE_G] : maxn;
+    /* the largest all-reduce is one block */
+    size_t need = sd_allreduce_tmp_floats(block, R, cfg->small_allreduce_bytes);
+    /* smaller units may take the direct path with (R - 1) * count floats */
+    size_t small = cfg->small_allreduce_bytes / sizeof(float);
+    return SD_MAX(need, (size_t)(R > 1 ? R - 1 : 0) * SD_MIN(small, block)) + 16;
+}
+
+bool sd_job_net_g_ident(const struct sd_job *job)
+{
+    return job->gnodes[SD_STATE_G] == 1 || job->plan.f[SD_STATE_W] == 1;
+}
+
+/* Not when one rank's fp32 gradient is the partial: one rank a node, its g blocks the unit's
+ * elements in order, every unit fp32. */
+bool sd_job_net_round_buf(const struct sd_job *job)
+{
+    if (job->k > 1 || !sd_job_net_g_ident(job))
+        return true;
+    for (uint32_t u = 0; u < job->layout.n_units; u++)
+        if (job->layout.units[u].dtype != SD_DTYPE_FP32)
+            return true;
+    return false;
+}
+
+/* partial, the G - 1 received blocks, the summed block and the all-reduce's temporary */
+size_t sd_job_net_round_floats(const struct sd_job *job, const struct sd_config *cfg)
+{
+    uint64_t maxn = job->layout.max_unit_numel;
+    uint32_t G = job->gnodes[SD_STATE_G];
+    uint64_t block = G > 1 ? maxn / G : 0;
+    return (sd_job_net_round_buf(job) ? maxn : 0) + (G > 1 ? (uint64_t)G * block : 0) +
+           sd_job_net_ar_tmp_floats(job, cfg) + 4 * 16; /* + 16 floats of slack each */
+}
+
 bool sd_job_net_rounds_accumulate(const struct sd_job *job)
 {
     return job->k == 1 && !job->plan.two_hop && job->nodes / job->gnodes[SD_STATE_G] > 1 &&

@@ -39,6 +39,15 @@ void sd_job_net_sweep(struct sd_job *job, uint64_t now);
 void *sd_job_net_desc(const struct sd_job *job, const void *p);
 /* Does each round's all-reduce add its sum into the g shard itself (sd_allreduce's acc)? */
 bool sd_job_net_rounds_accumulate(const struct sd_job *job);
+/* the sizes of a push node round's buffers (push.c lays them out): its all-reduce's temporary,
+ * whether it sums its partial into a buffer of its own, and all its floats */
+size_t sd_job_net_ar_tmp_floats(const struct sd_job *job, const struct sd_config *cfg);
+bool sd_job_net_round_buf(const struct sd_job *job);
+/* Across nodes, are the node blocks of a unit's reduce-scatter the k ranks' g shards in unit
+ * order (f_w = 1, or the whole group inside the node)? Else each block is gathered shard by
+ * shard (the nesting of model.h). */
+bool sd_job_net_g_ident(const struct sd_job *job);
+size_t sd_job_net_round_floats(const struct sd_job *job, const struct sd_config *cfg);
 /* An all-reduce across the replication group (job->xfer.members, R of them): what a push round
  * or the step's boundary hop gives. */
 struct sd_job_allreduce {

@@ -10,6 +10,7 @@
 #include "net.h"
 #include "job_module.h"
 #include "push.h"
+#include "push_round.h"
 #include "step.h"
 #include "quant.h"
 #include "session.h"
@@ -22,38 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-struct sd_push_entry {
-    struct sd_session *s;
-    uint64_t tag;
-    uint64_t arrive_ns;
-    uint32_t slot;
-};
-
 struct sd_push_round {
     uint32_t arrived;
     uint64_t first_ns;
     uint64_t seq; /* which round of its (unit, group) it collects: the micro-step */
-};
-
-/* A push round that crosses nodes: node partial, reduce-scatter in the partition group, and
- * without the 2-hop sync an all-reduce across the replication group, every micro-step. Up to
- * push_rounds of them are on the wire at once, each with its own buffers; they are applied to the
- * g shards in the order they started, so the sums do not depend on which finishes first. */
-struct sd_node_round {
-    struct sd_job *job;
-    bool net_done; /* its transfers (and all-reduce) finished */
-    bool quant;    /* ,qg: its blocks travel as int4 (quant.c's buffers of this round) */
-    uint32_t unit;
-    uint64_t seq, start_ns;
-    uint32_t pending;
-    int status;
-    uint32_t suspect;
-    size_t chunk;
-    float *part; /* the node partial: buf, or the one rank's fp32 staging slot */
-    float *buf;  /* [max unit] the node partial when it must be summed (NULL if never) */
-    float *rs_recv, *rs_out, *ar_tmp; /* [G - 1 blocks], [block], [ar_tmp_count] */
-    uint32_t chunk_arrivals[SD_TAG_MAX_CHUNKS];
-    struct sd_allreduce ar;
 };
 
 /* a local round whose pushes all arrived, waiting for a node round */
@@ -169,13 +142,36 @@ static void finish_round_later(struct sd_job *job, uint32_t u, uint32_t g)
         (struct sd_round_wait){.unit = u, .group = g, .ticket = ticket};
 }
 
+static bool round_post_blocks(struct sd_node_round *rd);
+static void rs_all_done(struct sd_node_round *rd);
+
+/* the node rounds whose blocks wait for the device to write them: posted once it did */
+static bool blocks_poll(struct sd_job *job)
+{
+    struct sd_push_state *ps = job->push;
+    bool moved = false;
+    for (uint32_t j = 0; j < ps->nr_len && job->state != SD_JOB_FAILED; j++) {
+        struct sd_node_round *rd = &ps->nr[(ps->nr_head + j) % ps->round_gens];
+        uint32_t before = rd->next;
+        if (rd->next >= job->gnodes[SD_STATE_G])
+            continue;
+        bool all = round_post_blocks(rd);
+        moved |= rd->next != before;
+        if (all && rd->pending == 0)
+            rs_all_done(rd);
+    }
+    return moved;
+}
+
 bool sd_push_queue_poll(struct sd_job *job)
 {
     struct sd_push_state *ps = job->push;
-    if (ps == NULL || ps->w_len == 0)
+    if (ps == NULL)
         return false;
+    bool moved = ps->nr != NULL && blocks_poll(job);
+    if (ps->w_len == 0)
+        return moved;
     const struct sd_gpu_ops *dev = job->reg->dev;
-    bool moved = false;
     while (ps->w_len > 0 && job->state != SD_JOB_FAILED) {
         struct sd_round_wait w = ps->waits[ps->w_head];
         int st = dev->query(job->mem.queue, w.ticket);
@@ -197,7 +193,13 @@ bool sd_push_queue_poll(struct sd_job *job)
 
 bool sd_push_queue_waiting(const struct sd_job *job)
 {
-    return job->push != NULL && job->push->w_len > 0;
+    const struct sd_push_state *ps = job->push;
+    if (ps == NULL)
+        return false;
+    for (uint32_t j = 0; ps->nr != NULL && j < ps->nr_len; j++)
+        if (ps->nr[(ps->nr_head + j) % ps->round_gens].next < job->gnodes[SD_STATE_G])
+            return true;
+    return ps->w_len > 0;
 }
 
 /* All members of a g-partition group (inside this node) pushed unit u: reduce-scatter into
@@ -429,50 +431,12 @@ static void round_after_rs(struct sd_node_round *rd)
     round_net_done(rd);
 }
 
-/* chunk c of the partials of this node's block arrived from some node: once all did, sum it */
-static void rs_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
+/* every block of the round was exchanged */
+static void rs_all_done(struct sd_node_round *rd)
 {
-    struct sd_node_round *rd = b->arg;
-    struct sd_job *job = rd->job;
-    (void)piece;
-    uint32_t c = (uint32_t)(off / rd->chunk);
-    uint32_t G = job->gnodes[SD_STATE_G];
-    if (++rd->chunk_arrivals[c] < G - 1)
-        return;
-    const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
-    size_t block = ul->numel / G, e0 = off / sizeof(float), e1 = (off + len) / sizeof(float);
-    uint32_t me = job->node % G;
-    const float *src[64] = {NULL};
-    for (uint32_t i = 0, o = 0; i < G; i++)
-        src[i] = i == me ? rd->part + (size_t)me * block : rd->rs_recv + (size_t)(o++) * block;
-    /* node order, as the reference would add them: ((s0 + s1) + s2) + ... */
-    const struct sd_gpu_ops *dev = job->reg->dev;
-    dev->copy(job->mem.queue, rd->rs_out + e0, src[0] + e0, (e1 - e0) * sizeof(float));
-    for (uint32_t i = 1; i < G; i++)
-        dev->reduce_add(job->mem.queue, rd->rs_out + e0, src[i] + e0, SD_DTYPE_FP32, e1 - e0);
-}
-
-/* With ,qg every other node's block arrived as int4: this node's block of the sum, in node
- * order as the exact path adds them, from its own partial and the decoded others. */
-static void rs_decode(struct sd_node_round *rd)
-{
-    struct sd_job *job = rd->job;
-    const struct sd_gpu_ops *dev = job->reg->dev;
-    const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
-    uint32_t G = job->gnodes[SD_STATE_G], me = job->node % G, r = (uint32_t)(rd - job->push->nr);
-    size_t block = ul->numel / G;
-    for (uint32_t i = 0, o = 0; i < G; i++) {
-        if (i == me) {
-            const float *own = rd->part + (size_t)me * block;
-            if (i == 0)
-                dev->copy(job->mem.queue, rd->rs_out, own, block * sizeof(float));
-            else
-                dev->reduce_add(job->mem.queue, rd->rs_out, own, SD_DTYPE_FP32, block);
-            continue;
-        }
-        dev->dequantize(job->mem.queue, rd->rs_out, SD_DTYPE_FP32, sd_qg_recv(job, r, o++),
-                        SD_CODEC_INT4, block, job->plan.qblock, i != 0);
-    }
+    if (rd->quant && rd->status == SD_OK && rd->job->state != SD_JOB_FAILED)
+        sd_round_decode(rd);
+    round_after_rs(rd);
 }
 
 static void rs_done(struct sd_bulk *b, int status)
@@ -487,48 +451,8 @@ static void rs_done(struct sd_bulk *b, int status)
         rd->suspect = b->peer;
     }
     sd_bulk_put(&job->xfer.bulks, b);
-    if (--rd->pending > 0)
-        return;
-    if (rd->quant && rd->status == SD_OK && job->state != SD_JOB_FAILED)
-        rs_decode(rd);
-    round_after_rs(rd);
-}
-
-/* elements [lo, hi) of the node partial, into rd->buf: the local ranks' gradients summed in
- * rank order */
-static void partial_range(struct sd_job *job, struct sd_node_round *rd,
-                          const struct sd_push_entry *ent, const struct sd_unit_layout *ul,
-                          uint64_t lo, uint64_t hi, uint64_t src_lo)
-{
-    const struct sd_gpu_ops *dev = job->reg->dev;
-    size_t esz = sd_dtype_size(ul->dtype);
-    for (uint32_t m = 0; m < job->k; m++) {
-        const uint8_t *src = sd_job_staging_slot(job, ent[m].s->local, ent[m].slot) + src_lo * esz;
-        if (m == 0)
-            dev->to_f32(job->mem.queue, rd->buf + lo, src, ul->dtype, hi - lo);
-        else
-            dev->reduce_add(job->mem.queue, rd->buf + lo, src, ul->dtype, hi - lo);
-    }
-}
-
-/* Elements [lo, hi) of the node partial in block order: across nodes, block i of the partial is
- * the g shards of the group's i-th node's ranks in local order, which with f_w > 1 are not the
- * unit's elements in order (the nesting of model.h): each g-shard-long piece comes from the
- * shard that rank holds. */
-static void node_partial(struct sd_job *job, struct sd_node_round *rd,
-                         const struct sd_push_entry *ent, const struct sd_unit_layout *ul,
-                         uint64_t lo, uint64_t hi)
-{
-    if (job->push->g_ident) {
-        partial_range(job, rd, ent, ul, lo, hi, lo);
-        return;
-    }
-    uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
-    uint32_t first = sd_job_group_first(job, job->gnodes[SD_STATE_G]) * job->k;
-    for (uint64_t q = lo / len; q * len < hi; q++) { /* block ranges are whole shards */
-        uint32_t shard = sd_plan_shard(&job->plan, SD_STATE_G, first + (uint32_t)q);
-        partial_range(job, rd, ent, ul, q * len, (q + 1) * len, (uint64_t)shard * len);
-    }
+    if (--rd->pending == 0 && rd->next >= job->gnodes[SD_STATE_G]) /* else more to come */
+        rs_all_done(rd);
 }
 
 static bool unit_in_round(const struct sd_job *job, uint32_t unit)
@@ -537,6 +461,48 @@ static bool unit_in_round(const struct sd_job *job, uint32_t unit)
         if (job->push->nr[(job->push->nr_head + i) % job->push->round_gens].unit == unit)
             return true;
     return false;
+}
+
+/* Post the exchanges of the round's blocks, in block order, each once the device wrote its
+ * partial (its ticket reached: at once on the host backends, else from the loop's poll,
+ * sd_push_queue_poll), never blocking the loop on the device; true once all are posted. */
+static bool round_post_blocks(struct sd_node_round *rd)
+{
+    struct sd_job *job = rd->job;
+    const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+    uint32_t G = job->gnodes[SD_STATE_G], me = job->node % G, r = rd->index;
+    uint32_t first = sd_job_group_first(job, G);
+    size_t block = ul->numel / G, bytes = block * sizeof(float);
+    size_t wire = rd->quant ? sd_codec_bytes(SD_CODEC_INT4, block, job->plan.qblock) : bytes;
+    for (; rd->next < G && job->state != SD_JOB_FAILED; rd->next++) {
+        uint32_t i = rd->next, o = i < me ? i : i - 1;
+        if (i == me)
+            continue;
+        int st = rd->ticket[i] ? job->reg->dev->query(job->mem.queue, rd->ticket[i]) : SD_OK;
+        if (st == SD_EAGAIN)
+            return false;
+        if (st != SD_OK) {
+            sd_job_backend_failed(job, st);
+            return false;
+        }
+        struct sd_exchange_param x = {
+            .peer = first + i,
+            .recv = {.buf = rd->quant ? sd_qg_recv(job, r, o)
+                                      : (void *)(rd->rs_recv + (size_t)o * block),
+                     .bytes = wire},
+            .send = {.buf =
+                         rd->quant ? sd_qg_send(job, r, o) : (void *)(rd->part + (size_t)i * block),
+                     .bytes = wire},
+            .chunk_bytes = job->reg->cfg->chunk_bytes,
+            .cb = rs_done,
+            .chunk_cb = rd->quant ? NULL : sd_round_chunk,
+            .arg = rd,
+            .arg2 = bytes};
+        rd->pending +=
+            sd_job_net_exchange(job, &x, SD_TAG_GRAD, rd->unit,
+                                sd_tag_wrap(rd->seq, SD_TAG_SEQ_BITS), &rd->status, &rd->suspect);
+    }
+    return rd->next >= G;
 }
 
 /* Start node rounds for the local rounds waiting, while a round's buffers are free (in order:
@@ -579,15 +545,16 @@ static void round_start_next(struct sd_job *job)
         bool direct = job->k == 1 && ul->dtype == SD_DTYPE_FP32 && job->push->g_ident;
         rd->part = direct ? (float *)(void *)sd_job_staging_slot(job, ent[0].s->local, ent[0].slot)
                           : rd->buf;
+        rd->next = G; /* no block to post (G 1), or set back to 0 below */
         if (G == 1) {
             if (!direct)
-                node_partial(job, rd, ent, ul, 0, ul->numel);
+                sd_round_partial(job, rd, ent, ul, 0, ul->numel);
             round_after_rs(rd);
             continue;
         }
         size_t block = ul->numel / G, bytes = block * sizeof(float);
-        uint32_t first = sd_job_group_first(job, G), me = job->node % G;
-        uint32_t r = (uint32_t)(rd - job->push->nr);
+        uint32_t me = job->node % G;
+        uint32_t r = rd->index;
         /* ,qg: each block leaves as int4, quantized once (with ,ef after adding the error its
          * last quantization left), and the received ones are decoded when all are in */
         rd->quant = sd_qg_unit(job, u);
@@ -595,16 +562,15 @@ static void round_start_next(struct sd_job *job)
             job->stats.quant_fallbacks++;
         size_t wire = rd->quant ? sd_codec_bytes(SD_CODEC_INT4, block, job->plan.qblock) : bytes;
         rd->chunk = sd_bulk_chunk_bytes(wire, 1, job->reg->cfg->chunk_bytes);
-        uint32_t seq = sd_tag_wrap(rd->seq, SD_TAG_SEQ_BITS);
+        rd->next = 0;
         for (uint32_t i = 0, o = 0; i < G; i++) {
-            uint32_t m = first + i;
+            rd->ticket[i] = 0;
             if (i == me)
                 continue;
             if (!direct)
-                node_partial(job, rd, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
-            void *rp = rd->rs_recv + (size_t)o * block, *sp = rd->part + (size_t)i * block;
+                sd_round_partial(job, rd, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
+            const float *sp = rd->part + (size_t)i * block;
             if (rd->quant) {
-                rp = sd_qg_recv(job, r, o);
                 if (job->plan.ef)
                     job->reg->dev->quantize_ef(job->mem.queue, sd_qg_send(job, r, o), SD_CODEC_INT4,
                                                sp, sd_qg_ef(job, u, i), block, job->plan.qblock);
@@ -612,25 +578,19 @@ static void round_start_next(struct sd_job *job)
                     job->reg->dev->quantize(job->mem.queue, sd_qg_send(job, r, o), SD_CODEC_INT4,
                                             sp, SD_DTYPE_FP32, block, job->plan.qblock);
                 job->stats.quant_encodes++;
-                sp = sd_qg_send(job, r, o);
             }
-            if ((!direct || rd->quant) && !sd_job_sync(job)) /* the block leaves now */
+            int st = (!direct || rd->quant) /* the block leaves once the device wrote it */
+                         ? job->reg->dev->record(job->mem.queue, &rd->ticket[i])
+                         : SD_OK;
+            if (st != SD_OK) {
+                sd_job_backend_failed(job, st);
                 return;
-            struct sd_exchange_param x = {.peer = m,
-                                          .recv = {.buf = rp, .bytes = wire},
-                                          .send = {.buf = sp, .bytes = wire},
-                                          .chunk_bytes = job->reg->cfg->chunk_bytes,
-                                          .cb = rs_done,
-                                          .chunk_cb = rd->quant ? NULL : rs_chunk,
-                                          .arg = rd,
-                                          .arg2 = bytes};
-            rd->pending +=
-                sd_job_net_exchange(job, &x, SD_TAG_GRAD, u, seq, &rd->status, &rd->suspect);
+            }
             o++;
         }
         if (!direct)
-            node_partial(job, rd, ent, ul, (uint64_t)me * block, (uint64_t)(me + 1) * block);
-        if (rd->pending == 0)
+            sd_round_partial(job, rd, ent, ul, (uint64_t)me * block, (uint64_t)(me + 1) * block);
+        if (round_post_blocks(rd) && rd->pending == 0)
             round_after_rs(rd);
     }
 }
@@ -703,9 +663,9 @@ int sd_push_create(struct sd_job *job)
     struct sd_push_state *ps = calloc(1, sizeof(*ps));
     if (ps == NULL)
         return SD_ENOMEM;
-    uint32_t k = job->k, fw = job->plan.f[SD_STATE_W], fg = job->plan.f[SD_STATE_G];
+    uint32_t k = job->k, fg = job->plan.f[SD_STATE_G];
     ps->node_rounds = job->nodes > 1 && (fg > k || !job->plan.two_hop);
-    ps->g_ident = job->gnodes[SD_STATE_G] == 1 || fw == 1;
+    ps->g_ident = sd_job_net_g_ident(job);
     /* a round inside the node is reduced as soon as it is complete: one generation is enough */
     ps->round_gens = ps->node_rounds ? (uint32_t)job->reg->cfg->push_rounds : 1;
     if (ps->node_rounds) { /* one round per unit over all local ranks, then the network */
@@ -738,45 +698,10 @@ int sd_push_alloc(struct sd_job *job)
     return ps->rounds && ps->round_entries && ps->rounds_done && ps->waits ? SD_OK : SD_ENOMEM;
 }
 
-static size_t ar_tmp_floats(const struct sd_job *job, const struct sd_config *cfg)
-{
-    uint32_t R = job->gnodes[SD_STATE_G] > 1 ? job->nodes / job->gnodes[SD_STATE_G] : job->nodes;
-    uint64_t maxn = job->layout.max_unit_numel;
-    uint64_t block = job->gnodes[SD_STATE_G] > 1 ? maxn / job->gnodes[SD_STATE_G] : maxn;
-    /* the largest all-reduce is one block */
-    size_t need = sd_allreduce_tmp_floats(block, R, cfg->small_allreduce_bytes);
-    /* smaller units may take the direct path with (R - 1) * count floats */
-    size_t small = cfg->small_allreduce_bytes / sizeof(float);
-    return SD_MAX(need, (size_t)(R > 1 ? R - 1 : 0) * SD_MIN(small, block)) + 16;
-}
-
-/* Does a node round sum its partial into a buffer of its own? Not when one rank's fp32
- * gradient is the partial. */
-static bool rounds_need_buf(const struct sd_job *job)
-{
-    if (job->k > 1 || !job->push->g_ident)
-        return true;
-    for (uint32_t u = 0; u < job->layout.n_units; u++)
-        if (job->layout.units[u].dtype != SD_DTYPE_FP32)
-            return true;
-    return false;
-}
-
-/* floats of one node round's buffers: partial, the G - 1 received blocks, the summed block and
- * the all-reduce's temporary */
-static size_t round_floats(const struct sd_job *job, const struct sd_config *cfg)
-{
-    uint64_t maxn = job->layout.max_unit_numel;
-    uint32_t G = job->gnodes[SD_STATE_G];
-    uint64_t block = G > 1 ? maxn / G : 0;
-    return (rounds_need_buf(job) ? maxn : 0) + (G > 1 ? (uint64_t)G * block : 0) +
-           ar_tmp_floats(job, cfg) + 4 * 16; /* + 16 floats of slack after each buffer */
-}
-
 size_t sd_push_net_floats(const struct sd_job *job, const struct sd_config *cfg)
 {
     return job->nodes > 1 && job->push != NULL
-               ? (size_t)job->push->round_gens * round_floats(job, cfg)
+               ? (size_t)job->push->round_gens * sd_job_net_round_floats(job, cfg)
                : 0;
 }
 
@@ -786,8 +711,8 @@ int sd_push_net_setup(struct sd_job *job, float **mem_p, size_t *floats_p)
     const struct sd_config *cfg = job->reg->cfg;
     uint32_t G = job->gnodes[SD_STATE_G];
     uint64_t maxn = job->layout.max_unit_numel, block = G > 1 ? maxn / G : 0;
-    size_t per_round = round_floats(job, cfg);
-    ps->ar_tmp_count = ar_tmp_floats(job, cfg);
+    size_t per_round = sd_job_net_round_floats(job, cfg);
+    ps->ar_tmp_count = sd_job_net_ar_tmp_floats(job, cfg);
     ps->nr = calloc(ps->round_gens, sizeof(*ps->nr));
     char tag[96];
     snprintf(tag, sizeof(tag), "shardd-%s-rounds", job->name);
@@ -797,11 +722,15 @@ int sd_push_net_setup(struct sd_job *job, float **mem_p, size_t *floats_p)
     ps->round_queue = calloc(ps->rq_cap, sizeof(*ps->round_queue));
     if (!ps->nr || st != SD_OK || !ps->round_queue)
         return SD_ENOMEM;
-    bool need_buf = rounds_need_buf(job);
+    bool need_buf = sd_job_net_round_buf(job);
     for (uint32_t i = 0; i < ps->round_gens; i++) {
         struct sd_node_round *rd = &ps->nr[i];
         float *p = (float *)ps->nr_mem.ptr + (size_t)i * per_round;
         rd->job = job;
+        rd->index = i;
+        rd->ticket = calloc(G ? G : 1, sizeof(*rd->ticket));
+        if (rd->ticket == NULL)
+            return SD_ENOMEM;
         if (need_buf) {
             rd->buf = p;
             p += maxn + 16;
@@ -824,6 +753,8 @@ void sd_push_net_teardown(struct sd_job *job)
     struct sd_push_state *ps = job->push;
     if (ps == NULL)
         return;
+    for (uint32_t i = 0; ps->nr != NULL && i < ps->round_gens; i++)
+        free(ps->nr[i].ticket);
     free(ps->nr); /* nr_mem goes with the job's other big buffers (sd_push_free) */
     free(ps->round_queue);
     ps->nr = NULL;
