@@ -292,8 +292,10 @@ int main(int argc, char **argv)
     char why[512];
     int gpu = sd_config_device(cfg.devices, why, sizeof(why));
     if (gpu > 0 && dev->open == NULL) {
-        snprintf(why, sizeof(why), "devices names GPU %d, and backend '%s' drives no GPU (devices "
-                 "empty or 0)", gpu, cfg.backend);
+        snprintf(why, sizeof(why),
+                 "devices names GPU %d, and backend '%s' drives no GPU (devices "
+                 "empty or 0)",
+                 gpu, cfg.backend);
         gpu = SD_ECONFIG;
     }
     if (gpu < 0 || (dev->open != NULL && dev->open(gpu, why, sizeof(why)) != SD_OK)) {
