@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a machine with an NVIDIA GPU (issue 40):
 #   tools/gpu-check.sh [--build DIR] [--all]
-# builds shardd with the CUDA backend (warnings as errors), runs every ctest labelled gpu, the
-# kernel test under compute-sanitizer (memcheck, racecheck), shard-bench kernels and torch's
-# fused AdamW in the same run, the daemon on the GPU (fidelity of 4 plans against the host
-# backend's same runs, a 2-daemon cluster and the quantized collectives staged through pinned
-# buffers, checkpoints device <-> host), and prints a summary: tests passed/failed/skipped, and each benchmark's ratio against
-# its target. --all also runs the whole suite on that build. Logs and
+# builds shardd with the CUDA backend (warnings as errors), runs every ctest labelled gpu (the
+# kernels against the emulation, a trainer's stream fence, shard.torch's GPT example on CUDA
+# against one process: test_torch_cuda), libshard's importer, the daemon on the GPU (fidelity of
+# 4 plans against the host backend's same runs, a 2-daemon cluster and the quantized collectives
+# staged through pinned buffers, checkpoints device <-> host), the GPT example's tokens/s through
+# shardd against one process (tools/bench/torch_cuda_tokens.sh), the kernel test under
+# compute-sanitizer (memcheck, racecheck), shard-bench kernels and torch's fused AdamW in the
+# same run, and prints a summary: tests passed/failed/skipped, and each benchmark's ratio against
+# its target (about 7 minutes on an H200). --all also runs the whole suite on that build (the
+# Python tests with the machine's torch). Logs and
 # JSON go to $OUT (the device tool's) or DIR/gpu-check. Exits 1 when anything failed or a target
 # was missed, 77 when no GPU is found. On the lent GPU machine (../shared/device/README.md):
 #   source .devkit/env.sh is done here when .devkit exists.
@@ -18,7 +22,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --build) B=$2; shift 2 ;;
     --all) all=1; shift ;;
-    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -176,7 +180,13 @@ if [ "$all" -eq 1 ]; then
 fi
 
 # what the daemon does not yet do on a device, so nothing here can check it
-note "not yet checkable: devices (several GPUs per node), FI_HMEM (issue 40)"
+note "not yet checkable: one daemon driving several GPUs, FI_HMEM (issue 40)"
 echo "== gpu-check: $([ $failed -eq 0 ] && echo passed || echo FAILED) in $(( $(date +%s) - t0 )) s; logs in $out"
 printf '%s\n' "${lines[@]}" >"$out/summary.txt"
+# the device tool brings back at most 8 files of $OUT: there the logs travel as one archive
+if [ -n "${OUT:-}" ] && [ "$out" = "$OUT" ]; then
+  tar czf /tmp/gpu-check-logs.tgz -C "$out" . &&
+    find "$out" -mindepth 1 ! -name summary.txt -delete &&
+    mv /tmp/gpu-check-logs.tgz "$out/"
+fi
 exit $failed
