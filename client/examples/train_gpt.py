@@ -304,13 +304,14 @@ def zero_copy_checks(model, st):
     counts = [0, 0]
 
     def check(module, inputs, u):
-        slot = st.slot_of(model, u)
+        # a tied parameter views the slot of the unit that owns it: any slot held now
+        slots = [s for s in (st.slot_of(model, v) for v in range(len(model.units()))) if s]
         for p in module.parameters(recurse=True):
             if p.numel() == 0:
                 continue
             counts[0] += 1
             end = p.data_ptr() + p.numel() * p.element_size()
-            counts[1] += slot is None or not (slot[0] <= p.data_ptr() and end <= slot[0] + slot[1])
+            counts[1] += not any(s[0] <= p.data_ptr() and end <= s[0] + s[1] for s in slots)
 
     for u, m in enumerate(model.units()):
         m.register_forward_pre_hook(lambda mod, inp, u=u: check(mod, inp, u))
@@ -387,7 +388,7 @@ def launch(a):
         sys.exit(f"train_gpt: a shardd rank failed (exit codes {rc})")
     # the baseline: DDP (gloo) on the CPU; on a GPU the same model in one process on the global
     # batch (one GPU has no second device for DDP's ranks)
-    ref = "single" if a.device.startswith("cuda") else "ddp"
+    ref = a.baseline or ("single" if a.device.startswith("cuda") else "ddp")
     if ref == "single":
         cmd = [sys.executable, __file__, "--single", "--log",
                os.path.join(out, "single-0.json")] + common
@@ -450,6 +451,8 @@ def main():
     p.add_argument("--device", default="cpu",
                    help="where the model is: cpu, or cuda (cuda:K) with daemons on that GPU "
                         "(shardd --backend cuda)")
+    p.add_argument("--baseline", choices=["ddp", "single"],
+                   help="--launch: the reference run (default: ddp on the CPU, single on a GPU)")
     p.add_argument("--tie", action="store_true",
                    help="the output layer shares the token embedding's weight (GPT-2's tying)")
     p.add_argument("--clip", type=float, default=0.0,

@@ -3,6 +3,8 @@
 
   test_torch_device.py SHARDD LIBSHARD plumbing   (every machine: ctest test_torch_device)
   test_torch_device.py SHARDD LIBSHARD cuda       (a GPU: ctest label gpu, tools/gpu-check.sh)
+  test_torch_device.py SHARDD LIBSHARD cuda-on-cpu (cuda's flow on CPU tensors and the host
+                                                   backend: this test's own check, about 4 min)
 
 plumbing, what needs no GPU, against one real host daemon and stand-ins for the device:
   - where a model may train: _placement_error for every pairing of the model's device (CPU, a
@@ -238,8 +240,11 @@ def plumbing():
         stop_daemon(d)
 
 
-def cuda():
-    if not torch.cuda.is_available():
+def cuda(device="cuda"):
+    """device "cpu" (mode cuda-on-cpu): the same flow on the host backend, a check of this
+    test's own logic where no GPU is"""
+    backend = "cuda" if device == "cuda" else "host"
+    if device == "cuda" and not torch.cuda.is_available():
         print("SKIP: this torch has no CUDA device (torch.cuda.is_available() is False)")
         sys.exit(77)
     cluster = os.path.join(work, "c")
@@ -247,10 +252,10 @@ def cuda():
     script = os.path.join(ROOT, "tools", "local-cluster.sh")
     port = str(21000 + os.getpid() % 8000)
     r = subprocess.run(["bash", script, "start", "--nodes", "1", "--ranks-per-node", "4", "--dir",
-                        cluster, "--port", port, "--shardd", shardd, "--", "--backend", "cuda",
+                        cluster, "--port", port, "--shardd", shardd, "--", "--backend", backend,
                         "--log-level", "warn"], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
-        print(f"SKIP: shardd --backend cuda does not start here: {r.stdout[-300:]}"
+        print(f"SKIP: shardd --backend {backend} does not start here: {r.stdout[-300:]}"
               f"{r.stderr[-300:]}")
         sys.exit(77)
     sock = os.path.join(cluster, "node0", "shardd.sock")
@@ -261,12 +266,13 @@ def cuda():
             rank 0's loss within loss_rtol of the same batch's in one process every step"""
             out = os.path.join(work, tag)
             os.makedirs(out, exist_ok=True)
-            cmd = [sys.executable, GPT, "--launch", "--device", "cuda", "--cluster-dir", cluster,
+            cmd = [sys.executable, GPT, "--launch", "--device", device, "--baseline", "single",
+                   "--cluster-dir", cluster,
                    "--nodes", "1", "--ranks-per-node", "4", "--plan", plan, "--job", tag,
                    "--out", out, "--steps", "8", "--accum", "2", "--tie", "--clip", "1.0",
                    "--check-zero-copy", "--check-syncs", "--dump", "1", "--quiet", *extra]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-            check(r.returncode == 0, f"{tag}: train_gpt --launch --device cuda: "
+            check(r.returncode == 0, f"{tag}: train_gpt --launch --device {device}: "
                   f"{r.stdout[-1500:]}{r.stderr[-1500:]}")
             if r.returncode != 0:
                 return
@@ -298,26 +304,32 @@ def cuda():
         gpt("mics:2", "bf16", "--dtype", "bf16", loss_rtol=2e-2)
         gpt("zero3", "nan", "--nan-step", "3")
 
-        # a CPU model against the GPU daemon: refused naming both
-        ok, msg = raises(lambda: st.wrap(Net(), socket=sock, job="cpu-model"), "model is on cpu",
-                         "cuda")
-        check(ok, f"a CPU model against the cuda daemon refused: {msg}")
+    finally:
+        subprocess.run(["bash", script, "stop", "--dir", cluster], capture_output=True,
+                       text=True, timeout=120)
+    d, sock = start_daemon(backend)  # jobs of one rank
+    try:
+        if device == "cuda":  # a CPU model against the GPU daemon: refused naming both
+            ok, msg = raises(lambda: st.wrap(Net(), socket=sock, job="cpu-model"),
+                             "model is on cpu", "cuda")
+            check(ok, f"a CPU model against the cuda daemon refused: {msg}")
 
         # full_state_dict on CUDA and on the CPU; a checkpoint resumed bitwise
         def train(m, steps, start=0):
             for s in range(start, steps):
                 g = torch.Generator().manual_seed(s)
-                x = torch.randn(8, 6, generator=g).cuda()
-                y = torch.randn(8, 3, generator=g).cuda()
+                x = torch.randn(8, 6, generator=g).to(device)
+                y = torch.randn(8, 3, generator=g).to(device)
                 ((m(x) - y) ** 2).mean().backward()
                 st.optimizer(m).step()
 
         torch.manual_seed(5)
-        base = Net().cuda()
+        base = Net().to(device)
         m = st.wrap(_copy(base), socket=sock, job="ck-a", plan="zero3")
         train(m, 3)
         sd = st.full_state_dict(m)
-        check(all(t.is_cuda for t in sd.values()), "full_state_dict of a CUDA model: CUDA")
+        check(all(t.device.type == device for t in sd.values()),
+              f"full_state_dict of a {device} model: on {device}")
         sc = st.full_state_dict(m, device="cpu")
         check(all(t.device.type == "cpu" and torch.equal(t, sd[k].cpu()) for k, t in sc.items()),
               "full_state_dict(device='cpu'): the same values on the CPU")
@@ -332,10 +344,9 @@ def cuda():
         got = st.full_state_dict(m2, device="cpu")
         st.unwrap(m2)
         check(all(torch.equal(got[k], want[k]) for k in want),
-              "a CUDA model's checkpoint resumed: bitwise the uninterrupted run")
+              f"a {device} model's checkpoint resumed: bitwise the uninterrupted run")
     finally:
-        subprocess.run(["bash", script, "stop", "--dir", cluster], capture_output=True,
-                       text=True, timeout=120)
+        stop_daemon(d)
 
 
 def _copy(m):
@@ -345,6 +356,8 @@ def _copy(m):
 
 if mode == "cuda":
     cuda()
+elif mode == "cuda-on-cpu":
+    cuda("cpu")
 else:
     plumbing()
 finish("test_torch_device", work)
