@@ -115,6 +115,25 @@ def plumbing():
         check("not visible to this process" in e, f"the daemon's GPU not visible here: {e}")
         e = st._placement_error(c0, "emu-gpu", None, "emu-gpu") or ""
         check("emu-gpu" in e and "torch cannot" in e, f"emulated GPU memory: {e}")
+        # wrap's check asks the daemon's topology: the device it drives is the one compared
+        real_admin = st._shard.admin
+        st._shard.admin = lambda cmd, socket=None: {
+            "backend": "cuda",
+            "devices": [{"index": 0, "name": "H200", "uuid": "GPU-" + uuids[0]},
+                        dict(gpu1, index=1, driven=True)]}
+        try:
+            on = [("w", types.SimpleNamespace(device=c1))]
+            try:
+                got, why = st._check_devices(on, "sock"), ""
+            except ValueError as e:
+                got, why = None, str(e)
+            check(got == c1, f"a model on the driven GPU (index 1) passes: {why}")
+            ok, msg = raises(lambda: st._check_devices([("w", types.SimpleNamespace(device=c0))],
+                                                       "sock"), "GPU 1 (H200, GPU-AAAAAAAA",
+                             "cuda:1", "nothing was registered")
+            check(ok, f"a model on the daemon's other GPU refused, the driven one named: {msg}")
+        finally:
+            st._shard.admin = real_admin
     finally:
         st._torch_uuid, st._torch_device_of, torch.cuda.get_device_name = saved
 
