@@ -89,7 +89,9 @@ static inline dev_res dev_client_device(dev_device *d, int index, const char *uu
 {
     CUcontext cur = NULL;
     dev_res r = p_cuCtxGetCurrent(&cur);
-    if (r == DEV_OK && cur != NULL) {
+    if (r != DEV_OK)
+        return r;
+    if (cur != NULL) {
         r = p_cuCtxGetDevice(d);
         if (r == DEV_OK && !dm_is_daemons(*d, uuid)) {
             snprintf(why, len,
@@ -101,14 +103,14 @@ static inline dev_res dev_client_device(dev_device *d, int index, const char *uu
         return r;
     }
     int found = dm_find(uuid);
-    if (r == DEV_OK && uuid[0] != '\0' && found < 0) {
+    if (uuid[0] != '\0' && found < 0) {
         snprintf(why, len,
                  "the daemon's GPU %s is not visible to this process "
                  "(CUDA_VISIBLE_DEVICES?)",
                  uuid);
         return CUDA_ERROR_INVALID_DEVICE;
     }
-    return r == DEV_OK ? p_cuDeviceGet(d, found >= 0 ? found : index) : r;
+    return p_cuDeviceGet(d, found >= 0 ? found : index);
 }
 
 /* the thread has a context: its own current one, else the device's primary context c */

@@ -533,11 +533,9 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     args_bytes += SD_CKPT_PATH_MAX; /* then a save's directory */
     struct stat cst;
     char why[512];
-    ctx->mem =
-        shard_devmem_open(rep->memory, rep->device,
-                          rep->device_uuid != NULL ? rep->device_uuid : "", why, sizeof(why));
     snprintf(ctx->device_uuid, sizeof(ctx->device_uuid), "%s",
              rep->device_uuid != NULL ? rep->device_uuid : "");
+    ctx->mem = shard_devmem_open(rep->memory, rep->device, ctx->device_uuid, why, sizeof(why));
     if (ctx->mem == NULL)
         return fail(ctx, SD_ENOSYS, "register: %s", why);
     /* memfds have sizes to check; a device's fd handles do not (its import checks them) */

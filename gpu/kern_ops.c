@@ -168,8 +168,8 @@ void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, ui
         if (p.n == 0)
             return;
         /* the grid of one copy of the largest piece, shared out (16 bytes a thread) */
-        uint64_t per = sdk_blocks((most + 15) / 16), cap = SDK_MAX_BLOCKS / p.n;
-        p.blocks_per = per < cap ? per : cap > 0 ? cap : 1;
+        uint64_t per = sdk_blocks((most + 15) / 16), cap = SDK_MAX_BLOCKS / p.n; /* p.n <= 16 */
+        p.blocks_per = per < cap ? per : cap;
         void *args[] = {&p};
         l->launch(l, SDK_K_GATHER, p.n * p.blocks_per, args);
     }

@@ -93,15 +93,16 @@ static void run_copy(struct kb *k, void *arg)
     struct copy_arg *c = arg;
     size_t piece = c->bytes / c->pieces;
     struct sd_gpu_piece p[64];
-    for (int i = 0; i < c->pieces && i < 64; i++)
+    int n = c->pieces < 64 ? c->pieces : 64;
+    for (int i = 0; i < n; i++)
         p[i] = (struct sd_gpu_piece){.dst = (char *)c->dst + i * piece,
                                      .src = (const char *)c->src + i * piece,
                                      .bytes = piece};
     if (c->at_once) {
-        sd_gpu_copy_many(k->dev, k->q, p, (uint32_t)c->pieces);
+        sd_gpu_copy_many(k->dev, k->q, p, (uint32_t)n);
         return;
     }
-    for (int i = 0; i < c->pieces; i++)
+    for (int i = 0; i < n; i++)
         k->dev->copy(k->q, p[i].dst, p[i].src, p[i].bytes);
 }
 
