@@ -265,6 +265,17 @@ uint32_t sd_plan_shard(const struct sd_plan *plan, int state, uint32_t rank)
     return state == SD_STATE_W ? d0 : state == SD_STATE_G ? g : g * (OS / G) + d2;
 }
 
+uint32_t sd_plan_shard_pos(const struct sd_plan *plan, int state, uint32_t shard)
+{
+    uint32_t W = plan->f[SD_STATE_W], G = plan->f[SD_STATE_G], OS = plan->f[SD_STATE_OS];
+    if (state == SD_STATE_W)
+        return shard;
+    /* shard = g (OS / G) + d2 with g = d0 (G / W) + d1; the position is d0 + W d1 + G d2 */
+    uint32_t g = state == SD_STATE_OS ? shard / (OS / G) : shard;
+    uint32_t d2 = state == SD_STATE_OS ? shard % (OS / G) : 0;
+    return g / (G / W) + W * (g % (G / W)) + G * d2;
+}
+
 uint64_t sd_plan_nested_off(const struct sd_plan *plan, int inner, int outer, uint32_t rank,
                             uint64_t numel)
 {

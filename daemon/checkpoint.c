@@ -208,11 +208,10 @@ int sd_ckpt_job_init(struct sd_job *job, const struct sd_fsid *owner, const char
 {
     struct sd_ckpt_job *c = calloc(1, sizeof(*c));
     job->load.ckpt = c;
-    if (c == NULL || (c->waiting = calloc(job->k, sizeof(bool))) == NULL ||
+    if (c == NULL || sd_barrier_init(&c->bar, job->k) != SD_OK ||
         (c->writer = calloc(job->k, sizeof(bool))) == NULL ||
         (c->snap_steps = calloc(job->model.n_tensors + 1, sizeof(uint64_t))) == NULL ||
         (c->snap_hp = calloc(sd_model_groups(&job->model) + 1, sizeof(*c->snap_hp))) == NULL ||
-        (c->tags = calloc(job->k, sizeof(uint64_t))) == NULL ||
         sd_ckpt__commit_init(job) != SD_OK) {
         snprintf(err, errlen, "out of memory");
         return SD_ENOMEM;
@@ -279,11 +278,10 @@ void sd_ckpt_job_free(struct sd_job *job)
     sd_ckpt_close(&c->ld.src);
     free(c->ld.buf);
     sd_ckpt__commit_free(job);
-    free(c->waiting);
+    sd_barrier_fini(&c->bar);
     free(c->writer);
     free(c->snap_steps);
     free(c->snap_hp);
-    free(c->tags);
     free(c->items);
     free(c->item_src);
     free(c->stage);
@@ -315,18 +313,16 @@ json_t *sd_ckpt_json(const struct sd_job *job)
 void sd_ckpt__save_answer(struct sd_job *job, int status, const char *msg)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
+    struct sd_req q;
     for (uint32_t r = 0; r < job->k; r++) {
-        bool waiting = c->waiting[r];
-        c->waiting[r] = false;
-        if (!waiting || job->ranks[r] == NULL)
+        if (!sd_barrier_take(&c->bar, r, &q) || job->ranks[r] == NULL)
             continue;
         job->stats.ops[SD_OP_SAVE]++;
         if (status == SD_OK)
             sd_latency_add(&job->stats.lat[SD_OP_SAVE], sd_now_ns() - c->first_ns);
-        sd_session_complete(job->ranks[r], c->tags[r], SD_OP_SAVE, status, c->step, c->seq,
+        sd_session_complete(job->ranks[r], q.tag, SD_OP_SAVE, status, c->step, c->seq,
                             status == SD_OK ? NULL : msg);
     }
-    c->arrived = 0;
     c->saving = false;
 }
 
@@ -508,8 +504,7 @@ static void save_after(struct sd_job *job)
     }
     if (job->node == 0) {
         sd_ckpt__own_part(job);
-        if (job->state == SD_JOB_READY && job->step.phase == SD_STEP_APPLY && !sd_ckpt_reading(job))
-            sd_step_progress(job); /* a step waited for the worker to leave the os shards */
+        sd_job_event(job, SD_JOB_EV_OS_FREE);
         return;
     }
     Shard__CkptExtent *xs = calloc(c->n_items + 1, sizeof(*xs));
@@ -544,8 +539,7 @@ static void save_after(struct sd_job *job)
         sd_ckpt__recovery_end(job);
     /* a step waited for the worker to leave the os shards (a recovery's too: a running job's
      * checkpoint, whose step went on meanwhile), unless a parked save took them again */
-    if (job->state == SD_JOB_READY && job->step.phase == SD_STEP_APPLY && !sd_ckpt_reading(job))
-        sd_step_progress(job);
+    sd_job_event(job, SD_JOB_EV_OS_FREE);
 }
 
 /* This node's part of save c->seq (c->dir and c->writer set): the step the os shards hold and
@@ -592,7 +586,7 @@ static void save_start(struct sd_job *job)
 bool sd_ckpt_idle(const struct sd_job *job)
 {
     const struct sd_ckpt_job *c = job->load.ckpt;
-    return c != NULL && !c->work.busy && !c->recovery && c->arrived == 0;
+    return c != NULL && !c->work.busy && !c->recovery && c->bar.arrived == 0;
 }
 
 int sd_ckpt_recover_write(struct sd_job *job, const struct sd_ckpt_recover *r, char *err,
@@ -647,7 +641,7 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
         sd_session_fail(s, e, SD_EPERM, "save: %s", sd_ckpt_identity_error(job, c->id.uid));
         return;
     }
-    if (c->waiting[s->local] || (c->work.busy && !c->recovery)) {
+    if (sd_barrier_waits(&c->bar, s->local) || (c->work.busy && !c->recovery)) {
         sd_session_fail(s, e, SD_EBUSY, "save: rank %u's previous save is still running%s", s->rank,
                         atomic_load(&c->work.abandoned)
                             ? " (it was given up at its deadline; its worker is stuck in the "
@@ -655,14 +649,14 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
                             : "");
         return;
     }
-    if (job->step.arrived > 0) {
+    if (sd_step_arrived(job) > 0) {
         sd_session_fail(s, e, SD_ESTATE,
                         "save: other ranks of this node are in step %llu; every rank saves "
                         "between the same two steps",
                         (unsigned long long)job->steps + 1);
         return;
     }
-    if (c->arrived == 0) {
+    if (c->bar.arrived == 0) {
         snprintf(c->save_dir, sizeof(c->save_dir), "%s", path);
         c->first_ns = sd_now_ns();
     } else if (strcmp(c->save_dir, path) != 0) {
@@ -671,9 +665,7 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
                         s->rank, path, c->save_dir);
         return;
     }
-    c->waiting[s->local] = true;
-    c->tags[s->local] = e->tag;
-    c->arrived++;
+    sd_barrier_arrive(&c->bar, s->local, e->tag, sd_now_ns());
     save_parked(job);
 }
 
@@ -682,7 +674,7 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
 static void save_parked(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    if (c->arrived == job->k && !c->saving && !c->recovery && !c->work.busy &&
+    if (sd_barrier_full(&c->bar) && !c->saving && !c->recovery && !c->work.busy &&
         job->state == SD_JOB_READY)
         save_start(job);
 }
@@ -691,11 +683,7 @@ static void save_parked(struct sd_job *job)
 bool sd_ckpt_overdue(struct sd_job *job, uint64_t now, uint64_t timeout, bool *present)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    if (c == NULL || c->arrived == 0 || c->arrived == job->k || now - c->first_ns <= timeout)
-        return false;
-    for (uint32_t r = 0; r < job->k; r++)
-        present[r] = c->waiting[r];
-    return true;
+    return c != NULL && sd_barrier_overdue(&c->bar, now, timeout, present);
 }
 
 void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char *msg)

@@ -3,6 +3,7 @@
 #ifndef SD_CHECKPOINT_INT_H
 #define SD_CHECKPOINT_INT_H
 
+#include "barrier.h"
 #include "checkpoint.h"
 #include "file_pool.h"
 #include "sd/ckpt.h"
@@ -55,11 +56,8 @@ struct sd_ckpt_job {
     struct sd_ckpt_work work;
     struct sd_ckpt_loading ld;
     struct sd_ckpt_commit cm;
-    /* saving: the local barrier */
-    uint32_t arrived;
-    bool *waiting;  /* [k] */
-    uint64_t *tags; /* [k] */
-    uint64_t first_ns;
+    struct sd_barrier bar; /* saving: the local ranks' save calls */
+    uint64_t first_ns;     /* the save's first call; 0 once it is answered */
     char dir[SD_CKPT_PATH_MAX], final[64];
     char tmp[128];      /* this node's part: its temporary directory in dir (the worker names it) */
     uint64_t seq, step; /* saves started; the step of this one */

@@ -4,8 +4,9 @@
  * place (a checkpoint of the same step is kept until LATEST names the new one) and LATEST
  * replaced. A save that fails has every part it made removed, by a task of its own. */
 #include "checkpoint_int.h"
+#include "job.h"
+#include "job_module.h"
 #include "cluster/cluster.h"
-#include "step.h"
 #include "recover.h"
 #include "sd/ckpt.h"
 #include "sd/log.h"
@@ -275,8 +276,7 @@ static void commit_after(struct sd_job *job)
                                  c->work.status == SD_OK ? "" : msg);
     c->first_ns = 0;
     sd_ckpt__save_answer(job, c->work.status, msg);
-    if (job->state == SD_JOB_READY && job->step.phase == SD_STEP_APPLY && !sd_ckpt_reading(job))
-        sd_step_progress(job);
+    sd_job_event(job, SD_JOB_EV_OS_FREE);
 }
 
 /* the manifest of save seq from every node's extents (node m's in data-m.bin) */

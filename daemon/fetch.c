@@ -12,7 +12,6 @@
 #include "job_module.h"
 #include "dispatch.h"
 #include "fetch.h"
-#include "step.h"
 #include "quant.h"
 #include "secondary.h"
 #include "session.h"
@@ -124,8 +123,8 @@ bool sd_fetch_queue_poll(struct sd_job *job)
         answer_oldest(job, st, st);
         moved = true;
     }
-    if (moved && job->state != SD_JOB_FAILED && job->step.phase == SD_STEP_SYNC)
-        sd_step_progress(job); /* it waits for the answers */
+    if (moved)
+        sd_job_event(job, SD_JOB_EV_ANSWERED);
     return moved;
 }
 
@@ -276,8 +275,7 @@ static void serve_done(struct sd_bulk *b, int status)
     if (status != SD_OK)
         SD_WARN_SPARSE("net", "job '%s': sending weights to node %u failed: %s", job->name, b->peer,
                        sd_status_str(status));
-    if (job->step.phase == SD_STEP_APPLY)
-        sd_step_progress(job);
+    sd_job_event(job, SD_JOB_EV_W_SENT);
 }
 
 /* Returns false if the request must wait. */
@@ -449,10 +447,8 @@ static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
     }
     if (job->gnodes[SD_STATE_W] == 1)
         return; /* a gather inside the node: it took no transfer resources, freed none */
-    if (job->step.phase != SD_STEP_IDLE) /* a refresh, or a step waiting for gathers */
-        sd_step_progress(job);
-    else
-        sd_sched_prefetch(job); /* transfer resources are free again */
+    if (!sd_job_event(job, SD_JOB_EV_TRANSFERS)) /* a refresh, or a step waiting for gathers */
+        sd_sched_prefetch(job);                  /* else: transfer resources are free again */
 }
 
 static void gather_recv_done(struct sd_bulk *b, int status)

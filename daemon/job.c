@@ -1,5 +1,6 @@
 /* Jobs: registration (all ranks, same model, with a deadline), the layout reply, the state
  * machine, departures, failures and deadlines. */
+#include "step.h"
 #include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "job.h"
@@ -42,11 +43,8 @@ void sd_job_free(struct sd_job *job)
     sd_model_free(&job->model);
     free(job->opt.hparams);
     free(job->ranks);
-    free(job->step.tags);
-    free(job->step.arrive_ns);
-    free(job->step.waiting);
-    free(job->load.ready_waiting);
-    free(job->load.ready_tags);
+    sd_step_destroy(job);
+    sd_barrier_fini(&job->load.ready);
     sd_recover_forget(job->reg, job, "the job's state was dropped");
     sd_ckpt_job_free(job);
     sd_sched_destroy(job);
@@ -389,11 +387,8 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->created_ns = sd_now_ns();
     job->register_deadline_ns = job->created_ns + (uint64_t)cfg->register_timeout_ms * 1000000ULL;
     job->ranks = calloc(k, sizeof(*job->ranks));
-    job->step.tags = calloc(k, sizeof(*job->step.tags));
-    job->step.arrive_ns = calloc(k, sizeof(*job->step.arrive_ns));
-    job->step.waiting = calloc(k, sizeof(*job->step.waiting));
-    job->load.ready_waiting = calloc(k, sizeof(*job->load.ready_waiting));
-    job->load.ready_tags = calloc(k, sizeof(*job->load.ready_tags));
+    int step_st = sd_step_create(job);
+    int ready_st = sd_barrier_init(&job->load.ready, k);
     int status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
     if (status == SD_OK)
         status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
@@ -413,8 +408,7 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
         if (job->mem.w_off == NULL)
             status = SD_ENOMEM;
     }
-    if (status != SD_OK || !job->ranks || !job->step.tags || !job->step.arrive_ns ||
-        !job->step.waiting || !job->load.ready_waiting || !job->load.ready_tags) {
+    if (status != SD_OK || step_st != SD_OK || ready_st != SD_OK || !job->ranks) {
         if (status == SD_OK)
             snprintf(err, errlen, "out of memory");
         *status_p = status == SD_OK ? SD_ENOMEM : status;
@@ -603,7 +597,7 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
     job->state = SD_JOB_FAILED;
     job->fail_status = status;
     snprintf(job->fail_msg, sizeof(job->fail_msg), "%s", text);
-    job->step.phase = SD_STEP_IDLE;
+    sd_step_stop(job);
     if (job->nodes > 1 && !registering) {
         sd_job_net_cancel(job);
         if (tell_peers)
@@ -740,6 +734,17 @@ static const struct sd_job_module *const sweep_order[] = {
 static const struct sd_job_module *const fail_order[] = {&sd_push_module,     &sd_fetch_module,
                                                          &sd_loading_module,  &sd_step_module,
                                                          &sd_dispatch_module, &sd_ckpt_module};
+
+/* The modules that wait for other modules' completions. */
+static const struct sd_job_module *const event_order[] = {&sd_step_module};
+
+bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
+{
+    bool taken = false;
+    for (size_t i = 0; i < sizeof(event_order) / sizeof(event_order[0]); i++)
+        taken |= event_order[i]->event != NULL && event_order[i]->event(job, ev);
+    return taken;
+}
 
 /* Complete every module's parked calls with an error (fail_order); with_fetches: also ranks
  * waiting for an in-flight gather. */

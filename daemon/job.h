@@ -5,6 +5,7 @@
 #ifndef SD_JOB_H
 #define SD_JOB_H
 
+#include "barrier.h"
 #include "coll/coll.h"
 #include "registry.h"
 #include "schedule.h"
@@ -23,6 +24,7 @@ struct sd_net;
 struct sd_sec_state;  /* secondary.c's */
 struct sd_job_sched;  /* schedule.c's */
 struct sd_push_state; /* push.c's */
+struct sd_step_state; /* step.c's */
 struct sd_ckpt_job;
 
 /* ranks one node serves in a job, at most: a gather's waiting ranks are a 64-bit set */
@@ -40,17 +42,6 @@ enum sd_job_state {
     SD_JOB_FINISHED
 };
 const char *sd_job_state_name(enum sd_job_state s);
-
-enum sd_step_phase {
-    SD_STEP_IDLE,
-    SD_STEP_SYNC,
-    SD_STEP_SUMS, /* the sums of squares the device took, read once its queue reached them */
-    SD_STEP_NORM,
-    SD_STEP_APPLY,
-    SD_STEP_WEIGHTS,
-    SD_STEP_NEWGEN, /* the new weights, declared once the device wrote them */
-    SD_STEP_REFRESH
-};
 
 /* Gathers the frozen schedule issues together, waiting to leave as one transfer per peer:
  * consecutive unit ids [lo, hi] of one copy, each smaller than coalesce_bytes. */
@@ -105,39 +96,6 @@ struct sd_optim_state {
     uint64_t applied;
 };
 
-/* The step (step.c): the barrier of the local ranks, then the phases across nodes. */
-struct sd_step_state {
-    uint32_t arrived;
-    uint64_t first_ns;
-    uint64_t *tags, *arrive_ns; /* [k] */
-    bool *waiting;              /* [k] */
-    enum sd_step_phase phase;
-    /* the phase waits for the job's queue to reach q_ticket (the kernels the phase before
-     * enqueued): the loop polls it (sd_step_queue_poll), never blocking on the device */
-    bool q_wait;
-    uint64_t q_ticket;
-    uint32_t unit, pending;
-    uint64_t start_ns;
-    int status;
-    uint32_t suspect;
-    struct sd_allreduce ar;
-    /* [nodes] norm parts of norm_stride bytes: struct sd_norm_part, then with skip_unused the
-     * node's tensors that had a gradient (a bit each, sd_norm_used), then at bcast_at the
-     * model's bcast_bytes (node 0's: global rank 0's broadcast; the others' unused) */
-    uint8_t *norm_buf;
-    size_t norm_stride, bcast_at;
-    uint32_t *arg_flags;        /* [k]: which step arguments each rank wrote (SD_STEP_ARG_*) */
-    struct sd_hparams *hp_next; /* [n_groups]: this step's hyperparameters (the local ranks') */
-    int arg_status;             /* SD_OK, or why the local ranks' arguments were refused */
-    char arg_msg[160];
-    uint64_t *used; /* [used_words]: tensors some rank gave a gradient in this step */
-    uint32_t used_words;
-    double *sumsq_parts; /* [n_units * k]: the device's sums of squares, added up in order */
-    struct sd_bulk **norm_b;
-    double local_sumsq;
-    uint32_t *os_pos; /* [f_os]: where in an os-partition group the owner of os shard p is */
-};
-
 /* A job that outlives a dead rank (resume.c). With a resume timeout, a rank's death pauses the
  * job: it fails with SD_EPAUSED, its state stays for the timeout, and a registration of the same
  * name and model is a new job that takes the state over (paused stays set until then). */
@@ -165,8 +123,7 @@ struct sd_resume_state {
 struct sd_load_state {
     struct sd_resume_state resume;
     struct sd_ckpt_job *ckpt; /* checkpoints: the one loaded, saves (checkpoint.c) */
-    bool *ready_waiting;      /* [k] */
-    uint64_t *ready_tags;     /* [k] */
+    struct sd_barrier ready;  /* the local ranks' ready calls */
     uint32_t next_unit;       /* the unit this node receives next (not node 0) */
     bool done, remote_ready;
     struct sd_bulk *rb;
@@ -237,7 +194,7 @@ struct sd_job {
     struct sd_sec_state *sec; /* secondary.c's */
     struct sd_unit_cache cache;
     struct sd_push_state *push; /* push.c's */
-    struct sd_step_state step;
+    struct sd_step_state *step; /* step.c's */
     struct sd_load_state load;
     struct sd_job_xfer xfer;
     struct sd_job_sched *sched; /* schedule.c's */
@@ -302,17 +259,6 @@ uint64_t sd_job_control_bytes(const struct sd_job *job);
 static inline uint8_t *sd_job_control(struct sd_job *job, uint32_t local, uint64_t off)
 {
     return (uint8_t *)job->mem.fence[local].ptr + off;
-}
-
-/* node m's part of the norm exchange, and the tensors that had a gradient there */
-static inline struct sd_norm_part *sd_norm_part_at(struct sd_job *job, uint32_t m)
-{
-    return (struct sd_norm_part *)(void *)(job->step.norm_buf + (size_t)m * job->step.norm_stride);
-}
-static inline uint64_t *sd_norm_used(struct sd_job *job, uint32_t m)
-{
-    return (uint64_t *)(void *)(job->step.norm_buf + (size_t)m * job->step.norm_stride +
-                                sizeof(struct sd_norm_part));
 }
 
 /* local rank local's arena of one state (SD_STATE_W, ...): the allocation */

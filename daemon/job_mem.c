@@ -2,6 +2,7 @@
  * arenas of every local rank in the backend's memory (cache-coloured, see SD_ARENA_COLOUR), the
  * gather pool and staging slots the trainers map, scratch and the network buffers, within the
  * daemon's memory budget. Host memory is backed and given back on a worker thread. */
+#include "step.h"
 #include "job.h"
 #include "net.h"
 #include "push.h"
@@ -138,25 +139,14 @@ void sd_job_mem_free(struct sd_job *job)
     job->mem.fence_count = NULL;
     sd_push_free(job);
     sd_unit_cache_fini(&job->cache);
-    free(job->step.sumsq_parts);
-    job->step.sumsq_parts = NULL;
+    sd_step_free(job);
     free(job->xfer.wait_tags);
     job->xfer.wait_tags = NULL;
     free(job->xfer.answer_q);
     job->xfer.answer_q = NULL;
     job->xfer.aq_len = 0;
-    free(job->step.norm_buf);
-    job->step.norm_buf = NULL;
-    free(job->step.arg_flags);
-    free(job->step.hp_next);
-    free(job->step.used);
     free(job->opt.tensor_steps); /* the hyperparameters stay for shardctl: sd_job_free */
-    job->step.arg_flags = NULL;
-    job->step.hp_next = NULL;
-    job->step.used = NULL;
     job->opt.tensor_steps = NULL;
-    free(job->step.os_pos);
-    job->step.os_pos = NULL;
     free(job->mem.w_off);
     sd_sched_free(job);
     job->mem.arena = job->mem.staging = NULL;
@@ -272,33 +262,20 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->mem.fence_count = calloc(2 * (size_t)k, sizeof(*job->mem.fence_count));
     int cache_st = sd_unit_cache_init(&job->cache, l->n_units, job->slots_per_unit, need.pool);
     int queue_st = reg->dev->queue_create(&job->mem.queue);
-    job->step.sumsq_parts = calloc((size_t)l->n_units * k, sizeof(*job->step.sumsq_parts));
+    int step_st = sd_step_alloc(job);
     job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
     job->xfer.answer_q = calloc(job->n_slots, sizeof(*job->xfer.answer_q));
     uint32_t n_groups = sd_model_groups(&job->model);
-    job->step.used_words = (l->n_tensors + 63) / 64;
-    job->step.bcast_at = sizeof(struct sd_norm_part) +
-                         (job->model.skip_unused ? job->step.used_words * sizeof(uint64_t) : 0);
-    job->step.norm_stride = job->step.bcast_at + (job->model.bcast_bytes + 7) / 8 * 8;
-    job->step.norm_buf = calloc(job->nodes, job->step.norm_stride);
-    job->step.arg_flags = calloc(k, sizeof(*job->step.arg_flags));
-    job->step.hp_next = calloc(n_groups, sizeof(*job->step.hp_next));
-    job->step.used = calloc(job->step.used_words, sizeof(*job->step.used));
     free(job->opt.hparams);
     job->opt.hparams = calloc(n_groups, sizeof(*job->opt.hparams));
     job->opt.tensor_steps = calloc(l->n_tensors, sizeof(*job->opt.tensor_steps));
     for (uint32_t g = 0; job->opt.hparams != NULL && g < n_groups; g++)
         job->opt.hparams[g] = sd_model_group(&job->model, g);
-    uint32_t OS = job->plan.f[SD_STATE_OS];
-    job->step.os_pos = calloc(OS, sizeof(*job->step.os_pos));
-    for (uint32_t i = 0; job->step.os_pos != NULL && i < OS; i++)
-        job->step.os_pos[sd_plan_shard(&job->plan, SD_STATE_OS, i)] = i;
     int push_st = sd_push_alloc(job);
     int sec_st = sd_sec_setup(job);
     if (sec_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
-        !job->mem.fence_count || cache_st != SD_OK || queue_st != SD_OK || !job->step.sumsq_parts ||
-        !job->xfer.wait_tags || !job->xfer.answer_q || !job->step.norm_buf || !job->step.os_pos ||
-        !job->step.arg_flags || !job->step.hp_next || !job->step.used || !job->opt.hparams ||
+        !job->mem.fence_count || cache_st != SD_OK || queue_st != SD_OK || step_st != SD_OK ||
+        !job->xfer.wait_tags || !job->xfer.answer_q || !job->opt.hparams ||
         !job->opt.tensor_steps || push_st != SD_OK) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;

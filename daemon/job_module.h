@@ -1,6 +1,7 @@
 /* What every operation module does for the job's common paths. job.c walks the modules in a
- * fixed order (sd_job_modules) to complete the calls they parked when the job fails or pauses,
- * and to check their deadlines, so neither walk reads another module's state. */
+ * fixed order to complete the calls they parked when the job fails or pauses, to check their
+ * deadlines, and to hand them the completions other modules raise (sd_job_event), so no walk
+ * reads another module's state and no module pokes another. */
 #ifndef SD_JOB_MODULE_H
 #define SD_JOB_MODULE_H
 
@@ -9,6 +10,15 @@
 #include <stdint.h>
 
 struct sd_job;
+
+/* Completions a module raises for whichever module waits for them (the step's phases do). */
+enum sd_job_event {
+    SD_JOB_EV_PUSHED,    /* push rounds retired (push.c) */
+    SD_JOB_EV_ANSWERED,  /* fetches answered once the device wrote their slots (fetch.c) */
+    SD_JOB_EV_TRANSFERS, /* a gather's transfers completed, freeing their resources (fetch.c) */
+    SD_JOB_EV_W_SENT,    /* a send of this node's weights to a peer completed (fetch.c) */
+    SD_JOB_EV_OS_FREE,   /* a checkpoint's worker left the os shards (checkpoint.c) */
+};
 
 struct sd_job_module {
     const char *name;
@@ -19,6 +29,9 @@ struct sd_job_module {
     /* A call of this module waiting past op_timeout (ns) fails the job naming what it waits
      * for: true then (the walk stops), else false. NULL: it has no deadlines. */
     bool (*sweep)(struct sd_job *job, uint64_t now, uint64_t op_timeout);
+    /* Another module raised ev: go on if this one waited for it (then true). NULL: it waits for
+     * none. */
+    bool (*event)(struct sd_job *job, enum sd_job_event ev);
 };
 
 /* each module's, defined in its own file */
@@ -29,6 +42,8 @@ extern const struct sd_job_module sd_step_module;     /* step.c: the step barrie
 extern const struct sd_job_module sd_dispatch_module; /* dispatch.c: stalled ring entries */
 extern const struct sd_job_module sd_ckpt_module;     /* checkpoint.c: saves and loads */
 
+/* Hand ev to the modules (job.c): true if one waited for it. */
+bool sd_job_event(struct sd_job *job, enum sd_job_event ev);
 /* The ranks (global numbers) whose present[local] is false, "3, 5" (job.c). */
 void sd_job_missing_ranks(const struct sd_job *job, const bool *present, char *out, size_t len);
 

@@ -2,6 +2,7 @@
  * collective engine: buffer sizes, memory registrations, the bulk pool and the node rounds'
  * buffers; the job's all-reduces and exchanges with their tags; and what its unfinished transfers
  * tell a failure message and the deadline sweep. */
+#include "step.h"
 #include "checkpoint.h"
 #include "net.h"
 #include "quant.h"
@@ -223,7 +224,6 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         }
     }
     job->xfer.members = calloc(N, sizeof(*job->xfer.members));
-    job->step.norm_b = calloc(2 * N, sizeof(*job->step.norm_b));
     job->xfer.req_cap = N * job->n_slots + 16;
     job->xfer.req_queue = calloc(job->xfer.req_cap, sizeof(*job->xfer.req_queue));
     uint32_t max_mrs = 2 * job->k + 7;
@@ -231,7 +231,7 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     job->xfer.mr_descs = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_base = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_len = calloc(max_mrs, sizeof(size_t));
-    if (!job->xfer.members || !job->step.norm_b || !job->xfer.req_queue || !job->xfer.mr_handles ||
+    if (!job->xfer.members || !job->xfer.req_queue || !job->xfer.mr_handles ||
         !job->xfer.mr_descs || !job->xfer.mr_base || !job->xfer.mr_len)
         goto err_nomem;
     /* memory registered once per job */
@@ -247,8 +247,10 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         st = reg_mr(job, job->mem.scratch, maxn * sizeof(float));
     if (st == SD_OK)
         st = reg_mr(job, nr_mem, nr_floats * sizeof(float));
+    size_t norm_bytes;
+    void *norm_buf = sd_step_net_buf(job, &norm_bytes);
     if (st == SD_OK)
-        st = reg_mr(job, job->step.norm_buf, N * job->step.norm_stride);
+        st = reg_mr(job, norm_buf, norm_bytes);
     if (st == SD_OK) /* encoded w shards, gather receive slots, int4 blocks */
         st = quant != NULL ? reg_mr(job, quant->ptr, quant->bytes) : SD_OK;
     if (st == SD_OK) /* the pull requests each gather sends live in its unit state */
@@ -283,14 +285,12 @@ void sd_job_net_teardown(struct sd_job *job)
     sd_bulk_pool_fini(&job->xfer.bulks);
     sd_push_net_teardown(job); /* the rounds' buffer goes with the job's other big buffers */
     free(job->xfer.members);
-    free(job->step.norm_b);
     free(job->xfer.req_queue);
     free(job->xfer.mr_handles);
     free(job->xfer.mr_descs);
     free(job->xfer.mr_base);
     free(job->xfer.mr_len);
     job->xfer.members = NULL;
-    job->step.norm_b = NULL;
     job->xfer.req_queue = NULL;
     job->xfer.mr_handles = job->xfer.mr_descs = NULL;
     job->xfer.mr_base = NULL;
@@ -358,13 +358,11 @@ void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
         list_pending_peers(job, NULL, peers, sizeof(peers));
     if (peers[0] == '\0')
         snprintf(peers, sizeof(peers), "none");
-    if (job->step.phase != SD_STEP_IDLE) {
-        static const char *const phase[] = {"idle", "gradient all-reduce", "norm exchange",
-                                            "optimizer", "refresh of held units"};
-        snprintf(out, len,
-                 "step %llu (%s, unit %u; last completed step %llu) waiting for node(s) %s",
-                 (unsigned long long)job->steps + 1, phase[job->step.phase], job->step.unit,
-                 (unsigned long long)job->steps, peers);
+    const char *phase;
+    if (sd_step_activity(job, &phase, &unit, &start)) {
+        snprintf(
+            out, len, "step %llu (%s, unit %u; last completed step %llu) waiting for node(s) %s",
+            (unsigned long long)job->steps + 1, phase, unit, (unsigned long long)job->steps, peers);
     } else if (sd_push_oldest(job, &unit, &seq, &start)) {
         snprintf(out, len,
                  "push of unit %u (micro-step %llu; last completed %llu) waiting for node(s) %s",
@@ -396,8 +394,9 @@ void sd_job_net_sweep(struct sd_job *job, uint64_t now)
     uint64_t timeout = (uint64_t)job->reg->cfg->op_timeout_ms * 1000000ULL;
     uint64_t started = 0, seq, push_start;
     uint32_t unit;
-    if (job->step.phase != SD_STEP_IDLE)
-        started = job->step.start_ns;
+    const char *phase;
+    if (sd_step_activity(job, &phase, &unit, &push_start))
+        started = push_start;
     else if (sd_push_oldest(job, &unit, &seq, &push_start))
         started = push_start;
     else if (job->xfer.gathers_inflight > 0)

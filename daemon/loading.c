@@ -82,12 +82,12 @@ static void set_ready(struct sd_job *job)
     job->state = SD_JOB_READY;
     job->was_ready = true;
     SD_INFO("job", "job '%s' ready", job->name);
+    struct sd_req q;
     for (uint32_t r = 0; r < job->k; r++) {
-        if (!job->load.ready_waiting[r] || job->ranks[r] == NULL)
+        if (!sd_barrier_take(&job->load.ready, r, &q) || job->ranks[r] == NULL)
             continue;
-        job->load.ready_waiting[r] = false;
         job->stats.ops[SD_OP_READY]++;
-        sd_session_complete(job->ranks[r], job->load.ready_tags[r], SD_OP_READY, SD_OK, 0, 0, NULL);
+        sd_session_complete(job->ranks[r], q.tag, SD_OP_READY, SD_OK, 0, 0, NULL);
     }
 }
 
@@ -98,8 +98,11 @@ void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_
         sd_op_done(job, s, e, 0, 0, start);
         return;
     }
-    job->load.ready_waiting[s->local] = true;
-    job->load.ready_tags[s->local] = e->tag;
+    if (!sd_barrier_arrive(&job->load.ready, s->local, e->tag, sd_now_ns())) {
+        sd_session_fail(s, e, SD_EBUSY, "ready: rank %u already waits for job '%s' to be ready",
+                        s->rank, job->name);
+        return;
+    }
     if (sd_ckpt_loading(job) || job->load.resume.resuming) {
         /* ready once this node read (or took over) its part (sd_loading_loaded) */
         if (job->load.done)
@@ -275,12 +278,10 @@ static void loading_fail_parked(struct sd_job *job, int status, const char *text
         sd_session_complete(job->load.waiter, job->load.tag, SD_OP_INIT, status, 0, 0, text);
         job->load.waiter = NULL;
     }
-    for (uint32_t r = 0; r < job->k; r++) {
-        struct sd_session *s = job->ranks[r];
-        if (job->load.ready_waiting[r] && s != NULL)
-            sd_session_complete(s, job->load.ready_tags[r], SD_OP_READY, status, 0, 0, text);
-        job->load.ready_waiting[r] = false;
-    }
+    struct sd_req q;
+    for (uint32_t r = 0; r < job->k; r++)
+        if (sd_barrier_take(&job->load.ready, r, &q) && job->ranks[r] != NULL)
+            sd_session_complete(job->ranks[r], q.tag, SD_OP_READY, status, 0, 0, text);
 }
 
 /* ranks at the ready barrier while rank 0's initial values do not come */
@@ -288,10 +289,7 @@ static bool loading_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
 {
     if (job->state != SD_JOB_LOADING)
         return false;
-    bool waiting = false;
-    for (uint32_t r = 0; r < job->k; r++)
-        waiting |= job->load.ready_waiting[r];
-    if (!waiting || sd_ckpt_reading(job) ||
+    if (job->load.ready.arrived == 0 || sd_ckpt_reading(job) ||
         now - job->created_ns <=
             op_timeout + (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL)
         return false;

@@ -11,7 +11,6 @@
 #include "job_module.h"
 #include "push.h"
 #include "push_round.h"
-#include "step.h"
 #include "quant.h"
 #include "session.h"
 #include "sd/fence.h"
@@ -186,8 +185,8 @@ bool sd_push_queue_poll(struct sd_job *job)
         complete_round(job, w.unit, w.group);
         moved = true;
     }
-    if (moved && job->state != SD_JOB_FAILED && job->step.phase != SD_STEP_IDLE)
-        sd_step_progress(job); /* it waits for the pushes to be idle */
+    if (moved)
+        sd_job_event(job, SD_JOB_EV_PUSHED);
     return moved;
 }
 
@@ -367,8 +366,8 @@ static void rounds_retire(struct sd_job *job)
     if (job->state == SD_JOB_FAILED)
         return;
     round_start_next(job);
-    if (job->push->nr_len == 0 && job->step.phase != SD_STEP_IDLE)
-        sd_step_progress(job);
+    if (job->push->nr_len == 0)
+        sd_job_event(job, SD_JOB_EV_PUSHED);
 }
 
 /* a round's transfers are over: a failure fails the job now, whatever rounds precede it */

@@ -1,4 +1,5 @@
 /* Jobs that outlive their trainers: pause, keep, take over (resume.h). */
+#include "step.h"
 #include "resume.h"
 #include "checkpoint.h"
 #include "job.h"
@@ -84,7 +85,7 @@ bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *r
         return false;
     char why[160];
     snprintf(why, sizeof(why), "rank %u (pid %d) %s", s->rank, (int)s->conn->pid, reason);
-    if (job->step.phase == SD_STEP_IDLE) {
+    if (!sd_step_running(job)) {
         pause_here(job, why);
         return true;
     }
@@ -104,9 +105,7 @@ bool sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg)
     struct sd_resume_state *rs = &job->load.resume;
     if (job->state != SD_JOB_READY || rs->timeout_ms == 0)
         return false; /* loading (nothing to keep yet), or no resume timeout on this node */
-    enum sd_step_phase ph = job->step.phase;
-    if (ph == SD_STEP_IDLE ||
-        ((ph == SD_STEP_SYNC || ph == SD_STEP_SUMS || ph == SD_STEP_NORM) && job->steps == step)) {
+    if (!sd_step_running(job) || (sd_step_before_apply(job) && job->steps == step)) {
         /* the step the pausing node did not enter: nothing of it was applied anywhere */
         pause_text(job, msg, false);
         return true;

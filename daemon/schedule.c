@@ -11,6 +11,7 @@
  * of the step on demand (first fit in the pool, rebuilt from what is resident), is counted and
  * logged (rate-limited), and the next step is recorded and frozen again. Data never depends on
  * the schedule: every fetch still checks the unit's weights generation. */
+#include "step.h"
 #include "job.h"
 #include "fetch.h"
 #include "schedule.h"
@@ -334,7 +335,7 @@ void sd_sched_prefetch(struct sd_job *job)
 {
     struct sd_job_sched *sc = job->sched;
     if (sc->state != SD_SCHED_FROZEN || sc->deviated || job->state != SD_JOB_READY ||
-        job->step.phase != SD_STEP_IDLE || sc->in_prefetch)
+        sd_step_running(job) || sc->in_prefetch)
         return;
     sc->in_prefetch = true;
     /* one copy per node follows the leading rank; per-rank copies follow their rank */
@@ -452,27 +453,20 @@ bool sd_sched_step_check(struct sd_job *job)
     return true;
 }
 
-bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count)
+bool sd_sched_check_node(struct sd_job *job, uint32_t m, const struct sd_norm_part *part)
 {
     struct sd_job_sched *sc = job->sched;
     uint32_t me = job->node;
-    if (!sc->freeze_next)
+    if (!sc->freeze_next || m == me || part->digest == 0 || part->digest == sc->digest)
         return true;
-    for (uint32_t m = first; m < first + count; m++) {
-        const struct sd_norm_part *part = sd_norm_part_at(job, m);
-        if (m == me || part->digest == 0 || part->digest == sc->digest)
-            continue;
-        sd_job_fail(job, SD_EMISMATCH,
-                    "schedule: node %u and node %u of one partition group recorded different "
-                    "calls in step %llu (%llu vs %llu calls, digests %016llx vs %016llx): every "
-                    "rank of a partition group must fetch, release and push the same units in "
-                    "the same order",
-                    me, m, (unsigned long long)job->steps + 1, (unsigned long long)sc->rec_len[0],
-                    (unsigned long long)part->n, (unsigned long long)sc->digest,
-                    (unsigned long long)part->digest);
-        return false;
-    }
-    return true;
+    sd_job_fail(job, SD_EMISMATCH,
+                "schedule: node %u and node %u of one partition group recorded different calls "
+                "in step %llu (%llu vs %llu calls, digests %016llx vs %016llx): every rank of a "
+                "partition group must fetch, release and push the same units in the same order",
+                me, m, (unsigned long long)job->steps + 1, (unsigned long long)sc->rec_len[0],
+                (unsigned long long)part->n, (unsigned long long)sc->digest,
+                (unsigned long long)part->digest);
+    return false;
 }
 
 static void freeze(struct sd_job *job)

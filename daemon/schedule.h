@@ -69,9 +69,9 @@ bool sd_sched_after(struct sd_job *job, struct sd_session *s, const struct sd_sq
                     bool consumed);
 /* every local rank called step: check the recording (false after failing the job) */
 bool sd_sched_step_check(struct sd_job *job);
-/* the schedules nodes [first, first + count) of this node's partition group recorded in this
- * step (parts indexed by node; digest 0: not recording): false after failing the job */
-bool sd_sched_check_nodes(struct sd_job *job, uint32_t first, uint32_t count);
+/* the schedule node m of this node's partition group recorded in this step, from its norm part
+ * (digest 0: not recording): false after failing the job */
+bool sd_sched_check_node(struct sd_job *job, uint32_t m, const struct sd_norm_part *part);
 /* the step completed: freeze, re-record or rewind, and prefetch the first gathers */
 void sd_sched_step_done(struct sd_job *job);
 /* issue the gathers the plan wants by now (retried after every call and gather) */

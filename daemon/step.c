@@ -12,6 +12,7 @@
 #include "fetch.h"
 #include "push.h"
 #include "step.h"
+#include "step_int.h"
 #include "optimizer.h"
 #include "weights.h"
 #include "quant.h"
@@ -65,9 +66,9 @@ static void weights_new(struct sd_job *job)
  * job failed (a backend's error). */
 static bool step_queue_done(struct sd_job *job)
 {
-    int st = job->step.q_wait ? job->reg->dev->query(job->mem.queue, job->step.q_ticket)
-                              : sd_job_queue_mark(job, false, &job->step.q_ticket);
-    job->step.q_wait = st == SD_EAGAIN;
+    int st = job->step->q_wait ? job->reg->dev->query(job->mem.queue, job->step->q_ticket)
+                               : sd_job_queue_mark(job, false, &job->step->q_ticket);
+    job->step->q_wait = st == SD_EAGAIN;
     if (st == SD_OK)
         return true;
     if (st != SD_EAGAIN)
@@ -77,14 +78,14 @@ static bool step_queue_done(struct sd_job *job)
 
 bool sd_step_queue_poll(struct sd_job *job)
 {
-    if (!job->step.q_wait)
+    if (!job->step->q_wait)
         return false;
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING) {
-        job->step.q_wait = false;
+        job->step->q_wait = false;
         return false;
     }
     sd_step_progress(job);
-    return !job->step.q_wait;
+    return !job->step->q_wait;
 }
 
 /* Answer every rank waiting in step: SD_OK with the norm, or status and msg. */
@@ -94,16 +95,14 @@ static void step_answer(struct sd_job *job, int status, const char *msg)
     uint64_t bits, now = sd_now_ns();
     double norm = job->opt.last_grad_norm;
     memcpy(&bits, &norm, sizeof(bits));
+    struct sd_req q;
     for (uint32_t r = 0; r < job->k; r++) {
-        if (!job->step.waiting[r] || job->ranks[r] == NULL)
+        if (!sd_barrier_take(&job->step->bar, r, &q) || job->ranks[r] == NULL)
             continue;
         job->stats.ops[SD_OP_STEP]++;
-        sd_latency_add(&job->stats.lat[SD_OP_STEP], now - job->step.arrive_ns[r]);
-        sd_session_complete(job->ranks[r], job->step.tags[r], SD_OP_STEP, status, bits, job->steps,
-                            msg);
-        job->step.waiting[r] = false;
+        sd_latency_add(&job->stats.lat[SD_OP_STEP], now - q.since_ns);
+        sd_session_complete(job->ranks[r], q.tag, SD_OP_STEP, status, bits, job->steps, msg);
     }
-    job->step.arrived = 0;
     sd_resume_step_over(job); /* a rank died in the step: the job pauses now */
 }
 
@@ -146,7 +145,7 @@ static void step_skip(struct sd_job *job, int status, const char *msg)
         job->reg->dev->zero(job->mem.queue, sd_job_state(job, r, SD_STATE_G),
                             job->layout.arena_numel[SD_STATE_G] * sizeof(float));
     SD_WARN("job", "job '%s': %s", job->name, msg);
-    job->step.phase = SD_STEP_IDLE;
+    job->step->phase = SD_STEP_IDLE;
     step_answer(job, status, msg);
 }
 
@@ -171,190 +170,6 @@ static void step_nonfinite(struct sd_job *job, uint32_t unit)
     step_skip(job, SD_ENONFINITE, msg);
 }
 
-/* ---- the step's arguments (shard_step_ex) */
-
-static uint32_t hparams_hash(const struct sd_hparams *h, uint32_t n)
-{
-    uint32_t x = (uint32_t)sd_hash_bytes(SD_FNV_SEED, h, (size_t)n * sizeof(*h));
-    return x == SD_HP_REFUSED ? 0 : x;
-}
-
-static void args_refuse(struct sd_job *job, int status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void args_refuse(struct sd_job *job, int status, const char *fmt, ...)
-{
-    if (job->step.arg_status != SD_OK)
-        return; /* the first reason */
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(job->step.arg_msg, sizeof(job->step.arg_msg), fmt, ap);
-    va_end(ap);
-    job->step.arg_status = status;
-}
-
-/* Local rank r's step arguments: its hyperparameters (checked, then compared with hp, the first
- * rank's, or taken as them when hp_set is false) and its tensors with a gradient, ORed into used
- * (NULL without skip_unused). The arguments are in memory the client writes: what is checked is
- * copied first. */
-static void args_of_rank(struct sd_job *job, uint32_t r, bool *hp_set, uint64_t *used)
-{
-    uint32_t n_groups = sd_model_groups(&job->model), T = job->layout.n_tensors;
-    uint32_t flags = job->step.arg_flags[r], rank = job->first_rank + r;
-    const uint8_t *area = sd_job_control(job, r, job->mem.step_args_off);
-    struct sd_step_args hdr;
-    memcpy(&hdr, area, sizeof(hdr));
-    if (flags != 0 && (hdr.n_groups != n_groups || hdr.n_tensors != T)) {
-        args_refuse(job, SD_EINVAL,
-                    "rank %u's step arguments are for %u groups and %u tensors; the job has %u "
-                    "and %u",
-                    rank, hdr.n_groups, hdr.n_tensors, n_groups, T);
-        return;
-    }
-    const struct sd_hparams *src = (const struct sd_hparams *)(const void *)(area + sizeof(hdr));
-    if (flags & SD_STEP_ARG_HPARAMS) {
-        for (uint32_t g = 0; g < n_groups; g++) {
-            struct sd_hparams h;
-            memcpy(&h, &src[g], sizeof(h));
-            char err[128];
-            if (sd_hparams_validate(job->model.optim.kind, &h, g, err, sizeof(err)) != SD_OK) {
-                args_refuse(job, SD_EINVAL, "rank %u: %s", rank, err);
-                return;
-            }
-            if (!*hp_set) {
-                job->step.hp_next[g] = h;
-            } else if (memcmp(&h, &job->step.hp_next[g], sizeof(h)) != 0) {
-                args_refuse(job, SD_EMISMATCH,
-                            "rank %u's hyperparameters of group %u (lr %g, weight_decay %g) differ "
-                            "from rank %u's (lr %g, weight_decay %g): every rank must give the "
-                            "same",
-                            rank, g, (double)h.lr, (double)h.weight_decay, job->first_rank,
-                            (double)job->step.hp_next[g].lr,
-                            (double)job->step.hp_next[g].weight_decay);
-                return;
-            }
-        }
-    } else if (*hp_set && memcmp(job->step.hp_next, job->opt.hparams,
-                                 n_groups * sizeof(*job->opt.hparams)) != 0) {
-        args_refuse(job, SD_EMISMATCH,
-                    "rank %u gave no hyperparameters (the last step's), rank %u new ones: every "
-                    "rank must give the same",
-                    rank, job->first_rank);
-        return;
-    }
-    if ((flags ^ job->step.arg_flags[0]) & SD_STEP_ARG_BCAST) {
-        args_refuse(job, SD_EMISMATCH,
-                    "rank %u %s buffers to broadcast and rank %u %s: every rank must give them, "
-                    "or none",
-                    rank, (flags & SD_STEP_ARG_BCAST) ? "gave" : "gave no", job->first_rank,
-                    (flags & SD_STEP_ARG_BCAST) ? "did not" : "did");
-        return;
-    }
-    *hp_set = true;
-    if (used == NULL)
-        return;
-    if (!(flags & SD_STEP_ARG_HAS_GRAD)) { /* every tensor */
-        memset(used, 0xff, job->step.used_words * sizeof(*used));
-        return;
-    }
-    const uint8_t *has = area + sizeof(hdr) + (size_t)n_groups * sizeof(struct sd_hparams);
-    for (uint32_t t = 0; t < T; t++)
-        if (has[t] != 0)
-            used[t / 64] |= 1ull << (t % 64);
-}
-
-/* local rank r's broadcast area in its control page */
-static uint8_t *bcast_area(struct sd_job *job, uint32_t r)
-{
-    return sd_job_control(
-        job, r,
-        job->mem.step_args_off +
-            sd_step_args_bcast_off(sd_model_groups(&job->model), job->layout.n_tensors));
-}
-
-/* The local ranks' step arguments, once every one called step: this node's hyperparameters of
- * the step (hp_next) and their hash, and its tensors with a gradient, into its norm part. */
-static void step_args_collect(struct sd_job *job)
-{
-    uint32_t n_groups = sd_model_groups(&job->model);
-    struct sd_norm_part *me = sd_norm_part_at(job, job->node);
-    uint64_t *used = job->model.skip_unused ? sd_norm_used(job, job->node) : NULL;
-    job->step.arg_status = SD_OK;
-    job->step.arg_msg[0] = '\0';
-    memcpy(job->step.hp_next, job->opt.hparams, n_groups * sizeof(*job->opt.hparams));
-    if (used != NULL)
-        memset(used, 0, job->step.used_words * sizeof(*used));
-    bool hp_set = false;
-    for (uint32_t r = 0; r < job->k && job->step.arg_status == SD_OK; r++)
-        args_of_rank(job, r, &hp_set, used);
-    bool bcast = (job->step.arg_flags[0] & SD_STEP_ARG_BCAST) != 0;
-    /* whether the ranks broadcast is compared across nodes with the hyperparameters */
-    me->hparams = job->step.arg_status != SD_OK
-                      ? SD_HP_REFUSED
-                      : hparams_hash(job->step.hp_next, n_groups) ^ (bcast ? 0x5bd1e995u : 0);
-    if (bcast && job->first_rank == 0) /* global rank 0's bytes go out in node 0's part */
-        memcpy((uint8_t *)me + job->step.bcast_at, bcast_area(job, 0), job->model.bcast_bytes);
-}
-
-/* Every rank but global rank 0 gets its bytes (node 0's part, exchanged with the norm). */
-static void step_bcast_deliver(struct sd_job *job)
-{
-    if (!(job->step.arg_flags[0] & SD_STEP_ARG_BCAST))
-        return;
-    const uint8_t *src = (const uint8_t *)sd_norm_part_at(job, 0) + job->step.bcast_at;
-    for (uint32_t r = 0; r < job->k; r++)
-        if (job->first_rank + r != 0)
-            memcpy(bcast_area(job, r), src, job->model.bcast_bytes);
-    job->stats.bcast_bytes += job->model.bcast_bytes;
-}
-
-/* Every node's ranks gave the same hyperparameters? Else the step is refused on every node:
- * true after skipping it. */
-static bool step_args_refused(struct sd_job *job)
-{
-    uint32_t mine = sd_norm_part_at(job, job->node)->hparams;
-    char msg[SD_OP_MSG_LEN];
-    unsigned long long step = (unsigned long long)job->steps + 1;
-    int status = SD_EMISMATCH;
-    if (job->step.arg_status != SD_OK) {
-        status = job->step.arg_status;
-        snprintf(msg, sizeof(msg), "step %llu refused: %s", step, job->step.arg_msg);
-    } else {
-        uint32_t m = 0;
-        while (m < job->nodes && sd_norm_part_at(job, m)->hparams == mine)
-            m++;
-        if (m == job->nodes)
-            return false;
-        if (sd_norm_part_at(job, m)->hparams == SD_HP_REFUSED)
-            snprintf(msg, sizeof(msg),
-                     "step %llu refused: node %u refused its ranks' step arguments (ranks that "
-                     "gave other hyperparameters than the rest, or invalid ones; its log says "
-                     "which)",
-                     step, m);
-        else
-            snprintf(msg, sizeof(msg),
-                     "step %llu refused: the ranks of node %u gave other hyperparameters than "
-                     "those of node %u: every rank must give the same",
-                     step, m, job->node);
-    }
-    job->stats.steps_refused++;
-    step_skip(job, status, msg);
-    return true;
-}
-
-/* the tensors some rank of any node gave a gradient in this step, or NULL: every tensor */
-static const uint64_t *step_used(struct sd_job *job)
-{
-    if (!job->model.skip_unused)
-        return NULL;
-    memset(job->step.used, 0, job->step.used_words * sizeof(*job->step.used));
-    for (uint32_t m = 0; m < job->nodes; m++) {
-        const uint64_t *u = sd_norm_used(job, m);
-        for (uint32_t i = 0; i < job->step.used_words; i++)
-            job->step.used[i] |= u[i];
-    }
-    return job->step.used;
-}
-
 /* One node: the replicas of each g shard are all here (rank i of the first g-partition group
  * holds some shard, the rank i + j f_g of group j the same one). Each shard is reduced into its
  * first replica and copied back to the others (the 2-hop sync), and its sum of squares taken
@@ -365,7 +180,7 @@ static void sync_in_node(struct sd_job *job)
     const struct sd_layout *l = &job->layout;
     uint32_t f = job->plan.f[SD_STATE_G];
     uint32_t replicas = job->k / f;
-    double *parts = job->step.sumsq_parts;
+    double *parts = job->step->sumsq_parts;
     for (uint32_t u = 0; u < l->n_units; u++) {
         const struct sd_unit_layout *ul = &l->units[u];
         uint64_t len = ul->numel / f;
@@ -390,12 +205,12 @@ static void node_sums(struct sd_job *job)
 {
     const struct sd_layout *l = &job->layout;
     uint32_t f = job->plan.f[SD_STATE_G];
-    double *parts = job->step.sumsq_parts;
+    double *parts = job->step->sumsq_parts;
     double sumsq = 0.0;
     for (size_t p = 0; p < (size_t)l->n_units * f; p++)
         sumsq += parts[p];
-    sd_norm_part_at(job, 0)->sumsq = sumsq;
-    sd_norm_part_at(job, 0)->nonfinite_unit =
+    sd_step__part(job, 0)->sumsq = sumsq;
+    sd_step__part(job, 0)->nonfinite_unit =
         nonfinite_unit(parts, (size_t)l->n_units * f, unit_major, f);
 }
 
@@ -407,13 +222,13 @@ static void do_step(struct sd_job *job)
         sd_job_fail(job, SD_EMISMATCH, "%s", msg);
         return;
     }
-    step_args_collect(job);
+    sd_step__args_collect(job);
     sd_step_progress(job);
 }
 
 void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 {
-    if (job->step.waiting[s->local]) {
+    if (sd_barrier_waits(&job->step->bar, s->local)) {
         sd_session_fail(s, e, SD_EBUSY, "step: rank %u already waits in step %llu", s->rank,
                         (unsigned long long)job->steps + 1);
         return;
@@ -430,14 +245,10 @@ void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
                         "0)");
         return;
     }
-    job->step.arg_flags[s->local] = (uint32_t)e->arg0;
+    job->step->arg_flags[s->local] = (uint32_t)e->arg0;
     uint64_t now = sd_now_ns();
-    job->step.waiting[s->local] = true;
-    job->step.tags[s->local] = e->tag;
-    job->step.arrive_ns[s->local] = now;
-    if (job->step.arrived++ == 0)
-        job->step.first_ns = now;
-    if (job->step.arrived == job->k && sd_sched_step_check(job))
+    sd_barrier_arrive(&job->step->bar, s->local, e->tag, now);
+    if (sd_barrier_full(&job->step->bar) && sd_sched_step_check(job))
         do_step(job);
 }
 
@@ -447,7 +258,7 @@ static void step_fail(struct sd_job *job, int status, uint32_t suspect)
 {
     char what[256];
     sd_job_net_describe(job, what, sizeof(what));
-    job->step.phase = SD_STEP_IDLE;
+    job->step->phase = SD_STEP_IDLE;
     sd_job_fail(job, SD_EPEER, "%s: transfer with node %u failed: %s", what, suspect,
                 sd_status_str(status));
 }
@@ -504,45 +315,46 @@ static void step_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
             (int64_t)(ar->qraw / 2) - (int64_t)ar->bytes_recv;
         job->stats.quant_encodes++;
     }
-    job->step.pending = 0;
+    job->step->pending = 0;
     if (status != SD_OK) {
         step_fail(job, status, suspect);
         return;
     }
-    step_unpack(job, job->step.unit);
-    job->step.unit++;
+    step_unpack(job, job->step->unit);
+    job->step->unit++;
     sd_step_progress(job);
 }
 
 /* the nodes of this node's partition group must have recorded the same schedule */
 static bool check_schedules(struct sd_job *job)
 {
-    if (job->gnodes[SD_STATE_W] < 2 ||
-        sd_sched_check_nodes(job, sd_job_group_first(job, job->gnodes[SD_STATE_W]),
-                             job->gnodes[SD_STATE_W]))
-        return true;
-    job->step.phase = SD_STEP_IDLE;
-    return false;
+    uint32_t Gw = job->gnodes[SD_STATE_W], first = sd_job_group_first(job, Gw);
+    for (uint32_t m = first; Gw > 1 && m < first + Gw; m++)
+        if (!sd_sched_check_node(job, m, sd_step__part(job, m))) {
+            job->step->phase = SD_STEP_IDLE;
+            return false;
+        }
+    return true;
 }
 
 static void norm_done(struct sd_bulk *b, int status)
 {
     struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
     job->stats.bytes[SD_OP_STEP][b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV] += b->bytes;
-    if (status != SD_OK && job->step.status == SD_OK) {
-        job->step.status = status;
-        job->step.suspect = b->peer;
+    if (status != SD_OK && job->step->status == SD_OK) {
+        job->step->status = status;
+        job->step->suspect = b->peer;
     }
     sd_bulk_put(&job->xfer.bulks, b);
-    if (--job->step.pending > 0)
+    if (--job->step->pending > 0)
         return;
-    if (job->step.status != SD_OK) {
-        step_fail(job, job->step.status, job->step.suspect);
+    if (job->step->status != SD_OK) {
+        step_fail(job, job->step->status, job->step->suspect);
         return;
     }
     if (!check_schedules(job))
         return;
-    job->step.phase = SD_STEP_APPLY;
+    job->step->phase = SD_STEP_APPLY;
     sd_step_progress(job);
 }
 
@@ -552,7 +364,7 @@ static size_t norm_sums(struct sd_job *job, bool enqueue)
 {
     /* each distinct shard counts once: the replica in partition group 0 */
     uint32_t f = job->plan.f[SD_STATE_G];
-    double *parts = job->step.sumsq_parts;
+    double *parts = job->step->sumsq_parts;
     size_t n_parts = 0;
     for (uint32_t j = 0; j < job->k; j++) {
         if (job->first_rank + j >= f)
@@ -572,39 +384,39 @@ static size_t norm_sums(struct sd_job *job, bool enqueue)
 static void norm_start(struct sd_job *job)
 {
     uint32_t me = job->node;
-    double *parts = job->step.sumsq_parts;
+    double *parts = job->step->sumsq_parts;
     size_t n_parts = norm_sums(job, false);
     double local = 0.0;
     for (size_t p = 0; p < n_parts; p++)
         local += parts[p];
-    struct sd_norm_part *mine = sd_norm_part_at(job, me); /* its hparams and used: set already */
+    struct sd_norm_part *mine = sd_step__part(job, me); /* its hparams and used: set already */
     mine->sumsq = local;
     sd_sched_recorded(job, &mine->digest, &mine->n);
     mine->nonfinite_unit = nonfinite_unit(parts, n_parts, rank_major, job->layout.n_units);
-    job->step.phase = SD_STEP_NORM;
-    job->step.status = SD_OK;
-    job->step.pending = 0;
+    job->step->phase = SD_STEP_NORM;
+    job->step->status = SD_OK;
+    job->step->pending = 0;
     uint32_t seq = sd_tag_wrap(job->steps, SD_TAG_SEQ_BITS);
     for (uint32_t m = 0; m < job->nodes; m++) {
         if (m == me)
             continue;
-        void *rp = sd_norm_part_at(job, m), *sp = mine;
+        void *rp = sd_step__part(job, m), *sp = mine;
         struct sd_exchange_param x = {.peer = m,
-                                      .recv = {.buf = rp, .bytes = job->step.norm_stride},
-                                      .send = {.buf = sp, .bytes = job->step.norm_stride},
+                                      .recv = {.buf = rp, .bytes = job->step->norm_stride},
+                                      .send = {.buf = sp, .bytes = job->step->norm_stride},
                                       .chunk_bytes = 4096,
                                       .cb = norm_done,
                                       .arg = job,
                                       .arg2 = (uint64_t)(uintptr_t)job};
-        job->step.pending += sd_job_net_exchange(job, &x, SD_TAG_SCALAR, 0, seq, &job->step.status,
-                                                 &job->step.suspect);
+        job->step->pending += sd_job_net_exchange(job, &x, SD_TAG_SCALAR, 0, seq,
+                                                  &job->step->status, &job->step->suspect);
     }
-    if (job->step.pending == 0) {
-        if (job->step.status != SD_OK) {
-            step_fail(job, job->step.status, job->step.suspect);
+    if (job->step->pending == 0) {
+        if (job->step->status != SD_OK) {
+            step_fail(job, job->step->status, job->step->suspect);
             return;
         }
-        job->step.phase = SD_STEP_APPLY;
+        job->step->phase = SD_STEP_APPLY;
         sd_step_progress(job);
     }
 }
@@ -614,35 +426,35 @@ void sd_step_progress(struct sd_job *job)
 {
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
         return;
-    if (job->step.q_wait && !step_queue_done(job))
+    if (job->step->q_wait && !step_queue_done(job))
         return; /* the device is still at the kernels of the phase before: polled again */
-    if (job->step.phase == SD_STEP_IDLE) {
-        job->step.phase = SD_STEP_SYNC;
-        job->step.unit = 0;
-        job->step.start_ns = sd_now_ns();
+    if (job->step->phase == SD_STEP_IDLE) {
+        job->step->phase = SD_STEP_SYNC;
+        job->step->unit = 0;
+        job->step->start_ns = sd_now_ns();
     }
-    if (job->step.phase == SD_STEP_SYNC) {
+    if (job->step->phase == SD_STEP_SYNC) {
         /* everything of this step's micro-steps must be reduced, every gather finished and
          * answered (a unit held across the step is refreshed for its holder) */
-        if (!sd_push_idle(job) || job->xfer.gathers_inflight > 0 || job->step.pending > 0 ||
+        if (!sd_push_idle(job) || job->xfer.gathers_inflight > 0 || job->step->pending > 0 ||
             sd_fetch_queue_waiting(job))
             return;
         if (job->nodes == 1) { /* the replicas are here, and the norm needs no exchange */
             sync_in_node(job);
-            job->step.phase = SD_STEP_SUMS;
+            job->step->phase = SD_STEP_SUMS;
             if (!step_queue_done(job))
                 return;
         } else {
             uint32_t R = sd_job_replication_nodes(job, job->xfer.members);
-            while (job->plan.two_hop && R > 1 && job->step.unit < job->layout.n_units) {
-                uint32_t u = job->step.unit;
+            while (job->plan.two_hop && R > 1 && job->step->unit < job->layout.n_units) {
+                uint32_t u = job->step->unit;
                 uint64_t count = step_pack(job, u);
-                job->step.pending = 1;
+                job->step->pending = 1;
                 /* no round runs during the step: it borrows round 0's all-reduce temporary */
                 bool q = sd_qg_hop(job, u);
                 job->stats.quant_fallbacks += job->plan.qg && !q;
                 int st =
-                    sd_job_net_allreduce(job, &(struct sd_job_allreduce){.ar = &job->step.ar,
+                    sd_job_net_allreduce(job, &(struct sd_job_allreduce){.ar = &job->step->ar,
                                                                          .R = R,
                                                                          .unit = u,
                                                                          .round = job->steps,
@@ -654,84 +466,100 @@ void sd_step_progress(struct sd_job *job)
                                                                          .cb = step_ar_done,
                                                                          .arg = job});
                 if (st != SD_OK) {
-                    job->step.pending = 0;
+                    job->step->pending = 0;
                     step_fail(job, st, job->xfer.members[0]);
                 }
                 return; /* step_ar_done continues with the next unit */
             }
             norm_sums(job, true);
-            job->step.phase = SD_STEP_SUMS;
+            job->step->phase = SD_STEP_SUMS;
             if (!step_queue_done(job))
                 return;
         }
     }
-    if (job->step.phase == SD_STEP_SUMS) {
+    if (job->step->phase == SD_STEP_SUMS) {
         if (job->nodes > 1) {
             norm_start(job); /* NORM, then APPLY from the exchanges' completions */
             return;
         }
         node_sums(job);
-        job->step.phase = SD_STEP_APPLY;
+        job->step->phase = SD_STEP_APPLY;
     }
-    if (job->step.phase == SD_STEP_APPLY) {
+    if (job->step->phase == SD_STEP_APPLY) {
         if (job->xfer.w_sends_inflight > 0)
             return; /* peers still read this node's weights of the current generation */
         if (sd_ckpt_reading(job))
             return; /* a checkpoint's worker reads the os shards: its end calls again */
-        if (step_args_refused(job))
+        int refused;
+        char msg[SD_OP_MSG_LEN];
+        if (!sd_step__args_agree(job, &refused, msg, sizeof(msg))) {
+            job->stats.steps_refused++;
+            step_skip(job, refused, msg); /* on every node alike */
             return;
-        step_bcast_deliver(job); /* a step skipped as non-finite broadcasts all the same */
+        }
+        sd_step__bcast_deliver(job); /* a step skipped as non-finite broadcasts all the same */
         double sumsq = 0.0;
         uint32_t bad = UINT32_MAX;
         for (uint32_t m = 0; m < job->nodes; m++) {
-            sumsq += sd_norm_part_at(job, m)->sumsq;
-            bad = SD_MIN(bad, sd_norm_part_at(job, m)->nonfinite_unit);
+            sumsq += sd_step__part(job, m)->sumsq;
+            bad = SD_MIN(bad, sd_step__part(job, m)->nonfinite_unit);
         }
         if (bad != UINT32_MAX || !isfinite(sumsq)) {
             step_nonfinite(job, bad);
             return;
         }
-        memcpy(job->opt.hparams, job->step.hp_next,
+        memcpy(job->opt.hparams, job->step->hp_next,
                sd_model_groups(&job->model) * sizeof(*job->opt.hparams));
-        job->opt.last_grad_norm = sd_optimizer_apply(job, sumsq, step_used(job));
+        job->opt.last_grad_norm = sd_optimizer_apply(job, sumsq, sd_step__used(job));
         job->opt.applied = job->steps + 1;
-        job->step.phase = SD_STEP_WEIGHTS;
-        job->step.unit = 0;
-        job->step.pending = 0;
-        job->step.status = SD_OK;
+        job->step->phase = SD_STEP_WEIGHTS;
+        job->step->unit = 0;
+        job->step->pending = 0;
+        job->step->status = SD_OK;
+        job->step->encoded = false;
         /* the exchanges send the owners' new parts */
         if (sd_weights_remote(job) && !step_queue_done(job))
             return;
     }
-    if (job->step.phase == SD_STEP_WEIGHTS) {
-        if (job->step.pending > 0)
+    if (job->step->phase == SD_STEP_WEIGHTS) {
+        if (job->step->pending > 0)
             return; /* the unit's exchanges call again */
-        if (job->step.status != SD_OK) {
-            step_fail(job, job->step.status, job->step.suspect);
+        if (job->step->status != SD_OK) {
+            step_fail(job, job->step->status, job->step->suspect);
             return;
         }
-        while (sd_weights_remote(job) && job->step.unit < job->layout.n_units) {
-            int st = sd_weights_exchange(job, job->step.unit++);
+        while (sd_weights_remote(job) && job->step->unit < job->layout.n_units) {
+            if (job->plan.qw && !job->step->encoded) {
+                sd_weights_encode(job, job->step->unit);
+                job->step->encoded = true;
+                if (!step_queue_done(job))
+                    return; /* the encodings leave once the device wrote them */
+            }
+            job->step->encoded = false;
+            uint32_t posted = 0, suspect = 0;
+            job->step->status = SD_OK;
+            int st = sd_weights_exchange(job, job->step->unit++, &posted, &suspect);
+            job->step->pending += posted; /* each completion: sd_step_exchanged */
             if (job->state == SD_JOB_FAILED)
                 return;
             if (st != SD_OK) {
-                step_fail(job, st, job->step.suspect);
+                step_fail(job, st, suspect);
                 return;
             }
-            if (job->step.pending > 0)
+            if (job->step->pending > 0)
                 return;
         }
         weights_write(job);
-        job->step.phase = SD_STEP_NEWGEN;
+        job->step->phase = SD_STEP_NEWGEN;
         if (!step_queue_done(job))
             return;
     }
-    if (job->step.phase == SD_STEP_NEWGEN) {
+    if (job->step->phase == SD_STEP_NEWGEN) {
         weights_new(job);
         sd_fetch_serve_queue(job);
-        job->step.phase = SD_STEP_REFRESH;
+        job->step->phase = SD_STEP_REFRESH;
     }
-    if (job->step.phase == SD_STEP_REFRESH) {
+    if (job->step->phase == SD_STEP_REFRESH) {
         /* units held across the step are gathered again in place; one that cannot start now
          * (transfer resources busy) is retried when a transfer completes */
         bool pending = false;
@@ -743,14 +571,97 @@ void sd_step_progress(struct sd_job *job)
                 pending = true;
                 break;
             }
-            if (job->state == SD_JOB_FAILED || job->step.phase != SD_STEP_REFRESH)
+            if (job->state == SD_JOB_FAILED || job->step->phase != SD_STEP_REFRESH)
                 return; /* finished (or failed) inside: that call completed the step */
         }
         if (pending || job->xfer.gathers_inflight > 0)
             return;
-        job->step.phase = SD_STEP_IDLE;
+        job->step->phase = SD_STEP_IDLE;
         step_done(job);
     }
+}
+
+/* ---- what the other modules ask of the step, and tell it */
+
+bool sd_step_running(const struct sd_job *job)
+{
+    return job->step->phase != SD_STEP_IDLE;
+}
+
+bool sd_step_before_apply(const struct sd_job *job)
+{
+    enum sd_step_phase ph = job->step->phase;
+    return ph == SD_STEP_SYNC || ph == SD_STEP_SUMS || ph == SD_STEP_NORM;
+}
+
+uint32_t sd_step_arrived(const struct sd_job *job)
+{
+    return job->step->bar.arrived;
+}
+
+bool sd_step_queue_waiting(const struct sd_job *job)
+{
+    return job->step->q_wait;
+}
+
+bool sd_step_activity(const struct sd_job *job, const char **what_p, uint32_t *unit_p,
+                      uint64_t *start_p)
+{
+    static const char *const names[] = {[SD_STEP_IDLE] = "idle",
+                                        [SD_STEP_SYNC] = "gradient all-reduce",
+                                        [SD_STEP_SUMS] = "sums of squares on the device",
+                                        [SD_STEP_NORM] = "norm exchange",
+                                        [SD_STEP_APPLY] = "optimizer",
+                                        [SD_STEP_WEIGHTS] = "weights' all-gather",
+                                        [SD_STEP_NEWGEN] = "new weights on the device",
+                                        [SD_STEP_REFRESH] = "refresh of held units"};
+    const struct sd_step_state *st = job->step;
+    _Static_assert(sizeof(names) / sizeof(names[0]) == SD_STEP_REFRESH + 1, "a name per phase");
+    *what_p = names[st->phase];
+    *unit_p = st->unit;
+    *start_p = st->start_ns;
+    return st->phase != SD_STEP_IDLE;
+}
+
+void sd_step_stop(struct sd_job *job)
+{
+    job->step->phase = SD_STEP_IDLE;
+}
+
+/* the job's events (job_module.h): those a phase waits for drive it on */
+static bool step_event(struct sd_job *job, enum sd_job_event ev)
+{
+    enum sd_step_phase ph = job->step->phase;
+    bool waits = false;
+    switch (ev) {
+    case SD_JOB_EV_PUSHED:    /* the sync waits for the pushes to be idle */
+    case SD_JOB_EV_TRANSFERS: /* a refresh, or a step waiting for gathers */
+        waits = ph != SD_STEP_IDLE;
+        break;
+    case SD_JOB_EV_ANSWERED: /* the sync waits for the answers */
+        waits = ph == SD_STEP_SYNC;
+        break;
+    case SD_JOB_EV_W_SENT: /* the optimizer waits until no peer reads the weights */
+        waits = ph == SD_STEP_APPLY;
+        break;
+    case SD_JOB_EV_OS_FREE: /* ... and until no checkpoint's worker reads the os shards */
+        waits = ph == SD_STEP_APPLY && job->state == SD_JOB_READY && !sd_ckpt_reading(job);
+        break;
+    }
+    if (waits && job->state != SD_JOB_FAILED)
+        sd_step_progress(job);
+    return waits;
+}
+
+void sd_step_exchanged(struct sd_job *job, int status, uint32_t peer)
+{
+    struct sd_step_state *st = job->step;
+    if (status != SD_OK && st->status == SD_OK) {
+        st->status = status;
+        st->suspect = peer;
+    }
+    if (--st->pending == 0)
+        sd_step_progress(job);
 }
 
 /* ---- the job's common paths (job_module.h) */
@@ -758,25 +669,20 @@ void sd_step_progress(struct sd_job *job)
 static void step_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
 {
     (void)with_fetches;
-    job->step.q_wait = false; /* its kernels finish on their own; nothing goes on after them */
-    for (uint32_t r = 0; r < job->k; r++) {
-        struct sd_session *s = job->ranks[r];
-        if (job->step.waiting[r] && s != NULL)
-            sd_session_complete(s, job->step.tags[r], SD_OP_STEP, status, 0, 0, text);
-        job->step.waiting[r] = false;
-    }
-    job->step.arrived = 0;
+    job->step->q_wait = false; /* its kernels finish on their own; nothing goes on after them */
+    struct sd_req q;
+    for (uint32_t r = 0; r < job->k; r++)
+        if (sd_barrier_take(&job->step->bar, r, &q) && job->ranks[r] != NULL)
+            sd_session_complete(job->ranks[r], q.tag, SD_OP_STEP, status, 0, 0, text);
 }
 
 /* a step barrier that waits too long */
 static bool step_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
 {
-    if (job->step.arrived == 0 || now - job->step.first_ns <= op_timeout)
-        return false;
-    bool present[1024];
+    bool present[SD_MAX_LOCAL_RANKS];
     char missing[128];
-    for (uint32_t r = 0; r < job->k && r < 1024; r++)
-        present[r] = job->step.waiting[r];
+    if (!sd_barrier_overdue(&job->step->bar, now, op_timeout, present))
+        return false;
     sd_job_missing_ranks(job, present, missing, sizeof(missing));
     sd_job_fail(
         job, SD_ETIMEDOUT, "step %llu: ranks %s did not call step within %lld ms (op_timeout_ms)",
@@ -785,4 +691,4 @@ static bool step_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
 }
 
 const struct sd_job_module sd_step_module = {
-    .name = "step", .fail_parked = step_fail_parked, .sweep = step_sweep};
+    .name = "step", .fail_parked = step_fail_parked, .sweep = step_sweep, .event = step_event};

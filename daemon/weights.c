@@ -42,7 +42,7 @@ static int32_t first_with_w(const struct sd_job *job, uint32_t m, uint32_t iw)
 static uint32_t part_owner(const struct sd_job *job, uint32_t r, uint32_t p)
 {
     uint32_t OS = job->plan.f[SD_STATE_OS];
-    return r - r % OS + job->step.os_pos[p];
+    return r - r % OS + sd_plan_shard_pos(&job->plan, SD_STATE_OS, p);
 }
 
 bool sd_weights_remote(const struct sd_job *job)
@@ -106,7 +106,7 @@ static uint32_t transfer_parts(struct sd_job *job, uint32_t u, uint32_t src, uin
     uint32_t base = job->first_rank - job->first_rank % OS; /* f_os > k: one os group */
     bool sending = src == job->node;
     for (uint32_t p = 0; p < OS && n < SD_BULK_MAX_PIECES; p++) {
-        uint32_t owner = base + job->step.os_pos[p];
+        uint32_t owner = base + sd_plan_shard_pos(&job->plan, SD_STATE_OS, p);
         if (owner / job->k != src)
             continue;
         int32_t holder = first_with_w(job, dst, p / per);
@@ -149,17 +149,14 @@ static void exchange_done(struct sd_bulk *b, int status)
     job->stats.bytes[SD_OP_STEP][b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV] += b->bytes;
     if (job->plan.qw)
         exchange_decode(job, b, status);
-    if (status != SD_OK && job->step.status == SD_OK) {
-        job->step.status = status;
-        job->step.suspect = b->peer;
-    }
+    uint32_t peer = b->peer;
     sd_bulk_put(&job->xfer.bulks, b);
-    if (--job->step.pending == 0)
-        sd_step_progress(job);
+    sd_step_exchanged(job, status, peer);
 }
 
-/* *rx_base: the receive slots (,qw) taken so far for unit u */
-static int post(struct sd_job *job, uint32_t u, uint32_t peer, bool is_send, uint32_t *rx_base)
+/* *rx_base: the receive slots (,qw) taken so far for unit u; *posted: the transfers started */
+static int post(struct sd_job *job, uint32_t u, uint32_t peer, bool is_send, uint32_t *rx_base,
+                uint32_t *posted)
 {
     void *pieces[SD_BULK_MAX_PIECES];
     size_t lens[SD_BULK_MAX_PIECES];
@@ -194,12 +191,11 @@ static int post(struct sd_job *job, uint32_t u, uint32_t peer, bool is_send, uin
             sd_bulk_put(&job->xfer.bulks, b);
         return st;
     }
-    job->step.pending++;
+    (*posted)++;
     return SD_OK;
 }
 
-/* ,qw: each local rank's os part of unit u encoded into its wx slot, and decoded back in place */
-static void encode_parts(struct sd_job *job, uint32_t u)
+void sd_weights_encode(struct sd_job *job, uint32_t u)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_unit_layout *ul = &job->layout.units[u];
@@ -216,26 +212,19 @@ static void encode_parts(struct sd_job *job, uint32_t u)
     }
 }
 
-int sd_weights_exchange(struct sd_job *job, uint32_t u)
+int sd_weights_exchange(struct sd_job *job, uint32_t u, uint32_t *posted_p, uint32_t *suspect_p)
 {
     uint32_t first = sd_job_group_first(job, job->gnodes[SD_STATE_OS]), rx_base = 0;
-    job->step.status = SD_OK;
-    job->step.pending = 0;
-    if (job->plan.qw) {
-        encode_parts(job, u);
-        if (!sd_job_sync(job)) /* failed the job */
-            return SD_OK;
-    }
+    *posted_p = 0;
     for (uint32_t i = 0; i < job->gnodes[SD_STATE_OS]; i++) {
         uint32_t m = first + i;
         if (m == job->node)
             continue;
-        int st = post(job, u, m, false, &rx_base);
+        int st = post(job, u, m, false, &rx_base, posted_p);
         if (st == SD_OK)
-            st = post(job, u, m, true, &rx_base);
+            st = post(job, u, m, true, &rx_base, posted_p);
         if (st != SD_OK) {
-            job->step.status = st;
-            job->step.suspect = m;
+            *suspect_p = m;
             return st;
         }
     }

@@ -831,6 +831,31 @@ static void test_stalled_requests(void)
     expect_alive("requests queued behind a stalled push");
 }
 
+/* A rank that never comes to the step: after op_timeout (3 s here) the rank waiting in it fails
+ * naming the missing rank, and the other rank hears that its job failed; the daemon unharmed. */
+static void test_barrier_deadline(void)
+{
+    struct joined r[2];
+    for (int i = 0; i < 2; i++)
+        tiny_init(&r[i].x, "lagging", (uint32_t)i, 2, 100);
+    if (!join_pair(&r[0], &r[1], "lagging"))
+        return;
+    double norm, t0 = th_now_s();
+    int st = shard_step(r[0].ctx, &norm);
+    double took = th_now_s() - t0;
+    expect_error(r[0].ctx, st, SHARD_ETIMEDOUT, "step 1: ranks 1 did not call step within 3000 ms",
+                 "a step rank 1 never calls");
+    TH_CHECK(took >= 2.9 && took < 3.0 + 2.0, "the step's deadline came after %.2f s (3 s)", took);
+    const void *p;
+    st = shard_fetch(r[1].ctx, 0, &p);
+    TH_CHECK(st != 0 && strstr(shard_last_error(r[1].ctx), "did not call step") != NULL,
+             "rank 1's next call hears why the job failed: %d '%s'", st,
+             shard_last_error(r[1].ctx));
+    for (int i = 0; i < 2; i++)
+        shard_detach(r[i].ctx);
+    expect_alive("a rank that never steps");
+}
+
 /* A client that dies while the daemon backs its job's buffers (on a worker thread, so that
  * the daemon answers meanwhile): the job goes, its bytes return to the budget, nothing leaks,
  * and the same name registers again. */
@@ -1177,6 +1202,7 @@ int main(void)
     test_corrupt_cq();
     test_leave_while_allocating();
     test_stalled_requests();
+    test_barrier_deadline();
     test_kill_mid_step();
     TH_CHECK(th_daemon_alive(&d), "daemon died");
     TH_CHECK(th_daemon_stop(&d) == 0, "shardd did not shut down cleanly");

@@ -253,6 +253,9 @@ static void test_nesting(void)
                                 seen |= 1ULL << sd_plan_shard(&p, st, first + j);
                             ok = seen == (f == 64 ? ~0ULL : (1ULL << f) - 1);
                         }
+                        /* the inverse: the position in its group of each shard's holder */
+                        for (uint32_t j = 0; j < f && ok; j++)
+                            ok = sd_plan_shard_pos(&p, st, sd_plan_shard(&p, st, j)) == j;
                         /* a replication group: one shard */
                         for (uint32_t r = 0; r < n && ok; r++) {
                             struct sd_group g = sd_group_replication(n, f, r);
@@ -260,8 +263,8 @@ static void test_nesting(void)
                                 ok = sd_plan_shard(&p, st, sd_group_member(&g, j)) ==
                                      sd_plan_shard(&p, st, r);
                         }
-                        TH_CHECK(ok, "%s on %ux%u: the groups of %s", spec, topo.nodes,
-                                 topo.ranks_per_node, sd_state_name(st));
+                        TH_CHECK(ok, "%s on %ux%u: the groups of %s (and the holders' positions)",
+                                 spec, topo.nodes, topo.ranks_per_node, sd_state_name(st));
                     }
                 }
     }

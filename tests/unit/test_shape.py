@@ -6,9 +6,13 @@
 - only transport/ calls libfabric, only coll/tag.h packs a tag, and coll/, transport/ and
   cluster/ include only their own headers, the lower libraries' (sd/) and the few named below;
 - no function nested deeper than MAX_DEPTH braces;
-- the modules' states listed in OPAQUE are defined only in their own .c;
+- the modules' states listed in OPAQUE are defined only in their own .c (or the private header
+  of a module of several files, which only the files listed in PRIVATE include);
 - no function declared or defined with more than 8 positional parameters (a parameter struct
-  instead: sd_job_net_allreduce had 13).
+  instead: sd_job_net_allreduce had 13);
+- no include cycle among the daemon's headers, and the modules that include each other's
+  headers (a cycle of modules: job.c calls every module, every module calls job.c) no more than
+  MAX_MODULE_CYCLE (19 when it was first measured; it may only shrink).
 Usage: test_shape.py DAEMON_DIR"""
 import os
 import re
@@ -20,6 +24,10 @@ MAX_LINES = 900
 MAX_MEMBERS = 40
 MAX_PARAMS = 8
 MAX_DEPTH = 5  # braces deep inside a function, its body counting 1 (save_plan was 9)
+MAX_MODULE_CYCLE = 19
+# files that are parts of another module (the rest: a module each, its .c with its .h)
+PART_OF = {"ckpt_commit": "checkpoint", "ckpt_load": "checkpoint", "step_state": "step",
+           "push_round": "push", "job_mem": "job", "job_api": "job", "net": "job_net"}
 # a module's state defined only in its own .c (opaque elsewhere): the ones that are so far
 OPAQUE = {
     "sd_net": "net_service.c",
@@ -27,6 +35,14 @@ OPAQUE = {
     "sd_sec_state": "secondary.c",
     "sd_push_state": "push.c",
     "sd_quant_state": "quant.c",
+    "sd_step_state": "step_int.h",
+}
+# a module of several files: its private header, and the files that may include it
+PRIVATE = {
+    "step_int.h": ("step.c", "step_state.c"),
+    "checkpoint_int.h": ("checkpoint.c", "ckpt_commit.c", "ckpt_load.c"),
+    "cluster/cluster_int.h": ("cluster/links.c", "cluster/handshake.c",
+                              "cluster/coordinator.c", "cluster/probe.c"),
 }
 # what each lower floor may include besides its own headers and sd/ (the build links each floor
 # alone as well: daemon/CMakeLists.txt, layer_check)
@@ -104,6 +120,59 @@ def brace_depths(text):
     return best
 
 
+def include_graph(files, text, root):
+    """{file: [files it includes]} over the daemon's own files (quoted includes, as the
+    compiler resolves them: beside the includer, then from the daemon's root)"""
+    rel = {os.path.relpath(f, root): f for f in files}
+    graph = {}
+    for r, f in rel.items():
+        out = []
+        for inc in re.findall(r'#include\s+"([^"]+)"', strip_comments(text[f])):
+            near = os.path.normpath(os.path.join(os.path.dirname(r), inc))
+            hit = near if near in rel else inc if inc in rel else None
+            if hit is not None:
+                out.append(hit)
+        graph[r] = out
+    return graph
+
+
+def cycles(graph):
+    """the strongly connected components of graph with more than one node, or with a loop"""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def module_of(rel):
+    base = re.sub(r"_int$", "", os.path.splitext(rel)[0])
+    return PART_OF.get(base, base)
+
+
 def main():
     root = sys.argv[1]
     files = []
@@ -161,6 +230,31 @@ def main():
                  if re.search(r"\bstruct\s+%s\s*\{" % name, strip_comments(text[f]))]
         check(where == [owner], "struct %s is defined in %s, only %s may (the module's own "
               "state)" % (name, where, owner))
+    graph = include_graph(files, text, root)
+    headers = {h: [x for x in inc if x.endswith(".h")] for h, inc in graph.items()
+               if h.endswith(".h")}
+    check(len(headers) > 20 and sum(map(len, headers.values())) > 20,
+          "the include graph sees the headers: %d, %d includes" %
+          (len(headers), sum(map(len, headers.values()))))
+    check(not cycles(headers), "headers that include each other: %s" % cycles(headers))
+    modules = {}
+    for f, inc in graph.items():
+        modules.setdefault(module_of(f), set()).update(module_of(x) for x in inc
+                                                       if module_of(x) != module_of(f))
+    worst = max((len(c) for c in cycles(modules)), default=0)
+    print("the largest cycle of modules: %d modules" % worst)
+    check(worst <= MAX_MODULE_CYCLE, "modules that include each other's headers: a cycle of %d "
+          "(at most %d): %s" % (worst, MAX_MODULE_CYCLE, cycles(modules)))
+
+    for header, allowed in PRIVATE.items():
+        check(header in by_name, "the private header %s exists" % header)
+        base = os.path.basename(header)
+        users = sorted(os.path.relpath(f, root) for f in files
+                       if f != by_name.get(header) and
+                       re.search(r'#include\s+"(%s|%s)"' % (re.escape(header), re.escape(base)),
+                                 text[f]))
+        check(set(users) <= set(allowed), "%s is included by %s: only %s may (the module's "
+              "private header)" % (header, users, list(allowed)))
     return finish("test_shape")
 
 

@@ -119,6 +119,8 @@ static inline bool sd_plan_sec_active(const struct sd_plan *plan)
 
 /* The shard of state that rank holds, in [0, f[state]) (the nesting above). */
 uint32_t sd_plan_shard(const struct sd_plan *plan, int state, uint32_t rank);
+/* Its inverse: where in a partition group of state (0 .. f[state] - 1) the holder of shard is. */
+uint32_t sd_plan_shard_pos(const struct sd_plan *plan, int state, uint32_t shard);
 /* Where rank's shard of state inner begins inside its shard of state outer (f[outer] <=
  * f[inner]), in elements of a unit of numel. */
 uint64_t sd_plan_nested_off(const struct sd_plan *plan, int inner, int outer, uint32_t rank,
