@@ -65,6 +65,9 @@ void sd_job_destroy(struct sd_job *job)
         if (job->ranks[r] != NULL)
             job_unlink_rank(job, job->ranks[r]);
     sd_registry_unlink(job->reg, job);
+    /* a paused job it was to resume is resumable again now, not once the memory below goes: a
+     * registration that comes meanwhile finds it (sd_resume_find) */
+    sd_resume_unlink(job);
     if (job->mem
             .allocating) { /* the worker writes its buffers: alloc_after_cb (job_mem.c) frees it */
         job->mem.doomed = true;

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <uv.h>
+#include <unistd.h>
 
 /* A job's big buffers go back on a worker thread: unmapping a job of 64 MiB units (about
  * 1 GiB) held the loop for 250 ms here, and with it every other job's transfers and the
@@ -401,6 +402,11 @@ struct job_alloc_work {
 static void alloc_work_cb(uv_work_t *req)
 {
     struct job_alloc_work *w = req->data;
+#ifdef SD_TEST_HOOKS /* tests only: SHARDD_TEST_ALLOC_STALL_MS holds every allocation that long */
+    const char *stall = getenv("SHARDD_TEST_ALLOC_STALL_MS");
+    if (stall != NULL)
+        usleep((useconds_t)strtoul(stall, NULL, 10) * 1000u);
+#endif
     w->status = w->device ? job_alloc_device(w->job, w->err, sizeof(w->err)) : SD_OK;
     if (w->status == SD_OK)
         w->status = job_alloc_control(w->job, w->err, sizeof(w->err));

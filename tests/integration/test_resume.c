@@ -8,7 +8,9 @@
  *   SIGKILL all four and restart them;
  * - 2 nodes x 2 ranks, zero3 and mics:2: the same (the pause crosses nodes);
  * - a paused job not registered again within its timeout is dropped (shardctl jobs shows it
- *   paused meanwhile), and a registration of another model is refused naming the step.
+ *   paused meanwhile), and a registration of another model is refused naming the step;
+ * - a resuming registration refused while its memory is allocated leaves the paused job
+ *   resumable at once (test hooks only: the allocation held by SHARDD_TEST_ALLOC_STALL_MS).
  * Each interrupted run is compared with an uninterrupted run of the same cluster and plan. */
 #include "harness.h"
 
@@ -159,6 +161,67 @@ static void timeout_and_mismatch(const struct th_cluster *c)
     free(log);
 }
 
+#ifdef SD_TEST_HOOKS
+/* A resuming registration refused while its memory is allocated (a rank killed then; the daemon's
+ * SHARDD_TEST_ALLOC_STALL_MS holds every allocation 1.5 s) leaves the paused job resumable at
+ * once: ranks that register again right after resume it. They used to start a new job at step
+ * 0 until the refused registration's memory was gone (across nodes: refused, "node 0 resumes a
+ * paused job after step 6, node 1 starts at step 0"). */
+static void refused_resume(void)
+{
+    setenv("SHARDD_TEST_ALLOC_STALL_MS", "1500", 1);
+    struct th_cluster c = {.nodes = 1, .k = 2};
+    bool up = th_daemon_start(&c.d[0], NULL) == 0;
+    unsetenv("SHARDD_TEST_ALLOC_STALL_MS");
+    TH_CHECK(up, "shardd with its allocations held");
+    if (!up)
+        return;
+    snprintf(base, sizeof(base), "%s", c.d[0].dir);
+    char ref[400], dump[400];
+    snprintf(ref, sizeof(ref), "%s/ref-refused.bin", base);
+    snprintf(dump, sizeof(dump), "%s/refused.bin", base);
+    if (!run_plain(&c, "plain-refused", "zero3", ref)) {
+        th_daemon_stop(&c.d[0]);
+        return;
+    }
+    pid_t p[2];
+    for (int r = 0; r < 2; r++)
+        p[r] = start_rank(&c, "refused", "zero3", r, "30000", r == 0 ? dump : NULL, "192", 0);
+    usleep(1500000 + 900000); /* allocated, then a few steps */
+    kill(p[0], SIGKILL);      /* paused; rank 1, told so, registers again by itself */
+    th_wait(p[0], 10000);
+    p[0] = start_rank(&c, "refused", "zero3", 0, "30000", dump, "192", 1);
+    usleep(700000); /* both registered: the resuming job's allocation is held */
+    kill(p[1], SIGKILL);
+    th_wait(p[1], 10000);
+    int rc = th_wait(p[0], 10000);
+    TH_CHECK(rc != 0, "the registration a rank left while it was allocated was not refused");
+    char *log = th_read_file(c.d[0].log, NULL);
+    TH_CHECK(log && strstr(log, "disconnected while the job registered"),
+             "the daemon does not say the resuming registration was refused");
+    free(log);
+    for (int r = 0; r < 2; r++) /* at once: the refused job's memory is still being allocated */
+        p[r] = start_rank(&c, "refused", "zero3", r, "30000", r == 0 ? dump : NULL, "192", 2);
+    int failed = 0;
+    for (int r = 0; r < 2; r++)
+        failed += th_wait(p[r], 120000) != 0;
+    TH_CHECK(failed == 0, "refused: %d ranks failed after the refused resume", failed);
+    int step = paused_step("refused", 2);
+    TH_CHECK(step > 0 && step < atoi(STEPS),
+             "refused: the ranks registered again did not resume the paused job (step %d)", step);
+    struct th_dump_diff dd;
+    bool same = th_compare_dumps(ref, dump, 0.0, &dd);
+    TH_CHECK(same && dd.differ == 0,
+             "refused: %zu of %zu parameters differ from the uninterrupted "
+             "run",
+             dd.differ, dd.n);
+    printf("refused: a resuming registration refused mid-allocation; the next resumed after step "
+           "%d, %zu parameters, %zu differ\n",
+           step, dd.n, dd.differ);
+    th_daemon_stop(&c.d[0]);
+}
+#endif
+
 int main(void)
 {
     unsigned seed = (unsigned)time(NULL);
@@ -179,6 +242,12 @@ int main(void)
     }
     timeout_and_mismatch(&one);
     th_daemon_stop(&one.d[0]);
+#ifdef SD_TEST_HOOKS
+    refused_resume();
+#else
+    printf("test_resume: the refused-resume case needs shardd's test hooks (-DSHARD_TEST_HOOKS=ON):"
+           " not run\n");
+#endif
 
     TH_CHECK(th_cluster_start(&two, 2, 2, NULL) == 0, "2 x 2 cluster");
     snprintf(base, sizeof(base), "%s", two.base);
