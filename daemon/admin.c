@@ -1,5 +1,6 @@
 /* Admin commands for shardctl: status, jobs, groups, topology, stats. Answers are JSON; shardctl
  * renders tables from the same documents. */
+#include "optimizer.h"
 #include "cluster/cluster.h"
 #include "checkpoint.h"
 #include "job.h"
@@ -53,7 +54,8 @@ static json_t *optimizer_json(const struct sd_job *job)
         tensors[m->tensors[t].group]++;
     json_t *groups = json_array();
     for (uint32_t g = 0; g < n; g++) {
-        struct sd_hparams h = job->opt.hparams != NULL ? job->opt.hparams[g] : sd_model_group(m, g);
+        const struct sd_hparams *hp = sd_optim_hparams(job);
+        struct sd_hparams h = hp != NULL ? hp[g] : sd_model_group(m, g);
         json_t *o = json_pack("{s:i, s:f, s:f}", "tensors", tensors ? (int)tensors[g] : -1, "lr",
                               (double)h.lr, "weight_decay", (double)h.weight_decay);
         if (m->optim.kind == SD_OPTIM_ADAMW) {
@@ -97,7 +99,7 @@ static json_t *job_summary(const struct sd_job *job)
         (int)job->k, "plan", job->plan.name, "units", (int)job->layout.n_units, "parameters",
         (json_int_t)job->layout.total_numel, "parameter_bytes", (json_int_t)job->layout.total_bytes,
         "memory_bytes", (json_int_t)job->mem.bytes_total, "steps", (json_int_t)job->steps,
-        "last_grad_norm", job->opt.last_grad_norm, "error", ended ? "" : job->fail_msg, "ranks",
+        "last_grad_norm", sd_optim_grad_norm(job), "error", ended ? "" : job->fail_msg, "ranks",
         ranks);
     /* how a job that ended cleanly ended (its ranks detached): not an error */
     json_object_set_new(doc, "ended", json_string(ended ? job->fail_msg : ""));

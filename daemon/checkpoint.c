@@ -14,6 +14,7 @@
  *
  * Load (ckpt_load.c): at registration a worker reads and checks the manifest; once the memory
  * is allocated each node reads, on workers, the ranges of each state its ranks' shards need. */
+#include "optimizer.h"
 #include "checkpoint_int.h"
 #include "job_module.h"
 #include "cluster/cluster.h"
@@ -547,10 +548,10 @@ static void save_after(struct sd_job *job)
 static int write_part(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    c->step = job->opt.applied;
+    c->step = sd_optim_applied(job);
     sd_ckpt_step_name(c->final, sizeof(c->final), c->step);
-    memcpy(c->snap_steps, job->opt.tensor_steps, job->model.n_tensors * sizeof(uint64_t));
-    memcpy(c->snap_hp, job->opt.hparams, sd_model_groups(&job->model) * sizeof(*c->snap_hp));
+    memcpy(c->snap_steps, sd_optim_tensor_steps(job), job->model.n_tensors * sizeof(uint64_t));
+    memcpy(c->snap_hp, sd_optim_hparams(job), sd_model_groups(&job->model) * sizeof(*c->snap_hp));
     if (job->state == SD_JOB_READY && !sd_job_sync(job))
         return SD_EJOBFAILED;
     int st = save_plan(job);

@@ -6,6 +6,7 @@
  * them, reading with O_DIRECT where the filesystem has it): one task per unit, local rank and
  * state, then one per unit and local rank for its weights. Device memory is staged in ld.buf
  * and copied through the device's queue on the loop. */
+#include "optimizer.h"
 #include "checkpoint_int.h"
 #include "job.h"
 #include "registry.h"
@@ -260,10 +261,9 @@ static void load_after(struct sd_job *job)
     free(c->ld.buf);
     c->ld.buf = NULL;
     for (uint32_t t = 0; t < l->n_tensors; t++)
-        job->opt.tensor_steps[t] = c->ld.src.tensors[t].steps;
-    for (uint32_t g = 0; g < c->ld.src.n_groups; g++)
-        job->opt.hparams[g] = c->ld.src.groups[g];
-    job->steps = job->opt.applied = c->ld.src.step;
+        sd_optim_set_tensor_steps(job, t, c->ld.src.tensors[t].steps);
+    sd_optim_restore(job, c->ld.src.groups, c->ld.src.n_groups, c->ld.src.step);
+    job->steps = c->ld.src.step;
     c->ld.ns = sd_now_ns() - c->ld.start_ns;
     SD_INFO("job", "job '%s': loaded step %llu from %s (%.1f MiB read in %.1f ms)", job->name,
             (unsigned long long)c->ld.src.step, c->ld.src.path,

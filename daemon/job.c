@@ -1,5 +1,6 @@
 /* Jobs: registration (all ranks, same model, with a deadline), the layout reply, the state
  * machine, departures, failures and deadlines. */
+#include "optimizer.h"
 #include "step.h"
 #include "checkpoint.h"
 #include "cluster/cluster.h"
@@ -41,7 +42,7 @@ void sd_job_free(struct sd_job *job)
     sd_job_mem_free(job); /* never while sd_ckpt_busy: its worker may use the memory */
     sd_layout_free(&job->layout);
     sd_model_free(&job->model);
-    free(job->opt.hparams);
+    sd_optim_destroy(job);
     free(job->ranks);
     sd_step_destroy(job);
     sd_barrier_fini(&job->load.ready);
@@ -391,6 +392,8 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->register_deadline_ns = job->created_ns + (uint64_t)cfg->register_timeout_ms * 1000000ULL;
     job->ranks = calloc(k, sizeof(*job->ranks));
     int step_st = sd_step_create(job);
+    if (step_st == SD_OK)
+        step_st = sd_optim_create(job);
     int ready_st = sd_barrier_init(&job->load.ready, k);
     int status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
     if (status == SD_OK)

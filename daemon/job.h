@@ -21,10 +21,11 @@
 
 struct sd_session;
 struct sd_net;
-struct sd_sec_state;  /* secondary.c's */
-struct sd_job_sched;  /* schedule.c's */
-struct sd_push_state; /* push.c's */
-struct sd_step_state; /* step.c's */
+struct sd_sec_state;   /* secondary.c's */
+struct sd_job_sched;   /* schedule.c's */
+struct sd_push_state;  /* push.c's */
+struct sd_step_state;  /* step.c's */
+struct sd_optim_state; /* optimizer.c's */
 struct sd_ckpt_job;
 
 /* ranks one node serves in a job, at most: a gather's waiting ranks are a 64-bit set */
@@ -85,16 +86,6 @@ struct sd_job_mem {
 /* Push rounds (push.c): [unit][group][generation][member] for the g-partition groups on this
  * node; round n of a (unit, group) collects in generation n % round_gens. Across nodes, up to
  * round_gens node rounds are on the wire at once. */
-
-/* The optimizer's bookkeeping (optimizer.c): what a schedule and skipped tensors change. */
-struct sd_optim_state {
-    struct sd_hparams *hparams; /* [n_groups]: the parameter groups' current hyperparameters */
-    uint64_t *tensor_steps;     /* [n_tensors]: optimizer steps that updated each tensor */
-    double last_grad_norm;      /* of the last step taken */
-    /* the steps the os shards hold: steps, or steps + 1 between the optimizer's update and the
-     * new weights (a node lost there leaves the survivors' shards one step ahead) */
-    uint64_t applied;
-};
 
 /* A job that outlives a dead rank (resume.c). With a resume timeout, a rank's death pauses the
  * job: it fails with SD_EPAUSED, its state stays for the timeout, and a registration of the same
@@ -188,7 +179,7 @@ struct sd_job {
     bool retire_pending; /* all ranks left; memory goes once the network is idle */
     bool was_ready;      /* reached READY: after a clean detach, ready still answers */
     uint64_t steps, weights_gen;
-    struct sd_optim_state opt;
+    struct sd_optim_state *opt; /* optimizer.c's */
     struct sd_job_stats stats;
     struct sd_job_mem mem;
     struct sd_sec_state *sec; /* secondary.c's */

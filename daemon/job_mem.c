@@ -2,6 +2,7 @@
  * arenas of every local rank in the backend's memory (cache-coloured, see SD_ARENA_COLOUR), the
  * gather pool and staging slots the trainers map, scratch and the network buffers, within the
  * daemon's memory budget. Host memory is backed and given back on a worker thread. */
+#include "optimizer.h"
 #include "step.h"
 #include "job.h"
 #include "net.h"
@@ -146,8 +147,7 @@ void sd_job_mem_free(struct sd_job *job)
     free(job->xfer.answer_q);
     job->xfer.answer_q = NULL;
     job->xfer.aq_len = 0;
-    free(job->opt.tensor_steps); /* the hyperparameters stay for shardctl: sd_job_free */
-    job->opt.tensor_steps = NULL;
+    sd_optim_free(job); /* the hyperparameters stay for shardctl: sd_job_free */
     free(job->mem.w_off);
     sd_sched_free(job);
     job->mem.arena = job->mem.staging = NULL;
@@ -267,17 +267,12 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
     job->xfer.answer_q = calloc(job->n_slots, sizeof(*job->xfer.answer_q));
     uint32_t n_groups = sd_model_groups(&job->model);
-    free(job->opt.hparams);
-    job->opt.hparams = calloc(n_groups, sizeof(*job->opt.hparams));
-    job->opt.tensor_steps = calloc(l->n_tensors, sizeof(*job->opt.tensor_steps));
-    for (uint32_t g = 0; job->opt.hparams != NULL && g < n_groups; g++)
-        job->opt.hparams[g] = sd_model_group(&job->model, g);
+    int optim_st = sd_optim_alloc(job);
     int push_st = sd_push_alloc(job);
     int sec_st = sd_sec_setup(job);
     if (sec_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
         !job->mem.fence_count || cache_st != SD_OK || queue_st != SD_OK || step_st != SD_OK ||
-        !job->xfer.wait_tags || !job->xfer.answer_q || !job->opt.hparams ||
-        !job->opt.tensor_steps || push_st != SD_OK) {
+        !job->xfer.wait_tags || !job->xfer.answer_q || optim_st != SD_OK || push_st != SD_OK) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }

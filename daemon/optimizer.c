@@ -9,6 +9,16 @@
 #include "sd/status.h"
 #include "sd/util.h"
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The optimizer's bookkeeping: what a schedule and skipped tensors change. */
+struct sd_optim_state {
+    struct sd_hparams *hparams; /* [n_groups]: the parameter groups' current hyperparameters */
+    uint64_t *tensor_steps;     /* [n_tensors]: optimizer steps that updated each tensor */
+    double last_grad_norm;      /* of the last step taken */
+    uint64_t applied;           /* the steps the os shards hold (sd_optim_applied) */
+};
 
 /* one rank's os shard of unit u: the arrays the kernels read and write, at element 0 of the
  * shard */
@@ -22,7 +32,7 @@ static void update_range(struct sd_job *job, const struct os_view *o, uint64_t a
                          uint32_t tensor, float scale)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
-    const struct sd_hparams *h = &job->opt.hparams[job->model.tensors[tensor].group];
+    const struct sd_hparams *h = &job->opt->hparams[job->model.tensors[tensor].group];
     uint8_t *w = o->w + at * o->w_elem;
     int dtype = job->layout.units[job->model.tensors[tensor].unit].dtype;
     if (job->model.optim.kind == SD_OPTIM_ADAMW) {
@@ -31,7 +41,7 @@ static void update_range(struct sd_job *job, const struct os_view *o, uint64_t a
                                   .beta2 = h->beta2,
                                   .eps = h->eps,
                                   .weight_decay = h->weight_decay,
-                                  .step = job->opt.tensor_steps[tensor] + 1};
+                                  .step = job->opt->tensor_steps[tensor] + 1};
         dev->adamw(job->mem.queue, &a, o->master + at, o->m + at, o->v + at, o->g + at, scale, w,
                    dtype, n);
     } else {
@@ -71,8 +81,10 @@ static void update_unit(struct sd_job *job, const struct os_view *o, uint32_t u,
         dev->zero(job->mem.queue, o->g + (at - b), (e - at) * sizeof(float));
 }
 
-double sd_optimizer_apply(struct sd_job *job, double sumsq, const uint64_t *used)
+double sd_optimizer_apply(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
+                          const uint64_t *used)
 {
+    memcpy(job->opt->hparams, hp, sd_model_groups(&job->model) * sizeof(*hp));
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_layout *l = &job->layout;
     const struct sd_optim *opt = &job->model.optim;
@@ -112,9 +124,97 @@ double sd_optimizer_apply(struct sd_job *job, double sumsq, const uint64_t *used
     }
     for (uint32_t t = 0; t < l->n_tensors; t++) {
         if (tensor_used(used, t))
-            job->opt.tensor_steps[t]++;
+            job->opt->tensor_steps[t]++;
         else
             job->stats.tensors_skipped++;
     }
+    job->opt->last_grad_norm = norm;
+    job->opt->applied = job->steps + 1;
     return norm;
+}
+
+/* ---- its state */
+
+int sd_optim_create(struct sd_job *job)
+{
+    job->opt = calloc(1, sizeof(*job->opt));
+    return job->opt != NULL ? SD_OK : SD_ENOMEM;
+}
+
+int sd_optim_alloc(struct sd_job *job)
+{
+    struct sd_optim_state *o = job->opt;
+    uint32_t n_groups = sd_model_groups(&job->model);
+    free(o->hparams);
+    o->hparams = calloc(n_groups, sizeof(*o->hparams));
+    o->tensor_steps = calloc(job->layout.n_tensors, sizeof(*o->tensor_steps));
+    for (uint32_t g = 0; o->hparams != NULL && g < n_groups; g++)
+        o->hparams[g] = sd_model_group(&job->model, g);
+    return o->hparams != NULL && o->tensor_steps != NULL ? SD_OK : SD_ENOMEM;
+}
+
+void sd_optim_free(struct sd_job *job)
+{
+    if (job->opt == NULL)
+        return;
+    free(job->opt->tensor_steps);
+    job->opt->tensor_steps = NULL;
+}
+
+void sd_optim_destroy(struct sd_job *job)
+{
+    if (job->opt == NULL)
+        return;
+    sd_optim_free(job);
+    free(job->opt->hparams);
+    free(job->opt);
+    job->opt = NULL;
+}
+
+const struct sd_hparams *sd_optim_hparams(const struct sd_job *job)
+{
+    return job->opt != NULL ? job->opt->hparams : NULL;
+}
+
+const uint64_t *sd_optim_tensor_steps(const struct sd_job *job)
+{
+    return job->opt != NULL ? job->opt->tensor_steps : NULL;
+}
+
+double sd_optim_grad_norm(const struct sd_job *job)
+{
+    return job->opt != NULL ? job->opt->last_grad_norm : 0.0;
+}
+
+uint64_t sd_optim_applied(const struct sd_job *job)
+{
+    return job->opt != NULL ? job->opt->applied : 0;
+}
+
+void sd_optim_weights_new(struct sd_job *job)
+{
+    job->opt->applied = job->steps;
+}
+
+void sd_optim_restore(struct sd_job *job, const struct sd_hparams *hp, uint32_t n_groups,
+                      uint64_t applied)
+{
+    n_groups = SD_MIN(n_groups, sd_model_groups(&job->model));
+    memcpy(job->opt->hparams, hp, n_groups * sizeof(*hp));
+    job->opt->applied = applied;
+}
+
+void sd_optim_set_tensor_steps(struct sd_job *job, uint32_t tensor, uint64_t steps)
+{
+    job->opt->tensor_steps[tensor] = steps;
+}
+
+void sd_optim_take_over(struct sd_job *job, const struct sd_job *old)
+{
+    const struct sd_optim_state *o = old->opt;
+    memcpy(job->opt->tensor_steps, o->tensor_steps,
+           job->layout.n_tensors * sizeof(*job->opt->tensor_steps));
+    memcpy(job->opt->hparams, o->hparams, sd_model_groups(&job->model) * sizeof(*o->hparams));
+    job->opt->last_grad_norm = o->last_grad_norm;
+    job->opt->applied = old->steps;
 }

@@ -1,4 +1,5 @@
 /* Recovery from replicas: a checkpoint of a job written by the nodes still up (recover.h). */
+#include "optimizer.h"
 #include "recover.h"
 #include "checkpoint.h"
 #include "cluster/cluster.h"
@@ -262,7 +263,7 @@ int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const c
     char err[1024];
     reg->recovery = rec;
     SD_INFO("job", "job '%s': writing a checkpoint of step %llu to %s from %zu ranks' replicas",
-            job->name, (unsigned long long)job->opt.applied, dir, rec->n_writers);
+            job->name, (unsigned long long)sd_optim_applied(job), dir, rec->n_writers);
     Shard__JobRecover m = SHARD__JOB_RECOVER__INIT;
     m.job = job->name;
     m.seq = rec->seq;

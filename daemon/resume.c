@@ -1,4 +1,5 @@
 /* Jobs that outlive their trainers: pause, keep, take over (resume.h). */
+#include "optimizer.h"
 #include "step.h"
 #include "resume.h"
 #include "checkpoint.h"
@@ -259,9 +260,9 @@ uint64_t sd_resume_start_step(const struct sd_job *job)
 bool sd_resume_hparams(const struct sd_job *job, uint32_t g, struct sd_hparams *h_p)
 {
     const struct sd_job *old = job->load.resume.from;
-    if (old == NULL || old->opt.hparams == NULL)
+    if (old == NULL || sd_optim_hparams(old) == NULL)
         return false;
-    *h_p = old->opt.hparams[g];
+    *h_p = sd_optim_hparams(old)[g];
     return true;
 }
 
@@ -316,12 +317,8 @@ void sd_resume_load(struct sd_job *job)
         }
     if (!sd_job_sync(job))
         return;
-    memcpy(job->opt.tensor_steps, old->opt.tensor_steps,
-           job->layout.n_tensors * sizeof(*job->opt.tensor_steps));
-    memcpy(job->opt.hparams, old->opt.hparams,
-           sd_model_groups(&job->model) * sizeof(*job->opt.hparams));
-    job->opt.last_grad_norm = old->opt.last_grad_norm;
-    job->steps = job->opt.applied = old->steps;
+    sd_optim_take_over(job, old);
+    job->steps = old->steps;
     char b[32];
     SD_INFO("job",
             "job '%s' (id %llu) resumed job id %llu after step %llu: %s of weights and "

@@ -56,7 +56,7 @@ static void weights_write(struct sd_job *job)
 static void weights_new(struct sd_job *job)
 {
     job->steps++;
-    job->opt.applied = job->steps;
+    sd_optim_weights_new(job);
     job->weights_gen++;
 }
 
@@ -93,7 +93,7 @@ static void step_answer(struct sd_job *job, int status, const char *msg)
 {
     sd_sched_step_done(job); /* freeze or rewind the schedule; first prefetches */
     uint64_t bits, now = sd_now_ns();
-    double norm = job->opt.last_grad_norm;
+    double norm = sd_optim_grad_norm(job);
     memcpy(&bits, &norm, sizeof(bits));
     struct sd_req q;
     for (uint32_t r = 0; r < job->k; r++) {
@@ -508,10 +508,7 @@ void sd_step_progress(struct sd_job *job)
             step_nonfinite(job, bad);
             return;
         }
-        memcpy(job->opt.hparams, job->step->hp_next,
-               sd_model_groups(&job->model) * sizeof(*job->opt.hparams));
-        job->opt.last_grad_norm = sd_optimizer_apply(job, sumsq, sd_step__used(job));
-        job->opt.applied = job->steps + 1;
+        sd_optimizer_apply(job, job->step->hp_next, sumsq, sd_step__used(job));
         job->step->phase = SD_STEP_WEIGHTS;
         job->step->unit = 0;
         job->step->pending = 0;

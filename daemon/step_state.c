@@ -1,6 +1,7 @@
 /* The step's state (step_int.h): allocated with the job and its memory, and the step's
  * arguments (shard_step_ex): each rank's hyperparameters and tensors with a gradient, checked
  * and compared, and global rank 0's broadcast, carried in the norm parts. */
+#include "optimizer.h"
 #include "step.h"
 #include "step_int.h"
 #include "sd/status.h"
@@ -137,8 +138,8 @@ static void args_of_rank(struct sd_job *job, uint32_t r, bool *hp_set, uint64_t 
                 return;
             }
         }
-    } else if (*hp_set && memcmp(job->step->hp_next, job->opt.hparams,
-                                 n_groups * sizeof(*job->opt.hparams)) != 0) {
+    } else if (*hp_set && memcmp(job->step->hp_next, sd_optim_hparams(job),
+                                 n_groups * sizeof(*job->step->hp_next)) != 0) {
         args_refuse(job, SD_EMISMATCH,
                     "rank %u gave no hyperparameters (the last step's), rank %u new ones: every "
                     "rank must give the same",
@@ -182,7 +183,7 @@ void sd_step__args_collect(struct sd_job *job)
     uint64_t *used = job->model.skip_unused ? sd_step__used_at(job, job->node) : NULL;
     job->step->arg_status = SD_OK;
     job->step->arg_msg[0] = '\0';
-    memcpy(job->step->hp_next, job->opt.hparams, n_groups * sizeof(*job->opt.hparams));
+    memcpy(job->step->hp_next, sd_optim_hparams(job), n_groups * sizeof(*job->step->hp_next));
     if (used != NULL)
         memset(used, 0, job->step->used_words * sizeof(*used));
     bool hp_set = false;

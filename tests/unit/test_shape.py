@@ -36,6 +36,7 @@ OPAQUE = {
     "sd_push_state": "push.c",
     "sd_quant_state": "quant.c",
     "sd_step_state": "step_int.h",
+    "sd_optim_state": "optimizer.c",
 }
 # a module of several files: its private header, and the files that may include it
 PRIVATE = {
