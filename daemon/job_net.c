@@ -127,11 +127,6 @@ size_t sd_job_net_ar_tmp_floats(const struct sd_job *job, const struct sd_config
     return SD_MAX(need, (size_t)(R > 1 ? R - 1 : 0) * SD_MIN(small, block)) + 16;
 }
 
-bool sd_job_net_g_ident(const struct sd_job *job)
-{
-    return job->gnodes[SD_STATE_G] == 1 || job->plan.f[SD_STATE_W] == 1;
-}
-
 /* Not when one rank's fp32 gradient is the partial: one rank a node, its g blocks the unit's
  * elements in order, every unit fp32. */
 bool sd_job_net_round_buf(const struct sd_job *job)

@@ -46,7 +46,10 @@ bool sd_job_net_round_buf(const struct sd_job *job);
 /* Across nodes, are the node blocks of a unit's reduce-scatter the k ranks' g shards in unit
  * order (f_w = 1, or the whole group inside the node)? Else each block is gathered shard by
  * shard (the nesting of model.h). */
-bool sd_job_net_g_ident(const struct sd_job *job);
+static inline bool sd_job_net_g_ident(const struct sd_job *job)
+{
+    return job->gnodes[SD_STATE_G] == 1 || job->plan.f[SD_STATE_W] == 1;
+}
 size_t sd_job_net_round_floats(const struct sd_job *job, const struct sd_config *cfg);
 /* An all-reduce across the replication group (job->xfer.members, R of them): what a push round
  * or the step's boundary hop gives. */
