@@ -76,7 +76,7 @@ static json_t *optimizer_json(const struct sd_job *job)
 /* the state shardctl shows: a paused job's (a failed one kept for a resume) is "paused" */
 static const char *shown_state(const struct sd_job *job)
 {
-    return job->load.resume.paused ? "paused" : sd_job_state_name(job->state);
+    return sd_resume_paused(job) ? "paused" : sd_job_state_name(job->state);
 }
 
 static json_t *job_summary(const struct sd_job *job)
@@ -336,8 +336,7 @@ static int admin_drop(struct sd_registry *reg, const char *name, uid_t uid, char
     int st = SD_OK;
     struct sd_job *job = NULL;
     for (struct sd_job *j = reg->jobs; name != NULL && j; j = j->next)
-        if (strcmp(j->name, name) == 0 &&
-            ((j->load.resume.paused && j->load.resume.by == NULL) || j->load.resume.kept))
+        if (strcmp(j->name, name) == 0 && sd_resume_holds_state(j))
             job = j;
     if (uid != 0) {
         st = SD_EPERM;

@@ -45,7 +45,7 @@ void sd_job_free(struct sd_job *job)
     sd_optim_destroy(job);
     free(job->ranks);
     sd_step_destroy(job);
-    sd_barrier_fini(&job->load.ready);
+    sd_loading_destroy(job);
     sd_recover_forget(job->reg, job, "the job's state was dropped");
     sd_ckpt_job_free(job);
     sd_sched_destroy(job);
@@ -53,6 +53,7 @@ void sd_job_free(struct sd_job *job)
     sd_push_destroy(job);
     sd_quant_destroy(job);
     sd_resume_unlink(job);
+    sd_resume_destroy(job);
     free(job);
 }
 
@@ -101,7 +102,7 @@ void sd_job_retire(struct sd_job *job)
 void sd_job_bury(struct sd_job *job)
 {
     sd_job_mem_free(job);
-    if (job->state != SD_JOB_FAILED || job->load.resume.resumed)
+    if (job->state != SD_JOB_FAILED || sd_resume_resumed(job))
         job->state = SD_JOB_FINISHED; /* a job resumed by another one ended as it should */
     SD_INFO("job", "job '%s' (id %llu) %s after %llu steps; memory released", job->name,
             (unsigned long long)job->id, sd_job_state_name(job->state),
@@ -155,7 +156,7 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     rep.step_args_bytes = job->mem.step_args_bytes;
     rep.save_path_off = job->mem.save_path_off;
     rep.start_step = sd_resume_start_step(job);
-    rep.resumed = job->load.resume.resuming;
+    rep.resumed = sd_resume_resuming(job);
     uint32_t n_groups = sd_model_groups(&job->model);
     Shard__Optimizer *gd = calloc(n_groups, sizeof(*gd));
     Shard__Optimizer **gp = calloc(n_groups, sizeof(*gp));
@@ -242,7 +243,7 @@ static void job_start_loading(struct sd_job *job)
             return;
         }
     }
-    if (job->load.resume.resuming)
+    if (sd_resume_resuming(job))
         sd_resume_load(job); /* every node takes its part of the paused job over */
     else if (sd_ckpt_loading(job))
         sd_ckpt_load_start(job); /* every node reads its part of the checkpoint */
@@ -298,7 +299,7 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
                                                   .digest = job->digest,
                                                   .world = job->world,
                                                   .start_step = sd_resume_start_step(job),
-                                                  .resumed = job->load.resume.resuming,
+                                                  .resumed = sd_resume_resuming(job),
                                                   .status = status,
                                                   .msg = status == SD_OK ? "" : err});
 }
@@ -394,14 +395,15 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     int step_st = sd_step_create(job);
     if (step_st == SD_OK)
         step_st = sd_optim_create(job);
-    int ready_st = sd_barrier_init(&job->load.ready, k);
+    int ready_st = sd_loading_create(job);
     int status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
     if (status == SD_OK)
         status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
     job->nodes = nodes;
     if (status == SD_OK)
         status = sd_ckpt_job_init(job, owner, msg->load, err, errlen);
-    job->load.resume.timeout_ms = sd_resume_timeout(reg, msg->resume_timeout_ms);
+    if (status == SD_OK)
+        status = sd_resume_create(job, sd_resume_timeout(reg, msg->resume_timeout_ms));
     for (int st = 0; st < SD_STATE_COUNT; st++)
         job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
     job->slots_per_unit = job->gnodes[SD_STATE_W] > 1 && !job->plan.hierarchical ? k : 1;
@@ -518,12 +520,12 @@ void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard_
                          (unsigned long long)msg->max_live_bytes,
                          (unsigned long long)job->mem.max_live_bytes);
             } else if (sd_resume_timeout(reg, msg->resume_timeout_ms) !=
-                       job->load.resume.timeout_ms) {
+                       sd_resume_timeout_ms(job)) {
                 snprintf(why, sizeof(why),
                          "resume_timeout_ms %llu differs from %llu of the other "
                          "ranks",
                          (unsigned long long)msg->resume_timeout_ms,
-                         (unsigned long long)job->load.resume.timeout_ms);
+                         (unsigned long long)sd_resume_timeout_ms(job));
             }
             sd_model_free(&model);
             if (why[0] == '\0')
@@ -597,9 +599,8 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
         SD_WARN("job", "%s", text);
     else
         SD_WARN("job", "job '%s' failed: %s", job->name, text);
-    job->load.resume.pending = false; /* a failure mid-step: the state is not a step's */
+    sd_resume_job_failed(job);
     bool registering = job->state == SD_JOB_REGISTERING;
-    job->load.resume.failed_ready = job->state == SD_JOB_READY; /* its state is a step's */
     job->state = SD_JOB_FAILED;
     job->fail_status = status;
     snprintf(job->fail_msg, sizeof(job->fail_msg), "%s", text);

@@ -1,11 +1,13 @@
 /* A job on this node: what was registered (model, plan, layout), its state machine, and its
- * parts, each owned by one file: memory (job_mem.c), the unit cache (unit_cache.c), push rounds
- * (push.c), the step (step.c), loading (loading.c), transfers across nodes (job_net.c,
- * fetch.c) and the schedule (schedule.c). job.c registers, fails and retires jobs. */
+ * parts, each owned by one file. Opaque here, a pointer each: push rounds (push.c), the step
+ * (step.c), the optimizer (optimizer.c), loading (loading.c), resuming (resume.c), checkpoints
+ * (checkpoint.c), the schedule (schedule.c), the secondary copies (secondary.c), the quantized
+ * buffers (quant.c). Still defined here: memory (job_mem.c), the unit cache (unit_cache.c),
+ * transfers across nodes (job_net.c, fetch.c) and the statistics (stats.c). job.c registers,
+ * fails and retires jobs. */
 #ifndef SD_JOB_H
 #define SD_JOB_H
 
-#include "barrier.h"
 #include "coll/coll.h"
 #include "registry.h"
 #include "schedule.h"
@@ -21,11 +23,13 @@
 
 struct sd_session;
 struct sd_net;
-struct sd_sec_state;   /* secondary.c's */
-struct sd_job_sched;   /* schedule.c's */
-struct sd_push_state;  /* push.c's */
-struct sd_step_state;  /* step.c's */
-struct sd_optim_state; /* optimizer.c's */
+struct sd_sec_state;     /* secondary.c's */
+struct sd_job_sched;     /* schedule.c's */
+struct sd_push_state;    /* push.c's */
+struct sd_step_state;    /* step.c's */
+struct sd_optim_state;   /* optimizer.c's */
+struct sd_loading_state; /* loading.c's */
+struct sd_resume_state;  /* resume.c's */
 struct sd_ckpt_job;
 
 /* ranks one node serves in a job, at most: a gather's waiting ranks are a 64-bit set */
@@ -87,40 +91,13 @@ struct sd_job_mem {
  * node; round n of a (unit, group) collects in generation n % round_gens. Across nodes, up to
  * round_gens node rounds are on the wire at once. */
 
-/* A job that outlives a dead rank (resume.c). With a resume timeout, a rank's death pauses the
- * job: it fails with SD_EPAUSED, its state stays for the timeout, and a registration of the same
- * name and model is a new job that takes the state over (paused stays set until then). */
-struct sd_resume_state {
-    uint64_t timeout_ms; /* 0: a dead rank ends the job */
-    bool paused;         /* its state waits to be taken over */
-    bool pending;        /* a rank died mid-step: pause once the step is over */
-    bool pending_peer;   /* the pause came from another node: why is its message */
-    bool wait;           /* resuming: a save of the paused job still runs; the sweep retries */
-    bool was_paused;     /* it ends on this node alone, without the cluster */
-    bool resuming;       /* this job started from a paused one */
-    bool resumed;        /* a later job took the state over */
-    bool kept;           /* failed (a node was lost): its state stays until the deadline, for
-                            shardctl checkpoint --job (recover.h) */
-    bool failed_ready;   /* it failed while ready: its memory holds the states of a step */
-    uint64_t deadline_ns;
-    uint64_t start_step; /* resuming: the step the paused job had taken */
-    char why[384];       /* pending: what happened (a peer's message) */
-    struct sd_job *from; /* resuming: the paused job, until its state is taken over */
-    struct sd_job *by;   /* paused: the job taking its state over */
-};
-
-/* Loading the initial values (rank 0's, a checkpoint's, or a paused job's) and the ready barrier
- * (loading.c), the job's checkpoints (checkpoint.c) and resuming (resume.c). */
+/* Where a job's state comes from and goes: resuming (resume.c), the job's checkpoints
+ * (checkpoint.c's own state) and loading the initial values (rank 0's, a checkpoint's, or a
+ * paused job's) with the ready barrier (loading.c's own). */
 struct sd_load_state {
-    struct sd_resume_state resume;
-    struct sd_ckpt_job *ckpt; /* checkpoints: the one loaded, saves (checkpoint.c) */
-    struct sd_barrier ready;  /* the local ranks' ready calls */
-    uint32_t next_unit;       /* the unit this node receives next (not node 0) */
-    bool done, remote_ready;
-    struct sd_bulk *rb;
-    struct sd_session *waiter; /* rank 0's init call, until the other nodes have the values */
-    uint64_t tag;
-    uint32_t sends;
+    struct sd_resume_state *resume; /* resuming (resume.c) */
+    struct sd_ckpt_job *ckpt;       /* checkpoints: the one loaded, saves (checkpoint.c) */
+    struct sd_loading_state *init;  /* the initial values and the ready barrier (loading.c) */
 };
 
 /* The secondary partition (secondary.c, plan option ,sec=S): S ranks of a node hold one copy

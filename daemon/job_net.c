@@ -2,6 +2,7 @@
  * collective engine: buffer sizes, memory registrations, the bulk pool and the node rounds'
  * buffers; the job's all-reduces and exchanges with their tags; and what its unfinished transfers
  * tell a failure message and the deadline sweep. */
+#include "loading.h"
 #include "step.h"
 #include "checkpoint.h"
 #include "net.h"
@@ -374,7 +375,7 @@ void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
                  "for node(s) %s",
                  u, (unsigned long long)job->weights_gen, (unsigned long long)job->steps, peers);
     } else if (job->state == SD_JOB_LOADING) {
-        snprintf(out, len, "loading the initial values (unit %u of %u)", job->load.next_unit,
+        snprintf(out, len, "loading the initial values (unit %u of %u)", sd_loading_next_unit(job),
                  job->layout.n_units);
     } else {
         snprintf(out, len, "no operation in flight (last completed step %llu)",

@@ -1,5 +1,6 @@
 /* Loading: rank 0's initial values into every node's shards (node 0 sends each node the part of
  * each unit it holds), and the ready barrier every rank waits in before its first fetch. */
+#include "barrier.h"
 #include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "net.h"
@@ -7,11 +8,45 @@
 #include "dispatch.h"
 #include "fetch.h"
 #include "loading.h"
+#include "resume.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
 #include <stdio.h>
+#include <stdlib.h>
+
+/* Loading the initial values and the ready barrier. */
+struct sd_loading_state {
+    struct sd_barrier ready; /* the local ranks' ready calls */
+    uint32_t next_unit;      /* the unit this node receives next (not node 0) */
+    bool done, remote_ready;
+    struct sd_bulk *rb;
+    struct sd_session *waiter; /* rank 0's init call, until the other nodes have the values */
+    uint64_t tag;
+    uint32_t sends;
+};
+
+int sd_loading_create(struct sd_job *job)
+{
+    struct sd_loading_state *ls = calloc(1, sizeof(*ls));
+    job->load.init = ls;
+    return ls != NULL ? sd_barrier_init(&ls->ready, job->k) : SD_ENOMEM;
+}
+
+void sd_loading_destroy(struct sd_job *job)
+{
+    if (job->load.init == NULL)
+        return;
+    sd_barrier_fini(&job->load.init->ready);
+    free(job->load.init);
+    job->load.init = NULL;
+}
+
+uint32_t sd_loading_next_unit(const struct sd_job *job)
+{
+    return job->load.init->next_unit;
+}
 
 static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                       const float *values);
@@ -84,7 +119,7 @@ static void set_ready(struct sd_job *job)
     SD_INFO("job", "job '%s' ready", job->name);
     struct sd_req q;
     for (uint32_t r = 0; r < job->k; r++) {
-        if (!sd_barrier_take(&job->load.ready, r, &q) || job->ranks[r] == NULL)
+        if (!sd_barrier_take(&job->load.init->ready, r, &q) || job->ranks[r] == NULL)
             continue;
         job->stats.ops[SD_OP_READY]++;
         sd_session_complete(job->ranks[r], q.tag, SD_OP_READY, SD_OK, 0, 0, NULL);
@@ -98,14 +133,14 @@ void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_
         sd_op_done(job, s, e, 0, 0, start);
         return;
     }
-    if (!sd_barrier_arrive(&job->load.ready, s->local, e->tag, sd_now_ns())) {
+    if (!sd_barrier_arrive(&job->load.init->ready, s->local, e->tag, sd_now_ns())) {
         sd_session_fail(s, e, SD_EBUSY, "ready: rank %u already waits for job '%s' to be ready",
                         s->rank, job->name);
         return;
     }
-    if (sd_ckpt_loading(job) || job->load.resume.resuming) {
+    if (sd_ckpt_loading(job) || sd_resume_resuming(job)) {
         /* ready once this node read (or took over) its part (sd_loading_loaded) */
-        if (job->load.done)
+        if (job->load.init->done)
             set_ready(job);
         return;
     }
@@ -167,20 +202,20 @@ static int init_transfer(struct sd_job *job, bool is_send, uint32_t peer, uint32
 
 static void init_post_next(struct sd_job *job)
 {
-    if (job->load.next_unit >= job->layout.n_units) {
-        job->load.done = true;
-        if (job->load.remote_ready) {
+    if (job->load.init->next_unit >= job->layout.n_units) {
+        job->load.init->done = true;
+        if (job->load.init->remote_ready) {
             set_ready(job);
             sd_fetch_serve_queue(job);
         }
         return;
     }
-    uint32_t u = job->load.next_unit;
+    uint32_t u = job->load.init->next_unit;
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint64_t lo, hi;
     sd_loading_range(job, job->node, ul, &lo, &hi);
     /* into scratch where sd_loading_unit looks for elements [lo, hi) */
-    int st = init_transfer(job, false, 0, u, job->mem.scratch + lo, hi - lo, &job->load.rb);
+    int st = init_transfer(job, false, 0, u, job->mem.scratch + lo, hi - lo, &job->load.init->rb);
     if (st != SD_OK)
         sd_job_fail(job, st, "cannot receive the initial values of unit %u from node 0", u);
 }
@@ -190,16 +225,16 @@ static void init_recv_done(struct sd_bulk *b, int status)
     struct sd_job *job = b->arg;
     job->stats.bytes[SD_OP_INIT][SD_LINK_INTER_RECV] += b->bytes;
     sd_bulk_put(&job->xfer.bulks, b);
-    job->load.rb = NULL;
+    job->load.init->rb = NULL;
     if (status != SD_OK) {
         sd_job_fail(job, SD_EPEER, "receiving the initial values of unit %u from node 0 failed: %s",
-                    job->load.next_unit, sd_status_str(status));
+                    job->load.init->next_unit, sd_status_str(status));
         return;
     }
-    sd_loading_unit(job, job->load.next_unit, job->mem.scratch, 0, false);
+    sd_loading_unit(job, job->load.init->next_unit, job->mem.scratch, 0, false);
     if (!sd_job_sync(job)) /* the next unit's values arrive where these are read */
         return;
-    job->load.next_unit++;
+    job->load.init->next_unit++;
     init_post_next(job);
 }
 
@@ -214,46 +249,46 @@ static void init_send_done(struct sd_bulk *b, int status)
     struct sd_job *job = b->arg;
     job->stats.bytes[SD_OP_INIT][SD_LINK_INTER_SENT] += b->bytes;
     sd_bulk_put(&job->xfer.bulks, b);
-    if (status != SD_OK && job->load.waiter != NULL) {
-        sd_session_complete(job->load.waiter, job->load.tag, SD_OP_INIT, SD_EPEER, 0, 0,
+    if (status != SD_OK && job->load.init->waiter != NULL) {
+        sd_session_complete(job->load.init->waiter, job->load.init->tag, SD_OP_INIT, SD_EPEER, 0, 0,
                             "sending the initial values to another node failed");
-        job->load.waiter = NULL;
+        job->load.init->waiter = NULL;
     }
-    if (--job->load.sends > 0 || job->load.waiter == NULL)
+    if (--job->load.init->sends > 0 || job->load.init->waiter == NULL)
         return;
-    sd_session_complete(job->load.waiter, job->load.tag, SD_OP_INIT, SD_OK, 0, 0, NULL);
-    job->load.waiter = NULL;
+    sd_session_complete(job->load.init->waiter, job->load.init->tag, SD_OP_INIT, SD_OK, 0, 0, NULL);
+    job->load.init->waiter = NULL;
 }
 
 static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                       const float *values)
 {
     const struct sd_unit_layout *ul = &job->layout.units[e->unit];
-    job->load.waiter = s;
-    job->load.tag = e->tag;
-    job->load.sends = 0;
+    job->load.init->waiter = s;
+    job->load.init->tag = e->tag;
+    job->load.init->sends = 0;
     for (uint32_t m = 1; m < job->nodes; m++) {
         uint64_t lo, hi;
         sd_loading_range(job, m, ul, &lo, &hi);
         if (init_transfer(job, true, m, e->unit, (void *)(values + lo), hi - lo, NULL) == SD_OK)
-            job->load.sends++;
+            job->load.init->sends++;
     }
-    if (job->load.sends == 0) {
+    if (job->load.init->sends == 0) {
         sd_session_complete(s, e->tag, SD_OP_INIT, SD_OK, 0, 0, NULL);
-        job->load.waiter = NULL;
+        job->load.init->waiter = NULL;
     }
 }
 
 static void tell_ready(struct sd_job *job)
 {
     sd_cluster_job_ready(sd_job_cluster(job), job->name, job->nodes);
-    job->load.remote_ready = job->load.done = true;
+    job->load.init->remote_ready = job->load.init->done = true;
     sd_fetch_serve_queue(job);
 }
 
 void sd_loading_loaded(struct sd_job *job)
 {
-    job->load.done = job->load.remote_ready = true;
+    job->load.init->done = job->load.init->remote_ready = true;
     set_ready(job);
     sd_fetch_serve_queue(job);
 }
@@ -262,8 +297,8 @@ void sd_loading_remote_ready(struct sd_job *job)
 {
     if (job->state != SD_JOB_LOADING)
         return;
-    job->load.remote_ready = true;
-    if (job->load.done) {
+    job->load.init->remote_ready = true;
+    if (job->load.init->done) {
         set_ready(job);
         sd_fetch_serve_queue(job);
     }
@@ -274,13 +309,14 @@ void sd_loading_remote_ready(struct sd_job *job)
 static void loading_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
 {
     (void)with_fetches;
-    if (job->load.waiter != NULL) {
-        sd_session_complete(job->load.waiter, job->load.tag, SD_OP_INIT, status, 0, 0, text);
-        job->load.waiter = NULL;
+    if (job->load.init->waiter != NULL) {
+        sd_session_complete(job->load.init->waiter, job->load.init->tag, SD_OP_INIT, status, 0, 0,
+                            text);
+        job->load.init->waiter = NULL;
     }
     struct sd_req q;
     for (uint32_t r = 0; r < job->k; r++)
-        if (sd_barrier_take(&job->load.ready, r, &q) && job->ranks[r] != NULL)
+        if (sd_barrier_take(&job->load.init->ready, r, &q) && job->ranks[r] != NULL)
             sd_session_complete(job->ranks[r], q.tag, SD_OP_READY, status, 0, 0, text);
 }
 
@@ -289,7 +325,7 @@ static bool loading_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
 {
     if (job->state != SD_JOB_LOADING)
         return false;
-    if (job->load.ready.arrived == 0 || sd_ckpt_reading(job) ||
+    if (job->load.init->ready.arrived == 0 || sd_ckpt_reading(job) ||
         now - job->created_ns <=
             op_timeout + (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL)
         return false;

@@ -1,6 +1,7 @@
 /* Recovery from replicas: a checkpoint of a job written by the nodes still up (recover.h). */
 #include "optimizer.h"
 #include "recover.h"
+#include "resume.h"
 #include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "job.h"
@@ -37,13 +38,12 @@ static struct sd_job *find(struct sd_registry *reg, const char *name)
     struct sd_job *best = NULL;
     int best_rank = 0;
     for (struct sd_job *j = reg->jobs; j; j = j->next) {
-        const struct sd_resume_state *rs = &j->load.resume;
         if (strcmp(j->name, name) != 0)
             continue;
-        int rank = (rs->paused && rs->by == NULL) || rs->kept      ? 3
-                   : j->state == SD_JOB_READY                      ? 2
-                   : j->state == SD_JOB_FAILED && rs->failed_ready ? 1
-                                                                   : 0;
+        int rank = sd_resume_holds_state(j)                                 ? 3
+                   : j->state == SD_JOB_READY                               ? 2
+                   : j->state == SD_JOB_FAILED && sd_resume_failed_ready(j) ? 1
+                                                                            : 0;
         if (rank > best_rank) {
             best = j;
             best_rank = rank;

@@ -36,8 +36,8 @@ void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
 struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
 {
     for (struct sd_job *j = reg->jobs; j; j = j->next) /* paused: its name is free (resume.h) */
-        if (strcmp(j->name, name) == 0 && !j->load.resume.paused &&
-            !(j->load.resume.kept && j->n_left == j->k))
+        if (strcmp(j->name, name) == 0 && !sd_resume_paused(j) &&
+            !(sd_resume_kept(j) && j->n_left == j->k))
             return j;
     return NULL;
 }
@@ -135,7 +135,7 @@ static void ev_node_down(void *ctx, uint32_t node, const char *reason)
             snprintf(kept, sizeof(kept),
                      "; its state is kept for %llu ms: shardctl checkpoint --job %s DIR on node "
                      "0 writes it from the replicas",
-                     (unsigned long long)job->load.resume.timeout_ms, job->name);
+                     (unsigned long long)sd_resume_timeout_ms(job), job->name);
         sd_job_fail(job, SD_EPEER, "%s; node %u is down: %.100s%s", what, node, reason, kept);
     }
 }

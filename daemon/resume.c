@@ -14,7 +14,87 @@
 #include "sd/util.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* A job that outlives a dead rank (resume.c). With a resume timeout, a rank's death pauses the
+ * job: it fails with SD_EPAUSED, its state stays for the timeout, and a registration of the same
+ * name and model is a new job that takes the state over (paused stays set until then). */
+struct sd_resume_state {
+    uint64_t timeout_ms; /* 0: a dead rank ends the job */
+    bool paused;         /* its state waits to be taken over */
+    bool pending;        /* a rank died mid-step: pause once the step is over */
+    bool pending_peer;   /* the pause came from another node: why is its message */
+    bool wait;           /* resuming: a save of the paused job still runs; the sweep retries */
+    bool was_paused;     /* it ends on this node alone, without the cluster */
+    bool resuming;       /* this job started from a paused one */
+    bool resumed;        /* a later job took the state over */
+    bool kept;           /* failed (a node was lost): its state stays until the deadline, for
+                            shardctl checkpoint --job (recover.h) */
+    bool failed_ready;   /* it failed while ready: its memory holds the states of a step */
+    uint64_t deadline_ns;
+    uint64_t start_step; /* resuming: the step the paused job had taken */
+    char why[384];       /* pending: what happened (a peer's message) */
+    struct sd_job *from; /* resuming: the paused job, until its state is taken over */
+    struct sd_job *by;   /* paused: the job taking its state over */
+};
+
+int sd_resume_create(struct sd_job *job, uint64_t timeout_ms)
+{
+    job->load.resume = calloc(1, sizeof(*job->load.resume));
+    if (job->load.resume == NULL)
+        return SD_ENOMEM;
+    job->load.resume->timeout_ms = timeout_ms;
+    return SD_OK;
+}
+
+void sd_resume_destroy(struct sd_job *job)
+{
+    free(job->load.resume);
+    job->load.resume = NULL;
+}
+
+uint64_t sd_resume_timeout_ms(const struct sd_job *job)
+{
+    return job->load.resume->timeout_ms;
+}
+
+bool sd_resume_paused(const struct sd_job *job)
+{
+    return job->load.resume->paused;
+}
+
+bool sd_resume_holds_state(const struct sd_job *job)
+{
+    const struct sd_resume_state *rs = job->load.resume;
+    return (rs->paused && rs->by == NULL) || rs->kept;
+}
+
+bool sd_resume_kept(const struct sd_job *job)
+{
+    return job->load.resume->kept;
+}
+
+bool sd_resume_resuming(const struct sd_job *job)
+{
+    return job->load.resume->resuming;
+}
+
+bool sd_resume_resumed(const struct sd_job *job)
+{
+    return job->load.resume->resumed;
+}
+
+bool sd_resume_failed_ready(const struct sd_job *job)
+{
+    return job->load.resume->failed_ready;
+}
+
+void sd_resume_job_failed(struct sd_job *job)
+{
+    job->load.resume->pending = false; /* a failure mid-step: the state is not a step's */
+    job->load.resume->failed_ready = job->state == SD_JOB_READY; /* its state is a step's */
+}
 
 uint64_t sd_resume_timeout(const struct sd_registry *reg, uint64_t asked)
 {
@@ -25,7 +105,7 @@ uint64_t sd_resume_kept_bytes(const struct sd_registry *reg, uid_t uid)
 {
     uint64_t bytes = 0;
     for (const struct sd_job *j = reg->jobs; j; j = j->next)
-        if (j->uid == uid && (j->load.resume.paused || j->load.resume.kept))
+        if (j->uid == uid && (j->load.resume->paused || j->load.resume->kept))
             bytes += j->mem.bytes_total;
     return bytes;
 }
@@ -54,7 +134,7 @@ static bool within_share(const struct sd_job *job, char *why, size_t len)
  * kept memory fails instead. */
 static void pause_text(struct sd_job *job, const char *text, bool tell)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     rs->pending = false;
     char why[256];
     if (!within_share(job, why, sizeof(why))) {
@@ -75,13 +155,13 @@ static void pause_here(struct sd_job *job, const char *why)
              "job '%s' paused after step %llu: %.160s; register every rank again within %llu ms "
              "(resume_timeout_ms) to resume from step %llu",
              job->name, (unsigned long long)job->steps, why,
-             (unsigned long long)job->load.resume.timeout_ms, (unsigned long long)job->steps);
+             (unsigned long long)job->load.resume->timeout_ms, (unsigned long long)job->steps);
     pause_text(job, text, true);
 }
 
 bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *reason)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     if (rs->timeout_ms == 0 || job->state != SD_JOB_READY)
         return false;
     char why[160];
@@ -103,7 +183,7 @@ bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *r
 
 bool sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     if (job->state != SD_JOB_READY || rs->timeout_ms == 0)
         return false; /* loading (nothing to keep yet), or no resume timeout on this node */
     if (!sd_step_running(job) || (sd_step_before_apply(job) && job->steps == step)) {
@@ -125,7 +205,7 @@ bool sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg)
 
 void sd_resume_step_over(struct sd_job *job)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     if (!rs->pending || job->state != SD_JOB_READY)
         return;
     if (rs->pending_peer)
@@ -138,7 +218,7 @@ void sd_resume_step_over(struct sd_job *job)
  * ranks left). */
 static void drop(struct sd_job *job)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     if (rs->kept) {
         rs->kept = false;
         SD_WARN("job",
@@ -160,7 +240,7 @@ static void drop(struct sd_job *job)
 
 bool sd_resume_keep(struct sd_job *job)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     if (rs->timeout_ms == 0 || rs->paused || rs->pending || rs->kept ||
         !(job->state == SD_JOB_READY || (job->state == SD_JOB_FAILED && rs->failed_ready)))
         return false;
@@ -176,7 +256,7 @@ bool sd_resume_keep(struct sd_job *job)
 
 int sd_resume_drop(struct sd_job *job, char *err, size_t errlen)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     if (!((rs->paused && rs->by == NULL) || rs->kept)) {
         snprintf(err, errlen,
                  "job '%s' is %s, not paused or kept: only the state of a job whose trainers are "
@@ -198,7 +278,7 @@ int sd_resume_drop(struct sd_job *job, char *err, size_t errlen)
 
 void sd_resume_sweep(struct sd_job *job, uint64_t now)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     if (((rs->paused && rs->by == NULL) || rs->kept) && now >= rs->deadline_ns &&
         !sd_recover_target(job))
         drop(job);
@@ -209,7 +289,7 @@ void sd_resume_sweep(struct sd_job *job, uint64_t now)
 struct sd_job *sd_resume_find(struct sd_registry *reg, const char *name)
 {
     for (struct sd_job *j = reg->jobs; j; j = j->next)
-        if (j->load.resume.paused && j->load.resume.by == NULL && strcmp(j->name, name) == 0)
+        if (j->load.resume->paused && j->load.resume->by == NULL && strcmp(j->name, name) == 0)
             return j;
     return NULL;
 }
@@ -222,7 +302,7 @@ int sd_resume_attach(struct sd_job *job, struct sd_job *old, const char *load, c
                 "job '%s' registers with a checkpoint to load: the paused job (id %llu) "
                 "is dropped",
                 job->name, (unsigned long long)old->id);
-        old->load.resume.deadline_ns = 0;
+        old->load.resume->deadline_ns = 0;
         return SD_OK;
     }
     if (old->uid != job->uid) {
@@ -241,11 +321,11 @@ int sd_resume_attach(struct sd_job *job, struct sd_job *old, const char *load, c
                  diff[0] ? diff : "same tensors");
         return SD_EMISMATCH;
     }
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     rs->from = old;
     rs->resuming = true;
     rs->start_step = old->steps;
-    old->load.resume.by = job;
+    old->load.resume->by = job;
     SD_INFO("job", "job '%s' (id %llu) resumes job id %llu, paused after step %llu", job->name,
             (unsigned long long)job->id, (unsigned long long)old->id,
             (unsigned long long)old->steps);
@@ -254,12 +334,12 @@ int sd_resume_attach(struct sd_job *job, struct sd_job *old, const char *load, c
 
 uint64_t sd_resume_start_step(const struct sd_job *job)
 {
-    return job->load.resume.resuming ? job->load.resume.start_step : sd_ckpt_start_step(job);
+    return job->load.resume->resuming ? job->load.resume->start_step : sd_ckpt_start_step(job);
 }
 
 bool sd_resume_hparams(const struct sd_job *job, uint32_t g, struct sd_hparams *h_p)
 {
-    const struct sd_job *old = job->load.resume.from;
+    const struct sd_job *old = job->load.resume->from;
     if (old == NULL || sd_optim_hparams(old) == NULL)
         return false;
     *h_p = sd_optim_hparams(old)[g];
@@ -268,28 +348,28 @@ bool sd_resume_hparams(const struct sd_job *job, uint32_t g, struct sd_hparams *
 
 uint64_t sd_resume_reclaim(const struct sd_job *job)
 {
-    const struct sd_job *old = job->load.resume.from;
+    const struct sd_job *old = job->load.resume->from;
     return old != NULL ? old->mem.bytes_total : 0;
 }
 
 /* job has old's state: old goes once its ranks left (those still attached get its message) */
 static void taken_over(struct sd_job *job, struct sd_job *old)
 {
-    struct sd_resume_state *ors = &old->load.resume;
+    struct sd_resume_state *ors = old->load.resume;
     ors->by = NULL;
     ors->paused = false;
     ors->resumed = true;
     snprintf(old->fail_msg, sizeof(old->fail_msg),
              "job '%s' paused after step %llu and was resumed by job id %llu: register again",
              old->name, (unsigned long long)old->steps, (unsigned long long)job->id);
-    job->load.resume.from = NULL;
+    job->load.resume->from = NULL;
     if (old->n_left == old->k)
         sd_job_retire(old);
 }
 
 void sd_resume_load(struct sd_job *job)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     struct sd_job *old = rs->from;
     if (old == NULL) {
         sd_job_fail(job, SD_EJOBFAILED,
@@ -331,17 +411,19 @@ void sd_resume_load(struct sd_job *job)
 
 void sd_resume_unlink(struct sd_job *job)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
+    if (rs == NULL)
+        return;
     if (rs->from != NULL)
-        rs->from->load.resume.by = NULL;
+        rs->from->load.resume->by = NULL;
     if (rs->by != NULL)
-        rs->by->load.resume.from = NULL;
+        rs->by->load.resume->from = NULL;
     rs->from = rs->by = NULL;
 }
 
 bool sd_resume_all_left(struct sd_job *job)
 {
-    struct sd_resume_state *rs = &job->load.resume;
+    struct sd_resume_state *rs = job->load.resume;
     if (rs->pending || rs->paused || rs->kept)
         return true; /* kept: taken over, recovered, or dropped at its deadline */
     if (!rs->was_paused)
@@ -352,7 +434,7 @@ bool sd_resume_all_left(struct sd_job *job)
 
 json_t *sd_resume_json(const struct sd_job *job)
 {
-    const struct sd_resume_state *rs = &job->load.resume;
+    const struct sd_resume_state *rs = job->load.resume;
     uint64_t now = sd_now_ns();
     json_t *o =
         json_pack("{s:I, s:b, s:b, s:b, s:b}", "timeout_ms", (json_int_t)rs->timeout_ms, "paused",

@@ -24,6 +24,22 @@ struct sd_registry;
 struct sd_session;
 struct sd_hparams;
 
+/* its state (struct sd_resume_state, its own): at registration with the timeout in force */
+int sd_resume_create(struct sd_job *job, uint64_t timeout_ms);
+void sd_resume_destroy(struct sd_job *job);
+uint64_t sd_resume_timeout_ms(const struct sd_job *job);
+/* paused: its state waits to be taken over (by a registration not yet ready, or nobody) */
+bool sd_resume_paused(const struct sd_job *job);
+/* its state is there for a taker: paused and not being taken over, or kept after a lost node */
+bool sd_resume_holds_state(const struct sd_job *job);
+bool sd_resume_kept(const struct sd_job *job);
+/* this job started from a paused one; a later job took this one's state over */
+bool sd_resume_resuming(const struct sd_job *job);
+bool sd_resume_resumed(const struct sd_job *job);
+/* it failed while ready: its memory holds the states of a step */
+bool sd_resume_failed_ready(const struct sd_job *job);
+/* the job fails (before its state says so): a pause waiting for the step is off */
+void sd_resume_job_failed(struct sd_job *job);
 /* The resume timeout a registration asks for (asked; 0: the daemon's) in force. */
 uint64_t sd_resume_timeout(const struct sd_registry *reg, uint64_t asked);
 /* A rank died (not a clean detach): true if the job pauses (now, or after the running step)

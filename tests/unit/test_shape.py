@@ -37,6 +37,9 @@ OPAQUE = {
     "sd_quant_state": "quant.c",
     "sd_step_state": "step_int.h",
     "sd_optim_state": "optimizer.c",
+    "sd_loading_state": "loading.c",
+    "sd_ckpt_job": "checkpoint_int.h",
+    "sd_resume_state": "resume.c",
 }
 # a module of several files: its private header, and the files that may include it
 PRIVATE = {
