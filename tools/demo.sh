@@ -122,7 +122,7 @@ for n in range(N):
         ("fetch: inter-node received", st["ops"]["fetch"]["bytes"]["inter_node_recv"], gathers * (G - 1) * block),
         ("push: inter-node sent", st["ops"]["push"]["bytes"]["inter_node_sent"],
          T * s * (G - 1) * block + (0 if two_hop else T * s * ar)),
-        # the step's norm exchange: 32 bytes to every other node (daemon/schedule.h)
+        # the step's norm exchange: 32 bytes to every other node (daemon/ops/schedule.h)
         ("step: inter-node sent", st["ops"]["step"]["bytes"]["inter_node_sent"], T * ((ar if two_hop else 0) + 32 * (N - 1))),
     ]
     for name, got, want in rows:

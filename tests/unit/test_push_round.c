@@ -1,4 +1,4 @@
-/* A push round's arithmetic (daemon/push_round.c) without a daemon: the module is linked alone
+/* A push round's arithmetic (daemon/ops/push_round.c) without a daemon: the module is linked alone
  * with the host backend, a job built by hand (plan, layout, staging slots of the local ranks),
  * and a fake of what it asks of the rest (quant.c's receive buffers, which only ,qg's decode
  * reads and this test does not). Checked against references computed here from the definitions:

@@ -1,4 +1,4 @@
-/* The unit cache (daemon/unit_cache.c) alone: residency, holds, eviction of the least recently
+/* The unit cache (daemon/ops/unit_cache.c) alone: residency, holds, eviction of the least recently
  * released copy nobody holds, stale generations, drops; and a random run of reserve, hold,
  * release and drop against a second, naive model of the same rules (a list of resident copies
  * with their release times), which must pick the same victims and agree on what fits. */

@@ -4,7 +4,7 @@
  * already gathered, because it is held, reused within reuse_distance or persistent, joins the
  * interval that gathered it), the position at which the prefetcher issues each gather, and a
  * fixed offset in the gather pool for each interval (sd_ival_plan). Pure; the daemon replays
- * the plan (daemon/schedule.c). */
+ * the plan (daemon/ops/schedule.c). */
 #ifndef SD_SCHEDULE_H
 #define SD_SCHEDULE_H
 

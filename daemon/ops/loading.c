@@ -333,5 +333,8 @@ static bool loading_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
     return true;
 }
 
-const struct sd_job_module sd_loading_module = {
-    .name = "loading", .fail_parked = loading_fail_parked, .sweep = loading_sweep};
+const struct sd_job_module sd_loading_module = {.name = "loading",
+                                                .create = sd_loading_create,
+                                                .destroy = sd_loading_destroy,
+                                                .fail_parked = loading_fail_parked,
+                                                .sweep = loading_sweep};

@@ -2,11 +2,10 @@
  * arenas of every local rank in the backend's memory (cache-coloured, see SD_ARENA_COLOUR), the
  * gather pool and staging slots the trainers map, scratch and the network buffers, within the
  * daemon's memory budget. Host memory is backed and given back on a worker thread. */
-#include "optimizer.h"
-#include "step.h"
 #include "job.h"
-#include "net.h"
+#include "job_module.h"
 #include "push.h"
+#include "net.h"
 #include "quant.h"
 #include "secondary.h"
 #include "registry.h"
@@ -127,8 +126,6 @@ void sd_job_mem_free(struct sd_job *job)
     if (job->mem.fence != NULL)
         for (uint32_t i = 0; i < job->k; i++)
             sd_gpu_host_ops.free(&job->mem.fence[i]);
-    sd_sec_free(job);
-    sd_quant_free(job);
     if (job->mem.pool.ptr != NULL)
         dev->free(&job->mem.pool);
     if (job->mem.scratch_mem.ptr != NULL)
@@ -139,17 +136,14 @@ void sd_job_mem_free(struct sd_job *job)
     free(job->mem.fence_count);
     job->mem.fence = NULL;
     job->mem.fence_count = NULL;
-    sd_push_free(job);
+    sd_job_modules_release(job); /* what shardctl reads stays: sd_job_free */
     sd_unit_cache_fini(&job->cache);
-    sd_step_free(job);
     free(job->xfer.wait_tags);
     job->xfer.wait_tags = NULL;
     free(job->xfer.answer_q);
     job->xfer.answer_q = NULL;
     job->xfer.aq_len = 0;
-    sd_optim_free(job); /* the hyperparameters stay for shardctl: sd_job_free */
     free(job->mem.w_off);
-    sd_sched_free(job);
     job->mem.arena = job->mem.staging = NULL;
     job->mem.scratch = NULL;
     job->mem.w_off = NULL;
@@ -263,16 +257,13 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->mem.fence_count = calloc(2 * (size_t)k, sizeof(*job->mem.fence_count));
     int cache_st = sd_unit_cache_init(&job->cache, l->n_units, job->slots_per_unit, need.pool);
     int queue_st = reg->dev->queue_create(&job->mem.queue);
-    int step_st = sd_step_alloc(job);
     job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
     job->xfer.answer_q = calloc(job->n_slots, sizeof(*job->xfer.answer_q));
     uint32_t n_groups = sd_model_groups(&job->model);
-    int optim_st = sd_optim_alloc(job);
-    int push_st = sd_push_alloc(job);
-    int sec_st = sd_sec_setup(job);
-    if (sec_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
-        !job->mem.fence_count || cache_st != SD_OK || queue_st != SD_OK || step_st != SD_OK ||
-        !job->xfer.wait_tags || !job->xfer.answer_q || optim_st != SD_OK || push_st != SD_OK) {
+    int mods_st = sd_job_modules_alloc(job);
+    if (mods_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
+        !job->mem.fence_count || cache_st != SD_OK || queue_st != SD_OK || !job->xfer.wait_tags ||
+        !job->xfer.answer_q) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }

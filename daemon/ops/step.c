@@ -687,5 +687,11 @@ static bool step_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
     return true;
 }
 
-const struct sd_job_module sd_step_module = {
-    .name = "step", .fail_parked = step_fail_parked, .sweep = step_sweep, .event = step_event};
+const struct sd_job_module sd_step_module = {.name = "step",
+                                             .create = sd_step_create,
+                                             .destroy = sd_step_destroy,
+                                             .alloc = sd_step_alloc,
+                                             .release = sd_step_free,
+                                             .fail_parked = step_fail_parked,
+                                             .sweep = step_sweep,
+                                             .event = step_event};

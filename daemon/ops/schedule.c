@@ -11,6 +11,7 @@
  * of the step on demand (first fit in the pool, rebuilt from what is resident), is counted and
  * logged (rate-limited), and the next step is recorded and frozen again. Data never depends on
  * the schedule: every fetch still checks the unit's weights generation. */
+#include "job_module.h"
 #include "step.h"
 #include "job.h"
 #include "fetch.h"
@@ -678,3 +679,6 @@ void sd_sched_json(const struct sd_job *job, json_t *o)
     json_object_set_new(o, "order", order);
     json_object_set_new(o, "slots", slots);
 }
+
+const struct sd_job_module sd_sched_module = {
+    .name = "schedule", .destroy = sd_sched_destroy, .release = sd_sched_free};

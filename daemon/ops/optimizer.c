@@ -3,6 +3,7 @@
  * the w shard). Each tensor is updated with its parameter group's hyperparameters of this step
  * and its own step count, and with skip_unused a tensor no rank gave a gradient is left as it
  * is, as torch's optimizers skip a parameter whose .grad is None. */
+#include "job_module.h"
 #include "job.h"
 #include "optimizer.h"
 #include "sd/log.h"
@@ -218,3 +219,9 @@ void sd_optim_take_over(struct sd_job *job, const struct sd_job *old)
     job->opt->last_grad_norm = o->last_grad_norm;
     job->opt->applied = old->steps;
 }
+
+const struct sd_job_module sd_optim_module = {.name = "optimizer",
+                                              .create = sd_optim_create,
+                                              .destroy = sd_optim_destroy,
+                                              .alloc = sd_optim_alloc,
+                                              .release = sd_optim_free};

@@ -652,8 +652,13 @@ static bool push_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
     return false;
 }
 
-const struct sd_job_module sd_push_module = {
-    .name = "push", .fail_parked = push_fail_parked, .sweep = push_sweep};
+const struct sd_job_module sd_push_module = {.name = "push",
+                                             .create = sd_push_create,
+                                             .destroy = sd_push_destroy,
+                                             .alloc = sd_push_alloc,
+                                             .release = sd_push_free,
+                                             .fail_parked = push_fail_parked,
+                                             .sweep = push_sweep};
 
 /* ---- its state: geometry, bookkeeping, the node rounds' buffers */
 

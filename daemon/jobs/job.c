@@ -1,17 +1,13 @@
 /* Jobs: registration (all ranks, same model, with a deadline), the layout reply, the state
  * machine, departures, failures and deadlines. */
-#include "optimizer.h"
 #include "step.h"
 #include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "job.h"
 #include "job_module.h"
-#include "quant.h"
-#include "secondary.h"
 #include "net.h"
 #include "dispatch.h"
 #include "fetch.h"
-#include "push.h"
 #include "loading.h"
 #include "recover.h"
 #include "job_api.h"
@@ -37,21 +33,23 @@ const char *sd_job_state_name(enum sd_job_state s)
     return names[s];
 }
 
+/* The modules whose states are created with the job, allocated with its memory, released and
+ * destroyed, in this order (job_module.h). */
+static const struct sd_job_module *const life_order[] = {
+    &sd_step_module,  &sd_optim_module, &sd_loading_module, &sd_push_module,
+    &sd_sched_module, &sd_sec_module,   &sd_quant_module};
+
 void sd_job_free(struct sd_job *job)
 {
     sd_job_mem_free(job); /* never while sd_ckpt_busy: its worker may use the memory */
     sd_layout_free(&job->layout);
     sd_model_free(&job->model);
-    sd_optim_destroy(job);
     free(job->ranks);
-    sd_step_destroy(job);
-    sd_loading_destroy(job);
     sd_recover_forget(job->reg, job, "the job's state was dropped");
     sd_ckpt_job_free(job);
-    sd_sched_destroy(job);
-    sd_sec_destroy(job);
-    sd_push_destroy(job);
-    sd_quant_destroy(job);
+    for (size_t i = 0; i < sizeof(life_order) / sizeof(life_order[0]); i++)
+        if (life_order[i]->destroy != NULL)
+            life_order[i]->destroy(job);
     sd_resume_unlink(job);
     sd_resume_destroy(job);
     free(job);
@@ -392,10 +390,6 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     job->created_ns = sd_now_ns();
     job->register_deadline_ns = job->created_ns + (uint64_t)cfg->register_timeout_ms * 1000000ULL;
     job->ranks = calloc(k, sizeof(*job->ranks));
-    int step_st = sd_step_create(job);
-    if (step_st == SD_OK)
-        step_st = sd_optim_create(job);
-    int ready_st = sd_loading_create(job);
     int status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
     if (status == SD_OK)
         status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
@@ -407,8 +401,9 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
     for (int st = 0; st < SD_STATE_COUNT; st++)
         job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
     job->slots_per_unit = job->gnodes[SD_STATE_W] > 1 && !job->plan.hierarchical ? k : 1;
-    if (status == SD_OK)
-        status = sd_push_create(job);
+    for (size_t i = 0; status == SD_OK && i < sizeof(life_order) / sizeof(life_order[0]); i++)
+        if (life_order[i]->create != NULL)
+            status = life_order[i]->create(job);
     if (status == SD_OK)
         job->n_slots = job->layout.n_units * job->slots_per_unit;
     if (status == SD_OK) {
@@ -416,7 +411,7 @@ static struct sd_job *job_create(struct sd_registry *reg, const Shard__Register 
         if (job->mem.w_off == NULL)
             status = SD_ENOMEM;
     }
-    if (status != SD_OK || step_st != SD_OK || ready_st != SD_OK || !job->ranks) {
+    if (status != SD_OK || !job->ranks) {
         if (status == SD_OK)
             snprintf(err, errlen, "out of memory");
         *status_p = status == SD_OK ? SD_ENOMEM : status;
@@ -741,6 +736,22 @@ static const struct sd_job_module *const sweep_order[] = {
 static const struct sd_job_module *const fail_order[] = {&sd_push_module,     &sd_fetch_module,
                                                          &sd_loading_module,  &sd_step_module,
                                                          &sd_dispatch_module, &sd_ckpt_module};
+
+int sd_job_modules_alloc(struct sd_job *job)
+{
+    int status = SD_OK;
+    for (size_t i = 0; status == SD_OK && i < sizeof(life_order) / sizeof(life_order[0]); i++)
+        if (life_order[i]->alloc != NULL)
+            status = life_order[i]->alloc(job);
+    return status;
+}
+
+void sd_job_modules_release(struct sd_job *job)
+{
+    for (size_t i = 0; i < sizeof(life_order) / sizeof(life_order[0]); i++)
+        if (life_order[i]->release != NULL)
+            life_order[i]->release(job);
+}
 
 /* The modules that wait for other modules' completions. */
 static const struct sd_job_module *const event_order[] = {&sd_step_module};

@@ -8,6 +8,7 @@
  * invalidates every secondary copy at once, with no invalidation walk that could be missed.
  * With ,qsec the pieces are kept as int8 blocks (sd/codec.h): quantized when kept, decoded into
  * the slot when loaded. */
+#include "job_module.h"
 #include "job.h"
 #include "secondary.h"
 #include "sd/codec.h"
@@ -190,3 +191,6 @@ void sd_sec_counts(const struct sd_job *job, uint64_t *loads_p, uint64_t *stores
     *loads_p = job->sec != NULL ? job->sec->loads : 0;
     *stores_p = job->sec != NULL ? job->sec->stores : 0;
 }
+
+const struct sd_job_module sd_sec_module = {
+    .name = "secondary", .destroy = sd_sec_destroy, .alloc = sd_sec_setup, .release = sd_sec_free};

@@ -11,6 +11,7 @@
  *   hop  the boundary hop's quantized all-reduce (coll.h), and with ,ef its residuals per unit;
  *   wx   the weights' exchange after the optimizer: the local ranks' os parts as int8 blocks,
  *        and the parts received from the other nodes. */
+#include "job_module.h"
 #include "job.h"
 #include "weights.h"
 #include "push.h"
@@ -360,3 +361,6 @@ const struct sd_mem *sd_quant_mem(const struct sd_job *job)
 {
     return job->mem.quant != NULL && job->mem.quant->mem.ptr != NULL ? &job->mem.quant->mem : NULL;
 }
+
+const struct sd_job_module sd_quant_module = {
+    .name = "quant", .destroy = sd_quant_destroy, .release = sd_quant_free};
