@@ -125,6 +125,8 @@ struct sd_job_xfer {
     struct sd_gather_batch batch;
     struct sd_req_msg *req_queue; /* requests waiting for a newer generation or readiness */
     uint32_t req_queued, req_cap;
+    bool enc_wait; /* ,qw: requests wait for the encodings up to enc_ticket (fetch.c) */
+    uint64_t enc_ticket;
     uint32_t *members; /* scratch list of member nodes */
     bool report_waits; /* registered and allocated, waiting for its nodes' data paths (probes)
                         * before the coordinator hears of it */

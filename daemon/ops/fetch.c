@@ -116,6 +116,18 @@ bool sd_fetch_queue_poll(struct sd_job *job)
 {
     struct sd_job_xfer *x = &job->xfer;
     bool moved = false;
+    if (x->enc_wait) { /* ,qw encodings for peers' requests: served once the device wrote them */
+        int st = job->state == SD_JOB_FAILED ? SD_OK
+                                             : job->reg->dev->query(job->mem.queue, x->enc_ticket);
+        if (st != SD_EAGAIN) {
+            x->enc_wait = false;
+            moved = true;
+            if (st != SD_OK)
+                sd_job_backend_failed(job, st);
+            else
+                sd_fetch_serve_queue(job);
+        }
+    }
     while (x->aq_len > 0 && job->state != SD_JOB_FAILED) {
         int st = job->reg->dev->query(job->mem.queue, x->answer_q[x->aq_head]->ready_ticket);
         if (st == SD_EAGAIN)
@@ -130,7 +142,7 @@ bool sd_fetch_queue_poll(struct sd_job *job)
 
 bool sd_fetch_queue_waiting(const struct sd_job *job)
 {
-    return job->xfer.aq_len > 0;
+    return job->xfer.aq_len > 0 || job->xfer.enc_wait;
 }
 
 /* the waiters of us, answered: the slot (synced: the device wrote it) or the gather's error */
@@ -271,9 +283,10 @@ static void serve_done(struct sd_bulk *b, int status)
     job->stats.bytes[SD_OP_FETCH][SD_LINK_INTER_SENT] += b->bytes;
     job->stats.saved[SD_OP_FETCH][SD_LINK_INTER_SENT] += (int64_t)b->arg2 - (int64_t)b->bytes;
     job->xfer.w_sends_inflight--;
+    uint32_t peer = b->peer;
     sd_bulk_put(&job->xfer.bulks, b);
     if (status != SD_OK)
-        SD_WARN_SPARSE("net", "job '%s': sending weights to node %u failed: %s", job->name, b->peer,
+        SD_WARN_SPARSE("net", "job '%s': sending weights to node %u failed: %s", job->name, peer,
                        sd_status_str(status));
     sd_job_event(job, SD_JOB_EV_W_SENT);
 }
@@ -315,9 +328,20 @@ static bool serve(struct sd_job *job, const struct sd_req_msg *m)
             lens[p] = sd_job_w_shard_bytes(job, m->unit + i);
         }
     }
-    if (fresh && !sd_job_sync(job)) { /* the encodings leave now */
+    /* ,qw: the encodings leave once the device wrote them; until then requests wait (queued)
+     * and the loop polls the queue (sd_fetch_queue_poll). A request of this generation cannot be
+     * outlived by it: this node's optimizer waits for every node's norm, which waits for their
+     * gathers. */
+    int qst = fresh ? sd_job_queue_mark(job, false, &job->xfer.enc_ticket) : SD_OK;
+    if (qst != SD_OK && qst != SD_EAGAIN) {
         sd_bulk_put(&job->xfer.bulks, b);
+        sd_job_backend_failed(job, qst);
         return true;
+    }
+    job->xfer.enc_wait |= qst == SD_EAGAIN;
+    if (job->xfer.enc_wait) {
+        sd_bulk_put(&job->xfer.bulks, b);
+        return false;
     }
     uint32_t seq = 0;
     uint64_t tag = 0;

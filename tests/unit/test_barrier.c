@@ -1,5 +1,5 @@
-/* The local ranks' waiting calls (daemon/jobs/barrier.c), alone: hand cases, then random sequences of
- * arrivals and takes against a second model kept in the test (a set of ranks and their tags):
+/* The local ranks' waiting calls (daemon/jobs/barrier.c), alone: hand cases, then random sequences
+ * of arrivals and takes against a second model kept in the test (a set of ranks and their tags):
  * the count, who waits, the tags given back, the first arrival and the overdue rule agree. */
 #include "barrier.h"
 #include "check.h"
