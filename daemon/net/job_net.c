@@ -388,13 +388,11 @@ void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
 void sd_job_net_sweep(struct sd_job *job, uint64_t now)
 {
     uint64_t timeout = (uint64_t)job->reg->cfg->op_timeout_ms * 1000000ULL;
-    uint64_t started = 0, seq, push_start;
+    uint64_t started = 0, seq, since;
     uint32_t unit;
     const char *phase;
-    if (sd_step_activity(job, &phase, &unit, &push_start))
-        started = push_start;
-    else if (sd_push_oldest(job, &unit, &seq, &push_start))
-        started = push_start;
+    if (sd_step_activity(job, &phase, &unit, &since) || sd_push_oldest(job, &unit, &seq, &since))
+        started = since;
     else if (job->xfer.gathers_inflight > 0)
         for (uint32_t i = 0; i < job->n_slots; i++)
             if (job->cache.units[i].inflight &&

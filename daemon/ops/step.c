@@ -337,16 +337,24 @@ static bool check_schedules(struct sd_job *job)
     return true;
 }
 
+/* One of a phase's transfers ended with status with peer: the first failure is kept; true when
+ * it was the last of them. */
+static bool transfer_ended(struct sd_step_state *st, int status, uint32_t peer)
+{
+    if (status != SD_OK && st->status == SD_OK) {
+        st->status = status;
+        st->suspect = peer;
+    }
+    return --st->pending == 0;
+}
+
 static void norm_done(struct sd_bulk *b, int status)
 {
     struct sd_job *job = (struct sd_job *)(uintptr_t)b->arg2;
     job->stats.bytes[SD_OP_STEP][b->is_send ? SD_LINK_INTER_SENT : SD_LINK_INTER_RECV] += b->bytes;
-    if (status != SD_OK && job->step->status == SD_OK) {
-        job->step->status = status;
-        job->step->suspect = b->peer;
-    }
+    uint32_t peer = b->peer;
     sd_bulk_put(&job->xfer.bulks, b);
-    if (--job->step->pending > 0)
+    if (!transfer_ended(job->step, status, peer))
         return;
     if (job->step->status != SD_OK) {
         step_fail(job, job->step->status, job->step->suspect);
@@ -652,12 +660,7 @@ static bool step_event(struct sd_job *job, enum sd_job_event ev)
 
 void sd_step_exchanged(struct sd_job *job, int status, uint32_t peer)
 {
-    struct sd_step_state *st = job->step;
-    if (status != SD_OK && st->status == SD_OK) {
-        st->status = status;
-        st->suspect = peer;
-    }
-    if (--st->pending == 0)
+    if (transfer_ended(job->step, status, peer))
         sd_step_progress(job);
 }
 

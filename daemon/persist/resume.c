@@ -257,7 +257,7 @@ bool sd_resume_keep(struct sd_job *job)
 int sd_resume_drop(struct sd_job *job, char *err, size_t errlen)
 {
     struct sd_resume_state *rs = job->load.resume;
-    if (!((rs->paused && rs->by == NULL) || rs->kept)) {
+    if (!sd_resume_holds_state(job)) {
         snprintf(err, errlen,
                  "job '%s' is %s, not paused or kept: only the state of a job whose trainers are "
                  "gone is dropped",
@@ -279,8 +279,7 @@ int sd_resume_drop(struct sd_job *job, char *err, size_t errlen)
 void sd_resume_sweep(struct sd_job *job, uint64_t now)
 {
     struct sd_resume_state *rs = job->load.resume;
-    if (((rs->paused && rs->by == NULL) || rs->kept) && now >= rs->deadline_ns &&
-        !sd_recover_target(job))
+    if (sd_resume_holds_state(job) && now >= rs->deadline_ns && !sd_recover_target(job))
         drop(job);
     else if (job->state == SD_JOB_LOADING && rs->resuming && rs->wait)
         sd_resume_load(job);
