@@ -22,6 +22,7 @@
 #include <sys/types.h>
 
 struct sd_session;
+struct sd_fsid;
 struct sd_net;
 struct sd_sec_state;     /* secondary.c's */
 struct sd_job_sched;     /* schedule.c's */
@@ -175,6 +176,11 @@ struct sd_job {
  * shared-memory files and log lines, and may name checkpoint directories: no '/', no space, no
  * control character, no quote). */
 bool sd_job_name_valid(const char *name);
+/* A new job from a Register message (model: taken over), linked into reg: its modules' states
+ * created, nothing allocated yet; NULL with *status_p and err if it cannot be. */
+struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg,
+                             struct sd_model *model, const struct sd_fsid *owner, int *status_p,
+                             char *err, size_t errlen);
 /* Fail the job: every parked operation completes with status and the message; the job's other
  * nodes are told. */
 void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)

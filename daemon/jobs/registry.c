@@ -7,6 +7,7 @@
 #include "net.h"
 #include "loading.h"
 #include "registry.h"
+#include "job_api.h"
 #include "recover.h"
 #include "resume.h"
 #include "fetch.h"
@@ -248,6 +249,8 @@ void sd_registry_sweep(struct sd_registry *reg, uint64_t now)
         sd_job_sweep(job, now);
     }
     sd_recover_sweep(reg, now);
+    sd_job_register_retry(
+        reg); /* after the jobs' deadlines: a job paused or dropped frees its name */
 }
 
 bool sd_registry_poll_queues(struct sd_registry *reg, bool *waiting_p)
@@ -295,4 +298,5 @@ void sd_registry_destroy_all(struct sd_registry *reg)
         sd_job_free(job);
     }
     reg->n_finished = 0;
+    sd_job_register_free(reg);
 }

@@ -37,11 +37,13 @@ struct sd_registry {
     const struct sd_config *cfg;
     const struct sd_gpu_ops *dev;
     struct sd_net *net;
-    uv_loop_t *loop;              /* for allocating off the loop; NULL: allocate in place */
-    struct sd_recovery *recovery; /* node 0: the checkpoint being written from replicas */
-    struct sd_file_pool *files;   /* the jobs' file work (checkpoints), as their owners */
-    uint32_t stuck_jobs;          /* at shutdown: jobs left to file tasks that did not end */
-    uint64_t recoveries;          /* started (their save numbers) */
+    uv_loop_t *loop;                /* for allocating off the loop; NULL: allocate in place */
+    struct sd_recovery *recovery;   /* node 0: the checkpoint being written from replicas */
+    struct sd_file_pool *files;     /* the jobs' file work (checkpoints), as their owners */
+    uint32_t stuck_jobs;            /* at shutdown: jobs left to file tasks that did not end */
+    uint64_t recoveries;            /* started (their save numbers) */
+    struct sd_waiting_reg *waiting; /* registrations waiting for a job of their name to go */
+    uint64_t waiting_round;         /* (register.c) */
 };
 
 void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,

@@ -64,6 +64,11 @@ bool sd_resume_paused(const struct sd_job *job)
     return job->load.resume->paused;
 }
 
+bool sd_resume_pausing(const struct sd_job *job)
+{
+    return job->load.resume->pending && job->state == SD_JOB_READY;
+}
+
 bool sd_resume_holds_state(const struct sd_job *job)
 {
     const struct sd_resume_state *rs = job->load.resume;

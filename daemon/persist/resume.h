@@ -30,6 +30,8 @@ void sd_resume_destroy(struct sd_job *job);
 uint64_t sd_resume_timeout_ms(const struct sd_job *job);
 /* paused: its state waits to be taken over (by a registration not yet ready, or nobody) */
 bool sd_resume_paused(const struct sd_job *job);
+/* a rank died mid-step: the job pauses once the step is over (its name frees then) */
+bool sd_resume_pausing(const struct sd_job *job);
 /* its state is there for a taker: paused and not being taken over, or kept after a lost node */
 bool sd_resume_holds_state(const struct sd_job *job);
 bool sd_resume_kept(const struct sd_job *job);

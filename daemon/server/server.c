@@ -297,6 +297,12 @@ static bool handle_message(struct sd_conn *c, const uint8_t *buf, size_t len)
                                sd_job_name(c->session->job), c->session->rank);
             break;
         }
+        if (sd_job_register_waits(c->srv->reg, c->session)) {
+            sd_conn_send_error(c, SD_ESTATE,
+                               "register: this session's registration waits for a job of its "
+                               "name to go; attach again for another job");
+            break;
+        }
         sd_job_register(c->srv->reg, c->session, m->register_);
         break;
     case SHARD__CLIENT_MSG__MSG_DETACH:

@@ -108,6 +108,7 @@ void sd_session_destroy(struct sd_session *s, const char *reason)
     struct sd_server *srv = s->srv;
     if (s->job != NULL)
         sd_job_leave(s->job, s, reason);
+    sd_job_register_forget(srv->reg, s);
     for (struct sd_session **pp = &srv->sessions; *pp; pp = &(*pp)->next)
         if (*pp == s) {
             *pp = s->next;

@@ -576,7 +576,8 @@ struct joined {
     struct tiny x;
     shard_ctx_t *ctx;
     int st;
-    char err[512]; /* shard_last_error when st != 0 */
+    char err[512];     /* shard_last_error when st != 0 */
+    volatile int done; /* the registration returned */
 };
 
 static void *join_thread(void *arg)
@@ -587,6 +588,7 @@ static void *join_thread(void *arg)
         j->st = shard_register(j->ctx, &j->x.m);
     if (j->st != 0)
         snprintf(j->err, sizeof(j->err), "%s", shard_last_error(j->ctx));
+    __atomic_store_n(&j->done, 1, __ATOMIC_SEQ_CST);
     return NULL;
 }
 
@@ -997,6 +999,81 @@ static void test_kill_mid_step(void)
                  log[r]);
 }
 
+/* A job's name while that job goes (a restarted trainer registering before its old job ended):
+ * a job that runs on refuses the name at once; one whose ranks are detaching (closing, failed)
+ * makes the registration wait for them and then go on; one whose ranks stay past
+ * register_timeout_ms (2 s here) refuses it then, naming what it waited for. A waiting
+ * registration whose process dies is forgotten. */
+static void test_name_in_use(void)
+{
+    struct joined a = {0}, b = {0}, dup = {0};
+    tiny_init(&a.x, "inuse", 0, 2, 100);
+    tiny_init(&b.x, "inuse", 1, 2, 100);
+    tiny_init(&dup.x, "inuse", 1, 2, 100);
+    if (!join_pair(&a, &b, "job 'inuse'"))
+        return;
+    double t0 = th_now_s();
+    join_thread(&dup); /* a third process's rank 1 while both run */
+    TH_CHECK(dup.st == SHARD_EEXIST && strstr(dup.err, "already running") && th_now_s() - t0 < 1.0,
+             "a registration of a running job's name: %d '%s' after %.2f s (refused at once "
+             "expected)",
+             dup.st, dup.err, th_now_s() - t0);
+    if (dup.ctx)
+        shard_detach(dup.ctx);
+
+    /* rank 1 detaches: the job closes; a new rank 1 waits until rank 0 detached too */
+    shard_detach(b.ctx);
+    struct joined n0 = {0}, n1 = {0};
+    tiny_init(&n0.x, "inuse", 0, 2, 100);
+    tiny_init(&n1.x, "inuse", 1, 2, 100);
+    pthread_t th;
+    pthread_create(&th, NULL, join_thread, &n1);
+    usleep(500000);
+    TH_CHECK(!n1.done, "a registration while the job's ranks detach returned at once: %d '%s'",
+             n1.st, n1.err);
+    /* a waiting registration whose process dies: forgotten (the daemon reads nothing of it) */
+    char log[400];
+    snprintf(log, sizeof(log), "%s/inuse-dies.log", d.dir);
+    pid_t dies = spawn_rank("inuse", 0, 2, 1, "zero3", NULL, log);
+    usleep(300000);
+    kill(dies, SIGKILL);
+    th_wait(dies, 5000);
+    usleep(100000);
+    shard_detach(a.ctx); /* the old job ends: the waiting registration makes the new one */
+    join_thread(&n0);
+    pthread_join(th, NULL);
+    TH_CHECK(n0.st == 0 && n1.st == 0,
+             "after the old job ended, the waiting rank 1 and a new rank 0 register: %d '%s', "
+             "%d '%s'",
+             n1.st, n1.err, n0.st, n0.err);
+    char *dl = th_read_file(d.log, NULL);
+    TH_CHECK(dl && strstr(dl, "rank 1 (pid ") &&
+                 strstr(dl, "waits to register: the job of that name is closing; 1 of its 2 "
+                            "ranks on this node have not detached yet"),
+             "the daemon does not log why the registration waits");
+    free(dl);
+
+    /* the new job's rank 1 detaches, rank 0 stays: a registration waits 2 s, then is refused */
+    if (n1.ctx)
+        shard_detach(n1.ctx);
+    struct joined late = {0};
+    tiny_init(&late.x, "inuse", 1, 2, 100);
+    t0 = th_now_s();
+    join_thread(&late);
+    double took = th_now_s() - t0;
+    TH_CHECK(late.st == SHARD_ETIMEDOUT && strstr(late.err, "waited 2000 ms") &&
+                 strstr(late.err, "closing; 1 of its 2 ranks on this node have not detached") &&
+                 took > 1.9 && took < 2.0 + 1.5,
+             "a registration waiting for ranks that stay: %d '%s' after %.2f s (refused after "
+             "register_timeout_ms, 2 s, expected)",
+             late.st, late.err, took);
+    if (late.ctx)
+        shard_detach(late.ctx);
+    if (n0.ctx)
+        shard_detach(n0.ctx);
+    expect_alive("a job's name while that job goes");
+}
+
 /* Rank 0's broadcast with the step (shard_step_args_t.bcast): every other rank gets its bytes,
  * also in a step skipped as non-finite; ranks that disagree on giving them fail the step with
  * EMISMATCH, and a wrong size or a model without bcast_bytes is refused before the step. */
@@ -1204,6 +1281,7 @@ int main(void)
     test_stalled_requests();
     test_barrier_deadline();
     test_kill_mid_step();
+    test_name_in_use();
     TH_CHECK(th_daemon_alive(&d), "daemon died");
     TH_CHECK(th_daemon_stop(&d) == 0, "shardd did not shut down cleanly");
     return th_summary("test_badinput");

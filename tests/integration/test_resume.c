@@ -9,13 +9,18 @@
  * - 2 nodes x 2 ranks, zero3 and mics:2: the same (the pause crosses nodes);
  * - a paused job not registered again within its timeout is dropped (shardctl jobs shows it
  *   paused meanwhile), and a registration of another model is refused naming the step;
+ * - 2 x 2, through libshard: a rank killed while its node's step waits for the other node's
+ *   norm, restarted at once: its registration waits for the pause (not refused: the job is
+ *   still running then) and resumes the job with the others;
  * - a resuming registration refused while its memory is allocated leaves the paused job
  *   resumable at once (test hooks only: the allocation held by SHARDD_TEST_ALLOC_STALL_MS).
  * Each interrupted run is compared with an uninterrupted run of the same cluster and plan. */
 #include "harness.h"
 
 #include <jansson.h>
+#include <pthread.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -222,6 +227,189 @@ static void refused_resume(void)
 }
 #endif
 
+/* ---- a restart that registers before its job paused (through libshard) */
+
+#define IS_NUMEL 1024 /* a multiple of the world: no padding */
+
+struct is_rank {
+    const struct th_cluster *c;
+    int rank;
+    volatile int *fetched; /* the resumed job's ranks that fetched (or failed) */
+    volatile int *go;      /* node 1's ranks enter step 1 once set */
+    int st;                /* the first failure, 0: none */
+    char err[320];
+    volatile int done; /* the registration of the resumed job returned */
+    int resumed;
+    uint64_t start;
+    float w;
+};
+
+static void is_model(shard_model_t *m, shard_tensor_t *t, uint64_t *dims, int rank)
+{
+    dims[0] = IS_NUMEL;
+    *t = (shard_tensor_t){.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32, .unit = 0};
+    *m = (shard_model_t){.job = "instep",
+                         .rank = (uint32_t)rank,
+                         .world = 4,
+                         .plan = "zero3",
+                         .tensors = t,
+                         .n_tensors = 1,
+                         .optimizer = {.name = "sgd", .lr = 1.0f},
+                         .resume_timeout_ms = 30000};
+}
+
+static int is_fail(struct is_rank *r, shard_ctx_t *ctx, int st, const char *what)
+{
+    if (r->st == 0)
+        snprintf(r->err, sizeof(r->err), "rank %d: %s: %d %s", r->rank, what, st,
+                 ctx ? shard_last_error(ctx) : "");
+    if (r->st == 0)
+        r->st = st != 0 ? st : -1;
+    return st;
+}
+
+/* register the resumed job; fetch the weights its step 1 left, then wait for the others */
+static void is_resume(struct is_rank *r)
+{
+    shard_model_t m;
+    shard_tensor_t t;
+    uint64_t dims[1];
+    is_model(&m, &t, dims, r->rank);
+    shard_ctx_t *ctx = NULL;
+    int st = shard_attach(r->c->d[r->rank / 2].sock, &ctx);
+    if (st == 0)
+        st = shard_register(ctx, &m);
+    r->done = 1;
+    const void *p = NULL;
+    if (st != 0) {
+        is_fail(r, ctx, st, "register again");
+    } else {
+        r->resumed = shard_resumed(ctx);
+        r->start = shard_start_step(ctx);
+        if ((st = shard_fetch(ctx, 0, &p)) != 0 || (st = shard_copy(ctx, &r->w, p, 4)) != 0)
+            is_fail(r, ctx, st, "fetch the resumed weights");
+        if (p != NULL)
+            shard_release(ctx, 0);
+    }
+    __atomic_add_fetch(r->fetched, 1, __ATOMIC_SEQ_CST);
+    for (int i = 0; i < 400 && __atomic_load_n(r->fetched, __ATOMIC_SEQ_CST) < 4; i++)
+        usleep(50000); /* no rank detaches before every one fetched (20 s at most) */
+    if (ctx)
+        shard_detach(ctx);
+}
+
+/* One rank's first life: register, push a gradient of ones, step 1 (node 1's once told), then
+ * wait for the pause; child: rank 1, killed in its step (it writes to fd first). */
+static void *is_first(void *arg)
+{
+    struct is_rank *r = arg;
+    shard_model_t m;
+    shard_tensor_t t;
+    uint64_t dims[1];
+    is_model(&m, &t, dims, r->rank);
+    float *g = malloc(IS_NUMEL * sizeof(float));
+    for (int i = 0; g && i < IS_NUMEL; i++)
+        g[i] = 1.0f;
+    shard_ctx_t *ctx = NULL;
+    int st = g ? shard_attach(r->c->d[r->rank / 2].sock, &ctx) : -1;
+    if (st == 0)
+        st = shard_register(ctx, &m);
+    if (st == 0)
+        st = shard_push_grad(ctx, 0, g, IS_NUMEL * sizeof(float));
+    free(g);
+    if (st != 0) {
+        is_fail(r, ctx, st, "register and push");
+        if (ctx)
+            shard_detach(ctx);
+        __atomic_add_fetch(r->fetched, 1, __ATOMIC_SEQ_CST);
+        return NULL;
+    }
+    while (r->rank >= 2 && !*r->go)
+        usleep(10000);
+    double norm;
+    if ((st = shard_step(ctx, &norm)) != 0)
+        is_fail(r, ctx, st, "step 1 (it completes on every node before the pause)");
+    const void *p; /* the pause reaches this rank's next call */
+    for (int i = 0; st == 0 && i < 200; i++, usleep(50000))
+        if ((st = shard_fetch(ctx, 0, &p)) == 0)
+            shard_release(ctx, 0);
+    if (st != SHARD_EPAUSED || !strstr(shard_last_error(ctx), "rank 1"))
+        is_fail(r, ctx, st, "a call after the pause: SHARD_EPAUSED naming rank 1 expected");
+    shard_detach(ctx);
+    is_resume(r);
+    return NULL;
+}
+
+static void *is_again(void *arg)
+{
+    is_resume(arg);
+    return NULL;
+}
+
+static void restart_in_step(const struct th_cluster *c)
+{
+    int pfd[2];
+    if (pipe(pfd) != 0)
+        return;
+    pid_t child = fork();
+    if (child == 0) { /* rank 1: register, push, then tell the parent and enter step 1 */
+        close(pfd[0]);
+        shard_model_t m;
+        shard_tensor_t t;
+        uint64_t dims[1];
+        is_model(&m, &t, dims, 1);
+        static float g[IS_NUMEL];
+        for (int i = 0; i < IS_NUMEL; i++)
+            g[i] = 1.0f;
+        shard_ctx_t *ctx;
+        double norm;
+        if (shard_attach(c->d[0].sock, &ctx) != 0 || shard_register(ctx, &m) != 0 ||
+            shard_push_grad(ctx, 0, g, sizeof(g)) != 0 || write(pfd[1], "s", 1) != 1)
+            _exit(1);
+        shard_step(ctx, &norm); /* waits for node 1's norm: killed meanwhile */
+        _exit(2);
+    }
+    close(pfd[1]);
+    volatile int go = 0;
+    volatile int fetched = 0;
+    struct is_rank r[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        r[i] = (struct is_rank){.c = c, .rank = i, .fetched = &fetched, .go = &go};
+        if (i != 1)
+            pthread_create(&th[i], NULL, is_first, &r[i]);
+    }
+    char b;
+    bool in_step = read(pfd[0], &b, 1) == 1;
+    close(pfd[0]);
+    TH_CHECK(in_step, "rank 1 (a child) registered and pushed");
+    usleep(400000); /* ranks 0 and 1 in step 1, waiting for node 1's norm */
+    kill(child, SIGKILL);
+    waitpid(child, NULL, 0);
+    pthread_create(&th[1], NULL, is_again, &r[1]); /* restarted at once */
+    usleep(600000);
+    TH_CHECK(!r[1].done, "the restarted rank 1's registration returned before the job paused: %s",
+             r[1].err);
+    char *log = th_read_file(c->d[0].log, NULL);
+    TH_CHECK(log && strstr(log, "rank 1 (pid ") &&
+                 strstr(log, "waits to register: the job of that name is a rank died in step 1: "
+                             "it pauses once the step is over"),
+             "node 0 does not log the restarted rank waiting for the pause");
+    free(log);
+    go = 1; /* node 1 enters step 1: it completes everywhere, then the job pauses */
+    for (int i = 0; i < 4; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < 4; i++)
+        TH_CHECK(r[i].st == 0 && r[i].resumed == 1 && r[i].start == 1 && r[i].w == -1.0f,
+                 "rank %d: %s; resumed %d from step %llu, weight %g (expected resumed from step "
+                 "1, -1: zeros less lr 1 x the mean gradient 1)",
+                 i, r[i].st ? r[i].err : "ok", r[i].resumed, (unsigned long long)r[i].start,
+                 r[i].w);
+    if (r[0].st == 0 && r[1].st == 0 && r[2].st == 0 && r[3].st == 0)
+        printf("instep: rank 1 killed in step 1 and restarted at once: its registration waited for "
+               "the pause; the job resumed after step 1 on 4 ranks\n");
+}
+
 int main(void)
 {
     unsigned seed = (unsigned)time(NULL);
@@ -263,6 +451,7 @@ int main(void)
         snprintf(job, sizeof(job), "all2-%d", p);
         kill_and_resume(&two, job, plans[p], true, ref);
     }
+    restart_in_step(&two);
     th_cluster_stop(&two);
     return th_summary("test_resume");
 }

@@ -1,0 +1,354 @@
+/* A Register message (DESIGN.md section 2): validate it, create the job or join the one of its
+ * name (resuming a paused one), and reply once every rank is there (job.c sends the layout). A
+ * registration that meets a job of its name on its way out waits for it (a restarted trainer
+ * registering before its old job saw it die, finished its step and paused, or saw its ranks
+ * detach): its message is kept, packed, on the registry's list and each sweep retries it until
+ * it is answered or register_timeout_ms passed. A job that runs on refuses its name at once. */
+#include "checkpoint.h"
+#include "cluster/cluster.h"
+#include "job.h"
+#include "job_api.h"
+#include "registry.h"
+#include "resume.h"
+#include "server.h"
+#include "session.h"
+#include "sd/model_msg.h"
+#include "sd/log.h"
+#include "sd/status.h"
+#include "sd/util.h"
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void job_register(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg,
+                         uint64_t until_ns);
+
+/* ---- the registrations waiting for a job of their name to go */
+
+struct sd_waiting_reg {
+    struct sd_waiting_reg *next;
+    struct sd_session *s;
+    uint8_t *msg; /* the Register message, packed */
+    size_t len;
+    uint64_t until_ns, round;
+};
+
+static int wait_add(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg,
+                    uint64_t until_ns)
+{
+    struct sd_waiting_reg *w = calloc(1, sizeof(*w));
+    size_t len = shard__register__get_packed_size(msg);
+    if (w == NULL || (w->msg = malloc(len ? len : 1)) == NULL) {
+        free(w);
+        return SD_ENOMEM;
+    }
+    w->len = shard__register__pack(msg, w->msg);
+    w->s = s;
+    w->until_ns = until_ns;
+    w->round = reg->waiting_round;
+    struct sd_waiting_reg **pp = &reg->waiting; /* in arrival order */
+    while (*pp != NULL)
+        pp = &(*pp)->next;
+    *pp = w;
+    return SD_OK;
+}
+
+bool sd_job_register_waits(const struct sd_registry *reg, const struct sd_session *s)
+{
+    for (const struct sd_waiting_reg *w = reg->waiting; w; w = w->next)
+        if (w->s == s)
+            return true;
+    return false;
+}
+
+static void waiting_free(struct sd_waiting_reg *w)
+{
+    free(w->msg);
+    free(w);
+}
+
+void sd_job_register_forget(struct sd_registry *reg, struct sd_session *s)
+{
+    for (struct sd_waiting_reg **pp = &reg->waiting; *pp;) {
+        struct sd_waiting_reg *w = *pp;
+        if (w->s == s) {
+            *pp = w->next;
+            waiting_free(w);
+        } else {
+            pp = &w->next;
+        }
+    }
+}
+
+/* Each waiting registration of the rounds before this one tries again (one that waits on joins
+ * this round: not retried twice in a sweep). One at a time off the list, so that a session
+ * ending meanwhile finds its registration there or nowhere. */
+void sd_job_register_retry(struct sd_registry *reg)
+{
+    uint64_t round = ++reg->waiting_round;
+    for (;;) {
+        struct sd_waiting_reg **pp = &reg->waiting;
+        while (*pp != NULL && (*pp)->round >= round)
+            pp = &(*pp)->next;
+        struct sd_waiting_reg *w = *pp;
+        if (w == NULL)
+            return;
+        *pp = w->next;
+        Shard__Register *msg = shard__register__unpack(NULL, w->len, w->msg);
+        if (msg == NULL) /* packed here: cannot fail but for memory */
+            sd_conn_send_error(w->s->conn, SD_ENOMEM, "register: out of memory while it waited");
+        else
+            job_register(reg, w->s, msg, w->until_ns);
+        shard__register__free_unpacked(msg, NULL);
+        waiting_free(w);
+    }
+}
+
+void sd_job_register_free(struct sd_registry *reg)
+{
+    while (reg->waiting != NULL) {
+        struct sd_waiting_reg *w = reg->waiting;
+        reg->waiting = w->next;
+        waiting_free(w);
+    }
+}
+
+/* The rank's connection hung up and the loop has not read its end yet (a killed trainer whose
+ * restart registers at once). */
+static bool rank_hung_up(const struct sd_job *job, uint32_t rank)
+{
+    if (rank < job->first_rank || rank - job->first_rank >= job->k)
+        return false;
+    const struct sd_session *held = job->ranks[rank - job->first_rank];
+    if (held == NULL)
+        return false;
+    struct pollfd p = {.fd = held->conn->fd, .events = POLLRDHUP};
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP)) != 0;
+}
+
+/* A registration meets a job of its name that is past registering: true (why) if that job is
+ * on its way out, so that the registration waits for it rather than being refused: it pauses
+ * once its step is over, its ranks are detaching (failed or closing), or the rank's holder hung
+ * up unread. A job that runs on is no such job: the name is taken. */
+static bool job_going(const struct sd_job *job, uint32_t rank, char *why, size_t len)
+{
+    if (sd_resume_pausing(job)) {
+        snprintf(why, len, "a rank died in step %llu: it pauses once the step is over",
+                 (unsigned long long)job->steps + 1);
+    } else if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING) {
+        if (job->n_left < job->k)
+            snprintf(why, len, "%s; %u of its %u ranks on this node have not detached yet",
+                     sd_job_state_name(job->state), job->k - job->n_left, job->k);
+        else
+            snprintf(why, len, "%s; its ranks on other nodes have not detached yet",
+                     sd_job_state_name(job->state));
+    } else if (rank_hung_up(job, rank)) {
+        snprintf(why, len, "rank %u's process (pid %d) hung up and is being reaped", rank,
+                 (int)job->ranks[rank - job->first_rank]->conn->pid);
+    } else {
+        return false;
+    }
+    return true;
+}
+
+/* The registration waits for the job of its name to go (why): now, it joins the registry's
+ * waiting list; past until_ns, it is refused. */
+static void register_wait(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg,
+                          uint64_t until_ns, const char *why)
+{
+    const char *name = msg->job;
+    bool again = until_ns != 0;
+    if (again && sd_now_ns() >= until_ns) {
+        sd_conn_send_error(s->conn, SD_ETIMEDOUT,
+                           "register job '%s' rank %u: waited %lld ms (register_timeout_ms) for "
+                           "the job of that name to go, and it is still there: %s",
+                           name, msg->rank, (long long)reg->cfg->register_timeout_ms, why);
+        return;
+    }
+    if (!again)
+        until_ns = sd_now_ns() + (uint64_t)reg->cfg->register_timeout_ms * 1000000ULL;
+    int status = wait_add(reg, s, msg, until_ns);
+    if (status != SD_OK) {
+        sd_conn_send_error(s->conn, status, "register job '%s' rank %u: out of memory", name,
+                           msg->rank);
+        return;
+    }
+    if (!again)
+        SD_INFO("job",
+                "job '%s': rank %u (pid %d) waits to register: the job of that name is %s "
+                "(at most %lld ms, register_timeout_ms)",
+                name, msg->rank, (int)s->conn->pid, why, (long long)reg->cfg->register_timeout_ms);
+}
+
+/* ---- a registration */
+
+void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg)
+{
+    job_register(reg, s, msg, 0);
+}
+
+/* until_ns: 0 the first time; a waiting registration's deadline */
+static void job_register(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg,
+                         uint64_t until_ns)
+{
+    char err[768];
+    struct sd_conn *c = s->conn;
+    struct sd_model model;
+    const char *name = msg->job ? msg->job : "";
+    size_t nlen = strlen(name);
+
+    if (!sd_job_name_valid(name)) {
+        sd_conn_send_error(c, SD_EINVAL,
+                           "register: job name '%.80s' (%zu bytes): a job name is 1..63 of "
+                           "A-Z a-z 0-9 . _ - : , + = @ and does not start with '.' or '-'",
+                           name, nlen);
+        return;
+    }
+    int status = sd_model_from_register(msg, (uint64_t)reg->cfg->max_tensors,
+                                        (uint64_t)reg->cfg->max_units, &model, err, sizeof(err));
+    if (status != SD_OK) {
+        sd_conn_send_error(c, status, "register job '%s' rank %u: %s", name, msg->rank, err);
+        sd_model_free(&model);
+        return;
+    }
+
+    struct sd_job *job = sd_registry_find(reg, name);
+    if (job == NULL) {
+        struct sd_job *paused = sd_resume_find(reg, name);
+        if (paused != NULL && paused->uid != c->uid) { /* before anything of it is touched */
+            sd_conn_send_error(c, SD_EPERM,
+                               "register job '%s': a paused job of that name belongs to uid %d, "
+                               "you are uid %d; a job is joined only by its owner's processes",
+                               name, (int)paused->uid, (int)c->uid);
+            sd_model_free(&model);
+            return;
+        }
+        if (reg->n_jobs >= (uint32_t)reg->cfg->max_jobs && paused == NULL) {
+            sd_conn_send_error(c, SD_EBUSY,
+                               "register job '%s': %u jobs are served, max_jobs is "
+                               "%lld",
+                               name, reg->n_jobs, (long long)reg->cfg->max_jobs);
+            sd_model_free(&model);
+            return;
+        }
+        int cst;
+        job = sd_job_create(reg, msg, &model, &c->cred, &cst, err, sizeof(err));
+        if (job == NULL) {
+            sd_conn_send_error(c, cst, "register job '%s' rank %u: %s", name, msg->rank, err);
+            sd_model_free(&model);
+            return;
+        }
+        if (paused != NULL &&
+            (cst = sd_resume_attach(job, paused, msg->load, err, sizeof(err))) != SD_OK) {
+            sd_conn_send_error(c, cst, "register job '%s' rank %u: %s", name, msg->rank, err);
+            sd_job_destroy(job);
+            return;
+        }
+        SD_INFO("job", "job '%s' (id %llu) created by pid %d: world %u, plan %s", job->name,
+                (unsigned long long)job->id, (int)c->pid, job->world, job->plan.name);
+        sd_ckpt_open_start(job); /* the manifest it loads, read on a worker */
+    } else {
+        uint64_t digest = sd_model_digest(&model);
+        if (job->uid != c->uid) { /* root included: it registers jobs of its own */
+            sd_conn_send_error(c, SD_EPERM,
+                               "register job '%s': it belongs to uid %d, you are "
+                               "uid %d; a job is joined only by its owner's processes",
+                               name, (int)job->uid, (int)c->uid);
+        } else if (job->state != SD_JOB_REGISTERING && job_going(job, msg->rank, err, 256)) {
+            register_wait(reg, s, msg, until_ns, err);
+        } else if (job->state != SD_JOB_REGISTERING) {
+            sd_conn_send_error(c, SD_EEXIST,
+                               "register job '%s' rank %u: the job is already %s; pick another "
+                               "job name or wait until its ranks detach",
+                               name, msg->rank, sd_job_state_name(job->state));
+        } else {
+            char why[512] = "";
+            if (digest != job->digest) {
+                char diff[256];
+                sd_model_diff(&job->model, &model, diff, sizeof(diff));
+                snprintf(why, sizeof(why), "model digest %016llx differs from %016llx (%s)",
+                         (unsigned long long)digest, (unsigned long long)job->digest, diff);
+            } else if (strcmp(msg->load ? msg->load : "", sd_ckpt_load_dir(job)) != 0) {
+                snprintf(why, sizeof(why), "loads checkpoint '%s', the other ranks '%s'",
+                         msg->load ? msg->load : "", sd_ckpt_load_dir(job));
+            } else if (msg->world != job->world) {
+                snprintf(why, sizeof(why), "world %u differs from world %u of the other ranks",
+                         msg->world, job->world);
+            } else if (msg->max_live_bytes != job->mem.max_live_bytes) {
+                snprintf(why, sizeof(why),
+                         "max_live_bytes %llu differs from %llu of the other ranks",
+                         (unsigned long long)msg->max_live_bytes,
+                         (unsigned long long)job->mem.max_live_bytes);
+            } else if (sd_resume_timeout(reg, msg->resume_timeout_ms) !=
+                       sd_resume_timeout_ms(job)) {
+                snprintf(why, sizeof(why),
+                         "resume_timeout_ms %llu differs from %llu of the other "
+                         "ranks",
+                         (unsigned long long)msg->resume_timeout_ms,
+                         (unsigned long long)sd_resume_timeout_ms(job));
+            }
+            sd_model_free(&model);
+            if (why[0] == '\0')
+                goto add_rank;
+            if (job->n_registered == job->k || job->mem.allocating) {
+                /* every rank is there: this one is a stray, the job goes on */
+                sd_conn_send_error(c, SD_EMISMATCH, "register job '%s' rank %u: %s", name,
+                                   msg->rank, why);
+                return;
+            }
+            /* the job cannot start: the ranks already registered hear it now, not at the
+             * registration's deadline (and the other nodes' ranks, through the coordinator) */
+            sd_conn_send_error(c, SD_EMISMATCH, "register job '%s' rank %u: %s", name, msg->rank,
+                               why);
+            char text[640];
+            snprintf(text, sizeof(text), "job '%s': rank %u (pid %d) registered it differently: %s",
+                     name, msg->rank, (int)c->pid, why);
+            if (job->nodes > 1)
+                sd_cluster_abort_job(sd_job_cluster(job),
+                                     &(struct sd_job_abort){.job = job->name,
+                                                            .nodes = job->nodes,
+                                                            .status = SD_EMISMATCH,
+                                                            .msg = text});
+            sd_job_refuse(job, SD_EMISMATCH, text);
+            return;
+        }
+        sd_model_free(&model);
+        return;
+    }
+add_rank:
+    if (msg->rank >= job->world || msg->rank / job->k != job->node) {
+        sd_conn_send_error(c, SD_EINVAL,
+                           "register job '%s': rank %u is not on this node (node %u serves ranks "
+                           "%u..%u of world %u)",
+                           name, msg->rank, job->node, job->first_rank,
+                           job->first_rank + job->k - 1, job->world);
+        if (job->n_registered == 0)
+            sd_job_destroy(job);
+        return;
+    }
+    uint32_t local = msg->rank - job->first_rank;
+    if (job->ranks[local] != NULL && rank_hung_up(job, msg->rank)) {
+        snprintf(err, sizeof(err),
+                 "registering; rank %u's process (pid %d) hung up and is being "
+                 "reaped",
+                 msg->rank, (int)job->ranks[local]->conn->pid);
+        register_wait(reg, s, msg, until_ns, err);
+        return;
+    }
+    if (job->ranks[local] != NULL) {
+        sd_conn_send_error(c, SD_EEXIST,
+                           "register job '%s': rank %u is already registered by "
+                           "pid %d",
+                           name, msg->rank, (int)job->ranks[local]->conn->pid);
+        return;
+    }
+    job->ranks[local] = s;
+    s->job = job;
+    s->rank = msg->rank;
+    s->local = local;
+    job->n_registered++;
+    SD_DEBUG("job", "job '%s': rank %u registered (%u of %u)", job->name, msg->rank,
+             job->n_registered, job->k);
+    sd_job_registered(job);
+}
