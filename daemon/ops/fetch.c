@@ -137,12 +137,18 @@ bool sd_fetch_queue_poll(struct sd_job *job)
     }
     if (moved)
         sd_job_event(job, SD_JOB_EV_ANSWERED);
+    /* ,qw receive slots whose decodes the device passed: gathers that waited for one go on */
+    if (sd_qw_rx_waiting(job) && sd_qw_rx_poll(job)) {
+        moved = true;
+        if (job->state != SD_JOB_FAILED && !sd_job_event(job, SD_JOB_EV_TRANSFERS))
+            sd_sched_prefetch(job);
+    }
     return moved;
 }
 
 bool sd_fetch_queue_waiting(const struct sd_job *job)
 {
-    return job->xfer.aq_len > 0 || job->xfer.enc_wait;
+    return job->xfer.aq_len > 0 || job->xfer.enc_wait || sd_qw_rx_waiting(job);
 }
 
 /* the waiters of us, answered: the slot (synced: the device wrote it) or the gather's error */
@@ -406,7 +412,10 @@ void sd_fetch_on_request(struct sd_job *job, const struct sd_req_msg *m)
 
 /* With ,qw: the remote blocks of the gather us leads arrived as int8 blocks in its receive slot,
  * node by node, unit by unit, rank by rank (as gather_post laid them out): decode each shard
- * into its place in the slot. Done when this returns: the receive slot is free again. */
+ * into its place in the slot. The decodes are queued, not waited for: where the device has not
+ * reached them yet, the receive slot goes back once it has (sd_qw_rx_put_after; us->qrx -1), and
+ * the units' waiters are answered after them (sd_fetch_complete's ticket comes later on the same
+ * queue). */
 static int gather_decode(struct sd_job *job, struct sd_unit_state *us)
 {
     uint32_t G = job->gnodes[SD_STATE_W], k = job->k;
@@ -426,7 +435,18 @@ static int gather_decode(struct sd_job *job, struct sd_unit_state *us)
                                           false);
         }
     }
-    return sd_job_sync(job) ? SD_OK : SD_EIO;
+    uint64_t ticket;
+    int st = sd_job_queue_mark(job, false, &ticket);
+    if (st == SD_EAGAIN) {
+        sd_qw_rx_put_after(job, us->qrx, ticket);
+        us->qrx = -1;
+        return SD_OK;
+    }
+    if (st != SD_OK) {
+        sd_job_backend_failed(job, st);
+        return SD_EIO;
+    }
+    return SD_OK;
 }
 
 /* a gather (maybe coalesced: us leads the units linked by batch_next) completed or failed */

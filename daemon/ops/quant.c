@@ -41,7 +41,11 @@ struct sd_quant_state {
     uint8_t *rx;      /* [SD_QUANT_RX_SLOTS][rx_slot_bytes]: encoded remote blocks of a gather */
     uint64_t rx_slot_bytes;
     uint32_t rx_busy; /* bit i: slot i is a gather's */
-    uint8_t *qg;      /* [round_gens][2 (G - 1)][qg_block_bytes]: a node round's int4 blocks */
+    /* bit i: slot i's gather is over, its decodes queued: free once the job's queue reached
+     * rx_ticket[i] (sd_qw_rx_poll), still busy meanwhile */
+    uint32_t rx_pending;
+    uint64_t rx_ticket[SD_QUANT_RX_SLOTS];
+    uint8_t *qg; /* [round_gens][2 (G - 1)][qg_block_bytes]: a node round's int4 blocks */
     uint64_t qg_block_bytes;
     float *ef;        /* [sum of numel]: error feedback, the node partial's quantization error */
     uint64_t *ef_off; /* [n_units] */
@@ -290,6 +294,38 @@ void sd_qw_rx_put(struct sd_job *job, int32_t i)
 {
     if (i >= 0)
         job->mem.quant->rx_busy &= ~(1u << i);
+}
+
+void sd_qw_rx_put_after(struct sd_job *job, int32_t i, uint64_t ticket)
+{
+    job->mem.quant->rx_pending |= 1u << i;
+    job->mem.quant->rx_ticket[i] = ticket;
+}
+
+bool sd_qw_rx_waiting(const struct sd_job *job)
+{
+    return job->mem.quant != NULL && job->mem.quant->rx_pending != 0;
+}
+
+bool sd_qw_rx_poll(struct sd_job *job)
+{
+    struct sd_quant_state *qs = job->mem.quant;
+    bool freed = false;
+    for (int32_t i = 0; i < SD_QUANT_RX_SLOTS && qs->rx_pending != 0; i++) {
+        if (!(qs->rx_pending & (1u << i)))
+            continue;
+        int st = job->state == SD_JOB_FAILED
+                     ? SD_OK
+                     : job->reg->dev->query(job->mem.queue, qs->rx_ticket[i]);
+        if (st == SD_EAGAIN)
+            continue;
+        qs->rx_pending &= ~(1u << i);
+        qs->rx_busy &= ~(1u << i);
+        freed = true;
+        if (st != SD_OK)
+            sd_job_backend_failed(job, st);
+    }
+    return freed;
 }
 
 uint8_t *sd_qw_rx(struct sd_job *job, int32_t i)

@@ -43,6 +43,11 @@ bool sd_qw_rx_available(const struct sd_job *job);
 /* A receive slot for a gather, or -1 when all are taken. */
 int32_t sd_qw_rx_take(struct sd_job *job);
 void sd_qw_rx_put(struct sd_job *job, int32_t i);
+/* Slot i is freed once the job's queue reached ticket (the decodes that read it): the loop's
+ * poll (sd_qw_rx_poll: true if it freed any) frees it; waiting: whether any slot waits so. */
+void sd_qw_rx_put_after(struct sd_job *job, int32_t i, uint64_t ticket);
+bool sd_qw_rx_waiting(const struct sd_job *job);
+bool sd_qw_rx_poll(struct sd_job *job);
 uint8_t *sd_qw_rx(struct sd_job *job, int32_t i);
 /* Can a batch of encoded remote bytes q be received in one slot? */
 bool sd_qw_rx_fits(const struct sd_job *job, uint64_t q);
