@@ -73,14 +73,15 @@ int sd_fetch_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
 static void answer_waiters(struct sd_job *job, struct sd_unit_state *us, int synced);
 
 /* A gather finished (or failed): answer every rank waiting for it, once the device wrote the
- * slot (the clients read it from then on). The job's queue is not waited for on the loop
- * (DESIGN.md 7b): where it has not reached the slot's kernels yet (a device at work), the unit
- * stays in flight, later fetches join its waiters, and the loop's poll (sd_fetch_queue_poll)
- * answers them all, in order. The host backends are there at once. */
-void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
+ * slot (the clients read it from then on; read_out: the device also reads it, waiters or not). The
+ * job's queue is not waited for on the loop (DESIGN.md 7b): where it has not reached the slot's
+ * kernels yet (a device at work), the unit stays in flight, later fetches join its waiters, and the
+ * loop's poll (sd_fetch_queue_poll) answers them all, in order. The host backends are there at
+ * once. */
+static void fetch_complete(struct sd_job *job, struct sd_unit_state *us, bool read_out)
 {
     int synced = SD_OK;
-    if (us->status == SD_OK && us->waiters) {
+    if (us->status == SD_OK && (us->waiters || read_out)) {
         if (us->answer_pending)
             return; /* answered with the others once the device wrote the slot */
         uint64_t ticket = 0;
@@ -96,6 +97,11 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
         us->status = synced;
     }
     answer_waiters(job, us, synced);
+}
+
+void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us)
+{
+    fetch_complete(job, us, false);
 }
 
 /* the oldest unit waiting for the device, out of the queue and answered with status (synced:
@@ -485,9 +491,10 @@ static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
         u->inflight = false;
         u->resident = true;
         job->stats.gathers++;
-        if (u->gen == job->weights_gen && !sd_sec_keep(job, u))
-            return;
-        sd_fetch_complete(job, u);
+        /* a refill of the secondary copy reads the slot on the device: the unit stays in flight
+         * (not evicted, its place not refilled by the network) until the queue passed it */
+        bool read_out = u->gen == job->weights_gen && sd_sec_keep(job, u);
+        fetch_complete(job, u, read_out);
     }
     if (job->gnodes[SD_STATE_W] == 1)
         return; /* a gather inside the node: it took no transfer resources, freed none */

@@ -91,7 +91,7 @@ void sd_sec_load(struct sd_job *job, struct sd_unit_state *us)
 bool sd_sec_keep(struct sd_job *job, struct sd_unit_state *us)
 {
     if (job->sec == NULL || job->sec->groups == 0 || *gen_of(job, us) == job->weights_gen)
-        return true;
+        return false;
     const struct sd_unit_layout *ul = &job->layout.units[us->unit];
     uint64_t len = piece_bytes(job, ul);
     const uint8_t *slot = (const uint8_t *)job->mem.pool.ptr + us->pool_off;
@@ -112,9 +112,7 @@ bool sd_sec_keep(struct sd_job *job, struct sd_unit_state *us)
     job->sec->stores++;
     SD_DEBUG("fetch", "job '%s': secondary copy of unit %u (group %u) refilled, generation %llu",
              job->name, us->unit, group_of(job, us), (unsigned long long)job->weights_gen);
-    /* the slot may be evicted and refilled by the network once the loop runs again: the copies
-     * out of it are done before that */
-    return sd_job_sync(job);
+    return true;
 }
 
 /* ---- its memory */

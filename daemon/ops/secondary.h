@@ -22,8 +22,9 @@ bool sd_sec_ready(const struct sd_job *job, const struct sd_unit_state *us);
 /* Copy it into slot us (pool place set): enqueued on the job's queue. */
 void sd_sec_load(struct sd_job *job, struct sd_unit_state *us);
 /* Slot us now holds the current generation (a gather within the w group finished): refill the
- * secondary copy of its group from it unless that already holds this generation. False after
- * failing the job (the backend failed). */
+ * secondary copy of its group from it unless that already holds this generation. Enqueued, not
+ * waited for: true when it did, so that the caller keeps the slot from the network until the
+ * job's queue passed the copies (a refill on the queue itself is ordered after them). */
 bool sd_sec_keep(struct sd_job *job, struct sd_unit_state *us);
 
 /* At registration: the state and its bookkeeping (SD_ENOMEM), then the holders' memory in the
