@@ -743,6 +743,7 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     }
     reg.load = loading ? load : "";
     reg.resume_timeout_ms = model->resume_timeout_ms;
+    reg.ranks_per_node = model->ranks_per_node;
     Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
     msg.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
     msg.register_ = &reg;

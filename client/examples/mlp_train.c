@@ -39,6 +39,7 @@ struct opts {
     const char *save_dir, *load; /* --save-dir, --load */
     int save_every, save_delay_ms;
     uint64_t resume_timeout_ms; /* --resume-timeout-ms: a paused job is registered again */
+    uint32_t ranks_per_node;    /* --ranks-per-node (0: $LOCAL_WORLD_SIZE, else the daemon's) */
     int rank, world, steps, accum, batch, hidden, layers;
     bool bf16, reference, quiet, timing;
     bool zero_copy;    /* gradients written into shardd's staging buffer (shard_grad_buffer) */
@@ -663,6 +664,13 @@ static int forward_pass(shard_ctx_t *ctx, const struct opts *o, const struct mod
     return SHARD_OK;
 }
 
+/* torchrun's LOCAL_WORLD_SIZE (0: unset, the daemon's ranks_per_node) */
+static uint32_t launcher_ranks_per_node(void)
+{
+    const char *v = getenv("LOCAL_WORLD_SIZE");
+    return v != NULL ? (uint32_t)strtoul(v, NULL, 10) : 0;
+}
+
 static int run_shardd(const struct opts *o, const struct model *m)
 {
     shard_ctx_t *ctx = NULL;
@@ -709,6 +717,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
         .max_live_bytes = o->max_live_bytes,
         .load = o->load,
         .resume_timeout_ms = o->resume_timeout_ms,
+        .ranks_per_node = o->ranks_per_node ? o->ranks_per_node : launcher_ranks_per_node(),
     };
     CHECK(shard_register(ctx, &model));
     int first = (int)shard_start_step(ctx);
@@ -939,7 +948,7 @@ static void usage(FILE *out)
             "                 [--dump-params FILE] [--reference] [--compute-only] [--quiet]\n"
             "                 [--timing] [--zero-copy] [--final-loss] [--nonfinite STEP]\n"
             "                 [--save-every N --save-dir DIR] [--save-delay-ms MS] [--load DIR]\n"
-            "                 [--resume-timeout-ms MS]\n"
+            "                 [--resume-timeout-ms MS] [--ranks-per-node K]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
@@ -969,7 +978,9 @@ static void usage(FILE *out)
             "--save-delay-ms MS waits MS before each save: a rank that comes late to it.\n"
             "--resume-timeout-ms MS registers the job with that resume timeout: when a rank\n"
             "dies the job pauses, and this rank, told so (SHARD_EPAUSED), registers again\n"
-            "and continues from the step the job paused at; a restarted rank does the same.\n",
+            "and continues from the step the job paused at; a restarted rank does the same.\n"
+            "--ranks-per-node K: the job's ranks per node (rank r on node r / K; default\n"
+            "torchrun's LOCAL_WORLD_SIZE when set, else the daemon's ranks_per_node).\n",
             IN_DIM, OUT_DIM, MAX_LAYERS);
 }
 
@@ -1070,6 +1081,8 @@ int main(int argc, char **argv)
             o.save_dir = v;
         } else if (ARG("--resume-timeout-ms")) {
             o.resume_timeout_ms = strtoull(v, NULL, 10);
+        } else if (ARG("--ranks-per-node")) {
+            o.ranks_per_node = (uint32_t)strtoul(v, NULL, 10);
         } else if (ARG("--load")) {
             o.load = v;
         } else if (ARG("--dump-params")) {

@@ -68,7 +68,7 @@ uint32_t sd_cluster_nodes(const struct sd_cluster *cl);
 struct sd_job_report {
     const char *job;
     uint64_t digest;
-    uint32_t world;
+    uint32_t world, ranks_per_node;
     uint64_t start_step;
     bool resumed;
     int status;

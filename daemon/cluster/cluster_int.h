@@ -47,7 +47,7 @@ struct coord_job {
     uint32_t nodes, reported;
     uint8_t *seen;
     uint64_t digest;
-    uint32_t world;
+    uint32_t world, ranks_per_node;
     uint64_t start_step; /* the first report's (a resume's step, a checkpoint's) */
     bool resumed;
     uint32_t first; /* the node that reported first */

@@ -78,7 +78,8 @@ void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name)
 
 void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep)
 {
-    uint32_t nodes = rep->world / (uint32_t)cl->cfg->ranks_per_node;
+    uint32_t k = rep->ranks_per_node ? rep->ranks_per_node : (uint32_t)cl->cfg->ranks_per_node;
+    uint32_t nodes = k ? rep->world / k : 0;
     if (rep->node >= cl->n || nodes == 0 || nodes > cl->n)
         return;
     struct coord_job *j = coord_job_find(cl, rep->job, true, nodes);
@@ -89,6 +90,7 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
     if (j->reported == 1) {
         j->digest = rep->digest;
         j->world = rep->world;
+        j->ranks_per_node = k;
         j->start_step = rep->start_step;
         j->resumed = rep->resumed;
         j->first = rep->node;
@@ -97,6 +99,12 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
         if (rep->status != SD_OK) {
             j->status = rep->status;
             snprintf(j->msg, sizeof(j->msg), "node %u: %s", rep->node, rep->message);
+        } else if (k != j->ranks_per_node) {
+            j->status = SD_EMISMATCH;
+            snprintf(j->msg, sizeof(j->msg),
+                     "job '%s': node %u registered %u ranks per node, node %u %u: every rank "
+                     "must give the same ranks_per_node",
+                     rep->job, rep->node, k, j->first, j->ranks_per_node);
         } else if (rep->digest != j->digest || rep->world != j->world) {
             j->status = SD_EMISMATCH;
             snprintf(j->msg, sizeof(j->msg),
@@ -221,6 +229,7 @@ void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *jr
     r.node = cl->self;
     r.digest = jr->digest;
     r.world = jr->world;
+    r.ranks_per_node = jr->ranks_per_node;
     r.start_step = jr->start_step;
     r.resumed = jr->resumed;
     r.status = jr->status;

@@ -296,10 +296,18 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
                           &(struct sd_job_report){.job = job->name,
                                                   .digest = job->digest,
                                                   .world = job->world,
+                                                  .ranks_per_node = job->k,
                                                   .start_step = sd_resume_start_step(job),
                                                   .resumed = sd_resume_resuming(job),
                                                   .status = status,
                                                   .msg = status == SD_OK ? "" : err});
+}
+
+uint32_t sd_job_ranks_per_node(const struct sd_config *cfg, const Shard__Register *msg)
+{
+    if (msg->ranks_per_node != 0)
+        return msg->ranks_per_node;
+    return cfg->nodes > 1 || cfg->ranks_per_node ? (uint32_t)cfg->ranks_per_node : msg->world;
 }
 
 bool sd_job_name_valid(const char *name)
@@ -334,10 +342,11 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
                  (unsigned long long)msg->resume_timeout_ms, (long long)cfg->max_resume_timeout_ms);
         return NULL;
     }
-    /* a job spans nodes [0, world / k): one node takes all its ranks; a cluster has k fixed */
-    uint32_t k = cfg->nodes > 1 || cfg->ranks_per_node ? (uint32_t)cfg->ranks_per_node : msg->world;
-    uint32_t nodes = msg->world / k;
-    if (msg->world % k != 0) {
+    /* a job spans nodes [0, world / k): k is the job's (its registration's), else the daemon's,
+     * else one node takes all its ranks */
+    uint32_t k = sd_job_ranks_per_node(cfg, msg);
+    uint32_t nodes = k ? msg->world / k : 0;
+    if (k == 0 || msg->world % k != 0) {
         snprintf(err, errlen,
                  "world size %u is not a multiple of ranks_per_node %u (every node of a job "
                  "serves %u ranks)",

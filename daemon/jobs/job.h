@@ -176,6 +176,9 @@ struct sd_job {
  * shared-memory files and log lines, and may name checkpoint directories: no '/', no space, no
  * control character, no quote). */
 bool sd_job_name_valid(const char *name);
+/* The ranks per node a registration gives its job: its own, else the daemon's ranks_per_node,
+ * else (one daemon, none configured) the whole world. */
+uint32_t sd_job_ranks_per_node(const struct sd_config *cfg, const Shard__Register *msg);
 /* A new job from a Register message (model: taken over), linked into reg: its modules' states
  * created, nothing allocated yet; NULL with *status_p and err if it cannot be. */
 struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg,

@@ -275,6 +275,10 @@ static void job_register(struct sd_registry *reg, struct sd_session *s, const Sh
             } else if (msg->world != job->world) {
                 snprintf(why, sizeof(why), "world %u differs from world %u of the other ranks",
                          msg->world, job->world);
+            } else if (sd_job_ranks_per_node(reg->cfg, msg) != job->k) {
+                snprintf(why, sizeof(why),
+                         "%u ranks per node differ from %u of the other ranks (ranks_per_node)",
+                         sd_job_ranks_per_node(reg->cfg, msg), job->k);
             } else if (msg->max_live_bytes != job->mem.max_live_bytes) {
                 snprintf(why, sizeof(why),
                          "max_live_bytes %llu differs from %llu of the other ranks",

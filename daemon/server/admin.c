@@ -101,6 +101,7 @@ static json_t *job_summary(const struct sd_job *job)
         "memory_bytes", (json_int_t)job->mem.bytes_total, "steps", (json_int_t)job->steps,
         "last_grad_norm", sd_optim_grad_norm(job), "error", ended ? "" : job->fail_msg, "ranks",
         ranks);
+    json_object_set_new(doc, "nodes", json_integer(job->nodes)); /* 0 .. nodes - 1 */
     /* how a job that ended cleanly ended (its ranks detached): not an error */
     json_object_set_new(doc, "ended", json_string(ended ? job->fail_msg : ""));
     json_object_set_new(doc, "optimizer", optimizer_json(job));

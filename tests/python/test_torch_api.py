@@ -376,7 +376,7 @@ try:
               "    st.step(m)\n"
               "jobs = shard.admin('jobs')['jobs']\n"
               "print('JOBS', [(j['name'], j['world']) for j in jobs])\n")
-    env = dict(os.environ, WORLD_SIZE="2", TORCHELASTIC_RUN_ID="abc123",
+    env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="abc123",
                PYTHONPATH=os.path.join(ROOT, "client", "python"))
     procs = [subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -390,6 +390,13 @@ try:
                        capture_output=True, text=True, timeout=120)
     check(r.returncode != 0 and "rank 2 is outside world 2" in r.stderr,
           f"RANK outside WORLD_SIZE refused: {r.stderr[-300:]}")
+    # torchrun's LOCAL_WORLD_SIZE is the job's ranks per node: one rank per node needs two
+    # nodes, and this daemon is one
+    r = subprocess.run([sys.executable, "-c", script],
+                       env=dict(env, RANK="0", LOCAL_WORLD_SIZE="1"),
+                       capture_output=True, text=True, timeout=120)
+    check(r.returncode != 0 and "world size 2 needs 2 nodes of 1 ranks" in r.stderr,
+          f"LOCAL_WORLD_SIZE=1 of WORLD_SIZE 2 on one daemon refused: {r.stderr[-300:]}")
 
     # installs: cmake --install into a prefix, and a venv over Debian's packages
     build = os.path.dirname(os.path.dirname(os.path.abspath(libshard)))

@@ -85,7 +85,7 @@ class _Model(ctypes.Structure):
                 ("max_live_bytes", ctypes.c_uint64), ("groups", ctypes.POINTER(_HParams)),
                 ("n_groups", ctypes.c_uint32), ("flags", ctypes.c_uint32),
                 ("bcast_bytes", ctypes.c_uint64), ("load", ctypes.c_char_p),
-                ("resume_timeout_ms", ctypes.c_uint64)]
+                ("resume_timeout_ms", ctypes.c_uint64), ("ranks_per_node", ctypes.c_uint32)]
 
 SKIP_UNUSED = 1  # shard_model_t.flags: tensors no rank gave a gradient in a step are not updated
 
@@ -267,7 +267,8 @@ class Context:
             raise ShardError(st, msg, call)
 
     def register(self, job, rank, world, plan, tensors, optimizer, init=None, max_live_bytes=0,
-                 groups=None, skip_unused=False, bcast_bytes=0, load=None, resume_timeout_ms=0):
+                 groups=None, skip_unused=False, bcast_bytes=0, load=None, resume_timeout_ms=0,
+                 ranks_per_node=0):
         """Register the model (every rank the same tensors). init (rank 0): one fp32 buffer per
         tensor (objects with the buffer protocol or ctypes addresses), None for zeros.
         groups: None, or one dict of hyperparameters per parameter group (lr, betas, eps,
@@ -279,7 +280,8 @@ class Context:
         step. resume_timeout_ms: when a rank dies the job pauses for that long (0: the daemon's
         resume_timeout_ms) and calls raise ShardError with status EPAUSED; registering every
         rank again (same job and model) resumes it: resumed is True and start_step the step it
-        paused after."""
+        paused after. ranks_per_node: the job's ranks per node, the same on every rank (rank r
+        is served by node r // ranks_per_node; 0: the daemon's ranks_per_node)."""
         n = len(tensors)
         keep = []  # keep ctypes objects alive during the call
         arr = (_Tensor * n)()
@@ -319,7 +321,8 @@ class Context:
         self.n_groups = max(1, ng)
         model = _Model(jobb, rank, world, planb, arr, n, opt, init_arr, int(max_live_bytes),
                        garr, ng, SKIP_UNUSED if skip_unused else 0, int(bcast_bytes),
-                       _b(os.fspath(load)) if load else None, int(resume_timeout_ms))
+                       _b(os.fspath(load)) if load else None, int(resume_timeout_ms),
+                       int(ranks_per_node))
         self._check(_lib.shard_register(self._ctx, _c.byref(model)), "register")
         # "host", or "cuda": the daemon keeps the job's buffers in a GPU's memory and the
         # pointers fetch and push use are device addresses

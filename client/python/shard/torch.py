@@ -532,6 +532,22 @@ def _from_torch(opt, named):
     return _Opt(name, 0.0, groups, group_of, opt)
 
 
+def _ranks_per_node(given):
+    """The job's ranks per node: given, else the launcher's (torchrun, Slurm), else 0 (the
+    daemon's)."""
+    if given is not None:
+        return int(given)
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        v = os.environ.get(var, "")
+        if v:
+            try:
+                return int(v)
+            except ValueError:
+                raise ValueError(f"shard.torch.wrap: {var}={v!r} is not a number of ranks per "
+                                 "node") from None
+    return 0
+
+
 def _launcher(job, rank, world):
     """rank, world and the job name from torchrun's variables where not given."""
     env = os.environ
@@ -720,11 +736,15 @@ def _check_devices(named, socket):
 
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
          units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None,
-         resume_timeout_ms=0):
+         resume_timeout_ms=0, ranks_per_node=None):
     """Register model's parameters with shardd and install the hooks; returns model.
 
     rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
     ("torch-<id>"; else rank 0 of 1, job "torch"); socket from $SHARD_SOCKET.
+    ranks_per_node: the job's ranks per node (rank r is served by the daemon of node
+    r // ranks_per_node), by default torchrun's LOCAL_WORLD_SIZE or Slurm's
+    SLURM_NTASKS_PER_NODE, else the daemon's ranks_per_node: a job with fewer ranks per node
+    than the cluster is configured for runs on its first world // ranks_per_node nodes.
     units: submodules (or their names) that become units, in forward order; by default every
     direct child with parameters, descending into ModuleList, ModuleDict and Sequential.
     Parameters outside them form one more unit fetched around the whole model's forward. A
@@ -829,7 +849,8 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                          init=init if rank == 0 else None, max_live_bytes=max_live_bytes,
                          groups=opt.groups, skip_unused=True,
                          bcast_bytes=bufs.nbytes if bufs else 0, load=load,
-                         resume_timeout_ms=resume_timeout_ms)
+                         resume_timeout_ms=resume_timeout_ms,
+                         ranks_per_node=_ranks_per_node(ranks_per_node))
         err = _placement_error(dev, ctx.memory,
                                {"index": 0, "name": "the daemon's", "uuid": ctx.device_uuid},
                                ctx.memory)
