@@ -269,6 +269,16 @@ void sd_job_refuse(struct sd_job *job, int status, const char *msg)
     sd_job_destroy(job);
 }
 
+void sd_job_refuse_everywhere(struct sd_job *job, int status, const char *msg)
+{
+    if (job->nodes > 1)
+        sd_cluster_abort_job(sd_job_cluster(job), &(struct sd_job_abort){.job = job->name,
+                                                                         .nodes = job->nodes,
+                                                                         .status = status,
+                                                                         .msg = msg});
+    sd_job_refuse(job, status, msg);
+}
+
 /* The job's memory is allocated (status SD_OK) or not (err says why): one node starts at once,
  * several ask the coordinator. */
 void sd_job_allocated(struct sd_job *job, int status, const char *err)
@@ -530,13 +540,7 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
             char text[160];
             snprintf(text, sizeof(text), "rank %u (pid %d) %s while the job registered", s->rank,
                      (int)s->conn->pid, reason);
-            if (job->nodes > 1)
-                sd_cluster_abort_job(sd_job_cluster(job),
-                                     &(struct sd_job_abort){.job = job->name,
-                                                            .nodes = job->nodes,
-                                                            .status = SD_ECONNRESET,
-                                                            .msg = text});
-            sd_job_refuse(job, SD_ECONNRESET, text);
+            sd_job_refuse_everywhere(job, SD_ECONNRESET, text);
         } else if (job->n_registered == 0) {
             sd_job_destroy(job);
         }

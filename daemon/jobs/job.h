@@ -195,6 +195,8 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
 void sd_job_fail_from_peer(struct sd_job *job, int status, const char *text);
 /* Refuse the registration to every local rank and drop the job. */
 void sd_job_refuse(struct sd_job *job, int status, const char *msg);
+/* The same, and the job's other nodes are told (a registration that cannot complete anywhere). */
+void sd_job_refuse_everywhere(struct sd_job *job, int status, const char *msg);
 /* Every local rank registered and the checkpoint it loads is read (sd_ckpt_opened): allocate
  * its memory (nothing yet otherwise) */
 void sd_job_registered(struct sd_job *job);

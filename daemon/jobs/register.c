@@ -5,7 +5,6 @@
  * detach): its message is kept, packed, on the registry's list and each sweep retries it until
  * it is answered or register_timeout_ms passed. A job that runs on refuses its name at once. */
 #include "checkpoint.h"
-#include "cluster/cluster.h"
 #include "job.h"
 #include "job_api.h"
 #include "registry.h"
@@ -308,13 +307,7 @@ static void job_register(struct sd_registry *reg, struct sd_session *s, const Sh
             char text[640];
             snprintf(text, sizeof(text), "job '%s': rank %u (pid %d) registered it differently: %s",
                      name, msg->rank, (int)c->pid, why);
-            if (job->nodes > 1)
-                sd_cluster_abort_job(sd_job_cluster(job),
-                                     &(struct sd_job_abort){.job = job->name,
-                                                            .nodes = job->nodes,
-                                                            .status = SD_EMISMATCH,
-                                                            .msg = text});
-            sd_job_refuse(job, SD_EMISMATCH, text);
+            sd_job_refuse_everywhere(job, SD_EMISMATCH, text);
             return;
         }
         sd_model_free(&model);
