@@ -31,10 +31,15 @@ struct sd_waiting_reg {
     uint8_t *msg; /* the Register message, packed */
     size_t len;
     uint64_t until_ns, round;
+    uint64_t job_id; /* the job it waits for */
+    char name[64];
+    uint32_t rank;
 };
 
+static bool job_going(const struct sd_job *job, uint32_t rank, char *why, size_t len);
+
 static int wait_add(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg,
-                    uint64_t until_ns)
+                    uint64_t until_ns, const struct sd_job *job)
 {
     struct sd_waiting_reg *w = calloc(1, sizeof(*w));
     size_t len = shard__register__get_packed_size(msg);
@@ -46,6 +51,9 @@ static int wait_add(struct sd_registry *reg, struct sd_session *s, const Shard__
     w->s = s;
     w->until_ns = until_ns;
     w->round = reg->waiting_round;
+    w->job_id = job->id;
+    snprintf(w->name, sizeof(w->name), "%s", job->name);
+    w->rank = msg->rank;
     struct sd_waiting_reg **pp = &reg->waiting; /* in arrival order */
     while (*pp != NULL)
         pp = &(*pp)->next;
@@ -80,12 +88,23 @@ void sd_job_register_forget(struct sd_registry *reg, struct sd_session *s)
     }
 }
 
-/* Each waiting registration of the rounds before this one tries again (one that waits on joins
- * this round: not retried twice in a sweep). One at a time off the list, so that a session
- * ending meanwhile finds its registration there or nowhere. */
+/* Is w's wait unchanged: the job it waits for still there, still on its way out, before w's
+ * deadline? Then it waits on without being read again (a large model's message is not parsed
+ * each sweep). */
+static bool still_waits(struct sd_registry *reg, const struct sd_waiting_reg *w, uint64_t now)
+{
+    char why[256];
+    const struct sd_job *job = sd_registry_find(reg, w->name);
+    return now < w->until_ns && job != NULL && job->id == w->job_id &&
+           job_going(job, w->rank, why, sizeof(why));
+}
+
+/* Each waiting registration of the rounds before this one whose wait changed tries again (one
+ * that waits on joins this round: not retried twice in a sweep). One at a time off the list,
+ * so that a session ending meanwhile finds its registration there or nowhere. */
 void sd_job_register_retry(struct sd_registry *reg)
 {
-    uint64_t round = ++reg->waiting_round;
+    uint64_t round = ++reg->waiting_round, now = sd_now_ns();
     for (;;) {
         struct sd_waiting_reg **pp = &reg->waiting;
         while (*pp != NULL && (*pp)->round >= round)
@@ -93,6 +112,10 @@ void sd_job_register_retry(struct sd_registry *reg)
         struct sd_waiting_reg *w = *pp;
         if (w == NULL)
             return;
+        if (still_waits(reg, w, now)) {
+            w->round = round;
+            continue;
+        }
         *pp = w->next;
         Shard__Register *msg = shard__register__unpack(NULL, w->len, w->msg);
         if (msg == NULL) /* packed here: cannot fail but for memory */
@@ -154,7 +177,7 @@ static bool job_going(const struct sd_job *job, uint32_t rank, char *why, size_t
 /* The registration waits for the job of its name to go (why): now, it joins the registry's
  * waiting list; past until_ns, it is refused. */
 static void register_wait(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg,
-                          uint64_t until_ns, const char *why)
+                          uint64_t until_ns, const struct sd_job *job, const char *why)
 {
     const char *name = msg->job;
     bool again = until_ns != 0;
@@ -167,7 +190,7 @@ static void register_wait(struct sd_registry *reg, struct sd_session *s, const S
     }
     if (!again)
         until_ns = sd_now_ns() + (uint64_t)reg->cfg->register_timeout_ms * 1000000ULL;
-    int status = wait_add(reg, s, msg, until_ns);
+    int status = wait_add(reg, s, msg, until_ns, job);
     if (status != SD_OK) {
         sd_conn_send_error(s->conn, status, "register job '%s' rank %u: out of memory", name,
                            msg->rank);
@@ -255,7 +278,7 @@ static void job_register(struct sd_registry *reg, struct sd_session *s, const Sh
                                "uid %d; a job is joined only by its owner's processes",
                                name, (int)job->uid, (int)c->uid);
         } else if (job->state != SD_JOB_REGISTERING && job_going(job, msg->rank, err, 256)) {
-            register_wait(reg, s, msg, until_ns, err);
+            register_wait(reg, s, msg, until_ns, job, err);
         } else if (job->state != SD_JOB_REGISTERING) {
             sd_conn_send_error(c, SD_EEXIST,
                                "register job '%s' rank %u: the job is already %s; pick another "
@@ -330,7 +353,7 @@ add_rank:
                  "registering; rank %u's process (pid %d) hung up and is being "
                  "reaped",
                  msg->rank, (int)job->ranks[local]->conn->pid);
-        register_wait(reg, s, msg, until_ns, err);
+        register_wait(reg, s, msg, until_ns, job, err);
         return;
     }
     if (job->ranks[local] != NULL) {
