@@ -12,6 +12,8 @@
  * - 2 x 2, through libshard: a rank killed while its node's step waits for the other node's
  *   norm, restarted at once: its registration waits for the pause (not refused: the job is
  *   still running then) and resumes the job with the others;
+ * - a restart whose registration the daemon reads before its predecessor's hang-up (the loop
+ *   held by a test hook meanwhile) waits for it and resumes the job;
  * - a resuming registration refused while its memory is allocated leaves the paused job
  *   resumable at once (test hooks only: the allocation held by SHARDD_TEST_ALLOC_STALL_MS).
  * Each interrupted run is compared with an uninterrupted run of the same cluster and plan. */
@@ -410,6 +412,129 @@ static void restart_in_step(const struct th_cluster *c)
                "the pause; the job resumed after step 1 on 4 ranks\n");
 }
 
+#ifdef SD_TEST_HOOKS
+/* ---- a restart whose registration the daemon reads before its predecessor's hang-up */
+
+struct hu_reg {
+    const char *sock;
+    int rank;
+    shard_ctx_t *ctx;
+    int st, resumed;
+    char err[320];
+};
+
+static void hu_model(shard_model_t *m, shard_tensor_t *t, uint64_t *dims, int rank)
+{
+    dims[0] = 512;
+    *t = (shard_tensor_t){.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32, .unit = 0};
+    *m = (shard_model_t){.job = "hungup",
+                         .rank = (uint32_t)rank,
+                         .world = 2,
+                         .plan = "zero3",
+                         .tensors = t,
+                         .n_tensors = 1,
+                         .optimizer = {.name = "sgd", .lr = 1.0f},
+                         .resume_timeout_ms = 30000};
+}
+
+/* register r->ctx (attached already) as r->rank */
+static void *hu_register(void *arg)
+{
+    struct hu_reg *r = arg;
+    shard_model_t m;
+    shard_tensor_t t;
+    uint64_t dims[1];
+    hu_model(&m, &t, dims, r->rank);
+    r->st = shard_register(r->ctx, &m);
+    r->resumed = r->st == 0 && shard_resumed(r->ctx);
+    snprintf(r->err, sizeof(r->err), "%s", r->st ? shard_last_error(r->ctx) : "");
+    return NULL;
+}
+
+/* The daemon's loop held 1.2 s (SIGUSR1, SHARDD_TEST_STALL_MS): meanwhile a restarted rank 1
+ * sends its registration and only then its predecessor dies, so the loop reads the
+ * registration first, while the job still runs and the old rank's connection hung up unread.
+ * It must wait (it was refused "already running"), and resume the job, which pauses once the
+ * loop reads the hang-up, with rank 0 registering again. */
+static void restart_before_hangup(void)
+{
+    setenv("SHARDD_TEST_STALL_MS", "1200", 1);
+    struct th_daemon d;
+    bool up = th_daemon_start(&d, NULL) == 0;
+    unsetenv("SHARDD_TEST_STALL_MS");
+    TH_CHECK(up, "shardd with its loop stall hook");
+    if (!up)
+        return;
+    int pfd[2];
+    if (pipe(pfd) != 0)
+        return;
+    pid_t child = fork();
+    if (child == 0) { /* the first rank 1: registers, then waits to be killed */
+        close(pfd[0]);
+        struct hu_reg r = {.sock = d.sock, .rank = 1};
+        if (shard_attach(d.sock, &r.ctx) != 0)
+            _exit(1);
+        hu_register(&r);
+        if (r.st != 0 || write(pfd[1], "r", 1) != 1)
+            _exit(1);
+        for (;;)
+            pause();
+    }
+    close(pfd[1]);
+    struct hu_reg r0 = {.sock = d.sock, .rank = 0}, r1 = {.sock = d.sock, .rank = 1};
+    bool ok = shard_attach(d.sock, &r0.ctx) == 0;
+    if (ok)
+        hu_register(&r0);
+    char b;
+    ok = ok && r0.st == 0 && read(pfd[0], &b, 1) == 1 && shard_attach(d.sock, &r1.ctx) == 0;
+    close(pfd[0]);
+    TH_CHECK(ok, "job 'hungup' running on 2 ranks: %s", r0.err);
+    if (ok) {
+        kill(d.pid, SIGUSR1);
+        usleep(200000); /* the loop is held */
+        pthread_t th;
+        pthread_create(&th, NULL, hu_register, &r1); /* the restart's registration, sent */
+        usleep(100000);
+        kill(child, SIGKILL); /* then the first rank 1 dies */
+        waitpid(child, NULL, 0);
+        child = -1;
+        /* rank 0 hears of the pause, and registers again */
+        const void *p;
+        int st = 0;
+        for (int i = 0; i < 200 && st == 0; i++, usleep(50000))
+            if ((st = shard_fetch(r0.ctx, 0, &p)) == 0)
+                shard_release(r0.ctx, 0);
+        TH_CHECK(st == SHARD_EPAUSED, "rank 0 is told the job paused: %d %s", st,
+                 shard_last_error(r0.ctx));
+        shard_detach(r0.ctx);
+        r0.ctx = NULL;
+        if (shard_attach(d.sock, &r0.ctx) == 0)
+            hu_register(&r0);
+        pthread_join(th, NULL);
+        TH_CHECK(r1.st == 0 && r1.resumed && r0.st == 0 && r0.resumed,
+                 "the restarted rank 1 (%d '%s') and rank 0 (%d '%s') resume the job", r1.st,
+                 r1.err, r0.st, r0.err);
+        char *log = th_read_file(d.log, NULL);
+        bool unread = log && strstr(log, "rank 1's process (pid ") &&
+                      strstr(log, "hung up and is being reaped");
+        if (r1.st == 0 && r0.st == 0)
+            printf("hungup: a restart registered while the loop was held, before its "
+                   "predecessor's hang-up was read: it waited (%s) and resumed the job\n",
+                   unread ? "for the hang-up to be read" : "the hang-up was read first");
+        free(log);
+    }
+    if (child > 0) {
+        kill(child, SIGKILL);
+        waitpid(child, NULL, 0);
+    }
+    if (r1.ctx)
+        shard_detach(r1.ctx);
+    if (r0.ctx)
+        shard_detach(r0.ctx);
+    TH_CHECK(th_daemon_stop(&d) == 0, "shardd did not shut down cleanly");
+}
+#endif
+
 int main(void)
 {
     unsigned seed = (unsigned)time(NULL);
@@ -432,9 +557,10 @@ int main(void)
     th_daemon_stop(&one.d[0]);
 #ifdef SD_TEST_HOOKS
     refused_resume();
+    restart_before_hangup();
 #else
-    printf("test_resume: the refused-resume case needs shardd's test hooks (-DSHARD_TEST_HOOKS=ON):"
-           " not run\n");
+    printf("test_resume: the refused-resume and the unread-hang-up cases need shardd's test hooks "
+           "(-DSHARD_TEST_HOOKS=ON): not run\n");
 #endif
 
     TH_CHECK(th_cluster_start(&two, 2, 2, NULL) == 0, "2 x 2 cluster");
