@@ -253,7 +253,7 @@ static void print_topology(json_t *doc)
     json_array_foreach(json_object_get(doc, "jobs"), i, j)
     {
         printf("job %s: world %lld = %lld nodes x %lld ranks; ranks here:", str(j, "name"),
-               num(j, "world"), num(doc, "nodes"), num(j, "ranks_per_node"));
+               num(j, "world"), num(j, "nodes"), num(j, "ranks_per_node"));
         size_t k;
         json_t *r;
         json_array_foreach(json_object_get(j, "ranks"), k, r)

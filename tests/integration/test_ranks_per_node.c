@@ -5,7 +5,8 @@
  *   4 with the daemons' 2 (mics:2, nodes 0..1) and world 2 with both ranks on node 0 (zero3,
  *   one node): each ends within 1e-5 of its own plain data-parallel reference (mlp_train
  *   --reference), and each daemon lists each job it serves with its ranks per node and nodes
- *   (`shardctl jobs`); node 2 serves only the first;
+ *   (`shardctl jobs`, and `shardctl topology` prints each one's shape); node 2 serves only the
+ *   first;
  * - refused, naming the numbers: a world that is not a multiple of the ranks per node, one that
  *   needs more nodes than the cluster has, two ranks of a node that disagree (EMISMATCH at
  *   once), and two nodes that disagree (the coordinator's EMISMATCH, told to every rank). */
@@ -116,6 +117,19 @@ static void side_by_side(void)
                          want_nodes - 1);
         }
     }
+    /* shardctl topology says each job's own shape (it printed the cluster's node count) */
+    char out[400];
+    snprintf(out, sizeof(out), "%s/topology.txt", cl.d[0].dir);
+    const char *argv[] = {SHARDCTL_PATH, "--socket", cl.d[0].sock, "topology", NULL};
+    int rc = th_wait(th_spawn(argv, out), 30000);
+    char *t = th_read_file(out, NULL);
+    TH_CHECK(rc == 0 && t && strstr(t, "job one-each: world 3 = 3 nodes x 1 ranks") &&
+                 strstr(t, "job two-each: world 4 = 2 nodes x 2 ranks") &&
+                 strstr(t, "job one-node: world 2 = 1 nodes x 2 ranks"),
+             "shardctl topology on node 0 (exit %d) does not give each job's nodes and ranks per "
+             "node:\n%s",
+             rc, t ? t : "");
+    free(t);
     for (size_t i = 0; i < n; i++)
         job_finish(&runs[i]);
 }
