@@ -246,18 +246,25 @@ struct is_rank {
     float w;
 };
 
-static void is_model(shard_model_t *m, shard_tensor_t *t, uint64_t *dims, int rank)
+/* a model of one fp32 tensor of numel elements, SGD lr 1, resumable for 30 s */
+static void one_tensor_model(shard_model_t *m, shard_tensor_t *t, uint64_t *dims, const char *job,
+                             int rank, int world, uint64_t numel)
 {
-    dims[0] = IS_NUMEL;
+    dims[0] = numel;
     *t = (shard_tensor_t){.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32, .unit = 0};
-    *m = (shard_model_t){.job = "instep",
+    *m = (shard_model_t){.job = job,
                          .rank = (uint32_t)rank,
-                         .world = 4,
+                         .world = (uint32_t)world,
                          .plan = "zero3",
                          .tensors = t,
                          .n_tensors = 1,
                          .optimizer = {.name = "sgd", .lr = 1.0f},
                          .resume_timeout_ms = 30000};
+}
+
+static void is_model(shard_model_t *m, shard_tensor_t *t, uint64_t *dims, int rank)
+{
+    one_tensor_model(m, t, dims, "instep", rank, 4, IS_NUMEL);
 }
 
 static int is_fail(struct is_rank *r, shard_ctx_t *ctx, int st, const char *what)
@@ -423,20 +430,6 @@ struct hu_reg {
     char err[320];
 };
 
-static void hu_model(shard_model_t *m, shard_tensor_t *t, uint64_t *dims, int rank)
-{
-    dims[0] = 512;
-    *t = (shard_tensor_t){.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32, .unit = 0};
-    *m = (shard_model_t){.job = "hungup",
-                         .rank = (uint32_t)rank,
-                         .world = 2,
-                         .plan = "zero3",
-                         .tensors = t,
-                         .n_tensors = 1,
-                         .optimizer = {.name = "sgd", .lr = 1.0f},
-                         .resume_timeout_ms = 30000};
-}
-
 /* register r->ctx (attached already) as r->rank */
 static void *hu_register(void *arg)
 {
@@ -444,7 +437,7 @@ static void *hu_register(void *arg)
     shard_model_t m;
     shard_tensor_t t;
     uint64_t dims[1];
-    hu_model(&m, &t, dims, r->rank);
+    one_tensor_model(&m, &t, dims, "hungup", r->rank, 2, 512);
     r->st = shard_register(r->ctx, &m);
     r->resumed = r->st == 0 && shard_resumed(r->ctx);
     snprintf(r->err, sizeof(r->err), "%s", r->st ? shard_last_error(r->ctx) : "");
