@@ -100,6 +100,44 @@ int th_daemon_start_as(struct th_daemon *d, const char *const *wrap, uid_t owner
     return rc;
 }
 
+/* node i of c with its cluster arguments and extra */
+static int cluster_node_start(struct th_cluster *c, int i, const char *const *extra)
+{
+    char nodes_s[16], k_s[16], coord[64], node_s[16], key[128];
+    snprintf(nodes_s, sizeof(nodes_s), "%d", c->nodes);
+    snprintf(k_s, sizeof(k_s), "%d", c->k);
+    snprintf(coord, sizeof(coord), "127.0.0.1:%d", c->port);
+    snprintf(node_s, sizeof(node_s), "%d", i);
+    /* the daemons make the cluster's secret themselves (a loopback coordinator) */
+    snprintf(key, sizeof(key), "%s/cluster.key", c->base);
+    struct th_daemon *d = &c->d[i];
+    snprintf(d->dir, sizeof(d->dir), "%s/node%d", c->base, i);
+    mkdir(d->dir, 0700);
+    const char *args[64] = {"--nodes",
+                            nodes_s,
+                            "--node",
+                            node_s,
+                            "--ranks-per-node",
+                            k_s,
+                            "--coordinator",
+                            coord,
+                            "--cluster-secret-file",
+                            key};
+    int n = 10;
+    for (int j = 0; extra && extra[j] && n < 62; j++)
+        args[n++] = extra[j];
+    args[n] = NULL;
+    return daemon_start_in(d, args, true);
+}
+
+int th_cluster_node_restart(struct th_cluster *c, int i, const char *const *extra)
+{
+    char old[400];
+    snprintf(old, sizeof(old), "%s.before-restart", c->d[i].log);
+    rename(c->d[i].log, old);
+    return cluster_node_start(c, i, extra);
+}
+
 int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *extra)
 {
     char base[64];
@@ -113,45 +151,23 @@ int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *
         c->nodes = nodes;
         c->k = k;
         c->port = 20000 + rand() % 30000;
-        char nodes_s[16], k_s[16], coord[64], node_s[TH_MAX_NODES][16];
-        snprintf(nodes_s, sizeof(nodes_s), "%d", nodes);
-        snprintf(k_s, sizeof(k_s), "%d", k);
-        snprintf(coord, sizeof(coord), "127.0.0.1:%d", c->port);
         int ok = 1;
-        for (int i = 0; i < nodes; i++) {
-            struct th_daemon *d = &c->d[i];
-            snprintf(d->dir, sizeof(d->dir), "%s/node%d", base, i);
-            mkdir(d->dir, 0700);
-            snprintf(node_s[i], sizeof(node_s[i]), "%d", i);
-            /* the daemons make the cluster's secret themselves (a loopback coordinator) */
-            char key[128];
-            snprintf(key, sizeof(key), "%s/cluster.key", base);
-            const char *args[64] = {"--nodes",
-                                    nodes_s,
-                                    "--node",
-                                    node_s[i],
-                                    "--ranks-per-node",
-                                    k_s,
-                                    "--coordinator",
-                                    coord,
-                                    "--cluster-secret-file",
-                                    key};
-            int n = 10;
-            for (int j = 0; extra && extra[j] && n < 62; j++)
-                args[n++] = extra[j];
-            args[n] = NULL;
-            if (daemon_start_in(d, args, true) != 0)
+        for (int i = 0; i < nodes; i++)
+            if (cluster_node_start(c, i, extra) != 0)
                 ok = 0;
-        }
         if (ok && nodes == 1)
             return 0; /* one node: no cluster to form */
-        /* the cluster forms when node 0 logs it */
+        /* the cluster formed once every node logs it (a member installs the address table
+         * a moment after node 0: a registration before that is refused) */
         double end = th_now_s() + 15;
         while (ok && th_now_s() < end) {
-            char *log = th_read_file(c->d[0].log, NULL);
-            int formed = log && strstr(log, "nodes formed") != NULL;
-            free(log);
-            if (formed)
+            int formed = 0;
+            for (int i = 0; i < nodes; i++) {
+                char *log = th_read_file(c->d[i].log, NULL);
+                formed += log && strstr(log, "nodes formed") != NULL;
+                free(log);
+            }
+            if (formed == nodes)
                 return 0;
             usleep(20000);
         }

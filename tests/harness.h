@@ -29,6 +29,9 @@ int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *
  * the cluster's directory (a killed node's log included); returns the number that did not exit
  * cleanly. */
 int th_cluster_stop(struct th_cluster *c);
+/* Start node i of c again (after it was killed) with the cluster's arguments and extra: it
+ * rejoins the cluster. Its earlier log is kept as <log>.before-restart. */
+int th_cluster_node_restart(struct th_cluster *c, int i, const char *const *extra);
 
 /* Start shardd with extra "--key", "value" arguments (NULL-terminated list, may be NULL). */
 int th_daemon_start(struct th_daemon *d, const char *const *extra);

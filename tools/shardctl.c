@@ -252,10 +252,18 @@ static void print_topology(json_t *doc)
     }
     json_array_foreach(json_object_get(doc, "jobs"), i, j)
     {
-        printf("job %s: world %lld = %lld nodes x %lld ranks; ranks here:", str(j, "name"),
+        printf("job %s: world %lld = %lld nodes x %lld ranks on cluster nodes", str(j, "name"),
                num(j, "world"), num(j, "nodes"), num(j, "ranks_per_node"));
         size_t k;
         json_t *r;
+        json_array_foreach(json_object_get(j, "node_ids"), k, r)
+        {
+            if (json_integer_value(r) < 0)
+                printf("%s?", k ? "," : " ");
+            else
+                printf("%s%lld", k ? "," : " ", (long long)json_integer_value(r));
+        }
+        printf(" (this one its node %lld); ranks here:", num(j, "node"));
         json_array_foreach(json_object_get(j, "ranks"), k, r)
         {
             printf(" %lld%s", num(r, "rank"),

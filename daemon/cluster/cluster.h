@@ -1,7 +1,10 @@
 /* The control plane between the daemons of a cluster (DESIGN.md section 6): TCP links driven by
  * the libuv loop, node 0 the coordinator. Rendezvous (hello with node, version, config digest and
  * fabric address; the address table once every node is present), heartbeats, and the messages
- * that keep jobs consistent across nodes: report/confirm/refuse of a registration, abort, ready. */
+ * that keep jobs consistent across nodes: report/confirm/refuse of a registration, abort, ready.
+ * A job runs on any of the cluster's nodes: its nodes are numbered by its ranks (job node i
+ * serves ranks i * k .. i * k + k - 1), and the coordinator's confirmation maps them to the
+ * cluster's. Messages about a job name cluster nodes; the job's node list goes with them. */
 #ifndef SD_CLUSTER_H
 #define SD_CLUSTER_H
 
@@ -21,29 +24,29 @@ struct Shard__JobRecover;
  * their names and transport tags; the registry implements these (sd_registry_cluster_events). */
 struct sd_cluster_events {
     void *ctx;
-    /* the coordinator's decision on a registration */
-    void (*job_confirmed)(void *ctx, const char *job, uint32_t tag);
+    /* the coordinator's decision on a registration: nodes[i] is the cluster node of job node i */
+    void (*job_confirmed)(void *ctx, const char *job, uint32_t tag, const uint32_t *nodes,
+                          uint32_t n);
     void (*job_refused)(void *ctx, const char *job, int status, const char *msg);
     /* the job failed (or paused, status SD_EPAUSED) on another node; tag: its transport tag (0:
      * not known), step: the steps it had taken there */
     void (*job_aborted)(void *ctx, const char *job, uint32_t tag, int status, uint64_t step,
                         const char *msg);
-    /* node 0's rank 0 loaded the initial values */
+    /* the job's node 0's rank 0 loaded the initial values */
     void (*job_remote_ready)(void *ctx, const char *job);
     /* every node's ranks left the job */
     void (*job_ended)(void *ctx, const char *job);
-    /* node 0: a node wrote its part of a save; the others: node 0 committed it (or not) */
+    /* the job's node 0: a node wrote its part of a save; the others: node 0 committed it (or
+     * not) */
     void (*job_saved)(void *ctx, const struct Shard__JobSaved *m);
     void (*job_save_done)(void *ctx, const char *job, uint64_t seq, int status, const char *msg);
-    /* a member: node 0 asks for this node's part of a recovery (shardctl checkpoint --job) */
+    /* the job's node 0 asks for this node's part of a recovery (shardctl checkpoint --job) */
     void (*job_recover)(void *ctx, const struct Shard__JobRecover *m);
     void (*node_down)(void *ctx, uint32_t node, const char *reason);
     /* the address table is installed: the standing receives can be posted */
     int (*formed)(void *ctx);
     /* a transport tag a job of this node still uses (active or retiring) */
     bool (*tag_in_use)(void *ctx, uint32_t tag);
-    /* the nodes a job of this node spans (0: no such job) */
-    uint32_t (*job_nodes)(void *ctx, const char *job);
 };
 
 /* On failure *cl_p may be set too (handles half made): sd_cluster_stop, run the loop, then
@@ -61,6 +64,8 @@ bool sd_cluster_alive(const struct sd_cluster *cl, uint32_t node);
  * jobs that span it may start */
 bool sd_cluster_usable(const struct sd_cluster *cl, uint32_t node);
 uint32_t sd_cluster_nodes(const struct sd_cluster *cl);
+/* this daemon's cluster node (0 without a cluster) */
+uint32_t sd_cluster_self(const struct sd_cluster *cl);
 
 /* A job finished registering on this node (status 0) or failed to. The coordinator confirms it
  * once every node reported the same model, world and start: the step it starts from, and
@@ -69,6 +74,7 @@ struct sd_job_report {
     const char *job;
     uint64_t digest;
     uint32_t world, ranks_per_node;
+    uint32_t job_node; /* the job's node this one is: its ranks' rank / ranks_per_node */
     uint64_t start_step;
     bool resumed;
     int status;
@@ -76,28 +82,31 @@ struct sd_job_report {
 };
 void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *r);
 /* Tell every node of the job that it failed (or paused: status SD_EPAUSED) here, after step
- * steps; tag: the job's transport tag. */
+ * steps; tag: the job's transport tag; node_ids: its nodes' cluster nodes (NULL before the
+ * confirmation: the nodes that reported it are told). */
 struct sd_job_abort {
     const char *job;
+    const uint32_t *node_ids;
     uint32_t nodes, tag;
     uint64_t step;
     int status;
     const char *msg;
 };
 void sd_cluster_abort_job(struct sd_cluster *cl, const struct sd_job_abort *a);
-/* Node 0: rank 0 finished loading the initial values. */
-void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, uint32_t job_nodes);
-/* A member wrote its part of a save: tell node 0. */
-void sd_cluster_job_saved(struct sd_cluster *cl, const struct Shard__JobSaved *m);
-/* Node 0: the save is committed (status 0) or given up; tell the job's other nodes. */
-void sd_cluster_job_save_done(struct sd_cluster *cl, const char *job, uint32_t job_nodes,
-                              uint64_t seq, int status, const char *msg);
-/* Node 0: ask node for its part of a recovery. */
+/* The job's node 0: rank 0 finished loading the initial values; tell its other nodes (ids: the
+ * job's cluster nodes, n of them). */
+void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, const uint32_t *ids, uint32_t n);
+/* A member wrote its part of a save: tell the job's node 0 (cluster node to). */
+void sd_cluster_job_saved(struct sd_cluster *cl, uint32_t to, const struct Shard__JobSaved *m);
+/* The job's node 0: the save is committed (status 0) or given up; tell the job's other nodes. */
+void sd_cluster_job_save_done(struct sd_cluster *cl, const char *job, const uint32_t *ids,
+                              uint32_t n, uint64_t seq, int status, const char *msg);
+/* The job's node 0: ask cluster node node for its part of a recovery. */
 void sd_cluster_job_recover(struct sd_cluster *cl, uint32_t node,
                             const struct Shard__JobRecover *m);
 /* Every local rank of the job left this node: the job ends once all its nodes said so. Returns
  * false when no coordination is possible (the coordinator is down): end it locally. */
-bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, uint32_t job_nodes);
+bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, const uint32_t *ids, uint32_t n);
 /* Node states for shardctl topology. */
 json_t *sd_cluster_json(const struct sd_cluster *cl);
 /* The heartbeat thread's datagrams: sent, received, dropped (unknown sender, magic or digest). */

@@ -45,12 +45,12 @@ struct coord_job {
     struct coord_job *next;
     char name[64];
     uint32_t nodes, reported;
-    uint8_t *seen;
+    uint32_t *at; /* [nodes]: the cluster node that reported each job node (SD_NO_NODE: none) */
     uint64_t digest;
     uint32_t world, ranks_per_node;
     uint64_t start_step; /* the first report's (a resume's step, a checkpoint's) */
     bool resumed;
-    uint32_t first; /* the node that reported first */
+    uint32_t first; /* the cluster node that reported first */
     int status;
     char msg[512];
     uint64_t deadline_ns;
@@ -61,7 +61,18 @@ struct coord_left {
     struct coord_left *next;
     char name[64];
     uint32_t nodes, left;
+    uint32_t *at; /* [nodes]: the job's cluster nodes */
     uint8_t *seen;
+};
+
+#define SD_NO_NODE UINT32_MAX
+
+/* Coordinator: a confirmed job's transport tag, in use until the job ends everywhere (it may run
+ * on nodes without the coordinator: its own jobs are not all there is) */
+struct coord_live {
+    struct coord_live *next;
+    char name[64];
+    uint32_t tag;
 };
 
 struct sd_cluster {
@@ -96,11 +107,12 @@ struct sd_cluster {
     uint16_t next_tag;
     struct coord_job *jobs;
     struct coord_left *lefts;
+    struct coord_live *live;
 };
 
 /* ---- links.c, for the coordinator */
 void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m);
-/* send m to node (its link, or the coordinator's for a member) */
+/* send m to node (its link; a member's to another member goes through the coordinator) */
 void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m);
 
 void sd_cluster__link_close(struct link *l, const char *why);
@@ -131,7 +143,11 @@ void sd_probe_free(struct sd_cluster *cl);
 /* a member gave its registration up (JobAbort without a tag): drop the reports collected */
 void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name);
 void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep);
-void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t node, uint32_t nodes);
+void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t node,
+                            const uint32_t *ids, uint32_t n);
+/* a member's JobAbort (or the coordinator's own): pass it on to the job's other nodes */
+void sd_cluster__coord_abort(struct sd_cluster *cl, const Shard__PeerMsg *m);
+
 /* registrations that missed their deadline are refused */
 void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now);
 /* a node went down: the jobs it was part of are decided without it */

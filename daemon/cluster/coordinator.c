@@ -1,6 +1,8 @@
 /* The coordinator (node 0): a job's registration is confirmed once every node of it reported
- * the same model, or refused; its transport tag is chosen; a job ends once every node's ranks
- * left it. Members forward what they report to the coordinator. */
+ * the same model, or refused; its transport tag is chosen and its nodes mapped (job node i is
+ * the cluster node whose ranks are i * k .. i * k + k - 1: a job runs on any of the cluster's
+ * nodes); a job ends once every node's ranks left it. Members forward what they report to the
+ * coordinator, and what they tell each other goes through it (PeerRelay). */
 #include "cluster/cluster_int.h"
 
 /* ---- coordinator: job registration across nodes */
@@ -14,7 +16,12 @@ static struct coord_job *coord_job_find(struct sd_cluster *cl, const char *name,
     if (!create)
         return NULL;
     struct coord_job *j = calloc(1, sizeof(*j));
-    j->seen = calloc(nodes, 1);
+    if (j == NULL || (j->at = malloc(nodes * sizeof(*j->at))) == NULL) {
+        free(j);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < nodes; i++)
+        j->at[i] = SD_NO_NODE;
     snprintf(j->name, sizeof(j->name), "%s", name);
     j->nodes = nodes;
     j->deadline_ns = sd_now_ns() + (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
@@ -30,8 +37,39 @@ static void coord_job_free(struct sd_cluster *cl, struct coord_job *job)
             *pp = job->next;
             break;
         }
-    free(job->seen);
+    free(job->at);
     free(job);
+}
+
+/* the job node a cluster node reported (SD_NO_NODE: none) */
+static uint32_t coord_job_node_of(const struct coord_job *j, uint32_t node)
+{
+    for (uint32_t i = 0; i < j->nodes; i++)
+        if (j->at[i] == node)
+            return i;
+    return SD_NO_NODE;
+}
+
+static bool coord_tag_live(const struct sd_cluster *cl, uint32_t tag)
+{
+    for (const struct coord_live *l = cl->live; l; l = l->next)
+        if (l->tag == tag)
+            return true;
+    return false;
+}
+
+/* the job of that name ended everywhere: its tag is free (the oldest of the name's) */
+static void coord_live_end(struct sd_cluster *cl, const char *name)
+{
+    struct coord_live **last = NULL;
+    for (struct coord_live **pp = &cl->live; *pp; pp = &(*pp)->next)
+        if (strcmp((*pp)->name, name) == 0)
+            last = pp;
+    if (last != NULL) {
+        struct coord_live *l = *last;
+        *last = l->next;
+        free(l);
+    }
 }
 
 static void coord_decide(struct sd_cluster *cl, struct coord_job *j)
@@ -39,17 +77,33 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j)
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     Shard__JobConfirm c = SHARD__JOB_CONFIRM__INIT;
     Shard__JobRefuse r = SHARD__JOB_REFUSE__INIT;
-    if (j->status == SD_OK) {
-        /* a tag no active job uses */
-        uint32_t tag;
-        for (;;) {
-            cl->next_tag = (uint16_t)(cl->next_tag % ((1u << SD_TAG_JOB_BITS) - 1) + 1);
+    /* a tag no active job uses */
+    uint32_t tag = 0;
+    for (uint32_t tries = 0; j->status == SD_OK && tag == 0; tries++) {
+        if (tries == (1u << SD_TAG_JOB_BITS) - 1) {
+            j->status = SD_EBUSY;
+            snprintf(j->msg, sizeof(j->msg),
+                     "job '%s': every one of the %u transport tags is in use by a job of the "
+                     "cluster",
+                     j->name, (1u << SD_TAG_JOB_BITS) - 1);
+            break;
+        }
+        cl->next_tag = (uint16_t)(cl->next_tag % ((1u << SD_TAG_JOB_BITS) - 1) + 1);
+        if (!cl->ev.tag_in_use(cl->ev.ctx, cl->next_tag) && !coord_tag_live(cl, cl->next_tag))
             tag = cl->next_tag;
-            if (!cl->ev.tag_in_use(cl->ev.ctx, tag))
-                break;
+    }
+    if (j->status == SD_OK) {
+        struct coord_live *live = calloc(1, sizeof(*live));
+        if (live != NULL) { /* (without: the tag may be reused while the job runs) */
+            snprintf(live->name, sizeof(live->name), "%s", j->name);
+            live->tag = tag;
+            live->next = cl->live;
+            cl->live = live;
         }
         c.job = j->name;
         c.tag = tag;
+        c.nodes = j->at;
+        c.n_nodes = j->nodes;
         m.msg_case = SHARD__PEER_MSG__MSG_JOB_CONFIRM;
         m.job_confirm = &c;
     } else {
@@ -59,14 +113,36 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j)
         m.msg_case = SHARD__PEER_MSG__MSG_JOB_REFUSE;
         m.job_refuse = &r;
     }
-    for (uint32_t i = 1; i < j->nodes; i++)
-        if (j->seen[i])
-            sd_cluster__link_send(cl->by_node[i], &m);
-    if (j->status == SD_OK)
-        cl->ev.job_confirmed(cl->ev.ctx, j->name, c.tag);
-    else
+    bool here = false;
+    for (uint32_t i = 0; i < j->nodes; i++) {
+        if (j->at[i] == cl->self)
+            here = true;
+        else if (j->at[i] != SD_NO_NODE)
+            sd_cluster__send_to(cl, j->at[i], &m);
+    }
+    if (here && j->status == SD_OK)
+        cl->ev.job_confirmed(cl->ev.ctx, j->name, c.tag, j->at, j->nodes);
+    else if (here)
         cl->ev.job_refused(cl->ev.ctx, j->name, j->status, j->msg);
     coord_job_free(cl, j);
+}
+
+/* A report that cannot be part of the job (j->msg says why): refused to the node that sent it
+ * too, which j does not list. */
+static void coord_decide_with(struct sd_cluster *cl, struct coord_job *j, uint32_t node)
+{
+    Shard__JobRefuse r = SHARD__JOB_REFUSE__INIT;
+    r.job = j->name;
+    r.status = j->status;
+    r.message = j->msg;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_REFUSE;
+    m.job_refuse = &r;
+    if (node != cl->self)
+        sd_cluster__send_to(cl, node, &m);
+    else
+        cl->ev.job_refused(cl->ev.ctx, j->name, j->status, j->msg);
+    coord_decide(cl, j);
 }
 
 void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name)
@@ -76,6 +152,40 @@ void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name)
         coord_job_free(cl, cj);
 }
 
+/* the first mismatch between a report and the job's first one, in j->msg */
+static void coord_check(struct coord_job *j, const Shard__JobReport *rep, uint32_t k)
+{
+    if (rep->status != SD_OK) {
+        j->status = rep->status;
+        snprintf(j->msg, sizeof(j->msg), "node %u: %s", rep->node, rep->message);
+    } else if (k != j->ranks_per_node) {
+        j->status = SD_EMISMATCH;
+        snprintf(j->msg, sizeof(j->msg),
+                 "job '%s': node %u registered %u ranks per node, node %u %u: every rank "
+                 "must give the same ranks_per_node",
+                 rep->job, rep->node, k, j->first, j->ranks_per_node);
+    } else if (rep->digest != j->digest || rep->world != j->world) {
+        j->status = SD_EMISMATCH;
+        snprintf(j->msg, sizeof(j->msg),
+                 "job '%s': node %u registered model digest %016llx (world %u), another node "
+                 "%016llx (world %u): every rank must register the same model",
+                 rep->job, rep->node, (unsigned long long)rep->digest, rep->world,
+                 (unsigned long long)j->digest, j->world);
+    } else if (rep->resumed != j->resumed || rep->start_step != j->start_step) {
+        /* a resume takes every node's paused state over, all of the same step */
+        j->status = SD_EMISMATCH;
+        snprintf(j->msg, sizeof(j->msg),
+                 "job '%s': node %u %s step %llu, node %u %s step %llu: every node must "
+                 "resume the same paused job (was resume_timeout_ms over on one of them?)",
+                 rep->job, rep->node, rep->resumed ? "resumes a paused job after" : "starts at",
+                 (unsigned long long)rep->start_step, j->first,
+                 j->resumed ? "resumes a paused job after" : "starts at",
+                 (unsigned long long)j->start_step);
+    }
+}
+
+/* A node reported its part of a job: the job's node it is comes from its ranks (job_node =
+ * rank / ranks_per_node), so that any cluster nodes can serve a job, in any order. */
 void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep)
 {
     uint32_t k = rep->ranks_per_node ? rep->ranks_per_node : (uint32_t)cl->cfg->ranks_per_node;
@@ -83,9 +193,32 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
     if (rep->node >= cl->n || nodes == 0 || nodes > cl->n)
         return;
     struct coord_job *j = coord_job_find(cl, rep->job, true, nodes);
-    if (rep->node >= j->nodes || j->seen[rep->node])
+    if (j == NULL || coord_job_node_of(j, rep->node) != SD_NO_NODE)
+        return; /* (out of memory; or this node reported already) */
+    uint32_t jn = rep->job_node;
+    if (jn >= j->nodes) {
+        if (j->status == SD_OK) {
+            j->status = SD_EMISMATCH;
+            snprintf(j->msg, sizeof(j->msg),
+                     "job '%s': node %u serves ranks %u..%u, beyond the %u nodes of world %u "
+                     "(every node of the job must register the same world and ranks per node)",
+                     rep->job, rep->node, jn * k, jn * k + k - 1, j->nodes, j->world);
+        }
+        coord_decide_with(cl, j, rep->node);
         return;
-    j->seen[rep->node] = 1;
+    }
+    if (j->at[jn] != SD_NO_NODE) {
+        if (j->status == SD_OK) {
+            j->status = SD_EMISMATCH;
+            snprintf(j->msg, sizeof(j->msg),
+                     "job '%s': nodes %u and %u both registered ranks %u..%u (rank / "
+                     "ranks_per_node %u): each node of a job serves its own ranks",
+                     rep->job, j->at[jn], rep->node, jn * k, jn * k + k - 1, k);
+        }
+        coord_decide_with(cl, j, rep->node);
+        return;
+    }
+    j->at[jn] = rep->node;
     j->reported++;
     if (j->reported == 1) {
         j->digest = rep->digest;
@@ -95,35 +228,8 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
         j->resumed = rep->resumed;
         j->first = rep->node;
     }
-    if (j->status == SD_OK) {
-        if (rep->status != SD_OK) {
-            j->status = rep->status;
-            snprintf(j->msg, sizeof(j->msg), "node %u: %s", rep->node, rep->message);
-        } else if (k != j->ranks_per_node) {
-            j->status = SD_EMISMATCH;
-            snprintf(j->msg, sizeof(j->msg),
-                     "job '%s': node %u registered %u ranks per node, node %u %u: every rank "
-                     "must give the same ranks_per_node",
-                     rep->job, rep->node, k, j->first, j->ranks_per_node);
-        } else if (rep->digest != j->digest || rep->world != j->world) {
-            j->status = SD_EMISMATCH;
-            snprintf(j->msg, sizeof(j->msg),
-                     "job '%s': node %u registered model digest %016llx (world %u), another node "
-                     "%016llx (world %u): every rank must register the same model",
-                     rep->job, rep->node, (unsigned long long)rep->digest, rep->world,
-                     (unsigned long long)j->digest, j->world);
-        } else if (rep->resumed != j->resumed || rep->start_step != j->start_step) {
-            /* a resume takes every node's paused state over, all of the same step */
-            j->status = SD_EMISMATCH;
-            snprintf(j->msg, sizeof(j->msg),
-                     "job '%s': node %u %s step %llu, node %u %s step %llu: every node must "
-                     "resume the same paused job (was resume_timeout_ms over on one of them?)",
-                     rep->job, rep->node, rep->resumed ? "resumes a paused job after" : "starts at",
-                     (unsigned long long)rep->start_step, j->first,
-                     j->resumed ? "resumes a paused job after" : "starts at",
-                     (unsigned long long)j->start_step);
-        }
-    }
+    if (j->status == SD_OK)
+        coord_check(j, rep, k);
     if (j->reported == j->nodes || j->status != SD_OK)
         coord_decide(cl, j);
 }
@@ -134,54 +240,82 @@ void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now)
         next = j->next;
         bool dead = false;
         for (uint32_t i = 0; i < j->nodes; i++)
-            dead |= !cl->alive[i];
+            dead |= j->at[i] != SD_NO_NODE && j->at[i] != cl->self && !cl->alive[j->at[i]];
         if (now < j->deadline_ns && !dead)
             continue;
         char missing[256];
         size_t off = 0;
         missing[0] = '\0';
         for (uint32_t i = 0; i < j->nodes && off < sizeof(missing); i++)
-            if (!j->seen[i])
-                off += (size_t)snprintf(missing + off, sizeof(missing) - off, "%s%u",
-                                        off ? ", " : "", i);
+            if (j->at[i] == SD_NO_NODE)
+                off += (size_t)snprintf(missing + off, sizeof(missing) - off, "%s%u..%u",
+                                        off ? ", " : "", i * j->ranks_per_node,
+                                        (i + 1) * j->ranks_per_node - 1);
         j->status = SD_ETIMEDOUT;
-        snprintf(j->msg, sizeof(j->msg),
-                 "job '%s': nodes %s did not register all their ranks within %lld ms "
-                 "(register_timeout_ms)%s",
-                 j->name, missing, (long long)cl->cfg->register_timeout_ms,
-                 dead ? " or are down" : "");
+        if (dead)
+            snprintf(j->msg, sizeof(j->msg),
+                     "job '%s': a node that registered part of it went down before ranks %s "
+                     "registered",
+                     j->name, missing);
+        else
+            snprintf(j->msg, sizeof(j->msg),
+                     "job '%s': ranks %s did not register on any node within %lld ms "
+                     "(register_timeout_ms)",
+                     j->name, missing, (long long)cl->cfg->register_timeout_ms);
         coord_decide(cl, j);
     }
 }
 
 /* ---- coordinator: a job ends when the ranks of all its nodes left */
 
-void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t node, uint32_t nodes)
+static void coord_left_free(struct coord_left *l)
 {
-    if (nodes == 0 || node >= nodes)
+    free(l->at);
+    free(l->seen);
+    free(l);
+}
+
+static struct coord_left *coord_left_new(struct sd_cluster *cl, const char *name,
+                                         const uint32_t *ids, uint32_t n)
+{
+    struct coord_left *l = calloc(1, sizeof(*l));
+    if (l == NULL || (l->seen = calloc(n, 1)) == NULL ||
+        (l->at = malloc(n * sizeof(*l->at))) == NULL) {
+        if (l != NULL)
+            coord_left_free(l);
+        return NULL;
+    }
+    snprintf(l->name, sizeof(l->name), "%s", name);
+    memcpy(l->at, ids, n * sizeof(*ids));
+    l->nodes = n;
+    l->next = cl->lefts;
+    cl->lefts = l;
+    /* nodes already down will never report */
+    for (uint32_t i = 0; i < n; i++)
+        if (ids[i] != cl->self && cl->ready && (ids[i] >= cl->n || !cl->alive[ids[i]])) {
+            l->seen[i] = 1;
+            l->left++;
+        }
+    return l;
+}
+
+/* node (a cluster node) left the job whose nodes are ids */
+void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t node,
+                            const uint32_t *ids, uint32_t n)
+{
+    if (n == 0 || n > cl->n)
         return;
     struct coord_left *l;
     for (l = cl->lefts; l; l = l->next)
         if (strcmp(l->name, name) == 0)
             break;
-    if (l == NULL) {
-        l = calloc(1, sizeof(*l));
-        l->seen = calloc(nodes, 1);
-        snprintf(l->name, sizeof(l->name), "%s", name);
-        l->nodes = nodes;
-        l->next = cl->lefts;
-        cl->lefts = l;
-        /* nodes already down will never report */
-        for (uint32_t i = 0; i < nodes; i++)
-            if (i != cl->self && cl->ready && !cl->alive[i] && !l->seen[i]) {
-                l->seen[i] = 1;
-                l->left++;
-            }
-    }
-    if (!l->seen[node]) {
-        l->seen[node] = 1;
-        l->left++;
-    }
+    if (l == NULL && (l = coord_left_new(cl, name, ids, n)) == NULL)
+        return;
+    for (uint32_t i = 0; i < l->nodes; i++)
+        if (l->at[i] == node && !l->seen[i]) {
+            l->seen[i] = 1;
+            l->left++;
+        }
     if (l->left < l->nodes)
         return;
     for (struct coord_left **pp = &cl->lefts; *pp; pp = &(*pp)->next)
@@ -194,20 +328,24 @@ void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t no
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_END;
     m.job_end = &e;
-    for (uint32_t i = 1; i < l->nodes; i++)
-        if (cl->alive[i])
-            sd_cluster__link_send(cl->by_node[i], &m);
+    bool here = false;
+    for (uint32_t i = 0; i < l->nodes; i++) {
+        here |= l->at[i] == cl->self;
+        if (l->at[i] != cl->self && l->at[i] < cl->n && cl->alive[l->at[i]])
+            sd_cluster__send_to(cl, l->at[i], &m);
+    }
     char job[64];
     snprintf(job, sizeof(job), "%s", l->name);
-    free(l->seen);
-    free(l);
-    cl->ev.job_ended(cl->ev.ctx, job);
+    coord_left_free(l);
+    coord_live_end(cl, job);
+    if (here)
+        cl->ev.job_ended(cl->ev.ctx, job);
 }
 
-bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, uint32_t job_nodes)
+bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, const uint32_t *ids, uint32_t n)
 {
     if (cl->self == 0) {
-        sd_cluster__coord_left(cl, job, 0, job_nodes);
+        sd_cluster__coord_left(cl, job, 0, ids, n);
         return true;
     }
     if (!cl->alive[0] || cl->by_node[0] == NULL)
@@ -215,6 +353,8 @@ bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, uint32_t job_no
     Shard__JobLeft jl = SHARD__JOB_LEFT__INIT;
     jl.job = (char *)job;
     jl.node = cl->self;
+    jl.nodes = (uint32_t *)ids;
+    jl.n_nodes = n;
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_LEFT;
     m.job_left = &jl;
@@ -227,6 +367,7 @@ void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *jr
     Shard__JobReport r = SHARD__JOB_REPORT__INIT;
     r.job = (char *)jr->job;
     r.node = cl->self;
+    r.job_node = jr->job_node;
     r.digest = jr->digest;
     r.world = jr->world;
     r.ranks_per_node = jr->ranks_per_node;
@@ -244,52 +385,72 @@ void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *jr
     sd_cluster__send_to(cl, 0, &m);
 }
 
+void sd_cluster__coord_abort(struct sd_cluster *cl, const Shard__PeerMsg *m)
+{
+    const Shard__JobAbort *a = m->job_abort;
+    struct coord_job *cj = coord_job_find(cl, a->job, false, 0);
+    /* the job's nodes as its sender knows them; a registration given up (no tag) goes to the
+     * nodes that reported it so far */
+    for (uint32_t i = 0; i < a->n_nodes; i++)
+        if (a->nodes[i] != a->origin && a->nodes[i] != cl->self && a->nodes[i] < cl->n)
+            sd_cluster__send_to(cl, a->nodes[i], m);
+    if (cj != NULL && a->n_nodes == 0)
+        for (uint32_t i = 0; i < cj->nodes; i++)
+            if (cj->at[i] != SD_NO_NODE && cj->at[i] != a->origin && cj->at[i] != cl->self)
+                sd_cluster__send_to(cl, cj->at[i], m);
+    if (cj != NULL)
+        coord_job_free(cl, cj);
+}
+
 void sd_cluster_abort_job(struct sd_cluster *cl, const struct sd_job_abort *ja)
 {
-    const char *job = ja->job;
-    uint32_t job_nodes = ja->nodes;
     Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
-    a.job = (char *)job;
+    a.job = (char *)ja->job;
     a.status = ja->status;
     a.message = (char *)ja->msg;
     a.origin = cl->self;
     a.tag = ja->tag;
     a.step = ja->step;
+    a.nodes = (uint32_t *)ja->node_ids;
+    a.n_nodes = ja->node_ids != NULL ? ja->nodes : 0;
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
     m.job_abort = &a;
-    if (cl->self == 0) {
-        for (uint32_t i = 1; i < job_nodes; i++)
-            sd_cluster__link_send(cl->by_node[i], &m);
-        struct coord_job *cj = coord_job_find(cl, job, false, 0);
-        if (cj != NULL)
-            coord_job_free(cl, cj);
-    } else {
+    if (cl->self == 0)
+        sd_cluster__coord_abort(cl, &m);
+    else
         sd_cluster__send_to(cl, 0, &m);
-    }
 }
 
-void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, uint32_t job_nodes)
+/* m to each of the job's nodes but this one */
+static void send_to_job(struct sd_cluster *cl, const uint32_t *ids, uint32_t n,
+                        const Shard__PeerMsg *m)
+{
+    for (uint32_t i = 0; i < n; i++)
+        if (ids[i] != cl->self)
+            sd_cluster__send_to(cl, ids[i], m);
+}
+
+void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, const uint32_t *ids, uint32_t n)
 {
     Shard__JobReady r = SHARD__JOB_READY__INIT;
     r.job = (char *)job;
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_READY;
     m.job_ready = &r;
-    for (uint32_t i = 1; i < job_nodes; i++)
-        sd_cluster__send_to(cl, i, &m);
+    send_to_job(cl, ids, n, &m);
 }
 
-void sd_cluster_job_saved(struct sd_cluster *cl, const Shard__JobSaved *r)
+void sd_cluster_job_saved(struct sd_cluster *cl, uint32_t to, const Shard__JobSaved *r)
 {
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_SAVED;
     m.job_saved = (Shard__JobSaved *)r;
-    sd_cluster__send_to(cl, 0, &m);
+    sd_cluster__send_to(cl, to, &m);
 }
 
-void sd_cluster_job_save_done(struct sd_cluster *cl, const char *job, uint32_t job_nodes,
-                              uint64_t seq, int status, const char *msg)
+void sd_cluster_job_save_done(struct sd_cluster *cl, const char *job, const uint32_t *ids,
+                              uint32_t n, uint64_t seq, int status, const char *msg)
 {
     Shard__JobSaveDone d = SHARD__JOB_SAVE_DONE__INIT;
     d.job = (char *)job;
@@ -299,8 +460,7 @@ void sd_cluster_job_save_done(struct sd_cluster *cl, const char *job, uint32_t j
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_SAVE_DONE;
     m.job_save_done = &d;
-    for (uint32_t i = 1; i < job_nodes; i++)
-        sd_cluster__send_to(cl, i, &m);
+    send_to_job(cl, ids, n, &m);
 }
 
 void sd_cluster_job_recover(struct sd_cluster *cl, uint32_t node, const Shard__JobRecover *r)
@@ -308,7 +468,7 @@ void sd_cluster_job_recover(struct sd_cluster *cl, uint32_t node, const Shard__J
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_RECOVER;
     m.job_recover = (Shard__JobRecover *)r;
-    if (cl->self == 0 && node < cl->n && cl->alive[node])
+    if (node < cl->n && cl->alive[node])
         sd_cluster__send_to(cl, node, &m);
 }
 
@@ -317,8 +477,11 @@ void sd_cluster__coord_node_down(struct sd_cluster *cl, uint32_t node)
 {
     for (struct coord_left *l = cl->lefts, *next; l; l = next) {
         next = l->next;
-        if (node < l->nodes)
-            sd_cluster__coord_left(cl, l->name, node, l->nodes);
+        for (uint32_t i = 0; i < l->nodes; i++)
+            if (l->at[i] == node) {
+                sd_cluster__coord_left(cl, l->name, node, l->at, l->nodes);
+                break;
+            }
     }
 }
 
@@ -329,7 +492,11 @@ void sd_cluster__coord_free(struct sd_cluster *cl)
     while (cl->lefts) {
         struct coord_left *l = cl->lefts;
         cl->lefts = l->next;
-        free(l->seen);
+        coord_left_free(l);
+    }
+    while (cl->live) {
+        struct coord_live *l = cl->live;
+        cl->live = l->next;
         free(l);
     }
 }

@@ -94,12 +94,26 @@ void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m)
 /* Send to a node: the coordinator has a link per node; a member reaches others through it. */
 void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m)
 {
-    if (node == cl->self)
+    if (node == cl->self || node >= cl->n)
         return;
-    if (cl->self == 0)
-        sd_cluster__link_send(cl->by_node[node], m);
-    else if (node == 0)
+    if (cl->self == 0) {
+        if (cl->by_node[node] != NULL)
+            sd_cluster__link_send(cl->by_node[node], m);
+        return;
+    }
+    if (cl->by_node[0] == NULL)
+        return;
+    if (node == 0) {
         sd_cluster__link_send(cl->by_node[0], m);
+        return;
+    }
+    Shard__PeerRelay r = SHARD__PEER_RELAY__INIT;
+    r.to = node;
+    r.msg = (Shard__PeerMsg *)m;
+    Shard__PeerMsg outer = SHARD__PEER_MSG__INIT;
+    outer.msg_case = SHARD__PEER_MSG__MSG_RELAY;
+    outer.relay = &r;
+    sd_cluster__link_send(cl->by_node[0], &outer);
 }
 
 /* ---- node liveness */
@@ -277,6 +291,29 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
 
 /* ---- receiving */
 
+static void on_message(struct link *l, const Shard__PeerMsg *m);
+
+/* The coordinator passes a member's message for another member on (a job's messages only:
+ * what a member may say about the cluster it says to the coordinator itself). */
+static void relay(struct link *l, const Shard__PeerRelay *r)
+{
+    struct sd_cluster *cl = l->cl;
+    const Shard__PeerMsg *inner = r->msg;
+    bool job_msg = inner != NULL && (inner->msg_case == SHARD__PEER_MSG__MSG_JOB_READY ||
+                                     inner->msg_case == SHARD__PEER_MSG__MSG_JOB_SAVED ||
+                                     inner->msg_case == SHARD__PEER_MSG__MSG_JOB_SAVE_DONE ||
+                                     inner->msg_case == SHARD__PEER_MSG__MSG_JOB_RECOVER);
+    if (!job_msg || r->to >= cl->n) {
+        SD_WARN_SPARSE("cluster", "node %d asked to relay %s to node %u: dropped", l->node,
+                       inner == NULL ? "nothing" : "a message that is not a job's", r->to);
+        return;
+    }
+    if (r->to == cl->self)
+        on_message(l, inner);
+    else
+        sd_cluster__send_to(cl, r->to, inner);
+}
+
 static void on_message(struct link *l, const Shard__PeerMsg *m)
 {
     struct sd_cluster *cl = l->cl;
@@ -317,7 +354,8 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
             sd_cluster__coord_report(cl, m->job_report);
         break;
     case SHARD__PEER_MSG__MSG_JOB_CONFIRM:
-        cl->ev.job_confirmed(cl->ev.ctx, m->job_confirm->job, m->job_confirm->tag);
+        cl->ev.job_confirmed(cl->ev.ctx, m->job_confirm->job, m->job_confirm->tag,
+                             m->job_confirm->nodes, (uint32_t)m->job_confirm->n_nodes);
         break;
     case SHARD__PEER_MSG__MSG_JOB_REFUSE:
         cl->ev.job_refused(cl->ev.ctx, m->job_refuse->job, m->job_refuse->status,
@@ -325,14 +363,8 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         break;
     case SHARD__PEER_MSG__MSG_JOB_ABORT: {
         const Shard__JobAbort *a = m->job_abort;
-        if (cl->self == 0 && a->tag == 0) /* a registration given up: forget its reports */
-            sd_cluster__coord_forget(cl, a->job);
-        if (cl->self == 0) { /* relay to the others */
-            uint32_t nodes = cl->ev.job_nodes(cl->ev.ctx, a->job);
-            for (uint32_t i = 1; i < nodes; i++)
-                if (i != a->origin)
-                    sd_cluster__link_send(cl->by_node[i], m);
-        }
+        if (cl->self == 0) /* relay to the job's others (and forget a registration's reports) */
+            sd_cluster__coord_abort(cl, m);
         cl->ev.job_aborted(cl->ev.ctx, a->job, a->tag, a->status, a->step, a->message);
         break;
     }
@@ -340,24 +372,26 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         cl->ev.job_remote_ready(cl->ev.ctx, m->job_ready->job);
         break;
     case SHARD__PEER_MSG__MSG_JOB_LEFT:
-        if (cl->self == 0)
-            sd_cluster__coord_left(cl, m->job_left->job, m->job_left->node,
-                                   cl->ev.job_nodes(cl->ev.ctx, m->job_left->job));
+        if (cl->self == 0 && l->node >= 0)
+            sd_cluster__coord_left(cl, m->job_left->job, (uint32_t)l->node, m->job_left->nodes,
+                                   (uint32_t)m->job_left->n_nodes);
         break;
     case SHARD__PEER_MSG__MSG_JOB_END:
         cl->ev.job_ended(cl->ev.ctx, m->job_end->job);
         break;
     case SHARD__PEER_MSG__MSG_JOB_SAVED:
-        if (cl->self == 0)
-            cl->ev.job_saved(cl->ev.ctx, m->job_saved);
+        cl->ev.job_saved(cl->ev.ctx, m->job_saved);
         break;
     case SHARD__PEER_MSG__MSG_JOB_SAVE_DONE:
         cl->ev.job_save_done(cl->ev.ctx, m->job_save_done->job, m->job_save_done->seq,
                              m->job_save_done->status, m->job_save_done->message);
         break;
     case SHARD__PEER_MSG__MSG_JOB_RECOVER:
-        if (cl->self != 0)
-            cl->ev.job_recover(cl->ev.ctx, m->job_recover);
+        cl->ev.job_recover(cl->ev.ctx, m->job_recover);
+        break;
+    case SHARD__PEER_MSG__MSG_RELAY:
+        if (cl->self == 0)
+            relay(l, m->relay);
         break;
     case SHARD__PEER_MSG__MSG_NODE_DOWN:
         node_down(cl, m->node_down->node, m->node_down->reason);
@@ -795,6 +829,11 @@ bool sd_cluster_usable(const struct sd_cluster *cl, uint32_t node)
 uint32_t sd_cluster_nodes(const struct sd_cluster *cl)
 {
     return cl ? cl->n : 1;
+}
+
+uint32_t sd_cluster_self(const struct sd_cluster *cl)
+{
+    return cl ? cl->self : 0;
 }
 
 json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl)

@@ -45,6 +45,7 @@ void sd_job_free(struct sd_job *job)
     sd_layout_free(&job->layout);
     sd_model_free(&job->model);
     free(job->ranks);
+    free(job->xfer.node_ids);
     sd_recover_forget(job->reg, job, "the job's state was dropped");
     sd_ckpt_job_free(job);
     for (size_t i = 0; i < sizeof(life_order) / sizeof(life_order[0]); i++)
@@ -249,10 +250,63 @@ static void job_start_loading(struct sd_job *job)
         sd_loading_start(job);
 }
 
-void sd_job_confirm(struct sd_job *job, uint32_t tag)
+/* The job's nodes' data paths work (their probes came back): loading may start. False: it
+ * waits (sd_job_sweep tries again until the registration's deadline). */
+static bool job_paths_ready(struct sd_job *job)
 {
+    job->xfer.paths_wait = false;
+    for (uint32_t n = 0; n < job->nodes; n++)
+        if (n != job->node && !sd_cluster_usable(sd_job_cluster(job), job->xfer.node_ids[n])) {
+            job->xfer.paths_wait = true;
+            return false;
+        }
+    return true;
+}
+
+void sd_job_confirm(struct sd_job *job, uint32_t tag, const uint32_t *ids, uint32_t n)
+{
+    uint32_t self = sd_cluster_self(sd_job_cluster(job));
+    bool ok = n == job->nodes && ids[job->node] == self;
+    for (uint32_t i = 0; ok && i < n; i++)
+        for (uint32_t j = 0; j < i; j++)
+            ok &= ids[i] != ids[j];
+    if (!ok) {
+        char text[200];
+        snprintf(text, sizeof(text),
+                 "the coordinator confirmed the job on %u nodes with this one (node %u) not "
+                 "its node %u: a protocol error",
+                 n, self, job->node);
+        sd_job_refuse_everywhere(job, SD_EPROTO, text);
+        return;
+    }
     job->xfer.tag = tag;
-    job_start_loading(job);
+    memcpy(job->xfer.node_ids, ids, n * sizeof(*ids));
+    /* the job's nodes must be reachable over the fabric first: a node whose data path is still
+     * being probed (a table just installed) is waited for, within the registration's deadline */
+    if (job_paths_ready(job))
+        job_start_loading(job);
+}
+
+bool sd_job_node_alive(const struct sd_job *job, uint32_t n)
+{
+    if (n == job->node)
+        return true;
+    uint32_t id = sd_job_node_id(job, n);
+    return id != SD_NODE_UNKNOWN && sd_cluster_alive(sd_job_cluster(job), id);
+}
+
+uint32_t sd_job_node_of(const struct sd_job *job, uint32_t id)
+{
+    for (uint32_t n = 0; n < job->nodes; n++)
+        if (job->xfer.node_ids[n] == id)
+            return n;
+    return SD_NODE_UNKNOWN;
+}
+
+/* the job's nodes for the control plane: NULL until the coordinator confirmed them */
+static const uint32_t *job_node_ids(const struct sd_job *job)
+{
+    return job->xfer.tag != 0 ? job->xfer.node_ids : NULL;
 }
 
 /* Refuse the registration to every local rank and drop the job. */
@@ -272,10 +326,13 @@ void sd_job_refuse(struct sd_job *job, int status, const char *msg)
 void sd_job_refuse_everywhere(struct sd_job *job, int status, const char *msg)
 {
     if (job->nodes > 1)
-        sd_cluster_abort_job(sd_job_cluster(job), &(struct sd_job_abort){.job = job->name,
-                                                                         .nodes = job->nodes,
-                                                                         .status = status,
-                                                                         .msg = msg});
+        sd_cluster_abort_job(sd_job_cluster(job),
+                             &(struct sd_job_abort){.job = job->name,
+                                                    .node_ids = job_node_ids(job),
+                                                    .nodes = job->nodes,
+                                                    .tag = job->xfer.tag,
+                                                    .status = status,
+                                                    .msg = msg});
     sd_job_refuse(job, status, msg);
 }
 
@@ -290,14 +347,6 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
             job_start_loading(job);
         return;
     }
-    /* the job's nodes must be reachable over the fabric first: a node whose data path is still
-     * being probed (a table just installed) is waited for, within the registration's deadline */
-    job->xfer.report_waits = false;
-    for (uint32_t n = 0; status == SD_OK && n < job->nodes; n++)
-        if (!sd_cluster_usable(sd_job_cluster(job), n)) {
-            job->xfer.report_waits = true;
-            return; /* sd_job_sweep tries again */
-        }
     /* the coordinator's decision comes back through sd_job_confirmed / sd_job_refused, possibly
      * before this call returns (node 0 decides locally): touch nothing of job afterwards */
     job->register_deadline_ns =
@@ -307,6 +356,7 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
                                                   .digest = job->digest,
                                                   .world = job->world,
                                                   .ranks_per_node = job->k,
+                                                  .job_node = job->node,
                                                   .start_step = sd_resume_start_step(job),
                                                   .resumed = sd_resume_resuming(job),
                                                   .status = status,
@@ -382,11 +432,10 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
                  "retry in a moment");
         return NULL;
     }
-    for (uint32_t n = 0; n < nodes; n++)
-        if (reg->net != NULL && !sd_cluster_alive(sd_net_cluster(reg->net), n)) {
-            snprintf(err, errlen, "node %u of the job's %u nodes is down", n, nodes);
-            return NULL;
-        }
+    if (msg->rank >= msg->world) {
+        snprintf(err, errlen, "rank %u is not below world size %u", msg->rank, msg->world);
+        return NULL;
+    }
     struct sd_job *job = calloc(1, sizeof(*job));
     if (job == NULL) {
         snprintf(err, errlen, "out of memory");
@@ -399,8 +448,13 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
     job->world = msg->world;
     job->mem.max_live_bytes = msg->max_live_bytes;
     job->k = k;
-    job->node = (uint32_t)cfg->node;
+    /* the job's node this one is, by the rank: its cluster node is the coordinator's to map */
+    job->node = msg->rank / k;
     job->first_rank = job->node * k;
+    job->xfer.node_ids = malloc(nodes * sizeof(*job->xfer.node_ids));
+    for (uint32_t n = 0; job->xfer.node_ids != NULL && n < nodes; n++)
+        job->xfer.node_ids[n] =
+            n == job->node ? sd_cluster_self(sd_net_cluster(reg->net)) : SD_NODE_UNKNOWN;
     job->topo = (struct sd_topo){
         .nodes = nodes, .ranks_per_node = k, .package_size = (uint32_t)cfg->package_size};
     job->model = *model;
@@ -430,7 +484,7 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
         if (job->mem.w_off == NULL)
             status = SD_ENOMEM;
     }
-    if (status != SD_OK || !job->ranks) {
+    if (status != SD_OK || !job->ranks || !job->xfer.node_ids) {
         if (status == SD_OK)
             snprintf(err, errlen, "out of memory");
         *status_p = status == SD_OK ? SD_ENOMEM : status;
@@ -469,12 +523,14 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
     if (job->nodes > 1 && !registering) {
         sd_job_net_cancel(job);
         if (tell_peers)
-            sd_cluster_abort_job(sd_job_cluster(job), &(struct sd_job_abort){.job = job->name,
-                                                                             .nodes = job->nodes,
-                                                                             .tag = job->xfer.tag,
-                                                                             .step = job->steps,
-                                                                             .status = status,
-                                                                             .msg = text});
+            sd_cluster_abort_job(sd_job_cluster(job),
+                                 &(struct sd_job_abort){.job = job->name,
+                                                        .node_ids = job_node_ids(job),
+                                                        .nodes = job->nodes,
+                                                        .tag = job->xfer.tag,
+                                                        .step = job->steps,
+                                                        .status = status,
+                                                        .msg = text});
     }
     fail_parked(job, status, text, true);
 }
@@ -572,7 +628,7 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
      * node's shards (a rank saving the final weights) */
     if (job->nodes > 1 && !job->retire_pending) {
         job->retire_pending = true;
-        if (sd_cluster_job_left(sd_job_cluster(job), job->name, job->nodes))
+        if (sd_cluster_job_left(sd_job_cluster(job), job->name, job->xfer.node_ids, job->nodes))
             return; /* sd_job_ended retires it, maybe already did */
     }
     sd_job_retire(job);
@@ -646,8 +702,15 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
     if (sd_ckpt_work_sweep(job, now))
         return; /* a file task past its deadline failed its operation: the job may be gone */
     if (job->state == SD_JOB_REGISTERING) {
-        if (job->xfer.report_waits && now < job->register_deadline_ns) {
-            sd_job_allocated(job, SD_OK, ""); /* its nodes' data paths may work now */
+        if (job->xfer.paths_wait) {
+            if (now < job->register_deadline_ns) {
+                if (job_paths_ready(job)) /* its nodes' data paths work now */
+                    job_start_loading(job);
+                return;
+            }
+            sd_job_refuse_everywhere(job, SD_ETIMEDOUT,
+                                     "the data paths to the job's nodes did not work within "
+                                     "the registration's deadline (register_timeout_ms)");
             return;
         }
         if (now < job->register_deadline_ns || job->mem.allocating)
@@ -661,10 +724,18 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
             struct sd_session *s = job->ranks[r];
             if (s == NULL)
                 continue;
-            sd_conn_send_error(s->conn, SD_ETIMEDOUT,
-                               "register job '%s': ranks %s did not register within %lld ms "
-                               "(register_timeout_ms)",
-                               job->name, missing, (long long)job->reg->cfg->register_timeout_ms);
+            if (missing[0] != '\0')
+                sd_conn_send_error(s->conn, SD_ETIMEDOUT,
+                                   "register job '%s': ranks %s did not register within %lld ms "
+                                   "(register_timeout_ms)",
+                                   job->name, missing,
+                                   (long long)job->reg->cfg->register_timeout_ms);
+            else /* this node's ranks all came; the coordinator never decided */
+                sd_conn_send_error(s->conn, SD_ETIMEDOUT,
+                                   "register job '%s': the coordinator did not confirm it within "
+                                   "%lld ms (the job's other nodes did not all register, or "
+                                   "the coordinator is unreachable)",
+                                   job->name, 2 * (long long)job->reg->cfg->register_timeout_ms);
             job_unlink_rank(job, s);
         }
         sd_job_destroy(job);

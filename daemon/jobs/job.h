@@ -129,8 +129,12 @@ struct sd_job_xfer {
     bool enc_wait; /* ,qw: requests wait for the encodings up to enc_ticket (fetch.c) */
     uint64_t enc_ticket;
     uint32_t *members; /* scratch list of member nodes */
-    bool report_waits; /* registered and allocated, waiting for its nodes' data paths (probes)
-                        * before the coordinator hears of it */
+    bool paths_wait;   /* confirmed, waiting for its nodes' data paths (probes) before loading */
+    /* [nodes]: the cluster node (the transport's peer) of each job node, known once the
+     * coordinator confirmed the job (SD_NODE_UNKNOWN before, but this node's own) */
+    uint32_t *node_ids;
+    struct sd_transport *tp; /* the job's view of the transport: peers are job nodes
+                              * (job_tp.c) */
 };
 
 struct sd_job {
@@ -147,8 +151,12 @@ struct sd_job {
     struct sd_plan plan;
     struct sd_topo topo;
     struct sd_layout layout;
-    uint32_t world, k, node, first_rank;
-    uint32_t nodes;                  /* the job spans nodes [0, nodes) */
+    uint32_t world, k, first_rank;
+    /* The job's nodes are numbered by its ranks: node n serves ranks n * k .. n * k + k - 1,
+     * whichever cluster nodes they run on (xfer.node_ids). node is this one. Everything about
+     * the job's shape works in job nodes; only the transport (sd_job_tp) and the control plane
+     * see cluster nodes. */
+    uint32_t node, nodes;
     uint32_t gnodes[SD_STATE_COUNT]; /* nodes per partition group of each state (f / k when
                                         f > k, else 1) */
     uint32_t slots_per_unit;         /* 1, or k without the hierarchical gather across nodes */
@@ -200,8 +208,9 @@ void sd_job_refuse_everywhere(struct sd_job *job, int status, const char *msg);
 /* Every local rank registered and the checkpoint it loads is read (sd_ckpt_opened): allocate
  * its memory (nothing yet otherwise) */
 void sd_job_registered(struct sd_job *job);
-/* The coordinator agreed to the registration: answer the ranks, start loading. */
-void sd_job_confirm(struct sd_job *job, uint32_t tag);
+/* The coordinator agreed to the registration, with the job's transport tag and its nodes
+ * (ids[n]: the cluster node of job node n, n of them): answer the ranks, start loading. */
+void sd_job_confirm(struct sd_job *job, uint32_t tag, const uint32_t *ids, uint32_t n);
 /* Every rank left (and, across nodes, every node said so): free its memory once its transfers
  * drained; keep its record for shardctl. */
 void sd_job_retire(struct sd_job *job);
@@ -331,6 +340,16 @@ static inline struct sd_unit_state *sd_job_slot(struct sd_job *job, uint32_t uni
 /* the control plane (NULL on a single node) and the file workers of the job's node: the one way
  * to each from a job (job.c) */
 struct sd_cluster *sd_job_cluster(const struct sd_job *job);
+#define SD_NODE_UNKNOWN UINT32_MAX
+/* the cluster node of job node n (SD_NODE_UNKNOWN before the confirmation) */
+static inline uint32_t sd_job_node_id(const struct sd_job *job, uint32_t n)
+{
+    return n < job->nodes ? job->xfer.node_ids[n] : SD_NODE_UNKNOWN;
+}
+/* job node n is up (its cluster node alive), as far as this node knows */
+bool sd_job_node_alive(const struct sd_job *job, uint32_t n);
+/* the job node that cluster node id is (SD_NODE_UNKNOWN: none of the job's) */
+uint32_t sd_job_node_of(const struct sd_job *job, uint32_t id);
 struct sd_file_pool *sd_job_files(const struct sd_job *job);
 
 #endif

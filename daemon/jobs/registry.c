@@ -45,13 +45,16 @@ struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name)
 
 /* ---- what the cluster tells this node about jobs */
 
-static void ev_job_confirmed(void *ctx, const char *name, uint32_t tag)
+static void ev_job_confirmed(void *ctx, const char *name, uint32_t tag, const uint32_t *nodes,
+                             uint32_t n)
 {
     struct sd_registry *reg = ctx;
     struct sd_job *job = sd_registry_find(reg, name);
     if (job == NULL || job->state != SD_JOB_REGISTERING || job->n_registered != job->k)
         return;
-    sd_job_confirm(job, tag);
+    sd_job_confirm(job, tag, nodes, n);
+    if (sd_registry_find(reg, name) != job)
+        return; /* refused: the confirmation did not fit */
     sd_net_job_confirmed(reg, job->xfer.tag);
 }
 
@@ -110,12 +113,13 @@ static void ev_job_recover(void *ctx, const Shard__JobRecover *m)
     sd_recover_peer(ctx, m);
 }
 
+/* Cluster node node is down: the jobs it serves fail (or pause); the others never notice. */
 static void ev_node_down(void *ctx, uint32_t node, const char *reason)
 {
     struct sd_registry *reg = ctx;
     for (struct sd_job *job = reg->jobs, *next; job; job = next) {
         next = job->next;
-        if (node >= job->nodes || job->nodes == 1)
+        if (job->nodes == 1)
             continue;
         if (job->n_left == job->k && job->retire_pending) {
             /* waiting for the coordinator to end it; without the coordinator, end it here */
@@ -123,21 +127,30 @@ static void ev_node_down(void *ctx, uint32_t node, const char *reason)
                 sd_job_retire(job);
             continue;
         }
+        /* (a registration not confirmed yet does not know its nodes: the coordinator refuses
+         * it when a node that reported it is down) */
+        uint32_t jn = sd_job_node_of(job, node);
+        if (jn == SD_NODE_UNKNOWN)
+            continue;
         if (job->state == SD_JOB_REGISTERING) {
             char text[256];
-            snprintf(text, sizeof(text), "node %u is down (%s) while the job registers", node,
-                     reason);
-            sd_job_refuse(job, SD_EPEER, text);
+            snprintf(text, sizeof(text),
+                     "node %u (cluster node %u) is down (%s) while the job "
+                     "registers",
+                     jn, node, reason);
+            sd_job_refuse_everywhere(job, SD_EPEER, text);
             continue;
         }
         char what[200], kept[200] = "";
         sd_job_net_describe(job, what, sizeof(what));
         if (sd_resume_keep(job))
             snprintf(kept, sizeof(kept),
-                     "; its state is kept for %llu ms: shardctl checkpoint --job %s DIR on node "
-                     "0 writes it from the replicas",
-                     (unsigned long long)sd_resume_timeout_ms(job), job->name);
-        sd_job_fail(job, SD_EPEER, "%s; node %u is down: %.100s%s", what, node, reason, kept);
+                     "; its state is kept for %llu ms: shardctl checkpoint --job %s DIR on the "
+                     "job's node 0 (cluster node %u) writes it from the replicas",
+                     (unsigned long long)sd_resume_timeout_ms(job), job->name,
+                     job->xfer.node_ids[0]);
+        sd_job_fail(job, SD_EPEER, "%s; node %u (cluster node %u) is down: %.100s%s", what, jn,
+                    node, reason, kept);
     }
 }
 
@@ -154,12 +167,6 @@ struct sd_job *sd_registry_find_tag(struct sd_registry *reg, uint32_t tag)
 static bool ev_tag_in_use(void *ctx, uint32_t tag)
 {
     return sd_registry_find_tag(ctx, tag) != NULL;
-}
-
-static uint32_t ev_job_nodes(void *ctx, const char *name)
-{
-    struct sd_job *job = sd_registry_find(ctx, name);
-    return job ? job->nodes : 0;
 }
 
 static void ev_job_ended(void *ctx, const char *name)
@@ -187,8 +194,7 @@ void sd_registry_cluster_events(struct sd_registry *reg, struct sd_cluster_event
                                        .job_recover = ev_job_recover,
                                        .node_down = ev_node_down,
                                        .formed = ev_formed,
-                                       .tag_in_use = ev_tag_in_use,
-                                       .job_nodes = ev_job_nodes};
+                                       .tag_in_use = ev_tag_in_use};
 }
 
 /* ---- the list of jobs */

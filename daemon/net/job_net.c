@@ -195,6 +195,8 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
         snprintf(err, errlen, "at most 64 ranks per node across nodes (have %u)", job->k);
         return SD_ENOSYS;
     }
+    if (sd_job_tp_open(job) != SD_OK)
+        goto err_nomem;
     int st = sd_bulk_pool_init(&job->xfer.bulks, bulks_needed(job));
     if (st != SD_OK)
         goto err_nomem;
@@ -202,7 +204,7 @@ int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
     size_t stage_bytes;
     uint32_t stage_count;
     stage_buffers(job, job->reg->cfg, &stage_bytes, &stage_count);
-    st = sd_transport_stage_reserve(sd_job_tp(job), stage_bytes, stage_count);
+    st = sd_transport_stage_reserve(sd_net_transport(job->xfer.net), stage_bytes, stage_count);
     if (st != SD_OK) {
         snprintf(err, errlen, "reserving pinned staging buffers failed: %s", sd_status_str(st));
         return st;
@@ -272,6 +274,7 @@ void sd_job_net_teardown(struct sd_job *job)
     for (uint32_t i = 0; job->xfer.net && i < job->xfer.n_mrs; i++)
         sd_job_tp(job)->ops->mr_dereg(sd_job_tp(job), job->xfer.mr_handles[i]);
     job->xfer.n_mrs = 0;
+    sd_job_tp_close(job);
     for (uint32_t i = 0; job->cache.units != NULL && i < job->n_slots; i++) {
         free(job->cache.units[i].rb);
         free(job->cache.units[i].req_x);

@@ -73,9 +73,13 @@ int sd_job_net_allreduce(struct sd_job *job, const struct sd_job_allreduce *a);
 uint32_t sd_job_net_exchange(struct sd_job *job, struct sd_exchange_param *x, uint32_t kind,
                              uint32_t unit, uint32_t seq, int *status_p, uint32_t *suspect_p);
 
+/* The job's view of the transport (job_tp.c): peers are the job's nodes, mapped to the cluster
+ * nodes the coordinator confirmed. Opened with the job's network parts, closed with them. */
+int sd_job_tp_open(struct sd_job *job);
+void sd_job_tp_close(struct sd_job *job);
 static inline struct sd_transport *sd_job_tp(const struct sd_job *job)
 {
-    return sd_net_transport(job->xfer.net);
+    return job->xfer.tp;
 }
 
 /* nodes of the replication group of this node's g shards, ascending */

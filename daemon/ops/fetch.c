@@ -306,8 +306,10 @@ static void serve_done(struct sd_bulk *b, int status)
 /* Returns false if the request must wait. */
 static bool serve(struct sd_job *job, const struct sd_req_msg *m)
 {
+    /* a job confirmed here that still waits for its nodes' data paths (sd_job_confirm), or
+     * loads, keeps the request; a failed job drops it */
     if (job->state != SD_JOB_READY && job->state != SD_JOB_CLOSING)
-        return job->state != SD_JOB_LOADING; /* failed jobs: drop the request */
+        return job->state != SD_JOB_LOADING && job->state != SD_JOB_REGISTERING;
     if (m->gen > job->weights_gen)
         return false;
     if (m->gen < job->weights_gen) {

@@ -281,7 +281,7 @@ static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_
 
 static void tell_ready(struct sd_job *job)
 {
-    sd_cluster_job_ready(sd_job_cluster(job), job->name, job->nodes);
+    sd_cluster_job_ready(sd_job_cluster(job), job->name, job->xfer.node_ids, job->nodes);
     job->load.init->remote_ready = job->load.init->done = true;
     sd_fetch_serve_queue(job);
 }
@@ -295,9 +295,13 @@ void sd_loading_loaded(struct sd_job *job)
 
 void sd_loading_remote_ready(struct sd_job *job)
 {
-    if (job->state != SD_JOB_LOADING)
+    /* (a job confirmed here may still wait for its nodes' data paths when node 0 is done:
+     * kept for when its loading ends) */
+    if (job->state != SD_JOB_LOADING && job->state != SD_JOB_REGISTERING)
         return;
     job->load.init->remote_ready = true;
+    if (job->state != SD_JOB_LOADING)
+        return;
     if (job->load.init->done) {
         set_ready(job);
         sd_fetch_serve_queue(job);

@@ -533,7 +533,7 @@ static void save_after(struct sd_job *job)
     }
     m.n_extents = m.status == SD_OK ? c->n_items : 0;
     m.extents = xp;
-    sd_cluster_job_saved(sd_job_cluster(job), &m);
+    sd_cluster_job_saved(sd_job_cluster(job), job->xfer.node_ids[0], &m);
     free(xs);
     free(xp);
     if (c->recovery) /* this node's part of it is done */

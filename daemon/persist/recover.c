@@ -52,12 +52,6 @@ static struct sd_job *find(struct sd_registry *reg, const char *name)
     return best;
 }
 
-static bool node_up(struct sd_registry *reg, uint32_t node)
-{
-    return node == (uint32_t)reg->cfg->node ||
-           (reg->net != NULL && sd_cluster_alive(sd_net_cluster(reg->net), node));
-}
-
 /* The rank that writes os shard p: the one a save picks (sd_ckpt_is_writer: the writes spread
  * over the replicas) or, when its node is down, the next rank holding p on a node that is up
  * (wrapping around). UINT32_MAX: none. */
@@ -200,11 +194,6 @@ int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const c
         return refuse(json_p, SD_EINVAL,
                       "checkpoint: '%.200s' is not an absolute path of at most %d bytes", dir,
                       SD_CKPT_PATH_MAX - 161);
-    if (reg->cfg->node != 0)
-        return refuse(json_p, SD_EINVAL,
-                      "this daemon is node %u: checkpoint --job runs on node 0's daemon (the "
-                      "coordinator), which asks the other nodes for their parts",
-                      (unsigned)reg->cfg->node);
     if (reg->recovery != NULL)
         return refuse(json_p, SD_EBUSY,
                       "a checkpoint of job '%s' is being written from the replicas; try again "
@@ -216,6 +205,12 @@ int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const c
                       "no job '%.64s' whose state this node holds (a job that failed keeps its "
                       "state only with resume_timeout_ms, for that long)",
                       name);
+    if (job->node != 0)
+        return refuse(json_p, SD_EINVAL,
+                      "this daemon serves node %u of job '%s': checkpoint --job runs on the "
+                      "daemon of the job's node 0 (cluster node %u, rank 0's), which asks the "
+                      "other nodes for their parts",
+                      job->node, name, job->xfer.node_ids[0]);
     if (!sd_ckpt_idle(job))
         return refuse(json_p, SD_EBUSY, "job '%s' is saving a checkpoint; try again", name);
 
@@ -234,7 +229,7 @@ int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const c
     }
     uint32_t n_covered = 0;
     for (uint32_t m = 0; m < job->nodes; m++)
-        up[m] = node_up(reg, m);
+        up[m] = sd_job_node_alive(job, m);
     for (uint32_t p = 0; p < job->plan.f[SD_STATE_OS]; p++) {
         uint32_t r = pick_writer(job, p, up);
         if (r == UINT32_MAX)
@@ -270,9 +265,12 @@ int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const c
     m.dir = rec->dir;
     m.n_writers = rec->n_writers;
     m.writers = rec->writers;
+    m.from = sd_cluster_self(sd_net_cluster(reg->net));
     for (uint32_t node = 1; node < job->nodes; node++)
-        if (rec->reporting[node])
-            sd_cluster_job_recover(sd_net_cluster(reg->net), node, &m);
+        if (rec->reporting[node]) {
+            m.node = node;
+            sd_cluster_job_recover(sd_net_cluster(reg->net), job->xfer.node_ids[node], &m);
+        }
     struct sd_ckpt_recover r = {.dir = dir,
                                 .seq = rec->seq,
                                 .writers = rec->writers,
@@ -299,11 +297,17 @@ void sd_recover_peer(struct sd_registry *reg, const Shard__JobRecover *m)
         snprintf(err, sizeof(err),
                  "node %u holds no state of job '%.64s' (it was dropped, or not kept: "
                  "resume_timeout_ms)",
-                 (unsigned)reg->cfg->node, m->job);
+                 m->node, m->job);
+    } else if (m->node != job->node || m->from != job->xfer.node_ids[0]) {
+        st = SD_EPROTO;
+        snprintf(err, sizeof(err),
+                 "cluster node %u asked this daemon for job node %u's part of '%.64s', but it "
+                 "serves node %u of it, whose node 0 is cluster node %u",
+                 m->from, m->node, m->job, job->node, job->xfer.node_ids[0]);
     } else if (m->dir[0] != '/' || strlen(m->dir) >= SD_CKPT_PATH_MAX - 320) {
         st = SD_EPROTO;
-        snprintf(err, sizeof(err), "node %u: a recovery into '%.200s' is not valid",
-                 (unsigned)reg->cfg->node, m->dir);
+        snprintf(err, sizeof(err), "node %u: a recovery into '%.200s' is not valid", m->node,
+                 m->dir);
     } else {
         struct sd_ckpt_recover r = {
             .dir = m->dir, .seq = m->seq, .writers = m->writers, .n_writers = m->n_writers};
@@ -313,12 +317,12 @@ void sd_recover_peer(struct sd_registry *reg, const Shard__JobRecover *m)
         return; /* the write's end reports */
     Shard__JobSaved rep = SHARD__JOB_SAVED__INIT;
     rep.job = m->job;
-    rep.node = (uint32_t)reg->cfg->node;
+    rep.node = m->node;
     rep.seq = m->seq;
     rep.status = st;
     rep.message = err;
     rep.dir = m->dir;
-    sd_cluster_job_saved(sd_net_cluster(reg->net), &rep);
+    sd_cluster_job_saved(sd_net_cluster(reg->net), m->from, &rep);
 }
 
 bool sd_recover_route(struct sd_registry *reg, const Shard__JobSaved *m)
@@ -348,7 +352,7 @@ void sd_recover_done(struct sd_job *job, int status, const char *msg, const stru
             (double)(sd_now_ns() - rec->start_ns) / 1e6);
     json_t *lost = json_array(), *writers = json_array();
     for (uint32_t m = 0; m < job->nodes; m++)
-        if (!node_up(reg, m))
+        if (!sd_job_node_alive(job, m))
             json_array_append_new(lost, json_integer(m));
     for (size_t i = 0; i < rec->n_writers; i++)
         json_array_append_new(writers, json_integer(rec->writers[i]));
@@ -367,7 +371,7 @@ void sd_recover_sweep(struct sd_registry *reg, uint64_t now)
         return; /* a worker writes: its end goes on */
     char msg[256] = "";
     for (uint32_t m = 0; m < rec->job->nodes && !msg[0]; m++)
-        if (rec->reporting[m] && !node_up(reg, m))
+        if (rec->reporting[m] && !sd_job_node_alive(rec->job, m))
             snprintf(msg, sizeof(msg), "node %u went down while it wrote its part", m);
     if (!msg[0] && now >= rec->deadline_ns)
         snprintf(msg, sizeof(msg), "the nodes' parts did not all come within %llu ms",

@@ -102,6 +102,14 @@ static json_t *job_summary(const struct sd_job *job)
         "last_grad_norm", sd_optim_grad_norm(job), "error", ended ? "" : job->fail_msg, "ranks",
         ranks);
     json_object_set_new(doc, "nodes", json_integer(job->nodes)); /* 0 .. nodes - 1 */
+    /* the job's node this daemon serves, and the cluster node of each (-1: not confirmed yet) */
+    json_object_set_new(doc, "node", json_integer(job->node));
+    json_t *ids = json_array();
+    for (uint32_t n = 0; n < job->nodes; n++)
+        json_array_append_new(ids, json_integer(job->xfer.node_ids[n] == SD_NODE_UNKNOWN
+                                                    ? -1
+                                                    : (json_int_t)job->xfer.node_ids[n]));
+    json_object_set_new(doc, "node_ids", ids);
     /* how a job that ended cleanly ended (its ranks detached): not an error */
     json_object_set_new(doc, "ended", json_string(ended ? job->fail_msg : ""));
     json_object_set_new(doc, "optimizer", optimizer_json(job));

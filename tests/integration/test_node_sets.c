@@ -1,0 +1,389 @@
+/* Jobs on any set of a cluster's nodes (issue 38): 6 daemons on loopback (tcp;ofi_rxm), real
+ * trainer processes, each job's ranks placed on nodes of its own, the job's node i serving ranks
+ * i * k .. i * k + k - 1 wherever it runs:
+ * - job A on cluster nodes {1, 2, 4} (2 ranks each, zero3), B on {0, 3, 5} (2 each, mics:2,
+ *   whose replication crosses the nodes) and C on {2, 3} (1 each, per-state topo:1/2/2), started
+ *   C first, at the same time: each ends within 1e-5 of its one-process reference
+ *   (mlp_train --reference); every daemon lists each job it serves with its node list; the
+ *   bytes each job's nodes sent and received across nodes equal the formulas for A and B, by
+ *   the job's own node numbers;
+ * - the three again, and node 4's daemon killed while they train: A fails (its ranks exit with
+ *   an error), B and C finish bitwise equal to their first runs, every other daemon stays up;
+ * - node 4 restarted with nothing new to configure: a job on {1, 4} trains to its reference;
+ * - refused, naming the nodes: two nodes that both register ranks 0..1 of a job. */
+#include "harness.h"
+
+#include <jansson.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define N     6
+#define K     2
+#define T     10 /* steps */
+#define S_ACC 2
+
+static struct th_cluster cl;
+
+struct job_run {
+    const char *job, *plan;
+    int world, rpn, n_nodes;
+    int nodes[N]; /* the cluster node of each of the job's nodes */
+    int steps;
+    pid_t pids[TH_MAX_RANKS + 1];
+    char name[64], dump[400], ref[400];
+};
+
+/* start every rank of r (rank i on the cluster node of job node i / rpn) and its reference;
+ * tag names this run's job and files */
+static void job_start(struct job_run *r, const char *tag)
+{
+    const char *dir = cl.base;
+    char world[16], rpn[16], steps[16], accum[16];
+    snprintf(world, sizeof(world), "%d", r->world);
+    snprintf(rpn, sizeof(rpn), "%d", r->rpn);
+    snprintf(steps, sizeof(steps), "%d", r->steps);
+    snprintf(accum, sizeof(accum), "%d", S_ACC);
+    snprintf(r->name, sizeof(r->name), "%s-%s", r->job, tag);
+    snprintf(r->dump, sizeof(r->dump), "%s/%s.bin", dir, r->name);
+    snprintf(r->ref, sizeof(r->ref), "%s/%s-ref.bin", dir, r->job);
+    const char *args[] = {"--world",          world,   "--plan",       r->plan,
+                          "--steps",          steps,   "--accum",      accum,
+                          "--hidden",         "96",    "--seed",       "5",
+                          "--ranks-per-node", rpn,     "--compute-ms", "2",
+                          "--compute-mode",   "sleep", "--quiet",      NULL};
+    for (int rank = 0; rank < r->world; rank++) {
+        char log[400];
+        snprintf(log, sizeof(log), "%s/%s-%d.log", dir, r->name, rank);
+        const char *dumps[] = {"--dump-params", r->dump, NULL};
+        r->pids[rank] = th_spawn_rank(cl.d[r->nodes[rank / r->rpn]].sock, r->name, rank, args,
+                                      rank == 0 ? dumps : NULL, log);
+    }
+    r->pids[r->world] = -1;
+    if (access(r->ref, R_OK) != 0) { /* the reference once per job */
+        char log[400];
+        snprintf(log, sizeof(log), "%s/%s-ref.log", dir, r->job);
+        const char *reference[] = {"--reference", "--dump-params", r->ref, NULL};
+        r->pids[r->world] = th_spawn_rank(NULL, NULL, -1, args, reference, log);
+    }
+}
+
+/* wait for r's processes: how many exited non-zero (the reference's failure is a check's) */
+static int job_wait(struct job_run *r)
+{
+    int failed = 0;
+    for (int rank = 0; rank <= r->world; rank++) {
+        if (r->pids[rank] <= 0)
+            continue;
+        int rc = th_wait(r->pids[rank], 240000);
+        if (rank == r->world)
+            TH_CHECK(rc == 0, "%s: the reference exited %d", r->job, rc);
+        else
+            failed += rc != 0;
+    }
+    return failed;
+}
+
+static void job_finish(struct job_run *r)
+{
+    int failed = job_wait(r);
+    TH_CHECK(failed == 0, "%s: %d ranks failed (logs %s/%s-*.log)", r->name, failed, cl.base,
+             r->name);
+    if (failed)
+        return;
+    struct th_dump_diff dd;
+    bool ok = th_compare_dumps(r->dump, r->ref, 1e-5, &dd);
+    TH_CHECK(ok && dd.outside == 0,
+             "%s (%s, world %d over %d nodes): %zu of %zu parameters outside 1e-5 of the "
+             "reference (max %g)",
+             r->name, r->plan, r->world, r->n_nodes, dd.outside, dd.n, dd.maxd);
+    if (ok && dd.outside == 0)
+        printf("%-10s %-12s world %d on nodes", r->name, r->plan, r->world);
+    for (int i = 0; ok && dd.outside == 0 && i < r->n_nodes; i++)
+        printf(" %d", r->nodes[i]);
+    if (ok && dd.outside == 0)
+        printf(": %zu parameters within 1e-5 of the reference (max %g)\n", dd.n, dd.maxd);
+}
+
+/* every daemon lists r exactly where it runs, as the job node it serves, with the node list */
+static void check_listed(const struct job_run *r)
+{
+    for (int node = 0; node < N; node++) {
+        json_t *doc = th_admin_json(cl.d[node].sock, "jobs"), *j, *found = NULL;
+        size_t i;
+        json_array_foreach(json_object_get(doc, "jobs"), i, j)
+        {
+            if (strcmp(json_string_value(json_object_get(j, "name")), r->name) == 0)
+                found = j;
+        }
+        int want = -1;
+        for (int n = 0; n < r->n_nodes; n++)
+            if (r->nodes[n] == node)
+                want = n;
+        if (want < 0) {
+            TH_CHECK(found == NULL, "cluster node %d lists %s, which does not run there", node,
+                     r->name);
+        } else if (found == NULL) {
+            TH_CHECK(false, "cluster node %d does not list %s (its node %d)", node, r->name, want);
+        } else {
+            json_t *ids = json_object_get(found, "node_ids");
+            bool same = (int)json_array_size(ids) == r->n_nodes;
+            for (int n = 0; same && n < r->n_nodes; n++)
+                same = json_integer_value(json_array_get(ids, (size_t)n)) == r->nodes[n];
+            TH_CHECK(same && json_integer_value(json_object_get(found, "node")) == want,
+                     "cluster node %d lists %s as its node %lld of nodes %s, expected node %d",
+                     node, r->name, (long long)json_integer_value(json_object_get(found, "node")),
+                     json_dumps(ids, JSON_COMPACT), want);
+        }
+        json_decref(doc);
+    }
+}
+
+/* the all-reduce bytes a node sends for r's units over R nodes: every unit of this model is
+ * under small_allreduce_bytes (64 KiB), so each goes directly to the R - 1 others (coll.c) */
+static long long allreduce_bytes(const struct job_run *r, int R, int G)
+{
+    json_t *doc = th_admin_json(cl.d[r->nodes[0]].sock, "groups"), *j, *u;
+    long long sum = 0;
+    size_t i, k;
+    json_array_foreach(json_object_get(doc, "jobs"), i, j)
+    {
+        if (strcmp(json_string_value(json_object_get(j, "job")), r->name) != 0)
+            continue;
+        json_array_foreach(json_object_get(j, "units"), k, u)
+        {
+            long long b = json_integer_value(json_object_get(u, "numel")) * 4 / G;
+            TH_CHECK(b <= 65536,
+                     "%s: unit %zu of %lld bytes takes the ring, not the formula's "
+                     "direct all-reduce",
+                     r->name, k, b);
+            sum += (long long)(R - 1) * b;
+        }
+    }
+    json_decref(doc);
+    return sum;
+}
+
+/* the bytes each of r's nodes moved across nodes, against test_cluster's formulas over the
+ * job's own nodes (its node 0 sends the initial values and gathers the dump) */
+static void check_bytes(const struct job_run *r)
+{
+    long long S = th_job_params(cl.d[r->nodes[0]].sock, r->name) * 4;
+    int W = r->world, k = r->rpn, Nj = r->n_nodes;
+    int p = strcmp(r->plan, "zero3") == 0 ? W : atoi(r->plan + 5);
+    int G = p > k ? p / k : 1, R = Nj / G;
+    long long block = S / G;
+    for (int n = 0; n < Nj; n++) {
+        json_t *st = th_job_stats(cl.d[r->nodes[n]].sock, r->name);
+        TH_CHECK(st != NULL, "cluster node %d has no stats for %s", r->nodes[n], r->name);
+        if (st == NULL)
+            continue;
+        long long init_node = p >= k ? S / p * k : S;
+        long long init_sent = n == 0 ? (long long)(Nj - 1) * init_node : 0;
+        long long init_recv = n == 0 ? 0 : init_node;
+        long long gathers = G > 1 ? r->steps + (n == 0 ? 1 : 0) : 0;
+        long long fetch_recv = gathers * (G - 1) * block;
+        long long push = (long long)r->steps * S_ACC * (G - 1) * block;
+        long long ar = R > 1 ? allreduce_bytes(r, R, G) : 0;
+        long long step = (long long)r->steps * (ar + 32LL * (Nj - 1));
+        long long got[5] = {th_json_int(st, "ops.init.bytes.inter_node_sent"),
+                            th_json_int(st, "ops.init.bytes.inter_node_recv"),
+                            th_json_int(st, "ops.fetch.bytes.inter_node_recv"),
+                            th_json_int(st, "ops.push.bytes.inter_node_sent"),
+                            th_json_int(st, "ops.step.bytes.inter_node_sent")};
+        long long want[5] = {init_sent, init_recv, fetch_recv, push, step};
+        static const char *const what[5] = {"init sent", "init received", "fetch received",
+                                            "push sent", "step sent"};
+        for (int i = 0; i < 5; i++)
+            TH_CHECK(got[i] == want[i],
+                     "%s (%s) job node %d (cluster node %d): %s %lld bytes, formula %lld (S %lld)",
+                     r->name, r->plan, n, r->nodes[n], what[i], got[i], want[i], S);
+        json_decref(st);
+    }
+    printf("%-10s bytes across nodes equal the formulas on each of its %d nodes\n", r->name, Nj);
+}
+
+static struct job_run A = {.job = "a",
+                           .plan = "zero3",
+                           .world = 6,
+                           .rpn = 2,
+                           .n_nodes = 3,
+                           .nodes = {1, 2, 4},
+                           .steps = T};
+static struct job_run B = {.job = "b",
+                           .plan = "mics:2",
+                           .world = 6,
+                           .rpn = 2,
+                           .n_nodes = 3,
+                           .nodes = {0, 3, 5},
+                           .steps = T};
+static struct job_run C = {.job = "c",
+                           .plan = "topo:1/2/2",
+                           .world = 2,
+                           .rpn = 1,
+                           .n_nodes = 2,
+                           .nodes = {2, 3},
+                           .steps = T};
+
+static void side_by_side(void)
+{
+    job_start(&C, "1");
+    job_start(&B, "1");
+    job_start(&A, "1");
+    usleep(1500000); /* registered and training */
+    check_listed(&A);
+    check_listed(&B);
+    check_listed(&C);
+    job_finish(&A);
+    job_finish(&B);
+    job_finish(&C);
+    check_bytes(&A);
+    check_bytes(&B);
+}
+
+/* the same three, node 4 killed under them: A alone fails */
+static void node_killed(void)
+{
+    struct job_run a = A, b = B, c = C;
+    a.steps = b.steps = c.steps = 400; /* long enough to be running when node 4 goes */
+    char b1[400], c1[400];
+    snprintf(b1, sizeof(b1), "%s", B.dump);
+    snprintf(c1, sizeof(c1), "%s", C.dump);
+    /* B and C as in their first runs (same steps): their results must not change */
+    b.steps = c.steps = T;
+    job_start(&c, "2");
+    job_start(&b, "2");
+    job_start(&a, "2");
+    usleep(1200000);
+    kill(cl.d[4].pid, SIGKILL);
+    th_wait(cl.d[4].pid, 10000);
+    cl.d[4].pid = 0;
+    int failed = job_wait(&a);
+    TH_CHECK(failed > 0, "job a ran on the killed node 4, yet all its ranks exited 0");
+    char log[400];
+    snprintf(log, sizeof(log), "%s/%s-0.log", cl.base, a.name);
+    char *text = th_read_file(log, NULL);
+    TH_CHECK(text && strstr(text, "cluster node 4") != NULL,
+             "job a's rank 0 (on node 1) was not told that cluster node 4 went down:\n%s",
+             text ? text : "(no log)");
+    free(text);
+    for (struct job_run *r = &b; r != NULL; r = r == &b ? &c : NULL) {
+        failed = job_wait(r);
+        TH_CHECK(failed == 0, "%s: %d ranks failed after node 4 (not one of its nodes) died",
+                 r->name, failed);
+        struct th_dump_diff dd;
+        bool ok = th_compare_dumps(r->dump, r == &b ? b1 : c1, 0, &dd);
+        TH_CHECK(ok && dd.differ == 0,
+                 "%s: %zu of %zu parameters differ from its first run (max %g): node 4's death "
+                 "touched it",
+                 r->name, dd.differ, dd.n, dd.maxd);
+        if (ok && dd.differ == 0)
+            printf("%-10s finished beside node 4's death, bitwise equal to its first run\n",
+                   r->name);
+    }
+    for (int n = 0; n < N; n++)
+        if (n != 4)
+            TH_CHECK(th_daemon_alive(&cl.d[n]), "cluster node %d died", n);
+}
+
+/* node 4 back, with the arguments it had: a job on {1, 4} trains */
+static void node_back(const char *const *extra)
+{
+    TH_CHECK(th_cluster_node_restart(&cl, 4, extra) == 0, "node 4 did not start again");
+    struct job_run d = {.job = "d",
+                        .plan = "zero3",
+                        .world = 4,
+                        .rpn = 2,
+                        .n_nodes = 2,
+                        .nodes = {1, 4},
+                        .steps = T};
+    /* it rejoins once the coordinator installed its new address: a registration before that
+     * is refused ("the cluster has not formed yet"), so wait for node 0 to list it up */
+    double end = th_now_s() + 20;
+    bool up = false;
+    while (!up && th_now_s() < end) {
+        json_t *doc = th_admin_json(cl.d[1].sock, "topology");
+        json_t *e = json_array_get(json_object_get(doc, "topology"), 4);
+        const char *st = json_string_value(json_object_get(e, "state"));
+        up = st && strcmp(st, "up") == 0;
+        json_decref(doc);
+        if (!up)
+            usleep(100000);
+    }
+    TH_CHECK(up, "node 1 does not list the restarted node 4 as up within 20 s");
+    job_start(&d, "3");
+    job_finish(&d);
+}
+
+/* ---- refusals, through libshard */
+
+struct reg {
+    int node, rank;
+    const char *job;
+    int st;
+    char err[512];
+};
+
+static void *reg_thread(void *arg)
+{
+    struct reg *r = arg;
+    uint64_t dims[1] = {1536};
+    shard_tensor_t t = {.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32, .unit = 0};
+    shard_model_t m = {.job = r->job,
+                       .rank = (uint32_t)r->rank,
+                       .world = 4,
+                       .plan = "zero3",
+                       .tensors = &t,
+                       .n_tensors = 1,
+                       .optimizer = {.name = "sgd", .lr = 0.1f},
+                       .ranks_per_node = 2};
+    shard_ctx_t *ctx = NULL;
+    r->st = shard_attach(cl.d[r->node].sock, &ctx);
+    if (r->st == 0)
+        r->st = shard_register(ctx, &m);
+    snprintf(r->err, sizeof(r->err), "%s", ctx ? shard_last_error(ctx) : "attach failed");
+    if (ctx)
+        shard_detach(ctx);
+    return NULL;
+}
+
+/* nodes 1 and 2 both register ranks 0..1 of a job of world 4 (its node 0): the coordinator
+ * refuses it to both, naming them */
+static void refusals(void)
+{
+    struct reg r[] = {{.node = 1, .rank = 0, .job = "twice"},
+                      {.node = 1, .rank = 1, .job = "twice"},
+                      {.node = 2, .rank = 0, .job = "twice"},
+                      {.node = 2, .rank = 1, .job = "twice"}};
+    int n = (int)(sizeof(r) / sizeof(r[0]));
+    pthread_t th[8];
+    for (int i = 0; i < n; i++)
+        pthread_create(&th[i], NULL, reg_thread, &r[i]);
+    for (int i = 0; i < n; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < n; i++)
+        TH_CHECK(r[i].st == SHARD_EMISMATCH && strstr(r[i].err, "both registered ranks 0..1"),
+                 "ranks 0..1 on nodes 1 and 2: rank %d on node %d got %d '%s'", r[i].rank,
+                 r[i].node, r[i].st, r[i].err);
+    printf("two nodes with the same ranks: refused: %s\n", r[0].err);
+    for (int i = 0; i < N; i++)
+        TH_CHECK(th_daemon_alive(&cl.d[i]), "node %d died", i);
+}
+
+int main(void)
+{
+    const char *extra[] = {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "1500",
+                           NULL};
+    if (th_cluster_start(&cl, N, K, extra) != 0) {
+        fprintf(stderr, "cannot start a cluster of %d nodes\n", N);
+        return 1;
+    }
+    side_by_side();
+    node_killed();
+    node_back(extra);
+    refusals();
+    TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
+    return th_summary("test_node_sets");
+}
