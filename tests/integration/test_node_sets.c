@@ -9,7 +9,12 @@
  *   the job's own node numbers;
  * - the three again, and node 4's daemon killed while they train: A fails (its ranks exit with
  *   an error), B and C finish bitwise equal to their first runs, every other daemon stays up;
- * - node 4 restarted with nothing new to configure: a job on {1, 4} trains to its reference;
+ *   A is mics:2 there and keeps its state (resume_timeout_ms): its node 0's daemon writes a
+ *   checkpoint from its surviving nodes' replicas (its other node's refuses, naming node 0);
+ * - node 4 restarted with nothing new to configure: a job on {1, 4} trains to its reference, and
+ *   one on {0, 5} from A's recovered checkpoint to its reference's --load of it;
+ * - a checkpoint saved by a job on {0, 1} (mics:2, world 4) loads into one on {3, 4, 5} (zero3,
+ *   world 6), which trains on to its reference's --load;
  * - refused, naming the nodes: two nodes that both register ranks 0..1 of a job. */
 #include "harness.h"
 
@@ -32,6 +37,7 @@ struct job_run {
     int world, rpn, n_nodes;
     int nodes[N]; /* the cluster node of each of the job's nodes */
     int steps;
+    const char *extra[5]; /* more options for every rank and the reference (NULL-terminated) */
     pid_t pids[TH_MAX_RANKS + 1];
     char name[64], dump[400], ref[400];
 };
@@ -49,11 +55,15 @@ static void job_start(struct job_run *r, const char *tag)
     snprintf(r->name, sizeof(r->name), "%s-%s", r->job, tag);
     snprintf(r->dump, sizeof(r->dump), "%s/%s.bin", dir, r->name);
     snprintf(r->ref, sizeof(r->ref), "%s/%s-ref.bin", dir, r->job);
-    const char *args[] = {"--world",          world,   "--plan",       r->plan,
-                          "--steps",          steps,   "--accum",      accum,
-                          "--hidden",         "96",    "--seed",       "5",
-                          "--ranks-per-node", rpn,     "--compute-ms", "2",
-                          "--compute-mode",   "sleep", "--quiet",      NULL};
+    const char *args[32] = {"--world",          world,   "--plan",       r->plan,
+                            "--steps",          steps,   "--accum",      accum,
+                            "--hidden",         "96",    "--seed",       "5",
+                            "--ranks-per-node", rpn,     "--compute-ms", "2",
+                            "--compute-mode",   "sleep", "--quiet"};
+    int n = 19;
+    for (int i = 0; r->extra[i] != NULL && n < 30; i++)
+        args[n++] = r->extra[i];
+    args[n] = NULL;
     for (int rank = 0; rank < r->world; rank++) {
         char log[400];
         snprintf(log, sizeof(log), "%s/%s-%d.log", dir, r->name, rank);
@@ -243,11 +253,61 @@ static void side_by_side(void)
     check_bytes(&B);
 }
 
+static char recovered[400]; /* node_killed's checkpoint of job a from the replicas */
+static long long recovered_step;
+
+/* shardctl checkpoint --job job dir on cluster node; the answer's document into *doc_p */
+static int checkpoint_job(int node, const char *job, const char *dir, json_t **doc_p)
+{
+    char out[400];
+    snprintf(out, sizeof(out), "%s/checkpoint-%s-%d.json", cl.base, job, node);
+    const char *argv[] = {SHARDCTL_PATH, "--json", "--socket", cl.d[node].sock,
+                          "checkpoint",  "--job",  job,        dir,
+                          NULL};
+    int rc = th_wait(th_spawn(argv, out), 120000);
+    char *text = th_read_file(out, NULL);
+    *doc_p = text ? json_loads(text, 0, NULL) : NULL;
+    if (*doc_p == NULL)
+        fprintf(stderr, "shardctl checkpoint --job %s: %s\n", job, text ? text : "(no output)");
+    free(text);
+    return rc;
+}
+
+/* job a (mics:2: every node holds the optimizer states) lost its node 2 (cluster node 4) and
+ * keeps its state (resume_timeout_ms): its node 0's daemon (cluster node 1) writes a
+ * checkpoint from the replicas of its surviving nodes; its node 1's refuses, naming node 0 */
+static void recover_a(const char *job)
+{
+    snprintf(recovered, sizeof(recovered), "%s/recovered", cl.base);
+    json_t *doc = NULL;
+    int rc = checkpoint_job(2, job, recovered, &doc);
+    const char *err = json_string_value(json_object_get(doc, "error"));
+    TH_CHECK(rc != 0 && err &&
+                 strstr(err, "runs on the daemon of the job's node 0 (cluster node 1"),
+             "checkpoint --job %s on cluster node 2 (its node 1): exit %d, '%s'", job, rc,
+             err ? err : "");
+    json_decref(doc);
+    rc = checkpoint_job(1, job, recovered, &doc);
+    json_t *lost = json_object_get(doc, "lost_nodes");
+    recovered_step = json_integer_value(json_object_get(doc, "step"));
+    TH_CHECK(rc == 0 && json_array_size(lost) == 1 &&
+                 json_integer_value(json_array_get(lost, 0)) == 2 && recovered_step > 0,
+             "checkpoint --job %s on cluster node 1 (exit %d): %s", job, rc,
+             doc ? json_dumps(doc, JSON_COMPACT) : "(no answer)");
+    if (rc == 0)
+        printf("%-10s recovered from its surviving nodes' replicas: step %lld, lost job node 2\n",
+               job, recovered_step);
+    json_decref(doc);
+}
+
 /* the same three, node 4 killed under them: A alone fails */
 static void node_killed(void)
 {
     struct job_run a = A, b = B, c = C;
     a.steps = b.steps = c.steps = 400; /* long enough to be running when node 4 goes */
+    a.plan = "mics:2";                 /* its states survive node 4: recover_a */
+    a.extra[0] = "--resume-timeout-ms";
+    a.extra[1] = "60000";
     char b1[400], c1[400];
     snprintf(b1, sizeof(b1), "%s", B.dump);
     snprintf(c1, sizeof(c1), "%s", C.dump);
@@ -269,6 +329,7 @@ static void node_killed(void)
              "job a's rank 0 (on node 1) was not told that cluster node 4 went down:\n%s",
              text ? text : "(no log)");
     free(text);
+    recover_a(a.name);
     for (struct job_run *r = &b; r != NULL; r = r == &b ? &c : NULL) {
         failed = job_wait(r);
         TH_CHECK(failed == 0, "%s: %d ranks failed after node 4 (not one of its nodes) died",
@@ -315,6 +376,47 @@ static void node_back(const char *const *extra)
     TH_CHECK(up, "node 1 does not list the restarted node 4 as up within 20 s");
     job_start(&d, "3");
     job_finish(&d);
+    /* job a's recovered checkpoint, loaded by a job on {0, 5}: 4 more steps */
+    if (recovered_step <= 0)
+        return;
+    struct job_run e = {.job = "e",
+                        .plan = "zero3",
+                        .world = 4,
+                        .rpn = 2,
+                        .n_nodes = 2,
+                        .nodes = {0, 5},
+                        .steps = (int)recovered_step + 4,
+                        .extra = {"--load", recovered, NULL}};
+    job_start(&e, "3");
+    job_finish(&e);
+}
+
+/* a checkpoint saved by a job on {0, 1} (mics:2, world 4) loads into one on {3, 4, 5} (zero3,
+ * world 6): it trains on to its reference's --load of the same checkpoint */
+static void save_elsewhere(void)
+{
+    char dir[400];
+    snprintf(dir, sizeof(dir), "%s/saved", cl.base);
+    struct job_run s = {.job = "s",
+                        .plan = "mics:2",
+                        .world = 4,
+                        .rpn = 2,
+                        .n_nodes = 2,
+                        .nodes = {0, 1},
+                        .steps = T,
+                        .extra = {"--save-every", "5", "--save-dir", dir, NULL}};
+    job_start(&s, "4");
+    job_finish(&s);
+    struct job_run l = {.job = "l",
+                        .plan = "zero3",
+                        .world = 6,
+                        .rpn = 2,
+                        .n_nodes = 3,
+                        .nodes = {3, 4, 5},
+                        .steps = T + 4,
+                        .extra = {"--load", dir, NULL}};
+    job_start(&l, "4");
+    job_finish(&l);
 }
 
 /* ---- refusals, through libshard */
@@ -383,6 +485,7 @@ int main(void)
     side_by_side();
     node_killed();
     node_back(extra);
+    save_elsewhere();
     refusals();
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_node_sets");
