@@ -664,11 +664,54 @@ static int forward_pass(shard_ctx_t *ctx, const struct opts *o, const struct mod
     return SHARD_OK;
 }
 
-/* torchrun's LOCAL_WORLD_SIZE (0: unset, the daemon's ranks_per_node) */
+/* torchrun's LOCAL_WORLD_SIZE, else Slurm's SLURM_NTASKS_PER_NODE (0: neither, the daemon's
+ * ranks_per_node) */
 static uint32_t launcher_ranks_per_node(void)
 {
     const char *v = getenv("LOCAL_WORLD_SIZE");
+    if (v == NULL || v[0] == '\0')
+        v = getenv("SLURM_NTASKS_PER_NODE");
     return v != NULL ? (uint32_t)strtoul(v, NULL, 10) : 0;
+}
+
+/* the first of two launcher variables that is set, as a number into *out; false (and a message
+ * naming it) when it is not one */
+static bool launcher_int(const char *a, const char *b, int *out)
+{
+    const char *name = a, *v = getenv(a);
+    if (v == NULL || v[0] == '\0') {
+        name = b;
+        v = getenv(b);
+    }
+    if (v == NULL || v[0] == '\0')
+        return true;
+    char *end;
+    long n = strtol(v, &end, 10);
+    if (*end != '\0' || n < 0 || n > 1 << 20) {
+        fprintf(stderr, "mlp_train: %s=%s is not a number\n", name, v);
+        return false;
+    }
+    *out = (int)n;
+    return true;
+}
+
+/* The launcher's rank, world and job name, the defaults that --rank, --world and --job
+ * override: torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID (job torch-ID), else Slurm's
+ * SLURM_PROCID, SLURM_NTASKS and SLURM_JOB_ID with SLURM_STEP_ID (job slurm-ID.STEP). */
+static bool launcher_defaults(struct opts *o, char *job, size_t len)
+{
+    if (!launcher_int("RANK", "SLURM_PROCID", &o->rank) ||
+        !launcher_int("WORLD_SIZE", "SLURM_NTASKS", &o->world))
+        return false;
+    const char *run = getenv("TORCHELASTIC_RUN_ID"), *sj = getenv("SLURM_JOB_ID");
+    const char *step = getenv("SLURM_STEP_ID");
+    if (run != NULL && run[0] != '\0')
+        snprintf(job, len, "torch-%s", run);
+    else if (sj != NULL && sj[0] != '\0')
+        snprintf(job, len, "slurm-%s%s%s", sj, step && step[0] ? "." : "", step ? step : "");
+    if (job[0] != '\0')
+        o->job = job;
+    return true;
 }
 
 static int run_shardd(const struct opts *o, const struct model *m)
@@ -980,7 +1023,11 @@ static void usage(FILE *out)
             "dies the job pauses, and this rank, told so (SHARD_EPAUSED), registers again\n"
             "and continues from the step the job paused at; a restarted rank does the same.\n"
             "--ranks-per-node K: the job's ranks per node (rank r on node r / K; default\n"
-            "torchrun's LOCAL_WORLD_SIZE when set, else the daemon's ranks_per_node).\n",
+            "torchrun's LOCAL_WORLD_SIZE or Slurm's SLURM_NTASKS_PER_NODE when set, else the\n"
+            "daemon's ranks_per_node).\n"
+            "Under a launcher the rank, world and job default to torchrun's RANK, WORLD_SIZE\n"
+            "and TORCHELASTIC_RUN_ID (job torch-ID), else Slurm's SLURM_PROCID, SLURM_NTASKS\n"
+            "and SLURM_JOB_ID.SLURM_STEP_ID (job slurm-ID.STEP); the options override them.\n",
             IN_DIM, OUT_DIM, MAX_LAYERS);
 }
 
@@ -997,6 +1044,9 @@ int main(int argc, char **argv)
                      .layers = 4,
                      .seed = 1,
                      .lr = 1e-3f};
+    char launcher_job[96] = "";
+    if (!launcher_defaults(&o, launcher_job, sizeof(launcher_job)))
+        return 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;

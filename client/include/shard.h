@@ -137,10 +137,11 @@ typedef struct {
      * joins it and continues from that step: shard_start_step, as after a load. A step half
      * done when the rank died is discarded. Every rank gives the same. */
     uint64_t resume_timeout_ms;
-    /* ranks per node of this job, the same on every rank: rank r attaches to the daemon of node
-     * r / ranks_per_node, and the job spans nodes 0 .. world / ranks_per_node - 1 (0: the
-     * daemon's ranks_per_node; a launcher's LOCAL_WORLD_SIZE, say, for a job with fewer ranks
-     * per node than the cluster is configured for, or jobs of different sizes side by side) */
+    /* ranks per node of this job, the same on every rank: the ranks r with the same
+     * r / ranks_per_node (the job's node r / ranks_per_node) attach to the daemon of one node,
+     * any of the cluster's, wherever the launcher placed them (0: the daemon's ranks_per_node;
+     * a launcher's LOCAL_WORLD_SIZE, say, for a job with fewer ranks per node than the cluster
+     * is configured for, or jobs of different sizes side by side) */
     uint32_t ranks_per_node;
 } shard_model_t;
 

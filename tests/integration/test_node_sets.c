@@ -15,6 +15,10 @@
  *   one on {0, 5} from A's recovered checkpoint to its reference's --load of it;
  * - a checkpoint saved by a job on {0, 1} (mics:2, world 4) loads into one on {3, 4, 5} (zero3,
  *   world 6), which trains on to its reference's --load;
+ * - launched as srun does (SLURM_PROCID, SLURM_NTASKS, SLURM_NTASKS_PER_NODE, SLURM_JOB_ID,
+ *   SLURM_STEP_ID) on nodes {5, 2} and as torchrun does (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+ *   TORCHELASTIC_RUN_ID) on {4, 3}, mlp_train given none of --rank, --world, --job: each job
+ *   is named after its launcher's run and trains to its reference;
  * - refused, naming the nodes: two nodes that both register ranks 0..1 of a job. */
 #include "harness.h"
 
@@ -419,6 +423,113 @@ static void save_elsewhere(void)
     job_finish(&l);
 }
 
+/* ---- launchers: the rank, world, job and ranks per node from the launcher's variables alone */
+
+struct launch {
+    const char *what, *job;      /* the launcher; the job name its variables give */
+    const char *vars[4][2];      /* rank, world, ranks per node, run id: (name, value); value of the
+                                  * rank: set per rank */
+    const char *step_var, *step; /* Slurm's SLURM_STEP_ID (or NULL) */
+    int nodes[2];                /* the cluster nodes of its job nodes 0 and 1 */
+};
+
+/* 4 ranks, 2 per node, launched as torchrun or srun would on node set l->nodes: mlp_train gets
+ * no --rank, --world, --job or --ranks-per-node, only the variables; it trains to a reference
+ * given the world explicitly */
+static void launched(const struct launch *l)
+{
+    char dump[400], ref[400];
+    snprintf(dump, sizeof(dump), "%s/%s.bin", cl.base, l->job);
+    snprintf(ref, sizeof(ref), "%s/%s-ref.bin", cl.base, l->job);
+    const char *common[] = {"--plan",         "zero3", "--steps", "8", "--accum",      "2",
+                            "--hidden",       "96",    "--seed",  "5", "--compute-ms", "2",
+                            "--compute-mode", "sleep", "--quiet"};
+    size_t nc = sizeof(common) / sizeof(common[0]);
+    pid_t pids[5];
+    for (int rank = 0; rank < 4; rank++) {
+        char rs[16], log[400];
+        snprintf(rs, sizeof(rs), "%d", rank);
+        snprintf(log, sizeof(log), "%s/%s-%d.log", cl.base, l->job, rank);
+        setenv(l->vars[0][0], rs, 1);
+        for (int v = 1; v < 4; v++)
+            setenv(l->vars[v][0], l->vars[v][1], 1);
+        if (l->step_var != NULL)
+            setenv(l->step_var, l->step, 1);
+        const char *argv[40] = {MLP_TRAIN_PATH, "--socket", cl.d[l->nodes[rank / 2]].sock};
+        int n = 3;
+        for (size_t i = 0; i < nc; i++)
+            argv[n++] = common[i];
+        if (rank == 0) {
+            argv[n++] = "--dump-params";
+            argv[n++] = dump;
+        }
+        argv[n] = NULL;
+        pids[rank] = th_spawn(argv, log);
+        for (int v = 0; v < 4; v++)
+            unsetenv(l->vars[v][0]);
+        if (l->step_var != NULL)
+            unsetenv(l->step_var);
+    }
+    const char *rargv[40] = {MLP_TRAIN_PATH, "--reference", "--world", "4", "--dump-params", ref};
+    int n = 6;
+    for (size_t i = 0; i < nc; i++)
+        rargv[n++] = common[i];
+    rargv[n] = NULL;
+    char rlog[400];
+    snprintf(rlog, sizeof(rlog), "%s/%s-ref.log", cl.base, l->job);
+    pids[4] = th_spawn(rargv, rlog);
+    usleep(800000);
+    json_t *doc = th_admin_json(cl.d[l->nodes[1]].sock, "jobs"), *j;
+    size_t i;
+    bool listed = false;
+    json_array_foreach(json_object_get(doc, "jobs"), i, j)
+    {
+        listed |= strcmp(json_string_value(json_object_get(j, "name")), l->job) == 0 &&
+                  json_integer_value(json_object_get(j, "world")) == 4 &&
+                  json_integer_value(json_object_get(j, "ranks_per_node")) == 2 &&
+                  json_integer_value(json_object_get(j, "node")) == 1;
+    }
+    json_decref(doc);
+    TH_CHECK(listed,
+             "%s: cluster node %d does not list job %s of world 4, 2 ranks per node, as "
+             "its node 1",
+             l->what, l->nodes[1], l->job);
+    int failed = 0;
+    for (int r = 0; r < 5; r++)
+        failed += th_wait(pids[r], 120000) != 0;
+    TH_CHECK(failed == 0, "%s: %d processes failed (logs %s/%s-*.log)", l->what, failed, cl.base,
+             l->job);
+    struct th_dump_diff dd;
+    bool ok = failed == 0 && th_compare_dumps(dump, ref, 1e-5, &dd);
+    TH_CHECK(ok && dd.outside == 0, "%s: job %s outside 1e-5 of its reference", l->what, l->job);
+    if (ok && dd.outside == 0)
+        printf("%-10s launched as %s on nodes %d %d: %zu parameters within 1e-5 of the reference "
+               "(max %g)\n",
+               l->job, l->what, l->nodes[0], l->nodes[1], dd.n, dd.maxd);
+}
+
+static void launchers(void)
+{
+    struct launch srun = {.what = "srun",
+                          .job = "slurm-4242.0",
+                          .vars = {{"SLURM_PROCID", NULL},
+                                   {"SLURM_NTASKS", "4"},
+                                   {"SLURM_NTASKS_PER_NODE", "2"},
+                                   {"SLURM_JOB_ID", "4242"}},
+                          .step_var = "SLURM_STEP_ID",
+                          .step = "0",
+                          .nodes = {5, 2}};
+    struct launch torchrun = {.what = "torchrun",
+                              .job = "torch-run7",
+                              .vars = {{"RANK", NULL},
+                                       {"WORLD_SIZE", "4"},
+                                       {"LOCAL_WORLD_SIZE", "2"},
+                                       {"TORCHELASTIC_RUN_ID", "run7"}},
+                              .nodes = {4, 3}};
+    launched(&srun);
+    launched(&torchrun);
+}
+
 /* ---- refusals, through libshard */
 
 struct reg {
@@ -486,6 +597,7 @@ int main(void)
     node_killed();
     node_back(extra);
     save_elsewhere();
+    launchers();
     refusals();
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_node_sets");

@@ -21,7 +21,9 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
     was not given to wrap raises at its step(), pointing to wrap(optimizer=), while the torch
     optimizers given to wrap step as before;
   - RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID (torchrun's variables) set rank, world and the job
-    name ("torch-<id>") when wrap is not given them; a RANK outside WORLD_SIZE is refused;
+    name ("torch-<id>") when wrap is not given them, else SLURM_PROCID, SLURM_NTASKS and
+    SLURM_JOB_ID.SLURM_STEP_ID (Slurm's: "slurm-<id>.<step>"); a RANK outside WORLD_SIZE and a
+    SLURM_PROCID that is not a number are refused;
   - checkpoints: shard.torch.save after 3 steps, wrap(load=) in a new job resumes at step 3 with
     the saved parameters (and the checkpoint's lr in the optimizer's param_groups), and 3 more
     steps end bitwise equal to 6 uninterrupted ones; shard.checkpoint.load_state_dict reads
@@ -386,6 +388,21 @@ try:
         check(p.returncode == 0 and "('torch-abc123', 2)" in out,
               f"rank {r} from RANK/WORLD_SIZE/TORCHELASTIC_RUN_ID: job torch-abc123 of world 2 "
               f"(exit {p.returncode}):\n{out}")
+    # Slurm's: SLURM_PROCID, SLURM_NTASKS, SLURM_NTASKS_PER_NODE, SLURM_JOB_ID.SLURM_STEP_ID
+    slurm = dict(os.environ, SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="77",
+                 SLURM_STEP_ID="3", PYTHONPATH=os.path.join(ROOT, "client", "python"))
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=dict(slurm, SLURM_PROCID=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        check(p.returncode == 0 and "('slurm-77.3', 2)" in out,
+              f"rank {r} from SLURM_PROCID/SLURM_NTASKS/SLURM_JOB_ID: job slurm-77.3 of world 2 "
+              f"(exit {p.returncode}):\n{out}")
+    r = subprocess.run([sys.executable, "-c", script], env=dict(slurm, SLURM_PROCID="x"),
+                       capture_output=True, text=True, timeout=120)
+    check(r.returncode != 0 and "SLURM_PROCID='x' is not a number" in r.stderr,
+          f"a SLURM_PROCID that is not a number refused: {r.stderr[-300:]}")
     r = subprocess.run([sys.executable, "-c", script], env=dict(env, RANK="2"),
                        capture_output=True, text=True, timeout=120)
     check(r.returncode != 0 and "rank 2 is outside world 2" in r.stderr,

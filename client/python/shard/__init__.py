@@ -280,8 +280,9 @@ class Context:
         step. resume_timeout_ms: when a rank dies the job pauses for that long (0: the daemon's
         resume_timeout_ms) and calls raise ShardError with status EPAUSED; registering every
         rank again (same job and model) resumes it: resumed is True and start_step the step it
-        paused after. ranks_per_node: the job's ranks per node, the same on every rank (rank r
-        is served by node r // ranks_per_node; 0: the daemon's ranks_per_node)."""
+        paused after. ranks_per_node: the job's ranks per node, the same on every rank (ranks
+        with the same r // ranks_per_node share a node, any of the cluster's; 0: the daemon's
+        ranks_per_node)."""
         n = len(tensors)
         keep = []  # keep ctypes objects alive during the call
         arr = (_Tensor * n)()

@@ -548,19 +548,40 @@ def _ranks_per_node(given):
     return 0
 
 
+def _launcher_int(names, default):
+    """The first of the launcher's variables names that is set, as a number; else default."""
+    for var in names:
+        v = os.environ.get(var, "")
+        if v:
+            try:
+                return int(v)
+            except ValueError:
+                raise ValueError(f"shard.torch.wrap: {var}={v!r} is not a number") from None
+    return default
+
+
 def _launcher(job, rank, world):
-    """rank, world and the job name from torchrun's variables where not given."""
+    """rank, world and the job name where not given: torchrun's RANK, WORLD_SIZE and
+    TORCHELASTIC_RUN_ID (job torch-ID), else Slurm's SLURM_PROCID, SLURM_NTASKS and
+    SLURM_JOB_ID with SLURM_STEP_ID (job slurm-ID.STEP)."""
     env = os.environ
     if rank is None:
-        rank = int(env.get("RANK", 0))
+        rank = _launcher_int(("RANK", "SLURM_PROCID"), 0)
     if world is None:
-        world = int(env.get("WORLD_SIZE", 1))
+        world = _launcher_int(("WORLD_SIZE", "SLURM_NTASKS"), 1)
     if job is None:
-        run = env.get("TORCHELASTIC_RUN_ID")
-        job = f"torch-{run}" if run else "torch"
+        run, sjob, sstep = (env.get("TORCHELASTIC_RUN_ID"), env.get("SLURM_JOB_ID"),
+                            env.get("SLURM_STEP_ID"))
+        if run:
+            job = f"torch-{run}"
+        elif sjob:
+            job = f"slurm-{sjob}.{sstep}" if sstep else f"slurm-{sjob}"
+        else:
+            job = "torch"
     if not 0 <= rank < world:
         raise ValueError(f"shard.torch.wrap: rank {rank} is outside world {world} (RANK "
-                         f"{env.get('RANK')}, WORLD_SIZE {env.get('WORLD_SIZE')})")
+                         f"{env.get('RANK')}, WORLD_SIZE {env.get('WORLD_SIZE')}, SLURM_PROCID "
+                         f"{env.get('SLURM_PROCID')}, SLURM_NTASKS {env.get('SLURM_NTASKS')})")
     return job, rank, world
 
 
@@ -740,11 +761,11 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     """Register model's parameters with shardd and install the hooks; returns model.
 
     rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
-    ("torch-<id>"; else rank 0 of 1, job "torch"); socket from $SHARD_SOCKET.
-    ranks_per_node: the job's ranks per node (rank r is served by the daemon of node
-    r // ranks_per_node), by default torchrun's LOCAL_WORLD_SIZE or Slurm's
-    SLURM_NTASKS_PER_NODE, else the daemon's ranks_per_node: a job with fewer ranks per node
-    than the cluster is configured for runs on its first world // ranks_per_node nodes.
+    ("torch-<id>"), else Slurm's SLURM_PROCID, SLURM_NTASKS and SLURM_JOB_ID with SLURM_STEP_ID
+    ("slurm-<id>.<step>"), else rank 0 of 1, job "torch"; socket from $SHARD_SOCKET.
+    ranks_per_node: the job's ranks per node (ranks r with the same r // ranks_per_node share a
+    node, any of the cluster's: the job's node r // ranks_per_node), by default torchrun's
+    LOCAL_WORLD_SIZE or Slurm's SLURM_NTASKS_PER_NODE, else the daemon's ranks_per_node.
     units: submodules (or their names) that become units, in forward order; by default every
     direct child with parameters, descending into ModuleList, ModuleDict and Sequential.
     Parameters outside them form one more unit fetched around the whole model's forward. A
