@@ -73,6 +73,8 @@ struct coord_live {
     struct coord_live *next;
     char name[64];
     uint32_t tag;
+    uint32_t nodes;
+    uint32_t *at; /* [nodes]: its cluster nodes (once all are down, nothing will end it) */
 };
 
 struct sd_cluster {

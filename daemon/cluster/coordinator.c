@@ -68,6 +68,7 @@ static void coord_live_end(struct sd_cluster *cl, const char *name)
     if (last != NULL) {
         struct coord_live *l = *last;
         *last = l->next;
+        free(l->at);
         free(l);
     }
 }
@@ -94,11 +95,15 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j)
     }
     if (j->status == SD_OK) {
         struct coord_live *live = calloc(1, sizeof(*live));
-        if (live != NULL) { /* (without: the tag may be reused while the job runs) */
+        if (live != NULL && (live->at = malloc(j->nodes * sizeof(*live->at))) != NULL) {
             snprintf(live->name, sizeof(live->name), "%s", j->name);
             live->tag = tag;
+            live->nodes = j->nodes;
+            memcpy(live->at, j->at, j->nodes * sizeof(*live->at));
             live->next = cl->live;
             cl->live = live;
+        } else { /* (without: the tag may be reused while the job runs) */
+            free(live);
         }
         c.job = j->name;
         c.tag = tag;
@@ -472,9 +477,22 @@ void sd_cluster_job_recover(struct sd_cluster *cl, uint32_t node, const Shard__J
         sd_cluster__send_to(cl, node, &m);
 }
 
-/* a dead node's ranks have left every job */
+/* a dead node's ranks have left every job; a job whose nodes are all down ends */
 void sd_cluster__coord_node_down(struct sd_cluster *cl, uint32_t node)
 {
+    for (struct coord_live **pp = &cl->live; *pp;) {
+        struct coord_live *l = *pp;
+        bool up = false;
+        for (uint32_t i = 0; i < l->nodes; i++)
+            up |= l->at[i] == cl->self || (l->at[i] < cl->n && cl->alive[l->at[i]]);
+        if (up) {
+            pp = &l->next;
+            continue;
+        }
+        *pp = l->next;
+        free(l->at);
+        free(l);
+    }
     for (struct coord_left *l = cl->lefts, *next; l; l = next) {
         next = l->next;
         for (uint32_t i = 0; i < l->nodes; i++)
@@ -497,6 +515,7 @@ void sd_cluster__coord_free(struct sd_cluster *cl)
     while (cl->live) {
         struct coord_live *l = cl->live;
         cl->live = l->next;
+        free(l->at);
         free(l);
     }
 }

@@ -320,6 +320,10 @@ void sd_job_refuse(struct sd_job *job, int status, const char *msg)
         sd_conn_send_error(s->conn, status, "register: %s", msg);
         job_unlink_rank(job, s);
     }
+    /* confirmed already (it waited for its nodes' data paths): the nodes that went on end the
+     * job once this one, too, said its ranks left */
+    if (job->nodes > 1 && job->xfer.tag != 0)
+        sd_cluster_job_left(sd_job_cluster(job), job->name, job->xfer.node_ids, job->nodes);
     sd_job_destroy(job);
 }
 
