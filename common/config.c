@@ -16,8 +16,14 @@
 const struct sd_config_entry sd_config_table[] = {
     {"runtime_dir", SD_CFG_STRING, "/run/shardd", 0, SD_PATH_MAX, OFF(runtime_dir),
      "directory for the client socket (created 0700; socket 0660)", 0},
-    {"node", SD_CFG_INT, "0", 0, 1023, OFF(node), "index of this node in the cluster", 0},
-    {"nodes", SD_CFG_INT, "1", 1, 1024, OFF(nodes), "number of nodes (daemons) in the cluster", 1},
+    {"node", SD_CFG_INT, "-1", -1, 1023, OFF(node),
+     "index of this node in the cluster (-1: 0 in a fixed cluster; in an open one, the "
+     "coordinator assigns it, and node 0 is the coordinator)",
+     0},
+    {"nodes", SD_CFG_INT, "1", 0, 1024, OFF(nodes),
+     "number of nodes (daemons) in the cluster; 0: an open cluster, which daemons join and leave "
+     "at any time through the coordinator (up to 1024)",
+     1},
     {"ranks_per_node", SD_CFG_INT, "0", 0, 1024, OFF(ranks_per_node),
      "trainer ranks (devices) per node; 0 takes it from each job (one node only)", 1},
     {"package_size", SD_CFG_INT, "1", 1, 1024, OFF(package_size),

@@ -124,6 +124,12 @@ static int cluster_node_start(struct th_cluster *c, int i, const char *const *ex
                             "--cluster-secret-file",
                             key};
     int n = 10;
+    if (c->open) { /* no index but the coordinator's, no node count, no ranks per node */
+        const char *open[] = {"--nodes", "0", "--coordinator", coord, "--cluster-secret-file", key,
+                              "--node",  "0"};
+        n = i == 0 ? 8 : 6;
+        memcpy(args, open, sizeof(open));
+    }
     for (int j = 0; extra && extra[j] && n < 62; j++)
         args[n++] = extra[j];
     args[n] = NULL;
@@ -136,6 +142,48 @@ int th_cluster_node_restart(struct th_cluster *c, int i, const char *const *extr
     snprintf(old, sizeof(old), "%s.before-restart", c->d[i].log);
     rename(c->d[i].log, old);
     return cluster_node_start(c, i, extra);
+}
+
+/* the daemon at d logged that it has an address table, within 15 s */
+static bool node_formed(const struct th_daemon *d)
+{
+    for (double end = th_now_s() + 15; th_now_s() < end; usleep(20000)) {
+        char *log = th_read_file(d->log, NULL);
+        bool formed = log && strstr(log, "nodes formed") != NULL;
+        free(log);
+        if (formed)
+            return true;
+    }
+    return false;
+}
+
+int th_open_cluster_start(struct th_cluster *c, int nodes, const char *const *extra)
+{
+    char base[64];
+    snprintf(base, sizeof(base), "/tmp/shardd-cluster-XXXXXX");
+    if (nodes > TH_MAX_NODES || mkdtemp(base) == NULL)
+        return -1;
+    srand((unsigned)getpid());
+    for (int attempt = 0; attempt < 5; attempt++) {
+        memset(c, 0, sizeof(*c));
+        memcpy(c->base, base, sizeof(c->base));
+        c->nodes = nodes;
+        c->open = true;
+        c->port = 20000 + rand() % 30000;
+        int ok = 1;
+        for (int i = 0; i < nodes && ok; i++) /* one after the other: numbered in this order */
+            ok = cluster_node_start(c, i, extra) == 0 && node_formed(&c->d[i]);
+        if (ok)
+            return 0;
+        for (int i = 0; i < nodes; i++)
+            if (c->d[i].pid > 0) {
+                kill(c->d[i].pid, SIGKILL);
+                th_wait(c->d[i].pid, 5000);
+                c->d[i].pid = 0;
+            }
+    }
+    fprintf(stderr, "open cluster of %d nodes did not form; logs under %s\n", nodes, base);
+    return -1;
 }
 
 int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *extra)

@@ -20,6 +20,7 @@ struct th_daemon {
 #define TH_MAX_NODES 8
 struct th_cluster {
     int nodes, k, port;
+    bool open; /* an open cluster (nodes 0): the daemons get no index, node 0 is the coordinator */
     char base[64]; /* the cluster's directory; node i's is base/node<i> */
     struct th_daemon d[TH_MAX_NODES];
 };
@@ -29,6 +30,9 @@ int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *
  * the cluster's directory (a killed node's log included); returns the number that did not exit
  * cleanly. */
 int th_cluster_stop(struct th_cluster *c);
+/* Start an open cluster of `nodes` daemons on loopback (--nodes 0, no ranks per node: jobs give
+ * theirs), one after the other: node i is the i-th to join, which the coordinator numbers i. */
+int th_open_cluster_start(struct th_cluster *c, int nodes, const char *const *extra);
 /* Start node i of c again (after it was killed) with the cluster's arguments and extra: it
  * rejoins the cluster. Its earlier log is kept as <log>.before-restart. */
 int th_cluster_node_restart(struct th_cluster *c, int i, const char *const *extra);

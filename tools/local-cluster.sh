@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # An emulated cluster of shardd daemons on this machine.
 #
-#   tools/local-cluster.sh start --nodes N --ranks-per-node K --dir DIR
+#   tools/local-cluster.sh start --nodes N --ranks-per-node K --dir DIR [--open]
 #                                [--netns --inter-rate RATE --inter-delay DELAY --mtu BYTES]
 #                                [--port PORT] [--shardd PATH] [--gpu-per-node]
 #                                [-- shardd options...]
@@ -23,17 +23,19 @@
 # (the socket is a file, so they can also connect from the root namespace). stop kills the
 # daemons and removes the namespaces, links and DIR's contents it made. --gpu-per-node: node i
 # drives GPU i (--devices i), as one shardd per GPU of a machine with several runs (with
-# -- --backend cuda; its trainers then run on GPU i).
+# -- --backend cuda; its trainers then run on GPU i). --open starts an open cluster: every
+# daemon gets --nodes 0 and no index or ranks per node (node 0 adds --node 0: the coordinator,
+# which numbers the others as they join, in order here); jobs give their own ranks per node.
 set -euo pipefail
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ -n "$cmd" ] || { usage; exit 2; }
 case $cmd in -h|--help|help) usage; exit 0 ;; esac
 shift
 state= nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 mtu=1500 port= shardd= shardctl= extra=() node=
-gpus=0
+gpus=0 open=0
 from=
 while [ $# -gt 0 ]; do
   case $1 in
@@ -50,6 +52,7 @@ while [ $# -gt 0 ]; do
     --node) node=$2; shift 2 ;;
     --from) from=$2; shift 2 ;;
     --gpu-per-node) gpus=1; shift ;;
+    --open) open=1; shift ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     up|down|on|off) state=$1; shift ;;
@@ -168,11 +171,22 @@ for i in $(seq 0 $((nodes - 1))); do
     addr="10.$a.$b.$((i + 1))"
     runner=(ip netns exec "$(ns "$i")")
   fi
-  "${runner[@]}" "$shardd" --nodes "$nodes" --node "$i" --ranks-per-node "$k" \
+  place=(--nodes "$nodes" --node "$i" --ranks-per-node "$k")
+  if [ "$open" = 1 ]; then
+    place=(--nodes 0)
+    [ "$i" = 0 ] && place+=(--node 0)
+  fi
+  "${runner[@]}" "$shardd" "${place[@]}" \
     --runtime-dir "$d" --coordinator "$coord_ip:$port" --fabric-addr "$addr" \
     --cluster-secret-file "$dir/cluster.key" "${gpu[@]}" \
     "${extra[@]}" >"$d/shardd.log" 2>&1 &
   echo $! >"$d/pid"
+  if [ "$open" = 1 ]; then # numbered in the order they join: node i is the i-th
+    for _ in $(seq 300); do
+      "$shardctl" --socket "$d/shardd.sock" topology 2>/dev/null | grep -q "cluster formed" && break
+      sleep 0.05
+    done
+  fi
 done
 for i in $(seq 0 $((nodes - 1))); do
   for _ in $(seq 200); do [ -S "$dir/node$i/shardd.sock" ] && break; sleep 0.05; done
@@ -191,7 +205,12 @@ formed || { echo "the cluster did not form:"; tail -n 5 "$dir"/node*/shardd.log;
 cat >"$dir/cluster.env" <<EOF
 NODES=$nodes
 RANKS_PER_NODE=$k
+OPEN=$open
 PORT=$port
 NETNS=$netns
 EOF
-echo "cluster of $nodes nodes x $k ranks up in $dir (coordinator $coord_ip:$port)"
+if [ "$open" = 1 ]; then
+  echo "open cluster of $nodes nodes up in $dir (coordinator $coord_ip:$port)"
+else
+  echo "cluster of $nodes nodes x $k ranks up in $dir (coordinator $coord_ip:$port)"
+fi

@@ -25,6 +25,8 @@
 /* a member that lost the coordinator tries to reconnect this often */
 #define SD_REJOIN_RETRY_MS 1000
 
+#define SD_NO_NODE UINT32_MAX
+
 struct link {
     uv_tcp_t tcp;
     struct sd_cluster *cl;
@@ -65,8 +67,6 @@ struct coord_left {
     uint8_t *seen;
 };
 
-#define SD_NO_NODE UINT32_MAX
-
 /* Coordinator: a confirmed job's transport tag, in use until the job ends everywhere (it may run
  * on nodes without the coordinator: its own jobs are not all there is) */
 struct coord_live {
@@ -84,7 +84,15 @@ struct sd_cluster {
     uint64_t auth_refused; /* connections that did not prove it */
     struct sd_transport *tp;
     struct sd_cluster_events ev;
-    uint32_t n, self;
+    /* nodes in the table (an open cluster's grows as daemons join), at most cap; self is
+     * SD_NO_NODE in an open cluster's member until the coordinator numbered it */
+    uint32_t n, cap, self;
+    bool open; /* nodes 0: daemons join and leave through the coordinator, which numbers them */
+    struct {   /* this daemon's fabric address and heartbeat port, for its hello */
+        uint8_t addr[256];
+        size_t addr_len;
+        uint32_t hb_port;
+    } me;
     bool ready, fatal, stopping;
     bool rejoining; /* member: lost the coordinator after the cluster formed; reconnecting */
     struct link *connecting;     /* member: the link whose connect is pending, or NULL */

@@ -101,14 +101,14 @@ static void send_hello(struct sd_cluster *cl, struct link *l)
         return;
     }
     Shard__PeerHello h = SHARD__PEER_HELLO__INIT;
-    h.node = cl->self;
+    h.node = cl->open ? SD_NO_NODE : cl->self; /* an open cluster's coordinator numbers it */
     h.protocol_version = SD_PROTOCOL_VERSION;
     h.config_digest = cl->digest;
-    h.fabric_addr.data = cl->addrs[cl->self];
-    h.fabric_addr.len = cl->addr_len[cl->self];
+    h.fabric_addr.data = cl->me.addr;
+    h.fabric_addr.len = cl->me.addr_len;
     h.version = SHARD_VERSION;
     h.config_summary = cl->summary;
-    h.hb_port = cl->hb_port[cl->self];
+    h.hb_port = cl->me.hb_port;
     h.nonce.data = l->nonce_m;
     h.nonce.len = SD_AUTH_NONCE;
     sd_auth_hello_mac(&cl->auth, l->nonce_c, l->nonce_m, &h, mac);

@@ -62,7 +62,8 @@ static void hb_mac(const uint8_t *key, const struct hb_msg *m, uint8_t out[HB_MA
 
 struct sd_heartbeat {
     int fd;
-    uint32_t self, n;
+    _Atomic uint32_t self; /* (an open cluster numbers its members after they started) */
+    uint32_t n;
     uint64_t digest;
     uint64_t interval_ns, stall_ns;
     pthread_t thread;
@@ -84,7 +85,7 @@ static void *hb_thread(void *arg)
             next = now + hb->interval_ns;
             /* vouch for the loop only while it runs */
             if (now - atomic_load(&hb->loop_tick_ns) < hb->stall_ns) {
-                struct hb_msg m = {.magic = HB_MAGIC, .node = hb->self, .seq = ++seq};
+                struct hb_msg m = {.magic = HB_MAGIC, .node = atomic_load(&hb->self), .seq = ++seq};
                 pthread_mutex_lock(&hb->lock);
                 for (uint32_t i = 0; i < hb->n; i++) {
                     if (hb->peers[i].addr.sin_port == 0)
@@ -112,7 +113,7 @@ static void *hb_thread(void *arg)
             if (r < 0)
                 break;
             bool ok = r == (ssize_t)sizeof(m) && m.magic == HB_MAGIC && m.node < hb->n &&
-                      m.node != hb->self;
+                      m.node != atomic_load(&hb->self);
             if (ok) {
                 pthread_mutex_lock(&hb->lock);
                 struct hb_peer *p2 = &hb->peers[m.node];
@@ -147,7 +148,7 @@ int sd_heartbeat_start(struct sd_heartbeat **hb_p, const struct sd_heartbeat_par
     if (hb == NULL)
         return SD_ENOMEM;
     hb->fd = -1;
-    hb->self = self;
+    atomic_store(&hb->self, self);
     hb->n = n;
     hb->digest = digest;
     hb->interval_ns = interval_ms * 1000000ULL;
@@ -196,7 +197,7 @@ err_free:
 void sd_heartbeat_set_peer(struct sd_heartbeat *hb, uint32_t node, const struct sockaddr *addr,
                            uint16_t port, const uint8_t *key)
 {
-    if (hb == NULL || node >= hb->n || node == hb->self)
+    if (hb == NULL || node >= hb->n || node == atomic_load(&hb->self))
         return;
     struct sockaddr_in a = {0};
     if (key == NULL)
@@ -249,4 +250,15 @@ void sd_heartbeat_stop(struct sd_heartbeat *hb)
     free(hb->last_seen_ns);
     free(hb->peers);
     free(hb);
+}
+
+void sd_heartbeat_set_self(struct sd_heartbeat *hb, uint32_t self)
+{
+    if (hb == NULL)
+        return;
+    pthread_mutex_lock(&hb->lock);
+    atomic_store(&hb->self, self);
+    if (self < hb->n)
+        memset(&hb->peers[self], 0, sizeof(hb->peers[self]));
+    pthread_mutex_unlock(&hb->lock);
 }

@@ -26,6 +26,8 @@ int sd_heartbeat_start(struct sd_heartbeat **hb_p, const struct sd_heartbeat_par
  * link's handshake (SD_SHA256_BYTES); port 0 or no key: not a peer */
 void sd_heartbeat_set_peer(struct sd_heartbeat *hb, uint32_t node, const struct sockaddr *addr,
                            uint16_t port, const uint8_t *key);
+/* this node is self from now on (an open cluster's coordinator numbered it) */
+void sd_heartbeat_set_self(struct sd_heartbeat *hb, uint32_t self);
 /* when node's last datagram arrived (sd_now_ns), 0 if none */
 uint64_t sd_heartbeat_last_seen(const struct sd_heartbeat *hb, uint32_t node);
 /* the loop is running */

@@ -2,7 +2,9 @@
  * the libuv loop, node 0 the coordinator. Rendezvous (hello with node, version, config digest and
  * fabric address; the address table once every node is present), heartbeats, node failures, and
  * the framing of peer messages, which go to the coordinator (coordinator.c) or to the registry
- * (the events of cluster.h). */
+ * (the events of cluster.h). An open cluster (nodes 0) is ready at the coordinator from the
+ * start; a member's hello asks for a number, which the coordinator gives (the lowest one a node
+ * that left freed, else a new one) with the grown table (PeerTable.you). */
 #include "cluster/cluster_int.h"
 
 static void retry_cb(uv_timer_t *t);
@@ -170,8 +172,10 @@ static void broadcast_table(struct sd_cluster *cl)
     m.msg_case = SHARD__PEER_MSG__MSG_TABLE;
     m.table = &t;
     for (uint32_t i = 1; i < cl->n; i++)
-        if (cl->alive[i])
+        if (cl->alive[i]) {
+            t.you = i;
             sd_cluster__link_send(cl->by_node[i], &m);
+        }
     free(a);
     free(down);
 }
@@ -232,10 +236,32 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
     struct sd_cluster *cl = l->cl;
     if (!sd_cluster__hello_authentic(l, h))
         return;
-    if (h->node == 0 || h->node >= cl->n) {
-        refuse(l, "node %u is out of range: this cluster has nodes 0..%u", h->node, cl->n - 1);
+    uint32_t node = h->node;
+    if (cl->open && node != SD_NO_NODE) {
+        refuse(l,
+               "a daemon that calls itself node %u joins an open cluster (nodes 0), whose "
+               "coordinator numbers its members: start it with nodes 0 and no node",
+               node);
         return;
     }
+    if (cl->open) { /* a node that left gives its number to the next to come, else a new one */
+        node = cl->n;
+        for (uint32_t i = 1; i < cl->n; i++)
+            if (!cl->alive[i] && (cl->by_node[i] == NULL || cl->by_node[i] == l)) {
+                node = i;
+                break;
+            }
+        if (node >= cl->cap) {
+            refuse(l, "the open cluster has its %u nodes up", cl->cap);
+            return;
+        }
+    } else if (node == 0 || node >= cl->n) {
+        refuse(l, "node %u is out of range: this cluster has nodes 0..%u", node, cl->n - 1);
+        return;
+    }
+    Shard__PeerHello hn = *h;
+    hn.node = node;
+    h = &hn;
     if (h->protocol_version != SD_PROTOCOL_VERSION || strcmp(h->version, SHARD_VERSION) != 0) {
         refuse(l, "node %u runs shardd %s (protocol v%u); the coordinator runs %s (v%d)", h->node,
                h->version, h->protocol_version, SHARD_VERSION, SD_PROTOCOL_VERSION);
@@ -266,6 +292,8 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
         refuse(l, "node %u: fabric address of %zu bytes is too long", h->node, h->fabric_addr.len);
         return;
     }
+    if (cl->open && h->node == cl->n)
+        cl->n++; /* a new node: the table grows */
     l->node = (int)h->node;
     cl->by_node[h->node] = l;
     memcpy(cl->addrs[h->node], h->fabric_addr.data, h->fabric_addr.len);
@@ -292,6 +320,37 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
 /* ---- receiving */
 
 static void on_message(struct link *l, const Shard__PeerMsg *m);
+
+/* A member: does the coordinator's table fit (a fixed cluster's has its nodes; an open one's
+ * may have grown, and says which node this one is)? This node takes its number then. */
+static bool table_fits(struct sd_cluster *cl, const Shard__PeerTable *t)
+{
+    if (!cl->open)
+        return t->n_fabric_addrs == cl->n;
+    uint32_t n = (uint32_t)t->n_fabric_addrs;
+    if (n < 2 || n > cl->cap || t->you == 0 || t->you >= n || t->n_hb_ports < n) {
+        SD_WARN_SPARSE("cluster", "an address table of %u nodes naming this one node %u: ignored",
+                       n, t->you);
+        return false;
+    }
+    if (t->you != cl->self) {
+        if (cl->self != SD_NO_NODE)
+            SD_WARN("cluster", "the coordinator numbers this daemon node %u now (it was %u)",
+                    t->you, cl->self);
+        else
+            SD_INFO("cluster", "the coordinator numbered this daemon node %u", t->you);
+        cl->self = t->you;
+        cl->tp->self = t->you;
+        sd_heartbeat_set_self(cl->hb, t->you);
+        memcpy(cl->addrs[cl->self], cl->me.addr, cl->me.addr_len);
+        cl->addr_len[cl->self] = cl->me.addr_len;
+        cl->hb_port[cl->self] = cl->me.hb_port;
+    }
+    for (uint32_t i = n; i < cl->n; i++) /* (a coordinator that restarted has fewer) */
+        cl->present[i] = cl->alive[i] = false;
+    cl->n = n;
+    return true;
+}
 
 /* The coordinator passes a member's message for another member on (a job's messages only:
  * what a member may say about the cluster it says to the coordinator itself). */
@@ -327,7 +386,7 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         sd_cluster__link_close(l, "a second hello");
         break;
     case SHARD__PEER_MSG__MSG_TABLE:
-        if (cl->self == 0 || m->table->n_fabric_addrs != cl->n)
+        if (cl->self == 0 || !table_fits(cl, m->table))
             break;
         for (uint32_t i = 0; i < cl->n; i++) {
             size_t len = SD_MIN(m->table->fabric_addrs[i].len, sizeof(cl->addrs[0]));
@@ -678,8 +737,12 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     cl->cfg = cfg;
     cl->tp = tp;
     cl->ev = *ev;
-    cl->n = (uint32_t)cfg->nodes;
-    cl->self = (uint32_t)cfg->node;
+    /* an open cluster (nodes 0) grows as daemons join; its coordinator is node 0, and numbers
+     * the others as they come */
+    cl->open = cfg->nodes == 0;
+    cl->cap = cl->open ? SD_MAX_NODES : (uint32_t)cfg->nodes;
+    cl->self = cfg->node >= 0 ? (uint32_t)cfg->node : SD_NO_NODE;
+    cl->n = !cl->open ? cl->cap : cl->self == 0 ? 1 : 0;
     cl->start_ns = sd_now_ns();
     cl->digest = sd_config_digest(cfg, cl->summary, sizeof(cl->summary));
     char err[600];
@@ -688,21 +751,30 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
         *cl_p = cl;
         return SD_ECONFIG;
     }
-    cl->addrs = calloc(cl->n, sizeof(*cl->addrs));
-    cl->addr_len = calloc(cl->n, sizeof(*cl->addr_len));
-    cl->present = calloc(cl->n, sizeof(bool));
-    cl->alive = calloc(cl->n, sizeof(bool));
-    cl->down_scratch = calloc(cl->n, sizeof(*cl->down_scratch));
-    cl->hb_port = calloc(cl->n, sizeof(*cl->hb_port));
-    cl->by_node = calloc(cl->n, sizeof(*cl->by_node));
-    size_t len = sizeof(cl->addrs[0]);
-    int st = tp->ops->getname(tp, cl->addrs[cl->self], &len);
+    cl->addrs = calloc(cl->cap, sizeof(*cl->addrs));
+    cl->addr_len = calloc(cl->cap, sizeof(*cl->addr_len));
+    cl->present = calloc(cl->cap, sizeof(bool));
+    cl->alive = calloc(cl->cap, sizeof(bool));
+    cl->down_scratch = calloc(cl->cap, sizeof(*cl->down_scratch));
+    cl->hb_port = calloc(cl->cap, sizeof(*cl->hb_port));
+    cl->by_node = calloc(cl->cap, sizeof(*cl->by_node));
+    if (!cl->addrs || !cl->addr_len || !cl->present || !cl->alive || !cl->down_scratch ||
+        !cl->hb_port || !cl->by_node) {
+        *cl_p = cl;
+        return SD_ENOMEM;
+    }
+    size_t len = sizeof(cl->me.addr);
+    int st = tp->ops->getname(tp, cl->me.addr, &len);
     if (st != SD_OK) {
         *cl_p = cl; /* the caller stops and frees it */
         return st;
     }
-    cl->addr_len[cl->self] = len;
-    cl->present[cl->self] = true;
+    cl->me.addr_len = len;
+    if (cl->self != SD_NO_NODE) {
+        memcpy(cl->addrs[cl->self], cl->me.addr, len);
+        cl->addr_len[cl->self] = len;
+        cl->present[cl->self] = true;
+    }
     if ((st = sd_probe_init(cl)) != SD_OK) {
         *cl_p = cl;
         return st;
@@ -720,7 +792,7 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     st = sd_heartbeat_start(
         &cl->hb,
         &(struct sd_heartbeat_param){.self = cl->self,
-                                     .n = cl->n,
+                                     .n = cl->cap,
                                      .digest = cl->digest,
                                      .interval_ms = (uint64_t)cfg->heartbeat_interval_ms,
                                      .stall_ms = 4 * (uint64_t)cfg->heartbeat_timeout_ms,
@@ -730,7 +802,9 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     if (st != SD_OK)
         SD_WARN("cluster", "no heartbeat thread (%s): the control links' heartbeats alone count",
                 sd_status_str(st));
-    cl->hb_port[cl->self] = hb_port;
+    cl->me.hb_port = hb_port;
+    if (cl->self != SD_NO_NODE)
+        cl->hb_port[cl->self] = hb_port;
     uv_timer_init(loop, &cl->timer);
     cl->timer.data = cl;
     uv_timer_init(loop, &cl->retry);
@@ -756,7 +830,16 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
             *cl_p = cl;
             return SD_EIO;
         }
-        SD_INFO("cluster", "coordinator listening on %s for %u nodes", cfg->coordinator, cl->n);
+        if (cl->open) { /* ready at once: the others join it */
+            SD_INFO("cluster", "coordinator of an open cluster listening on %s", cfg->coordinator);
+            st = install_table(cl, NULL);
+            if (st != SD_OK) {
+                *cl_p = cl;
+                return st;
+            }
+        } else {
+            SD_INFO("cluster", "coordinator listening on %s for %u nodes", cfg->coordinator, cl->n);
+        }
     } else {
         try_connect(cl);
     }
@@ -804,60 +887,4 @@ void sd_cluster_free(struct sd_cluster *cl)
     free(cl->by_node);
     sd_probe_free(cl);
     free(cl);
-}
-
-bool sd_cluster_ready(const struct sd_cluster *cl)
-{
-    return cl == NULL || cl->ready;
-}
-
-bool sd_cluster_fatal(const struct sd_cluster *cl)
-{
-    return cl != NULL && cl->fatal;
-}
-
-bool sd_cluster_alive(const struct sd_cluster *cl, uint32_t node)
-{
-    return cl == NULL ? node == 0 : node < cl->n && (node == cl->self || cl->alive[node]);
-}
-
-bool sd_cluster_usable(const struct sd_cluster *cl, uint32_t node)
-{
-    return sd_cluster_alive(cl, node) && (cl == NULL || sd_probe_ok(cl, node));
-}
-
-uint32_t sd_cluster_nodes(const struct sd_cluster *cl)
-{
-    return cl ? cl->n : 1;
-}
-
-uint32_t sd_cluster_self(const struct sd_cluster *cl)
-{
-    return cl ? cl->self : 0;
-}
-
-json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl)
-{
-    uint64_t sent, received, dropped;
-    sd_heartbeat_counts(cl ? cl->hb : NULL, &sent, &received, &dropped);
-    /* dropped: datagrams of no peer, a bad MAC or an old sequence number; peers_refused:
-     * connections that did not prove the cluster's secret */
-    return json_pack("{s:b, s:I, s:I, s:I, s:i, s:I}", "thread", cl != NULL && cl->hb != NULL,
-                     "sent", (json_int_t)sent, "received", (json_int_t)received, "dropped",
-                     (json_int_t)dropped, "port", cl ? (int)cl->hb_port[cl->self] : 0,
-                     "peers_refused", (json_int_t)(cl ? cl->auth_refused : 0));
-}
-
-json_t *sd_cluster_json(const struct sd_cluster *cl)
-{
-    json_t *nodes = json_array();
-    for (uint32_t i = 0; cl && i < cl->n; i++)
-        json_array_append_new(nodes, json_pack("{s:i, s:b, s:s}", "node", (int)i, "self",
-                                               i == cl->self, "state",
-                                               i == cl->self        ? "self"
-                                               : !cl->present[i]    ? "absent"
-                                               : !cl->alive[i]      ? "down"
-                                               : sd_probe_ok(cl, i) ? "up"
-                                                                    : "probing"));
-    return nodes;
 }

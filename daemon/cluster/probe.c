@@ -153,7 +153,7 @@ int sd_probe_init(struct sd_cluster *cl)
     if (p == NULL)
         return SD_ENOMEM;
     p->cl = cl;
-    p->n = cl->n;
+    p->n = cl->cap; /* (an open cluster's table grows up to cap) */
     p->rails = 1 + SD_MIN(cl->tp->data_lanes, (uint32_t)SD_MAX_DATA_LANES);
     p->round = calloc(p->n, sizeof(*p->round));
     p->base = calloc(p->n, sizeof(*p->base));

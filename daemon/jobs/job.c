@@ -371,6 +371,7 @@ uint32_t sd_job_ranks_per_node(const struct sd_config *cfg, const Shard__Registe
 {
     if (msg->ranks_per_node != 0)
         return msg->ranks_per_node;
+    /* (an open cluster without a ranks_per_node: a job that gives none is one node's) */
     return cfg->nodes > 1 || cfg->ranks_per_node ? (uint32_t)cfg->ranks_per_node : msg->world;
 }
 
@@ -417,11 +418,12 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
                  msg->world, k, k);
         return NULL;
     }
-    if (nodes > (uint32_t)cfg->nodes) {
+    uint32_t have = sd_cluster_nodes(sd_net_cluster(reg->net));
+    if (nodes > have) {
         snprintf(err, errlen,
-                 "world size %u needs %u nodes of %u ranks; this cluster has %lld (at most "
-                 "world %lld)",
-                 msg->world, nodes, k, (long long)cfg->nodes, (long long)cfg->nodes * k);
+                 "world size %u needs %u nodes of %u ranks; this cluster has %u (at most "
+                 "world %llu)",
+                 msg->world, nodes, k, have, (unsigned long long)have * k);
         return NULL;
     }
     if (k > SD_MAX_LOCAL_RANKS) {

@@ -460,7 +460,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
         out = json_pack("{s:s, s:i, s:f, s:s, s:i, s:i, s:I, s:I, s:o, s:o, s:o}", "version",
                         SHARD_VERSION, "pid", (int)getpid(), "uptime_s",
                         (double)(sd_now_ns() - srv->start_ns) / 1e9, "socket", srv->sock_path,
-                        "node", (int)cfg->node, "nodes", (int)cfg->nodes, "memory_budget_bytes",
+                        "node", (int)sd_cluster_self(sd_net_cluster(reg->net)), "nodes",
+                        (int)sd_cluster_nodes(sd_net_cluster(reg->net)), "memory_budget_bytes",
                         (json_int_t)reg->budget, "memory_used_bytes", (json_int_t)reg->used,
                         "config", config_json(cfg), "clients", clients, "jobs", jobs);
         /* what this caller sees: its own jobs and clients, or (root) everyone's */
@@ -516,10 +517,10 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
                 nodes, json_pack("{s:i, s:b, s:s}", "node", 0, "self", 1, "state", "self"));
         }
         out = json_pack("{s:i, s:i, s:I, s:I, s:s, s:s, s:b, s:s, s:o, s:o}", "node",
-                        (int)cfg->node, "nodes", (int)cfg->nodes, "ranks_per_node",
-                        (json_int_t)cfg->ranks_per_node, "package_size",
+                        (int)sd_cluster_self(cl), "nodes", (int)sd_cluster_nodes(cl),
+                        "ranks_per_node", (json_int_t)cfg->ranks_per_node, "package_size",
                         (json_int_t)cfg->package_size, "backend", cfg->backend, "provider",
-                        cfg->nodes > 1 ? cfg->provider : "", "cluster_ready", sd_cluster_ready(cl),
+                        cfg->nodes != 1 ? cfg->provider : "", "cluster_ready", sd_cluster_ready(cl),
                         "socket", srv->sock_path, "topology", nodes, "jobs", jobs);
         json_object_set_new(out, "heartbeats", sd_cluster_heartbeat_json(cl));
         json_object_set_new(out, "devices", devices_json(reg->dev));

@@ -229,7 +229,16 @@ static int parse_args(int argc, char **argv, struct sd_config *cfg)
                 (long long)cfg->resume_timeout_ms, (long long)cfg->max_resume_timeout_ms);
         return 2;
     }
-    if (cfg->node >= cfg->nodes) {
+    if (cfg->nodes == 0 && cfg->node > 0) {
+        fprintf(stderr,
+                "shardd: option 'node' is %lld in an open cluster (nodes 0): give 0 to the "
+                "coordinator, and no node to the others (the coordinator numbers them)\n",
+                (long long)cfg->node);
+        return 2;
+    }
+    if (cfg->nodes > 0 && cfg->node < 0)
+        cfg->node = 0;
+    if (cfg->nodes > 0 && cfg->node >= cfg->nodes) {
         fprintf(stderr, "shardd: option 'node' is %lld but there are only %lld nodes\n",
                 (long long)cfg->node, (long long)cfg->nodes);
         return 2;
@@ -347,7 +356,7 @@ int main(int argc, char **argv)
     uv_check_init(&loop, &app.fatal_check);
     app.fatal_check.data = &app;
     uv_check_start(&app.fatal_check, fatal_check_cb);
-    if (cfg.nodes > 1) {
+    if (cfg.nodes != 1) { /* a fixed cluster of several, or an open one */
         char err[512] = "";
         status = sd_transport_ofi_open(&cfg, &app.tp, err, sizeof(err));
         if (status == SD_OK)
@@ -368,8 +377,13 @@ int main(int argc, char **argv)
         sd_net_set_cluster(&reg, app.cl);
         sd_server_attach_transport(&app.srv, app.tp);
     }
-    SD_INFO("main", "shardd %s node %lld/%lld, backend %s, pid %d", SHARD_VERSION,
-            (long long)cfg.node, (long long)cfg.nodes, cfg.backend, (int)getpid());
+    if (cfg.nodes == 0)
+        SD_INFO("main", "shardd %s, %s of an open cluster, backend %s, pid %d", SHARD_VERSION,
+                cfg.node == 0 ? "the coordinator" : "a member (numbered when it joins)",
+                cfg.backend, (int)getpid());
+    else
+        SD_INFO("main", "shardd %s node %lld/%lld, backend %s, pid %d", SHARD_VERSION,
+                (long long)cfg.node, (long long)cfg.nodes, cfg.backend, (int)getpid());
     notify_ready();
 
     uv_run(&loop, UV_RUN_DEFAULT);

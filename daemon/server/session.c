@@ -1,6 +1,9 @@
 /* A client session: the shared-memory ring, its two eventfds, and the job membership.
  * The daemon copies each submission out of shared memory before it validates it. */
+#include "cluster/cluster.h"
 #include "job_api.h"
+#include "net_service.h"
+#include "registry.h"
 #include "server.h"
 #include "session.h"
 #include "sd/frame.h"
@@ -57,8 +60,8 @@ int sd_session_create(struct sd_conn *c, const Shard__Attach *msg)
     rep.session_id = s->id;
     rep.ring_entries = SD_RING_ENTRIES;
     rep.ring_bytes = SD_RING_BYTES;
-    rep.node = (uint32_t)srv->cfg->node;
-    rep.nodes = (uint32_t)srv->cfg->nodes;
+    rep.node = sd_cluster_self(sd_net_cluster(srv->reg->net));
+    rep.nodes = sd_cluster_nodes(sd_net_cluster(srv->reg->net));
     rep.daemon_version = SHARD_VERSION;
     rep.op_timeout_ms = (uint32_t)srv->cfg->op_timeout_ms;
     Shard__DaemonMsg out = SHARD__DAEMON_MSG__INIT;

@@ -1,0 +1,59 @@
+/* What the cluster says of its nodes (cluster.h): whether it formed, which nodes are up and
+ * usable for jobs, and the documents shardctl topology shows. */
+#include "cluster/cluster_int.h"
+
+bool sd_cluster_ready(const struct sd_cluster *cl)
+{
+    return cl == NULL || cl->ready;
+}
+
+bool sd_cluster_fatal(const struct sd_cluster *cl)
+{
+    return cl != NULL && cl->fatal;
+}
+
+bool sd_cluster_alive(const struct sd_cluster *cl, uint32_t node)
+{
+    return cl == NULL ? node == 0 : node < cl->n && (node == cl->self || cl->alive[node]);
+}
+
+bool sd_cluster_usable(const struct sd_cluster *cl, uint32_t node)
+{
+    return sd_cluster_alive(cl, node) && (cl == NULL || sd_probe_ok(cl, node));
+}
+
+uint32_t sd_cluster_nodes(const struct sd_cluster *cl)
+{
+    return cl ? cl->n : 1;
+}
+
+uint32_t sd_cluster_self(const struct sd_cluster *cl)
+{
+    return cl ? cl->self : 0;
+}
+
+json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl)
+{
+    uint64_t sent, received, dropped;
+    sd_heartbeat_counts(cl ? cl->hb : NULL, &sent, &received, &dropped);
+    /* dropped: datagrams of no peer, a bad MAC or an old sequence number; peers_refused:
+     * connections that did not prove the cluster's secret */
+    return json_pack("{s:b, s:I, s:I, s:I, s:i, s:I}", "thread", cl != NULL && cl->hb != NULL,
+                     "sent", (json_int_t)sent, "received", (json_int_t)received, "dropped",
+                     (json_int_t)dropped, "port", cl ? (int)cl->me.hb_port : 0, "peers_refused",
+                     (json_int_t)(cl ? cl->auth_refused : 0));
+}
+
+json_t *sd_cluster_json(const struct sd_cluster *cl)
+{
+    json_t *nodes = json_array();
+    for (uint32_t i = 0; cl && i < cl->n; i++)
+        json_array_append_new(nodes, json_pack("{s:i, s:b, s:s}", "node", (int)i, "self",
+                                               i == cl->self, "state",
+                                               i == cl->self        ? "self"
+                                               : !cl->present[i]    ? "absent"
+                                               : !cl->alive[i]      ? "down"
+                                               : sd_probe_ok(cl, i) ? "up"
+                                                                    : "probing"));
+    return nodes;
+}

@@ -1,0 +1,228 @@
+/* An open cluster (issue 38, daemons without a cluster list): every daemon starts with
+ * --nodes 0 and nothing about its place (no index, no node count, no ranks per node); node 0
+ * is the coordinator, and numbers the others as they join. On loopback (tcp;ofi_rxm), real
+ * trainer processes:
+ * - 4 daemons join one after the other and are numbered 0..3; jobs placed on daemons {3, 1}
+ *   (2 ranks each, zero3) and {0, 2, 3} (1 each, topo:1/3/3) train to their references;
+ * - a fifth daemon joins the running cluster (numbered 4): a job on {4, 0} trains;
+ * - daemon 1 killed and started again with the same arguments: numbered 1 again, and a job on
+ *   {1, 4} trains;
+ * - the coordinator killed and started again: the members rejoin it with nothing to configure
+ *   and a job on {2, 3} trains;
+ * - refused with a clear message: a daemon of an open cluster given an index other than the
+ *   coordinator's (at its start), and a fixed cluster's daemon (--nodes 3 --node 1) that tries
+ *   to join the open coordinator (it calls itself node 1). */
+#include "harness.h"
+
+#include <jansson.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define N 4
+
+static struct th_cluster cl;
+
+/* the node the daemon at sock says it is, and how many the cluster has (-1: no answer) */
+static void numbered(const char *sock, int *node, int *nodes)
+{
+    json_t *doc = th_admin_json(sock, "topology");
+    *node = doc ? (int)json_integer_value(json_object_get(doc, "node")) : -1;
+    *nodes = doc ? (int)json_integer_value(json_object_get(doc, "nodes")) : -1;
+    json_decref(doc);
+}
+
+/* world ranks of job, k per daemon, on the daemons listed in on (its node i on daemon on[i]);
+ * within 1e-5 of the one-process reference */
+static void train(const char *job, const char *plan, int k, int world, const int *on)
+{
+    const char *socks[N + 1];
+    for (int i = 0; i < world / k; i++)
+        socks[i] = cl.d[on[i]].sock;
+    char w[16], ks[16], dump[400], ref[400];
+    snprintf(w, sizeof(w), "%d", world);
+    snprintf(ks, sizeof(ks), "%d", k);
+    snprintf(dump, sizeof(dump), "%s/%s.bin", cl.base, job);
+    snprintf(ref, sizeof(ref), "%s/%s-ref.bin", cl.base, job);
+    const char *args[] = {"--world", w,   "--plan",   plan, "--steps",          "8",
+                          "--accum", "2", "--hidden", "96", "--ranks-per-node", ks,
+                          "--seed",  "7", "--quiet",  NULL};
+    int rcs[TH_MAX_RANKS + 1];
+    int failed = th_train(cl.base, job, socks, k, world, args, dump, ref, rcs);
+    TH_CHECK(failed == 0, "%s: %d processes failed (logs %s/%s-*.log)", job, failed, cl.base, job);
+    if (failed)
+        return;
+    struct th_dump_diff dd;
+    bool ok = th_compare_dumps(dump, ref, 1e-5, &dd);
+    TH_CHECK(ok && dd.outside == 0, "%s (%s): %zu of %zu parameters outside 1e-5 (max %g)", job,
+             plan, dd.outside, dd.n, dd.maxd);
+    if (ok && dd.outside == 0) {
+        printf("%-8s %-8s world %d on daemons", job, plan, world);
+        for (int i = 0; i < world / k; i++)
+            printf(" %d", on[i]);
+        printf(": within 1e-5 of the reference (max %g)\n", dd.maxd);
+    }
+}
+
+/* wait until the daemon at sock has an address table of `nodes` nodes, 20 s at most */
+static bool wait_nodes(const char *sock, int nodes)
+{
+    for (double end = th_now_s() + 20; th_now_s() < end; usleep(100000)) {
+        int node, n;
+        numbered(sock, &node, &n);
+        json_t *doc = th_admin_json(sock, "topology");
+        bool ready = json_is_true(json_object_get(doc, "cluster_ready"));
+        json_decref(doc);
+        if (ready && n == nodes && node >= 0)
+            return true;
+    }
+    return false;
+}
+
+static void kill_daemon(int i)
+{
+    kill(cl.d[i].pid, SIGKILL);
+    th_wait(cl.d[i].pid, 10000);
+    cl.d[i].pid = 0;
+}
+
+static void joined_in_order(void)
+{
+    for (int i = 0; i < N; i++) {
+        int node, nodes;
+        numbered(cl.d[i].sock, &node, &nodes);
+        TH_CHECK(node == i && nodes >= i + 1,
+                 "daemon %d (joined %d-th) is node %d of %d, expected node %d", i, i, node, nodes,
+                 i);
+    }
+    train("across", "zero3", 2, 4, (const int[]){3, 1});
+    train("threes", "topo:1/3/3", 1, 3, (const int[]){0, 2, 3});
+}
+
+static void fifth_joins(const char *const *extra)
+{
+    cl.nodes = N + 1;
+    TH_CHECK(th_cluster_node_restart(&cl, N, extra) == 0, "a fifth daemon did not start");
+    int node, nodes;
+    TH_CHECK(wait_nodes(cl.d[N].sock, N + 1), "the fifth daemon did not join");
+    numbered(cl.d[N].sock, &node, &nodes);
+    TH_CHECK(node == N && nodes == N + 1, "the fifth daemon is node %d of %d", node, nodes);
+    TH_CHECK(wait_nodes(cl.d[0].sock, N + 1), "node 0 does not list the fifth daemon");
+    train("fifth", "zero3", 2, 4, (const int[]){4, 0});
+}
+
+static void member_restarts(const char *const *extra)
+{
+    kill_daemon(1);
+    usleep(500000);
+    TH_CHECK(th_cluster_node_restart(&cl, 1, extra) == 0, "daemon 1 did not start again");
+    TH_CHECK(wait_nodes(cl.d[1].sock, N + 1), "daemon 1 did not rejoin");
+    int node, nodes;
+    numbered(cl.d[1].sock, &node, &nodes);
+    TH_CHECK(node == 1, "daemon 1 restarted as node %d (the lowest free number is 1)", node);
+    /* the others may still see it down for a moment: wait for node 4's view */
+    for (double end = th_now_s() + 10; th_now_s() < end; usleep(100000)) {
+        json_t *doc = th_admin_json(cl.d[4].sock, "topology");
+        const char *st = json_string_value(
+            json_object_get(json_array_get(json_object_get(doc, "topology"), 1), "state"));
+        bool up = st && strcmp(st, "up") == 0;
+        json_decref(doc);
+        if (up)
+            break;
+    }
+    train("back", "zero3", 2, 4, (const int[]){1, 4});
+}
+
+static void coordinator_restarts(const char *const *extra)
+{
+    kill_daemon(0);
+    usleep(500000);
+    TH_CHECK(th_cluster_node_restart(&cl, 0, extra) == 0, "the coordinator did not start again");
+    bool all = true;
+    for (int i = 0; i <= N; i++)
+        all &= wait_nodes(cl.d[i].sock, N + 1);
+    TH_CHECK(all, "the members did not all rejoin the restarted coordinator");
+    for (int i = 2; i <= 3; i++) /* until both see each other up again */
+        for (double end = th_now_s() + 10; th_now_s() < end; usleep(100000)) {
+            json_t *doc = th_admin_json(cl.d[i].sock, "topology");
+            size_t j;
+            json_t *e;
+            int up = 0;
+            json_array_foreach(json_object_get(doc, "topology"), j, e)
+            {
+                const char *st = json_string_value(json_object_get(e, "state"));
+                up += st && (strcmp(st, "up") == 0 || strcmp(st, "self") == 0);
+            }
+            json_decref(doc);
+            if (up == N + 1)
+                break;
+        }
+    train("again", "zero3", 2, 4, (const int[]){2, 3});
+}
+
+static void refusals(void)
+{
+    /* an index other than the coordinator's, in an open cluster: refused at its start */
+    char out[400], key[128], coord[64];
+    snprintf(out, sizeof(out), "%s/indexed.log", cl.base);
+    snprintf(key, sizeof(key), "%s/cluster.key", cl.base);
+    snprintf(coord, sizeof(coord), "127.0.0.1:%d", cl.port);
+    const char *indexed[] = {SHARDD_PATH, "--runtime-dir",
+                             cl.base,     "--nodes",
+                             "0",         "--node",
+                             "3",         "--coordinator",
+                             coord,       "--cluster-secret-file",
+                             key,         NULL};
+    int rc = th_wait(th_spawn(indexed, out), 20000);
+    char *text = th_read_file(out, NULL);
+    TH_CHECK(rc == 2 && text && strstr(text, "option 'node' is 3 in an open cluster"),
+             "a daemon of an open cluster given node 3: exit %d, '%s'", rc, text ? text : "");
+    free(text);
+    /* a fixed cluster's daemon at the open coordinator: another configuration */
+    struct th_daemon fixed = {0};
+    snprintf(fixed.dir, sizeof(fixed.dir), "%s/fixed", cl.base);
+    const char *fargs[] = {"--nodes",
+                           "3",
+                           "--node",
+                           "1",
+                           "--ranks-per-node",
+                           "1",
+                           "--coordinator",
+                           coord,
+                           "--cluster-secret-file",
+                           key,
+                           "--rendezvous-timeout-ms",
+                           "5000",
+                           NULL};
+    if (th_daemon_start(&fixed, fargs) == 0) {
+        rc = th_wait(fixed.pid, 20000);
+        fixed.pid = 0;
+        text = th_read_file(fixed.log, NULL);
+        TH_CHECK(rc != 0 && text && strstr(text, "joins an open cluster (nodes 0)"),
+                 "a fixed cluster's daemon joining the open one: exit %d, log %s:\n%s", rc,
+                 fixed.log, text ? text : "");
+        free(text);
+    } else {
+        TH_CHECK(fixed.pid == 0, "the fixed cluster's daemon neither started nor exited");
+    }
+    for (int i = 0; i <= N; i++)
+        TH_CHECK(th_daemon_alive(&cl.d[i]), "daemon %d died", i);
+}
+
+int main(void)
+{
+    const char *extra[] = {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "1500",
+                           NULL};
+    if (th_open_cluster_start(&cl, N, extra) != 0) {
+        fprintf(stderr, "cannot start an open cluster of %d daemons\n", N);
+        return 1;
+    }
+    joined_in_order();
+    fifth_joins(extra);
+    member_restarts(extra);
+    coordinator_restarts(extra);
+    refusals();
+    TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
+    return th_summary("test_open_cluster");
+}
