@@ -144,6 +144,17 @@ int th_cluster_node_restart(struct th_cluster *c, int i, const char *const *extr
     return cluster_node_start(c, i, extra);
 }
 
+/* a cluster that did not form: its daemons go before the next attempt */
+static void kill_all(struct th_cluster *c)
+{
+    for (int i = 0; i < c->nodes; i++)
+        if (c->d[i].pid > 0) {
+            kill(c->d[i].pid, SIGKILL);
+            th_wait(c->d[i].pid, 5000);
+            c->d[i].pid = 0;
+        }
+}
+
 /* the daemon at d logged that it has an address table, within 15 s */
 static bool node_formed(const struct th_daemon *d)
 {
@@ -157,36 +168,10 @@ static bool node_formed(const struct th_daemon *d)
     return false;
 }
 
-int th_open_cluster_start(struct th_cluster *c, int nodes, const char *const *extra)
-{
-    char base[64];
-    snprintf(base, sizeof(base), "/tmp/shardd-cluster-XXXXXX");
-    if (nodes > TH_MAX_NODES || mkdtemp(base) == NULL)
-        return -1;
-    srand((unsigned)getpid());
-    for (int attempt = 0; attempt < 5; attempt++) {
-        memset(c, 0, sizeof(*c));
-        memcpy(c->base, base, sizeof(c->base));
-        c->nodes = nodes;
-        c->open = true;
-        c->port = 20000 + rand() % 30000;
-        int ok = 1;
-        for (int i = 0; i < nodes && ok; i++) /* one after the other: numbered in this order */
-            ok = cluster_node_start(c, i, extra) == 0 && node_formed(&c->d[i]);
-        if (ok)
-            return 0;
-        for (int i = 0; i < nodes; i++)
-            if (c->d[i].pid > 0) {
-                kill(c->d[i].pid, SIGKILL);
-                th_wait(c->d[i].pid, 5000);
-                c->d[i].pid = 0;
-            }
-    }
-    fprintf(stderr, "open cluster of %d nodes did not form; logs under %s\n", nodes, base);
-    return -1;
-}
-
-int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *extra)
+/* a fixed cluster's daemons start at once; an open one's one after the other (numbered in this
+ * order by the coordinator) */
+static int cluster_start(struct th_cluster *c, int nodes, int k, bool open,
+                         const char *const *extra)
 {
     char base[64];
     snprintf(base, sizeof(base), "/tmp/shardd-cluster-XXXXXX");
@@ -198,36 +183,34 @@ int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *
         memcpy(c->base, base, sizeof(c->base));
         c->nodes = nodes;
         c->k = k;
+        c->open = open;
         c->port = 20000 + rand() % 30000;
         int ok = 1;
-        for (int i = 0; i < nodes; i++)
-            if (cluster_node_start(c, i, extra) != 0)
-                ok = 0;
-        if (ok && nodes == 1)
+        for (int i = 0; i < nodes && ok; i++)
+            ok = cluster_node_start(c, i, extra) == 0 && (!open || node_formed(&c->d[i]));
+        if (ok && (nodes == 1 || open))
             return 0; /* one node: no cluster to form */
         /* the cluster formed once every node logs it (a member installs the address table
          * a moment after node 0: a registration before that is refused) */
-        double end = th_now_s() + 15;
-        while (ok && th_now_s() < end) {
-            int formed = 0;
-            for (int i = 0; i < nodes; i++) {
-                char *log = th_read_file(c->d[i].log, NULL);
-                formed += log && strstr(log, "nodes formed") != NULL;
-                free(log);
-            }
-            if (formed == nodes)
-                return 0;
-            usleep(20000);
-        }
-        for (int i = 0; i < nodes; i++)
-            if (c->d[i].pid > 0) {
-                kill(c->d[i].pid, SIGKILL);
-                th_wait(c->d[i].pid, 5000);
-                c->d[i].pid = 0;
-            }
+        bool formed = ok;
+        for (int i = 0; formed && i < nodes; i++)
+            formed = node_formed(&c->d[i]);
+        if (formed)
+            return 0;
+        kill_all(c);
     }
     fprintf(stderr, "cluster of %d nodes did not form; logs under %s\n", nodes, base);
     return -1;
+}
+
+int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *extra)
+{
+    return cluster_start(c, nodes, k, false, extra);
+}
+
+int th_open_cluster_start(struct th_cluster *c, int nodes, const char *const *extra)
+{
+    return cluster_start(c, nodes, 0, true, extra);
 }
 
 int th_cluster_stop(struct th_cluster *c)
@@ -509,4 +492,44 @@ shard_tensor_t *th_many_tensors(uint32_t n, bool dup_last)
         ts[i] = (shard_tensor_t){.name = name, .ndim = 1, .dims = &four, .unit = i / 8};
     }
     return ts;
+}
+
+int th_checkpoint_job(const char *outdir, const char *sock, const char *job, const char *dir,
+                      json_t **doc_p)
+{
+    static int calls;
+    char out[400];
+    snprintf(out, sizeof(out), "%s/shardctl-%s-%d.json", outdir, job, calls++);
+    const char *argv[] = {SHARDCTL_PATH, "--json", "--socket", sock, "checkpoint",
+                          "--job",       job,      dir,        NULL};
+    int rc = th_wait(th_spawn(argv, out), 120000);
+    char *text = th_read_file(out, NULL);
+    *doc_p = text ? json_loads(text, 0, NULL) : NULL;
+    if (*doc_p == NULL)
+        fprintf(stderr, "shardctl checkpoint --job %s: %s\n", job, text ? text : "(no output)");
+    free(text);
+    return rc;
+}
+
+int th_register_one(const char *sock, const char *job, uint32_t rank, uint32_t world,
+                    uint32_t ranks_per_node, char *err, size_t errlen)
+{
+    uint64_t dims[1] = {1536};
+    shard_tensor_t t = {.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32, .unit = 0};
+    shard_model_t m = {.job = job,
+                       .rank = rank,
+                       .world = world,
+                       .plan = "zero3",
+                       .tensors = &t,
+                       .n_tensors = 1,
+                       .optimizer = {.name = "sgd", .lr = 0.1f},
+                       .ranks_per_node = ranks_per_node};
+    shard_ctx_t *ctx = NULL;
+    int st = shard_attach(sock, &ctx);
+    if (st == 0)
+        st = shard_register(ctx, &m);
+    snprintf(err, errlen, "%s", ctx ? shard_last_error(ctx) : "attach failed");
+    if (ctx)
+        shard_detach(ctx);
+    return st;
 }

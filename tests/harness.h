@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <sys/types.h>
 
+struct json_t;
+
 struct th_daemon {
     pid_t pid;
     char dir[256];  /* test directory (removed by th_daemon_stop when the test passed) */
@@ -33,6 +35,14 @@ int th_cluster_stop(struct th_cluster *c);
 /* Start an open cluster of `nodes` daemons on loopback (--nodes 0, no ranks per node: jobs give
  * theirs), one after the other: node i is the i-th to join, which the coordinator numbers i. */
 int th_open_cluster_start(struct th_cluster *c, int nodes, const char *const *extra);
+/* shardctl --json --socket sock checkpoint --job job dir (its output in outdir): its exit code,
+ * its answer parsed into *doc_p (NULL when not JSON) */
+int th_checkpoint_job(const char *outdir, const char *sock, const char *job, const char *dir,
+                      struct json_t **doc_p);
+/* Register rank of job (world, ranks_per_node; one fp32 tensor of 1536, zero3, sgd) at the
+ * daemon at sock and detach: the status, the daemon's message in err. */
+int th_register_one(const char *sock, const char *job, uint32_t rank, uint32_t world,
+                    uint32_t ranks_per_node, char *err, size_t errlen);
 /* Start node i of c again (after it was killed) with the cluster's arguments and extra: it
  * rejoins the cluster. Its earlier log is kept as <log>.before-restart. */
 int th_cluster_node_restart(struct th_cluster *c, int i, const char *const *extra);

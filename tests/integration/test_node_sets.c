@@ -263,18 +263,7 @@ static long long recovered_step;
 /* shardctl checkpoint --job job dir on cluster node; the answer's document into *doc_p */
 static int checkpoint_job(int node, const char *job, const char *dir, json_t **doc_p)
 {
-    char out[400];
-    snprintf(out, sizeof(out), "%s/checkpoint-%s-%d.json", cl.base, job, node);
-    const char *argv[] = {SHARDCTL_PATH, "--json", "--socket", cl.d[node].sock,
-                          "checkpoint",  "--job",  job,        dir,
-                          NULL};
-    int rc = th_wait(th_spawn(argv, out), 120000);
-    char *text = th_read_file(out, NULL);
-    *doc_p = text ? json_loads(text, 0, NULL) : NULL;
-    if (*doc_p == NULL)
-        fprintf(stderr, "shardctl checkpoint --job %s: %s\n", job, text ? text : "(no output)");
-    free(text);
-    return rc;
+    return th_checkpoint_job(cl.base, cl.d[node].sock, job, dir, doc_p);
 }
 
 /* job a (mics:2: every node holds the optimizer states) lost its node 2 (cluster node 4) and
@@ -542,23 +531,8 @@ struct reg {
 static void *reg_thread(void *arg)
 {
     struct reg *r = arg;
-    uint64_t dims[1] = {1536};
-    shard_tensor_t t = {.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32, .unit = 0};
-    shard_model_t m = {.job = r->job,
-                       .rank = (uint32_t)r->rank,
-                       .world = 4,
-                       .plan = "zero3",
-                       .tensors = &t,
-                       .n_tensors = 1,
-                       .optimizer = {.name = "sgd", .lr = 0.1f},
-                       .ranks_per_node = 2};
-    shard_ctx_t *ctx = NULL;
-    r->st = shard_attach(cl.d[r->node].sock, &ctx);
-    if (r->st == 0)
-        r->st = shard_register(ctx, &m);
-    snprintf(r->err, sizeof(r->err), "%s", ctx ? shard_last_error(ctx) : "attach failed");
-    if (ctx)
-        shard_detach(ctx);
+    r->st = th_register_one(cl.d[r->node].sock, r->job, (uint32_t)r->rank, 4, 2, r->err,
+                            sizeof(r->err));
     return NULL;
 }
 

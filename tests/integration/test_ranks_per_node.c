@@ -146,23 +146,8 @@ struct reg {
 static void *reg_thread(void *arg)
 {
     struct reg *r = arg;
-    uint64_t dims[1] = {1536};
-    shard_tensor_t t = {.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32, .unit = 0};
-    shard_model_t m = {.job = r->job,
-                       .rank = (uint32_t)r->rank,
-                       .world = (uint32_t)r->world,
-                       .plan = "zero3",
-                       .tensors = &t,
-                       .n_tensors = 1,
-                       .optimizer = {.name = "sgd", .lr = 0.1f},
-                       .ranks_per_node = (uint32_t)r->rpn};
-    shard_ctx_t *ctx = NULL;
-    r->st = shard_attach(cl.d[r->node].sock, &ctx);
-    if (r->st == 0)
-        r->st = shard_register(ctx, &m);
-    snprintf(r->err, sizeof(r->err), "%s", ctx ? shard_last_error(ctx) : "attach failed");
-    if (ctx)
-        shard_detach(ctx);
+    r->st = th_register_one(cl.d[r->node].sock, r->job, (uint32_t)r->rank, (uint32_t)r->world,
+                            (uint32_t)r->rpn, r->err, sizeof(r->err));
     return NULL;
 }
 

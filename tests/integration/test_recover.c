@@ -43,21 +43,10 @@ static pid_t start_rank(const struct th_cluster *c, const char *job, const char 
     return th_spawn_rank(c->d[r / c->k].sock, job, r, args, extra, log);
 }
 
-/* shardctl --json [--socket sock] checkpoint --job job dir: its exit code, its answer */
+/* shardctl --json --socket sock checkpoint --job job dir: its exit code, its answer */
 static int shardctl_checkpoint(const char *sock, const char *job, const char *dir, json_t **doc_p)
 {
-    static int calls;
-    char out[400];
-    snprintf(out, sizeof(out), "%s/shardctl-%s-%d.json", base, job, calls++);
-    const char *argv[] = {SHARDCTL_PATH, "--json", "--socket", sock, "checkpoint",
-                          "--job",       job,      dir,        NULL};
-    int rc = th_wait(th_spawn(argv, out), 120000);
-    char *text = th_read_file(out, NULL);
-    *doc_p = text ? json_loads(text, 0, NULL) : NULL;
-    if (*doc_p == NULL)
-        fprintf(stderr, "shardctl checkpoint --job %s: %s\n", job, text ? text : "(no output)");
-    free(text);
-    return rc;
+    return th_checkpoint_job(base, sock, job, dir, doc_p);
 }
 
 /* wait until job (ready, on the daemon at sock) has taken at least n steps; false after 60 s */

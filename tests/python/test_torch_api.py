@@ -378,27 +378,24 @@ try:
               "    st.step(m)\n"
               "jobs = shard.admin('jobs')['jobs']\n"
               "print('JOBS', [(j['name'], j['world']) for j in jobs])\n")
+    def launched(env, rank_var, job, what):
+        """two ranks whose rank is rank_var: each sees the job named job of world 2"""
+        procs = [subprocess.Popen([sys.executable, "-c", script],
+                                  env=dict(env, **{rank_var: str(r)}), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+                 for r in range(2)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        for r, (p, out) in enumerate(zip(procs, outs)):
+            check(p.returncode == 0 and f"('{job}', 2)" in out,
+                  f"rank {r} from {what}: job {job} of world 2 (exit {p.returncode}):\n{out}")
+
     env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="abc123",
                PYTHONPATH=os.path.join(ROOT, "client", "python"))
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        check(p.returncode == 0 and "('torch-abc123', 2)" in out,
-              f"rank {r} from RANK/WORLD_SIZE/TORCHELASTIC_RUN_ID: job torch-abc123 of world 2 "
-              f"(exit {p.returncode}):\n{out}")
+    launched(env, "RANK", "torch-abc123", "RANK/WORLD_SIZE/TORCHELASTIC_RUN_ID")
     # Slurm's: SLURM_PROCID, SLURM_NTASKS, SLURM_NTASKS_PER_NODE, SLURM_JOB_ID.SLURM_STEP_ID
     slurm = dict(os.environ, SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="77",
                  SLURM_STEP_ID="3", PYTHONPATH=os.path.join(ROOT, "client", "python"))
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=dict(slurm, SLURM_PROCID=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        check(p.returncode == 0 and "('slurm-77.3', 2)" in out,
-              f"rank {r} from SLURM_PROCID/SLURM_NTASKS/SLURM_JOB_ID: job slurm-77.3 of world 2 "
-              f"(exit {p.returncode}):\n{out}")
+    launched(slurm, "SLURM_PROCID", "slurm-77.3", "SLURM_PROCID/SLURM_NTASKS/SLURM_JOB_ID")
     r = subprocess.run([sys.executable, "-c", script], env=dict(slurm, SLURM_PROCID="x"),
                        capture_output=True, text=True, timeout=120)
     check(r.returncode != 0 and "SLURM_PROCID='x' is not a number" in r.stderr,
