@@ -503,7 +503,8 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
         return SD_ENOMEM;
     }
     o->base.ops = &ofi_ops;
-    o->base.self = cfg->node >= 0 ? (uint32_t)cfg->node : 0; /* (an open cluster numbers it later) */
+    o->base.self =
+        cfg->node >= 0 ? (uint32_t)cfg->node : 0; /* (an open cluster numbers it later) */
     o->wait_fd = -1;
     hints->ep_attr->type = FI_EP_RDM;
     hints->caps = FI_TAGGED;

@@ -13,7 +13,7 @@
  *   checkpoint from its surviving nodes' replicas (its other node's refuses, naming node 0);
  * - node 4 restarted with nothing new to configure: a job on {1, 4} trains to its reference, and
  *   one on {0, 5} from A's recovered checkpoint to its reference's --load of it;
- * - a checkpoint saved by a job on {0, 1} (mics:2, world 4) loads into one on {3, 4, 5} (zero3,
+ * - a checkpoint saved by a job on {1, 0} (mics:2, world 4) loads into one on {3, 4, 5} (zero3,
  *   world 6), which trains on to its reference's --load;
  * - launched as srun does (SLURM_PROCID, SLURM_NTASKS, SLURM_NTASKS_PER_NODE, SLURM_JOB_ID,
  *   SLURM_STEP_ID) on nodes {5, 2} and as torchrun does (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
@@ -384,8 +384,9 @@ static void node_back(const char *const *extra)
     job_finish(&e);
 }
 
-/* a checkpoint saved by a job on {0, 1} (mics:2, world 4) loads into one on {3, 4, 5} (zero3,
- * world 6): it trains on to its reference's --load of the same checkpoint */
+/* a checkpoint saved by a job on {1, 0} (mics:2, world 4: its node 0, which commits the saves,
+ * on cluster node 1, so node 0's part comes relayed) loads into one on {3, 4, 5} (zero3, world
+ * 6): it trains on to its reference's --load of the same checkpoint */
 static void save_elsewhere(void)
 {
     char dir[400];
@@ -395,7 +396,7 @@ static void save_elsewhere(void)
                         .world = 4,
                         .rpn = 2,
                         .n_nodes = 2,
-                        .nodes = {0, 1},
+                        .nodes = {1, 0},
                         .steps = T,
                         .extra = {"--save-every", "5", "--save-dir", dir, NULL}};
     job_start(&s, "4");
