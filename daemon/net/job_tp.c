@@ -87,9 +87,6 @@ int sd_job_tp_open(struct sd_job *job)
     v->base.ops = &view_ops;
     v->base.n_peers = job->nodes;
     v->base.self = job->node;
-    v->base.rdv_bytes = tp->rdv_bytes;
-    v->base.data_lanes = tp->data_lanes;
-    v->base.connections = tp->connections;
     v->tp = tp;
     v->ids = job->xfer.node_ids;
     v->n = job->nodes;
