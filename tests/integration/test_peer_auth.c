@@ -39,12 +39,15 @@ static int connect_port(int port)
     return fd;
 }
 
+static int last_recv_st; /* the last read's status, for the failure messages */
+
 /* the next peer message, or NULL (closed, timed out: *timed_out_p, when given) */
 static Shard__PeerMsg *recv_msg_st(int fd, int timeout_ms, bool *timed_out_p)
 {
     uint8_t *buf = NULL;
     size_t n = 0;
     int st = sd_frame_recv(fd, &buf, &n, NULL, 0, NULL, 1 << 20, timeout_ms);
+    last_recv_st = st;
     if (timed_out_p != NULL)
         *timed_out_p = st == SD_ETIMEDOUT;
     if (st != 0)
@@ -58,6 +61,8 @@ static Shard__PeerMsg *recv_msg(int fd, int timeout_ms)
 {
     return recv_msg_st(fd, timeout_ms, NULL);
 }
+
+static char reads[160]; /* what try_hello's two reads returned, for its callers' messages */
 
 /* what the coordinator answers to hello h on a new connection (its nonce put in by fill), with
  * the refusal's text in why; true when the connection was then closed */
@@ -98,6 +103,7 @@ static bool try_hello(void (*fill)(Shard__PeerHello *h, const uint8_t *nc, uint8
     /* a closed connection answers at once; the long waits are for a loaded machine, where a
      * refusal that came after a short one read as a connection left open (the flake) */
     Shard__PeerMsg *r = recv_msg(fd, 15000);
+    int r_st = last_recv_st;
     if (r != NULL && r->msg_case == SHARD__PEER_MSG__MSG_REFUSE)
         snprintf(why, len, "%s", r->refuse->reason);
     else if (r != NULL)
@@ -107,6 +113,8 @@ static bool try_hello(void (*fill)(Shard__PeerHello *h, const uint8_t *nc, uint8
     bool timed_out;
     Shard__PeerMsg *after = recv_msg_st(fd, 15000, &timed_out);
     bool closed = after == NULL && !timed_out;
+    snprintf(reads, sizeof(reads), "reads: %s then %s (message %d)", sd_status_str(r_st),
+             sd_status_str(last_recv_st), after ? (int)after->msg_case : -1);
     if (after)
         shard__peer_msg__free_unpacked(after, NULL);
     close(fd);
@@ -151,8 +159,8 @@ static void forged_hellos(void)
     /* the second hello of the old attack: the refusal of the first may be lost to the reset
      * that closing a connection with unread bytes sends; the link is closed all the same */
     closed = try_hello(wrong_mac, 2, why, sizeof(why));
-    TH_CHECK(closed && (why[0] == '\0' || strstr(why, "authentication failed")), "two hellos: '%s'",
-             why);
+    TH_CHECK(closed && (why[0] == '\0' || strstr(why, "authentication failed")),
+             "two hellos: '%s' (%s)", why, reads);
     memset(other_nonce, 0x11, sizeof(other_nonce));
     closed = try_hello(replayed_mac, 1, why, sizeof(why));
     TH_CHECK(closed && strstr(why, "authentication failed"), "a replayed hello: '%s'", why);
