@@ -73,7 +73,9 @@ static void coord_live_end(struct sd_cluster *cl, const char *name)
     }
 }
 
-static void coord_decide(struct sd_cluster *cl, struct coord_job *j)
+/* The decision on j, told to the nodes that reported it, and to also (SD_NO_NODE: none), a
+ * node whose report could not be part of it and which j does not list. */
+static void coord_decide(struct sd_cluster *cl, struct coord_job *j, uint32_t also)
 {
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     Shard__JobConfirm c = SHARD__JOB_CONFIRM__INIT;
@@ -118,7 +120,9 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j)
         m.msg_case = SHARD__PEER_MSG__MSG_JOB_REFUSE;
         m.job_refuse = &r;
     }
-    bool here = false;
+    bool here = also == cl->self;
+    if (also != SD_NO_NODE && !here)
+        sd_cluster__send_to(cl, also, &m);
     for (uint32_t i = 0; i < j->nodes; i++) {
         if (j->at[i] == cl->self)
             here = true;
@@ -130,24 +134,6 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j)
     else if (here)
         cl->ev.job_refused(cl->ev.ctx, j->name, j->status, j->msg);
     coord_job_free(cl, j);
-}
-
-/* A report that cannot be part of the job (j->msg says why): refused to the node that sent it
- * too, which j does not list. */
-static void coord_decide_with(struct sd_cluster *cl, struct coord_job *j, uint32_t node)
-{
-    Shard__JobRefuse r = SHARD__JOB_REFUSE__INIT;
-    r.job = j->name;
-    r.status = j->status;
-    r.message = j->msg;
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_REFUSE;
-    m.job_refuse = &r;
-    if (node != cl->self)
-        sd_cluster__send_to(cl, node, &m);
-    else
-        cl->ev.job_refused(cl->ev.ctx, j->name, j->status, j->msg);
-    coord_decide(cl, j);
 }
 
 void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name)
@@ -209,7 +195,7 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
                      "(every node of the job must register the same world and ranks per node)",
                      rep->job, rep->node, jn * k, jn * k + k - 1, j->nodes, j->world);
         }
-        coord_decide_with(cl, j, rep->node);
+        coord_decide(cl, j, rep->node);
         return;
     }
     if (j->at[jn] != SD_NO_NODE) {
@@ -220,7 +206,7 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
                      "ranks_per_node %u): each node of a job serves its own ranks",
                      rep->job, j->at[jn], rep->node, jn * k, jn * k + k - 1, k);
         }
-        coord_decide_with(cl, j, rep->node);
+        coord_decide(cl, j, rep->node);
         return;
     }
     j->at[jn] = rep->node;
@@ -236,7 +222,7 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
     if (j->status == SD_OK)
         coord_check(j, rep, k);
     if (j->reported == j->nodes || j->status != SD_OK)
-        coord_decide(cl, j);
+        coord_decide(cl, j, SD_NO_NODE);
 }
 
 void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now)
@@ -267,7 +253,7 @@ void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now)
                      "job '%s': ranks %s did not register on any node within %lld ms "
                      "(register_timeout_ms)",
                      j->name, missing, (long long)cl->cfg->register_timeout_ms);
-        coord_decide(cl, j);
+        coord_decide(cl, j, SD_NO_NODE);
     }
 }
 

@@ -247,7 +247,7 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
     if (cl->open) { /* a node that left gives its number to the next to come, else a new one */
         node = cl->n;
         for (uint32_t i = 1; i < cl->n; i++)
-            if (!cl->alive[i] && (cl->by_node[i] == NULL || cl->by_node[i] == l)) {
+            if (!cl->alive[i] && cl->by_node[i] == NULL) {
                 node = i;
                 break;
             }

@@ -303,10 +303,19 @@ uint32_t sd_job_node_of(const struct sd_job *job, uint32_t id)
     return SD_NODE_UNKNOWN;
 }
 
-/* the job's nodes for the control plane: NULL until the coordinator confirmed them */
-static const uint32_t *job_node_ids(const struct sd_job *job)
+/* Tell the job's other nodes it failed (or paused) here: the nodes the coordinator confirmed,
+ * or before that, those that reported it. */
+static void job_abort_peers(struct sd_job *job, int status, const char *msg)
 {
-    return job->xfer.tag != 0 ? job->xfer.node_ids : NULL;
+    sd_cluster_abort_job(
+        sd_job_cluster(job),
+        &(struct sd_job_abort){.job = job->name,
+                               .node_ids = job->xfer.tag != 0 ? job->xfer.node_ids : NULL,
+                               .nodes = job->nodes,
+                               .tag = job->xfer.tag,
+                               .step = job->steps,
+                               .status = status,
+                               .msg = msg});
 }
 
 /* Refuse the registration to every local rank and drop the job. */
@@ -330,13 +339,7 @@ void sd_job_refuse(struct sd_job *job, int status, const char *msg)
 void sd_job_refuse_everywhere(struct sd_job *job, int status, const char *msg)
 {
     if (job->nodes > 1)
-        sd_cluster_abort_job(sd_job_cluster(job),
-                             &(struct sd_job_abort){.job = job->name,
-                                                    .node_ids = job_node_ids(job),
-                                                    .nodes = job->nodes,
-                                                    .tag = job->xfer.tag,
-                                                    .status = status,
-                                                    .msg = msg});
+        job_abort_peers(job, status, msg);
     sd_job_refuse(job, status, msg);
 }
 
@@ -529,14 +532,7 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
     if (job->nodes > 1 && !registering) {
         sd_job_net_cancel(job);
         if (tell_peers)
-            sd_cluster_abort_job(sd_job_cluster(job),
-                                 &(struct sd_job_abort){.job = job->name,
-                                                        .node_ids = job_node_ids(job),
-                                                        .nodes = job->nodes,
-                                                        .tag = job->xfer.tag,
-                                                        .step = job->steps,
-                                                        .status = status,
-                                                        .msg = text});
+            job_abort_peers(job, status, text);
     }
     fail_parked(job, status, text, true);
 }
