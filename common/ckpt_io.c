@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 struct par {
-    void (*fn)(void *arg, uint32_t thread, uint64_t i);
+    sd_ckpt_par_fn *fn;
     void *arg;
     uint64_t n;
     atomic_uint_fast64_t next;
@@ -41,8 +41,7 @@ static void *par_run(void *v)
 /* A thread starts with a copy of its creator's credentials (Linux copies the calling task's
  * on clone): the threads started here open files with the caller's filesystem identity
  * (sd/fsid.h), as the caller would. */
-void sd_ckpt_parallel(uint32_t threads, uint64_t n,
-                      void (*fn)(void *arg, uint32_t thread, uint64_t i), void *arg)
+void sd_ckpt_parallel(uint32_t threads, uint64_t n, sd_ckpt_par_fn *fn, void *arg)
 {
     struct par p = {.fn = fn, .arg = arg, .n = n};
     atomic_init(&p.next, 0);
@@ -186,7 +185,9 @@ int sd_ckpt_write_extents(int fd, struct sd_ckpt_extent *xs, const void *const *
     atomic_init(&w.direct, direct);
     atomic_init(&w.status, st);
     pthread_mutex_init(&w.write_lock, NULL);
-    if (st == SD_OK)
+    if (st == SD_OK && io->runner != NULL)
+        io->runner->run(io->runner->ctx, threads, chunks, write_chunk, &w);
+    else if (st == SD_OK)
         sd_ckpt_parallel(threads, chunks, write_chunk, &w);
     pthread_mutex_destroy(&w.write_lock);
     st = atomic_load(&w.status);

@@ -63,13 +63,14 @@ const struct sd_config_entry sd_config_table[] = {
      "fails instead of pausing (0: half the memory budget)",
      0},
     {"checkpoint_threads", SD_CFG_INT, "4", 1, 64, OFF(checkpoint_threads),
-     "threads of a daemon that write and read a checkpoint's data files, each with a 4 MiB "
-     "buffer",
+     "threads of the file pool that one save's or load's data files take at once (its own and "
+     "idle ones that help it, within its user's half of the pool), each with a 4 MiB buffer",
      0},
-    {"checkpoint_workers", SD_CFG_INT, "4", 1, 64, OFF(checkpoint_workers),
-     "threads that do the jobs' checkpoint file work (each save, load or commit one at a time, "
-     "with the rights of the job's owner); a user has at most half of them, so one stuck in a "
-     "filesystem leaves the others to everyone else",
+    {"checkpoint_workers", SD_CFG_INT, "8", 1, 64, OFF(checkpoint_workers),
+     "threads of the file pool, where all of the jobs' checkpoint file work runs (each save, "
+     "load or commit one at a time, with the rights of the job's owner, idle ones helping); a "
+     "user has at most half of them, so one stuck in a filesystem leaves the others to "
+     "everyone else",
      0},
     {"checkpoint_direct", SD_CFG_INT, "1", 0, 1, OFF(checkpoint_direct),
      "1: write and read checkpoint data files with O_DIRECT where the filesystem takes it (the "

@@ -98,6 +98,19 @@ void sd_ckpt__run_worker(struct sd_job *job, void (*fn)(struct sd_job *),
     task_after(&w->task, st);
 }
 
+void sd_ckpt__parallel(struct sd_job *job, uint64_t n, sd_ckpt_par_fn *fn, void *arg)
+{
+    sd_file_pool_parallel(sd_job_files(job), (uint32_t)job->reg->cfg->checkpoint_threads, n, fn,
+                          arg);
+}
+
+/* the save's writer runs its chunks on the file pool (sd_ckpt_runner; ctx: the job) */
+static void pool_run(void *ctx, uint32_t threads, uint64_t n, sd_ckpt_par_fn *fn, void *arg)
+{
+    struct sd_job *job = ctx;
+    sd_file_pool_parallel(sd_job_files(job), threads, n, fn, arg);
+}
+
 bool sd_ckpt__working(const struct sd_job *job)
 {
     const struct sd_ckpt_work *w = &job->load.ckpt->work;
@@ -461,8 +474,10 @@ static void save_work(struct sd_job *job)
     }
     int fd = sd_fs_openat(tfd, file, O_WRONLY | O_CREAT | O_EXCL, 0640);
     int st = fd < 0 ? fd : SD_OK;
+    struct sd_ckpt_runner runner = {.run = pool_run, .ctx = job};
     struct sd_ckpt_io io = {.threads = (uint32_t)job->reg->cfg->checkpoint_threads,
-                            .direct = job->reg->cfg->checkpoint_direct != 0};
+                            .direct = job->reg->cfg->checkpoint_direct != 0,
+                            .runner = &runner};
     bool direct = false;
     if (st == SD_OK)
         st = sd_ckpt_write_extents(fd, c->items, c->item_src, c->n_items, &io, &direct);

@@ -83,6 +83,9 @@ struct sd_ckpt_job {
  * of the save") and after runs then with SD_ETIMEDOUT in work.status */
 void sd_ckpt__run_worker(struct sd_job *job, void (*fn)(struct sd_job *),
                          void (*after)(struct sd_job *), const char *what, uint64_t deadline_ns);
+/* The file pool's threads for one worker's items (checkpoint_threads of them at most: the
+ * worker's own and idle ones helping), from the worker: fn(arg, thread, i) for i in [0, n). */
+void sd_ckpt__parallel(struct sd_job *job, uint64_t n, sd_ckpt_par_fn *fn, void *arg);
 /* is the operation still waiting for the worker (busy and not given up)? */
 bool sd_ckpt__working(const struct sd_job *job);
 /* the worker's operation was given up: stop early, and remove what it made */

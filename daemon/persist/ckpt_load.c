@@ -143,7 +143,8 @@ static void weights(struct par_load *p, uint32_t thread, uint32_t u, uint32_t r)
             }
             src = scratch;
         }
-        sd_gpu_host_ops.from_f32(NULL, w + (at - wb) * dsize, ul->dtype, src, z - at);
+        /* the backend keeps its memory on the host (load_host): its conversion runs here */
+        job->reg->dev->from_f32(NULL, w + (at - wb) * dsize, ul->dtype, src, z - at);
         at = z;
     }
     free(scratch);
@@ -179,9 +180,9 @@ static void load_host(struct sd_job *job)
         par_fail(&p, SD_ENOMEM, "out of memory");
     uint64_t units = job->layout.n_units;
     if (atomic_load(&p.status) == SD_OK)
-        sd_ckpt_parallel(threads, units * job->k * p.n_states, load_state, &p);
+        sd_ckpt__parallel(job, units * job->k * p.n_states, load_state, &p);
     if (atomic_load(&p.status) == SD_OK) /* every master is in place */
-        sd_ckpt_parallel(threads, units * job->k, load_weights, &p);
+        sd_ckpt__parallel(job, units * job->k, load_weights, &p);
     for (uint32_t t = 0; t < ready; t++) {
         atomic_fetch_add(&c->ld.bytes, p.rd[t].bytes_read);
         sd_ckpt_reader_free(&p.rd[t]);

@@ -12,12 +12,28 @@
 
 #define MAX_THREADS 64
 
+/* A task's items that idle workers help with (sd_file_pool_parallel), on the task's stack. */
+struct section {
+    struct section *next;
+    void (*fn)(void *arg, uint32_t thread, uint64_t i);
+    void *arg;
+    uint64_t n;
+    _Atomic uint64_t next_item;
+    const struct sd_file_task *task; /* whose identity the helpers take */
+    uint32_t want, joined;           /* (lock) threads it may have, threads it had (its own 1) */
+    uint32_t inside;                 /* (lock) helpers running its items now */
+};
+
 struct worker {
     pthread_t tid;
     bool started;
     struct sd_file_pool *pool;
     struct sd_file_task *task; /* the one it runs (lock) */
+    struct section *help;      /* the items it helps with (lock) */
 };
+
+/* the worker this thread is, NULL off the pool */
+static _Thread_local struct worker *self;
 
 struct sd_file_pool {
     uv_loop_t *loop;
@@ -26,23 +42,34 @@ struct sd_file_pool {
     pthread_mutex_t lock;
     pthread_cond_t work;              /* a task was queued, or a uid's share freed up */
     pthread_cond_t idle;              /* a task ended */
+    pthread_cond_t helped;            /* a helper left a section */
     struct sd_file_task *head, *tail; /* queued */
     struct sd_file_task *done;        /* ended, for the loop, newest first */
+    struct section *sections;         /* tasks' items open to helpers */
     uint32_t threads, running, per_uid;
     bool stopping;
     struct worker w[MAX_THREADS];
 };
 
-/* (lock) the first queued task whose uid has fewer than per_uid running, unlinked */
+/* (lock) the workers busy for uid: running its tasks or helping them */
+static uint32_t uid_busy(const struct sd_file_pool *p, uid_t uid)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < p->threads; i++) {
+        const struct worker *w = &p->w[i];
+        n += (w->task != NULL && w->task->id.uid == uid) ||
+             (w->help != NULL && w->help->task->id.uid == uid);
+    }
+    return n;
+}
+
+/* (lock) the first queued task whose uid has fewer than per_uid busy workers, unlinked */
 static struct sd_file_task *pick(struct sd_file_pool *p)
 {
     for (struct sd_file_task **pp = &p->head, *prev = NULL; *pp != NULL;
          prev = *pp, pp = &(*pp)->next) {
         struct sd_file_task *t = *pp;
-        uint32_t n = 0;
-        for (uint32_t i = 0; i < p->threads; i++)
-            n += p->w[i].task != NULL && p->w[i].task->id.uid == t->id.uid;
-        if (n >= p->per_uid)
+        if (uid_busy(p, t->id.uid) >= p->per_uid)
             continue;
         *pp = t->next;
         if (p->tail == t)
@@ -53,15 +80,56 @@ static struct sd_file_task *pick(struct sd_file_pool *p)
     return NULL;
 }
 
+/* items from n: fn on each until none is left */
+static void run_items(struct section *s, uint32_t thread)
+{
+    for (uint64_t i; (i = atomic_fetch_add(&s->next_item, 1)) < s->n;)
+        s->fn(s->arg, thread, i);
+}
+
+/* (lock) a section with items left and room for a helper within its uid's share */
+static struct section *pick_section(struct sd_file_pool *p)
+{
+    for (struct section *s = p->sections; s != NULL; s = s->next)
+        if (s->joined < s->want && atomic_load(&s->next_item) < s->n &&
+            uid_busy(p, s->task->id.uid) < p->per_uid)
+            return s;
+    return NULL;
+}
+
+/* (lock, taken and given back) help with s's items under its task's identity */
+static void help(struct sd_file_pool *p, struct worker *w, struct section *s)
+{
+    uint32_t thread = s->joined++;
+    s->inside++;
+    w->help = s;
+    pthread_mutex_unlock(&p->lock);
+    struct sd_fsid saved;
+    if (sd_fsid_enter(&s->task->id, &saved) == SD_OK) { /* else: the task's thread does them */
+        run_items(s, thread);
+        sd_fsid_leave(&saved);
+    }
+    pthread_mutex_lock(&p->lock);
+    w->help = NULL;
+    s->inside--;
+    pthread_cond_broadcast(&p->helped);
+    pthread_cond_broadcast(&p->work); /* the uid's share is free again */
+}
+
 static void *worker_main(void *arg)
 {
     struct worker *w = arg;
     struct sd_file_pool *p = w->pool;
+    self = w;
     pthread_mutex_lock(&p->lock);
     while (!p->stopping) {
         struct sd_file_task *t = pick(p);
         if (t == NULL) {
-            pthread_cond_wait(&p->work, &p->lock);
+            struct section *s = pick_section(p);
+            if (s != NULL)
+                help(p, w, s);
+            else
+                pthread_cond_wait(&p->work, &p->lock);
             continue;
         }
         w->task = t;
@@ -133,6 +201,7 @@ int sd_file_pool_start(struct sd_file_pool **pool_p, uv_loop_t *loop, uint32_t t
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&p->idle, &ca);
     pthread_condattr_destroy(&ca);
+    pthread_cond_init(&p->helped, NULL);
     if (uv_async_init(loop, &p->async, async_cb) != 0) {
         free(p);
         return SD_ENOMEM;
@@ -177,12 +246,40 @@ void sd_file_pool_submit(struct sd_file_pool *p, struct sd_file_task *t)
     pthread_mutex_unlock(&p->lock);
 }
 
+void sd_file_pool_parallel(struct sd_file_pool *p, uint32_t threads, uint64_t n,
+                           void (*fn)(void *arg, uint32_t thread, uint64_t i), void *arg)
+{
+    struct worker *w = self;
+    struct section s = {.fn = fn, .arg = arg, .n = n, .want = SD_MAX(threads, 1), .joined = 1};
+    atomic_init(&s.next_item, 0);
+    if (p == NULL || w == NULL || w->pool != p || w->task == NULL || s.want == 1 || n <= 1) {
+        run_items(&s, 0); /* off the pool, or nothing to share */
+        return;
+    }
+    s.task = w->task;
+    pthread_mutex_lock(&p->lock);
+    s.next = p->sections;
+    p->sections = &s;
+    pthread_cond_broadcast(&p->work);
+    pthread_mutex_unlock(&p->lock);
+    run_items(&s, 0);
+    pthread_mutex_lock(&p->lock);
+    struct section **pp = &p->sections;
+    while (*pp != &s)
+        pp = &(*pp)->next;
+    *pp = s.next; /* no helper joins now */
+    while (s.inside > 0)
+        pthread_cond_wait(&p->helped, &p->lock);
+    pthread_mutex_unlock(&p->lock);
+}
+
 static void pool_free_cb(uv_handle_t *h)
 {
     struct sd_file_pool *p = h->data;
     pthread_mutex_destroy(&p->lock);
     pthread_cond_destroy(&p->work);
     pthread_cond_destroy(&p->idle);
+    pthread_cond_destroy(&p->helped);
     free(p);
 }
 

@@ -80,9 +80,26 @@ static void free_layout(struct layout *l)
     free((void *)l->src);
 }
 
-/* write l into dir/name with threads and check the file and the crcs */
+/* A runner as the daemon's file pool is one (sd_ckpt_io.runner): here the items run on the
+ * calling thread, last first, each under a thread number of its own choosing. */
+struct backwards {
+    uint32_t calls, max_threads;
+    uint64_t items;
+};
+
+static void run_backwards(void *ctx, uint32_t threads, uint64_t n, sd_ckpt_par_fn *fn, void *arg)
+{
+    struct backwards *b = ctx;
+    b->calls++;
+    b->max_threads = threads > b->max_threads ? threads : b->max_threads;
+    for (uint64_t i = n; i-- > 0; b->items++)
+        fn(arg, (uint32_t)((i * 7) % threads), i);
+}
+
+/* write l into dir/name with threads (through runner, else the writer's own) and check the file
+ * and the crcs */
 static void check_write(const char *dir, const char *name, struct layout *l, uint32_t threads,
-                        bool direct, bool expect_direct)
+                        bool direct, bool expect_direct, const struct sd_ckpt_runner *runner)
 {
     char path[512];
     snprintf(path, sizeof(path), "%s/%s", dir, name);
@@ -90,7 +107,7 @@ static void check_write(const char *dir, const char *name, struct layout *l, uin
     TH_CHECK(fd >= 0, "%s: %s", path, strerror(errno));
     if (fd < 0)
         return;
-    struct sd_ckpt_io io = {.threads = threads, .direct = direct};
+    struct sd_ckpt_io io = {.threads = threads, .direct = direct, .runner = runner};
     bool used = false;
     int st = sd_ckpt_write_extents(fd, l->xs, l->src, l->n, &io, &used);
     close(fd);
@@ -205,12 +222,20 @@ static void test_dir(const char *dir, bool has_direct)
     struct layout l;
     make_layout(&l, big, sizeof(big) / sizeof(big[0]));
     for (uint32_t th = 1; th <= 8; th *= 2)
-        check_write(dir, "big.bin", &l, th, true, has_direct);
-    check_write(dir, "big.bin", &l, 3, false, has_direct);
+        check_write(dir, "big.bin", &l, th, true, has_direct, NULL);
+    check_write(dir, "big.bin", &l, 3, false, has_direct, NULL);
+    struct backwards b = {0};
+    struct sd_ckpt_runner runner = {.run = run_backwards, .ctx = &b};
+    check_write(dir, "big.bin", &l, 4, true, has_direct, &runner);
+    uint64_t bytes = l.numel * sizeof(float);
+    TH_CHECK(b.calls == 1 && b.max_threads == 4 &&
+                 b.items == (bytes + SD_CKPT_IO_CHUNK - 1) / SD_CKPT_IO_CHUNK,
+             "the runner ran the writer's chunks: %u calls, %u threads, %llu items", b.calls,
+             b.max_threads, (unsigned long long)b.items);
     free_layout(&l);
 
     make_layout(&l, small, sizeof(small) / sizeof(small[0]));
-    check_write(dir, "data.bin", &l, 4, true, has_direct);
+    check_write(dir, "data.bin", &l, 4, true, has_direct, NULL);
     check_read(dir, &l);
     /* not packed: refused */
     l.xs[1].file_off += 4;

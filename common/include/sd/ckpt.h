@@ -120,14 +120,23 @@ int sd_ckpt_read(struct sd_ckpt_reader *rd, uint32_t state, uint32_t tensor, uin
 #define SD_CKPT_IO_CHUNK    (4u << 20) /* a thread writes this much at a time, at aligned offsets */
 #define SD_CKPT_IO_ALIGN    4096u      /* of O_DIRECT's buffers, offsets and lengths */
 #define SD_CKPT_MAX_THREADS 64u
-struct sd_ckpt_io {
-    uint32_t threads; /* 1 to SD_CKPT_MAX_THREADS */
-    bool direct;      /* write with O_DIRECT where the filesystem takes it */
+/* fn(arg, thread, i) for every i in [0, n), on at most `threads` threads, thread in
+ * [0, threads): each call may use per-thread state */
+typedef void sd_ckpt_par_fn(void *arg, uint32_t thread, uint64_t i);
+/* Who runs a call's items: the daemon's file pool (sd_file_pool_parallel), so its file work
+ * has one set of threads; NULL in an sd_ckpt_io: sd_ckpt_parallel. */
+struct sd_ckpt_runner {
+    void (*run)(void *ctx, uint32_t threads, uint64_t n, sd_ckpt_par_fn *fn, void *arg);
+    void *ctx;
 };
-/* fn(arg, thread, i) for every i in [0, n), on `threads` threads (this one and the rest started
- * for the call), thread in [0, threads): each call may use per-thread state */
-void sd_ckpt_parallel(uint32_t threads, uint64_t n,
-                      void (*fn)(void *arg, uint32_t thread, uint64_t i), void *arg);
+struct sd_ckpt_io {
+    uint32_t threads;                    /* 1 to SD_CKPT_MAX_THREADS */
+    bool direct;                         /* write with O_DIRECT where the filesystem takes it */
+    const struct sd_ckpt_runner *runner; /* NULL: sd_ckpt_parallel */
+};
+/* The items on `threads` threads: this one and the rest started for the call (the tools'
+ * runner; the daemon's is its file pool). */
+void sd_ckpt_parallel(uint32_t threads, uint64_t n, sd_ckpt_par_fn *fn, void *arg);
 /* One data file's n extents into fd (open for writing, empty), extent i's bytes from src[i],
  * setting each extent's crc. The extents are packed in file order: xs[0] at 0, each at the end
  * of the one before (else SD_EINVAL). Chunks of SD_CKPT_IO_CHUNK bytes are gathered into aligned
