@@ -110,6 +110,12 @@ void sd_job_bury(struct sd_job *job)
 }
 
 /* Send the layout and the shared fds to one registered rank. */
+/* the step the job starts from: the paused job's it resumes, else the checkpoint's it loads */
+static uint64_t start_step(const struct sd_job *job)
+{
+    return sd_resume_resuming(job) ? sd_resume_start_step(job) : sd_ckpt_start_step(job);
+}
+
 static int job_send_layout(struct sd_job *job, struct sd_session *s)
 {
     const struct sd_layout *l = &job->layout;
@@ -154,7 +160,7 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     rep.step_args_off = job->mem.step_args_off;
     rep.step_args_bytes = job->mem.step_args_bytes;
     rep.save_path_off = job->mem.save_path_off;
-    rep.start_step = sd_resume_start_step(job);
+    rep.start_step = start_step(job);
     rep.resumed = sd_resume_resuming(job);
     uint32_t n_groups = sd_model_groups(&job->model);
     Shard__Optimizer *gd = calloc(n_groups, sizeof(*gd));
@@ -364,7 +370,7 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
                                                   .world = job->world,
                                                   .ranks_per_node = job->k,
                                                   .job_node = job->node,
-                                                  .start_step = sd_resume_start_step(job),
+                                                  .start_step = start_step(job),
                                                   .resumed = sd_resume_resuming(job),
                                                   .status = status,
                                                   .msg = status == SD_OK ? "" : err});
@@ -672,25 +678,84 @@ void sd_job_modules_release(struct sd_job *job)
 }
 
 /* The modules that wait for other modules' completions. */
-static const struct sd_job_module *const event_order[] = {&sd_step_module};
+static const struct sd_job_module *const event_order[] = {&sd_step_module, &sd_resume_module};
+
+bool sd_job_node_rounds(const struct sd_job *job)
+{
+    return job->nodes > 1 && (job->plan.f[SD_STATE_G] > job->k || !job->plan.two_hop);
+}
+
+uint32_t sd_job_push_gens(const struct sd_job *job)
+{
+    return sd_job_node_rounds(job) ? (uint32_t)job->reg->cfg->push_rounds : 1;
+}
+
+bool sd_job_weights_remote(const struct sd_job *job)
+{
+    return job->nodes > 1 && job->gnodes[SD_STATE_OS] > 1 &&
+           job->plan.f[SD_STATE_W] < job->plan.f[SD_STATE_OS];
+}
+
+bool sd_job_event_ended(struct sd_job *job, enum sd_job_event ev, int status, uint32_t peer)
+{
+    const struct sd_job_ev e = {.kind = ev, .status = status, .peer = peer};
+    bool taken = false;
+    for (size_t i = 0; i < sizeof(event_order) / sizeof(event_order[0]); i++)
+        taken |= event_order[i]->event != NULL && event_order[i]->event(job, &e);
+    return taken;
+}
+
+/* The modules whose workers may use the job's shards off the loop. */
+static const struct sd_job_module *const worker_order[] = {&sd_ckpt_module};
+
+bool sd_job_shards_busy(const struct sd_job *job)
+{
+    for (size_t i = 0; i < sizeof(worker_order) / sizeof(worker_order[0]); i++)
+        if (worker_order[i]->shards_busy != NULL && worker_order[i]->shards_busy(job))
+            return true;
+    return false;
+}
+
+/* The modules that may give the job its values. */
+static const struct sd_job_module *const source_order[] = {&sd_ckpt_module, &sd_resume_module};
+
+const char *sd_job_state_needed(const struct sd_job *job)
+{
+    for (size_t i = 0; i < sizeof(worker_order) / sizeof(worker_order[0]); i++) {
+        const char *why =
+            worker_order[i]->needs_state != NULL ? worker_order[i]->needs_state(job) : NULL;
+        if (why != NULL)
+            return why;
+    }
+    return NULL;
+}
+
+const char *sd_job_values_from(const struct sd_job *job)
+{
+    for (size_t i = 0; i < sizeof(source_order) / sizeof(source_order[0]); i++) {
+        const char *what =
+            source_order[i]->gives_values != NULL ? source_order[i]->gives_values(job) : NULL;
+        if (what != NULL)
+            return what;
+    }
+    return NULL;
+}
 
 bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
 {
-    bool taken = false;
-    for (size_t i = 0; i < sizeof(event_order) / sizeof(event_order[0]); i++)
-        taken |= event_order[i]->event != NULL && event_order[i]->event(job, ev);
-    return taken;
+    return sd_job_event_ended(job, ev, SD_OK, UINT32_MAX);
 }
 
 /* Complete every module's parked calls with an error (fail_order); with_fetches: also ranks
  * waiting for an in-flight gather. */
 static void fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches)
 {
-    char text[SD_OP_MSG_LEN];
-    if (status == SD_EPAUSED)
-        snprintf(text, sizeof(text), "%s", msg);
-    else
-        snprintf(text, sizeof(text), "job '%s' failed: %s", job->name, msg);
+    char text[SD_OP_MSG_LEN]; /* what a completion carries: a longer message is cut */
+    size_t at = 0;
+    if (status != SD_EPAUSED)
+        at = SD_MIN((size_t)snprintf(text, sizeof(text), "job '%s' failed: ", job->name),
+                    sizeof(text) - 1);
+    snprintf(text + at, sizeof(text) - at, "%s", msg);
     for (size_t i = 0; i < sizeof(fail_order) / sizeof(fail_order[0]); i++)
         if (fail_order[i]->fail_parked != NULL)
             fail_order[i]->fail_parked(job, status, text, with_fetches);

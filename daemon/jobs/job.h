@@ -235,6 +235,17 @@ int sd_job_queue_mark(struct sd_job *job, bool behind, uint64_t *ticket_p);
 /* Fail the job for the backend's error status. */
 void sd_job_backend_failed(struct sd_job *job, int status);
 
+/* ---- shape facts every operation may ask (job.c): from the plan, the job's nodes and the
+ * daemon's config, the same from creation to the end */
+/* Do pushes reduce across nodes in node rounds (push.c): more than one node, and the gradients'
+ * partition groups span nodes or there is no 2-hop? */
+bool sd_job_node_rounds(const struct sd_job *job);
+/* generations of push rounds at once (push_rounds across nodes; 1 inside a node: a round is
+ * reduced once complete) */
+uint32_t sd_job_push_gens(const struct sd_job *job);
+/* Does the weights' all-gather after the optimizer cross nodes (f_w < f_os, f_os > k)? */
+bool sd_job_weights_remote(const struct sd_job *job);
+
 /* ---- memory (job_mem.c) */
 /* Every local rank registered: check the budget, allocate every buffer (host memory on a worker
  * thread), then sd_job_allocated. */

@@ -19,6 +19,16 @@ enum sd_job_event {
     SD_JOB_EV_TRANSFERS, /* a gather's transfers completed, freeing their resources (fetch.c) */
     SD_JOB_EV_W_SENT,    /* a send of this node's weights to a peer completed (fetch.c) */
     SD_JOB_EV_OS_FREE,   /* a checkpoint's worker left the os shards (checkpoint.c) */
+    SD_JOB_EV_EXCHANGED, /* a transfer of the weights' exchange ended, status, peer (weights.c) */
+    SD_JOB_EV_STEP_OVER, /* the step's calls were answered (step.c): a pause waiting for the
+                          * step's end (a rank died in it) happens now */
+};
+
+/* An event, with the status and the peer (job node) of a transfer's end where it has them. */
+struct sd_job_ev {
+    enum sd_job_event kind;
+    int status;    /* SD_OK when it has none */
+    uint32_t peer; /* UINT32_MAX when it has none */
 };
 
 struct sd_job_module {
@@ -41,7 +51,19 @@ struct sd_job_module {
     bool (*sweep)(struct sd_job *job, uint64_t now, uint64_t op_timeout);
     /* Another module raised ev: go on if this one waited for it (then true). NULL: it waits for
      * none. */
-    bool (*event)(struct sd_job *job, enum sd_job_event ev);
+    bool (*event)(struct sd_job *job, const struct sd_job_ev *ev);
+    /* Does a worker of this module use the job's shards off the loop now (a checkpoint's, saving
+     * or loading)? The shards' other users (the optimizer, a resumed job taking them over, the
+     * ready barrier's deadline) wait for its SD_JOB_EV_OS_FREE. NULL: it has none. */
+    bool (*shards_busy)(const struct sd_job *job);
+    /* Does this module give the job its values instead of rank 0's initial ones (a checkpoint it
+     * loads, a paused job's state it takes over)? What it does, for messages ("loading a
+     * checkpoint"), else NULL. NULL: it never does. */
+    const char *(*gives_values)(const struct sd_job *job);
+    /* Does this module still read the job's state once its trainers are gone (a recovery writing
+     * a checkpoint from it)? Why, for messages, else NULL: the state must not go meanwhile.
+     * NULL: it never does. */
+    const char *(*needs_state)(const struct sd_job *job);
 };
 
 /* each module's, defined in its own file */
@@ -55,6 +77,7 @@ extern const struct sd_job_module sd_loading_module;  /* loading.c: init and the
 extern const struct sd_job_module sd_step_module;     /* step.c: the step barrier */
 extern const struct sd_job_module sd_dispatch_module; /* dispatch.c: stalled ring entries */
 extern const struct sd_job_module sd_ckpt_module;     /* checkpoint.c: saves and loads */
+extern const struct sd_job_module sd_resume_module;   /* resume.c: a pause at the step's end */
 
 /* Every module's bookkeeping with the job's memory (job.c, for job_mem.c): SD_OK or the first
  * error; release gives back every module's. */
@@ -62,6 +85,14 @@ int sd_job_modules_alloc(struct sd_job *job);
 void sd_job_modules_release(struct sd_job *job);
 /* Hand ev to the modules (job.c): true if one waited for it. */
 bool sd_job_event(struct sd_job *job, enum sd_job_event ev);
+/* The same for a transfer that ended with status, with peer (job node). */
+bool sd_job_event_ended(struct sd_job *job, enum sd_job_event ev, int status, uint32_t peer);
+/* Does a module's worker use the job's shards now (job.c)? */
+bool sd_job_shards_busy(const struct sd_job *job);
+/* Why a module still reads the job's state (job.c), or NULL: it may go. */
+const char *sd_job_state_needed(const struct sd_job *job);
+/* Where the job's values come from when not from rank 0 (job.c): the module's words, or NULL. */
+const char *sd_job_values_from(const struct sd_job *job);
 /* The ranks (global numbers) whose present[local] is false, "3, 5" (job.c). */
 void sd_job_missing_ranks(const struct sd_job *job, const bool *present, char *out, size_t len);
 

@@ -88,7 +88,7 @@ static uint32_t bulks_needed(const struct sd_job *job)
     uint32_t Gw = job->gnodes[SD_STATE_W], G = job->gnodes[SD_STATE_G], N = job->nodes;
     uint32_t gathers = SD_MAX_GATHERS_INFLIGHT * (Gw - 1);
     uint32_t serve = SD_MAX_GATHERS_INFLIGHT * (N - 1) * job->slots_per_unit;
-    uint32_t round = sd_push_round_gens(job) * (2 * (G - 1) + 2 * (N - 1));
+    uint32_t round = sd_job_push_gens(job) * (2 * (G - 1) + 2 * (N - 1));
     uint32_t step =
         2 * (N - 1) + 2 + 2 * (job->gnodes[SD_STATE_OS] - 1); /* + the weights' all-gather */
     uint32_t init = N;

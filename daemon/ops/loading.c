@@ -1,14 +1,12 @@
 /* Loading: rank 0's initial values into every node's shards (node 0 sends each node the part of
  * each unit it holds), and the ready barrier every rank waits in before its first fetch. */
 #include "barrier.h"
-#include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "net.h"
 #include "job_module.h"
 #include "dispatch.h"
 #include "fetch.h"
 #include "loading.h"
-#include "resume.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -83,10 +81,10 @@ void sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_s
                         s->rank);
         return;
     }
-    if (job->state != SD_JOB_LOADING || sd_ckpt_loading(job)) {
-        sd_session_fail(
-            s, e, SD_ESTATE, "init: job '%s' is %s, not loading initial values", job->name,
-            sd_ckpt_loading(job) ? "loading a checkpoint" : sd_job_state_name(job->state));
+    const char *from = sd_job_values_from(job); /* a checkpoint, a paused job's state */
+    if (job->state != SD_JOB_LOADING || from != NULL) {
+        sd_session_fail(s, e, SD_ESTATE, "init: job '%s' is %s, not loading initial values",
+                        job->name, from != NULL ? from : sd_job_state_name(job->state));
         return;
     }
     if (e->unit >= job->layout.n_units || e->arg0 >= job->mem.staging_slots) {
@@ -138,7 +136,7 @@ void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_
                         s->rank, job->name);
         return;
     }
-    if (sd_ckpt_loading(job) || sd_resume_resuming(job)) {
+    if (sd_job_values_from(job) != NULL) {
         /* ready once this node read (or took over) its part (sd_loading_loaded) */
         if (job->load.init->done)
             set_ready(job);
@@ -329,7 +327,7 @@ static bool loading_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
 {
     if (job->state != SD_JOB_LOADING)
         return false;
-    if (job->load.init->ready.arrived == 0 || sd_ckpt_reading(job) ||
+    if (job->load.init->ready.arrived == 0 || sd_job_shards_busy(job) ||
         now - job->created_ns <=
             op_timeout + (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL)
         return false;

@@ -668,10 +668,10 @@ int sd_push_create(struct sd_job *job)
     if (ps == NULL)
         return SD_ENOMEM;
     uint32_t k = job->k, fg = job->plan.f[SD_STATE_G];
-    ps->node_rounds = job->nodes > 1 && (fg > k || !job->plan.two_hop);
+    ps->node_rounds = sd_job_node_rounds(job);
     ps->g_ident = sd_job_net_g_ident(job);
     /* a round inside the node is reduced as soon as it is complete: one generation is enough */
-    ps->round_gens = ps->node_rounds ? (uint32_t)job->reg->cfg->push_rounds : 1;
+    ps->round_gens = sd_job_push_gens(job);
     if (ps->node_rounds) { /* one round per unit over all local ranks, then the network */
         ps->g_members = k;
         ps->g_groups = 1;
@@ -682,11 +682,6 @@ int sd_push_create(struct sd_job *job)
     ps->nr_mem.fd = -1;
     job->push = ps;
     return SD_OK;
-}
-
-uint32_t sd_push_round_gens(const struct sd_job *job)
-{
-    return job->push != NULL ? job->push->round_gens : 1;
 }
 
 int sd_push_alloc(struct sd_job *job)

@@ -32,8 +32,6 @@ bool sd_push_partial_round(struct sd_job *job, char *msg, size_t len);
 /* At job creation, once plan and layout are known: the rounds' geometry (across nodes or not,
  * push_rounds generations); SD_ENOMEM. */
 int sd_push_create(struct sd_job *job);
-/* generations of push rounds at once (1 inside a node: a round is reduced once complete) */
-uint32_t sd_push_round_gens(const struct sd_job *job);
 /* floats of the node rounds' buffers across nodes, every generation's (0 on one node) */
 size_t sd_push_net_floats(const struct sd_job *job, const struct sd_config *cfg);
 /* at registration: the rounds' bookkeeping (SD_ENOMEM) */

@@ -13,8 +13,6 @@
  *        and the parts received from the other nodes. */
 #include "job_module.h"
 #include "job.h"
-#include "weights.h"
-#include "push.h"
 #include "quant.h"
 #include "sd/codec.h"
 #include "sd/config.h"
@@ -135,13 +133,13 @@ static struct quant_layout layout_of(const struct sd_job *job, const struct sd_c
             q.hop_ef_floats += job->plan.ef ? count : 0;
         }
     }
-    if (job->plan.qw && sd_weights_remote(job))
+    if (job->plan.qw && sd_job_weights_remote(job))
         for (uint32_t u = 0; u < l->n_units; u++)
             q.wx_part = SD_MAX(q.wx_part, align_up(sd_qw_part_bytes(job, u)));
     q.off_qw = 0;
     q.off_rx = q.off_qw + q.qw_rank * job->k;
     q.off_qg = q.off_rx + q.rx_slot * SD_QUANT_RX_SLOTS;
-    q.off_ef = q.off_qg + q.qg_block * 2 * (G - 1) * sd_push_round_gens(job);
+    q.off_ef = q.off_qg + q.qg_block * 2 * (G - 1) * sd_job_push_gens(job);
     q.off_hop = align_up(q.off_ef + q.ef_floats * sizeof(float));
     q.off_hop_ef = align_up(q.off_hop + q.hop);
     q.off_wx = align_up(q.off_hop_ef + q.hop_ef_floats * sizeof(float));

@@ -5,7 +5,6 @@
  * optimizer once no peer still reads this generation's weights; REFRESH gathers the units held
  * across the step again. On one node SYNC reduces the replicas inside the node, NORM has
  * nothing to exchange, and the phases run through in one call. */
-#include "checkpoint.h"
 #include "net.h"
 #include "job_module.h"
 #include "dispatch.h"
@@ -16,7 +15,6 @@
 #include "optimizer.h"
 #include "weights.h"
 #include "quant.h"
-#include "resume.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -103,7 +101,7 @@ static void step_answer(struct sd_job *job, int status, const char *msg)
         sd_latency_add(&job->stats.lat[SD_OP_STEP], now - q.since_ns);
         sd_session_complete(job->ranks[r], q.tag, SD_OP_STEP, status, bits, job->steps, msg);
     }
-    sd_resume_step_over(job); /* a rank died in the step: the job pauses now */
+    sd_job_event(job, SD_JOB_EV_STEP_OVER); /* a rank died in the step: the job pauses now */
 }
 
 static void step_done(struct sd_job *job)
@@ -496,7 +494,7 @@ void sd_step_progress(struct sd_job *job)
     if (job->step->phase == SD_STEP_APPLY) {
         if (job->xfer.w_sends_inflight > 0)
             return; /* peers still read this node's weights of the current generation */
-        if (sd_ckpt_reading(job))
+        if (sd_job_shards_busy(job))
             return; /* a checkpoint's worker reads the os shards: its end calls again */
         int refused;
         char msg[SD_OP_MSG_LEN];
@@ -523,7 +521,7 @@ void sd_step_progress(struct sd_job *job)
         job->step->status = SD_OK;
         job->step->encoded = false;
         /* the exchanges send the owners' new parts */
-        if (sd_weights_remote(job) && !step_queue_done(job))
+        if (sd_job_weights_remote(job) && !step_queue_done(job))
             return;
     }
     if (job->step->phase == SD_STEP_WEIGHTS) {
@@ -533,7 +531,7 @@ void sd_step_progress(struct sd_job *job)
             step_fail(job, job->step->status, job->step->suspect);
             return;
         }
-        while (sd_weights_remote(job) && job->step->unit < job->layout.n_units) {
+        while (sd_job_weights_remote(job) && job->step->unit < job->layout.n_units) {
             if (job->plan.qw && !job->step->encoded) {
                 sd_weights_encode(job, job->step->unit);
                 job->step->encoded = true;
@@ -544,7 +542,7 @@ void sd_step_progress(struct sd_job *job)
             uint32_t posted = 0, suspect = 0;
             job->step->status = SD_OK;
             int st = sd_weights_exchange(job, job->step->unit++, &posted, &suspect);
-            job->step->pending += posted; /* each completion: sd_step_exchanged */
+            job->step->pending += posted; /* each completion: SD_JOB_EV_EXCHANGED */
             if (job->state == SD_JOB_FAILED)
                 return;
             if (st != SD_OK) {
@@ -634,11 +632,17 @@ void sd_step_stop(struct sd_job *job)
 }
 
 /* the job's events (job_module.h): those a phase waits for drive it on */
-static bool step_event(struct sd_job *job, enum sd_job_event ev)
+static bool step_event(struct sd_job *job, const struct sd_job_ev *ev)
 {
     enum sd_step_phase ph = job->step->phase;
     bool waits = false;
-    switch (ev) {
+    switch (ev->kind) {
+    case SD_JOB_EV_EXCHANGED: /* the weights' exchange: the last transfer's end goes on */
+        if (transfer_ended(job->step, ev->status, ev->peer))
+            sd_step_progress(job);
+        return true;
+    case SD_JOB_EV_STEP_OVER: /* raised here, for resume */
+        return false;
     case SD_JOB_EV_PUSHED:    /* the sync waits for the pushes to be idle */
     case SD_JOB_EV_TRANSFERS: /* a refresh, or a step waiting for gathers */
         waits = ph != SD_STEP_IDLE;
@@ -650,18 +654,12 @@ static bool step_event(struct sd_job *job, enum sd_job_event ev)
         waits = ph == SD_STEP_APPLY;
         break;
     case SD_JOB_EV_OS_FREE: /* ... and until no checkpoint's worker reads the os shards */
-        waits = ph == SD_STEP_APPLY && job->state == SD_JOB_READY && !sd_ckpt_reading(job);
+        waits = ph == SD_STEP_APPLY && job->state == SD_JOB_READY && !sd_job_shards_busy(job);
         break;
     }
     if (waits && job->state != SD_JOB_FAILED)
         sd_step_progress(job);
     return waits;
-}
-
-void sd_step_exchanged(struct sd_job *job, int status, uint32_t peer)
-{
-    if (transfer_ended(job->step, status, peer))
-        sd_step_progress(job);
 }
 
 /* ---- the job's common paths (job_module.h) */

@@ -51,8 +51,7 @@ bool sd_step_activity(const struct sd_job *job, const char **what_p, uint32_t *u
 void sd_step_stop(struct sd_job *job);
 
 /* ---- what it hears: the completions its phases wait for come as the job's events
- * (job_module.h, sd_job_event); this is the end of one of the weights' exchanges it started
- * (sd_weights_exchange), with status, with peer. */
-void sd_step_exchanged(struct sd_job *job, int status, uint32_t peer);
+ * (job_module.h, sd_job_event), the ends of the weights' exchanges it started
+ * (sd_weights_exchange) among them; it raises SD_JOB_EV_STEP_OVER once a step is answered. */
 
 #endif

@@ -12,7 +12,7 @@
  * the same values; receivers decode into the first local holder's w shard. The fp32 master in
  * the os shard never sees them. */
 #include "net.h"
-#include "step.h"
+#include "job_module.h"
 #include "weights.h"
 #include "quant.h"
 #include "sd/codec.h"
@@ -43,12 +43,6 @@ static uint32_t part_owner(const struct sd_job *job, uint32_t r, uint32_t p)
 {
     uint32_t OS = job->plan.f[SD_STATE_OS];
     return r - r % OS + sd_plan_shard_pos(&job->plan, SD_STATE_OS, p);
-}
-
-bool sd_weights_remote(const struct sd_job *job)
-{
-    return job->nodes > 1 && job->gnodes[SD_STATE_OS] > 1 &&
-           job->plan.f[SD_STATE_W] < job->plan.f[SD_STATE_OS];
 }
 
 /* bytes of one os part of unit ul in the weights' dtype, and where part p sits in its w shard */
@@ -151,7 +145,7 @@ static void exchange_done(struct sd_bulk *b, int status)
         exchange_decode(job, b, status);
     uint32_t peer = b->peer;
     sd_bulk_put(&job->xfer.bulks, b);
-    sd_step_exchanged(job, status, peer);
+    sd_job_event_ended(job, SD_JOB_EV_EXCHANGED, status, peer); /* the step counts them */
 }
 
 /* *rx_base: the receive slots (,qw) taken so far for unit u; *posted: the transfers started */

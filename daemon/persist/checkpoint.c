@@ -739,5 +739,19 @@ static bool ckpt_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
     return true;
 }
 
-const struct sd_job_module sd_ckpt_module = {
-    .name = "checkpoint", .fail_parked = ckpt_fail_parked, .sweep = ckpt_sweep};
+static const char *ckpt_gives_values(const struct sd_job *job)
+{
+    return sd_ckpt_loading(job) ? "loading a checkpoint" : NULL;
+}
+
+static const char *ckpt_needs_state(const struct sd_job *job)
+{
+    return sd_recover_target(job) ? "a checkpoint of it is being written from the replicas" : NULL;
+}
+
+const struct sd_job_module sd_ckpt_module = {.name = "checkpoint",
+                                             .needs_state = ckpt_needs_state,
+                                             .gives_values = ckpt_gives_values,
+                                             .fail_parked = ckpt_fail_parked,
+                                             .sweep = ckpt_sweep,
+                                             .shards_busy = sd_ckpt_reading};

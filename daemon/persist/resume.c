@@ -2,10 +2,9 @@
 #include "optimizer.h"
 #include "step.h"
 #include "resume.h"
-#include "checkpoint.h"
+#include "job_module.h"
 #include "job.h"
 #include "loading.h"
-#include "recover.h"
 #include "registry.h"
 #include "server.h"
 #include "session.h"
@@ -208,16 +207,28 @@ bool sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg)
     return true;
 }
 
-void sd_resume_step_over(struct sd_job *job)
+/* The step is over (answered, SD_JOB_EV_STEP_OVER): a pause waiting for it happens now. */
+static bool resume_event(struct sd_job *job, const struct sd_job_ev *ev)
 {
     struct sd_resume_state *rs = job->load.resume;
-    if (!rs->pending || job->state != SD_JOB_READY)
-        return;
+    if (ev->kind != SD_JOB_EV_STEP_OVER || !rs->pending || job->state != SD_JOB_READY)
+        return false;
     if (rs->pending_peer)
         pause_text(job, rs->why, false);
     else
         pause_here(job, rs->why);
+    return true;
 }
+
+/* its state is created and freed by job.c (sd_resume_create, sd_resume_destroy): it hears
+ * the step's end */
+static const char *resume_gives_values(const struct sd_job *job)
+{
+    return sd_resume_resuming(job) ? "taking over a paused job's state" : NULL;
+}
+
+const struct sd_job_module sd_resume_module = {
+    .name = "resume", .event = resume_event, .gives_values = resume_gives_values};
 
 /* A paused job nobody took over in time, or a failed one kept: its state goes (now, or once its
  * ranks left). */
@@ -269,9 +280,9 @@ int sd_resume_drop(struct sd_job *job, char *err, size_t errlen)
                  job->name, sd_job_state_name(job->state));
         return SD_ESTATE;
     }
-    if (sd_recover_target(job)) {
-        snprintf(err, errlen, "job '%s': a checkpoint of it is being written from the replicas",
-                 job->name);
+    const char *needed = sd_job_state_needed(job); /* a recovery reads it */
+    if (needed != NULL) {
+        snprintf(err, errlen, "job '%s': %s", job->name, needed);
         return SD_EBUSY;
     }
     SD_WARN("job", "job '%s' (id %llu, uid %d): its %s state is dropped by root (shardctl drop)",
@@ -284,7 +295,7 @@ int sd_resume_drop(struct sd_job *job, char *err, size_t errlen)
 void sd_resume_sweep(struct sd_job *job, uint64_t now)
 {
     struct sd_resume_state *rs = job->load.resume;
-    if (sd_resume_holds_state(job) && now >= rs->deadline_ns && !sd_recover_target(job))
+    if (sd_resume_holds_state(job) && now >= rs->deadline_ns && sd_job_state_needed(job) == NULL)
         drop(job);
     else if (job->state == SD_JOB_LOADING && rs->resuming && rs->wait)
         sd_resume_load(job);
@@ -338,7 +349,7 @@ int sd_resume_attach(struct sd_job *job, struct sd_job *old, const char *load, c
 
 uint64_t sd_resume_start_step(const struct sd_job *job)
 {
-    return job->load.resume->resuming ? job->load.resume->start_step : sd_ckpt_start_step(job);
+    return job->load.resume->resuming ? job->load.resume->start_step : 0;
 }
 
 bool sd_resume_hparams(const struct sd_job *job, uint32_t g, struct sd_hparams *h_p)
@@ -380,7 +391,7 @@ void sd_resume_load(struct sd_job *job)
                     "the paused job it resumes was dropped before its state was taken over");
         return;
     }
-    rs->wait = sd_ckpt_reading(old); /* a save of it still reads its memory: the sweep retries */
+    rs->wait = sd_job_shards_busy(old); /* a save of it still reads its memory: the sweep retries */
     if (rs->wait)
         return;
     const struct sd_gpu_ops *dev = job->reg->dev;

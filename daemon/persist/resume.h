@@ -50,8 +50,6 @@ bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *r
 /* Another node paused the job after step steps (msg says why): true if it pauses here too (now,
  * or after the running step); false if it cannot (loading, no resume timeout): it must fail. */
 bool sd_resume_peer_paused(struct sd_job *job, uint64_t step, const char *msg);
-/* The step is over (answered): a pause waiting for it happens now. */
-void sd_resume_step_over(struct sd_job *job);
 /* A node of the job was lost: with a resume timeout its state stays that long (the job fails
  * all the same) for shardctl checkpoint --job. True if kept. */
 bool sd_resume_keep(struct sd_job *job);
@@ -67,7 +65,8 @@ struct sd_job *sd_resume_find(struct sd_registry *reg, const char *name);
  * why not (err): another model, world, owner; with a checkpoint to load, old is dropped. */
 int sd_resume_attach(struct sd_job *job, struct sd_job *old, const char *load, char *err,
                      size_t errlen);
-/* Registration reply: the step it starts from, the hyperparameters in force. */
+/* Registration reply: the step it starts from (resuming; else 0), the hyperparameters in
+ * force. */
 uint64_t sd_resume_start_step(const struct sd_job *job);
 bool sd_resume_hparams(const struct sd_job *job, uint32_t g, struct sd_hparams *h_p);
 /* Bytes of the memory budget that come back once job took the state over. */
