@@ -8,6 +8,9 @@ DDP train on the same global batch.
 
   one rank through shardd:
     train_gpt.py --socket S --job J --rank R --world W --plan mics:2 [--steps 30] [--accum 2]
+  the same under torchrun or srun: socket from $SHARD_SOCKET, rank, world and job from the
+  launcher's variables (shard.torch.launcher), one command on every node:
+    SHARD_SOCKET=S torchrun --nnodes 2 --node_rank N --master_addr A train_gpt.py
   one rank of the DDP baseline (gloo over loopback):
     train_gpt.py --ddp --rank R --world W --init tcp://127.0.0.1:29500
   the same model in one process on every rank's micro-batches at once (the reference on a GPU):
@@ -423,10 +426,14 @@ def launch(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--socket", help="shardd socket of this rank's node")
-    p.add_argument("--job", default="gpt")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--socket", default=os.environ.get("SHARD_SOCKET"),
+                   help="shardd socket of this rank's node (default $SHARD_SOCKET)")
+    p.add_argument("--job", help="the job's name (default: torchrun's or Slurm's, as "
+                   "shard.torch.launcher gives it, else gpt)")
+    p.add_argument("--rank", type=int,
+                   help="default: torchrun's RANK or Slurm's SLURM_PROCID, else 0")
+    p.add_argument("--world", type=int,
+                   help="default: torchrun's WORLD_SIZE or Slurm's SLURM_NTASKS, else 1")
     p.add_argument("--plan", default="mics:2")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--accum", type=int, default=2)
@@ -477,6 +484,18 @@ def main():
     p.add_argument("--plot", help="--launch: an image of the loss curves and the lr schedule "
                                   "(matplotlib)")
     a = p.parse_args()
+    launched = any(os.environ.get(v) for v in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"))
+    if a.job is None and not launched:
+        a.job = "gpt"
+    if a.launch or a.ddp or a.single:  # explicit numbers (--launch starts the ranks itself)
+        a.rank = a.rank if a.rank is not None else 0
+        a.world = a.world if a.world is not None else 1
+    else:  # a rank through shardd: what the arguments leave out, from torchrun or Slurm
+        import shard.torch as st
+        try:
+            a.job, a.rank, a.world = st.launcher(a.job, a.rank, a.world)
+        except ValueError as e:
+            p.error(str(e))
     if a.launch:
         if not a.cluster_dir:
             p.error("--launch needs --cluster-dir")

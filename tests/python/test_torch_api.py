@@ -404,6 +404,25 @@ try:
                        capture_output=True, text=True, timeout=120)
     check(r.returncode != 0 and "rank 2 is outside world 2" in r.stderr,
           f"RANK outside WORLD_SIZE refused: {r.stderr[-300:]}")
+    # shard.torch.launcher: what wrap takes, before wrap (a script picking its data by rank)
+    q = ("import shard.torch as st\n"
+         "print('L', st.launcher(), st.launcher(job='mine', rank=0))\n")
+    r = subprocess.run([sys.executable, "-c", q], env=dict(env, RANK="1"), capture_output=True,
+                       text=True, timeout=120)
+    check(r.returncode == 0 and "L ('torch-abc123', 1, 2) ('mine', 0, 2)" in r.stdout,
+          f"launcher() from torchrun's variables, arguments first: {r.stdout}{r.stderr[-300:]}")
+    r = subprocess.run([sys.executable, "-c", q], env=dict(slurm, SLURM_PROCID="1"),
+                       capture_output=True, text=True, timeout=120)
+    check(r.returncode == 0 and "L ('slurm-77.3', 1, 2) ('mine', 0, 2)" in r.stdout,
+          f"launcher() from Slurm's: {r.stdout}{r.stderr[-300:]}")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_PROCID",
+                          "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID")}
+    r = subprocess.run([sys.executable, "-c", q],
+                       env=dict(clean, PYTHONPATH=os.path.join(ROOT, "client", "python")),
+                       capture_output=True, text=True, timeout=120)
+    check(r.returncode == 0 and "L ('torch', 0, 1) ('mine', 0, 1)" in r.stdout,
+          f"launcher() without a launcher: job torch, rank 0 of 1: {r.stdout}{r.stderr[-300:]}")
     # torchrun's LOCAL_WORLD_SIZE is the job's ranks per node: one rank per node needs two
     # nodes, and this daemon is one
     r = subprocess.run([sys.executable, "-c", script],

@@ -560,10 +560,12 @@ def _launcher_int(names, default):
     return default
 
 
-def _launcher(job, rank, world):
-    """rank, world and the job name where not given: torchrun's RANK, WORLD_SIZE and
+def launcher(job=None, rank=None, world=None):
+    """(job, rank, world) as wrap takes them where not given: torchrun's RANK, WORLD_SIZE and
     TORCHELASTIC_RUN_ID (job torch-ID), else Slurm's SLURM_PROCID, SLURM_NTASKS and
-    SLURM_JOB_ID with SLURM_STEP_ID (job slurm-ID.STEP)."""
+    SLURM_JOB_ID with SLURM_STEP_ID (job slurm-ID.STEP), else rank 0 of 1, job "torch". For a
+    script that needs its rank before wrap (to pick its data); ValueError for a rank outside
+    the world or a variable that is not a number."""
     env = os.environ
     if rank is None:
         rank = _launcher_int(("RANK", "SLURM_PROCID"), 0)
@@ -804,7 +806,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     same model and job) within it resumes the job from that step, as load= would:
     shard.torch.start_step(model) says which; a step half done is discarded."""
     global _current
-    job, rank, world = _launcher(job, rank, world)
+    job, rank, world = launcher(job, rank, world)
     named = list(model.named_parameters())
     dev = _check_devices(named, socket)
     opt = _optimizer_of({"name": "adamw"} if optimizer is None else optimizer, named)
