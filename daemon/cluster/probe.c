@@ -104,7 +104,8 @@ static void rx_done(struct sd_xfer *x, int status)
     if (p->stopping || status == SD_ECANCELED)
         return;
     struct probe_msg m = s->m;
-    bool whole = status == SD_OK && x->len == sizeof(m);
+    /* from the node it names (the transport hears only the table's nodes) */
+    bool whole = status == SD_OK && x->len == sizeof(m) && m.from == x->from;
     rx_post(s);
     if (!whole || m.from >= p->n || m.from == p->cl->self)
         return;

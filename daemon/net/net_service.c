@@ -27,6 +27,7 @@ struct sd_net {
     bool posted;
     struct sd_req_msg early[SD_NET_EARLY_REQS];
     uint64_t early_ns[SD_NET_EARLY_REQS];
+    uint32_t early_from[SD_NET_EARLY_REQS]; /* the cluster node each came from */
     uint32_t n_early;
     struct sd_transport *tp;
     struct sd_cluster *cl;
@@ -44,13 +45,21 @@ struct sd_transport *sd_net_transport(const struct sd_net *net)
     return net->tp;
 }
 
-static void on_request(struct sd_registry *reg, const struct sd_req_msg *m)
+/* pull request m, received from cluster node from */
+static void on_request(struct sd_registry *reg, const struct sd_req_msg *m, uint32_t from)
 {
     if (m->magic != SD_REQ_MAGIC) {
         SD_WARN_SPARSE("net", "dropping a malformed pull request");
         return;
     }
     struct sd_job *job = sd_registry_find_tag(reg, m->job_tag);
+    if (job != NULL && (m->src >= job->nodes || sd_job_node_id(job, m->src) != from)) {
+        SD_WARN_SPARSE("net",
+                       "dropping a pull request for job '%s' that names its node %u, from cluster "
+                       "node %u (not that node)",
+                       job->name, (unsigned)m->src, (unsigned)from);
+        return;
+    }
     if (job == NULL) { /* maybe confirmed here a moment from now */
         struct sd_net *net = reg->net;
         uint64_t now = sd_now_ns(), keep = (uint64_t)reg->cfg->op_timeout_ms * 1000000ULL;
@@ -58,11 +67,13 @@ static void on_request(struct sd_registry *reg, const struct sd_req_msg *m)
         for (uint32_t i = 0; i < net->n_early; i++)
             if (now - net->early_ns[i] < keep) {
                 net->early[kept] = net->early[i];
+                net->early_from[kept] = net->early_from[i];
                 net->early_ns[kept++] = net->early_ns[i];
             }
         net->n_early = kept;
         if (kept < SD_NET_EARLY_REQS) {
             net->early[kept] = *m;
+            net->early_from[kept] = from;
             net->early_ns[kept] = now;
             net->n_early++;
             return;
@@ -81,18 +92,21 @@ void sd_net_job_confirmed(struct sd_registry *reg, uint32_t job_tag)
         return;
     uint32_t kept = 0, n = net->n_early;
     struct sd_req_msg mine[SD_NET_EARLY_REQS];
+    uint32_t mine_from[SD_NET_EARLY_REQS];
     uint32_t n_mine = 0;
     for (uint32_t i = 0; i < n; i++) {
         if (net->early[i].job_tag == job_tag) {
+            mine_from[n_mine] = net->early_from[i];
             mine[n_mine++] = net->early[i];
             continue;
         }
         net->early[kept] = net->early[i];
+        net->early_from[kept] = net->early_from[i];
         net->early_ns[kept++] = net->early_ns[i];
     }
     net->n_early = kept;
     for (uint32_t i = 0; i < n_mine; i++)
-        on_request(reg, &mine[i]);
+        on_request(reg, &mine[i], mine_from[i]);
 }
 
 bool sd_net_busy(const struct sd_registry *reg)
@@ -117,7 +131,7 @@ static void req_recv_cb(struct sd_xfer *x, int status)
     if (status == SD_ECANCELED || reg->net == NULL)
         return; /* cancelled at shutdown */
     if (status == SD_OK && x->len == sizeof(r->msg))
-        on_request(reg, &r->msg);
+        on_request(reg, &r->msg, x->from);
     else /* a receive the provider failed (a connection torn down under it): it stands again,
           * or each such error would leave one standing receive fewer for good */
         SD_WARN_SPARSE("net",

@@ -491,6 +491,9 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
             for (uint32_t l = 0; l < tp->data_lanes; l++)
                 json_array_append_new(lanes, json_integer((json_int_t)tp->lane_sends[l]));
             json_object_set_new(t, "data_lane_sends", lanes);
+            /* messages from fabric addresses outside the cluster, dropped unread */
+            json_object_set_new(t, "foreign_dropped",
+                                json_integer((json_int_t)tp->foreign_dropped));
             /* device memory staged through pinned host buffers (0 on host-memory backends) */
             json_object_set_new(t, "staging_bytes", json_integer((json_int_t)tp->staged_bytes));
             json_object_set_new(t, "staging_buffer_bytes",

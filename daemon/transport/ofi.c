@@ -362,16 +362,68 @@ static void complete(struct ofi *o, struct sd_xfer *x, int status, size_t len, u
     x->cb(x, status);
 }
 
+/* Post receive x again as it was (its message was dropped), or queue it behind its rail's
+ * pending posts; an error completes it. */
+static void repost(struct ofi *o, struct sd_xfer *x)
+{
+    struct rail *rl = rail_of(o, x);
+    fi_addr_t src = x->peer == SD_PEER_ANY
+                        ? FI_ADDR_UNSPEC
+                        : o->peers[(size_t)peer_rail(x->rail) * o->base.n_peers + x->peer];
+    ssize_t r = rl->rx_posted >= o->rx_depth ? -FI_EAGAIN
+                                             : fi_trecv(rl->ep, (void *)x->buf, x->buflen, x->desc,
+                                                        src, x->tag, x->ignore, x->opaque);
+    if (r == 0)
+        rl->rx_posted++;
+    else if (r == -FI_EAGAIN)
+        xq_push(&rl->pending, x);
+    else
+        finish_unposted(o, x, to_status(r));
+}
+
+/* Did receive x's message come from a node of the table (x->from: which)? Else it came from
+ * an address outside the cluster: dropped, counted and logged, and x stands again. */
+static bool from_member(struct ofi *o, struct sd_xfer *x, fi_addr_t src, size_t len, uint64_t tag)
+{
+    uint32_t n = o->base.n_peers;
+    const fi_addr_t *table = o->peers + (size_t)peer_rail(x->rail) * n;
+    if (src != FI_ADDR_NOTAVAIL && o->peers != NULL) {
+        if (x->peer != SD_PEER_ANY && x->peer < n && table[x->peer] == src) {
+            x->from = x->peer;
+            return true;
+        }
+        for (uint32_t i = 0; x->peer == SD_PEER_ANY && i < n; i++)
+            if (table[i] == src) {
+                x->from = i;
+                return true;
+            }
+    }
+    o->base.foreign_dropped++;
+    SD_WARN_SPARSE("ofi",
+                   "dropped a message (tag kind %u, %zu bytes) from a fabric address outside the "
+                   "cluster (%llu so far)",
+                   (unsigned)sd_tag_kind(tag), len, (unsigned long long)o->base.foreign_dropped);
+    rail_of(o, x)->rx_posted--;
+    repost(o, x);
+    return false;
+}
+
 static int ofi_progress(struct sd_transport *tp)
 {
     struct ofi *o = (struct ofi *)tp;
     struct fi_cq_tagged_entry e[16];
+    fi_addr_t src[16];
     int done = 0;
     for (;;) {
-        ssize_t n = fi_cq_read(o->cq, e, 16);
+        ssize_t n = fi_cq_readfrom(o->cq, e, 16, src);
         if (n > 0) {
-            for (ssize_t i = 0; i < n; i++)
-                complete(o, (struct sd_xfer *)e[i].op_context, SD_OK, e[i].len, e[i].tag);
+            for (ssize_t i = 0; i < n; i++) {
+                struct sd_xfer *x = e[i].op_context;
+                if ((x->kind == XFER_RECV || x->kind == XFER_CTS) &&
+                    !from_member(o, x, src[i], e[i].len, e[i].tag))
+                    continue;
+                complete(o, x, SD_OK, e[i].len, e[i].tag);
+            }
             done += (int)n;
             continue;
         }
@@ -507,7 +559,11 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
         cfg->node >= 0 ? (uint32_t)cfg->node : 0; /* (an open cluster numbers it later) */
     o->wait_fd = -1;
     hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_TAGGED;
+    /* FI_DIRECTED_RECV: a receive naming a peer matches only that peer's messages; FI_SOURCE:
+     * completions say where a message came from. A process that is not in the table (no peer
+     * of the cluster) is never heard: what it sends matches no directed receive, and one that
+     * reaches a receive of any source is dropped (from_member). */
+    hints->caps = FI_TAGGED | FI_DIRECTED_RECV | FI_SOURCE;
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
     hints->domain_attr->threading = FI_THREAD_DOMAIN;

@@ -209,8 +209,11 @@ static void rdv_recv_cb(struct sd_xfer *x, int status)
     if (status == SD_ECANCELED || o->rails[RAIL_RDV].ep == NULL)
         return; /* closing */
     if (status == SD_OK && x->len == sizeof(sl->m) && sl->m.magic == RDV_MAGIC &&
-        sl->m.src < SD_MAX_NODES) /* recorded even before set_peers */
+        sl->m.src == x->from) /* from the node it names (a peer in the table) */
         on_cts(o, sl->m.src, sl->m.tag);
+    else if (status == SD_OK && x->len == sizeof(sl->m) && sl->m.magic == RDV_MAGIC)
+        SD_WARN_SPARSE("ofi", "dropping a clear-to-send that names node %u from node %u",
+                       (unsigned)sl->m.src, (unsigned)x->from);
     else
         SD_WARN_SPARSE("ofi", "dropping a malformed clear-to-send (%zu bytes, status %s)", x->len,
                        sd_status_str(status));

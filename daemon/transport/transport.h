@@ -43,6 +43,9 @@ struct sd_xfer {
     uint64_t tag;
     size_t len; /* bytes actually received, for receives */
     uint32_t peer;
+    /* receives: the node the message came from (its source address is that node's in the
+     * table; a message from an address outside it never completes a receive) */
+    uint32_t from;
     /* private to the transport: the link of the one queue it is in (posts waiting for room,
      * sends waiting for a clear-to-send, receives whose clear-to-send waits) */
     struct sd_xfer *next_pending;
@@ -107,7 +110,10 @@ struct sd_transport {
      * for credit */
     uint64_t rdv_bytes, cts_sent, cts_received, sends_parked, sends_cleared, cts_deferred;
     uint64_t posts_queued; /* posts that waited for room in an endpoint's queue */
-    uint32_t data_lanes;   /* endpoint pairs for bulk data (data_lanes) */
+    /* messages from fabric addresses outside the cluster's table, dropped (their receives
+     * stand again) */
+    uint64_t foreign_dropped;
+    uint32_t data_lanes; /* endpoint pairs for bulk data (data_lanes) */
     /* the provider keeps a connection per pair of endpoints (tcp, ofi_rxm), which can outlive
      * the other side's: the cluster probes them (cluster/probe.c) and peer_reset closes them */
     bool connections;
