@@ -386,8 +386,8 @@ static void repost(struct ofi *o, struct sd_xfer *x)
 static bool from_member(struct ofi *o, struct sd_xfer *x, fi_addr_t src, size_t len, uint64_t tag)
 {
     uint32_t n = o->base.n_peers;
-    const fi_addr_t *table = o->peers + (size_t)peer_rail(x->rail) * n;
     if (src != FI_ADDR_NOTAVAIL && o->peers != NULL) {
+        const fi_addr_t *table = o->peers + (size_t)peer_rail(x->rail) * n;
         if (x->peer != SD_PEER_ANY && x->peer < n && table[x->peer] == src) {
             x->from = x->peer;
             return true;
