@@ -18,8 +18,7 @@
  * across the replication pair): the all-reduce starts only after the reduce-scatter, with this
  * node's block, and its result is what the g shard gets. */
 #include "check.h"
-#include "job.h"
-#include "job_module.h"
+#include "job_fixture.h"
 #include "net.h"
 #include "push.h"
 #include "push_round.h"
@@ -36,103 +35,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_K    2
-#define MAX_POST 32
-#define CHUNK    4096u
+#define MAX_K 2
+#define CHUNK 4096u
 
-static struct {
-    int done;
-    struct {
-        uint32_t local;
-        uint64_t tag, seq;
-        int status;
-    } ans[64];
-    int fails, fail_status;
-    char fail_msg[256];
-    int job_fails, job_status;
-    char job_msg[512];
-    int pushed_events;
-    int queue_eagain;
-    struct sd_exchange_param ex[MAX_POST];
-    int n_ex;
-    struct sd_job_allreduce ar[MAX_POST];
-    int n_ar;
-} F;
-
-/* ---- the rest of the daemon, as push sees it */
-void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status, uint64_t v0,
-                         uint64_t v1, const char *msg)
-{
-    (void)op;
-    (void)v1;
-    (void)msg;
-    if (F.done < 64) {
-        F.ans[F.done].local = s->local;
-        F.ans[F.done].tag = tag;
-        F.ans[F.done].seq = v0;
-        F.ans[F.done].status = status;
-    }
-    F.done++;
-}
-
-void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, const char *fmt, ...)
-{
-    (void)s;
-    (void)e;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(F.fail_msg, sizeof(F.fail_msg), fmt, ap);
-    va_end(ap);
-    F.fails++;
-    F.fail_status = status;
-}
-
-void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(F.job_msg, sizeof(F.job_msg), fmt, ap);
-    va_end(ap);
-    F.job_fails++;
-    F.job_status = status;
-    job->state = SD_JOB_FAILED;
-}
-
-void sd_job_missing_ranks(const struct sd_job *job, const bool *present, char *out, size_t len)
-{
-    (void)job;
-    (void)present;
-    snprintf(out, len, "?");
-}
-
-void sd_job_backend_failed(struct sd_job *job, int status)
-{
-    sd_job_fail(job, status, "backend");
-}
-
+/* ---- the rest of the daemon, as push sees it (job_fixture.c fakes the common part) */
 bool sd_job_sync(struct sd_job *job)
 {
     (void)job;
     return true;
-}
-
-int sd_job_queue_mark(struct sd_job *job, bool behind, uint64_t *ticket_p)
-{
-    (void)job;
-    (void)behind;
-    *ticket_p = 0;
-    if (F.queue_eagain > 0) {
-        F.queue_eagain--;
-        return SD_EAGAIN;
-    }
-    return SD_OK;
-}
-
-bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
-{
-    (void)job;
-    F.pushed_events += ev == SD_JOB_EV_PUSHED;
-    return false;
 }
 
 /* the job's shape as job.c answers it (the same rules, kept here as the test's model) */
@@ -144,12 +54,6 @@ bool sd_job_node_rounds(const struct sd_job *job)
 uint32_t sd_job_push_gens(const struct sd_job *job)
 {
     return sd_job_node_rounds(job) ? (uint32_t)job->reg->cfg->push_rounds : 1;
-}
-
-void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
-{
-    (void)job;
-    snprintf(out, len, "a push");
 }
 
 /* room for a node round: partial, G blocks, the all-reduce's temporary, slack */
@@ -174,12 +78,6 @@ bool sd_job_net_rounds_accumulate(const struct sd_job *job)
 {
     (void)job;
     return false;
-}
-
-void sd_latency_add(struct sd_latency *l, uint64_t ns)
-{
-    (void)l;
-    (void)ns;
 }
 
 bool sd_qg_unit(const struct sd_job *job, uint32_t u)
@@ -227,87 +125,29 @@ void sd_bulk_put(struct sd_bulk_pool *pool, struct sd_bulk *b)
 }
 
 /* the fake engine */
-uint32_t sd_job_net_exchange(struct sd_job *job, struct sd_exchange_param *x, uint32_t kind,
-                             uint32_t unit, uint32_t seq, int *status_p, uint32_t *suspect_p)
-{
-    (void)job;
-    (void)kind;
-    (void)unit;
-    (void)seq;
-    (void)status_p;
-    (void)suspect_p;
-    if (F.n_ex < MAX_POST)
-        F.ex[F.n_ex++] = *x;
-    return 2;
-}
-
-int sd_job_net_allreduce(struct sd_job *job, const struct sd_job_allreduce *a)
-{
-    (void)job;
-    if (F.n_ar < MAX_POST)
-        F.ar[F.n_ar++] = *a;
-    a->ar->p.arg = a->arg;
-    a->ar->bytes_sent = a->ar->bytes_recv = a->count * sizeof(float);
-    return SD_OK;
-}
-
 /* ---- the job */
 struct fixture {
-    struct sd_registry reg;
-    struct sd_config cfg;
-    struct sd_tensor_desc tensors[2];
-    struct sd_job job;
-    struct sd_mem arena[MAX_K * SD_STATE_COUNT];
+    struct th_job tj;
+    struct sd_job *job;
     struct sd_mem staging[MAX_K];
     struct sd_mem fence[MAX_K];
     uint32_t fence_count[2 * MAX_K];
-    struct sd_session s[MAX_K];
     uint32_t members[8];
 };
 
-static float rand_unit(void)
-{
-    return (float)rand() / (float)RAND_MAX * 2.0f - 1.0f;
-}
-
+/* two units of 3000 and 5000 fp32 elements under plan on node `node` of nodes x k ranks, three
+ * staging slots a rank, push_rounds 2 */
 static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t k, uint32_t node)
 {
     memset(fx, 0, sizeof(*fx));
-    memset(&F, 0, sizeof(F));
-    fx->reg.dev = &sd_gpu_host_ops;
-    fx->reg.cfg = &fx->cfg;
-    fx->cfg.push_rounds = 2;
-    fx->cfg.chunk_bytes = CHUNK;
-    fx->cfg.op_timeout_ms = 1000;
-    struct sd_job *job = &fx->job;
-    job->reg = &fx->reg;
+    th_fake_reset();
     static const uint64_t sizes[2] = {3000, 5000};
-    for (uint32_t t = 0; t < 2; t++) {
-        fx->tensors[t] = (struct sd_tensor_desc){
-            .ndim = 1, .dims = {sizes[t]}, .dtype = SD_DTYPE_FP32, .unit = t};
-        snprintf(fx->tensors[t].name, sizeof(fx->tensors[t].name), "t%u", t);
-    }
-    job->model = (struct sd_model){.n_tensors = 2, .tensors = fx->tensors};
-    job->model.optim = (struct sd_optim){.kind = SD_OPTIM_SGD, .lr = 0.1f};
-    snprintf(job->model.plan, sizeof(job->model.plan), "%s", plan);
-    snprintf(job->name, sizeof(job->name), "j");
-    job->topo = (struct sd_topo){.nodes = nodes, .ranks_per_node = k};
-    char err[256];
-    if (sd_plan_parse(plan, &job->topo, &job->plan, err, sizeof(err)) != SD_OK ||
-        sd_layout_build(&job->model, &job->plan, &job->layout, err, sizeof(err)) != SD_OK) {
-        TH_CHECK(false, "%s on %ux%u: %s", plan, nodes, k, err);
+    if (!th_job_build(&fx->tj, plan, nodes, k, node, sizes, 2, SD_DTYPE_FP32))
         return false;
-    }
-    job->state = SD_JOB_READY;
-    job->k = k;
-    job->nodes = nodes;
-    job->node = node;
-    job->world = nodes * k;
-    job->first_rank = node * k;
-    for (int st = 0; st < SD_STATE_COUNT; st++)
-        job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
-    sd_gpu_host_ops.queue_create(&job->mem.queue);
-    job->mem.arena = fx->arena;
+    fx->tj.cfg.push_rounds = 2;
+    fx->tj.cfg.chunk_bytes = CHUNK;
+    struct sd_job *job = fx->job = &fx->tj.job;
+    th_job_g_arenas(&fx->tj);
     job->mem.staging = fx->staging;
     job->mem.fence = fx->fence;
     job->mem.fence_count = fx->fence_count;
@@ -315,19 +155,11 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
     job->mem.staging_slot_bytes = job->layout.max_unit_bytes;
     job->mem.scratch = calloc(job->layout.max_unit_numel, sizeof(float));
     job->xfer.members = fx->members;
-    uint64_t g_numel = job->layout.arena_numel[SD_STATE_G];
     for (uint32_t r = 0; r < k; r++) {
-        struct sd_mem *a = &fx->arena[r * SD_STATE_COUNT + SD_STATE_G];
-        a->bytes = sd_arena_colour(SD_STATE_G) + g_numel * sizeof(float);
-        a->ptr = calloc(1, a->bytes);
-        float *g = sd_job_state(job, r, SD_STATE_G);
-        for (uint64_t i = 0; i < g_numel; i++)
-            g[i] = rand_unit();
         fx->staging[r].bytes = 3 * job->mem.staging_slot_bytes;
         fx->staging[r].ptr = calloc(1, fx->staging[r].bytes);
         fx->fence[r].bytes = SD_FENCE_BYTES;
         fx->fence[r].ptr = calloc(1, SD_FENCE_BYTES);
-        fx->s[r] = (struct sd_session){.job = job, .local = r, .rank = job->first_rank + r};
     }
     bool ok = sd_push_module.create(job) == SD_OK && sd_push_module.alloc(job) == SD_OK;
     if (ok && nodes > 1) {
@@ -341,56 +173,46 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
 
 static void teardown(struct fixture *fx)
 {
-    sd_push_module.destroy(&fx->job);
-    for (uint32_t r = 0; r < fx->job.k; r++) {
-        free(fx->arena[r * SD_STATE_COUNT + SD_STATE_G].ptr);
+    sd_push_module.destroy(fx->job);
+    for (uint32_t r = 0; r < fx->job->k; r++) {
         free(fx->staging[r].ptr);
         free(fx->fence[r].ptr);
     }
-    free(fx->job.mem.scratch);
-    sd_gpu_host_ops.queue_destroy(fx->job.mem.queue);
-    sd_layout_free(&fx->job.layout);
+    free(fx->job->mem.scratch);
+    th_job_free(&fx->tj);
 }
 
 static float *g_of(struct fixture *fx, uint32_t r)
 {
-    return sd_job_state(&fx->job, r, SD_STATE_G);
+    return th_job_g(&fx->tj, r);
 }
 
 /* a copy of every rank's g arena */
 static float *g_copy(struct fixture *fx)
 {
-    uint64_t n = fx->job.layout.arena_numel[SD_STATE_G];
-    float *c = malloc(fx->job.k * n * sizeof(float));
-    for (uint32_t r = 0; r < fx->job.k; r++)
+    uint64_t n = fx->job->layout.arena_numel[SD_STATE_G];
+    float *c = malloc(fx->job->k * n * sizeof(float));
+    for (uint32_t r = 0; r < fx->job->k; r++)
         memcpy(c + r * n, g_of(fx, r), n * sizeof(float));
     return c;
 }
 
 static float *slot_of(struct fixture *fx, uint32_t r, uint32_t slot)
 {
-    return (float *)(void *)sd_job_staging_slot(&fx->job, r, slot);
+    return (float *)(void *)sd_job_staging_slot(fx->job, r, slot);
 }
 
 /* rank r's gradient of unit u (random) into slot, signalled; then the push: its return */
 static bool push(struct fixture *fx, uint32_t r, uint32_t u, uint32_t slot, uint64_t tag)
 {
-    const struct sd_unit_layout *ul = &fx->job.layout.units[u];
+    const struct sd_unit_layout *ul = &fx->job->layout.units[u];
     float *g = slot_of(fx, r, slot);
     for (uint64_t i = 0; i < ul->numel; i++)
-        g[i] = rand_unit() * 4.0f;
+        g[i] = th_rand_unit() * 4.0f;
     struct sd_fence_page *page = fx->fence[r].ptr;
     page->grad_seq++;
     struct sd_sqe e = {.tag = tag, .unit = u, .arg0 = slot, .arg1 = sd_unit_bytes(ul)};
-    return sd_push(&fx->job, &fx->s[r], &e);
-}
-
-static int answered(uint32_t local, uint64_t tag)
-{
-    for (int i = 0; i < F.done && i < 64; i++)
-        if (F.ans[i].local == local && F.ans[i].tag == tag)
-            return i;
-    return -1;
+    return sd_push(fx->job, &fx->tj.s[r], &e);
 }
 
 /* ---- one node */
@@ -399,21 +221,22 @@ static void test_one_node(void)
     struct fixture fx;
     if (!setup(&fx, "zero2", 1, 2, 0))
         return;
-    struct sd_job *job = &fx.job;
+    struct sd_job *job = fx.job;
     const struct sd_unit_layout *ul = &job->layout.units[1];
     uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
     float *before = g_copy(&fx);
     uint64_t n = job->layout.arena_numel[SD_STATE_G];
-    TH_CHECK(push(&fx, 0, 1, 0, 10) && F.done == 0, "rank 0's push of unit 1 waits for rank 1");
+    TH_CHECK(push(&fx, 0, 1, 0, 10) && th_fake.done == 0,
+             "rank 0's push of unit 1 waits for rank 1");
     char msg[256];
     TH_CHECK(sd_push_partial_round(job, msg, sizeof(msg)) &&
                  strstr(msg, "unit 1 has gradients from ranks 0 but not"),
              "a partly filled round described: %s", msg);
     TH_CHECK(!push(&fx, 0, 1, 1, 11), "rank 0 a round ahead of rank 1: it stalls");
     TH_CHECK(push(&fx, 1, 1, 0, 20), "rank 1's push");
-    TH_CHECK(F.done == 2 && answered(0, 10) >= 0 && answered(1, 20) >= 0 &&
-                 F.ans[0].status == SD_OK && F.ans[0].seq == 0 && F.ans[1].seq == 0,
-             "both answered, micro-step 0 (%d answers)", F.done);
+    TH_CHECK(th_fake.done == 2 && th_answered(0, 10) >= 0 && th_answered(1, 20) >= 0 &&
+                 th_fake.ans[0].status == SD_OK && th_fake.ans[0].v0 == 0 && th_fake.ans[1].v0 == 0,
+             "both answered, micro-step 0 (%d answers)", th_fake.done);
     uint32_t same = 0;
     for (uint32_t h = 0; h < 2; h++) { /* rank h holds shard h: + (s0 + s1) over it */
         const float *g = g_of(&fx, h) + ul->arena_off[SD_STATE_G];
@@ -432,30 +255,32 @@ static void test_one_node(void)
     /* refusals */
     struct sd_sqe e = {
         .tag = 30, .unit = 0, .arg0 = 9, .arg1 = sd_unit_bytes(&job->layout.units[0])};
-    sd_push(job, &fx.s[0], &e);
-    TH_CHECK(F.fail_status == SD_EINVAL && strstr(F.fail_msg, "staging slot 9 does not exist"),
-             "a slot that does not exist: %s", F.fail_msg);
+    sd_push(job, &fx.tj.s[0], &e);
+    TH_CHECK(th_fake.fail_status == SD_EINVAL &&
+                 strstr(th_fake.fail_msg, "staging slot 9 does not exist"),
+             "a slot that does not exist: %s", th_fake.fail_msg);
     e.arg0 = 0;
     e.arg1 = 12;
-    sd_push(job, &fx.s[0], &e);
-    TH_CHECK(F.fail_status == SD_EMSGSIZE && strstr(F.fail_msg, "gradient is 12 bytes"),
-             "a gradient of the wrong size: %s", F.fail_msg);
+    sd_push(job, &fx.tj.s[0], &e);
+    TH_CHECK(th_fake.fail_status == SD_EMSGSIZE && strstr(th_fake.fail_msg, "gradient is 12 bytes"),
+             "a gradient of the wrong size: %s", th_fake.fail_msg);
     e.arg1 = sd_unit_bytes(&job->layout.units[0]);
-    sd_push(job, &fx.s[1], &e); /* rank 1's page counts the one gradient it pushed */
-    TH_CHECK(F.fail_status == SD_ESTATE && strstr(F.fail_msg, "was not signalled"),
-             "a gradient not signalled on the fence page: %s", F.fail_msg);
+    sd_push(job, &fx.tj.s[1], &e); /* rank 1's page counts the one gradient it pushed */
+    TH_CHECK(th_fake.fail_status == SD_ESTATE && strstr(th_fake.fail_msg, "was not signalled"),
+             "a gradient not signalled on the fence page: %s", th_fake.fail_msg);
     TH_CHECK(push(&fx, 0, 0, 0, 31), "rank 0 pushes unit 0 from slot 0");
-    TH_CHECK(push(&fx, 0, 1, 0, 32) && F.fail_status == SD_EBUSY &&
-                 strstr(F.fail_msg, "slot 0 still holds an earlier push"),
-             "slot 0 again before its push completed: %s", F.fail_msg);
+    TH_CHECK(push(&fx, 0, 1, 0, 32) && th_fake.fail_status == SD_EBUSY &&
+                 strstr(th_fake.fail_msg, "slot 0 still holds an earlier push"),
+             "slot 0 again before its push completed: %s", th_fake.fail_msg);
     /* the device behind: answered from the loop's poll */
-    F.queue_eagain = 1;
-    int before_done = F.done;
-    TH_CHECK(push(&fx, 1, 0, 1, 33) && F.done == before_done && !sd_push_idle(job),
+    th_fake.queue_eagain = 1;
+    int before_done = th_fake.done;
+    TH_CHECK(push(&fx, 1, 0, 1, 33) && th_fake.done == before_done && !sd_push_idle(job),
              "the round's kernels not done: no answer, not idle");
-    TH_CHECK(sd_push_queue_poll(job) && F.done == before_done + 2 && sd_push_idle(job) &&
-                 F.pushed_events >= 1,
-             "the loop's poll answers both and raises PUSHED (%d events)", F.pushed_events);
+    TH_CHECK(sd_push_queue_poll(job) && th_fake.done == before_done + 2 && sd_push_idle(job) &&
+                 th_fake.events[SD_JOB_EV_PUSHED] >= 1,
+             "the loop's poll answers both and raises PUSHED (%d events)",
+             th_fake.events[SD_JOB_EV_PUSHED]);
     free(before);
     teardown(&fx);
 }
@@ -467,7 +292,7 @@ static void deliver(struct sd_exchange_param *x, float **peer_p, int status)
     size_t floats = x->recv.bytes / sizeof(float);
     float *peer = malloc(x->recv.bytes);
     for (size_t i = 0; i < floats; i++)
-        peer[i] = rand_unit() * 8.0f;
+        peer[i] = th_rand_unit() * 8.0f;
     memcpy(x->recv.buf, peer, x->recv.bytes);
     *peer_p = peer;
     struct sd_bulk recv = {
@@ -496,7 +321,7 @@ static void test_two_nodes(void)
     struct fixture fx;
     if (!setup(&fx, "zero2", 2, 2, 0))
         return;
-    struct sd_job *job = &fx.job;
+    struct sd_job *job = fx.job;
     const uint32_t u = 1;
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint64_t n = job->layout.arena_numel[SD_STATE_G], block = ul->numel / 2;
@@ -512,18 +337,20 @@ static void test_two_nodes(void)
             part[step][i] += slot_of(&fx, 1, step)[i];
         }
     }
-    TH_CHECK(F.n_ex == 2 && F.ex[0].peer == 1 && F.ex[1].peer == 1 && F.done == 0,
-             "two rounds on the wire, each exchanging with node 1 (%d), nobody answered", F.n_ex);
+    TH_CHECK(th_fake.n_ex == 2 && th_fake.ex[0].peer == 1 && th_fake.ex[1].peer == 1 &&
+                 th_fake.done == 0,
+             "two rounds on the wire, each exchanging with node 1 (%d), nobody answered",
+             th_fake.n_ex);
     uint32_t sent_ok = 0;
     for (uint32_t step = 0; step < 2; step++) { /* block 1 of the partial goes to node 1 */
-        const float *sent = F.ex[step].send.buf;
+        const float *sent = th_fake.ex[step].send.buf;
         uint64_t bad = 0;
         for (uint64_t i = 0; i < block; i++) {
             float want = slot_of(&fx, 0, step)[block + i];
             want += slot_of(&fx, 1, step)[block + i];
             bad += memcmp(&want, &sent[i], sizeof(float)) != 0;
         }
-        sent_ok += bad == 0 && F.ex[step].send.bytes == block * sizeof(float);
+        sent_ok += bad == 0 && th_fake.ex[step].send.bytes == block * sizeof(float);
     }
     TH_CHECK(sent_ok == 2, "each round sends block 1 of its node partial (%u of 2)", sent_ok);
     /* unit 0's pushes (slot 2): their round waits for a round's buffers */
@@ -531,22 +358,23 @@ static void test_two_nodes(void)
     uint64_t block0 = u0->numel / 2, len0 = u0->numel / job->plan.f[SD_STATE_G];
     push(&fx, 0, 0, 2, 102);
     push(&fx, 1, 0, 2, 202);
-    TH_CHECK(F.n_ex == 2, "a third round waits for buffers (%d exchanges)", F.n_ex);
+    TH_CHECK(th_fake.n_ex == 2, "a third round waits for buffers (%d exchanges)", th_fake.n_ex);
     for (uint64_t i = 0; i < block0; i++) {
         part[2][i] = slot_of(&fx, 0, 2)[i];
         part[2][i] += slot_of(&fx, 1, 2)[i];
     }
     float *peer[3];
-    deliver(&F.ex[1], &peer[1], SD_OK);
-    TH_CHECK(F.done == 0 && F.n_ex == 2, "the later round done first: nothing applied or answered");
-    deliver(&F.ex[0], &peer[0], SD_OK);
-    TH_CHECK(F.done == 4 && F.ans[0].seq == 0 && F.ans[2].seq == 1 && answered(0, 100) == 0 &&
-                 answered(1, 201) >= 2,
-             "both answered, micro-step 0 first (%d answers)", F.done);
-    TH_CHECK(F.n_ex == 3, "the waiting round started once a round's buffers were free (%d)",
-             F.n_ex);
-    deliver(&F.ex[2], &peer[2], SD_OK);
-    TH_CHECK(F.done == 6 && answered(1, 202) >= 0, "unit 0's round answered");
+    deliver(&th_fake.ex[1], &peer[1], SD_OK);
+    TH_CHECK(th_fake.done == 0 && th_fake.n_ex == 2,
+             "the later round done first: nothing applied or answered");
+    deliver(&th_fake.ex[0], &peer[0], SD_OK);
+    TH_CHECK(th_fake.done == 4 && th_fake.ans[0].v0 == 0 && th_fake.ans[2].v0 == 1 &&
+                 th_answered(0, 100) == 0 && th_answered(1, 201) >= 2,
+             "both answered, micro-step 0 first (%d answers)", th_fake.done);
+    TH_CHECK(th_fake.n_ex == 3, "the waiting round started once a round's buffers were free (%d)",
+             th_fake.n_ex);
+    deliver(&th_fake.ex[2], &peer[2], SD_OK);
+    TH_CHECK(th_fake.done == 6 && th_answered(1, 202) >= 0, "unit 0's round answered");
     /* rank j's shard of block 0 (j * len ..): g + (part + peer) per micro-step, in order */
     uint32_t same = 0;
     for (uint32_t j = 0; j < 2; j++) {
@@ -574,18 +402,20 @@ static void test_two_nodes(void)
     }
     TH_CHECK(same == 2, "each rank's g shards: + the node-order sums, micro-steps in order (%u)",
              same);
-    TH_CHECK(sd_push_idle(job) && F.job_fails == 0, "idle, the job fine: %s", F.job_msg);
+    TH_CHECK(sd_push_idle(job) && th_fake.job_fails == 0, "idle, the job fine: %s",
+             th_fake.job_msg);
     for (uint32_t i = 0; i < 3; i++)
         free(peer[i]);
     /* a failed transfer */
     push(&fx, 0, 0, 0, 300);
     push(&fx, 1, 0, 0, 400);
     float *p;
-    deliver(&F.ex[F.n_ex - 1], &p, SD_EPEER);
+    deliver(&th_fake.ex[th_fake.n_ex - 1], &p, SD_EPEER);
     free(p);
-    TH_CHECK(F.job_fails == 1 && F.job_status == SD_EPEER &&
-                 strstr(F.job_msg, "transfer with node 1 failed") && answered(0, 300) < 0,
-             "a failed transfer fails the job naming node 1, the push unanswered: %s", F.job_msg);
+    TH_CHECK(th_fake.job_fails == 1 && th_fake.job_status == SD_EPEER &&
+                 strstr(th_fake.job_msg, "transfer with node 1 failed") && th_answered(0, 300) < 0,
+             "a failed transfer fails the job naming node 1, the push unanswered: %s",
+             th_fake.job_msg);
     free(before);
     teardown(&fx);
 }
@@ -597,25 +427,26 @@ static void test_allreduce(void)
     struct fixture fx;
     if (!setup(&fx, "topo:1/2/4,no-2hop", 4, 1, 2))
         return;
-    struct sd_job *job = &fx.job;
+    struct sd_job *job = fx.job;
     TH_CHECK(job->gnodes[SD_STATE_G] == 2 && !job->plan.two_hop,
              "topo:1/2/4,no-2hop on 4x1: g over 2 nodes, no 2-hop");
     const struct sd_unit_layout *ul = &job->layout.units[0];
     uint64_t block = ul->numel / 2, n = job->layout.arena_numel[SD_STATE_G];
     float *before = g_copy(&fx);
     push(&fx, 0, 0, 0, 7);
-    TH_CHECK(F.n_ex == 1 && F.ex[0].peer == 3 && F.n_ar == 0,
+    TH_CHECK(th_fake.n_ex == 1 && th_fake.ex[0].peer == 3 && th_fake.n_ar == 0,
              "the reduce-scatter with node 3 first, no all-reduce yet (peer %u, %d)",
-             F.n_ex ? F.ex[0].peer : 99, F.n_ar);
+             th_fake.n_ex ? th_fake.ex[0].peer : 99, th_fake.n_ar);
     float own[8192];
     for (uint64_t i = 0; i < block; i++)
         own[i] = slot_of(&fx, 0, 0)[i]; /* node 2 is block 0 of its pair */
     float *peer;
-    deliver(&F.ex[0], &peer, SD_OK);
-    TH_CHECK(F.n_ar == 1 && F.ar[0].R == 2 && F.ar[0].count == block && F.done == 0,
+    deliver(&th_fake.ex[0], &peer, SD_OK);
+    TH_CHECK(th_fake.n_ar == 1 && th_fake.ar[0].R == 2 && th_fake.ar[0].count == block &&
+                 th_fake.done == 0,
              "then the all-reduce of this node's block across the pair (R %u, %zu floats)",
-             F.n_ar ? F.ar[0].R : 0, F.n_ar ? F.ar[0].count : 0);
-    if (F.n_ar != 1) {
+             th_fake.n_ar ? th_fake.ar[0].R : 0, th_fake.n_ar ? th_fake.ar[0].count : 0);
+    if (th_fake.n_ar != 1) {
         free(peer);
         free(before);
         teardown(&fx);
@@ -625,14 +456,14 @@ static void test_allreduce(void)
     for (uint64_t i = 0; i < block; i++) {
         float want = own[i];
         want += peer[i];
-        bad += memcmp(&want, &F.ar[0].buf[i], sizeof(float)) != 0;
+        bad += memcmp(&want, &th_fake.ar[0].buf[i], sizeof(float)) != 0;
     }
     TH_CHECK(bad == 0, "its buffer: this node's block summed in node order (%llu differ)",
              (unsigned long long)bad);
     for (uint64_t i = 0; i < block; i++)
-        F.ar[0].buf[i] = (float)i * 0.25f; /* the all-reduce's result */
-    F.ar[0].cb(F.ar[0].ar, SD_OK, 0);
-    TH_CHECK(F.done == 1 && answered(0, 7) == 0, "answered once the all-reduce completed");
+        th_fake.ar[0].buf[i] = (float)i * 0.25f; /* the all-reduce's result */
+    th_fake.ar[0].cb(th_fake.ar[0].ar, SD_OK, 0);
+    TH_CHECK(th_fake.done == 1 && th_answered(0, 7) == 0, "answered once the all-reduce completed");
     const float *g = g_of(&fx, 0) + ul->arena_off[SD_STATE_G];
     bad = 0;
     for (uint64_t i = 0; i < block; i++) {

@@ -11,7 +11,7 @@
  *    output is untouched), then in node order with this node's own partial in its place, bit
  *    for bit. */
 #include "check.h"
-#include "job.h"
+#include "job_fixture.h"
 #include "net.h"
 #include "push_round.h"
 #include "quant.h"
@@ -34,11 +34,9 @@ uint8_t *sd_qg_recv(struct sd_job *job, uint32_t r, uint32_t o)
 }
 
 struct fixture {
-    struct sd_registry reg;
-    struct sd_tensor_desc tensor;
-    struct sd_job job;
+    struct th_job tj;
+    struct sd_job *job;
     struct sd_mem staging[8];
-    struct sd_session s[8];
     struct sd_push_entry ent[8];
 };
 
@@ -68,29 +66,9 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
                   uint64_t numel, int dtype)
 {
     memset(fx, 0, sizeof(*fx));
-    fx->reg.dev = &sd_gpu_host_ops;
-    struct sd_job *job = &fx->job;
-    job->reg = &fx->reg;
-    fx->tensor = (struct sd_tensor_desc){.ndim = 1, .dims = {numel}, .dtype = dtype};
-    snprintf(fx->tensor.name, sizeof(fx->tensor.name), "t");
-    job->model = (struct sd_model){.n_tensors = 1, .tensors = &fx->tensor};
-    job->model.optim = (struct sd_optim){.kind = SD_OPTIM_SGD, .lr = 0.1f};
-    snprintf(job->model.plan, sizeof(job->model.plan), "%s", plan);
-    job->topo = (struct sd_topo){.nodes = nodes, .ranks_per_node = k};
-    char err[256];
-    if (sd_plan_parse(plan, &job->topo, &job->plan, err, sizeof(err)) != SD_OK ||
-        sd_layout_build(&job->model, &job->plan, &job->layout, err, sizeof(err)) != SD_OK) {
-        TH_CHECK(false, "%s on %ux%u: %s", plan, nodes, k, err);
+    if (!th_job_build(&fx->tj, plan, nodes, k, node, &numel, 1, dtype))
         return false;
-    }
-    job->k = k;
-    job->nodes = nodes;
-    job->node = node;
-    job->world = nodes * k;
-    job->first_rank = node * k;
-    for (int st = 0; st < SD_STATE_COUNT; st++)
-        job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
-    sd_gpu_host_ops.queue_create(&job->mem.queue);
+    struct sd_job *job = fx->job = &fx->tj.job;
     const struct sd_unit_layout *ul = &job->layout.units[0];
     job->mem.staging_slot_bytes = ul->numel * sd_dtype_size(dtype);
     job->mem.staging = fx->staging;
@@ -107,18 +85,16 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
                 ((float *)fx->staging[m].ptr)[i] = v;
             }
         }
-        fx->s[m].local = m;
-        fx->ent[m] = (struct sd_push_entry){.s = &fx->s[m], .slot = 0};
+        fx->ent[m] = (struct sd_push_entry){.s = &fx->tj.s[m], .slot = 0};
     }
     return true;
 }
 
 static void teardown(struct fixture *fx)
 {
-    for (uint32_t m = 0; m < fx->job.k; m++)
+    for (uint32_t m = 0; m < fx->job->k; m++)
         free(fx->staging[m].ptr);
-    sd_gpu_host_ops.queue_destroy(fx->job.mem.queue);
-    sd_layout_free(&fx->job.layout);
+    th_job_free(&fx->tj);
 }
 
 static void shuffle(uint32_t *a, uint32_t n)
@@ -136,7 +112,7 @@ static void check_partial(const char *plan, uint32_t nodes, uint32_t k, uint32_t
     struct fixture fx;
     if (!setup(&fx, plan, nodes, k, node, 1000, dtype))
         return;
-    struct sd_job *job = &fx.job;
+    struct sd_job *job = fx.job;
     const struct sd_unit_layout *ul = &job->layout.units[0];
     uint64_t n = ul->numel;
     uint32_t G = job->gnodes[SD_STATE_G], fg = job->plan.f[SD_STATE_G];
@@ -187,7 +163,7 @@ static void check_chunks(const char *plan, uint32_t nodes, uint32_t k, uint32_t 
     struct fixture fx;
     if (!setup(&fx, plan, nodes, k, node, 1000, SD_DTYPE_FP32))
         return;
-    struct sd_job *job = &fx.job;
+    struct sd_job *job = fx.job;
     uint32_t G = job->gnodes[SD_STATE_G], me = node % G;
     size_t block = job->layout.units[0].numel / G, bytes = block * sizeof(float);
     uint32_t n_chunks = (uint32_t)((bytes + chunk - 1) / chunk);

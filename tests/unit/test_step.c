@@ -20,8 +20,7 @@
  *    its last transfer; a failed transfer fails the job naming the node; a node whose ranks gave
  *    other hyperparameters refuses the step on every rank. */
 #include "check.h"
-#include "job.h"
-#include "job_module.h"
+#include "job_fixture.h"
 #include "net.h"
 #include "dispatch.h"
 #include "fetch.h"
@@ -42,108 +41,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_K    4
-#define MAX_POST 16
+#define MAX_K 4
 
-/* ---- what the fakes record, and how they answer */
+/* ---- what the step's own fakes record (job_fixture.h's record the rest), and how they answer */
 static struct {
-    /* answers */
-    int done;       /* calls answered */
-    int tag[MAX_K]; /* per local rank: the tag answered, -1: none */
-    int status[MAX_K];
-    uint64_t steps[MAX_K];
-    char msg[MAX_K][256];
-    int fails; /* sd_session_fail */
-    int fail_status;
-    char fail_msg[256];
-    /* the job */
-    int job_fails;
-    int job_status;
-    char job_msg[512];
-    int step_over;
     /* the optimizer */
     int applied;
     double sumsq;
     /* switches */
     bool push_idle, shards_busy, weights_remote;
-    int queue_eagain;  /* sd_job_queue_mark answers SD_EAGAIN this many times */
     uint32_t w_posted; /* transfers each unit's weights exchange starts */
-    /* the fake engine */
-    struct sd_job_allreduce ar[MAX_POST];
-    int n_ar;
-    struct sd_exchange_param ex[MAX_POST];
-    int n_ex;
     int n_wx;
 } F;
 
 static struct sd_hparams hp_job = {.lr = 0.1f};
-
-/* the rest of the daemon, as the step sees it */
-void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status, uint64_t v0,
-                         uint64_t v1, const char *msg)
-{
-    (void)op;
-    (void)v0;
-    F.done++;
-    F.tag[s->local] = (int)tag;
-    F.status[s->local] = status;
-    F.steps[s->local] = v1;
-    snprintf(F.msg[s->local], sizeof(F.msg[0]), "%s", msg ? msg : "");
-}
-
-void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, const char *fmt, ...)
-{
-    (void)s;
-    (void)e;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(F.fail_msg, sizeof(F.fail_msg), fmt, ap);
-    va_end(ap);
-    F.fails++;
-    F.fail_status = status;
-}
-
-void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(F.job_msg, sizeof(F.job_msg), fmt, ap);
-    va_end(ap);
-    F.job_fails++;
-    F.job_status = status;
-    job->state = SD_JOB_FAILED;
-}
-
-void sd_job_missing_ranks(const struct sd_job *job, const bool *present, char *out, size_t len)
-{
-    (void)job;
-    (void)present;
-    snprintf(out, len, "?");
-}
-
-void sd_job_backend_failed(struct sd_job *job, int status)
-{
-    sd_job_fail(job, status, "backend");
-}
-
-int sd_job_queue_mark(struct sd_job *job, bool behind, uint64_t *ticket_p)
-{
-    (void)job;
-    (void)behind;
-    *ticket_p = 0;
-    if (F.queue_eagain > 0) {
-        F.queue_eagain--;
-        return SD_EAGAIN;
-    }
-    return SD_OK;
-}
-
-bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
-{
-    (void)job;
-    F.step_over += ev == SD_JOB_EV_STEP_OVER;
-    return false;
-}
 
 bool sd_job_shards_busy(const struct sd_job *job)
 {
@@ -155,18 +66,6 @@ bool sd_job_weights_remote(const struct sd_job *job)
 {
     (void)job;
     return F.weights_remote;
-}
-
-void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
-{
-    (void)job;
-    snprintf(out, len, "the step");
-}
-
-void sd_latency_add(struct sd_latency *l, uint64_t ns)
-{
-    (void)l;
-    (void)ns;
 }
 
 bool sd_push_partial_round(struct sd_job *job, char *msg, size_t len)
@@ -296,32 +195,6 @@ void sd_sched_step_done(struct sd_job *job)
     (void)job;
 }
 
-/* the fake engine: recorded, completed by the test */
-int sd_job_net_allreduce(struct sd_job *job, const struct sd_job_allreduce *a)
-{
-    (void)job;
-    if (F.n_ar < MAX_POST)
-        F.ar[F.n_ar++] = *a;
-    a->ar->p.arg = a->arg;
-    a->ar->p.qbits = 0;
-    a->ar->bytes_sent = a->ar->bytes_recv = a->count * sizeof(float);
-    return SD_OK;
-}
-
-uint32_t sd_job_net_exchange(struct sd_job *job, struct sd_exchange_param *x, uint32_t kind,
-                             uint32_t unit, uint32_t seq, int *status_p, uint32_t *suspect_p)
-{
-    (void)job;
-    (void)kind;
-    (void)unit;
-    (void)seq;
-    (void)status_p;
-    (void)suspect_p;
-    if (F.n_ex < MAX_POST)
-        F.ex[F.n_ex++] = *x;
-    return 2; /* its send and its receive */
-}
-
 void sd_bulk_put(struct sd_bulk_pool *pool, struct sd_bulk *b)
 {
     (void)pool;
@@ -330,63 +203,26 @@ void sd_bulk_put(struct sd_bulk_pool *pool, struct sd_bulk *b)
 
 /* ---- the job */
 struct fixture {
-    struct sd_registry reg;
-    struct sd_config cfg;
-    struct sd_tensor_desc tensors[2];
-    struct sd_job job;
-    struct sd_mem arena[MAX_K * SD_STATE_COUNT];
+    struct th_job tj;
+    struct sd_job *job;
     struct sd_mem control[MAX_K];
-    struct sd_session s[MAX_K];
     struct sd_session *ranks[MAX_K];
     uint32_t members[8];
     float *grad[MAX_K]; /* each rank's g arena as the ranks pushed it */
 };
-
-static float rand_unit(void)
-{
-    return (float)rand() / (float)RAND_MAX * 2.0f - 1.0f;
-}
 
 /* two units of 3000 and 5000 fp32 elements under plan on node `node` of nodes x k ranks */
 static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t k, uint32_t node)
 {
     memset(fx, 0, sizeof(*fx));
     memset(&F, 0, sizeof(F));
+    th_fake_reset();
     F.push_idle = true;
-    for (uint32_t r = 0; r < MAX_K; r++)
-        F.tag[r] = -1;
-    fx->reg.dev = &sd_gpu_host_ops;
-    fx->reg.cfg = &fx->cfg;
-    fx->cfg.op_timeout_ms = 1000;
-    struct sd_job *job = &fx->job;
-    job->reg = &fx->reg;
     static const uint64_t sizes[2] = {3000, 5000};
-    for (uint32_t t = 0; t < 2; t++) {
-        fx->tensors[t] = (struct sd_tensor_desc){
-            .ndim = 1, .dims = {sizes[t]}, .dtype = SD_DTYPE_FP32, .unit = t};
-        snprintf(fx->tensors[t].name, sizeof(fx->tensors[t].name), "t%u", t);
-    }
-    job->model = (struct sd_model){.n_tensors = 2, .tensors = fx->tensors};
-    job->model.optim = (struct sd_optim){.kind = SD_OPTIM_SGD, .lr = 0.1f};
-    snprintf(job->model.plan, sizeof(job->model.plan), "%s", plan);
-    snprintf(job->name, sizeof(job->name), "j");
-    job->topo = (struct sd_topo){.nodes = nodes, .ranks_per_node = k};
-    char err[256];
-    if (sd_plan_parse(plan, &job->topo, &job->plan, err, sizeof(err)) != SD_OK ||
-        sd_layout_build(&job->model, &job->plan, &job->layout, err, sizeof(err)) != SD_OK) {
-        TH_CHECK(false, "%s on %ux%u: %s", plan, nodes, k, err);
+    if (!th_job_build(&fx->tj, plan, nodes, k, node, sizes, 2, SD_DTYPE_FP32))
         return false;
-    }
-    job->state = SD_JOB_READY;
-    job->k = k;
-    job->nodes = nodes;
-    job->node = node;
-    job->world = nodes * k;
-    job->first_rank = node * k;
-    for (int st = 0; st < SD_STATE_COUNT; st++)
-        job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
-    sd_gpu_host_ops.queue_create(&job->mem.queue);
-    job->mem.arena = fx->arena;
+    struct sd_job *job = fx->job = &fx->tj.job;
+    th_job_g_arenas(&fx->tj);
     job->mem.fence = fx->control;
     job->mem.step_args_off = 0;
     job->mem.scratch = calloc(job->layout.max_unit_numel, sizeof(float));
@@ -394,16 +230,12 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
     job->ranks = fx->ranks;
     uint64_t g_numel = job->layout.arena_numel[SD_STATE_G];
     for (uint32_t r = 0; r < k; r++) {
-        struct sd_mem *a = &fx->arena[r * SD_STATE_COUNT + SD_STATE_G];
-        a->bytes = sd_arena_colour(SD_STATE_G) + g_numel * sizeof(float);
-        a->ptr = calloc(1, a->bytes);
         fx->control[r].bytes = 4096;
         fx->control[r].ptr = calloc(1, 4096);
-        fx->grad[r] = sd_job_state(job, r, SD_STATE_G);
+        fx->grad[r] = th_job_g(&fx->tj, r);
         for (uint64_t i = 0; i < g_numel; i++)
-            fx->grad[r][i] = rand_unit() * (float)(1 + rand() % 100);
-        fx->s[r] = (struct sd_session){.job = job, .local = r, .rank = job->first_rank + r};
-        fx->ranks[r] = &fx->s[r];
+            fx->grad[r][i] *= (float)(1 + rand() % 100);
+        fx->ranks[r] = &fx->tj.s[r];
     }
     TH_CHECK(sd_step_module.create(job) == SD_OK && sd_step_module.alloc(job) == SD_OK,
              "the step's state for %s", plan);
@@ -412,53 +244,64 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
 
 static void teardown(struct fixture *fx)
 {
-    sd_step_module.destroy(&fx->job);
-    for (uint32_t r = 0; r < fx->job.k; r++) {
-        free(fx->arena[r * SD_STATE_COUNT + SD_STATE_G].ptr);
+    sd_step_module.destroy(fx->job);
+    for (uint32_t r = 0; r < fx->job->k; r++)
         free(fx->control[r].ptr);
-    }
-    free(fx->job.mem.scratch);
-    sd_gpu_host_ops.queue_destroy(fx->job.mem.queue);
-    sd_layout_free(&fx->job.layout);
+    free(fx->job->mem.scratch);
+    th_job_free(&fx->tj);
 }
 
 /* rank r's step call with tag 100 + r and arg0 flags */
 static void call_step(struct fixture *fx, uint32_t r, uint64_t flags)
 {
     struct sd_sqe e = {.tag = 100 + r, .arg0 = flags};
-    sd_step(&fx->job, &fx->s[r], &e);
+    sd_step(fx->job, &fx->tj.s[r], &e);
 }
 
 static void all_call(struct fixture *fx)
 {
-    for (uint32_t r = 0; r < fx->job.k; r++)
+    for (uint32_t r = 0; r < fx->job->k; r++)
         call_step(fx, r, 0);
 }
 
 static bool event(struct fixture *fx, enum sd_job_event kind, int status, uint32_t peer)
 {
     struct sd_job_ev ev = {.kind = kind, .status = status, .peer = peer};
-    return sd_step_module.event(&fx->job, &ev);
+    return sd_step_module.event(fx->job, &ev);
+}
+
+/* local rank r's answer to its step call (tag 100 + r), or NULL */
+static const struct th_answer *answer(uint32_t r)
+{
+    int i = th_answered(r, 100 + r);
+    return i >= 0 ? &th_fake.ans[i] : NULL;
+}
+
+/* its message ("" without an answer) */
+static const char *msg_of(uint32_t r)
+{
+    const struct th_answer *a = answer(r);
+    return a != NULL ? a->msg : "";
 }
 
 static void reset_answers(void)
 {
-    F.done = 0;
-    for (uint32_t r = 0; r < MAX_K; r++)
-        F.tag[r] = -1;
+    th_fake.done = 0;
 }
 
 /* every local rank answered once, with its tag, status and the step count */
 static void check_answers(const char *what, struct fixture *fx, int status, uint64_t steps)
 {
     uint32_t ok = 0;
-    for (uint32_t r = 0; r < fx->job.k; r++)
-        ok += F.tag[r] == (int)(100 + r) && F.status[r] == status &&
-              (status != SD_OK || F.steps[r] == steps);
-    TH_CHECK(F.done == (int)fx->job.k && ok == fx->job.k,
+    for (uint32_t r = 0; r < fx->job->k; r++) {
+        const struct th_answer *a = answer(r);
+        ok += a != NULL && a->status == status && (status != SD_OK || a->v1 == steps);
+    }
+    const struct th_answer *a0 = answer(0);
+    TH_CHECK(th_fake.done == (int)fx->job->k && ok == fx->job->k,
              "%s: %d answers, %u with their tag, status %s and step %llu (rank 0: %s, '%s')", what,
-             F.done, ok, sd_status_str(status), (unsigned long long)steps,
-             sd_status_str(F.status[0]), F.msg[0]);
+             th_fake.done, ok, sd_status_str(status), (unsigned long long)steps,
+             a0 ? sd_status_str(a0->status) : "none", a0 ? a0->msg : "");
 }
 
 /* ---- one node */
@@ -469,7 +312,7 @@ static void test_one_node(void)
     struct fixture fx;
     if (!setup(&fx, "ddp", 1, 4, 0))
         return;
-    struct sd_job *job = &fx.job;
+    struct sd_job *job = fx.job;
     uint64_t n = job->layout.arena_numel[SD_STATE_G];
     float *want = malloc(n * sizeof(float));
     double sumsq = 0.0;
@@ -486,12 +329,14 @@ static void test_one_node(void)
         }
     for (uint32_t r = 0; r < 3; r++)
         call_step(&fx, r, 0);
-    TH_CHECK(F.done == 0 && F.applied == 0 && sd_step_arrived(job) == 3,
-             "three of four ranks: nothing runs (%d answers, %d applies, %u arrived)", F.done,
+    TH_CHECK(th_fake.done == 0 && F.applied == 0 && sd_step_arrived(job) == 3,
+             "three of four ranks: nothing runs (%d answers, %d applies, %u arrived)", th_fake.done,
              F.applied, sd_step_arrived(job));
     call_step(&fx, 1, 0);
-    TH_CHECK(F.fails == 1 && F.fail_status == SD_EBUSY && strstr(F.fail_msg, "already waits"),
-             "a rank calling twice: EBUSY (%s: %s)", sd_status_str(F.fail_status), F.fail_msg);
+    TH_CHECK(th_fake.fails == 1 && th_fake.fail_status == SD_EBUSY &&
+                 strstr(th_fake.fail_msg, "already waits"),
+             "a rank calling twice: EBUSY (%s: %s)", sd_status_str(th_fake.fail_status),
+             th_fake.fail_msg);
     call_step(&fx, 3, 0);
     check_answers("one node", &fx, SD_OK, 1);
     TH_CHECK(F.applied == 1 && fabs(F.sumsq - sumsq) <= 1e-12 * sumsq,
@@ -500,9 +345,11 @@ static void test_one_node(void)
     for (uint32_t r = 0; r < 4; r++)
         same += memcmp(fx.grad[r], want, n * sizeof(float)) == 0;
     TH_CHECK(same == 4, "every rank's g arena is the rank-order sum, bit for bit (%u of 4)", same);
-    TH_CHECK(job->steps == 1 && job->weights_gen == 1 && F.step_over == 1 && !sd_step_running(job),
+    TH_CHECK(job->steps == 1 && job->weights_gen == 1 && th_fake.events[SD_JOB_EV_STEP_OVER] == 1 &&
+                 !sd_step_running(job),
              "one step, one generation, STEP_OVER raised once (%llu, %llu, %d)",
-             (unsigned long long)job->steps, (unsigned long long)job->weights_gen, F.step_over);
+             (unsigned long long)job->steps, (unsigned long long)job->weights_gen,
+             th_fake.events[SD_JOB_EV_STEP_OVER]);
     free(want);
     teardown(&fx);
 }
@@ -514,24 +361,24 @@ static void test_waits(void)
     struct fixture fx;
     if (!setup(&fx, "zero2", 1, 2, 0))
         return;
-    struct sd_job *job = &fx.job;
+    struct sd_job *job = fx.job;
     F.push_idle = false;
     all_call(&fx);
-    TH_CHECK(F.done == 0 && sd_step_running(job), "pushes not idle: the step waits in SYNC");
-    TH_CHECK(!event(&fx, SD_JOB_EV_W_SENT, SD_OK, UINT32_MAX) && F.done == 0,
+    TH_CHECK(th_fake.done == 0 && sd_step_running(job), "pushes not idle: the step waits in SYNC");
+    TH_CHECK(!event(&fx, SD_JOB_EV_W_SENT, SD_OK, UINT32_MAX) && th_fake.done == 0,
              "an event SYNC does not wait for: not taken, nothing answered");
     F.push_idle = true;
     F.shards_busy = true;
     TH_CHECK(event(&fx, SD_JOB_EV_PUSHED, SD_OK, UINT32_MAX), "PUSHED: taken");
-    TH_CHECK(F.done == 0 && F.applied == 0 && sd_step_running(job),
+    TH_CHECK(th_fake.done == 0 && F.applied == 0 && sd_step_running(job),
              "a checkpoint's worker on the shards: the optimizer waits");
     TH_CHECK(!event(&fx, SD_JOB_EV_OS_FREE, SD_OK, UINT32_MAX) && F.applied == 0,
              "OS_FREE while a worker is still busy: not taken");
     F.shards_busy = false;
-    F.queue_eagain = 1;
+    th_fake.queue_eagain = 1;
     TH_CHECK(event(&fx, SD_JOB_EV_OS_FREE, SD_OK, UINT32_MAX) && F.applied == 1,
              "OS_FREE with the worker gone: the optimizer runs");
-    TH_CHECK(F.done == 0 && sd_step_running(job), "the device behind: the new weights wait");
+    TH_CHECK(th_fake.done == 0 && sd_step_running(job), "the device behind: the new weights wait");
     TH_CHECK(sd_step_queue_poll(job), "the loop's poll finds the device done");
     check_answers("after the waits", &fx, SD_OK, 1);
     teardown(&fx);
@@ -543,11 +390,11 @@ static void test_refusals(void)
     struct fixture fx;
     if (!setup(&fx, "zero2", 1, 2, 0))
         return;
-    struct sd_job *job = &fx.job;
+    struct sd_job *job = fx.job;
     call_step(&fx, 0, 0x40);
-    TH_CHECK(F.fails == 1 && F.fail_status == SD_EINVAL && strstr(F.fail_msg, "0x40") &&
-                 sd_step_arrived(job) == 0,
-             "unknown flags: EINVAL naming them, nobody waits (%s)", F.fail_msg);
+    TH_CHECK(th_fake.fails == 1 && th_fake.fail_status == SD_EINVAL &&
+                 strstr(th_fake.fail_msg, "0x40") && sd_step_arrived(job) == 0,
+             "unknown flags: EINVAL naming them, nobody waits (%s)", th_fake.fail_msg);
     /* both give hyperparameters, rank 1 another lr */
     for (uint32_t r = 0; r < 2; r++) {
         struct sd_step_args hdr = {.n_groups = 1, .n_tensors = 2};
@@ -558,8 +405,8 @@ static void test_refusals(void)
         call_step(&fx, r, SD_STEP_ARG_HPARAMS);
     }
     check_answers("hyperparameters that differ", &fx, SD_EMISMATCH, 0);
-    TH_CHECK(strstr(F.msg[0], "rank 1's hyperparameters") && F.applied == 0 && job->steps == 0,
-             "named rank 1, the optimizer not run, no step (%s)", F.msg[0]);
+    TH_CHECK(strstr(msg_of(0), "rank 1's hyperparameters") && F.applied == 0 && job->steps == 0,
+             "named rank 1, the optimizer not run, no step (%s)", msg_of(0));
     /* a NaN in unit 1 */
     reset_answers();
     const struct sd_unit_layout *u1 = &job->layout.units[1];
@@ -570,9 +417,9 @@ static void test_refusals(void)
     for (uint32_t r = 0; r < 2; r++)
         for (uint64_t i = 0; i < job->layout.arena_numel[SD_STATE_G]; i++)
             nonzero += fx.grad[r][i] != 0.0f;
-    TH_CHECK(strstr(F.msg[0], "unit 1") && F.applied == 0 && job->steps == 0 && nonzero == 0,
+    TH_CHECK(strstr(msg_of(0), "unit 1") && F.applied == 0 && job->steps == 0 && nonzero == 0,
              "named unit 1, no optimizer, no step, gradients zeroed (%llu left): %s",
-             (unsigned long long)nonzero, F.msg[0]);
+             (unsigned long long)nonzero, msg_of(0));
     teardown(&fx);
 }
 
@@ -582,7 +429,7 @@ static void test_refusals(void)
  * order given (recv first or not), with status for the receive */
 static void complete_norm(double peer_sumsq, uint32_t hparams, bool recv_first, int status)
 {
-    struct sd_exchange_param *x = &F.ex[F.n_ex - 1];
+    struct sd_exchange_param *x = &th_fake.ex[th_fake.n_ex - 1];
     struct sd_norm_part part;
     memcpy(&part, x->send.buf, sizeof(part)); /* node 0's, as a model for node 1's */
     part.sumsq = peer_sumsq;
@@ -609,7 +456,7 @@ static void test_two_nodes(bool recv_first)
     struct fixture fx;
     if (!setup(&fx, "mics:2", 2, 2, 0))
         return;
-    struct sd_job *job = &fx.job;
+    struct sd_job *job = fx.job;
     TH_CHECK(job->plan.two_hop && job->gnodes[SD_STATE_G] == 1, "mics:2 on 2x2: 2-hop, g in node");
     const struct sd_layout *l = &job->layout;
     uint32_t f = job->plan.f[SD_STATE_G];
@@ -627,8 +474,9 @@ static void test_two_nodes(bool recv_first)
     all_call(&fx);
     double local_sumsq = 0.0;
     for (uint32_t u = 0; u < l->n_units; u++) {
-        TH_CHECK(F.n_ar == (int)u + 1, "unit %u's all-reduce started alone (%d so far)", u, F.n_ar);
-        struct sd_job_allreduce *a = &F.ar[u];
+        TH_CHECK(th_fake.n_ar == (int)u + 1, "unit %u's all-reduce started alone (%d so far)", u,
+                 th_fake.n_ar);
+        struct sd_job_allreduce *a = &th_fake.ar[u];
         TH_CHECK(a->unit == u && a->R == 2 && a->count == l->units[u].numel && a->step_sync,
                  "unit %u: R %u, %zu floats (the unit's %llu), the step's sync", u, a->R, a->count,
                  (unsigned long long)l->units[u].numel);
@@ -652,24 +500,26 @@ static void test_two_nodes(bool recv_first)
             }
     }
     TH_CHECK(same == 2, "both ranks' g shards hold the two nodes' sums (%u)", same);
-    TH_CHECK(F.n_ex == 1 && F.ex[0].peer == 1 && F.applied == 0,
-             "the norm exchange with node 1 posted, the optimizer waits (%d exchanges)", F.n_ex);
+    TH_CHECK(th_fake.n_ex == 1 && th_fake.ex[0].peer == 1 && F.applied == 0,
+             "the norm exchange with node 1 posted, the optimizer waits (%d exchanges)",
+             th_fake.n_ex);
     struct sd_norm_part mine;
-    memcpy(&mine, F.ex[0].send.buf, sizeof(mine));
+    memcpy(&mine, th_fake.ex[0].send.buf, sizeof(mine));
     TH_CHECK(fabs(mine.sumsq - local_sumsq) <= 1e-12 * local_sumsq,
              "node 0's part: sum of squares %.17g, the reference %.17g", mine.sumsq, local_sumsq);
     complete_norm(123.25, mine.hparams, recv_first, SD_OK);
     TH_CHECK(F.applied == 1 && fabs(F.sumsq - (local_sumsq + 123.25)) <= 1e-12 * F.sumsq,
              "the optimizer got both nodes' sums: %.17g", F.sumsq);
-    TH_CHECK(F.n_wx == 1 && F.done == 0, "the weights' exchange of unit 0 started; no answer yet");
-    TH_CHECK(event(&fx, SD_JOB_EV_EXCHANGED, SD_OK, 1) && F.n_wx == 1 && F.done == 0,
+    TH_CHECK(F.n_wx == 1 && th_fake.done == 0,
+             "the weights' exchange of unit 0 started; no answer yet");
+    TH_CHECK(event(&fx, SD_JOB_EV_EXCHANGED, SD_OK, 1) && F.n_wx == 1 && th_fake.done == 0,
              "one of its two transfers: still waiting");
     event(&fx, SD_JOB_EV_EXCHANGED, SD_OK, 1);
-    TH_CHECK(F.n_wx == 2 && F.done == 0, "unit 1's exchange started after unit 0's");
+    TH_CHECK(F.n_wx == 2 && th_fake.done == 0, "unit 1's exchange started after unit 0's");
     event(&fx, SD_JOB_EV_EXCHANGED, SD_OK, 1);
     event(&fx, SD_JOB_EV_EXCHANGED, SD_OK, 1);
     check_answers(recv_first ? "two nodes, receive first" : "two nodes, send first", &fx, SD_OK, 1);
-    TH_CHECK(F.job_fails == 0, "the job did not fail: %s", F.job_msg);
+    TH_CHECK(th_fake.job_fails == 0, "the job did not fail: %s", th_fake.job_msg);
     for (uint32_t r = 0; r < 2; r++)
         free(want[r]);
     teardown(&fx);
@@ -682,12 +532,12 @@ static void test_two_node_failures(void)
     if (!setup(&fx, "mics:2", 2, 2, 0))
         return;
     all_call(&fx);
-    for (uint32_t u = 0; u < fx.job.layout.n_units; u++)
-        F.ar[u].cb(F.ar[u].ar, SD_OK, 1);
+    for (uint32_t u = 0; u < fx.job->layout.n_units; u++)
+        th_fake.ar[u].cb(th_fake.ar[u].ar, SD_OK, 1);
     complete_norm(1.0, 0, true, SD_EPEER);
-    TH_CHECK(F.job_fails == 1 && F.job_status == SD_EPEER &&
-                 strstr(F.job_msg, "transfer with node 1 failed") && F.applied == 0,
-             "a failed norm transfer fails the job naming node 1: %s", F.job_msg);
+    TH_CHECK(th_fake.job_fails == 1 && th_fake.job_status == SD_EPEER &&
+                 strstr(th_fake.job_msg, "transfer with node 1 failed") && F.applied == 0,
+             "a failed norm transfer fails the job naming node 1: %s", th_fake.job_msg);
     teardown(&fx);
 
     if (!setup(&fx, "mics:2", 2, 2, 0))
@@ -695,29 +545,30 @@ static void test_two_node_failures(void)
     F.weights_remote = true;
     F.w_posted = 2;
     all_call(&fx);
-    for (uint32_t u = 0; u < fx.job.layout.n_units; u++)
-        F.ar[u].cb(F.ar[u].ar, SD_OK, 1);
+    for (uint32_t u = 0; u < fx.job->layout.n_units; u++)
+        th_fake.ar[u].cb(th_fake.ar[u].ar, SD_OK, 1);
     struct sd_norm_part mine;
-    memcpy(&mine, F.ex[0].send.buf, sizeof(mine));
+    memcpy(&mine, th_fake.ex[0].send.buf, sizeof(mine));
     complete_norm(1.0, mine.hparams, false, SD_OK);
     event(&fx, SD_JOB_EV_EXCHANGED, SD_ETIMEDOUT, 1);
-    TH_CHECK(F.job_fails == 0, "the first failed transfer waits for the unit's other one");
+    TH_CHECK(th_fake.job_fails == 0, "the first failed transfer waits for the unit's other one");
     event(&fx, SD_JOB_EV_EXCHANGED, SD_OK, 1);
-    TH_CHECK(F.job_fails == 1 && strstr(F.job_msg, "node 1") && F.done == 0 && F.n_wx == 1,
+    TH_CHECK(th_fake.job_fails == 1 && strstr(th_fake.job_msg, "node 1") && th_fake.done == 0 &&
+                 F.n_wx == 1,
              "a failed weights transfer fails the job naming node 1, unit 1 not started: %s",
-             F.job_msg);
+             th_fake.job_msg);
     teardown(&fx);
 
     if (!setup(&fx, "mics:2", 2, 2, 0))
         return;
     all_call(&fx);
-    for (uint32_t u = 0; u < fx.job.layout.n_units; u++)
-        F.ar[u].cb(F.ar[u].ar, SD_OK, 1);
-    memcpy(&mine, F.ex[0].send.buf, sizeof(mine));
+    for (uint32_t u = 0; u < fx.job->layout.n_units; u++)
+        th_fake.ar[u].cb(th_fake.ar[u].ar, SD_OK, 1);
+    memcpy(&mine, th_fake.ex[0].send.buf, sizeof(mine));
     complete_norm(1.0, mine.hparams ^ 1u, true, SD_OK);
     check_answers("node 1's other hyperparameters", &fx, SD_EMISMATCH, 0);
-    TH_CHECK(strstr(F.msg[0], "the ranks of node 1 gave other hyperparameters") && F.applied == 0,
-             "named node 1, the optimizer not run: %s", F.msg[0]);
+    TH_CHECK(strstr(msg_of(0), "the ranks of node 1 gave other hyperparameters") && F.applied == 0,
+             "named node 1, the optimizer not run: %s", msg_of(0));
     teardown(&fx);
 }
 
