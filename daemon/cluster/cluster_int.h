@@ -157,6 +157,19 @@ void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t no
                             const uint32_t *ids, uint32_t n);
 /* a member's JobAbort (or the coordinator's own): pass it on to the job's other nodes */
 void sd_cluster__coord_abort(struct sd_cluster *cl, const Shard__PeerMsg *m);
+/* May node speak for job name: it is one of a confirmed job's nodes, or reported a registration
+ * of that name; a name no confirmed job has (a registration's, an unknown one): any node. A
+ * member's abort, left and relayed job messages for a running job it is not in are dropped. */
+bool sd_cluster__coord_member(const struct sd_cluster *cl, const char *name, uint32_t node);
+/* The same for a message of node's about the job (what: its name, for the log): true if heard,
+ * else logged (once in 5 s per *logged_ms, the message kind's) and false. */
+bool sd_cluster__coord_hears(const struct sd_cluster *cl, const char *name, int node,
+                             const char *what, uint64_t *logged_ms);
+/* May node from's message of job name go on to node to (both are its nodes)? Else logged. */
+bool sd_cluster__coord_relays(const struct sd_cluster *cl, int from, const char *name, uint32_t to);
+/* The job a member's message for another member is about (the coordinator relays a job's
+ * messages only: ready, saved, save done, recover), or NULL. */
+const char *sd_cluster__relayed_job(const Shard__PeerMsg *m);
 
 /* registrations that missed their deadline are refused */
 void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now);

@@ -58,6 +58,62 @@ static bool coord_tag_live(const struct sd_cluster *cl, uint32_t tag)
     return false;
 }
 
+bool sd_cluster__coord_member(const struct sd_cluster *cl, const char *name, uint32_t node)
+{
+    bool known = false;
+    for (const struct coord_live *l = cl->live; l; l = l->next) {
+        if (strcmp(l->name, name) != 0)
+            continue;
+        known = true;
+        for (uint32_t i = 0; i < l->nodes; i++)
+            if (l->at[i] == node)
+                return true;
+    }
+    for (const struct coord_job *j = cl->jobs; j; j = j->next)
+        if (strcmp(j->name, name) == 0 && coord_job_node_of(j, node) != SD_NO_NODE)
+            return true; /* it reported a registration of that name */
+    return !known;
+}
+
+bool sd_cluster__coord_hears(const struct sd_cluster *cl, const char *name, int node,
+                             const char *what, uint64_t *logged_ms)
+{
+    if (node >= 0 && sd_cluster__coord_member(cl, name, (uint32_t)node))
+        return true;
+    if (SD_LOG_WARN <= sd_log_level && sd_log_ratelimit(logged_ms, 5000))
+        sd_log_write(SD_LOG_WARN, "cluster", "node %d is not a node of job '%s': its %s dropped",
+                     node, name, what);
+    return false;
+}
+
+bool sd_cluster__coord_relays(const struct sd_cluster *cl, int from, const char *name, uint32_t to)
+{
+    if (from >= 0 && sd_cluster__coord_member(cl, name, (uint32_t)from) &&
+        sd_cluster__coord_member(cl, name, to))
+        return true;
+    SD_WARN_SPARSE("cluster",
+                   "node %d asked to relay a message of job '%s' to node %u, and they are not "
+                   "both its nodes: dropped",
+                   from, name, to);
+    return false;
+}
+
+const char *sd_cluster__relayed_job(const Shard__PeerMsg *m)
+{
+    switch (m->msg_case) {
+    case SHARD__PEER_MSG__MSG_JOB_READY:
+        return m->job_ready->job;
+    case SHARD__PEER_MSG__MSG_JOB_SAVED:
+        return m->job_saved->job;
+    case SHARD__PEER_MSG__MSG_JOB_SAVE_DONE:
+        return m->job_save_done->job;
+    case SHARD__PEER_MSG__MSG_JOB_RECOVER:
+        return m->job_recover->job;
+    default:
+        return NULL;
+    }
+}
+
 /* the job of that name ended everywhere: its tag is free (the oldest of the name's) */
 static void coord_live_end(struct sd_cluster *cl, const char *name)
 {

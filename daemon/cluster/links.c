@@ -357,20 +357,18 @@ static bool table_fits(struct sd_cluster *cl, const Shard__PeerTable *t)
 static void relay(struct link *l, const Shard__PeerRelay *r)
 {
     struct sd_cluster *cl = l->cl;
-    const Shard__PeerMsg *inner = r->msg;
-    bool job_msg = inner != NULL && (inner->msg_case == SHARD__PEER_MSG__MSG_JOB_READY ||
-                                     inner->msg_case == SHARD__PEER_MSG__MSG_JOB_SAVED ||
-                                     inner->msg_case == SHARD__PEER_MSG__MSG_JOB_SAVE_DONE ||
-                                     inner->msg_case == SHARD__PEER_MSG__MSG_JOB_RECOVER);
-    if (!job_msg || r->to >= cl->n) {
+    const char *job = r->msg != NULL ? sd_cluster__relayed_job(r->msg) : NULL;
+    if (job == NULL || r->to >= cl->n) {
         SD_WARN_SPARSE("cluster", "node %d asked to relay %s to node %u: dropped", l->node,
-                       inner == NULL ? "nothing" : "a message that is not a job's", r->to);
+                       r->msg == NULL ? "nothing" : "a message that is not a job's", r->to);
         return;
     }
+    if (!sd_cluster__coord_relays(cl, l->node, job, r->to))
+        return;
     if (r->to == cl->self)
-        on_message(l, inner);
+        on_message(l, r->msg);
     else
-        sd_cluster__send_to(cl, r->to, inner);
+        sd_cluster__send_to(cl, r->to, r->msg);
 }
 
 static void on_message(struct link *l, const Shard__PeerMsg *m)
@@ -422,6 +420,10 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         break;
     case SHARD__PEER_MSG__MSG_JOB_ABORT: {
         const Shard__JobAbort *a = m->job_abort;
+        static uint64_t abort_logged;
+        if (cl->self == 0 &&
+            !sd_cluster__coord_hears(cl, a->job, l->node, "abort of the job", &abort_logged))
+            break;
         if (cl->self == 0) /* relay to the job's others (and forget a registration's reports) */
             sd_cluster__coord_abort(cl, m);
         cl->ev.job_aborted(cl->ev.ctx, a->job, a->tag, a->status, a->step, a->message);
@@ -430,11 +432,14 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
     case SHARD__PEER_MSG__MSG_JOB_READY:
         cl->ev.job_remote_ready(cl->ev.ctx, m->job_ready->job);
         break;
-    case SHARD__PEER_MSG__MSG_JOB_LEFT:
-        if (cl->self == 0 && l->node >= 0)
+    case SHARD__PEER_MSG__MSG_JOB_LEFT: {
+        static uint64_t left_logged;
+        if (cl->self == 0 &&
+            sd_cluster__coord_hears(cl, m->job_left->job, l->node, "'left'", &left_logged))
             sd_cluster__coord_left(cl, m->job_left->job, (uint32_t)l->node, m->job_left->nodes,
                                    (uint32_t)m->job_left->n_nodes);
         break;
+    }
     case SHARD__PEER_MSG__MSG_JOB_END:
         cl->ev.job_ended(cl->ev.ctx, m->job_end->job);
         break;

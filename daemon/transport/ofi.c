@@ -78,30 +78,45 @@ static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, cons
                          uint32_t n)
 {
     struct ofi *o = (struct ofi *)tp;
+    /* the new tables whole before the old go: a failure leaves the old ones in use */
+    fi_addr_t *peers = calloc((size_t)o->n_rails * n, sizeof(*peers));
+    bool *down = calloc(n, sizeof(*down));
+    uint8_t(*saved)[256] = calloc(n, sizeof(*saved));
+    size_t *saved_lens = calloc(n, sizeof(*saved_lens));
+    struct rdv_peer *rdv = o->base.rdv_bytes > 0 ? calloc(n, sizeof(*rdv)) : NULL;
+    if (peers == NULL || down == NULL || saved == NULL || saved_lens == NULL ||
+        (o->base.rdv_bytes > 0 && rdv == NULL)) {
+        free(peers);
+        free(down);
+        free(saved);
+        free(saved_lens);
+        free(rdv);
+        return SD_ENOMEM;
+    }
     free(o->peers);
     free(o->down);
     free(o->addrs);
     free(o->addr_lens);
-    o->peers = calloc((size_t)o->n_rails * n, sizeof(*o->peers));
-    o->down = calloc(n, sizeof(*o->down));
-    o->addrs = calloc(n, sizeof(*o->addrs));
-    o->addr_lens = calloc(n, sizeof(*o->addr_lens));
-    if (o->peers == NULL || o->down == NULL || o->addrs == NULL || o->addr_lens == NULL)
-        return SD_ENOMEM;
-    for (uint32_t i = 0; i < n; i++) {
-        o->addr_lens[i] = SD_MIN(lens[i], sizeof(o->addrs[0]));
-        memcpy(o->addrs[i], addrs[i], o->addr_lens[i]);
-        int st = insert_peer(o, i, n, addrs[i], lens[i]);
-        if (st != SD_OK)
-            return st;
-    }
+    o->peers = peers;
+    o->down = down;
+    o->addrs = saved;
+    o->addr_lens = saved_lens;
     tp->n_peers = n;
     if (o->base.rdv_bytes > 0) {
         free(o->rdv_peers);
-        o->rdv_peers = calloc(n, sizeof(*o->rdv_peers));
-        if (o->rdv_peers == NULL)
-            return SD_ENOMEM;
+        o->rdv_peers = rdv;
         o->rdv_credit = SD_MAX(1u, o->rdv_slots_n / SD_MAX(1u, n - 1));
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        o->addr_lens[i] = SD_MIN(lens[i], sizeof(o->addrs[0]));
+        memcpy(o->addrs[i], addrs[i], o->addr_lens[i]);
+        if (insert_peer(o, i, n, addrs[i], lens[i]) == SD_OK)
+            continue;
+        /* a node whose address cannot be used is down for the data path (the others' jobs go
+         * on; its probes never answer, so no job is placed on it) */
+        for (uint32_t r = 0; r < o->n_rails; r++)
+            o->peers[(size_t)r * n + i] = FI_ADDR_NOTAVAIL;
+        o->down[i] = true;
     }
     return SD_OK;
 }

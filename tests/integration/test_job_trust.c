@@ -1,0 +1,242 @@
+/* A member of the cluster that is not one of a job's nodes (it holds the cluster's secret: a
+ * daemon of another job, or a process with the key) tries to end a job that runs on two other
+ * nodes, through the coordinator: an abort of it (under every transport tag it might have), a
+ * relayed "save done" and "recover" addressed to the job's other node, a "left" of it. The
+ * coordinator drops each, naming the node and the job in its log, and the job trains on to its
+ * one-process reference bitwise. The member is this test: it joins an open cluster of two
+ * daemons as a third (a hello MAC'd with the cluster's secret over the coordinator's nonce). */
+#include "harness.h"
+#include "cluster/auth.h"
+#include "sd/config.h"
+#include "sd/frame.h"
+#include "sd/status.h"
+#include "shard.pb-c.h"
+
+#include <arpa/inet.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static struct th_cluster cl;
+static const char *extra[] = {"--op-timeout-ms", "20000", NULL};
+
+static Shard__PeerMsg *recv_msg(int fd, int timeout_ms)
+{
+    uint8_t *buf = NULL;
+    size_t n = 0;
+    if (sd_frame_recv(fd, &buf, &n, NULL, 0, NULL, 1 << 20, timeout_ms) != 0)
+        return NULL;
+    Shard__PeerMsg *m = shard__peer_msg__unpack(NULL, n, buf);
+    free(buf);
+    return m;
+}
+
+static void send_msg(int fd, Shard__PeerMsg *m)
+{
+    TH_CHECK(sd_frame_send(fd, &m->base, NULL, 0, 2000) == 0, "a message to the coordinator");
+}
+
+/* joins as a member: the connection to the coordinator, once welcomed; -1 if not */
+static int join(void)
+{
+    char key[128], err[512];
+    snprintf(key, sizeof(key), "%s/cluster.key", cl.base);
+    struct sd_config cfg;
+    sd_config_defaults(&cfg);
+    sd_config_set(&cfg, "nodes", "0", err, sizeof(err)); /* as the daemons of an open cluster */
+    for (int i = 0; extra[i] != NULL; i += 2) { /* and their options: --op-timeout-ms ... */
+        char name[64];
+        snprintf(name, sizeof(name), "%s", extra[i] + 2);
+        for (char *c = name; *c; c++)
+            *c = *c == '-' ? '_' : *c;
+        TH_CHECK(sd_config_set(&cfg, name, extra[i + 1], err, sizeof(err)) == 0, "%s", err);
+    }
+    snprintf(cfg.cluster_secret_file, sizeof(cfg.cluster_secret_file), "%s", key);
+    struct sd_auth secret;
+    TH_CHECK(sd_auth_load(&cfg, &secret, err, sizeof(err)) == 0, "the cluster's secret: %s", err);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)cl.port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        TH_CHECK(false, "connect to the coordinator");
+        close(fd);
+        return -1;
+    }
+    Shard__PeerMsg *ch = recv_msg(fd, 5000);
+    uint8_t nc[SD_AUTH_NONCE] = {0}, nm[SD_AUTH_NONCE], mac[SD_SHA256_BYTES];
+    bool got = ch != NULL && ch->msg_case == SHARD__PEER_MSG__MSG_CHALLENGE &&
+               ch->challenge->nonce.len == SD_AUTH_NONCE;
+    if (got)
+        memcpy(nc, ch->challenge->nonce.data, SD_AUTH_NONCE);
+    if (ch)
+        shard__peer_msg__free_unpacked(ch, NULL);
+    TH_CHECK(got, "the coordinator's challenge");
+    sd_auth_nonce(nm);
+    char summary[1024];
+    uint8_t addr[4] = {0}; /* four endpoints with empty names: nothing on the fabric */
+    Shard__PeerHello h = SHARD__PEER_HELLO__INIT;
+    h.node = UINT32_MAX; /* an open cluster numbers it */
+    h.protocol_version = SD_PROTOCOL_VERSION;
+    h.config_digest = sd_config_digest(&cfg, summary, sizeof(summary));
+    h.config_summary = summary;
+    h.version = SHARD_VERSION;
+    h.fabric_addr.data = addr;
+    h.fabric_addr.len = sizeof(addr);
+    h.nonce.data = nm;
+    h.nonce.len = sizeof(nm);
+    sd_auth_hello_mac(&secret, nc, nm, &h, mac);
+    h.mac.data = mac;
+    h.mac.len = sizeof(mac);
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
+    m.hello = &h;
+    send_msg(fd, &m);
+    Shard__PeerMsg *w = recv_msg(fd, 5000);
+    bool welcomed = w != NULL && w->msg_case == SHARD__PEER_MSG__MSG_WELCOME;
+    TH_CHECK(welcomed, "the coordinator welcomes the member (message %d)",
+             w ? (int)w->msg_case : -1);
+    if (w)
+        shard__peer_msg__free_unpacked(w, NULL);
+    if (!welcomed) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* the member's attempts on job `job`, which runs on cluster nodes 0 and 1 */
+static void forge(int fd, const char *job)
+{
+    uint32_t nodes[2] = {0, 1};
+    for (uint32_t tag = 1; tag <= 8; tag++) {
+        Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
+        a.job = (char *)job;
+        a.status = SD_EPEER;
+        a.message = "forged: a member that is not the job's";
+        a.origin = 1;
+        a.tag = tag;
+        a.nodes = nodes;
+        a.n_nodes = 2;
+        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+        m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
+        m.job_abort = &a;
+        send_msg(fd, &m);
+    }
+    Shard__JobSaveDone d = SHARD__JOB_SAVE_DONE__INIT;
+    d.job = (char *)job;
+    d.seq = 1;
+    d.status = SD_EIO;
+    d.message = "forged save";
+    Shard__PeerMsg inner = SHARD__PEER_MSG__INIT;
+    inner.msg_case = SHARD__PEER_MSG__MSG_JOB_SAVE_DONE;
+    inner.job_save_done = &d;
+    Shard__PeerRelay r = SHARD__PEER_RELAY__INIT;
+    r.to = 1;
+    r.msg = &inner;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_RELAY;
+    m.relay = &r;
+    send_msg(fd, &m);
+    Shard__JobRecover rc = SHARD__JOB_RECOVER__INIT;
+    rc.job = (char *)job;
+    rc.seq = 1;
+    rc.dir = "/tmp";
+    rc.from = 2;
+    rc.node = 1;
+    Shard__PeerMsg inner2 = SHARD__PEER_MSG__INIT;
+    inner2.msg_case = SHARD__PEER_MSG__MSG_JOB_RECOVER;
+    inner2.job_recover = &rc;
+    r.msg = &inner2;
+    send_msg(fd, &m);
+    Shard__JobLeft l = SHARD__JOB_LEFT__INIT;
+    l.job = (char *)job;
+    l.node = 2;
+    l.nodes = nodes;
+    l.n_nodes = 2;
+    Shard__PeerMsg ml = SHARD__PEER_MSG__INIT;
+    ml.msg_case = SHARD__PEER_MSG__MSG_JOB_LEFT;
+    ml.job_left = &l;
+    send_msg(fd, &ml);
+}
+
+struct training {
+    char dir[300], dump[400], ref[400];
+    int failed;
+};
+
+static void *train(void *arg)
+{
+    struct training *t = arg;
+    const char *socks[2] = {cl.d[0].sock, cl.d[1].sock};
+    const char *args[] = {"--world", "2",  "--ranks-per-node", "1",  "--plan",       "zero3",
+                          "--steps", "40", "--hidden",         "64", "--compute-ms", "20",
+                          "--quiet", NULL};
+    int rcs[3];
+    t->failed = th_train(t->dir, "victim", socks, 1, 2, args, t->dump, t->ref, rcs);
+    return NULL;
+}
+
+/* job's state on node 0's daemon, or "" */
+static void job_state(const char *job, char *out, size_t len)
+{
+    out[0] = '\0';
+    json_t *doc = th_admin_json(cl.d[0].sock, "jobs");
+    json_t *jobs = doc ? json_object_get(doc, "jobs") : NULL;
+    size_t i;
+    json_t *j;
+    json_array_foreach(jobs, i, j)
+    {
+        const char *name = json_string_value(json_object_get(j, "name"));
+        if (name && strcmp(name, job) == 0)
+            snprintf(out, len, "%s", json_string_value(json_object_get(j, "state")) ?: "");
+    }
+    json_decref(doc);
+}
+
+int main(void)
+{
+    if (th_open_cluster_start(&cl, 2, extra) != 0)
+        return th_summary("test_job_trust");
+    struct training t = {0};
+    snprintf(t.dir, sizeof(t.dir), "%s/job", cl.base);
+    mkdir(t.dir, 0755);
+    snprintf(t.dump, sizeof(t.dump), "%s/params.bin", t.dir);
+    snprintf(t.ref, sizeof(t.ref), "%s/ref.bin", t.dir);
+    pthread_t th;
+    pthread_create(&th, NULL, train, &t);
+    char state[32] = "";
+    for (int i = 0; i < 400 && strcmp(state, "running") != 0; i++) {
+        usleep(25000);
+        job_state("victim", state, sizeof(state));
+    }
+    TH_CHECK(strcmp(state, "running") == 0, "the job runs on nodes 0 and 1 (%s)", state);
+    int fd = join();
+    if (fd >= 0) {
+        forge(fd, "victim");
+        usleep(300000);
+    }
+    pthread_join(th, NULL);
+    TH_CHECK(t.failed == 0, "every rank and the reference exited 0 (%d did not)", t.failed);
+    struct th_dump_diff dd;
+    TH_CHECK(th_compare_dumps(t.dump, t.ref, 0.0, &dd) && dd.differ == 0,
+             "the job trained bitwise as its reference (%zu of %zu differ)", dd.differ, dd.n);
+    char *log = th_read_file(cl.d[0].log, NULL);
+    TH_CHECK(log != NULL && strstr(log, "is not a node of job 'victim': its abort of the job "
+                                        "dropped") != NULL,
+             "the coordinator drops the member's abort, naming it");
+    TH_CHECK(log != NULL && strstr(log, "not both its nodes: dropped") != NULL,
+             "the coordinator drops the member's relayed job messages");
+    TH_CHECK(log != NULL &&
+                 strstr(log, "is not a node of job 'victim': its 'left' dropped") != NULL,
+             "the coordinator drops the member's 'left'");
+    free(log);
+    if (fd >= 0)
+        close(fd);
+    TH_CHECK(th_cluster_stop(&cl) == 0, "both daemons stop cleanly");
+    return th_summary("test_job_trust");
+}
