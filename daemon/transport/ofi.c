@@ -596,7 +596,8 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
     fi_freeinfo(hints);
     if (r != 0) {
         snprintf(err, errlen,
-                 "no libfabric provider '%s' with FI_EP_RDM and tagged messages on %s: %s",
+                 "no libfabric provider '%s' with FI_EP_RDM, tagged messages, directed "
+                 "receives and source addresses on %s: %s",
                  cfg->provider, node ? node : "any interface", fi_strerror(-r));
         free(o);
         return SD_ENOSYS;
