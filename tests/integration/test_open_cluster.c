@@ -4,7 +4,9 @@
  * trainer processes:
  * - 4 daemons join one after the other and are numbered 0..3; jobs placed on daemons {3, 1}
  *   (2 ranks each, zero3) and {0, 2, 3} (1 each, topo:1/3/3) train to their references;
- * - a fifth daemon joins the running cluster (numbered 4): a job on {4, 0} trains;
+ * - a fifth daemon joins the running cluster (numbered 4) while a job on {3, 1} trains, which
+ *   reaches its reference all the same (every node's address table grew under it); a job on
+ *   {4, 0} trains;
  * - daemon 1 killed and started again with the same arguments: numbered 1 again, and a job on
  *   {1, 4} trains;
  * - the coordinator killed and started again: the members rejoin it with nothing to configure
@@ -15,6 +17,7 @@
 #include "harness.h"
 
 #include <jansson.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +38,8 @@ static void numbered(const char *sock, int *node, int *nodes)
 
 /* world ranks of job, k per daemon, on the daemons listed in on (its node i on daemon on[i]);
  * within 1e-5 of the one-process reference */
+static const char *train_steps = "8", *train_compute_ms = "0";
+
 static void train(const char *job, const char *plan, int k, int world, const int *on)
 {
     const char *socks[N + 1];
@@ -45,9 +50,10 @@ static void train(const char *job, const char *plan, int k, int world, const int
     snprintf(ks, sizeof(ks), "%d", k);
     snprintf(dump, sizeof(dump), "%s/%s.bin", cl.base, job);
     snprintf(ref, sizeof(ref), "%s/%s-ref.bin", cl.base, job);
-    const char *args[] = {"--world", w,   "--plan",   plan, "--steps",          "8",
-                          "--accum", "2", "--hidden", "96", "--ranks-per-node", ks,
-                          "--seed",  "7", "--quiet",  NULL};
+    const char *args[] = {"--world",          w,         "--plan", plan,       "--steps",
+                          train_steps,        "--accum", "2",      "--hidden", "96",
+                          "--ranks-per-node", ks,        "--seed", "7",        "--compute-ms",
+                          train_compute_ms,   "--quiet", NULL};
     int rcs[TH_MAX_RANKS + 1];
     int failed = th_train(cl.base, job, socks, k, world, args, dump, ref, rcs);
     TH_CHECK(failed == 0, "%s: %d processes failed (logs %s/%s-*.log)", job, failed, cl.base, job);
@@ -100,12 +106,50 @@ static void joined_in_order(void)
     train("threes", "topo:1/3/3", 1, 3, (const int[]){0, 2, 3});
 }
 
+/* is job running at the daemon at sock? */
+static bool job_running(const char *sock, const char *job)
+{
+    json_t *doc = th_admin_json(sock, "jobs");
+    bool running = false;
+    size_t i;
+    json_t *j;
+    json_array_foreach(json_object_get(doc, "jobs"), i, j)
+    {
+        const char *name = json_string_value(json_object_get(j, "name"));
+        const char *state = json_string_value(json_object_get(j, "state"));
+        running |= name && state && strcmp(name, job) == 0 && strcmp(state, "running") == 0;
+    }
+    json_decref(doc);
+    return running;
+}
+
+/* a job on {3, 1} long enough to be running while the fifth daemon joins */
+static void *train_during(void *arg)
+{
+    (void)arg;
+    train("during", "zero3", 2, 4, (const int[]){3, 1});
+    return NULL;
+}
+
 static void fifth_joins(const char *const *extra)
 {
     cl.nodes = N + 1;
-    TH_CHECK(th_cluster_node_restart(&cl, N, extra) == 0, "a fifth daemon did not start");
+    train_steps = "40";
+    train_compute_ms = "25";
+    pthread_t th;
+    pthread_create(&th, NULL, train_during, NULL);
+    usleep(1500000); /* the job registered and trains */
+    int started = th_cluster_node_restart(&cl, N, extra);
+    bool joined = started == 0 && wait_nodes(cl.d[N].sock, N + 1);
+    /* the job was still training once node 3 (one of its daemons) knew the fifth */
+    bool running = joined && wait_nodes(cl.d[3].sock, N + 1) && job_running(cl.d[3].sock, "during");
+    pthread_join(th, NULL); /* its checks: trained to its reference while the table grew */
+    TH_CHECK(running, "the job on {3, 1} still trained when its daemons knew the fifth");
+    train_steps = "8";
+    train_compute_ms = "0";
+    TH_CHECK(started == 0, "a fifth daemon did not start");
     int node, nodes;
-    TH_CHECK(wait_nodes(cl.d[N].sock, N + 1), "the fifth daemon did not join");
+    TH_CHECK(joined, "the fifth daemon did not join");
     numbered(cl.d[N].sock, &node, &nodes);
     TH_CHECK(node == N && nodes == N + 1, "the fifth daemon is node %d of %d", node, nodes);
     TH_CHECK(wait_nodes(cl.d[0].sock, N + 1), "node 0 does not list the fifth daemon");
