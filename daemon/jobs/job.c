@@ -109,13 +109,13 @@ void sd_job_bury(struct sd_job *job)
     sd_registry_add_finished(job->reg, job);
 }
 
-/* Send the layout and the shared fds to one registered rank. */
 /* the step the job starts from: the paused job's it resumes, else the checkpoint's it loads */
 static uint64_t start_step(const struct sd_job *job)
 {
     return sd_resume_resuming(job) ? sd_resume_start_step(job) : sd_ckpt_start_step(job);
 }
 
+/* Send the layout and the shared fds to one registered rank. */
 static int job_send_layout(struct sd_job *job, struct sd_session *s)
 {
     const struct sd_layout *l = &job->layout;
@@ -677,8 +677,7 @@ void sd_job_modules_release(struct sd_job *job)
             life_order[i]->release(job);
 }
 
-/* The modules that wait for other modules' completions. */
-static const struct sd_job_module *const event_order[] = {&sd_step_module, &sd_resume_module};
+/* ---- shape facts (job.h) */
 
 bool sd_job_node_rounds(const struct sd_job *job)
 {
@@ -696,6 +695,9 @@ bool sd_job_weights_remote(const struct sd_job *job)
            job->plan.f[SD_STATE_W] < job->plan.f[SD_STATE_OS];
 }
 
+/* The modules that wait for other modules' completions. */
+static const struct sd_job_module *const event_order[] = {&sd_step_module, &sd_resume_module};
+
 bool sd_job_event_ended(struct sd_job *job, enum sd_job_event ev, int status, uint32_t peer)
 {
     const struct sd_job_ev e = {.kind = ev, .status = status, .peer = peer};
@@ -703,6 +705,11 @@ bool sd_job_event_ended(struct sd_job *job, enum sd_job_event ev, int status, ui
     for (size_t i = 0; i < sizeof(event_order) / sizeof(event_order[0]); i++)
         taken |= event_order[i]->event != NULL && event_order[i]->event(job, &e);
     return taken;
+}
+
+bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
+{
+    return sd_job_event_ended(job, ev, SD_OK, UINT32_MAX);
 }
 
 /* The modules whose workers may use the job's shards off the loop. */
@@ -739,11 +746,6 @@ const char *sd_job_values_from(const struct sd_job *job)
             return what;
     }
     return NULL;
-}
-
-bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
-{
-    return sd_job_event_ended(job, ev, SD_OK, UINT32_MAX);
 }
 
 /* Complete every module's parked calls with an error (fail_order); with_fetches: also ranks

@@ -23,11 +23,15 @@ struct sd_net_req {
     struct sd_registry *reg;
 };
 #define SD_NET_EARLY_REQS 256
+/* a pull request for a job not confirmed here yet */
+struct sd_net_early {
+    struct sd_req_msg m;
+    uint64_t ns;   /* when it came */
+    uint32_t from; /* the cluster node it came from */
+};
 struct sd_net {
     bool posted;
-    struct sd_req_msg early[SD_NET_EARLY_REQS];
-    uint64_t early_ns[SD_NET_EARLY_REQS];
-    uint32_t early_from[SD_NET_EARLY_REQS]; /* the cluster node each came from */
+    struct sd_net_early early[SD_NET_EARLY_REQS];
     uint32_t n_early;
     struct sd_transport *tp;
     struct sd_cluster *cl;
@@ -65,17 +69,11 @@ static void on_request(struct sd_registry *reg, const struct sd_req_msg *m, uint
         uint64_t now = sd_now_ns(), keep = (uint64_t)reg->cfg->op_timeout_ms * 1000000ULL;
         uint32_t kept = 0;
         for (uint32_t i = 0; i < net->n_early; i++)
-            if (now - net->early_ns[i] < keep) {
-                net->early[kept] = net->early[i];
-                net->early_from[kept] = net->early_from[i];
-                net->early_ns[kept++] = net->early_ns[i];
-            }
+            if (now - net->early[i].ns < keep)
+                net->early[kept++] = net->early[i];
         net->n_early = kept;
         if (kept < SD_NET_EARLY_REQS) {
-            net->early[kept] = *m;
-            net->early_from[kept] = from;
-            net->early_ns[kept] = now;
-            net->n_early++;
+            net->early[net->n_early++] = (struct sd_net_early){.m = *m, .ns = now, .from = from};
             return;
         }
         SD_WARN_SPARSE("net", "too many pull requests for unknown jobs; dropping one for tag %u",
@@ -91,22 +89,17 @@ void sd_net_job_confirmed(struct sd_registry *reg, uint32_t job_tag)
     if (net == NULL)
         return;
     uint32_t kept = 0, n = net->n_early;
-    struct sd_req_msg mine[SD_NET_EARLY_REQS];
-    uint32_t mine_from[SD_NET_EARLY_REQS];
+    struct sd_net_early mine[SD_NET_EARLY_REQS];
     uint32_t n_mine = 0;
     for (uint32_t i = 0; i < n; i++) {
-        if (net->early[i].job_tag == job_tag) {
-            mine_from[n_mine] = net->early_from[i];
+        if (net->early[i].m.job_tag == job_tag)
             mine[n_mine++] = net->early[i];
-            continue;
-        }
-        net->early[kept] = net->early[i];
-        net->early_from[kept] = net->early_from[i];
-        net->early_ns[kept++] = net->early_ns[i];
+        else
+            net->early[kept++] = net->early[i];
     }
     net->n_early = kept;
     for (uint32_t i = 0; i < n_mine; i++)
-        on_request(reg, &mine[i], mine_from[i]);
+        on_request(reg, &mine[i].m, mine[i].from);
 }
 
 bool sd_net_busy(const struct sd_registry *reg)

@@ -98,17 +98,16 @@ void sd_ckpt__run_worker(struct sd_job *job, void (*fn)(struct sd_job *),
     task_after(&w->task, st);
 }
 
-void sd_ckpt__parallel(struct sd_job *job, uint64_t n, sd_ckpt_par_fn *fn, void *arg)
-{
-    sd_file_pool_parallel(sd_job_files(job), (uint32_t)job->reg->cfg->checkpoint_threads, n, fn,
-                          arg);
-}
-
-/* the save's writer runs its chunks on the file pool (sd_ckpt_runner; ctx: the job) */
+/* the job's items on the file pool (an sd_ckpt_runner's run: ctx is the job) */
 static void pool_run(void *ctx, uint32_t threads, uint64_t n, sd_ckpt_par_fn *fn, void *arg)
 {
     struct sd_job *job = ctx;
     sd_file_pool_parallel(sd_job_files(job), threads, n, fn, arg);
+}
+
+void sd_ckpt__parallel(struct sd_job *job, uint64_t n, sd_ckpt_par_fn *fn, void *arg)
+{
+    pool_run(job, (uint32_t)job->reg->cfg->checkpoint_threads, n, fn, arg);
 }
 
 bool sd_ckpt__working(const struct sd_job *job)
