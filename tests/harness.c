@@ -184,7 +184,7 @@ static int cluster_start(struct th_cluster *c, int nodes, int k, bool open,
         c->nodes = nodes;
         c->k = k;
         c->open = open;
-        c->port = 20000 + rand() % 30000;
+        c->port = 20000 + rand() % 12000; /* below the kernel's ephemeral ports (32768) */
         int ok = 1;
         for (int i = 0; i < nodes && ok; i++)
             ok = cluster_node_start(c, i, extra) == 0 && (!open || node_formed(&c->d[i]));

@@ -26,9 +26,11 @@
 # -- --backend cuda; its trainers then run on GPU i). --open starts an open cluster: every
 # daemon gets --nodes 0 and no index or ranks per node (node 0 adds --node 0: the coordinator,
 # which numbers the others as they join, in order here); jobs give their own ranks per node.
+# Without --port the coordinator's port is picked below the kernel's ephemeral ports, and picked
+# again (the daemons restarted) if something else listens on it.
 set -euo pipefail
 
-usage() { sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ -n "$cmd" ] || { usage; exit 2; }
@@ -66,7 +68,7 @@ tagid=$(printf '%s' "$(realpath -m "$dir")" | cksum | cut -c1-5)
 ns() { echo "sd${tagid}-$1"; }
 br="sdbr${tagid}"
 
-stop() {
+kill_daemons() {
   if [ -d "$dir" ]; then
     for pidf in "$dir"/node*/pid; do
       [ -f "$pidf" ] || continue
@@ -82,6 +84,10 @@ stop() {
       rm -f "$pidf"
     done
   fi
+}
+
+stop() {
+  kill_daemons
   if [ -f "$dir/netns" ]; then
     while read -r n; do ip netns del "$n" 2>/dev/null || true; done <"$dir/netns"
     ip link del "$br" 2>/dev/null || true
@@ -112,7 +118,16 @@ esac
 [ -n "$shardd" ] || shardd=$here/build/daemon/shardd
 [ -n "$shardctl" ] || shardctl=$(dirname "$shardd")/../tools/shardctl
 [ -x "$shardd" ] || { echo "local-cluster.sh: $shardd not built (cmake --build build)" >&2; exit 1; }
-[ -n "$port" ] || port=$((20000 + RANDOM % 20000))
+# the coordinator's port: the one given, or one picked below the kernel's ephemeral range (where
+# every daemon's fabric endpoints and outgoing connections take theirs), again if it is taken
+port_given=$port
+pick_port() {
+  local low=32768
+  read -r low _ </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || true
+  [ "$low" -gt 21000 ] || low=40000
+  port=$((20000 + RANDOM % (low - 20000)))
+}
+[ -n "$port" ] || pick_port
 mkdir -p "$dir"
 stop
 coord_ip=127.0.0.1
@@ -161,47 +176,70 @@ fi
 if [ ! -s "$dir/cluster.key" ]; then
   (umask 077; head -c 32 /dev/urandom >"$dir/cluster.key")
 fi
-for i in $(seq 0 $((nodes - 1))); do
-  d="$dir/node$i"
-  mkdir -p "$d"
-  addr=127.0.0.1
-  runner=() gpu=()
-  [ "$gpus" = 1 ] && gpu=(--devices "$i")
-  if [ "$netns" = 1 ]; then
-    addr="10.$a.$b.$((i + 1))"
-    runner=(ip netns exec "$(ns "$i")")
-  fi
-  place=(--nodes "$nodes" --node "$i" --ranks-per-node "$k")
-  if [ "$open" = 1 ]; then
-    place=(--nodes 0)
-    [ "$i" = 0 ] && place+=(--node 0)
-  fi
-  "${runner[@]}" "$shardd" "${place[@]}" \
-    --runtime-dir "$d" --coordinator "$coord_ip:$port" --fabric-addr "$addr" \
-    --cluster-secret-file "$dir/cluster.key" "${gpu[@]}" \
-    "${extra[@]}" >"$d/shardd.log" 2>&1 &
-  echo $! >"$d/pid"
-  if [ "$open" = 1 ]; then # numbered in the order they join: node i is the i-th
-    for _ in $(seq 300); do
-      "$shardctl" --socket "$d/shardd.sock" topology 2>/dev/null | grep -q "cluster formed" && break
-      sleep 0.05
-    done
-  fi
-done
-for i in $(seq 0 $((nodes - 1))); do
-  for _ in $(seq 200); do [ -S "$dir/node$i/shardd.sock" ] && break; sleep 0.05; done
-  [ -S "$dir/node$i/shardd.sock" ] || { echo "node $i did not start:"; cat "$dir/node$i/shardd.log"; stop; exit 1; }
-done
-# the cluster forms once every node said hello (a single node has nobody to wait for)
-formed() {
-  [ "$nodes" -eq 1 ] && return 0
+# node $1's daemon exited (a start that cannot succeed need not be waited out)
+gone() { ! kill -0 "$(cat "$dir/node$1/pid" 2>/dev/null)" 2>/dev/null; }
+
+start_daemons() {
   for i in $(seq 0 $((nodes - 1))); do
-    "$shardctl" --socket "$dir/node$i/shardd.sock" topology 2>/dev/null | grep -q "cluster formed" ||
-      return 1
+    d="$dir/node$i"
+    mkdir -p "$d"
+    addr=127.0.0.1
+    runner=() gpu=()
+    [ "$gpus" = 1 ] && gpu=(--devices "$i")
+    if [ "$netns" = 1 ]; then
+      addr="10.$a.$b.$((i + 1))"
+      runner=(ip netns exec "$(ns "$i")")
+    fi
+    place=(--nodes "$nodes" --node "$i" --ranks-per-node "$k")
+    if [ "$open" = 1 ]; then
+      place=(--nodes 0)
+      [ "$i" = 0 ] && place+=(--node 0)
+    fi
+    "${runner[@]}" "$shardd" "${place[@]}" \
+      --runtime-dir "$d" --coordinator "$coord_ip:$port" --fabric-addr "$addr" \
+      --cluster-secret-file "$dir/cluster.key" "${gpu[@]}" \
+      "${extra[@]}" >"$d/shardd.log" 2>&1 &
+    echo $! >"$d/pid"
+    if [ "$open" = 1 ]; then # numbered in the order they join: node i is the i-th
+      for _ in $(seq 300); do
+        "$shardctl" --socket "$d/shardd.sock" topology 2>/dev/null | grep -q "^node $i of " && break
+        gone 0 && { why="node 0 exited:"; return 1; }
+        sleep 0.05
+      done
+    fi
   done
+  for i in $(seq 0 $((nodes - 1))); do
+    for _ in $(seq 200); do [ -S "$dir/node$i/shardd.sock" ] || gone "$i" && break; sleep 0.05; done
+    [ -S "$dir/node$i/shardd.sock" ] || { why="node $i did not start:"; return 1; }
+  done
+  # the cluster forms once every node said hello (a single node has nobody to wait for)
+  formed() {
+    [ "$nodes" -eq 1 ] && return 0
+    for i in $(seq 0 $((nodes - 1))); do
+      "$shardctl" --socket "$dir/node$i/shardd.sock" topology 2>/dev/null | grep -q "cluster formed" ||
+        return 1
+    done
+  }
+  for _ in $(seq 300); do formed || gone 0 && break; sleep 0.05; done
+  formed || { why="the cluster did not form:"; return 1; }
 }
-for _ in $(seq 300); do formed && break; sleep 0.05; done
-formed || { echo "the cluster did not form:"; tail -n 5 "$dir"/node*/shardd.log; stop; exit 1; }
+
+why=
+for attempt in 1 2 3 4 5; do
+  start_daemons && break
+  # a port picked here that something else holds: the daemons go and the cluster starts on
+  # another (a port given with --port is the caller's to choose)
+  if [ -z "$port_given" ] && [ "$attempt" -lt 5 ] &&
+     grep -qs "cannot listen on .*address already in use" "$dir"/node*/shardd.log; then
+    kill_daemons
+    pick_port
+    continue
+  fi
+  echo "$why"
+  tail -n 5 "$dir"/node*/shardd.log
+  stop
+  exit 1
+done
 cat >"$dir/cluster.env" <<EOF
 NODES=$nodes
 RANKS_PER_NODE=$k

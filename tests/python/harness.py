@@ -61,10 +61,9 @@ class Cluster:
 
     def __init__(self, shardd, cdir, nodes, ranks_per_node):
         self.cdir, self.script = cdir, os.path.join(ROOT, "tools", "local-cluster.sh")
-        port = str(20000 + (os.getpid() * 7) % 20000)
         r = subprocess.run(["bash", self.script, "start", "--nodes", str(nodes),
-                            "--ranks-per-node", str(ranks_per_node), "--dir", cdir, "--port",
-                            port, "--shardd", shardd, "--", "--log-level", "warn"],
+                            "--ranks-per-node", str(ranks_per_node), "--dir", cdir, "--shardd",
+                            shardd, "--", "--log-level", "warn"],
                            capture_output=True, text=True, timeout=120)
         self.ok = r.returncode == 0
         check(self.ok, f"cluster start: {r.stdout}{r.stderr}")

@@ -124,7 +124,7 @@ try:
           f"{r.stdout}{r.stderr}")
 
     st = subprocess.run(["bash", CLUSTER, "start", "--nodes", "2", "--ranks-per-node", "2",
-                         "--dir", cdir, "--port", port, "--shardd", shardd, "--",
+                         "--dir", cdir, "--shardd", shardd, "--",
                          "--log-level", "warn"], capture_output=True, text=True, timeout=120)
     check(st.returncode == 0, f"cluster start: {st.stdout}{st.stderr}")
     if st.returncode == 0:

@@ -269,9 +269,8 @@ def cuda(device="cuda"):
     cluster = os.path.join(work, "c")
     env = dict(os.environ, SHARD_LIBRARY=os.path.abspath(libshard), PYTHONUNBUFFERED="1")
     script = os.path.join(ROOT, "tools", "local-cluster.sh")
-    port = str(21000 + os.getpid() % 8000)
     r = subprocess.run(["bash", script, "start", "--nodes", "1", "--ranks-per-node", "4", "--dir",
-                        cluster, "--port", port, "--shardd", shardd, "--", "--backend", backend,
+                        cluster, "--shardd", shardd, "--", "--backend", backend,
                         "--log-level", "warn"], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         print(f"SKIP: shardd --backend {backend} does not start here: {r.stdout[-300:]}"

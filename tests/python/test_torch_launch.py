@@ -88,9 +88,8 @@ def compare(tag, log, dump, ref):
 
 started = False
 try:
-    port = str(20000 + (os.getpid() * 13) % 20000)
     r = subprocess.run(["bash", SCRIPT, "start", "--nodes", "2", "--dir", cdir, "--netns",
-                        "--open", "--port", port, "--shardd", SHARDD, "--shardctl", SHARDCTL,
+                        "--open", "--shardd", SHARDD, "--shardctl", SHARDCTL,
                         "--", "--log-level", "warn"],
                        capture_output=True, text=True, timeout=120)
     started = r.returncode == 0

@@ -20,9 +20,8 @@ mkdir -p "$out"
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" ||
     { echo "torch_cuda_tokens: skipped: python3's torch has no CUDA device"; exit 77; }
 c=$(mktemp -d)
-port=$((22000 + $$ % 8000))
 if ! bash "$root/tools/local-cluster.sh" start --nodes 1 --ranks-per-node 1 --dir "$c" \
-        --port $port --shardd "$build/daemon/shardd" -- --backend cuda --log-level warn \
+        --shardd "$build/daemon/shardd" -- --backend cuda --log-level warn \
         >"$out/cluster.log" 2>&1; then
     echo "torch_cuda_tokens: skipped: shardd --backend cuda does not start: $(tail -2 "$out/cluster.log")"
     exit 77
