@@ -73,7 +73,7 @@ check '[ $rc -eq 2 ] && grep -q "devices names GPU 1" <<<"$out" && grep -q "driv
 
 section "cluster configuration and secrets"
 # a cluster: node 0 gives up at the rendezvous deadline naming the missing nodes
-port=$((20000 + RANDOM % 30000))
+port=$((20000 + RANDOM % 12000)) # below the kernel's ephemeral ports
 out=$(timeout 30 "$SHARDD" --runtime-dir "$dir/r0" --nodes 3 --node 0 --ranks-per-node 1 \
         --coordinator "127.0.0.1:$port" --rendezvous-timeout-ms 600 --cluster-secret-file "$key" \
         2>&1); rc=$?

@@ -37,7 +37,7 @@ GPT = os.path.join(ROOT, "client", "examples", "train_gpt.py")
 CLUSTER = os.path.join(ROOT, "tools", "local-cluster.sh")
 work = tempfile.mkdtemp(prefix="shardd-torch-")
 cdir = os.path.join(work, "cluster")
-port = str(20000 + os.getpid() % 20000)
+port = str(20000 + os.getpid() % 12000)  # below the kernel's ephemeral ports
 
 
 def train(tag, plan, dtype, extra=(), steps=30):
