@@ -6,6 +6,7 @@
 #include <jansson.h>
 #include <math.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -100,13 +101,100 @@ int th_daemon_start_as(struct th_daemon *d, const char *const *wrap, uid_t owner
     return rc;
 }
 
+/* ---- network namespaces: one per node, veths on a bridge of the cluster's own */
+
+/* the namespaces and bridge made by this process, removed at its exit if not before */
+static struct th_cluster *netns_made;
+
+static int sh(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int sh(const char *fmt, ...)
+{
+    char cmd[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof(cmd), fmt, ap);
+    va_end(ap);
+    return system(cmd);
+}
+
+static void netns_remove(struct th_cluster *c)
+{
+    if (!c->netns)
+        return;
+    for (int i = 0; i < c->nodes; i++)
+        if (c->ns[i][0] != '\0')
+            sh("ip netns del %s 2>/dev/null", c->ns[i]);
+    if (c->bridge[0] != '\0')
+        sh("ip link del %s 2>/dev/null", c->bridge);
+    c->netns = false;
+    netns_made = NULL;
+}
+
+static void netns_atexit(void)
+{
+    if (netns_made != NULL)
+        netns_remove(netns_made);
+}
+
+/* c's namespaces, named after this process: 10.<a>.<b>.<i + 1>/24 for node i */
+static int netns_make(struct th_cluster *c, int nodes)
+{
+    if (geteuid() != 0 || sh("command -v ip >/dev/null 2>&1") != 0)
+        return TH_NO_NETNS;
+    int pid = (int)getpid(), a = 150 + pid % 50, b = (pid / 50) % 250;
+    c->netns = true;
+    c->nodes = nodes;
+    snprintf(c->bridge, sizeof(c->bridge), "thbr%d", pid);
+    if (sh("ip link add %s type bridge && ip link set %s up", c->bridge, c->bridge) != 0) {
+        c->bridge[0] = '\0';
+        netns_remove(c);
+        return TH_NO_NETNS;
+    }
+    netns_made = c;
+    static bool registered;
+    if (!registered)
+        atexit(netns_atexit);
+    registered = true;
+    for (int i = 0; i < nodes; i++) {
+        snprintf(c->ns[i], sizeof(c->ns[i]), "thns%d-%d", pid, i);
+        snprintf(c->addr[i], sizeof(c->addr[i]), "10.%d.%d.%d", a, b, i + 1);
+        char *host = c->veth[i], node[16];
+        snprintf(host, sizeof(c->veth[i]), "th%dh%d", pid, i);
+        snprintf(node, sizeof(node), "th%dn%d", pid, i);
+        if (sh("ip netns add %s && ip link add %s type veth peer name %s && "
+               "ip link set %s netns %s && ip link set %s master %s up && "
+               "ip netns exec %s ip link set lo up && "
+               "ip netns exec %s ip addr add %s/24 dev %s && ip netns exec %s ip link set %s up",
+               c->ns[i], host, node, node, c->ns[i], host, c->bridge, c->ns[i], c->ns[i],
+               c->addr[i], node, c->ns[i], node) != 0) {
+            fprintf(stderr, "cannot make network namespace %s\n", c->ns[i]);
+            netns_remove(c);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+long long th_node_wire_sent(const struct th_cluster *c, int i)
+{
+    if (!c->netns || i < 0 || i >= c->nodes)
+        return -1;
+    /* the bridge's side of node i's veth pair receives what the node sends */
+    char path[128];
+    snprintf(path, sizeof(path), "/sys/class/net/%s/statistics/rx_bytes", c->veth[i]);
+    char *text = th_read_file(path, NULL);
+    long long v = text != NULL ? atoll(text) : -1;
+    free(text);
+    return v;
+}
+
 /* node i of c with its cluster arguments and extra */
 static int cluster_node_start(struct th_cluster *c, int i, const char *const *extra)
 {
     char nodes_s[16], k_s[16], coord[64], node_s[16], key[128];
     snprintf(nodes_s, sizeof(nodes_s), "%d", c->nodes);
     snprintf(k_s, sizeof(k_s), "%d", c->k);
-    snprintf(coord, sizeof(coord), "127.0.0.1:%d", c->port);
+    snprintf(coord, sizeof(coord), "%s:%d", c->netns ? c->addr[0] : "127.0.0.1", c->port);
     snprintf(node_s, sizeof(node_s), "%d", i);
     /* the daemons make the cluster's secret themselves (a loopback coordinator) */
     snprintf(key, sizeof(key), "%s/cluster.key", c->base);
@@ -130,10 +218,18 @@ static int cluster_node_start(struct th_cluster *c, int i, const char *const *ex
         n = i == 0 ? 8 : 6;
         memcpy(args, open, sizeof(open));
     }
+    if (c->netns) { /* its namespace, its address there */
+        args[n++] = "--fabric-addr";
+        args[n++] = c->addr[i];
+    }
     for (int j = 0; extra && extra[j] && n < 62; j++)
         args[n++] = extra[j];
     args[n] = NULL;
-    return daemon_start_in(d, args, true);
+    const char *wrap[] = {"/usr/bin/env", "ip", "netns", "exec", c->ns[i], NULL};
+    daemon_wrap = c->netns ? wrap : NULL;
+    int rc = daemon_start_in(d, args, true);
+    daemon_wrap = NULL;
+    return rc;
 }
 
 int th_cluster_node_restart(struct th_cluster *c, int i, const char *const *extra)
@@ -170,7 +266,7 @@ static bool node_formed(const struct th_daemon *d)
 
 /* a fixed cluster's daemons start at once; an open one's one after the other (numbered in this
  * order by the coordinator) */
-static int cluster_start(struct th_cluster *c, int nodes, int k, bool open,
+static int cluster_start(struct th_cluster *c, int nodes, int k, bool open, bool netns,
                          const char *const *extra)
 {
     char base[64];
@@ -178,8 +274,25 @@ static int cluster_start(struct th_cluster *c, int nodes, int k, bool open,
     if (nodes > TH_MAX_NODES || mkdtemp(base) == NULL)
         return -1;
     srand((unsigned)getpid());
+    struct th_cluster net = {0};
+    if (netns) {
+        int rc = netns_make(&net, nodes);
+        if (rc != 0) {
+            rmdir(base);
+            return rc;
+        }
+        /* the cluster's secret, as an operator copies it to every node (a daemon makes it only
+         * for a coordinator on loopback) */
+        rc = sh("umask 077 && head -c 32 /dev/urandom > '%s/cluster.key'", base);
+        if (rc != 0) {
+            netns_remove(&net);
+            return -1;
+        }
+    }
     for (int attempt = 0; attempt < 5; attempt++) {
-        memset(c, 0, sizeof(*c));
+        memcpy(c, &net, sizeof(*c)); /* the namespaces, if any, and nothing else */
+        if (netns)
+            netns_made = c;
         memcpy(c->base, base, sizeof(c->base));
         c->nodes = nodes;
         c->k = k;
@@ -200,17 +313,23 @@ static int cluster_start(struct th_cluster *c, int nodes, int k, bool open,
         kill_all(c);
     }
     fprintf(stderr, "cluster of %d nodes did not form; logs under %s\n", nodes, base);
+    netns_remove(c);
     return -1;
 }
 
 int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *extra)
 {
-    return cluster_start(c, nodes, k, false, extra);
+    return cluster_start(c, nodes, k, false, false, extra);
 }
 
 int th_open_cluster_start(struct th_cluster *c, int nodes, const char *const *extra)
 {
-    return cluster_start(c, nodes, 0, true, extra);
+    return cluster_start(c, nodes, 0, true, false, extra);
+}
+
+int th_netns_cluster_start(struct th_cluster *c, int nodes, const char *const *extra)
+{
+    return cluster_start(c, nodes, 0, true, true, extra);
 }
 
 int th_cluster_stop(struct th_cluster *c)
@@ -231,6 +350,7 @@ int th_cluster_stop(struct th_cluster *c)
         if (system(cmd) != 0)
             fprintf(stderr, "could not remove %s\n", c->base);
     }
+    netns_remove(c);
     return bad;
 }
 

@@ -23,8 +23,10 @@ struct th_daemon {
 struct th_cluster {
     int nodes, k, port;
     bool open; /* an open cluster (nodes 0): the daemons get no index, node 0 is the coordinator */
+    bool netns; /* node i's daemon in a network namespace of its own, ns[i], at address addr[i] */
     char base[64]; /* the cluster's directory; node i's is base/node<i> */
     struct th_daemon d[TH_MAX_NODES];
+    char ns[TH_MAX_NODES][32], addr[TH_MAX_NODES][20], veth[TH_MAX_NODES][16], bridge[16];
 };
 /* Start `nodes` daemons on loopback (k ranks each) with extra arguments for every one. */
 int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *extra);
@@ -35,6 +37,15 @@ int th_cluster_stop(struct th_cluster *c);
 /* Start an open cluster of `nodes` daemons on loopback (--nodes 0, no ranks per node: jobs give
  * theirs), one after the other: node i is the i-th to join, which the coordinator numbers i. */
 int th_open_cluster_start(struct th_cluster *c, int nodes, const char *const *extra);
+/* The same, each daemon in a network namespace of its own (ip netns exec), its veth on a private
+ * bridge: every byte between nodes crosses a network device, not loopback. The trainers reach
+ * the daemons' sockets from here. TH_NO_NETNS (77) when namespaces cannot be made (not root, no
+ * iproute2); th_cluster_stop removes them (and so does the exit of a test that stopped early). */
+#define TH_NO_NETNS 77
+int th_netns_cluster_start(struct th_cluster *c, int nodes, const char *const *extra);
+/* The bytes node i of a netns cluster sent onto its link so far (its veth's, frames' headers
+ * included), or -1 (not a netns cluster, or unreadable). */
+long long th_node_wire_sent(const struct th_cluster *c, int i);
 /* shardctl --json --socket sock checkpoint --job job dir (its output in outdir): its exit code,
  * its answer parsed into *doc_p (NULL when not JSON) */
 int th_checkpoint_job(const char *outdir, const char *sock, const char *job, const char *dir,
