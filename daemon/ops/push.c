@@ -109,16 +109,6 @@ static void complete_round(struct sd_job *job, uint32_t u, uint32_t g)
     (*done)++;
 }
 
-/* Complete the pushes of the oldest round of (u, g), which just finished, and free its
- * generation for round n + round_gens. */
-static void finish_round(struct sd_job *job, uint32_t u, uint32_t g)
-{
-    /* the clients reuse their staging slots once their pushes complete: the kernels that read
-     * them must be done */
-    if (sd_job_sync(job))
-        complete_round(job, u, g);
-}
-
 /* The same without blocking the loop on a device (DESIGN.md 7b): the round completes once the
  * job's queue reached the kernels just enqueued, at once where it already has (the host
  * backends), else from the loop's poll (sd_push_queue_poll), in order. Until then the round's
@@ -162,12 +152,25 @@ static bool blocks_poll(struct sd_job *job)
     return moved;
 }
 
+static void rounds_retire(struct sd_job *job);
+
+/* the oldest node round waits for the job's queue to pass its result */
+static bool head_retiring(const struct sd_push_state *ps)
+{
+    return ps->nr != NULL && ps->nr_len > 0 && ps->nr[ps->nr_head].retiring;
+}
+
 bool sd_push_queue_poll(struct sd_job *job)
 {
     struct sd_push_state *ps = job->push;
     if (ps == NULL)
         return false;
     bool moved = ps->nr != NULL && blocks_poll(job);
+    if (head_retiring(ps) && job->state != SD_JOB_FAILED) {
+        uint32_t before = ps->nr_len;
+        rounds_retire(job); /* raises PUSHED when the last one went */
+        moved |= ps->nr_len != before;
+    }
     if (ps->w_len == 0)
         return moved;
     const struct sd_gpu_ops *dev = job->reg->dev;
@@ -198,7 +201,7 @@ bool sd_push_queue_waiting(const struct sd_job *job)
     for (uint32_t j = 0; ps->nr != NULL && j < ps->nr_len; j++)
         if (ps->nr[(ps->nr_head + j) % ps->round_gens].next < job->gnodes[SD_STATE_G])
             return true;
-    return ps->w_len > 0;
+    return ps->w_len > 0 || head_retiring(ps);
 }
 
 /* All members of a g-partition group (inside this node) pushed unit u: reduce-scatter into
@@ -338,30 +341,55 @@ bool sd_push_partial_round(struct sd_job *job, char *msg, size_t len)
 
 static void round_start_next(struct sd_job *job);
 
+/* The node's result of round rd into each rank's g shard, on the job's queue; then is the
+ * queue past it? SD_OK: yes, the round retires now; SD_EAGAIN: the poll retires it once the
+ * queue passed rd->retire_ticket (without blocking the loop on a device, DESIGN.md 7b); else
+ * the backend failed. */
+static int round_apply(struct sd_job *job, struct sd_node_round *rd)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+    uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
+    const float *B = job->gnodes[SD_STATE_G] > 1 ? rd->rs_out : rd->part;
+    for (uint32_t j = 0; j < job->k; j++) {     /* the node's result into each rank's g shard */
+        if (!sd_job_net_rounds_accumulate(job)) /* else the all-reduce added it */
+            job->reg->dev->reduce_add(job->mem.queue, sd_job_g_shard(job, j, ul),
+                                      B + sd_job_g_block_off(job, j, len), SD_DTYPE_FP32, len);
+        sd_job_count_copy(job, SD_OP_PUSH, 0, j, len * sizeof(float));
+    }
+    rd->net_done = false;
+    /* the clients reuse their staging slots once their pushes complete, and the next round
+     * receives into this one's buffers: the kernels that read them must be done */
+    int st = sd_job_queue_mark(job, false, &rd->retire_ticket);
+    rd->retiring = st == SD_EAGAIN;
+    return st;
+}
+
 /* Apply the oldest node rounds whose transfers are done, in the order they started (the g
- * shards get each unit's micro-steps in order, whichever round finished first), then start
- * the rounds waiting for buffers. */
+ * shards get each unit's micro-steps in order, whichever round finished first), retire those
+ * the job's queue is past, then start the rounds waiting for buffers. */
 static void rounds_retire(struct sd_job *job)
 {
     while (job->push->nr_len > 0 && job->state != SD_JOB_FAILED) {
         struct sd_node_round *rd = &job->push->nr[job->push->nr_head];
-        if (!rd->net_done)
+        int st;
+        if (rd->retiring)
+            st = job->reg->dev->query(job->mem.queue, rd->retire_ticket);
+        else if (rd->net_done)
+            st = round_apply(job, rd);
+        else
             break;
-        const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
-        uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
-        const float *B = job->gnodes[SD_STATE_G] > 1 ? rd->rs_out : rd->part;
-        for (uint32_t j = 0; j < job->k; j++) {     /* the node's result into each rank's g shard */
-            if (!sd_job_net_rounds_accumulate(job)) /* else the all-reduce added it */
-                job->reg->dev->reduce_add(job->mem.queue, sd_job_g_shard(job, j, ul),
-                                          B + sd_job_g_block_off(job, j, len), SD_DTYPE_FP32, len);
-            sd_job_count_copy(job, SD_OP_PUSH, 0, j, len * sizeof(float));
+        if (st == SD_EAGAIN)
+            break;
+        rd->retiring = false;
+        if (st != SD_OK) {
+            sd_job_backend_failed(job, st);
+            return;
         }
-        rd->net_done = false;
         job->push->nr_head = (job->push->nr_head + 1) % job->push->round_gens;
         job->push->nr_len--;
         SD_DEBUG("net", "job '%s': push round of unit %u done in %.1f us", job->name, rd->unit,
                  (double)(sd_now_ns() - rd->start_ns) / 1e3);
-        finish_round(job, rd->unit, 0);
+        complete_round(job, rd->unit, 0);
     }
     if (job->state == SD_JOB_FAILED)
         return;
@@ -524,6 +552,7 @@ static void round_start_next(struct sd_job *job)
         const struct sd_push_entry *ent = round_ents(job, round_index(job, u, 0, ref.seq));
         memset(rd->chunk_arrivals, 0, sizeof(rd->chunk_arrivals));
         rd->net_done = false;
+        rd->retiring = false;
         rd->unit = u;
         rd->seq = ref.seq;
         rd->start_ns = sd_now_ns();

@@ -12,7 +12,8 @@
  *  - two nodes (zero2, node 0 of 2): the node partial's other block sent to node 1, this node's
  *    block summed in node order once every chunk of node 1's arrived (chunks in a random order);
  *    two micro-steps' rounds on the wire at once (push_rounds 2), completed last first, applied
- *    and answered in the order they started; a third waits for a round's buffers; a failed
+ *    and answered in the order they started, held (answers and buffers) while the device is behind
+ *    the results they add until the loop's poll; a third waits for a round's buffers; a failed
  *    transfer fails the job naming the node;
  *  - four nodes of one rank under topo:1/2/4,no-2hop (reduce-scatter in pairs, then an all-reduce
  * across the replication pair): the all-reduce starts only after the reduce-scatter, with this
@@ -367,7 +368,16 @@ static void test_two_nodes(void)
     deliver(&th_fake.ex[1], &peer[1], SD_OK);
     TH_CHECK(th_fake.done == 0 && th_fake.n_ex == 2,
              "the later round done first: nothing applied or answered");
+    /* the device behind the results the rounds add into the g shards: the pushes and the
+     * rounds' buffers wait for the loop's poll, the loop not blocked */
+    th_fake.queue_eagain = 1;
     deliver(&th_fake.ex[0], &peer[0], SD_OK);
+    TH_CHECK(th_fake.done == 0 && th_fake.n_ex == 2 && !sd_push_idle(job) &&
+                 sd_push_queue_waiting(job),
+             "the device behind: nothing answered, no round started in the buffers it reads, "
+             "the poll wanted (%d answers, %d exchanges)",
+             th_fake.done, th_fake.n_ex);
+    TH_CHECK(sd_push_queue_poll(job), "the loop's poll retires the rounds");
     TH_CHECK(th_fake.done == 4 && th_fake.ans[0].v0 == 0 && th_fake.ans[2].v0 == 1 &&
                  th_answered(0, 100) == 0 && th_answered(1, 201) >= 2,
              "both answered, micro-step 0 first (%d answers)", th_fake.done);
