@@ -22,7 +22,7 @@ struct th_daemon {
 #define TH_MAX_NODES 8
 struct th_cluster {
     int nodes, k, port;
-    bool open; /* an open cluster (nodes 0): the daemons get no index, node 0 is the coordinator */
+    bool open;  /* an open cluster (nodes 0): the daemons get no index, node 0 is the coordinator */
     bool netns; /* node i's daemon in a network namespace of its own, ns[i], at address addr[i] */
     char base[64]; /* the cluster's directory; node i's is base/node<i> */
     struct th_daemon d[TH_MAX_NODES];

@@ -27,10 +27,10 @@ struct sd_node_round {
     struct sd_job *job;
     uint32_t index; /* in the ring of node rounds (its ,qg buffers are quant.c's of this index) */
     bool net_done;  /* its transfers (and all-reduce) finished */
+    bool quant;     /* ,qg: its blocks travel as int4 (quant.c's buffers of this round) */
     bool retiring;  /* its result is on the job's queue into the g shards: its buffers and its
                      * pushes wait for the queue to pass retire_ticket (the loop's poll) */
     uint64_t retire_ticket;
-    bool quant;     /* ,qg: its blocks travel as int4 (quant.c's buffers of this round) */
     uint32_t unit;
     uint64_t seq, start_ns;
     uint32_t pending;
