@@ -473,6 +473,17 @@ json_t *th_job_stats(const char *sock, const char *job)
     return found;
 }
 
+bool th_cluster_alive(const struct th_cluster *c, const char *what)
+{
+    bool alive = true;
+    for (int i = 0; i < c->nodes; i++)
+        if (!th_daemon_alive(&c->d[i])) {
+            TH_CHECK(false, "%s: node %d's daemon is not running (log %s)", what, i, c->d[i].log);
+            alive = false;
+        }
+    return alive;
+}
+
 bool th_cluster_train(const struct th_cluster *c, const char *job, const char *const *args,
                       const char *what, double tol, struct th_dump_diff *dd)
 {
@@ -482,6 +493,8 @@ bool th_cluster_train(const struct th_cluster *c, const char *job, const char *c
         TH_CHECK(false, "%s: %d ranks, the harness trains at most %d", what, world, TH_MAX_RANKS);
         return false;
     }
+    if (!th_cluster_alive(c, what))
+        return false;
     char dump[400], ref[400];
     snprintf(dump, sizeof(dump), "%s/%s.bin", dir, job);
     snprintf(ref, sizeof(ref), "%s/%s-ref.bin", dir, job);

@@ -54,6 +54,9 @@ int th_checkpoint_job(const char *outdir, const char *sock, const char *job, con
  * daemon at sock and detach: the status, the daemon's message in err. */
 int th_register_one(const char *sock, const char *job, uint32_t rank, uint32_t world,
                     uint32_t ranks_per_node, char *err, size_t errlen);
+/* Is every daemon of c running? A check fails naming each one that is not (a crash), so a test
+ * can stop there instead of each later job waiting out its registration deadline for it. */
+bool th_cluster_alive(const struct th_cluster *c, const char *what);
 /* Start node i of c again (after it was killed) with the cluster's arguments and extra: it
  * rejoins the cluster. Its earlier log is kept as <log>.before-restart. */
 int th_cluster_node_restart(struct th_cluster *c, int i, const char *const *extra);

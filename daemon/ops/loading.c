@@ -23,6 +23,13 @@ struct sd_loading_state {
     struct sd_session *waiter; /* rank 0's init call, until the other nodes have the values */
     uint64_t tag;
     uint32_t sends;
+    /* the job's queue has not passed the conversion of the values yet (ticket): rank 0's init
+     * call (converted) or the next receive (received), until the loop's poll saw it pass; the
+     * staging slot or scratch they were read from is not reused before (DESIGN.md 7b) */
+    bool converted, received;
+    uint64_t ticket, start_ns;
+    uint32_t unit;
+    const float *values;
 };
 
 int sd_loading_create(struct sd_job *job)
@@ -46,7 +53,7 @@ uint32_t sd_loading_next_unit(const struct sd_job *job)
     return job->load.init->next_unit;
 }
 
-static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+static void init_sent(struct sd_job *job, struct sd_session *s, uint64_t tag, uint32_t unit,
                       const float *values);
 static void tell_ready(struct sd_job *job);
 
@@ -73,38 +80,60 @@ void sd_loading_unit(struct sd_job *job, uint32_t unit, const float *src, uint64
     }
 }
 
-void sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+/* rank 0's init of unit from values, once the job's queue converted them */
+static void init_converted(struct sd_job *job, struct sd_session *s, uint64_t tag, uint32_t unit,
+                           const float *values, uint64_t start)
+{
+    job->stats.ops[SD_OP_INIT]++;
+    sd_latency_add(&job->stats.lat[SD_OP_INIT], sd_now_ns() - start);
+    if (job->nodes > 1)
+        init_sent(job, s, tag, unit, values); /* completes once the other nodes have it */
+    else
+        sd_session_complete(s, tag, SD_OP_INIT, SD_OK, 0, 0, NULL);
+}
+
+bool sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                      uint64_t start)
 {
+    struct sd_loading_state *ls = job->load.init;
+    if (ls->waiter != NULL && job->state == SD_JOB_LOADING)
+        return false; /* the previous init is still converted or sent: this one waits */
     if (s->rank != 0) {
         sd_session_fail(s, e, SD_EPERM, "init: only rank 0 loads initial values (this is rank %u)",
                         s->rank);
-        return;
+        return true;
     }
     const char *from = sd_job_values_from(job); /* a checkpoint, a paused job's state */
     if (job->state != SD_JOB_LOADING || from != NULL) {
         sd_session_fail(s, e, SD_ESTATE, "init: job '%s' is %s, not loading initial values",
                         job->name, from != NULL ? from : sd_job_state_name(job->state));
-        return;
+        return true;
     }
     if (e->unit >= job->layout.n_units || e->arg0 >= job->mem.staging_slots) {
         sd_session_fail(s, e, SD_EINVAL, "init: unit %u or staging slot %llu out of range", e->unit,
                         (unsigned long long)e->arg0);
-        return;
+        return true;
     }
     const float *src = (const float *)(void *)sd_job_staging_slot(job, s->local, (uint32_t)e->arg0);
     sd_loading_unit(job, e->unit, src, 0, false);
-    if (!sd_job_sync(job)) { /* the kernels read the staging slot the client refills next */
+    /* the kernels read the staging slot the client refills next: answered once they are done */
+    int st = sd_job_queue_mark(job, false, &ls->ticket);
+    if (st == SD_EAGAIN) { /* the loop's poll answers it (sd_loading_queue_poll) */
+        ls->waiter = s;
+        ls->tag = e->tag;
+        ls->converted = true;
+        ls->start_ns = start;
+        ls->unit = e->unit;
+        ls->values = src;
+        return true;
+    }
+    if (st != SD_OK) {
+        sd_job_backend_failed(job, st);
         sd_session_fail(s, e, job->fail_status, "init: %s", job->fail_msg);
-        return;
+        return true;
     }
-    if (job->nodes > 1) {
-        job->stats.ops[SD_OP_INIT]++;
-        sd_latency_add(&job->stats.lat[SD_OP_INIT], sd_now_ns() - start);
-        init_sent(job, s, e, src); /* completes once the other nodes have it */
-        return;
-    }
-    sd_op_done(job, s, e, 0, 0, start);
+    init_converted(job, s, e->tag, e->unit, src, start);
+    return true;
 }
 
 /* The job is ready on this node: answer every rank waiting in the ready barrier. */
@@ -230,10 +259,48 @@ static void init_recv_done(struct sd_bulk *b, int status)
         return;
     }
     sd_loading_unit(job, job->load.init->next_unit, job->mem.scratch, 0, false);
-    if (!sd_job_sync(job)) /* the next unit's values arrive where these are read */
+    /* the next unit's values arrive where these are read: received once the kernels are done */
+    int st = sd_job_queue_mark(job, false, &job->load.init->ticket);
+    job->load.init->received = st == SD_EAGAIN;
+    if (st == SD_EAGAIN)
+        return; /* the loop's poll goes on (sd_loading_queue_poll) */
+    if (st != SD_OK) {
+        sd_job_backend_failed(job, st);
         return;
+    }
     job->load.init->next_unit++;
     init_post_next(job);
+}
+
+bool sd_loading_queue_waiting(const struct sd_job *job)
+{
+    const struct sd_loading_state *ls = job->load.init;
+    return ls != NULL && (ls->converted || ls->received);
+}
+
+bool sd_loading_queue_poll(struct sd_job *job)
+{
+    struct sd_loading_state *ls = job->load.init;
+    if (!sd_loading_queue_waiting(job) || job->state == SD_JOB_FAILED)
+        return false;
+    int st = job->reg->dev->query(job->mem.queue, ls->ticket);
+    if (st == SD_EAGAIN)
+        return false;
+    bool converted = ls->converted;
+    ls->converted = ls->received = false;
+    if (st != SD_OK) {
+        sd_job_backend_failed(job, st); /* answers a parked init with the failure */
+        return true;
+    }
+    if (converted) {
+        struct sd_session *s = ls->waiter;
+        ls->waiter = NULL;
+        init_converted(job, s, ls->tag, ls->unit, ls->values, ls->start_ns);
+    } else {
+        ls->next_unit++;
+        init_post_next(job);
+    }
+    return true;
 }
 
 void sd_loading_start(struct sd_job *job)
@@ -258,21 +325,21 @@ static void init_send_done(struct sd_bulk *b, int status)
     job->load.init->waiter = NULL;
 }
 
-static void init_sent(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+static void init_sent(struct sd_job *job, struct sd_session *s, uint64_t tag, uint32_t unit,
                       const float *values)
 {
-    const struct sd_unit_layout *ul = &job->layout.units[e->unit];
+    const struct sd_unit_layout *ul = &job->layout.units[unit];
     job->load.init->waiter = s;
-    job->load.init->tag = e->tag;
+    job->load.init->tag = tag;
     job->load.init->sends = 0;
     for (uint32_t m = 1; m < job->nodes; m++) {
         uint64_t lo, hi;
         sd_loading_range(job, m, ul, &lo, &hi);
-        if (init_transfer(job, true, m, e->unit, (void *)(values + lo), hi - lo, NULL) == SD_OK)
+        if (init_transfer(job, true, m, unit, (void *)(values + lo), hi - lo, NULL) == SD_OK)
             job->load.init->sends++;
     }
     if (job->load.init->sends == 0) {
-        sd_session_complete(s, e->tag, SD_OP_INIT, SD_OK, 0, 0, NULL);
+        sd_session_complete(s, tag, SD_OP_INIT, SD_OK, 0, 0, NULL);
         job->load.init->waiter = NULL;
     }
 }
@@ -311,6 +378,7 @@ void sd_loading_remote_ready(struct sd_job *job)
 static void loading_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
 {
     (void)with_fetches;
+    job->load.init->converted = job->load.init->received = false; /* nothing goes on after it */
     if (job->load.init->waiter != NULL) {
         sd_session_complete(job->load.init->waiter, job->load.init->tag, SD_OP_INIT, status, 0, 0,
                             text);

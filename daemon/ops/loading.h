@@ -12,8 +12,14 @@ struct sd_session;
 struct sd_sqe;
 struct sd_unit_layout;
 
-void sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+/* rank 0's initial values of a unit from a staging slot: false while its previous init is still
+ * converted or sent (the ring entry waits) */
+bool sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                      uint64_t start);
+/* the conversion of rank 0's values (its init call waits) or of a received unit (the next
+ * receive waits) is queued on the device: the loop's poll goes on once the queue passed it */
+bool sd_loading_queue_waiting(const struct sd_job *job);
+bool sd_loading_queue_poll(struct sd_job *job);
 void sd_loading_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                       uint64_t start);
 /* the registration is agreed: the other nodes start receiving their initial values */

@@ -111,7 +111,7 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
             check_ready(job, s, e, false);
         else
-            sd_loading_init(job, s, e, start);
+            return sd_loading_init(job, s, e, start);
         return true;
     case SD_OP_READY:
         if (job->state == SD_JOB_FAILED || (job->state == SD_JOB_CLOSING && !job->was_ready))

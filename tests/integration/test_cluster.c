@@ -442,8 +442,12 @@ int main(int argc, char **argv)
     size_t nr = K == 1   ? sizeof(runs1) / sizeof(runs1[0])
                 : N == 4 ? sizeof(runs4) / sizeof(runs4[0])
                          : sizeof(runs2) / sizeof(runs2[0]);
-    for (size_t i = 0; i < nr; i++)
+    for (size_t i = 0; i < nr && th_cluster_alive(&cl, runs[i].plan); i++)
         run_one(&runs[i], (int)i);
+    if (!th_cluster_alive(&cl, "after the plans")) { /* a daemon crashed: what follows waits */
+        th_cluster_stop(&cl);
+        return th_summary("test_cluster");
+    }
     test_round_order("zero3", 2, 3);
     if (K == 1) /* the all-reduces add into the gradient: one round of the unit at a time */
         test_round_order("ddp,no-2hop", 1, 1);
