@@ -31,6 +31,9 @@ struct sd_resume_state {
     bool kept;           /* failed (a node was lost): its state stays until the deadline, for
                             shardctl checkpoint --job (recover.h) */
     bool failed_ready;   /* it failed while ready: its memory holds the states of a step */
+    bool copying;        /* resuming: the paused job's state is on the job's queue into its
+                            arenas; taken over once the loop's poll saw the queue pass ticket */
+    uint64_t ticket, copy_bytes;
     uint64_t deadline_ns;
     uint64_t start_step; /* resuming: the step the paused job had taken */
     char why[384];       /* pending: what happened (a peer's message) */
@@ -94,8 +97,19 @@ bool sd_resume_failed_ready(const struct sd_job *job)
     return job->load.resume->failed_ready;
 }
 
+/* A copy of the paused job's state that copier queued still reads that job's memory: wait for
+ * it before either job can go (a failure, or a job's end, during the copy: rare, so waited for
+ * here). The copier's poll then finds what happened. */
+static void copy_wait(struct sd_job *copier)
+{
+    if (copier != NULL && copier->load.resume != NULL && copier->load.resume->copying)
+        (void)copier->reg->dev->sync(copier->mem.queue);
+}
+
 void sd_resume_job_failed(struct sd_job *job)
 {
+    copy_wait(job);
+    job->load.resume->copying = false; /* nothing goes on after a failure */
     job->load.resume->pending = false; /* a failure mid-step: the state is not a step's */
     job->load.resume->failed_ready = job->state == SD_JOB_READY; /* its state is a step's */
 }
@@ -382,6 +396,8 @@ static void taken_over(struct sd_job *job, struct sd_job *old)
         sd_job_retire(old);
 }
 
+static void copied(struct sd_job *job, struct sd_job *old, uint64_t bytes);
+
 void sd_resume_load(struct sd_job *job)
 {
     struct sd_resume_state *rs = job->load.resume;
@@ -410,8 +426,47 @@ void sd_resume_load(struct sd_job *job)
             dev->copy(job->mem.queue, to->ptr, from->ptr, from->bytes);
             bytes += from->bytes;
         }
-    if (!sd_job_sync(job))
+    /* taken over once the copies are done, without holding the loop for them */
+    int st = sd_job_queue_mark(job, false, &rs->ticket);
+    if (st == SD_EAGAIN) { /* the loop's poll goes on (sd_resume_queue_poll) */
+        rs->copying = true;
+        rs->copy_bytes = bytes;
         return;
+    }
+    if (st != SD_OK) {
+        sd_job_backend_failed(job, st);
+        return;
+    }
+    copied(job, old, bytes);
+}
+
+bool sd_resume_queue_waiting(const struct sd_job *job)
+{
+    return job->load.resume != NULL && job->load.resume->copying;
+}
+
+bool sd_resume_queue_poll(struct sd_job *job)
+{
+    struct sd_resume_state *rs = job->load.resume;
+    if (!sd_resume_queue_waiting(job) || job->state == SD_JOB_FAILED)
+        return false;
+    int st = job->reg->dev->query(job->mem.queue, rs->ticket);
+    if (st == SD_EAGAIN)
+        return false;
+    rs->copying = false;
+    if (st != SD_OK)
+        sd_job_backend_failed(job, st);
+    else if (rs->from == NULL) /* it went meanwhile (copy_wait let it) */
+        sd_job_fail(job, SD_EJOBFAILED,
+                    "the paused job it resumes was dropped while its state was copied");
+    else
+        copied(job, rs->from, rs->copy_bytes);
+    return true;
+}
+
+/* the paused job's state is in this job's arenas: take the rest over, the job is loaded */
+static void copied(struct sd_job *job, struct sd_job *old, uint64_t bytes)
+{
     sd_optim_take_over(job, old);
     job->steps = old->steps;
     char b[32];
@@ -429,6 +484,8 @@ void sd_resume_unlink(struct sd_job *job)
     struct sd_resume_state *rs = job->load.resume;
     if (rs == NULL)
         return;
+    copy_wait(job);
+    copy_wait(rs->by);
     if (rs->from != NULL)
         rs->from->load.resume->by = NULL;
     if (rs->by != NULL)

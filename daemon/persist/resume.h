@@ -73,6 +73,10 @@ bool sd_resume_hparams(const struct sd_job *job, uint32_t g, struct sd_hparams *
 uint64_t sd_resume_reclaim(const struct sd_job *job);
 /* The job is confirmed: copy the paused job's weights and optimizer states, then ready. */
 void sd_resume_load(struct sd_job *job);
+/* the paused job's state is being copied on the job's queue: the loop's poll takes it over
+ * once the queue passed the copies (a failure, or the job's end, waits for them first) */
+bool sd_resume_queue_waiting(const struct sd_job *job);
+bool sd_resume_queue_poll(struct sd_job *job);
 /* shardctl jobs: the timeout, a pause's deadline, what it resumed */
 json_t *sd_resume_json(const struct sd_job *job);
 /* The job goes: forget the links to the job it resumes or that resumes it. */

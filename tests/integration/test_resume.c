@@ -538,13 +538,20 @@ int main(void)
     snprintf(base, sizeof(base), "%s", one.d[0].dir);
     char ref[400];
     snprintf(ref, sizeof(ref), "%s/ref1.bin", base);
+    /* TEST_RESUME_QUICK: one node's resumes alone (test_resume_deferred runs them on a backend
+     * whose kernels run only when waited for: the take-over's copies are polled for) */
+    bool quick = getenv("TEST_RESUME_QUICK") != NULL;
     if (run_plain(&one, "plain1", "zero3", ref)) {
         char job[32];
-        for (int t = 0; t < 3; t++) {
+        for (int t = 0; t < (quick ? 1 : 3); t++) {
             snprintf(job, sizeof(job), "one%d", t);
             kill_and_resume(&one, job, "zero3", false, ref);
         }
         kill_and_resume(&one, "all1", "zero3", true, ref);
+    }
+    if (quick) {
+        TH_CHECK(th_daemon_stop(&one.d[0]) == 0, "shardd did not shut down cleanly");
+        return th_summary("test_resume");
     }
     timeout_and_mismatch(&one);
     th_daemon_stop(&one.d[0]);
