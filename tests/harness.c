@@ -145,6 +145,10 @@ static int netns_make(struct th_cluster *c, int nodes)
     c->netns = true;
     c->nodes = nodes;
     snprintf(c->bridge, sizeof(c->bridge), "thbr%d", pid);
+    /* what a killed test of the same pid left behind goes first */
+    for (int i = 0; i < nodes; i++)
+        sh("ip netns del thns%d-%d 2>/dev/null", pid, i);
+    sh("ip link del %s 2>/dev/null", c->bridge);
     if (sh("ip link add %s type bridge && ip link set %s up", c->bridge, c->bridge) != 0) {
         c->bridge[0] = '\0';
         netns_remove(c);

@@ -231,7 +231,10 @@ static void check_wire(const struct job_run *const *jobs, int n_jobs)
     for (int node = 0; node < N; node++) {
         long long counted = 0;
         for (int j = 0; j < n_jobs; j++) {
-            json_t *st = th_job_stats(cl.d[node].sock, jobs[j]->name);
+            bool here = false; /* (a job a node does not serve it lists nowhere: not asked) */
+            for (int n = 0; n < jobs[j]->n_nodes; n++)
+                here |= jobs[j]->nodes[n] == node;
+            json_t *st = here ? th_job_stats(cl.d[node].sock, jobs[j]->name) : NULL;
             for (int o = 0; st != NULL && o < 4; o++) {
                 char key[64];
                 snprintf(key, sizeof(key), "ops.%s.bytes.inter_node_sent", ops[o]);
