@@ -712,6 +712,28 @@ bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
     return sd_job_event_ended(job, ev, SD_OK, UINT32_MAX);
 }
 
+/* The modules that wait for the job's device queue, in the order they are polled (the step
+ * last: its poll may end the job's step, which the others' results feed). */
+static const struct sd_job_module *const queue_order[] = {
+    &sd_resume_module, &sd_loading_module, &sd_fetch_module, &sd_push_module, &sd_step_module};
+
+bool sd_job_queue_waiting(const struct sd_job *job)
+{
+    for (size_t i = 0; i < sizeof(queue_order) / sizeof(queue_order[0]); i++)
+        if (queue_order[i]->queue_waiting != NULL && queue_order[i]->queue_waiting(job))
+            return true;
+    return false;
+}
+
+bool sd_job_queue_poll(struct sd_job *job)
+{
+    bool moved = false;
+    for (size_t i = 0; i < sizeof(queue_order) / sizeof(queue_order[0]); i++)
+        if (queue_order[i]->queue_poll != NULL)
+            moved |= queue_order[i]->queue_poll(job);
+    return moved;
+}
+
 /* The modules whose workers may use the job's shards off the loop. */
 static const struct sd_job_module *const worker_order[] = {&sd_ckpt_module};
 

@@ -221,6 +221,10 @@ void sd_job_destroy(struct sd_job *job);
 void sd_job_free(struct sd_job *job);
 /* The registration's deadline, parked operations' deadlines and stalled calls. */
 void sd_job_sweep(struct sd_job *job, uint64_t now_ns);
+/* Does a module wait for the job's device queue to pass a ticket (job_module.h, queue_waiting)?
+ * Then the loop polls them: true if something moved. */
+bool sd_job_queue_waiting(const struct sd_job *job);
+bool sd_job_queue_poll(struct sd_job *job);
 /* Its memory is allocated (status SD_OK) or not (err says why): go on (job_mem.c calls it). */
 void sd_job_allocated(struct sd_job *job, int status, const char *err);
 

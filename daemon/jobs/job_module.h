@@ -64,6 +64,11 @@ struct sd_job_module {
      * a checkpoint from it)? Why, for messages, else NULL: the state must not go meanwhile.
      * NULL: it never does. */
     const char *(*needs_state)(const struct sd_job *job);
+    /* Does this module wait for the job's device queue to pass a ticket it recorded (the loop
+     * polls for it, never blocking on the device)? queue_poll goes on with what the queue
+     * passed: true if something moved. NULL: it never waits for the queue. */
+    bool (*queue_waiting)(const struct sd_job *job);
+    bool (*queue_poll)(struct sd_job *job);
 };
 
 /* each module's, defined in its own file */

@@ -264,18 +264,10 @@ bool sd_registry_poll_queues(struct sd_registry *reg, bool *waiting_p)
     bool moved = false, waiting = false;
     for (struct sd_job *job = reg->jobs, *next; job; job = next) {
         next = job->next; /* the step may end the job */
-        if (!sd_step_queue_waiting(job) && !sd_push_queue_waiting(job) &&
-            !sd_fetch_queue_waiting(job) && !sd_loading_queue_waiting(job) &&
-            !sd_resume_queue_waiting(job))
+        if (!sd_job_queue_waiting(job))
             continue;
-        moved |= sd_resume_queue_poll(job);
-        moved |= sd_loading_queue_poll(job);
-        moved |= sd_fetch_queue_poll(job);
-        moved |= sd_push_queue_poll(job);
-        moved |= sd_step_queue_poll(job);
-        waiting |= sd_step_queue_waiting(job) || sd_push_queue_waiting(job) ||
-                   sd_fetch_queue_waiting(job) || sd_loading_queue_waiting(job) ||
-                   sd_resume_queue_waiting(job);
+        moved |= sd_job_queue_poll(job);
+        waiting |= sd_job_queue_waiting(job);
     }
     *waiting_p = waiting;
     return moved;

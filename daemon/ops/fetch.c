@@ -789,4 +789,7 @@ static void fetch_fail_parked(struct sd_job *job, int status, const char *text, 
     }
 }
 
-const struct sd_job_module sd_fetch_module = {.name = "fetch", .fail_parked = fetch_fail_parked};
+const struct sd_job_module sd_fetch_module = {.name = "fetch",
+                                              .fail_parked = fetch_fail_parked,
+                                              .queue_waiting = sd_fetch_queue_waiting,
+                                              .queue_poll = sd_fetch_queue_poll};

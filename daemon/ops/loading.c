@@ -407,4 +407,6 @@ const struct sd_job_module sd_loading_module = {.name = "loading",
                                                 .create = sd_loading_create,
                                                 .destroy = sd_loading_destroy,
                                                 .fail_parked = loading_fail_parked,
-                                                .sweep = loading_sweep};
+                                                .sweep = loading_sweep,
+                                                .queue_waiting = sd_loading_queue_waiting,
+                                                .queue_poll = sd_loading_queue_poll};

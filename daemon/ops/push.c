@@ -687,7 +687,9 @@ const struct sd_job_module sd_push_module = {.name = "push",
                                              .alloc = sd_push_alloc,
                                              .release = sd_push_free,
                                              .fail_parked = push_fail_parked,
-                                             .sweep = push_sweep};
+                                             .sweep = push_sweep,
+                                             .queue_waiting = sd_push_queue_waiting,
+                                             .queue_poll = sd_push_queue_poll};
 
 /* ---- its state: geometry, bookkeeping, the node rounds' buffers */
 

@@ -695,4 +695,6 @@ const struct sd_job_module sd_step_module = {.name = "step",
                                              .release = sd_step_free,
                                              .fail_parked = step_fail_parked,
                                              .sweep = step_sweep,
-                                             .event = step_event};
+                                             .event = step_event,
+                                             .queue_waiting = sd_step_queue_waiting,
+                                             .queue_poll = sd_step_queue_poll};

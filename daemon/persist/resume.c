@@ -241,8 +241,11 @@ static const char *resume_gives_values(const struct sd_job *job)
     return sd_resume_resuming(job) ? "taking over a paused job's state" : NULL;
 }
 
-const struct sd_job_module sd_resume_module = {
-    .name = "resume", .event = resume_event, .gives_values = resume_gives_values};
+const struct sd_job_module sd_resume_module = {.name = "resume",
+                                               .event = resume_event,
+                                               .gives_values = resume_gives_values,
+                                               .queue_waiting = sd_resume_queue_waiting,
+                                               .queue_poll = sd_resume_queue_poll};
 
 /* A paused job nobody took over in time, or a failed one kept: its state goes (now, or once its
  * ranks left). */
