@@ -543,15 +543,6 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
     fail_parked(job, status, text, true);
 }
 
-bool sd_job_sync(struct sd_job *job)
-{
-    int status = job->reg->dev->sync(job->mem.queue);
-    if (status == SD_OK)
-        return true;
-    sd_job_backend_failed(job, status);
-    return false;
-}
-
 int sd_job_queue_mark(struct sd_job *job, bool behind, uint64_t *ticket_p)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
@@ -714,8 +705,9 @@ bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
 
 /* The modules that wait for the job's device queue, in the order they are polled (the step
  * last: its poll may end the job's step, which the others' results feed). */
-static const struct sd_job_module *const queue_order[] = {
-    &sd_resume_module, &sd_loading_module, &sd_fetch_module, &sd_push_module, &sd_step_module};
+static const struct sd_job_module *const queue_order[] = {&sd_resume_module, &sd_loading_module,
+                                                          &sd_ckpt_module,   &sd_fetch_module,
+                                                          &sd_push_module,   &sd_step_module};
 
 bool sd_job_queue_waiting(const struct sd_job *job)
 {

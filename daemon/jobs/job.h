@@ -228,13 +228,11 @@ bool sd_job_queue_poll(struct sd_job *job);
 /* Its memory is allocated (status SD_OK) or not (err says why): go on (job_mem.c calls it). */
 void sd_job_allocated(struct sd_job *job, int status, const char *err);
 
-/* Wait for the job's device work (kernels write what is read next: by the CPU, the network or a
- * client). False after failing the job when the backend reports an error. */
-bool sd_job_sync(struct sd_job *job);
-/* The same without blocking the loop: a ticket after everything enqueued on the job's queue so
- * far, and whether the device reached it: SD_OK, SD_EAGAIN (not yet; or `behind` earlier tickets
- * the caller still waits for, whose order it keeps), or the backend's error (then
- * sd_job_backend_failed). The host backends reach it at once. */
+/* A ticket after everything enqueued on the job's queue so far (kernels write what is read next:
+ * by the CPU, the network or a client; the loop never waits for the device), and whether the
+ * device reached it: SD_OK, SD_EAGAIN (not yet; or `behind` earlier tickets the caller still
+ * waits for, whose order it keeps), or the backend's error (then sd_job_backend_failed). The
+ * host backends reach it at once. */
 int sd_job_queue_mark(struct sd_job *job, bool behind, uint64_t *ticket_p);
 /* Fail the job for the backend's error status. */
 void sd_job_backend_failed(struct sd_job *job, int status);

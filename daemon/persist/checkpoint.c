@@ -110,6 +110,36 @@ void sd_ckpt__parallel(struct sd_job *job, uint64_t n, sd_ckpt_par_fn *fn, void 
     pool_run(job, (uint32_t)job->reg->cfg->checkpoint_threads, n, fn, arg);
 }
 
+void sd_ckpt__after_queue(struct sd_job *job, void (*then)(struct sd_job *job, int status))
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    int st = sd_job_queue_mark(job, false, &c->q_ticket);
+    if (st == SD_EAGAIN) {
+        c->q_then = then; /* ckpt_queue_poll goes on */
+        return;
+    }
+    then(job, st);
+}
+
+static bool ckpt_queue_waiting(const struct sd_job *job)
+{
+    return job->load.ckpt != NULL && job->load.ckpt->q_then != NULL;
+}
+
+static bool ckpt_queue_poll(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (!ckpt_queue_waiting(job))
+        return false;
+    int st = job->reg->dev->query(job->mem.queue, c->q_ticket);
+    if (st == SD_EAGAIN)
+        return false;
+    void (*then)(struct sd_job *, int) = c->q_then;
+    c->q_then = NULL;
+    then(job, st); /* may end the job */
+    return true;
+}
+
 bool sd_ckpt__working(const struct sd_job *job)
 {
     const struct sd_ckpt_work *w = &job->load.ckpt->work;
@@ -176,7 +206,8 @@ bool sd_ckpt_busy(const struct sd_job *job)
 
 bool sd_ckpt_reading(const struct sd_job *job)
 {
-    return job->load.ckpt != NULL && sd_ckpt__working(job);
+    /* a write waiting for the device before its worker reads the shards holds them already */
+    return job->load.ckpt != NULL && (sd_ckpt__working(job) || job->load.ckpt->q_then != NULL);
 }
 
 void sd_ckpt_drop(struct sd_job *job)
@@ -427,9 +458,8 @@ static int save_plan(struct sd_job *job)
 }
 
 /* Memory of a device backend is written from host memory: every extent is copied into one
- * staging buffer by the backend, in file order, and written from there. The copies are waited
- * for here (the loop is held for them, as sd_job_sync holds it: a device's copy of a node's
- * optimizer states runs at tens of GB/s). */
+ * staging buffer by the backend, in file order, and written from there once the loop's poll
+ * saw the device past the copies (part_queued). */
 static int save_stage(struct sd_job *job, uint64_t bytes)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
@@ -444,7 +474,7 @@ static int save_stage(struct sd_job *job, uint64_t bytes)
         c->item_src[i] = at;
         at += len;
     }
-    return sd_job_sync(job) ? SD_OK : SD_EJOBFAILED;
+    return SD_OK;
 }
 
 /* On a worker, as the job's owner: this node's part into data-<node>.bin of a new temporary
@@ -557,8 +587,36 @@ static void save_after(struct sd_job *job)
     sd_job_event(job, SD_JOB_EV_OS_FREE);
 }
 
+/* The device is past what the write reads (the staged copies, or the kernels still writing
+ * the os shards a worker reads in place): the worker writes the part. A save whose job failed
+ * meanwhile is given up (its ranks were answered); a backend's failure is the write's. */
+static void part_queued(struct sd_job *job, int status)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (status == SD_OK && !c->recovery && job->state != SD_JOB_READY) {
+        free(c->stage);
+        c->stage = NULL;
+        return;
+    }
+    if (status != SD_OK) {
+        c->work.status = status;
+        snprintf(c->work.err, sizeof(c->work.err), "node %u: the %s backend failed: %s", job->node,
+                 job->reg->dev->name, sd_status_str(status));
+        c->tmp[0] = '\0';
+        sd_job_backend_failed(job, status);
+        save_after(job); /* a recovery's part reports the failure */
+        return;
+    }
+    uint64_t bytes = 0;
+    for (uint64_t i = 0; i < c->n_items; i++)
+        bytes += (c->items[i].end - c->items[i].begin) * sizeof(float);
+    sd_ckpt__run_worker(job, save_work, save_after, "writing its part of the checkpoint",
+                        sd_ckpt__deadline(job, bytes));
+}
+
 /* This node's part of save c->seq (c->dir and c->writer set): the step the os shards hold and
- * what the manifest says of it, then the extents written on a worker. */
+ * what the manifest says of it, then the extents written on a worker once the device is past
+ * what they read (the loop never waits for it). */
 static int write_part(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
@@ -566,8 +624,6 @@ static int write_part(struct sd_job *job)
     sd_ckpt_step_name(c->final, sizeof(c->final), c->step);
     memcpy(c->snap_steps, sd_optim_tensor_steps(job), job->model.n_tensors * sizeof(uint64_t));
     memcpy(c->snap_hp, sd_optim_hparams(job), sd_model_groups(&job->model) * sizeof(*c->snap_hp));
-    if (job->state == SD_JOB_READY && !sd_job_sync(job))
-        return SD_EJOBFAILED;
     int st = save_plan(job);
     if (st != SD_OK)
         return st;
@@ -576,8 +632,7 @@ static int write_part(struct sd_job *job)
         bytes += (c->items[i].end - c->items[i].begin) * sizeof(float);
     if (!job->reg->dev->host_memory && (st = save_stage(job, bytes)) != SD_OK)
         return st;
-    sd_ckpt__run_worker(job, save_work, save_after, "writing its part of the checkpoint",
-                        sd_ckpt__deadline(job, bytes));
+    sd_ckpt__after_queue(job, part_queued);
     return SD_OK;
 }
 
@@ -601,7 +656,7 @@ static void save_start(struct sd_job *job)
 bool sd_ckpt_idle(const struct sd_job *job)
 {
     const struct sd_ckpt_job *c = job->load.ckpt;
-    return c != NULL && !c->work.busy && !c->recovery && c->bar.arrived == 0;
+    return c != NULL && !c->work.busy && c->q_then == NULL && !c->recovery && c->bar.arrived == 0;
 }
 
 int sd_ckpt_recover_write(struct sd_job *job, const struct sd_ckpt_recover *r, char *err,
@@ -753,4 +808,6 @@ const struct sd_job_module sd_ckpt_module = {.name = "checkpoint",
                                              .gives_values = ckpt_gives_values,
                                              .fail_parked = ckpt_fail_parked,
                                              .sweep = ckpt_sweep,
-                                             .shards_busy = sd_ckpt_reading};
+                                             .shards_busy = sd_ckpt_reading,
+                                             .queue_waiting = ckpt_queue_waiting,
+                                             .queue_poll = ckpt_queue_poll};

@@ -72,6 +72,11 @@ struct sd_ckpt_job {
     const void **item_src;           /* and the job memory each is written from */
     float *stage; /* a device backend's: the extents copied to host memory for the writers */
     uint64_t n_items;
+    /* an operation waiting for the job's device queue to pass q_ticket (the copies into stage
+     * or out of ld.buf, or kernels still writing what a worker is to read or fill): the loop's
+     * poll calls q_then with the queue's status once it did (sd_ckpt__after_queue) */
+    void (*q_then)(struct sd_job *job, int status);
+    uint64_t q_ticket;
     atomic_bool direct; /* this node's last data file went out with O_DIRECT (the worker
                          * says, shardctl jobs reads meanwhile) */
     uint64_t saves, bytes_saved, save_ns;
@@ -86,6 +91,10 @@ void sd_ckpt__run_worker(struct sd_job *job, void (*fn)(struct sd_job *),
 /* The file pool's threads for one worker's items (checkpoint_threads of them at most: the
  * worker's own and idle ones helping), from the worker: fn(arg, thread, i) for i in [0, n). */
 void sd_ckpt__parallel(struct sd_job *job, uint64_t n, sd_ckpt_par_fn *fn, void *arg);
+/* then(job, status) once the job's device queue passed everything queued on it so far (status:
+ * SD_OK, or the backend's failure): at once where the device is already there (the host
+ * backends), else from the loop's poll, never blocking the loop on the device. One at a time. */
+void sd_ckpt__after_queue(struct sd_job *job, void (*then)(struct sd_job *job, int status));
 /* is the operation still waiting for the worker (busy and not given up)? */
 bool sd_ckpt__working(const struct sd_job *job);
 /* the worker's operation was given up: stop early, and remove what it made */

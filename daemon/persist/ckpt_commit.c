@@ -459,7 +459,7 @@ void sd_ckpt_peer_saved(struct sd_job *job, const Shard__JobSaved *m)
 void sd_ckpt_recover_abandon(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
-    if (c == NULL || !c->recovery || c->work.busy)
+    if (c == NULL || !c->recovery || c->work.busy || c->q_then != NULL)
         return;
     discard_parts(job);
     reports_free(&c->cm, job->nodes);

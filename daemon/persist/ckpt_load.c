@@ -143,8 +143,9 @@ static void weights(struct par_load *p, uint32_t thread, uint32_t u, uint32_t r)
             }
             src = scratch;
         }
-        /* the backend keeps its memory on the host (load_host): its conversion runs here */
-        job->reg->dev->from_f32(NULL, w + (at - wb) * dsize, ul->dtype, src, z - at);
+        /* the backend keeps its memory on the host (load_host): the conversion runs here, the
+         * host backend's (a backend's own kernels run on its queue, which is the loop's) */
+        sd_gpu_host_ops.from_f32(NULL, w + (at - wb) * dsize, ul->dtype, src, z - at);
         at = z;
     }
     free(scratch);
@@ -244,21 +245,16 @@ static void load_work(struct sd_job *job)
     sd_ckpt_reader_free(&rd);
 }
 
-static void load_after(struct sd_job *job)
+/* the device is past the copies out of ld.buf (or, in host memory, there is nothing to wait
+ * for): the job's state is the checkpoint's */
+static void loaded(struct sd_job *job, int status)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
+    const struct sd_layout *l = &job->layout;
+    if (status != SD_OK)
+        sd_job_backend_failed(job, status);
     if (job->state != SD_JOB_LOADING)
         return; /* failed meanwhile: the parked calls were answered */
-    if (c->work.status != SD_OK) {
-        sd_job_fail(job, c->work.status, "loading the checkpoint: %s", c->work.err);
-        return;
-    }
-    const struct sd_layout *l = &job->layout;
-    float *at = c->ld.buf;
-    for (uint32_t u = 0; at != NULL && u < l->n_units; u++)
-        at += unit_block(job, u, at, NULL);
-    if (!sd_job_sync(job))
-        return;
     free(c->ld.buf);
     c->ld.buf = NULL;
     for (uint32_t t = 0; t < l->n_tensors; t++)
@@ -272,12 +268,38 @@ static void load_after(struct sd_job *job)
     sd_loading_loaded(job);
 }
 
+static void load_after(struct sd_job *job)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (job->state != SD_JOB_LOADING)
+        return; /* failed meanwhile: the parked calls were answered */
+    if (c->work.status != SD_OK) {
+        sd_job_fail(job, c->work.status, "loading the checkpoint: %s", c->work.err);
+        return;
+    }
+    const struct sd_layout *l = &job->layout;
+    float *at = c->ld.buf;
+    for (uint32_t u = 0; at != NULL && u < l->n_units; u++)
+        at += unit_block(job, u, at, NULL);
+    sd_ckpt__after_queue(job, loaded);
+}
+
+/* nothing queued touches the buffers the threads fill any more: read the checkpoint */
+static void load_queued(struct sd_job *job, int status)
+{
+    struct sd_ckpt_job *c = job->load.ckpt;
+    if (status != SD_OK)
+        sd_job_backend_failed(job, status);
+    if (job->state != SD_JOB_LOADING)
+        return; /* failed meanwhile: the parked calls were answered */
+    sd_ckpt__run_worker(job, load_work, load_after, "reading its part of the checkpoint",
+                        sd_ckpt__deadline(job, c->ld.src.bytes));
+}
+
 void sd_ckpt_load_start(struct sd_job *job)
 {
     struct sd_ckpt_job *c = job->load.ckpt;
     c->ld.start_ns = sd_now_ns();
-    if (!sd_job_sync(job)) /* nothing queued may touch the buffers the threads fill */
-        return;
     if (!job->reg->dev->host_memory) {
         uint64_t floats = 0;
         for (uint32_t u = 0; u < job->layout.n_units; u++)
@@ -289,8 +311,7 @@ void sd_ckpt_load_start(struct sd_job *job)
             return;
         }
     }
-    sd_ckpt__run_worker(job, load_work, load_after, "reading its part of the checkpoint",
-                        sd_ckpt__deadline(job, c->ld.src.bytes));
+    sd_ckpt__after_queue(job, load_queued);
 }
 
 /* ---- the manifest, read and checked at registration */

@@ -17,7 +17,9 @@
  * staged) against the host backend's: saved on 2 x 2 under emu-gpu (fp32 and bf16; the data
  * files bitwise equal to the same run's on the host backend), loaded on 4 x 2 under the host
  * backend; saved there, loaded on 2 x 2 under emu-gpu; each continued run against the
- * reference. BACKEND emu-device runs the same with device memory the host may touch.
+ * reference. BACKEND emu-device runs the same with device memory the host may touch;
+ * host-deferred with host memory whose kernels run only when the daemon waits for them (a save's
+ * write and a load's reads start, and a load ends, once the loop's poll saw the device there).
  *
  * test_checkpoint crash [TRIALS]: a one-node job saves after every step while a trainer or the
  * daemon is SIGKILLed at a random moment; afterwards LATEST names a complete checkpoint that
@@ -480,7 +482,8 @@ static void remove_tree(const char *path)
     rmdir(path);
 }
 
-/* backend: emu-gpu (device memory the daemon cannot touch on the host), or emu-device */
+/* backend: emu-gpu (device memory the daemon cannot touch on the host), emu-device, or
+ * host-deferred (host memory, kernels run only when the daemon waits for them) */
 static int device(const char *backend)
 {
     const char *dev_args[] = {"--backend", backend, NULL};
