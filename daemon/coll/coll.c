@@ -227,18 +227,46 @@ static void ar_release(struct sd_allreduce *ar)
     }
 }
 
-/* wait for the sums enqueued so far; a failure fails the all-reduce */
-static void ar_sync(struct sd_allreduce *ar)
+/* a failure of this node's own (the backend's): the all-reduce fails, naming this node */
+static void ar_fail_self(struct sd_allreduce *ar, int status)
 {
-    int st = ar->p.dev->sync(ar->p.queue);
-    if (st != SD_OK && ar->status == SD_OK) {
-        ar->status = st;
+    if (status != SD_OK && ar->status == SD_OK) {
+        ar->status = status;
         ar->suspect = ar->p.group.self;
     }
 }
 
+/* what waits for the device besides a ring receive slot (sd_allreduce.w_what) */
+enum {
+    AR_W_BEGIN = SD_TAG_MAX_CHUNKS, /* the caller's kernels on buf and acc: the exact one starts */
+    AR_W_QSTART,                    /* the encodings of the others' segments: phase 0 leaves */
+    AR_W_QLEAVE,                    /* our segment's sum encoded: phase 1 leaves */
+    AR_W_SUMS,                      /* the sums the caller reads: finished */
+};
+
+/* `what` goes on once the queue passed the kernels enqueued so far: SD_OK to go on now (the
+ * device is there and nothing waits before it), SD_EAGAIN when sd_allreduce_poll will (kept
+ * in queue order), or the backend's failure. */
+static int ar_after_queue(struct sd_allreduce *ar, uint32_t what)
+{
+    uint64_t ticket;
+    int st = ar->p.dev->record(ar->p.queue, &ticket);
+    if (st != SD_OK)
+        return st;
+    if (ar->w_n == 0 && (st = ar->p.dev->query(ar->p.queue, ticket)) != SD_EAGAIN)
+        return st;
+    if (ar->w_n == SD_ARRAY_SIZE(ar->w_ticket))
+        return SD_ENOSPC; /* more than one per receive slot: a bug, not the device */
+    uint32_t i = (ar->w_head + ar->w_n++) % SD_ARRAY_SIZE(ar->w_ticket);
+    ar->w_ticket[i] = ticket;
+    ar->w_what[i] = (uint16_t)what;
+    return SD_EAGAIN;
+}
+
 static void ar_finish(struct sd_allreduce *ar)
 {
+    ar->running = false;
+    ar->w_n = 0;
     ar_release(ar);
     ar->p.cb(ar, ar->status, ar->suspect);
 }
@@ -277,7 +305,10 @@ static void direct_done(struct sd_bulk *b, int status)
             dev->reduce_add(ar->p.queue, ar->p.acc, src[0], SD_DTYPE_FP32, ar->p.count);
         else if (src[0] != ar->p.buf)
             dev->copy(ar->p.queue, ar->p.buf, src[0], ar->p.count * sizeof(float));
-        ar_sync(ar); /* the caller reads the sum */
+        int st = ar_after_queue(ar, AR_W_SUMS); /* the caller reads the sum */
+        if (st == SD_EAGAIN)
+            return;
+        ar_fail_self(ar, st);
     }
     ar_finish(ar);
 }
@@ -349,6 +380,7 @@ static bool ring_chunk_range(const struct sd_allreduce *ar, uint32_t s, uint32_t
 }
 
 static void ring_xfer_cb(struct sd_xfer *x, int status);
+static void ring_post_recvs(struct sd_allreduce *ar);
 
 static int ring_post_one(struct sd_allreduce *ar, bool send, uint32_t t, uint32_t c, size_t b,
                          size_t len)
@@ -414,11 +446,27 @@ static void ring_post_recvs(struct sd_allreduce *ar)
             }
             bool busy = false; /* an earlier receive into tmp chunk c not yet added */
             for (uint32_t e = 0; e < t && !busy; e++)
-                busy = ar->rstate[e * ar->nch + c] == 1;
+                busy = ar->rstate[e * ar->nch + c] == 1 || ar->rstate[e * ar->nch + c] == 3;
             if (busy || ring_post_one(ar, false, t, c, b, len) != SD_OK)
                 break;
             ar->rnext[c]++;
         }
+}
+
+/* chunk c received at step t is summed where it is summed: it leaves at step t + 1, and its
+ * tmp chunk takes the next receive */
+static void ring_forward(struct sd_allreduce *ar, uint32_t t, uint32_t c)
+{
+    size_t b = 0, len = 0;
+    ring_chunk_range(ar, ring_seg(ar, t, false), c, &b, &len);
+    if (t + 1 < ar->steps && ar->status == SD_OK)
+        ring_post_one(ar, true, t + 1, c, b, len);
+    ring_post_recvs(ar);
+}
+
+static bool ring_over(const struct sd_allreduce *ar)
+{
+    return ar->pending == 0 && (ar->left == 0 || ar->status != SD_OK);
 }
 
 static void ring_xfer_cb(struct sd_xfer *x, int status)
@@ -447,14 +495,17 @@ static void ring_xfer_cb(struct sd_xfer *x, int status)
             ar->p.dev->reduce_add(ar->p.queue, ar->p.buf + b, src, SD_DTYPE_FP32, len);
         if (t + 1 == n - 1 && ar->p.acc != NULL) /* the segment's sum is done: into acc */
             ar->p.dev->reduce_add(ar->p.queue, ar->p.acc + b, ar->p.buf + b, SD_DTYPE_FP32, len);
-        /* the sum leaves next, and the next step's chunk lands where this one was read */
-        if (t < n - 1)
-            ar_sync(ar);
-        if (t + 1 < ar->steps && ar->status == SD_OK)
-            ring_post_one(ar, true, t + 1, c, b, len); /* forward it */
-        ring_post_recvs(ar);
+        /* the sum leaves next, and the next step's chunk lands where this one was read: once
+         * the queue passed the sums (state 3 until then) */
+        int st = t < n - 1 ? ar_after_queue(ar, t * ar->nch + c) : SD_OK;
+        if (st == SD_EAGAIN) {
+            ar->rstate[t * ar->nch + c] = 3;
+        } else {
+            ar_fail_self(ar, st);
+            ring_forward(ar, t, c);
+        }
     }
-    if (ar->pending == 0 && (ar->left == 0 || ar->status != SD_OK))
+    if (ring_over(ar))
         ar_finish(ar);
 }
 
@@ -601,6 +652,17 @@ static void qar_exchange(struct sd_allreduce *ar)
     }
 }
 
+/* phase 1: our encoded sum to every member: true while its transfers run (a post that failed
+ * is in ar->status: the last completion finishes) */
+static bool qar_second(struct sd_allreduce *ar)
+{
+    if (ar->status != SD_OK)
+        return false;
+    ar->qphase = 1;
+    qar_exchange(ar);
+    return ar->pending > 0;
+}
+
 static void qar_done(struct sd_bulk *b, int status)
 {
     struct sd_allreduce *ar = b->arg;
@@ -622,19 +684,21 @@ static void qar_done(struct sd_bulk *b, int status)
                       B);
         dev->dequantize(ar->p.queue, mine, SD_DTYPE_FP32, qslot(ar, false, ar->pos), (int)bits, len,
                         B, false);
-        ar_sync(ar); /* the encoding leaves */
-        if (ar->status == SD_OK) {
-            ar->qphase = 1;
-            qar_exchange(ar);
-            if (ar->pending > 0)
-                return; /* a post that failed is in ar->status: the last completion finishes */
-        }
+        int st = ar_after_queue(ar, AR_W_QLEAVE); /* the encoding leaves */
+        if (st == SD_EAGAIN)
+            return;
+        ar_fail_self(ar, st);
+        if (qar_second(ar))
+            return;
     } else if (ar->status == SD_OK) {
         for (uint32_t m = 0; m < n; m++)
             if (m != ar->pos)
                 dev->dequantize(ar->p.queue, qseg(ar, m), SD_DTYPE_FP32, qslot(ar, true, m),
                                 (int)bits, qlen(ar, m), B, false);
-        ar_sync(ar); /* the caller reads the sum */
+        int st = ar_after_queue(ar, AR_W_SUMS); /* the caller reads the sum */
+        if (st == SD_EAGAIN)
+            return;
+        ar_fail_self(ar, st);
     }
     ar_finish(ar);
 }
@@ -664,7 +728,9 @@ static int qar_start(struct sd_allreduce *ar)
             ar->p.dev->quantize(ar->p.queue, qslot(ar, false, m), ar->p.qbits, ar->p.buf + b,
                                 SD_DTYPE_FP32, e - b, ar->p.qblock);
     }
-    int st = ar->p.dev->sync(ar->p.queue);
+    int st = ar_after_queue(ar, AR_W_QSTART); /* the encodings leave */
+    if (st == SD_EAGAIN)
+        return SD_OK;
     if (st != SD_OK) {
         ar_release(ar);
         return st;
@@ -676,6 +742,96 @@ static int qar_start(struct sd_allreduce *ar)
         return st;
     }
     return SD_OK;
+}
+
+/* the exact one (buf and acc as the caller's kernels left them leave from now on): direct or
+ * the ring; an error with nothing in flight */
+static int exact_begin(struct sd_allreduce *ar)
+{
+    const struct sd_coll_group *g = &ar->p.group;
+    ar->direct = ar->p.count * sizeof(float) <= ar->p.small_bytes;
+    if (ar->direct)
+        return direct_start(ar);
+    ar->sb = sd_bulk_get(g->pool);
+    ar->rb = sd_bulk_get(g->pool);
+    if (ar->sb == NULL || ar->rb == NULL) {
+        if (ar->sb)
+            sd_bulk_put(g->pool, ar->sb);
+        if (ar->rb)
+            sd_bulk_put(g->pool, ar->rb);
+        ar->sb = ar->rb = NULL;
+        return SD_EBUSY;
+    }
+    return ring_start(ar);
+}
+
+/* what waited for the queue goes on; false once the all-reduce finished (cb ran) */
+static bool ar_go_on(struct sd_allreduce *ar, uint32_t what)
+{
+    int st;
+    switch (what) {
+    case AR_W_BEGIN:
+        if ((st = exact_begin(ar)) != SD_OK) { /* nothing in flight */
+            ar_fail_self(ar, st);
+            ar_finish(ar);
+        }
+        break;
+    case AR_W_QSTART:
+        if (ar->status == SD_OK)
+            qar_exchange(ar);
+        if (ar->pending == 0) {
+            ar_fail_self(ar, SD_EIO);
+            ar_finish(ar);
+        }
+        break;
+    case AR_W_QLEAVE:
+        if (!qar_second(ar))
+            ar_finish(ar);
+        break;
+    case AR_W_SUMS:
+        ar_finish(ar);
+        break;
+    default: /* ring receive slot what, summed */
+        ar->rstate[what] = 2;
+        ring_forward(ar, what / ar->nch, what % ar->nch);
+        if (ring_over(ar))
+            ar_finish(ar);
+        break;
+    }
+    return ar->running;
+}
+
+bool sd_allreduce_poll(struct sd_allreduce *ar)
+{
+    bool moved = false;
+    while (ar->running && ar->w_n > 0) {
+        uint32_t h = ar->w_head;
+        int st = ar->p.dev->query(ar->p.queue, ar->w_ticket[h]);
+        if (st == SD_EAGAIN)
+            break;
+        ar->w_head = (h + 1) % SD_ARRAY_SIZE(ar->w_ticket);
+        ar->w_n--;
+        moved = true;
+        ar_fail_self(ar, st);
+        if (!ar_go_on(ar, ar->w_what[h]))
+            break; /* finished: cb may have started it again */
+    }
+    return moved;
+}
+
+bool sd_allreduce_waiting(const struct sd_allreduce *ar)
+{
+    return ar->running && ar->w_n > 0;
+}
+
+void sd_allreduce_abort(struct sd_allreduce *ar, int status)
+{
+    if (!ar->running)
+        return;
+    ar_fail_self(ar, status);
+    ar->w_n = 0;
+    if (ar->pending == 0)
+        ar_finish(ar);
 }
 
 int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param *p)
@@ -700,22 +856,14 @@ int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param 
     for (uint32_t i = 0; i < g->n_members; i++)
         if (g->members[i] >= SD_MAX_NODES)
             return SD_ERANGE;
-    int st = p->dev->sync(p->queue); /* buf and acc as the kernels left them leave from now on */
+    ar->running = true;
+    /* the quantized one encodes buf first, on the same queue: its first wait is after that */
+    int st = p->qbits != 0 ? qar_start(ar) : ar_after_queue(ar, AR_W_BEGIN);
+    if (st == SD_OK && p->qbits == 0)
+        st = exact_begin(ar);
+    if (st == SD_EAGAIN)
+        st = SD_OK; /* sd_allreduce_poll begins it */
     if (st != SD_OK)
-        return st;
-    if (p->qbits != 0)
-        return qar_start(ar);
-    ar->direct = p->count * sizeof(float) <= p->small_bytes;
-    if (ar->direct)
-        return direct_start(ar);
-    ar->sb = sd_bulk_get(g->pool);
-    ar->rb = sd_bulk_get(g->pool);
-    if (ar->sb == NULL || ar->rb == NULL) {
-        if (ar->sb)
-            sd_bulk_put(g->pool, ar->sb);
-        if (ar->rb)
-            sd_bulk_put(g->pool, ar->rb);
-        return SD_EBUSY;
-    }
-    return ring_start(ar);
+        ar->running = false; /* nothing in flight: the caller reports it */
+    return st;
 }

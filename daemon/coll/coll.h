@@ -144,7 +144,8 @@ void sd_qsegment(size_t count, uint32_t n, uint32_t qblock, uint32_t s, size_t *
 struct sd_allreduce_param {
     struct sd_coll_group group;
     const struct sd_gpu_ops *dev; /* every sum goes through the device backend, */
-    struct sd_gpu_queue *queue;   /* on this queue: waited for before a sum leaves or is read */
+    struct sd_gpu_queue *queue;   /* on this queue: a sum leaves or is read once the queue passed
+                                   * it (sd_allreduce_poll), never waited for */
     int dtype;                    /* of buf, tmp and acc: SD_DTYPE_FP32 */
     int qbits;                    /* 0: exact; 4 or 8: quantized (no acc then; tmp unused) */
     uint32_t qblock;
@@ -187,14 +188,33 @@ struct sd_allreduce {
     size_t qstride;
     struct sd_bulk *qsb[SD_MAX_NODES > 64 ? 64 : SD_MAX_NODES];
     uint64_t qraw;
+    bool running; /* started, not finished */
+    /* What goes on once the queue passed the sums enqueued before it, in queue order: a ring
+     * receive slot whose sum is forwarded, or the start, the finish, a quantized phase (coll.c's
+     * AR_W_*); each with the ticket recorded after its kernels. At most one per ring receive of
+     * the reduce-scatter, plus one. */
+    uint64_t w_ticket[SD_TAG_MAX_CHUNKS + 1];
+    uint16_t w_what[SD_TAG_MAX_CHUNKS + 1];
+    uint32_t w_head, w_n;
 };
 
 /* tmp must hold sd_allreduce_tmp_floats(count, n, small_bytes) floats. */
 size_t sd_allreduce_tmp_floats(size_t count, uint32_t n, size_t small_bytes);
 /* SD_EINVAL for a group without self or of fewer than two, a short tmp, another dtype than
  * fp32, or a quantized one with acc or without qbuf; SD_EBUSY when the pool has no bulks for
- * it now. */
+ * it now (or through cb, when the start itself waited for the queue). */
 int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param *p);
+/* The engine never waits for the device: what reads the kernels' results (a send of buf, a
+ * receive into the tmp chunk a sum still reads, the caller's cb) goes on once the queue passed
+ * them, at once where it already has (the host backends), else from this poll, which the
+ * owner calls from its loop while sd_allreduce_waiting: true if something went on. cb may run
+ * in it (and start the all-reduce again). */
+bool sd_allreduce_poll(struct sd_allreduce *ar);
+bool sd_allreduce_waiting(const struct sd_allreduce *ar);
+/* The owner gives a running all-reduce up (its job failed): nothing more is posted or waited
+ * for (queued kernels finish on their own); cb gets status now when no transfer is in flight,
+ * else from the last one's completion (the job's transfers are being cancelled). */
+void sd_allreduce_abort(struct sd_allreduce *ar, int status);
 
 /* Ring segment s of count floats among n: [begin, end). */
 static inline void sd_ring_segment(size_t count, uint32_t n, uint32_t s, size_t *begin_p,

@@ -160,12 +160,33 @@ static bool head_retiring(const struct sd_push_state *ps)
     return ps->nr != NULL && ps->nr_len > 0 && ps->nr[ps->nr_head].retiring;
 }
 
+/* the node rounds' all-reduces whose sums the device has not passed yet (coll.h): each goes on
+ * once it did (a failed job's were given up: push_fail_parked) */
+static bool allreduces_poll(struct sd_job *job)
+{
+    struct sd_push_state *ps = job->push;
+    bool moved = false;
+    for (uint32_t j = 0; ps->nr != NULL && j < ps->round_gens; j++)
+        if (sd_allreduce_waiting(&ps->nr[j].ar))
+            moved |= sd_allreduce_poll(&ps->nr[j].ar);
+    return moved;
+}
+
+static bool allreduces_waiting(const struct sd_push_state *ps)
+{
+    for (uint32_t j = 0; ps->nr != NULL && j < ps->round_gens; j++)
+        if (sd_allreduce_waiting(&ps->nr[j].ar))
+            return true;
+    return false;
+}
+
 bool sd_push_queue_poll(struct sd_job *job)
 {
     struct sd_push_state *ps = job->push;
     if (ps == NULL)
         return false;
-    bool moved = ps->nr != NULL && blocks_poll(job);
+    bool moved = allreduces_poll(job);
+    moved |= ps->nr != NULL && blocks_poll(job);
     if (head_retiring(ps) && job->state != SD_JOB_FAILED) {
         uint32_t before = ps->nr_len;
         rounds_retire(job); /* raises PUSHED when the last one went */
@@ -201,7 +222,7 @@ bool sd_push_queue_waiting(const struct sd_job *job)
     for (uint32_t j = 0; ps->nr != NULL && j < ps->nr_len; j++)
         if (ps->nr[(ps->nr_head + j) % ps->round_gens].next < job->gnodes[SD_STATE_G])
             return true;
-    return ps->w_len > 0 || head_retiring(ps);
+    return ps->w_len > 0 || head_retiring(ps) || allreduces_waiting(ps);
 }
 
 /* All members of a g-partition group (inside this node) pushed unit u: reduce-scatter into
@@ -651,6 +672,8 @@ static void push_fail_parked(struct sd_job *job, int status, const char *text, b
         job->push->rounds[ri].arrived = 0;
     }
     job->push->w_len = 0; /* their kernels finish on their own; nothing waits for them */
+    for (uint32_t j = 0; job->push->nr != NULL && j < job->push->round_gens; j++)
+        sd_allreduce_abort(&job->push->nr[j].ar, status); /* its round ends with it */
 }
 
 /* a push round that some ranks of its group joined and others not within op_timeout */

@@ -76,6 +76,8 @@ static bool step_queue_done(struct sd_job *job)
 
 bool sd_step_queue_poll(struct sd_job *job)
 {
+    if (sd_allreduce_waiting(&job->step->ar)) /* its end goes on with the step (step_ar_done) */
+        return sd_allreduce_poll(&job->step->ar);
     if (!job->step->q_wait)
         return false;
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING) {
@@ -604,7 +606,7 @@ uint32_t sd_step_arrived(const struct sd_job *job)
 
 bool sd_step_queue_waiting(const struct sd_job *job)
 {
-    return job->step->q_wait;
+    return job->step->q_wait || sd_allreduce_waiting(&job->step->ar);
 }
 
 bool sd_step_activity(const struct sd_job *job, const char **what_p, uint32_t *unit_p,
@@ -668,6 +670,7 @@ static void step_fail_parked(struct sd_job *job, int status, const char *text, b
 {
     (void)with_fetches;
     job->step->q_wait = false; /* its kernels finish on their own; nothing goes on after them */
+    sd_allreduce_abort(&job->step->ar, status); /* the step's boundary hop ends with it */
     struct sd_req q;
     for (uint32_t r = 0; r < job->k; r++)
         if (sd_barrier_take(&job->step->bar, r, &q) && job->ranks[r] != NULL)

@@ -142,8 +142,27 @@ static void ar_cb(struct sd_allreduce *ar, int status, uint32_t suspect)
 /* acc: add the sum into accumulators that start equal on every member (and at a value the
  * sum is exact with), instead of leaving it in the buffers */
 /* the backend the all-reduces sum with: host, and host-deferred, whose sums happen only when the
- * engine waits for them (a send of a sum it did not wait for carries the old values) */
+ * queue is synced or its tickets polled (a send of a sum the engine did not wait for carries the
+ * old values); its sync counted, which the engine must never call (it would hold the daemon's
+ * loop on a device) */
 static const struct sd_gpu_ops *dev_under_test = &sd_gpu_host_ops;
+static struct sd_gpu_ops counted_ops;
+static int (*real_sync)(struct sd_gpu_queue *q);
+static int syncs;
+
+static int counting_sync(struct sd_gpu_queue *q)
+{
+    syncs++;
+    return real_sync(q);
+}
+
+static void use_backend(const struct sd_gpu_ops *ops)
+{
+    counted_ops = *ops;
+    real_sync = ops->sync;
+    counted_ops.sync = counting_sync;
+    dev_under_test = &counted_ops;
+}
 
 /* n fake nodes 0..n-1 with a queue and a pool of `bulks` bulks each; members[i] = i */
 static void nodes_init(uint32_t n, struct sd_bulk_pool *pools, uint32_t bulks,
@@ -168,13 +187,16 @@ static struct sd_coll_group node_group(uint32_t i, uint32_t n, struct sd_bulk_po
         .tp = &nodes[i].base, .pool = &pools[i], .members = members, .n_members = n, .self = i};
 }
 
-/* progress every node until all n finished or nothing moves */
-static void drive(uint32_t n, const struct done *done)
+/* progress every node, and poll its all-reduce's device waits as the daemon's loop does, until
+ * all n finished or nothing moves (an all-reduce waiting for its queue is still moving) */
+static void drive(uint32_t n, const struct done *done, struct sd_allreduce *ars)
 {
     for (int round = 0; round < 100000; round++) {
         int all = 1, moved = 0;
         for (uint32_t i = 0; i < n; i++) {
             moved += f_progress(&nodes[i].base);
+            moved += sd_allreduce_waiting(&ars[i]);
+            moved += sd_allreduce_poll(&ars[i]);
             all &= done[i].finished;
         }
         if (all || !moved)
@@ -221,7 +243,7 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
                                                    .cb = ar_cb,
                                                    .arg = &done[i]}) == SD_OK;
     TH_CHECK(started == (int)n, "n %u count %zu: %d of %u started", n, count, started, n);
-    drive(n, done);
+    drive(n, done, ars);
     int wrong = 0, unfinished = 0;
     for (uint32_t i = 0; i < n; i++) {
         unfinished += !done[i].finished || done[i].status != SD_OK;
@@ -330,7 +352,7 @@ static void run_qallreduce(uint32_t n, size_t count, uint32_t B, bool ef)
                                                    .cb = ar_cb,
                                                    .arg = &done[i]}) == SD_OK;
     TH_CHECK(started == (int)n, "quantized n %u count %zu: %d of %u started", n, count, started, n);
-    drive(n, done);
+    drive(n, done, ars);
     int unfinished = 0, differ = 0, outside = 0;
     double worst = 0.0;
     for (uint32_t i = 0; i < n; i++) {
@@ -402,7 +424,7 @@ static void run_qallreduce(uint32_t n, size_t count, uint32_t B, bool ef)
                 size_t stride = qb / (2 * n);
                 dev_under_test->dequantize(queues[i], dq + bs, SD_DTYPE_FP32, qbufs[i] + s * stride,
                                            4, es - bs, B, false);
-                dev_under_test->sync(queues[i]);
+                real_sync(queues[i]); /* the test's own wait: not the engine's */
                 for (size_t k = bs; k < es; k++) {
                     float y = in[i][k] + err0[i][k];
                     bad += fabsf(dq[k] + errs[i][k] - y) > 1e-6f * (1.0f + fabsf(y));
@@ -434,6 +456,67 @@ static void bulk_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len
 {
     (void)b, (void)piece, (void)off, (void)len;
     chunks_seen++;
+}
+
+/* Given up by its owner (its job failed) while it waits for its queue, nothing in flight: cb at
+ * once with the owner's status, every bulk back, nothing waiting; given up once more, or after
+ * it finished: nothing (cb once). The other member, given up after its queue let it begin: it
+ * waits for its transfers in flight (their completions finish it), posting nothing. */
+static void run_abort(void)
+{
+    enum { N = 2, COUNT = 1000 };
+    static struct sd_bulk_pool pools[N];
+    static struct sd_allreduce ars[N];
+    struct sd_gpu_queue *queues[N] = {0};
+    static float bufs[N][COUNT], tmps[N][COUNT];
+    struct done done[N] = {0};
+    uint32_t members[N];
+    use_backend(&sd_gpu_host_deferred_ops);
+    nodes_init(N, pools, 4, queues, members);
+    for (uint32_t i = 0; i < N; i++)
+        TH_CHECK(
+            sd_allreduce_start(
+                &ars[i], &(struct sd_allreduce_param){.group = node_group(i, N, pools, members),
+                                                      .dev = dev_under_test,
+                                                      .queue = queues[i],
+                                                      .dtype = SD_DTYPE_FP32,
+                                                      .buf = bufs[i],
+                                                      .count = COUNT,
+                                                      .tmp = tmps[i],
+                                                      .tmp_count = COUNT,
+                                                      .tag_base = 0x2000,
+                                                      .chunk_bytes = 256,
+                                                      .cb = ar_cb,
+                                                      .arg = &done[i]}) == SD_OK,
+            "member %u started", i);
+    TH_CHECK(sd_allreduce_waiting(&ars[0]) && sd_allreduce_waiting(&ars[1]) && pools[0].in_use == 0,
+             "host-deferred: both wait for their queue before anything leaves");
+    sd_allreduce_abort(&ars[0], SD_EJOBFAILED);
+    TH_CHECK(done[0].finished == 1 && done[0].status == SD_EJOBFAILED && pools[0].in_use == 0 &&
+                 !sd_allreduce_waiting(&ars[0]),
+             "given up while waiting: finished at once (finished %d, status %d, %u bulks held)",
+             done[0].finished, done[0].status, pools[0].in_use);
+    done[0].finished = 0;
+    sd_allreduce_abort(&ars[0], SD_EJOBFAILED);
+    TH_CHECK(done[0].finished == 0 && !sd_allreduce_poll(&ars[0]),
+             "given up again: nothing happens");
+    for (int i = 0; i < 4 && sd_allreduce_waiting(&ars[1]); i++)
+        sd_allreduce_poll(&ars[1]);
+    TH_CHECK(!sd_allreduce_waiting(&ars[1]) && ars[1].pending > 0 && !done[1].finished,
+             "member 1 began: its transfers in flight (%u)", ars[1].pending);
+    uint32_t posted = ars[1].pending;
+    sd_allreduce_abort(&ars[1], SD_EJOBFAILED);
+    TH_CHECK(!done[1].finished && ars[1].pending == posted,
+             "given up with transfers in flight: it waits for them, posting nothing");
+    for (uint32_t i = 0; i < N; i++) {
+        dev_under_test->queue_destroy(queues[i]);
+        while (nodes[i].unexpected != NULL) { /* member 1's sends, which member 0 never takes */
+            struct msg *m = nodes[i].unexpected;
+            nodes[i].unexpected = m->next;
+            free(m->data);
+            free(m);
+        }
+    }
 }
 
 static void run_bulk(void)
@@ -518,7 +601,7 @@ int main(void)
     static const size_t counts[] = {1, 7, 100, 1000, 4099, 65536 + 3};
     const struct sd_gpu_ops *backends[] = {&sd_gpu_host_ops, &sd_gpu_host_deferred_ops};
     for (int be = 0; be < 2; be++) {
-        dev_under_test = backends[be];
+        use_backend(backends[be]);
         for (uint32_t n = 2; n <= 5; n++)
             for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
                 for (int acc = 0; acc < 2; acc++) {
@@ -530,7 +613,7 @@ int main(void)
     }
     static const size_t qcounts[] = {1, 63, 64, 65, 1000, 4099, 65536 + 3};
     for (int be = 0; be < 2; be++) {
-        dev_under_test = backends[be];
+        use_backend(backends[be]);
         for (uint32_t n = 2; n <= 5; n++)
             for (size_t c = 0; c < sizeof(qcounts) / sizeof(qcounts[0]); c++)
                 for (int ef = 0; ef < 2; ef++) {
@@ -538,6 +621,8 @@ int main(void)
                     run_qallreduce(n, qcounts[c], 2048, ef);
                 }
     }
+    run_abort();
+    TH_CHECK(syncs == 0, "the all-reduces waited for the device %d times", syncs);
     run_bulk();
     return th_summary("test_coll");
 }
