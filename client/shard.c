@@ -7,6 +7,7 @@
 #include "devmem.h"
 #include "sd/fence.h"
 #include "sd/frame.h"
+#include "sd/hmac.h"
 #include "sd/model.h"
 #include "sd/model_msg.h"
 #include "sd/ring.h"
@@ -653,6 +654,18 @@ static int absolute_path(shard_ctx_t *ctx, const char *what, const char *path,
     return SD_OK;
 }
 
+/* The job's token (shard_model_t.job_secret): HMAC-SHA256 keyed with the secret over
+ * "shardd job token", a zero byte and the job's name. */
+static void job_token(const void *secret, size_t len, const char *job, uint8_t out[SD_SHA256_BYTES])
+{
+    static const char label[] = "shardd job token"; /* with its terminating zero */
+    struct sd_hmac m;
+    sd_hmac_init(&m, secret, len);
+    sd_hmac_update(&m, label, sizeof(label));
+    sd_hmac_update(&m, job, strlen(job));
+    sd_hmac_final(&m, out);
+}
+
 int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
 {
     int status = check_attached(ctx, "register", false);
@@ -673,6 +686,16 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
                     model->n_groups, model->groups == NULL ? " without groups" : "", SD_MAX_GROUPS);
     if ((model->flags & ~(uint32_t)SHARD_SKIP_UNUSED) != 0)
         return fail(ctx, SD_EINVAL, "register: unknown flags 0x%x", model->flags);
+    uint8_t token[SD_SHA256_BYTES];
+    bool has_token = model->job_secret != NULL && model->job_secret_len > 0;
+    if (has_token && (model->job_secret_len < SHARD_JOB_SECRET_MIN ||
+                      model->job_secret_len > SHARD_JOB_SECRET_MAX))
+        return fail(ctx, SD_EINVAL,
+                    "register: a job secret of %zu bytes; give %d-%d (rank 0 makes 32 random "
+                    "bytes)",
+                    model->job_secret_len, SHARD_JOB_SECRET_MIN, SHARD_JOB_SECRET_MAX);
+    if (has_token) /* the daemons see the token only, never the secret */
+        job_token(model->job_secret, model->job_secret_len, model->job, token);
     free(ctx->hparams);
     ctx->n_groups = model->n_groups ? model->n_groups : 1;
     ctx->bcast_bytes = model->bcast_bytes;
@@ -744,6 +767,8 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     reg.load = loading ? load : "";
     reg.resume_timeout_ms = model->resume_timeout_ms;
     reg.ranks_per_node = model->ranks_per_node;
+    reg.job_token.data = token;
+    reg.job_token.len = has_token ? sizeof(token) : 0;
     Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
     msg.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
     msg.register_ = &reg;

@@ -20,6 +20,8 @@
 #include "shard.h"
 #include "sd/dtype.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdbool.h>
@@ -40,6 +42,7 @@ struct opts {
     int save_every, save_delay_ms;
     uint64_t resume_timeout_ms; /* --resume-timeout-ms: a paused job is registered again */
     uint32_t ranks_per_node;    /* --ranks-per-node (0: $LOCAL_WORLD_SIZE, else the daemon's) */
+    const char *secret_file;    /* --job-secret-file (NULL: $SHARD_JOB_SECRET_FILE, else none) */
     int rank, world, steps, accum, batch, hidden, layers;
     bool bf16, reference, quiet, timing;
     bool zero_copy;    /* gradients written into shardd's staging buffer (shard_grad_buffer) */
@@ -664,6 +667,27 @@ static int forward_pass(shard_ctx_t *ctx, const struct opts *o, const struct mod
     return SHARD_OK;
 }
 
+/* the job's secret from file: its bytes into buf (shard_register checks their number), or -1
+ * after saying why */
+static ssize_t read_secret(const char *file, uint8_t *buf, size_t cap)
+{
+    int fd = open(file, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        fprintf(stderr, "mlp_train: --job-secret-file %s: %s\n", file, strerror(errno));
+        return -1;
+    }
+    ssize_t n = 0, r;
+    while ((size_t)n < cap && (r = read(fd, buf + n, cap - (size_t)n)) > 0)
+        n += r;
+    int err = errno;
+    close(fd);
+    if (n < 0 || r < 0) {
+        fprintf(stderr, "mlp_train: --job-secret-file %s: %s\n", file, strerror(err));
+        return -1;
+    }
+    return n;
+}
+
 /* torchrun's LOCAL_WORLD_SIZE, else Slurm's SLURM_NTASKS_PER_NODE (0: neither, the daemon's
  * ranks_per_node) */
 static uint32_t launcher_ranks_per_node(void)
@@ -762,6 +786,16 @@ static int run_shardd(const struct opts *o, const struct model *m)
         .resume_timeout_ms = o->resume_timeout_ms,
         .ranks_per_node = o->ranks_per_node ? o->ranks_per_node : launcher_ranks_per_node(),
     };
+    uint8_t secret[SHARD_JOB_SECRET_MAX + 1];
+    if (o->secret_file != NULL) {
+        ssize_t n = read_secret(o->secret_file, secret, sizeof(secret));
+        if (n < 0) {
+            rc = 2;
+            goto out;
+        }
+        model.job_secret = secret;
+        model.job_secret_len = (size_t)n;
+    }
     CHECK(shard_register(ctx, &model));
     int first = (int)shard_start_step(ctx);
     if (shard_resumed(ctx))
@@ -992,6 +1026,7 @@ static void usage(FILE *out)
             "                 [--timing] [--zero-copy] [--final-loss] [--nonfinite STEP]\n"
             "                 [--save-every N --save-dir DIR] [--save-delay-ms MS] [--load DIR]\n"
             "                 [--resume-timeout-ms MS] [--ranks-per-node K]\n"
+            "                 [--job-secret-file FILE]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
@@ -1025,6 +1060,9 @@ static void usage(FILE *out)
             "--ranks-per-node K: the job's ranks per node (rank r on node r / K; default\n"
             "torchrun's LOCAL_WORLD_SIZE or Slurm's SLURM_NTASKS_PER_NODE when set, else the\n"
             "daemon's ranks_per_node).\n"
+            "--job-secret-file FILE: the job's secret (16-4096 bytes, the same file for every\n"
+            "rank; default $SHARD_JOB_SECRET_FILE): the daemons form the job across nodes of\n"
+            "the nodes whose ranks gave it, and refuse a node that reports the job without it.\n"
             "Under a launcher the rank, world and job default to torchrun's RANK, WORLD_SIZE\n"
             "and TORCHELASTIC_RUN_ID (job torch-ID), else Slurm's SLURM_PROCID, SLURM_NTASKS\n"
             "and SLURM_JOB_ID.SLURM_STEP_ID (job slurm-ID.STEP); the options override them.\n",
@@ -1047,6 +1085,9 @@ int main(int argc, char **argv)
     char launcher_job[96] = "";
     if (!launcher_defaults(&o, launcher_job, sizeof(launcher_job)))
         return 2;
+    o.secret_file = getenv("SHARD_JOB_SECRET_FILE");
+    if (o.secret_file != NULL && o.secret_file[0] == '\0')
+        o.secret_file = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -1133,6 +1174,8 @@ int main(int argc, char **argv)
             o.resume_timeout_ms = strtoull(v, NULL, 10);
         } else if (ARG("--ranks-per-node")) {
             o.ranks_per_node = (uint32_t)strtoul(v, NULL, 10);
+        } else if (ARG("--job-secret-file")) {
+            o.secret_file = v;
         } else if (ARG("--load")) {
             o.load = v;
         } else if (ARG("--dump-params")) {

@@ -103,6 +103,9 @@ enum {
     SHARD_SKIP_UNUSED = 1u << 0,
 };
 
+/* shard_model_t.job_secret: its bounds in bytes */
+enum { SHARD_JOB_SECRET_MIN = 16, SHARD_JOB_SECRET_MAX = 4096 };
+
 typedef struct {
     const char *job; /* job name, shared by all ranks */
     uint32_t rank, world;
@@ -143,6 +146,16 @@ typedef struct {
      * a launcher's LOCAL_WORLD_SIZE, say, for a job with fewer ranks per node than the cluster
      * is configured for, or jobs of different sizes side by side) */
     uint32_t ranks_per_node;
+    /* the job's secret, the same on every rank (NULL or job_secret_len 0: none): 16-4096 bytes
+     * that rank 0 makes (32 random bytes) and the launcher hands every rank as it hands them the
+     * model (shard.torch broadcasts it over the process group; mlp_train reads
+     * --job-secret-file). The daemons see only a token derived from it and the job's name
+     * (HMAC-SHA256), and form the job across nodes of the nodes whose ranks gave the same: a
+     * member of the cluster that is not one of the job's nodes cannot report itself into the
+     * job's registration (without a secret it can, and the registration is refused as two
+     * nodes claiming the same ranks). */
+    const void *job_secret;
+    size_t job_secret_len;
 } shard_model_t;
 
 /* What shard_step_ex takes. Every rank of the job must give the same hyperparameters. */

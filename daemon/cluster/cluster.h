@@ -77,6 +77,8 @@ struct sd_job_report {
     uint32_t job_node; /* the job's node this one is: its ranks' rank / ranks_per_node */
     uint64_t start_step;
     bool resumed;
+    const uint8_t *token; /* its ranks' job token (token_len bytes; 0: none) */
+    uint32_t token_len;
     int status;
     const char *msg;
 };

@@ -53,6 +53,10 @@ struct coord_job {
     uint64_t start_step; /* the first report's (a resume's step, a checkpoint's) */
     bool resumed;
     uint32_t first; /* the cluster node that reported first */
+    /* the job token its reports carry (token_len 0: none): reports of one name with different
+     * tokens are registrations apart, and the first complete one is the job */
+    uint8_t token[SD_JOB_TOKEN_BYTES];
+    uint32_t token_len;
     int status;
     char msg[512];
     uint64_t deadline_ns;
@@ -75,6 +79,8 @@ struct coord_live {
     uint32_t tag;
     uint32_t nodes;
     uint32_t *at; /* [nodes]: its cluster nodes (once all are down, nothing will end it) */
+    uint8_t token[SD_JOB_TOKEN_BYTES]; /* its job token (coord_job's) */
+    uint32_t token_len;
 };
 
 struct sd_cluster {
@@ -153,6 +159,12 @@ void sd_probe_free(struct sd_cluster *cl);
 /* a member gave its registration up (JobAbort without a tag): drop the reports collected */
 void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name);
 void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep);
+/* The same for a report that came on node from's link: one in another node's name is dropped
+ * (logged). */
+void sd_cluster__coord_report_from(struct sd_cluster *cl, int from, const Shard__JobReport *rep);
+/* Is an abort that came on node from's link heard: from is a node of the job and aborts for
+ * itself (else logged, and dropped)? */
+bool sd_cluster__coord_abort_heard(struct sd_cluster *cl, int from, const Shard__JobAbort *a);
 void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t node,
                             const uint32_t *ids, uint32_t n);
 /* a member's JobAbort (or the coordinator's own): pass it on to the job's other nodes */

@@ -7,13 +7,22 @@
 
 /* ---- coordinator: job registration across nodes */
 
-static struct coord_job *coord_job_find(struct sd_cluster *cl, const char *name, bool create,
+static bool same_token(const uint8_t *a, uint32_t alen, const uint8_t *b, size_t blen)
+{
+    return alen == blen && sd_mem_equal(a, b, alen);
+}
+
+/* the registration of name whose reports carry token (len bytes), made when missing with
+ * create */
+static struct coord_job *coord_job_find(struct sd_cluster *cl, const char *name,
+                                        const ProtobufCBinaryData *token, bool create,
                                         uint32_t nodes)
 {
     for (struct coord_job *j = cl->jobs; j; j = j->next)
-        if (strcmp(j->name, name) == 0)
+        if (strcmp(j->name, name) == 0 &&
+            same_token(j->token, j->token_len, token->data, token->len))
             return j;
-    if (!create)
+    if (!create || token->len > SD_JOB_TOKEN_BYTES)
         return NULL;
     struct coord_job *j = calloc(1, sizeof(*j));
     if (j == NULL || (j->at = malloc(nodes * sizeof(*j->at))) == NULL) {
@@ -23,6 +32,9 @@ static struct coord_job *coord_job_find(struct sd_cluster *cl, const char *name,
     for (uint32_t i = 0; i < nodes; i++)
         j->at[i] = SD_NO_NODE;
     snprintf(j->name, sizeof(j->name), "%s", name);
+    if (token->len > 0) /* (no data at all without a token) */
+        memcpy(j->token, token->data, token->len);
+    j->token_len = (uint32_t)token->len;
     j->nodes = nodes;
     j->deadline_ns = sd_now_ns() + (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
     j->next = cl->jobs;
@@ -58,6 +70,24 @@ static bool coord_tag_live(const struct sd_cluster *cl, uint32_t tag)
     return false;
 }
 
+/* does a confirmed job of name carry that token? */
+static bool coord_live_token(const struct sd_cluster *cl, const char *name, const uint8_t *token,
+                             uint32_t len)
+{
+    for (const struct coord_live *l = cl->live; l; l = l->next)
+        if (strcmp(l->name, name) == 0 && same_token(l->token, l->token_len, token, len))
+            return true;
+    return false;
+}
+
+static bool coord_name_live(const struct sd_cluster *cl, const char *name)
+{
+    for (const struct coord_live *l = cl->live; l; l = l->next)
+        if (strcmp(l->name, name) == 0)
+            return true;
+    return false;
+}
+
 bool sd_cluster__coord_member(const struct sd_cluster *cl, const char *name, uint32_t node)
 {
     bool known = false;
@@ -70,8 +100,9 @@ bool sd_cluster__coord_member(const struct sd_cluster *cl, const char *name, uin
                 return true;
     }
     for (const struct coord_job *j = cl->jobs; j; j = j->next)
-        if (strcmp(j->name, name) == 0 && coord_job_node_of(j, node) != SD_NO_NODE)
-            return true; /* it reported a registration of that name */
+        if (strcmp(j->name, name) == 0 && coord_job_node_of(j, node) != SD_NO_NODE &&
+            (!known || coord_live_token(cl, name, j->token, j->token_len)))
+            return true; /* it reported a registration of that name (the running one's secret) */
     return !known;
 }
 
@@ -129,6 +160,17 @@ static void coord_live_end(struct sd_cluster *cl, const char *name)
     }
 }
 
+static void coord_refuse_strangers(struct sd_cluster *cl, const char *name);
+
+/* why a node whose ranks gave a job token of len bytes is not one of the job's */
+static const char *stranger_why(uint32_t len)
+{
+    return len ? "whose ranks gave another job secret than this node's "
+                 "(shard_model_t.job_secret)"
+               : "whose ranks gave a job secret, and this node's none "
+                 "(shard_model_t.job_secret)";
+}
+
 /* The decision on j, told to the nodes that reported it, and to also (SD_NO_NODE: none), a
  * node whose report could not be part of it and which j does not list. */
 static void coord_decide(struct sd_cluster *cl, struct coord_job *j, uint32_t also)
@@ -155,6 +197,8 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j, uint32_t al
         struct coord_live *live = calloc(1, sizeof(*live));
         if (live != NULL && (live->at = malloc(j->nodes * sizeof(*live->at))) != NULL) {
             snprintf(live->name, sizeof(live->name), "%s", j->name);
+            memcpy(live->token, j->token, j->token_len);
+            live->token_len = j->token_len;
             live->tag = tag;
             live->nodes = j->nodes;
             memcpy(live->at, j->at, j->nodes * sizeof(*live->at));
@@ -189,14 +233,46 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j, uint32_t al
         cl->ev.job_confirmed(cl->ev.ctx, j->name, c.tag, j->at, j->nodes);
     else if (here)
         cl->ev.job_refused(cl->ev.ctx, j->name, j->status, j->msg);
+    bool confirmed = j->status == SD_OK;
+    char name[64];
+    snprintf(name, sizeof(name), "%s", j->name);
     coord_job_free(cl, j);
+    if (confirmed)
+        coord_refuse_strangers(cl, name);
+}
+
+/* The job of name was confirmed: the registrations of that name whose reports carry another
+ * job token (another secret, or none) are nodes without the job's secret: refused, and said. */
+static void coord_refuse_strangers(struct sd_cluster *cl, const char *name)
+{
+    for (struct coord_job *j = cl->jobs, *next; j; j = next) {
+        next = j->next;
+        if (strcmp(j->name, name) != 0)
+            continue;
+        char nodes[128] = "";
+        for (uint32_t i = 0, off = 0; i < j->nodes && off < sizeof(nodes); i++)
+            if (j->at[i] != SD_NO_NODE)
+                off += (uint32_t)snprintf(nodes + off, sizeof(nodes) - off, "%s%u", off ? ", " : "",
+                                          j->at[i]);
+        SD_WARN("cluster",
+                "job '%s': node(s) %s registered it with %s job secret than its nodes: not "
+                "nodes of the job, refused",
+                name, nodes, j->token_len ? "another" : "no");
+        j->status = SD_EPERM;
+        snprintf(j->msg, sizeof(j->msg), "job '%s' runs on other nodes, %s", name,
+                 stranger_why(j->token_len));
+        coord_decide(cl, j, SD_NO_NODE);
+        next = cl->jobs; /* the list changed: start over (each pass removes one) */
+    }
 }
 
 void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name)
 {
-    struct coord_job *cj = coord_job_find(cl, name, false, 0);
-    if (cj != NULL)
-        coord_job_free(cl, cj);
+    for (struct coord_job *cj = cl->jobs, *next; cj; cj = next) {
+        next = cj->next;
+        if (strcmp(cj->name, name) == 0)
+            coord_job_free(cl, cj);
+    }
 }
 
 /* the first mismatch between a report and the job's first one, in j->msg */
@@ -231,15 +307,46 @@ static void coord_check(struct coord_job *j, const Shard__JobReport *rep, uint32
     }
 }
 
+/* A report of a job that runs with another job token (another secret, or none): that node is
+ * not one of its nodes; refused, and said. */
+static void coord_refuse_stranger(struct sd_cluster *cl, const Shard__JobReport *rep)
+{
+    SD_WARN("cluster",
+            "job '%s': node %u registered it with %s job secret than the nodes it runs on: not "
+            "a node of the job, refused",
+            rep->job, rep->node, rep->job_token.len ? "another" : "no");
+    if (rep->status != SD_OK)
+        return; /* its registration failed there already */
+    char msg[256];
+    snprintf(msg, sizeof(msg), "job '%s' runs on other nodes, %s", rep->job,
+             stranger_why((uint32_t)rep->job_token.len));
+    Shard__JobRefuse r = SHARD__JOB_REFUSE__INIT;
+    r.job = rep->job;
+    r.status = SD_EPERM;
+    r.message = msg;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_REFUSE;
+    m.job_refuse = &r;
+    if (rep->node == cl->self)
+        cl->ev.job_refused(cl->ev.ctx, rep->job, SD_EPERM, msg);
+    else
+        sd_cluster__send_to(cl, rep->node, &m);
+}
+
 /* A node reported its part of a job: the job's node it is comes from its ranks (job_node =
  * rank / ranks_per_node), so that any cluster nodes can serve a job, in any order. */
 void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep)
 {
     uint32_t k = rep->ranks_per_node ? rep->ranks_per_node : (uint32_t)cl->cfg->ranks_per_node;
     uint32_t nodes = k ? rep->world / k : 0;
-    if (rep->node >= cl->n || nodes == 0 || nodes > cl->n)
+    if (rep->node >= cl->n || nodes < 2 || nodes > cl->n)
+        return; /* (a job of one node registers there alone) */
+    if (coord_name_live(cl, rep->job) &&
+        !coord_live_token(cl, rep->job, rep->job_token.data, (uint32_t)rep->job_token.len)) {
+        coord_refuse_stranger(cl, rep);
         return;
-    struct coord_job *j = coord_job_find(cl, rep->job, true, nodes);
+    }
+    struct coord_job *j = coord_job_find(cl, rep->job, &rep->job_token, true, nodes);
     if (j == NULL || coord_job_node_of(j, rep->node) != SD_NO_NODE)
         return; /* (out of memory; or this node reported already) */
     uint32_t jn = rep->job_node;
@@ -279,6 +386,32 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
         coord_check(j, rep, k);
     if (j->reported == j->nodes || j->status != SD_OK)
         coord_decide(cl, j, SD_NO_NODE);
+}
+
+void sd_cluster__coord_report_from(struct sd_cluster *cl, int from, const Shard__JobReport *rep)
+{
+    if (from >= 0 && rep->node == (uint32_t)from) {
+        sd_cluster__coord_report(cl, rep);
+        return;
+    }
+    SD_WARN_SPARSE("cluster",
+                   "node %d reported job '%.64s' as node %u: dropped (a node reports its own "
+                   "registrations)",
+                   from, rep->job, rep->node);
+}
+
+bool sd_cluster__coord_abort_heard(struct sd_cluster *cl, int from, const Shard__JobAbort *a)
+{
+    static uint64_t logged;
+    if (!sd_cluster__coord_hears(cl, a->job, from, "abort of the job", &logged))
+        return false;
+    if (a->origin == (uint32_t)from)
+        return true;
+    SD_WARN_SPARSE("cluster",
+                   "node %d sent an abort of job '%.64s' as node %u: dropped (a node aborts for "
+                   "itself)",
+                   from, a->job, a->origin);
+    return false;
 }
 
 void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now)
@@ -420,6 +553,8 @@ void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *jr
     r.ranks_per_node = jr->ranks_per_node;
     r.start_step = jr->start_step;
     r.resumed = jr->resumed;
+    r.job_token.data = (uint8_t *)jr->token;
+    r.job_token.len = jr->token_len;
     r.status = jr->status;
     r.message = (char *)(jr->msg ? jr->msg : "");
     if (cl->self == 0) {
@@ -435,7 +570,12 @@ void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *jr
 void sd_cluster__coord_abort(struct sd_cluster *cl, const Shard__PeerMsg *m)
 {
     const Shard__JobAbort *a = m->job_abort;
-    struct coord_job *cj = coord_job_find(cl, a->job, false, 0);
+    /* the sender's registration of the name (another one of that name, whose reports carry
+     * another job token, is not its to end) */
+    struct coord_job *cj = NULL;
+    for (struct coord_job *j = cl->jobs; j && cj == NULL; j = j->next)
+        if (strcmp(j->name, a->job) == 0 && coord_job_node_of(j, a->origin) != SD_NO_NODE)
+            cj = j;
     /* the job's nodes as its sender knows them; a registration given up (no tag) goes to the
      * nodes that reported it so far */
     for (uint32_t i = 0; i < a->n_nodes; i++)

@@ -408,7 +408,7 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         break;
     case SHARD__PEER_MSG__MSG_JOB_REPORT:
         if (cl->self == 0)
-            sd_cluster__coord_report(cl, m->job_report);
+            sd_cluster__coord_report_from(cl, l->node, m->job_report);
         break;
     case SHARD__PEER_MSG__MSG_JOB_CONFIRM:
         cl->ev.job_confirmed(cl->ev.ctx, m->job_confirm->job, m->job_confirm->tag,
@@ -420,9 +420,7 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         break;
     case SHARD__PEER_MSG__MSG_JOB_ABORT: {
         const Shard__JobAbort *a = m->job_abort;
-        static uint64_t abort_logged;
-        if (cl->self == 0 &&
-            !sd_cluster__coord_hears(cl, a->job, l->node, "abort of the job", &abort_logged))
+        if (cl->self == 0 && !sd_cluster__coord_abort_heard(cl, l->node, a))
             break;
         if (cl->self == 0) /* relay to the job's others (and forget a registration's reports) */
             sd_cluster__coord_abort(cl, m);

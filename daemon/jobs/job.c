@@ -15,6 +15,7 @@
 #include "resume.h"
 #include "server.h"
 #include "session.h"
+#include "sd/hmac.h"
 #include "sd/model_msg.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -372,8 +373,15 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
                                                   .job_node = job->node,
                                                   .start_step = start_step(job),
                                                   .resumed = sd_resume_resuming(job),
+                                                  .token = job->xfer.token,
+                                                  .token_len = job->xfer.token_len,
                                                   .status = status,
                                                   .msg = status == SD_OK ? "" : err});
+}
+
+bool sd_job_token_is(const struct sd_job *job, const void *token, size_t len)
+{
+    return len == job->xfer.token_len && sd_mem_equal(token, job->xfer.token, len);
 }
 
 uint32_t sd_job_ranks_per_node(const struct sd_config *cfg, const Shard__Register *msg)
@@ -475,6 +483,10 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
     job->model = *model;
     memset(model, 0, sizeof(*model));
     job->digest = sd_model_digest(&job->model);
+    if (msg->job_token.len == SD_JOB_TOKEN_BYTES) { /* (any other length: refused before) */
+        memcpy(job->xfer.token, msg->job_token.data, SD_JOB_TOKEN_BYTES);
+        job->xfer.token_len = SD_JOB_TOKEN_BYTES;
+    }
     job->created_ns = sd_now_ns();
     job->register_deadline_ns = job->created_ns + (uint64_t)cfg->register_timeout_ms * 1000000ULL;
     job->ranks = calloc(k, sizeof(*job->ranks));

@@ -14,6 +14,7 @@
 #include "stats.h"
 #include "unit_cache.h"
 #include "sd/gpu.h"
+#include "sd/hmac.h"
 #include "sd/model.h"
 #include "shard.pb-c.h"
 
@@ -135,6 +136,10 @@ struct sd_job_xfer {
     uint32_t *node_ids;
     struct sd_transport *tp; /* the job's view of the transport: peers are job nodes
                               * (job_tp.c) */
+    /* the job's token (Register.job_token: its ranks' secret, hashed with its name), which its
+     * report to the coordinator carries; token_len 0: a job without a secret */
+    uint8_t token[SD_JOB_TOKEN_BYTES];
+    uint32_t token_len;
 };
 
 struct sd_job {
@@ -180,6 +185,8 @@ struct sd_job {
 };
 
 /* ---- lifecycle (job.c) */
+/* Is token (len bytes) the job's (Register.job_token)? Compared in constant time. */
+bool sd_job_token_is(const struct sd_job *job, const void *token, size_t len);
 /* A job name: 1..63 of A-Z a-z 0-9 . _ - : , + = @, not starting with '.' or '-' (it names
  * shared-memory files and log lines, and may name checkpoint directories: no '/', no space, no
  * control character, no quote). */

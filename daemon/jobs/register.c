@@ -227,6 +227,12 @@ static void job_register(struct sd_registry *reg, struct sd_session *s, const Sh
                            name, nlen);
         return;
     }
+    if (msg->job_token.len != 0 && msg->job_token.len != SD_JOB_TOKEN_BYTES) {
+        sd_conn_send_error(c, SD_EINVAL,
+                           "register job '%s' rank %u: a job token of %zu bytes (%d, or none)",
+                           name, msg->rank, msg->job_token.len, SD_JOB_TOKEN_BYTES);
+        return;
+    }
     int status = sd_model_from_register(msg, (uint64_t)reg->cfg->max_tensors,
                                         (uint64_t)reg->cfg->max_units, &model, err, sizeof(err));
     if (status != SD_OK) {
@@ -297,6 +303,11 @@ static void job_register(struct sd_registry *reg, struct sd_session *s, const Sh
             } else if (msg->world != job->world) {
                 snprintf(why, sizeof(why), "world %u differs from world %u of the other ranks",
                          msg->world, job->world);
+            } else if (!sd_job_token_is(job, msg->job_token.data, msg->job_token.len)) {
+                snprintf(why, sizeof(why),
+                         "%s job secret than the other ranks of this node (every rank gives "
+                         "the same, or none)",
+                         msg->job_token.len ? "another" : "no");
             } else if (sd_job_ranks_per_node(reg->cfg, msg) != job->k) {
                 snprintf(why, sizeof(why),
                          "%u ranks per node differ from %u of the other ranks (ranks_per_node)",

@@ -110,6 +110,8 @@ static json_t *job_summary(const struct sd_job *job)
                                                     ? -1
                                                     : (json_int_t)job->xfer.node_ids[n]));
     json_object_set_new(doc, "node_ids", ids);
+    /* its ranks gave a job secret (shard_model_t.job_secret): its nodes are those that did */
+    json_object_set_new(doc, "secret", json_boolean(job->xfer.token_len > 0));
     /* how a job that ended cleanly ended (its ranks detached): not an error */
     json_object_set_new(doc, "ended", json_string(ended ? job->fail_msg : ""));
     json_object_set_new(doc, "optimizer", optimizer_json(job));

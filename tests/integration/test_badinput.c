@@ -644,6 +644,58 @@ static void test_registration(void)
     if (b.ctx)
         shard_detach(b.ctx);
 
+    /* the job's secret: two ranks of a node with different ones refused (the second, naming
+     * it; the first hears it at once), one of 8 bytes refused by libshard, and a token of 5
+     * bytes (a hostile client's: libshard sends 32) by the daemon */
+    static const char sec_a[] = "0123456789abcdef0123", sec_b[] = "fedcba98765432100123";
+    struct joined s0 = {0};
+    struct tiny s1;
+    tiny_init(&s0.x, "secrets", 0, 2, 100);
+    tiny_init(&s1, "secrets", 1, 2, 100);
+    s0.x.m.job_secret = sec_a;
+    s0.x.m.job_secret_len = sizeof(sec_a) - 1;
+    s1.m.job_secret = sec_b;
+    s1.m.job_secret_len = sizeof(sec_b) - 1;
+    pthread_create(&th, NULL, join_thread, &s0);
+    usleep(200000);
+    shard_attach(d.sock, &ctx);
+    st = shard_register(ctx, &s1.m);
+    expect_error(ctx, st, SHARD_EMISMATCH, "another job secret than the other ranks of this node",
+                 "a rank with another job secret");
+    shard_detach(ctx);
+    pthread_join(th, NULL);
+    TH_CHECK(s0.st == SHARD_EMISMATCH, "rank 0 is told: %d '%s'", s0.st, s0.err);
+    if (s0.ctx)
+        shard_detach(s0.ctx);
+    s1.m.job_secret_len = 8;
+    shard_attach(d.sock, &ctx);
+    st = shard_register(ctx, &s1.m);
+    expect_error(ctx, st, SHARD_EINVAL, "a job secret of 8 bytes; give 16-4096",
+                 "a job secret of 8 bytes");
+    shard_detach(ctx);
+    int fd = raw_connect();
+    Shard__Attach at = SHARD__ATTACH__INIT;
+    at.protocol_version = SD_PROTOCOL_VERSION;
+    Shard__ClientMsg cm = SHARD__CLIENT_MSG__INIT;
+    cm.msg_case = SHARD__CLIENT_MSG__MSG_ATTACH;
+    cm.attach = &at;
+    char msg[512];
+    sd_frame_send(fd, &cm.base, NULL, 0, 2000);
+    TH_CHECK(read_error(fd, msg, sizeof(msg)) == 0, "a raw client attaches: '%s'", msg);
+    uint8_t five[5] = {1, 2, 3, 4, 5};
+    Shard__Register rg = SHARD__REGISTER__INIT;
+    rg.job = "tokens";
+    rg.world = 1;
+    rg.job_token.data = five;
+    rg.job_token.len = sizeof(five);
+    cm.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
+    cm.register_ = &rg;
+    sd_frame_send(fd, &cm.base, NULL, 0, 2000);
+    st = read_error(fd, msg, sizeof(msg));
+    TH_CHECK(st == SHARD_EINVAL && strstr(msg, "a job token of 5 bytes"),
+             "a job token of 5 bytes refused: %d '%s'", st, msg);
+    close(fd);
+
     /* a model larger than the memory budget is refused with the numbers */
     struct tiny big;
     tiny_init(&big, "huge", 0, 1, 1ULL << 36);

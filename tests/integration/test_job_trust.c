@@ -4,10 +4,17 @@
  * relayed "save done" and "recover" addressed to the job's other node, a "left" of it. The
  * coordinator drops each, naming the node and the job in its log, and the job trains on to its
  * one-process reference bitwise. The member is this test: it joins an open cluster of two
- * daemons as a third (a hello MAC'd with the cluster's secret over the coordinator's nonce). */
+ * daemons as a third (a hello MAC'd with the cluster's secret over the coordinator's nonce).
+ *
+ * Then a job with a secret (mlp_train --job-secret-file): the member reports itself into its
+ * registration first, as the job's node 1 with a token of its own; the job forms of the nodes
+ * whose ranks gave the secret, the member is refused (logged, naming it), its report of the
+ * running job refused too, a report in another node's name dropped, and its aborts of the job
+ * dropped; the job trains bitwise as its reference. */
 #include "harness.h"
 #include "cluster/auth.h"
 #include "sd/config.h"
+#include "sd/hmac.h"
 #include "sd/frame.h"
 #include "sd/status.h"
 #include "shard.pb-c.h"
@@ -41,8 +48,9 @@ static void send_msg(int fd, Shard__PeerMsg *m)
     TH_CHECK(sd_frame_send(fd, &m->base, NULL, 0, 2000) == 0, "a message to the coordinator");
 }
 
-/* joins as a member: the connection to the coordinator, once welcomed; -1 if not */
-static int join(void)
+/* joins as a member: the connection to the coordinator, once welcomed (*you: the node the
+ * coordinator numbered it); -1 if not */
+static int join(uint32_t *you)
 {
     char key[128], err[512];
     snprintf(key, sizeof(key), "%s/cluster.key", cl.base);
@@ -106,7 +114,38 @@ static int join(void)
         close(fd);
         return -1;
     }
+    *you = UINT32_MAX;
+    for (int i = 0; i < 20 && *you == UINT32_MAX; i++) { /* the address table numbers it */
+        Shard__PeerMsg *t = recv_msg(fd, 500);
+        if (t != NULL && t->msg_case == SHARD__PEER_MSG__MSG_TABLE)
+            *you = t->table->you;
+        if (t)
+            shard__peer_msg__free_unpacked(t, NULL);
+    }
+    TH_CHECK(*you != UINT32_MAX, "the coordinator numbers the member (%u)", *you);
     return fd;
+}
+
+/* the member reports itself (node `as`, its own number or not) as job node 1 of the 2 of job,
+ * with a job token of its own */
+static void report_into(int fd, const char *job, uint32_t as)
+{
+    uint8_t token[SD_JOB_TOKEN_BYTES];
+    memset(token, 0x5a, sizeof(token));
+    Shard__JobReport r = SHARD__JOB_REPORT__INIT;
+    r.job = (char *)job;
+    r.node = as;
+    r.digest = 1;
+    r.world = 2;
+    r.ranks_per_node = 1;
+    r.job_node = 1;
+    r.message = "";
+    r.job_token.data = token;
+    r.job_token.len = sizeof(token);
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_REPORT;
+    m.job_report = &r;
+    send_msg(fd, &m);
 }
 
 /* the member's attempts on job `job`, which runs on cluster nodes 0 and 1 */
@@ -165,19 +204,55 @@ static void forge(int fd, const char *job)
 }
 
 struct training {
-    char dir[300], dump[400], ref[400];
+    const char *job;
+    char dir[300], dump[400], ref[400], secret[400];
     int failed;
 };
+
+/* t in dir base/name: job name, with a secret file when secret */
+static void training_init(struct training *t, const char *name, bool secret)
+{
+    memset(t, 0, sizeof(*t));
+    t->job = name;
+    snprintf(t->dir, sizeof(t->dir), "%s/%s", cl.base, name);
+    mkdir(t->dir, 0755);
+    snprintf(t->dump, sizeof(t->dump), "%s/params.bin", t->dir);
+    snprintf(t->ref, sizeof(t->ref), "%s/ref.bin", t->dir);
+    if (!secret)
+        return;
+    snprintf(t->secret, sizeof(t->secret), "%s/job.key", t->dir);
+    FILE *f = fopen(t->secret, "w");
+    TH_CHECK(f != NULL, "the job's secret file");
+    if (f != NULL) {
+        for (int i = 0; i < 32; i++) /* (a test's secret: any 16-4096 bytes) */
+            fputc((i * 37 + 11) & 0xff, f);
+        fclose(f);
+    }
+}
+
+/* the job trained bitwise as its reference */
+static void trained(struct training *t)
+{
+    TH_CHECK(t->failed == 0, "%s: every rank and the reference exited 0 (%d did not)", t->job,
+             t->failed);
+    struct th_dump_diff dd;
+    TH_CHECK(th_compare_dumps(t->dump, t->ref, 0.0, &dd) && dd.differ == 0,
+             "%s trained bitwise as its reference (%zu of %zu differ)", t->job, dd.differ, dd.n);
+}
 
 static void *train(void *arg)
 {
     struct training *t = arg;
     const char *socks[2] = {cl.d[0].sock, cl.d[1].sock};
-    const char *args[] = {"--world", "2",  "--ranks-per-node", "1",  "--plan",       "zero3",
-                          "--steps", "40", "--hidden",         "64", "--compute-ms", "20",
-                          "--quiet", NULL};
+    const char *args[] = {
+        "--world",  "2",  "--ranks-per-node", "1",  "--plan",  "zero3", "--steps", "40",
+        "--hidden", "64", "--compute-ms",     "20", "--quiet", NULL,    NULL,      NULL};
+    if (t->secret[0] != '\0') { /* the job's secret, the same file for every rank */
+        args[13] = "--job-secret-file";
+        args[14] = t->secret;
+    }
     int rcs[3];
-    t->failed = th_train(t->dir, "victim", socks, 1, 2, args, t->dump, t->ref, rcs);
+    t->failed = th_train(t->dir, t->job, socks, 1, 2, args, t->dump, t->ref, rcs);
     return NULL;
 }
 
@@ -198,33 +273,48 @@ static void job_state(const char *job, char *out, size_t len)
     json_decref(doc);
 }
 
+/* wait until job runs on node 0 */
+static void wait_running(const char *job)
+{
+    char state[32] = "";
+    for (int i = 0; i < 400 && strcmp(state, "running") != 0; i++) {
+        usleep(25000);
+        job_state(job, state, sizeof(state));
+    }
+    TH_CHECK(strcmp(state, "running") == 0, "%s runs on nodes 0 and 1 (%s)", job, state);
+}
+
 int main(void)
 {
     if (th_open_cluster_start(&cl, 2, extra) != 0)
         return th_summary("test_job_trust");
-    struct training t = {0};
-    snprintf(t.dir, sizeof(t.dir), "%s/job", cl.base);
-    mkdir(t.dir, 0755);
-    snprintf(t.dump, sizeof(t.dump), "%s/params.bin", t.dir);
-    snprintf(t.ref, sizeof(t.ref), "%s/ref.bin", t.dir);
-    pthread_t th;
+    struct training t, g;
+    training_init(&t, "victim", false);
+    training_init(&g, "guarded", true);
+    pthread_t th, tg;
     pthread_create(&th, NULL, train, &t);
-    char state[32] = "";
-    for (int i = 0; i < 400 && strcmp(state, "running") != 0; i++) {
-        usleep(25000);
-        job_state("victim", state, sizeof(state));
-    }
-    TH_CHECK(strcmp(state, "running") == 0, "the job runs on nodes 0 and 1 (%s)", state);
-    int fd = join();
+    wait_running("victim");
+    /* (the member sends no heartbeats: all it does is done within the cluster's timeout) */
+    uint32_t you = UINT32_MAX;
+    int fd = join(&you);
     if (fd >= 0) {
+        /* the job with a secret: the member reports itself into its registration before its
+         * ranks come, as its node 1 */
+        report_into(fd, "guarded", you);
         forge(fd, "victim");
+    }
+    pthread_create(&tg, NULL, train, &g);
+    wait_running("guarded");
+    if (fd >= 0) { /* once it runs: again, in node 1's name, then its aborts */
+        report_into(fd, "guarded", you);
+        report_into(fd, "guarded", 1);
+        forge(fd, "guarded");
         usleep(300000);
     }
     pthread_join(th, NULL);
-    TH_CHECK(t.failed == 0, "every rank and the reference exited 0 (%d did not)", t.failed);
-    struct th_dump_diff dd;
-    TH_CHECK(th_compare_dumps(t.dump, t.ref, 0.0, &dd) && dd.differ == 0,
-             "the job trained bitwise as its reference (%zu of %zu differ)", dd.differ, dd.n);
+    pthread_join(tg, NULL);
+    trained(&t);
+    trained(&g);
     char *log = th_read_file(cl.d[0].log, NULL);
     TH_CHECK(log != NULL && strstr(log, "is not a node of job 'victim': its abort of the job "
                                         "dropped") != NULL,
@@ -234,6 +324,22 @@ int main(void)
     TH_CHECK(log != NULL &&
                  strstr(log, "is not a node of job 'victim': its 'left' dropped") != NULL,
              "the coordinator drops the member's 'left'");
+    char want[256];
+    snprintf(want, sizeof(want),
+             "job 'guarded': node(s) %u registered it with another job secret than its nodes: "
+             "not nodes of the job, refused",
+             you);
+    TH_CHECK(log != NULL && strstr(log, want) != NULL,
+             "the member's report into the registration is refused once the job formed of the "
+             "nodes with its secret, naming it");
+    snprintf(want, sizeof(want),
+             "job 'guarded': node %u registered it with another job secret than the nodes it "
+             "runs on: not a node of the job, refused",
+             you);
+    TH_CHECK(log != NULL && strstr(log, want) != NULL,
+             "its report of the running job is refused at once, naming it");
+    snprintf(want, sizeof(want), "node %u reported job 'guarded' as node 1: dropped", you);
+    TH_CHECK(log != NULL && strstr(log, want) != NULL, "a report in another node's name dropped");
     free(log);
     if (fd >= 0)
         close(fd);

@@ -20,6 +20,9 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
     optimizer to use, the process lives on, and no parameter changed; a torch optimizer that
     was not given to wrap raises at its step(), pointing to wrap(optimizer=), while the torch
     optimizers given to wrap step as before;
+  - the job's secret: without one given, rank 0's random bytes broadcast over an initialized
+    process group (both ranks register with it: shardctl jobs' secret); ranks of one node whose
+    $SHARD_JOB_SECRET_FILE differ refused, saying so; a secret of 8 bytes refused;
   - RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID (torchrun's variables) set rank, world and the job
     name ("torch-<id>") when wrap is not given them, else SLURM_PROCID, SLURM_NTASKS and
     SLURM_JOB_ID.SLURM_STEP_ID (Slurm's: "slurm-<id>.<step>"); a RANK outside WORLD_SIZE and a
@@ -404,6 +407,49 @@ try:
                        capture_output=True, text=True, timeout=120)
     check(r.returncode != 0 and "rank 2 is outside world 2" in r.stderr,
           f"RANK outside WORLD_SIZE refused: {r.stderr[-300:]}")
+    # the job's secret: rank 0's random bytes broadcast over the process group when one is
+    # initialized with the job's world (both ranks give the same, or this node refuses the
+    # second); $SHARD_JOB_SECRET_FILE otherwise; one too short refused by libshard
+    gsec = ("import os, torch, torch.distributed as dist, shard, shard.torch as st\n"
+            "dist.init_process_group('gloo', rank=int(os.environ['RANK']), world_size=2)\n"
+            "torch.manual_seed(0)\n"
+            "m = torch.nn.Linear(4, 2)\n"
+            "st.wrap(m, job='py-secret')\n"
+            "m(torch.ones(3, 4)).sum().backward()\n"
+            "st.step(m)\n"
+            "print('SECRET', [j['secret'] for j in shard.admin('jobs')['jobs']\n"
+            "                 if j['name'] == 'py-secret'])\n"
+            "dist.destroy_process_group()\n")
+    genv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getpid() % 9000))
+    procs = [subprocess.Popen([sys.executable, "-c", gsec], env=dict(genv, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    check(all(p.returncode == 0 and "SECRET [True]" in out for p, out in zip(procs, outs)),
+          f"a secret broadcast over the process group: both ranks register with it: {outs}")
+    keys = []
+    for r in range(2):
+        keys.append(os.path.join(work, f"job{r}.key"))
+        with open(keys[r], "wb") as f:
+            f.write(bytes([r + 1]) * 32)
+    fsec = ("import torch, shard.torch as st\n"
+            "m = torch.nn.Linear(4, 2)\n"
+            "st.wrap(m, job='py-secrets')\n"
+            "print('REGISTERED')\n")
+    procs = [subprocess.Popen([sys.executable, "-c", fsec],
+                              env=dict(env, RANK=str(r), SHARD_JOB_SECRET_FILE=keys[r]),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    check(all(p.returncode != 0 for p in procs) and
+          any("another job secret than the other ranks of this node" in out for out in outs),
+          f"two ranks of one node with different secrets ($SHARD_JOB_SECRET_FILE): refused, "
+          f"saying so: {[out[-300:] for out in outs]}")
+    m = torch.nn.Linear(4, 2)
+    ok, msg = raises(lambda: st.wrap(m, job="short-secret", job_secret=b"12345678"),
+                     "a job secret of 8 bytes", "give 16-4096", kinds=(Exception,))
+    check(ok, f"a job secret of 8 bytes refused: {msg}")
+
     # shard.torch.launcher: what wrap takes, before wrap (a script picking its data by rank)
     q = ("import shard.torch as st\n"
          "print('L', st.launcher(), st.launcher(job='mine', rank=0))\n")

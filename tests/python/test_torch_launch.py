@@ -7,7 +7,8 @@
   and job from torchrun's variables (shard.torch.launcher), the job's ranks per node from
   LOCAL_WORLD_SIZE;
 - an srun-style launch: each node's process with Slurm's variables (SLURM_PROCID, SLURM_NTASKS,
-  SLURM_NTASKS_PER_NODE, SLURM_JOB_ID, SLURM_STEP_ID) set as srun sets them, nothing else.
+  SLURM_NTASKS_PER_NODE, SLURM_JOB_ID, SLURM_STEP_ID) set as srun sets them, and the job's
+  secret in a file both read ($SHARD_JOB_SECRET_FILE): the job forms of the nodes that gave it.
 
 Each trains to the reference, the same model in one process on both ranks' micro-batches
 (train_gpt.py --single): losses within 1e-5 relative, parameters allclose (rtol 1e-5, atol 1e-5),
@@ -121,10 +122,14 @@ try:
             check(rc == 0, f"torchrun on node {n}: exit {rc}:\n{out}")
         compare("torchrun", f"{work}/torchrun0.json", f"{work}/torchrun0.pt", ref)
 
-        # srun: Slurm's variables, as it sets them for task n of 2, one a node
+        # srun: Slurm's variables, as it sets them for task n of 2, one a node, and the job's
+        # secret in a file both read (as on a shared filesystem)
+        key = os.path.join(work, "job.key")
+        with open(key, "wb") as f:
+            f.write(os.urandom(32))
         cmds = []
         for n in range(2):
-            cmds.append(["ip", "netns", "exec", ns[n], "env",
+            cmds.append(["ip", "netns", "exec", ns[n], "env", f"SHARD_JOB_SECRET_FILE={key}",
                          f"SHARD_SOCKET={cdir}/node{n}/shardd.sock", f"SLURM_PROCID={n}",
                          "SLURM_NTASKS=2", "SLURM_NTASKS_PER_NODE=1", "SLURM_LOCALID=0",
                          "SLURM_JOB_ID=4242", "SLURM_STEP_ID=0", sys.executable, GPT, "--plan",
@@ -145,8 +150,9 @@ try:
         for name in ("torch-gpt7", "slurm-4242.0"):
             j = jobs.get(name)
             check(j is not None and j.get("state") == "finished" and j.get("world") == 2 and
-                  j.get("node_ids") == [0, 1],
-                  f"{name}: finished, world 2, on cluster nodes 0 and 1: {j}")
+                  j.get("node_ids") == [0, 1] and j.get("secret") == (name == "slurm-4242.0"),
+                  f"{name}: finished, world 2, on cluster nodes 0 and 1 (a job secret: the "
+                  f"srun one's): {j}")
             s = subprocess.run([SHARDCTL, "--socket", f"{cdir}/node0/shardd.sock", "--job", name,
                                 "stats", "--json"], capture_output=True, text=True)
             try:

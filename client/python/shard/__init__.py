@@ -85,7 +85,8 @@ class _Model(ctypes.Structure):
                 ("max_live_bytes", ctypes.c_uint64), ("groups", ctypes.POINTER(_HParams)),
                 ("n_groups", ctypes.c_uint32), ("flags", ctypes.c_uint32),
                 ("bcast_bytes", ctypes.c_uint64), ("load", ctypes.c_char_p),
-                ("resume_timeout_ms", ctypes.c_uint64), ("ranks_per_node", ctypes.c_uint32)]
+                ("resume_timeout_ms", ctypes.c_uint64), ("ranks_per_node", ctypes.c_uint32),
+                ("job_secret", ctypes.c_void_p), ("job_secret_len", ctypes.c_size_t)]
 
 SKIP_UNUSED = 1  # shard_model_t.flags: tensors no rank gave a gradient in a step are not updated
 
@@ -268,7 +269,7 @@ class Context:
 
     def register(self, job, rank, world, plan, tensors, optimizer, init=None, max_live_bytes=0,
                  groups=None, skip_unused=False, bcast_bytes=0, load=None, resume_timeout_ms=0,
-                 ranks_per_node=0):
+                 ranks_per_node=0, job_secret=None):
         """Register the model (every rank the same tensors). init (rank 0): one fp32 buffer per
         tensor (objects with the buffer protocol or ctypes addresses), None for zeros.
         groups: None, or one dict of hyperparameters per parameter group (lr, betas, eps,
@@ -282,7 +283,10 @@ class Context:
         rank again (same job and model) resumes it: resumed is True and start_step the step it
         paused after. ranks_per_node: the job's ranks per node, the same on every rank (ranks
         with the same r // ranks_per_node share a node, any of the cluster's; 0: the daemon's
-        ranks_per_node)."""
+        ranks_per_node). job_secret: the job's secret (bytes, 16-4096 of them, the same on every
+        rank; None: none): the daemons form the job across nodes of the nodes whose ranks gave
+        it and refuse a node that reports the job without it (they see only a token derived
+        from it)."""
         n = len(tensors)
         keep = []  # keep ctypes objects alive during the call
         arr = (_Tensor * n)()
@@ -320,10 +324,15 @@ class Context:
             garr = (_HParams * ng)(*[_hparams(g, defaults, f"register: group {i}")
                                      for i, g in enumerate(groups)])
         self.n_groups = max(1, ng)
+        secret = None
+        if job_secret is not None:
+            secret = _c.create_string_buffer(bytes(job_secret), len(job_secret))
+            keep.append(secret)
         model = _Model(jobb, rank, world, planb, arr, n, opt, init_arr, int(max_live_bytes),
                        garr, ng, SKIP_UNUSED if skip_unused else 0, int(bcast_bytes),
                        _b(os.fspath(load)) if load else None, int(resume_timeout_ms),
-                       int(ranks_per_node))
+                       int(ranks_per_node), _c.cast(secret, _c.c_void_p) if secret else None,
+                       len(job_secret) if secret else 0)
         self._check(_lib.shard_register(self._ctx, _c.byref(model)), "register")
         # "host", or "cuda": the daemon keeps the job's buffers in a GPU's memory and the
         # pointers fetch and push use are device addresses

@@ -548,6 +548,29 @@ def _ranks_per_node(given):
     return 0
 
 
+def _job_secret(given, world):
+    """The job's secret: given, else rank 0's random bytes broadcast over the default process
+    group (torch.distributed initialized with the job's world), else $SHARD_JOB_SECRET_FILE's
+    bytes, else None."""
+    if given is not None:
+        return bytes(given)
+    dist = torch.distributed
+    if world > 1 and dist.is_available() and dist.is_initialized() and \
+            dist.get_world_size() == world:
+        box = [os.urandom(32) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    path = os.environ.get("SHARD_JOB_SECRET_FILE", "")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                return f.read(4097)
+        except OSError as e:
+            raise ValueError(f"shard.torch.wrap: SHARD_JOB_SECRET_FILE={path!r}: "
+                             f"{e.strerror}") from None
+    return None
+
+
 def _launcher_int(names, default):
     """The first of the launcher's variables names that is set, as a number; else default."""
     for var in names:
@@ -759,7 +782,7 @@ def _check_devices(named, socket):
 
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
          units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None,
-         resume_timeout_ms=0, ranks_per_node=None):
+         resume_timeout_ms=0, ranks_per_node=None, job_secret=None):
     """Register model's parameters with shardd and install the hooks; returns model.
 
     rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
@@ -768,6 +791,11 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     ranks_per_node: the job's ranks per node (ranks r with the same r // ranks_per_node share a
     node, any of the cluster's: the job's node r // ranks_per_node), by default torchrun's
     LOCAL_WORLD_SIZE or Slurm's SLURM_NTASKS_PER_NODE, else the daemon's ranks_per_node.
+    job_secret: the job's secret (16-4096 bytes, the same on every rank): the daemons form the
+    job across nodes of the nodes whose ranks gave it, and refuse a node that reports the job
+    without it. By default rank 0 makes 32 random bytes and broadcasts them over the default
+    process group when torch.distributed is initialized with the job's world, else the file
+    $SHARD_JOB_SECRET_FILE names, else none.
     units: submodules (or their names) that become units, in forward order; by default every
     direct child with parameters, descending into ModuleList, ModuleDict and Sequential.
     Parameters outside them form one more unit fetched around the whole model's forward. A
@@ -873,7 +901,8 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                          groups=opt.groups, skip_unused=True,
                          bcast_bytes=bufs.nbytes if bufs else 0, load=load,
                          resume_timeout_ms=resume_timeout_ms,
-                         ranks_per_node=_ranks_per_node(ranks_per_node))
+                         ranks_per_node=_ranks_per_node(ranks_per_node),
+                         job_secret=_job_secret(job_secret, world))
         err = _placement_error(dev, ctx.memory,
                                {"index": 0, "name": "the daemon's", "uuid": ctx.device_uuid},
                                ctx.memory)

@@ -8,6 +8,8 @@
 #include <stdint.h>
 
 #define SD_SHA256_BYTES 32
+/* a job's token: HMAC-SHA256 of its name keyed with its secret (shard_model_t.job_secret) */
+#define SD_JOB_TOKEN_BYTES SD_SHA256_BYTES
 
 struct sd_sha256 {
     uint32_t h[8];
