@@ -30,11 +30,13 @@ const struct sd_config_entry sd_config_table[] = {
      "ranks that share a package, the topology level below the node (2 for the GCDs of an "
      "MI250X); it must divide the ranks per node, and plans' shard factors align with it",
      1},
-    {"backend", SD_CFG_STRING, "host", 0, 16, OFF(backend),
+    {"backend", SD_CFG_STRING, "host", 0, 24, OFF(backend),
      "device backend for shard buffers: host; host-deferred (kernels run only when the "
      "daemon waits for them: a test of its waits); emu (the GPU kernels' source run on the "
      "host); emu-device (the same, through the daemon's device paths); emu-gpu (the same, its "
-     "memory out of the host's reach as a GPU's is); cuda and hip when "
+     "memory out of the host's reach as a GPU's is); emu-gpu-deferred (emu-gpu whose queue "
+     "answers each new ticket's first query \"not yet\", as a busy GPU's: a test of the "
+     "daemon's polled waits on device memory); cuda and hip when "
      "built with them (shardd --help lists those built in)",
      1},
     {"devices", SD_CFG_STRING, "", 0, 128, OFF(devices),
@@ -249,10 +251,11 @@ static int check_string(const struct sd_config_entry *e, const char *value, char
     if (strcmp(e->name, "backend") == 0 && strcmp(value, "host") != 0 &&
         strcmp(value, "host-deferred") != 0 && strcmp(value, "emu") != 0 &&
         strcmp(value, "emu-device") != 0 && strcmp(value, "emu-gpu") != 0 &&
-        strcmp(value, "cuda") != 0 && strcmp(value, "hip") != 0) {
+        strcmp(value, "emu-gpu-deferred") != 0 && strcmp(value, "cuda") != 0 &&
+        strcmp(value, "hip") != 0) {
         snprintf(err, errlen,
                  "option '%s': '%s' is not one of host, host-deferred, emu, emu-device, emu-gpu, "
-                 "cuda, hip",
+                 "emu-gpu-deferred, cuda, hip",
                  e->name, value);
         return SD_ECONFIG;
     }

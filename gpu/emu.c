@@ -86,6 +86,7 @@ struct sd_gpu_queue {
     struct sdk_launcher l;
     double scratch[SDK_SUMSQ_MAX_BLOCKS + 1];
     uint64_t recorded;
+    uint64_t lagged; /* emu-gpu-deferred: the newest ticket a query answered "not yet" */
 };
 
 static int emu_queue_create(struct sd_gpu_queue **q_p)
@@ -112,6 +113,18 @@ static int emu_record(struct sd_gpu_queue *q, uint64_t *ticket_p)
 static int emu_query(struct sd_gpu_queue *q, uint64_t ticket)
 {
     return ticket <= q->recorded ? SD_OK : SD_EINVAL;
+}
+
+/* emu-gpu-deferred: the first query of each ticket newer than any asked before answers "not
+ * yet", as a busy GPU's does (the kernels themselves ran at their launch), so that the daemon's
+ * polled waits on device memory are taken where no GPU is */
+static int emu_query_lagging(struct sd_gpu_queue *q, uint64_t ticket)
+{
+    if (ticket <= q->recorded && ticket > q->lagged) {
+        q->lagged = ticket;
+        return SD_EAGAIN;
+    }
+    return emu_query(q, ticket);
 }
 
 static void emu_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *out)
@@ -294,3 +307,23 @@ const struct sd_gpu_ops sd_gpu_emu_gpu_ops = {.name = "emu-gpu",
                                               .pinned_alloc = sd__host_pinned_alloc,
                                               .pinned_free = sd__host_pinned_free,
                                               SDK_KERNEL_OPS};
+const struct sd_gpu_ops sd_gpu_emu_gpu_deferred_ops = {.name = "emu-gpu-deferred",
+                                                       .host_memory = false,
+                                                       .host_visible = false,
+                                                       .client_memory = "emu-gpu",
+                                                       .client_memfds = true,
+                                                       .devices = emu_devices,
+                                                       .alloc = emu_gpu_alloc,
+                                                       .free = emu_gpu_free,
+                                                       .queue_create = emu_gpu_queue_create,
+                                                       .queue_destroy = emu_queue_destroy,
+                                                       .sync = sd__host_sync,
+                                                       .record = emu_record,
+                                                       .query = emu_query_lagging,
+                                                       .copy = emu_gpu_copy,
+                                                       .zero = emu_gpu_zero,
+                                                       .sum_sq = emu_sum_sq,
+                                                       .is_device = emu_gpu_is_device,
+                                                       .pinned_alloc = sd__host_pinned_alloc,
+                                                       .pinned_free = sd__host_pinned_free,
+                                                       SDK_KERNEL_OPS};

@@ -634,7 +634,7 @@ const struct sd_gpu_ops sd_gpu_host_deferred_ops = {
 /* every backend built into this binary, by name */
 static const struct sd_gpu_ops *const backends[] = {
     &sd_gpu_host_ops,       &sd_gpu_host_deferred_ops, &sd_gpu_emu_ops,
-    &sd_gpu_emu_device_ops, &sd_gpu_emu_gpu_ops,
+    &sd_gpu_emu_device_ops, &sd_gpu_emu_gpu_ops,       &sd_gpu_emu_gpu_deferred_ops,
 #ifdef SHARD_HAVE_CUDA
     &sd_gpu_cuda_ops,
 #endif

@@ -28,8 +28,9 @@
  * waits for its receiver's clear-to-send), the same with 128 posts per endpoint, 64 KiB chunks
  * and 3 data lanes (queue_depth: the pending queues, the credit and the deferred clear-to-sends
  * all at work, on every lane), and on the shm provider without CMA, with 2 data lanes. Backend
- * variants: host-deferred (kernels run only when waited for) and emu-device (the device paths,
- * on host memory). */
+ * variants: host-deferred (kernels run only when waited for), emu-device (the device paths,
+ * on host memory), emu-gpu (device memory the host cannot touch: transfers staged) and
+ * emu-gpu-deferred (the same, every new ticket "not yet" at first: the polled waits taken). */
 #include "harness.h"
 #include "shard.h"
 
@@ -400,20 +401,22 @@ int main(int argc, char **argv)
          * the emulation), on host memory that the transport still reads directly */
         extra[ne++] = "--backend";
         extra[ne++] = "emu-device";
-    } else if (strcmp(variant, "emu-gpu") == 0) {
+    } else if (strcmp(variant, "emu-gpu") == 0 || strcmp(variant, "emu-gpu-deferred") == 0) {
         /* device memory the host cannot touch: every transfer across nodes is staged through
-         * pinned host buffers (transport/stage.c) */
+         * pinned host buffers (transport/stage.c); -deferred: its queue answers every new
+         * ticket "not yet" first, as a busy GPU's, so the staged copies, the rounds and the step
+         * on device memory go on from the loop's poll */
         extra[ne++] = "--backend";
-        extra[ne++] = "emu-gpu";
+        extra[ne++] = variant;
     } else if (variant[0] != '\0') {
         fprintf(stderr,
                 "test_cluster: unknown variant '%s' (rendezvous, rendezvous-q128, shm-sar, "
-                "deferred, device)\n",
+                "deferred, device, emu-gpu, emu-gpu-deferred)\n",
                 variant);
         return 2;
     }
     bool rendezvous = variant[0] != '\0' && strcmp(variant, "deferred") != 0 &&
-                      strcmp(variant, "device") != 0 && strcmp(variant, "emu-gpu") != 0;
+                      strcmp(variant, "device") != 0 && strncmp(variant, "emu-gpu", 7) != 0;
     extra[ne] = NULL;
     if (th_cluster_start(&cl, N, K, extra) != 0) {
         fprintf(stderr, "cannot start a cluster of %d nodes\n", N);
@@ -423,8 +426,8 @@ int main(int argc, char **argv)
     json_t *status = th_admin_json(cl.d[0].sock, "status");
     const char *backend =
         json_string_value(json_object_get(json_object_get(status, "config"), "backend"));
-    staged = backend != NULL && (strcmp(backend, "emu-gpu") == 0 || strcmp(backend, "cuda") == 0 ||
-                                 strcmp(backend, "hip") == 0);
+    staged = backend != NULL && (strncmp(backend, "emu-gpu", 7) == 0 ||
+                                 strcmp(backend, "cuda") == 0 || strcmp(backend, "hip") == 0);
     TH_CHECK(backend != NULL, "status names the backend");
     json_decref(status);
     struct run runs2[] = {

@@ -14,7 +14,7 @@ struct sd_config {
     int64_t nodes;
     int64_t ranks_per_node;
     int64_t package_size;
-    char backend[16];
+    char backend[24];
     char devices[128];
     uint64_t memory_budget;
     int64_t op_timeout_ms;

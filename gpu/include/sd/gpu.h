@@ -146,6 +146,10 @@ extern const struct sd_gpu_ops sd_gpu_emu_device_ops;
  * daemon's device addresses fault on the host, and kernels given host memory abort, so that a
  * daemon that would touch a GPU's memory on the host fails its tests where no GPU is. */
 extern const struct sd_gpu_ops sd_gpu_emu_gpu_ops;
+/* emu-gpu-deferred: emu-gpu whose queue answers the first query of each new ticket "not yet", as
+ * a busy GPU does (its kernels ran at their launch): the daemon's polled waits on device memory
+ * (staged transfers, a checkpoint's staging and load buffers) are taken where no GPU is. */
+extern const struct sd_gpu_ops sd_gpu_emu_gpu_deferred_ops;
 /* Built where CUDA's or HIP's compiler was found (-DSHARD_CUDA, -DSHARD_HIP); the driver is
  * loaded at run time (open), so the same binary runs on machines without one. */
 extern const struct sd_gpu_ops sd_gpu_cuda_ops;
