@@ -96,8 +96,6 @@ bool sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_s
                      uint64_t start)
 {
     struct sd_loading_state *ls = job->load.init;
-    if (ls->waiter != NULL && job->state == SD_JOB_LOADING)
-        return false; /* the previous init is still converted or sent: this one waits */
     if (s->rank != 0) {
         sd_session_fail(s, e, SD_EPERM, "init: only rank 0 loads initial values (this is rank %u)",
                         s->rank);
@@ -114,6 +112,8 @@ bool sd_loading_init(struct sd_job *job, struct sd_session *s, const struct sd_s
                         (unsigned long long)e->arg0);
         return true;
     }
+    if (ls->waiter != NULL)
+        return false; /* the previous init is still converted or sent: this one waits */
     const float *src = (const float *)(void *)sd_job_staging_slot(job, s->local, (uint32_t)e->arg0);
     sd_loading_unit(job, e->unit, src, 0, false);
     /* the kernels read the staging slot the client refills next: answered once they are done */
