@@ -287,43 +287,15 @@ static int emu_gpu_queue_create(struct sd_gpu_queue **q_p)
 const struct sd_gpu_ops sd_gpu_emu_ops = {.name = "emu", .host_memory = true, EMU_OPS};
 const struct sd_gpu_ops sd_gpu_emu_device_ops = {
     .name = "emu-device", .host_memory = false, EMU_OPS};
-const struct sd_gpu_ops sd_gpu_emu_gpu_ops = {.name = "emu-gpu",
-                                              .host_memory = false,
-                                              .host_visible = false,
-                                              .client_memory = "emu-gpu",
-                                              .client_memfds = true,
-                                              .devices = emu_devices,
-                                              .alloc = emu_gpu_alloc,
-                                              .free = emu_gpu_free,
-                                              .queue_create = emu_gpu_queue_create,
-                                              .queue_destroy = emu_queue_destroy,
-                                              .sync = sd__host_sync,
-                                              .record = emu_record,
-                                              .query = emu_query,
-                                              .copy = emu_gpu_copy,
-                                              .zero = emu_gpu_zero,
-                                              .sum_sq = emu_sum_sq,
-                                              .is_device = emu_gpu_is_device,
-                                              .pinned_alloc = sd__host_pinned_alloc,
-                                              .pinned_free = sd__host_pinned_free,
-                                              SDK_KERNEL_OPS};
-const struct sd_gpu_ops sd_gpu_emu_gpu_deferred_ops = {.name = "emu-gpu-deferred",
-                                                       .host_memory = false,
-                                                       .host_visible = false,
-                                                       .client_memory = "emu-gpu",
-                                                       .client_memfds = true,
-                                                       .devices = emu_devices,
-                                                       .alloc = emu_gpu_alloc,
-                                                       .free = emu_gpu_free,
-                                                       .queue_create = emu_gpu_queue_create,
-                                                       .queue_destroy = emu_queue_destroy,
-                                                       .sync = sd__host_sync,
-                                                       .record = emu_record,
-                                                       .query = emu_query_lagging,
-                                                       .copy = emu_gpu_copy,
-                                                       .zero = emu_gpu_zero,
-                                                       .sum_sq = emu_sum_sq,
-                                                       .is_device = emu_gpu_is_device,
-                                                       .pinned_alloc = sd__host_pinned_alloc,
-                                                       .pinned_free = sd__host_pinned_free,
-                                                       SDK_KERNEL_OPS};
+/* emu-gpu's table but for its name and its queue's query */
+#define EMU_GPU_OPS                                                                                \
+    .host_memory = false, .host_visible = false, .client_memory = "emu-gpu",                       \
+    .client_memfds = true, .devices = emu_devices, .alloc = emu_gpu_alloc, .free = emu_gpu_free,   \
+    .queue_create = emu_gpu_queue_create, .queue_destroy = emu_queue_destroy,                      \
+    .sync = sd__host_sync, .record = emu_record, .copy = emu_gpu_copy, .zero = emu_gpu_zero,       \
+    .sum_sq = emu_sum_sq, .is_device = emu_gpu_is_device, .pinned_alloc = sd__host_pinned_alloc,   \
+    .pinned_free = sd__host_pinned_free, SDK_KERNEL_OPS
+
+const struct sd_gpu_ops sd_gpu_emu_gpu_ops = {.name = "emu-gpu", .query = emu_query, EMU_GPU_OPS};
+const struct sd_gpu_ops sd_gpu_emu_gpu_deferred_ops = {
+    .name = "emu-gpu-deferred", .query = emu_query_lagging, EMU_GPU_OPS};
