@@ -76,16 +76,16 @@ static bool step_queue_done(struct sd_job *job)
 
 bool sd_step_queue_poll(struct sd_job *job)
 {
-    if (sd_allreduce_waiting(&job->step->ar)) /* its end goes on with the step (step_ar_done) */
-        return sd_allreduce_poll(&job->step->ar);
+    /* the boundary hop's all-reduce: its end goes on with the step (step_ar_done) */
+    bool moved = sd_allreduce_waiting(&job->step->ar) && sd_allreduce_poll(&job->step->ar);
     if (!job->step->q_wait)
-        return false;
+        return moved;
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING) {
         job->step->q_wait = false;
-        return false;
+        return moved;
     }
     sd_step_progress(job);
-    return !job->step->q_wait;
+    return moved || !job->step->q_wait;
 }
 
 /* Answer every rank waiting in step: SD_OK with the norm, or status and msg. */
