@@ -519,6 +519,12 @@ static int dev_pinned_alloc(size_t bytes, void **p_p)
     return SD_OK;
 }
 
+/* the device FI_HMEM registrations name: the one this backend drives */
+static int dev_hmem_device(void)
+{
+    return g.index;
+}
+
 static void dev_pinned_free(void *p)
 {
     if (p != NULL && enter() == SD_OK)
@@ -542,6 +548,8 @@ const struct sd_gpu_ops DEV_OPS = {
     .zero = op_zero,
     .sum_sq = op_sum_sq,
     .is_device = dev_is_device,
+    .hmem = DEV_HMEM,
+    .hmem_device = dev_hmem_device,
     .pinned_alloc = dev_pinned_alloc,
     .pinned_free = dev_pinned_free,
     SDK_KERNEL_OPS,

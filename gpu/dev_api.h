@@ -13,6 +13,7 @@
 #define DEV_LIB      "libcuda.so.1"
 #define DEV_LIB_HINT "no NVIDIA driver on this machine?"
 #define DEV_OPS      sd_gpu_cuda_ops
+#define DEV_HMEM     SD_HMEM_CUDA
 #define DEV_IMAGE    sd_cuda_fatbin
 typedef CUresult dev_res;
 typedef CUdevice dev_device;
@@ -186,6 +187,7 @@ static inline void dev_access_init(dev_access *a, dev_device d)
 #define DEV_LIB       "libamdhip64.so"
 #define DEV_LIB_HINT  "no ROCm runtime on this machine?"
 #define DEV_OPS       sd_gpu_hip_ops
+#define DEV_HMEM      SD_HMEM_ROCR
 #define DEV_IMAGE     sd_hip_code_object
 typedef hipError_t dev_res;
 typedef hipDevice_t dev_device;

@@ -277,16 +277,57 @@ static int emu_gpu_queue_create(struct sd_gpu_queue **q_p)
     return status;
 }
 
+/* emu-device: host memory, kept as a device's (its allocations known, so that the transport
+ * tells it from host memory): a provider with FI_HMEM reaches it as host memory
+ * (SD_HMEM_HOST), any other stages it, as a GPU's */
+static struct sd_regions emu_dev_regions = SD_REGIONS_INIT;
+
+static int emu_device_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
+{
+    int status = sd__host_alloc(bytes, flags, tag, mem_p);
+    if (status != SD_OK)
+        return status;
+    struct sd_region r = {.dev = (uintptr_t)mem_p->ptr,
+                          .len = bytes ? bytes : 1,
+                          .back = mem_p->ptr,
+                          .fd = mem_p->fd};
+    if (sd_region_add(&emu_dev_regions, &r) != SD_OK) {
+        sd__host_free(mem_p);
+        return SD_ENOMEM;
+    }
+    return SD_OK;
+}
+
+static void emu_device_free(struct sd_mem *mem)
+{
+    struct sd_region r;
+    if (mem->ptr != NULL)
+        sd_region_remove(&emu_dev_regions, mem->ptr, &r);
+    sd__host_free(mem);
+}
+
+static bool emu_device_is_device(const void *p)
+{
+    return sd_region_find(&emu_dev_regions, p, NULL, NULL);
+}
+
 #define EMU_OPS                                                                                    \
     .host_visible = true, .client_memory = "host", .client_memfds = true, .devices = emu_devices,  \
-    .alloc = sd__host_alloc, .free = sd__host_free, .queue_create = emu_queue_create,              \
-    .queue_destroy = emu_queue_destroy, .sync = sd__host_sync, .record = emu_record,               \
-    .query = emu_query, .copy = sd__host_copy, .zero = sd__host_zero, .sum_sq = emu_sum_sq,        \
-    SDK_KERNEL_OPS
+    .queue_create = emu_queue_create, .queue_destroy = emu_queue_destroy, .sync = sd__host_sync,   \
+    .record = emu_record, .query = emu_query, .copy = sd__host_copy, .zero = sd__host_zero,        \
+    .sum_sq = emu_sum_sq, SDK_KERNEL_OPS
 
-const struct sd_gpu_ops sd_gpu_emu_ops = {.name = "emu", .host_memory = true, EMU_OPS};
-const struct sd_gpu_ops sd_gpu_emu_device_ops = {
-    .name = "emu-device", .host_memory = false, EMU_OPS};
+const struct sd_gpu_ops sd_gpu_emu_ops = {
+    .name = "emu", .host_memory = true, .alloc = sd__host_alloc, .free = sd__host_free, EMU_OPS};
+const struct sd_gpu_ops sd_gpu_emu_device_ops = {.name = "emu-device",
+                                                 .host_memory = false,
+                                                 .alloc = emu_device_alloc,
+                                                 .free = emu_device_free,
+                                                 .is_device = emu_device_is_device,
+                                                 .hmem = SD_HMEM_HOST,
+                                                 .pinned_alloc = sd__host_pinned_alloc,
+                                                 .pinned_free = sd__host_pinned_free,
+                                                 EMU_OPS};
 /* emu-gpu's table but for its name and its queue's query */
 #define EMU_GPU_OPS                                                                                \
     .host_memory = false, .host_visible = false, .client_memory = "emu-gpu",                       \

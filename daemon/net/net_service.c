@@ -207,8 +207,8 @@ static int stage_device_memory(struct sd_transport *tp, const struct sd_gpu_ops 
 
 int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl)
 {
-    /* a device whose memory the provider cannot reach (no FI_HMEM in this libfabric build) */
-    if (reg->dev->is_device != NULL) {
+    /* a device whose memory the provider cannot reach (no FI_HMEM, or not for this device) */
+    if (reg->dev->is_device != NULL && !tp->hmem) {
         int st = stage_device_memory(tp, reg->dev);
         if (st != SD_OK)
             return st;

@@ -500,6 +500,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
             json_object_set_new(t, "staging_bytes", json_integer((json_int_t)tp->staged_bytes));
             json_object_set_new(t, "staging_buffer_bytes",
                                 json_integer((json_int_t)tp->staging_buffer_bytes));
+            /* the provider reaches the device's memory itself (FI_HMEM): nothing is staged */
+            json_object_set_new(t, "hmem", json_boolean(tp->hmem));
             json_object_set_new(out, "transport", t);
         }
         /* how busy the event loop polls: a daemon with nothing to do should not count up */

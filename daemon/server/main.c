@@ -358,7 +358,7 @@ int main(int argc, char **argv)
     uv_check_start(&app.fatal_check, fatal_check_cb);
     if (cfg.nodes != 1) { /* a fixed cluster of several, or an open one */
         char err[512] = "";
-        status = sd_transport_ofi_open(&cfg, &app.tp, err, sizeof(err));
+        status = sd_transport_ofi_open(&cfg, reg.dev, &app.tp, err, sizeof(err));
         if (status == SD_OK)
             status = sd_net_start(&reg, app.tp, NULL);
         struct sd_cluster_events ev;

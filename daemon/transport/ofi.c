@@ -121,6 +121,17 @@ static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, cons
     return SD_OK;
 }
 
+/* the largest chunk libfabric < 1.19's shm copies in place with FI_HMEM (sd_transport_ofi_open) */
+#define SHM_HMEM_CHUNK_MAX 4096
+
+/* libfabric's interface for a backend's device memory (sd_gpu_ops.hmem) */
+static enum fi_hmem_iface hmem_iface(int hmem)
+{
+    return hmem == SD_HMEM_CUDA   ? FI_HMEM_CUDA
+           : hmem == SD_HMEM_ROCR ? FI_HMEM_ROCR
+                                  : FI_HMEM_SYSTEM;
+}
+
 static int ofi_mr_reg(struct sd_transport *tp, void *buf, size_t len, void **desc_p,
                       void **handle_p)
 {
@@ -130,9 +141,25 @@ static int ofi_mr_reg(struct sd_transport *tp, void *buf, size_t len, void **des
     if (!o->need_mr || len == 0)
         return SD_OK;
     struct fid_mr *mr;
-    int r = fi_mr_reg(o->domain, buf, len, FI_SEND | FI_RECV, 0, 0, 0, &mr, NULL);
+    int r;
+    uint64_t key = ++o->mr_keys; /* (one the provider ignores where it picks its own) */
+    if (tp->hmem && o->dev->is_device(buf)) { /* the provider reaches it itself */
+        struct iovec iov = {.iov_base = buf, .iov_len = len};
+        struct fi_mr_attr attr = {.mr_iov = &iov,
+                                  .iov_count = 1,
+                                  .access = FI_SEND | FI_RECV,
+                                  .requested_key = key,
+                                  .iface = hmem_iface(o->dev->hmem)};
+        if (attr.iface == FI_HMEM_CUDA && o->dev->hmem_device != NULL)
+            attr.device.cuda = o->dev->hmem_device();
+        r = fi_mr_regattr(o->domain, &attr, 0, &mr);
+    } else {
+        r = fi_mr_reg(o->domain, buf, len, FI_SEND | FI_RECV, 0, key, 0, &mr, NULL);
+    }
     if (r != 0) {
-        SD_ERROR("ofi", "fi_mr_reg of %zu bytes: %s", len, fi_strerror(-r));
+        SD_ERROR("ofi", "fi_mr_reg of %zu bytes%s: %s", len,
+                 tp->hmem && o->dev->is_device(buf) ? " of device memory (FI_HMEM)" : "",
+                 fi_strerror(-r));
         return SD_EIO;
     }
     *desc_p = fi_mr_desc(mr);
@@ -557,8 +584,8 @@ static const struct sd_transport_ops ofi_ops = {
     .close = ofi_close,
 };
 
-int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_p, char *err,
-                          size_t errlen)
+int sd_transport_ofi_open(const struct sd_config *cfg, const struct sd_gpu_ops *dev,
+                          struct sd_transport **tp_p, char *err, size_t errlen)
 {
     struct ofi *o = calloc(1, sizeof(*o));
     struct fi_info *hints = fi_allocinfo();
@@ -592,8 +619,38 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
                (strcmp(no_cma, "1") == 0 || strcasecmp(no_cma, "yes") == 0 ||
                 strcasecmp(no_cma, "true") == 0);
     const char *node = cfg->fabric_addr[0] ? cfg->fabric_addr : NULL;
-    r = fi_getinfo(FI_VERSION(1, 17), node, NULL, node ? FI_SOURCE : 0, hints, &o->info);
+    /* device memory the provider may reach itself (FI_HMEM): asked for first, and without it
+     * that memory is staged through pinned host buffers (net_service.c) */
+    bool want_hmem = dev != NULL && dev->is_device != NULL && dev->hmem != SD_HMEM_NONE;
+    /* libfabric < 1.19's shm copies device memory above 4 KiB through its two-copy protocol,
+     * which hangs when several such messages arrive unexpected (and injects nothing then, so
+     * no rendezvous can order them): it stages instead, unless chunks stay that small */
+    bool shm_hmem_bug = shm && FI_MINOR(fi_version()) < 19 && FI_MAJOR(fi_version()) == 1 &&
+                        cfg->chunk_bytes > SHM_HMEM_CHUNK_MAX;
+    if (want_hmem && shm_hmem_bug)
+        SD_INFO("ofi",
+                "shm of libfabric %u.%u: device memory is staged (its FI_HMEM copies hang on "
+                "messages above %d bytes; chunk_bytes %lld)",
+                FI_MAJOR(fi_version()), FI_MINOR(fi_version()), SHM_HMEM_CHUNK_MAX,
+                (long long)cfg->chunk_bytes);
+    want_hmem &= !shm_hmem_bug;
+    r = -FI_ENODATA;
+    if (want_hmem) {
+        hints->caps |= FI_HMEM;
+        hints->domain_attr->mr_mode |= FI_MR_HMEM;
+        r = fi_getinfo(FI_VERSION(1, 17), node, NULL, node ? FI_SOURCE : 0, hints, &o->info);
+        hints->caps &= ~(uint64_t)FI_HMEM;
+        hints->domain_attr->mr_mode &= ~FI_MR_HMEM;
+        o->base.hmem = r == 0;
+    }
+    if (r != 0)
+        r = fi_getinfo(FI_VERSION(1, 17), node, NULL, node ? FI_SOURCE : 0, hints, &o->info);
     fi_freeinfo(hints);
+    o->dev = dev;
+    if (want_hmem && r == 0)
+        SD_INFO("ofi", "%s %s the %s backend's device memory itself (FI_HMEM)%s", cfg->provider,
+                o->base.hmem ? "reaches" : "does not reach", dev->name,
+                o->base.hmem ? "" : ": it is staged through pinned host buffers");
     if (r != 0) {
         snprintf(err, errlen,
                  "no libfabric provider '%s' with FI_EP_RDM, tagged messages, directed "
@@ -623,7 +680,8 @@ int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_
         o->tx_depth = SD_MIN(o->tx_depth, (size_t)cfg->queue_depth);
         o->rx_depth = SD_MIN(o->rx_depth, (size_t)cfg->queue_depth);
     }
-    o->need_mr = (o->info->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
+    /* with FI_HMEM, device memory is registered (FI_MR_HMEM), and then all of the job's */
+    o->need_mr = (o->info->domain_attr->mr_mode & (FI_MR_LOCAL | FI_MR_HMEM)) != 0;
     /* shm without CMA copies through bounce buffers (SAR), which libfabric < 1.19 cannot do for
      * several large messages that arrive unexpected: everything above its inject size waits for
      * the receiver */

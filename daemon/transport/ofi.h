@@ -5,6 +5,7 @@
 #define SD_TRANSPORT_OFI_H
 
 #include "transport/transport.h"
+#include "sd/gpu.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -160,6 +161,10 @@ struct ofi {
     bool *down;                   /* [node] */
     int wait_fd;
     bool need_mr;
+    const struct sd_gpu_ops *dev; /* the shard buffers' backend: its device memory, with
+                                   * base.hmem, is registered with its FI_HMEM interface */
+    uint64_t mr_keys; /* keys asked for so far (a provider without FI_MR_PROV_KEY wants each
+                       * registration's own) */
     size_t tx_depth, rx_depth;
     /* rendezvous (base.rdv_bytes > 0) */
     struct rdv_slot *rdv_slots;

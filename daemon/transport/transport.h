@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+struct sd_gpu_ops; /* a device backend (sd/gpu.h) */
+
 struct sd_transport;
 struct sd_xfer;
 struct sd_stage;
@@ -122,6 +124,9 @@ struct sd_transport {
      * through it (both ways) and the bytes of bounce buffers it holds */
     struct sd_stage *stage;
     uint64_t staged_bytes, staging_buffer_bytes;
+    /* the provider reaches the device backend's memory itself (FI_HMEM): it is registered
+     * with the backend's interface and sent and received in place, not staged */
+    bool hmem;
 };
 
 /* Memory the transport cannot read or write itself (a GPU's, without FI_HMEM), and how bytes
@@ -146,8 +151,11 @@ int sd_transport_stage(struct sd_transport *tp, const struct sd_stage_hooks *h, 
  * the data path then allocates none); a no-op on a transport that does not stage. */
 int sd_transport_stage_reserve(struct sd_transport *tp, size_t bytes, uint32_t count);
 
-/* Open the libfabric transport for cfg->provider on cfg->fabric_addr. err says why not. */
-int sd_transport_ofi_open(const struct sd_config *cfg, struct sd_transport **tp_p, char *err,
-                          size_t errlen);
+/* Open the libfabric transport for cfg->provider on cfg->fabric_addr, for the shard buffers of
+ * backend dev: where dev has device memory a provider may reach (sd_gpu_ops.hmem) and the
+ * provider has FI_HMEM, tp->hmem (that memory registered with its interface), else it is to be
+ * staged. err says why not. */
+int sd_transport_ofi_open(const struct sd_config *cfg, const struct sd_gpu_ops *dev,
+                          struct sd_transport **tp_p, char *err, size_t errlen);
 
 #endif

@@ -30,7 +30,9 @@
  * all at work, on every lane), and on the shm provider without CMA, with 2 data lanes. Backend
  * variants: host-deferred (kernels run only when waited for), emu-device (the device paths,
  * on host memory), emu-gpu (device memory the host cannot touch: transfers staged) and
- * emu-gpu-deferred (the same, every new ticket "not yet" at first: the polled waits taken). */
+ * emu-gpu-deferred (the same, every new ticket "not yet" at first: the polled waits taken), and
+ * hmem (emu-device's memory on shm, which reaches it itself: FI_HMEM registration, nothing
+ * staged; emu-device on tcp stages it). */
 #include "harness.h"
 #include "shard.h"
 
@@ -391,6 +393,18 @@ int main(int argc, char **argv)
         lanes = 2;
         for (size_t i = 0; i < sizeof(shm) / sizeof(shm[0]); i++)
             extra[ne++] = shm[i];
+    } else if (strcmp(variant, "hmem") == 0) {
+        /* device memory (emu-device's) on a provider that reaches it itself (shm's FI_HMEM,
+         * as host memory): registered with FI_HMEM and sent in place, nothing staged */
+        char why[256];
+        if (!shm_usable(why, sizeof(why))) {
+            printf("test_cluster %s: skipped: %s\n", variant, why);
+            return 77;
+        }
+        const char *hm[] = {"--provider", "shm",        "--fabric-addr", "",
+                            "--backend",  "emu-device", "--chunk-bytes", "4096"};
+        for (size_t i = 0; i < sizeof(hm) / sizeof(hm[0]); i++)
+            extra[ne++] = hm[i];
     } else if (strcmp(variant, "deferred") == 0) {
         /* kernels run only when a daemon waits for them, as on a GPU stream: every result a
          * daemon reads, sends or hands out without waiting is stale, and the checks fail */
@@ -411,12 +425,13 @@ int main(int argc, char **argv)
     } else if (variant[0] != '\0') {
         fprintf(stderr,
                 "test_cluster: unknown variant '%s' (rendezvous, rendezvous-q128, shm-sar, "
-                "deferred, device, emu-gpu, emu-gpu-deferred)\n",
+                "deferred, device, emu-gpu, emu-gpu-deferred, hmem)\n",
                 variant);
         return 2;
     }
     bool rendezvous = variant[0] != '\0' && strcmp(variant, "deferred") != 0 &&
-                      strcmp(variant, "device") != 0 && strncmp(variant, "emu-gpu", 7) != 0;
+                      strcmp(variant, "device") != 0 && strncmp(variant, "emu-gpu", 7) != 0 &&
+                      strcmp(variant, "hmem") != 0;
     extra[ne] = NULL;
     if (th_cluster_start(&cl, N, K, extra) != 0) {
         fprintf(stderr, "cannot start a cluster of %d nodes\n", N);
@@ -426,9 +441,17 @@ int main(int argc, char **argv)
     json_t *status = th_admin_json(cl.d[0].sock, "status");
     const char *backend =
         json_string_value(json_object_get(json_object_get(status, "config"), "backend"));
-    staged = backend != NULL && (strncmp(backend, "emu-gpu", 7) == 0 ||
-                                 strcmp(backend, "cuda") == 0 || strcmp(backend, "hip") == 0);
-    TH_CHECK(backend != NULL, "status names the backend");
+    /* device memory is staged unless the provider reaches it itself (FI_HMEM) */
+    json_t *hm = json_object_get(json_object_get(status, "transport"), "hmem");
+    bool device = backend != NULL &&
+                  (strncmp(backend, "emu-gpu", 7) == 0 || strcmp(backend, "emu-device") == 0 ||
+                   strcmp(backend, "cuda") == 0 || strcmp(backend, "hip") == 0);
+    staged = device && !json_is_true(hm);
+    TH_CHECK(backend != NULL && json_is_boolean(hm), "status names the backend and FI_HMEM");
+    TH_CHECK(strcmp(variant, "hmem") != 0 || json_is_true(hm),
+             "shm reaches emu-device's memory itself (FI_HMEM): nothing is staged");
+    TH_CHECK(strncmp(variant, "emu-gpu", 7) != 0 || json_is_false(hm),
+             "no provider reaches emu-gpu's memory: it is staged");
     json_decref(status);
     struct run runs2[] = {
         {"ddp", 1},        {"ddp", 4},    {"zero3", 1},          {"zero3", 4},

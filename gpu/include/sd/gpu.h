@@ -51,6 +51,16 @@ struct sd_gpu_device {
     bool driven; /* the one this backend drives (opened with it: config devices) */
 };
 
+/* How a libfabric provider with FI_HMEM reaches a backend's device memory (sd_gpu_ops.hmem):
+ * registered with that interface, sent and received in place, not staged. */
+enum sd_hmem {
+    SD_HMEM_NONE, /* it cannot: device memory is staged through pinned host buffers */
+    SD_HMEM_HOST, /* as host memory (FI_HMEM_SYSTEM): emu-device, which keeps device
+                   * bookkeeping on host memory, stands in for a GPU this way */
+    SD_HMEM_CUDA, /* FI_HMEM_CUDA, on the device hmem_device names */
+    SD_HMEM_ROCR, /* FI_HMEM_ROCR */
+};
+
 /* one of several copies enqueued together (copy_many) */
 struct sd_gpu_piece {
     void *dst;
@@ -93,6 +103,11 @@ struct sd_gpu_ops {
      * memory): p lies in one of this backend's device allocations. Such memory crosses nodes
      * through pinned host buffers (pinned_alloc, pinned_free) and the backend's copies. */
     bool (*is_device)(const void *p);
+    /* How a provider with FI_HMEM reaches that memory (enum sd_hmem), and the device's index
+     * for it (NULL: 0). The transport takes FI_HMEM where the provider has it and registers
+     * device memory with this interface; elsewhere it stages. */
+    int hmem;
+    int (*hmem_device)(void);
     int (*pinned_alloc)(size_t bytes, void **p_p);
     void (*pinned_free)(void *p);
     /* The kernels: enqueued on q. */
