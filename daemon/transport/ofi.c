@@ -132,6 +132,38 @@ static enum fi_hmem_iface hmem_iface(int hmem)
                                   : FI_HMEM_SYSTEM;
 }
 
+/* device memory registered with the backend's interface */
+static int hmem_reg(struct ofi *o, void *buf, size_t len, uint64_t key, struct fid_mr **mr_p)
+{
+    struct iovec iov = {.iov_base = buf, .iov_len = len};
+    struct fi_mr_attr attr = {.mr_iov = &iov,
+                              .iov_count = 1,
+                              .access = FI_SEND | FI_RECV,
+                              .requested_key = key,
+                              .iface = hmem_iface(o->dev->hmem)};
+    if (attr.iface == FI_HMEM_CUDA && o->dev->hmem_device != NULL)
+        attr.device.cuda = o->dev->hmem_device();
+    return fi_mr_regattr(o->domain, &attr, 0, mr_p);
+}
+
+/* Does the domain register the backend's device memory (FI_HMEM may cover some interfaces
+ * only: a shm built without CUDA has it for host memory alone)? A page of it, tried. */
+static bool hmem_works(struct ofi *o)
+{
+    struct sd_mem m;
+    if (o->dev->alloc(4096, SD_MEM_PRIVATE, "FI_HMEM probe", &m) != SD_OK)
+        return false;
+    struct fid_mr *mr;
+    int r = hmem_reg(o, m.ptr, 4096, ++o->mr_keys, &mr);
+    if (r == 0)
+        fi_close(&mr->fid);
+    else
+        SD_INFO("ofi", "%s has FI_HMEM but cannot register the %s backend's memory (%s)",
+                o->info->fabric_attr->prov_name, o->dev->name, fi_strerror(-r));
+    o->dev->free(&m);
+    return r == 0;
+}
+
 static int ofi_mr_reg(struct sd_transport *tp, void *buf, size_t len, void **desc_p,
                       void **handle_p)
 {
@@ -144,15 +176,7 @@ static int ofi_mr_reg(struct sd_transport *tp, void *buf, size_t len, void **des
     int r;
     uint64_t key = ++o->mr_keys; /* (one the provider ignores where it picks its own) */
     if (tp->hmem && o->dev->is_device(buf)) { /* the provider reaches it itself */
-        struct iovec iov = {.iov_base = buf, .iov_len = len};
-        struct fi_mr_attr attr = {.mr_iov = &iov,
-                                  .iov_count = 1,
-                                  .access = FI_SEND | FI_RECV,
-                                  .requested_key = key,
-                                  .iface = hmem_iface(o->dev->hmem)};
-        if (attr.iface == FI_HMEM_CUDA && o->dev->hmem_device != NULL)
-            attr.device.cuda = o->dev->hmem_device();
-        r = fi_mr_regattr(o->domain, &attr, 0, &mr);
+        r = hmem_reg(o, buf, len, key, &mr);
     } else {
         r = fi_mr_reg(o->domain, buf, len, FI_SEND | FI_RECV, 0, key, 0, &mr, NULL);
     }
@@ -647,10 +671,6 @@ int sd_transport_ofi_open(const struct sd_config *cfg, const struct sd_gpu_ops *
         r = fi_getinfo(FI_VERSION(1, 17), node, NULL, node ? FI_SOURCE : 0, hints, &o->info);
     fi_freeinfo(hints);
     o->dev = dev;
-    if (want_hmem && r == 0)
-        SD_INFO("ofi", "%s %s the %s backend's device memory itself (FI_HMEM)%s", cfg->provider,
-                o->base.hmem ? "reaches" : "does not reach", dev->name,
-                o->base.hmem ? "" : ": it is staged through pinned host buffers");
     if (r != 0) {
         snprintf(err, errlen,
                  "no libfabric provider '%s' with FI_EP_RDM, tagged messages, directed "
@@ -666,6 +686,12 @@ int sd_transport_ofi_open(const struct sd_config *cfg, const struct sd_gpu_ops *
     step = "fi_domain";
     if ((r = fi_domain(o->fabric, o->info, &o->domain, NULL)) != 0)
         goto err_close;
+    if (o->base.hmem && !hmem_works(o))
+        o->base.hmem = false; /* its device memory is staged (host memory registers as ever) */
+    if (want_hmem)
+        SD_INFO("ofi", "%s %s the %s backend's device memory itself (FI_HMEM)%s", cfg->provider,
+                o->base.hmem ? "reaches" : "does not reach", dev->name,
+                o->base.hmem ? "" : ": it is staged through pinned host buffers");
     /* read the limits back rather than trusting the hints */
     o->tx_depth = o->info->tx_attr->size ? o->info->tx_attr->size : 256;
     o->rx_depth = o->info->rx_attr->size ? o->info->rx_attr->size : 256;
