@@ -51,6 +51,7 @@ start_ranks() {
   for r in $(seq 0 $((world - 1))); do
     local own=()
     [ "$r" = 0 ] && own=(--dump-params "$dump")
+    : >"$dir/$log$r.log" # there before the background rank opens it: tail -f follows it at once
     $B/client/examples/mlp_train --socket "$dir/node$((r / k))/shardd.sock" --job "$job" \
       --rank "$r" --world "$world" "${own[@]}" "$@" >"$dir/$log$r.log" 2>&1 &
     pids[$r]=$!
@@ -87,7 +88,7 @@ echo "== training a 4-layer MLP (327k parameters) on $world ranks, plan $plan, $
 t0=$(date +%s.%N)
 start_ranks demo rank "$dir/params.bin" --plan "$plan" --steps "$steps" --accum "$accum" \
   --save-every $(((steps + 1) / 2)) --save-dir "$dir/ck"
-tail -n +1 -f "$dir/rank0.log" --pid "${pids[0]}" 2>/dev/null | sed 's/^/  /'
+tail -n +1 -f "$dir/rank0.log" --pid "${pids[0]}" 2>/dev/null | sed 's/^/  /' || true
 wait_ranks rank
 t1=$(date +%s.%N)
 

@@ -147,9 +147,10 @@ typedef struct {
      * is configured for, or jobs of different sizes side by side) */
     uint32_t ranks_per_node;
     /* the job's secret, the same on every rank (NULL or job_secret_len 0: none): 16-4096 bytes
-     * that rank 0 makes (32 random bytes) and the launcher hands every rank as it hands them the
-     * model (shard.torch broadcasts it over the process group; mlp_train reads
-     * --job-secret-file). The daemons see only a token derived from it and the job's name
+     * made once per job (32 random bytes) that the launcher hands every rank as it hands them
+     * the model, the same across restarts (a resumed job's ranks give the one it ran with, or
+     * its nodes refuse them): shard.torch and mlp_train read the file $SHARD_JOB_SECRET_FILE
+     * names (mlp_train --job-secret-file, shard.torch.wrap(job_secret=)). The daemons see only a token derived from it and the job's name
      * (HMAC-SHA256), and form the job across nodes of the nodes whose ranks gave the same: a
      * member of the cluster that is not one of the job's nodes cannot report itself into the
      * job's registration (without a secret it can, and the registration is refused as two

@@ -20,9 +20,9 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
     optimizer to use, the process lives on, and no parameter changed; a torch optimizer that
     was not given to wrap raises at its step(), pointing to wrap(optimizer=), while the torch
     optimizers given to wrap step as before;
-  - the job's secret: without one given, rank 0's random bytes broadcast over an initialized
-    process group (both ranks register with it: shardctl jobs' secret); ranks of one node whose
-    $SHARD_JOB_SECRET_FILE differ refused, saying so; a secret of 8 bytes refused;
+  - the job's secret: given to wrap (rank 0's random bytes broadcast by the script), both ranks
+    register with it (shardctl jobs' secret); ranks of one node whose $SHARD_JOB_SECRET_FILE
+    differ refused, saying so; a secret of 8 bytes refused;
   - RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID (torchrun's variables) set rank, world and the job
     name ("torch-<id>") when wrap is not given them, else SLURM_PROCID, SLURM_NTASKS and
     SLURM_JOB_ID.SLURM_STEP_ID (Slurm's: "slurm-<id>.<step>"); a RANK outside WORLD_SIZE and a
@@ -407,14 +407,16 @@ try:
                        capture_output=True, text=True, timeout=120)
     check(r.returncode != 0 and "rank 2 is outside world 2" in r.stderr,
           f"RANK outside WORLD_SIZE refused: {r.stderr[-300:]}")
-    # the job's secret: rank 0's random bytes broadcast over the process group when one is
-    # initialized with the job's world (both ranks give the same, or this node refuses the
-    # second); $SHARD_JOB_SECRET_FILE otherwise; one too short refused by libshard
+    # the job's secret: given to wrap (here rank 0's random bytes, broadcast over the process
+    # group by the script), both ranks register with it; $SHARD_JOB_SECRET_FILE that differs
+    # between a node's ranks refused (the second, saying so); one too short refused by libshard
     gsec = ("import os, torch, torch.distributed as dist, shard, shard.torch as st\n"
             "dist.init_process_group('gloo', rank=int(os.environ['RANK']), world_size=2)\n"
+            "box = [os.urandom(32) if dist.get_rank() == 0 else None]\n"
+            "dist.broadcast_object_list(box, src=0)\n"
             "torch.manual_seed(0)\n"
             "m = torch.nn.Linear(4, 2)\n"
-            "st.wrap(m, job='py-secret')\n"
+            "st.wrap(m, job='py-secret', job_secret=box[0])\n"
             "m(torch.ones(3, 4)).sum().backward()\n"
             "st.step(m)\n"
             "print('SECRET', [j['secret'] for j in shard.admin('jobs')['jobs']\n"
@@ -426,7 +428,7 @@ try:
              for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     check(all(p.returncode == 0 and "SECRET [True]" in out for p, out in zip(procs, outs)),
-          f"a secret broadcast over the process group: both ranks register with it: {outs}")
+          f"a secret given to wrap: both ranks register with it: {outs}")
     keys = []
     for r in range(2):
         keys.append(os.path.join(work, f"job{r}.key"))

@@ -548,18 +548,11 @@ def _ranks_per_node(given):
     return 0
 
 
-def _job_secret(given, world):
-    """The job's secret: given, else rank 0's random bytes broadcast over the default process
-    group (torch.distributed initialized with the job's world), else $SHARD_JOB_SECRET_FILE's
-    bytes, else None."""
+def _job_secret(given):
+    """The job's secret: given, else $SHARD_JOB_SECRET_FILE's bytes, else None. (Not one rank 0
+    makes for each run: a job restarted under the same name, to resume, must give the same.)"""
     if given is not None:
         return bytes(given)
-    dist = torch.distributed
-    if world > 1 and dist.is_available() and dist.is_initialized() and \
-            dist.get_world_size() == world:
-        box = [os.urandom(32) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
     path = os.environ.get("SHARD_JOB_SECRET_FILE", "")
     if path:
         try:
@@ -791,11 +784,11 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     ranks_per_node: the job's ranks per node (ranks r with the same r // ranks_per_node share a
     node, any of the cluster's: the job's node r // ranks_per_node), by default torchrun's
     LOCAL_WORLD_SIZE or Slurm's SLURM_NTASKS_PER_NODE, else the daemon's ranks_per_node.
-    job_secret: the job's secret (16-4096 bytes, the same on every rank): the daemons form the
-    job across nodes of the nodes whose ranks gave it, and refuse a node that reports the job
-    without it. By default rank 0 makes 32 random bytes and broadcasts them over the default
-    process group when torch.distributed is initialized with the job's world, else the file
-    $SHARD_JOB_SECRET_FILE names, else none.
+    job_secret: the job's secret (16-4096 bytes, the same on every rank and across restarts of
+    the job: a resumed job's ranks give the one it ran with, or its nodes refuse them): the
+    daemons form the job across nodes of the nodes whose ranks gave it, and refuse a node that
+    reports the job without it. By default the bytes of the file $SHARD_JOB_SECRET_FILE names
+    (made once per job, `head -c 32 /dev/urandom`, where every rank reads it), else none.
     units: submodules (or their names) that become units, in forward order; by default every
     direct child with parameters, descending into ModuleList, ModuleDict and Sequential.
     Parameters outside them form one more unit fetched around the whole model's forward. A
@@ -902,7 +895,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                          bcast_bytes=bufs.nbytes if bufs else 0, load=load,
                          resume_timeout_ms=resume_timeout_ms,
                          ranks_per_node=_ranks_per_node(ranks_per_node),
-                         job_secret=_job_secret(job_secret, world))
+                         job_secret=_job_secret(job_secret))
         err = _placement_error(dev, ctx.memory,
                                {"index": 0, "name": "the daemon's", "uuid": ctx.device_uuid},
                                ctx.memory)
