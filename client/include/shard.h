@@ -150,11 +150,11 @@ typedef struct {
      * made once per job (32 random bytes) that the launcher hands every rank as it hands them
      * the model, the same across restarts (a resumed job's ranks give the one it ran with, or
      * its nodes refuse them): shard.torch and mlp_train read the file $SHARD_JOB_SECRET_FILE
-     * names (mlp_train --job-secret-file, shard.torch.wrap(job_secret=)). The daemons see only a token derived from it and the job's name
-     * (HMAC-SHA256), and form the job across nodes of the nodes whose ranks gave the same: a
-     * member of the cluster that is not one of the job's nodes cannot report itself into the
-     * job's registration (without a secret it can, and the registration is refused as two
-     * nodes claiming the same ranks). */
+     * names (mlp_train --job-secret-file, shard.torch.wrap(job_secret=)). The daemons see only a
+     * token derived from it and the job's name (HMAC-SHA256), and form the job across nodes of the
+     * nodes whose ranks gave the same: a member of the cluster that is not one of the job's nodes
+     * cannot report itself into the job's registration (without a secret it can, and the
+     * registration is refused as two nodes claiming the same ranks). */
     const void *job_secret;
     size_t job_secret_len;
 } shard_model_t;
