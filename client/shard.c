@@ -691,8 +691,8 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     if (has_token && (model->job_secret_len < SHARD_JOB_SECRET_MIN ||
                       model->job_secret_len > SHARD_JOB_SECRET_MAX))
         return fail(ctx, SD_EINVAL,
-                    "register: a job secret of %zu bytes; give %d-%d (rank 0 makes 32 random "
-                    "bytes)",
+                    "register: a job secret of %zu bytes; give %d-%d (32 random bytes, made once "
+                    "per job)",
                     model->job_secret_len, SHARD_JOB_SECRET_MIN, SHARD_JOB_SECRET_MAX);
     if (has_token) /* the daemons see the token only, never the secret */
         job_token(model->job_secret, model->job_secret_len, model->job, token);

@@ -156,8 +156,6 @@ void sd_probe_stop(struct sd_cluster *cl);
 void sd_probe_free(struct sd_cluster *cl);
 
 /* ---- coordinator.c, for the links */
-/* a member gave its registration up (JobAbort without a tag): drop the reports collected */
-void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name);
 void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep);
 /* The same for a report that came on node from's link: one in another node's name is dropped
  * (logged). */

@@ -266,15 +266,6 @@ static void coord_refuse_strangers(struct sd_cluster *cl, const char *name)
     }
 }
 
-void sd_cluster__coord_forget(struct sd_cluster *cl, const char *name)
-{
-    for (struct coord_job *cj = cl->jobs, *next; cj; cj = next) {
-        next = cj->next;
-        if (strcmp(cj->name, name) == 0)
-            coord_job_free(cl, cj);
-    }
-}
-
 /* the first mismatch between a report and the job's first one, in j->msg */
 static void coord_check(struct coord_job *j, const Shard__JobReport *rep, uint32_t k)
 {

@@ -587,6 +587,15 @@ static void save_after(struct sd_job *job)
     sd_job_event(job, SD_JOB_EV_OS_FREE);
 }
 
+/* the bytes of this node's part: its extents' */
+static uint64_t part_bytes(const struct sd_ckpt_job *c)
+{
+    uint64_t bytes = 0;
+    for (uint64_t i = 0; i < c->n_items; i++)
+        bytes += (c->items[i].end - c->items[i].begin) * sizeof(float);
+    return bytes;
+}
+
 /* The device is past what the write reads (the staged copies, or the kernels still writing
  * the os shards a worker reads in place): the worker writes the part. A save whose job failed
  * meanwhile is given up (its ranks were answered); a backend's failure is the write's. */
@@ -607,11 +616,8 @@ static void part_queued(struct sd_job *job, int status)
         save_after(job); /* a recovery's part reports the failure */
         return;
     }
-    uint64_t bytes = 0;
-    for (uint64_t i = 0; i < c->n_items; i++)
-        bytes += (c->items[i].end - c->items[i].begin) * sizeof(float);
     sd_ckpt__run_worker(job, save_work, save_after, "writing its part of the checkpoint",
-                        sd_ckpt__deadline(job, bytes));
+                        sd_ckpt__deadline(job, part_bytes(c)));
 }
 
 /* This node's part of save c->seq (c->dir and c->writer set): the step the os shards hold and
@@ -627,10 +633,7 @@ static int write_part(struct sd_job *job)
     int st = save_plan(job);
     if (st != SD_OK)
         return st;
-    uint64_t bytes = 0;
-    for (uint64_t i = 0; i < c->n_items; i++)
-        bytes += (c->items[i].end - c->items[i].begin) * sizeof(float);
-    if (!job->reg->dev->host_memory && (st = save_stage(job, bytes)) != SD_OK)
+    if (!job->reg->dev->host_memory && (st = save_stage(job, part_bytes(c))) != SD_OK)
         return st;
     sd_ckpt__after_queue(job, part_queued);
     return SD_OK;

@@ -173,17 +173,13 @@ static int ofi_mr_reg(struct sd_transport *tp, void *buf, size_t len, void **des
     if (!o->need_mr || len == 0)
         return SD_OK;
     struct fid_mr *mr;
-    int r;
     uint64_t key = ++o->mr_keys; /* (one the provider ignores where it picks its own) */
-    if (tp->hmem && o->dev->is_device(buf)) { /* the provider reaches it itself */
-        r = hmem_reg(o, buf, len, key, &mr);
-    } else {
-        r = fi_mr_reg(o->domain, buf, len, FI_SEND | FI_RECV, 0, key, 0, &mr, NULL);
-    }
+    bool device = tp->hmem && o->dev->is_device(buf); /* the provider reaches it itself */
+    int r = device ? hmem_reg(o, buf, len, key, &mr)
+                   : fi_mr_reg(o->domain, buf, len, FI_SEND | FI_RECV, 0, key, 0, &mr, NULL);
     if (r != 0) {
         SD_ERROR("ofi", "fi_mr_reg of %zu bytes%s: %s", len,
-                 tp->hmem && o->dev->is_device(buf) ? " of device memory (FI_HMEM)" : "",
-                 fi_strerror(-r));
+                 device ? " of device memory (FI_HMEM)" : "", fi_strerror(-r));
         return SD_EIO;
     }
     *desc_p = fi_mr_desc(mr);
