@@ -27,9 +27,15 @@
 _Static_assert(sizeof(struct sd_norm_part) == 32, "the norm exchange is 32 bytes (schedule.h)");
 
 /* Re-gather units that are held across the step so their holders see the weights of
- * generation gen. */
+ * generation gen. The job is still at the generation before (declared once the queue ran the
+ * step's kernels): the gathers are made as of gen, so that the int8 encodings and secondary
+ * copies labelled with the current generation are encoded and refilled from the new w shards
+ * (behind the update on the queue) instead of read: read, they put the old weights into the
+ * slots under the new generation's label. */
 static void refresh_held(struct sd_job *job, uint64_t gen)
 {
+    uint64_t current = job->weights_gen;
+    job->weights_gen = gen;
     for (uint32_t i = 0; i < job->n_slots; i++) {
         struct sd_unit_state *us = &job->cache.units[i];
         if (!us->resident || us->refs == 0)

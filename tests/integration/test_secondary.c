@@ -28,6 +28,8 @@
 #define N_A 1000 /* unit 0: "a" [N_A]; unit 1: "b" [40, 25] */
 
 static struct th_cluster cl;
+static struct th_daemon one;       /* a daemon alone: both ranks of a job on one node */
+static uint64_t pool_bytes = 4096; /* one unit: a fetch evicts the last one */
 
 struct job {
     shard_ctx_t *ctx;
@@ -67,7 +69,7 @@ static int job_open(struct job *j, const char *sock, const char *name, const cha
                                      .eps = 1e-8f,
                                      .weight_decay = 0.1f},
                        .init = j->init,
-                       .max_live_bytes = 4096 /* one unit: a fetch evicts the last one */};
+                       .max_live_bytes = pool_bytes};
     int st = shard_attach(sock, &j->ctx);
     if (st == SHARD_OK)
         st = shard_register(j->ctx, &m);
@@ -163,6 +165,49 @@ static int rank_main(uint32_t rank)
     return 0;
 }
 
+/* A unit held across the step on one node is gathered anew by the step itself (refresh_held):
+ * from this step's weights, never from the secondary copy or the int8 encodings of the last
+ * generation, which the refresh found still labelled current (the step declares the new
+ * generation only once its kernels ran) and loaded: the holder read the old weights as the new
+ * ones. A GPU trainer holds most units across the step (its releases wait for its stream), so
+ * zeropp on a GPU trained one step behind on them. Both ranks on one daemon: the held job's
+ * unit 0 after the step must equal bitwise the same job's fetched anew. */
+static int rank_held(uint32_t rank, const char *plan)
+{
+    struct job held, fresh;
+    char hn[64], fn[64];
+    snprintf(hn, sizeof(hn), "held-%s", plan);
+    snprintf(fn, sizeof(fn), "fresh-%s", plan);
+    const char *sock = one.sock;
+    pool_bytes = 0; /* the daemon's: room for both units */
+    if (job_open(&held, sock, hn, plan, rank) != SHARD_OK ||
+        job_open(&fresh, sock, fn, plan, rank) != SHARD_OK)
+        return 1;
+    static float before[1024], h[1024], f[1024], b[1024];
+    size_t bytes0 = held.ui[0].bytes;
+    for (int step = 1; step <= 2; step++) {
+        const void *p;
+        CALL(shard_fetch(held.ctx, 0, &p)); /* held across the step */
+        CALL(shard_copy(held.ctx, before, p, bytes0));
+        CALL(fetch_copy(&held, 1, b));
+        CALL(fetch_copy(&fresh, 0, f));
+        CALL(fetch_copy(&fresh, 1, b));
+        CALL(push_and_step(&held, rank, step));
+        CALL(push_and_step(&fresh, rank, step));
+        CALL(shard_copy(held.ctx, h, p, bytes0));
+        CALL(shard_release(held.ctx, 0));
+        CALL(fetch_copy(&fresh, 0, f));
+        EXPECT(memcmp(h, before, bytes0) != 0,
+               "%s step %d: the unit held across the step still has the old weights", plan, step);
+        EXPECT(memcmp(h, f, bytes0) == 0,
+               "%s step %d: the unit held across the step differs from the one fetched after it",
+               plan, step);
+    }
+    shard_detach(held.ctx);
+    shard_detach(fresh.ctx);
+    return 0;
+}
+
 int main(void)
 {
     const char *extra[] = {"--prefetch-depth", "0", "--op-timeout-ms", "20000", NULL};
@@ -210,5 +255,26 @@ int main(void)
         json_decref(p);
     }
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
+
+    /* units held across the step, both ranks on one node: with the secondary copy (f 2 > sec
+     * 1), with int8 weights, and both */
+    const char *plans[] = {"zero3,sec=1", "zero3,qw", "zeropp,sec=1"};
+    if (th_daemon_start(&one, extra) != 0) {
+        fprintf(stderr, "cannot start a daemon\n");
+        return 1;
+    }
+    for (size_t i = 0; i < sizeof(plans) / sizeof(plans[0]); i++) {
+        for (uint32_t r = 0; r < 2; r++) {
+            pids[r] = fork();
+            if (pids[r] == 0)
+                _exit(rank_held(r, plans[i]));
+        }
+        for (int r = 0; r < 2; r++) {
+            int rc = th_wait(pids[r], 60000);
+            TH_CHECK(rc == 0, "%s held across the step: rank %d exited with %d", plans[i], r, rc);
+        }
+    }
+    TH_CHECK(th_daemon_alive(&one) && th_daemon_stop(&one) == 0,
+             "the daemon did not shut down cleanly");
     return th_summary("test_secondary");
 }
