@@ -65,6 +65,7 @@ struct shard_ctx {
     size_t control_bytes;
     struct sd_fence_page *fence; /* this rank's fence page (sd/fence.h): control's start */
     uint32_t grad_seq, gathers;  /* pushes signalled and fetches answered, as the page counts */
+    uint32_t release_seq;        /* releases signalled by a stream (release_seq), as it counts */
     uint32_t staging_slots;
     uint64_t staging_slot_bytes;
     uint64_t slot_tag[MAX_STAGING];
@@ -588,6 +589,7 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     /* a resumed job's counters go on from where its last trainer left them */
     ctx->grad_seq = sd_fence_load(&ctx->fence->grad_seq);
     ctx->gathers = sd_fence_load(&ctx->fence->gather_seq);
+    ctx->release_seq = sd_fence_load(&ctx->fence->release_seq);
     ctx->n_units = (uint32_t)rep->n_units;
     ctx->n_tensors = (uint32_t)rep->n_tensors;
     ctx->units = calloc(ctx->n_units, sizeof(*ctx->units));
@@ -825,7 +827,9 @@ int shard_fence(const shard_ctx_t *ctx, shard_fence_t *fence_p)
                                .grad_seq = &ctx->fence->grad_seq,
                                .gather_seq = &ctx->fence->gather_seq,
                                .next_grad = ctx->grad_seq + 1,
-                               .gathers = ctx->gathers};
+                               .gathers = ctx->gathers,
+                               .release_seq = &ctx->fence->release_seq,
+                               .next_release = ctx->release_seq + 1};
     return SD_OK;
 }
 
@@ -904,13 +908,32 @@ static int fetch_wait(shard_ctx_t *ctx, uint32_t unit, uint64_t flags, const voi
     return shard_wait(ctx, req, data_p);
 }
 
-static int release(shard_ctx_t *ctx, uint32_t unit, uint64_t flags)
+enum { SIGNAL_NONE, SIGNAL_STREAM, SIGNAL_CALLER };
+
+/* signal SIGNAL_STREAM: the release is signalled on the fence page by `stream`, after the work
+ * queued on it so far (the reads of the unit's slot); SIGNAL_CALLER: by the caller. The daemon
+ * keeps the slot until the page counts it. */
+static int release(shard_ctx_t *ctx, uint32_t unit, uint64_t flags, int signal, void *stream)
 {
+    const char *what = flags & SD_OP_ASIDE ? "release_aside" : "release";
     struct sd_cqe cqe;
-    int status = check_attached(ctx, "release", true);
-    if (status != SD_OK)
-        return status;
-    return call(ctx, SD_OP_RELEASE, unit, flags, 0, &cqe);
+    int status = check_attached(ctx, what, true);
+    if (status != SD_OK || signal == SIGNAL_NONE || (signal == SIGNAL_STREAM && stream == NULL))
+        return status != SD_OK ? status : call(ctx, SD_OP_RELEASE, unit, flags, 0, &cqe);
+    uint32_t seq = ctx->release_seq + 1;
+    if (signal == SIGNAL_STREAM) {
+        if (ctx->mem->stream_write == NULL)
+            return fail(ctx, SD_EINVAL,
+                        "%s_on_stream unit %u: the job's memory is %s, which has no streams (pass "
+                        "NULL)",
+                        what, unit, ctx->mem->name);
+        char why[512];
+        status = ctx->mem->stream_write(stream, &ctx->fence->release_seq, seq, why, sizeof(why));
+        if (status != 0)
+            return fail(ctx, status, "%s_on_stream unit %u: %s", what, unit, why);
+    }
+    ctx->release_seq = seq; /* signalled whatever the daemon answers */
+    return call(ctx, SD_OP_RELEASE, unit, flags | SD_RELEASE_SIGNAL_LATER, seq, &cqe);
 }
 
 int shard_fetch(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
@@ -920,7 +943,17 @@ int shard_fetch(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
 
 int shard_release(shard_ctx_t *ctx, uint32_t unit)
 {
-    return release(ctx, unit, 0);
+    return release(ctx, unit, 0, SIGNAL_NONE, NULL);
+}
+
+int shard_release_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
+{
+    return release(ctx, unit, 0, SIGNAL_STREAM, stream);
+}
+
+int shard_release_signalled(shard_ctx_t *ctx, uint32_t unit)
+{
+    return release(ctx, unit, 0, SIGNAL_CALLER, NULL);
 }
 
 int shard_fetch_aside(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
@@ -930,7 +963,12 @@ int shard_fetch_aside(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
 
 int shard_release_aside(shard_ctx_t *ctx, uint32_t unit)
 {
-    return release(ctx, unit, SD_OP_ASIDE);
+    return release(ctx, unit, SD_OP_ASIDE, SIGNAL_NONE, NULL);
+}
+
+int shard_release_aside_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
+{
+    return release(ctx, unit, SD_OP_ASIDE, SIGNAL_STREAM, stream);
 }
 
 /* Wait for the push that occupies staging slot i; remember the first error. */

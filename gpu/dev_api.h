@@ -337,7 +337,7 @@ static inline void dev_access_init(dev_access *a, dev_device d)
 #define dev_client_host_unregister(p)  p_hipHostUnregister(p)
 #define dev_client_host_devptr(d_p, p) p_hipHostGetDevicePointer((void **)(d_p), p, 0)
 #define dev_client_stream_write32(s, d, v)                                                         \
-    p_hipStreamWriteValue32((hipStream_t)(s), (void *)(d), v, 0)
+    p_hipStreamWriteValue32((uintptr_t)(s) == 1 ? NULL : (hipStream_t)(s), (void *)(d), v, 0)
 
 #else
 #error "dev.c is built with SD_DEV_CUDA or SD_DEV_HIP"

@@ -236,6 +236,22 @@ SHARD_API int shard_release(shard_ctx_t *ctx, uint32_t unit);
  * prefetch); release what shard_fetch_aside gave with shard_release_aside. */
 SHARD_API int shard_fetch_aside(shard_ctx_t *ctx, uint32_t unit, const void **data_p);
 SHARD_API int shard_release_aside(shard_ctx_t *ctx, uint32_t unit);
+/* shard_release (shard_release_aside) of a unit that kernels queued on `stream` (a CUstream or
+ * cudaStream_t of "cuda" memory) may still read: libshard enqueues on the stream, after them,
+ * the write of the fence page's release_seq (byte 192 of the page, counted from 1;
+ * cuStreamWriteValue32), and releases at once, with no host synchronization. The daemon keeps
+ * the unit's slot for this rank until the page counts the release: the gather pool's places are
+ * shared by units whose lifetimes do not overlap on the host, and no gather overwrites a slot a
+ * kernel still reads. shardctl stats counts them (fenced_releases). stream NULL: as
+ * shard_release; memory without streams ("host", "emu-gpu") takes only NULL (SHARD_EINVAL). */
+SHARD_API int shard_release_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream);
+SHARD_API int shard_release_aside_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream);
+/* The release of shard_release_on_stream with the signal left to the caller: before or after
+ * this call, something writes shard_fence().next_release (as read before the call) into
+ * release_seq once nothing reads the unit's slot any more (a HIP stream's
+ * hipStreamWriteValue32, another thread). A gather that needs the slot's place waits for it, and
+ * fails the job after the daemon's op_timeout_ms without it, naming the fence page. */
+SHARD_API int shard_release_signalled(shard_ctx_t *ctx, uint32_t unit);
 /* Push this micro-step's gradient of a unit: bytes must equal shard_unit_info().bytes, laid out
  * like the fetched buffer, in the unit's dtype. Returns once the gradient is copied; the
  * reduction completes asynchronously and its error, if any, is returned by shard_step. */
@@ -261,6 +277,11 @@ SHARD_API int shard_push_staged(shard_ctx_t *ctx, uint32_t unit);
  * when the stream gets there, polling the page (within a millisecond). stream NULL: as
  * shard_push_staged. Memory without streams ("host", "emu-gpu") takes only NULL (SHARD_EINVAL). */
 SHARD_API int shard_push_staged_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream);
+/* The device's default stream where the calls above take a stream: CUDA's legacy NULL stream
+ * (this is CU_STREAM_LEGACY; CU_STREAM_PER_THREAD works too), HIP's null stream. A NULL stream
+ * means no stream (signalled at the call): pass this for work on the default stream (torch's
+ * default stream's handle is 0). */
+#define SHARD_STREAM_DEFAULT ((void *)1)
 /* The push of shard_push_staged_on_stream with the signal left to the caller: before or after
  * this call, something writes shard_fence().next_grad (as read before the call) into grad_seq
  * once the buffer holds the gradient: a HIP stream (hipStreamWriteValue32), another thread.
@@ -268,7 +289,7 @@ SHARD_API int shard_push_staged_on_stream(shard_ctx_t *ctx, uint32_t unit, void 
  * page. */
 SHARD_API int shard_push_staged_signalled(shard_ctx_t *ctx, uint32_t unit);
 /* The rank's fence page: one page of shared memory (an fd the registration's reply passed, no
- * IPC namespace shared) with two monotonic 32-bit counters that order the trainer's work and the
+ * IPC namespace shared) with three monotonic 32-bit counters that order the trainer's work and the
  * daemon's without a host round trip; they wrap, and compare as (int32_t)(a - b) >= 0.
  *   grad_seq    gradients the trainer signalled: libshard writes next_grad into it before each
  *               push (shard_push_grad, shard_push_staged), and the daemon refuses a push whose
@@ -279,6 +300,9 @@ SHARD_API int shard_push_staged_signalled(shard_ctx_t *ctx, uint32_t unit);
  *   gather_seq  fetches the daemon answered for this rank, written before each answer: a device
  *               stream that reads a fetched slot waits for it (cuStreamWaitValue32, GEQ) at the
  *               value gathers has once the fetch was waited for.
+ *   release_seq releases whose slot a stream still read when they were made, written by that
+ *               stream after the reads (shard_release_on_stream, shard_release_signalled): the
+ *               daemon gathers nothing into the slot's place before the page counts them.
  * The page lives as long as the job and outlives this process (a resumed job's counters go on).
  * Valid after shard_register until shard_detach. */
 typedef struct {
@@ -287,6 +311,8 @@ typedef struct {
     const uint32_t *gather_seq; /* in page */
     uint32_t next_grad;         /* what the next push signals */
     uint32_t gathers;           /* fetch answers this rank has waited for, as gather_seq counts */
+    uint32_t *release_seq;      /* in page: releases signalled (shard_release_on_stream) */
+    uint32_t next_release;      /* what the next signalled release signals */
 } shard_fence_t;
 #define SHARD_FENCE_BYTES 4096
 SHARD_API int shard_fence(const shard_ctx_t *ctx, shard_fence_t *fence_p);

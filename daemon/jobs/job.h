@@ -119,6 +119,11 @@ struct sd_job_xfer {
     size_t *mr_len;
     uint32_t n_mrs;
     uint64_t *wait_tags; /* [n_slots * k] */
+    /* releases a trainer's stream signals later (sd/fence.h, release_seq), per copy and rank
+     * ([n_slots * k]): holds kept until the rank's page counts the last of them (fetch.c) */
+    uint32_t *rel_pending, *rel_need;
+    uint32_t rel_total;
+    bool rel_blocked; /* a gather waits for a place such a hold keeps: the loop polls the pages */
     /* units whose waiters are answered once the device wrote their slots: FIFO (fetch.c) */
     struct sd_unit_state **answer_q; /* [n_slots] */
     uint32_t aq_head, aq_len;

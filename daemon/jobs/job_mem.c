@@ -140,6 +140,10 @@ void sd_job_mem_free(struct sd_job *job)
     sd_unit_cache_fini(&job->cache);
     free(job->xfer.wait_tags);
     job->xfer.wait_tags = NULL;
+    free(job->xfer.rel_pending);
+    free(job->xfer.rel_need);
+    job->xfer.rel_pending = job->xfer.rel_need = NULL;
+    job->xfer.rel_total = 0;
     free(job->xfer.answer_q);
     job->xfer.answer_q = NULL;
     job->xfer.aq_len = 0;
@@ -259,11 +263,13 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     int queue_st = reg->dev->queue_create(&job->mem.queue);
     job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
     job->xfer.answer_q = calloc(job->n_slots, sizeof(*job->xfer.answer_q));
+    job->xfer.rel_pending = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.rel_pending));
+    job->xfer.rel_need = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.rel_need));
     uint32_t n_groups = sd_model_groups(&job->model);
     int mods_st = sd_job_modules_alloc(job);
     if (mods_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
         !job->mem.fence_count || cache_st != SD_OK || queue_st != SD_OK || !job->xfer.wait_tags ||
-        !job->xfer.answer_q) {
+        !job->xfer.answer_q || !job->xfer.rel_pending || !job->xfer.rel_need) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }

@@ -157,6 +157,74 @@ bool sd_fetch_queue_waiting(const struct sd_job *job)
     return job->xfer.aq_len > 0 || job->xfer.enc_wait || sd_qw_rx_waiting(job);
 }
 
+/* the loop polls for the module also while a gather waits for a place that a signalled release
+ * still holds (the step does not wait for that: fenced_waiting is not sd_fetch_queue_waiting) */
+static bool fetch_loop_waiting(const struct sd_job *job)
+{
+    return sd_fetch_queue_waiting(job) || (job->xfer.rel_blocked && job->xfer.rel_total > 0);
+}
+
+static bool fetch_loop_poll(struct sd_job *job)
+{
+    bool moved = sd_fetch_queue_poll(job);
+    if (job->xfer.rel_blocked && sd_fetch_fenced_poll(job)) {
+        moved = true;
+        if (job->state == SD_JOB_READY)
+            sd_sched_prefetch(job); /* a stalled fetch is retried by its session's progress */
+    }
+    return moved;
+}
+
+/* ---- releases a trainer's stream signals later (sd/fence.h, release_seq) */
+
+/* Rank r's holds whose releases its page counts now are let go. */
+static bool fenced_take(struct sd_job *job, uint32_t r)
+{
+    struct sd_job_xfer *x = &job->xfer;
+    const struct sd_fence_page *page = job->mem.fence[r].ptr;
+    uint32_t seen = sd_fence_load(&page->release_seq);
+    bool any = false;
+    for (uint32_t i = 0; i < job->n_slots && x->rel_total > 0; i++) {
+        size_t at = (size_t)i * job->k + r;
+        uint32_t n = x->rel_pending[at];
+        if (n == 0 || !sd_fence_reached(seen, x->rel_need[at]))
+            continue;
+        x->rel_pending[at] = 0;
+        x->rel_total -= n;
+        sd_unit_cache_unhold(&job->cache, &job->cache.units[i], n);
+        any = true;
+    }
+    return any;
+}
+
+bool sd_fetch_fenced_poll(struct sd_job *job)
+{
+    bool any = false;
+    for (uint32_t r = 0; r < job->k && job->xfer.rel_total > 0; r++)
+        any |= fenced_take(job, r);
+    if (job->xfer.rel_total == 0)
+        job->xfer.rel_blocked = false;
+    return any;
+}
+
+void sd_fetch_fenced_blocked(struct sd_job *job)
+{
+    if (job->xfer.rel_total > 0)
+        job->xfer.rel_blocked = true;
+}
+
+/* a rank's signalled releases, all let go (its trainer is gone, or the job ends) */
+static void fenced_forget(struct sd_job *job, uint32_t r)
+{
+    struct sd_job_xfer *x = &job->xfer;
+    for (uint32_t i = 0; i < job->n_slots && x->rel_total > 0; i++) {
+        size_t at = (size_t)i * job->k + r;
+        sd_unit_cache_unhold(&job->cache, &job->cache.units[i], x->rel_pending[at]);
+        x->rel_total -= x->rel_pending[at];
+        x->rel_pending[at] = 0;
+    }
+}
+
 /* the waiters of us, answered: the slot (synced: the device wrote it) or the gather's error */
 static void answer_waiters(struct sd_job *job, struct sd_unit_state *us, int synced)
 {
@@ -229,8 +297,12 @@ bool sd_fetch(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, 
         return false;
     uint64_t off;
     int st = sd_fetch_reserve(job, sd_unit_bytes(ul), &off);
-    if (st == SD_EAGAIN || (st == SD_ENOSPC && sd_unit_cache_others_hold(&job->cache, s->holds)))
+    if ((st == SD_EAGAIN || st == SD_ENOSPC) && sd_fetch_fenced_poll(job))
+        st = sd_fetch_reserve(job, sd_unit_bytes(ul), &off); /* a stream signalled a release */
+    if (st == SD_EAGAIN || (st == SD_ENOSPC && sd_unit_cache_others_hold(&job->cache, s->holds))) {
+        sd_fetch_fenced_blocked(job);
         return false; /* other ranks (or gathers in flight) still use the space: wait for them */
+    }
     if (st != SD_OK) {
         char b1[32], b2[32], b3[32];
         sd_session_fail(s, e, SD_ENOSPC,
@@ -264,13 +336,31 @@ void sd_fetch_release(struct sd_job *job, struct sd_session *s, const struct sd_
                         e->unit, s->rank);
         return;
     }
+    if ((e->arg0 & ~(SD_OP_ASIDE | SD_RELEASE_SIGNAL_LATER)) != 0 ||
+        ((e->arg0 & SD_RELEASE_SIGNAL_LATER) && e->arg1 > UINT32_MAX)) {
+        sd_session_fail(
+            s, e, SD_EINVAL,
+            "release of unit %u: flags %#llx or signal value %llu not understood (flags "
+            "SD_OP_ASIDE, SD_RELEASE_SIGNAL_LATER; a 32-bit release_seq)",
+            e->unit, (unsigned long long)e->arg0, (unsigned long long)e->arg1);
+        return;
+    }
     s->holds[e->unit]--;
-    sd_unit_cache_unhold(&job->cache, us, 1);
+    if (e->arg0 & SD_RELEASE_SIGNAL_LATER) { /* held until the rank's page counts arg1 */
+        size_t at = (size_t)(us - job->cache.units) * job->k + s->local;
+        job->xfer.rel_pending[at]++;
+        job->xfer.rel_need[at] = (uint32_t)e->arg1;
+        job->xfer.rel_total++;
+        job->stats.fenced_releases++;
+    } else {
+        sd_unit_cache_unhold(&job->cache, us, 1);
+    }
     sd_op_done(job, s, e, 0, 0, start);
 }
 
 void sd_fetch_drop(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t start)
 {
+    sd_fetch_fenced_poll(job); /* a copy whose release its stream signalled is dropped too */
     sd_unit_cache_drop(&job->cache, sd_job_slot(job, e->unit, s->local));
     sd_op_done(job, s, e, 0, 0, start);
 }
@@ -279,6 +369,7 @@ void sd_fetch_release_holds(struct sd_job *job, struct sd_session *s)
 {
     if (s->holds == NULL || job->cache.units == NULL)
         return;
+    fenced_forget(job, s->local);
     for (uint32_t u = 0; u < job->layout.n_units; u++) {
         struct sd_unit_state *us = sd_job_slot(job, u, s->local);
         sd_unit_cache_unhold(&job->cache, us, s->holds[u]);
@@ -791,5 +882,5 @@ static void fetch_fail_parked(struct sd_job *job, int status, const char *text, 
 
 const struct sd_job_module sd_fetch_module = {.name = "fetch",
                                               .fail_parked = fetch_fail_parked,
-                                              .queue_waiting = sd_fetch_queue_waiting,
-                                              .queue_poll = sd_fetch_queue_poll};
+                                              .queue_waiting = fetch_loop_waiting,
+                                              .queue_poll = fetch_loop_poll};

@@ -29,6 +29,11 @@ void sd_fetch_complete(struct sd_job *job, struct sd_unit_state *us);
  * at them: answers those it wrote, in order; true if any. */
 bool sd_fetch_queue_waiting(const struct sd_job *job);
 bool sd_fetch_queue_poll(struct sd_job *job);
+/* Releases a trainer's stream signals later (sd/fence.h, release_seq): the holds whose signal
+ * the ranks' pages count now are let go (true if any); a gather that waits for a place they
+ * keep says so (blocked), and the loop polls the pages until they are let go. */
+bool sd_fetch_fenced_poll(struct sd_job *job);
+void sd_fetch_fenced_blocked(struct sd_job *job);
 /* Room in the pool: the frozen schedule's place, else the cache's (evicting); SD_EAGAIN: a
  * slower rank still uses the planned place. */
 int sd_fetch_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p);

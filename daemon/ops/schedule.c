@@ -319,8 +319,11 @@ static int issue(struct sd_job *job, uint32_t I, uint32_t l)
         return SD_OK; /* held where it is: its fetch sorts it out */
     if (us->resident)
         sd_unit_cache_evict(&job->cache, us);
-    if (claim(job, off, unit_bytes(job, u)) != SD_OK)
+    if (claim(job, off, unit_bytes(job, u)) != SD_OK &&
+        (!sd_fetch_fenced_poll(job) || claim(job, off, unit_bytes(job, u)) != SD_OK)) {
+        sd_fetch_fenced_blocked(job); /* a stream may still read the place: polled */
         return SD_EAGAIN;
+    }
     us->pool_off = off;
     int st = sd_fetch_prefetch(job, us);
     if (st == SD_EAGAIN)

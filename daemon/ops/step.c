@@ -43,6 +43,7 @@ static void refresh_held(struct sd_job *job, uint64_t gen)
         sd_fetch_local_gather(job, us);
         us->gen = gen;
     }
+    job->weights_gen = current;
 }
 
 /* The optimizer updated every os shard, and the weights' all-gather brought every w shard the
@@ -52,6 +53,8 @@ static void refresh_held(struct sd_job *job, uint64_t gen)
 static void weights_write(struct sd_job *job)
 {
     sd_weights_local(job);
+    /* releases the trainers' streams signalled by now are no holds to refresh */
+    sd_fetch_fenced_poll(job);
     if (job->gnodes[SD_STATE_W] == 1)
         refresh_held(job, job->weights_gen + 1);
 }
@@ -568,6 +571,7 @@ void sd_step_progress(struct sd_job *job)
     if (job->step->phase == SD_STEP_NEWGEN) {
         weights_new(job);
         sd_fetch_serve_queue(job);
+        sd_fetch_fenced_poll(job); /* as in weights_write: no gathers across nodes for them */
         job->step->phase = SD_STEP_REFRESH;
     }
     if (job->step->phase == SD_STEP_REFRESH) {

@@ -300,6 +300,7 @@ static json_t *job_stats(const struct sd_job *job)
                         json_integer((json_int_t)job->stats.push_rounds_peak));
     json_object_set_new(o, "signal_waits", json_integer((json_int_t)job->stats.signal_waits));
     json_object_set_new(o, "signal_wait_ms", json_real((double)job->stats.signal_wait_ns / 1e6));
+    json_object_set_new(o, "fenced_releases", json_integer((json_int_t)job->stats.fenced_releases));
     uint64_t sec_loads, sec_stores;
     sd_sec_counts(job, &sec_loads, &sec_stores);
     json_object_set_new(o, "secondary",

@@ -154,6 +154,10 @@ static bool dispatch_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout
                     (long long)job->reg->cfg->op_timeout_ms,
                     s->stall_polls ? "its gradient was never signalled on the rank's fence page "
                                      "(grad_seq; shard_push_staged_signalled)"
+                    : s->stalled.op == SD_OP_FETCH && job->xfer.rel_total > 0
+                        ? "its pool place stayed busy, held by releases a stream was to signal on "
+                          "the fence page (release_seq; shard_release_on_stream), or the "
+                          "transfers it needs"
                     : s->stalled.op == SD_OP_FETCH
                         ? "its pool place or the transfers it needs stayed busy"
                         : "an earlier call of the same kind did not complete");

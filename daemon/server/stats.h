@@ -54,6 +54,7 @@ struct sd_job_stats {
     /* pushes signalled later (a trainer's stream writes the fence page) that were not taken at
      * once, and the time they waited for it or for their round */
     uint64_t signal_waits, signal_wait_ns;
+    uint64_t fenced_releases; /* releases a trainer's stream signalled later (release_seq) */
     struct sd_latency lat[SD_OP_COUNT];
 };
 

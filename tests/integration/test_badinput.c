@@ -4,6 +4,7 @@
 #include "harness.h"
 #include "shard.h"
 #include "shard_internal.h"
+#include "sd/fence.h"
 #include "sd/frame.h"
 #include "sd/model.h"
 #include "sd/ring.h"
@@ -537,6 +538,16 @@ static void test_null_and_pool(void)
                  shard_wait(ctx, req, &p) == 0 && shard_wait(ctx, req, &p) == SHARD_EINVAL,
              "async fetch, and a second wait on the same request is refused");
     shard_release(ctx, 0);
+
+    /* a release with a flag it does not know, or a signal wider than the page's counter: refused
+     * naming what was wrong, the unit still held */
+    TH_CHECK(shard_fetch(ctx, 0, &p) == 0, "fetch 0 again: %s", shard_last_error(ctx));
+    expect_error(ctx, shard__post_raw(ctx, SD_OP_RELEASE, 0, 4, 0), SHARD_EINVAL, "flags 0x4",
+                 "release with an unknown flag");
+    expect_error(ctx, shard__post_raw(ctx, SD_OP_RELEASE, 0, SD_RELEASE_SIGNAL_LATER, 1ULL << 32),
+                 SHARD_EINVAL, "32-bit release_seq", "release signalled with a 33-bit value");
+    TH_CHECK(shard_release(ctx, 0) == 0 && shard_release(ctx, 0) == SHARD_ENOTHELD,
+             "the refused releases left the unit held once: %s", shard_last_error(ctx));
 
     /* random ring entries: every one is answered, none crashes or wedges the daemon */
     srand(7);

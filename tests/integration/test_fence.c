@@ -11,7 +11,12 @@
  *                         (built where CUDA's headers are, label gpu: exit 77 without a GPU):
  *                         the same on a GPU, and then with a real stream, held shut by a wait
  *                         on a host word, that copies the gradient in and signals it through
- *                         shard_push_staged_on_stream */
+ *                         shard_push_staged_on_stream, and reads a slot it then releases
+ *                         through shard_release_on_stream
+ *
+ * The same for a release (shard_release_signalled, what shard_release_on_stream does for a
+ * stream): the daemon gathers nothing into a released place before the page counts the release,
+ * serves the other job meanwhile, and fails a job whose release never comes. */
 #include "harness.h"
 #include "shard.h"
 
@@ -270,6 +275,113 @@ static void test_never_signalled(shard_ctx_t *by)
     TH_CHECK(bystander_step(by) == 0, "the other job after the failure: %s", shard_last_error(by));
 }
 
+/* the stream's part of a release: nothing reads the slot any more, then the signal (the flag
+ * first: whoever sees the signal's effect sees the flag) */
+struct late_rel {
+    uint32_t *word, value;
+    int delay_ms;
+    atomic_bool signalled;
+};
+
+static void *late_release(void *arg)
+{
+    struct late_rel *l = arg;
+    usleep((useconds_t)l->delay_ms * 1000u);
+    atomic_store(&l->signalled, true);
+    __atomic_store_n(l->word, l->value, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+struct stepper {
+    shard_ctx_t *ctx;
+    atomic_bool stop;
+    int steps, bad;
+};
+
+static void *stepper_run(void *arg)
+{
+    struct stepper *b = arg;
+    while (!atomic_load(&b->stop)) {
+        if (bystander_step(b->ctx) == 0)
+            b->steps++;
+        else
+            b->bad++;
+    }
+    return NULL;
+}
+
+/* A release signalled after it is made (what shard_release_on_stream does for a CUDA stream
+ * whose kernels still read the slot): the pool holds one unit, so the next fetch needs the
+ * released unit's place, and the daemon must gather into it only once the page counts the
+ * release, its loop serving the other job meanwhile. One never signalled fails its job after
+ * op_timeout_ms naming release_seq, the other job going on. */
+static void test_late_release(shard_ctx_t *by)
+{
+    shard_unit_info_t u0;
+    TH_CHECK(shard_unit_info(by, 0, &u0) == 0, "unit 0's size");
+    struct tiny x;
+    tiny_init(&x, "late-release");
+    x.m.max_live_bytes = u0.bytes; /* room for one unit: unit 1 takes unit 0's place */
+    shard_ctx_t *ctx = NULL;
+    TH_CHECK(shard_attach(d.sock, &ctx) == 0 && shard_register(ctx, &x.m) == 0, "register: %s",
+             shard_last_error(ctx));
+    const void *p;
+    shard_fence_t f;
+    TH_CHECK(shard_fetch(ctx, 0, &p) == 0 && shard_fence(ctx, &f) == 0, "fetch 0: %s",
+             shard_last_error(ctx));
+    uint32_t before = *f.release_seq;
+    if (strcmp(shard_memory(ctx), "cuda") != 0) /* a stream that is none: refused unused */
+        TH_CHECK(shard_release_on_stream(ctx, 0, (void *)0x5151) == SHARD_EINVAL &&
+                     strstr(shard_last_error(ctx), "has no streams") != NULL,
+                 "a stream on %s memory: '%s'", shard_memory(ctx), shard_last_error(ctx));
+    TH_CHECK(shard_release_signalled(ctx, 0) == 0, "release_signalled: %s", shard_last_error(ctx));
+    TH_CHECK(*f.release_seq == before && f.next_release == before + 1,
+             "the release left its signal to the caller (page %u, next %u, was %u)", *f.release_seq,
+             f.next_release, before);
+
+    struct late_rel l = {.word = f.release_seq, .value = f.next_release, .delay_ms = LATE_MS};
+    struct stepper b = {.ctx = by};
+    pthread_t th, bt;
+    pthread_create(&bt, NULL, stepper_run, &b);
+    double t0 = now_s();
+    pthread_create(&th, NULL, late_release, &l);
+    int st = shard_fetch(ctx, 1, &p);
+    bool signalled = atomic_load(&l.signalled);
+    double took = now_s() - t0;
+    pthread_join(th, NULL);
+    usleep(50 * 1000);
+    atomic_store(&b.stop, true);
+    pthread_join(bt, NULL);
+    TH_CHECK(st == 0, "fetch 1: %s", shard_last_error(ctx));
+    TH_CHECK(signalled,
+             "unit 1 was gathered into unit 0's place %.0f ms after its release, before "
+             "the release was signalled (%d ms)",
+             took * 1e3, LATE_MS);
+    TH_CHECK(b.bad == 0 && b.steps >= 1, "the other job meanwhile: %d steps, %d failed", b.steps,
+             b.bad);
+    TH_CHECK(job_stat("late-release", "fenced_releases") == 1, "fenced_releases %g, want 1",
+             job_stat("late-release", "fenced_releases"));
+    TH_CHECK(shard_release_on_stream(ctx, 1, NULL) == 0 && shard_fetch(ctx, 0, &p) == 0,
+             "a release with no stream is a release: %s", shard_last_error(ctx));
+
+    /* never signalled: the fetch that needs the place fails the job, naming the page */
+    TH_CHECK(shard_release_signalled(ctx, 0) == 0, "release_signalled: %s", shard_last_error(ctx));
+    b = (struct stepper){.ctx = by};
+    pthread_create(&bt, NULL, stepper_run, &b);
+    t0 = now_s();
+    st = shard_fetch(ctx, 1, &p);
+    took = now_s() - t0;
+    atomic_store(&b.stop, true);
+    pthread_join(bt, NULL);
+    TH_CHECK(st != 0 && strstr(shard_last_error(ctx), "release_seq") != NULL,
+             "a release never signalled: fetch %d '%s'", st, shard_last_error(ctx));
+    TH_CHECK(took < 30.0, "the failure took %.1f s (op_timeout_ms %d)", took, TIMEOUT_MS);
+    TH_CHECK(b.bad == 0 && b.steps >= 1, "the other job meanwhile: %d steps, %d failed", b.steps,
+             b.bad);
+    shard_detach(ctx);
+    TH_CHECK(bystander_step(by) == 0, "the other job after the failure: %s", shard_last_error(by));
+}
+
 #ifdef TEST_FENCE_CUDA
 #include <cuda.h>
 #include <dlfcn.h>
@@ -286,7 +398,8 @@ static void test_never_signalled(shard_ctx_t *by)
     X(cuMemHostRegister)                                                                           \
     X(cuMemHostUnregister)                                                                         \
     X(cuMemHostGetDevicePointer)                                                                   \
-    X(cuMemcpyHtoDAsync)
+    X(cuMemcpyHtoDAsync)                                                                           \
+    X(cuMemcpyDtoHAsync)
 #define CU_STR2(x) #x
 #define CU_STR(x)  CU_STR2(x)
 #define CU_PTR(f)  static __typeof__(&f) p_##f;
@@ -348,6 +461,37 @@ static void test_cuda_stream(shard_ctx_t *by)
         wrong += a[i] != -0.1f * (1.0f + (float)(i % 5));
     TH_CHECK(wrong == 0, "the step did not use the stream's gradient (a[0] = %g)", a[0]);
     free(a);
+
+    /* a release whose slot the stream still reads (a copy behind the gate): the next fetch
+     * needs the place (the pool holds one unit) and waits for the stream's signal */
+    shard_unit_info_t u0;
+    struct tiny x;
+    tiny_init(&x, "stream-release");
+    x.m.max_live_bytes = shard_unit_info(by, 0, &u0) == 0 ? u0.bytes : 0;
+    shard_ctx_t *rc = NULL;
+    const void *p0, *p1;
+    TH_CHECK(shard_attach(d.sock, &rc) == 0 && shard_register(rc, &x.m) == 0 &&
+                 shard_fetch(rc, 0, &p0) == 0,
+             "a job whose pool holds one unit: %s", shard_last_error(rc));
+    TH_CHECK(p_cuStreamWaitValue32(st, gate_d, 2, CU_STREAM_WAIT_VALUE_GEQ) == 0 &&
+                 p_cuMemcpyDtoHAsync(g, (CUdeviceptr)(uintptr_t)p0, N_A * sizeof(float), st) == 0,
+             "the stream's gate and its read of unit 0's slot");
+    t0 = now_s();
+    TH_CHECK(shard_release_on_stream(rc, 0, st) == 0, "release_on_stream: %s",
+             shard_last_error(rc));
+    TH_CHECK(now_s() - t0 < 1.0, "the release waited for the stream (%.2f s)", now_s() - t0);
+    struct late_rel opener = {.word = gate, .value = 2, .delay_ms = LATE_MS};
+    pthread_t th;
+    pthread_create(&th, NULL, late_release, &opener);
+    int fst = shard_fetch(rc, 1, &p1);
+    bool opened = atomic_load(&opener.signalled);
+    pthread_join(th, NULL);
+    TH_CHECK(fst == 0 && opened,
+             "unit 1 gathered into unit 0's place before the stream read it (fetch %d: %s)", fst,
+             shard_last_error(rc));
+    TH_CHECK(job_stat("stream-release", "fenced_releases") == 1, "fenced_releases %g",
+             job_stat("stream-release", "fenced_releases"));
+    shard_detach(rc);
     p_cuStreamSynchronize(st);
     p_cuStreamDestroy(st);
     p_cuMemHostUnregister(gate);
@@ -383,6 +527,7 @@ int main(int argc, char **argv)
              shard_memory(by), backend);
     test_late_signal(by);
     test_never_signalled(by);
+    test_late_release(by);
 #ifdef TEST_FENCE_CUDA
     if (strcmp(backend, "cuda") == 0)
         test_cuda_stream(by);

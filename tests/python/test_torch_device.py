@@ -19,9 +19,10 @@ plumbing, what needs no GPU, against one real host daemon and stand-ins for the 
     data_ptr, fp32, bf16 and fp16;
   - the order of a push on a GPU, played by a stand-in memory on a real CPU training: every
     unit's gradient is written into the staging slot libshard gave (grad_buffer), then pushed
-    with the stream's handle, once a unit per backward; a release syncs the stream only where the
-    pool is smaller than the model (max_live_bytes), never with the default pool; and the run
-    equals the same run through the host memory's path bit for bit.
+    with the stream's handle, once a unit per backward; every release is made with the stream's
+    handle (release_on_stream: the stream signals it after the slot's reads); and the run
+    equals the same run through the host memory's path bit for bit, with the default pool and
+    one smaller than the model (max_live_bytes).
 cuda (exit 77 saying why without a CUDA torch or a GPU shardd can open):
   - the GPT example (tied embedding, two AdamW param groups, warm-up and cosine, accumulation 2,
     clipping) on CUDA tensors, 4 ranks on one GPU under zero3, mics:2 and zeropp, against the
@@ -158,9 +159,10 @@ def plumbing():
         addr = buf.data_ptr()
         ptr = st._DevicePointer(addr, 256, writable=False)
         cai = ptr.__cuda_array_interface__
-        check(cai["data"] == (addr, True) and cai["shape"] == (256,) and cai["typestr"] == "|u1"
-              and cai["version"] == 2 and "stream" not in cai,
-              f"the weights' interface: read-only bytes at the address, no stream: {cai}")
+        check(cai["data"] == (addr, False) and cai["shape"] == (256,) and cai["typestr"] == "|u1"
+              and cai["version"] == 2 and "stream" not in cai and not ptr.writable,
+              f"the weights' interface: bytes at the address, the read-only flag False (torch "
+              f"refuses True; the PROT_READ mapping keeps them read-only), no stream: {cai}")
         check(st._DevicePointer(addr, 8, writable=True).__cuda_array_interface__["data"][1]
               is False, "the staging slot's interface is writable")
         real_as_tensor = torch.as_tensor
@@ -168,13 +170,15 @@ def plumbing():
 
         def as_tensor(obj, device=None):  # a CPU tensor over the interface's bytes
             i = obj.__cuda_array_interface__
+            if i["data"][1]:  # as torch 2.x does
+                raise TypeError("the read only flag is not supported, should always be False")
             seen.append(device)
             import ctypes
             raw = (ctypes.c_char * i["shape"][0]).from_address(i["data"][0])
             return torch.frombuffer(raw, dtype=torch.uint8)
         torch.as_tensor = as_tensor
         try:
-            mem = st._CudaMemory(torch.device("cuda", 0), sync_release=False)
+            mem = st._CudaMemory(torch.device("cuda", 0))
             v = mem.view(addr, 256, torch.float32, 64)
             check(v.dtype == torch.float32 and v.numel() == 64 and v.data_ptr() == addr and
                   torch.equal(v, buf) and seen[-1] == torch.device("cuda", 0),
@@ -186,6 +190,18 @@ def plumbing():
             v = mem.view(h.data_ptr(), 16, torch.float16, 7)
             check(v.dtype == torch.float16 and v.numel() == 7 and torch.equal(v, h),
                   "an fp16 unit's view, an odd count")
+            # torch's default stream has the handle 0, which libshard takes for "no stream"
+            # (a signal at the call, before the kernels ran: a GPU diverged so)
+            real_current = torch.cuda.current_stream
+            torch.cuda.current_stream = lambda dev=None: types.SimpleNamespace(cuda_stream=0)
+            try:
+                s0 = mem.stream()
+                torch.cuda.current_stream = lambda dev=None: types.SimpleNamespace(cuda_stream=77)
+                s77 = mem.stream()
+            finally:
+                torch.cuda.current_stream = real_current
+            check(s0 == shard.STREAM_DEFAULT == 1 and s77 == 77,
+                  f"the default stream is named CU_STREAM_LEGACY, never NULL ({s0}, {s77})")
         finally:
             torch.as_tensor = real_as_tensor
 
@@ -212,8 +228,8 @@ def plumbing():
         class Played(st._HostMemory):
             """_CudaMemory's calls, on host memory: records them"""
 
-            def __init__(self, sync_release):
-                self.calls, self.sync_release, self.last_buffer = [], sync_release, None
+            def __init__(self):
+                self.calls, self.last_buffer = [], None
                 self.device = torch.device("cpu")
 
             def view(self, addr, nbytes, dtype, count, writable=False):
@@ -228,11 +244,12 @@ def plumbing():
                 self.calls.append(("push", unit, self.stream()))
                 ctx.push_staged_on_stream(unit, None)  # host memory has no streams
 
-            def before_release(self):
-                self.calls.append(("sync",) if self.sync_release else ("release",))
+            def release(self, ctx, unit, aside):
+                self.calls.append(("release", unit, self.stream()))
+                ctx.release_on_stream(unit, None, aside=aside)  # host memory has no streams
 
         ref = run(None, "plain")
-        played = Played(sync_release=False)
+        played = Played()
         got = run(played, "played")
         pushes = [c for c in played.calls if c[0] == "push"]
         writes = [c for c in played.calls if c[0] == "write"]
@@ -242,19 +259,19 @@ def plumbing():
         check(order_ok and all(p[2] == 0x5151 for p in pushes),
               f"each push: its gradient written into the staging slot, then pushed with the "
               f"stream's handle ({len(writes)} writes, {len(pushes)} pushes)")
-        check(not any(c[0] == "sync" for c in played.calls),
-              "the default pool: no release waits for the stream")
+        releases = [c for c in played.calls if c[0] == "release"]
+        check(len(releases) > 0 and all(c[2] == 0x5151 for c in releases),
+              f"every release is signalled by the stream that read the slot ({len(releases)})")
         check(all(torch.equal(got[k], ref[k]) for k in ref),
               "the played GPU path trains bit for bit as the host path")
-        cuda0 = torch.device("cuda", 0)
-        check(isinstance(st._memory_for(torch.device("cpu"), 0), st._HostMemory) and
-              st._memory_for(cuda0, 0).sync_release is False and
-              st._memory_for(cuda0, 800).sync_release is True,
-              "a CUDA model's releases wait for its stream only with max_live_bytes")
-        small = Played(sync_release=True)
-        run(small, "small", max_live=800)
-        syncs = sum(1 for c in small.calls if c[0] == "sync")
-        check(syncs > 0, f"a pool smaller than the model: each release waits ({syncs})")
+        check(isinstance(st._memory_for(torch.device("cpu")), st._HostMemory) and
+              isinstance(st._memory_for(torch.device("cuda", 0)), st._CudaMemory),
+              "a CUDA model reaches its job's memory through the stream's calls")
+        small = Played()
+        got = run(small, "small", max_live=800)
+        check(all(torch.equal(got[k], ref[k]) for k in ref) and
+              any(c[0] == "release" for c in small.calls),
+              "a pool smaller than the model: the same, releases signalled by the stream")
     finally:
         stop_daemon(d)
 

@@ -108,6 +108,12 @@ bool sd_fetch_queue_waiting(const struct sd_job *job)
     return false;
 }
 
+bool sd_fetch_fenced_poll(struct sd_job *job)
+{
+    (void)job;
+    return false;
+}
+
 int sd_fetch_gather_start(struct sd_job *job, struct sd_unit_state *us)
 {
     (void)job;

@@ -164,6 +164,11 @@ _lib.shard_fetch.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_void_p)]
 _lib.shard_release.argtypes = [_c.c_void_p, _c.c_uint32]
 _lib.shard_fetch_aside.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_void_p)]
 _lib.shard_release_aside.argtypes = [_c.c_void_p, _c.c_uint32]
+# the device's default stream (CUDA's legacy NULL stream, HIP's null stream) where a stream is
+# asked for: NULL there means no stream (shard.h, SHARD_STREAM_DEFAULT)
+STREAM_DEFAULT = 1
+_lib.shard_release_on_stream.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_void_p]
+_lib.shard_release_aside_on_stream.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_void_p]
 _lib.shard_push_grad.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_void_p, _c.c_size_t]
 _lib.shard_grad_buffer.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_void_p)]
 _lib.shard_push_staged.argtypes = [_c.c_void_p, _c.c_uint32]
@@ -381,6 +386,14 @@ class Context:
 
     def release_aside(self, unit):
         self._check(_lib.shard_release_aside(self._ctx, unit), f"release unit {unit}")
+
+    def release_on_stream(self, unit, stream=None, aside=False):
+        """release (release_aside) of a unit that work queued on a device stream (a CUDA
+        stream handle as an int) may still read: the stream signals the release on the fence
+        page after that work, and shardd keeps the slot until then; returns at once. None:
+        release."""
+        f = _lib.shard_release_aside_on_stream if aside else _lib.shard_release_on_stream
+        self._check(f(self._ctx, unit, stream), f"release unit {unit}")
 
     def push_grad(self, unit, addr, nbytes):
         """Push this micro-step's gradient of a unit from memory at addr (the unit's layout and

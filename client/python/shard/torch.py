@@ -69,29 +69,33 @@ class _HostMemory:
     def push(self, ctx, unit):
         ctx.push_staged(unit)
 
-    def before_release(self):
-        pass
+    def release(self, ctx, unit, aside):
+        (ctx.release_aside if aside else ctx.release)(unit)
 
 
 class _DevicePointer:
     """Bytes of the job's device memory as __cuda_array_interface__ (version 2: no stream to
     wait on; libshard's mapping owns the memory): torch.as_tensor makes a tensor over them
-    without copying, which keeps this object alive."""
+    without copying, which keeps this object alive. The interface's read-only flag stays False
+    whatever `writable` says: torch has no read-only tensors and refuses it ("the read only flag
+    is not supported", torch 2.11 on an H200). The weights stay read-only where it counts: the
+    gather pool is imported with a PROT_READ mapping, so the driver refuses a write into it."""
 
     def __init__(self, addr, nbytes, writable):
+        self.writable = bool(writable)
         self.__cuda_array_interface__ = {"shape": (int(nbytes),), "typestr": "|u1",
-                                         "data": (int(addr), not writable), "version": 2}
+                                         "data": (int(addr), False), "version": 2}
 
 
 class _CudaMemory:
     """A job in a GPU's memory with the model on that GPU: parameters are zero-copy CUDA tensors
     over the imported slot; a gradient is copied into the device staging slot on torch's current
-    stream, which then signals it on the fence page (push_staged_on_stream): no host
-    synchronization. With a pool smaller than the model (max_live_bytes) the daemon reuses a
-    released slot for the next gather, so a release waits for the stream's reads of it."""
+    stream, which then signals it on the fence page (push_staged_on_stream), and a release is
+    signalled by the stream after the kernels that read the slot (release_on_stream: the daemon
+    gathers another unit into a released place only once they ran): no host synchronization."""
 
-    def __init__(self, device, sync_release):
-        self.device, self.sync_release = device, sync_release
+    def __init__(self, device):
+        self.device = device
 
     def view(self, addr, nbytes, dtype, count, writable=False):
         size = torch.empty((), dtype=dtype).element_size()
@@ -99,22 +103,22 @@ class _CudaMemory:
         return raw.view(dtype)
 
     def stream(self):
-        return torch.cuda.current_stream(self.device).cuda_stream
+        # torch's default stream is CUDA's legacy NULL stream, whose handle is 0: to libshard
+        # NULL means "no stream" (signalled at the call, before the kernels ran), so it is
+        # named by CU_STREAM_LEGACY (SHARD_STREAM_DEFAULT)
+        return torch.cuda.current_stream(self.device).cuda_stream or _shard.STREAM_DEFAULT
 
     def push(self, ctx, unit):
         ctx.push_staged_on_stream(unit, self.stream())
 
-    def before_release(self):
-        if self.sync_release:
-            torch.cuda.current_stream(self.device).synchronize()
+    def release(self, ctx, unit, aside):
+        ctx.release_on_stream(unit, self.stream(), aside=aside)
 
 
-def _memory_for(dev, max_live_bytes):
-    """How a model on dev reaches its job's buffers: a pool that holds every unit for the whole
-    step (max_live_bytes 0) never reuses a slot within it, so only a smaller one makes a release
-    wait for the stream's reads"""
+def _memory_for(dev):
+    """How a model on dev reaches its job's buffers"""
     if dev.type == "cuda":
-        return _CudaMemory(dev, sync_release=max_live_bytes > 0)
+        return _CudaMemory(dev)
     return _HostMemory()
 
 
@@ -224,8 +228,7 @@ class _State:
     def _drop(self, u):
         self.refs[u] -= 1
         if self.refs[u] == 0:
-            self.mem.before_release()
-            (self.ctx.release_aside if self.aside[u] else self.ctx.release)(u)
+            self.mem.release(self.ctx, u, self.aside[u])
 
     def _pre_forward(self, m):
         # A forward without autograd (torch.no_grad(), inference_mode: an evaluation, which
@@ -905,7 +908,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
         ctx.detach()
         raise
     state = _State(model, ctx, reg_units, reg_params, needs, job,
-                   _memory_for(dev, max_live_bytes))
+                   _memory_for(dev))
     state.aliases = {n: names[id(p)]  # a tied parameter's other names, as state_dict has them
                      for n, p in torch.nn.Module.state_dict(model, keep_vars=True).items()
                      if id(p) in names and n != names[id(p)]}
@@ -1101,10 +1104,8 @@ def full_state_dict(model=None, device=None):
                 values[id(p)] = (p.detach().clone() if to is None or to == p.device else
                                  p.detach().to(to))
         finally:
-            if not held:
-                if st.mem.device.type == "cuda":  # the copies read the slot: done before the
-                    torch.cuda.current_stream(st.mem.device).synchronize()  # daemon reuses it
-                st.ctx.release_aside(u)
+            if not held:  # the copies read the slot: the stream signals the release after them
+                st.mem.release(st.ctx, u, True)
                 for _, p in ps:
                     p.data = st.placeholder[p.dtype]
     out = {}

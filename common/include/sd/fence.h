@@ -1,5 +1,5 @@
 /* The fence page of a rank (issue 40): one page of a memfd that the daemon and one trainer map
- * (the trainer's third fd of the registration's reply), holding two monotonic counters that
+ * (the trainer's third fd of the registration's reply), holding three monotonic counters that
  * order their work without a round trip through the control socket.
  *
  *   grad_seq    the trainer's: gradients in its staging slots, counted from 1. libshard writes
@@ -12,6 +12,16 @@
  *   gather_seq  the daemon's: fetches it answered for this rank, counted from 1, written before
  *               each answer; a device trainer's stream waits for it before the forward reads
  *               the slot.
+ *   release_seq the trainer's: releases whose reads a stream still had queued, counted from 1.
+ *               A device trainer releases a unit while the kernels that read its slot may not
+ *               have run yet (the host runs ahead of the GPU); its stream writes the count after
+ *               them and the release says so (SD_RELEASE_SIGNAL_LATER). The daemon answers such
+ *               a release at once but keeps the rank's hold on the slot until the page counts it:
+ *               the gather pool's planned places are shared by units whose lifetimes do not
+ *               overlap on the host, and a gather into a place whose previous unit the GPU still
+ *               reads would change the weights under a running forward (seen on an H200: every
+ *               step after the first diverged). Looked at, never waited on, by the loop: where a
+ *               gather needs the place, the loop polls the page while it waits.
  * Counters compare as the devices' GEQ waits do, (int32_t)(a - b) >= 0, so they wrap. Both sides
  * continue from the page's values, which outlive a trainer (a resumed job's). Offsets, never
  * pointers; the layout is pinned below. */
@@ -22,11 +32,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SD_FENCE_MAGIC      0x45464453u /* "SDFE" */
-#define SD_FENCE_VERSION    1u
-#define SD_FENCE_BYTES      4096u
-#define SD_FENCE_GRAD_OFF   64u
-#define SD_FENCE_GATHER_OFF 128u
+#define SD_FENCE_MAGIC       0x45464453u /* "SDFE" */
+#define SD_FENCE_VERSION     2u
+#define SD_FENCE_BYTES       4096u
+#define SD_FENCE_GRAD_OFF    64u
+#define SD_FENCE_GATHER_OFF  128u
+#define SD_FENCE_RELEASE_OFF 192u
 
 struct sd_fence_page {
     uint32_t magic, version;
@@ -34,11 +45,14 @@ struct sd_fence_page {
     uint32_t grad_seq; /* 64-byte lines of their own: one writer each */
     uint8_t pad1[SD_FENCE_GATHER_OFF - SD_FENCE_GRAD_OFF - 4];
     uint32_t gather_seq;
-    uint8_t pad2[60];
+    uint8_t pad2[SD_FENCE_RELEASE_OFF - SD_FENCE_GATHER_OFF - 4];
+    uint32_t release_seq;
+    uint8_t pad3[60];
 };
 
 _Static_assert(offsetof(struct sd_fence_page, grad_seq) == SD_FENCE_GRAD_OFF, "fence layout");
 _Static_assert(offsetof(struct sd_fence_page, gather_seq) == SD_FENCE_GATHER_OFF, "fence layout");
+_Static_assert(offsetof(struct sd_fence_page, release_seq) == SD_FENCE_RELEASE_OFF, "fence layout");
 _Static_assert(sizeof(struct sd_fence_page) <= SD_FENCE_BYTES, "fence layout");
 
 /* A push's arg0 is its staging slot, with this bit when the trainer's stream signals the
@@ -46,6 +60,11 @@ _Static_assert(sizeof(struct sd_fence_page) <= SD_FENCE_BYTES, "fence layout");
  * it, looking for it every millisecond, and fails the job when it does not come within
  * op_timeout_ms. Without the bit a push whose gradient is not signalled yet is refused. */
 #define SD_PUSH_SIGNAL_LATER (1ull << 63)
+
+/* A release's arg0 (SD_OP_ASIDE or 0) with this bit: the trainer's stream signals it later on
+ * release_seq (shard_release_on_stream); the slot stays held for the rank until the page counts
+ * it. */
+#define SD_RELEASE_SIGNAL_LATER (1ull << 63)
 
 /* counter a has reached b */
 static inline bool sd_fence_reached(uint32_t a, uint32_t b)
