@@ -168,9 +168,12 @@ static bool fetch_loop_poll(struct sd_job *job)
 {
     bool moved = sd_fetch_queue_poll(job);
     if (job->xfer.rel_blocked && sd_fetch_fenced_poll(job)) {
+        /* what waited tries again, and says so again if it still waits (a stalled fetch is
+         * retried by its session's progress): no polling for holds nothing waits for */
         moved = true;
+        job->xfer.rel_blocked = false;
         if (job->state == SD_JOB_READY)
-            sd_sched_prefetch(job); /* a stalled fetch is retried by its session's progress */
+            sd_sched_prefetch(job);
     }
     return moved;
 }
