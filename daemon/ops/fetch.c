@@ -158,7 +158,7 @@ bool sd_fetch_queue_waiting(const struct sd_job *job)
 }
 
 /* the loop polls for the module also while a gather waits for a place that a signalled release
- * still holds (the step does not wait for that: fenced_waiting is not sd_fetch_queue_waiting) */
+ * still holds (the step does not wait for that: it asks sd_fetch_queue_waiting, not this) */
 static bool fetch_loop_waiting(const struct sd_job *job)
 {
     return sd_fetch_queue_waiting(job) || (job->xfer.rel_blocked && job->xfer.rel_total > 0);
