@@ -910,6 +910,20 @@ static int fetch_wait(shard_ctx_t *ctx, uint32_t unit, uint64_t flags, const voi
 
 enum { SIGNAL_NONE, SIGNAL_STREAM, SIGNAL_CALLER };
 
+/* have `stream` write value into word of the fence page after the work queued on it */
+static int signal_on_stream(shard_ctx_t *ctx, const char *what, uint32_t unit, void *stream,
+                            uint32_t *word, uint32_t value)
+{
+    if (ctx->mem->stream_write == NULL)
+        return fail(ctx, SD_EINVAL,
+                    "%s unit %u: the job's memory is %s, which has no streams (pass NULL: "
+                    "signalled when the call is made)",
+                    what, unit, ctx->mem->name);
+    char why[512];
+    int status = ctx->mem->stream_write(stream, word, value, why, sizeof(why));
+    return status != 0 ? fail(ctx, status, "%s unit %u: %s", what, unit, why) : SD_OK;
+}
+
 /* signal SIGNAL_STREAM: the release is signalled on the fence page by `stream`, after the work
  * queued on it so far (the reads of the unit's slot); SIGNAL_CALLER: by the caller. The daemon
  * keeps the slot until the page counts it. */
@@ -922,15 +936,11 @@ static int release(shard_ctx_t *ctx, uint32_t unit, uint64_t flags, int signal, 
         return status != SD_OK ? status : call(ctx, SD_OP_RELEASE, unit, flags, 0, &cqe);
     uint32_t seq = ctx->release_seq + 1;
     if (signal == SIGNAL_STREAM) {
-        if (ctx->mem->stream_write == NULL)
-            return fail(ctx, SD_EINVAL,
-                        "%s_on_stream unit %u: the job's memory is %s, which has no streams (pass "
-                        "NULL)",
-                        what, unit, ctx->mem->name);
-        char why[512];
-        status = ctx->mem->stream_write(stream, &ctx->fence->release_seq, seq, why, sizeof(why));
-        if (status != 0)
-            return fail(ctx, status, "%s_on_stream unit %u: %s", what, unit, why);
+        char on[32];
+        snprintf(on, sizeof(on), "%s_on_stream", what);
+        status = signal_on_stream(ctx, on, unit, stream, &ctx->fence->release_seq, seq);
+        if (status != SD_OK)
+            return status;
     }
     ctx->release_seq = seq; /* signalled whatever the daemon answers */
     return call(ctx, SD_OP_RELEASE, unit, flags | SD_RELEASE_SIGNAL_LATER, seq, &cqe);
@@ -1092,17 +1102,8 @@ int shard_push_staged_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
         return push_held(ctx, what, unit, false);
     if (stream == NULL)
         return push_held(ctx, what, unit, false);
-    if (ctx->mem->stream_write == NULL)
-        return fail(ctx, SD_EINVAL,
-                    "%s unit %u: the job's memory is %s, which has no streams (pass NULL: the "
-                    "gradient is signalled when the call is made)",
-                    what, unit, ctx->mem->name);
-    char why[512];
-    status =
-        ctx->mem->stream_write(stream, &ctx->fence->grad_seq, ctx->grad_seq + 1, why, sizeof(why));
-    if (status != 0)
-        return fail(ctx, status, "%s unit %u: %s", what, unit, why);
-    return push_held(ctx, what, unit, true);
+    status = signal_on_stream(ctx, what, unit, stream, &ctx->fence->grad_seq, ctx->grad_seq + 1);
+    return status != SD_OK ? status : push_held(ctx, what, unit, true);
 }
 
 int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t bytes)
