@@ -396,12 +396,24 @@ bool sd_cluster__coord_abort_heard(struct sd_cluster *cl, int from, const Shard_
     static uint64_t logged;
     if (!sd_cluster__coord_hears(cl, a->job, from, "abort of the job", &logged))
         return false;
-    if (a->origin == (uint32_t)from)
+    if (a->origin != (uint32_t)from) {
+        SD_WARN_SPARSE("cluster",
+                       "node %d sent an abort of job '%.64s' as node %u: dropped (a node aborts "
+                       "for itself)",
+                       from, a->job, a->origin);
+        return false;
+    }
+    /* a name no confirmed job has is every node's to report (how registrations start), not to
+     * end: an abort without a tag (a registration's) comes from a node that reported it */
+    if (a->tag != 0 || coord_name_live(cl, a->job))
         return true;
+    for (const struct coord_job *j = cl->jobs; j; j = j->next)
+        if (strcmp(j->name, a->job) == 0 && coord_job_node_of(j, (uint32_t)from) != SD_NO_NODE)
+            return true;
     SD_WARN_SPARSE("cluster",
-                   "node %d sent an abort of job '%.64s' as node %u: dropped (a node aborts for "
-                   "itself)",
-                   from, a->job, a->origin);
+                   "node %d sent an abort of job '%.64s', whose registration it has not reported: "
+                   "dropped",
+                   from, a->job);
     return false;
 }
 
@@ -567,12 +579,15 @@ void sd_cluster__coord_abort(struct sd_cluster *cl, const Shard__PeerMsg *m)
     for (struct coord_job *j = cl->jobs; j && cj == NULL; j = j->next)
         if (strcmp(j->name, a->job) == 0 && coord_job_node_of(j, a->origin) != SD_NO_NODE)
             cj = j;
-    /* the job's nodes as its sender knows them; a registration given up (no tag) goes to the
-     * nodes that reported it so far */
-    for (uint32_t i = 0; i < a->n_nodes; i++)
-        if (a->nodes[i] != a->origin && a->nodes[i] != cl->self && a->nodes[i] < cl->n)
+    /* the job's nodes as its sender knows them (of a confirmed job: those that are its nodes;
+     * the receivers end only the job of the abort's tag); a registration given up (no tag)
+     * goes to the nodes that reported it so far */
+    bool live = coord_name_live(cl, a->job);
+    for (uint32_t i = 0; i < a->n_nodes && (live || a->tag != 0); i++)
+        if (a->nodes[i] != a->origin && a->nodes[i] != cl->self && a->nodes[i] < cl->n &&
+            (!live || sd_cluster__coord_member(cl, a->job, a->nodes[i])))
             sd_cluster__send_to(cl, a->nodes[i], m);
-    if (cj != NULL && a->n_nodes == 0)
+    if (cj != NULL && (a->n_nodes == 0 || (!live && a->tag == 0)))
         for (uint32_t i = 0; i < cj->nodes; i++)
             if (cj->at[i] != SD_NO_NODE && cj->at[i] != a->origin && cj->at[i] != cl->self)
                 sd_cluster__send_to(cl, cj->at[i], m);

@@ -10,8 +10,11 @@
  * registration first, as the job's node 1 with a token of its own; the job forms of the nodes
  * whose ranks gave the secret, the member is refused (logged, naming it), its report of the
  * running job refused too, a report in another node's name dropped, and its aborts of the job
- * dropped; the job trains bitwise as its reference. */
+ * dropped; the job trains bitwise as its reference. A registration under way (one of its two
+ * ranks registered) is not the member's to end either: its abort without a tag, addressed to
+ * the job's nodes, is dropped (logged, naming it), and the registration completes. */
 #include "harness.h"
+#include "shard.h"
 #include "cluster/auth.h"
 #include "sd/config.h"
 #include "sd/hmac.h"
@@ -203,6 +206,57 @@ static void forge(int fd, const char *job)
     send_msg(fd, &ml);
 }
 
+/* a registration in progress: one rank of job "pending" (world 2, a node each) */
+struct reg {
+    const char *sock;
+    uint32_t rank;
+    int st;
+    char err[256];
+    shard_ctx_t *ctx;
+};
+
+static void *register_rank(void *arg)
+{
+    struct reg *r = arg;
+    static uint64_t dims[1] = {64};
+    static float init[64];
+    const float *inits[1] = {init};
+    shard_tensor_t t = {.name = "w", .ndim = 1, .dims = dims, .dtype = SHARD_FP32};
+    shard_model_t m = {.job = "pending",
+                       .rank = r->rank,
+                       .world = 2,
+                       .ranks_per_node = 1,
+                       .plan = "zero3",
+                       .tensors = &t,
+                       .n_tensors = 1,
+                       .optimizer = {.name = "sgd", .lr = 0.1f},
+                       .init = r->rank == 0 ? inits : NULL};
+    r->st = shard_attach(r->sock, &r->ctx);
+    if (r->st == 0)
+        r->st = shard_register(r->ctx, &m);
+    if (r->st != 0)
+        snprintf(r->err, sizeof(r->err), "%s", shard_last_error(r->ctx));
+    return NULL;
+}
+
+/* the member ends a registration it has no part in: an abort without a tag (a registration's,
+ * confirmed jobs have one), addressed to the nodes the job will run on */
+static void forge_registration_abort(int fd, const char *job, uint32_t you)
+{
+    uint32_t nodes[2] = {0, 1};
+    Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
+    a.job = (char *)job;
+    a.status = SD_EPEER;
+    a.message = "forged: a member that is not the registration's";
+    a.origin = you;
+    a.nodes = nodes;
+    a.n_nodes = 2;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
+    m.job_abort = &a;
+    send_msg(fd, &m);
+}
+
 struct training {
     const char *job;
     char dir[300], dump[400], ref[400], secret[400];
@@ -292,8 +346,19 @@ int main(void)
     training_init(&t, "victim", false);
     training_init(&g, "guarded", true);
     pthread_t th, tg;
+    char want[256];
     pthread_create(&th, NULL, train, &t);
     wait_running("victim");
+    /* a registration under way: rank 0 of "pending" registered on node 0, rank 1 comes last */
+    struct reg r0 = {.sock = cl.d[0].sock, .rank = 0}, r1 = {.sock = cl.d[1].sock, .rank = 1};
+    pthread_t t0, t1;
+    pthread_create(&t0, NULL, register_rank, &r0);
+    char state[32] = "";
+    for (int i = 0; i < 400 && strcmp(state, "registering") != 0; i++) {
+        usleep(10000);
+        job_state("pending", state, sizeof(state));
+    }
+    TH_CHECK(strcmp(state, "registering") == 0, "pending registers on node 0 (%s)", state);
     /* (the member sends no heartbeats: all it does is done within the cluster's timeout) */
     uint32_t you = UINT32_MAX;
     int fd = join(&you);
@@ -302,6 +367,7 @@ int main(void)
          * ranks come, as its node 1 */
         report_into(fd, "guarded", you);
         forge(fd, "victim");
+        forge_registration_abort(fd, "pending", you);
     }
     pthread_create(&tg, NULL, train, &g);
     wait_running("guarded");
@@ -315,7 +381,21 @@ int main(void)
     pthread_join(tg, NULL);
     trained(&t);
     trained(&g);
+    pthread_create(&t1, NULL, register_rank, &r1);
+    pthread_join(t0, NULL);
+    pthread_join(t1, NULL);
+    TH_CHECK(r0.st == 0 && r1.st == 0,
+             "the registration the member tried to end completes (rank 0: %d %s; rank 1: %d %s)",
+             r0.st, r0.err, r1.st, r1.err);
+    shard_detach(r0.ctx);
+    shard_detach(r1.ctx);
     char *log = th_read_file(cl.d[0].log, NULL);
+    snprintf(want, sizeof(want),
+             "node %u sent an abort of job 'pending', whose registration it has not reported: "
+             "dropped",
+             you);
+    TH_CHECK(log != NULL && strstr(log, want) != NULL,
+             "the coordinator drops the member's abort of a registration, naming it");
     TH_CHECK(log != NULL && strstr(log, "is not a node of job 'victim': its abort of the job "
                                         "dropped") != NULL,
              "the coordinator drops the member's abort, naming it");
@@ -324,7 +404,6 @@ int main(void)
     TH_CHECK(log != NULL &&
                  strstr(log, "is not a node of job 'victim': its 'left' dropped") != NULL,
              "the coordinator drops the member's 'left'");
-    char want[256];
     snprintf(want, sizeof(want),
              "job 'guarded': node(s) %u registered it with another job secret than its nodes: "
              "not nodes of the job, refused",
