@@ -836,7 +836,9 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
         sd_job_destroy(job);
         return;
     }
-    sd_resume_sweep(job, now); /* may drop the job */
+    sd_resume_sweep(job, now);        /* may drop the job */
+    if (job->state == SD_JOB_CLOSING) /* fetches still run: a stalled one fails at its deadline */
+        sd_dispatch_module.sweep(job, now, op_timeout);
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
         return;
     if (job->nodes > 1 && job->state == SD_JOB_READY) {

@@ -147,20 +147,26 @@ static bool dispatch_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout
         struct sd_session *s = job->ranks[r];
         if (s == NULL || !s->has_stalled || now - s->stalled_ns <= op_timeout)
             continue;
-        sd_job_fail(job, SD_ETIMEDOUT,
-                    "rank %u's %s of unit %u could not proceed for %lld ms (op_timeout_ms): "
-                    "%s",
-                    s->rank, sd_op_name((int)s->stalled.op), s->stalled.unit,
-                    (long long)job->reg->cfg->op_timeout_ms,
-                    s->stall_polls ? "its gradient was never signalled on the rank's fence page "
-                                     "(grad_seq; shard_push_staged_signalled)"
-                    : s->stalled.op == SD_OP_FETCH && job->xfer.rel_total > 0
-                        ? "its pool place stayed busy, held by releases a stream was to signal on "
-                          "the fence page (release_seq; shard_release_on_stream), or the "
-                          "transfers it needs"
-                    : s->stalled.op == SD_OP_FETCH
-                        ? "its pool place or the transfers it needs stayed busy"
-                        : "an earlier call of the same kind did not complete");
+        char text[SD_OP_MSG_LEN];
+        snprintf(text, sizeof(text),
+                 "rank %u's %s of unit %u could not proceed for %lld ms (op_timeout_ms): %s",
+                 s->rank, sd_op_name((int)s->stalled.op), s->stalled.unit,
+                 (long long)job->reg->cfg->op_timeout_ms,
+                 s->stall_polls ? "its gradient was never signalled on the rank's fence page "
+                                  "(grad_seq; shard_push_staged_signalled)"
+                 : s->stalled.op == SD_OP_FETCH && job->xfer.rel_total > 0
+                     ? "its pool place stayed busy, held by releases a stream was to signal on "
+                       "the fence page (release_seq; shard_release_on_stream), or the "
+                       "transfers it needs"
+                 : s->stalled.op == SD_OP_FETCH
+                     ? "its pool place or the transfers it needs stayed busy"
+                     : "an earlier call of the same kind did not complete");
+        if (job->state == SD_JOB_CLOSING) { /* the job ends anyway: the call fails alone */
+            sd_session_complete(s, s->stalled.tag, (int)s->stalled.op, SD_ETIMEDOUT, 0, 0, text);
+            s->has_stalled = false;
+            continue;
+        }
+        sd_job_fail(job, SD_ETIMEDOUT, "%s", text);
         return true;
     }
     return false;

@@ -382,6 +382,186 @@ static void test_late_release(shard_ctx_t *by)
     TH_CHECK(bystander_step(by) == 0, "the other job after the failure: %s", shard_last_error(by));
 }
 
+/* wait (5 s at most) until the daemon shows job in state */
+static bool wait_job_state(const char *job, const char *state)
+{
+    bool there = false;
+    for (int i = 0; i < 500 && !there; i++) {
+        json_t *js = th_admin_json(d.sock, "jobs"), *j;
+        size_t k;
+        json_array_foreach(json_object_get(js, "jobs"), k, j)
+        {
+            const char *name = json_string_value(json_object_get(j, "name"));
+            const char *st = json_string_value(json_object_get(j, "state"));
+            there |= name && st && strcmp(name, job) == 0 && strcmp(st, state) == 0;
+        }
+        json_decref(js);
+        if (!there)
+            usleep(10000);
+    }
+    return there;
+}
+
+struct rank_reg {
+    struct tiny x;
+    shard_ctx_t *ctx;
+    int st;
+};
+
+static void *rank_register(void *arg)
+{
+    struct rank_reg *r = arg;
+    r->st = shard_attach(d.sock, &r->ctx) == 0 ? shard_register(r->ctx, &r->x.m) : -1;
+    return NULL;
+}
+
+/* A rank that leaves with a release its stream never signalled (its process, and the GPU work
+ * that would have signalled it, gone): its hold goes with it. The other rank of the job, still
+ * reading the final weights (a job closing after a clean detach serves fetches), gets the place
+ * at once, not a stall until op_timeout_ms. */
+static void test_release_detach(void)
+{
+    shard_unit_info_t u0 = {0};
+    struct rank_reg r[2];
+    pthread_t th;
+    for (int pass = 0; pass < 2; pass++) { /* unit 0's size at world 2, then the job */
+        for (uint32_t i = 0; i < 2; i++) {
+            tiny_init(&r[i].x, pass == 0 ? "release-detach-sizes" : "release-detach");
+            r[i].x.m.world = 2;
+            r[i].x.m.rank = i;
+            r[i].x.m.max_live_bytes = u0.bytes; /* room for one unit: unit 1 takes 0's place */
+        }
+        pthread_create(&th, NULL, rank_register, &r[1]);
+        rank_register(&r[0]);
+        pthread_join(th, NULL);
+        if (pass == 0) {
+            TH_CHECK(r[0].st == 0 && r[1].st == 0 && shard_unit_info(r[0].ctx, 0, &u0) == 0,
+                     "unit 0's size at world 2: %s", shard_last_error(r[0].ctx));
+            shard_detach(r[0].ctx);
+            shard_detach(r[1].ctx);
+        }
+    }
+    TH_CHECK(r[0].st == 0 && r[1].st == 0, "both ranks registered: %s %s",
+             shard_last_error(r[0].ctx), shard_last_error(r[1].ctx));
+    const void *p;
+    TH_CHECK(shard_fetch(r[1].ctx, 0, &p) == 0 && shard_release_signalled(r[1].ctx, 0) == 0,
+             "rank 1 fetched unit 0 and released it, to be signalled: %s",
+             shard_last_error(r[1].ctx));
+    shard_detach(r[1].ctx);
+    /* once the daemon saw rank 1 leave (before, the fetch would wait as a parked call, which a
+     * rank's detach fails) */
+    TH_CHECK(wait_job_state("release-detach", "closing"), "the job closes once rank 1 detached");
+    double t0 = now_s();
+    int st = shard_fetch(r[0].ctx, 1, &p);
+    TH_CHECK(st == 0 && now_s() - t0 < TIMEOUT_MS / 1000.0 / 2,
+             "the unsignalled release of the rank that left let go of the place: fetch %d after "
+             "%.0f ms (%s)",
+             st, (now_s() - t0) * 1e3, shard_last_error(r[0].ctx));
+    shard_detach(r[0].ctx);
+}
+
+/* A job closing (a rank detached) still serves fetches, and a fetch that cannot get its place
+ * (another rank holds it) fails after op_timeout_ms naming what it waited for, alone: it used
+ * to wait until the client's own timeout, the deadlines of a closing job never swept. */
+static void test_closing_stall(void)
+{
+    shard_unit_info_t u0 = {0};
+    struct rank_reg r[3];
+    pthread_t th[2];
+    for (int pass = 0; pass < 2; pass++) { /* unit 0's size at world 3, then the job */
+        for (uint32_t i = 0; i < 3; i++) {
+            tiny_init(&r[i].x, pass == 0 ? "closing-stall-sizes" : "closing-stall");
+            r[i].x.m.world = 3;
+            r[i].x.m.rank = i;
+            r[i].x.m.max_live_bytes = u0.bytes;
+        }
+        for (int i = 0; i < 2; i++)
+            pthread_create(&th[i], NULL, rank_register, &r[i + 1]);
+        rank_register(&r[0]);
+        for (int i = 0; i < 2; i++)
+            pthread_join(th[i], NULL);
+        TH_CHECK(r[0].st == 0 && r[1].st == 0 && r[2].st == 0, "3 ranks registered: %s",
+                 shard_last_error(r[0].ctx));
+        if (pass == 0) {
+            TH_CHECK(shard_unit_info(r[0].ctx, 0, &u0) == 0, "unit 0's size at world 3");
+            for (int i = 0; i < 3; i++)
+                shard_detach(r[i].ctx);
+        }
+    }
+    const void *p;
+    TH_CHECK(shard_fetch(r[1].ctx, 0, &p) == 0, "rank 1 holds unit 0: %s",
+             shard_last_error(r[1].ctx));
+    shard_detach(r[2].ctx);
+    TH_CHECK(wait_job_state("closing-stall", "closing"), "the job closes once rank 2 detached");
+    double t0 = now_s();
+    int st = shard_fetch(r[0].ctx, 1, &p);
+    double took = now_s() - t0;
+    TH_CHECK(st == SHARD_ETIMEDOUT && strstr(shard_last_error(r[0].ctx), "op_timeout_ms") &&
+                 took < 5 * TIMEOUT_MS / 1000.0,
+             "a fetch whose place stays held fails after op_timeout_ms: %d after %.1f s '%s'", st,
+             took, shard_last_error(r[0].ctx));
+    TH_CHECK(shard_release(r[1].ctx, 0) == 0 && shard_fetch(r[0].ctx, 1, &p) == 0,
+             "once rank 1 released it the fetch works: %s", shard_last_error(r[0].ctx));
+    shard_detach(r[1].ctx);
+    shard_detach(r[0].ctx);
+}
+
+/* A trainer that dies with a release its stream never signalled: the job pauses
+ * (resume_timeout_ms), and the trainer that resumes it gets the place at once, its own
+ * releases counted on from what the page holds. */
+static void test_release_dies(shard_ctx_t *by)
+{
+    shard_unit_info_t u0;
+    TH_CHECK(shard_unit_info(by, 0, &u0) == 0, "unit 0's size");
+    struct tiny x;
+    tiny_init(&x, "release-dies");
+    x.m.max_live_bytes = u0.bytes;
+    x.m.resume_timeout_ms = 30000;
+    pid_t pid = fork();
+    if (pid == 0) { /* the trainer that dies holding the place */
+        shard_ctx_t *c = NULL;
+        const void *p;
+        int ok = shard_attach(d.sock, &c) == 0 && shard_register(c, &x.m) == 0 &&
+                 shard_fetch(c, 0, &p) == 0 && shard_release_signalled(c, 0) == 0;
+        _exit(ok ? 0 : 1);
+    }
+    TH_CHECK(th_wait(pid, 30000) == 0, "the trainer that dies registered, fetched, released");
+    shard_ctx_t *ctx = NULL;
+    const void *p;
+    int st = -1;
+    for (int i = 0; i < 100 && st != 0; i++) { /* once the daemon saw it die: paused */
+        if (ctx != NULL)
+            shard_detach(ctx);
+        ctx = NULL;
+        st = shard_attach(d.sock, &ctx) == 0 ? shard_register(ctx, &x.m) : -1;
+        if (st != 0)
+            usleep(20000);
+    }
+    TH_CHECK(st == 0 && shard_resumed(ctx) == 1, "the job resumed: %d %s", st,
+             shard_last_error(ctx));
+    double t0 = now_s();
+    st = shard_fetch(ctx, 1, &p);
+    TH_CHECK(st == 0 && now_s() - t0 < TIMEOUT_MS / 1000.0 / 2,
+             "the dead trainer's unsignalled release let go of the place: fetch %d after %.0f ms "
+             "(%s)",
+             st, (now_s() - t0) * 1e3, shard_last_error(ctx));
+    shard_fence_t f;
+    TH_CHECK(shard_fence(ctx, &f) == 0 && f.next_release == *f.release_seq + 1,
+             "the resumed trainer counts on from the page (next %u, page %u)", f.next_release,
+             *f.release_seq);
+    struct late_rel l = {.word = f.release_seq, .value = f.next_release, .delay_ms = 100};
+    pthread_t th;
+    TH_CHECK(shard_release_signalled(ctx, 1) == 0, "release_signalled: %s", shard_last_error(ctx));
+    pthread_create(&th, NULL, late_release, &l);
+    st = shard_fetch(ctx, 0, &p);
+    bool signalled = atomic_load(&l.signalled);
+    pthread_join(th, NULL);
+    TH_CHECK(st == 0 && signalled, "after the resume a signalled release holds its place: %d %s",
+             st, shard_last_error(ctx));
+    shard_release(ctx, 0);
+    shard_detach(ctx);
+}
+
 #ifdef TEST_FENCE_CUDA
 #include <cuda.h>
 #include <dlfcn.h>
@@ -528,6 +708,9 @@ int main(int argc, char **argv)
     test_late_signal(by);
     test_never_signalled(by);
     test_late_release(by);
+    test_release_detach();
+    test_closing_stall();
+    test_release_dies(by);
 #ifdef TEST_FENCE_CUDA
     if (strcmp(backend, "cuda") == 0)
         test_cuda_stream(by);
