@@ -710,7 +710,9 @@ int main(int argc, char **argv)
     test_late_release(by);
     test_release_detach();
     test_closing_stall();
-    test_release_dies(by);
+    if (strcmp(backend, "cuda") != 0) /* (its trainer is a forked child: CUDA, initialized by
+                                       * this process, does not survive a fork) */
+        test_release_dies(by);
 #ifdef TEST_FENCE_CUDA
     if (strcmp(backend, "cuda") == 0)
         test_cuda_stream(by);
