@@ -130,9 +130,13 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 static void dispatch_fail_parked(struct sd_job *job, int status, const char *text,
                                  bool with_fetches)
 {
-    (void)with_fetches;
     for (uint32_t r = 0; r < job->k; r++) {
         struct sd_session *s = job->ranks[r];
+        /* a job closing (without with_fetches: a rank detached) still serves fetches and
+         * releases: one that waits for a place goes on waiting (its deadline is swept) */
+        if (s != NULL && s->has_stalled && !with_fetches &&
+            (s->stalled.op == SD_OP_FETCH || s->stalled.op == SD_OP_RELEASE))
+            continue;
         if (s != NULL && s->has_stalled) {
             sd_session_complete(s, s->stalled.tag, (int)s->stalled.op, status, 0, 0, text);
             s->has_stalled = false;

@@ -419,14 +419,15 @@ static void *rank_register(void *arg)
  * that would have signalled it, gone): its hold goes with it. The other rank of the job, still
  * reading the final weights (a job closing after a clean detach serves fetches), gets the place
  * at once, not a stall until op_timeout_ms. */
-static void test_release_detach(void)
+static void test_release_detach(bool parked_first)
 {
+    const char *job = parked_first ? "release-detach-parked" : "release-detach";
     shard_unit_info_t u0 = {0};
     struct rank_reg r[2];
     pthread_t th;
     for (int pass = 0; pass < 2; pass++) { /* unit 0's size at world 2, then the job */
         for (uint32_t i = 0; i < 2; i++) {
-            tiny_init(&r[i].x, pass == 0 ? "release-detach-sizes" : "release-detach");
+            tiny_init(&r[i].x, pass == 0 ? "release-detach-sizes" : job);
             r[i].x.m.world = 2;
             r[i].x.m.rank = i;
             r[i].x.m.max_live_bytes = u0.bytes; /* room for one unit: unit 1 takes 0's place */
@@ -447,16 +448,21 @@ static void test_release_detach(void)
     TH_CHECK(shard_fetch(r[1].ctx, 0, &p) == 0 && shard_release_signalled(r[1].ctx, 0) == 0,
              "rank 1 fetched unit 0 and released it, to be signalled: %s",
              shard_last_error(r[1].ctx));
+    shard_req_t req;
+    if (parked_first) { /* rank 0's fetch waits for the place before rank 1 leaves */
+        TH_CHECK(shard_fetch_async(r[0].ctx, 1, &req) == 0, "fetch_async: %s",
+                 shard_last_error(r[0].ctx));
+        usleep(200 * 1000);
+    }
     shard_detach(r[1].ctx);
-    /* once the daemon saw rank 1 leave (before, the fetch would wait as a parked call, which a
-     * rank's detach fails) */
-    TH_CHECK(wait_job_state("release-detach", "closing"), "the job closes once rank 1 detached");
+    /* the job closes; a closing job still serves fetches */
+    TH_CHECK(wait_job_state(job, "closing"), "%s closes once rank 1 detached", job);
     double t0 = now_s();
-    int st = shard_fetch(r[0].ctx, 1, &p);
+    int st = parked_first ? shard_wait(r[0].ctx, req, &p) : shard_fetch(r[0].ctx, 1, &p);
     TH_CHECK(st == 0 && now_s() - t0 < TIMEOUT_MS / 1000.0 / 2,
-             "the unsignalled release of the rank that left let go of the place: fetch %d after "
-             "%.0f ms (%s)",
-             st, (now_s() - t0) * 1e3, shard_last_error(r[0].ctx));
+             "%s: the unsignalled release of the rank that left let go of the place: fetch %d "
+             "after %.0f ms (%s)",
+             job, st, (now_s() - t0) * 1e3, shard_last_error(r[0].ctx));
     shard_detach(r[0].ctx);
 }
 
@@ -708,7 +714,8 @@ int main(int argc, char **argv)
     test_late_signal(by);
     test_never_signalled(by);
     test_late_release(by);
-    test_release_detach();
+    test_release_detach(false);
+    test_release_detach(true);
     test_closing_stall();
     if (strcmp(backend, "cuda") != 0) /* (its trainer is a forked child: CUDA, initialized by
                                        * this process, does not survive a fork) */
