@@ -151,24 +151,30 @@ static void report_into(int fd, const char *job, uint32_t as)
     send_msg(fd, &m);
 }
 
+/* an abort of job, addressed to cluster nodes 0 and 1, as node origin, under tag (0: none) */
+static void send_abort(int fd, const char *job, uint32_t origin, uint32_t tag, const char *why)
+{
+    uint32_t nodes[2] = {0, 1};
+    Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
+    a.job = (char *)job;
+    a.status = SD_EPEER;
+    a.message = (char *)why;
+    a.origin = origin;
+    a.tag = tag;
+    a.nodes = nodes;
+    a.n_nodes = 2;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
+    m.job_abort = &a;
+    send_msg(fd, &m);
+}
+
 /* the member's attempts on job `job`, which runs on cluster nodes 0 and 1 */
 static void forge(int fd, const char *job)
 {
     uint32_t nodes[2] = {0, 1};
-    for (uint32_t tag = 1; tag <= 8; tag++) {
-        Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
-        a.job = (char *)job;
-        a.status = SD_EPEER;
-        a.message = "forged: a member that is not the job's";
-        a.origin = 1;
-        a.tag = tag;
-        a.nodes = nodes;
-        a.n_nodes = 2;
-        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-        m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
-        m.job_abort = &a;
-        send_msg(fd, &m);
-    }
+    for (uint32_t tag = 1; tag <= 8; tag++)
+        send_abort(fd, job, 1, tag, "forged: a member that is not the job's");
     Shard__JobSaveDone d = SHARD__JOB_SAVE_DONE__INIT;
     d.job = (char *)job;
     d.seq = 1;
@@ -243,18 +249,7 @@ static void *register_rank(void *arg)
  * confirmed jobs have one), addressed to the nodes the job will run on */
 static void forge_registration_abort(int fd, const char *job, uint32_t you)
 {
-    uint32_t nodes[2] = {0, 1};
-    Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
-    a.job = (char *)job;
-    a.status = SD_EPEER;
-    a.message = "forged: a member that is not the registration's";
-    a.origin = you;
-    a.nodes = nodes;
-    a.n_nodes = 2;
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
-    m.job_abort = &a;
-    send_msg(fd, &m);
+    send_abort(fd, job, you, 0, "forged: a member that is not the registration's");
 }
 
 struct training {
