@@ -62,6 +62,15 @@ static uint32_t coord_job_node_of(const struct coord_job *j, uint32_t node)
     return SD_NO_NODE;
 }
 
+/* the registration of name that node reported (NULL: none) */
+static struct coord_job *coord_job_reported(struct sd_cluster *cl, const char *name, uint32_t node)
+{
+    for (struct coord_job *j = cl->jobs; j; j = j->next)
+        if (strcmp(j->name, name) == 0 && coord_job_node_of(j, node) != SD_NO_NODE)
+            return j;
+    return NULL;
+}
+
 static bool coord_tag_live(const struct sd_cluster *cl, uint32_t tag)
 {
     for (const struct coord_live *l = cl->live; l; l = l->next)
@@ -405,11 +414,9 @@ bool sd_cluster__coord_abort_heard(struct sd_cluster *cl, int from, const Shard_
     }
     /* a name no confirmed job has is every node's to report (how registrations start), not to
      * end: an abort without a tag (a registration's) comes from a node that reported it */
-    if (a->tag != 0 || coord_name_live(cl, a->job))
+    if (a->tag != 0 || coord_name_live(cl, a->job) ||
+        coord_job_reported(cl, a->job, (uint32_t)from) != NULL)
         return true;
-    for (const struct coord_job *j = cl->jobs; j; j = j->next)
-        if (strcmp(j->name, a->job) == 0 && coord_job_node_of(j, (uint32_t)from) != SD_NO_NODE)
-            return true;
     SD_WARN_SPARSE("cluster",
                    "node %d sent an abort of job '%.64s', whose registration it has not reported: "
                    "dropped",
@@ -575,10 +582,7 @@ void sd_cluster__coord_abort(struct sd_cluster *cl, const Shard__PeerMsg *m)
     const Shard__JobAbort *a = m->job_abort;
     /* the sender's registration of the name (another one of that name, whose reports carry
      * another job token, is not its to end) */
-    struct coord_job *cj = NULL;
-    for (struct coord_job *j = cl->jobs; j && cj == NULL; j = j->next)
-        if (strcmp(j->name, a->job) == 0 && coord_job_node_of(j, a->origin) != SD_NO_NODE)
-            cj = j;
+    struct coord_job *cj = coord_job_reported(cl, a->job, a->origin);
     /* the job's nodes as its sender knows them (of a confirmed job: those that are its nodes;
      * the receivers end only the job of the abort's tag); a registration given up (no tag)
      * goes to the nodes that reported it so far */

@@ -180,8 +180,9 @@ static bool fetch_loop_poll(struct sd_job *job)
 
 /* ---- releases a trainer's stream signals later (sd/fence.h, release_seq) */
 
-/* Rank r's holds whose releases its page counts now are let go. */
-static bool fenced_take(struct sd_job *job, uint32_t r)
+/* Rank r's holds whose releases its page counts now are let go; all: every one of them (its
+ * trainer is gone) */
+static bool fenced_let_go(struct sd_job *job, uint32_t r, bool all)
 {
     struct sd_job_xfer *x = &job->xfer;
     const struct sd_fence_page *page = job->mem.fence[r].ptr;
@@ -190,7 +191,7 @@ static bool fenced_take(struct sd_job *job, uint32_t r)
     for (uint32_t i = 0; i < job->n_slots && x->rel_total > 0; i++) {
         size_t at = (size_t)i * job->k + r;
         uint32_t n = x->rel_pending[at];
-        if (n == 0 || !sd_fence_reached(seen, x->rel_need[at]))
+        if (n == 0 || (!all && !sd_fence_reached(seen, x->rel_need[at])))
             continue;
         x->rel_pending[at] = 0;
         x->rel_total -= n;
@@ -204,7 +205,7 @@ bool sd_fetch_fenced_poll(struct sd_job *job)
 {
     bool any = false;
     for (uint32_t r = 0; r < job->k && job->xfer.rel_total > 0; r++)
-        any |= fenced_take(job, r);
+        any |= fenced_let_go(job, r, false);
     if (job->xfer.rel_total == 0)
         job->xfer.rel_blocked = false;
     return any;
@@ -214,18 +215,6 @@ void sd_fetch_fenced_blocked(struct sd_job *job)
 {
     if (job->xfer.rel_total > 0)
         job->xfer.rel_blocked = true;
-}
-
-/* a rank's signalled releases, all let go (its trainer is gone, or the job ends) */
-static void fenced_forget(struct sd_job *job, uint32_t r)
-{
-    struct sd_job_xfer *x = &job->xfer;
-    for (uint32_t i = 0; i < job->n_slots && x->rel_total > 0; i++) {
-        size_t at = (size_t)i * job->k + r;
-        sd_unit_cache_unhold(&job->cache, &job->cache.units[i], x->rel_pending[at]);
-        x->rel_total -= x->rel_pending[at];
-        x->rel_pending[at] = 0;
-    }
 }
 
 /* the waiters of us, answered: the slot (synced: the device wrote it) or the gather's error */
@@ -372,7 +361,7 @@ void sd_fetch_release_holds(struct sd_job *job, struct sd_session *s)
 {
     if (s->holds == NULL || job->cache.units == NULL)
         return;
-    fenced_forget(job, s->local);
+    fenced_let_go(job, s->local, true);
     for (uint32_t u = 0; u < job->layout.n_units; u++) {
         struct sd_unit_state *us = sd_job_slot(job, u, s->local);
         sd_unit_cache_unhold(&job->cache, us, s->holds[u]);
