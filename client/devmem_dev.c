@@ -206,7 +206,7 @@ static int dm_map(int fd, size_t bytes, bool read_only, void **ptr_p, char *err,
         goto err_free;
     dev_access access;
     dev_client_access(&access, dm.dev, read_only);
-    if ((r = dev_mem_access(ptr, len, &access)) != DEV_OK)
+    if ((r = dev_mem_access(ptr, len, &access, 1)) != DEV_OK)
         goto err_unmap;
     dev_mem_release(h); /* the mapping holds the memory */
     *ptr_p = (void *)(uintptr_t)ptr;

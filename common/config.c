@@ -40,10 +40,13 @@ const struct sd_config_entry sd_config_table[] = {
      "built with them (shardd --help lists those built in)",
      1},
     {"devices", SD_CFG_STRING, "", 0, 128, OFF(devices),
-     "the GPU the device backend drives, by the driver's index (CUDA_VISIBLE_DEVICES applies): "
-     "one index, or one per local rank (\"3,3,3,3\"), which must all name one GPU for now "
-     "(several GPUs per daemon are not built: run one shardd per GPU, each with its "
-     "devices); empty: GPU 0",
+     "the GPUs the device backend drives, by the driver's index (CUDA_VISIBLE_DEVICES "
+     "applies): a list of indices, local rank i taking entry i mod the list's length "
+     "(\"0,1,2,3\"; \"3\": every rank on GPU 3; \"0,0,1,1\": two ranks a GPU); empty: local "
+     "rank i on GPU i mod the GPUs seen. One shardd drives them all: each rank's shards, staging "
+     "and copy of "
+     "the gathered weights on its GPU, copies between GPUs by peer access where the devices "
+     "have it, else staged by the driver",
      1},
     {"memory_budget", SD_CFG_SIZE, "0", 0, INT64_MAX, OFF(memory_budget),
      "bytes all jobs together may allocate; 0 means half of physical memory", 0},
@@ -246,7 +249,9 @@ static int check_string(const struct sd_config_entry *e, const char *value, char
                  e->name, value);
         return SD_ECONFIG;
     }
-    if (strcmp(e->name, "devices") == 0 && sd_config_device(value, err, errlen) < 0)
+    int devs[SD_CONFIG_MAX_DEVICES];
+    if (strcmp(e->name, "devices") == 0 &&
+        sd_config_devices(value, devs, SD_CONFIG_MAX_DEVICES, err, errlen) < 0)
         return SD_ECONFIG;
     if (strcmp(e->name, "backend") == 0 && strcmp(value, "host") != 0 &&
         strcmp(value, "host-deferred") != 0 && strcmp(value, "emu") != 0 &&
@@ -262,10 +267,10 @@ static int check_string(const struct sd_config_entry *e, const char *value, char
     return SD_OK;
 }
 
-int sd_config_device(const char *devices, char *err, size_t errlen)
+int sd_config_devices(const char *devices, int *out, int max, char *err, size_t errlen)
 {
     const char *p = devices;
-    long first = -1;
+    int n = 0;
     if (p[0] == '\0')
         return 0;
     for (;;) {
@@ -279,16 +284,13 @@ int sd_config_device(const char *devices, char *err, size_t errlen)
             snprintf(err, errlen, "option 'devices': GPU %ld is past 1023", d);
             return SD_ECONFIG;
         }
-        if (first >= 0 && d != first) {
-            snprintf(err, errlen,
-                     "option 'devices': '%s' names several GPUs; one shardd drives one GPU for "
-                     "now (run one shardd per GPU, each with its own devices)",
-                     devices);
+        if (n == max) {
+            snprintf(err, errlen, "option 'devices': '%s' lists more than %d GPUs", devices, max);
             return SD_ECONFIG;
         }
-        first = d;
+        out[n++] = (int)d;
         if (*end == '\0')
-            return (int)first;
+            return n;
         if (*end != ',') {
             snprintf(err, errlen, "option 'devices': '%s' is not a list of GPU indices", devices);
             return SD_ECONFIG;

@@ -30,21 +30,30 @@ extern const unsigned char DEV_IMAGE[];
 DEV_FUNCS(DEV_PTR)
 #undef DEV_PTR
 
-static struct {
-    void *lib;
+/* one device opened (config devices): its primary context, and the kernels loaded there */
+struct dev_gpu {
     dev_device dev;
     dev_ctx ctx;
     dev_module mod;
     dev_fn fn[SDK_K_COUNT];
     size_t granularity;
-    int rdma;  /* GPUDirect RDMA with VMM: allocations may ask for it */
-    int index; /* the device driven (the driver's index) */
+    int rdma;            /* GPUDirect RDMA with VMM: allocations may ask for it */
+    int index;           /* the driver's index */
+    uint64_t peers;      /* bit j: its kernels read and write opened device j's memory */
+    uint64_t used, peak; /* bytes of shardd's allocations on it (the loop's and its workers') */
     char name[128];
+};
+
+static struct {
+    void *lib;
+    int n; /* devices opened, by their place in d (the queues' and regions' numbering) */
+    struct dev_gpu d[SD_GPU_MAX_DEVICES];
 } g;
 
-static _Thread_local bool g_current;
+/* the opened device whose context this thread uses (-1: none yet) */
+static _Thread_local int g_current = -1;
 
-/* this backend's allocations: what is_device answers from */
+/* this backend's allocations (with the opened device each lives on): what is_device answers */
 static struct sd_regions dev_regions = SD_REGIONS_INIT;
 
 static const char *dev_err(dev_res r)
@@ -70,35 +79,55 @@ static dev_ptr dptr(const void *p)
     return (dev_ptr)(uintptr_t)p;
 }
 
-/* this thread uses the device's primary context */
-static int enter(void)
+/* this thread uses opened device i's primary context */
+static int enter(int i)
 {
-    if (g_current)
+    if (g_current == i)
         return SD_OK;
-    dev_res r = dev_ctx_set(g.ctx, g.dev);
+    dev_res r = dev_ctx_set(g.d[i].ctx, g.d[i].dev);
     if (r != DEV_OK) {
-        SD_ERROR(DEV_NAME, "setting the context: %s", dev_err(r));
+        SD_ERROR(DEV_NAME, "setting the context of %s (device %d): %s", g.d[i].name, g.d[i].index,
+                 dev_err(r));
         return SD_EIO;
     }
-    g_current = true;
+    g_current = i;
     return SD_OK;
 }
 
-/* what device 0 must offer: VMM allocations exported as POSIX fds; RDMA is optional */
-static dev_res check_device(char *err, size_t errlen)
+/* bytes allocated (negative: freed) on opened device i, and its peak */
+static void count(int i, int64_t bytes)
+{
+    uint64_t now = __atomic_add_fetch(&g.d[i].used, (uint64_t)bytes, __ATOMIC_RELAXED);
+    uint64_t peak = __atomic_load_n(&g.d[i].peak, __ATOMIC_RELAXED);
+    while (now > peak && !__atomic_compare_exchange_n(&g.d[i].peak, &peak, now, true,
+                                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        ;
+}
+
+/* the opened device with the driver's index `index`, else -1 */
+static int opened(int index)
+{
+    for (int i = 0; i < g.n; i++)
+        if (g.d[i].index == index)
+            return i;
+    return -1;
+}
+
+/* what a device must offer: VMM allocations exported as POSIX fds; RDMA is optional */
+static dev_res check_device(struct dev_gpu *o, char *err, size_t errlen)
 {
 #if defined(SD_DEV_CUDA)
     int vmm = 0, fds = 0;
-    p_cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, g.dev);
+    p_cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, o->dev);
     p_cuDeviceGetAttribute(&fds, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-                           g.dev);
-    p_cuDeviceGetAttribute(&g.rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
-                           g.dev);
+                           o->dev);
+    p_cuDeviceGetAttribute(&o->rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                           o->dev);
     if (!vmm || !fds) {
         snprintf(err, errlen,
-                 "%s (device 0) lacks %s: shardd shares device memory with trainers as POSIX "
+                 "%s (device %d) lacks %s: shardd shares device memory with trainers as POSIX "
                  "file descriptors of VMM allocations",
-                 g.name,
+                 o->name, o->index,
                  !vmm ? "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"
                       : "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED");
         return DEV_NOTSUP;
@@ -106,7 +135,7 @@ static dev_res check_device(char *err, size_t errlen)
 #else
     (void)err;
     (void)errlen;
-    g.rdma = 1; /* HIP has no attribute for it: VMM support shows at the first allocation */
+    o->rdma = 1; /* HIP has no attribute for it: VMM support shows at the first allocation */
 #endif
     return DEV_OK;
 }
@@ -122,8 +151,8 @@ static void device_caps(dev_device d, bool *fds_p, bool *rdma_p)
     *fds_p = fds != 0;
     *rdma_p = rdma != 0;
 #else
-    (void)d;    /* HIP has no attribute for either: ROCm exports VMM allocations as fds, and the
-                 * amdgpu peer-memory driver makes them RDMA targets; the first allocation tells */
+    (void)d;     /* HIP has no attribute for either: ROCm exports VMM allocations as fds, and the
+                  * amdgpu peer-memory driver makes them RDMA targets; the first allocation tells */
     *fds_p = *rdma_p = true;
 #endif
 }
@@ -147,7 +176,12 @@ static int dev_devices(struct sd_gpu_device *out, int max)
         if (dev_total_mem(&bytes, d[i]) == DEV_OK)
             o->memory_bytes = bytes;
         device_caps(d[i], &o->fd_handles, &o->rdma);
-        o->driven = i == g.index;
+        int k = opened(i);
+        o->driven = k >= 0;
+        if (k >= 0) {
+            o->used_bytes = __atomic_load_n(&g.d[k].used, __ATOMIC_RELAXED);
+            o->peak_bytes = __atomic_load_n(&g.d[k].peak, __ATOMIC_RELAXED);
+        }
         dev_uuid_t u;
         if (dev_uuid(&u, d[i]) == DEV_OK)
             sd_gpu_uuid_format(o->uuid, sizeof(o->uuid), (const uint8_t *)u.bytes);
@@ -160,10 +194,60 @@ static int dev_devices(struct sd_gpu_device *out, int max)
     return count;
 }
 
-static int dev_open(int device, char *err, size_t errlen)
+/* device `index` into o: its context current, its kernels loaded */
+static dev_res open_one(struct dev_gpu *o, int index, int count, char *err, size_t errlen)
+{
+    dev_res r;
+    if (index < 0 || index >= count) {
+        snprintf(err, errlen,
+                 "devices names %s %d, and the driver sees %d (0 to %d; CUDA_VISIBLE_DEVICES or "
+                 "ROCR_VISIBLE_DEVICES renumber them)",
+                 DEV_NAME, index, count, count - 1);
+        return DEV_NODEV;
+    }
+    if ((r = dev_device_get(&o->dev, index)) != DEV_OK) {
+        snprintf(err, errlen, "device %d: %s", index, dev_err(r));
+        return r;
+    }
+    o->index = index;
+    dev_device_name(o->name, (int)sizeof(o->name), o->dev);
+    if ((r = check_device(o, err, errlen)) != DEV_OK)
+        return r;
+    if ((r = dev_ctx_retain(&o->ctx, o->dev)) != DEV_OK ||
+        (r = dev_ctx_set(o->ctx, o->dev)) != DEV_OK) {
+        snprintf(err, errlen, "the primary context of %s: %s", o->name, dev_err(r));
+        return r;
+    }
+    g_current = -1; /* set below, once every device is in */
+    if ((r = dev_module_load(&o->mod, DEV_IMAGE)) != DEV_OK) {
+        snprintf(err, errlen,
+                 "loading shardd's kernels on %s: %s (built for other architectures, or a "
+                 "driver older than the compiler that built them?)",
+                 o->name, dev_err(r));
+        return r;
+    }
+    for (int k = 0; k < SDK_K_COUNT; k++)
+        if ((r = dev_module_fn(&o->fn[k], o->mod, sdk_kernel_names[k])) != DEV_OK) {
+            snprintf(err, errlen, "kernel %s: %s", sdk_kernel_names[k], dev_err(r));
+            return r;
+        }
+    dev_prop prop;
+    dev_prop_init(&prop, o->dev, o->rdma);
+    if ((r = dev_granularity(&o->granularity, &prop)) != DEV_OK || o->granularity == 0) {
+        snprintf(err, errlen, "the allocation granularity of %s: %s", o->name, dev_err(r));
+        return r != DEV_OK ? r : DEV_NOTSUP;
+    }
+    return DEV_OK;
+}
+
+static int dev_open(const int *devices, int n, char *err, size_t errlen)
 {
     if (g.lib != NULL)
         return SD_OK;
+    if (n < 0 || n > SD_GPU_MAX_DEVICES) {
+        snprintf(err, errlen, "%d devices to open (at most %d)", n, SD_GPU_MAX_DEVICES);
+        return SD_EINVAL;
+    }
     void *lib = dlopen(DEV_LIB, RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL) {
         snprintf(err, errlen, "the driver library %s is not found (%s): %s", DEV_LIB, DEV_LIB_HINT,
@@ -180,7 +264,6 @@ static int dev_open(int device, char *err, size_t errlen)
 #undef DEV_LOAD
     dev_res r;
     int count = 0, version = 0;
-    dev_prop prop;
     if ((r = dev_init()) != DEV_OK || (r = dev_device_count(&count)) != DEV_OK) {
         snprintf(err, errlen, "initializing the driver (is there a %s device?): %s", DEV_NAME,
                  dev_err(r));
@@ -195,77 +278,70 @@ static int dev_open(int device, char *err, size_t errlen)
         goto err_close;
     }
     dev_driver_version(&version);
-    if (device < 0 || device >= count) {
-        snprintf(err, errlen,
-                 "devices names %s %d, and the driver sees %d (0 to %d; CUDA_VISIBLE_DEVICES or "
-                 "ROCR_VISIBLE_DEVICES renumber them)",
-                 DEV_NAME, device, count, count - 1);
-        r = DEV_NODEV;
-        goto err_close;
-    }
-    if ((r = dev_device_get(&g.dev, device)) != DEV_OK) {
-        snprintf(err, errlen, "device %d: %s", device, dev_err(r));
-        goto err_close;
-    }
-    g.index = device;
-    dev_device_name(g.name, (int)sizeof(g.name), g.dev);
-    if ((r = check_device(err, errlen)) != DEV_OK)
-        goto err_close;
-    if ((r = dev_ctx_retain(&g.ctx, g.dev)) != DEV_OK ||
-        (r = dev_ctx_set(g.ctx, g.dev)) != DEV_OK) {
-        snprintf(err, errlen, "the primary context of %s: %s", g.name, dev_err(r));
-        goto err_close;
-    }
-    g_current = true;
-    if ((r = dev_module_load(&g.mod, DEV_IMAGE)) != DEV_OK) {
-        snprintf(err, errlen,
-                 "loading shardd's kernels on %s: %s (built for other architectures, or a "
-                 "driver older than the compiler that built them?)",
-                 g.name, dev_err(r));
-        goto err_close;
-    }
-    for (int k = 0; k < SDK_K_COUNT; k++)
-        if ((r = dev_module_fn(&g.fn[k], g.mod, sdk_kernel_names[k])) != DEV_OK) {
-            snprintf(err, errlen, "kernel %s: %s", sdk_kernel_names[k], dev_err(r));
+    g.n = 0;
+    int all = count < SD_GPU_MAX_DEVICES ? count : SD_GPU_MAX_DEVICES;
+    for (int i = 0; i < (n > 0 ? n : all); i++) {
+        if ((r = open_one(&g.d[i], n > 0 ? devices[i] : i, count, err, errlen)) != DEV_OK)
             goto err_close;
+        g.n = i + 1;
+    }
+    /* peer access: each device's memory is mapped for the others that reach it (dev_alloc) */
+    for (int i = 0; i < g.n; i++)
+        for (int j = 0; j < g.n; j++) {
+            int can = 0;
+            if (j != i && dev_can_access_peer(&can, g.d[i].dev, g.d[j].dev) == DEV_OK && can)
+                g.d[i].peers |= 1ULL << j;
         }
-    dev_prop_init(&prop, g.dev, g.rdma);
-    if ((r = dev_granularity(&g.granularity, &prop)) != DEV_OK || g.granularity == 0) {
-        snprintf(err, errlen, "the allocation granularity of %s: %s", g.name, dev_err(r));
+    g.lib = lib;
+    if (enter(0) != SD_OK) {
+        snprintf(err, errlen, "the context of %s would not become current", g.d[0].name);
+        g.lib = NULL;
+        r = DEV_NOTSUP;
         goto err_close;
     }
-    g.lib = lib;
-    SD_INFO(DEV_NAME, "%s (device %d of %d), driver %d, granularity %zu KiB, GPUDirect RDMA %s",
-            g.name, device, count, version, g.granularity >> 10, g.rdma ? "yes" : "no");
+    for (int i = 0; i < g.n; i++)
+        SD_INFO(DEV_NAME,
+                "%s (device %d of %d), driver %d, granularity %zu KiB, GPUDirect RDMA %s, peer "
+                "access to %d of the %d others opened",
+                g.d[i].name, g.d[i].index, count, version, g.d[i].granularity >> 10,
+                g.d[i].rdma ? "yes" : "no", __builtin_popcountll(g.d[i].peers), g.n - 1);
     return SD_OK;
 
 err_close:
+    g.n = 0;
     dlclose(lib);
     return status_of(r);
 }
 
-static size_t rounded(size_t bytes)
+static size_t rounded(int i, size_t bytes)
 {
-    size_t gr = g.granularity, len = bytes ? bytes : 1;
+    size_t gr = g.d[i].granularity, len = bytes ? bytes : 1;
     return (len + gr - 1) / gr * gr;
 }
 
-/* Device memory, zeroed: a VMM allocation mapped read-write for this device; with
- * SD_MEM_SHARED its POSIX fd, which a client imports (MemImportFromShareableHandle) and maps,
- * read-only where SD_MEM_CLIENT_RO. */
-static int dev_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
+/* Device memory, zeroed: a VMM allocation on device `index`, mapped read-write for it and for
+ * every opened device with peer access to it; with SD_MEM_SHARED its POSIX fd, which a client
+ * imports (MemImportFromShareableHandle) and maps, read-only where SD_MEM_CLIENT_RO. */
+static int dev_alloc(int index, size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
 {
-    if (g.lib == NULL || enter() != SD_OK)
-        return SD_ENOSYS;
-    size_t len = rounded(bytes);
+    int i = g.lib != NULL ? opened(index) : -1;
+    if (i < 0) {
+        SD_ERROR(DEV_NAME, "allocating %s on device %d, which shardd did not open (devices)", tag,
+                 index);
+        return g.lib == NULL ? SD_ENOSYS : SD_EINVAL;
+    }
+    if (enter(i) != SD_OK)
+        return SD_EIO;
+    size_t len = rounded(i, bytes);
     dev_prop prop;
-    dev_prop_init(&prop, g.dev, g.rdma);
+    dev_prop_init(&prop, g.d[i].dev, g.d[i].rdma);
     dev_handle h;
     dev_ptr ptr = 0;
     int fd = -1;
     dev_res r = dev_mem_create(&h, len, &prop);
     if (r != DEV_OK) {
-        SD_ERROR(DEV_NAME, "creating %zu bytes for %s: %s", len, tag, dev_err(r));
+        SD_ERROR(DEV_NAME, "creating %zu bytes for %s on %s: %s", len, tag, g.d[i].name,
+                 dev_err(r));
         return status_of(r);
     }
     if ((r = dev_va_reserve(&ptr, len)) != DEV_OK) {
@@ -276,12 +352,15 @@ static int dev_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *me
         SD_ERROR(DEV_NAME, "mapping %s: %s", tag, dev_err(r));
         goto err_free_range;
     }
-    dev_access access;
-    dev_access_init(&access, g.dev);
+    dev_access access[SD_GPU_MAX_DEVICES];
+    int n_access = 0;
+    for (int j = 0; j < g.n; j++)
+        if (j == i || (g.d[j].peers >> i & 1))
+            dev_access_init(&access[n_access++], g.d[j].dev);
     /* the legacy stream's memset is asynchronous to the host for device memory, and the queues'
      * non-blocking streams do not wait for it: zeroed before anything of theirs touches it */
-    if ((r = dev_mem_access(ptr, len, &access)) != DEV_OK || (r = dev_zero(ptr, len)) != DEV_OK ||
-        (r = dev_stream_sync(NULL)) != DEV_OK) {
+    if ((r = dev_mem_access(ptr, len, access, (size_t)n_access)) != DEV_OK ||
+        (r = dev_zero(ptr, len)) != DEV_OK || (r = dev_stream_sync(NULL)) != DEV_OK) {
         SD_ERROR(DEV_NAME, "mapping %s read-write: %s", tag, dev_err(r));
         goto err_unmap;
     }
@@ -289,17 +368,17 @@ static int dev_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *me
         SD_ERROR(DEV_NAME, "exporting %s as a file descriptor: %s", tag, dev_err(r));
         goto err_unmap;
     }
-    if (sd_region_add(&dev_regions,
-                      &(struct sd_region){.dev = (uintptr_t)ptr, .len = len, .fd = -1}) != SD_OK) {
+    struct sd_region reg = {.dev = (uintptr_t)ptr, .len = len, .fd = -1, .device = i};
+    if (sd_region_add(&dev_regions, &reg) != SD_OK) {
         r = DEV_OOM;
         if (fd >= 0)
             close(fd);
         goto err_unmap;
     }
     dev_mem_release(h); /* the mapping holds the memory until it is unmapped */
-    mem_p->ptr = (void *)(uintptr_t)ptr;
-    mem_p->bytes = bytes;
-    mem_p->fd = fd;
+    count(i, (int64_t)len);
+    *mem_p =
+        (struct sd_mem){.ptr = (void *)(uintptr_t)ptr, .bytes = bytes, .fd = fd, .device = index};
     return SD_OK;
 
 err_unmap:
@@ -313,13 +392,12 @@ err_release:
 
 static void dev_free(struct sd_mem *mem)
 {
-    struct sd_region none;
-    if (mem->ptr != NULL)
-        sd_region_remove(&dev_regions, mem->ptr, &none);
-    if (mem->ptr != NULL && enter() == SD_OK) {
-        size_t len = rounded(mem->bytes);
-        dev_mem_unmap(dptr(mem->ptr), len); /* frees the memory: its handle was released */
-        dev_va_free(dptr(mem->ptr), len);
+    struct sd_region reg;
+    if (mem->ptr != NULL && sd_region_remove(&dev_regions, mem->ptr, &reg) &&
+        enter(reg.device) == SD_OK) {
+        count(reg.device, -(int64_t)reg.len);
+        dev_mem_unmap(dptr(mem->ptr), reg.len); /* frees the memory: its handle was released */
+        dev_va_free(dptr(mem->ptr), reg.len);
     }
     if (mem->fd >= 0)
         close(mem->fd);
@@ -328,7 +406,10 @@ static void dev_free(struct sd_mem *mem)
     mem->bytes = 0;
 }
 
-/* ---- queues: a stream, a ring of events for record/query, pinned slots for sums */
+/* ---- queues: a stream per device used (a lane), a ring of events for record/query, pinned
+ * slots for sums. The queue's work runs in one order over its lanes: moving to another device,
+ * it records the lane it leaves (link) and the next lane's stream waits for that, so the last
+ * lane used has everything enqueued before behind it, and its events and its sync cover all. */
 
 #define DEV_EVENTS 256
 #define DEV_SUMS   256
@@ -338,14 +419,23 @@ struct dev_sum {
     uint64_t before; /* the record count when it was enqueued: done once a later one is */
 };
 
-struct sd_gpu_queue {
-    struct sdk_launcher l; /* first: the launcher is the queue */
+/* the queue on one opened device, made at its first use */
+struct dev_lane {
     dev_stream s;
-    dev_event ev[DEV_EVENTS];
+    dev_event link;  /* recorded when the queue moves on to another device */
+    dev_ptr scratch; /* the sum of squares' partials and result */
+    dev_ptr near;    /* sources brought over from a device without peer access to this one */
+    size_t near_bytes;
+};
+
+struct sd_gpu_queue {
+    struct sdk_launcher l; /* first: the launcher is the queue; l.cur: the lane in use */
+    struct dev_lane lane[SD_GPU_MAX_DEVICES];
+    dev_event ev[DEV_EVENTS]; /* made on lane ev_lane[i]'s device, recorded on its stream */
+    int ev_lane[DEV_EVENTS];
     uint64_t recorded, reached;
-    int error; /* the first failure of a launch or a copy, reported by sync and query */
-    dev_ptr scratch;
-    double *pinned;                /* [DEV_SUMS]: sums copied back, until published */
+    int error;      /* the first failure of a launch or a copy, reported by sync and query */
+    double *pinned; /* [DEV_SUMS]: sums copied back, until published */
     struct dev_sum sums[DEV_SUMS]; /* sums not yet published, in order */
     uint32_t sums_head, sums_n;
 };
@@ -358,33 +448,126 @@ static void fail(struct sd_gpu_queue *q, const char *what, dev_res r)
     }
 }
 
+/* lane i's stream, made with its scratch at its first use, its device's context current */
+static struct dev_lane *lane(struct sd_gpu_queue *q, int i)
+{
+    struct dev_lane *ln = &q->lane[i];
+    if (enter(i) != SD_OK) {
+        fail(q, "entering a device's context", DEV_NOTSUP);
+        return NULL;
+    }
+    if (ln->s != NULL)
+        return ln;
+    dev_res r;
+    if ((r = dev_stream_create(&ln->s)) != DEV_OK || (r = dev_event_create(&ln->link)) != DEV_OK ||
+        (r = dev_malloc(&ln->scratch, (SDK_SUMSQ_MAX_BLOCKS + 1) * sizeof(double))) != DEV_OK) {
+        fail(q, "creating a queue's stream", r);
+        return NULL;
+    }
+    return ln;
+}
+
 static void launch(struct sdk_launcher *l, enum sdk_kernel_id id, uint64_t blocks, void **args)
 {
     struct sd_gpu_queue *q = (struct sd_gpu_queue *)l;
-    dev_res r = dev_launch(g.fn[id], (unsigned)blocks, SDK_THREADS_PER_BLOCK, q->s, args);
+    struct dev_lane *ln = lane(q, l->cur);
+    dev_res r = ln == NULL ? DEV_NOTSUP
+                           : dev_launch(g.d[l->cur].fn[id], (unsigned)blocks, SDK_THREADS_PER_BLOCK,
+                                        ln->s, args);
     if (r != DEV_OK)
         fail(q, sdk_kernel_names[id], r);
+}
+
+static int device_of(struct sdk_launcher *l, const void *p)
+{
+    (void)l;
+    struct sd_region reg;
+    return p != NULL && sd_region_find(&dev_regions, p, &reg, NULL) ? reg.device : -1;
+}
+
+/* what follows runs on lane d, after everything enqueued so far (on lane cur) */
+static void use(struct sdk_launcher *l, int d)
+{
+    struct sd_gpu_queue *q = (struct sd_gpu_queue *)l;
+    struct dev_lane *from = lane(q, l->cur), *to = from != NULL ? lane(q, d) : NULL;
+    if (to == NULL)
+        return;
+    dev_res r = dev_event_record(from->link, from->s);
+    if (r == DEV_OK)
+        r = dev_stream_wait(to->s, from->link);
+    if (r != DEV_OK)
+        fail(q, "ordering a queue's work across devices", r);
+    l->cur = d;
+    l->scratch = (double *)(uintptr_t)to->scratch;
+}
+
+static bool peer(struct sdk_launcher *l, int d, int e)
+{
+    (void)l;
+    return d == e || (g.d[d].peers >> e & 1);
+}
+
+/* src copied over to lane cur's device (no peer access: the driver stages the copy) */
+static const void *bring(struct sdk_launcher *l, const void *src, size_t bytes)
+{
+    struct sd_gpu_queue *q = (struct sd_gpu_queue *)l;
+    struct dev_lane *ln = lane(q, l->cur);
+    if (ln == NULL)
+        return src;
+    dev_res r = DEV_OK;
+    if (ln->near_bytes < bytes) { /* the old one may still be read by work enqueued */
+        if (ln->near && (r = dev_stream_sync(ln->s)) == DEV_OK)
+            dev_mfree(ln->near);
+        ln->near = 0;
+        ln->near_bytes = 0;
+        if (r == DEV_OK && (r = dev_malloc(&ln->near, bytes)) == DEV_OK)
+            ln->near_bytes = bytes;
+    }
+    if (r == DEV_OK)
+        r = dev_copy_async(ln->near, dptr(src), bytes, ln->s);
+    if (r != DEV_OK) {
+        fail(q, "bringing a source over from another device", r);
+        return src;
+    }
+    return (const void *)(uintptr_t)ln->near;
+}
+
+static void op_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes);
+
+static void lane_copy(struct sdk_launcher *l, void *dst, const void *src, size_t bytes)
+{
+    op_copy((struct sd_gpu_queue *)l, dst, src, bytes);
 }
 
 static void queue_destroy(struct sd_gpu_queue *q);
 
 static int queue_create(struct sd_gpu_queue **q_p)
 {
-    if (g.lib == NULL || enter() != SD_OK)
+    if (g.lib == NULL || enter(0) != SD_OK)
         return SD_ENOSYS;
     struct sd_gpu_queue *q = calloc(1, sizeof(*q));
     if (q == NULL)
         return SD_ENOMEM;
-    dev_res r;
-    if ((r = dev_stream_create(&q->s)) != DEV_OK)
-        goto err;
+    dev_res r = DEV_OK;
+    struct dev_lane *first = lane(q, 0);
+    if (first == NULL) {
+        queue_destroy(q);
+        return SD_ENOMEM;
+    }
     for (int i = 0; i < DEV_EVENTS; i++)
         if ((r = dev_event_create(&q->ev[i])) != DEV_OK)
             goto err;
-    if ((r = dev_malloc(&q->scratch, (SDK_SUMSQ_MAX_BLOCKS + 1) * sizeof(double))) != DEV_OK ||
-        (r = dev_host_malloc((void **)&q->pinned, DEV_SUMS * sizeof(double))) != DEV_OK)
+    if ((r = dev_host_malloc((void **)&q->pinned, DEV_SUMS * sizeof(double))) != DEV_OK)
         goto err;
-    q->l = (struct sdk_launcher){.launch = launch, .scratch = (double *)(uintptr_t)q->scratch};
+    q->l = (struct sdk_launcher){
+        .launch = launch, .scratch = (double *)(uintptr_t)first->scratch, .cur = 0};
+    if (g.n > 1) { /* one device: no lookups */
+        q->l.device_of = device_of;
+        q->l.use = use;
+        q->l.peer = peer;
+        q->l.bring = bring;
+        q->l.copy = lane_copy;
+    }
     *q_p = q;
     return SD_OK;
 err:
@@ -408,9 +591,8 @@ static void publish(struct sd_gpu_queue *q, bool all)
 
 static int queue_sync(struct sd_gpu_queue *q)
 {
-    if (enter() != SD_OK)
-        return SD_EIO;
-    dev_res r = dev_stream_sync(q->s);
+    struct dev_lane *ln = lane(q, q->l.cur); /* it has all the work behind it */
+    dev_res r = ln == NULL ? DEV_NOTSUP : dev_stream_sync(ln->s);
     if (r != DEV_OK)
         fail(q, "synchronizing a stream", r);
     q->reached = q->recorded;
@@ -422,15 +604,24 @@ static void queue_destroy(struct sd_gpu_queue *q)
 {
     if (q == NULL)
         return;
-    if (q->s != NULL) {
+    if (q->lane[q->l.cur].s != NULL)
         queue_sync(q);
-        dev_stream_destroy(q->s);
-    }
     for (int i = 0; i < DEV_EVENTS; i++)
-        if (q->ev[i] != NULL)
+        if (q->ev[i] != NULL && enter(q->ev_lane[i]) == SD_OK)
             dev_event_destroy(q->ev[i]);
-    if (q->scratch)
-        dev_mfree(q->scratch);
+    for (int i = 0; i < g.n; i++) {
+        struct dev_lane *ln = &q->lane[i];
+        if ((ln->s == NULL && ln->link == NULL && !ln->scratch) || enter(i) != SD_OK)
+            continue;
+        if (ln->s != NULL)
+            dev_stream_destroy(ln->s);
+        if (ln->link != NULL)
+            dev_event_destroy(ln->link);
+        if (ln->scratch)
+            dev_mfree(ln->scratch);
+        if (ln->near)
+            dev_mfree(ln->near);
+    }
     if (q->pinned)
         dev_host_free(q->pinned);
     free(q);
@@ -438,12 +629,23 @@ static void queue_destroy(struct sd_gpu_queue *q)
 
 static int queue_record(struct sd_gpu_queue *q, uint64_t *ticket_p)
 {
-    if (enter() != SD_OK)
-        return SD_EIO;
     if (q->recorded - q->reached >= DEV_EVENTS - 1) /* the ring is full of unreached events */
         queue_sync(q);
     uint64_t t = q->recorded + 1;
-    dev_res r = dev_event_record(q->ev[t % DEV_EVENTS], q->s);
+    uint32_t e = (uint32_t)(t % DEV_EVENTS);
+    struct dev_lane *ln = lane(q, q->l.cur);
+    dev_res r = ln == NULL ? DEV_NOTSUP : DEV_OK;
+    if (r == DEV_OK && (q->ev[e] == NULL || q->ev_lane[e] != q->l.cur)) {
+        /* an event is its device's: made anew on this one */
+        if (q->ev[e] != NULL && enter(q->ev_lane[e]) == SD_OK)
+            dev_event_destroy(q->ev[e]);
+        q->ev[e] = NULL;
+        r = enter(q->l.cur) != SD_OK ? DEV_NOTSUP : dev_event_create(&q->ev[e]);
+        if (r == DEV_OK)
+            q->ev_lane[e] = q->l.cur;
+    }
+    if (r == DEV_OK && enter(q->l.cur) == SD_OK)
+        r = dev_event_record(q->ev[e], ln->s);
     if (r != DEV_OK) {
         fail(q, "recording an event", r);
         return q->error;
@@ -458,29 +660,36 @@ static int queue_query(struct sd_gpu_queue *q, uint64_t ticket)
     if (ticket > q->recorded)
         return SD_EINVAL;
     if (ticket > q->reached) {
-        if (enter() != SD_OK)
+        int e = (int)(ticket % DEV_EVENTS);
+        if (enter(q->ev_lane[e]) != SD_OK)
             return SD_EIO;
-        dev_res r = dev_event_query(q->ev[ticket % DEV_EVENTS]);
+        dev_res r = dev_event_query(q->ev[e]);
         if (r == DEV_NOT_READY)
             return q->error != SD_OK ? q->error : SD_EAGAIN;
         if (r != DEV_OK)
             fail(q, "querying an event", r);
-        q->reached = ticket; /* a stream runs in order: the earlier ones are done too */
+        q->reached = ticket; /* the queue runs in one order: the earlier ones are done too */
         publish(q, false);
     }
     return q->error;
 }
 
+/* a copy runs where its destination is device memory, else where its source is */
 static void op_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes)
 {
-    dev_res r = dev_copy_async(dptr(dst), dptr(src), bytes, q->s);
+    struct sdk_launcher *l = &q->l;
+    sdk_at(l, l->use != NULL && device_of(l, dst) < 0 ? src : dst);
+    struct dev_lane *ln = lane(q, l->cur);
+    dev_res r = ln == NULL ? DEV_NOTSUP : dev_copy_async(dptr(dst), dptr(src), bytes, ln->s);
     if (r != DEV_OK)
         fail(q, "copying", r);
 }
 
 static void op_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
 {
-    dev_res r = dev_zero_async(dptr(dst), bytes, q->s);
+    sdk_at(&q->l, dst);
+    struct dev_lane *ln = lane(q, q->l.cur);
+    dev_res r = ln == NULL ? DEV_NOTSUP : dev_zero_async(dptr(dst), bytes, ln->s);
     if (r != DEV_OK)
         fail(q, "zeroing", r);
 }
@@ -492,9 +701,12 @@ static void op_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double *
     if (q->sums_n == DEV_SUMS)
         queue_sync(q);
     uint32_t i = (q->sums_head + q->sums_n) % DEV_SUMS;
-    sdk_sum_sq(&q->l, x, n);
-    dev_res r = dev_copy_dtoh_async(&q->pinned[i], dptr(q->l.scratch + SDK_SUMSQ_MAX_BLOCKS),
-                                    sizeof(double), q->s);
+    sdk_sum_sq(&q->l, x, n); /* on x's device: its scratch */
+    struct dev_lane *ln = lane(q, q->l.cur);
+    dev_res r = ln == NULL
+                    ? DEV_NOTSUP
+                    : dev_copy_dtoh_async(&q->pinned[i], dptr(q->l.scratch + SDK_SUMSQ_MAX_BLOCKS),
+                                          sizeof(double), ln->s);
     if (r != DEV_OK)
         fail(q, "copying a sum back", r);
     q->sums[i] = (struct dev_sum){.out = out, .before = q->recorded};
@@ -506,10 +718,11 @@ static bool dev_is_device(const void *p)
     return sd_region_find(&dev_regions, p, NULL, NULL);
 }
 
-/* page-locked host memory the device copies into and out of at full speed */
+/* page-locked host memory the devices copy into and out of at full speed (portable: unified
+ * addressing makes it every context's) */
 static int dev_pinned_alloc(size_t bytes, void **p_p)
 {
-    if (g.lib == NULL || enter() != SD_OK)
+    if (g.lib == NULL || enter(g_current >= 0 ? g_current : 0) != SD_OK)
         return SD_ENOSYS;
     dev_res r = dev_host_malloc(p_p, bytes ? bytes : 1);
     if (r != DEV_OK) {
@@ -519,15 +732,16 @@ static int dev_pinned_alloc(size_t bytes, void **p_p)
     return SD_OK;
 }
 
-/* the device FI_HMEM registrations name: the one this backend drives */
-static int dev_hmem_device(void)
+/* the device FI_HMEM registrations of p name: the one it lives on */
+static int dev_hmem_device(const void *p)
 {
-    return g.index;
+    struct sd_region reg;
+    return sd_region_find(&dev_regions, p, &reg, NULL) ? g.d[reg.device].index : g.d[0].index;
 }
 
 static void dev_pinned_free(void *p)
 {
-    if (p != NULL && enter() == SD_OK)
+    if (p != NULL && enter(g_current >= 0 ? g_current : 0) == SD_OK)
         dev_host_free(p);
 }
 

@@ -52,6 +52,7 @@ typedef CUmemAccessDesc dev_access;
     X(cuStreamCreate)                                                                              \
     X(cuStreamDestroy)                                                                             \
     X(cuStreamSynchronize)                                                                         \
+    X(cuStreamWaitEvent)                                                                           \
     X(cuEventCreate)                                                                               \
     X(cuEventRecord)                                                                               \
     X(cuEventQuery)                                                                                \
@@ -91,6 +92,7 @@ typedef CUuuid dev_uuid_t;
 #define dev_stream_create(s)            p_cuStreamCreate(s, CU_STREAM_NON_BLOCKING)
 #define dev_stream_destroy(s)           p_cuStreamDestroy(s)
 #define dev_stream_sync(s)              p_cuStreamSynchronize(s)
+#define dev_stream_wait(s, e)           p_cuStreamWaitEvent(s, e, 0)
 #define dev_event_create(e)             p_cuEventCreate(e, CU_EVENT_DISABLE_TIMING)
 #define dev_event_record(e, s)          p_cuEventRecord(e, s)
 #define dev_event_query(e)              p_cuEventQuery(e)
@@ -109,7 +111,7 @@ typedef CUuuid dev_uuid_t;
 #define dev_va_free(d, n)               p_cuMemAddressFree(d, n)
 #define dev_mem_map(d, n, h)            p_cuMemMap(d, n, 0, h, 0)
 #define dev_mem_unmap(d, n)             p_cuMemUnmap(d, n)
-#define dev_mem_access(d, n, a)         p_cuMemSetAccess(d, n, a, 1)
+#define dev_mem_access(d, n, a, count)  p_cuMemSetAccess(d, n, a, count)
 #define dev_mem_export(fd, h)                                                                      \
     p_cuMemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
 #define dev_granularity(g, prop)                                                                   \
@@ -223,6 +225,7 @@ typedef hipMemAccessDesc dev_access;
     X(hipStreamCreateWithFlags)                                                                    \
     X(hipStreamDestroy)                                                                            \
     X(hipStreamSynchronize)                                                                        \
+    X(hipStreamWaitEvent)                                                                          \
     X(hipEventCreateWithFlags)                                                                     \
     X(hipEventRecord)                                                                              \
     X(hipEventQuery)                                                                               \
@@ -261,6 +264,7 @@ typedef hipUUID dev_uuid_t;
 #define dev_stream_create(s)            p_hipStreamCreateWithFlags(s, hipStreamNonBlocking)
 #define dev_stream_destroy(s)           p_hipStreamDestroy(s)
 #define dev_stream_sync(s)              p_hipStreamSynchronize(s)
+#define dev_stream_wait(s, e)           p_hipStreamWaitEvent(s, e, 0)
 #define dev_event_create(e)             p_hipEventCreateWithFlags(e, hipEventDisableTiming)
 #define dev_event_record(e, s)          p_hipEventRecord(e, s)
 #define dev_event_query(e)              p_hipEventQuery(e)
@@ -279,7 +283,7 @@ typedef hipUUID dev_uuid_t;
 #define dev_va_free(d, n)               p_hipMemAddressFree(d, n)
 #define dev_mem_map(d, n, h)            p_hipMemMap(d, n, 0, h, 0)
 #define dev_mem_unmap(d, n)             p_hipMemUnmap(d, n)
-#define dev_mem_access(d, n, a)         p_hipMemSetAccess(d, n, a, 1)
+#define dev_mem_access(d, n, a, count)  p_hipMemSetAccess(d, n, a, count)
 #define dev_mem_export(fd, h)                                                                      \
     p_hipMemExportToShareableHandle(fd, h, hipMemHandleTypePosixFileDescriptor, 0)
 #define dev_granularity(g, prop)                                                                   \

@@ -19,6 +19,9 @@
 
 _Thread_local struct sdk_emu sdk_emu;
 
+/* the most devices emu-gpu emulates ($SHARDD_EMU_GPUS) */
+#define SD_EMU_MAX_GPUS 8
+
 /* one parameter of a launch, by type */
 #define A(t, i) (*(t *)args[i])
 
@@ -87,6 +90,8 @@ struct sd_gpu_queue {
     double scratch[SDK_SUMSQ_MAX_BLOCKS + 1];
     uint64_t recorded;
     uint64_t lagged; /* emu-gpu-deferred: the newest ticket a query answered "not yet" */
+    /* emu-gpu: where sources a device cannot read are brought (sdk_launcher.bring), per device */
+    struct sd_mem *near;
 };
 
 static int emu_queue_create(struct sd_gpu_queue **q_p)
@@ -99,8 +104,15 @@ static int emu_queue_create(struct sd_gpu_queue **q_p)
     return SD_OK;
 }
 
+static void emu_gpu_free(struct sd_mem *mem);
+
 static void emu_queue_destroy(struct sd_gpu_queue *q)
 {
+    if (q == NULL)
+        return;
+    for (int d = 0; q->near != NULL && d < SD_EMU_MAX_GPUS; d++)
+        emu_gpu_free(&q->near[d]);
+    free(q->near);
     free(q);
 }
 
@@ -159,22 +171,99 @@ static int emu_devices(struct sd_gpu_device *out, int max)
  * side is a device. */
 static struct sd_regions emu_regions = SD_REGIONS_INIT;
 
-static int emu_gpu_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
+/* emu-gpu's devices: how many it sees ($SHARDD_EMU_GPUS, 1 to 8, default 1), which were opened,
+ * and whether they reach each other's memory ($SHARDD_EMU_PEERS: "all", the default, or "none",
+ * where a kernel given another device's memory aborts as a GPU's without peer access faults) */
+static struct {
+    int count;
+    bool opened[SD_EMU_MAX_GPUS];
+    bool peers;
+    uint64_t used[SD_EMU_MAX_GPUS], peak[SD_EMU_MAX_GPUS]; /* bytes allocated on each */
+} emu_gpus = {.count = 1, .opened = {true}, .peers = true};
+
+static void emu_gpu_count(int device, int64_t bytes)
 {
+    uint64_t now = __atomic_add_fetch(&emu_gpus.used[device], (uint64_t)bytes, __ATOMIC_RELAXED);
+    uint64_t peak = __atomic_load_n(&emu_gpus.peak[device], __ATOMIC_RELAXED);
+    while (now > peak && !__atomic_compare_exchange_n(&emu_gpus.peak[device], &peak, now, true,
+                                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        ;
+}
+
+static int emu_gpu_open(const int *devices, int n, char *err, size_t errlen)
+{
+    const char *count = getenv("SHARDD_EMU_GPUS"), *peers = getenv("SHARDD_EMU_PEERS");
+    char *end = NULL;
+    long c = count != NULL ? strtol(count, &end, 10) : 1;
+    if (count != NULL && (end == count || *end != '\0' || c < 1 || c > SD_EMU_MAX_GPUS)) {
+        snprintf(err, errlen, "SHARDD_EMU_GPUS is '%s', not a count of 1 to %d", count,
+                 SD_EMU_MAX_GPUS);
+        return SD_ECONFIG;
+    }
+    if (peers != NULL && strcmp(peers, "all") != 0 && strcmp(peers, "none") != 0) {
+        snprintf(err, errlen, "SHARDD_EMU_PEERS is '%s', not all or none", peers);
+        return SD_ECONFIG;
+    }
+    emu_gpus.count = (int)c;
+    emu_gpus.peers = peers == NULL || strcmp(peers, "all") == 0;
+    for (int i = 0; i < SD_EMU_MAX_GPUS; i++)
+        emu_gpus.opened[i] = n == 0 && i < emu_gpus.count; /* n 0: every one seen */
+    for (int i = 0; i < n; i++) {
+        if (devices[i] < 0 || devices[i] >= emu_gpus.count) {
+            snprintf(err, errlen,
+                     "devices names emu-gpu %d, and the emulation sees %d (0 to %d; "
+                     "SHARDD_EMU_GPUS sets how many)",
+                     devices[i], emu_gpus.count, emu_gpus.count - 1);
+            return SD_ENOSYS;
+        }
+        emu_gpus.opened[devices[i]] = true;
+    }
+    return SD_OK;
+}
+
+/* emu-gpu's devices: memory as the host's, shared as memfds; peer access as set */
+static int emu_gpu_devices(struct sd_gpu_device *out, int max)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    for (int i = 0; i < emu_gpus.count && i < max; i++) {
+        out[i] = (struct sd_gpu_device){
+            .index = i,
+            .memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0,
+            .fd_handles = true,
+            .driven = emu_gpus.opened[i],
+            .used_bytes = __atomic_load_n(&emu_gpus.used[i], __ATOMIC_RELAXED),
+            .peak_bytes = __atomic_load_n(&emu_gpus.peak[i], __ATOMIC_RELAXED)};
+        snprintf(out[i].name, sizeof(out[i].name), "emulated GPU (host memory)");
+        snprintf(out[i].uuid, sizeof(out[i].uuid), "EMU-%d", i);
+        for (int j = 0; j < emu_gpus.count && emu_gpus.peers; j++)
+            if (j != i)
+                out[i].peers |= 1ULL << j;
+    }
+    return emu_gpus.count;
+}
+
+static int emu_gpu_alloc(int device, size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
+{
+    if (device < 0 || device >= SD_EMU_MAX_GPUS || !emu_gpus.opened[device]) {
+        SD_ERROR("emu-gpu", "allocating %s on device %d, which was not opened", tag, device);
+        return SD_EINVAL;
+    }
     struct sd_mem back;
     size_t len = bytes ? bytes : 1;
-    int status = sd__host_alloc(bytes, flags, tag, &back);
+    int status = sd__host_alloc(0, bytes, flags, tag, &back);
     if (status != SD_OK)
         return status;
     void *dev = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    struct sd_region r = {.dev = (uintptr_t)dev, .len = len, .back = back.ptr, .fd = back.fd};
+    struct sd_region r = {
+        .dev = (uintptr_t)dev, .len = len, .back = back.ptr, .fd = back.fd, .device = device};
     if (dev == MAP_FAILED || sd_region_add(&emu_regions, &r) != SD_OK) {
         if (dev != MAP_FAILED)
             munmap(dev, len);
         sd__host_free(&back);
         return SD_ENOMEM;
     }
-    *mem_p = (struct sd_mem){.ptr = dev, .bytes = bytes, .fd = back.fd};
+    *mem_p = (struct sd_mem){.ptr = dev, .bytes = bytes, .fd = back.fd, .device = device};
+    emu_gpu_count(device, (int64_t)len);
     return SD_OK;
 }
 
@@ -182,6 +271,7 @@ static void emu_gpu_free(struct sd_mem *mem)
 {
     struct sd_region r;
     if (mem->ptr != NULL && sd_region_remove(&emu_regions, mem->ptr, &r)) {
+        emu_gpu_count(r.device, -(int64_t)r.len);
         munmap(mem->ptr, r.len);
         struct sd_mem back = {.ptr = r.back, .bytes = mem->bytes, .fd = r.fd};
         sd__host_free(&back);
@@ -194,14 +284,29 @@ static bool emu_gpu_is_device(const void *p)
     return sd_region_find(&emu_regions, p, NULL, NULL);
 }
 
-/* p's backing, for bytes from p on; host memory where host_ok (a copy's other side), else the
- * daemon broke the device's rules: abort naming what. */
-static void *emu_gpu_at(const void *p, size_t bytes, bool host_ok, const char *what)
+static bool emu_gpu_peer(int d, int e)
+{
+    return d == e || emu_gpus.peers;
+}
+
+/* p's backing, for bytes from p on; host memory where host_ok (a copy's other side); on device
+ * `on` (>= 0: a kernel's parameter there), memory of it or of a peer; else the daemon broke the
+ * device's rules: abort naming what. */
+static void *emu_gpu_at(const void *p, size_t bytes, bool host_ok, int on, const char *what)
 {
     bool past_end;
     if (p == NULL)
         return NULL;
     void *at = sd_region_host(&emu_regions, p, bytes, &past_end);
+    struct sd_region r;
+    if (at != NULL && on >= 0 && sd_region_find(&emu_regions, p, &r, NULL) &&
+        !emu_gpu_peer(on, r.device)) {
+        SD_ERROR("emu-gpu",
+                 "%s: %p (%zu bytes) is device %d's memory, which a kernel on device "
+                 "%d cannot read (no peer access)",
+                 what, p, bytes, r.device, on);
+        abort();
+    }
     if (at != NULL)
         return at;
     if (!past_end && host_ok)
@@ -216,15 +321,15 @@ static void emu_gpu_copy(struct sd_gpu_queue *q, void *dst, const void *src, siz
 {
     (void)q;
     if (bytes > 0)
-        memcpy(emu_gpu_at(dst, bytes, true, "copy's destination"),
-               emu_gpu_at(src, bytes, true, "copy's source"), bytes);
+        memcpy(emu_gpu_at(dst, bytes, true, -1, "copy's destination"),
+               emu_gpu_at(src, bytes, true, -1, "copy's source"), bytes);
 }
 
 static void emu_gpu_zero(struct sd_gpu_queue *q, void *dst, size_t bytes)
 {
     (void)q;
     if (bytes > 0)
-        memset(emu_gpu_at(dst, bytes, false, "zero"), 0, bytes);
+        memset(emu_gpu_at(dst, bytes, false, -1, "zero"), 0, bytes);
 }
 
 /* the kernels' parameters: how many, and which are pointers (bit i: parameter i) */
@@ -247,8 +352,12 @@ static void emu_gpu_launch(struct sdk_launcher *l, enum sdk_kernel_id id, uint64
         struct sdk_pieces p = *(struct sdk_pieces *)args[0];
         for (uint64_t i = 0; i < p.n; i++) {
             void *d = (void *)(uintptr_t)p.dst[i], *s = (void *)(uintptr_t)p.src[i];
-            p.dst[i] = (uintptr_t)emu_gpu_at(d, p.bytes[i], false, "kernel sdk_k_gather, a dst");
-            p.src[i] = (uintptr_t)emu_gpu_at(s, p.bytes[i], false, "kernel sdk_k_gather, a src");
+            p.dst[i] = (uintptr_t)emu_gpu_at(d, p.bytes[i], false, l->cur,
+                                             "kernel sdk_k_gather, "
+                                             "a dst");
+            p.src[i] = (uintptr_t)emu_gpu_at(s, p.bytes[i], false, l->cur,
+                                             "kernel sdk_k_gather, "
+                                             "a src");
         }
         void *one[] = {&p};
         emu_launch(l, id, blocks, one);
@@ -263,18 +372,75 @@ static void emu_gpu_launch(struct sdk_launcher *l, enum sdk_kernel_id id, uint64
         const void *p = *(void **)args[i];
         bool queue_scratch = (const double *)p >= scratch && (const double *)p < scratch_end;
         snprintf(what, sizeof(what), "kernel %s, parameter %d", sdk_kernel_names[id], i);
-        ptrs[i] = queue_scratch ? (void *)(uintptr_t)p : emu_gpu_at(p, 1, false, what);
+        ptrs[i] = queue_scratch ? (void *)(uintptr_t)p : emu_gpu_at(p, 1, false, l->cur, what);
         targs[i] = &ptrs[i];
     }
     emu_launch(l, id, blocks, targs);
 }
 
+static int emu_gpu_device_of(struct sdk_launcher *l, const void *p)
+{
+    (void)l;
+    struct sd_region r;
+    return sd_region_find(&emu_regions, p, &r, NULL) ? r.device : -1;
+}
+
+static void emu_gpu_use(struct sdk_launcher *l, int d)
+{
+    l->cur = d; /* one order already: every launch ran at its call */
+}
+
+static bool emu_gpu_launcher_peer(struct sdk_launcher *l, int d, int e)
+{
+    (void)l;
+    return emu_gpu_peer(d, e);
+}
+
+/* a copy of src on the queue's device, in its buffer there (grown as needed) */
+static const void *emu_gpu_bring(struct sdk_launcher *l, const void *src, size_t bytes)
+{
+    struct sd_gpu_queue *q = (struct sd_gpu_queue *)l;
+    struct sd_mem *m = &q->near[l->cur];
+    if (m->bytes < bytes) {
+        emu_gpu_free(m);
+        if (emu_gpu_alloc(l->cur, bytes, SD_MEM_PRIVATE, "a source brought over", m) != SD_OK) {
+            SD_ERROR("emu-gpu", "no memory to bring %zu bytes to device %d", bytes, l->cur);
+            abort();
+        }
+    }
+    emu_gpu_copy(q, m->ptr, src, bytes);
+    return m->ptr;
+}
+
+static void emu_gpu_launcher_copy(struct sdk_launcher *l, void *dst, const void *src, size_t bytes)
+{
+    sdk_at(l, dst);
+    emu_gpu_copy((struct sd_gpu_queue *)l, dst, src, bytes);
+}
+
 static int emu_gpu_queue_create(struct sd_gpu_queue **q_p)
 {
     int status = emu_queue_create(q_p);
-    if (status == SD_OK)
-        (*q_p)->l.launch = emu_gpu_launch;
-    return status;
+    if (status != SD_OK)
+        return status;
+    struct sd_gpu_queue *q = *q_p;
+    q->near = calloc(SD_EMU_MAX_GPUS, sizeof(*q->near));
+    if (q->near == NULL) {
+        emu_queue_destroy(q);
+        return SD_ENOMEM;
+    }
+    for (int d = 0; d < SD_EMU_MAX_GPUS; d++)
+        q->near[d].fd = -1;
+    for (int d = SD_EMU_MAX_GPUS - 1; d >= 0; d--)
+        if (emu_gpus.opened[d])
+            q->l.cur = d; /* the first opened */
+    q->l.launch = emu_gpu_launch;
+    q->l.device_of = emu_gpu_device_of;
+    q->l.use = emu_gpu_use;
+    q->l.peer = emu_gpu_launcher_peer;
+    q->l.bring = emu_gpu_bring;
+    q->l.copy = emu_gpu_launcher_copy;
+    return SD_OK;
 }
 
 /* emu-device: host memory, kept as a device's (its allocations known, so that the transport
@@ -282,9 +448,10 @@ static int emu_gpu_queue_create(struct sd_gpu_queue **q_p)
  * (SD_HMEM_HOST), any other stages it, as a GPU's */
 static struct sd_regions emu_dev_regions = SD_REGIONS_INIT;
 
-static int emu_device_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
+static int emu_device_alloc(int device, size_t bytes, int flags, const char *tag,
+                            struct sd_mem *mem_p)
 {
-    int status = sd__host_alloc(bytes, flags, tag, mem_p);
+    int status = sd__host_alloc(device, bytes, flags, tag, mem_p);
     if (status != SD_OK)
         return status;
     struct sd_region r = {.dev = (uintptr_t)mem_p->ptr,
@@ -331,10 +498,11 @@ const struct sd_gpu_ops sd_gpu_emu_device_ops = {.name = "emu-device",
 /* emu-gpu's table but for its name and its queue's query */
 #define EMU_GPU_OPS                                                                                \
     .host_memory = false, .host_visible = false, .client_memory = "emu-gpu",                       \
-    .client_memfds = true, .devices = emu_devices, .alloc = emu_gpu_alloc, .free = emu_gpu_free,   \
-    .queue_create = emu_gpu_queue_create, .queue_destroy = emu_queue_destroy,                      \
-    .sync = sd__host_sync, .record = emu_record, .copy = emu_gpu_copy, .zero = emu_gpu_zero,       \
-    .sum_sq = emu_sum_sq, .is_device = emu_gpu_is_device, .pinned_alloc = sd__host_pinned_alloc,   \
+    .client_memfds = true, .open = emu_gpu_open, .devices = emu_gpu_devices,                       \
+    .alloc = emu_gpu_alloc, .free = emu_gpu_free, .queue_create = emu_gpu_queue_create,            \
+    .queue_destroy = emu_queue_destroy, .sync = sd__host_sync, .record = emu_record,               \
+    .copy = emu_gpu_copy, .zero = emu_gpu_zero, .sum_sq = emu_sum_sq,                              \
+    .is_device = emu_gpu_is_device, .pinned_alloc = sd__host_pinned_alloc,                         \
     .pinned_free = sd__host_pinned_free, SDK_KERNEL_OPS
 
 const struct sd_gpu_ops sd_gpu_emu_gpu_ops = {.name = "emu-gpu", .query = emu_query, EMU_GPU_OPS};

@@ -26,8 +26,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-int sd__host_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
+/* one device, host memory: device is 0 (the daemon places nothing elsewhere) */
+int sd__host_alloc(int device, size_t bytes, int flags, const char *tag, struct sd_mem *mem_p)
 {
+    (void)device;
     int status;
     size_t len = bytes ? bytes : 1;
     int fd = -1;
@@ -77,6 +79,7 @@ int sd__host_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_
     mem_p->ptr = ptr;
     mem_p->bytes = bytes;
     mem_p->fd = fd;
+    mem_p->device = 0;
     return SD_OK;
 
 err_close_fd:

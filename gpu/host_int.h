@@ -4,7 +4,7 @@
 
 #include "sd/gpu.h"
 
-int sd__host_alloc(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p);
+int sd__host_alloc(int device, size_t bytes, int flags, const char *tag, struct sd_mem *mem_p);
 void sd__host_free(struct sd_mem *mem);
 /* the kernels every host-memory backend runs at once, whatever its queue */
 void sd__host_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes);

@@ -30,6 +30,23 @@ uint64_t sdk_sumsq_blocks(uint64_t n)
     return b == 0 ? 1 : b > SDK_SUMSQ_MAX_BLOCKS ? SDK_SUMSQ_MAX_BLOCKS : b;
 }
 
+void sdk_at(struct sdk_launcher *l, const void *p)
+{
+    if (l->use == NULL)
+        return;
+    int d = l->device_of(l, p);
+    if (d >= 0 && d != l->cur)
+        l->use(l, d);
+}
+
+const void *sdk_readable(struct sdk_launcher *l, const void *src, size_t bytes)
+{
+    if (l->use == NULL || bytes == 0)
+        return src;
+    int e = l->device_of(l, src);
+    return e < 0 || e == l->cur || l->peer(l, l->cur, e) ? src : l->bring(l, src, bytes);
+}
+
 /* the launcher a queue starts with */
 static struct sdk_launcher *L(struct sd_gpu_queue *q)
 {
@@ -40,31 +57,41 @@ void sdk_op_reduce_add(struct sd_gpu_queue *q, float *acc, const void *src, int 
 {
     struct sdk_launcher *l = L(q);
     uint64_t n64 = n;
+    if (n == 0)
+        return;
+    sdk_at(l, acc);
+    src = sdk_readable(l, src, n * sd_dtype_size(dtype));
     void *args[] = {&acc, &src, &dtype, &n64};
-    if (n > 0)
-        l->launch(l, SDK_K_REDUCE_ADD, sdk_blocks(n), args);
+    l->launch(l, SDK_K_REDUCE_ADD, sdk_blocks(n), args);
 }
 
 void sdk_op_to_f32(struct sd_gpu_queue *q, float *dst, const void *src, int dtype, size_t n)
 {
     struct sdk_launcher *l = L(q);
     uint64_t n64 = n;
+    if (n == 0)
+        return;
+    sdk_at(l, dst);
+    src = sdk_readable(l, src, n * sd_dtype_size(dtype));
     void *args[] = {&dst, &src, &dtype, &n64};
-    if (n > 0)
-        l->launch(l, SDK_K_TO_F32, sdk_blocks(n), args);
+    l->launch(l, SDK_K_TO_F32, sdk_blocks(n), args);
 }
 
 void sdk_op_from_f32(struct sd_gpu_queue *q, void *dst, int dtype, const float *src, size_t n)
 {
     struct sdk_launcher *l = L(q);
     uint64_t n64 = n;
+    if (n == 0)
+        return;
+    sdk_at(l, dst);
+    src = sdk_readable(l, src, n * sizeof(float));
     void *args[] = {&dst, &dtype, &src, &n64};
-    if (n > 0)
-        l->launch(l, SDK_K_FROM_F32, sdk_blocks(n), args);
+    l->launch(l, SDK_K_FROM_F32, sdk_blocks(n), args);
 }
 
 void sdk_sum_sq(struct sdk_launcher *l, const float *x, size_t n)
 {
+    sdk_at(l, x); /* the partials in that device's scratch */
     uint64_t n64 = n, blocks = sdk_sumsq_blocks(n);
     uint32_t parts = (uint32_t)blocks;
     double *part = l->scratch, *out = l->scratch + SDK_SUMSQ_MAX_BLOCKS;
@@ -96,8 +123,10 @@ void sdk_op_adamw(struct sd_gpu_queue *q, const struct sd_adamw_args *a, float *
     struct sdk_adamw_c c = sdk_adamw_consts(a);
     uint64_t n64 = n;
     void *args[] = {&c, &master, &m, &v, &grad, &scale, &w, &w_dtype, &n64};
-    if (n > 0)
-        l->launch(l, SDK_K_ADAMW, sdk_blocks((n + 3) / 4), args);
+    if (n == 0)
+        return;
+    sdk_at(l, master); /* a shard's states and gradient, all on its rank's device */
+    l->launch(l, SDK_K_ADAMW, sdk_blocks((n + 3) / 4), args);
 }
 
 void sdk_op_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *master, float *buf,
@@ -107,13 +136,17 @@ void sdk_op_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *mast
     struct sdk_sgd_c c = {.lr = a->lr, .mu = a->momentum, .wd = a->weight_decay};
     uint64_t n64 = n;
     void *args[] = {&c, &master, &buf, &grad, &scale, &w, &w_dtype, &n64};
-    if (n > 0)
-        l->launch(l, SDK_K_SGD, sdk_blocks(n), args);
+    if (n == 0)
+        return;
+    sdk_at(l, master);
+    l->launch(l, SDK_K_SGD, sdk_blocks(n), args);
 }
 
 static void encode(struct sdk_launcher *l, void *dst, int bits, const void *src, int dtype,
                    float *err, size_t n, uint32_t block)
 {
+    sdk_at(l, dst); /* err, written too, lives beside dst (the quantized copies' memory) */
+    src = sdk_readable(l, src, n * sd_dtype_size(dtype));
     uint64_t n64 = n, blocks = sd_codec_blocks(n, block);
     float *scales = dst;
     uint8_t *vals = (uint8_t *)dst + 4 * blocks;
@@ -142,12 +175,25 @@ void sdk_op_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const v
 {
     struct sdk_launcher *l = L(q);
     uint64_t n64 = n;
+    if (n == 0)
+        return;
+    sdk_at(l, dst);
+    src = sdk_readable(l, src, sd_codec_bytes(bits, n, block));
     const float *scales = src;
     const uint8_t *vals = (const uint8_t *)src + 4 * sd_codec_blocks(n, block);
     int acc = accumulate;
     void *args[] = {&dst, &dst_dtype, &scales, &vals, &bits, &n64, &block, &acc};
-    if (n > 0)
-        l->launch(l, SDK_K_DECODE, sdk_blocks(n), args);
+    l->launch(l, SDK_K_DECODE, sdk_blocks(n), args);
+}
+
+/* several devices: is piece one the launch on the device of the first's destination can take
+ * (its destination there, its source read from there)? Else it is copied alone. */
+static bool sdk_piece_joins(struct sdk_launcher *l, int d, const struct sd_gpu_piece *piece)
+{
+    if (l->use == NULL)
+        return true;
+    int e = l->device_of(l, piece->src);
+    return l->device_of(l, piece->dst) == d && e >= 0 && (e == d || l->peer(l, d, e));
 }
 
 void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, uint32_t n)
@@ -156,9 +202,18 @@ void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, ui
     while (n > 0) {
         struct sdk_pieces p = {.n = 0};
         uint64_t most = 0;
+        for (; n > 0 && pieces->bytes == 0; pieces++, n--)
+            ;
+        if (n > 0)
+            sdk_at(l, pieces->dst);
+        int d = l->cur;
         for (; n > 0 && p.n < SDK_PIECES_MAX; pieces++, n--) {
             if (pieces->bytes == 0)
                 continue;
+            if (!sdk_piece_joins(l, d, pieces)) {
+                l->copy(l, pieces->dst, pieces->src, pieces->bytes); /* may run elsewhere */
+                continue;
+            }
             p.dst[p.n] = (uint64_t)(uintptr_t)pieces->dst;
             p.src[p.n] = (uint64_t)(uintptr_t)pieces->src;
             p.bytes[p.n] = pieces->bytes;
@@ -166,7 +221,9 @@ void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, ui
             p.n++;
         }
         if (p.n == 0)
-            return;
+            continue;
+        if (l->use != NULL && l->cur != d)
+            l->use(l, d);
         /* the grid of one copy of the largest piece, shared out (16 bytes a thread) */
         uint64_t per = sdk_blocks((most + 15) / 16), cap = SDK_MAX_BLOCKS / p.n; /* p.n <= 16 */
         p.blocks_per = per < cap ? per : cap;

@@ -8,6 +8,7 @@
 #include "kern/params.h"
 #include "sd/gpu.h"
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -15,9 +16,29 @@ struct sdk_launcher {
     /* run kernel id on `blocks` blocks of SDK_THREADS_PER_BLOCK threads; args[i] points at the
      * kernel's i-th parameter, as cuLaunchKernel takes them */
     void (*launch)(struct sdk_launcher *l, enum sdk_kernel_id id, uint64_t blocks, void **args);
-    /* SDK_SUMSQ_MAX_BLOCKS + 1 doubles the kernels may write (the sum's partials and result) */
+    /* SDK_SUMSQ_MAX_BLOCKS + 1 doubles the kernels may write (the sum's partials and result),
+     * on the device launches run on */
     double *scratch;
+    /* A queue over several devices (NULL where the backend drives one; sd/gpu.h's queue): the
+     * device launches run on now (cur), the device p lies on (-1: not device memory), run what
+     * follows on device d (after the queue's work so far, whatever device ran it; scratch
+     * becomes d's), whether device d's kernels read device e's memory (peer access), a copy of
+     * the bytes at src on device cur (valid until the next bring: one source a launch), and
+     * a copy between any two places. */
+    int cur;
+    int (*device_of)(struct sdk_launcher *l, const void *p);
+    void (*use)(struct sdk_launcher *l, int d);
+    bool (*peer)(struct sdk_launcher *l, int d, int e);
+    const void *(*bring)(struct sdk_launcher *l, const void *src, size_t bytes);
+    void (*copy)(struct sdk_launcher *l, void *dst, const void *src, size_t bytes);
 };
+
+/* Several devices: run what follows on the device that holds p (device memory; else where the
+ * queue runs now). */
+void sdk_at(struct sdk_launcher *l, const void *p);
+/* src, bytes long, as the device launches run on reads it: src, or the queue's copy of it there
+ * where that device has no peer access to src's */
+const void *sdk_readable(struct sdk_launcher *l, const void *src, size_t bytes);
 
 /* the blocks of a grid-stride kernel over `work` items */
 uint64_t sdk_blocks(uint64_t work);

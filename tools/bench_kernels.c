@@ -69,7 +69,7 @@ struct bufs {
 
 static void *alloc(struct kb *k, struct bufs *b, size_t bytes)
 {
-    if (b->n == 8 || k->dev->alloc(bytes, SD_MEM_PRIVATE, "bench", &b->m[b->n]) != SD_OK)
+    if (b->n == 8 || k->dev->alloc(0, bytes, SD_MEM_PRIVATE, "bench", &b->m[b->n]) != SD_OK)
         return NULL;
     return b->m[b->n++].ptr;
 }
@@ -154,7 +154,8 @@ int sd_bench_kernels(const char *backend, uint64_t size, uint64_t params, int it
     struct kb k = {.iters = iters, .json = json};
     k.dev = sd_gpu_find(backend);
     char why[512] = "not built into this binary";
-    if (k.dev == NULL || (k.dev->open != NULL && k.dev->open(0, why, sizeof(why)) != SD_OK) ||
+    if (k.dev == NULL ||
+        (k.dev->open != NULL && k.dev->open((const int[]){0}, 1, why, sizeof(why)) != SD_OK) ||
         k.dev->queue_create(&k.q) != SD_OK) {
         fprintf(stderr, "shard-bench kernels: backend %s: %s\n", backend, why);
         return 77;

@@ -243,12 +243,26 @@ static void print_topology(json_t *doc)
             off += (size_t)snprintf(peers + off, sizeof(peers) - SD_MIN(off, sizeof(peers)),
                                     "%s%lld", k ? " " : "", (long long)json_integer_value(p));
         }
-        printf("device %lld%s: %s%s%s, %s, fd sharing %s, RDMA %s, peer access: %s\n",
+        char used[32] = "", u1[32], u2[32];
+        if (json_is_true(json_object_get(d, "driven")))
+            snprintf(used, sizeof(used), " (shardd %s, peak %s)",
+                     sd_fmt_bytes(u1, sizeof(u1), (uint64_t)num(d, "used_bytes")),
+                     sd_fmt_bytes(u2, sizeof(u2), (uint64_t)num(d, "peak_bytes")));
+        printf("device %lld%s: %s%s%s, %s%s, fd sharing %s, RDMA %s, peer access: %s\n",
                num(d, "index"), json_is_true(json_object_get(d, "driven")) ? " (driven)" : "",
                str(d, "name"), str(d, "uuid")[0] ? " " : "", str(d, "uuid"),
-               sd_fmt_bytes(mem, sizeof(mem), (uint64_t)num(d, "memory_bytes")),
+               sd_fmt_bytes(mem, sizeof(mem), (uint64_t)num(d, "memory_bytes")), used,
                json_is_true(json_object_get(d, "fd_handles")) ? "yes" : "no",
                json_is_true(json_object_get(d, "rdma")) ? "yes" : "no", peers[0] ? peers : "none");
+    }
+    json_t *cycle = json_object_get(doc, "rank_devices");
+    if (json_array_size(devs) > 0 && json_array_size(cycle) > 0) {
+        printf("local rank i on device");
+        json_array_foreach(cycle, i, d)
+        {
+            printf("%s%lld", i ? "," : " [", (long long)json_integer_value(d));
+        }
+        printf("][i mod %zu]\n", json_array_size(cycle));
     }
     json_array_foreach(json_object_get(doc, "jobs"), i, j)
     {
@@ -268,6 +282,8 @@ static void print_topology(json_t *doc)
         {
             printf(" %lld%s", num(r, "rank"),
                    json_is_true(json_object_get(r, "attached")) ? "" : "(gone)");
+            if (json_array_size(devs) > 0) /* the GPU its buffers live on */
+                printf("@gpu%lld", num(r, "device"));
         }
         printf("\n");
     }

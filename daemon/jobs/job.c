@@ -152,7 +152,8 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     rep.units = up;
     rep.n_tensors = l->n_tensors;
     rep.tensors = tp;
-    rep.pool_bytes = job->mem.pool.bytes;
+    const struct sd_mem *pool = sd_job_rank_pool(job, s->local); /* on the rank's GPU */
+    rep.pool_bytes = pool->bytes;
     rep.staging_slots = job->mem.staging_slots;
     rep.staging_slot_bytes = job->mem.staging_slot_bytes;
     rep.n_shard_factor = SD_STATE_COUNT;
@@ -188,18 +189,18 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     struct sd_gpu_device gpu[SD_GPU_MAX_DEVICES];
     int n_gpus =
         job->reg->dev->devices != NULL ? job->reg->dev->devices(gpu, SD_GPU_MAX_DEVICES) : 0;
-    for (int i = 0; i < n_gpus; i++)
-        if (gpu[i].driven) { /* the device the backend drives (config devices) */
+    for (int i = 0; i < n_gpus && i < SD_GPU_MAX_DEVICES; i++)
+        if (gpu[i].index == job->mem.device[s->local]) { /* the rank's GPU (config devices) */
             rep.device = gpu[i].index;
             rep.device_uuid = gpu[i].uuid;
         }
     /* the pool goes out read-only: clients read gathered weights, never write them (a memfd
      * reopened read-only; a device's fd handle, which the client maps read-only) */
     bool memfd = job->reg->dev->client_memfds;
-    int ro = job->mem.pool.fd;
+    int ro = pool->fd;
     if (memfd) {
         char path[64];
-        snprintf(path, sizeof(path), "/proc/self/fd/%d", job->mem.pool.fd);
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", pool->fd);
         if ((ro = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
             status = -errno;
             goto out;

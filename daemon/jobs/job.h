@@ -65,7 +65,13 @@ struct sd_gather_batch {
 /* A job's memory, all allocated at registration (job_mem.c). */
 struct sd_job_mem {
     struct sd_mem *arena; /* [k * SD_STATE_COUNT] */
+    /* The gathered weights, on the device of local rank 0 (where gathers write them); with ranks
+     * on several GPUs, a copy on each other one (pool_copy), refreshed after every write of a
+     * slot (sd_job_pool_publish) before its readers are answered: a rank reads its GPU's. */
     struct sd_mem pool;
+    struct sd_mem *pool_copy; /* [n_pool_copies] */
+    uint32_t n_pool_copies;
+    int *device; /* [k]: each local rank's device (config devices), where its buffers live */
     struct sd_mem *staging; /* [k]: each rank's staging slots, in the backend's memory */
     /* [k]: each rank's control page, host memory: its fence page (sd/fence.h), then its step
      * arguments and a save's directory */
@@ -270,6 +276,17 @@ void sd_job_mem_free(struct sd_job *job);
 void sd_job_mem_arena_bytes(const struct sd_job *job, uint64_t bytes_p[SD_STATE_COUNT]);
 /* A rank's control page: the fence page, the step arguments and a save's directory. */
 uint64_t sd_job_control_bytes(const struct sd_job *job);
+/* The slot at pool offset off, bytes long, was written (a gather, a refresh): copied into the
+ * pool's copies on the job's other GPUs, on the job's queue (its readers are answered after a
+ * mark behind it). Nothing where the job's ranks share one device. */
+void sd_job_pool_publish(struct sd_job *job, uint64_t off, uint64_t bytes);
+/* The device local rank `local`'s buffers live on (0 before the job's memory is placed). */
+static inline int sd_job_rank_device(const struct sd_job *job, uint32_t local)
+{
+    return job->mem.device != NULL ? job->mem.device[local] : 0;
+}
+/* The gathered weights local rank `local` maps: the pool, or its copy on the rank's GPU. */
+const struct sd_mem *sd_job_rank_pool(const struct sd_job *job, uint32_t local);
 /* Rank `local`'s control page at offset off (host memory). */
 static inline uint8_t *sd_job_control(struct sd_job *job, uint32_t local, uint64_t off)
 {

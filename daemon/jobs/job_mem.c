@@ -128,6 +128,13 @@ void sd_job_mem_free(struct sd_job *job)
             sd_gpu_host_ops.free(&job->mem.fence[i]);
     if (job->mem.pool.ptr != NULL)
         dev->free(&job->mem.pool);
+    for (uint32_t i = 0; i < job->mem.n_pool_copies; i++)
+        dev->free(&job->mem.pool_copy[i]);
+    free(job->mem.pool_copy);
+    free(job->mem.device);
+    job->mem.pool_copy = NULL;
+    job->mem.device = NULL;
+    job->mem.n_pool_copies = 0;
     if (job->mem.scratch_mem.ptr != NULL)
         dev->free(&job->mem.scratch_mem);
     free(job->mem.arena);
@@ -159,8 +166,37 @@ void sd_job_mem_free(struct sd_job *job)
 
 /* Bytes the job needs on this node, by buffer. */
 struct job_bytes {
-    uint64_t w, g, os, sec, quant, pool, staging, scratch, net, total;
+    uint64_t w, g, os, sec, quant, pool, copies, staging, scratch, net, total;
 };
+
+/* the GPUs the job's local ranks use besides local rank 0's: one copy of the pool each */
+static uint32_t job_pool_copies(const struct sd_job *job)
+{
+    uint32_t n = 0;
+    for (uint32_t r = 1; r < job->k; r++) {
+        int d = sd_registry_rank_device(job->reg, r);
+        bool seen = d == sd_registry_rank_device(job->reg, 0);
+        for (uint32_t q = 1; q < r && !seen; q++)
+            seen = d == sd_registry_rank_device(job->reg, q);
+        n += !seen;
+    }
+    return n;
+}
+
+const struct sd_mem *sd_job_rank_pool(const struct sd_job *job, uint32_t local)
+{
+    for (uint32_t i = 0; i < job->mem.n_pool_copies; i++)
+        if (job->mem.pool_copy[i].device == job->mem.device[local])
+            return &job->mem.pool_copy[i];
+    return &job->mem.pool;
+}
+
+void sd_job_pool_publish(struct sd_job *job, uint64_t off, uint64_t bytes)
+{
+    for (uint32_t i = 0; i < job->mem.n_pool_copies; i++)
+        job->reg->dev->copy(job->mem.queue, (uint8_t *)job->mem.pool_copy[i].ptr + off,
+                            (const uint8_t *)job->mem.pool.ptr + off, bytes);
+}
 
 /* One rank's arena of each state: its data, and the colouring in front of and inside it. */
 void sd_job_mem_arena_bytes(const struct sd_job *job, uint64_t bytes_p[SD_STATE_COUNT])
@@ -197,12 +233,14 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.pool = job->mem.max_live_bytes ? job->mem.max_live_bytes
              : cfg->max_live_bytes   ? cfg->max_live_bytes
                                      : l->total_bytes * job->slots_per_unit;
+    b.copies = b.pool * job_pool_copies(job);
     b.staging = ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) +
                  sd_job_control_bytes(job)) *
                 job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
     b.net = sd_job_net_bytes(job, cfg);
-    const uint64_t parts[] = {b.w, b.g, b.os, b.sec, b.quant, b.pool, b.staging, b.scratch, b.net};
+    const uint64_t parts[] = {b.w,    b.g,      b.os,      b.sec,     b.quant,
+                              b.pool, b.copies, b.staging, b.scratch, b.net};
     b.total = 0;
     for (size_t i = 0; i < SD_ARRAY_SIZE(parts); i++) /* max_live_bytes near 2^64 must not wrap */
         if (__builtin_add_overflow(b.total, parts[i], &b.total))
@@ -237,17 +275,18 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     if (need.total > budget || reg->used > budget - need.total) {
         snprintf(err, errlen,
                  "job '%s' needs %llu bytes (%s: w %llu, g %llu, os %llu, secondary %llu, "
-                 "quantization %llu, gather pool %llu, staging %llu, scratch %llu, network %llu) "
+                 "quantization %llu, gather pool %llu, its copies on other GPUs %llu, staging "
+                 "%llu, scratch %llu, network %llu) "
                  "but only %llu of the %llu-byte memory budget are free (%s); raise "
                  "memory_budget or shard more (plan)",
                  job->name, (unsigned long long)need.total,
                  sd_fmt_bytes(b1, sizeof(b1), need.total), (unsigned long long)need.w,
                  (unsigned long long)need.g, (unsigned long long)need.os,
                  (unsigned long long)need.sec, (unsigned long long)need.quant,
-                 (unsigned long long)need.pool, (unsigned long long)need.staging,
-                 (unsigned long long)need.scratch, (unsigned long long)need.net,
-                 (unsigned long long)(budget - reg->used), (unsigned long long)budget,
-                 sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
+                 (unsigned long long)need.pool, (unsigned long long)need.copies,
+                 (unsigned long long)need.staging, (unsigned long long)need.scratch,
+                 (unsigned long long)need.net, (unsigned long long)(budget - reg->used),
+                 (unsigned long long)budget, sd_fmt_bytes(b3, sizeof(b3), budget - reg->used));
         return SD_ENOSPC;
     }
     /* reserved now, so that jobs registering meanwhile see it */
@@ -259,6 +298,12 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->mem.staging = calloc(k, sizeof(*job->mem.staging));
     job->mem.fence = calloc(k, sizeof(*job->mem.fence));
     job->mem.fence_count = calloc(2 * (size_t)k, sizeof(*job->mem.fence_count));
+    job->mem.device = calloc(k, sizeof(*job->mem.device));
+    job->mem.n_pool_copies = job_pool_copies(job);
+    job->mem.pool_copy = calloc(job->mem.n_pool_copies + 1, sizeof(*job->mem.pool_copy));
+    if (job->mem.device != NULL)
+        for (uint32_t r = 0; r < k; r++)
+            job->mem.device[r] = sd_registry_rank_device(reg, r);
     int cache_st = sd_unit_cache_init(&job->cache, l->n_units, job->slots_per_unit, need.pool);
     int queue_st = reg->dev->queue_create(&job->mem.queue);
     job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
@@ -268,8 +313,9 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     uint32_t n_groups = sd_model_groups(&job->model);
     int mods_st = sd_job_modules_alloc(job);
     if (mods_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
-        !job->mem.fence_count || cache_st != SD_OK || queue_st != SD_OK || !job->xfer.wait_tags ||
-        !job->xfer.answer_q || !job->xfer.rel_pending || !job->xfer.rel_need) {
+        !job->mem.fence_count || !job->mem.device || !job->mem.pool_copy || cache_st != SD_OK ||
+        queue_st != SD_OK || !job->xfer.wait_tags || !job->xfer.answer_q ||
+        !job->xfer.rel_pending || !job->xfer.rel_need) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }
@@ -280,6 +326,8 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     for (uint32_t i = 0; i < k; i++)
         job->mem.staging[i].fd = job->mem.fence[i].fd = -1;
     job->mem.pool.fd = job->mem.scratch_mem.fd = -1;
+    for (uint32_t i = 0; i < job->mem.n_pool_copies; i++) /* none made: no device matches */
+        job->mem.pool_copy[i] = (struct sd_mem){.fd = -1, .device = -1};
     job->stats.pool_bytes = need.pool;
     job->stats.memory_bytes = need.total;
     job->mem.staging_slots = (uint32_t)cfg->staging_slots;
@@ -317,26 +365,37 @@ static int job_alloc_device(struct sd_job *job, char *err, size_t errlen)
         for (int st = 0; st < SD_STATE_COUNT; st++) {
             snprintf(tag, sizeof(tag), "shardd-%s-r%u-%s", job->name, job->first_rank + r,
                      sd_state_name(st));
-            status = dev->alloc(bytes[st], SD_MEM_PRIVATE, tag,
+            status = dev->alloc(job->mem.device[r], bytes[st], SD_MEM_PRIVATE, tag,
                                 &job->mem.arena[r * SD_STATE_COUNT + st]);
             if (status != SD_OK)
                 return alloc_failed(job, tag, status, err, errlen);
         }
     for (uint32_t r = 0; r < job->k; r++) {
         snprintf(tag, sizeof(tag), "shardd-%s-r%u-staging", job->name, job->first_rank + r);
-        status = dev->alloc((uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes,
+        status = dev->alloc(job->mem.device[r],
+                            (uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes,
                             SD_MEM_SHARED, tag, &job->mem.staging[r]);
         if (status != SD_OK)
             return alloc_failed(job, tag, status, err, errlen);
     }
     snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
-    status =
-        dev->alloc(job->stats.pool_bytes, SD_MEM_SHARED | SD_MEM_CLIENT_RO, tag, &job->mem.pool);
+    status = dev->alloc(job->mem.device[0], job->stats.pool_bytes, SD_MEM_SHARED | SD_MEM_CLIENT_RO,
+                        tag, &job->mem.pool);
     if (status != SD_OK)
         return alloc_failed(job, tag, status, err, errlen);
+    for (uint32_t r = 1, i = 0; r < job->k; r++) {
+        if (sd_job_rank_pool(job, r)->device == job->mem.device[r])
+            continue; /* its GPU has one: the pool, or a copy made for an earlier rank */
+        snprintf(tag, sizeof(tag), "shardd-%s-pool-gpu%d", job->name, job->mem.device[r]);
+        status = dev->alloc(job->mem.device[r], job->stats.pool_bytes,
+                            SD_MEM_SHARED | SD_MEM_CLIENT_RO, tag, &job->mem.pool_copy[i]);
+        if (status != SD_OK)
+            return alloc_failed(job, tag, status, err, errlen);
+        i++;
+    }
     snprintf(tag, sizeof(tag), "shardd-%s-scratch", job->name);
-    status = dev->alloc(job->layout.max_unit_numel * sizeof(float), SD_MEM_PRIVATE, tag,
-                        &job->mem.scratch_mem);
+    status = dev->alloc(job->mem.device[0], job->layout.max_unit_numel * sizeof(float),
+                        SD_MEM_PRIVATE, tag, &job->mem.scratch_mem);
     if (status != SD_OK)
         return alloc_failed(job, tag, status, err, errlen);
     job->mem.scratch = job->mem.scratch_mem.ptr;
@@ -353,7 +412,7 @@ static int job_alloc_control(struct sd_job *job, char *err, size_t errlen)
     char tag[96];
     for (uint32_t r = 0; r < job->k; r++) {
         snprintf(tag, sizeof(tag), "shardd-%s-r%u-control", job->name, job->first_rank + r);
-        int status = sd_gpu_host_ops.alloc(sd_job_control_bytes(job), SD_MEM_SHARED, tag,
+        int status = sd_gpu_host_ops.alloc(0, sd_job_control_bytes(job), SD_MEM_SHARED, tag,
                                            &job->mem.fence[r]);
         if (status != SD_OK)
             return alloc_failed(job, tag, status, err, errlen);

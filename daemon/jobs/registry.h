@@ -44,7 +44,17 @@ struct sd_registry {
     uint64_t recoveries;            /* started (their save numbers) */
     struct sd_waiting_reg *waiting; /* registrations waiting for a job of their name to go */
     uint64_t waiting_round;         /* (register.c) */
+    /* the GPU (the backend's device index) local rank i of every job uses: rank_dev[i mod
+     * n_rank_dev] (config devices; main.c fills it once the backend is open) */
+    int rank_dev[SD_CONFIG_MAX_DEVICES];
+    uint32_t n_rank_dev;
 };
+
+/* the device local rank `local` of a job uses */
+static inline int sd_registry_rank_device(const struct sd_registry *reg, uint32_t local)
+{
+    return reg->n_rank_dev > 0 ? reg->rank_dev[local % reg->n_rank_dev] : 0;
+}
 
 void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
                       const struct sd_gpu_ops *dev);

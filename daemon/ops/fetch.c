@@ -29,6 +29,16 @@ static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *u
 static bool gather_resources(const struct sd_job *job);
 static void gather_begin(struct sd_job *job, struct sd_unit_state *us);
 static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n);
+static void publish(struct sd_job *job, struct sd_unit_state *us);
+
+/* slot us was written: onto the pool's copies on the job's other GPUs (once a fill) */
+static void publish(struct sd_job *job, struct sd_unit_state *us)
+{
+    if (job->mem.n_pool_copies == 0 || us->published)
+        return;
+    us->published = true;
+    sd_job_pool_publish(job, us->pool_off, sd_unit_bytes(&job->layout.units[us->unit]));
+}
 
 /* A gather inside the node, done when this returns (one node: the whole gather): a refresh of a
  * held copy, or the schedule's prefetch. From the secondary copy when it holds this weights
@@ -36,12 +46,14 @@ static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, 
 void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us)
 {
     uint64_t cpu0 = sd_sched_issue_clock(job);
+    us->published = false;
     if (sd_sec_ready(job, us)) {
         sd_sec_load(job, us);
     } else {
         gather_copy_local(job, &us, 1);
         sd_sec_keep(job, us);
     }
+    publish(job, us);
     job->stats.gathers++;
     sd_sched_issue_count(job, cpu0);
 }
@@ -81,6 +93,8 @@ static void answer_waiters(struct sd_job *job, struct sd_unit_state *us, int syn
 static void fetch_complete(struct sd_job *job, struct sd_unit_state *us, bool read_out)
 {
     int synced = SD_OK;
+    if (us->status == SD_OK)
+        publish(job, us);
     if (us->status == SD_OK && (us->waiters || read_out)) {
         if (us->answer_pending)
             return; /* answered with the others once the device wrote the slot */
@@ -624,6 +638,7 @@ static bool gather_resources(const struct sd_job *job)
 static void gather_begin(struct sd_job *job, struct sd_unit_state *us)
 {
     us->inflight = true;
+    us->published = false;
     us->status = SD_OK;
     us->gen = job->weights_gen;
     us->start_ns = sd_now_ns();

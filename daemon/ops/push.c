@@ -769,7 +769,8 @@ int sd_push_net_setup(struct sd_job *job, float **mem_p, size_t *floats_p)
     ps->nr = calloc(ps->round_gens, sizeof(*ps->nr));
     char tag[96];
     snprintf(tag, sizeof(tag), "shardd-%s-rounds", job->name);
-    int st = job->reg->dev->alloc((size_t)ps->round_gens * per_round * sizeof(float),
+    int st = job->reg->dev->alloc(sd_job_rank_device(job, 0),
+                                  (size_t)ps->round_gens * per_round * sizeof(float),
                                   SD_MEM_PRIVATE, tag, &ps->nr_mem);
     ps->rq_cap = job->layout.n_units * ps->round_gens;
     ps->round_queue = calloc(ps->rq_cap, sizeof(*ps->round_queue));

@@ -169,7 +169,8 @@ int sd_quant_alloc(struct sd_job *job, char *err, size_t errlen)
         return SD_OK;
     char tag[96];
     snprintf(tag, sizeof(tag), "shardd-%s-quant", job->name);
-    int st = job->reg->dev->alloc(q.total, SD_MEM_PRIVATE, tag, &qs->mem);
+    int st =
+        job->reg->dev->alloc(sd_job_rank_device(job, 0), q.total, SD_MEM_PRIVATE, tag, &qs->mem);
     if (st != SD_OK) {
         snprintf(err, errlen, "allocating %s for job '%s' failed: %s", tag, job->name,
                  sd_status_str(st));

@@ -142,8 +142,8 @@ int sd_sec_alloc(struct sd_job *job, char *tag, size_t taglen)
 {
     for (uint32_t r = 0; r < sd_sec_holders(job); r++) {
         snprintf(tag, taglen, "shardd-%s-r%u-sec", job->name, job->first_rank + r);
-        int status =
-            job->reg->dev->alloc(sd_sec_holder_bytes(job), SD_MEM_PRIVATE, tag, &job->sec->mem[r]);
+        int status = job->reg->dev->alloc(sd_job_rank_device(job, r), sd_sec_holder_bytes(job),
+                                          SD_MEM_PRIVATE, tag, &job->sec->mem[r]);
         if (status != SD_OK)
             return status;
     }

@@ -33,6 +33,8 @@ struct sd_unit_state {
     /* its slot is written but the device may still be writing it: the waiters are answered once
      * the job's queue reached ready_ticket (fetch.c); inflight meanwhile */
     bool answer_pending;
+    /* this fill of its slot is on the pool's copies on the job's other GPUs (fetch.c) */
+    bool published;
     uint64_t ready_ticket;
     int status;
     uint32_t suspect;

@@ -88,6 +88,8 @@ static json_t *job_summary(const struct sd_job *job)
         json_object_set_new(o, "rank", json_integer(job->first_rank + r));
         json_object_set_new(o, "pid", s ? json_integer(s->conn->pid) : json_null());
         json_object_set_new(o, "attached", json_boolean(s != NULL));
+        /* the GPU its buffers and its copy of the gathered weights live on (config devices) */
+        json_object_set_new(o, "device", json_integer(sd_registry_rank_device(job->reg, r)));
         json_array_append_new(ranks, o);
     }
     bool ended = job->state == SD_JOB_CLOSING || job->state == SD_JOB_FINISHED;
@@ -395,6 +397,9 @@ static json_t *devices_json(const struct sd_gpu_ops *dev)
                                              "driven", d[i].driven, "memory_bytes",
                                              (json_int_t)d[i].memory_bytes, "fd_handles",
                                              d[i].fd_handles, "rdma", d[i].rdma, "peers", peers));
+        json_t *o = json_array_get(arr, json_array_size(arr) - 1);
+        json_object_set_new(o, "used_bytes", json_integer((json_int_t)d[i].used_bytes));
+        json_object_set_new(o, "peak_bytes", json_integer((json_int_t)d[i].peak_bytes));
     }
     return arr;
 }
@@ -532,6 +537,11 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
                         "socket", srv->sock_path, "topology", nodes, "jobs", jobs);
         json_object_set_new(out, "heartbeats", sd_cluster_heartbeat_json(cl));
         json_object_set_new(out, "devices", devices_json(reg->dev));
+        /* local rank i of every job is on GPU rank_devices[i mod its length] */
+        json_t *cycle = json_array();
+        for (uint32_t i = 0; i < reg->n_rank_dev; i++)
+            json_array_append_new(cycle, json_integer(reg->rank_dev[i]));
+        json_object_set_new(out, "rank_devices", cycle);
     } else {
         json_decref(jobs);
         out = json_pack("{s:s}", "error",

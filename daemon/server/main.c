@@ -275,6 +275,55 @@ static void block_stop_signals_at_exec(int argc, char **argv, char **envp)
 __attribute__((used, section(".preinit_array"))) static void (*const preinit_block)(
     int, char **, char **) = block_stop_signals_at_exec;
 
+/* Open the backend on the GPUs config devices lists (each once; empty: every GPU it sees) and
+ * fill the cycle local ranks take their GPU from (rank_dev[i mod n]): the list as given, else
+ * the GPUs opened in order, else GPU 0 (a backend without devices). */
+static int open_backend(const struct sd_gpu_ops *dev, const struct sd_config *cfg, int *rank_dev,
+                        int *n_p, char *why, size_t len)
+{
+    int n = sd_config_devices(cfg->devices, rank_dev, SD_CONFIG_MAX_DEVICES, why, len);
+    if (n < 0)
+        return n;
+    int distinct[SD_CONFIG_MAX_DEVICES], nd = 0;
+    for (int i = 0; i < n; i++) {
+        int seen = 0;
+        for (int j = 0; j < nd; j++)
+            seen |= distinct[j] == rank_dev[i];
+        if (!seen)
+            distinct[nd++] = rank_dev[i];
+    }
+    if (dev->open == NULL) {
+        if (nd > 1 || (nd == 1 && distinct[0] != 0)) {
+            snprintf(why, len,
+                     "devices names GPU %d, and backend '%s' drives no GPU (devices empty or 0)",
+                     nd > 1 && distinct[0] == 0 ? distinct[1] : distinct[0], dev->name);
+            return SD_ECONFIG;
+        }
+        rank_dev[0] = 0;
+        *n_p = 1;
+        return SD_OK;
+    }
+    if (nd > SD_GPU_MAX_DEVICES) {
+        snprintf(why, len, "devices names %d GPUs; one shardd drives at most %d", nd,
+                 SD_GPU_MAX_DEVICES);
+        return SD_ECONFIG;
+    }
+    int st = dev->open(distinct, nd, why, len);
+    if (st != SD_OK)
+        return st;
+    if (n == 0) { /* local rank i on the i-th GPU seen, mod their count */
+        struct sd_gpu_device d[SD_GPU_MAX_DEVICES];
+        int seen = dev->devices != NULL ? dev->devices(d, SD_GPU_MAX_DEVICES) : 0;
+        for (int i = 0; i < seen && i < SD_GPU_MAX_DEVICES; i++)
+            if (d[i].driven)
+                rank_dev[n++] = d[i].index;
+        if (n == 0)
+            rank_dev[n++] = 0;
+    }
+    *n_p = n;
+    return SD_OK;
+}
+
 int main(int argc, char **argv)
 {
     static struct sd_config cfg;
@@ -299,15 +348,8 @@ int main(int argc, char **argv)
         return 2;
     }
     char why[512];
-    int gpu = sd_config_device(cfg.devices, why, sizeof(why));
-    if (gpu > 0 && dev->open == NULL) {
-        snprintf(why, sizeof(why),
-                 "devices names GPU %d, and backend '%s' drives no GPU (devices "
-                 "empty or 0)",
-                 gpu, cfg.backend);
-        gpu = SD_ECONFIG;
-    }
-    if (gpu < 0 || (dev->open != NULL && dev->open(gpu, why, sizeof(why)) != SD_OK)) {
+    int rank_dev[SD_CONFIG_MAX_DEVICES], n_rank_dev = 0;
+    if (open_backend(dev, &cfg, rank_dev, &n_rank_dev, why, sizeof(why)) != SD_OK) {
         fprintf(stderr, "shardd: backend '%s' cannot start: %s\n", cfg.backend, why);
         return 2;
     }
@@ -320,6 +362,8 @@ int main(int argc, char **argv)
     fd_snapshot(fds_at_start);
     sd_registry_init(&reg, &cfg, dev);
     reg.loop = &loop;
+    memcpy(reg.rank_dev, rank_dev, sizeof(rank_dev));
+    reg.n_rank_dev = (uint32_t)n_rank_dev;
     int status = sd_server_start(&app.srv, &loop, &cfg, &reg);
     if (status != SD_OK) {
         fprintf(stderr, "shardd: cannot start: %s\n", sd_status_str(status));

@@ -44,7 +44,7 @@ int sd_session_create(struct sd_conn *c, const Shard__Attach *msg)
     s->sq_efd = s->cq_efd = -1;
     char tag[64];
     snprintf(tag, sizeof(tag), "shardd-ring-%llu", (unsigned long long)s->id);
-    status = sd_gpu_host_ops.alloc(SD_RING_BYTES, SD_MEM_SHARED, tag, &s->ring);
+    status = sd_gpu_host_ops.alloc(0, SD_RING_BYTES, SD_MEM_SHARED, tag, &s->ring);
     if (status != SD_OK)
         goto err_free;
     s->hdr = s->ring.ptr;

@@ -142,7 +142,7 @@ static int hmem_reg(struct ofi *o, void *buf, size_t len, uint64_t key, struct f
                               .requested_key = key,
                               .iface = hmem_iface(o->dev->hmem)};
     if (attr.iface == FI_HMEM_CUDA && o->dev->hmem_device != NULL)
-        attr.device.cuda = o->dev->hmem_device();
+        attr.device.cuda = o->dev->hmem_device(buf);
     return fi_mr_regattr(o->domain, &attr, 0, mr_p);
 }
 
@@ -151,7 +151,8 @@ static int hmem_reg(struct ofi *o, void *buf, size_t len, uint64_t key, struct f
 static bool hmem_works(struct ofi *o)
 {
     struct sd_mem m;
-    if (o->dev->alloc(4096, SD_MEM_PRIVATE, "FI_HMEM probe", &m) != SD_OK)
+    if (o->dev->alloc(sd_gpu_first_driven(o->dev), 4096, SD_MEM_PRIVATE, "FI_HMEM probe", &m) !=
+        SD_OK)
         return false;
     struct fid_mr *mr;
     int r = hmem_reg(o, m.ptr, 4096, ++o->mr_keys, &mr);

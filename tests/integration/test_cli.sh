@@ -63,10 +63,13 @@ out=$(timeout 30 "$SHARDD" --data-lanes 0 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "data_lanes" <<<"$out"' "data_lanes 0: $rc $out"
 out=$(timeout 30 "$SHARDD" --staging-slots 65 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "staging_slots" <<<"$out"' "staging_slots bound: $out"
-# devices: one GPU per shardd for now; a backend without GPUs takes none but 0
-out=$(timeout 30 "$SHARDD" --devices 0,1 2>&1); rc=$?
-check '[ $rc -eq 2 ] && grep -q "several GPUs" <<<"$out" && grep -q "one shardd per GPU" <<<"$out"' \
-  "devices naming two GPUs: $rc $out"
+# devices: a backend without GPUs takes none but 0; a GPU the driver does not see is named
+out=$(timeout 30 "$SHARDD" --devices 0,1 --runtime-dir "$dir/dv" 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "devices names GPU 1" <<<"$out" && grep -q "drives no GPU" <<<"$out"' \
+  "devices naming two GPUs on the host backend: $rc $out"
+out=$(SHARDD_EMU_GPUS=2 timeout 30 "$SHARDD" --backend emu-gpu --devices 0,2 --runtime-dir "$dir/dv" 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "devices names emu-gpu 2, and the emulation sees 2" <<<"$out"' \
+  "devices naming a GPU past those seen: $rc $out"
 out=$(timeout 30 "$SHARDD" --backend host --devices 1 --runtime-dir "$dir/dv" 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "devices names GPU 1" <<<"$out" && grep -q "drives no GPU" <<<"$out"' \
   "devices 1 on the host backend: $rc $out"
@@ -318,6 +321,25 @@ out=$(timeout 60 "$MLP" --socket "$dir/k2/shardd.sock" --job odd --rank 0 --worl
 check '[ $rc -ne 0 ] && grep -q "world size 3 is not a multiple of ranks_per_node 2" <<<"$out"' \
   "a world not a multiple of ranks_per_node: $rc $out"
 kill -TERM $k2; await $k2 30 "the emu-device daemon after SIGTERM"
+# one daemon driving several GPUs (emulated: 3 seen, 2 driven): topology shows which it drives,
+# the cycle local ranks take their GPU from, and each rank's GPU
+SHARDD_EMU_GPUS=3 "$SHARDD" --runtime-dir "$dir/k3" --backend emu-gpu --devices 1,2 --log-level warn \
+  >"$dir/k3.log" 2>&1 &
+k3=$!
+until_ok 60 '[ -S "$dir/k3/shardd.sock" ]' || bad "the emu-gpu daemon did not come up: $(cat "$dir/k3.log")"
+for r in 0 1 2; do
+  timeout 120 "$MLP" --socket "$dir/k3/shardd.sock" --job three --rank $r --world 3 --plan zero3 \
+    --steps 400 --hidden 64 --quiet >"$dir/k3-r$r.log" 2>&1 &
+  k3r[$r]=$!
+done
+until_ok 60 '"$SHARDCTL" --socket "$dir/k3/shardd.sock" jobs | grep -q "three .*running"'
+top=$("$SHARDCTL" --socket "$dir/k3/shardd.sock" topology)
+check 'grep -q "^device 0: " <<<"$top" && grep -q "^device 1 (driven): " <<<"$top" && grep -q "^device 2 (driven): .*peer access: 0 1$" <<<"$top" && grep -q "^local rank i on device \[1,2\]\[i mod 2\]$" <<<"$top" && grep -q "ranks here: 0@gpu1 1@gpu2 2@gpu1$" <<<"$top"' \
+  "topology of a daemon driving two of three GPUs, a job's ranks on them: $top"
+"$SHARDCTL" --socket "$dir/k3/shardd.sock" drop three >/dev/null
+for r in 0 1 2; do wait ${k3r[$r]}; done
+kill -TERM $k3; await $k3 30 "the emu-gpu daemon after SIGTERM"
+check '! grep -q "ERROR" "$dir/k3.log"' "the emu-gpu daemon logged no error: $(grep ERROR "$dir/k3.log")"
 for b in "$SHARDD" "$SHARDCTL" ${BENCH:+"$BENCH"}; do
   out=$("$b" --version); rc=$?
   check '[ $rc -eq 0 ] && grep -q "^$(basename "$b") [0-9][0-9.]*$" <<<"$out"' "$b --version: $rc $out"

@@ -419,9 +419,17 @@ int main(int argc, char **argv)
         /* device memory the host cannot touch: every transfer across nodes is staged through
          * pinned host buffers (transport/stage.c); -deferred: its queue answers every new
          * ticket "not yet" first, as a busy GPU's, so the staged copies, the rounds and the step
-         * on device memory go on from the loop's poll */
+         * on device memory go on from the loop's poll, and each daemon drives two GPUs without
+         * peer access (its ranks on GPU 0 and 1: copies between them staged, the staged
+         * transfers from and to either) */
         extra[ne++] = "--backend";
         extra[ne++] = variant;
+        if (strcmp(variant, "emu-gpu-deferred") == 0) {
+            extra[ne++] = "--devices";
+            extra[ne++] = "0,1";
+            setenv("SHARDD_EMU_GPUS", "2", 1);
+            setenv("SHARDD_EMU_PEERS", "none", 1);
+        }
     } else if (variant[0] != '\0') {
         fprintf(stderr,
                 "test_cluster: unknown variant '%s' (rendezvous, rendezvous-q128, shm-sar, "

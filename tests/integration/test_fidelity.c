@@ -16,6 +16,8 @@
  * coefficient by an ulp. */
 #include "harness.h"
 
+#include <jansson.h>
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,8 +123,24 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
 int main(int argc, char **argv)
 {
     const char *plan = argc > 1 ? argv[1] : "zero3";
-    /* argv[2]: the device backend (host-deferred runs kernels only when the daemon waits) */
-    const char *backend_args[] = {"--backend", argc > 2 ? argv[2] : "host", NULL};
+    /* argv[2]: the device backend (host-deferred runs kernels only when the daemon waits);
+     * argv[3], argv[4] (emu-gpu): the GPUs the local ranks cycle over (config devices) and
+     * whether they reach each other's memory ("all", "none": every copy between them staged,
+     * a kernel given another GPU's memory aborts the daemon): one daemon driving several
+     * GPUs, a subset of the configurations */
+    const char *backend_args[] = {"--backend", argc > 2 ? argv[2] : "host",
+                                  argc > 3 ? "--devices" : NULL, argc > 3 ? argv[3] : NULL, NULL};
+    bool several = argc > 3;
+    if (several) {
+        int most = 0;
+        for (const char *p = argv[3]; *p; p++)
+            if (*p >= '0' && *p <= '9' && *p - '0' + 1 > most)
+                most = *p - '0' + 1;
+        char count[16];
+        snprintf(count, sizeof(count), "%d", most + 1); /* one GPU seen, not driven */
+        setenv("SHARDD_EMU_GPUS", count, 1);
+        setenv("SHARDD_EMU_PEERS", argc > 4 ? argv[4] : "all", 1);
+    }
     static const struct cfg cfgs[] = {
         {"adamw", 1, "fp32", NULL, false},  {"adamw", 4, "fp32", NULL, false},
         {"sgd", 1, "fp32", NULL, false},    {"sgd", 4, "fp32", NULL, false},
@@ -136,11 +154,32 @@ int main(int argc, char **argv)
         return 1;
     }
     for (size_t i = 0; i < sizeof(cfgs) / sizeof(cfgs[0]); i++)
-        run_config(&d, plan, &cfgs[i], (int)i);
+        if (!several || i == 1 || i == 4 || i == 6) /* accumulation, bf16, zero-copy */
+            run_config(&d, plan, &cfgs[i], (int)i);
+    if (several) { /* the jobs' buffers were on every GPU listed, none on the one left out */
+        json_t *top = th_admin_json(d.sock, "topology");
+        json_t *devs = top ? json_object_get(top, "devices") : NULL;
+        size_t i;
+        json_t *dv;
+        int seen = 0;
+        json_array_foreach(devs, i, dv)
+        {
+            int index = (int)json_integer_value(json_object_get(dv, "index"));
+            long long peak = (long long)json_integer_value(json_object_get(dv, "peak_bytes"));
+            bool listed = strchr(argv[3], '0' + index) != NULL;
+            printf("GPU %d (%s): peak %lld bytes\n", index, listed ? "listed" : "not listed", peak);
+            TH_CHECK(listed ? peak > 1000000 : peak == 0,
+                     "GPU %d (%s in devices %s) held %lld bytes at the most", index,
+                     listed ? "listed" : "not listed", argv[3], peak);
+            seen++;
+        }
+        TH_CHECK(seen >= 2, "topology shows the emulated GPUs: %d", seen);
+        json_decref(top);
+    }
     /* the reference itself must have trained: its params differ from a 0-step run */
     char ref0[400], ref20[400];
     snprintf(ref0, sizeof(ref0), "%s/ref0.bin", d.dir);
-    snprintf(ref20, sizeof(ref20), "%s/fid-%s-0-ref.bin", d.dir, plan);
+    snprintf(ref20, sizeof(ref20), "%s/fid-%s-%d-ref.bin", d.dir, plan, several ? 1 : 0);
     for (char *p = ref20 + strlen(d.dir) + 1; *p; p++)
         if (*p == ':' || *p == '/' || *p == ',')
             *p = '_';

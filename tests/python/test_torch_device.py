@@ -133,6 +133,24 @@ def plumbing():
                                                        "sock"), "GPU 1 (H200, GPU-AAAAAAAA",
                              "cuda:1", "nothing was registered")
             check(ok, f"a model on the daemon's other GPU refused, the driven one named: {msg}")
+            # a daemon driving both GPUs (devices 0,1): local rank i's is rank_devices[i mod 2]
+            st._shard.admin = lambda cmd, socket=None: {
+                "backend": "cuda", "ranks_per_node": 0, "rank_devices": [0, 1],
+                "devices": [{"index": 0, "name": "H200", "uuid": "GPU-" + uuids[0],
+                             "driven": True}, dict(gpu1, index=1, driven=True)]}
+            for rank, k, dev, other, name in ((1, 2, c1, c0, "GPU 1 (H200, GPU-AAAAAAAA"),
+                                              (2, 2, c0, c1, "GPU 0 (H200, GPU-11111111"),
+                                              (3, 4, c1, c0, "GPU 1 (H200, GPU-AAAAAAAA")):
+                try:
+                    got, why = st._check_devices([("w", types.SimpleNamespace(device=dev))],
+                                                 "sock", rank, k), ""
+                except ValueError as e:
+                    got, why = None, str(e)
+                check(got == dev, f"rank {rank} of {k} a node on {dev}, its GPU, passes: {why}")
+                ok, msg = raises(lambda: st._check_devices(
+                    [("w", types.SimpleNamespace(device=other))], "sock", rank, k), name,
+                    "nothing was registered")
+                check(ok, f"rank {rank} of {k} a node on {other} refused, its GPU named: {msg}")
         finally:
             st._shard.admin = real_admin
     finally:

@@ -71,7 +71,7 @@ static void copy_past_end(void *p)
 static void t_faults(void)
 {
     struct sd_mem m;
-    TH_CHECK(dev->alloc(4096, SD_MEM_PRIVATE, "t", &m) == SD_OK, "alloc");
+    TH_CHECK(dev->alloc(0, 4096, SD_MEM_PRIVATE, "t", &m) == SD_OK, "alloc");
     TH_CHECK(child_signal(host_read, m.ptr) == SIGSEGV, "a host read of device memory did not "
                                                         "fault");
     TH_CHECK(child_signal(host_write, m.ptr) == SIGSEGV, "a host write of device memory did not "
@@ -93,8 +93,8 @@ static void t_copies(void)
         acc[i] = 1.0f + (float)i;
     }
     struct sd_mem a, b;
-    TH_CHECK(dev->alloc(N * sizeof(float), SD_MEM_PRIVATE, "a", &a) == SD_OK, "alloc a");
-    TH_CHECK(dev->alloc(N * sizeof(float), SD_MEM_PRIVATE, "b", &b) == SD_OK, "alloc b");
+    TH_CHECK(dev->alloc(0, N * sizeof(float), SD_MEM_PRIVATE, "a", &a) == SD_OK, "alloc a");
+    TH_CHECK(dev->alloc(0, N * sizeof(float), SD_MEM_PRIVATE, "b", &b) == SD_OK, "alloc b");
     dev->copy(q, a.ptr, in, sizeof(in));    /* host -> device */
     dev->copy(q, b.ptr, a.ptr, sizeof(in)); /* device -> device */
     dev->copy(q, out, b.ptr, sizeof(out));  /* device -> host */
@@ -122,7 +122,7 @@ static void t_shared(void)
     uint8_t in[8192], out[8192];
     for (size_t i = 0; i < sizeof(in); i++)
         in[i] = (uint8_t)(i * 7 + 3);
-    TH_CHECK(dev->alloc(sizeof(in), SD_MEM_SHARED, "s", &m) == SD_OK && m.fd >= 0, "shared");
+    TH_CHECK(dev->alloc(0, sizeof(in), SD_MEM_SHARED, "s", &m) == SD_OK && m.fd >= 0, "shared");
     uint8_t *client = mmap(NULL, sizeof(in), PROT_READ | PROT_WRITE, MAP_SHARED, m.fd, 0);
     TH_CHECK(client != MAP_FAILED, "a client maps the shared allocation's fd");
     if (client == MAP_FAILED)
@@ -136,7 +136,7 @@ static void t_shared(void)
     munmap(client, sizeof(in));
     dev->free(&m);
 
-    TH_CHECK(dev->alloc(4096, SD_MEM_SHARED | SD_MEM_CLIENT_RO, "ro", &ro) == SD_OK, "ro");
+    TH_CHECK(dev->alloc(0, 4096, SD_MEM_SHARED | SD_MEM_CLIENT_RO, "ro", &ro) == SD_OK, "ro");
     void *w = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, ro.fd, 0);
     TH_CHECK(w == MAP_FAILED, "the read-only allocation mapped writable in a client");
     if (w != MAP_FAILED)

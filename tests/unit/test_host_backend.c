@@ -122,7 +122,8 @@ int main(void)
     /* shared memory: backed and mapped up front (no page faults on first touch, no SIGBUS when
      * memory runs out later), zeroed, sealed against resizing */
     struct sd_mem mem;
-    TH_CHECK(dev->alloc(1 << 20, SD_MEM_SHARED, "test", &mem) == 0 && mem.fd >= 0, "alloc shared");
+    TH_CHECK(dev->alloc(0, 1 << 20, SD_MEM_SHARED, "test", &mem) == 0 && mem.fd >= 0,
+             "alloc shared");
     size_t pages = (1u << 20) / (size_t)sysconf(_SC_PAGESIZE);
     size_t res = resident_pages(mem.ptr, 1 << 20);
     TH_CHECK(res == pages, "shared buffer populated: %zu of %zu pages resident", res, pages);
@@ -138,7 +139,7 @@ int main(void)
              "seals %x", seals);
     dev->free(&mem);
     TH_CHECK(mem.fd == -1 && mem.ptr == NULL, "freed");
-    TH_CHECK(dev->alloc(1 << 20, 0, "private", &mem) == 0, "alloc private");
+    TH_CHECK(dev->alloc(0, 1 << 20, 0, "private", &mem) == 0, "alloc private");
     res = resident_pages(mem.ptr, 1 << 20);
     TH_CHECK(res == pages, "private buffer populated: %zu of %zu pages resident", res, pages);
     dev->free(&mem);

@@ -109,7 +109,7 @@ static void setup(struct opnd *ops, int n)
             struct bk *k = b == 0 ? &host : b == 1 ? &emu : &dut;
             if (b == 2 && !device)
                 continue;
-            int st = k->ops->alloc(ops[i].bytes + ops[i].off + 16, SD_MEM_PRIVATE, "test",
+            int st = k->ops->alloc(0, ops[i].bytes + ops[i].off + 16, SD_MEM_PRIVATE, "test",
                                    &ops[i].mem[b]);
             if (st != SD_OK) {
                 fprintf(stderr, "alloc of %zu bytes on %s: %s\n", ops[i].bytes, k->ops->name,
@@ -454,7 +454,7 @@ static int open_bk(struct bk *b, const char *name)
         return SD_ENOSYS;
     if (b->ops->open != NULL) {
         char why[512];
-        int st = b->ops->open(0, why, sizeof(why));
+        int st = b->ops->open((const int[]){0}, 1, why, sizeof(why));
         if (st != SD_OK) {
             printf("test_kernels: skipped: backend %s: %s\n", name, why);
             return st;

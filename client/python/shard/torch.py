@@ -753,11 +753,13 @@ def _placement_error(dev, memory, gpu, backend):
             "--backend host or cuda")
 
 
-def _check_devices(named, socket):
+def _check_devices(named, socket, rank=0, ranks_per_node=0):
     """The model's device, checked against the daemon's memory before anything is registered
     (wrap checks again against what the registration's reply says): a mismatch is refused naming
     both, the model left where it is. The daemon is asked through its admin socket; where that is
-    not allowed, only the reply's check stands."""
+    not allowed, only the reply's check stands. A daemon driving several GPUs keeps local rank
+    i's buffers on GPU rank_devices[i mod their count] (its config devices): the rank's is the
+    one checked."""
     dev = _model_device(named)
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"shard.torch.wrap: the model is on {dev}; shard.torch trains CPU and "
@@ -770,6 +772,12 @@ def _check_devices(named, socket):
     memory = "host" if backend in _HOST_MEMORY else backend
     gpus = st.get("devices") or []
     gpu = next((g for g in gpus if g.get("driven")), gpus[0] if gpus else None)
+    cycle = st.get("rank_devices") or []
+    k = ranks_per_node or st.get("ranks_per_node") or 0
+    if cycle and gpus:
+        local = rank % k if k else rank
+        want = cycle[local % len(cycle)]
+        gpu = next((g for g in gpus if g.get("index") == want), gpu)
     err = _placement_error(dev, memory, gpu, backend)
     if err:
         raise ValueError(f"shard.torch.wrap: {err}; nothing was registered")
@@ -832,7 +840,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     global _current
     job, rank, world = launcher(job, rank, world)
     named = list(model.named_parameters())
-    dev = _check_devices(named, socket)
+    dev = _check_devices(named, socket, rank, _ranks_per_node(ranks_per_node))
     opt = _optimizer_of({"name": "adamw"} if optimizer is None else optimizer, named)
     if max_grad_norm is not None:
         opt.max_grad_norm = float(max_grad_norm)
@@ -900,7 +908,8 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                          ranks_per_node=_ranks_per_node(ranks_per_node),
                          job_secret=_job_secret(job_secret))
         err = _placement_error(dev, ctx.memory,
-                               {"index": 0, "name": "the daemon's", "uuid": ctx.device_uuid},
+                               {"index": "of this rank", "name": "the daemon's",
+                                "uuid": ctx.device_uuid},
                                ctx.memory)
         if err:
             raise ValueError(f"shard.torch.wrap: job '{job}': {err}")

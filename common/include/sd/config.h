@@ -88,9 +88,12 @@ int sd_config_set(struct sd_config *cfg, const char *name, const char *value, ch
                   size_t errlen);
 /* Load a JSON object; unknown keys and bad values are errors naming the key, value and file. */
 int sd_config_load_file(struct sd_config *cfg, const char *path, char *err, size_t errlen);
-/* The GPU index option `devices` names (0 where it is empty), or SD_ECONFIG with err filled (not
- * a list of indices, or one naming several GPUs, which one shardd does not drive yet) */
-int sd_config_device(const char *devices, char *err, size_t errlen);
+/* The most entries option `devices` lists (one per local rank at most, cycled over the ranks). */
+#define SD_CONFIG_MAX_DEVICES 64
+/* The GPU indices option `devices` lists, in order, into out[0..max): their count (0 where it is
+ * empty: local rank i takes GPU i mod the GPUs seen), or SD_ECONFIG with err filled (not a
+ * list of indices, an index past 1023, more than max). Local rank i takes out[i mod count]. */
+int sd_config_devices(const char *devices, int *out, int max, char *err, size_t errlen);
 /* Print every option with its type, default and help. */
 void sd_config_print_help(FILE *out);
 /* Value of one option as text. */

@@ -17,6 +17,7 @@ struct sd_region {
     void *back; /* the host memory behind it, or NULL */
     int fd;     /* the owner's: what it frees with it */
     bool read_only;
+    int device; /* the device it lives on (a backend driving several) */
 };
 
 struct sd_regions {

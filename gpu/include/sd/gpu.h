@@ -15,7 +15,8 @@ enum { SD_MEM_PRIVATE = 0, SD_MEM_SHARED = 1, SD_MEM_CLIENT_RO = 2 };
 struct sd_mem {
     void *ptr;
     size_t bytes;
-    int fd; /* memfd for shared host memory, else -1 */
+    int fd;     /* memfd for shared host memory, else -1 */
+    int device; /* the device it lives on (the driver's index; 0 for host memory) */
 };
 
 struct sd_adamw_args {
@@ -27,12 +28,16 @@ struct sd_sgd_args {
     float lr, momentum, weight_decay;
 };
 
-/* A queue of device work (a CUDA or HIP stream): kernels enqueued on one run in the order they
- * were enqueued and may still be running, or not have started, when the call that enqueued them
- * returns. Whoever reads what they wrote on the CPU, hands it to the network or to a client,
- * or lets a client overwrite what they read, first waits for the queue: sd_gpu_ops.sync, or
- * record + query where blocking the loop is not wanted. The host backend runs every kernel at
- * once; host-deferred (a test backend) runs them only when the queue is synced or full. */
+/* A queue of device work (a CUDA or HIP stream per device): kernels enqueued on one run in the
+ * order they were enqueued and may still be running, or not have started, when the call that
+ * enqueued them returns. A backend driving several devices runs each operation on the device
+ * that holds what it writes (its destination; sum_sq: its input), makes that device's stream
+ * wait for the work enqueued before it on another device, and brings a source that device cannot
+ * read (no peer access) over by a copy first: a queue is one order across the devices. Whoever
+ * reads what they wrote on the CPU, hands it to the network or to a client, or lets a client
+ * overwrite what they read, first waits for the queue: sd_gpu_ops.sync, or record + query where
+ * blocking the loop is not wanted. The host backend runs every kernel at once; host-deferred (a
+ * test backend) runs them only when the queue is synced or full. */
 struct sd_gpu_queue;
 
 /* One device a backend drives, as shardctl topology shows it. */
@@ -48,7 +53,9 @@ struct sd_gpu_device {
      * ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"; "" where the driver has none): what a trainer
      * compares with its own device, whatever CUDA_VISIBLE_DEVICES numbers them */
     char uuid[48];
-    bool driven; /* the one this backend drives (opened with it: config devices) */
+    bool driven; /* one this backend drives (opened with it: config devices) */
+    /* shardd's own allocations on it: now, and the most at once since it started */
+    uint64_t used_bytes, peak_bytes;
 };
 
 /* How a libfabric provider with FI_HMEM reaches a backend's device memory (sd_gpu_ops.hmem):
@@ -80,15 +87,18 @@ struct sd_gpu_ops {
     /* those fds are memfds (the gather pool's goes out reopened read-only); else a device's fd
      * handles, which the client maps read-only itself */
     bool client_memfds;
-    /* Once, before anything else: find the driver and open device `device` (the driver's index),
-     * which every allocation and queue then uses (NULL: nothing to find; such a backend has one
-     * device, 0). On failure err says what is missing (the library, the device, an attribute). */
-    int (*open)(int device, char *err, size_t errlen);
+    /* Once, before anything else: find the driver and open devices[0..n) (the driver's indices,
+     * distinct; n 0: every device it sees), which allocations then name and every queue spans;
+     * memory of each is mapped for the others that have peer access to it (NULL: nothing to
+     * find; such a backend has one device, 0). On failure err says what is missing (the
+     * library, a device, an attribute). */
+    int (*open)(const int *devices, int n, char *err, size_t errlen);
     /* After open: how many devices it sees, the first max of them described into out. NULL: it
      * drives none (the host backend). */
     int (*devices)(struct sd_gpu_device *out, int max);
-    /* Allocate zeroed memory; SD_MEM_SHARED gives a sealed memfd other processes can map. */
-    int (*alloc)(size_t bytes, int flags, const char *tag, struct sd_mem *mem_p);
+    /* Allocate zeroed memory on `device` (one open named; a backend with one device takes 0);
+     * SD_MEM_SHARED gives a sealed memfd other processes can map (a device's fd handle). */
+    int (*alloc)(int device, size_t bytes, int flags, const char *tag, struct sd_mem *mem_p);
     void (*free)(struct sd_mem *mem);
     /* A queue of work for this backend; freed with everything enqueued on it completed. */
     int (*queue_create)(struct sd_gpu_queue **q_p);
@@ -103,11 +113,11 @@ struct sd_gpu_ops {
      * memory): p lies in one of this backend's device allocations. Such memory crosses nodes
      * through pinned host buffers (pinned_alloc, pinned_free) and the backend's copies. */
     bool (*is_device)(const void *p);
-    /* How a provider with FI_HMEM reaches that memory (enum sd_hmem), and the device's index
-     * for it (NULL: 0). The transport takes FI_HMEM where the provider has it and registers
-     * device memory with this interface; elsewhere it stages. */
+    /* How a provider with FI_HMEM reaches that memory (enum sd_hmem), and the index of the
+     * device p lies on (NULL: 0). The transport takes FI_HMEM where the provider has it and
+     * registers device memory with this interface; elsewhere it stages. */
     int hmem;
-    int (*hmem_device)(void);
+    int (*hmem_device)(const void *p);
     int (*pinned_alloc)(size_t bytes, void **p_p);
     void (*pinned_free)(void *p);
     /* The kernels: enqueued on q. */
@@ -173,6 +183,16 @@ extern const struct sd_gpu_ops sd_gpu_hip_ops;
 /* Backend by name ("host", "host-deferred", "emu", "cuda", "hip"); NULL when not built into
  * this binary or unknown. */
 const struct sd_gpu_ops *sd_gpu_find(const char *name);
+/* the first device dev drives (its index; 0 for a backend without devices) */
+static inline int sd_gpu_first_driven(const struct sd_gpu_ops *dev)
+{
+    struct sd_gpu_device d[SD_GPU_MAX_DEVICES];
+    int n = dev->devices != NULL ? dev->devices(d, SD_GPU_MAX_DEVICES) : 0;
+    for (int i = 0; i < n && i < SD_GPU_MAX_DEVICES; i++)
+        if (d[i].driven)
+            return d[i].index;
+    return 0;
+}
 /* dev's copy_many, or one copy per piece where it has none */
 void sd_gpu_copy_many(const struct sd_gpu_ops *dev, struct sd_gpu_queue *q,
                       const struct sd_gpu_piece *pieces, uint32_t n);
