@@ -10,6 +10,7 @@
 
 #include "sd/log.h"
 #include "sd/region.h"
+#include "sd/util.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +22,12 @@ _Thread_local struct sdk_emu sdk_emu;
 
 /* the most devices emu-gpu emulates ($SHARDD_EMU_GPUS) */
 #define SD_EMU_MAX_GPUS 8
+/* the tickets emu-gpu-deferred remembers the age of ($SHARDD_EMU_LAG_MS) */
+#define EMU_LAG_RING 256
+
+/* emu-gpu-deferred: how long each ticket stays "not yet" ($SHARDD_EMU_LAG_MS; 0: only its
+ * first query), read when the backend opens */
+static uint64_t emu_lag_ns;
 
 /* one parameter of a launch, by type */
 #define A(t, i) (*(t *)args[i])
@@ -90,6 +97,7 @@ struct sd_gpu_queue {
     double scratch[SDK_SUMSQ_MAX_BLOCKS + 1];
     uint64_t recorded;
     uint64_t lagged; /* emu-gpu-deferred: the newest ticket a query answered "not yet" */
+    uint64_t rec_ns[EMU_LAG_RING]; /* emu-gpu-deferred: when ticket t % EMU_LAG_RING was recorded */
     /* emu-gpu: where sources a device cannot read are brought (sdk_launcher.bring), per device */
     struct sd_mem *near;
 };
@@ -119,6 +127,8 @@ static void emu_queue_destroy(struct sd_gpu_queue *q)
 static int emu_record(struct sd_gpu_queue *q, uint64_t *ticket_p)
 {
     *ticket_p = ++q->recorded;
+    if (emu_lag_ns > 0)
+        q->rec_ns[q->recorded % EMU_LAG_RING] = sd_now_ns();
     return SD_OK;
 }
 
@@ -136,6 +146,9 @@ static int emu_query_lagging(struct sd_gpu_queue *q, uint64_t ticket)
         q->lagged = ticket;
         return SD_EAGAIN;
     }
+    if (emu_lag_ns > 0 && ticket <= q->recorded && q->recorded - ticket < EMU_LAG_RING &&
+        sd_now_ns() - q->rec_ns[ticket % EMU_LAG_RING] < emu_lag_ns)
+        return SD_EAGAIN; /* a device busy that long with what came before */
     return emu_query(q, ticket);
 }
 
@@ -204,6 +217,13 @@ static int emu_gpu_open(const int *devices, int n, char *err, size_t errlen)
         snprintf(err, errlen, "SHARDD_EMU_PEERS is '%s', not all or none", peers);
         return SD_ECONFIG;
     }
+    const char *lag = getenv("SHARDD_EMU_LAG_MS");
+    long lag_ms = lag != NULL ? strtol(lag, &end, 10) : 0;
+    if (lag != NULL && (end == lag || *end != '\0' || lag_ms < 0 || lag_ms > 60000)) {
+        snprintf(err, errlen, "SHARDD_EMU_LAG_MS is '%s', not 0 to 60000 ms", lag);
+        return SD_ECONFIG;
+    }
+    emu_lag_ns = (uint64_t)lag_ms * 1000000u;
     emu_gpus.count = (int)c;
     emu_gpus.peers = peers == NULL || strcmp(peers, "all") == 0;
     for (int i = 0; i < SD_EMU_MAX_GPUS; i++)

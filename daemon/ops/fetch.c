@@ -871,12 +871,16 @@ void sd_fetch_prefetch_flush(struct sd_job *job)
 
 /* ---- the job's common paths (job_module.h) */
 
-/* ranks waiting for an in-flight gather: answered with status */
+/* ranks waiting for an in-flight gather: answered with status. A job closing (with_fetches
+ * false: a rank detached) still serves fetches: one whose slot the device is still writing is
+ * answered by the loop's poll, as before the close (failing it here failed the last fetches of a
+ * rank saving the final weights on a GPU, where the device had not reached the slot yet when its
+ * peer detached) */
 static void fetch_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
 {
     (void)text;
-    /* answers waiting for the device: nothing else would give them */
-    while (job->xfer.answer_q != NULL && job->xfer.aq_len > 0)
+    /* answers waiting for the device: nothing else would give them once the job failed */
+    while (with_fetches && job->xfer.answer_q != NULL && job->xfer.aq_len > 0)
         answer_oldest(job, status, SD_OK);
     for (uint32_t i = 0; with_fetches && job->cache.units != NULL && i < job->n_slots; i++) {
         struct sd_unit_state *us = &job->cache.units[i];

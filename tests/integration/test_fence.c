@@ -466,6 +466,51 @@ static void test_release_detach(bool parked_first)
     shard_detach(r[0].ctx);
 }
 
+/* A fetch whose slot the device is still writing is answered by the loop's poll once the device
+ * is there, also when its peer detaches meanwhile: the job closes and serves it (the closing
+ * failed it with "rank 1 detached", which on a GPU took the final fetches of a rank saving the
+ * trained weights). A daemon of its own on emu-gpu-deferred, every ticket "not yet" for 400 ms
+ * as a busy GPU's. */
+static void test_detach_answer_pending(void)
+{
+    setenv("SHARDD_EMU_LAG_MS", "400", 1);
+    const char *args[] = {"--backend", "emu-gpu-deferred", NULL};
+    int started = th_daemon_start(&d, args);
+    unsetenv("SHARDD_EMU_LAG_MS");
+    TH_CHECK(started == 0, "shardd on emu-gpu-deferred with a 400 ms lag started");
+    if (started != 0)
+        return;
+    struct rank_reg r[2];
+    pthread_t th;
+    for (uint32_t i = 0; i < 2; i++) {
+        tiny_init(&r[i].x, "answer-pending");
+        r[i].x.m.world = 2;
+        r[i].x.m.rank = i;
+    }
+    pthread_create(&th, NULL, rank_register, &r[1]);
+    rank_register(&r[0]);
+    pthread_join(th, NULL);
+    TH_CHECK(r[0].st == 0 && r[1].st == 0, "both ranks registered: %s %s",
+             shard_last_error(r[0].ctx), shard_last_error(r[1].ctx));
+    shard_req_t req;
+    const void *p = NULL;
+    TH_CHECK(shard_fetch_async(r[0].ctx, 0, &req) == 0, "fetch_async: %s",
+             shard_last_error(r[0].ctx));
+    usleep(100 * 1000); /* the daemon gathered it; the device is not there for 300 ms more */
+    shard_detach(r[1].ctx);
+    TH_CHECK(wait_job_state("answer-pending", "closing"), "the job closes once rank 1 detached");
+    int st = shard_wait(r[0].ctx, req, &p);
+    float a0 = -1;
+    int copied = st == 0 ? shard_copy(r[0].ctx, &a0, p, sizeof(a0)) : -1;
+    TH_CHECK(st == 0 && copied == 0 && a0 == 0.0f,
+             "the fetch waiting for the device was answered after its peer detached: %d (%s), "
+             "its slot read %d, a[0] %g (the initial 0)",
+             st, shard_last_error(r[0].ctx), copied, a0);
+    shard_detach(r[0].ctx);
+    TH_CHECK(th_daemon_alive(&d), "the lagging daemon died");
+    TH_CHECK(th_daemon_stop(&d) == 0, "the lagging shardd did not shut down cleanly");
+}
+
 /* A job closing (a rank detached) still serves fetches, and a fetch that cannot get its place
  * (another rank holds it) fails after op_timeout_ms naming what it waited for, alone: it used
  * to wait until the client's own timeout, the deadlines of a closing job never swept. */
@@ -727,5 +772,7 @@ int main(int argc, char **argv)
     shard_detach(by);
     TH_CHECK(th_daemon_alive(&d), "daemon died");
     TH_CHECK(th_daemon_stop(&d) == 0, "shardd did not shut down cleanly");
+    if (strcmp(backend, "emu-gpu") == 0)
+        test_detach_answer_pending();
     return th_summary("test_fence");
 }
