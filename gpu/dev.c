@@ -459,11 +459,19 @@ static struct dev_lane *lane(struct sd_gpu_queue *q, int i)
     if (ln->s != NULL)
         return ln;
     dev_res r;
-    if ((r = dev_stream_create(&ln->s)) != DEV_OK || (r = dev_event_create(&ln->link)) != DEV_OK ||
-        (r = dev_malloc(&ln->scratch, (SDK_SUMSQ_MAX_BLOCKS + 1) * sizeof(double))) != DEV_OK) {
+    dev_stream s = NULL;
+    dev_event link = NULL;
+    dev_ptr scratch = 0;
+    if ((r = dev_stream_create(&s)) != DEV_OK || (r = dev_event_create(&link)) != DEV_OK ||
+        (r = dev_malloc(&scratch, (SDK_SUMSQ_MAX_BLOCKS + 1) * sizeof(double))) != DEV_OK) {
         fail(q, "creating a queue's stream", r);
-        return NULL;
+        if (link != NULL)
+            dev_event_destroy(link);
+        if (s != NULL)
+            dev_stream_destroy(s);
+        return NULL; /* nothing half made is kept: the next use tries again */
     }
+    *ln = (struct dev_lane){.s = s, .link = link, .scratch = scratch};
     return ln;
 }
 
@@ -611,14 +619,11 @@ static void queue_destroy(struct sd_gpu_queue *q)
             dev_event_destroy(q->ev[i]);
     for (int i = 0; i < g.n; i++) {
         struct dev_lane *ln = &q->lane[i];
-        if ((ln->s == NULL && ln->link == NULL && !ln->scratch) || enter(i) != SD_OK)
+        if (ln->s == NULL || enter(i) != SD_OK) /* made whole or not at all */
             continue;
-        if (ln->s != NULL)
-            dev_stream_destroy(ln->s);
-        if (ln->link != NULL)
-            dev_event_destroy(ln->link);
-        if (ln->scratch)
-            dev_mfree(ln->scratch);
+        dev_stream_destroy(ln->s);
+        dev_event_destroy(ln->link);
+        dev_mfree(ln->scratch);
         if (ln->near)
             dev_mfree(ln->near);
     }
