@@ -21,6 +21,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 struct cfg {
     const char *optimizer;
@@ -156,16 +157,30 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < sizeof(cfgs) / sizeof(cfgs[0]); i++)
         if (!several || i == 1 || i == 4 || i == 6) /* accumulation, bf16, zero-copy */
             run_config(&d, plan, &cfgs[i], (int)i);
-    if (several) { /* the jobs' buffers were on every GPU listed, none on the one left out */
-        json_t *top = th_admin_json(d.sock, "topology");
-        json_t *devs = top ? json_object_get(top, "devices") : NULL;
+    if (several) { /* the jobs' buffers were on every GPU listed, none on the one left out, and
+                    * none is left on any once the jobs ended */
+        json_t *top = NULL, *devs = NULL, *dv;
         size_t i;
-        json_t *dv;
         int seen = 0;
+        for (int tries = 0; tries < 100; tries++) { /* the last job's end may still be on its way */
+            json_decref(top);
+            top = th_admin_json(d.sock, "topology");
+            devs = top ? json_object_get(top, "devices") : NULL;
+            long long held = 0;
+            json_array_foreach(devs, i, dv)
+            {
+                held += (long long)json_integer_value(json_object_get(dv, "used_bytes"));
+            }
+            if (held == 0 && devs != NULL)
+                break;
+            usleep(20 * 1000);
+        }
         json_array_foreach(devs, i, dv)
         {
             int index = (int)json_integer_value(json_object_get(dv, "index"));
             long long peak = (long long)json_integer_value(json_object_get(dv, "peak_bytes"));
+            long long used = (long long)json_integer_value(json_object_get(dv, "used_bytes"));
+            TH_CHECK(used == 0, "GPU %d holds %lld bytes after every job ended", index, used);
             bool listed = strchr(argv[3], '0' + index) != NULL;
             printf("GPU %d (%s): peak %lld bytes\n", index, listed ? "listed" : "not listed", peak);
             TH_CHECK(listed ? peak > 1000000 : peak == 0,
