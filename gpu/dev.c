@@ -493,20 +493,49 @@ static int device_of(struct sdk_launcher *l, const void *p)
     return p != NULL && sd_region_find(&dev_regions, p, &reg, NULL) ? reg.device : -1;
 }
 
+/* lane `to` waits for everything enqueued on lane `from` so far (its link event: recorded in
+ * from's context, waited for in to's) */
+static void link_lanes(struct sd_gpu_queue *q, int from, int to)
+{
+    struct dev_lane *f = lane(q, from);
+    dev_res r = f == NULL ? DEV_NOTSUP : dev_event_record(f->link, f->s);
+    struct dev_lane *t = r == DEV_OK ? lane(q, to) : NULL;
+    if (r == DEV_OK)
+        r = t == NULL ? DEV_NOTSUP : dev_stream_wait(t->s, f->link);
+    if (r != DEV_OK)
+        fail(q, "ordering a queue's work across devices", r);
+}
+
+/* what follows runs on lane d */
+static void run_on(struct sdk_launcher *l, int d)
+{
+    struct dev_lane *ln = lane((struct sd_gpu_queue *)l, d);
+    l->cur = d;
+    if (ln != NULL)
+        l->scratch = (double *)(uintptr_t)ln->scratch;
+}
+
 /* what follows runs on lane d, after everything enqueued so far (on lane cur) */
 static void use(struct sdk_launcher *l, int d)
 {
-    struct sd_gpu_queue *q = (struct sd_gpu_queue *)l;
-    struct dev_lane *from = lane(q, l->cur), *to = from != NULL ? lane(q, d) : NULL;
-    if (to == NULL)
-        return;
-    dev_res r = dev_event_record(from->link, from->s);
-    if (r == DEV_OK)
-        r = dev_stream_wait(to->s, from->link);
-    if (r != DEV_OK)
-        fail(q, "ordering a queue's work across devices", r);
-    l->cur = d;
-    l->scratch = (double *)(uintptr_t)to->scratch;
+    link_lanes((struct sd_gpu_queue *)l, l->cur, d);
+    run_on(l, d);
+}
+
+/* what follows runs on lane d after lane from's work so far, beside other branches */
+static void branch(struct sdk_launcher *l, int from, int d)
+{
+    if (d != from)
+        link_lanes((struct sd_gpu_queue *)l, from, d);
+    run_on(l, d);
+}
+
+/* lane from waits for every branch (devs), and what follows runs there: one order again */
+static void merge(struct sdk_launcher *l, int from, uint64_t devs)
+{
+    for (uint64_t left = devs & ~(1ULL << from); left != 0; left &= left - 1)
+        link_lanes((struct sd_gpu_queue *)l, __builtin_ctzll(left), from);
+    run_on(l, from);
 }
 
 static bool peer(struct sdk_launcher *l, int d, int e)
@@ -575,6 +604,8 @@ static int queue_create(struct sd_gpu_queue **q_p)
         q->l.peer = peer;
         q->l.bring = bring;
         q->l.copy = lane_copy;
+        q->l.branch = branch;
+        q->l.merge = merge;
     }
     *q_p = q;
     return SD_OK;

@@ -410,6 +410,19 @@ static void emu_gpu_use(struct sdk_launcher *l, int d)
     l->cur = d; /* one order already: every launch ran at its call */
 }
 
+/* branches run one after another here: each launch ran at its call */
+static void emu_gpu_branch(struct sdk_launcher *l, int from, int d)
+{
+    (void)from;
+    l->cur = d;
+}
+
+static void emu_gpu_merge(struct sdk_launcher *l, int from, uint64_t devs)
+{
+    (void)devs;
+    l->cur = from;
+}
+
 static bool emu_gpu_launcher_peer(struct sdk_launcher *l, int d, int e)
 {
     (void)l;
@@ -460,6 +473,8 @@ static int emu_gpu_queue_create(struct sd_gpu_queue **q_p)
     q->l.peer = emu_gpu_launcher_peer;
     q->l.bring = emu_gpu_bring;
     q->l.copy = emu_gpu_launcher_copy;
+    q->l.branch = emu_gpu_branch;
+    q->l.merge = emu_gpu_merge;
     return SD_OK;
 }
 

@@ -196,9 +196,10 @@ static bool sdk_piece_joins(struct sdk_launcher *l, int d, const struct sd_gpu_p
     return l->device_of(l, piece->dst) == d && e >= 0 && (e == d || l->peer(l, d, e));
 }
 
-void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, uint32_t n)
+/* pieces[0..n) as few launches as the device can take, on the device of each batch's first
+ * destination */
+static void gather_run(struct sdk_launcher *l, const struct sd_gpu_piece *pieces, uint32_t n)
 {
-    struct sdk_launcher *l = L(q);
     while (n > 0) {
         struct sdk_pieces p = {.n = 0};
         uint64_t most = 0;
@@ -230,4 +231,53 @@ void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, ui
         void *args[] = {&p};
         l->launch(l, SDK_K_GATHER, p.n * p.blocks_per, args);
     }
+}
+
+/* the device a piece is written on (its destination's; host memory: where the queue runs) */
+static int piece_device(struct sdk_launcher *l, const struct sd_gpu_piece *piece, int from)
+{
+    int d = l->device_of(l, piece->dst);
+    return d >= 0 ? d : from;
+}
+
+void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, uint32_t n)
+{
+    struct sdk_launcher *l = L(q);
+    uint64_t devs = 0;
+    int from = l->cur;
+    for (uint32_t i = 0; l->use != NULL && i < n; i++)
+        if (pieces[i].bytes > 0)
+            devs |= 1ULL << piece_device(l, &pieces[i], from);
+    if (__builtin_popcountll(devs) < 2) {
+        gather_run(l, pieces, n);
+        return;
+    }
+    /* Pieces written on several devices (the gather pool's copies): each device's run on its
+     * own stream at once, after the queue's work so far, and what follows after all of them;
+     * the device the queue was on last, so that the other branches start before its own work */
+    uint64_t others = devs & ~(1ULL << from);
+    bool mine = devs >> from & 1;
+    while (others != 0 || mine) {
+        int d = from;
+        if (others != 0) {
+            d = __builtin_ctzll(others);
+            others &= others - 1;
+        } else {
+            mine = false;
+        }
+        l->branch(l, from, d);
+        struct sd_gpu_piece chunk[32];
+        uint32_t m = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            if (pieces[i].bytes == 0 || piece_device(l, &pieces[i], from) != d)
+                continue;
+            chunk[m++] = pieces[i];
+            if (m == sizeof(chunk) / sizeof(chunk[0])) {
+                gather_run(l, chunk, m);
+                m = 0;
+            }
+        }
+        gather_run(l, chunk, m);
+    }
+    l->merge(l, from, devs);
 }

@@ -31,6 +31,12 @@ struct sdk_launcher {
     bool (*peer)(struct sdk_launcher *l, int d, int e);
     const void *(*bring)(struct sdk_launcher *l, const void *src, size_t bytes);
     void (*copy)(struct sdk_launcher *l, void *dst, const void *src, size_t bytes);
+    /* Work on several devices at once (copy_many's pieces for several GPUs): run what follows on
+     * device d after the queue's work so far on device `from`, not after other branches
+     * (branch); then make `from` wait for the work of every device in the mask devs and run
+     * there again (merge): the queue is one order again. */
+    void (*branch)(struct sdk_launcher *l, int from, int d);
+    void (*merge)(struct sdk_launcher *l, int from, uint64_t devs);
 };
 
 /* Several devices: run what follows on the device that holds p (device memory; else where the

@@ -193,9 +193,14 @@ const struct sd_mem *sd_job_rank_pool(const struct sd_job *job, uint32_t local)
 
 void sd_job_pool_publish(struct sd_job *job, uint64_t off, uint64_t bytes)
 {
-    for (uint32_t i = 0; i < job->mem.n_pool_copies; i++)
-        job->reg->dev->copy(job->mem.queue, (uint8_t *)job->mem.pool_copy[i].ptr + off,
-                            (const uint8_t *)job->mem.pool.ptr + off, bytes);
+    struct sd_gpu_piece pieces[SD_GPU_MAX_DEVICES];
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < job->mem.n_pool_copies && n < SD_GPU_MAX_DEVICES; i++)
+        pieces[n++] = (struct sd_gpu_piece){.dst = (uint8_t *)job->mem.pool_copy[i].ptr + off,
+                                            .src = (const uint8_t *)job->mem.pool.ptr + off,
+                                            .bytes = bytes};
+    /* together: a backend driving several GPUs runs the copies at once, each on its GPU */
+    sd_gpu_copy_many(job->reg->dev, job->mem.queue, pieces, n);
 }
 
 /* One rank's arena of each state: its data, and the colouring in front of and inside it. */
