@@ -35,9 +35,11 @@ const struct sd_config_entry sd_config_table[] = {
      "daemon waits for them: a test of its waits); emu (the GPU kernels' source run on the "
      "host); emu-device (the same, through the daemon's device paths); emu-gpu (the same, its "
      "memory out of the host's reach as a GPU's is; as many GPUs as $SHARDD_EMU_GPUS says, "
-     "1 to 8, without peer access where $SHARDD_EMU_PEERS is none); emu-gpu-deferred (emu-gpu whose queue "
+     "1 to 8, without peer access where $SHARDD_EMU_PEERS is none); emu-gpu-deferred (emu-gpu "
+     "whose queue "
      "answers each new ticket's first query \"not yet\", as a busy GPU's, every ticket for "
-     "$SHARDD_EMU_LAG_MS where set: a test of the daemon's polled waits on device memory); cuda and hip when "
+     "$SHARDD_EMU_LAG_MS where set: a test of the daemon's polled waits on device memory); cuda "
+     "and hip when "
      "built with them (shardd --help lists those built in)",
      1},
     {"devices", SD_CFG_STRING, "", 0, 128, OFF(devices),
