@@ -185,13 +185,15 @@ static int emu_devices(struct sd_gpu_device *out, int max)
 static struct sd_regions emu_regions = SD_REGIONS_INIT;
 
 /* emu-gpu's devices: how many it sees ($SHARDD_EMU_GPUS, 1 to 8, default 1), which were opened,
- * and whether they reach each other's memory ($SHARDD_EMU_PEERS: "all", the default, or "none",
- * where a kernel given another device's memory aborts as a GPU's without peer access faults) */
+ * whether they reach each other's memory ($SHARDD_EMU_PEERS: "all", the default, or "none",
+ * where a kernel given another device's memory aborts as a GPU's without peer access faults),
+ * and how much memory each has ($SHARDD_EMU_GPU_BYTES: an allocation past it fails) */
 static struct {
     int count;
     bool opened[SD_EMU_MAX_GPUS];
     bool peers;
     uint64_t used[SD_EMU_MAX_GPUS], peak[SD_EMU_MAX_GPUS]; /* bytes allocated on each */
+    uint64_t capacity; /* each one's memory ($SHARDD_EMU_GPU_BYTES; 0: the host's) */
 } emu_gpus = {.count = 1, .opened = {true}, .peers = true};
 
 static void emu_gpu_count(int device, int64_t bytes)
@@ -224,6 +226,13 @@ static int emu_gpu_open(const int *devices, int n, char *err, size_t errlen)
         return SD_ECONFIG;
     }
     emu_lag_ns = (uint64_t)lag_ms * 1000000u;
+    const char *cap = getenv("SHARDD_EMU_GPU_BYTES");
+    unsigned long long cap_bytes = cap != NULL ? strtoull(cap, &end, 10) : 0;
+    if (cap != NULL && (end == cap || *end != '\0' || cap_bytes == 0)) {
+        snprintf(err, errlen, "SHARDD_EMU_GPU_BYTES is '%s', not a number of bytes", cap);
+        return SD_ECONFIG;
+    }
+    emu_gpus.capacity = cap_bytes;
     emu_gpus.count = (int)c;
     emu_gpus.peers = peers == NULL || strcmp(peers, "all") == 0;
     for (int i = 0; i < SD_EMU_MAX_GPUS; i++)
@@ -248,7 +257,9 @@ static int emu_gpu_devices(struct sd_gpu_device *out, int max)
     for (int i = 0; i < emu_gpus.count && i < max; i++) {
         out[i] = (struct sd_gpu_device){
             .index = i,
-            .memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0,
+            .memory_bytes = emu_gpus.capacity       ? emu_gpus.capacity
+                            : pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page
+                                                    : 0,
             .fd_handles = true,
             .driven = emu_gpus.opened[i],
             .used_bytes = __atomic_load_n(&emu_gpus.used[i], __ATOMIC_RELAXED),
@@ -270,6 +281,14 @@ static int emu_gpu_alloc(int device, size_t bytes, int flags, const char *tag, s
     }
     struct sd_mem back;
     size_t len = bytes ? bytes : 1;
+    uint64_t used = __atomic_load_n(&emu_gpus.used[device], __ATOMIC_RELAXED);
+    if (emu_gpus.capacity > 0 && (len > emu_gpus.capacity || used > emu_gpus.capacity - len)) {
+        SD_ERROR("emu-gpu",
+                 "creating %zu bytes for %s on device %d: out of memory (%llu of %llu "
+                 "bytes in use)",
+                 len, tag, device, (unsigned long long)used, (unsigned long long)emu_gpus.capacity);
+        return SD_ENOMEM; /* as a GPU's allocation fails when its memory is full */
+    }
     int status = sd__host_alloc(0, bytes, flags, tag, &back);
     if (status != SD_OK)
         return status;

@@ -346,11 +346,16 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     return SD_OK;
 }
 
-static int alloc_failed(const struct sd_job *job, const char *tag, int status, char *err,
-                        size_t errlen)
+/* the message of a failed allocation: what, how much, and on which GPU (device >= 0, a device
+ * backend) */
+static int alloc_failed(const struct sd_job *job, const char *tag, int device, uint64_t bytes,
+                        int status, char *err, size_t errlen)
 {
-    snprintf(err, errlen, "allocating %s for job '%s' failed: %s", tag, job->name,
-             sd_status_str(status));
+    char b[32], where[32] = "";
+    if (device >= 0 && !job->reg->dev->host_memory)
+        snprintf(where, sizeof(where), " on GPU %d", device);
+    snprintf(err, errlen, "allocating %s (%s)%s for job '%s' failed: %s", tag,
+             sd_fmt_bytes(b, sizeof(b), bytes), where, job->name, sd_status_str(status));
     return status;
 }
 
@@ -373,21 +378,21 @@ static int job_alloc_device(struct sd_job *job, char *err, size_t errlen)
             status = dev->alloc(job->mem.device[r], bytes[st], SD_MEM_PRIVATE, tag,
                                 &job->mem.arena[r * SD_STATE_COUNT + st]);
             if (status != SD_OK)
-                return alloc_failed(job, tag, status, err, errlen);
+                return alloc_failed(job, tag, job->mem.device[r], bytes[st], status, err, errlen);
         }
+    uint64_t staging = (uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes;
     for (uint32_t r = 0; r < job->k; r++) {
         snprintf(tag, sizeof(tag), "shardd-%s-r%u-staging", job->name, job->first_rank + r);
-        status = dev->alloc(job->mem.device[r],
-                            (uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes,
-                            SD_MEM_SHARED, tag, &job->mem.staging[r]);
+        status = dev->alloc(job->mem.device[r], staging, SD_MEM_SHARED, tag, &job->mem.staging[r]);
         if (status != SD_OK)
-            return alloc_failed(job, tag, status, err, errlen);
+            return alloc_failed(job, tag, job->mem.device[r], staging, status, err, errlen);
     }
     snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
     status = dev->alloc(job->mem.device[0], job->stats.pool_bytes, SD_MEM_SHARED | SD_MEM_CLIENT_RO,
                         tag, &job->mem.pool);
     if (status != SD_OK)
-        return alloc_failed(job, tag, status, err, errlen);
+        return alloc_failed(job, tag, job->mem.device[0], job->stats.pool_bytes, status, err,
+                            errlen);
     for (uint32_t r = 1, i = 0; r < job->k; r++) {
         if (sd_job_rank_pool(job, r)->device == job->mem.device[r])
             continue; /* its GPU has one: the pool, or a copy made for an earlier rank */
@@ -395,18 +400,20 @@ static int job_alloc_device(struct sd_job *job, char *err, size_t errlen)
         status = dev->alloc(job->mem.device[r], job->stats.pool_bytes,
                             SD_MEM_SHARED | SD_MEM_CLIENT_RO, tag, &job->mem.pool_copy[i]);
         if (status != SD_OK)
-            return alloc_failed(job, tag, status, err, errlen);
+            return alloc_failed(job, tag, job->mem.device[r], job->stats.pool_bytes, status, err,
+                                errlen);
         i++;
     }
     snprintf(tag, sizeof(tag), "shardd-%s-scratch", job->name);
     status = dev->alloc(job->mem.device[0], job->layout.max_unit_numel * sizeof(float),
                         SD_MEM_PRIVATE, tag, &job->mem.scratch_mem);
     if (status != SD_OK)
-        return alloc_failed(job, tag, status, err, errlen);
+        return alloc_failed(job, tag, job->mem.device[0],
+                            job->layout.max_unit_numel * sizeof(float), status, err, errlen);
     job->mem.scratch = job->mem.scratch_mem.ptr;
     status = sd_sec_alloc(job, tag, sizeof(tag));
     if (status != SD_OK)
-        return alloc_failed(job, tag, status, err, errlen);
+        return alloc_failed(job, tag, -1, sd_sec_holder_bytes(job), status, err, errlen);
     return sd_quant_alloc(job, err, errlen);
 }
 
@@ -420,7 +427,7 @@ static int job_alloc_control(struct sd_job *job, char *err, size_t errlen)
         int status = sd_gpu_host_ops.alloc(0, sd_job_control_bytes(job), SD_MEM_SHARED, tag,
                                            &job->mem.fence[r]);
         if (status != SD_OK)
-            return alloc_failed(job, tag, status, err, errlen);
+            return alloc_failed(job, tag, -1, sd_job_control_bytes(job), status, err, errlen);
         struct sd_fence_page *f = job->mem.fence[r].ptr;
         f->magic = SD_FENCE_MAGIC;
         f->version = SD_FENCE_VERSION;

@@ -340,6 +340,29 @@ check 'grep -q "^device 0: " <<<"$top" && grep -q "^device 1 (driven): " <<<"$to
 for r in 0 1 2; do wait ${k3r[$r]}; done
 kill -TERM $k3; await $k3 30 "the emu-gpu daemon after SIGTERM"
 check '! grep -q "ERROR" "$dir/k3.log"' "the emu-gpu daemon logged no error: $(grep ERROR "$dir/k3.log")"
+# GPUs of 1 MiB each: a job whose shards do not fit is refused naming what, how much and on which
+# GPU, nothing is left on the GPUs, and a job that fits trains after it
+SHARDD_EMU_GPUS=2 SHARDD_EMU_GPU_BYTES=1048576 "$SHARDD" --runtime-dir "$dir/k4" --backend emu-gpu \
+  --devices 0,1 --log-level warn >"$dir/k4.log" 2>&1 &
+k4=$!
+until_ok 60 '[ -S "$dir/k4/shardd.sock" ]' || bad "the small-GPU daemon did not come up: $(cat "$dir/k4.log")"
+timeout 60 "$MLP" --socket "$dir/k4/shardd.sock" --job big --rank 1 --world 2 --steps 1 >"$dir/k4-r1.log" 2>&1 &
+r1=$!
+out=$(timeout 60 "$MLP" --socket "$dir/k4/shardd.sock" --job big --rank 0 --world 2 --steps 1 2>&1); rc=$?
+wait $r1
+check '[ $rc -ne 0 ] && grep -qE "allocating shardd-big-r[01]-[a-z]+ \([0-9.]+ [KM]iB\) on GPU [01] for job .big. failed: out of memory" <<<"$out"' \
+  "a job too big for its GPUs refused naming the buffer, its size and the GPU: $rc $out"
+js=$("$SHARDCTL" --socket "$dir/k4/shardd.sock" topology --json)
+check 'python3 -c "
+import json,sys; d=json.loads(sys.argv[1])[\"devices\"]
+assert [g[\"memory_bytes\"] for g in d]==[1048576]*2 and all(g[\"used_bytes\"]==0 for g in d), d
+" "$js"' "nothing left on the GPUs after the refusal: $js"
+timeout 60 "$MLP" --socket "$dir/k4/shardd.sock" --job small --rank 1 --world 2 --steps 2 --hidden 16 >"$dir/k4-s1.log" 2>&1 &
+r1=$!
+out=$(timeout 60 "$MLP" --socket "$dir/k4/shardd.sock" --job small --rank 0 --world 2 --steps 2 --hidden 16 2>&1); rc=$?
+wait $r1; rc1=$?
+check '[ $rc -eq 0 ] && [ $rc1 -eq 0 ]' "a job that fits trains after the refusal: $rc $rc1 $out $(cat "$dir/k4-s1.log")"
+kill -TERM $k4; await $k4 30 "the small-GPU daemon after SIGTERM"
 for b in "$SHARDD" "$SHARDCTL" ${BENCH:+"$BENCH"}; do
   out=$("$b" --version); rc=$?
   check '[ $rc -eq 0 ] && grep -q "^$(basename "$b") [0-9][0-9.]*$" <<<"$out"' "$b --version: $rc $out"
