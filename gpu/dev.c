@@ -598,15 +598,14 @@ static int queue_create(struct sd_gpu_queue **q_p)
         goto err;
     q->l = (struct sdk_launcher){
         .launch = launch, .scratch = (double *)(uintptr_t)first->scratch, .cur = 0};
-    if (g.n > 1) { /* one device: no lookups */
-        q->l.device_of = device_of;
-        q->l.use = use;
-        q->l.peer = peer;
-        q->l.bring = bring;
-        q->l.copy = lane_copy;
-        q->l.branch = branch;
-        q->l.merge = merge;
-    }
+    static const struct sdk_route route = {.device_of = device_of,
+                                           .use = use,
+                                           .peer = peer,
+                                           .bring = bring,
+                                           .copy = lane_copy,
+                                           .branch = branch,
+                                           .merge = merge};
+    q->l.route = g.n > 1 ? &route : NULL; /* one device: no lookups */
     *q_p = q;
     return SD_OK;
 err:
@@ -714,7 +713,7 @@ static int queue_query(struct sd_gpu_queue *q, uint64_t ticket)
 static void op_copy(struct sd_gpu_queue *q, void *dst, const void *src, size_t bytes)
 {
     struct sdk_launcher *l = &q->l;
-    sdk_at(l, l->use != NULL && device_of(l, dst) < 0 ? src : dst);
+    sdk_at(l, l->route != NULL && device_of(l, dst) < 0 ? src : dst);
     struct dev_lane *ln = lane(q, l->cur);
     dev_res r = ln == NULL ? DEV_NOTSUP : dev_copy_async(dptr(dst), dptr(src), bytes, ln->s);
     if (r != DEV_OK)

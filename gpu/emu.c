@@ -486,14 +486,15 @@ static int emu_gpu_queue_create(struct sd_gpu_queue **q_p)
     for (int d = SD_EMU_MAX_GPUS - 1; d >= 0; d--)
         if (emu_gpus.opened[d])
             q->l.cur = d; /* the first opened */
+    static const struct sdk_route route = {.device_of = emu_gpu_device_of,
+                                           .use = emu_gpu_use,
+                                           .peer = emu_gpu_launcher_peer,
+                                           .bring = emu_gpu_bring,
+                                           .copy = emu_gpu_launcher_copy,
+                                           .branch = emu_gpu_branch,
+                                           .merge = emu_gpu_merge};
     q->l.launch = emu_gpu_launch;
-    q->l.device_of = emu_gpu_device_of;
-    q->l.use = emu_gpu_use;
-    q->l.peer = emu_gpu_launcher_peer;
-    q->l.bring = emu_gpu_bring;
-    q->l.copy = emu_gpu_launcher_copy;
-    q->l.branch = emu_gpu_branch;
-    q->l.merge = emu_gpu_merge;
+    q->l.route = &route;
     return SD_OK;
 }
 

@@ -32,19 +32,20 @@ uint64_t sdk_sumsq_blocks(uint64_t n)
 
 void sdk_at(struct sdk_launcher *l, const void *p)
 {
-    if (l->use == NULL)
+    if (l->route == NULL)
         return;
-    int d = l->device_of(l, p);
+    int d = l->route->device_of(l, p);
     if (d >= 0 && d != l->cur)
-        l->use(l, d);
+        l->route->use(l, d);
 }
 
 const void *sdk_readable(struct sdk_launcher *l, const void *src, size_t bytes)
 {
-    if (l->use == NULL || bytes == 0)
+    if (l->route == NULL || bytes == 0)
         return src;
-    int e = l->device_of(l, src);
-    return e < 0 || e == l->cur || l->peer(l, l->cur, e) ? src : l->bring(l, src, bytes);
+    int e = l->route->device_of(l, src);
+    return e < 0 || e == l->cur || l->route->peer(l, l->cur, e) ? src
+                                                                : l->route->bring(l, src, bytes);
 }
 
 /* the launcher a queue starts with */
@@ -190,10 +191,10 @@ void sdk_op_dequantize(struct sd_gpu_queue *q, void *dst, int dst_dtype, const v
  * (its destination there, its source read from there)? Else it is copied alone. */
 static bool sdk_piece_joins(struct sdk_launcher *l, int d, const struct sd_gpu_piece *piece)
 {
-    if (l->use == NULL)
+    if (l->route == NULL)
         return true;
-    int e = l->device_of(l, piece->src);
-    return l->device_of(l, piece->dst) == d && e >= 0 && (e == d || l->peer(l, d, e));
+    int e = l->route->device_of(l, piece->src);
+    return l->route->device_of(l, piece->dst) == d && e >= 0 && (e == d || l->route->peer(l, d, e));
 }
 
 /* pieces[0..n) as few launches as the device can take, on the device of each batch's first
@@ -212,7 +213,7 @@ static void gather_run(struct sdk_launcher *l, const struct sd_gpu_piece *pieces
             if (pieces->bytes == 0)
                 continue;
             if (!sdk_piece_joins(l, d, pieces)) {
-                l->copy(l, pieces->dst, pieces->src, pieces->bytes); /* may run elsewhere */
+                l->route->copy(l, pieces->dst, pieces->src, pieces->bytes); /* may run elsewhere */
                 continue;
             }
             p.dst[p.n] = (uint64_t)(uintptr_t)pieces->dst;
@@ -223,8 +224,8 @@ static void gather_run(struct sdk_launcher *l, const struct sd_gpu_piece *pieces
         }
         if (p.n == 0)
             continue;
-        if (l->use != NULL && l->cur != d)
-            l->use(l, d);
+        if (l->route != NULL && l->cur != d)
+            l->route->use(l, d);
         /* the grid of one copy of the largest piece, shared out (16 bytes a thread) */
         uint64_t per = sdk_blocks((most + 15) / 16), cap = SDK_MAX_BLOCKS / p.n; /* p.n <= 16 */
         p.blocks_per = per < cap ? per : cap;
@@ -236,7 +237,7 @@ static void gather_run(struct sdk_launcher *l, const struct sd_gpu_piece *pieces
 /* the device a piece is written on (its destination's; host memory: where the queue runs) */
 static int piece_device(struct sdk_launcher *l, const struct sd_gpu_piece *piece, int from)
 {
-    int d = l->device_of(l, piece->dst);
+    int d = l->route->device_of(l, piece->dst);
     return d >= 0 ? d : from;
 }
 
@@ -245,7 +246,7 @@ void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, ui
     struct sdk_launcher *l = L(q);
     uint64_t devs = 0;
     int from = l->cur;
-    for (uint32_t i = 0; l->use != NULL && i < n; i++)
+    for (uint32_t i = 0; l->route != NULL && i < n; i++)
         if (pieces[i].bytes > 0)
             devs |= 1ULL << piece_device(l, &pieces[i], from);
     if (__builtin_popcountll(devs) < 2) {
@@ -265,7 +266,7 @@ void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, ui
         } else {
             mine = false;
         }
-        l->branch(l, from, d);
+        l->route->branch(l, from, d);
         struct sd_gpu_piece chunk[32];
         uint32_t m = 0;
         for (uint32_t i = 0; i < n; i++) {
@@ -279,5 +280,5 @@ void sdk_op_gather(struct sd_gpu_queue *q, const struct sd_gpu_piece *pieces, ui
         }
         gather_run(l, chunk, m);
     }
-    l->merge(l, from, devs);
+    l->route->merge(l, from, devs);
 }

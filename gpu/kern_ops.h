@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+struct sdk_route;
+
 struct sdk_launcher {
     /* run kernel id on `blocks` blocks of SDK_THREADS_PER_BLOCK threads; args[i] points at the
      * kernel's i-th parameter, as cuLaunchKernel takes them */
@@ -19,22 +21,26 @@ struct sdk_launcher {
     /* SDK_SUMSQ_MAX_BLOCKS + 1 doubles the kernels may write (the sum's partials and result),
      * on the device launches run on */
     double *scratch;
-    /* A queue over several devices (NULL where the backend drives one; sd/gpu.h's queue): the
-     * device launches run on now (cur), the device p lies on (-1: not device memory), run what
-     * follows on device d (after the queue's work so far, whatever device ran it; scratch
-     * becomes d's), whether device d's kernels read device e's memory (peer access), a copy of
-     * the bytes at src on device cur (valid until the next bring: one source a launch), and
-     * a copy between any two places. */
+    /* the device launches run on now (a queue over several devices) */
     int cur;
+    /* how the queue runs over several devices (NULL where the backend drives one) */
+    const struct sdk_route *route;
+};
+
+/* A queue over several devices (sd/gpu.h's queue): the device p lies on (-1: not device
+ * memory); run what follows on device d (after the queue's work so far, whatever device ran it;
+ * scratch becomes d's); whether device d's kernels read device e's memory (peer access); a copy
+ * of the bytes at src on device cur (valid until the next bring: one source a launch); a copy
+ * between any two places. Work on several devices at once (copy_many's pieces for several
+ * GPUs): run what follows on device d after the queue's work so far on device `from`, not after
+ * other branches (branch); then make `from` wait for the work of every device in the mask devs
+ * and run there again (merge): the queue is one order again. */
+struct sdk_route {
     int (*device_of)(struct sdk_launcher *l, const void *p);
     void (*use)(struct sdk_launcher *l, int d);
     bool (*peer)(struct sdk_launcher *l, int d, int e);
     const void *(*bring)(struct sdk_launcher *l, const void *src, size_t bytes);
     void (*copy)(struct sdk_launcher *l, void *dst, const void *src, size_t bytes);
-    /* Work on several devices at once (copy_many's pieces for several GPUs): run what follows on
-     * device d after the queue's work so far on device `from`, not after other branches
-     * (branch); then make `from` wait for the work of every device in the mask devs and run
-     * there again (merge): the queue is one order again. */
     void (*branch)(struct sdk_launcher *l, int from, int d);
     void (*merge)(struct sdk_launcher *l, int from, uint64_t devs);
 };

@@ -90,16 +90,15 @@ static void fresh(struct sd_gpu_queue *q, int cur, bool peers)
 {
     memset(q, 0, sizeof(*q));
     q->peers = peers;
-    q->l = (struct sdk_launcher){.launch = launch,
-                                 .scratch = q->scratch,
-                                 .cur = cur,
-                                 .device_of = device_of,
-                                 .use = use,
-                                 .peer = peer,
-                                 .bring = bring,
-                                 .copy = copy,
-                                 .branch = branch,
-                                 .merge = merge};
+    static const struct sdk_route route = {.device_of = device_of,
+                                           .use = use,
+                                           .peer = peer,
+                                           .bring = bring,
+                                           .copy = copy,
+                                           .branch = branch,
+                                           .merge = merge};
+    q->l =
+        (struct sdk_launcher){.launch = launch, .scratch = q->scratch, .cur = cur, .route = &route};
 }
 
 static void expect(struct sd_gpu_queue *q, const char *want, const char *what)
@@ -173,8 +172,7 @@ int main(void)
 
     /* one GPU (no hooks): nothing routed, the launches where the queue is */
     fresh(&q, 0, true);
-    q.l.device_of = NULL;
-    q.l.use = NULL;
+    q.l.route = NULL;
     sdk_op_gather(&q, pool, 3);
     sdk_op_reduce_add(&q, at(1, 0), at(0, 0), SD_DTYPE_FP32, 8);
     snprintf(want, sizeof(want), "k%d@0 k%d@0 ", G, R);
