@@ -190,7 +190,8 @@ static int job_send_layout(struct sd_job *job, struct sd_session *s)
     int n_gpus =
         job->reg->dev->devices != NULL ? job->reg->dev->devices(gpu, SD_GPU_MAX_DEVICES) : 0;
     for (int i = 0; i < n_gpus && i < SD_GPU_MAX_DEVICES; i++)
-        if (gpu[i].index == job->mem.device[s->local]) { /* the rank's GPU (config devices) */
+        if (gpu[i].index ==
+            sd_job_rank_device(job, s->local)) { /* the rank's GPU (config devices) */
             rep.device = gpu[i].index;
             rep.device_uuid = gpu[i].uuid;
         }

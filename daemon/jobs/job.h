@@ -71,7 +71,6 @@ struct sd_job_mem {
     struct sd_mem pool;
     struct sd_mem *pool_copy; /* [n_pool_copies] */
     uint32_t n_pool_copies;
-    int *device; /* [k]: each local rank's device (config devices), where its buffers live */
     struct sd_mem *staging; /* [k]: each rank's staging slots, in the backend's memory */
     /* [k]: each rank's control page, host memory: its fence page (sd/fence.h), then its step
      * arguments and a save's directory */
@@ -280,10 +279,10 @@ uint64_t sd_job_control_bytes(const struct sd_job *job);
  * pool's copies on the job's other GPUs, on the job's queue (its readers are answered after a
  * mark behind it). Nothing where the job's ranks share one device. */
 void sd_job_pool_publish(struct sd_job *job, uint64_t off, uint64_t bytes);
-/* The device local rank `local`'s buffers live on (0 before the job's memory is placed). */
+/* The device local rank `local`'s buffers live on (config devices, through the registry). */
 static inline int sd_job_rank_device(const struct sd_job *job, uint32_t local)
 {
-    return job->mem.device != NULL ? job->mem.device[local] : 0;
+    return sd_registry_rank_device(job->reg, local);
 }
 /* The gathered weights local rank `local` maps: the pool, or its copy on the rank's GPU. */
 const struct sd_mem *sd_job_rank_pool(const struct sd_job *job, uint32_t local);

@@ -131,9 +131,7 @@ void sd_job_mem_free(struct sd_job *job)
     for (uint32_t i = 0; i < job->mem.n_pool_copies; i++)
         dev->free(&job->mem.pool_copy[i]);
     free(job->mem.pool_copy);
-    free(job->mem.device);
     job->mem.pool_copy = NULL;
-    job->mem.device = NULL;
     job->mem.n_pool_copies = 0;
     if (job->mem.scratch_mem.ptr != NULL)
         dev->free(&job->mem.scratch_mem);
@@ -169,15 +167,18 @@ struct job_bytes {
     uint64_t w, g, os, sec, quant, pool, copies, staging, scratch, net, total;
 };
 
-/* the GPUs the job's local ranks use besides local rank 0's: one copy of the pool each */
-static uint32_t job_pool_copies(const struct sd_job *job)
+/* The GPUs the job's local ranks use besides local rank 0's, in rank order, into copies (may be
+ * NULL; one copy of the pool each): their count. */
+static uint32_t job_pool_copies(const struct sd_job *job, struct sd_mem *copies)
 {
     uint32_t n = 0;
     for (uint32_t r = 1; r < job->k; r++) {
-        int d = sd_registry_rank_device(job->reg, r);
-        bool seen = d == sd_registry_rank_device(job->reg, 0);
+        int d = sd_job_rank_device(job, r);
+        bool seen = d == sd_job_rank_device(job, 0);
         for (uint32_t q = 1; q < r && !seen; q++)
-            seen = d == sd_registry_rank_device(job->reg, q);
+            seen = d == sd_job_rank_device(job, q);
+        if (!seen && copies != NULL)
+            copies[n] = (struct sd_mem){.fd = -1, .device = d};
         n += !seen;
     }
     return n;
@@ -186,7 +187,7 @@ static uint32_t job_pool_copies(const struct sd_job *job)
 const struct sd_mem *sd_job_rank_pool(const struct sd_job *job, uint32_t local)
 {
     for (uint32_t i = 0; i < job->mem.n_pool_copies; i++)
-        if (job->mem.pool_copy[i].device == job->mem.device[local])
+        if (job->mem.pool_copy[i].device == sd_job_rank_device(job, local))
             return &job->mem.pool_copy[i];
     return &job->mem.pool;
 }
@@ -238,7 +239,7 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
     b.pool = job->mem.max_live_bytes ? job->mem.max_live_bytes
              : cfg->max_live_bytes   ? cfg->max_live_bytes
                                      : l->total_bytes * job->slots_per_unit;
-    b.copies = b.pool * job_pool_copies(job);
+    b.copies = b.pool * job_pool_copies(job, NULL);
     b.staging = ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) +
                  sd_job_control_bytes(job)) *
                 job->k;
@@ -303,12 +304,10 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->mem.staging = calloc(k, sizeof(*job->mem.staging));
     job->mem.fence = calloc(k, sizeof(*job->mem.fence));
     job->mem.fence_count = calloc(2 * (size_t)k, sizeof(*job->mem.fence_count));
-    job->mem.device = calloc(k, sizeof(*job->mem.device));
-    job->mem.n_pool_copies = job_pool_copies(job);
-    job->mem.pool_copy = calloc(job->mem.n_pool_copies + 1, sizeof(*job->mem.pool_copy));
-    if (job->mem.device != NULL)
-        for (uint32_t r = 0; r < k; r++)
-            job->mem.device[r] = sd_registry_rank_device(reg, r);
+    uint32_t n_copies = job_pool_copies(job, NULL);
+    job->mem.pool_copy = calloc(n_copies + 1, sizeof(*job->mem.pool_copy));
+    if (job->mem.pool_copy != NULL) /* each on its GPU, made by job_alloc_device */
+        job->mem.n_pool_copies = job_pool_copies(job, job->mem.pool_copy);
     int cache_st = sd_unit_cache_init(&job->cache, l->n_units, job->slots_per_unit, need.pool);
     int queue_st = reg->dev->queue_create(&job->mem.queue);
     job->xfer.wait_tags = calloc((size_t)job->n_slots * k, sizeof(*job->xfer.wait_tags));
@@ -318,9 +317,9 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     uint32_t n_groups = sd_model_groups(&job->model);
     int mods_st = sd_job_modules_alloc(job);
     if (mods_st != SD_OK || !job->mem.arena || !job->mem.staging || !job->mem.fence ||
-        !job->mem.fence_count || !job->mem.device || !job->mem.pool_copy || cache_st != SD_OK ||
-        queue_st != SD_OK || !job->xfer.wait_tags || !job->xfer.answer_q ||
-        !job->xfer.rel_pending || !job->xfer.rel_need) {
+        !job->mem.fence_count || !job->mem.pool_copy || cache_st != SD_OK || queue_st != SD_OK ||
+        !job->xfer.wait_tags || !job->xfer.answer_q || !job->xfer.rel_pending ||
+        !job->xfer.rel_need) {
         snprintf(err, errlen, "out of memory for the job's bookkeeping");
         return SD_ENOMEM;
     }
@@ -331,8 +330,6 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     for (uint32_t i = 0; i < k; i++)
         job->mem.staging[i].fd = job->mem.fence[i].fd = -1;
     job->mem.pool.fd = job->mem.scratch_mem.fd = -1;
-    for (uint32_t i = 0; i < job->mem.n_pool_copies; i++) /* none made: no device matches */
-        job->mem.pool_copy[i] = (struct sd_mem){.fd = -1, .device = -1};
     job->stats.pool_bytes = need.pool;
     job->stats.memory_bytes = need.total;
     job->mem.staging_slots = (uint32_t)cfg->staging_slots;
@@ -375,40 +372,39 @@ static int job_alloc_device(struct sd_job *job, char *err, size_t errlen)
         for (int st = 0; st < SD_STATE_COUNT; st++) {
             snprintf(tag, sizeof(tag), "shardd-%s-r%u-%s", job->name, job->first_rank + r,
                      sd_state_name(st));
-            status = dev->alloc(job->mem.device[r], bytes[st], SD_MEM_PRIVATE, tag,
+            status = dev->alloc(sd_job_rank_device(job, r), bytes[st], SD_MEM_PRIVATE, tag,
                                 &job->mem.arena[r * SD_STATE_COUNT + st]);
             if (status != SD_OK)
-                return alloc_failed(job, tag, job->mem.device[r], bytes[st], status, err, errlen);
+                return alloc_failed(job, tag, sd_job_rank_device(job, r), bytes[st], status, err,
+                                    errlen);
         }
     uint64_t staging = (uint64_t)job->mem.staging_slots * job->mem.staging_slot_bytes;
     for (uint32_t r = 0; r < job->k; r++) {
         snprintf(tag, sizeof(tag), "shardd-%s-r%u-staging", job->name, job->first_rank + r);
-        status = dev->alloc(job->mem.device[r], staging, SD_MEM_SHARED, tag, &job->mem.staging[r]);
+        status = dev->alloc(sd_job_rank_device(job, r), staging, SD_MEM_SHARED, tag,
+                            &job->mem.staging[r]);
         if (status != SD_OK)
-            return alloc_failed(job, tag, job->mem.device[r], staging, status, err, errlen);
+            return alloc_failed(job, tag, sd_job_rank_device(job, r), staging, status, err, errlen);
     }
     snprintf(tag, sizeof(tag), "shardd-%s-pool", job->name);
-    status = dev->alloc(job->mem.device[0], job->stats.pool_bytes, SD_MEM_SHARED | SD_MEM_CLIENT_RO,
-                        tag, &job->mem.pool);
+    status = dev->alloc(sd_job_rank_device(job, 0), job->stats.pool_bytes,
+                        SD_MEM_SHARED | SD_MEM_CLIENT_RO, tag, &job->mem.pool);
     if (status != SD_OK)
-        return alloc_failed(job, tag, job->mem.device[0], job->stats.pool_bytes, status, err,
-                            errlen);
-    for (uint32_t r = 1, i = 0; r < job->k; r++) {
-        if (sd_job_rank_pool(job, r)->device == job->mem.device[r])
-            continue; /* its GPU has one: the pool, or a copy made for an earlier rank */
-        snprintf(tag, sizeof(tag), "shardd-%s-pool-gpu%d", job->name, job->mem.device[r]);
-        status = dev->alloc(job->mem.device[r], job->stats.pool_bytes,
-                            SD_MEM_SHARED | SD_MEM_CLIENT_RO, tag, &job->mem.pool_copy[i]);
+        return alloc_failed(job, tag, sd_job_rank_device(job, 0), job->stats.pool_bytes, status,
+                            err, errlen);
+    for (uint32_t i = 0; i < job->mem.n_pool_copies; i++) {
+        int d = job->mem.pool_copy[i].device; /* placed by job_alloc_begin */
+        snprintf(tag, sizeof(tag), "shardd-%s-pool-gpu%d", job->name, d);
+        status = dev->alloc(d, job->stats.pool_bytes, SD_MEM_SHARED | SD_MEM_CLIENT_RO, tag,
+                            &job->mem.pool_copy[i]);
         if (status != SD_OK)
-            return alloc_failed(job, tag, job->mem.device[r], job->stats.pool_bytes, status, err,
-                                errlen);
-        i++;
+            return alloc_failed(job, tag, d, job->stats.pool_bytes, status, err, errlen);
     }
     snprintf(tag, sizeof(tag), "shardd-%s-scratch", job->name);
-    status = dev->alloc(job->mem.device[0], job->layout.max_unit_numel * sizeof(float),
+    status = dev->alloc(sd_job_rank_device(job, 0), job->layout.max_unit_numel * sizeof(float),
                         SD_MEM_PRIVATE, tag, &job->mem.scratch_mem);
     if (status != SD_OK)
-        return alloc_failed(job, tag, job->mem.device[0],
+        return alloc_failed(job, tag, sd_job_rank_device(job, 0),
                             job->layout.max_unit_numel * sizeof(float), status, err, errlen);
     job->mem.scratch = job->mem.scratch_mem.ptr;
     status = sd_sec_alloc(job, tag, sizeof(tag));

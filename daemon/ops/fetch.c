@@ -29,7 +29,6 @@ static void gather_copy_local(struct sd_job *job, struct sd_unit_state *const *u
 static bool gather_resources(const struct sd_job *job);
 static void gather_begin(struct sd_job *job, struct sd_unit_state *us);
 static void gather_post(struct sd_job *job, struct sd_unit_state *const *units, uint32_t n);
-static void publish(struct sd_job *job, struct sd_unit_state *us);
 
 /* slot us was written: onto the pool's copies on the job's other GPUs (once a fill) */
 static void publish(struct sd_job *job, struct sd_unit_state *us)
