@@ -97,11 +97,7 @@ static int enter(int i)
 /* bytes allocated (negative: freed) on opened device i, and its peak */
 static void count(int i, int64_t bytes)
 {
-    uint64_t now = __atomic_add_fetch(&g.d[i].used, (uint64_t)bytes, __ATOMIC_RELAXED);
-    uint64_t peak = __atomic_load_n(&g.d[i].peak, __ATOMIC_RELAXED);
-    while (now > peak && !__atomic_compare_exchange_n(&g.d[i].peak, &peak, now, true,
-                                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-        ;
+    sd__mem_count(&g.d[i].used, &g.d[i].peak, bytes);
 }
 
 /* the opened device with the driver's index `index`, else -1 */

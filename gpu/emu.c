@@ -162,12 +162,10 @@ static void emu_sum_sq(struct sd_gpu_queue *q, const float *x, size_t n, double 
 static int emu_devices(struct sd_gpu_device *out, int max)
 {
     if (max > 0) {
-        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-        out[0] = (struct sd_gpu_device){
-            .index = 0,
-            .memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0,
-            .fd_handles = true,
-            .driven = true};
+        out[0] = (struct sd_gpu_device){.index = 0,
+                                        .memory_bytes = sd__host_memory_bytes(),
+                                        .fd_handles = true,
+                                        .driven = true};
         snprintf(out[0].name, sizeof(out[0].name), "emulated (host memory)");
     }
     return 1;
@@ -198,11 +196,7 @@ static struct {
 
 static void emu_gpu_count(int device, int64_t bytes)
 {
-    uint64_t now = __atomic_add_fetch(&emu_gpus.used[device], (uint64_t)bytes, __ATOMIC_RELAXED);
-    uint64_t peak = __atomic_load_n(&emu_gpus.peak[device], __ATOMIC_RELAXED);
-    while (now > peak && !__atomic_compare_exchange_n(&emu_gpus.peak[device], &peak, now, true,
-                                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-        ;
+    sd__mem_count(&emu_gpus.used[device], &emu_gpus.peak[device], bytes);
 }
 
 static int emu_gpu_open(const int *devices, int n, char *err, size_t errlen)
@@ -253,13 +247,10 @@ static int emu_gpu_open(const int *devices, int n, char *err, size_t errlen)
 /* emu-gpu's devices: memory as the host's, shared as memfds; peer access as set */
 static int emu_gpu_devices(struct sd_gpu_device *out, int max)
 {
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     for (int i = 0; i < emu_gpus.count && i < max; i++) {
         out[i] = (struct sd_gpu_device){
             .index = i,
-            .memory_bytes = emu_gpus.capacity       ? emu_gpus.capacity
-                            : pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page
-                                                    : 0,
+            .memory_bytes = emu_gpus.capacity ? emu_gpus.capacity : sd__host_memory_bytes(),
             .fd_handles = true,
             .driven = emu_gpus.opened[i],
             .used_bytes = __atomic_load_n(&emu_gpus.used[i], __ATOMIC_RELAXED),
@@ -391,12 +382,9 @@ static void emu_gpu_launch(struct sdk_launcher *l, enum sdk_kernel_id id, uint64
         struct sdk_pieces p = *(struct sdk_pieces *)args[0];
         for (uint64_t i = 0; i < p.n; i++) {
             void *d = (void *)(uintptr_t)p.dst[i], *s = (void *)(uintptr_t)p.src[i];
-            p.dst[i] = (uintptr_t)emu_gpu_at(d, p.bytes[i], false, l->cur,
-                                             "kernel sdk_k_gather, "
-                                             "a dst");
-            p.src[i] = (uintptr_t)emu_gpu_at(s, p.bytes[i], false, l->cur,
-                                             "kernel sdk_k_gather, "
-                                             "a src");
+            const char *wd = "kernel sdk_k_gather, a dst", *ws = "kernel sdk_k_gather, a src";
+            p.dst[i] = (uintptr_t)emu_gpu_at(d, p.bytes[i], false, l->cur, wd);
+            p.src[i] = (uintptr_t)emu_gpu_at(s, p.bytes[i], false, l->cur, ws);
         }
         void *one[] = {&p};
         emu_launch(l, id, blocks, one);

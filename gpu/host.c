@@ -99,6 +99,21 @@ void sd__host_free(struct sd_mem *mem)
     mem->bytes = 0;
 }
 
+void sd__mem_count(uint64_t *used, uint64_t *peak, int64_t bytes)
+{
+    uint64_t now = __atomic_add_fetch(used, (uint64_t)bytes, __ATOMIC_RELAXED);
+    uint64_t was = __atomic_load_n(peak, __ATOMIC_RELAXED);
+    while (now > was &&
+           !__atomic_compare_exchange_n(peak, &was, now, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+        ;
+}
+
+uint64_t sd__host_memory_bytes(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+}
+
 int sd__host_pinned_alloc(size_t bytes, void **p_p)
 {
     void *p = NULL;
