@@ -151,6 +151,11 @@ const struct sd_config_entry sd_config_table[] = {
      "UDP port of the heartbeat thread (0: any free one, announced to the peers); fix it where a "
      "firewall must let it through",
      0},
+    {"peer_port", SD_CFG_INT, "0", 0, 65535, OFF(peer_port),
+     "TCP port where a member daemon accepts the control links of the daemons it shares a job "
+     "with (0: any free one, announced through the coordinator); fix it where a firewall must "
+     "let it through",
+     0},
     {"heartbeat_timeout_ms", SD_CFG_INT, "5000", 50, 600000, OFF(heartbeat_timeout_ms),
      "a peer silent this long is declared down and its jobs fail", 1},
     {"rendezvous_timeout_ms", SD_CFG_INT, "60000", 100, 3600000, OFF(rendezvous_timeout_ms),

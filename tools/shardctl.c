@@ -228,7 +228,9 @@ static void print_topology(json_t *doc)
     json_t *n, *j, *d;
     json_array_foreach(json_object_get(doc, "topology"), i, n)
     {
-        printf("  node %-4lld %s\n", num(n, "node"), str(n, "state"));
+        /* link: a control link joins the two (the coordinator's, or a job peer's direct one) */
+        printf("  node %-4lld %s%s\n", num(n, "node"), str(n, "state"),
+               json_is_true(json_object_get(n, "link")) ? ", linked" : "");
     }
     json_t *devs = json_object_get(doc, "devices");
     if (json_array_size(devs) == 0)

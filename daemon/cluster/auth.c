@@ -147,6 +147,10 @@ void sd_auth_hello_mac(const struct sd_auth *a, const uint8_t *nc, const uint8_t
     put_bytes(&m, h->config_summary ? h->config_summary : "",
               h->config_summary ? strlen(h->config_summary) : 0);
     put_u64(&m, h->hb_port);
+    put_u64(&m, h->was);
+    put_u64(&m, h->peer);
+    put_u64(&m, h->peer_port);
+    put_u64(&m, h->known);
     sd_hmac_final(&m, out);
 }
 

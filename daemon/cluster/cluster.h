@@ -1,10 +1,12 @@
 /* The control plane between the daemons of a cluster (DESIGN.md section 6): TCP links driven by
- * the libuv loop, node 0 the coordinator. Rendezvous (hello with node, version, config digest and
- * fabric address; the address table once every node is present), heartbeats, and the messages
- * that keep jobs consistent across nodes: report/confirm/refuse of a registration, abort, ready.
- * A job runs on any of the cluster's nodes: its nodes are numbered by its ranks (job node i
- * serves ranks i * k .. i * k + k - 1), and the coordinator's confirmation maps them to the
- * cluster's. Messages about a job name cluster nodes; the job's node list goes with them. */
+ * the libuv loop, node 0 the coordinator, and a direct link between two members while a job
+ * spans both (its messages and heartbeats: a job between members outlives the coordinator).
+ * Rendezvous (hello with node, version, config digest and fabric address; the address table once
+ * every node is present), heartbeats, and the messages that keep jobs consistent across nodes:
+ * report/confirm/refuse of a registration, abort, ready. A job runs on any of the cluster's nodes:
+ * its nodes are numbered by its ranks (job node i serves ranks i * k .. i * k + k - 1), and the
+ * coordinator's confirmation maps them to the cluster's. Messages about a job name cluster nodes;
+ * the job's node list goes with them. */
 #ifndef SD_CLUSTER_H
 #define SD_CLUSTER_H
 
@@ -47,6 +49,13 @@ struct sd_cluster_events {
     int (*formed)(void *ctx);
     /* a transport tag a job of this node still uses (active or retiring) */
     bool (*tag_in_use)(void *ctx, uint32_t tag);
+    /* the tags of this node's jobs still in use, at most cap of them into tags: how many */
+    uint32_t (*tags_in_use)(void *ctx, uint32_t *tags, uint32_t cap);
+    /* a job on this node spans cluster node node (it needs a control link to it) */
+    bool (*node_in_use)(void *ctx, uint32_t node);
+    /* the job of that name on this node (of that transport tag; 0: any) spans cluster node
+     * node: may node's direct link speak of it? */
+    bool (*job_spans)(void *ctx, const char *job, uint32_t tag, uint32_t node);
 };
 
 /* On failure *cl_p may be set too (handles half made): sd_cluster_stop, run the loop, then
@@ -66,6 +75,9 @@ bool sd_cluster_usable(const struct sd_cluster *cl, uint32_t node);
 uint32_t sd_cluster_nodes(const struct sd_cluster *cl);
 /* this daemon's cluster node (0 without a cluster) */
 uint32_t sd_cluster_self(const struct sd_cluster *cl);
+/* Can a job across nodes register now: this node is the coordinator, or its link to the
+ * coordinator is up (a member that lost it rejoins; jobs running between members go on). */
+bool sd_cluster_coordinated(const struct sd_cluster *cl);
 
 /* A job finished registering on this node (status 0) or failed to. The coordinator confirms it
  * once every node reported the same model, world and start: the step it starts from, and

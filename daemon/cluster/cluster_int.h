@@ -24,14 +24,21 @@
 #define MAX_UNAUTHED  32
 /* a member that lost the coordinator tries to reconnect this often */
 #define SD_REJOIN_RETRY_MS 1000
+/* a direct link between members that no job has needed this long goes */
+#define SD_PEER_IDLE_MS 3000
+#define SD_PEER_ADDR    64 /* "ip:port" of a member's peer listener */
 
 #define SD_NO_NODE UINT32_MAX
 
 struct link {
     uv_tcp_t tcp;
+    uv_connect_t conn; /* a member's link to a job peer: its connect */
     struct sd_cluster *cl;
-    int node;    /* -1 until its hello */
-    bool authed; /* the other end proved the cluster's secret (auth.h): it is heard */
+    int node;      /* -1 until its hello (a link to a job peer: the peer's from the start) */
+    bool authed;   /* the other end proved the cluster's secret (auth.h): it is heard */
+    bool incoming; /* accepted here (its hello comes to this end) */
+    bool peer;     /* between two members that share a job (not a link to the coordinator) */
+    bool retired;  /* closed because no job needs it (or a newer one replaced it): no failure */
     uint8_t nonce_c[SD_AUTH_NONCE], nonce_m[SD_AUTH_NONCE]; /* the coordinator's, the member's */
     uint8_t hb_key[SD_SHA256_BYTES];                        /* the session's heartbeat key */
     uint64_t created_ns;
@@ -60,9 +67,12 @@ struct coord_job {
     int status;
     char msg[512];
     uint64_t deadline_ns;
+    /* the transport tags its nodes' jobs use (JobReport.busy_tags): its own is another */
+    uint8_t busy[(1u << SD_TAG_JOB_BITS) / 8];
 };
 
-/* Coordinator: nodes whose ranks of a job all left. */
+/* Nodes whose ranks of a job all left: the coordinator's record of every job, a member's of
+ * its own (which end there when all did, without the coordinator). */
 struct coord_left {
     struct coord_left *next;
     char name[64];
@@ -94,10 +104,10 @@ struct sd_cluster {
      * SD_NO_NODE in an open cluster's member until the coordinator numbered it */
     uint32_t n, cap, self;
     bool open; /* nodes 0: daemons join and leave through the coordinator, which numbers them */
-    struct {   /* this daemon's fabric address and heartbeat port, for its hello */
+    struct {   /* this daemon's fabric address, heartbeat and peer ports, for its hello */
         uint8_t addr[256];
         size_t addr_len;
-        uint32_t hb_port;
+        uint32_t hb_port, peer_port;
     } me;
     bool ready, fatal, stopping;
     bool rejoining; /* member: lost the coordinator after the cluster formed; reconnecting */
@@ -112,21 +122,60 @@ struct sd_cluster {
     uint32_t *hb_port;                /* [n]: UDP heartbeat port of each node (0: none) */
     struct sd_heartbeat *hb;          /* the heartbeat thread (heartbeat.c) */
     struct sd_probe *probe;           /* the peers' data paths (probe.c) */
-    struct link **by_node; /* coordinator: link of each node; member: [0] is the coordinator */
+    /* coordinator: link of each node; member: [0] is the coordinator, [i] a job peer's */
+    struct link **by_node;
     struct link *links;
+    /* the coordinator's for every daemon, a member's for its job peers (loop set: listening) */
     uv_tcp_t listener;
-    bool listening;
+    struct {
+        char (*addrs)[SD_PEER_ADDR]; /* [cap]: each member's peer listener ("": none) */
+        bool *dialing;               /* [cap]: a member's connect to that job peer is pending */
+        uint64_t *idle_ns; /* [cap]: since when no job needs the link to it (0: one does) */
+    } peers;
     uv_timer_t timer;
     uv_timer_t retry;
     uv_connect_t connect_req;
     uint64_t start_ns, hb_seq;
-    uint16_t next_tag;
-    struct coord_job *jobs;
-    struct coord_left *lefts;
-    struct coord_live *live;
+    struct {
+        uint16_t next_tag;
+        struct coord_job *jobs;   /* the coordinator's registrations */
+        struct coord_left *lefts; /* jobs whose nodes are leaving (the coordinator's, a member's) */
+        struct coord_live *live;  /* the coordinator's confirmed jobs */
+        uint32_t reserved; /* an open coordinator: numbers below may be members' not back yet */
+    } track;
 };
 
-/* ---- links.c, for the coordinator */
+/* ---- links.c, for the coordinator and the direct links */
+struct link *sd_cluster__link_new(struct sd_cluster *cl);
+void sd_cluster__read_start(struct link *l);
+void sd_cluster__on_connection(uv_stream_t *server, int status);
+int sd_cluster__parse_hostport(const char *spec, struct sockaddr_storage *ss);
+/* the heartbeat thread's peer for node: l's other end, port, and l's session key */
+void sd_cluster__hb_peer(struct sd_cluster *cl, uint32_t node, struct link *l, uint32_t port);
+/* install the address table: every node up but those in down[] (NULL: none) */
+int sd_cluster__install_table(struct sd_cluster *cl, const protobuf_c_boolean *down);
+/* refuse l's daemon (told, logged) and close the link */
+void sd_cluster__refuse(struct link *l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ---- peers.c: a member's direct links to its job peers */
+bool sd_cluster__job_peer_up(const struct sd_cluster *cl, uint32_t node);
+void sd_cluster__peer_lost(struct sd_cluster *cl, uint32_t node, const char *reason);
+bool sd_cluster__table_fits(struct sd_cluster *cl, const Shard__PeerTable *t);
+void sd_cluster__member_table(struct sd_cluster *cl, struct link *l, const Shard__PeerTable *t);
+bool sd_cluster__peer_heard(struct link *l, const Shard__PeerMsg *m);
+/* A member: node left job name (ids: its nodes): the job ends here once every node left or is
+ * down; gone: node is (down, or its direct link lost), a job that waits for it ends without;
+ * ended: the coordinator ended the job (its JobEnd) */
+void sd_cluster__member_left(struct sd_cluster *cl, const char *name, uint32_t node,
+                             const uint32_t *ids, uint32_t n);
+void sd_cluster__member_gone(struct sd_cluster *cl, uint32_t node);
+void sd_cluster__member_ended(struct sd_cluster *cl, const char *name);
+void sd_cluster__listen_peers(struct sd_cluster *cl, const char *host);
+/* Link l proved the secret and is node's: a member's link to the coordinator, or a direct link
+ * to a job peer (of two links between the same members, the one the lower node opened stays). */
+void sd_cluster__adopt_peer(struct link *l, uint32_t node);
+/* a member's hello on its job peer's listener (proved) */
+void sd_cluster__on_peer_hello(struct link *l, const Shard__PeerHello *h);
 void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m);
 /* send m to node (its link; a member's to another member goes through the coordinator) */
 void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m);
@@ -156,6 +205,7 @@ void sd_probe_stop(struct sd_cluster *cl);
 void sd_probe_free(struct sd_cluster *cl);
 
 /* ---- coordinator.c, for the links */
+void sd_cluster__broadcast_table(struct sd_cluster *cl);
 void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep);
 /* The same for a report that came on node from's link: one in another node's name is dropped
  * (logged). */
@@ -167,6 +217,9 @@ void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t no
                             const uint32_t *ids, uint32_t n);
 /* a member's JobAbort (or the coordinator's own): pass it on to the job's other nodes */
 void sd_cluster__coord_abort(struct sd_cluster *cl, const Shard__PeerMsg *m);
+/* a member's direct links: which job peers need one (and open it), which not any more (close
+ * them once idle SD_PEER_IDLE_MS); at each tick and each confirmation */
+void sd_cluster__peer_links(struct sd_cluster *cl, uint64_t now);
 /* May node speak for job name: it is one of a confirmed job's nodes, or reported a registration
  * of that name; a name no confirmed job has (a registration's, an unknown one): any node. A
  * member's abort, left and relayed job messages for a running job it is not in are dropped. */
@@ -180,6 +233,12 @@ bool sd_cluster__coord_relays(const struct sd_cluster *cl, int from, const char 
 /* The job a member's message for another member is about (the coordinator relays a job's
  * messages only: ready, saved, save done, recover), or NULL. */
 const char *sd_cluster__relayed_job(const Shard__PeerMsg *m);
+
+/* the record of name's nodes (ids) that left, node among them now (made when missing; NULL:
+ * no memory, or ids do not fit); and one dropped */
+struct coord_left *sd_cluster__left_note(struct sd_cluster *cl, const char *name, uint32_t node,
+                                         const uint32_t *ids, uint32_t n);
+void sd_cluster__left_drop(struct sd_cluster *cl, struct coord_left *l);
 
 /* registrations that missed their deadline are refused */
 void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now);

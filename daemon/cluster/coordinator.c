@@ -2,8 +2,49 @@
  * the same model, or refused; its transport tag is chosen and its nodes mapped (job node i is
  * the cluster node whose ranks are i * k .. i * k + k - 1: a job runs on any of the cluster's
  * nodes); a job ends once every node's ranks left it. Members forward what they report to the
- * coordinator, and what they tell each other goes through it (PeerRelay). */
+ * coordinator, and what they tell each other goes through it (PeerRelay), in order with its
+ * decisions; without it, on their direct links (a job spans both). */
 #include "cluster/cluster_int.h"
+
+/* The address table to every member up (each told which node it is). */
+void sd_cluster__broadcast_table(struct sd_cluster *cl)
+{
+    ProtobufCBinaryData *a = calloc(cl->n, sizeof(*a));
+    protobuf_c_boolean *down = calloc(cl->n, sizeof(*down));
+    if (a == NULL || down == NULL) {
+        free(a);
+        free(down);
+        return;
+    }
+    for (uint32_t i = 0; i < cl->n; i++) {
+        a[i].data = cl->addrs[i];
+        a[i].len = cl->addr_len[i];
+        down[i] = !cl->alive[i];
+    }
+    Shard__PeerTable t = SHARD__PEER_TABLE__INIT;
+    t.n_fabric_addrs = cl->n;
+    t.fabric_addrs = a;
+    t.n_down = cl->n;
+    t.down = down;
+    t.n_hb_ports = cl->n;
+    t.hb_ports = cl->hb_port;
+    char **peer = calloc(cl->n, sizeof(*peer));
+    for (uint32_t i = 0; peer != NULL && i < cl->n; i++)
+        peer[i] = cl->peers.addrs[i];
+    t.n_peer_addrs = peer != NULL ? cl->n : 0;
+    t.peer_addrs = peer;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_TABLE;
+    m.table = &t;
+    for (uint32_t i = 1; i < cl->n; i++)
+        if (cl->alive[i]) {
+            t.you = i;
+            sd_cluster__link_send(cl->by_node[i], &m);
+        }
+    free(a);
+    free(down);
+    free(peer);
+}
 
 /* ---- coordinator: job registration across nodes */
 
@@ -18,7 +59,7 @@ static struct coord_job *coord_job_find(struct sd_cluster *cl, const char *name,
                                         const ProtobufCBinaryData *token, bool create,
                                         uint32_t nodes)
 {
-    for (struct coord_job *j = cl->jobs; j; j = j->next)
+    for (struct coord_job *j = cl->track.jobs; j; j = j->next)
         if (strcmp(j->name, name) == 0 &&
             same_token(j->token, j->token_len, token->data, token->len))
             return j;
@@ -37,14 +78,14 @@ static struct coord_job *coord_job_find(struct sd_cluster *cl, const char *name,
     j->token_len = (uint32_t)token->len;
     j->nodes = nodes;
     j->deadline_ns = sd_now_ns() + (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
-    j->next = cl->jobs;
-    cl->jobs = j;
+    j->next = cl->track.jobs;
+    cl->track.jobs = j;
     return j;
 }
 
 static void coord_job_free(struct sd_cluster *cl, struct coord_job *job)
 {
-    for (struct coord_job **pp = &cl->jobs; *pp; pp = &(*pp)->next)
+    for (struct coord_job **pp = &cl->track.jobs; *pp; pp = &(*pp)->next)
         if (*pp == job) {
             *pp = job->next;
             break;
@@ -65,7 +106,7 @@ static uint32_t coord_job_node_of(const struct coord_job *j, uint32_t node)
 /* the registration of name that node reported (NULL: none) */
 static struct coord_job *coord_job_reported(struct sd_cluster *cl, const char *name, uint32_t node)
 {
-    for (struct coord_job *j = cl->jobs; j; j = j->next)
+    for (struct coord_job *j = cl->track.jobs; j; j = j->next)
         if (strcmp(j->name, name) == 0 && coord_job_node_of(j, node) != SD_NO_NODE)
             return j;
     return NULL;
@@ -73,7 +114,7 @@ static struct coord_job *coord_job_reported(struct sd_cluster *cl, const char *n
 
 static bool coord_tag_live(const struct sd_cluster *cl, uint32_t tag)
 {
-    for (const struct coord_live *l = cl->live; l; l = l->next)
+    for (const struct coord_live *l = cl->track.live; l; l = l->next)
         if (l->tag == tag)
             return true;
     return false;
@@ -83,7 +124,7 @@ static bool coord_tag_live(const struct sd_cluster *cl, uint32_t tag)
 static bool coord_live_token(const struct sd_cluster *cl, const char *name, const uint8_t *token,
                              uint32_t len)
 {
-    for (const struct coord_live *l = cl->live; l; l = l->next)
+    for (const struct coord_live *l = cl->track.live; l; l = l->next)
         if (strcmp(l->name, name) == 0 && same_token(l->token, l->token_len, token, len))
             return true;
     return false;
@@ -91,7 +132,7 @@ static bool coord_live_token(const struct sd_cluster *cl, const char *name, cons
 
 static bool coord_name_live(const struct sd_cluster *cl, const char *name)
 {
-    for (const struct coord_live *l = cl->live; l; l = l->next)
+    for (const struct coord_live *l = cl->track.live; l; l = l->next)
         if (strcmp(l->name, name) == 0)
             return true;
     return false;
@@ -100,7 +141,7 @@ static bool coord_name_live(const struct sd_cluster *cl, const char *name)
 bool sd_cluster__coord_member(const struct sd_cluster *cl, const char *name, uint32_t node)
 {
     bool known = false;
-    for (const struct coord_live *l = cl->live; l; l = l->next) {
+    for (const struct coord_live *l = cl->track.live; l; l = l->next) {
         if (strcmp(l->name, name) != 0)
             continue;
         known = true;
@@ -108,7 +149,7 @@ bool sd_cluster__coord_member(const struct sd_cluster *cl, const char *name, uin
             if (l->at[i] == node)
                 return true;
     }
-    for (const struct coord_job *j = cl->jobs; j; j = j->next)
+    for (const struct coord_job *j = cl->track.jobs; j; j = j->next)
         if (strcmp(j->name, name) == 0 && coord_job_node_of(j, node) != SD_NO_NODE &&
             (!known || coord_live_token(cl, name, j->token, j->token_len)))
             return true; /* it reported a registration of that name (the running one's secret) */
@@ -158,7 +199,7 @@ const char *sd_cluster__relayed_job(const Shard__PeerMsg *m)
 static void coord_live_end(struct sd_cluster *cl, const char *name)
 {
     struct coord_live **last = NULL;
-    for (struct coord_live **pp = &cl->live; *pp; pp = &(*pp)->next)
+    for (struct coord_live **pp = &cl->track.live; *pp; pp = &(*pp)->next)
         if (strcmp((*pp)->name, name) == 0)
             last = pp;
     if (last != NULL) {
@@ -198,9 +239,11 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j, uint32_t al
                      j->name, (1u << SD_TAG_JOB_BITS) - 1);
             break;
         }
-        cl->next_tag = (uint16_t)(cl->next_tag % ((1u << SD_TAG_JOB_BITS) - 1) + 1);
-        if (!cl->ev.tag_in_use(cl->ev.ctx, cl->next_tag) && !coord_tag_live(cl, cl->next_tag))
-            tag = cl->next_tag;
+        cl->track.next_tag = (uint16_t)(cl->track.next_tag % ((1u << SD_TAG_JOB_BITS) - 1) + 1);
+        bool busy = j->busy[cl->track.next_tag / 8] & (1u << (cl->track.next_tag % 8));
+        if (!busy && !cl->ev.tag_in_use(cl->ev.ctx, cl->track.next_tag) &&
+            !coord_tag_live(cl, cl->track.next_tag))
+            tag = cl->track.next_tag;
     }
     if (j->status == SD_OK) {
         struct coord_live *live = calloc(1, sizeof(*live));
@@ -211,8 +254,8 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j, uint32_t al
             live->tag = tag;
             live->nodes = j->nodes;
             memcpy(live->at, j->at, j->nodes * sizeof(*live->at));
-            live->next = cl->live;
-            cl->live = live;
+            live->next = cl->track.live;
+            cl->track.live = live;
         } else { /* (without: the tag may be reused while the job runs) */
             free(live);
         }
@@ -254,7 +297,7 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j, uint32_t al
  * job token (another secret, or none) are nodes without the job's secret: refused, and said. */
 static void coord_refuse_strangers(struct sd_cluster *cl, const char *name)
 {
-    for (struct coord_job *j = cl->jobs, *next; j; j = next) {
+    for (struct coord_job *j = cl->track.jobs, *next; j; j = next) {
         next = j->next;
         if (strcmp(j->name, name) != 0)
             continue;
@@ -271,7 +314,7 @@ static void coord_refuse_strangers(struct sd_cluster *cl, const char *name)
         snprintf(j->msg, sizeof(j->msg), "job '%s' runs on other nodes, %s", name,
                  stranger_why(j->token_len));
         coord_decide(cl, j, SD_NO_NODE);
-        next = cl->jobs; /* the list changed: start over (each pass removes one) */
+        next = cl->track.jobs; /* the list changed: start over (each pass removes one) */
     }
 }
 
@@ -374,6 +417,10 @@ void sd_cluster__coord_report(struct sd_cluster *cl, const Shard__JobReport *rep
     }
     j->at[jn] = rep->node;
     j->reported++;
+    for (size_t i = 0; i < rep->n_busy_tags;
+         i++) /* (a job that outlived a coordinator's restart) */
+        if (rep->busy_tags[i] < (1u << SD_TAG_JOB_BITS))
+            j->busy[rep->busy_tags[i] / 8] |= (uint8_t)(1u << (rep->busy_tags[i] % 8));
     if (j->reported == 1) {
         j->digest = rep->digest;
         j->world = rep->world;
@@ -426,7 +473,7 @@ bool sd_cluster__coord_abort_heard(struct sd_cluster *cl, int from, const Shard_
 
 void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now)
 {
-    for (struct coord_job *j = cl->jobs, *next; j; j = next) {
+    for (struct coord_job *j = cl->track.jobs, *next; j; j = next) {
         next = j->next;
         bool dead = false;
         for (uint32_t i = 0; i < j->nodes; i++)
@@ -478,8 +525,8 @@ static struct coord_left *coord_left_new(struct sd_cluster *cl, const char *name
     snprintf(l->name, sizeof(l->name), "%s", name);
     memcpy(l->at, ids, n * sizeof(*ids));
     l->nodes = n;
-    l->next = cl->lefts;
-    cl->lefts = l;
+    l->next = cl->track.lefts;
+    cl->track.lefts = l;
     /* nodes already down will never report */
     for (uint32_t i = 0; i < n; i++)
         if (ids[i] != cl->self && cl->ready && (ids[i] >= cl->n || !cl->alive[ids[i]])) {
@@ -489,26 +536,43 @@ static struct coord_left *coord_left_new(struct sd_cluster *cl, const char *name
     return l;
 }
 
-/* node (a cluster node) left the job whose nodes are ids */
-void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t node,
-                            const uint32_t *ids, uint32_t n)
+struct coord_left *sd_cluster__left_note(struct sd_cluster *cl, const char *name, uint32_t node,
+                                         const uint32_t *ids, uint32_t n)
 {
     if (n == 0 || n > cl->n)
-        return;
+        return NULL;
     struct coord_left *l;
-    for (l = cl->lefts; l; l = l->next)
+    for (l = cl->track.lefts; l; l = l->next)
         if (strcmp(l->name, name) == 0)
             break;
     if (l == NULL && (l = coord_left_new(cl, name, ids, n)) == NULL)
-        return;
+        return NULL;
     for (uint32_t i = 0; i < l->nodes; i++)
         if (l->at[i] == node && !l->seen[i]) {
             l->seen[i] = 1;
             l->left++;
         }
-    if (l->left < l->nodes)
+    return l;
+}
+
+void sd_cluster__left_drop(struct sd_cluster *cl, struct coord_left *l)
+{
+    for (struct coord_left **pp = &cl->track.lefts; *pp; pp = &(*pp)->next)
+        if (*pp == l) {
+            *pp = l->next;
+            break;
+        }
+    coord_left_free(l);
+}
+
+/* node (a cluster node) left the job whose nodes are ids */
+void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t node,
+                            const uint32_t *ids, uint32_t n)
+{
+    struct coord_left *l = sd_cluster__left_note(cl, name, node, ids, n);
+    if (l == NULL || l->left < l->nodes)
         return;
-    for (struct coord_left **pp = &cl->lefts; *pp; pp = &(*pp)->next)
+    for (struct coord_left **pp = &cl->track.lefts; *pp; pp = &(*pp)->next)
         if (*pp == l) {
             *pp = l->next;
             break;
@@ -534,12 +598,6 @@ void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t no
 
 bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, const uint32_t *ids, uint32_t n)
 {
-    if (cl->self == 0) {
-        sd_cluster__coord_left(cl, job, 0, ids, n);
-        return true;
-    }
-    if (!cl->alive[0] || cl->by_node[0] == NULL)
-        return false;
     Shard__JobLeft jl = SHARD__JOB_LEFT__INIT;
     jl.job = (char *)job;
     jl.node = cl->self;
@@ -548,7 +606,30 @@ bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, const uint32_t 
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_LEFT;
     m.job_left = &jl;
-    sd_cluster__link_send(cl->by_node[0], &m);
+    if (cl->self == 0) { /* the members track it too (it may go before their ranks do) */
+        for (uint32_t i = 0; i < n; i++)
+            if (ids[i] != 0 && ids[i] < cl->n && cl->by_node[ids[i]] != NULL)
+                sd_cluster__link_send(cl->by_node[ids[i]], &m);
+        sd_cluster__coord_left(cl, job, 0, ids, n);
+        return true;
+    }
+    /* a member tells its job peers on their direct links, and the coordinator; the job ends
+     * here once every node left (or is down), whichever of them says so first. A peer up but
+     * out of reach without the coordinator: the job ends here alone (the caller retires it) */
+    bool coordinated = cl->alive[0] && cl->by_node[0] != NULL;
+    bool reach = true;
+    for (uint32_t i = 0; i < n; i++)
+        if (ids[i] != 0 && ids[i] != cl->self && ids[i] < cl->n && cl->alive[ids[i]] &&
+            !sd_cluster__job_peer_up(cl, ids[i]))
+            reach = false;
+    if (!coordinated && !reach)
+        return false;
+    for (uint32_t i = 0; i < n; i++)
+        if (ids[i] != 0 && ids[i] != cl->self && sd_cluster__job_peer_up(cl, ids[i]))
+            sd_cluster__link_send(cl->by_node[ids[i]], &m);
+    if (coordinated)
+        sd_cluster__link_send(cl->by_node[0], &m);
+    sd_cluster__member_left(cl, job, cl->self, ids, n);
     return true;
 }
 
@@ -567,6 +648,9 @@ void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *jr
     r.job_token.len = jr->token_len;
     r.status = jr->status;
     r.message = (char *)(jr->msg ? jr->msg : "");
+    uint32_t busy[1u << SD_TAG_JOB_BITS];
+    r.busy_tags = busy;
+    r.n_busy_tags = cl->ev.tags_in_use(cl->ev.ctx, busy, (uint32_t)(sizeof(busy) / sizeof(*busy)));
     if (cl->self == 0) {
         sd_cluster__coord_report(cl, &r);
         return;
@@ -613,10 +697,19 @@ void sd_cluster_abort_job(struct sd_cluster *cl, const struct sd_job_abort *ja)
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
     m.job_abort = &a;
-    if (cl->self == 0)
+    if (cl->self == 0) {
         sd_cluster__coord_abort(cl, &m);
-    else
+        return;
+    }
+    /* through the coordinator, in order with its decisions (a peer may not have its
+     * confirmation yet); without it, a running job's nodes hear it on their direct links */
+    if (cl->by_node[0] != NULL && cl->by_node[0]->authed) {
         sd_cluster__send_to(cl, 0, &m);
+        return;
+    }
+    for (uint32_t i = 0; ja->tag != 0 && i < a.n_nodes; i++)
+        if (a.nodes[i] != cl->self && sd_cluster__job_peer_up(cl, a.nodes[i]))
+            sd_cluster__link_send(cl->by_node[a.nodes[i]], &m);
 }
 
 /* m to each of the job's nodes but this one */
@@ -672,7 +765,7 @@ void sd_cluster_job_recover(struct sd_cluster *cl, uint32_t node, const Shard__J
 /* a dead node's ranks have left every job; a job whose nodes are all down ends */
 void sd_cluster__coord_node_down(struct sd_cluster *cl, uint32_t node)
 {
-    for (struct coord_live **pp = &cl->live; *pp;) {
+    for (struct coord_live **pp = &cl->track.live; *pp;) {
         struct coord_live *l = *pp;
         bool up = false;
         for (uint32_t i = 0; i < l->nodes; i++)
@@ -685,7 +778,7 @@ void sd_cluster__coord_node_down(struct sd_cluster *cl, uint32_t node)
         free(l->at);
         free(l);
     }
-    for (struct coord_left *l = cl->lefts, *next; l; l = next) {
+    for (struct coord_left *l = cl->track.lefts, *next; l; l = next) {
         next = l->next;
         for (uint32_t i = 0; i < l->nodes; i++)
             if (l->at[i] == node) {
@@ -697,16 +790,16 @@ void sd_cluster__coord_node_down(struct sd_cluster *cl, uint32_t node)
 
 void sd_cluster__coord_free(struct sd_cluster *cl)
 {
-    while (cl->jobs)
-        coord_job_free(cl, cl->jobs);
-    while (cl->lefts) {
-        struct coord_left *l = cl->lefts;
-        cl->lefts = l->next;
+    while (cl->track.jobs)
+        coord_job_free(cl, cl->track.jobs);
+    while (cl->track.lefts) {
+        struct coord_left *l = cl->track.lefts;
+        cl->track.lefts = l->next;
         coord_left_free(l);
     }
-    while (cl->live) {
-        struct coord_live *l = cl->live;
-        cl->live = l->next;
+    while (cl->track.live) {
+        struct coord_live *l = cl->track.live;
+        cl->track.live = l->next;
         free(l->at);
         free(l);
     }

@@ -1,6 +1,6 @@
-/* The handshake of a control link (cluster/auth.h says what is proved): the coordinator's
- * challenge, the member's hello, the coordinator's check of it and its welcome, and what an
- * unproved link may say. */
+/* The handshake of a control link (cluster/auth.h says what is proved): the accepting end's
+ * challenge (the coordinator's, or a member's for a job peer's direct link), the connecting
+ * end's hello, its check and the welcome, and what an unproved link may say. */
 #include "cluster/cluster_int.h"
 
 #include <arpa/inet.h>
@@ -101,7 +101,13 @@ static void send_hello(struct sd_cluster *cl, struct link *l)
         return;
     }
     Shard__PeerHello h = SHARD__PEER_HELLO__INIT;
-    h.node = cl->open ? SD_NO_NODE : cl->self; /* an open cluster's coordinator numbers it */
+    /* an open cluster's coordinator numbers it (a rejoin asks for the number it had, which its
+     * running jobs name); a job peer knows it by its number */
+    h.node = cl->open && !l->peer ? SD_NO_NODE : cl->self;
+    h.was = cl->open && !l->peer ? cl->self : SD_NO_NODE;
+    h.known = cl->open && !l->peer && cl->self != SD_NO_NODE ? cl->n : 0;
+    h.peer = l->peer;
+    h.peer_port = cl->me.peer_port;
     h.protocol_version = SD_PROTOCOL_VERSION;
     h.config_digest = cl->digest;
     h.fabric_addr.data = cl->me.addr;
@@ -126,11 +132,13 @@ void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m)
 {
     struct sd_cluster *cl = l->cl;
     char addr[64];
-    if (cl->self == 0) {
-        if (m->msg_case == SHARD__PEER_MSG__MSG_HELLO)
+    if (l->incoming) { /* the coordinator's links; a member's from its job peers */
+        if (m->msg_case != SHARD__PEER_MSG__MSG_HELLO)
+            sd_cluster__link_close(l, "a message before the hello");
+        else if (cl->self == 0)
             sd_cluster__on_hello(l, m->hello);
         else
-            sd_cluster__link_close(l, "a message before the hello");
+            sd_cluster__on_peer_hello(l, m->hello);
         return;
     }
     switch (m->msg_case) {
@@ -148,17 +156,28 @@ void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m)
         if (m->welcome->mac.len != SD_SHA256_BYTES ||
             !sd_mem_equal(want, m->welcome->mac.data, SD_SHA256_BYTES)) {
             SD_ERROR("cluster",
-                     "the coordinator at %s does not prove the cluster's secret (a different "
+                     "the %s at %s does not prove the cluster's secret (a different "
                      "cluster_secret_file?): not heard",
+                     l->peer ? "job peer" : "coordinator",
                      sd_cluster__link_addr(l, addr, sizeof(addr)));
-            sd_cluster__link_close(l, "the coordinator did not prove the secret");
+            l->retired = l->peer;
+            sd_cluster__link_close(l, "the other end did not prove the secret");
             return;
         }
         l->authed = true;
         sd_auth_hb_key(&cl->auth, l->nonce_c, l->nonce_m, l->hb_key);
+        if (l->peer)
+            sd_cluster__adopt_peer(l, (uint32_t)l->node);
         return;
     }
     case SHARD__PEER_MSG__MSG_REFUSE:
+        if (l->peer) { /* a job peer's refusal: that link only */
+            SD_WARN_SPARSE("cluster", "node %d refused a direct link: %s", l->node,
+                           m->refuse->reason);
+            l->retired = true;
+            sd_cluster__link_close(l, "refused");
+            return;
+        }
         /* not proved: a refusal from whoever answers at the coordinator's address ends the
          * start-up, where it names a misconfiguration, but not a cluster this node is in */
         SD_ERROR("cluster", "the daemon at %s refused this node: %s", cl->cfg->coordinator,

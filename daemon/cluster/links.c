@@ -7,11 +7,13 @@
  * that left freed, else a new one) with the grown table (PeerTable.you). */
 #include "cluster/cluster_int.h"
 
+#include <arpa/inet.h>
+
 static void retry_cb(uv_timer_t *t);
 
 /* The heartbeat thread's peer for node: the address of l's other end, port, and the session
  * key of l's handshake. */
-static void hb_peer(struct sd_cluster *cl, uint32_t node, struct link *l, uint32_t port)
+void sd_cluster__hb_peer(struct sd_cluster *cl, uint32_t node, struct link *l, uint32_t port)
 {
     struct sockaddr_storage ss;
     int len = sizeof(ss);
@@ -35,7 +37,7 @@ static const protobuf_c_boolean *cl_down_list(struct sd_cluster *cl)
     return cl->down_scratch;
 }
 
-static int parse_hostport(const char *spec, struct sockaddr_storage *ss)
+int sd_cluster__parse_hostport(const char *spec, struct sockaddr_storage *ss)
 {
     char host[128];
     const char *colon = strrchr(spec, ':');
@@ -93,7 +95,9 @@ void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m)
     }
 }
 
-/* Send to a node: the coordinator has a link per node; a member reaches others through it. */
+/* Send to a node: the coordinator has a link per node; a member reaches the others through it
+ * (in order with its decisions: a peer may not have its confirmation of a job yet), or without
+ * it a job peer on their direct link. */
 void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m)
 {
     if (node == cl->self || node >= cl->n)
@@ -103,10 +107,16 @@ void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__Peer
             sd_cluster__link_send(cl->by_node[node], m);
         return;
     }
-    if (cl->by_node[0] == NULL)
+    if (cl->by_node[0] == NULL && (cl->by_node[node] == NULL || !cl->by_node[node]->peer))
         return;
     if (node == 0) {
         sd_cluster__link_send(cl->by_node[0], m);
+        return;
+    }
+    struct link *direct = cl->by_node[node];
+    if ((cl->by_node[0] == NULL || !cl->by_node[0]->authed) && direct != NULL && direct->peer &&
+        direct->authed) { /* without the coordinator: a job peer's own link */
+        sd_cluster__link_send(direct, m);
         return;
     }
     Shard__PeerRelay r = SHARD__PEER_RELAY__INIT;
@@ -128,6 +138,8 @@ static void node_down(struct sd_cluster *cl, uint32_t node, const char *reason)
     SD_WARN("cluster", "node %u is down: %s", node, reason);
     if (cl->self == 0)
         sd_cluster__coord_node_down(cl, node);
+    else
+        sd_cluster__member_gone(cl, node);
     if (cl->self == 0) { /* tell the others */
         Shard__NodeDown nd = SHARD__NODE_DOWN__INIT;
         nd.node = node;
@@ -143,46 +155,18 @@ static void node_down(struct sd_cluster *cl, uint32_t node, const char *reason)
     cl->ev.node_down(cl->ev.ctx, node, reason);
     if (cl->ready)
         cl->tp->ops->peer_down(cl->tp, node);
+    struct link *direct = cl->self != 0 ? cl->by_node[node] : NULL;
+    if (direct != NULL && direct->peer) { /* its end learns it from the closed link */
+        direct->retired = true;
+        sd_cluster__link_close(direct, "the node is down");
+    }
 }
 
 /* ---- coordinator: rendezvous */
 
-static void broadcast_table(struct sd_cluster *cl)
-{
-    ProtobufCBinaryData *a = calloc(cl->n, sizeof(*a));
-    protobuf_c_boolean *down = calloc(cl->n, sizeof(*down));
-    if (a == NULL || down == NULL) {
-        free(a);
-        free(down);
-        return;
-    }
-    for (uint32_t i = 0; i < cl->n; i++) {
-        a[i].data = cl->addrs[i];
-        a[i].len = cl->addr_len[i];
-        down[i] = !cl->alive[i];
-    }
-    Shard__PeerTable t = SHARD__PEER_TABLE__INIT;
-    t.n_fabric_addrs = cl->n;
-    t.fabric_addrs = a;
-    t.n_down = cl->n;
-    t.down = down;
-    t.n_hb_ports = cl->n;
-    t.hb_ports = cl->hb_port;
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_TABLE;
-    m.table = &t;
-    for (uint32_t i = 1; i < cl->n; i++)
-        if (cl->alive[i]) {
-            t.you = i;
-            sd_cluster__link_send(cl->by_node[i], &m);
-        }
-    free(a);
-    free(down);
-}
-
 /* The address table (again, after a node rejoined): every node is up but those in down[]
  * (NULL: none), which the transport forgets at once. */
-static int install_table(struct sd_cluster *cl, const protobuf_c_boolean *down)
+int sd_cluster__install_table(struct sd_cluster *cl, const protobuf_c_boolean *down)
 {
     const void **p = calloc(cl->n, sizeof(*p));
     for (uint32_t i = 0; i < cl->n; i++)
@@ -212,9 +196,7 @@ static int install_table(struct sd_cluster *cl, const protobuf_c_boolean *down)
     return SD_OK;
 }
 
-static void refuse(struct link *l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void refuse(struct link *l, const char *fmt, ...)
+void sd_cluster__refuse(struct link *l, const char *fmt, ...)
 {
     char text[1024];
     va_list ap;
@@ -237,47 +219,72 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
     if (!sd_cluster__hello_authentic(l, h))
         return;
     uint32_t node = h->node;
-    if (cl->open && node != SD_NO_NODE) {
-        refuse(l,
-               "a daemon that calls itself node %u joins an open cluster (nodes 0), whose "
-               "coordinator numbers its members: start it with nodes 0 and no node",
-               node);
+    if (h->peer) {
+        sd_cluster__refuse(
+            l,
+            "a direct link from node %u to the coordinator: a member reaches it on its "
+            "own link",
+            node);
         return;
     }
-    if (cl->open) { /* a node that left gives its number to the next to come, else a new one */
-        node = cl->n;
-        for (uint32_t i = 1; i < cl->n; i++)
-            if (!cl->alive[i] && cl->by_node[i] == NULL) {
-                node = i;
-                break;
-            }
+    if (cl->open && node != SD_NO_NODE) {
+        sd_cluster__refuse(
+            l,
+            "a daemon that calls itself node %u joins an open cluster (nodes 0), whose "
+            "coordinator numbers its members: start it with nodes 0 and no node",
+            node);
+        return;
+    }
+    if (cl->open) {
+        /* a member that rejoins keeps its number (its running jobs name it) unless another
+         * holds it; else a node that left gives its number to the next to come (one this
+         * coordinator saw: a number it never saw may be a member's that has not rejoined
+         * yet), else a new one */
+        node = SD_MAX(cl->n, cl->track.reserved);
+        uint32_t was = h->was;
+        if (was != 0 && was < cl->cap)
+            cl->track.reserved = SD_MAX(cl->track.reserved, SD_MIN(h->known, cl->cap));
+        bool same = was < cl->n && h->fabric_addr.len == cl->addr_len[was] &&
+                    memcmp(h->fabric_addr.data, cl->addrs[was], cl->addr_len[was]) == 0;
+        if (was != 0 && was < cl->cap && (was >= cl->n || cl->by_node[was] == NULL || same)) {
+            node = was;
+        } else {
+            for (uint32_t i = 1; i < cl->n; i++)
+                if (!cl->alive[i] && cl->present[i] && cl->by_node[i] == NULL) {
+                    node = i;
+                    break;
+                }
+        }
         if (node >= cl->cap) {
-            refuse(l, "the open cluster has its %u nodes up", cl->cap);
+            sd_cluster__refuse(l, "the open cluster has its %u nodes up", cl->cap);
             return;
         }
     } else if (node == 0 || node >= cl->n) {
-        refuse(l, "node %u is out of range: this cluster has nodes 0..%u", node, cl->n - 1);
+        sd_cluster__refuse(l, "node %u is out of range: this cluster has nodes 0..%u", node,
+                           cl->n - 1);
         return;
     }
     Shard__PeerHello hn = *h;
     hn.node = node;
     h = &hn;
     if (h->protocol_version != SD_PROTOCOL_VERSION || strcmp(h->version, SHARD_VERSION) != 0) {
-        refuse(l, "node %u runs shardd %s (protocol v%u); the coordinator runs %s (v%d)", h->node,
-               h->version, h->protocol_version, SHARD_VERSION, SD_PROTOCOL_VERSION);
+        sd_cluster__refuse(
+            l, "node %u runs shardd %s (protocol v%u); the coordinator runs %s (v%d)", h->node,
+            h->version, h->protocol_version, SHARD_VERSION, SD_PROTOCOL_VERSION);
         return;
     }
     if (h->config_digest != cl->digest) {
-        refuse(l,
-               "node %u has a different cluster configuration: it has [%s], the coordinator "
-               "has [%s]",
-               h->node, h->config_summary, cl->summary);
+        sd_cluster__refuse(
+            l,
+            "node %u has a different cluster configuration: it has [%s], the coordinator "
+            "has [%s]",
+            h->node, h->config_summary, cl->summary);
         return;
     }
     struct link *old = cl->by_node[h->node];
     if (cl->present[h->node] && cl->alive[h->node] && old != NULL && old != l) {
         if (!cl->ready) {
-            refuse(l, "node %u is already in the cluster", h->node);
+            sd_cluster__refuse(l, "node %u is already in the cluster", h->node);
             return;
         }
         /* a node that lost its link (a freeze, a partition) and came back: the old link is
@@ -289,68 +296,45 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
         sd_cluster__link_close(old, "the node connected again");
     }
     if (h->fabric_addr.len > sizeof(cl->addrs[0])) {
-        refuse(l, "node %u: fabric address of %zu bytes is too long", h->node, h->fabric_addr.len);
+        sd_cluster__refuse(l, "node %u: fabric address of %zu bytes is too long", h->node,
+                           h->fabric_addr.len);
         return;
     }
-    if (cl->open && h->node == cl->n)
-        cl->n++; /* a new node: the table grows */
+    if (cl->open && h->node >= cl->n)
+        cl->n = h->node + 1; /* a new node: the table grows (past numbers not back yet) */
     l->node = (int)h->node;
+    char ip[SD_PEER_ADDR] = "";
+    sd_cluster__link_addr(l, ip, sizeof(ip));
+    char *colon = strrchr(ip, ':');
+    if (colon != NULL && h->peer_port != 0 && h->peer_port <= 65535)
+        snprintf(colon + 1, sizeof(ip) - (size_t)(colon + 1 - ip), "%u", h->peer_port);
+    snprintf(cl->peers.addrs[h->node], SD_PEER_ADDR, "%s",
+             colon != NULL && h->peer_port != 0 ? ip : "");
     cl->by_node[h->node] = l;
     memcpy(cl->addrs[h->node], h->fabric_addr.data, h->fabric_addr.len);
     cl->addr_len[h->node] = h->fabric_addr.len;
     bool rejoin = cl->present[h->node];
     cl->present[h->node] = true;
     cl->hb_port[h->node] = h->hb_port;
-    hb_peer(cl, h->node, l, h->hb_port);
+    sd_cluster__hb_peer(cl, h->node, l, h->hb_port);
     SD_INFO("cluster", "node %u joined%s", h->node, rejoin ? " again" : "");
     if (cl->ready) {
         /* a restarted or unfrozen node: give everyone the table again, it serves new jobs */
         cl->alive[h->node] = true;
-        if (install_table(cl, cl_down_list(cl)) == SD_OK)
-            broadcast_table(cl);
+        if (sd_cluster__install_table(cl, cl_down_list(cl)) == SD_OK)
+            sd_cluster__broadcast_table(cl);
         return;
     }
     for (uint32_t i = 0; i < cl->n; i++)
         if (!cl->present[i])
             return;
-    if (install_table(cl, NULL) == SD_OK)
-        broadcast_table(cl);
+    if (sd_cluster__install_table(cl, NULL) == SD_OK)
+        sd_cluster__broadcast_table(cl);
 }
 
 /* ---- receiving */
 
 static void on_message(struct link *l, const Shard__PeerMsg *m);
-
-/* A member: does the coordinator's table fit (a fixed cluster's has its nodes; an open one's
- * may have grown, and says which node this one is)? This node takes its number then. */
-static bool table_fits(struct sd_cluster *cl, const Shard__PeerTable *t)
-{
-    if (!cl->open)
-        return t->n_fabric_addrs == cl->n;
-    uint32_t n = (uint32_t)t->n_fabric_addrs;
-    if (n < 2 || n > cl->cap || t->you == 0 || t->you >= n || t->n_hb_ports < n) {
-        SD_WARN_SPARSE("cluster", "an address table of %u nodes naming this one node %u: ignored",
-                       n, t->you);
-        return false;
-    }
-    if (t->you != cl->self) {
-        if (cl->self != SD_NO_NODE)
-            SD_WARN("cluster", "the coordinator numbers this daemon node %u now (it was %u)",
-                    t->you, cl->self);
-        else
-            SD_INFO("cluster", "the coordinator numbered this daemon node %u", t->you);
-        cl->self = t->you;
-        cl->tp->self = t->you;
-        sd_heartbeat_set_self(cl->hb, t->you);
-        memcpy(cl->addrs[cl->self], cl->me.addr, cl->me.addr_len);
-        cl->addr_len[cl->self] = cl->me.addr_len;
-        cl->hb_port[cl->self] = cl->me.hb_port;
-    }
-    for (uint32_t i = n; i < cl->n; i++) /* (a coordinator that restarted has fewer) */
-        cl->present[i] = cl->alive[i] = false;
-    cl->n = n;
-    return true;
-}
 
 /* The coordinator passes a member's message for another member on (a job's messages only:
  * what a member may say about the cluster it says to the coordinator itself). */
@@ -379,25 +363,15 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         sd_cluster__on_unauthed(l, m);
         return;
     }
+    if (l->peer && !sd_cluster__peer_heard(l, m))
+        return;
     switch (m->msg_case) {
     case SHARD__PEER_MSG__MSG_HELLO: /* once per link, before it was heard */
         sd_cluster__link_close(l, "a second hello");
         break;
     case SHARD__PEER_MSG__MSG_TABLE:
-        if (cl->self == 0 || !table_fits(cl, m->table))
-            break;
-        for (uint32_t i = 0; i < cl->n; i++) {
-            size_t len = SD_MIN(m->table->fabric_addrs[i].len, sizeof(cl->addrs[0]));
-            memcpy(cl->addrs[i], m->table->fabric_addrs[i].data, len);
-            cl->addr_len[i] = len;
-        }
-        l->node = 0;
-        for (uint32_t i = 0; i < cl->n && i < m->table->n_hb_ports; i++)
-            if (i != cl->self)
-                cl->hb_port[i] = m->table->hb_ports[i];
-        hb_peer(cl, 0, l, cl->hb_port[0]); /* a member's one peer: the coordinator */
-        if (install_table(cl, m->table->n_down == cl->n ? m->table->down : NULL) != SD_OK)
-            cl->fatal = true;
+        if (cl->self != 0 && sd_cluster__table_fits(cl, m->table))
+            sd_cluster__member_table(cl, l, m->table);
         break;
     case SHARD__PEER_MSG__MSG_REFUSE:
         SD_ERROR("cluster", "the coordinator refused this daemon: %s", m->refuse->reason);
@@ -413,6 +387,7 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
     case SHARD__PEER_MSG__MSG_JOB_CONFIRM:
         cl->ev.job_confirmed(cl->ev.ctx, m->job_confirm->job, m->job_confirm->tag,
                              m->job_confirm->nodes, (uint32_t)m->job_confirm->n_nodes);
+        sd_cluster__peer_links(cl, sd_now_ns()); /* its peers' direct links, before it runs */
         break;
     case SHARD__PEER_MSG__MSG_JOB_REFUSE:
         cl->ev.job_refused(cl->ev.ctx, m->job_refuse->job, m->job_refuse->status,
@@ -432,13 +407,16 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         break;
     case SHARD__PEER_MSG__MSG_JOB_LEFT: {
         static uint64_t left_logged;
-        if (cl->self == 0 &&
-            sd_cluster__coord_hears(cl, m->job_left->job, l->node, "'left'", &left_logged))
-            sd_cluster__coord_left(cl, m->job_left->job, (uint32_t)l->node, m->job_left->nodes,
-                                   (uint32_t)m->job_left->n_nodes);
+        const Shard__JobLeft *jl = m->job_left;
+        if (cl->self == 0 && sd_cluster__coord_hears(cl, jl->job, l->node, "'left'", &left_logged))
+            sd_cluster__coord_left(cl, jl->job, (uint32_t)l->node, jl->nodes,
+                                   (uint32_t)jl->n_nodes);
+        else if (cl->self != 0 && jl->node == (uint32_t)l->node) /* a peer, or node 0 */
+            sd_cluster__member_left(cl, jl->job, jl->node, jl->nodes, (uint32_t)jl->n_nodes);
         break;
     }
     case SHARD__PEER_MSG__MSG_JOB_END:
+        sd_cluster__member_ended(cl, m->job_end->job);
         cl->ev.job_ended(cl->ev.ctx, m->job_end->job);
         break;
     case SHARD__PEER_MSG__MSG_JOB_SAVED:
@@ -457,6 +435,10 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         break;
     case SHARD__PEER_MSG__MSG_NODE_DOWN:
         node_down(cl, m->node_down->node, m->node_down->reason);
+        break;
+    case SHARD__PEER_MSG__MSG_BYE:
+        l->retired = true;
+        sd_cluster__link_close(l, "the peer closed it: no job of theirs needs it");
         break;
     default:
         break;
@@ -513,6 +495,11 @@ static void read_cb(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
     l->rx_len -= off;
 }
 
+void sd_cluster__read_start(struct link *l)
+{
+    uv_read_start((uv_stream_t *)&l->tcp, alloc_cb, read_cb);
+}
+
 static void link_free_cb(uv_handle_t *h)
 {
     struct link *l = h->data;
@@ -532,33 +519,37 @@ void sd_cluster__link_close(struct link *l, const char *why)
             break;
         }
     int node = l->node;
-    if (node >= 0 && (uint32_t)node < cl->n && cl->by_node[node] == l)
+    bool mine = node >= 0 && (uint32_t)node < cl->cap && cl->by_node[node] == l;
+    if (mine) {
         cl->by_node[node] = NULL;
-    else if (cl->self != 0 && cl->by_node[0] == l)
+        if (l->peer) /* no job needs its heartbeats any more, or it is lost */
+            sd_heartbeat_set_peer(cl->hb, (uint32_t)node, NULL, 0, NULL);
+    } else if (cl->self != 0 && !l->peer && cl->by_node[0] == l) {
         cl->by_node[0] = NULL;
+    }
+    if (l->peer && !l->incoming && node >= 0 && (uint32_t)node < cl->cap && !l->authed)
+        cl->peers.dialing[node] = false;
     uv_close((uv_handle_t *)&l->tcp, link_free_cb);
     if (cl->stopping)
         return;
+    if (l->peer) {
+        if (mine && !l->retired && cl->ready)
+            sd_cluster__peer_lost(cl, (uint32_t)node, why);
+        return;
+    }
     if (node >= 0 && cl->ready) {
         char reason[160];
         snprintf(reason, sizeof(reason), "%s", why);
         node_down(cl, (uint32_t)node, reason);
         if (cl->self != 0 && node == 0 && !cl->rejoining) {
-            /* without the coordinator this node serves no job across nodes: reconnect, and
-             * rejoin with a new address table (every job that spanned the lost link failed) */
+            /* a member without the coordinator: the jobs with ranks on node 0 failed (above);
+             * those between members go on over their direct links. Reconnect, and rejoin
+             * with a new address table (keeping this node's number, which they name) */
             cl->rejoining = true;
             SD_WARN("cluster",
                     "lost the coordinator (%s): reconnecting to %s every %d ms to "
-                    "rejoin",
+                    "rejoin; jobs between members go on",
                     why, cl->cfg->coordinator, SD_REJOIN_RETRY_MS);
-            /* and every other node with it: the coordinator tells them that this node is
-             * down, so they drop their fabric connections to it; this node drops its own
-             * to them, or after the rejoin it would keep sending over a connection that
-             * the other end has closed and refuse the new one that end opens (libfabric's
-             * rxm takes it for a duplicate of the connection it still believes in) */
-            for (uint32_t i = 1; i < cl->n; i++)
-                if (i != cl->self)
-                    node_down(cl, i, "this node lost the coordinator");
             uv_timer_start(&cl->retry, retry_cb, SD_REJOIN_RETRY_MS, 0);
         }
     } else if (cl->self != 0 && !cl->ready && !cl->fatal) {
@@ -566,7 +557,7 @@ void sd_cluster__link_close(struct link *l, const char *why)
     }
 }
 
-static struct link *link_new(struct sd_cluster *cl)
+struct link *sd_cluster__link_new(struct sd_cluster *cl)
 {
     struct link *l = calloc(1, sizeof(*l));
     l->cl = cl;
@@ -579,13 +570,14 @@ static struct link *link_new(struct sd_cluster *cl)
     return l;
 }
 
-static void on_connection(uv_stream_t *server, int status)
+void sd_cluster__on_connection(uv_stream_t *server, int status)
 {
     struct sd_cluster *cl = server->data;
     if (status < 0)
         return;
     sd_cluster__admit(cl);
-    struct link *l = link_new(cl);
+    struct link *l = sd_cluster__link_new(cl);
+    l->incoming = true;
     if (uv_accept(server, (uv_stream_t *)&l->tcp) != 0) {
         sd_cluster__link_close(l, "accept failed");
         return;
@@ -634,9 +626,9 @@ static void try_connect(struct sd_cluster *cl)
 {
     struct sockaddr_storage ss;
     if ((cl->ready && !cl->rejoining) || cl->stopping ||
-        parse_hostport(cl->cfg->coordinator, &ss) != SD_OK)
+        sd_cluster__parse_hostport(cl->cfg->coordinator, &ss) != SD_OK)
         return;
-    struct link *l = link_new(cl);
+    struct link *l = sd_cluster__link_new(cl);
     cl->connect_req.data = l;
     cl->connecting = l;
     cl->connect_started_ns = sd_now_ns();
@@ -695,7 +687,7 @@ static void timer_cb(uv_timer_t *t)
         next = l->next;
         if (!l->authed && now - l->created_ns > (uint64_t)SD_AUTH_MS * 1000000ULL) {
             char addr[64];
-            cl->auth_refused += cl->self == 0;
+            cl->auth_refused += l->incoming;
             SD_WARN("cluster",
                     "a connection with %s did not prove the cluster's secret within %d "
                     "ms: closed",
@@ -726,6 +718,8 @@ static void timer_cb(uv_timer_t *t)
     sd_probe_tick(cl, now);
     if (cl->self == 0)
         sd_cluster__coord_sweep(cl, now);
+    else
+        sd_cluster__peer_links(cl, now);
 }
 
 /* ---- API */
@@ -761,8 +755,12 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     cl->down_scratch = calloc(cl->cap, sizeof(*cl->down_scratch));
     cl->hb_port = calloc(cl->cap, sizeof(*cl->hb_port));
     cl->by_node = calloc(cl->cap, sizeof(*cl->by_node));
+    cl->peers.addrs = calloc(cl->cap, sizeof(*cl->peers.addrs));
+    cl->peers.dialing = calloc(cl->cap, sizeof(*cl->peers.dialing));
+    cl->peers.idle_ns = calloc(cl->cap, sizeof(*cl->peers.idle_ns));
     if (!cl->addrs || !cl->addr_len || !cl->present || !cl->alive || !cl->down_scratch ||
-        !cl->hb_port || !cl->by_node) {
+        !cl->hb_port || !cl->by_node || !cl->peers.addrs || !cl->peers.dialing ||
+        !cl->peers.idle_ns) {
         *cl_p = cl;
         return SD_ENOMEM;
     }
@@ -817,17 +815,16 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
 
     if (cl->self == 0) {
         struct sockaddr_storage ss;
-        if (parse_hostport(cfg->coordinator, &ss) != SD_OK) {
+        if (sd_cluster__parse_hostport(cfg->coordinator, &ss) != SD_OK) {
             SD_ERROR("cluster", "coordinator '%s' is not host:port", cfg->coordinator);
             *cl_p = cl;
             return SD_ECONFIG;
         }
         uv_tcp_init(loop, &cl->listener);
         cl->listener.data = cl;
-        cl->listening = true;
         int r = uv_tcp_bind(&cl->listener, (struct sockaddr *)&ss, 0);
         if (r == 0)
-            r = uv_listen((uv_stream_t *)&cl->listener, 128, on_connection);
+            r = uv_listen((uv_stream_t *)&cl->listener, 128, sd_cluster__on_connection);
         if (r != 0) {
             SD_ERROR("cluster", "cannot listen on %s: %s", cfg->coordinator, uv_strerror(r));
             *cl_p = cl;
@@ -835,7 +832,7 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
         }
         if (cl->open) { /* ready at once: the others join it */
             SD_INFO("cluster", "coordinator of an open cluster listening on %s", cfg->coordinator);
-            st = install_table(cl, NULL);
+            st = sd_cluster__install_table(cl, NULL);
             if (st != SD_OK) {
                 *cl_p = cl;
                 return st;
@@ -844,6 +841,7 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
             SD_INFO("cluster", "coordinator listening on %s for %u nodes", cfg->coordinator, cl->n);
         }
     } else {
+        sd_cluster__listen_peers(cl, host);
         try_connect(cl);
     }
     *cl_p = cl;
@@ -862,7 +860,7 @@ void sd_cluster_stop(struct sd_cluster *cl)
     cl->stopping = true;
     while (cl->links != NULL)
         sd_cluster__link_close(cl->links, "daemon stopping");
-    if (cl->listening)
+    if (cl->listener.loop != NULL)
         uv_close((uv_handle_t *)&cl->listener, noop_close);
     if (cl->timer.loop != NULL) { /* the timers were initialized */
         uv_timer_stop(&cl->timer);
@@ -888,6 +886,9 @@ void sd_cluster_free(struct sd_cluster *cl)
     free(cl->down_scratch);
     free(cl->hb_port);
     free(cl->by_node);
+    free(cl->peers.addrs);
+    free(cl->peers.dialing);
+    free(cl->peers.idle_ns);
     sd_probe_free(cl);
     free(cl);
 }

@@ -32,15 +32,22 @@ uint32_t sd_cluster_self(const struct sd_cluster *cl)
     return cl ? cl->self : 0;
 }
 
+bool sd_cluster_coordinated(const struct sd_cluster *cl)
+{
+    return cl == NULL || cl->self == 0 ||
+           (!cl->rejoining && cl->by_node[0] != NULL && cl->by_node[0]->authed);
+}
+
 json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl)
 {
     uint64_t sent, received, dropped;
     sd_heartbeat_counts(cl ? cl->hb : NULL, &sent, &received, &dropped);
     /* dropped: datagrams of no peer, a bad MAC or an old sequence number; peers_refused:
      * connections that did not prove the cluster's secret */
-    return json_pack("{s:b, s:I, s:I, s:I, s:i, s:I}", "thread", cl != NULL && cl->hb != NULL,
+    return json_pack("{s:b, s:I, s:I, s:I, s:i, s:i, s:I}", "thread", cl != NULL && cl->hb != NULL,
                      "sent", (json_int_t)sent, "received", (json_int_t)received, "dropped",
-                     (json_int_t)dropped, "port", cl ? (int)cl->me.hb_port : 0, "peers_refused",
+                     (json_int_t)dropped, "port", cl ? (int)cl->me.hb_port : 0, "peer_port",
+                     cl ? (int)cl->me.peer_port : 0, "peers_refused",
                      (json_int_t)(cl ? cl->auth_refused : 0));
 }
 
@@ -48,12 +55,13 @@ json_t *sd_cluster_json(const struct sd_cluster *cl)
 {
     json_t *nodes = json_array();
     for (uint32_t i = 0; cl && i < cl->n; i++)
-        json_array_append_new(nodes, json_pack("{s:i, s:b, s:s}", "node", (int)i, "self",
-                                               i == cl->self, "state",
-                                               i == cl->self        ? "self"
-                                               : !cl->present[i]    ? "absent"
-                                               : !cl->alive[i]      ? "down"
-                                               : sd_probe_ok(cl, i) ? "up"
-                                                                    : "probing"));
+        json_array_append_new(
+            nodes, json_pack("{s:i, s:b, s:b, s:s}", "node", (int)i, "self", i == cl->self, "link",
+                             cl->by_node[i] != NULL && cl->by_node[i]->authed, "state",
+                             i == cl->self        ? "self"
+                             : !cl->present[i]    ? "absent"
+                             : !cl->alive[i]      ? "down"
+                             : sd_probe_ok(cl, i) ? "up"
+                                                  : "probing"));
     return nodes;
 }

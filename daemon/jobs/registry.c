@@ -169,6 +169,45 @@ static bool ev_tag_in_use(void *ctx, uint32_t tag)
     return sd_registry_find_tag(ctx, tag) != NULL;
 }
 
+static uint32_t ev_tags_in_use(void *ctx, uint32_t *tags, uint32_t cap)
+{
+    struct sd_registry *reg = ctx;
+    struct sd_job *lists[2] = {reg->jobs, reg->zombies};
+    uint32_t n = 0;
+    for (int i = 0; i < 2; i++)
+        for (struct sd_job *j = lists[i]; j && n < cap; j = j->next)
+            if (j->nodes > 1 && j->xfer.tag != 0)
+                tags[n++] = j->xfer.tag;
+    return n;
+}
+
+/* a job here (confirmed: its nodes known; failed ones too, whose state a recovery may read)
+ * spans cluster node node */
+static bool job_spans_node(const struct sd_job *job, uint32_t node)
+{
+    return job->nodes > 1 && job->state != SD_JOB_REGISTERING &&
+           sd_job_node_of(job, node) != SD_NODE_UNKNOWN;
+}
+
+static bool ev_node_in_use(void *ctx, uint32_t node)
+{
+    struct sd_registry *reg = ctx;
+    for (struct sd_job *j = reg->jobs; j; j = j->next)
+        if (job_spans_node(j, node))
+            return true;
+    return false;
+}
+
+static bool ev_job_spans(void *ctx, const char *name, uint32_t tag, uint32_t node)
+{
+    struct sd_registry *reg = ctx;
+    for (struct sd_job *j = reg->jobs; j; j = j->next)
+        if (strcmp(j->name, name) == 0 && (tag == 0 || j->xfer.tag == tag) &&
+            job_spans_node(j, node))
+            return true;
+    return false;
+}
+
 static void ev_job_ended(void *ctx, const char *name)
 {
     struct sd_job *job = sd_registry_find(ctx, name);
@@ -194,7 +233,10 @@ void sd_registry_cluster_events(struct sd_registry *reg, struct sd_cluster_event
                                        .job_recover = ev_job_recover,
                                        .node_down = ev_node_down,
                                        .formed = ev_formed,
-                                       .tag_in_use = ev_tag_in_use};
+                                       .tag_in_use = ev_tag_in_use,
+                                       .tags_in_use = ev_tags_in_use,
+                                       .node_in_use = ev_node_in_use,
+                                       .job_spans = ev_job_spans};
 }
 
 /* ---- the list of jobs */

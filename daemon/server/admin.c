@@ -526,8 +526,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
             nodes = sd_cluster_json(cl);
         } else {
             nodes = json_array();
-            json_array_append_new(
-                nodes, json_pack("{s:i, s:b, s:s}", "node", 0, "self", 1, "state", "self"));
+            json_array_append_new(nodes, json_pack("{s:i, s:b, s:b, s:s}", "node", 0, "self", 1,
+                                                   "link", 0, "state", "self"));
         }
         out = json_pack("{s:i, s:i, s:I, s:I, s:s, s:s, s:b, s:s, s:o, s:o}", "node",
                         (int)sd_cluster_self(cl), "nodes", (int)sd_cluster_nodes(cl),

@@ -50,6 +50,8 @@ static int ofi_getname(struct sd_transport *tp, void *addr, size_t *len_p)
 static int insert_peer(struct ofi *o, uint32_t i, uint32_t n, const uint8_t *a, size_t len)
 {
     size_t used = 0;
+    if (len == 0) /* a number no daemon holds yet (an open cluster's, not rejoined) */
+        return SD_ENOENT;
     for (uint32_t r = 0; r < o->n_rails; r++) {
         if (used >= len || used + 1 + a[used] > len) {
             SD_ERROR("ofi", "node %u published a malformed fabric address (%zu bytes)", i, len);

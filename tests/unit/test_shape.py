@@ -57,7 +57,8 @@ PRIVATE = {
     "persist/checkpoint_int.h": ("persist/checkpoint.c", "persist/ckpt_commit.c",
                                  "persist/ckpt_load.c"),
     "cluster/cluster_int.h": ("cluster/links.c", "cluster/handshake.c",
-                              "cluster/coordinator.c", "cluster/probe.c", "cluster/state.c"),
+                              "cluster/coordinator.c", "cluster/probe.c", "cluster/state.c",
+                              "cluster/peers.c"),
 }
 # what each lower floor may include besides its own headers and sd/ (the build links each floor
 # alone as well: daemon/CMakeLists.txt, layer_check)

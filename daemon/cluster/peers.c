@@ -1,0 +1,356 @@
+/* A member's direct links to its job peers (DESIGN.md section 6): while a job spans two members
+ * they keep a control link of their own (opened by whichever needs it first; of two, the one the
+ * lower node opened stays), authenticated as any link is, with heartbeats on it and on the
+ * heartbeat thread, and closed by the end that opened it once no job there has needed it for
+ * SD_PEER_IDLE_MS. Its loss fails the jobs that span both, on both ends, and nothing else (the
+ * coordinator's word on which nodes are up stands). A job's messages between members (abort,
+ * ready, saves, recovery) go through the coordinator while it is up, in order with its
+ * decisions, and on the direct link without it; each member tracks when its jobs' nodes left.
+ * So a job between members outlives the coordinator, and a member that rejoins keeps the peers
+ * its direct links vouch for whatever the (restarted) coordinator's table says yet. */
+#include "cluster/cluster_int.h"
+
+#include <arpa/inet.h>
+
+/* A member's direct link to a job peer broke (closed, or silent past heartbeat_timeout_ms):
+ * the jobs that span both fail (or pause) here, and the peer's fabric connections close, as the
+ * other end does; whether the node is down is the coordinator's to say (it may be up, and serve
+ * later jobs). */
+void sd_cluster__peer_lost(struct sd_cluster *cl, uint32_t node, const char *reason)
+{
+    SD_WARN("cluster", "the direct link to node %u (a job peer) is lost: %s", node, reason);
+    cl->ev.node_down(cl->ev.ctx, node, reason);
+    sd_cluster__member_gone(cl, node); /* (it will not say it left the jobs that failed) */
+    if (cl->ready && cl->tp->ops->peer_reset != NULL)
+        (void)cl->tp->ops->peer_reset(cl->tp, node);
+}
+
+/* A member's direct link to job peer node is up (proved): its own evidence that node is. */
+bool sd_cluster__job_peer_up(const struct sd_cluster *cl, uint32_t node)
+{
+    const struct link *l = node < cl->n && node != 0 ? cl->by_node[node] : NULL;
+    return l != NULL && l->peer && l->authed && !l->closing;
+}
+
+/* A member: does the coordinator's table fit (a fixed cluster's has its nodes; an open one's
+ * may have grown, and says which node this one is)? This node takes its number then. A table
+ * that lacks a job peer this node has a direct link to (a coordinator that restarted, which
+ * that peer has not rejoined yet) keeps it. */
+bool sd_cluster__table_fits(struct sd_cluster *cl, const Shard__PeerTable *t)
+{
+    if (!cl->open)
+        return t->n_fabric_addrs == cl->n;
+    uint32_t n = (uint32_t)t->n_fabric_addrs;
+    if (n < 2 || n > cl->cap || t->you == 0 || t->you >= n || t->n_hb_ports < n) {
+        SD_WARN_SPARSE("cluster", "an address table of %u nodes naming this one node %u: ignored",
+                       n, t->you);
+        return false;
+    }
+    if (t->you != cl->self) {
+        if (cl->self != SD_NO_NODE)
+            SD_WARN("cluster", "the coordinator numbers this daemon node %u now (it was %u)",
+                    t->you, cl->self);
+        else
+            SD_INFO("cluster", "the coordinator numbered this daemon node %u", t->you);
+        cl->self = t->you;
+        cl->tp->self = t->you;
+        sd_heartbeat_set_self(cl->hb, t->you);
+        memcpy(cl->addrs[cl->self], cl->me.addr, cl->me.addr_len);
+        cl->addr_len[cl->self] = cl->me.addr_len;
+        cl->hb_port[cl->self] = cl->me.hb_port;
+    }
+    uint32_t keep = n;
+    for (uint32_t i = n; i < cl->n; i++) /* (a coordinator that restarted has fewer) */
+        if (sd_cluster__job_peer_up(cl, i))
+            keep = i + 1;
+        else
+            cl->present[i] = cl->alive[i] = false;
+    cl->n = keep;
+    return true;
+}
+
+/* A member installs the coordinator's table t: its addresses, down flags and peer listeners,
+ * but a job peer whose direct link is up keeps its address and stays up whatever t says. After
+ * a rejoin the fabric connections to every other node close (they may be a previous
+ * incarnation's, or the other end may have dropped them when it was told this node was down). */
+void sd_cluster__member_table(struct sd_cluster *cl, struct link *l, const Shard__PeerTable *t)
+{
+    bool rejoined = cl->rejoining;
+    for (uint32_t i = 0; i < cl->n; i++) {
+        bool listed = i < t->n_fabric_addrs;
+        bool down = !listed || (t->n_down == t->n_fabric_addrs && t->down[i]);
+        if (sd_cluster__job_peer_up(cl, i) && (down || t->fabric_addrs[i].len == 0)) {
+            cl->down_scratch[i] = false;
+            continue;
+        }
+        cl->down_scratch[i] = down;
+        size_t len = listed ? SD_MIN(t->fabric_addrs[i].len, sizeof(cl->addrs[0])) : 0;
+        if (listed)
+            memcpy(cl->addrs[i], t->fabric_addrs[i].data, len);
+        cl->addr_len[i] = len;
+        const char *pa = i < t->n_peer_addrs && t->peer_addrs[i] ? t->peer_addrs[i] : "";
+        snprintf(cl->peers.addrs[i], SD_PEER_ADDR, "%s", strlen(pa) < SD_PEER_ADDR ? pa : "");
+        if (i != cl->self && i < t->n_hb_ports)
+            cl->hb_port[i] = t->hb_ports[i];
+    }
+    l->node = 0;
+    sd_cluster__hb_peer(cl, 0, l, cl->hb_port[0]); /* a member's peer for good: the coordinator */
+    if (sd_cluster__install_table(cl, cl->down_scratch) != SD_OK) {
+        cl->fatal = true;
+        return;
+    }
+    for (uint32_t i = 0; rejoined && cl->tp->ops->peer_reset != NULL && i < cl->n; i++)
+        if (i != cl->self && cl->alive[i] && !sd_cluster__job_peer_up(cl, i))
+            (void)cl->tp->ops->peer_reset(cl->tp, i);
+}
+
+/* What a job peer may say on its direct link: heartbeats, and the messages of the jobs that
+ * span it here (from itself); what only the coordinator says (tables, decisions, a node's
+ * failure, the end of a job) it may not. Else logged and dropped. */
+bool sd_cluster__peer_heard(struct link *l, const Shard__PeerMsg *m)
+{
+    struct sd_cluster *cl = l->cl;
+    const char *job = sd_cluster__relayed_job(m);
+    uint32_t tag = 0;
+    bool ok =
+        m->msg_case == SHARD__PEER_MSG__MSG_HEARTBEAT || m->msg_case == SHARD__PEER_MSG__MSG_BYE;
+    if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_LEFT && m->job_left->node == (uint32_t)l->node)
+        job = m->job_left->job;
+    if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_ABORT &&
+        m->job_abort->origin == (uint32_t)l->node) {
+        job = m->job_abort->job;
+        tag = m->job_abort->tag;
+    }
+    ok = ok || (job != NULL && cl->ev.job_spans(cl->ev.ctx, job, tag, (uint32_t)l->node));
+    if (!ok && m->msg_case == SHARD__PEER_MSG__MSG_JOB_LEFT && job != NULL)
+        return false; /* (a job the coordinator's JobEnd ended here first: nothing to say) */
+    static uint64_t logged_ms[32]; /* once in 5 s per kind of message */
+    uint64_t *last = &logged_ms[(unsigned)m->msg_case % 32];
+    if (!ok && SD_LOG_WARN <= sd_log_level && sd_log_ratelimit(last, 5000))
+        sd_log_write(SD_LOG_WARN, "cluster",
+                     "node %d's direct link carried a message (kind %d) that is not its to send "
+                     "here (no job of %s spans both, or only the coordinator says it): dropped",
+                     l->node, (int)m->msg_case, job != NULL ? job : "it");
+    return ok;
+}
+
+/* ---- member: direct links to the job peers */
+
+static int opener(const struct link *l, const struct sd_cluster *cl)
+{
+    return l->incoming ? l->node : (int)cl->self;
+}
+
+void sd_cluster__adopt_peer(struct link *l, uint32_t node)
+{
+    struct sd_cluster *cl = l->cl;
+    struct link *old = cl->by_node[node];
+    l->node = (int)node;
+    l->peer = true;
+    if (old != NULL && old != l) {
+        /* two links between the same members (both dialed at once, or one reconnected): the
+         * one the lower node opened stays, both ends deciding alike; of two it opened, the new */
+        int lower = (int)SD_MIN(node, cl->self);
+        struct link *loser = opener(l, cl) != opener(old, cl) && opener(old, cl) == lower ? l : old;
+        Shard__PeerBye b = SHARD__PEER_BYE__INIT;
+        b.reason = "replaced by another link";
+        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+        m.msg_case = SHARD__PEER_MSG__MSG_BYE;
+        m.bye = &b;
+        loser->retired = true;
+        sd_cluster__link_send(loser, &m);
+        if (loser == l) {
+            sd_cluster__link_close(l, "another link to the node stays");
+            return;
+        }
+        cl->by_node[node] = NULL; /* (closing old does not fail its jobs) */
+        sd_cluster__link_close(old, "replaced by another link");
+    }
+    cl->by_node[node] = l;
+    cl->peers.dialing[node] = false;
+    cl->peers.idle_ns[node] = 0;
+    sd_cluster__hb_peer(cl, node, l, cl->hb_port[node]);
+    SD_INFO("cluster", "direct link with node %u (a job peer) up", node);
+}
+
+void sd_cluster__on_peer_hello(struct link *l, const Shard__PeerHello *h)
+{
+    struct sd_cluster *cl = l->cl;
+    if (!sd_cluster__hello_authentic(l, h))
+        return;
+    uint32_t node = h->node;
+    if (!h->peer) {
+        sd_cluster__refuse(l,
+                           "this daemon is node %u, a member: a daemon joins the cluster at the "
+                           "coordinator (%s)",
+                           cl->self, cl->cfg->coordinator);
+        return;
+    }
+    if (!cl->ready || node == 0 || node >= cl->n || node == cl->self || !cl->present[node]) {
+        sd_cluster__refuse(
+            l,
+            "a direct link from node %u, which is not a member this node knows (it has "
+            "%u nodes)",
+            node, cl->n);
+        return;
+    }
+    /* from the address the coordinator knows that node by (its link to it) */
+    char from[SD_PEER_ADDR], *colon;
+    sd_cluster__link_addr(l, from, sizeof(from));
+    if ((colon = strrchr(from, ':')) != NULL)
+        *colon = '\0';
+    size_t host = strcspn(cl->peers.addrs[node], ":");
+    if (host > 0 && (strlen(from) != host || strncmp(from, cl->peers.addrs[node], host) != 0)) {
+        sd_cluster__refuse(l, "a direct link as node %u from %s, which is not node %u's address",
+                           node, from, node);
+        return;
+    }
+    if (h->protocol_version != SD_PROTOCOL_VERSION || h->config_digest != cl->digest ||
+        h->fabric_addr.len != cl->addr_len[node] ||
+        memcmp(h->fabric_addr.data, cl->addrs[node], cl->addr_len[node]) != 0) {
+        sd_cluster__refuse(
+            l,
+            "a direct link from node %u whose version, configuration or fabric address "
+            "differs from the coordinator's table",
+            node);
+        return;
+    }
+    sd_cluster__adopt_peer(l, node);
+}
+
+static void peer_connect_cb(uv_connect_t *req, int status)
+{
+    struct link *l = req->data;
+    if (status < 0) {
+        SD_WARN_SPARSE("cluster", "a direct link to node %d (a job peer) at %s: %s", l->node,
+                       l->cl->peers.addrs[l->node], uv_strerror(status));
+        l->retired = true;
+        sd_cluster__link_close(l, uv_strerror(status));
+        return;
+    }
+    uv_tcp_nodelay(&l->tcp, 1);
+    sd_cluster__read_start(l); /* its challenge comes first */
+}
+
+static void dial(struct sd_cluster *cl, uint32_t node)
+{
+    struct sockaddr_storage ss;
+    if (sd_cluster__parse_hostport(cl->peers.addrs[node], &ss) != SD_OK)
+        return;
+    struct link *l = sd_cluster__link_new(cl);
+    l->peer = true;
+    l->node = (int)node;
+    l->conn.data = l;
+    cl->peers.dialing[node] = true;
+    if (uv_tcp_connect(&l->conn, &l->tcp, (struct sockaddr *)&ss, peer_connect_cb) != 0) {
+        l->retired = true;
+        sd_cluster__link_close(l, "connect failed");
+    }
+}
+
+void sd_cluster__peer_links(struct sd_cluster *cl, uint64_t now)
+{
+    if (cl->self == 0 || cl->self == SD_NO_NODE || !cl->ready || cl->stopping)
+        return;
+    for (uint32_t i = 1; i < cl->n; i++) {
+        if (i == cl->self)
+            continue;
+        struct link *l = cl->by_node[i];
+        bool need = cl->alive[i] && cl->ev.node_in_use(cl->ev.ctx, i);
+        if (need && l == NULL && !cl->peers.dialing[i] && cl->peers.addrs[i][0] != '\0')
+            dial(cl, i);
+        if (l == NULL || !l->peer)
+            continue;
+        /* the end that opened it closes it (the other, if it still needs one, opens another:
+         * a link is not closed under a job) */
+        if (need || l->incoming) {
+            cl->peers.idle_ns[i] = 0;
+        } else if (cl->peers.idle_ns[i] == 0) {
+            cl->peers.idle_ns[i] = now;
+        } else if (now - cl->peers.idle_ns[i] > (uint64_t)SD_PEER_IDLE_MS * 1000000ULL) {
+            Shard__PeerBye b = SHARD__PEER_BYE__INIT;
+            b.reason = "no job needs it";
+            Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+            m.msg_case = SHARD__PEER_MSG__MSG_BYE;
+            m.bye = &b;
+            sd_cluster__link_send(l, &m);
+            l->retired = true;
+            SD_INFO("cluster", "direct link with node %u closed: no job needs it", i);
+            sd_cluster__link_close(l, "no job needs it");
+        }
+    }
+}
+
+/* A member listens for its job peers' direct links on host (its fabric address: the one it
+ * reaches the coordinator from) at peer_port; without it, its jobs' messages go through the
+ * coordinator only (and do not outlive it). */
+void sd_cluster__listen_peers(struct sd_cluster *cl, const char *host)
+{
+    struct sockaddr_in sa;
+    if (uv_ip4_addr(host[0] != '\0' ? host : "0.0.0.0", (int)cl->cfg->peer_port, &sa) != 0 &&
+        uv_ip4_addr("0.0.0.0", (int)cl->cfg->peer_port, &sa) != 0)
+        return;
+    uv_tcp_init(cl->loop, &cl->listener);
+    cl->listener.data = cl;
+    int r = uv_tcp_bind(&cl->listener, (const struct sockaddr *)&sa, 0);
+    if (r == 0)
+        r = uv_listen((uv_stream_t *)&cl->listener, 128, sd_cluster__on_connection);
+    struct sockaddr_in bound;
+    int len = sizeof(bound);
+    if (r == 0)
+        r = uv_tcp_getsockname(&cl->listener, (struct sockaddr *)&bound, &len);
+    if (r != 0) {
+        SD_WARN("cluster",
+                "cannot listen for job peers on %s:%lld (%s): jobs between members reach "
+                "each other through the coordinator only",
+                host, (long long)cl->cfg->peer_port, uv_strerror(r));
+        return;
+    }
+    cl->me.peer_port = ntohs(bound.sin_port);
+}
+
+/* every node of l left or is down: the job ends here */
+static void member_left_check(struct sd_cluster *cl, struct coord_left *l)
+{
+    for (uint32_t i = 0; i < l->nodes; i++)
+        if (!l->seen[i] && l->at[i] != cl->self && (l->at[i] >= cl->n || !cl->alive[l->at[i]])) {
+            l->seen[i] = 1;
+            l->left++;
+        }
+    if (l->left < l->nodes)
+        return;
+    char job[64];
+    snprintf(job, sizeof(job), "%s", l->name);
+    sd_cluster__left_drop(cl, l);
+    cl->ev.job_ended(cl->ev.ctx, job);
+}
+
+void sd_cluster__member_left(struct sd_cluster *cl, const char *name, uint32_t node,
+                             const uint32_t *ids, uint32_t n)
+{
+    struct coord_left *l = sd_cluster__left_note(cl, name, node, ids, n);
+    if (l != NULL)
+        member_left_check(cl, l);
+}
+
+void sd_cluster__member_gone(struct sd_cluster *cl, uint32_t node)
+{
+    for (struct coord_left *l = cl->track.lefts, *next; l; l = next) {
+        next = l->next;
+        for (uint32_t i = 0; i < l->nodes; i++)
+            if (l->at[i] == node && !l->seen[i]) {
+                l->seen[i] = 1;
+                l->left++;
+            }
+        member_left_check(cl, l);
+    }
+}
+
+void sd_cluster__member_ended(struct sd_cluster *cl, const char *name)
+{
+    for (struct coord_left *l = cl->track.lefts; l; l = l->next)
+        if (strcmp(l->name, name) == 0) {
+            sd_cluster__left_drop(cl, l);
+            return;
+        }
+}
