@@ -12,7 +12,12 @@
  * running job refused too, a report in another node's name dropped, and its aborts of the job
  * dropped; the job trains bitwise as its reference. A registration under way (one of its two
  * ranks registered) is not the member's to end either: its abort without a tag, addressed to
- * the job's nodes, is dropped (logged, naming it), and the registration completes. */
+ * the job's nodes, is dropped (logged, naming it), and the registration completes.
+ *
+ * The member also dials node 1's listener for job peers (direct links between members that
+ * share a job): refused without the secret, as node 0 or node 1 itself, or as a join; heard
+ * as itself, its abort of the job, a "ready" of it and a node-down of node 0 are dropped
+ * (logged), and the job trains on bitwise. */
 #include "harness.h"
 #include "shard.h"
 #include "cluster/auth.h"
@@ -51,9 +56,12 @@ static void send_msg(int fd, Shard__PeerMsg *m)
     TH_CHECK(sd_frame_send(fd, &m->base, NULL, 0, 2000) == 0, "a message to the coordinator");
 }
 
-/* joins as a member: the connection to the coordinator, once welcomed (*you: the node the
- * coordinator numbered it); -1 if not */
-static int join(uint32_t *you)
+/* A hello at the daemon listening on port: as node `node` (UINT32_MAX: an open cluster's
+ * coordinator numbers it), on a direct link to a job peer (peer) or a join, with the cluster's
+ * secret or a wrong one. The connection (-1: none), and the answer's kind in *answer (-1: none;
+ * *why: a refusal's reason). */
+static int hello_at(int port, uint32_t node, bool peer, bool secret_ok, int *answer, char *why,
+                    size_t whylen)
 {
     char key[128], err[512];
     snprintf(key, sizeof(key), "%s/cluster.key", cl.base);
@@ -70,11 +78,14 @@ static int join(uint32_t *you)
     snprintf(cfg.cluster_secret_file, sizeof(cfg.cluster_secret_file), "%s", key);
     struct sd_auth secret;
     TH_CHECK(sd_auth_load(&cfg, &secret, err, sizeof(err)) == 0, "the cluster's secret: %s", err);
+    if (!secret_ok)
+        secret.key[0] ^= 1;
+    *answer = -1;
     int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)cl.port)};
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
-        TH_CHECK(false, "connect to the coordinator");
+        TH_CHECK(false, "connect to the daemon at port %d", port);
         close(fd);
         return -1;
     }
@@ -86,12 +97,14 @@ static int join(uint32_t *you)
         memcpy(nc, ch->challenge->nonce.data, SD_AUTH_NONCE);
     if (ch)
         shard__peer_msg__free_unpacked(ch, NULL);
-    TH_CHECK(got, "the coordinator's challenge");
+    TH_CHECK(got, "the challenge of the daemon at port %d", port);
     sd_auth_nonce(nm);
     char summary[1024];
     uint8_t addr[4] = {0}; /* four endpoints with empty names: nothing on the fabric */
     Shard__PeerHello h = SHARD__PEER_HELLO__INIT;
-    h.node = UINT32_MAX; /* an open cluster numbers it */
+    h.node = node;
+    h.was = UINT32_MAX;
+    h.peer = peer;
     h.protocol_version = SD_PROTOCOL_VERSION;
     h.config_digest = sd_config_digest(&cfg, summary, sizeof(summary));
     h.config_summary = summary;
@@ -107,14 +120,36 @@ static int join(uint32_t *you)
     m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
     m.hello = &h;
     send_msg(fd, &m);
-    Shard__PeerMsg *w = recv_msg(fd, 5000);
-    bool welcomed = w != NULL && w->msg_case == SHARD__PEER_MSG__MSG_WELCOME;
-    TH_CHECK(welcomed, "the coordinator welcomes the member (message %d)",
-             w ? (int)w->msg_case : -1);
-    if (w)
+    /* a welcome, and at a member's listener a refusal after it where the proved hello is not
+     * heard (else its first heartbeat: the welcome stands) */
+    for (int k = 0; k < 2; k++) {
+        Shard__PeerMsg *w = recv_msg(fd, k == 0 ? 5000 : 500);
+        if (w == NULL)
+            break;
+        bool refused = w->msg_case == SHARD__PEER_MSG__MSG_REFUSE;
+        if (k == 0 || refused)
+            *answer = (int)w->msg_case;
+        if (refused && why != NULL)
+            snprintf(why, whylen, "%s", w->refuse->reason);
+        bool more = w->msg_case == SHARD__PEER_MSG__MSG_WELCOME && port != cl.port;
         shard__peer_msg__free_unpacked(w, NULL);
+        if (!more)
+            break;
+    }
+    return fd;
+}
+
+/* joins as a member: the connection to the coordinator, once welcomed (*you: the node the
+ * coordinator numbered it); -1 if not */
+static int join(uint32_t *you)
+{
+    int answer;
+    int fd = hello_at(cl.port, UINT32_MAX, false, true, &answer, NULL, 0);
+    bool welcomed = fd >= 0 && answer == SHARD__PEER_MSG__MSG_WELCOME;
+    TH_CHECK(welcomed, "the coordinator welcomes the member (message %d)", answer);
     if (!welcomed) {
-        close(fd);
+        if (fd >= 0)
+            close(fd);
         return -1;
     }
     *you = UINT32_MAX;
@@ -127,6 +162,81 @@ static int join(uint32_t *you)
     }
     TH_CHECK(*you != UINT32_MAX, "the coordinator numbers the member (%u)", *you);
     return fd;
+}
+
+/* The member at node 1's listener for job peers (its direct links; the coordinator's table
+ * announces the port): without the secret, as node 0 (the coordinator), as node 1 itself, and
+ * a join (not a peer) refused, each saying so; as itself (a member node 1 knows) it is heard,
+ * yet no job spans both: its abort of `job`, a "ready" of it, and a node-down of node 0 (which
+ * only the coordinator declares) are dropped, logged. The number of refusals shardctl counts
+ * grows. */
+static void forge_direct(const char *job, uint32_t you)
+{
+    json_t *doc = th_admin_json(cl.d[1].sock, "topology");
+    int port = (int)th_json_int(doc, "heartbeats.peer_port");
+    long long refused0 = th_json_int(doc, "heartbeats.peers_refused");
+    json_decref(doc);
+    TH_CHECK(port > 0, "node 1 announces its port for job peers (%d)", port);
+    if (port <= 0)
+        return;
+    struct {
+        uint32_t node;
+        bool peer, secret;
+        const char *why;
+    } bad[] = {{you, true, false, NULL},
+               {0, true, true, "not a member this node knows"},
+               {1, true, true, "not a member this node knows"},
+               {you, false, true, "joins the cluster at the coordinator"}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        int answer;
+        char why[512] = "";
+        int fd = hello_at(port, bad[i].node, bad[i].peer, bad[i].secret, &answer, why, sizeof(why));
+        TH_CHECK(answer == SHARD__PEER_MSG__MSG_REFUSE &&
+                     (bad[i].why == NULL || strstr(why, bad[i].why) != NULL),
+                 "node 1's listener for job peers: a hello as node %u (peer %d, secret %d) got "
+                 "%d '%s'",
+                 bad[i].node, bad[i].peer, bad[i].secret, answer, why);
+        if (fd >= 0)
+            close(fd);
+    }
+    doc = th_admin_json(cl.d[1].sock, "topology");
+    TH_CHECK(th_json_int(doc, "heartbeats.peers_refused") > refused0,
+             "node 1 counts the hello without the secret among the refused");
+    json_decref(doc);
+    int answer;
+    int fd = hello_at(port, you, true, true, &answer, NULL, 0);
+    TH_CHECK(answer == SHARD__PEER_MSG__MSG_WELCOME, "node 1 hears member %u as a job peer (%d)",
+             you, answer);
+    if (fd < 0)
+        return;
+    uint32_t nodes[2] = {0, 1};
+    Shard__JobAbort ab = SHARD__JOB_ABORT__INIT;
+    ab.job = (char *)job;
+    ab.status = SD_EPEER;
+    ab.message = "forged on a direct link";
+    ab.origin = you;
+    ab.nodes = nodes;
+    ab.n_nodes = 2;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
+    m.job_abort = &ab;
+    for (uint32_t tag = 1; tag <= 8; tag++) {
+        ab.tag = tag;
+        send_msg(fd, &m);
+    }
+    Shard__JobReady rd = SHARD__JOB_READY__INIT;
+    rd.job = (char *)job;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_READY;
+    m.job_ready = &rd;
+    send_msg(fd, &m);
+    Shard__NodeDown nd = SHARD__NODE_DOWN__INIT;
+    nd.node = 0;
+    nd.reason = "forged on a direct link";
+    m.msg_case = SHARD__PEER_MSG__MSG_NODE_DOWN;
+    m.node_down = &nd;
+    send_msg(fd, &m);
+    usleep(200000);
+    close(fd);
 }
 
 /* the member reports itself (node `as`, its own number or not) as job node 1 of the 2 of job,
@@ -362,6 +472,7 @@ int main(void)
          * ranks come, as its node 1 */
         report_into(fd, "guarded", you);
         forge(fd, "victim");
+        forge_direct("victim", you);
         forge_registration_abort(fd, "pending", you);
     }
     pthread_create(&tg, NULL, train, &g);
@@ -399,6 +510,20 @@ int main(void)
     TH_CHECK(log != NULL &&
                  strstr(log, "is not a node of job 'victim': its 'left' dropped") != NULL,
              "the coordinator drops the member's 'left'");
+    char *log1 = th_read_file(cl.d[1].log, NULL);
+    snprintf(want, sizeof(want),
+             "node %u's direct link carried a message (kind %d) that is not its to send here "
+             "(no job of victim spans both",
+             you, SHARD__PEER_MSG__MSG_JOB_ABORT);
+    TH_CHECK(log1 != NULL && strstr(log1, want) != NULL,
+             "node 1 drops the member's abort of victim on a direct link, naming it");
+    snprintf(want, sizeof(want), "node %u's direct link carried a message (kind %d)", you,
+             SHARD__PEER_MSG__MSG_NODE_DOWN);
+    TH_CHECK(log1 != NULL && strstr(log1, want) != NULL,
+             "node 1 drops the member's node-down of node 0 on a direct link, naming it");
+    TH_CHECK(log1 != NULL && strstr(log1, "node 0 is down") == NULL,
+             "node 1 took the member's word that node 0 is down");
+    free(log1);
     snprintf(want, sizeof(want),
              "job 'guarded': node(s) %u registered it with another job secret than its nodes: "
              "not nodes of the job, refused",

@@ -594,6 +594,174 @@ static void refusals(void)
         TH_CHECK(th_daemon_alive(&cl.d[i]), "node %d died", i);
 }
 
+/* the steps job has taken at cluster node node (-1: not listed there) */
+static long long job_steps(int node, const char *job)
+{
+    json_t *doc = th_admin_json(cl.d[node].sock, "jobs"), *j;
+    long long steps = -1;
+    size_t i;
+    json_array_foreach(json_object_get(doc, "jobs"), i, j)
+    {
+        if (strcmp(json_string_value(json_object_get(j, "name")), job) == 0)
+            steps = json_integer_value(json_object_get(j, "steps"));
+    }
+    json_decref(doc);
+    return steps;
+}
+
+/* what cluster node `at` says of node `of`: its state and whether a control link joins them */
+static bool node_view(int at, int of, const char *state, bool link)
+{
+    json_t *doc = th_admin_json(cl.d[at].sock, "topology");
+    json_t *e = json_array_get(json_object_get(doc, "topology"), (size_t)of);
+    const char *st = json_string_value(json_object_get(e, "state"));
+    bool ok = st && strcmp(st, state) == 0 && json_is_true(json_object_get(e, "link")) == link;
+    json_decref(doc);
+    return ok;
+}
+
+static bool wait_view(int at, int of, const char *state, bool link, double limit_s)
+{
+    for (double end = th_now_s() + limit_s; th_now_s() < end; usleep(100000))
+        if (node_view(at, of, state, link))
+            return true;
+    return false;
+}
+
+/* the rank-0 log of r names text */
+static void rank_log_names(const struct job_run *r, int rank, const char *text, const char *what)
+{
+    char log[400];
+    snprintf(log, sizeof(log), "%s/%s-%d.log", cl.base, r->name, rank);
+    char *t = th_read_file(log, NULL);
+    TH_CHECK(t && strstr(t, text) != NULL, "%s: rank %d's log does not name '%s':\n%s", what, rank,
+             text, t ? t : "(no log)");
+    free(t);
+}
+
+/* The coordinator's daemon (cluster node 0) killed under four jobs: jobs between members go on
+ * over their direct links and heartbeats. A on {1, 2, 4} and C on {2, 3} (as in their first
+ * runs) end bitwise equal to those; F on {0, 5} fails, its ranks naming cluster node 0; while
+ * the coordinator is away, a job across nodes is refused at once (saying why), and node 5 killed
+ * fails G on {3, 5} alone, its rank on node 3 naming cluster node 5 (no coordinator told it: its
+ * direct link to node 5 did). The coordinator and node 5 restarted with nothing new to
+ * configure: the members rejoin with the numbers their jobs named (node 5's daemon, new to the
+ * restarted coordinator, gets a number above theirs), the direct links that no job needs have
+ * gone, and a job on daemons {5, 0, 1} trains to its reference. */
+static void coordinator_killed(const char *const *extra)
+{
+    struct job_run a = A, c = C;
+    char a1[400], c1[400];
+    snprintf(a1, sizeof(a1), "%s", A.dump);
+    snprintf(c1, sizeof(c1), "%s", C.dump);
+    struct job_run f = {.job = "f",
+                        .plan = "zero3",
+                        .world = 2,
+                        .rpn = 1,
+                        .n_nodes = 2,
+                        .nodes = {0, 5},
+                        .steps = 400};
+    struct job_run g = {.job = "g",
+                        .plan = "zero3",
+                        .world = 2,
+                        .rpn = 1,
+                        .n_nodes = 2,
+                        .nodes = {3, 5},
+                        .steps = 400};
+    /* slower (the compute is a sleep: the numbers are the first runs'), so that the
+     * coordinator goes while they run */
+    a.extra[0] = c.extra[0] = "--compute-ms";
+    a.extra[1] = c.extra[1] = "60";
+    job_start(&c, "4");
+    job_start(&a, "4");
+    job_start(&f, "4");
+    job_start(&g, "4");
+    /* every job running (A and C a step in, not done) before the coordinator goes */
+    bool started = false;
+    for (double end = th_now_s() + 30; !started && th_now_s() < end; usleep(20000))
+        started = job_steps(1, a.name) >= 1 && job_steps(2, c.name) >= 1 &&
+                  job_steps(0, f.name) >= 1 && job_steps(3, g.name) >= 1;
+    TH_CHECK(started, "the four jobs did not all start within 30 s");
+    kill(cl.d[0].pid, SIGKILL);
+    th_wait(cl.d[0].pid, 10000);
+    cl.d[0].pid = 0;
+    long long sa = job_steps(1, a.name), sc = job_steps(2, c.name);
+    TH_CHECK(sa >= 0 && sa < T && sc >= 0 && sc < T,
+             "A (%lld steps) and C (%lld) were not mid-run when the coordinator went", sa, sc);
+    int failed = job_wait(&f);
+    TH_CHECK(failed == f.world, "job f on {0, 5}: %d of its %d ranks failed after node 0 died",
+             failed, f.world);
+    rank_log_names(&f, 1, "cluster node 0", "job f (its rank on node 5)");
+    /* node 2's view: node 0 down, direct links (and heartbeats) with A's and C's other nodes */
+    TH_CHECK(wait_view(2, 0, "down", false, 10), "node 2 does not list node 0 down");
+    for (int n = 1; n <= 4; n++)
+        if (n != 2)
+            TH_CHECK(node_view(2, n, "up", true),
+                     "node 2 lists node %d without a direct link while A or C spans both", n);
+    char err[512];
+    int st = th_register_one(cl.d[4].sock, "late", 0, 2, 1, err, sizeof(err));
+    TH_CHECK(st != 0 && strstr(err, "lost the coordinator") != NULL,
+             "a job across nodes registered without the coordinator: %d '%s'", st, err);
+    kill(cl.d[5].pid, SIGKILL);
+    th_wait(cl.d[5].pid, 10000);
+    cl.d[5].pid = 0;
+    failed = job_wait(&g);
+    TH_CHECK(failed > 0, "job g on {3, 5} went on after node 5 died");
+    rank_log_names(&g, 0, "cluster node 5", "job g (its rank on node 3)");
+    for (struct job_run *r = &a; r != NULL; r = r == &a ? &c : NULL) {
+        failed = job_wait(r);
+        TH_CHECK(failed == 0, "%s: %d ranks failed after the coordinator died", r->name, failed);
+        struct th_dump_diff dd;
+        bool ok = th_compare_dumps(r->dump, r == &a ? a1 : c1, 0, &dd);
+        TH_CHECK(ok && dd.differ == 0,
+                 "%s: %zu of %zu parameters differ from its first run (max %g)", r->name, dd.differ,
+                 dd.n, dd.maxd);
+        if (ok && dd.differ == 0)
+            printf("%-10s finished without the coordinator, bitwise equal to its first run\n",
+                   r->name);
+    }
+    /* the link C needed goes once no job needs it (A's to nodes 1 and 4 stay: the job that
+     * lost node 4 keeps its state there for resume_timeout_ms, a recovery may need them) */
+    TH_CHECK(wait_view(2, 3, "up", false, 15),
+             "node 2 keeps a direct link to node 3 after C ended");
+    TH_CHECK(th_cluster_node_restart(&cl, 0, extra) == 0, "the coordinator did not restart");
+    for (int n = 1; n <= 4; n++) {
+        TH_CHECK(wait_view(n, 0, "up", true, 20), "node %d did not rejoin the coordinator", n);
+        json_t *doc = th_admin_json(cl.d[n].sock, "topology");
+        TH_CHECK(json_integer_value(json_object_get(doc, "node")) == n,
+                 "cluster node %d rejoined the restarted coordinator as node %lld", n,
+                 json_integer_value(json_object_get(doc, "node")));
+        json_decref(doc);
+    }
+    TH_CHECK(th_cluster_node_restart(&cl, 5, extra) == 0, "node 5 did not restart");
+    /* a fresh daemon: numbered anew, above the numbers the members brought back (number 5,
+     * which the restarted coordinator never saw, might be a member's still on its way) */
+    int five = -1;
+    for (double end = th_now_s() + 20; five < 0 && th_now_s() < end; usleep(100000)) {
+        json_t *doc = th_admin_json(cl.d[5].sock, "topology");
+        if (json_is_true(json_object_get(doc, "cluster_ready")))
+            five = (int)json_integer_value(json_object_get(doc, "node"));
+        json_decref(doc);
+    }
+    TH_CHECK(five >= N,
+             "the restarted daemon 5 is node %d (the numbers below %d are the "
+             "members')",
+             five, N);
+    TH_CHECK(five > 0 && wait_view(1, five, "up", false, 20),
+             "node 1 does not list the restarted daemon 5 (node %d) up", five);
+    struct job_run h = {.job = "h",
+                        .plan = "zero3",
+                        .world = 3,
+                        .rpn = 1,
+                        .n_nodes = 3,
+                        .nodes = {5, 0, 1},
+                        .steps = T};
+    job_start(&h, "4");
+    job_finish(&h);
+    for (int n = 0; n < N; n++)
+        TH_CHECK(th_daemon_alive(&cl.d[n]), "cluster node %d died", n);
+}
+
 int main(void)
 {
     const char *extra[] = {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "1500",
@@ -616,6 +784,7 @@ int main(void)
     save_elsewhere();
     launchers();
     refusals();
+    coordinator_killed(extra);
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_node_sets");
 }

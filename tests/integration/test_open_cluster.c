@@ -9,8 +9,8 @@
  *   {4, 0} trains;
  * - daemon 1 killed and started again with the same arguments: numbered 1 again, and a job on
  *   {1, 4} trains;
- * - the coordinator killed and started again: the members rejoin it with nothing to configure
- *   and a job on {2, 3} trains;
+ * - the coordinator killed and started again: the members rejoin it with nothing to configure,
+ *   each with the number it had, and a job on {2, 3} trains;
  * - refused with a clear message: a daemon of an open cluster given an index other than the
  *   coordinator's (at its start), and a fixed cluster's daemon (--nodes 3 --node 1) that tries
  *   to join the open coordinator (it calls itself node 1). */
@@ -187,6 +187,11 @@ static void coordinator_restarts(const char *const *extra)
     for (int i = 0; i <= N; i++)
         all &= wait_nodes(cl.d[i].sock, N + 1);
     TH_CHECK(all, "the members did not all rejoin the restarted coordinator");
+    for (int i = 1; i <= N; i++) { /* with the numbers they had, whatever order they came in */
+        int node, nodes;
+        numbered(cl.d[i].sock, &node, &nodes);
+        TH_CHECK(node == i, "daemon %d rejoined the restarted coordinator as node %d", i, node);
+    }
     for (int i = 2; i <= 3; i++) /* until both see each other up again */
         for (double end = th_now_s() + 10; th_now_s() < end; usleep(100000)) {
             json_t *doc = th_admin_json(cl.d[i].sock, "topology");
