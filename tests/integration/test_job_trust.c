@@ -164,6 +164,46 @@ static int join(uint32_t *you)
     return fd;
 }
 
+/* the member reports itself (node `as`, its own number or not) as job node 1 of the 2 of job,
+ * with a job token of its own */
+static void report_into(int fd, const char *job, uint32_t as)
+{
+    uint8_t token[SD_JOB_TOKEN_BYTES];
+    memset(token, 0x5a, sizeof(token));
+    Shard__JobReport r = SHARD__JOB_REPORT__INIT;
+    r.job = (char *)job;
+    r.node = as;
+    r.digest = 1;
+    r.world = 2;
+    r.ranks_per_node = 1;
+    r.job_node = 1;
+    r.message = "";
+    r.job_token.data = token;
+    r.job_token.len = sizeof(token);
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_REPORT;
+    m.job_report = &r;
+    send_msg(fd, &m);
+}
+
+/* an abort of job, addressed to cluster nodes 0 and 1, as node origin, under tag (0: none) */
+static void send_abort(int fd, const char *job, uint32_t origin, uint32_t tag, const char *why)
+{
+    uint32_t nodes[2] = {0, 1};
+    Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
+    a.job = (char *)job;
+    a.status = SD_EPEER;
+    a.message = (char *)why;
+    a.origin = origin;
+    a.tag = tag;
+    a.nodes = nodes;
+    a.n_nodes = 2;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
+    m.job_abort = &a;
+    send_msg(fd, &m);
+}
+
 /* The member at node 1's listener for job peers (its direct links; the coordinator's table
  * announces the port): without the secret, as node 0 (the coordinator), as node 1 itself, and
  * a join (not a peer) refused, each saying so; as itself (a member node 1 knows) it is heard,
@@ -209,21 +249,9 @@ static void forge_direct(const char *job, uint32_t you)
              you, answer);
     if (fd < 0)
         return;
-    uint32_t nodes[2] = {0, 1};
-    Shard__JobAbort ab = SHARD__JOB_ABORT__INIT;
-    ab.job = (char *)job;
-    ab.status = SD_EPEER;
-    ab.message = "forged on a direct link";
-    ab.origin = you;
-    ab.nodes = nodes;
-    ab.n_nodes = 2;
+    for (uint32_t tag = 1; tag <= 8; tag++)
+        send_abort(fd, job, you, tag, "forged on a direct link");
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
-    m.job_abort = &ab;
-    for (uint32_t tag = 1; tag <= 8; tag++) {
-        ab.tag = tag;
-        send_msg(fd, &m);
-    }
     Shard__JobReady rd = SHARD__JOB_READY__INIT;
     rd.job = (char *)job;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_READY;
@@ -237,46 +265,6 @@ static void forge_direct(const char *job, uint32_t you)
     send_msg(fd, &m);
     usleep(200000);
     close(fd);
-}
-
-/* the member reports itself (node `as`, its own number or not) as job node 1 of the 2 of job,
- * with a job token of its own */
-static void report_into(int fd, const char *job, uint32_t as)
-{
-    uint8_t token[SD_JOB_TOKEN_BYTES];
-    memset(token, 0x5a, sizeof(token));
-    Shard__JobReport r = SHARD__JOB_REPORT__INIT;
-    r.job = (char *)job;
-    r.node = as;
-    r.digest = 1;
-    r.world = 2;
-    r.ranks_per_node = 1;
-    r.job_node = 1;
-    r.message = "";
-    r.job_token.data = token;
-    r.job_token.len = sizeof(token);
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_REPORT;
-    m.job_report = &r;
-    send_msg(fd, &m);
-}
-
-/* an abort of job, addressed to cluster nodes 0 and 1, as node origin, under tag (0: none) */
-static void send_abort(int fd, const char *job, uint32_t origin, uint32_t tag, const char *why)
-{
-    uint32_t nodes[2] = {0, 1};
-    Shard__JobAbort a = SHARD__JOB_ABORT__INIT;
-    a.job = (char *)job;
-    a.status = SD_EPEER;
-    a.message = (char *)why;
-    a.origin = origin;
-    a.tag = tag;
-    a.nodes = nodes;
-    a.n_nodes = 2;
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
-    m.job_abort = &a;
-    send_msg(fd, &m);
 }
 
 /* the member's attempts on job `job`, which runs on cluster nodes 0 and 1 */
