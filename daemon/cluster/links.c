@@ -311,7 +311,8 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
     snprintf(cl->peers.addrs[h->node], SD_PEER_ADDR, "%s",
              colon != NULL && h->peer_port != 0 ? ip : "");
     cl->by_node[h->node] = l;
-    memcpy(cl->addrs[h->node], h->fabric_addr.data, h->fabric_addr.len);
+    if (h->fabric_addr.len > 0)
+        memcpy(cl->addrs[h->node], h->fabric_addr.data, h->fabric_addr.len);
     cl->addr_len[h->node] = h->fabric_addr.len;
     bool rejoin = cl->present[h->node];
     cl->present[h->node] = true;

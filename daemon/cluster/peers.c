@@ -85,7 +85,7 @@ void sd_cluster__member_table(struct sd_cluster *cl, struct link *l, const Shard
         }
         cl->down_scratch[i] = down;
         size_t len = listed ? SD_MIN(t->fabric_addrs[i].len, sizeof(cl->addrs[0])) : 0;
-        if (listed)
+        if (len > 0) /* (a number nobody holds has no address) */
             memcpy(cl->addrs[i], t->fabric_addrs[i].data, len);
         cl->addr_len[i] = len;
         const char *pa = i < t->n_peer_addrs && t->peer_addrs[i] ? t->peer_addrs[i] : "";

@@ -11,6 +11,8 @@
  *   {1, 4} trains;
  * - the coordinator killed and started again: the members rejoin it with nothing to configure,
  *   each with the number it had, and a job on {2, 3} trains;
+ * - killed and started again under a job on {2, 3}, which trains on to its reference; the
+ *   restarted coordinator confirms later jobs with transport tags that job does not use;
  * - refused with a clear message: a daemon of an open cluster given an index other than the
  *   coordinator's (at its start), and a fixed cluster's daemon (--nodes 3 --node 1) that tries
  *   to join the open coordinator (it calls itself node 1). */
@@ -210,6 +212,46 @@ static void coordinator_restarts(const char *const *extra)
     train("again", "zero3", 2, 4, (const int[]){2, 3});
 }
 
+static void *train_survivor(void *arg)
+{
+    (void)arg;
+    train("survivor", "zero3", 2, 4, (const int[]){2, 3});
+    return NULL;
+}
+
+/* A job on {2, 3} (the restarted coordinator's second, so transport tag 2) trains while the
+ * coordinator is killed and restarted again, and reaches its reference: it runs between members.
+ * Then two jobs: the new coordinator gives the first tag 1, and the second, on {3, 1}, a tag
+ * other than 2, which node 3's job still uses (node 3 reports it). */
+static void coordinator_restarts_under_a_job(const char *const *extra)
+{
+    train_steps = "300";
+    train_compute_ms = "20";
+    pthread_t th;
+    pthread_create(&th, NULL, train_survivor, NULL);
+    bool running = false;
+    for (double end = th_now_s() + 20; !running && th_now_s() < end; usleep(100000))
+        running = job_running(cl.d[2].sock, "survivor") && job_running(cl.d[3].sock, "survivor");
+    TH_CHECK(running, "the job on {2, 3} did not start");
+    train_steps = "8";
+    train_compute_ms = "0";
+    kill_daemon(0);
+    usleep(500000);
+    TH_CHECK(th_cluster_node_restart(&cl, 0, extra) == 0, "the coordinator did not start again");
+    bool all = true;
+    for (int i = 0; i <= N; i++)
+        all &= wait_nodes(cl.d[i].sock, N + 1);
+    TH_CHECK(all, "the members did not all rejoin the coordinator restarted under a job");
+    TH_CHECK(job_running(cl.d[3].sock, "survivor"),
+             "the job on {2, 3} did not outlive the coordinator");
+    train("after1", "zero3", 2, 4, (const int[]){1, 4});
+    train("after2", "zero3", 2, 4, (const int[]){3, 1});
+    TH_CHECK(job_running(cl.d[3].sock, "survivor"),
+             "the job on {2, 3} ended before the jobs after it were confirmed (the check of "
+             "its tag did not happen)");
+    pthread_join(th, NULL); /* its checks: its reference */
+}
+
 static void refusals(void)
 {
     /* an index other than the coordinator's, in an open cluster: refused at its start */
@@ -271,6 +313,7 @@ int main(void)
     fifth_joins(extra);
     member_restarts(extra);
     coordinator_restarts(extra);
+    coordinator_restarts_under_a_job(extra);
     refusals();
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_open_cluster");
