@@ -15,7 +15,8 @@
  * the job's nodes, is dropped (logged, naming it), and the registration completes.
  *
  * The member also dials node 1's listener for job peers (direct links between members that
- * share a job): refused without the secret, as node 0 or node 1 itself, or as a join; heard
+ * share a job): refused without the secret, as node 0 or node 1 itself, or as a join, closed on
+ * a frame of 1 GiB or one that does not decode; heard
  * as itself, its abort of the job, a "ready" of it and a node-down of node 0 are dropped
  * (logged), and the job trains on bitwise. */
 #include "harness.h"
@@ -239,6 +240,28 @@ static void forge_direct(const char *job, uint32_t you)
         if (fd >= 0)
             close(fd);
     }
+    /* bytes that are no message: a frame of 1 GiB announced, and one that does not decode */
+    static const uint8_t junk[2][8] = {{0, 0, 0, 0x40, 1, 2, 3, 4},
+                                       {4, 0, 0, 0, 0xff, 0xff, 0xff, 0xff}};
+    for (int i = 0; i < 2; i++) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+        inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+        bool closed = false;
+        if (connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+            send(fd, junk[i], sizeof(junk[i]), MSG_NOSIGNAL) == (ssize_t)sizeof(junk[i])) {
+            for (int k = 0; k < 4 && !closed; k++) { /* its challenge, then the end */
+                Shard__PeerMsg *r = recv_msg(fd, 5000);
+                closed = r == NULL;
+                if (r)
+                    shard__peer_msg__free_unpacked(r, NULL);
+            }
+        }
+        TH_CHECK(closed, "node 1's listener for job peers kept a connection that sent %s",
+                 i == 0 ? "a 1 GiB frame header" : "an undecodable frame");
+        close(fd);
+    }
+    TH_CHECK(th_daemon_alive(&cl.d[1]), "node 1 died of the bytes at its listener for job peers");
     doc = th_admin_json(cl.d[1].sock, "topology");
     TH_CHECK(th_json_int(doc, "heartbeats.peers_refused") > refused0,
              "node 1 counts the hello without the secret among the refused");
