@@ -51,8 +51,9 @@ struct sd_cluster_events {
     bool (*tag_in_use)(void *ctx, uint32_t tag);
     /* the tags of this node's jobs still in use, at most cap of them into tags: how many */
     uint32_t (*tags_in_use)(void *ctx, uint32_t *tags, uint32_t cap);
-    /* a job on this node spans cluster node node (it needs a control link to it) */
-    bool (*node_in_use)(void *ctx, uint32_t node);
+    /* need[id] set for every cluster node id < n that a job on this node spans (it needs a
+     * control link to it); the others left as they are */
+    void (*nodes_in_use)(void *ctx, bool *need, uint32_t n);
     /* the job of that name on this node (of that transport tag; 0: any) spans cluster node
      * node: may node's direct link speak of it? */
     bool (*job_spans)(void *ctx, const char *job, uint32_t tag, uint32_t node);

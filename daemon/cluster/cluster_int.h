@@ -131,6 +131,7 @@ struct sd_cluster {
         char (*addrs)[SD_PEER_ADDR]; /* [cap]: each member's peer listener ("": none) */
         bool *dialing;               /* [cap]: a member's connect to that job peer is pending */
         uint64_t *idle_ns; /* [cap]: since when no job needs the link to it (0: one does) */
+        bool *need;        /* [cap]: scratch, the nodes this node's jobs span */
     } peers;
     uv_timer_t timer;
     uv_timer_t retry;

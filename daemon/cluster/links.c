@@ -759,9 +759,10 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     cl->peers.addrs = calloc(cl->cap, sizeof(*cl->peers.addrs));
     cl->peers.dialing = calloc(cl->cap, sizeof(*cl->peers.dialing));
     cl->peers.idle_ns = calloc(cl->cap, sizeof(*cl->peers.idle_ns));
+    cl->peers.need = calloc(cl->cap, sizeof(*cl->peers.need));
     if (!cl->addrs || !cl->addr_len || !cl->present || !cl->alive || !cl->down_scratch ||
         !cl->hb_port || !cl->by_node || !cl->peers.addrs || !cl->peers.dialing ||
-        !cl->peers.idle_ns) {
+        !cl->peers.idle_ns || !cl->peers.need) {
         *cl_p = cl;
         return SD_ENOMEM;
     }
@@ -890,6 +891,7 @@ void sd_cluster_free(struct sd_cluster *cl)
     free(cl->peers.addrs);
     free(cl->peers.dialing);
     free(cl->peers.idle_ns);
+    free(cl->peers.need);
     sd_probe_free(cl);
     free(cl);
 }

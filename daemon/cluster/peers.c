@@ -252,11 +252,13 @@ void sd_cluster__peer_links(struct sd_cluster *cl, uint64_t now)
 {
     if (cl->self == 0 || cl->self == SD_NO_NODE || !cl->ready || cl->stopping)
         return;
+    memset(cl->peers.need, 0, cl->n * sizeof(*cl->peers.need));
+    cl->ev.nodes_in_use(cl->ev.ctx, cl->peers.need, cl->n);
     for (uint32_t i = 1; i < cl->n; i++) {
         if (i == cl->self)
             continue;
         struct link *l = cl->by_node[i];
-        bool need = cl->alive[i] && cl->ev.node_in_use(cl->ev.ctx, i);
+        bool need = cl->alive[i] && cl->peers.need[i];
         if (need && l == NULL && !cl->peers.dialing[i] && cl->peers.addrs[i][0] != '\0')
             dial(cl, i);
         if (l == NULL || !l->peer)

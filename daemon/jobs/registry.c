@@ -189,13 +189,13 @@ static bool job_spans_node(const struct sd_job *job, uint32_t node)
            sd_job_node_of(job, node) != SD_NODE_UNKNOWN;
 }
 
-static bool ev_node_in_use(void *ctx, uint32_t node)
+static void ev_nodes_in_use(void *ctx, bool *need, uint32_t n)
 {
     struct sd_registry *reg = ctx;
     for (struct sd_job *j = reg->jobs; j; j = j->next)
-        if (job_spans_node(j, node))
-            return true;
-    return false;
+        for (uint32_t i = 0; j->nodes > 1 && j->state != SD_JOB_REGISTERING && i < j->nodes; i++)
+            if (j->xfer.node_ids[i] < n)
+                need[j->xfer.node_ids[i]] = true;
 }
 
 static bool ev_job_spans(void *ctx, const char *name, uint32_t tag, uint32_t node)
@@ -235,7 +235,7 @@ void sd_registry_cluster_events(struct sd_registry *reg, struct sd_cluster_event
                                        .formed = ev_formed,
                                        .tag_in_use = ev_tag_in_use,
                                        .tags_in_use = ev_tags_in_use,
-                                       .node_in_use = ev_node_in_use,
+                                       .nodes_in_use = ev_nodes_in_use,
                                        .job_spans = ev_job_spans};
 }
 

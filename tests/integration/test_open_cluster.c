@@ -225,8 +225,8 @@ static void *train_survivor(void *arg)
  * other than 2, which node 3's job still uses (node 3 reports it). */
 static void coordinator_restarts_under_a_job(const char *const *extra)
 {
-    train_steps = "300";
-    train_compute_ms = "20";
+    train_steps = "150";
+    train_compute_ms = "25";
     pthread_t th;
     pthread_create(&th, NULL, train_survivor, NULL);
     bool running = false;
