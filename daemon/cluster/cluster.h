@@ -76,9 +76,6 @@ bool sd_cluster_usable(const struct sd_cluster *cl, uint32_t node);
 uint32_t sd_cluster_nodes(const struct sd_cluster *cl);
 /* this daemon's cluster node (0 without a cluster) */
 uint32_t sd_cluster_self(const struct sd_cluster *cl);
-/* Can a job across nodes register now: this node is the coordinator, or its link to the
- * coordinator is up (a member that lost it rejoins; jobs running between members go on). */
-bool sd_cluster_coordinated(const struct sd_cluster *cl);
 
 /* A job finished registering on this node (status 0) or failed to. The coordinator confirms it
  * once every node reported the same model, world and start: the step it starts from, and

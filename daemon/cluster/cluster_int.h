@@ -49,6 +49,14 @@ struct link {
     struct link *next;
 };
 
+/* A message for a member whose direct link is being opened (peers.c). */
+struct outmsg {
+    struct outmsg *next;
+    uint32_t node;
+    uint8_t *frame;
+    size_t len;
+};
+
 /* Coordinator: registrations of a job reported by its nodes. */
 struct coord_job {
     struct coord_job *next;
@@ -130,8 +138,9 @@ struct sd_cluster {
     struct {
         char (*addrs)[SD_PEER_ADDR]; /* [cap]: each member's peer listener ("": none) */
         bool *dialing;               /* [cap]: a member's connect to that job peer is pending */
-        uint64_t *idle_ns; /* [cap]: since when no job needs the link to it (0: one does) */
-        bool *need;        /* [cap]: scratch, the nodes this node's jobs span */
+        uint64_t *idle_ns;     /* [cap]: since when no job needs the link to it (0: one does) */
+        bool *need;            /* [cap]: scratch, the nodes this node's jobs span */
+        struct outmsg *outbox; /* messages waiting for a direct link being opened */
     } peers;
     uv_timer_t timer;
     uv_timer_t retry;
@@ -160,6 +169,14 @@ void sd_cluster__refuse(struct link *l, const char *fmt, ...) __attribute__((for
 
 /* ---- peers.c: a member's direct links to its job peers */
 bool sd_cluster__job_peer_up(const struct sd_cluster *cl, uint32_t node);
+/* a member's link to the coordinator is up (proved) */
+bool sd_cluster__coordinator_up(const struct sd_cluster *cl);
+/* m to member node on their direct link, opened for it if need be (m waits in the outbox) */
+void sd_cluster__peer_send(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m);
+void sd_cluster__outbox_drop(struct sd_cluster *cl, uint32_t node, const char *why);
+/* Without the coordinator, the member that decides job's registration (as the coordinator
+ * would): one of the nodes up by the job's name, the same on every member (SD_NO_NODE: none) */
+uint32_t sd_cluster__job_coordinator(const struct sd_cluster *cl, const char *job);
 void sd_cluster__peer_lost(struct sd_cluster *cl, uint32_t node, const char *reason);
 bool sd_cluster__table_fits(struct sd_cluster *cl, const Shard__PeerTable *t);
 void sd_cluster__member_table(struct sd_cluster *cl, struct link *l, const Shard__PeerTable *t);
@@ -178,6 +195,10 @@ void sd_cluster__adopt_peer(struct link *l, uint32_t node);
 /* a member's hello on its job peer's listener (proved) */
 void sd_cluster__on_peer_hello(struct link *l, const Shard__PeerHello *h);
 void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m);
+/* m packed behind its frame header (malloc'd; NULL: no memory), and such a frame written on l
+ * (which takes it) */
+uint8_t *sd_cluster__frame(const Shard__PeerMsg *m, size_t *len_p);
+void sd_cluster__link_write(struct link *l, uint8_t *frame, size_t len);
 /* send m to node (its link; a member's to another member goes through the coordinator) */
 void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m);
 
@@ -240,6 +261,8 @@ const char *sd_cluster__relayed_job(const Shard__PeerMsg *m);
 struct coord_left *sd_cluster__left_note(struct sd_cluster *cl, const char *name, uint32_t node,
                                          const uint32_t *ids, uint32_t n);
 void sd_cluster__left_drop(struct sd_cluster *cl, struct coord_left *l);
+/* the job of name ended: the tag of the (oldest) confirmed job of that name is free */
+void sd_cluster__live_end(struct sd_cluster *cl, const char *name);
 
 /* registrations that missed their deadline are refused */
 void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now);

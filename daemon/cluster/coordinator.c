@@ -196,7 +196,7 @@ const char *sd_cluster__relayed_job(const Shard__PeerMsg *m)
 }
 
 /* the job of that name ended everywhere: its tag is free (the oldest of the name's) */
-static void coord_live_end(struct sd_cluster *cl, const char *name)
+void sd_cluster__live_end(struct sd_cluster *cl, const char *name)
 {
     struct coord_live **last = NULL;
     for (struct coord_live **pp = &cl->track.live; *pp; pp = &(*pp)->next)
@@ -289,8 +289,10 @@ static void coord_decide(struct sd_cluster *cl, struct coord_job *j, uint32_t al
     char name[64];
     snprintf(name, sizeof(name), "%s", j->name);
     coord_job_free(cl, j);
-    if (confirmed)
+    if (confirmed) {
         coord_refuse_strangers(cl, name);
+        sd_cluster__peer_links(cl, sd_now_ns()); /* a member that decided it: its peers' links */
+    }
 }
 
 /* The job of name was confirmed: the registrations of that name whose reports carry another
@@ -591,7 +593,7 @@ void sd_cluster__coord_left(struct sd_cluster *cl, const char *name, uint32_t no
     char job[64];
     snprintf(job, sizeof(job), "%s", l->name);
     coord_left_free(l);
-    coord_live_end(cl, job);
+    sd_cluster__live_end(cl, job);
     if (here)
         cl->ev.job_ended(cl->ev.ctx, job);
 }
@@ -651,14 +653,23 @@ void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *jr
     uint32_t busy[1u << SD_TAG_JOB_BITS];
     r.busy_tags = busy;
     r.n_busy_tags = cl->ev.tags_in_use(cl->ev.ctx, busy, (uint32_t)(sizeof(busy) / sizeof(*busy)));
-    if (cl->self == 0) {
+    /* the coordinator decides; without it, the member the job's name picks among those up */
+    uint32_t decides =
+        sd_cluster__coordinator_up(cl) ? 0 : sd_cluster__job_coordinator(cl, jr->job);
+    if (decides != 0 && jr->status == SD_OK)
+        SD_INFO("cluster", "job '%s' registers without the coordinator: node %u decides it",
+                jr->job, decides);
+    if (decides == cl->self) {
         sd_cluster__coord_report(cl, &r);
         return;
     }
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_REPORT;
     m.job_report = &r;
-    sd_cluster__send_to(cl, 0, &m);
+    if (decides == 0)
+        sd_cluster__send_to(cl, 0, &m);
+    else if (decides != SD_NO_NODE)
+        sd_cluster__peer_send(cl, decides, &m);
 }
 
 void sd_cluster__coord_abort(struct sd_cluster *cl, const Shard__PeerMsg *m)
@@ -702,14 +713,22 @@ void sd_cluster_abort_job(struct sd_cluster *cl, const struct sd_job_abort *ja)
         return;
     }
     /* through the coordinator, in order with its decisions (a peer may not have its
-     * confirmation yet); without it, a running job's nodes hear it on their direct links */
-    if (cl->by_node[0] != NULL && cl->by_node[0]->authed) {
+     * confirmation yet); without it, a running job's nodes hear it on their direct links, and
+     * a registration's goes to the member that decides it */
+    if (sd_cluster__coordinator_up(cl)) {
         sd_cluster__send_to(cl, 0, &m);
         return;
     }
-    for (uint32_t i = 0; ja->tag != 0 && i < a.n_nodes; i++)
-        if (a.nodes[i] != cl->self && sd_cluster__job_peer_up(cl, a.nodes[i]))
-            sd_cluster__link_send(cl->by_node[a.nodes[i]], &m);
+    if (ja->tag == 0) {
+        uint32_t jc = sd_cluster__job_coordinator(cl, ja->job);
+        if (jc == cl->self)
+            sd_cluster__coord_abort(cl, &m);
+        else if (jc != SD_NO_NODE)
+            sd_cluster__peer_send(cl, jc, &m);
+        return;
+    }
+    for (uint32_t i = 0; i < a.n_nodes; i++)
+        sd_cluster__peer_send(cl, a.nodes[i], &m);
 }
 
 /* m to each of the job's nodes but this one */

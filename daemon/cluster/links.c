@@ -70,34 +70,48 @@ static void write_cb(uv_write_t *req, int status)
     free(w);
 }
 
-void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m)
+uint8_t *sd_cluster__frame(const Shard__PeerMsg *m, size_t *len_p)
 {
-    if (l == NULL || l->closing)
-        return;
     size_t len = protobuf_c_message_get_packed_size(&m->base);
-    struct wreq *w = malloc(sizeof(*w));
     uint8_t *buf = malloc(len + SD_FRAME_HDR);
-    if (w == NULL || buf == NULL) {
-        free(w);
-        free(buf);
-        return;
-    }
+    if (buf == NULL)
+        return NULL;
     buf[0] = (uint8_t)len;
     buf[1] = (uint8_t)(len >> 8);
     buf[2] = (uint8_t)(len >> 16);
     buf[3] = (uint8_t)(len >> 24);
     protobuf_c_message_pack(&m->base, buf + SD_FRAME_HDR);
-    w->buf = buf;
-    uv_buf_t b = uv_buf_init((char *)buf, (unsigned)(len + SD_FRAME_HDR));
+    *len_p = len + SD_FRAME_HDR;
+    return buf;
+}
+
+void sd_cluster__link_write(struct link *l, uint8_t *frame, size_t len)
+{
+    struct wreq *w = l != NULL && !l->closing && frame != NULL ? malloc(sizeof(*w)) : NULL;
+    if (w == NULL) {
+        free(frame);
+        return;
+    }
+    w->buf = frame;
+    uv_buf_t b = uv_buf_init((char *)frame, (unsigned)len);
     if (uv_write(&w->req, (uv_stream_t *)&l->tcp, &b, 1, write_cb) != 0) {
-        free(buf);
+        free(frame);
         free(w);
     }
 }
 
+void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m)
+{
+    if (l == NULL || l->closing)
+        return;
+    size_t len;
+    uint8_t *frame = sd_cluster__frame(m, &len);
+    sd_cluster__link_write(l, frame, len);
+}
+
 /* Send to a node: the coordinator has a link per node; a member reaches the others through it
  * (in order with its decisions: a peer may not have its confirmation of a job yet), or without
- * it a job peer on their direct link. */
+ * it on their direct link (opened for it if need be). */
 void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m)
 {
     if (node == cl->self || node >= cl->n)
@@ -107,16 +121,12 @@ void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__Peer
             sd_cluster__link_send(cl->by_node[node], m);
         return;
     }
-    if (cl->by_node[0] == NULL && (cl->by_node[node] == NULL || !cl->by_node[node]->peer))
-        return;
     if (node == 0) {
         sd_cluster__link_send(cl->by_node[0], m);
         return;
     }
-    struct link *direct = cl->by_node[node];
-    if ((cl->by_node[0] == NULL || !cl->by_node[0]->authed) && direct != NULL && direct->peer &&
-        direct->authed) { /* without the coordinator: a job peer's own link */
-        sd_cluster__link_send(direct, m);
+    if (!sd_cluster__coordinator_up(cl)) { /* without it: on the direct link to node */
+        sd_cluster__peer_send(cl, node, m);
         return;
     }
     Shard__PeerRelay r = SHARD__PEER_RELAY__INIT;
@@ -381,8 +391,8 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         break;
     case SHARD__PEER_MSG__MSG_HEARTBEAT:
         break;
-    case SHARD__PEER_MSG__MSG_JOB_REPORT:
-        if (cl->self == 0)
+    case SHARD__PEER_MSG__MSG_JOB_REPORT: /* the coordinator's, or without it a member's */
+        if (cl->self == 0 || l->peer)
             sd_cluster__coord_report_from(cl, l->node, m->job_report);
         break;
     case SHARD__PEER_MSG__MSG_JOB_CONFIRM:
@@ -396,9 +406,11 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         break;
     case SHARD__PEER_MSG__MSG_JOB_ABORT: {
         const Shard__JobAbort *a = m->job_abort;
-        if (cl->self == 0 && !sd_cluster__coord_abort_heard(cl, l->node, a))
+        /* the coordinator, or without it the member that decides a registration's */
+        bool decides = cl->self == 0 || (l->peer && a->tag == 0);
+        if (decides && !sd_cluster__coord_abort_heard(cl, l->node, a))
             break;
-        if (cl->self == 0) /* relay to the job's others (and forget a registration's reports) */
+        if (decides) /* relay to the job's others (and forget a registration's reports) */
             sd_cluster__coord_abort(cl, m);
         cl->ev.job_aborted(cl->ev.ctx, a->job, a->tag, a->status, a->step, a->message);
         break;
@@ -528,8 +540,11 @@ void sd_cluster__link_close(struct link *l, const char *why)
     } else if (cl->self != 0 && !l->peer && cl->by_node[0] == l) {
         cl->by_node[0] = NULL;
     }
-    if (l->peer && !l->incoming && node >= 0 && (uint32_t)node < cl->cap && !l->authed)
+    if (l->peer && !l->incoming && node >= 0 && (uint32_t)node < cl->cap && !l->authed) {
         cl->peers.dialing[node] = false;
+        if (!cl->stopping) /* (what waited for it will not go) */
+            sd_cluster__outbox_drop(cl, (uint32_t)node, why);
+    }
     uv_close((uv_handle_t *)&l->tcp, link_free_cb);
     if (cl->stopping)
         return;
@@ -717,9 +732,8 @@ static void timer_cb(uv_timer_t *t)
         }
     }
     sd_probe_tick(cl, now);
-    if (cl->self == 0)
-        sd_cluster__coord_sweep(cl, now);
-    else
+    sd_cluster__coord_sweep(cl, now); /* (a member's: registrations it decides) */
+    if (cl->self != 0)
         sd_cluster__peer_links(cl, now);
 }
 
@@ -742,6 +756,10 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     cl->self = cfg->node >= 0 ? (uint32_t)cfg->node : SD_NO_NODE;
     cl->n = !cl->open ? cl->cap : cl->self == 0 ? 1 : 0;
     cl->start_ns = sd_now_ns();
+    uint8_t seed[SD_AUTH_NONCE]; /* a member deciding registrations without the coordinator
+                                  * starts its tags where another such member is unlikely to */
+    if (cl->self != 0 && sd_auth_nonce(seed) == SD_OK)
+        cl->track.next_tag = (uint16_t)((seed[0] | seed[1] << 8) % ((1u << SD_TAG_JOB_BITS) - 1));
     cl->digest = sd_config_digest(cfg, cl->summary, sizeof(cl->summary));
     char err[600];
     if (sd_auth_load(cfg, &cl->auth, err, sizeof(err)) != SD_OK) {
@@ -871,6 +889,7 @@ void sd_cluster_stop(struct sd_cluster *cl)
         uv_close((uv_handle_t *)&cl->retry, noop_close);
     }
     sd_cluster__coord_free(cl);
+    sd_cluster__outbox_drop(cl, SD_NO_NODE, "stopping");
     sd_probe_stop(cl);
     sd_heartbeat_stop(cl->hb);
     cl->hb = NULL;

@@ -12,6 +12,8 @@
 
 #include <arpa/inet.h>
 
+static void dial(struct sd_cluster *cl, uint32_t node);
+
 /* A member's direct link to a job peer broke (closed, or silent past heartbeat_timeout_ms):
  * the jobs that span both fail (or pause) here, and the peer's fabric connections close, as the
  * other end does; whether the node is down is the coordinator's to say (it may be up, and serve
@@ -30,6 +32,93 @@ bool sd_cluster__job_peer_up(const struct sd_cluster *cl, uint32_t node)
 {
     const struct link *l = node < cl->n && node != 0 ? cl->by_node[node] : NULL;
     return l != NULL && l->peer && l->authed && !l->closing;
+}
+
+bool sd_cluster__coordinator_up(const struct sd_cluster *cl)
+{
+    return cl->self == 0 || (cl->by_node[0] != NULL && cl->by_node[0]->authed &&
+                             !cl->by_node[0]->peer && !cl->by_node[0]->closing);
+}
+
+void sd_cluster__peer_send(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m)
+{
+    if (node == 0 || node == cl->self || node >= cl->n)
+        return;
+    if (sd_cluster__job_peer_up(cl, node)) {
+        sd_cluster__link_send(cl->by_node[node], m);
+        return;
+    }
+    struct outmsg *o = calloc(1, sizeof(*o));
+    if (o == NULL || cl->peers.addrs[node][0] == '\0' ||
+        (o->frame = sd_cluster__frame(m, &o->len)) == NULL) {
+        SD_WARN_SPARSE("cluster", "a message for node %u dropped: no direct link to it (%s)", node,
+                       o == NULL ? "no memory" : "it announced no port for job peers");
+        free(o);
+        return;
+    }
+    o->node = node;
+    struct outmsg **tail = &cl->peers.outbox;
+    while (*tail != NULL)
+        tail = &(*tail)->next;
+    *tail = o;
+    if (!cl->peers.dialing[node] && cl->by_node[node] == NULL)
+        dial(cl, node);
+}
+
+/* node's direct link is up: what waited for it goes, in order */
+static void outbox_flush(struct sd_cluster *cl, uint32_t node)
+{
+    for (struct outmsg **pp = &cl->peers.outbox; *pp;) {
+        struct outmsg *o = *pp;
+        if (o->node != node) {
+            pp = &o->next;
+            continue;
+        }
+        *pp = o->next;
+        sd_cluster__link_write(cl->by_node[node], o->frame, o->len);
+        free(o);
+    }
+}
+
+void sd_cluster__outbox_drop(struct sd_cluster *cl, uint32_t node, const char *why)
+{
+    uint32_t n = 0;
+    for (struct outmsg **pp = &cl->peers.outbox; *pp;) {
+        struct outmsg *o = *pp;
+        if (node != SD_NO_NODE && o->node != node) {
+            pp = &o->next;
+            continue;
+        }
+        *pp = o->next;
+        free(o->frame);
+        free(o);
+        n++;
+    }
+    if (n > 0 && node != SD_NO_NODE)
+        SD_WARN("cluster", "%u message(s) for node %u dropped: %s", n, node, why);
+}
+
+/* FNV-1a */
+static uint32_t name_hash(const char *s)
+{
+    uint32_t h = 2166136261u;
+    for (; *s; s++)
+        h = (h ^ (uint8_t)*s) * 16777619u;
+    return h;
+}
+
+uint32_t sd_cluster__job_coordinator(const struct sd_cluster *cl, const char *job)
+{
+    uint32_t count = 0;
+    for (uint32_t i = 1; i < cl->n; i++)
+        count += cl->alive[i] || i == cl->self;
+    if (count == 0)
+        return SD_NO_NODE;
+    uint32_t k = name_hash(job) % count;
+    for (uint32_t i = 1; i < cl->n; i++)
+        if ((cl->alive[i] || i == cl->self) && k-- == 0)
+            return i;
+    return SD_NO_NODE;
 }
 
 /* A member: does the coordinator's table fit (a fixed cluster's has its nodes; an open one's
@@ -104,24 +193,56 @@ void sd_cluster__member_table(struct sd_cluster *cl, struct link *l, const Shard
             (void)cl->tp->ops->peer_reset(cl->tp, i);
 }
 
-/* What a job peer may say on its direct link: heartbeats, and the messages of the jobs that
- * span it here (from itself); what only the coordinator says (tables, decisions, a node's
- * failure, the end of a job) it may not. Else logged and dropped. */
+/* What a job peer may say on its direct link: heartbeats, the messages of the jobs that span it
+ * here (from itself), and a registration's report, abort or decision to or from the member that
+ * decides it without the coordinator (sd_cluster__job_coordinator); what only the coordinator
+ * says (tables, a node's failure, the end of a job) it may not. Else logged and dropped. */
 bool sd_cluster__peer_heard(struct link *l, const Shard__PeerMsg *m)
 {
     struct sd_cluster *cl = l->cl;
-    const char *job = sd_cluster__relayed_job(m);
+    uint32_t from = (uint32_t)l->node;
+    const char *job = sd_cluster__relayed_job(m); /* a job message of a job spanning both */
+    const char *named = NULL;                     /* a registration's (for the log) */
     uint32_t tag = 0;
-    bool ok =
-        m->msg_case == SHARD__PEER_MSG__MSG_HEARTBEAT || m->msg_case == SHARD__PEER_MSG__MSG_BYE;
-    if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_LEFT && m->job_left->node == (uint32_t)l->node)
-        job = m->job_left->job;
-    if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_ABORT &&
-        m->job_abort->origin == (uint32_t)l->node) {
-        job = m->job_abort->job;
+    bool ok = false;
+    /* who decides registrations without the coordinator: only while this node has none */
+    uint32_t jc = SD_NO_NODE;
+    const char *reg = m->msg_case == SHARD__PEER_MSG__MSG_JOB_REPORT    ? m->job_report->job
+                      : m->msg_case == SHARD__PEER_MSG__MSG_JOB_CONFIRM ? m->job_confirm->job
+                      : m->msg_case == SHARD__PEER_MSG__MSG_JOB_REFUSE  ? m->job_refuse->job
+                      : m->msg_case == SHARD__PEER_MSG__MSG_JOB_ABORT   ? m->job_abort->job
+                                                                        : NULL;
+    if (reg != NULL && !sd_cluster__coordinator_up(cl))
+        jc = sd_cluster__job_coordinator(cl, reg);
+    switch (m->msg_case) {
+    case SHARD__PEER_MSG__MSG_HEARTBEAT:
+    case SHARD__PEER_MSG__MSG_BYE:
+        ok = true;
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_LEFT:
+        job = m->job_left->node == from ? m->job_left->job : NULL;
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_ABORT: /* (of a registration: to the member deciding it) */
+        job = m->job_abort->origin == from ? m->job_abort->job : NULL;
         tag = m->job_abort->tag;
+        ok = job != NULL && tag == 0 && jc == cl->self;
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_REPORT: /* without the coordinator, to the member deciding */
+        ok = m->job_report->node == from && jc == cl->self;
+        named = m->job_report->job;
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_CONFIRM: /* from the member that decided */
+        ok = jc == from;
+        named = m->job_confirm->job;
+        break;
+    case SHARD__PEER_MSG__MSG_JOB_REFUSE:
+        ok = jc == from;
+        named = m->job_refuse->job;
+        break;
+    default:
+        break;
     }
-    ok = ok || (job != NULL && cl->ev.job_spans(cl->ev.ctx, job, tag, (uint32_t)l->node));
+    ok = ok || (job != NULL && cl->ev.job_spans(cl->ev.ctx, job, tag, from));
     if (!ok && m->msg_case == SHARD__PEER_MSG__MSG_JOB_LEFT && job != NULL)
         return false; /* (a job the coordinator's JobEnd ended here first: nothing to say) */
     static uint64_t logged_ms[32]; /* once in 5 s per kind of message */
@@ -130,7 +251,10 @@ bool sd_cluster__peer_heard(struct link *l, const Shard__PeerMsg *m)
         sd_log_write(SD_LOG_WARN, "cluster",
                      "node %d's direct link carried a message (kind %d) that is not its to send "
                      "here (no job of %s spans both, or only the coordinator says it): dropped",
-                     l->node, (int)m->msg_case, job != NULL ? job : "it");
+                     l->node, (int)m->msg_case,
+                     job != NULL     ? job
+                     : named != NULL ? named
+                                     : "it");
     return ok;
 }
 
@@ -170,6 +294,7 @@ void sd_cluster__adopt_peer(struct link *l, uint32_t node)
     cl->peers.dialing[node] = false;
     cl->peers.idle_ns[node] = 0;
     sd_cluster__hb_peer(cl, node, l, cl->hb_port[node]);
+    outbox_flush(cl, node);
     SD_INFO("cluster", "direct link with node %u (a job peer) up", node);
 }
 
@@ -324,6 +449,7 @@ static void member_left_check(struct sd_cluster *cl, struct coord_left *l)
     char job[64];
     snprintf(job, sizeof(job), "%s", l->name);
     sd_cluster__left_drop(cl, l);
+    sd_cluster__live_end(cl, job); /* (a job this member decided without the coordinator) */
     cl->ev.job_ended(cl->ev.ctx, job);
 }
 
@@ -350,6 +476,7 @@ void sd_cluster__member_gone(struct sd_cluster *cl, uint32_t node)
 
 void sd_cluster__member_ended(struct sd_cluster *cl, const char *name)
 {
+    sd_cluster__live_end(cl, name);
     for (struct coord_left *l = cl->track.lefts; l; l = l->next)
         if (strcmp(l->name, name) == 0) {
             sd_cluster__left_drop(cl, l);

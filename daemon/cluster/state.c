@@ -32,12 +32,6 @@ uint32_t sd_cluster_self(const struct sd_cluster *cl)
     return cl ? cl->self : 0;
 }
 
-bool sd_cluster_coordinated(const struct sd_cluster *cl)
-{
-    return cl == NULL || cl->self == 0 ||
-           (!cl->rejoining && cl->by_node[0] != NULL && cl->by_node[0]->authed);
-}
-
 json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl)
 {
     uint64_t sent, received, dropped;

@@ -375,16 +375,6 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
     }
     /* the coordinator's decision comes back through sd_job_confirmed / sd_job_refused, possibly
      * before this call returns (node 0 decides locally): touch nothing of job afterwards */
-    if (status == SD_OK && !sd_cluster_coordinated(sd_job_cluster(job))) {
-        char text[400];
-        snprintf(text, sizeof(text),
-                 "job '%.64s' spans %u nodes, and this node has lost the coordinator (%.64s): "
-                 "a job across nodes registers once it rejoined (shardctl topology shows node "
-                 "0's state); jobs running between members go on",
-                 job->name, job->nodes, job->reg->cfg->coordinator);
-        sd_job_refuse(job, SD_EPEER, text);
-        return;
-    }
     job->register_deadline_ns =
         sd_now_ns() + 2 * (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL;
     sd_cluster_report_job(sd_job_cluster(job),

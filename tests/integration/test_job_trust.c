@@ -17,8 +17,9 @@
  * The member also dials node 1's listener for job peers (direct links between members that
  * share a job): refused without the secret, as node 0 or node 1 itself, or as a join, closed on
  * a frame of 1 GiB or one that does not decode; heard
- * as itself, its abort of the job, a "ready" of it and a node-down of node 0 are dropped
- * (logged), and the job trains on bitwise. */
+ * as itself, its abort of the job, a "ready" of it, a confirmation of a registration (the
+ * coordinator's to make while it is up) and a node-down of node 0 are dropped (logged), and the
+ * job trains on bitwise. */
 #include "harness.h"
 #include "shard.h"
 #include "cluster/auth.h"
@@ -280,6 +281,16 @@ static void forge_direct(const char *job, uint32_t you)
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_READY;
     m.job_ready = &rd;
     send_msg(fd, &m);
+    /* a decision on a job's registration, which only the coordinator makes while it is up */
+    uint32_t ids[2] = {0, 1};
+    Shard__JobConfirm jc = SHARD__JOB_CONFIRM__INIT;
+    jc.job = "pending";
+    jc.tag = 77;
+    jc.nodes = ids;
+    jc.n_nodes = 2;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_CONFIRM;
+    m.job_confirm = &jc;
+    send_msg(fd, &m);
     Shard__NodeDown nd = SHARD__NODE_DOWN__INIT;
     nd.node = 0;
     nd.reason = "forged on a direct link";
@@ -532,6 +543,10 @@ int main(void)
              SHARD__PEER_MSG__MSG_NODE_DOWN);
     TH_CHECK(log1 != NULL && strstr(log1, want) != NULL,
              "node 1 drops the member's node-down of node 0 on a direct link, naming it");
+    snprintf(want, sizeof(want), "node %u's direct link carried a message (kind %d)", you,
+             SHARD__PEER_MSG__MSG_JOB_CONFIRM);
+    TH_CHECK(log1 != NULL && strstr(log1, want) != NULL,
+             "node 1 drops the member's confirmation of a registration on a direct link");
     TH_CHECK(log1 != NULL && strstr(log1, "node 0 is down") == NULL,
              "node 1 took the member's word that node 0 is down");
     free(log1);
