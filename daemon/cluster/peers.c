@@ -284,6 +284,7 @@ void sd_cluster__adopt_peer(struct link *l, uint32_t node)
         loser->retired = true;
         sd_cluster__link_send(loser, &m);
         if (loser == l) {
+            cl->peers.dialing[node] = false; /* (l may be this end's dial) */
             sd_cluster__link_close(l, "another link to the node stays");
             return;
         }
