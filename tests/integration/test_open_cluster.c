@@ -180,15 +180,22 @@ static void member_restarts(const char *const *extra)
     train("back", "zero3", 2, 4, (const int[]){1, 4});
 }
 
-static void coordinator_restarts(const char *const *extra)
+/* the coordinator killed and started again with its arguments; every member rejoins it */
+static void restart_coordinator(const char *const *extra, const char *when)
 {
     kill_daemon(0);
     usleep(500000);
-    TH_CHECK(th_cluster_node_restart(&cl, 0, extra) == 0, "the coordinator did not start again");
+    TH_CHECK(th_cluster_node_restart(&cl, 0, extra) == 0, "the coordinator did not start again%s",
+             when);
     bool all = true;
     for (int i = 0; i <= N; i++)
         all &= wait_nodes(cl.d[i].sock, N + 1);
-    TH_CHECK(all, "the members did not all rejoin the restarted coordinator");
+    TH_CHECK(all, "the members did not all rejoin the restarted coordinator%s", when);
+}
+
+static void coordinator_restarts(const char *const *extra)
+{
+    restart_coordinator(extra, "");
     for (int i = 1; i <= N; i++) { /* with the numbers they had, whatever order they came in */
         int node, nodes;
         numbered(cl.d[i].sock, &node, &nodes);
@@ -235,13 +242,7 @@ static void coordinator_restarts_under_a_job(const char *const *extra)
     TH_CHECK(running, "the job on {2, 3} did not start");
     train_steps = "8";
     train_compute_ms = "0";
-    kill_daemon(0);
-    usleep(500000);
-    TH_CHECK(th_cluster_node_restart(&cl, 0, extra) == 0, "the coordinator did not start again");
-    bool all = true;
-    for (int i = 0; i <= N; i++)
-        all &= wait_nodes(cl.d[i].sock, N + 1);
-    TH_CHECK(all, "the members did not all rejoin the coordinator restarted under a job");
+    restart_coordinator(extra, " (under a job)");
     TH_CHECK(job_running(cl.d[3].sock, "survivor"),
              "the job on {2, 3} did not outlive the coordinator");
     train("after1", "zero3", 2, 4, (const int[]){1, 4});
