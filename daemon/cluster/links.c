@@ -503,16 +503,25 @@ void sd_cluster__link_close(struct link *l, const char *why)
         char reason[160];
         snprintf(reason, sizeof(reason), "%s", why);
         node_down(cl, (uint32_t)node, reason);
-        if (cl->self != 0 && node == 0 && !cl->rejoining) {
+        if (cl->self != 0 && node == 0) {
             /* a member without the coordinator: the jobs with ranks on node 0 failed (above);
              * those between members go on over their direct links. Reconnect, and rejoin
              * with a new address table (keeping this node's number, which they name) */
+            if (!cl->rejoining)
+                SD_WARN("cluster",
+                        "lost the coordinator (%s): reconnecting to %s every %d ms to "
+                        "rejoin; jobs between members go on",
+                        why, cl->cfg->coordinator, SD_REJOIN_RETRY_MS);
+            else
+                SD_WARN_SPARSE("cluster",
+                               "rejoin: the coordinator at %s closed the connection (%s); "
+                               "again in %d ms",
+                               cl->cfg->coordinator, why, SD_REJOIN_RETRY_MS);
             cl->rejoining = true;
-            SD_WARN("cluster",
-                    "lost the coordinator (%s): reconnecting to %s every %d ms to "
-                    "rejoin; jobs between members go on",
-                    why, cl->cfg->coordinator, SD_REJOIN_RETRY_MS);
-            uv_timer_start(&cl->retry, retry_cb, SD_REJOIN_RETRY_MS, 0);
+            /* again after a reconnect that connected and then broke before the table (a
+             * coordinator still exiting accepts, then resets): nothing else retries then */
+            if (!cl->fatal)
+                uv_timer_start(&cl->retry, retry_cb, SD_REJOIN_RETRY_MS, 0);
         }
     } else if (cl->self != 0 && !cl->ready && !cl->fatal) {
         SD_WARN("cluster", "lost the coordinator before the cluster formed: %s", why);

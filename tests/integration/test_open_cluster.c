@@ -10,7 +10,8 @@
  * - daemon 1 killed and started again with the same arguments: numbered 1 again, and a job on
  *   {1, 4} trains;
  * - the coordinator killed and started again: the members rejoin it with nothing to configure,
- *   each with the number it had, and a job on {2, 3} trains;
+ *   each with the number it had, and a job on {2, 3} trains; meanwhile something at its port
+ *   accepts their reconnects and closes them (a coordinator still exiting), and they go on;
  * - killed and started again under a job on {2, 3}, which trains on to its reference; the
  *   restarted coordinator confirms later jobs with transport tags that job does not use;
  * - refused with a clear message: a daemon of an open cluster given an index other than the
@@ -18,11 +19,15 @@
  *   to join the open coordinator (it calls itself node 1). */
 #include "harness.h"
 
+#include <arpa/inet.h>
 #include <jansson.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #define N 4
@@ -180,11 +185,41 @@ static void member_restarts(const char *const *extra)
     train("back", "zero3", 2, 4, (const int[]){1, 4});
 }
 
+/* While the coordinator is away, something at its port accepts the members' reconnects and
+ * closes them at once, for 2.5 s (a coordinator still exiting does that: its listening socket
+ * outlives its loop): each member is connected, then reset, before any table; it must go on
+ * trying. */
+static void accept_and_close(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)cl.port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    int closed = 0;
+    if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 && listen(fd, 16) == 0) {
+        for (double end = th_now_s() + 2.5; th_now_s() < end;) {
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            if (poll(&p, 1, 100) == 1) {
+                int c = accept(fd, NULL, NULL);
+                if (c >= 0) {
+                    close(c);
+                    closed++;
+                }
+            }
+        }
+    }
+    close(fd);
+    TH_CHECK(closed >= N, "the members reconnected %d times while the coordinator was away",
+             closed);
+}
+
 /* the coordinator killed and started again with its arguments; every member rejoins it */
-static void restart_coordinator(const char *const *extra, const char *when)
+static void restart_coordinator(const char *const *extra, const char *when, bool impostor)
 {
     kill_daemon(0);
     usleep(500000);
+    if (impostor)
+        accept_and_close();
     TH_CHECK(th_cluster_node_restart(&cl, 0, extra) == 0, "the coordinator did not start again%s",
              when);
     bool all = true;
@@ -195,7 +230,7 @@ static void restart_coordinator(const char *const *extra, const char *when)
 
 static void coordinator_restarts(const char *const *extra)
 {
-    restart_coordinator(extra, "");
+    restart_coordinator(extra, "", true);
     for (int i = 1; i <= N; i++) { /* with the numbers they had, whatever order they came in */
         int node, nodes;
         numbered(cl.d[i].sock, &node, &nodes);
@@ -243,7 +278,7 @@ static void coordinator_restarts_under_a_job(const char *const *extra)
     TH_CHECK(running, "the job on {2, 3} did not start");
     train_steps = "8";
     train_compute_ms = "0";
-    restart_coordinator(extra, " (under a job)");
+    restart_coordinator(extra, " (under a job)", false);
     TH_CHECK(job_running(cl.d[3].sock, "survivor"),
              "the job on {2, 3} did not outlive the coordinator");
     train("after1", "zero3", 2, 4, (const int[]){1, 4});
