@@ -209,6 +209,8 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h);
 /* ---- handshake.c, for the links */
 /* "a.b.c.d:port" of l's other end */
 const char *sd_cluster__link_addr(struct link *l, char *buf, size_t len);
+/* the same without the port: "a.b.c.d" ("?" where not IPv4) */
+const char *sd_cluster__link_host(struct link *l, char *buf, size_t len);
 /* the coordinator: a new link gets its nonce (and the oldest of too many unproved links goes) */
 void sd_cluster__challenge(struct link *l);
 void sd_cluster__admit(struct sd_cluster *cl);

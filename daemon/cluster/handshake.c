@@ -20,6 +20,15 @@ const char *sd_cluster__link_addr(struct link *l, char *buf, size_t len)
     return buf;
 }
 
+const char *sd_cluster__link_host(struct link *l, char *buf, size_t len)
+{
+    sd_cluster__link_addr(l, buf, len);
+    char *colon = strrchr(buf, ':');
+    if (colon != NULL)
+        *colon = '\0';
+    return buf;
+}
+
 /* A hello on a link that has not proved the secret: heard only when its MAC is right. Nothing
  * of this node's configuration is said to one that is not. */
 bool sd_cluster__hello_authentic(struct link *l, const Shard__PeerHello *h)

@@ -259,13 +259,12 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
     if (cl->open && h->node >= cl->n)
         cl->n = h->node + 1; /* a new node: the table grows (past numbers not back yet) */
     l->node = (int)h->node;
-    char ip[SD_PEER_ADDR] = "";
-    sd_cluster__link_addr(l, ip, sizeof(ip));
-    char *colon = strrchr(ip, ':');
-    if (colon != NULL && h->peer_port != 0 && h->peer_port <= 65535)
-        snprintf(colon + 1, sizeof(ip) - (size_t)(colon + 1 - ip), "%u", h->peer_port);
-    snprintf(cl->peers.addrs[h->node], SD_PEER_ADDR, "%s",
-             colon != NULL && h->peer_port != 0 ? ip : "");
+    char host[SD_PEER_ADDR]; /* its job peers reach it where the coordinator does */
+    sd_cluster__link_host(l, host, sizeof(host));
+    if (h->peer_port != 0 && h->peer_port <= 65535 && strcmp(host, "?") != 0)
+        snprintf(cl->peers.addrs[h->node], SD_PEER_ADDR, "%.40s:%u", host, h->peer_port);
+    else
+        cl->peers.addrs[h->node][0] = '\0';
     cl->by_node[h->node] = l;
     if (h->fabric_addr.len > 0)
         memcpy(cl->addrs[h->node], h->fabric_addr.data, h->fabric_addr.len);

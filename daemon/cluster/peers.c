@@ -321,10 +321,8 @@ void sd_cluster__on_peer_hello(struct link *l, const Shard__PeerHello *h)
         return;
     }
     /* from the address the coordinator knows that node by (its link to it) */
-    char from[SD_PEER_ADDR], *colon;
-    sd_cluster__link_addr(l, from, sizeof(from));
-    if ((colon = strrchr(from, ':')) != NULL)
-        *colon = '\0';
+    char from[SD_PEER_ADDR];
+    sd_cluster__link_host(l, from, sizeof(from));
     size_t host = strcspn(cl->peers.addrs[node], ":");
     if (host > 0 && (strlen(from) != host || strncmp(from, cl->peers.addrs[node], host) != 0)) {
         sd_cluster__refuse(l, "a direct link as node %u from %s, which is not node %u's address",
