@@ -263,6 +263,9 @@ const char *sd_cluster__relayed_job(const Shard__PeerMsg *m);
 struct coord_left *sd_cluster__left_note(struct sd_cluster *cl, const char *name, uint32_t node,
                                          const uint32_t *ids, uint32_t n);
 void sd_cluster__left_drop(struct sd_cluster *cl, struct coord_left *l);
+/* in l, node left (or is gone); and every node that is down (they will never say so) */
+void sd_cluster__left_mark(struct coord_left *l, uint32_t node);
+void sd_cluster__left_mark_down(const struct sd_cluster *cl, struct coord_left *l);
 /* the job of name ended: the tag of the (oldest) confirmed job of that name is free */
 void sd_cluster__live_end(struct sd_cluster *cl, const char *name);
 

@@ -529,13 +529,24 @@ static struct coord_left *coord_left_new(struct sd_cluster *cl, const char *name
     l->nodes = n;
     l->next = cl->track.lefts;
     cl->track.lefts = l;
-    /* nodes already down will never report */
-    for (uint32_t i = 0; i < n; i++)
-        if (ids[i] != cl->self && cl->ready && (ids[i] >= cl->n || !cl->alive[ids[i]])) {
+    sd_cluster__left_mark_down(cl, l);
+    return l;
+}
+
+void sd_cluster__left_mark(struct coord_left *l, uint32_t node)
+{
+    for (uint32_t i = 0; i < l->nodes; i++)
+        if (l->at[i] == node && !l->seen[i]) {
             l->seen[i] = 1;
             l->left++;
         }
-    return l;
+}
+
+void sd_cluster__left_mark_down(const struct sd_cluster *cl, struct coord_left *l)
+{
+    for (uint32_t i = 0; i < l->nodes; i++)
+        if (l->at[i] != cl->self && cl->ready && (l->at[i] >= cl->n || !cl->alive[l->at[i]]))
+            sd_cluster__left_mark(l, l->at[i]);
 }
 
 struct coord_left *sd_cluster__left_note(struct sd_cluster *cl, const char *name, uint32_t node,
@@ -549,11 +560,7 @@ struct coord_left *sd_cluster__left_note(struct sd_cluster *cl, const char *name
             break;
     if (l == NULL && (l = coord_left_new(cl, name, ids, n)) == NULL)
         return NULL;
-    for (uint32_t i = 0; i < l->nodes; i++)
-        if (l->at[i] == node && !l->seen[i]) {
-            l->seen[i] = 1;
-            l->left++;
-        }
+    sd_cluster__left_mark(l, node);
     return l;
 }
 

@@ -12,6 +12,7 @@
 
 #include <arpa/inet.h>
 
+/* open a direct link to node, unless one is open or being opened */
 static void dial(struct sd_cluster *cl, uint32_t node);
 
 /* A member's direct link to a job peer broke (closed, or silent past heartbeat_timeout_ms):
@@ -61,8 +62,7 @@ void sd_cluster__peer_send(struct sd_cluster *cl, uint32_t node, const Shard__Pe
     while (*tail != NULL)
         tail = &(*tail)->next;
     *tail = o;
-    if (!cl->peers.dialing[node] && cl->by_node[node] == NULL)
-        dial(cl, node);
+    dial(cl, node);
 }
 
 /* node's direct link is up: what waited for it goes, in order */
@@ -358,6 +358,8 @@ static void peer_connect_cb(uv_connect_t *req, int status)
 
 static void dial(struct sd_cluster *cl, uint32_t node)
 {
+    if (cl->peers.dialing[node] || cl->by_node[node] != NULL) /* (one link at a time) */
+        return;
     struct sockaddr_storage ss;
     if (sd_cluster__parse_hostport(cl->peers.addrs[node], &ss) != SD_OK)
         return;
@@ -383,7 +385,7 @@ void sd_cluster__peer_links(struct sd_cluster *cl, uint64_t now)
             continue;
         struct link *l = cl->by_node[i];
         bool need = cl->alive[i] && cl->peers.need[i];
-        if (need && l == NULL && !cl->peers.dialing[i] && cl->peers.addrs[i][0] != '\0')
+        if (need)
             dial(cl, i);
         if (l == NULL || !l->peer)
             continue;
@@ -438,11 +440,7 @@ void sd_cluster__listen_peers(struct sd_cluster *cl, const char *host)
 /* every node of l left or is down: the job ends here */
 static void member_left_check(struct sd_cluster *cl, struct coord_left *l)
 {
-    for (uint32_t i = 0; i < l->nodes; i++)
-        if (!l->seen[i] && l->at[i] != cl->self && (l->at[i] >= cl->n || !cl->alive[l->at[i]])) {
-            l->seen[i] = 1;
-            l->left++;
-        }
+    sd_cluster__left_mark_down(cl, l);
     if (l->left < l->nodes)
         return;
     char job[64];
@@ -464,11 +462,7 @@ void sd_cluster__member_gone(struct sd_cluster *cl, uint32_t node)
 {
     for (struct coord_left *l = cl->track.lefts, *next; l; l = next) {
         next = l->next;
-        for (uint32_t i = 0; i < l->nodes; i++)
-            if (l->at[i] == node && !l->seen[i]) {
-                l->seen[i] = 1;
-                l->left++;
-            }
+        sd_cluster__left_mark(l, node);
         member_left_check(cl, l);
     }
 }
