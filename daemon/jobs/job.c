@@ -6,7 +6,6 @@
 #include "job.h"
 #include "job_module.h"
 #include "net.h"
-#include "dispatch.h"
 #include "fetch.h"
 #include "loading.h"
 #include "recover.h"
@@ -107,7 +106,9 @@ void sd_job_bury(struct sd_job *job)
     SD_INFO("job", "job '%s' (id %llu) %s after %llu steps; memory released", job->name,
             (unsigned long long)job->id, sd_job_state_name(job->state),
             (unsigned long long)job->steps);
-    sd_registry_add_finished(job->reg, job);
+    struct sd_job *oldest = sd_registry_add_finished(job->reg, job);
+    if (oldest != NULL)
+        sd_job_free(oldest);
 }
 
 /* the step the job starts from: the paused job's it resumes, else the checkpoint's it loads */
@@ -618,7 +619,7 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
              * confirmed it already): it cannot go on without this rank; end it everywhere */
             char text[160];
             snprintf(text, sizeof(text), "rank %u (pid %d) %s while the job registered", s->rank,
-                     (int)s->conn->pid, reason);
+                     (int)s->pid, reason);
             sd_job_refuse_everywhere(job, SD_ECONNRESET, text);
         } else if (job->n_registered == 0) {
             sd_job_destroy(job);
@@ -638,12 +639,12 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
         job->state = SD_JOB_CLOSING;
         job->fail_status = SD_EJOBFAILED;
         snprintf(job->fail_msg, sizeof(job->fail_msg), "rank %u (pid %d) detached after step %llu",
-                 s->rank, (int)s->conn->pid, (unsigned long long)job->steps);
+                 s->rank, (int)s->pid, (unsigned long long)job->steps);
         SD_INFO("job", "job '%s' closing: %s", job->name, job->fail_msg);
         fail_parked(job, SD_EJOBFAILED, job->fail_msg, false);
     } else if (!sd_resume_rank_died(job, s, reason)) {
         sd_job_fail(job, SD_EJOBFAILED, "rank %u (pid %d) %s after step %llu", s->rank,
-                    (int)s->conn->pid, reason, (unsigned long long)job->steps);
+                    (int)s->pid, reason, (unsigned long long)job->steps);
     }
     if (job->n_left < job->k || sd_resume_all_left(job))
         return;

@@ -7,6 +7,7 @@
 #include "checkpoint.h"
 #include "job.h"
 #include "job_api.h"
+#include "jobs.h"
 #include "registry.h"
 #include "resume.h"
 #include "server.h"
@@ -94,7 +95,7 @@ void sd_job_register_forget(struct sd_registry *reg, struct sd_session *s)
 static bool still_waits(struct sd_registry *reg, const struct sd_waiting_reg *w, uint64_t now)
 {
     char why[256];
-    const struct sd_job *job = sd_registry_find(reg, w->name);
+    const struct sd_job *job = sd_jobs_find(reg, w->name);
     return now < w->until_ns && job != NULL && job->id == w->job_id &&
            job_going(job, w->rank, why, sizeof(why));
 }
@@ -241,7 +242,7 @@ static void job_register(struct sd_registry *reg, struct sd_session *s, const Sh
         return;
     }
 
-    struct sd_job *job = sd_registry_find(reg, name);
+    struct sd_job *job = sd_jobs_find(reg, name);
     if (job == NULL) {
         struct sd_job *paused = sd_resume_find(reg, name);
         if (paused != NULL && paused->uid != c->uid) { /* before anything of it is touched */

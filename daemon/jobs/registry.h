@@ -1,6 +1,6 @@
 /* The job registry: the jobs this daemon serves (active, retiring while transfers drain, and
- * recently ended ones kept for shardctl), the memory budget, lookups, the deadline sweep, and
- * the events the cluster's coordinator sends about jobs (sd_registry_cluster_events). */
+ * recently ended ones kept for shardctl), the memory budget, and lookups by transport tag. What
+ * happens to the jobs as a whole is jobs.h's. */
 #ifndef SD_REGISTRY_H
 #define SD_REGISTRY_H
 
@@ -58,17 +58,6 @@ static inline int sd_registry_rank_device(const struct sd_registry *reg, uint32_
 
 void sd_registry_init(struct sd_registry *reg, const struct sd_config *cfg,
                       const struct sd_gpu_ops *dev);
-/* Check deadlines of registrations and parked operations; free retired jobs whose transfers
- * drained. */
-void sd_registry_sweep(struct sd_registry *reg, uint64_t now_ns);
-/* Jobs whose step, push rounds or fetch answers wait for the device's queue: *waiting_p says
- * whether any does
- * (the loop then keeps polling: a device's completion wakes nothing); returns whether any went
- * on. */
-bool sd_registry_poll_queues(struct sd_registry *reg, bool *waiting_p);
-void sd_registry_destroy_all(struct sd_registry *reg);
-/* Active job by name. */
-struct sd_job *sd_registry_find(struct sd_registry *reg, const char *name);
 /* Active or retiring job spanning nodes by its transport tag. */
 struct sd_job *sd_registry_find_tag(struct sd_registry *reg, uint32_t tag);
 /* A job was added (it is already linked) or unlinked. */
@@ -76,10 +65,8 @@ void sd_registry_link(struct sd_registry *reg, struct sd_job *job);
 void sd_registry_unlink(struct sd_registry *reg, struct sd_job *job);
 /* An ended job whose transfers still run: kept until they drain, then buried. */
 void sd_registry_add_retiring(struct sd_registry *reg, struct sd_job *job);
-/* An ended job, memory freed: kept for shardctl (the oldest beyond SD_FINISHED_JOBS_KEPT go). */
-void sd_registry_add_finished(struct sd_registry *reg, struct sd_job *job);
-
-/* What the cluster tells this node about jobs (cluster.h's events), bound to reg. */
-void sd_registry_cluster_events(struct sd_registry *reg, struct sd_cluster_events *ev_p);
+/* An ended job, memory freed: kept for shardctl. Returns the oldest beyond
+ * SD_FINISHED_JOBS_KEPT, unlinked, for the caller to free, else NULL. */
+struct sd_job *sd_registry_add_finished(struct sd_registry *reg, struct sd_job *job);
 
 #endif

@@ -5,7 +5,7 @@
  * node already asks) is kept for op_timeout_ms and handed over on confirmation. */
 #include "net_service.h"
 #include "coll/tag.h"
-#include "fetch.h"
+#include "job.h"
 #include "pull.h"
 #include "registry.h"
 #include "transport/transport.h"
@@ -35,6 +35,7 @@ struct sd_net {
     uint32_t n_early;
     struct sd_transport *tp;
     struct sd_cluster *cl;
+    sd_net_serve_fn serve;
     struct sd_net_req reqs[SD_NET_REQ_SLOTS];
     void *reqs_desc, *reqs_mr; /* reqs registered (providers with FI_MR_LOCAL) */
 };
@@ -80,7 +81,7 @@ static void on_request(struct sd_registry *reg, const struct sd_req_msg *m, uint
                        m->job_tag);
         return;
     }
-    sd_fetch_on_request(job, m);
+    reg->net->serve(job, m);
 }
 
 void sd_net_job_confirmed(struct sd_registry *reg, uint32_t job_tag)
@@ -205,7 +206,8 @@ static int stage_device_memory(struct sd_transport *tp, const struct sd_gpu_ops 
     return st;
 }
 
-int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl)
+int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl,
+                 sd_net_serve_fn serve)
 {
     /* a device whose memory the provider cannot reach (no FI_HMEM, or not for this device) */
     if (reg->dev->is_device != NULL && !tp->hmem) {
@@ -218,6 +220,7 @@ int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_clu
         return SD_ENOMEM;
     net->tp = tp;
     net->cl = cl;
+    net->serve = serve;
     reg->net = net;
     return SD_OK;
 }

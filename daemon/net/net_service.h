@@ -9,11 +9,18 @@
 #include <stdint.h>
 
 struct sd_cluster;
+struct sd_job;
 struct sd_net;
 struct sd_registry;
+struct sd_req_msg;
 struct sd_transport;
 
-int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl);
+/* serves a peer's pull request for a job of this node (fetch.c's sd_fetch_on_request): the
+ * service hands requests up without knowing who serves them */
+typedef void (*sd_net_serve_fn)(struct sd_job *job, const struct sd_req_msg *m);
+
+int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_cluster *cl,
+                 sd_net_serve_fn serve);
 /* the cluster, once started (it needs the registry's events first) */
 void sd_net_set_cluster(struct sd_registry *reg, struct sd_cluster *cl);
 /* standing receives for pull requests, once the cluster formed (idempotent) */

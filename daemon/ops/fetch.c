@@ -10,7 +10,6 @@
  * arenas once it reached the requested weights generation. */
 #include "net.h"
 #include "job_module.h"
-#include "dispatch.h"
 #include "fetch.h"
 #include "quant.h"
 #include "secondary.h"

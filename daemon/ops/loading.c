@@ -4,7 +4,6 @@
 #include "cluster/cluster.h"
 #include "net.h"
 #include "job_module.h"
-#include "dispatch.h"
 #include "fetch.h"
 #include "loading.h"
 #include "session.h"

@@ -7,7 +7,6 @@
  * nothing to exchange, and the phases run through in one call. */
 #include "net.h"
 #include "job_module.h"
-#include "dispatch.h"
 #include "fetch.h"
 #include "push.h"
 #include "step.h"

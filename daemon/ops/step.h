@@ -19,7 +19,7 @@ void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
 void sd_step_progress(struct sd_job *job);
 /* A step waiting for its job's queue (the device still at the kernels of a phase): look again,
  * and go on if they are done. True if it went on. The loop calls it on every pass while any job
- * waits (sd_registry_poll_queues). */
+ * waits (sd_jobs_poll_queues). */
 bool sd_step_queue_poll(struct sd_job *job);
 /* Does the step wait for its job's queue? */
 bool sd_step_queue_waiting(const struct sd_job *job);

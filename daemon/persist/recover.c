@@ -7,7 +7,6 @@
 #include "job.h"
 #include "net_service.h"
 #include "registry.h"
-#include "server.h"
 #include "sd/ckpt.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -21,8 +20,7 @@
 
 /* node 0: the recovery under way (one at a time) */
 struct sd_recovery {
-    struct sd_server *srv;
-    uint64_t conn_id; /* the shardctl to answer */
+    struct sd_admin_later later; /* the shardctl to answer */
     struct sd_job *job;
     uint64_t seq, start_ns, deadline_ns;
     char dir[SD_CKPT_PATH_MAX];
@@ -105,7 +103,7 @@ static void answer(struct sd_registry *reg, int status, json_t *o)
     json_object_set_new(o, "status", json_integer(status));
     char *text = json_dumps(o, JSON_COMPACT);
     json_decref(o);
-    sd_server_admin_answer(rec->srv, rec->conn_id, status, text ? text : "{}");
+    rec->later.fn(rec->later.ctx, rec->later.conn_id, status, text ? text : "{}");
     free(text);
     recovery_free(rec);
 }
@@ -183,10 +181,9 @@ static int refuse_missing(struct sd_job *job, const bool *covered, const bool *u
     return SD_ENOREPLICA;
 }
 
-int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const char *name,
-                     const char *dir, char **json_p)
+int sd_recover_admin(struct sd_registry *reg, const struct sd_admin_later *later, uid_t uid,
+                     const char *name, const char *dir, char **json_p)
 {
-    struct sd_registry *reg = srv->reg;
     *json_p = NULL;
     if (name == NULL || name[0] == '\0' || dir == NULL || dir[0] == '\0')
         return refuse(json_p, SD_EINVAL, "checkpoint needs a job (--job NAME) and a directory");
@@ -248,8 +245,7 @@ int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const c
         return st;
     }
     rec->reporting[0] = true;
-    rec->srv = srv;
-    rec->conn_id = conn_id;
+    rec->later = *later;
     rec->job = job;
     rec->seq = (1ULL << 62) | ++reg->recoveries; /* never a save's number */
     rec->start_ns = sd_now_ns();

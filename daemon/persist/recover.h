@@ -22,13 +22,20 @@
 struct sd_ckpt;
 struct sd_job;
 struct sd_registry;
-struct sd_server;
 
-/* shardctl checkpoint --job: start the recovery of job into dir for connection conn_id (of
- * uid). SD_OK with *json_p NULL: answered later (sd_server_admin_answer); otherwise the status
- * and the JSON answer (malloc'd) now: a refusal, with the missing extents. */
-int sd_recover_admin(struct sd_server *srv, uint64_t conn_id, uid_t uid, const char *job,
-                     const char *dir, char **json_p);
+/* where a command answered later goes: fn(ctx, conn_id, status, json) (the server's
+ * sd_server_admin_answer, to the connection if it is still open) */
+struct sd_admin_later {
+    void (*fn)(void *ctx, uint64_t conn_id, int status, const char *json);
+    void *ctx;
+    uint64_t conn_id;
+};
+
+/* shardctl checkpoint --job: start the recovery of job into dir for a caller of uid. SD_OK with
+ * *json_p NULL: answered later (later); otherwise the status and the JSON answer (malloc'd)
+ * now: a refusal, with the missing extents. */
+int sd_recover_admin(struct sd_registry *reg, const struct sd_admin_later *later, uid_t uid,
+                     const char *job, const char *dir, char **json_p);
 /* A member: node 0 asks for this node's part (answered with a JobSaved). */
 void sd_recover_peer(struct sd_registry *reg, const Shard__JobRecover *m);
 /* Node 0: a node's report of the recovery's part; true if it was one. */

@@ -6,7 +6,6 @@
 #include "job.h"
 #include "loading.h"
 #include "registry.h"
-#include "server.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -183,7 +182,7 @@ bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *r
     if (rs->timeout_ms == 0 || job->state != SD_JOB_READY)
         return false;
     char why[160];
-    snprintf(why, sizeof(why), "rank %u (pid %d) %s", s->rank, (int)s->conn->pid, reason);
+    snprintf(why, sizeof(why), "rank %u (pid %d) %s", s->rank, (int)s->pid, reason);
     if (!sd_step_running(job)) {
         pause_here(job, why);
         return true;

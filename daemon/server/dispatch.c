@@ -2,7 +2,6 @@
  * the schedule's bookkeeping around fetch, release and push, and the failure of every parked
  * operation at once when the job fails. */
 #include "checkpoint.h"
-#include "dispatch.h"
 #include "job_module.h"
 #include "fetch.h"
 #include "job_api.h"
@@ -14,14 +13,6 @@
 #include "sd/status.h"
 #include "sd/util.h"
 #include <stdio.h>
-
-void sd_op_done(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t v0,
-                uint64_t v1, uint64_t start_ns)
-{
-    job->stats.ops[e->op]++;
-    sd_latency_add(&job->stats.lat[e->op], sd_now_ns() - start_ns);
-    sd_session_complete(s, e->tag, (int)e->op, SD_OK, v0, v1, NULL);
-}
 
 /* Common checks; returns false after failing the entry. */
 static bool check_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,

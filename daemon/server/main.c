@@ -1,7 +1,9 @@
 /* shardd: the per-node daemon. */
 #include "cluster/cluster.h"
+#include "fetch.h"
 #include "file_pool.h"
 #include "net_service.h"
+#include "jobs.h"
 #include "registry.h"
 #include "server.h"
 #include "transport/transport.h"
@@ -404,9 +406,9 @@ int main(int argc, char **argv)
         char err[512] = "";
         status = sd_transport_ofi_open(&cfg, reg.dev, &app.tp, err, sizeof(err));
         if (status == SD_OK)
-            status = sd_net_start(&reg, app.tp, NULL);
+            status = sd_net_start(&reg, app.tp, NULL, sd_fetch_on_request);
         struct sd_cluster_events ev;
-        sd_registry_cluster_events(&reg, &ev);
+        sd_jobs_cluster_events(&reg, &ev);
         if (status == SD_OK)
             status = sd_cluster_start(&app.cl, &loop, &cfg, app.tp, &ev);
         if (status != SD_OK) {

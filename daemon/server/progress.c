@@ -2,8 +2,10 @@
  * for poll_spin_us after the trainers' last request before it sleeps on the sessions' eventfds
  * and the fabric's wait fd. */
 #include "net_service.h"
+#include "jobs.h"
 #include "registry.h"
 #include "server.h"
+#include "attach.h"
 #include "session.h"
 #include "transport/transport.h"
 #include "sd/ring.h"
@@ -28,7 +30,7 @@ static int progress_once(struct sd_server *srv)
         if (sd_session_progress(s))
             did |= DID_RING;
     /* steps waiting for their device's queue: a query each (a completion wakes nothing) */
-    if (sd_registry_poll_queues(srv->reg, &srv->queue_waiting))
+    if (sd_jobs_poll_queues(srv->reg, &srv->queue_waiting))
         did |= DID_RING;
     return did;
 }

@@ -3,8 +3,10 @@
  * on the sessions' eventfds. */
 #include "recover.h"
 #include "job_api.h"
+#include "jobs.h"
 #include "registry.h"
 #include "server.h"
+#include "attach.h"
 #include "session.h"
 #include "transport/transport.h"
 #include "sd/frame.h"
@@ -232,12 +234,18 @@ void sd_server_admin_answer(struct sd_server *srv, uint64_t conn_id, int status,
         }
 }
 
+static void admin_answer_cb(void *ctx, uint64_t conn_id, int status, const char *json)
+{
+    sd_server_admin_answer(ctx, conn_id, status, json);
+}
+
 static void handle_admin(struct sd_conn *c, const Shard__AdminRequest *req)
 {
     char *json = NULL;
     int status;
     if (req->command != NULL && strcmp(req->command, "checkpoint") == 0) {
-        status = sd_recover_admin(c->srv, c->id, c->uid, req->job, req->dir, &json);
+        struct sd_admin_later later = {.fn = admin_answer_cb, .ctx = c->srv, .conn_id = c->id};
+        status = sd_recover_admin(c->srv->reg, &later, c->uid, req->job, req->dir, &json);
         if (status == SD_OK && json == NULL)
             return; /* answered once written (sd_server_admin_answer) */
     } else {
@@ -673,7 +681,7 @@ static void sweep_cb(uv_timer_t *h)
     struct sd_server *srv = h->data;
     uint64_t now = sd_now_ns();
     sweep_conns(srv, now);
-    sd_registry_sweep(srv->reg, now);
+    sd_jobs_sweep(srv->reg, now);
     sd_server_progress(srv);
 }
 
@@ -789,7 +797,7 @@ void sd_server_stop(struct sd_server *srv)
     srv->stopping = true;
     while (srv->conns != NULL)
         sd_conn_close(srv->conns, "daemon shutting down");
-    sd_registry_destroy_all(srv->reg);
+    sd_jobs_destroy_all(srv->reg);
     if (srv->lfd >= 0) {
         uv_poll_stop(&srv->lpoll);
         uv_close((uv_handle_t *)&srv->lpoll, NULL);

@@ -89,7 +89,7 @@ struct sd_server {
     /* re-polls the rings every ms while a call waits for what no event announces: a push
      * whose gradient a device stream signals on the fence page (session.h, stall_polls) */
     uv_timer_t poll_timer;
-    /* a job's step waits for its device's queue (sd_registry_poll_queues): keep polling */
+    /* a job's step waits for its device's queue (sd_jobs_poll_queues): keep polling */
     bool queue_waiting;
     uint64_t last_net_ns; /* the last time a transfer completed */
     uint64_t polls;       /* passes of the polling loop since start (shardctl status) */

@@ -1,5 +1,5 @@
 /* A session: an attached client, its shared-memory ring and eventfds, and its membership of a
- * job. */
+ * job; what operations answer on its ring (session.c). attach.h sets it up and drains it. */
 #ifndef SD_SESSION_H
 #define SD_SESSION_H
 
@@ -20,6 +20,7 @@ struct sd_session {
     struct sd_server *srv;
     struct sd_conn *conn;
     uint64_t id;
+    pid_t pid; /* the client's (its connection's SO_PEERCRED) */
     struct sd_mem ring;
     struct sd_ring_hdr *hdr;
     int sq_efd, cq_efd;
@@ -37,16 +38,19 @@ struct sd_session {
     struct sd_sqe stalled;
     uint64_t stalled_ns;
     bool broken; /* protocol violation on the ring: stop reading it */
+    /* it broke (text says how): the attachment tells the client and hangs up (attach.c) */
+    void (*on_break)(struct sd_session *s, const char *text);
 };
 
-int sd_session_create(struct sd_conn *c, const Shard__Attach *msg);
-/* Leave the job (if any) and free the session; reason appears in the job's error. */
-void sd_session_destroy(struct sd_session *s, const char *reason);
-/* Drain the ring; returns true if any entry was consumed or a stalled one went through. */
-bool sd_session_progress(struct sd_session *s);
+/* room for a completion's message */
+#define SD_OP_MSG_LEN SD_CQE_MSG_LEN
+
 void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status, uint64_t v0,
                          uint64_t v1, const char *msg);
 void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* complete an operation that succeeded, counted in the job's statistics */
+void sd_op_done(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t v0,
+                uint64_t v1, uint64_t start_ns);
 
 #endif

@@ -22,7 +22,7 @@
 #include "check.h"
 #include "job_fixture.h"
 #include "net.h"
-#include "dispatch.h"
+#include "session.h"
 #include "fetch.h"
 #include "optimizer.h"
 #include "push.h"
