@@ -23,7 +23,7 @@ struct Shard__JobSaved;
 struct Shard__JobRecover;
 
 /* What the cluster tells this node about jobs, and asks of it. The cluster knows jobs only by
- * their names and transport tags; the registry implements these (sd_registry_cluster_events). */
+ * their names and transport tags; the daemon's jobs implement these (sd_jobs_cluster_events). */
 struct sd_cluster_events {
     void *ctx;
     /* the coordinator's decision on a registration: nodes[i] is the cluster node of job node i */

@@ -1,19 +1,12 @@
-/* Jobs: registration (all ranks, same model, with a deadline), the layout reply, the state
- * machine, departures, failures and deadlines. */
-#include "step.h"
-#include "checkpoint.h"
+/* The job's core, below every operation: its failure (the modules stopped and their parked
+ * calls completed, the other nodes told), the walks over the modules (events, device-queue
+ * polls, what is in flight), the shape facts every operation may ask, the gathered weights on
+ * its GPUs. It includes no operation's header: it reaches them through job_module.h. The job's
+ * life (registration, confirmation, departures, retirement, deadlines) is job_life.c's. */
 #include "cluster/cluster.h"
 #include "job.h"
 #include "job_module.h"
-#include "net.h"
-#include "fetch.h"
-#include "loading.h"
-#include "recover.h"
-#include "job_api.h"
 #include "registry.h"
-#include "resume.h"
-#include "server.h"
-#include "session.h"
 #include "sd/hmac.h"
 #include "sd/model_msg.h"
 #include "sd/log.h"
@@ -23,8 +16,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
-#include <unistd.h>
 
 const char *sd_job_state_name(enum sd_job_state s)
 {
@@ -33,279 +24,9 @@ const char *sd_job_state_name(enum sd_job_state s)
     return names[s];
 }
 
-/* The modules whose states are created with the job, allocated with its memory, released and
- * destroyed, in this order (job_module.h). */
-static const struct sd_job_module *const life_order[] = {
-    &sd_step_module,  &sd_optim_module, &sd_loading_module, &sd_push_module,
-    &sd_sched_module, &sd_sec_module,   &sd_quant_module};
-
-void sd_job_free(struct sd_job *job)
-{
-    sd_job_mem_free(job); /* never while sd_ckpt_busy: its worker may use the memory */
-    sd_layout_free(&job->layout);
-    sd_model_free(&job->model);
-    free(job->ranks);
-    free(job->xfer.node_ids);
-    sd_recover_forget(job->reg, job, "the job's state was dropped");
-    sd_ckpt_job_free(job);
-    for (size_t i = 0; i < sizeof(life_order) / sizeof(life_order[0]); i++)
-        if (life_order[i]->destroy != NULL)
-            life_order[i]->destroy(job);
-    sd_resume_unlink(job);
-    sd_resume_destroy(job);
-    free(job);
-}
-
-static void job_unlink_rank(struct sd_job *job, struct sd_session *s);
-static void fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches);
-
-/* A job that never became ready: nothing worth keeping. */
-void sd_job_destroy(struct sd_job *job)
-{
-    for (uint32_t r = 0; job->ranks != NULL && r < job->k; r++)
-        if (job->ranks[r] != NULL)
-            job_unlink_rank(job, job->ranks[r]);
-    sd_registry_unlink(job->reg, job);
-    /* a paused job it was to resume is resumable again now, not once the memory below goes: a
-     * registration that comes meanwhile finds it (sd_resume_find) */
-    sd_resume_unlink(job);
-    if (job->mem
-            .allocating) { /* the worker writes its buffers: alloc_after_cb (job_mem.c) frees it */
-        job->mem.doomed = true;
-        return;
-    }
-    if (sd_ckpt_busy(job)) { /* a file worker uses it: freed once it is done (the sweep) */
-        sd_ckpt_drop(job);
-        job->mem.doomed = true;
-        sd_registry_add_retiring(job->reg, job);
-        return;
-    }
-    SD_DEBUG("job", "job '%s' (id %llu) dropped", job->name, (unsigned long long)job->id);
-    sd_job_free(job);
-}
-
-void sd_job_retire(struct sd_job *job)
-{
-    sd_registry_unlink(job->reg, job);
-    if (!sd_job_net_idle(job)) {
-        /* transfers still read or write its memory: free it once they are done */
-        sd_job_net_cancel(job);
-        job->retire_pending = true;
-        sd_registry_add_retiring(job->reg, job);
-        return;
-    }
-    sd_job_bury(job);
-}
-
-/* Every rank left: free the job's memory, keep its record and statistics for shardctl. */
-void sd_job_bury(struct sd_job *job)
-{
-    sd_job_mem_free(job);
-    if (job->state != SD_JOB_FAILED || sd_resume_resumed(job))
-        job->state = SD_JOB_FINISHED; /* a job resumed by another one ended as it should */
-    SD_INFO("job", "job '%s' (id %llu) %s after %llu steps; memory released", job->name,
-            (unsigned long long)job->id, sd_job_state_name(job->state),
-            (unsigned long long)job->steps);
-    struct sd_job *oldest = sd_registry_add_finished(job->reg, job);
-    if (oldest != NULL)
-        sd_job_free(oldest);
-}
-
-/* the step the job starts from: the paused job's it resumes, else the checkpoint's it loads */
-static uint64_t start_step(const struct sd_job *job)
-{
-    return sd_resume_resuming(job) ? sd_resume_start_step(job) : sd_ckpt_start_step(job);
-}
-
-/* Send the layout and the shared fds to one registered rank. */
-static int job_send_layout(struct sd_job *job, struct sd_session *s)
-{
-    const struct sd_layout *l = &job->layout;
-    int status = SD_ENOMEM;
-    Shard__UnitLayout *units = calloc(l->n_units, sizeof(*units));
-    Shard__UnitLayout **up = calloc(l->n_units, sizeof(*up));
-    Shard__TensorLayout *tens = calloc(l->n_tensors, sizeof(*tens));
-    Shard__TensorLayout **tp = calloc(l->n_tensors, sizeof(*tp));
-    s->holds = calloc(l->n_units, sizeof(*s->holds));
-    if (!units || !up || !tens || !tp || !s->holds)
-        goto out;
-    for (uint32_t u = 0; u < l->n_units; u++) {
-        shard__unit_layout__init(&units[u]);
-        units[u].numel = l->units[u].numel;
-        units[u].used = l->units[u].used;
-        units[u].dtype = (uint32_t)l->units[u].dtype;
-        units[u].first_tensor = l->units[u].first_tensor;
-        units[u].n_tensors = l->units[u].n_tensors;
-        up[u] = &units[u];
-    }
-    for (uint32_t t = 0; t < l->n_tensors; t++) {
-        shard__tensor_layout__init(&tens[t]);
-        tens[t].offset = l->tensors[t].offset;
-        tens[t].numel = l->tensors[t].numel;
-        tp[t] = &tens[t];
-    }
-    uint32_t factors[SD_STATE_COUNT];
-    for (int st = 0; st < SD_STATE_COUNT; st++)
-        factors[st] = job->plan.f[st];
-    Shard__RegisterReply rep = SHARD__REGISTER_REPLY__INIT;
-    rep.job_id = job->id;
-    rep.n_units = l->n_units;
-    rep.units = up;
-    rep.n_tensors = l->n_tensors;
-    rep.tensors = tp;
-    const struct sd_mem *pool = sd_job_rank_pool(job, s->local); /* on the rank's GPU */
-    rep.pool_bytes = pool->bytes;
-    rep.staging_slots = job->mem.staging_slots;
-    rep.staging_slot_bytes = job->mem.staging_slot_bytes;
-    rep.n_shard_factor = SD_STATE_COUNT;
-    rep.shard_factor = factors;
-    rep.ranks_per_node = job->k;
-    rep.step_args_off = job->mem.step_args_off;
-    rep.step_args_bytes = job->mem.step_args_bytes;
-    rep.save_path_off = job->mem.save_path_off;
-    rep.start_step = start_step(job);
-    rep.resumed = sd_resume_resuming(job);
-    uint32_t n_groups = sd_model_groups(&job->model);
-    Shard__Optimizer *gd = calloc(n_groups, sizeof(*gd));
-    Shard__Optimizer **gp = calloc(n_groups, sizeof(*gp));
-    if (gd == NULL || gp == NULL) {
-        free(gd);
-        free(gp);
-        goto out;
-    }
-    for (uint32_t g = 0; g < n_groups; g++) {
-        struct sd_hparams h;
-        if (!sd_resume_hparams(job, g, &h))
-            h = sd_ckpt_hparams(job, g);
-        sd_hparams_to_msg(&h, job->model.optim.kind, &gd[g]);
-        gp[g] = &gd[g];
-    }
-    rep.n_groups = n_groups;
-    rep.groups = gp;
-    Shard__DaemonMsg out = SHARD__DAEMON_MSG__INIT;
-    out.msg_case = SHARD__DAEMON_MSG__MSG_REGISTER;
-    out.register_ = &rep;
-
-    rep.memory = (char *)job->reg->dev->client_memory;
-    struct sd_gpu_device gpu[SD_GPU_MAX_DEVICES];
-    int n_gpus =
-        job->reg->dev->devices != NULL ? job->reg->dev->devices(gpu, SD_GPU_MAX_DEVICES) : 0;
-    for (int i = 0; i < n_gpus && i < SD_GPU_MAX_DEVICES; i++)
-        if (gpu[i].index ==
-            sd_job_rank_device(job, s->local)) { /* the rank's GPU (config devices) */
-            rep.device = gpu[i].index;
-            rep.device_uuid = gpu[i].uuid;
-        }
-    /* the pool goes out read-only: clients read gathered weights, never write them (a memfd
-     * reopened read-only; a device's fd handle, which the client maps read-only) */
-    bool memfd = job->reg->dev->client_memfds;
-    int ro = pool->fd;
-    if (memfd) {
-        char path[64];
-        snprintf(path, sizeof(path), "/proc/self/fd/%d", pool->fd);
-        if ((ro = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
-            status = -errno;
-            goto out;
-        }
-    }
-    int fds[3] = {ro, job->mem.staging[s->local].fd, job->mem.fence[s->local].fd};
-    status = sd_conn_send(s->conn, &out, fds, 3);
-    if (memfd)
-        close(ro);
-    free(gd);
-    free(gp);
-    if (status == SD_OK)
-        s->registered = true;
-out:
-    free(units);
-    free(up);
-    free(tens);
-    free(tp);
-    return status;
-}
-
-static void job_unlink_rank(struct sd_job *job, struct sd_session *s)
-{
-    if (job->ranks[s->local] == s)
-        job->ranks[s->local] = NULL;
-    s->job = NULL;
-}
-
-/* Registration is agreed (one node: at once; across nodes: confirmed by the coordinator):
- * answer every local rank with the layout and start loading the initial values. */
-static void job_start_loading(struct sd_job *job)
-{
-    job->state = SD_JOB_LOADING;
-    job->stats.allocs_after_register = 0;
-    char b[32], c[32];
-    SD_INFO("job",
-            "job '%s' registered: %u ranks (%u on this node, %u nodes), plan %s, %u units, %s of "
-            "parameters, %s allocated in %.1f ms",
-            job->name, job->world, job->k, job->nodes, job->plan.name, job->layout.n_units,
-            sd_fmt_bytes(b, sizeof(b), job->layout.total_bytes),
-            sd_fmt_bytes(c, sizeof(c), job->mem.bytes_total), (double)job->mem.alloc_ns / 1e6);
-    for (uint32_t r = 0; r < job->k; r++) {
-        struct sd_session *s = job->ranks[r];
-        if (s != NULL && job_send_layout(job, s) != SD_OK) {
-            sd_job_fail(job, SD_ECONNRESET, "rank %u could not be sent its layout",
-                        job->first_rank + r);
-            return;
-        }
-    }
-    if (sd_resume_resuming(job))
-        sd_resume_load(job); /* every node takes its part of the paused job over */
-    else if (sd_ckpt_loading(job))
-        sd_ckpt_load_start(job); /* every node reads its part of the checkpoint */
-    else if (job->nodes > 1)
-        sd_loading_start(job);
-}
-
-/* The job's nodes' data paths work (their probes came back): loading may start. False: it
- * waits (sd_job_sweep tries again until the registration's deadline). */
-static bool job_paths_ready(struct sd_job *job)
-{
-    job->xfer.paths_wait = false;
-    for (uint32_t n = 0; n < job->nodes; n++)
-        if (n != job->node && !sd_cluster_usable(sd_job_cluster(job), job->xfer.node_ids[n])) {
-            job->xfer.paths_wait = true;
-            return false;
-        }
-    return true;
-}
-
-void sd_job_confirm(struct sd_job *job, uint32_t tag, const uint32_t *ids, uint32_t n)
-{
-    uint32_t self = sd_cluster_self(sd_job_cluster(job));
-    bool ok = n == job->nodes && ids[job->node] == self;
-    for (uint32_t i = 0; ok && i < n; i++)
-        for (uint32_t j = 0; j < i; j++)
-            ok &= ids[i] != ids[j];
-    if (!ok) {
-        char text[200];
-        snprintf(text, sizeof(text),
-                 "the coordinator confirmed the job on %u nodes with this one (node %u) not "
-                 "its node %u: a protocol error",
-                 n, self, job->node);
-        sd_job_refuse_everywhere(job, SD_EPROTO, text);
-        return;
-    }
-    struct sd_job *other = sd_registry_find_tag(job->reg, tag);
-    if (other != NULL && other != job) { /* (the reports say which tags are in use here) */
-        char text[200];
-        snprintf(text, sizeof(text),
-                 "the coordinator confirmed the job with transport tag %u, which job '%.64s' "
-                 "still uses on this node: a protocol error",
-                 tag, other->name);
-        sd_job_refuse_everywhere(job, SD_EPROTO, text);
-        return;
-    }
-    job->xfer.tag = tag;
-    memcpy(job->xfer.node_ids, ids, n * sizeof(*ids));
-    /* the job's nodes must be reachable over the fabric first: a node whose data path is still
-     * being probed (a table just installed) is waited for, within the registration's deadline */
-    if (job_paths_ready(job))
-        job_start_loading(job);
-}
+/* The modules stopped when the job fails, in this order. */
+static const struct sd_job_module *const failing_order[] = {&sd_resume_module, &sd_step_module,
+                                                            &sd_net_module};
 
 bool sd_job_node_alive(const struct sd_job *job, uint32_t n)
 {
@@ -325,7 +46,7 @@ uint32_t sd_job_node_of(const struct sd_job *job, uint32_t id)
 
 /* Tell the job's other nodes it failed (or paused) here: the nodes the coordinator confirmed,
  * or before that, those that reported it. */
-static void job_abort_peers(struct sd_job *job, int status, const char *msg)
+void sd_job_abort_peers(struct sd_job *job, int status, const char *msg)
 {
     sd_cluster_abort_job(
         sd_job_cluster(job),
@@ -336,60 +57,6 @@ static void job_abort_peers(struct sd_job *job, int status, const char *msg)
                                .step = job->steps,
                                .status = status,
                                .msg = msg});
-}
-
-/* Refuse the registration to every local rank and drop the job. */
-void sd_job_refuse(struct sd_job *job, int status, const char *msg)
-{
-    SD_WARN("job", "job '%s' refused: %s", job->name, msg);
-    for (uint32_t r = 0; r < job->k; r++) {
-        struct sd_session *s = job->ranks[r];
-        if (s == NULL)
-            continue;
-        sd_conn_send_error(s->conn, status, "register: %s", msg);
-        job_unlink_rank(job, s);
-    }
-    /* confirmed already (it waited for its nodes' data paths): the nodes that went on end the
-     * job once this one, too, said its ranks left */
-    if (job->nodes > 1 && job->xfer.tag != 0)
-        sd_cluster_job_left(sd_job_cluster(job), job->name, job->xfer.node_ids, job->nodes);
-    sd_job_destroy(job);
-}
-
-void sd_job_refuse_everywhere(struct sd_job *job, int status, const char *msg)
-{
-    if (job->nodes > 1)
-        job_abort_peers(job, status, msg);
-    sd_job_refuse(job, status, msg);
-}
-
-/* The job's memory is allocated (status SD_OK) or not (err says why): one node starts at once,
- * several ask the coordinator. */
-void sd_job_allocated(struct sd_job *job, int status, const char *err)
-{
-    if (job->nodes == 1) {
-        if (status != SD_OK)
-            sd_job_refuse(job, status, err);
-        else
-            job_start_loading(job);
-        return;
-    }
-    /* the coordinator's decision comes back through sd_job_confirmed / sd_job_refused, possibly
-     * before this call returns (node 0 decides locally): touch nothing of job afterwards */
-    job->register_deadline_ns =
-        sd_now_ns() + 2 * (uint64_t)job->reg->cfg->register_timeout_ms * 1000000ULL;
-    sd_cluster_report_job(sd_job_cluster(job),
-                          &(struct sd_job_report){.job = job->name,
-                                                  .digest = job->digest,
-                                                  .world = job->world,
-                                                  .ranks_per_node = job->k,
-                                                  .job_node = job->node,
-                                                  .start_step = start_step(job),
-                                                  .resumed = sd_resume_resuming(job),
-                                                  .token = job->xfer.token,
-                                                  .token_len = job->xfer.token_len,
-                                                  .status = status,
-                                                  .msg = status == SD_OK ? "" : err});
 }
 
 bool sd_job_token_is(const struct sd_job *job, const void *token, size_t len)
@@ -420,132 +87,6 @@ bool sd_job_name_valid(const char *name)
     return true;
 }
 
-struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg,
-                             struct sd_model *model, const struct sd_fsid *owner, int *status_p,
-                             char *err, size_t errlen)
-{
-    *status_p = SD_EINVAL;
-    const struct sd_config *cfg = reg->cfg;
-    if (msg->world == 0 || msg->world > SD_MAX_WORLD) {
-        snprintf(err, errlen, "world size %u must be in 1..%d", msg->world, SD_MAX_WORLD);
-        return NULL;
-    }
-    if (msg->resume_timeout_ms > (uint64_t)cfg->max_resume_timeout_ms) {
-        snprintf(err, errlen,
-                 "resume_timeout_ms %llu is longer than this daemon allows (max_resume_timeout_ms "
-                 "%lld)",
-                 (unsigned long long)msg->resume_timeout_ms, (long long)cfg->max_resume_timeout_ms);
-        return NULL;
-    }
-    /* a job spans nodes [0, world / k): k is the job's (its registration's), else the daemon's,
-     * else one node takes all its ranks */
-    uint32_t k = sd_job_ranks_per_node(cfg, msg);
-    uint32_t nodes = k ? msg->world / k : 0;
-    if (k == 0 || msg->world % k != 0) {
-        snprintf(err, errlen,
-                 "world size %u is not a multiple of ranks_per_node %u (every node of a job "
-                 "serves %u ranks)",
-                 msg->world, k, k);
-        return NULL;
-    }
-    uint32_t have = sd_cluster_nodes(sd_net_cluster(reg->net));
-    if (nodes > have) {
-        snprintf(err, errlen,
-                 "world size %u needs %u nodes of %u ranks; this cluster has %u (at most "
-                 "world %llu)",
-                 msg->world, nodes, k, have, (unsigned long long)have * k);
-        return NULL;
-    }
-    if (k > SD_MAX_LOCAL_RANKS) {
-        snprintf(err, errlen,
-                 "%u ranks on this node (world %u over %u nodes); a node serves at most %d ranks",
-                 k, msg->world, nodes, SD_MAX_LOCAL_RANKS);
-        return NULL;
-    }
-    if (nodes > 1 && !sd_cluster_ready(sd_net_cluster(reg->net))) {
-        snprintf(err, errlen,
-                 "the cluster has not formed yet (waiting for the other daemons); "
-                 "retry in a moment");
-        return NULL;
-    }
-    if (msg->rank >= msg->world) {
-        snprintf(err, errlen, "rank %u is not below world size %u", msg->rank, msg->world);
-        return NULL;
-    }
-    struct sd_job *job = calloc(1, sizeof(*job));
-    if (job == NULL) {
-        snprintf(err, errlen, "out of memory");
-        return NULL;
-    }
-    job->reg = reg;
-    snprintf(job->name, sizeof(job->name), "%s", msg->job);
-    job->id = ++reg->next_job_id;
-    job->uid = owner->uid;
-    job->world = msg->world;
-    job->mem.max_live_bytes = msg->max_live_bytes;
-    job->k = k;
-    /* the job's node this one is, by the rank: its cluster node is the coordinator's to map */
-    job->node = msg->rank / k;
-    job->first_rank = job->node * k;
-    job->xfer.node_ids = malloc(nodes * sizeof(*job->xfer.node_ids));
-    for (uint32_t n = 0; job->xfer.node_ids != NULL && n < nodes; n++)
-        job->xfer.node_ids[n] =
-            n == job->node ? sd_cluster_self(sd_net_cluster(reg->net)) : SD_NODE_UNKNOWN;
-    job->topo = (struct sd_topo){
-        .nodes = nodes, .ranks_per_node = k, .package_size = (uint32_t)cfg->package_size};
-    job->model = *model;
-    memset(model, 0, sizeof(*model));
-    job->digest = sd_model_digest(&job->model);
-    if (msg->job_token.len == SD_JOB_TOKEN_BYTES) { /* (any other length: refused before) */
-        memcpy(job->xfer.token, msg->job_token.data, SD_JOB_TOKEN_BYTES);
-        job->xfer.token_len = SD_JOB_TOKEN_BYTES;
-    }
-    job->created_ns = sd_now_ns();
-    job->register_deadline_ns = job->created_ns + (uint64_t)cfg->register_timeout_ms * 1000000ULL;
-    job->ranks = calloc(k, sizeof(*job->ranks));
-    int status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
-    if (status == SD_OK)
-        status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
-    job->nodes = nodes;
-    if (status == SD_OK)
-        status = sd_ckpt_job_init(job, owner, msg->load, err, errlen);
-    if (status == SD_OK)
-        status = sd_resume_create(job, sd_resume_timeout(reg, msg->resume_timeout_ms));
-    for (int st = 0; st < SD_STATE_COUNT; st++)
-        job->gnodes[st] = job->plan.f[st] > k ? job->plan.f[st] / k : 1;
-    job->slots_per_unit = job->gnodes[SD_STATE_W] > 1 && !job->plan.hierarchical ? k : 1;
-    for (size_t i = 0; status == SD_OK && i < sizeof(life_order) / sizeof(life_order[0]); i++)
-        if (life_order[i]->create != NULL)
-            status = life_order[i]->create(job);
-    if (status == SD_OK)
-        job->n_slots = job->layout.n_units * job->slots_per_unit;
-    if (status == SD_OK) {
-        job->mem.w_off = calloc(job->layout.n_units, sizeof(*job->mem.w_off));
-        if (job->mem.w_off == NULL)
-            status = SD_ENOMEM;
-    }
-    if (status != SD_OK || !job->ranks || !job->xfer.node_ids) {
-        if (status == SD_OK)
-            snprintf(err, errlen, "out of memory");
-        *status_p = status == SD_OK ? SD_ENOMEM : status;
-        sd_job_free(job);
-        return NULL;
-    }
-    for (uint32_t u = 0; u < job->layout.n_units; u++) {
-        job->mem.w_off[u] = job->mem.w_arena_bytes;
-        job->mem.w_arena_bytes += sd_job_w_shard_bytes(job, u);
-    }
-    sd_registry_link(reg, job);
-    return job;
-}
-
-void sd_job_registered(struct sd_job *job)
-{
-    if (job->state == SD_JOB_REGISTERING && job->n_registered == job->k && sd_ckpt_opened(job) &&
-        !job->mem.allocating && job->mem.bytes_total == 0)
-        sd_job_mem_alloc(job);
-}
-
 void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tell_peers)
 {
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
@@ -554,18 +95,16 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
         SD_WARN("job", "%s", text);
     else
         SD_WARN("job", "job '%s' failed: %s", job->name, text);
-    sd_resume_job_failed(job);
-    bool registering = job->state == SD_JOB_REGISTERING;
+    enum sd_job_state was = job->state;
     job->state = SD_JOB_FAILED;
     job->fail_status = status;
     snprintf(job->fail_msg, sizeof(job->fail_msg), "%s", text);
-    sd_step_stop(job);
-    if (job->nodes > 1 && !registering) {
-        sd_job_net_cancel(job);
-        if (tell_peers)
-            job_abort_peers(job, status, text);
-    }
-    fail_parked(job, status, text, true);
+    for (size_t i = 0; i < SD_ARRAY_SIZE(failing_order); i++)
+        if (failing_order[i]->failing != NULL)
+            failing_order[i]->failing(job, (int)was);
+    if (job->nodes > 1 && was != SD_JOB_REGISTERING && tell_peers)
+        sd_job_abort_peers(job, status, text);
+    sd_job_fail_parked(job, status, text, true);
 }
 
 int sd_job_queue_mark(struct sd_job *job, bool behind, uint64_t *ticket_p)
@@ -608,56 +147,6 @@ void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
     sd_job_fail_text(job, status, text, true);
 }
 
-void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
-{
-    if (job->state == SD_JOB_REGISTERING) {
-        bool complete = job->n_registered == job->k;
-        job_unlink_rank(job, s);
-        job->n_registered--;
-        if (complete) {
-            /* the node reported the registration (across nodes the coordinator may have
-             * confirmed it already): it cannot go on without this rank; end it everywhere */
-            char text[160];
-            snprintf(text, sizeof(text), "rank %u (pid %d) %s while the job registered", s->rank,
-                     (int)s->pid, reason);
-            sd_job_refuse_everywhere(job, SD_ECONNRESET, text);
-        } else if (job->n_registered == 0) {
-            sd_job_destroy(job);
-        }
-        return;
-    }
-    if (s->registered)
-        sd_fetch_release_holds(job, s);
-    if (s->has_stalled) {
-        s->has_stalled = false;
-    }
-    job_unlink_rank(job, s);
-    job->n_left++;
-    if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING) {
-        /* already over */
-    } else if (strcmp(reason, "detached") == 0) {
-        job->state = SD_JOB_CLOSING;
-        job->fail_status = SD_EJOBFAILED;
-        snprintf(job->fail_msg, sizeof(job->fail_msg), "rank %u (pid %d) detached after step %llu",
-                 s->rank, (int)s->pid, (unsigned long long)job->steps);
-        SD_INFO("job", "job '%s' closing: %s", job->name, job->fail_msg);
-        fail_parked(job, SD_EJOBFAILED, job->fail_msg, false);
-    } else if (!sd_resume_rank_died(job, s, reason)) {
-        sd_job_fail(job, SD_EJOBFAILED, "rank %u (pid %d) %s after step %llu", s->rank,
-                    (int)s->pid, reason, (unsigned long long)job->steps);
-    }
-    if (job->n_left < job->k || sd_resume_all_left(job))
-        return;
-    /* across nodes the job ends when every node's ranks left: peers may still gather this
-     * node's shards (a rank saving the final weights) */
-    if (job->nodes > 1 && !job->retire_pending) {
-        job->retire_pending = true;
-        if (sd_cluster_job_left(sd_job_cluster(job), job->name, job->xfer.node_ids, job->nodes))
-            return; /* sd_job_ended retires it, maybe already did */
-    }
-    sd_job_retire(job);
-}
-
 void sd_job_missing_ranks(const struct sd_job *job, const bool *present, char *out, size_t len)
 {
     size_t off = 0;
@@ -668,30 +157,10 @@ void sd_job_missing_ranks(const struct sd_job *job, const bool *present, char *o
                                     job->first_rank + r);
 }
 
-/* The modules' deadlines in the order they are checked: the first that fails the job names
- * the reason. */
-static const struct sd_job_module *const sweep_order[] = {
-    &sd_step_module, &sd_ckpt_module, &sd_dispatch_module, &sd_loading_module, &sd_push_module};
 /* The order parked calls are completed in when the job fails or pauses. */
 static const struct sd_job_module *const fail_order[] = {&sd_push_module,     &sd_fetch_module,
                                                          &sd_loading_module,  &sd_step_module,
                                                          &sd_dispatch_module, &sd_ckpt_module};
-
-int sd_job_modules_alloc(struct sd_job *job)
-{
-    int status = SD_OK;
-    for (size_t i = 0; status == SD_OK && i < sizeof(life_order) / sizeof(life_order[0]); i++)
-        if (life_order[i]->alloc != NULL)
-            status = life_order[i]->alloc(job);
-    return status;
-}
-
-void sd_job_modules_release(struct sd_job *job)
-{
-    for (size_t i = 0; i < sizeof(life_order) / sizeof(life_order[0]); i++)
-        if (life_order[i]->release != NULL)
-            life_order[i]->release(job);
-}
 
 /* ---- shape facts (job.h) */
 
@@ -711,16 +180,41 @@ bool sd_job_weights_remote(const struct sd_job *job)
            job->plan.f[SD_STATE_W] < job->plan.f[SD_STATE_OS];
 }
 
-/* The modules that wait for other modules' completions. */
-static const struct sd_job_module *const event_order[] = {&sd_step_module, &sd_resume_module};
+/* The modules that wait for other modules' completions; the job's life last (it may free the
+ * job). */
+static const struct sd_job_module *const event_order[] = {&sd_step_module, &sd_resume_module,
+                                                          &sd_life_module};
+
+static bool raise_ev(struct sd_job *job, const struct sd_job_ev *e)
+{
+    bool taken = false;
+    for (size_t i = 0; i < SD_ARRAY_SIZE(event_order); i++)
+        taken |= event_order[i]->event != NULL && event_order[i]->event(job, e);
+    return taken;
+}
 
 bool sd_job_event_ended(struct sd_job *job, enum sd_job_event ev, int status, uint32_t peer)
 {
-    const struct sd_job_ev e = {.kind = ev, .status = status, .peer = peer};
-    bool taken = false;
-    for (size_t i = 0; i < sizeof(event_order) / sizeof(event_order[0]); i++)
-        taken |= event_order[i]->event != NULL && event_order[i]->event(job, &e);
-    return taken;
+    return raise_ev(job, &(struct sd_job_ev){.kind = ev, .status = status, .peer = peer});
+}
+
+bool sd_job_event_text(struct sd_job *job, enum sd_job_event ev, int status, const char *text)
+{
+    return raise_ev(
+        job, &(struct sd_job_ev){.kind = ev, .status = status, .peer = UINT32_MAX, .text = text});
+}
+
+/* The modules asked what is in flight, in this order: the first that has something names it. */
+static const struct sd_job_module *const activity_order[] = {&sd_step_module, &sd_push_module,
+                                                             &sd_fetch_module, &sd_loading_module};
+
+bool sd_job_activity(const struct sd_job *job, char *what, size_t len, uint64_t *since_ns)
+{
+    for (size_t i = 0; i < SD_ARRAY_SIZE(activity_order); i++)
+        if (activity_order[i]->activity != NULL &&
+            activity_order[i]->activity(job, what, len, since_ns))
+            return true;
+    return false;
 }
 
 bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
@@ -789,9 +283,9 @@ const char *sd_job_values_from(const struct sd_job *job)
 
 /* Complete every module's parked calls with an error (fail_order); with_fetches: also ranks
  * waiting for an in-flight gather. */
-static void fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches)
+void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches)
 {
-    char text[SD_OP_MSG_LEN]; /* what a completion carries: a longer message is cut */
+    char text[SD_CQE_MSG_LEN]; /* what a completion carries: a longer message is cut */
     size_t at = 0;
     if (status != SD_EPAUSED)
         at = SD_MIN((size_t)snprintf(text, sizeof(text), "job '%s' failed: ", job->name),
@@ -802,71 +296,31 @@ static void fail_parked(struct sd_job *job, int status, const char *msg, bool wi
             fail_order[i]->fail_parked(job, status, text, with_fetches);
 }
 
-/* Deadlines: a registration whose ranks did not all come, a job paused too long, the transfers
- * across nodes, then every module's (sweep_order). */
-void sd_job_sweep(struct sd_job *job, uint64_t now)
-{
-    uint64_t op_timeout = (uint64_t)job->reg->cfg->op_timeout_ms * 1000000ULL;
-    if (sd_ckpt_work_sweep(job, now))
-        return; /* a file task past its deadline failed its operation: the job may be gone */
-    if (job->state == SD_JOB_REGISTERING) {
-        if (job->xfer.paths_wait) {
-            if (now < job->register_deadline_ns) {
-                if (job_paths_ready(job)) /* its nodes' data paths work now */
-                    job_start_loading(job);
-                return;
-            }
-            sd_job_refuse_everywhere(job, SD_ETIMEDOUT,
-                                     "the data paths to the job's nodes did not work within "
-                                     "the registration's deadline (register_timeout_ms)");
-            return;
-        }
-        if (now < job->register_deadline_ns || job->mem.allocating)
-            return;
-        char missing[128];
-        bool present[1024];
-        for (uint32_t r = 0; r < job->k && r < 1024; r++)
-            present[r] = job->ranks[r] != NULL;
-        sd_job_missing_ranks(job, present, missing, sizeof(missing));
-        for (uint32_t r = 0; r < job->k; r++) {
-            struct sd_session *s = job->ranks[r];
-            if (s == NULL)
-                continue;
-            if (missing[0] != '\0')
-                sd_conn_send_error(s->conn, SD_ETIMEDOUT,
-                                   "register job '%s': ranks %s did not register within %lld ms "
-                                   "(register_timeout_ms)",
-                                   job->name, missing,
-                                   (long long)job->reg->cfg->register_timeout_ms);
-            else /* this node's ranks all came; the coordinator never decided */
-                sd_conn_send_error(s->conn, SD_ETIMEDOUT,
-                                   "register job '%s': the coordinator did not confirm it within "
-                                   "%lld ms (the job's other nodes did not all register, or "
-                                   "the coordinator is unreachable)",
-                                   job->name, 2 * (long long)job->reg->cfg->register_timeout_ms);
-            job_unlink_rank(job, s);
-        }
-        sd_job_destroy(job);
-        return;
-    }
-    sd_resume_sweep(job, now);        /* may drop the job */
-    if (job->state == SD_JOB_CLOSING) /* fetches still run: a stalled one fails at its deadline */
-        sd_dispatch_module.sweep(job, now, op_timeout);
-    if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
-        return;
-    if (job->nodes > 1 && job->state == SD_JOB_READY) {
-        sd_job_net_sweep(job, now);
-        if (job->state == SD_JOB_FAILED)
-            return;
-    }
-    for (size_t i = 0; i < sizeof(sweep_order) / sizeof(sweep_order[0]); i++)
-        if (sweep_order[i]->sweep != NULL && sweep_order[i]->sweep(job, now, op_timeout))
-            return;
-}
-
 struct sd_cluster *sd_job_cluster(const struct sd_job *job)
 {
-    return sd_net_cluster(job->reg->net);
+    return job->reg->cluster;
+}
+
+/* ---- the gathered weights on the job's GPUs */
+
+const struct sd_mem *sd_job_rank_pool(const struct sd_job *job, uint32_t local)
+{
+    for (uint32_t i = 0; i < job->mem.n_pool_copies; i++)
+        if (job->mem.pool_copy[i].device == sd_job_rank_device(job, local))
+            return &job->mem.pool_copy[i];
+    return &job->mem.pool;
+}
+
+void sd_job_pool_publish(struct sd_job *job, uint64_t off, uint64_t bytes)
+{
+    struct sd_gpu_piece pieces[SD_GPU_MAX_DEVICES];
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < job->mem.n_pool_copies && n < SD_GPU_MAX_DEVICES; i++)
+        pieces[n++] = (struct sd_gpu_piece){.dst = (uint8_t *)job->mem.pool_copy[i].ptr + off,
+                                            .src = (const uint8_t *)job->mem.pool.ptr + off,
+                                            .bytes = bytes};
+    /* together: a backend driving several GPUs runs the copies at once, each on its GPU */
+    sd_gpu_copy_many(job->reg->dev, job->mem.queue, pieces, n);
 }
 
 struct sd_file_pool *sd_job_files(const struct sd_job *job)

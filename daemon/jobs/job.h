@@ -1,16 +1,17 @@
 /* A job on this node: what was registered (model, plan, layout), its state machine, and its
- * parts, each owned by one file. Opaque here, a pointer each: push rounds (push.c), the step
- * (step.c), the optimizer (optimizer.c), loading (loading.c), resuming (resume.c), checkpoints
- * (checkpoint.c), the schedule (schedule.c), the secondary copies (secondary.c), the quantized
- * buffers (quant.c). Still defined here: memory (job_mem.c), the unit cache (unit_cache.c),
- * transfers across nodes (job_net.c, fetch.c) and the statistics (stats.c). job.c registers,
- * fails and retires jobs. */
+ * parts, each owned by one file. job.c, its core, and this header are below every operation;
+ * the job's life is job_life.h's, its memory job_mem.h's. Opaque here, a pointer each: push rounds
+ * (push.c), the step (step.c), the optimizer (optimizer.c), loading (loading.c), resuming
+ * (resume.c), checkpoints (checkpoint.c), the schedule (schedule.c), the secondary copies
+ * (secondary.c), the quantized buffers (quant.c). Still defined here: memory (job_mem.c), the unit
+ * cache (unit_cache.c), transfers across nodes (job_net.c, fetch.c) and the statistics (stats.c).
+ * job.c fails jobs; job_life.c registers and retires them. job.h includes registry.h: a job's
+ * daemon (job->reg) is part of it. */
 #ifndef SD_JOB_H
 #define SD_JOB_H
 
 #include "coll/coll.h"
 #include "registry.h"
-#include "schedule.h"
 #include "stats.h"
 #include "unit_cache.h"
 #include "sd/gpu.h"
@@ -49,6 +50,9 @@ enum sd_job_state {
     SD_JOB_FINISHED
 };
 const char *sd_job_state_name(enum sd_job_state s);
+const char *sd_job_name(const struct sd_job *job);
+/* a call of this job failed (its statistics) */
+void sd_job_count_error(struct sd_job *job);
 
 /* Gathers the frozen schedule issues together, waiting to leave as one transfer per peer:
  * consecutive unit ids [lo, hi] of one copy, each smaller than coalesce_bytes. */
@@ -194,7 +198,7 @@ struct sd_job {
     struct sd_job_sched *sched; /* schedule.c's */
 };
 
-/* ---- lifecycle (job.c) */
+/* ---- identity and failure (job.c) */
 /* Is token (len bytes) the job's (Register.job_token)? Compared in constant time. */
 bool sd_job_token_is(const struct sd_job *job, const void *token, size_t len);
 /* A job name: 1..63 of A-Z a-z 0-9 . _ - : , + = @, not starting with '.' or '-' (it names
@@ -204,11 +208,6 @@ bool sd_job_name_valid(const char *name);
 /* The ranks per node a registration gives its job: its own, else the daemon's ranks_per_node,
  * else (one daemon, none configured) the whole world. */
 uint32_t sd_job_ranks_per_node(const struct sd_config *cfg, const Shard__Register *msg);
-/* A new job from a Register message (model: taken over), linked into reg: its modules' states
- * created, nothing allocated yet; NULL with *status_p and err if it cannot be. */
-struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg,
-                             struct sd_model *model, const struct sd_fsid *owner, int *status_p,
-                             char *err, size_t errlen);
 /* Fail the job: every parked operation completes with status and the message; the job's other
  * nodes are told. */
 void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
@@ -218,32 +217,16 @@ void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
 void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tell_peers);
 /* The same for a failure another node reported: nobody else is told. */
 void sd_job_fail_from_peer(struct sd_job *job, int status, const char *text);
-/* Refuse the registration to every local rank and drop the job. */
-void sd_job_refuse(struct sd_job *job, int status, const char *msg);
-/* The same, and the job's other nodes are told (a registration that cannot complete anywhere). */
-void sd_job_refuse_everywhere(struct sd_job *job, int status, const char *msg);
-/* Every local rank registered and the checkpoint it loads is read (sd_ckpt_opened): allocate
- * its memory (nothing yet otherwise) */
-void sd_job_registered(struct sd_job *job);
-/* The coordinator agreed to the registration, with the job's transport tag and its nodes
- * (ids[n]: the cluster node of job node n, n of them): answer the ranks, start loading. */
-void sd_job_confirm(struct sd_job *job, uint32_t tag, const uint32_t *ids, uint32_t n);
-/* Every rank left (and, across nodes, every node said so): free its memory once its transfers
- * drained; keep its record for shardctl. */
-void sd_job_retire(struct sd_job *job);
-/* A retired job's transfers drained: its memory goes now. */
-void sd_job_bury(struct sd_job *job);
-/* Drop a job and all it holds (shutdown, a registration that never completed). */
-void sd_job_destroy(struct sd_job *job);
-void sd_job_free(struct sd_job *job);
-/* The registration's deadline, parked operations' deadlines and stalled calls. */
-void sd_job_sweep(struct sd_job *job, uint64_t now_ns);
+/* Complete every module's parked calls with status and msg (the job failed, paused or closes);
+ * with_fetches: ranks waiting for an in-flight gather too. */
+void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches);
+/* Tell the job's other nodes it failed (or paused) here: the nodes the coordinator confirmed,
+ * or before that, those that reported it. */
+void sd_job_abort_peers(struct sd_job *job, int status, const char *msg);
 /* Does a module wait for the job's device queue to pass a ticket (job_module.h, queue_waiting)?
  * Then the loop polls them: true if something moved. */
 bool sd_job_queue_waiting(const struct sd_job *job);
 bool sd_job_queue_poll(struct sd_job *job);
-/* Its memory is allocated (status SD_OK) or not (err says why): go on (job_mem.c calls it). */
-void sd_job_allocated(struct sd_job *job, int status, const char *err);
 
 /* A ticket after everything enqueued on the job's queue so far (kernels write what is read next:
  * by the CPU, the network or a client; the loop never waits for the device), and whether the
@@ -265,16 +248,7 @@ uint32_t sd_job_push_gens(const struct sd_job *job);
 /* Does the weights' all-gather after the optimizer cross nodes (f_w < f_os, f_os > k)? */
 bool sd_job_weights_remote(const struct sd_job *job);
 
-/* ---- memory (job_mem.c) */
-/* Every local rank registered: check the budget, allocate every buffer (host memory on a worker
- * thread), then sd_job_allocated. */
-void sd_job_mem_alloc(struct sd_job *job);
-/* Give back everything sd_job_mem_alloc took (big host buffers off the loop). */
-void sd_job_mem_free(struct sd_job *job);
-/* The arenas' layout, for the budget and for allocating them. */
-void sd_job_mem_arena_bytes(const struct sd_job *job, uint64_t bytes_p[SD_STATE_COUNT]);
-/* A rank's control page: the fence page, the step arguments and a save's directory. */
-uint64_t sd_job_control_bytes(const struct sd_job *job);
+/* ---- the gathered weights on the job's GPUs (job.c) */
 /* The slot at pool offset off, bytes long, was written (a gather, a refresh): copied into the
  * pool's copies on the job's other GPUs, on the job's queue (its readers are answered after a
  * mark behind it). Nothing where the job's ranks share one device. */

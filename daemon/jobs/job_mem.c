@@ -2,19 +2,22 @@
  * arenas of every local rank in the backend's memory (cache-coloured, see SD_ARENA_COLOUR), the
  * gather pool and staging slots the trainers map, scratch and the network buffers, within the
  * daemon's memory budget. Host memory is backed and given back on a worker thread. */
-#include "job.h"
-#include "job_module.h"
+#include "schedule.h"
+#include "job_life.h"
+#include "job_mem.h"
+#include "checkpoint.h"
+#include "step.h"
 #include "push.h"
 #include "net.h"
 #include "quant.h"
 #include "secondary.h"
-#include "registry.h"
 #include "sd/ckpt.h"
 #include "sd/fence.h"
 #include "sd/log.h"
 #include "resume.h"
 #include "sd/status.h"
 #include "sd/util.h"
+#include "transport/transport.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -182,26 +185,6 @@ static uint32_t job_pool_copies(const struct sd_job *job, struct sd_mem *copies)
         n += !seen;
     }
     return n;
-}
-
-const struct sd_mem *sd_job_rank_pool(const struct sd_job *job, uint32_t local)
-{
-    for (uint32_t i = 0; i < job->mem.n_pool_copies; i++)
-        if (job->mem.pool_copy[i].device == sd_job_rank_device(job, local))
-            return &job->mem.pool_copy[i];
-    return &job->mem.pool;
-}
-
-void sd_job_pool_publish(struct sd_job *job, uint64_t off, uint64_t bytes)
-{
-    struct sd_gpu_piece pieces[SD_GPU_MAX_DEVICES];
-    uint32_t n = 0;
-    for (uint32_t i = 0; i < job->mem.n_pool_copies && n < SD_GPU_MAX_DEVICES; i++)
-        pieces[n++] = (struct sd_gpu_piece){.dst = (uint8_t *)job->mem.pool_copy[i].ptr + off,
-                                            .src = (const uint8_t *)job->mem.pool.ptr + off,
-                                            .bytes = bytes};
-    /* together: a backend driving several GPUs runs the copies at once, each on its GPU */
-    sd_gpu_copy_many(job->reg->dev, job->mem.queue, pieces, n);
 }
 
 /* One rank's arena of each state: its data, and the colouring in front of and inside it. */
@@ -529,4 +512,183 @@ void sd_job_mem_alloc(struct sd_job *job)
     if (status == SD_OK)
         status = job_alloc_control(job, err, sizeof(err));
     job_alloc_done(job, status, err, sizeof(err));
+}
+
+/* ---- the job's buffers across nodes */
+
+static uint32_t bulks_needed(const struct sd_job *job)
+{
+    uint32_t Gw = job->gnodes[SD_STATE_W], G = job->gnodes[SD_STATE_G], N = job->nodes;
+    uint32_t gathers = SD_MAX_GATHERS_INFLIGHT * (Gw - 1);
+    uint32_t serve = SD_MAX_GATHERS_INFLIGHT * (N - 1) * job->slots_per_unit;
+    uint32_t round = sd_job_push_gens(job) * (2 * (G - 1) + 2 * (N - 1));
+    uint32_t step =
+        2 * (N - 1) + 2 + 2 * (job->gnodes[SD_STATE_OS] - 1); /* + the weights' all-gather */
+    uint32_t init = N;
+    return gathers + serve + round + step + init + 4;
+}
+
+/* Pinned buffers for device memory in flight: every chunk of every bulk this job may have on
+ * the wire at once (bulks_needed bounds the bulks, a unit the chunks of one), each of the
+ * largest chunk a bulk of the job may use, at most SD_STAGE_RESERVE_BYTES together (beyond
+ * that a receive makes one, counted in shardctl's staging_buffer_bytes, and sends wait). */
+#define SD_STAGE_RESERVE_BYTES (256ull << 20)
+
+static void stage_buffers(const struct sd_job *job, const struct sd_config *cfg, size_t *bytes_p,
+                          uint32_t *count_p)
+{
+    size_t chunk = sd_bulk_chunk_bytes(job->layout.max_unit_bytes, job->k, cfg->chunk_bytes);
+    uint64_t per_bulk = (job->layout.max_unit_bytes + chunk - 1) / chunk;
+    uint64_t count = (uint64_t)bulks_needed(job) * (per_bulk ? per_bulk : 1);
+    *bytes_p = chunk;
+    *count_p = (uint32_t)SD_MAX(8, SD_MIN(count, SD_STAGE_RESERVE_BYTES / chunk));
+}
+
+uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg)
+{
+    if (job->nodes <= 1)
+        return 0;
+    uint32_t Gw = job->gnodes[SD_STATE_W];
+    uint64_t b = (uint64_t)sd_push_net_floats(job, cfg) * sizeof(float);
+    b += (uint64_t)bulks_needed(job) * sizeof(struct sd_bulk);
+    b += (uint64_t)job->n_slots * (Gw ? Gw - 1 : 0) * (sizeof(struct sd_xfer) + sizeof(void *));
+    return b;
+}
+
+static int reg_mr(struct sd_job *job, const void *p, size_t len)
+{
+    if (p == NULL || len == 0)
+        return SD_OK;
+    uint32_t i = job->xfer.n_mrs;
+    int st = sd_job_tp(job)->ops->mr_reg(sd_job_tp(job), (void *)p, len, &job->xfer.mr_descs[i],
+                                         &job->xfer.mr_handles[i]);
+    if (st == SD_OK) {
+        job->xfer.mr_base[i] = p;
+        job->xfer.mr_len[i] = len;
+        job->xfer.n_mrs++;
+    }
+    return st;
+}
+
+int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
+{
+    uint32_t Gw = job->gnodes[SD_STATE_W], N = job->nodes;
+    uint64_t maxn = job->layout.max_unit_numel;
+    job->xfer.net = job->reg->net;
+    if (job->xfer.net == NULL) {
+        snprintf(err, errlen, "this daemon has no cluster (nodes = 1)");
+        return SD_ENOSYS;
+    }
+    if (job->k > 64 || Gw - 1 > 64 || job->k > SD_BULK_MAX_PIECES) {
+        snprintf(err, errlen, "at most 64 ranks per node across nodes (have %u)", job->k);
+        return SD_ENOSYS;
+    }
+    if (sd_job_tp_open(job) != SD_OK)
+        goto err_nomem;
+    int st = sd_bulk_pool_init(&job->xfer.bulks, bulks_needed(job));
+    if (st != SD_OK)
+        goto err_nomem;
+    /* device memory crosses nodes through pinned buffers: ready before the first transfer */
+    size_t stage_bytes;
+    uint32_t stage_count;
+    stage_buffers(job, job->reg->cfg, &stage_bytes, &stage_count);
+    st = sd_transport_stage_reserve(sd_net_transport(job->xfer.net), stage_bytes, stage_count);
+    if (st != SD_OK) {
+        snprintf(err, errlen, "reserving pinned staging buffers failed: %s", sd_status_str(st));
+        return st;
+    }
+    float *nr_mem = NULL;
+    size_t nr_floats = 0;
+    if (sd_push_net_setup(job, &nr_mem, &nr_floats) != SD_OK)
+        goto err_nomem;
+    if (Gw > 1) {
+        for (uint32_t i = 0; i < job->n_slots; i++) {
+            job->cache.units[i].rb = calloc(Gw, sizeof(*job->cache.units[i].rb));
+            job->cache.units[i].req_x = calloc(Gw, sizeof(*job->cache.units[i].req_x));
+            if (!job->cache.units[i].rb || !job->cache.units[i].req_x)
+                goto err_nomem;
+        }
+    }
+    job->xfer.members = calloc(N, sizeof(*job->xfer.members));
+    job->xfer.req_cap = N * job->n_slots + 16;
+    job->xfer.req_queue = calloc(job->xfer.req_cap, sizeof(*job->xfer.req_queue));
+    uint32_t max_mrs = 2 * job->k + 7;
+    job->xfer.mr_handles = calloc(max_mrs, sizeof(void *));
+    job->xfer.mr_descs = calloc(max_mrs, sizeof(void *));
+    job->xfer.mr_base = calloc(max_mrs, sizeof(void *));
+    job->xfer.mr_len = calloc(max_mrs, sizeof(size_t));
+    if (!job->xfer.members || !job->xfer.req_queue || !job->xfer.mr_handles ||
+        !job->xfer.mr_descs || !job->xfer.mr_base || !job->xfer.mr_len)
+        goto err_nomem;
+    /* memory registered once per job */
+    const struct sd_mem *quant = sd_quant_mem(job);
+    st = reg_mr(job, job->mem.pool.ptr, job->mem.pool.bytes);
+    for (uint32_t r = 0; st == SD_OK && r < job->k; r++) {
+        st = reg_mr(job, sd_job_arena(job, r, SD_STATE_W)->ptr,
+                    sd_job_arena(job, r, SD_STATE_W)->bytes);
+        if (st == SD_OK)
+            st = reg_mr(job, job->mem.staging[r].ptr, job->mem.staging[r].bytes);
+    }
+    if (st == SD_OK)
+        st = reg_mr(job, job->mem.scratch, maxn * sizeof(float));
+    if (st == SD_OK)
+        st = reg_mr(job, nr_mem, nr_floats * sizeof(float));
+    size_t norm_bytes;
+    void *norm_buf = sd_step_net_buf(job, &norm_bytes);
+    if (st == SD_OK)
+        st = reg_mr(job, norm_buf, norm_bytes);
+    if (st == SD_OK) /* encoded w shards, gather receive slots, int4 blocks */
+        st = quant != NULL ? reg_mr(job, quant->ptr, quant->bytes) : SD_OK;
+    if (st == SD_OK) /* the pull requests each gather sends live in its unit state */
+        st = reg_mr(job, job->cache.units, job->n_slots * sizeof(*job->cache.units));
+    const struct sd_mem *g_arena = sd_job_arena(job, 0, SD_STATE_G);
+    if (st == SD_OK &&
+        sd_job_net_rounds_accumulate(job)) /* the all-gathers of the rounds land there */
+        st = reg_mr(job, g_arena->ptr, g_arena->bytes);
+    if (st != SD_OK) {
+        snprintf(err, errlen, "registering the job's memory with the fabric failed: %s",
+                 sd_status_str(st));
+        return st;
+    }
+    return SD_OK;
+
+err_nomem:
+    snprintf(err, errlen, "out of memory for the job's network buffers");
+    return SD_ENOMEM;
+}
+
+void sd_job_net_teardown(struct sd_job *job)
+{
+    for (uint32_t i = 0; job->xfer.net && i < job->xfer.n_mrs; i++)
+        sd_job_tp(job)->ops->mr_dereg(sd_job_tp(job), job->xfer.mr_handles[i]);
+    job->xfer.n_mrs = 0;
+    sd_job_tp_close(job);
+    for (uint32_t i = 0; job->cache.units != NULL && i < job->n_slots; i++) {
+        free(job->cache.units[i].rb);
+        free(job->cache.units[i].req_x);
+        job->cache.units[i].rb = NULL;
+        job->cache.units[i].req_x = NULL;
+    }
+    sd_bulk_pool_fini(&job->xfer.bulks);
+    sd_push_net_teardown(job); /* the rounds' buffer goes with the job's other big buffers */
+    free(job->xfer.members);
+    free(job->xfer.req_queue);
+    free(job->xfer.mr_handles);
+    free(job->xfer.mr_descs);
+    free(job->xfer.mr_base);
+    free(job->xfer.mr_len);
+    job->xfer.members = NULL;
+    job->xfer.req_queue = NULL;
+    job->xfer.mr_handles = job->xfer.mr_descs = NULL;
+    job->xfer.mr_base = NULL;
+    job->xfer.mr_len = NULL;
+}
+
+bool sd_job_net_idle(const struct sd_job *job)
+{
+    if (sd_ckpt_busy(job)) /* a checkpoint's worker reads or writes its memory */
+        return false;
+    return job->xfer.net == NULL ||
+           (job->xfer.bulks.in_use == 0 && job->xfer.w_sends_inflight == 0 &&
+            job->xfer.gathers_inflight == 0);
 }

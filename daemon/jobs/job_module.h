@@ -1,8 +1,10 @@
-/* What every operation module does for the job's common paths. job.c walks the modules in a
- * fixed order to create their states with the job and give them back with it, to allocate their
- * bookkeeping with the job's memory and release it, to complete the calls they parked when the
- * job fails or pauses, to check their deadlines, and to hand them the completions other modules
- * raise (sd_job_event), so no walk reads another module's state and no module pokes another. */
+/* What every operation module does for the job's common paths. The job's core (job.c) and its
+ * life (job_life.c) walk the modules in a fixed order to create their states with the job and
+ * give them back with it, to allocate their bookkeeping with the job's memory and release it, to
+ * stop them and complete the calls they parked when the job fails or pauses, to check their
+ * deadlines, to ask what is in flight, and to hand them the completions other modules raise
+ * (sd_job_event), so no walk reads another module's state, no module pokes another, and the
+ * job's core, below the modules, includes none of their headers. */
 #ifndef SD_JOB_MODULE_H
 #define SD_JOB_MODULE_H
 
@@ -22,13 +24,19 @@ enum sd_job_event {
     SD_JOB_EV_EXCHANGED, /* a transfer of the weights' exchange ended, status, peer (weights.c) */
     SD_JOB_EV_STEP_OVER, /* the step's calls were answered (step.c): a pause waiting for the
                           * step's end (a rank died in it) happens now */
+    SD_JOB_EV_LET_GO,    /* a module that kept the job's state let it go (resume.c): a job
+                          * whose ranks all left retires (job_life.c) */
+    SD_JOB_EV_OPENED,    /* the checkpoint the job loads was opened, status and text
+                          * (ckpt_load.c): its registration goes on or is refused (job_life.c,
+                          * which may free the job: nothing touches it after this event) */
 };
 
 /* An event, with the status and the peer (job node) of a transfer's end where it has them. */
 struct sd_job_ev {
     enum sd_job_event kind;
-    int status;    /* SD_OK when it has none */
-    uint32_t peer; /* UINT32_MAX when it has none */
+    int status;       /* SD_OK when it has none */
+    uint32_t peer;    /* UINT32_MAX when it has none */
+    const char *text; /* why, with an error status; NULL when it has none */
 };
 
 struct sd_job_module {
@@ -49,6 +57,14 @@ struct sd_job_module {
     /* A call of this module waiting past op_timeout (ns) fails the job naming what it waits
      * for: true then (the walk stops), else false. NULL: it has no deadlines. */
     bool (*sweep)(struct sd_job *job, uint64_t now, uint64_t op_timeout);
+    /* The job failed (its state FAILED now; was before): stop what goes on, note what the
+     * failure means for this module. NULL: nothing to stop. */
+    void (*failing)(struct sd_job *job, int was);
+    /* Is an operation of this module in flight (across nodes: what a failure message and the
+     * transfers' deadline name)? Then true, what it is in what (len bytes, "push of unit 3
+     * (micro-step 5; last completed 4)") and since when in *since_ns (0: no deadline of its own:
+     * loading waits for no node in particular). NULL: it has none. */
+    bool (*activity)(const struct sd_job *job, char *what, size_t len, uint64_t *since_ns);
     /* Another module raised ev: go on if this one waited for it (then true). NULL: it waits for
      * none. */
     bool (*event)(struct sd_job *job, const struct sd_job_ev *ev);
@@ -83,15 +99,18 @@ extern const struct sd_job_module sd_step_module;     /* step.c: the step barrie
 extern const struct sd_job_module sd_dispatch_module; /* dispatch.c: stalled ring entries */
 extern const struct sd_job_module sd_ckpt_module;     /* checkpoint.c: saves and loads */
 extern const struct sd_job_module sd_resume_module;   /* resume.c: a pause at the step's end */
+extern const struct sd_job_module sd_life_module;     /* job_life.c: retiring, opening */
+extern const struct sd_job_module sd_net_module;      /* job_net.c: transfers across nodes */
 
-/* Every module's bookkeeping with the job's memory (job.c, for job_mem.c): SD_OK or the first
- * error; release gives back every module's. */
-int sd_job_modules_alloc(struct sd_job *job);
-void sd_job_modules_release(struct sd_job *job);
 /* Hand ev to the modules (job.c): true if one waited for it. */
 bool sd_job_event(struct sd_job *job, enum sd_job_event ev);
 /* The same for a transfer that ended with status, with peer (job node). */
 bool sd_job_event_ended(struct sd_job *job, enum sd_job_event ev, int status, uint32_t peer);
+/* The same with status and text (an error's why). */
+bool sd_job_event_text(struct sd_job *job, enum sd_job_event ev, int status, const char *text);
+/* The operation in flight (the modules' activity, in the order step, push, fetch, loading):
+ * false when none is. */
+bool sd_job_activity(const struct sd_job *job, char *what, size_t len, uint64_t *since_ns);
 /* Does a module's worker use the job's shards now (job.c)? */
 bool sd_job_shards_busy(const struct sd_job *job);
 /* Why a module still reads the job's state (job.c), or NULL: it may go. */

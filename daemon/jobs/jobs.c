@@ -3,12 +3,12 @@
 #include "checkpoint.h"
 #include "cluster/cluster.h"
 #include "file_pool.h"
-#include "job.h"
 #include "jobs.h"
+#include "job_life.h"
+#include "job_mem.h"
 #include "net.h"
 #include "loading.h"
-#include "registry.h"
-#include "job_api.h"
+#include "register.h"
 #include "recover.h"
 #include "resume.h"
 #include "sd/log.h"
@@ -17,33 +17,24 @@
 #include <stdio.h>
 #include <string.h>
 
-struct sd_job *sd_jobs_find(struct sd_registry *reg, const char *name)
-{
-    for (struct sd_job *j = reg->jobs; j; j = j->next) /* paused: its name is free (resume.h) */
-        if (strcmp(j->name, name) == 0 && !sd_resume_paused(j) &&
-            !(sd_resume_kept(j) && j->n_left == j->k))
-            return j;
-    return NULL;
-}
-
 /* ---- what the cluster tells this node about jobs */
 
 static void ev_job_confirmed(void *ctx, const char *name, uint32_t tag, const uint32_t *nodes,
                              uint32_t n)
 {
     struct sd_registry *reg = ctx;
-    struct sd_job *job = sd_jobs_find(reg, name);
+    struct sd_job *job = sd_job_find(reg, name);
     if (job == NULL || job->state != SD_JOB_REGISTERING || job->n_registered != job->k)
         return;
     sd_job_confirm(job, tag, nodes, n);
-    if (sd_jobs_find(reg, name) != job)
+    if (sd_job_find(reg, name) != job)
         return; /* refused: the confirmation did not fit */
     sd_net_job_confirmed(reg, job->xfer.tag);
 }
 
 static void ev_job_refused(void *ctx, const char *name, int status, const char *msg)
 {
-    struct sd_job *job = sd_jobs_find(ctx, name);
+    struct sd_job *job = sd_job_find(ctx, name);
     if (job != NULL && job->state == SD_JOB_REGISTERING)
         sd_job_refuse(job, status, msg);
 }
@@ -51,7 +42,7 @@ static void ev_job_refused(void *ctx, const char *name, int status, const char *
 static void ev_job_aborted(void *ctx, const char *name, uint32_t tag, int status, uint64_t step,
                            const char *msg)
 {
-    struct sd_job *job = sd_jobs_find(ctx, name);
+    struct sd_job *job = sd_job_find(ctx, name);
     if (job == NULL || (tag != 0 && job->xfer.tag != tag))
         return; /* (a later job of the same name) */
     if (status == SD_EPAUSED) {
@@ -70,7 +61,7 @@ static void ev_job_aborted(void *ctx, const char *name, uint32_t tag, int status
 
 static void ev_job_remote_ready(void *ctx, const char *name)
 {
-    struct sd_job *job = sd_jobs_find(ctx, name);
+    struct sd_job *job = sd_job_find(ctx, name);
     if (job != NULL)
         sd_loading_remote_ready(job);
 }
@@ -79,14 +70,14 @@ static void ev_job_saved(void *ctx, const Shard__JobSaved *m)
 {
     if (sd_recover_route(ctx, m))
         return;
-    struct sd_job *job = sd_jobs_find(ctx, m->job);
+    struct sd_job *job = sd_job_find(ctx, m->job);
     if (job != NULL)
         sd_ckpt_peer_saved(job, m);
 }
 
 static void ev_job_save_done(void *ctx, const char *name, uint64_t seq, int status, const char *msg)
 {
-    struct sd_job *job = sd_jobs_find(ctx, name);
+    struct sd_job *job = sd_job_find(ctx, name);
     if (job != NULL)
         sd_ckpt_peer_done(job, seq, status, msg);
 }
@@ -183,7 +174,7 @@ static bool ev_job_spans(void *ctx, const char *name, uint32_t tag, uint32_t nod
 
 static void ev_job_ended(void *ctx, const char *name)
 {
-    struct sd_job *job = sd_jobs_find(ctx, name);
+    struct sd_job *job = sd_job_find(ctx, name);
     if (job != NULL && job->n_left == job->k)
         sd_job_retire(job);
 }

@@ -1,6 +1,5 @@
-/* jobs.c: the daemon's jobs as a whole, above every operation: found by name, swept for
- * deadlines, polled for their device queues, told what the cluster says about them, destroyed
- * at shutdown. */
+/* jobs.c: the daemon's jobs as a whole, above every operation: swept for deadlines, polled for
+ * their device queues, told what the cluster says about them, destroyed at shutdown. */
 #ifndef SD_JOBS_H
 #define SD_JOBS_H
 
@@ -11,8 +10,6 @@ struct sd_cluster_events;
 struct sd_job;
 struct sd_registry;
 
-/* Active job by name (a paused one's name is free: resume.h). */
-struct sd_job *sd_jobs_find(struct sd_registry *reg, const char *name);
 /* Check deadlines of registrations and parked operations; free retired jobs whose transfers
  * drained. */
 void sd_jobs_sweep(struct sd_registry *reg, uint64_t now_ns);

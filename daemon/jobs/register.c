@@ -1,28 +1,33 @@
 /* A Register message (DESIGN.md section 2): validate it, create the job or join the one of its
- * name (resuming a paused one), and reply once every rank is there (job.c sends the layout). A
+ * name (resuming a paused one), and reply once every rank is there (job_life.c sends the layout). A
  * registration that meets a job of its name on its way out waits for it (a restarted trainer
  * registering before its old job saw it die, finished its step and paused, or saw its ranks
  * detach): its message is kept, packed, on the registry's list and each sweep retries it until
  * it is answered or register_timeout_ms passed. A job that runs on refuses its name at once. */
 #include "checkpoint.h"
-#include "job.h"
-#include "job_api.h"
-#include "jobs.h"
-#include "registry.h"
+#include "job_life.h"
+#include "register.h"
 #include "resume.h"
-#include "server.h"
 #include "session.h"
 #include "sd/model_msg.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 static void job_register(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg,
                          uint64_t until_ns);
+
+struct sd_job *sd_job_find(struct sd_registry *reg, const char *name)
+{
+    for (struct sd_job *j = reg->jobs; j; j = j->next) /* paused: its name is free (resume.h) */
+        if (strcmp(j->name, name) == 0 && !sd_resume_paused(j) &&
+            !(sd_resume_kept(j) && j->n_left == j->k))
+            return j;
+    return NULL;
+}
 
 /* ---- the registrations waiting for a job of their name to go */
 
@@ -95,7 +100,7 @@ void sd_job_register_forget(struct sd_registry *reg, struct sd_session *s)
 static bool still_waits(struct sd_registry *reg, const struct sd_waiting_reg *w, uint64_t now)
 {
     char why[256];
-    const struct sd_job *job = sd_jobs_find(reg, w->name);
+    const struct sd_job *job = sd_job_find(reg, w->name);
     return now < w->until_ns && job != NULL && job->id == w->job_id &&
            job_going(job, w->rank, why, sizeof(why));
 }
@@ -120,7 +125,7 @@ void sd_job_register_retry(struct sd_registry *reg)
         *pp = w->next;
         Shard__Register *msg = shard__register__unpack(NULL, w->len, w->msg);
         if (msg == NULL) /* packed here: cannot fail but for memory */
-            sd_conn_send_error(w->s->conn, SD_ENOMEM, "register: out of memory while it waited");
+            sd_session_send_error(w->s, SD_ENOMEM, "register: out of memory while it waited");
         else
             job_register(reg, w->s, msg, w->until_ns);
         shard__register__free_unpacked(msg, NULL);
@@ -144,10 +149,7 @@ static bool rank_hung_up(const struct sd_job *job, uint32_t rank)
     if (rank < job->first_rank || rank - job->first_rank >= job->k)
         return false;
     const struct sd_session *held = job->ranks[rank - job->first_rank];
-    if (held == NULL)
-        return false;
-    struct pollfd p = {.fd = held->conn->fd, .events = POLLRDHUP};
-    return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP)) != 0;
+    return held != NULL && sd_session_hung_up(held);
 }
 
 /* A registration meets a job of its name that is past registering: true (why) if that job is
@@ -168,7 +170,7 @@ static bool job_going(const struct sd_job *job, uint32_t rank, char *why, size_t
                      sd_job_state_name(job->state));
     } else if (rank_hung_up(job, rank)) {
         snprintf(why, len, "rank %u's process (pid %d) hung up and is being reaped", rank,
-                 (int)job->ranks[rank - job->first_rank]->conn->pid);
+                 (int)job->ranks[rank - job->first_rank]->pid);
     } else {
         return false;
     }
@@ -183,25 +185,25 @@ static void register_wait(struct sd_registry *reg, struct sd_session *s, const S
     const char *name = msg->job;
     bool again = until_ns != 0;
     if (again && sd_now_ns() >= until_ns) {
-        sd_conn_send_error(s->conn, SD_ETIMEDOUT,
-                           "register job '%s' rank %u: waited %lld ms (register_timeout_ms) for "
-                           "the job of that name to go, and it is still there: %s",
-                           name, msg->rank, (long long)reg->cfg->register_timeout_ms, why);
+        sd_session_send_error(s, SD_ETIMEDOUT,
+                              "register job '%s' rank %u: waited %lld ms (register_timeout_ms) for "
+                              "the job of that name to go, and it is still there: %s",
+                              name, msg->rank, (long long)reg->cfg->register_timeout_ms, why);
         return;
     }
     if (!again)
         until_ns = sd_now_ns() + (uint64_t)reg->cfg->register_timeout_ms * 1000000ULL;
     int status = wait_add(reg, s, msg, until_ns, job);
     if (status != SD_OK) {
-        sd_conn_send_error(s->conn, status, "register job '%s' rank %u: out of memory", name,
-                           msg->rank);
+        sd_session_send_error(s, status, "register job '%s' rank %u: out of memory", name,
+                              msg->rank);
         return;
     }
     if (!again)
         SD_INFO("job",
                 "job '%s': rank %u (pid %d) waits to register: the job of that name is %s "
                 "(at most %lld ms, register_timeout_ms)",
-                name, msg->rank, (int)s->conn->pid, why, (long long)reg->cfg->register_timeout_ms);
+                name, msg->rank, (int)s->pid, why, (long long)reg->cfg->register_timeout_ms);
 }
 
 /* ---- a registration */
@@ -216,81 +218,80 @@ static void job_register(struct sd_registry *reg, struct sd_session *s, const Sh
                          uint64_t until_ns)
 {
     char err[768];
-    struct sd_conn *c = s->conn;
     struct sd_model model;
     const char *name = msg->job ? msg->job : "";
     size_t nlen = strlen(name);
 
     if (!sd_job_name_valid(name)) {
-        sd_conn_send_error(c, SD_EINVAL,
-                           "register: job name '%.80s' (%zu bytes): a job name is 1..63 of "
-                           "A-Z a-z 0-9 . _ - : , + = @ and does not start with '.' or '-'",
-                           name, nlen);
+        sd_session_send_error(s, SD_EINVAL,
+                              "register: job name '%.80s' (%zu bytes): a job name is 1..63 of "
+                              "A-Z a-z 0-9 . _ - : , + = @ and does not start with '.' or '-'",
+                              name, nlen);
         return;
     }
     if (msg->job_token.len != 0 && msg->job_token.len != SD_JOB_TOKEN_BYTES) {
-        sd_conn_send_error(c, SD_EINVAL,
-                           "register job '%s' rank %u: a job token of %zu bytes (%d, or none)",
-                           name, msg->rank, msg->job_token.len, SD_JOB_TOKEN_BYTES);
+        sd_session_send_error(s, SD_EINVAL,
+                              "register job '%s' rank %u: a job token of %zu bytes (%d, or none)",
+                              name, msg->rank, msg->job_token.len, SD_JOB_TOKEN_BYTES);
         return;
     }
     int status = sd_model_from_register(msg, (uint64_t)reg->cfg->max_tensors,
                                         (uint64_t)reg->cfg->max_units, &model, err, sizeof(err));
     if (status != SD_OK) {
-        sd_conn_send_error(c, status, "register job '%s' rank %u: %s", name, msg->rank, err);
+        sd_session_send_error(s, status, "register job '%s' rank %u: %s", name, msg->rank, err);
         sd_model_free(&model);
         return;
     }
 
-    struct sd_job *job = sd_jobs_find(reg, name);
+    struct sd_job *job = sd_job_find(reg, name);
     if (job == NULL) {
         struct sd_job *paused = sd_resume_find(reg, name);
-        if (paused != NULL && paused->uid != c->uid) { /* before anything of it is touched */
-            sd_conn_send_error(c, SD_EPERM,
-                               "register job '%s': a paused job of that name belongs to uid %d, "
-                               "you are uid %d; a job is joined only by its owner's processes",
-                               name, (int)paused->uid, (int)c->uid);
+        if (paused != NULL && paused->uid != s->cred.uid) { /* before anything of it is touched */
+            sd_session_send_error(s, SD_EPERM,
+                                  "register job '%s': a paused job of that name belongs to uid %d, "
+                                  "you are uid %d; a job is joined only by its owner's processes",
+                                  name, (int)paused->uid, (int)s->cred.uid);
             sd_model_free(&model);
             return;
         }
         if (reg->n_jobs >= (uint32_t)reg->cfg->max_jobs && paused == NULL) {
-            sd_conn_send_error(c, SD_EBUSY,
-                               "register job '%s': %u jobs are served, max_jobs is "
-                               "%lld",
-                               name, reg->n_jobs, (long long)reg->cfg->max_jobs);
+            sd_session_send_error(s, SD_EBUSY,
+                                  "register job '%s': %u jobs are served, max_jobs is "
+                                  "%lld",
+                                  name, reg->n_jobs, (long long)reg->cfg->max_jobs);
             sd_model_free(&model);
             return;
         }
         int cst;
-        job = sd_job_create(reg, msg, &model, &c->cred, &cst, err, sizeof(err));
+        job = sd_job_create(reg, msg, &model, &s->cred, &cst, err, sizeof(err));
         if (job == NULL) {
-            sd_conn_send_error(c, cst, "register job '%s' rank %u: %s", name, msg->rank, err);
+            sd_session_send_error(s, cst, "register job '%s' rank %u: %s", name, msg->rank, err);
             sd_model_free(&model);
             return;
         }
         if (paused != NULL &&
             (cst = sd_resume_attach(job, paused, msg->load, err, sizeof(err))) != SD_OK) {
-            sd_conn_send_error(c, cst, "register job '%s' rank %u: %s", name, msg->rank, err);
+            sd_session_send_error(s, cst, "register job '%s' rank %u: %s", name, msg->rank, err);
             sd_job_destroy(job);
             return;
         }
         SD_INFO("job", "job '%s' (id %llu) created by pid %d: world %u, plan %s", job->name,
-                (unsigned long long)job->id, (int)c->pid, job->world, job->plan.name);
+                (unsigned long long)job->id, (int)s->pid, job->world, job->plan.name);
         sd_ckpt_open_start(job); /* the manifest it loads, read on a worker */
     } else {
         uint64_t digest = sd_model_digest(&model);
-        if (job->uid != c->uid) { /* root included: it registers jobs of its own */
-            sd_conn_send_error(c, SD_EPERM,
-                               "register job '%s': it belongs to uid %d, you are "
-                               "uid %d; a job is joined only by its owner's processes",
-                               name, (int)job->uid, (int)c->uid);
+        if (job->uid != s->cred.uid) { /* root included: it registers jobs of its own */
+            sd_session_send_error(s, SD_EPERM,
+                                  "register job '%s': it belongs to uid %d, you are "
+                                  "uid %d; a job is joined only by its owner's processes",
+                                  name, (int)job->uid, (int)s->cred.uid);
         } else if (job->state != SD_JOB_REGISTERING && job_going(job, msg->rank, err, 256)) {
             register_wait(reg, s, msg, until_ns, job, err);
         } else if (job->state != SD_JOB_REGISTERING) {
-            sd_conn_send_error(c, SD_EEXIST,
-                               "register job '%s' rank %u: the job is already %s; pick another "
-                               "job name or wait until its ranks detach",
-                               name, msg->rank, sd_job_state_name(job->state));
+            sd_session_send_error(s, SD_EEXIST,
+                                  "register job '%s' rank %u: the job is already %s; pick another "
+                                  "job name or wait until its ranks detach",
+                                  name, msg->rank, sd_job_state_name(job->state));
         } else {
             char why[512] = "";
             if (digest != job->digest) {
@@ -331,17 +332,17 @@ static void job_register(struct sd_registry *reg, struct sd_session *s, const Sh
                 goto add_rank;
             if (job->n_registered == job->k || job->mem.allocating) {
                 /* every rank is there: this one is a stray, the job goes on */
-                sd_conn_send_error(c, SD_EMISMATCH, "register job '%s' rank %u: %s", name,
-                                   msg->rank, why);
+                sd_session_send_error(s, SD_EMISMATCH, "register job '%s' rank %u: %s", name,
+                                      msg->rank, why);
                 return;
             }
             /* the job cannot start: the ranks already registered hear it now, not at the
              * registration's deadline (and the other nodes' ranks, through the coordinator) */
-            sd_conn_send_error(c, SD_EMISMATCH, "register job '%s' rank %u: %s", name, msg->rank,
-                               why);
+            sd_session_send_error(s, SD_EMISMATCH, "register job '%s' rank %u: %s", name, msg->rank,
+                                  why);
             char text[640];
             snprintf(text, sizeof(text), "job '%s': rank %u (pid %d) registered it differently: %s",
-                     name, msg->rank, (int)c->pid, why);
+                     name, msg->rank, (int)s->pid, why);
             sd_job_refuse_everywhere(job, SD_EMISMATCH, text);
             return;
         }
@@ -350,11 +351,11 @@ static void job_register(struct sd_registry *reg, struct sd_session *s, const Sh
     }
 add_rank:
     if (msg->rank >= job->world || msg->rank / job->k != job->node) {
-        sd_conn_send_error(c, SD_EINVAL,
-                           "register job '%s': rank %u is not on this node (node %u serves ranks "
-                           "%u..%u of world %u)",
-                           name, msg->rank, job->node, job->first_rank,
-                           job->first_rank + job->k - 1, job->world);
+        sd_session_send_error(
+            s, SD_EINVAL,
+            "register job '%s': rank %u is not on this node (node %u serves ranks "
+            "%u..%u of world %u)",
+            name, msg->rank, job->node, job->first_rank, job->first_rank + job->k - 1, job->world);
         if (job->n_registered == 0)
             sd_job_destroy(job);
         return;
@@ -364,15 +365,15 @@ add_rank:
         snprintf(err, sizeof(err),
                  "registering; rank %u's process (pid %d) hung up and is being "
                  "reaped",
-                 msg->rank, (int)job->ranks[local]->conn->pid);
+                 msg->rank, (int)job->ranks[local]->pid);
         register_wait(reg, s, msg, until_ns, job, err);
         return;
     }
     if (job->ranks[local] != NULL) {
-        sd_conn_send_error(c, SD_EEXIST,
-                           "register job '%s': rank %u is already registered by "
-                           "pid %d",
-                           name, msg->rank, (int)job->ranks[local]->conn->pid);
+        sd_session_send_error(s, SD_EEXIST,
+                              "register job '%s': rank %u is already registered by "
+                              "pid %d",
+                              name, msg->rank, (int)job->ranks[local]->pid);
         return;
     }
     job->ranks[local] = s;

@@ -16,6 +16,7 @@ struct sd_file_pool;
 struct sd_net;
 struct sd_cluster;
 struct sd_cluster_events;
+struct sd_sched_driver;
 struct sd_session;
 struct sd_sqe;
 struct sd_transport;
@@ -37,6 +38,9 @@ struct sd_registry {
     const struct sd_config *cfg;
     const struct sd_gpu_ops *dev;
     struct sd_net *net;
+    /* the control plane, as the network service has it (sd_net_cluster): NULL on a single node
+     * or before it started */
+    struct sd_cluster *cluster;
     uv_loop_t *loop;                /* for allocating off the loop; NULL: allocate in place */
     struct sd_recovery *recovery;   /* node 0: the checkpoint being written from replicas */
     struct sd_file_pool *files;     /* the jobs' file work (checkpoints), as their owners */
@@ -48,6 +52,8 @@ struct sd_registry {
      * n_rank_dev] (config devices; main.c fills it once the backend is open) */
     int rank_dev[SD_CONFIG_MAX_DEVICES];
     uint32_t n_rank_dev;
+    /* the operations the schedule drives (schedule.h: fetch's and the step's, bound by main.c) */
+    const struct sd_sched_driver *sched_driver;
 };
 
 /* the device local rank `local` of a job uses */

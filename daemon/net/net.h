@@ -1,7 +1,8 @@
 /* Transfers across nodes. The node-wide part (the transport, the cluster, the standing receives
- * for pull requests) is net_service.c's; a job's part
- * (its registrations, bulks and node-round buffers, the failure descriptions and deadlines of
- * its transfers) is in job_net.c. Nothing here is used on a single node. */
+ * for pull requests) is net_service.c's; a job's part (its all-reduces and exchanges bound to
+ * the engine, the node rounds' sizes, the failure descriptions and deadlines of its transfers)
+ * is job_net.c's, below every operation; its registrations, bulks and buffers are set up with
+ * the job's memory (job_mem.c). Nothing here is used on a single node. */
 #ifndef SD_NET_H
 #define SD_NET_H
 
@@ -22,18 +23,15 @@ struct sd_registry;
 #define SD_MAX_GATHERS_INFLIGHT 8
 
 /* ---- a job's (job_net.c) */
-/* bytes of network buffers a job needs on this node */
-uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg);
-int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen);
-void sd_job_net_teardown(struct sd_job *job);
-/* nothing reads or writes the job's memory any more: no transfer, no checkpoint worker */
-bool sd_job_net_idle(const struct sd_job *job);
+/* (its memory across nodes, set up and torn down with the job's memory: job_mem.h) */
 void sd_job_net_cancel(struct sd_job *job);
-/* describe the operation in flight, for failure messages */
+/* describe the operation in flight (sd_job_activity) and the nodes it waits for, for failure
+ * messages */
 void sd_job_net_describe(const struct sd_job *job, char *out, size_t len);
 /* The nodes the job's unfinished transfers are with, "0, 2" ("" when none). */
 void sd_job_net_pending_peers(const struct sd_job *job, char *out, size_t len);
-/* a transfer that waits longer than op_timeout_ms fails the job, naming the node */
+/* an operation across nodes in flight longer than op_timeout_ms fails the job, naming the nodes
+ * it waits for */
 void sd_job_net_sweep(struct sd_job *job, uint64_t now);
 /* the registration p lies in (providers with FI_MR_LOCAL), or NULL */
 void *sd_job_net_desc(const struct sd_job *job, const void *p);
@@ -60,9 +58,13 @@ struct sd_job_allreduce {
     bool step_sync;
     float *buf; /* count floats */
     size_t count;
-    float *tmp;     /* ar_tmp_count floats */
-    float *acc;     /* as sd_allreduce_param's, or NULL */
-    bool quantized; /* as int4 blocks (the boundary hop under ,qg; quant.h) */
+    float *tmp; /* tmp_count floats (the push rounds' temporary: push.h) */
+    size_t tmp_count;
+    float *acc; /* as sd_allreduce_param's, or NULL */
+    /* quantized as int4 blocks (the boundary hop under ,qg): the blocks' buffer and the unit's
+     * error feedback (quant.h); qbuf NULL: fp32 */
+    uint8_t *qbuf;
+    float *qerr;
     sd_allreduce_cb cb;
     void *arg;
 };

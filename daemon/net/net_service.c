@@ -7,7 +7,6 @@
 #include "coll/tag.h"
 #include "job.h"
 #include "pull.h"
-#include "registry.h"
 #include "transport/transport.h"
 #include "sd/config.h"
 #include "sd/log.h"
@@ -222,12 +221,14 @@ int sd_net_start(struct sd_registry *reg, struct sd_transport *tp, struct sd_clu
     net->cl = cl;
     net->serve = serve;
     reg->net = net;
+    reg->cluster = cl;
     return SD_OK;
 }
 
 void sd_net_set_cluster(struct sd_registry *reg, struct sd_cluster *cl)
 {
     reg->net->cl = cl;
+    reg->cluster = cl;
 }
 
 /* Standing receives for pull requests, once the peers are known. */
@@ -257,4 +258,5 @@ void sd_net_stop(struct sd_registry *reg)
         reg->net->tp->ops->mr_dereg(reg->net->tp, reg->net->reqs_mr);
     free(reg->net);
     reg->net = NULL;
+    reg->cluster = NULL;
 }

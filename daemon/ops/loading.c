@@ -47,9 +47,16 @@ void sd_loading_destroy(struct sd_job *job)
     job->load.init = NULL;
 }
 
-uint32_t sd_loading_next_unit(const struct sd_job *job)
+/* the job's common paths (job_module.h): loading the initial values, waiting for no node in
+ * particular */
+static bool loading_activity(const struct sd_job *job, char *what, size_t len, uint64_t *since_ns)
 {
-    return job->load.init->next_unit;
+    if (job->state != SD_JOB_LOADING || job->load.init == NULL)
+        return false;
+    snprintf(what, len, "loading the initial values (unit %u of %u)", job->load.init->next_unit,
+             job->layout.n_units);
+    *since_ns = 0;
+    return true;
 }
 
 static void init_sent(struct sd_job *job, struct sd_session *s, uint64_t tag, uint32_t unit,
@@ -407,5 +414,6 @@ const struct sd_job_module sd_loading_module = {.name = "loading",
                                                 .destroy = sd_loading_destroy,
                                                 .fail_parked = loading_fail_parked,
                                                 .sweep = loading_sweep,
+                                                .activity = loading_activity,
                                                 .queue_waiting = sd_loading_queue_waiting,
                                                 .queue_poll = sd_loading_queue_poll};

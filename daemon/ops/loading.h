@@ -41,7 +41,5 @@ void sd_loading_remote_ready(struct sd_job *job);
 /* its state (struct sd_loading_state, its own): at registration, and with the job */
 int sd_loading_create(struct sd_job *job);
 void sd_loading_destroy(struct sd_job *job);
-/* the unit this node receives next while it loads (not node 0) */
-uint32_t sd_loading_next_unit(const struct sd_job *job);
 
 #endif

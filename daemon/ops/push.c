@@ -461,16 +461,18 @@ static void round_after_rs(struct sd_node_round *rd)
         float *B = job->gnodes[SD_STATE_G] > 1 ? rd->rs_out : rd->part;
         if (R > 1) {
             float *acc = sd_job_net_rounds_accumulate(job) ? sd_job_g_shard(job, 0, ul) : NULL;
-            int st = sd_job_net_allreduce(job, &(struct sd_job_allreduce){.ar = &rd->ar,
-                                                                          .R = R,
-                                                                          .unit = rd->unit,
-                                                                          .round = rd->seq,
-                                                                          .buf = B,
-                                                                          .count = count,
-                                                                          .tmp = rd->ar_tmp,
-                                                                          .acc = acc,
-                                                                          .cb = round_ar_done,
-                                                                          .arg = rd});
+            int st = sd_job_net_allreduce(
+                job, &(struct sd_job_allreduce){.ar = &rd->ar,
+                                                .R = R,
+                                                .unit = rd->unit,
+                                                .round = rd->seq,
+                                                .buf = B,
+                                                .count = count,
+                                                .tmp = rd->ar_tmp,
+                                                .tmp_count = job->push->ar_tmp_count,
+                                                .acc = acc,
+                                                .cb = round_ar_done,
+                                                .arg = rd});
             if (st == SD_OK)
                 return;
             rd->status = st;
@@ -704,6 +706,8 @@ static bool push_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
     return false;
 }
 
+static bool push_activity(const struct sd_job *job, char *what, size_t len, uint64_t *since_ns);
+
 const struct sd_job_module sd_push_module = {.name = "push",
                                              .create = sd_push_create,
                                              .destroy = sd_push_destroy,
@@ -711,6 +715,7 @@ const struct sd_job_module sd_push_module = {.name = "push",
                                              .release = sd_push_free,
                                              .fail_parked = push_fail_parked,
                                              .sweep = push_sweep,
+                                             .activity = push_activity,
                                              .queue_waiting = sd_push_queue_waiting,
                                              .queue_poll = sd_push_queue_poll};
 
@@ -867,15 +872,15 @@ size_t sd_push_ar_tmp_count(const struct sd_job *job)
     return job->push->ar_tmp_count;
 }
 
-bool sd_push_oldest(const struct sd_job *job, uint32_t *unit_p, uint64_t *seq_p,
-                    uint64_t *start_ns_p)
+/* the job's common paths (job_module.h): the oldest node round on the wire */
+static bool push_activity(const struct sd_job *job, char *what, size_t len, uint64_t *since_ns)
 {
     const struct sd_push_state *ps = job->push;
     if (ps == NULL || ps->nr_len == 0)
         return false;
     const struct sd_node_round *rd = &ps->nr[ps->nr_head];
-    *unit_p = rd->unit;
-    *seq_p = rd->seq;
-    *start_ns_p = rd->start_ns;
+    snprintf(what, len, "push of unit %u (micro-step %llu; last completed %llu)", rd->unit,
+             (unsigned long long)rd->seq + 1, (unsigned long long)rd->seq);
+    *since_ns = rd->start_ns;
     return true;
 }

@@ -55,8 +55,5 @@ bool sd_push_idle(const struct sd_job *job);
  * floats every round's has */
 float *sd_push_ar_tmp(const struct sd_job *job);
 size_t sd_push_ar_tmp_count(const struct sd_job *job);
-/* the oldest node round in flight, for failure messages and deadlines: false when none */
-bool sd_push_oldest(const struct sd_job *job, uint32_t *unit_p, uint64_t *seq_p,
-                    uint64_t *start_ns_p);
 
 #endif

@@ -12,9 +12,7 @@
  * logged (rate-limited), and the next step is recorded and frozen again. Data never depends on
  * the schedule: every fetch still checks the unit's weights generation. */
 #include "job_module.h"
-#include "step.h"
 #include "job.h"
-#include "fetch.h"
 #include "schedule.h"
 #include "session.h"
 #include "sd/log.h"
@@ -319,13 +317,14 @@ static int issue(struct sd_job *job, uint32_t I, uint32_t l)
         return SD_OK; /* held where it is: its fetch sorts it out */
     if (us->resident)
         sd_unit_cache_evict(&job->cache, us);
+    const struct sd_sched_driver *drv = job->reg->sched_driver;
     if (claim(job, off, unit_bytes(job, u)) != SD_OK &&
-        (!sd_fetch_fenced_poll(job) || claim(job, off, unit_bytes(job, u)) != SD_OK)) {
-        sd_fetch_fenced_blocked(job); /* a stream may still read the place: polled */
+        (!drv->fenced_poll(job) || claim(job, off, unit_bytes(job, u)) != SD_OK)) {
+        drv->fenced_blocked(job); /* a stream may still read the place: polled */
         return SD_EAGAIN;
     }
     us->pool_off = off;
-    int st = sd_fetch_prefetch(job, us);
+    int st = drv->prefetch(job, us);
     if (st == SD_EAGAIN)
         return SD_EAGAIN;
     if (st != SD_OK)
@@ -338,8 +337,9 @@ static int issue(struct sd_job *job, uint32_t I, uint32_t l)
 void sd_sched_prefetch(struct sd_job *job)
 {
     struct sd_job_sched *sc = job->sched;
+    const struct sd_sched_driver *drv = job->reg->sched_driver;
     if (sc->state != SD_SCHED_FROZEN || sc->deviated || job->state != SD_JOB_READY ||
-        sd_step_running(job) || sc->in_prefetch)
+        drv->step_running(job) || sc->in_prefetch)
         return;
     sc->in_prefetch = true;
     /* one copy per node follows the leading rank; per-rank copies follow their rank */
@@ -359,13 +359,13 @@ void sd_sched_prefetch(struct sd_job *job)
             struct sd_unit_state *us = &job->cache.units[(size_t)u * job->slots_per_unit + l];
             uint64_t off = sc->plan.iv[I].off + copy_off(job, us);
             if (us->inflight || (us->resident && us->refs > 0) ||
-                !sd_fetch_would_join(job, u, us->lslot) ||
+                !drv->would_join(job, u, us->lslot) ||
                 !place_empty(job, us, off, unit_bytes(job, u)) || issue(job, I, l) != SD_OK)
                 break;
             sc->pf_next[l]++;
         }
     }
-    sd_fetch_prefetch_flush(job); /* small units issued together travel together */
+    drv->flush(job); /* small units issued together travel together */
     sc->in_prefetch = false;
 }
 

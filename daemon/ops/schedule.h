@@ -10,6 +10,25 @@
 
 struct sd_job;
 struct sd_session;
+struct sd_unit_state;
+
+/* What the schedule drives in the operations above it: it decides which gathers go ahead of
+ * their fetches, fetch issues them (main.c binds fetch's and the step's functions into the
+ * registry, reg->sched_driver). */
+struct sd_sched_driver {
+    /* gather us into its place now (sd_fetch_prefetch): SD_OK, SD_EAGAIN, or the job failed */
+    int (*prefetch)(struct sd_job *job, struct sd_unit_state *us);
+    /* send the gathers prefetch coalesced (sd_fetch_prefetch_flush) */
+    void (*flush)(struct sd_job *job);
+    /* would unit's gather (copy lslot) join the open batch (sd_fetch_would_join)? */
+    bool (*would_join)(const struct sd_job *job, uint32_t unit, uint32_t lslot);
+    /* places a trainer's stream may still read: poll them (true if one came free), or have the
+     * loop poll them (sd_fetch_fenced_poll, sd_fetch_fenced_blocked) */
+    bool (*fenced_poll)(struct sd_job *job);
+    void (*fenced_blocked)(struct sd_job *job);
+    /* a step runs: no prefetch meanwhile (sd_step_running) */
+    bool (*step_running)(const struct sd_job *job);
+};
 
 /* The schedule of a job on this node (schedule.c): recorded during the first step, checked
  * between ranks and nodes at the step boundary, then frozen and replayed with prefetch into

@@ -5,6 +5,7 @@
  * optimizer once no peer still reads this generation's weights; REFRESH gathers the units held
  * across the step again. On one node SYNC reduces the replicas inside the node, NORM has
  * nothing to exchange, and the phases run through in one call. */
+#include "schedule.h"
 #include "net.h"
 #include "job_module.h"
 #include "fetch.h"
@@ -469,18 +470,20 @@ void sd_step_progress(struct sd_job *job)
                 /* no round runs during the step: it borrows round 0's all-reduce temporary */
                 bool q = sd_qg_hop(job, u);
                 job->stats.quant_fallbacks += job->plan.qg && !q;
-                int st =
-                    sd_job_net_allreduce(job, &(struct sd_job_allreduce){.ar = &job->step->ar,
-                                                                         .R = R,
-                                                                         .unit = u,
-                                                                         .round = job->steps,
-                                                                         .step_sync = true,
-                                                                         .buf = job->mem.scratch,
-                                                                         .count = count,
-                                                                         .tmp = sd_push_ar_tmp(job),
-                                                                         .quantized = q,
-                                                                         .cb = step_ar_done,
-                                                                         .arg = job});
+                int st = sd_job_net_allreduce(
+                    job, &(struct sd_job_allreduce){.ar = &job->step->ar,
+                                                    .R = R,
+                                                    .unit = u,
+                                                    .round = job->steps,
+                                                    .step_sync = true,
+                                                    .buf = job->mem.scratch,
+                                                    .count = count,
+                                                    .tmp = sd_push_ar_tmp(job),
+                                                    .tmp_count = sd_push_ar_tmp_count(job),
+                                                    .qbuf = q ? sd_qg_hop_buf(job) : NULL,
+                                                    .qerr = q ? sd_qg_hop_ef(job, u) : NULL,
+                                                    .cb = step_ar_done,
+                                                    .arg = job});
                 if (st != SD_OK) {
                     job->step->pending = 0;
                     step_fail(job, st, job->xfer.members[0]);
@@ -618,8 +621,8 @@ bool sd_step_queue_waiting(const struct sd_job *job)
     return job->step->q_wait || sd_allreduce_waiting(&job->step->ar);
 }
 
-bool sd_step_activity(const struct sd_job *job, const char **what_p, uint32_t *unit_p,
-                      uint64_t *start_p)
+/* the job's common paths (job_module.h): what the step does now, and its stop at a failure */
+static bool step_activity(const struct sd_job *job, char *what, size_t len, uint64_t *since_ns)
 {
     static const char *const names[] = {[SD_STEP_IDLE] = "idle",
                                         [SD_STEP_SYNC] = "gradient all-reduce",
@@ -631,14 +634,18 @@ bool sd_step_activity(const struct sd_job *job, const char **what_p, uint32_t *u
                                         [SD_STEP_REFRESH] = "refresh of held units"};
     const struct sd_step_state *st = job->step;
     _Static_assert(sizeof(names) / sizeof(names[0]) == SD_STEP_REFRESH + 1, "a name per phase");
-    *what_p = names[st->phase];
-    *unit_p = st->unit;
-    *start_p = st->start_ns;
-    return st->phase != SD_STEP_IDLE;
+    if (st == NULL || st->phase == SD_STEP_IDLE)
+        return false;
+    snprintf(what, len, "step %llu (%s, unit %u; last completed step %llu)",
+             (unsigned long long)job->steps + 1, names[st->phase], st->unit,
+             (unsigned long long)job->steps);
+    *since_ns = st->start_ns;
+    return true;
 }
 
-void sd_step_stop(struct sd_job *job)
+static void step_failing(struct sd_job *job, int was)
 {
+    (void)was;
     job->step->phase = SD_STEP_IDLE;
 }
 
@@ -653,6 +660,8 @@ static bool step_event(struct sd_job *job, const struct sd_job_ev *ev)
             sd_step_progress(job);
         return true;
     case SD_JOB_EV_STEP_OVER: /* raised here, for resume */
+    case SD_JOB_EV_LET_GO:    /* for the job's life */
+    case SD_JOB_EV_OPENED:
         return false;
     case SD_JOB_EV_PUSHED:    /* the sync waits for the pushes to be idle */
     case SD_JOB_EV_TRANSFERS: /* a refresh, or a step waiting for gathers */
@@ -706,6 +715,8 @@ const struct sd_job_module sd_step_module = {.name = "step",
                                              .alloc = sd_step_alloc,
                                              .release = sd_step_free,
                                              .fail_parked = step_fail_parked,
+                                             .failing = step_failing,
+                                             .activity = step_activity,
                                              .sweep = step_sweep,
                                              .event = step_event,
                                              .queue_waiting = sd_step_queue_waiting,

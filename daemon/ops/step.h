@@ -42,13 +42,6 @@ bool sd_step_running(const struct sd_job *job);
 bool sd_step_before_apply(const struct sd_job *job);
 /* Local ranks waiting in the step's barrier. */
 uint32_t sd_step_arrived(const struct sd_job *job);
-/* A running step's phase (its name), the unit it is at and since when it runs; false when no
- * step runs. */
-bool sd_step_activity(const struct sd_job *job, const char **what_p, uint32_t *unit_p,
-                      uint64_t *start_p);
-/* The job failed: no phase goes on (job.c, before it cancels the job's transfers; the ranks in
- * the barrier are answered by the module walk, job_module.h). */
-void sd_step_stop(struct sd_job *job);
 
 /* ---- what it hears: the completions its phases wait for come as the job's events
  * (job_module.h, sd_job_event), the ends of the weights' exchanges it started

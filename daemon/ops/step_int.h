@@ -3,6 +3,7 @@
 #ifndef SD_STEP_INT_H
 #define SD_STEP_INT_H
 
+#include "schedule.h"
 #include "barrier.h"
 #include "job.h"
 

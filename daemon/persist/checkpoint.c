@@ -16,7 +16,6 @@
  * is allocated each node reads, on workers, the ranges of each state its ranks' shards need. */
 #include "optimizer.h"
 #include "checkpoint_int.h"
-#include "job_module.h"
 #include "cluster/cluster.h"
 #include "push.h"
 #include "step.h"

@@ -6,6 +6,8 @@
 #include "barrier.h"
 #include "checkpoint.h"
 #include "file_pool.h"
+#include "job.h"
+#include "job_module.h"
 #include "sd/ckpt.h"
 #include "sd/fsid.h"
 

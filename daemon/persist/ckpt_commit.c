@@ -4,8 +4,6 @@
  * place (a checkpoint of the same step is kept until LATEST names the new one) and LATEST
  * replaced. A save that fails has every part it made removed, by a task of its own. */
 #include "checkpoint_int.h"
-#include "job.h"
-#include "job_module.h"
 #include "cluster/cluster.h"
 #include "recover.h"
 #include "sd/ckpt.h"

@@ -8,8 +8,6 @@
  * and copied through the device's queue on the loop. */
 #include "optimizer.h"
 #include "checkpoint_int.h"
-#include "job.h"
-#include "registry.h"
 #include "loading.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -339,14 +337,11 @@ static void open_after(struct sd_job *job)
     if (c->work.status != SD_OK) {
         char msg[1100];
         snprintf(msg, sizeof(msg), "job '%s': %s", job->name, c->work.err);
-        if (job->nodes > 1) /* the coordinator refuses it on every node */
-            sd_job_allocated(job, c->work.status, msg);
-        else
-            sd_job_refuse(job, c->work.status, msg); /* frees the job */
+        sd_job_event_text(job, SD_JOB_EV_OPENED, c->work.status, msg); /* may free the job */
         return;
     }
     c->ld.opened = true;
-    sd_job_registered(job);
+    sd_job_event_text(job, SD_JOB_EV_OPENED, SD_OK, NULL);
 }
 
 void sd_ckpt_open_start(struct sd_job *job)

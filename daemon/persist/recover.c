@@ -6,7 +6,6 @@
 #include "cluster/cluster.h"
 #include "job.h"
 #include "net_service.h"
-#include "registry.h"
 #include "sd/ckpt.h"
 #include "sd/log.h"
 #include "sd/status.h"

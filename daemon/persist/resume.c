@@ -5,7 +5,6 @@
 #include "job_module.h"
 #include "job.h"
 #include "loading.h"
-#include "registry.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -105,12 +104,13 @@ static void copy_wait(struct sd_job *copier)
         (void)copier->reg->dev->sync(copier->mem.queue);
 }
 
-void sd_resume_job_failed(struct sd_job *job)
+/* the job failed (job_module.h): no copy goes on; was its state a step's? */
+static void resume_failing(struct sd_job *job, int was)
 {
     copy_wait(job);
-    job->load.resume->copying = false; /* nothing goes on after a failure */
-    job->load.resume->pending = false; /* a failure mid-step: the state is not a step's */
-    job->load.resume->failed_ready = job->state == SD_JOB_READY; /* its state is a step's */
+    job->load.resume->copying = false;                    /* nothing goes on after a failure */
+    job->load.resume->pending = false;                    /* a failure mid-step: not a step's */
+    job->load.resume->failed_ready = was == SD_JOB_READY; /* its state is a step's */
 }
 
 uint64_t sd_resume_timeout(const struct sd_registry *reg, uint64_t asked)
@@ -233,7 +233,7 @@ static bool resume_event(struct sd_job *job, const struct sd_job_ev *ev)
     return true;
 }
 
-/* its state is created and freed by job.c (sd_resume_create, sd_resume_destroy): it hears
+/* its state is created and freed by job_life.c (sd_resume_create, sd_resume_destroy): it hears
  * the step's end */
 static const char *resume_gives_values(const struct sd_job *job)
 {
@@ -241,6 +241,7 @@ static const char *resume_gives_values(const struct sd_job *job)
 }
 
 const struct sd_job_module sd_resume_module = {.name = "resume",
+                                               .failing = resume_failing,
                                                .event = resume_event,
                                                .gives_values = resume_gives_values,
                                                .queue_waiting = sd_resume_queue_waiting,
@@ -266,8 +267,7 @@ static void drop(struct sd_job *job)
                  job->name, (unsigned long long)job->steps, (unsigned long long)rs->timeout_ms);
         SD_WARN("job", "%s", job->fail_msg);
     }
-    if (job->n_left == job->k)
-        sd_job_retire(job);
+    sd_job_event(job, SD_JOB_EV_LET_GO); /* retires once its ranks left */
 }
 
 bool sd_resume_keep(struct sd_job *job)
@@ -394,8 +394,7 @@ static void taken_over(struct sd_job *job, struct sd_job *old)
              "job '%s' paused after step %llu and was resumed by job id %llu: register again",
              old->name, (unsigned long long)old->steps, (unsigned long long)job->id);
     job->load.resume->from = NULL;
-    if (old->n_left == old->k)
-        sd_job_retire(old);
+    sd_job_event(old, SD_JOB_EV_LET_GO); /* retires once its ranks left */
 }
 
 static void copied(struct sd_job *job, struct sd_job *old, uint64_t bytes);
@@ -502,7 +501,7 @@ bool sd_resume_all_left(struct sd_job *job)
         return true; /* kept: taken over, recovered, or dropped at its deadline */
     if (!rs->was_paused)
         return false;
-    sd_job_retire(job); /* resumed or dropped: the other nodes end theirs alike */
+    sd_job_event(job, SD_JOB_EV_LET_GO); /* resumed or dropped: the other nodes end theirs alike */
     return true;
 }
 

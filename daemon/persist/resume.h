@@ -40,8 +40,6 @@ bool sd_resume_resuming(const struct sd_job *job);
 bool sd_resume_resumed(const struct sd_job *job);
 /* it failed while ready: its memory holds the states of a step */
 bool sd_resume_failed_ready(const struct sd_job *job);
-/* the job fails (before its state says so): a pause waiting for the step is off */
-void sd_resume_job_failed(struct sd_job *job);
 /* The resume timeout a registration asks for (asked; 0: the daemon's) in force. */
 uint64_t sd_resume_timeout(const struct sd_registry *reg, uint64_t asked);
 /* A rank died (not a clean detach): true if the job pauses (now, or after the running step)

@@ -3,9 +3,10 @@
  * of shared memory before it validates it. */
 #include "attach.h"
 #include "cluster/cluster.h"
-#include "job_api.h"
+#include "dispatch.h"
+#include "job_life.h"
+#include "register.h"
 #include "net_service.h"
-#include "registry.h"
 #include "server.h"
 #include "session.h"
 #include "sd/frame.h"
@@ -14,6 +15,7 @@
 #include "sd/util.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,13 +35,30 @@ static void sq_wake_cb(uv_poll_t *h, int status, int events)
     sd_server_kick(s->srv);
 }
 
+/* ---- the session's link to its client (session.h): its connection */
+
+static int link_send(struct sd_session *s, const Shard__DaemonMsg *msg, const int *fds,
+                     unsigned nfds)
+{
+    return sd_conn_send(s->conn, msg, fds, nfds);
+}
+
+static bool link_hung_up(const struct sd_session *s)
+{
+    struct pollfd p = {.fd = s->conn->fd, .events = POLLRDHUP};
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP)) != 0;
+}
+
 /* The session broke its ring (session.c): tell the client on its socket and hang up; the read
  * callback sees EOF and closes the session. */
-static void break_cb(struct sd_session *s, const char *text)
+static void link_broke(struct sd_session *s, const char *text)
 {
     sd_conn_send_error(s->conn, SD_EPROTO, "%s", text);
     shutdown(s->conn->fd, SHUT_RDWR);
 }
+
+static const struct sd_session_link conn_link = {
+    .send = link_send, .hung_up = link_hung_up, .broke = link_broke};
 
 int sd_session_create(struct sd_conn *c, const Shard__Attach *msg)
 {
@@ -51,9 +70,10 @@ int sd_session_create(struct sd_conn *c, const Shard__Attach *msg)
     s->srv = srv;
     s->conn = c;
     s->pid = c->pid;
+    s->cred = c->cred;
     s->id = ++srv->next_id;
     s->sq_efd = s->cq_efd = -1;
-    s->on_break = break_cb;
+    s->link = &conn_link;
     char tag[64];
     snprintf(tag, sizeof(tag), "shardd-ring-%llu", (unsigned long long)s->id);
     status = sd_gpu_host_ops.alloc(0, SD_RING_BYTES, SD_MEM_SHARED, tag, &s->ring);
@@ -138,20 +158,6 @@ void sd_session_destroy(struct sd_session *s, const char *reason)
     uv_close((uv_handle_t *)&s->sq_poll, session_free_cb);
 }
 
-static void session_break(struct sd_session *s, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-
-static void session_break(struct sd_session *s, const char *fmt, ...)
-{
-    char text[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(text, sizeof(text), fmt, ap);
-    va_end(ap);
-    s->broken = true;
-    break_cb(s, text);
-}
-
 /* Returns true if consumed. */
 static bool dispatch(struct sd_session *s, const struct sd_sqe *e)
 {
@@ -187,9 +193,9 @@ bool sd_session_progress(struct sd_session *s)
     int r;
     while (!s->broken && (r = sd_ring_sq_pop(s->hdr, &e)) != 0) {
         if (r < 0) {
-            session_break(s, "submission ring indices are corrupt (head %llu, tail %llu)",
-                          (unsigned long long)atomic_load(&s->hdr->sq_head),
-                          (unsigned long long)atomic_load(&s->hdr->sq_tail));
+            sd_session_break(s, "submission ring indices are corrupt (head %llu, tail %llu)",
+                             (unsigned long long)atomic_load(&s->hdr->sq_head),
+                             (unsigned long long)atomic_load(&s->hdr->sq_tail));
             break;
         }
         any = true;

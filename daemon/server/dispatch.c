@@ -1,10 +1,11 @@
 /* A ring entry to its operation: the checks every operation shares (the job's state, the unit),
  * the schedule's bookkeeping around fetch, release and push, and the failure of every parked
  * operation at once when the job fails. */
+#include "schedule.h"
 #include "checkpoint.h"
 #include "job_module.h"
 #include "fetch.h"
-#include "job_api.h"
+#include "dispatch.h"
 #include "push.h"
 #include "step.h"
 #include "loading.h"

@@ -1,6 +1,8 @@
 /* shardd: the per-node daemon. */
 #include "cluster/cluster.h"
 #include "fetch.h"
+#include "schedule.h"
+#include "step.h"
 #include "file_pool.h"
 #include "net_service.h"
 #include "jobs.h"
@@ -326,6 +328,14 @@ static int open_backend(const struct sd_gpu_ops *dev, const struct sd_config *cf
     return SD_OK;
 }
 
+/* the operations the schedule drives (schedule.h): bound here, above them all */
+static const struct sd_sched_driver sched_driver = {.prefetch = sd_fetch_prefetch,
+                                                    .flush = sd_fetch_prefetch_flush,
+                                                    .would_join = sd_fetch_would_join,
+                                                    .fenced_poll = sd_fetch_fenced_poll,
+                                                    .fenced_blocked = sd_fetch_fenced_blocked,
+                                                    .step_running = sd_step_running};
+
 int main(int argc, char **argv)
 {
     static struct sd_config cfg;
@@ -366,6 +376,7 @@ int main(int argc, char **argv)
     reg.loop = &loop;
     memcpy(reg.rank_dev, rank_dev, sizeof(rank_dev));
     reg.n_rank_dev = (uint32_t)n_rank_dev;
+    reg.sched_driver = &sched_driver;
     int status = sd_server_start(&app.srv, &loop, &cfg, &reg);
     if (status != SD_OK) {
         fprintf(stderr, "shardd: cannot start: %s\n", sd_status_str(status));

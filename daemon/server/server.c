@@ -2,9 +2,9 @@
  * that drains every session's ring, spinning for poll_spin_us after activity before it sleeps
  * on the sessions' eventfds. */
 #include "recover.h"
-#include "job_api.h"
+#include "job.h"
+#include "register.h"
 #include "jobs.h"
-#include "registry.h"
 #include "server.h"
 #include "attach.h"
 #include "session.h"

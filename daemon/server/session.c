@@ -1,7 +1,6 @@
 /* A client session's completions: what every operation answers on its ring (the session's
  * attachment, its ring's draining and its end are attach.c's). */
 #include "job.h"
-#include "job_api.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -11,11 +10,8 @@
 #include <stdio.h>
 
 /* A client that corrupts its ring loses the session: its attachment reports it on the socket
- * and hangs up (on_break). */
-static void session_break(struct sd_session *s, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-
-static void session_break(struct sd_session *s, const char *fmt, ...)
+ * and hangs up (link->broke). */
+void sd_session_break(struct sd_session *s, const char *fmt, ...)
 {
     char text[512];
     va_list ap;
@@ -23,7 +19,7 @@ static void session_break(struct sd_session *s, const char *fmt, ...)
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
     s->broken = true;
-    s->on_break(s, text);
+    s->link->broke(s, text);
 }
 
 void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status, uint64_t v0,
@@ -41,10 +37,10 @@ void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status,
     if (msg != NULL)
         snprintf(e.msg, sizeof(e.msg), "%s", msg);
     if (sd_ring_cq_push(s->hdr, &e) != 0) {
-        session_break(s,
-                      "completion queue overflow: the client has more than %d requests "
-                      "without reading their completions",
-                      SD_RING_ENTRIES);
+        sd_session_break(s,
+                         "completion queue overflow: the client has more than %d requests "
+                         "without reading their completions",
+                         SD_RING_ENTRIES);
         return;
     }
     sd_ring_wake(&s->hdr->client_waiting, s->cq_efd);
@@ -70,4 +66,33 @@ void sd_op_done(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e
     job->stats.ops[e->op]++;
     sd_latency_add(&job->stats.lat[e->op], sd_now_ns() - start_ns);
     sd_session_complete(s, e->tag, (int)e->op, SD_OK, v0, v1, NULL);
+}
+
+int sd_session_send(struct sd_session *s, const Shard__DaemonMsg *msg, const int *fds,
+                    unsigned nfds)
+{
+    return s->link->send(s, msg, fds, nfds);
+}
+
+int sd_session_send_error(struct sd_session *s, int status, const char *fmt, ...)
+{
+    char text[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    Shard__Error err = SHARD__ERROR__INIT;
+    err.status = status;
+    err.message = text;
+    Shard__DaemonMsg msg = SHARD__DAEMON_MSG__INIT;
+    msg.msg_case = SHARD__DAEMON_MSG__MSG_ERROR;
+    msg.error = &err;
+    SD_INFO("session", "session %llu (pid %d): %s: %s", (unsigned long long)s->id, (int)s->pid,
+            sd_status_name(status), text);
+    return sd_session_send(s, &msg, NULL, 0);
+}
+
+bool sd_session_hung_up(const struct sd_session *s)
+{
+    return s->link->hung_up(s);
 }

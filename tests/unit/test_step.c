@@ -89,11 +89,31 @@ float *sd_push_ar_tmp(const struct sd_job *job)
     return ar_tmp;
 }
 
+size_t sd_push_ar_tmp_count(const struct sd_job *job)
+{
+    (void)job;
+    return sizeof(ar_tmp) / sizeof(ar_tmp[0]);
+}
+
 bool sd_qg_hop(const struct sd_job *job, uint32_t u)
 {
     (void)job;
     (void)u;
     return false;
+}
+
+/* (never asked for: sd_qg_hop says no hop is quantized) */
+uint8_t *sd_qg_hop_buf(struct sd_job *job)
+{
+    (void)job;
+    return NULL;
+}
+
+float *sd_qg_hop_ef(struct sd_job *job, uint32_t u)
+{
+    (void)job;
+    (void)u;
+    return NULL;
 }
 
 void sd_fetch_local_gather(struct sd_job *job, struct sd_unit_state *us)
