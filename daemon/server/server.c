@@ -369,10 +369,13 @@ static struct sd_conn *rx_victim(struct sd_server *srv, struct sd_conn *c, bool 
 }
 
 /* close c for the control memory: its receive buffer goes first, so that the error that tells
- * it why fits */
-static void rx_drop(struct sd_conn *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+ * it why fits. later: the loop closes it (conn_doom), not this call: a victim dropped to make
+ * room for another connection's send, whose caller may be walking the ranks of a job that the
+ * victim's session, were it closed now, would leave or end under it */
+static void rx_drop(struct sd_conn *c, bool later, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
-static void rx_drop(struct sd_conn *c, const char *fmt, ...)
+static void rx_drop(struct sd_conn *c, bool later, const char *fmt, ...)
 {
     char text[512];
     va_list ap;
@@ -387,7 +390,10 @@ static void rx_drop(struct sd_conn *c, const char *fmt, ...)
     c->rx = NULL;
     c->rx_cap = c->rx_len = 0;
     sd_conn_send_error(c, SD_ENOMEM, "%s", text);
-    sd_conn_close(c, "control memory limit");
+    if (later)
+        conn_doom(c, "control memory limit");
+    else
+        sd_conn_close(c, "control memory limit");
 }
 
 /* need more bytes of control memory for c: the hoarders go (rx_victim) until they fit or only c
@@ -402,14 +408,14 @@ static bool rx_make_room(struct sd_server *srv, struct sd_conn *c, uint64_t need
         if (v == NULL || v == c)
             break;
         if (stalled)
-            rx_drop(v,
+            rx_drop(v, true,
                     "the daemon's control memory (control_memory_bytes %llu) is full and your "
                     "incomplete message (%zu bytes so far) made no progress for %llu ms",
                     (unsigned long long)limit, v->rx_len,
                     (unsigned long long)(sd_now_ns() - SD_MAX(v->rx_last_ns, v->rx_since_ns)) /
                         1000000);
         else
-            rx_drop(v,
+            rx_drop(v, true,
                     "the daemon's control memory (control_memory_bytes %llu) is full and your "
                     "incomplete message holds %zu bytes, more than an equal share (%llu) of it",
                     (unsigned long long)limit, v->rx_cap, (unsigned long long)share);
@@ -430,7 +436,7 @@ static bool rx_reserve(struct sd_conn *c)
     if (!rx_make_room(srv, c, cap - c->rx_cap))
         return false;
     if (srv->ctl_bytes + (cap - c->rx_cap) > limit) {
-        rx_drop(c,
+        rx_drop(c, false,
                 "the daemon's control memory (control_memory_bytes %llu) is in use by incomplete "
                 "messages of connections sending as steadily (%llu bytes); send again later",
                 (unsigned long long)limit, (unsigned long long)srv->ctl_bytes);
