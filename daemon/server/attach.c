@@ -43,6 +43,11 @@ static int link_send(struct sd_session *s, const Shard__DaemonMsg *msg, const in
     return sd_conn_send(s->conn, msg, fds, nfds);
 }
 
+static int link_send_error(struct sd_session *s, int status, const char *text)
+{
+    return sd_conn_send_error(s->conn, status, "%s", text);
+}
+
 static bool link_hung_up(const struct sd_session *s)
 {
     struct pollfd p = {.fd = s->conn->fd, .events = POLLRDHUP};
@@ -58,7 +63,7 @@ static void link_broke(struct sd_session *s, const char *text)
 }
 
 static const struct sd_session_link conn_link = {
-    .send = link_send, .hung_up = link_hung_up, .broke = link_broke};
+    .send = link_send, .send_error = link_send_error, .hung_up = link_hung_up, .broke = link_broke};
 
 int sd_session_create(struct sd_conn *c, const Shard__Attach *msg)
 {

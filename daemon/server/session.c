@@ -81,15 +81,7 @@ int sd_session_send_error(struct sd_session *s, int status, const char *fmt, ...
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
-    Shard__Error err = SHARD__ERROR__INIT;
-    err.status = status;
-    err.message = text;
-    Shard__DaemonMsg msg = SHARD__DAEMON_MSG__INIT;
-    msg.msg_case = SHARD__DAEMON_MSG__MSG_ERROR;
-    msg.error = &err;
-    SD_INFO("session", "session %llu (pid %d): %s: %s", (unsigned long long)s->id, (int)s->pid,
-            sd_status_name(status), text);
-    return sd_session_send(s, &msg, NULL, 0);
+    return s->link->send_error(s, status, text);
 }
 
 bool sd_session_hung_up(const struct sd_session *s)

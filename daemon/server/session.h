@@ -22,6 +22,8 @@ struct sd_session;
 struct sd_session_link {
     /* a message to the client, with fds (sent as dups: the caller keeps its own) */
     int (*send)(struct sd_session *s, const Shard__DaemonMsg *msg, const int *fds, unsigned nfds);
+    /* an Error message with status and text, logged */
+    int (*send_error)(struct sd_session *s, int status, const char *text);
     /* the client hung up and the loop has not read its end yet (a killed trainer whose restart
      * registers at once) */
     bool (*hung_up)(const struct sd_session *s);
