@@ -24,6 +24,12 @@
 #include <uv.h>
 #include <unistd.h>
 
+/* the job's buffers across nodes (nodes > 1; at the end of this file): their bytes, and its
+ * transport view, bulks, node rounds' buffers and fabric registrations set up and torn down */
+static uint64_t net_bytes(const struct sd_job *job, const struct sd_config *cfg);
+static int net_setup(struct sd_job *job, char *err, size_t errlen);
+static void net_teardown(struct sd_job *job);
+
 /* A job's big buffers go back on a worker thread: unmapping a job of 64 MiB units (about
  * 1 GiB) held the loop for 250 ms here, and with it every other job's transfers and the
  * heartbeats. Its bytes return to the budget once they are really gone. */
@@ -118,8 +124,8 @@ void sd_job_mem_free(struct sd_job *job)
         job->mem.queue = NULL;
     }
     if (job->nodes > 1)
-        sd_job_net_teardown(job); /* deregisters before anything is unmapped */
-    free_off_loop(job);           /* what it took is empty below */
+        net_teardown(job); /* deregisters before anything is unmapped */
+    free_off_loop(job);    /* what it took is empty below */
     if (job->mem.arena != NULL)
         for (uint32_t i = 0; i < job->k * SD_STATE_COUNT; i++)
             dev->free(&job->mem.arena[i]);
@@ -199,7 +205,7 @@ void sd_job_mem_arena_bytes(const struct sd_job *job, uint64_t bytes_p[SD_STATE_
         bytes_p[st] += sd_arena_colour(st);
 }
 
-uint64_t sd_job_control_bytes(const struct sd_job *job)
+static uint64_t control_bytes(const struct sd_job *job)
 {
     return SD_FENCE_BYTES +
            sd_step_args_bytes(sd_model_groups(&job->model), job->layout.n_tensors,
@@ -223,11 +229,11 @@ static struct job_bytes job_bytes_needed(const struct sd_job *job, const struct 
              : cfg->max_live_bytes   ? cfg->max_live_bytes
                                      : l->total_bytes * job->slots_per_unit;
     b.copies = b.pool * job_pool_copies(job, NULL);
-    b.staging = ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) +
-                 sd_job_control_bytes(job)) *
-                job->k;
+    b.staging =
+        ((uint64_t)cfg->staging_slots * l->max_unit_numel * sizeof(float) + control_bytes(job)) *
+        job->k;
     b.scratch = l->max_unit_numel * sizeof(float);
-    b.net = sd_job_net_bytes(job, cfg);
+    b.net = net_bytes(job, cfg);
     const uint64_t parts[] = {b.w,    b.g,      b.os,      b.sec,     b.quant,
                               b.pool, b.copies, b.staging, b.scratch, b.net};
     b.total = 0;
@@ -403,10 +409,10 @@ static int job_alloc_control(struct sd_job *job, char *err, size_t errlen)
     char tag[96];
     for (uint32_t r = 0; r < job->k; r++) {
         snprintf(tag, sizeof(tag), "shardd-%s-r%u-control", job->name, job->first_rank + r);
-        int status = sd_gpu_host_ops.alloc(0, sd_job_control_bytes(job), SD_MEM_SHARED, tag,
-                                           &job->mem.fence[r]);
+        int status =
+            sd_gpu_host_ops.alloc(0, control_bytes(job), SD_MEM_SHARED, tag, &job->mem.fence[r]);
         if (status != SD_OK)
-            return alloc_failed(job, tag, -1, sd_job_control_bytes(job), status, err, errlen);
+            return alloc_failed(job, tag, -1, control_bytes(job), status, err, errlen);
         struct sd_fence_page *f = job->mem.fence[r].ptr;
         f->magic = SD_FENCE_MAGIC;
         f->version = SD_FENCE_VERSION;
@@ -424,7 +430,7 @@ static int job_alloc_finish(struct sd_job *job, char *err, size_t errlen)
     }
     if (job->nodes > 1) {
         char nerr[256];
-        status = sd_job_net_setup(job, nerr, sizeof(nerr));
+        status = net_setup(job, nerr, sizeof(nerr));
         if (status != SD_OK) {
             snprintf(err, errlen, "job '%s': %s", job->name, nerr);
             return status;
@@ -544,7 +550,7 @@ static void stage_buffers(const struct sd_job *job, const struct sd_config *cfg,
     *count_p = (uint32_t)SD_MAX(8, SD_MIN(count, SD_STAGE_RESERVE_BYTES / chunk));
 }
 
-uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg)
+static uint64_t net_bytes(const struct sd_job *job, const struct sd_config *cfg)
 {
     if (job->nodes <= 1)
         return 0;
@@ -570,7 +576,7 @@ static int reg_mr(struct sd_job *job, const void *p, size_t len)
     return st;
 }
 
-int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen)
+static int net_setup(struct sd_job *job, char *err, size_t errlen)
 {
     uint32_t Gw = job->gnodes[SD_STATE_W], N = job->nodes;
     uint64_t maxn = job->layout.max_unit_numel;
@@ -657,7 +663,7 @@ err_nomem:
     return SD_ENOMEM;
 }
 
-void sd_job_net_teardown(struct sd_job *job)
+static void net_teardown(struct sd_job *job)
 {
     for (uint32_t i = 0; job->xfer.net && i < job->xfer.n_mrs; i++)
         sd_job_tp(job)->ops->mr_dereg(sd_job_tp(job), job->xfer.mr_handles[i]);

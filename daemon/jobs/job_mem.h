@@ -17,13 +17,6 @@ void sd_job_mem_alloc(struct sd_job *job);
 void sd_job_mem_free(struct sd_job *job);
 /* The arenas' layout, for the budget and for allocating them. */
 void sd_job_mem_arena_bytes(const struct sd_job *job, uint64_t bytes_p[SD_STATE_COUNT]);
-/* A rank's control page: the fence page, the step arguments and a save's directory. */
-uint64_t sd_job_control_bytes(const struct sd_job *job);
-/* bytes of network buffers a job needs on this node */
-uint64_t sd_job_net_bytes(const struct sd_job *job, const struct sd_config *cfg);
-/* its transport view, bulks, node rounds' buffers and fabric registrations (nodes > 1) */
-int sd_job_net_setup(struct sd_job *job, char *err, size_t errlen);
-void sd_job_net_teardown(struct sd_job *job);
 /* nothing reads or writes the job's memory any more: no transfer, no checkpoint worker */
 bool sd_job_net_idle(const struct sd_job *job);
 
