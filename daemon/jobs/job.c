@@ -36,6 +36,16 @@ bool sd_job_node_alive(const struct sd_job *job, uint32_t n)
     return id != SD_NODE_UNKNOWN && sd_cluster_alive(sd_job_cluster(job), id);
 }
 
+const char *sd_job_peer_name(const struct sd_job *job, uint32_t n, char *buf, size_t len)
+{
+    uint32_t id = job->nodes > 1 ? sd_job_node_id(job, n) : SD_NODE_UNKNOWN;
+    if (id == SD_NODE_UNKNOWN)
+        snprintf(buf, len, "node %u", n);
+    else
+        snprintf(buf, len, "node %u (cluster node %u)", n, id);
+    return buf;
+}
+
 uint32_t sd_job_node_of(const struct sd_job *job, uint32_t id)
 {
     for (uint32_t n = 0; n < job->nodes; n++)

@@ -361,6 +361,9 @@ static inline uint32_t sd_job_node_id(const struct sd_job *job, uint32_t n)
 {
     return n < job->nodes ? job->xfer.node_ids[n] : SD_NODE_UNKNOWN;
 }
+/* Job node n as a failure message names it: "node 2 (cluster node 7)", or "node 2" where its
+ * cluster node is not known; into buf (len bytes), which it returns. */
+const char *sd_job_peer_name(const struct sd_job *job, uint32_t n, char *buf, size_t len);
 /* job node n is up (its cluster node alive), as far as this node knows */
 bool sd_job_node_alive(const struct sd_job *job, uint32_t n);
 /* the job node that cluster node id is (SD_NODE_UNKNOWN: none of the job's) */

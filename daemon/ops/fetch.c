@@ -438,11 +438,11 @@ static void gather_finish(struct sd_job *job, struct sd_unit_state *us)
             return;
     }
     if (status != SD_OK) {
-        char what[256];
+        char what[256], peer[64];
         snprintf(what, sizeof(what),
-                 "fetch of unit %u (weights generation %llu): the transfer "
-                 "from node %u failed: %s",
-                 us->unit, (unsigned long long)us->gen, suspect, sd_status_str(status));
+                 "fetch of unit %u (weights generation %llu): the transfer from %s failed: %s",
+                 us->unit, (unsigned long long)us->gen,
+                 sd_job_peer_name(job, suspect, peer, sizeof(peer)), sd_status_str(status));
         for (struct sd_unit_state *u = us, *next; u; u = next) {
             next = u->batch_next;
             u->batch_next = NULL;

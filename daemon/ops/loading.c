@@ -260,8 +260,10 @@ static void init_recv_done(struct sd_bulk *b, int status)
     sd_bulk_put(&job->xfer.bulks, b);
     job->load.init->rb = NULL;
     if (status != SD_OK) {
-        sd_job_fail(job, SD_EPEER, "receiving the initial values of unit %u from node 0 failed: %s",
-                    job->load.init->next_unit, sd_status_str(status));
+        char peer[64];
+        sd_job_fail(job, SD_EPEER, "receiving the initial values of unit %u from %s failed: %s",
+                    job->load.init->next_unit, sd_job_peer_name(job, 0, peer, sizeof(peer)),
+                    sd_status_str(status));
         return;
     }
     sd_loading_unit(job, job->load.init->next_unit, job->mem.scratch, 0, false);

@@ -429,7 +429,9 @@ static void round_net_done(struct sd_node_round *rd)
     if (rd->status != SD_OK) {
         char what[256];
         sd_job_net_describe(job, what, sizeof(what));
-        sd_job_fail(job, SD_EPEER, "%s: transfer with node %u failed: %s", what, rd->suspect,
+        char peer[64];
+        sd_job_fail(job, SD_EPEER, "%s: transfer with %s failed: %s", what,
+                    sd_job_peer_name(job, rd->suspect, peer, sizeof(peer)),
                     sd_status_str(rd->status));
         return;
     }

@@ -268,8 +268,9 @@ static void step_fail(struct sd_job *job, int status, uint32_t suspect)
     char what[256];
     sd_job_net_describe(job, what, sizeof(what));
     job->step->phase = SD_STEP_IDLE;
-    sd_job_fail(job, SD_EPEER, "%s: transfer with node %u failed: %s", what, suspect,
-                sd_status_str(status));
+    char peer[64];
+    sd_job_fail(job, SD_EPEER, "%s: transfer with %s failed: %s", what,
+                sd_job_peer_name(job, suspect, peer, sizeof(peer)), sd_status_str(status));
 }
 
 /* this node's copy of unit u's gradient block, into scratch (summing local replicas) */
