@@ -8,7 +8,6 @@
 #include "job_module.h"
 #include "registry.h"
 #include "sd/hmac.h"
-#include "sd/model_msg.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"

@@ -4,7 +4,6 @@
  * destroyed with the job. */
 #include "checkpoint.h"
 #include "cluster/cluster.h"
-#include "schedule.h"
 #include "job_life.h"
 #include "job_mem.h"
 #include "job_module.h"

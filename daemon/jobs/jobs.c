@@ -13,7 +13,6 @@
 #include "resume.h"
 #include "sd/log.h"
 #include "sd/status.h"
-#include "sd/util.h"
 #include <stdio.h>
 #include <string.h>
 

@@ -763,16 +763,16 @@ static void fetch_fail_parked(struct sd_job *job, int status, const char *text, 
 /* gathers on the wire: the first one's unit, since the oldest began */
 static bool fetch_activity(const struct sd_job *job, char *what, size_t len, uint64_t *since_ns)
 {
+    if (job->xfer.gathers_inflight == 0)
+        return false;
     const struct sd_unit_state *first = NULL;
     *since_ns = 0;
-    for (uint32_t i = 0; job->xfer.gathers_inflight > 0 && i < job->n_slots; i++) {
+    for (uint32_t i = 0; i < job->n_slots; i++) {
         const struct sd_unit_state *us = &job->cache.units[i];
         first = first == NULL && us->inflight ? us : first;
         if (us->inflight && (*since_ns == 0 || us->start_ns < *since_ns))
             *since_ns = us->start_ns;
     }
-    if (job->xfer.gathers_inflight == 0)
-        return false;
     snprintf(what, len, "fetch of unit %u (weights generation %llu; last completed step %llu)",
              first != NULL ? first->unit : 0, (unsigned long long)job->weights_gen,
              (unsigned long long)job->steps);

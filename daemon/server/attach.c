@@ -9,7 +9,6 @@
 #include "net_service.h"
 #include "server.h"
 #include "session.h"
-#include "sd/frame.h"
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -58,7 +57,7 @@ static bool link_hung_up(const struct sd_session *s)
  * callback sees EOF and closes the session. */
 static void link_broke(struct sd_session *s, const char *text)
 {
-    sd_conn_send_error(s->conn, SD_EPROTO, "%s", text);
+    link_send_error(s, SD_EPROTO, text);
     shutdown(s->conn->fd, SHUT_RDWR);
 }
 
