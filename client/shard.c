@@ -15,7 +15,9 @@
 #include "sd/util.h"
 #include "shard.pb-c.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netdb.h>
 #include <poll.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -656,6 +658,72 @@ static int absolute_path(shard_ctx_t *ctx, const char *what, const char *path,
     return SD_OK;
 }
 
+/* The first host of a Slurm hostlist ("gpu[07-09,12],cpu1" -> "gpu07") into out. */
+static bool slurm_first_host(const char *list, char *out, size_t len)
+{
+    size_t name = strcspn(list, ",[");
+    if (name == 0 || name >= len)
+        return false;
+    memcpy(out, list, name);
+    out[name] = '\0';
+    if (list[name] != '[')
+        return true;
+    const char *r = list + name + 1;
+    size_t digits = strspn(r, "0123456789");
+    if (digits == 0 || name + digits >= len)
+        return false;
+    memcpy(out + name, r, digits);
+    out[name + digits] = '\0';
+    return true;
+}
+
+/* The job's leader as "ip:port" into out ("" when the launcher names none): the model's, else
+ * SHARD_LEADER, MASTER_ADDR (torchrun), the first host of SLURM_STEP_NODELIST (srun), with
+ * SHARD_LEADER_PORT (or SHARD_LEADER_PORT's default). */
+static int leader_addr(shard_ctx_t *ctx, const char *given, char *out, size_t len)
+{
+    char host[256], slurm[256];
+    const char *spec = given != NULL && given[0] != '\0' ? given : getenv("SHARD_LEADER");
+    const char *from = given != NULL && given[0] != '\0' ? "shard_model_t.leader" : "SHARD_LEADER";
+    if (spec == NULL || spec[0] == '\0') {
+        spec = getenv("MASTER_ADDR");
+        from = "MASTER_ADDR";
+    }
+    const char *nodes = getenv("SLURM_STEP_NODELIST");
+    if ((spec == NULL || spec[0] == '\0') && nodes != NULL &&
+        slurm_first_host(nodes, slurm, sizeof(slurm))) {
+        spec = slurm;
+        from = "SLURM_STEP_NODELIST";
+    }
+    out[0] = '\0';
+    if (spec == NULL || spec[0] == '\0')
+        return SD_OK;
+    const char *env_port = getenv("SHARD_LEADER_PORT");
+    long port =
+        env_port != NULL && env_port[0] != '\0' ? strtol(env_port, NULL, 10) : SHARD_LEADER_PORT;
+    const char *colon = strrchr(spec, ':');
+    size_t hlen =
+        colon != NULL && strchr(spec, ':') == colon ? (size_t)(colon - spec) : strlen(spec);
+    if (colon != NULL && strchr(spec, ':') == colon)
+        port = strtol(colon + 1, NULL, 10);
+    if (hlen == 0 || hlen >= sizeof(host) || port <= 0 || port > 65535)
+        return fail(ctx, SD_EINVAL, "register: the job's leader '%s' (%s) is not host[:port]", spec,
+                    from);
+    memcpy(host, spec, hlen);
+    host[hlen] = '\0';
+    struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_STREAM}, *ai = NULL;
+    int r = getaddrinfo(host, NULL, &hints, &ai);
+    if (r != 0 || ai == NULL) { /* (said by the daemon if this rank needs it: not node 0's) */
+        snprintf(out, len, "%.40s:%ld", host, port);
+        return SD_OK;
+    }
+    char ip[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &((const struct sockaddr_in *)ai->ai_addr)->sin_addr, ip, sizeof(ip));
+    freeaddrinfo(ai);
+    snprintf(out, len, "%s:%ld", ip, port);
+    return SD_OK;
+}
+
 /* The job's token (shard_model_t.job_secret): HMAC-SHA256 keyed with the secret over
  * "shardd job token", a zero byte and the job's name. */
 static void job_token(const void *secret, size_t len, const char *job, uint8_t out[SD_SHA256_BYTES])
@@ -771,6 +839,15 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     reg.ranks_per_node = model->ranks_per_node;
     reg.job_token.data = token;
     reg.job_token.len = has_token ? sizeof(token) : 0;
+    char leader[64];
+    if ((status = leader_addr(ctx, model->leader, leader, sizeof(leader))) != SD_OK) {
+        free(td);
+        free(tp);
+        free(gd);
+        free(gp);
+        return status;
+    }
+    reg.leader = leader;
     Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
     msg.msg_case = SHARD__CLIENT_MSG__MSG_REGISTER;
     msg.register_ = &reg;

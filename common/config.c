@@ -21,8 +21,10 @@ const struct sd_config_entry sd_config_table[] = {
      "coordinator assigns it, and node 0 is the coordinator)",
      0},
     {"nodes", SD_CFG_INT, "1", 0, 1024, OFF(nodes),
-     "number of nodes (daemons) in the cluster; 0: an open cluster, which daemons join and leave "
-     "at any time through the coordinator (up to 1024)",
+     "number of nodes (daemons) in a static cluster with a coordinator; 1 (the default): an "
+     "independent daemon, which knows only itself and meets the daemons of each job that spans "
+     "nodes through the job's leader; 0: an open cluster, which daemons join and leave at any "
+     "time through the coordinator (up to 1024)",
      1},
     {"ranks_per_node", SD_CFG_INT, "0", 0, 1024, OFF(ranks_per_node),
      "trainer ranks (devices) per node; 0 takes it from each job (one node only)", 1},
@@ -134,7 +136,9 @@ const struct sd_config_entry sd_config_table[] = {
      "group and root (socket 0660 with this group)",
      0},
     {"provider", SD_CFG_STRING, "tcp;ofi_rxm", 0, 64, OFF(provider),
-     "libfabric provider between nodes: tcp;ofi_rxm, tcp, shm, efa, verbs;ofi_rxm, cxi", 1},
+     "libfabric provider between nodes: tcp;ofi_rxm, tcp, shm, efa, verbs;ofi_rxm, cxi (none: "
+     "no fabric; an independent daemon then serves jobs on its own node only)",
+     1},
     {"fabric_addr", SD_CFG_STRING, "127.0.0.1", 0, 64, OFF(fabric_addr),
      "local address of this node's fabric endpoint (empty: the provider's first)", 0},
     {"coordinator", SD_CFG_STRING, "127.0.0.1:7700", 0, 128, OFF(coordinator),
@@ -152,9 +156,11 @@ const struct sd_config_entry sd_config_table[] = {
      "firewall must let it through",
      0},
     {"peer_port", SD_CFG_INT, "0", 0, 65535, OFF(peer_port),
-     "TCP port where a member daemon accepts the control links of the daemons it shares a job "
-     "with (0: any free one, announced through the coordinator); fix it where a firewall must "
-     "let it through",
+     "TCP port where a daemon accepts the control links of the daemons it shares a job with. "
+     "A cluster's member: 0 is any free one, announced through the coordinator. An independent "
+     "daemon (nodes 1) listens once a job spans nodes: 0 is 7701, where the ranks of the jobs it "
+     "leads (rank 0's node) name it (SHARD_LEADER_PORT); fix it where a firewall must let it "
+     "through",
      0},
     {"heartbeat_timeout_ms", SD_CFG_INT, "5000", 50, 600000, OFF(heartbeat_timeout_ms),
      "a peer silent this long is declared down and its jobs fail", 1},

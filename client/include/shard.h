@@ -157,7 +157,17 @@ typedef struct {
      * registration is refused as two nodes claiming the same ranks). */
     const void *job_secret;
     size_t job_secret_len;
+    /* where the job's ranks find its leader, the daemon of rank 0's node, when their daemons
+     * are independent (nodes 1, no cluster list): "host" or "host:port" (port default
+     * SHARD_LEADER_PORT). NULL: $SHARD_LEADER, else torchrun's $MASTER_ADDR, else the first
+     * host of Slurm's $SLURM_STEP_NODELIST (srun places rank 0 there), each with
+     * $SHARD_LEADER_PORT when set; none of them: a job on one node only. The host is resolved
+     * here (IPv4). Every rank gives the same. */
+    const char *leader;
 } shard_model_t;
+
+/* the port an independent daemon that leads a job listens on by default (its peer_port 0) */
+#define SHARD_LEADER_PORT 7701
 
 /* What shard_step_ex takes. Every rank of the job must give the same hyperparameters. */
 typedef struct {

@@ -151,6 +151,8 @@ void sd_auth_hello_mac(const struct sd_auth *a, const uint8_t *nc, const uint8_t
     put_u64(&m, h->peer);
     put_u64(&m, h->peer_port);
     put_u64(&m, h->known);
+    put_bytes(&m, h->job ? h->job : "", h->job ? strlen(h->job) : 0);
+    put_u64(&m, h->you);
     sd_hmac_final(&m, out);
 }
 

@@ -18,6 +18,10 @@
 #include <stdint.h>
 #include <uv.h>
 
+/* where an independent daemon that leads a job takes its peers' links when peer_port is 0 (the
+ * port its ranks name with the leader's host: libshard's SHARD_LEADER_PORT) */
+#define SD_MEET_PORT 7701
+
 struct sd_cluster;
 struct Shard__JobSaved;
 struct Shard__JobRecover;
@@ -57,6 +61,10 @@ struct sd_cluster_events {
     /* the job of that name on this node (of that transport tag; 0: any) spans cluster node
      * node: may node's direct link speak of it? */
     bool (*job_spans)(void *ctx, const char *job, uint32_t tag, uint32_t node);
+    /* an independent daemon: the token of the job of that name here (false: none has one) */
+    bool (*job_token)(void *ctx, const char *job, uint8_t token[32]);
+    /* an independent daemon: a confirmed job here that spans node (NULL: none) */
+    const char *(*job_spanning)(void *ctx, uint32_t node);
 };
 
 /* On failure *cl_p may be set too (handles half made): sd_cluster_stop, run the loop, then
@@ -76,6 +84,12 @@ bool sd_cluster_usable(const struct sd_cluster *cl, uint32_t node);
 uint32_t sd_cluster_nodes(const struct sd_cluster *cl);
 /* this daemon's cluster node (0 without a cluster) */
 uint32_t sd_cluster_self(const struct sd_cluster *cl);
+/* a daemon without a cluster list (nodes 1) that meets the daemons of each job it serves */
+bool sd_cluster_independent(const struct sd_cluster *cl);
+/* what the attach reply and shardctl say: the cluster's node and node count (an independent
+ * daemon: node 0 of 1, its own; shardctl topology lists the daemons it met) */
+uint32_t sd_cluster_shown_node(const struct sd_cluster *cl);
+uint32_t sd_cluster_shown_nodes(const struct sd_cluster *cl);
 
 /* A job finished registering on this node (status 0) or failed to. The coordinator confirms it
  * once every node reported the same model, world and start: the step it starts from, and
@@ -89,6 +103,8 @@ struct sd_job_report {
     bool resumed;
     const uint8_t *token; /* its ranks' job token (token_len bytes; 0: none) */
     uint32_t token_len;
+    /* an independent daemon: its leader's "ip:port" (its ranks' Register.leader) */
+    const char *leader;
     int status;
     const char *msg;
 };

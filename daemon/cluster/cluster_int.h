@@ -46,6 +46,10 @@ struct link {
     size_t rx_len, rx_cap;
     uint64_t last_seen_ns;
     bool closing;
+    /* independent daemons (meet.c): the job whose token keyed the handshake, and the jobs the
+     * other end and this one proved on the link since */
+    char job[64];
+    struct meet_proof *proved, *told;
     struct link *next;
 };
 
@@ -53,6 +57,8 @@ struct link {
 struct outmsg {
     struct outmsg *next;
     uint32_t node;
+    char job[64];      /* the job it is about ("": none): an independent link proves it first */
+    uint64_t since_ns; /* an independent daemon's wait for a leader not there yet has an end */
     uint8_t *frame;
     size_t len;
 };
@@ -112,7 +118,17 @@ struct sd_cluster {
      * SD_NO_NODE in an open cluster's member until the coordinator numbered it */
     uint32_t n, cap, self;
     bool open; /* nodes 0: daemons join and leave through the coordinator, which numbers them */
-    struct {   /* this daemon's fabric address, heartbeat and peer ports, for its hello */
+    /* nodes 1: an independent daemon (meet.c), slot 1 of its own table, which fills as jobs
+     * name their daemons (n is cap; slot 0 is never used) */
+    bool indep;
+    struct {
+        uint32_t uid;                /* this daemon's id, random at each start */
+        uint32_t *uid_of;            /* [cap]: the id of each slot's daemon (0: not known yet) */
+        uint32_t *as;                /* [cap]: the number each slot's daemon gives this one */
+        struct meet_leader *leaders; /* which slot leads each job registering here */
+        struct meet_wire *wire;      /* scratch: a message with ids for slots */
+    } meet;
+    struct { /* this daemon's fabric address, heartbeat and peer ports, for its hello */
         uint8_t addr[256];
         size_t addr_len;
         uint32_t hb_port, peer_port;
@@ -188,7 +204,9 @@ void sd_cluster__member_left(struct sd_cluster *cl, const char *name, uint32_t n
                              const uint32_t *ids, uint32_t n);
 void sd_cluster__member_gone(struct sd_cluster *cl, uint32_t node);
 void sd_cluster__member_ended(struct sd_cluster *cl, const char *name);
-void sd_cluster__listen_peers(struct sd_cluster *cl, const char *host);
+/* listen for job peers' direct links on host ("": every address) at port (0: any free one);
+ * 0 or a libuv error */
+int sd_cluster__listen_peers(struct sd_cluster *cl, const char *host, uint32_t port);
 /* Link l proved the secret and is node's: a member's link to the coordinator, or a direct link
  * to a job peer (of two links between the same members, the one the lower node opened stays). */
 void sd_cluster__adopt_peer(struct link *l, uint32_t node);
@@ -216,8 +234,33 @@ void sd_cluster__challenge(struct link *l);
 void sd_cluster__admit(struct sd_cluster *cl);
 /* the coordinator: is the hello's MAC right? (welcome sent) else refused and closed */
 bool sd_cluster__hello_authentic(struct link *l, const Shard__PeerHello *h);
+/* the same check with key a, without the welcome: l is authed and has its heartbeat key */
+bool sd_cluster__hello_verify(struct link *l, const Shard__PeerHello *h, const struct sd_auth *a);
 /* a message on a link that has not proved the secret */
 void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m);
+
+/* ---- meet.c: independent daemons, which meet per job */
+int sd_meet__init(struct sd_cluster *cl);
+void sd_meet__free(struct sd_cluster *cl);
+void sd_meet__link_free(struct link *l);
+/* m on l with daemons named by their ids, after a proof of its job's token where l needs one */
+void sd_meet__send(struct link *l, const Shard__PeerMsg *m);
+/* m's frame with ids (for the outbox), and one such frame about job written on l */
+uint8_t *sd_meet__frame(struct sd_cluster *cl, const Shard__PeerMsg *m, size_t *len_p);
+void sd_meet__flush(struct link *l, const char *job, uint8_t *frame, size_t len);
+/* m came on independent link l: proofs taken, ids made slots; false: not heard further */
+bool sd_meet__receive(struct link *l, Shard__PeerMsg *m);
+/* the hello's fields of an independent daemon, and the key (the job's token) of its MAC */
+void sd_meet__hello_fields(struct link *l, Shard__PeerHello *h, struct sd_auth *a);
+void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h);
+void sd_meet__on_welcome(struct link *l, const Shard__PeerWelcome *w);
+void sd_meet__adopt(struct link *l, uint32_t slot);
+/* this node's report of a job spanning nodes: to the job's leader (leader: "ip:port"), or
+ * decided here when it is */
+void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const char *leader);
+/* the slot that leads job's registration (SD_NO_NODE: none known) */
+uint32_t sd_meet__leader(const struct sd_cluster *cl, const char *job);
+json_t *sd_meet__json(const struct sd_cluster *cl);
 
 /* ---- probe.c, for the links: every peer's data path, probed at each table */
 int sd_probe_init(struct sd_cluster *cl);

@@ -660,6 +660,10 @@ void sd_cluster_report_job(struct sd_cluster *cl, const struct sd_job_report *jr
     uint32_t busy[1u << SD_TAG_JOB_BITS];
     r.busy_tags = busy;
     r.n_busy_tags = cl->ev.tags_in_use(cl->ev.ctx, busy, (uint32_t)(sizeof(busy) / sizeof(*busy)));
+    if (cl->indep) { /* to the job's leader, which its ranks named */
+        sd_meet__report(cl, &r, jr->leader);
+        return;
+    }
     /* the coordinator decides; without it, the member the job's name picks among those up */
     uint32_t decides =
         sd_cluster__coordinator_up(cl) ? 0 : sd_cluster__job_coordinator(cl, jr->job);

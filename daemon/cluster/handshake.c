@@ -29,9 +29,10 @@ const char *sd_cluster__link_host(struct link *l, char *buf, size_t len)
     return buf;
 }
 
-/* A hello on a link that has not proved the secret: heard only when its MAC is right. Nothing
- * of this node's configuration is said to one that is not. */
-bool sd_cluster__hello_authentic(struct link *l, const Shard__PeerHello *h)
+/* A hello on a link that has not proved the key a (the cluster's secret, or an independent
+ * daemon's job token): heard only when its MAC is right. Nothing of this node's configuration
+ * is said to one that is not. */
+bool sd_cluster__hello_verify(struct link *l, const Shard__PeerHello *h, const struct sd_auth *a)
 {
     struct sd_cluster *cl = l->cl;
     uint8_t want[SD_SHA256_BYTES];
@@ -39,19 +40,24 @@ bool sd_cluster__hello_authentic(struct link *l, const Shard__PeerHello *h)
     bool ok = h->nonce.len == SD_AUTH_NONCE && h->mac.len == SD_SHA256_BYTES;
     if (ok) {
         memcpy(l->nonce_m, h->nonce.data, SD_AUTH_NONCE);
-        sd_auth_hello_mac(&cl->auth, l->nonce_c, l->nonce_m, h, want);
+        sd_auth_hello_mac(a, l->nonce_c, l->nonce_m, h, want);
         ok = sd_mem_equal(want, h->mac.data, SD_SHA256_BYTES);
     }
     if (!ok) {
         cl->auth_refused++;
         SD_ERROR("cluster",
                  "refusing a daemon at %s that calls itself node %u: its hello does not prove the "
-                 "cluster's secret (a different cluster_secret_file, or not a daemon of this "
-                 "cluster)",
-                 sd_cluster__link_addr(l, addr, sizeof(addr)), h->node);
+                 "%s",
+                 sd_cluster__link_addr(l, addr, sizeof(addr)), h->node,
+                 cl->indep ? "job's token (not one of the job's nodes)"
+                           : "cluster's secret (a different cluster_secret_file, or not a daemon "
+                             "of this cluster)");
         Shard__PeerRefuse r = SHARD__PEER_REFUSE__INIT;
-        r.reason = "authentication failed: the hello's HMAC does not match this cluster's secret "
-                   "(is cluster_secret_file the same file on every node?)";
+        r.reason = cl->indep ? "authentication failed: the hello's HMAC does not match the job's "
+                               "token (is it one of the job's nodes, with the job's secret?)"
+                             : "authentication failed: the hello's HMAC does not match this "
+                               "cluster's secret (is cluster_secret_file the same file on every "
+                               "node?)";
         Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
         m.msg_case = SHARD__PEER_MSG__MSG_REFUSE;
         m.refuse = &r;
@@ -60,7 +66,15 @@ bool sd_cluster__hello_authentic(struct link *l, const Shard__PeerHello *h)
         return false;
     }
     l->authed = true;
-    sd_auth_hb_key(&cl->auth, l->nonce_c, l->nonce_m, l->hb_key);
+    sd_auth_hb_key(a, l->nonce_c, l->nonce_m, l->hb_key);
+    return true;
+}
+
+bool sd_cluster__hello_authentic(struct link *l, const Shard__PeerHello *h)
+{
+    struct sd_cluster *cl = l->cl;
+    if (!sd_cluster__hello_verify(l, h, &cl->auth))
+        return false;
     Shard__PeerWelcome w = SHARD__PEER_WELCOME__INIT;
     uint8_t mac[SD_SHA256_BYTES];
     sd_auth_welcome_mac(&cl->auth, l->nonce_c, l->nonce_m, mac);
@@ -126,7 +140,13 @@ static void send_hello(struct sd_cluster *cl, struct link *l)
     h.hb_port = cl->me.hb_port;
     h.nonce.data = l->nonce_m;
     h.nonce.len = SD_AUTH_NONCE;
-    sd_auth_hello_mac(&cl->auth, l->nonce_c, l->nonce_m, &h, mac);
+    struct sd_auth job_key;
+    const struct sd_auth *a = &cl->auth;
+    if (cl->indep) { /* its id, the job it dials for, whose token keys the MAC */
+        sd_meet__hello_fields(l, &h, &job_key);
+        a = &job_key;
+    }
+    sd_auth_hello_mac(a, l->nonce_c, l->nonce_m, &h, mac);
     h.mac.data = mac;
     h.mac.len = sizeof(mac);
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
@@ -144,6 +164,8 @@ void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m)
     if (l->incoming) { /* the coordinator's links; a member's from its job peers */
         if (m->msg_case != SHARD__PEER_MSG__MSG_HELLO)
             sd_cluster__link_close(l, "a message before the hello");
+        else if (cl->indep)
+            sd_meet__on_hello(l, m->hello);
         else if (cl->self == 0)
             sd_cluster__on_hello(l, m->hello);
         else
@@ -160,6 +182,10 @@ void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m)
         send_hello(cl, l);
         return;
     case SHARD__PEER_MSG__MSG_WELCOME: {
+        if (cl->indep) {
+            sd_meet__on_welcome(l, m->welcome);
+            return;
+        }
         uint8_t want[SD_SHA256_BYTES];
         sd_auth_welcome_mac(&cl->auth, l->nonce_c, l->nonce_m, want);
         if (m->welcome->mac.len != SD_SHA256_BYTES ||

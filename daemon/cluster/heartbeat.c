@@ -48,6 +48,7 @@ struct hb_peer {
     struct sockaddr_in addr; /* port 0: not a peer */
     uint8_t key[SD_SHA256_BYTES];
     uint64_t last_seq; /* the highest sequence number heard in this session */
+    uint32_t as;       /* the node it knows this one by (UINT32_MAX: self) */
 };
 
 static void hb_mac(const uint8_t *key, const struct hb_msg *m, uint8_t out[HB_MAC])
@@ -90,6 +91,8 @@ static void *hb_thread(void *arg)
                 for (uint32_t i = 0; i < hb->n; i++) {
                     if (hb->peers[i].addr.sin_port == 0)
                         continue;
+                    m.node =
+                        hb->peers[i].as != UINT32_MAX ? hb->peers[i].as : atomic_load(&hb->self);
                     hb_mac(hb->peers[i].key, &m, m.mac);
                     ssize_t w = sendto(hb->fd, &m, sizeof(m), MSG_DONTWAIT | MSG_NOSIGNAL,
                                        (const struct sockaddr *)&hb->peers[i].addr,
@@ -195,7 +198,7 @@ err_free:
 }
 
 void sd_heartbeat_set_peer(struct sd_heartbeat *hb, uint32_t node, const struct sockaddr *addr,
-                           uint16_t port, const uint8_t *key)
+                           uint16_t port, const uint8_t *key, uint32_t as)
 {
     if (hb == NULL || node >= hb->n || node == atomic_load(&hb->self))
         return;
@@ -214,6 +217,7 @@ void sd_heartbeat_set_peer(struct sd_heartbeat *hb, uint32_t node, const struct 
     pthread_mutex_lock(&hb->lock);
     hb->peers[node].addr = a;
     hb->peers[node].last_seq = 0; /* a new session: its own key and numbers */
+    hb->peers[node].as = as;
     if (key != NULL)
         memcpy(hb->peers[node].key, key, SD_SHA256_BYTES);
     pthread_mutex_unlock(&hb->lock);

@@ -23,9 +23,11 @@ struct sd_heartbeat_param {
 int sd_heartbeat_start(struct sd_heartbeat **hb_p, const struct sd_heartbeat_param *p,
                        uint16_t *port_p);
 /* node's address (its control link's peer address), heartbeat port and the session key of the
- * link's handshake (SD_SHA256_BYTES); port 0 or no key: not a peer */
+ * link's handshake (SD_SHA256_BYTES); port 0 or no key: not a peer. as: the node number node
+ * knows this one by (an independent daemon's peers number it their own way; UINT32_MAX: self),
+ * which the datagrams to it carry. */
 void sd_heartbeat_set_peer(struct sd_heartbeat *hb, uint32_t node, const struct sockaddr *addr,
-                           uint16_t port, const uint8_t *key);
+                           uint16_t port, const uint8_t *key, uint32_t as);
 /* this node is self from now on (an open cluster's coordinator numbered it) */
 void sd_heartbeat_set_self(struct sd_heartbeat *hb, uint32_t self);
 /* when node's last datagram arrived (sd_now_ns), 0 if none */

@@ -18,7 +18,8 @@ void sd_cluster__hb_peer(struct sd_cluster *cl, uint32_t node, struct link *l, u
     struct sockaddr_storage ss;
     int len = sizeof(ss);
     if (uv_tcp_getpeername(&l->tcp, (struct sockaddr *)&ss, &len) == 0)
-        sd_heartbeat_set_peer(cl->hb, node, (struct sockaddr *)&ss, (uint16_t)port, l->hb_key);
+        sd_heartbeat_set_peer(cl->hb, node, (struct sockaddr *)&ss, (uint16_t)port, l->hb_key,
+                              cl->indep ? cl->meet.as[node] : UINT32_MAX);
 }
 
 static uint32_t count_alive(const struct sd_cluster *cl)
@@ -146,7 +147,7 @@ int sd_cluster__install_table(struct sd_cluster *cl, const protobuf_c_boolean *d
     if (again)
         SD_INFO("cluster", "address table installed again: the cluster has %u nodes up",
                 count_alive(cl));
-    else
+    else if (!cl->indep)
         SD_INFO("cluster", "cluster of %u nodes formed in %.2f s", cl->n,
                 (double)(sd_now_ns() - cl->start_ns) / 1e9);
     return SD_OK;
@@ -319,6 +320,8 @@ static void on_message(struct link *l, const Shard__PeerMsg *m)
         sd_cluster__on_unauthed(l, m);
         return;
     }
+    if (cl->indep && l->peer && !sd_meet__receive(l, (Shard__PeerMsg *)m))
+        return;
     if (l->peer && !sd_cluster__peer_heard(l, m))
         return;
     switch (m->msg_case) {
@@ -461,6 +464,7 @@ void sd_cluster__read_start(struct link *l)
 static void link_free_cb(uv_handle_t *h)
 {
     struct link *l = h->data;
+    sd_meet__link_free(l);
     free(l->rx);
     free(l);
 }
@@ -481,13 +485,15 @@ void sd_cluster__link_close(struct link *l, const char *why)
     if (mine) {
         cl->by_node[node] = NULL;
         if (l->peer) /* no job needs its heartbeats any more, or it is lost */
-            sd_heartbeat_set_peer(cl->hb, (uint32_t)node, NULL, 0, NULL);
+            sd_heartbeat_set_peer(cl->hb, (uint32_t)node, NULL, 0, NULL, UINT32_MAX);
     } else if (cl->self != 0 && !l->peer && cl->by_node[0] == l) {
         cl->by_node[0] = NULL;
     }
     if (l->peer && !l->incoming && node >= 0 && (uint32_t)node < cl->cap && !l->authed) {
         cl->peers.dialing[node] = false;
-        if (!cl->stopping) /* (what waited for it will not go) */
+        /* (what waited for it will not go; an independent daemon's waits for the leader to
+         * listen, and goes at a later dial, within its deadline) */
+        if (!cl->stopping && !cl->indep)
             sd_cluster__outbox_drop(cl, (uint32_t)node, why);
     }
     uv_close((uv_handle_t *)&l->tcp, link_free_cb);
@@ -706,17 +712,22 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     /* an open cluster (nodes 0) grows as daemons join; its coordinator is node 0, and numbers
      * the others as they come */
     cl->open = cfg->nodes == 0;
-    cl->cap = cl->open ? SD_MAX_NODES : (uint32_t)cfg->nodes;
-    cl->self = cfg->node >= 0 ? (uint32_t)cfg->node : SD_NO_NODE;
+    cl->indep = cfg->nodes == 1; /* (its table fills as jobs name their daemons) */
+    cl->cap = cl->open || cl->indep ? SD_MAX_NODES : (uint32_t)cfg->nodes;
+    cl->self = cl->indep ? 1 : cfg->node >= 0 ? (uint32_t)cfg->node : SD_NO_NODE;
     cl->n = !cl->open ? cl->cap : cl->self == 0 ? 1 : 0;
     cl->start_ns = sd_now_ns();
     uint8_t seed[SD_AUTH_NONCE]; /* a member deciding registrations without the coordinator
                                   * starts its tags where another such member is unlikely to */
     if (cl->self != 0 && sd_auth_nonce(seed) == SD_OK)
         cl->track.next_tag = (uint16_t)((seed[0] | seed[1] << 8) % ((1u << SD_TAG_JOB_BITS) - 1));
-    cl->digest = sd_config_digest(cfg, cl->summary, sizeof(cl->summary));
+    struct sd_config same = *cfg; /* (an independent daemon's jobs say their ranks per node) */
+    if (cl->indep)
+        same.ranks_per_node = 0;
+    cl->digest = sd_config_digest(&same, cl->summary, sizeof(cl->summary));
     char err[600];
-    if (sd_auth_load(cfg, &cl->auth, err, sizeof(err)) != SD_OK) {
+    /* an independent daemon's links prove their jobs' tokens: it has no cluster secret */
+    if (!cl->indep && sd_auth_load(cfg, &cl->auth, err, sizeof(err)) != SD_OK) {
         SD_ERROR("cluster", "%s", err);
         *cl_p = cl;
         return SD_ECONFIG;
@@ -749,6 +760,10 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
         memcpy(cl->addrs[cl->self], cl->me.addr, len);
         cl->addr_len[cl->self] = len;
         cl->present[cl->self] = true;
+    }
+    if (cl->indep && (st = sd_meet__init(cl)) != SD_OK) {
+        *cl_p = cl;
+        return st;
     }
     if ((st = sd_probe_init(cl)) != SD_OK) {
         *cl_p = cl;
@@ -787,6 +802,20 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     uint64_t period = (uint64_t)cfg->heartbeat_interval_ms;
     uv_timer_start(&cl->timer, timer_cb, period, period);
 
+    if (cl->indep) { /* ready at once, alone: it listens once a job spans nodes */
+        for (uint32_t i = 0; i < cl->cap; i++)
+            cl->down_scratch[i] = i != cl->self;
+        st = sd_cluster__install_table(cl, cl->down_scratch);
+        for (uint32_t i = 0; i < cl->cap; i++)
+            cl->present[i] = i == cl->self;
+        if (st == SD_OK)
+            SD_INFO("cluster",
+                    "an independent daemon (id %08x): it meets the daemons of each job that "
+                    "spans nodes, through the job's leader",
+                    cl->meet.uid);
+        *cl_p = cl;
+        return st;
+    }
     if (cl->self == 0) {
         struct sockaddr_storage ss;
         if (sd_cluster__parse_hostport(cfg->coordinator, &ss) != SD_OK) {
@@ -815,7 +844,12 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
             SD_INFO("cluster", "coordinator listening on %s for %u nodes", cfg->coordinator, cl->n);
         }
     } else {
-        sd_cluster__listen_peers(cl, host);
+        int r = sd_cluster__listen_peers(cl, host, (uint32_t)cfg->peer_port);
+        if (r != 0)
+            SD_WARN("cluster",
+                    "cannot listen for job peers on %s:%lld (%s): jobs between members reach "
+                    "each other through the coordinator only",
+                    host, (long long)cfg->peer_port, uv_strerror(r));
         try_connect(cl);
     }
     *cl_p = cl;
@@ -865,6 +899,7 @@ void sd_cluster_free(struct sd_cluster *cl)
     free(cl->peers.dialing);
     free(cl->peers.idle_ns);
     free(cl->peers.need);
+    sd_meet__free(cl);
     sd_probe_free(cl);
     free(cl);
 }

@@ -22,6 +22,10 @@ static void dial(struct sd_cluster *cl, uint32_t node);
 void sd_cluster__peer_lost(struct sd_cluster *cl, uint32_t node, const char *reason)
 {
     SD_WARN("cluster", "the direct link to node %u (a job peer) is lost: %s", node, reason);
+    if (cl->indep) { /* its only evidence: down until a link proves it again */
+        cl->alive[node] = false;
+        sd_probe_down(cl, node);
+    }
     cl->ev.node_down(cl->ev.ctx, node, reason);
     sd_cluster__member_gone(cl, node); /* (it will not say it left the jobs that failed) */
     if (cl->ready && cl->tp->ops->peer_reset != NULL)
@@ -51,13 +55,27 @@ void sd_cluster__peer_send(struct sd_cluster *cl, uint32_t node, const Shard__Pe
     }
     struct outmsg *o = calloc(1, sizeof(*o));
     if (o == NULL || cl->peers.addrs[node][0] == '\0' ||
-        (o->frame = sd_cluster__frame(m, &o->len)) == NULL) {
+        (o->frame = cl->indep ? sd_meet__frame(cl, m, &o->len) : sd_cluster__frame(m, &o->len)) ==
+            NULL) {
         SD_WARN_SPARSE("cluster", "a message for node %u dropped: no direct link to it (%s)", node,
                        o == NULL ? "no memory" : "it announced no port for job peers");
         free(o);
         return;
     }
     o->node = node;
+    o->since_ns = sd_now_ns();
+    const char *job = sd_cluster__relayed_job(m);
+    if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_REPORT)
+        job = m->job_report->job;
+    else if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_ABORT)
+        job = m->job_abort->job;
+    else if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_CONFIRM)
+        job = m->job_confirm->job;
+    else if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_REFUSE)
+        job = m->job_refuse->job;
+    else if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_LEFT)
+        job = m->job_left->job;
+    snprintf(o->job, sizeof(o->job), "%s", job != NULL ? job : "");
     struct outmsg **tail = &cl->peers.outbox;
     while (*tail != NULL)
         tail = &(*tail)->next;
@@ -75,7 +93,10 @@ static void outbox_flush(struct sd_cluster *cl, uint32_t node)
             continue;
         }
         *pp = o->next;
-        sd_cluster__link_write(cl->by_node[node], o->frame, o->len);
+        if (cl->indep) /* (its job proved on the link first) */
+            sd_meet__flush(cl->by_node[node], o->job, o->frame, o->len);
+        else
+            sd_cluster__link_write(cl->by_node[node], o->frame, o->len);
         free(o);
     }
 }
@@ -109,6 +130,8 @@ static uint32_t name_hash(const char *s)
 
 uint32_t sd_cluster__job_coordinator(const struct sd_cluster *cl, const char *job)
 {
+    if (cl->indep) /* the job's leader, its ranks said */
+        return sd_meet__leader(cl, job);
     uint32_t count = 0;
     for (uint32_t i = 1; i < cl->n; i++)
         count += cl->alive[i] || i == cl->self;
@@ -260,8 +283,12 @@ bool sd_cluster__peer_heard(struct link *l, const Shard__PeerMsg *m)
 
 /* ---- member: direct links to the job peers */
 
-static int opener(const struct link *l, const struct sd_cluster *cl)
+/* which end opened l, ranked alike at both ends: its node, or an independent daemon's id
+ * (each numbers the other its own way) */
+static int64_t opener(const struct link *l, const struct sd_cluster *cl)
 {
+    if (cl->indep)
+        return l->incoming ? cl->meet.uid_of[l->node] : cl->meet.uid;
     return l->incoming ? l->node : (int)cl->self;
 }
 
@@ -274,7 +301,8 @@ void sd_cluster__adopt_peer(struct link *l, uint32_t node)
     if (old != NULL && old != l) {
         /* two links between the same members (both dialed at once, or one reconnected): the
          * one the lower node opened stays, both ends deciding alike; of two it opened, the new */
-        int lower = (int)SD_MIN(node, cl->self);
+        int64_t lower = cl->indep ? SD_MIN(cl->meet.uid_of[node], cl->meet.uid)
+                                  : (int64_t)SD_MIN(node, cl->self);
         struct link *loser = opener(l, cl) != opener(old, cl) && opener(old, cl) == lower ? l : old;
         Shard__PeerBye b = SHARD__PEER_BYE__INIT;
         b.reason = "replaced by another link";
@@ -363,7 +391,19 @@ static void dial(struct sd_cluster *cl, uint32_t node)
     struct sockaddr_storage ss;
     if (sd_cluster__parse_hostport(cl->peers.addrs[node], &ss) != SD_OK)
         return;
+    /* an independent daemon's link proves a job's token: the first message's, or a job's
+     * that spans the node */
+    const char *job = NULL;
+    for (const struct outmsg *o = cl->peers.outbox; cl->indep && o && job == NULL; o = o->next)
+        if (o->node == node && o->job[0] != '\0')
+            job = o->job;
+    if (cl->indep && job == NULL)
+        job = cl->ev.job_spanning(cl->ev.ctx, node);
+    if (cl->indep && job == NULL)
+        return;
     struct link *l = sd_cluster__link_new(cl);
+    if (job != NULL)
+        snprintf(l->job, sizeof(l->job), "%s", job);
     l->peer = true;
     l->node = (int)node;
     l->conn.data = l;
@@ -374,17 +414,40 @@ static void dial(struct sd_cluster *cl, uint32_t node)
     }
 }
 
+/* An independent daemon: what waits for a daemon not listening yet (a leader whose ranks have
+ * not registered) is dialed for again, until the registration's deadline. */
+static void meet_outbox(struct sd_cluster *cl, uint64_t now)
+{
+    uint64_t deadline = 2 * (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
+    for (struct outmsg **pp = &cl->peers.outbox; *pp;) {
+        struct outmsg *o = *pp;
+        if (now - o->since_ns > deadline) {
+            SD_WARN("cluster", "a message about job '%s' for node %u (%s) dropped: no link to it",
+                    o->job, o->node, cl->peers.addrs[o->node]);
+            *pp = o->next;
+            free(o->frame);
+            free(o);
+            continue;
+        }
+        dial(cl, o->node);
+        pp = &o->next;
+    }
+}
+
 void sd_cluster__peer_links(struct sd_cluster *cl, uint64_t now)
 {
     if (cl->self == 0 || cl->self == SD_NO_NODE || !cl->ready || cl->stopping)
         return;
     memset(cl->peers.need, 0, cl->n * sizeof(*cl->peers.need));
     cl->ev.nodes_in_use(cl->ev.ctx, cl->peers.need, cl->n);
+    if (cl->indep)
+        meet_outbox(cl, now);
     for (uint32_t i = 1; i < cl->n; i++) {
         if (i == cl->self)
             continue;
         struct link *l = cl->by_node[i];
-        bool need = cl->alive[i] && cl->peers.need[i];
+        /* (an independent daemon's peer is up once a link proved it) */
+        bool need = (cl->indep ? cl->addr_len[i] > 0 : cl->alive[i]) && cl->peers.need[i];
         if (need)
             dial(cl, i);
         if (l == NULL || !l->peer)
@@ -409,15 +472,22 @@ void sd_cluster__peer_links(struct sd_cluster *cl, uint64_t now)
     }
 }
 
+static void listener_closed(uv_handle_t *h)
+{
+    memset(h, 0, sizeof(uv_tcp_t)); /* (loop NULL: no listener) */
+}
+
 /* A member listens for its job peers' direct links on host (its fabric address: the one it
  * reaches the coordinator from) at peer_port; without it, its jobs' messages go through the
  * coordinator only (and do not outlive it). */
-void sd_cluster__listen_peers(struct sd_cluster *cl, const char *host)
+int sd_cluster__listen_peers(struct sd_cluster *cl, const char *host, uint32_t port)
 {
     struct sockaddr_in sa;
-    if (uv_ip4_addr(host[0] != '\0' ? host : "0.0.0.0", (int)cl->cfg->peer_port, &sa) != 0 &&
-        uv_ip4_addr("0.0.0.0", (int)cl->cfg->peer_port, &sa) != 0)
-        return;
+    if (uv_ip4_addr(host[0] != '\0' ? host : "0.0.0.0", (int)port, &sa) != 0 &&
+        uv_ip4_addr("0.0.0.0", (int)port, &sa) != 0)
+        return UV_EINVAL;
+    if (cl->listener.loop != NULL) /* (a bind that failed: its handle closes, a new one tries) */
+        return UV_EBUSY;
     uv_tcp_init(cl->loop, &cl->listener);
     cl->listener.data = cl;
     int r = uv_tcp_bind(&cl->listener, (const struct sockaddr *)&sa, 0);
@@ -428,13 +498,11 @@ void sd_cluster__listen_peers(struct sd_cluster *cl, const char *host)
     if (r == 0)
         r = uv_tcp_getsockname(&cl->listener, (struct sockaddr *)&bound, &len);
     if (r != 0) {
-        SD_WARN("cluster",
-                "cannot listen for job peers on %s:%lld (%s): jobs between members reach "
-                "each other through the coordinator only",
-                host, (long long)cl->cfg->peer_port, uv_strerror(r));
-        return;
+        uv_close((uv_handle_t *)&cl->listener, listener_closed);
+        return r;
     }
     cl->me.peer_port = ntohs(bound.sin_port);
+    return 0;
 }
 
 /* every node of l left or is down: the job ends here */

@@ -90,10 +90,11 @@ static void send_slot(struct sd_probe *p, struct probe_slot *s, uint32_t node, u
     struct sd_transport *tp = p->cl->tp;
     if (s->busy)
         return; /* the previous one is still on its way: it does as well */
-    s->m = (struct probe_msg){.from = p->cl->self, .pong = pong, .round = round};
+    uint32_t self = sd_transport_self_as(tp, node); /* (as node knows this one) */
+    s->m = (struct probe_msg){.from = self, .pong = pong, .round = round};
     s->x = (struct sd_xfer){.cb = cb, .arg = s};
-    s->busy = tp->ops->send(tp, node, probe_tag(rail, p->cl->self), &s->m, sizeof(s->m), NULL,
-                            &s->x) == SD_OK;
+    s->busy =
+        tp->ops->send(tp, node, probe_tag(rail, self), &s->m, sizeof(s->m), NULL, &s->x) == SD_OK;
 }
 
 static void rx_done(struct sd_xfer *x, int status)

@@ -45,8 +45,25 @@ json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl)
                      (json_int_t)(cl ? cl->auth_refused : 0));
 }
 
+uint32_t sd_cluster_shown_node(const struct sd_cluster *cl)
+{
+    return cl != NULL && cl->indep ? 0 : sd_cluster_self(cl);
+}
+
+uint32_t sd_cluster_shown_nodes(const struct sd_cluster *cl)
+{
+    return cl != NULL && cl->indep ? 1 : sd_cluster_nodes(cl);
+}
+
+bool sd_cluster_independent(const struct sd_cluster *cl)
+{
+    return cl != NULL && cl->indep;
+}
+
 json_t *sd_cluster_json(const struct sd_cluster *cl)
 {
+    if (cl != NULL && cl->indep)
+        return sd_meet__json(cl);
     json_t *nodes = json_array();
     for (uint32_t i = 0; cl && i < cl->n; i++)
         json_array_append_new(

@@ -118,6 +118,8 @@ struct sd_load_state {
  * node's with the hierarchical gather: only group 0 is allocated then). */
 
 /* A job's transfers across nodes (job_net.c, fetch.c); unused on one node. */
+#define SD_JOB_LEADER_MAX 64 /* "ip:port" of an independent daemon's job leader */
+
 struct sd_job_xfer {
     struct sd_net *net;
     uint32_t tag; /* job id in transport tags, agreed through the coordinator */
@@ -154,6 +156,9 @@ struct sd_job_xfer {
      * report to the coordinator carries; token_len 0: a job without a secret */
     uint8_t token[SD_JOB_TOKEN_BYTES];
     uint32_t token_len;
+    /* an independent daemon's: where the job's leader takes its peers ("ip:port"; its ranks'
+     * Register.leader, "" on the leader itself) */
+    char leader[SD_JOB_LEADER_MAX];
 };
 
 struct sd_job {

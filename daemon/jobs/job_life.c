@@ -346,6 +346,7 @@ void sd_job_allocated(struct sd_job *job, int status, const char *err)
                                                   .resumed = sd_resume_resuming(job),
                                                   .token = job->xfer.token,
                                                   .token_len = job->xfer.token_len,
+                                                  .leader = job->xfer.leader,
                                                   .status = status,
                                                   .msg = status == SD_OK ? "" : err});
 }
@@ -378,12 +379,31 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
                  msg->world, k, k);
         return NULL;
     }
-    uint32_t have = sd_cluster_nodes(sd_net_cluster(reg->net));
+    const struct sd_cluster *cl = sd_net_cluster(reg->net);
+    /* (an independent daemon meets as many as the job names) */
+    uint32_t have = sd_cluster_independent(cl) ? SD_MAX_NODES - 2 : sd_cluster_nodes(cl);
     if (nodes > have) {
         snprintf(err, errlen,
                  "world size %u needs %u nodes of %u ranks; this cluster has %u (at most "
                  "world %llu)",
                  msg->world, nodes, k, have, (unsigned long long)have * k);
+        return NULL;
+    }
+    if (nodes > 1 && sd_cluster_independent(cl) && msg->job_token.len == 0) {
+        snprintf(err, errlen,
+                 "world size %u spans %u nodes of %u ranks, whose daemons form the job through "
+                 "its leader: it needs a job secret, which proves its nodes to each other "
+                 "(SHARD_JOB_SECRET_FILE; mlp_train --job-secret-file; shard.torch.wrap's "
+                 "job_secret)",
+                 msg->world, nodes, k);
+        return NULL;
+    }
+    if (nodes > 1 && sd_cluster_independent(cl) && msg->rank >= k && msg->leader[0] == '\0') {
+        snprintf(err, errlen,
+                 "world size %u spans %u nodes of %u ranks and rank %u named no leader (the "
+                 "daemon of rank 0's node): set SHARD_LEADER=host[:port], or run under torchrun "
+                 "(MASTER_ADDR) or srun (SLURM_STEP_NODELIST)",
+                 msg->world, nodes, k, msg->rank);
         return NULL;
     }
     if (k > SD_MAX_LOCAL_RANKS) {
@@ -400,6 +420,17 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
     }
     if (msg->rank >= msg->world) {
         snprintf(err, errlen, "rank %u is not below world size %u", msg->rank, msg->world);
+        return NULL;
+    }
+    if (nodes > 1 && msg->rank >= k && msg->leader[0] != '\0' &&
+        (strlen(msg->leader) >= SD_JOB_LEADER_MAX ||
+         strspn(msg->leader, "0123456789.:[]abcdefABCDEF") != strlen(msg->leader) ||
+         strchr(msg->leader, ':') == NULL)) {
+        snprintf(err, errlen,
+                 "the job's leader '%.64s' is not ip:port (libshard resolves SHARD_LEADER, "
+                 "MASTER_ADDR or Slurm's first host to an IPv4 address: is it a name this "
+                 "node resolves?)",
+                 msg->leader);
         return NULL;
     }
     struct sd_job *job = calloc(1, sizeof(*job));
@@ -426,6 +457,7 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
     job->model = *model;
     memset(model, 0, sizeof(*model));
     job->digest = sd_model_digest(&job->model);
+    snprintf(job->xfer.leader, sizeof(job->xfer.leader), "%s", msg->leader);
     if (msg->job_token.len == SD_JOB_TOKEN_BYTES) { /* (any other length: refused before) */
         memcpy(job->xfer.token, msg->job_token.data, SD_JOB_TOKEN_BYTES);
         job->xfer.token_len = SD_JOB_TOKEN_BYTES;

@@ -171,6 +171,26 @@ static bool ev_job_spans(void *ctx, const char *name, uint32_t tag, uint32_t nod
     return false;
 }
 
+static bool ev_job_token(void *ctx, const char *name, uint8_t token[SD_JOB_TOKEN_BYTES])
+{
+    struct sd_registry *reg = ctx;
+    for (struct sd_job *j = reg->jobs; j; j = j->next)
+        if (strcmp(j->name, name) == 0 && j->xfer.token_len == SD_JOB_TOKEN_BYTES) {
+            memcpy(token, j->xfer.token, SD_JOB_TOKEN_BYTES);
+            return true;
+        }
+    return false;
+}
+
+static const char *ev_job_spanning(void *ctx, uint32_t node)
+{
+    struct sd_registry *reg = ctx;
+    for (struct sd_job *j = reg->jobs; j; j = j->next)
+        if (job_spans_node(j, node) && j->xfer.token_len == SD_JOB_TOKEN_BYTES)
+            return j->name;
+    return NULL;
+}
+
 static void ev_job_ended(void *ctx, const char *name)
 {
     struct sd_job *job = sd_job_find(ctx, name);
@@ -199,7 +219,9 @@ void sd_jobs_cluster_events(struct sd_registry *reg, struct sd_cluster_events *e
                                        .tag_in_use = ev_tag_in_use,
                                        .tags_in_use = ev_tags_in_use,
                                        .nodes_in_use = ev_nodes_in_use,
-                                       .job_spans = ev_job_spans};
+                                       .job_spans = ev_job_spans,
+                                       .job_token = ev_job_token,
+                                       .job_spanning = ev_job_spanning};
 }
 
 void sd_jobs_sweep(struct sd_registry *reg, uint64_t now)

@@ -464,13 +464,13 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
                     json_pack("{s:I, s:i, s:i, s:s?, s:i}", "session", (json_int_t)s->id, "pid",
                               (int)s->conn->pid, "uid", (int)s->conn->uid, "job",
                               s->job ? s->job->name : NULL, "rank", s->job ? (int)s->rank : -1));
-        out = json_pack("{s:s, s:i, s:f, s:s, s:i, s:i, s:I, s:I, s:o, s:o, s:o}", "version",
-                        SHARD_VERSION, "pid", (int)getpid(), "uptime_s",
-                        (double)(sd_now_ns() - srv->start_ns) / 1e9, "socket", srv->sock_path,
-                        "node", (int)sd_cluster_self(sd_net_cluster(reg->net)), "nodes",
-                        (int)sd_cluster_nodes(sd_net_cluster(reg->net)), "memory_budget_bytes",
-                        (json_int_t)reg->budget, "memory_used_bytes", (json_int_t)reg->used,
-                        "config", config_json(cfg), "clients", clients, "jobs", jobs);
+        out = json_pack(
+            "{s:s, s:i, s:f, s:s, s:i, s:i, s:I, s:I, s:o, s:o, s:o}", "version", SHARD_VERSION,
+            "pid", (int)getpid(), "uptime_s", (double)(sd_now_ns() - srv->start_ns) / 1e9, "socket",
+            srv->sock_path, "node", (int)sd_cluster_shown_node(sd_net_cluster(reg->net)), "nodes",
+            (int)sd_cluster_shown_nodes(sd_net_cluster(reg->net)), "memory_budget_bytes",
+            (json_int_t)reg->budget, "memory_used_bytes", (json_int_t)reg->used, "config",
+            config_json(cfg), "clients", clients, "jobs", jobs);
         /* what this caller sees: its own jobs and clients, or (root) everyone's */
         json_object_set_new(out, "visibility", json_string(all ? "all" : "own uid"));
         /* the memory paused and kept jobs hold, per uid (paused_bytes_per_uid bounds each) */
@@ -529,10 +529,10 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
                                                    "link", 0, "state", "self"));
         }
         out = json_pack("{s:i, s:i, s:I, s:I, s:s, s:s, s:b, s:s, s:o, s:o}", "node",
-                        (int)sd_cluster_self(cl), "nodes", (int)sd_cluster_nodes(cl),
+                        (int)sd_cluster_shown_node(cl), "nodes", (int)sd_cluster_shown_nodes(cl),
                         "ranks_per_node", (json_int_t)cfg->ranks_per_node, "package_size",
                         (json_int_t)cfg->package_size, "backend", cfg->backend, "provider",
-                        cfg->nodes != 1 ? cfg->provider : "", "cluster_ready", sd_cluster_ready(cl),
+                        srv->tp != NULL ? cfg->provider : "", "cluster_ready", sd_cluster_ready(cl),
                         "socket", srv->sock_path, "topology", nodes, "jobs", jobs);
         json_object_set_new(out, "heartbeats", sd_cluster_heartbeat_json(cl));
         json_object_set_new(out, "devices", devices_json(reg->dev));

@@ -96,8 +96,8 @@ int sd_session_create(struct sd_conn *c, const Shard__Attach *msg)
     rep.session_id = s->id;
     rep.ring_entries = SD_RING_ENTRIES;
     rep.ring_bytes = SD_RING_BYTES;
-    rep.node = sd_cluster_self(sd_net_cluster(srv->reg->net));
-    rep.nodes = sd_cluster_nodes(sd_net_cluster(srv->reg->net));
+    rep.node = sd_cluster_shown_node(sd_net_cluster(srv->reg->net));
+    rep.nodes = sd_cluster_shown_nodes(sd_net_cluster(srv->reg->net));
     rep.daemon_version = SHARD_VERSION;
     rep.op_timeout_ms = (uint32_t)srv->cfg->op_timeout_ms;
     Shard__DaemonMsg out = SHARD__DAEMON_MSG__INIT;

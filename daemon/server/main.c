@@ -413,9 +413,23 @@ int main(int argc, char **argv)
     uv_check_init(&loop, &app.fatal_check);
     app.fatal_check.data = &app;
     uv_check_start(&app.fatal_check, fatal_check_cb);
-    if (cfg.nodes != 1) { /* a fixed cluster of several, or an open one */
+    /* a fixed cluster of several, an open one, or an independent daemon (nodes 1), which
+     * meets the daemons of each job across nodes; without a fabric it serves one-node jobs */
+    bool fabric = cfg.nodes != 1 || strcmp(cfg.provider, "none") != 0;
+    if (fabric && cfg.nodes == 1) {
         char err[512] = "";
         status = sd_transport_ofi_open(&cfg, reg.dev, &app.tp, err, sizeof(err));
+        if (status != SD_OK) {
+            SD_WARN("main",
+                    "no fabric (provider %s: %s): this daemon serves jobs on its own node only",
+                    cfg.provider, err[0] ? err : sd_status_str(status));
+            fabric = false;
+        }
+    }
+    if (fabric) {
+        char err[512] = "";
+        if (app.tp == NULL)
+            status = sd_transport_ofi_open(&cfg, reg.dev, &app.tp, err, sizeof(err));
         if (status == SD_OK)
             status = sd_net_start(&reg, app.tp, NULL, sd_fetch_on_request);
         struct sd_cluster_events ev;
@@ -434,7 +448,10 @@ int main(int argc, char **argv)
         sd_net_set_cluster(&reg, app.cl);
         sd_server_attach_transport(&app.srv, app.tp);
     }
-    if (cfg.nodes == 0)
+    if (cfg.nodes == 1)
+        SD_INFO("main", "shardd %s, an independent daemon, backend %s, pid %d", SHARD_VERSION,
+                cfg.backend, (int)getpid());
+    else if (cfg.nodes == 0)
         SD_INFO("main", "shardd %s, %s of an open cluster, backend %s, pid %d", SHARD_VERSION,
                 cfg.node == 0 ? "the coordinator" : "a member (numbered when it joins)",
                 cfg.backend, (int)getpid());

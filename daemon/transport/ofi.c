@@ -409,6 +409,27 @@ static int ofi_peer_reset(struct sd_transport *tp, uint32_t node)
     return st;
 }
 
+static int ofi_set_peer(struct sd_transport *tp, uint32_t node, const void *addr, size_t len)
+{
+    struct ofi *o = (struct ofi *)tp;
+    if (node >= tp->n_peers || node == tp->self || o->addrs == NULL || len > sizeof(o->addrs[0]))
+        return SD_EINVAL;
+    if (!o->down[node])
+        ofi_peer_down(tp, node);
+    memcpy(o->addrs[node], addr, len);
+    o->addr_lens[node] = len;
+    int st = insert_peer(o, node, tp->n_peers, o->addrs[node], len);
+    if (st == SD_OK)
+        o->down[node] = false;
+    if (o->base.rdv_bytes > 0) { /* the credit is shared by the peers in the table */
+        uint32_t up = 0;
+        for (uint32_t i = 0; i < tp->n_peers; i++)
+            up += i != tp->self && !o->down[i];
+        o->rdv_credit = SD_MAX(1u, o->rdv_slots_n / SD_MAX(1u, up));
+    }
+    return st;
+}
+
 static void complete(struct ofi *o, struct sd_xfer *x, int status, size_t len, uint64_t tag)
 {
     if (x->kind == XFER_SEND)
@@ -600,6 +621,7 @@ static const struct sd_transport_ops ofi_ops = {
     .cancel = ofi_cancel,
     .peer_down = ofi_peer_down,
     .peer_reset = ofi_peer_reset,
+    .set_peer = ofi_set_peer,
     .progress = ofi_progress,
     .wait_fd = ofi_wait_fd,
     .can_sleep = ofi_can_sleep,

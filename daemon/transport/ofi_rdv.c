@@ -19,9 +19,11 @@ static uint32_t rdv_bucket(uint32_t peer, uint64_t tag)
 /* Tell peer that the receive of tag is posted; false if the provider must be asked again. */
 static bool cts_inject(struct ofi *o, uint32_t peer, uint64_t tag)
 {
-    struct rdv_msg m = {.tag = tag, .src = o->base.self, .magic = RDV_MAGIC};
+    /* named as the peer knows this node (it checks the name against the fabric's source) */
+    uint32_t self = sd_transport_self_as(&o->base, peer);
+    struct rdv_msg m = {.tag = tag, .src = self, .magic = RDV_MAGIC};
     uint64_t cts_tag = sd_tag_of_kind(SD_TAG_RDV);
-    sd_tag_set(&cts_tag, SD_TAGF_SRC, o->base.self); /* self < nodes <= SD_MAX_NODES */
+    sd_tag_set(&cts_tag, SD_TAGF_SRC, self); /* self < nodes <= SD_MAX_NODES */
     ssize_t r = fi_tinject(o->rails[RAIL_RDV].ep, &m, sizeof(m),
                            o->peers[(size_t)peer_rail(RAIL_RDV) * o->base.n_peers + peer], cts_tag);
     if (r == 0)

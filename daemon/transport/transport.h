@@ -91,6 +91,9 @@ struct sd_transport_ops {
      * posted to it fails, its connections are closed and its addresses put back, so that the
      * next transfer opens new ones. NULL: not supported. */
     int (*peer_reset)(struct sd_transport *tp, uint32_t node);
+    /* Node's address (len bytes; 0: none) replaces what the table had for it, whatever its
+     * state: an independent daemon's table fills as jobs name their peers. */
+    int (*set_peer)(struct sd_transport *tp, uint32_t node, const void *addr, size_t len);
     /* Drive progress and run callbacks; returns how many completed, or a negative status. */
     int (*progress)(struct sd_transport *tp);
     /* An fd that becomes readable when progress may have work, or -1. */
@@ -106,6 +109,9 @@ struct sd_transport {
     const struct sd_transport_ops *ops;
     uint32_t n_peers;
     uint32_t self;
+    /* [n_peers]: the number each peer knows this node by (an independent daemon's peers number
+     * it each their own way), which the messages naming their sender carry; NULL: self */
+    const uint32_t *self_as;
     uint64_t inflight; /* posted sends and receives not completed */
     /* rendezvous: the threshold in effect (0: off), clear-to-sends sent and received, sends that
      * waited for theirs and sends that found theirs already there, clear-to-sends that waited
@@ -128,6 +134,12 @@ struct sd_transport {
      * with the backend's interface and sent and received in place, not staged */
     bool hmem;
 };
+
+/* The number peer knows this node by. */
+static inline uint32_t sd_transport_self_as(const struct sd_transport *tp, uint32_t peer)
+{
+    return tp->self_as != NULL && peer < tp->n_peers ? tp->self_as[peer] : tp->self;
+}
 
 /* Memory the transport cannot read or write itself (a GPU's, without FI_HMEM), and how bytes
  * move between it and host memory: the device backend's, for sd_transport_stage. */

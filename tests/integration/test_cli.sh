@@ -297,8 +297,9 @@ assert sorted(j[\"state\"] for j in js)==[\"paused\",\"registering\"] and max(j[
 kill -9 "${rp[0]}" 2>/dev/null; await "${rp[0]}" 30 "rank 0 of job res" 2>/dev/null
 "$SHARDCTL" "${S[@]}" --job res drop >/dev/null 2>&1
 section "an emu-device daemon: devices, worlds too large"
-# a world larger than the cluster is said as such
-"$SHARDD" --runtime-dir "$dir/k2" --ranks-per-node 2 --backend emu-device --log-level warn \
+# a world larger than the cluster is said as such (a daemon without a fabric serves its own
+# node only)
+"$SHARDD" --runtime-dir "$dir/k2" --ranks-per-node 2 --backend emu-device --provider none --log-level warn \
   >"$dir/k2.log" 2>&1 &
 k2=$!
 until_ok 60 '[ -S "$dir/k2/shardd.sock" ]' || bad "the emu-device daemon did not come up: $(cat "$dir/k2.log")"
@@ -317,6 +318,14 @@ assert len(d)==1 and d[0][\"memory_bytes\"]==int(sys.argv[2])*int(sys.argv[3]) a
 out=$(timeout 60 "$MLP" --socket "$dir/k2/shardd.sock" --job big --rank 0 --world 4 --steps 1 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "world size 4 needs 2 nodes of 2 ranks; this cluster has 1 (at most world 2)" <<<"$out"' \
   "a world larger than the cluster: $rc $out"
+# an independent daemon forms a job across nodes through its leader, and only with a secret
+out=$(timeout 60 "$MLP" "${S[@]}" --job big --rank 0 --world 4 --ranks-per-node 2 --steps 1 2>&1); rc=$?
+check '[ $rc -ne 0 ] && grep -q "world size 4 spans 2 nodes of 2 ranks, whose daemons form the job through its leader: it needs a job secret" <<<"$out"' \
+  "a job across nodes without a secret: $rc $out"
+head -c 32 /dev/urandom >"$dir/big.secret"
+out=$(env -u SHARD_LEADER -u MASTER_ADDR -u SLURM_STEP_NODELIST timeout 60 "$MLP" "${S[@]}" --job big --rank 2 --world 4 --ranks-per-node 2 --steps 1 --job-secret-file "$dir/big.secret" 2>&1); rc=$?
+check '[ $rc -ne 0 ] && grep -q "world size 4 spans 2 nodes of 2 ranks and rank 2 named no leader" <<<"$out"' \
+  "a rank of a job across nodes that names no leader: $rc $out"
 out=$(timeout 60 "$MLP" --socket "$dir/k2/shardd.sock" --job odd --rank 0 --world 3 --steps 1 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "world size 3 is not a multiple of ranks_per_node 2" <<<"$out"' \
   "a world not a multiple of ranks_per_node: $rc $out"

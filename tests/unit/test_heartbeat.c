@@ -63,8 +63,8 @@ int main(void)
     memset(old_key, 0x33, sizeof(old_key));
     struct sockaddr_in lo = {.sin_family = AF_INET};
     inet_pton(AF_INET, "127.0.0.1", &lo.sin_addr);
-    sd_heartbeat_set_peer(h0, 1, (struct sockaddr *)&lo, p1, key);
-    sd_heartbeat_set_peer(h1, 0, (struct sockaddr *)&lo, p0, key);
+    sd_heartbeat_set_peer(h0, 1, (struct sockaddr *)&lo, p1, key, UINT32_MAX);
+    sd_heartbeat_set_peer(h1, 0, (struct sockaddr *)&lo, p0, key, UINT32_MAX);
     ticks(h0, h1, 300);
     uint64_t sent, recv0, drop0;
     sd_heartbeat_counts(h0, &sent, &recv0, &drop0);
@@ -112,5 +112,33 @@ int main(void)
              "a datagram with the session's key and a new number is heard");
     close(fd);
     sd_heartbeat_stop(h0);
+
+    /* independent daemons: both call themselves node 1, and each numbers the other its own
+     * way (5 and 7); each datagram names its sender as the receiver knows it */
+    struct sd_heartbeat_param hi = {
+        .self = 1, .n = 8, .interval_ms = 20, .stall_ms = 10000, .bind_addr = "127.0.0.1"};
+    struct sd_heartbeat *ha, *hb;
+    uint16_t pa = 0, pb = 0;
+    TH_CHECK(sd_heartbeat_start(&ha, &hi, &pa) == 0 && sd_heartbeat_start(&hb, &hi, &pb) == 0,
+             "two independent daemons' heartbeat threads");
+    sd_heartbeat_set_peer(ha, 5, (struct sockaddr *)&lo, pb, key, 7); /* b knows a as 7 */
+    sd_heartbeat_set_peer(hb, 7, (struct sockaddr *)&lo, pa, key, 5); /* a knows b as 5 */
+    ticks(ha, hb, 300);
+    uint64_t ra, da;
+    sd_heartbeat_counts(ha, &sent, &ra, &da);
+    TH_CHECK(sd_heartbeat_last_seen(ha, 5) > 0 && sd_heartbeat_last_seen(hb, 7) > 0 && da == 0,
+             "each hears the other under its own number (%llu received, %llu dropped)",
+             (unsigned long long)ra, (unsigned long long)da);
+    /* one that names itself as the sender knows itself (1): not a peer's, dropped */
+    sd_heartbeat_set_peer(hb, 7, (struct sockaddr *)&lo, pa, key, UINT32_MAX);
+    usleep(50000);
+    sd_heartbeat_counts(ha, &sent, &ra, &da);
+    ticks(ha, hb, 200);
+    uint64_t ra2, da2;
+    sd_heartbeat_counts(ha, &sent, &ra2, &da2);
+    TH_CHECK(da2 > da && ra2 == ra, "datagrams naming the sender's own number: %llu dropped",
+             (unsigned long long)(da2 - da));
+    sd_heartbeat_stop(ha);
+    sd_heartbeat_stop(hb);
     return th_summary("test_heartbeat");
 }

@@ -86,7 +86,8 @@ class _Model(ctypes.Structure):
                 ("n_groups", ctypes.c_uint32), ("flags", ctypes.c_uint32),
                 ("bcast_bytes", ctypes.c_uint64), ("load", ctypes.c_char_p),
                 ("resume_timeout_ms", ctypes.c_uint64), ("ranks_per_node", ctypes.c_uint32),
-                ("job_secret", ctypes.c_void_p), ("job_secret_len", ctypes.c_size_t)]
+                ("job_secret", ctypes.c_void_p), ("job_secret_len", ctypes.c_size_t),
+                ("leader", ctypes.c_char_p)]
 
 SKIP_UNUSED = 1  # shard_model_t.flags: tensors no rank gave a gradient in a step are not updated
 
@@ -274,7 +275,7 @@ class Context:
 
     def register(self, job, rank, world, plan, tensors, optimizer, init=None, max_live_bytes=0,
                  groups=None, skip_unused=False, bcast_bytes=0, load=None, resume_timeout_ms=0,
-                 ranks_per_node=0, job_secret=None):
+                 ranks_per_node=0, job_secret=None, leader=None):
         """Register the model (every rank the same tensors). init (rank 0): one fp32 buffer per
         tensor (objects with the buffer protocol or ctypes addresses), None for zeros.
         groups: None, or one dict of hyperparameters per parameter group (lr, betas, eps,
@@ -291,7 +292,9 @@ class Context:
         ranks_per_node). job_secret: the job's secret (bytes, 16-4096 of them, the same on every
         rank; None: none): the daemons form the job across nodes of the nodes whose ranks gave
         it and refuse a node that reports the job without it (they see only a token derived
-        from it)."""
+        from it). leader: "host[:port]" of the job's leader, the daemon of rank 0's node, for
+        daemons without a cluster list (None: $SHARD_LEADER, else $MASTER_ADDR, else the first
+        host of $SLURM_STEP_NODELIST, with $SHARD_LEADER_PORT or 7701)."""
         n = len(tensors)
         keep = []  # keep ctypes objects alive during the call
         arr = (_Tensor * n)()
@@ -337,7 +340,7 @@ class Context:
                        garr, ng, SKIP_UNUSED if skip_unused else 0, int(bcast_bytes),
                        _b(os.fspath(load)) if load else None, int(resume_timeout_ms),
                        int(ranks_per_node), _c.cast(secret, _c.c_void_p) if secret else None,
-                       len(job_secret) if secret else 0)
+                       len(job_secret) if secret else 0, _b(leader) if leader else None)
         self._check(_lib.shard_register(self._ctx, _c.byref(model)), "register")
         # "host", or "cuda": the daemon keeps the job's buffers in a GPU's memory and the
         # pointers fetch and push use are device addresses
