@@ -222,6 +222,15 @@ static int cluster_node_start(struct th_cluster *c, int i, const char *const *ex
         n = i == 0 ? 8 : 6;
         memcpy(args, open, sizeof(open));
     }
+    char peer_port[16];
+    if (c->indep) { /* nothing of a cluster: on loopback a port of its own */
+        n = 0;
+        snprintf(peer_port, sizeof(peer_port), "%d", c->port + i);
+        if (!c->netns) {
+            args[n++] = "--peer-port";
+            args[n++] = peer_port;
+        }
+    }
     if (c->netns) { /* its namespace, its address there */
         args[n++] = "--fabric-addr";
         args[n++] = c->addr[i];
@@ -270,8 +279,8 @@ static bool node_formed(const struct th_daemon *d)
 
 /* a fixed cluster's daemons start at once; an open one's one after the other (numbered in this
  * order by the coordinator) */
-static int cluster_start(struct th_cluster *c, int nodes, int k, bool open, bool netns,
-                         const char *const *extra)
+static int cluster_start_as(struct th_cluster *c, int nodes, int k, bool open, bool indep,
+                            bool netns, const char *const *extra)
 {
     char base[64];
     snprintf(base, sizeof(base), "/tmp/shardd-cluster-XXXXXX");
@@ -301,12 +310,13 @@ static int cluster_start(struct th_cluster *c, int nodes, int k, bool open, bool
         c->nodes = nodes;
         c->k = k;
         c->open = open;
+        c->indep = indep;
         c->port = 20000 + rand() % 12000; /* below the kernel's ephemeral ports (32768) */
         int ok = 1;
         for (int i = 0; i < nodes && ok; i++)
             ok = cluster_node_start(c, i, extra) == 0 && (!open || node_formed(&c->d[i]));
-        if (ok && (nodes == 1 || open))
-            return 0; /* one node: no cluster to form */
+        if (ok && (nodes == 1 || open || indep))
+            return 0; /* one node, or daemons that meet per job: no cluster to form */
         /* the cluster formed once every node logs it (a member installs the address table
          * a moment after node 0: a registration before that is refused) */
         bool formed = ok;
@@ -319,6 +329,23 @@ static int cluster_start(struct th_cluster *c, int nodes, int k, bool open, bool
     fprintf(stderr, "cluster of %d nodes did not form; logs under %s\n", nodes, base);
     netns_remove(c);
     return -1;
+}
+
+static int cluster_start(struct th_cluster *c, int nodes, int k, bool open, bool netns,
+                         const char *const *extra)
+{
+    return cluster_start_as(c, nodes, k, open, false, netns, extra);
+}
+
+int th_indep_cluster_start(struct th_cluster *c, int nodes, bool netns, const char *const *extra)
+{
+    return cluster_start_as(c, nodes, 0, false, true, netns, extra);
+}
+
+const char *th_cluster_leader(const struct th_cluster *c, int i, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s:%d", c->netns ? c->addr[i] : "127.0.0.1", c->netns ? 7701 : c->port + i);
+    return buf;
 }
 
 int th_cluster_start(struct th_cluster *c, int nodes, int k, const char *const *extra)
@@ -661,6 +688,11 @@ int th_register_one(const char *sock, const char *job, uint32_t rank, uint32_t w
                        .n_tensors = 1,
                        .optimizer = {.name = "sgd", .lr = 0.1f},
                        .ranks_per_node = ranks_per_node};
+    const char *secret = getenv("TH_JOB_SECRET");
+    if (secret != NULL && strlen(secret) >= 16) {
+        m.job_secret = secret;
+        m.job_secret_len = strlen(secret);
+    }
     shard_ctx_t *ctx = NULL;
     int st = shard_attach(sock, &ctx);
     if (st == 0)

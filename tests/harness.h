@@ -24,6 +24,9 @@ struct th_cluster {
     int nodes, k, port;
     bool open;  /* an open cluster (nodes 0): the daemons get no index, node 0 is the coordinator */
     bool netns; /* node i's daemon in a network namespace of its own, ns[i], at address addr[i] */
+    /* independent daemons (nodes 1): no cluster arguments at all (on loopback each its own
+     * peer_port, port + i; in namespaces the default 7701) */
+    bool indep;
     char base[64]; /* the cluster's directory; node i's is base/node<i> */
     struct th_daemon d[TH_MAX_NODES];
     char ns[TH_MAX_NODES][32], addr[TH_MAX_NODES][20], veth[TH_MAX_NODES][16], bridge[16];
@@ -43,6 +46,11 @@ int th_open_cluster_start(struct th_cluster *c, int nodes, const char *const *ex
  * iproute2); th_cluster_stop removes them (and so does the exit of a test that stopped early). */
 #define TH_NO_NETNS 77
 int th_netns_cluster_start(struct th_cluster *c, int nodes, const char *const *extra);
+/* Start `nodes` independent daemons, each knowing only itself, in network namespaces
+ * (netns true; TH_NO_NETNS when they cannot be made) or on loopback. */
+int th_indep_cluster_start(struct th_cluster *c, int nodes, bool netns, const char *const *extra);
+/* where node i of an independent cluster leads a job: "ip:port" into buf */
+const char *th_cluster_leader(const struct th_cluster *c, int i, char *buf, size_t len);
 /* The bytes node i of a netns cluster sent onto its link so far (its veth's, frames' headers
  * included), or -1 (not a netns cluster, or unreadable). */
 long long th_node_wire_sent(const struct th_cluster *c, int i);
@@ -51,7 +59,8 @@ long long th_node_wire_sent(const struct th_cluster *c, int i);
 int th_checkpoint_job(const char *outdir, const char *sock, const char *job, const char *dir,
                       struct json_t **doc_p);
 /* Register rank of job (world, ranks_per_node; one fp32 tensor of 1536, zero3, sgd) at the
- * daemon at sock and detach: the status, the daemon's message in err. */
+ * daemon at sock and detach: the status, the daemon's message in err. $TH_JOB_SECRET (16 bytes
+ * or more): the job's secret. */
 int th_register_one(const char *sock, const char *job, uint32_t rank, uint32_t world,
                     uint32_t ranks_per_node, char *err, size_t errlen);
 /* Is every daemon of c running? A check fails naming each one that is not (a crash), so a test

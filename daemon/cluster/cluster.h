@@ -90,6 +90,8 @@ bool sd_cluster_independent(const struct sd_cluster *cl);
  * daemon: node 0 of 1, its own; shardctl topology lists the daemons it met) */
 uint32_t sd_cluster_shown_node(const struct sd_cluster *cl);
 uint32_t sd_cluster_shown_nodes(const struct sd_cluster *cl);
+/* an independent daemon: the id of the daemon it numbers node (its own for itself; 0: none) */
+uint32_t sd_cluster_daemon_id(const struct sd_cluster *cl, uint32_t node);
 
 /* A job finished registering on this node (status 0) or failed to. The coordinator confirms it
  * once every node reported the same model, world and start: the step it starts from, and

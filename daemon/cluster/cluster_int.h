@@ -241,6 +241,8 @@ void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m);
 
 /* ---- meet.c: independent daemons, which meet per job */
 int sd_meet__init(struct sd_cluster *cl);
+/* ready at once, alone in its table */
+int sd_meet__start(struct sd_cluster *cl);
 void sd_meet__free(struct sd_cluster *cl);
 void sd_meet__link_free(struct link *l);
 /* m on l with daemons named by their ids, after a proof of its job's token where l needs one */

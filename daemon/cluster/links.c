@@ -803,18 +803,8 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     uv_timer_start(&cl->timer, timer_cb, period, period);
 
     if (cl->indep) { /* ready at once, alone: it listens once a job spans nodes */
-        for (uint32_t i = 0; i < cl->cap; i++)
-            cl->down_scratch[i] = i != cl->self;
-        st = sd_cluster__install_table(cl, cl->down_scratch);
-        for (uint32_t i = 0; i < cl->cap; i++)
-            cl->present[i] = i == cl->self;
-        if (st == SD_OK)
-            SD_INFO("cluster",
-                    "an independent daemon (id %08x): it meets the daemons of each job that "
-                    "spans nodes, through the job's leader",
-                    cl->meet.uid);
         *cl_p = cl;
-        return st;
+        return sd_meet__start(cl);
     }
     if (cl->self == 0) {
         struct sockaddr_storage ss;

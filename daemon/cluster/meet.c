@@ -51,6 +51,8 @@ struct meet_wire {
 
 #define MEET_MAX_LEADERS 256
 
+static void leader_note(struct sd_cluster *cl, const char *job, uint32_t slot);
+
 int sd_meet__init(struct sd_cluster *cl)
 {
     cl->meet.uid_of = calloc(cl->cap, sizeof(*cl->meet.uid_of));
@@ -65,6 +67,21 @@ int sd_meet__init(struct sd_cluster *cl)
         cl->meet.as[i] = SD_NO_NODE; /* (told at each link's handshake) */
     cl->tp->self_as = cl->meet.as;
     return SD_OK;
+}
+
+int sd_meet__start(struct sd_cluster *cl)
+{
+    for (uint32_t i = 0; i < cl->cap; i++) /* (every slot but its own empty) */
+        cl->down_scratch[i] = i != cl->self;
+    int st = sd_cluster__install_table(cl, cl->down_scratch);
+    for (uint32_t i = 0; i < cl->cap; i++)
+        cl->present[i] = i == cl->self;
+    if (st == SD_OK)
+        SD_INFO("cluster",
+                "an independent daemon (id %08x): it meets the daemons of each job that spans "
+                "nodes, through the job's leader",
+                cl->meet.uid);
+    return st;
 }
 
 void sd_meet__free(struct sd_cluster *cl)
@@ -406,7 +423,11 @@ bool sd_meet__receive(struct link *l, Shard__PeerMsg *m)
     }
     switch (m->msg_case) {
     case SHARD__PEER_MSG__MSG_JOB_REPORT:
+        /* (a node may report before this one's ranks did: it named this daemon the leader,
+         * and proved the job's token) */
         m->job_report->node = from_wire(cl, m->job_report->node);
+        if (sd_meet__leader(cl, job) == SD_NO_NODE)
+            leader_note(cl, job, cl->self);
         break;
     case SHARD__PEER_MSG__MSG_JOB_CONFIRM:
         if (!confirm_in(cl, m->job_confirm)) {
@@ -675,6 +696,20 @@ static int meet_listen(struct sd_cluster *cl, bool leader, char *err, size_t err
     return SD_OK;
 }
 
+/* does leader ("ip:port") name this daemon's listener (its port, at its fabric address)? */
+static bool is_me(const struct sd_cluster *cl, const char *leader)
+{
+    uint32_t port = cl->me.peer_port != 0    ? cl->me.peer_port
+                    : cl->cfg->peer_port > 0 ? (uint32_t)cl->cfg->peer_port
+                                             : SD_MEET_PORT;
+    const char *colon = strrchr(leader, ':');
+    const char *host = cl->cfg->fabric_addr;
+    if (colon == NULL || strtoul(colon + 1, NULL, 10) != port)
+        return false;
+    return host[0] == '\0' || strcmp(host, "0.0.0.0") == 0 ||
+           (strlen(host) == (size_t)(colon - leader) && strncmp(host, leader, strlen(host)) == 0);
+}
+
 void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const char *leader)
 {
     char err[300] = "";
@@ -694,10 +729,13 @@ void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const cha
                  "node): set SHARD_LEADER=host[:port], or MASTER_ADDR (torchrun) or "
                  "SLURM_STEP_NODELIST (srun)",
                  r->job);
-    } else {
-        st = meet_listen(cl, r->job_node == 0, err, sizeof(err));
     }
-    if (st == SD_OK && r->job_node != 0) {
+    /* the daemon of the job's node 0 leads it, unless its ranks name another daemon (then
+     * that one hears two nodes claim ranks 0..k-1, and says so to both) */
+    bool lead = r->job_node == 0 && (leader == NULL || leader[0] == '\0' || is_me(cl, leader));
+    if (st == SD_OK)
+        st = meet_listen(cl, lead, err, sizeof(err));
+    if (st == SD_OK && !lead) {
         struct sockaddr_storage ss;
         slot = sd_cluster__parse_hostport(leader, &ss) == SD_OK ? slot_by_addr(cl, leader)
                                                                 : SD_NO_NODE;
@@ -715,7 +753,7 @@ void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const cha
             cl->ev.job_refused(cl->ev.ctx, r->job, st, err);
         return;
     }
-    if (r->job_node == 0) {
+    if (lead) {
         leader_note(cl, r->job, cl->self);
         sd_cluster__coord_report(cl, r);
         return;
@@ -733,8 +771,10 @@ void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const cha
 json_t *sd_meet__json(const struct sd_cluster *cl)
 {
     json_t *nodes = json_array();
+    char me[16];
+    snprintf(me, sizeof(me), "%08x", cl->meet.uid);
     json_array_append_new(nodes, json_pack("{s:i, s:s, s:b, s:b, s:s}", "node", (int)cl->self, "id",
-                                           "self", "self", 1, "link", 0, "state", "self"));
+                                           me, "self", 1, "link", 0, "state", "self"));
     for (uint32_t i = 2; i < cl->cap; i++) {
         if (cl->meet.uid_of[i] == 0 && cl->peers.addrs[i][0] == '\0')
             continue;

@@ -55,6 +55,13 @@ uint32_t sd_cluster_shown_nodes(const struct sd_cluster *cl)
     return cl != NULL && cl->indep ? 1 : sd_cluster_nodes(cl);
 }
 
+uint32_t sd_cluster_daemon_id(const struct sd_cluster *cl, uint32_t node)
+{
+    if (cl == NULL || !cl->indep || node >= cl->cap)
+        return 0;
+    return node == cl->self ? cl->meet.uid : cl->meet.uid_of[node];
+}
+
 bool sd_cluster_independent(const struct sd_cluster *cl)
 {
     return cl != NULL && cl->indep;

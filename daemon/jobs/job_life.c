@@ -379,17 +379,10 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
                  msg->world, k, k);
         return NULL;
     }
-    const struct sd_cluster *cl = sd_net_cluster(reg->net);
-    /* (an independent daemon meets as many as the job names) */
-    uint32_t have = sd_cluster_independent(cl) ? SD_MAX_NODES - 2 : sd_cluster_nodes(cl);
-    if (nodes > have) {
-        snprintf(err, errlen,
-                 "world size %u needs %u nodes of %u ranks; this cluster has %u (at most "
-                 "world %llu)",
-                 msg->world, nodes, k, have, (unsigned long long)have * k);
-        return NULL;
-    }
-    if (nodes > 1 && sd_cluster_independent(cl) && msg->job_token.len == 0) {
+    /* an independent daemon (nodes 1) forms a job across nodes through its leader, with a
+     * secret; it opens its fabric and peer links when a job first spans nodes */
+    bool indep = cfg->nodes == 1;
+    if (nodes > 1 && indep && msg->job_token.len == 0) {
         snprintf(err, errlen,
                  "world size %u spans %u nodes of %u ranks, whose daemons form the job through "
                  "its leader: it needs a job secret, which proves its nodes to each other "
@@ -398,12 +391,29 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
                  msg->world, nodes, k);
         return NULL;
     }
-    if (nodes > 1 && sd_cluster_independent(cl) && msg->rank >= k && msg->leader[0] == '\0') {
+    if (nodes > 1 && indep && msg->rank >= k && msg->rank < msg->world && msg->leader[0] == '\0') {
         snprintf(err, errlen,
                  "world size %u spans %u nodes of %u ranks and rank %u named no leader (the "
                  "daemon of rank 0's node): set SHARD_LEADER=host[:port], or run under torchrun "
                  "(MASTER_ADDR) or srun (SLURM_STEP_NODELIST)",
                  msg->world, nodes, k, msg->rank);
+        return NULL;
+    }
+    char why[400];
+    if (nodes > 1 && indep && reg->open_fabric != NULL &&
+        reg->open_fabric(reg, why, sizeof(why)) != SD_OK) {
+        snprintf(err, errlen, "world size %u needs %u nodes of %u ranks, and %s", msg->world, nodes,
+                 k, why);
+        return NULL;
+    }
+    const struct sd_cluster *cl = sd_net_cluster(reg->net);
+    /* (an independent daemon meets as many as the job names) */
+    uint32_t have = sd_cluster_independent(cl) ? SD_MAX_NODES - 2 : sd_cluster_nodes(cl);
+    if (nodes > have) {
+        snprintf(err, errlen,
+                 "world size %u needs %u nodes of %u ranks; this cluster has %u (at most "
+                 "world %llu)",
+                 msg->world, nodes, k, have, (unsigned long long)have * k);
         return NULL;
     }
     if (k > SD_MAX_LOCAL_RANKS) {

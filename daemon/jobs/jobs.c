@@ -144,19 +144,25 @@ static uint32_t ev_tags_in_use(void *ctx, uint32_t *tags, uint32_t cap)
     return n;
 }
 
+/* the job's nodes are known here: confirmed (a confirmed job may still wait for its nodes'
+ * data paths, which need its direct links: its tag is set then) */
+static bool job_confirmed(const struct sd_job *job)
+{
+    return job->nodes > 1 && (job->state != SD_JOB_REGISTERING || job->xfer.tag != 0);
+}
+
 /* a job here (confirmed: its nodes known; failed ones too, whose state a recovery may read)
  * spans cluster node node */
 static bool job_spans_node(const struct sd_job *job, uint32_t node)
 {
-    return job->nodes > 1 && job->state != SD_JOB_REGISTERING &&
-           sd_job_node_of(job, node) != SD_NODE_UNKNOWN;
+    return job_confirmed(job) && sd_job_node_of(job, node) != SD_NODE_UNKNOWN;
 }
 
 static void ev_nodes_in_use(void *ctx, bool *need, uint32_t n)
 {
     struct sd_registry *reg = ctx;
     for (struct sd_job *j = reg->jobs; j; j = j->next)
-        for (uint32_t i = 0; j->nodes > 1 && j->state != SD_JOB_REGISTERING && i < j->nodes; i++)
+        for (uint32_t i = 0; job_confirmed(j) && i < j->nodes; i++)
             if (j->xfer.node_ids[i] < n)
                 need[j->xfer.node_ids[i]] = true;
 }

@@ -54,6 +54,9 @@ struct sd_registry {
     uint32_t n_rank_dev;
     /* the operations the schedule drives (schedule.h: fetch's and the step's, bound by main.c) */
     const struct sd_sched_driver *sched_driver;
+    /* open the fabric and the control plane (main.c): an independent daemon's, when a job first
+     * spans nodes; SD_OK, or err says why not */
+    int (*open_fabric)(struct sd_registry *reg, char *err, size_t errlen);
 };
 
 /* the device local rank `local` of a job uses */

@@ -111,6 +111,19 @@ static json_t *job_summary(const struct sd_job *job)
                                                     ? -1
                                                     : (json_int_t)job->xfer.node_ids[n]));
     json_object_set_new(doc, "node_ids", ids);
+    /* an independent daemon numbers the daemons it met its own way: each node's daemon id, the
+     * same on every node of the job (shardctl topology: "id") */
+    const struct sd_cluster *cl = sd_job_cluster(job);
+    if (sd_cluster_independent(cl)) {
+        json_t *daemons = json_array();
+        for (uint32_t n = 0; n < job->nodes; n++) {
+            char id[16] = "";
+            if (job->xfer.node_ids[n] != SD_NODE_UNKNOWN)
+                snprintf(id, sizeof(id), "%08x", sd_cluster_daemon_id(cl, job->xfer.node_ids[n]));
+            json_array_append_new(daemons, json_string(id));
+        }
+        json_object_set_new(doc, "node_daemons", daemons);
+    }
     /* its ranks gave a job secret (shard_model_t.job_secret): its nodes are those that did */
     json_object_set_new(doc, "secret", json_boolean(job->xfer.token_len > 0));
     /* how a job that ended cleanly ended (its ranks detached): not an error */

@@ -112,6 +112,9 @@ static void notify_ready(void)
 struct app {
     struct sd_server srv;
     struct sd_registry *reg;
+    uv_loop_t *loop;
+    bool fabric_failed; /* an independent daemon's fabric could not open: why */
+    char fabric_err[512];
     struct sd_transport *tp;
     struct sd_cluster *cl;
     uv_signal_t sigterm, sigint, sigusr1;
@@ -336,6 +339,51 @@ static const struct sd_sched_driver sched_driver = {.prefetch = sd_fetch_prefetc
                                                     .fenced_blocked = sd_fetch_fenced_blocked,
                                                     .step_running = sd_step_running};
 
+static struct app *the_app; /* (a job may open the fabric after the start: open_fabric) */
+
+/* The fabric and the control plane, once: a cluster's at the start, an independent daemon's
+ * when a job first spans nodes (sd_registry.open_fabric). */
+static int open_fabric(struct sd_registry *reg, char *err, size_t errlen)
+{
+    struct app *app = the_app;
+    const struct sd_config *cfg = reg->cfg;
+    if (app->cl != NULL && !app->fabric_failed)
+        return SD_OK;
+    if (app->fabric_failed || (cfg->nodes == 1 && strcmp(cfg->provider, "none") == 0)) {
+        snprintf(err, errlen,
+                 "this daemon has no fabric (provider %s%s%s): it serves jobs on "
+                 "its own node only",
+                 cfg->provider, app->fabric_failed ? ": " : "",
+                 app->fabric_failed ? app->fabric_err : "");
+        return SD_ENOSYS;
+    }
+    err[0] = '\0';
+    int status = sd_transport_ofi_open(cfg, reg->dev, &app->tp, err, errlen);
+    if (status == SD_OK)
+        status = sd_net_start(reg, app->tp, NULL, sd_fetch_on_request);
+    struct sd_cluster_events ev;
+    sd_jobs_cluster_events(reg, &ev);
+    if (status == SD_OK)
+        status = sd_cluster_start(&app->cl, app->loop, cfg, app->tp, &ev);
+    if (status != SD_OK) {
+        if (err[0] == '\0')
+            snprintf(err, errlen, "%s", sd_status_str(status));
+        if (cfg->nodes == 1) { /* (the start's failure ends a cluster's daemon instead) */
+            SD_ERROR("main", "cannot open the fabric for jobs across nodes: %s", err);
+            snprintf(app->fabric_err, sizeof(app->fabric_err), "%s", err);
+            app->fabric_failed = true;
+            sd_cluster_stop(app->cl);
+        }
+        return status;
+    }
+    sd_net_set_cluster(reg, app->cl);
+    sd_server_attach_transport(&app->srv, app->tp);
+    if (cfg->nodes == 1)
+        SD_INFO("main", "a job spans nodes: the fabric (%s) and the peer links are open",
+                cfg->provider);
+    return SD_OK;
+}
+
 int main(int argc, char **argv)
 {
     static struct sd_config cfg;
@@ -413,29 +461,14 @@ int main(int argc, char **argv)
     uv_check_init(&loop, &app.fatal_check);
     app.fatal_check.data = &app;
     uv_check_start(&app.fatal_check, fatal_check_cb);
-    /* a fixed cluster of several, an open one, or an independent daemon (nodes 1), which
-     * meets the daemons of each job across nodes; without a fabric it serves one-node jobs */
-    bool fabric = cfg.nodes != 1 || strcmp(cfg.provider, "none") != 0;
-    if (fabric && cfg.nodes == 1) {
+    /* a fixed cluster of several, or an open one: its fabric and control plane now; an
+     * independent daemon (nodes 1) opens them when a job first spans nodes (reg.open_fabric) */
+    app.loop = &loop;
+    the_app = &app;
+    reg.open_fabric = open_fabric;
+    if (cfg.nodes != 1) {
         char err[512] = "";
-        status = sd_transport_ofi_open(&cfg, reg.dev, &app.tp, err, sizeof(err));
-        if (status != SD_OK) {
-            SD_WARN("main",
-                    "no fabric (provider %s: %s): this daemon serves jobs on its own node only",
-                    cfg.provider, err[0] ? err : sd_status_str(status));
-            fabric = false;
-        }
-    }
-    if (fabric) {
-        char err[512] = "";
-        if (app.tp == NULL)
-            status = sd_transport_ofi_open(&cfg, reg.dev, &app.tp, err, sizeof(err));
-        if (status == SD_OK)
-            status = sd_net_start(&reg, app.tp, NULL, sd_fetch_on_request);
-        struct sd_cluster_events ev;
-        sd_jobs_cluster_events(&reg, &ev);
-        if (status == SD_OK)
-            status = sd_cluster_start(&app.cl, &loop, &cfg, app.tp, &ev);
+        status = open_fabric(&reg, err, sizeof(err));
         if (status != SD_OK) {
             fprintf(stderr, "shardd: cannot join the cluster: %s\n",
                     err[0] ? err : sd_status_str(status));
@@ -445,8 +478,6 @@ int main(int argc, char **argv)
             uv_loop_close(&loop);
             return 1;
         }
-        sd_net_set_cluster(&reg, app.cl);
-        sd_server_attach_transport(&app.srv, app.tp);
     }
     if (cfg.nodes == 1)
         SD_INFO("main", "shardd %s, an independent daemon, backend %s, pid %d", SHARD_VERSION,

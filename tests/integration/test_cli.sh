@@ -315,14 +315,14 @@ check 'python3 -c "
 import json,sys; d=json.loads(sys.argv[1])[\"devices\"]
 assert len(d)==1 and d[0][\"memory_bytes\"]==int(sys.argv[2])*int(sys.argv[3]) and d[0][\"peers\"]==[], d
 " "$js" "$(getconf _PHYS_PAGES)" "$(getconf PAGESIZE)"' "topology --json devices: $js"
-out=$(timeout 60 "$MLP" --socket "$dir/k2/shardd.sock" --job big --rank 0 --world 4 --steps 1 2>&1); rc=$?
-check '[ $rc -ne 0 ] && grep -q "world size 4 needs 2 nodes of 2 ranks; this cluster has 1 (at most world 2)" <<<"$out"' \
+head -c 32 /dev/urandom >"$dir/big.secret"
+out=$(timeout 60 "$MLP" --socket "$dir/k2/shardd.sock" --job big --rank 0 --world 4 --steps 1 --job-secret-file "$dir/big.secret" 2>&1); rc=$?
+check '[ $rc -ne 0 ] && grep -q "world size 4 needs 2 nodes of 2 ranks, and this daemon has no fabric (provider none): it serves jobs on its own node only" <<<"$out"' \
   "a world larger than the cluster: $rc $out"
 # an independent daemon forms a job across nodes through its leader, and only with a secret
 out=$(timeout 60 "$MLP" "${S[@]}" --job big --rank 0 --world 4 --ranks-per-node 2 --steps 1 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "world size 4 spans 2 nodes of 2 ranks, whose daemons form the job through its leader: it needs a job secret" <<<"$out"' \
   "a job across nodes without a secret: $rc $out"
-head -c 32 /dev/urandom >"$dir/big.secret"
 out=$(env -u SHARD_LEADER -u MASTER_ADDR -u SLURM_STEP_NODELIST timeout 60 "$MLP" "${S[@]}" --job big --rank 2 --world 4 --ranks-per-node 2 --steps 1 --job-secret-file "$dir/big.secret" 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "world size 4 spans 2 nodes of 2 ranks and rank 2 named no leader" <<<"$out"' \
   "a rank of a job across nodes that names no leader: $rc $out"

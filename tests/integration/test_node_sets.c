@@ -37,6 +37,36 @@
 #define S_ACC 2
 
 static struct th_cluster cl;
+/* "independent": the same jobs on daemons that know only themselves (nodes 1), each job's
+ * ranks naming its leader (the daemon of its node 0) and giving a job secret */
+static bool indep;
+
+/* an independent cluster: the job's leader and secret for the ranks about to start (unset: the
+ * variables go) */
+static void job_env(const char *job, int leader_node)
+{
+    if (!indep)
+        return;
+    if (job == NULL) {
+        unsetenv("SHARD_LEADER");
+        unsetenv("MASTER_ADDR");
+        unsetenv("SHARD_JOB_SECRET_FILE");
+        return;
+    }
+    char leader[64], secret[400];
+    th_cluster_leader(&cl, leader_node, leader, sizeof(leader));
+    if (cl.netns) /* as torchrun names it: the host, shardd's port by default */
+        setenv("MASTER_ADDR", cl.addr[leader_node], 1);
+    else
+        setenv("SHARD_LEADER", leader, 1);
+    snprintf(secret, sizeof(secret), "%s/%s.secret", cl.base, job);
+    FILE *f = fopen(secret, "w");
+    if (f != NULL) {
+        fprintf(f, "the secret of job %s, made once", job);
+        fclose(f);
+    }
+    setenv("SHARD_JOB_SECRET_FILE", secret, 1);
+}
 
 struct job_run {
     const char *job, *plan;
@@ -70,6 +100,7 @@ static void job_start(struct job_run *r, const char *tag)
     for (int i = 0; r->extra[i] != NULL && n < 30; i++)
         args[n++] = r->extra[i];
     args[n] = NULL;
+    job_env(r->name, r->nodes[0]);
     for (int rank = 0; rank < r->world; rank++) {
         char log[400];
         snprintf(log, sizeof(log), "%s/%s-%d.log", dir, r->name, rank);
@@ -77,6 +108,7 @@ static void job_start(struct job_run *r, const char *tag)
         r->pids[rank] = th_spawn_rank(cl.d[r->nodes[rank / r->rpn]].sock, r->name, rank, args,
                                       rank == 0 ? dumps : NULL, log);
     }
+    job_env(NULL, 0);
     r->pids[r->world] = -1;
     if (access(r->ref, R_OK) != 0) { /* the reference once per job */
         char log[400];
@@ -123,6 +155,18 @@ static void job_finish(struct job_run *r)
         printf(": %zu parameters within 1e-5 of the reference (max %g)\n", dd.n, dd.maxd);
 }
 
+/* an independent daemon's id, as shardctl topology gives it ("" if none) */
+static const char *daemon_id(int node)
+{
+    static char ids[N][16];
+    json_t *doc = th_admin_json(cl.d[node].sock, "topology");
+    json_t *self = json_array_get(json_object_get(doc, "topology"), 0);
+    const char *id = json_string_value(json_object_get(self, "id"));
+    snprintf(ids[node], sizeof(ids[node]), "%s", id != NULL ? id : "");
+    json_decref(doc);
+    return ids[node];
+}
+
 /* every daemon lists r exactly where it runs, as the job node it serves, with the node list
  * (checked: a failed check for each that does not; else only whether all do) */
 static bool listed(const struct job_run *r, bool check)
@@ -148,6 +192,18 @@ static bool listed(const struct job_run *r, bool check)
         } else if (found == NULL) {
             ok = false;
             TH_CHECK(!check, "cluster node %d does not list %s (its node %d)", node, r->name, want);
+        } else if (indep) { /* each numbers the others its own way: the daemons' ids agree */
+            json_t *ids = json_object_get(found, "node_daemons");
+            bool same = (int)json_array_size(ids) == r->n_nodes;
+            for (int n = 0; same && n < r->n_nodes; n++) {
+                const char *id = json_string_value(json_array_get(ids, (size_t)n));
+                same = id != NULL && strcmp(id, daemon_id(r->nodes[n])) == 0;
+            }
+            ok = same && json_integer_value(json_object_get(found, "node")) == want;
+            TH_CHECK(ok || !check,
+                     "daemon %d lists %s as its node %lld of daemons %s, expected node %d", node,
+                     r->name, (long long)json_integer_value(json_object_get(found, "node")),
+                     json_dumps(ids, JSON_COMPACT), want);
         } else {
             json_t *ids = json_object_get(found, "node_ids");
             bool same = (int)json_array_size(ids) == r->n_nodes;
@@ -326,7 +382,8 @@ static void recover_a(const char *job)
     int rc = checkpoint_job(2, job, recovered, &doc);
     const char *err = json_string_value(json_object_get(doc, "error"));
     TH_CHECK(rc != 0 && err &&
-                 strstr(err, "runs on the daemon of the job's node 0 (cluster node 1"),
+                 strstr(err, indep ? "runs on the daemon of the job's node 0"
+                                   : "runs on the daemon of the job's node 0 (cluster node 1"),
              "checkpoint --job %s on cluster node 2 (its node 1): exit %d, '%s'", job, rc,
              err ? err : "");
     json_decref(doc);
@@ -368,9 +425,12 @@ static void node_killed(void)
     char log[400];
     snprintf(log, sizeof(log), "%s/%s-0.log", cl.base, a.name);
     char *text = th_read_file(log, NULL);
-    TH_CHECK(text && strstr(text, "cluster node 4") != NULL,
-             "job a's rank 0 (on node 1) was not told that cluster node 4 went down:\n%s",
-             text ? text : "(no log)");
+    /* (an independent daemon names the job's node 2, and its own number for that daemon) */
+    const char *named = indep ? "node 2 (cluster node " : "cluster node 4";
+    TH_CHECK(text && strstr(text, named) != NULL,
+             "job a's rank 0 (on node 1) was not told that its node on daemon 4 went down "
+             "('%s'):\n%s",
+             named, text ? text : "(no log)");
     free(text);
     recover_a(a.name);
     for (struct job_run *r = &b; r != NULL; r = r == &b ? &c : NULL) {
@@ -406,7 +466,7 @@ static void node_back(const char *const *extra)
     /* it rejoins once the coordinator installed its new address: a registration before that
      * is refused ("the cluster has not formed yet"), so wait for node 0 to list it up */
     double end = th_now_s() + 20;
-    bool up = false;
+    bool up = indep; /* (an independent daemon meets it when a job names it) */
     while (!up && th_now_s() < end) {
         json_t *doc = th_admin_json(cl.d[1].sock, "topology");
         json_t *e = json_array_get(json_object_get(doc, "topology"), 4);
@@ -486,6 +546,20 @@ static void launched(const struct launch *l)
                             "--compute-mode", "sleep", "--quiet"};
     size_t nc = sizeof(common) / sizeof(common[0]);
     pid_t pids[5];
+    char list[64], port[16];
+    if (indep) { /* the leader as the launcher names it: torchrun's MASTER_ADDR, srun's list */
+        job_env(l->job, l->nodes[0]);
+        if (l->step_var != NULL) {
+            unsetenv("MASTER_ADDR");
+            unsetenv("SHARD_LEADER");
+            snprintf(list, sizeof(list), "%s,%s", cl.netns ? cl.addr[l->nodes[0]] : "127.0.0.1",
+                     cl.netns ? cl.addr[l->nodes[1]] : "127.0.0.1");
+            setenv("SLURM_STEP_NODELIST", list, 1);
+            snprintf(port, sizeof(port), "%d", cl.port + l->nodes[0]);
+            if (!cl.netns)
+                setenv("SHARD_LEADER_PORT", port, 1);
+        }
+    }
     for (int rank = 0; rank < 4; rank++) {
         char rs[16], log[400];
         snprintf(rs, sizeof(rs), "%d", rank);
@@ -510,6 +584,9 @@ static void launched(const struct launch *l)
         if (l->step_var != NULL)
             unsetenv(l->step_var);
     }
+    job_env(NULL, 0);
+    unsetenv("SLURM_STEP_NODELIST");
+    unsetenv("SHARD_LEADER_PORT");
     const char *rargv[40] = {MLP_TRAIN_PATH, "--reference", "--world", "4", "--dump-params", ref};
     int n = 6;
     for (size_t i = 0; i < nc; i++)
@@ -597,10 +674,17 @@ static void refusals(const char *job)
                       {.node = 2, .rank = 1, .job = job}};
     int n = (int)(sizeof(r) / sizeof(r[0]));
     pthread_t th[8];
+    char leader[64];
+    if (indep) { /* every rank names node 1's daemon the leader */
+        setenv("SHARD_LEADER", th_cluster_leader(&cl, 1, leader, sizeof(leader)), 1);
+        setenv("TH_JOB_SECRET", "the secret of the twice job", 1);
+    }
     for (int i = 0; i < n; i++)
         pthread_create(&th[i], NULL, reg_thread, &r[i]);
     for (int i = 0; i < n; i++)
         pthread_join(th[i], NULL);
+    unsetenv("SHARD_LEADER");
+    unsetenv("TH_JOB_SECRET");
     for (int i = 0; i < n; i++)
         TH_CHECK(r[i].st == SHARD_EMISMATCH && strstr(r[i].err, "both registered ranks 0..1"),
                  "ranks 0..1 on nodes 1 and 2: rank %d on node %d got %d '%s'", r[i].rank,
@@ -791,21 +875,25 @@ static void coordinator_killed(const char *const *extra)
         TH_CHECK(th_daemon_alive(&cl.d[n]), "cluster node %d died", n);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    indep = argc > 1 && strcmp(argv[1], "independent") == 0;
     const char *extra[] = {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms", "1500",
                            NULL};
-    int rc = th_netns_cluster_start(&cl, N, extra);
+    int rc =
+        indep ? th_indep_cluster_start(&cl, N, true, extra) : th_netns_cluster_start(&cl, N, extra);
     if (rc == TH_NO_NETNS) { /* the same daemons on loopback: what the test shows holds there */
         printf("no network namespaces here (not root, or no iproute2): the nodes share "
                "loopback\n");
-        rc = th_open_cluster_start(&cl, N, extra);
+        rc = indep ? th_indep_cluster_start(&cl, N, false, extra)
+                   : th_open_cluster_start(&cl, N, extra);
     }
     if (rc != 0) {
-        fprintf(stderr, "cannot start an open cluster of %d nodes\n", N);
+        fprintf(stderr, "cannot start %d daemons\n", N);
         return 1;
     }
-    printf("an open cluster of %d daemons%s: no node list, no ranks per node\n", N,
+    printf("%s of %d daemons%s: no node list, no ranks per node\n",
+           indep ? "independent daemons (no cluster at all)" : "an open cluster", N,
            cl.netns ? ", each in a network namespace of its own" : "");
     side_by_side();
     node_killed();
@@ -813,7 +901,8 @@ int main(void)
     save_elsewhere();
     launchers();
     refusals("twice");
-    coordinator_killed(extra);
+    if (!indep) /* (independent daemons have no coordinator) */
+        coordinator_killed(extra);
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_node_sets");
 }

@@ -472,11 +472,12 @@ try:
     check(r.returncode == 0 and "L ('torch', 0, 1) ('mine', 0, 1)" in r.stdout,
           f"launcher() without a launcher: job torch, rank 0 of 1: {r.stdout}{r.stderr[-300:]}")
     # torchrun's LOCAL_WORLD_SIZE is the job's ranks per node: one rank per node needs two
-    # nodes, and this daemon is one
+    # nodes, which an independent daemon forms only with the job's secret
     r = subprocess.run([sys.executable, "-c", script],
                        env=dict(env, RANK="0", LOCAL_WORLD_SIZE="1"),
                        capture_output=True, text=True, timeout=120)
-    check(r.returncode != 0 and "world size 2 needs 2 nodes of 1 ranks" in r.stderr,
+    check(r.returncode != 0 and "world size 2 spans 2 nodes of 1 ranks" in r.stderr
+          and "needs a job secret" in r.stderr,
           f"LOCAL_WORLD_SIZE=1 of WORLD_SIZE 2 on one daemon refused: {r.stderr[-300:]}")
 
     # installs: cmake --install into a prefix, and a venv over Debian's packages

@@ -61,7 +61,7 @@ PRIVATE = {
                                  "persist/ckpt_load.c"),
     "cluster/cluster_int.h": ("cluster/links.c", "cluster/handshake.c",
                               "cluster/coordinator.c", "cluster/probe.c", "cluster/state.c",
-                              "cluster/peers.c", "cluster/send.c"),
+                              "cluster/peers.c", "cluster/send.c", "cluster/meet.c"),
 }
 # what each lower floor may include besides its own headers and sd/ (the build links each floor
 # alone as well: daemon/CMakeLists.txt, layer_check)

@@ -1,0 +1,339 @@
+/* Daemons without a cluster (nodes 1) hear a job's traffic only from the job's daemons (issue
+ * 38, "trust"): two independent daemons on loopback train job j (its ranks name daemon 0 the
+ * leader and give the job's secret) while this test, a process on the same network that is not
+ * one of j's, attacks daemon 0's peer port:
+ * - a hello for j MAC'd with a wrong token: refused (authentication failed), logged;
+ * - a hello for a job daemon 0 does not serve: refused, naming it;
+ * - a hello for job x, which this test registered on daemon 0 itself (it holds x's secret), as
+ *   daemon 1 (its id, from shardctl topology): refused, daemon 1 is known with another fabric
+ *   address (a forged rejoin);
+ * - a hello for x as a new daemon: heard (x's token proves it is one of x's); on that link, an
+ *   abort of j, a "ready" of j, a proof of j's token with a wrong MAC, a node-down of daemon 1
+ *   and an address table: each dropped, logged;
+ * - heartbeat datagrams naming each number daemon 0 may give daemon 1, with wrong MACs:
+ *   dropped (counted);
+ * and j trains on to its one-process reference (within 1e-5, as every run of it), both daemons
+ * up, daemon 1 still "up" in daemon 0's view. */
+#include "harness.h"
+#include "shard.h"
+#include "cluster/auth.h"
+#include "sd/config.h"
+#include "sd/frame.h"
+#include "sd/hmac.h"
+#include "sd/status.h"
+#include "shard.pb-c.h"
+
+#include <arpa/inet.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+static struct th_cluster cl;
+static const char *const extra[] = {"--heartbeat-interval-ms",
+                                    "100",
+                                    "--heartbeat-timeout-ms",
+                                    "2000",
+                                    "--register-timeout-ms",
+                                    "8000",
+                                    NULL};
+
+static Shard__PeerMsg *recv_msg(int fd, int timeout_ms)
+{
+    uint8_t *buf = NULL;
+    size_t n = 0;
+    if (sd_frame_recv(fd, &buf, &n, NULL, 0, NULL, 1 << 20, timeout_ms) != 0)
+        return NULL;
+    Shard__PeerMsg *m = shard__peer_msg__unpack(NULL, n, buf);
+    free(buf);
+    return m;
+}
+
+static void send_msg(int fd, Shard__PeerMsg *m)
+{
+    TH_CHECK(sd_frame_send(fd, &m->base, NULL, 0, 2000) == 0, "a message to daemon 0");
+}
+
+/* the token the ranks of job hand their daemons (libshard's: HMAC of the secret) */
+static void token_of(const char *secret, const char *job, struct sd_auth *a)
+{
+    static const char label[] = "shardd job token";
+    struct sd_hmac m;
+    sd_hmac_init(&m, secret, strlen(secret));
+    sd_hmac_update(&m, label, sizeof(label));
+    sd_hmac_update(&m, job, strlen(job));
+    sd_hmac_final(&m, a->key);
+    a->key_len = SD_SHA256_BYTES;
+}
+
+struct meet {
+    int fd;
+    int answer; /* the first answer's kind (-1: none) */
+    char why[512];
+    uint32_t hb_port; /* the welcome's */
+    uint8_t nc[SD_AUTH_NONCE], nm[SD_AUTH_NONCE];
+};
+
+/* A hello at daemon 0's peer port as daemon `id` for job (key: the MAC's), with a fabric
+ * address of rails that name 127.0.0.1:1 (nothing there) or `fabric`. */
+static void hello(struct meet *mt, const char *job, uint32_t id, const struct sd_auth *key)
+{
+    mt->answer = -1;
+    mt->why[0] = '\0';
+    mt->fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)cl.port)};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    TH_CHECK(connect(mt->fd, (struct sockaddr *)&a, sizeof(a)) == 0, "connect to daemon 0");
+    Shard__PeerMsg *ch = recv_msg(mt->fd, 5000);
+    bool got = ch != NULL && ch->msg_case == SHARD__PEER_MSG__MSG_CHALLENGE &&
+               ch->challenge->nonce.len == SD_AUTH_NONCE;
+    if (got)
+        memcpy(mt->nc, ch->challenge->nonce.data, SD_AUTH_NONCE);
+    if (ch)
+        shard__peer_msg__free_unpacked(ch, NULL);
+    TH_CHECK(got, "daemon 0's challenge");
+    sd_auth_nonce(mt->nm);
+    uint8_t fabric[8 * 17], mac[SD_SHA256_BYTES];
+    struct sockaddr_in nowhere = {.sin_family = AF_INET, .sin_port = htons(1)};
+    inet_pton(AF_INET, "127.0.0.1", &nowhere.sin_addr);
+    for (int r = 0; r < 8; r++) { /* (as many rails as a daemon may have) */
+        fabric[r * 17] = 16;
+        memcpy(&fabric[r * 17 + 1], &nowhere, 16);
+    }
+    Shard__PeerHello h = SHARD__PEER_HELLO__INIT;
+    h.node = id;
+    h.was = UINT32_MAX;
+    h.peer = true;
+    h.peer_port = 1;
+    h.protocol_version = SD_PROTOCOL_VERSION;
+    h.version = SHARD_VERSION;
+    h.config_summary = "";
+    h.fabric_addr.data = fabric;
+    h.fabric_addr.len = sizeof(fabric);
+    h.nonce.data = mt->nm;
+    h.nonce.len = SD_AUTH_NONCE;
+    h.job = (char *)job;
+    h.you = 7;
+    sd_auth_hello_mac(key, mt->nc, mt->nm, &h, mac);
+    h.mac.data = mac;
+    h.mac.len = sizeof(mac);
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
+    m.hello = &h;
+    send_msg(mt->fd, &m);
+    Shard__PeerMsg *w = recv_msg(mt->fd, 5000);
+    if (w == NULL)
+        return;
+    mt->answer = (int)w->msg_case;
+    if (w->msg_case == SHARD__PEER_MSG__MSG_REFUSE)
+        snprintf(mt->why, sizeof(mt->why), "%s", w->refuse->reason);
+    if (w->msg_case == SHARD__PEER_MSG__MSG_WELCOME)
+        mt->hb_port = w->welcome->hb_port;
+    shard__peer_msg__free_unpacked(w, NULL);
+}
+
+/* daemon i's id (shardctl topology) */
+static uint32_t daemon_id(int i)
+{
+    json_t *doc = th_admin_json(cl.d[i].sock, "topology");
+    const char *id = json_string_value(
+        json_object_get(json_array_get(json_object_get(doc, "topology"), 0), "id"));
+    uint32_t v = id != NULL ? (uint32_t)strtoul(id, NULL, 16) : 0;
+    json_decref(doc);
+    return v;
+}
+
+static bool log_has(int i, const char *text)
+{
+    for (double end = th_now_s() + 5; th_now_s() < end; usleep(50000)) {
+        char *log = th_read_file(cl.d[i].log, NULL);
+        bool has = log != NULL && strstr(log, text) != NULL;
+        free(log);
+        if (has)
+            return true;
+    }
+    return false;
+}
+
+struct x_reg {
+    int st;
+    char err[512];
+};
+
+/* rank 0 of job x on daemon 0 (world 2, one rank per node: it registers until its node 1,
+ * which never comes, is given up) */
+static void *register_x(void *arg)
+{
+    struct x_reg *r = arg;
+    r->st = th_register_one(cl.d[0].sock, "x", 0, 2, 1, r->err, sizeof(r->err));
+    return NULL;
+}
+
+/* what this test sends on its link proved for x, about job j and daemon 1 */
+static void attack_link(int fd, uint32_t d0, uint32_t d1)
+{
+    uint32_t nodes[2] = {d0, d1};
+    Shard__JobAbort ab = SHARD__JOB_ABORT__INIT;
+    ab.job = "j";
+    ab.status = SD_EPEER;
+    ab.message = "forged";
+    ab.origin = d1;
+    ab.nodes = nodes;
+    ab.n_nodes = 2;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
+    m.job_abort = &ab;
+    send_msg(fd, &m);
+    Shard__JobReady rd = SHARD__JOB_READY__INIT;
+    rd.job = "j";
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_READY;
+    m.job_ready = &rd;
+    send_msg(fd, &m);
+    uint8_t mac[SD_SHA256_BYTES];
+    memset(mac, 0x5a, sizeof(mac));
+    Shard__JobProof pr = SHARD__JOB_PROOF__INIT;
+    pr.job = "j";
+    pr.mac.data = mac;
+    pr.mac.len = sizeof(mac);
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_PROOF;
+    m.job_proof = &pr;
+    send_msg(fd, &m);
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT; /* (still not proved) */
+    m.job_abort = &ab;
+    send_msg(fd, &m);
+    Shard__NodeDown nd = SHARD__NODE_DOWN__INIT;
+    nd.node = d1;
+    nd.reason = "forged";
+    m.msg_case = SHARD__PEER_MSG__MSG_NODE_DOWN;
+    m.node_down = &nd;
+    send_msg(fd, &m);
+    Shard__PeerTable t = SHARD__PEER_TABLE__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_TABLE;
+    m.table = &t;
+    send_msg(fd, &m);
+}
+
+/* heartbeats naming each number daemon 0 may give daemon 1, MAC'd with a wrong key */
+static long long forge_heartbeats(uint32_t port)
+{
+    json_t *before = th_admin_json(cl.d[0].sock, "topology");
+    long long dropped = th_json_int(before, "heartbeats.dropped");
+    json_decref(before);
+    int fd = socket(AF_INET, SOCK_DGRAM, 0);
+    struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+    struct {
+        uint32_t magic, node;
+        uint64_t seq;
+        uint8_t mac[16];
+    } d = {.magic = 0x53444842u, .seq = 1ull << 50};
+    memset(d.mac, 0x77, sizeof(d.mac));
+    int sent = 0;
+    for (uint32_t node = 0; node < 16; node++) {
+        d.node = node;
+        sent += sendto(fd, &d, sizeof(d), 0, (struct sockaddr *)&to, sizeof(to)) == sizeof(d);
+    }
+    close(fd);
+    usleep(300000);
+    json_t *after = th_admin_json(cl.d[0].sock, "topology");
+    long long more = th_json_int(after, "heartbeats.dropped") - dropped;
+    json_decref(after);
+    TH_CHECK(sent == 16 && more >= 16, "forged heartbeats: %d sent, %lld more dropped", sent, more);
+    return more;
+}
+
+int main(void)
+{
+    int rc = th_indep_cluster_start(&cl, 2, false, extra);
+    if (rc != 0) {
+        fprintf(stderr, "cannot start 2 independent daemons\n");
+        return 1;
+    }
+    char leader[64], secret[400], dump[400], ref[400];
+    th_cluster_leader(&cl, 0, leader, sizeof(leader));
+    snprintf(secret, sizeof(secret), "%s/j.secret", cl.base);
+    FILE *f = fopen(secret, "w");
+    TH_CHECK(f != NULL && fputs("the secret of job j, 32 bytes or so", f) >= 0 && fclose(f) == 0,
+             "j's secret file");
+    snprintf(dump, sizeof(dump), "%s/j.bin", cl.base);
+    snprintf(ref, sizeof(ref), "%s/j-ref.bin", cl.base);
+    const char *args[] = {
+        "--world",           "2",    "--ranks-per-node", "1",  "--plan",         "zero3",
+        "--steps",           "40",   "--compute-ms",     "40", "--compute-mode", "sleep",
+        "--job-secret-file", secret, "--quiet",          NULL};
+    setenv("SHARD_LEADER", leader, 1);
+    const char *dumps[] = {"--dump-params", dump, NULL};
+    char log0[400], log1[400], logr[400];
+    snprintf(log0, sizeof(log0), "%s/j-0.log", cl.base);
+    snprintf(log1, sizeof(log1), "%s/j-1.log", cl.base);
+    snprintf(logr, sizeof(logr), "%s/j-ref.log", cl.base);
+    pid_t r0 = th_spawn_rank(cl.d[0].sock, "j", 0, args, dumps, log0);
+    pid_t r1 = th_spawn_rank(cl.d[1].sock, "j", 1, args, NULL, log1);
+    unsetenv("SHARD_LEADER");
+    const char *reference[] = {"--reference", "--dump-params", ref, NULL};
+    pid_t rr = th_spawn_rank(NULL, NULL, -1, args, reference, logr);
+    TH_CHECK(log_has(0, "job 'j' ready"), "job j did not start on daemon 0");
+    uint32_t d0 = daemon_id(0), d1 = daemon_id(1);
+    TH_CHECK(d0 != 0 && d1 != 0 && d0 != d1, "the daemons' ids: %08x %08x", d0, d1);
+
+    /* j's token, guessed wrong */
+    struct sd_auth wrong;
+    token_of("not the secret of job j at all", "j", &wrong);
+    struct meet mt;
+    hello(&mt, "j", 0x12345678, &wrong);
+    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "authentication failed"),
+             "a hello for j with a wrong token: answer %d '%s'", mt.answer, mt.why);
+    close(mt.fd);
+    TH_CHECK(log_has(0, "does not prove the job's token"), "daemon 0 did not log the refusal");
+    hello(&mt, "nosuch", 0x12345678, &wrong);
+    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "job 'nosuch'"),
+             "a hello for a job daemon 0 does not serve: answer %d '%s'", mt.answer, mt.why);
+    close(mt.fd);
+
+    /* job x, which this test serves itself: its secret is this test's */
+    setenv("TH_JOB_SECRET", "the secret of job x, this test's", 1);
+    struct x_reg xr = {0};
+    pthread_t th;
+    pthread_create(&th, NULL, register_x, &xr);
+    TH_CHECK(log_has(0, "job 'x' (id"), "daemon 0 did not create job x");
+    struct sd_auth x_token;
+    token_of("the secret of job x, this test's", "x", &x_token);
+    hello(&mt, "x", d1, &x_token); /* as daemon 1, from elsewhere */
+    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "another fabric address"),
+             "a hello for x as daemon 1 (a forged rejoin): answer %d '%s'", mt.answer, mt.why);
+    close(mt.fd);
+    hello(&mt, "x", 0x0badcafe, &x_token); /* as itself: one of x's */
+    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_WELCOME,
+             "a hello for x as a new daemon: answer %d '%s'", mt.answer, mt.why);
+    if (mt.answer == SHARD__PEER_MSG__MSG_WELCOME) {
+        attack_link(mt.fd, d0, d1);
+        TH_CHECK(log_has(0, "sent a message about job 'j' (kind 8) without proving"),
+                 "daemon 0 did not log the abort of j it dropped");
+        TH_CHECK(log_has(0, "did not prove job 'j''s token"),
+                 "daemon 0 did not log the proof of j it refused");
+        TH_CHECK(log_has(0, "sent a coordinator's message (kind 10)"),
+                 "daemon 0 did not log the node-down it dropped");
+        forge_heartbeats(mt.hb_port);
+    }
+    close(mt.fd);
+
+    int e0 = th_wait(r0, 120000), e1 = th_wait(r1, 120000), er = th_wait(rr, 120000);
+    TH_CHECK(e0 == 0 && e1 == 0 && er == 0, "job j's ranks exited %d %d, its reference %d", e0, e1,
+             er);
+    struct th_dump_diff dd;
+    bool same = e0 == 0 && th_compare_dumps(dump, ref, 1e-5, &dd) && dd.outside == 0;
+    TH_CHECK(same, "job j: outside 1e-5 of its reference after the attacks");
+    if (same)
+        printf("job j trained to its reference through every attack (%zu parameters, max %g)\n",
+               dd.n, dd.maxd);
+    pthread_join(th, NULL);
+    unsetenv("TH_JOB_SECRET");
+    TH_CHECK(xr.st != 0, "job x (its node 1 never came) registered");
+    for (int i = 0; i < 2; i++)
+        TH_CHECK(th_daemon_alive(&cl.d[i]), "daemon %d died", i);
+    TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
+    return th_summary("test_meet_trust");
+}
