@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # An emulated cluster of shardd daemons on this machine.
 #
-#   tools/local-cluster.sh start --nodes N --ranks-per-node K --dir DIR [--open]
+#   tools/local-cluster.sh start --nodes N --ranks-per-node K --dir DIR [--open | --independent]
 #                                [--netns --inter-rate RATE --inter-delay DELAY --mtu BYTES]
 #                                [--port PORT] [--shardd PATH] [--gpu-per-node]
 #                                [-- shardd options...]
@@ -26,18 +26,24 @@
 # -- --backend cuda; its trainers then run on GPU i). --open starts an open cluster: every
 # daemon gets --nodes 0 and no index or ranks per node (node 0 adds --node 0: the coordinator,
 # which numbers the others as they join, in order here); jobs give their own ranks per node.
+# --independent starts N independent daemons with no cluster arguments at all (no node count,
+# index, ranks per node, coordinator or cluster secret): each knows only itself, and the daemons
+# of a job meet through its leader, the daemon of rank 0's node, whose "ip:port" is in
+# DIR/node<i>/leader (ranks: SHARD_LEADER=$(cat DIR/node0/leader), or torchrun's MASTER_ADDR in
+# namespaces, where every daemon listens on the default port 7701; on loopback node i listens on
+# PORT + i). Their jobs need a secret (SHARD_JOB_SECRET_FILE).
 # Without --port the coordinator's port is picked below the kernel's ephemeral ports, and picked
 # again (the daemons restarted) if something else listens on it.
 set -euo pipefail
 
-usage() { sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; }
 
 cmd=${1:-}
 [ -n "$cmd" ] || { usage; exit 2; }
 case $cmd in -h|--help|help) usage; exit 0 ;; esac
 shift
 state= nodes=2 k=2 dir= netns=0 rate=1gbit delay=0 mtu=1500 port= shardd= shardctl= extra=() node=
-gpus=0 open=0
+gpus=0 open=0 indep=0
 from=
 while [ $# -gt 0 ]; do
   case $1 in
@@ -55,6 +61,7 @@ while [ $# -gt 0 ]; do
     --from) from=$2; shift 2 ;;
     --gpu-per-node) gpus=1; shift ;;
     --open) open=1; shift ;;
+    --independent) indep=1; shift ;;
     --) shift; extra=("$@"); break ;;
     -h|--help) usage; exit 0 ;;
     up|down|on|off) state=$1; shift ;;
@@ -195,6 +202,15 @@ start_daemons() {
       place=(--nodes 0)
       [ "$i" = 0 ] && place+=(--node 0)
     fi
+    if [ "$indep" = 1 ]; then # nothing of a cluster: on loopback a peer port of its own
+      peer=()
+      [ "$netns" = 1 ] || peer=(--peer-port $((port + i)))
+      "${runner[@]}" "$shardd" --runtime-dir "$d" --fabric-addr "$addr" "${peer[@]}" "${gpu[@]}" \
+        "${extra[@]}" >"$d/shardd.log" 2>&1 &
+      echo $! >"$d/pid"
+      if [ "$netns" = 1 ]; then echo "$addr:7701"; else echo "$addr:$((port + i))"; fi >"$d/leader"
+      continue
+    fi
     "${runner[@]}" "$shardd" "${place[@]}" \
       --runtime-dir "$d" --coordinator "$coord_ip:$port" --fabric-addr "$addr" \
       --cluster-secret-file "$dir/cluster.key" "${gpu[@]}" \
@@ -214,7 +230,7 @@ start_daemons() {
   done
   # the cluster forms once every node said hello (a single node has nobody to wait for)
   formed() {
-    [ "$nodes" -eq 1 ] && return 0
+    [ "$nodes" -eq 1 ] || [ "$indep" = 1 ] && return 0
     for i in $(seq 0 $((nodes - 1))); do
       "$shardctl" --socket "$dir/node$i/shardd.sock" topology 2>/dev/null | grep -q "cluster formed" ||
         return 1
@@ -244,10 +260,14 @@ cat >"$dir/cluster.env" <<EOF
 NODES=$nodes
 RANKS_PER_NODE=$k
 OPEN=$open
+INDEPENDENT=$indep
 PORT=$port
 NETNS=$netns
 EOF
-if [ "$open" = 1 ]; then
+if [ "$indep" = 1 ]; then
+  echo "$nodes independent daemons up in $dir (a job's ranks name its leader:" \
+    "SHARD_LEADER=\$(cat $dir/node0/leader))"
+elif [ "$open" = 1 ]; then
   echo "open cluster of $nodes nodes up in $dir (coordinator $coord_ip:$port)"
 else
   echo "cluster of $nodes nodes x $k ranks up in $dir (coordinator $coord_ip:$port)"

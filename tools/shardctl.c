@@ -213,8 +213,43 @@ static void print_groups(json_t *doc)
         printf("(no jobs)\n");
 }
 
+/* an independent daemon (nodes 1): its id, the daemons it met (its own numbers for them, their
+ * ids and peer listeners) and its jobs on them */
+static void print_independent(json_t *doc)
+{
+    size_t i, k;
+    json_t *n, *j, *id;
+    json_t *nodes = json_object_get(doc, "topology");
+    printf("an independent daemon, id %s, backend %s, ranks per node from each job, ranks per "
+           "package %lld\n",
+           str(json_array_get(nodes, 0), "id"), str(doc, "backend"), num(doc, "package_size"));
+    printf("it met %zu daemons through their jobs (provider %s)\n",
+           json_array_size(nodes) ? json_array_size(nodes) - 1 : 0, str(doc, "provider"));
+    json_array_foreach(nodes, i, n)
+    {
+        if (i > 0)
+            printf("  node %-4lld daemon %s at %s: %s%s\n", num(n, "node"), str(n, "id"),
+                   str(n, "peer_addr"), str(n, "state"),
+                   json_is_true(json_object_get(n, "link")) ? ", linked" : "");
+    }
+    json_array_foreach(json_object_get(doc, "jobs"), i, j)
+    {
+        printf("job %s: world %lld = %lld nodes x %lld ranks on daemons", str(j, "name"),
+               num(j, "world"), num(j, "nodes"), num(j, "ranks_per_node"));
+        json_array_foreach(json_object_get(j, "node_daemons"), k, id)
+        {
+            printf("%s%s", k ? "," : " ", json_string_value(id)[0] ? json_string_value(id) : "?");
+        }
+        printf(" (this one its node %lld)\n", num(j, "node"));
+    }
+}
+
 static void print_topology(json_t *doc)
 {
+    if (json_is_true(json_object_get(doc, "independent"))) {
+        print_independent(doc);
+        return;
+    }
     printf("node %lld of %lld, backend %s, ranks per node %lld%s, ranks per package %lld\n",
            num(doc, "node"), num(doc, "nodes"), str(doc, "backend"), num(doc, "ranks_per_node"),
            num(doc, "ranks_per_node") == 0 ? " (from each job)" : "", num(doc, "package_size"));

@@ -548,6 +548,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
                         srv->tp != NULL ? cfg->provider : "", "cluster_ready", sd_cluster_ready(cl),
                         "socket", srv->sock_path, "topology", nodes, "jobs", jobs);
         json_object_set_new(out, "heartbeats", sd_cluster_heartbeat_json(cl));
+        /* a daemon without a cluster list (nodes 1): topology lists the daemons it met */
+        json_object_set_new(out, "independent", json_boolean(cfg->nodes == 1));
         json_object_set_new(out, "devices", devices_json(reg->dev));
         /* local rank i of every job is on GPU rank_devices[i mod its length] */
         json_t *cycle = json_array();

@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
 """The GPT example launched as schedulers launch it, on two nodes that are network namespaces
-(tools/local-cluster.sh --netns --open: independent daemons, no node count, no ranks per node):
+(tools/local-cluster.sh --netns --independent: daemons with no cluster arguments at all, no node
+count, index, ranks per node or coordinator; a job's daemons meet through its leader):
 
 - torchrun on each node (static rendezvous at node 0's address, --rdzv_id naming the run), the
-  same command everywhere: the example takes its socket from $SHARD_SOCKET and its rank, world
+  same command everywhere: the example takes its socket from $SHARD_SOCKET, its rank, world
   and job from torchrun's variables (shard.torch.launcher), the job's ranks per node from
-  LOCAL_WORLD_SIZE;
+  LOCAL_WORLD_SIZE, and libshard the job's leader from MASTER_ADDR (shardd's port 7701);
 - an srun-style launch: each node's process with Slurm's variables (SLURM_PROCID, SLURM_NTASKS,
-  SLURM_NTASKS_PER_NODE, SLURM_JOB_ID, SLURM_STEP_ID) set as srun sets them, and the job's
-  secret in a file both read ($SHARD_JOB_SECRET_FILE): the job forms of the nodes that gave it.
+  SLURM_NTASKS_PER_NODE, SLURM_JOB_ID, SLURM_STEP_ID, SLURM_STEP_NODELIST: its leader is the
+  list's first node) set as srun sets them.
+Both give the job's secret in a file every rank reads ($SHARD_JOB_SECRET_FILE): the job forms of
+the daemons that prove it.
 
 Each trains to the reference, the same model in one process on both ranks' micro-batches
 (train_gpt.py --single): losses within 1e-5 relative, parameters allclose (rtol 1e-5, atol 1e-5),
 the loss falling. Node 0's daemon lists both jobs by their launchers' names (torch-<run id>,
-slurm-<job>.<step>), finished, on cluster nodes 0 and 1, with bytes sent between the namespaces.
+slurm-<job>.<step>), finished, on the two daemons (their ids, the same on both), with bytes sent
+between the namespaces.
 Skipped (exit 77, with the reason) without PyTorch or where namespaces cannot be made.
 
 Usage: test_torch_launch.py SHARDD LIBSHARD SHARDCTL"""
@@ -90,11 +94,11 @@ def compare(tag, log, dump, ref):
 started = False
 try:
     r = subprocess.run(["bash", SCRIPT, "start", "--nodes", "2", "--dir", cdir, "--netns",
-                        "--open", "--shardd", SHARDD, "--shardctl", SHARDCTL,
+                        "--independent", "--shardd", SHARDD, "--shardctl", SHARDCTL,
                         "--", "--log-level", "warn"],
                        capture_output=True, text=True, timeout=120)
     started = r.returncode == 0
-    check(started, f"open netns cluster start: {r.stdout}{r.stderr}")
+    check(started, f"independent netns daemons' start: {r.stdout}{r.stderr}")
     ns = [netns(0), netns(1)]
     master = address(ns[0]) if started else None
     check(master is not None, f"node 0's address in {ns[0]}")
@@ -105,10 +109,14 @@ try:
                          "--log", ref + ".json", "--dump", ref + ".pt"] + COMMON], env=env)
         check(outs[0][0] == 0, f"the single-process reference: {outs[0][1]}")
 
+        # the job's secret in a file every rank reads (as on a shared filesystem)
+        key = os.path.join(work, "job.key")
+        with open(key, "wb") as f:
+            f.write(os.urandom(32))
         # torchrun on each node, the same command
         cmds = []
         for n in range(2):
-            cmds.append(["ip", "netns", "exec", ns[n], "env",
+            cmds.append(["ip", "netns", "exec", ns[n], "env", f"SHARD_JOB_SECRET_FILE={key}",
                          f"SHARD_SOCKET={cdir}/node{n}/shardd.sock", sys.executable, "-m",
                          "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                          # torch 1.13 (Debian 12) under Python 3.11 cannot parse its default
@@ -122,17 +130,16 @@ try:
             check(rc == 0, f"torchrun on node {n}: exit {rc}:\n{out}")
         compare("torchrun", f"{work}/torchrun0.json", f"{work}/torchrun0.pt", ref)
 
-        # srun: Slurm's variables, as it sets them for task n of 2, one a node, and the job's
-        # secret in a file both read (as on a shared filesystem)
-        key = os.path.join(work, "job.key")
-        with open(key, "wb") as f:
-            f.write(os.urandom(32))
+        # srun: Slurm's variables, as it sets them for task n of 2, one a node (the step's
+        # node list: the two namespaces' addresses, the leader first)
+        nodelist = ",".join(address(x) or "" for x in ns)
         cmds = []
         for n in range(2):
             cmds.append(["ip", "netns", "exec", ns[n], "env", f"SHARD_JOB_SECRET_FILE={key}",
                          f"SHARD_SOCKET={cdir}/node{n}/shardd.sock", f"SLURM_PROCID={n}",
                          "SLURM_NTASKS=2", "SLURM_NTASKS_PER_NODE=1", "SLURM_LOCALID=0",
-                         "SLURM_JOB_ID=4242", "SLURM_STEP_ID=0", sys.executable, GPT, "--plan",
+                         "SLURM_JOB_ID=4242", "SLURM_STEP_ID=0",
+                         f"SLURM_STEP_NODELIST={nodelist}", sys.executable, GPT, "--plan",
                          "mics:2", "--log", f"{work}/srun{n}.json", "--dump",
                          f"{work}/srun{n}.pt"] + COMMON)
         for n, (rc, out) in enumerate(run_all(cmds, env=env)):
@@ -149,10 +156,10 @@ try:
             check(False, f"shardctl jobs --json: {e}: {r.stdout}{r.stderr}")
         for name in ("torch-gpt7", "slurm-4242.0"):
             j = jobs.get(name)
+            ids = j.get("node_daemons", []) if j else []
             check(j is not None and j.get("state") == "finished" and j.get("world") == 2 and
-                  j.get("node_ids") == [0, 1] and j.get("secret") == (name == "slurm-4242.0"),
-                  f"{name}: finished, world 2, on cluster nodes 0 and 1 (a job secret: the "
-                  f"srun one's): {j}")
+                  len(ids) == 2 and all(ids) and ids[0] != ids[1] and j.get("secret") is True,
+                  f"{name}: finished, world 2, on two daemons, with its secret: {j}")
             s = subprocess.run([SHARDCTL, "--socket", f"{cdir}/node0/shardd.sock", "--job", name,
                                 "stats", "--json"], capture_output=True, text=True)
             try:
