@@ -63,6 +63,10 @@ EXPECT = {
     "build/daemon/shardd --runtime-dir": ([r"demo .*finished", r"fetch"], False),
     "tools/local-cluster.sh start --nodes 2 --ranks-per-node 2 --dir /tmp/c   # loopback":
         ([r"cluster of 2 nodes x 2 ranks up", r"demo .*finished"], False),
+    "tools/local-cluster.sh start --nodes 2 --dir /tmp/i --independent": ([
+        r"2 independent daemons up",
+        r"job met: world 4 = 2 nodes x 2 ranks on daemons [0-9a-f]{8},[0-9a-f]{8} "
+        r"\(this one its node 1\)"], False),
     "tools/local-cluster.sh start --nodes 3 --open": ([
         r"open cluster of 3 nodes up",
         r"job anywhere: world 4 = 2 nodes x 2 ranks on cluster nodes 2,1 \(this one its node 0\)"],
