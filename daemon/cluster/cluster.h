@@ -90,6 +90,9 @@ bool sd_cluster_independent(const struct sd_cluster *cl);
  * daemon: node 0 of 1, its own; shardctl topology lists the daemons it met) */
 uint32_t sd_cluster_shown_node(const struct sd_cluster *cl);
 uint32_t sd_cluster_shown_nodes(const struct sd_cluster *cl);
+/* node as messages name it: "cluster node N", or an independent daemon's "daemon ID at
+ * IP:PORT" (its numbers are its own) */
+const char *sd_cluster_node_name(const struct sd_cluster *cl, uint32_t node, char *buf, size_t len);
 /* an independent daemon: the id of the daemon it numbers node (its own for itself; 0: none) */
 uint32_t sd_cluster_daemon_id(const struct sd_cluster *cl, uint32_t node);
 

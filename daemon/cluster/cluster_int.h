@@ -50,6 +50,8 @@ struct link {
      * other end and this one proved on the link since */
     char job[64];
     struct meet_proof *proved, *told;
+    /* proofs of jobs not registered here yet, and the messages about them that came after */
+    struct meet_wait *waiting;
     struct link *next;
 };
 
@@ -221,6 +223,8 @@ void sd_cluster__link_write(struct link *l, uint8_t *frame, size_t len);
 void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m);
 
 void sd_cluster__link_close(struct link *l, const char *why);
+/* a message that came on l (decoded): heard, or dropped */
+void sd_cluster__on_message(struct link *l, const Shard__PeerMsg *m);
 /* the coordinator: a hello that proved the secret (version, config, the node's place) */
 void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h);
 
@@ -257,6 +261,9 @@ void sd_meet__hello_fields(struct link *l, Shard__PeerHello *h, struct sd_auth *
 void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h);
 void sd_meet__on_welcome(struct link *l, const Shard__PeerWelcome *w);
 void sd_meet__adopt(struct link *l, uint32_t slot);
+/* proofs that waited for their jobs to register here: checked again (and given up after the
+ * registration's deadline) */
+void sd_meet__tick(struct sd_cluster *cl, uint64_t now);
 /* this node's report of a job spanning nodes: to the job's leader (leader: "ip:port"), or
  * decided here when it is */
 void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const char *leader);

@@ -291,8 +291,6 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h)
 
 /* ---- receiving */
 
-static void on_message(struct link *l, const Shard__PeerMsg *m);
-
 /* The coordinator passes a member's message for another member on (a job's messages only:
  * what a member may say about the cluster it says to the coordinator itself). */
 static void relay(struct link *l, const Shard__PeerRelay *r)
@@ -307,12 +305,12 @@ static void relay(struct link *l, const Shard__PeerRelay *r)
     if (!sd_cluster__coord_relays(cl, l->node, job, r->to))
         return;
     if (r->to == cl->self)
-        on_message(l, r->msg);
+        sd_cluster__on_message(l, r->msg);
     else
         sd_cluster__send_to(cl, r->to, r->msg);
 }
 
-static void on_message(struct link *l, const Shard__PeerMsg *m)
+void sd_cluster__on_message(struct link *l, const Shard__PeerMsg *m)
 {
     struct sd_cluster *cl = l->cl;
     l->last_seen_ns = sd_now_ns();
@@ -447,7 +445,7 @@ static void read_cb(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
             sd_cluster__link_close(l, "undecodable peer message");
             return;
         }
-        on_message(l, m);
+        sd_cluster__on_message(l, m);
         shard__peer_msg__free_unpacked(m, NULL);
         if (l->closing)
             return;
@@ -692,6 +690,8 @@ static void timer_cb(uv_timer_t *t)
         }
     }
     sd_probe_tick(cl, now);
+    if (cl->indep)
+        sd_meet__tick(cl, now);
     sd_cluster__coord_sweep(cl, now); /* (a member's: registrations it decides) */
     if (cl->self != 0)
         sd_cluster__peer_links(cl, now);

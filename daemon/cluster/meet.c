@@ -33,6 +33,20 @@ struct meet_proof {
     char job[64];
 };
 
+/* A proof of a job that is not registered here yet (its ranks here come a moment later than
+ * the other node's): kept with the messages about the job that followed it, until the job's
+ * token is here to check it, or the registration's deadline. */
+#define MEET_WAIT_MSGS 64
+struct meet_wait {
+    struct meet_wait *next;
+    char job[64];
+    uint8_t mac[SD_SHA256_BYTES];
+    uint64_t since_ns;
+    uint32_t n;
+    uint8_t *msg[MEET_WAIT_MSGS]; /* packed PeerMsgs, in order */
+    size_t len[MEET_WAIT_MSGS];
+};
+
 /* a message's copy with daemons named by their ids (sd_meet__send) */
 struct meet_wire {
     Shard__PeerMsg m;
@@ -96,8 +110,20 @@ void sd_meet__free(struct sd_cluster *cl)
     free(cl->meet.wire);
 }
 
+static void wait_free(struct meet_wait *w)
+{
+    for (uint32_t i = 0; i < w->n; i++)
+        free(w->msg[i]);
+    free(w);
+}
+
 void sd_meet__link_free(struct link *l)
 {
+    while (l->waiting != NULL) {
+        struct meet_wait *w = l->waiting;
+        l->waiting = w->next;
+        wait_free(w);
+    }
     struct meet_proof *lists[2] = {l->proved, l->told};
     for (int i = 0; i < 2; i++)
         while (lists[i] != NULL) {
@@ -392,28 +418,135 @@ void sd_meet__flush(struct link *l, const char *job, uint8_t *frame, size_t len)
     sd_cluster__link_write(l, frame, len);
 }
 
+static struct meet_wait *wait_find(struct link *l, const char *job)
+{
+    for (struct meet_wait *w = l->waiting; w; w = w->next)
+        if (strcmp(w->job, job) == 0)
+            return w;
+    return NULL;
+}
+
+/* the other end's proof of job (mac): heard, or false (logged) */
+static bool proof_check(struct link *l, const char *job, const uint8_t *mac)
+{
+    struct sd_cluster *cl = l->cl;
+    uint8_t token[SD_JOB_TOKEN_BYTES], want[SD_SHA256_BYTES];
+    bool ok = cl->ev.job_token(cl->ev.ctx, job, token);
+    if (ok) {
+        proof_mac(token, l, job, l->incoming, want);
+        ok = sd_mem_equal(want, mac, SD_SHA256_BYTES);
+    }
+    if (ok)
+        proof_add(&l->proved, job);
+    else
+        SD_WARN_SPARSE("cluster",
+                       "node %d did not prove job '%.64s''s token (not one of its nodes): its "
+                       "messages about it are not heard",
+                       l->node, job);
+    return ok;
+}
+
+/* A proof of a job not registered here yet: kept (one per job and link) for when it is. */
+static void proof_wait(struct link *l, const Shard__JobProof *p)
+{
+    struct meet_wait *w = wait_find(l, p->job);
+    if (w == NULL) {
+        uint32_t n = 0;
+        for (struct meet_wait *o = l->waiting; o; o = o->next)
+            n++;
+        if (n >= 16 || (w = calloc(1, sizeof(*w))) == NULL) {
+            SD_WARN_SPARSE("cluster",
+                           "node %d proved %u jobs that are not here: job '%.64s''s proof "
+                           "dropped",
+                           l->node, n, p->job);
+            return;
+        }
+        snprintf(w->job, sizeof(w->job), "%s", p->job);
+        w->next = l->waiting;
+        l->waiting = w;
+    }
+    memcpy(w->mac, p->mac.data, SD_SHA256_BYTES);
+    w->since_ns = sd_now_ns();
+}
+
+/* a message about w's job, kept until its proof is checked */
+static void wait_keep(struct link *l, struct meet_wait *w, const Shard__PeerMsg *m)
+{
+    size_t len = protobuf_c_message_get_packed_size(&m->base);
+    uint8_t *buf = w->n < MEET_WAIT_MSGS ? malloc(len) : NULL;
+    if (buf == NULL) {
+        SD_WARN_SPARSE("cluster", "node %d: a message about job '%.64s', not here yet, dropped",
+                       l->node, w->job);
+        return;
+    }
+    protobuf_c_message_pack(&m->base, buf);
+    w->msg[w->n] = buf;
+    w->len[w->n++] = len;
+}
+
+/* the proofs that waited on l for their jobs: checked once the job is here (and its messages
+ * heard, in order), dropped after deadline_ns */
+static void wait_check(struct link *l, uint64_t now, uint64_t deadline_ns)
+{
+    struct sd_cluster *cl = l->cl;
+    uint8_t token[SD_JOB_TOKEN_BYTES];
+    for (struct meet_wait **pp = &l->waiting; *pp;) {
+        struct meet_wait *w = *pp;
+        bool here = cl->ev.job_token(cl->ev.ctx, w->job, token);
+        if (!here && now - w->since_ns <= deadline_ns) {
+            pp = &w->next;
+            continue;
+        }
+        *pp = w->next;
+        if (!here)
+            SD_WARN("cluster",
+                    "node %d proved job '%.64s', which did not register here in time: its %u "
+                    "message(s) dropped",
+                    l->node, w->job, w->n);
+        else if (proof_check(l, w->job, w->mac))
+            for (uint32_t i = 0; i < w->n && !l->closing; i++) {
+                Shard__PeerMsg *m = shard__peer_msg__unpack(NULL, w->len[i], w->msg[i]);
+                if (m != NULL)
+                    sd_cluster__on_message(l, m);
+                shard__peer_msg__free_unpacked(m, NULL);
+            }
+        wait_free(w);
+        if (l->closing)
+            return;
+        pp = &l->waiting; /* (the replay may have changed the list) */
+    }
+}
+
+void sd_meet__tick(struct sd_cluster *cl, uint64_t now)
+{
+    uint64_t deadline = 2 * (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
+    for (struct link *l = cl->links, *next; l; l = next) {
+        next = l->next;
+        if (l->waiting != NULL)
+            wait_check(l, now, deadline);
+    }
+}
+
 bool sd_meet__receive(struct link *l, Shard__PeerMsg *m)
 {
     struct sd_cluster *cl = l->cl;
     if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_PROOF) {
         const Shard__JobProof *p = m->job_proof;
-        uint8_t token[SD_JOB_TOKEN_BYTES], want[SD_SHA256_BYTES];
-        bool ok = p->job[0] != '\0' && strlen(p->job) < 64 && p->mac.len == SD_SHA256_BYTES &&
-                  cl->ev.job_token(cl->ev.ctx, p->job, token);
-        if (ok) {
-            proof_mac(token, l, p->job, l->incoming, want);
-            ok = sd_mem_equal(want, p->mac.data, SD_SHA256_BYTES);
-        }
-        if (ok)
-            proof_add(&l->proved, p->job);
+        uint8_t token[SD_JOB_TOKEN_BYTES];
+        if (p->job[0] == '\0' || strlen(p->job) >= 64 || p->mac.len != SD_SHA256_BYTES)
+            SD_WARN_SPARSE("cluster", "node %d sent a malformed proof: dropped", l->node);
+        else if (!cl->ev.job_token(cl->ev.ctx, p->job, token)) /* (its ranks here come later) */
+            proof_wait(l, p);
         else
-            SD_WARN_SPARSE("cluster",
-                           "node %d did not prove job '%.64s''s token (not one of its nodes, "
-                           "or the job is not here): its messages about it are not heard",
-                           l->node, p->job);
+            (void)proof_check(l, p->job, p->mac.data);
         return false;
     }
     const char *job = job_of(m);
+    struct meet_wait *w = job != NULL && !proof_has(l->proved, job) ? wait_find(l, job) : NULL;
+    if (w != NULL) {
+        wait_keep(l, w, m);
+        return false;
+    }
     if (job != NULL && !proof_has(l->proved, job)) {
         SD_WARN_SPARSE("cluster",
                        "node %d sent a message about job '%.64s' (kind %d) without proving the "
@@ -756,16 +889,17 @@ void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const cha
     if (lead) {
         leader_note(cl, r->job, cl->self);
         sd_cluster__coord_report(cl, r);
-        return;
+    } else {
+        leader_note(cl, r->job, slot);
+        if (r->status == SD_OK)
+            SD_INFO("cluster", "job '%s': meeting its leader at %s (node %u here)", r->job, leader,
+                    slot);
+        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+        m.msg_case = SHARD__PEER_MSG__MSG_JOB_REPORT;
+        m.job_report = (Shard__JobReport *)r;
+        sd_cluster__peer_send(cl, slot, &m);
     }
-    leader_note(cl, r->job, slot);
-    if (r->status == SD_OK)
-        SD_INFO("cluster", "job '%s': meeting its leader at %s (node %u here)", r->job, leader,
-                slot);
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_JOB_REPORT;
-    m.job_report = (Shard__JobReport *)r;
-    sd_cluster__peer_send(cl, slot, &m);
+    sd_meet__tick(cl, sd_now_ns()); /* (proofs of this job that came first) */
 }
 
 json_t *sd_meet__json(const struct sd_cluster *cl)

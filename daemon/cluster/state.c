@@ -62,6 +62,17 @@ uint32_t sd_cluster_daemon_id(const struct sd_cluster *cl, uint32_t node)
     return node == cl->self ? cl->meet.uid : cl->meet.uid_of[node];
 }
 
+const char *sd_cluster_node_name(const struct sd_cluster *cl, uint32_t node, char *buf, size_t len)
+{
+    if (cl == NULL || !cl->indep || node >= cl->cap)
+        snprintf(buf, len, "cluster node %u", node);
+    else if (node == cl->self)
+        snprintf(buf, len, "daemon %08x, this one", cl->meet.uid);
+    else
+        snprintf(buf, len, "daemon %08x at %s", cl->meet.uid_of[node], cl->peers.addrs[node]);
+    return buf;
+}
+
 bool sd_cluster_independent(const struct sd_cluster *cl)
 {
     return cl != NULL && cl->indep;

@@ -40,8 +40,11 @@ const char *sd_job_peer_name(const struct sd_job *job, uint32_t n, char *buf, si
     uint32_t id = job->nodes > 1 ? sd_job_node_id(job, n) : SD_NODE_UNKNOWN;
     if (id == SD_NODE_UNKNOWN)
         snprintf(buf, len, "node %u", n);
-    else
-        snprintf(buf, len, "node %u (cluster node %u)", n, id);
+    else {
+        char name[128];
+        snprintf(buf, len, "node %u (%s)", n,
+                 sd_cluster_node_name(sd_job_cluster(job), id, name, sizeof(name)));
+    }
     return buf;
 }
 

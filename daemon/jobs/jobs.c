@@ -105,25 +105,23 @@ static void ev_node_down(void *ctx, uint32_t node, const char *reason)
         uint32_t jn = sd_job_node_of(job, node);
         if (jn == SD_NODE_UNKNOWN)
             continue;
+        char peer[160], first[160];
+        sd_job_peer_name(job, jn, peer, sizeof(peer));
         if (job->state == SD_JOB_REGISTERING) {
-            char text[256];
-            snprintf(text, sizeof(text),
-                     "node %u (cluster node %u) is down (%s) while the job "
-                     "registers",
-                     jn, node, reason);
+            char text[384];
+            snprintf(text, sizeof(text), "%s is down (%s) while the job registers", peer, reason);
             sd_job_refuse_everywhere(job, SD_EPEER, text);
             continue;
         }
-        char what[200], kept[200] = "";
+        char what[200], kept[320] = "";
         sd_job_net_describe(job, what, sizeof(what));
         if (sd_resume_keep(job))
             snprintf(kept, sizeof(kept),
                      "; its state is kept for %llu ms: shardctl checkpoint --job %s DIR on the "
-                     "job's node 0 (cluster node %u) writes it from the replicas",
+                     "job's %s writes it from the replicas",
                      (unsigned long long)sd_resume_timeout_ms(job), job->name,
-                     job->xfer.node_ids[0]);
-        sd_job_fail(job, SD_EPEER, "%s; node %u (cluster node %u) is down: %.100s%s", what, jn,
-                    node, reason, kept);
+                     sd_job_peer_name(job, 0, first, sizeof(first)));
+        sd_job_fail(job, SD_EPEER, "%s; %s is down: %.100s%s", what, peer, reason, kept);
     }
 }
 

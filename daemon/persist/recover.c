@@ -201,12 +201,13 @@ int sd_recover_admin(struct sd_registry *reg, const struct sd_admin_later *later
                       "no job '%.64s' whose state this node holds (a job that failed keeps its "
                       "state only with resume_timeout_ms, for that long)",
                       name);
+    char first[160];
     if (job->node != 0)
         return refuse(json_p, SD_EINVAL,
                       "this daemon serves node %u of job '%s': checkpoint --job runs on the "
-                      "daemon of the job's node 0 (cluster node %u, rank 0's), which asks the "
-                      "other nodes for their parts",
-                      job->node, name, job->xfer.node_ids[0]);
+                      "daemon of the job's %s, rank 0's, which asks the other nodes for their "
+                      "parts",
+                      job->node, name, sd_job_peer_name(job, 0, first, sizeof(first)));
     if (!sd_ckpt_idle(job))
         return refuse(json_p, SD_EBUSY, "job '%s' is saving a checkpoint; try again", name);
 
