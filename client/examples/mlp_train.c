@@ -43,6 +43,7 @@ struct opts {
     uint64_t resume_timeout_ms; /* --resume-timeout-ms: a paused job is registered again */
     uint32_t ranks_per_node;    /* --ranks-per-node (0: $LOCAL_WORLD_SIZE, else the daemon's) */
     const char *secret_file;    /* --job-secret-file (NULL: $SHARD_JOB_SECRET_FILE, else none) */
+    const char *leader;         /* --leader (NULL: libshard's: $SHARD_LEADER, $MASTER_ADDR, ...) */
     int rank, world, steps, accum, batch, hidden, layers;
     bool bf16, reference, quiet, timing;
     bool zero_copy;    /* gradients written into shardd's staging buffer (shard_grad_buffer) */
@@ -785,6 +786,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
         .load = o->load,
         .resume_timeout_ms = o->resume_timeout_ms,
         .ranks_per_node = o->ranks_per_node ? o->ranks_per_node : launcher_ranks_per_node(),
+        .leader = o->leader,
     };
     uint8_t secret[SHARD_JOB_SECRET_MAX + 1];
     if (o->secret_file != NULL) {
@@ -1026,7 +1028,7 @@ static void usage(FILE *out)
             "                 [--timing] [--zero-copy] [--final-loss] [--nonfinite STEP]\n"
             "                 [--save-every N --save-dir DIR] [--save-delay-ms MS] [--load DIR]\n"
             "                 [--resume-timeout-ms MS] [--ranks-per-node K]\n"
-            "                 [--job-secret-file FILE]\n"
+            "                 [--job-secret-file FILE] [--leader HOST[:PORT]]\n"
             "Trains a %d-input, %d-output MLP through shardd (or, with --reference, with plain\n"
             "data parallelism in this one process). Defaults: job mlp, rank 0, world 1, plan\n"
             "ddp, 20 steps, accum 1, adamw, fp32, seed 1, lr 1e-3, batch 8, hidden 384,\n"
@@ -1063,6 +1065,10 @@ static void usage(FILE *out)
             "--job-secret-file FILE: the job's secret (16-4096 bytes, the same file for every\n"
             "rank; default $SHARD_JOB_SECRET_FILE): the daemons form the job across nodes of\n"
             "the nodes whose ranks gave it, and refuse a node that reports the job without it.\n"
+            "--leader HOST[:PORT]: the job's leader, the daemon of rank 0's node, which\n"
+            "independent daemons (no cluster list) meet through (default $SHARD_LEADER, else\n"
+            "torchrun's MASTER_ADDR, else the first host of Slurm's SLURM_STEP_NODELIST, port\n"
+            "$SHARD_LEADER_PORT or 7701).\n"
             "Under a launcher the rank, world and job default to torchrun's RANK, WORLD_SIZE\n"
             "and TORCHELASTIC_RUN_ID (job torch-ID), else Slurm's SLURM_PROCID, SLURM_NTASKS\n"
             "and SLURM_JOB_ID.SLURM_STEP_ID (job slurm-ID.STEP); the options override them.\n",
@@ -1176,6 +1182,8 @@ int main(int argc, char **argv)
             o.ranks_per_node = (uint32_t)strtoul(v, NULL, 10);
         } else if (ARG("--job-secret-file")) {
             o.secret_file = v;
+        } else if (ARG("--leader")) {
+            o.leader = v;
         } else if (ARG("--load")) {
             o.load = v;
         } else if (ARG("--dump-params")) {

@@ -127,6 +127,7 @@ struct sd_cluster {
         uint32_t uid;                /* this daemon's id, random at each start */
         uint32_t *uid_of;            /* [cap]: the id of each slot's daemon (0: not known yet) */
         uint32_t *as;                /* [cap]: the number each slot's daemon gives this one */
+        uint32_t slots;              /* slots in use up to (cap; fewer for a test) */
         struct meet_leader *leaders; /* which slot leads each job registering here */
         struct meet_wire *wire;      /* scratch: a message with ids for slots */
     } meet;

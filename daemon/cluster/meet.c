@@ -79,6 +79,12 @@ int sd_meet__init(struct sd_cluster *cl)
             return SD_EIO;
     for (uint32_t i = 0; i < cl->cap; i++)
         cl->meet.as[i] = SD_NO_NODE; /* (told at each link's handshake) */
+    cl->meet.slots = cl->cap;
+#ifdef SD_TEST_HOOKS /* tests only: fewer slots, which the daemons met must reuse */
+    const char *slots = getenv("SHARDD_TEST_MEET_SLOTS");
+    if (slots != NULL && strtoul(slots, NULL, 10) >= 3)
+        cl->meet.slots = (uint32_t)SD_MIN(strtoul(slots, NULL, 10), cl->cap);
+#endif
     cl->tp->self_as = cl->meet.as;
     return SD_OK;
 }
@@ -146,14 +152,46 @@ static uint32_t slot_by_uid(const struct sd_cluster *cl, uint32_t uid)
     return SD_NO_NODE;
 }
 
-/* a slot no daemon holds (none known, none being dialed) */
-static uint32_t slot_new(const struct sd_cluster *cl)
+/* A slot of a daemon that is down and that nothing here names any more (no job, no link, no
+ * message waiting, no registration it leads), emptied for another: a daemon that restarts
+ * comes back under a new id, so a long-lived daemon would otherwise run out of its 1022. */
+static uint32_t slot_reclaim(struct sd_cluster *cl)
 {
-    for (uint32_t i = 2; i < cl->cap; i++)
+    memset(cl->peers.need, 0, cl->cap * sizeof(*cl->peers.need));
+    cl->ev.nodes_in_use(cl->ev.ctx, cl->peers.need, cl->cap);
+    for (const struct outmsg *o = cl->peers.outbox; o; o = o->next)
+        cl->peers.need[o->node] = true;
+    for (const struct meet_leader *l = cl->meet.leaders; l; l = l->next)
+        if (l->slot < cl->cap)
+            cl->peers.need[l->slot] = true;
+    for (uint32_t i = 2; i < cl->meet.slots; i++) {
+        /* (one that is up but has no link now is met again when a job names it) */
+        if (cl->peers.need[i] || cl->by_node[i] != NULL || cl->peers.dialing[i])
+            continue;
+        SD_INFO("cluster", "node %u (daemon %08x at %s, %s, no job names it) is free again", i,
+                cl->meet.uid_of[i], cl->peers.addrs[i], cl->alive[i] ? "unlinked" : "down");
+        cl->alive[i] = false;
+        cl->tp->ops->peer_down(cl->tp, i);
+        sd_probe_down(cl, i);
+        cl->meet.uid_of[i] = 0;
+        cl->meet.as[i] = SD_NO_NODE;
+        cl->addr_len[i] = 0;
+        cl->hb_port[i] = 0;
+        cl->present[i] = false;
+        cl->peers.addrs[i][0] = '\0';
+        return i;
+    }
+    return SD_NO_NODE;
+}
+
+/* a slot no daemon holds (none known, none being dialed) */
+static uint32_t slot_new(struct sd_cluster *cl)
+{
+    for (uint32_t i = 2; i < cl->meet.slots; i++)
         if (cl->meet.uid_of[i] == 0 && cl->peers.addrs[i][0] == '\0' && cl->by_node[i] == NULL &&
             !cl->peers.dialing[i])
             return i;
-    return SD_NO_NODE;
+    return slot_reclaim(cl);
 }
 
 /* Slot holds daemon uid (fabric address fab, fab_len bytes; heartbeat port hb; peer listener
@@ -679,7 +717,9 @@ void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h)
     } else if ((s = slot_new(cl)) == SD_NO_NODE ||
                slot_fill(cl, s, h->node, h->fabric_addr.data, h->fabric_addr.len, h->hb_port, pa) !=
                    SD_OK) {
-        sd_cluster__refuse(l, "this daemon cannot take another peer (%u slots)", cl->cap);
+        sd_cluster__refuse(l,
+                           "this daemon cannot take another peer (its %u are all in use by jobs)",
+                           cl->meet.slots - 2);
         return;
     }
     cl->hb_port[s] = h->hb_port;
@@ -877,7 +917,7 @@ void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const cha
             snprintf(err, sizeof(err),
                      "job '%s': its leader '%.64s' is not ip:port, or this daemon knows %u "
                      "daemons already",
-                     r->job, leader, cl->cap);
+                     r->job, leader, cl->meet.slots - 2);
         }
     }
     if (st != SD_OK) {

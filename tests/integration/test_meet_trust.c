@@ -13,7 +13,8 @@
  * - heartbeat datagrams naming each number daemon 0 may give daemon 1, with wrong MACs:
  *   dropped (counted);
  * and j trains on to its one-process reference (within 1e-5, as every run of it), both daemons
- * up, daemon 1 still "up" in daemon 0's view. */
+ * up. Then daemon 1 restarted three times (a new id each time) serves a job with daemon 0 each
+ * time, daemon 0 reusing the slots of the daemons gone (it has 2: SHARDD_TEST_MEET_SLOTS). */
 #include "harness.h"
 #include "shard.h"
 #include "cluster/auth.h"
@@ -27,6 +28,7 @@
 #include <jansson.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -245,8 +247,38 @@ static long long forge_heartbeats(uint32_t port)
     return more;
 }
 
+/* Daemon 1 restarted three times, each time under a new id, each serving a job with daemon 0:
+ * daemon 0 (2 slots for the daemons it meets: SHARDD_TEST_MEET_SLOTS) reuses the slots of the
+ * daemons that are gone (daemon 1's last incarnations, this test's link). */
+static void reuse_slots(const char *leader, const char *secret)
+{
+    const char *args[] = {"--world",  "2",     "--ranks-per-node",  "1",
+                          "--plan",   "zero3", "--steps",           "3",
+                          "--leader", leader,  "--job-secret-file", secret,
+                          "--quiet",  NULL}; /* (mlp_train --leader: no variable) */
+    for (int round = 0; round < 3; round++) {
+        kill(cl.d[1].pid, SIGKILL);
+        th_wait(cl.d[1].pid, 10000);
+        cl.d[1].pid = 0;
+        TH_CHECK(th_cluster_node_restart(&cl, 1, extra) == 0, "daemon 1 did not restart");
+        char job[16], l0[400], l1[400];
+        snprintf(job, sizeof(job), "again%d", round);
+        snprintf(l0, sizeof(l0), "%s/%s-0.log", cl.base, job);
+        snprintf(l1, sizeof(l1), "%s/%s-1.log", cl.base, job);
+        pid_t p0 = th_spawn_rank(cl.d[0].sock, job, 0, args, NULL, l0);
+        pid_t p1 = th_spawn_rank(cl.d[1].sock, job, 1, args, NULL, l1);
+        int e0 = th_wait(p0, 60000), e1 = th_wait(p1, 60000);
+        TH_CHECK(e0 == 0 && e1 == 0,
+                 "%s on daemon 0 and daemon 1's incarnation %d: exits %d %d "
+                 "(logs %s, %s)",
+                 job, round + 2, e0, e1, l0, l1);
+    }
+    TH_CHECK(log_has(0, "is free again"), "daemon 0 did not reuse a slot");
+}
+
 int main(void)
 {
+    setenv("SHARDD_TEST_MEET_SLOTS", "4", 1); /* (2 daemons met at once: reuse_slots) */
     int rc = th_indep_cluster_start(&cl, 2, false, extra);
     if (rc != 0) {
         fprintf(stderr, "cannot start 2 independent daemons\n");
@@ -332,6 +364,7 @@ int main(void)
     pthread_join(th, NULL);
     unsetenv("TH_JOB_SECRET");
     TH_CHECK(xr.st != 0, "job x (its node 1 never came) registered");
+    reuse_slots(leader, secret);
     for (int i = 0; i < 2; i++)
         TH_CHECK(th_daemon_alive(&cl.d[i]), "daemon %d died", i);
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");

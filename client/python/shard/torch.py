@@ -786,7 +786,7 @@ def _check_devices(named, socket, rank=0, ranks_per_node=0):
 
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
          units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None,
-         resume_timeout_ms=0, ranks_per_node=None, job_secret=None):
+         resume_timeout_ms=0, ranks_per_node=None, job_secret=None, leader=None):
     """Register model's parameters with shardd and install the hooks; returns model.
 
     rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
@@ -799,7 +799,11 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     the job: a resumed job's ranks give the one it ran with, or its nodes refuse them): the
     daemons form the job across nodes of the nodes whose ranks gave it, and refuse a node that
     reports the job without it. By default the bytes of the file $SHARD_JOB_SECRET_FILE names
-    (made once per job, `head -c 32 /dev/urandom`, where every rank reads it), else none.
+    (made once per job, `head -c 32 /dev/urandom`, where every rank reads it), else none; a job
+    across independent daemons (no cluster list) needs one.
+    leader: "host[:port]" of the job's leader, the daemon of rank 0's node, which independent
+    daemons meet through; by default $SHARD_LEADER, else torchrun's MASTER_ADDR, else the first
+    host of Slurm's SLURM_STEP_NODELIST (port $SHARD_LEADER_PORT, else 7701).
     units: submodules (or their names) that become units, in forward order; by default every
     direct child with parameters, descending into ModuleList, ModuleDict and Sequential.
     Parameters outside them form one more unit fetched around the whole model's forward. A
@@ -906,7 +910,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                          bcast_bytes=bufs.nbytes if bufs else 0, load=load,
                          resume_timeout_ms=resume_timeout_ms,
                          ranks_per_node=_ranks_per_node(ranks_per_node),
-                         job_secret=_job_secret(job_secret))
+                         job_secret=_job_secret(job_secret), leader=leader)
         err = _placement_error(dev, ctx.memory,
                                {"index": "of this rank", "name": "the daemon's",
                                 "uuid": ctx.device_uuid},
