@@ -16,7 +16,9 @@
  *   held by a test hook meanwhile) waits for it and resumes the job;
  * - a resuming registration refused while its memory is allocated leaves the paused job
  *   resumable at once (test hooks only: the allocation held by SHARDD_TEST_ALLOC_STALL_MS).
- * Each interrupted run is compared with an uninterrupted run of the same cluster and plan. */
+ * Each interrupted run is compared with an uninterrupted run of the same cluster and plan. With
+ * the argument "independent": the 2 x 2 runs on independent daemons (no cluster arguments), the
+ * ranks naming their leader and giving the job's secret. */
 #include "harness.h"
 
 #include <jansson.h>
@@ -528,11 +530,46 @@ static void restart_before_hangup(void)
 }
 #endif
 
-int main(void)
+/* The 2 x 2 runs on independent daemons (no cluster arguments; every rank names node 0's
+ * daemon the leader and gives the job's secret): a pause crosses daemons that met per job. */
+static int independent(unsigned seed)
+{
+    struct th_cluster two;
+    const char *extra[] = {"--ranks-per-node", "2", NULL}; /* (the jobs' default) */
+    TH_CHECK(th_indep_cluster_start(&two, 2, false, extra) == 0, "2 independent daemons");
+    two.k = 2;
+    snprintf(base, sizeof(base), "%s", two.base);
+    char leader[64], secret[400], ref[400];
+    snprintf(secret, sizeof(secret), "%s/job.secret", base);
+    FILE *f = fopen(secret, "w");
+    TH_CHECK(f != NULL && fputs("the jobs' secret, 16 bytes or more", f) >= 0 && fclose(f) == 0,
+             "the jobs' secret");
+    setenv("SHARD_LEADER", th_cluster_leader(&two, 0, leader, sizeof(leader)), 1);
+    setenv("SHARD_JOB_SECRET_FILE", secret, 1);
+    const char *plans[] = {"zero3", "mics:2"};
+    for (int p = 0; p < 2; p++) {
+        char job[32];
+        snprintf(ref, sizeof(ref), "%s/ref2-%d.bin", base, p);
+        snprintf(job, sizeof(job), "plain2-%d", p);
+        if (!run_plain(&two, job, plans[p], ref))
+            continue;
+        snprintf(job, sizeof(job), "one2-%d", p);
+        kill_and_resume(&two, job, plans[p], false, ref);
+        snprintf(job, sizeof(job), "all2-%d", p);
+        kill_and_resume(&two, job, plans[p], true, ref);
+    }
+    TH_CHECK(th_cluster_stop(&two) == 0, "daemons did not shut down cleanly");
+    printf("independent daemons, seed %u\n", seed);
+    return th_summary("test_resume");
+}
+
+int main(int argc, char **argv)
 {
     unsigned seed = (unsigned)time(NULL);
     srand(seed);
     printf("seed %u\n", seed);
+    if (argc > 1 && strcmp(argv[1], "independent") == 0)
+        return independent(seed);
     struct th_cluster one = {.nodes = 1, .k = 4}, two;
     TH_CHECK(th_daemon_start(&one.d[0], NULL) == 0, "shardd");
     snprintf(base, sizeof(base), "%s", one.d[0].dir);
