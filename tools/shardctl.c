@@ -214,15 +214,23 @@ static void print_groups(json_t *doc)
 }
 
 /* an independent daemon (nodes 1): its id, the daemons it met (its own numbers for them, their
- * ids and peer listeners) and its jobs on them */
+ * ids and peer listeners) */
 static void print_independent(json_t *doc)
 {
-    size_t i, k;
-    json_t *n, *j, *id;
+    size_t i;
+    json_t *n;
     json_t *nodes = json_object_get(doc, "topology");
-    printf("an independent daemon, id %s, backend %s, ranks per node from each job, ranks per "
-           "package %lld\n",
-           str(json_array_get(nodes, 0), "id"), str(doc, "backend"), num(doc, "package_size"));
+    const char *id = str(json_array_get(nodes, 0), "id");
+    printf("an independent daemon%s%s, backend %s, ranks per node %lld%s, ranks per package "
+           "%lld\n",
+           id[0] ? ", id " : "", id, str(doc, "backend"), num(doc, "ranks_per_node"),
+           num(doc, "ranks_per_node") == 0 ? " (from each job)" : " (for jobs that give none)",
+           num(doc, "package_size"));
+    printf("levels: package (%lld ranks) < node < the job's nodes\n", num(doc, "package_size"));
+    if (!id[0]) {
+        printf("no job has spanned nodes yet: it meets other daemons through their jobs\n");
+        return;
+    }
     printf("it met %zu daemons through their jobs (provider %s)\n",
            json_array_size(nodes) ? json_array_size(nodes) - 1 : 0, str(doc, "provider"));
     json_array_foreach(nodes, i, n)
@@ -232,40 +240,31 @@ static void print_independent(json_t *doc)
                    str(n, "peer_addr"), str(n, "state"),
                    json_is_true(json_object_get(n, "link")) ? ", linked" : "");
     }
-    json_array_foreach(json_object_get(doc, "jobs"), i, j)
-    {
-        printf("job %s: world %lld = %lld nodes x %lld ranks on daemons", str(j, "name"),
-               num(j, "world"), num(j, "nodes"), num(j, "ranks_per_node"));
-        json_array_foreach(json_object_get(j, "node_daemons"), k, id)
-        {
-            printf("%s%s", k ? "," : " ", json_string_value(id)[0] ? json_string_value(id) : "?");
-        }
-        printf(" (this one its node %lld)\n", num(j, "node"));
-    }
 }
 
 static void print_topology(json_t *doc)
 {
-    if (json_is_true(json_object_get(doc, "independent"))) {
-        print_independent(doc);
-        return;
-    }
-    printf("node %lld of %lld, backend %s, ranks per node %lld%s, ranks per package %lld\n",
-           num(doc, "node"), num(doc, "nodes"), str(doc, "backend"), num(doc, "ranks_per_node"),
-           num(doc, "ranks_per_node") == 0 ? " (from each job)" : "", num(doc, "package_size"));
-    printf("levels: package (%lld ranks) < node < cluster (%lld nodes)\n", num(doc, "package_size"),
-           num(doc, "nodes"));
-    if (num(doc, "nodes") > 1)
-        printf("cluster %s, provider %s\n",
-               json_is_true(json_object_get(doc, "cluster_ready")) ? "formed" : "forming",
-               str(doc, "provider"));
     size_t i;
     json_t *n, *j, *d;
-    json_array_foreach(json_object_get(doc, "topology"), i, n)
-    {
-        /* link: a control link joins the two (the coordinator's, or a job peer's direct one) */
-        printf("  node %-4lld %s%s\n", num(n, "node"), str(n, "state"),
-               json_is_true(json_object_get(n, "link")) ? ", linked" : "");
+    bool indep = json_is_true(json_object_get(doc, "independent"));
+    if (indep) {
+        print_independent(doc);
+    } else {
+        printf("node %lld of %lld, backend %s, ranks per node %lld%s, ranks per package %lld\n",
+               num(doc, "node"), num(doc, "nodes"), str(doc, "backend"), num(doc, "ranks_per_node"),
+               num(doc, "ranks_per_node") == 0 ? " (from each job)" : "", num(doc, "package_size"));
+        printf("levels: package (%lld ranks) < node < cluster (%lld nodes)\n",
+               num(doc, "package_size"), num(doc, "nodes"));
+        if (num(doc, "nodes") > 1)
+            printf("cluster %s, provider %s\n",
+                   json_is_true(json_object_get(doc, "cluster_ready")) ? "formed" : "forming",
+                   str(doc, "provider"));
+        json_array_foreach(json_object_get(doc, "topology"), i, n)
+        {
+            /* link: a control link joins the two (the coordinator's, or a job peer's) */
+            printf("  node %-4lld %s%s\n", num(n, "node"), str(n, "state"),
+                   json_is_true(json_object_get(n, "link")) ? ", linked" : "");
+        }
     }
     json_t *devs = json_object_get(doc, "devices");
     if (json_array_size(devs) == 0)
@@ -303,13 +302,18 @@ static void print_topology(json_t *doc)
     }
     json_array_foreach(json_object_get(doc, "jobs"), i, j)
     {
-        printf("job %s: world %lld = %lld nodes x %lld ranks on cluster nodes", str(j, "name"),
-               num(j, "world"), num(j, "nodes"), num(j, "ranks_per_node"));
+        /* (an independent daemon's numbers are its own: the daemons' ids) */
+        json_t *daemons = json_object_get(j, "node_daemons");
+        printf("job %s: world %lld = %lld nodes x %lld ranks on %s", str(j, "name"),
+               num(j, "world"), num(j, "nodes"), num(j, "ranks_per_node"),
+               daemons != NULL ? "daemons" : "cluster nodes");
         size_t k;
         json_t *r;
-        json_array_foreach(json_object_get(j, "node_ids"), k, r)
+        json_array_foreach(daemons != NULL ? daemons : json_object_get(j, "node_ids"), k, r)
         {
-            if (json_integer_value(r) < 0)
+            if (json_is_string(r))
+                printf("%s%s", k ? "," : " ", json_string_value(r)[0] ? json_string_value(r) : "?");
+            else if (json_integer_value(r) < 0)
                 printf("%s?", k ? "," : " ");
             else
                 printf("%s%lld", k ? "," : " ", (long long)json_integer_value(r));

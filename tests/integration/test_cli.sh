@@ -212,7 +212,7 @@ assert m[\"secondary\"][\"bytes\"]==0 and m[\"w\"][\"bytes\"]>=s[\"w\"][\"bytes_
 out=$("$SHARDCTL" "${S[@]}" --job cli stats)
 check 'grep -q "fetch" <<<"$out" && grep -q "allocations since registration 0" <<<"$out"' "stats: $out"
 out=$("$SHARDCTL" "${S[@]}" topology)
-check 'grep -q "ranks here: 0 1 2 3" <<<"$out" && grep -q "levels: package (1 ranks) < node < cluster" <<<"$out"' "topology: $out"
+check 'grep -q "ranks here: 0 1 2 3" <<<"$out" && grep -q "levels: package (1 ranks) < node < the job.s nodes" <<<"$out" && grep -q "^an independent daemon, backend host" <<<"$out" && grep -q "^no job has spanned nodes yet" <<<"$out"' "topology: $out"
 js=$("$SHARDCTL" "${S[@]}" stats --json)
 check 'python3 -c "import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]; assert j[\"memory_bytes_at_register\"]>0 and j[\"ops\"][\"push\"][\"count\"]>0 and j[\"bytes\"][\"intra_node\"]+j[\"bytes\"][\"intra_package\"]>0 and j[\"ops\"][\"fetch\"][\"p50_us\"]>=0" "$js"' \
   "stats --json"
