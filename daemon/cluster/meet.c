@@ -19,6 +19,7 @@
 #include "cluster/cluster_int.h"
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <sys/random.h>
 #include <unistd.h>
 
@@ -869,7 +870,8 @@ static int meet_listen(struct sd_cluster *cl, bool leader, char *err, size_t err
     return SD_OK;
 }
 
-/* does leader ("ip:port") name this daemon's listener (its port, at its fabric address)? */
+/* does leader ("ip:port") name this daemon's listener: its port, at its fabric address (or,
+ * listening on every address, at one of the host's)? */
 static bool is_me(const struct sd_cluster *cl, const char *leader)
 {
     uint32_t port = cl->me.peer_port != 0    ? cl->me.peer_port
@@ -879,8 +881,23 @@ static bool is_me(const struct sd_cluster *cl, const char *leader)
     const char *host = cl->cfg->fabric_addr;
     if (colon == NULL || strtoul(colon + 1, NULL, 10) != port)
         return false;
-    return host[0] == '\0' || strcmp(host, "0.0.0.0") == 0 ||
-           (strlen(host) == (size_t)(colon - leader) && strncmp(host, leader, strlen(host)) == 0);
+    char ip[64];
+    snprintf(ip, sizeof(ip), "%.*s", (int)SD_MIN((size_t)(colon - leader), sizeof(ip) - 1), leader);
+    if (host[0] != '\0' && strcmp(host, "0.0.0.0") != 0)
+        return strcmp(host, ip) == 0;
+    struct ifaddrs *ifs = NULL;
+    bool mine = false;
+    if (getifaddrs(&ifs) != 0)
+        return false;
+    for (const struct ifaddrs *i = ifs; i != NULL && !mine; i = i->ifa_next) {
+        char a[INET_ADDRSTRLEN];
+        if (i->ifa_addr != NULL && i->ifa_addr->sa_family == AF_INET &&
+            inet_ntop(AF_INET, &((const struct sockaddr_in *)i->ifa_addr)->sin_addr, a,
+                      sizeof(a)) != NULL)
+            mine = strcmp(a, ip) == 0;
+    }
+    freeifaddrs(ifs);
+    return mine;
 }
 
 void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const char *leader)
@@ -905,7 +922,15 @@ void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const cha
     }
     /* the daemon of the job's node 0 leads it, unless its ranks name another daemon (then
      * that one hears two nodes claim ranks 0..k-1, and says so to both) */
-    bool lead = r->job_node == 0 && (leader == NULL || leader[0] == '\0' || is_me(cl, leader));
+    bool named_me = leader != NULL && leader[0] != '\0' && is_me(cl, leader);
+    bool lead = r->job_node == 0 && (leader == NULL || leader[0] == '\0' || named_me);
+    if (st == SD_OK && r->job_node != 0 && named_me) {
+        st = SD_EINVAL;
+        snprintf(err, sizeof(err),
+                 "job '%s': its ranks name this daemon (%s) the leader, but it serves the "
+                 "job's node %u, not node 0 (rank 0's): name rank 0's node",
+                 r->job, leader, r->job_node);
+    }
     if (st == SD_OK)
         st = meet_listen(cl, lead, err, sizeof(err));
     if (st == SD_OK && !lead) {

@@ -326,6 +326,10 @@ check '[ $rc -ne 0 ] && grep -q "world size 4 spans 2 nodes of 2 ranks, whose da
 out=$(env -u SHARD_LEADER -u MASTER_ADDR -u SLURM_STEP_NODELIST timeout 60 "$MLP" "${S[@]}" --job big --rank 2 --world 4 --ranks-per-node 2 --steps 1 --job-secret-file "$dir/big.secret" 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "world size 4 spans 2 nodes of 2 ranks and rank 2 named no leader" <<<"$out"' \
   "a rank of a job across nodes that names no leader: $rc $out"
+# ranks of node 1 that name their own daemon (its address and port 7701) the leader
+out=$(SHARD_LEADER=127.0.0.1 timeout 60 "$MLP" "${S[@]}" --job own --rank 1 --world 2 --ranks-per-node 1 --steps 1 --job-secret-file "$dir/big.secret" 2>&1); rc=$?
+check '[ $rc -ne 0 ] && grep -q "its ranks name this daemon (127.0.0.1:7701) the leader, but it serves the job.s node 1, not node 0" <<<"$out"' \
+  "ranks that name their own node's daemon the leader: $rc $out"
 out=$(timeout 60 "$MLP" --socket "$dir/k2/shardd.sock" --job odd --rank 0 --world 3 --steps 1 2>&1); rc=$?
 check '[ $rc -ne 0 ] && grep -q "world size 3 is not a multiple of ranks_per_node 2" <<<"$out"' \
   "a world not a multiple of ranks_per_node: $rc $out"
