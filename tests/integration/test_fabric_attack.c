@@ -9,7 +9,8 @@
  * The job must train exactly as its one-process reference (bitwise), and the daemons stop
  * cleanly; what node 0 dropped from outside the cluster (shardctl status
  * transport.foreign_dropped) agrees with its log. The daemon's endpoints are found as an attacker
- * would: the TCP ports node 0's process listens on. */
+ * would: the TCP ports node 0's process listens on. With the argument "independent" the same on
+ * two independent daemons (no cluster arguments), after a first job opened their fabric. */
 #include "harness.h"
 #include "coll/tag.h"
 
@@ -207,16 +208,38 @@ static void forge(struct attacker *a)
     attacker_send(a, tag_of(SD_TAG_PROBE, 0, 1, 0, 1, 0), 16); /* a probe from node 1 */
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     struct th_cluster c;
-    const char *extra[] = {"--log-level", "info", NULL};
-    if (th_cluster_start(&c, 2, 1, extra) != 0)
+    const char *extra[] = {"--log-level", "info", "--ranks-per-node", "1", NULL};
+    /* "independent": two daemons with no cluster arguments, which open their fabric when a job
+     * first spans them (a first job, then the attack); the jobs' ranks name node 0's daemon
+     * the leader and give a secret */
+    bool indep = argc > 1 && strcmp(argv[1], "independent") == 0;
+    if ((indep ? th_indep_cluster_start(&c, 2, false, extra) : th_cluster_start(&c, 2, 1, extra)) !=
+        0)
         return th_summary("test_fabric_attack");
+    const char *args[] = {"--world", "2", "--steps",  "4",   "--accum", "2", "--plan", "zero3",
+                          "--seed",  "5", "--hidden", "128", "--quiet", NULL};
+    struct th_dump_diff dd;
+    if (indep) {
+        char leader[64], secret[400];
+        c.k = 1;
+        snprintf(secret, sizeof(secret), "%s/job.secret", c.base);
+        FILE *f = fopen(secret, "w");
+        TH_CHECK(f != NULL && fputs("the jobs' secret, 16 bytes or more", f) >= 0 && fclose(f) == 0,
+                 "the jobs' secret");
+        setenv("SHARD_LEADER", th_cluster_leader(&c, 0, leader, sizeof(leader)), 1);
+        setenv("SHARD_JOB_SECRET_FILE", secret, 1);
+        bool ok = th_cluster_train(&c, "first", args, "zero3 before the attack", 0.0, &dd);
+        TH_CHECK(ok && dd.outside == 0, "the first job trains bitwise as its reference");
+    }
     struct attacker a = {0};
     uint16_t ports[MAX_PORTS];
     int found = listen_ports(c.d[0].pid, ports, MAX_PORTS), n_ports = 0;
-    for (int i = 0; i < found; i++) /* the coordinator's port speaks shardd's protocol, not rxm's */
+    /* the coordinator's port (an independent daemon's peer port) speaks shardd's protocol, not
+     * rxm's */
+    for (int i = 0; i < found; i++)
         if (ports[i] != c.port)
             ports[n_ports++] = ports[i];
     TH_CHECK(found >= 2 && n_ports >= 1,
@@ -228,9 +251,6 @@ int main(void)
                  a.posted);
     }
     /* the job trains as if nobody had spoken, sent at again while it runs */
-    const char *args[] = {"--world", "2", "--steps",  "4",   "--accum", "2", "--plan", "zero3",
-                          "--seed",  "5", "--hidden", "128", "--quiet", NULL};
-    struct th_dump_diff dd;
     bool ok = th_cluster_train(&c, "victim", args, "zero3 under attack", 0.0, &dd);
     TH_CHECK(ok && dd.outside == 0, "the job trains bitwise as its reference (%zu of %zu differ)",
              dd.differ, dd.n);
