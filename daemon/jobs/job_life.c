@@ -624,6 +624,14 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
                                       "(register_timeout_ms)",
                                       job->name, missing,
                                       (long long)job->reg->cfg->register_timeout_ms);
+            else if (job->reg->cfg->nodes == 1) /* its leader never decided */
+                sd_session_send_error(
+                    s, SD_ETIMEDOUT,
+                    "register job '%s': its leader (%s) did not confirm it within %lld ms "
+                    "(the job's other nodes did not all register, or the leader is not "
+                    "reachable there)",
+                    job->name, job->xfer.leader[0] ? job->xfer.leader : "this daemon",
+                    2 * (long long)job->reg->cfg->register_timeout_ms);
             else /* this node's ranks all came; the coordinator never decided */
                 sd_session_send_error(
                     s, SD_ETIMEDOUT,

@@ -174,6 +174,35 @@ static void *register_x(void *arg)
     return NULL;
 }
 
+/* rank 1 of job "lost" on daemon 1, naming a leader nobody serves (port 1): its registration
+ * times out, naming the leader */
+static void *register_lost(void *arg)
+{
+    struct x_reg *r = arg;
+    static const char secret[] = "the secret of job lost, this test's";
+    uint64_t dims[1] = {1536};
+    shard_tensor_t t = {.name = "w", .ndim = 1, .dims = dims, .dtype = SHARD_FP32};
+    shard_model_t m = {.job = "lost",
+                       .rank = 1,
+                       .world = 2,
+                       .plan = "zero3",
+                       .tensors = &t,
+                       .n_tensors = 1,
+                       .optimizer = {.name = "sgd", .lr = 0.1f},
+                       .ranks_per_node = 1,
+                       .job_secret = secret,
+                       .job_secret_len = sizeof(secret) - 1,
+                       .leader = "127.0.0.1:1"};
+    shard_ctx_t *ctx = NULL;
+    r->st = shard_attach(cl.d[1].sock, &ctx);
+    if (r->st == 0)
+        r->st = shard_register(ctx, &m);
+    snprintf(r->err, sizeof(r->err), "%s", ctx ? shard_last_error(ctx) : "attach failed");
+    if (ctx)
+        shard_detach(ctx);
+    return NULL;
+}
+
 /* what this test sends on its link proved for x, about job j and daemon 1 */
 static void attack_link(int fd, uint32_t d0, uint32_t d1)
 {
@@ -325,6 +354,9 @@ int main(void)
              "a hello for a job daemon 0 does not serve: answer %d '%s'", mt.answer, mt.why);
     close(mt.fd);
 
+    struct x_reg lost = {0};
+    pthread_t lost_th;
+    pthread_create(&lost_th, NULL, register_lost, &lost);
     /* job x, which this test serves itself: its secret is this test's */
     setenv("TH_JOB_SECRET", "the secret of job x, this test's", 1);
     struct x_reg xr = {0};
@@ -364,6 +396,10 @@ int main(void)
     pthread_join(th, NULL);
     unsetenv("TH_JOB_SECRET");
     TH_CHECK(xr.st != 0, "job x (its node 1 never came) registered");
+    pthread_join(lost_th, NULL);
+    TH_CHECK(lost.st == SHARD_ETIMEDOUT &&
+                 strstr(lost.err, "its leader (127.0.0.1:1) did not confirm it within 16000 ms"),
+             "a job whose leader nobody serves: %d '%s'", lost.st, lost.err);
     reuse_slots(leader, secret);
     for (int i = 0; i < 2; i++)
         TH_CHECK(th_daemon_alive(&cl.d[i]), "daemon %d died", i);
