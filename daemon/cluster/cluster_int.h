@@ -246,10 +246,24 @@ void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m);
 
 /* ---- meet.c: independent daemons, which meet per job */
 int sd_meet__init(struct sd_cluster *cl);
+/* the slot of daemon uid (this daemon's for its own; SD_NO_NODE: none) */
+uint32_t sd_meet__slot_by_uid(const struct sd_cluster *cl, uint32_t uid);
+/* a slot no daemon holds (or one nothing names any more, emptied); SD_NO_NODE: none */
+uint32_t sd_meet__slot_new(struct sd_cluster *cl);
+/* slot holds daemon uid (fabric address fab, fab_len bytes; heartbeat port hb; peer listener
+ * pa, "" or NULL to keep what it has): its fabric address goes into the transport's table */
+int sd_meet__slot_fill(struct sd_cluster *cl, uint32_t slot, uint32_t uid, const uint8_t *fab,
+                       size_t fab_len, uint32_t hb, const char *pa);
+/* slot leads job's registration */
+void sd_meet__leader_note(struct sd_cluster *cl, const char *job, uint32_t slot);
 /* ready at once, alone in its table */
 int sd_meet__start(struct sd_cluster *cl);
 void sd_meet__free(struct sd_cluster *cl);
+/* ---- meet_wire.c: an independent daemon's messages on its links */
+struct meet_wire *sd_meet__wire_new(void);
 void sd_meet__link_free(struct link *l);
+/* l's handshake proved job's token, both ways */
+void sd_meet__proved(struct link *l, const char *job);
 /* m on l with daemons named by their ids, after a proof of its job's token where l needs one */
 void sd_meet__send(struct link *l, const Shard__PeerMsg *m);
 /* m's frame with ids (for the outbox), and one such frame about job written on l */
@@ -258,6 +272,7 @@ void sd_meet__flush(struct link *l, const char *job, uint8_t *frame, size_t len)
 /* m came on independent link l: proofs taken, ids made slots; false: not heard further */
 bool sd_meet__receive(struct link *l, Shard__PeerMsg *m);
 /* the hello's fields of an independent daemon, and the key (the job's token) of its MAC */
+/* ---- meet.c again: the handshake, registrations */
 void sd_meet__hello_fields(struct link *l, Shard__PeerHello *h, struct sd_auth *a);
 void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h);
 void sd_meet__on_welcome(struct link *l, const Shard__PeerWelcome *w);

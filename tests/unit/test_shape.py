@@ -61,7 +61,8 @@ PRIVATE = {
                                  "persist/ckpt_load.c"),
     "cluster/cluster_int.h": ("cluster/links.c", "cluster/handshake.c",
                               "cluster/coordinator.c", "cluster/probe.c", "cluster/state.c",
-                              "cluster/peers.c", "cluster/send.c", "cluster/meet.c"),
+                              "cluster/peers.c", "cluster/send.c", "cluster/meet.c",
+                              "cluster/meet_wire.c"),
 }
 # what each lower floor may include besides its own headers and sd/ (the build links each floor
 # alone as well: daemon/CMakeLists.txt, layer_check)
