@@ -225,6 +225,17 @@ void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h)
     }
     if (!sd_cluster__hello_verify(l, h, &a))
         return;
+    /* (the options the data path of a job between them depends on; each its own ranks per
+     * node) */
+    if (h->protocol_version != SD_PROTOCOL_VERSION || strcmp(h->version, SHARD_VERSION) != 0 ||
+        h->config_digest != cl->digest) {
+        sd_cluster__refuse(l,
+                           "a job's daemons must agree: the daemon at %s runs shardd %s "
+                           "(protocol v%u) with [%s]; this one runs %s (v%d) with [%s]",
+                           from, h->version, h->protocol_version, h->config_summary, SHARD_VERSION,
+                           SD_PROTOCOL_VERSION, cl->summary);
+        return;
+    }
     snprintf(pa, sizeof(pa), "%s:%u", from, h->peer_port);
     uint32_t s = sd_meet__slot_by_uid(cl, h->node);
     if (s == cl->self || h->node == 0 || h->node == SD_NO_NODE || h->you < 2 ||

@@ -7,6 +7,8 @@
  * - a hello for job x, which this test registered on daemon 0 itself (it holds x's secret), as
  *   daemon 1 (its id, from shardctl topology): refused, daemon 1 is known with another fabric
  *   address (a forged rejoin);
+ * - a hello for x from a daemon with another configuration (op_timeout_ms): refused, naming
+ *   both configurations;
  * - a hello for x as a new daemon: heard (x's token proves it is one of x's); on that link, an
  *   abort of j, a "ready" of j, a proof of j's token with a wrong MAC, a node-down of daemon 1
  *   and an address table: each dropped, logged;
@@ -74,14 +76,36 @@ static void token_of(const char *secret, const char *job, struct sd_auth *a)
 struct meet {
     int fd;
     int answer; /* the first answer's kind (-1: none) */
-    char why[512];
+    char why[1100];
     uint32_t hb_port; /* the welcome's */
     uint8_t nc[SD_AUTH_NONCE], nm[SD_AUTH_NONCE];
 };
 
+/* the daemons' configuration digest (theirs: the options of extra, ranks per node from each
+ * job), or one of a daemon with another op_timeout_ms */
+static uint64_t digest(bool same, char *summary, size_t len)
+{
+    struct sd_config cfg;
+    char err[256];
+    sd_config_defaults(&cfg);
+    for (int i = 0; extra[i] != NULL; i += 2) { /* --heartbeat-interval-ms 100 ... */
+        char name[64];
+        snprintf(name, sizeof(name), "%s", extra[i] + 2);
+        for (char *c = name; *c; c++)
+            *c = *c == '-' ? '_' : *c;
+        TH_CHECK(sd_config_set(&cfg, name, extra[i + 1], err, sizeof(err)) == 0, "%s", err);
+    }
+    if (!same)
+        cfg.op_timeout_ms = 1234;
+    cfg.ranks_per_node = 0;
+    return sd_config_digest(&cfg, summary, len);
+}
+
 /* A hello at daemon 0's peer port as daemon `id` for job (key: the MAC's), with a fabric
- * address of rails that name 127.0.0.1:1 (nothing there) or `fabric`. */
-static void hello(struct meet *mt, const char *job, uint32_t id, const struct sd_auth *key)
+ * address of rails that name 127.0.0.1:1 (nothing there), and the daemons' configuration or
+ * another (agree). */
+static void hello_as(struct meet *mt, const char *job, uint32_t id, const struct sd_auth *key,
+                     bool agree)
 {
     mt->answer = -1;
     mt->why[0] = '\0';
@@ -112,7 +136,9 @@ static void hello(struct meet *mt, const char *job, uint32_t id, const struct sd
     h.peer_port = 1;
     h.protocol_version = SD_PROTOCOL_VERSION;
     h.version = SHARD_VERSION;
-    h.config_summary = "";
+    char summary[1024];
+    h.config_digest = digest(agree, summary, sizeof(summary));
+    h.config_summary = summary;
     h.fabric_addr.data = fabric;
     h.fabric_addr.len = sizeof(fabric);
     h.nonce.data = mt->nm;
@@ -135,6 +161,11 @@ static void hello(struct meet *mt, const char *job, uint32_t id, const struct sd
     if (w->msg_case == SHARD__PEER_MSG__MSG_WELCOME)
         mt->hb_port = w->welcome->hb_port;
     shard__peer_msg__free_unpacked(w, NULL);
+}
+
+static void hello(struct meet *mt, const char *job, uint32_t id, const struct sd_auth *key)
+{
+    hello_as(mt, job, id, key, true);
 }
 
 /* daemon i's id (shardctl topology) */
@@ -368,6 +399,11 @@ int main(void)
     hello(&mt, "x", d1, &x_token); /* as daemon 1, from elsewhere */
     TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "another fabric address"),
              "a hello for x as daemon 1 (a forged rejoin): answer %d '%s'", mt.answer, mt.why);
+    close(mt.fd);
+    hello_as(&mt, "x", 0x0badcafe, &x_token, false); /* one of x's, another configuration */
+    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "must agree") &&
+                 strstr(mt.why, "op_timeout_ms=1234"),
+             "a hello for x from a daemon configured otherwise: answer %d '%s'", mt.answer, mt.why);
     close(mt.fd);
     hello(&mt, "x", 0x0badcafe, &x_token); /* as itself: one of x's */
     TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_WELCOME,
