@@ -216,11 +216,22 @@ void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h)
     char from[SD_PEER_ADDR], pa[SD_PEER_ADDR + 16];
     sd_cluster__link_host(l, from, sizeof(from));
     if (!h->peer || !link_key(l, h->job, &a)) {
+        /* (a job's other nodes dial its leader until its ranks there registered: said once in
+         * a while, not at every try) */
+        char text[256];
+        snprintf(text, sizeof(text),
+                 "a link from %s for job '%.64s', which is not registered on this daemon with a "
+                 "job secret (yet)",
+                 from, h->job != NULL ? h->job : "");
         cl->auth_refused++;
-        sd_cluster__refuse(l,
-                           "a link from %s for job '%.64s', which is not registered on this "
-                           "daemon with a job secret (yet)",
-                           from, h->job != NULL ? h->job : "");
+        SD_WARN_SPARSE("cluster", "refusing a daemon: %s", text);
+        Shard__PeerRefuse r = SHARD__PEER_REFUSE__INIT;
+        r.reason = text;
+        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+        m.msg_case = SHARD__PEER_MSG__MSG_REFUSE;
+        m.refuse = &r;
+        sd_cluster__link_send(l, &m);
+        sd_cluster__link_close(l, "refused");
         return;
     }
     if (!sd_cluster__hello_verify(l, h, &a))

@@ -42,7 +42,7 @@ static const char *const extra[] = {"--heartbeat-interval-ms",
                                     "--heartbeat-timeout-ms",
                                     "2000",
                                     "--register-timeout-ms",
-                                    "8000",
+                                    "4000",
                                     NULL};
 
 static Shard__PeerMsg *recv_msg(int fd, int timeout_ms)
@@ -354,7 +354,7 @@ int main(void)
     snprintf(ref, sizeof(ref), "%s/j-ref.bin", cl.base);
     const char *args[] = {
         "--world",           "2",    "--ranks-per-node", "1",  "--plan",         "zero3",
-        "--steps",           "40",   "--compute-ms",     "40", "--compute-mode", "sleep",
+        "--steps",           "20",   "--compute-ms",     "40", "--compute-mode", "sleep",
         "--job-secret-file", secret, "--quiet",          NULL};
     setenv("SHARD_LEADER", leader, 1);
     const char *dumps[] = {"--dump-params", dump, NULL};
@@ -434,7 +434,7 @@ int main(void)
     TH_CHECK(xr.st != 0, "job x (its node 1 never came) registered");
     pthread_join(lost_th, NULL);
     TH_CHECK(lost.st == SHARD_ETIMEDOUT &&
-                 strstr(lost.err, "its leader (127.0.0.1:1) did not confirm it within 16000 ms"),
+                 strstr(lost.err, "its leader (127.0.0.1:1) did not confirm it within 8000 ms"),
              "a job whose leader nobody serves: %d '%s'", lost.st, lost.err);
     reuse_slots(leader, secret);
     for (int i = 0; i < 2; i++)

@@ -17,8 +17,8 @@
  * - a resuming registration refused while its memory is allocated leaves the paused job
  *   resumable at once (test hooks only: the allocation held by SHARDD_TEST_ALLOC_STALL_MS).
  * Each interrupted run is compared with an uninterrupted run of the same cluster and plan. With
- * the argument "independent": the 2 x 2 runs on independent daemons (no cluster arguments), the
- * ranks naming their leader and giving the job's secret. */
+ * the argument "independent": the 2 x 2 mics:2 runs on independent daemons (no cluster
+ * arguments), the ranks naming their leader and giving the job's secret. */
 #include "harness.h"
 
 #include <jansson.h>
@@ -546,17 +546,10 @@ static int independent(unsigned seed)
              "the jobs' secret");
     setenv("SHARD_LEADER", th_cluster_leader(&two, 0, leader, sizeof(leader)), 1);
     setenv("SHARD_JOB_SECRET_FILE", secret, 1);
-    const char *plans[] = {"zero3", "mics:2"};
-    for (int p = 0; p < 2; p++) {
-        char job[32];
-        snprintf(ref, sizeof(ref), "%s/ref2-%d.bin", base, p);
-        snprintf(job, sizeof(job), "plain2-%d", p);
-        if (!run_plain(&two, job, plans[p], ref))
-            continue;
-        snprintf(job, sizeof(job), "one2-%d", p);
-        kill_and_resume(&two, job, plans[p], false, ref);
-        snprintf(job, sizeof(job), "all2-%d", p);
-        kill_and_resume(&two, job, plans[p], true, ref);
+    snprintf(ref, sizeof(ref), "%s/ref2.bin", base); /* (mics:2: replicas across the nodes) */
+    if (run_plain(&two, "plain2", "mics:2", ref)) {
+        kill_and_resume(&two, "one2", "mics:2", false, ref);
+        kill_and_resume(&two, "all2", "mics:2", true, ref);
     }
     TH_CHECK(th_cluster_stop(&two) == 0, "daemons did not shut down cleanly");
     printf("independent daemons, seed %u\n", seed);
