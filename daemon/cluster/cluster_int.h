@@ -185,6 +185,8 @@ void sd_cluster__hb_peer(struct sd_cluster *cl, uint32_t node, struct link *l, u
 int sd_cluster__install_table(struct sd_cluster *cl, const protobuf_c_boolean *down);
 /* refuse l's daemon (told, logged) and close the link */
 void sd_cluster__refuse(struct link *l, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* the same, logged by the caller */
+void sd_cluster__refuse_text(struct link *l, const char *text);
 
 /* ---- peers.c: a member's direct links to its job peers */
 bool sd_cluster__job_peer_up(const struct sd_cluster *cl, uint32_t node);
@@ -216,6 +218,8 @@ void sd_cluster__adopt_peer(struct link *l, uint32_t node);
 /* a member's hello on its job peer's listener (proved) */
 void sd_cluster__on_peer_hello(struct link *l, const Shard__PeerHello *h);
 void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m);
+/* m on l as it is (an independent daemon's: no ids translated, no proof first) */
+void sd_cluster__link_send_raw(struct link *l, const Shard__PeerMsg *m);
 /* m packed behind its frame header (malloc'd; NULL: no memory), and such a frame written on l
  * (which takes it) */
 uint8_t *sd_cluster__frame(const Shard__PeerMsg *m, size_t *len_p);

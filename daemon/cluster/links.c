@@ -161,8 +161,13 @@ void sd_cluster__refuse(struct link *l, const char *fmt, ...)
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
     SD_ERROR("cluster", "refusing a daemon: %s", text);
+    sd_cluster__refuse_text(l, text);
+}
+
+void sd_cluster__refuse_text(struct link *l, const char *text)
+{
     Shard__PeerRefuse r = SHARD__PEER_REFUSE__INIT;
-    r.reason = text;
+    r.reason = (char *)text;
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_REFUSE;
     m.refuse = &r;

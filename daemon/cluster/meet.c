@@ -225,13 +225,7 @@ void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h)
                  from, h->job != NULL ? h->job : "");
         cl->auth_refused++;
         SD_WARN_SPARSE("cluster", "refusing a daemon: %s", text);
-        Shard__PeerRefuse r = SHARD__PEER_REFUSE__INIT;
-        r.reason = text;
-        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-        m.msg_case = SHARD__PEER_MSG__MSG_REFUSE;
-        m.refuse = &r;
-        sd_cluster__link_send(l, &m);
-        sd_cluster__link_close(l, "refused");
+        sd_cluster__refuse_text(l, text);
         return;
     }
     if (!sd_cluster__hello_verify(l, h, &a))
@@ -290,9 +284,7 @@ void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h)
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_WELCOME;
     m.welcome = &w;
-    size_t len = 0;
-    uint8_t *frame = sd_cluster__frame(&m, &len);
-    sd_cluster__link_write(l, frame, len);
+    sd_cluster__link_send_raw(l, &m);
     sd_meet__proved(l, h->job);
     sd_meet__adopt(l, s);
 }

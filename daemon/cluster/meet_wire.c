@@ -87,6 +87,13 @@ static uint32_t *ids_out(struct sd_cluster *cl, const uint32_t *ids, size_t n)
     return out;
 }
 
+/* a message's node list (*nodes, *n of them) as ids, in the scratch */
+static void nodes_out(struct sd_cluster *cl, uint32_t **nodes, size_t *n)
+{
+    *n = SD_MIN(*n, (size_t)SD_MAX_NODES);
+    *nodes = ids_out(cl, *nodes, *n);
+}
+
 static void ids_in(const struct sd_cluster *cl, uint32_t *ids, size_t n)
 {
     for (size_t i = 0; i < n; i++)
@@ -132,15 +139,13 @@ static const Shard__PeerMsg *wire_out(struct sd_cluster *cl, const Shard__PeerMs
     case SHARD__PEER_MSG__MSG_JOB_ABORT:
         w->u.abort = *m->job_abort;
         w->u.abort.origin = to_wire(cl, w->u.abort.origin);
-        w->u.abort.n_nodes = SD_MIN(w->u.abort.n_nodes, (size_t)SD_MAX_NODES);
-        w->u.abort.nodes = ids_out(cl, w->u.abort.nodes, w->u.abort.n_nodes);
+        nodes_out(cl, &w->u.abort.nodes, &w->u.abort.n_nodes);
         w->m.job_abort = &w->u.abort;
         break;
     case SHARD__PEER_MSG__MSG_JOB_LEFT:
         w->u.left = *m->job_left;
         w->u.left.node = to_wire(cl, w->u.left.node);
-        w->u.left.n_nodes = SD_MIN(w->u.left.n_nodes, (size_t)SD_MAX_NODES);
-        w->u.left.nodes = ids_out(cl, w->u.left.nodes, w->u.left.n_nodes);
+        nodes_out(cl, &w->u.left.nodes, &w->u.left.n_nodes);
         w->m.job_left = &w->u.left;
         break;
     case SHARD__PEER_MSG__MSG_JOB_RECOVER:
@@ -265,9 +270,7 @@ static bool prove(struct link *l, const char *job)
     Shard__PeerMsg pm = SHARD__PEER_MSG__INIT;
     pm.msg_case = SHARD__PEER_MSG__MSG_JOB_PROOF;
     pm.job_proof = &p;
-    size_t len = 0;
-    uint8_t *frame = sd_cluster__frame(&pm, &len);
-    sd_cluster__link_write(l, frame, len);
+    sd_cluster__link_send_raw(l, &pm);
     proof_add(&l->told, job);
     return true;
 }

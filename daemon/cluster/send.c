@@ -45,15 +45,19 @@ void sd_cluster__link_write(struct link *l, uint8_t *frame, size_t len)
     }
 }
 
-void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m)
+void sd_cluster__link_send_raw(struct link *l, const Shard__PeerMsg *m)
 {
     if (l == NULL || l->closing)
         return;
-    if (l->cl->indep && l->peer && l->authed) { /* ids for slots, its job proved first */
-        sd_meet__send(l, m);
-        return;
-    }
-    size_t len;
+    size_t len = 0;
     uint8_t *frame = sd_cluster__frame(m, &len);
     sd_cluster__link_write(l, frame, len);
+}
+
+void sd_cluster__link_send(struct link *l, const Shard__PeerMsg *m)
+{
+    if (l != NULL && l->cl->indep && l->peer && l->authed) /* ids for slots, its job proved */
+        sd_meet__send(l, m);
+    else
+        sd_cluster__link_send_raw(l, m);
 }

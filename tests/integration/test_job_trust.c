@@ -21,6 +21,7 @@
  * coordinator's to make while it is up) and a node-down of node 0 are dropped (logged), and the
  * job trains on bitwise. */
 #include "harness.h"
+#include "peer.h"
 #include "shard.h"
 #include "cluster/auth.h"
 #include "sd/config.h"
@@ -42,22 +43,6 @@
 static struct th_cluster cl;
 static const char *extra[] = {"--op-timeout-ms", "20000", NULL};
 
-static Shard__PeerMsg *recv_msg(int fd, int timeout_ms)
-{
-    uint8_t *buf = NULL;
-    size_t n = 0;
-    if (sd_frame_recv(fd, &buf, &n, NULL, 0, NULL, 1 << 20, timeout_ms) != 0)
-        return NULL;
-    Shard__PeerMsg *m = shard__peer_msg__unpack(NULL, n, buf);
-    free(buf);
-    return m;
-}
-
-static void send_msg(int fd, Shard__PeerMsg *m)
-{
-    TH_CHECK(sd_frame_send(fd, &m->base, NULL, 0, 2000) == 0, "a message to the coordinator");
-}
-
 /* A hello at the daemon listening on port: as node `node` (UINT32_MAX: an open cluster's
  * coordinator numbers it), on a direct link to a job peer (peer) or a join, with the cluster's
  * secret or a wrong one. The connection (-1: none), and the answer's kind in *answer (-1: none;
@@ -67,16 +52,8 @@ static int hello_at(int port, uint32_t node, bool peer, bool secret_ok, int *ans
 {
     char key[128], err[512];
     snprintf(key, sizeof(key), "%s/cluster.key", cl.base);
-    struct sd_config cfg;
-    sd_config_defaults(&cfg);
-    sd_config_set(&cfg, "nodes", "0", err, sizeof(err)); /* as the daemons of an open cluster */
-    for (int i = 0; extra[i] != NULL; i += 2) { /* and their options: --op-timeout-ms ... */
-        char name[64];
-        snprintf(name, sizeof(name), "%s", extra[i] + 2);
-        for (char *c = name; *c; c++)
-            *c = *c == '-' ? '_' : *c;
-        TH_CHECK(sd_config_set(&cfg, name, extra[i + 1], err, sizeof(err)) == 0, "%s", err);
-    }
+    struct sd_config cfg; /* as the daemons of an open cluster, with their options */
+    th_peer_config(&cfg, "0", extra);
     snprintf(cfg.cluster_secret_file, sizeof(cfg.cluster_secret_file), "%s", key);
     struct sd_auth secret;
     TH_CHECK(sd_auth_load(&cfg, &secret, err, sizeof(err)) == 0, "the cluster's secret: %s", err);
@@ -91,7 +68,7 @@ static int hello_at(int port, uint32_t node, bool peer, bool secret_ok, int *ans
         close(fd);
         return -1;
     }
-    Shard__PeerMsg *ch = recv_msg(fd, 5000);
+    Shard__PeerMsg *ch = th_peer_recv(fd, 5000);
     uint8_t nc[SD_AUTH_NONCE] = {0}, nm[SD_AUTH_NONCE], mac[SD_SHA256_BYTES];
     bool got = ch != NULL && ch->msg_case == SHARD__PEER_MSG__MSG_CHALLENGE &&
                ch->challenge->nonce.len == SD_AUTH_NONCE;
@@ -121,11 +98,11 @@ static int hello_at(int port, uint32_t node, bool peer, bool secret_ok, int *ans
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
     m.hello = &h;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     /* a welcome, and at a member's listener a refusal after it where the proved hello is not
      * heard (else its first heartbeat: the welcome stands) */
     for (int k = 0; k < 2; k++) {
-        Shard__PeerMsg *w = recv_msg(fd, k == 0 ? 5000 : 500);
+        Shard__PeerMsg *w = th_peer_recv(fd, k == 0 ? 5000 : 500);
         if (w == NULL)
             break;
         bool refused = w->msg_case == SHARD__PEER_MSG__MSG_REFUSE;
@@ -156,7 +133,7 @@ static int join(uint32_t *you)
     }
     *you = UINT32_MAX;
     for (int i = 0; i < 20 && *you == UINT32_MAX; i++) { /* the address table numbers it */
-        Shard__PeerMsg *t = recv_msg(fd, 500);
+        Shard__PeerMsg *t = th_peer_recv(fd, 500);
         if (t != NULL && t->msg_case == SHARD__PEER_MSG__MSG_TABLE)
             *you = t->table->you;
         if (t)
@@ -185,7 +162,7 @@ static void report_into(int fd, const char *job, uint32_t as)
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_REPORT;
     m.job_report = &r;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
 }
 
 /* an abort of job, addressed to cluster nodes 0 and 1, as node origin, under tag (0: none) */
@@ -203,7 +180,7 @@ static void send_abort(int fd, const char *job, uint32_t origin, uint32_t tag, c
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
     m.job_abort = &a;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
 }
 
 /* The member at node 1's listener for job peers (its direct links; the coordinator's table
@@ -252,7 +229,7 @@ static void forge_direct(const char *job, uint32_t you)
         if (connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
             send(fd, junk[i], sizeof(junk[i]), MSG_NOSIGNAL) == (ssize_t)sizeof(junk[i])) {
             for (int k = 0; k < 4 && !closed; k++) { /* its challenge, then the end */
-                Shard__PeerMsg *r = recv_msg(fd, 5000);
+                Shard__PeerMsg *r = th_peer_recv(fd, 5000);
                 closed = r == NULL;
                 if (r)
                     shard__peer_msg__free_unpacked(r, NULL);
@@ -280,7 +257,7 @@ static void forge_direct(const char *job, uint32_t you)
     rd.job = (char *)job;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_READY;
     m.job_ready = &rd;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     /* a decision on a job's registration, which only the coordinator makes while it is up */
     uint32_t ids[2] = {0, 1};
     Shard__JobConfirm jc = SHARD__JOB_CONFIRM__INIT;
@@ -290,13 +267,13 @@ static void forge_direct(const char *job, uint32_t you)
     jc.n_nodes = 2;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_CONFIRM;
     m.job_confirm = &jc;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     Shard__NodeDown nd = SHARD__NODE_DOWN__INIT;
     nd.node = 0;
     nd.reason = "forged on a direct link";
     m.msg_case = SHARD__PEER_MSG__MSG_NODE_DOWN;
     m.node_down = &nd;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     usleep(200000);
     close(fd);
 }
@@ -321,7 +298,7 @@ static void forge(int fd, const char *job)
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_RELAY;
     m.relay = &r;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     Shard__JobRecover rc = SHARD__JOB_RECOVER__INIT;
     rc.job = (char *)job;
     rc.seq = 1;
@@ -332,7 +309,7 @@ static void forge(int fd, const char *job)
     inner2.msg_case = SHARD__PEER_MSG__MSG_JOB_RECOVER;
     inner2.job_recover = &rc;
     r.msg = &inner2;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     Shard__JobLeft l = SHARD__JOB_LEFT__INIT;
     l.job = (char *)job;
     l.node = 2;
@@ -341,7 +318,7 @@ static void forge(int fd, const char *job)
     Shard__PeerMsg ml = SHARD__PEER_MSG__INIT;
     ml.msg_case = SHARD__PEER_MSG__MSG_JOB_LEFT;
     ml.job_left = &l;
-    send_msg(fd, &ml);
+    th_peer_send(fd, &ml);
 }
 
 /* a registration in progress: one rank of job "pending" (world 2, a node each) */

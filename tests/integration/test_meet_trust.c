@@ -18,6 +18,7 @@
  * up. Then daemon 1 restarted three times (a new id each time) serves a job with daemon 0 each
  * time, daemon 0 reusing the slots of the daemons gone (it has 2: SHARDD_TEST_MEET_SLOTS). */
 #include "harness.h"
+#include "peer.h"
 #include "shard.h"
 #include "cluster/auth.h"
 #include "sd/config.h"
@@ -42,24 +43,8 @@ static const char *const extra[] = {"--heartbeat-interval-ms",
                                     "--heartbeat-timeout-ms",
                                     "2000",
                                     "--register-timeout-ms",
-                                    "4000",
+                                    "8000",
                                     NULL};
-
-static Shard__PeerMsg *recv_msg(int fd, int timeout_ms)
-{
-    uint8_t *buf = NULL;
-    size_t n = 0;
-    if (sd_frame_recv(fd, &buf, &n, NULL, 0, NULL, 1 << 20, timeout_ms) != 0)
-        return NULL;
-    Shard__PeerMsg *m = shard__peer_msg__unpack(NULL, n, buf);
-    free(buf);
-    return m;
-}
-
-static void send_msg(int fd, Shard__PeerMsg *m)
-{
-    TH_CHECK(sd_frame_send(fd, &m->base, NULL, 0, 2000) == 0, "a message to daemon 0");
-}
 
 /* the token the ranks of job hand their daemons (libshard's: HMAC of the secret) */
 static void token_of(const char *secret, const char *job, struct sd_auth *a)
@@ -86,15 +71,7 @@ struct meet {
 static uint64_t digest(bool same, char *summary, size_t len)
 {
     struct sd_config cfg;
-    char err[256];
-    sd_config_defaults(&cfg);
-    for (int i = 0; extra[i] != NULL; i += 2) { /* --heartbeat-interval-ms 100 ... */
-        char name[64];
-        snprintf(name, sizeof(name), "%s", extra[i] + 2);
-        for (char *c = name; *c; c++)
-            *c = *c == '-' ? '_' : *c;
-        TH_CHECK(sd_config_set(&cfg, name, extra[i + 1], err, sizeof(err)) == 0, "%s", err);
-    }
+    th_peer_config(&cfg, NULL, extra);
     if (!same)
         cfg.op_timeout_ms = 1234;
     cfg.ranks_per_node = 0;
@@ -113,7 +90,7 @@ static void hello_as(struct meet *mt, const char *job, uint32_t id, const struct
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)cl.port)};
     inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
     TH_CHECK(connect(mt->fd, (struct sockaddr *)&a, sizeof(a)) == 0, "connect to daemon 0");
-    Shard__PeerMsg *ch = recv_msg(mt->fd, 5000);
+    Shard__PeerMsg *ch = th_peer_recv(mt->fd, 5000);
     bool got = ch != NULL && ch->msg_case == SHARD__PEER_MSG__MSG_CHALLENGE &&
                ch->challenge->nonce.len == SD_AUTH_NONCE;
     if (got)
@@ -151,8 +128,8 @@ static void hello_as(struct meet *mt, const char *job, uint32_t id, const struct
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
     m.hello = &h;
-    send_msg(mt->fd, &m);
-    Shard__PeerMsg *w = recv_msg(mt->fd, 5000);
+    th_peer_send(mt->fd, &m);
+    Shard__PeerMsg *w = th_peer_recv(mt->fd, 5000);
     if (w == NULL)
         return;
     mt->answer = (int)w->msg_case;
@@ -181,7 +158,7 @@ static uint32_t daemon_id(int i)
 
 static bool log_has(int i, const char *text)
 {
-    for (double end = th_now_s() + 5; th_now_s() < end; usleep(50000)) {
+    for (double end = th_now_s() + 60; th_now_s() < end; usleep(50000)) {
         char *log = th_read_file(cl.d[i].log, NULL);
         bool has = log != NULL && strstr(log, text) != NULL;
         free(log);
@@ -248,12 +225,12 @@ static void attack_link(int fd, uint32_t d0, uint32_t d1)
     Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT;
     m.job_abort = &ab;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     Shard__JobReady rd = SHARD__JOB_READY__INIT;
     rd.job = "j";
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_READY;
     m.job_ready = &rd;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     uint8_t mac[SD_SHA256_BYTES];
     memset(mac, 0x5a, sizeof(mac));
     Shard__JobProof pr = SHARD__JOB_PROOF__INIT;
@@ -262,20 +239,20 @@ static void attack_link(int fd, uint32_t d0, uint32_t d1)
     pr.mac.len = sizeof(mac);
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_PROOF;
     m.job_proof = &pr;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     m.msg_case = SHARD__PEER_MSG__MSG_JOB_ABORT; /* (still not proved) */
     m.job_abort = &ab;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     Shard__NodeDown nd = SHARD__NODE_DOWN__INIT;
     nd.node = d1;
     nd.reason = "forged";
     m.msg_case = SHARD__PEER_MSG__MSG_NODE_DOWN;
     m.node_down = &nd;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
     Shard__PeerTable t = SHARD__PEER_TABLE__INIT;
     m.msg_case = SHARD__PEER_MSG__MSG_TABLE;
     m.table = &t;
-    send_msg(fd, &m);
+    th_peer_send(fd, &m);
 }
 
 /* heartbeats naming each number daemon 0 may give daemon 1, MAC'd with a wrong key */
@@ -354,7 +331,7 @@ int main(void)
     snprintf(ref, sizeof(ref), "%s/j-ref.bin", cl.base);
     const char *args[] = {
         "--world",           "2",    "--ranks-per-node", "1",  "--plan",         "zero3",
-        "--steps",           "20",   "--compute-ms",     "40", "--compute-mode", "sleep",
+        "--steps",           "40",   "--compute-ms",     "40", "--compute-mode", "sleep",
         "--job-secret-file", secret, "--quiet",          NULL};
     setenv("SHARD_LEADER", leader, 1);
     const char *dumps[] = {"--dump-params", dump, NULL};
@@ -434,7 +411,7 @@ int main(void)
     TH_CHECK(xr.st != 0, "job x (its node 1 never came) registered");
     pthread_join(lost_th, NULL);
     TH_CHECK(lost.st == SHARD_ETIMEDOUT &&
-                 strstr(lost.err, "its leader (127.0.0.1:1) did not confirm it within 8000 ms"),
+                 strstr(lost.err, "its leader (127.0.0.1:1) did not confirm it within 16000 ms"),
              "a job whose leader nobody serves: %d '%s'", lost.st, lost.err);
     reuse_slots(leader, secret);
     for (int i = 0; i < 2; i++)
