@@ -403,7 +403,7 @@ void sd_meet__tick(struct sd_cluster *cl, uint64_t now)
     uint64_t deadline = 2 * (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
     for (struct link *l = cl->links, *next; l; l = next) {
         next = l->next;
-        if (l->waiting != NULL)
+        if (l->waiting != NULL && !l->closing)
             wait_check(l, now, deadline);
     }
 }
