@@ -266,6 +266,8 @@ void sd_meet__free(struct sd_cluster *cl);
 /* ---- meet_wire.c: an independent daemon's messages on its links */
 struct meet_wire *sd_meet__wire_new(void);
 void sd_meet__link_free(struct link *l);
+/* the job m is about (NULL: none, a link's own message) */
+const char *sd_meet__job_of(const Shard__PeerMsg *m);
 /* l's handshake proved job's token, both ways */
 void sd_meet__proved(struct link *l, const char *job);
 /* m on l with daemons named by their ids, after a proof of its job's token where l needs one */

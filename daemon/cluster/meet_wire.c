@@ -223,8 +223,7 @@ static void proof_mac(const uint8_t *token, const struct link *l, const char *jo
     sd_hmac_final(&h, out);
 }
 
-/* The job m is about (NULL: none, a link's own message). */
-static const char *job_of(const Shard__PeerMsg *m)
+const char *sd_meet__job_of(const Shard__PeerMsg *m)
 {
     const char *job = sd_cluster__relayed_job(m);
     if (job != NULL)
@@ -277,7 +276,7 @@ static bool prove(struct link *l, const char *job)
 
 void sd_meet__send(struct link *l, const Shard__PeerMsg *m)
 {
-    const char *job = job_of(m);
+    const char *job = sd_meet__job_of(m);
     if (job != NULL && !prove(l, job))
         return;
     size_t len;
@@ -422,7 +421,7 @@ bool sd_meet__receive(struct link *l, Shard__PeerMsg *m)
             (void)proof_check(l, p->job, p->mac.data);
         return false;
     }
-    const char *job = job_of(m);
+    const char *job = sd_meet__job_of(m);
     struct meet_wait *w = job != NULL && !proof_has(l->proved, job) ? wait_find(l, job) : NULL;
     if (w != NULL) {
         wait_keep(l, w, m);

@@ -64,17 +64,7 @@ void sd_cluster__peer_send(struct sd_cluster *cl, uint32_t node, const Shard__Pe
     }
     o->node = node;
     o->since_ns = sd_now_ns();
-    const char *job = sd_cluster__relayed_job(m);
-    if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_REPORT)
-        job = m->job_report->job;
-    else if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_ABORT)
-        job = m->job_abort->job;
-    else if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_CONFIRM)
-        job = m->job_confirm->job;
-    else if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_REFUSE)
-        job = m->job_refuse->job;
-    else if (m->msg_case == SHARD__PEER_MSG__MSG_JOB_LEFT)
-        job = m->job_left->job;
+    const char *job = sd_meet__job_of(m);
     snprintf(o->job, sizeof(o->job), "%s", job != NULL ? job : "");
     struct outmsg **tail = &cl->peers.outbox;
     while (*tail != NULL)
