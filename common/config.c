@@ -117,6 +117,10 @@ const struct sd_config_entry sd_config_table[] = {
      "256); a longer step runs on demand",
      0},
     {"max_jobs", SD_CFG_INT, "64", 1, 4096, OFF(max_jobs), "jobs served at once", 0},
+    {"max_jobs_per_uid", SD_CFG_INT, "16", 1, 4096, OFF(max_jobs_per_uid),
+     "jobs one uid may have served or registering at once; past it, that uid's oldest "
+     "registration not complete yet is refused for its new one (else the new one is)",
+     0},
     {"max_tensors", SD_CFG_INT, "65536", 1, 1 << 20, OFF(max_tensors),
      "tensors a registered model may have, at most", 0},
     {"max_units", SD_CFG_INT, "16384", 1, 16384, OFF(max_units),

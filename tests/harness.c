@@ -76,6 +76,48 @@ static bool can_connect(const char *path)
 
 static int daemon_start_in(struct th_daemon *d, const char *const *extra, bool wait_socket);
 
+static char shardd_copy[400], mlp_copy[400];
+
+const char *th_shardd_path(void)
+{
+    return shardd_copy[0] ? shardd_copy : SHARDD_PATH;
+}
+
+const char *th_mlp_train_path(void)
+{
+    return mlp_copy[0] ? mlp_copy : MLP_TRAIN_PATH;
+}
+
+/* src copied to dst with mode 0755 */
+static int copy_exec(const char *src, const char *dst)
+{
+    size_t len = 0;
+    char *data = th_read_file(src, &len);
+    int fd = data != NULL ? open(dst, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0755) : -1;
+    bool ok = fd >= 0 && write(fd, data, len) == (ssize_t)len && fchmod(fd, 0755) == 0;
+    if (fd >= 0)
+        ok &= close(fd) == 0;
+    free(data);
+    TH_CHECK(ok, "copy %s to %s", src, dst);
+    return ok ? 0 : -1;
+}
+
+int th_binaries_reachable(const char *dir)
+{
+    char s[400], m[400];
+    if ((mkdir(dir, 0755) != 0 && errno != EEXIST) || chmod(dir, 0755) != 0) {
+        TH_CHECK(false, "make %s for the binaries other users run", dir);
+        return -1;
+    }
+    snprintf(s, sizeof(s), "%s/shardd", dir);
+    snprintf(m, sizeof(m), "%s/mlp_train", dir);
+    if (copy_exec(SHARDD_PATH, s) != 0 || copy_exec(MLP_TRAIN_PATH, m) != 0)
+        return -1;
+    snprintf(shardd_copy, sizeof(shardd_copy), "%s", s);
+    snprintf(mlp_copy, sizeof(mlp_copy), "%s", m);
+    return 0;
+}
+
 /* a command the next daemon starts under (setpriv to another user), or NULL */
 static const char *const *daemon_wrap;
 
@@ -395,7 +437,7 @@ static int daemon_start_in(struct th_daemon *d, const char *const *extra, bool w
     int n = 0;
     for (int i = 0; daemon_wrap && daemon_wrap[i] && n < 20; i++)
         argv[n++] = daemon_wrap[i];
-    argv[n++] = SHARDD_PATH;
+    argv[n++] = th_shardd_path();
     argv[n++] = "--runtime-dir";
     argv[n++] = rundir;
     bool backend_named = false;

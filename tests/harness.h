@@ -70,6 +70,16 @@ bool th_cluster_alive(const struct th_cluster *c, const char *what);
  * rejoins the cluster. Its earlier log is kept as <log>.before-restart. */
 int th_cluster_node_restart(struct th_cluster *c, int i, const char *const *extra);
 
+/* The binaries the tests run: the build's (SHARDD_PATH, MLP_TRAIN_PATH), or the copies
+ * th_binaries_reachable made. */
+const char *th_shardd_path(void);
+const char *th_mlp_train_path(void);
+/* Tests that run daemons or trainers as other users: a clone in a directory those users cannot
+ * enter (root's home, mode 0700) holds binaries they cannot execute, so copy shardd and
+ * mlp_train (mode 0755) into dir (made, mode 0755), which they reach, and run those from now on.
+ * 0, or -1 (a check failed, naming what). */
+int th_binaries_reachable(const char *dir);
+
 /* Start shardd with extra "--key", "value" arguments (NULL-terminated list, may be NULL). */
 int th_daemon_start(struct th_daemon *d, const char *const *extra);
 /* The same under the command wrap (setpriv --reuid=...: another user), in a directory owned

@@ -227,6 +227,16 @@ static void print_independent(json_t *doc)
            num(doc, "ranks_per_node") == 0 ? " (from each job)" : " (for jobs that give none)",
            num(doc, "package_size"));
     printf("levels: package (%lld ranks) < node < the job's nodes\n", num(doc, "package_size"));
+    if (json_is_false(json_object_get(doc, "ids_shown"))) {
+        printf("the daemons it met, by its numbers (their ids and addresses are root's to see):\n");
+        json_array_foreach(nodes, i, n)
+        {
+            if (i > 0)
+                printf("  node %-4lld %s%s\n", num(n, "node"), str(n, "state"),
+                       json_is_true(json_object_get(n, "link")) ? ", linked" : "");
+        }
+        return;
+    }
     if (!id[0]) {
         printf("no job has spanned nodes yet: it meets other daemons through their jobs\n");
         return;
@@ -372,6 +382,24 @@ static void print_stats(json_t *doc)
     }
     if (json_array_size(json_object_get(doc, "jobs")) == 0)
         printf("(no jobs)\n");
+    json_t *peers = json_object_get(doc, "peers"), *l;
+    if (peers == NULL)
+        return;
+    printf("control links: %zu; connections refused %lld (proved nothing), evicted %lld (a "
+           "flood's), closed for what they buffered %lld; messages waiting for links %s\n",
+           json_array_size(json_object_get(peers, "links")), num(peers, "refused"),
+           num(peers, "evicted"), num(peers, "closed_full"),
+           sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(peers, "outbox_bytes")));
+    json_array_foreach(json_object_get(peers, "links"), i, l)
+    {
+        printf("  node %-4lld %-8s %s%s: read buffer %s, to write %s, waiting for jobs %s\n",
+               num(l, "node"), json_is_true(json_object_get(l, "proved")) ? "proved" : "unproved",
+               json_is_true(json_object_get(l, "incoming")) ? "from " : "to ",
+               str(l, "address")[0] ? str(l, "address") : "(root's to see)",
+               sd_fmt_bytes(b1, sizeof(b1), (uint64_t)num(l, "rx_buffered")),
+               sd_fmt_bytes(b2, sizeof(b2), (uint64_t)num(l, "tx_queued")),
+               sd_fmt_bytes(b3, sizeof(b3), (uint64_t)num(l, "waiting_bytes")));
+    }
 }
 
 static void print_schedule(json_t *jobs)

@@ -93,6 +93,10 @@ uint32_t sd_cluster_shown_nodes(const struct sd_cluster *cl);
 /* node as messages name it: "cluster node N", or an independent daemon's "daemon ID at
  * IP:PORT" (its numbers are its own) */
 const char *sd_cluster_node_name(const struct sd_cluster *cl, uint32_t node, char *buf, size_t len);
+/* An independent daemon serving a node other than job's leader's: what went wrong reaching
+ * its leader (into buf), or NULL when nothing did */
+const char *sd_cluster_leader_trouble(const struct sd_cluster *cl, const char *job, char *buf,
+                                      size_t len);
 /* an independent daemon: the id of the daemon it numbers node (its own for itself; 0: none) */
 uint32_t sd_cluster_daemon_id(const struct sd_cluster *cl, uint32_t node);
 
@@ -140,8 +144,12 @@ void sd_cluster_job_recover(struct sd_cluster *cl, uint32_t node,
 /* Every local rank of the job left this node: the job ends once all its nodes said so. Returns
  * false when no coordination is possible (the coordinator is down): end it locally. */
 bool sd_cluster_job_left(struct sd_cluster *cl, const char *job, const uint32_t *ids, uint32_t n);
-/* Node states for shardctl topology. */
-json_t *sd_cluster_json(const struct sd_cluster *cl);
+/* Node states for shardctl topology; all: the caller is root, who sees the other daemons' ids
+ * and addresses (anyone else, their number and state only). */
+json_t *sd_cluster_json(const struct sd_cluster *cl, bool all);
+/* The control links for shardctl stats: counts of refused and evicted connections, and each
+ * link's buffered bytes (its address: root's to see) */
+json_t *sd_cluster_stats_json(const struct sd_cluster *cl, bool all);
 /* The heartbeat thread's datagrams: sent, received, dropped (unknown sender, magic or digest). */
 json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl);
 

@@ -21,12 +21,29 @@
 /* before a link proves the secret: its messages' size, how long it may take, how many wait */
 #define MAX_HELLO_MSG (16u << 10)
 #define SD_AUTH_MS    5000
-#define MAX_UNAUTHED  32
+/* Unproved connections (accepted, no hello that proved anything yet): at most this many, and
+ * this many from one source address; past either, the oldest of the source holding the most
+ * goes, so that a flood from one address evicts its own and never a peer's handshake. */
+#define MAX_UNAUTHED            64
+#define MAX_UNAUTHED_PER_SOURCE 8
+/* An independent daemon's link: what it may buffer for the jobs proved on it that have not
+ * registered here yet (messages and bytes), and what may wait to be written on it before the
+ * other end is taken to read nothing (the link is closed, logged) */
+#define MEET_WAIT_BYTES  (256u << 10)
+#define LINK_WRITE_BYTES (32u << 20)
+/* the connections one source address may hold once proved (each a daemon's link to this one:
+ * one per daemon on that host, a replaced one closing) */
+#define MAX_PROVED_PER_SOURCE 16
+/* messages for one peer that may wait for a link to it (the oldest goes past that) */
+#define OUTBOX_MAX 256
 /* a member that lost the coordinator tries to reconnect this often */
 #define SD_REJOIN_RETRY_MS 1000
 /* a direct link between members that no job has needed this long goes */
 #define SD_PEER_IDLE_MS 3000
 #define SD_PEER_ADDR    64 /* "ip:port" of a member's peer listener */
+/* the listeners' backlog: connections the kernel holds until the loop accepts them (a flood's
+ * among them; the kernel caps it at net.core.somaxconn) */
+#define SD_LISTEN_BACKLOG 4096
 
 #define SD_NO_NODE UINT32_MAX
 
@@ -42,10 +59,12 @@ struct link {
     uint8_t nonce_c[SD_AUTH_NONCE], nonce_m[SD_AUTH_NONCE]; /* the coordinator's, the member's */
     uint8_t hb_key[SD_SHA256_BYTES];                        /* the session's heartbeat key */
     uint64_t created_ns;
+    char host[48]; /* the other end's IP address ("?": not known) */
     uint8_t *rx;
     size_t rx_len, rx_cap;
     uint64_t last_seen_ns;
     bool closing;
+    bool stalled; /* more than LINK_WRITE_BYTES wait to be written: closed at the next tick */
     /* independent daemons (meet.c): the job whose token keyed the handshake, and the jobs the
      * other end and this one proved on the link since */
     char job[64];
@@ -83,6 +102,7 @@ struct coord_job {
     int status;
     char msg[512];
     uint64_t deadline_ns;
+    uint64_t refused0, evicted0; /* the daemon's counts of refused and evicted connections then */
     /* the transport tags its nodes' jobs use (JobReport.busy_tags): its own is another */
     uint8_t busy[(1u << SD_TAG_JOB_BITS) / 8];
 };
@@ -112,8 +132,12 @@ struct coord_live {
 struct sd_cluster {
     uv_loop_t *loop;
     const struct sd_config *cfg;
-    struct sd_auth auth;   /* the cluster's secret */
-    uint64_t auth_refused; /* connections that did not prove it */
+    struct sd_auth auth;       /* the cluster's secret */
+    struct {
+        uint64_t refused;     /* connections that did not prove it (or a job's token) */
+        uint64_t evicted;     /* unproved connections closed to admit others (sd_cluster__admit) */
+        uint64_t closed_full; /* links closed for what they left buffered (MEET_WAIT_BYTES...) */
+    } counts;
     struct sd_transport *tp;
     struct sd_cluster_events ev;
     /* nodes in the table (an open cluster's grows as daemons join), at most cap; self is
@@ -160,6 +184,10 @@ struct sd_cluster {
         uint64_t *idle_ns;     /* [cap]: since when no job needs the link to it (0: one does) */
         bool *need;            /* [cap]: scratch, the nodes this node's jobs span */
         struct outmsg *outbox; /* messages waiting for a direct link being opened */
+        /* [cap]: dials to that daemon that failed since a link to it last came up, and how the
+         * last one did (what a job waiting for its leader is told) */
+        uint32_t *dial_fails;
+        char (*dial_why)[256];
     } peers;
     uv_timer_t timer;
     uv_timer_t retry;
@@ -238,11 +266,24 @@ void sd_cluster__on_hello(struct link *l, const Shard__PeerHello *h);
 const char *sd_cluster__link_addr(struct link *l, char *buf, size_t len);
 /* the same without the port: "a.b.c.d" ("?" where not IPv4) */
 const char *sd_cluster__link_host(struct link *l, char *buf, size_t len);
-/* the coordinator: a new link gets its nonce (and the oldest of too many unproved links goes) */
+/* the coordinator: a new link gets its nonce */
 void sd_cluster__challenge(struct link *l);
-void sd_cluster__admit(struct sd_cluster *cl);
+/* l was just accepted: room for it among the unproved connections (the oldest of the source
+ * holding the most goes, counted and logged; MAX_UNAUTHED, MAX_UNAUTHED_PER_SOURCE); false: l
+ * itself was closed (its source holds too many proved links) */
+bool sd_cluster__admit(struct sd_cluster *cl, struct link *l);
+/* a dial of this daemon's to node failed (why: how): kept for what its jobs are told */
+void sd_cluster__dial_failed(struct sd_cluster *cl, uint32_t node, const char *why);
 /* the coordinator: is the hello's MAC right? (welcome sent) else refused and closed */
 bool sd_cluster__hello_authentic(struct link *l, const Shard__PeerHello *h);
+/* An independent daemon refuses a hello that proves no job's token here (a job it does not
+ * serve, a wrong MAC, no job named): one text to the other end whatever the reason, so that
+ * nobody learns which jobs a daemon serves; counted, and the reason (why) logged sparsely with
+ * the job's name escaped. */
+#define SD_REFUSE_UNPROVED                                                                         \
+    "authentication failed: the hello proves no job this daemon serves (a job's nodes share its "  \
+    "secret, and its ranks there must have registered)"
+void sd_cluster__refuse_unproved(struct link *l, const char *job, const char *why);
 /* the same check with key a, without the welcome: l is authed and has its heartbeat key */
 bool sd_cluster__hello_verify(struct link *l, const Shard__PeerHello *h, const struct sd_auth *a);
 /* a message on a link that has not proved the secret */
@@ -258,6 +299,8 @@ uint32_t sd_meet__slot_new(struct sd_cluster *cl);
  * pa, "" or NULL to keep what it has): its fabric address goes into the transport's table */
 int sd_meet__slot_fill(struct sd_cluster *cl, uint32_t slot, uint32_t uid, const uint8_t *fab,
                        size_t fab_len, uint32_t hb, const char *pa);
+/* a slot taken for a daemon that could not be filled, free again */
+void sd_meet__slot_release(struct sd_cluster *cl, uint32_t slot);
 /* slot leads job's registration */
 void sd_meet__leader_note(struct sd_cluster *cl, const char *job, uint32_t slot);
 /* ready at once, alone in its table */
@@ -275,6 +318,8 @@ void sd_meet__send(struct link *l, const Shard__PeerMsg *m);
 /* m's frame with ids (for the outbox), and one such frame about job written on l */
 uint8_t *sd_meet__frame(struct sd_cluster *cl, const Shard__PeerMsg *m, size_t *len_p);
 void sd_meet__flush(struct link *l, const char *job, uint8_t *frame, size_t len);
+/* the bytes waiting on l for the proofs of jobs not registered here yet */
+size_t sd_meet__waiting_bytes(const struct link *l);
 /* m came on independent link l: proofs taken, ids made slots; false: not heard further */
 bool sd_meet__receive(struct link *l, Shard__PeerMsg *m);
 /* the hello's fields of an independent daemon, and the key (the job's token) of its MAC */
@@ -289,9 +334,11 @@ void sd_meet__tick(struct sd_cluster *cl, uint64_t now);
 /* this node's report of a job spanning nodes: to the job's leader (leader: "ip:port"), or
  * decided here when it is */
 void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const char *leader);
+/* what jobs gone from here left: their leaders' notes, slots dialed for them that never met */
+void sd_meet__forget(struct sd_cluster *cl);
 /* the slot that leads job's registration (SD_NO_NODE: none known) */
 uint32_t sd_meet__leader(const struct sd_cluster *cl, const char *job);
-json_t *sd_meet__json(const struct sd_cluster *cl);
+json_t *sd_meet__json(const struct sd_cluster *cl, bool all);
 
 /* ---- probe.c, for the links: every peer's data path, probed at each table */
 int sd_probe_init(struct sd_cluster *cl);

@@ -78,6 +78,8 @@ static struct coord_job *coord_job_find(struct sd_cluster *cl, const char *name,
     j->token_len = (uint32_t)token->len;
     j->nodes = nodes;
     j->deadline_ns = sd_now_ns() + (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
+    j->refused0 = cl->counts.refused;
+    j->evicted0 = cl->counts.evicted;
     j->next = cl->track.jobs;
     cl->track.jobs = j;
     return j;
@@ -496,6 +498,17 @@ void sd_cluster__coord_sweep(struct sd_cluster *cl, uint64_t now)
                      "job '%s': a node that registered part of it went down before ranks %s "
                      "registered",
                      j->name, missing);
+        else if (cl->counts.refused > j->refused0 || cl->counts.evicted > j->evicted0)
+            /* (their nodes may have: a flood kept their daemons' links out) */
+            snprintf(j->msg, sizeof(j->msg),
+                     "job '%s': ranks %s did not register on any node within %lld ms "
+                     "(register_timeout_ms); meanwhile this daemon refused %llu and evicted %llu "
+                     "connections that proved no job at its peer port %u: if those ranks did "
+                     "register, their daemons could not reach it (a flood, or another job "
+                     "secret there?)",
+                     j->name, missing, (long long)cl->cfg->register_timeout_ms,
+                     (unsigned long long)(cl->counts.refused - j->refused0),
+                     (unsigned long long)(cl->counts.evicted - j->evicted0), cl->me.peer_port);
         else
             snprintf(j->msg, sizeof(j->msg),
                      "job '%s': ranks %s did not register on any node within %lld ms "

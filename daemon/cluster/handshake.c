@@ -44,25 +44,19 @@ bool sd_cluster__hello_verify(struct link *l, const Shard__PeerHello *h, const s
         ok = sd_mem_equal(want, h->mac.data, SD_SHA256_BYTES);
     }
     if (!ok) {
-        cl->auth_refused++;
-        SD_ERROR("cluster",
-                 "refusing a daemon at %s that calls itself node %u: its hello does not prove the "
-                 "%s",
-                 sd_cluster__link_addr(l, addr, sizeof(addr)), h->node,
-                 cl->indep ? "job's token (not one of the job's nodes)"
-                           : "cluster's secret (a different cluster_secret_file, or not a daemon "
-                             "of this cluster)");
-        Shard__PeerRefuse r = SHARD__PEER_REFUSE__INIT;
-        r.reason = cl->indep ? "authentication failed: the hello's HMAC does not match the job's "
-                               "token (is it one of the job's nodes, with the job's secret?)"
-                             : "authentication failed: the hello's HMAC does not match this "
-                               "cluster's secret (is cluster_secret_file the same file on every "
-                               "node?)";
-        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-        m.msg_case = SHARD__PEER_MSG__MSG_REFUSE;
-        m.refuse = &r;
-        sd_cluster__link_send(l, &m);
-        sd_cluster__link_close(l, "authentication failed");
+        if (!cl->indep) {
+            cl->counts.refused++;
+            SD_ERROR_SPARSE("cluster",
+                            "refusing a daemon at %s that calls itself node %u: its hello does "
+                            "not prove the cluster's secret (a different cluster_secret_file, or "
+                            "not a daemon of this cluster)",
+                            sd_cluster__link_addr(l, addr, sizeof(addr)), h->node);
+            sd_cluster__refuse_text(l, "authentication failed: the hello's HMAC does not match "
+                                       "this cluster's secret (is cluster_secret_file the same "
+                                       "file on every node?)");
+        } else {
+            sd_cluster__refuse_unproved(l, h->job, "its HMAC does not match the job's token");
+        }
         return false;
     }
     l->authed = true;
@@ -102,18 +96,64 @@ void sd_cluster__challenge(struct link *l)
     sd_cluster__link_send(l, &m);
 }
 
-void sd_cluster__admit(struct sd_cluster *cl)
+/* Admission of an accepted connection, before it proved anything: a flood of connections
+ * (thousands a second from one address) must not push a real peer's handshake out. So each
+ * source address may hold MAX_UNAUTHED_PER_SOURCE unproved connections and all together
+ * MAX_UNAUTHED; past either, the oldest of the source that holds the most goes (a flooder's
+ * own, while a peer's single dial waits its turn behind nobody). A source may hold
+ * MAX_PROVED_PER_SOURCE proved links (a daemon per host, each one or two): past that, the new
+ * connection goes. Evictions are counted (shardctl stats: peers.evicted) and logged sparsely. */
+bool sd_cluster__admit(struct sd_cluster *cl, struct link *nl)
 {
-    uint32_t waiting = 0; /* links that have not proved the secret yet: the oldest goes */
-    struct link *oldest = NULL;
-    for (struct link *o = cl->links; o; o = o->next)
-        if (!o->authed && !o->closing) {
-            waiting++;
-            if (oldest == NULL || o->created_ns < oldest->created_ns)
-                oldest = o;
+    struct link *unproved[MAX_UNAUTHED + 1];
+    uint32_t n = 0, proved = 0, from_new = 0;
+    for (struct link *o = cl->links; o; o = o->next) {
+        if (o == nl || o->closing || !o->incoming)
+            continue;
+        bool same = strcmp(o->host, nl->host) == 0;
+        if (o->authed) {
+            proved += same;
+        } else if (n < MAX_UNAUTHED + 1) {
+            unproved[n++] = o;
+            from_new += same;
         }
-    if (waiting >= MAX_UNAUTHED && oldest != NULL)
-        sd_cluster__link_close(oldest, "too many connections waiting to prove the secret");
+    }
+    if (proved >= MAX_PROVED_PER_SOURCE) {
+        cl->counts.evicted++;
+        SD_WARN_SPARSE("cluster",
+                       "a connection from %s refused: that address holds %u proved links to "
+                       "this daemon already (at most %d)",
+                       nl->host, proved, MAX_PROVED_PER_SOURCE);
+        sd_cluster__link_close(nl, "too many links from one address");
+        return false;
+    }
+    if (from_new < MAX_UNAUTHED_PER_SOURCE && n < MAX_UNAUTHED)
+        return true;
+    /* the source holding the most unproved connections (the new one's, when it is at its
+     * cap), and its oldest */
+    struct link *victim = NULL;
+    uint32_t most = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t c = 0;
+        for (uint32_t j = 0; j < n; j++)
+            c += strcmp(unproved[i]->host, unproved[j]->host) == 0;
+        if (from_new >= MAX_UNAUTHED_PER_SOURCE && strcmp(unproved[i]->host, nl->host) != 0)
+            continue;
+        if (c > most || (c == most && unproved[i]->created_ns < victim->created_ns)) {
+            most = c;
+            victim = unproved[i];
+        }
+    }
+    if (victim == NULL)
+        return true;
+    cl->counts.evicted++;
+    SD_WARN_SPARSE("cluster",
+                   "closed an unproved connection from %s to admit another: that address holds "
+                   "%u of the %u connections that have proved nothing yet (a flood?); %llu "
+                   "closed so far",
+                   victim->host, most, n + 1, (unsigned long long)cl->counts.evicted);
+    sd_cluster__link_close(victim, "evicted: too many unproved connections from its address");
+    return true;
 }
 
 static void send_hello(struct sd_cluster *cl, struct link *l)
@@ -207,10 +247,12 @@ void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m)
     }
     case SHARD__PEER_MSG__MSG_REFUSE:
         if (l->peer) { /* a job peer's refusal: that link only */
+            char why[200];
+            snprintf(why, sizeof(why), "refused: %.180s", m->refuse->reason);
             SD_WARN_SPARSE("cluster", "node %d refused a direct link: %s", l->node,
                            m->refuse->reason);
             l->retired = true;
-            sd_cluster__link_close(l, "refused");
+            sd_cluster__link_close(l, why);
             return;
         }
         /* not proved: a refusal from whoever answers at the coordinator's address ends the

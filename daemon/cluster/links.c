@@ -38,53 +38,6 @@ static const protobuf_c_boolean *cl_down_list(struct sd_cluster *cl)
     return cl->down_scratch;
 }
 
-int sd_cluster__parse_hostport(const char *spec, struct sockaddr_storage *ss)
-{
-    char host[128];
-    const char *colon = strrchr(spec, ':');
-    if (colon == NULL || colon == spec || (size_t)(colon - spec) >= sizeof(host))
-        return SD_EINVAL;
-    memcpy(host, spec, (size_t)(colon - spec));
-    host[colon - spec] = '\0';
-    int port = atoi(colon + 1);
-    if (port <= 0 || port > 65535)
-        return SD_EINVAL;
-    if (uv_ip4_addr(host, port, (struct sockaddr_in *)ss) == 0)
-        return SD_OK;
-    if (uv_ip6_addr(host, port, (struct sockaddr_in6 *)ss) == 0)
-        return SD_OK;
-    return SD_EINVAL;
-}
-
-/* Send to a node: the coordinator has a link per node; a member reaches the others through it
- * (in order with its decisions: a peer may not have its confirmation of a job yet), or without
- * it on their direct link (opened for it if need be). */
-void sd_cluster__send_to(struct sd_cluster *cl, uint32_t node, const Shard__PeerMsg *m)
-{
-    if (node == cl->self || node >= cl->n)
-        return;
-    if (cl->self == 0) {
-        if (cl->by_node[node] != NULL)
-            sd_cluster__link_send(cl->by_node[node], m);
-        return;
-    }
-    if (node == 0) {
-        sd_cluster__link_send(cl->by_node[0], m);
-        return;
-    }
-    if (!sd_cluster__coordinator_up(cl)) { /* without it: on the direct link to node */
-        sd_cluster__peer_send(cl, node, m);
-        return;
-    }
-    Shard__PeerRelay r = SHARD__PEER_RELAY__INIT;
-    r.to = node;
-    r.msg = (Shard__PeerMsg *)m;
-    Shard__PeerMsg outer = SHARD__PEER_MSG__INIT;
-    outer.msg_case = SHARD__PEER_MSG__MSG_RELAY;
-    outer.relay = &r;
-    sd_cluster__link_send(cl->by_node[0], &outer);
-}
-
 /* ---- node liveness */
 
 static void node_down(struct sd_cluster *cl, uint32_t node, const char *reason)
@@ -160,7 +113,7 @@ void sd_cluster__refuse(struct link *l, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
-    SD_ERROR("cluster", "refusing a daemon: %s", text);
+    SD_ERROR_SPARSE("cluster", "refusing a daemon: %s", text);
     sd_cluster__refuse_text(l, text);
 }
 
@@ -457,6 +410,13 @@ static void read_cb(uv_stream_t *s, ssize_t n, const uv_buf_t *buf)
     }
     memmove(l->rx, l->rx + off, l->rx_len - off);
     l->rx_len -= off;
+    if (l->rx_cap > (512u << 10) && l->rx_len < (64u << 10)) { /* (after a large message) */
+        uint8_t *rx = realloc(l->rx, 131072);
+        if (rx != NULL) {
+            l->rx = rx;
+            l->rx_cap = 131072;
+        }
+    }
 }
 
 void sd_cluster__read_start(struct link *l)
@@ -494,6 +454,8 @@ void sd_cluster__link_close(struct link *l, const char *why)
     }
     if (l->peer && !l->incoming && node >= 0 && (uint32_t)node < cl->cap && !l->authed) {
         cl->peers.dialing[node] = false;
+        if (!cl->stopping)
+            sd_cluster__dial_failed(cl, (uint32_t)node, why);
         /* (what waited for it will not go; an independent daemon's waits for the leader to
          * listen, and goes at a later dial, within its deadline) */
         if (!cl->stopping && !cl->indep)
@@ -554,13 +516,15 @@ void sd_cluster__on_connection(uv_stream_t *server, int status)
     struct sd_cluster *cl = server->data;
     if (status < 0)
         return;
-    sd_cluster__admit(cl);
     struct link *l = sd_cluster__link_new(cl);
     l->incoming = true;
     if (uv_accept(server, (uv_stream_t *)&l->tcp) != 0) {
         sd_cluster__link_close(l, "accept failed");
         return;
     }
+    sd_cluster__link_host(l, l->host, sizeof(l->host));
+    if (!sd_cluster__admit(cl, l))
+        return;
     uv_tcp_nodelay(&l->tcp, 1);
     uv_read_start((uv_stream_t *)&l->tcp, alloc_cb, read_cb);
     sd_cluster__challenge(l);
@@ -664,15 +628,19 @@ static void timer_cb(uv_timer_t *t)
     }
     for (struct link *l = cl->links, *next; l; l = next) {
         next = l->next;
+        if (l->stalled) {
+            sd_cluster__link_close(l, "the other end does not read what it is sent");
+            continue;
+        }
         if (!l->authed && now - l->created_ns > (uint64_t)SD_AUTH_MS * 1000000ULL) {
             char addr[64];
-            cl->auth_refused += l->incoming;
-            SD_WARN("cluster",
-                    "a connection with %s did not prove the cluster's secret within %d "
-                    "ms: closed",
-                    sd_cluster__link_addr(l, addr, sizeof(addr)), SD_AUTH_MS);
+            cl->counts.refused += l->incoming;
+            SD_WARN_SPARSE("cluster",
+                           "a connection with %s did not prove the %s within %d ms: closed",
+                           sd_cluster__link_addr(l, addr, sizeof(addr)),
+                           cl->indep ? "token of a job" : "cluster's secret", SD_AUTH_MS);
             int node = l->node;
-            sd_cluster__link_close(l, "no authentication in time");
+            sd_cluster__link_close(l, "its handshake did not finish in time");
             if (cl->self != 0 && node == 0 && !cl->ready)
                 uv_timer_start(&cl->retry, retry_cb, 200, 0);
             continue;
@@ -748,9 +716,11 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
     cl->peers.dialing = calloc(cl->cap, sizeof(*cl->peers.dialing));
     cl->peers.idle_ns = calloc(cl->cap, sizeof(*cl->peers.idle_ns));
     cl->peers.need = calloc(cl->cap, sizeof(*cl->peers.need));
+    cl->peers.dial_fails = calloc(cl->cap, sizeof(*cl->peers.dial_fails));
+    cl->peers.dial_why = calloc(cl->cap, sizeof(*cl->peers.dial_why));
     if (!cl->addrs || !cl->addr_len || !cl->present || !cl->alive || !cl->down_scratch ||
         !cl->hb_port || !cl->by_node || !cl->peers.addrs || !cl->peers.dialing ||
-        !cl->peers.idle_ns || !cl->peers.need) {
+        !cl->peers.idle_ns || !cl->peers.need || !cl->peers.dial_fails || !cl->peers.dial_why) {
         *cl_p = cl;
         return SD_ENOMEM;
     }
@@ -822,7 +792,8 @@ int sd_cluster_start(struct sd_cluster **cl_p, uv_loop_t *loop, const struct sd_
         cl->listener.data = cl;
         int r = uv_tcp_bind(&cl->listener, (struct sockaddr *)&ss, 0);
         if (r == 0)
-            r = uv_listen((uv_stream_t *)&cl->listener, 128, sd_cluster__on_connection);
+            r = uv_listen((uv_stream_t *)&cl->listener, SD_LISTEN_BACKLOG,
+                          sd_cluster__on_connection);
         if (r != 0) {
             SD_ERROR("cluster", "cannot listen on %s: %s", cfg->coordinator, uv_strerror(r));
             *cl_p = cl;
@@ -894,6 +865,8 @@ void sd_cluster_free(struct sd_cluster *cl)
     free(cl->peers.dialing);
     free(cl->peers.idle_ns);
     free(cl->peers.need);
+    free(cl->peers.dial_fails);
+    free(cl->peers.dial_why);
     sd_meet__free(cl);
     sd_probe_free(cl);
     free(cl);

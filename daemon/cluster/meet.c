@@ -140,8 +140,14 @@ uint32_t sd_meet__slot_new(struct sd_cluster *cl)
 int sd_meet__slot_fill(struct sd_cluster *cl, uint32_t slot, uint32_t uid, const uint8_t *fab,
                        size_t fab_len, uint32_t hb, const char *pa)
 {
+    char why[160];
     if (fab_len == 0 || fab_len > sizeof(cl->addrs[0]))
         return SD_EPROTO;
+    if (cl->tp->ops->check_addr != NULL &&
+        cl->tp->ops->check_addr(cl->tp, fab, fab_len, why, sizeof(why)) != SD_OK) {
+        SD_WARN_SPARSE("cluster", "daemon %08x's fabric address is refused: %s", uid, why);
+        return SD_EPROTO;
+    }
     cl->meet.uid_of[slot] = uid;
     cl->hb_port[slot] = hb;
     if (pa != NULL && pa[0] != '\0' && strlen(pa) < SD_PEER_ADDR)
@@ -153,6 +159,21 @@ int sd_meet__slot_fill(struct sd_cluster *cl, uint32_t slot, uint32_t uid, const
     cl->addr_len[slot] = fab_len;
     cl->present[slot] = true;
     return cl->tp->ops->set_peer(cl->tp, slot, fab, fab_len);
+}
+
+/* a slot that was taken for a daemon that then could not be filled: free again */
+void sd_meet__slot_release(struct sd_cluster *cl, uint32_t slot)
+{
+    if (slot < 2 || slot >= cl->cap || cl->by_node[slot] != NULL || cl->peers.dialing[slot])
+        return;
+    if (cl->addr_len[slot] > 0)
+        cl->tp->ops->peer_down(cl->tp, slot);
+    cl->meet.uid_of[slot] = 0;
+    cl->meet.as[slot] = SD_NO_NODE;
+    cl->addr_len[slot] = 0;
+    cl->hb_port[slot] = 0;
+    cl->present[slot] = cl->alive[slot] = false;
+    cl->peers.addrs[slot][0] = '\0';
 }
 
 /* the slot of the daemon listening at addr ("ip:port"), made (its id not known yet) if none */
@@ -213,19 +234,23 @@ void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h)
 {
     struct sd_cluster *cl = l->cl;
     struct sd_auth a;
-    char from[SD_PEER_ADDR], pa[SD_PEER_ADDR + 16];
+    char from[SD_PEER_ADDR], pa[SD_PEER_ADDR + 16], why[160];
     sd_cluster__link_host(l, from, sizeof(from));
     if (!h->peer || !link_key(l, h->job, &a)) {
-        /* (a job's other nodes dial its leader until its ranks there registered: said once in
-         * a while, not at every try) */
-        char text[256];
-        snprintf(text, sizeof(text),
-                 "a link from %s for job '%.64s', which is not registered on this daemon with a "
-                 "job secret (yet)",
-                 from, h->job != NULL ? h->job : "");
-        cl->auth_refused++;
-        SD_WARN_SPARSE("cluster", "refusing a daemon: %s", text);
-        sd_cluster__refuse_text(l, text);
+        /* (a job's other nodes dial its leader until its ranks there registered; the other end
+         * hears the one refusal of every unproved hello, after as long as a MAC takes: no
+         * daemon says which jobs it serves) */
+        uint8_t want[SD_SHA256_BYTES];
+        a.key_len = SD_JOB_TOKEN_BYTES;
+        memset(a.key, 0, SD_JOB_TOKEN_BYTES);
+        if (h->nonce.len == SD_AUTH_NONCE)
+            memcpy(l->nonce_m, h->nonce.data, SD_AUTH_NONCE);
+        sd_auth_hello_mac(&a, l->nonce_c, l->nonce_m, h, want);
+        (void)sd_mem_equal(want, h->mac.data, SD_MIN(h->mac.len, sizeof(want)));
+        sd_cluster__refuse_unproved(l, h->job,
+                                    !h->peer ? "a hello that is not a daemon's link"
+                                             : "no job of that name with a secret is registered "
+                                               "here (yet)");
         return;
     }
     if (!sd_cluster__hello_verify(l, h, &a))
@@ -260,12 +285,26 @@ void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h)
                                h->node, from, cl->peers.addrs[s]);
             return;
         }
-    } else if ((s = sd_meet__slot_new(cl)) == SD_NO_NODE ||
-               sd_meet__slot_fill(cl, s, h->node, h->fabric_addr.data, h->fabric_addr.len,
-                                  h->hb_port, pa) != SD_OK) {
+    } else if (cl->tp->ops->check_addr != NULL &&
+               cl->tp->ops->check_addr(cl->tp, h->fabric_addr.data, h->fabric_addr.len, why,
+                                       sizeof(why)) != SD_OK) {
+        sd_cluster__refuse(l,
+                           "a link from %s as daemon %08x with a fabric address this "
+                           "daemon cannot use: %s",
+                           from, h->node, why);
+        return;
+    } else if ((s = sd_meet__slot_new(cl)) == SD_NO_NODE) {
         sd_cluster__refuse(l,
                            "this daemon cannot take another peer (its %u are all in use by jobs)",
                            cl->meet.slots - 2);
+        return;
+    } else if (sd_meet__slot_fill(cl, s, h->node, h->fabric_addr.data, h->fabric_addr.len,
+                                  h->hb_port, pa) != SD_OK) {
+        sd_meet__slot_release(cl, s);
+        sd_cluster__refuse(l,
+                           "a link from %s as daemon %08x: its fabric address did not go into "
+                           "this daemon's table",
+                           from, h->node);
         return;
     }
     cl->hb_port[s] = h->hb_port;
@@ -287,6 +326,16 @@ void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h)
     sd_cluster__link_send_raw(l, &m);
     sd_meet__proved(l, h->job);
     sd_meet__adopt(l, s);
+}
+
+void sd_cluster__refuse_unproved(struct link *l, const char *job, const char *why)
+{
+    struct sd_cluster *cl = l->cl;
+    cl->counts.refused++;
+    SD_WARN_SPARSE("cluster",
+                   "refusing a connection from %s for job '%.64s': %s (%llu such refused so far)",
+                   l->host, job != NULL ? job : "", why, (unsigned long long)cl->counts.refused);
+    sd_cluster__refuse_text(l, SD_REFUSE_UNPROVED);
 }
 
 /* The welcome on a link this daemon dialed: the answering daemon proved the job's token, and
@@ -362,6 +411,35 @@ void sd_meet__leader_note(struct sd_cluster *cl, const char *job, uint32_t slot)
     l->slot = slot;
     l->next = cl->meet.leaders;
     cl->meet.leaders = l;
+}
+
+/* What a job that is gone from here (its registration failed, or it ended) left: its leader's
+ * note, and the slot of a leader that was dialed for it and never answered (listed "meeting"),
+ * which nothing else names. */
+void sd_meet__forget(struct sd_cluster *cl)
+{
+    uint8_t token[SD_JOB_TOKEN_BYTES];
+    for (struct meet_leader **pp = &cl->meet.leaders; *pp;) {
+        struct meet_leader *l = *pp;
+        if (cl->ev.job_token(cl->ev.ctx, l->name, token)) {
+            pp = &l->next;
+            continue;
+        }
+        *pp = l->next;
+        free(l);
+    }
+    for (uint32_t i = 2; i < cl->meet.slots; i++) {
+        if (cl->meet.uid_of[i] != 0 || cl->peers.addrs[i][0] == '\0' || cl->by_node[i] != NULL ||
+            cl->peers.dialing[i])
+            continue;
+        bool named = false;
+        for (const struct outmsg *o = cl->peers.outbox; o && !named; o = o->next)
+            named = o->node == i;
+        for (const struct meet_leader *l = cl->meet.leaders; l && !named; l = l->next)
+            named = l->slot == i;
+        if (!named)
+            sd_meet__slot_release(cl, i);
+    }
 }
 
 uint32_t sd_meet__leader(const struct sd_cluster *cl, const char *job)
@@ -508,26 +586,52 @@ void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const cha
     sd_meet__tick(cl, sd_now_ns()); /* (proofs of this job that came first) */
 }
 
-json_t *sd_meet__json(const struct sd_cluster *cl)
+json_t *sd_meet__json(const struct sd_cluster *cl, bool all)
 {
     json_t *nodes = json_array();
     char me[16];
     snprintf(me, sizeof(me), "%08x", cl->meet.uid);
-    json_array_append_new(nodes, json_pack("{s:i, s:s, s:b, s:b, s:s}", "node", (int)cl->self, "id",
-                                           me, "self", 1, "link", 0, "state", "self"));
+    json_t *self = json_pack("{s:i, s:b, s:b, s:s}", "node", (int)cl->self, "self", 1, "link", 0,
+                             "state", "self");
+    if (all) /* (its own id too: a local user with it could claim it elsewhere) */
+        json_object_set_new(self, "id", json_string(me));
+    json_array_append_new(nodes, self);
     for (uint32_t i = 2; i < cl->cap; i++) {
         if (cl->meet.uid_of[i] == 0 && cl->peers.addrs[i][0] == '\0')
             continue;
         char id[16];
         snprintf(id, sizeof(id), "%08x", cl->meet.uid_of[i]);
         const struct link *l = cl->by_node[i];
-        json_array_append_new(nodes, json_pack("{s:i, s:s, s:s, s:b, s:b, s:s}", "node", (int)i,
-                                               "id", id, "peer_addr", cl->peers.addrs[i], "self", 0,
-                                               "link", l != NULL && l->authed, "state",
-                                               cl->meet.uid_of[i] == 0 ? "meeting"
-                                               : !cl->alive[i]         ? "down"
-                                               : sd_probe_ok(cl, i)    ? "up"
-                                                                       : "probing"));
+        json_t *o = json_pack("{s:i, s:b, s:b, s:s}", "node", (int)i, "self", 0, "link",
+                              l != NULL && l->authed, "state",
+                              cl->meet.uid_of[i] == 0 ? "meeting"
+                              : !cl->alive[i]         ? "down"
+                              : sd_probe_ok(cl, i)    ? "up"
+                                                      : "probing");
+        if (all) { /* (which daemons it met, where: what a forged link would need; root's) */
+            json_object_set_new(o, "id", json_string(id));
+            json_object_set_new(o, "peer_addr", json_string(cl->peers.addrs[i]));
+        }
+        json_array_append_new(nodes, o);
     }
     return nodes;
+}
+
+const char *sd_cluster_leader_trouble(const struct sd_cluster *cl, const char *job, char *buf,
+                                      size_t len)
+{
+    uint32_t s = cl != NULL && cl->indep ? sd_meet__leader(cl, job) : SD_NO_NODE;
+    if (s == SD_NO_NODE || s == cl->self || s >= cl->cap)
+        return NULL;
+    if (cl->by_node[s] != NULL && cl->by_node[s]->authed)
+        snprintf(buf, len, "this daemon's link to it is up: the leader has not decided");
+    else if (cl->peers.dial_fails[s] > 0)
+        snprintf(buf, len,
+                 "this daemon dialed it %u time(s) without a link (the last: %s): the leader "
+                 "is not reachable, or refuses this node (another job secret there, or its "
+                 "ranks not registered)",
+                 cl->peers.dial_fails[s], cl->peers.dial_why[s]);
+    else
+        return NULL;
+    return buf;
 }

@@ -21,6 +21,7 @@ struct meet_wait {
     uint8_t mac[SD_SHA256_BYTES];
     uint64_t since_ns;
     uint32_t n;
+    size_t bytes;
     uint8_t *msg[MEET_WAIT_MSGS]; /* packed PeerMsgs, in order */
     size_t len[MEET_WAIT_MSGS];
 };
@@ -39,6 +40,7 @@ struct meet_wire {
     ProtobufCBinaryData fab[SD_MAX_NODES];
     char *pa[SD_MAX_NODES];
     uint32_t hb[SD_MAX_NODES];
+    uint8_t token[SD_JOB_TOKEN_BYTES]; /* a report's, as the link proved it */
 };
 
 static void wait_free(struct meet_wait *w)
@@ -129,6 +131,9 @@ static const Shard__PeerMsg *wire_out(struct sd_cluster *cl, const Shard__PeerMs
     case SHARD__PEER_MSG__MSG_JOB_REPORT:
         w->u.rep = *m->job_report;
         w->u.rep.node = to_wire(cl, w->u.rep.node);
+        /* (the link proved the job's token: the token itself never travels) */
+        w->u.rep.job_token.data = NULL;
+        w->u.rep.job_token.len = 0;
         w->m.job_report = &w->u.rep;
         break;
     case SHARD__PEER_MSG__MSG_JOB_CONFIRM:
@@ -173,10 +178,12 @@ static bool confirm_in(struct sd_cluster *cl, Shard__JobConfirm *c)
             if (s == SD_NO_NODE || sd_meet__slot_fill(cl, s, c->nodes[i], c->fabric_addrs[i].data,
                                                       c->fabric_addrs[i].len, c->hb_ports[i],
                                                       c->peer_addrs[i]) != SD_OK) {
-                SD_WARN("cluster",
-                        "job '%.64s': its leader's table names daemon %08x (job node %zu) "
-                        "without an address this daemon can use",
-                        c->job, c->nodes[i], i);
+                if (s != SD_NO_NODE)
+                    sd_meet__slot_release(cl, s);
+                SD_WARN_SPARSE("cluster",
+                               "job '%.64s': its leader's table names daemon %08x (job node %zu) "
+                               "without an address this daemon can use",
+                               c->job, c->nodes[i], i);
                 return false;
             }
         }
@@ -349,19 +356,40 @@ static void proof_wait(struct link *l, const Shard__JobProof *p)
     w->since_ns = sd_now_ns();
 }
 
-/* a message about w's job, kept until its proof is checked */
+/* the bytes of the messages waiting on l for their jobs' proofs */
+size_t sd_meet__waiting_bytes(const struct link *l)
+{
+    size_t bytes = 0;
+    for (const struct meet_wait *w = l->waiting; w; w = w->next)
+        bytes += w->bytes;
+    return bytes;
+}
+
+/* A message about w's job, kept until its proof is checked. What a link may keep so is bounded
+ * (MEET_WAIT_MSGS a job, MEET_WAIT_BYTES in all): a real registration's messages are a report
+ * or two of a few hundred bytes, so a link past either is closed (logged, counted); its other
+ * end (a daemon that proved a job of its own, not this one) dials again if it is real. */
 static void wait_keep(struct link *l, struct meet_wait *w, const Shard__PeerMsg *m)
 {
+    struct sd_cluster *cl = l->cl;
     size_t len = protobuf_c_message_get_packed_size(&m->base);
-    uint8_t *buf = w->n < MEET_WAIT_MSGS ? malloc(len) : NULL;
-    if (buf == NULL) {
-        SD_WARN_SPARSE("cluster", "node %d: a message about job '%.64s', not here yet, dropped",
-                       l->node, w->job);
+    size_t held = sd_meet__waiting_bytes(l);
+    uint8_t *buf = NULL;
+    if (w->n >= MEET_WAIT_MSGS || held + len > MEET_WAIT_BYTES || (buf = malloc(len)) == NULL) {
+        cl->counts.closed_full++;
+        SD_WARN_SPARSE("cluster",
+                       "node %d (%s) sent %u message(s), %zu bytes, about jobs not registered "
+                       "here yet (job '%.64s' among them): more than a link may leave waiting "
+                       "(%d a job, %u bytes); link closed",
+                       l->node, l->host, w->n + 1, held + len, w->job, MEET_WAIT_MSGS,
+                       MEET_WAIT_BYTES);
+        sd_cluster__link_close(l, "it left too much waiting for jobs not registered here");
         return;
     }
     protobuf_c_message_pack(&m->base, buf);
     w->msg[w->n] = buf;
     w->len[w->n++] = len;
+    w->bytes += len;
 }
 
 /* the proofs that waited on l for their jobs: checked once the job is here (and its messages
@@ -405,6 +433,7 @@ void sd_meet__tick(struct sd_cluster *cl, uint64_t now)
         if (l->waiting != NULL && !l->closing)
             wait_check(l, now, deadline);
     }
+    sd_meet__forget(cl);
 }
 
 bool sd_meet__receive(struct link *l, Shard__PeerMsg *m)
@@ -439,6 +468,20 @@ bool sd_meet__receive(struct link *l, Shard__PeerMsg *m)
         /* (a node may report before this one's ranks did: it named this daemon the leader,
          * and proved the job's token) */
         m->job_report->node = from_wire(cl, m->job_report->node);
+        /* the token the link proved (its own registration's here): the reports of one job
+         * carry it (a report's own token, if any, is not heard) */
+        if (!cl->ev.job_token(cl->ev.ctx, job, cl->meet.wire->token))
+            return false;
+        if (m->job_report->job_token.len != SD_JOB_TOKEN_BYTES) {
+            /* (the unpacked message owns its fields: protobuf-c's allocator, malloc, frees) */
+            uint8_t *t = malloc(SD_JOB_TOKEN_BYTES);
+            if (t == NULL)
+                return false;
+            free(m->job_report->job_token.data);
+            m->job_report->job_token.data = t;
+            m->job_report->job_token.len = SD_JOB_TOKEN_BYTES;
+        }
+        memcpy(m->job_report->job_token.data, cl->meet.wire->token, SD_JOB_TOKEN_BYTES);
         if (sd_meet__leader(cl, job) == SD_NO_NODE)
             sd_meet__leader_note(cl, job, cl->self);
         break;

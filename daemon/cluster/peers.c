@@ -66,9 +66,26 @@ void sd_cluster__peer_send(struct sd_cluster *cl, uint32_t node, const Shard__Pe
     o->since_ns = sd_now_ns();
     const char *job = sd_meet__job_of(m);
     snprintf(o->job, sizeof(o->job), "%s", job != NULL ? job : "");
+    uint32_t queued = 0;
     struct outmsg **tail = &cl->peers.outbox;
-    while (*tail != NULL)
-        tail = &(*tail)->next;
+    for (; *tail != NULL; tail = &(*tail)->next)
+        queued += (*tail)->node == node;
+    if (queued >= OUTBOX_MAX) { /* (a peer that never answers: its oldest goes) */
+        for (struct outmsg **pp = &cl->peers.outbox; *pp; pp = &(*pp)->next)
+            if ((*pp)->node == node) {
+                struct outmsg *old = *pp;
+                SD_WARN_SPARSE("cluster",
+                               "%u messages wait for a link to node %u: the oldest (job "
+                               "'%.64s') dropped",
+                               queued, node, old->job);
+                *pp = old->next;
+                if (tail == &old->next)
+                    tail = pp;
+                free(old->frame);
+                free(old);
+                break;
+            }
+    }
     *tail = o;
     dial(cl, node);
 }
@@ -312,6 +329,8 @@ void sd_cluster__adopt_peer(struct link *l, uint32_t node)
     cl->by_node[node] = l;
     cl->peers.dialing[node] = false;
     cl->peers.idle_ns[node] = 0;
+    cl->peers.dial_fails[node] = 0;
+    cl->peers.dial_why[node][0] = '\0';
     sd_cluster__hb_peer(cl, node, l, cl->hb_port[node]);
     outbox_flush(cl, node);
     SD_INFO("cluster", "direct link with node %u (a job peer) up", node);
@@ -360,6 +379,14 @@ void sd_cluster__on_peer_hello(struct link *l, const Shard__PeerHello *h)
     sd_cluster__adopt_peer(l, node);
 }
 
+void sd_cluster__dial_failed(struct sd_cluster *cl, uint32_t node, const char *why)
+{
+    if (node >= cl->cap)
+        return;
+    cl->peers.dial_fails[node]++;
+    snprintf(cl->peers.dial_why[node], sizeof(cl->peers.dial_why[0]), "%s", why);
+}
+
 static void peer_connect_cb(uv_connect_t *req, int status)
 {
     struct link *l = req->data;
@@ -384,9 +411,10 @@ static void dial(struct sd_cluster *cl, uint32_t node)
     /* an independent daemon's link proves a job's token: the first message's, or a job's
      * that spans the node */
     const char *job = NULL;
+    uint8_t token[SD_JOB_TOKEN_BYTES];
     for (const struct outmsg *o = cl->peers.outbox; cl->indep && o && job == NULL; o = o->next)
-        if (o->node == node && o->job[0] != '\0')
-            job = o->job;
+        if (o->node == node && o->job[0] != '\0' && cl->ev.job_token(cl->ev.ctx, o->job, token))
+            job = o->job; /* (one of a job still here: a gone job's would be refused) */
     if (cl->indep && job == NULL)
         job = cl->ev.job_spanning(cl->ev.ctx, node);
     if (cl->indep && job == NULL)
@@ -409,11 +437,23 @@ static void dial(struct sd_cluster *cl, uint32_t node)
 static void meet_outbox(struct sd_cluster *cl, uint64_t now)
 {
     uint64_t deadline = 2 * (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
+    uint8_t token[SD_JOB_TOKEN_BYTES];
     for (struct outmsg **pp = &cl->peers.outbox; *pp;) {
         struct outmsg *o = *pp;
-        if (now - o->since_ns > deadline) {
-            SD_WARN("cluster", "a message about job '%s' for node %u (%s) dropped: no link to it",
-                    o->job, o->node, cl->peers.addrs[o->node]);
+        /* a message about a job no longer here (its registration failed or it ended) goes:
+         * nothing redials for it, and it does not hold up the next job's */
+        bool gone = o->job[0] != '\0' && !cl->ev.job_token(cl->ev.ctx, o->job, token);
+        if (now - o->since_ns > deadline || gone) {
+            if (gone)
+                SD_INFO("cluster",
+                        "a message about job '%s' for node %u (%s) dropped: the job "
+                        "is not here any more",
+                        o->job, o->node, cl->peers.addrs[o->node]);
+            else
+                SD_WARN("cluster",
+                        "a message about job '%s' for node %u (%s) dropped: no link "
+                        "to it",
+                        o->job, o->node, cl->peers.addrs[o->node]);
             *pp = o->next;
             free(o->frame);
             free(o);
@@ -482,7 +522,7 @@ int sd_cluster__listen_peers(struct sd_cluster *cl, const char *host, uint32_t p
     cl->listener.data = cl;
     int r = uv_tcp_bind(&cl->listener, (const struct sockaddr *)&sa, 0);
     if (r == 0)
-        r = uv_listen((uv_stream_t *)&cl->listener, 128, sd_cluster__on_connection);
+        r = uv_listen((uv_stream_t *)&cl->listener, SD_LISTEN_BACKLOG, sd_cluster__on_connection);
     struct sockaddr_in bound;
     int len = sizeof(bound);
     if (r == 0)

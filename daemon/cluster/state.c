@@ -42,7 +42,7 @@ json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl)
                      "sent", (json_int_t)sent, "received", (json_int_t)received, "dropped",
                      (json_int_t)dropped, "port", cl ? (int)cl->me.hb_port : 0, "peer_port",
                      cl ? (int)cl->me.peer_port : 0, "peers_refused",
-                     (json_int_t)(cl ? cl->auth_refused : 0));
+                     (json_int_t)(cl ? cl->counts.refused : 0));
 }
 
 uint32_t sd_cluster_shown_node(const struct sd_cluster *cl)
@@ -78,10 +78,10 @@ bool sd_cluster_independent(const struct sd_cluster *cl)
     return cl != NULL && cl->indep;
 }
 
-json_t *sd_cluster_json(const struct sd_cluster *cl)
+json_t *sd_cluster_json(const struct sd_cluster *cl, bool all)
 {
     if (cl != NULL && cl->indep)
-        return sd_meet__json(cl);
+        return sd_meet__json(cl, all);
     json_t *nodes = json_array();
     for (uint32_t i = 0; cl && i < cl->n; i++)
         json_array_append_new(
@@ -93,4 +93,30 @@ json_t *sd_cluster_json(const struct sd_cluster *cl)
                              : sd_probe_ok(cl, i) ? "up"
                                                   : "probing"));
     return nodes;
+}
+
+json_t *sd_cluster_stats_json(const struct sd_cluster *cl, bool all)
+{
+    json_t *links = json_array();
+    size_t outbox = 0;
+    for (const struct outmsg *o = cl != NULL ? cl->peers.outbox : NULL; o; o = o->next)
+        outbox += o->len;
+    for (const struct link *l = cl != NULL ? cl->links : NULL; l; l = l->next) {
+        json_t *o =
+            json_pack("{s:i, s:b, s:b, s:b, s:I, s:I, s:I}", "node", l->node, "proved", l->authed,
+                      "incoming", l->incoming, "peer", l->peer, "rx_buffered",
+                      (json_int_t)l->rx_len, "tx_queued", (json_int_t)l->tcp.write_queue_size,
+                      "waiting_bytes", (json_int_t)(cl->indep ? sd_meet__waiting_bytes(l) : 0));
+        if (all) /* (who this daemon talks to: root's to see) */
+            json_object_set_new(o, "address", json_string(l->host));
+        json_array_append_new(links, o);
+    }
+    /* refused: hellos that proved nothing, and connections that timed out before one; evicted:
+     * unproved connections closed to admit others (a flood); closed_full: links that left too
+     * much buffered (waiting for jobs not here, unread writes) */
+    return json_pack("{s:I, s:I, s:I, s:I, s:o}", "refused",
+                     (json_int_t)(cl ? cl->counts.refused : 0), "evicted",
+                     (json_int_t)(cl ? cl->counts.evicted : 0), "closed_full",
+                     (json_int_t)(cl ? cl->counts.closed_full : 0), "outbox_bytes",
+                     (json_int_t)outbox, "links", links);
 }

@@ -614,6 +614,9 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
         for (uint32_t r = 0; r < job->k && r < 1024; r++)
             present[r] = job->ranks[r] != NULL;
         sd_job_missing_ranks(job, present, missing, sizeof(missing));
+        char why[640];
+        const char *trouble =
+            sd_cluster_leader_trouble(sd_net_cluster(job->reg->net), job->name, why, sizeof(why));
         for (uint32_t r = 0; r < job->k; r++) {
             struct sd_session *s = job->ranks[r];
             if (s == NULL)
@@ -624,6 +627,12 @@ void sd_job_sweep(struct sd_job *job, uint64_t now)
                                       "(register_timeout_ms)",
                                       job->name, missing,
                                       (long long)job->reg->cfg->register_timeout_ms);
+            else if (job->reg->cfg->nodes == 1 && trouble != NULL) /* it could not reach it */
+                sd_session_send_error(
+                    s, SD_ETIMEDOUT,
+                    "register job '%s': its leader (%s) did not confirm it within %lld ms: %s",
+                    job->name, job->xfer.leader, 2 * (long long)job->reg->cfg->register_timeout_ms,
+                    trouble);
             else if (job->reg->cfg->nodes == 1) /* its leader never decided */
                 sd_session_send_error(
                     s, SD_ETIMEDOUT,

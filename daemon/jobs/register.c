@@ -208,6 +208,39 @@ static void register_wait(struct sd_registry *reg, struct sd_session *s, const S
 
 /* ---- a registration */
 
+/* Room for another job of uid (max_jobs_per_uid), so that one local user's registrations that
+ * never complete cannot fill max_jobs for everyone: past the cap, the uid's oldest registration
+ * still incomplete is refused (its ranks told why) for the new one; with none, the new one is
+ * (false, err says why). */
+static bool uid_room(struct sd_registry *reg, uid_t uid, const char *name, char *err, size_t len)
+{
+    uint32_t mine = 0;
+    struct sd_job *oldest = NULL;
+    for (struct sd_job *j = reg->jobs; j; j = j->next) {
+        if (j->uid != uid)
+            continue;
+        mine++;
+        if (j->state == SD_JOB_REGISTERING && !j->mem.allocating &&
+            (oldest == NULL || j->created_ns < oldest->created_ns))
+            oldest = j;
+    }
+    if (mine < (uint32_t)reg->cfg->max_jobs_per_uid)
+        return true;
+    if (oldest == NULL) {
+        snprintf(err, len,
+                 "register job '%s': uid %d has %u jobs served here, max_jobs_per_uid is %lld",
+                 name, (int)uid, mine, (long long)reg->cfg->max_jobs_per_uid);
+        return false;
+    }
+    char msg[300];
+    snprintf(msg, sizeof(msg),
+             "job '%s' of uid %d, its oldest registration not complete yet, is refused for its "
+             "new job '%s': it has %u jobs served or registering here, max_jobs_per_uid is %lld",
+             oldest->name, (int)uid, name, mine, (long long)reg->cfg->max_jobs_per_uid);
+    sd_job_refuse_everywhere(oldest, SD_EBUSY, msg);
+    return true;
+}
+
 void sd_job_register(struct sd_registry *reg, struct sd_session *s, const Shard__Register *msg)
 {
     job_register(reg, s, msg, 0);
@@ -251,6 +284,11 @@ static void job_register(struct sd_registry *reg, struct sd_session *s, const Sh
                                   "register job '%s': a paused job of that name belongs to uid %d, "
                                   "you are uid %d; a job is joined only by its owner's processes",
                                   name, (int)paused->uid, (int)s->cred.uid);
+            sd_model_free(&model);
+            return;
+        }
+        if (paused == NULL && !uid_room(reg, s->cred.uid, name, err, sizeof(err))) {
+            sd_session_send_error(s, SD_EBUSY, "%s", err);
             sd_model_free(&model);
             return;
         }

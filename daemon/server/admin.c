@@ -531,11 +531,14 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
     } else if (strcmp(cmd, "jobs") == 0 || strcmp(cmd, "groups") == 0 ||
                strcmp(cmd, "stats") == 0 || strcmp(cmd, "schedule") == 0) {
         out = json_pack("{s:o}", "jobs", jobs);
+        struct sd_cluster *cl = sd_net_cluster(reg->net);
+        if (strcmp(cmd, "stats") == 0 && cl != NULL) /* its control links, and their floods */
+            json_object_set_new(out, "peers", sd_cluster_stats_json(cl, all));
     } else if (strcmp(cmd, "topology") == 0) {
         json_t *nodes;
         struct sd_cluster *cl = sd_net_cluster(reg->net);
         if (cl != NULL) {
-            nodes = sd_cluster_json(cl);
+            nodes = sd_cluster_json(cl, all);
         } else {
             nodes = json_array();
             json_array_append_new(nodes, json_pack("{s:i, s:b, s:b, s:s}", "node", 0, "self", 1,
@@ -550,6 +553,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
         json_object_set_new(out, "heartbeats", sd_cluster_heartbeat_json(cl));
         /* a daemon without a cluster list (nodes 1): topology lists the daemons it met */
         json_object_set_new(out, "independent", json_boolean(cfg->nodes == 1));
+        /* the ids and addresses of the daemons it met: root's to see */
+        json_object_set_new(out, "ids_shown", json_boolean(all));
         json_object_set_new(out, "devices", devices_json(reg->dev));
         /* local rank i of every job is on GPU rank_devices[i mod its length] */
         json_t *cycle = json_array();

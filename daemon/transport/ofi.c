@@ -24,6 +24,9 @@
  * requests and norm exchanges now and then (runs hung in 3 of 4 attempts; none in 24 since). */
 #include "transport/ofi.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 /* The published address: for each rail, one byte with the length of its endpoint's name, then
  * the name. */
 static int ofi_getname(struct sd_transport *tp, void *addr, size_t *len_p)
@@ -46,34 +49,119 @@ static int ofi_getname(struct sd_transport *tp, void *addr, size_t *len_p)
     return SD_OK;
 }
 
-/* node i's endpoints (its published address a, lens bytes) into the address table */
+/* Is a (len bytes, a peer's) an address this node's endpoints could have published: one name
+ * per rail, each as long as this node's own for that rail (the same provider names its
+ * endpoints alike), a sockaddr of this node's family with a port where the provider names
+ * endpoints by sockaddrs? A malformed one never reaches fi_av_insert, where some providers
+ * take it and then fail every later insert (a family 0 in tcp's). */
+static int ofi_check_addr(struct sd_transport *tp, const void *addr, size_t len, char *why,
+                          size_t whylen)
+{
+    struct ofi *o = (struct ofi *)tp;
+    const uint8_t *a = addr;
+    uint8_t mine[256];
+    size_t mlen = sizeof(mine), used = 0, ref = 0;
+    if (ofi_getname(tp, mine, &mlen) != SD_OK) {
+        snprintf(why, whylen, "this node cannot name its own endpoints");
+        return SD_EINVAL;
+    }
+    /* (every endpoint of one provider is named alike: the first this node opened is the
+     * reference) */
+    for (size_t m = 0; m < mlen && ref == 0; m += 1 + mine[m])
+        if (mine[m] != 0)
+            ref = m;
+    size_t want = mine[ref];
+    sa_family_t myfam = 0;
+    if (want >= sizeof(myfam))
+        memcpy(&myfam, mine + ref + 1, sizeof(myfam));
+    uint32_t fmt = o->info != NULL ? o->info->addr_format : FI_FORMAT_UNSPEC;
+    bool sockaddr = fmt == FI_SOCKADDR || fmt == FI_SOCKADDR_IN || fmt == FI_SOCKADDR_IN6;
+    for (uint32_t r = 0; r < o->n_rails; r++) {
+        char rn[32];
+        rail_name(r, rn, sizeof(rn));
+        if (used >= len || used + 1 + a[used] > len) {
+            snprintf(why, whylen, "a fabric address of %zu bytes ends before its %s endpoint", len,
+                     rn);
+            return SD_EINVAL;
+        }
+        size_t n = a[used];
+        if (n == 0 ? o->rails[peer_rail(r)].ep != NULL : n != want) {
+            snprintf(why, whylen, "its %s endpoint's name is %zu bytes; this provider's are %zu",
+                     rn, n, want);
+            return SD_EINVAL;
+        }
+        if (sockaddr && n >= sizeof(sa_family_t)) {
+            sa_family_t fam;
+            memcpy(&fam, a + used + 1, sizeof(fam));
+            struct sockaddr_in sin;
+            struct sockaddr_in6 sin6;
+            uint16_t port = 0;
+            if (fam == AF_INET && n >= sizeof(sin)) {
+                memcpy(&sin, a + used + 1, sizeof(sin));
+                port = sin.sin_port;
+            } else if (fam == AF_INET6 && n >= sizeof(sin6)) {
+                memcpy(&sin6, a + used + 1, sizeof(sin6));
+                port = sin6.sin6_port;
+            }
+            if (fam != myfam || port == 0) {
+                snprintf(why, whylen,
+                         "its %s endpoint's address is of family %u, port %u; this node's are of "
+                         "family %u",
+                         rn, (unsigned)fam, (unsigned)ntohs(port), (unsigned)myfam);
+                return SD_EINVAL;
+            }
+        }
+        used += 1 + n;
+    }
+    if (used != len) {
+        snprintf(why, whylen, "a fabric address of %zu bytes has %zu bytes after its endpoints",
+                 len, len - used);
+        return SD_EINVAL;
+    }
+    return SD_OK;
+}
+
+/* node i's endpoints (its published address a, lens bytes) into the address table; on a
+ * failure none of them (what one rail inserted is taken out again) */
 static int insert_peer(struct ofi *o, uint32_t i, uint32_t n, const uint8_t *a, size_t len)
 {
     size_t used = 0;
+    char why[160];
     if (len == 0) /* a number no daemon holds yet (an open cluster's, not rejoined) */
         return SD_ENOENT;
+    if (ofi_check_addr(&o->base, a, len, why, sizeof(why)) != SD_OK) {
+        SD_ERROR_SPARSE("ofi", "node %u published a malformed fabric address: %s", i, why);
+        return SD_EINVAL;
+    }
+    for (uint32_t r = 0; r < o->n_rails; r++)
+        o->peers[(size_t)r * n + i] = FI_ADDR_NOTAVAIL;
     for (uint32_t r = 0; r < o->n_rails; r++) {
-        if (used >= len || used + 1 + a[used] > len) {
-            SD_ERROR("ofi", "node %u published a malformed fabric address (%zu bytes)", i, len);
-            return SD_EINVAL;
-        }
         char rn[32];
         fi_addr_t *fa = &o->peers[(size_t)r * n + i];
-        *fa = FI_ADDR_NOTAVAIL;
         if (a[used] == 0 && o->rails[peer_rail(r)].ep != NULL) {
-            SD_ERROR("ofi", "node %u has no %s endpoint, which this node uses", i,
-                     rail_name(r, rn, sizeof(rn)));
-            return SD_EINVAL;
+            SD_ERROR_SPARSE("ofi", "node %u has no %s endpoint, which this node uses", i,
+                            rail_name(r, rn, sizeof(rn)));
+            goto err_remove;
         }
         int ret = a[used] == 0 ? 1 : fi_av_insert(o->av, a + used + 1, 1, fa, 0, NULL);
         if (ret != 1) {
-            SD_ERROR("ofi", "fi_av_insert of node %u's %s endpoint failed: %d", i,
-                     rail_name(r, rn, sizeof(rn)), ret);
-            return SD_EINVAL;
+            *fa = FI_ADDR_NOTAVAIL;
+            SD_ERROR_SPARSE("ofi", "fi_av_insert of node %u's %s endpoint failed: %d", i,
+                            rail_name(r, rn, sizeof(rn)), ret);
+            goto err_remove;
         }
         used += 1 + a[used];
     }
     return SD_OK;
+
+err_remove:
+    for (uint32_t r = 0; r < o->n_rails; r++) {
+        fi_addr_t *fa = &o->peers[(size_t)r * n + i];
+        if (*fa != FI_ADDR_NOTAVAIL)
+            (void)fi_av_remove(o->av, fa, 1, 0);
+        *fa = FI_ADDR_NOTAVAIL;
+    }
+    return SD_EINVAL;
 }
 
 static int ofi_set_peers(struct sd_transport *tp, const void *const *addrs, const size_t *lens,
@@ -622,6 +710,7 @@ static const struct sd_transport_ops ofi_ops = {
     .peer_down = ofi_peer_down,
     .peer_reset = ofi_peer_reset,
     .set_peer = ofi_set_peer,
+    .check_addr = ofi_check_addr,
     .progress = ofi_progress,
     .wait_fd = ofi_wait_fd,
     .can_sleep = ofi_can_sleep,

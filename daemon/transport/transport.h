@@ -94,6 +94,12 @@ struct sd_transport_ops {
     /* Node's address (len bytes; 0: none) replaces what the table had for it, whatever its
      * state: an independent daemon's table fills as jobs name their peers. */
     int (*set_peer)(struct sd_transport *tp, uint32_t node, const void *addr, size_t len);
+    /* Is addr (len bytes, from a peer: hostile until checked) a name this transport's endpoints
+     * could have published: its rails, each of the length and form of this node's own (a
+     * sockaddr's family and port for the providers that name endpoints so)? SD_OK, or SD_EINVAL
+     * with what is wrong in why. set_peers and set_peer check it too. */
+    int (*check_addr)(struct sd_transport *tp, const void *addr, size_t len, char *why,
+                      size_t whylen);
     /* Drive progress and run callbacks; returns how many completed, or a negative status. */
     int (*progress)(struct sd_transport *tp);
     /* An fd that becomes readable when progress may have work, or -1. */

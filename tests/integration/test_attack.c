@@ -98,7 +98,7 @@ static int train_as(uid_t uid, const char *job, const char *const *extra, char *
 {
     snprintf(log, len, "%s/logs/%s-%d-%d.log", base, job, round_no, (int)uid);
     unlink(log);
-    const char *argv[48] = {MLP_TRAIN_PATH, "--socket", sock,     "--job", job,      "--rank", "0",
+    const char *argv[48] = {th_mlp_train_path(), "--socket", sock,     "--job", job,      "--rank", "0",
                             "--world",      "1",        "--plan", "zero3", "--quiet"};
     int n = 12;
     bool hidden = false;
@@ -546,7 +546,7 @@ static void special_files(pid_t daemon_pid)
     /* bob trains meanwhile */
     char boblog[512];
     snprintf(boblog, sizeof(boblog), "%s/logs/bob-busy-%d.log", base, round_no);
-    const char *bargv[] = {MLP_TRAIN_PATH, "--socket", sock,      "--job",    "bob-busy",
+    const char *bargv[] = {th_mlp_train_path(), "--socket", sock,      "--job",    "bob-busy",
                            "--world",      "1",        "--plan",  "zero3",    "--steps",
                            "60",           "--hidden", "16",      "--layers", "2",
                            "--compute-ms", "5",        "--quiet", NULL};
@@ -671,7 +671,7 @@ static void resume_attacks(void)
         char rank[8];
         snprintf(rank, sizeof(rank), "%d", i);
         snprintf(logs[i], sizeof(logs[i]), "%s/logs/%s-%d.log", base, job, i);
-        const char *argv[] = {MLP_TRAIN_PATH,
+        const char *argv[] = {th_mlp_train_path(),
                               "--socket",
                               sock,
                               "--job",
@@ -899,6 +899,10 @@ static void setup(void)
         exit(1);
     chmod(base, 0755);
     char p[512];
+    /* (the users run these; the build may lie where they cannot reach: a clone under /root) */
+    pathf(p, sizeof(p), "%s/%s", "bin");
+    if (th_binaries_reachable(p) != 0)
+        exit(1);
     const char *dirs[] = {"rootonly", "rootonly/sub", "root700", "alice", "bob", "logs"};
     const mode_t modes[] = {0755, 0755, 0700, 0750, 0755, 0777};
     const uid_t owners[] = {0, 0, 0, ALICE, BOB, 0};

@@ -19,6 +19,7 @@
  * time, daemon 0 reusing the slots of the daemons gone (it has 2: SHARDD_TEST_MEET_SLOTS). */
 #include "harness.h"
 #include "peer.h"
+#include "peer_hello.h"
 #include "shard.h"
 #include "cluster/auth.h"
 #include "sd/config.h"
@@ -46,101 +47,18 @@ static const char *const extra[] = {"--heartbeat-interval-ms",
                                     "8000",
                                     NULL};
 
-/* the token the ranks of job hand their daemons (libshard's: HMAC of the secret) */
-static void token_of(const char *secret, const char *job, struct sd_auth *a)
-{
-    static const char label[] = "shardd job token";
-    struct sd_hmac m;
-    sd_hmac_init(&m, secret, strlen(secret));
-    sd_hmac_update(&m, label, sizeof(label));
-    sd_hmac_update(&m, job, strlen(job));
-    sd_hmac_final(&m, a->key);
-    a->key_len = SD_SHA256_BYTES;
-}
-
-struct meet {
-    int fd;
-    int answer; /* the first answer's kind (-1: none) */
-    char why[1100];
-    uint32_t hb_port; /* the welcome's */
-    uint8_t nc[SD_AUTH_NONCE], nm[SD_AUTH_NONCE];
-};
-
-/* the daemons' configuration digest (theirs: the options of extra, ranks per node from each
- * job), or one of a daemon with another op_timeout_ms */
-static uint64_t digest(bool same, char *summary, size_t len)
-{
-    struct sd_config cfg;
-    th_peer_config(&cfg, NULL, extra);
-    if (!same)
-        cfg.op_timeout_ms = 1234;
-    cfg.ranks_per_node = 0;
-    return sd_config_digest(&cfg, summary, len);
-}
-
-/* A hello at daemon 0's peer port as daemon `id` for job (key: the MAC's), with a fabric
- * address of rails that name 127.0.0.1:1 (nothing there), and the daemons' configuration or
- * another (agree). */
-static void hello_as(struct meet *mt, const char *job, uint32_t id, const struct sd_auth *key,
+/* a hello at daemon 0's peer port as daemon `id` for job (key: the MAC's), with a fabric address
+ * of rails that name 127.0.0.1:1 (nothing there), and the daemons' configuration or another
+ * (agree) */
+static void hello_as(struct th_meet *mt, const char *job, uint32_t id, const struct sd_auth *key,
                      bool agree)
 {
-    mt->answer = -1;
-    mt->why[0] = '\0';
-    mt->fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)cl.port)};
-    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-    TH_CHECK(connect(mt->fd, (struct sockaddr *)&a, sizeof(a)) == 0, "connect to daemon 0");
-    Shard__PeerMsg *ch = th_peer_recv(mt->fd, 5000);
-    bool got = ch != NULL && ch->msg_case == SHARD__PEER_MSG__MSG_CHALLENGE &&
-               ch->challenge->nonce.len == SD_AUTH_NONCE;
-    if (got)
-        memcpy(mt->nc, ch->challenge->nonce.data, SD_AUTH_NONCE);
-    if (ch)
-        shard__peer_msg__free_unpacked(ch, NULL);
-    TH_CHECK(got, "daemon 0's challenge");
-    sd_auth_nonce(mt->nm);
-    uint8_t fabric[8 * 17], mac[SD_SHA256_BYTES];
-    struct sockaddr_in nowhere = {.sin_family = AF_INET, .sin_port = htons(1)};
-    inet_pton(AF_INET, "127.0.0.1", &nowhere.sin_addr);
-    for (int r = 0; r < 8; r++) { /* (as many rails as a daemon may have) */
-        fabric[r * 17] = 16;
-        memcpy(&fabric[r * 17 + 1], &nowhere, 16);
-    }
-    Shard__PeerHello h = SHARD__PEER_HELLO__INIT;
-    h.node = id;
-    h.was = UINT32_MAX;
-    h.peer = true;
-    h.peer_port = 1;
-    h.protocol_version = SD_PROTOCOL_VERSION;
-    h.version = SHARD_VERSION;
-    char summary[1024];
-    h.config_digest = digest(agree, summary, sizeof(summary));
-    h.config_summary = summary;
-    h.fabric_addr.data = fabric;
-    h.fabric_addr.len = sizeof(fabric);
-    h.nonce.data = mt->nm;
-    h.nonce.len = SD_AUTH_NONCE;
-    h.job = (char *)job;
-    h.you = 7;
-    sd_auth_hello_mac(key, mt->nc, mt->nm, &h, mac);
-    h.mac.data = mac;
-    h.mac.len = sizeof(mac);
-    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-    m.msg_case = SHARD__PEER_MSG__MSG_HELLO;
-    m.hello = &h;
-    th_peer_send(mt->fd, &m);
-    Shard__PeerMsg *w = th_peer_recv(mt->fd, 5000);
-    if (w == NULL)
-        return;
-    mt->answer = (int)w->msg_case;
-    if (w->msg_case == SHARD__PEER_MSG__MSG_REFUSE)
-        snprintf(mt->why, sizeof(mt->why), "%s", w->refuse->reason);
-    if (w->msg_case == SHARD__PEER_MSG__MSG_WELCOME)
-        mt->hb_port = w->welcome->hb_port;
-    shard__peer_msg__free_unpacked(w, NULL);
+    struct th_hello h = {
+        .port = cl.port, .job = job, .id = id, .key = key, .extra = extra, .other_config = !agree};
+    th_hello(&h, mt);
 }
 
-static void hello(struct meet *mt, const char *job, uint32_t id, const struct sd_auth *key)
+static void hello(struct th_meet *mt, const char *job, uint32_t id, const struct sd_auth *key)
 {
     hello_as(mt, job, id, key, true);
 }
@@ -350,16 +268,23 @@ int main(void)
 
     /* j's token, guessed wrong */
     struct sd_auth wrong;
-    token_of("not the secret of job j at all", "j", &wrong);
-    struct meet mt;
+    th_job_token("not the secret of job j at all", "j", &wrong);
+    struct th_meet mt;
     hello(&mt, "j", 0x12345678, &wrong);
     TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "authentication failed"),
              "a hello for j with a wrong token: answer %d '%s'", mt.answer, mt.why);
     close(mt.fd);
-    TH_CHECK(log_has(0, "does not prove the job's token"), "daemon 0 did not log the refusal");
+    TH_CHECK(log_has(0, "for job 'j': its HMAC does not match the job's token"),
+             "daemon 0 did not log the refusal");
+    char served[sizeof(mt.why)];
+    snprintf(served, sizeof(served), "%s", mt.why);
     hello(&mt, "nosuch", 0x12345678, &wrong);
-    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "job 'nosuch'"),
-             "a hello for a job daemon 0 does not serve: answer %d '%s'", mt.answer, mt.why);
+    /* (the same words: nobody learns from a refusal which jobs a daemon serves) */
+    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strcmp(mt.why, served) == 0,
+             "a hello for a job daemon 0 does not serve: answer %d '%s' (for j: '%s')", mt.answer,
+             mt.why, served);
+    TH_CHECK(log_has(0, "for job 'nosuch': no job of that name"),
+             "daemon 0 did not log why it refused the hello for 'nosuch'");
     close(mt.fd);
 
     struct x_reg lost = {0};
@@ -372,7 +297,7 @@ int main(void)
     pthread_create(&th, NULL, register_x, &xr);
     TH_CHECK(log_has(0, "job 'x' (id"), "daemon 0 did not create job x");
     struct sd_auth x_token;
-    token_of("the secret of job x, this test's", "x", &x_token);
+    th_job_token("the secret of job x, this test's", "x", &x_token);
     hello(&mt, "x", d1, &x_token); /* as daemon 1, from elsewhere */
     TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "another fabric address"),
              "a hello for x as daemon 1 (a forged rejoin): answer %d '%s'", mt.answer, mt.why);

@@ -5,6 +5,8 @@
  *  - identity: with allowed_gid, a job registered by uid nobody cannot be joined by root, and
  *    nobody's shardctl sees only its own jobs and clients while root sees all; a uid outside
  *    the group is refused with a message;
+ *  - fairness: one uid's 64 registrations that never complete (max_jobs 64) leave another uid's
+ *    job registering at once: past max_jobs_per_uid (16) the uid's oldest are refused;
  *  - limits: past max_clients a client is told so before the close; at the process's fd limit
  *    the daemon refuses connections with a message instead of spinning on accept. */
 #include "harness.h"
@@ -25,6 +27,7 @@
 #include <sys/wait.h>
 #include <grp.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -247,6 +250,97 @@ static void test_identity(void)
     TH_CHECK(th_daemon_stop(&d) == 0, "shardd did not shut down cleanly");
 }
 
+/* ---- local fairness: one uid's registrations that never complete do not fill max_jobs */
+
+struct hang {
+    const char *sock;
+    int i, st;
+    char err[400];
+};
+
+static void *hang_one(void *arg)
+{
+    struct hang *h = arg;
+    char name[32];
+    snprintf(name, sizeof(name), "hang%d", h->i);
+    shard_ctx_t *ctx = NULL;
+    h->st = open_job(h->sock, name, 0, 2, &ctx); /* (rank 1 never comes) */
+    snprintf(h->err, sizeof(h->err), "%s", ctx ? shard_last_error(ctx) : "");
+    if (ctx)
+        shard_detach(ctx);
+    return NULL;
+}
+
+#define HANGS 64
+/* nobody: 64 registrations at once, each of a job whose second rank never comes; how they
+ * ended through the pipe fd */
+static int nobody_hangs(void *arg)
+{
+    struct who *w = arg;
+    static struct hang h[HANGS];
+    pthread_t th[HANGS];
+    for (int i = 0; i < HANGS; i++) {
+        h[i] = (struct hang){.sock = w->d->sock, .i = i};
+        pthread_create(&th[i], NULL, hang_one, &h[i]);
+        usleep(5000); /* (in order: the oldest are refused first) */
+    }
+    int busy = 0, timed_out = 0;
+    for (int i = 0; i < HANGS; i++) {
+        pthread_join(th[i], NULL);
+        busy += h[i].st == SHARD_EBUSY && strstr(h[i].err, "max_jobs_per_uid") != NULL;
+        timed_out += h[i].st == SHARD_ETIMEDOUT;
+        if (h[i].st != SHARD_EBUSY && h[i].st != SHARD_ETIMEDOUT)
+            fprintf(stderr, "nobody's registration %d: %d '%s'\n", i, h[i].st, h[i].err);
+    }
+    int counts[2] = {busy, timed_out};
+    return write(w->fd, counts, sizeof(counts)) == sizeof(counts) ? 0 : 1;
+}
+
+static void test_fairness(void)
+{
+    struct th_daemon d;
+    const char *args[] = {"--allowed-gid", "65534", "--register-timeout-ms", "5000", NULL};
+    TH_CHECK(th_daemon_start(&d, args) == 0, "start shardd with allowed_gid");
+    chmod(d.dir, 0711);
+    int p[2];
+    TH_CHECK(pipe(p) == 0, "pipe");
+    struct who w = {.d = &d, .fd = p[1]};
+    pid_t hang = fork();
+    if (hang == 0)
+        _exit(as_user(NOBODY, NOBODY, nobody_hangs, &w));
+    usleep(1500000); /* (nobody's 64 registrations are in) */
+    json_t *doc = th_admin_json(d.sock, "status");
+    size_t k, theirs = 0;
+    json_t *j;
+    json_array_foreach(json_object_get(doc, "jobs"), k, j) theirs +=
+        th_json_int(j, "uid") == NOBODY;
+    json_decref(doc);
+    /* another uid's job registers at once */
+    shard_ctx_t *ctx = NULL;
+    double t0 = th_now_s();
+    int st = open_job(d.sock, "roots", 0, 1, &ctx);
+    double took = th_now_s() - t0;
+    TH_CHECK(st == 0, "root's job beside nobody's 64 hanging registrations: %d '%s'", st,
+             shard_last_error(ctx));
+    printf("root's job registered in %.3f s beside nobody's %zu registering jobs (of %d tried)\n",
+           took, theirs, HANGS);
+    TH_CHECK(theirs <= 16, "nobody has %zu jobs registering (max_jobs_per_uid is 16)", theirs);
+    shard_detach(ctx);
+    int rs, counts[2] = {0, 0};
+    waitpid(hang, &rs, 0);
+    TH_CHECK(WIFEXITED(rs) && WEXITSTATUS(rs) == 0 &&
+                 read(p[0], counts, sizeof(counts)) == sizeof(counts),
+             "nobody's registrations");
+    printf("nobody's registrations: %d refused for max_jobs_per_uid (the oldest first), %d timed "
+           "out\n",
+           counts[0], counts[1]);
+    TH_CHECK(counts[0] == HANGS - 16 && counts[1] == 16,
+             "nobody's registrations: %d refused, %d timed out", counts[0], counts[1]);
+    close(p[0]);
+    close(p[1]);
+    TH_CHECK(th_daemon_stop(&d) == 0, "shardd did not shut down cleanly");
+}
+
 /* the error frame a refused connection receives, or "" */
 static void refusal(int fd, char *out, size_t len)
 {
@@ -358,8 +452,10 @@ int main(void)
 {
     test_memfds();
     bool root = geteuid() == 0;
-    if (root)
+    if (root) {
         test_identity();
+        test_fairness();
+    }
     test_limits();
     int rc = th_summary("test_privilege");
     if (rc == 0 && !root) {

@@ -33,6 +33,7 @@ struct sd_config {
     int64_t push_rounds;
     uint64_t max_live_bytes;
     int64_t max_jobs;
+    int64_t max_jobs_per_uid;
     int64_t max_tensors;
     int64_t max_units;
     int64_t frame_timeout_ms;

@@ -17,6 +17,26 @@ const char *sd_log_level_name(int level);
 /* True at most once per interval_ms for one call site's state. */
 int sd_log_ratelimit(uint64_t *last_ms, uint64_t interval_ms);
 
+/* A log line is at most this long (what is longer is cut). Control characters in it (what a
+ * peer or a client named: a newline, an escape) are written as \xNN, so nobody forges a line. */
+#define SD_LOG_LINE 1024
+
+/* What a peer or a client can trigger is logged sparsely: the first SD_LOG_SPARSE_BURST lines of
+ * a call site in each SD_LOG_SPARSE_MS, then nothing until the next interval, whose first line
+ * says how many were not logged (libfabric's FI_WARN_SPARSE, counted). */
+#define SD_LOG_SPARSE_MS    5000
+#define SD_LOG_SPARSE_BURST 3
+struct sd_log_sparse {
+    uint64_t window_ms; /* when the current interval began */
+    uint32_t burst;     /* lines logged in it */
+    uint64_t suppressed;
+};
+/* 0: not now (counted); else log, with the value minus one not logged before it */
+uint64_t sd_log_sparse(struct sd_log_sparse *s);
+/* a line after sd_log_sparse returned said: it says how many were not logged */
+void sd_log_write_sparse(int level, const char *subsys, uint64_t said, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
 #define SD_LOG(level, subsys, ...)                                                                 \
     do {                                                                                           \
         if ((level) <= sd_log_level)                                                               \
@@ -34,12 +54,16 @@ int sd_log_ratelimit(uint64_t *last_ms, uint64_t interval_ms);
 #define SD_DEBUG(subsys, ...) SD_LOG(SD_LOG_DEBUG, subsys, __VA_ARGS__)
 #endif
 
-/* Warn at most once every 5 s from this call site. */
-#define SD_WARN_SPARSE(subsys, ...)                                                                \
+/* Log sparsely from this call site (struct sd_log_sparse): a few lines an interval, then a
+ * count of those not logged. */
+#define SD_LOG_SPARSE(level, subsys, ...)                                                          \
     do {                                                                                           \
-        static uint64_t sd__last_ms_;                                                              \
-        if (SD_LOG_WARN <= sd_log_level && sd_log_ratelimit(&sd__last_ms_, 5000))                  \
-            sd_log_write(SD_LOG_WARN, (subsys), __VA_ARGS__);                                      \
+        static struct sd_log_sparse sd__sparse_;                                                   \
+        uint64_t sd__said_;                                                                        \
+        if ((level) <= sd_log_level && (sd__said_ = sd_log_sparse(&sd__sparse_)) != 0)             \
+            sd_log_write_sparse((level), (subsys), sd__said_, __VA_ARGS__);                        \
     } while (0)
+#define SD_WARN_SPARSE(subsys, ...)  SD_LOG_SPARSE(SD_LOG_WARN, subsys, __VA_ARGS__)
+#define SD_ERROR_SPARSE(subsys, ...) SD_LOG_SPARSE(SD_LOG_ERROR, subsys, __VA_ARGS__)
 
 #endif

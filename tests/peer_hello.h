@@ -1,0 +1,43 @@
+/* Meeting an independent daemon as a process that is not one (tests of what a network process,
+ * or the holder of one job's secret, can do to the daemons): the handshake of a control link,
+ * forged to taste. Built into the tests that use it, with sd_cluster (the MACs). */
+#ifndef TH_PEER_HELLO_H
+#define TH_PEER_HELLO_H
+
+#include "cluster/auth.h"
+#include "sd/config.h"
+#include "shard.pb-c.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* the token the ranks of job hand their daemons (libshard's: an HMAC of the job's secret) */
+void th_job_token(const char *secret, const char *job, struct sd_auth *a);
+
+/* A hello on a connection to 127.0.0.1:port from the address src (NULL: any) as daemon id
+ * (0: none) for job, MAC'd with key, claiming the fabric address fab (fab_len bytes; NULL: 8
+ * rails that name 127.0.0.1:1, where nothing listens) and the configuration digest/summary
+ * (summary NULL: the one of the options extra, as the daemons were given them). */
+struct th_hello {
+    int port;
+    const char *src;
+    const char *job;
+    uint32_t id;
+    const struct sd_auth *key;
+    const uint8_t *fab;
+    size_t fab_len;
+    const char *const *extra;
+    bool other_config; /* a daemon configured otherwise (op_timeout_ms 1234) */
+};
+/* what came of it: the connection (-1: none), the first answer's kind (-1: none), a refusal's
+ * reason, a welcome's heartbeat port */
+struct th_meet {
+    int fd;
+    int answer;
+    char why[1100];
+    uint32_t hb_port;
+};
+void th_hello(const struct th_hello *h, struct th_meet *mt);
+
+#endif
