@@ -40,6 +40,7 @@ void th_hello(const struct th_hello *p, struct th_meet *mt)
 {
     mt->answer = -1;
     mt->why[0] = '\0';
+    mt->id = 0;
     mt->fd = socket(AF_INET, SOCK_STREAM, 0);
     if (p->src != NULL) {
         struct sockaddr_in s = {.sin_family = AF_INET};
@@ -80,8 +81,14 @@ void th_hello(const struct th_hello *p, struct th_meet *mt)
             flen += 16;
         }
     }
+    struct sd_meet_key own = {0};
+    const struct sd_meet_key *pair = p->pair;
+    if (pair == NULL) {
+        TH_CHECK(sd_meet_key_new(&own) == SD_OK, "a key pair");
+        pair = &own;
+    }
     Shard__PeerHello h = SHARD__PEER_HELLO__INIT;
-    h.node = p->id;
+    h.node = mt->id = p->id != 0 ? p->id : pair->id;
     h.was = UINT32_MAX;
     h.peer = true;
     h.peer_port = 1;
@@ -96,6 +103,22 @@ void th_hello(const struct th_hello *p, struct th_meet *mt)
     h.nonce.len = SD_AUTH_NONCE;
     h.job = (char *)p->job;
     h.you = 7;
+    uint8_t sig[SD_MEET_SIG];
+    struct sd_meet_said said = {.role = 'h',
+                                .nc = nc,
+                                .nm = nm,
+                                .id = h.node,
+                                .job = h.job,
+                                .fab = h.fabric_addr.data,
+                                .fab_len = h.fabric_addr.len,
+                                .hb_port = h.hb_port,
+                                .peer_port = h.peer_port};
+    TH_CHECK(sd_meet_key_sign(pair, &said, sig), "a hello's signature");
+    h.daemon_key.data = (uint8_t *)pair->pub;
+    h.daemon_key.len = SD_MEET_KEY;
+    h.daemon_sig.data = sig;
+    h.daemon_sig.len = SD_MEET_SIG;
+    sd_meet_key_free(&own);
     sd_auth_hello_mac(p->key, nc, nm, &h, mac);
     h.mac.data = mac;
     h.mac.len = sizeof(mac);

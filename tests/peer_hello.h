@@ -5,6 +5,7 @@
 #define TH_PEER_HELLO_H
 
 #include "cluster/auth.h"
+#include "cluster/meet_key.h"
 #include "sd/config.h"
 #include "shard.pb-c.h"
 
@@ -15,16 +16,19 @@
 /* the token the ranks of job hand their daemons (libshard's: an HMAC of the job's secret) */
 void th_job_token(const char *secret, const char *job, struct sd_auth *a);
 
-/* A hello on a connection to 127.0.0.1:port from the address src (NULL: any) as daemon id
- * (0: none) for job, MAC'd with key, claiming the fabric address fab (fab_len bytes; NULL: 8
- * rails that name 127.0.0.1:1, where nothing listens) and the configuration digest/summary
- * (summary NULL: the one of the options extra, as the daemons were given them). */
+/* A hello on a connection to 127.0.0.1:port from the address src (NULL: any) for job, MAC'd
+ * with key, signed with the key pair pair (NULL: a new one) as the daemon id (0: the one the
+ * pair names; another is a claim the signature does not prove), claiming the fabric address fab
+ * (fab_len bytes; NULL: the rails the daemons' configuration opens, each naming 127.0.0.1:1,
+ * where nothing listens) and the daemons' configuration (the options extra, as they were given
+ * them) or another. */
 struct th_hello {
     int port;
     const char *src;
     const char *job;
     uint32_t id;
     const struct sd_auth *key;
+    const struct sd_meet_key *pair;
     const uint8_t *fab;
     size_t fab_len;
     const char *const *extra;
@@ -34,6 +38,7 @@ struct th_hello {
  * reason, a welcome's heartbeat port */
 struct th_meet {
     int fd;
+    uint32_t id; /* the id the hello claimed */
     int answer;
     char why[1100];
     uint32_t hb_port;

@@ -5,7 +5,7 @@
 set -euo pipefail
 optional=0
 if [ "${1:-}" = --optional ]; then optional=1; shift; need=("$@"); else
-need=(build-essential cmake pkg-config libuv1-dev libfabric-dev libprotobuf-c-dev
+need=(build-essential cmake pkg-config libuv1-dev libfabric-dev libprotobuf-c-dev libssl-dev
       protobuf-c-compiler libjansson-dev python3 iproute2 "$@"); fi
 missing=()
 for p in "${need[@]}"; do

@@ -6,6 +6,7 @@
 #include "cluster/auth.h"
 #include "cluster/cluster.h"
 #include "cluster/heartbeat.h"
+#include "cluster/meet_key.h"
 #include "sd/frame.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -132,7 +133,7 @@ struct coord_live {
 struct sd_cluster {
     uv_loop_t *loop;
     const struct sd_config *cfg;
-    struct sd_auth auth;       /* the cluster's secret */
+    struct sd_auth auth; /* the cluster's secret */
     struct {
         uint64_t refused;     /* connections that did not prove it (or a job's token) */
         uint64_t evicted;     /* unproved connections closed to admit others (sd_cluster__admit) */
@@ -148,12 +149,14 @@ struct sd_cluster {
      * name their daemons (n is cap; slot 0 is never used) */
     bool indep;
     struct {
-        uint32_t uid;                /* this daemon's id, random at each start */
-        uint32_t *uid_of;            /* [cap]: the id of each slot's daemon (0: not known yet) */
-        uint32_t *as;                /* [cap]: the number each slot's daemon gives this one */
-        uint32_t slots;              /* slots in use up to (cap; fewer for a test) */
-        struct meet_leader *leaders; /* which slot leads each job registering here */
-        struct meet_wire *wire;      /* scratch: a message with ids for slots */
+        uint32_t uid;           /* this daemon's id: its key's hash (meet_key.c), new each start */
+        struct sd_meet_key key; /* its key pair */
+        uint8_t (*key_of)[SD_MEET_KEY]; /* [cap]: each slot's daemon's key (0s: not known) */
+        uint32_t *uid_of;               /* [cap]: the id of each slot's daemon (0: not known yet) */
+        uint32_t *as;                   /* [cap]: the number each slot's daemon gives this one */
+        uint32_t slots;                 /* slots in use up to (cap; fewer for a test) */
+        struct meet_leader *leaders;    /* which slot leads each job registering here */
+        struct meet_wire *wire;         /* scratch: a message with ids for slots */
     } meet;
     struct { /* this daemon's fabric address, heartbeat and peer ports, for its hello */
         uint8_t addr[256];

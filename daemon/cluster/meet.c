@@ -21,7 +21,6 @@
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
-#include <sys/random.h>
 #include <unistd.h>
 
 struct meet_leader {
@@ -35,13 +34,17 @@ struct meet_leader {
 int sd_meet__init(struct sd_cluster *cl)
 {
     cl->meet.uid_of = calloc(cl->cap, sizeof(*cl->meet.uid_of));
+    cl->meet.key_of = calloc(cl->cap, sizeof(*cl->meet.key_of));
     cl->meet.as = calloc(cl->cap, sizeof(*cl->meet.as));
     cl->meet.wire = sd_meet__wire_new();
-    if (cl->meet.uid_of == NULL || cl->meet.as == NULL || cl->meet.wire == NULL)
+    if (cl->meet.uid_of == NULL || cl->meet.key_of == NULL || cl->meet.as == NULL ||
+        cl->meet.wire == NULL)
         return SD_ENOMEM;
-    while (cl->meet.uid == 0 || cl->meet.uid == SD_NO_NODE)
-        if (getrandom(&cl->meet.uid, sizeof(cl->meet.uid), 0) != sizeof(cl->meet.uid))
-            return SD_EIO;
+    if (sd_meet_key_new(&cl->meet.key) != SD_OK) {
+        SD_ERROR("cluster", "cannot make this daemon's key pair (Ed25519, libcrypto)");
+        return SD_EIO;
+    }
+    cl->meet.uid = cl->meet.key.id;
     for (uint32_t i = 0; i < cl->cap; i++)
         cl->meet.as[i] = SD_NO_NODE; /* (told at each link's handshake) */
     cl->meet.slots = cl->cap;
@@ -77,6 +80,8 @@ void sd_meet__free(struct sd_cluster *cl)
         free(l);
     }
     free(cl->meet.uid_of);
+    free(cl->meet.key_of);
+    sd_meet_key_free(&cl->meet.key);
     free(cl->meet.as);
     free(cl->meet.wire);
 }
@@ -115,6 +120,7 @@ static uint32_t slot_reclaim(struct sd_cluster *cl)
         cl->tp->ops->peer_down(cl->tp, i);
         sd_probe_down(cl, i);
         cl->meet.uid_of[i] = 0;
+        memset(cl->meet.key_of[i], 0, SD_MEET_KEY);
         cl->meet.as[i] = SD_NO_NODE;
         cl->addr_len[i] = 0;
         cl->hb_port[i] = 0;
@@ -169,6 +175,7 @@ void sd_meet__slot_release(struct sd_cluster *cl, uint32_t slot)
     if (cl->addr_len[slot] > 0)
         cl->tp->ops->peer_down(cl->tp, slot);
     cl->meet.uid_of[slot] = 0;
+    memset(cl->meet.key_of[slot], 0, SD_MEET_KEY);
     cl->meet.as[slot] = SD_NO_NODE;
     cl->addr_len[slot] = 0;
     cl->hb_port[slot] = 0;
@@ -222,10 +229,53 @@ static void welcome_mac(const struct sd_auth *a, const struct link *l, const Sha
 void sd_meet__hello_fields(struct link *l, Shard__PeerHello *h, struct sd_auth *a)
 {
     struct sd_cluster *cl = l->cl;
+    static uint8_t sig[SD_MEET_SIG]; /* (the hello is packed before the next one is made) */
     h->node = cl->meet.uid;
     h->job = l->job;
     h->you = (uint32_t)l->node;
     (void)link_key(l, l->job, a); /* (the dial checked it has one) */
+    struct sd_meet_said said = {.role = 'h',
+                                .nc = l->nonce_c,
+                                .nm = l->nonce_m,
+                                .id = h->node,
+                                .job = h->job,
+                                .fab = h->fabric_addr.data,
+                                .fab_len = h->fabric_addr.len,
+                                .hb_port = h->hb_port,
+                                .peer_port = h->peer_port};
+    if (sd_meet_key_sign(&cl->meet.key, &said, sig)) {
+        h->daemon_key.data = cl->meet.key.pub;
+        h->daemon_key.len = SD_MEET_KEY;
+        h->daemon_sig.data = sig;
+        h->daemon_sig.len = SD_MEET_SIG;
+    }
+}
+
+/* does slot s hold a key (a daemon met through a proof, or named with its key in a table)? */
+static bool key_known(const struct sd_cluster *cl, uint32_t s)
+{
+    static const uint8_t none[SD_MEET_KEY];
+    return memcmp(cl->meet.key_of[s], none, SD_MEET_KEY) != 0;
+}
+
+/* The daemon dialed as slot from proved (its welcome) to be the one this daemon numbers into
+ * (met before, at another address, or named in a job's table): one slot, into, with the address
+ * that was dialed; what named from (a job's leader, messages waiting) names into. */
+static void slot_merge(struct sd_cluster *cl, struct link *l, uint32_t from, uint32_t into)
+{
+    if (into != from)
+        memcpy(cl->peers.addrs[into], cl->peers.addrs[from], SD_PEER_ADDR);
+    for (struct meet_leader *m = cl->meet.leaders; m; m = m->next)
+        if (m->slot == from)
+            m->slot = into;
+    for (struct outmsg *o = cl->peers.outbox; o; o = o->next)
+        if (o->node == from)
+            o->node = into;
+    cl->peers.dialing[from] = false;
+    cl->peers.dialing[into] = true;
+    cl->peers.dial_fails[from] = 0;
+    l->node = (int)into;
+    sd_meet__slot_release(cl, from);
 }
 
 /* An incoming link's hello: the job it names keys it; the daemon it comes from gets (or has) a
@@ -274,49 +324,85 @@ void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h)
                            h->node, h->you);
         return;
     }
-    if (s != SD_NO_NODE) { /* a daemon met before: from the same host, with the same address */
-        size_t host = strcspn(cl->peers.addrs[s], ":");
-        if (strlen(from) != host || strncmp(from, cl->peers.addrs[s], host) != 0 ||
-            h->fabric_addr.len != cl->addr_len[s] ||
-            memcmp(h->fabric_addr.data, cl->addrs[s], cl->addr_len[s]) != 0) {
-            sd_cluster__refuse(l,
-                               "a link as daemon %08x from %s, which this daemon knows at %s "
-                               "with another fabric address",
-                               h->node, from, cl->peers.addrs[s]);
-            return;
-        }
-    } else if (cl->tp->ops->check_addr != NULL &&
-               cl->tp->ops->check_addr(cl->tp, h->fabric_addr.data, h->fabric_addr.len, why,
-                                       sizeof(why)) != SD_OK) {
+    /* the id is claimed by the daemon holding its key only: a signature over this connection's
+     * nonces and what the hello says of its daemon; a daemon met before is the one with the
+     * key it had (its addresses then taken from this proof: a job's table may have named it
+     * at others) */
+    struct sd_meet_said said = {.role = 'h',
+                                .nc = l->nonce_c,
+                                .nm = l->nonce_m,
+                                .id = h->node,
+                                .job = h->job,
+                                .fab = h->fabric_addr.data,
+                                .fab_len = h->fabric_addr.len,
+                                .hb_port = h->hb_port,
+                                .peer_port = h->peer_port};
+    bool fresh = s == SD_NO_NODE;
+    if (!sd_meet_key_verify(h->daemon_key.data, h->daemon_key.len, h->daemon_sig.data,
+                            h->daemon_sig.len, &said)) {
+        sd_cluster__refuse(l,
+                           "a link from %s as daemon %08x that does not prove that daemon's key "
+                           "(a signature by the key its id names)",
+                           from, h->node);
+        return;
+    }
+    if (!fresh && key_known(cl, s) &&
+        memcmp(cl->meet.key_of[s], h->daemon_key.data, SD_MEET_KEY) != 0) {
+        sd_cluster__refuse(l,
+                           "a link from %s as daemon %08x with another key than the daemon of "
+                           "that id met here (two keys that name one id: made to)",
+                           from, h->node);
+        return;
+    }
+    if (cl->tp->ops->check_addr != NULL &&
+        cl->tp->ops->check_addr(cl->tp, h->fabric_addr.data, h->fabric_addr.len, why,
+                                sizeof(why)) != SD_OK) {
         sd_cluster__refuse(l,
                            "a link from %s as daemon %08x with a fabric address this "
                            "daemon cannot use: %s",
                            from, h->node, why);
         return;
-    } else if ((s = sd_meet__slot_new(cl)) == SD_NO_NODE) {
+    } else if (fresh && (s = sd_meet__slot_new(cl)) == SD_NO_NODE) {
         sd_cluster__refuse(l,
                            "this daemon cannot take another peer (its %u are all in use by jobs)",
                            cl->meet.slots - 2);
         return;
     } else if (sd_meet__slot_fill(cl, s, h->node, h->fabric_addr.data, h->fabric_addr.len,
                                   h->hb_port, pa) != SD_OK) {
-        sd_meet__slot_release(cl, s);
+        if (fresh)
+            sd_meet__slot_release(cl, s);
         sd_cluster__refuse(l,
                            "a link from %s as daemon %08x: its fabric address did not go into "
                            "this daemon's table",
                            from, h->node);
         return;
     }
+    memcpy(cl->meet.key_of[s], h->daemon_key.data, SD_MEET_KEY);
     cl->hb_port[s] = h->hb_port;
     cl->meet.as[s] = h->you; /* (the number the dialer gives this daemon) */
     Shard__PeerWelcome w = SHARD__PEER_WELCOME__INIT;
-    uint8_t mac[SD_SHA256_BYTES];
+    uint8_t mac[SD_SHA256_BYTES], sig[SD_MEET_SIG];
     w.node = cl->meet.uid;
     w.fabric_addr.data = cl->me.addr;
     w.fabric_addr.len = cl->me.addr_len;
     w.hb_port = cl->me.hb_port;
     w.peer_port = cl->me.peer_port;
     w.you = s;
+    said = (struct sd_meet_said){.role = 'w',
+                                 .nc = l->nonce_c,
+                                 .nm = l->nonce_m,
+                                 .id = w.node,
+                                 .job = h->job,
+                                 .fab = w.fabric_addr.data,
+                                 .fab_len = w.fabric_addr.len,
+                                 .hb_port = w.hb_port,
+                                 .peer_port = w.peer_port};
+    if (sd_meet_key_sign(&cl->meet.key, &said, sig)) {
+        w.daemon_key.data = cl->meet.key.pub;
+        w.daemon_key.len = SD_MEET_KEY;
+        w.daemon_sig.data = sig;
+        w.daemon_sig.len = SD_MEET_SIG;
+    }
     welcome_mac(&a, l, &w, mac);
     w.mac.data = mac;
     w.mac.len = sizeof(mac);
@@ -352,15 +438,37 @@ void sd_meet__on_welcome(struct link *l, const Shard__PeerWelcome *w)
         welcome_mac(&a, l, w, want);
         ok = sd_mem_equal(want, w->mac.data, SD_SHA256_BYTES);
     }
+    struct sd_meet_said said = {.role = 'w',
+                                .nc = l->nonce_c,
+                                .nm = l->nonce_m,
+                                .id = w->node,
+                                .job = l->job,
+                                .fab = w->fabric_addr.data,
+                                .fab_len = w->fabric_addr.len,
+                                .hb_port = w->hb_port,
+                                .peer_port = w->peer_port};
+    bool signed_ok = ok && sd_meet_key_verify(w->daemon_key.data, w->daemon_key.len,
+                                              w->daemon_sig.data, w->daemon_sig.len, &said);
     uint32_t s = (uint32_t)l->node, other = ok ? sd_meet__slot_by_uid(cl, w->node) : SD_NO_NODE;
-    const char *why = !ok                                     ? "does not prove the job's token"
-                      : w->node == 0 || w->node == SD_NO_NODE ? "names no daemon id"
-                      : other != SD_NO_NODE && other != s ? "is a daemon known at another address"
-                      : w->you < 2 || w->you >= SD_MAX_NODES ? "numbers this daemon out of range"
-                                                             : NULL;
+    bool known = other != SD_NO_NODE && other != cl->self && key_known(cl, other);
+    const char *why =
+        !ok                                     ? "does not prove the job's token"
+        : w->node == 0 || w->node == SD_NO_NODE ? "names no daemon id"
+        : !signed_ok                            ? "does not prove the key its id names"
+        : other == cl->self                     ? "answers with this daemon's own id"
+        : known && memcmp(cl->meet.key_of[other], w->daemon_key.data, SD_MEET_KEY) != 0
+            ? "has another key than the daemon of that id met here"
+        : w->you < 2 || w->you >= SD_MAX_NODES ? "numbers this daemon out of range"
+                                               : NULL;
+    if (why == NULL && other != SD_NO_NODE && other != s) { /* (met, or named, elsewhere) */
+        slot_merge(cl, l, s, other);
+        s = other;
+    }
     if (why == NULL && sd_meet__slot_fill(cl, s, w->node, w->fabric_addr.data, w->fabric_addr.len,
                                           w->hb_port, NULL) != SD_OK)
         why = "gave a fabric address this daemon cannot use";
+    if (why == NULL)
+        memcpy(cl->meet.key_of[s], w->daemon_key.data, SD_MEET_KEY);
     if (why != NULL) {
         SD_ERROR("cluster", "the daemon at %s (job '%.64s') %s: not heard", addr, l->job, why);
         l->retired = true;

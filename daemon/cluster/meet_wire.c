@@ -40,6 +40,7 @@ struct meet_wire {
     ProtobufCBinaryData fab[SD_MAX_NODES];
     char *pa[SD_MAX_NODES];
     uint32_t hb[SD_MAX_NODES];
+    ProtobufCBinaryData keys[SD_MAX_NODES];
     uint8_t token[SD_JOB_TOKEN_BYTES]; /* a report's, as the link proved it */
 };
 
@@ -114,12 +115,15 @@ static void confirm_out(struct sd_cluster *cl, Shard__JobConfirm *c)
         w->fab[i].len = me ? cl->me.addr_len : known ? cl->addr_len[s] : 0;
         w->pa[i] = me || !known ? "" : cl->peers.addrs[s]; /* (its nodes dialed the leader) */
         w->hb[i] = me ? cl->me.hb_port : known ? cl->hb_port[s] : 0;
+        w->keys[i].data = me ? cl->meet.key.pub : known ? cl->meet.key_of[s] : NULL;
+        w->keys[i].len = me || known ? SD_MEET_KEY : 0;
     }
     c->nodes = ids_out(cl, c->nodes, n);
-    c->n_nodes = c->n_fabric_addrs = c->n_peer_addrs = c->n_hb_ports = n;
+    c->n_nodes = c->n_fabric_addrs = c->n_peer_addrs = c->n_hb_ports = c->n_daemon_keys = n;
     c->fabric_addrs = w->fab;
     c->peer_addrs = w->pa;
     c->hb_ports = w->hb;
+    c->daemon_keys = w->keys;
 }
 
 /* m with the daemons it names by their ids (a copy in the cluster's scratch) */
@@ -164,14 +168,39 @@ static const Shard__PeerMsg *wire_out(struct sd_cluster *cl, const Shard__PeerMs
     return &w->m;
 }
 
-/* The daemons a confirmation names, met here: each one not known yet gets a slot and its
- * addresses. False (logged) if one cannot be. */
+/* The daemons a confirmation names, met here: each one not known yet gets a slot, its key and
+ * its addresses (hints: the daemon's own proof, when it links, is what they are taken from).
+ * Each key must name its id, and a daemon met before keep the key it had. False (logged) if one
+ * cannot be. */
 static bool confirm_in(struct sd_cluster *cl, Shard__JobConfirm *c)
 {
+    static const uint8_t none[SD_MEET_KEY];
     bool whole = c->n_fabric_addrs == c->n_nodes && c->n_peer_addrs == c->n_nodes &&
-                 c->n_hb_ports == c->n_nodes && c->n_nodes <= SD_MAX_NODES;
+                 c->n_hb_ports == c->n_nodes && c->n_daemon_keys == c->n_nodes &&
+                 c->n_nodes <= SD_MAX_NODES;
     for (size_t i = 0; whole && i < c->n_nodes; i++) {
+        const ProtobufCBinaryData *key = &c->daemon_keys[i];
+        if (key->len != SD_MEET_KEY || sd_meet_key_id(key->data) != c->nodes[i]) {
+            SD_WARN_SPARSE("cluster",
+                           "job '%.64s': its leader's table names daemon %08x (job node %zu) with "
+                           "a key that does not name it",
+                           c->job, c->nodes[i], i);
+            return false;
+        }
         uint32_t s = sd_meet__slot_by_uid(cl, c->nodes[i]);
+        if (s != SD_NO_NODE && s != cl->self &&
+            memcmp(cl->meet.key_of[s], none, SD_MEET_KEY) != 0 &&
+            memcmp(cl->meet.key_of[s], key->data, SD_MEET_KEY) != 0) {
+            SD_WARN_SPARSE("cluster",
+                           "job '%.64s': its leader's table names daemon %08x (job node %zu) with "
+                           "another key than the daemon of that id met here",
+                           c->job, c->nodes[i], i);
+            return false;
+        }
+        if (s == cl->self && memcmp(key->data, cl->meet.key.pub, SD_MEET_KEY) != 0)
+            return false;
+        if (s != SD_NO_NODE && s != cl->self)
+            memcpy(cl->meet.key_of[s], key->data, SD_MEET_KEY);
         if (s == SD_NO_NODE) {
             s = c->nodes[i] != 0 && c->peer_addrs[i][0] != '\0' ? sd_meet__slot_new(cl)
                                                                 : SD_NO_NODE;
@@ -186,6 +215,7 @@ static bool confirm_in(struct sd_cluster *cl, Shard__JobConfirm *c)
                                c->job, c->nodes[i], i);
                 return false;
             }
+            memcpy(cl->meet.key_of[s], key->data, SD_MEET_KEY);
         }
         c->nodes[i] = s;
     }

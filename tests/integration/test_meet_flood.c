@@ -15,9 +15,11 @@
  * - on links proved with a job secret of this test's own: messages about jobs not registered
  *   there, 1 MB each, on three links: each link closed past its bound, the daemon's memory within
  *   64 MiB of what it was;
- * - a hello proved so carrying a fabric address of family 0: refused, no slot taken, and a job
- *   between d0 and a daemon it had not met (d2) trains to its reference afterwards, as does one
- *   between d0 and d1. */
+ * - a hello proved so carrying a fabric address of family 0: refused, no slot taken;
+ * - a hello proved so that claims d2's id (planted before d0 met d2): refused, it does not prove
+ *   d2's key;
+ * then a job between d0 and a daemon it had not met (d2) trains to its reference, as does one
+ * between d0 and d1. */
 #include "harness.h"
 #include "peer.h"
 #include "peer_hello.h"
@@ -583,7 +585,7 @@ static void memory_flood(void)
     int closed = 0;
     for (int link = 0; link < 3; link++) {
         struct th_meet mt;
-        hello_x(&mt, 0x0badca00 + (uint32_t)link, NULL, 0);
+        hello_x(&mt, 0, NULL, 0); /* (its own key, its own id) */
         TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_WELCOME, "a proved link for x: %d '%s'",
                  mt.answer, mt.why);
         if (mt.answer != SHARD__PEER_MSG__MSG_WELCOME) {
@@ -646,12 +648,51 @@ static void bad_fabric_address(void)
     for (int r = 0; r < 4; r++)
         bad[r * 17] = 16;
     struct th_meet mt;
-    hello_x(&mt, 0x0badfab0, bad, sizeof(bad));
+    hello_x(&mt, 0, bad, sizeof(bad));
     close(mt.fd);
     TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "fabric address"),
              "a hello with a malformed fabric address: %d '%s'", mt.answer, mt.why);
     int after = listed(0, "up") + listed(0, "down") + listed(0, "probing") + listed(0, "meeting");
     TH_CHECK(after == met, "d0 lists %d daemons after the refusal, %d before", after, met);
+    pthread_join(th, NULL);
+}
+
+/* d[i]'s id (shardctl topology, as root) */
+static uint32_t daemon_id(int i)
+{
+    json_t *doc = th_admin_json(cl.d[i].sock, "topology");
+    const char *id = json_string_value(
+        json_object_get(json_array_get(json_object_get(doc, "topology"), 0), "id"));
+    uint32_t v = id != NULL ? (uint32_t)strtoul(id, NULL, 16) : 0;
+    json_decref(doc);
+    return v;
+}
+
+static void train(const char *job, int a, int b);
+
+/* The holder of x's secret claims d2's id at d0, before d0 met d2 (it learned the id from d2's
+ * welcome, serving a job of its own there; here from d2's topology, which only root reads): a
+ * hello as d2 with a fabric address where nothing listens, proved with x's token. Refused: it
+ * does not prove d2's key; then a job between d0 and d2 trains (train("after02")). */
+static void planted_id(void)
+{
+    printf("== a proved hello that claims another daemon's id\n");
+    train("d32", 3, 2); /* (d2 meets d3: it has an id others see) */
+    uint32_t d2 = daemon_id(2);
+    TH_CHECK(d2 != 0, "d2's id");
+    pthread_t th;
+    pthread_create(&th, NULL, register_x, NULL);
+    TH_CHECK(log_has(0, "job 'x' (id", 10), "d0 did not create job x");
+    struct th_meet mt;
+    struct sd_auth key;
+    th_job_token(x_secret, "x", &key);
+    struct th_hello h = {
+        .port = cl.port, .src = "127.0.0.1", .job = "x", .id = d2, .key = &key, .extra = extra};
+    th_hello(&h, &mt);
+    close(mt.fd);
+    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE &&
+                 strstr(mt.why, "does not prove that daemon's key"),
+             "a hello claiming d2's id (%08x): %d '%s'", d2, mt.answer, mt.why);
     pthread_join(th, NULL);
 }
 
@@ -703,6 +744,7 @@ int main(void)
     forged_hellos();
     memory_flood();
     bad_fabric_address();
+    planted_id();
     printf("== jobs after the attacks\n");
     train("after02", 0, 2); /* (d0 had not met d2) */
     train("after01", 0, 1);

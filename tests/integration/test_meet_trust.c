@@ -5,8 +5,8 @@
  * - a hello for j MAC'd with a wrong token: refused (authentication failed), logged;
  * - a hello for a job daemon 0 does not serve: refused, naming it;
  * - a hello for job x, which this test registered on daemon 0 itself (it holds x's secret), as
- *   daemon 1 (its id, from shardctl topology): refused, daemon 1 is known with another fabric
- *   address (a forged rejoin);
+ *   daemon 1 (its id, from shardctl topology): refused, the hello does not prove daemon 1's key
+ *   (a forged rejoin);
  * - a hello for x from a daemon with another configuration (op_timeout_ms): refused, naming
  *   both configurations;
  * - a hello for x as a new daemon: heard (x's token proves it is one of x's); on that link, an
@@ -298,16 +298,17 @@ int main(void)
     TH_CHECK(log_has(0, "job 'x' (id"), "daemon 0 did not create job x");
     struct sd_auth x_token;
     th_job_token("the secret of job x, this test's", "x", &x_token);
-    hello(&mt, "x", d1, &x_token); /* as daemon 1, from elsewhere */
-    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "another fabric address"),
+    hello(&mt, "x", d1, &x_token); /* as daemon 1, from elsewhere: without daemon 1's key */
+    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE &&
+                 strstr(mt.why, "does not prove that daemon's key"),
              "a hello for x as daemon 1 (a forged rejoin): answer %d '%s'", mt.answer, mt.why);
     close(mt.fd);
-    hello_as(&mt, "x", 0x0badcafe, &x_token, false); /* one of x's, another configuration */
+    hello_as(&mt, "x", 0, &x_token, false); /* one of x's, another configuration */
     TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strstr(mt.why, "must agree") &&
                  strstr(mt.why, "op_timeout_ms=1234"),
              "a hello for x from a daemon configured otherwise: answer %d '%s'", mt.answer, mt.why);
     close(mt.fd);
-    hello(&mt, "x", 0x0badcafe, &x_token); /* as itself: one of x's */
+    hello(&mt, "x", 0, &x_token); /* as itself (its own key's id): one of x's */
     TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_WELCOME,
              "a hello for x as a new daemon: answer %d '%s'", mt.answer, mt.why);
     if (mt.answer == SHARD__PEER_MSG__MSG_WELCOME) {
