@@ -35,7 +35,7 @@ int sd_log_ratelimit(uint64_t *last_ms, uint64_t interval_ms)
     return 1;
 }
 
-uint64_t sd_log_sparse(struct sd_log_sparse *s)
+uint64_t sd_log_sparse(struct sd_log_sparse *s, uint32_t burst)
 {
     uint64_t now = sd_now_ns() / 1000000;
     if (s->window_ms == 0 || now - s->window_ms >= SD_LOG_SPARSE_MS) {
@@ -45,7 +45,7 @@ uint64_t sd_log_sparse(struct sd_log_sparse *s)
         s->suppressed = 0;
         return said + 1;
     }
-    if (s->burst < SD_LOG_SPARSE_BURST) {
+    if (s->burst < burst) {
         s->burst++;
         return 1;
     }

@@ -153,8 +153,10 @@ int sd_conn_send_error(struct sd_conn *c, int status, const char *fmt, ...)
     va_start(ap, fmt);
     error_msg(&msg, &err, status, text, sizeof(text), fmt, ap);
     va_end(ap);
-    SD_INFO("server", "conn %llu (pid %d): %s: %s", (unsigned long long)c->id, (int)c->pid,
-            sd_status_name(status), text);
+    /* (a client's errors are its own to read; a client that makes them by the thousand does
+     * not fill the log: 50 lines an interval, then a count) */
+    SD_LOG_SPARSE_N(SD_LOG_INFO, "server", 50, "conn %llu (pid %d): %s: %s",
+                    (unsigned long long)c->id, (int)c->pid, sd_status_name(status), text);
     return sd_conn_send(c, &msg, NULL, 0);
 }
 
@@ -382,8 +384,8 @@ static void rx_drop(struct sd_conn *c, bool later, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
-    SD_WARN("server", "conn %llu (pid %d uid %d): %s; closing it", (unsigned long long)c->id,
-            (int)c->pid, (int)c->uid, text);
+    SD_LOG_SPARSE_N(SD_LOG_WARN, "server", 50, "conn %llu (pid %d uid %d): %s; closing it",
+                    (unsigned long long)c->id, (int)c->pid, (int)c->uid, text);
     c->srv->dropped++;
     c->srv->ctl_bytes -= c->rx_cap;
     rx_free(c->rx, c->rx_cap);

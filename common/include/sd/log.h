@@ -31,8 +31,9 @@ struct sd_log_sparse {
     uint32_t burst;     /* lines logged in it */
     uint64_t suppressed;
 };
-/* 0: not now (counted); else log, with the value minus one not logged before it */
-uint64_t sd_log_sparse(struct sd_log_sparse *s);
+/* 0: not now (counted); else log, with the value minus one not logged before it (burst: the
+ * lines an interval, SD_LOG_SPARSE_BURST for the macros below) */
+uint64_t sd_log_sparse(struct sd_log_sparse *s, uint32_t burst);
 /* a line after sd_log_sparse returned said: it says how many were not logged */
 void sd_log_write_sparse(int level, const char *subsys, uint64_t said, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -56,13 +57,15 @@ void sd_log_write_sparse(int level, const char *subsys, uint64_t said, const cha
 
 /* Log sparsely from this call site (struct sd_log_sparse): a few lines an interval, then a
  * count of those not logged. */
-#define SD_LOG_SPARSE(level, subsys, ...)                                                          \
+#define SD_LOG_SPARSE_N(level, subsys, burst, ...)                                                 \
     do {                                                                                           \
         static struct sd_log_sparse sd__sparse_;                                                   \
         uint64_t sd__said_;                                                                        \
-        if ((level) <= sd_log_level && (sd__said_ = sd_log_sparse(&sd__sparse_)) != 0)             \
+        if ((level) <= sd_log_level && (sd__said_ = sd_log_sparse(&sd__sparse_, (burst))) != 0)    \
             sd_log_write_sparse((level), (subsys), sd__said_, __VA_ARGS__);                        \
     } while (0)
+#define SD_LOG_SPARSE(level, subsys, ...)                                                          \
+    SD_LOG_SPARSE_N(level, subsys, SD_LOG_SPARSE_BURST, __VA_ARGS__)
 #define SD_WARN_SPARSE(subsys, ...)  SD_LOG_SPARSE(SD_LOG_WARN, subsys, __VA_ARGS__)
 #define SD_ERROR_SPARSE(subsys, ...) SD_LOG_SPARSE(SD_LOG_ERROR, subsys, __VA_ARGS__)
 
