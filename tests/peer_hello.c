@@ -36,6 +36,24 @@ static uint64_t digest(const char *const *extra, bool same, char *summary, size_
     return sd_config_digest(&cfg, summary, len);
 }
 
+size_t th_peer_fabric(const char *const *extra, uint8_t buf[TH_PEER_FABRIC])
+{
+    struct sd_config cfg;
+    th_peer_config(&cfg, NULL, extra);
+    size_t len = 0;
+    struct sockaddr_in nowhere = {.sin_family = AF_INET, .sin_port = htons(1)};
+    inet_pton(AF_INET, "127.0.0.1", &nowhere.sin_addr);
+    for (int r = 0; r < 2 + 2 * (int)cfg.data_lanes; r++) {
+        bool empty = r == 1 && cfg.rendezvous_bytes == 0;
+        buf[len++] = empty ? 0 : 16;
+        if (!empty) {
+            memcpy(&buf[len], &nowhere, 16);
+            len += 16;
+        }
+    }
+    return len;
+}
+
 void th_hello(const struct th_hello *p, struct th_meet *mt)
 {
     mt->answer = -1;
@@ -65,22 +83,8 @@ void th_hello(const struct th_hello *p, struct th_meet *mt)
     if (!got)
         return;
     sd_auth_nonce(nm);
-    /* rails as the daemons' configuration opens them (control, clear-to-send with rendezvous
-     * only, two per data lane), each naming 127.0.0.1:1 */
-    struct sd_config cfg;
-    th_peer_config(&cfg, NULL, p->extra);
-    uint8_t fabric[(2 + 2 * SD_MAX_DATA_LANES) * 17], mac[SD_SHA256_BYTES];
-    size_t flen = 0;
-    struct sockaddr_in nowhere = {.sin_family = AF_INET, .sin_port = htons(1)};
-    inet_pton(AF_INET, "127.0.0.1", &nowhere.sin_addr);
-    for (int r = 0; r < 2 + 2 * (int)cfg.data_lanes; r++) {
-        bool empty = r == 1 && cfg.rendezvous_bytes == 0;
-        fabric[flen++] = empty ? 0 : 16;
-        if (!empty) {
-            memcpy(&fabric[flen], &nowhere, 16);
-            flen += 16;
-        }
-    }
+    uint8_t fabric[TH_PEER_FABRIC], mac[SD_SHA256_BYTES];
+    size_t flen = th_peer_fabric(p->extra, fabric);
     struct sd_meet_key own = {0};
     const struct sd_meet_key *pair = p->pair;
     if (pair == NULL) {
@@ -132,7 +136,11 @@ void th_hello(const struct th_hello *p, struct th_meet *mt)
     mt->answer = (int)w->msg_case;
     if (w->msg_case == SHARD__PEER_MSG__MSG_REFUSE)
         snprintf(mt->why, sizeof(mt->why), "%s", w->refuse->reason);
-    if (w->msg_case == SHARD__PEER_MSG__MSG_WELCOME)
+    if (w->msg_case == SHARD__PEER_MSG__MSG_WELCOME) {
         mt->hb_port = w->welcome->hb_port;
+        mt->welcome_id = w->welcome->node;
+        if (w->welcome->daemon_key.len == SD_MEET_KEY)
+            memcpy(mt->welcome_key, w->welcome->daemon_key.data, SD_MEET_KEY);
+    }
     shard__peer_msg__free_unpacked(w, NULL);
 }

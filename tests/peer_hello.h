@@ -42,7 +42,15 @@ struct th_meet {
     int answer;
     char why[1100];
     uint32_t hb_port;
+    uint32_t welcome_id;              /* a welcome's daemon id */
+    uint8_t welcome_key[SD_MEET_KEY]; /* and its public key */
 };
 void th_hello(const struct th_hello *h, struct th_meet *mt);
+
+/* a fabric address of the form the daemons' configuration (the options extra) publishes: its
+ * rails (control, clear-to-send with rendezvous only, two per data lane), each naming
+ * 127.0.0.1:1, where nothing listens; its length */
+#define TH_PEER_FABRIC ((2 + 2 * SD_MAX_DATA_LANES) * 17)
+size_t th_peer_fabric(const char *const *extra, uint8_t buf[TH_PEER_FABRIC]);
 
 #endif

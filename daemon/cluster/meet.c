@@ -272,7 +272,6 @@ static void slot_merge(struct sd_cluster *cl, struct link *l, uint32_t from, uin
         if (o->node == from)
             o->node = into;
     cl->peers.dialing[from] = false;
-    cl->peers.dialing[into] = true;
     cl->peers.dial_fails[from] = 0;
     l->node = (int)into;
     sd_meet__slot_release(cl, from);
@@ -460,13 +459,34 @@ void sd_meet__on_welcome(struct link *l, const Shard__PeerWelcome *w)
             ? "has another key than the daemon of that id met here"
         : w->you < 2 || w->you >= SD_MAX_NODES ? "numbers this daemon out of range"
                                                : NULL;
-    if (why == NULL && other != SD_NO_NODE && other != s) { /* (met, or named, elsewhere) */
+    bool renumber = why == NULL && other != SD_NO_NODE && other != s;
+    if (renumber) { /* (met, or named in a table, elsewhere) */
         slot_merge(cl, l, s, other);
         s = other;
     }
     if (why == NULL && sd_meet__slot_fill(cl, s, w->node, w->fabric_addr.data, w->fabric_addr.len,
                                           w->hb_port, NULL) != SD_OK)
         why = "gave a fabric address this daemon cannot use";
+    if (why == NULL && renumber) {
+        /* the other end numbers this daemon by what the hello said (the slot dialed, gone):
+         * this link goes without failing anything there (a bye), and the next dial, from the
+         * daemon's slot, tells it the number that stays */
+        memcpy(cl->meet.key_of[s], w->daemon_key.data, SD_MEET_KEY);
+        SD_INFO("cluster",
+                "the daemon at %s (job '%.64s') is daemon %08x, met here before as node %u: "
+                "dialing it again as that node",
+                addr, l->job, w->node, s);
+        Shard__PeerBye b = SHARD__PEER_BYE__INIT;
+        b.reason = "renumbered: dialing again";
+        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+        m.msg_case = SHARD__PEER_MSG__MSG_BYE;
+        m.bye = &b;
+        sd_cluster__link_send_raw(l, &m);
+        l->retired = true;
+        sd_cluster__link_close(l, "renumbered");
+        cl->peers.dial_fails[s] = 0;
+        return;
+    }
     if (why == NULL)
         memcpy(cl->meet.key_of[s], w->daemon_key.data, SD_MEET_KEY);
     if (why != NULL) {

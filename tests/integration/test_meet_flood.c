@@ -18,6 +18,9 @@
  * - a hello proved so carrying a fabric address of family 0: refused, no slot taken;
  * - a hello proved so that claims d2's id (planted before d0 met d2): refused, it does not prove
  *   d2's key;
+ * - a leader of a job of its own (y, whose node 1 is d0) whose table names d2, with the key d2
+ *   showed it, at addresses where nothing listens: d0 takes them as hints only, and once d2
+ *   leads a job with d0 its welcome proves the key and d0 lists it once, at its real address;
  * then a job between d0 and a daemon it had not met (d2) trains to its reference, as does one
  * between d0 and d1. */
 #include "harness.h"
@@ -25,6 +28,7 @@
 #include "peer_hello.h"
 #include "shard.h"
 #include "sd/frame.h"
+#include "sd/hmac.h"
 #include "sd/status.h"
 #include "shard.pb-c.h"
 
@@ -344,6 +348,25 @@ static bool log_has(int i, const char *text, double seconds)
     return false;
 }
 
+/* d[i] logs text once more than the `before` times it had (within seconds) */
+static bool log_again(int i, const char *text, int before, double seconds)
+{
+    for (double end = th_now_s() + seconds; th_now_s() < end; usleep(50000))
+        if (log_count(i, text) > before)
+            return true;
+    return false;
+}
+
+static void *register_x(void *arg);
+
+/* job x registering on d0 (its node 1 never comes: until it is given up, 4 s) */
+static void start_x(pthread_t *th)
+{
+    int before = log_count(0, "job 'x' (id");
+    pthread_create(th, NULL, register_x, NULL);
+    TH_CHECK(log_again(0, "job 'x' (id", before, 10), "d0 did not create job x");
+}
+
 static long rss_kb(pid_t pid)
 {
     char path[64], line[256];
@@ -515,8 +538,7 @@ static void forged_hellos(void)
 {
     printf("== hellos without the secret\n");
     pthread_t th;
-    pthread_create(&th, NULL, register_x, NULL); /* (a job d0 serves: its MAC is checked) */
-    TH_CHECK(log_has(0, "job 'x' (id", 10), "d0 did not create job x");
+    start_x(&th); /* (a job d0 serves: its MAC is checked) */
     struct sd_auth wrong;
     th_job_token("not the secret of job x at all", "x", &wrong);
     int lines = log_count(0, "refusing a connection from");
@@ -575,8 +597,7 @@ static void memory_flood(void)
 {
     printf("== messages about jobs not registered, on proved links\n");
     pthread_t th;
-    pthread_create(&th, NULL, register_x, NULL);
-    TH_CHECK(log_has(0, "job 'x' (id", 10), "d0 did not create job x");
+    start_x(&th);
     long before = rss_kb(cl.d[0].pid), peak = before;
     long long full = stat_of(0, "peers.closed_full");
     char *big = malloc(1000000);
@@ -641,8 +662,7 @@ static void bad_fabric_address(void)
 {
     printf("== a proved hello with a malformed fabric address\n");
     pthread_t th;
-    pthread_create(&th, NULL, register_x, NULL);
-    TH_CHECK(log_has(0, "job 'x' (id", 10), "d0 did not create job x");
+    start_x(&th);
     int met = listed(0, "up") + listed(0, "down") + listed(0, "probing") + listed(0, "meeting");
     uint8_t bad[17 * 4] = {0};
     for (int r = 0; r < 4; r++)
@@ -681,8 +701,7 @@ static void planted_id(void)
     uint32_t d2 = daemon_id(2);
     TH_CHECK(d2 != 0, "d2's id");
     pthread_t th;
-    pthread_create(&th, NULL, register_x, NULL);
-    TH_CHECK(log_has(0, "job 'x' (id", 10), "d0 did not create job x");
+    start_x(&th);
     struct th_meet mt;
     struct sd_auth key;
     th_job_token(x_secret, "x", &key);
@@ -694,6 +713,235 @@ static void planted_id(void)
                  strstr(mt.why, "does not prove that daemon's key"),
              "a hello claiming d2's id (%08x): %d '%s'", d2, mt.answer, mt.why);
     pthread_join(th, NULL);
+}
+
+/* ---- a leader that lies: the holder of job y's secret leads y, whose node 1 is d0, and
+ * confirms it with a table that names d2 (its id and its real key, which d2's welcome showed
+ * it) at addresses where nothing listens */
+
+static const char y_secret[] = "the secret of job y, the attacker's too";
+
+static void *register_y(void *arg)
+{
+    char *leader = arg;
+    uint64_t dims[1] = {1536};
+    shard_tensor_t t = {.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32};
+    shard_model_t m = {.job = "y",
+                       .rank = 1,
+                       .world = 3,
+                       .plan = "zero3",
+                       .tensors = &t,
+                       .n_tensors = 1,
+                       .optimizer = {.name = "sgd", .lr = 0.1f},
+                       .ranks_per_node = 1,
+                       .job_secret = y_secret,
+                       .job_secret_len = sizeof(y_secret) - 1,
+                       .leader = leader};
+    shard_ctx_t *ctx = NULL;
+    if (shard_attach(cl.d[0].sock, &ctx) == 0)
+        (void)shard_register(ctx, &m);
+    if (ctx)
+        shard_detach(ctx);
+    return NULL;
+}
+
+/* the welcome's MAC, as a daemon computes it (keyed by the job's token) */
+static void welcome_mac(const struct sd_auth *a, const uint8_t *nc, const uint8_t *nm,
+                        const Shard__PeerWelcome *w, uint8_t out[SD_SHA256_BYTES])
+{
+    static const char label[] = "shardd welcome";
+    uint32_t f[4] = {w->node, w->hb_port, w->peer_port, w->you};
+    struct sd_hmac h;
+    sd_hmac_init(&h, a->key, a->key_len);
+    sd_hmac_update(&h, label, sizeof(label));
+    sd_hmac_update(&h, nc, SD_AUTH_NONCE);
+    sd_hmac_update(&h, nm, SD_AUTH_NONCE);
+    sd_hmac_update(&h, f, sizeof(f));
+    sd_hmac_update(&h, w->fabric_addr.data, w->fabric_addr.len);
+    sd_hmac_final(&h, out);
+}
+
+static void *register_z(void *arg)
+{
+    (void)arg;
+    char err[512];
+    (void)th_register_one(cl.d[2].sock, "z", 0, 2, 1, err, sizeof(err));
+    return NULL;
+}
+
+/* d2's id and key, from its welcome to a hello for job z (the attacker's own, on d2) */
+static void key_of_d2(uint32_t *id, uint8_t key[SD_MEET_KEY])
+{
+    static const char z_secret[] = "the secret of job z, the attacker's";
+    setenv("TH_JOB_SECRET", z_secret, 1);
+    pthread_t th;
+    pthread_create(&th, NULL, register_z, NULL);
+    TH_CHECK(log_has(2, "job 'z' (id", 10), "d2 did not create job z");
+    struct sd_auth token;
+    th_job_token(z_secret, "z", &token);
+    struct th_meet mt;
+    struct th_hello h = {.port = cl.port + 2, .job = "z", .key = &token, .extra = extra};
+    th_hello(&h, &mt);
+    close(mt.fd);
+    TH_CHECK(mt.answer == SHARD__PEER_MSG__MSG_WELCOME, "d2's welcome for z: %d '%s'", mt.answer,
+             mt.why);
+    *id = mt.welcome_id;
+    memcpy(key, mt.welcome_key, SD_MEET_KEY);
+    pthread_join(th, NULL);
+}
+
+/* the daemons d[i] lists by id (shardctl topology, as root): how many, and the peer address of
+ * the last */
+static int listed_id(int i, uint32_t id, char *addr, size_t len)
+{
+    char want[16];
+    snprintf(want, sizeof(want), "%08x", id);
+    json_t *doc = th_admin_json(cl.d[i].sock, "topology");
+    size_t k;
+    json_t *n;
+    int count = 0;
+    json_array_foreach(json_object_get(doc, "topology"), k, n)
+    {
+        const char *v = json_string_value(json_object_get(n, "id"));
+        if (k > 0 && v != NULL && strcmp(v, want) == 0) {
+            count++;
+            const char *pa = json_string_value(json_object_get(n, "peer_addr"));
+            snprintf(addr, len, "%s", pa ? pa : "");
+        }
+    }
+    json_decref(doc);
+    return count;
+}
+
+static void lying_leader(void)
+{
+    printf("== a leader whose table names d2 where nothing listens\n");
+    uint32_t d2 = 0;
+    uint8_t d2key[SD_MEET_KEY];
+    key_of_d2(&d2, d2key);
+    TH_CHECK(d2 != 0 && d2 == daemon_id(2), "d2's id from its welcome: %08x", d2);
+    int ls = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+    socklen_t alen = sizeof(a);
+    TH_CHECK(bind(ls, (struct sockaddr *)&a, sizeof(a)) == 0 && listen(ls, 4) == 0 &&
+                 getsockname(ls, (struct sockaddr *)&a, &alen) == 0,
+             "the lying leader's listener");
+    int port = ntohs(a.sin_port);
+    char leader[64];
+    snprintf(leader, sizeof(leader), "127.0.0.1:%d", port);
+    pthread_t th;
+    pthread_create(&th, NULL, register_y, leader);
+    struct pollfd pf = {.fd = ls, .events = POLLIN};
+    int fd = poll(&pf, 1, 10000) == 1 ? accept(ls, NULL, NULL) : -1;
+    TH_CHECK(fd >= 0, "d0 did not dial the lying leader");
+    uint8_t nc[SD_AUTH_NONCE], nm[SD_AUTH_NONCE], fab[TH_PEER_FABRIC], mac[SD_SHA256_BYTES],
+        sig[SD_MEET_SIG], d0key[SD_MEET_KEY];
+    size_t flen = th_peer_fabric(extra, fab);
+    sd_auth_nonce(nc);
+    Shard__PeerChallenge ch = SHARD__PEER_CHALLENGE__INIT;
+    ch.nonce.data = nc;
+    ch.nonce.len = sizeof(nc);
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_CHALLENGE;
+    m.challenge = &ch;
+    if (fd >= 0)
+        th_peer_send(fd, &m);
+    Shard__PeerMsg *in = fd >= 0 ? th_peer_recv(fd, 5000) : NULL;
+    bool hello = in != NULL && in->msg_case == SHARD__PEER_MSG__MSG_HELLO &&
+                 in->hello->nonce.len == SD_AUTH_NONCE && in->hello->daemon_key.len == SD_MEET_KEY;
+    TH_CHECK(hello, "d0's hello to the lying leader");
+    uint32_t d0 = 0;
+    if (hello) {
+        memcpy(nm, in->hello->nonce.data, SD_AUTH_NONCE);
+        memcpy(d0key, in->hello->daemon_key.data, SD_MEET_KEY);
+        d0 = in->hello->node;
+    }
+    if (in)
+        shard__peer_msg__free_unpacked(in, NULL);
+    if (!hello) {
+        close(ls);
+        if (fd >= 0)
+            close(fd);
+        pthread_join(th, NULL);
+        return;
+    }
+    struct sd_meet_key me;
+    TH_CHECK(sd_meet_key_new(&me) == SD_OK, "the lying leader's key");
+    struct sd_auth ytoken;
+    th_job_token(y_secret, "y", &ytoken);
+    Shard__PeerWelcome w = SHARD__PEER_WELCOME__INIT;
+    w.node = me.id;
+    w.fabric_addr.data = fab;
+    w.fabric_addr.len = flen;
+    w.peer_port = (uint32_t)port;
+    w.you = 2;
+    welcome_mac(&ytoken, nc, nm, &w, mac);
+    w.mac.data = mac;
+    w.mac.len = sizeof(mac);
+    struct sd_meet_said said = {.role = 'w',
+                                .nc = nc,
+                                .nm = nm,
+                                .id = me.id,
+                                .job = "y",
+                                .fab = fab,
+                                .fab_len = flen,
+                                .peer_port = (uint32_t)port};
+    TH_CHECK(sd_meet_key_sign(&me, &said, sig), "the welcome's signature");
+    w.daemon_key.data = me.pub;
+    w.daemon_key.len = SD_MEET_KEY;
+    w.daemon_sig.data = sig;
+    w.daemon_sig.len = SD_MEET_SIG;
+    m.msg_case = SHARD__PEER_MSG__MSG_WELCOME;
+    m.welcome = &w;
+    th_peer_send(fd, &m);
+    bool report = false;
+    for (double end = th_now_s() + 10; !report && th_now_s() < end;) {
+        in = th_peer_recv(fd, 1000);
+        report = in != NULL && in->msg_case == SHARD__PEER_MSG__MSG_JOB_REPORT;
+        if (report)
+            TH_CHECK(in->job_report->job_token.len == 0, "d0's report carried y's token");
+        if (in)
+            shard__peer_msg__free_unpacked(in, NULL);
+    }
+    TH_CHECK(report, "d0's report of y");
+    /* the table: the leader, d0, and d2 with its real key at addresses where nothing listens */
+    uint32_t nodes[3] = {me.id, d0, d2};
+    ProtobufCBinaryData fabs[3] = {{flen, fab}, {flen, fab}, {flen, fab}};
+    char pa0[64], *pas[3] = {pa0, "", "127.0.0.1:1"};
+    snprintf(pa0, sizeof(pa0), "127.0.0.1:%d", port);
+    uint32_t hbs[3] = {0, 0, 0};
+    ProtobufCBinaryData keys[3] = {
+        {SD_MEET_KEY, me.pub}, {SD_MEET_KEY, d0key}, {SD_MEET_KEY, d2key}};
+    Shard__JobConfirm c = SHARD__JOB_CONFIRM__INIT;
+    c.job = "y";
+    c.tag = 77;
+    c.n_nodes = c.n_fabric_addrs = c.n_peer_addrs = c.n_hb_ports = c.n_daemon_keys = 3;
+    c.nodes = nodes;
+    c.fabric_addrs = fabs;
+    c.peer_addrs = pas;
+    c.hb_ports = hbs;
+    c.daemon_keys = keys;
+    m.msg_case = SHARD__PEER_MSG__MSG_JOB_CONFIRM;
+    m.job_confirm = &c;
+    th_peer_send(fd, &m);
+    char addr[64] = "";
+    bool planted = false;
+    for (double end = th_now_s() + 5; !planted && th_now_s() < end; usleep(50000))
+        planted = listed_id(0, d2, addr, sizeof(addr)) == 1 && strcmp(addr, "127.0.0.1:1") == 0;
+    TH_CHECK(planted, "d0 did not take the lying table (d2 listed at '%s')", addr);
+    close(fd); /* (y fails on d0: its leader is gone) */
+    close(ls);
+    pthread_join(th, NULL);
+    sd_meet_key_free(&me);
+    /* d2 leads a job with d0: d0 dials d2's real address, d2's welcome proves its key, and the
+     * daemon the table named is d2, at its real addresses */
+    train("after20", 2, 0);
+    char real[64];
+    th_cluster_leader(&cl, 2, real, sizeof(real));
+    int n = listed_id(0, d2, addr, sizeof(addr));
+    TH_CHECK(n == 1 && strcmp(addr, real) == 0, "d0 lists d2 %d time(s), at '%s' (it is at %s)", n,
+             addr, real);
 }
 
 /* mlp_train on d[a] (rank 0) and d[b], and its one-process reference: within 1e-5 */
@@ -745,6 +993,7 @@ int main(void)
     memory_flood();
     bad_fabric_address();
     planted_id();
+    lying_leader();
     printf("== jobs after the attacks\n");
     train("after02", 0, 2); /* (d0 had not met d2) */
     train("after01", 0, 1);
