@@ -47,6 +47,12 @@ fi
 note "GPUs: $(tr '\n' ';' <"$out/gpus.txt")"
 
 t0=$(date +%s)
+# libcrypto's headers (independent daemons' keys, issue 60): the kit's debs.sh predates them;
+# on the Debian machine `tools/devkit-ssl.sh` adds Debian's libssl-dev and libssl3 to .devkit
+if ! pkg-config --exists openssl 2>/dev/null && [ ! -f /usr/include/openssl/evp.h ]; then
+  echo "gpu-check: no libcrypto headers here: run tools/devkit-ssl.sh on the Debian machine" \
+       "(it adds libssl-dev and libssl3 to .devkit/debs), then carry .devkit again" >&2
+fi
 if ! cmake -S . -B "$B" -DSHARD_CUDA=ON -DSHARD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
      >"$out/configure.log" 2>&1 || ! cmake --build "$B" -j"$jobs" >"$out/build.log" 2>&1; then
   echo "gpu-check: the build failed; the end of its log:"
