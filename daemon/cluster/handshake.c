@@ -230,11 +230,11 @@ void sd_cluster__on_unauthed(struct link *l, const Shard__PeerMsg *m)
         sd_auth_welcome_mac(&cl->auth, l->nonce_c, l->nonce_m, want);
         if (m->welcome->mac.len != SD_SHA256_BYTES ||
             !sd_mem_equal(want, m->welcome->mac.data, SD_SHA256_BYTES)) {
-            SD_ERROR("cluster",
-                     "the %s at %s does not prove the cluster's secret (a different "
-                     "cluster_secret_file?): not heard",
-                     l->peer ? "job peer" : "coordinator",
-                     sd_cluster__link_addr(l, addr, sizeof(addr)));
+            SD_ERROR_SPARSE("cluster",
+                            "the %s at %s does not prove the cluster's secret (a different "
+                            "cluster_secret_file?): not heard",
+                            l->peer ? "job peer" : "coordinator",
+                            sd_cluster__link_addr(l, addr, sizeof(addr)));
             l->retired = l->peer;
             sd_cluster__link_close(l, "the other end did not prove the secret");
             return;

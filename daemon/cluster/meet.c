@@ -490,7 +490,8 @@ void sd_meet__on_welcome(struct link *l, const Shard__PeerWelcome *w)
     if (why == NULL)
         memcpy(cl->meet.key_of[s], w->daemon_key.data, SD_MEET_KEY);
     if (why != NULL) {
-        SD_ERROR("cluster", "the daemon at %s (job '%.64s') %s: not heard", addr, l->job, why);
+        SD_ERROR_SPARSE("cluster", "the daemon at %s (job '%.64s') %s: not heard", addr, l->job,
+                        why);
         l->retired = true;
         sd_cluster__link_close(l, why);
         return;

@@ -220,7 +220,7 @@ static bool confirm_in(struct sd_cluster *cl, Shard__JobConfirm *c)
         c->nodes[i] = s;
     }
     if (!whole)
-        SD_WARN("cluster", "job '%.64s': its leader's table is malformed", c->job);
+        SD_WARN_SPARSE("cluster", "job '%.64s': its leader's table is malformed", c->job);
     return whole;
 }
 
@@ -437,10 +437,10 @@ static void wait_check(struct link *l, uint64_t now, uint64_t deadline_ns)
         }
         *pp = w->next;
         if (!here)
-            SD_WARN("cluster",
-                    "node %d proved job '%.64s', which did not register here in time: its %u "
-                    "message(s) dropped",
-                    l->node, w->job, w->n);
+            SD_WARN_SPARSE("cluster",
+                           "node %d proved job '%.64s', which did not register here in time: its "
+                           "%u message(s) dropped",
+                           l->node, w->job, w->n);
         else if (proof_check(l, w->job, w->mac))
             for (uint32_t i = 0; i < w->n && !l->closing; i++) {
                 Shard__PeerMsg *m = shard__peer_msg__unpack(NULL, w->len[i], w->msg[i]);

@@ -123,7 +123,7 @@ void sd_cluster__outbox_drop(struct sd_cluster *cl, uint32_t node, const char *w
         n++;
     }
     if (n > 0 && node != SD_NO_NODE)
-        SD_WARN("cluster", "%u message(s) for node %u dropped: %s", n, node, why);
+        SD_WARN_SPARSE("cluster", "%u message(s) for node %u dropped: %s", n, node, why);
 }
 
 /* FNV-1a */
