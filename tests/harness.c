@@ -109,10 +109,20 @@ int th_binaries_reachable(const char *dir)
         TH_CHECK(false, "make %s for the binaries other users run", dir);
         return -1;
     }
+    char lib[400], src_lib[400];
     snprintf(s, sizeof(s), "%s/shardd", dir);
     snprintf(m, sizeof(m), "%s/mlp_train", dir);
-    if (copy_exec(SHARDD_PATH, s) != 0 || copy_exec(MLP_TRAIN_PATH, m) != 0)
+    snprintf(lib, sizeof(lib), "%s/libshard.so.0", dir);
+    snprintf(src_lib, sizeof(src_lib), "%s", LIBSHARD_PATH);
+    if (copy_exec(SHARDD_PATH, s) != 0 || copy_exec(MLP_TRAIN_PATH, m) != 0 ||
+        copy_exec(src_lib, lib) != 0)
         return -1;
+    /* (mlp_train's run path names the build's libshard: the loader looks here first) */
+    const char *old = getenv("LD_LIBRARY_PATH");
+    char path[1200];
+    snprintf(path, sizeof(path), "%s%s%s", dir, old != NULL && old[0] ? ":" : "",
+             old != NULL ? old : "");
+    setenv("LD_LIBRARY_PATH", path, 1);
     snprintf(shardd_copy, sizeof(shardd_copy), "%s", s);
     snprintf(mlp_copy, sizeof(mlp_copy), "%s", m);
     return 0;

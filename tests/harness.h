@@ -75,9 +75,10 @@ int th_cluster_node_restart(struct th_cluster *c, int i, const char *const *extr
 const char *th_shardd_path(void);
 const char *th_mlp_train_path(void);
 /* Tests that run daemons or trainers as other users: a clone in a directory those users cannot
- * enter (root's home, mode 0700) holds binaries they cannot execute, so copy shardd and
- * mlp_train (mode 0755) into dir (made, mode 0755), which they reach, and run those from now on.
- * 0, or -1 (a check failed, naming what). */
+ * enter (root's home, mode 0700) holds binaries they cannot execute, so copy shardd, mlp_train
+ * and libshard (mode 0755) into dir (made, mode 0755), which they reach, run those from now on,
+ * and put dir first on LD_LIBRARY_PATH (for the processes this one starts). 0, or -1 (a check
+ * failed, naming what). */
 int th_binaries_reachable(const char *dir);
 
 /* Start shardd with extra "--key", "value" arguments (NULL-terminated list, may be NULL). */
