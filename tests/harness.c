@@ -727,6 +727,48 @@ int th_checkpoint_job(const char *outdir, const char *sock, const char *job, con
     return rc;
 }
 
+/* attach to sock, register m, detach: the status, the daemon's message in err */
+static int attach_register(const char *sock, const shard_model_t *m, char *err, size_t errlen)
+{
+    shard_ctx_t *ctx = NULL;
+    int st = shard_attach(sock, &ctx);
+    if (st == 0)
+        st = shard_register(ctx, m);
+    snprintf(err, errlen, "%s", ctx ? shard_last_error(ctx) : "attach failed");
+    if (ctx)
+        shard_detach(ctx);
+    return st;
+}
+
+uint32_t th_daemon_id(const char *sock)
+{
+    json_t *doc = th_admin_json(sock, "topology");
+    const char *id = json_string_value(
+        json_object_get(json_array_get(json_object_get(doc, "topology"), 0), "id"));
+    uint32_t v = id != NULL ? (uint32_t)strtoul(id, NULL, 16) : 0;
+    json_decref(doc);
+    return v;
+}
+
+int th_register_secret(const char *sock, const char *job, uint32_t rank, uint32_t world,
+                       const char *secret, const char *leader, char *err, size_t errlen)
+{
+    uint64_t dims[1] = {1536};
+    shard_tensor_t t = {.name = "w", .ndim = 1, .dims = dims, .dtype = SHARD_FP32};
+    shard_model_t m = {.job = job,
+                       .rank = rank,
+                       .world = world,
+                       .plan = "zero3",
+                       .tensors = &t,
+                       .n_tensors = 1,
+                       .optimizer = {.name = "sgd", .lr = 0.1f},
+                       .ranks_per_node = 1,
+                       .job_secret = secret,
+                       .job_secret_len = strlen(secret),
+                       .leader = leader};
+    return attach_register(sock, &m, err, errlen);
+}
+
 int th_register_one(const char *sock, const char *job, uint32_t rank, uint32_t world,
                     uint32_t ranks_per_node, char *err, size_t errlen)
 {
@@ -745,12 +787,5 @@ int th_register_one(const char *sock, const char *job, uint32_t rank, uint32_t w
         m.job_secret = secret;
         m.job_secret_len = strlen(secret);
     }
-    shard_ctx_t *ctx = NULL;
-    int st = shard_attach(sock, &ctx);
-    if (st == 0)
-        st = shard_register(ctx, &m);
-    snprintf(err, errlen, "%s", ctx ? shard_last_error(ctx) : "attach failed");
-    if (ctx)
-        shard_detach(ctx);
-    return st;
+    return attach_register(sock, &m, err, errlen);
 }

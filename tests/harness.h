@@ -63,6 +63,12 @@ int th_checkpoint_job(const char *outdir, const char *sock, const char *job, con
  * or more): the job's secret. */
 int th_register_one(const char *sock, const char *job, uint32_t rank, uint32_t world,
                     uint32_t ranks_per_node, char *err, size_t errlen);
+/* The same for rank of job (world, one rank per node) with the job's secret and its leader
+ * ("ip:port"; NULL: none named): the status, the daemon's message in err. */
+int th_register_secret(const char *sock, const char *job, uint32_t rank, uint32_t world,
+                       const char *secret, const char *leader, char *err, size_t errlen);
+/* An independent daemon's id (shardctl topology, as root; 0: none shown) */
+uint32_t th_daemon_id(const char *sock);
 /* Is every daemon of c running? A check fails naming each one that is not (a crash), so a test
  * can stop there instead of each later job waiting out its registration deadline for it. */
 bool th_cluster_alive(const struct th_cluster *c, const char *what);

@@ -226,6 +226,20 @@ static void welcome_mac(const struct sd_auth *a, const struct link *l, const Sha
     sd_hmac_final(&h, out);
 }
 
+/* what a hello on l says of its daemon, which its signature covers */
+static struct sd_meet_said hello_said(const struct link *l, const Shard__PeerHello *h)
+{
+    return (struct sd_meet_said){.role = 'h',
+                                 .nc = l->nonce_c,
+                                 .nm = l->nonce_m,
+                                 .id = h->node,
+                                 .job = h->job,
+                                 .fab = h->fabric_addr.data,
+                                 .fab_len = h->fabric_addr.len,
+                                 .hb_port = h->hb_port,
+                                 .peer_port = h->peer_port};
+}
+
 void sd_meet__hello_fields(struct link *l, Shard__PeerHello *h, struct sd_auth *a)
 {
     struct sd_cluster *cl = l->cl;
@@ -234,15 +248,7 @@ void sd_meet__hello_fields(struct link *l, Shard__PeerHello *h, struct sd_auth *
     h->job = l->job;
     h->you = (uint32_t)l->node;
     (void)link_key(l, l->job, a); /* (the dial checked it has one) */
-    struct sd_meet_said said = {.role = 'h',
-                                .nc = l->nonce_c,
-                                .nm = l->nonce_m,
-                                .id = h->node,
-                                .job = h->job,
-                                .fab = h->fabric_addr.data,
-                                .fab_len = h->fabric_addr.len,
-                                .hb_port = h->hb_port,
-                                .peer_port = h->peer_port};
+    struct sd_meet_said said = hello_said(l, h);
     if (sd_meet_key_sign(&cl->meet.key, &said, sig)) {
         h->daemon_key.data = cl->meet.key.pub;
         h->daemon_key.len = SD_MEET_KEY;
@@ -327,15 +333,7 @@ void sd_meet__on_hello(struct link *l, const Shard__PeerHello *h)
      * nonces and what the hello says of its daemon; a daemon met before is the one with the
      * key it had (its addresses then taken from this proof: a job's table may have named it
      * at others) */
-    struct sd_meet_said said = {.role = 'h',
-                                .nc = l->nonce_c,
-                                .nm = l->nonce_m,
-                                .id = h->node,
-                                .job = h->job,
-                                .fab = h->fabric_addr.data,
-                                .fab_len = h->fabric_addr.len,
-                                .hb_port = h->hb_port,
-                                .peer_port = h->peer_port};
+    struct sd_meet_said said = hello_said(l, h);
     bool fresh = s == SD_NO_NODE;
     if (!sd_meet_key_verify(h->daemon_key.data, h->daemon_key.len, h->daemon_sig.data,
                             h->daemon_sig.len, &said)) {

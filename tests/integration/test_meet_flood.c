@@ -274,26 +274,8 @@ struct reg {
 static void *reg_run(void *arg)
 {
     struct reg *r = arg;
-    uint64_t dims[1] = {1536};
-    shard_tensor_t t = {.name = "w", .ndim = 1, .dims = dims, .dtype = SHARD_FP32};
-    shard_model_t m = {.job = r->job,
-                       .rank = (uint32_t)r->rank,
-                       .world = 2,
-                       .plan = "zero3",
-                       .tensors = &t,
-                       .n_tensors = 1,
-                       .optimizer = {.name = "sgd", .lr = 0.1f},
-                       .ranks_per_node = 1,
-                       .job_secret = secret,
-                       .job_secret_len = sizeof(secret) - 1,
-                       .leader = r->leader};
-    shard_ctx_t *ctx = NULL;
-    r->st = shard_attach(cl.d[r->daemon].sock, &ctx);
-    if (r->st == 0)
-        r->st = shard_register(ctx, &m);
-    snprintf(r->err, sizeof(r->err), "%s", ctx ? shard_last_error(ctx) : "attach failed");
-    if (ctx)
-        shard_detach(ctx);
+    r->st = th_register_secret(cl.d[r->daemon].sock, r->job, (uint32_t)r->rank, 2, secret,
+                               r->leader, r->err, sizeof(r->err));
     return NULL;
 }
 
@@ -677,15 +659,9 @@ static void bad_fabric_address(void)
     pthread_join(th, NULL);
 }
 
-/* d[i]'s id (shardctl topology, as root) */
 static uint32_t daemon_id(int i)
 {
-    json_t *doc = th_admin_json(cl.d[i].sock, "topology");
-    const char *id = json_string_value(
-        json_object_get(json_array_get(json_object_get(doc, "topology"), 0), "id"));
-    uint32_t v = id != NULL ? (uint32_t)strtoul(id, NULL, 16) : 0;
-    json_decref(doc);
-    return v;
+    return th_daemon_id(cl.d[i].sock);
 }
 
 static void train(const char *job, int a, int b);
@@ -723,25 +699,8 @@ static const char y_secret[] = "the secret of job y, the attacker's too";
 
 static void *register_y(void *arg)
 {
-    char *leader = arg;
-    uint64_t dims[1] = {1536};
-    shard_tensor_t t = {.name = "x", .ndim = 1, .dims = dims, .dtype = SHARD_FP32};
-    shard_model_t m = {.job = "y",
-                       .rank = 1,
-                       .world = 3,
-                       .plan = "zero3",
-                       .tensors = &t,
-                       .n_tensors = 1,
-                       .optimizer = {.name = "sgd", .lr = 0.1f},
-                       .ranks_per_node = 1,
-                       .job_secret = y_secret,
-                       .job_secret_len = sizeof(y_secret) - 1,
-                       .leader = leader};
-    shard_ctx_t *ctx = NULL;
-    if (shard_attach(cl.d[0].sock, &ctx) == 0)
-        (void)shard_register(ctx, &m);
-    if (ctx)
-        shard_detach(ctx);
+    char err[512];
+    (void)th_register_secret(cl.d[0].sock, "y", 1, 3, y_secret, arg, err, sizeof(err));
     return NULL;
 }
 

@@ -63,15 +63,9 @@ static void hello(struct th_meet *mt, const char *job, uint32_t id, const struct
     hello_as(mt, job, id, key, true);
 }
 
-/* daemon i's id (shardctl topology) */
 static uint32_t daemon_id(int i)
 {
-    json_t *doc = th_admin_json(cl.d[i].sock, "topology");
-    const char *id = json_string_value(
-        json_object_get(json_array_get(json_object_get(doc, "topology"), 0), "id"));
-    uint32_t v = id != NULL ? (uint32_t)strtoul(id, NULL, 16) : 0;
-    json_decref(doc);
-    return v;
+    return th_daemon_id(cl.d[i].sock);
 }
 
 static bool log_has(int i, const char *text)
@@ -105,27 +99,8 @@ static void *register_x(void *arg)
 static void *register_lost(void *arg)
 {
     struct x_reg *r = arg;
-    static const char secret[] = "the secret of job lost, this test's";
-    uint64_t dims[1] = {1536};
-    shard_tensor_t t = {.name = "w", .ndim = 1, .dims = dims, .dtype = SHARD_FP32};
-    shard_model_t m = {.job = "lost",
-                       .rank = 1,
-                       .world = 2,
-                       .plan = "zero3",
-                       .tensors = &t,
-                       .n_tensors = 1,
-                       .optimizer = {.name = "sgd", .lr = 0.1f},
-                       .ranks_per_node = 1,
-                       .job_secret = secret,
-                       .job_secret_len = sizeof(secret) - 1,
-                       .leader = "127.0.0.1:1"};
-    shard_ctx_t *ctx = NULL;
-    r->st = shard_attach(cl.d[1].sock, &ctx);
-    if (r->st == 0)
-        r->st = shard_register(ctx, &m);
-    snprintf(r->err, sizeof(r->err), "%s", ctx ? shard_last_error(ctx) : "attach failed");
-    if (ctx)
-        shard_detach(ctx);
+    r->st = th_register_secret(cl.d[1].sock, "lost", 1, 2, "the secret of job lost, this test's",
+                               "127.0.0.1:1", r->err, sizeof(r->err));
     return NULL;
 }
 
