@@ -22,7 +22,8 @@
  *   showed it, at addresses where nothing listens: d0 takes them as hints only, and once d2
  *   leads a job with d0 its welcome proves the key and d0 lists it once, at its real address;
  * then a job between d0 and a daemon it had not met (d2) trains to its reference, as does one
- * between d0 and d1. */
+ * between d0 and d1; and a local user (nobody, in allowed_gid) sees the daemons d0 met by number
+ * and state only. */
 #include "harness.h"
 #include "peer.h"
 #include "peer_hello.h"
@@ -34,6 +35,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <grp.h>
 #include <jansson.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -43,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -53,6 +56,8 @@ static const char *const extra[] = {"--heartbeat-interval-ms",
                                     "2000",
                                     "--register-timeout-ms",
                                     "4000",
+                                    "--allowed-gid", /* (a local user's view: not_root_sees) */
+                                    "65534",
                                     NULL};
 static const char secret[] = "the secret of this test's jobs, 32 bytes or so";
 static const char x_secret[] = "the secret of job x, the attacker's own";
@@ -939,6 +944,55 @@ static void train(const char *job, int a, int b)
                th_now_s() - t0, dd.maxd);
 }
 
+/* A local user (nobody, in allowed_gid) asks d0's topology: the daemons it met by number and
+ * state, not their ids or addresses (what a forged link would need), not d0's own id either. */
+static void not_root_sees(void)
+{
+    printf("== what a local user sees of the daemons d0 met\n");
+    char path[400];
+    chmod(cl.base, 0711);
+    snprintf(path, sizeof(path), "%s/node0", cl.base);
+    chmod(path, 0711);
+    snprintf(path, sizeof(path), "%s/node0/run", cl.base);
+    chmod(path, 0711);
+    int fds[2];
+    TH_CHECK(pipe(fds) == 0, "pipe");
+    pid_t pid = fork();
+    if (pid == 0) {
+        gid_t g = 65534;
+        if (setgroups(1, &g) != 0 || setgid(65534) != 0 || setuid(65534) != 0)
+            _exit(99);
+        char *doc = th_admin(cl.d[0].sock, "topology");
+        size_t len = doc != NULL ? strlen(doc) : 0;
+        _exit(write(fds[1], doc != NULL ? doc : "", len) == (ssize_t)len ? 0 : 1);
+    }
+    close(fds[1]);
+    char buf[65536];
+    ssize_t n = 0, r;
+    while (n < (ssize_t)sizeof(buf) - 1 &&
+           (r = read(fds[0], buf + n, sizeof(buf) - 1 - (size_t)n)) > 0)
+        n += r;
+    buf[n > 0 ? n : 0] = '\0';
+    close(fds[0]);
+    TH_CHECK(th_wait(pid, 10000) == 0, "nobody's shardctl topology");
+    json_error_t e;
+    json_t *doc = json_loads(buf, 0, &e);
+    size_t k, met = 0, shown = 0;
+    json_t *node;
+    json_array_foreach(json_object_get(doc, "topology"), k, node)
+    {
+        met += k > 0;
+        shown += json_object_get(node, "id") != NULL || json_object_get(node, "peer_addr") != NULL;
+    }
+    TH_CHECK(doc != NULL && met >= 2 && shown == 0 &&
+                 json_is_false(json_object_get(doc, "ids_shown")),
+             "nobody's topology of d0: %zu daemons met, %zu with ids or addresses: %.300s", met,
+             shown, buf);
+    printf("  nobody sees the %zu daemons d0 met by number and state only\n", met);
+    json_decref(doc);
+    TH_CHECK(th_daemon_id(cl.d[0].sock) != 0, "root does not see d0's id");
+}
+
 int main(void)
 {
     if (th_indep_cluster_start(&cl, 4, false, extra) != 0) {
@@ -956,6 +1010,7 @@ int main(void)
     printf("== jobs after the attacks\n");
     train("after02", 0, 2); /* (d0 had not met d2) */
     train("after01", 0, 1);
+    not_root_sees();
     TH_CHECK(th_cluster_alive(&cl, "after the attacks"), "a daemon died");
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
     return th_summary("test_meet_flood");
