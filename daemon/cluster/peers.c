@@ -438,6 +438,15 @@ static void meet_outbox(struct sd_cluster *cl, uint64_t now)
 {
     uint64_t deadline = 2 * (uint64_t)cl->cfg->register_timeout_ms * 1000000ULL;
     uint8_t token[SD_JOB_TOKEN_BYTES];
+    /* (messages for a daemon whose link is up: those a renumbered dial handed to its slot) */
+    for (struct outmsg *o = cl->peers.outbox; o;) {
+        if (sd_cluster__job_peer_up(cl, o->node)) {
+            outbox_flush(cl, o->node);
+            o = cl->peers.outbox;
+            continue;
+        }
+        o = o->next;
+    }
     for (struct outmsg **pp = &cl->peers.outbox; *pp;) {
         struct outmsg *o = *pp;
         /* a message about a job no longer here (its registration failed or it ended) goes:
