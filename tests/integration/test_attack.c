@@ -98,8 +98,9 @@ static int train_as(uid_t uid, const char *job, const char *const *extra, char *
 {
     snprintf(log, len, "%s/logs/%s-%d-%d.log", base, job, round_no, (int)uid);
     unlink(log);
-    const char *argv[48] = {th_mlp_train_path(), "--socket", sock,     "--job", job,      "--rank", "0",
-                            "--world",      "1",        "--plan", "zero3", "--quiet"};
+    const char *argv[48] = {
+        th_mlp_train_path(), "--socket", sock,     "--job", job,      "--rank", "0",
+        "--world",           "1",        "--plan", "zero3", "--quiet"};
     int n = 12;
     bool hidden = false;
     for (int i = 0; extra && extra[i] && n < 44; i++) {
@@ -546,10 +547,25 @@ static void special_files(pid_t daemon_pid)
     /* bob trains meanwhile */
     char boblog[512];
     snprintf(boblog, sizeof(boblog), "%s/logs/bob-busy-%d.log", base, round_no);
-    const char *bargv[] = {th_mlp_train_path(), "--socket", sock,      "--job",    "bob-busy",
-                           "--world",      "1",        "--plan",  "zero3",    "--steps",
-                           "60",           "--hidden", "16",      "--layers", "2",
-                           "--compute-ms", "5",        "--quiet", NULL};
+    const char *bargv[] = {th_mlp_train_path(),
+                           "--socket",
+                           sock,
+                           "--job",
+                           "bob-busy",
+                           "--world",
+                           "1",
+                           "--plan",
+                           "zero3",
+                           "--steps",
+                           "60",
+                           "--hidden",
+                           "16",
+                           "--layers",
+                           "2",
+                           "--compute-ms",
+                           "5",
+                           "--quiet",
+                           NULL};
     pid_t bob = spawn_as(BOB, bargv, boblog);
     long rss0 = rss_kb(daemon_pid);
 
