@@ -363,6 +363,21 @@ static void side_by_side(void)
     check_wire(all, 3);
 }
 
+/* the steps job has taken at cluster node node (-1: not listed there) */
+static long long job_steps(int node, const char *job)
+{
+    json_t *doc = th_admin_json(cl.d[node].sock, "jobs"), *j;
+    long long steps = -1;
+    size_t i;
+    json_array_foreach(json_object_get(doc, "jobs"), i, j)
+    {
+        if (strcmp(json_string_value(json_object_get(j, "name")), job) == 0)
+            steps = json_integer_value(json_object_get(j, "steps"));
+    }
+    json_decref(doc);
+    return steps;
+}
+
 static char recovered[400]; /* node_killed's checkpoint of job a from the replicas */
 static long long recovered_step;
 
@@ -390,10 +405,12 @@ static void recover_a(const char *job)
     rc = checkpoint_job(1, job, recovered, &doc);
     json_t *lost = json_object_get(doc, "lost_nodes");
     recovered_step = json_integer_value(json_object_get(doc, "step"));
+    char *text = doc != NULL ? json_dumps(doc, JSON_COMPACT) : NULL;
     TH_CHECK(rc == 0 && json_array_size(lost) == 1 &&
                  json_integer_value(json_array_get(lost, 0)) == 2 && recovered_step > 0,
              "checkpoint --job %s on cluster node 1 (exit %d): %s", job, rc,
-             doc ? json_dumps(doc, JSON_COMPACT) : "(no answer)");
+             text ? text : "(no answer)");
+    free(text);
     if (rc == 0)
         printf("%-10s recovered from its surviving nodes' replicas: step %lld, lost job node 2\n",
                job, recovered_step);
@@ -417,6 +434,10 @@ static void node_killed(void)
     job_start(&b, "2");
     job_start(&a, "2");
     usleep(1200000);
+    /* (a step taken everywhere, so that its replicas hold one: a loaded machine, the sanitizers,
+     * may take longer than the wait above to register three jobs) */
+    for (double end = th_now_s() + 30; th_now_s() < end && job_steps(1, a.name) < 2; usleep(50000))
+        ;
     char four[16] = ""; /* (its fabric, and its id, are there once a job spans nodes) */
     for (double end = th_now_s() + 10; indep && four[0] == '\0' && th_now_s() < end; usleep(50000))
         snprintf(four, sizeof(four), "%s", daemon_id(4));
@@ -697,21 +718,6 @@ static void refusals(const char *job)
     printf("two nodes with the same ranks: refused: %s\n", r[0].err);
     for (int i = 0; i < N; i++) /* (those this test killed aside) */
         TH_CHECK(cl.d[i].pid == 0 || th_daemon_alive(&cl.d[i]), "node %d died", i);
-}
-
-/* the steps job has taken at cluster node node (-1: not listed there) */
-static long long job_steps(int node, const char *job)
-{
-    json_t *doc = th_admin_json(cl.d[node].sock, "jobs"), *j;
-    long long steps = -1;
-    size_t i;
-    json_array_foreach(json_object_get(doc, "jobs"), i, j)
-    {
-        if (strcmp(json_string_value(json_object_get(j, "name")), job) == 0)
-            steps = json_integer_value(json_object_get(j, "steps"));
-    }
-    json_decref(doc);
-    return steps;
 }
 
 /* what cluster node `at` says of node `of`: its state and whether a control link joins them */
