@@ -275,6 +275,9 @@ void sd_cluster__challenge(struct link *l);
  * holding the most goes, counted and logged; MAX_UNAUTHED, MAX_UNAUTHED_PER_SOURCE); false: l
  * itself was closed (its source holds too many proved links) */
 bool sd_cluster__admit(struct sd_cluster *cl, struct link *l);
+/* l goes without failing anything at either end: the other end is told (a bye with reason),
+ * and l is closed as retired (why, for this end's log) */
+void sd_cluster__link_bye(struct link *l, const char *reason, const char *why);
 /* a dial of this daemon's to node failed (why: how): kept for what its jobs are told */
 void sd_cluster__dial_failed(struct sd_cluster *cl, uint32_t node, const char *why);
 /* the coordinator: is the hello's MAC right? (welcome sent) else refused and closed */

@@ -474,14 +474,7 @@ void sd_meet__on_welcome(struct link *l, const Shard__PeerWelcome *w)
                 "the daemon at %s (job '%.64s') is daemon %08x, met here before as node %u: "
                 "dialing it again as that node",
                 addr, l->job, w->node, s);
-        Shard__PeerBye b = SHARD__PEER_BYE__INIT;
-        b.reason = "renumbered: dialing again";
-        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-        m.msg_case = SHARD__PEER_MSG__MSG_BYE;
-        m.bye = &b;
-        sd_cluster__link_send_raw(l, &m);
-        l->retired = true;
-        sd_cluster__link_close(l, "renumbered");
+        sd_cluster__link_bye(l, "renumbered: dialing again", "renumbered");
         cl->peers.dial_fails[s] = 0;
         return;
     }

@@ -311,20 +311,13 @@ void sd_cluster__adopt_peer(struct link *l, uint32_t node)
         int64_t lower = cl->indep ? SD_MIN(cl->meet.uid_of[node], cl->meet.uid)
                                   : (int64_t)SD_MIN(node, cl->self);
         struct link *loser = opener(l, cl) != opener(old, cl) && opener(old, cl) == lower ? l : old;
-        Shard__PeerBye b = SHARD__PEER_BYE__INIT;
-        b.reason = "replaced by another link";
-        Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-        m.msg_case = SHARD__PEER_MSG__MSG_BYE;
-        m.bye = &b;
-        loser->retired = true;
-        sd_cluster__link_send(loser, &m);
         if (loser == l) {
             cl->peers.dialing[node] = false; /* (l may be this end's dial) */
-            sd_cluster__link_close(l, "another link to the node stays");
+            sd_cluster__link_bye(l, "replaced by another link", "another link to the node stays");
             return;
         }
         cl->by_node[node] = NULL; /* (closing old does not fail its jobs) */
-        sd_cluster__link_close(old, "replaced by another link");
+        sd_cluster__link_bye(old, "replaced by another link", "replaced by another link");
     }
     cl->by_node[node] = l;
     cl->peers.dialing[node] = false;
@@ -377,6 +370,18 @@ void sd_cluster__on_peer_hello(struct link *l, const Shard__PeerHello *h)
         return;
     }
     sd_cluster__adopt_peer(l, node);
+}
+
+void sd_cluster__link_bye(struct link *l, const char *reason, const char *why)
+{
+    Shard__PeerBye b = SHARD__PEER_BYE__INIT;
+    b.reason = (char *)reason;
+    Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
+    m.msg_case = SHARD__PEER_MSG__MSG_BYE;
+    m.bye = &b;
+    l->retired = true;
+    sd_cluster__link_send(l, &m);
+    sd_cluster__link_close(l, why);
 }
 
 void sd_cluster__dial_failed(struct sd_cluster *cl, uint32_t node, const char *why)
@@ -498,15 +503,8 @@ void sd_cluster__peer_links(struct sd_cluster *cl, uint64_t now)
         } else if (cl->peers.idle_ns[i] == 0) {
             cl->peers.idle_ns[i] = now;
         } else if (now - cl->peers.idle_ns[i] > (uint64_t)SD_PEER_IDLE_MS * 1000000ULL) {
-            Shard__PeerBye b = SHARD__PEER_BYE__INIT;
-            b.reason = "no job needs it";
-            Shard__PeerMsg m = SHARD__PEER_MSG__INIT;
-            m.msg_case = SHARD__PEER_MSG__MSG_BYE;
-            m.bye = &b;
-            sd_cluster__link_send(l, &m);
-            l->retired = true;
             SD_INFO("cluster", "direct link with node %u closed: no job needs it", i);
-            sd_cluster__link_close(l, "no job needs it");
+            sd_cluster__link_bye(l, "no job needs it", "no job needs it");
         }
     }
 }
