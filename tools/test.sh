@@ -5,7 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/deps.sh
-tools/deps.sh --optional python3-torch python3-pip python3-venv python3-matplotlib  # test_torch*
+# the Python tests run under PyTorch 2.x from PyPI, in a venv of Debian's Python (Debian 12's own
+# torch is 1.13 and its Python refuses a system pip): tools/torch-venv.sh says why and where
+py=$(tools/torch-venv.sh)
+# test_readme runs the README's blocks, whose venv is over Debian's python3-torch (1.13)
+tools/deps.sh --optional python3-torch python3-pip python3-venv python3-matplotlib
+echo "== Python tests under $("$py" -c 'import torch, sys; print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")') ($py)"
 tools/deps.sh --optional clang libclang-rt-14-dev   # test_fuzz (libFuzzer harnesses)
 jobs=$(nproc)
 t0=$(date +%s)
@@ -16,7 +21,8 @@ if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null; then
 fi
 
 echo "== build (-Werror)"
-cmake -S . -B build/ci -DSHARD_WERROR=ON -DSHARD_TEST_HOOKS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo "${gpu[@]}" >/dev/null
+cmake -S . -B build/ci -DSHARD_WERROR=ON -DSHARD_TEST_HOOKS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DSHARD_PYTHON="$py" "${gpu[@]}" >/dev/null
 cmake --build build/ci -j"$jobs"
 echo "== test"
 (cd build/ci && ctest --output-on-failure -j"$jobs")
@@ -24,7 +30,7 @@ echo "== test"
 if [ "${SHARD_SKIP_ASAN:-0}" != 1 ]; then
   echo "== build (ASan + UBSan)"
   cmake -S . -B build/asan -DSHARD_WERROR=ON -DSHARD_SANITIZE=ON -DSHARD_TEST_HOOKS=ON \
-        -DCMAKE_BUILD_TYPE=RelWithDebInfo "${gpu[@]}" >/dev/null
+        -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSHARD_PYTHON="$py" "${gpu[@]}" >/dev/null
   cmake --build build/asan -j"$jobs"
   echo "== test (ASan + UBSan)"
   (cd build/asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \

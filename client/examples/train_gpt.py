@@ -468,7 +468,9 @@ def main():
                    help="on a GPU: torch raises on any wait for the device in the micro-steps "
                         "(torch.cuda.set_sync_debug_mode)")
     p.add_argument("--init", default="tcp://127.0.0.1:29500", help="DDP rendezvous")
-    p.add_argument("--log", help="write losses and timings as JSON")
+    # --log-json under torchrun >= 2.x, whose parser takes a script's "--log" for an
+    # abbreviation of its own --log-dir ("ambiguous option")
+    p.add_argument("--log-json", "--log", dest="log", help="write losses and timings as JSON")
     p.add_argument("--dump", help="write the final parameters (torch.save)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--nan-step", type=int, default=0,

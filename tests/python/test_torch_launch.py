@@ -123,7 +123,7 @@ try:
                          # "0" for these (meta-llama/llama#86); 2 works on every torch
                          "--redirects", "2", "--tee", "2",
                          "--node_rank", str(n), "--master_addr", master, "--master_port",
-                         "29400", "--rdzv_id", "gpt7", GPT, "--plan", "mics:2", "--log",
+                         "29400", "--rdzv_id", "gpt7", GPT, "--plan", "mics:2", "--log-json",
                          f"{work}/torchrun{n}.json", "--dump", f"{work}/torchrun{n}.pt"] +
                         COMMON)
         for n, (rc, out) in enumerate(run_all(cmds, env=env)):

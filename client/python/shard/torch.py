@@ -784,6 +784,67 @@ def _check_devices(named, socket, rank=0, ranks_per_node=0):
     return dev
 
 
+def _registration(model, optimizer=None, units=None, max_grad_norm=None):
+    """What wrap registers for model and optimizer, in its order, without a daemon: opt (the
+    translated optimizer), names ({id(param): its name}), reg_units and reg_params (the units
+    with parameters of their own and their (name, param) lists), hooked and needs (every module
+    hooked and the units it fetches) and tensors (shard.Tensor: name, shape, dtype, unit and
+    param group of each registered tensor). shard.dcp builds a checkpoint in this order."""
+    named = list(model.named_parameters())
+    opt = _optimizer_of({"name": "adamw"} if optimizer is None else optimizer, named)
+    if max_grad_norm is not None:
+        opt.max_grad_norm = float(max_grad_norm)
+    if units is None:
+        units = _default_units(model)
+    units = [model.get_submodule(m) if isinstance(m, str) else m for m in units]
+    names = {id(p): n for n, p in named}
+    owner = {}
+    plist, borrows = [], []
+    for u, m in enumerate(units):
+        ps, borrow = [], []
+        for _, p in m.named_parameters():
+            if id(p) in owner:
+                if owner[id(p)] != u and owner[id(p)] not in borrow:
+                    borrow.append(owner[id(p)])  # tied: read from its first unit
+                continue
+            owner[id(p)] = u
+            ps.append((names[id(p)], p))
+        plist.append(ps)
+        borrows.append(borrow)
+    rest = [(n, p) for n, p in named if id(p) not in owner]
+    if rest:
+        units.append(model)
+        plist.append(rest)
+        borrows.append([])
+    # units with parameters of their own are registered, in order; a module whose parameters
+    # all belong to earlier units (an lm_head tied to the embedding) only fetches those
+    index, reg_units, reg_params, hooked, needs = {}, [], [], [], []
+    for m, ps in zip(units, plist):
+        if ps:
+            index[id(m)] = len(reg_units)
+            reg_units.append(m)
+            reg_params.append(ps)
+    remap = [index.get(id(m)) for m in units]
+    for own in (True, False):  # registered units first: hooked module u is unit u
+        for m, ps, borrow, u in zip(units, plist, borrows, remap):
+            if bool(ps) == own:
+                hooked.append(m)
+                needs.append(([u] if own else []) + [remap[b] for b in borrow])
+    tensors = []
+    for u, ps in enumerate(reg_params):
+        dts = {p.dtype for _, p in ps}
+        if len(dts) != 1 or next(iter(dts)) not in _DTYPES:
+            raise ValueError(f"shard.torch.wrap: unit {u} mixes or uses unsupported dtypes "
+                             f"{sorted(str(d) for d in dts)}; one of float32, bfloat16, float16 "
+                             "per unit")
+        for name, p in ps:
+            tensors.append(_shard.Tensor(name, tuple(p.shape) or (1,), _DTYPES[p.dtype], u,
+                                         opt.group_of.get(id(p), 0)))
+    return types.SimpleNamespace(opt=opt, names=names, reg_units=reg_units,
+                                 reg_params=reg_params, hooked=hooked, needs=needs,
+                                 tensors=tensors)
+
+
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
          units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None,
          resume_timeout_ms=0, ranks_per_node=None, job_secret=None, leader=None):
@@ -842,59 +903,19 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     same model and job) within it resumes the job from that step, as load= would:
     shard.torch.start_step(model) says which; a step half done is discarded."""
     global _current
+    if load is not None and os.path.exists(os.path.join(os.fspath(load), ".metadata")):
+        raise ValueError(f"shard.torch.wrap: load={os.fspath(load)!r} is a "
+                         "torch.distributed.checkpoint (DCP) directory, not a shardd checkpoint: "
+                         "convert it once with shard.dcp.to_shardd(dcp_dir, out, model, "
+                         "optimizer) and load out (README, FSDP2)")
     job, rank, world = launcher(job, rank, world)
     named = list(model.named_parameters())
     dev = _check_devices(named, socket, rank, _ranks_per_node(ranks_per_node))
-    opt = _optimizer_of({"name": "adamw"} if optimizer is None else optimizer, named)
-    if max_grad_norm is not None:
-        opt.max_grad_norm = float(max_grad_norm)
-    if units is None:
-        units = _default_units(model)
-    units = [model.get_submodule(m) if isinstance(m, str) else m for m in units]
-    names = {id(p): n for n, p in named}
-    owner = {}
-    plist, borrows = [], []
-    for u, m in enumerate(units):
-        ps, borrow = [], []
-        for _, p in m.named_parameters():
-            if id(p) in owner:
-                if owner[id(p)] != u and owner[id(p)] not in borrow:
-                    borrow.append(owner[id(p)])  # tied: read from its first unit
-                continue
-            owner[id(p)] = u
-            ps.append((names[id(p)], p))
-        plist.append(ps)
-        borrows.append(borrow)
-    rest = [(n, p) for n, p in named if id(p) not in owner]
-    if rest:
-        units.append(model)
-        plist.append(rest)
-        borrows.append([])
-    # units with parameters of their own are registered, in order; a module whose parameters
-    # all belong to earlier units (an lm_head tied to the embedding) only fetches those
-    index, reg_units, reg_params, hooked, needs = {}, [], [], [], []
-    for m, ps in zip(units, plist):
-        if ps:
-            index[id(m)] = len(reg_units)
-            reg_units.append(m)
-            reg_params.append(ps)
-    remap = [index.get(id(m)) for m in units]
-    for own in (True, False):  # registered units first: hooked module u is unit u
-        for m, ps, borrow, u in zip(units, plist, borrows, remap):
-            if bool(ps) == own:
-                hooked.append(m)
-                needs.append(([u] if own else []) + [remap[b] for b in borrow])
-    tensors, init = [], []
-    for u, ps in enumerate(reg_params):
-        dts = {p.dtype for _, p in ps}
-        if len(dts) != 1 or next(iter(dts)) not in _DTYPES:
-            raise ValueError(f"shard.torch.wrap: unit {u} mixes or uses unsupported dtypes "
-                             f"{sorted(str(d) for d in dts)}; one of float32, bfloat16, float16 "
-                             "per unit")
-        for name, p in ps:
-            tensors.append(_shard.Tensor(name, tuple(p.shape) or (1,), _DTYPES[p.dtype], u,
-                                         opt.group_of.get(id(p), 0)))
-            init.append(p.detach().to("cpu", torch.float32).contiguous().reshape(-1))
+    reg = _registration(model, optimizer, units, max_grad_norm)
+    opt, names, reg_units, reg_params = reg.opt, reg.names, reg.reg_units, reg.reg_params
+    hooked, needs, tensors = reg.hooked, reg.needs, reg.tensors
+    init = [p.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+            for ps in reg_params for _, p in ps] if rank == 0 else None
     bufs = _Buffers(model) if broadcast_buffers else None
     ctx = _shard.Context(socket)
     try:
@@ -905,7 +926,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
             ctx.register(job=job, rank=rank, world=world, plan=plan, tensors=tensors,
                          optimizer=dict(opt.groups[0], name=opt.name,
                                         max_grad_norm=opt.max_grad_norm),
-                         init=init if rank == 0 else None, max_live_bytes=max_live_bytes,
+                         init=init, max_live_bytes=max_live_bytes,
                          groups=opt.groups, skip_unused=True,
                          bcast_bytes=bufs.nbytes if bufs else 0, load=load,
                          resume_timeout_ms=resume_timeout_ms,

@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""shardd beside PyTorch's FSDP2 (fully_shard on gloo, CPU), the independent reference a user
+would pick instead, on a 2-node x 2-rank emulated cluster of real daemons:
+
+  - the same training three ways: a small GPT (lm_head tied to the token embedding, two
+    blocks), AdamW with two param groups (no weight decay on vectors), a warm-up + cosine
+    LambdaLR, clipping at 1.0, accumulation 2, 20 steps, one global batch: FSDP2 at world 4
+    (fully_shard per block and on the root, set_requires_gradient_sync(False) on the micro-steps
+    before the last, clip_grad_norm_ on the DTensor gradients), shardd zero3 and mics:2 at
+    world 4, and one plain process. Tolerance: the three differ only in the order the
+    gradients' fp32 sums are taken (over ranks and micro-steps), a relative 4 u = 4.8e-7 of each
+    gradient element per step (u = 2^-24); AdamW turns the moments' ratio into the update, which
+    is then off by about that relative amount of lr (3e-2 at most) per step, except where a
+    gradient element is near zero and its sign is rounding (then up to lr). Over 20 steps the
+    bound for the bulk is 20 x 3e-2 x 4.8e-7 = 2.9e-7 (atol), and for the rare sign-flip
+    elements rtol 1e-3; the test asserts each pair is allclose(rtol=1e-4, atol=2e-6) and
+    that shardd's distance to FSDP2 is within 4x the band of FSDP2's to the single process;
+  - checkpoints both ways: shardd's (mics:2, world 4, after step 10) through
+    shard.dcp.from_shardd, then dcp.load into FSDP2 at world 2 (2 shards per tensor where the
+    save had 4 ranks): the weights and AdamW's exp_avg, exp_avg_sq and step equal the shardd
+    checkpoint's bitwise; FSDP2's dcp.save (world 4, after step 10) through shard.dcp.to_shardd,
+    then shardd zero3 at world 2 resumes it (its scheduler from start_step) and trains steps
+    11..20: equal to FSDP2's run continuing within the tolerance above;
+  - refusals: a truncated chunk file, a .metadata that names a class DCP's metadata never holds
+    (it is not run), a model whose shape differs, a shardd checkpoint given as a DCP directory,
+    and wrap(load=) of a DCP directory: each a clear error naming the file or tensor.
+
+Skipped (exit 77, with the reason) where PyTorch or FSDP2 (torch >= 2.6) cannot be imported.
+usage: test_torch_fsdp2.py SHARDD LIBSHARD
+"""
+import json
+import math
+import os
+import pickle
+import socket as _socket
+import sys
+import tempfile
+
+from harness import Cluster, check, finish, raises, run_all, shard, torch
+
+import shard.torch as st  # noqa: E402
+from shard import dcp as sdcp  # noqa: E402
+
+try:
+    from torch.distributed.fsdp import fully_shard
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                         set_state_dict)
+except ImportError as e:
+    print(f"SKIP: FSDP2 cannot be imported from torch {torch.__version__} ({e}); "
+          "tools/torch-venv.sh installs torch 2.x")
+    sys.exit(77)
+
+nn = torch.nn
+VOCAB, CTX, D, SEQS, ACCUM, STEPS, SAVE_AT, LR = 64, 16, 32, 4, 2, 20, 10, 3e-2
+RANKS = 4  # the global batch: RANKS * SEQS sequences a micro-step, whatever the world
+RTOL, ATOL = 1e-4, 2e-6
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, h):
+        return h + self.proj(torch.nn.functional.gelu(self.fc(self.ln(h))))
+
+
+class GPT(nn.Module):
+    def __init__(self, d=D):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, d)
+        self.wpe = nn.Embedding(CTX, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(2)])
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+
+    def forward(self, idx):
+        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            h = b(h)
+        return self.lm_head(self.ln_f(h))
+
+
+def model(d=D):
+    torch.manual_seed(0)
+    return GPT(d)
+
+
+def optim(m):
+    decay = [p for p in m.parameters() if p.dim() >= 2]
+    rest = [p for p in m.parameters() if p.dim() < 2]
+    o = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                           {"params": rest, "weight_decay": 0.0}], lr=LR)
+    return o
+
+
+def warmup_cosine(step):
+    return min(1.0, (step + 1) / 3) * 0.5 * (1 + math.cos(math.pi * step / STEPS))
+
+
+def data(step, micro):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randint(0, VOCAB, (RANKS * SEQS, CTX), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def loss_of(m, x, y):
+    return nn.functional.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def rows(rank, world):
+    per = RANKS * SEQS // world
+    return rank * per, (rank + 1) * per
+
+
+# ---- the single process
+
+def single():
+    m = model()
+    o = optim(m)
+    sched = torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(ACCUM):
+            x, y = data(step, micro)
+            loss = loss_of(m, x, y) / ACCUM
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        o.step()
+        sched.step()
+        o.zero_grad(set_to_none=True)
+        losses.append(total)
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}, losses
+
+
+# ---- FSDP2 workers (one process per rank, gloo)
+
+def fsdp2_setup(a):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]), RANK=str(a["rank"]),
+                      WORLD_SIZE=str(a["world"]))
+    dist.init_process_group("gloo")
+    m = model()
+    for b in m.blocks:
+        fully_shard(b)
+    fully_shard(m)
+    o = optim(m)
+    return dist, m, o
+
+
+def full_states(m, o):
+    """rank 0's full model and optimizer state dicts (FSDP2 gathers them)"""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(m, o, options=opts)
+    return msd, osd
+
+
+def fsdp2_worker(a):
+    dist, m, o = fsdp2_setup(a)
+    rank, world = a["rank"], a["world"]
+    sched = torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine)  # before a load: DCP loads
+    first = 0  # the entries the groups have (initial_lr among them)
+    if a.get("load"):  # FSDP2's own resume: get_state_dict, dcp.load, set_state_dict
+        msd, osd = get_state_dict(m, o)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=a["load"])
+        set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        first = a.get("first", STEPS)
+    lo, hi = rows(rank, world)
+    losses = []
+    for step in range(first, a.get("steps", STEPS)):
+        total = 0.0
+        for micro in range(ACCUM):
+            m.set_requires_gradient_sync(micro == ACCUM - 1)
+            x, y = data(step, micro)
+            loss = loss_of(m, x[lo:hi], y[lo:hi]) / ACCUM
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        o.step()
+        sched.step()
+        o.zero_grad(set_to_none=True)
+        losses.append(total)
+        if a.get("save") and step + 1 == SAVE_AT:
+            msd, osd = get_state_dict(m, o)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=a["save"])
+    msd, osd = full_states(m, o)
+    with open(f"{a['out']}-{rank}.json", "w") as f:
+        json.dump(losses, f)
+    if rank == 0:
+        torch.save({"params": msd, "optim": osd}, a["out"] + ".pt")
+    dist.destroy_process_group()
+
+
+# ---- shardd workers
+
+def shard_worker(a):
+    m = model()
+    o = optim(m)
+    st.wrap(m, socket=a["socket"], job=a["job"], rank=a["rank"], world=a["world"],
+            plan=a["plan"], optimizer=o, max_grad_norm=1.0, ranks_per_node=a["k"],
+            load=a.get("load"))
+    first = st.start_step(m)
+    sched = torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine, last_epoch=first - 1) \
+        if first else torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine)
+    lo, hi = rows(a["rank"], a["world"])
+    losses = []
+    for step in range(first, STEPS):
+        total = 0.0
+        for micro in range(ACCUM):
+            x, y = data(step, micro)
+            loss = loss_of(m, x[lo:hi], y[lo:hi]) / ACCUM
+            loss.backward()
+            total += loss.item()
+        o.step()
+        sched.step()
+        losses.append(total)
+        if a.get("save") and step + 1 == SAVE_AT:
+            st.save(a["save"], m)
+    sd = st.full_state_dict(m)
+    with open(f"{a['out']}-{a['rank']}.json", "w") as f:
+        json.dump(losses, f)
+    if a["rank"] == 0:
+        torch.save({"params": sd, "first": first}, a["out"] + ".pt")
+    st.unwrap(m)
+
+
+def free_port():
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(work, tag, mode, world, args):
+    """one process per rank; rank 0's results with "losses": each step's loss, the mean of the
+    ranks' (the loss of the global batch); None where a rank failed"""
+    port = free_port()
+    cmds = []
+    for r in range(world):
+        a = dict(args(r), rank=r, world=world, port=port, job=tag, out=f"{work}/{tag}")
+        cmds.append([sys.executable, os.path.abspath(__file__), sys.argv[1], sys.argv[2], mode,
+                     json.dumps(a)])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    outs = run_all(cmds, timeout=300, env=env)
+    ok = True
+    for r, (rc, out) in enumerate(outs):
+        ok = ok and rc == 0
+        check(rc == 0, f"{tag} rank {r} exit code {rc}:\n{out[-3000:]}")
+    if not ok:
+        return None
+    res = torch.load(f"{work}/{tag}.pt", weights_only=False)
+    per = []
+    for r in range(world):
+        with open(f"{work}/{tag}-{r}.json") as f:
+            per.append(json.load(f))
+    res["losses"] = [sum(x) / world for x in zip(*per)]
+    return res
+
+
+def dist(a, b):
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
+
+
+def close(a, b):
+    return all(torch.allclose(a[k].double(), b[k].double(), rtol=RTOL, atol=ATOL) for k in b)
+
+
+def side_by_side(cl, work, ref):
+    fs = launch(work, "fsdp2", "--fsdp2", 4, lambda r: {"save": f"{work}/dcp-fsdp2"})
+    if fs is None:
+        return None
+    band = dist(fs["params"], ref)
+    check(close(fs["params"], ref), f"FSDP2 vs one process: {band:.3g}")
+    print(f"FSDP2 (world 4) vs one process: max |diff| {band:.3g}")
+    for plan in ("zero3", "mics:2"):
+        tag = "shard-" + plan.replace(":", "")
+        extra = {"save": f"{work}/ck-shard"} if plan == "mics:2" else {}
+        sh = launch(work, tag, "--shard", 4,
+                    lambda r: dict(extra, socket=cl.socket(r // 2), plan=plan, k=2))
+        if sh is None:
+            continue
+        d_fs, d_ref = dist(sh["params"], fs["params"]), dist(sh["params"], ref)
+        print(f"shardd {plan} (world 4): vs FSDP2 {d_fs:.3g}, vs one process {d_ref:.3g}")
+        check(close(sh["params"], fs["params"]) and close(sh["params"], ref),
+              f"shardd {plan} vs FSDP2 {d_fs:.3g}, vs one process {d_ref:.3g}")
+        check(d_fs <= 4 * max(band, ATOL), f"shardd {plan}: {d_fs:.3g} from FSDP2, outside 4x "
+              f"the band of FSDP2 to one process ({band:.3g})")
+        worst = max(abs(a - b) / abs(b) for a, b in zip(sh["losses"], fs["losses"]))
+        check(worst <= 1e-4, f"shardd {plan}: per-step loss vs FSDP2: worst relative {worst:.3g}")
+    return fs
+
+
+def shard_to_fsdp2(work):
+    """shardd's mics:2 checkpoint (world 4) -> DCP -> FSDP2 at world 2, bitwise"""
+    out = f"{work}/dcp-from-shard"
+    step = sdcp.from_shardd(f"{work}/ck-shard", out)
+    check(step == SAVE_AT, f"from_shardd: step {step}, saved after {SAVE_AT}")
+    fs = launch(work, "fsdp2-load", "--fsdp2", 2, lambda r: {"load": out, "first": STEPS})
+    if fs is None:
+        return
+    want = shard.checkpoint.load_state_dict(f"{work}/ck-shard", optimizer_states=True)
+    got_m, got_o = fs["params"], fs["optim"]
+    names = [k for k in got_m]
+    check(names and all(torch.equal(got_m[k], want[k]) for k in names),
+          "shardd -> DCP -> FSDP2 (world 2): the weights differ from the checkpoint's: " +
+          ", ".join(k for k in names if not torch.equal(got_m[k], want[k])))
+    check("lm_head.weight" in got_m, "the tied lm_head.weight is in FSDP2's state dict")
+    bad = []
+    for k, s in got_o["state"].items():
+        w = want["optimizer"][k]
+        for n in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(s[n], w[n]):
+                bad.append(f"{k}.{n}")
+        if int(float(s["step"])) != SAVE_AT:
+            bad.append(f"{k}.step={float(s['step'])}")
+    check(len(got_o["state"]) == len([t for t in want["optimizer"]]) and not bad,
+          f"shardd -> DCP -> FSDP2: optimizer states differ: {bad[:5]} "
+          f"({len(got_o['state'])} states)")
+    lrs = [g["lr"] for g in got_o["param_groups"]]
+    check(all(abs(lr - LR * warmup_cosine(SAVE_AT)) < 1e-12 for lr in lrs),
+          f"shardd -> DCP -> FSDP2: the groups' lr {lrs}, the schedule's at step {SAVE_AT} "
+          f"{LR * warmup_cosine(SAVE_AT)}")
+
+
+def fsdp2_to_shard(cl, work, fs):
+    """FSDP2's dcp.save (world 4) -> shardd zero3 at world 2 resumes -> FSDP2's own run"""
+    m = model()
+    res = sdcp.to_shardd(f"{work}/dcp-fsdp2", f"{work}/ck-from-dcp", m, optim(m))
+    check(res["step"] == SAVE_AT and res["buffers"] == {}, f"to_shardd: {res}")
+    sh = launch(work, "shard-from-dcp", "--shard", 2,
+                lambda r: {"socket": cl.socket(0), "plan": "zero3", "k": 2,
+                           "load": f"{work}/ck-from-dcp"})
+    if sh is None:
+        return
+    check(sh["first"] == SAVE_AT, f"shardd resumed at step {sh['first']}, not {SAVE_AT}")
+    d = dist(sh["params"], fs["params"])
+    print(f"FSDP2 save -> shardd (world 2, zero3) -> step {STEPS}: vs FSDP2 {d:.3g}")
+    check(close(sh["params"], fs["params"]), f"FSDP2 -> shardd resume vs FSDP2 going on: {d:.3g}")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(sh["losses"], fs["losses"][SAVE_AT:]))
+    check(worst <= 1e-4, f"FSDP2 -> shardd resume: per-step loss vs FSDP2: worst {worst:.3g}")
+
+
+def refusals(work):
+    src = f"{work}/dcp-fsdp2"
+    m = model()
+    m48 = model(48)
+    ok, msg = raises(lambda: sdcp.to_shardd(src, f"{work}/x1", m48, optim(m48)),
+                     "wte.weight", "(64, 48)", "(64, 32)", kinds=(ValueError,))
+    check(ok, f"a model of another width: {msg}")
+    ok, msg = raises(lambda: sdcp.to_shardd(f"{work}/ck-shard", f"{work}/x2", m, optim(m)),
+                     "shardd checkpoint, not a DCP", kinds=(ValueError,))
+    check(ok, f"a shardd checkpoint as DCP: {msg}")
+    ok, msg = raises(lambda: sdcp.to_shardd(f"{work}/nothing", f"{work}/x3", m, optim(m)),
+                     "no .metadata", kinds=(ValueError,))
+    check(ok, f"no checkpoint: {msg}")
+    # a truncated chunk file
+    bad = f"{work}/dcp-truncated"
+    os.system(f"cp -r {src} {bad}")
+    f = sorted(n for n in os.listdir(bad) if n.endswith(".distcp"))[-1]
+    with open(f"{bad}/{f}", "r+b") as fh:
+        fh.truncate(os.path.getsize(f"{bad}/{f}") // 2)
+    ok, msg = raises(lambda: sdcp.to_shardd(bad, f"{work}/x4", m, optim(m)), f,
+                     kinds=(ValueError,))
+    check(ok and ("truncated" in msg or "corrupt" in msg), f"a truncated {f}: {msg}")
+    # a .metadata that would run os.system when unpickled with pickle.load
+    evil = f"{work}/dcp-evil"
+    os.makedirs(evil)
+    marker = f"{work}/pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    with open(f"{evil}/.metadata", "wb") as fh:
+        pickle.dump(Evil(), fh)
+    ok, msg = raises(lambda: sdcp.to_shardd(evil, f"{work}/x5", m, optim(m)), "system",
+                     "refused", kinds=(ValueError,))
+    check(ok and not os.path.exists(marker), f"a crafted .metadata: {msg}")
+    ok, msg = raises(lambda: st.wrap(model(), socket="/nonexistent", plan="zero3", load=src),
+                     "torch.distributed.checkpoint", "shard.dcp.to_shardd",
+                     kinds=(ValueError,))
+    check(ok, f"wrap(load=<a DCP directory>): {msg}")
+
+
+def main():
+    work = tempfile.mkdtemp(prefix="shard-fsdp2-")
+    print(f"torch {torch.__version__}")
+    cl = Cluster(sys.argv[1], f"{work}/cluster", 2, 2)
+    try:
+        if cl.ok:
+            ref, _ = single()
+            fs = side_by_side(cl, work, ref)
+            if os.path.exists(f"{work}/ck-shard/LATEST"):
+                shard_to_fsdp2(work)
+            else:
+                check(False, "no shardd checkpoint to convert")
+            if fs is not None and os.path.exists(f"{work}/dcp-fsdp2/.metadata"):
+                fsdp2_to_shard(cl, work, fs)
+                refusals(work)
+    finally:
+        cl.stop()
+    finish("test_torch_fsdp2", work)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 4 and sys.argv[3] == "--fsdp2":
+        fsdp2_worker(json.loads(sys.argv[4]))
+    elif len(sys.argv) > 4 and sys.argv[3] == "--shard":
+        shard_worker(json.loads(sys.argv[4]))
+    else:
+        main()
