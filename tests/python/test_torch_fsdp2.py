@@ -10,11 +10,12 @@ would pick instead, on a 2-node x 2-rank emulated cluster of real daemons:
     world 4, and one plain process. Tolerance: the three differ only in the order the
     gradients' fp32 sums are taken (over ranks and micro-steps), a relative 4 u = 4.8e-7 of each
     gradient element per step (u = 2^-24); AdamW turns the moments' ratio into the update, which
-    is then off by about that relative amount of lr (3e-2 at most) per step, except where a
-    gradient element is near zero and its sign is rounding (then up to lr). Over 20 steps the
-    bound for the bulk is 20 x 3e-2 x 4.8e-7 = 2.9e-7 (atol), and for the rare sign-flip
-    elements rtol 1e-3; the test asserts each pair is allclose(rtol=1e-4, atol=2e-6) and
-    that shardd's distance to FSDP2 is within 4x the band of FSDP2's to the single process;
+    is then off by about that relative amount of lr (3e-2 at most) per step: over 20 steps
+    20 x 3e-2 x 4.8e-7 = 2.9e-7 for the bulk of the elements. Where an element's gradient is
+    not much larger than its rounding, the ratio itself moves by more; such elements are few and
+    AdamW's moments damp them. The test asserts allclose(rtol=1e-4, atol=2e-6) (atol 7x the
+    bulk bound) for each pair, and that shardd's distance to FSDP2 is within 4x the band of
+    FSDP2's to the single process (measured 2026-11-28, torch 2.15: 1.7e-6 and 2.0e-6);
   - checkpoints both ways: shardd's (mics:2, world 4, after step 10) through
     shard.dcp.from_shardd, then dcp.load into FSDP2 at world 2 (2 shards per tensor where the
     save had 4 ranks): the weights and AdamW's exp_avg, exp_avg_sq and step equal the shardd
@@ -381,6 +382,20 @@ def refusals(work):
     ok, msg = raises(lambda: sdcp.to_shardd(evil, f"{work}/x5", m, optim(m)), "system",
                      "refused", kinds=(ValueError,))
     check(ok and not os.path.exists(marker), f"a crafted .metadata: {msg}")
+    # the other systems' names, each answered with shardd's
+    for kw, words in (({"plan": "FULL_SHARD"}, ("'zero3'",)),
+                      ({"plan": "ShardingStrategy.HYBRID_SHARD"}, ("'mics:P'",)),
+                      ({"plan": "hsdp"}, ("mics_shard_size",)),
+                      ({"mics_shard_size": 2}, ("mics_shard_size=", "'mics:P'")),
+                      ({"zero_hpz_partition_size": 2}, ("zeropp,sec=S",)),
+                      ({"mesh": None}, ("'mics:P'", "ranks_per_node")),
+                      ({"reshard_after_forward": False}, ("'zero2'",))):
+        ok, msg = raises(lambda: st.wrap(model(), socket="/nonexistent", **kw), *words,
+                         kinds=(ValueError,))
+        check(ok, f"wrap(**{kw}): {msg}")
+    ok, msg = raises(lambda: st.wrap(model(), socket="/nonexistent", colour=2), "colour",
+                     kinds=(TypeError,))
+    check(ok, f"wrap(colour=2): {msg}")
     ok, msg = raises(lambda: st.wrap(model(), socket="/nonexistent", plan="zero3", load=src),
                      "torch.distributed.checkpoint", "shard.dcp.to_shardd",
                      kinds=(ValueError,))

@@ -606,6 +606,59 @@ def launcher(job=None, rank=None, world=None):
     return job, rank, world
 
 
+# What FSDP2, FSDP1 and DeepSpeed call shardd's plans and options (README, FSDP2 and DeepSpeed):
+# wrap refuses them naming shardd's spelling, rather than a bare TypeError or an unknown plan
+_HSDP = ("'mics:P', P the ranks of a shard group (FSDP2's HSDP on a 2-D mesh (replicas, P), "
+         "FSDP1's HYBRID_SHARD, DeepSpeed's mics_shard_size=P)")
+_FOREIGN_PLANS = {
+    "full_shard": "'zero3' (FSDP1's FULL_SHARD, FSDP2's fully_shard, DeepSpeed's stage 3)",
+    "fully_shard": "'zero3' (FSDP2's fully_shard: every state over the world)",
+    "fsdp": "'zero3' (FSDP's full sharding)", "stage3": "'zero3'", "zero_3": "'zero3'",
+    "shard_grad_op": "'zero2' (FSDP1's SHARD_GRAD_OP, DeepSpeed's stage 2)",
+    "stage2": "'zero2'", "zero_2": "'zero2'", "stage1": "'zero1'", "zero_1": "'zero1'",
+    "no_shard": "'ddp' (FSDP1's NO_SHARD)", "hybrid_shard": _HSDP, "hsdp": _HSDP, "mics": _HSDP,
+    "_hybrid_shard_zero2": "'topo:1/P/P' (FSDP1's _HYBRID_SHARD_ZERO2 with a shard group of P)",
+    "zero++": "'zeropp' (ZeRO++: ',sec=S' for zero_hpz_partition_size, ',qw' and ',qg' for "
+              "the quantized weights and gradients)",
+}
+_FOREIGN_ARGS = {
+    "mesh": f"HSDP's 2-D mesh is plan={_HSDP}; ranks share a node by ranks_per_node",
+    "device_mesh": f"HSDP's 2-D mesh is plan={_HSDP}; ranks share a node by ranks_per_node",
+    "sharding_strategy": "the sharding is the plan: 'zero3', 'zero2', 'ddp', 'mics:P', 'topo:W/G/OS'",
+    "reshard_after_forward": "the plan says what stays gathered: 'zero3' releases a unit after "
+                             "its forward, 'zero2' and 'topo:1/G/OS' keep the weights whole",
+    "mics_shard_size": f"plan={_HSDP}",
+    "mics_hierarchical_params_gather": "'mics:P' gathers hierarchically by default "
+                                       "(',no-hier' turns it off)",
+    "zero_hpz_partition_size": "plan='zeropp,sec=S' (ZeRO++'s secondary partition of S ranks)",
+    "zero_quantized_weights": "plan='zeropp,qw' (int8 weights on the wire)",
+    "zero_quantized_gradients": "plan='zeropp,qg' (quantized gradients)",
+    "stage": "plan='zero1', 'zero2' or 'zero3'",
+    "mp_policy": "the weights travel and compute in the model's dtype (bf16 masters are kept "
+                 "fp32 in shardd): cast the model with .to(torch.bfloat16) before wrap",
+    "mixed_precision": "the weights travel and compute in the model's dtype (bf16 masters are "
+                       "kept fp32 in shardd): cast the model with .to(torch.bfloat16) before wrap",
+    "offload_policy": "shardd keeps the shards in its own memory (host or GPU by its --backend)",
+    "cpu_offload": "shardd keeps the shards in its own memory (host or GPU by its --backend)",
+    "process_group": "the job is the daemons' (job=, rank=, world=), not a process group",
+}
+
+
+def _foreign(plan, kwargs):
+    """a ValueError naming shardd's spelling for another system's plan name or wrap argument,
+    a TypeError for an argument nobody knows; None when there is neither"""
+    for k in kwargs:
+        if k in _FOREIGN_ARGS:
+            return ValueError(f"shard.torch.wrap: {k}= is FSDP's or DeepSpeed's; in shardd: "
+                              f"{_FOREIGN_ARGS[k]} (README, FSDP2 and DeepSpeed)")
+        return TypeError(f"shard.torch.wrap() got an unexpected keyword argument '{k}'")
+    key = str(plan).strip().lower().replace("-", "_").removeprefix("shardingstrategy.")
+    if key in _FOREIGN_PLANS:
+        return ValueError(f"shard.torch.wrap: plan '{plan}' is another system's name; shardd's "
+                          f"is {_FOREIGN_PLANS[key]} (README, FSDP2 and DeepSpeed)")
+    return None
+
+
 _clip_patched = False
 _steps_guarded = False
 
@@ -847,7 +900,7 @@ def _registration(model, optimizer=None, units=None, max_grad_norm=None):
 
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
          units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None,
-         resume_timeout_ms=0, ranks_per_node=None, job_secret=None, leader=None):
+         resume_timeout_ms=0, ranks_per_node=None, job_secret=None, leader=None, **foreign):
     """Register model's parameters with shardd and install the hooks; returns model.
 
     rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
@@ -889,7 +942,9 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     preset: "ddp", "zero1", "zero2", "zero3", "mics:P", "topo", "topo-fp", "zeropp" (with
     ",no-hier", ",no-2hop", ",sec=S" and the quantized ",qw", ",qg", ",qsec", ",ef",
     ",qblock=B"; README, Plans). Every rank must build the same model; rank 0's values are the
-    initial ones.
+    initial ones. FSDP's and DeepSpeed's names for plans and options ("FULL_SHARD", "hsdp",
+    mesh=, mics_shard_size=, zero_hpz_partition_size=, mp_policy=, ...) are refused with
+    shardd's spelling (README, FSDP2 and DeepSpeed).
     load: a checkpoint written by shard.torch.save (a directory of them, meaning its LATEST, or
     one checkpoint) to start from instead of rank 0's values, under any world and plan: the
     parameters, the optimizer's moments and step counts, and the param groups' hyperparameters
@@ -903,6 +958,9 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     same model and job) within it resumes the job from that step, as load= would:
     shard.torch.start_step(model) says which; a step half done is discarded."""
     global _current
+    err = _foreign(plan, foreign)
+    if err is not None:
+        raise err
     if load is not None and os.path.exists(os.path.join(os.fspath(load), ".metadata")):
         raise ValueError(f"shard.torch.wrap: load={os.fspath(load)!r} is a "
                          "torch.distributed.checkpoint (DCP) directory, not a shardd checkpoint: "
