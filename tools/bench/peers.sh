@@ -2,7 +2,7 @@
 # shardd beside the systems its users would pick instead, on one emulated cluster: the GPT of
 # client/examples/train_gpt.py trained by FSDP2 (full shard; HSDP on a 2-D mesh, sharded within
 # a node), DDP (the unsharded baseline), DeepSpeed (ZeRO-3; MiCS with mics_shard_size 2 and the
-# hierarchical gather; ZeRO++ with hpZ, qwZ and qgZ) and shardd (zero3, mics:2, zeropp, topo and
+# hierarchical gather; ZeRO++ with hpZ, qwZ and qgZ, and hpZ alone) and shardd (zero3, mics:2, zeropp, topo and
 # the per-state plan topo:W/G/n of least communication time by shardctl plan's cost model), the same global batch, accumulation, AdamW groups,
 # schedule and steps, one thread per rank (tools/bench/peers_train.py: how each is set up).
 # Every rank runs in the network namespace of its node; the links between nodes are shaped to
@@ -11,13 +11,15 @@
 # the losses of every step and a plot (matplotlib) into --out.
 #   tools/bench/peers.sh [--nodes 4] [--ranks-per-node 2] [--rate 1gbit] [--steps 8]
 #                        [--sizes "comm compute"] [--systems "ddp fsdp2 ..."] [--out DIR]
+#                        [--report-only]  (the table and plot of the runs already in --out DIR:
+#                                          several invocations' systems in one table)
 # Sizes: comm = 8 layers of width 512 (25 M parameters: the gathers at 1 Gbit/s dominate),
 # compute = 2 layers of width 128 with 4x the batch (the forward and backward dominate).
 # Needs root (namespaces) and tools/torch-venv.sh --peers (torch 2.x and DeepSpeed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-nodes=4 k=2 rate=1gbit steps=8 sizes="comm compute" out=
-systems="ddp fsdp2 hsdp ds-zero3 ds-mics2 ds-zeropp shardd:zero3 shardd:mics:2 shardd:zeropp shardd:topo shardd:best"
+nodes=4 k=2 rate=1gbit steps=8 sizes="comm compute" out= report=0
+systems="ddp fsdp2 hsdp ds-zero3 ds-mics2 ds-zeropp ds-hpz shardd:zero3 shardd:mics:2 shardd:zeropp shardd:topo shardd:best"
 while [ $# -gt 0 ]; do
   case $1 in
     --nodes) nodes=$2; shift 2 ;;
@@ -27,13 +29,17 @@ while [ $# -gt 0 ]; do
     --sizes) sizes=$2; shift 2 ;;
     --systems) systems=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --report-only) report=1; shift ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "peers.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+py=$(tools/torch-venv.sh --peers)
+if [ "$report" = 1 ]; then
+  [ -n "$out" ] && [ -d "$out" ] || { echo "peers.sh: --report-only needs --out DIR" >&2; exit 2; }
+else
 . tools/bench/lib.sh
 bench_build
-py=$(tools/torch-venv.sh --peers)
 dir=$(mktemp -d /tmp/shardd-peers-XXXXXX)
 out=${out:-$dir/out}
 mkdir -p "$out"
@@ -42,7 +48,9 @@ world=$((nodes * k))
 tools/local-cluster.sh start --nodes "$nodes" --ranks-per-node "$k" --dir "$dir" --netns \
   --inter-rate "$rate" --shardd "$B/daemon/shardd" -- --log-level warn \
   --op-timeout-ms 300000 >/dev/null
-master=$(cut -d: -f1 "$dir/node0/leader")
+# node 0's address in its namespace: the rendezvous of the peers' process groups
+master=$(ip -n "$(tools/local-cluster.sh netns --dir "$dir" --node 0)" -4 -o addr show |
+  grep -oE "10\.[0-9]+\.[0-9]+\.[0-9]+" | head -1)
 port=29700
 
 size_args() {
@@ -62,6 +70,7 @@ run() {
     ds-zero3) opts=(--system deepspeed) ;;
     ds-mics2) opts=(--system deepspeed --ds-mics 2) ;;
     ds-zeropp) opts=(--system deepspeed --ds-zeropp "$k") ;;
+    ds-hpz) opts=(--system deepspeed --ds-hpz "$k") ;;
     shardd:best)
       local params
       params=$("$py" -c "import sys; sys.argv=['x']+sys.argv[1:]; sys.path.insert(0,'tools/bench');
@@ -90,8 +99,15 @@ import peers_train as p; a=p.args(); print(sum(x.numel() for x in p.model_of(a).
   local pids=()
   for r in $(seq 0 $((world - 1))); do
     n=$((r / k))
-    ip netns exec "$(tools/local-cluster.sh netns --dir "$dir" --node "$n")" \
-      env OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu "$py" tools/bench/peers_train.py "${opts[@]}" \
+    local ns
+    ns=$(tools/local-cluster.sh netns --dir "$dir" --node "$n")
+    # gloo binds the address of the interface it is told (else the hostname's, which the
+    # other namespaces cannot reach)
+    local ifname
+    ifname=$(ip -n "$ns" -o link show | awk -F': ' '$2 !~ /^lo/ {print $2}' | cut -d@ -f1 |
+      head -1)
+    ip netns exec "$ns" env OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu GLOO_SOCKET_IFNAME="$ifname" \
+      "$py" tools/bench/peers_train.py "${opts[@]}" \
       --rank "$r" --world "$world" --ranks-per-node "$k" --master "$master:$port" \
       --socket "$dir/node$n/shardd.sock" --job "$job" --steps "$steps" "${model[@]}" \
       --out "$out/$size-${sys//:/-}.json" >"$out/$size-${sys//:/-}-$r.log" 2>&1 &
@@ -112,12 +128,14 @@ for size in $sizes; do
     run "$size" "$sys"
   done
 done
+fi
 "$py" - "$out" "$sizes" "$systems" "$rate" "$nodes" "$k" <<'PY'
 import json, os, sys
 out, sizes, systems, rate, nodes, k = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), \
     sys.argv[4], sys.argv[5], sys.argv[6]
 # the sharding semantics each row is compared under, and the peers that have them
-SAME = {"zero3": ["fsdp2", "ds-zero3"], "mics:2": ["hsdp", "ds-mics2"], "zeropp": ["ds-zeropp"]}
+SAME = {"zero3": ["fsdp2", "ds-zero3"], "mics:2": ["hsdp", "ds-mics2"],
+        "zeropp": ["ds-zeropp", "ds-hpz"]}
 def sem(s):
     return s.split(":", 1)[1] if s.startswith("shardd:") else None
 for size in sizes:

@@ -42,6 +42,9 @@ def args():
     p.add_argument("--ds-mics", type=int, default=0, help="DeepSpeed mics_shard_size")
     p.add_argument("--ds-zeropp", type=int, default=0,
                    help="DeepSpeed ZeRO++: zero_hpz_partition_size (with qwZ and qgZ)")
+    p.add_argument("--ds-hpz", type=int, default=0,
+                   help="DeepSpeed ZeRO++'s hpZ alone: zero_hpz_partition_size (qwZ and qgZ "
+                        "need DeepSpeed's QuantizerBuilder, which has no CPU implementation)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--ranks-per-node", type=int, required=True)
@@ -108,6 +111,8 @@ def deepspeed_engine(a, m, opt):
     if a.ds_zeropp:
         zero.update(zero_hpz_partition_size=a.ds_zeropp, zero_quantized_weights=True,
                     zero_quantized_gradients=True)
+    if a.ds_hpz:
+        zero.update(zero_hpz_partition_size=a.ds_hpz)
     cfg = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": a.accum,
            "gradient_clipping": a.clip, "zero_optimization": zero,
            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
@@ -189,9 +194,10 @@ def main():
     if a.system == "shardd":
         import shard
         try:
-            job = shard.admin("stats", job=a.job, socket=a.socket)["jobs"][0]
-            daemon = job.get("memory_bytes", 0) // a.ranks_per_node
-        except Exception:
+            job = shard.admin("jobs", job=a.job, socket=a.socket)["jobs"][0]
+            daemon = job["memory_bytes"] // a.ranks_per_node
+        except (shard.ShardError, KeyError, IndexError) as e:
+            print(f"peers_train: the daemon's memory of the job: {e}", file=sys.stderr)
             daemon = 0
     if a.rank == 0:
         timed = times[1:] or times
