@@ -121,6 +121,28 @@ def rows(rank, world):
     return rank * per, (rank + 1) * per
 
 
+def micro_steps(m, step, lo, hi, fsdp2=False):
+    """one step's ACCUM forwards and backwards on rows [lo, hi) of the global batch (FSDP2:
+    no gradient sync but on the last); the step's loss"""
+    total = 0.0
+    for micro in range(ACCUM):
+        if fsdp2:
+            m.set_requires_gradient_sync(micro == ACCUM - 1)
+        x, y = data(step, micro)
+        loss = loss_of(m, x[lo:hi], y[lo:hi]) / ACCUM
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def torch_step(m, o, sched):
+    """clipping, the step, the schedule, the gradients dropped: as torch scripts do"""
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    o.step()
+    sched.step()
+    o.zero_grad(set_to_none=True)
+
+
 # ---- the single process
 
 def single():
@@ -129,17 +151,8 @@ def single():
     sched = torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine)
     losses = []
     for step in range(STEPS):
-        total = 0.0
-        for micro in range(ACCUM):
-            x, y = data(step, micro)
-            loss = loss_of(m, x, y) / ACCUM
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        o.step()
-        sched.step()
-        o.zero_grad(set_to_none=True)
-        losses.append(total)
+        losses.append(micro_steps(m, step, 0, RANKS * SEQS))
+        torch_step(m, o, sched)
     return {k: v.detach().clone() for k, v in m.state_dict().items()}, losses
 
 
@@ -179,18 +192,8 @@ def fsdp2_worker(a):
     lo, hi = rows(rank, world)
     losses = []
     for step in range(first, a.get("steps", STEPS)):
-        total = 0.0
-        for micro in range(ACCUM):
-            m.set_requires_gradient_sync(micro == ACCUM - 1)
-            x, y = data(step, micro)
-            loss = loss_of(m, x[lo:hi], y[lo:hi]) / ACCUM
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        o.step()
-        sched.step()
-        o.zero_grad(set_to_none=True)
-        losses.append(total)
+        losses.append(micro_steps(m, step, lo, hi, fsdp2=True))
+        torch_step(m, o, sched)
         if a.get("save") and step + 1 == SAVE_AT:
             msd, osd = get_state_dict(m, o)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=a["save"])
@@ -216,15 +219,9 @@ def shard_worker(a):
     lo, hi = rows(a["rank"], a["world"])
     losses = []
     for step in range(first, STEPS):
-        total = 0.0
-        for micro in range(ACCUM):
-            x, y = data(step, micro)
-            loss = loss_of(m, x[lo:hi], y[lo:hi]) / ACCUM
-            loss.backward()
-            total += loss.item()
+        losses.append(micro_steps(m, step, lo, hi))
         o.step()
         sched.step()
-        losses.append(total)
         if a.get("save") and step + 1 == SAVE_AT:
             st.save(a["save"], m)
     sd = st.full_state_dict(m)
