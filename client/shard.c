@@ -680,7 +680,8 @@ static bool slurm_first_host(const char *list, char *out, size_t len)
 /* The job's leader as "ip:port" into out ("" when the launcher names none): the model's, else
  * SHARD_LEADER, MASTER_ADDR (torchrun), the first host of SLURM_STEP_NODELIST (srun), with
  * SHARD_LEADER_PORT (or SHARD_LEADER_PORT's default). */
-static int leader_addr(shard_ctx_t *ctx, const char *given, char *out, size_t len)
+static int leader_addr(shard_ctx_t *ctx, const char *given, char *out, size_t len,
+                       const char **from_p)
 {
     char host[256], slurm[256];
     const char *spec = given != NULL && given[0] != '\0' ? given : getenv("SHARD_LEADER");
@@ -696,6 +697,7 @@ static int leader_addr(shard_ctx_t *ctx, const char *given, char *out, size_t le
         from = "SLURM_STEP_NODELIST";
     }
     out[0] = '\0';
+    *from_p = from;
     if (spec == NULL || spec[0] == '\0')
         return SD_OK;
     const char *env_port = getenv("SHARD_LEADER_PORT");
@@ -840,7 +842,8 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     reg.job_token.data = token;
     reg.job_token.len = has_token ? sizeof(token) : 0;
     char leader[64];
-    if ((status = leader_addr(ctx, model->leader, leader, sizeof(leader))) != SD_OK) {
+    const char *leader_from = NULL;
+    if ((status = leader_addr(ctx, model->leader, leader, sizeof(leader), &leader_from)) != SD_OK) {
         free(td);
         free(tp);
         free(gd);
@@ -867,6 +870,16 @@ int shard_register(shard_ctx_t *ctx, const shard_model_t *model)
     unsigned nfds = 0;
     int timeout = (int)env_u64("SHARD_REGISTER_TIMEOUT_MS", 600000);
     status = recv_reply(ctx, &rep, fds, 3, &nfds, timeout, "register");
+    if (status != SD_OK && leader[0] != '\0' && strstr(ctx->err, "leader") != NULL) {
+        /* the daemon knows the address, not where this rank took it from */
+        size_t used = strlen(ctx->err);
+        snprintf(ctx->err + used, sizeof(ctx->err) - used, " [this rank's leader %s is from %s%s]",
+                 leader, leader_from,
+                 strcmp(leader_from, "MASTER_ADDR") == 0
+                     ? ", torchrun's: on one machine, or where rank 0's daemon is not at "
+                       "MASTER_ADDR:SHARD_LEADER_PORT, set SHARD_LEADER"
+                     : "");
+    }
     if (status != SD_OK)
         return status;
     if (rep->msg_case != SHARD__DAEMON_MSG__MSG_REGISTER || nfds != 3) {

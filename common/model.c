@@ -489,8 +489,9 @@ struct sd_hparams sd_model_group(const struct sd_model *m, uint32_t g)
     return optim_hparams(&m->optim);
 }
 
-/* finite, and in ranges no training run uses outside of: an infinite lr or weight decay is a NaN
- * loss a few steps later, not an error a user can trace back */
+/* finite, and in the ranges torch's optimizers accept (an infinite lr or weight decay is a NaN
+ * loss a few steps later, not an error a user can trace back); lr and weight decay only >= 0, as
+ * torch checks them: a large lr is the user's choice (word_language_model's SGD uses 20) */
 struct range {
     const char *name;
     float v, lo, hi;
@@ -502,6 +503,11 @@ static int check_ranges(const struct range *f, size_t n, const char *what, char 
     for (size_t i = 0; i < n; i++) {
         float v = f[i].v;
         bool ok = isfinite(v) && v >= f[i].lo && (f[i].hi_open ? v < f[i].hi : v <= f[i].hi);
+        if (!ok && isinf(f[i].hi)) {
+            snprintf(err, errlen, "%s: %s is %g; it must be finite and at least %g", what,
+                     f[i].name, v, f[i].lo);
+            return SD_EINVAL;
+        }
         if (!ok) {
             snprintf(err, errlen, "%s: %s is %g; it must be finite and in [%g, %g%s", what,
                      f[i].name, v, f[i].lo, f[i].hi, f[i].hi_open ? ")" : "]");
@@ -513,11 +519,11 @@ static int check_ranges(const struct range *f, size_t n, const char *what, char 
 
 static int check_hparams(const struct sd_hparams *h, const char *what, char *err, size_t errlen)
 {
-    const struct range f[] = {{"lr", h->lr, 0.0f, 10.0f, false},
+    const struct range f[] = {{"lr", h->lr, 0.0f, INFINITY, false},
                               {"beta1", h->beta1, 0.0f, 1.0f, true},
                               {"beta2", h->beta2, 0.0f, 1.0f, true},
                               {"eps", h->eps, 0.0f, 1.0f, false},
-                              {"weight_decay", h->weight_decay, 0.0f, 10.0f, false},
+                              {"weight_decay", h->weight_decay, 0.0f, INFINITY, false},
                               {"momentum", h->momentum, 0.0f, 1.0f, true}};
     return check_ranges(f, sizeof(f) / sizeof(f[0]), what, err, errlen);
 }

@@ -3,11 +3,11 @@
 # train the example MLP through it, and print what happened: progress, loss, bytes moved per
 # link class next to the formulas, time; then load the run's last checkpoint under another plan,
 # train on, and compare with a reader of the checkpoint files that does not use shardd.
-# Then, where PyTorch is installed (it offers to apt-get install python3-torch when it is not),
-# train a small GPT through shardd on a 2-node x 2-rank cluster next to PyTorch DDP (gloo) and
-# plot both loss curves.
+# Then, where PyTorch 2.x is installed in shardd's venv (tools/torch-venv.sh; it offers to make it
+# when it is not), train a small GPT through shardd on a 2-node x 2-rank cluster next to PyTorch
+# DDP (gloo) and plot both loss curves. It builds into build/, the README's build directory.
 # Usage: tools/demo.sh [--nodes N] [--ranks-per-node K] [--plan PLAN] [--steps S] [--netns]
-#                      [--torch | --no-torch]   (install PyTorch without asking / skip the GPT)
+#                      [--torch | --no-torch]   (make the PyTorch venv without asking / skip the GPT)
 #                      [--build DIR]            (the binaries of a build tree: no install, no build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,9 +31,9 @@ if [ -n "$build" ]; then
 else
   tools/deps.sh >/dev/null
   echo "== building"
-  cmake -S . -B build/demo -DCMAKE_BUILD_TYPE=Release >/dev/null
-  cmake --build build/demo -j"$(nproc)" >/dev/null
-  B=build/demo
+  cmake -S . -B build >/dev/null # the README's build line, so that neither builds twice
+  cmake --build build -j"$(nproc)" >/dev/null
+  B=build
 fi
 dir=$(mktemp -d /tmp/shardd-demo-XXXXXX)
 cleanup() {
@@ -163,27 +163,28 @@ compare_dumps "$dir/params2.bin" "$dir/ref2.bin" \
   "demo.sh: the loaded job's parameters are not the reference's"
 
 # ---- a PyTorch transformer through shardd, next to DDP
-if [ "$torch" != no ] && ! /usr/bin/python3 -c "import torch" 2>/dev/null; then
+# under torch 2.x in shardd's venv (tools/torch-venv.sh: Debian's torch is 1.13)
+py=${SHARD_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/shardd/venv}/bin/python
+if [ "$torch" != no ] && ! "$py" -c "import torch, matplotlib" 2>/dev/null; then
   if [ "$torch" = ask ] && [ -t 0 ]; then
-    read -r -p "== PyTorch is not installed; install Debian's python3-torch now (apt, ~1 GB)? [y/N] " yn
+    read -r -p "== PyTorch 2.x is not installed; make its venv now (pip, ~5 GiB with CUDA's libraries)? [y/N] " yn
     [[ "$yn" =~ ^[Yy] ]] && torch=yes
   fi
   if [ "$torch" = yes ]; then
-    tools/deps.sh python3-torch
+    py=$(tools/torch-venv.sh)
   else
-    echo "== skipping the PyTorch example: python3-torch is not installed" \
-         "(tools/demo.sh --torch installs it with apt)"
+    echo "== skipping the PyTorch example: no venv with torch 2.x at $py" \
+         "(tools/demo.sh --torch makes it with tools/torch-venv.sh)"
   fi
 fi
-if [ "$torch" != no ] && /usr/bin/python3 -c "import torch" 2>/dev/null; then
-  tools/deps.sh --optional python3-matplotlib >/dev/null # the plot of the curves
+if [ "$torch" != no ] && "$py" -c "import torch" 2>/dev/null; then
   tools/local-cluster.sh stop --dir "$dir" >/dev/null
   gdir=$(mktemp -d /tmp/shardd-gpt-XXXXXX)
   trap 'cleanup; tools/local-cluster.sh stop --dir "$gdir" >/dev/null 2>&1 || true; rm -rf "$gdir"' EXIT
   echo "== a 4-layer GPT (width 128) through shardd on 2 nodes x 2 ranks (mics:2), then DDP (gloo)"
   tools/local-cluster.sh start --nodes 2 --ranks-per-node 2 --dir "$gdir" \
     --shardd "$B/daemon/shardd" -- --log-level warn >/dev/null
-  SHARD_LIBRARY=$B/client/libshard.so.0 /usr/bin/python3 client/examples/train_gpt.py --launch \
+  SHARD_LIBRARY=$B/client/libshard.so.0 "$py" client/examples/train_gpt.py --launch \
     --cluster-dir "$gdir" --nodes 2 --ranks-per-node 2 --plan mics:2 --steps 20 \
     --plot "$B/gpt_loss.png" | sed 's/^/  /'
 fi

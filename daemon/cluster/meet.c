@@ -609,21 +609,21 @@ static int meet_listen(struct sd_cluster *cl, bool leader, char *err, size_t err
     return SD_OK;
 }
 
-/* does leader ("ip:port") name this daemon's listener: its port, at its fabric address (or,
- * listening on every address, at one of the host's)? */
-static bool is_me(const struct sd_cluster *cl, const char *leader)
+/* the port this daemon meets other daemons on: where it listens, else where it would as a
+ * job's leader */
+static uint32_t meet_port(const struct sd_cluster *cl)
 {
-    uint32_t port = cl->me.peer_port != 0    ? cl->me.peer_port
-                    : cl->cfg->peer_port > 0 ? (uint32_t)cl->cfg->peer_port
-                                             : SD_MEET_PORT;
-    const char *colon = strrchr(leader, ':');
-    const char *host = cl->cfg->fabric_addr;
-    if (colon == NULL || strtoul(colon + 1, NULL, 10) != port)
-        return false;
-    char ip[64];
-    snprintf(ip, sizeof(ip), "%.*s", (int)SD_MIN((size_t)(colon - leader), sizeof(ip) - 1), leader);
-    if (host[0] != '\0' && strcmp(host, "0.0.0.0") != 0)
-        return strcmp(host, ip) == 0;
+    return cl->me.peer_port != 0    ? cl->me.peer_port
+           : cl->cfg->peer_port > 0 ? (uint32_t)cl->cfg->peer_port
+                                    : SD_MEET_PORT;
+}
+
+/* is ip one of this host's addresses: all of 127/8 (Debian names the host 127.0.1.1), or one of
+ * its interfaces'? */
+static bool host_has(const char *ip)
+{
+    if (strncmp(ip, "127.", 4) == 0)
+        return true;
     struct ifaddrs *ifs = NULL;
     bool mine = false;
     if (getifaddrs(&ifs) != 0)
@@ -639,9 +639,32 @@ static bool is_me(const struct sd_cluster *cl, const char *leader)
     return mine;
 }
 
+/* leader ("ip:port")'s ip into ip */
+static void leader_ip(const char *leader, char *ip, size_t len)
+{
+    const char *colon = strrchr(leader, ':');
+    size_t n = colon != NULL ? (size_t)(colon - leader) : strlen(leader);
+    snprintf(ip, len, "%.*s", (int)SD_MIN(n, len - 1), leader);
+}
+
+/* does leader ("ip:port") name this daemon's listener: its port, at its fabric address (or,
+ * listening on every address, at one of the host's)? */
+static bool is_me(const struct sd_cluster *cl, const char *leader)
+{
+    const char *colon = strrchr(leader, ':');
+    const char *host = cl->cfg->fabric_addr;
+    if (colon == NULL || strtoul(colon + 1, NULL, 10) != meet_port(cl))
+        return false;
+    char ip[64];
+    leader_ip(leader, ip, sizeof(ip));
+    if (host[0] != '\0' && strcmp(host, "0.0.0.0") != 0)
+        return strcmp(host, ip) == 0;
+    return host_has(ip);
+}
+
 void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const char *leader)
 {
-    char err[300] = "";
+    char err[640] = "";
     int st = SD_OK;
     uint32_t slot = SD_NO_NODE;
     if (r->job_token.len != SD_JOB_TOKEN_BYTES) {
@@ -669,6 +692,25 @@ void sd_meet__report(struct sd_cluster *cl, const Shard__JobReport *r, const cha
                  "job '%s': its ranks name this daemon (%s) the leader, but it serves the "
                  "job's node %u, not node 0 (rank 0's): name rank 0's node",
                  r->job, leader, r->job_node);
+    }
+    char lip[64] = "";
+    if (leader != NULL)
+        leader_ip(leader, lip, sizeof(lip));
+    if (st == SD_OK && r->job_node == 0 && lip[0] != '\0' && !named_me && host_has(lip)) {
+        /* rank 0's node leads: a job whose node-0 ranks name another daemon never forms. On
+         * another host, that daemon hears two nodes claim ranks 0..k-1 and says so to both; on
+         * this host, where one daemon runs in production, it is said now, not at the
+         * registration's deadline (torchrun on one machine: MASTER_ADDR=127.0.0.1, the default
+         * port, where a local cluster's daemons do not listen). */
+        const char *fab = cl->cfg->fabric_addr;
+        if (fab[0] == '\0' || strcmp(fab, "0.0.0.0") == 0)
+            fab = "<this host>";
+        st = SD_EINVAL;
+        snprintf(err, sizeof(err),
+                 "job '%s': its ranks name %s the leader, but nothing of this job can listen "
+                 "there: the leader is the daemon of rank 0's node, this one, at %s:%u; name "
+                 "it (SHARD_LEADER=%s:%u), or name none on this node",
+                 r->job, leader, fab, meet_port(cl), fab, meet_port(cl));
     }
     if (st == SD_OK)
         st = meet_listen(cl, lead, err, sizeof(err));

@@ -741,7 +741,7 @@ static void test_validation(void)
         float value;
         const char *name;
     } bad[] = {{&x.m.optimizer.lr, INFINITY, "lr is inf"},
-               {&x.m.optimizer.lr, 1e6f, "lr is 1e+06"},
+               {&x.m.optimizer.lr, -0.5f, "lr is -0.5; it must be finite and at least 0"},
                {&x.m.optimizer.weight_decay, NAN, "weight_decay is nan"},
                {&x.m.optimizer.eps, -1.0f, "eps is -1"},
                {&x.m.optimizer.max_grad_norm, INFINITY, "max_grad_norm is inf"},

@@ -16,7 +16,10 @@
  *   dropped (counted);
  * and j trains on to its one-process reference (within 1e-5, as every run of it), both daemons
  * up. Then daemon 1 restarted three times (a new id each time) serves a job with daemon 0 each
- * time, daemon 0 reusing the slots of the daemons gone (it has 2: SHARDD_TEST_MEET_SLOTS). */
+ * time, daemon 0 reusing the slots of the daemons gone (it has 2: SHARDD_TEST_MEET_SLOTS).
+ * A job whose node-0 rank names another leader (torchrun's MASTER_ADDR on one machine) is refused
+ * at once naming the address, where the leader is and the variable; a leader nobody served
+ * leaves no "meeting" entry once its job is gone. */
 #include "harness.h"
 #include "peer.h"
 #include "peer_hello.h"
@@ -206,6 +209,44 @@ static void reuse_slots(const char *leader, const char *secret)
     TH_CHECK(log_has(0, "is free again"), "daemon 0 did not reuse a slot");
 }
 
+/* does daemon i's topology list a daemon it is still meeting (one dialed that never answered)? */
+static bool lists_meeting(int i)
+{
+    char *topo = th_admin(cl.d[i].sock, "topology");
+    bool meeting = topo == NULL || strstr(topo, "\"meeting\"") != NULL;
+    free(topo);
+    return meeting;
+}
+
+/* torchrun on one machine (issue 56): its MASTER_ADDR=127.0.0.1 names the default port, where no
+ * daemon of a local cluster listens. Rank 0's node leads, so its daemon refuses at once, naming
+ * the address dialed, where the leader is, and (libshard) the variable; nothing is left to meet.
+ * And the job whose node 1 dialed a leader nobody serves (lost, above) left no "meeting" entry
+ * once it was gone. */
+static void wrong_leader(const char *leader)
+{
+    bool stale = true;
+    for (double end = th_now_s() + 10; stale && th_now_s() < end; usleep(100000))
+        stale = lists_meeting(1);
+    TH_CHECK(!stale, "daemon 1 still lists the leader nobody served as meeting");
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    char err[1024] = "";
+    double t0 = th_now_s();
+    int st = th_register_secret(cl.d[0].sock, "torchrun-here", 0, 2,
+                                "the secret of job torchrun-here", NULL, err, sizeof(err));
+    double took = th_now_s() - t0;
+    unsetenv("MASTER_ADDR");
+    char where[128];
+    snprintf(where, sizeof(where), "this one, at %s", leader);
+    TH_CHECK(st == SHARD_EINVAL && took < 10.0 && strstr(err, "127.0.0.1:7701") &&
+                 strstr(err, where) && strstr(err, "from MASTER_ADDR") &&
+                 strstr(err, "set SHARD_LEADER"),
+             "node 0's ranks naming a leader that is not their daemon: %d after %.1f s: '%s'", st,
+             took, err);
+    printf("a wrong leader on rank 0's node: refused in %.2f s: %s\n", took, err);
+    TH_CHECK(!lists_meeting(0), "daemon 0 lists a daemon it is meeting after the refusal");
+}
+
 int main(void)
 {
     setenv("SHARDD_TEST_MEET_SLOTS", "4", 1); /* (2 daemons met at once: reuse_slots) */
@@ -314,6 +355,7 @@ int main(void)
     TH_CHECK(lost.st == SHARD_ETIMEDOUT &&
                  strstr(lost.err, "its leader (127.0.0.1:1) did not confirm it within 16000 ms"),
              "a job whose leader nobody serves: %d '%s'", lost.st, lost.err);
+    wrong_leader(leader);
     reuse_slots(leader, secret);
     for (int i = 0; i < 2; i++)
         TH_CHECK(th_daemon_alive(&cl.d[i]), "daemon %d died", i);

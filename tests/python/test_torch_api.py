@@ -188,10 +188,38 @@ try:
     print(f"checkpoint: saved step 3, resumed in another job, 3 more steps bitwise equal to 6 "
           f"uninterrupted (loss {la[-1]:.5f})", flush=True)
 
-    # model.state_dict() is the full state dict
+    # model.state_dict() is the full state dict, a submodule's too (its own names)
     sd = mine.state_dict()
     check(sorted(sd) == sorted(want) and all(torch.equal(sd[k], full[k]) for k in full),
           "model.state_dict() of a wrapped model: the full tensors")
+    sub = mine.blocks[1].state_dict()
+    check(sorted(sub) == ["bias", "weight"] and
+          all(torch.equal(sub[k], full["blocks.1." + k]) for k in sub),
+          f"a submodule's state_dict(): its full tensors under its own names: {sorted(sub)}")
+    # what cannot work on a wrapped model raises a ShardError naming the call and the fix,
+    # before anything is written (nanoGPT's resume saves both dicts in one torch.save)
+    import io
+    out = io.BytesIO()
+    ok, msg = raises(lambda: torch.save({"model": mine.state_dict(),
+                                         "optimizer": st.optimizer(mine).state_dict()}, out),
+                     "optimizer.state_dict()", "shard.torch.save", "load=",
+                     kinds=(shard.ShardError,))
+    check(ok and out.tell() == 0,
+          f"optimizer.state_dict() of a wrapped model refused, nothing written: {msg}")
+    ok, msg = raises(lambda: st.optimizer(mine).load_state_dict({"state": {}}),
+                     "optimizer.load_state_dict()", "shard.torch.save", kinds=(shard.ShardError,))
+    check(ok, f"optimizer.load_state_dict() refused: {msg}")
+    ok, msg = raises(lambda: torch.save(mine, io.BytesIO()), "torch.save(model)",
+                     "model.state_dict()", kinds=(shard.ShardError,))
+    check(ok, f"torch.save(model) of a wrapped model refused naming what to save: {msg}")
+    ok, msg = raises(lambda: copy.deepcopy(mine), "copy.deepcopy", kinds=(shard.ShardError,))
+    check(ok, f"copy.deepcopy of a wrapped model refused: {msg}")
+    for who, mod, d in (("model", mine, sd), ("a submodule", mine.blocks[1], sub)):
+        ok, msg = raises(lambda: mod.load_state_dict(d), "load_state_dict()", "before wrap",
+                         "load=", kinds=(shard.ShardError,))
+        check(ok, f"load_state_dict() on {who} of a wrapped model refused: {msg}")
+    after = st.full_state_dict(mine)
+    check(all(torch.equal(after[k], full[k]) for k in full), "no parameter changed")
 
     # clip_grad_norm_ warns once
     x, y = batch(0)
@@ -225,6 +253,19 @@ try:
     ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer={"param_groups": [
         {"params": ["head.bias"]}, {"params": list(m.parameters())}]}), "param_groups 0 and 1")
     check(ok, f"a parameter in two param groups refused: {msg}")
+    # a large learning rate is the user's (word_language_model's SGD uses 20), a negative one
+    # is refused as torch refuses it
+    big, ref20 = copy.deepcopy(base), copy.deepcopy(base)
+    train(ref20, 1, torch.optim.SGD(ref20.parameters(), lr=20.0))
+    st.wrap(big, job="lr20", optimizer=torch.optim.SGD(big.parameters(), lr=20.0))
+    train(big, 1)
+    d20 = max((st.full_state_dict(big)[k] - v).abs().max().item()
+              for k, v in ref20.state_dict().items())
+    st.unwrap(big)
+    check(d20 <= 1e-5, f"SGD lr=20 trains as torch's: max |diff| after a step {d20:.3g}")
+    ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer={"name": "sgd", "lr": -1.0}),
+                     "lr is -1", "at least 0", kinds=(shard.ShardError, ValueError))
+    check(ok, f"a negative lr refused: {msg}")
     ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer=torch.optim.Adagrad(
         m.parameters())), "Adagrad")
     check(ok, f"another optimizer refused naming it: {msg}")

@@ -39,9 +39,11 @@ refused at wrap naming both sides, and the model is left where it is.
 """
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import sys
+import threading
 import types
 import warnings
 
@@ -55,6 +57,7 @@ __all__ = ["wrap", "step", "optimizer", "ShardOptimizer", "full_state_dict", "sl
 _DTYPES = {torch.float32: _shard.FP32, torch.bfloat16: _shard.BF16, torch.float16: _shard.FP16}
 _TORCH = {v: k for k, v in _DTYPES.items()}
 _current = None
+_reading = threading.local()  # full_state_dict is reading the model's names (active)
 
 
 class _HostMemory:
@@ -199,6 +202,13 @@ class _State:
         self.bufs, self.rank = None, 0     # the buffers rank 0 broadcasts (_Buffers), this rank
         self.fetches = self.pushes = 0
         self.bytes_fetched = self.bytes_pushed = 0
+
+    def __reduce_ex__(self, protocol):
+        raise _refusal("torch.save(model) (or pickling, copy.deepcopy) of a wrapped model",
+                       "its parameters live in shardd and the module holds empty placeholders; "
+                       "save the full tensors with torch.save(model.state_dict(), f) (any rank "
+                       "alone), or a checkpoint of the job with shard.torch.save(directory) "
+                       "(every rank), which wrap(load=directory) resumes")
 
     def _tensor(self, u, i):
         return self.ctx.units[u]["tensors"][i]
@@ -390,6 +400,23 @@ class _State:
         return norm
 
 
+def _refusal(call, why):
+    """The ShardError a torch call that cannot work on a wrapped model raises: the call, why, and
+    what to do instead."""
+    return _shard.ShardError(_shard.ESTATE, why, call)
+
+
+# Why torch's optimizer state_dict of a wrapped model is refused rather than returned without
+# its state (a resume from it would restart the moments from zero without a word).
+_OPT_STATE_FIX = ("the optimizer's state (fp32 master weights, moments, step counts) lives in "
+                  "shardd, and torch's layout of it is not available yet; nothing was saved or "
+                  "loaded. Save it with shard.torch.save(directory) on every rank after the same "
+                  "step and resume with shard.torch.wrap(model, optimizer=..., load=directory): "
+                  "the checkpoint holds the masters, moments, step counts and param groups, and "
+                  "loads under any world and plan (README, PyTorch). shard.checkpoint."
+                  "load_state_dict(directory, optimizer_states=True) reads it without a daemon")
+
+
 class ShardOptimizer(torch.optim.Optimizer):
     """The optimizer of a wrapped model, as torch sees it: param_groups with lr, weight_decay,
     betas and eps (AdamW) or momentum (SGD) per group, which schedulers change; step() runs the
@@ -409,6 +436,12 @@ class ShardOptimizer(torch.optim.Optimizer):
                 loss = closure()
         norm = self._shard.step()
         return norm if closure is None else loss
+
+    def state_dict(self):
+        raise _refusal("optimizer.state_dict() of a wrapped model", _OPT_STATE_FIX)
+
+    def load_state_dict(self, state_dict):
+        raise _refusal("optimizer.load_state_dict() of a wrapped model", _OPT_STATE_FIX)
 
     def add_param_group(self, param_group):
         if getattr(self, "_shard", None) is not None:
@@ -898,6 +931,16 @@ def _registration(model, optimizer=None, units=None, max_grad_norm=None):
                                  tensors=tensors)
 
 
+# The forward hooks of hooked module m (partials of these, not closures: pickling a wrapped model
+# then reaches _State.__reduce_ex__ and its message).
+def _pre_forward_hook(state, m, module, inputs):
+    return state._pre_forward(m)
+
+
+def _post_forward_hook(state, m, module, inputs, outputs):
+    return state._post_forward(m, outputs)
+
+
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
          units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None,
          resume_timeout_ms=0, ranks_per_node=None, job_secret=None, leader=None, **foreign):
@@ -1013,9 +1056,9 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     try:
         for m, mod in enumerate(hooked):
             state.handles.append(mod.register_forward_pre_hook(
-                lambda mod, inp, m=m: state._pre_forward(m)))
+                functools.partial(_pre_forward_hook, state, m)))
             state.handles.append(mod.register_forward_hook(
-                lambda mod, inp, out, m=m: state._post_forward(m, out)))
+                functools.partial(_post_forward_hook, state, m)))
         for u, ps in enumerate(reg_params):
             for i, (_, p) in enumerate(ps):
                 if p.requires_grad:
@@ -1053,7 +1096,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
         ctx.detach()
         raise
     model._shard_state = state
-    model.state_dict = lambda *a, **k: _full_state_dict_of(model, *a, **k)
+    _patch_modules(model)
     _patch_clip()
     _guard_steps()
     _current = state
@@ -1086,6 +1129,8 @@ def _make_optimizer(state, opt, reg_params):
 
         step._with_counter = True  # what torch's schedulers mark a counted step() with
         opt.torch_opt.step = types.MethodType(step, opt.torch_opt)
+        opt.torch_opt.state_dict = so.state_dict
+        opt.torch_opt.load_state_dict = so.load_state_dict
         opt.torch_opt._shard_translated = True
     return so
 
@@ -1098,15 +1143,43 @@ def optimizer(model=None):
     return _state_of(model).opt
 
 
-def _full_state_dict_of(model, destination=None, prefix="", keep_vars=False):
-    """model.state_dict() of a wrapped model: the full tensors, as FSDP's full state dict."""
+def _full_state_dict_of(model, within, module, destination=None, prefix="", keep_vars=False):
+    """state_dict() of a wrapped model or of one of its submodules (its names below within, a
+    prefix of the model's names): the full tensors, as FSDP's full state dict. Inside
+    full_state_dict, torch's recursion into the submodules runs as torch's own."""
+    if getattr(_reading, "active", False):
+        return torch.nn.Module.state_dict(module, destination=destination, prefix=prefix,
+                                          keep_vars=keep_vars)
     out = full_state_dict(model)
     if destination is None:
         import collections
         destination = collections.OrderedDict()
     for k, v in out.items():
-        destination[prefix + k] = v
+        if k.startswith(within):
+            destination[prefix + k[len(within):]] = v
     return destination
+
+
+def _refuse_load_state_dict(state_dict, strict=True, assign=False):
+    raise _refusal("load_state_dict() of a wrapped model (or of a module in it)",
+                   "its parameters live in shardd and cannot be overwritten in place yet; nothing "
+                   "was loaded. Load the values before wrap (model.load_state_dict(sd), then "
+                   "shard.torch.wrap: rank 0's values are the job's initial ones), or resume a "
+                   "shardd checkpoint with shard.torch.wrap(..., load=directory)")
+
+
+def _patch_modules(model):
+    """model and each module in it that holds wrapped parameters: state_dict() returns the full
+    tensors (under the module's own names), load_state_dict() is refused naming what to do
+    (torch's own would fail on the placeholders' shapes). Instance attributes, as unwrap removes
+    them; functools.partial, so that pickling reaches _State.__reduce_ex__'s message."""
+    for name, m in model.named_modules():
+        if m is not model and not any(getattr(p, "_shard_wrapped", False)
+                                      for p in m.parameters()):
+            continue
+        m.state_dict = functools.partial(_full_state_dict_of, model, name + "." if name else "",
+                                         m)
+        m.load_state_dict = _refuse_load_state_dict
 
 
 def _state_of(model):
@@ -1201,7 +1274,12 @@ def full_state_dict(model=None, device=None):
                 for _, p in ps:
                     p.data = st.placeholder[p.dtype]
     out = {}
-    for name, t in torch.nn.Module.state_dict(st.model, keep_vars=True).items():
+    _reading.active = True  # the submodules' state_dict (_patch_modules) are torch's here
+    try:
+        names = torch.nn.Module.state_dict(st.model, keep_vars=True)
+    finally:
+        _reading.active = False
+    for name, t in names.items():
         if id(t) in values:
             out[name] = values[id(t)]
         else:
@@ -1226,5 +1304,7 @@ def unwrap(model=None):
     for ps in st.params:
         for _, p in ps:
             p.__dict__.pop("_shard_wrapped", None)
-    st.model.__dict__.pop("state_dict", None)
+    for m in st.model.modules():
+        m.__dict__.pop("state_dict", None)
+        m.__dict__.pop("load_state_dict", None)
     del st.model._shard_state
