@@ -514,10 +514,12 @@ static int check_attached(shard_ctx_t *ctx, const char *what, bool registered)
 
 static int parse_optim(shard_ctx_t *ctx, const shard_optimizer_t *o, Shard__Optimizer *out)
 {
-    if (o->name == NULL || (strcmp(o->name, "adamw") != 0 && strcmp(o->name, "sgd") != 0))
-        return fail(ctx, SD_EINVAL, "register: optimizer '%s' is not adamw or sgd",
+    int kind = sd_optim_parse(o->name);
+    if (kind < 0)
+        return fail(ctx, SD_EINVAL,
+                    "register: optimizer '%.64s' is none of adamw, sgd, adam, sgd-nesterov",
                     o->name ? o->name : "(null)");
-    out->kind = strcmp(o->name, "adamw") == 0 ? SD_OPTIM_ADAMW : SD_OPTIM_SGD;
+    out->kind = (uint32_t)kind;
     out->lr = o->lr;
     out->beta1 = o->beta1;
     out->beta2 = o->beta2;

@@ -124,14 +124,14 @@ const char *sd_ckpt_state_name(int optim_kind, uint32_t s)
 {
     static const char *const adamw[] = {"master", "exp_avg", "exp_avg_sq"};
     static const char *const sgd[] = {"master", "momentum_buffer"};
-    if (optim_kind == SD_OPTIM_ADAMW)
+    if (sd_optim_layout(optim_kind) == SD_OPTIM_ADAMW)
         return s < 3 ? adamw[s] : NULL;
     return s < 2 ? sgd[s] : NULL;
 }
 
 uint32_t sd_ckpt_states(int optim_kind)
 {
-    return optim_kind == SD_OPTIM_ADAMW ? 3 : 2;
+    return sd_optim_state_floats(optim_kind);
 }
 
 /* ---- reading the manifest */
@@ -411,12 +411,10 @@ static int parse_header(json_t *root, struct sd_ckpt *ck, char *err, size_t errl
     ck->world = (uint32_t)world;
     ck->ranks_per_node = (uint32_t)k;
     ck->nodes = (uint32_t)nodes;
-    if (strcmp(kind, "adamw") == 0)
-        ck->optim_kind = SD_OPTIM_ADAMW;
-    else if (strcmp(kind, "sgd") == 0)
-        ck->optim_kind = SD_OPTIM_SGD;
-    else {
-        snprintf(err, errlen, "optimizer kind '%s' is neither adamw nor sgd", kind);
+    ck->optim_kind = sd_optim_parse(kind);
+    if (ck->optim_kind < 0) {
+        snprintf(err, errlen, "optimizer kind '%.32s' is none of adamw, sgd, adam, sgd-nesterov",
+                 kind);
         return SD_EINVAL;
     }
     ck->n_states = sd_ckpt_states(ck->optim_kind);
@@ -580,10 +578,11 @@ static void dims_str(char *buf, size_t len, uint32_t ndim, const uint64_t *dims)
 int sd_ckpt_check_model(const struct sd_ckpt *ck, const struct sd_model *m, char *err,
                         size_t errlen)
 {
-    if (m->optim.kind != ck->optim_kind) {
-        snprintf(err, errlen, "the checkpoint's optimizer is %s, the model registers %s",
-                 ck->optim_kind == SD_OPTIM_ADAMW ? "adamw" : "sgd",
-                 m->optim.kind == SD_OPTIM_ADAMW ? "adamw" : "sgd");
+    /* (the states must be the same: Adam's are AdamW's, as torch's state dicts are) */
+    if (sd_optim_layout(m->optim.kind) != sd_optim_layout(ck->optim_kind)) {
+        snprintf(err, errlen,
+                 "the checkpoint's optimizer is %s, the model registers %s: their states differ",
+                 sd_optim_name(ck->optim_kind), sd_optim_name(m->optim.kind));
         return SD_EMISMATCH;
     }
     for (uint32_t t = 0; t < SD_MIN(m->n_tensors, ck->n_tensors); t++) {
@@ -915,8 +914,8 @@ static char *manifest_text(const struct sd_ckpt *ck, char *err, size_t errlen)
         jb_append(&b, states, json_string(sd_ckpt_state_name(ck->optim_kind, s)), "states");
     jb_set(&b, root, "states", states);
     jb_set(&b, root, "optimizer",
-           json_pack("{s:s, s:f}", "kind", ck->optim_kind == SD_OPTIM_ADAMW ? "adamw" : "sgd",
-                     "max_grad_norm", (double)ck->max_grad_norm));
+           json_pack("{s:s, s:f}", "kind", sd_optim_name(ck->optim_kind), "max_grad_norm",
+                     (double)ck->max_grad_norm));
     for (uint32_t g = 0; g < ck->n_groups; g++) {
         const struct sd_hparams *h = &ck->groups[g];
         jb_append(&b, groups,

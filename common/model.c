@@ -285,7 +285,27 @@ uint64_t sd_plan_nested_off(const struct sd_plan *plan, int inner, int outer, ui
 
 uint32_t sd_optim_state_floats(int kind)
 {
-    return kind == SD_OPTIM_ADAMW ? 3 : 2; /* master + m + v, or master + momentum */
+    return sd_optim_layout(kind) == SD_OPTIM_ADAMW ? 3 : 2; /* master + m + v, or + momentum */
+}
+
+static const char *const optim_names[SD_OPTIM_KINDS] = {"adamw", "sgd", "adam", "sgd-nesterov"};
+
+const char *sd_optim_name(int kind)
+{
+    return kind >= 0 && kind < SD_OPTIM_KINDS ? optim_names[kind] : "?";
+}
+
+int sd_optim_parse(const char *name)
+{
+    for (int k = 0; name != NULL && k < SD_OPTIM_KINDS; k++)
+        if (strcmp(name, optim_names[k]) == 0)
+            return k;
+    return -1;
+}
+
+int sd_optim_layout(int kind)
+{
+    return kind == SD_OPTIM_ADAMW || kind == SD_OPTIM_ADAM ? SD_OPTIM_ADAMW : SD_OPTIM_SGD;
 }
 
 uint64_t sd_tensor_numel(const struct sd_tensor_desc *t)
@@ -450,7 +470,7 @@ int sd_model_validate(const struct sd_model *m, char *err, size_t errlen)
     if (st != SD_OK)
         return st;
     const struct sd_optim *o = &m->optim;
-    if (o->kind != SD_OPTIM_ADAMW && o->kind != SD_OPTIM_SGD) {
+    if (o->kind < 0 || o->kind >= SD_OPTIM_KINDS) {
         snprintf(err, errlen, "unknown optimizer kind %d", o->kind);
         return SD_EINVAL;
     }
@@ -530,10 +550,16 @@ static int check_hparams(const struct sd_hparams *h, const char *what, char *err
 
 int sd_hparams_validate(int kind, const struct sd_hparams *h, uint32_t g, char *err, size_t errlen)
 {
-    (void)kind; /* every field is checked: SGD ignores the betas, which default sanely */
+    /* every field is checked: SGD ignores the betas, which default sanely */
     char what[48];
     snprintf(what, sizeof(what), "optimizer group %u", g);
-    return check_hparams(h, what, err, errlen);
+    int st = check_hparams(h, what, err, errlen);
+    if (st == SD_OK && kind == SD_OPTIM_SGD_NESTEROV && !(h->momentum > 0.0f)) {
+        snprintf(err, errlen, "%s: momentum is %g; Nesterov momentum needs it above 0 (as torch)",
+                 what, (double)h->momentum);
+        return SD_EINVAL;
+    }
+    return st;
 }
 
 int sd_optim_validate(const struct sd_optim *o, char *err, size_t errlen)
@@ -542,6 +568,12 @@ int sd_optim_validate(const struct sd_optim *o, char *err, size_t errlen)
     int st = check_hparams(&h, "optimizer", err, errlen);
     if (st != SD_OK)
         return st;
+    if (o->kind == SD_OPTIM_SGD_NESTEROV && !(o->momentum > 0.0f)) {
+        snprintf(err, errlen,
+                 "optimizer: momentum is %g; Nesterov momentum needs it above 0 (as torch)",
+                 (double)o->momentum);
+        return SD_EINVAL;
+    }
     const struct range clip = {"max_grad_norm", o->max_grad_norm, 0.0f, 1e30f, false};
     return check_ranges(&clip, 1, "optimizer", err, errlen);
 }

@@ -231,6 +231,7 @@ struct adamw_out {
 static inline struct adamw_out adamw_elem(const struct sdk_adamw_c *c, float master, float m,
                                           float v, float g)
 {
+    g = g + c->l2 * master; /* Adam's weight decay (0 for AdamW's: g exactly) */
     float p = master * c->decay;
     float mi = c->b1 * m + c->omb1 * g;
     float vi = c->b2 * v + c->omb2 * g * g;
@@ -265,20 +266,21 @@ static void host_adamw(struct sd_gpu_queue *q, const struct sd_adamw_args *a,
     }
 }
 
-/* SGD with momentum (dampening 0, not Nesterov) as torch.optim.SGD computes it; the momentum
- * buffer starts at zero, which equals torch's "first step copies the gradient". */
+/* SGD with momentum (dampening 0; Nesterov's with nesterov) as torch.optim.SGD computes it; the
+ * momentum buffer starts at zero, which equals torch's "first step copies the gradient". */
 static void host_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *restrict master,
                      float *restrict buf, float *restrict grad, float scale, void *restrict w,
                      int w_dtype, size_t n)
 {
     (void)q;
     const float lr = a->lr, mu = a->momentum, wd = a->weight_decay;
+    const bool nest = a->nesterov;
     for (size_t i = 0; i < n; i++) {
         float p = master[i];
         float g = grad[i] * scale;
         g = g + wd * p;
         float b = mu * buf[i] + g;
-        p = p - lr * b;
+        p = p - lr * (nest ? g + mu * b : b);
         buf[i] = b;
         master[i] = p;
         store_w(w, w_dtype, i, p);

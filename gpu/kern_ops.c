@@ -104,10 +104,12 @@ void sdk_sum_sq(struct sdk_launcher *l, const float *x, size_t n)
 
 struct sdk_adamw_c sdk_adamw_consts(const struct sd_adamw_args *a)
 {
-    /* AdamW as torch.optim.AdamW computes it (decoupled decay, bias correction) */
+    /* AdamW as torch.optim.AdamW computes it (decoupled decay, bias correction); Adam's decay
+     * goes into the gradient instead (torch.optim.Adam) */
     const float bc1 = 1.0f - powf(a->beta1, (float)a->step);
     const float bc2 = 1.0f - powf(a->beta2, (float)a->step);
-    return (struct sdk_adamw_c){.decay = 1.0f - a->lr * a->weight_decay,
+    return (struct sdk_adamw_c){.decay = a->l2 ? 1.0f : 1.0f - a->lr * a->weight_decay,
+                                .l2 = a->l2 ? a->weight_decay : 0.0f,
                                 .b1 = a->beta1,
                                 .b2 = a->beta2,
                                 .omb1 = 1.0f - a->beta1,
@@ -134,7 +136,8 @@ void sdk_op_sgd(struct sd_gpu_queue *q, const struct sd_sgd_args *a, float *mast
                 float *grad, float scale, void *w, int w_dtype, size_t n)
 {
     struct sdk_launcher *l = L(q);
-    struct sdk_sgd_c c = {.lr = a->lr, .mu = a->momentum, .wd = a->weight_decay};
+    struct sdk_sgd_c c = {
+        .lr = a->lr, .mu = a->momentum, .wd = a->weight_decay, .nest = a->nesterov ? 1.0f : 0.0f};
     uint64_t n64 = n;
     void *args[] = {&c, &master, &buf, &grad, &scale, &w, &w_dtype, &n64};
     if (n == 0)

@@ -677,11 +677,11 @@ static int run_checkpoint_info(const char *dir, bool as_json)
         "{s:s, s:s, s:I, s:s, s:I, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:o, s:o, s:b, s:I, s:s}",
         "path", ck.path, "job", ck.job, "step", (json_int_t)ck.step, "plan", ck.plan, "world",
         (json_int_t)ck.world, "nodes", (json_int_t)ck.nodes, "ranks_per_node",
-        (json_int_t)ck.ranks_per_node, "optimizer",
-        ck.optim_kind == SD_OPTIM_ADAMW ? "adamw" : "sgd", "tensors", (json_int_t)ck.n_tensors,
-        "parameters", (json_int_t)params, "extents", (json_int_t)ck.n_extents, "bytes",
-        (json_int_t)ck.bytes, "state_bytes", states, "file_bytes", files, "crc_ok", vst == SD_OK,
-        "crc_bad_extents", (json_int_t)bad, "crc_error", verr);
+        (json_int_t)ck.ranks_per_node, "optimizer", sd_optim_name(ck.optim_kind), "tensors",
+        (json_int_t)ck.n_tensors, "parameters", (json_int_t)params, "extents",
+        (json_int_t)ck.n_extents, "bytes", (json_int_t)ck.bytes, "state_bytes", states,
+        "file_bytes", files, "crc_ok", vst == SD_OK, "crc_bad_extents", (json_int_t)bad,
+        "crc_error", verr);
     if (as_json) {
         char *out = json_dumps(doc, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
         puts(out);
@@ -691,7 +691,7 @@ static int run_checkpoint_info(const char *dir, bool as_json)
         printf("checkpoint %s\n", ck.path);
         printf("  job %s, step %llu, plan %s, world %u (%u nodes x %u ranks), %s\n", ck.job,
                (unsigned long long)ck.step, ck.plan, ck.world, ck.nodes, ck.ranks_per_node,
-               ck.optim_kind == SD_OPTIM_ADAMW ? "adamw" : "sgd");
+               sd_optim_name(ck.optim_kind));
         printf("  %u tensors, %llu parameters, %llu extents, %s\n", ck.n_tensors,
                (unsigned long long)params, (unsigned long long)ck.n_extents,
                sd_fmt_bytes(b, sizeof(b), ck.bytes));

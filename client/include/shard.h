@@ -77,7 +77,8 @@ typedef struct {
 } shard_tensor_t;
 
 typedef struct {
-    const char *name; /* "adamw" or "sgd" */
+    const char *name; /* "adamw", "sgd", "adam" (torch.optim.Adam: L2 weight decay) or
+                         "sgd-nesterov" (SGD with Nesterov momentum, which must be > 0) */
     float lr;
     float beta1, beta2, eps; /* adamw */
     float weight_decay;

@@ -36,18 +36,22 @@ static void update_range(struct sd_job *job, const struct os_view *o, uint64_t a
     const struct sd_hparams *h = &job->opt->hparams[job->model.tensors[tensor].group];
     uint8_t *w = o->w + at * o->w_elem;
     int dtype = job->layout.units[job->model.tensors[tensor].unit].dtype;
-    if (job->model.optim.kind == SD_OPTIM_ADAMW) {
+    int kind = job->model.optim.kind;
+    if (sd_optim_layout(kind) == SD_OPTIM_ADAMW) {
         struct sd_adamw_args a = {.lr = h->lr,
                                   .beta1 = h->beta1,
                                   .beta2 = h->beta2,
                                   .eps = h->eps,
                                   .weight_decay = h->weight_decay,
-                                  .step = job->opt->tensor_steps[tensor] + 1};
+                                  .step = job->opt->tensor_steps[tensor] + 1,
+                                  .l2 = kind == SD_OPTIM_ADAM};
         dev->adamw(job->mem.queue, &a, o->master + at, o->m + at, o->v + at, o->g + at, scale, w,
                    dtype, n);
     } else {
-        struct sd_sgd_args a = {
-            .lr = h->lr, .momentum = h->momentum, .weight_decay = h->weight_decay};
+        struct sd_sgd_args a = {.lr = h->lr,
+                                .momentum = h->momentum,
+                                .weight_decay = h->weight_decay,
+                                .nesterov = kind == SD_OPTIM_SGD_NESTEROV};
         dev->sgd(job->mem.queue, &a, o->master + at, o->m + at, o->g + at, scale, w, dtype, n);
     }
 }

@@ -57,7 +57,7 @@ static json_t *optimizer_json(const struct sd_job *job)
         struct sd_hparams h = hp != NULL ? hp[g] : sd_model_group(m, g);
         json_t *o = json_pack("{s:i, s:f, s:f}", "tensors", tensors ? (int)tensors[g] : -1, "lr",
                               (double)h.lr, "weight_decay", (double)h.weight_decay);
-        if (m->optim.kind == SD_OPTIM_ADAMW) {
+        if (sd_optim_layout(m->optim.kind) == SD_OPTIM_ADAMW) {
             json_object_set_new(o, "betas", json_pack("[f, f]", (double)h.beta1, (double)h.beta2));
             json_object_set_new(o, "eps", json_real(h.eps));
         } else {
@@ -66,9 +66,8 @@ static json_t *optimizer_json(const struct sd_job *job)
         json_array_append_new(groups, o);
     }
     free(tensors);
-    return json_pack("{s:s, s:f, s:b, s:I, s:o}", "name",
-                     m->optim.kind == SD_OPTIM_ADAMW ? "adamw" : "sgd", "max_grad_norm",
-                     (double)m->optim.max_grad_norm, "skip_unused", m->skip_unused,
+    return json_pack("{s:s, s:f, s:b, s:I, s:o}", "name", sd_optim_name(m->optim.kind),
+                     "max_grad_norm", (double)m->optim.max_grad_norm, "skip_unused", m->skip_unused,
                      "broadcast_bytes", (json_int_t)m->bcast_bytes, "groups", groups);
 }
 

@@ -184,7 +184,8 @@ SDK_KERNEL sdk_k_sumsq_final(const double *SDK_RESTRICT part, uint32_t parts,
     SDK_SYNC
 }
 
-/* ---- optimizers: host.c's adamw_elem and host_sgd, element by element */
+/* ---- optimizers: host.c's adamw_elem and host_sgd, element by element (AdamW and Adam: l2;
+ * SGD with or without Nesterov momentum: nest) */
 
 struct sdk_adamw_out {
     float p, m, v;
@@ -194,6 +195,7 @@ SDK_FN struct sdk_adamw_out sdk_adamw_elem(const struct sdk_adamw_c *c, float ma
                                            float v, float g)
 {
     struct sdk_adamw_out o;
+    g = g + c->l2 * master; /* Adam's weight decay (0 for AdamW's: g exactly) */
     float p = master * c->decay;
     float mi = c->b1 * m + c->omb1 * g;
     float vi = c->b2 * v + c->omb2 * g * g;
@@ -253,7 +255,7 @@ SDK_KERNEL sdk_k_sgd(struct sdk_sgd_c c, float *SDK_RESTRICT master, float *SDK_
         float g = grad[k] * scale;
         g = g + c.wd * p;
         float b = c.mu * buf[k] + g;
-        p = p - c.lr * b;
+        p = p - c.lr * (c.nest != 0.0f ? g + c.mu * b : b);
         buf[k] = b;
         master[k] = p;
         sdk_store(w, w_dtype, k, p);

@@ -15,11 +15,11 @@ enum { SDK_FP32 = 0, SDK_BF16 = 1, SDK_FP16 = 2 };
 
 /* AdamW's per-step constants, computed once on the host as the host backend does */
 struct sdk_adamw_c {
-    float decay, b1, b2, omb1, omb2, step_size, sqrt_bc2, eps;
+    float decay, l2, b1, b2, omb1, omb2, step_size, sqrt_bc2, eps;
 };
 
 struct sdk_sgd_c {
-    float lr, mu, wd;
+    float lr, mu, wd, nest; /* nest: 1 for Nesterov momentum, else 0 */
 };
 
 /* one launch of copies (a unit's shards gathered into its slot): piece i is bytes[i] bytes from

@@ -15,6 +15,11 @@ on a 2-node x 2-rank emulated cluster of real daemons (tools/local-cluster.sh):
     shard.torch.step() with a scheduler on the optimizer object;
   - SGD with momentum and a StepLR schedule, groups given as the optimizer dict's param_groups
     by parameter name, a block frozen after wrap from step 4 on (mics:2);
+  - torch.optim.Adam (weight decay added to the gradient; zero3) and SGD(nesterov=True)
+    (topo:1/2/4), the torch optimizers given to wrap, each saved with shard.torch.save after
+    step 5 and resumed in a new job (new model, optimizer and schedule, wrap(load=)): the same
+    checks as AdamW's (Adam: at most one element in 10^4 outside that band, none beyond 3e-5:
+    Adam's step divides by the gradient's own root), and shardctl jobs names the optimizer;
   - full_state_dict has the tied weight under both names, and loads into an unwrapped model;
   - shardctl's jobs document shows each group's current lr (the schedule's last value);
   - memory: a model of 8 units, 1 MiB of gradient each: during backward the process's heap in
@@ -111,12 +116,20 @@ def loss_of(m, x, y):
     return nn.functional.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
-def build_opt(kind, m, names=False):
-    if kind == "adamw":
-        o = torch.optim.AdamW(groups(m), lr=3e-2)
-        return o, torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine)
-    o = torch.optim.SGD(groups(m), lr=5e-2, momentum=0.9)
-    return o, torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
+def build_opt(kind, m):
+    """the optimizer of kind and its schedule"""
+    if kind in ("adamw", "adam"):
+        o = (torch.optim.AdamW if kind == "adamw" else torch.optim.Adam)(groups(m), lr=3e-2)
+    else:
+        o = torch.optim.SGD(groups(m), lr=5e-2, momentum=0.9, nesterov=kind == "nesterov")
+    return o, schedule(kind, o)
+
+
+def schedule(kind, o, last_epoch=-1):
+    """kind's schedule on o (last_epoch: a resumed one's)"""
+    if kind in ("adamw", "adam"):
+        return torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine, last_epoch=last_epoch)
+    return torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5, last_epoch=last_epoch)
 
 
 def before_step(kind, m, step):
@@ -273,6 +286,9 @@ def batchnorm(cl, work):
               f"buffers max |diff| {maxd:.2e}, eval max |diff| {evald:.2e}", flush=True)
 
 
+RESUME_AT = 5  # Adam and Nesterov's SGD: saved after this many steps and resumed
+
+
 def reference(kind):
     """single-process torch on the global batch: per-step losses, final parameters"""
     m = model()
@@ -294,7 +310,13 @@ def reference(kind):
 def worker(a):
     """one rank through shardd"""
     m = model()
-    if a["form"] == "dict":  # SGD: the groups as the optimizer dict's, by name
+    kind = "sgd" if a["form"] == "dict" else "adamw"
+    if a["form"].startswith("torch-"):  # Adam, Nesterov's SGD: saved and resumed mid-run
+        kind = a["form"][len("torch-"):]
+        opt, sched = build_opt(kind, m)
+        st.wrap(m, socket=a["socket"], job=a["job"], rank=a["rank"], world=RANKS,
+                plan=a["plan"], optimizer=opt)
+    elif a["form"] == "dict":  # SGD: the groups as the optimizer dict's, by name
         spec = {"name": "sgd", "lr": 5e-2, "momentum": 0.9, "param_groups": groups(m, True)}
         st.wrap(m, socket=a["socket"], job=a["job"], rank=a["rank"], world=RANKS,
                 plan=a["plan"], optimizer=spec)
@@ -306,7 +328,6 @@ def worker(a):
                 plan=a["plan"], optimizer=torch_opt, max_grad_norm=1.0)
         opt = torch_opt if a["form"] == "torch" else st.optimizer(m)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
-    kind = "sgd" if a["form"] == "dict" else "adamw"
     lo, hi = a["rank"] * SEQS, (a["rank"] + 1) * SEQS
     losses, errors = [], []
     for step in range(STEPS):
@@ -319,6 +340,18 @@ def worker(a):
             opt.zero_grad()
         sched.step()
         losses.append(total)
+        if a["form"].startswith("torch-") and step + 1 == RESUME_AT:
+            # every rank: a checkpoint, a new process's state (model, optimizer, schedule), and
+            # a new job that resumes it: the optimizer's moments or momentum carry on
+            ck = f"{a['out'].rsplit('-', 1)[0]}-ck"
+            st.save(ck, m)
+            st.unwrap(m)
+            m = model()
+            opt, _ = build_opt(kind, m)
+            st.wrap(m, socket=a["socket"], job=a["job"] + "-resumed", rank=a["rank"],
+                    world=RANKS, plan=a["plan"], optimizer=opt, load=ck)
+            assert st.start_step(m) == RESUME_AT, f"resumed at step {st.start_step(m)}"
+            sched = schedule(kind, opt, last_epoch=RESUME_AT - 1)
         if a["rank"] == 0 and step == 4:  # rank 0 alone reads the weights mid-training
             mid = st.full_state_dict(m)
             check_mid = all(torch.isfinite(v).all() for v in mid.values())
@@ -359,20 +392,29 @@ def run(cluster, work, tag, plan, form, disagree=False):
     return (losses, params, logs)
 
 
-def compare(tag, got, ref):
+def compare(tag, got, ref, loose=None):
+    """got (a run through shardd) vs ref (single-process torch): losses within 1e-5 relative,
+    every parameter allclose (rtol 1e-5, atol 1e-6); with loose, a few elements (at most one
+    in 10^4) may be outside that band but none beyond atol=loose"""
     losses, params, _ = got
     ref_losses, ref_params = ref
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     check(worst <= 1e-5, f"{tag}: per-step loss vs single-process torch: worst relative {worst:.3g}")
     check(sorted(params) == sorted(ref_params), f"{tag}: full_state_dict has torch's keys "
           f"(the tied weight under both names): {sorted(set(params) ^ set(ref_params))}")
-    maxd, outside = 0.0, 0
+    maxd, outside, numel = 0.0, 0, 0
     for k in ref_params:
         if k in params:
             maxd = max(maxd, (params[k] - ref_params[k]).abs().max().item())
             outside += int((~torch.isclose(params[k], ref_params[k], rtol=1e-5,
                                            atol=1e-6)).sum())
-    check(outside == 0, f"{tag}: {outside} parameters not allclose, max |diff| {maxd:.3g}")
+            numel += ref_params[k].numel()
+    if loose is None:
+        check(outside == 0, f"{tag}: {outside} parameters not allclose, max |diff| {maxd:.3g}")
+    else:
+        check(outside <= max(1, numel // 10000) and maxd <= loose,
+              f"{tag}: {outside} of {numel} parameters not allclose (at most one in 10^4), "
+              f"max |diff| {maxd:.3g} (at most {loose:g})")
     print(f"{tag}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, worst relative difference "
           f"{worst:.2e}, parameters max |diff| {maxd:.2e}", flush=True)
     return maxd
@@ -487,6 +529,21 @@ def main():
             got = run(cl, work, "sgd", "mics:2", "dict")
             if got[0] is not None:
                 compare("sgd", got, sgd_ref)
+            # torch.optim.Adam (its weight decay in the gradient) and SGD(nesterov=True), run
+            # by the daemon, each saved after step 5 and resumed in a new job
+            for kind, plan in (("adam", "zero3"), ("nesterov", "topo:1/2/4")):
+                got = run(cl, work, kind, plan, "torch-" + kind)
+                if got[0] is not None:
+                    # Adam divides each moment by its own root: where the L2 term cancels the
+                    # data gradient (g near 0), the fp32 sums' order (1e-7 relative of each
+                    # term) is a relative error of the step itself, up to lr (3e-2) a step in
+                    # principle; measured 5.3e-6 on one element of 3.7K, also without the
+                    # resume and 2.5e-7 in one process (torch's lerp against b1 m + (1 - b1) g)
+                    compare(f"{kind} (resumed at step {RESUME_AT})", got, reference(kind),
+                            loose=3e-5 if kind == "adam" else None)
+                    job = got[2][0]["jobs"]["jobs"][0]["optimizer"]
+                    want = "adam" if kind == "adam" else "sgd-nesterov"
+                    check(job["name"] == want, f"{kind}: shardctl jobs names it {job['name']}")
             batchnorm(cl, work)
             memory(sys.argv[1], work)
     finally:

@@ -62,6 +62,40 @@ int main(void)
     dev->sgd(q, &s, &sp, &buf, &sg, 1.0f, &w16, SD_DTYPE_BF16, 1);
     TH_CHECK(fabs(sp - 0.852151) < 1e-6, "sgd step 2: %.9g", sp);
 
+    /* Adam (torch.optim.Adam: the decay added to the gradient), two steps, p = 1, g = 0.5 */
+    master = 1.0f, m = 0, v = 0, grad = 1.0f;
+    struct sd_adamw_args ad = {.lr = 0.1f,
+                               .beta1 = 0.9f,
+                               .beta2 = 0.999f,
+                               .eps = 1e-8f,
+                               .weight_decay = 0.01f,
+                               .step = 1,
+                               .l2 = true};
+    dev->adamw(q, &ad, &master, &m, &v, &grad, 0.5f, &w, SD_DTYPE_FP32, 1);
+    double ag1 = 0.5 + 0.01 * 1.0, am1 = 0.1 * ag1, av1 = 0.001 * ag1 * ag1;
+    double ap1 = 1.0 - 0.1 * (am1 / 0.1) / (sqrt(av1 / 0.001) + 1e-8);
+    TH_CHECK(fabs(master - ap1) < 1e-6 && fabs(m - am1) < 1e-7 && w == master,
+             "adam step 1: %.9g vs %.9g (m %.9g vs %.9g)", master, ap1, m, am1);
+    grad = 1.0f;
+    ad.step = 2;
+    dev->adamw(q, &ad, &master, &m, &v, &grad, 0.5f, &w, SD_DTYPE_FP32, 1);
+    double ag2 = 0.5 + 0.01 * ap1, am2 = 0.9 * am1 + 0.1 * ag2,
+           av2 = 0.999 * av1 + 0.001 * ag2 * ag2;
+    double ap2 = ap1 - 0.1 * (am2 / (1 - 0.81)) / (sqrt(av2 / (1 - 0.999 * 0.999)) + 1e-8);
+    TH_CHECK(fabs(master - ap2) < 1e-6, "adam step 2: %.9g vs %.9g", master, ap2);
+
+    /* SGD with Nesterov momentum 0.9, weight decay 0.01: the update is g + 0.9 * buf */
+    float np = 1.0f, nbuf = 0, ng = 0.5f, nw = 0;
+    struct sd_sgd_args ns = {.lr = 0.1f, .momentum = 0.9f, .weight_decay = 0.01f, .nesterov = true};
+    dev->sgd(q, &ns, &np, &nbuf, &ng, 1.0f, &nw, SD_DTYPE_FP32, 1);
+    double ng1 = 0.5 + 0.01, nb1 = ng1, np1 = 1.0 - 0.1 * (ng1 + 0.9 * nb1);
+    TH_CHECK(fabs(np - np1) < 1e-6 && fabs(nbuf - nb1) < 1e-7 && ng == 0.0f && nw == np,
+             "nesterov step 1: %.9g vs %.9g", np, np1);
+    ng = 0.5f;
+    dev->sgd(q, &ns, &np, &nbuf, &ng, 1.0f, &nw, SD_DTYPE_FP32, 1);
+    double ng2 = 0.5 + 0.01 * np1, nb2 = 0.9 * nb1 + ng2, np2 = np1 - 0.1 * (ng2 + 0.9 * nb2);
+    TH_CHECK(fabs(np - np2) < 1e-6, "nesterov step 2: %.9g vs %.9g", np, np2);
+
     /* reduce, casts, norm */
     float acc[3] = {1, 2, 3};
     uint16_t h[3] = {sd_f32_to_bf16(0.5f), sd_f32_to_bf16(-2.0f), sd_f32_to_bf16(4.0f)};

@@ -287,11 +287,15 @@ static void t_optim(size_t n, size_t skew)
                                   .eps = 1e-8f,
                                   .weight_decay = 0.01f,
                                   .step = 7};
-        EACH_BK(b)
-        b->ops->adamw(b->q, &a, at(&o[0], b), at(&o[1], b), at(&o[2], b), at(&o[3], b), 0.25f,
-                      at(&o[4], b), dt, n);
-        snprintf(what, sizeof(what), "adamw w %s n=%zu skew=%zu", dtn[dt], n, skew);
-        compare(what, o, 5);
+        for (int l2 = 0; l2 < 2; l2++) { /* AdamW, then Adam (the decay in the gradient) */
+            a.l2 = l2 == 1;
+            EACH_BK(b)
+            b->ops->adamw(b->q, &a, at(&o[0], b), at(&o[1], b), at(&o[2], b), at(&o[3], b), 0.25f,
+                          at(&o[4], b), dt, n);
+            snprintf(what, sizeof(what), "%s w %s n=%zu skew=%zu", l2 ? "adam" : "adamw", dtn[dt],
+                     n, skew);
+            compare(what, o, 5);
+        }
         teardown(o, 5);
 
         struct opnd s[4];
@@ -306,10 +310,15 @@ static void t_optim(size_t n, size_t skew)
                              .fdt = 1 + dt};
         setup(s, 4);
         struct sd_sgd_args g = {.lr = 0.05f, .momentum = 0.9f, .weight_decay = 1e-4f};
-        EACH_BK(b)
-        b->ops->sgd(b->q, &g, at(&s[0], b), at(&s[1], b), at(&s[2], b), 0.5f, at(&s[3], b), dt, n);
-        snprintf(what, sizeof(what), "sgd w %s n=%zu skew=%zu", dtn[dt], n, skew);
-        compare(what, s, 4);
+        for (int nest = 0; nest < 2; nest++) { /* plain momentum, then Nesterov's */
+            g.nesterov = nest == 1;
+            EACH_BK(b)
+            b->ops->sgd(b->q, &g, at(&s[0], b), at(&s[1], b), at(&s[2], b), 0.5f, at(&s[3], b), dt,
+                        n);
+            snprintf(what, sizeof(what), "sgd%s w %s n=%zu skew=%zu", nest ? "-nesterov" : "",
+                     dtn[dt], n, skew);
+            compare(what, s, 4);
+        }
         teardown(s, 4);
     }
 }

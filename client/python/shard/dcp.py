@@ -192,13 +192,19 @@ def read(dcp_dir):
 
 # ---- shardd -> DCP
 
+def _layout(kind):
+    """the optimizer whose states kind keeps: "adamw" (AdamW, Adam: step, exp_avg, exp_avg_sq)
+    or "sgd" (SGD, with or without Nesterov momentum: momentum_buffer)"""
+    return "adamw" if kind in ("adamw", "adam") else "sgd"
+
+
 def _torch_group(kind, g):
     """torch's param group entries of a MANIFEST group"""
-    if kind == "adamw":
+    if _layout(kind) == "adamw":
         return {"lr": g["lr"], "betas": (g["beta1"], g["beta2"]), "eps": g["eps"],
                 "weight_decay": g["weight_decay"]}
     return {"lr": g["lr"], "momentum": g["momentum"], "weight_decay": g["weight_decay"],
-            "dampening": 0.0, "nesterov": False}
+            "dampening": 0.0, "nesterov": kind == "sgd-nesterov"}
 
 
 def from_shardd(checkpoint, out, buffers=None):
@@ -229,7 +235,7 @@ def from_shardd(checkpoint, out, buffers=None):
         opt = sd["optimizer"][t["name"]]
         if t["steps"] == 0:  # torch makes a parameter's state at its first step
             continue
-        if kind == "adamw":
+        if _layout(kind) == "adamw":
             state[t["name"]] = {"step": torch.tensor(float(t["steps"])), "exp_avg":
                                 opt["exp_avg"], "exp_avg_sq": opt["exp_avg_sq"]}
         elif man["groups"][t["group"]]["momentum"] != 0:
@@ -289,7 +295,7 @@ def _write_checkpoint(out, step, job, kind, max_grad_norm, groups, tensors, stat
     group, steps)] with states {state: [flat fp32 tensor per tensor]} into out/step-NNNNNNNN,
     then out/LATEST naming it"""
     import torch
-    names = ["master", "exp_avg", "exp_avg_sq"] if kind == "adamw" else ["master",
+    names = ["master", "exp_avg", "exp_avg_sq"] if _layout(kind) == "adamw" else ["master",
                                                                           "momentum_buffer"]
     os.makedirs(out, exist_ok=True)
     final = os.path.join(out, f"step-{step:08d}")
@@ -350,6 +356,7 @@ def to_shardd(dcp_dir, out, model, optimizer=None, units=None, job="dcp"):
     from . import torch as _st
     reg = _st._registration(model, optimizer, units)
     kind = reg.opt.name
+    layout = _layout(kind)
     d = _Dcp(dcp_dir)
     try:
         mkeys, skeys, gkeys = _parts(d)
@@ -360,7 +367,7 @@ def to_shardd(dcp_dir, out, model, optimizer=None, units=None, job="dcp"):
         tensors, states = [], {s: [] for s in ("master", "exp_avg", "exp_avg_sq",
                                                "momentum_buffer")}
         step = 0
-        want = ("exp_avg", "exp_avg_sq") if kind == "adamw" else ("momentum_buffer",)
+        want = ("exp_avg", "exp_avg_sq") if layout == "adamw" else ("momentum_buffer",)
         for t in reg.tensors:
             if t.name not in mkeys:
                 raise DcpError(f"{d.path}: has no '{MODEL}.{t.name}', a parameter of the model")
@@ -384,16 +391,16 @@ def to_shardd(dcp_dir, out, model, optimizer=None, units=None, job="dcp"):
                     states[n].append(_f32(v))
                 else:  # never stepped (or frozen): torch has no state for it
                     states[n].append(_f32(w) * 0)
-            if kind == "adamw" and have:
+            if layout == "adamw" and have:
                 if (t.name, "step") not in skeys:
                     raise DcpError(f"{d.path}: the optimizer state of '{t.name}' has no step")
                 steps = int(float(d.get(skeys[(t.name, "step")])))
-            elif kind == "sgd":
+            elif layout == "sgd":
                 bad = [n for (p, n) in skeys if p == t.name and n != "momentum_buffer"]
                 if bad:
                     raise DcpError(f"{d.path}: the optimizer state of '{t.name}' has {bad}: "
                                    "not SGD's")
-            if kind == "adamw" and [n for (p, n) in skeys if p == t.name and n not in
+            if layout == "adamw" and [n for (p, n) in skeys if p == t.name and n not in
                                     ("step", "exp_avg", "exp_avg_sq")]:
                 raise DcpError(f"{d.path}: the optimizer state of '{t.name}' has entries AdamW "
                                f"does not keep: "

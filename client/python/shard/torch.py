@@ -368,7 +368,7 @@ class _State:
         out = []
         for g in groups:
             h = {"lr": float(g["lr"]), "weight_decay": float(g["weight_decay"])}
-            if self.kind == "adamw":
+            if self.kind in _ADAM_LIKE:
                 h["betas"] = tuple(float(b) for b in g["betas"])
                 h["eps"] = float(g["eps"])
             else:
@@ -467,18 +467,31 @@ def _default_units(model):
     return units
 
 
-# torch's defaults, per optimizer (torch.optim.AdamW, torch.optim.SGD)
+# the optimizers the daemon runs, as torch.optim computes them: libshard's names, and torch's
+# defaults of each (torch.optim.AdamW, Adam, SGD; "sgd-nesterov" is SGD(nesterov=True))
 _DEFAULTS = {"adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2},
+             "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
              "sgd": {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0}}
+_DEFAULTS["sgd-nesterov"] = _DEFAULTS["sgd"]
 # the hyperparameters a group has, per optimizer; the whole optimizer's keys add these
 _GROUP = {"adamw": ("lr", "betas", "eps", "weight_decay"), "sgd": ("lr", "momentum", "weight_decay")}
+_GROUP["adam"], _GROUP["sgd-nesterov"] = _GROUP["adamw"], _GROUP["sgd"]
 _KEYS = {n: set(g) | {"name", "max_grad_norm", "param_groups"} for n, g in _GROUP.items()}
+_KEYS["sgd"].add("nesterov")
+_ADAM_LIKE = ("adamw", "adam")  # the optimizers with betas and eps (and exp_avg, exp_avg_sq)
 # a torch optimizer's options that shardd's optimizer has, and those it accepts only at torch's
-# default value (any other value is refused, naming the option)
+# default value (any other value is refused, naming the option); Adam's decoupled_weight_decay
+# and SGD's nesterov choose the kind (_from_torch)
 _TORCH_SAME = {"adamw": {"amsgrad": False, "maximize": False, "capturable": False,
                          "differentiable": False, "fused": None, "foreach": None},
-               "sgd": {"dampening": 0, "nesterov": False, "maximize": False,
-                       "differentiable": False, "foreach": None}}
+               "sgd": {"dampening": 0, "maximize": False, "differentiable": False,
+                       "foreach": None, "fused": None}}
+_TORCH_SAME["adam"] = _TORCH_SAME["adamw"]
+_TORCH_KINDS = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
+# what a torch optimizer's option that picks the kind makes of it: (option, kind if True)
+_TORCH_FLAG = {"adam": ("decoupled_weight_decay", "adamw"), "sgd": ("nesterov", "sgd-nesterov")}
+_SUPPORTED = ("torch.optim.AdamW, Adam, SGD (with or without nesterov); a dict's name: adamw, "
+              "adam, sgd (nesterov=True)")
 
 
 class _Opt:
@@ -496,18 +509,20 @@ def _optimizer_of(optimizer, named):
     if isinstance(optimizer, torch.optim.Optimizer):
         return _from_torch(optimizer, named)
     if not isinstance(optimizer, dict):
-        raise TypeError(f"shard.torch.wrap: optimizer must be a dict or a torch.optim.AdamW/SGD, "
-                        f"not {type(optimizer).__name__} (parameter groups: a torch optimizer "
-                        "built on them, or the dict's 'param_groups')")
+        raise TypeError(f"shard.torch.wrap: optimizer must be a dict or a torch optimizer "
+                        f"({_SUPPORTED}), not {type(optimizer).__name__} (parameter groups: a "
+                        "torch optimizer built on them, or the dict's 'param_groups')")
     name = str(optimizer.get("name", "adamw")).lower()
     if name not in _DEFAULTS:
-        raise ValueError(f"shard.torch.wrap: optimizer '{name}' is not supported (adamw, sgd)")
+        raise ValueError(f"shard.torch.wrap: optimizer '{name}' is not supported ({_SUPPORTED})")
     for k in optimizer:
         if k not in _KEYS[name]:
             raise ValueError(f"shard.torch.wrap: optimizer key '{k}' is not known for {name} "
                              f"(known: {', '.join(sorted(_KEYS[name]))})")
     base = dict(_DEFAULTS[name])
     base.update({k: v for k, v in optimizer.items() if k in _GROUP[name]})
+    if optimizer.get("nesterov"):
+        name = "sgd-nesterov"
     specs = optimizer.get("param_groups")
     if specs is None:
         return _Opt(name, float(optimizer.get("max_grad_norm", 0.0)), [base], {})
@@ -546,16 +561,22 @@ def _check_covered(named, group_of, what):
 
 
 def _from_torch(opt, named):
-    kinds = {torch.optim.AdamW: "adamw", torch.optim.SGD: "sgd"}
-    name = kinds.get(type(opt))
+    name = _TORCH_KINDS.get(type(opt))
     if name is None:
         raise ValueError(f"shard.torch.wrap: torch optimizer {type(opt).__name__} is not "
-                         "supported (torch.optim.AdamW, torch.optim.SGD)")
+                         f"supported ({_SUPPORTED})")
     for k, want in _TORCH_SAME[name].items():
         for g in opt.param_groups:
             if k in g and g[k] != want and not (want is None and g[k] is False):
                 raise ValueError(f"shard.torch.wrap: {type(opt).__name__} option '{k}'={g[k]} "
                                  "is not supported by shardd's optimizer")
+    if name in _TORCH_FLAG:  # one kind for the whole optimizer: the flag alike in every group
+        flag, kind = _TORCH_FLAG[name]
+        values = [bool(g.get(flag, False)) for g in opt.param_groups]
+        if len(set(values)) > 1:
+            raise ValueError(f"shard.torch.wrap: {type(opt).__name__}'s param groups differ in "
+                             f"'{flag}' ({values}); shardd runs one kind of optimizer per job")
+        name = kind if values[0] else name
     if len(opt.state):
         raise ValueError("shard.torch.wrap: the torch optimizer has taken steps already; its "
                          "state cannot be moved into shardd (wrap before the first step)")
@@ -966,12 +987,13 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     Parameters outside them form one more unit fetched around the whole model's forward. A
     parameter shared by several units (tied weights) belongs to the first; the others fetch that
     unit too.
-    optimizer: a torch.optim.AdamW or SGD built on the model's parameters, its param groups and
-    their hyperparameters translated (its step() then steps in shardd, so a scheduler built on
-    it drives the learning rate); or {"name": "adamw"|"sgd", "lr", "betas", "eps",
-    "weight_decay", "momentum", "max_grad_norm", "param_groups": [{"params": [...], "lr": ...},
-    ...]} with torch's defaults (AdamW: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01;
-    SGD: lr 1e-3, momentum 0, weight_decay 0), unknown keys refused. shard.torch.optimizer(model)
+    optimizer: a torch.optim.AdamW, Adam or SGD (nesterov too) built on the model's parameters,
+    its param groups and their hyperparameters translated (its step() then steps in shardd, so
+    a scheduler built on it drives the learning rate); or {"name": "adamw"|"adam"|"sgd", "lr",
+    "betas", "eps", "weight_decay", "momentum", "nesterov", "max_grad_norm", "param_groups":
+    [{"params": [...], "lr": ...}, ...]} with torch's defaults (AdamW: lr 1e-3, betas (0.9,
+    0.999), eps 1e-8, weight_decay 0.01; Adam: the same with weight_decay 0; SGD: lr 1e-3,
+    momentum 0, weight_decay 0), unknown keys refused. shard.torch.optimizer(model)
     is the torch.optim.Optimizer to step and schedule. max_grad_norm: clip the global gradient
     norm (0: no clipping).
     broadcast_buffers: every step sets every rank's module buffers (BatchNorm's running
@@ -1072,7 +1094,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
             for g, pg in enumerate(state.opt.param_groups):
                 h = ctx.group_hparams(g)
                 pg["lr"], pg["weight_decay"] = h["lr"], h["weight_decay"]
-                if opt.name == "adamw":
+                if opt.name in _ADAM_LIKE:
                     pg["betas"], pg["eps"] = h["betas"], h["eps"]
                 else:
                     pg["momentum"] = h["momentum"]

@@ -32,7 +32,16 @@
 
 enum sd_dtype { SD_DTYPE_FP32 = 0, SD_DTYPE_BF16 = 1, SD_DTYPE_FP16 = 2, SD_DTYPE_COUNT };
 enum sd_state { SD_STATE_W = 0, SD_STATE_G = 1, SD_STATE_OS = 2, SD_STATE_COUNT };
-enum sd_optim_kind { SD_OPTIM_ADAMW = 0, SD_OPTIM_SGD = 1 };
+/* the optimizers the daemon runs, as torch.optim computes them: AdamW (decoupled weight decay),
+ * SGD (momentum, dampening 0), Adam (weight decay added to the gradient) and SGD with Nesterov
+ * momentum; Adam's states are AdamW's, Nesterov's SGD's (sd_optim_layout) */
+enum sd_optim_kind {
+    SD_OPTIM_ADAMW = 0,
+    SD_OPTIM_SGD = 1,
+    SD_OPTIM_ADAM = 2,
+    SD_OPTIM_SGD_NESTEROV = 3,
+    SD_OPTIM_KINDS
+};
 
 size_t sd_dtype_size(int dtype);
 const char *sd_dtype_name(int dtype);
@@ -267,5 +276,12 @@ static inline void sd_layout_shard(const struct sd_unit_layout *u, const struct 
 
 /* Optimizer state floats per parameter: fp32 master + moments. */
 uint32_t sd_optim_state_floats(int kind);
+/* "adamw", "sgd", "adam", "sgd-nesterov" (libshard's and the checkpoints' names); "?" for an
+ * unknown kind */
+const char *sd_optim_name(int kind);
+int sd_optim_parse(const char *name); /* -1 if unknown */
+/* the kind whose states kind keeps: SD_OPTIM_ADAMW (master, exp_avg, exp_avg_sq) or SD_OPTIM_SGD
+ * (master, momentum_buffer) */
+int sd_optim_layout(int kind);
 
 #endif

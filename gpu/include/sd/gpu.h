@@ -22,10 +22,13 @@ struct sd_mem {
 struct sd_adamw_args {
     float lr, beta1, beta2, eps, weight_decay;
     uint64_t step; /* 1-based */
+    bool l2;       /* Adam: the weight decay is added to the gradient (torch.optim.Adam), not
+                      applied to the weight (AdamW) */
 };
 
 struct sd_sgd_args {
     float lr, momentum, weight_decay;
+    bool nesterov; /* the update is g + momentum * buf (torch.optim.SGD's nesterov) */
 };
 
 /* A queue of device work (a CUDA or HIP stream per device): kernels enqueued on one run in the
