@@ -8,8 +8,8 @@ tools/deps.sh
 # the Python tests run under PyTorch 2.x from PyPI, in a venv of Debian's Python (Debian 12's own
 # torch is 1.13 and its Python refuses a system pip): tools/torch-venv.sh says why and where
 py=$(tools/torch-venv.sh)
-# test_readme runs the README's blocks, whose venv is over Debian's python3-torch (1.13)
-tools/deps.sh --optional python3-torch python3-pip python3-venv python3-matplotlib
+# test_readme makes the README's venv with Debian's python3 -m venv (python3-venv)
+tools/deps.sh --optional python3-venv python3-matplotlib
 echo "== Python tests under $("$py" -c 'import torch, sys; print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")') ($py)"
 tools/deps.sh --optional clang libclang-rt-14-dev   # test_fuzz (libFuzzer harnesses)
 jobs=$(nproc)

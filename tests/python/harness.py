@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 try:
     import torch  # noqa: F401
 except ImportError as e:
-    print(f"SKIP: PyTorch cannot be imported ({e}); tools/deps.sh installs python3-torch")
+    print(f"SKIP: PyTorch cannot be imported ({e}); tools/torch-venv.sh makes the venv with "
+          "torch 2.x that tools/test.sh runs the Python tests under")
     sys.exit(77)
 
 if len(sys.argv) >= 3 and "SHARD_LIBRARY" not in os.environ:

@@ -10,7 +10,10 @@ gets its check here). Processes a block leaves behind are killed with its sessio
 `cmake --install BUILD --prefix P`: Debian's python3 with P's dist-packages on its path imports
 shard, which loads P's libshard without SHARD_LIBRARY, and trains against P's shardd.
 
-Blocks that need PyTorch run only where Debian's python3 imports torch; without it the test
+Blocks that need PyTorch run where the interpreter running this test has torch 2.x (the suite's
+venv, tools/torch-venv.sh): the README's `pip install torch` into ~/venv is then already
+satisfied (~/venv is made first, with a .pth naming that venv's site-packages, so the test does
+not download 5 GiB again; every other command of the block runs as written). Without it the test
 runs the others and then exits 77 (skipped, saying why).
 
 usage: test_readme.py SOURCE_DIR BUILD_DIR
@@ -60,7 +63,7 @@ def blocks(text):
 
 # what each shell block prints, by a phrase of its first line: (regexes all found, needs torch)
 EXPECT = {
-    "build/daemon/shardd --runtime-dir": ([r"demo .*finished", r"fetch"], False),
+    "build/daemon/shardd --runtime-dir /tmp/shardd": ([r"demo .*finished", r"fetch"], False),
     "tools/local-cluster.sh start --nodes 2 --ranks-per-node 2 --dir /tmp/c   # loopback":
         ([r"cluster of 2 nodes x 2 ranks up", r"demo .*finished"], False),
     "tools/local-cluster.sh start --nodes 2 --dir /tmp/i --independent": ([
@@ -71,7 +74,9 @@ EXPECT = {
         r"open cluster of 3 nodes up",
         r"job anywhere: world 4 = 2 nodes x 2 ranks on cluster nodes 2,1 \(this one its node 0\)"],
         False),
-    "/usr/bin/python3 -m venv": ([r"libshard\.so\.0"], True),
+    "/usr/bin/python3 -m venv": ([r"(?m)^2\.\d+", r"libshard\.so\.0"], True),
+    "build/daemon/shardd --runtime-dir /tmp/t": (
+        [r"torchrun on one node equals the two-node run: True"], True),
     "tools/local-cluster.sh start --nodes 2 --ranks-per-node 2 --dir /tmp/c\n":
         ([r"step 12: val loss", r"resumed run equals the first: True",
           r"'blocks\.0\.fc\.bias'", r"gpt .*finished"], True),
@@ -139,7 +144,7 @@ def installed(work, env, have_torch):
                 break
             time.sleep(0.05)
         e = dict(env, PYTHONPATH=pydirs[0], SOCK=sock)
-        r = subprocess.run(["/usr/bin/python3", "-c", TINY], cwd=work, env=e,
+        r = subprocess.run([sys.executable, "-c", TINY], cwd=work, env=e,
                            capture_output=True, text=True, timeout=120)
         check(r.returncode == 0 and f"library {prefix}/lib" in r.stdout,
               f"the installed package loads {prefix}/lib's libshard and trains: {r.stdout}"
@@ -149,13 +154,46 @@ def installed(work, env, have_torch):
         daemon.wait(timeout=30)
 
 
+def torch_site():
+    """the site-packages of this interpreter when it imports torch 2.x (the suite's venv), else
+    None"""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if int(torch.__version__.split(".")[0]) < 2 or sys.prefix == sys.base_prefix:
+        return None
+    import sysconfig
+    return sysconfig.get_paths()["purelib"]
+
+
+def seed_venv(home):
+    """HOME/venv as the README makes it (Debian's python3 -m venv), with a .pth naming the
+    suite's venv's site-packages: the README's pip install torch finds torch there"""
+    venv = os.path.join(home, "venv")
+    subprocess.run(["/usr/bin/python3", "-m", "venv", venv], check=True, capture_output=True,
+                   timeout=120)
+    r = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
+                        "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       capture_output=True, text=True, check=True)
+    with open(os.path.join(r.stdout.strip(), "shardd-test-torch.pth"), "w") as f:
+        f.write(torch_site() + "\n")
+    # the launcher pip would have put beside it
+    torchrun = os.path.join(venv, "bin", "torchrun")
+    with open(torchrun, "w") as f:
+        f.write(f"#!{venv}/bin/python\nimport sys\nfrom torch.distributed.run import main\n"
+                "sys.exit(main())\n")
+    os.chmod(torchrun, 0o755)
+
+
 def main():
     readme = open(os.path.join(SRC, "README.md"), encoding="utf-8").read()
     found = blocks(readme)
     check(len(found) >= 5, f"the README marks its runnable blocks: {len(found)} found")
-    r = subprocess.run(["/usr/bin/python3", "-c", "import torch"], capture_output=True)
-    have_torch = r.returncode == 0
+    have_torch = torch_site() is not None
     work = tempfile.mkdtemp(prefix="shardd-readme-")
+    if have_torch:
+        seed_venv(work)
     for name, target in (("build", BUILD), ("client", os.path.join(SRC, "client")),
                          ("tools", os.path.join(SRC, "tools"))):
         os.symlink(target, os.path.join(work, name))
@@ -192,11 +230,13 @@ def main():
         if torch_needed and not have_torch:
             skipped.append(first)
             continue
+        t0 = time.monotonic()
         rc, out = run_block(work, n, body, env)
+        took = time.monotonic() - t0
         missing = [w for w in want if not re.search(w, out)]
         check(rc == 0 and not missing, f"README block {n} ('{first}'): exit {rc}, missing "
               f"{missing}:\n{out[-4000:]}")
-        print(f"block {n} ('{first[:60]}'): exit {rc}", flush=True)
+        print(f"block {n} ('{first[:60]}'): exit {rc} in {took:.0f} s", flush=True)
     installed(work, env, have_torch)
     if counts["failed"] == 0:
         shutil.rmtree(work, ignore_errors=True)
@@ -206,8 +246,8 @@ def main():
     if counts["failed"]:
         sys.exit(1)
     if skipped:
-        print(f"SKIP: Debian's python3 cannot import torch: the blocks {skipped} did not run "
-              "(tools/deps.sh installs python3-torch)")
+        print(f"SKIP: {sys.executable} has no torch 2.x: the blocks {skipped} did not run "
+              "(tools/torch-venv.sh makes the venv tools/test.sh runs this test under)")
         sys.exit(77)
 
 

@@ -1070,6 +1070,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                      for n, p in torch.nn.Module.state_dict(model, keep_vars=True).items()
                      if id(p) in names and n != names[id(p)]}
     state.kind, state.n_groups = opt.name, len(opt.groups)
+    state.plan, state.warned_quantized = plan, False
     state.bufs = bufs if bufs and bufs.nbytes else None
     state.rank = rank
     for dt in {p.dtype for ps in reg_params for _, p in ps}:
@@ -1280,6 +1281,13 @@ def full_state_dict(model=None, device=None):
     Any rank may call it alone (if rank == 0: torch.save(...)). device: where the tensors are
     (None: the model's device, as torch's state_dict(); "cpu": copies in host memory)."""
     st = _state_of(model)
+    if _quantized_weights(st.plan) and not st.warned_quantized:
+        st.warned_quantized = True
+        warnings.warn(f"shard.torch: plan '{st.plan}' gathers the weights as int8 blocks (,qw or "
+                      ",qsec): state_dict() and full_state_dict() return them as the forward "
+                      "sees them, dequantized, not the fp32 master weights; the masters are in "
+                      "a checkpoint (shard.torch.save, read by shard.checkpoint."
+                      "load_state_dict)", stacklevel=3)
     to = torch.device(device) if device is not None else None
     values = {}
     for u, ps in enumerate(st.params):
@@ -1307,6 +1315,12 @@ def full_state_dict(model=None, device=None):
         else:
             out[name] = t.detach().clone() if to is None else t.detach().to(to, copy=True)
     return out
+
+
+def _quantized_weights(plan):
+    """does plan gather int8 weights (zeropp, topo, ,qw, ,qsec)?"""
+    base, *opts = str(plan).split(",")
+    return base in ("zeropp", "topo") or "qw" in opts or "qsec" in opts
 
 
 def slot_of(model, unit):
