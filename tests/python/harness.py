@@ -1,9 +1,11 @@
 """What the Python tests share: PyTorch or a skip (exit 77), the shard package of this tree with
 the libshard under test, pass/fail counting, running processes with a deadline, and the emulated
-cluster of tools/local-cluster.sh.
+cluster of tools/local-cluster.sh; and the language-model task the GPT tests train (the
+warm-up + cosine schedule, the global micro-batch, the loss).
 
     from harness import torch, shard, check, raises, run_all, Cluster, finish
 """
+import math
 import os
 import subprocess
 import sys
@@ -87,3 +89,20 @@ def finish(name, work=None):
             print(f"logs kept in {work}")
     print(f"{name}: {counts['passed']} passed, {counts['failed']} failed")
     sys.exit(1 if counts["failed"] else 0)
+
+
+def warmup_cosine(step, steps):
+    """the schedule's factor at step of steps: 3 steps of warm-up, then a cosine"""
+    return min(1.0, (step + 1) / 3) * 0.5 * (1 + math.cos(math.pi * step / steps))
+
+
+def lm_batch(step, micro, rows, ctx, vocab):
+    """the global micro-batch of step and micro: rows random sequences, each next token the
+    target"""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randint(0, vocab, (rows, ctx), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def lm_loss(m, x, y, vocab):
+    return torch.nn.functional.cross_entropy(m(x).reshape(-1, vocab), y.reshape(-1))

@@ -32,14 +32,15 @@ would pick instead, on a 2-node x 2-rank emulated cluster of real daemons:
 Skipped (exit 77, with the reason) where PyTorch or FSDP2 (torch >= 2.6) cannot be imported.
 usage: test_torch_fsdp2.py SHARDD LIBSHARD
 """
+import functools
 import json
-import math
 import os
 import pickle
 import socket as _socket
 import sys
 import tempfile
 
+import harness
 from harness import Cluster, check, finish, raises, run_all, shard, torch
 
 import shard.torch as st  # noqa: E402
@@ -102,18 +103,10 @@ def optim(m):
     return o
 
 
-def warmup_cosine(step):
-    return min(1.0, (step + 1) / 3) * 0.5 * (1 + math.cos(math.pi * step / STEPS))
-
-
-def data(step, micro):
-    g = torch.Generator().manual_seed(1000 * step + micro)
-    x = torch.randint(0, VOCAB, (RANKS * SEQS, CTX), generator=g)
-    return x, torch.roll(x, -1, 1)
-
-
-def loss_of(m, x, y):
-    return nn.functional.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
+# the schedule, the global micro-batch (RANKS * SEQS sequences) and the loss (harness)
+warmup_cosine = functools.partial(harness.warmup_cosine, steps=STEPS)
+data = functools.partial(harness.lm_batch, rows=RANKS * SEQS, ctx=CTX, vocab=VOCAB)
+loss_of = functools.partial(harness.lm_loss, vocab=VOCAB)
 
 
 def rows(rank, world):

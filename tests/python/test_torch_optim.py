@@ -42,12 +42,13 @@ Skipped (exit 77, with the reason) where PyTorch cannot be imported.
 usage: test_torch_optim.py SHARDD LIBSHARD
 """
 import ctypes
+import functools
 import json
-import math
 import os
 import sys
 import tempfile
 
+import harness
 from harness import Cluster, check, finish, run_all, shard, torch
 
 import shard.torch as st  # noqa: E402
@@ -101,19 +102,10 @@ def groups(m, names=False):
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
-def warmup_cosine(step):
-    return min(1.0, (step + 1) / 3) * 0.5 * (1 + math.cos(math.pi * step / STEPS))
-
-
-def data(step, micro):
-    """the global micro-batch: RANKS * SEQS sequences"""
-    g = torch.Generator().manual_seed(1000 * step + micro)
-    x = torch.randint(0, VOCAB, (RANKS * SEQS, CTX), generator=g)
-    return x, torch.roll(x, -1, 1)
-
-
-def loss_of(m, x, y):
-    return nn.functional.cross_entropy(m(x).reshape(-1, VOCAB), y.reshape(-1))
+# the schedule, the global micro-batch (RANKS * SEQS sequences) and the loss (harness)
+warmup_cosine = functools.partial(harness.warmup_cosine, steps=STEPS)
+data = functools.partial(harness.lm_batch, rows=RANKS * SEQS, ctx=CTX, vocab=VOCAB)
+loss_of = functools.partial(harness.lm_loss, vocab=VOCAB)
 
 
 def build_opt(kind, m):
