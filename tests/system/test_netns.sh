@@ -88,7 +88,8 @@ for r in 0 1 2 3; do
   apids[$r]=$!
 done
 for r in 0 1 2 3; do wait "${apids[$r]}" || bad "new job on the survivors, rank $r: $(cat "$dir/after$r.log")"; done
-for p in "${pids[4]}" "${pids[5]}"; do pkill -P "$p"; kill "$p"; done 2>/dev/null; wait 2>/dev/null
+for p in "${pids[4]}" "${pids[5]}"; do kill $(ps -o pid= --ppid "$p") "$p"; done 2>/dev/null
+wait 2>/dev/null
 # the link comes back: node 2 rejoins through the coordinator (heartbeat timeout 1.5 s, a
 # reconnect every second), every node lists the three up, and a job across all of them trains
 "$ROOT/tools/local-cluster.sh" link --dir "$dir" --node 2 up

@@ -3,9 +3,11 @@
 proto/, gpu/, client/, daemon/, tools/ and tests/ is named in its directory's README.md (by its
 path below the directory or its file name; a header whose .c of the same name is named counts as
 named with it), and every test of tests/ is in tests/README.md's lists. A file added without a
-line in its README fails this test.
+line in its README fails this test. And no script or test stops processes by name (pkill,
+killall): a production shardd beside a benchmark or a test run stays up.
 Usage: test_docs.py SOURCE_ROOT"""
 import os
+import re
 import sys
 
 from checks import check, finish
@@ -45,6 +47,17 @@ def main():
                 continue
             check(named(readme, rel), "%s/%s is not named in %s/README.md" % (d, rel, d))
     check(total > 150, "the walk saw the sources: %d files" % total)
+    by_name = re.compile(r"\b(pkill|killall)\b")
+    me = os.path.abspath(__file__)
+    for d in ("tools", "tests"):
+        for rel in sources(os.path.join(root, d)):
+            path = os.path.join(root, d, rel)
+            if os.path.abspath(path) == me:
+                continue
+            with open(path, errors="replace") as f:
+                hits = [i + 1 for i, line in enumerate(f) if by_name.search(line)]
+            check(not hits, "%s/%s stops processes by name (pkill/killall) at lines %s: stop "
+                  "the pids it started" % (d, rel, hits))
     return finish("test_docs")
 
 

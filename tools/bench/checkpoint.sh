@@ -31,9 +31,11 @@ while [ $# -gt 0 ]; do
 done
 . tools/bench/lib.sh
 bench_build
-pkill -x shardd 2>/dev/null || true
-rm -rf "$dir" && mkdir -p "$dir"
 cl=$dir/cluster
+# a previous run's daemons, by the pid files of its cluster (never by name: another shardd on
+# this machine, a production one, stays)
+tools/local-cluster.sh stop --dir "$cl" >/dev/null 2>&1 || true
+rm -rf "$dir" && mkdir -p "$dir"
 tools/local-cluster.sh start --nodes 1 --ranks-per-node "$world" --dir "$cl" \
   --shardd "$B/daemon/shardd" -- "${daemon_opts[@]}" >/dev/null
 trap 'tools/local-cluster.sh stop --dir "$cl" >/dev/null 2>&1 || true' EXIT
