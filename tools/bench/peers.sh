@@ -14,7 +14,9 @@
 #                        [--report-only]  (the table and plot of the runs already in --out DIR:
 #                                          several invocations' systems in one table)
 # Sizes: comm = 8 layers of width 512 (25 M parameters: the gathers at 1 Gbit/s dominate),
-# compute = 2 layers of width 128 with 4x the batch (the forward and backward dominate).
+# compute = 2 layers of width 128 with 4x the batch (the forward and backward dominate),
+# wire = comm's model with 1/8 of its tokens (on a 2-core machine comm's 8 ranks are still
+# bound by their forward and backward: ~620 GFLOP a step; wire's ~80).
 # Needs root (namespaces) and tools/torch-venv.sh --peers (torch 2.x and DeepSpeed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -57,6 +59,7 @@ size_args() {
   case $1 in
     comm) echo "--layers 8 --width 512 --heads 8 --seq 64 --batch 4 --accum 2" ;;
     compute) echo "--layers 2 --width 128 --heads 4 --seq 64 --batch 16 --accum 2" ;;
+    wire) echo "--layers 8 --width 512 --heads 8 --seq 32 --batch 1 --accum 2" ;;
     *) echo "peers.sh: unknown size $1" >&2; exit 2 ;;
   esac
 }
