@@ -3,8 +3,10 @@
 proto/, gpu/, client/, daemon/, tools/ and tests/ is named in its directory's README.md (by its
 path below the directory or its file name; a header whose .c of the same name is named counts as
 named with it), and every test of tests/ is in tests/README.md's lists. A file added without a
-line in its README fails this test. And no script or test stops processes by name (pkill,
-killall): a production shardd beside a benchmark or a test run stays up.
+line in its README fails this test. The README's configuration table has a row for each entry
+of common/config.c's sd_config_table and no other, each with the table's default (shardd --help
+prints the same table). And no script or test stops processes by name (pkill, killall): a
+production shardd beside a benchmark or a test run stays up.
 Usage: test_docs.py SOURCE_ROOT"""
 import os
 import re
@@ -31,6 +33,27 @@ def named(readme, rel):
     return ("`%s`" % rel) in readme or base in readme
 
 
+def config_table(root):
+    """README.md's configuration rows ("| `name` | type | default | ...") against sd_config_table"""
+    with open(os.path.join(root, "common", "config.c")) as f:
+        entries = re.findall(r'^    \{"([a-z_0-9]+)", SD_CFG_[A-Z]+, "([^"]*)"', f.read(), re.M)
+    with open(os.path.join(root, "README.md")) as f:
+        rows = re.findall(r"^\| `([a-z_0-9]+)` \| [a-z]+ \| ([^|]*) \|", f.read(), re.M)
+    check(len(entries) > 40, "the walk saw sd_config_table: %d entries" % len(entries))
+    table, readme = dict(entries), dict(rows)
+    for name in sorted(set(table) - set(readme)):
+        check(False, "config option %s (common/config.c) has no row in README.md's "
+              "configuration table" % name)
+    for name in sorted(set(readme) - set(table)):
+        check(False, "README.md's configuration table has a row for %s, which "
+              "common/config.c does not have" % name)
+    for name in sorted(set(table) & set(readme)):
+        shown = readme[name].strip().strip("`")
+        check(shown == table[name] or (table[name] == "" and shown.startswith("(empty")),
+              "config option %s: the README's default '%s', common/config.c's '%s'" %
+              (name, shown, table[name]))
+
+
 def main():
     root = sys.argv[1]
     total = 0
@@ -47,6 +70,7 @@ def main():
                 continue
             check(named(readme, rel), "%s/%s is not named in %s/README.md" % (d, rel, d))
     check(total > 150, "the walk saw the sources: %d files" % total)
+    config_table(root)
     by_name = re.compile(r"\b(pkill|killall)\b")
     me = os.path.abspath(__file__)
     for d in ("tools", "tests"):
