@@ -548,11 +548,11 @@ static int check_hparams(const struct sd_hparams *h, const char *what, char *err
     return check_ranges(f, sizeof(f) / sizeof(f[0]), what, err, errlen);
 }
 
-int sd_hparams_validate(int kind, const struct sd_hparams *h, uint32_t g, char *err, size_t errlen)
+/* what's hyperparameters for an optimizer of kind: every field in range (SGD ignores the betas,
+ * which default sanely), and Nesterov's momentum above 0, as torch requires */
+static int check_kind_hparams(int kind, const struct sd_hparams *h, const char *what, char *err,
+                              size_t errlen)
 {
-    /* every field is checked: SGD ignores the betas, which default sanely */
-    char what[48];
-    snprintf(what, sizeof(what), "optimizer group %u", g);
     int st = check_hparams(h, what, err, errlen);
     if (st == SD_OK && kind == SD_OPTIM_SGD_NESTEROV && !(h->momentum > 0.0f)) {
         snprintf(err, errlen, "%s: momentum is %g; Nesterov momentum needs it above 0 (as torch)",
@@ -562,18 +562,19 @@ int sd_hparams_validate(int kind, const struct sd_hparams *h, uint32_t g, char *
     return st;
 }
 
+int sd_hparams_validate(int kind, const struct sd_hparams *h, uint32_t g, char *err, size_t errlen)
+{
+    char what[48];
+    snprintf(what, sizeof(what), "optimizer group %u", g);
+    return check_kind_hparams(kind, h, what, err, errlen);
+}
+
 int sd_optim_validate(const struct sd_optim *o, char *err, size_t errlen)
 {
     struct sd_hparams h = optim_hparams(o);
-    int st = check_hparams(&h, "optimizer", err, errlen);
+    int st = check_kind_hparams(o->kind, &h, "optimizer", err, errlen);
     if (st != SD_OK)
         return st;
-    if (o->kind == SD_OPTIM_SGD_NESTEROV && !(o->momentum > 0.0f)) {
-        snprintf(err, errlen,
-                 "optimizer: momentum is %g; Nesterov momentum needs it above 0 (as torch)",
-                 (double)o->momentum);
-        return SD_EINVAL;
-    }
     const struct range clip = {"max_grad_norm", o->max_grad_norm, 0.0f, 1e30f, false};
     return check_ranges(&clip, 1, "optimizer", err, errlen);
 }

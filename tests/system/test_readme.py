@@ -7,8 +7,9 @@ directory that holds `build` (the build under test), `client` and `tools` (the s
 fails the test when it exits non-zero or outlives its deadline; what each block must print is
 checked below (EXPECT), and a marked block this test does not know fails it too (a new block
 gets its check here). Processes a block leaves behind are killed with its session. Then
-`cmake --install BUILD --prefix P`: Debian's python3 with P's dist-packages on its path imports
-shard, which loads P's libshard without SHARD_LIBRARY, and trains against P's shardd.
+`cmake --install BUILD --prefix P`: this test's interpreter (the suite's venv of Debian's
+python3) with P's dist-packages on its path imports shard, which loads P's libshard without
+SHARD_LIBRARY, and trains against P's shardd.
 
 Blocks that need PyTorch run where the interpreter running this test has torch 2.x (the suite's
 venv, tools/torch-venv.sh): the README's `pip install torch` into ~/venv is then already
@@ -167,8 +168,8 @@ def torch_site():
     return sysconfig.get_paths()["purelib"]
 
 
-def seed_venv(home):
-    """HOME/venv as the README makes it (Debian's python3 -m venv), with a .pth naming the
+def seed_venv(home, site):
+    """HOME/venv as the README makes it (Debian's python3 -m venv), with a .pth naming site, the
     suite's venv's site-packages: the README's pip install torch finds torch there"""
     venv = os.path.join(home, "venv")
     subprocess.run(["/usr/bin/python3", "-m", "venv", venv], check=True, capture_output=True,
@@ -177,7 +178,7 @@ def seed_venv(home):
                         "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                        capture_output=True, text=True, check=True)
     with open(os.path.join(r.stdout.strip(), "shardd-test-torch.pth"), "w") as f:
-        f.write(torch_site() + "\n")
+        f.write(site + "\n")
     # the launcher pip would have put beside it
     torchrun = os.path.join(venv, "bin", "torchrun")
     with open(torchrun, "w") as f:
@@ -190,10 +191,11 @@ def main():
     readme = open(os.path.join(SRC, "README.md"), encoding="utf-8").read()
     found = blocks(readme)
     check(len(found) >= 5, f"the README marks its runnable blocks: {len(found)} found")
-    have_torch = torch_site() is not None
+    site = torch_site()
+    have_torch = site is not None
     work = tempfile.mkdtemp(prefix="shardd-readme-")
     if have_torch:
-        seed_venv(work)
+        seed_venv(work, site)
     for name, target in (("build", BUILD), ("client", os.path.join(SRC, "client")),
                          ("tools", os.path.join(SRC, "tools"))):
         os.symlink(target, os.path.join(work, name))
