@@ -783,7 +783,7 @@ static void coordinator_killed(const char *const *extra)
     /* slower (the compute is a sleep: the numbers are the first runs'), so that the
      * coordinator goes while they run */
     a.extra[0] = c.extra[0] = "--compute-ms";
-    a.extra[1] = c.extra[1] = "60";
+    a.extra[1] = c.extra[1] = "300";
     job_start(&c, "4");
     job_start(&a, "4");
     job_start(&f, "4");
@@ -800,16 +800,22 @@ static void coordinator_killed(const char *const *extra)
     long long sa = job_steps(1, a.name), sc = job_steps(2, c.name);
     TH_CHECK(sa >= 0 && sa < T && sc >= 0 && sc < T,
              "A (%lld steps) and C (%lld) were not mid-run when the coordinator went", sa, sc);
-    int failed = job_wait(&f);
-    TH_CHECK(failed == f.world, "job f on {0, 5}: %d of its %d ranks failed after node 0 died",
-             failed, f.world);
-    rank_log_names(&f, 1, "cluster node 0", "job f (its rank on node 5)");
-    /* node 2's view: node 0 down, direct links (and heartbeats) with A's and C's other nodes */
+    /* node 2's view while A and C still run: node 0 down, direct links (and heartbeats) with
+     * A's and C's other nodes (taken before f's end is awaited, and shown to be mid-run) */
     TH_CHECK(wait_view(2, 0, "down", false, 10), "node 2 does not list node 0 down");
     for (int n = 1; n <= 4; n++)
         if (n != 2)
             TH_CHECK(node_view(2, n, "up", true),
                      "node 2 lists node %d without a direct link while A or C spans both", n);
+    sc = job_steps(2, c.name);
+    TH_CHECK(sc >= 0 && sc < T,
+             "C ended (%lld steps) before node 2's view was read: the check "
+             "above proved nothing (make C's steps slower)",
+             sc);
+    int failed = job_wait(&f);
+    TH_CHECK(failed == f.world, "job f on {0, 5}: %d of its %d ranks failed after node 0 died",
+             failed, f.world);
+    rank_log_names(&f, 1, "cluster node 0", "job f (its rank on node 5)");
     /* a new job between members registers without the coordinator: one of the members up,
      * picked by the job's name, decides it, over the direct links */
     struct job_run m = {.job = "m",
