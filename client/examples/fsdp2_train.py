@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A typical FSDP2 training script, and the same script through shardd (--shardd): every line
-that differs is marked "shardd:" and is one of the README's list (PyTorch, FSDP2 and DeepSpeed).
+that differs is marked "shardd:" and is one of docs/pytorch.md's list (FSDP2 and DeepSpeed).
 
 FSDP2 as its tutorials write it: fully_shard on every block and on the root with a
 MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction), AdamW built after fully_shard,

@@ -15,7 +15,7 @@
  * --save-every N --save-dir DIR saves a checkpoint (shard_save) after every N steps; --load DIR
  * starts from one (DIR/LATEST's, or DIR itself) and trains from its step to --steps, on the data
  * an uninterrupted run would have seen. --reference --load DIR reads the checkpoint itself,
- * following the README's format (jansson for the manifest, its own crc32c): a reader
+ * following docs/checkpoints.md's format (jansson for the manifest, its own crc32c): a reader
  * independent of libshard and shardd. */
 #include "shard.h"
 #include "sd/dtype.h"

@@ -350,7 +350,7 @@ SHARD_API uint64_t shard_start_step(const shard_ctx_t *ctx);
 /* 1 if the registration resumed a paused job (shard_model_t.resume_timeout_ms), else 0. */
 SHARD_API int shard_resumed(const shard_ctx_t *ctx);
 /* CRC-32C (Castagnoli) of len bytes, chained from crc (0 to start): a checkpoint extent's
- * "crc32c" (README, Checkpoint format), for readers of checkpoints such as shard.checkpoint. */
+ * "crc32c" (docs/checkpoints.md, Checkpoint format), for readers of checkpoints such as shard.checkpoint. */
 SHARD_API uint32_t shard_crc32c(uint32_t crc, const void *data, size_t len);
 SHARD_API int shard_detach(shard_ctx_t *ctx);
 

@@ -402,7 +402,7 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 def typical_script(cl, work):
     """client/examples/fsdp2_train.py, a typical FSDP2 script (per-block fully_shard with a bf16
     MixedPrecisionPolicy, accumulation without sync, clipping, DCP), and the same file with
-    --shardd (the README's changes): the per-step losses of rank 0 agree within bf16's
+    --shardd (docs/pytorch.md's changes): the per-step losses of rank 0 agree within bf16's
     rounding of the compute (2^-8 relative per element; 2e-2 on the loss), and both learn"""
     runs = {}
     for tag, extra in (("fsdp2", []), ("shardd", ["--shardd", "--plan", "mics:2"])):

@@ -18,7 +18,7 @@ LambdaLR, clipping, accumulation 2):
     no invalidation: backward's fetches are not taken for evaluation), and under mics:2 so does
     a run that calls every block through torch.utils.checkpoint (whose first forward runs
     under no_grad on every rank), bitwise equal to the plain run;
-  - a resume with the scheduler, as the README does it: 3 steps, shard.torch.save after
+  - a resume with the scheduler, as docs/pytorch.md does it: 3 steps, shard.torch.save after
     sched.step(), exit; wrap(load=) and a LambdaLR built with last_epoch=start_step - 1, 3 more
     steps: each step's lr equals an uninterrupted run's, and the final parameters and losses are
     bitwise the uninterrupted run's (zero3);
@@ -110,7 +110,7 @@ def worker(a):
             optimizer=opt, max_grad_norm=1.0, load=load,
             resume_timeout_ms=a.get("resume_timeout_ms", 0))
     start = st.start_step(m)
-    # the README's resume: the scheduler picks up at the checkpoint's step
+    # docs/pytorch.md's resume: the scheduler picks up at the checkpoint's step
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine, last_epoch=start - 1)
     end = 3 if mode == "part1" else STEPS
     lo, hi = rank * SEQS, (rank + 1) * SEQS

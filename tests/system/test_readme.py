@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""The README as written: every block marked `<!-- readme-test -->` (a shell block) or
+"""The README and docs/ as written: every block marked `<!-- readme-test -->` (a shell block) or
 `<!-- readme-test: NAME -->` (a file, written as NAME; NAME `output`: a block of "$ COMMAND" and
-the output the README shows, which COMMAND must print exactly) runs in README order in a fresh temporary
+the output the page shows, which COMMAND must print exactly) runs in order (README.md, then the
+pages of docs/ in the order docs/README.md lists them; a page it does not list fails the test)
+in a fresh temporary
 directory that holds `build` (the build under test), `client` and `tools` (the sources), with
 `/tmp/` in the blocks turned into that directory's own and HOME set to it (`~/venv`). A block
 fails the test when it exits non-zero or outlives its deadline; what each block must print is
@@ -187,9 +189,22 @@ def seed_venv(home, site):
     os.chmod(torchrun, 0o755)
 
 
+def pages():
+    """README.md, then docs/'s pages in the order docs/README.md lists them ("- `page.md`: ...")"""
+    with open(os.path.join(SRC, "docs", "README.md"), encoding="utf-8") as f:
+        listed = re.findall(r"^- `([\w.-]+\.md)`", f.read(), re.M)
+    there = sorted(n for n in os.listdir(os.path.join(SRC, "docs"))
+                   if n.endswith(".md") and n != "README.md")
+    check(sorted(listed) == there, f"docs/README.md lists the pages of docs/ once each: it lists "
+          f"{listed}, docs/ has {there}")
+    return ["README.md"] + [os.path.join("docs", n) for n in listed]
+
+
 def main():
-    readme = open(os.path.join(SRC, "README.md"), encoding="utf-8").read()
-    found = blocks(readme)
+    found = []
+    for page in pages():
+        with open(os.path.join(SRC, page), encoding="utf-8") as f:
+            found += blocks(f.read())
     check(len(found) >= 5, f"the README marks its runnable blocks: {len(found)} found")
     site = torch_site()
     have_torch = site is not None

@@ -9,7 +9,7 @@
 # its defaults (shared memory, single copy by process_vm_readv) and with
 # btl_vader_single_copy_mechanism none (two copies through shared buffers, faster on VMs where
 # process_vm_readv is slow): ratios to both are printed. Arguments after -- go to every shardd:
-# -- --provider shm --fabric-addr "" --shm-cma 0 is the README's loopback configuration.
+# -- --provider shm --fabric-addr "" --shm-cma 0 is the loopback configuration of docs/benchmarks.md.
 # --repeat R runs the four sweeps R times, one after the other in each round (a noisy host
 # slows whichever runs at the time), and prints the median busbw of each, the ratios of the
 # medians, and the lowest and highest of the R per-round ratios to Open MPI.

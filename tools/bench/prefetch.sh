@@ -7,7 +7,7 @@
 #                           [--accum 1] [--steps 8] [--rate 1gbit] [--plan zero3]
 #                           [--depth 2] [--compute-ms MS]   (default: balanced against the measured
 #                                                communication)
-# The README's table also runs --layers 8 --hidden 1024: the same 34 MB in half the units.
+# docs/benchmarks.md's table also runs --layers 8 --hidden 1024: the same 34 MB in half the units.
 # Communication alone is the steady-state step time with no compute (prefetch off). Compute
 # alone is all ranks computing at once with no shardd at all (mlp_train --compute-only: the
 # calibrated wait, 2 x layers x accum x compute_ms per step, plus their own matrix products,

@@ -1,4 +1,4 @@
-"""Read shardd checkpoints without a daemon (README, Checkpoint format).
+"""Read shardd checkpoints without a daemon (docs/checkpoints.md, Checkpoint format).
 
 load_state_dict(directory) returns the full fp32 tensors of a checkpoint that shard_save or
 shard.torch.save wrote, under whatever world and plan: for evaluation, export, or

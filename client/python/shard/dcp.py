@@ -9,7 +9,7 @@ torch.distributed.checkpoint.state_dict.get_state_dict:
 
   from_shardd(checkpoint, out)            a shardd checkpoint (shard.torch.save, shard_save) as
                                           such a DCP directory: FSDP2 dcp.load's it at any world
-                                          and mesh, then set_state_dict (README, FSDP2)
+                                          and mesh, then set_state_dict (docs/pytorch.md, FSDP2)
   to_shardd(dcp_dir, out, model, opt)     a DCP directory (FSDP2's dcp.save, any world) as a
                                           shardd checkpoint for wrap(model, optimizer=opt,
                                           load=out): the same tensors, order and param groups
@@ -291,7 +291,7 @@ def _f32(t):
 
 
 def _write_checkpoint(out, step, job, kind, max_grad_norm, groups, tensors, states, torch_doc):
-    """a shardd checkpoint (README, Checkpoint format) of tensors [(name, shape, dtype, unit,
+    """a shardd checkpoint (docs/checkpoints.md, Checkpoint format) of tensors [(name, shape, dtype, unit,
     group, steps)] with states {state: [flat fp32 tensor per tensor]} into out/step-NNNNNNNN,
     then out/LATEST naming it"""
     import torch

@@ -413,7 +413,7 @@ _OPT_STATE_FIX = ("the optimizer's state (fp32 master weights, moments, step cou
                   "loaded. Save it with shard.torch.save(directory) on every rank after the same "
                   "step and resume with shard.torch.wrap(model, optimizer=..., load=directory): "
                   "the checkpoint holds the masters, moments, step counts and param groups, and "
-                  "loads under any world and plan (README, PyTorch). shard.checkpoint."
+                  "loads under any world and plan (docs/pytorch.md). shard.checkpoint."
                   "load_state_dict(directory, optimizer_states=True) reads it without a daemon")
 
 
@@ -660,7 +660,7 @@ def launcher(job=None, rank=None, world=None):
     return job, rank, world
 
 
-# What FSDP2, FSDP1 and DeepSpeed call shardd's plans and options (README, FSDP2 and DeepSpeed):
+# What FSDP2, FSDP1 and DeepSpeed call shardd's plans and options (docs/pytorch.md, FSDP2 and DeepSpeed):
 # wrap refuses them naming shardd's spelling, rather than a bare TypeError or an unknown plan
 _HSDP = ("'mics:P', P the ranks of a shard group (FSDP2's HSDP on a 2-D mesh (replicas, P), "
          "FSDP1's HYBRID_SHARD, DeepSpeed's mics_shard_size=P)")
@@ -704,12 +704,12 @@ def _foreign(plan, kwargs):
     for k in kwargs:
         if k in _FOREIGN_ARGS:
             return ValueError(f"shard.torch.wrap: {k}= is FSDP's or DeepSpeed's; in shardd: "
-                              f"{_FOREIGN_ARGS[k]} (README, FSDP2 and DeepSpeed)")
+                              f"{_FOREIGN_ARGS[k]} (docs/pytorch.md, FSDP2 and DeepSpeed)")
         return TypeError(f"shard.torch.wrap() got an unexpected keyword argument '{k}'")
     key = str(plan).strip().lower().replace("-", "_").removeprefix("shardingstrategy.")
     if key in _FOREIGN_PLANS:
         return ValueError(f"shard.torch.wrap: plan '{plan}' is another system's name; shardd's "
-                          f"is {_FOREIGN_PLANS[key]} (README, FSDP2 and DeepSpeed)")
+                          f"is {_FOREIGN_PLANS[key]} (docs/pytorch.md, FSDP2 and DeepSpeed)")
     return None
 
 
@@ -1006,10 +1006,10 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     plan: "topo:W/G/OS" (shard factors of the weights, gradients and optimizer states) or a
     preset: "ddp", "zero1", "zero2", "zero3", "mics:P", "topo", "topo-fp", "zeropp" (with
     ",no-hier", ",no-2hop", ",sec=S" and the quantized ",qw", ",qg", ",qsec", ",ef",
-    ",qblock=B"; README, Plans). Every rank must build the same model; rank 0's values are the
+    ",qblock=B"; docs/plans.md). Every rank must build the same model; rank 0's values are the
     initial ones. FSDP's and DeepSpeed's names for plans and options ("FULL_SHARD", "hsdp",
     mesh=, mics_shard_size=, zero_hpz_partition_size=, mp_policy=, ...) are refused with
-    shardd's spelling (README, FSDP2 and DeepSpeed).
+    shardd's spelling (docs/pytorch.md, FSDP2 and DeepSpeed).
     load: a checkpoint written by shard.torch.save (a directory of them, meaning its LATEST, or
     one checkpoint) to start from instead of rank 0's values, under any world and plan: the
     parameters, the optimizer's moments and step counts, and the param groups' hyperparameters
@@ -1030,7 +1030,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
         raise ValueError(f"shard.torch.wrap: load={os.fspath(load)!r} is a "
                          "torch.distributed.checkpoint (DCP) directory, not a shardd checkpoint: "
                          "convert it once with shard.dcp.to_shardd(dcp_dir, out, model, "
-                         "optimizer) and load out (README, FSDP2)")
+                         "optimizer) and load out (docs/pytorch.md, FSDP2)")
     job, rank, world = launcher(job, rank, world)
     named = list(model.named_parameters())
     dev = _check_devices(named, socket, rank, _ranks_per_node(ranks_per_node))
@@ -1232,7 +1232,7 @@ def save(directory, model=None):
     (save them with torch.save). Rank 0 adds torch.json: the optimizer's param_groups as they
     are now (lr, and what a scheduler keeps there: initial_lr) and the other names of tied
     parameters. Save after scheduler.step(), and resume a scheduler by building it with
-    last_epoch=shard.torch.start_step(model) - 1 (README, PyTorch)."""
+    last_epoch=shard.torch.start_step(model) - 1 (docs/pytorch.md)."""
     st = _state_of(model)
     st._push_partial()
     step = st.ctx.save(directory)

@@ -3,7 +3,7 @@
  * A checkpoint is a directory: data files of raw little-endian fp32 extents and a MANIFEST
  * (JSON) written last. An extent is one state ("master", then the optimizer's moments) of
  * elements [begin, end) of one tensor, in global coordinates, so any world and plan can load it.
- * Each extent carries the crc32c of its bytes. The README's "Checkpoint format" is the
+ * Each extent carries the crc32c of its bytes. docs/checkpoints.md's "Checkpoint format" is the
  * specification; this file is one implementation of it. */
 #ifndef SD_CKPT_H
 #define SD_CKPT_H
