@@ -5,6 +5,8 @@
 #include "step.h"
 #include "file_pool.h"
 #include "net_service.h"
+#include "notify.h"
+#include "resume.h"
 #include "jobs.h"
 #include "registry.h"
 #include "server.h"
@@ -19,8 +21,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 static void usage(FILE *out)
@@ -87,28 +87,6 @@ static int report_leaked_fds(const unsigned char *before)
     return leaked;
 }
 
-/* systemd Type=notify: tell the manager we are up, if it asked. */
-static void notify_ready(void)
-{
-    const char *path = getenv("NOTIFY_SOCKET");
-    if (path == NULL || (path[0] != '/' && path[0] != '@'))
-        return;
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    size_t len = strlen(path);
-    if (len >= sizeof(addr.sun_path))
-        return;
-    memcpy(addr.sun_path, path, len);
-    if (addr.sun_path[0] == '@')
-        addr.sun_path[0] = '\0';
-    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return;
-    static const char msg[] = "READY=1";
-    sendto(fd, msg, sizeof(msg) - 1, 0, (struct sockaddr *)&addr,
-           (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len));
-    close(fd);
-}
-
 struct app {
     struct sd_server srv;
     struct sd_registry *reg;
@@ -119,13 +97,45 @@ struct app {
     struct sd_cluster *cl;
     uv_signal_t sigterm, sigint, sigusr1;
     uv_check_t fatal_check;
+    struct sd_notify notify; /* systemd's (inited: from READY on) */
+    bool notify_on;
     unsigned stall_ms; /* SHARDD_TEST_STALL_MS: SIGUSR1 holds the loop this long (tests) */
 };
+
+/* systemd's STATUS=: the jobs by state, the clients, the peers up */
+static void app_status(void *arg, char *buf, size_t len)
+{
+    const struct app *app = arg;
+    uint32_t running = 0, paused = 0, failed = 0, other = 0;
+    for (const struct sd_job *job = app->reg->jobs; job != NULL; job = job->next) {
+        if (sd_resume_paused(job))
+            paused++;
+        else if (job->state == SD_JOB_READY)
+            running++;
+        else if (job->state == SD_JOB_FAILED)
+            failed++;
+        else
+            other++;
+    }
+    int off = snprintf(buf, len,
+                       "jobs: %u running, %u paused, %u failed, %u starting or ending; "
+                       "%u clients",
+                       running, paused, failed, other, app->srv.n_sessions);
+    if (app->cl != NULL && off > 0 && (size_t)off < len) {
+        uint32_t nodes = sd_cluster_nodes(app->cl), self = sd_cluster_self(app->cl), up = 0;
+        for (uint32_t i = 0; i < nodes; i++)
+            up += i != self && sd_cluster_alive(app->cl, i);
+        snprintf(buf + off, len - (size_t)off, "; peers: %u of %u up", up,
+                 nodes > 0 ? nodes - 1 : 0);
+    }
+}
 
 /* Shut down in an order that keeps memory alive while the fabric may write into it: control
  * links, the standing receives, the endpoint, then jobs and their memory. */
 static void app_stop(struct app *app)
 {
+    if (app->notify_on)
+        sd_notify_stopping(&app->notify);
     if (app->cl != NULL)
         sd_cluster_stop(app->cl);
     if (app->tp != NULL) { /* no more progress, no more writes into job memory */
@@ -489,7 +499,9 @@ int main(int argc, char **argv)
     else
         SD_INFO("main", "shardd %s node %lld/%lld, backend %s, pid %d", SHARD_VERSION,
                 (long long)cfg.node, (long long)cfg.nodes, cfg.backend, (int)getpid());
-    notify_ready();
+    sd_notify_init(&app.notify, &loop, app_status, &app);
+    app.notify_on = true;
+    sd_notify_ready(&app.notify);
 
     uv_run(&loop, UV_RUN_DEFAULT);
     bool fatal = sd_cluster_fatal(app.cl);
@@ -497,6 +509,7 @@ int main(int argc, char **argv)
         app_stop(&app);
     uv_run(&loop, UV_RUN_DEFAULT);
     sd_cluster_free(app.cl);
+    sd_notify_close(&app.notify);
     int rc = uv_loop_close(&loop) == 0 ? 0 : 3;
     if (rc != 0)
         SD_ERROR("main", "event loop still had open handles at exit");
