@@ -78,6 +78,7 @@ struct shard_ctx {
     uint32_t held_slot;
     int push_status;
     char push_err[1024];
+    bool last_micro; /* the pushes until the step are this rank's last of it (SD_PUSH_LAST) */
     /* the step's arguments: where they go in the control page, and the groups' hyperparameters
      * as of the last step */
     uint64_t step_args_off;
@@ -1114,7 +1115,8 @@ static int push_slot(shard_ctx_t *ctx, uint32_t unit, uint32_t i, bool signal_la
     ++ctx->grad_seq;
     if (!signal_later)
         sd_fence_store(&ctx->fence->grad_seq, ctx->grad_seq);
-    uint64_t arg0 = i | (signal_later ? SD_PUSH_SIGNAL_LATER : 0);
+    uint64_t arg0 =
+        i | (signal_later ? SD_PUSH_SIGNAL_LATER : 0) | (ctx->last_micro ? SD_PUSH_LAST : 0);
     int status = post(ctx, SD_OP_PUSH, unit, arg0, ctx->units[unit].bytes, &ctx->slot_tag[i]);
     if (status == SD_OK)
         ctx->slot_busy[i] = true;
@@ -1359,6 +1361,17 @@ static int settle_pushes(shard_ctx_t *ctx, const char *what, const char *hint)
     return SD_OK;
 }
 
+int shard_last_micro_step(shard_ctx_t *ctx, int last)
+{
+    if (ctx == NULL)
+        return SD_EINVAL;
+    int status = check_attached(ctx, "last_micro_step", true);
+    if (status != SD_OK)
+        return status;
+    ctx->last_micro = last != 0;
+    return SD_OK;
+}
+
 int shard_step(shard_ctx_t *ctx, double *grad_norm_p)
 {
     return shard_step_ex(ctx, NULL, grad_norm_p);
@@ -1377,6 +1390,7 @@ int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_
         return status;
     if ((status = settle_pushes(ctx, "step", " (shard_push_staged it first)")) != SD_OK)
         return status;
+    ctx->last_micro = false; /* (whatever the step's outcome: the next step's pushes are new) */
     status = call(ctx, SD_OP_STEP, 0, flags, 0, &cqe);
     if (status == SD_OK && (flags & SD_STEP_ARG_HPARAMS))
         memcpy(ctx->hparams, args->groups, (size_t)ctx->n_groups * sizeof(*ctx->hparams));

@@ -47,6 +47,7 @@ struct opts {
     int rank, world, steps, accum, batch, hidden, layers;
     bool bf16, reference, quiet, timing;
     bool zero_copy;    /* gradients written into shardd's staging buffer (shard_grad_buffer) */
+    int mark_last;     /* shard_last_micro_step from micro-step accum - mark_last on (0: never) */
     bool compute_only; /* this rank's compute alone: no shardd, no updates */
     uint64_t seed;
     float lr, max_grad_norm, weight_decay;
@@ -842,6 +843,8 @@ static int run_shardd(const struct opts *o, const struct model *m)
             CHECK(shard_release(ctx, units - 1));
         }
         for (int micro = 0; micro < o->accum; micro++) {
+            if (o->mark_last > 0 && micro == o->accum - o->mark_last)
+                CHECK(shard_last_micro_step(ctx, 1)); /* this backward's pushes end the step */
             make_batch(o, step, micro, o->rank, ac.a[0], y);
             CHECK(forward_pass(ctx, o, m, ui, ti, w, &ac, step));
             loss_sum += loss_grad(m, y, &ac, o->batch);
@@ -1026,6 +1029,7 @@ static void usage(FILE *out)
             "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
             "                 [--dump-params FILE] [--reference] [--compute-only] [--quiet]\n"
             "                 [--timing] [--zero-copy] [--final-loss] [--nonfinite STEP]\n"
+            "                 [--mark-last | --mark-last-from N]\n"
             "                 [--save-every N --save-dir DIR] [--save-delay-ms MS] [--load DIR]\n"
             "                 [--resume-timeout-ms MS] [--ranks-per-node K]\n"
             "                 [--job-secret-file FILE] [--leader HOST[:PORT]]\n"
@@ -1043,7 +1047,11 @@ static void usage(FILE *out)
             "refuse). --timing prints, per step, the seconds rank 0 spent waiting inside\n"
             "shard_fetch, shard_push_grad and shard_step. --zero-copy writes each gradient\n"
             "straight into shardd's staging buffer (shard_grad_buffer, shard_push_staged)\n"
-            "instead of having shard_push_grad copy it. --compute-only runs this rank's\n"
+            "instead of having shard_push_grad copy it. --mark-last calls\n"
+            "shard_last_micro_step before the last micro-step (the daemon sends each unit's\n"
+            "gradient across nodes as soon as its node pushed it); --mark-last-from N before\n"
+            "the N-th last (N > 1 breaks the promise: the job must fail). --compute-only runs this "
+            "rank's\n"
             "forward and backward passes (matrix products and compute waits) on its own copy\n"
             "of the weights, without shardd and without updates: the compute alone.\n"
             "--final-loss prints the trained parameters' mean loss on 16 held-out batches of\n"
@@ -1107,6 +1115,10 @@ int main(int argc, char **argv)
             o.compute_only = true;
         } else if (strcmp(a, "--zero-copy") == 0) {
             o.zero_copy = true;
+        } else if (strcmp(a, "--mark-last") == 0) {
+            o.mark_last = 1;
+        } else if (ARG("--mark-last-from")) {
+            o.mark_last = atoi(v);
         } else if (strcmp(a, "--quiet") == 0) {
             o.quiet = true;
         } else if (strcmp(a, "--timing") == 0) {
@@ -1203,6 +1215,11 @@ int main(int argc, char **argv)
                 "0 <= rank < world, 1 <= layers <= %d, accum, batch and hidden >= 1, steps >= 0, "
                 "optimizer adamw or sgd\n",
                 o.rank, o.world, o.layers, o.optimizer, MAX_LAYERS);
+        return 2;
+    }
+    if (o.mark_last < 0 || o.mark_last > o.accum) {
+        fprintf(stderr, "mlp_train: --mark-last-from %d: it must be in 1..accum (%d)\n",
+                o.mark_last, o.accum);
         return 2;
     }
     if ((o.save_every > 0) != (o.save_dir != NULL) || o.save_every < 0) {

@@ -327,6 +327,14 @@ typedef struct {
 } shard_fence_t;
 #define SHARD_FENCE_BYTES 4096
 SHARD_API int shard_fence(const shard_ctx_t *ctx, shard_fence_t *fence_p);
+/* The pushes from now until this rank's next step are its last of the step (last != 0; 0 takes
+ * it back): DDP's leaving no_sync, FSDP2's set_requires_gradient_sync(True) on the last
+ * micro-step. Where the plan syncs gradients across nodes at the boundary (the 2-hop sync, a g
+ * group inside the node), the daemon then sends each unit's gradient to the other nodes as soon
+ * as every local rank pushed it so, overlapping the rest of the backward, instead of after the
+ * last one; the numbers are the same. A push of a unit after its marked one in the same step
+ * fails the job (SHARD_ESTATE). Reset by each step. */
+SHARD_API int shard_last_micro_step(shard_ctx_t *ctx, int last);
 /* Optimizer step at the accumulation boundary; all ranks call it. *grad_norm_p (may be NULL)
  * receives the global L2 norm of the averaged gradient before clipping. */
 SHARD_API int shard_step(shard_ctx_t *ctx, double *grad_norm_p);
@@ -350,7 +358,8 @@ SHARD_API uint64_t shard_start_step(const shard_ctx_t *ctx);
 /* 1 if the registration resumed a paused job (shard_model_t.resume_timeout_ms), else 0. */
 SHARD_API int shard_resumed(const shard_ctx_t *ctx);
 /* CRC-32C (Castagnoli) of len bytes, chained from crc (0 to start): a checkpoint extent's
- * "crc32c" (docs/checkpoints.md, Checkpoint format), for readers of checkpoints such as shard.checkpoint. */
+ * "crc32c" (docs/checkpoints.md, Checkpoint format), for readers of checkpoints such as
+ * shard.checkpoint. */
 SHARD_API uint32_t shard_crc32c(uint32_t crc, const void *data, size_t len);
 SHARD_API int shard_detach(shard_ctx_t *ctx);
 

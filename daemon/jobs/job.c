@@ -192,10 +192,10 @@ bool sd_job_weights_remote(const struct sd_job *job)
            job->plan.f[SD_STATE_W] < job->plan.f[SD_STATE_OS];
 }
 
-/* The modules that wait for other modules' completions; the job's life last (it may free the
- * job). */
-static const struct sd_job_module *const event_order[] = {&sd_step_module, &sd_resume_module,
-                                                          &sd_life_module};
+/* The modules that wait for other modules' completions (push: for the step's end); the job's
+ * life last (it may free the job). */
+static const struct sd_job_module *const event_order[] = {&sd_push_module, &sd_step_module,
+                                                          &sd_resume_module, &sd_life_module};
 
 static bool raise_ev(struct sd_job *job, const struct sd_job_ev *e)
 {
@@ -207,13 +207,22 @@ static bool raise_ev(struct sd_job *job, const struct sd_job_ev *e)
 
 bool sd_job_event_ended(struct sd_job *job, enum sd_job_event ev, int status, uint32_t peer)
 {
-    return raise_ev(job, &(struct sd_job_ev){.kind = ev, .status = status, .peer = peer});
+    return raise_ev(
+        job, &(struct sd_job_ev){.kind = ev, .status = status, .peer = peer, .unit = UINT32_MAX});
+}
+
+bool sd_job_event_unit(struct sd_job *job, enum sd_job_event ev, uint32_t unit)
+{
+    return raise_ev(
+        job, &(struct sd_job_ev){.kind = ev, .status = SD_OK, .peer = UINT32_MAX, .unit = unit});
 }
 
 bool sd_job_event_text(struct sd_job *job, enum sd_job_event ev, int status, const char *text)
 {
     return raise_ev(
-        job, &(struct sd_job_ev){.kind = ev, .status = status, .peer = UINT32_MAX, .text = text});
+        job,
+        &(struct sd_job_ev){
+            .kind = ev, .status = status, .peer = UINT32_MAX, .text = text, .unit = UINT32_MAX});
 }
 
 /* The modules asked what is in flight, in this order: the first that has something names it. */

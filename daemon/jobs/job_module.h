@@ -16,19 +16,22 @@ struct sd_job;
 
 /* Completions a module raises for whichever module waits for them (the step's phases do). */
 enum sd_job_event {
-    SD_JOB_EV_PUSHED,    /* push rounds retired (push.c) */
-    SD_JOB_EV_ANSWERED,  /* fetches answered once the device wrote their slots (fetch.c) */
-    SD_JOB_EV_TRANSFERS, /* a gather's transfers completed, freeing their resources (fetch.c) */
-    SD_JOB_EV_W_SENT,    /* a send of this node's weights to a peer completed (fetch.c) */
-    SD_JOB_EV_OS_FREE,   /* a checkpoint's worker left the os shards (checkpoint.c) */
-    SD_JOB_EV_EXCHANGED, /* a transfer of the weights' exchange ended, status, peer (weights.c) */
-    SD_JOB_EV_STEP_OVER, /* the step's calls were answered (step.c): a pause waiting for the
-                          * step's end (a rank died in it) happens now */
-    SD_JOB_EV_LET_GO,    /* a module that kept the job's state let it go (resume.c): a job
-                          * whose ranks all left retires (job_life.c) */
-    SD_JOB_EV_OPENED,    /* the checkpoint the job loads was opened, status and text
-                          * (ckpt_load.c): its registration goes on or is refused (job_life.c,
-                          * which may free the job: nothing touches it after this event) */
+    SD_JOB_EV_PUSHED,     /* push rounds retired (push.c) */
+    SD_JOB_EV_ANSWERED,   /* fetches answered once the device wrote their slots (fetch.c) */
+    SD_JOB_EV_TRANSFERS,  /* a gather's transfers completed, freeing their resources (fetch.c) */
+    SD_JOB_EV_W_SENT,     /* a send of this node's weights to a peer completed (fetch.c) */
+    SD_JOB_EV_OS_FREE,    /* a checkpoint's worker left the os shards (checkpoint.c) */
+    SD_JOB_EV_EXCHANGED,  /* a transfer of the weights' exchange ended, status, peer (weights.c) */
+    SD_JOB_EV_STEP_OVER,  /* the step's calls were answered (step.c): a pause waiting for the
+                           * step's end (a rank died in it) happens now */
+    SD_JOB_EV_LET_GO,     /* a module that kept the job's state let it go (resume.c): a job
+                           * whose ranks all left retires (job_life.c) */
+    SD_JOB_EV_OPENED,     /* the checkpoint the job loads was opened, status and text
+                           * (ckpt_load.c): its registration goes on or is refused (job_life.c,
+                           * which may free the job: nothing touches it after this event) */
+    SD_JOB_EV_UNIT_FINAL, /* unit's gradient of this step is final on this node: every local
+                           * push of its last rounds was marked the last (push.c, SD_PUSH_LAST);
+                           * its boundary hop may go (hop.c) */
 };
 
 /* An event, with the status and the peer (job node) of a transfer's end where it has them. */
@@ -37,6 +40,7 @@ struct sd_job_ev {
     int status;       /* SD_OK when it has none */
     uint32_t peer;    /* UINT32_MAX when it has none */
     const char *text; /* why, with an error status; NULL when it has none */
+    uint32_t unit;    /* the unit it is about, UINT32_MAX when none */
 };
 
 struct sd_job_module {
@@ -106,6 +110,8 @@ extern const struct sd_job_module sd_net_module;      /* job_net.c: transfers ac
 bool sd_job_event(struct sd_job *job, enum sd_job_event ev);
 /* The same for a transfer that ended with status, with peer (job node). */
 bool sd_job_event_ended(struct sd_job *job, enum sd_job_event ev, int status, uint32_t peer);
+/* The same about a unit. */
+bool sd_job_event_unit(struct sd_job *job, enum sd_job_event ev, uint32_t unit);
 /* The same with status and text (an error's why). */
 bool sd_job_event_text(struct sd_job *job, enum sd_job_event ev, int status, const char *text);
 /* The operation in flight (the modules' activity, in the order step, push, fetch, loading):

@@ -10,6 +10,7 @@
 #include "net.h"
 #include "job_module.h"
 #include "push.h"
+#include "push_int.h"
 #include "push_round.h"
 #include "quant.h"
 #include "session.h"
@@ -26,33 +27,6 @@ struct sd_push_round {
     uint32_t arrived;
     uint64_t first_ns;
     uint64_t seq; /* which round of its (unit, group) it collects: the micro-step */
-};
-
-/* a local round whose pushes all arrived, waiting for a node round */
-struct sd_round_ref {
-    uint32_t unit;
-    uint64_t seq;
-};
-
-/* The push module's state (push.h): only this file reads or writes it. */
-struct sd_push_state {
-    uint32_t g_groups, g_members, round_gens;
-    struct sd_push_round *rounds;
-    struct sd_push_entry *round_entries;
-    uint64_t *rounds_done; /* [unit][group] rounds completed: the oldest one collecting */
-    bool node_rounds;      /* pushes reduce across nodes (or all-reduce without 2-hop) */
-    bool g_ident; /* the node blocks of a reduce-scatter across nodes are the k ranks' g shards
-                     in unit order (f_w = 1, or the group inside the node) */
-    struct sd_node_round *nr; /* [round_gens] ring of node rounds, oldest at nr_head */
-    uint32_t nr_head, nr_len;
-    struct sd_round_ref *round_queue; /* local rounds complete, waiting for a node round: FIFO */
-    uint32_t rq_head, rq_len, rq_cap;
-    struct sd_mem nr_mem; /* the node rounds' buffers in the backend's memory, one registration */
-    size_t ar_tmp_count;
-    /* local rounds reduced on the device, completed once its queue reached their ticket (the
-     * clients reuse their staging slots then): FIFO, at most one per round slot */
-    struct sd_round_wait *waits;
-    uint32_t w_head, w_len, w_cap;
 };
 
 struct sd_round_wait {
@@ -95,6 +69,9 @@ static void complete_round(struct sd_job *job, uint32_t u, uint32_t g)
     struct sd_push_round *rd = &job->push->rounds[gi];
     struct sd_push_entry *ent = round_ents(job, gi);
     uint64_t now = sd_now_ns();
+    bool last = true; /* every member marked it its last push of the unit in this step */
+    for (uint32_t m = 0; m < job->push->g_members; m++)
+        last &= ent[m].s != NULL && ent[m].last;
     for (uint32_t m = 0; m < job->push->g_members; m++) {
         struct sd_session *s = ent[m].s;
         if (s == NULL)
@@ -107,6 +84,8 @@ static void complete_round(struct sd_job *job, uint32_t u, uint32_t g)
     }
     rd->arrived = 0;
     (*done)++;
+    if (last && ++job->push->final[u] == job->push->g_groups)
+        sd_job_event_unit(job, SD_JOB_EV_UNIT_FINAL, u); /* its gradient may cross nodes now */
 }
 
 /* The same without blocking the loop on a device (DESIGN.md 7b): the round completes once the
@@ -255,13 +234,18 @@ static void reduce_round(struct sd_job *job, uint32_t u, uint32_t g)
     finish_round_later(job, u, g);
 }
 
+#define PUSHED_AFTER_LAST                                                                          \
+    "after its node's ranks marked an earlier push of it the last of the step "                    \
+    "(shard_last_micro_step, set_requires_gradient_sync(True))"
+
 /* Returns false to stall: this rank already has a push of this unit waiting in every round
  * generation (it is round_gens micro-steps ahead of its group). */
 bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 {
     const struct sd_unit_layout *ul = &job->layout.units[e->unit];
     bool signal_later = (e->arg0 & SD_PUSH_SIGNAL_LATER) != 0;
-    uint64_t slot = e->arg0 & ~SD_PUSH_SIGNAL_LATER;
+    bool marked_last = (e->arg0 & SD_PUSH_LAST) != 0;
+    uint64_t slot = e->arg0 & ~(SD_PUSH_SIGNAL_LATER | SD_PUSH_LAST);
     if (slot >= job->mem.staging_slots) {
         sd_session_fail(s, e, SD_EINVAL,
                         "push unit %u: staging slot %llu does not exist (%u "
@@ -275,6 +259,12 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
                         "%s elements, padded)",
                         e->unit, (unsigned long long)e->arg1, (unsigned long long)sd_unit_bytes(ul),
                         (unsigned long long)ul->numel, sd_dtype_name(ul->dtype));
+        return true;
+    }
+    if (job->push->final[e->unit] >= job->push->g_groups) { /* it may have left the node */
+        sd_session_fail(s, e, SD_ESTATE, "push unit %u: %s", e->unit, PUSHED_AFTER_LAST);
+        sd_job_fail(job, SD_ESTATE, "rank %u pushed unit %u: %s", s->rank, e->unit,
+                    PUSHED_AFTER_LAST);
         return true;
     }
     uint32_t g = s->local / job->push->g_members, m = s->local % job->push->g_members;
@@ -321,7 +311,8 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
     struct sd_push_entry *ent = &round_ents(job, gi)[m];
     uint64_t now = sd_now_ns();
     s->staging_busy |= 1ULL << slot;
-    *ent = (struct sd_push_entry){.s = s, .tag = e->tag, .arrive_ns = now, .slot = (uint32_t)slot};
+    *ent = (struct sd_push_entry){
+        .s = s, .tag = e->tag, .arrive_ns = now, .slot = (uint32_t)slot, .last = marked_last};
     if (rd->arrived++ == 0) {
         rd->first_ns = now;
         rd->seq = n;
@@ -710,6 +701,14 @@ static bool push_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
 
 static bool push_activity(const struct sd_job *job, char *what, size_t len, uint64_t *since_ns);
 
+/* a step's end: the next step's pushes are new (the marked last ones counted again) */
+static bool push_event(struct sd_job *job, const struct sd_job_ev *ev)
+{
+    if (ev->kind == SD_JOB_EV_STEP_OVER && job->push->final != NULL)
+        memset(job->push->final, 0, job->layout.n_units * sizeof(*job->push->final));
+    return false;
+}
+
 const struct sd_job_module sd_push_module = {.name = "push",
                                              .create = sd_push_create,
                                              .destroy = sd_push_destroy,
@@ -718,6 +717,7 @@ const struct sd_job_module sd_push_module = {.name = "push",
                                              .fail_parked = push_fail_parked,
                                              .sweep = push_sweep,
                                              .activity = push_activity,
+                                             .event = push_event,
                                              .queue_waiting = sd_push_queue_waiting,
                                              .queue_poll = sd_push_queue_poll};
 
@@ -753,83 +753,11 @@ int sd_push_alloc(struct sd_job *job)
     ps->round_entries =
         calloc(n_rounds * ps->round_gens * ps->g_members, sizeof(*ps->round_entries));
     ps->rounds_done = calloc(n_rounds, sizeof(*ps->rounds_done));
+    ps->final = calloc(job->layout.n_units, sizeof(*ps->final));
     ps->w_cap = (uint32_t)(n_rounds * ps->round_gens);
     ps->waits = calloc(ps->w_cap, sizeof(*ps->waits));
-    return ps->rounds && ps->round_entries && ps->rounds_done && ps->waits ? SD_OK : SD_ENOMEM;
-}
-
-size_t sd_push_net_floats(const struct sd_job *job, const struct sd_config *cfg)
-{
-    return job->nodes > 1 && job->push != NULL
-               ? (size_t)job->push->round_gens * sd_job_net_round_floats(job, cfg)
-               : 0;
-}
-
-int sd_push_net_setup(struct sd_job *job, float **mem_p, size_t *floats_p)
-{
-    struct sd_push_state *ps = job->push;
-    const struct sd_config *cfg = job->reg->cfg;
-    uint32_t G = job->gnodes[SD_STATE_G];
-    uint64_t maxn = job->layout.max_unit_numel, block = G > 1 ? maxn / G : 0;
-    size_t per_round = sd_job_net_round_floats(job, cfg);
-    ps->ar_tmp_count = sd_job_net_ar_tmp_floats(job, cfg);
-    ps->nr = calloc(ps->round_gens, sizeof(*ps->nr));
-    char tag[96];
-    snprintf(tag, sizeof(tag), "shardd-%s-rounds", job->name);
-    int st = job->reg->dev->alloc(sd_job_rank_device(job, 0),
-                                  (size_t)ps->round_gens * per_round * sizeof(float),
-                                  SD_MEM_PRIVATE, tag, &ps->nr_mem);
-    ps->rq_cap = job->layout.n_units * ps->round_gens;
-    ps->round_queue = calloc(ps->rq_cap, sizeof(*ps->round_queue));
-    if (!ps->nr || st != SD_OK || !ps->round_queue)
-        return SD_ENOMEM;
-    bool need_buf = sd_job_net_round_buf(job);
-    for (uint32_t i = 0; i < ps->round_gens; i++) {
-        struct sd_node_round *rd = &ps->nr[i];
-        float *p = (float *)ps->nr_mem.ptr + (size_t)i * per_round;
-        rd->job = job;
-        rd->index = i;
-        rd->ticket = calloc(G ? G : 1, sizeof(*rd->ticket));
-        if (rd->ticket == NULL)
-            return SD_ENOMEM;
-        if (need_buf) {
-            rd->buf = p;
-            p += maxn + 16;
-        }
-        if (G > 1) {
-            rd->rs_recv = p;
-            p += (size_t)(G - 1) * block + 16;
-            rd->rs_out = p;
-            p += block + 16;
-        }
-        rd->ar_tmp = p;
-    }
-    *mem_p = ps->nr_mem.ptr;
-    *floats_p = (size_t)ps->round_gens * per_round;
-    return SD_OK;
-}
-
-void sd_push_net_teardown(struct sd_job *job)
-{
-    struct sd_push_state *ps = job->push;
-    if (ps == NULL)
-        return;
-    for (uint32_t i = 0; ps->nr != NULL && i < ps->round_gens; i++)
-        free(ps->nr[i].ticket);
-    free(ps->nr); /* nr_mem goes with the job's other big buffers (sd_push_free) */
-    free(ps->round_queue);
-    ps->nr = NULL;
-    ps->round_queue = NULL;
-}
-
-struct sd_mem sd_push_take_net_mem(struct sd_job *job)
-{
-    struct sd_mem m = {.fd = -1};
-    if (job->push != NULL) {
-        m = job->push->nr_mem;
-        job->push->nr_mem = (struct sd_mem){.fd = -1};
-    }
-    return m;
+    return ps->rounds && ps->round_entries && ps->rounds_done && ps->final && ps->waits ? SD_OK
+                                                                                        : SD_ENOMEM;
 }
 
 void sd_push_free(struct sd_job *job)
@@ -842,7 +770,9 @@ void sd_push_free(struct sd_job *job)
     free(ps->rounds);
     free(ps->round_entries);
     free(ps->rounds_done);
+    free(ps->final);
     free(ps->waits);
+    ps->final = NULL;
     ps->rounds = NULL;
     ps->round_entries = NULL;
     ps->rounds_done = NULL;
@@ -862,16 +792,6 @@ bool sd_push_idle(const struct sd_job *job)
 {
     return job->push == NULL ||
            (job->push->nr_len == 0 && job->push->rq_len == 0 && job->push->w_len == 0);
-}
-
-float *sd_push_ar_tmp(const struct sd_job *job)
-{
-    return job->push->nr[0].ar_tmp;
-}
-
-size_t sd_push_ar_tmp_count(const struct sd_job *job)
-{
-    return job->push->ar_tmp_count;
 }
 
 /* the job's common paths (job_module.h): the oldest node round on the wire */

@@ -51,9 +51,13 @@ void sd_push_destroy(struct sd_job *job);
 bool sd_push_queue_waiting(const struct sd_job *job);
 bool sd_push_queue_poll(struct sd_job *job);
 bool sd_push_idle(const struct sd_job *job);
-/* round 0's all-reduce temporary (the step borrows it: no round runs during the step) and the
+/* round 0's all-reduce temporary (the boundary hop borrows it: no round runs during the step,
+ * nor at all where no round crosses nodes) and the
  * floats every round's has */
 float *sd_push_ar_tmp(const struct sd_job *job);
 size_t sd_push_ar_tmp_count(const struct sd_job *job);
+/* round 0's node buffer (the largest unit's floats, registered with the fabric) where no push
+ * round crosses nodes and it exists, else NULL: the boundary hop's buffer during the backward */
+float *sd_push_idle_round_buf(const struct sd_job *job);
 
 #endif

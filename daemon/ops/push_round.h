@@ -17,6 +17,7 @@ struct sd_push_entry {
     uint64_t tag;
     uint64_t arrive_ns;
     uint32_t slot;
+    bool last; /* SD_PUSH_LAST: the rank's last push of the unit in this step */
 };
 
 /* A push round that crosses nodes: node partial, reduce-scatter in the partition group, and

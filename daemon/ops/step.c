@@ -12,6 +12,7 @@
 #include "push.h"
 #include "step.h"
 #include "step_int.h"
+#include "hop.h"
 #include "optimizer.h"
 #include "weights.h"
 #include "quant.h"
@@ -100,6 +101,7 @@ bool sd_step_queue_poll(struct sd_job *job)
 /* Answer every rank waiting in step: SD_OK with the norm, or status and msg. */
 static void step_answer(struct sd_job *job, int status, const char *msg)
 {
+    sd_hop_reset(job);
     sd_sched_step_done(job); /* freeze or rewind the schedule; first prefetches */
     uint64_t bits, now = sd_now_ns();
     double norm = sd_optim_grad_norm(job);
@@ -263,7 +265,7 @@ void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 
 /* ---- step across nodes */
 
-static void step_fail(struct sd_job *job, int status, uint32_t suspect)
+void sd_step__fail(struct sd_job *job, int status, uint32_t suspect)
 {
     char what[256];
     sd_job_net_describe(job, what, sizeof(what));
@@ -271,68 +273,6 @@ static void step_fail(struct sd_job *job, int status, uint32_t suspect)
     char peer[64];
     sd_job_fail(job, SD_EPEER, "%s: transfer with %s failed: %s", what,
                 sd_job_peer_name(job, suspect, peer, sizeof(peer)), sd_status_str(status));
-}
-
-/* this node's copy of unit u's gradient block, into scratch (summing local replicas) */
-static uint64_t step_pack(struct sd_job *job, uint32_t u)
-{
-    const struct sd_gpu_ops *dev = job->reg->dev;
-    const struct sd_unit_layout *ul = &job->layout.units[u];
-    uint32_t f = job->plan.f[SD_STATE_G];
-    uint64_t len = ul->numel / f;
-    for (uint32_t j = 0; j < job->k; j++) /* each rank's g shard into the node's buffer */
-        sd_job_count_copy(job, SD_OP_STEP, j, 0, len * sizeof(float));
-    if (job->gnodes[SD_STATE_G] > 1) {
-        for (uint32_t j = 0; j < job->k; j++)
-            dev->copy(job->mem.queue, job->mem.scratch + (uint64_t)j * len,
-                      sd_job_g_shard(job, j, ul), len * sizeof(float));
-        return (uint64_t)job->k * len;
-    }
-    /* replicas of a shard inside the node summed in rank order, each shard at its place in the
-     * unit (rank j < f is the first to hold its shard) */
-    for (uint32_t j = 0; j < job->k; j++) {
-        const float *g = sd_job_g_shard(job, j, ul);
-        float *dst = job->mem.scratch + sd_job_g_block_off(job, j, len);
-        if (j < f)
-            dev->copy(job->mem.queue, dst, g, len * sizeof(float));
-        else
-            dev->reduce_add(job->mem.queue, dst, g, SD_DTYPE_FP32, len);
-    }
-    return ul->numel;
-}
-
-static void step_unpack(struct sd_job *job, uint32_t u)
-{
-    const struct sd_unit_layout *ul = &job->layout.units[u];
-    uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
-    for (uint32_t j = 0; j < job->k; j++) {
-        job->reg->dev->copy(job->mem.queue, sd_job_g_shard(job, j, ul),
-                            job->mem.scratch + sd_job_g_block_off(job, j, len),
-                            len * sizeof(float));
-        sd_job_count_copy(job, SD_OP_STEP, 0, j, len * sizeof(float));
-    }
-}
-
-static void step_ar_done(struct sd_allreduce *ar, int status, uint32_t suspect)
-{
-    struct sd_job *job = ar->p.arg;
-    job->stats.bytes[SD_OP_STEP][SD_LINK_INTER_SENT] += ar->bytes_sent;
-    job->stats.bytes[SD_OP_STEP][SD_LINK_INTER_RECV] += ar->bytes_recv;
-    if (ar->p.qbits != 0) { /* it sends and receives the same raw volume */
-        job->stats.saved[SD_OP_STEP][SD_LINK_INTER_SENT] +=
-            (int64_t)(ar->qraw / 2) - (int64_t)ar->bytes_sent;
-        job->stats.saved[SD_OP_STEP][SD_LINK_INTER_RECV] +=
-            (int64_t)(ar->qraw / 2) - (int64_t)ar->bytes_recv;
-        job->stats.quant_encodes++;
-    }
-    job->step->pending = 0;
-    if (status != SD_OK) {
-        step_fail(job, status, suspect);
-        return;
-    }
-    step_unpack(job, job->step->unit);
-    job->step->unit++;
-    sd_step_progress(job);
 }
 
 /* the nodes of this node's partition group must have recorded the same schedule */
@@ -367,7 +307,7 @@ static void norm_done(struct sd_bulk *b, int status)
     if (!transfer_ended(job->step, status, peer))
         return;
     if (job->step->status != SD_OK) {
-        step_fail(job, job->step->status, job->step->suspect);
+        sd_step__fail(job, job->step->status, job->step->suspect);
         return;
     }
     if (!check_schedules(job))
@@ -431,7 +371,7 @@ static void norm_start(struct sd_job *job)
     }
     if (job->step->pending == 0) {
         if (job->step->status != SD_OK) {
-            step_fail(job, job->step->status, job->step->suspect);
+            sd_step__fail(job, job->step->status, job->step->suspect);
             return;
         }
         job->step->phase = SD_STEP_APPLY;
@@ -463,34 +403,9 @@ void sd_step_progress(struct sd_job *job)
             if (!step_queue_done(job))
                 return;
         } else {
-            uint32_t R = sd_job_replication_nodes(job, job->xfer.members);
-            while (job->plan.two_hop && R > 1 && job->step->unit < job->layout.n_units) {
-                uint32_t u = job->step->unit;
-                uint64_t count = step_pack(job, u);
-                job->step->pending = 1;
-                /* no round runs during the step: it borrows round 0's all-reduce temporary */
-                bool q = sd_qg_hop(job, u);
-                job->stats.quant_fallbacks += job->plan.qg && !q;
-                int st = sd_job_net_allreduce(
-                    job, &(struct sd_job_allreduce){.ar = &job->step->ar,
-                                                    .R = R,
-                                                    .unit = u,
-                                                    .round = job->steps,
-                                                    .step_sync = true,
-                                                    .buf = job->mem.scratch,
-                                                    .count = count,
-                                                    .tmp = sd_push_ar_tmp(job),
-                                                    .tmp_count = sd_push_ar_tmp_count(job),
-                                                    .qbuf = q ? sd_qg_hop_buf(job) : NULL,
-                                                    .qerr = q ? sd_qg_hop_ef(job, u) : NULL,
-                                                    .cb = step_ar_done,
-                                                    .arg = job});
-                if (st != SD_OK) {
-                    job->step->pending = 0;
-                    step_fail(job, st, job->xfer.members[0]);
-                }
-                return; /* step_ar_done continues with the next unit */
-            }
+            /* the boundary hop of the units that did not go during the backward */
+            if (!sd_hop_sync(job))
+                return; /* its end continues with the next unit */
             norm_sums(job, true);
             job->step->phase = SD_STEP_SUMS;
             if (!step_queue_done(job))
@@ -542,7 +457,7 @@ void sd_step_progress(struct sd_job *job)
         if (job->step->pending > 0)
             return; /* the unit's exchanges call again */
         if (job->step->status != SD_OK) {
-            step_fail(job, job->step->status, job->step->suspect);
+            sd_step__fail(job, job->step->status, job->step->suspect);
             return;
         }
         while (sd_job_weights_remote(job) && job->step->unit < job->layout.n_units) {
@@ -560,7 +475,7 @@ void sd_step_progress(struct sd_job *job)
             if (job->state == SD_JOB_FAILED)
                 return;
             if (st != SD_OK) {
-                step_fail(job, st, suspect);
+                sd_step__fail(job, st, suspect);
                 return;
             }
             if (job->step->pending > 0)
@@ -660,6 +575,9 @@ static bool step_event(struct sd_job *job, const struct sd_job_ev *ev)
         if (transfer_ended(job->step, ev->status, ev->peer))
             sd_step_progress(job);
         return true;
+    case SD_JOB_EV_UNIT_FINAL: /* the unit's boundary hop may go before the step */
+        sd_hop_unit_final(job, ev->unit);
+        return false;
     case SD_JOB_EV_STEP_OVER: /* raised here, for resume */
     case SD_JOB_EV_LET_GO:    /* for the job's life */
     case SD_JOB_EV_OPENED:

@@ -48,6 +48,11 @@ struct sd_step_state {
     uint64_t *used; /* [used_words]: tensors some rank gave a gradient in this step */
     uint32_t used_words;
     double *sumsq_parts; /* [n_units * k]: the device's sums of squares, added up in order */
+    /* the boundary hop (hop.c): units whose all-reduce ended this step (in the hop order), which
+     * units are final (SD_JOB_EV_UNIT_FINAL); hops that went before the step's SYNC, in all */
+    uint32_t hop_done;
+    bool *hop_final;
+    uint64_t early_hops;
 };
 
 /* node m's part of the norm exchange, and the tensors that had a gradient there */
@@ -60,6 +65,9 @@ static inline uint64_t *sd_step__used_at(struct sd_job *job, uint32_t m)
 {
     return (uint64_t *)(void *)((uint8_t *)sd_step__part(job, m) + sizeof(struct sd_norm_part));
 }
+
+/* step.c: the step fails with a transfer's status, naming the peer suspected (hop.c's too) */
+void sd_step__fail(struct sd_job *job, int status, uint32_t suspect);
 
 /* ---- step_state.c: the step's arguments (shard_step_ex) */
 /* The local ranks' step arguments, once every one called step: this node's hyperparameters of

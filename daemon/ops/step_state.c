@@ -38,8 +38,11 @@ int sd_step_alloc(struct sd_job *job)
     st->arg_flags = calloc(k, sizeof(*st->arg_flags));
     st->hp_next = calloc(n_groups, sizeof(*st->hp_next));
     st->used = calloc(st->used_words, sizeof(*st->used));
-    return st->sumsq_parts && st->norm_buf && st->arg_flags && st->hp_next && st->used ? SD_OK
-                                                                                       : SD_ENOMEM;
+    st->hop_final = calloc(l->n_units, sizeof(*st->hop_final));
+    return st->sumsq_parts && st->norm_buf && st->arg_flags && st->hp_next && st->used &&
+                   st->hop_final
+               ? SD_OK
+               : SD_ENOMEM;
 }
 
 void sd_step_free(struct sd_job *job)
@@ -52,6 +55,8 @@ void sd_step_free(struct sd_job *job)
     free(st->arg_flags);
     free(st->hp_next);
     free(st->used);
+    free(st->hop_final);
+    st->hop_final = NULL;
     st->sumsq_parts = NULL;
     st->norm_buf = NULL;
     st->arg_flags = NULL;

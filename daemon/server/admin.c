@@ -7,6 +7,7 @@
 #include "net.h"
 #include "secondary.h"
 #include "file_pool.h"
+#include "hop.h"
 #include "resume.h"
 #include "schedule.h"
 #include "server.h"
@@ -303,6 +304,9 @@ static json_t *job_stats(const struct sd_job *job)
     json_object_set_new(o, "units", json_integer((json_int_t)job->layout.n_units));
     json_object_set_new(o, "steps_nonfinite", json_integer((json_int_t)job->stats.steps_nonfinite));
     json_object_set_new(o, "steps_refused", json_integer((json_int_t)job->stats.steps_refused));
+    /* units sent across nodes during the backward (shard_last_micro_step), not at the step */
+    json_object_set_new(o, "boundary_hops_early",
+                        json_integer((json_int_t)sd_hop_early_count(job)));
     json_object_set_new(o, "tensors_skipped", json_integer((json_int_t)job->stats.tensors_skipped));
     json_object_set_new(o, "bcast_bytes", json_integer((json_int_t)job->stats.bcast_bytes));
     json_object_set_new(o, "memory_bytes_at_register",

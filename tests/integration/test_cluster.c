@@ -24,6 +24,11 @@
  * order also finish in order here, so this shows the sums stay exact with rounds in flight; it
  * cannot force a later round to finish first.)
  *
+ * The ranks' promise of their last micro-step (shard_last_micro_step, mlp_train --mark-last):
+ * under mics:2 (the g group inside the node, the boundary hop across nodes) each unit's hop goes
+ * during the backward; the parameters are bitwise those of the same run without the promise and
+ * the bytes across nodes the same; a rank that pushes after it fails the job, naming it.
+ *
  * Transport variants (argv[3]): the same test with rendezvous_bytes (every message above 4 KiB
  * waits for its receiver's clear-to-send), the same with 128 posts per endpoint, 64 KiB chunks
  * and 3 data lanes (queue_depth: the pending queues, the credit and the deferred clear-to-sends
@@ -154,6 +159,76 @@ static void run_one(const struct run *r, int idx)
     }
     printf("%dx%d %-22s accum %d: %zu params, %zu differ (max %.3g), S %lld B, %.2f s\n", N, K,
            r->plan, r->accum, dd.n, dd.differ, dd.maxd, S, th_now_s() - t0);
+}
+
+static void test_mark_last(void)
+{
+    char world[16], a[64], b[64], c[64];
+    snprintf(world, sizeof(world), "%d", N * K);
+    snprintf(a, sizeof(a), "ml%d-plain", N);
+    snprintf(b, sizeof(b), "ml%d-marked", N);
+    snprintf(c, sizeof(c), "ml%d-broken", N);
+    const char *plain[] = {"--world", world, "--steps",  "5",   "--accum", "3", "--plan", "mics:2",
+                           "--seed",  "4",   "--hidden", "256", "--quiet", NULL};
+    const char *marked[] = {"--world",  world,    "--steps", "5",           "--accum",
+                            "3",        "--plan", "mics:2",  "--seed",      "4",
+                            "--hidden", "256",    "--quiet", "--mark-last", NULL};
+    struct th_dump_diff dd;
+    if (!th_cluster_train(&cl, a, plain, "mics:2 unmarked", 1e-5, &dd) ||
+        !th_cluster_train(&cl, b, marked, "mics:2 --mark-last", 1e-5, &dd))
+        return;
+    TH_CHECK(dd.outside == 0, "mics:2 --mark-last: %zu parameters outside the tolerance (max %g)",
+             dd.outside, dd.maxd);
+    char da[400], db[400];
+    snprintf(da, sizeof(da), "%s/%s.bin", cl.d[0].dir, a);
+    snprintf(db, sizeof(db), "%s/%s.bin", cl.d[0].dir, b);
+    TH_CHECK(th_compare_dumps(da, db, 0, &dd) && dd.differ == 0,
+             "mics:2 with and without --mark-last: %zu of %zu parameters differ (max %g)",
+             dd.differ, dd.n, dd.maxd);
+    long long early_total = 0;
+    for (int node = 0; node < N; node++) {
+        json_t *sa = th_job_stats(cl.d[node].sock, a), *sb = th_job_stats(cl.d[node].sock, b);
+        TH_CHECK(sa && sb, "node %d has the stats of both runs", node);
+        if (sa == NULL || sb == NULL) {
+            json_decref(sa);
+            json_decref(sb);
+            continue;
+        }
+        long long units = th_json_int(sb, "units"), early = th_json_int(sb, "boundary_hops_early");
+        TH_CHECK(th_json_int(sa, "boundary_hops_early") == 0 && early >= 1 && early <= 5 * units,
+                 "node %d: %lld units' hops went during the backward with --mark-last (of %lld), "
+                 "%lld without",
+                 node, early, 5 * units, th_json_int(sa, "boundary_hops_early"));
+        early_total += early;
+        TH_CHECK(th_json_int(sa, "ops.step.bytes.inter_node_sent") ==
+                     th_json_int(sb, "ops.step.bytes.inter_node_sent"),
+                 "node %d: the step sent %lld bytes across nodes without the promise, %lld with",
+                 node, th_json_int(sa, "ops.step.bytes.inter_node_sent"),
+                 th_json_int(sb, "ops.step.bytes.inter_node_sent"));
+        json_decref(sa);
+        json_decref(sb);
+    }
+    printf("%dx%d mics:2 --mark-last: bitwise the unmarked run's; %lld units' boundary hops went "
+           "during the backward\n",
+           N, K, early_total);
+    /* the promise broken: marked from the second-last micro-step of three */
+    const char *more[] = {"--mark-last-from", "2", NULL};
+    pid_t pids[TH_MAX_RANKS];
+    int failed = 0;
+    for (int r = 0; r < N * K; r++) {
+        char log[400];
+        snprintf(log, sizeof(log), "%s/%s-%d.log", cl.d[0].dir, c, r);
+        pids[r] = th_spawn_rank(cl.d[r / K].sock, c, r, plain, more, log);
+    }
+    for (int r = 0; r < N * K; r++)
+        failed += th_wait(pids[r], 60000) != 0;
+    char log0[400];
+    snprintf(log0, sizeof(log0), "%s/%s-0.log", cl.d[0].dir, c);
+    char *t = th_read_file(log0, NULL);
+    TH_CHECK(failed == N * K && t && strstr(t, "shard_last_micro_step"),
+             "a push after the marked last micro-step: %d of %d ranks failed, rank 0's log:\n%s",
+             failed, N * K, t ? t : "(none)");
+    free(t);
 }
 
 /* shard-bench's three collectives across the daemons, sizes that split unevenly into chunks:
@@ -483,6 +558,8 @@ int main(int argc, char **argv)
         return th_summary("test_cluster");
     }
     test_round_order("zero3", 2, 3);
+    if (K > 1) /* a g group inside the node: mics:2's boundary hop crosses nodes */
+        test_mark_last();
     if (K == 1) /* the all-reduces add into the gradient: one round of the unit at a time */
         test_round_order("ddp,no-2hop", 1, 1);
     if (K == 1)

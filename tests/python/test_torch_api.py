@@ -150,6 +150,41 @@ try:
           f"{losses[-1]:.4f}, worst loss difference {worst:.2e}, parameters max |diff| "
           f"{maxd:.2e}", flush=True)
 
+    # FSDP2's set_requires_gradient_sync on the wrapped model: accumulation as FSDP2 scripts
+    # write it (False, then True on the last micro-step) trains as the same loop without the
+    # calls, bitwise; a backward after the promised last one fails the job naming it
+    runs = {}
+    for tag, calls in (("sync-plain", False), ("sync-fsdp2", True)):
+        m = copy.deepcopy(base)
+        st.wrap(m, job=tag, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2))
+        for s_ in range(3):
+            for micro in range(2):
+                if calls:
+                    m.set_requires_gradient_sync(micro == 1)
+                x, y = batch(10 * s_ + micro)
+                (((m(x) - y) ** 2).mean() / 2).backward()
+            st.step(m)
+        runs[tag] = st.full_state_dict(m)
+        st.unwrap(m)
+    same = all(torch.equal(runs["sync-plain"][k], runs["sync-fsdp2"][k]) for k in runs["sync-plain"])
+    check(same, "set_requires_gradient_sync(micro == last) trains bitwise as without the calls")
+    m = copy.deepcopy(base)
+    st.wrap(m, job="sync-broken", optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2))
+    m.set_requires_gradient_sync(False)
+    x, y = batch(0)
+    ((m(x) - y) ** 2).mean().backward()
+    m.set_requires_gradient_sync(True)
+    ((m(x) - y) ** 2).mean().backward()  # the promised last
+    ok, msg = raises(lambda: (((m(x) - y) ** 2).mean().backward(), st.step(m)),
+                     "shard_last_micro_step", kinds=(shard.ShardError,))
+    check(ok, f"a backward after the promised last one fails, naming the promise: {msg}")
+    try:
+        st.unwrap(m)
+    except shard.ShardError:
+        pass
+    print("set_requires_gradient_sync: FSDP2's accumulation loop bitwise the plain one; a broken "
+          f"promise refused: {msg[:100]}", flush=True)
+
     # checkpoints: save, resume in another job, the same as an uninterrupted run
     import shard.checkpoint as sck
     torch.manual_seed(1)

@@ -180,6 +180,12 @@ bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
     return false;
 }
 
+bool sd_job_event_unit(struct sd_job *job, enum sd_job_event ev, uint32_t unit)
+{
+    th_fake.last_event_unit = unit;
+    return sd_job_event(job, ev);
+}
+
 void sd_job_net_describe(const struct sd_job *job, char *out, size_t len)
 {
     (void)job;

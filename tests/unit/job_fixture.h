@@ -55,7 +55,8 @@ struct th_fake {
     char fail_msg[256];
     int job_fails, job_status; /* sd_job_fail (the job becomes FAILED) */
     char job_msg[512];
-    int events[16]; /* sd_job_event, per kind */
+    int events[16];           /* sd_job_event, per kind */
+    uint32_t last_event_unit; /* sd_job_event_unit's last unit */
     /* the fake engine: the all-reduces and exchanges the module started, for the test to
      * complete (their callbacks) in the order it chooses */
     struct sd_job_allreduce ar[TH_MAX_POSTS];

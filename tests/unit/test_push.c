@@ -15,6 +15,10 @@
  *    and answered in the order they started, held (answers and buffers) while the device is behind
  *    the results they add until the loop's poll; a third waits for a round's buffers; a failed
  *    transfer fails the job naming the node;
+ *  - pushes marked the last of the step (SD_PUSH_LAST): a round whose every push carried it
+ *    raises SD_JOB_EV_UNIT_FINAL for its unit once reduced, one where a rank did not does not; a
+ *    later push of that unit is refused (ESTATE) and fails the job, naming the promise; after
+ *    the step's end (SD_JOB_EV_STEP_OVER) the unit takes pushes again;
  *  - four nodes of one rank under topo:1/2/4,no-2hop (reduce-scatter in pairs, then an all-reduce
  * across the replication pair): the all-reduce starts only after the reduce-scatter, with this
  * node's block, and its result is what the g shard gets. */
@@ -208,6 +212,51 @@ static bool push(struct fixture *fx, uint32_t r, uint32_t u, uint32_t slot, uint
     page->grad_seq++;
     struct sd_sqe e = {.tag = tag, .unit = u, .arg0 = slot, .arg1 = sd_unit_bytes(ul)};
     return sd_push(fx->job, &fx->tj.s[r], &e);
+}
+
+/* rank r's push of unit u from slot, marked last or not */
+static bool push_marked(struct fixture *fx, uint32_t r, uint32_t u, uint32_t slot, uint64_t tag,
+                        bool last)
+{
+    const struct sd_unit_layout *ul = &fx->job->layout.units[u];
+    struct sd_fence_page *page = fx->fence[r].ptr;
+    page->grad_seq++;
+    struct sd_sqe e = {
+        .tag = tag, .unit = u, .arg0 = slot | (last ? SD_PUSH_LAST : 0), .arg1 = sd_unit_bytes(ul)};
+    return sd_push(fx->job, &fx->tj.s[r], &e);
+}
+
+static void test_marked_last(void)
+{
+    struct fixture fx;
+    if (!setup(&fx, "zero2", 1, 2, 0))
+        return;
+    push_marked(&fx, 0, 1, 0, 40, true);
+    push_marked(&fx, 1, 1, 0, 41, false);
+    TH_CHECK(th_fake.done == 2 && th_fake.events[SD_JOB_EV_UNIT_FINAL] == 0,
+             "a round with one push not marked last: reduced, the unit not final (%d)",
+             th_fake.events[SD_JOB_EV_UNIT_FINAL]);
+    push_marked(&fx, 0, 1, 1, 42, true);
+    push_marked(&fx, 1, 1, 1, 43, true);
+    TH_CHECK(th_fake.done == 4 && th_fake.events[SD_JOB_EV_UNIT_FINAL] == 1 &&
+                 th_fake.last_event_unit == 1,
+             "a round every push of which was marked last: unit 1 final (%d events, unit %u)",
+             th_fake.events[SD_JOB_EV_UNIT_FINAL], th_fake.last_event_unit);
+    struct sd_job_ev over = {.kind = SD_JOB_EV_STEP_OVER, .peer = UINT32_MAX, .unit = UINT32_MAX};
+    push_marked(&fx, 0, 1, 0, 44, false);
+    TH_CHECK(th_fake.fail_status == SD_ESTATE &&
+                 strstr(th_fake.fail_msg, "marked an earlier push") &&
+                 strstr(th_fake.fail_msg, "shard_last_micro_step") && th_fake.job_fails == 1 &&
+                 th_fake.job_status == SD_ESTATE,
+             "a push of a final unit: refused and the job failed: %s / %s", th_fake.fail_msg,
+             th_fake.job_msg);
+    sd_push_module.event(fx.job, &over);
+    int done = th_fake.done;
+    push_marked(&fx, 0, 1, 0, 45, false);
+    push_marked(&fx, 1, 1, 0, 46, false);
+    TH_CHECK(th_fake.done == done + 2, "after the step's end the unit takes pushes again (%d)",
+             th_fake.done - done);
+    teardown(&fx);
 }
 
 /* ---- one node */
@@ -485,6 +534,7 @@ int main(void)
 {
     srand(11);
     test_one_node();
+    test_marked_last();
     test_two_nodes();
     test_allreduce();
     return th_summary("test_push");

@@ -38,7 +38,7 @@ OPERATIONS = ("push", "fetch", "unit_cache", "slot_pool", "step", "optimizer", "
 # the middle's folders (daemon/CMakeLists.txt puts each on the include path)
 MIDDLE = ("server", "jobs", "ops", "persist", "net")
 # files that are parts of another module (the rest: a module each, its .c with its .h)
-PART_OF = {"ckpt_commit": "checkpoint", "fetch_serve": "fetch", "job_mem": "job_life", "ckpt_load": "checkpoint", "step_state": "step",
+PART_OF = {"ckpt_commit": "checkpoint", "fetch_serve": "fetch", "job_mem": "job_life", "ckpt_load": "checkpoint", "step_state": "step", "hop": "step", "push_net": "push",
            "push_round": "push", "net": "job_net", "attach": "server", "registry": "job",
            "recover": "checkpoint"}
 # a module's state defined only in its own .c (opaque elsewhere): the ones that are so far
@@ -46,7 +46,7 @@ OPAQUE = {
     "sd_net": "net/net_service.c",
     "sd_job_sched": "ops/schedule.c",
     "sd_sec_state": "ops/secondary.c",
-    "sd_push_state": "ops/push.c",
+    "sd_push_state": "ops/push_int.h",
     "sd_quant_state": "ops/quant.c",
     "sd_step_state": "ops/step_int.h",
     "sd_optim_state": "ops/optimizer.c",
@@ -56,7 +56,8 @@ OPAQUE = {
 }
 # a module of several files: its private header, and the files that may include it
 PRIVATE = {
-    "ops/step_int.h": ("ops/step.c", "ops/step_state.c"),
+    "ops/step_int.h": ("ops/step.c", "ops/step_state.c", "ops/hop.c"),
+    "ops/push_int.h": ("ops/push.c", "ops/push_net.c"),
     "persist/checkpoint_int.h": ("persist/checkpoint.c", "persist/ckpt_commit.c",
                                  "persist/ckpt_load.c"),
     "cluster/cluster_int.h": ("cluster/links.c", "cluster/handshake.c",

@@ -13,17 +13,23 @@
  *  - refusals: a rank calling twice (EBUSY), unknown flags (EINVAL), two ranks' hyperparameters
  *    differing (EMISMATCH on every rank, naming the rank, the optimizer not run), a NaN
  *    (ENONFINITE naming the unit; gradients zeroed, the step count kept);
- *  - two nodes (mics:2, node 0 of 2): one all-reduce per unit, in unit order, the next started
+ *  - two nodes (mics:2, node 0 of 2): one all-reduce per unit, in descending unit order (the
+ *    boundary hop's, the same on every node), the next started
  *    only once the one before completed, with the node's block summed over its replicas; the norm
  *    exchanged with node 1 and completed in either order; the optimizer gets both nodes' sums;
  *    the weights' exchange across nodes (SD_JOB_EV_EXCHANGED per transfer) holds the answer until
  *    its last transfer; a failed transfer fails the job naming the node; a node whose ranks gave
- *    other hyperparameters refuses the step on every rank. */
+ *    other hyperparameters refuses the step on every rank;
+ *  - early hops (mics:2, node 0 of 2, round 0's buffer free): a unit whose local rounds were all
+ *    marked last goes at once, in the hop order only (unit 0 final first waits for unit 1), in
+ *    the round buffer; the step's SYNC sends the rest; the g shards end as without early hops;
+ *    in the next step a unit not final waits for the step's SYNC. */
 #include "check.h"
 #include "job_fixture.h"
 #include "net.h"
 #include "session.h"
 #include "fetch.h"
+#include "hop.h"
 #include "optimizer.h"
 #include "push.h"
 #include "quant.h"
@@ -50,6 +56,7 @@ static struct {
     double sumsq;
     /* switches */
     bool push_idle, shards_busy, weights_remote;
+    float *round_buf;  /* sd_push_idle_round_buf: the early hops' buffer, or NULL */
     uint32_t w_posted; /* transfers each unit's weights exchange starts */
     int n_wx;
 } F;
@@ -80,6 +87,12 @@ bool sd_push_idle(const struct sd_job *job)
 {
     (void)job;
     return F.push_idle;
+}
+
+float *sd_push_idle_round_buf(const struct sd_job *job)
+{
+    (void)job;
+    return F.round_buf;
 }
 
 static float ar_tmp[1 << 16];
@@ -499,10 +512,11 @@ static void test_two_nodes(bool recv_first)
     F.w_posted = 2;
     all_call(&fx);
     double local_sumsq = 0.0;
-    for (uint32_t u = 0; u < l->n_units; u++) {
-        TH_CHECK(th_fake.n_ar == (int)u + 1, "unit %u's all-reduce started alone (%d so far)", u,
+    for (uint32_t p = 0; p < l->n_units; p++) {
+        uint32_t u = l->n_units - 1 - p; /* the hop order: descending units */
+        TH_CHECK(th_fake.n_ar == (int)p + 1, "unit %u's all-reduce started alone (%d so far)", u,
                  th_fake.n_ar);
-        struct sd_job_allreduce *a = &th_fake.ar[u];
+        struct sd_job_allreduce *a = &th_fake.ar[p];
         TH_CHECK(a->unit == u && a->R == 2 && a->count == l->units[u].numel && a->step_sync,
                  "unit %u: R %u, %zu floats (the unit's %llu), the step's sync", u, a->R, a->count,
                  (unsigned long long)l->units[u].numel);
@@ -548,6 +562,70 @@ static void test_two_nodes(bool recv_first)
     TH_CHECK(th_fake.job_fails == 0, "the job did not fail: %s", th_fake.job_msg);
     for (uint32_t r = 0; r < 2; r++)
         free(want[r]);
+    teardown(&fx);
+}
+
+static void test_early_hops(void)
+{
+    struct fixture fx;
+    if (!setup(&fx, "mics:2", 2, 2, 0))
+        return;
+    struct sd_job *job = fx.job;
+    const struct sd_layout *l = &job->layout;
+    TH_CHECK(l->n_units == 2, "two units (%u)", l->n_units);
+    F.round_buf = calloc(l->max_unit_numel, sizeof(float));
+    uint64_t n = l->arena_numel[SD_STATE_G];
+    float *want[2];
+    for (uint32_t r = 0; r < 2; r++) {
+        want[r] = malloc(n * sizeof(float));
+        for (uint64_t i = 0; i < n; i++)
+            want[r][i] = fx.grad[r][i] + 0.5f;
+    }
+    sd_hop_unit_final(job, 0);
+    TH_CHECK(th_fake.n_ar == 0,
+             "unit 0 final first: it waits for unit 1, before it in the hop order (%d)",
+             th_fake.n_ar);
+    sd_hop_unit_final(job, 1);
+    TH_CHECK(th_fake.n_ar == 1 && th_fake.ar[0].unit == 1 && th_fake.ar[0].buf == F.round_buf &&
+                 th_fake.ar[0].step_sync && th_fake.ar[0].count == l->units[1].numel,
+             "unit 1 final: its hop started at once, in round 0's buffer (%d)", th_fake.n_ar);
+    struct sd_job_allreduce *a = &th_fake.ar[0];
+    for (size_t i = 0; i < a->count; i++)
+        a->buf[i] += 0.5f;
+    a->cb(a->ar, SD_OK, 1);
+    TH_CHECK(th_fake.n_ar == 2 && th_fake.ar[1].unit == 0,
+             "unit 1's end starts unit 0's, final already (%d)", th_fake.n_ar);
+    a = &th_fake.ar[1];
+    for (size_t i = 0; i < a->count; i++)
+        a->buf[i] += 0.5f;
+    a->cb(a->ar, SD_OK, 1);
+    TH_CHECK(th_fake.n_ar == 2 && th_fake.n_ex == 0,
+             "both units went before the step: nothing more, no norm yet");
+    all_call(&fx);
+    TH_CHECK(th_fake.n_ar == 2 && th_fake.n_ex == 1,
+             "the step: no hop left, the norm exchange posted (%d all-reduces, %d exchanges)",
+             th_fake.n_ar, th_fake.n_ex);
+    uint32_t same = 0;
+    for (uint32_t r = 0; r < 2; r++)
+        same += memcmp(fx.grad[r], want[r], n * sizeof(float)) == 0;
+    TH_CHECK(same == 2, "both ranks' g shards hold the two nodes' sums (%u)", same);
+    struct sd_norm_part mine;
+    memcpy(&mine, th_fake.ex[0].send.buf, sizeof(mine));
+    complete_norm(1.0, mine.hparams, true, SD_OK);
+    check_answers("early hops", &fx, SD_OK, 1);
+    /* the next step: one unit early, the other (final in step 1, not now) at the step's SYNC */
+    sd_hop_unit_final(job, 1);
+    TH_CHECK(th_fake.n_ar == 3 && th_fake.ar[2].unit == 1, "step 2: unit 1 early (%d)",
+             th_fake.n_ar);
+    th_fake.ar[2].cb(th_fake.ar[2].ar, SD_OK, 1);
+    TH_CHECK(th_fake.n_ar == 3, "unit 0 not final: it waits for the step");
+    all_call(&fx);
+    TH_CHECK(th_fake.n_ar == 4 && th_fake.ar[3].unit == 0 && th_fake.ar[3].buf == F.round_buf,
+             "the step sends unit 0 (%d)", th_fake.n_ar);
+    TH_CHECK(th_fake.job_fails == 0, "the job did not fail: %s", th_fake.job_msg);
+    for (uint32_t r = 0; r < 2; r++)
+        free(want[r]);
+    free(F.round_buf);
     teardown(&fx);
 }
 
@@ -607,5 +685,6 @@ int main(void)
     test_two_nodes(true);
     test_two_nodes(false);
     test_two_node_failures();
+    test_early_hops();
     return th_summary("test_step");
 }

@@ -9,7 +9,8 @@ system, the same global batch, accumulation, AdamW (two groups), schedule and st
 Each system as its documentation recommends for speed on CPUs (one thread per rank for all):
 DDP with no_sync on the micro-steps before the last; FSDP2 fully_shard on every block, the
 embedding and the head, then the root, with explicit forward and backward prefetch of the next
-block and set_requires_gradient_sync(False) on the micro-steps before the last; HSDP the same on
+block and set_requires_gradient_sync(False) on the micro-steps before the last (shardd the same
+call: its last backward then overlaps the boundary hop); HSDP the same on
 a 2-D mesh (nodes, ranks per node); DeepSpeed's engine (ZeRO stage 3, MiCS with its shard size
 and hierarchical gather, ZeRO++'s hpZ/qwZ/qgZ) with overlap_comm and prefetching; shardd through
 shard.torch.wrap with the plan. Rank 0 writes FILE: the loss of every step (rank 0's micro-
@@ -166,8 +167,8 @@ def main():
         for micro in range(a.accum):
             x, y = tg.batch(a.seed, step, micro, a.rank, a.batch, a.seq)
             last = micro == a.accum - 1
-            if a.system in ("fsdp2", "hsdp"):
-                m.set_requires_gradient_sync(last)
+            if a.system in ("fsdp2", "hsdp", "shardd"):  # shardd: the last backward overlaps
+                m.set_requires_gradient_sync(last)     # its boundary hop (FSDP2's call)
             ctx = net.no_sync() if a.system == "ddp" and not last else tg._nullcontext()
             with ctx:
                 loss = F.cross_entropy(net(x).float().reshape(-1, tg.VOCAB), y.reshape(-1))

@@ -175,6 +175,7 @@ _lib.shard_grad_buffer.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_voi
 _lib.shard_push_staged.argtypes = [_c.c_void_p, _c.c_uint32]
 _lib.shard_push_staged_on_stream.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_void_p]
 _lib.shard_step.argtypes = [_c.c_void_p, _c.POINTER(_c.c_double)]
+_lib.shard_last_micro_step.argtypes = [_c.c_void_p, _c.c_int]
 _lib.shard_group_hparams.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_HParams)]
 _lib.shard_step_ex.argtypes = [_c.c_void_p, _c.POINTER(_StepArgs), _c.POINTER(_c.c_double)]
 _lib.shard_detach.argtypes = [_c.c_void_p]
@@ -421,6 +422,13 @@ class Context:
         the fence page after that work, and the call returns at once. None: push_staged."""
         self._check(_lib.shard_push_staged_on_stream(self._ctx, unit, stream),
                     f"push_staged_on_stream unit {unit}")
+
+    def last_micro_step(self, last=True):
+        """The pushes until the next step are this rank's last of the step (shard_last_micro_step):
+        where the plan syncs across nodes at the boundary, each unit's gradient crosses as soon as
+        the node pushed it, overlapping the rest of the backward; a later push of a unit in the
+        same step fails the job. False takes it back; each step resets it."""
+        self._check(_lib.shard_last_micro_step(self._ctx, 1 if last else 0), "last_micro_step")
 
     def step(self, groups=None, has_grad=None, bcast=None):
         """Optimizer step at the accumulation boundary (all ranks); the gradient norm.

@@ -196,6 +196,7 @@ class _State:
         self.hooked = set()                # id of every parameter with a gradient hook
         self.acc_nodes = []                # the AccumulateGrad nodes hooked (kept alive)
         self.final_queued = False
+        self.sync_off = False              # set_requires_gradient_sync(False) since the step
         self.handles = []
         self.placeholder = {}
         self.opt = None                    # the optimizer object (its param_groups drive steps)
@@ -322,6 +323,18 @@ class _State:
         self.final_queued = False
         self._push_partial()
 
+    def set_requires_gradient_sync(self, flag):
+        """FSDP2's: False on the micro-steps before the last, True on the last. shardd sums every
+        micro-step's gradients at the boundary either way; True after False tells it the coming
+        backward is the step's last (shard_last_micro_step), so each unit's gradient crosses
+        nodes as soon as it is pushed. True without a False before it in the step (FSDP2's
+        default, every backward synced) promises nothing."""
+        if not flag:
+            self.sync_off = True
+            self.ctx.last_micro_step(False)
+        elif self.sync_off:
+            self.ctx.last_micro_step(True)
+
     def _push_partial(self):
         """push the units that got some gradients, or were fetched for backward; the missing
         gradients count as zero"""
@@ -391,6 +404,7 @@ class _State:
                 bufs.unpack()  # a skipped step broadcasts all the same
             raise
         finally:  # also when the step failed (a skipped step, ENONFINITE): the next one goes on
+            self.sync_off = False
             self.has_grad = [False] * len(self.has_grad)
             for u, plist in enumerate(self.params):
                 for _, p in plist:
@@ -1203,6 +1217,15 @@ def _patch_modules(model):
         m.state_dict = functools.partial(_full_state_dict_of, model, name + "." if name else "",
                                          m)
         m.load_state_dict = _refuse_load_state_dict
+    # FSDP2's accumulation call on the model (fully_shard's modules have it): the last
+    # micro-step's backward then sends each unit across nodes as it is pushed
+    model.set_requires_gradient_sync = functools.partial(_set_requires_gradient_sync, model)
+
+
+def _set_requires_gradient_sync(model, requires_gradient_sync, *, recurse=True):
+    """FSDP2's FSDPModule.set_requires_gradient_sync on a wrapped model (_State's)."""
+    del recurse  # (one job: the whole model)
+    _state_of(model).set_requires_gradient_sync(bool(requires_gradient_sync))
 
 
 def _state_of(model):
@@ -1343,4 +1366,5 @@ def unwrap(model=None):
     for m in st.model.modules():
         m.__dict__.pop("state_dict", None)
         m.__dict__.pop("load_state_dict", None)
+    st.model.__dict__.pop("set_requires_gradient_sync", None)
     del st.model._shard_state

@@ -60,6 +60,11 @@ _Static_assert(sizeof(struct sd_fence_page) <= SD_FENCE_BYTES, "fence layout");
  * it, looking for it every millisecond, and fails the job when it does not come within
  * op_timeout_ms. Without the bit a push whose gradient is not signalled yet is refused. */
 #define SD_PUSH_SIGNAL_LATER (1ull << 63)
+/* ... and with this one when it is the rank's last push of the unit before its step
+ * (shard_last_micro_step): once every local rank's push of a unit carried it, the daemon may send
+ * the unit's gradient across nodes at once (the boundary hop), and a later push of the unit in
+ * the same step fails the job. */
+#define SD_PUSH_LAST (1ull << 62)
 
 /* A release's arg0 (SD_OP_ASIDE or 0) with this bit: the trainer's stream signals it later on
  * release_seq (shard_release_on_stream); the slot stays held for the rank until the page counts

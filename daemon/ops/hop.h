@@ -1,0 +1,29 @@
+/* The boundary hop (hop.c): with the 2-hop sync, each unit's gradient block of this node
+ * all-reduced across the nodes of its replication group once per step, one unit at a time in
+ * descending unit order (the order backward pushes them), the same on every node. The step
+ * runs it in its SYNC phase for the units still left; where the local ranks marked their last
+ * push of the step (SD_PUSH_LAST) and the g group lies inside the node, a unit goes as soon as
+ * its last push round is reduced, overlapping the rest of the backward. Part of the step
+ * (step_int.h holds its counters). */
+#ifndef SD_DAEMON_HOP_H
+#define SD_DAEMON_HOP_H
+
+#include "job.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* the nodes this node's g blocks are all-reduced with (job->xfer.members), 1 without 2-hop */
+uint32_t sd_hop_nodes(struct sd_job *job);
+/* unit u's gradient of this step is final here (SD_JOB_EV_UNIT_FINAL: push.c saw every local
+ * push of its last rounds marked the last): it goes now if it is next and the way is free */
+void sd_hop_unit_final(struct sd_job *job, uint32_t u);
+/* the step's SYNC: start the next unit's hop, true once every unit's went (one in flight at a
+ * time; its end calls the step's progress again) */
+bool sd_hop_sync(struct sd_job *job);
+/* the step ended (or the job's memory goes): nothing of this step's hop is left */
+void sd_hop_reset(struct sd_job *job);
+/* units whose hop went before their step's SYNC, since registration (shardctl stats) */
+uint64_t sd_hop_early_count(const struct sd_job *job);
+
+#endif
