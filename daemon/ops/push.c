@@ -84,8 +84,15 @@ static void complete_round(struct sd_job *job, uint32_t u, uint32_t g)
     }
     rd->arrived = 0;
     (*done)++;
-    if (last && ++job->push->final[u] == job->push->g_groups)
-        sd_job_event_unit(job, SD_JOB_EV_UNIT_FINAL, u); /* its gradient may cross nodes now */
+    if (last) { /* the group's promise; the unit is final once every group's is in */
+        uint8_t *fin = &job->push->final[(size_t)u * job->push->g_groups];
+        fin[g] = 1;
+        uint32_t n = 0;
+        for (uint32_t i = 0; i < job->push->g_groups; i++)
+            n += fin[i];
+        if (n == job->push->g_groups)
+            sd_job_event_unit(job, SD_JOB_EV_UNIT_FINAL, u); /* it may cross nodes now */
+    }
 }
 
 /* The same without blocking the loop on a device (DESIGN.md 7b): the round completes once the
@@ -261,13 +268,13 @@ bool sd_push(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
                         (unsigned long long)ul->numel, sd_dtype_name(ul->dtype));
         return true;
     }
-    if (job->push->final[e->unit] >= job->push->g_groups) { /* it may have left the node */
+    uint32_t g = s->local / job->push->g_members, m = s->local % job->push->g_members;
+    if (job->push->final[(size_t)e->unit * job->push->g_groups + g]) { /* it may have left */
         sd_session_fail(s, e, SD_ESTATE, "push unit %u: %s", e->unit, PUSHED_AFTER_LAST);
         sd_job_fail(job, SD_ESTATE, "rank %u pushed unit %u: %s", s->rank, e->unit,
                     PUSHED_AFTER_LAST);
         return true;
     }
-    uint32_t g = s->local / job->push->g_members, m = s->local % job->push->g_members;
     /* a rank's pushes fill the rounds in order: its next is the oldest round it is not in */
     uint64_t n = job->push->rounds_done[(size_t)e->unit * job->push->g_groups + g];
     uint64_t last = n + job->push->round_gens;
@@ -705,7 +712,7 @@ static bool push_activity(const struct sd_job *job, char *what, size_t len, uint
 static bool push_event(struct sd_job *job, const struct sd_job_ev *ev)
 {
     if (ev->kind == SD_JOB_EV_STEP_OVER && job->push->final != NULL)
-        memset(job->push->final, 0, job->layout.n_units * sizeof(*job->push->final));
+        memset(job->push->final, 0, (size_t)job->layout.n_units * job->push->g_groups);
     return false;
 }
 
@@ -753,7 +760,7 @@ int sd_push_alloc(struct sd_job *job)
     ps->round_entries =
         calloc(n_rounds * ps->round_gens * ps->g_members, sizeof(*ps->round_entries));
     ps->rounds_done = calloc(n_rounds, sizeof(*ps->rounds_done));
-    ps->final = calloc(job->layout.n_units, sizeof(*ps->final));
+    ps->final = calloc(n_rounds, sizeof(*ps->final));
     ps->w_cap = (uint32_t)(n_rounds * ps->round_gens);
     ps->waits = calloc(ps->w_cap, sizeof(*ps->waits));
     return ps->rounds && ps->round_entries && ps->rounds_done && ps->final && ps->waits ? SD_OK

@@ -26,10 +26,10 @@ struct sd_push_state {
     struct sd_push_round *rounds;
     struct sd_push_entry *round_entries;
     uint64_t *rounds_done; /* [unit][group] rounds completed: the oldest one collecting */
-    uint32_t *final;       /* [unit] groups whose round of the step's marked last pushes went */
-    bool node_rounds;      /* pushes reduce across nodes (or all-reduce without 2-hop) */
-    bool g_ident; /* the node blocks of a reduce-scatter across nodes are the k ranks' g shards
-                     in unit order (f_w = 1, or the group inside the node) */
+    uint8_t *final;   /* [unit][group]: the group's round of the step's marked last pushes went */
+    bool node_rounds; /* pushes reduce across nodes (or all-reduce without 2-hop) */
+    bool g_ident;     /* the node blocks of a reduce-scatter across nodes are the k ranks' g shards
+                         in unit order (f_w = 1, or the group inside the node) */
     struct sd_node_round *nr; /* [round_gens] ring of node rounds, oldest at nr_head */
     uint32_t nr_head, nr_len;
     struct sd_round_ref *round_queue; /* local rounds complete, waiting for a node round: FIFO */

@@ -257,6 +257,22 @@ static void test_marked_last(void)
     TH_CHECK(th_fake.done == done + 2, "after the step's end the unit takes pushes again (%d)",
              th_fake.done - done);
     teardown(&fx);
+    /* ddp: each rank its own group: the unit is final once both promised; the group that
+     * promised is refused a later push while the other still pushes */
+    if (!setup(&fx, "ddp", 1, 2, 0))
+        return;
+    push_marked(&fx, 0, 1, 0, 50, true);
+    TH_CHECK(th_fake.events[SD_JOB_EV_UNIT_FINAL] == 0 && th_fake.done == 1,
+             "ddp: rank 0's promise alone: not final (%d)", th_fake.events[SD_JOB_EV_UNIT_FINAL]);
+    push_marked(&fx, 1, 1, 0, 51, false);
+    push_marked(&fx, 1, 1, 1, 52, true);
+    TH_CHECK(th_fake.events[SD_JOB_EV_UNIT_FINAL] == 1 && th_fake.job_fails == 0,
+             "ddp: rank 1 pushes on, then promises: final (%d)",
+             th_fake.events[SD_JOB_EV_UNIT_FINAL]);
+    push_marked(&fx, 0, 1, 1, 53, false);
+    TH_CHECK(th_fake.job_fails == 1 && strstr(th_fake.fail_msg, "marked an earlier push"),
+             "ddp: rank 0 after its promise: refused (%s)", th_fake.fail_msg);
+    teardown(&fx);
 }
 
 /* ---- one node */
