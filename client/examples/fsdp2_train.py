@@ -124,7 +124,7 @@ def main():
     for step in range(first, a.steps):
         total = 0.0
         for micro in range(a.accum):
-            model.set_requires_gradient_sync(micro == a.accum - 1)  # shardd: the last overlaps
+            model.set_requires_gradient_sync(micro == a.accum - 1)  # (under shardd too)
             x, y = batch(step, micro, rank, a.batch)
             loss = F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
             (loss / a.accum).backward()
