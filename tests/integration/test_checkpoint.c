@@ -3,9 +3,9 @@
  * test_checkpoint reshard: on 2 nodes x 2 ranks, mics:2 (fp32, bf16) and topo:1/2/4 save at
  * step 10; on 4 nodes x 2 ranks zero3 (and topo:2/4/8) loads them and trains to step 20; then
  * zero3 saves and mics:2 on 2 x 2 loads. Each continued run is compared with mlp_train
- * --reference --load, which reads the checkpoint itself (docs/checkpoints.md's format, its own crc32c)
- * and continues with the new world: the fidelity tests' tolerances. Also: a checkpoint holds
- * one copy of the states (file bytes = parameters x states x 4), a flipped byte is refused
+ * --reference --load, which reads the checkpoint itself (docs/checkpoints.md's format, its own
+ * crc32c) and continues with the new world: the fidelity tests' tolerances. Also: a checkpoint
+ * holds one copy of the states (file bytes = parameters x states x 4), a flipped byte is refused
  * naming the file and the extent, a different model is refused naming the first difference;
  * node 0's ranks 700 ms late to every save (the other node reports its part before node 0's
  * save begins) still commit every save; node 1's write stalled 6 s fails the save at node 0's

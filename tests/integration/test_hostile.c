@@ -447,9 +447,9 @@ int main(void)
            "registration refused in %.2f s; %ld status requests went out before the flood was "
            "cut; %d of 30 partial-frame connections dropped; node 1 RSS %ld -> %ld KiB at peak\n",
            worst_status_s, slow, reg_took, flood, dropped, rss0, peak_rss_kb);
-    /* the targets are 1 s and 2 s (measured on a quiet machine: docs/benchmarks.md); ctest runs beside other
-     * tests on 2 cores, so it asserts what separates a loop that is never held from one that is
-     * (the stalls this guards against lasted 19 s and 150 s) */
+    /* the targets are 1 s and 2 s (measured on a quiet machine: docs/benchmarks.md); ctest runs
+     * beside other tests on 2 cores, so it asserts what separates a loop that is never held from
+     * one that is (the stalls this guards against lasted 19 s and 150 s) */
     TH_CHECK(worst_status_s < 5.0, "status took %.3f s at worst", worst_status_s);
     TH_CHECK(slow >= 0 && slow < 5.0, "the bystander's slowest step took %.3f s", slow);
     TH_CHECK(dropped == 30, "%d of the 30 partial-frame connections were dropped", dropped);
