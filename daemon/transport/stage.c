@@ -23,7 +23,8 @@
 #define STAGE_MIN_CLASS 16 /* 64 KiB */
 
 struct sd_bounce {
-    struct sd_bounce *next;
+    struct sd_bounce *next; /* on its class's free list */
+    struct sd_bounce *all;  /* every buffer the stage made, free or held (freed at close) */
     void *p;
     uint32_t cls;
     void *desc, *mr;
@@ -38,6 +39,8 @@ struct sd_stage {
     const struct sd_transport_ops *inner;
     struct sd_stage_hooks h;
     struct sd_bounce *free_b[STAGE_CLASSES];
+    struct sd_bounce *all; /* every buffer, whatever holds it: a transfer still posted at close
+                            * (a job that failed under it) gives its own back never */
     uint32_t n_class[STAGE_CLASSES]; /* buffers of each class, free or held */
     uint32_t min_cls;                /* the class reserved (sd_transport_stage_reserve) */
     uint64_t send_held, send_cap;
@@ -73,6 +76,8 @@ static int bounce_new(struct sd_transport *tp, uint32_t c)
     b->cls = c;
     b->next = st->free_b[c];
     st->free_b[c] = b;
+    b->all = st->all;
+    st->all = b;
     st->n_class[c]++;
     tp->staging_buffer_bytes += size;
     return SD_OK;
@@ -345,19 +350,15 @@ static bool stage_can_sleep(struct sd_transport *tp)
 static void stage_close(struct sd_transport *tp)
 {
     struct sd_stage *st = tp->stage;
-    /* the daemon stops: what the stage still holds goes with it */
-    struct sd_xfer *lists[2] = {st->wait_head, st->copying};
-    for (int i = 0; i < 2; i++)
-        for (struct sd_xfer *x = lists[i]; x != NULL; x = x->staged.next)
-            bounce_put(tp, &x->staged);
-    for (uint32_t c = 0; c < STAGE_CLASSES; c++)
-        while (st->free_b[c] != NULL) {
-            struct sd_bounce *b = st->free_b[c];
-            st->free_b[c] = b->next;
-            st->inner->mr_dereg(tp, b->mr);
-            st->h.pinned_free(st->h.ctx, b->p);
-            free(b);
-        }
+    /* the daemon stops: every buffer goes, free or still held by a transfer (waiting, copying,
+     * or posted to the transport, whose completion will not come) */
+    while (st->all != NULL) {
+        struct sd_bounce *b = st->all;
+        st->all = b->all;
+        st->inner->mr_dereg(tp, b->mr);
+        st->h.pinned_free(st->h.ctx, b->p);
+        free(b);
+    }
     const struct sd_transport_ops *inner = st->inner;
     if (st->h.release != NULL)
         st->h.release(st->h.ctx);
