@@ -121,7 +121,6 @@ void sd_notify_ready(struct sd_notify *n)
     send_status(n, true);
     uint64_t every = n->watchdog_ms > 0 ? SD_MIN(n->watchdog_ms, STATUS_EVERY_MS) : STATUS_EVERY_MS;
     uv_timer_start(&n->timer, on_timer, every, every);
-    n->timer_on = true;
     if (n->watchdog_ms > 0)
         SD_INFO("notify", "systemd watchdog: WATCHDOG=1 from the event loop every %llu ms",
                 (unsigned long long)n->watchdog_ms);
@@ -134,7 +133,6 @@ void sd_notify_stopping(struct sd_notify *n)
         uv_timer_stop(&n->timer);
         uv_close((uv_handle_t *)&n->timer, NULL);
     }
-    n->timer_on = false;
 }
 
 void sd_notify_close(struct sd_notify *n)

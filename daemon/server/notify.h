@@ -16,7 +16,6 @@ typedef void (*sd_notify_status_fn)(void *arg, char *buf, size_t len);
 struct sd_notify {
     int fd; /* datagram socket connected to NOTIFY_SOCKET, -1 without one */
     uv_timer_t timer;
-    bool timer_on;
     uint64_t watchdog_ms;    /* WATCHDOG=1 every this long (half of WATCHDOG_USEC); 0: off */
     uint64_t last_status_ns; /* when STATUS= last went */
     char status[256];        /* the last STATUS= sent */
