@@ -765,8 +765,8 @@ void sd_ckpt_peer_done(struct sd_job *job, uint64_t seq, int status, const char 
         return;
     if (status == SD_OK)
         c->saves++;
+    sd_ckpt__save_answer(job, status, msg); /* (its latency from first_ns) */
     c->first_ns = 0;
-    sd_ckpt__save_answer(job, status, msg);
 }
 
 /* ---- the job's common paths (job_module.h) */

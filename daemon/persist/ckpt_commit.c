@@ -272,8 +272,8 @@ static void commit_after(struct sd_job *job)
     if (job->nodes > 1)
         sd_cluster_job_save_done(sd_job_cluster(job), job->name, job->xfer.node_ids, job->nodes,
                                  c->seq, c->work.status, c->work.status == SD_OK ? "" : msg);
+    sd_ckpt__save_answer(job, c->work.status, msg); /* (its latency from first_ns) */
     c->first_ns = 0;
-    sd_ckpt__save_answer(job, c->work.status, msg);
     sd_job_event(job, SD_JOB_EV_OS_FREE);
 }
 
