@@ -89,6 +89,17 @@ const struct sd_config_entry sd_config_table[] = {
      0},
     {"log_level", SD_CFG_STRING, "info", 0, 16, OFF(log_level), "error, warn, info, debug or trace",
      0},
+    {"metrics_listen", SD_CFG_STRING, "", 0, 80, OFF(metrics_listen),
+     "numeric address:port where GET /metrics answers in Prometheus' text format and GET "
+     "/healthz says ok (\"127.0.0.1:9464\" for a scraper on the node, \"0.0.0.0:9464\" for "
+     "one across the network, \"[::1]:9464\"; port 0: any free one, shown by shardctl "
+     "status); empty (the default): no endpoint. It answers without authentication and names "
+     "every job, so it is off unless an operator opens it",
+     0},
+    {"metrics_job_grace_s", SD_CFG_INT, "300", 0, 86400, OFF(metrics_job_grace_s),
+     "seconds a finished job's series stay in the metrics after it ended (a scrape or two sees "
+     "its last counts), so that the endpoint's size is bounded by the jobs served",
+     0},
     {"max_clients", SD_CFG_INT, "256", 1, 65536, OFF(max_clients),
      "connections accepted at once (clients and shardctl)", 0},
     {"max_message_bytes", SD_CFG_SIZE, "16MiB", 4096, 1LL << 30, OFF(max_message_bytes),

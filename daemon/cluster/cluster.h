@@ -150,6 +150,16 @@ json_t *sd_cluster_json(const struct sd_cluster *cl, bool all);
 /* The control links for shardctl stats: counts of refused and evicted connections, and each
  * link's buffered bytes (its address: root's to see) */
 json_t *sd_cluster_stats_json(const struct sd_cluster *cl, bool all);
+/* The control plane's counts, as the metrics show them (all 0 without a cluster). */
+struct sd_cluster_counts {
+    uint32_t peers, peers_up;     /* the other daemons in the table, and those up */
+    uint32_t links, links_proved; /* control links open, and those whose end proved itself */
+    uint64_t refused, evicted;    /* connections that proved nothing, and those evicted */
+    uint64_t closed_full;         /* links closed for what they left buffered */
+    uint64_t outbox_bytes;        /* messages waiting for a link */
+    uint64_t hb_sent, hb_received, hb_dropped; /* heartbeat datagrams */
+};
+void sd_cluster_counts(const struct sd_cluster *cl, struct sd_cluster_counts *out);
 /* The heartbeat thread's datagrams: sent, received, dropped (unknown sender, magic or digest). */
 json_t *sd_cluster_heartbeat_json(const struct sd_cluster *cl);
 

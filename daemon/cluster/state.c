@@ -2,6 +2,8 @@
  * usable for jobs, and the documents shardctl topology shows. */
 #include "cluster/cluster_int.h"
 
+#include <string.h>
+
 bool sd_cluster_ready(const struct sd_cluster *cl)
 {
     return cl == NULL || cl->ready;
@@ -93,6 +95,28 @@ json_t *sd_cluster_json(const struct sd_cluster *cl, bool all)
                              : sd_probe_ok(cl, i) ? "up"
                                                   : "probing"));
     return nodes;
+}
+
+void sd_cluster_counts(const struct sd_cluster *cl, struct sd_cluster_counts *out)
+{
+    memset(out, 0, sizeof(*out));
+    if (cl == NULL)
+        return;
+    for (uint32_t i = 0; i < cl->n; i++)
+        if (i != cl->self && cl->present[i]) {
+            out->peers++;
+            out->peers_up += cl->alive[i];
+        }
+    for (const struct link *l = cl->links; l; l = l->next) {
+        out->links++;
+        out->links_proved += l->authed;
+    }
+    for (const struct outmsg *o = cl->peers.outbox; o; o = o->next)
+        out->outbox_bytes += o->len;
+    out->refused = cl->counts.refused;
+    out->evicted = cl->counts.evicted;
+    out->closed_full = cl->counts.closed_full;
+    sd_heartbeat_counts(cl->hb, &out->hb_sent, &out->hb_received, &out->hb_dropped);
 }
 
 json_t *sd_cluster_stats_json(const struct sd_cluster *cl, bool all)

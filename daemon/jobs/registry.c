@@ -3,6 +3,7 @@
  * shutdown) is jobs.c's. */
 #include "job.h"
 #include "registry.h"
+#include "sd/util.h"
 #include <string.h>
 #include <unistd.h>
 
@@ -58,6 +59,7 @@ struct sd_job *sd_registry_add_finished(struct sd_registry *reg, struct sd_job *
 {
     job->next = reg->finished;
     reg->finished = job;
+    job->stats.ended_ns = sd_now_ns();
     if (++reg->n_finished <= SD_FINISHED_JOBS_KEPT)
         return NULL;
     struct sd_job **pp = &reg->finished;

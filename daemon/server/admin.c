@@ -531,6 +531,9 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
          * their input or unread replies */
         json_object_set_new(out, "connections_refused", json_integer((json_int_t)srv->refused));
         json_object_set_new(out, "connections_dropped", json_integer((json_int_t)srv->dropped));
+        /* where GET /metrics answers (the port resolved), "" when metrics_listen is empty */
+        json_object_set_new(out, "metrics_listen",
+                            json_string(srv->metrics_at != NULL ? srv->metrics_at : ""));
     } else if (strcmp(cmd, "jobs") == 0 || strcmp(cmd, "groups") == 0 ||
                strcmp(cmd, "stats") == 0 || strcmp(cmd, "schedule") == 0) {
         out = json_pack("{s:o}", "jobs", jobs);

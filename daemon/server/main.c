@@ -5,6 +5,7 @@
 #include "step.h"
 #include "file_pool.h"
 #include "net_service.h"
+#include "metrics.h"
 #include "notify.h"
 #include "resume.h"
 #include "jobs.h"
@@ -97,7 +98,8 @@ struct app {
     struct sd_cluster *cl;
     uv_signal_t sigterm, sigint, sigusr1;
     uv_check_t fatal_check;
-    struct sd_notify notify; /* systemd's (inited: from READY on) */
+    struct sd_notify notify;   /* systemd's (inited: from READY on) */
+    struct sd_metrics metrics; /* GET /metrics (metrics_listen) */
     bool notify_on;
     unsigned stall_ms; /* SHARDD_TEST_STALL_MS: SIGUSR1 holds the loop this long (tests) */
 };
@@ -136,6 +138,7 @@ static void app_stop(struct app *app)
 {
     if (app->notify_on)
         sd_notify_stopping(&app->notify);
+    sd_metrics_stop(&app->metrics);
     if (app->cl != NULL)
         sd_cluster_stop(app->cl);
     if (app->tp != NULL) { /* no more progress, no more writes into job memory */
@@ -471,6 +474,17 @@ int main(int argc, char **argv)
     uv_check_init(&loop, &app.fatal_check);
     app.fatal_check.data = &app;
     uv_check_start(&app.fatal_check, fatal_check_cb);
+    /* Prometheus' endpoint (off unless metrics_listen names an address) */
+    char metrics_why[256];
+    if (sd_metrics_start(&app.metrics, &loop, cfg.metrics_listen, sd_metrics_exposition, &app.srv,
+                         metrics_why, sizeof(metrics_why)) != SD_OK) {
+        fprintf(stderr, "shardd: cannot start: %s\n", metrics_why);
+        app_stop(&app);
+        uv_run(&loop, UV_RUN_DEFAULT);
+        uv_loop_close(&loop);
+        return 1;
+    }
+    app.srv.metrics_at = app.metrics.bound;
     /* a fixed cluster of several, or an open one: its fabric and control plane now; an
      * independent daemon (nodes 1) opens them when a job first spans nodes (reg.open_fabric) */
     app.loop = &loop;

@@ -97,6 +97,7 @@ struct sd_server {
     int reserve_fd;       /* given up to accept and refuse a client when out of fds */
     uint64_t refused;     /* connections refused (max_clients, fds, allowed_gid) */
     uint64_t dropped;     /* connections dropped for their input or unread replies */
+    const char *metrics_at; /* where the metrics endpoint listens (shardctl status), or "" */
 };
 
 int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_config *cfg,
@@ -113,5 +114,10 @@ void sd_server_detach_transport(struct sd_server *srv);
  * client, anyone else only their own); *json_p is malloc'd */
 int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t uid,
                     char **json_p);
+
+/* metrics_text.c: the Prometheus exposition of srv (a struct sd_server *) into out, a struct
+ * sd_text (metrics.h's sd_metrics_fn) */
+struct sd_text;
+void sd_metrics_exposition(void *srv, struct sd_text *out);
 
 #endif

@@ -4,10 +4,39 @@
 #include <stdlib.h>
 #include <string.h>
 
+const uint64_t sd_lat_bounds_ns[SD_LAT_BOUNDS] = {
+    1000ULL,         2500ULL,         5000ULL,          10000ULL,         25000ULL,
+    50000ULL,        100000ULL,       250000ULL,        500000ULL,        1000000ULL,
+    2500000ULL,      5000000ULL,      10000000ULL,      25000000ULL,      50000000ULL,
+    100000000ULL,    250000000ULL,    500000000ULL,     1000000000ULL,    2500000000ULL,
+    5000000000ULL,   10000000000ULL,  25000000000ULL,   50000000000ULL,   100000000000ULL,
+    250000000000ULL, 500000000000ULL, 1000000000000ULL, 2500000000000ULL, 5000000000000ULL};
+
 void sd_latency_add(struct sd_latency *l, uint64_t ns)
 {
     l->samples_ns[l->count % SD_LAT_SAMPLES] = ns > UINT32_MAX ? UINT32_MAX : (uint32_t)ns;
     l->count++;
+    l->sum_ns += ns;
+    unsigned b = 0;
+    while (b < SD_LAT_BOUNDS && ns > sd_lat_bounds_ns[b])
+        b++;
+    l->bins[b]++;
+}
+
+void sd_latency_window(int op, unsigned *first)
+{
+    switch (op) {
+    case SD_OP_STEP:
+    case SD_OP_INIT:
+        *first = 9; /* 1 ms */
+        break;
+    case SD_OP_SAVE:
+        *first = 12; /* 10 ms */
+        break;
+    default:
+        *first = 3; /* 10 us */
+        break;
+    }
 }
 
 static int cmp_u32(const void *a, const void *b)

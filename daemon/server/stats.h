@@ -9,11 +9,22 @@
 #include <stdint.h>
 
 #define SD_LAT_SAMPLES 2048
+/* A histogram's bounds: 1, 2.5 and 5 x 10^k ns for k = 3..12 (1 us .. 5000 s); bin i counts the
+ * samples above bound i-1 and at most bound i, the last bin those above every bound. The
+ * metrics show each operation a window of them (sd_latency_window). */
+#define SD_LAT_BOUNDS 30
+extern const uint64_t sd_lat_bounds_ns[SD_LAT_BOUNDS];
 struct sd_latency {
     uint64_t count;
+    uint64_t sum_ns;
+    uint64_t bins[SD_LAT_BOUNDS + 1];
     uint32_t samples_ns[SD_LAT_SAMPLES]; /* the most recent ones, ring order */
 };
 void sd_latency_add(struct sd_latency *l, uint64_t ns);
+/* the bounds a histogram of op shows: sd_lat_bounds_ns[*first .. *first + SD_LAT_WINDOW) (a
+ * fetch from 10 us to 2.5 s, a step from 1 ms to 250 s, a save from 10 ms to 2500 s) */
+#define SD_LAT_WINDOW 16
+void sd_latency_window(int op, unsigned *first);
 /* q in [0, 1]; sorts a copy on the stack, for the admin path only */
 double sd_latency_quantile_us(const struct sd_latency *l, double q);
 
@@ -55,6 +66,7 @@ struct sd_job_stats {
      * once, and the time they waited for it or for their round */
     uint64_t signal_waits, signal_wait_ns;
     uint64_t fenced_releases; /* releases a trainer's stream signalled later (release_seq) */
+    uint64_t ended_ns;        /* when the job joined the finished list (the metrics' grace) */
     struct sd_latency lat[SD_OP_COUNT];
 };
 

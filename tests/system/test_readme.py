@@ -77,6 +77,9 @@ EXPECT = {
         r"open cluster of 3 nodes up",
         r"job anywhere: world 4 = 2 nodes x 2 ranks on cluster nodes 2,1 \(this one its node 0\)"],
         False),
+    "build/daemon/shardd --runtime-dir /tmp/m --metrics-listen": ([
+        r'(?m)^shardd_job_steps_total\{job="demo"\} 5$',
+        r'(?m)^shardd_job_operation_seconds_count\{job="demo",op="step"\} 5$'], False),
     "/usr/bin/python3 -m venv": ([r"(?m)^2\.\d+", r"libshard\.so\.0"], True),
     "build/daemon/shardd --runtime-dir /tmp/t": (
         [r"torchrun on one node equals the two-node run: True"], True),

@@ -26,6 +26,8 @@ struct sd_config {
     int64_t checkpoint_workers;
     int64_t checkpoint_direct;
     char log_level[16];
+    char metrics_listen[80];
+    int64_t metrics_job_grace_s;
     int64_t max_clients;
     uint64_t max_message_bytes;
     int64_t poll_spin_us;
