@@ -13,6 +13,7 @@ tools/deps.sh --optional python3-venv python3-matplotlib
 echo "== Python tests under $("$py" -c 'import torch, sys; print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")') ($py)"
 tools/deps.sh --optional clang libclang-rt-14-dev   # test_fuzz (libFuzzer harnesses)
 tools/deps.sh --optional groff-base                 # test_man (the man pages read by groff)
+tools/prometheus.sh >/dev/null || true             # test_metrics_prometheus (unpacked, not installed)
 jobs=$(nproc)
 t0=$(date +%s)
 # the CUDA backend is built (warnings as errors) wherever nvcc is; the HIP one where hipcc is

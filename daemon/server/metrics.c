@@ -12,6 +12,8 @@
 
 enum conn_state { CONN_READING, CONN_WRITING, CONN_DRAINING };
 
+#define SD_METRICS_DRAIN_MAX (64 * 1024) /* read after an answer, at most, before the close */
+
 struct sd_metrics_conn {
     uv_tcp_t tcp;
     uv_timer_t timer;
@@ -24,6 +26,7 @@ struct sd_metrics_conn {
     bool closing;
     char *out; /* the answer being written */
     size_t len;
+    size_t drained; /* bytes read and dropped after the answer */
     char head[SD_HTTP_MAX_HEAD];
 };
 
@@ -106,8 +109,7 @@ static void conn_close(struct sd_metrics_conn *c)
 static void on_deadline(uv_timer_t *t)
 {
     struct sd_metrics_conn *c = t->data;
-    if (c->state != CONN_DRAINING)
-        c->m->timeouts++;
+    c->m->timeouts++; /* (also one that took its answer and never closed its end) */
     conn_close(c);
 }
 
@@ -123,8 +125,12 @@ static void drain_alloc(uv_handle_t *h, size_t hint, uv_buf_t *buf)
 static void on_drain(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     (void)buf;
-    if (nread < 0)
-        conn_close(s->data);
+    struct sd_metrics_conn *c = s->data;
+    if (nread > 0)
+        c->drained += (size_t)nread;
+    /* (a scraper that goes on sending after its answer gets no more of the loop's time) */
+    if (nread < 0 || c->drained > SD_METRICS_DRAIN_MAX)
+        conn_close(c);
 }
 
 static void on_shutdown(uv_shutdown_t *req, int status)
@@ -202,8 +208,8 @@ static void own_metrics(const struct sd_metrics *m, struct sd_text *t)
                    "(malformed, not GET or HEAD, unknown path).\n"
                    "# TYPE shardd_metrics_bad_requests_total counter\n"
                    "shardd_metrics_bad_requests_total %llu\n"
-                   "# HELP shardd_metrics_timeouts_total Scraper connections closed for a "
-                   "request head or an answer that did not move in time.\n"
+                   "# HELP shardd_metrics_timeouts_total Scraper connections closed at a "
+                   "deadline: no request head in 5 s, or an answer not taken in 10 s.\n"
                    "# TYPE shardd_metrics_timeouts_total counter\n"
                    "shardd_metrics_timeouts_total %llu\n",
                    (unsigned long long)m->scrapes, SD_METRICS_MAX_CONNS,

@@ -42,7 +42,7 @@ struct sd_metrics {
     uint64_t scrapes;      /* GET /metrics answered */
     uint64_t refused;      /* connections closed at accept: SD_METRICS_MAX_CONNS were open */
     uint64_t bad_requests; /* answered 4xx/5xx */
-    uint64_t timeouts;     /* closed for a head that did not arrive or an answer not read */
+    uint64_t timeouts;     /* closed at a deadline: no head, an answer unread or never closed */
 };
 
 /* Listens on listen ("host:port", "[v6]:port"; port 0 any free one) when it is not empty.

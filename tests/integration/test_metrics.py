@@ -14,7 +14,15 @@ scraper would, against a real shardd training a real job:
     garbage 400, HTTP/2.0 505, POST 405, an unknown path 404, HEAD the headers alone; the
     endpoint counts them; the daemon then trains again and stops cleanly (no leaked fd).
 
-usage: test_metrics.py SHARDD MLP_TRAIN SHARDCTL
+With "prometheus" (test_metrics_prometheus; skipped, exit 77, without Debian's prometheus):
+a 2-node cluster scraped every second by a real Prometheus while a job trains across it, and
+node 0's endpoint attacked meanwhile by a scraper that never reads, 1000 connections and a 10 MB
+request line: the job trains through it with op_timeout_ms 5000; promtool check metrics says
+nothing of either node's exposition; Prometheus' HTTP API gives each node's fetch bytes per link
+and step observations equal to shardctl stats, a median step inside the bucket of shardctl's,
+and the peer up; the lazy scraper is closed at its deadline.
+
+usage: test_metrics.py SHARDD MLP_TRAIN SHARDCTL [prometheus]
 """
 import json
 import math
@@ -27,8 +35,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 
 SHARDD, MLP, SHARDCTL = sys.argv[1:4]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 failed = 0
 passed = 0
 
@@ -209,8 +220,7 @@ def wait_all(procs, what):
           f"{what}: {[p.returncode for p in procs]} {outs}")
 
 
-work = tempfile.mkdtemp(prefix="test_metrics.")
-try:
+def single(work):
     # ---- off by default; bad values stop the start naming the option
     p, sock = start(os.path.join(work, "off"))
     st = ctl(sock, "status")
@@ -369,6 +379,205 @@ try:
     rc = d.wait(60)
     check(rc == 0, f"clean shutdown (no leaked fd or memory): {rc}\n" +
           open(os.path.join(run, "log")).read()[-2000:])
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def prom_query(pport, q):
+    url = f"http://127.0.0.1:{pport}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        doc = json.load(r)
+    return {tuple(sorted(x["metric"].items())): float(x["value"][1]) for x in doc["data"]["result"]}
+
+
+def attack(port, results):
+    """the hostile scrapers of the issue, at node 0's endpoint while the job trains"""
+    # a scraper that asks and never reads (a receive buffer of 1 KiB: the answer cannot leave)
+    lazy = socket.socket()
+    lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    lazy.connect(("127.0.0.1", port))
+    lazy.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+    results["lazy"], results["lazy_at"] = lazy, time.time()
+    lazy.settimeout(10)
+    results["lazy_first"] = lazy.recv(1)  # its answer began (so no flood evicts it as silent)
+    # 1000 connections at once
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4096)), hard))
+    conns = []
+    for _ in range(1000):
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", port))
+        conns.append(c)
+    time.sleep(1.0)
+    for c in conns:
+        c.close()
+    # a 10 MB request line
+    big = socket.create_connection(("127.0.0.1", port), timeout=15)
+    try:
+        big.sendall(b"GET /" + b"a" * (10 << 20) + b" HTTP/1.1\r\n\r\n")
+    except OSError:
+        pass  # the daemon answered and closed before the rest
+    try:
+        results["big"] = big.recv(200)
+    except OSError as e:
+        results["big"] = repr(e).encode()
+    big.close()
+
+
+def with_prometheus(work):
+    """a 2-node cluster scraped by a real Prometheus while a job trains across it and hostile
+    scrapers attack node 0's endpoint"""
+    # on PATH, or unpacked by tools/prometheus.sh (Debian's package, not installed)
+    cache = os.environ.get("SHARD_PROMETHEUS") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardd", "prometheus")
+    path = os.environ.get("PATH", "") + os.pathsep + os.path.join(cache, "usr", "bin")
+    prom, promtool = shutil.which("prometheus", path=path), shutil.which("promtool", path=path)
+    if prom is None or promtool is None:
+        print("SKIP: Debian's prometheus and promtool are neither on PATH nor unpacked by "
+              f"tools/prometheus.sh (into {cache}), which tools/test.sh runs")
+        sys.exit(77)
+    cluster = os.path.join(ROOT, "tools", "local-cluster.sh")
+    cdir = os.path.join(work, "c")
+    r = subprocess.run(["bash", cluster, "start", "--nodes", "2", "--ranks-per-node", "2",
+                        "--dir", cdir, "--shardd", SHARDD, "--", "--log-level", "warn",
+                        "--metrics-listen", "127.0.0.1:0", "--op-timeout-ms", "5000"],
+                       capture_output=True, text=True, timeout=120)
+    check(r.returncode == 0, f"cluster start: {r.stdout}{r.stderr}")
+    if r.returncode != 0:
+        return
+    tsdb = None
+    try:
+        socks = [os.path.join(cdir, f"node{i}", "shardd.sock") for i in (0, 1)]
+        ats = [ctl(s, "status").get("metrics_listen", "") for s in socks]
+        check(all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in ats), f"endpoints: {ats}")
+        pport = free_port()
+        cfg = os.path.join(work, "prometheus.yml")
+        with open(cfg, "w") as f:
+            # honor_labels: the daemon's job label (the training job) stays job, not
+            # exported_job (docs/metrics.md)
+            f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                    "scrape_configs:\n  - job_name: shardd\n    honor_labels: true\n"
+                    f"    static_configs:\n      - targets: [\"{ats[0]}\", \"{ats[1]}\"]\n")
+        tsdb = subprocess.Popen([prom, f"--config.file={cfg}",
+                                 f"--storage.tsdb.path={os.path.join(work, 'tsdb')}",
+                                 f"--web.listen-address=127.0.0.1:{pport}", "--log.level=warn"],
+                                stdout=open(os.path.join(work, "prometheus.log"), "w"),
+                                stderr=subprocess.STDOUT)
+        ready = False
+        for _ in range(300):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{pport}/-/ready", timeout=2):
+                    ready = True
+                    break
+            except OSError:
+                time.sleep(0.1)
+        check(ready, "Prometheus ready")
+        # 4 ranks across the 2 nodes, zero3 (its gathers cross nodes), while node 0's endpoint is attacked
+        procs = [subprocess.Popen([MLP, "--socket", socks[rk // 2], "--job", "prom", "--rank",
+                                   str(rk), "--world", "4", "--ranks-per-node", "2", "--plan",
+                                   "zero3", "--steps", "40", "--accum", "2", "--compute-ms",
+                                   "10", "--quiet"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for rk in range(4)]
+        port0 = int(ats[0].rsplit(":", 1)[1])
+        results = {}
+        import threading
+        t = threading.Thread(target=attack, args=(port0, results))
+        t.start()
+        t.join(120)
+        wait_all(procs, "the job across 2 nodes under the attacks (op_timeout_ms 5000)")
+        big = results.get("big", b"")
+        check(big.startswith(b"HTTP/1.1 431") or big.startswith(b"HTTP/1.1 414"),
+              f"a 10 MB request line: {big[:60]!r}")
+        for i, a in enumerate(ats):
+            code, _, body = get(int(a.rsplit(":", 1)[1]), "/metrics")
+            pt = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True)
+            check(code == 200 and pt.returncode == 0 and not pt.stdout and not pt.stderr,
+                  f"promtool check metrics, node {i}: {pt.returncode} {pt.stdout!r} "
+                  f"{pt.stderr!r}")
+        # what Prometheus scraped agrees with shardctl
+        deadline, steps = time.time() + 30, {}
+        while time.time() < deadline:
+            steps = prom_query(pport, 'shardd_job_steps_total{job="prom"}')
+            if len(steps) == 2 and all(v == 40 for v in steps.values()):
+                break
+            time.sleep(0.5)
+        check(len(steps) == 2 and all(v == 40 for v in steps.values()),
+              f"Prometheus has both nodes' 40 steps: {steps}")
+        for i, a in enumerate(ats):
+            st = [j for j in ctl(socks[i], "--job", "prom", "stats").get("jobs", [])
+                  if j.get("job") == "prom"]
+            check(len(st) == 1, f"shardctl stats node {i}")
+            if not st:
+                continue
+            st = st[0]
+            got = prom_query(pport, f'shardd_job_bytes_total{{job="prom",op="fetch",'
+                                    f'instance="{a}"}}')
+            by_link = {dict(k)["link"]: v for k, v in got.items()}
+            check(by_link == {k: float(v) for k, v in st["ops"]["fetch"]["bytes"].items()},
+                  f"node {i} fetch bytes per link: Prometheus {by_link}, shardctl "
+                  f"{st['ops']['fetch']['bytes']}")
+            check(by_link.get("inter_node_recv", 0) > 0, f"node {i} gathered across nodes")
+            n = prom_query(pport, f'shardd_job_operation_seconds_count{{job="prom",op="step",'
+                                  f'instance="{a}"}}')
+            check(list(n.values()) == [float(st["ops"]["step"]["count"])],
+                  f"node {i} step observations: Prometheus {n}, shardctl "
+                  f"{st['ops']['step']['count']}")
+            q = prom_query(pport, f'histogram_quantile(0.5, shardd_job_operation_seconds_bucket'
+                                  f'{{job="prom",op="step",instance="{a}"}})')
+            p50 = st["ops"]["step"]["p50_us"] / 1e6
+            est = list(q.values())[0] if q else -1
+            # the estimate lies in the bucket of the true median (buckets 1-2.5-5 a decade)
+            check(p50 > 0 and 0.39 < est / p50 < 2.6,
+                  f"node {i} step median: Prometheus {est:.6f} s, shardctl {p50:.6f} s")
+            up = prom_query(pport, f'shardd_peers{{state="up",instance="{a}"}}')
+            check(list(up.values()) == [1.0], f"node {i} sees its peer up: {up}")
+        # the scraper that never read was closed at the answer's deadline (10 s)
+        lazy = results.get("lazy")
+        if lazy is not None:
+            time.sleep(max(0.0, results["lazy_at"] + 11.0 - time.time()))
+            fams, _ = parse(get(port0, "/metrics")[2].decode())
+            check(value(fams, "shardd_metrics_timeouts_total") >= 1 and
+                  value(fams, "shardd_metrics_connections_refused_total") >= 900,
+                  f"timeouts {value(fams, 'shardd_metrics_timeouts_total')}, evicted or "
+                  f"refused {value(fams, 'shardd_metrics_connections_refused_total')}")
+            lazy.settimeout(5)
+            got, end = b"", False
+            try:
+                while True:
+                    b = lazy.recv(65536)
+                    if not b:
+                        end = True
+                        break
+                    got += b
+            except OSError:
+                end = True  # (reset: closed with the answer unread)
+            check(end and results.get("lazy_first") == b"H",
+                  f"the scraper that never read was closed by the daemon ({len(got)} bytes "
+                  "were waiting)")
+            lazy.close()
+    finally:
+        if tsdb is not None:
+            tsdb.terminate()
+            tsdb.wait(30)
+        r = subprocess.run(["bash", cluster, "stop", "--dir", cdir], capture_output=True,
+                           text=True, timeout=120)
+        check(r.returncode == 0, f"cluster stop (every daemon clean): {r.stdout}{r.stderr}")
+
+
+work = tempfile.mkdtemp(prefix="test_metrics.")
+try:
+    if len(sys.argv) > 4 and sys.argv[4] == "prometheus":
+        with_prometheus(work)
+    else:
+        single(work)
 finally:
     print(f"test_metrics: {passed} passed, {failed} failed")
     if failed == 0:
