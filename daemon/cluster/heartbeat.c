@@ -30,6 +30,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -63,6 +64,7 @@ static void hb_mac(const uint8_t *key, const struct hb_msg *m, uint8_t out[HB_MA
 
 struct sd_heartbeat {
     int fd;
+    int wake_fd;           /* an eventfd: the stop (so the thread sleeps until its next send) */
     _Atomic uint32_t self; /* (an open cluster numbers its members after they started) */
     uint32_t n;
     uint64_t digest;
@@ -103,9 +105,11 @@ static void *hb_thread(void *arg)
                 pthread_mutex_unlock(&hb->lock);
             }
         }
-        struct pollfd p = {.fd = hb->fd, .events = POLLIN};
+        /* until the next send, a datagram, or the stop: an idle daemon wakes twice a second */
+        struct pollfd p[2] = {{.fd = hb->fd, .events = POLLIN},
+                              {.fd = hb->wake_fd, .events = POLLIN}};
         int ms = (int)((next - SD_MIN(next, sd_now_ns())) / 1000000) + 1;
-        if (poll(&p, 1, SD_MIN(ms, 100)) <= 0)
+        if (poll(p, 2, ms) <= 0 || !(p[0].revents & POLLIN))
             continue;
         for (;;) {
             struct hb_msg m;
@@ -151,6 +155,7 @@ int sd_heartbeat_start(struct sd_heartbeat **hb_p, const struct sd_heartbeat_par
     if (hb == NULL)
         return SD_ENOMEM;
     hb->fd = -1;
+    hb->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     atomic_store(&hb->self, self);
     hb->n = n;
     hb->digest = digest;
@@ -160,7 +165,7 @@ int sd_heartbeat_start(struct sd_heartbeat **hb_p, const struct sd_heartbeat_par
     hb->last_seen_ns = calloc(n, sizeof(*hb->last_seen_ns));
     hb->peers = calloc(n, sizeof(*hb->peers));
     int status = SD_ENOMEM;
-    if (hb->last_seen_ns == NULL || hb->peers == NULL)
+    if (hb->last_seen_ns == NULL || hb->peers == NULL || hb->wake_fd < 0)
         goto err_free;
     pthread_mutex_init(&hb->lock, NULL);
     hb->fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -191,6 +196,8 @@ int sd_heartbeat_start(struct sd_heartbeat **hb_p, const struct sd_heartbeat_par
 err_free:
     if (hb->fd >= 0)
         close(hb->fd);
+    if (hb->wake_fd >= 0)
+        close(hb->wake_fd);
     free(hb->last_seen_ns);
     free(hb->peers);
     free(hb);
@@ -248,8 +255,12 @@ void sd_heartbeat_stop(struct sd_heartbeat *hb)
     if (hb == NULL)
         return;
     atomic_store(&hb->stop, true);
+    uint64_t one = 1;
+    if (write(hb->wake_fd, &one, sizeof(one)) != sizeof(one))
+        SD_WARN("cluster", "waking the heartbeat thread: %s", strerror(errno));
     pthread_join(hb->thread, NULL);
     close(hb->fd);
+    close(hb->wake_fd);
     pthread_mutex_destroy(&hb->lock);
     free(hb->last_seen_ns);
     free(hb->peers);

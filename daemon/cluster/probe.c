@@ -102,6 +102,7 @@ static void rx_done(struct sd_xfer *x, int status)
     struct probe_slot *s = x->arg;
     struct sd_probe *p = s->p;
     s->busy = false;
+    p->cl->tp->standing--;
     if (p->stopping || status == SD_ECANCELED)
         return;
     struct probe_msg m = s->m;
@@ -139,6 +140,7 @@ static void rx_post(struct probe_slot *s)
         sd_tag_mask(SD_TAGF_JOB) | sd_tag_mask(SD_TAGF_SEQ) | sd_tag_mask(SD_TAGF_SRC);
     s->busy = tp->ops->recv(tp, SD_PEER_ANY, probe_tag(s->rail, 0), ignore, &s->m, sizeof(s->m),
                             NULL, &s->x) == SD_OK;
+    tp->standing += s->busy; /* (a receive that waits for a peer's ping: no work to poll for) */
 }
 
 static void ping(struct sd_probe *p, uint32_t node)

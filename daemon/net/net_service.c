@@ -104,7 +104,9 @@ void sd_net_job_confirmed(struct sd_registry *reg, uint32_t job_tag)
 
 bool sd_net_busy(const struct sd_registry *reg)
 {
-    return reg->net != NULL && reg->net->tp->inflight > (reg->net->posted ? SD_NET_REQ_SLOTS : 0);
+    /* (the pull requests' and the probes' standing receives are no work: a daemon whose jobs
+     * ended sleeps on the fabric's wait fd instead of polling it every millisecond) */
+    return reg->net != NULL && reg->net->tp->inflight > reg->net->tp->standing;
 }
 
 static void req_recv_cb(struct sd_xfer *x, int status);
@@ -113,14 +115,18 @@ static int post_req_recv(struct sd_net_req *r, struct sd_net *net)
 {
     struct sd_transport *tp = net->tp;
     r->x.cb = req_recv_cb;
-    return tp->ops->recv(tp, SD_PEER_ANY, sd_tag_of_kind(SD_TAG_REQ), sd_tag_any_but_kind(),
-                         &r->msg, sizeof(r->msg), net->reqs_desc, &r->x);
+    int st = tp->ops->recv(tp, SD_PEER_ANY, sd_tag_of_kind(SD_TAG_REQ), sd_tag_any_but_kind(),
+                           &r->msg, sizeof(r->msg), net->reqs_desc, &r->x);
+    tp->standing += st == SD_OK;
+    return st;
 }
 
 static void req_recv_cb(struct sd_xfer *x, int status)
 {
     struct sd_net_req *r = (struct sd_net_req *)x;
     struct sd_registry *reg = r->reg;
+    if (reg->net != NULL)
+        reg->net->tp->standing--;
     if (status == SD_ECANCELED || reg->net == NULL)
         return; /* cancelled at shutdown */
     if (status == SD_OK && x->len == sizeof(r->msg))

@@ -607,12 +607,15 @@ static bool peer_allowed(const struct sd_config *cfg, pid_t pid, uid_t uid, gid_
     return in;
 }
 
+static void sweep_wake(struct sd_server *srv);
+
 static void accept_cb(uv_poll_t *h, int status, int events)
 {
     struct sd_server *srv = h->data;
     (void)events;
     if (status < 0)
         return;
+    sweep_wake(srv);
     for (;;) {
         int fd = accept4(srv->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0 && (errno == EMFILE || errno == ENFILE) && srv->reserve_fd >= 0) {
@@ -684,6 +687,16 @@ static void accept_cb(uv_poll_t *h, int status, int events)
     }
 }
 
+/* the deadlines' sweep: every op_timeout_ms / 10 (10..100 ms) while there is anything to time,
+ * once a second when no client is connected and no job is here (an idle daemon barely wakes);
+ * a connection brings the short period back (accept_cb) */
+#define SWEEP_IDLE_MS 1000
+
+static uint64_t sweep_period_ms(const struct sd_server *srv)
+{
+    return (uint64_t)SD_MAX(10, SD_MIN(100, srv->cfg->op_timeout_ms / 10));
+}
+
 static void sweep_cb(uv_timer_t *h)
 {
     struct sd_server *srv = h->data;
@@ -691,6 +704,21 @@ static void sweep_cb(uv_timer_t *h)
     sweep_conns(srv, now);
     sd_jobs_sweep(srv->reg, now);
     sd_server_progress(srv);
+    bool idle = srv->conns == NULL && srv->reg->jobs == NULL && srv->reg->zombies == NULL;
+    if (idle != srv->sweep_idle) {
+        srv->sweep_idle = idle;
+        uint64_t period = idle ? SWEEP_IDLE_MS : sweep_period_ms(srv);
+        uv_timer_start(&srv->sweep, sweep_cb, period, period);
+    }
+}
+
+static void sweep_wake(struct sd_server *srv)
+{
+    if (!srv->sweep_idle)
+        return;
+    srv->sweep_idle = false;
+    uint64_t period = sweep_period_ms(srv);
+    uv_timer_start(&srv->sweep, sweep_cb, period, period);
 }
 
 /* Create the runtime directory 0700. One that exists already (made by systemd's
@@ -789,7 +817,7 @@ int sd_server_start(struct sd_server *srv, uv_loop_t *loop, const struct sd_conf
     srv->poll_timer.data = srv;
     uv_timer_init(loop, &srv->sweep);
     srv->sweep.data = srv;
-    uint64_t period = (uint64_t)SD_MAX(10, SD_MIN(100, cfg->op_timeout_ms / 10));
+    uint64_t period = sweep_period_ms(srv);
     uv_timer_start(&srv->sweep, sweep_cb, period, period);
     SD_INFO("server", "listening on %s", srv->sock_path);
     return SD_OK;

@@ -79,6 +79,7 @@ struct sd_server {
     bool spinning;
     uint64_t last_activity_ns;
     uv_timer_t sweep;
+    bool sweep_idle; /* the sweep runs at its idle period (server.c) */
     uint64_t start_ns;
     uint64_t next_id;
     bool stopping;
@@ -91,12 +92,12 @@ struct sd_server {
     uv_timer_t poll_timer;
     /* a job's step waits for its device's queue (sd_jobs_poll_queues): keep polling */
     bool queue_waiting;
-    uint64_t last_net_ns; /* the last time a transfer completed */
-    uint64_t polls;       /* passes of the polling loop since start (shardctl status) */
-    uint64_t ctl_bytes;   /* receive buffers and queued replies of every connection */
-    int reserve_fd;       /* given up to accept and refuse a client when out of fds */
-    uint64_t refused;     /* connections refused (max_clients, fds, allowed_gid) */
-    uint64_t dropped;     /* connections dropped for their input or unread replies */
+    uint64_t last_net_ns;   /* the last time a transfer completed */
+    uint64_t polls;         /* passes of the polling loop since start (shardctl status) */
+    uint64_t ctl_bytes;     /* receive buffers and queued replies of every connection */
+    int reserve_fd;         /* given up to accept and refuse a client when out of fds */
+    uint64_t refused;       /* connections refused (max_clients, fds, allowed_gid) */
+    uint64_t dropped;       /* connections dropped for their input or unread replies */
     const char *metrics_at; /* where the metrics endpoint listens (shardctl status), or "" */
 };
 

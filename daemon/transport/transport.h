@@ -119,6 +119,9 @@ struct sd_transport {
      * it each their own way), which the messages naming their sender carry; NULL: self */
     const uint32_t *self_as;
     uint64_t inflight; /* posted sends and receives not completed */
+    /* of them, receives that stand for messages that may never come (pull requests, probes):
+     * counted by their posters, so that what is in flight beyond them is work to poll for */
+    uint64_t standing;
     /* rendezvous: the threshold in effect (0: off), clear-to-sends sent and received, sends that
      * waited for theirs and sends that found theirs already there, clear-to-sends that waited
      * for credit */

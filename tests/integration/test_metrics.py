@@ -539,6 +539,23 @@ def with_prometheus(work):
                   f"node {i} step median: Prometheus {est:.6f} s, shardctl {p50:.6f} s")
             up = prom_query(pport, f'shardd_peers{{state="up",instance="{a}"}}')
             check(list(up.values()) == [1.0], f"node {i} sees its peer up: {up}")
+        # idle after the job: the daemons sleep on the fabric's wait fd (the probes' and the
+        # pull requests' standing receives are no work; a 1 ms re-poll woke them 900 times a
+        # second): their threads' context switches over 3 s, counted by the kernel
+        pids = [ctl(sk, "status").get("pid") for sk in socks]
+
+        def switches(pid):
+            n = 0
+            for t in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{t}/status") as f:
+                    n += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+            return n
+        sw0 = [switches(p) for p in pids]
+        time.sleep(3)
+        sw1 = [switches(p) for p in pids]
+        check(all(b - a < 300 for a, b in zip(sw0, sw1)),
+              f"idle daemons barely wake: {[b - a for a, b in zip(sw0, sw1)]} context switches "
+              "in 3 s")
         # the scraper that never read was closed at the answer's deadline (10 s)
         lazy = results.get("lazy")
         if lazy is not None:
