@@ -100,6 +100,11 @@ const struct sd_config_entry sd_config_table[] = {
      "seconds a finished job's series stay in the metrics after it ended (a scrape or two sees "
      "its last counts), so that the endpoint's size is bounded by the jobs served",
      0},
+    {"trace_ops", SD_CFG_INT, "1024", 0, 1 << 20, OFF(trace_ops),
+     "operations each job's flight recorder keeps on this node (its ranks' calls and its "
+     "transfers with other nodes, with their states and times), dumped when the job fails and "
+     "shown by shardctl trace; 0: off",
+     0},
     {"max_clients", SD_CFG_INT, "256", 1, 65536, OFF(max_clients),
      "connections accepted at once (clients and shardctl)", 0},
     {"max_message_bytes", SD_CFG_SIZE, "16MiB", 4096, 1LL << 30, OFF(max_message_bytes),

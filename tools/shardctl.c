@@ -1,6 +1,7 @@
 /* shardctl: inspect a running shardd (status, jobs, groups, topology, stats, schedule), and
  * plan a model that does not exist yet (plan: no daemon). */
 #include "shard.h"
+#include "shardctl.h"
 #include "sd/ckpt.h"
 #include "sd/cost.h"
 #include "sd/model.h"
@@ -58,6 +59,15 @@ static void usage(FILE *out)
             "             (root) drop the state a paused job (or a failed one kept with\n"
             "             resume_timeout_ms) holds on this node now, instead of at its timeout;\n"
             "             run it on each node of the job\n"
+            "  trace      per job: its flight recorder on this node, the last operations\n"
+            "             (trace_ops) of its ranks' calls and its transfers with other nodes,\n"
+            "             with their states and times; what is waiting first (--json: the\n"
+            "             document a failed job also dumps into <runtime_dir>/trace/)\n"
+            "  trace --merge PATH...\n"
+            "             without a daemon: the dumps of every node of a job (files, or\n"
+            "             directories of them) read together: the call most ranks wait in, the\n"
+            "             ranks that never made it (with their last call), and what each node\n"
+            "             waited in\n"
             "  checkpoint-info DIR\n"
             "             without a daemon: the checkpoint at DIR (or the one DIR/LATEST names):\n"
             "             step, plan, world, tensors, bytes per state and file, and every\n"
@@ -776,7 +786,9 @@ int main(int argc, char **argv)
     const char *ck_dir = NULL;
     struct plan_args pa = {.package = 1, .accum = 1, .dtype = "bf16", .optimizer = "adamw"};
     const char *socket = NULL, *job = NULL, *cmd = NULL;
-    bool as_json = false;
+    bool as_json = false, merge = false;
+    char *merge_paths[256];
+    int n_merge = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             usage(stdout);
@@ -792,6 +804,10 @@ int main(int argc, char **argv)
             socket = argv[++i];
         } else if (strcmp(argv[i], "--job") == 0 && i + 1 < argc) {
             job = argv[++i];
+        } else if (strcmp(argv[i], "--merge") == 0 && cmd != NULL && strcmp(cmd, "trace") == 0) {
+            merge = true;
+        } else if (argv[i][0] != '-' && merge && n_merge < 256) {
+            merge_paths[n_merge++] = argv[i];
         } else if (argv[i][0] != '-' && cmd == NULL) {
             cmd = argv[i];
         } else if (argv[i][0] != '-' && ck_dir == NULL &&
@@ -813,12 +829,19 @@ int main(int argc, char **argv)
     }
     if (cmd != NULL && strcmp(cmd, "plan") == 0)
         return run_plan(&pa, as_json);
+    if (merge) {
+        if (n_merge == 0) {
+            fprintf(stderr, "shardctl: trace --merge needs the dumps (files or directories)\n");
+            return 2;
+        }
+        return shardctl_trace_merge(n_merge, merge_paths, as_json);
+    }
     if (cmd != NULL && strcmp(cmd, "checkpoint-info") == 0)
         return run_checkpoint_info(ck_dir, as_json);
     if (cmd != NULL && strcmp(cmd, "checkpoint") == 0)
         return run_checkpoint(socket, job, ck_dir, as_json);
     static const char *const cmds[] = {"status", "jobs",     "groups", "topology",
-                                       "stats",  "schedule", "drop"};
+                                       "stats",  "schedule", "drop",   "trace"};
     bool known = false;
     for (size_t i = 0; cmd && i < SD_ARRAY_SIZE(cmds); i++)
         known |= strcmp(cmd, cmds[i]) == 0;
@@ -861,6 +884,8 @@ int main(int argc, char **argv)
         print_topology(doc);
     } else if (strcmp(cmd, "schedule") == 0) {
         print_schedule(json_object_get(doc, "jobs"));
+    } else if (strcmp(cmd, "trace") == 0) {
+        shardctl_trace_print(json_object_get(doc, "jobs"));
     } else if (strcmp(cmd, "drop") == 0) {
         printf("job %s: the state it kept (%.1f MiB, uid %lld) is dropped\n", str(doc, "dropped"),
                (double)num(doc, "bytes") / 1048576.0, num(doc, "uid"));

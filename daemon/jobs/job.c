@@ -6,6 +6,7 @@
 #include "cluster/cluster.h"
 #include "job.h"
 #include "job_module.h"
+#include "job_trace.h"
 #include "registry.h"
 #include "sd/hmac.h"
 #include "sd/log.h"
@@ -103,6 +104,26 @@ void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tel
 {
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
         return;
+    /* the flight recorder as the failure found it (calls still scheduled, transfers started),
+     * and the message says where it went */
+    char with_trace[sizeof(job->fail_msg)], dump[SD_PATH_MAX + 160];
+    if (status != SD_EPAUSED && sd_job_trace_dump(job, text, dump, sizeof(dump)) == SD_OK) {
+        /* the text cut where the dump's path would not fit */
+        char tail[SD_PATH_MAX + 200];
+        int tl = snprintf(tail, sizeof(tail), " (flight recorder: %s; shardctl trace)", dump);
+        int room = (int)sizeof(with_trace) - 1 - tl - 3;
+        size_t n = strlen(text);
+        if (room < 0)
+            room = 0;
+        if (n > (size_t)room) {
+            memcpy(with_trace, text, (size_t)room);
+            memcpy(with_trace + room, "...", 4);
+        } else {
+            memcpy(with_trace, text, n + 1);
+        }
+        strncat(with_trace, tail, sizeof(with_trace) - strlen(with_trace) - 1);
+        text = with_trace;
+    }
     if (status == SD_EPAUSED)
         SD_WARN("job", "%s", text);
     else

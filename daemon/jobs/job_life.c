@@ -36,6 +36,7 @@ void sd_job_free(struct sd_job *job)
     sd_model_free(&job->model);
     free(job->ranks);
     free(job->xfer.node_ids);
+    sd_trace_fini(&job->stats.trace);
     sd_recover_forget(job->reg, job, "the job's state was dropped");
     sd_ckpt_job_free(job);
     for (size_t i = 0; i < sizeof(life_order) / sizeof(life_order[0]); i++)
@@ -475,7 +476,9 @@ struct sd_job *sd_job_create(struct sd_registry *reg, const Shard__Register *msg
     job->created_ns = sd_now_ns();
     job->register_deadline_ns = job->created_ns + (uint64_t)cfg->register_timeout_ms * 1000000ULL;
     job->ranks = calloc(k, sizeof(*job->ranks));
-    int status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
+    int status = sd_trace_init(&job->stats.trace, (uint32_t)cfg->trace_ops, job->first_rank, k);
+    if (status == SD_OK)
+        status = sd_plan_parse(job->model.plan, &job->topo, &job->plan, err, errlen);
     if (status == SD_OK)
         status = sd_layout_build(&job->model, &job->plan, &job->layout, err, errlen);
     job->nodes = nodes;

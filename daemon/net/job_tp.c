@@ -6,7 +6,11 @@
  * the transport's own. */
 #include "net.h"
 #include "transport/transport.h"
+#include "coll/tag.h"
+#include "job.h"
 #include "sd/status.h"
+#include "sd/trace.h"
+#include "sd/util.h"
 
 #include <stdlib.h>
 
@@ -15,6 +19,7 @@ struct job_view {
     struct sd_transport *tp; /* the node's */
     const uint32_t *ids;     /* [n]: the job's node_ids */
     uint32_t n;
+    struct sd_trace *trace; /* the job's flight recorder */
 };
 
 static struct job_view *view_of(struct sd_transport *tp)
@@ -30,6 +35,39 @@ static uint32_t view_peer(const struct job_view *v, uint32_t peer)
     return peer < v->n ? v->ids[peer] : SD_NODE_UNKNOWN;
 }
 
+/* The flight recorder sees every transfer of the job here: a chunk joins its transfer's record
+ * (same direction, peer and tag but the chunk), completed when its last chunk is. */
+static void view_done(struct sd_xfer *x, int status)
+{
+    sd_trace_xfer_done(x->view_trace, x->trace_id, status, sd_now_ns());
+    x->cb = x->view_cb;
+    x->cb(x, status);
+}
+
+/* record x before it is posted (its completion may come from any later progress call) */
+static void trace_begin(struct job_view *v, bool send, uint32_t peer, uint64_t tag, size_t len,
+                        struct sd_xfer *x)
+{
+    if (v->trace == NULL || v->trace->recs == NULL)
+        return;
+    struct sd_tag_fields f = sd_tag_unpack(tag);
+    x->trace_id = sd_trace_xfer(v->trace, send, peer, tag & ~sd_tag_mask(SD_TAGF_CHUNK), f.kind,
+                                f.unit, f.seq, len, sd_now_ns());
+    x->view_trace = v->trace;
+    x->view_cb = x->cb;
+    x->cb = view_done;
+}
+
+/* after the post: one that failed completes nothing (its record says so) */
+static int trace_posted(struct sd_xfer *x, int st)
+{
+    if (st != SD_OK && x->cb == view_done) {
+        sd_trace_xfer_done(x->view_trace, x->trace_id, st, sd_now_ns());
+        x->cb = x->view_cb;
+    }
+    return st;
+}
+
 static int view_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const void *buf,
                      size_t len, void *desc, struct sd_xfer *x)
 {
@@ -37,7 +75,8 @@ static int view_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const
     uint32_t p = view_peer(v, peer);
     if (p == SD_NODE_UNKNOWN || p == SD_PEER_ANY)
         return SD_EINVAL;
-    return v->tp->ops->send(v->tp, p, tag, buf, len, desc, x);
+    trace_begin(v, true, peer, tag, len, x);
+    return trace_posted(x, v->tp->ops->send(v->tp, p, tag, buf, len, desc, x));
 }
 
 static int view_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint64_t ignore,
@@ -47,7 +86,8 @@ static int view_recv(struct sd_transport *tp, uint32_t peer, uint64_t tag, uint6
     uint32_t p = view_peer(v, peer);
     if (p == SD_NODE_UNKNOWN)
         return SD_EINVAL;
-    return v->tp->ops->recv(v->tp, p, tag, ignore, buf, len, desc, x);
+    trace_begin(v, false, peer, tag, len, x);
+    return trace_posted(x, v->tp->ops->recv(v->tp, p, tag, ignore, buf, len, desc, x));
 }
 
 static int view_mr_reg(struct sd_transport *tp, void *buf, size_t len, void **desc_p,
@@ -90,6 +130,7 @@ int sd_job_tp_open(struct sd_job *job)
     v->tp = tp;
     v->ids = job->xfer.node_ids;
     v->n = job->nodes;
+    v->trace = &job->stats.trace;
     job->xfer.tp = &v->base;
     return SD_OK;
 }

@@ -8,6 +8,7 @@
 #include "secondary.h"
 #include "file_pool.h"
 #include "hop.h"
+#include "job_trace.h"
 #include "resume.h"
 #include "schedule.h"
 #include "server.h"
@@ -460,6 +461,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
                 o = job_stats(j);
             else if (strcmp(cmd, "schedule") == 0)
                 o = job_schedule(j);
+            else if (strcmp(cmd, "trace") == 0) /* the flight recorder (job_trace.h) */
+                o = sd_job_trace_json(j, NULL);
             else
                 o = job_summary(j);
             json_object_set_new(o, "retiring", json_boolean(li == 1));
@@ -535,7 +538,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
         json_object_set_new(out, "metrics_listen",
                             json_string(srv->metrics_at != NULL ? srv->metrics_at : ""));
     } else if (strcmp(cmd, "jobs") == 0 || strcmp(cmd, "groups") == 0 ||
-               strcmp(cmd, "stats") == 0 || strcmp(cmd, "schedule") == 0) {
+               strcmp(cmd, "stats") == 0 || strcmp(cmd, "schedule") == 0 ||
+               strcmp(cmd, "trace") == 0) {
         out = json_pack("{s:o}", "jobs", jobs);
         struct sd_cluster *cl = sd_net_cluster(reg->net);
         if (strcmp(cmd, "stats") == 0 && cl != NULL) /* its control links, and their floods */
@@ -569,8 +573,9 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
         json_object_set_new(out, "rank_devices", cycle);
     } else {
         json_decref(jobs);
-        out = json_pack("{s:s}", "error",
-                        "unknown command (status, jobs, groups, topology, stats, schedule, drop)");
+        out = json_pack(
+            "{s:s}", "error",
+            "unknown command (status, jobs, groups, topology, stats, schedule, trace, drop)");
         *json_p = json_dumps(out, JSON_COMPACT);
         json_decref(out);
         return SD_EINVAL;

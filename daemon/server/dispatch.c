@@ -80,6 +80,9 @@ static bool scheduled_op(struct sd_job *job, struct sd_session *s, const struct 
 bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
 {
     uint64_t start = sd_now_ns();
+    if (!(s->has_stalled && e == &s->stalled)) /* (a stalled call is recorded once) */
+        sd_trace_call(&job->stats.trace, s->rank, e->op, e->unit, e->op == SD_OP_PUSH ? e->arg1 : 0,
+                      e->tag, start);
     switch (e->op) {
     case SD_OP_FETCH:
     case SD_OP_RELEASE:

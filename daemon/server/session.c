@@ -25,6 +25,8 @@ void sd_session_break(struct sd_session *s, const char *fmt, ...)
 void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status, uint64_t v0,
                          uint64_t v1, const char *msg)
 {
+    if (s->job != NULL)
+        sd_trace_call_done(&s->job->stats.trace, s->rank, tag, status, sd_now_ns());
     if (s->broken)
         return;
     struct sd_cqe e;

@@ -4,6 +4,7 @@
 #define SD_STATS_H
 
 #include "sd/ring.h"
+#include "sd/trace.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -67,6 +68,7 @@ struct sd_job_stats {
     uint64_t signal_waits, signal_wait_ns;
     uint64_t fenced_releases; /* releases a trainer's stream signalled later (release_seq) */
     uint64_t ended_ns;        /* when the job joined the finished list (the metrics' grace) */
+    struct sd_trace trace;    /* the flight recorder: the last calls and transfers (trace_ops) */
     struct sd_latency lat[SD_OP_COUNT];
 };
 

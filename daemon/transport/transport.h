@@ -62,6 +62,11 @@ struct sd_xfer {
     uint64_t since_ns;
     int rdv;
     struct sd_xfer_staged staged;
+    /* private to a job's view of the transport (net/job_tp.c): the poster's callback, and the
+     * flight recorder's record of the transfer */
+    sd_xfer_cb view_cb;
+    void *view_trace; /* (struct sd_trace *) */
+    uint64_t trace_id;
 };
 
 #define SD_PEER_ANY UINT32_MAX

@@ -77,6 +77,10 @@ EXPECT = {
         r"open cluster of 3 nodes up",
         r"job anywhere: world 4 = 2 nodes x 2 ranks on cluster nodes 2,1 \(this one its node 0\)"],
         False),
+    "tools/local-cluster.sh start --nodes 2 --ranks-per-node 2 --dir /tmp/h": ([
+        r"job hang: 2 dump\(s\) of 2 node\(s\)",
+        r"rank 3 \(node 1\) never called \w+ #\d+",
+        r"(?m)^  node 0 \(failed.*\): waiting in$"], False),
     "build/daemon/shardd --runtime-dir /tmp/m --metrics-listen": ([
         r'(?m)^shardd_job_steps_total\{job="demo"\} 5$',
         r'(?m)^shardd_job_operation_seconds_count\{job="demo",op="step"\} 5$'], False),

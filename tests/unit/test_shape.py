@@ -40,7 +40,7 @@ MIDDLE = ("server", "jobs", "ops", "persist", "net")
 # files that are parts of another module (the rest: a module each, its .c with its .h)
 PART_OF = {"ckpt_commit": "checkpoint", "fetch_serve": "fetch", "job_mem": "job_life", "ckpt_load": "checkpoint", "step_state": "step", "hop": "step", "push_net": "push",
            "push_round": "push", "net": "job_net", "attach": "server", "registry": "job",
-           "recover": "checkpoint"}
+           "recover": "checkpoint", "job_trace": "job"}
 # a module's state defined only in its own .c (opaque elsewhere): the ones that are so far
 OPAQUE = {
     "sd_net": "net/net_service.c",

@@ -28,6 +28,7 @@ struct sd_config {
     char log_level[16];
     char metrics_listen[80];
     int64_t metrics_job_grace_s;
+    int64_t trace_ops;
     int64_t max_clients;
     uint64_t max_message_bytes;
     int64_t poll_spin_us;

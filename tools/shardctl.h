@@ -1,0 +1,14 @@
+/* shardctl's pieces in files of their own (shardctl.c is the command line and the tables). */
+#ifndef SHARDCTL_H
+#define SHARDCTL_H
+
+#include <jansson.h>
+#include <stdbool.h>
+
+/* shardctl trace: the flight recorder documents of the daemon's jobs, as text */
+void shardctl_trace_print(json_t *jobs);
+/* shardctl trace --merge PATH...: dumps (files, or directories of them) of a job's nodes read
+ * together; 0, or 1 when a file could not be read */
+int shardctl_trace_merge(int n_paths, char **paths, bool as_json);
+
+#endif
