@@ -199,9 +199,21 @@ static void emu_gpu_count(int device, int64_t bytes)
     sd__mem_count(&emu_gpus.used[device], &emu_gpus.peak[device], bytes);
 }
 
+/* SHARDD_EMU_* shape the emulation for the suite, in test builds only (SHARD_TEST_HOOKS): a
+ * production build's emu-gpu is one GPU with the host's memory, whatever the environment says */
+static const char *emu_env(const char *name)
+{
+#ifdef SD_TEST_HOOKS
+    return getenv(name);
+#else
+    (void)name;
+    return NULL;
+#endif
+}
+
 static int emu_gpu_open(const int *devices, int n, char *err, size_t errlen)
 {
-    const char *count = getenv("SHARDD_EMU_GPUS"), *peers = getenv("SHARDD_EMU_PEERS");
+    const char *count = emu_env("SHARDD_EMU_GPUS"), *peers = emu_env("SHARDD_EMU_PEERS");
     char *end = NULL;
     long c = count != NULL ? strtol(count, &end, 10) : 1;
     if (count != NULL && (end == count || *end != '\0' || c < 1 || c > SD_EMU_MAX_GPUS)) {
@@ -213,14 +225,14 @@ static int emu_gpu_open(const int *devices, int n, char *err, size_t errlen)
         snprintf(err, errlen, "SHARDD_EMU_PEERS is '%s', not all or none", peers);
         return SD_ECONFIG;
     }
-    const char *lag = getenv("SHARDD_EMU_LAG_MS");
+    const char *lag = emu_env("SHARDD_EMU_LAG_MS");
     long lag_ms = lag != NULL ? strtol(lag, &end, 10) : 0;
     if (lag != NULL && (end == lag || *end != '\0' || lag_ms < 0 || lag_ms > 60000)) {
         snprintf(err, errlen, "SHARDD_EMU_LAG_MS is '%s', not 0 to 60000 ms", lag);
         return SD_ECONFIG;
     }
     emu_lag_ns = (uint64_t)lag_ms * 1000000u;
-    const char *cap = getenv("SHARDD_EMU_GPU_BYTES");
+    const char *cap = emu_env("SHARDD_EMU_GPU_BYTES");
     unsigned long long cap_bytes = cap != NULL ? strtoull(cap, &end, 10) : 0;
     if (cap != NULL && (end == cap || *end != '\0' || cap_bytes == 0)) {
         snprintf(err, errlen, "SHARDD_EMU_GPU_BYTES is '%s', not a number of bytes", cap);
@@ -235,7 +247,7 @@ static int emu_gpu_open(const int *devices, int n, char *err, size_t errlen)
         if (devices[i] < 0 || devices[i] >= emu_gpus.count) {
             snprintf(err, errlen,
                      "devices names emu-gpu %d, and the emulation sees %d (0 to %d; "
-                     "SHARDD_EMU_GPUS sets how many)",
+                     "a test build's SHARDD_EMU_GPUS sets how many)",
                      devices[i], emu_gpus.count, emu_gpus.count - 1);
             return SD_ENOSYS;
         }

@@ -53,7 +53,7 @@ if ! pkg-config --exists openssl 2>/dev/null && [ ! -f /usr/include/openssl/evp.
   echo "gpu-check: no libcrypto headers here: run tools/devkit-ssl.sh on the Debian machine" \
        "(it adds libssl-dev and libssl3 to .devkit/debs), then carry .devkit again" >&2
 fi
-if ! cmake -S . -B "$B" -DSHARD_CUDA=ON -DSHARD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+if ! cmake -S . -B "$B" -DSHARD_CUDA=ON -DSHARD_WERROR=ON -DSHARD_TEST_HOOKS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
      >"$out/configure.log" 2>&1 || ! cmake --build "$B" -j"$jobs" >"$out/build.log" 2>&1; then
   echo "gpu-check: the build failed; the end of its log:"
   tail -30 "$out/build.log" "$out/configure.log" 2>/dev/null

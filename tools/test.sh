@@ -13,6 +13,10 @@ tools/deps.sh --optional python3-venv python3-matplotlib
 echo "== Python tests under $("$py" -c 'import torch, sys; print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")') ($py)"
 tools/deps.sh --optional clang libclang-rt-14-dev   # test_fuzz (libFuzzer harnesses)
 tools/deps.sh --optional groff-base                 # test_man (the man pages read by groff)
+# test_deploy_k8s validates deploy/k8s offline against Kubernetes' schemas (PyPI's
+# kubernetes-validate, which bundles them), in the same venv
+"$py" -c 'import kubernetes_validate' 2>/dev/null || "$py" -m pip install -q kubernetes-validate ||
+  echo "note: could not install kubernetes-validate; test_deploy_k8s will say it skips"
 tools/prometheus.sh >/dev/null || true             # test_metrics_prometheus (unpacked, not installed)
 jobs=$(nproc)
 t0=$(date +%s)
@@ -28,6 +32,15 @@ cmake -S . -B build/ci -DSHARD_WERROR=ON -DSHARD_TEST_HOOKS=ON -DCMAKE_BUILD_TYP
 cmake --build build/ci -j"$jobs"
 echo "== test"
 (cd build/ci && ctest --output-on-failure -j"$jobs")
+
+# what cmake --install of a plain build carries: no test hook, no test variable read
+echo "== production build (SHARD_TEST_HOOKS off, its default), installed and checked"
+cmake -S . -B build/prod -DCMAKE_BUILD_TYPE=Release -DSHARD_BUILD_TESTS=OFF -DSHARD_WERROR=ON \
+      >/dev/null
+cmake --build build/prod -j"$jobs" >/dev/null
+rm -rf build/prod/install
+cmake --install build/prod --prefix "$PWD/build/prod/install" >/dev/null
+tools/check-production.sh build/prod/install
 
 if [ "${SHARD_SKIP_ASAN:-0}" != 1 ]; then
   echo "== build (ASan + UBSan)"

@@ -176,6 +176,7 @@ static void on_signal(uv_signal_t *h, int signum)
     app_stop(app);
 }
 
+#ifdef SD_TEST_HOOKS
 /* A test hook: the event loop held up, as a long piece of work on it would (the heartbeat
  * thread must keep the node in the cluster meanwhile). */
 static void on_stall(uv_signal_t *h, int signum)
@@ -187,6 +188,7 @@ static void on_stall(uv_signal_t *h, int signum)
     usleep(app->stall_ms * 1000u);
     SD_WARN("main", "the event loop runs again");
 }
+#endif
 
 static int parse_args(int argc, char **argv, struct sd_config *cfg)
 {
@@ -466,10 +468,10 @@ int main(int argc, char **argv)
 #ifdef SD_TEST_HOOKS /* tests only (SHARD_TEST_HOOKS): SIGUSR1 holds the loop that long */
     const char *stall = getenv("SHARDD_TEST_STALL_MS");
     app.stall_ms = stall ? (unsigned)strtoul(stall, NULL, 10) : 0;
-#endif
     app.sigusr1.data = &app;
     if (app.stall_ms > 0)
         uv_signal_start(&app.sigusr1, on_stall, SIGUSR1);
+#endif
     app.reg = &reg;
     uv_check_init(&loop, &app.fatal_check);
     app.fatal_check.data = &app;

@@ -466,6 +466,7 @@ static void test_release_detach(bool parked_first)
     shard_detach(r[0].ctx);
 }
 
+#ifdef SD_TEST_HOOKS
 /* A fetch whose slot the device is still writing is answered by the loop's poll once the device
  * is there, also when its peer detaches meanwhile: the job closes and serves it (the closing
  * failed it with "rank 1 detached", which on a GPU took the final fetches of a rank saving the
@@ -510,6 +511,7 @@ static void test_detach_answer_pending(void)
     TH_CHECK(th_daemon_alive(&d), "the lagging daemon died");
     TH_CHECK(th_daemon_stop(&d) == 0, "the lagging shardd did not shut down cleanly");
 }
+#endif
 
 /* A job closing (a rank detached) still serves fetches, and a fetch that cannot get its place
  * (another rank holds it) fails after op_timeout_ms naming what it waited for, alone: it used
@@ -772,7 +774,13 @@ int main(int argc, char **argv)
     shard_detach(by);
     TH_CHECK(th_daemon_alive(&d), "daemon died");
     TH_CHECK(th_daemon_stop(&d) == 0, "shardd did not shut down cleanly");
-    if (strcmp(backend, "emu-gpu") == 0)
+    if (strcmp(backend, "emu-gpu") == 0) {
+#ifdef SD_TEST_HOOKS
         test_detach_answer_pending();
+#else
+        printf("skipped: a detach with fetches pending on a lagging device (SHARDD_EMU_LAG_MS: "
+               "a build with SHARD_TEST_HOOKS)\n");
+#endif
+    }
     return th_summary("test_fence");
 }
