@@ -33,24 +33,14 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.parse
 import urllib.request
 
 SHARDD, MLP, SHARDCTL = sys.argv[1:4]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-failed = 0
-passed = 0
-
-
-def check(cond, what):
-    global failed, passed
-    if cond:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL: {what}", flush=True)
+sys.path.insert(0, os.path.join(ROOT, "tests", "unit"))
+from checks import check, run_parts  # noqa: E402
 
 
 def start(run, *args):
@@ -589,16 +579,6 @@ def with_prometheus(work):
         check(r.returncode == 0, f"cluster stop (every daemon clean): {r.stdout}{r.stderr}")
 
 
-work = tempfile.mkdtemp(prefix="test_metrics.")
-try:
-    if len(sys.argv) > 4 and sys.argv[4] == "prometheus":
-        with_prometheus(work)
-    else:
-        single(work)
-finally:
-    print(f"test_metrics: {passed} passed, {failed} failed")
-    if failed == 0:
-        shutil.rmtree(work, ignore_errors=True)
-    else:
-        print(f"logs kept in {work}")
-sys.exit(1 if failed else 0)
+if len(sys.argv) > 4 and sys.argv[4] == "prometheus":
+    run_parts("test_metrics", with_prometheus)
+run_parts("test_metrics", single)

@@ -15,27 +15,17 @@ usage: test_trace.py SHARDD MLP_TRAIN SHARDCTL
 import json
 import os
 import re
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 
 SHARDD, MLP, SHARDCTL = sys.argv[1:4]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(ROOT, "tools", "local-cluster.sh")
-failed = passed = 0
-
-
-def check(cond, what):
-    global failed, passed
-    if cond:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL: {what}", flush=True)
+sys.path.insert(0, os.path.join(ROOT, "tests", "unit"))
+from checks import check, run_parts  # noqa: E402
 
 
 def ctl(*args):
@@ -215,16 +205,4 @@ def bad_merge(work):
     check(r.returncode == 2 and "needs the dumps" in r.stderr, f"no path: {r.stderr}")
 
 
-work = tempfile.mkdtemp(prefix="test_trace.")
-try:
-    healthy(work)
-    hung(work)
-    off(work)
-    bad_merge(work)
-finally:
-    print(f"test_trace: {passed} passed, {failed} failed")
-    if failed == 0:
-        shutil.rmtree(work, ignore_errors=True)
-    else:
-        print(f"logs kept in {work}")
-sys.exit(1 if failed else 0)
+run_parts("test_trace", healthy, hung, off, bad_merge)

@@ -23,16 +23,8 @@ import sys
 import tempfile
 
 ROOT, MODE = sys.argv[1], sys.argv[2]
-failed = passed = 0
-
-
-def check(cond, what):
-    global failed, passed
-    if cond:
-        passed += 1
-    else:
-        failed += 1
-        print(f"FAIL: {what}", flush=True)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import check, finish  # noqa: E402
 
 
 def k8s():
@@ -137,5 +129,4 @@ if MODE == "k8s":
     k8s()
 else:
     systemd()
-print(f"test_deploy {MODE}: {passed} passed, {failed} failed")
-sys.exit(1 if failed else 0)
+sys.exit(finish(f"test_deploy {MODE}"))
