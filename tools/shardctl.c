@@ -80,17 +80,6 @@ static void usage(FILE *out)
             "  --version      print the version and exit\n");
 }
 
-static const char *str(json_t *o, const char *key)
-{
-    const char *s = json_string_value(json_object_get(o, key));
-    return s ? s : "";
-}
-
-static long long num(json_t *o, const char *key)
-{
-    return (long long)json_integer_value(json_object_get(o, key));
-}
-
 static void print_jobs(json_t *jobs)
 {
     char mem[32], par[32];

@@ -5,6 +5,18 @@
 #include <jansson.h>
 #include <stdbool.h>
 
+/* o's string member key ("" when absent), and its integer member (0 when absent) */
+static inline const char *str(json_t *o, const char *key)
+{
+    const char *s = json_string_value(json_object_get(o, key));
+    return s ? s : "";
+}
+
+static inline long long num(json_t *o, const char *key)
+{
+    return (long long)json_integer_value(json_object_get(o, key));
+}
+
 /* shardctl trace: the flight recorder documents of the daemon's jobs, as text */
 void shardctl_trace_print(json_t *jobs);
 /* shardctl trace --merge PATH...: dumps (files, or directories of them) of a job's nodes read

@@ -8,41 +8,30 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *s_of(json_t *o, const char *key)
-{
-    const char *s = json_string_value(json_object_get(o, key));
-    return s ? s : "";
-}
-
-static long long n_of(json_t *o, const char *key)
-{
-    return (long long)json_integer_value(json_object_get(o, key));
-}
-
 static bool open_state(json_t *e)
 {
-    const char *st = s_of(e, "state");
+    const char *st = str(e, "state");
     return strcmp(st, "scheduled") == 0 || strcmp(st, "started") == 0;
 }
 
 /* seconds before the dump (or the document) that e began */
 static double age_s(json_t *doc, json_t *e)
 {
-    return (double)(n_of(doc, "dumped_at_ns") - n_of(e, "time_created_ns")) / 1e9;
+    return (double)(num(doc, "dumped_at_ns") - num(e, "time_created_ns")) / 1e9;
 }
 
 static void describe(json_t *doc, json_t *e, char *buf, size_t len)
 {
-    if (strcmp(s_of(e, "kind"), "call") == 0)
-        snprintf(buf, len, "%s #%lld of unit %lld, %s %.1f s before the dump", s_of(e, "op"),
-                 n_of(e, "collective_seq_id"), n_of(e, "unit"), s_of(e, "state"), age_s(doc, e));
+    if (strcmp(str(e, "kind"), "call") == 0)
+        snprintf(buf, len, "%s #%lld of unit %lld, %s %.1f s before the dump", str(e, "op"),
+                 num(e, "collective_seq_id"), num(e, "unit"), str(e, "state"), age_s(doc, e));
     else
         snprintf(buf, len,
                  "%s %s of unit %lld (seq %lld) %s node %lld, %s %.1f s before the dump%s",
-                 s_of(e, "kind"), s_of(e, "op"), n_of(e, "unit"), n_of(e, "collective_seq_id"),
-                 strcmp(s_of(e, "kind"), "send") == 0 ? "to" : "from", n_of(e, "peer_node"),
-                 s_of(e, "state"), age_s(doc, e),
-                 n_of(e, "chunks_pending") > 0 ? " (chunks still pending)" : "");
+                 str(e, "kind"), str(e, "op"), num(e, "unit"), num(e, "collective_seq_id"),
+                 strcmp(str(e, "kind"), "send") == 0 ? "to" : "from", num(e, "peer_node"),
+                 str(e, "state"), age_s(doc, e),
+                 num(e, "chunks_pending") > 0 ? " (chunks still pending)" : "");
 }
 
 void shardctl_trace_print(json_t *jobs)
@@ -52,10 +41,10 @@ void shardctl_trace_print(json_t *jobs)
     json_array_foreach(jobs, i, doc)
     {
         printf("job %s (node %lld of %lld, ranks %lld..%lld, %s): %s after %lld steps%s%s\n",
-               s_of(doc, "job"), n_of(doc, "node"), n_of(doc, "nodes"), n_of(doc, "first_rank"),
-               n_of(doc, "first_rank") + n_of(doc, "ranks_per_node") - 1, s_of(doc, "plan"),
-               s_of(doc, "state"), n_of(doc, "steps"), s_of(doc, "error")[0] ? ": " : "",
-               s_of(doc, "error"));
+               str(doc, "job"), num(doc, "node"), num(doc, "nodes"), num(doc, "first_rank"),
+               num(doc, "first_rank") + num(doc, "ranks_per_node") - 1, str(doc, "plan"),
+               str(doc, "state"), num(doc, "steps"), str(doc, "error")[0] ? ": " : "",
+               str(doc, "error"));
         json_t *entries = json_object_get(doc, "entries"), *e;
         size_t j, n = json_array_size(entries), open = 0;
         char text[256];
@@ -66,8 +55,8 @@ void shardctl_trace_print(json_t *jobs)
             if (open++ == 0)
                 printf("  waiting:\n");
             describe(doc, e, text, sizeof(text));
-            if (strcmp(s_of(e, "kind"), "call") == 0)
-                printf("    rank %lld: %s\n", n_of(e, "rank"), text);
+            if (strcmp(str(e, "kind"), "call") == 0)
+                printf("    rank %lld: %s\n", num(e, "rank"), text);
             else
                 printf("    %s\n", text);
         }
@@ -77,10 +66,10 @@ void shardctl_trace_print(json_t *jobs)
         for (j = n > 12 ? n - 12 : 0; j < n; j++) {
             e = json_array_get(entries, j);
             describe(doc, e, text, sizeof(text));
-            if (strcmp(s_of(e, "kind"), "call") == 0)
-                printf("    %6lld  rank %lld: %s\n", n_of(e, "record_id"), n_of(e, "rank"), text);
+            if (strcmp(str(e, "kind"), "call") == 0)
+                printf("    %6lld  rank %lld: %s\n", num(e, "record_id"), num(e, "rank"), text);
             else
-                printf("    %6lld  %s\n", n_of(e, "record_id"), text);
+                printf("    %6lld  %s\n", num(e, "record_id"), text);
         }
     }
 }
@@ -112,7 +101,7 @@ static int load(const char *path, json_t **docs, int *n)
         fprintf(stderr, "shardctl trace --merge: %s: %s (line %d)\n", path, err.text, err.line);
         return 1;
     }
-    if (strcmp(s_of(doc, "version"), "shardd-trace-1") != 0) {
+    if (strcmp(str(doc, "version"), "shardd-trace-1") != 0) {
         fprintf(stderr, "shardctl trace --merge: %s is not a shardd flight recorder dump\n", path);
         json_decref(doc);
         return 1;
@@ -139,9 +128,9 @@ static void merge_job(json_t **docs, int n, const char *job, bool as_json)
     int m = 0;
     long long nodes = 0;
     for (int i = 0; i < n; i++)
-        if (strcmp(s_of(docs[i], "job"), job) == 0) {
+        if (strcmp(str(docs[i], "job"), job) == 0) {
             mine[m++] = docs[i];
-            nodes = n_of(docs[i], "nodes");
+            nodes = num(docs[i], "nodes");
         }
     json_t *out = json_pack("{s:s, s:I, s:i}", "job", job, "nodes", (json_int_t)nodes, "dumps", m);
     json_t *lines = json_array();
@@ -154,16 +143,16 @@ static void merge_job(json_t **docs, int n, const char *job, bool as_json)
         size_t j;
         json_array_foreach(json_object_get(mine[i], "entries"), j, e)
         {
-            if (strcmp(s_of(e, "kind"), "call") != 0 || !open_state(e))
+            if (strcmp(str(e, "kind"), "call") != 0 || !open_state(e))
                 continue;
             int k = 0;
-            while (k < nw && (strcmp(w[k].op, s_of(e, "op")) != 0 ||
-                              w[k].seq != n_of(e, "collective_seq_id")))
+            while (k < nw &&
+                   (strcmp(w[k].op, str(e, "op")) != 0 || w[k].seq != num(e, "collective_seq_id")))
                 k++;
             if (k == nw && nw < 64) {
-                snprintf(w[nw].op, sizeof(w[nw].op), "%s", s_of(e, "op"));
-                w[nw].seq = n_of(e, "collective_seq_id");
-                w[nw].unit = n_of(e, "unit");
+                snprintf(w[nw].op, sizeof(w[nw].op), "%s", str(e, "op"));
+                w[nw].seq = num(e, "collective_seq_id");
+                w[nw].unit = num(e, "unit");
                 w[nw++].ranks = 0;
             }
             if (k < nw)
@@ -189,16 +178,16 @@ static void merge_job(json_t **docs, int n, const char *job, bool as_json)
             size_t j;
             json_array_foreach(json_object_get(mine[i], "calls_taken"), j, c)
             {
-                long long taken = n_of(c, w[best].op);
+                long long taken = num(c, w[best].op);
                 if (taken >= w[best].seq)
                     continue;
-                long long rank = n_of(c, "rank");
+                long long rank = num(c, "rank");
                 /* its last record */
                 json_t *e, *last = NULL;
                 size_t q;
                 json_array_foreach(json_object_get(mine[i], "entries"), q, e)
                 {
-                    if (strcmp(s_of(e, "kind"), "call") == 0 && n_of(e, "rank") == rank)
+                    if (strcmp(str(e, "kind"), "call") == 0 && num(e, "rank") == rank)
                         last = e;
                 }
                 char what[256] = "no call recorded";
@@ -207,11 +196,11 @@ static void merge_job(json_t **docs, int n, const char *job, bool as_json)
                 snprintf(line, sizeof(line),
                          "rank %lld (node %lld) never called %s #%lld: it took %lld; its last "
                          "call: %s",
-                         rank, n_of(mine[i], "node"), w[best].op, w[best].seq, taken, what);
+                         rank, num(mine[i], "node"), w[best].op, w[best].seq, taken, what);
                 json_array_append_new(lines, json_string(line));
                 json_array_append_new(
                     culprits, json_pack("{s:I, s:I, s:I, s:s}", "rank", (json_int_t)rank, "node",
-                                        (json_int_t)n_of(mine[i], "node"), "calls_taken",
+                                        (json_int_t)num(mine[i], "node"), "calls_taken",
                                         (json_int_t)taken, "last_call", what));
             }
         }
@@ -224,7 +213,7 @@ static void merge_job(json_t **docs, int n, const char *job, bool as_json)
     for (long long node = 0; node < nodes; node++) {
         json_t *doc = NULL;
         for (int i = 0; i < m; i++)
-            if (n_of(mine[i], "node") == node)
+            if (num(mine[i], "node") == node)
                 doc = mine[i];
         if (doc == NULL) {
             snprintf(line, sizeof(line), "node %lld: no dump", node);
@@ -239,17 +228,17 @@ static void merge_job(json_t **docs, int n, const char *job, bool as_json)
                 continue;
             char what[256];
             describe(doc, e, what, sizeof(what));
-            if (strcmp(s_of(e, "kind"), "call") == 0) {
+            if (strcmp(str(e, "kind"), "call") == 0) {
                 char with_rank[300];
-                snprintf(with_rank, sizeof(with_rank), "rank %lld: %s", n_of(e, "rank"), what);
+                snprintf(with_rank, sizeof(with_rank), "rank %lld: %s", num(e, "rank"), what);
                 json_array_append_new(waits, json_string(with_rank));
             } else {
                 json_array_append_new(waits, json_string(what));
             }
         }
         size_t nwaits = json_array_size(waits);
-        snprintf(line, sizeof(line), "node %lld (%s%s%.120s): %s", node, s_of(doc, "state"),
-                 s_of(doc, "error")[0] ? ": " : "", s_of(doc, "error"),
+        snprintf(line, sizeof(line), "node %lld (%s%s%.120s): %s", node, str(doc, "state"),
+                 str(doc, "error")[0] ? ": " : "", str(doc, "error"),
                  nwaits ? "waiting in" : "waiting in nothing");
         json_array_append_new(lines, json_string(line));
         json_t *wt;
@@ -259,7 +248,7 @@ static void merge_job(json_t **docs, int n, const char *job, bool as_json)
             json_array_append_new(lines, json_string(line));
         }
         json_array_append_new(per_node, json_pack("{s:I, s:s, s:o}", "node", (json_int_t)node,
-                                                  "state", s_of(doc, "state"), "waiting", waits));
+                                                  "state", str(doc, "state"), "waiting", waits));
     }
     json_object_set_new(out, "nodes_waiting", per_node);
     json_object_set_new(out, "report", lines);
@@ -292,9 +281,9 @@ int shardctl_trace_merge(int n_paths, char **paths, bool as_json)
     for (int i = 0; i < n; i++) {
         bool seen = false;
         for (int k = 0; k < i; k++)
-            seen |= strcmp(s_of(docs[k], "job"), s_of(docs[i], "job")) == 0;
+            seen |= strcmp(str(docs[k], "job"), str(docs[i], "job")) == 0;
         if (!seen)
-            merge_job(docs, n, s_of(docs[i], "job"), as_json);
+            merge_job(docs, n, str(docs[i], "job"), as_json);
     }
     for (int i = 0; i < n; i++)
         json_decref(docs[i]);

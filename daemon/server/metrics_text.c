@@ -98,9 +98,11 @@ static void daemon_metrics(const struct sd_server *srv, struct sd_text *t)
     static const char *const states[] = {"registering", "loading",  "running", "failed",
                                          "closing",     "finished", "paused",  "retiring"};
     uint32_t counts[8] = {0};
-    for (const struct sd_job *j = reg->jobs; j; j = j->next)
+    for (const struct sd_job *j = reg->jobs; j; j = j->next) {
+        const char *state = job_state(j, false);
         for (int i = 0; i < 8; i++)
-            counts[i] += strcmp(job_state(j, false), states[i]) == 0;
+            counts[i] += strcmp(state, states[i]) == 0;
+    }
     for (const struct sd_job *j = reg->zombies; j; j = j->next)
         counts[7]++;
     family(t, "shardd_jobs", "gauge",
