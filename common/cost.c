@@ -137,6 +137,14 @@ void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
     o.unquantized_bytes = fetch_n * (S_w / Gw) + in->accum * ((Gg - 1) * B + push_ar) + hop_raw +
                           weights_raw + 8.0 * (N - 1);
     o.comm_s = in->inter_Bps > 0 ? o.total_bytes / in->inter_Bps : 0.0;
+    /* the early hop: a g group inside the node, the last backward marked (hop.c) */
+    bool early = in->last_marked && plan->two_hop && Gg == 1.0 && R > 1;
+    double beside = o.fetch_bytes + o.push_bytes + (early ? o.hop_bytes : 0.0);
+    if (in->inter_Bps > 0) {
+        o.overlap_s = beside / in->inter_Bps;
+        o.exposed_s = (o.total_bytes - beside) / in->inter_Bps;
+    }
+    o.step_s = (in->compute_s > o.overlap_s ? in->compute_s : o.overlap_s) + o.exposed_s;
     uint32_t floats = in->optim_floats ? in->optim_floats : 3;
     o.rank_bytes[SD_STATE_W] = in->numel / W * in->w_bytes;
     o.rank_bytes[SD_STATE_G] = in->numel / G * 4;

@@ -3,7 +3,6 @@
 #include "shard.h"
 #include "shardctl.h"
 #include "sd/ckpt.h"
-#include "sd/cost.h"
 #include "sd/model.h"
 #include "sd/status.h"
 #include "sd/util.h"
@@ -36,9 +35,22 @@ static void usage(FILE *out)
             "             plan --params N --world W --ranks-per-node K --plan PLAN\n"
             "                  [--package-size P] [--accum S] [--dtype bf16|fp32]\n"
             "                  [--optimizer adamw|sgd] [--gbit-per-node B] [--regather] [--json]\n"
-            "             (defaults: package 1, accum 1, bf16, adamw; with B, the time too;\n"
-            "             --regather: the gather pool does not keep a unit from forward to\n"
-            "             backward, so each fetch gathers it again)\n"
+            "                  [--compute-s C] [--last-marked]\n"
+            "             (defaults: package 1, accum 1, bf16, adamw; with B, the time too:\n"
+            "             what moves beside the forward and backward and what the step waits\n"
+            "             for after the last backward, and the predicted step time,\n"
+            "             max(C, beside) + after, C being a rank's measured forward and\n"
+            "             backward of a step; --regather: the gather pool does not keep a\n"
+            "             unit from forward to backward, so each fetch gathers it again;\n"
+            "             --last-marked: the script says which backward is the step's last,\n"
+            "             so a hop inside-node g groups need goes during the backward)\n"
+            "             plan --pick --params N --world W --ranks-per-node K\n"
+            "                  --gbit-per-node B [--compute-s C] [--last-marked]\n"
+            "                  [--max-rank-bytes M] [--f-os F] [the options above]\n"
+            "             every per-state plan topo:W/G/OS of the world (unquantized) ranked\n"
+            "             by predicted step time, then a rank's memory, then the copies\n"
+            "             inside the node; M: a rank's w, g, os and secondary bytes at most;\n"
+            "             F: only plans with the optimizer states over F ranks\n"
             "             The formulas (common/include/sd/cost.h): N nodes of K ranks, S_w =\n"
             "             params x weight bytes, S_g = 4 params, G_X = f_X / K nodes per group\n"
             "             of state X (1 when f_X <= K), R = N / G_g; each node sends per step\n"
@@ -470,173 +482,6 @@ static void print_schedule(json_t *jobs)
         printf("(no jobs)\n");
 }
 
-/* ---- plan: the cost model for a model that does not exist yet */
-
-struct plan_args {
-    unsigned long long params;
-    long world, k, package, accum;
-    bool regather;
-    const char *plan, *dtype, *optimizer;
-    double gbit;
-};
-
-static int plan_arg(struct plan_args *a, const char *key, const char *val)
-{
-    char *end = NULL;
-    if (strcmp(key, "--params") == 0)
-        a->params = strtoull(val, &end, 10);
-    else if (strcmp(key, "--world") == 0)
-        a->world = strtol(val, &end, 10);
-    else if (strcmp(key, "--ranks-per-node") == 0)
-        a->k = strtol(val, &end, 10);
-    else if (strcmp(key, "--package-size") == 0)
-        a->package = strtol(val, &end, 10);
-    else if (strcmp(key, "--accum") == 0)
-        a->accum = strtol(val, &end, 10);
-    else if (strcmp(key, "--gbit-per-node") == 0)
-        a->gbit = strtod(val, &end);
-    else if (strcmp(key, "--plan") == 0)
-        a->plan = val;
-    else if (strcmp(key, "--dtype") == 0)
-        a->dtype = val;
-    else if (strcmp(key, "--optimizer") == 0)
-        a->optimizer = val;
-    else
-        return -1;
-    if (end != NULL && (*end != '\0' || end == val)) {
-        fprintf(stderr, "shardctl plan: %s '%s' is not a number\n", key, val);
-        return -2;
-    }
-    return 0;
-}
-
-static int run_plan(const struct plan_args *a, bool as_json)
-{
-    if (a->params == 0 || a->world <= 0 || a->k <= 0 || a->plan == NULL || a->package <= 0 ||
-        a->accum <= 0 || a->world % a->k != 0) {
-        fprintf(stderr, "shardctl plan: needs --params N (> 0), --world W, --ranks-per-node K "
-                        "(K divides W) and --plan PLAN\n");
-        return 2;
-    }
-    bool bf16 = strcmp(a->dtype, "bf16") == 0, sgd = strcmp(a->optimizer, "sgd") == 0;
-    if ((!bf16 && strcmp(a->dtype, "fp32") != 0) || (!sgd && strcmp(a->optimizer, "adamw") != 0)) {
-        fprintf(stderr, "shardctl plan: --dtype is bf16 or fp32, --optimizer adamw or sgd\n");
-        return 2;
-    }
-    struct sd_topo topo = {.nodes = (uint32_t)(a->world / a->k),
-                           .ranks_per_node = (uint32_t)a->k,
-                           .package_size = (uint32_t)a->package};
-    struct sd_plan plan;
-    char err[512];
-    if (sd_plan_parse(a->plan, &topo, &plan, err, sizeof(err)) != SD_OK) {
-        fprintf(stderr, "shardctl plan: %s\n", err);
-        return 1;
-    }
-    /* padded as the daemon pads: each shard a whole number of aligned elements */
-    uint64_t grain =
-        (sd_plan_sec_active(&plan) ? sd_lcm(plan.f[SD_STATE_OS], plan.sec) : plan.f[SD_STATE_OS]) *
-        SD_ALIGN_ELEMS;
-    uint64_t numel = (a->params + grain - 1) / grain * grain;
-    struct sd_cost_in in = {.numel = numel,
-                            .w_bytes = bf16 ? 2 : 4,
-                            .nodes = topo.nodes,
-                            .k = topo.ranks_per_node,
-                            .accum = (uint32_t)a->accum,
-                            .optim_floats = sgd ? 2 : 3,
-                            .cached_in_step = !a->regather,
-                            .inter_Bps = a->gbit * 1e9 / 8,
-                            .package = (uint32_t)a->package};
-    struct sd_cost_out o;
-    sd_cost_step(&in, &plan, &o);
-    static const char *const formula[SD_STATE_COUNT][2] = {{"2 Psi / f_w", "4 Psi / f_w"},
-                                                           {"4 Psi / f_g", "4 Psi / f_g"},
-                                                           {"12 Psi / f_os", "8 Psi / f_os"}};
-    uint64_t states = o.rank_bytes[0] + o.rank_bytes[1] + o.rank_bytes[2];
-    if (as_json) {
-        json_t *mem = json_object();
-        for (int st = 0; st < SD_STATE_COUNT; st++)
-            json_object_set_new(mem, sd_state_name(st),
-                                json_pack("{s:i, s:I, s:s}", "shard_factor", (int)plan.f[st],
-                                          "bytes", (json_int_t)o.rank_bytes[st], "formula",
-                                          formula[st][st == SD_STATE_OS ? sgd : !bf16]));
-        json_object_set_new(mem, "secondary",
-                            json_pack("{s:i, s:b, s:I, s:s}", "ranks", (int)plan.sec, "active",
-                                      sd_plan_sec_active(&plan), "bytes", (json_int_t)o.sec_bytes,
-                                      "formula", bf16 ? "2 Psi / S" : "4 Psi / S"));
-        json_t *intra = json_object();
-        static const char *const ops[3] = {"fetch", "push", "step"};
-        for (int op = 0; op < 3; op++)
-            json_object_set_new(intra, ops[op],
-                                json_pack("{s:f, s:f}", "intra_package",
-                                          o.intra_op[op][SD_COST_PACKAGE], "intra_node",
-                                          o.intra_op[op][SD_COST_NODE]));
-        json_object_set_new(intra, "total",
-                            json_pack("{s:f, s:f}", "intra_package", o.intra[SD_COST_PACKAGE],
-                                      "intra_node", o.intra[SD_COST_NODE]));
-        json_t *doc = json_pack(
-            "{s:s, s:I, s:I, s:i, s:i, s:i, s:i, s:o, s:I, s:{s:f, s:f, s:f, s:f, s:f, s:f}, s:f}",
-            "plan", a->plan, "params", (json_int_t)a->params, "padded_params", (json_int_t)numel,
-            "nodes", (int)topo.nodes, "ranks_per_node", (int)topo.ranks_per_node, "package_size",
-            (int)sd_topo_package(&topo), "accum", (int)a->accum, "rank_bytes", mem,
-            "rank_state_bytes", (json_int_t)states, "inter_node_bytes_per_step", "fetch",
-            o.fetch_bytes, "push", o.push_bytes, "step_hop", o.hop_bytes, "step_weights",
-            o.weights_bytes, "step", o.step_bytes, "total", o.total_bytes, "comm_s", o.comm_s);
-        json_object_set_new(doc, "intra_node_bytes_per_step", intra);
-        json_object_set_new(doc, "inter_node_bytes_per_step_unquantized",
-                            json_real(o.unquantized_bytes));
-        json_object_set_new(doc, "quantization",
-                            json_pack("{s:b, s:b, s:b, s:b, s:i, s:i}", "qw", plan.qw, "qg",
-                                      plan.qg, "qsec", plan.qsec, "ef", plan.ef, "block",
-                                      (int)plan.qblock, "secondary_ranks", (int)plan.sec));
-        char *out = json_dumps(doc, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
-        puts(out);
-        free(out);
-        json_decref(doc);
-        return 0;
-    }
-    char b[6][32];
-    printf("plan %s: f_w %u, f_g %u, f_os %u on %u nodes x %u ranks (packages of %u), %llu "
-           "parameters (%llu padded), %s weights, %s, accum %ld\n",
-           a->plan, plan.f[0], plan.f[1], plan.f[2], topo.nodes, topo.ranks_per_node,
-           sd_topo_package(&topo), a->params, (unsigned long long)numel, a->dtype, a->optimizer,
-           a->accum);
-    printf("  per rank:\n");
-    for (int st = 0; st < SD_STATE_COUNT; st++)
-        printf("    %-3s %10s   %s\n", sd_state_name(st),
-               sd_fmt_bytes(b[0], sizeof(b[0]), o.rank_bytes[st]),
-               formula[st][st == SD_STATE_OS ? sgd : !bf16]);
-    if (o.sec_bytes)
-        printf("    %-3s %10s   %s on each of %u holders per node\n", "sec",
-               sd_fmt_bytes(b[0], sizeof(b[0]), o.sec_bytes), bf16 ? "2 Psi / S" : "4 Psi / S",
-               plan.sec);
-    else if (plan.sec)
-        printf("    sec %10s   (inactive: f_w <= S, nothing to save)\n", "0 B");
-    printf("    %-3s %10s   (w, g, os; plus the gather pool and staging, sized from the units)\n",
-           "all", sd_fmt_bytes(b[0], sizeof(b[0]), states));
-    printf("  inter-node bytes each node sends per step:\n"
-           "    fetch %s, push %s, step %s (hop %s, weights' all-gather %s), total %s\n",
-           sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)o.fetch_bytes),
-           sd_fmt_bytes(b[1], sizeof(b[1]), (uint64_t)o.push_bytes),
-           sd_fmt_bytes(b[2], sizeof(b[2]), (uint64_t)o.step_bytes),
-           sd_fmt_bytes(b[3], sizeof(b[3]), (uint64_t)o.hop_bytes),
-           sd_fmt_bytes(b[4], sizeof(b[4]), (uint64_t)o.weights_bytes),
-           sd_fmt_bytes(b[5], sizeof(b[5]), (uint64_t)o.total_bytes));
-    if (sd_plan_quantized(&plan))
-        printf("    quantized:%s%s%s%s in blocks of %u (unquantized the total would be %s)\n",
-               plan.qw ? " weights int8 (qw)" : "", plan.qg ? " reduce-scatters int4 (qg)" : "",
-               plan.qsec ? " secondary int8 (qsec)" : "", plan.ef ? " with error feedback" : "",
-               plan.qblock, sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)o.unquantized_bytes));
-    if (a->gbit > 0)
-        printf("    %.3f s at %g Gbit/s per node\n", o.comm_s, a->gbit);
-    printf("  copies inside each node per step: intra-package %s, between packages %s\n",
-           sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)o.intra[SD_COST_PACKAGE]),
-           sd_fmt_bytes(b[1], sizeof(b[1]), (uint64_t)o.intra[SD_COST_NODE]));
-    printf("  (%s; the formulas: shardctl --help)\n",
-           a->regather ? "each fetch gathers its unit again"
-                       : "a gathered unit kept from forward to backward");
-    return 0;
-}
-
 /* checkpoint-info: read and verify a checkpoint offline (sd/ckpt.h) */
 static int run_checkpoint_info(const char *dir, bool as_json)
 {
@@ -789,6 +634,11 @@ int main(int argc, char **argv)
             as_json = true;
         } else if (strcmp(argv[i], "--regather") == 0 && cmd != NULL && strcmp(cmd, "plan") == 0) {
             pa.regather = true;
+        } else if (strcmp(argv[i], "--pick") == 0 && cmd != NULL && strcmp(cmd, "plan") == 0) {
+            pa.pick = true;
+        } else if (strcmp(argv[i], "--last-marked") == 0 && cmd != NULL &&
+                   strcmp(cmd, "plan") == 0) {
+            pa.last_marked = true;
         } else if (strcmp(argv[i], "--socket") == 0 && i + 1 < argc) {
             socket = argv[++i];
         } else if (strcmp(argv[i], "--job") == 0 && i + 1 < argc) {
@@ -805,7 +655,7 @@ int main(int argc, char **argv)
         } else {
             /* plan's options: -1 not one of them, -2 a bad value (said) */
             int pr = cmd != NULL && strcmp(cmd, "plan") == 0 && i + 1 < argc
-                         ? plan_arg(&pa, argv[i], argv[i + 1])
+                         ? shardctl_plan_arg(&pa, argv[i], argv[i + 1])
                          : -1;
             if (pr == -1) {
                 fprintf(stderr, "shardctl: unexpected argument '%s'\n", argv[i]);
@@ -817,7 +667,7 @@ int main(int argc, char **argv)
         }
     }
     if (cmd != NULL && strcmp(cmd, "plan") == 0)
-        return run_plan(&pa, as_json);
+        return shardctl_plan(&pa, as_json);
     if (merge) {
         if (n_merge == 0) {
             fprintf(stderr, "shardctl: trace --merge needs the dumps (files or directories)\n");

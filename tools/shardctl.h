@@ -23,4 +23,17 @@ void shardctl_trace_print(json_t *jobs);
  * together; 0, or 1 when a file could not be read */
 int shardctl_trace_merge(int n_paths, char **paths, bool as_json);
 
+/* shardctl plan's options (--pick: rank every per-state plan instead of costing --plan) */
+struct plan_args {
+    unsigned long long params, max_rank_bytes;
+    long world, k, package, accum, f_os;
+    bool regather, pick, last_marked;
+    const char *plan, *dtype, *optimizer;
+    double gbit, compute_s;
+};
+/* one of plan's options with its value: 0, -1 not one of them, -2 a bad value (said) */
+int shardctl_plan_arg(struct plan_args *a, const char *key, const char *val);
+/* shardctl plan: 0, 1 (refused: said), 2 (bad arguments: said) */
+int shardctl_plan(const struct plan_args *a, bool as_json);
+
 #endif

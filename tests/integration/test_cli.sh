@@ -255,6 +255,54 @@ out=$("$SHARDCTL" plan --world 8 --plan zero3 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "needs --params" <<<"$out"' "plan without params: $rc $out"
 out=$("$SHARDCTL" plan --params 1e9 --world 8 --ranks-per-node 2 --plan zero3 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "not a number" <<<"$out"' "plan with a bad number: $rc $out"
+# plan --pick: every per-state plan of the world ranked; each candidate's numbers are those of
+# plan --plan for it, the order is re-derived here (predicted step, then memory, then copies), and
+# with 9 s of compute and the last backward marked the 25 M-parameter model of tools/bench/peers.sh
+# goes to zero3's factors (nothing after the backward) where the bytes alone tie it with
+# topo:1/1/8 (whose hop and weights' all-gather wait after it)
+pk=(plan --params 25306176 --world 8 --ranks-per-node 2 --accum 2 --dtype fp32 --gbit-per-node 1)
+js=$("$SHARDCTL" "${pk[@]}" --pick --f-os 8 --compute-s 9 --last-marked --json)
+one=$("$SHARDCTL" "${pk[@]}" --plan topo:1/1/8 --compute-s 9 --last-marked --json)
+check 'python3 -c "
+import json,sys
+d=json.loads(sys.argv[1]); one=json.loads(sys.argv[2]); c=d[\"candidates\"]
+assert d[\"pick\"]==\"topo:8/8/8\" and d[\"same_as\"]==\"zero3\", (d[\"pick\"], d[\"same_as\"])
+assert all(x[\"plan\"].startswith(\"topo:\") and x[\"plan\"].endswith(\"/8\") for x in c), c
+assert len(c)==10, len(c)
+key=lambda x: (round(x[\"step_s\"], 9), x[\"rank_state_bytes\"], x[\"intra_node_bytes_per_step\"])
+assert c==sorted(c, key=key), [x[\"plan\"] for x in c]
+t=[x for x in c if x[\"plan\"]==\"topo:1/1/8\"][0]
+assert abs(t[\"step_s\"]-one[\"step_s\"])<1e-9 and abs(t[\"exposed_s\"]-one[\"exposed_s\"])<1e-9
+assert abs(one[\"step_s\"]-(9+one[\"exposed_s\"]))<1e-9 and one[\"exposed_s\"]>0.5
+z=c[0]; assert z[\"exposed_s\"]<1e-3 and abs(z[\"step_s\"]-9)<1e-3, z
+" "$js" "$one"' "plan --pick ranks by predicted step: $(head -c 400 <<<"$js")"
+# without the compute the bytes alone: equal predictions go to the least memory; a memory bound
+# leaves out what does not fit
+js=$("$SHARDCTL" "${pk[@]}" --pick --json)
+check 'python3 -c "
+import json,sys
+c=json.loads(sys.argv[1])[\"candidates\"]; best=min(x[\"step_s\"] for x in c)
+tied=[x for x in c if abs(x[\"step_s\"]-best)<1e-9]
+assert c[0][\"rank_state_bytes\"]==min(x[\"rank_state_bytes\"] for x in tied), c[:4]
+assert abs(c[0][\"step_s\"]-c[0][\"comm_s\"])<1e-12
+" "$js"' "plan --pick without compute"
+js=$("$SHARDCTL" "${pk[@]}" --pick --max-rank-bytes 100000000 --json)
+check 'python3 -c "
+import json,sys
+c=json.loads(sys.argv[1])[\"candidates\"]
+assert c and all(x[\"rank_state_bytes\"]<=100000000 for x in c) and len(c)<20, len(c)
+" "$js"' "plan --pick --max-rank-bytes"
+out=$("$SHARDCTL" "${pk[@]}" --pick --max-rank-bytes 1000 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "no per-state plan of world 8 fits 1000 bytes" <<<"$out"' \
+  "plan --pick, nothing fits: $rc $out"
+out=$("$SHARDCTL" plan --params 1000 --world 8 --ranks-per-node 2 --pick 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "needs --gbit-per-node" <<<"$out"' "plan --pick without B: $rc $out"
+out=$("$SHARDCTL" "${pk[@]}" --pick --f-os 3 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "does not divide the world" <<<"$out"' "plan --pick --f-os 3: $out"
+out=$("$SHARDCTL" "${pk[@]}" --pick --compute-s -1 2>&1); rc=$?
+check '[ $rc -eq 2 ] && grep -q "not a number" <<<"$out"' "plan --compute-s -1: $rc $out"
+out=$("$SHARDCTL" "${pk[@]}" --pick --compute-s 9 --last-marked)
+check 'grep -q "the pick: topo:8/8/8 (the factors of zero3)" <<<"$out"' "plan --pick text: $out"
 out=$("$SHARDCTL" --help)
 check 'grep -q "plan --params N" <<<"$out"' "help lists plan"
 out=$("$SHARDCTL" "${S[@]}" --job nope jobs 2>&1); rc=$?

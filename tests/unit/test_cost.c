@@ -117,5 +117,46 @@ int main(void)
     sd_cost_step(&in1, &p, &o);
     TH_CHECK(o.intra[SD_COST_PACKAGE] == 8 * S && o.intra[SD_COST_NODE] == 6 * S,
              "zero1 intra %g %g", o.intra[0], o.intra[1]);
+
+    /* when the bytes move (S = 1e6 bytes, 1e6 B/s, N = 4, k = 2, accum 4): zero3's gathers and
+     * reduce-scatters (3/4 S + 4 x 3/4 S) go beside the forward and backward, its norm after;
+     * topo:2/2/8's hop (1.5 S) and weights' all-gather (0.75 S) after the last backward, or only
+     * the all-gather when the last backward is marked (its g group is inside the node) */
+    struct sd_cost_in tin = {.numel = 250000,
+                             .w_bytes = 4,
+                             .nodes = 4,
+                             .k = 2,
+                             .accum = 4,
+                             .cached_in_step = true,
+                             .inter_Bps = 1e6};
+    TH_CHECK(sd_plan_parse("zero3", &t, &p, err, sizeof(err)) == 0, "parse");
+    sd_cost_step(&tin, &p, &o);
+    TH_CHECK(fabs(o.overlap_s - 3.75) < 1e-9 && fabs(o.exposed_s - 24e-6) < 1e-12 &&
+                 fabs(o.step_s - o.comm_s) < 1e-12,
+             "zero3: %.6f s beside, %.6f s after, step %.6f", o.overlap_s, o.exposed_s, o.step_s);
+    tin.compute_s = 10.0; /* the compute hides what goes beside it */
+    sd_cost_step(&tin, &p, &o);
+    TH_CHECK(fabs(o.step_s - (10.0 + 24e-6)) < 1e-9, "zero3 under 10 s of compute: %.6f", o.step_s);
+    tin.compute_s = 1.0; /* and not what is longer than it */
+    sd_cost_step(&tin, &p, &o);
+    TH_CHECK(fabs(o.step_s - (3.75 + 24e-6)) < 1e-9, "zero3 over 1 s of compute: %.6f", o.step_s);
+    TH_CHECK(sd_plan_parse("topo:2/2/8", &t, &p, err, sizeof(err)) == 0, "parse");
+    sd_cost_step(&tin, &p, &o);
+    TH_CHECK(o.overlap_s == 0.0 && fabs(o.exposed_s - (2.25 + 24e-6)) < 1e-9 &&
+                 fabs(o.step_s - (1.0 + 2.25 + 24e-6)) < 1e-9,
+             "topo:2/2/8: %.6f s beside, %.6f s after, step %.6f", o.overlap_s, o.exposed_s,
+             o.step_s);
+    tin.last_marked = true;
+    sd_cost_step(&tin, &p, &o);
+    TH_CHECK(fabs(o.overlap_s - 1.5) < 1e-9 && fabs(o.exposed_s - (0.75 + 24e-6)) < 1e-9 &&
+                 fabs(o.step_s - (1.5 + 0.75 + 24e-6)) < 1e-9,
+             "topo:2/2/8, last marked: the hop beside the backward: %.6f, %.6f, step %.6f",
+             o.overlap_s, o.exposed_s, o.step_s);
+    /* mics:4's g groups span 2 nodes: its hop cannot go early, marked or not */
+    TH_CHECK(sd_plan_parse("mics:4", &t, &p, err, sizeof(err)) == 0, "parse");
+    sd_cost_step(&tin, &p, &o);
+    TH_CHECK(fabs(o.exposed_s - (o.hop_bytes + 24) / 1e6) < 1e-12 && o.hop_bytes > 0,
+             "mics:4's hop stays after the backward: %.6f", o.exposed_s);
+    TH_CHECK(fabs(o.overlap_s + o.exposed_s - o.comm_s) < 1e-12, "beside + after = comm_s");
     return th_summary("test_cost");
 }

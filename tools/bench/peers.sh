@@ -80,19 +80,18 @@ run() {
 import peers_train as p; a=p.args(); print(sum(x.numel() for x in p.model_of(a).parameters()))" \
         --system ddp --rank 0 --world 1 --ranks-per-node 1 --out /dev/null "${model[@]}")
       # the per-state plan of least predicted step time among topo:W/G/n (the optimizer
-      # states over all ranks, as ZeRO-topo keeps them), by shardctl plan's cost model
-      local best="" t bt=""
-      for w in 1 2 4 8 16; do for g in 1 2 4 8 16; do
-        [ $((world % g)) = 0 ] && [ $((g % w)) = 0 ] || continue
-        t=$("$B/tools/shardctl" plan --params "$params" --world "$world" --ranks-per-node "$k" \
-          --plan "topo:$w/$g/$world" --accum 2 --dtype fp32 \
-          --gbit-per-node "$(echo "$rate" | sed 's/gbit//; s/mbit/e-3/')" --json 2>/dev/null |
-          "$py" -c 'import json,sys; print(json.load(sys.stdin)["comm_s"])') || continue
-        if [ -z "$bt" ] || "$py" -c "import sys; sys.exit(0 if $t < $bt else 1)"; then
-          best="topo:$w/$g/$world" bt=$t
-        fi
-      done; done
-      echo "   the cost model's plan: $best ($bt s of communication a step)" >&2
+      # states over all ranks, as ZeRO-topo keeps them) by shardctl plan --pick: what moves
+      # beside the forward and backward and what the step waits for (the script marks the
+      # last backward); equal predictions go to the plan of least memory
+      local pick best bt
+      pick=$("$B/tools/shardctl" plan --pick --params "$params" --world "$world" \
+        --ranks-per-node "$k" --f-os "$world" --accum 2 --dtype fp32 --last-marked \
+        --gbit-per-node "$(echo "$rate" | sed 's/gbit//; s/mbit/e-3/')" --json)
+      best=$("$py" -c 'import json,sys; print(json.load(sys.stdin)["pick"])' <<<"$pick")
+      bt=$("$py" -c 'import json,sys; c=json.load(sys.stdin)["candidates"][0]
+print("%.3f s of communication a step, %.3f s of it after the last backward"
+      % (c["comm_s"], c["exposed_s"]))' <<<"$pick")
+      echo "   the cost model's plan: $best ($bt)" >&2
       opts=(--system shardd --plan "$best") ;;
     shardd:*) opts=(--system shardd --plan "${sys#shardd:}") ;;
     *) echo "peers.sh: unknown system $sys" >&2; exit 2 ;;

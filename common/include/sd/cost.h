@@ -43,7 +43,22 @@
  *
  * Per rank: w S_w / f_w, g S_g / f_g, os (4 optim_floats numel) / f_os (fp32 master and
  * moments), the tables of ZeRO-topo (weights 2 Psi / f_w in bf16, gradients 4 Psi / f_g, Adam
- * 12 Psi / f_os), and S_w / S on each holder of an active secondary partition. */
+ * 12 Psi / f_os), and S_w / S on each holder of an active secondary partition.
+ *
+ * When the bytes move, and so what the step waits for: the fetch's gathers and the push's
+ * reduce-scatters run beside the forward and backward (prefetched, pushed as each unit's
+ * gradient is ready): overlap_s = (fetch + push) / bandwidth. The step's bytes (the boundary hop,
+ * the weights' all-gather after the optimizer, the norm) go after the last backward, and the
+ * step answers once they are done: exposed_s = step / bandwidth; except the hop where the g group
+ * lies inside the node and the script says which backward is the step's last (last_marked:
+ * shard_last_micro_step, FSDP2's set_requires_gradient_sync): each unit's hop then goes as soon
+ * as its node pushed it, beside the backward below it, and counts as overlapped (all of it: the
+ * last unit's, which still follows the backward, is one unit among many). The predicted step is
+ * max(compute_s, overlap_s) + exposed_s, compute_s being a rank's forward and backward of the
+ * whole step (measured; 0 when not known: the prediction is then the communication alone). On a
+ * machine whose daemons share the cores with the ranks (the host backend), the copies inside the
+ * node (intra) take CPU time from the ranks as well; the model counts their bytes and leaves the
+ * time to a measurement. */
 #ifndef SD_COST_H
 #define SD_COST_H
 
@@ -62,6 +77,9 @@ struct sd_cost_in {
                               micro-step) */
     double inter_Bps;      /* bytes per second each node can send to the others */
     uint32_t package;      /* ranks per package; 0: 1 */
+    double compute_s;      /* a rank's forward and backward of one step, all its micro-steps
+                              (measured); 0: not known */
+    bool last_marked;      /* the script says which backward is the step's last */
 };
 
 enum { SD_COST_PACKAGE = 0, SD_COST_NODE = 1 };
@@ -72,6 +90,8 @@ struct sd_cost_out {
     double unquantized_bytes;        /* total_bytes without the plan's quantized options */
     double hop_bytes, weights_bytes; /* the parts of step_bytes */
     double comm_s;
+    /* comm_s split by when it moves (above), and the predicted step time */
+    double overlap_s, exposed_s, step_s;
     uint64_t rank_bytes[SD_STATE_COUNT]; /* each rank's bytes of w, g and os */
     uint64_t sec_bytes;                  /* each secondary holder's bytes (0: none active) */
     /* copied inside node 0 per step, by link class, per operation (SD_OP_FETCH, _PUSH, _STEP
