@@ -1,6 +1,8 @@
 /* shardctl trace: a job's flight recorder on one node (the daemon's document), and --merge: the
  * dumps of every node of a job read together, naming the operation the ranks wait in and the
- * rank (and node) that never reached it, and what each node was waiting for. */
+ * rank (and node) that never reached it, or, when every rank reached it, the transfers between
+ * nodes still open (a cut link, a node that stopped answering), and what each node was waiting
+ * for. */
 #include "shardctl.h"
 
 #include <dirent.h>
@@ -121,6 +123,71 @@ struct waited {
     int ranks;
 };
 
+/* No rank holds the others back (each reached the call most wait in, or none waits in one):
+ * the transfers between nodes still open, by pair of nodes, into lines and out's
+ * "stuck_transfers"; the verdict "transfers", or "none" when nothing is open either. */
+static void stuck_transfers(json_t **mine, int m, long long nodes, json_t *lines, json_t *out)
+{
+    struct pair {
+        long long node, peer;
+        int sends, recvs;
+        double oldest_s;
+    } p[64];
+    int np = 0;
+    for (int i = 0; i < m; i++) {
+        json_t *e;
+        size_t j;
+        json_array_foreach(json_object_get(mine[i], "entries"), j, e)
+        {
+            if (strcmp(str(e, "kind"), "call") == 0 || !open_state(e))
+                continue;
+            long long node = num(mine[i], "node"), peer = num(e, "peer_node");
+            int k = 0;
+            while (k < np && (p[k].node != node || p[k].peer != peer))
+                k++;
+            if (k == np) {
+                if (np == 64)
+                    continue;
+                p[np++] = (struct pair){.node = node, .peer = peer};
+            }
+            if (strcmp(str(e, "kind"), "send") == 0)
+                p[k].sends++;
+            else
+                p[k].recvs++;
+            double age = age_s(mine[i], e);
+            p[k].oldest_s = age > p[k].oldest_s ? age : p[k].oldest_s;
+        }
+    }
+    char line[512];
+    json_t *list = json_array();
+    if (np == 0)
+        json_array_append_new(lines, json_string("no rank holds the others back, and no transfer "
+                                                 "between nodes is open"));
+    else
+        json_array_append_new(lines, json_string("no rank holds the others back: the nodes wait "
+                                                 "on transfers between them (a link, or a node "
+                                                 "that stopped answering)"));
+    for (int k = 0; k < np; k++) {
+        bool dumped = false;
+        for (int i = 0; i < m; i++)
+            dumped |= num(mine[i], "node") == p[k].peer;
+        char note[64] = "";
+        if (!dumped && p[k].peer < nodes)
+            snprintf(note, sizeof(note), " (node %lld left no dump)", p[k].peer);
+        snprintf(line, sizeof(line),
+                 "node %lld with node %lld: %d send(s), %d receive(s) open, the oldest %.1f s "
+                 "before its dump%s",
+                 p[k].node, p[k].peer, p[k].sends, p[k].recvs, p[k].oldest_s, note);
+        json_array_append_new(lines, json_string(line));
+        json_array_append_new(list,
+                              json_pack("{s:I, s:I, s:i, s:i, s:f}", "node", (json_int_t)p[k].node,
+                                        "peer_node", (json_int_t)p[k].peer, "sends", p[k].sends,
+                                        "receives", p[k].recvs, "oldest_s", p[k].oldest_s));
+    }
+    json_object_set_new(out, "stuck_transfers", list);
+    json_object_set_new(out, "verdict", json_string(np ? "transfers" : "none"));
+}
+
 static void merge_job(json_t **docs, int n, const char *job, bool as_json)
 {
     /* the dumps of this job, by node */
@@ -207,6 +274,10 @@ static void merge_job(json_t **docs, int n, const char *job, bool as_json)
     } else {
         json_array_append_new(lines, json_string("no rank waits in a call"));
     }
+    if (json_array_size(culprits) > 0)
+        json_object_set_new(out, "verdict", json_string("rank"));
+    else
+        stuck_transfers(mine, m, nodes, lines, out);
     json_object_set_new(out, "culprits", culprits);
     /* what each node waited in */
     json_t *per_node = json_array();

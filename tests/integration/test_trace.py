@@ -7,6 +7,9 @@
     other rank fails with a message naming its node's dump, the dumps are there (0600), and
     shardctl trace --merge of both names rank 3 on node 1 as the rank that never made the call
     the others wait in, and what each node was waiting in (text and --json);
+  - the link between the two nodes of a netns cluster cut mid-training: every rank fails naming
+    its node's dump, and the merge names no rank but the transfers between node 0 and node 1
+    still open (verdict "transfers"; a rank that never called is verdict "rank");
   - trace_ops 0: no dump, no word of one in the failure, an empty trace;
   - --merge of something that is not a dump, or of nothing, fails saying so.
 
@@ -138,7 +141,8 @@ def hung(work):
                 os.path.dirname(dumps[1]))
         doc = json.loads(r.stdout) if r.returncode == 0 else {}
         culprits = [(c["rank"], c["node"]) for c in doc.get("culprits", [])]
-        check(culprits == [(3, 1)], f"--json: the culprits {culprits}")
+        check(culprits == [(3, 1)] and doc.get("verdict") == "rank",
+              f"--json: the culprits {culprits}, verdict {doc.get('verdict')}")
         waited = doc.get("waited_in", {})
         check(waited.get("ranks") == 3 and waited.get("op") in ("push", "step", "fetch"),
               f"--json: 3 ranks wait in one call: {waited}")
@@ -156,6 +160,61 @@ def hung(work):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        stop(cdir)
+
+
+def cut(work):
+    """the link between two netns nodes cut mid-training: no rank is missing, the transfers are"""
+    cdir = os.path.join(work, "cut")
+    r = subprocess.run(["bash", CLUSTER, "start", "--nodes", "2", "--ranks-per-node", "2",
+                        "--dir", cdir, "--netns", "--shardd", SHARDD, "--", "--log-level", "warn",
+                        "--op-timeout-ms", "3000"], capture_output=True, text=True, timeout=120)
+    check(r.returncode == 0, f"netns cluster start: {r.stdout}{r.stderr}")
+    if r.returncode != 0:
+        return
+    procs, down = [], False
+    try:
+        socks = [os.path.join(cdir, f"node{i}", "shardd.sock") for i in (0, 1)]
+        procs = ranks(socks, "cut", 4, 2, ["--plan", "zero3", "--steps", "100000",
+                                           "--compute-ms", "10", "--quiet"])
+        time.sleep(3)
+        check(all(p.poll() is None for p in procs), "the job trains before the cut")
+        r = subprocess.run(["bash", CLUSTER, "link", "--dir", cdir, "--node", "1", "down"],
+                           capture_output=True, text=True, timeout=60)
+        down = r.returncode == 0
+        check(down, f"node 1's link cut: {r.stdout}{r.stderr}")
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        check(all(p.returncode != 0 for p in procs),
+              f"every rank fails once the link is cut: {[p.returncode for p in procs]}")
+        dumps = {}
+        for r_, out in enumerate(outs):
+            m = re.search(r"flight recorder: (\S+\.json)", out)
+            if m:
+                dumps[r_ // 2] = m.group(1)
+        check(len(dumps) == 2, f"a dump of each node named in its ranks' failures: {dumps} "
+              f"{[o[-300:] for o in outs]}")
+        r = ctl("trace", "--merge", "--json", *dumps.values())
+        doc = json.loads(r.stdout) if r.returncode == 0 else {}
+        pairs = {(t["node"], t["peer_node"]) for t in doc.get("stuck_transfers", [])}
+        check(doc.get("verdict") == "transfers" and doc.get("culprits") == [] and
+              pairs and pairs <= {(0, 1), (1, 0)},
+              f"--merge: no culprit rank, transfers between node 0 and node 1 stuck: "
+              f"{ {k: doc.get(k) for k in ('verdict', 'culprits', 'stuck_transfers')} } "
+              f"{r.stderr}")
+        r = ctl("trace", "--merge", *dumps.values())
+        print(r.stdout)
+        check(r.returncode == 0 and "no rank holds the others back" in r.stdout and
+              re.search(r"node [01] with node [01]: \d+ send\(s\), \d+ receive\(s\) open",
+                        r.stdout) and "never called" not in r.stdout,
+              f"the merge's text says the same: {r.stdout}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if down:
+            subprocess.run(["bash", CLUSTER, "link", "--dir", cdir, "--node", "1", "up"],
+                           capture_output=True, timeout=60)
         stop(cdir)
 
 
@@ -205,4 +264,4 @@ def bad_merge(work):
     check(r.returncode == 2 and "needs the dumps" in r.stderr, f"no path: {r.stderr}")
 
 
-run_parts("test_trace", healthy, hung, off, bad_merge)
+run_parts("test_trace", healthy, hung, cut, off, bad_merge)
