@@ -60,7 +60,7 @@ import tempfile
 import time
 import warnings
 
-from harness import ROOT, check, finish, raises, shard, torch  # noqa: F401
+from harness import ROOT, check, finish, raises, shard, spawn, torch  # noqa: F401
 
 import shard.torch as st  # noqa: E402
 
@@ -438,10 +438,9 @@ try:
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "client", "python"))
 
     def ranks(job, kill_at, out):
-        procs = [subprocess.Popen([sys.executable, "-c", resume],
-                                  env=dict(env, RANK=str(r), JOB=job, OUT=out,
-                                           KILL_AT=str(kill_at if r == 1 else -1)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs = [spawn([sys.executable, "-c", resume],
+                       env=dict(env, RANK=str(r), JOB=job, OUT=out,
+                                KILL_AT=str(kill_at if r == 1 else -1)))
                  for r in range(2)]
         outs = [p.communicate(timeout=120)[0] for p in procs]
         return [(p.returncode, out) for p, out in zip(procs, outs)]
@@ -478,9 +477,7 @@ try:
               "print('JOBS', [(j['name'], j['world']) for j in jobs])\n")
     def launched(env, rank_var, job, what):
         """two ranks whose rank is rank_var: each sees the job named job of world 2"""
-        procs = [subprocess.Popen([sys.executable, "-c", script],
-                                  env=dict(env, **{rank_var: str(r)}), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
+        procs = [spawn([sys.executable, "-c", script], env=dict(env, **{rank_var: str(r)}))
                  for r in range(2)]
         outs = [p.communicate(timeout=120)[0] for p in procs]
         for r, (p, out) in enumerate(zip(procs, outs)):
@@ -518,8 +515,7 @@ try:
             "                 if j['name'] == 'py-secret'])\n"
             "dist.destroy_process_group()\n")
     genv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getpid() % 9000))
-    procs = [subprocess.Popen([sys.executable, "-c", gsec], env=dict(genv, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [spawn([sys.executable, "-c", gsec], env=dict(genv, RANK=str(r)))
              for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     check(all(p.returncode == 0 and "SECRET [True]" in out for p, out in zip(procs, outs)),
@@ -533,9 +529,8 @@ try:
             "m = torch.nn.Linear(4, 2)\n"
             "st.wrap(m, job='py-secrets')\n"
             "print('REGISTERED')\n")
-    procs = [subprocess.Popen([sys.executable, "-c", fsec],
-                              env=dict(env, RANK=str(r), SHARD_JOB_SECRET_FILE=keys[r]),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [spawn([sys.executable, "-c", fsec],
+                   env=dict(env, RANK=str(r), SHARD_JOB_SECRET_FILE=keys[r]))
              for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     check(all(p.returncode != 0 for p in procs) and

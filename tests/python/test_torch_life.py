@@ -38,7 +38,7 @@ import tempfile
 import time
 import types
 
-from harness import Cluster, check, finish, run_all, shard, torch
+from harness import Cluster, check, finish, run_all, shard, spawn, torch
 
 import shard.checkpoint  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
@@ -158,8 +158,7 @@ def launch(cl, work, tag, args, wait=True):
         cmds.append([sys.executable, os.path.abspath(__file__), sys.argv[1], sys.argv[2],
                      "--worker", json.dumps(a)])
     if not wait:
-        return [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for c in cmds]
+        return [spawn(c) for c in cmds]
     return run_all(cmds, timeout=300)
 
 
