@@ -1039,39 +1039,119 @@ static int release(shard_ctx_t *ctx, uint32_t unit, uint64_t flags, int signal, 
     return call(ctx, SD_OP_RELEASE, unit, flags | SD_RELEASE_SIGNAL_LATER, seq, &cqe);
 }
 
+/* ---- one call per operation (shard_op_param_t); the named variants are these */
+
+/* param's mask and flags against what the call takes: SD_OK, or SD_EINVAL naming the first bit
+ * it does not; *flags_p the flags (0 without SHARD_OP_ATTR_FLAGS) */
+static int op_param(shard_ctx_t *ctx, const char *what, uint32_t unit,
+                    const shard_op_param_t *param, uint32_t attrs, uint32_t flags,
+                    uint32_t *flags_p)
+{
+    static const char *const attr_name[] = {"SHARD_OP_ATTR_FLAGS", "SHARD_OP_ATTR_STREAM",
+                                            "SHARD_OP_ATTR_GRAD", "SHARD_OP_ATTR_REQUEST"};
+    static const char *const flag_name[] = {"SHARD_OP_FLAG_ASIDE", "SHARD_OP_FLAG_ASYNC",
+                                            "SHARD_OP_FLAG_SIGNALLED", "SHARD_OP_FLAG_STAGED"};
+    *flags_p = 0;
+    if (param == NULL)
+        return SD_OK;
+    uint32_t mask = param->op_attr_mask;
+    for (uint32_t b = 0; b < 32; b++)
+        if ((mask >> b & 1) && !(attrs >> b & 1))
+            return fail(ctx, SD_EINVAL, "%s unit %u: op_attr_mask bit %s is not one %s takes", what,
+                        unit, b < 4 ? attr_name[b] : "(unknown)", what);
+    *flags_p = mask & SHARD_OP_ATTR_FLAGS ? param->flags : 0;
+    for (uint32_t b = 0; b < 32; b++)
+        if ((*flags_p >> b & 1) && !(flags >> b & 1))
+            return fail(ctx, SD_EINVAL, "%s unit %u: flag %s is not one %s takes", what, unit,
+                        b < 4 ? flag_name[b] : "(unknown)", what);
+    return SD_OK;
+}
+
+int shard_fetchx(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param,
+                 const void **data_p)
+{
+    uint32_t flags;
+    int status = check_attached(ctx, "fetch", true);
+    if (status == SD_OK)
+        status = op_param(ctx, "fetch", unit, param, SHARD_OP_ATTR_FLAGS | SHARD_OP_ATTR_REQUEST,
+                          SHARD_OP_FLAG_ASIDE | SHARD_OP_FLAG_ASYNC, &flags);
+    if (status != SD_OK)
+        return status;
+    if (!(flags & SHARD_OP_FLAG_ASYNC))
+        return fetch_wait(ctx, unit, flags & SHARD_OP_FLAG_ASIDE ? SD_OP_ASIDE : 0, data_p);
+    if (flags & SHARD_OP_FLAG_ASIDE)
+        return fail(ctx, SD_EINVAL,
+                    "fetch unit %u: SHARD_OP_FLAG_ASYNC with SHARD_OP_FLAG_ASIDE (a fetch aside "
+                    "is waited for)",
+                    unit);
+    if (!(param->op_attr_mask & SHARD_OP_ATTR_REQUEST) || param->req_p == NULL)
+        return fail(ctx, SD_EINVAL,
+                    "fetch unit %u: SHARD_OP_FLAG_ASYNC needs req_p (SHARD_OP_ATTR_REQUEST)", unit);
+    return shard_fetch_async(ctx, unit, param->req_p);
+}
+
+int shard_releasex(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param)
+{
+    uint32_t flags;
+    int status = check_attached(ctx, "release", true);
+    if (status == SD_OK)
+        status = op_param(ctx, "release", unit, param, SHARD_OP_ATTR_FLAGS | SHARD_OP_ATTR_STREAM,
+                          SHARD_OP_FLAG_ASIDE | SHARD_OP_FLAG_SIGNALLED, &flags);
+    if (status != SD_OK)
+        return status;
+    bool on_stream = param != NULL && (param->op_attr_mask & SHARD_OP_ATTR_STREAM);
+    if (on_stream && (flags & SHARD_OP_FLAG_SIGNALLED))
+        return fail(ctx, SD_EINVAL,
+                    "release unit %u: a stream (SHARD_OP_ATTR_STREAM) and "
+                    "SHARD_OP_FLAG_SIGNALLED: one signals",
+                    unit);
+    uint64_t aside = flags & SHARD_OP_FLAG_ASIDE ? SD_OP_ASIDE : 0;
+    if (on_stream)
+        return release(ctx, unit, aside, SIGNAL_STREAM, param->stream);
+    return release(ctx, unit, aside, flags & SHARD_OP_FLAG_SIGNALLED ? SIGNAL_CALLER : SIGNAL_NONE,
+                   NULL);
+}
+
 int shard_fetch(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
 {
-    return fetch_wait(ctx, unit, 0, data_p);
+    return shard_fetchx(ctx, unit, NULL, data_p);
 }
 
 int shard_release(shard_ctx_t *ctx, uint32_t unit)
 {
-    return release(ctx, unit, 0, SIGNAL_NONE, NULL);
+    return shard_releasex(ctx, unit, NULL);
 }
 
 int shard_release_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
 {
-    return release(ctx, unit, 0, SIGNAL_STREAM, stream);
+    shard_op_param_t p = {.op_attr_mask = SHARD_OP_ATTR_STREAM, .stream = stream};
+    return shard_releasex(ctx, unit, &p);
 }
 
 int shard_release_signalled(shard_ctx_t *ctx, uint32_t unit)
 {
-    return release(ctx, unit, 0, SIGNAL_CALLER, NULL);
+    shard_op_param_t p = {.op_attr_mask = SHARD_OP_ATTR_FLAGS, .flags = SHARD_OP_FLAG_SIGNALLED};
+    return shard_releasex(ctx, unit, &p);
 }
 
 int shard_fetch_aside(shard_ctx_t *ctx, uint32_t unit, const void **data_p)
 {
-    return fetch_wait(ctx, unit, SD_OP_ASIDE, data_p);
+    shard_op_param_t p = {.op_attr_mask = SHARD_OP_ATTR_FLAGS, .flags = SHARD_OP_FLAG_ASIDE};
+    return shard_fetchx(ctx, unit, &p, data_p);
 }
 
 int shard_release_aside(shard_ctx_t *ctx, uint32_t unit)
 {
-    return release(ctx, unit, SD_OP_ASIDE, SIGNAL_NONE, NULL);
+    shard_op_param_t p = {.op_attr_mask = SHARD_OP_ATTR_FLAGS, .flags = SHARD_OP_FLAG_ASIDE};
+    return shard_releasex(ctx, unit, &p);
 }
 
 int shard_release_aside_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
 {
-    return release(ctx, unit, SD_OP_ASIDE, SIGNAL_STREAM, stream);
+    shard_op_param_t p = {.op_attr_mask = SHARD_OP_ATTR_FLAGS | SHARD_OP_ATTR_STREAM,
+                          .flags = SHARD_OP_FLAG_ASIDE,
+                          .stream = stream};
+    return shard_releasex(ctx, unit, &p);
 }
 
 /* Wait for the push that occupies staging slot i; remember the first error. */
@@ -1176,17 +1256,7 @@ static int push_held(shard_ctx_t *ctx, const char *what, uint32_t unit, bool sig
     return push_slot(ctx, unit, ctx->held_slot, signal_later);
 }
 
-int shard_push_staged(shard_ctx_t *ctx, uint32_t unit)
-{
-    return push_held(ctx, "push_staged", unit, false);
-}
-
-int shard_push_staged_signalled(shard_ctx_t *ctx, uint32_t unit)
-{
-    return push_held(ctx, "push_staged_signalled", unit, true);
-}
-
-int shard_push_staged_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
+static int push_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
 {
     const char *what = "push_staged_on_stream";
     int status = check_push_unit(ctx, what, unit);
@@ -1200,7 +1270,7 @@ int shard_push_staged_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
     return status != SD_OK ? status : push_held(ctx, what, unit, true);
 }
 
-int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t bytes)
+static int push_copy(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t bytes)
 {
     int status = check_push_unit(ctx, "push_grad", unit);
     if (status != SD_OK)
@@ -1222,6 +1292,79 @@ int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t by
     if (status != 0)
         return fail(ctx, status, "push_grad unit %u: %s", unit, why);
     return push_slot(ctx, unit, i, false);
+}
+
+int shard_pushx(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param)
+{
+    uint32_t flags;
+    uint32_t mask = param != NULL ? param->op_attr_mask : 0;
+    uint32_t given = param != NULL && (mask & SHARD_OP_ATTR_FLAGS) ? param->flags : 0;
+    bool grad = mask & SHARD_OP_ATTR_GRAD, on_stream = mask & SHARD_OP_ATTR_STREAM;
+    bool staged = given & SHARD_OP_FLAG_STAGED, signalled = given & SHARD_OP_FLAG_SIGNALLED;
+    /* the name the variant of these parameters has, in every message */
+    const char *what = grad        ? "push_grad"
+                       : !staged   ? "push"
+                       : on_stream ? "push_staged_on_stream"
+                       : signalled ? "push_staged_signalled"
+                                   : "push_staged";
+    int status = check_push_unit(ctx, what, unit);
+    if (status == SD_OK)
+        status = op_param(ctx, what, unit, param,
+                          SHARD_OP_ATTR_FLAGS | SHARD_OP_ATTR_STREAM | SHARD_OP_ATTR_GRAD,
+                          SHARD_OP_FLAG_STAGED | SHARD_OP_FLAG_SIGNALLED, &flags);
+    if (status != SD_OK)
+        return status;
+    if (grad == staged)
+        return fail(ctx, SD_EINVAL,
+                    grad ? "push unit %u: SHARD_OP_ATTR_GRAD (a gradient to copy) with "
+                           "SHARD_OP_FLAG_STAGED (the buffer held): one of them"
+                         : "push unit %u: needs SHARD_OP_ATTR_GRAD (grad, bytes) or "
+                           "SHARD_OP_FLAG_STAGED (the buffer of shard_grad_buffer)",
+                    unit);
+    if (grad) {
+        if (on_stream || signalled)
+            return fail(ctx, SD_EINVAL,
+                        "push unit %u: a gradient copied at the call (SHARD_OP_ATTR_GRAD) takes "
+                        "no stream and no SHARD_OP_FLAG_SIGNALLED (stage it: "
+                        "SHARD_OP_FLAG_STAGED)",
+                        unit);
+        return push_copy(ctx, unit, param->grad, param->bytes);
+    }
+    if (on_stream && signalled)
+        return fail(ctx, SD_EINVAL,
+                    "push unit %u: a stream (SHARD_OP_ATTR_STREAM) and SHARD_OP_FLAG_SIGNALLED: "
+                    "one signals",
+                    unit);
+    if (on_stream)
+        return push_on_stream(ctx, unit, param->stream);
+    return push_held(ctx, what, unit, signalled);
+}
+
+int shard_push_grad(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t bytes)
+{
+    shard_op_param_t p = {.op_attr_mask = SHARD_OP_ATTR_GRAD, .grad = grad, .bytes = bytes};
+    return shard_pushx(ctx, unit, &p);
+}
+
+int shard_push_staged(shard_ctx_t *ctx, uint32_t unit)
+{
+    shard_op_param_t p = {.op_attr_mask = SHARD_OP_ATTR_FLAGS, .flags = SHARD_OP_FLAG_STAGED};
+    return shard_pushx(ctx, unit, &p);
+}
+
+int shard_push_staged_signalled(shard_ctx_t *ctx, uint32_t unit)
+{
+    shard_op_param_t p = {.op_attr_mask = SHARD_OP_ATTR_FLAGS,
+                          .flags = SHARD_OP_FLAG_STAGED | SHARD_OP_FLAG_SIGNALLED};
+    return shard_pushx(ctx, unit, &p);
+}
+
+int shard_push_staged_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
+{
+    shard_op_param_t p = {.op_attr_mask = SHARD_OP_ATTR_FLAGS | SHARD_OP_ATTR_STREAM,
+                          .flags = SHARD_OP_FLAG_STAGED,
+                          .stream = stream};
+    return shard_pushx(ctx, unit, &p);
 }
 
 int shard__push_flush(shard_ctx_t *ctx)

@@ -22,7 +22,7 @@ extern "C" {
 #define SHARD_API __attribute__((visibility("default")))
 
 #define SHARD_VERSION_MAJOR 0
-#define SHARD_VERSION_MINOR 5
+#define SHARD_VERSION_MINOR 6 /* 6: shard_fetchx, shard_releasex, shard_pushx */
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
 enum {
@@ -299,6 +299,42 @@ SHARD_API int shard_push_staged_on_stream(shard_ctx_t *ctx, uint32_t unit, void 
  * A gradient not signalled within the daemon's op_timeout_ms fails the job, naming the fence
  * page. */
 SHARD_API int shard_push_staged_signalled(shard_ctx_t *ctx, uint32_t unit);
+/* One call per operation, its variants chosen by a parameter struct (as UCX's
+ * ucp_request_param_t): the functions above are these with fixed parameters, and stay.
+ * op_attr_mask names the fields that are set (a field whose bit is clear is not read, so that
+ * later versions can add fields at the end); flags combine SHARD_OP_FLAG_*. What a variant
+ * above does, these do alike: shard_fetchx with ASIDE is shard_fetch_aside, with ASYNC (and
+ * req_p) shard_fetch_async; shard_releasex with ASIDE, a STREAM or SIGNALLED is
+ * shard_release_aside, _on_stream, _signalled, or a combination of them; shard_pushx with GRAD
+ * (grad, bytes) is shard_push_grad, with STAGED shard_push_staged (STREAM: _on_stream;
+ * SIGNALLED: _signalled). A flag or field the operation does not take, an unknown bit, or a
+ * contradiction (ASYNC with ASIDE, STREAM with SIGNALLED, GRAD with STAGED) fails with
+ * SHARD_EINVAL naming it. param NULL: the plain call. */
+enum {
+    SHARD_OP_ATTR_FLAGS = 1u << 0,  /* flags */
+    SHARD_OP_ATTR_STREAM = 1u << 1, /* stream (release, push: signalled by it) */
+    SHARD_OP_ATTR_GRAD = 1u << 2,   /* grad and bytes (push: copied from there) */
+    SHARD_OP_ATTR_REQUEST = 1u << 3 /* req_p (fetch with SHARD_OP_FLAG_ASYNC) */
+};
+enum {
+    SHARD_OP_FLAG_ASIDE = 1u << 0,     /* fetch, release: outside the schedule */
+    SHARD_OP_FLAG_ASYNC = 1u << 1,     /* fetch: post it, *req_p for shard_wait */
+    SHARD_OP_FLAG_SIGNALLED = 1u << 2, /* release, push (staged): the caller signals the page */
+    SHARD_OP_FLAG_STAGED = 1u << 3     /* push: the gradient buffer held (shard_grad_buffer) */
+};
+typedef struct {
+    uint32_t op_attr_mask;
+    uint32_t flags;
+    void *stream;
+    const void *grad;
+    size_t bytes;
+    shard_req_t *req_p;
+} shard_op_param_t;
+/* *data_p (may be NULL with ASYNC) as shard_fetch's */
+SHARD_API int shard_fetchx(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param,
+                           const void **data_p);
+SHARD_API int shard_releasex(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param);
+SHARD_API int shard_pushx(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param);
 /* The rank's fence page: one page of shared memory (an fd the registration's reply passed, no
  * IPC namespace shared) with three monotonic 32-bit counters that order the trainer's work and the
  * daemon's without a host round trip; they wrap, and compare as (int32_t)(a - b) >= 0.
