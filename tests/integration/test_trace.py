@@ -35,11 +35,12 @@ def ctl(*args):
     return subprocess.run([SHARDCTL, *args], capture_output=True, text=True, timeout=60)
 
 
-def cluster(cdir, *extra):
+def cluster(cdir, *extra, netns=False):
     r = subprocess.run(["bash", CLUSTER, "start", "--nodes", "2", "--ranks-per-node", "2",
-                        "--dir", cdir, "--shardd", SHARDD, "--", "--log-level", "warn", *extra],
+                        "--dir", cdir, *(["--netns"] if netns else []), "--shardd", SHARDD, "--",
+                        "--log-level", "warn", *extra],
                        capture_output=True, text=True, timeout=120)
-    check(r.returncode == 0, f"cluster start: {r.stdout}{r.stderr}")
+    check(r.returncode == 0, f"cluster start{' (netns)' if netns else ''}: {r.stdout}{r.stderr}")
     return r.returncode == 0
 
 
@@ -54,6 +55,16 @@ def ranks(socks, job, world, k, args):
                               "--world", str(world), "--ranks-per-node", str(k), *args],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for r in range(world)]
+
+
+def training(cdir, job, what):
+    """the 4 ranks of a long zero3 job on the 2x2 cluster at cdir, after 3 s of training"""
+    socks = [os.path.join(cdir, f"node{i}", "shardd.sock") for i in (0, 1)]
+    procs = ranks(socks, job, 4, 2, ["--plan", "zero3", "--steps", "100000", "--compute-ms", "10",
+                                     "--quiet"])
+    time.sleep(3)
+    check(all(p.poll() is None for p in procs), f"the job trains before {what}")
+    return socks, procs
 
 
 def healthy(work):
@@ -105,11 +116,7 @@ def hung(work):
         return
     procs = []
     try:
-        socks = [os.path.join(cdir, f"node{i}", "shardd.sock") for i in (0, 1)]
-        procs = ranks(socks, "hang", 4, 2, ["--plan", "zero3", "--steps", "100000",
-                                            "--compute-ms", "10", "--quiet"])
-        time.sleep(3)
-        check(all(p.poll() is None for p in procs), "the job trains before the stop")
+        socks, procs = training(cdir, "hang", "the stop")
         procs[3].send_signal(signal.SIGSTOP)
         outs = [procs[r].communicate(timeout=120)[0] for r in range(3)]
         check(all(procs[r].returncode != 0 for r in range(3)),
@@ -166,19 +173,11 @@ def hung(work):
 def cut(work):
     """the link between two netns nodes cut mid-training: no rank is missing, the transfers are"""
     cdir = os.path.join(work, "cut")
-    r = subprocess.run(["bash", CLUSTER, "start", "--nodes", "2", "--ranks-per-node", "2",
-                        "--dir", cdir, "--netns", "--shardd", SHARDD, "--", "--log-level", "warn",
-                        "--op-timeout-ms", "3000"], capture_output=True, text=True, timeout=120)
-    check(r.returncode == 0, f"netns cluster start: {r.stdout}{r.stderr}")
-    if r.returncode != 0:
+    if not cluster(cdir, "--op-timeout-ms", "3000", netns=True):
         return
     procs, down = [], False
     try:
-        socks = [os.path.join(cdir, f"node{i}", "shardd.sock") for i in (0, 1)]
-        procs = ranks(socks, "cut", 4, 2, ["--plan", "zero3", "--steps", "100000",
-                                           "--compute-ms", "10", "--quiet"])
-        time.sleep(3)
-        check(all(p.poll() is None for p in procs), "the job trains before the cut")
+        _, procs = training(cdir, "cut", "the cut")
         r = subprocess.run(["bash", CLUSTER, "link", "--dir", cdir, "--node", "1", "down"],
                            capture_output=True, text=True, timeout=60)
         down = r.returncode == 0
