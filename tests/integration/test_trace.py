@@ -8,7 +8,8 @@
     shardctl trace --merge of both names rank 3 on node 1 as the rank that never made the call
     the others wait in, and what each node was waiting in (text and --json);
   - the link between the two nodes of a netns cluster cut mid-training: every rank fails naming
-    its node's dump, and the merge names no rank but the transfers between node 0 and node 1
+    its node's dump (the message cut in its middle where it is longer than a completion
+    carries, the path whole), and the merge names no rank but the transfers between node 0 and node 1
     still open (verdict "transfers"; a rank that never called is verdict "rank");
   - trace_ops 0: no dump, no word of one in the failure, an empty trace;
   - --merge of something that is not a dump, or of nothing, fails saying so.
@@ -172,7 +173,9 @@ def hung(work):
 
 def cut(work):
     """the link between two netns nodes cut mid-training: no rank is missing, the transfers are"""
-    cdir = os.path.join(work, "cut")
+    # a long directory: the failure's message is longer than a completion carries (224 bytes),
+    # and is cut in its middle so that the dump's path still reaches the ranks
+    cdir = os.path.join(work, "cut-" + "d" * 40)
     if not cluster(cdir, "--op-timeout-ms", "3000", netns=True):
         return
     procs, down = [], False
