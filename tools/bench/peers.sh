@@ -3,7 +3,7 @@
 # client/examples/train_gpt.py trained by FSDP2 (full shard; HSDP on a 2-D mesh, sharded within
 # a node), DDP (the unsharded baseline), DeepSpeed (ZeRO-3; MiCS with mics_shard_size 2 and the
 # hierarchical gather; ZeRO++ with hpZ, qwZ and qgZ, and hpZ alone) and shardd (zero3, mics:2, zeropp, topo and
-# the per-state plan topo:W/G/n of least communication time by shardctl plan's cost model), the same global batch, accumulation, AdamW groups,
+# the per-state plan topo:W/G/n that shardctl plan --pick predicts fastest), the same global batch, accumulation, AdamW groups,
 # schedule and steps, one thread per rank (tools/bench/peers_train.py: how each is set up).
 # Every rank runs in the network namespace of its node; the links between nodes are shaped to
 # --rate (tools/local-cluster.sh --netns). Prints a table per model size (tokens/s, the ratio
