@@ -327,9 +327,7 @@ const char *sd_job_values_from(const struct sd_job *job)
  * waiting for an in-flight gather. */
 void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches)
 {
-    /* the whole text: a completion carries SD_CQE_MSG_LEN bytes of it, cut where the flight
-     * recorder's path still fits (sd_session_complete) */
-    char text[sizeof(job->fail_msg) + sizeof(job->name) + 32];
+    char text[SD_CQE_MSG_LEN]; /* what a completion carries: a longer message is cut */
     size_t at = 0;
     if (status != SD_EPAUSED)
         at = SD_MIN((size_t)snprintf(text, sizeof(text), "job '%s' failed: ", job->name),

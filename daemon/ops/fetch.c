@@ -247,8 +247,8 @@ static void answer_waiters(struct sd_job *job, struct sd_unit_state *us, int syn
         if (s == NULL)
             continue;
         if (us->status != SD_OK) {
-            char msg[sizeof(job->fail_msg) + 160]; /* fitted by sd_session_complete */
-            snprintf(msg, sizeof(msg), "fetch unit %u: job '%.40s' %s: %s", us->unit, job->name,
+            char msg[SD_OP_MSG_LEN];
+            snprintf(msg, sizeof(msg), "fetch unit %u: job '%.40s' %s: %.140s", us->unit, job->name,
                      sd_job_state_name(job->state), job->fail_msg);
             job->stats.errors++;
             sd_session_complete(s, tag, SD_OP_FETCH,

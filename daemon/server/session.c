@@ -8,7 +8,6 @@
 
 #include <stdarg.h>
 #include <stdio.h>
-#include <string.h>
 
 /* A client that corrupts its ring loses the session: its attachment reports it on the socket
  * and hangs up (link->broke). */
@@ -21,25 +20,6 @@ void sd_session_break(struct sd_session *s, const char *fmt, ...)
     va_end(ap);
     s->broken = true;
     s->link->broke(s, text);
-}
-
-/* msg into dst (len bytes); a longer one is cut in its middle where it ends with where the job's
- * flight recorder went (" (flight recorder: PATH; shardctl trace)", sd_job_fail_text), so that
- * the path still reaches the rank, else at its end */
-static void fit_msg(char *dst, size_t len, const char *msg)
-{
-    const char *tail = strstr(msg, " (flight recorder: ");
-    size_t n = strlen(msg), tl = tail != NULL ? strlen(tail) : 0;
-    if (n < len || tail == NULL || tl + 3 + 32 >= len) {
-        size_t m = n < len ? n : len - 1;
-        memcpy(dst, msg, m);
-        dst[m] = '\0';
-        return;
-    }
-    size_t head = len - 1 - tl - 3;
-    memcpy(dst, msg, head);
-    memcpy(dst + head, "...", 3);
-    memcpy(dst + head + 3, tail, tl + 1);
 }
 
 void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status, uint64_t v0,
@@ -57,7 +37,7 @@ void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status,
     e.value1 = v1;
     e.msg[0] = '\0';
     if (msg != NULL)
-        fit_msg(e.msg, sizeof(e.msg), msg);
+        snprintf(e.msg, sizeof(e.msg), "%s", msg);
     if (sd_ring_cq_push(s->hdr, &e) != 0) {
         sd_session_break(s,
                          "completion queue overflow: the client has more than %d requests "
@@ -70,7 +50,7 @@ void sd_session_complete(struct sd_session *s, uint64_t tag, int op, int status,
 
 void sd_session_fail(struct sd_session *s, const struct sd_sqe *e, int status, const char *fmt, ...)
 {
-    char text[1024]; /* sd_session_complete fits it into the completion */
+    char text[SD_CQE_MSG_LEN];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(text, sizeof(text), fmt, ap);

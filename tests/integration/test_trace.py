@@ -8,8 +8,8 @@
     shardctl trace --merge of both names rank 3 on node 1 as the rank that never made the call
     the others wait in, and what each node was waiting in (text and --json);
   - the link between the two nodes of a netns cluster cut mid-training: every rank fails naming
-    its node's dump (the message cut in its middle where it is longer than a completion
-    carries, the path whole), and the merge names no rank but the transfers between node 0 and node 1
+    its node's dump (shardctl jobs has it whole), and the merge names no rank but the transfers
+    between node 0 and node 1
     still open (verdict "transfers"; a rank that never called is verdict "rank");
   - trace_ops 0: no dump, no word of one in the failure, an empty trace;
   - --merge of something that is not a dump, or of nothing, fails saying so.
@@ -173,9 +173,7 @@ def hung(work):
 
 def cut(work):
     """the link between two netns nodes cut mid-training: no rank is missing, the transfers are"""
-    # a long directory: the failure's message is longer than a completion carries (224 bytes),
-    # and is cut in its middle so that the dump's path still reaches the ranks
-    cdir = os.path.join(work, "cut-" + "d" * 40)
+    cdir = os.path.join(work, "cut")
     if not cluster(cdir, "--op-timeout-ms", "3000", netns=True):
         return
     procs, down = [], False
@@ -188,13 +186,20 @@ def cut(work):
         outs = [p.communicate(timeout=120)[0] for p in procs]
         check(all(p.returncode != 0 for p in procs),
               f"every rank fails once the link is cut: {[p.returncode for p in procs]}")
+        # the job's whole message (a rank's is cut where it is longer than a completion
+        # carries: the cause first, the path where it fits)
         dumps = {}
-        for r_, out in enumerate(outs):
-            m = re.search(r"flight recorder: (\S+\.json)", out)
-            if m:
-                dumps[r_ // 2] = m.group(1)
-        check(len(dumps) == 2, f"a dump of each node named in its ranks' failures: {dumps} "
+        for n in (0, 1):
+            r = ctl("--socket", os.path.join(cdir, f"node{n}", "shardd.sock"), "--json", "jobs")
+            for j in json.loads(r.stdout).get("jobs", []) if r.returncode == 0 else []:
+                m = re.search(r"flight recorder: (\S+\.json)", j.get("error", ""))
+                if m:
+                    dumps[n] = m.group(1)
+        check(len(dumps) == 2 and all(os.path.exists(p) for p in dumps.values()),
+              f"a dump of each node named in its job's failure: {dumps} "
               f"{[o[-300:] for o in outs]}")
+        check(all("flight recorder" in o or len(o) > 250 for o in outs),
+              f"each rank's failure names the recorder, or is one cut: {[o[-300:] for o in outs]}")
         r = ctl("trace", "--merge", "--json", *dumps.values())
         doc = json.loads(r.stdout) if r.returncode == 0 else {}
         pairs = {(t["node"], t["peer_node"]) for t in doc.get("stuck_transfers", [])}
