@@ -1041,40 +1041,52 @@ static int release(shard_ctx_t *ctx, uint32_t unit, uint64_t flags, int signal, 
 
 /* ---- one call per operation (shard_op_param_t); the named variants are these */
 
+/* the flags param gives (0 without SHARD_OP_ATTR_FLAGS, or without param) */
+static uint32_t op_flags(const shard_op_param_t *param)
+{
+    return param != NULL && (param->op_attr_mask & SHARD_OP_ATTR_FLAGS) ? param->flags : 0;
+}
+
+/* the name of the lowest bit of got that allowed lacks ("(unknown)" past names), or NULL */
+static const char *stray_bit(uint32_t got, uint32_t allowed, const char *const *names, uint32_t n)
+{
+    uint32_t stray = got & ~allowed;
+    if (stray == 0)
+        return NULL;
+    uint32_t b = (uint32_t)__builtin_ctz(stray);
+    return b < n ? names[b] : "(unknown)";
+}
+
 /* param's mask and flags against what the call takes: SD_OK, or SD_EINVAL naming the first bit
- * it does not; *flags_p the flags (0 without SHARD_OP_ATTR_FLAGS) */
+ * it does not */
 static int op_param(shard_ctx_t *ctx, const char *what, uint32_t unit,
-                    const shard_op_param_t *param, uint32_t attrs, uint32_t flags,
-                    uint32_t *flags_p)
+                    const shard_op_param_t *param, uint32_t attrs, uint32_t flags)
 {
     static const char *const attr_name[] = {"SHARD_OP_ATTR_FLAGS", "SHARD_OP_ATTR_STREAM",
                                             "SHARD_OP_ATTR_GRAD", "SHARD_OP_ATTR_REQUEST"};
     static const char *const flag_name[] = {"SHARD_OP_FLAG_ASIDE", "SHARD_OP_FLAG_ASYNC",
                                             "SHARD_OP_FLAG_SIGNALLED", "SHARD_OP_FLAG_STAGED"};
-    *flags_p = 0;
     if (param == NULL)
         return SD_OK;
-    uint32_t mask = param->op_attr_mask;
-    for (uint32_t b = 0; b < 32; b++)
-        if ((mask >> b & 1) && !(attrs >> b & 1))
-            return fail(ctx, SD_EINVAL, "%s unit %u: op_attr_mask bit %s is not one %s takes", what,
-                        unit, b < 4 ? attr_name[b] : "(unknown)", what);
-    *flags_p = mask & SHARD_OP_ATTR_FLAGS ? param->flags : 0;
-    for (uint32_t b = 0; b < 32; b++)
-        if ((*flags_p >> b & 1) && !(flags >> b & 1))
-            return fail(ctx, SD_EINVAL, "%s unit %u: flag %s is not one %s takes", what, unit,
-                        b < 4 ? flag_name[b] : "(unknown)", what);
+    const char *bad = stray_bit(param->op_attr_mask, attrs, attr_name, 4);
+    if (bad != NULL)
+        return fail(ctx, SD_EINVAL, "%s unit %u: op_attr_mask bit %s is not one %s takes", what,
+                    unit, bad, what);
+    bad = stray_bit(op_flags(param), flags, flag_name, 4);
+    if (bad != NULL)
+        return fail(ctx, SD_EINVAL, "%s unit %u: flag %s is not one %s takes", what, unit, bad,
+                    what);
     return SD_OK;
 }
 
 int shard_fetchx(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param,
                  const void **data_p)
 {
-    uint32_t flags;
+    uint32_t flags = op_flags(param);
     int status = check_attached(ctx, "fetch", true);
     if (status == SD_OK)
         status = op_param(ctx, "fetch", unit, param, SHARD_OP_ATTR_FLAGS | SHARD_OP_ATTR_REQUEST,
-                          SHARD_OP_FLAG_ASIDE | SHARD_OP_FLAG_ASYNC, &flags);
+                          SHARD_OP_FLAG_ASIDE | SHARD_OP_FLAG_ASYNC);
     if (status != SD_OK)
         return status;
     if (!(flags & SHARD_OP_FLAG_ASYNC))
@@ -1092,11 +1104,11 @@ int shard_fetchx(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param,
 
 int shard_releasex(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param)
 {
-    uint32_t flags;
+    uint32_t flags = op_flags(param);
     int status = check_attached(ctx, "release", true);
     if (status == SD_OK)
         status = op_param(ctx, "release", unit, param, SHARD_OP_ATTR_FLAGS | SHARD_OP_ATTR_STREAM,
-                          SHARD_OP_FLAG_ASIDE | SHARD_OP_FLAG_SIGNALLED, &flags);
+                          SHARD_OP_FLAG_ASIDE | SHARD_OP_FLAG_SIGNALLED);
     if (status != SD_OK)
         return status;
     bool on_stream = param != NULL && (param->op_attr_mask & SHARD_OP_ATTR_STREAM);
@@ -1296,9 +1308,7 @@ static int push_copy(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t b
 
 int shard_pushx(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param)
 {
-    uint32_t flags;
-    uint32_t mask = param != NULL ? param->op_attr_mask : 0;
-    uint32_t given = param != NULL && (mask & SHARD_OP_ATTR_FLAGS) ? param->flags : 0;
+    uint32_t mask = param != NULL ? param->op_attr_mask : 0, given = op_flags(param);
     bool grad = mask & SHARD_OP_ATTR_GRAD, on_stream = mask & SHARD_OP_ATTR_STREAM;
     bool staged = given & SHARD_OP_FLAG_STAGED, signalled = given & SHARD_OP_FLAG_SIGNALLED;
     /* the name the variant of these parameters has, in every message */
@@ -1311,7 +1321,7 @@ int shard_pushx(shard_ctx_t *ctx, uint32_t unit, const shard_op_param_t *param)
     if (status == SD_OK)
         status = op_param(ctx, what, unit, param,
                           SHARD_OP_ATTR_FLAGS | SHARD_OP_ATTR_STREAM | SHARD_OP_ATTR_GRAD,
-                          SHARD_OP_FLAG_STAGED | SHARD_OP_FLAG_SIGNALLED, &flags);
+                          SHARD_OP_FLAG_STAGED | SHARD_OP_FLAG_SIGNALLED);
     if (status != SD_OK)
         return status;
     if (grad == staged)
