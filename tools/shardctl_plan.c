@@ -211,7 +211,7 @@ static int plan_one(const struct plan_args *a, bool as_json)
 /* ---- plan --pick: every per-state plan topo:W/G/OS of the world, ranked */
 
 struct candidate {
-    char plan[72];
+    struct sd_plan plan; /* plan.name: topo:W/G/OS */
     struct sd_cost_out o;
     uint64_t state_bytes; /* a rank's w, g, os and secondary */
     double intra;         /* copies inside a node per step */
@@ -228,27 +228,31 @@ static int by_prediction(const void *x, const void *y)
         return a->state_bytes < b->state_bytes ? -1 : 1;
     if (a->intra != b->intra)
         return a->intra < b->intra ? -1 : 1;
-    return strcmp(a->plan, b->plan);
+    return strcmp(a->plan.name, b->plan.name);
+}
+
+/* is the named plan `name` p under another name (the same factors and sync)? */
+static bool same_plan(const struct plan_args *a, const char *name, const struct sd_plan *p)
+{
+    struct sd_topo topo;
+    struct sd_plan q;
+    struct sd_cost_in in;
+    return plan_model(a, name, true, &topo, &q, &in) == 0 && memcmp(q.f, p->f, sizeof(q.f)) == 0 &&
+           q.two_hop == p->two_hop && q.hierarchical == p->hierarchical;
 }
 
 /* the named plan with the same factors and sync as p (zero3, mics:P, ...), or "" */
 static const char *named_as(const struct plan_args *a, const struct sd_plan *p)
 {
-    static char name[32];
-    const char *names[] = {"ddp", "zero1", "zero2", "zero3"};
-    struct sd_topo topo;
-    struct sd_plan q;
-    struct sd_cost_in in;
-    for (long f = 1; f <= a->world + 4; f++) {
-        if (f <= 4)
-            snprintf(name, sizeof(name), "%s", names[f - 1]);
-        else if (a->world % (f - 4) == 0)
-            snprintf(name, sizeof(name), "mics:%ld", f - 4);
-        else
-            continue;
-        if (plan_model(a, name, true, &topo, &q, &in) == 0 && memcmp(q.f, p->f, sizeof(q.f)) == 0 &&
-            q.two_hop == p->two_hop && q.hierarchical == p->hierarchical)
-            return name;
+    static const char *const names[] = {"ddp", "zero1", "zero2", "zero3"};
+    static char mics[32];
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (same_plan(a, names[i], p))
+            return names[i];
+    for (long P = 1; P <= a->world; P++) {
+        snprintf(mics, sizeof(mics), "mics:%ld", P);
+        if (a->world % P == 0 && same_plan(a, mics, p))
+            return mics;
     }
     return "";
 }
@@ -298,10 +302,8 @@ static int plan_pick(const struct plan_args *a, bool as_json)
                     c = more;
                     cap *= 2;
                 }
-                c[n] = (struct candidate){
-                    .o = o, .state_bytes = bytes, .intra = o.intra[0] + o.intra[1]};
-                snprintf(c[n].plan, sizeof(c[n].plan), "%s", s);
-                n++;
+                c[n++] = (struct candidate){
+                    .plan = plan, .o = o, .state_bytes = bytes, .intra = o.intra[0] + o.intra[1]};
             }
     if (n == 0) {
         fprintf(stderr,
@@ -313,21 +315,20 @@ static int plan_pick(const struct plan_args *a, bool as_json)
         return 1;
     }
     qsort(c, n, sizeof(*c), by_prediction);
-    plan_model(a, c[0].plan, true, &topo, &plan, &in);
     char same[32];
-    snprintf(same, sizeof(same), "%s", named_as(a, &plan));
+    snprintf(same, sizeof(same), "%s", named_as(a, &c[0].plan));
     if (as_json) {
         json_t *list = json_array();
         for (size_t i = 0; i < n; i++)
             json_array_append_new(list, json_pack("{s:s, s:f, s:f, s:f, s:f, s:I, s:f}", "plan",
-                                                  c[i].plan, "step_s", c[i].o.step_s, "comm_s",
+                                                  c[i].plan.name, "step_s", c[i].o.step_s, "comm_s",
                                                   c[i].o.comm_s, "overlap_s", c[i].o.overlap_s,
                                                   "exposed_s", c[i].o.exposed_s, "rank_state_bytes",
                                                   (json_int_t)c[i].state_bytes,
                                                   "intra_node_bytes_per_step", c[i].intra));
         json_t *doc =
-            json_pack("{s:s, s:s, s:f, s:b, s:o}", "pick", c[0].plan, "same_as", same, "compute_s",
-                      a->compute_s, "last_marked", a->last_marked, "candidates", list);
+            json_pack("{s:s, s:s, s:f, s:b, s:o}", "pick", c[0].plan.name, "same_as", same,
+                      "compute_s", a->compute_s, "last_marked", a->last_marked, "candidates", list);
         char *out = json_dumps(doc, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
         puts(out);
         free(out);
@@ -344,12 +345,12 @@ static int plan_pick(const struct plan_args *a, bool as_json)
            "RANK-STATES", "INTRA-NODE");
     for (size_t i = 0; i < n; i++) {
         char b[2][32];
-        printf("  %-16s %9.3f %9.3f %9.3f %9.3f %12s %12s\n", c[i].plan, c[i].o.step_s,
+        printf("  %-16s %9.3f %9.3f %9.3f %9.3f %12s %12s\n", c[i].plan.name, c[i].o.step_s,
                c[i].o.comm_s, c[i].o.overlap_s, c[i].o.exposed_s,
                sd_fmt_bytes(b[0], sizeof(b[0]), c[i].state_bytes),
                sd_fmt_bytes(b[1], sizeof(b[1]), (uint64_t)c[i].intra));
     }
-    printf("the pick: %s%s%s%s\n", c[0].plan, same[0] ? " (the factors of " : "", same,
+    printf("the pick: %s%s%s%s\n", c[0].plan.name, same[0] ? " (the factors of " : "", same,
            same[0] ? ")" : "");
     printf("  (BESIDE: the gathers and reduce-scatters that run beside the forward and backward; "
            "AFTER:\n   the boundary hop and the weights' all-gather the step waits for; equal "
