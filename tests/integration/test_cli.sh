@@ -255,7 +255,26 @@ out=$("$SHARDCTL" plan --world 8 --plan zero3 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "needs --params" <<<"$out"' "plan without params: $rc $out"
 out=$("$SHARDCTL" plan --params 1e9 --world 8 --ranks-per-node 2 --plan zero3 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "not a number" <<<"$out"' "plan with a bad number: $rc $out"
-# plan --pick: every per-state plan of the world ranked; each candidate's numbers are those of
+out=$("$SHARDCTL" --help)
+check 'grep -q "plan --params N" <<<"$out"' "help lists plan"
+out=$("$SHARDCTL" "${S[@]}" --job nope jobs 2>&1); rc=$?
+check '[ $rc -eq 1 ] && grep -q "unknown job" <<<"$out"' "unknown job filter: $out"
+out=$("$SHARDCTL" "${S[@]}" --job cli schedule)
+check 'grep -q "^job cli (running): schedule" <<<"$out" && grep -q "reuse distance \(unlimited (the pool holds every unit)\|[0-9]*\)$" <<<"$out" && grep -q "GATHER" <<<"$out"' \
+  "schedule of a running job (no line cut short): $out"
+section "job cli: its end"
+for r in 0 1 2 3; do await "${pids[$r]}" 120 "rank $r of job cli" || bad "rank $r failed: $(cat "$dir/rank$r.log")"; done
+# the job ended: finished, its end not an error, no empty tables
+js=$("$SHARDCTL" "${S[@]}" --job cli jobs --json)
+check 'python3 -c "
+import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]
+assert j[\"state\"]==\"finished\" and j[\"error\"]==\"\" and \"detached after step 400\" in j[\"ended\"] and j[\"memory_bytes\"]==0, j
+" "$js"' "a finished job: $js"
+out=$("$SHARDCTL" "${S[@]}" --job cli schedule)
+check 'grep -q "^job cli (finished): schedule" <<<"$out" && grep -q "the job ended" <<<"$out" && ! grep -q "GATHER" <<<"$out"' \
+  "schedule of a finished job: $out"
+# plan --pick (no daemon; here, not beside plan above, so that the job cli still runs when its
+# schedule is read): every per-state plan of the world ranked; each candidate's numbers are those of
 # plan --plan for it, the order is re-derived here (predicted step, then memory, then copies), and
 # with 9 s of compute and the last backward marked the 25 M-parameter model of tools/bench/peers.sh
 # goes to zero3's factors (nothing after the backward) where the bytes alone tie it with
@@ -303,24 +322,6 @@ out=$("$SHARDCTL" "${pk[@]}" --pick --compute-s -1 2>&1); rc=$?
 check '[ $rc -eq 2 ] && grep -q "not a number" <<<"$out"' "plan --compute-s -1: $rc $out"
 out=$("$SHARDCTL" "${pk[@]}" --pick --compute-s 9 --last-marked)
 check 'grep -q "the pick: topo:8/8/8 (the factors of zero3)" <<<"$out"' "plan --pick text: $out"
-out=$("$SHARDCTL" --help)
-check 'grep -q "plan --params N" <<<"$out"' "help lists plan"
-out=$("$SHARDCTL" "${S[@]}" --job nope jobs 2>&1); rc=$?
-check '[ $rc -eq 1 ] && grep -q "unknown job" <<<"$out"' "unknown job filter: $out"
-out=$("$SHARDCTL" "${S[@]}" --job cli schedule)
-check 'grep -q "^job cli (running): schedule" <<<"$out" && grep -q "reuse distance \(unlimited (the pool holds every unit)\|[0-9]*\)$" <<<"$out" && grep -q "GATHER" <<<"$out"' \
-  "schedule of a running job (no line cut short): $out"
-section "job cli: its end"
-for r in 0 1 2 3; do await "${pids[$r]}" 120 "rank $r of job cli" || bad "rank $r failed: $(cat "$dir/rank$r.log")"; done
-# the job ended: finished, its end not an error, no empty tables
-js=$("$SHARDCTL" "${S[@]}" --job cli jobs --json)
-check 'python3 -c "
-import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]
-assert j[\"state\"]==\"finished\" and j[\"error\"]==\"\" and \"detached after step 400\" in j[\"ended\"] and j[\"memory_bytes\"]==0, j
-" "$js"' "a finished job: $js"
-out=$("$SHARDCTL" "${S[@]}" --job cli schedule)
-check 'grep -q "^job cli (finished): schedule" <<<"$out" && grep -q "the job ended" <<<"$out" && ! grep -q "GATHER" <<<"$out"' \
-  "schedule of a finished job: $out"
 section "registration mismatch"
 # a rank that registers another world: the ranks waiting hear it at once, naming both worlds
 "$MLP" --socket "$dir/run/shardd.sock" --job mixed --rank 0 --world 2 --steps 1 --hidden 64 \
