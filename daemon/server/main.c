@@ -17,6 +17,7 @@
 #include "sd/util.h"
 
 #include <dirent.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -96,6 +97,14 @@ struct app {
     char fabric_err[512];
     struct sd_transport *tp;
     struct sd_cluster *cl;
+    /* an independent daemon's fabric, closed after fabric_idle_close_ms without jobs: the
+     * timer that looks, since when it has none, and the closed cluster whose handles the loop
+     * closes before its memory goes */
+    uv_timer_t fabric_idle;
+    uint64_t idle_since_ns;
+    struct sd_cluster *retired[8];
+    uint32_t n_retired;
+    uv_timer_t reap;
     uv_signal_t sigterm, sigint, sigusr1;
     uv_check_t fatal_check;
     struct sd_notify notify;   /* systemd's (inited: from READY on) */
@@ -139,6 +148,9 @@ static void app_stop(struct app *app)
     if (app->notify_on)
         sd_notify_stopping(&app->notify);
     sd_metrics_stop(&app->metrics);
+    uv_timer_stop(&app->fabric_idle);
+    uv_close((uv_handle_t *)&app->fabric_idle, NULL);
+    uv_close((uv_handle_t *)&app->reap, NULL); /* (main frees the retired cluster) */
     if (app->cl != NULL)
         sd_cluster_stop(app->cl);
     if (app->tp != NULL) { /* no more progress, no more writes into job memory */
@@ -356,6 +368,65 @@ static const struct sd_sched_driver sched_driver = {.prefetch = sd_fetch_prefetc
 
 static struct app *the_app; /* (a job may open the fabric after the start: open_fabric) */
 
+/* the clusters close_fabric retired, once the loop ran their handles' close callbacks */
+static void reap_cb(uv_timer_t *h)
+{
+    struct app *app = h->data;
+    for (uint32_t i = 0; i < app->n_retired; i++)
+        sd_cluster_free(app->retired[i]);
+    app->n_retired = 0;
+    /* the provider's pools went back to malloc: to the kernel now (glibc's dynamic mmap
+     * threshold serves the pools of a reopened fabric from the heap, which free keeps) */
+    malloc_trim(0);
+}
+
+/* An independent daemon's fabric and control plane, closed (with no job here): ofi_rxm's
+ * buffer pools go back (about 280 MB on tcp), and the peer links and the heartbeats stop. The
+ * next job across nodes opens them again, and the daemon meets its peers as a restarted one
+ * would (a new key, a new id). A cluster's daemon keeps them: its peers count on it. */
+static void close_fabric(struct app *app)
+{
+    uv_timer_stop(&app->fabric_idle);
+    if (app->cl != NULL)
+        sd_cluster_stop(app->cl);
+    if (app->tp != NULL) {
+        sd_server_detach_transport(&app->srv);
+        app->tp->ops->quiesce(app->tp);
+        sd_net_stop(app->reg);
+        app->tp->ops->close(app->tp);
+        app->tp = NULL;
+    }
+    /* the handles it closed call back at the end of this turn of the loop (a timer started
+     * now, even of 0 ms, may run in this turn's timer phase: 100 ms is past it) */
+    if (app->cl != NULL && app->n_retired < sizeof(app->retired) / sizeof(app->retired[0]))
+        app->retired[app->n_retired++] = app->cl;
+    else if (app->cl != NULL) /* (8 closes within 100 ms: each needs a job to open it) */
+        SD_WARN("main", "a closed cluster's memory is kept: %u wait to be freed", app->n_retired);
+    app->cl = NULL;
+    uv_timer_start(&app->reap, reap_cb, 100, 0);
+}
+
+/* fabric_idle_close_ms after the last job here went, the fabric closes */
+static void fabric_idle_cb(uv_timer_t *h)
+{
+    struct app *app = h->data;
+    const struct sd_registry *reg = app->reg;
+    if (reg->n_jobs > 0 || reg->stuck_jobs > 0 || app->srv.stopping) {
+        app->idle_since_ns = 0;
+        return;
+    }
+    uint64_t now = sd_now_ns();
+    if (app->idle_since_ns == 0)
+        app->idle_since_ns = now;
+    if (now - app->idle_since_ns < (uint64_t)reg->cfg->fabric_idle_close_ms * 1000000ULL)
+        return;
+    SD_INFO("main",
+            "no job for %lld ms: the fabric and the peer links are closed until a job "
+            "spans nodes again (fabric_idle_close_ms)",
+            (long long)reg->cfg->fabric_idle_close_ms);
+    close_fabric(app);
+}
+
 /* The fabric and the control plane, once: a cluster's at the start, an independent daemon's
  * when a job first spans nodes (sd_registry.open_fabric). */
 static int open_fabric(struct sd_registry *reg, char *err, size_t errlen)
@@ -392,10 +463,20 @@ static int open_fabric(struct sd_registry *reg, char *err, size_t errlen)
         return status;
     }
     sd_net_set_cluster(reg, app->cl);
-    sd_server_attach_transport(&app->srv, app->tp);
-    if (cfg->nodes == 1)
+    if (sd_server_attach_transport(&app->srv, app->tp) != SD_OK) {
+        snprintf(err, errlen, "out of memory");
+        close_fabric(app);
+        return SD_ENOMEM;
+    }
+    if (cfg->nodes == 1) {
         SD_INFO("main", "a job spans nodes: the fabric (%s) and the peer links are open",
                 cfg->provider);
+        if (cfg->fabric_idle_close_ms > 0) {
+            uint64_t period = (uint64_t)SD_MIN(1000, SD_MAX(cfg->fabric_idle_close_ms / 4, 10));
+            app->idle_since_ns = 0;
+            uv_timer_start(&app->fabric_idle, fabric_idle_cb, period, period);
+        }
+    }
     return SD_OK;
 }
 
@@ -434,6 +515,9 @@ int main(int argc, char **argv)
     uv_signal_init(&loop, &app.sigterm);
     uv_signal_init(&loop, &app.sigint);
     uv_signal_init(&loop, &app.sigusr1);
+    uv_timer_init(&loop, &app.fabric_idle);
+    uv_timer_init(&loop, &app.reap);
+    app.fabric_idle.data = app.reap.data = &app;
     fd_snapshot(fds_at_start);
     sd_registry_init(&reg, &cfg, dev);
     reg.loop = &loop;
@@ -446,6 +530,8 @@ int main(int argc, char **argv)
         uv_close((uv_handle_t *)&app.sigterm, NULL);
         uv_close((uv_handle_t *)&app.sigint, NULL);
         uv_close((uv_handle_t *)&app.sigusr1, NULL);
+        uv_close((uv_handle_t *)&app.fabric_idle, NULL);
+        uv_close((uv_handle_t *)&app.reap, NULL);
         uv_run(&loop, UV_RUN_DEFAULT);
         uv_loop_close(&loop);
         return 1;
@@ -525,6 +611,8 @@ int main(int argc, char **argv)
         app_stop(&app);
     uv_run(&loop, UV_RUN_DEFAULT);
     sd_cluster_free(app.cl);
+    for (uint32_t i = 0; i < app.n_retired; i++)
+        sd_cluster_free(app.retired[i]);
     sd_notify_close(&app.notify);
     int rc = uv_loop_close(&loop) == 0 ? 0 : 3;
     if (rc != 0)

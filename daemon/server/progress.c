@@ -13,6 +13,7 @@
 
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 
 /* ---- progress: drain rings; spin while busy, then sleep on eventfds */
 
@@ -77,6 +78,15 @@ static void poll_timer_cb(uv_timer_t *h)
         uv_timer_stop(&srv->poll_timer);
 }
 
+/* the transport's wait fd, and the timer that re-polls the fabric every ms while transfers
+ * wait for data */
+struct sd_tp_watch {
+    uv_poll_t poll;
+    uv_timer_t timer;
+    bool polling;
+    int open; /* handles whose close callback has not run */
+};
+
 static void net_timer_cb(uv_timer_t *h)
 {
     struct sd_server *srv = h->data;
@@ -85,7 +95,7 @@ static void net_timer_cb(uv_timer_t *h)
     if (srv->last_net_ns != before)
         wake(srv); /* data moves again: poll closely */
     if (!sd_net_busy(srv->reg))
-        uv_timer_stop(&srv->net_timer);
+        uv_timer_stop(h);
 }
 
 static void idle_cb(uv_idle_t *h)
@@ -127,8 +137,8 @@ static void idle_cb(uv_idle_t *h)
         }
         /* a transfer waits for data that is not there yet: sleep on the wait fd, and look
          * again every millisecond (providers with manual progress need the calls) */
-        if (busy && !uv_is_active((uv_handle_t *)&srv->net_timer))
-            uv_timer_start(&srv->net_timer, net_timer_cb, 1, 1);
+        if (busy && !uv_is_active((uv_handle_t *)&srv->tw->timer))
+            uv_timer_start(&srv->tw->timer, net_timer_cb, 1, 1);
     }
     /* a push waits for its gradient's signal on a fence page, which a device stream writes
      * with no event to wake the loop: look every millisecond until it comes (or the call's
@@ -185,31 +195,47 @@ static void tp_wake_cb(uv_poll_t *h, int status, int events)
     wake(h->data);
 }
 
-void sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp)
+int sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp)
 {
+    struct sd_tp_watch *tw = calloc(1, sizeof(*tw));
+    if (tw == NULL)
+        return SD_ENOMEM;
     srv->tp = tp;
-    uv_timer_init(srv->loop, &srv->net_timer);
-    srv->net_timer.data = srv;
+    srv->tw = tw;
+    uv_timer_init(srv->loop, &tw->timer);
+    tw->timer.data = srv;
+    tw->open = 1;
     int fd = tp->ops->wait_fd(tp);
-    if (fd >= 0 && uv_poll_init(srv->loop, &srv->tpoll, fd) == 0) {
-        srv->tpoll.data = srv;
-        uv_poll_start(&srv->tpoll, UV_READABLE, tp_wake_cb);
-        srv->tpolling = true;
+    if (fd >= 0 && uv_poll_init(srv->loop, &tw->poll, fd) == 0) {
+        tw->poll.data = srv;
+        uv_poll_start(&tw->poll, UV_READABLE, tp_wake_cb);
+        tw->polling = true;
+        tw->open++;
     }
     sd_server_kick(srv);
+    return SD_OK;
+}
+
+static void tw_closed(uv_handle_t *h)
+{
+    struct sd_tp_watch *tw = h->data;
+    if (--tw->open == 0)
+        free(tw);
 }
 
 void sd_server_detach_transport(struct sd_server *srv)
 {
-    if (srv->tpolling) {
-        uv_poll_stop(&srv->tpoll);
-        uv_close((uv_handle_t *)&srv->tpoll, NULL);
-        srv->tpolling = false;
-    }
-    if (srv->tp != NULL) {
-        uv_timer_stop(&srv->net_timer);
-        uv_close((uv_handle_t *)&srv->net_timer, NULL);
-    }
-
+    struct sd_tp_watch *tw = srv->tw;
     srv->tp = NULL;
+    srv->tw = NULL;
+    if (tw == NULL)
+        return;
+    if (tw->polling) {
+        uv_poll_stop(&tw->poll);
+        tw->poll.data = tw;
+        uv_close((uv_handle_t *)&tw->poll, tw_closed);
+    }
+    uv_timer_stop(&tw->timer);
+    tw->timer.data = tw;
+    uv_close((uv_handle_t *)&tw->timer, tw_closed);
 }

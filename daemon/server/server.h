@@ -84,9 +84,10 @@ struct sd_server {
     uint64_t next_id;
     bool stopping;
     struct sd_transport *tp; /* multi-node: progressed with the rings */
-    uv_poll_t tpoll;
-    bool tpolling;
-    uv_timer_t net_timer; /* re-polls the fabric every ms while transfers wait for data */
+    /* the fabric's wait fd and its re-poll while tp is attached (progress.c): on the heap, as
+     * a detached transport's handles close after the loop's turn, and an independent daemon
+     * may attach the next one before that */
+    struct sd_tp_watch *tw;
     /* re-polls the rings every ms while a call waits for what no event announces: a push
      * whose gradient a device stream signals on the fence page (session.h, stall_polls) */
     uv_timer_t poll_timer;
@@ -108,7 +109,7 @@ void sd_server_stop(struct sd_server *srv);
 void sd_server_progress(struct sd_server *srv);
 void sd_server_kick(struct sd_server *srv);
 /* Progress this transport with the rings, and wake on its wait fd. */
-void sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp);
+int sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp);
 void sd_server_detach_transport(struct sd_server *srv);
 
 /* admin.c: JSON reply to an admin command from a caller of uid (root sees every job and

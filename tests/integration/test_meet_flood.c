@@ -50,15 +50,13 @@
 #include <unistd.h>
 
 static struct th_cluster cl;
-static const char *const extra[] = {"--heartbeat-interval-ms",
-                                    "100",
-                                    "--heartbeat-timeout-ms",
-                                    "2000",
-                                    "--register-timeout-ms",
-                                    "4000",
+static const char *const extra[] = {"--heartbeat-interval-ms", "100", "--heartbeat-timeout-ms",
+                                    "2000", "--register-timeout-ms", "4000",
                                     "--allowed-gid", /* (a local user's view: not_root_sees) */
                                     "65534",
-                                    NULL};
+                                    /* the peer ports stay open between the jobs: what is
+                                     * attacked here (test_fabric_idle closes them) */
+                                    "--fabric-idle-close-ms", "0", NULL};
 static const char secret[] = "the secret of this test's jobs, 32 bytes or so";
 static const char x_secret[] = "the secret of job x, the attacker's own";
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What an idle daemon costs: CPU (share of a core), wake-ups (context switches a second) and
 # resident memory of (1) one fresh daemon and (2) two independent daemons after a 20-step job
-# across them ended, each over the same window, measured from /proc.
+# across them ended and they closed their fabric (fabric_idle_close_ms after it), each over the
+# same window, measured from /proc.
 #   tools/bench/idle.sh [--seconds 60]
 # The target (issue 61): under 0.1% of a core; resident memory of (2) within 16 MB of (1).
 set -euo pipefail
@@ -10,7 +11,7 @@ secs=60
 while [ $# -gt 0 ]; do
   case $1 in
     --seconds) secs=$2; shift 2 ;;
-    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
     *) echo "idle.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -47,10 +48,19 @@ tools/local-cluster.sh start --nodes 1 --dir "$dir/one" --independent --shardd "
   -- --log-level warn >/dev/null
 measure "fresh" "$(cat "$dir/one/node0/pid")"
 tools/local-cluster.sh start --nodes 2 --dir "$dir/two" --independent --shardd "$B/daemon/shardd" \
-  -- --log-level warn >/dev/null
+  -- --log-level info >/dev/null
 head -c 32 /dev/urandom >"$dir/two/job.secret"
 SHARD_LEADER=$(cat "$dir/two/node0/leader") SHARD_JOB_SECRET_FILE=$dir/two/job.secret \
   run_ranks "$dir/two" 2 4 idle --ranks-per-node 2 --plan mics:2 --steps 20 --quiet
-measure "after a job across 2" "$(cat "$dir/two/node0/pid")" "$(cat "$dir/two/node1/pid")"
+# the daemons close their fabric fabric_idle_close_ms (10 s) after their last job went: measured
+# from then on (the fabric's buffers back, no peer links, no heartbeats)
+for n in 0 1; do
+  for _ in $(seq 1 300); do
+    grep -q "the fabric and the peer links are closed" "$dir/two/node$n/shardd.log" && break
+    sleep 0.1
+  done
+done
+measure "after a job across 2, its fabric closed" "$(cat "$dir/two/node0/pid")" \
+  "$(cat "$dir/two/node1/pid")"
 echo
 echo "command: tools/bench/idle.sh --seconds $secs"

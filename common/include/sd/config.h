@@ -51,6 +51,7 @@ struct sd_config {
     int64_t heartbeat_timeout_ms;
     int64_t heartbeat_port;
     int64_t peer_port;
+    int64_t fabric_idle_close_ms;
     int64_t rendezvous_timeout_ms;
     uint64_t chunk_bytes;
     uint64_t small_allreduce_bytes;
