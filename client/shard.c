@@ -35,7 +35,9 @@
 #define MAX_STAGING     64
 #define RING_MASK       (SD_RING_ENTRIES - 1)
 
-enum req_state { REQ_FREE = 0, REQ_INFLIGHT, REQ_DONE };
+/* REQ_DETACHED: in flight, and nobody waits for it (a release: drain reaps its completion, and
+ * a failure is the next call's) */
+enum req_state { REQ_FREE = 0, REQ_INFLIGHT, REQ_DONE, REQ_DETACHED };
 
 struct shard_ctx {
     int sock;
@@ -60,6 +62,11 @@ struct shard_ctx {
     size_t pool_bytes;
     int wguard;        /* the pool's write guard (wguard.h), or -1 */
     uint64_t *unit_at; /* per unit: its pool offset at its last fetch (UINT64_MAX: none) */
+    uint32_t *holds; /* per unit: fetches (not aside) answered and not released, as shardd counts */
+    bool req_aside[SD_RING_ENTRIES]; /* per ring slot: a fetch aside */
+    uint32_t detached;               /* slots REQ_DETACHED */
+    int release_status;              /* the first failure of a detached release, not yet told */
+    char release_err[1024];
     uint32_t req_unit[SD_RING_ENTRIES]; /* per ring slot: the unit of the request in it */
     uint8_t *staging;                   /* the staging slots */
     size_t staging_bytes;
@@ -358,9 +365,19 @@ static int pool_written(shard_ctx_t *ctx, uintptr_t addr)
                 where);
 }
 
+static bool drain(shard_ctx_t *ctx);
+static int ring_corrupt(shard_ctx_t *ctx);
+
 static int post(shard_ctx_t *ctx, uint32_t op, uint32_t unit, uint64_t a0, uint64_t a1,
                 uint64_t *tag_p)
 {
+    if (ctx->ring != NULL && !drain(ctx))
+        return ring_corrupt(ctx);
+    if (ctx->release_status != SD_OK) { /* a release that returned before shardd answered */
+        int status = ctx->release_status;
+        ctx->release_status = SD_OK;
+        return fail(ctx, status, "%s: an earlier %s", sd_op_name((int)op), ctx->release_err);
+    }
     if (ctx->wguard >= 0) {
         uintptr_t written = sd_wguard_take(ctx->wguard, ctx->pool, ctx->pool_bytes);
         if (written != 0)
@@ -385,6 +402,7 @@ static int post(shard_ctx_t *ctx, uint32_t op, uint32_t unit, uint64_t a0, uint6
     ctx->req_state[slot] = REQ_INFLIGHT;
     ctx->req_tag[slot] = tag;
     ctx->req_unit[slot] = unit;
+    ctx->req_aside[slot] = op == SD_OP_FETCH && (a0 & SD_OP_ASIDE);
     wake_daemon(ctx);
     *tag_p = tag;
     return SD_OK;
@@ -397,9 +415,20 @@ static bool drain(shard_ctx_t *ctx)
     int r;
     while ((r = sd_ring_cq_pop(ctx->ring, &e)) == 1) {
         uint32_t slot = (uint32_t)(e.tag & RING_MASK);
-        if (ctx->req_state[slot] == REQ_INFLIGHT && ctx->req_tag[slot] == e.tag) {
+        if (ctx->req_tag[slot] != e.tag)
+            continue;
+        if (ctx->req_state[slot] == REQ_INFLIGHT) {
             ctx->req_cqe[slot] = e;
             ctx->req_state[slot] = REQ_DONE;
+        } else if (ctx->req_state[slot] == REQ_DETACHED) {
+            ctx->req_state[slot] = REQ_FREE;
+            ctx->detached--;
+            if (e.status != SD_OK && ctx->release_status == SD_OK) {
+                ctx->release_status = e.status;
+                snprintf(ctx->release_err, sizeof(ctx->release_err),
+                         "release of unit %u failed: %.*s", ctx->req_unit[slot], (int)sizeof(e.msg),
+                         e.msg);
+            }
         }
     }
     return r == 0;
@@ -429,7 +458,8 @@ static int ring_corrupt(shard_ctx_t *ctx)
 static int wait_tag(shard_ctx_t *ctx, uint64_t tag, struct sd_cqe *cqe_p)
 {
     uint32_t slot = (uint32_t)(tag & RING_MASK);
-    if (ctx->req_tag[slot] != tag || ctx->req_state[slot] == REQ_FREE)
+    if (ctx->req_tag[slot] != tag || ctx->req_state[slot] == REQ_FREE ||
+        ctx->req_state[slot] == REQ_DETACHED)
         return fail(ctx, SD_EINVAL, "wait: request %llu is not in flight (waited twice?)",
                     (unsigned long long)tag);
     uint64_t start = sd_now_ns();
@@ -600,7 +630,8 @@ static int map_job(shard_ctx_t *ctx, const Shard__RegisterReply *rep, const int 
     ctx->units = calloc(ctx->n_units, sizeof(*ctx->units));
     ctx->tensors = calloc(ctx->n_tensors, sizeof(*ctx->tensors));
     ctx->unit_at = malloc(ctx->n_units * sizeof(*ctx->unit_at) + 1);
-    if (ctx->units == NULL || ctx->tensors == NULL || ctx->unit_at == NULL)
+    ctx->holds = calloc(ctx->n_units + 1, sizeof(*ctx->holds));
+    if (ctx->units == NULL || ctx->tensors == NULL || ctx->unit_at == NULL || ctx->holds == NULL)
         return fail(ctx, SD_ENOMEM, "register: out of memory");
     memset(ctx->unit_at, 0xff, ctx->n_units * sizeof(*ctx->unit_at));
     for (uint32_t u = 0; u < ctx->n_units; u++) {
@@ -966,6 +997,7 @@ int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p)
     if (status != SD_OK)
         return status;
     uint32_t unit = ctx->req_unit[req & RING_MASK];
+    bool aside = ctx->req_aside[req & RING_MASK];
     status = wait_tag(ctx, req, &cqe);
     if (status != SD_OK)
         return status;
@@ -986,6 +1018,8 @@ int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p)
         if (unit < ctx->n_units && ctx->unit_at != NULL)
             ctx->unit_at[unit] = cqe.value0;
     }
+    if (cqe.op == SD_OP_FETCH && !aside && unit < ctx->n_units && ctx->holds != NULL)
+        ctx->holds[unit]++;
     return SD_OK;
 }
 
@@ -1017,6 +1051,31 @@ static int signal_on_stream(shard_ctx_t *ctx, const char *what, uint32_t unit, v
     return status != 0 ? fail(ctx, status, "%s unit %u: %s", what, unit, why) : SD_OK;
 }
 
+/* A release of a unit this rank holds returns once it is posted: shardd takes the ring's
+ * requests in order, so the next fetch finds the slot released, and this rank does not wait for
+ * the daemon to be scheduled (on a node whose cores the trainers fill, that wait was 3% of a
+ * rank's time). Its failure (the job's) is the next call's. A release this rank does not hold
+ * by its own count is answered (ENOTHELD, named as before); so is one past half the ring in
+ * flight, which makes room. */
+static int release_detached(shard_ctx_t *ctx, uint32_t unit)
+{
+    struct sd_cqe cqe;
+    if (ctx->detached >= SD_RING_ENTRIES / 2) {
+        int status = call(ctx, SD_OP_RELEASE, unit, 0, 0, &cqe);
+        if (status == SD_OK)
+            ctx->holds[unit]--;
+        return status;
+    }
+    uint64_t tag;
+    int status = post(ctx, SD_OP_RELEASE, unit, 0, 0, &tag);
+    if (status != SD_OK)
+        return status;
+    ctx->req_state[tag & RING_MASK] = REQ_DETACHED;
+    ctx->detached++;
+    ctx->holds[unit]--;
+    return SD_OK;
+}
+
 /* signal SIGNAL_STREAM: the release is signalled on the fence page by `stream`, after the work
  * queued on it so far (the reads of the unit's slot); SIGNAL_CALLER: by the caller. The daemon
  * keeps the slot until the page counts it. */
@@ -1025,8 +1084,14 @@ static int release(shard_ctx_t *ctx, uint32_t unit, uint64_t flags, int signal, 
     const char *what = flags & SD_OP_ASIDE ? "release_aside" : "release";
     struct sd_cqe cqe;
     int status = check_attached(ctx, what, true);
-    if (status != SD_OK || signal == SIGNAL_NONE || (signal == SIGNAL_STREAM && stream == NULL))
-        return status != SD_OK ? status : call(ctx, SD_OP_RELEASE, unit, flags, 0, &cqe);
+    if (status != SD_OK)
+        return status;
+    bool held = !(flags & SD_OP_ASIDE) && unit < ctx->n_units && ctx->holds[unit] > 0;
+    if (signal == SIGNAL_NONE || (signal == SIGNAL_STREAM && stream == NULL)) {
+        if (held)
+            return release_detached(ctx, unit);
+        return call(ctx, SD_OP_RELEASE, unit, flags, 0, &cqe);
+    }
     uint32_t seq = ctx->release_seq + 1;
     if (signal == SIGNAL_STREAM) {
         char on[32];
@@ -1036,7 +1101,28 @@ static int release(shard_ctx_t *ctx, uint32_t unit, uint64_t flags, int signal, 
             return status;
     }
     ctx->release_seq = seq; /* signalled whatever the daemon answers */
-    return call(ctx, SD_OP_RELEASE, unit, flags | SD_RELEASE_SIGNAL_LATER, seq, &cqe);
+    status = call(ctx, SD_OP_RELEASE, unit, flags | SD_RELEASE_SIGNAL_LATER, seq, &cqe);
+    if (status == SD_OK && held)
+        ctx->holds[unit]--;
+    return status;
+}
+
+/* The detached releases' answers, before the daemon hears the rank detach (it takes the
+ * socket's message before what the ring still holds): a second at most */
+static void reap_detached(shard_ctx_t *ctx)
+{
+    struct sd_cqe cqe;
+    uint64_t keep = ctx->wait_timeout_ms;
+    ctx->wait_timeout_ms = SD_MIN(keep, 1000);
+    for (uint32_t i = 0; i < SD_RING_ENTRIES && ctx->detached > 0; i++) {
+        if (ctx->req_state[i] != REQ_DETACHED)
+            continue;
+        ctx->req_state[i] = REQ_INFLIGHT;
+        ctx->detached--;
+        if (wait_tag(ctx, ctx->req_tag[i], &cqe) == SD_ECONNRESET)
+            break;
+    }
+    ctx->wait_timeout_ms = keep;
 }
 
 /* ---- one call per operation (shard_op_param_t); the named variants are these */
@@ -1601,6 +1687,7 @@ int shard_detach(shard_ctx_t *ctx)
     if (ctx == NULL)
         return SD_EINVAL;
     if (ctx->sock >= 0 && ctx->ring != NULL) {
+        reap_detached(ctx);
         Shard__Detach d = SHARD__DETACH__INIT;
         Shard__ClientMsg msg = SHARD__CLIENT_MSG__INIT;
         msg.msg_case = SHARD__CLIENT_MSG__MSG_DETACH;
@@ -1611,6 +1698,7 @@ int shard_detach(shard_ctx_t *ctx)
     if (ctx->pool != NULL)
         ctx->mem->unmap((void *)ctx->pool, ctx->pool_bytes);
     free(ctx->unit_at);
+    free(ctx->holds);
     if (ctx->staging != NULL)
         ctx->mem->unmap(ctx->staging, ctx->staging_bytes);
     if (ctx->control != NULL) {

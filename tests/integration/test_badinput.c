@@ -245,6 +245,58 @@ static void test_api_misuse(void)
     expect_alive("API misuse");
 }
 
+/* A release of a unit the rank holds returns once posted (shardd answers later): it returns
+ * while the daemon is stopped, the ring keeps its order (the next fetch of the unit works), and
+ * a failure the daemon answers is told by the first call after the answer came, once. */
+static void test_release_detached(void)
+{
+    shard_ctx_t *ctx;
+    TH_CHECK(shard_attach(d.sock, &ctx) == 0, "attach");
+    struct tiny x;
+    tiny_init(&x, "detached", 0, 1, 100);
+    TH_CHECK(shard_register(ctx, &x.m) == 0, "register: %s", shard_last_error(ctx));
+    const void *p;
+    TH_CHECK(shard_fetch(ctx, 0, &p) == 0, "fetch: %s", shard_last_error(ctx));
+    TH_CHECK(kill(d.pid, SIGSTOP) == 0, "SIGSTOP the daemon");
+    int st = shard_release(ctx, 0); /* (an answered one would wait for SHARD_TIMEOUT_MS) */
+    TH_CHECK(kill(d.pid, SIGCONT) == 0, "SIGCONT the daemon");
+    TH_CHECK(st == 0, "a release of a held unit with the daemon stopped: %d '%s'", st,
+             shard_last_error(ctx));
+    for (int i = 0; i < 3; i++) /* (in the ring's order: each fetch after its release) */
+        TH_CHECK(shard_fetch(ctx, 0, &p) == 0 && shard_release(ctx, 0) == 0,
+                 "fetch and release %d after a detached release: %s", i, shard_last_error(ctx));
+    st = shard_release(ctx, 0);
+    expect_error(ctx, st, SHARD_ENOTHELD, "does not hold", "a release beyond the fetches");
+    /* released behind libshard's count: its own release then fails in the daemon, and the
+     * next call says so */
+    TH_CHECK(shard_fetch(ctx, 1, &p) == 0, "fetch 1: %s", shard_last_error(ctx));
+    TH_CHECK(shard__post_raw(ctx, SD_OP_RELEASE, 1, 0, 0) == 0, "raw release: %s",
+             shard_last_error(ctx));
+    TH_CHECK(shard_release(ctx, 1) == 0, "the detached release: %s", shard_last_error(ctx));
+    /* (a call made before the answer came passes) */
+    int calls = 0;
+    bool held = false; /* unit 0, when the failure came at its release */
+    for (st = 0; st == 0 && calls < 200; calls++, usleep(10000)) {
+        st = shard_fetch(ctx, 0, &p);
+        held = st == 0;
+        if (st == 0 && (st = shard_release(ctx, 0)) == 0)
+            held = false;
+    }
+    expect_error(ctx, st, SHARD_ENOTHELD, "an earlier release of unit 1 failed",
+                 "a call after a failed detached release");
+    TH_CHECK(strstr(shard_last_error(ctx), "does not hold") != NULL,
+             "the failure names the daemon's answer: '%s'", shard_last_error(ctx));
+    printf("a detached release's failure, told by call %d after it: %s\n", calls,
+           shard_last_error(ctx));
+    const void *q;
+    TH_CHECK(!held || shard_release(ctx, 0) == 0, "the release of unit 0 after the failure: %s",
+             shard_last_error(ctx));
+    TH_CHECK(shard_fetch(ctx, 1, &q) == 0 && shard_release(ctx, 1) == 0,
+             "a fetch after the failure was told: %s", shard_last_error(ctx));
+    shard_detach(ctx);
+    expect_alive("detached releases");
+}
+
 static int count_fds(pid_t pid)
 {
     char path[64];
@@ -1331,6 +1383,7 @@ int main(void)
     signal(SIGPIPE, SIG_IGN);
     test_garbage();
     test_api_misuse();
+    test_release_detached();
     test_fence();
     test_zero_copy_push();
     test_step_args();
