@@ -240,6 +240,12 @@ SHARD_API int shard_fetch(shard_ctx_t *ctx, uint32_t unit, const void **data_p);
 SHARD_API int shard_fetch_async(shard_ctx_t *ctx, uint32_t unit, shard_req_t *req_p);
 /* Wait for an async fetch; data_p may be NULL for requests without data. */
 SHARD_API int shard_wait(shard_ctx_t *ctx, shard_req_t req, const void **data_p);
+/* The unit's buffer is not read again by this rank. A unit this rank holds (fetched, answered,
+ * not released: libshard counts them as shardd does) returns once the release is posted on the
+ * ring, without waiting for shardd's answer; shardd takes the ring in order, so a later fetch
+ * finds it released. A failure shardd answers for it (the job failed meanwhile) is returned by
+ * the first call after the answer came ("... an earlier release of unit U failed: ..."), once.
+ * A unit this rank does not hold is answered at once (SHARD_ENOTHELD). */
 SHARD_API int shard_release(shard_ctx_t *ctx, uint32_t unit);
 /* shard_fetch and shard_release outside the step's schedule: for reads that only some ranks make
  * (saving the weights on rank 0, an evaluation), which the schedule, recorded from and replayed

@@ -86,7 +86,10 @@ static void daemon_metrics(const struct sd_server *srv, struct sd_text *t)
     family(t, "shardd_build_info", "gauge",
            "The daemon's version, device backend and fabric provider (always 1).");
     sd_text_printf(t, "shardd_build_info{version=\"%s\",backend=\"%s\",provider=\"%s\"} 1\n",
-                   SHARD_VERSION, cfg->backend, srv->tp != NULL ? cfg->provider : "none");
+                   SHARD_VERSION, cfg->backend, cfg->provider);
+    /* (an independent daemon opens it for jobs across nodes, and closes it when none is left) */
+    gauge(t, "shardd_fabric_open", "1 while the fabric and the peer links are open.",
+          srv->tp != NULL);
     struct timespec rt;
     clock_gettime(CLOCK_REALTIME, &rt);
     double up_s = (double)(sd_now_ns() - srv->start_ns) / 1e9;

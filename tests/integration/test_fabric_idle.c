@@ -7,20 +7,30 @@
  *   and its resident memory comes back within 32 MB of what it was before the first job
  *   (ofi_rxm's pools on tcp are about 280 MB; the benchmark tools/bench/idle.sh measures it);
  * - job b across both opens them again (the daemons meet as restarted ones would: new ids) and
- *   trains to the same reference, twice in a row (open, close, open, close). */
+ *   trains to the same reference, twice in a row (open, close, open, close);
+ * - shardd_fabric_open (GET /metrics) is 0 before any job and after each close, 1 while a job
+ *   across nodes registers. */
 #include "harness.h"
+#include "shard.h"
 
 #include <jansson.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 static struct th_cluster cl;
-static const char *const extra[] = {"--fabric-idle-close-ms", "400", NULL};
+static const char *const extra[] = {"--fabric-idle-close-ms",
+                                    "400",
+                                    "--metrics-listen",
+                                    "127.0.0.1:0",
+                                    "--register-timeout-ms",
+                                    "3000",
+                                    NULL};
 static const char closed[] = "the fabric and the peer links are closed";
 
 /* how often daemon i's log says text */
@@ -61,6 +71,39 @@ static long rss_kb(int i)
     return kb;
 }
 
+/* daemon i's GET /metrics: the value of shardd_fabric_open, or -1 */
+static int fabric_open_metric(int i)
+{
+    struct json_t *st = th_admin_json(cl.d[i].sock, "status");
+    const char *at = json_string_value(json_object_get(st, "metrics_listen"));
+    char host[64] = "";
+    snprintf(host, sizeof(host), "%s", at != NULL ? at : "");
+    json_decref(st);
+    char *colon = strrchr(host, ':');
+    if (colon == NULL)
+        return -1;
+    *colon = '\0';
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
+    inet_pton(AF_INET, host, &a.sin_addr);
+    int fd = socket(AF_INET, SOCK_STREAM, 0), v = -1;
+    static char buf[1 << 16];
+    size_t got = 0;
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0) {
+        const char req[] = "GET /metrics HTTP/1.0\r\n\r\n";
+        if (write(fd, req, sizeof(req) - 1) == (ssize_t)sizeof(req) - 1)
+            for (ssize_t n;
+                 got < sizeof(buf) - 1 && (n = read(fd, buf + got, sizeof(buf) - 1 - got)) > 0;)
+                got += (size_t)n;
+    }
+    if (fd >= 0)
+        close(fd);
+    buf[got] = '\0';
+    const char *line = strstr(buf, "\nshardd_fabric_open ");
+    if (line != NULL)
+        v = atoi(line + strlen("\nshardd_fabric_open "));
+    return v;
+}
+
 /* a TCP connection to host:port is accepted */
 static bool accepts(const char *leader)
 {
@@ -77,6 +120,39 @@ static bool accepts(const char *leader)
     if (fd >= 0)
         close(fd);
     return ok;
+}
+
+struct lone {
+    int st;
+    char err[512];
+};
+
+/* rank 0 of job "lone" (world 2 across 2 nodes, whose rank 1 never comes) on daemon 0 */
+static void *register_lone(void *arg)
+{
+    struct lone *l = arg;
+    char leader[64];
+    l->st = th_register_secret(cl.d[0].sock, "lone", 0, 2, "the secret of job lone, 16+ bytes",
+                               th_cluster_leader(&cl, 0, leader, sizeof(leader)), l->err,
+                               sizeof(l->err));
+    return NULL;
+}
+
+/* the metric says open while a job across nodes is here, closed once it went */
+static void metric_follows(void)
+{
+    struct lone l = {0};
+    pthread_t th;
+    pthread_create(&th, NULL, register_lone, &l);
+    int v = -1;
+    for (double end = th_now_s() + 10; th_now_s() < end && v != 1; usleep(20000))
+        v = fabric_open_metric(0);
+    TH_CHECK(v == 1, "daemon 0's shardd_fabric_open while a job across nodes registers: %d", v);
+    pthread_join(th, NULL);
+    TH_CHECK(l.st == SHARD_ETIMEDOUT, "job lone's rank 0 alone: %d '%s'", l.st, l.err);
+    for (double end = th_now_s() + 20; th_now_s() < end && v != 0; usleep(50000))
+        v = fabric_open_metric(0);
+    TH_CHECK(v == 0, "daemon 0's shardd_fabric_open after job lone went: %d", v);
 }
 
 static void train(const char *job, const char *what)
@@ -110,6 +186,9 @@ int main(void)
     for (int i = 0; i < 2; i++)
         fresh[i] = rss_kb(i);
     TH_CHECK(!accepts(leader), "daemon 0 listens at %s before any job spans nodes", leader);
+    for (int i = 0; i < 2; i++)
+        TH_CHECK(fabric_open_metric(i) == 0, "daemon %d's shardd_fabric_open before any job: %d", i,
+                 fabric_open_metric(i));
 
     const char *jobs[] = {"a", "b", "c"};
     for (int round = 1; round <= 3; round++) {
@@ -143,6 +222,7 @@ int main(void)
                    what, kb, fresh[i]);
         }
     }
+    metric_follows();
     for (int i = 0; i < 2; i++)
         TH_CHECK(th_daemon_alive(&cl.d[i]), "daemon %d died", i);
     TH_CHECK(th_cluster_stop(&cl) == 0, "daemons did not shut down cleanly");
