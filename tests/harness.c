@@ -677,6 +677,16 @@ bool th_compare_dumps(const char *a_path, const char *b_path, double tol, struct
     return ok;
 }
 
+int th_count_in_file(const char *path, const char *text)
+{
+    char *data = th_read_file(path, NULL);
+    int n = 0;
+    for (const char *p = data; p != NULL && (p = strstr(p, text)) != NULL; p += strlen(text))
+        n++;
+    free(data);
+    return n;
+}
+
 char *th_read_file(const char *path, size_t *len_p)
 {
     FILE *f = fopen(path, "rb");

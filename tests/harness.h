@@ -146,6 +146,8 @@ shard_tensor_t *th_many_tensors(uint32_t n, bool dup_last);
 
 /* Read a whole file (malloc'd) or NULL. */
 char *th_read_file(const char *path, size_t *len_p);
+/* How many times text occurs in the file at path (0 when it cannot be read). */
+int th_count_in_file(const char *path, const char *text);
 double th_now_s(void);
 
 #endif

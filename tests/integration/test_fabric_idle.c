@@ -33,22 +33,11 @@ static const char *const extra[] = {"--fabric-idle-close-ms",
                                     NULL};
 static const char closed[] = "the fabric and the peer links are closed";
 
-/* how often daemon i's log says text */
-static int log_count(int i, const char *text)
-{
-    char *log = th_read_file(cl.d[i].log, NULL);
-    int n = 0;
-    for (const char *p = log; p != NULL && (p = strstr(p, text)) != NULL; p += strlen(text))
-        n++;
-    free(log);
-    return n;
-}
-
 /* daemon i's log says text n times within 20 s */
 static bool log_reaches(int i, const char *text, int n)
 {
     for (double end = th_now_s() + 20; th_now_s() < end; usleep(50000))
-        if (log_count(i, text) >= n)
+        if (th_count_in_file(cl.d[i].log, text) >= n)
             return true;
     return false;
 }
@@ -197,9 +186,9 @@ int main(void)
                  round == 1 ? "first" : "again");
         train(jobs[round - 1], what);
         for (int i = 0; i < 2; i++) {
-            TH_CHECK(log_count(i, "a job spans nodes: the fabric") == round,
+            TH_CHECK(th_count_in_file(cl.d[i].log, "a job spans nodes: the fabric") == round,
                      "daemon %d opened its fabric %d times for %d jobs", i,
-                     log_count(i, "a job spans nodes: the fabric"), round);
+                     th_count_in_file(cl.d[i].log, "a job spans nodes: the fabric"), round);
             TH_CHECK(log_reaches(i, closed, round), "daemon %d did not close its fabric after %s",
                      i, what);
         }

@@ -315,20 +315,10 @@ static long long stat_of(int i, const char *path)
     return v;
 }
 
-static int log_count(int i, const char *text)
-{
-    char *log = th_read_file(cl.d[i].log, NULL);
-    int n = 0;
-    for (const char *p = log; p != NULL && (p = strstr(p, text)) != NULL; p += strlen(text))
-        n++;
-    free(log);
-    return n;
-}
-
 static bool log_has(int i, const char *text, double seconds)
 {
     for (double end = th_now_s() + seconds; th_now_s() < end; usleep(50000))
-        if (log_count(i, text) > 0)
+        if (th_count_in_file(cl.d[i].log, text) > 0)
             return true;
     return false;
 }
@@ -337,7 +327,7 @@ static bool log_has(int i, const char *text, double seconds)
 static bool log_again(int i, const char *text, int before, double seconds)
 {
     for (double end = th_now_s() + seconds; th_now_s() < end; usleep(50000))
-        if (log_count(i, text) > before)
+        if (th_count_in_file(cl.d[i].log, text) > before)
             return true;
     return false;
 }
@@ -347,7 +337,7 @@ static void *register_x(void *arg);
 /* job x registering on d0 (its node 1 never comes: until it is given up, 4 s) */
 static void start_x(pthread_t *th)
 {
-    int before = log_count(0, "job 'x' (id");
+    int before = th_count_in_file(cl.d[0].log, "job 'x' (id");
     pthread_create(th, NULL, register_x, NULL);
     TH_CHECK(log_again(0, "job 'x' (id", before, 10), "d0 did not create job x");
 }
@@ -526,7 +516,7 @@ static void forged_hellos(void)
     start_x(&th); /* (a job d0 serves: its MAC is checked) */
     struct sd_auth wrong;
     th_job_token("not the secret of job x at all", "x", &wrong);
-    int lines = log_count(0, "refusing a connection from");
+    int lines = th_count_in_file(cl.d[0].log, "refusing a connection from");
     long long refused = stat_of(0, "peers.refused");
     char first[2][1100] = {"", ""};
     const int n = 3000;
@@ -548,7 +538,7 @@ static void forged_hellos(void)
         same += mt.answer == SHARD__PEER_MSG__MSG_REFUSE && strcmp(mt.why, first[0]) == 0;
     }
     double took = th_now_s() - t0;
-    int more_lines = log_count(0, "refusing a connection from") - lines;
+    int more_lines = th_count_in_file(cl.d[0].log, "refusing a connection from") - lines;
     long long more = stat_of(0, "peers.refused") - refused;
     printf("  %d forged hellos in %.2f s: %lld counted refused, %d log lines\n", n, took, more,
            more_lines);
@@ -569,9 +559,10 @@ static void forged_hellos(void)
     usleep(5200000); /* (the next interval: its first line counts the rest) */
     th_hello(&evil, &mt);
     close(mt.fd);
-    TH_CHECK(log_has(0, "for job 'alice\\x0aforged line'", 5) && log_count(0, "\nforged line") == 0,
+    TH_CHECK(log_has(0, "for job 'alice\\x0aforged line'", 5) &&
+                 th_count_in_file(cl.d[0].log, "\nforged line") == 0,
              "the job name with a newline was not logged escaped");
-    TH_CHECK(log_count(0, "more like it in the last 5 s, not logged") > 0,
+    TH_CHECK(th_count_in_file(cl.d[0].log, "more like it in the last 5 s, not logged") > 0,
              "d0 did not say how many refusals it did not log");
     pthread_join(th, NULL);
 }
