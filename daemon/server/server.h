@@ -108,7 +108,8 @@ void sd_server_stop(struct sd_server *srv);
 /* Run every session's ring until nothing moves; then spin or sleep. */
 void sd_server_progress(struct sd_server *srv);
 void sd_server_kick(struct sd_server *srv);
-/* Progress this transport with the rings, and wake on its wait fd. */
+/* Progress this transport with the rings, and wake on its wait fd (SD_ENOMEM: not attached).
+ * Detach stops that; its handles close at the end of the loop's turn. */
 int sd_server_attach_transport(struct sd_server *srv, struct sd_transport *tp);
 void sd_server_detach_transport(struct sd_server *srv);
 
