@@ -248,6 +248,11 @@ static void print_independent(json_t *doc)
         }
         return;
     }
+    if (!id[0] && num(doc, "fabric_closes") > 0) {
+        printf("its fabric is closed (no job here since; fabric_idle_close_ms): it meets other "
+               "daemons through their jobs\n");
+        return;
+    }
     if (!id[0]) {
         printf("no job has spanned nodes yet: it meets other daemons through their jobs\n");
         return;

@@ -57,6 +57,7 @@ struct sd_registry {
     /* open the fabric and the control plane (main.c): an independent daemon's, when a job first
      * spans nodes; SD_OK, or err says why not */
     int (*open_fabric)(struct sd_registry *reg, char *err, size_t errlen);
+    uint32_t fabric_closes; /* an independent daemon's fabric closed with no job (main.c) */
 };
 
 /* the device local rank `local` of a job uses */

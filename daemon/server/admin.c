@@ -115,7 +115,8 @@ static json_t *job_summary(const struct sd_job *job)
     /* an independent daemon numbers the daemons it met its own way: each node's daemon id, the
      * same on every node of the job (shardctl topology: "id") */
     const struct sd_cluster *cl = sd_job_cluster(job);
-    if (sd_cluster_independent(cl)) {
+    if (sd_cluster_independent(cl) || (job->reg->cfg->nodes == 1 && job->nodes > 1)) {
+        /* (an independent daemon's fabric may have closed since the job met: ids unknown) */
         json_t *daemons = json_array();
         for (uint32_t n = 0; n < job->nodes; n++) {
             char id[16] = "";
@@ -563,6 +564,8 @@ int sd_admin_handle(struct sd_server *srv, const Shard__AdminRequest *req, uid_t
         json_object_set_new(out, "heartbeats", sd_cluster_heartbeat_json(cl));
         /* a daemon without a cluster list (nodes 1): topology lists the daemons it met */
         json_object_set_new(out, "independent", json_boolean(cfg->nodes == 1));
+        /* how often an independent daemon closed its fabric with no job left */
+        json_object_set_new(out, "fabric_closes", json_integer(reg->fabric_closes));
         /* the ids and addresses of the daemons it met: root's to see */
         json_object_set_new(out, "ids_shown", json_boolean(all));
         json_object_set_new(out, "devices", devices_json(reg->dev));

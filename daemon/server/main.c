@@ -380,7 +380,8 @@ static void reap_cb(uv_timer_t *h)
     malloc_trim(0);
 }
 
-/* An independent daemon's fabric and control plane, closed (with no job here): ofi_rxm's
+/* An independent daemon's fabric and control plane, closed (with no job here, active or
+ * retiring: none holds memory registered with it): ofi_rxm's
  * buffer pools go back (about 280 MB on tcp), and the peer links and the heartbeats stop. The
  * next job across nodes opens them again, and the daemon meets its peers as a restarted one
  * would (a new key, a new id). A cluster's daemon keeps them: its peers count on it. */
@@ -404,6 +405,12 @@ static void close_fabric(struct app *app)
         SD_WARN("main", "a closed cluster's memory is kept: %u wait to be freed", app->n_retired);
     app->cl = NULL;
     uv_timer_start(&app->reap, reap_cb, 100, 0);
+    /* the ended jobs shardctl still lists named their daemons by the closed cluster's numbers,
+     * which the next opening gives to others */
+    for (struct sd_job *job = app->reg->finished; job != NULL; job = job->next)
+        for (uint32_t n = 0; n < job->nodes; n++)
+            job->xfer.node_ids[n] = SD_NODE_UNKNOWN;
+    app->reg->fabric_closes++;
 }
 
 /* fabric_idle_close_ms after the last job here went, the fabric closes */
@@ -411,7 +418,7 @@ static void fabric_idle_cb(uv_timer_t *h)
 {
     struct app *app = h->data;
     const struct sd_registry *reg = app->reg;
-    if (reg->n_jobs > 0 || reg->stuck_jobs > 0 || app->srv.stopping) {
+    if (reg->n_jobs > 0 || reg->zombies != NULL || reg->stuck_jobs > 0 || app->srv.stopping) {
         app->idle_since_ns = 0;
         return;
     }

@@ -194,12 +194,17 @@ check 'python3 -c "import json,sys; d=json.loads(sys.argv[1]); c=d[\"config\"]; 
 section "job cli: tables while it runs"
 for r in 0 1 2 3; do
   "$MLP" --socket "$dir/run/shardd.sock" --job cli --rank $r --world 4 --plan topo:1/2/4 --steps 400 \
-         --hidden 64 --quiet >"$dir/rank$r.log" 2>&1 &
+         --hidden 64 --compute-ms 1 --compute-mode sleep --quiet >"$dir/rank$r.log" 2>&1 &
   pids[$r]=$!
 done
 until_ok 60 '"$SHARDCTL" "${S[@]}" jobs | grep -q "cli .*running"'
 out=$("$SHARDCTL" "${S[@]}" jobs)
 check 'grep -q "^cli .*running *4 topo:1/2/4" <<<"$out"' "jobs table: $out"
+# (read first; the job's 400 steps take 3.2 s at least, 1 ms of slept compute a layer each way,
+# for the checks below that need it running)
+out=$("$SHARDCTL" "${S[@]}" --job cli schedule)
+check 'grep -q "^job cli (running): schedule" <<<"$out" && grep -q "reuse distance \(unlimited (the pool holds every unit)\|[0-9]*\)$" <<<"$out" && grep -q "GATHER" <<<"$out"' \
+  "schedule of a running job (no line cut short): $out"
 out=$("$SHARDCTL" "${S[@]}" groups)
 check 'grep -q "partition: \[0 1\] \[2 3\]" <<<"$out" && grep -q "replication: \[0 2\] \[1 3\]" <<<"$out"' "groups: $out"
 # the nesting: g shards 0 1 0 1 (f_g 2), os shards 0 2 1 3 (f_os 4, each inside its g shard)
@@ -259,9 +264,7 @@ out=$("$SHARDCTL" --help)
 check 'grep -q "plan --params N" <<<"$out"' "help lists plan"
 out=$("$SHARDCTL" "${S[@]}" --job nope jobs 2>&1); rc=$?
 check '[ $rc -eq 1 ] && grep -q "unknown job" <<<"$out"' "unknown job filter: $out"
-out=$("$SHARDCTL" "${S[@]}" --job cli schedule)
-check 'grep -q "^job cli (running): schedule" <<<"$out" && grep -q "reuse distance \(unlimited (the pool holds every unit)\|[0-9]*\)$" <<<"$out" && grep -q "GATHER" <<<"$out"' \
-  "schedule of a running job (no line cut short): $out"
+
 section "job cli: its end"
 for r in 0 1 2 3; do await "${pids[$r]}" 120 "rank $r of job cli" || bad "rank $r failed: $(cat "$dir/rank$r.log")"; done
 # the job ended: finished, its end not an error, no empty tables
