@@ -150,6 +150,9 @@ struct sd_job_xfer {
     /* [nodes]: the cluster node (the transport's peer) of each job node, known once the
      * coordinator confirmed the job (SD_NODE_UNKNOWN before, but this node's own) */
     uint32_t *node_ids;
+    /* an ended job listed after its independent daemon closed the fabric: node_ids hold the
+     * daemons' ids (what shardctl shows of them), the cluster's numbers having gone with it */
+    bool node_ids_are_daemon_ids;
     struct sd_transport *tp; /* the job's view of the transport: peers are job nodes
                               * (job_tp.c) */
     /* the job's token (Register.job_token: its ranks' secret, hashed with its name), which its

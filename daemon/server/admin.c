@@ -107,8 +107,9 @@ static json_t *job_summary(const struct sd_job *job)
     /* the job's node this daemon serves, and the cluster node of each (-1: not confirmed yet) */
     json_object_set_new(doc, "node", json_integer(job->node));
     json_t *ids = json_array();
+    bool kept = job->xfer.node_ids_are_daemon_ids; /* (the cluster's numbers are gone) */
     for (uint32_t n = 0; n < job->nodes; n++)
-        json_array_append_new(ids, json_integer(job->xfer.node_ids[n] == SD_NODE_UNKNOWN
+        json_array_append_new(ids, json_integer(kept || job->xfer.node_ids[n] == SD_NODE_UNKNOWN
                                                     ? -1
                                                     : (json_int_t)job->xfer.node_ids[n]));
     json_object_set_new(doc, "node_ids", ids);
@@ -116,11 +117,13 @@ static json_t *job_summary(const struct sd_job *job)
      * same on every node of the job (shardctl topology: "id") */
     const struct sd_cluster *cl = sd_job_cluster(job);
     if (sd_cluster_independent(cl) || (job->reg->cfg->nodes == 1 && job->nodes > 1)) {
-        /* (an independent daemon's fabric may have closed since the job met: ids unknown) */
+        /* (an independent daemon's fabric may have closed since the job met: kept ids) */
         json_t *daemons = json_array();
         for (uint32_t n = 0; n < job->nodes; n++) {
             char id[16] = "";
-            if (job->xfer.node_ids[n] != SD_NODE_UNKNOWN)
+            if (kept && job->xfer.node_ids[n] != 0)
+                snprintf(id, sizeof(id), "%08x", job->xfer.node_ids[n]);
+            else if (!kept && job->xfer.node_ids[n] != SD_NODE_UNKNOWN)
                 snprintf(id, sizeof(id), "%08x", sd_cluster_daemon_id(cl, job->xfer.node_ids[n]));
             json_array_append_new(daemons, json_string(id));
         }

@@ -403,13 +403,17 @@ static void close_fabric(struct app *app)
         app->retired[app->n_retired++] = app->cl;
     else if (app->cl != NULL) /* (8 closes within 100 ms: each needs a job to open it) */
         SD_WARN("main", "a closed cluster's memory is kept: %u wait to be freed", app->n_retired);
+    /* the ended jobs shardctl still lists named their daemons by the closed cluster's numbers,
+     * which the next opening gives to others: they keep the daemons' ids instead */
+    for (struct sd_job *job = app->reg->finished; job != NULL; job = job->next) {
+        for (uint32_t n = 0; n < job->nodes && !job->xfer.node_ids_are_daemon_ids; n++)
+            job->xfer.node_ids[n] = job->xfer.node_ids[n] == SD_NODE_UNKNOWN
+                                        ? 0
+                                        : sd_cluster_daemon_id(app->cl, job->xfer.node_ids[n]);
+        job->xfer.node_ids_are_daemon_ids = true;
+    }
     app->cl = NULL;
     uv_timer_start(&app->reap, reap_cb, 100, 0);
-    /* the ended jobs shardctl still lists named their daemons by the closed cluster's numbers,
-     * which the next opening gives to others */
-    for (struct sd_job *job = app->reg->finished; job != NULL; job = job->next)
-        for (uint32_t n = 0; n < job->nodes; n++)
-            job->xfer.node_ids[n] = SD_NODE_UNKNOWN;
     app->reg->fabric_closes++;
 }
 

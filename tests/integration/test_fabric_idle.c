@@ -111,6 +111,38 @@ static bool accepts(const char *leader)
     return ok;
 }
 
+/* shardctl topology of daemon i after its n-th close: it says so, and the ended job still names
+ * its two daemons by their ids (their numbers were the closed cluster's, which the next opening
+ * reuses) */
+static void topology_after_close(int i, int n, const char *job)
+{
+    struct json_t *t = th_admin_json(cl.d[i].sock, "topology");
+    TH_CHECK(th_json_int(t, "fabric_closes") == n, "daemon %d's topology: fabric_closes %lld, %d",
+             i, th_json_int(t, "fabric_closes"), n);
+    size_t k, m;
+    struct json_t *j, *d;
+    int listed = 0, named = 0;
+    char first[16] = "";
+    json_array_foreach(json_object_get(t, "jobs"), k, j)
+    {
+        if (strcmp(json_string_value(json_object_get(j, "name")), job) != 0)
+            continue;
+        listed++;
+        json_array_foreach(json_object_get(j, "node_daemons"), m, d)
+        {
+            const char *id = json_string_value(d);
+            named += id != NULL && strlen(id) == 8 && strcmp(id, first) != 0;
+            if (id != NULL && m == 0)
+                snprintf(first, sizeof(first), "%s", id);
+        }
+    }
+    TH_CHECK(listed == 1 && named == 2,
+             "daemon %d's topology after the close: job %s listed %d time(s), %d distinct daemon "
+             "id(s) (2 expected)",
+             i, job, listed, named);
+    json_decref(t);
+}
+
 struct lone {
     int st;
     char err[512];
@@ -194,6 +226,11 @@ int main(void)
         }
         /* (the listener closes with the rest) */
         TH_CHECK(!accepts(leader), "daemon 0 still listens at %s after closing its fabric", leader);
+        for (int i = 0; i < 2; i++) {
+            TH_CHECK(fabric_open_metric(i) == 0, "daemon %d's shardd_fabric_open after %s: %d", i,
+                     what, fabric_open_metric(i));
+            topology_after_close(i, round, jobs[round - 1]);
+        }
 #ifdef TH_SANITIZED /* (AddressSanitizer's allocator keeps what is freed in its quarantine) */
         printf("resident memory: measured by the plain pass, not under the sanitizers\n");
         continue;
