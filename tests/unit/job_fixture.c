@@ -76,6 +76,29 @@ void th_job_g_arenas(struct th_job *tj)
     }
 }
 
+void th_job_state_arenas(struct th_job *tj)
+{
+    struct sd_job *job = &tj->job;
+    const struct sd_layout *l = &job->layout;
+    job->mem.arena = tj->arena;
+    job->mem.w_off = calloc(l->n_units, sizeof(*job->mem.w_off));
+    job->mem.w_arena_bytes = 0;
+    for (uint32_t u = 0; u < l->n_units; u++) {
+        job->mem.w_off[u] = job->mem.w_arena_bytes;
+        job->mem.w_arena_bytes += sd_job_w_shard_bytes(job, u);
+    }
+    uint64_t os_bytes = sd_arena_os_stride(l->arena_numel[SD_STATE_OS]) * sizeof(float) *
+                        sd_optim_state_floats(job->model.optim.kind);
+    for (uint32_t r = 0; r < job->k; r++) {
+        struct sd_mem *w = &tj->arena[r * SD_STATE_COUNT + SD_STATE_W];
+        w->bytes = sd_arena_colour(SD_STATE_W) + job->mem.w_arena_bytes;
+        w->ptr = calloc(1, w->bytes);
+        struct sd_mem *os = &tj->arena[r * SD_STATE_COUNT + SD_STATE_OS];
+        os->bytes = sd_arena_colour(SD_STATE_OS) + os_bytes;
+        os->ptr = calloc(1, os->bytes);
+    }
+}
+
 float *th_job_g(struct th_job *tj, uint32_t r)
 {
     return sd_job_state(&tj->job, r, SD_STATE_G);
@@ -83,8 +106,9 @@ float *th_job_g(struct th_job *tj, uint32_t r)
 
 void th_job_free(struct th_job *tj)
 {
-    for (uint32_t r = 0; r < tj->job.k; r++)
-        free(tj->arena[r * SD_STATE_COUNT + SD_STATE_G].ptr);
+    for (uint32_t i = 0; i < tj->job.k * SD_STATE_COUNT; i++)
+        free(tj->arena[i].ptr);
+    free(tj->job.mem.w_off);
     sd_gpu_host_ops.queue_destroy(tj->job.mem.queue);
     sd_layout_free(&tj->job.layout);
 }

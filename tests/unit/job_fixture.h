@@ -35,6 +35,9 @@ bool th_job_build(struct th_job *tj, const char *plan, uint32_t nodes, uint32_t 
                   const uint64_t *sizes, uint32_t n, int dtype);
 /* each local rank's g arena (job->mem.arena), its values random in [-1, 1] */
 void th_job_g_arenas(struct th_job *tj);
+/* each local rank's w arena (the units' shards in their dtype, job->mem.w_off set as the job's
+ * life sets it) and os arena (master and moments), zeroed */
+void th_job_state_arenas(struct th_job *tj);
 void th_job_free(struct th_job *tj);
 /* local rank r's g arena */
 float *th_job_g(struct th_job *tj, uint32_t r);

@@ -1,0 +1,558 @@
+/* Loading the initial values and the ready barrier (daemon/ops/loading.c) without a daemon: the
+ * module is linked alone with the host backend, a job built by hand (plan, layout, each rank's
+ * w and os arenas, staging slots, scratch) and fakes of the rest; the transfers between nodes it
+ * posts are recorded and completed by the test (with the bytes the test chooses, or failed).
+ * Checked against references computed here (each rank's shard from the definition: unit i is cut
+ * into f[state] equal pieces, rank r holds piece r mod f[state]; bf16 by round-to-nearest-even):
+ *  - one node (zero3, 4 ranks; fp32 and bf16 weights): rank 0's values land in every rank's
+ *    master and weight shard, bit for bit; the calls of other ranks (EPERM), of units and
+ *    staging slots out of range (EINVAL), of a job that loads a checkpoint or is ready already
+ *    (ESTATE, naming why) are refused; the ready barrier answers nobody before rank 0's call,
+ *    refuses a rank that calls twice (EBUSY), then answers every rank with its own tag;
+ *  - a device at work (the queue's mark answers "not yet"): the init is answered only by the
+ *    loop's poll, and the next init waits for it;
+ *  - node 0 of 2 (zero3 2x2): each init sends node 1 exactly the elements its ranks hold (and no
+ *    more), and is answered once the send completed; a failed send answers EPEER; its ready call
+ *    tells the other nodes (the cluster's job_ready);
+ *  - node 1 of 2 (zero3 and mics:2): it receives unit after unit into scratch at the elements it
+ *    holds (the whole unit under mics:2), writes them into its ranks' shards; ready once node 0
+ *    says so and the last unit arrived (in either order); a failed receive fails the job naming
+ *    node 0;
+ *  - the sweep fails a job whose ranks wait at the barrier past the timeout, and the parked
+ *    calls are answered with the failure. */
+#include "check.h"
+#include "job_fixture.h"
+#include "barrier.h"
+#include "cluster/cluster.h"
+#include "fetch.h"
+#include "loading.h"
+#include "net.h"
+#include "session.h"
+#include "sd/gpu.h"
+#include "sd/model.h"
+#include "sd/status.h"
+#include "sd/util.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_K     4
+#define MAX_BULKS 8
+#define SLOTS     2
+
+/* ---- what loading's own fakes record, and how they answer */
+static struct {
+    const char *values_from; /* sd_job_values_from */
+    int job_ready, serve_queue, op_done;
+    /* the transfers posted and not completed yet */
+    struct sd_bulk bulk[MAX_BULKS];
+    struct sd_bulk_param post[MAX_BULKS];
+    void *piece[MAX_BULKS];
+    bool used[MAX_BULKS];
+    int posted;
+} F;
+
+const char *sd_job_values_from(const struct sd_job *job)
+{
+    (void)job;
+    return F.values_from;
+}
+
+bool sd_job_shards_busy(const struct sd_job *job)
+{
+    (void)job;
+    return false;
+}
+
+const char *sd_job_state_name(enum sd_job_state s)
+{
+    static const char *names[] = {"registering", "loading", "ready",
+                                  "failed",      "closing", "finished"};
+    return (unsigned)s < sizeof(names) / sizeof(names[0]) ? names[s] : "?";
+}
+
+struct sd_cluster *sd_job_cluster(const struct sd_job *job)
+{
+    (void)job;
+    return NULL;
+}
+
+void sd_cluster_job_ready(struct sd_cluster *cl, const char *job, const uint32_t *ids, uint32_t n)
+{
+    (void)cl;
+    (void)job;
+    (void)ids;
+    (void)n;
+    F.job_ready++;
+}
+
+void sd_fetch_serve_queue(struct sd_job *job)
+{
+    (void)job;
+    F.serve_queue++;
+}
+
+void sd_op_done(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t v0,
+                uint64_t v1, uint64_t start_ns)
+{
+    (void)job;
+    (void)start_ns;
+    F.op_done++;
+    sd_session_complete(s, e->tag, e->op, SD_OK, v0, v1, NULL);
+}
+
+void *sd_job_net_desc(const struct sd_job *job, const void *p)
+{
+    (void)job;
+    (void)p;
+    return NULL;
+}
+
+struct sd_bulk *sd_bulk_get(struct sd_bulk_pool *pool)
+{
+    (void)pool;
+    for (int i = 0; i < MAX_BULKS; i++)
+        if (!F.used[i]) {
+            F.used[i] = true;
+            memset(&F.bulk[i], 0, sizeof(F.bulk[i]));
+            return &F.bulk[i];
+        }
+    return NULL;
+}
+
+void sd_bulk_put(struct sd_bulk_pool *pool, struct sd_bulk *b)
+{
+    (void)pool;
+    F.used[b - F.bulk] = false;
+}
+
+int sd_bulk_start(struct sd_bulk *b, const struct sd_bulk_param *p)
+{
+    int i = (int)(b - F.bulk);
+    F.post[i] = *p;
+    F.piece[i] = p->pieces[0]; /* (the caller's array of pieces is its stack's) */
+    F.post[i].pieces = &F.piece[i];
+    b->active = true;
+    b->is_send = p->is_send;
+    b->peer = p->peer;
+    b->cb = p->cb;
+    b->arg = p->arg;
+    F.posted++;
+    return SD_OK;
+}
+
+/* the one transfer in flight (the test posts one at a time), or -1 */
+static int in_flight(void)
+{
+    int found = -1, n = 0;
+    for (int i = 0; i < MAX_BULKS; i++)
+        if (F.used[i] && F.bulk[i].active) {
+            found = i;
+            n++;
+        }
+    return n == 1 ? found : -1;
+}
+
+/* complete transfer i: its bytes counted, then the module's callback */
+static void complete(int i, int status)
+{
+    struct sd_bulk *b = &F.bulk[i];
+    b->active = false;
+    b->bytes = F.post[i].piece_len;
+    b->cb(b, status);
+}
+
+/* ---- the job */
+struct fixture {
+    struct th_job tj;
+    struct sd_job *job;
+    struct sd_mem staging[MAX_K];
+    struct sd_session *ranks[MAX_K];
+    uint32_t node_ids[4];
+};
+
+static const uint64_t sizes[2] = {3000, 5000};
+
+static uint16_t bf16_of(float x)
+{
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t k, uint32_t node,
+                  int dtype)
+{
+    memset(fx, 0, sizeof(*fx));
+    memset(&F, 0, sizeof(F));
+    th_fake_reset();
+    if (!th_job_build(&fx->tj, plan, nodes, k, node, sizes, 2, dtype))
+        return false;
+    struct sd_job *job = fx->job = &fx->tj.job;
+    job->state = SD_JOB_LOADING;
+    job->created_ns = sd_now_ns();
+    th_job_state_arenas(&fx->tj);
+    job->mem.scratch = calloc(job->layout.max_unit_numel, sizeof(float));
+    job->mem.staging = fx->staging;
+    job->mem.staging_slots = SLOTS;
+    job->mem.staging_slot_bytes = job->layout.max_unit_numel * sizeof(float);
+    job->ranks = fx->ranks;
+    job->xfer.node_ids = fx->node_ids;
+    for (uint32_t r = 0; r < k; r++) {
+        fx->staging[r].bytes = SLOTS * job->mem.staging_slot_bytes;
+        fx->staging[r].ptr = calloc(1, fx->staging[r].bytes);
+        fx->ranks[r] = &fx->tj.s[r];
+    }
+    TH_CHECK(sd_loading_create(job) == SD_OK, "loading's state for %s", plan);
+    return true;
+}
+
+static void teardown(struct fixture *fx)
+{
+    sd_loading_destroy(fx->job);
+    for (uint32_t r = 0; r < fx->job->k; r++)
+        free(fx->staging[r].ptr);
+    free(fx->job->mem.scratch);
+    th_job_free(&fx->tj);
+}
+
+/* unit u's values (padding included): distinct, not representable in bf16 */
+static void values_of(const struct sd_job *job, uint32_t u, float *out)
+{
+    for (uint64_t i = 0; i < job->layout.units[u].numel; i++)
+        out[i] = (float)(u + 1) * 1000.0f + (float)i * 0.0137f + 1.0f / 3.0f;
+}
+
+/* Every local rank's master and weight shard of unit u against values (the unit's, element 0
+ * first), from the definition of the shards; the number of elements that differ. */
+static int check_shards(struct fixture *fx, uint32_t u, const float *values)
+{
+    struct sd_job *job = fx->job;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    int bad = 0;
+    for (uint32_t r = 0; r < job->k; r++) {
+        uint32_t rank = job->first_rank + r;
+        uint64_t len = ul->numel / job->plan.f[SD_STATE_OS];
+        uint64_t b = (rank % job->plan.f[SD_STATE_OS]) * len;
+        const float *master =
+            (const float *)sd_job_state(job, r, SD_STATE_OS) + ul->arena_off[SD_STATE_OS];
+        for (uint64_t i = 0; i < len; i++)
+            bad += memcmp(&master[i], &values[b + i], sizeof(float)) != 0;
+        len = ul->numel / job->plan.f[SD_STATE_W];
+        b = (rank % job->plan.f[SD_STATE_W]) * len;
+        const uint8_t *w = sd_job_w_shard(job, r, u);
+        for (uint64_t i = 0; i < len; i++) {
+            if (ul->dtype == SD_DTYPE_BF16) {
+                uint16_t want = bf16_of(values[b + i]), got;
+                memcpy(&got, w + 2 * i, 2);
+                bad += got != want;
+            } else {
+                bad += memcmp(w + 4 * i, &values[b + i], 4) != 0;
+            }
+        }
+    }
+    return bad;
+}
+
+static void call(struct fixture *fx, uint32_t r, int op, uint32_t unit, uint64_t slot, uint64_t tag)
+{
+    struct sd_sqe e = {.op = (uint8_t)op, .unit = unit, .arg0 = slot, .tag = tag};
+    if (op == SD_OP_INIT)
+        sd_loading_init(fx->job, &fx->tj.s[r], &e, sd_now_ns());
+    else
+        sd_loading_ready(fx->job, &fx->tj.s[r], &e, sd_now_ns());
+}
+
+/* rank 0's values of unit u into its staging slot `slot` */
+static void stage(struct fixture *fx, uint32_t u, uint32_t slot, float *values)
+{
+    values_of(fx->job, u, values);
+    memcpy(sd_job_staging_slot(fx->job, 0, slot), values,
+           fx->job->layout.units[u].numel * sizeof(float));
+}
+
+/* ---- one node */
+static void test_one_node(int dtype)
+{
+    const char *dt = dtype == SD_DTYPE_BF16 ? "bf16" : "fp32";
+    struct fixture fx;
+    if (!setup(&fx, "zero3", 1, 4, 0, dtype))
+        return;
+    struct sd_job *job = fx.job;
+    float *v0 = calloc(job->layout.max_unit_numel, sizeof(float));
+    float *v1 = calloc(job->layout.max_unit_numel, sizeof(float));
+
+    stage(&fx, 0, 0, v0); /* (what a refused call must not write) */
+    call(&fx, 1, SD_OP_INIT, 0, 0, 7);
+    TH_CHECK(th_fake.fails == 1 && th_fake.fail_status == SD_EPERM &&
+                 strstr(th_fake.fail_msg, "only rank 0") != NULL,
+             "%s: rank 1's init refused EPERM (%d: %s)", dt, th_fake.fail_status, th_fake.fail_msg);
+    call(&fx, 0, SD_OP_INIT, 2, 0, 8);
+    TH_CHECK(th_fake.fails == 2 && th_fake.fail_status == SD_EINVAL, "%s: unit 2 refused (%d)", dt,
+             th_fake.fail_status);
+    call(&fx, 0, SD_OP_INIT, 0, SLOTS, 9);
+    TH_CHECK(th_fake.fails == 3 && th_fake.fail_status == SD_EINVAL &&
+                 strstr(th_fake.fail_msg, "staging slot") != NULL,
+             "%s: staging slot %d refused (%d: %s)", dt, SLOTS, th_fake.fail_status,
+             th_fake.fail_msg);
+    F.values_from = "loading checkpoint /x/step-5";
+    call(&fx, 0, SD_OP_INIT, 0, 0, 10);
+    TH_CHECK(th_fake.fails == 4 && th_fake.fail_status == SD_ESTATE &&
+                 strstr(th_fake.fail_msg, "/x/step-5") != NULL,
+             "%s: init of a job that loads a checkpoint refused naming it (%d: %s)", dt,
+             th_fake.fail_status, th_fake.fail_msg);
+    F.values_from = NULL;
+    TH_CHECK(th_fake.done == 0 && check_shards(&fx, 0, v0) > 0,
+             "%s: nothing answered or written by the refused calls", dt);
+
+    call(&fx, 0, SD_OP_INIT, 0, 0, 11);
+    stage(&fx, 1, 1, v1);
+    call(&fx, 0, SD_OP_INIT, 1, 1, 12);
+    int a = th_answered(0, 11), b = th_answered(0, 12);
+    TH_CHECK(a >= 0 && b > a && th_fake.ans[a].status == SD_OK && th_fake.ans[b].status == SD_OK,
+             "%s: both inits answered, in order, OK", dt);
+    int bad0 = check_shards(&fx, 0, v0), bad1 = check_shards(&fx, 1, v1);
+    TH_CHECK(bad0 == 0 && bad1 == 0,
+             "%s: every rank's master and weight shards hold rank 0's values (%d, %d differ)", dt,
+             bad0, bad1);
+    TH_CHECK(job->stats.ops[SD_OP_INIT] == 2, "%s: two inits counted", dt);
+
+    /* the ready barrier: the other ranks wait for rank 0 */
+    for (uint32_t r = 1; r < 4; r++)
+        call(&fx, r, SD_OP_READY, 0, 0, 200 + r);
+    TH_CHECK(th_answered(1, 201) < 0 && th_answered(3, 203) < 0 && job->state == SD_JOB_LOADING,
+             "%s: no rank is ready before rank 0", dt);
+    int fails = th_fake.fails;
+    call(&fx, 2, SD_OP_READY, 0, 0, 299);
+    TH_CHECK(th_fake.fails == fails + 1 && th_fake.fail_status == SD_EBUSY,
+             "%s: rank 2 calling ready twice refused EBUSY (%d)", dt, th_fake.fail_status);
+    call(&fx, 0, SD_OP_READY, 0, 0, 200);
+    TH_CHECK(job->state == SD_JOB_READY, "%s: ready after rank 0's call", dt);
+    bool all = true;
+    for (uint32_t r = 0; r < 4; r++) {
+        int i = th_answered(r, 200 + r);
+        all &= i >= 0 && th_fake.ans[i].status == SD_OK;
+    }
+    TH_CHECK(all && th_answered(2, 299) < 0, "%s: every rank answered once, with its own tag", dt);
+    TH_CHECK(F.job_ready == 0, "%s: one node tells no other node", dt);
+
+    /* after: an init is refused, a ready answered at once */
+    fails = th_fake.fails;
+    call(&fx, 0, SD_OP_INIT, 0, 0, 13);
+    TH_CHECK(th_fake.fails == fails + 1 && th_fake.fail_status == SD_ESTATE &&
+                 strstr(th_fake.fail_msg, "ready, not loading") != NULL,
+             "%s: init of a ready job refused (%s)", dt, th_fake.fail_msg);
+    call(&fx, 1, SD_OP_READY, 0, 0, 300);
+    TH_CHECK(F.op_done == 1 && th_answered(1, 300) >= 0, "%s: ready of a ready job answered", dt);
+    free(v0);
+    free(v1);
+    teardown(&fx);
+}
+
+/* the device at work: the conversion is waited for by the loop's poll */
+static void test_deferred(void)
+{
+    struct fixture fx;
+    if (!setup(&fx, "zero3", 1, 2, 0, SD_DTYPE_FP32))
+        return;
+    struct sd_job *job = fx.job;
+    float *v0 = calloc(job->layout.max_unit_numel, sizeof(float));
+    float *v1 = calloc(job->layout.max_unit_numel, sizeof(float));
+    stage(&fx, 0, 0, v0);
+    th_fake.queue_eagain = 1;
+    call(&fx, 0, SD_OP_INIT, 0, 0, 21);
+    TH_CHECK(th_answered(0, 21) < 0 && sd_loading_queue_waiting(job),
+             "deferred: the init waits for the device");
+    stage(&fx, 1, 1, v1);
+    struct sd_sqe e = {.op = SD_OP_INIT, .unit = 1, .arg0 = 1, .tag = 22};
+    TH_CHECK(!sd_loading_init(job, &fx.tj.s[0], &e, sd_now_ns()),
+             "deferred: the next init waits (its ring entry kept)");
+    TH_CHECK(sd_loading_queue_poll(job) && th_answered(0, 21) >= 0 &&
+                 !sd_loading_queue_waiting(job),
+             "deferred: the loop's poll answers it");
+    TH_CHECK(sd_loading_init(job, &fx.tj.s[0], &e, sd_now_ns()) && th_answered(0, 22) >= 0,
+             "deferred: then the next init goes");
+    TH_CHECK(check_shards(&fx, 0, v0) == 0 && check_shards(&fx, 1, v1) == 0,
+             "deferred: both units' shards hold the values");
+    TH_CHECK(!sd_loading_queue_poll(job), "deferred: nothing more to poll");
+    free(v0);
+    free(v1);
+    teardown(&fx);
+}
+
+/* [lo, hi) of unit u that node m's ranks hold (their w shards), from the definition */
+static void node_range(const struct sd_job *job, uint32_t m, uint32_t u, uint64_t *lo, uint64_t *hi)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint32_t f = job->plan.f[SD_STATE_W];
+    uint64_t len = ul->numel / f;
+    *lo = ul->numel;
+    *hi = 0;
+    for (uint32_t r = m * job->k; r < (m + 1) * job->k; r++) {
+        uint64_t b = (r % f) * len;
+        *lo = b < *lo ? b : *lo;
+        *hi = b + len > *hi ? b + len : *hi;
+    }
+}
+
+/* node 0 of 2: it sends node 1 its part of each unit */
+static void test_node0(void)
+{
+    struct fixture fx;
+    if (!setup(&fx, "zero3", 2, 2, 0, SD_DTYPE_FP32))
+        return;
+    struct sd_job *job = fx.job;
+    float *v = calloc(job->layout.max_unit_numel, sizeof(float));
+    uint64_t sent = 0;
+    for (uint32_t u = 0; u < 2; u++) {
+        stage(&fx, u, u, v);
+        const float *slot = (const float *)(void *)sd_job_staging_slot(job, 0, u);
+        call(&fx, 0, SD_OP_INIT, u, u, 31 + u);
+        int t = in_flight();
+        uint64_t lo, hi;
+        node_range(job, 1, u, &lo, &hi);
+        TH_CHECK(t >= 0 && F.post[t].is_send && F.post[t].peer == 1 &&
+                     F.piece[t] == (const void *)(slot + lo) &&
+                     F.post[t].piece_len == (hi - lo) * sizeof(float) && F.post[t].n_pieces == 1,
+                 "node 0: unit %u sends node 1 elements [%llu, %llu) of the staged values", u,
+                 (unsigned long long)lo, (unsigned long long)hi);
+        TH_CHECK(hi - lo == job->layout.units[u].numel / 2,
+                 "node 0: under zero3 on 2x2 that is half the unit, not all of it");
+        TH_CHECK(th_answered(0, 31 + u) < 0, "node 0: unit %u's init waits for the send", u);
+        if (t < 0)
+            break;
+        complete(t, u == 0 ? SD_OK : SD_EPEER);
+        int i = th_answered(0, 31 + u);
+        TH_CHECK(i >= 0 && th_fake.ans[i].status == (u == 0 ? SD_OK : SD_EPEER),
+                 "node 0: unit %u's init answered with the send's outcome (%d)", u,
+                 i >= 0 ? th_fake.ans[i].status : -1);
+        TH_CHECK(check_shards(&fx, u, v) == 0, "node 0: its own ranks' shards of unit %u", u);
+        sent += F.post[t].piece_len;
+        TH_CHECK(job->stats.bytes[SD_OP_INIT][SD_LINK_INTER_SENT] == sent,
+                 "node 0: the bytes sent counted (%llu)", (unsigned long long)sent);
+    }
+    call(&fx, 1, SD_OP_READY, 0, 0, 41);
+    call(&fx, 0, SD_OP_READY, 0, 0, 40);
+    TH_CHECK(F.job_ready == 1 && job->state == SD_JOB_READY && th_answered(0, 40) >= 0 &&
+                 th_answered(1, 41) >= 0,
+             "node 0: rank 0's ready tells the other nodes and answers its ranks");
+    free(v);
+    teardown(&fx);
+}
+
+/* node 1 of 2: it receives its part of each unit; ready_first: node 0 says it is ready before
+ * the last unit arrived */
+static void test_node1(const char *plan, bool ready_first)
+{
+    struct fixture fx;
+    if (!setup(&fx, plan, 2, 2, 1, SD_DTYPE_BF16))
+        return;
+    struct sd_job *job = fx.job;
+    float *v = calloc(job->layout.max_unit_numel, sizeof(float));
+    sd_loading_start(job);
+    call(&fx, 0, SD_OP_READY, 0, 0, 50);
+    call(&fx, 1, SD_OP_READY, 0, 0, 51);
+    for (uint32_t u = 0; u < 2; u++) {
+        int t = in_flight();
+        uint64_t lo, hi;
+        node_range(job, 1, u, &lo, &hi);
+        TH_CHECK(t >= 0 && !F.post[t].is_send && F.post[t].peer == 0 &&
+                     F.piece[t] == (void *)(job->mem.scratch + lo) &&
+                     F.post[t].piece_len == (hi - lo) * sizeof(float),
+                 "%s node 1: unit %u received from node 0 into scratch at [%llu, %llu)", plan, u,
+                 (unsigned long long)lo, (unsigned long long)hi);
+        if (t < 0)
+            break;
+        if (strcmp(plan, "mics:2") == 0)
+            TH_CHECK(lo == 0 && hi == job->layout.units[u].numel,
+                     "mics:2 node 1: all of unit %u (its ranks hold every shard)", u);
+        values_of(job, u, v);
+        memcpy(job->mem.scratch + lo, v + lo, (hi - lo) * sizeof(float));
+        if (ready_first && u == 1) {
+            sd_loading_remote_ready(job);
+            TH_CHECK(job->state == SD_JOB_LOADING,
+                     "%s node 1: node 0 ready, the last unit not here: not ready", plan);
+        }
+        complete(t, SD_OK);
+        TH_CHECK(check_shards(&fx, u, v) == 0, "%s node 1: unit %u in its ranks' shards", plan, u);
+    }
+    TH_CHECK(in_flight() < 0 && F.posted == 2, "%s node 1: one receive per unit, no more", plan);
+    if (!ready_first) {
+        TH_CHECK(job->state == SD_JOB_LOADING && th_answered(0, 50) < 0,
+                 "%s node 1: every unit here, node 0 not ready: not ready", plan);
+        sd_loading_remote_ready(job);
+    }
+    TH_CHECK(job->state == SD_JOB_READY && th_answered(0, 50) >= 0 && th_answered(1, 51) >= 0 &&
+                 F.serve_queue > 0,
+             "%s node 1: ready, its ranks answered, the queued pull requests served", plan);
+    free(v);
+    teardown(&fx);
+}
+
+/* a receive fails: the job fails naming node 0, the waiting ranks are answered with it */
+static void test_node1_fails(void)
+{
+    struct fixture fx;
+    if (!setup(&fx, "zero3", 2, 2, 1, SD_DTYPE_FP32))
+        return;
+    struct sd_job *job = fx.job;
+    sd_loading_start(job);
+    call(&fx, 1, SD_OP_READY, 0, 0, 61);
+    int t = in_flight();
+    TH_CHECK(t >= 0, "node 1: a receive posted");
+    if (t >= 0)
+        complete(t, SD_ETIMEDOUT);
+    TH_CHECK(th_fake.job_fails == 1 && th_fake.job_status == SD_EPEER &&
+                 strstr(th_fake.job_msg, "unit 0 from node 0") != NULL,
+             "node 1: a failed receive fails the job naming the unit and node 0 (%s)",
+             th_fake.job_msg);
+    TH_CHECK(in_flight() < 0 && F.posted == 1, "node 1: nothing more is posted after it");
+    sd_loading_module.fail_parked(job, SD_EPEER, "failed", false);
+    int i = th_answered(1, 61);
+    TH_CHECK(i >= 0 && th_fake.ans[i].status == SD_EPEER,
+             "node 1: the rank waiting at the barrier answered with the failure");
+    teardown(&fx);
+}
+
+/* ranks at the barrier while rank 0 never loads */
+static void test_sweep(void)
+{
+    struct fixture fx;
+    if (!setup(&fx, "zero3", 1, 2, 0, SD_DTYPE_FP32))
+        return;
+    struct sd_job *job = fx.job;
+    fx.tj.cfg.register_timeout_ms = 100;
+    uint64_t op_timeout = 1000ull * 1000000ull, now = sd_now_ns();
+    TH_CHECK(!sd_loading_module.sweep(job, now + op_timeout * 10, op_timeout),
+             "sweep: nobody waits, nothing to sweep");
+    call(&fx, 1, SD_OP_READY, 0, 0, 71);
+    TH_CHECK(!sd_loading_module.sweep(job, now + op_timeout / 2, op_timeout),
+             "sweep: within the timeout, nothing happens");
+    TH_CHECK(sd_loading_module.sweep(job, now + op_timeout + 200ull * 1000000ull, op_timeout) &&
+                 th_fake.job_fails == 1 && th_fake.job_status == SD_ETIMEDOUT &&
+                 strstr(th_fake.job_msg, "rank 0") != NULL,
+             "sweep: past the timeout and the registration's, the job fails naming rank 0 (%s)",
+             th_fake.job_msg);
+    char what[128];
+    uint64_t since;
+    TH_CHECK(!sd_loading_module.activity(job, what, sizeof(what), &since),
+             "sweep: a failed job is not loading any more");
+    teardown(&fx);
+}
+
+int main(void)
+{
+    srand(5);
+    test_one_node(SD_DTYPE_FP32);
+    test_one_node(SD_DTYPE_BF16);
+    test_deferred();
+    test_node0();
+    test_node1("zero3", false);
+    test_node1("zero3", true);
+    test_node1("mics:2", false);
+    test_node1_fails();
+    test_sweep();
+    return th_summary("test_loading");
+}
