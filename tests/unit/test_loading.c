@@ -23,6 +23,7 @@
 #include "check.h"
 #include "job_fixture.h"
 #include "barrier.h"
+#include "bulk_fake.h"
 #include "cluster/cluster.h"
 #include "fetch.h"
 #include "loading.h"
@@ -37,20 +38,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_K     4
-#define MAX_BULKS 8
-#define SLOTS     2
+#define MAX_K 4
+#define SLOTS 2
 
 /* ---- what loading's own fakes record, and how they answer */
 static struct {
     const char *values_from; /* sd_job_values_from */
     int job_ready, serve_queue, op_done;
-    /* the transfers posted and not completed yet */
-    struct sd_bulk bulk[MAX_BULKS];
-    struct sd_bulk_param post[MAX_BULKS];
-    void *piece[MAX_BULKS];
-    bool used[MAX_BULKS];
-    int posted;
 } F;
 
 const char *sd_job_values_from(const struct sd_job *job)
@@ -109,60 +103,6 @@ void *sd_job_net_desc(const struct sd_job *job, const void *p)
     return NULL;
 }
 
-struct sd_bulk *sd_bulk_get(struct sd_bulk_pool *pool)
-{
-    (void)pool;
-    for (int i = 0; i < MAX_BULKS; i++)
-        if (!F.used[i]) {
-            F.used[i] = true;
-            memset(&F.bulk[i], 0, sizeof(F.bulk[i]));
-            return &F.bulk[i];
-        }
-    return NULL;
-}
-
-void sd_bulk_put(struct sd_bulk_pool *pool, struct sd_bulk *b)
-{
-    (void)pool;
-    F.used[b - F.bulk] = false;
-}
-
-int sd_bulk_start(struct sd_bulk *b, const struct sd_bulk_param *p)
-{
-    int i = (int)(b - F.bulk);
-    F.post[i] = *p;
-    F.piece[i] = p->pieces[0]; /* (the caller's array of pieces is its stack's) */
-    F.post[i].pieces = &F.piece[i];
-    b->active = true;
-    b->is_send = p->is_send;
-    b->peer = p->peer;
-    b->cb = p->cb;
-    b->arg = p->arg;
-    F.posted++;
-    return SD_OK;
-}
-
-/* the one transfer in flight (the test posts one at a time), or -1 */
-static int in_flight(void)
-{
-    int found = -1, n = 0;
-    for (int i = 0; i < MAX_BULKS; i++)
-        if (F.used[i] && F.bulk[i].active) {
-            found = i;
-            n++;
-        }
-    return n == 1 ? found : -1;
-}
-
-/* complete transfer i: its bytes counted, then the module's callback */
-static void complete(int i, int status)
-{
-    struct sd_bulk *b = &F.bulk[i];
-    b->active = false;
-    b->bytes = F.post[i].piece_len;
-    b->cb(b, status);
-}
-
 /* ---- the job */
 struct fixture {
     struct th_job tj;
@@ -188,6 +128,7 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
     memset(fx, 0, sizeof(*fx));
     memset(&F, 0, sizeof(F));
     th_fake_reset();
+    th_bulks_reset();
     if (!th_job_build(&fx->tj, plan, nodes, k, node, sizes, 2, dtype))
         return false;
     struct sd_job *job = fx->job = &fx->tj.job;
@@ -410,12 +351,13 @@ static void test_node0(void)
         stage(&fx, u, u, v);
         const float *slot = (const float *)(void *)sd_job_staging_slot(job, 0, u);
         call(&fx, 0, SD_OP_INIT, u, u, 31 + u);
-        int t = in_flight();
+        int t = th_bulk_in_flight();
         uint64_t lo, hi;
         node_range(job, 1, u, &lo, &hi);
-        TH_CHECK(t >= 0 && F.post[t].is_send && F.post[t].peer == 1 &&
-                     F.piece[t] == (const void *)(slot + lo) &&
-                     F.post[t].piece_len == (hi - lo) * sizeof(float) && F.post[t].n_pieces == 1,
+        TH_CHECK(t >= 0 && th_bulks.post[t].is_send && th_bulks.post[t].peer == 1 &&
+                     th_bulks.pieces[t][0] == (const void *)(slot + lo) &&
+                     th_bulks.post[t].piece_len == (hi - lo) * sizeof(float) &&
+                     th_bulks.post[t].n_pieces == 1,
                  "node 0: unit %u sends node 1 elements [%llu, %llu) of the staged values", u,
                  (unsigned long long)lo, (unsigned long long)hi);
         TH_CHECK(hi - lo == job->layout.units[u].numel / 2,
@@ -423,13 +365,13 @@ static void test_node0(void)
         TH_CHECK(th_answered(0, 31 + u) < 0, "node 0: unit %u's init waits for the send", u);
         if (t < 0)
             break;
-        complete(t, u == 0 ? SD_OK : SD_EPEER);
+        th_bulk_complete(t, u == 0 ? SD_OK : SD_EPEER);
         int i = th_answered(0, 31 + u);
         TH_CHECK(i >= 0 && th_fake.ans[i].status == (u == 0 ? SD_OK : SD_EPEER),
                  "node 0: unit %u's init answered with the send's outcome (%d)", u,
                  i >= 0 ? th_fake.ans[i].status : -1);
         TH_CHECK(check_shards(&fx, u, v) == 0, "node 0: its own ranks' shards of unit %u", u);
-        sent += F.post[t].piece_len;
+        sent += th_bulks.post[t].piece_len;
         TH_CHECK(job->stats.bytes[SD_OP_INIT][SD_LINK_INTER_SENT] == sent,
                  "node 0: the bytes sent counted (%llu)", (unsigned long long)sent);
     }
@@ -455,12 +397,12 @@ static void test_node1(const char *plan, bool ready_first)
     call(&fx, 0, SD_OP_READY, 0, 0, 50);
     call(&fx, 1, SD_OP_READY, 0, 0, 51);
     for (uint32_t u = 0; u < 2; u++) {
-        int t = in_flight();
+        int t = th_bulk_in_flight();
         uint64_t lo, hi;
         node_range(job, 1, u, &lo, &hi);
-        TH_CHECK(t >= 0 && !F.post[t].is_send && F.post[t].peer == 0 &&
-                     F.piece[t] == (void *)(job->mem.scratch + lo) &&
-                     F.post[t].piece_len == (hi - lo) * sizeof(float),
+        TH_CHECK(t >= 0 && !th_bulks.post[t].is_send && th_bulks.post[t].peer == 0 &&
+                     th_bulks.pieces[t][0] == (void *)(job->mem.scratch + lo) &&
+                     th_bulks.post[t].piece_len == (hi - lo) * sizeof(float),
                  "%s node 1: unit %u received from node 0 into scratch at [%llu, %llu)", plan, u,
                  (unsigned long long)lo, (unsigned long long)hi);
         if (t < 0)
@@ -475,10 +417,11 @@ static void test_node1(const char *plan, bool ready_first)
             TH_CHECK(job->state == SD_JOB_LOADING,
                      "%s node 1: node 0 ready, the last unit not here: not ready", plan);
         }
-        complete(t, SD_OK);
+        th_bulk_complete(t, SD_OK);
         TH_CHECK(check_shards(&fx, u, v) == 0, "%s node 1: unit %u in its ranks' shards", plan, u);
     }
-    TH_CHECK(in_flight() < 0 && F.posted == 2, "%s node 1: one receive per unit, no more", plan);
+    TH_CHECK(th_bulk_in_flight() < 0 && th_bulks.posted == 2,
+             "%s node 1: one receive per unit, no more", plan);
     if (!ready_first) {
         TH_CHECK(job->state == SD_JOB_LOADING && th_answered(0, 50) < 0,
                  "%s node 1: every unit here, node 0 not ready: not ready", plan);
@@ -500,15 +443,16 @@ static void test_node1_fails(void)
     struct sd_job *job = fx.job;
     sd_loading_start(job);
     call(&fx, 1, SD_OP_READY, 0, 0, 61);
-    int t = in_flight();
+    int t = th_bulk_in_flight();
     TH_CHECK(t >= 0, "node 1: a receive posted");
     if (t >= 0)
-        complete(t, SD_ETIMEDOUT);
+        th_bulk_complete(t, SD_ETIMEDOUT);
     TH_CHECK(th_fake.job_fails == 1 && th_fake.job_status == SD_EPEER &&
                  strstr(th_fake.job_msg, "unit 0 from node 0") != NULL,
              "node 1: a failed receive fails the job naming the unit and node 0 (%s)",
              th_fake.job_msg);
-    TH_CHECK(in_flight() < 0 && F.posted == 1, "node 1: nothing more is posted after it");
+    TH_CHECK(th_bulk_in_flight() < 0 && th_bulks.posted == 1,
+             "node 1: nothing more is posted after it");
     sd_loading_module.fail_parked(job, SD_EPEER, "failed", false);
     int i = th_answered(1, 61);
     TH_CHECK(i >= 0 && th_fake.ans[i].status == SD_EPEER,
