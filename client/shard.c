@@ -1646,6 +1646,58 @@ int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_
     return status;
 }
 
+int shard_write(shard_ctx_t *ctx, uint32_t tensor, uint32_t what, const float *values, size_t count)
+{
+    struct sd_cqe cqe;
+    char why[512];
+    int status = check_attached(ctx, "write", true);
+    if (status != SD_OK)
+        return status;
+    if (tensor >= ctx->n_tensors)
+        return fail(ctx, SD_EINVAL, "write: tensor %u does not exist (tensors 0..%u)", tensor,
+                    ctx->n_tensors - 1);
+    if (values == NULL || count != ctx->tensors[tensor].numel)
+        return fail(ctx, SD_EINVAL, "write tensor %u: %zu values%s; it has %llu elements", tensor,
+                    count, values == NULL ? " at NULL" : "",
+                    (unsigned long long)ctx->tensors[tensor].numel);
+    if (what == SD_WRITE_STEPS)
+        return fail(ctx, SD_EINVAL, "write tensor %u: step counts go through shard_write_steps",
+                    tensor);
+    if ((status = settle_pushes(ctx, "write", "; write between steps")) != SD_OK)
+        return status;
+    uint32_t i;
+    if ((status = take_staging(ctx, "write", tensor, &i)) != SD_OK)
+        return status;
+    float *slot = (float *)(void *)(ctx->staging + (size_t)i * ctx->staging_slot_bytes);
+    status = ctx->mem->copy(slot, values, count * sizeof(float), why, sizeof(why));
+    if (status != 0)
+        return fail(ctx, status, "write tensor %u: %s", tensor, why);
+    return call(ctx, SD_OP_WRITE, tensor, i | (uint64_t)what << 32, count, &cqe);
+}
+
+int shard_write_steps(shard_ctx_t *ctx, uint32_t tensor, uint64_t steps)
+{
+    struct sd_cqe cqe;
+    int status = check_attached(ctx, "write_steps", true);
+    if (status != SD_OK)
+        return status;
+    if (tensor >= ctx->n_tensors)
+        return fail(ctx, SD_EINVAL, "write_steps: tensor %u does not exist (tensors 0..%u)", tensor,
+                    ctx->n_tensors - 1);
+    return call(ctx, SD_OP_WRITE, tensor, (uint64_t)SD_WRITE_STEPS << 32, steps, &cqe);
+}
+
+int shard_write_done(shard_ctx_t *ctx)
+{
+    struct sd_cqe cqe;
+    int status = check_attached(ctx, "write_done", true);
+    if (status != SD_OK)
+        return status;
+    if ((status = settle_pushes(ctx, "write_done", "; write between steps")) != SD_OK)
+        return status;
+    return call(ctx, SD_OP_WRITTEN, 0, 0, 0, &cqe);
+}
+
 int shard_save(shard_ctx_t *ctx, const char *dir, uint64_t *step_p)
 {
     struct sd_cqe cqe;

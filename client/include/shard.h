@@ -22,7 +22,7 @@ extern "C" {
 #define SHARD_API __attribute__((visibility("default")))
 
 #define SHARD_VERSION_MAJOR 0
-#define SHARD_VERSION_MINOR 6 /* 6: shard_fetchx, shard_releasex, shard_pushx */
+#define SHARD_VERSION_MINOR 7 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write */
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
 enum {
@@ -394,6 +394,20 @@ SHARD_API int shard_group_hparams(const shard_ctx_t *ctx, uint32_t group, shard_
  * NULL) the step saved. The directory must be one every node of the job sees (a shared file
  * system across nodes). A failed save leaves the last checkpoint as it was; the job goes on. */
 SHARD_API int shard_save(shard_ctx_t *ctx, const char *dir, uint64_t *step_p);
+/* Values written into a running job (torch's load_state_dict on a wrapped model or its
+ * optimizer): every rank writes the same values between the same two steps, each into its own
+ * shards, then calls shard_write_done. shard_write: tensor's count fp32 values (its elements, in
+ * host memory) as what: SHARD_WRITE_WEIGHTS (the fp32 master weights, and the weights in their
+ * dtype from them) or optimizer state what (1 .. : AdamW's and Adam's exp_avg, exp_avg_sq; SGD's
+ * momentum_buffer); the optimizer's other state, the moments, is left as it is. shard_write_steps:
+ * the tensor's step count (AdamW's bias correction). shard_write_done returns once every rank
+ * of the node called it: the next fetches, on every node, read the written weights. Refused
+ * (SHARD_ESTATE) during a step or while the rank holds a fetched unit. */
+#define SHARD_WRITE_WEIGHTS 0u
+SHARD_API int shard_write(shard_ctx_t *ctx, uint32_t tensor, uint32_t what, const float *values,
+                          size_t count);
+SHARD_API int shard_write_steps(shard_ctx_t *ctx, uint32_t tensor, uint64_t steps);
+SHARD_API int shard_write_done(shard_ctx_t *ctx);
 /* The steps the job had taken when this rank registered: the checkpoint's step when it loaded
  * one (shard_model_t.load), the paused job's when it resumed one (shard_resumed), else 0. */
 SHARD_API uint64_t shard_start_step(const shard_ctx_t *ctx);

@@ -215,8 +215,8 @@ bool sd_job_weights_remote(const struct sd_job *job)
 
 /* The modules that wait for other modules' completions (push: for the step's end); the job's
  * life last (it may free the job). */
-static const struct sd_job_module *const event_order[] = {&sd_push_module, &sd_step_module,
-                                                          &sd_resume_module, &sd_life_module};
+static const struct sd_job_module *const event_order[] = {
+    &sd_push_module, &sd_step_module, &sd_loading_module, &sd_resume_module, &sd_life_module};
 
 static bool raise_ev(struct sd_job *job, const struct sd_job_ev *e)
 {

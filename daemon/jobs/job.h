@@ -130,6 +130,10 @@ struct sd_job_xfer {
     size_t *mr_len;
     uint32_t n_mrs;
     uint64_t *wait_tags; /* [n_slots * k] */
+    /* 1 + the weights generation before the last written one (loading.c; 0: none): peers'
+     * requests of it, in flight when this node's ranks wrote, are served with the written
+     * weights (their requesters drop those copies, not of their generation) */
+    uint64_t pre_write_gen1;
     /* releases a trainer's stream signals later (sd/fence.h, release_seq), per copy and rank
      * ([n_slots * k]): holds kept until the rank's page counts the last of them (fetch.c) */
     uint32_t *rel_pending, *rel_need;

@@ -33,7 +33,7 @@ static bool serve(struct sd_job *job, const struct sd_req_msg *m)
         return job->state != SD_JOB_LOADING && job->state != SD_JOB_REGISTERING;
     if (m->gen > job->weights_gen)
         return false;
-    if (m->gen < job->weights_gen) {
+    if (m->gen < job->weights_gen && m->gen + 1 != job->xfer.pre_write_gen1) {
         SD_WARN_SPARSE("net",
                        "job '%s': node %u asks for weights generation %llu of unit %u, "
                        "this node is at %llu",

@@ -102,6 +102,14 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         if (check_ready(job, s, e, true))
             sd_fetch_drop(job, s, e, start);
         return true;
+    case SD_OP_WRITE:
+        if (check_ready(job, s, e, false))
+            return sd_loading_write(job, s, e, start);
+        return true;
+    case SD_OP_WRITTEN:
+        if (check_ready(job, s, e, false))
+            sd_loading_written(job, s, e);
+        return true;
     case SD_OP_INIT:
         if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
             check_ready(job, s, e, false);

@@ -22,7 +22,8 @@
  *  - serving (node 0 of 2): a peer's request of this generation is answered with this node's
  *    block (its ranks' shards, in rank order); one of the next generation waits and is served
  *    once the weights reach it; one of an older generation, of a unit or node out of range, or
- *    from this node itself is dropped (nothing sent, nothing queued). */
+ *    from this node itself is dropped (nothing sent, nothing queued), but one of the generation
+ *    before weights written here (its requester drops the copy). */
 #include "check.h"
 #include "bulk_fake.h"
 #include "job_fixture.h"
@@ -631,6 +632,14 @@ static void test_serve(void)
         TH_CHECK(th_bulks.posted == posted && job->xfer.req_queued == 0,
                  "serve: a request of %s dropped (nothing sent or queued)", what[i]);
     }
+    /* the generation before weights written here (loading.c): served, with the written ones */
+    job->xfer.pre_write_gen1 = 2;
+    sd_fetch_on_request(job, &bad[0]);
+    int t2 = th_bulk_in_flight();
+    TH_CHECK(t2 >= 0 && th_bulks.pieces[t2][0] == sd_job_w_shard(job, 0, 0),
+             "serve: a request of the generation before a write is served");
+    if (t2 >= 0)
+        th_bulk_complete(t2, SD_OK);
     teardown(&fx);
 }
 

@@ -19,7 +19,15 @@
  *    says so and the last unit arrived (in either order); a failed receive fails the job naming
  *    node 0;
  *  - the sweep fails a job whose ranks wait at the barrier past the timeout, and the parked
- *    calls are answered with the failure. */
+ *    calls are answered with the failure;
+ *  - values written into the running job (bf16 weights): refusals (a tensor out of range, a
+ *    state the optimizer has not, another count, during a step, while the rank holds a unit,
+ *    after its write_done); each rank writes its own master and weight shards, or momentum, and
+ *    no other rank's; a device behind (answered by the poll); a tensor's step count; the
+ *    written barrier (a rank twice; waits for a gather of the old weights in flight; a new
+ *    generation once all ended, the one before still served to peers; none when only moments
+ *    were written); a rank that never ends its writes fails the job at the timeout, the waiting
+ *    rank answered. */
 #include "check.h"
 #include "job_fixture.h"
 #include "barrier.h"
@@ -28,6 +36,9 @@
 #include "fetch.h"
 #include "loading.h"
 #include "net.h"
+#include "optimizer.h"
+#include "schedule.h"
+#include "step.h"
 #include "session.h"
 #include "sd/gpu.h"
 #include "sd/model.h"
@@ -44,8 +55,36 @@
 /* ---- what loading's own fakes record, and how they answer */
 static struct {
     const char *values_from; /* sd_job_values_from */
-    int job_ready, serve_queue, op_done;
+    int job_ready, serve_queue, op_done, prefetches;
+    uint32_t step_arrived;
+    bool shards_busy;
+    uint64_t steps_set[2];
 } F;
+
+uint32_t sd_step_arrived(const struct sd_job *job)
+{
+    (void)job;
+    return F.step_arrived;
+}
+
+bool sd_step_running(const struct sd_job *job)
+{
+    (void)job;
+    return false;
+}
+
+void sd_optim_set_tensor_steps(struct sd_job *job, uint32_t tensor, uint64_t steps)
+{
+    (void)job;
+    if (tensor < 2)
+        F.steps_set[tensor] = steps;
+}
+
+void sd_sched_prefetch(struct sd_job *job)
+{
+    (void)job;
+    F.prefetches++;
+}
 
 const char *sd_job_values_from(const struct sd_job *job)
 {
@@ -56,7 +95,7 @@ const char *sd_job_values_from(const struct sd_job *job)
 bool sd_job_shards_busy(const struct sd_job *job)
 {
     (void)job;
-    return false;
+    return F.shards_busy;
 }
 
 const char *sd_job_state_name(enum sd_job_state s)
@@ -486,6 +525,165 @@ static void test_sweep(void)
     teardown(&fx);
 }
 
+/* ---- values written into a running job */
+
+/* local rank r's shards of tensor t against values (the tensor's): its os state `what` and,
+ * with what 0, its weight shard; elements that differ */
+static int check_written(struct fixture *fx, uint32_t r, uint32_t t, uint32_t what,
+                         const float *values)
+{
+    struct sd_job *job = fx->job;
+    const struct sd_unit_layout *ul = &job->layout.units[t]; /* (tensor t is unit t's) */
+    uint32_t rank = job->first_rank + r;
+    int bad = 0;
+    uint64_t stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]);
+    uint64_t len = ul->numel / job->plan.f[SD_STATE_OS],
+             b = (rank % job->plan.f[SD_STATE_OS]) * len;
+    const float *os = (const float *)sd_job_state(job, r, SD_STATE_OS) + what * stride +
+                      ul->arena_off[SD_STATE_OS];
+    for (uint64_t i = b; i < b + len && i < sizes[t]; i++)
+        bad += memcmp(&os[i - b], &values[i], 4) != 0;
+    if (what != 0)
+        return bad;
+    len = ul->numel / job->plan.f[SD_STATE_W];
+    b = (rank % job->plan.f[SD_STATE_W]) * len;
+    const uint8_t *w = sd_job_w_shard(job, r, t);
+    for (uint64_t i = b; i < b + len && i < sizes[t]; i++) {
+        uint16_t want = bf16_of(values[i]), got;
+        memcpy(&got, w + 2 * (i - b), 2);
+        bad += got != want;
+    }
+    return bad;
+}
+
+/* local rank r writes tensor t's values as what through staging slot 1, tag */
+static void write_tensor(struct fixture *fx, uint32_t r, uint32_t t, uint32_t what,
+                         const float *values, uint64_t count, uint64_t tag)
+{
+    memcpy(sd_job_staging_slot(fx->job, r, 1), values, (t < 2 ? sizes[t] : 0) * sizeof(float));
+    struct sd_sqe e = {
+        .op = SD_OP_WRITE, .unit = t, .arg0 = 1 | (uint64_t)what << 32, .arg1 = count, .tag = tag};
+    sd_loading_write(fx->job, &fx->tj.s[r], &e, sd_now_ns());
+}
+
+static void written(struct fixture *fx, uint32_t r, uint64_t tag)
+{
+    struct sd_sqe e = {.op = SD_OP_WRITTEN, .tag = tag};
+    sd_loading_written(fx->job, &fx->tj.s[r], &e);
+}
+
+static void test_write(void)
+{
+    struct fixture fx;
+    if (!setup(&fx, "zero3", 1, 2, 0, SD_DTYPE_BF16))
+        return;
+    struct sd_job *job = fx.job;
+    job->state = SD_JOB_READY;
+    uint32_t holds[2][2] = {{0}};
+    fx.tj.s[0].holds = holds[0];
+    fx.tj.s[1].holds = holds[1];
+    float *v = calloc(job->layout.max_unit_numel, sizeof(float));
+    float *m = calloc(job->layout.max_unit_numel, sizeof(float));
+    for (uint64_t i = 0; i < sizes[0]; i++) {
+        v[i] = 7.0f + (float)i * 0.013f + 1.0f / 3.0f;
+        m[i] = -0.5f + (float)i * 0.001f;
+    }
+    /* refusals */
+    write_tensor(&fx, 0, 2, 0, v, 3000, 1);
+    TH_CHECK(th_fake.fails == 1 && th_fake.fail_status == SD_EINVAL, "write: tensor 2 of 2 (%s)",
+             th_fake.fail_msg);
+    write_tensor(&fx, 0, 0, 2, v, 3000, 2);
+    TH_CHECK(th_fake.fails == 2 && th_fake.fail_status == SD_EINVAL &&
+                 strstr(th_fake.fail_msg, "state 2") != NULL,
+             "write: SGD has no state 2 (%s)", th_fake.fail_msg);
+    write_tensor(&fx, 0, 0, 0, v, 2999, 3);
+    TH_CHECK(th_fake.fails == 3 && th_fake.fail_status == SD_EINVAL &&
+                 strstr(th_fake.fail_msg, "2999 values") != NULL,
+             "write: another count (%s)", th_fake.fail_msg);
+    F.step_arrived = 1;
+    write_tensor(&fx, 0, 0, 0, v, 3000, 4);
+    TH_CHECK(th_fake.fails == 4 && th_fake.fail_status == SD_ESTATE &&
+                 strstr(th_fake.fail_msg, "in step 1") != NULL,
+             "write: refused while ranks are in a step (%s)", th_fake.fail_msg);
+    F.step_arrived = 0;
+    holds[0][1] = 1;
+    write_tensor(&fx, 0, 0, 0, v, 3000, 5);
+    TH_CHECK(th_fake.fails == 5 && th_fake.fail_status == SD_ESTATE &&
+                 strstr(th_fake.fail_msg, "holds unit 1") != NULL,
+             "write: refused while the rank holds a unit (%s)", th_fake.fail_msg);
+    holds[0][1] = 0;
+    TH_CHECK(th_fake.done == 0 && check_written(&fx, 0, 0, 0, v) > 0, "write: nothing written");
+
+    /* each rank writes its own shards */
+    write_tensor(&fx, 0, 0, 0, v, 3000, 10);
+    TH_CHECK(th_answered(0, 10) >= 0 && check_written(&fx, 0, 0, 0, v) == 0 &&
+                 check_written(&fx, 1, 0, 0, v) > 0,
+             "write: rank 0's own master and weight shards written, not rank 1's");
+    th_fake.queue_eagain = 1; /* a device at work: answered by the poll */
+    write_tensor(&fx, 1, 0, 0, v, 3000, 11);
+    TH_CHECK(th_answered(1, 11) < 0 && sd_loading_queue_waiting(job),
+             "write: answered once the device read the slot");
+    TH_CHECK(sd_loading_queue_poll(job) && th_answered(1, 11) >= 0 &&
+                 check_written(&fx, 1, 0, 0, v) == 0,
+             "write: the poll answers it, rank 1's shards written");
+    write_tensor(&fx, 1, 0, 1, m, 3000, 12);
+    TH_CHECK(th_answered(1, 12) >= 0 && check_written(&fx, 1, 0, 1, m) == 0 &&
+                 check_written(&fx, 0, 0, 1, m) > 0,
+             "write: the momentum of rank 1's shard");
+    struct sd_sqe st = {.op = SD_OP_WRITE,
+                        .unit = 1,
+                        .arg0 = (uint64_t)SD_WRITE_STEPS << 32,
+                        .arg1 = 42,
+                        .tag = 13};
+    sd_loading_write(job, &fx.tj.s[0], &st, sd_now_ns());
+    TH_CHECK(th_answered(0, 13) >= 0 && F.steps_set[1] == 42, "write: tensor 1's step count");
+
+    /* the barrier: a new generation once both ended, and no gather is in flight */
+    written(&fx, 0, 20);
+    TH_CHECK(th_answered(0, 20) < 0 && job->weights_gen == 0, "written: rank 0 waits for rank 1");
+    written(&fx, 0, 21);
+    TH_CHECK(th_fake.fail_status == SD_EBUSY, "written: rank 0 twice refused");
+    write_tensor(&fx, 0, 0, 0, v, 3000, 22);
+    TH_CHECK(th_fake.fail_status == SD_EBUSY && strstr(th_fake.fail_msg, "ended its writes"),
+             "write: after its write_done refused (%s)", th_fake.fail_msg);
+    job->xfer.gathers_inflight = 1;
+    written(&fx, 1, 23);
+    TH_CHECK(th_answered(0, 20) < 0 && th_answered(1, 23) < 0 && job->weights_gen == 0,
+             "written: a gather of the old weights in flight: it waits");
+    job->xfer.gathers_inflight = 0;
+    struct sd_job_ev ev = {.kind = SD_JOB_EV_TRANSFERS};
+    TH_CHECK(sd_loading_module.event(job, &ev), "written: the gather's end takes it on");
+    int a0 = th_answered(0, 20), a1 = th_answered(1, 23);
+    TH_CHECK(a0 >= 0 && a1 >= 0 && job->weights_gen == 1 && th_fake.ans[a0].v0 == 1 &&
+                 F.prefetches == 1,
+             "written: both answered, the weights a new generation (1), prefetching again");
+    TH_CHECK(job->xfer.pre_write_gen1 == 1,
+             "written: the generation before the write (0) is still served to peers");
+
+    /* only optimizer states written: the same generation */
+    write_tensor(&fx, 0, 0, 1, m, 3000, 30);
+    written(&fx, 0, 31);
+    written(&fx, 1, 32);
+    TH_CHECK(th_answered(1, 32) >= 0 && job->weights_gen == 1,
+             "written: moments only, the weights' generation stays");
+
+    /* a rank that never ends its writes */
+    written(&fx, 0, 40);
+    uint64_t op = 1000ull * 1000000ull;
+    TH_CHECK(!sd_loading_module.sweep(job, sd_now_ns(), op), "written: within the timeout");
+    TH_CHECK(sd_loading_module.sweep(job, sd_now_ns() + 2 * op, op) && th_fake.job_fails == 1 &&
+                 th_fake.job_status == SD_ETIMEDOUT && strstr(th_fake.job_msg, "ranks ?") != NULL,
+             "written: past the timeout the job fails naming the ranks missing (%s)",
+             th_fake.job_msg);
+    sd_loading_module.fail_parked(job, SD_ETIMEDOUT, "failed", true);
+    int i = th_answered(0, 40);
+    TH_CHECK(i >= 0 && th_fake.ans[i].status == SD_ETIMEDOUT,
+             "written: the waiting rank answered with the failure");
+    free(v);
+    free(m);
+    teardown(&fx);
+}
+
 int main(void)
 {
     srand(5);
@@ -498,5 +696,6 @@ int main(void)
     test_node1("mics:2", false);
     test_node1_fails();
     test_sweep();
+    test_write();
     return th_summary("test_loading");
 }

@@ -35,8 +35,19 @@ enum sd_op {
     SD_OP_DROP = 7,    /* forget the cached gathered copy of unit (benchmarks) */
     SD_OP_SAVE = 8,    /* every rank, between steps: arg0 = length of the directory written at
                           RegisterReply.save_path_off -> value0 = the step saved */
+    SD_OP_WRITE = 9,   /* every rank, between steps: unit = tensor, arg0 = staging slot |
+                          what << 32, arg1 = the tensor's elements (SD_WRITE_STEPS: its step
+                          count) -> the fp32 values in the slot into this rank's shards */
+    SD_OP_WRITTEN = 10, /* every rank after its writes: barrier; the written weights are the
+                           next fetches' -> value0 = the weights generation */
     SD_OP_COUNT
 };
+
+/* SD_OP_WRITE's what: the weights (fp32 masters and the weights in their dtype), an optimizer
+ * state (1 .. states - 1: AdamW's exp_avg, exp_avg_sq; SGD's momentum_buffer), or the tensor's
+ * step count (arg1) */
+#define SD_WRITE_WEIGHTS 0u
+#define SD_WRITE_STEPS   255u
 
 /* a fetch or release outside the step's schedule (reading the weights on some ranks only: a
  * save, an evaluation): neither recorded nor matched against the schedule */
