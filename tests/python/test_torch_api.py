@@ -40,9 +40,13 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
     (SHARD_LIBRARY unset, run outside the source tree) (the README's venv, which takes the
     package with pip offline: test_readme);
   - what cannot work on a wrapped model raises ShardError naming the call and the fix, nothing
-    written or changed: optimizer.state_dict()/load_state_dict() (a nanoGPT-style
-    torch.save({"model", "optimizer"}) writes nothing), torch.save(model), copy.deepcopy,
-    load_state_dict() on the model and on a submodule; a submodule's state_dict() is its full
+    written or changed: optimizer.state_dict() (a nanoGPT-style torch.save({"model",
+    "optimizer"}) writes nothing), torch.save(model), copy.deepcopy; optimizer.load_state_dict
+    of a dict that is not torch's is refused; load_state_dict() on the model refuses a missing
+    key, an unexpected one, another shape as torch does, writing nothing, then writes every
+    parameter into shardd bitwise, with strict=False what the dict has (reporting the missing
+    keys), on a submodule under its own names, and the saved state dict back restores every
+    parameter; a submodule's state_dict() is its full
     tensors under its own names; under zeropp, state_dict() warns once that it returns the
     int8-gathered weights, not the masters; SGD with lr=20 trains as torch's, a negative lr is
     refused.
@@ -249,19 +253,49 @@ try:
     check(ok and out.tell() == 0,
           f"optimizer.state_dict() of a wrapped model refused, nothing written: {msg}")
     ok, msg = raises(lambda: st.optimizer(mine).load_state_dict({"state": {}}),
-                     "optimizer.load_state_dict()", "shard.torch.save", kinds=(shard.ShardError,))
-    check(ok, f"optimizer.load_state_dict() refused: {msg}")
+                     "'state' and 'param_groups'", kinds=(ValueError,))
+    check(ok, f"optimizer.load_state_dict() of a dict that is not torch's refused: {msg}")
     ok, msg = raises(lambda: torch.save(mine, io.BytesIO()), "torch.save(model)",
                      "model.state_dict()", kinds=(shard.ShardError,))
     check(ok, f"torch.save(model) of a wrapped model refused naming what to save: {msg}")
     ok, msg = raises(lambda: copy.deepcopy(mine), "copy.deepcopy", kinds=(shard.ShardError,))
     check(ok, f"copy.deepcopy of a wrapped model refused: {msg}")
-    for who, mod, d in (("model", mine, sd), ("a submodule", mine.blocks[1], sub)):
-        ok, msg = raises(lambda: mod.load_state_dict(d), "load_state_dict()", "before wrap",
-                         "load=", kinds=(shard.ShardError,))
-        check(ok, f"load_state_dict() on {who} of a wrapped model refused: {msg}")
+    # load_state_dict on the wrapped model and on a submodule: torch's strict checks (nothing
+    # written when they fail), then the values written into shardd, bitwise
+    other = {k: v + 0.25 for k, v in sd.items()}
+    for what, bad, words in (
+            ("a missing key", {k: v for k, v in other.items() if k != "head.bias"},
+             ["Missing key(s)", '"head.bias"']),
+            ("an unexpected key", dict(other, extra=torch.zeros(1)),
+             ["Unexpected key(s)", '"extra"']),
+            ("another shape", dict(other, **{"head.bias": torch.zeros(5)}),
+             ["size mismatch for head.bias", "torch.Size([4])"])):
+        ok, msg = raises(lambda: mine.load_state_dict(bad), *words, kinds=(RuntimeError,))
+        check(ok, f"load_state_dict with {what} refused as torch does: {msg}")
     after = st.full_state_dict(mine)
-    check(all(torch.equal(after[k], full[k]) for k in full), "no parameter changed")
+    check(all(torch.equal(after[k], full[k]) for k in full),
+          "no parameter changed by the refused loads")
+    keys = mine.load_state_dict(other)
+    after = st.full_state_dict(mine)
+    check(list(keys) == [[], []] and all(torch.equal(after[k], other[k]) for k in other),
+          f"model.load_state_dict writes every parameter into shardd, bitwise: {keys}")
+    part = {k: v for k, v in sd.items() if k.startswith("head.")}
+    keys = mine.load_state_dict(part, strict=False)
+    after = st.full_state_dict(mine)
+    check(sorted(keys.missing_keys) == sorted(k for k in sd if not k.startswith("head.")) and
+          keys.unexpected_keys == [] and
+          all(torch.equal(after[k], part[k] if k in part else other[k]) for k in sd),
+          "strict=False loads what the dict has, reports the missing keys, leaves the rest")
+    keys = mine.blocks[1].load_state_dict({"weight": full["blocks.1.weight"],
+                                           "bias": full["blocks.1.bias"]})
+    after = st.full_state_dict(mine)
+    check(list(keys) == [[], []] and torch.equal(after["blocks.1.weight"],
+                                                 full["blocks.1.weight"]),
+          "a submodule's load_state_dict writes under its own names")
+    mine.load_state_dict(sd)
+    after = st.full_state_dict(mine)
+    check(all(torch.equal(after[k], full[k]) for k in full),
+          "loading the saved state dict back restores every parameter bitwise")
     # under a plan that gathers int8 weights, state_dict() says once that it is not the masters
     qz = copy.deepcopy(base)
     st.wrap(qz, job="qw", plan="zeropp")

@@ -20,6 +20,12 @@ on a 2-node x 2-rank emulated cluster of real daemons (tools/local-cluster.sh):
     step 5 and resumed in a new job (new model, optimizer and schedule, wrap(load=)): the same
     checks as AdamW's (Adam: at most one element in 10^4 outside that band, none beyond 3e-5:
     Adam's step divides by the gradient's own root), and shardctl jobs names the optimizer;
+  - torch's own state dicts: single-process AdamW (zero3) and SGD with momentum (mics:2) runs
+    save {"model": model.state_dict(), "optimizer": optimizer.state_dict()} after step 5 (as
+    nanoGPT's checkpoint); a job that trained 5 steps on other data loads both with the model's
+    and the optimizer's load_state_dict on every rank: full_state_dict right after is the
+    loaded one bitwise (gathered across the nodes), no key missing or unexpected, the groups'
+    lr the loaded ones, and the 5 steps after end as the reference's (the same checks);
   - full_state_dict has the tied weight under both names, and loads into an unwrapped model;
   - shardctl's jobs document shows each group's current lr (the schedule's last value);
   - memory: a model of 8 units, 1 MiB of gradient each: during backward the process's heap in
@@ -281,12 +287,15 @@ def batchnorm(cl, work):
 RESUME_AT = 5  # Adam and Nesterov's SGD: saved after this many steps and resumed
 
 
-def reference(kind):
-    """single-process torch on the global batch: per-step losses, final parameters"""
+def reference(kind, keep=None):
+    """single-process torch on the global batch: per-step losses, final parameters; keep: a
+    path where torch.save puts {"model", "optimizer"} state dicts after RESUME_AT steps"""
     m = model()
     opt, sched = build_opt(kind, m)
     losses = []
     for step in range(STEPS):
+        if keep is not None and step == RESUME_AT:
+            torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, keep)
         before_step(kind, m, step)
         total = micro_steps(m, data, loss_of, step, 0, RANKS * SEQS)  # every rank's rows
         if kind == "adamw":
@@ -303,6 +312,8 @@ def worker(a):
     """one rank through shardd"""
     m = model()
     kind = "sgd" if a["form"] == "dict" else "adamw"
+    if a["form"].startswith("torchsd-"):  # torch's own state dicts loaded into a running job
+        return torchsd_worker(a, m, a["form"][len("torchsd-"):])
     if a["form"].startswith("torch-"):  # Adam, Nesterov's SGD: saved and resumed mid-run
         kind = a["form"][len("torch-"):]
         opt, sched = build_opt(kind, m)
@@ -371,9 +382,64 @@ def worker(a):
     st.unwrap(m)
 
 
-def run(cluster, work, tag, plan, form, disagree=False):
+def torchsd_worker(a, m, kind):
+    """a job that trains RESUME_AT steps on other data, then loads single-process torch's
+    state dicts of that step (a torch.save of {"model": model.state_dict(), "optimizer":
+    optimizer.state_dict()}, as nanoGPT's resume reads them) with the model's and the
+    optimizer's load_state_dict on every rank, and goes on with the reference's data"""
+    opt, sched = build_opt(kind, m)
+    st.wrap(m, socket=a["socket"], job=a["job"], rank=a["rank"], world=RANKS, plan=a["plan"],
+            optimizer=opt, max_grad_norm=1.0 if kind == "adamw" else None)
+    lo, hi = a["rank"] * SEQS, (a["rank"] + 1) * SEQS
+    other = functools.partial(harness.lm_batch, rows=RANKS * SEQS, ctx=CTX, vocab=VOCAB)
+    losses = []
+    for step in range(STEPS):
+        if step == RESUME_AT:
+            ck = torch.load(a["keep"])
+            keys = m.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+            sched = schedule(kind, opt, last_epoch=RESUME_AT - 1)
+            full = st.full_state_dict(m)  # (gathered across the nodes: the written weights)
+            exact = all(torch.equal(full[k], v) for k, v in ck["model"].items())
+            lr = [g["lr"] for g in opt.param_groups]
+            want = [g["lr"] for g in ck["optimizer"]["param_groups"]]
+        before_step(kind, m, step)
+        batch = data if step >= RESUME_AT else (lambda s, mi: other(s + 100, mi))
+        total = micro_steps(m, batch, loss_of, step, lo, hi)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(total)
+    out = {"loss": losses, "errors": [], "exact": exact, "keys": list(keys),
+           "lr": [lr, want]}
+    if a["rank"] == 0:
+        torch.save(st.full_state_dict(m), a["out"] + ".pt")
+    with open(a["out"] + ".json", "w") as f:
+        json.dump(out, f)
+    st.unwrap(m)
+
+
+def torchsd(cl, work, kind, plan):
+    """torch's state dicts loaded into a running job (torchsd_worker) against the reference"""
+    keep = f"{work}/ref-{kind}.pt"
+    ref_losses, ref_params = reference(kind, keep=keep)
+    tag = f"torchsd-{kind}"
+    got = run(cl, work, tag, plan, tag, keep=keep)
+    if got[0] is None:
+        return
+    losses, params, logs = got
+    for r, lg in enumerate(logs):
+        check(lg["exact"] and lg["keys"] == [[], []] and lg["lr"][0] == lg["lr"][1],
+              f"{tag} rank {r}: after model.load_state_dict the full state dict is the loaded one "
+              f"bitwise, no key missing or unexpected, the groups' lr the loaded ones: "
+              f"{lg['exact']} {lg['keys']} {lg['lr']}")
+    compare(f"{tag} ({plan}, loaded after step {RESUME_AT} of another run)",
+            (losses[RESUME_AT:], params, logs), (ref_losses[RESUME_AT:], ref_params))
+
+
+def run(cluster, work, tag, plan, form, disagree=False, keep=None):
     launch(cluster, work, tag, "--worker",
-           lambda r: {"plan": plan, "form": form, "disagree": disagree})
+           lambda r: {"plan": plan, "form": form, "disagree": disagree, "keep": keep})
     try:
         logs = [json.load(open(f"{work}/{tag}-{r}.json")) for r in range(RANKS)]
         params = torch.load(f"{work}/{tag}-0.pt")
@@ -536,6 +602,10 @@ def main():
                     job = got[2][0]["jobs"]["jobs"][0]["optimizer"]
                     want = "adam" if kind == "adam" else "sgd-nesterov"
                     check(job["name"] == want, f"{kind}: shardctl jobs names it {job['name']}")
+            # torch's own state dicts (single-process AdamW and SGD with momentum, after step
+            # 5) loaded into running jobs through the model's and optimizer's load_state_dict
+            torchsd(cl, work, "adamw", "zero3")
+            torchsd(cl, work, "sgd", "mics:2")
             batchnorm(cl, work)
             memory(sys.argv[1], work)
     finally:

@@ -180,6 +180,9 @@ _lib.shard_group_hparams.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_HPara
 _lib.shard_step_ex.argtypes = [_c.c_void_p, _c.POINTER(_StepArgs), _c.POINTER(_c.c_double)]
 _lib.shard_detach.argtypes = [_c.c_void_p]
 _lib.shard_save.argtypes = [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_uint64)]
+_lib.shard_write.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_uint32, _c.c_void_p, _c.c_size_t]
+_lib.shard_write_steps.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_uint64]
+_lib.shard_write_done.argtypes = [_c.c_void_p]
 _lib.shard_start_step.argtypes = [_c.c_void_p]
 _lib.shard_start_step.restype = _c.c_uint64
 _lib.shard_resumed.argtypes = [_c.c_void_p]
@@ -371,6 +374,24 @@ class Context:
         step = _c.c_uint64()
         self._check(_lib.shard_save(self._ctx, _b(os.fspath(directory)), _c.byref(step)), "save")
         return step.value
+
+    def write(self, tensor, what, addr, count):
+        """Write tensor's count fp32 values at host address addr into this rank's shards of
+        the running job (every rank, between the same two steps, the same values): what 0 the
+        weights (masters and weights), 1.. an optimizer state (AdamW's exp_avg, exp_avg_sq;
+        SGD's momentum_buffer). write_done after the last."""
+        self._check(_lib.shard_write(self._ctx, tensor, what, _c.c_void_p(addr), count),
+                    f"write tensor {tensor}")
+
+    def write_steps(self, tensor, steps):
+        """Set tensor's step count (AdamW's bias correction) on this rank's node."""
+        self._check(_lib.shard_write_steps(self._ctx, tensor, int(steps)),
+                    f"write_steps tensor {tensor}")
+
+    def write_done(self):
+        """End this rank's writes; returns once every rank of its node ended theirs: the next
+        fetches read the written weights."""
+        self._check(_lib.shard_write_done(self._ctx), "write_done")
 
     def fetch(self, unit):
         """Gather a unit: (address, bytes) of its flat buffer, read-only until release."""

@@ -37,6 +37,7 @@ synchronization per unit (at most one per step, for module buffers). Any other p
 model and host memory, a CPU model and a GPU's, another GPU, parameters on several devices) is
 refused at wrap naming both sides, and the model is left where it is.
 """
+import collections.abc
 import contextlib
 import ctypes
 import functools
@@ -423,12 +424,17 @@ def _refusal(call, why):
 # Why torch's optimizer state_dict of a wrapped model is refused rather than returned without
 # its state (a resume from it would restart the moments from zero without a word).
 _OPT_STATE_FIX = ("the optimizer's state (fp32 master weights, moments, step counts) lives in "
-                  "shardd, and torch's layout of it is not available yet; nothing was saved or "
-                  "loaded. Save it with shard.torch.save(directory) on every rank after the same "
-                  "step and resume with shard.torch.wrap(model, optimizer=..., load=directory): "
-                  "the checkpoint holds the masters, moments, step counts and param groups, and "
-                  "loads under any world and plan (docs/pytorch.md). shard.checkpoint."
-                  "load_state_dict(directory, optimizer_states=True) reads it without a daemon")
+                  "shardd, sharded over the job's nodes, and is not gathered into torch's layout "
+                  "yet; nothing was saved (optimizer.load_state_dict of torch's layout does "
+                  "work: every rank loads the same dict). Save it with shard.torch.save("
+                  "directory) on every rank after the same step and resume with shard.torch."
+                  "wrap(model, optimizer=..., load=directory): the checkpoint holds the masters, "
+                  "moments, step counts and param groups, and loads under any world and plan "
+                  "(docs/pytorch.md). shard.checkpoint.load_state_dict(directory, "
+                  "optimizer_states=True) reads it without a daemon")
+# torch's names of each optimizer's per-parameter state, and shardd's state index of each
+_TORCH_STATE = {"adamw": {"exp_avg": 1, "exp_avg_sq": 2}, "sgd": {"momentum_buffer": 1}}
+_TORCH_STATE["adam"], _TORCH_STATE["sgd-nesterov"] = _TORCH_STATE["adamw"], _TORCH_STATE["sgd"]
 
 
 class ShardOptimizer(torch.optim.Optimizer):
@@ -455,7 +461,13 @@ class ShardOptimizer(torch.optim.Optimizer):
         raise _refusal("optimizer.state_dict() of a wrapped model", _OPT_STATE_FIX)
 
     def load_state_dict(self, state_dict):
-        raise _refusal("optimizer.load_state_dict() of a wrapped model", _OPT_STATE_FIX)
+        """torch's optimizer.load_state_dict on the wrapped model: a state dict in torch's
+        layout (a torch optimizer's of the same kind and param groups: AdamW's and Adam's
+        exp_avg, exp_avg_sq and step; SGD's momentum_buffer) into the daemon's shards, and its
+        param groups' hyperparameters into these. Every rank calls it with the same dict
+        between the same two steps (each writes its own shards); a parameter without state in
+        it starts afresh, as torch's would."""
+        _load_optimizer_state(self._shard, self, state_dict)
 
     def add_param_group(self, param_group):
         if getattr(self, "_shard", None) is not None:
@@ -1197,26 +1209,153 @@ def _full_state_dict_of(model, within, module, destination=None, prefix="", keep
     return destination
 
 
-def _refuse_load_state_dict(state_dict, strict=True, assign=False):
-    raise _refusal("load_state_dict() of a wrapped model (or of a module in it)",
-                   "its parameters live in shardd and cannot be overwritten in place yet; nothing "
-                   "was loaded. Load the values before wrap (model.load_state_dict(sd), then "
-                   "shard.torch.wrap: rank 0's values are the job's initial ones), or resume a "
-                   "shardd checkpoint with shard.torch.wrap(..., load=directory)")
+def _f32_host(value):
+    """value as a contiguous fp32 tensor in host memory (what shard_write reads)"""
+    return value.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def _write(st, t, what, value):
+    v = _f32_host(value).reshape(-1)
+    st.ctx.write(t, what, v.data_ptr(), v.numel())
+
+
+def _tensor_index(st):
+    """{id(param): its tensor index in the job}"""
+    return {id(p): st.ctx.units[u]["tensors"][i]
+            for u, ps in enumerate(st.params) for i, (_, p) in enumerate(ps)}
+
+
+def _load_state_dict_of(model, within, module, state_dict, strict=True, assign=False):
+    """torch's Module.load_state_dict on a wrapped model (or a module in it, its names below
+    within): parameters are written into shardd (masters and weights: every rank calls it with
+    the same dict between the same two steps, each writing its own shards, as torch's on every
+    rank of a DDP job), buffers copied in place; strict's missing and unexpected keys and size
+    mismatches as torch reports them (then nothing is written). A tied parameter takes the last
+    of its names the dict has, as torch's copies in order. assign is taken as a copy (the
+    parameters are shardd's). Returns torch's _IncompatibleKeys."""
+    del assign
+    from torch.nn.modules.module import _IncompatibleKeys
+    st = _state_of(model)
+    if not isinstance(state_dict, collections.abc.Mapping):
+        raise TypeError(f"Expected state_dict to be dict-like, got {type(state_dict)}.")
+    _reading.active = True  # torch's own names of the module: parameters and buffers
+    try:
+        mine = torch.nn.Module.state_dict(module, keep_vars=True)
+    finally:
+        _reading.active = False
+    shapes = {id(p): shape for ps, sh in zip(st.params, st.shapes)
+              for (_, p), shape in zip(ps, sh)}
+    missing = [k for k in mine if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in mine]
+    errors, params, buffers = [], {}, []
+    for k, t in mine.items():
+        if k not in state_dict:
+            continue
+        v = state_dict[k]
+        if not isinstance(v, torch.Tensor):
+            errors.append(f'While copying the parameter named "{k}", expected torch.Tensor or '
+                          f'Tensor-like object from checkpoint but received {type(v)}')
+            continue
+        shape = shapes.get(id(t), t.shape)
+        if tuple(v.shape) != tuple(shape):
+            errors.append(f"size mismatch for {k}: copying a param with shape {v.shape} from "
+                          f"checkpoint, the shape in current model is {torch.Size(shape)}.")
+            continue
+        if id(t) in shapes:
+            params[id(t)] = v  # (in the module's order: a tied one's last name wins)
+        else:
+            buffers.append((t, v))
+    if strict:
+        if unexpected:
+            errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(
+                ", ".join(f'"{k}"' for k in unexpected)))
+        if missing:
+            errors.insert(0, "Missing key(s) in state_dict: {}. ".format(
+                ", ".join(f'"{k}"' for k in missing)))
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for {} (nothing was loaded into "
+                           "shardd):\n\t{}".format(module.__class__.__name__, "\n\t".join(errors)))
+    index = _tensor_index(st)
+    with torch.no_grad():
+        for t, v in buffers:
+            t.copy_(v)
+        for ps in st.params:
+            for _, p in ps:
+                if id(p) in params:
+                    _write(st, index[id(p)], 0, params[id(p)])
+    st.ctx.write_done()  # (every rank, also one with nothing to write)
+    return _IncompatibleKeys(missing, unexpected)
+
+
+def _load_optimizer_state(st, so, state_dict):
+    """ShardOptimizer.load_state_dict: torch's checks and layout"""
+    if not isinstance(state_dict, collections.abc.Mapping) or "param_groups" not in state_dict \
+            or "state" not in state_dict:
+        raise ValueError("optimizer.load_state_dict: a torch optimizer's state_dict has 'state' "
+                         "and 'param_groups'")
+    groups, saved = so.param_groups, state_dict["param_groups"]
+    if len(groups) != len(saved):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    if any(len(g["params"]) != len(sg["params"]) for g, sg in zip(groups, saved)):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match the "
+                         "size of optimizer's group")
+    names = _TORCH_STATE[st.kind]
+    same = _TORCH_SAME[st.kind.replace("-nesterov", "")]
+    for gi, sg in enumerate(saved):
+        for k, want in same.items():
+            if k in sg and sg[k] != want and not (want is None and sg[k] is False):
+                raise ValueError(f"optimizer.load_state_dict: param_groups[{gi}] has {k}="
+                                 f"{sg[k]}, which shardd's {st.kind} does not run")
+    by_index = {}
+    for g, sg in zip(groups, saved):
+        by_index.update(zip(sg["params"], g["params"]))
+    states = state_dict["state"]
+    for key, ps in states.items():
+        k = int(key)
+        if k not in by_index:
+            raise ValueError(f"optimizer.load_state_dict: state of parameter {key}, which no "
+                             "param group lists")
+        for name in ps:
+            if name not in names and name != "step":
+                raise ValueError(f"optimizer.load_state_dict: parameter {key}'s state '{name}' "
+                                 f"is not {st.kind}'s (it keeps {', '.join(names)}, step)")
+    shapes = {id(p): shape for ps, sh in zip(st.params, st.shapes)
+              for (_, p), shape in zip(ps, sh)}
+    index = _tensor_index(st)
+    with torch.no_grad():
+        for k, p in by_index.items():
+            ps = states.get(k, states.get(str(k), {}))
+            shape = torch.Size(shapes[id(p)])
+            for name, what in names.items():
+                v = ps.get(name)
+                if v is None:
+                    v = torch.zeros(shape)
+                elif tuple(v.shape) != tuple(shape):
+                    raise ValueError(f"optimizer.load_state_dict: parameter {k}'s {name} has "
+                                     f"shape {tuple(v.shape)}, the parameter {tuple(shape)}")
+                _write(st, index[id(p)], what, v)
+            step = ps.get("step", 0)
+            st.ctx.write_steps(index[id(p)], int(step.item() if torch.is_tensor(step) else step))
+    st.ctx.write_done()
+    for g, sg in zip(groups, saved):
+        for k, v in sg.items():
+            if k != "params":
+                g[k] = tuple(v) if isinstance(v, list) else v
 
 
 def _patch_modules(model):
     """model and each module in it that holds wrapped parameters: state_dict() returns the full
-    tensors (under the module's own names), load_state_dict() is refused naming what to do
-    (torch's own would fail on the placeholders' shapes). Instance attributes, as unwrap removes
-    them; functools.partial, so that pickling reaches _State.__reduce_ex__'s message."""
+    tensors (under the module's own names), load_state_dict() writes them into shardd (torch's
+    own would fail on the placeholders' shapes). Instance attributes, as unwrap removes them;
+    functools.partial, so that pickling reaches _State.__reduce_ex__'s message."""
     for name, m in model.named_modules():
         if m is not model and not any(getattr(p, "_shard_wrapped", False)
                                       for p in m.parameters()):
             continue
         m.state_dict = functools.partial(_full_state_dict_of, model, name + "." if name else "",
                                          m)
-        m.load_state_dict = _refuse_load_state_dict
+        m.load_state_dict = functools.partial(_load_state_dict_of, model,
+                                              name + "." if name else "", m)
     # FSDP2's accumulation call on the model (fully_shard's modules have it): the last
     # micro-step's backward then sends each unit across nodes as it is pushed
     model.set_requires_gradient_sync = functools.partial(_set_requires_gradient_sync, model)
