@@ -69,6 +69,8 @@ enum sd_tag_kind {
     SD_TAG_WSTEP = 8,  /* the weights' all-gather after the optimizer (f_w < f_os) */
     SD_TAG_PROBE = 9,  /* the cluster's probe of a peer's data path (unit 1: the control rail,
                         * 0: a data lane, chunk: which) */
+    SD_TAG_SDATA = 10, /* a node's optimizer-state shards of a unit, read by a rank (SD_OP_READ;
+                        * seq: the reading node's read) */
 };
 
 struct sd_tag_fields {

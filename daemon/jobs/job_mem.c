@@ -618,13 +618,14 @@ static int net_setup(struct sd_job *job, char *err, size_t errlen)
     job->xfer.members = calloc(N, sizeof(*job->xfer.members));
     job->xfer.req_cap = N * job->n_slots + 16;
     job->xfer.req_queue = calloc(job->xfer.req_cap, sizeof(*job->xfer.req_queue));
-    uint32_t max_mrs = 2 * job->k + 7;
+    job->xfer.read_req = calloc(1, sizeof(*job->xfer.read_req));
+    uint32_t max_mrs = 3 * job->k + 8;
     job->xfer.mr_handles = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_descs = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_base = calloc(max_mrs, sizeof(void *));
     job->xfer.mr_len = calloc(max_mrs, sizeof(size_t));
-    if (!job->xfer.members || !job->xfer.req_queue || !job->xfer.mr_handles ||
-        !job->xfer.mr_descs || !job->xfer.mr_base || !job->xfer.mr_len)
+    if (!job->xfer.members || !job->xfer.req_queue || !job->xfer.read_req ||
+        !job->xfer.mr_handles || !job->xfer.mr_descs || !job->xfer.mr_base || !job->xfer.mr_len)
         goto err_nomem;
     /* memory registered once per job */
     const struct sd_mem *quant = sd_quant_mem(job);
@@ -634,7 +635,12 @@ static int net_setup(struct sd_job *job, char *err, size_t errlen)
                     sd_job_arena(job, r, SD_STATE_W)->bytes);
         if (st == SD_OK)
             st = reg_mr(job, job->mem.staging[r].ptr, job->mem.staging[r].bytes);
+        if (st == SD_OK) /* a read's optimizer-state shards leave from there (fetch_serve.c) */
+            st = reg_mr(job, sd_job_arena(job, r, SD_STATE_OS)->ptr,
+                        sd_job_arena(job, r, SD_STATE_OS)->bytes);
     }
+    if (st == SD_OK)
+        st = reg_mr(job, job->xfer.read_req, sizeof(*job->xfer.read_req));
     if (st == SD_OK)
         st = reg_mr(job, job->mem.scratch, maxn * sizeof(float));
     if (st == SD_OK)
@@ -679,6 +685,8 @@ static void net_teardown(struct sd_job *job)
     sd_push_net_teardown(job); /* the rounds' buffer goes with the job's other big buffers */
     free(job->xfer.members);
     free(job->xfer.req_queue);
+    free(job->xfer.read_req);
+    job->xfer.read_req = NULL;
     free(job->xfer.mr_handles);
     free(job->xfer.mr_descs);
     free(job->xfer.mr_base);

@@ -15,7 +15,9 @@ struct sd_req_msg {
     uint32_t lslot;
     uint64_t gen;
     uint32_t n_units; /* a coalesced request: units [unit, unit + n_units); 0 or 1: one */
-    uint32_t reserved;
+    /* 0: the weights; 1 + s: the node's shards of the unit's optimizer state s (SD_OP_READ; s
+     * 0 the masters), lslot the reading node's read number */
+    uint32_t state;
 };
 _Static_assert(sizeof(struct sd_req_msg) == 32, "request layout is ABI");
 

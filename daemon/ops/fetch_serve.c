@@ -24,9 +24,65 @@ static void serve_done(struct sd_bulk *b, int status)
     sd_job_event(job, SD_JOB_EV_W_SENT);
 }
 
+static void state_sent(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = b->arg;
+    job->stats.bytes[SD_OP_READ][SD_LINK_INTER_SENT] += b->bytes;
+    uint32_t peer = b->peer;
+    sd_bulk_put(&job->xfer.bulks, b);
+    if (status != SD_OK)
+        SD_WARN_SPARSE("net", "job '%s': sending optimizer state to node %u failed: %s", job->name,
+                       peer, sd_status_str(status));
+}
+
+/* A peer's rank reads a unit's optimizer state (SD_OP_READ, loading.c): this node's ranks'
+ * shards of it, in local rank order. The state is a step's: a request of a later generation
+ * waits for this node's step (false), one of an earlier one (a write since) reads what is
+ * there. */
+static bool serve_state(struct sd_job *job, const struct sd_req_msg *m)
+{
+    if (job->state != SD_JOB_READY && job->state != SD_JOB_CLOSING)
+        return job->state != SD_JOB_LOADING && job->state != SD_JOB_REGISTERING;
+    if (m->gen > job->weights_gen)
+        return false;
+    struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
+    if (b == NULL)
+        return false;
+    const struct sd_unit_layout *ul = &job->layout.units[m->unit];
+    uint64_t stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]);
+    void *pieces[SD_BULK_MAX_PIECES];
+    for (uint32_t q = 0; q < job->k; q++)
+        pieces[q] = (float *)sd_job_state(job, q, SD_STATE_OS) + (m->state - 1) * stride +
+                    ul->arena_off[SD_STATE_OS];
+    uint64_t tag = 0;
+    int st = sd_tag_make(SD_TAG_SDATA, job->xfer.tag, m->unit,
+                         m->lslot & ((1u << SD_TAG_SEQ_BITS) - 1), job->node, &tag);
+    if (st == SD_OK)
+        st = sd_bulk_start(b, &(struct sd_bulk_param){
+                                  .tp = sd_job_tp(job),
+                                  .is_send = true,
+                                  .peer = m->src,
+                                  .tag = tag,
+                                  .pieces = pieces,
+                                  .n_pieces = job->k,
+                                  .piece_len = ul->numel / job->plan.f[SD_STATE_OS] * sizeof(float),
+                                  .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                  .desc = sd_job_net_desc(job, pieces[0]),
+                                  .cb = state_sent,
+                                  .arg = job});
+    if (st != SD_OK) {
+        sd_bulk_put(&job->xfer.bulks, b);
+        SD_WARN("net", "job '%s': cannot send unit %u's optimizer state to node %u: %s", job->name,
+                m->unit, m->src, sd_status_str(st));
+    }
+    return true;
+}
+
 /* Returns false if the request must wait. */
 static bool serve(struct sd_job *job, const struct sd_req_msg *m)
 {
+    if (m->state != 0)
+        return serve_state(job, m);
     /* a job confirmed here that still waits for its nodes' data paths (sd_job_confirm), or
      * loads, keeps the request; a failed job drops it */
     if (job->state != SD_JOB_READY && job->state != SD_JOB_CLOSING)
@@ -120,9 +176,20 @@ void sd_fetch_serve_queue(struct sd_job *job)
 void sd_fetch_on_request(struct sd_job *job, const struct sd_req_msg *m)
 {
     uint32_t n_units = m->n_units ? m->n_units : 1;
-    if (job->cache.units == NULL || m->unit >= job->layout.n_units ||
-        n_units > job->layout.n_units - m->unit || n_units * job->k > SD_BULK_MAX_PIECES ||
-        m->lslot >= job->slots_per_unit || m->src >= job->nodes || m->src == job->node) {
+    if (m->state != 0 &&
+        (job->cache.units == NULL || m->unit >= job->layout.n_units || n_units != 1 ||
+         m->state > sd_optim_state_floats(job->model.optim.kind) || m->src >= job->nodes ||
+         m->src == job->node || job->k > SD_BULK_MAX_PIECES)) {
+        SD_WARN_SPARSE("net",
+                       "dropping a read of job '%s' (tag %u) unit %u state %u from node %u: no "
+                       "such unit, state or node here",
+                       job->name, m->job_tag, m->unit, m->state - 1, m->src);
+        return;
+    }
+    if (m->state == 0 &&
+        (job->cache.units == NULL || m->unit >= job->layout.n_units ||
+         n_units > job->layout.n_units - m->unit || n_units * job->k > SD_BULK_MAX_PIECES ||
+         m->lslot >= job->slots_per_unit || m->src >= job->nodes || m->src == job->node)) {
         SD_WARN_SPARSE("net",
                        "dropping a pull request for job '%s' (tag %u) units %u..%u from node %u: "
                        "no such units or node here",

@@ -45,13 +45,24 @@ struct sd_loading_state {
     struct sd_barrier written; /* the ranks' SD_OP_WRITTEN */
     bool weights_written;      /* since the last barrier: the weights changed */
     bool draining;             /* the barrier is full, and waits for the node's gathers in flight */
+    /* a rank's read of a unit's master weights or optimizer state (sd_loading_read): one at a
+     * time on a node, its other ranks' reads wait on their rings */
+    struct sd_state_read {
+        bool active, copying;
+        uint32_t local, unit, what, seq, remaining, suspect;
+        int status;
+        uint64_t tag, start_ns, ticket;
+        struct sd_xfer *xs; /* [os group nodes - 1]: the pull requests' sends */
+    } rd;
 };
 
 int sd_loading_create(struct sd_job *job)
 {
     struct sd_loading_state *ls = calloc(1, sizeof(*ls));
     job->load.init = ls;
-    if (ls == NULL || (ls->w = calloc(job->k, sizeof(*ls->w))) == NULL)
+    uint32_t G = job->gnodes[SD_STATE_OS];
+    if (ls == NULL || (ls->w = calloc(job->k, sizeof(*ls->w))) == NULL ||
+        (ls->rd.xs = calloc(G > 1 ? G - 1 : 1, sizeof(*ls->rd.xs))) == NULL)
         return SD_ENOMEM;
     int st = sd_barrier_init(&ls->ready, job->k);
     return st == SD_OK ? sd_barrier_init(&ls->written, job->k) : st;
@@ -64,6 +75,7 @@ void sd_loading_destroy(struct sd_job *job)
     sd_barrier_fini(&job->load.init->ready);
     sd_barrier_fini(&job->load.init->written);
     free(job->load.init->w);
+    free(job->load.init->rd.xs);
     free(job->load.init);
     job->load.init = NULL;
 }
@@ -304,16 +316,19 @@ static void init_recv_done(struct sd_bulk *b, int status)
 bool sd_loading_queue_waiting(const struct sd_job *job)
 {
     const struct sd_loading_state *ls = job->load.init;
-    return ls != NULL && (ls->converted || ls->received || ls->w_waiting > 0);
+    return ls != NULL && (ls->converted || ls->received || ls->w_waiting > 0 || ls->rd.copying);
 }
 
 static bool writes_poll(struct sd_job *job);
+static bool read_poll(struct sd_job *job);
 
 bool sd_loading_queue_poll(struct sd_job *job)
 {
     struct sd_loading_state *ls = job->load.init;
     if (!sd_loading_queue_waiting(job) || job->state == SD_JOB_FAILED)
         return false;
+    if (ls->rd.copying)
+        return read_poll(job);
     if (ls->w_waiting > 0)
         return writes_poll(job);
     int st = job->reg->dev->query(job->mem.queue, ls->ticket);
@@ -621,6 +636,210 @@ void sd_loading_written(struct sd_job *job, struct sd_session *s, const struct s
     written_try(job);
 }
 
+/* ---- a rank's read of a unit's state (SD_OP_READ) */
+
+static void read_answer(struct sd_job *job, int status, const char *msg)
+{
+    struct sd_state_read *rd = &job->load.init->rd;
+    struct sd_session *s = job->ranks[rd->local];
+    rd->active = rd->copying = false;
+    if (s == NULL)
+        return;
+    if (status == SD_OK) {
+        job->stats.ops[SD_OP_READ]++;
+        sd_latency_add(&job->stats.lat[SD_OP_READ], sd_now_ns() - rd->start_ns);
+    }
+    sd_session_complete(s, rd->tag, SD_OP_READ, status, 0, 0, msg);
+}
+
+/* the transfers of the read ended (or none was needed): answered once the device wrote the
+ * slot */
+static void read_finish(struct sd_job *job)
+{
+    struct sd_state_read *rd = &job->load.init->rd;
+    if (!rd->active)
+        return; /* answered by the job's failure */
+    if (rd->status != SD_OK) {
+        char peer[64], msg[SD_OP_MSG_LEN];
+        snprintf(msg, sizeof(msg), "read of unit %u: the transfer from %s failed: %s", rd->unit,
+                 sd_job_peer_name(job, rd->suspect, peer, sizeof(peer)), sd_status_str(rd->status));
+        read_answer(job, SD_EPEER, msg);
+        sd_job_fail(job, SD_EPEER, "%s", msg);
+        return;
+    }
+    int st = sd_job_queue_mark(job, false, &rd->ticket);
+    if (st == SD_EAGAIN) {
+        rd->copying = true;
+        return;
+    }
+    if (st != SD_OK) {
+        read_answer(job, st, "read: the backend failed");
+        sd_job_backend_failed(job, st);
+        return;
+    }
+    read_answer(job, SD_OK, NULL);
+}
+
+static bool read_poll(struct sd_job *job)
+{
+    struct sd_state_read *rd = &job->load.init->rd;
+    int st = job->reg->dev->query(job->mem.queue, rd->ticket);
+    if (st == SD_EAGAIN)
+        return false;
+    rd->copying = false;
+    read_answer(job, st, st == SD_OK ? NULL : "read: the backend failed");
+    if (st != SD_OK)
+        sd_job_backend_failed(job, st);
+    return true;
+}
+
+static void read_recv_done(struct sd_bulk *b, int status)
+{
+    struct sd_job *job = b->arg;
+    struct sd_state_read *rd = &job->load.init->rd;
+    job->stats.bytes[SD_OP_READ][SD_LINK_INTER_RECV] += b->bytes;
+    if (status != SD_OK && rd->status == SD_OK) {
+        rd->status = status;
+        rd->suspect = b->peer;
+    }
+    sd_bulk_put(&job->xfer.bulks, b);
+    if (--rd->remaining == 0)
+        read_finish(job);
+}
+
+static void read_req_sent(struct sd_xfer *x, int status)
+{
+    struct sd_job *job = x->arg;
+    struct sd_state_read *rd = &job->load.init->rd;
+    if (status != SD_OK && rd->status == SD_OK) {
+        rd->status = status;
+        rd->suspect = x->peer;
+    }
+    if (--rd->remaining == 0)
+        read_finish(job);
+}
+
+/* Pull node m's shards of the read's unit and state into dst (each at its shard's place): a
+ * request and a receive of its ranks' shards, in its local ranks' order. */
+static void read_post(struct sd_job *job, uint32_t m, uint32_t o, float *dst)
+{
+    struct sd_state_read *rd = &job->load.init->rd;
+    const struct sd_unit_layout *ul = &job->layout.units[rd->unit];
+    uint64_t len = ul->numel / job->plan.f[SD_STATE_OS];
+    uint32_t seq = rd->seq & ((1u << SD_TAG_SEQ_BITS) - 1);
+    void *pieces[SD_BULK_MAX_PIECES];
+    for (uint32_t q = 0; q < job->k; q++)
+        pieces[q] = dst + (uint64_t)sd_plan_shard(&job->plan, SD_STATE_OS, m * job->k + q) * len;
+    uint64_t data_tag = 0, req_tag = 0;
+    int st = sd_tag_make(SD_TAG_SDATA, job->xfer.tag, rd->unit, seq, m, &data_tag);
+    if (st == SD_OK)
+        st = sd_tag_make(SD_TAG_REQ, job->xfer.tag, rd->unit, seq, job->node, &req_tag);
+    struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
+    if (st == SD_OK && b == NULL)
+        st = SD_EBUSY;
+    if (st == SD_OK)
+        st = sd_bulk_start(b, &(struct sd_bulk_param){.tp = sd_job_tp(job),
+                                                      .peer = m,
+                                                      .tag = data_tag,
+                                                      .pieces = pieces,
+                                                      .n_pieces = job->k,
+                                                      .piece_len = len * sizeof(float),
+                                                      .chunk_bytes = job->reg->cfg->chunk_bytes,
+                                                      .desc = sd_job_net_desc(job, dst),
+                                                      .cb = read_recv_done,
+                                                      .arg = job});
+    if (st == SD_OK) {
+        rd->remaining++;
+    } else {
+        if (b != NULL)
+            sd_bulk_put(&job->xfer.bulks, b);
+        if (rd->status == SD_OK) {
+            rd->status = st;
+            rd->suspect = m;
+        }
+        return;
+    }
+    struct sd_xfer *x = &rd->xs[o];
+    x->cb = read_req_sent;
+    x->arg = job;
+    st = sd_job_tp(job)->ops->send(sd_job_tp(job), m, req_tag, job->xfer.read_req,
+                                   sizeof(*job->xfer.read_req),
+                                   sd_job_net_desc(job, job->xfer.read_req), x);
+    if (st == SD_OK) {
+        rd->remaining++;
+    } else if (rd->status == SD_OK) {
+        rd->status = st;
+        rd->suspect = m;
+    }
+}
+
+bool sd_loading_read(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                     uint64_t start)
+{
+    struct sd_loading_state *ls = job->load.init;
+    struct sd_state_read *rd = &ls->rd;
+    const struct sd_layout *l = &job->layout;
+    uint32_t slot = (uint32_t)e->arg0, what = (uint32_t)(e->arg0 >> 32);
+    uint32_t states = sd_optim_state_floats(job->model.optim.kind);
+    char why[256];
+    if (what == SD_WRITE_STEPS) {
+        if (e->unit >= l->n_tensors) {
+            sd_session_fail(s, e, SD_EINVAL, "read: tensor %u does not exist (0..%u)", e->unit,
+                            l->n_tensors - 1);
+            return true;
+        }
+        sd_op_done(job, s, e, sd_optim_tensor_steps(job)[e->unit], 0, start);
+        return true;
+    }
+    if (e->unit >= l->n_units || what >= states || slot >= job->mem.staging_slots) {
+        sd_session_fail(s, e, SD_EINVAL,
+                        "read: unit %u, state %u, staging slot %u (the job has units 0..%u, "
+                        "states 0..%u, %u slots a rank)",
+                        e->unit, what, slot, l->n_units - 1, states - 1, job->mem.staging_slots);
+        return true;
+    }
+    if (write_refusal(job, s, why, sizeof(why)) != NULL) {
+        sd_session_fail(s, e, SD_ESTATE, "read unit %u: %s", e->unit, why);
+        return true;
+    }
+    uint32_t G = job->gnodes[SD_STATE_OS];
+    if (rd->active || (G > 1 && job->xfer.bulks.n - job->xfer.bulks.in_use < G - 1))
+        return false; /* another rank's read, or transfers busy: the ring entry waits */
+    const struct sd_unit_layout *ul = &l->units[e->unit];
+    uint64_t len = ul->numel / job->plan.f[SD_STATE_OS];
+    float *dst = (float *)(void *)sd_job_staging_slot(job, s->local, slot);
+    for (uint32_t q = 0; q < job->k; q++) /* this node's shards (replicas alike) */
+        job->reg->dev->copy(
+            job->mem.queue,
+            dst + (uint64_t)sd_plan_shard(&job->plan, SD_STATE_OS, job->first_rank + q) * len,
+            os_state(job, q, what, ul), len * sizeof(float));
+    *rd = (struct sd_state_read){.active = true,
+                                 .local = s->local,
+                                 .unit = e->unit,
+                                 .what = what,
+                                 .seq = rd->seq + 1,
+                                 .tag = e->tag,
+                                 .start_ns = start,
+                                 .xs = rd->xs};
+    if (G > 1) {
+        *job->xfer.read_req = (struct sd_req_msg){.magic = SD_REQ_MAGIC,
+                                                  .job_tag = (uint16_t)job->xfer.tag,
+                                                  .src = (uint16_t)job->node,
+                                                  .unit = e->unit,
+                                                  .lslot = rd->seq,
+                                                  .gen = job->weights_gen,
+                                                  .n_units = 1,
+                                                  .state = what + 1};
+        uint32_t first = sd_job_group_first(job, G);
+        for (uint32_t i = 0, o = 0; i < G; i++)
+            if (first + i != job->node)
+                read_post(job, first + i, o++, dst);
+    }
+    if (rd->remaining == 0)
+        read_finish(job);
+    return true;
+}
+
 /* ---- the job's common paths (job_module.h) */
 
 static void loading_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
@@ -645,6 +864,8 @@ static void loading_fail_parked(struct sd_job *job, int status, const char *text
     }
     ls->w_waiting = 0;
     ls->draining = false;
+    if (ls->rd.active) /* (its transfers, if any, end without answering again) */
+        read_answer(job, status, text);
 }
 
 /* ranks at the ready barrier while rank 0's initial values do not come; ranks that ended their

@@ -106,6 +106,10 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         if (check_ready(job, s, e, false))
             return sd_loading_write(job, s, e, start);
         return true;
+    case SD_OP_READ:
+        if (check_ready(job, s, e, false))
+            return sd_loading_read(job, s, e, start);
+        return true;
     case SD_OP_WRITTEN:
         if (check_ready(job, s, e, false))
             sd_loading_written(job, s, e);

@@ -27,7 +27,12 @@
  *    written barrier (a rank twice; waits for a gather of the old weights in flight; a new
  *    generation once all ended, the one before still served to peers; none when only moments
  *    were written); a rank that never ends its writes fails the job at the timeout, the waiting
- *    rank answered. */
+ *    rank answered;
+ *  - a rank's read of a unit's state: on one node the node's shards (masters, momentum), a
+ *    tensor's step count, refusals (a unit or state out of range, during a step); node 0 of 2:
+ *    one request to node 1 (the state, unit, generation) and one receive of its shards at their
+ *    places, another rank's read waiting meanwhile, then the whole unit in the slot; a lost
+ *    transfer answering EPEER and failing the job naming the node. */
 #include "check.h"
 #include "job_fixture.h"
 #include "barrier.h"
@@ -36,6 +41,7 @@
 #include "fetch.h"
 #include "loading.h"
 #include "net.h"
+#include "pull.h"
 #include "optimizer.h"
 #include "schedule.h"
 #include "step.h"
@@ -85,6 +91,38 @@ void sd_sched_prefetch(struct sd_job *job)
     (void)job;
     F.prefetches++;
 }
+
+static uint64_t tensor_steps[2] = {7, 9};
+
+const uint64_t *sd_optim_tensor_steps(const struct sd_job *job)
+{
+    (void)job;
+    return tensor_steps;
+}
+
+/* the transport's sends (a read's pull requests): recorded */
+static struct {
+    int sends;
+    uint32_t peer;
+    struct sd_req_msg msg;
+    struct sd_xfer *x;
+} T;
+
+static int fake_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const void *buf,
+                     size_t len, void *desc, struct sd_xfer *x)
+{
+    (void)tp;
+    (void)tag;
+    (void)desc;
+    T.sends++;
+    T.peer = peer;
+    T.x = x;
+    if (len == sizeof(T.msg))
+        memcpy(&T.msg, buf, len);
+    return SD_OK;
+}
+
+static const struct sd_transport_ops fake_ops = {.name = "fake", .send = fake_send};
 
 const char *sd_job_values_from(const struct sd_job *job)
 {
@@ -149,6 +187,8 @@ struct fixture {
     struct sd_mem staging[MAX_K];
     struct sd_session *ranks[MAX_K];
     uint32_t node_ids[4];
+    struct sd_transport tp;
+    struct sd_req_msg read_req;
 };
 
 static const uint64_t sizes[2] = {3000, 5000};
@@ -180,6 +220,11 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
     job->mem.staging_slot_bytes = job->layout.max_unit_numel * sizeof(float);
     job->ranks = fx->ranks;
     job->xfer.node_ids = fx->node_ids;
+    fx->tp = (struct sd_transport){.ops = &fake_ops, .n_peers = nodes, .self = node};
+    job->xfer.tp = &fx->tp;
+    job->xfer.read_req = &fx->read_req;
+    job->xfer.bulks.n = TH_MAX_BULKS;
+    memset(&T, 0, sizeof(T));
     for (uint32_t r = 0; r < k; r++) {
         fx->staging[r].bytes = SLOTS * job->mem.staging_slot_bytes;
         fx->staging[r].ptr = calloc(1, fx->staging[r].bytes);
@@ -684,6 +729,123 @@ static void test_write(void)
     teardown(&fx);
 }
 
+/* ---- a rank's read of a unit's state */
+
+/* local rank r reads unit u's state what into staging slot 0, tag */
+static bool read_unit(struct fixture *fx, uint32_t r, uint32_t u, uint32_t what, uint64_t tag)
+{
+    struct sd_sqe e = {.op = SD_OP_READ, .unit = u, .arg0 = (uint64_t)what << 32, .tag = tag};
+    return sd_loading_read(fx->job, &fx->tj.s[r], &e, sd_now_ns());
+}
+
+/* every local rank's os state `what` of unit u set to value(i) of its elements */
+static void set_os(struct fixture *fx, uint32_t u, uint32_t what, float base)
+{
+    struct sd_job *job = fx->job;
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint64_t stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]);
+    uint64_t len = ul->numel / job->plan.f[SD_STATE_OS];
+    for (uint32_t r = 0; r < job->k; r++) {
+        uint64_t b = ((job->first_rank + r) % job->plan.f[SD_STATE_OS]) * len;
+        float *os =
+            (float *)sd_job_state(job, r, SD_STATE_OS) + what * stride + ul->arena_off[SD_STATE_OS];
+        for (uint64_t i = 0; i < len; i++)
+            os[i] = base + (float)(b + i);
+    }
+}
+
+/* elements of unit u in local rank r's staging slot 0 that are not base + i */
+static int check_read(struct fixture *fx, uint32_t r, uint32_t u, float base)
+{
+    const float *slot = (const float *)(void *)sd_job_staging_slot(fx->job, r, 0);
+    int bad = 0;
+    for (uint64_t i = 0; i < fx->job->layout.units[u].numel; i++)
+        bad += slot[i] != base + (float)i;
+    return bad;
+}
+
+static void test_read(void)
+{
+    struct fixture fx;
+    /* one node: the node's shards, replicas alike */
+    if (!setup(&fx, "zero3", 1, 2, 0, SD_DTYPE_FP32))
+        return;
+    struct sd_job *job = fx.job;
+    job->state = SD_JOB_READY;
+    uint32_t holds[2][2] = {{0}};
+    fx.tj.s[0].holds = holds[0];
+    fx.tj.s[1].holds = holds[1];
+    set_os(&fx, 1, 0, 100.0f);
+    set_os(&fx, 1, 1, -5000.0f);
+    TH_CHECK(read_unit(&fx, 1, 1, 0, 10) && th_answered(1, 10) >= 0 &&
+                 check_read(&fx, 1, 1, 100.0f) == 0 && T.sends == 0,
+             "read, one node: the unit's masters from both ranks' shards, nothing sent");
+    TH_CHECK(read_unit(&fx, 0, 1, 1, 11) && th_answered(0, 11) >= 0 &&
+                 check_read(&fx, 0, 1, -5000.0f) == 0,
+             "read, one node: the momentum");
+    struct sd_sqe st = {
+        .op = SD_OP_READ, .unit = 1, .arg0 = (uint64_t)SD_WRITE_STEPS << 32, .tag = 12};
+    sd_loading_read(job, &fx.tj.s[0], &st, sd_now_ns());
+    int a = th_answered(0, 12);
+    TH_CHECK(a >= 0 && th_fake.ans[a].v0 == 9, "read: tensor 1's step count");
+    read_unit(&fx, 0, 2, 0, 13);
+    TH_CHECK(th_fake.fail_status == SD_EINVAL, "read: unit 2 of 2 refused");
+    read_unit(&fx, 0, 1, 2, 14);
+    TH_CHECK(th_fake.fail_status == SD_EINVAL, "read: SGD's state 2 refused");
+    F.step_arrived = 1;
+    read_unit(&fx, 0, 1, 0, 15);
+    TH_CHECK(th_fake.fail_status == SD_ESTATE, "read: refused during a step");
+    F.step_arrived = 0;
+    teardown(&fx);
+
+    /* node 0 of 2 (zero3 2x2): node 1's shards pulled */
+    for (int fail = 0; fail < 2; fail++) {
+        if (!setup(&fx, "zero3", 2, 2, 0, SD_DTYPE_FP32))
+            return;
+        job = fx.job;
+        job->state = SD_JOB_READY;
+        job->weights_gen = 4;
+        fx.tj.s[0].holds = holds[0];
+        fx.tj.s[1].holds = holds[1];
+        set_os(&fx, 0, 0, 1.0f);
+        TH_CHECK(read_unit(&fx, 0, 0, 0, 20) && th_answered(0, 20) < 0,
+                 "read across nodes: waits for node 1");
+        TH_CHECK(!read_unit(&fx, 1, 0, 0, 21), "read across nodes: rank 1's read waits for it");
+        int t = th_bulk_in_flight();
+        const struct sd_unit_layout *ul = &job->layout.units[0];
+        uint64_t len = ul->numel / 4;
+        float *slot = (float *)(void *)sd_job_staging_slot(job, 0, 0);
+        TH_CHECK(T.sends == 1 && T.peer == 1 && T.msg.magic == SD_REQ_MAGIC && T.msg.state == 1 &&
+                     T.msg.unit == 0 && T.msg.gen == 4 && T.msg.src == 0 && t >= 0 &&
+                     !th_bulks.post[t].is_send && th_bulks.post[t].peer == 1 &&
+                     th_bulks.post[t].n_pieces == 2 && th_bulks.pieces[t][0] == slot + 2 * len &&
+                     th_bulks.pieces[t][1] == slot + 3 * len &&
+                     th_bulk_piece_len(t, 0) == len * sizeof(float),
+                 "read across nodes: one request for the masters (state 1) of unit 0 at "
+                 "generation 4, one receive of node 1's two shards at their places");
+        if (t < 0)
+            break;
+        for (uint64_t i = 2 * len; i < 4 * len; i++)
+            slot[i] = 1.0f + (float)i;
+        T.x->cb(T.x, SD_OK);
+        th_bulk_complete(t, fail ? SD_ETIMEDOUT : SD_OK);
+        a = th_answered(0, 20);
+        if (!fail) {
+            TH_CHECK(a >= 0 && th_fake.ans[a].status == SD_OK && check_read(&fx, 0, 0, 1.0f) == 0,
+                     "read across nodes: answered, the whole unit's masters in the slot");
+            TH_CHECK(read_unit(&fx, 1, 0, 0, 21) && T.sends == 2 && T.msg.lslot == 2,
+                     "read across nodes: then rank 1's read goes, its own number");
+        } else {
+            TH_CHECK(a >= 0 && th_fake.ans[a].status == SD_EPEER && th_fake.job_fails == 1 &&
+                         strstr(th_fake.job_msg, "node 1") != NULL,
+                     "read across nodes: a lost transfer answers EPEER and fails the job naming "
+                     "node 1 (%s)",
+                     th_fake.job_msg);
+        }
+        teardown(&fx);
+    }
+}
+
 int main(void)
 {
     srand(5);
@@ -697,5 +859,6 @@ int main(void)
     test_node1_fails();
     test_sweep();
     test_write();
+    test_read();
     return th_summary("test_loading");
 }

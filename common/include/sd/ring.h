@@ -25,21 +25,25 @@
 
 enum sd_op {
     SD_OP_NOP = 0,
-    SD_OP_FETCH = 1,   /* unit, arg0 = SD_OP_ASIDE or 0 -> value0 = byte offset of the gathered
-                          unit in the pool */
-    SD_OP_RELEASE = 2, /* unit, arg0 = SD_OP_ASIDE or 0 */
-    SD_OP_PUSH = 3,    /* unit, arg0 = staging slot, arg1 = bytes */
-    SD_OP_STEP = 4,    /* -> value0 = bits of the global gradient norm (double), value1 = step */
-    SD_OP_INIT = 5,    /* rank 0: unit, arg0 = staging slot holding fp32 initial values */
-    SD_OP_READY = 6,   /* barrier: completes once rank 0 has loaded the initial values */
-    SD_OP_DROP = 7,    /* forget the cached gathered copy of unit (benchmarks) */
-    SD_OP_SAVE = 8,    /* every rank, between steps: arg0 = length of the directory written at
-                          RegisterReply.save_path_off -> value0 = the step saved */
-    SD_OP_WRITE = 9,   /* every rank, between steps: unit = tensor, arg0 = staging slot |
-                          what << 32, arg1 = the tensor's elements (SD_WRITE_STEPS: its step
-                          count) -> the fp32 values in the slot into this rank's shards */
+    SD_OP_FETCH = 1,    /* unit, arg0 = SD_OP_ASIDE or 0 -> value0 = byte offset of the gathered
+                           unit in the pool */
+    SD_OP_RELEASE = 2,  /* unit, arg0 = SD_OP_ASIDE or 0 */
+    SD_OP_PUSH = 3,     /* unit, arg0 = staging slot, arg1 = bytes */
+    SD_OP_STEP = 4,     /* -> value0 = bits of the global gradient norm (double), value1 = step */
+    SD_OP_INIT = 5,     /* rank 0: unit, arg0 = staging slot holding fp32 initial values */
+    SD_OP_READY = 6,    /* barrier: completes once rank 0 has loaded the initial values */
+    SD_OP_DROP = 7,     /* forget the cached gathered copy of unit (benchmarks) */
+    SD_OP_SAVE = 8,     /* every rank, between steps: arg0 = length of the directory written at
+                           RegisterReply.save_path_off -> value0 = the step saved */
+    SD_OP_WRITE = 9,    /* every rank, between steps: unit = tensor, arg0 = staging slot |
+                           what << 32, arg1 = the tensor's elements (SD_WRITE_STEPS: its step
+                           count) -> the fp32 values in the slot into this rank's shards */
     SD_OP_WRITTEN = 10, /* every rank after its writes: barrier; the written weights are the
                            next fetches' -> value0 = the weights generation */
+    SD_OP_READ = 11,    /* any rank alone, between steps: unit, arg0 = staging slot | what << 32
+                           -> the unit's fp32 master weights (what 0) or optimizer state what,
+                           gathered from the job's nodes into the slot (SD_WRITE_STEPS: unit is
+                           a tensor, value0 its step count) */
     SD_OP_COUNT
 };
 
