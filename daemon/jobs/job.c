@@ -191,9 +191,9 @@ void sd_job_missing_ranks(const struct sd_job *job, const bool *present, char *o
 }
 
 /* The order parked calls are completed in when the job fails or pauses. */
-static const struct sd_job_module *const fail_order[] = {&sd_push_module,     &sd_fetch_module,
-                                                         &sd_loading_module,  &sd_step_module,
-                                                         &sd_dispatch_module, &sd_ckpt_module};
+static const struct sd_job_module *const fail_order[] = {
+    &sd_push_module, &sd_fetch_module,    &sd_loading_module, &sd_values_module,
+    &sd_step_module, &sd_dispatch_module, &sd_ckpt_module};
 
 /* ---- shape facts (job.h) */
 
@@ -216,7 +216,7 @@ bool sd_job_weights_remote(const struct sd_job *job)
 /* The modules that wait for other modules' completions (push: for the step's end); the job's
  * life last (it may free the job). */
 static const struct sd_job_module *const event_order[] = {
-    &sd_push_module, &sd_step_module, &sd_loading_module, &sd_resume_module, &sd_life_module};
+    &sd_push_module, &sd_step_module, &sd_values_module, &sd_resume_module, &sd_life_module};
 
 static bool raise_ev(struct sd_job *job, const struct sd_job_ev *e)
 {
@@ -266,9 +266,9 @@ bool sd_job_event(struct sd_job *job, enum sd_job_event ev)
 
 /* The modules that wait for the job's device queue, in the order they are polled (the step
  * last: its poll may end the job's step, which the others' results feed). */
-static const struct sd_job_module *const queue_order[] = {&sd_resume_module, &sd_loading_module,
-                                                          &sd_ckpt_module,   &sd_fetch_module,
-                                                          &sd_push_module,   &sd_step_module};
+static const struct sd_job_module *const queue_order[] = {
+    &sd_resume_module, &sd_loading_module, &sd_values_module, &sd_ckpt_module,
+    &sd_fetch_module,  &sd_push_module,    &sd_step_module};
 
 bool sd_job_queue_waiting(const struct sd_job *job)
 {

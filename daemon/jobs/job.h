@@ -33,6 +33,7 @@ struct sd_step_state;    /* step.c's */
 struct sd_optim_state;   /* optimizer.c's */
 struct sd_loading_state; /* loading.c's */
 struct sd_resume_state;  /* resume.c's */
+struct sd_values_state;  /* values.c's */
 struct sd_ckpt_job;
 
 /* ranks one node serves in a job, at most: a gather's waiting ranks are a 64-bit set */
@@ -109,6 +110,7 @@ struct sd_load_state {
     struct sd_resume_state *resume; /* resuming (resume.c) */
     struct sd_ckpt_job *ckpt;       /* checkpoints: the one loaded, saves (checkpoint.c) */
     struct sd_loading_state *init;  /* the initial values and the ready barrier (loading.c) */
+    struct sd_values_state *values; /* values written into and read out of it (values.c) */
 };
 
 /* The secondary partition (secondary.c, plan option ,sec=S): S ranks of a node hold one copy

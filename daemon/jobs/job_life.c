@@ -26,8 +26,8 @@
 /* The modules whose states are created with the job, allocated with its memory, released and
  * destroyed, in this order (job_module.h). */
 static const struct sd_job_module *const life_order[] = {
-    &sd_step_module,  &sd_optim_module, &sd_loading_module, &sd_push_module,
-    &sd_sched_module, &sd_sec_module,   &sd_quant_module};
+    &sd_step_module, &sd_optim_module, &sd_loading_module, &sd_values_module,
+    &sd_push_module, &sd_sched_module, &sd_sec_module,     &sd_quant_module};
 
 void sd_job_free(struct sd_job *job)
 {
@@ -573,8 +573,9 @@ void sd_job_leave(struct sd_job *job, struct sd_session *s, const char *reason)
 
 /* The modules' deadlines in the order they are checked: the first that fails the job names
  * the reason. */
-static const struct sd_job_module *const sweep_order[] = {
-    &sd_step_module, &sd_ckpt_module, &sd_dispatch_module, &sd_loading_module, &sd_push_module};
+static const struct sd_job_module *const sweep_order[] = {&sd_step_module,     &sd_ckpt_module,
+                                                          &sd_dispatch_module, &sd_loading_module,
+                                                          &sd_values_module,   &sd_push_module};
 int sd_job_modules_alloc(struct sd_job *job)
 {
     int status = SD_OK;

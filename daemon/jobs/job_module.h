@@ -99,6 +99,7 @@ extern const struct sd_job_module sd_quant_module;    /* quant.c: the quantized 
 extern const struct sd_job_module sd_push_module;     /* push.c: push rounds */
 extern const struct sd_job_module sd_fetch_module;    /* fetch.c: ranks waiting for a gather */
 extern const struct sd_job_module sd_loading_module;  /* loading.c: init and the ready barrier */
+extern const struct sd_job_module sd_values_module;   /* values.c: writes and reads, running */
 extern const struct sd_job_module sd_step_module;     /* step.c: the step barrier */
 extern const struct sd_job_module sd_dispatch_module; /* dispatch.c: stalled ring entries */
 extern const struct sd_job_module sd_ckpt_module;     /* checkpoint.c: saves and loads */

@@ -38,21 +38,6 @@ void sd_loading_unit(struct sd_job *job, uint32_t unit, const float *src, uint64
 void sd_loading_loaded(struct sd_job *job);
 /* node 0's rank 0 finished loading */
 void sd_loading_remote_ready(struct sd_job *job);
-/* SD_OP_WRITE: the values of a tensor (an fp32 copy in the rank's staging slot) into the
- * rank's own shards between steps: the weights (masters and weights) or an optimizer state, or
- * the tensor's step count. False while the rank's previous write is still read from its slot
- * (the ring entry waits). */
-bool sd_loading_write(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
-                      uint64_t start);
-/* SD_OP_WRITTEN: the node's ranks ended their writes; once all did (and no gather of the old
- * weights is in flight here) written weights are a new generation, and every rank is answered */
-void sd_loading_written(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e);
-/* SD_OP_READ: a unit's fp32 master weights or optimizer state, gathered from its os group's
- * nodes into the rank's staging slot (a rank alone, between steps; one read at a time on a
- * node: false while another's runs, the ring entry waits); with SD_WRITE_STEPS a tensor's step
- * count. */
-bool sd_loading_read(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
-                     uint64_t start);
 /* its state (struct sd_loading_state, its own): at registration, and with the job */
 int sd_loading_create(struct sd_job *job);
 void sd_loading_destroy(struct sd_job *job);

@@ -9,6 +9,7 @@
 #include "push.h"
 #include "step.h"
 #include "loading.h"
+#include "values.h"
 #include "session.h"
 #include "sd/log.h"
 #include "sd/status.h"
@@ -104,15 +105,15 @@ bool sd_job_op(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         return true;
     case SD_OP_WRITE:
         if (check_ready(job, s, e, false))
-            return sd_loading_write(job, s, e, start);
+            return sd_values_write(job, s, e, start);
         return true;
     case SD_OP_READ:
         if (check_ready(job, s, e, false))
-            return sd_loading_read(job, s, e, start);
+            return sd_values_read(job, s, e, start);
         return true;
     case SD_OP_WRITTEN:
         if (check_ready(job, s, e, false))
-            sd_loading_written(job, s, e);
+            sd_values_written(job, s, e);
         return true;
     case SD_OP_INIT:
         if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)

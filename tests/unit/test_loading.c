@@ -1,4 +1,5 @@
-/* Loading the initial values and the ready barrier (daemon/ops/loading.c) without a daemon: the
+/* Loading the initial values and the ready barrier (daemon/ops/loading.c), and values written
+ * into and read out of a running job (daemon/ops/values.c), without a daemon: the
  * module is linked alone with the host backend, a job built by hand (plan, layout, each rank's
  * w and os arenas, staging slots, scratch) and fakes of the rest; the transfers between nodes it
  * posts are recorded and completed by the test (with the bytes the test chooses, or failed).
@@ -40,6 +41,7 @@
 #include "cluster/cluster.h"
 #include "fetch.h"
 #include "loading.h"
+#include "values.h"
 #include "net.h"
 #include "pull.h"
 #include "optimizer.h"
@@ -230,13 +232,15 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
         fx->staging[r].ptr = calloc(1, fx->staging[r].bytes);
         fx->ranks[r] = &fx->tj.s[r];
     }
-    TH_CHECK(sd_loading_create(job) == SD_OK, "loading's state for %s", plan);
+    TH_CHECK(sd_loading_create(job) == SD_OK && sd_values_module.create(job) == SD_OK,
+             "loading's and values' state for %s", plan);
     return true;
 }
 
 static void teardown(struct fixture *fx)
 {
     sd_loading_destroy(fx->job);
+    sd_values_module.destroy(fx->job);
     for (uint32_t r = 0; r < fx->job->k; r++)
         free(fx->staging[r].ptr);
     free(fx->job->mem.scratch);
@@ -608,13 +612,13 @@ static void write_tensor(struct fixture *fx, uint32_t r, uint32_t t, uint32_t wh
     memcpy(sd_job_staging_slot(fx->job, r, 1), values, (t < 2 ? sizes[t] : 0) * sizeof(float));
     struct sd_sqe e = {
         .op = SD_OP_WRITE, .unit = t, .arg0 = 1 | (uint64_t)what << 32, .arg1 = count, .tag = tag};
-    sd_loading_write(fx->job, &fx->tj.s[r], &e, sd_now_ns());
+    sd_values_write(fx->job, &fx->tj.s[r], &e, sd_now_ns());
 }
 
 static void written(struct fixture *fx, uint32_t r, uint64_t tag)
 {
     struct sd_sqe e = {.op = SD_OP_WRITTEN, .tag = tag};
-    sd_loading_written(fx->job, &fx->tj.s[r], &e);
+    sd_values_written(fx->job, &fx->tj.s[r], &e);
 }
 
 static void test_write(void)
@@ -666,9 +670,9 @@ static void test_write(void)
              "write: rank 0's own master and weight shards written, not rank 1's");
     th_fake.queue_eagain = 1; /* a device at work: answered by the poll */
     write_tensor(&fx, 1, 0, 0, v, 3000, 11);
-    TH_CHECK(th_answered(1, 11) < 0 && sd_loading_queue_waiting(job),
+    TH_CHECK(th_answered(1, 11) < 0 && sd_values_module.queue_waiting(job),
              "write: answered once the device read the slot");
-    TH_CHECK(sd_loading_queue_poll(job) && th_answered(1, 11) >= 0 &&
+    TH_CHECK(sd_values_module.queue_poll(job) && th_answered(1, 11) >= 0 &&
                  check_written(&fx, 1, 0, 0, v) == 0,
              "write: the poll answers it, rank 1's shards written");
     write_tensor(&fx, 1, 0, 1, m, 3000, 12);
@@ -680,7 +684,7 @@ static void test_write(void)
                         .arg0 = (uint64_t)SD_WRITE_STEPS << 32,
                         .arg1 = 42,
                         .tag = 13};
-    sd_loading_write(job, &fx.tj.s[0], &st, sd_now_ns());
+    sd_values_write(job, &fx.tj.s[0], &st, sd_now_ns());
     TH_CHECK(th_answered(0, 13) >= 0 && F.steps_set[1] == 42, "write: tensor 1's step count");
 
     /* the barrier: a new generation once both ended, and no gather is in flight */
@@ -697,7 +701,7 @@ static void test_write(void)
              "written: a gather of the old weights in flight: it waits");
     job->xfer.gathers_inflight = 0;
     struct sd_job_ev ev = {.kind = SD_JOB_EV_TRANSFERS};
-    TH_CHECK(sd_loading_module.event(job, &ev), "written: the gather's end takes it on");
+    TH_CHECK(sd_values_module.event(job, &ev), "written: the gather's end takes it on");
     int a0 = th_answered(0, 20), a1 = th_answered(1, 23);
     TH_CHECK(a0 >= 0 && a1 >= 0 && job->weights_gen == 1 && th_fake.ans[a0].v0 == 1 &&
                  F.prefetches == 1,
@@ -715,12 +719,12 @@ static void test_write(void)
     /* a rank that never ends its writes */
     written(&fx, 0, 40);
     uint64_t op = 1000ull * 1000000ull;
-    TH_CHECK(!sd_loading_module.sweep(job, sd_now_ns(), op), "written: within the timeout");
-    TH_CHECK(sd_loading_module.sweep(job, sd_now_ns() + 2 * op, op) && th_fake.job_fails == 1 &&
+    TH_CHECK(!sd_values_module.sweep(job, sd_now_ns(), op), "written: within the timeout");
+    TH_CHECK(sd_values_module.sweep(job, sd_now_ns() + 2 * op, op) && th_fake.job_fails == 1 &&
                  th_fake.job_status == SD_ETIMEDOUT && strstr(th_fake.job_msg, "ranks ?") != NULL,
              "written: past the timeout the job fails naming the ranks missing (%s)",
              th_fake.job_msg);
-    sd_loading_module.fail_parked(job, SD_ETIMEDOUT, "failed", true);
+    sd_values_module.fail_parked(job, SD_ETIMEDOUT, "failed", true);
     int i = th_answered(0, 40);
     TH_CHECK(i >= 0 && th_fake.ans[i].status == SD_ETIMEDOUT,
              "written: the waiting rank answered with the failure");
@@ -735,7 +739,7 @@ static void test_write(void)
 static bool read_unit(struct fixture *fx, uint32_t r, uint32_t u, uint32_t what, uint64_t tag)
 {
     struct sd_sqe e = {.op = SD_OP_READ, .unit = u, .arg0 = (uint64_t)what << 32, .tag = tag};
-    return sd_loading_read(fx->job, &fx->tj.s[r], &e, sd_now_ns());
+    return sd_values_read(fx->job, &fx->tj.s[r], &e, sd_now_ns());
 }
 
 /* every local rank's os state `what` of unit u set to value(i) of its elements */
@@ -785,7 +789,7 @@ static void test_read(void)
              "read, one node: the momentum");
     struct sd_sqe st = {
         .op = SD_OP_READ, .unit = 1, .arg0 = (uint64_t)SD_WRITE_STEPS << 32, .tag = 12};
-    sd_loading_read(job, &fx.tj.s[0], &st, sd_now_ns());
+    sd_values_read(job, &fx.tj.s[0], &st, sd_now_ns());
     int a = th_answered(0, 12);
     TH_CHECK(a >= 0 && th_fake.ans[a].v0 == 9, "read: tensor 1's step count");
     read_unit(&fx, 0, 2, 0, 13);
