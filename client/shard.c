@@ -1698,6 +1698,46 @@ int shard_write_done(shard_ctx_t *ctx)
     return call(ctx, SD_OP_WRITTEN, 0, 0, 0, &cqe);
 }
 
+int shard_read(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out, size_t count)
+{
+    struct sd_cqe cqe;
+    char why[512];
+    int status = check_attached(ctx, "read", true);
+    if (status != SD_OK)
+        return status;
+    if (unit >= ctx->n_units)
+        return fail(ctx, SD_ENOUNIT, "read: unit %u does not exist (units 0..%u)", unit,
+                    ctx->n_units - 1);
+    if (out == NULL || count != ctx->units[unit].numel || what == SD_WRITE_STEPS)
+        return fail(ctx, SD_EINVAL, "read unit %u: %zu values%s; it has %llu elements", unit, count,
+                    out == NULL ? " into NULL" : "", (unsigned long long)ctx->units[unit].numel);
+    if ((status = settle_pushes(ctx, "read", "; read between steps")) != SD_OK)
+        return status;
+    uint32_t i;
+    if ((status = take_staging(ctx, "read", unit, &i)) != SD_OK)
+        return status;
+    if ((status = call(ctx, SD_OP_READ, unit, i | (uint64_t)what << 32, 0, &cqe)) != SD_OK)
+        return status;
+    const float *slot = (const float *)(void *)(ctx->staging + (size_t)i * ctx->staging_slot_bytes);
+    status = ctx->mem->copy(out, slot, count * sizeof(float), why, sizeof(why));
+    return status == 0 ? SD_OK : fail(ctx, status, "read unit %u: %s", unit, why);
+}
+
+int shard_read_steps(shard_ctx_t *ctx, uint32_t tensor, uint64_t *steps_p)
+{
+    struct sd_cqe cqe;
+    int status = check_attached(ctx, "read_steps", true);
+    if (status != SD_OK)
+        return status;
+    if (tensor >= ctx->n_tensors || steps_p == NULL)
+        return fail(ctx, SD_EINVAL, "read_steps: tensor %u (tensors 0..%u), steps_p %p", tensor,
+                    ctx->n_tensors - 1, (void *)steps_p);
+    status = call(ctx, SD_OP_READ, tensor, (uint64_t)SD_WRITE_STEPS << 32, 0, &cqe);
+    if (status == SD_OK)
+        *steps_p = cqe.value0;
+    return status;
+}
+
 int shard_save(shard_ctx_t *ctx, const char *dir, uint64_t *step_p)
 {
     struct sd_cqe cqe;

@@ -22,7 +22,8 @@ extern "C" {
 #define SHARD_API __attribute__((visibility("default")))
 
 #define SHARD_VERSION_MAJOR 0
-#define SHARD_VERSION_MINOR 7 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write */
+#define SHARD_VERSION_MINOR                                                                        \
+    7 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write, shard_read */
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
 enum {
@@ -408,6 +409,12 @@ SHARD_API int shard_write(shard_ctx_t *ctx, uint32_t tensor, uint32_t what, cons
                           size_t count);
 SHARD_API int shard_write_steps(shard_ctx_t *ctx, uint32_t tensor, uint64_t steps);
 SHARD_API int shard_write_done(shard_ctx_t *ctx);
+/* A unit's fp32 master weights (what SHARD_WRITE_WEIGHTS) or optimizer state what, gathered
+ * from the job's nodes into out (count = the unit's elements, host memory): any rank alone,
+ * between its steps (the others may be in the next forward: the step waits for this rank).
+ * shard_read_steps: a tensor's step count. */
+SHARD_API int shard_read(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out, size_t count);
+SHARD_API int shard_read_steps(shard_ctx_t *ctx, uint32_t tensor, uint64_t *steps_p);
 /* The steps the job had taken when this rank registered: the checkpoint's step when it loaded
  * one (shard_model_t.load), the paused job's when it resumed one (shard_resumed), else 0. */
 SHARD_API uint64_t shard_start_step(const shard_ctx_t *ctx);

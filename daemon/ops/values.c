@@ -426,7 +426,6 @@ bool sd_values_read(struct sd_job *job, struct sd_session *s, const struct sd_sq
     const struct sd_layout *l = &job->layout;
     uint32_t slot = (uint32_t)e->arg0, what = (uint32_t)(e->arg0 >> 32);
     uint32_t states = sd_optim_state_floats(job->model.optim.kind);
-    char why[256];
     if (what == SD_WRITE_STEPS) {
         if (e->unit >= l->n_tensors) {
             sd_session_fail(s, e, SD_EINVAL, "read: tensor %u does not exist (0..%u)", e->unit,
@@ -443,10 +442,9 @@ bool sd_values_read(struct sd_job *job, struct sd_session *s, const struct sd_sq
                         e->unit, what, slot, l->n_units - 1, states - 1, job->mem.staging_slots);
         return true;
     }
-    if (write_refusal(job, s, why, sizeof(why)) != NULL) {
-        sd_session_fail(s, e, SD_ESTATE, "read unit %u: %s", e->unit, why);
-        return true;
-    }
+    /* (no step can apply the optimizer meanwhile, here or on another node: every step needs
+     * this rank's; the other ranks may be in the next step already, as when rank 0 alone
+     * saves) */
     uint32_t G = job->gnodes[SD_STATE_OS];
     if (rd->active || (G > 1 && job->xfer.bulks.n - job->xfer.bulks.in_use < G - 1))
         return false; /* another rank's read, or transfers busy: the ring entry waits */

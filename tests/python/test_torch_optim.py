@@ -25,7 +25,10 @@ on a 2-node x 2-rank emulated cluster of real daemons (tools/local-cluster.sh):
     nanoGPT's checkpoint); a job that trained 5 steps on other data loads both with the model's
     and the optimizer's load_state_dict on every rank: full_state_dict right after is the
     loaded one bitwise (gathered across the nodes), no key missing or unexpected, the groups'
-    lr the loaded ones, and the 5 steps after end as the reference's (the same checks);
+    lr the loaded ones, and the 5 steps after end as the reference's (the same checks); two
+    steps after the load rank 0 alone (the other ranks in the next step meanwhile) takes
+    optimizer.state_dict(): torch's layout, the parameters with state, the param groups as
+    torch's own state_dict after the same steps, each state within 1e-4 of its largest element;
   - full_state_dict has the tied weight under both names, and loads into an unwrapped model;
   - shardctl's jobs document shows each group's current lr (the schedule's last value);
   - memory: a model of 8 units, 1 MiB of gradient each: during backward the process's heap in
@@ -296,6 +299,8 @@ def reference(kind, keep=None):
     for step in range(STEPS):
         if keep is not None and step == RESUME_AT:
             torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, keep)
+        if keep is not None and step == RESUME_AT + 2:
+            torch.save(opt.state_dict(), keep + ".later")
         before_step(kind, m, step)
         total = micro_steps(m, data, loss_of, step, 0, RANKS * SEQS)  # every rank's rows
         if kind == "adamw":
@@ -403,6 +408,9 @@ def torchsd_worker(a, m, kind):
             exact = all(torch.equal(full[k], v) for k, v in ck["model"].items())
             lr = [g["lr"] for g in opt.param_groups]
             want = [g["lr"] for g in ck["optimizer"]["param_groups"]]
+        if a["rank"] == 0 and step == RESUME_AT + 2:  # rank 0 alone, as nanoGPT's checkpoint:
+            # the others go on into the step, which waits for it
+            torch.save(opt.state_dict(), a["out"] + ".osd")
         before_step(kind, m, step)
         batch = data if step >= RESUME_AT else (lambda s, mi: other(s + 100, mi))
         total = micro_steps(m, batch, loss_of, step, lo, hi)
@@ -435,6 +443,32 @@ def torchsd(cl, work, kind, plan):
               f"{lg['exact']} {lg['keys']} {lg['lr']}")
     compare(f"{tag} ({plan}, loaded after step {RESUME_AT} of another run)",
             (losses[RESUME_AT:], params, logs), (ref_losses[RESUME_AT:], ref_params))
+    # optimizer.state_dict() of rank 0 alone after 2 more steps, against torch's own
+    try:
+        got, want = torch.load(f"{work}/{tag}-0.osd"), torch.load(keep + ".later")
+    except OSError as e:
+        check(False, f"{tag}: optimizer.state_dict() missing ({e})")
+        return
+    same_keys = (sorted(got["state"]) == sorted(want["state"]) and
+                 all(sorted(got["state"][i]) == sorted(want["state"][i]) for i in want["state"]))
+    worst = 0.0
+    for i, ws in (want["state"].items() if same_keys else []):
+        for name, w in ws.items():
+            g = got["state"][i][name]
+            if name == "step":
+                worst = max(worst, float(g != w))
+                continue
+            scale = w.abs().max().item() or 1.0
+            worst = max(worst, (g - w).abs().max().item() / scale)
+    groups_ok = all({k: v for k, v in gg.items() if k != "params"} ==
+                    {k: v for k, v in wg.items() if k != "params"} and gg["params"] == wg["params"]
+                    for gg, wg in zip(got["param_groups"], want["param_groups"]))
+    check(same_keys and groups_ok and worst <= 1e-4,
+          f"{tag}: optimizer.state_dict() of rank 0 alone (the others in the next step) has "
+          f"torch's layout, parameters, states and groups, each state within 1e-4 of its largest "
+          f"element of torch's (worst {worst:.2e}; keys {same_keys}, groups {groups_ok})")
+    print(f"{tag}: optimizer.state_dict() of rank 0 alone vs torch's: worst {worst:.2e} of the "
+          f"largest element, {len(want['state'])} parameters with state", flush=True)
 
 
 def run(cluster, work, tag, plan, form, disagree=False, keep=None):

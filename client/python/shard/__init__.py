@@ -183,6 +183,8 @@ _lib.shard_save.argtypes = [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_uint64)]
 _lib.shard_write.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_uint32, _c.c_void_p, _c.c_size_t]
 _lib.shard_write_steps.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_uint64]
 _lib.shard_write_done.argtypes = [_c.c_void_p]
+_lib.shard_read.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_uint32, _c.c_void_p, _c.c_size_t]
+_lib.shard_read_steps.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_uint64)]
 _lib.shard_start_step.argtypes = [_c.c_void_p]
 _lib.shard_start_step.restype = _c.c_uint64
 _lib.shard_resumed.argtypes = [_c.c_void_p]
@@ -382,6 +384,20 @@ class Context:
         SGD's momentum_buffer). write_done after the last."""
         self._check(_lib.shard_write(self._ctx, tensor, what, _c.c_void_p(addr), count),
                     f"write tensor {tensor}")
+
+    def read(self, unit, what, addr):
+        """Read unit's fp32 master weights (what 0) or optimizer state what, gathered from
+        the job's nodes, into the unit's elements of fp32 at host address addr (this rank alone,
+        between its steps)."""
+        self._check(_lib.shard_read(self._ctx, unit, what, _c.c_void_p(addr),
+                                    self.units[unit]["numel"]), f"read unit {unit}")
+
+    def read_steps(self, tensor):
+        """tensor's step count"""
+        n = _c.c_uint64()
+        self._check(_lib.shard_read_steps(self._ctx, tensor, _c.byref(n)),
+                    f"read_steps tensor {tensor}")
+        return n.value
 
     def write_steps(self, tensor, steps):
         """Set tensor's step count (AdamW's bias correction) on this rank's node."""

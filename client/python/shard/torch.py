@@ -421,17 +421,6 @@ def _refusal(call, why):
     return _shard.ShardError(_shard.ESTATE, why, call)
 
 
-# Why torch's optimizer state_dict of a wrapped model is refused rather than returned without
-# its state (a resume from it would restart the moments from zero without a word).
-_OPT_STATE_FIX = ("the optimizer's state (fp32 master weights, moments, step counts) lives in "
-                  "shardd, sharded over the job's nodes, and is not gathered into torch's layout "
-                  "yet; nothing was saved (optimizer.load_state_dict of torch's layout does "
-                  "work: every rank loads the same dict). Save it with shard.torch.save("
-                  "directory) on every rank after the same step and resume with shard.torch."
-                  "wrap(model, optimizer=..., load=directory): the checkpoint holds the masters, "
-                  "moments, step counts and param groups, and loads under any world and plan "
-                  "(docs/pytorch.md). shard.checkpoint.load_state_dict(directory, "
-                  "optimizer_states=True) reads it without a daemon")
 # torch's names of each optimizer's per-parameter state, and shardd's state index of each
 _TORCH_STATE = {"adamw": {"exp_avg": 1, "exp_avg_sq": 2}, "sgd": {"momentum_buffer": 1}}
 _TORCH_STATE["adam"], _TORCH_STATE["sgd-nesterov"] = _TORCH_STATE["adamw"], _TORCH_STATE["sgd"]
@@ -458,7 +447,12 @@ class ShardOptimizer(torch.optim.Optimizer):
         return norm if closure is None else loss
 
     def state_dict(self):
-        raise _refusal("optimizer.state_dict() of a wrapped model", _OPT_STATE_FIX)
+        """torch's optimizer.state_dict of the wrapped model: the full state in torch's layout
+        ('state': per parameter index AdamW's and Adam's step, exp_avg, exp_avg_sq, SGD's
+        momentum_buffer; 'param_groups' with their hyperparameters and parameter indices),
+        gathered from the job's nodes by this rank alone (rank 0 may call it alone, as
+        nanoGPT's checkpoint does); a parameter never stepped has no state, as in torch."""
+        return _optimizer_state(self._shard, self)
 
     def load_state_dict(self, state_dict):
         """torch's optimizer.load_state_dict on the wrapped model: a state dict in torch's
@@ -1096,7 +1090,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                      for n, p in torch.nn.Module.state_dict(model, keep_vars=True).items()
                      if id(p) in names and n != names[id(p)]}
     state.kind, state.n_groups = opt.name, len(opt.groups)
-    state.plan, state.warned_quantized = plan, False
+    state.plan = plan
     state.bufs = bufs if bufs and bufs.nbytes else None
     state.rank = rank
     for dt in {p.dtype for ps in reg_params for _, p in ps}:
@@ -1287,6 +1281,52 @@ def _load_state_dict_of(model, within, module, state_dict, strict=True, assign=F
     return _IncompatibleKeys(missing, unexpected)
 
 
+def _read_unit(st, u, what):
+    """unit u's fp32 master weights (what 0) or optimizer state what, gathered from the job's
+    nodes (this rank alone): a flat fp32 tensor in host memory"""
+    buf = torch.empty(st.ctx.units[u]["numel"], dtype=torch.float32)
+    st.ctx.read(u, what, buf.data_ptr())
+    return buf
+
+
+def _per_param(st, whats):
+    """{id(param): {what: its values (own tensors, its shape)}} of every state in whats, read
+    unit by unit (one unit's buffer at a time)"""
+    out = {}
+    for u, ps in enumerate(st.params):
+        for what in whats:
+            buf = _read_unit(st, u, what)
+            for i, (_, p) in enumerate(ps):
+                ti = st.ctx.tensors[st.ctx.units[u]["tensors"][i]]
+                v = buf[ti["offset"]:ti["offset"] + ti["numel"]].view(st.shapes[u][i]).clone()
+                out.setdefault(id(p), {})[what] = v
+    return out
+
+
+def _optimizer_state(st, so):
+    """ShardOptimizer.state_dict: torch's layout"""
+    names = _TORCH_STATE[st.kind]
+    index = _tensor_index(st)
+    values = _per_param(st, sorted(set(names.values())))
+    state, groups, k = {}, [], 0
+    for g in so.param_groups:
+        ids = []
+        for p in g["params"]:
+            steps = st.ctx.read_steps(index[id(p)])
+            if steps > 0:  # (never stepped: no state, as torch's)
+                entry = {}
+                if st.kind in _ADAM_LIKE:
+                    entry["step"] = torch.tensor(float(steps), dtype=torch.float32)
+                for name, what in names.items():
+                    if name != "momentum_buffer" or g.get("momentum", 0) != 0:
+                        entry[name] = values[id(p)][what].to(p.dtype)
+                state[k] = entry
+            ids.append(k)
+            k += 1
+        groups.append(dict({kk: v for kk, v in g.items() if kk != "params"}, params=ids))
+    return {"state": state, "param_groups": groups}
+
+
 def _load_optimizer_state(st, so, state_dict):
     """ShardOptimizer.load_state_dict: torch's checks and layout"""
     if not isinstance(state_dict, collections.abc.Mapping) or "param_groups" not in state_dict \
@@ -1334,7 +1374,9 @@ def _load_optimizer_state(st, so, state_dict):
                     raise ValueError(f"optimizer.load_state_dict: parameter {k}'s {name} has "
                                      f"shape {tuple(v.shape)}, the parameter {tuple(shape)}")
                 _write(st, index[id(p)], what, v)
-            step = ps.get("step", 0)
+            # (SGD keeps no step: a parameter with a momentum buffer counts as stepped, so that
+            # state_dict returns it again)
+            step = ps.get("step", 1 if ps.get("momentum_buffer") is not None else 0)
             st.ctx.write_steps(index[id(p)], int(step.item() if torch.is_tensor(step) else step))
     st.ctx.write_done()
     for g, sg in zip(groups, saved):
@@ -1441,18 +1483,21 @@ def full_state_dict(model=None, device=None):
     """The full current parameters and the model's buffers as ordinary tensors, under every name
     torch's state_dict() gives them (a tied parameter under each of its names), in its order.
     Any rank may call it alone (if rank == 0: torch.save(...)). device: where the tensors are
-    (None: the model's device, as torch's state_dict(); "cpu": copies in host memory)."""
+    (None: the model's device, as torch's state_dict(); "cpu": copies in host memory). Under a
+    plan that gathers int8 weights (zeropp, topo, ,qw, ,qsec) the parameters are the fp32
+    master weights (rounded to their dtype), read from the job's nodes, not the int8 blocks."""
     st = _state_of(model)
-    if _quantized_weights(st.plan) and not st.warned_quantized:
-        st.warned_quantized = True
-        warnings.warn(f"shard.torch: plan '{st.plan}' gathers the weights as int8 blocks (,qw or "
-                      ",qsec): state_dict() and full_state_dict() return them as the forward "
-                      "sees them, dequantized, not the fp32 master weights; the masters are in "
-                      "a checkpoint (shard.torch.save, read by shard.checkpoint."
-                      "load_state_dict)", stacklevel=3)
     to = torch.device(device) if device is not None else None
     values = {}
+    if _quantized_weights(st.plan):  # the forward's weights are int8 blocks: the fp32 masters
+        masters = _per_param(st, [0])
+        for ps in st.params:
+            for _, p in ps:
+                v = masters[id(p)][0].to(p.dtype)
+                values[id(p)] = v.to(to if to is not None else p.device)
     for u, ps in enumerate(st.params):
+        if values and id(ps[0][1]) in values:
+            continue
         held = st.refs[u] > 0
         if not held:  # outside the schedule: rank 0 alone may save
             st._attach_views(u, *st.ctx.fetch_aside(u))
