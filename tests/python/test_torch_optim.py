@@ -20,7 +20,8 @@ on a 2-node x 2-rank emulated cluster of real daemons (tools/local-cluster.sh):
     step 5 and resumed in a new job (new model, optimizer and schedule, wrap(load=)): the same
     checks as AdamW's (Adam: at most one element in 10^4 outside that band, none beyond 3e-5:
     Adam's step divides by the gradient's own root), and shardctl jobs names the optimizer;
-  - torch's own state dicts: single-process AdamW (zero3) and SGD with momentum (mics:2) runs
+  - torch's own state dicts: single-process AdamW (zero3, topo:1/2/4) and SGD with momentum
+    (mics:2) runs
     save {"model": model.state_dict(), "optimizer": optimizer.state_dict()} after step 5 (as
     nanoGPT's checkpoint); a job that trained 5 steps on other data loads both with the model's
     and the optimizer's load_state_dict on every rank: full_state_dict right after is the
@@ -431,8 +432,8 @@ def torchsd(cl, work, kind, plan):
     """torch's state dicts loaded into a running job (torchsd_worker) against the reference"""
     keep = f"{work}/ref-{kind}.pt"
     ref_losses, ref_params = reference(kind, keep=keep)
-    tag = f"torchsd-{kind}"
-    got = run(cl, work, tag, plan, tag, keep=keep)
+    tag = f"torchsd-{kind}-" + plan.replace(":", "").replace("/", "")
+    got = run(cl, work, tag, plan, f"torchsd-{kind}", keep=keep)
     if got[0] is None:
         return
     losses, params, logs = got
@@ -640,6 +641,7 @@ def main():
             # 5) loaded into running jobs through the model's and optimizer's load_state_dict
             torchsd(cl, work, "adamw", "zero3")
             torchsd(cl, work, "sgd", "mics:2")
+            torchsd(cl, work, "adamw", "topo:1/2/4")
             batchnorm(cl, work)
             memory(sys.argv[1], work)
     finally:
