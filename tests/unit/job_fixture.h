@@ -43,6 +43,8 @@ void th_job_free(struct th_job *tj);
 float *th_job_g(struct th_job *tj, uint32_t r);
 /* uniform in [-1, 1] (rand()) */
 float th_rand_unit(void);
+/* x in bf16, rounded to nearest even (the reference of the weights' conversion) */
+uint16_t th_bf16(float x);
 
 /* What the fakes saw. */
 struct th_answer {
@@ -67,6 +69,7 @@ struct th_fake {
     struct sd_exchange_param ex[TH_MAX_POSTS];
     int n_ex;
     int queue_eagain; /* sd_job_queue_mark answers SD_EAGAIN this many more times */
+    int op_done;      /* sd_op_done: operations answered */
 };
 extern struct th_fake th_fake;
 /* forget what the fakes saw */

@@ -205,28 +205,6 @@ void sd_fetch_serve_queue(struct sd_job *job)
     (void)job;
 }
 
-void sd_op_done(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t v0,
-                uint64_t v1, uint64_t start_ns)
-{
-    (void)job;
-    (void)start_ns;
-    sd_session_complete(s, e->tag, e->op, SD_OK, v0, v1, NULL);
-}
-
-void *sd_job_net_desc(const struct sd_job *job, const void *p)
-{
-    (void)job;
-    (void)p;
-    return NULL;
-}
-
-const char *sd_job_state_name(enum sd_job_state s)
-{
-    static const char *names[] = {"registering", "loading", "ready",
-                                  "failed",      "closing", "finished"};
-    return (unsigned)s < sizeof(names) / sizeof(names[0]) ? names[s] : "?";
-}
-
 /* ---- the jobs */
 static const uint64_t sizes[N_TENSORS] = {3000, 5000};
 
@@ -243,14 +221,6 @@ struct fixture {
     struct sd_session *ranks[2];
     uint32_t node_ids[1];
 };
-
-static uint16_t bf16_of(float x)
-{
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static float *os_of(struct sd_job *job, uint32_t r, uint32_t s, const struct sd_unit_layout *ul)
 {
@@ -471,7 +441,7 @@ static void test_load(const char *plan, uint32_t k, int dtype)
                 if (dtype == SD_DTYPE_BF16) {
                     uint16_t h;
                     memcpy(&h, w + 2 * (i - b), 2);
-                    bad += h != bf16_of(value(0, u, i));
+                    bad += h != th_bf16(value(0, u, i));
                 } else {
                     float x;
                     memcpy(&x, w + 4 * (i - b), 4);

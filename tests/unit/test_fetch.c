@@ -50,7 +50,7 @@
 /* ---- the rest of the daemon, as fetch sees it: the schedule not frozen, no secondary copy,
  * no ,qw; the transport's sends recorded */
 static struct {
-    int op_done, prefetches;
+    int prefetches;
     int sends, send_status;
     uint32_t send_peer;
     struct sd_req_msg sent;
@@ -204,29 +204,6 @@ void sd_job_pool_publish(struct sd_job *job, uint64_t off, uint64_t bytes)
     (void)bytes;
 }
 
-const char *sd_job_state_name(enum sd_job_state s)
-{
-    static const char *names[] = {"registering", "loading", "ready",
-                                  "failed",      "closing", "finished"};
-    return (unsigned)s < sizeof(names) / sizeof(names[0]) ? names[s] : "?";
-}
-
-void sd_op_done(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t v0,
-                uint64_t v1, uint64_t start_ns)
-{
-    (void)job;
-    (void)start_ns;
-    F.op_done++;
-    sd_session_complete(s, e->tag, e->op, SD_OK, v0, v1, NULL);
-}
-
-void *sd_job_net_desc(const struct sd_job *job, const void *p)
-{
-    (void)job;
-    (void)p;
-    return NULL;
-}
-
 static int fake_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const void *buf,
                      size_t len, void *desc, struct sd_xfer *x)
 {
@@ -263,19 +240,11 @@ static float value(uint32_t u, uint64_t i, uint64_t gen)
     return (float)(u + 1) * 1000.0f + (float)i * 0.0137f + (float)gen + 1.0f / 3.0f;
 }
 
-static uint16_t bf16_of(float x)
-{
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* element i of unit u as the weights hold it (its dtype) into out */
 static void put_value(const struct sd_unit_layout *ul, uint8_t *out, uint64_t i, float v)
 {
     if (ul->dtype == SD_DTYPE_BF16) {
-        uint16_t h = bf16_of(v);
+        uint16_t h = th_bf16(v);
         memcpy(out + 2 * i, &h, 2);
     } else {
         memcpy(out + 4 * i, &v, 4);
@@ -459,7 +428,7 @@ static void test_one_node(int dtype)
              "%s: a release with unknown flags refused, the hold kept", dt);
     release(&fx, 0, 1, 0, 22);
     release(&fx, 2, 1, 0, 23);
-    TH_CHECK(F.op_done == 2 && fx.holds[0][1] == 0 && fx.holds[2][1] == 0 &&
+    TH_CHECK(th_fake.op_done == 2 && fx.holds[0][1] == 0 && fx.holds[2][1] == 0 &&
                  answer(0, 22, NULL) == SD_OK,
              "%s: the releases answered, the holds gone", dt);
 

@@ -64,7 +64,7 @@
 /* ---- what loading's own fakes record, and how they answer */
 static struct {
     const char *values_from; /* sd_job_values_from */
-    int job_ready, serve_queue, op_done, prefetches;
+    int job_ready, serve_queue, prefetches;
     uint32_t step_arrived;
     bool shards_busy;
     uint64_t steps_set[2];
@@ -139,13 +139,6 @@ bool sd_job_shards_busy(const struct sd_job *job)
     return F.shards_busy;
 }
 
-const char *sd_job_state_name(enum sd_job_state s)
-{
-    static const char *names[] = {"registering", "loading", "ready",
-                                  "failed",      "closing", "finished"};
-    return (unsigned)s < sizeof(names) / sizeof(names[0]) ? names[s] : "?";
-}
-
 struct sd_cluster *sd_job_cluster(const struct sd_job *job)
 {
     (void)job;
@@ -167,22 +160,6 @@ void sd_fetch_serve_queue(struct sd_job *job)
     F.serve_queue++;
 }
 
-void sd_op_done(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e, uint64_t v0,
-                uint64_t v1, uint64_t start_ns)
-{
-    (void)job;
-    (void)start_ns;
-    F.op_done++;
-    sd_session_complete(s, e->tag, e->op, SD_OK, v0, v1, NULL);
-}
-
-void *sd_job_net_desc(const struct sd_job *job, const void *p)
-{
-    (void)job;
-    (void)p;
-    return NULL;
-}
-
 /* ---- the job */
 struct fixture {
     struct th_job tj;
@@ -195,14 +172,6 @@ struct fixture {
 };
 
 static const uint64_t sizes[2] = {3000, 5000};
-
-static uint16_t bf16_of(float x)
-{
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t k, uint32_t node,
                   int dtype)
@@ -275,7 +244,7 @@ static int check_shards(struct fixture *fx, uint32_t u, const float *values)
         const uint8_t *w = sd_job_w_shard(job, r, u);
         for (uint64_t i = 0; i < len; i++) {
             if (ul->dtype == SD_DTYPE_BF16) {
-                uint16_t want = bf16_of(values[b + i]), got;
+                uint16_t want = th_bf16(values[b + i]), got;
                 memcpy(&got, w + 2 * i, 2);
                 bad += got != want;
             } else {
@@ -375,7 +344,8 @@ static void test_one_node(int dtype)
                  strstr(th_fake.fail_msg, "ready, not loading") != NULL,
              "%s: init of a ready job refused (%s)", dt, th_fake.fail_msg);
     call(&fx, 1, SD_OP_READY, 0, 0, 300);
-    TH_CHECK(F.op_done == 1 && th_answered(1, 300) >= 0, "%s: ready of a ready job answered", dt);
+    TH_CHECK(th_fake.op_done == 1 && th_answered(1, 300) >= 0, "%s: ready of a ready job answered",
+             dt);
     free(v0);
     free(v1);
     teardown(&fx);
@@ -599,7 +569,7 @@ static int check_written(struct fixture *fx, uint32_t r, uint32_t t, uint32_t wh
     b = (rank % job->plan.f[SD_STATE_W]) * len;
     const uint8_t *w = sd_job_w_shard(job, r, t);
     for (uint64_t i = b; i < b + len && i < sizes[t]; i++) {
-        uint16_t want = bf16_of(values[i]), got;
+        uint16_t want = th_bf16(values[i]), got;
         memcpy(&got, w + 2 * (i - b), 2);
         bad += got != want;
     }

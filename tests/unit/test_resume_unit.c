@@ -75,13 +75,6 @@ const char *sd_job_state_needed(const struct sd_job *job)
     return F.needed;
 }
 
-const char *sd_job_state_name(enum sd_job_state s)
-{
-    static const char *names[] = {"registering", "loading", "ready",
-                                  "failed",      "closing", "finished"};
-    return (unsigned)s < sizeof(names) / sizeof(names[0]) ? names[s] : "?";
-}
-
 static struct sd_hparams hp_old[1] = {{.lr = 0.25f}};
 
 const struct sd_hparams *sd_optim_hparams(const struct sd_job *job)
