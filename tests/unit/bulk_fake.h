@@ -5,6 +5,7 @@
 #define TH_BULK_FAKE_H
 
 #include "coll/coll.h"
+#include "pull.h"
 
 #include <stdbool.h>
 
@@ -20,7 +21,17 @@ struct th_bulks {
 };
 extern struct th_bulks th_bulks;
 
-/* forget every transfer */
+/* The transport's sends (pull requests): the last one recorded; answered with status. */
+struct th_sends {
+    int n, status;
+    uint32_t peer;
+    struct sd_req_msg msg;
+    struct sd_xfer *x;
+};
+extern struct th_sends th_sends;
+extern const struct sd_transport_ops th_send_ops;
+
+/* forget every transfer and send */
 void th_bulks_reset(void);
 /* the one transfer started and not completed (the index), or -1 (none, or more than one) */
 int th_bulk_in_flight(void);

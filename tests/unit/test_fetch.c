@@ -51,10 +51,6 @@
  * no ,qw; the transport's sends recorded */
 static struct {
     int prefetches;
-    int sends, send_status;
-    uint32_t send_peer;
-    struct sd_req_msg sent;
-    struct sd_xfer *send_x;
 } F;
 
 int sd_sched_reserve(struct sd_job *job, uint64_t bytes, uint64_t *off_p)
@@ -204,22 +200,6 @@ void sd_job_pool_publish(struct sd_job *job, uint64_t off, uint64_t bytes)
     (void)bytes;
 }
 
-static int fake_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const void *buf,
-                     size_t len, void *desc, struct sd_xfer *x)
-{
-    (void)tp;
-    (void)tag;
-    (void)desc;
-    F.sends++;
-    F.send_peer = peer;
-    F.send_x = x;
-    if (len == sizeof(F.sent))
-        memcpy(&F.sent, buf, len);
-    return F.send_status;
-}
-
-static const struct sd_transport_ops fake_ops = {.name = "fake", .send = fake_send};
-
 /* ---- the job */
 struct fixture {
     struct th_job tj;
@@ -333,7 +313,7 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
     job->xfer.node_ids = fx->node_ids;
     job->xfer.req_queue = fx->req_queue;
     job->xfer.req_cap = sizeof(fx->req_queue) / sizeof(fx->req_queue[0]);
-    fx->tp = (struct sd_transport){.ops = &fake_ops, .n_peers = nodes, .self = node};
+    fx->tp = (struct sd_transport){.ops = &th_send_ops, .n_peers = nodes, .self = node};
     job->xfer.tp = &fx->tp;
     job->ranks = fx->ranks;
     for (uint32_t r = 0; r < k; r++) {
@@ -493,9 +473,9 @@ static void test_gather_remote(bool fail)
              "%s: zero3 on 2x2 gathers across the 2 nodes, hierarchically", how);
     TH_CHECK(fetch(&fx, 0, 1, 10) && answer(0, 10, NULL) < 0, "%s: the fetch waits for node 1",
              how);
-    TH_CHECK(F.sends == 1 && F.send_peer == 1 && F.sent.magic == SD_REQ_MAGIC && F.sent.unit == 1 &&
-                 F.sent.gen == 1 && F.sent.src == 0 && F.sent.job_tag == job->xfer.tag &&
-                 F.sent.n_units == 1,
+    TH_CHECK(th_sends.n == 1 && th_sends.peer == 1 && th_sends.msg.magic == SD_REQ_MAGIC &&
+                 th_sends.msg.unit == 1 && th_sends.msg.gen == 1 && th_sends.msg.src == 0 &&
+                 th_sends.msg.job_tag == job->xfer.tag && th_sends.msg.n_units == 1,
              "%s: one pull request to node 1 naming the unit, the generation and this node", how);
     int t = th_bulk_in_flight();
     struct sd_unit_state *us = sd_unit_cache_slot(&job->cache, 1, 0);
@@ -505,7 +485,7 @@ static void test_gather_remote(bool fail)
                  th_bulks.post[t].n_pieces == 2 && th_bulks.pieces[t][0] == slot + 2 * len &&
                  th_bulks.pieces[t][1] == slot + 3 * len && th_bulk_piece_len(t, 0) == len,
              "%s: one receive of node 1's block: its 2 ranks' shards at their places", how);
-    TH_CHECK(fetch(&fx, 1, 1, 11) && answer(1, 11, NULL) < 0 && F.sends == 1 &&
+    TH_CHECK(fetch(&fx, 1, 1, 11) && answer(1, 11, NULL) < 0 && th_sends.n == 1 &&
                  th_bulks.posted == 1,
              "%s: rank 1's fetch joins the gather (no second request)", how);
     if (t < 0) {
@@ -520,7 +500,7 @@ static void test_gather_remote(bool fail)
         for (uint64_t i = b; i < e; i++)
             p[i - b] = value(1, i, 1);
     }
-    F.send_x->cb(F.send_x, SD_OK);
+    th_sends.x->cb(th_sends.x, SD_OK);
     TH_CHECK(answer(0, 10, NULL) < 0, "%s: the request sent, the block not here: no answer", how);
     th_bulk_complete(t, fail ? SD_ETIMEDOUT : SD_OK);
     if (!fail) {

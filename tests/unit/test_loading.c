@@ -103,30 +103,6 @@ const uint64_t *sd_optim_tensor_steps(const struct sd_job *job)
     return tensor_steps;
 }
 
-/* the transport's sends (a read's pull requests): recorded */
-static struct {
-    int sends;
-    uint32_t peer;
-    struct sd_req_msg msg;
-    struct sd_xfer *x;
-} T;
-
-static int fake_send(struct sd_transport *tp, uint32_t peer, uint64_t tag, const void *buf,
-                     size_t len, void *desc, struct sd_xfer *x)
-{
-    (void)tp;
-    (void)tag;
-    (void)desc;
-    T.sends++;
-    T.peer = peer;
-    T.x = x;
-    if (len == sizeof(T.msg))
-        memcpy(&T.msg, buf, len);
-    return SD_OK;
-}
-
-static const struct sd_transport_ops fake_ops = {.name = "fake", .send = fake_send};
-
 const char *sd_job_values_from(const struct sd_job *job)
 {
     (void)job;
@@ -192,11 +168,10 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t nodes, uint32_t
     job->mem.staging_slot_bytes = job->layout.max_unit_numel * sizeof(float);
     job->ranks = fx->ranks;
     job->xfer.node_ids = fx->node_ids;
-    fx->tp = (struct sd_transport){.ops = &fake_ops, .n_peers = nodes, .self = node};
+    fx->tp = (struct sd_transport){.ops = &th_send_ops, .n_peers = nodes, .self = node};
     job->xfer.tp = &fx->tp;
     job->xfer.read_req = &fx->read_req;
     job->xfer.bulks.n = TH_MAX_BULKS;
-    memset(&T, 0, sizeof(T));
     for (uint32_t r = 0; r < k; r++) {
         fx->staging[r].bytes = SLOTS * job->mem.staging_slot_bytes;
         fx->staging[r].ptr = calloc(1, fx->staging[r].bytes);
@@ -753,7 +728,7 @@ static void test_read(void)
     set_os(&fx, 1, 0, 100.0f);
     set_os(&fx, 1, 1, -5000.0f);
     TH_CHECK(read_unit(&fx, 1, 1, 0, 10) && th_answered(1, 10) >= 0 &&
-                 check_read(&fx, 1, 1, 100.0f) == 0 && T.sends == 0,
+                 check_read(&fx, 1, 1, 100.0f) == 0 && th_sends.n == 0,
              "read, one node: the unit's masters from both ranks' shards, nothing sent");
     TH_CHECK(read_unit(&fx, 0, 1, 1, 11) && th_answered(0, 11) >= 0 &&
                  check_read(&fx, 0, 1, -5000.0f) == 0,
@@ -791,10 +766,11 @@ static void test_read(void)
         const struct sd_unit_layout *ul = &job->layout.units[0];
         uint64_t len = ul->numel / 4;
         float *slot = (float *)(void *)sd_job_staging_slot(job, 0, 0);
-        TH_CHECK(T.sends == 1 && T.peer == 1 && T.msg.magic == SD_REQ_MAGIC && T.msg.state == 1 &&
-                     T.msg.unit == 0 && T.msg.gen == 4 && T.msg.src == 0 && t >= 0 &&
-                     !th_bulks.post[t].is_send && th_bulks.post[t].peer == 1 &&
-                     th_bulks.post[t].n_pieces == 2 && th_bulks.pieces[t][0] == slot + 2 * len &&
+        TH_CHECK(th_sends.n == 1 && th_sends.peer == 1 && th_sends.msg.magic == SD_REQ_MAGIC &&
+                     th_sends.msg.state == 1 && th_sends.msg.unit == 0 && th_sends.msg.gen == 4 &&
+                     th_sends.msg.src == 0 && t >= 0 && !th_bulks.post[t].is_send &&
+                     th_bulks.post[t].peer == 1 && th_bulks.post[t].n_pieces == 2 &&
+                     th_bulks.pieces[t][0] == slot + 2 * len &&
                      th_bulks.pieces[t][1] == slot + 3 * len &&
                      th_bulk_piece_len(t, 0) == len * sizeof(float),
                  "read across nodes: one request for the masters (state 1) of unit 0 at "
@@ -803,13 +779,13 @@ static void test_read(void)
             break;
         for (uint64_t i = 2 * len; i < 4 * len; i++)
             slot[i] = 1.0f + (float)i;
-        T.x->cb(T.x, SD_OK);
+        th_sends.x->cb(th_sends.x, SD_OK);
         th_bulk_complete(t, fail ? SD_ETIMEDOUT : SD_OK);
         a = th_answered(0, 20);
         if (!fail) {
             TH_CHECK(a >= 0 && th_fake.ans[a].status == SD_OK && check_read(&fx, 0, 0, 1.0f) == 0,
                      "read across nodes: answered, the whole unit's masters in the slot");
-            TH_CHECK(read_unit(&fx, 1, 0, 0, 21) && T.sends == 2 && T.msg.lslot == 2,
+            TH_CHECK(read_unit(&fx, 1, 0, 0, 21) && th_sends.n == 2 && th_sends.msg.lslot == 2,
                      "read across nodes: then rank 1's read goes, its own number");
         } else {
             TH_CHECK(a >= 0 && th_fake.ans[a].status == SD_EPEER && th_fake.job_fails == 1 &&
