@@ -40,7 +40,8 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
     (SHARD_LIBRARY unset, run outside the source tree) (the README's venv, which takes the
     package with pip offline: test_readme);
   - optimizer.state_dict() of the wrapped model is torch's layout with the moments and step
-    counts of a checkpoint at the same step bitwise, its load_state_dict back changes nothing,
+    counts of a checkpoint at the same step bitwise, its load_state_dict back changes nothing
+    (also through torch.distributed.checkpoint's get/set_optimizer_state_dict, keyed by name),
     and a nanoGPT-style torch.save({"model", "optimizer"}) holds both; what cannot work on a
     wrapped model raises ShardError naming the call and the fix, nothing written or changed:
     torch.save(model), copy.deepcopy; optimizer.load_state_dict of a dict that is not torch's
@@ -197,7 +198,8 @@ try:
     m0 = Net()
     a, b = copy.deepcopy(m0), copy.deepcopy(m0)
     ckdir = os.path.join(work, "ck")
-    st.wrap(a, job="ck-straight", optimizer=torch.optim.AdamW(a.parameters(), lr=1e-2))
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    st.wrap(a, job="ck-straight", optimizer=oa)
     train(a, 3)
     saved = st.save(ckdir, a)
     full3 = st.full_state_dict(a)
@@ -218,6 +220,21 @@ try:
     again = st.optimizer(a).state_dict()
     check(all(torch.equal(again["state"][i][k], v) for i, e in osd["state"].items()
               for k, v in e.items()), "optimizer.load_state_dict of its own state_dict: the same")
+    # the same through torch.distributed.checkpoint's state-dict API, as FSDP2 scripts call it
+    # (keyed by the parameters' names; no process group needed for a full state dict)
+    from torch.distributed.checkpoint import state_dict as dsd
+    fo = dsd.StateDictOptions(full_state_dict=True)
+    fsd = dsd.get_optimizer_state_dict(a, oa, options=fo)
+    check(sorted(fsd["state"]) == sorted(names) and
+          all(torch.equal(fsd["state"][n][s_], osd["state"][i][s_])
+              for i, n in enumerate(names) for s_ in ("exp_avg", "exp_avg_sq", "step")),
+          "get_optimizer_state_dict(full_state_dict=True): optimizer.state_dict() under FQNs")
+    dsd.set_optimizer_state_dict(a, oa, fsd, options=fo)
+    again = st.optimizer(a).state_dict()
+    msd = dsd.get_model_state_dict(a, options=fo)
+    check(all(torch.equal(again["state"][i][k], v) for i, e in osd["state"].items()
+              for k, v in e.items()) and all(torch.equal(msd[k], full3[k]) for k in full3),
+          "set_optimizer_state_dict of it changes nothing; get_model_state_dict: the full tensors")
     la = train(a, 6, start=3)
     full6 = st.full_state_dict(a)
     st.unwrap(a)

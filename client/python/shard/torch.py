@@ -1346,15 +1346,20 @@ def _load_optimizer_state(st, so, state_dict):
             if k in sg and sg[k] != want and not (want is None and sg[k] is False):
                 raise ValueError(f"optimizer.load_state_dict: param_groups[{gi}] has {k}="
                                  f"{sg[k]}, which shardd's {st.kind} does not run")
+    # a saved group's params name its parameters in order (torch's ints, or the FQNs
+    # torch.distributed.checkpoint's set_optimizer_state_dict passes), the state is keyed alike
     by_index = {}
     for g, sg in zip(groups, saved):
         by_index.update(zip(sg["params"], g["params"]))
-    states = state_dict["state"]
-    for key, ps in states.items():
-        k = int(key)
+    states = {}
+    for key, ps in state_dict["state"].items():
+        k = key if key in by_index else (int(key) if isinstance(key, str) and key.isdigit()
+                                         else str(key))
         if k not in by_index:
-            raise ValueError(f"optimizer.load_state_dict: state of parameter {key}, which no "
+            raise ValueError(f"optimizer.load_state_dict: state of parameter {key!r}, which no "
                              "param group lists")
+        states[k] = ps
+    for key, ps in states.items():
         for name in ps:
             if name not in names and name != "step":
                 raise ValueError(f"optimizer.load_state_dict: parameter {key}'s state '{name}' "
@@ -1364,7 +1369,7 @@ def _load_optimizer_state(st, so, state_dict):
     index = _tensor_index(st)
     with torch.no_grad():
         for k, p in by_index.items():
-            ps = states.get(k, states.get(str(k), {}))
+            ps = states.get(k, {})
             shape = torch.Size(shapes[id(p)])
             for name, what in names.items():
                 v = ps.get(name)
