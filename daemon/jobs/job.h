@@ -336,6 +336,16 @@ static inline uint8_t *sd_job_w_shard(struct sd_job *job, uint32_t local, uint32
     return (uint8_t *)sd_job_state(job, local, SD_STATE_W) + job->mem.w_off[u];
 }
 
+/* local rank local's optimizer state s (0 the fp32 masters, then the moments) of unit ul: its
+ * os shard */
+static inline float *sd_job_os_state(struct sd_job *job, uint32_t local, uint32_t s,
+                                     const struct sd_unit_layout *ul)
+{
+    return (float *)sd_job_state(job, local, SD_STATE_OS) +
+           s * sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]) +
+           ul->arena_off[SD_STATE_OS];
+}
+
 /* local rank local's fp32 gradient shard of unit ul */
 static inline float *sd_job_g_shard(struct sd_job *job, uint32_t local,
                                     const struct sd_unit_layout *ul)

@@ -49,11 +49,9 @@ static bool serve_state(struct sd_job *job, const struct sd_req_msg *m)
     if (b == NULL)
         return false;
     const struct sd_unit_layout *ul = &job->layout.units[m->unit];
-    uint64_t stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]);
     void *pieces[SD_BULK_MAX_PIECES];
     for (uint32_t q = 0; q < job->k; q++)
-        pieces[q] = (float *)sd_job_state(job, q, SD_STATE_OS) + (m->state - 1) * stride +
-                    ul->arena_off[SD_STATE_OS];
+        pieces[q] = sd_job_os_state(job, q, m->state - 1, ul);
     uint64_t tag = 0;
     int st = sd_tag_make(SD_TAG_SDATA, job->xfer.tag, m->unit,
                          m->lslot & ((1u << SD_TAG_SEQ_BITS) - 1), job->node, &tag);

@@ -98,13 +98,6 @@ static const char *write_refusal(struct sd_job *job, struct sd_session *s, char 
     return buf;
 }
 
-/* local rank r's optimizer state s of unit ul, its os shard */
-static float *os_state(struct sd_job *job, uint32_t r, uint32_t s, const struct sd_unit_layout *ul)
-{
-    uint64_t stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]);
-    return (float *)sd_job_state(job, r, SD_STATE_OS) + s * stride + ul->arena_off[SD_STATE_OS];
-}
-
 /* src (the tensor's values) into rank r's shard of state (SD_STATE_OS: optimizer state what;
  * SD_STATE_W: the weights in the unit's dtype), where the shard meets the tensor */
 static void write_range(struct sd_job *job, uint32_t r, int state, uint32_t what, uint32_t t,
@@ -120,7 +113,7 @@ static void write_range(struct sd_job *job, uint32_t r, int state, uint32_t what
         return;
     const float *from = src + (lo - tl->offset);
     if (state == SD_STATE_OS)
-        dev->copy(job->mem.queue, os_state(job, r, what, ul) + (lo - b), from,
+        dev->copy(job->mem.queue, sd_job_os_state(job, r, what, ul) + (lo - b), from,
                   (hi - lo) * sizeof(float));
     else
         dev->from_f32(job->mem.queue,
@@ -455,7 +448,7 @@ bool sd_values_read(struct sd_job *job, struct sd_session *s, const struct sd_sq
         job->reg->dev->copy(
             job->mem.queue,
             dst + (uint64_t)sd_plan_shard(&job->plan, SD_STATE_OS, job->first_rank + q) * len,
-            os_state(job, q, what, ul), len * sizeof(float));
+            sd_job_os_state(job, q, what, ul), len * sizeof(float));
     *rd = (struct sd_state_read){.active = true,
                                  .local = s->local,
                                  .unit = e->unit,

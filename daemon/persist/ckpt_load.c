@@ -60,12 +60,6 @@ static void par_fail(struct par_load *p, int st, const char *msg)
         sd_ckpt__fail(p->job, st, "%s", msg);
 }
 
-static float *os_shard(struct sd_job *job, uint32_t r, uint32_t s, const struct sd_unit_layout *ul)
-{
-    uint64_t stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]);
-    return (float *)sd_job_state(job, r, SD_STATE_OS) + s * stride + ul->arena_off[SD_STATE_OS];
-}
-
 static void weights(struct par_load *p, uint32_t thread, uint32_t u, uint32_t r);
 
 /* whether local rank r's w shard of ul lies in its own os shard (as under zero3 and mics): its
@@ -94,7 +88,7 @@ static void load_state(void *arg, uint32_t thread, uint64_t i)
     char err[1024];
     int st =
         read_unit_range(job, &p->rd[thread], &(struct unit_range){.s = s, .u = u, .lo = b, .hi = e},
-                        os_shard(job, r, s, ul), err, sizeof(err));
+                        sd_job_os_state(job, r, s, ul), err, sizeof(err));
     if (st != SD_OK)
         par_fail(p, st, err);
     else if (s == 0 && w_in_os(job, ul, r))
@@ -119,7 +113,7 @@ static void weights(struct par_load *p, uint32_t thread, uint32_t u, uint32_t r)
             uint64_t b, e;
             sd_layout_shard(ul, &job->plan, SD_STATE_OS, job->first_rank + q, &b, &e);
             if (b <= at && at < e) {
-                src = os_shard(job, q, 0, ul) + (at - b);
+                src = sd_job_os_state(job, q, 0, ul) + (at - b);
                 z = SD_MIN(we, e);
             } else if (b > at) {
                 z = SD_MIN(z, b); /* read up to the next os shard */
@@ -218,7 +212,8 @@ static uint64_t unit_block(struct sd_job *job, uint32_t u, float *at, struct sd_
                     read_unit_range(job, rd, &(struct unit_range){.s = s, .u = u, .lo = b, .hi = e},
                                     at + n, c->work.err, sizeof(c->work.err));
             else
-                dev->copy(job->mem.queue, os_shard(job, r, s, ul), at + n, (e - b) * sizeof(float));
+                dev->copy(job->mem.queue, sd_job_os_state(job, r, s, ul), at + n,
+                          (e - b) * sizeof(float));
         }
     }
     return n;

@@ -222,12 +222,6 @@ struct fixture {
     uint32_t node_ids[1];
 };
 
-static float *os_of(struct sd_job *job, uint32_t r, uint32_t s, const struct sd_unit_layout *ul)
-{
-    uint64_t stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]);
-    return (float *)sd_job_state(job, r, SD_STATE_OS) + s * stride + ul->arena_off[SD_STATE_OS];
-}
-
 /* a job of plan on 1 x k, AdamW, its state READY (fill: the arenas hold the values) or LOADING
  * from load */
 static bool setup(struct fixture *fx, const char *plan, uint32_t k, int dtype, bool fill,
@@ -268,7 +262,8 @@ static bool setup(struct fixture *fx, const char *plan, uint32_t k, int dtype, b
             sd_layout_shard(ul, &job->plan, SD_STATE_OS, r, &b, &e);
             for (uint32_t s = 0; s < 3; s++)
                 for (uint64_t i = b; i < e; i++)
-                    os_of(job, r, s, ul)[i - b] = i < tl->offset + tl->numel ? value(s, u, i) : 0;
+                    sd_job_os_state(job, r, s, ul)[i - b] =
+                        i < tl->offset + tl->numel ? value(s, u, i) : 0;
         }
     return st == SD_OK;
 }
@@ -434,7 +429,7 @@ static void test_load(const char *plan, uint32_t k, int dtype)
             sd_layout_shard(ul, &job->plan, SD_STATE_OS, r, &b, &e);
             for (uint32_t s = 0; s < 3; s++)
                 for (uint64_t i = b; i < e && i < sizes[u]; i++)
-                    bad += os_of(job, r, s, ul)[i - b] != value(s, u, i);
+                    bad += sd_job_os_state(job, r, s, ul)[i - b] != value(s, u, i);
             sd_layout_shard(ul, &job->plan, SD_STATE_W, r, &b, &e);
             const uint8_t *w = sd_job_w_shard(job, r, u);
             for (uint64_t i = b; i < e && i < sizes[u]; i++) {

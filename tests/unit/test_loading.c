@@ -531,11 +531,9 @@ static int check_written(struct fixture *fx, uint32_t r, uint32_t t, uint32_t wh
     const struct sd_unit_layout *ul = &job->layout.units[t]; /* (tensor t is unit t's) */
     uint32_t rank = job->first_rank + r;
     int bad = 0;
-    uint64_t stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]);
     uint64_t len = ul->numel / job->plan.f[SD_STATE_OS],
              b = (rank % job->plan.f[SD_STATE_OS]) * len;
-    const float *os = (const float *)sd_job_state(job, r, SD_STATE_OS) + what * stride +
-                      ul->arena_off[SD_STATE_OS];
+    const float *os = sd_job_os_state(job, r, what, ul);
     for (uint64_t i = b; i < b + len && i < sizes[t]; i++)
         bad += memcmp(&os[i - b], &values[i], 4) != 0;
     if (what != 0)
@@ -693,12 +691,10 @@ static void set_os(struct fixture *fx, uint32_t u, uint32_t what, float base)
 {
     struct sd_job *job = fx->job;
     const struct sd_unit_layout *ul = &job->layout.units[u];
-    uint64_t stride = sd_arena_os_stride(job->layout.arena_numel[SD_STATE_OS]);
     uint64_t len = ul->numel / job->plan.f[SD_STATE_OS];
     for (uint32_t r = 0; r < job->k; r++) {
         uint64_t b = ((job->first_rank + r) % job->plan.f[SD_STATE_OS]) * len;
-        float *os =
-            (float *)sd_job_state(job, r, SD_STATE_OS) + what * stride + ul->arena_off[SD_STATE_OS];
+        float *os = sd_job_os_state(job, r, what, ul);
         for (uint64_t i = 0; i < len; i++)
             os[i] = base + (float)(b + i);
     }

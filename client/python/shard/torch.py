@@ -1203,19 +1203,16 @@ def _full_state_dict_of(model, within, module, destination=None, prefix="", keep
     return destination
 
 
-def _f32_host(value):
-    """value as a contiguous fp32 tensor in host memory (what shard_write reads)"""
-    return value.detach().to(device="cpu", dtype=torch.float32).contiguous()
-
-
 def _write(st, t, what, value):
-    v = _f32_host(value).reshape(-1)
+    """tensor t's values (any tensor of its elements) as what, through shard_write's fp32 copy in
+    host memory"""
+    v = value.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1)
     st.ctx.write(t, what, v.data_ptr(), v.numel())
 
 
-def _tensor_index(st):
-    """{id(param): its tensor index in the job}"""
-    return {id(p): st.ctx.units[u]["tensors"][i]
+def _params(st):
+    """{id(param): (its tensor index in the job, its shape)} of every registered parameter"""
+    return {id(p): (st.ctx.units[u]["tensors"][i], torch.Size(st.shapes[u][i]))
             for u, ps in enumerate(st.params) for i, (_, p) in enumerate(ps)}
 
 
@@ -1237,8 +1234,7 @@ def _load_state_dict_of(model, within, module, state_dict, strict=True, assign=F
         mine = torch.nn.Module.state_dict(module, keep_vars=True)
     finally:
         _reading.active = False
-    shapes = {id(p): shape for ps, sh in zip(st.params, st.shapes)
-              for (_, p), shape in zip(ps, sh)}
+    reg = _params(st)
     missing = [k for k in mine if k not in state_dict]
     unexpected = [k for k in state_dict if k not in mine]
     errors, params, buffers = [], {}, []
@@ -1250,12 +1246,12 @@ def _load_state_dict_of(model, within, module, state_dict, strict=True, assign=F
             errors.append(f'While copying the parameter named "{k}", expected torch.Tensor or '
                           f'Tensor-like object from checkpoint but received {type(v)}')
             continue
-        shape = shapes.get(id(t), t.shape)
+        shape = reg[id(t)][1] if id(t) in reg else t.shape
         if tuple(v.shape) != tuple(shape):
             errors.append(f"size mismatch for {k}: copying a param with shape {v.shape} from "
                           f"checkpoint, the shape in current model is {torch.Size(shape)}.")
             continue
-        if id(t) in shapes:
+        if id(t) in reg:
             params[id(t)] = v  # (in the module's order: a tied one's last name wins)
         else:
             buffers.append((t, v))
@@ -1269,14 +1265,11 @@ def _load_state_dict_of(model, within, module, state_dict, strict=True, assign=F
     if errors:
         raise RuntimeError("Error(s) in loading state_dict for {} (nothing was loaded into "
                            "shardd):\n\t{}".format(module.__class__.__name__, "\n\t".join(errors)))
-    index = _tensor_index(st)
     with torch.no_grad():
         for t, v in buffers:
             t.copy_(v)
-        for ps in st.params:
-            for _, p in ps:
-                if id(p) in params:
-                    _write(st, index[id(p)], 0, params[id(p)])
+        for pid, v in params.items():
+            _write(st, reg[pid][0], 0, v)
     st.ctx.write_done()  # (every rank, also one with nothing to write)
     return _IncompatibleKeys(missing, unexpected)
 
@@ -1290,8 +1283,8 @@ def _read_unit(st, u, what):
 
 
 def _per_param(st, whats):
-    """{id(param): {what: its values (own tensors, its shape)}} of every state in whats, read
-    unit by unit (one unit's buffer at a time)"""
+    """{id(param): ({what: its values (own tensors, its shape)}, param)} of every state in whats,
+    read unit by unit (one unit's buffer at a time)"""
     out = {}
     for u, ps in enumerate(st.params):
         for what in whats:
@@ -1299,27 +1292,27 @@ def _per_param(st, whats):
             for i, (_, p) in enumerate(ps):
                 ti = st.ctx.tensors[st.ctx.units[u]["tensors"][i]]
                 v = buf[ti["offset"]:ti["offset"] + ti["numel"]].view(st.shapes[u][i]).clone()
-                out.setdefault(id(p), {})[what] = v
+                out.setdefault(id(p), ({}, p))[0][what] = v
     return out
 
 
 def _optimizer_state(st, so):
     """ShardOptimizer.state_dict: torch's layout"""
     names = _TORCH_STATE[st.kind]
-    index = _tensor_index(st)
+    reg = _params(st)
     values = _per_param(st, sorted(set(names.values())))
     state, groups, k = {}, [], 0
     for g in so.param_groups:
         ids = []
         for p in g["params"]:
-            steps = st.ctx.read_steps(index[id(p)])
+            steps = st.ctx.read_steps(reg[id(p)][0])
             if steps > 0:  # (never stepped: no state, as torch's)
                 entry = {}
                 if st.kind in _ADAM_LIKE:
                     entry["step"] = torch.tensor(float(steps), dtype=torch.float32)
                 for name, what in names.items():
                     if name != "momentum_buffer" or g.get("momentum", 0) != 0:
-                        entry[name] = values[id(p)][what].to(p.dtype)
+                        entry[name] = values[id(p)][0][what].to(p.dtype)
                 state[k] = entry
             ids.append(k)
             k += 1
@@ -1364,13 +1357,11 @@ def _load_optimizer_state(st, so, state_dict):
             if name not in names and name != "step":
                 raise ValueError(f"optimizer.load_state_dict: parameter {key}'s state '{name}' "
                                  f"is not {st.kind}'s (it keeps {', '.join(names)}, step)")
-    shapes = {id(p): shape for ps, sh in zip(st.params, st.shapes)
-              for (_, p), shape in zip(ps, sh)}
-    index = _tensor_index(st)
+    reg = _params(st)
     with torch.no_grad():
         for k, p in by_index.items():
             ps = states.get(k, {})
-            shape = torch.Size(shapes[id(p)])
+            t, shape = reg[id(p)]
             for name, what in names.items():
                 v = ps.get(name)
                 if v is None:
@@ -1378,11 +1369,11 @@ def _load_optimizer_state(st, so, state_dict):
                 elif tuple(v.shape) != tuple(shape):
                     raise ValueError(f"optimizer.load_state_dict: parameter {k}'s {name} has "
                                      f"shape {tuple(v.shape)}, the parameter {tuple(shape)}")
-                _write(st, index[id(p)], what, v)
+                _write(st, t, what, v)
             # (SGD keeps no step: a parameter with a momentum buffer counts as stepped, so that
             # state_dict returns it again)
             step = ps.get("step", 1 if ps.get("momentum_buffer") is not None else 0)
-            st.ctx.write_steps(index[id(p)], int(step.item() if torch.is_tensor(step) else step))
+            st.ctx.write_steps(t, int(step.item() if torch.is_tensor(step) else step))
     st.ctx.write_done()
     for g, sg in zip(groups, saved):
         for k, v in sg.items():
@@ -1495,14 +1486,9 @@ def full_state_dict(model=None, device=None):
     to = torch.device(device) if device is not None else None
     values = {}
     if _quantized_weights(st.plan):  # the forward's weights are int8 blocks: the fp32 masters
-        masters = _per_param(st, [0])
-        for ps in st.params:
-            for _, p in ps:
-                v = masters[id(p)][0].to(p.dtype)
-                values[id(p)] = v.to(to if to is not None else p.device)
-    for u, ps in enumerate(st.params):
-        if values and id(ps[0][1]) in values:
-            continue
+        for pid, (v, p) in _per_param(st, [0]).items():
+            values[pid] = v[0].to(dtype=p.dtype, device=to if to is not None else p.device)
+    for u, ps in enumerate(st.params if not values else ()):
         held = st.refs[u] > 0
         if not held:  # outside the schedule: rank 0 alone may save
             st._attach_views(u, *st.ctx.fetch_aside(u))
