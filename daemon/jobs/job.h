@@ -136,7 +136,8 @@ struct sd_job_xfer {
      * requests of it, in flight when this node's ranks wrote, are served with the written
      * weights (their requesters drop those copies, not of their generation) */
     uint64_t pre_write_gen1;
-    struct sd_req_msg *read_req; /* a rank's read's pull requests (loading.c), registered */
+    struct sd_req_msg *read_req; /* a rank's read's pull requests (values.c), registered */
+    bool os_registered;          /* the os arenas too (sd_job_net_reg_os, on a peer's read) */
     /* releases a trainer's stream signals later (sd/fence.h, release_seq), per copy and rank
      * ([n_slots * k]): holds kept until the rank's page counts the last of them (fetch.c) */
     uint32_t *rel_pending, *rel_need;

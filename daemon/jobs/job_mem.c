@@ -561,21 +561,6 @@ static uint64_t net_bytes(const struct sd_job *job, const struct sd_config *cfg)
     return b;
 }
 
-static int reg_mr(struct sd_job *job, const void *p, size_t len)
-{
-    if (p == NULL || len == 0)
-        return SD_OK;
-    uint32_t i = job->xfer.n_mrs;
-    int st = sd_job_tp(job)->ops->mr_reg(sd_job_tp(job), (void *)p, len, &job->xfer.mr_descs[i],
-                                         &job->xfer.mr_handles[i]);
-    if (st == SD_OK) {
-        job->xfer.mr_base[i] = p;
-        job->xfer.mr_len[i] = len;
-        job->xfer.n_mrs++;
-    }
-    return st;
-}
-
 static int net_setup(struct sd_job *job, char *err, size_t errlen)
 {
     uint32_t Gw = job->gnodes[SD_STATE_W], N = job->nodes;
@@ -629,34 +614,31 @@ static int net_setup(struct sd_job *job, char *err, size_t errlen)
         goto err_nomem;
     /* memory registered once per job */
     const struct sd_mem *quant = sd_quant_mem(job);
-    st = reg_mr(job, job->mem.pool.ptr, job->mem.pool.bytes);
+    st = sd_job_net_reg(job, job->mem.pool.ptr, job->mem.pool.bytes);
     for (uint32_t r = 0; st == SD_OK && r < job->k; r++) {
-        st = reg_mr(job, sd_job_arena(job, r, SD_STATE_W)->ptr,
-                    sd_job_arena(job, r, SD_STATE_W)->bytes);
+        st = sd_job_net_reg(job, sd_job_arena(job, r, SD_STATE_W)->ptr,
+                            sd_job_arena(job, r, SD_STATE_W)->bytes);
         if (st == SD_OK)
-            st = reg_mr(job, job->mem.staging[r].ptr, job->mem.staging[r].bytes);
-        if (st == SD_OK) /* a read's optimizer-state shards leave from there (fetch_serve.c) */
-            st = reg_mr(job, sd_job_arena(job, r, SD_STATE_OS)->ptr,
-                        sd_job_arena(job, r, SD_STATE_OS)->bytes);
+            st = sd_job_net_reg(job, job->mem.staging[r].ptr, job->mem.staging[r].bytes);
     }
     if (st == SD_OK)
-        st = reg_mr(job, job->xfer.read_req, sizeof(*job->xfer.read_req));
+        st = sd_job_net_reg(job, job->xfer.read_req, sizeof(*job->xfer.read_req));
     if (st == SD_OK)
-        st = reg_mr(job, job->mem.scratch, maxn * sizeof(float));
+        st = sd_job_net_reg(job, job->mem.scratch, maxn * sizeof(float));
     if (st == SD_OK)
-        st = reg_mr(job, nr_mem, nr_floats * sizeof(float));
+        st = sd_job_net_reg(job, nr_mem, nr_floats * sizeof(float));
     size_t norm_bytes;
     void *norm_buf = sd_step_net_buf(job, &norm_bytes);
     if (st == SD_OK)
-        st = reg_mr(job, norm_buf, norm_bytes);
+        st = sd_job_net_reg(job, norm_buf, norm_bytes);
     if (st == SD_OK) /* encoded w shards, gather receive slots, int4 blocks */
-        st = quant != NULL ? reg_mr(job, quant->ptr, quant->bytes) : SD_OK;
+        st = quant != NULL ? sd_job_net_reg(job, quant->ptr, quant->bytes) : SD_OK;
     if (st == SD_OK) /* the pull requests each gather sends live in its unit state */
-        st = reg_mr(job, job->cache.units, job->n_slots * sizeof(*job->cache.units));
+        st = sd_job_net_reg(job, job->cache.units, job->n_slots * sizeof(*job->cache.units));
     const struct sd_mem *g_arena = sd_job_arena(job, 0, SD_STATE_G);
     if (st == SD_OK &&
         sd_job_net_rounds_accumulate(job)) /* the all-gathers of the rounds land there */
-        st = reg_mr(job, g_arena->ptr, g_arena->bytes);
+        st = sd_job_net_reg(job, g_arena->ptr, g_arena->bytes);
     if (st != SD_OK) {
         snprintf(err, errlen, "registering the job's memory with the fabric failed: %s",
                  sd_status_str(st));

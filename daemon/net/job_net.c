@@ -22,6 +22,33 @@ void *sd_job_net_desc(const struct sd_job *job, const void *p)
     return NULL;
 }
 
+int sd_job_net_reg(struct sd_job *job, const void *p, size_t len)
+{
+    if (p == NULL || len == 0)
+        return SD_OK;
+    uint32_t i = job->xfer.n_mrs;
+    int st = sd_job_tp(job)->ops->mr_reg(sd_job_tp(job), (void *)p, len, &job->xfer.mr_descs[i],
+                                         &job->xfer.mr_handles[i]);
+    if (st == SD_OK) {
+        job->xfer.mr_base[i] = p;
+        job->xfer.mr_len[i] = len;
+        job->xfer.n_mrs++;
+    }
+    return st;
+}
+
+int sd_job_net_reg_os(struct sd_job *job)
+{
+    if (job->xfer.os_registered)
+        return SD_OK;
+    job->xfer.os_registered = true; /* (tried once: the table has room for one try) */
+    int st = SD_OK;
+    for (uint32_t r = 0; st == SD_OK && r < job->k; r++)
+        st = sd_job_net_reg(job, sd_job_arena(job, r, SD_STATE_OS)->ptr,
+                            sd_job_arena(job, r, SD_STATE_OS)->bytes);
+    return st;
+}
+
 int sd_job_net_allreduce(struct sd_job *job, const struct sd_job_allreduce *a)
 {
     struct sd_allreduce_param p = {.group = {.tp = sd_job_tp(job),

@@ -35,6 +35,12 @@ void sd_job_net_pending_peers(const struct sd_job *job, char *out, size_t len);
 void sd_job_net_sweep(struct sd_job *job, uint64_t now);
 /* the registration p lies in (providers with FI_MR_LOCAL), or NULL */
 void *sd_job_net_desc(const struct sd_job *job, const void *p);
+/* Register [p, p + len) with the job's transport (job->xfer's table; nothing for a provider
+ * that needs no registration): SD_OK or the provider's failure. */
+int sd_job_net_reg(struct sd_job *job, const void *p, size_t len);
+/* The ranks' os arenas, registered on the first read a peer asks of them (fetch_serve.c): not
+ * pinned at the start of every job for what few jobs do. */
+int sd_job_net_reg_os(struct sd_job *job);
 /* Does each round's all-reduce add its sum into the g shard itself (sd_allreduce's acc)? */
 bool sd_job_net_rounds_accumulate(const struct sd_job *job);
 /* the sizes of a push node round's buffers (push.c lays them out): its all-reduce's temporary,

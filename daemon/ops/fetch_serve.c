@@ -48,13 +48,17 @@ static bool serve_state(struct sd_job *job, const struct sd_req_msg *m)
     struct sd_bulk *b = sd_bulk_get(&job->xfer.bulks);
     if (b == NULL)
         return false;
+    int st = sd_job_net_reg_os(job);
+    if (st != SD_OK)
+        SD_WARN_SPARSE("net", "job '%s': registering its optimizer state with the fabric: %s",
+                       job->name, sd_status_str(st));
     const struct sd_unit_layout *ul = &job->layout.units[m->unit];
     void *pieces[SD_BULK_MAX_PIECES];
     for (uint32_t q = 0; q < job->k; q++)
         pieces[q] = sd_job_os_state(job, q, m->state - 1, ul);
     uint64_t tag = 0;
-    int st = sd_tag_make(SD_TAG_SDATA, job->xfer.tag, m->unit,
-                         m->lslot & ((1u << SD_TAG_SEQ_BITS) - 1), job->node, &tag);
+    st = sd_tag_make(SD_TAG_SDATA, job->xfer.tag, m->unit, m->lslot & ((1u << SD_TAG_SEQ_BITS) - 1),
+                     job->node, &tag);
     if (st == SD_OK)
         st = sd_bulk_start(b, &(struct sd_bulk_param){
                                   .tp = sd_job_tp(job),
