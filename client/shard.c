@@ -1252,6 +1252,12 @@ int shard_release_aside_on_stream(shard_ctx_t *ctx, uint32_t unit, void *stream)
     return shard_releasex(ctx, unit, &p);
 }
 
+/* staging slot i of this rank */
+static uint8_t *staging_slot(const shard_ctx_t *ctx, uint32_t i)
+{
+    return ctx->staging + (size_t)i * ctx->staging_slot_bytes;
+}
+
 /* Wait for the push that occupies staging slot i; remember the first error. */
 static void reap_push(shard_ctx_t *ctx, uint32_t i)
 {
@@ -1332,7 +1338,7 @@ int shard_grad_buffer(shard_ctx_t *ctx, uint32_t unit, void **buf_p)
         ctx->held_unit = unit;
         ctx->held_slot = i;
     }
-    *buf_p = ctx->staging + (size_t)ctx->held_slot * ctx->staging_slot_bytes;
+    *buf_p = staging_slot(ctx, ctx->held_slot);
     return SD_OK;
 }
 
@@ -1385,8 +1391,7 @@ static int push_copy(shard_ctx_t *ctx, uint32_t unit, const void *grad, size_t b
     if (status != SD_OK)
         return status;
     char why[512];
-    status = ctx->mem->copy(ctx->staging + (size_t)i * ctx->staging_slot_bytes, grad, bytes, why,
-                            sizeof(why));
+    status = ctx->mem->copy(staging_slot(ctx, i), grad, bytes, why, sizeof(why));
     if (status != 0)
         return fail(ctx, status, "push_grad unit %u: %s", unit, why);
     return push_slot(ctx, unit, i, false);
@@ -1668,7 +1673,7 @@ int shard_write(shard_ctx_t *ctx, uint32_t tensor, uint32_t what, const float *v
     uint32_t i;
     if ((status = take_staging(ctx, "write", tensor, &i)) != SD_OK)
         return status;
-    float *slot = (float *)(void *)(ctx->staging + (size_t)i * ctx->staging_slot_bytes);
+    float *slot = (float *)(void *)staging_slot(ctx, i);
     status = ctx->mem->copy(slot, values, count * sizeof(float), why, sizeof(why));
     if (status != 0)
         return fail(ctx, status, "write tensor %u: %s", tensor, why);
@@ -1718,7 +1723,7 @@ int shard_read(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out, size_
         return status;
     if ((status = call(ctx, SD_OP_READ, unit, i | (uint64_t)what << 32, 0, &cqe)) != SD_OK)
         return status;
-    const float *slot = (const float *)(void *)(ctx->staging + (size_t)i * ctx->staging_slot_bytes);
+    const float *slot = (const float *)(void *)staging_slot(ctx, i);
     status = ctx->mem->copy(out, slot, count * sizeof(float), why, sizeof(why));
     return status == 0 ? SD_OK : fail(ctx, status, "read unit %u: %s", unit, why);
 }
