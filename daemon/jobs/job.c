@@ -100,17 +100,22 @@ bool sd_job_name_valid(const char *name)
     return true;
 }
 
-void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tell_peers)
+/* its_dump: another node's dump, named after this node's (sd_job_fail_from_peer) */
+static void fail_text(struct sd_job *job, int status, const char *text, bool tell_peers,
+                      const char *its_dump)
 {
     if (job->state == SD_JOB_FAILED || job->state == SD_JOB_CLOSING)
         return;
     /* the flight recorder as the failure found it (calls still scheduled, transfers started),
-     * and the message says where it went */
-    char with_trace[sizeof(job->fail_msg)], dump[SD_PATH_MAX + 160];
-    if (status != SD_EPAUSED && sd_job_trace_dump(job, text, dump, sizeof(dump)) == SD_OK) {
-        /* the text cut where the dump's path would not fit */
-        char tail[SD_PATH_MAX + 200];
-        int tl = snprintf(tail, sizeof(tail), " (flight recorder: %s; shardctl trace)", dump);
+     * and the message says where it went: the cause first, the paths where they fit */
+    char with_trace[sizeof(job->fail_msg)], dump[SD_PATH_MAX + 160], tail[2 * SD_PATH_MAX + 240];
+    int tl = 0;
+    if (status != SD_EPAUSED && sd_job_trace_dump(job, text, dump, sizeof(dump)) == SD_OK)
+        tl = snprintf(tail, sizeof(tail), SD_TRACE_TAIL "%s; shardctl trace%s%s)", dump,
+                      its_dump[0] != '\0' ? "; the failing node's: " : "", its_dump);
+    else if (its_dump[0] != '\0')
+        tl = snprintf(tail, sizeof(tail), " (the failing node's flight recorder: %s)", its_dump);
+    if (tl > 0) {
         int room = (int)sizeof(with_trace) - 1 - tl - 3;
         size_t n = strlen(text);
         if (room < 0)
@@ -165,9 +170,14 @@ void sd_job_count_error(struct sd_job *job)
     job->stats.errors++;
 }
 
-void sd_job_fail_from_peer(struct sd_job *job, int status, const char *text)
+void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tell_peers)
 {
-    sd_job_fail_text(job, status, text, false);
+    fail_text(job, status, text, tell_peers, "");
+}
+
+void sd_job_fail_from_peer(struct sd_job *job, int status, const char *text, const char *its_dump)
+{
+    fail_text(job, status, text, false, its_dump);
 }
 
 void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)

@@ -231,8 +231,11 @@ void sd_job_fail(struct sd_job *job, int status, const char *fmt, ...)
 /* The same with the text as it is; tell_peers: the job's other nodes are told (with the steps
  * taken, so that a pause, status SD_EPAUSED, happens at the same step everywhere: resume.h). */
 void sd_job_fail_text(struct sd_job *job, int status, const char *text, bool tell_peers);
-/* The same for a failure another node reported: nobody else is told. */
-void sd_job_fail_from_peer(struct sd_job *job, int status, const char *text);
+/* The same for a failure another node reported: nobody else is told; its_dump: that node's
+ * flight recorder dump as its message named it ("": none), named after this node's own. */
+void sd_job_fail_from_peer(struct sd_job *job, int status, const char *text, const char *its_dump);
+/* How a failure's message names the node's flight recorder dump: text SD_TRACE_TAIL path ... */
+#define SD_TRACE_TAIL " (flight recorder: "
 /* Complete every module's parked calls with status and msg (the job failed, paused or closes);
  * with_fetches: ranks waiting for an in-flight gather too. */
 void sd_job_fail_parked(struct sd_job *job, int status, const char *msg, bool with_fetches);

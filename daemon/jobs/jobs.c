@@ -13,6 +13,7 @@
 #include "resume.h"
 #include "sd/log.h"
 #include "sd/status.h"
+#include "sd/util.h"
 #include <stdio.h>
 #include <string.h>
 
@@ -53,9 +54,18 @@ static void ev_job_aborted(void *ctx, const char *name, uint32_t tag, int status
         sd_job_refuse(job, status, msg);
         return;
     }
-    char text[384]; /* a job's fail_msg */
-    snprintf(text, sizeof(text), "on another node: %.360s", msg);
-    sd_job_fail_from_peer(job, status < 0 ? status : SD_EJOBFAILED, text);
+    /* the failing node's message ends with its own dump (a path on its machine): this node's
+     * failure names it after this node's dump, which a reader (and shardctl trace --merge) wants
+     * first */
+    char text[384], theirs[SD_PATH_MAX + 1] = ""; /* a job's fail_msg */
+    const char *tail = strstr(msg, SD_TRACE_TAIL);
+    if (tail != NULL) {
+        const char *path = tail + strlen(SD_TRACE_TAIL);
+        snprintf(theirs, sizeof(theirs), "%.*s", (int)strcspn(path, ";)"), path);
+    }
+    snprintf(text, sizeof(text), "on another node: %.*s",
+             (int)SD_MIN((size_t)360, tail != NULL ? (size_t)(tail - msg) : strlen(msg)), msg);
+    sd_job_fail_from_peer(job, status < 0 ? status : SD_EJOBFAILED, text, theirs);
 }
 
 static void ev_job_remote_ready(void *ctx, const char *name)

@@ -163,12 +163,40 @@ def hung(work):
             d1 = json.load(f)
         taken = {c["rank"]: c[waited.get("op", "push")] for c in d1["calls_taken"]}
         check(taken.get(3, 0) < taken.get(2, 0), f"node 1's calls taken: {taken}")
+        for p in procs:
+            p.kill()
+            p.wait()
+        procs = relayed(cdir)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
         stop(cdir)
+
+
+def relayed(cdir):
+    """a failure node 0 learns from node 1 (its rank 3 killed): node 0 still dumps its own
+    recorder and names it as its flight recorder, node 1's as its dump"""
+    socks, procs = training(cdir, "relay", "the kill")
+    procs[3].kill()
+    outs = [procs[r].communicate(timeout=120)[0] for r in range(3)]
+    r = ctl("--socket", socks[0], "--json", "jobs")
+    err = [j.get("error", "") for j in json.loads(r.stdout).get("jobs", [])
+           if j.get("name") == "relay"] if r.returncode == 0 else []
+    err = err[0] if err else ""
+    own = re.search(r"flight recorder: (\S+\.json)", err)
+    theirs = re.search(r"the failing node.s: (\S+\.json)\)", err)
+    check("on another node" in err and own is not None and theirs is not None and
+          own.group(1).startswith(os.path.join(cdir, "node0", "trace")) and
+          os.path.exists(own.group(1)) and
+          theirs.group(1).startswith(os.path.join(cdir, "node1", "trace")),
+          f"node 0's failure, told by node 1, names node 0's dump and node 1's: {err}")
+    m = re.search(r"flight recorder: (\S+\.json)", outs[0])
+    check(procs[0].returncode != 0 and (m is None and len(outs[0]) > 250 or
+                                        m is not None and "/node0/" in m.group(1)),
+          f"rank 0's failure names its own node's dump first: {outs[0][-400:]}")
+    return procs
 
 
 def cut(work):
