@@ -495,7 +495,6 @@ static bool values_queue_poll(struct sd_job *job)
 
 static void values_fail_parked(struct sd_job *job, int status, const char *text, bool with_fetches)
 {
-    (void)with_fetches;
     struct sd_values_state *vs = job->load.values;
     struct sd_req q;
     for (uint32_t r = 0; r < job->k; r++) {
@@ -507,7 +506,9 @@ static void values_fail_parked(struct sd_job *job, int status, const char *text,
     }
     vs->w_waiting = 0;
     vs->draining = false;
-    if (vs->rd.active) /* (its transfers, if any, end without answering again) */
+    /* a read goes on while the job closes (with_fetches false: a rank detached), as fetches
+     * do; (a failure's transfers, if any, end without answering again) */
+    if (vs->rd.active && with_fetches)
         read_answer(job, status, text);
 }
 

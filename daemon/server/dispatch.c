@@ -20,9 +20,10 @@
 static bool check_ready(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                         bool needs_unit)
 {
-    /* after a clean detach the shards are intact: fetch and release still work (to read the
-     * final weights); collectives that need every rank do not */
-    bool local_op = e->op == SD_OP_FETCH || e->op == SD_OP_RELEASE;
+    /* after a clean detach the shards are intact: fetch, release and read still work (to save
+     * the final weights, masters and optimizer state); collectives that need every rank do
+     * not */
+    bool local_op = e->op == SD_OP_FETCH || e->op == SD_OP_RELEASE || e->op == SD_OP_READ;
     if (job->state == SD_JOB_FAILED && job->fail_status == SD_EPAUSED) {
         /* paused (or resumed by a later job): the message says the step and what to do */
         sd_session_fail(s, e, SD_EPAUSED, "%s: %s", sd_op_name((int)e->op), job->fail_msg);

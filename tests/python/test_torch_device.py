@@ -34,7 +34,10 @@ cuda (exit 77 saying why without a CUDA torch or a GPU shardd can open):
   - bf16 weights (mics:2) within the bf16 band of the CPU tests (the loss within 2% every step);
   - a non-finite step skipped on every rank, as the reference skips it;
   - a CPU model against the cuda daemon refused naming both; full_state_dict on CUDA and CPU;
-    a checkpoint saved and resumed in a new job, bitwise equal to an uninterrupted run.
+    a checkpoint saved and resumed in a new job, bitwise equal to an uninterrupted run;
+  - torch's state dicts (model.state_dict(), optimizer.state_dict(): shard_read out of device
+    memory) loaded with load_state_dict into another job (shard_write into device memory) read
+    back bitwise and go on bitwise as the job that saved them.
 """
 import os
 import subprocess
@@ -398,6 +401,37 @@ def cuda(device="cuda"):
         st.unwrap(m2)
         check(all(torch.equal(got[k], want[k]) for k in want),
               f"a {device} model's checkpoint resumed: bitwise the uninterrupted run")
+
+        # torch's own state dicts (shard_read of the masters and moments out of device
+        # memory, shard_write into another job's): a job that loads them at step 3 goes on
+        # bitwise as the job that saved them
+        m3 = st.wrap(_copy(base), socket=sock, job="sd-a", plan="zero3")
+        train(m3, 3)
+        msd = {k: v.to(device) for k, v in m3.state_dict().items()}
+        osd = st.optimizer(m3).state_dict()
+        moments = [t for s in osd["state"].values() for k, t in s.items() if k != "step"]
+        check(len(osd["state"]) == 6 and all(t.device.type == device for t in msd.values()),
+              f"optimizer.state_dict() of a {device} model: {len(osd['state'])} parameters' "
+              f"state, the weights on {device}")
+        m4 = st.wrap(Net().to(device), socket=sock, job="sd-b", plan="zero3")
+        keys = m4.load_state_dict(msd)
+        st.optimizer(m4).load_state_dict(osd)
+        back = st.optimizer(m4).state_dict()
+        same = all(torch.equal(torch.as_tensor(back["state"][i][k]).cpu(),
+                               torch.as_tensor(t).cpu())
+                   for i, s in osd["state"].items() for k, t in s.items())
+        check(not keys.missing_keys and not keys.unexpected_keys and same and moments and
+              any(t.abs().sum() > 0 for t in moments),
+              f"a {device} job's load_state_dict of both dicts reads back bitwise: {keys}")
+        train(m3, 6, start=3)
+        train(m4, 6, start=3)
+        a3, a4 = st.full_state_dict(m3, device="cpu"), st.full_state_dict(m4, device="cpu")
+        st.unwrap(m3)
+        st.unwrap(m4)
+        check(all(torch.equal(a3[k], a4[k]) for k in a3),
+              f"{device}: a job started from torch's state dicts goes on bitwise as the job "
+              f"that saved them (max |diff| "
+              f"{max((a3[k] - a4[k]).abs().max().item() for k in a3):.3g})")
     finally:
         stop_daemon(d)
 

@@ -57,6 +57,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import harness
 from harness import Cluster, check, finish, run_all, shard, torch
@@ -423,9 +424,28 @@ def torchsd_worker(a, m, kind):
            "lr": [lr, want]}
     if a["rank"] == 0:
         torch.save(st.full_state_dict(m), a["out"] + ".pt")
+        # the job's state read again once every other rank detached (the job closing, node 1
+        # waiting for node 0's ranks to leave): the same, bitwise
+        early = opt.state_dict()
+        gone = [a["out"][:-1] + f"{r}.gone" for r in range(1, RANKS)]
+        end = time.monotonic() + 60
+        while not all(os.path.exists(g) for g in gone) and time.monotonic() < end:
+            time.sleep(0.05)
+        try:
+            late, full = opt.state_dict(), st.full_state_dict(m)
+            out["late"] = (all(os.path.exists(g) for g in gone) and
+                           all(torch.equal(torch.as_tensor(late["state"][i][k]),
+                                           torch.as_tensor(t))
+                               for i, s in early["state"].items() for k, t in s.items()) and
+                           all(torch.equal(full[k], v) for k, v in
+                               torch.load(a["out"] + ".pt").items()))
+        except shard.ShardError as e:
+            out["late"] = str(e)
     with open(a["out"] + ".json", "w") as f:
         json.dump(out, f)
     st.unwrap(m)
+    if a["rank"] != 0:
+        open(a["out"][:-1] + f"{a['rank']}.gone", "w").close()
 
 
 def torchsd(cl, work, kind, plan):
@@ -442,6 +462,9 @@ def torchsd(cl, work, kind, plan):
               f"{tag} rank {r}: after model.load_state_dict the full state dict is the loaded one "
               f"bitwise, no key missing or unexpected, the groups' lr the loaded ones: "
               f"{lg['exact']} {lg['keys']} {lg['lr']}")
+    check(logs[0].get("late") is True,
+          f"{tag}: rank 0 reads the optimizer state and the full state dict again after the "
+          f"other ranks detached, bitwise as before: {logs[0].get('late')}")
     compare(f"{tag} ({plan}, loaded after step {RESUME_AT} of another run)",
             (losses[RESUME_AT:], params, logs), (ref_losses[RESUME_AT:], ref_params))
     # optimizer.state_dict() of rank 0 alone after 2 more steps, against torch's own
