@@ -126,7 +126,10 @@ static void fail_text(struct sd_job *job, int status, const char *text, bool tel
         } else {
             memcpy(with_trace, text, n + 1);
         }
-        strncat(with_trace, tail, sizeof(with_trace) - strlen(with_trace) - 1);
+        size_t have = strlen(with_trace);
+        size_t add = SD_MIN((size_t)tl, sizeof(with_trace) - 1 - have);
+        memcpy(with_trace + have, tail, add);
+        with_trace[have + add] = '\0';
         text = with_trace;
     }
     if (status == SD_EPAUSED)
