@@ -127,7 +127,7 @@ static void fail_text(struct sd_job *job, int status, const char *text, bool tel
             memcpy(with_trace, text, n + 1);
         }
         size_t have = strlen(with_trace);
-        size_t add = SD_MIN((size_t)tl, sizeof(with_trace) - 1 - have);
+        size_t add = SD_MIN(strlen(tail), sizeof(with_trace) - 1 - have);
         memcpy(with_trace + have, tail, add);
         with_trace[have + add] = '\0';
         text = with_trace;
