@@ -95,6 +95,10 @@ struct shard_ctx {
     uint32_t n_groups;
     shard_hparams_t *hparams;
     int optim_kind;
+    /* a trainer optimizer's step handed the gradients over (shard_step_update_done awaited),
+     * with their factor */
+    bool handoff;
+    double grad_scale;
     char err[1024];
 };
 
@@ -548,7 +552,8 @@ static int parse_optim(shard_ctx_t *ctx, const shard_optimizer_t *o, Shard__Opti
     int kind = sd_optim_parse(o->name);
     if (kind < 0)
         return fail(ctx, SD_EINVAL,
-                    "register: optimizer '%.64s' is none of adamw, sgd, adam, sgd-nesterov",
+                    "register: optimizer '%.64s' is none of adamw, sgd, adam, sgd-nesterov, "
+                    "trainer0..trainer4",
                     o->name ? o->name : "(null)");
     out->kind = (uint32_t)kind;
     out->lr = o->lr;
@@ -1648,7 +1653,90 @@ int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_
         memcpy(&norm, &cqe.value0, sizeof(norm));
         *grad_norm_p = norm;
     }
+    if (status == SD_OK && sd_optim_in_trainer(ctx->optim_kind)) {
+        memcpy(&ctx->grad_scale, &cqe.value1, sizeof(ctx->grad_scale));
+        ctx->handoff = true;
+    }
     return status;
+}
+
+double shard_step_grad_scale(const shard_ctx_t *ctx)
+{
+    return ctx != NULL && ctx->handoff ? ctx->grad_scale : 0.0;
+}
+
+int shard_step_update_done(shard_ctx_t *ctx, double *grad_norm_p)
+{
+    struct sd_cqe cqe;
+    int status = check_attached(ctx, "step_update_done", true);
+    if (status != SD_OK)
+        return status;
+    if (!ctx->handoff)
+        return fail(ctx, SD_ESTATE,
+                    "step_update_done: no optimizer update is awaited (a trainer optimizer's "
+                    "shard_step hands the gradients over first)");
+    ctx->handoff = false;
+    status = call(ctx, SD_OP_STEP, 0, SD_STEP_ARG_UPDATED, 0, &cqe);
+    if (status == SD_OK && grad_norm_p != NULL)
+        memcpy(grad_norm_p, &cqe.value0, sizeof(*grad_norm_p));
+    return status;
+}
+
+int shard_read_own(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out, size_t max,
+                   uint64_t *first_p, uint64_t *count_p)
+{
+    struct sd_cqe cqe;
+    char why[512];
+    int status = check_attached(ctx, "read_own", true);
+    if (status != SD_OK)
+        return status;
+    if (unit >= ctx->n_units)
+        return fail(ctx, SD_ENOUNIT, "read_own: unit %u does not exist (units 0..%u)", unit,
+                    ctx->n_units - 1);
+    if (out == NULL || what > 0xffu)
+        return fail(ctx, SD_EINVAL, "read_own unit %u: state %u into %p", unit, what, (void *)out);
+    uint32_t i;
+    if ((status = take_staging(ctx, "read_own", unit, &i)) != SD_OK)
+        return status;
+    status = call(ctx, SD_OP_READ, unit, i | (uint64_t)(what | SD_STATE_OWN) << 32, 0, &cqe);
+    if (status != SD_OK)
+        return status;
+    if (cqe.value1 > max)
+        return fail(ctx, SD_EINVAL, "read_own unit %u: the shard has %llu elements; out holds %zu",
+                    unit, (unsigned long long)cqe.value1, max);
+    status = ctx->mem->copy(out, staging_slot(ctx, i), cqe.value1 * sizeof(float), why,
+                            sizeof(why));
+    if (status != 0)
+        return fail(ctx, status, "read_own unit %u: %s", unit, why);
+    if (first_p != NULL)
+        *first_p = cqe.value0;
+    if (count_p != NULL)
+        *count_p = cqe.value1;
+    return SD_OK;
+}
+
+int shard_write_own(shard_ctx_t *ctx, uint32_t unit, uint32_t what, const float *values,
+                    size_t count)
+{
+    struct sd_cqe cqe;
+    char why[512];
+    int status = check_attached(ctx, "write_own", true);
+    if (status != SD_OK)
+        return status;
+    if (unit >= ctx->n_units)
+        return fail(ctx, SD_ENOUNIT, "write_own: unit %u does not exist (units 0..%u)", unit,
+                    ctx->n_units - 1);
+    if (values == NULL || what > 0xffu || count > ctx->units[unit].numel)
+        return fail(ctx, SD_EINVAL, "write_own unit %u: state %u, %zu values%s (the unit has %llu)",
+                    unit, what, count, values == NULL ? " at NULL" : "",
+                    (unsigned long long)ctx->units[unit].numel);
+    uint32_t i;
+    if ((status = take_staging(ctx, "write_own", unit, &i)) != SD_OK)
+        return status;
+    status = ctx->mem->copy(staging_slot(ctx, i), values, count * sizeof(float), why, sizeof(why));
+    if (status != 0)
+        return fail(ctx, status, "write_own unit %u: %s", unit, why);
+    return call(ctx, SD_OP_WRITE, unit, i | (uint64_t)(what | SD_STATE_OWN) << 32, count, &cqe);
 }
 
 int shard_write(shard_ctx_t *ctx, uint32_t tensor, uint32_t what, const float *values, size_t count)

@@ -124,6 +124,9 @@ const char *sd_ckpt_state_name(int optim_kind, uint32_t s)
 {
     static const char *const adamw[] = {"master", "exp_avg", "exp_avg_sq"};
     static const char *const sgd[] = {"master", "momentum_buffer"};
+    static const char *const trainer[] = {"master", "state1", "state2", "state3", "state4"};
+    if (sd_optim_in_trainer(optim_kind))
+        return s < sd_optim_state_floats(optim_kind) ? trainer[s] : NULL;
     if (sd_optim_layout(optim_kind) == SD_OPTIM_ADAMW)
         return s < 3 ? adamw[s] : NULL;
     return s < 2 ? sgd[s] : NULL;

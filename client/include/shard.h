@@ -23,7 +23,8 @@ extern "C" {
 
 #define SHARD_VERSION_MAJOR 0
 #define SHARD_VERSION_MINOR                                                                        \
-    7 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write, shard_read */
+    8 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write, shard_read; 8: trainer   \
+         optimizers (shard_read_own, shard_write_own, shard_step_update_done) */
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
 enum {
@@ -78,8 +79,9 @@ typedef struct {
 } shard_tensor_t;
 
 typedef struct {
-    const char *name; /* "adamw", "sgd", "adam" (torch.optim.Adam: L2 weight decay) or
-                         "sgd-nesterov" (SGD with Nesterov momentum, which must be > 0) */
+    const char *name; /* "adamw", "sgd", "adam" (torch.optim.Adam: L2 weight decay),
+                         "sgd-nesterov" (SGD with Nesterov momentum, which must be > 0), or
+                         "trainer0".."trainer4": the trainer runs it (shard_read_own) */
     float lr;
     float beta1, beta2, eps; /* adamw */
     float weight_decay;
@@ -415,6 +417,27 @@ SHARD_API int shard_write_done(shard_ctx_t *ctx);
  * shard_read_steps: a tensor's step count. */
 SHARD_API int shard_read(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out, size_t count);
 SHARD_API int shard_read_steps(shard_ctx_t *ctx, uint32_t tensor, uint64_t *steps_p);
+/* Any other optimizer, run by the trainer on its rank's own shard (optimizer name "trainer<N>":
+ * the daemon keeps the fp32 masters, N per-element fp32 states, N <= 4, and each tensor's step
+ * count, and checkpoints them; shard.torch runs any torch.optim optimizer so). shard_step
+ * returns at the hand-off: the gradients are reduced, clipped into the factor
+ * shard_step_grad_scale returns (1 / world times the clipping factor), and each tensor's step
+ * count already counts this step where some rank gave it a gradient. Then, for each unit, the
+ * rank reads its own shard with shard_read_own (what SHARD_OWN_GRAD: the gradient sums, which
+ * the optimizer multiplies by the factor; 0: the masters; 1..N the states; *first_p: the
+ * shard's first element in the unit, *count_p its elements, at most max), writes the updated
+ * masters and states back with shard_write_own (count: the shard's elements), and calls
+ * shard_step_update_done, which returns once the step's new weights are there (the norm in
+ * *grad_norm_p). Outside the hand-off shard_write_own and the gradient's read are refused
+ * (SHARD_ESTATE); a rank that does not call shard_step_update_done within op_timeout_ms fails
+ * the job naming it. */
+#define SHARD_OWN_GRAD 254u
+SHARD_API double shard_step_grad_scale(const shard_ctx_t *ctx);
+SHARD_API int shard_read_own(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out,
+                             size_t max, uint64_t *first_p, uint64_t *count_p);
+SHARD_API int shard_write_own(shard_ctx_t *ctx, uint32_t unit, uint32_t what, const float *values,
+                              size_t count);
+SHARD_API int shard_step_update_done(shard_ctx_t *ctx, double *grad_norm_p);
 /* The steps the job had taken when this rank registered: the checkpoint's step when it loaded
  * one (shard_model_t.load), the paused job's when it resumed one (shard_resumed), else 0. */
 SHARD_API uint64_t shard_start_step(const shard_ctx_t *ctx);

@@ -18,6 +18,7 @@ struct sd_optim_state {
     struct sd_hparams *hparams; /* [n_groups]: the parameter groups' current hyperparameters */
     uint64_t *tensor_steps;     /* [n_tensors]: optimizer steps that updated each tensor */
     double last_grad_norm;      /* of the last step taken */
+    float handoff_scale;        /* a trainer optimizer's step: the gradient sums' factor */
     uint64_t applied;           /* the steps the os shards hold (sd_optim_applied) */
 };
 
@@ -86,17 +87,40 @@ static void update_unit(struct sd_job *job, const struct os_view *o, uint32_t u,
         dev->zero(job->mem.queue, o->g + (at - b), (e - at) * sizeof(float));
 }
 
+/* the step's global gradient norm, and the factor the gradient sums are multiplied by (the
+ * mean over the ranks, clipped) */
+static float grad_scale(const struct sd_job *job, double sumsq, double *norm_p)
+{
+    const struct sd_optim *opt = &job->model.optim;
+    double norm = sqrt(sumsq) / (double)job->world;
+    float scale = 1.0f / (float)job->world;
+    if (opt->max_grad_norm > 0.0f && norm > (double)opt->max_grad_norm)
+        scale = scale * (float)((double)opt->max_grad_norm / (norm + 1e-6));
+    *norm_p = norm;
+    return scale;
+}
+
+/* the step's bookkeeping: each tensor's count, the norm, the steps the shards hold */
+static void count_step(struct sd_job *job, const uint64_t *used, double norm)
+{
+    for (uint32_t t = 0; t < job->layout.n_tensors; t++) {
+        if (tensor_used(used, t))
+            job->opt->tensor_steps[t]++;
+        else
+            job->stats.tensors_skipped++;
+    }
+    job->opt->last_grad_norm = norm;
+    job->opt->applied = job->steps + 1;
+}
+
 double sd_optimizer_apply(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
                           const uint64_t *used)
 {
     memcpy(job->opt->hparams, hp, sd_model_groups(&job->model) * sizeof(*hp));
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_layout *l = &job->layout;
-    const struct sd_optim *opt = &job->model.optim;
-    double norm = sqrt(sumsq) / (double)job->world;
-    float scale = 1.0f / (float)job->world;
-    if (opt->max_grad_norm > 0.0f && norm > (double)opt->max_grad_norm)
-        scale = scale * (float)((double)opt->max_grad_norm / (norm + 1e-6));
+    double norm;
+    float scale = grad_scale(job, sumsq, &norm);
 
     /* every rank's optimizer shard: master weights, moments, its part of its g shard, cast into
      * its part of its w shard (the nesting of model.h: os in g in w) */
@@ -127,15 +151,46 @@ double sd_optimizer_apply(struct sd_job *job, const struct sd_hparams *hp, doubl
         if (pl->f[SD_STATE_OS] > pl->f[SD_STATE_G])
             dev->zero(job->mem.queue, g, l->arena_numel[SD_STATE_G] * sizeof(float));
     }
-    for (uint32_t t = 0; t < l->n_tensors; t++) {
-        if (tensor_used(used, t))
-            job->opt->tensor_steps[t]++;
-        else
-            job->stats.tensors_skipped++;
-    }
-    job->opt->last_grad_norm = norm;
-    job->opt->applied = job->steps + 1;
+    count_step(job, used, norm);
     return norm;
+}
+
+double sd_optimizer_handoff(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
+                            const uint64_t *used)
+{
+    memcpy(job->opt->hparams, hp, sd_model_groups(&job->model) * sizeof(*hp));
+    double norm;
+    job->opt->handoff_scale = grad_scale(job, sumsq, &norm);
+    count_step(job, used, norm);
+    return norm;
+}
+
+float sd_optimizer_handoff_scale(const struct sd_job *job)
+{
+    return job->opt->handoff_scale;
+}
+
+void sd_optimizer_take_update(struct sd_job *job)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    const struct sd_layout *l = &job->layout;
+    const struct sd_plan *pl = &job->plan;
+    for (uint32_t r = 0; r < job->k; r++) {
+        uint32_t rank = job->first_rank + r;
+        float *os = sd_job_state(job, r, SD_STATE_OS);
+        uint8_t *w = sd_job_state(job, r, SD_STATE_W);
+        for (uint32_t u = 0; u < l->n_units; u++) {
+            const struct sd_unit_layout *ul = &l->units[u];
+            uint64_t len = ul->numel / pl->f[SD_STATE_OS];
+            dev->from_f32(job->mem.queue,
+                          w + job->mem.w_off[u] +
+                              sd_plan_nested_off(pl, SD_STATE_OS, SD_STATE_W, rank, ul->numel) *
+                                  sd_dtype_size(ul->dtype),
+                          ul->dtype, os + ul->arena_off[SD_STATE_OS], len);
+        }
+        dev->zero(job->mem.queue, sd_job_state(job, r, SD_STATE_G),
+                  l->arena_numel[SD_STATE_G] * sizeof(float));
+    }
 }
 
 /* ---- its state */

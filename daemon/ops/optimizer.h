@@ -18,6 +18,16 @@
 double sd_optimizer_apply(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
                           const uint64_t *used);
 
+/* A trainer optimizer's step (sd_optim_in_trainer): the same bookkeeping as sd_optimizer_apply
+ * (hyperparameters, tensor steps, norm), and the factor of the gradient sums it hands over
+ * (sd_optimizer_handoff_scale); nothing on the device. */
+double sd_optimizer_handoff(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
+                            const uint64_t *used);
+float sd_optimizer_handoff_scale(const struct sd_job *job);
+/* The trainer wrote every local rank's updated master shards: the cast into w, the gradients
+ * zeroed (kernels on the job's queue). */
+void sd_optimizer_take_update(struct sd_job *job);
+
 /* ---- its state */
 /* at registration */
 int sd_optim_create(struct sd_job *job);

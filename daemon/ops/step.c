@@ -122,6 +122,44 @@ static void step_done(struct sd_job *job)
     step_answer(job, SD_OK, NULL);
 }
 
+/* A trainer optimizer's hand-off: every local rank's step call answered with the norm and the
+ * gradient sums' factor; each rank reads its gradient, masters and states (SD_STATE_OWN), writes
+ * the updated ones and calls step again with SD_STEP_ARG_UPDATED (handoff_taken). */
+static void handoff(struct sd_job *job)
+{
+    job->step->phase = SD_STEP_TRAINER;
+    job->step->handoff_ns = sd_now_ns();
+    double norm = sd_optim_grad_norm(job), scale = (double)sd_optimizer_handoff_scale(job);
+    uint64_t nbits, sbits;
+    memcpy(&nbits, &norm, sizeof(nbits));
+    memcpy(&sbits, &scale, sizeof(sbits));
+    struct sd_req q;
+    for (uint32_t r = 0; r < job->k; r++)
+        if (sd_barrier_take(&job->step->bar, r, &q) && job->ranks[r] != NULL)
+            sd_session_complete(job->ranks[r], q.tag, SD_OP_STEP, SD_OK, nbits, sbits, NULL);
+}
+
+/* the os shards hold the step's update: its weights go out (WEIGHTS, after the update's
+ * kernels when they cross nodes); false when the queue must reach them first */
+static bool weights_phase(struct sd_job *job)
+{
+    job->step->phase = SD_STEP_WEIGHTS;
+    job->step->unit = 0;
+    job->step->pending = 0;
+    job->step->status = SD_OK;
+    job->step->encoded = false;
+    /* the exchanges send the owners' new parts */
+    return !sd_job_weights_remote(job) || step_queue_done(job);
+}
+
+/* every local rank wrote its trainer optimizer's update */
+static void handoff_taken(struct sd_job *job)
+{
+    sd_optimizer_take_update(job);
+    if (weights_phase(job))
+        sd_step_progress(job);
+}
+
 /* the first unit whose sum of squares among n parts is not finite (unit of part p: unit_of),
  * or UINT32_MAX */
 static uint32_t nonfinite_unit(const double *parts, size_t n, uint32_t (*unit_of)(size_t, uint32_t),
@@ -244,10 +282,26 @@ void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
                         (unsigned long long)job->steps + 1);
         return;
     }
-    if ((e->arg0 & ~(uint64_t)(SD_STEP_ARG_HPARAMS | SD_STEP_ARG_HAS_GRAD | SD_STEP_ARG_BCAST)) !=
-        0) {
+    if ((e->arg0 & ~(uint64_t)(SD_STEP_ARG_HPARAMS | SD_STEP_ARG_HAS_GRAD | SD_STEP_ARG_BCAST |
+                               SD_STEP_ARG_UPDATED)) != 0) {
         sd_session_fail(s, e, SD_EINVAL, "step: unknown argument flags 0x%llx",
                         (unsigned long long)e->arg0);
+        return;
+    }
+    bool updated = (e->arg0 & SD_STEP_ARG_UPDATED) != 0;
+    if (updated != (job->step->phase == SD_STEP_TRAINER)) {
+        sd_session_fail(
+            s, e, SD_ESTATE, "step: %s",
+            updated ? "no optimizer update is awaited (a trainer optimizer's update follows the "
+                      "step that handed the gradients over)"
+                    : "this node's step waits for its ranks' optimizer updates "
+                      "(shard_step_update_done after the hand-off)");
+        return;
+    }
+    if (updated) {
+        sd_barrier_arrive(&job->step->bar, s->local, e->tag, sd_now_ns());
+        if (sd_barrier_full(&job->step->bar))
+            handoff_taken(job);
         return;
     }
     if ((e->arg0 & SD_STEP_ARG_BCAST) && job->model.bcast_bytes == 0) {
@@ -443,14 +497,13 @@ void sd_step_progress(struct sd_job *job)
             step_nonfinite(job, bad);
             return;
         }
+        if (sd_optim_in_trainer(job->model.optim.kind)) {
+            sd_optimizer_handoff(job, job->step->hp_next, sumsq, sd_step__used(job));
+            handoff(job);
+            return;
+        }
         sd_optimizer_apply(job, job->step->hp_next, sumsq, sd_step__used(job));
-        job->step->phase = SD_STEP_WEIGHTS;
-        job->step->unit = 0;
-        job->step->pending = 0;
-        job->step->status = SD_OK;
-        job->step->encoded = false;
-        /* the exchanges send the owners' new parts */
-        if (sd_job_weights_remote(job) && !step_queue_done(job))
+        if (!weights_phase(job))
             return;
     }
     if (job->step->phase == SD_STEP_WEIGHTS) {
@@ -532,6 +585,11 @@ uint32_t sd_step_arrived(const struct sd_job *job)
     return job->step->bar.arrived;
 }
 
+bool sd_step_handoff(const struct sd_job *job, uint32_t local)
+{
+    return job->step->phase == SD_STEP_TRAINER && !sd_barrier_waits(&job->step->bar, local);
+}
+
 bool sd_step_queue_waiting(const struct sd_job *job)
 {
     return job->step->q_wait || sd_allreduce_waiting(&job->step->ar);
@@ -545,6 +603,7 @@ static bool step_activity(const struct sd_job *job, char *what, size_t len, uint
                                         [SD_STEP_SUMS] = "sums of squares on the device",
                                         [SD_STEP_NORM] = "norm exchange",
                                         [SD_STEP_APPLY] = "optimizer",
+                                        [SD_STEP_TRAINER] = "the trainers' optimizer",
                                         [SD_STEP_WEIGHTS] = "weights' all-gather",
                                         [SD_STEP_NEWGEN] = "new weights on the device",
                                         [SD_STEP_REFRESH] = "refresh of held units"};
@@ -619,6 +678,17 @@ static bool step_sweep(struct sd_job *job, uint64_t now, uint64_t op_timeout)
 {
     bool present[SD_MAX_LOCAL_RANKS];
     char missing[128];
+    if (job->step->phase == SD_STEP_TRAINER && now - job->step->handoff_ns > op_timeout) {
+        for (uint32_t r = 0; r < job->k; r++)
+            present[r] = sd_barrier_waits(&job->step->bar, r);
+        sd_job_missing_ranks(job, present, missing, sizeof(missing));
+        sd_job_fail(job, SD_ETIMEDOUT,
+                    "step %llu: ranks %s did not give back their optimizer update "
+                    "(shard_step_update_done) within %lld ms (op_timeout_ms)",
+                    (unsigned long long)job->steps + 1, missing,
+                    (long long)job->reg->cfg->op_timeout_ms);
+        return true;
+    }
     if (!sd_barrier_overdue(&job->step->bar, now, op_timeout, present))
         return false;
     sd_job_missing_ranks(job, present, missing, sizeof(missing));

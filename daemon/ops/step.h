@@ -42,6 +42,8 @@ bool sd_step_running(const struct sd_job *job);
 bool sd_step_before_apply(const struct sd_job *job);
 /* Local ranks waiting in the step's barrier. */
 uint32_t sd_step_arrived(const struct sd_job *job);
+/* Does the step wait at a trainer optimizer's hand-off for local rank local's update? */
+bool sd_step_handoff(const struct sd_job *job, uint32_t local);
 
 /* ---- what it hears: the completions its phases wait for come as the job's events
  * (job_module.h, sd_job_event), the ends of the weights' exchanges it started

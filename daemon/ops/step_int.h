@@ -17,6 +17,7 @@ enum sd_step_phase {
     SD_STEP_SUMS, /* the sums of squares the device took, read once its queue reached them */
     SD_STEP_NORM,
     SD_STEP_APPLY,
+    SD_STEP_TRAINER, /* a trainer optimizer's hand-off: the ranks' updates awaited */
     SD_STEP_WEIGHTS,
     SD_STEP_NEWGEN, /* the new weights, declared once the device wrote them */
     SD_STEP_REFRESH
@@ -32,7 +33,7 @@ struct sd_step_state {
     uint64_t q_ticket;
     uint32_t unit, pending; /* the unit a phase is at; its transfers in flight */
     bool encoded;           /* WEIGHTS with ,qw: the unit's parts are encoded (enqueued) */
-    uint64_t start_ns;
+    uint64_t start_ns, handoff_ns;
     int status; /* the first failed transfer of the phase, and its peer */
     uint32_t suspect;
     struct sd_allreduce ar;

@@ -36,6 +36,7 @@ struct sd_values_state {
         uint32_t local, unit, what, seq, remaining, suspect;
         int status;
         uint64_t tag, start_ns, ticket;
+        uint64_t v0, v1; /* the answer's values (an own shard's first element and length) */
         struct sd_xfer *xs; /* [os group nodes - 1]: the pull requests' sends */
     } rd;
 };
@@ -65,6 +66,7 @@ static void values_destroy(struct sd_job *job)
 
 static bool writes_poll(struct sd_job *job);
 static bool read_poll(struct sd_job *job);
+static void read_finish(struct sd_job *job);
 
 /* ---- values written into a running job (SD_OP_WRITE, SD_OP_WRITTEN) */
 
@@ -122,6 +124,112 @@ static void write_range(struct sd_job *job, uint32_t r, int state, uint32_t what
                       ul->dtype, from, hi - lo);
 }
 
+/* ---- a trainer optimizer's own shards (SD_STATE_OWN) */
+
+/* rank local's own os shard of unit u in state what (SD_STATE_GRAD: its part of the g shard,
+ * the gradient sums), its first element in the unit and its length */
+static float *own_shard(struct sd_job *job, uint32_t local, uint32_t u, uint32_t what,
+                        uint64_t *first_p, uint64_t *len_p)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    uint32_t rank = job->first_rank + local;
+    uint64_t e;
+    sd_layout_shard(ul, &job->plan, SD_STATE_OS, rank, first_p, &e);
+    *len_p = e - *first_p;
+    if (what != SD_STATE_GRAD)
+        return sd_job_os_state(job, local, what, ul);
+    return (float *)sd_job_state(job, local, SD_STATE_G) + ul->arena_off[SD_STATE_G] +
+           sd_plan_nested_off(&job->plan, SD_STATE_OS, SD_STATE_G, rank, ul->numel);
+}
+
+/* why an own-shard read or write of unit u, state what, slot cannot be, or NULL */
+static const char *own_refusal(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                               bool write, int *status_p, char *buf, size_t len)
+{
+    uint32_t u = e->unit, slot = (uint32_t)e->arg0, what = (uint32_t)(e->arg0 >> 32) & 0xffu;
+    uint32_t states = sd_optim_state_floats(job->model.optim.kind);
+    const char *op = write ? "write" : "read";
+    *status_p = SD_EINVAL;
+    if (!sd_optim_in_trainer(job->model.optim.kind))
+        snprintf(buf, len, "%s own shard: job '%s' runs its optimizer (%s) in the daemon", op,
+                 job->name, sd_optim_name(job->model.optim.kind));
+    else if (u >= job->layout.n_units || slot >= job->mem.staging_slots ||
+             (what >= states && (write || what != SD_STATE_GRAD)))
+        snprintf(buf, len,
+                 "%s own shard: unit %u, state %u, staging slot %u (the job has units 0..%u, "
+                 "states 0..%u%s, %u slots a rank)",
+                 op, u, what, slot, job->layout.n_units - 1, states - 1,
+                 write ? "" : " and the gradient", job->mem.staging_slots);
+    else if ((write || what == SD_STATE_GRAD) && !sd_step_handoff(job, s->local)) {
+        *status_p = SD_ESTATE;
+        snprintf(buf, len,
+                 "%s own shard of unit %u: only at a trainer optimizer's hand-off, between the "
+                 "step's answer and this rank's shard_step_update_done",
+                 op, u);
+    } else
+        return NULL;
+    return buf;
+}
+
+/* this rank's own shard of a unit's state into its staging slot */
+static bool own_read(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                     uint64_t start)
+{
+    struct sd_state_read *rd = &job->load.values->rd;
+    char why[256];
+    int st;
+    if (own_refusal(job, s, e, false, &st, why, sizeof(why)) != NULL) {
+        sd_session_fail(s, e, st, "%s", why);
+        return true;
+    }
+    if (rd->active)
+        return false; /* another rank's read: the ring entry waits */
+    uint32_t slot = (uint32_t)e->arg0, what = (uint32_t)(e->arg0 >> 32) & 0xffu;
+    uint64_t first, len;
+    const float *src = own_shard(job, s->local, e->unit, what, &first, &len);
+    job->reg->dev->copy(job->mem.queue, sd_job_staging_slot(job, s->local, slot), src,
+                        len * sizeof(float));
+    *rd = (struct sd_state_read){.active = true,
+                                 .local = s->local,
+                                 .unit = e->unit,
+                                 .what = what,
+                                 .seq = rd->seq,
+                                 .tag = e->tag,
+                                 .start_ns = start,
+                                 .v0 = first,
+                                 .v1 = len,
+                                 .xs = rd->xs};
+    read_finish(job);
+    return true;
+}
+
+static bool write_wait(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                       uint64_t start);
+
+/* the staging slot into this rank's own shard of a unit's master or state */
+static bool own_write(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                      uint64_t start)
+{
+    char why[256];
+    int st;
+    if (own_refusal(job, s, e, true, &st, why, sizeof(why)) != NULL) {
+        sd_session_fail(s, e, st, "%s", why);
+        return true;
+    }
+    uint32_t slot = (uint32_t)e->arg0, what = (uint32_t)(e->arg0 >> 32) & 0xffu;
+    uint64_t first, len;
+    float *dst = own_shard(job, s->local, e->unit, what, &first, &len);
+    if (e->arg1 != len) {
+        sd_session_fail(s, e, SD_EINVAL,
+                        "write own shard of unit %u: %llu values; rank %u's shard has %llu", e->unit,
+                        (unsigned long long)e->arg1, s->rank, (unsigned long long)len);
+        return true;
+    }
+    job->reg->dev->copy(job->mem.queue, dst, sd_job_staging_slot(job, s->local, slot),
+                        len * sizeof(float));
+    return write_wait(job, s, e, start);
+}
+
 bool sd_values_write(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
                      uint64_t start)
 {
@@ -132,6 +240,8 @@ bool sd_values_write(struct sd_job *job, struct sd_session *s, const struct sd_s
     char why[256];
     if (vs->w[s->local].waiting)
         return false; /* its previous write is still read from its slot */
+    if ((what & ~0xffu) == SD_STATE_OWN)
+        return own_write(job, s, e, start);
     if (t >= l->n_tensors) {
         sd_session_fail(s, e, SD_EINVAL, "write: tensor %u does not exist (job '%s' has 0..%u)", t,
                         job->name, l->n_tensors - 1);
@@ -173,7 +283,14 @@ bool sd_values_write(struct sd_job *job, struct sd_session *s, const struct sd_s
         write_range(job, s->local, SD_STATE_W, 0, t, src);
         vs->weights_written = true;
     }
-    /* the client refills the slot once answered: answered once the copies read it */
+    return write_wait(job, s, e, start);
+}
+
+/* the client refills the slot once answered: answered once the copies read it */
+static bool write_wait(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e,
+                       uint64_t start)
+{
+    struct sd_values_state *vs = job->load.values;
     struct sd_write_wait *w = &vs->w[s->local];
     int st = sd_job_queue_mark(job, false, &w->ticket);
     if (st == SD_EAGAIN) {
@@ -185,7 +302,7 @@ bool sd_values_write(struct sd_job *job, struct sd_session *s, const struct sd_s
     }
     if (st != SD_OK) {
         sd_job_backend_failed(job, st);
-        sd_session_fail(s, e, job->fail_status, "write tensor %u: %s", t, job->fail_msg);
+        sd_session_fail(s, e, job->fail_status, "write %u: %s", e->unit, job->fail_msg);
         return true;
     }
     sd_op_done(job, s, e, 0, 0, start);
@@ -287,7 +404,8 @@ static void read_answer(struct sd_job *job, int status, const char *msg)
         job->stats.ops[SD_OP_READ]++;
         sd_latency_add(&job->stats.lat[SD_OP_READ], sd_now_ns() - rd->start_ns);
     }
-    sd_session_complete(s, rd->tag, SD_OP_READ, status, 0, 0, msg);
+    sd_session_complete(s, rd->tag, SD_OP_READ, status, status == SD_OK ? rd->v0 : 0,
+                        status == SD_OK ? rd->v1 : 0, msg);
 }
 
 /* the transfers of the read ended (or none was needed): answered once the device wrote the
@@ -419,6 +537,8 @@ bool sd_values_read(struct sd_job *job, struct sd_session *s, const struct sd_sq
     const struct sd_layout *l = &job->layout;
     uint32_t slot = (uint32_t)e->arg0, what = (uint32_t)(e->arg0 >> 32);
     uint32_t states = sd_optim_state_floats(job->model.optim.kind);
+    if ((what & ~0xffu) == SD_STATE_OWN)
+        return own_read(job, s, e, start);
     if (what == SD_WRITE_STEPS) {
         if (e->unit >= l->n_tensors) {
             sd_session_fail(s, e, SD_EINVAL, "read: tensor %u does not exist (0..%u)", e->unit,

@@ -119,10 +119,40 @@ data = functools.partial(harness.lm_batch, rows=RANKS * SEQS, ctx=CTX, vocab=VOC
 loss_of = functools.partial(harness.lm_loss, vocab=VOCAB)
 
 
+class RMSMomentum(torch.optim.Optimizer):
+    """an optimizer of the user's own (shardd knows nothing of it): momentum on the gradient
+    divided by the root of its bias-corrected running square, decoupled weight decay; a
+    plain int step count, two per-element states"""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                s = self.state[p]
+                if not s:
+                    s["step"], s["sq"] = 0, torch.zeros_like(p)
+                    s["mom"] = torch.zeros_like(p)
+                s["step"] += 1
+                s["sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                root = (s["sq"] / (1 - b2 ** s["step"])).sqrt_().add_(g["eps"])
+                s["mom"].mul_(b1).add_(p.grad / root)
+                p.mul_(1 - g["lr"] * g["weight_decay"]).add_(s["mom"], alpha=-g["lr"])
+
+
 def build_opt(kind, m):
     """the optimizer of kind and its schedule"""
     if kind in ("adamw", "adam"):
         o = (torch.optim.AdamW if kind == "adamw" else torch.optim.Adam)(groups(m), lr=3e-2)
+    elif kind == "adadelta":  # (mnist's; run by the ranks on their shards)
+        o = torch.optim.Adadelta(groups(m), lr=1.0)
+    elif kind == "custom":
+        o = RMSMomentum(groups(m), lr=1e-2)
     else:
         o = torch.optim.SGD(groups(m), lr=5e-2, momentum=0.9, nesterov=kind == "nesterov")
     return o, schedule(kind, o)
@@ -647,7 +677,10 @@ def main():
                 compare("sgd", got, sgd_ref)
             # torch.optim.Adam (its weight decay in the gradient) and SGD(nesterov=True), run
             # by the daemon, each saved after step 5 and resumed in a new job
-            for kind, plan in (("adam", "zero3"), ("nesterov", "topo:1/2/4")):
+            # and optimizers the daemon does not run: Adadelta, and one written here, each run
+            # by the ranks on their own shards at the step's hand-off
+            for kind, plan in (("adam", "zero3"), ("nesterov", "topo:1/2/4"),
+                               ("adadelta", "mics:2"), ("custom", "topo:1/2/4")):
                 got = run(cl, work, kind, plan, "torch-" + kind)
                 if got[0] is not None:
                     # Adam divides each moment by its own root: where the L2 term cancels the
@@ -658,13 +691,15 @@ def main():
                     compare(f"{kind} (resumed at step {RESUME_AT})", got, reference(kind),
                             loose=3e-5 if kind == "adam" else None)
                     job = got[2][0]["jobs"]["jobs"][0]["optimizer"]
-                    want = "adam" if kind == "adam" else "sgd-nesterov"
+                    want = {"adam": "adam", "nesterov": "sgd-nesterov", "adadelta": "trainer2",
+                            "custom": "trainer2"}[kind]
                     check(job["name"] == want, f"{kind}: shardctl jobs names it {job['name']}")
             # torch's own state dicts (single-process AdamW and SGD with momentum, after step
             # 5) loaded into running jobs through the model's and optimizer's load_state_dict
             torchsd(cl, work, "adamw", "zero3")
             torchsd(cl, work, "sgd", "mics:2")
             torchsd(cl, work, "adamw", "topo:1/2/4")
+            torchsd(cl, work, "custom", "zero3")
             batchnorm(cl, work)
             memory(sys.argv[1], work)
     finally:

@@ -82,6 +82,13 @@ bool sd_step_running(const struct sd_job *job)
     return false;
 }
 
+bool sd_step_handoff(const struct sd_job *job, uint32_t local)
+{
+    (void)job;
+    (void)local;
+    return false;
+}
+
 void sd_optim_set_tensor_steps(struct sd_job *job, uint32_t tensor, uint64_t steps)
 {
     (void)job;

@@ -52,7 +52,7 @@
 /* ---- what the step's own fakes record (job_fixture.h's record the rest), and how they answer */
 static struct {
     /* the optimizer */
-    int applied;
+    int applied, handed, taken; /* sd_optimizer_apply, _handoff, _take_update */
     double sumsq;
     /* switches */
     bool push_idle, shards_busy, weights_remote;
@@ -189,6 +189,29 @@ double sd_optimizer_apply(struct sd_job *job, const struct sd_hparams *hp, doubl
     F.applied++;
     F.sumsq = sumsq;
     return sqrt(sumsq);
+}
+
+double sd_optimizer_handoff(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
+                            const uint64_t *used)
+{
+    (void)job;
+    (void)hp;
+    (void)used;
+    F.handed++;
+    F.sumsq = sumsq;
+    return sqrt(sumsq);
+}
+
+float sd_optimizer_handoff_scale(const struct sd_job *job)
+{
+    (void)job;
+    return 0.25f;
+}
+
+void sd_optimizer_take_update(struct sd_job *job)
+{
+    (void)job;
+    F.taken++;
 }
 
 const struct sd_hparams *sd_optim_hparams(const struct sd_job *job)

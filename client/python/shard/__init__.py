@@ -37,6 +37,7 @@ ENOUNIT, ENOJOB, ENOTHELD, ECONFIG, EPEER = -1005, -1006, -1007, -1008, -1009
 EPAUSED = -1011  # a rank died: the job paused; register again (every rank) to resume from ctx.start_step
 ENOREPLICA = -1012  # shardctl checkpoint --job: a lost node held the only copy of some state
 ENONFINITE = -1010  # step: a gradient was NaN or infinite; the step was skipped, the job goes on
+OWN_GRAD = 254  # read_own: the gradient sums handed over at a trainer optimizer's step
 
 
 class ShardError(RuntimeError):
@@ -185,6 +186,13 @@ _lib.shard_write_steps.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_uint64]
 _lib.shard_write_done.argtypes = [_c.c_void_p]
 _lib.shard_read.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_uint32, _c.c_void_p, _c.c_size_t]
 _lib.shard_read_steps.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_uint64)]
+_lib.shard_read_own.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_uint32, _c.c_void_p, _c.c_size_t,
+                                _c.POINTER(_c.c_uint64), _c.POINTER(_c.c_uint64)]
+_lib.shard_write_own.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_uint32, _c.c_void_p,
+                                 _c.c_size_t]
+_lib.shard_step_update_done.argtypes = [_c.c_void_p, _c.POINTER(_c.c_double)]
+_lib.shard_step_grad_scale.argtypes = [_c.c_void_p]
+_lib.shard_step_grad_scale.restype = _c.c_double
 _lib.shard_start_step.argtypes = [_c.c_void_p]
 _lib.shard_start_step.restype = _c.c_uint64
 _lib.shard_resumed.argtypes = [_c.c_void_p]
@@ -391,6 +399,33 @@ class Context:
         between its steps)."""
         self._check(_lib.shard_read(self._ctx, unit, what, _c.c_void_p(addr),
                                     self.units[unit]["numel"]), f"read unit {unit}")
+
+    def read_own(self, unit, what, addr, max_count):
+        """A trainer optimizer's own shard of unit (its rank's part of the optimizer state):
+        what OWN_GRAD the gradient sums (only at a step's hand-off), 0 the fp32 masters, 1..N
+        the states, into fp32 at host address addr (at most max_count elements). Returns
+        (the shard's first element in the unit, its elements)."""
+        first, count = _c.c_uint64(), _c.c_uint64()
+        self._check(_lib.shard_read_own(self._ctx, unit, what, _c.c_void_p(addr), max_count,
+                                        _c.byref(first), _c.byref(count)),
+                    f"read_own unit {unit}")
+        return first.value, count.value
+
+    def write_own(self, unit, what, addr, count):
+        """The updated masters (what 0) or state what of this rank's own shard of unit, count
+        fp32 at host address addr, at a step's hand-off."""
+        self._check(_lib.shard_write_own(self._ctx, unit, what, _c.c_void_p(addr), count),
+                    f"write_own unit {unit}")
+
+    def step_grad_scale(self):
+        """the factor of the handed-over gradient sums (1 / world, clipped)"""
+        return _lib.shard_step_grad_scale(self._ctx)
+
+    def step_update_done(self):
+        """the trainer's update is written: returns once the step's weights are there"""
+        norm = _c.c_double()
+        self._check(_lib.shard_step_update_done(self._ctx, _c.byref(norm)), "step_update_done")
+        return norm.value
 
     def read_steps(self, tensor):
         """tensor's step count"""

@@ -201,6 +201,9 @@ class _State:
         self.handles = []
         self.placeholder = {}
         self.opt = None                    # the optimizer object (its param_groups drive steps)
+        self.trainer = None                # a trainer optimizer's part of the step (_TrainerStep)
+        self.trainer_steps = None          # tensor: its step count in shardd before the step
+        self.group_of = {}                 # id(param): its param group
         self.bufs, self.rank = None, 0     # the buffers rank 0 broadcasts (_Buffers), this rank
         self.fetches = self.pushes = 0
         self.bytes_fetched = self.bytes_pushed = 0
@@ -381,6 +384,9 @@ class _State:
                                f"{self.n_groups} were registered at wrap (groups cannot be added)")
         out = []
         for g in groups:
+            if self.trainer is not None:
+                out.append(_trainer_hparams(g))
+                continue
             h = {"lr": float(g["lr"]), "weight_decay": float(g["weight_decay"])}
             if self.kind in _ADAM_LIKE:
                 h["betas"] = tuple(float(b) for b in g["betas"])
@@ -391,6 +397,10 @@ class _State:
         return out
 
     def step(self):
+        if self.trainer is not None and self.trainer_steps is None:
+            # every tensor's step count before the step: a trainer optimizer tells the tensors
+            # no rank gave a gradient by an unchanged count
+            self.trainer_steps = {t: self.ctx.read_steps(t) for t in range(len(self.ctx.tensors))}
         self._push_partial()
         bufs = self.bufs
         if bufs is not None and self.rank == 0:
@@ -398,6 +408,11 @@ class _State:
         try:
             norm = self.ctx.step(groups=self.hparams(), has_grad=self.has_grad,
                                  bcast=bufs.area if bufs is not None else None)
+            if self.trainer is not None:  # the hand-off: this rank's shard, then the weights
+                try:
+                    self.trainer()
+                finally:
+                    self.ctx.step_update_done()
             if bufs is not None and self.rank != 0:
                 bufs.unpack()
         except _shard.ShardError as e:
@@ -521,6 +536,7 @@ class _Opt:
     def __init__(self, name, max_grad_norm, groups, group_of, torch_opt=None):
         self.name, self.max_grad_norm = name, max_grad_norm
         self.groups, self.group_of, self.torch_opt = groups, group_of, torch_opt
+        self.trainer = None  # a trainer kind's (per-element state names, step count's type)
 
 
 def _optimizer_of(optimizer, named):
@@ -582,14 +598,12 @@ def _check_covered(named, group_of, what):
 
 def _from_torch(opt, named):
     name = _TORCH_KINDS.get(type(opt))
-    if name is None:
-        raise ValueError(f"shard.torch.wrap: torch optimizer {type(opt).__name__} is not "
-                         f"supported ({_SUPPORTED})")
+    if name is None:  # any other optimizer: the trainers run it on their shards
+        return _trainer_opt(opt, named)
     for k, want in _TORCH_SAME[name].items():
         for g in opt.param_groups:
             if k in g and g[k] != want and not (want is None and g[k] is False):
-                raise ValueError(f"shard.torch.wrap: {type(opt).__name__} option '{k}'={g[k]} "
-                                 "is not supported by shardd's optimizer")
+                return _trainer_opt(opt, named)  # an option shardd's own does not have
     if name in _TORCH_FLAG:  # one kind for the whole optimizer: the flag alike in every group
         flag, kind = _TORCH_FLAG[name]
         values = [bool(g.get(flag, False)) for g in opt.param_groups]
@@ -607,6 +621,168 @@ def _from_torch(opt, named):
         groups.append({k: tuple(g[k]) if k == "betas" else g[k] for k in _GROUP[name]})
     _check_covered(named, group_of, "the torch optimizer's param groups")
     return _Opt(name, 0.0, groups, group_of, opt)
+
+
+# ---- any other torch optimizer, run by each rank on its own shard (the trainer kinds)
+
+_NOT_IN_STATE = ("step", )  # a torch optimizer's per-parameter scalars that shardd keeps itself
+
+
+def _clone_optimizer(opt, groups):
+    """A copy of torch optimizer opt (its class, options, hooks) over other parameters: groups,
+    one list of tensors per param group of opt, with an empty state. Its step() is the class's
+    own (not the one wrap puts on opt)."""
+    new = object.__new__(type(opt))
+    new.__dict__.update({k: v for k, v in opt.__dict__.items()
+                         if k not in ("step", "state_dict", "load_state_dict",
+                                      "_shard_translated", "state", "param_groups")})
+    new.state = collections.defaultdict(dict)
+    new.param_groups = [dict(g, params=list(ps)) for g, ps in zip(opt.param_groups, groups)]
+    return new
+
+
+def _probe_trainer(opt):
+    """Which state torch optimizer opt keeps per parameter, from one step of a copy of it on a
+    stand-in parameter: (the names of its per-element tensors, in the order it made them, and
+    the type of its step count: ('tensor', dtype), 'int' or None). An optimizer that keeps
+    anything else, more than 4 per-element tensors, or cannot step without a closure is
+    refused naming it."""
+    what = type(opt).__name__
+    p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 8))
+    clone = _clone_optimizer(opt, [[p]] + [[] for _ in opt.param_groups[1:]])
+    p.grad = torch.linspace(0.5, -0.5, 8)
+    try:
+        clone.step()
+    except Exception as e:
+        raise ValueError(f"shard.torch.wrap: {what} cannot run on the ranks' shards: its step() "
+                         f"without a closure on a stand-in parameter failed ({type(e).__name__}: "
+                         f"{e})") from None
+    state = clone.state.get(p, {})
+    names, step, odd = [], None, []
+    for k, v in state.items():
+        if torch.is_tensor(v) and v.shape == p.shape and v.is_floating_point():
+            names.append(k)
+        elif k in _NOT_IN_STATE and torch.is_tensor(v) and v.numel() == 1:
+            step = ("tensor", v.dtype)
+        elif k in _NOT_IN_STATE and isinstance(v, (int, float)):
+            step = "int"
+        else:
+            odd.append(k)
+    if odd or len(names) > 4:
+        raise ValueError(
+            f"shard.torch.wrap: {what} keeps per-parameter state shardd cannot hold on the "
+            f"shards ({', '.join(odd) if odd else f'{len(names)} tensors'}; shardd keeps up to 4 "
+            "tensors of the parameter's shape, each element on its own, and the step count): "
+            f"use {_SUPPORTED}, or an optimizer whose update is per element")
+    return names, step
+
+
+def _trainer_opt(opt, named):
+    """_Opt of a torch optimizer the daemon does not run: the trainer kind with its states"""
+    if len(opt.state):
+        raise ValueError("shard.torch.wrap: the torch optimizer has taken steps already; its "
+                         "state cannot be moved into shardd (wrap before the first step)")
+    names, step = _probe_trainer(opt)
+    groups, group_of = [], {}
+    for gi, g in enumerate(opt.param_groups):
+        for p in g["params"]:
+            group_of[id(p)] = gi
+        groups.append(_trainer_hparams(g))
+    _check_covered(named, group_of, "the torch optimizer's param groups")
+    out = _Opt(f"trainer{len(names)}", 0.0, groups, group_of, opt)
+    out.trainer = (names, step)
+    return out
+
+
+def _trainer_hparams(g):
+    """what shardd checks and shows of a trainer optimizer's group: its lr and weight decay
+    (every rank's alike), where they are numbers"""
+    def num(k):
+        v = g.get(k, 0.0)
+        v = v.item() if torch.is_tensor(v) and v.numel() == 1 else v
+        return float(v) if isinstance(v, (int, float)) and 0 <= v < float("inf") else 0.0
+    return {"lr": num("lr"), "weight_decay": num("weight_decay")}
+
+
+class _TrainerStep:
+    """A rank's part of a trainer optimizer's step: at the hand-off, for each unit, its own shard
+    of the gradient sums (times the step's factor), the masters and the states read from shardd
+    into flat fp32 buffers; each tensor's piece of the shard is a parameter of a copy of the
+    user's optimizer (its param groups' current options), with its state as views of the
+    buffers and its step count shardd's; one step of that copy; the masters and states written
+    back. shardd keeps them (state_dict, checkpoints)."""
+
+    def __init__(self, st, opt, names, step):
+        self.st, self.opt, self.names, self.step_type = st, opt, names, step
+        self.pieces = None  # per unit: (first, count, [(tensor, lo, hi, group)])
+
+    def _layout(self):
+        st, out, scratch = self.st, [], None
+        tensor_group = {st.ctx.units[u]["tensors"][i]: g
+                        for u, ps in enumerate(st.params) for i, (_, p) in enumerate(ps)
+                        for g in [st.group_of.get(id(p), 0)]}
+        for u, info in enumerate(st.ctx.units):
+            if scratch is None or scratch.numel() < info["numel"]:
+                scratch = torch.empty(info["numel"], dtype=torch.float32)
+            first, count = st.ctx.read_own(u, 0, scratch.data_ptr(), scratch.numel())
+            ps = []
+            for t in info["tensors"]:
+                ti = st.ctx.tensors[t]
+                lo = max(ti["offset"], first)
+                hi = min(ti["offset"] + ti["numel"], first + count)
+                if lo < hi:
+                    ps.append((t, lo - first, hi - first, tensor_group[t]))
+            out.append((first, count, ps))
+        return out
+
+    def __call__(self):
+        st = self.st
+        if self.pieces is None:
+            self.pieces = self._layout()
+        scale = st.ctx.step_grad_scale()
+        user_groups = self.opt.param_groups
+        for u, (first, count, ps) in enumerate(self.pieces):
+            if not ps:
+                continue
+            bufs = [torch.empty(count, dtype=torch.float32) for _ in range(2 + len(self.names))]
+            grad, master, states = bufs[0], bufs[1], bufs[2:]
+            st.ctx.read_own(u, _shard.OWN_GRAD, grad.data_ptr(), count)
+            grad.mul_(scale)
+            st.ctx.read_own(u, 0, master.data_ptr(), count)
+            for i, s in enumerate(states):
+                st.ctx.read_own(u, i + 1, s.data_ptr(), count)
+            groups = [[] for _ in user_groups]
+            local = {}
+            for t, lo, hi, g in ps:
+                steps = st.ctx.read_steps(t)  # (this step counted where a rank gave a gradient)
+                if steps == st.trainer_steps[t]:
+                    continue  # no rank gave it a gradient: left as it is, as torch skips it
+                st.trainer_steps[t] = steps
+                p = torch.nn.Parameter(master[lo:hi])
+                p.grad = grad[lo:hi]
+                groups[g].append(p)
+                entry = {n: s[lo:hi] for n, s in zip(self.names, states)}
+                if self.step_type == "int":
+                    entry["step"] = steps - 1
+                elif self.step_type is not None:
+                    entry["step"] = torch.tensor(float(steps - 1), dtype=self.step_type[1])
+                local[p] = (entry, master[lo:hi], [s[lo:hi] for s in states])
+            if not local:
+                continue
+            clone = _clone_optimizer(self.opt, groups)
+            for p, (entry, _, _) in local.items():
+                clone.state[p] = entry
+            clone.step()
+            for p, (entry, m, ss) in local.items():  # (an optimizer may have replaced them)
+                if p.data_ptr() != m.data_ptr():
+                    m.copy_(p.detach())
+                for n, s in zip(self.names, ss):
+                    v = clone.state[p].get(n)
+                    if torch.is_tensor(v) and v.data_ptr() != s.data_ptr():
+                        s.copy_(v)
+            st.ctx.write_own(u, 0, master.data_ptr(), count)
+            for i, s in enumerate(states):
+                st.ctx.write_own(u, i + 1, s.data_ptr(), count)
 
 
 def _ranks_per_node(given):
@@ -1090,6 +1266,10 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                      for n, p in torch.nn.Module.state_dict(model, keep_vars=True).items()
                      if id(p) in names and n != names[id(p)]}
     state.kind, state.n_groups = opt.name, len(opt.groups)
+    state.group_of = opt.group_of
+    if getattr(opt, "trainer", None) is not None:
+        state.trainer = _TrainerStep(state, opt.torch_opt, *opt.trainer)
+        state.trainer_names = {n: i + 1 for i, n in enumerate(opt.trainer[0])}
     state.plan = plan
     state.bufs = bufs if bufs and bufs.nbytes else None
     state.rank = rank
@@ -1298,7 +1478,9 @@ def _per_param(st, whats):
 
 def _optimizer_state(st, so):
     """ShardOptimizer.state_dict: torch's layout"""
-    names = _TORCH_STATE[st.kind]
+    names = _state_names(st)
+    step_type = st.trainer.step_type if st.trainer is not None else (
+        ("tensor", torch.float32) if st.kind in _ADAM_LIKE else None)
     reg = _params(st)
     values = _per_param(st, sorted(set(names.values())))
     state, groups, k = {}, [], 0
@@ -1308,8 +1490,10 @@ def _optimizer_state(st, so):
             steps = st.ctx.read_steps(reg[id(p)][0])
             if steps > 0:  # (never stepped: no state, as torch's)
                 entry = {}
-                if st.kind in _ADAM_LIKE:
-                    entry["step"] = torch.tensor(float(steps), dtype=torch.float32)
+                if step_type == "int":
+                    entry["step"] = steps
+                elif step_type is not None:
+                    entry["step"] = torch.tensor(float(steps), dtype=step_type[1])
                 for name, what in names.items():
                     if name != "momentum_buffer" or g.get("momentum", 0) != 0:
                         entry[name] = values[id(p)][0][what].to(p.dtype)
@@ -1318,6 +1502,11 @@ def _optimizer_state(st, so):
             k += 1
         groups.append(dict({kk: v for kk, v in g.items() if kk != "params"}, params=ids))
     return {"state": state, "param_groups": groups}
+
+
+def _state_names(st):
+    """{torch's name of each per-parameter state: shardd's state index} of the job's optimizer"""
+    return st.trainer_names if st.trainer is not None else _TORCH_STATE[st.kind]
 
 
 def _load_optimizer_state(st, so, state_dict):
@@ -1332,8 +1521,8 @@ def _load_optimizer_state(st, so, state_dict):
     if any(len(g["params"]) != len(sg["params"]) for g, sg in zip(groups, saved)):
         raise ValueError("loaded state dict contains a parameter group that doesn't match the "
                          "size of optimizer's group")
-    names = _TORCH_STATE[st.kind]
-    same = _TORCH_SAME[st.kind.replace("-nesterov", "")]
+    names = _state_names(st)
+    same = _TORCH_SAME.get(st.kind.replace("-nesterov", ""), {})
     for gi, sg in enumerate(saved):
         for k, want in same.items():
             if k in sg and sg[k] != want and not (want is None and sg[k] is False):
@@ -1371,10 +1560,11 @@ def _load_optimizer_state(st, so, state_dict):
                                      f"shape {tuple(v.shape)}, the parameter {tuple(shape)}")
                 _write(st, t, what, v)
             # (SGD keeps no step: a parameter with a momentum buffer counts as stepped, so that
-            # state_dict returns it again)
-            step = ps.get("step", 1 if ps.get("momentum_buffer") is not None else 0)
+            # state_dict returns it again; so a trainer optimizer's without one)
+            step = ps.get("step", 1 if any(ps.get(n) is not None for n in names) else 0)
             st.ctx.write_steps(t, int(step.item() if torch.is_tensor(step) else step))
     st.ctx.write_done()
+    st.trainer_steps = None  # (a trainer optimizer reads the new counts before its next step)
     for g, sg in zip(groups, saved):
         for k, v in sg.items():
             if k != "params":

@@ -40,8 +40,14 @@ enum sd_optim_kind {
     SD_OPTIM_SGD = 1,
     SD_OPTIM_ADAM = 2,
     SD_OPTIM_SGD_NESTEROV = 3,
-    SD_OPTIM_KINDS
+    /* any other optimizer, run by the trainer on its rank's own shard at each step's hand-off
+     * (DESIGN.md section 3): the daemon keeps its fp32 masters and N per-element fp32 states
+     * (SD_OPTIM_TRAINER + N, "trainer<N>", N <= SD_OPTIM_TRAINER_MAX_STATES) and the step
+     * count, hands the reduced gradient shard over and takes the updated shard back */
+    SD_OPTIM_TRAINER = 4,
+    SD_OPTIM_KINDS = SD_OPTIM_TRAINER + 5
 };
+#define SD_OPTIM_TRAINER_MAX_STATES 4
 
 size_t sd_dtype_size(int dtype);
 const char *sd_dtype_name(int dtype);
@@ -196,6 +202,8 @@ struct sd_step_args {
 #define SD_STEP_ARG_HPARAMS  1u
 #define SD_STEP_ARG_HAS_GRAD 2u
 #define SD_STEP_ARG_BCAST    4u /* every rank sets it alike: rank 0's broadcast area goes out */
+/* a trainer optimizer's update is written (SD_STATE_OWN): the step goes on to the weights */
+#define SD_STEP_ARG_UPDATED 8u
 #define SD_MAX_BCAST_BYTES   (64ull << 20)
 _Static_assert(sizeof(struct sd_hparams) == 24, "step arguments layout is ABI");
 
@@ -276,12 +284,14 @@ static inline void sd_layout_shard(const struct sd_unit_layout *u, const struct 
 
 /* Optimizer state floats per parameter: fp32 master + moments. */
 uint32_t sd_optim_state_floats(int kind);
-/* "adamw", "sgd", "adam", "sgd-nesterov" (libshard's and the checkpoints' names); "?" for an
- * unknown kind */
+/* "adamw", "sgd", "adam", "sgd-nesterov", "trainer0".."trainer4" (libshard's and the
+ * checkpoints' names); "?" for an unknown kind */
 const char *sd_optim_name(int kind);
 int sd_optim_parse(const char *name); /* -1 if unknown */
-/* the kind whose states kind keeps: SD_OPTIM_ADAMW (master, exp_avg, exp_avg_sq) or SD_OPTIM_SGD
- * (master, momentum_buffer) */
+/* the kind whose states kind keeps: SD_OPTIM_ADAMW (master, exp_avg, exp_avg_sq), SD_OPTIM_SGD
+ * (master, momentum_buffer), or a trainer kind itself (master, state1..stateN) */
 int sd_optim_layout(int kind);
+/* the optimizer runs in the trainer (SD_OPTIM_TRAINER + N) */
+bool sd_optim_in_trainer(int kind);
 
 #endif

@@ -52,6 +52,15 @@ enum sd_op {
  * step count (arg1) */
 #define SD_WRITE_WEIGHTS 0u
 #define SD_WRITE_STEPS   255u
+/* SD_OP_READ's and SD_OP_WRITE's what | SD_STATE_OWN: the rank's own optimizer-state shard of
+ * the unit (e->unit a unit; arg1 of a write its elements), at a trainer optimizer's hand-off
+ * (sd_optim_in_trainer): a read answers value0 = the shard's first element in the unit, value1 =
+ * its elements; SD_STATE_GRAD read so is the shard's reduced gradient, the sum over the ranks
+ * (the hand-off's step answer gives in value1 the bits of the double the optimizer multiplies
+ * it by: 1 / world, times the clipping factor). Writes only at the hand-off: masters (0) and
+ * states 1..N. */
+#define SD_STATE_OWN  0x100u
+#define SD_STATE_GRAD 254u
 
 /* a fetch or release outside the step's schedule (reading the weights on some ranks only: a
  * save, an evaluation): neither recorded nor matched against the schedule */
