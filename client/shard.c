@@ -1704,8 +1704,8 @@ int shard_read_own(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out, s
     if (cqe.value1 > max)
         return fail(ctx, SD_EINVAL, "read_own unit %u: the shard has %llu elements; out holds %zu",
                     unit, (unsigned long long)cqe.value1, max);
-    status = ctx->mem->copy(out, staging_slot(ctx, i), cqe.value1 * sizeof(float), why,
-                            sizeof(why));
+    status =
+        ctx->mem->copy(out, staging_slot(ctx, i), cqe.value1 * sizeof(float), why, sizeof(why));
     if (status != 0)
         return fail(ctx, status, "read_own unit %u: %s", unit, why);
     if (first_p != NULL)

@@ -286,7 +286,7 @@ uint64_t sd_plan_nested_off(const struct sd_plan *plan, int inner, int outer, ui
 uint32_t sd_optim_state_floats(int kind)
 {
     if (sd_optim_in_trainer(kind))
-        return 1 + (uint32_t)(kind - SD_OPTIM_TRAINER); /* master + the trainer's states */
+        return 1 + (uint32_t)(kind - SD_OPTIM_TRAINER);     /* master + the trainer's states */
     return sd_optim_layout(kind) == SD_OPTIM_ADAMW ? 3 : 2; /* master + m + v, or + momentum */
 }
 
@@ -295,9 +295,9 @@ bool sd_optim_in_trainer(int kind)
     return kind >= SD_OPTIM_TRAINER && kind < SD_OPTIM_KINDS;
 }
 
-static const char *const optim_names[SD_OPTIM_KINDS] = {
-    "adamw", "sgd", "adam", "sgd-nesterov", "trainer0", "trainer1", "trainer2", "trainer3",
-    "trainer4"};
+static const char *const optim_names[SD_OPTIM_KINDS] = {"adamw",        "sgd",      "adam",
+                                                        "sgd-nesterov", "trainer0", "trainer1",
+                                                        "trainer2",     "trainer3", "trainer4"};
 
 const char *sd_optim_name(int kind)
 {

@@ -23,7 +23,7 @@ extern "C" {
 
 #define SHARD_VERSION_MAJOR 0
 #define SHARD_VERSION_MINOR                                                                        \
-    8 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write, shard_read; 8: trainer   \
+    8 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write, shard_read; 8: trainer      \
          optimizers (shard_read_own, shard_write_own, shard_step_update_done) */
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
@@ -433,8 +433,8 @@ SHARD_API int shard_read_steps(shard_ctx_t *ctx, uint32_t tensor, uint64_t *step
  * the job naming it. */
 #define SHARD_OWN_GRAD 254u
 SHARD_API double shard_step_grad_scale(const shard_ctx_t *ctx);
-SHARD_API int shard_read_own(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out,
-                             size_t max, uint64_t *first_p, uint64_t *count_p);
+SHARD_API int shard_read_own(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out, size_t max,
+                             uint64_t *first_p, uint64_t *count_p);
 SHARD_API int shard_write_own(shard_ctx_t *ctx, uint32_t unit, uint32_t what, const float *values,
                               size_t count);
 SHARD_API int shard_step_update_done(shard_ctx_t *ctx, double *grad_norm_p);

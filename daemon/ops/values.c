@@ -36,7 +36,7 @@ struct sd_values_state {
         uint32_t local, unit, what, seq, remaining, suspect;
         int status;
         uint64_t tag, start_ns, ticket;
-        uint64_t v0, v1; /* the answer's values (an own shard's first element and length) */
+        uint64_t v0, v1;    /* the answer's values (an own shard's first element and length) */
         struct sd_xfer *xs; /* [os group nodes - 1]: the pull requests' sends */
     } rd;
 };
@@ -221,8 +221,8 @@ static bool own_write(struct sd_job *job, struct sd_session *s, const struct sd_
     float *dst = own_shard(job, s->local, e->unit, what, &first, &len);
     if (e->arg1 != len) {
         sd_session_fail(s, e, SD_EINVAL,
-                        "write own shard of unit %u: %llu values; rank %u's shard has %llu", e->unit,
-                        (unsigned long long)e->arg1, s->rank, (unsigned long long)len);
+                        "write own shard of unit %u: %llu values; rank %u's shard has %llu",
+                        e->unit, (unsigned long long)e->arg1, s->rank, (unsigned long long)len);
         return true;
     }
     job->reg->dev->copy(job->mem.queue, dst, sd_job_staging_slot(job, s->local, slot),

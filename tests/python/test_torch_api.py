@@ -6,7 +6,8 @@ on one real daemon (world 1 in this process; world 2 in two launched processes):
     ModuleList trains, and ends allclose to plain torch AdamW after 6 steps (per-step losses too);
   - optimizer=torch.optim.AdamW(model.parameters(), lr=...) is accepted and translated with
     torch's defaults (weight decay 0.01), the same run as the reference's;
-  - a dict with an unknown key ('weight_decy', also inside a param group), AdamW(amsgrad=True),
+  - a dict with an unknown key ('weight_decy', also inside a param group), an optimizer keeping
+    state shardd cannot hold (a list per parameter), AdamW(amsgrad=True) run in the trainers,
     a parameter left out of the torch optimizer's groups (and not frozen), a parameter in two
     param groups, an optimizer of another kind: refused naming the key, option, parameter or
     class, before anything is registered (the same job name registers right after);
@@ -366,9 +367,24 @@ try:
                                                                 "weight_decy": 0.1}),
                      "weight_decy")
     check(ok, f"unknown optimizer key refused naming it: {msg}")
-    ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer=torch.optim.AdamW(
-        m.parameters(), amsgrad=True)), "amsgrad")
-    check(ok, f"AdamW(amsgrad=True) refused naming the option: {msg}")
+    # an option shardd's own AdamW has not: the ranks run torch's on their shards (its three
+    # per-element states kept by the daemon); one that keeps other state is refused naming it
+    am = copy.deepcopy(base)
+    st.wrap(am, job="amsgrad", optimizer=torch.optim.AdamW(am.parameters(), amsgrad=True))
+    kind = st._state_of(am).kind
+    st.unwrap(am)
+    check(kind == "trainer3", f"AdamW(amsgrad=True) runs in the trainers with 3 states: {kind}")
+
+    class Odd(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            super().step(closure)
+            for g in self.param_groups:
+                for p in g["params"]:
+                    self.state[p]["history"] = [1.0]  # not a tensor of the parameter's shape
+    ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer=Odd(m.parameters(), lr=0.1)),
+                     "history")
+    check(ok, f"an optimizer keeping state shardd cannot hold refused naming it: {msg}")
     ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer={
         "param_groups": [{"params": list(m.parameters()), "weight_decy": 0.0}]}), "weight_decy")
     check(ok, f"unknown key in a param group refused naming it: {msg}")
@@ -392,9 +408,12 @@ try:
     ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer={"name": "sgd", "lr": -1.0}),
                      "lr is -1", "at least 0", kinds=(shard.ShardError, ValueError))
     check(ok, f"a negative lr refused: {msg}")
+    ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer=torch.optim.LBFGS(
+        m.parameters())), "LBFGS", "closure")
+    check(ok, f"an optimizer that cannot step on a shard (LBFGS) refused naming it: {msg}")
     ok, msg = raises(lambda: st.wrap(m, job="bad", optimizer=torch.optim.Adagrad(
-        m.parameters())), "Adagrad")
-    check(ok, f"another optimizer refused naming it: {msg}")
+        m.parameters(), initial_accumulator_value=0.1)), "Adagrad", "sum", "0")
+    check(ok, f"a state that starts other than 0 refused naming it: {msg}")
     # parameters on a device shard.torch does not train (meta) are refused naming it, not
     # moved (CUDA models against a host daemon: test_torch_device.py)
     off = copy.deepcopy(base).to("meta")

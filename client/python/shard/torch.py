@@ -514,19 +514,19 @@ _GROUP["adam"], _GROUP["sgd-nesterov"] = _GROUP["adamw"], _GROUP["sgd"]
 _KEYS = {n: set(g) | {"name", "max_grad_norm", "param_groups"} for n, g in _GROUP.items()}
 _KEYS["sgd"].add("nesterov")
 _ADAM_LIKE = ("adamw", "adam")  # the optimizers with betas and eps (and exp_avg, exp_avg_sq)
-# a torch optimizer's options that shardd's optimizer has, and those it accepts only at torch's
-# default value (any other value is refused, naming the option); Adam's decoupled_weight_decay
-# and SGD's nesterov choose the kind (_from_torch)
-_TORCH_SAME = {"adamw": {"amsgrad": False, "maximize": False, "capturable": False,
-                         "differentiable": False, "fused": None, "foreach": None},
-               "sgd": {"dampening": 0, "maximize": False, "differentiable": False,
-                       "foreach": None, "fused": None}}
+# a torch optimizer's options that change what shardd's optimizer computes, which it has only at
+# torch's default value (any other value runs the optimizer in the trainers, _trainer_opt; the
+# implementation options, foreach, fused, capturable, differentiable, change nothing there);
+# Adam's decoupled_weight_decay and SGD's nesterov choose the kind (_from_torch)
+_TORCH_SAME = {"adamw": {"amsgrad": False, "maximize": False},
+               "sgd": {"dampening": 0, "maximize": False}}
 _TORCH_SAME["adam"] = _TORCH_SAME["adamw"]
 _TORCH_KINDS = {torch.optim.AdamW: "adamw", torch.optim.Adam: "adam", torch.optim.SGD: "sgd"}
 # what a torch optimizer's option that picks the kind makes of it: (option, kind if True)
 _TORCH_FLAG = {"adam": ("decoupled_weight_decay", "adamw"), "sgd": ("nesterov", "sgd-nesterov")}
-_SUPPORTED = ("torch.optim.AdamW, Adam, SGD (with or without nesterov); a dict's name: adamw, "
-              "adam, sgd (nesterov=True)")
+_SUPPORTED = ("torch.optim.AdamW, Adam, SGD (with or without nesterov), run by the daemon, or "
+              "any other torch.optim optimizer whose update is per element, run by the ranks on "
+              "their shards; a dict's name: adamw, adam, sgd (nesterov=True)")
 
 
 class _Opt:
@@ -649,7 +649,16 @@ def _probe_trainer(opt):
     refused naming it."""
     what = type(opt).__name__
     p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 8))
-    clone = _clone_optimizer(opt, [[p]] + [[] for _ in opt.param_groups[1:]])
+    try:  # (a new one: torch's Adagrad makes its state in __init__)
+        clone = type(opt)([dict({k: v for k, v in opt.param_groups[0].items() if k != "params"},
+                                params=[p])], **opt.defaults)
+    except Exception:
+        clone = _clone_optimizer(opt, [[p]] + [[] for _ in opt.param_groups[1:]])
+    made = {k: v.clone() for k, v in clone.state.get(p, {}).items() if torch.is_tensor(v)}
+    if any(v.is_floating_point() and v.shape == p.shape and bool(v.any()) for v in made.values()):
+        raise ValueError(f"shard.torch.wrap: {what} starts a state at values other than 0 "
+                         f"({', '.join(k for k, v in made.items() if v.shape == p.shape and v.any())}"
+                         "); shardd starts every state at 0 (keep its initial value 0)")
     p.grad = torch.linspace(0.5, -0.5, 8)
     try:
         clone.step()
@@ -679,7 +688,10 @@ def _probe_trainer(opt):
 
 def _trainer_opt(opt, named):
     """_Opt of a torch optimizer the daemon does not run: the trainer kind with its states"""
-    if len(opt.state):
+    def stepped(s):
+        v = s.get("step", 0)
+        return bool(v.item() if torch.is_tensor(v) and v.numel() == 1 else v)
+    if any(stepped(s) for s in opt.state.values()):
         raise ValueError("shard.torch.wrap: the torch optimizer has taken steps already; its "
                          "state cannot be moved into shardd (wrap before the first step)")
     names, step = _probe_trainer(opt)

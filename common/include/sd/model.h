@@ -204,7 +204,7 @@ struct sd_step_args {
 #define SD_STEP_ARG_BCAST    4u /* every rank sets it alike: rank 0's broadcast area goes out */
 /* a trainer optimizer's update is written (SD_STATE_OWN): the step goes on to the weights */
 #define SD_STEP_ARG_UPDATED 8u
-#define SD_MAX_BCAST_BYTES   (64ull << 20)
+#define SD_MAX_BCAST_BYTES  (64ull << 20)
 _Static_assert(sizeof(struct sd_hparams) == 24, "step arguments layout is ABI");
 
 /* where the broadcast area starts in the step arguments */
