@@ -432,6 +432,50 @@ def typical_script(cl, work):
               f"fsdp2_train.py: both learn ({a[0]:.4f} -> {a[-1]:.4f}, {b[0]:.4f} -> {b[-1]:.4f})")
 
 
+def trainer_dcp(work):
+    """an optimizer run in the trainers (Adadelta) through DCP both ways: torch's own state
+    after 3 steps, saved with dcp.save under get_state_dict's keys, into a shardd checkpoint
+    (to_shardd: its states under shard.torch's order), and back out (from_shardd): the weights,
+    square_avg, acc_delta and step equal torch's bitwise each way"""
+    import torch.distributed.checkpoint as dcp
+    torch.manual_seed(7)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    o = torch.optim.Adadelta(m.parameters(), lr=0.5)
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        ((m(torch.randn(4, 6, generator=g)) - 1.0) ** 2).mean().backward()
+        o.step()
+        o.zero_grad()
+    names = [n for n, _ in m.named_parameters()]
+    osd = o.state_dict()
+    state = {names[i]: s for i, s in osd["state"].items()}
+    groups = [dict({k: v for k, v in g.items() if k != "params"},
+                   params=[names[i] for i in g["params"]]) for g in osd["param_groups"]]
+    src, ck, back = f"{work}/dcp-adadelta", f"{work}/ck-adadelta", f"{work}/dcp-adadelta-back"
+    dcp.save({"model": m.state_dict(), "optim": {"state": state, "param_groups": groups}},
+             storage_writer=dcp.FileSystemWriter(src), no_dist=True)
+    m2 = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    res = sdcp.to_shardd(src, ck, m2, torch.optim.Adadelta(m2.parameters(), lr=0.5))
+    got = shard.checkpoint.load_state_dict(ck, optimizer_states=True)
+    man = shard.checkpoint.info(ck)
+    bad = [n for n in names if not torch.equal(got[n], dict(m.named_parameters())[n].detach())]
+    bad += [f"{n}.{k}" for n in names for k, c in (("square_avg", "state1"),
+                                                  ("acc_delta", "state2"))
+            if not torch.equal(got["optimizer"][n][c], state[n][k])]
+    check(res["step"] == 3 and man["optimizer"]["kind"] == "trainer2" and not bad and
+          all(t["steps"] == 3 for t in man["tensors"]),
+          f"DCP -> shardd of Adadelta: the checkpoint's kind {man['optimizer']['kind']}, step "
+          f"{res['step']}, states as torch's bitwise (differ: {bad})")
+    sdcp.from_shardd(ck, back)
+    out = sdcp.read(back)
+    bad = [f"{n}.{k}" for n in names for k in ("square_avg", "acc_delta", "step")
+           if not torch.equal(torch.as_tensor(out.get(("optim", "state", n, k))).float(),
+                              torch.as_tensor(state[n][k]).float())]
+    check(not bad and all(torch.equal(out[("model", n)], dict(m.named_parameters())[n].detach())
+                          for n in names),
+          f"shardd -> DCP of Adadelta: the weights and torch's state names and values: {bad}")
+
+
 def main():
     work = tempfile.mkdtemp(prefix="shard-fsdp2-")
     print(f"torch {torch.__version__}")
@@ -448,6 +492,7 @@ def main():
                 fsdp2_to_shard(cl, work, fs)
                 refusals(work)
             typical_script(cl, work)
+            trainer_dcp(work)
     finally:
         cl.stop()
     finish("test_torch_fsdp2", work)

@@ -193,13 +193,33 @@ def read(dcp_dir):
 # ---- shardd -> DCP
 
 def _layout(kind):
-    """the optimizer whose states kind keeps: "adamw" (AdamW, Adam: step, exp_avg, exp_avg_sq)
-    or "sgd" (SGD, with or without Nesterov momentum: momentum_buffer)"""
+    """the optimizer whose states kind keeps: "adamw" (AdamW, Adam: step, exp_avg, exp_avg_sq),
+    "sgd" (SGD, with or without Nesterov momentum: momentum_buffer), or "trainer" (any other,
+    run in the trainers: the states shard.torch named)"""
+    if kind.startswith("trainer"):
+        return "trainer"
     return "adamw" if kind in ("adamw", "adam") else "sgd"
+
+
+def _spec(kind, names=None, step=None):
+    """(torch's names of kind's per-parameter states in the checkpoint's order after the master,
+    the checkpoint's names of them, how torch keeps the step: "tensor", "int" or None);
+    a trainer optimizer's names and step type come from shard.torch (names, step)"""
+    layout = _layout(kind)
+    if layout == "adamw":
+        return ["exp_avg", "exp_avg_sq"], ["exp_avg", "exp_avg_sq"], "tensor"
+    if layout == "sgd":
+        return ["momentum_buffer"], ["momentum_buffer"], None
+    if names is None:
+        raise DcpError(f"the optimizer ({kind}) ran in the trainers and its states' torch names "
+                       "are not known: a checkpoint of shard.torch.save names them")
+    return list(names), [f"state{i + 1}" for i in range(len(names))], step
 
 
 def _torch_group(kind, g):
     """torch's param group entries of a MANIFEST group"""
+    if _layout(kind) == "trainer":
+        return {"lr": g["lr"], "weight_decay": g["weight_decay"]}
     if _layout(kind) == "adamw":
         return {"lr": g["lr"], "betas": (g["beta1"], g["beta2"]), "eps": g["eps"],
                 "weight_decay": g["weight_decay"]}
@@ -230,16 +250,21 @@ def from_shardd(checkpoint, out, buffers=None):
         if k in model:
             raise DcpError(f"from_shardd: buffer '{k}' is a parameter of the checkpoint")
         model[k] = v.detach().cpu()
+    torch_names, ck_names, step_type = _spec(kind, extra.get("trainer_states"),
+                                             extra.get("trainer_step"))
     state = {}
     for t in tensors:
         opt = sd["optimizer"][t["name"]]
         if t["steps"] == 0:  # torch makes a parameter's state at its first step
             continue
-        if _layout(kind) == "adamw":
-            state[t["name"]] = {"step": torch.tensor(float(t["steps"])), "exp_avg":
-                                opt["exp_avg"], "exp_avg_sq": opt["exp_avg_sq"]}
-        elif man["groups"][t["group"]]["momentum"] != 0:
-            state[t["name"]] = {"momentum_buffer": opt["momentum_buffer"]}
+        if _layout(kind) == "sgd" and man["groups"][t["group"]]["momentum"] == 0:
+            continue  # (torch's SGD without momentum keeps none)
+        entry = {tn: opt[cn] for tn, cn in zip(torch_names, ck_names)}
+        if step_type == "tensor":
+            entry["step"] = torch.tensor(float(t["steps"]))
+        elif step_type == "int":
+            entry["step"] = int(t["steps"])
+        state[t["name"]] = entry
     saved = extra.get("param_groups") or []
     groups = []
     for g, mg in enumerate(man["groups"]):
@@ -290,13 +315,13 @@ def _f32(t):
     return t.detach().to("cpu").float().contiguous().reshape(-1)
 
 
-def _write_checkpoint(out, step, job, kind, max_grad_norm, groups, tensors, states, torch_doc):
-    """a shardd checkpoint (docs/checkpoints.md, Checkpoint format) of tensors [(name, shape, dtype, unit,
-    group, steps)] with states {state: [flat fp32 tensor per tensor]} into out/step-NNNNNNNN,
-    then out/LATEST naming it"""
+def _write_checkpoint(out, step, job, kind, max_grad_norm, groups, tensors, states, torch_doc,
+                      names):
+    """a shardd checkpoint (docs/checkpoints.md, Checkpoint format) of tensors [(name, shape,
+    dtype, unit, group, steps)] with states {state: [flat fp32 tensor per tensor]} (names: the
+    checkpoint's states, in order, "master" first) into out/step-NNNNNNNN, then out/LATEST
+    naming it"""
     import torch
-    names = ["master", "exp_avg", "exp_avg_sq"] if _layout(kind) == "adamw" else ["master",
-                                                                          "momentum_buffer"]
     os.makedirs(out, exist_ok=True)
     final = os.path.join(out, f"step-{step:08d}")
     tmp = os.path.join(out, f".step-{step:08d}.{os.getpid()}")
@@ -357,6 +382,10 @@ def to_shardd(dcp_dir, out, model, optimizer=None, units=None, job="dcp"):
     reg = _st._registration(model, optimizer, units)
     kind = reg.opt.name
     layout = _layout(kind)
+    trainer = reg.opt.trainer or (None, None)
+    want, ck_names, step_type = _spec(
+        kind, trainer[0],
+        trainer[1] if trainer[1] in (None, "int") else "tensor")
     d = _Dcp(dcp_dir)
     try:
         mkeys, skeys, gkeys = _parts(d)
@@ -364,10 +393,8 @@ def to_shardd(dcp_dir, out, model, optimizer=None, units=None, job="dcp"):
             raise DcpError(f"{d.path}: no '{MODEL}.<name>' entries: not saved as "
                            "dcp.save({'model': ..., 'optim': ...}) with get_state_dict's keys")
         saved_groups = _saved_groups(d, gkeys)
-        tensors, states = [], {s: [] for s in ("master", "exp_avg", "exp_avg_sq",
-                                               "momentum_buffer")}
+        tensors, states = [], {s: [] for s in ["master"] + want}
         step = 0
-        want = ("exp_avg", "exp_avg_sq") if layout == "adamw" else ("momentum_buffer",)
         for t in reg.tensors:
             if t.name not in mkeys:
                 raise DcpError(f"{d.path}: has no '{MODEL}.{t.name}', a parameter of the model")
@@ -391,20 +418,16 @@ def to_shardd(dcp_dir, out, model, optimizer=None, units=None, job="dcp"):
                     states[n].append(_f32(v))
                 else:  # never stepped (or frozen): torch has no state for it
                     states[n].append(_f32(w) * 0)
-            if layout == "adamw" and have:
+            if step_type is not None and have:
                 if (t.name, "step") not in skeys:
                     raise DcpError(f"{d.path}: the optimizer state of '{t.name}' has no step")
                 steps = int(float(d.get(skeys[(t.name, "step")])))
-            elif layout == "sgd":
-                bad = [n for (p, n) in skeys if p == t.name and n != "momentum_buffer"]
-                if bad:
-                    raise DcpError(f"{d.path}: the optimizer state of '{t.name}' has {bad}: "
-                                   "not SGD's")
-            if layout == "adamw" and [n for (p, n) in skeys if p == t.name and n not in
-                                    ("step", "exp_avg", "exp_avg_sq")]:
-                raise DcpError(f"{d.path}: the optimizer state of '{t.name}' has entries AdamW "
-                               f"does not keep: "
-                               f"{[n for (p, n) in skeys if p == t.name]}")
+            bad = [n for (p, n) in skeys if p == t.name and n not in want and
+                   (n != "step" or step_type is None)]
+            if bad:
+                raise DcpError(f"{d.path}: the optimizer state of '{t.name}' has entries "
+                               f"{kind} does not keep: {bad} (it keeps {list(want)}"
+                               f"{', step' if step_type else ''})")
             step = max(step, steps)
             tensors.append((t.name, shape, _st._TORCH[t.dtype], t.unit, t.group, steps))
         params = {p for p, _ in skeys}
@@ -420,8 +443,12 @@ def to_shardd(dcp_dir, out, model, optimizer=None, units=None, job="dcp"):
     groups, torch_groups = _groups_for(reg, saved_groups, kind, d.path)
     torch_doc = {"format": "shard.torch", "version": 1, "param_groups": torch_groups,
                  "aliases": _aliases(model)}
+    if layout == "trainer":
+        torch_doc["trainer_states"], torch_doc["trainer_step"] = list(want), step_type
     path = _write_checkpoint(os.fspath(out), step, job, kind, reg.opt.max_grad_norm, groups,
-                             tensors, {s: v for s, v in states.items() if v}, torch_doc)
+                             tensors, {c: states[w] for c, w in
+                                       zip(["master"] + ck_names, ["master"] + want)},
+                             torch_doc, ["master"] + ck_names)
     return {"step": step, "path": path, "buffers": buffers}
 
 

@@ -1655,6 +1655,10 @@ def _write_torch_json(path, st):
               for g in st.opt.param_groups]
     doc = {"format": "shard.torch", "version": 1, "param_groups": groups,
            "aliases": st.aliases}
+    if st.trainer is not None:  # torch's names of a trainer optimizer's states (shard.dcp)
+        doc["trainer_states"] = list(st.trainer.names)
+        doc["trainer_step"] = (st.trainer.step_type if st.trainer.step_type in (None, "int")
+                               else "tensor")
     tmp = os.path.join(path, f".{TORCH_JSON}.{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
