@@ -138,6 +138,14 @@ if [ "$ngpu" -ge 2 ]; then
 else
   note "one daemon driving several GPUs: not checkable on this machine's one GPU (tested on emulated GPUs in ctest)"
 fi
+# a trainer optimizer's hand-off through device memory: the own shards read and written
+# through the staging slots, against the update computed in the test, bitwise
+if timeout 120 "$B/tests/integration/test_trainer_opt" cuda >"$out/trainer-opt-cuda.log" 2>&1; then
+  note "test_trainer_opt cuda (a trainer optimizer's hand-off on device memory): $(tail -1 "$out/trainer-opt-cuda.log")"
+else
+  note "test_trainer_opt cuda: FAILED ($out/trainer-opt-cuda.log)"
+  failed=1
+fi
 if timeout 240 "$B/tests/integration/test_checkpoint" device cuda >"$out/checkpoint-cuda.log" 2>&1; then
   note "test_checkpoint device cuda (saved from device memory, bitwise the host's; loaded both ways): $(tail -1 "$out/checkpoint-cuda.log")"
 else
