@@ -198,7 +198,8 @@ def train(a):
         net = DDP(model)
     if a.single:
         net = model
-    opt = torch.optim.AdamW(param_groups(model, a), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
+    opt_class = AdamWInTrainers if a.optimizer == "adamw-in-trainers" else torch.optim.AdamW
+    opt = opt_class(param_groups(model, a), lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
     if shardd:
         import shard
         import shard.torch as st
@@ -359,6 +360,12 @@ def plot(path, s, d, plan, name="DDP (gloo)"):
     return True
 
 
+class AdamWInTrainers(torch.optim.AdamW):
+    """torch's AdamW as an optimizer shardd does not run itself (a subclass of it): shard.torch
+    runs it in the trainers, each rank on its own shard (--optimizer adamw-in-trainers: what an
+    optimizer run in the trainers costs against shardd's own AdamW, the same arithmetic)"""
+
+
 def launch(a):
     world = a.nodes * a.ranks_per_node
     out = a.out or a.cluster_dir
@@ -370,6 +377,8 @@ def launch(a):
               str(a.heads)]
     if a.check_syncs:
         common.append("--check-syncs")
+    if a.optimizer != "adamw":
+        common += ["--optimizer", a.optimizer]
     if a.tie:
         common.append("--tie")
     if a.clip:
@@ -449,6 +458,9 @@ def main():
     p.add_argument("--weight-decay", type=float, default=0.01,
                    help="AdamW's, on the matrices (none on biases, norms, embeddings)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--optimizer", choices=["adamw", "adamw-in-trainers"], default="adamw",
+                   help="adamw: run by shardd; adamw-in-trainers: torch's AdamW run by each rank "
+                        "on its own shard (shardd's path for any other torch optimizer)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: the weights shardd hands out (the DDP baseline stays fp32)")
     p.add_argument("--ddp", action="store_true", help="the DDP (gloo) baseline instead")

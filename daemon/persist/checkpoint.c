@@ -721,10 +721,12 @@ void sd_ckpt_save(struct sd_job *job, struct sd_session *s, const struct sd_sqe 
                             : "");
         return;
     }
-    if (sd_step_arrived(job) > 0) {
+    if (sd_step_arrived(job) > 0 || sd_step_running(job)) {
         sd_session_fail(s, e, SD_ESTATE,
-                        "save: other ranks of this node are in step %llu; every rank saves "
-                        "between the same two steps",
+                        "save: %s step %llu; every rank saves between the same two steps",
+                        sd_step_running(job) ? "this node is in (a trainer optimizer's hand-off: "
+                                               "save after shard_step_update_done)"
+                                             : "other ranks of this node are in",
                         (unsigned long long)job->steps + 1);
         return;
     }

@@ -8,8 +8,8 @@
  *     gathers the momentum state (every rank's shard) as the reference's;
  *   - refused, naming why, and the job going on: a write of the own shard or a read of the
  *     gradient outside the hand-off (SHARD_ESTATE), shard_step_update_done without one, a
- *     second shard_step at the hand-off, a write of the wrong length, a state the optimizer has
- *     not, an own-shard read on a job whose optimizer runs in the daemon (SHARD_EINVAL);
+ *     second shard_step or a save at the hand-off, a write of the wrong length, a state the
+ * optimizer has not, an own-shard read on a job whose optimizer runs in the daemon (SHARD_EINVAL);
  *   - a rank that never gives its update back fails the job after op_timeout_ms naming it,
  *     and the daemon serves a new job after.
  *
@@ -356,6 +356,8 @@ static void test_training(void)
              h[0].status, h[1].status);
     refused(c0, shard_step(c0, NULL), SHARD_ESTATE, "a step at the hand-off",
             "waits for its ranks' optimizer updates", NULL);
+    refused(c0, shard_save(c0, "/tmp/shardd-trainer-opt-ck", NULL), SHARD_ESTATE,
+            "a save at the hand-off", "hand-off", NULL);
     uint64_t first = 0, count = 0;
     TH_CHECK(shard_read_own(c0, 0, 0, buf, N_A + 64, &first, &count) == 0 && first == 0,
              "the masters of rank 0's shard: %s", shard_last_error(c0));
