@@ -1660,6 +1660,16 @@ int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_
     return status;
 }
 
+/* the context is attached and registered, and unit one of its units */
+static int attached_unit(shard_ctx_t *ctx, const char *op, uint32_t unit)
+{
+    int status = check_attached(ctx, op, true);
+    if (status == SD_OK && unit >= ctx->n_units)
+        status = fail(ctx, SD_ENOUNIT, "%s: unit %u does not exist (units 0..%u)", op, unit,
+                      ctx->n_units - 1);
+    return status;
+}
+
 double shard_step_grad_scale(const shard_ctx_t *ctx)
 {
     return ctx != NULL && ctx->handoff ? ctx->grad_scale : 0.0;
@@ -1687,12 +1697,9 @@ int shard_read_own(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out, s
 {
     struct sd_cqe cqe;
     char why[512];
-    int status = check_attached(ctx, "read_own", true);
+    int status = attached_unit(ctx, "read_own", unit);
     if (status != SD_OK)
         return status;
-    if (unit >= ctx->n_units)
-        return fail(ctx, SD_ENOUNIT, "read_own: unit %u does not exist (units 0..%u)", unit,
-                    ctx->n_units - 1);
     if (out == NULL || what > 0xffu)
         return fail(ctx, SD_EINVAL, "read_own unit %u: state %u into %p", unit, what, (void *)out);
     uint32_t i;
@@ -1720,12 +1727,9 @@ int shard_write_own(shard_ctx_t *ctx, uint32_t unit, uint32_t what, const float 
 {
     struct sd_cqe cqe;
     char why[512];
-    int status = check_attached(ctx, "write_own", true);
+    int status = attached_unit(ctx, "write_own", unit);
     if (status != SD_OK)
         return status;
-    if (unit >= ctx->n_units)
-        return fail(ctx, SD_ENOUNIT, "write_own: unit %u does not exist (units 0..%u)", unit,
-                    ctx->n_units - 1);
     if (values == NULL || what > 0xffu || count > ctx->units[unit].numel)
         return fail(ctx, SD_EINVAL, "write_own unit %u: state %u, %zu values%s (the unit has %llu)",
                     unit, what, count, values == NULL ? " at NULL" : "",
@@ -1795,12 +1799,9 @@ int shard_read(shard_ctx_t *ctx, uint32_t unit, uint32_t what, float *out, size_
 {
     struct sd_cqe cqe;
     char why[512];
-    int status = check_attached(ctx, "read", true);
+    int status = attached_unit(ctx, "read", unit);
     if (status != SD_OK)
         return status;
-    if (unit >= ctx->n_units)
-        return fail(ctx, SD_ENOUNIT, "read: unit %u does not exist (units 0..%u)", unit,
-                    ctx->n_units - 1);
     if (out == NULL || count != ctx->units[unit].numel || what == SD_WRITE_STEPS)
         return fail(ctx, SD_EINVAL, "read unit %u: %zu values%s; it has %llu elements", unit, count,
                     out == NULL ? " into NULL" : "", (unsigned long long)ctx->units[unit].numel);
