@@ -20,6 +20,10 @@ on a 2-node x 2-rank emulated cluster of real daemons (tools/local-cluster.sh):
     step 5 and resumed in a new job (new model, optimizer and schedule, wrap(load=)): the same
     checks as AdamW's (Adam: at most one element in 10^4 outside that band, none beyond 3e-5:
     Adam's step divides by the gradient's own root), and shardctl jobs names the optimizer;
+  - optimizers shardd does not run, run by the ranks on their own shards at each step's
+    hand-off: torch.optim.Adadelta (mics:2) and RMSMomentum, an Optimizer subclass written here
+    (two states, an int step; topo:1/2/4), saved and resumed the same way, the same checks
+    (shardctl jobs names them trainer2); RMSMomentum through torch's own state dicts below;
   - torch's own state dicts: single-process AdamW (zero3, topo:1/2/4) and SGD with momentum
     (mics:2) runs
     save {"model": model.state_dict(), "optimizer": optimizer.state_dict()} after step 5 (as
@@ -30,6 +34,11 @@ on a 2-node x 2-rank emulated cluster of real daemons (tools/local-cluster.sh):
     steps after the load rank 0 alone (the other ranks in the next step meanwhile) takes
     optimizer.state_dict(): torch's layout, the parameters with state, the param groups as
     torch's own state_dict after the same steps, each state within 1e-4 of its largest element;
+    after the last step, once every other rank detached, rank 0 reads the optimizer state and
+    the full state dict again: the same, bitwise;
+  - zeropp saved with torch's state dicts before step 5 by rank 0 alone and resumed from them
+    in a new job: the steps after are the uninterrupted run's, bitwise (the dicts hold the fp32
+    masters, not the int8-gathered weights);
   - full_state_dict has the tied weight under both names, and loads into an unwrapped model;
   - shardctl's jobs document shows each group's current lr (the schedule's last value);
   - memory: a model of 8 units, 1 MiB of gradient each: during backward the process's heap in
@@ -478,6 +487,66 @@ def torchsd_worker(a, m, kind):
         open(a["out"][:-1] + f"{a['rank']}.gone", "w").close()
 
 
+def quantized_worker(a):
+    """zeropp through torch's own save and resume: the uninterrupted run's rank 0 saves
+    {"model": model.state_dict(), "optimizer": optimizer.state_dict()} before step RESUME_AT
+    (alone, as nanoGPT's checkpoint); the resumed run, a new job, loads both on every rank and
+    trains the steps after"""
+    m = model()
+    opt, sched = build_opt("adamw", m)
+    st.wrap(m, socket=a["socket"], job=a["job"], rank=a["rank"], world=RANKS, plan="zeropp",
+            optimizer=opt, max_grad_norm=1.0)
+    first = 0
+    if a["resume"]:
+        ck = torch.load(a["keep"])
+        m.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched, first = schedule("adamw", opt, last_epoch=RESUME_AT - 1), RESUME_AT
+    lo, hi = a["rank"] * SEQS, (a["rank"] + 1) * SEQS
+    losses = []
+    for step in range(first, STEPS):
+        if not a["resume"] and step == RESUME_AT and a["rank"] == 0:
+            torch.save({"model": m.state_dict(), "optimizer": opt.state_dict()}, a["keep"])
+        before_step("adamw", m, step)
+        losses.append(micro_steps(m, data, loss_of, step, lo, hi))
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    if a["rank"] == 0:
+        torch.save(st.full_state_dict(m), a["out"] + ".pt")
+    with open(a["out"] + ".json", "w") as f:
+        json.dump({"loss": losses}, f)
+    st.unwrap(m)
+
+
+def quantized_resume(cl, work):
+    """zeropp (int8 weights and gradients on the wire) saved with torch's state dicts mid-run and
+    resumed in a new job: the state dicts hold the fp32 masters (not the int8-gathered weights),
+    AdamW's moments and the step counts exactly, and zeropp's int8 copies are made from them
+    deterministically, so the steps after are the uninterrupted run's, bitwise"""
+    keep = f"{work}/zeropp-sd.pt"
+    runs = {}
+    for tag, resume in (("zeropp-run", False), ("zeropp-resumed", True)):
+        launch(cl, work, tag, "--zq-worker", lambda r: {"keep": keep, "resume": resume})
+        try:
+            logs = [json.load(open(f"{work}/{tag}-{r}.json")) for r in range(RANKS)]
+            runs[tag] = ([sum(lg["loss"][s] for lg in logs) / RANKS
+                          for s in range(len(logs[0]["loss"]))], torch.load(f"{work}/{tag}-0.pt"))
+        except OSError as e:
+            check(False, f"{tag}: results missing ({e})")
+            return
+    (la, pa), (lb, pb) = runs["zeropp-run"], runs["zeropp-resumed"]
+    worst = max(abs(x - y) / abs(x) for x, y in zip(la[RESUME_AT:], lb))
+    maxd = max((pa[k] - pb[k]).abs().max().item() for k in pa)
+    check(len(lb) == STEPS - RESUME_AT and la[RESUME_AT:] == lb and
+          all(torch.equal(pa[k], pb[k]) for k in pa),
+          f"zeropp resumed from torch's state dicts after step {RESUME_AT}: the steps after "
+          f"are the uninterrupted run's bitwise (losses within {worst:.2e} relative, parameters "
+          f"max |diff| {maxd:.2e})")
+    print(f"zeropp resumed from torch's state dicts: losses within {worst:.2e} relative of the "
+          f"uninterrupted run, parameters max |diff| {maxd:.2e}", flush=True)
+
+
 def torchsd(cl, work, kind, plan):
     """torch's state dicts loaded into a running job (torchsd_worker) against the reference"""
     keep = f"{work}/ref-{kind}.pt"
@@ -700,6 +769,7 @@ def main():
             torchsd(cl, work, "sgd", "mics:2")
             torchsd(cl, work, "adamw", "topo:1/2/4")
             torchsd(cl, work, "custom", "zero3")
+            quantized_resume(cl, work)
             batchnorm(cl, work)
             memory(sys.argv[1], work)
     finally:
@@ -712,5 +782,7 @@ if __name__ == "__main__":
         worker(json.loads(sys.argv[4]))
     elif len(sys.argv) > 4 and sys.argv[3] == "--bn-worker":
         bn_worker(json.loads(sys.argv[4]))
+    elif len(sys.argv) > 4 and sys.argv[3] == "--zq-worker":
+        quantized_worker(json.loads(sys.argv[4]))
     else:
         main()
