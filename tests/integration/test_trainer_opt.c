@@ -1,9 +1,11 @@
 /* A trainer optimizer (optimizer "trainer1": the trainer runs it on its own shard at each step's
  * hand-off) through libshard against a real daemon, with the update computed here and checked
  * against a second copy of it kept here (an SGD with a momentum state):
- *   - 3 steps of 2 ranks (threads) on one daemon: at each hand-off the gradient each rank reads
- *     of its own shard, times the step's factor, is the mean of the two ranks' gradients
- *     (bitwise: two terms), the masters and the state read are the reference's; the weights
+ *   - 3 steps of 2 ranks (threads) on one daemon, clipped at a norm of 0.5: at each hand-off
+ *     the norm and the factor are the formula's from the reference's gradients (within 1e-6:
+ *     the sum of squares in another order), the gradient each rank reads of its own shard,
+ *     times the factor, is the two ranks' sum times it (bitwise), the masters and the state
+ *     read are the reference's; the weights
  *     fetched after shard_step_update_done are the reference's masters, bitwise; shard_read
  *     gathers the momentum state (every rank's shard) as the reference's;
  *   - refused, naming why, and the job going on: a write of the own shard or a read of the
@@ -17,6 +19,7 @@
 #include "harness.h"
 #include "shard.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -39,6 +42,7 @@ struct job {
     shard_ctx_t *ctx[2];
     /* the reference: each unit's masters and momentum, all of it */
     float *master[2], *mom[2];
+    float max_grad_norm; /* clipping (0: none) */
 };
 
 static const size_t numel[2] = {N_A, N_B};
@@ -74,7 +78,11 @@ static void join(struct job *j, uint32_t r)
                        .tensors = t,
                        .n_tensors = 2,
                        .init = r == 0 ? init : NULL,
-                       .optimizer = {.name = j->optim, .lr = LR, .beta1 = 0.9f, .beta2 = 0.999f}};
+                       .optimizer = {.name = j->optim,
+                                     .lr = LR,
+                                     .beta1 = 0.9f,
+                                     .beta2 = 0.999f,
+                                     .max_grad_norm = j->max_grad_norm}};
     TH_CHECK(shard_attach(d.sock, &j->ctx[r]) == 0 && shard_register(j->ctx[r], &m) == 0,
              "register %s rank %u: %s", j->name, r, shard_last_error(j->ctx[r]));
     free(ia);
@@ -148,6 +156,7 @@ struct handoff {
     int status;
     bool give_back; /* false: the rank never calls shard_step_update_done */
     bool grad_ok, master_ok, mom_ok;
+    double norm, scale; /* the hand-off's */
 };
 
 /* the rank's step: the hand-off, its own shard updated as the reference updates it (the
@@ -161,6 +170,8 @@ static void *rank_step(void *p)
     if ((h->status = shard_step(c, &norm)) != 0)
         return NULL;
     double scale = shard_step_grad_scale(c);
+    h->norm = norm;
+    h->scale = scale;
     for (uint32_t u = 0; u < 2; u++) {
         shard_unit_info_t ui;
         shard_unit_info(c, u, &ui);
@@ -187,7 +198,7 @@ static void *rank_step(void *p)
                 float sum = grad_value(u, i, w, h->s, 0);
                 for (uint32_t q = 1; q < h->j->world; q++)
                     sum += grad_value(u, i, w, h->s, q);
-                want = sum * (1.0f / (float)h->j->world);
+                want = sum * (float)scale; /* (the factor is checked on its own) */
                 h->master_ok &= m[k] == w[i];
                 h->mom_ok &= v[k] == h->j->mom[u][i];
             }
@@ -211,7 +222,29 @@ static void *rank_step(void *p)
     return NULL;
 }
 
-static void reference_step(struct job *j, int s)
+/* the step's norm and the factor of the gradient sums, from the reference's weights: the
+ * formula of the header (1 / world, times max_grad_norm / (norm + 1e-6) when above it) */
+static void reference_factor(const struct job *j, int s, double *norm_p, double *scale_p)
+{
+    double sumsq = 0.0;
+    for (uint32_t u = 0; u < 2; u++)
+        for (size_t i = 0; i < numel[u]; i++) {
+            float sum = grad_value(u, i, j->master[u], s, 0);
+            for (uint32_t q = 1; q < j->world; q++)
+                sum += grad_value(u, i, j->master[u], s, q);
+            sumsq += (double)sum * (double)sum;
+        }
+    double norm = sqrt(sumsq) / (double)j->world;
+    float scale = 1.0f / (float)j->world;
+    if (j->max_grad_norm > 0.0f && norm > (double)j->max_grad_norm)
+        scale = scale * (float)((double)j->max_grad_norm / (norm + 1e-6));
+    *norm_p = norm;
+    *scale_p = scale;
+}
+
+/* scale: the hand-off's factor (the reference multiplies by the daemon's, whose sum of squares
+ * is taken in another order: reference_factor checks it within 1e-6) */
+static void reference_step(struct job *j, int s, float scale)
 {
     for (uint32_t u = 0; u < 2; u++) {
         float *w = j->master[u], *v = j->mom[u];
@@ -220,7 +253,7 @@ static void reference_step(struct job *j, int s)
             float sum = grad_value(u, i, w, s, 0);
             for (uint32_t q = 1; q < j->world; q++)
                 sum += grad_value(u, i, w, s, q);
-            g[i] = sum * (1.0f / (float)j->world);
+            g[i] = sum * scale;
         }
         for (size_t i = 0; i < numel[u]; i++) {
             v[i] = MOM * v[i] + g[i];
@@ -298,6 +331,7 @@ static void test_training(void)
 {
     struct job j;
     job_init(&j, "trainer", "trainer1");
+    j.max_grad_norm = 0.5f; /* (the gradients' norm is about 2.9: every step clipped) */
     join_all(&j);
     shard_ctx_t *c0 = j.ctx[0];
     float buf[N_A + 64];
@@ -323,7 +357,14 @@ static void test_training(void)
                      "momentum are the reference's, bitwise (%d %d %d): %d %s",
                      s, r, h[r].grad_ok, h[r].master_ok, h[r].mom_ok, h[r].status,
                      shard_last_error(j.ctx[r]));
-        reference_step(&j, s);
+        double norm, scale;
+        reference_factor(&j, s, &norm, &scale);
+        TH_CHECK(fabs(h[0].norm - norm) <= 1e-6 * norm && norm > 0.5 &&
+                     fabs(h[0].scale - scale) <= 1e-6 * scale && h[1].scale == h[0].scale,
+                 "step %d: the hand-off's norm %.9g and factor %.9g are the formula's (%.9g, "
+                 "%.9g: clipped to 0.5)",
+                 s, h[0].norm, h[0].scale, norm, scale);
+        reference_step(&j, s, (float)h[0].scale);
         for (uint32_t u = 0; u < 2; u++) {
             float *w = malloc(numel[u] * sizeof(float));
             TH_CHECK(fetch_weights(c0, u, w, true) == 0 &&
