@@ -187,6 +187,11 @@ bool sd_resume_rank_died(struct sd_job *job, struct sd_session *s, const char *r
         pause_here(job, why);
         return true;
     }
+    /* at a trainer optimizer's hand-off, owing its update: the step cannot complete, and the
+     * other ranks' shards may hold theirs already (nothing consistent to keep): the job fails
+     * now, not at the update's deadline */
+    if (sd_step_handoff(job, s->local))
+        return false;
     /* every rank had entered the step: it completes on every node, then the job pauses */
     if (!rs->pending) {
         rs->pending = true;

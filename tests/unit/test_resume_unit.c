@@ -34,7 +34,7 @@
 
 /* ---- what the fakes record, and how they answer */
 static struct {
-    bool step_running, before_apply, shards_busy;
+    bool step_running, before_apply, shards_busy, handoff;
     const char *needed;
     int fails, fail_status;
     bool told;
@@ -55,6 +55,13 @@ bool sd_step_running(const struct sd_job *job)
 {
     (void)job;
     return F.step_running;
+}
+
+bool sd_step_handoff(const struct sd_job *job, uint32_t local)
+{
+    (void)job;
+    (void)local;
+    return F.handoff;
 }
 
 bool sd_step_before_apply(const struct sd_job *job)
@@ -196,6 +203,20 @@ static void test_pause(void)
                  F.told && strstr(F.fail_msg, "paused after step 8") != NULL &&
                  sd_resume_paused(job),
              "the step over: paused after it (%s)", F.fail_msg);
+    teardown(&fx);
+
+    /* at a trainer optimizer's hand-off, the rank owing its update: no pause to wait for (the
+     * caller fails the job at once) */
+    setup(&fx, 2000);
+    job = &fx.old.job;
+    job->state = SD_JOB_READY;
+    F.step_running = F.handoff = true;
+    TH_CHECK(!sd_resume_rank_died(job, &dead, "was killed") && F.fails == 0 &&
+                 !sd_resume_pausing(job),
+             "a rank that dies owing its trainer update: not kept, the job fails");
+    F.handoff = false; /* one that gave its update back: the step completes, then the pause */
+    TH_CHECK(sd_resume_rank_died(job, &dead, "was killed") && sd_resume_pausing(job),
+             "a rank that dies after giving its update back: paused after the step");
     teardown(&fx);
 }
 
