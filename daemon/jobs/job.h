@@ -350,6 +350,25 @@ static inline float *sd_job_os_state(struct sd_job *job, uint32_t local, uint32_
            ul->arena_off[SD_STATE_OS];
 }
 
+/* the part of local rank local's fp32 gradient shard of unit u that its optimizer-state shard
+ * covers (the nesting of model.h: os in g in w) */
+static inline float *sd_job_os_grad(struct sd_job *job, uint32_t local, uint32_t u)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    return (float *)sd_job_state(job, local, SD_STATE_G) + ul->arena_off[SD_STATE_G] +
+           sd_plan_nested_off(&job->plan, SD_STATE_OS, SD_STATE_G, job->first_rank + local,
+                              ul->numel);
+}
+
+/* the same part of its weight shard of unit u, in the unit's dtype */
+static inline uint8_t *sd_job_os_weights(struct sd_job *job, uint32_t local, uint32_t u)
+{
+    const struct sd_unit_layout *ul = &job->layout.units[u];
+    return sd_job_w_shard(job, local, u) + sd_plan_nested_off(&job->plan, SD_STATE_OS, SD_STATE_W,
+                                                              job->first_rank + local, ul->numel) *
+                                               sd_dtype_size(ul->dtype);
+}
+
 /* local rank local's fp32 gradient shard of unit ul */
 static inline float *sd_job_g_shard(struct sd_job *job, uint32_t local,
                                     const struct sd_unit_layout *ul)

@@ -125,31 +125,23 @@ double sd_optimizer_apply(struct sd_job *job, const struct sd_hparams *hp, doubl
     /* every rank's optimizer shard: master weights, moments, its part of its g shard, cast into
      * its part of its w shard (the nesting of model.h: os in g in w) */
     const struct sd_plan *pl = &job->plan;
-    uint64_t os_stride = sd_arena_os_stride(l->arena_numel[SD_STATE_OS]);
     for (uint32_t r = 0; r < job->k; r++) {
-        uint32_t rank = job->first_rank + r;
-        float *os = sd_job_state(job, r, SD_STATE_OS);
-        float *g = sd_job_state(job, r, SD_STATE_G);
-        uint8_t *w = sd_job_state(job, r, SD_STATE_W);
         for (uint32_t u = 0; u < l->n_units; u++) {
             const struct sd_unit_layout *ul = &l->units[u];
-            uint64_t off = ul->arena_off[SD_STATE_OS], b, e;
-            sd_layout_shard(ul, pl, SD_STATE_OS, rank, &b, &e);
-            struct os_view o = {
-                .master = os + off,
-                .m = os + os_stride + off,
-                .v = os + 2 * os_stride + off,
-                .g = g + ul->arena_off[SD_STATE_G] +
-                     sd_plan_nested_off(pl, SD_STATE_OS, SD_STATE_G, rank, ul->numel),
-                .w = w + job->mem.w_off[u] +
-                     sd_plan_nested_off(pl, SD_STATE_OS, SD_STATE_W, rank, ul->numel) *
-                         sd_dtype_size(ul->dtype),
-                .w_elem = sd_dtype_size(ul->dtype)};
+            uint64_t b, e;
+            sd_layout_shard(ul, pl, SD_STATE_OS, job->first_rank + r, &b, &e);
+            struct os_view o = {.master = sd_job_os_state(job, r, 0, ul),
+                                .m = sd_job_os_state(job, r, 1, ul),
+                                .v = sd_job_os_state(job, r, 2, ul),
+                                .g = sd_job_os_grad(job, r, u),
+                                .w = sd_job_os_weights(job, r, u),
+                                .w_elem = sd_dtype_size(ul->dtype)};
             update_unit(job, &o, u, b, e, used, scale);
         }
         /* the optimizer zeroed its part of the g shard; the rest held replicas' sums */
         if (pl->f[SD_STATE_OS] > pl->f[SD_STATE_G])
-            dev->zero(job->mem.queue, g, l->arena_numel[SD_STATE_G] * sizeof(float));
+            dev->zero(job->mem.queue, sd_job_state(job, r, SD_STATE_G),
+                      l->arena_numel[SD_STATE_G] * sizeof(float));
     }
     count_step(job, used, norm);
     return norm;
@@ -174,19 +166,11 @@ void sd_optimizer_take_update(struct sd_job *job)
 {
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_layout *l = &job->layout;
-    const struct sd_plan *pl = &job->plan;
     for (uint32_t r = 0; r < job->k; r++) {
-        uint32_t rank = job->first_rank + r;
-        float *os = sd_job_state(job, r, SD_STATE_OS);
-        uint8_t *w = sd_job_state(job, r, SD_STATE_W);
         for (uint32_t u = 0; u < l->n_units; u++) {
             const struct sd_unit_layout *ul = &l->units[u];
-            uint64_t len = ul->numel / pl->f[SD_STATE_OS];
-            dev->from_f32(job->mem.queue,
-                          w + job->mem.w_off[u] +
-                              sd_plan_nested_off(pl, SD_STATE_OS, SD_STATE_W, rank, ul->numel) *
-                                  sd_dtype_size(ul->dtype),
-                          ul->dtype, os + ul->arena_off[SD_STATE_OS], len);
+            dev->from_f32(job->mem.queue, sd_job_os_weights(job, r, u), ul->dtype,
+                          sd_job_os_state(job, r, 0, ul), ul->numel / job->plan.f[SD_STATE_OS]);
         }
         dev->zero(job->mem.queue, sd_job_state(job, r, SD_STATE_G),
                   l->arena_numel[SD_STATE_G] * sizeof(float));

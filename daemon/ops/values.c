@@ -136,10 +136,8 @@ static float *own_shard(struct sd_job *job, uint32_t local, uint32_t u, uint32_t
     uint64_t e;
     sd_layout_shard(ul, &job->plan, SD_STATE_OS, rank, first_p, &e);
     *len_p = e - *first_p;
-    if (what != SD_STATE_GRAD)
-        return sd_job_os_state(job, local, what, ul);
-    return (float *)sd_job_state(job, local, SD_STATE_G) + ul->arena_off[SD_STATE_G] +
-           sd_plan_nested_off(&job->plan, SD_STATE_OS, SD_STATE_G, rank, ul->numel);
+    return what == SD_STATE_GRAD ? sd_job_os_grad(job, local, u)
+                                 : sd_job_os_state(job, local, what, ul);
 }
 
 /* why an own-shard read or write of unit u, state what, slot cannot be, or NULL */

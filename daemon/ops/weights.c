@@ -195,9 +195,7 @@ void sd_weights_encode(struct sd_job *job, uint32_t u)
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint64_t n = ul->numel / job->plan.f[SD_STATE_OS];
     for (uint32_t r = 0; r < job->k; r++) {
-        uint64_t off =
-            sd_plan_nested_off(&job->plan, SD_STATE_OS, SD_STATE_W, job->first_rank + r, ul->numel);
-        uint8_t *part = sd_job_w_shard(job, r, u) + off * sd_dtype_size(ul->dtype);
+        uint8_t *part = sd_job_os_weights(job, r, u);
         dev->quantize(job->mem.queue, sd_qw_wx(job, r), SD_CODEC_INT8, part, ul->dtype, n,
                       job->plan.qblock);
         dev->dequantize(job->mem.queue, part, ul->dtype, sd_qw_wx(job, r), SD_CODEC_INT8, n,
