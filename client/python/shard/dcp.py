@@ -383,9 +383,7 @@ def to_shardd(dcp_dir, out, model, optimizer=None, units=None, job="dcp"):
     kind = reg.opt.name
     layout = _layout(kind)
     trainer = reg.opt.trainer or (None, None)
-    want, ck_names, step_type = _spec(
-        kind, trainer[0],
-        trainer[1] if trainer[1] in (None, "int") else "tensor")
+    want, ck_names, step_type = _spec(kind, trainer[0], _st._step_name(trainer[1]))
     d = _Dcp(dcp_dir)
     try:
         mkeys, skeys, gkeys = _parts(d)

@@ -686,6 +686,11 @@ def _probe_trainer(opt):
     return names, step
 
 
+def _step_name(step):
+    """how a probed step type is named in torch.json (and shard.dcp): "tensor", "int" or None"""
+    return step if step in (None, "int") else "tensor"
+
+
 def _trainer_opt(opt, named):
     """_Opt of a torch optimizer the daemon does not run: the trainer kind with its states"""
     def stepped(s):
@@ -1657,8 +1662,7 @@ def _write_torch_json(path, st):
            "aliases": st.aliases}
     if st.trainer is not None:  # torch's names of a trainer optimizer's states (shard.dcp)
         doc["trainer_states"] = list(st.trainer.names)
-        doc["trainer_step"] = (st.trainer.step_type if st.trainer.step_type in (None, "int")
-                               else "tensor")
+        doc["trainer_step"] = _step_name(st.trainer.step_type)
     tmp = os.path.join(path, f".{TORCH_JSON}.{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
