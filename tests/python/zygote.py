@@ -1,6 +1,7 @@
 """The Python tests' process starter: it imports torch once and forks each rank process a test
 starts from itself, instead of a new interpreter importing torch again (about 2.7 s of CPU a
-process on the suite's 2-core machine, where a test of 4 ranks starts them by the dozen).
+process on the suite's 2-core machine, where a test of 4 ranks starts them by the dozen), and
+torch._dynamo, which the first optimizer a process builds imports (3.3 s more).
 
 harness.spawn talks to it over a SOCK_SEQPACKET socket (the fd number in argv[1]): a request is
 JSON {"argv", "env", "cwd"} with the fd its output goes to (SCM_RIGHTS); the answer is
@@ -23,6 +24,12 @@ import torch  # noqa: F401  (the import every child would make; nothing runs in 
 import torch.distributed  # noqa: F401
 import torch.nn.functional  # noqa: F401
 import torch.utils.checkpoint  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401
+
+# torch.optim.Optimizer's constructor imports torch._dynamo (through torch._compile) the first
+# time one is built: about 3.3 s of CPU, more than importing torch itself, in every rank process
+# of every test that builds an optimizer. Build one here, so the children inherit what it loaded.
+torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
 
 BASE_PATH = list(sys.path[1:])  # this interpreter's path without its script's directory
 BASE_PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
