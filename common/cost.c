@@ -89,9 +89,11 @@ static void intra_node_copies(const struct sd_cost_in *in, const struct sd_plan 
     /* step */
     uint32_t R = G > k ? N / (G / k) : N;
     if (N > 1 && plan->two_hop && R > 1) {
+        /* back: the whole shard, or only the rank's os part where the hop reduce-scatters */
+        double back = sd_plan_hop_scatters(plan, N, k) ? S_g / OS : S_g / G;
         for (uint32_t j = 0; j < k; j++) {
             copy(o, P, 2, j, 0, S_g / G);
-            copy(o, P, 2, 0, j, S_g / G);
+            copy(o, P, 2, 0, j, back);
         }
     } else if (N == 1) {
         for (uint32_t i = 0; i < G; i++)
@@ -123,8 +125,10 @@ void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
     double ar = R > 1 ? 2.0 * (R - 1) / R * B : 0.0;
     double push_ar = plan->two_hop ? 0.0 : ar;
     /* the boundary hop's all-reduce moves int4 blocks with ,qg, the weights' exchange after the
-     * optimizer int8 blocks with ,qw */
+     * optimizer int8 blocks with ,qw; the hop is a reduce-scatter (half) where f_os = world */
     double hop_raw = plan->two_hop ? ar : 0.0, weights_raw = 0.0, weights_parts = 0.0;
+    if (sd_plan_hop_scatters(plan, N, k))
+        hop_raw = ar / 2.0;
     if (OS > k && W < OS)
         weights_parts = k * (W <= k ? Gos - 1 : Gos / Gw - 1);
     weights_raw = weights_parts * (S_w / OS);

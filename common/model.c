@@ -59,7 +59,7 @@ uint32_t sd_group_nodes(const struct sd_topo *t, const struct sd_group *g)
     return n;
 }
 
-#define SD_PLAN_OPTIONS "no-hier, no-2hop, sec=S, qw, qg, qsec, ef, qblock=B"
+#define SD_PLAN_OPTIONS "no-hier, no-2hop, hop-ar, sec=S, qw, qg, qsec, ef, qblock=B"
 
 /* one factor of topo:W/G/OS: a positive number, k (ranks per node) or n (world) */
 static bool parse_factor(const char *tok, uint32_t k, uint32_t world, uint32_t *f_p)
@@ -169,6 +169,8 @@ int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *
                 plan.hierarchical = false;
             } else if (strcmp(tok, "no-2hop") == 0) {
                 plan.two_hop = false;
+            } else if (strcmp(tok, "hop-ar") == 0) {
+                plan.hop_ar = true;
             } else if (strcmp(tok, "qw") == 0) {
                 plan.qw = true;
             } else if (strcmp(tok, "qg") == 0) {
@@ -274,6 +276,17 @@ uint32_t sd_plan_shard_pos(const struct sd_plan *plan, int state, uint32_t shard
     uint32_t g = state == SD_STATE_OS ? shard / (OS / G) : shard;
     uint32_t d2 = state == SD_STATE_OS ? shard % (OS / G) : 0;
     return g / (G / W) + W * (g % (G / W)) + G * d2;
+}
+
+bool sd_plan_hop_owned(const struct sd_plan *plan, uint32_t nodes, uint32_t k)
+{
+    uint32_t G = plan->f[SD_STATE_G], Gn = G > k ? G / k : 1;
+    return plan->two_hop && !plan->qg && nodes / Gn > 1 && plan->f[SD_STATE_OS] == nodes * k;
+}
+
+bool sd_plan_hop_scatters(const struct sd_plan *plan, uint32_t nodes, uint32_t k)
+{
+    return sd_plan_hop_owned(plan, nodes, k) && !plan->hop_ar;
 }
 
 uint64_t sd_plan_nested_off(const struct sd_plan *plan, int inner, int outer, uint32_t rank,

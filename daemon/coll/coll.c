@@ -283,7 +283,23 @@ static void ar_note(struct sd_allreduce *ar, struct sd_bulk *b, int status)
     }
 }
 
-/* direct: everyone sends its buffer to everyone; sum in member order */
+/* direct: everyone sends its buffer to everyone (a scatter one: to each member the segment it
+ * sums); sum in member order */
+static void direct_segment(const struct sd_allreduce *ar, uint32_t pos, size_t *b_p, size_t *len_p)
+{
+    size_t e = ar->p.count;
+    *b_p = 0;
+    if (ar->p.scatter)
+        sd_scatter_segment(ar->p.count, ar->p.group.n_members, pos, b_p, &e);
+    *len_p = e - *b_p;
+}
+
+/* the part of buf this member sums */
+static void direct_own(const struct sd_allreduce *ar, size_t *b_p, size_t *len_p)
+{
+    direct_segment(ar, ar->pos, b_p, len_p);
+}
+
 static void direct_done(struct sd_bulk *b, int status)
 {
     struct sd_allreduce *ar = b->arg;
@@ -295,16 +311,18 @@ static void direct_done(struct sd_bulk *b, int status)
     if (ar->status == SD_OK) {
         /* the sum in member order, ((m0 + m1) + m2) + ..., into member 0's buffer: this node's
          * own, or the first received one; then into acc or back into buf */
-        float *src[SD_ARRAY_SIZE(ar->direct_rb) + 1] = {NULL};
+        size_t own_b, len;
+        direct_own(ar, &own_b, &len);
+        float *own = ar->p.buf + own_b, *src[SD_ARRAY_SIZE(ar->direct_rb) + 1] = {NULL};
         for (uint32_t m = 0, o = 0; m < ar->p.group.n_members; m++)
-            src[m] = m == ar->pos ? ar->p.buf : ar->p.tmp + (size_t)(o++) * ar->p.count;
+            src[m] = m == ar->pos ? own : ar->p.tmp + (size_t)(o++) * len;
         const struct sd_gpu_ops *dev = ar->p.dev;
         for (uint32_t m = 1; m < ar->p.group.n_members; m++)
-            dev->reduce_add(ar->p.queue, src[0], src[m], SD_DTYPE_FP32, ar->p.count);
+            dev->reduce_add(ar->p.queue, src[0], src[m], SD_DTYPE_FP32, len);
         if (ar->p.acc != NULL)
-            dev->reduce_add(ar->p.queue, ar->p.acc, src[0], SD_DTYPE_FP32, ar->p.count);
-        else if (src[0] != ar->p.buf)
-            dev->copy(ar->p.queue, ar->p.buf, src[0], ar->p.count * sizeof(float));
+            dev->reduce_add(ar->p.queue, ar->p.acc, src[0], SD_DTYPE_FP32, len);
+        else if (src[0] != own)
+            dev->copy(ar->p.queue, own, src[0], len * sizeof(float));
         int st = ar_after_queue(ar, AR_W_SUMS); /* the caller reads the sum */
         if (st == SD_EAGAIN)
             return;
@@ -315,7 +333,8 @@ static void direct_done(struct sd_bulk *b, int status)
 
 static int direct_start(struct sd_allreduce *ar)
 {
-    size_t bytes = ar->p.count * sizeof(float);
+    size_t own_b, own_len;
+    direct_own(ar, &own_b, &own_len);
     uint32_t others = ar->p.group.n_members - 1;
     if (ar->p.group.pool->n - ar->p.group.pool->in_use < 2 * others)
         return SD_EBUSY;
@@ -324,16 +343,18 @@ static int direct_start(struct sd_allreduce *ar)
         if (m == ar->pos)
             continue;
         uint32_t peer = ar->p.group.members[m];
+        size_t their_b, their_len;
+        direct_segment(ar, m, &their_b, &their_len);
         struct sd_exchange_param x = {.pool = ar->p.group.pool,
                                       .tp = ar->p.group.tp,
                                       .peer = peer,
                                       .recv = {.tag = ar->p.tag_base,
-                                               .buf = ar->p.tmp + (size_t)o * ar->p.count,
-                                               .bytes = bytes,
+                                               .buf = ar->p.tmp + (size_t)o * own_len,
+                                               .bytes = own_len * sizeof(float),
                                                .desc = ar->p.tmp_desc},
                                       .send = {.tag = ar->p.tag_base,
-                                               .buf = ar->p.buf,
-                                               .bytes = bytes,
+                                               .buf = ar->p.buf + their_b,
+                                               .bytes = their_len * sizeof(float),
                                                .desc = ar->p.buf_desc},
                                       .chunk_bytes = ar->p.chunk_bytes,
                                       .cb = direct_done,
@@ -348,7 +369,8 @@ static int direct_start(struct sd_allreduce *ar)
     return ar->pending == 0 ? (ar->status ? ar->status : SD_EIO) : SD_OK;
 }
 
-/* ring: n-1 reduce-scatter steps, then n-1 all-gather steps, pipelined by chunk: what a node
+/* ring: n-1 reduce-scatter steps, then n-1 all-gather steps (none for a scatter one), pipelined
+ * by chunk: what a node
  * sends at step t+1 is the segment it received (and, reducing, added into) at step t, so chunk
  * c of step t+1 leaves as soon as chunk c of step t arrived, and the steps overlap instead of
  * each waiting for the slowest transfer of the one before. Receives of the reduce-scatter land
@@ -464,9 +486,10 @@ static void ring_forward(struct sd_allreduce *ar, uint32_t t, uint32_t c)
     ring_post_recvs(ar);
 }
 
+/* every transfer done and (a scatter one's last) sums passed by the queue, or failed */
 static bool ring_over(const struct sd_allreduce *ar)
 {
-    return ar->pending == 0 && (ar->left == 0 || ar->status != SD_OK);
+    return ar->pending == 0 && ((ar->left == 0 && ar->w_n == 0) || ar->status != SD_OK);
 }
 
 static void ring_xfer_cb(struct sd_xfer *x, int status)
@@ -512,7 +535,7 @@ static void ring_xfer_cb(struct sd_xfer *x, int status)
 static int ring_start(struct sd_allreduce *ar)
 {
     uint32_t n = ar->p.group.n_members;
-    ar->steps = 2 * (n - 1);
+    ar->steps = (ar->p.scatter ? 1 : 2) * (n - 1);
     size_t seg_max = (ar->p.count + n - 1) / n;
     /* every (step, chunk) needs its own transfer slot in the two bulks */
     uint32_t nch_cap = SD_MAX(1u, SD_TAG_MAX_CHUNKS / ar->steps);
@@ -850,8 +873,9 @@ int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param 
     if (p->qbits != 0
             ? (p->qbits != SD_CODEC_INT4 && p->qbits != SD_CODEC_INT8) ||
                   p->qblock < SD_CODEC_MIN_BLOCK || p->qblock > SD_CODEC_MAX_BLOCK ||
-                  p->qbuf == NULL || p->acc != NULL
-            : p->tmp_count < sd_allreduce_tmp_floats(p->count, g->n_members, p->small_bytes))
+                  p->qbuf == NULL || p->acc != NULL || p->scatter
+            : (p->scatter && p->acc != NULL) ||
+                  p->tmp_count < sd_allreduce_tmp_floats(p->count, g->n_members, p->small_bytes))
         return SD_EINVAL;
     for (uint32_t i = 0; i < g->n_members; i++)
         if (g->members[i] >= SD_MAX_NODES)

@@ -156,7 +156,12 @@ struct sd_allreduce_param {
     size_t count;
     float *tmp; /* ring: ceil(count / n) floats; direct: (n - 1) * count floats */
     size_t tmp_count;
-    float *acc;                           /* NULL: the sum stays in buf */
+    float *acc; /* NULL: the sum stays in buf */
+    /* Only the reduce-scatter: member pos ends with the whole sum of one segment,
+     * sd_scatter_segment's, and the rest of its buf holds partial sums; half the bytes of the
+     * all-reduce, and each element of that segment summed in the all-reduce's order (the same
+     * bits). Exact only (no qbits, no acc). */
+    bool scatter;
     void *buf_desc, *tmp_desc, *acc_desc; /* registrations (providers with FI_MR_LOCAL) or NULL */
     uint64_t
         tag_base; /* an SD_TAG_AR tag: the ring step goes into its seq (sd_tag_set_ring_step) */
@@ -201,8 +206,9 @@ struct sd_allreduce {
 /* tmp must hold sd_allreduce_tmp_floats(count, n, small_bytes) floats. */
 size_t sd_allreduce_tmp_floats(size_t count, uint32_t n, size_t small_bytes);
 /* SD_EINVAL for a group without self or of fewer than two, a short tmp, another dtype than
- * fp32, or a quantized one with acc or without qbuf; SD_EBUSY when the pool has no bulks for
- * it now (or through cb, when the start itself waited for the queue). */
+ * fp32, a quantized one with acc or without qbuf, or a scatter one quantized or with acc; SD_EBUSY
+ * when the pool has no bulks for it now (or through cb, when the start itself waited for the
+ * queue). */
 int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param *p);
 /* The engine never waits for the device: what reads the kernels' results (a send of buf, a
  * receive into the tmp chunk a sum still reads, the caller's cb) goes on once the queue passed
@@ -222,6 +228,15 @@ static inline void sd_ring_segment(size_t count, uint32_t n, uint32_t s, size_t 
 {
     *begin_p = count * s / n;
     *end_p = count * (s + 1) / n;
+}
+
+/* The segment a reduce-scatter leaves summed at member pos of n: the one the ring's last
+ * reduce-scatter step completes there, (pos + 1) mod n, whose order of additions starts at member
+ * pos + 1 and goes around the ring; the direct exchange uses the same segment. */
+static inline void sd_scatter_segment(size_t count, uint32_t n, uint32_t pos, size_t *begin_p,
+                                      size_t *end_p)
+{
+    sd_ring_segment(count, n, (pos + 1) % n, begin_p, end_p);
 }
 
 #endif

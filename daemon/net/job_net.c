@@ -64,6 +64,7 @@ int sd_job_net_allreduce(struct sd_job *job, const struct sd_job_allreduce *a)
                                    .tmp = a->tmp,
                                    .tmp_count = a->tmp_count,
                                    .acc = a->acc,
+                                   .scatter = a->scatter,
                                    .buf_desc = sd_job_net_desc(job, a->buf),
                                    .tmp_desc = sd_job_net_desc(job, a->tmp),
                                    .acc_desc = sd_job_net_desc(job, a->acc),

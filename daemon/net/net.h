@@ -66,7 +66,8 @@ struct sd_job_allreduce {
     size_t count;
     float *tmp; /* tmp_count floats (the push rounds' temporary: push.h) */
     size_t tmp_count;
-    float *acc; /* as sd_allreduce_param's, or NULL */
+    float *acc;   /* as sd_allreduce_param's, or NULL */
+    bool scatter; /* only the reduce-scatter (sd_allreduce_param's) */
     /* quantized as int4 blocks (the boundary hop under ,qg): the blocks' buffer and the unit's
      * error feedback (quant.h); qbuf NULL: fp32 */
     uint8_t *qbuf;

@@ -16,6 +16,9 @@
 #include "quant.h"
 #include "step.h"
 #include "step_int.h"
+#include "sd/log.h"
+
+#include <stdlib.h>
 
 /* the unit at position pos of the hop order */
 static uint32_t hop_unit(const struct sd_job *job, uint32_t pos)
@@ -35,6 +38,118 @@ static float *hop_buf(struct sd_job *job)
     return b != NULL ? b : job->mem.scratch;
 }
 
+/* The block's slots: this node's g shards as the hop's block holds them (k shards of the g
+ * group that spans nodes, or the f_g distinct shards of a group inside the node), each at
+ * slot * len; local rank j's slot, and whether it is the first local holder of it (the others'
+ * replicas are added to the first's). */
+static uint32_t hop_slots(const struct sd_job *job)
+{
+    return job->gnodes[SD_STATE_G] > 1 ? job->k : job->plan.f[SD_STATE_G];
+}
+
+static uint32_t hop_slot(const struct sd_job *job, uint32_t j, bool *first_p)
+{
+    uint32_t f = job->plan.f[SD_STATE_G];
+    if (first_p != NULL)
+        *first_p = job->gnodes[SD_STATE_G] > 1 || j < f;
+    return (uint32_t)(sd_job_g_block_off(job, j, 1));
+}
+
+bool sd_hop_owned(const struct sd_job *job)
+{
+    return job->step != NULL && job->step->hop_perm != NULL;
+}
+
+int sd_hop_alloc(struct sd_job *job)
+{
+    struct sd_step_state *st = job->step;
+    st->hop_scatter = false;
+    if (job->nodes < 2 || !sd_plan_hop_owned(&job->plan, job->nodes, job->k))
+        return SD_OK;
+    uint32_t members[SD_MAX_NODES];
+    uint32_t R = sd_job_replication_nodes(job, members);
+    uint32_t S = hop_slots(job), P = job->plan.f[SD_STATE_OS] / job->plan.f[SD_STATE_G];
+    uint32_t *owner = calloc((size_t)S * P, sizeof(*owner));
+    uint32_t *count = calloc(R, sizeof(*count));
+    st->hop_perm = calloc((size_t)S * P, sizeof(*st->hop_perm));
+    if (owner == NULL || count == NULL || st->hop_perm == NULL) {
+        free(owner);
+        free(count);
+        free(st->hop_perm);
+        st->hop_perm = NULL;
+        return SD_ENOMEM;
+    }
+    /* piece q of slot s is os shard g P + q (g the slot's g shard), held by one rank (f_os =
+     * world) on one of the R nodes: the owner, by its place in the replication group */
+    bool ok = true;
+    for (uint32_t s = 0; s < S; s++) {
+        uint32_t g = job->gnodes[SD_STATE_G] > 1
+                         ? sd_plan_shard(&job->plan, SD_STATE_G, job->first_rank + s)
+                         : s;
+        for (uint32_t q = 0; q < P; q++) {
+            uint32_t rank = sd_plan_shard_pos(&job->plan, SD_STATE_OS, g * P + q);
+            uint32_t pos = 0;
+            while (pos < R && members[pos] != rank / job->k)
+                pos++;
+            ok = ok && pos < R;
+            owner[(size_t)s * P + q] = pos < R ? pos : 0;
+            count[pos < R ? pos : 0]++;
+        }
+    }
+    uint32_t seg = S * P / R;
+    for (uint32_t p = 0; p < R; p++)
+        ok = ok && count[p] == seg;
+    /* each owner's pieces in block order, at the segment the reduce-scatter leaves there */
+    for (uint32_t p = 0; p < R; p++)
+        count[p] = 0;
+    for (size_t b = 0; ok && b < (size_t)S * P; b++) {
+        uint32_t p = owner[b];
+        st->hop_perm[b] = ((p + 1) % R) * seg + count[p]++;
+    }
+    free(owner);
+    free(count);
+    if (!ok) { /* not a layout sd_plan_hop_owned promised: the all-reduce of the block as it is */
+        SD_WARN("step",
+                "job %s: the boundary hop's owners do not split its block evenly: it "
+                "all-reduces",
+                job->name);
+        free(st->hop_perm);
+        st->hop_perm = NULL;
+        return SD_OK;
+    }
+    st->hop_pieces = P;
+    st->hop_scatter = sd_plan_hop_scatters(&job->plan, job->nodes, job->k);
+    return SD_OK;
+}
+
+void sd_hop_free(struct sd_job *job)
+{
+    if (job->step == NULL)
+        return;
+    free(job->step->hop_perm);
+    job->step->hop_perm = NULL;
+}
+
+/* Copy (or add) n pieces of pl floats between a g shard's slot and the packed block: piece q of
+ * the slot at hop_perm's place, in runs of consecutive places. */
+static void hop_move(struct sd_job *job, uint32_t slot, float *g, float *buf, uint64_t pl, int how)
+{
+    const struct sd_gpu_ops *dev = job->reg->dev;
+    uint32_t P = job->step->hop_pieces;
+    const uint32_t *perm = job->step->hop_perm + (size_t)slot * P;
+    for (uint32_t q = 0, n; q < P; q += n) {
+        for (n = 1; q + n < P && perm[q + n] == perm[q] + n; n++)
+            ;
+        float *shard = g + (uint64_t)q * pl, *packed = buf + (uint64_t)perm[q] * pl;
+        if (how == 0) /* the first holder's pieces in */
+            dev->copy(job->mem.queue, packed, shard, n * pl * sizeof(float));
+        else if (how == 1) /* a replica's added */
+            dev->reduce_add(job->mem.queue, packed, shard, SD_DTYPE_FP32, n * pl);
+        else /* the sums back */
+            dev->copy(job->mem.queue, shard, packed, n * pl * sizeof(float));
+    }
+}
+
 /* this node's copy of unit u's gradient block, into buf (summing local replicas) */
 static uint64_t hop_pack(struct sd_job *job, uint32_t u, float *buf)
 {
@@ -44,6 +159,15 @@ static uint64_t hop_pack(struct sd_job *job, uint32_t u, float *buf)
     uint64_t len = ul->numel / f;
     for (uint32_t j = 0; j < job->k; j++) /* each rank's g shard into the node's buffer */
         sd_job_count_copy(job, SD_OP_STEP, j, 0, len * sizeof(float));
+    if (sd_hop_owned(job)) { /* each owner's pieces together */
+        uint64_t pl = ul->numel / job->plan.f[SD_STATE_OS];
+        for (uint32_t j = 0; j < job->k; j++) {
+            bool first;
+            uint32_t slot = hop_slot(job, j, &first);
+            hop_move(job, slot, sd_job_g_shard(job, j, ul), buf, pl, first ? 0 : 1);
+        }
+        return (uint64_t)hop_slots(job) * len;
+    }
     if (job->gnodes[SD_STATE_G] > 1) {
         for (uint32_t j = 0; j < job->k; j++)
             dev->copy(job->mem.queue, buf + (uint64_t)j * len, sd_job_g_shard(job, j, ul),
@@ -63,13 +187,31 @@ static uint64_t hop_pack(struct sd_job *job, uint32_t u, float *buf)
     return ul->numel;
 }
 
-static void hop_unpack(struct sd_job *job, uint32_t u, const float *buf)
+/* the sums back into each local g shard: the whole shard, or where the hop reduce-scattered,
+ * the rank's os part (the one piece of the segment this node summed that it needs) */
+static void hop_unpack(struct sd_job *job, uint32_t u, float *buf)
 {
     const struct sd_unit_layout *ul = &job->layout.units[u];
     uint64_t len = ul->numel / job->plan.f[SD_STATE_G];
+    const struct sd_step_state *st = job->step;
+    uint64_t pl = ul->numel / job->plan.f[SD_STATE_OS];
     for (uint32_t j = 0; j < job->k; j++) {
-        job->reg->dev->copy(job->mem.queue, sd_job_g_shard(job, j, ul),
-                            buf + sd_job_g_block_off(job, j, len), len * sizeof(float));
+        uint32_t slot = hop_slot(job, j, NULL);
+        if (st->hop_scatter) {
+            uint32_t q =
+                sd_plan_shard(&job->plan, SD_STATE_OS, job->first_rank + j) % st->hop_pieces;
+            job->reg->dev->copy(job->mem.queue, sd_job_os_grad(job, j, u),
+                                buf +
+                                    (uint64_t)st->hop_perm[(size_t)slot * st->hop_pieces + q] * pl,
+                                pl * sizeof(float));
+            sd_job_count_copy(job, SD_OP_STEP, 0, j, pl * sizeof(float));
+            continue;
+        }
+        if (sd_hop_owned(job))
+            hop_move(job, slot, sd_job_g_shard(job, j, ul), buf, pl, 2);
+        else
+            job->reg->dev->copy(job->mem.queue, sd_job_g_shard(job, j, ul),
+                                buf + sd_job_g_block_off(job, j, len), len * sizeof(float));
         sd_job_count_copy(job, SD_OP_STEP, 0, j, len * sizeof(float));
     }
 }
@@ -121,6 +263,7 @@ static void hop_start(struct sd_job *job, uint32_t R)
                                         .step_sync = true,
                                         .buf = buf,
                                         .count = count,
+                                        .scatter = st->hop_scatter,
                                         .tmp = sd_push_ar_tmp(job),
                                         .tmp_count = sd_push_ar_tmp_count(job),
                                         .qbuf = q ? sd_qg_hop_buf(job) : NULL,

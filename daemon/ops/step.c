@@ -371,19 +371,25 @@ static void norm_done(struct sd_bulk *b, int status)
 }
 
 /* this node's sums of squares of its distinct g shards, one part per shard and unit: taken on
- * the device where enqueue (norm_start reads them once it wrote them); the number of parts */
+ * the device where enqueue (norm_start reads them once it wrote them); the number of parts.
+ * Where the hop's block is owned (f_os = world), of each local rank's os part instead: every
+ * element's once, the parts the hop surely summed. */
 static size_t norm_sums(struct sd_job *job, bool enqueue)
 {
     /* each distinct shard counts once: the replica in partition group 0 */
     uint32_t f = job->plan.f[SD_STATE_G];
+    bool owned = sd_hop_owned(job);
     double *parts = job->step->sumsq_parts;
     size_t n_parts = 0;
     for (uint32_t j = 0; j < job->k; j++) {
-        if (job->first_rank + j >= f)
+        if (!owned && job->first_rank + j >= f)
             continue;
         for (uint32_t u = 0; u < job->layout.n_units; u++) {
             const struct sd_unit_layout *ul = &job->layout.units[u];
-            if (enqueue)
+            if (enqueue && owned)
+                job->reg->dev->sum_sq(job->mem.queue, sd_job_os_grad(job, j, u),
+                                      ul->numel / job->plan.f[SD_STATE_OS], &parts[n_parts]);
+            else if (enqueue)
                 job->reg->dev->sum_sq(job->mem.queue, sd_job_g_shard(job, j, ul), ul->numel / f,
                                       &parts[n_parts]);
             n_parts++;

@@ -54,6 +54,12 @@ struct sd_step_state {
     uint32_t hop_done;
     bool *hop_final;
     uint64_t early_hops;
+    /* where the hop's block is owned (sd_plan_hop_owned): [slots * pieces] each piece's place
+     * in the packed block, in pieces of numel / f_os (hop.c); NULL otherwise. hop_scatter: it
+     * reduce-scatters (sd_plan_hop_scatters) */
+    uint32_t *hop_perm;
+    uint32_t hop_pieces; /* pieces of a g shard: f_os / f_g */
+    bool hop_scatter;
 };
 
 /* node m's part of the norm exchange, and the tensors that had a gradient there */

@@ -1,6 +1,7 @@
 /* The step's state (step_int.h): allocated with the job and its memory, and the step's
  * arguments (shard_step_ex): each rank's hyperparameters and tensors with a gradient, checked
  * and compared, and global rank 0's broadcast, carried in the norm parts. */
+#include "hop.h"
 #include "optimizer.h"
 #include "step.h"
 #include "step_int.h"
@@ -39,10 +40,10 @@ int sd_step_alloc(struct sd_job *job)
     st->hp_next = calloc(n_groups, sizeof(*st->hp_next));
     st->used = calloc(st->used_words, sizeof(*st->used));
     st->hop_final = calloc(l->n_units, sizeof(*st->hop_final));
-    return st->sumsq_parts && st->norm_buf && st->arg_flags && st->hp_next && st->used &&
-                   st->hop_final
-               ? SD_OK
-               : SD_ENOMEM;
+    if (!st->sumsq_parts || !st->norm_buf || !st->arg_flags || !st->hp_next || !st->used ||
+        !st->hop_final)
+        return SD_ENOMEM;
+    return sd_hop_alloc(job);
 }
 
 void sd_step_free(struct sd_job *job)
@@ -57,6 +58,7 @@ void sd_step_free(struct sd_job *job)
     free(st->used);
     free(st->hop_final);
     st->hop_final = NULL;
+    sd_hop_free(job);
     st->sumsq_parts = NULL;
     st->norm_buf = NULL;
     st->arg_flags = NULL;

@@ -228,13 +228,14 @@ check 'grep -q "ranks here: 0 1 2 3" <<<"$out" && grep -q "levels: package (1 ra
 js=$("$SHARDCTL" "${S[@]}" stats --json)
 check 'python3 -c "import json,sys; j=json.loads(sys.argv[1])[\"jobs\"][0]; assert j[\"memory_bytes_at_register\"]>0 and j[\"ops\"][\"push\"][\"count\"]>0 and j[\"bytes\"][\"intra_node\"]+j[\"bytes\"][\"intra_package\"]>0 and j[\"ops\"][\"fetch\"][\"p50_us\"]>=0" "$js"' \
   "stats --json"
-# shardctl plan, without a daemon: ZeRO-topo's tables and the inter-node bytes
+# shardctl plan, without a daemon: ZeRO-topo's tables and the inter-node bytes (f_os = world:
+# the boundary hop reduce-scatters the node's S to 4 nodes, 3/4 S)
 js=$("$SHARDCTL" plan --params 1000 --world 8 --ranks-per-node 2 --plan topo:2/2/8 --accum 4 --json)
 check 'python3 -c "
 import json,sys
 d=json.loads(sys.argv[1]); m=d[\"rank_bytes\"]; b=d[\"inter_node_bytes_per_step\"]; n=d[\"padded_params\"]
 assert n==1024 and m[\"w\"][\"bytes\"]==2*n//2 and m[\"g\"][\"bytes\"]==4*n//2 and m[\"os\"][\"bytes\"]==12*n//8, m
-assert b[\"fetch\"]==0 and b[\"push\"]==0 and b[\"step_hop\"]==1.5*4*n and b[\"step_weights\"]==2*(2*n/8)*3, b
+assert b[\"fetch\"]==0 and b[\"push\"]==0 and b[\"step_hop\"]==0.75*4*n and b[\"step_weights\"]==2*(2*n/8)*3, b
 " "$js"' "plan --json: $js"
 # the secondary partition: with units gathered again for the backward (--regather), zero3,sec=2
 # crosses nodes once per step instead of 2 accum times; sec=2 under f_w = 2 holds nothing

@@ -52,8 +52,10 @@ struct run {
     uint32_t f[3]; /* what the plan means on this cluster, written out */
     int accum;
     const char *optimizer, *dtype;
-    uint32_t sec;    /* the plan's ,sec=S (0: none) */
-    bool small_pool; /* a gather pool that cannot keep units from forward to backward */
+    uint32_t sec;     /* the plan's ,sec=S (0: none) */
+    bool small_pool;  /* a gather pool that cannot keep units from forward to backward */
+    int twin;         /* 1 + the index of an earlier run this one must end bitwise equal to */
+    const char *clip; /* --max-grad-norm, or NULL */
 };
 
 /* bytes copied inside one node, by operation (fetch, push, step) and link class */
@@ -64,6 +66,13 @@ struct intra {
 static void cp(struct intra *w, int op, int a, int b, long long bytes)
 {
     w->b[op][a / PK == b / PK ? 0 : 1] += bytes;
+}
+
+/* The boundary hop reduce-scatters where every element of a node's g block has its optimizer
+ * state on exactly one replica node: f_os = the world (and exact: no ,qg, not ,hop-ar) */
+static bool scatters(const struct run *r)
+{
+    return (int)r->f[2] == N * K && strstr(r->plan, "hop-ar") == NULL;
 }
 
 /* The copies inside node m over the run (see the top of the file). gp: primary gathers of
@@ -92,10 +101,11 @@ static struct intra want_intra(const struct run *r, int m, int T, long long gp, 
                 cp(&w, 1, j, h, (long long)T * s * Sw / f);
     }
     int Gg = G > K ? G / K : 1;
-    if (N / Gg > 1) /* the boundary hop: each g shard into rank 0's buffer and back */
+    if (N / Gg > 1) /* the boundary hop: each g shard into rank 0's buffer and back (only its os
+                     * part where the hop reduce-scatters) */
         for (int j = 0; j < K; j++) {
             cp(&w, 2, j, 0, (long long)T * S / G);
-            cp(&w, 2, 0, j, (long long)T * S / G);
+            cp(&w, 2, 0, j, (long long)T * S / (scatters(r) ? OS : G));
         }
     struct sd_plan plan = {.f = {r->f[0], r->f[1], r->f[2]}};
     int per = OS / W, os_pos[64];
@@ -140,7 +150,12 @@ static void run_one(const struct run *r, int idx)
                           /* two of the hidden layers' units: the forward's copies are evicted
                            * before the backward needs them */
                           r->small_pool ? "--max-live-bytes" : NULL,
-                          strcmp(r->dtype, "bf16") == 0 ? "70000" : "140000", NULL};
+                          strcmp(r->dtype, "bf16") == 0 ? "70000" : "140000", NULL, NULL, NULL};
+    if (r->clip != NULL) { /* in the place of --max-live-bytes or after it */
+        size_t at = r->small_pool ? 19 : 17;
+        args[at] = "--max-grad-norm";
+        args[at + 1] = r->clip;
+    }
     double t0 = th_now_s();
     bool bf16 = strcmp(r->dtype, "bf16") == 0;
     struct th_dump_diff dd;
@@ -155,6 +170,8 @@ static void run_one(const struct run *r, int idx)
     long long s = r->accum;
     long long B = Gg > 1 ? S / Gg : S;
     long long hop = R > 1 ? 2 * (R - 1) * B / R : 0;
+    if (R > 1 && scatters(r)) /* a reduce-scatter to the owners: half */
+        hop = (R - 1) * B / R;
     long long wag = 0;
     if (OS > (uint32_t)K && W < OS)
         wag = (long long)K * (Sw / OS) * (W <= (uint32_t)K ? Gos - 1 : Gos / Gw - 1);
@@ -242,6 +259,17 @@ static void run_one(const struct run *r, int idx)
                  "allocations after registration");
         json_decref(st);
     }
+    if (r->twin > 0) {
+        char twin[400], mine[400];
+        snprintf(twin, sizeof(twin), "%s/t%d-%d.bin", cl.d[0].dir, N, r->twin - 1);
+        snprintf(mine, sizeof(mine), "%s/%s.bin", cl.d[0].dir, job);
+        struct th_dump_diff tw;
+        TH_CHECK(th_compare_dumps(mine, twin, 0, &tw) && tw.differ == 0,
+                 "%s: %zu of %zu parameters differ from run %d's (max %g): the same sums in the "
+                 "same order should give the same bits",
+                 r->plan, tw.differ, tw.n, r->twin - 1, tw.maxd);
+        printf("%dx%d %s: bitwise equal to run %d\n", N, K, r->plan, r->twin - 1);
+    }
     printf("%dx%d %-12s %-5s %s accum %d: %zu params, %zu differ (max %.3g), hop %lld B, weights "
            "all-gather %lld B per node and step, %.2f s\n",
            N, K, r->plan, r->optimizer, r->dtype, r->accum, dd.n, dd.differ, dd.maxd, hop, wag,
@@ -273,34 +301,43 @@ int main(int argc, char **argv)
      * holds and moves nothing more; the active ones run with a pool too small to keep the
      * forward's units for the backward, next to the same plan without it */
     struct run runs24[] = {
-        {"zero1", {1, 1, n}, 1, "adamw", "fp32", 0, false},
-        {"zero2", {1, n, n}, 3, "sgd", "fp32", 0, false},
-        {"topo:2/4/8", {2, 4, 8}, 1, "sgd", "bf16", 0, false},
-        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false},
-        {"topo:1/2/8", {1, 2, 8}, 3, "adamw", "bf16", 0, false},
-        {"topo:1/2/8", {1, 2, 8}, 1, "sgd", "fp32", 0, false},
-        {"zero1,sec=2", {1, 1, n}, 3, "sgd", "bf16", 2, false},
-        {"zero2,sec=4", {1, n, n}, 1, "adamw", "fp32", 4, false},
-        {"topo:2/4/8,sec=2", {2, 4, 8}, 3, "adamw", "bf16", 2, true},
-        {"topo:2/4/8,sec=1", {2, 4, 8}, 3, "sgd", "fp32", 1, true},
-        {"topo:1/2/8,sec=2", {1, 2, 8}, 1, "adamw", "fp32", 2, true},
-        {"zero3", {n, n, n}, 3, "adamw", "fp32", 0, true},
-        {"zero3,sec=4", {n, n, n}, 3, "adamw", "fp32", 4, true},
-        {"zero3,sec=2", {n, n, n}, 1, "sgd", "bf16", 2, true},
-        {"mics:4,sec=2", {4, 4, 4}, 3, "adamw", "fp32", 2, true}, /* across packages only */
+        {"zero1", {1, 1, n}, 1, "adamw", "fp32", 0, false, 0, NULL},
+        /* the boundary hop all-reduced instead of reduce-scattered: the same bits */
+        {"zero1,hop-ar", {1, 1, n}, 1, "adamw", "fp32", 0, false, 1, NULL},
+        {"zero2", {1, n, n}, 3, "sgd", "fp32", 0, false, 0, NULL},
+        {"topo:2/4/8", {2, 4, 8}, 1, "sgd", "bf16", 0, false, 0, NULL},
+        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false, 0, NULL},
+        {"topo:1/2/8", {1, 2, 8}, 3, "adamw", "bf16", 0, false, 0, NULL},
+        {"topo:1/2/8", {1, 2, 8}, 1, "sgd", "fp32", 0, false, 0, NULL},
+        {"zero1,sec=2", {1, 1, n}, 3, "sgd", "bf16", 2, false, 0, NULL},
+        {"zero2,sec=4", {1, n, n}, 1, "adamw", "fp32", 4, false, 0, NULL},
+        {"topo:2/4/8,sec=2", {2, 4, 8}, 3, "adamw", "bf16", 2, true, 0, NULL},
+        {"topo:2/4/8,sec=1", {2, 4, 8}, 3, "sgd", "fp32", 1, true, 0, NULL},
+        {"topo:1/2/8,sec=2", {1, 2, 8}, 1, "adamw", "fp32", 2, true, 0, NULL},
+        {"zero3", {n, n, n}, 3, "adamw", "fp32", 0, true, 0, NULL},
+        {"zero3,sec=4", {n, n, n}, 3, "adamw", "fp32", 4, true, 0, NULL},
+        {"zero3,sec=2", {n, n, n}, 1, "sgd", "bf16", 2, true, 0, NULL},
+        {"mics:4,sec=2", {4, 4, 4}, 3, "adamw", "fp32", 2, true, 0, NULL}, /* across packages only
+                                                                            */
     };
     struct run runs42[] = {
-        {"topo:2/2/8", {2, 2, 8}, 1, "adamw", "fp32", 0, false},
-        {"topo:2/2/8", {2, 2, 8}, 3, "sgd", "bf16", 0, false},
-        {"topo-fp", {2, 2, 8}, 3, "adamw", "fp32", 0, false},
-        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false}, /* w inside, g across nodes */
-        {"zero2", {1, n, n}, 1, "adamw", "bf16", 0, false},
-        {"topo:2/2/8,sec=2", {2, 2, 8}, 3, "adamw", "fp32", 2, true},
-        {"topo:2/2/8,sec=1", {2, 2, 8}, 1, "sgd", "bf16", 1, true},
-        {"zero3", {n, n, n}, 3, "sgd", "fp32", 0, true},
-        {"zero3,sec=2", {n, n, n}, 3, "sgd", "fp32", 2, true},
-        {"topo:4/4/8,sec=2", {4, 4, 8}, 1, "adamw", "bf16", 2, true},
-        {"topo:4/4/8,sec=2", {4, 4, 8}, 3, "sgd", "fp32", 2, true},
+        {"topo:2/2/8", {2, 2, 8}, 1, "adamw", "fp32", 0, false, 0, NULL},
+        {"topo:2/2/8", {2, 2, 8}, 3, "sgd", "bf16", 0, false, 0, NULL},
+        /* the boundary hop all-reduced instead of reduce-scattered: the same bits, with the
+         * norm clipping too */
+        {"topo:2/2/8,hop-ar", {2, 2, 8}, 1, "adamw", "fp32", 0, false, 1, NULL},
+        {"topo:2/2/8", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 0, "0.05"},
+        {"topo:2/2/8,hop-ar", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 4, "0.05"},
+        {"topo-fp", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 0, NULL},
+        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false, 0, NULL}, /* w inside, g across
+                                                                             nodes */
+        {"zero2", {1, n, n}, 1, "adamw", "bf16", 0, false, 0, NULL},
+        {"topo:2/2/8,sec=2", {2, 2, 8}, 3, "adamw", "fp32", 2, true, 0, NULL},
+        {"topo:2/2/8,sec=1", {2, 2, 8}, 1, "sgd", "bf16", 1, true, 0, NULL},
+        {"zero3", {n, n, n}, 3, "sgd", "fp32", 0, true, 0, NULL},
+        {"zero3,sec=2", {n, n, n}, 3, "sgd", "fp32", 2, true, 0, NULL},
+        {"topo:4/4/8,sec=2", {4, 4, 8}, 1, "adamw", "bf16", 2, true, 0, NULL},
+        {"topo:4/4/8,sec=2", {4, 4, 8}, 3, "sgd", "fp32", 2, true, 0, NULL},
     };
     bool four = N == 4;
     struct run *runs = four ? runs42 : runs24;

@@ -2,7 +2,8 @@
  * completion queues, unexpected messages): ring (pipelined by chunk: steps overlap; 4 KiB and
  * 64-byte chunks) and direct all-reduce for 2..5 members and sizes that do not divide evenly,
  * against the exact sums, identical on every member, with the bytes each member sends equal to the
- * formulas; the quantized (int4, two encodings) all-reduce against the exact sums within its
+ * formulas; the reduce-scatter (scatter) bitwise the all-reduce on its segment with half the
+ * bytes; the quantized (int4, two encodings) all-reduce against the exact sums within its
  * error bound, identical on every member, with the encoded byte formulas and error feedback;
  * chunked multi-piece bulk transfers. */
 #include "coll/coll.h"
@@ -284,6 +285,111 @@ static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t c
         free(accs[i]);
         sd_bulk_pool_fini(&pools[i]);
         dev_under_test->queue_destroy(queues[i]);
+    }
+}
+
+/* one all-reduce (or reduce-scatter) of n members over bufs, which it changes */
+static void run_exact(uint32_t n, size_t count, size_t small_bytes, size_t chunk, bool scatter,
+                      float **bufs, struct sd_allreduce *ars)
+{
+    static struct sd_bulk_pool pools[MAXN];
+    struct sd_gpu_queue *queues[MAXN] = {0};
+    float *tmps[MAXN];
+    struct done done[MAXN] = {0};
+    uint32_t members[MAXN];
+    size_t tmpn = sd_allreduce_tmp_floats(count, n, small_bytes);
+    nodes_init(n, pools, 4 * n, queues, members);
+    int started = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        tmps[i] = malloc((tmpn + 1) * sizeof(float));
+        started += sd_allreduce_start(&ars[i], &(struct sd_allreduce_param){
+                                                   .group = node_group(i, n, pools, members),
+                                                   .dev = dev_under_test,
+                                                   .queue = queues[i],
+                                                   .dtype = SD_DTYPE_FP32,
+                                                   .buf = bufs[i],
+                                                   .count = count,
+                                                   .tmp = tmps[i],
+                                                   .tmp_count = tmpn,
+                                                   .scatter = scatter,
+                                                   .tag_base = 0x1000,
+                                                   .chunk_bytes = chunk,
+                                                   .small_bytes = small_bytes,
+                                                   .cb = ar_cb,
+                                                   .arg = &done[i]}) == SD_OK;
+    }
+    TH_CHECK(started == (int)n, "n %u count %zu: %d of %u started", n, count, started, n);
+    drive(n, done, ars);
+    for (uint32_t i = 0; i < n; i++) {
+        TH_CHECK(done[i].finished && done[i].status == SD_OK, "n %u count %zu member %u: %s", n,
+                 count, i, done[i].finished ? "failed" : "unfinished");
+        TH_CHECK(pools[i].in_use == 0, "bulks not returned");
+        free(tmps[i]);
+        sd_bulk_pool_fini(&pools[i]);
+        dev_under_test->queue_destroy(queues[i]);
+    }
+}
+
+/* The reduce-scatter (coll.h's scatter) on values whose sums round: member i's segment
+ * (sd_scatter_segment, written here as the ring's (i + 1) mod n) bitwise the all-reduce's on the
+ * same inputs, within one rounding per addition of the exact (double) sum, and the bytes half
+ * the all-reduce's: the ring sends every segment but (i + 1)'s and receives every one but i's;
+ * the direct one sends each other member its segment and receives its own from each. */
+static void run_scatter(uint32_t n, size_t count, size_t small_bytes, size_t chunk)
+{
+    static struct sd_allreduce ars[MAXN], rss[MAXN];
+    float *in[MAXN], *ar[MAXN], *rs[MAXN];
+    uint64_t seed = 0x9e3779b97f4a7c15ull ^ (count * 31 + n);
+    for (uint32_t i = 0; i < n; i++) {
+        in[i] = malloc(count * sizeof(float) + 1);
+        ar[i] = malloc(count * sizeof(float) + 1);
+        rs[i] = malloc(count * sizeof(float) + 1);
+        for (size_t e = 0; e < count; e++) {
+            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+            in[i][e] = (float)((double)(seed >> 11) / 9007199254740992.0 - 0.5) * 3.0f;
+        }
+        memcpy(ar[i], in[i], count * sizeof(float));
+        memcpy(rs[i], in[i], count * sizeof(float));
+    }
+    run_exact(n, count, small_bytes, chunk, false, ar, ars);
+    run_exact(n, count, small_bytes, chunk, true, rs, rss);
+    bool direct = count * sizeof(float) <= small_bytes;
+    for (uint32_t i = 0; i < n; i++) {
+        size_t b = count * ((i + 1) % n) / n, e = count * ((i + 1) % n + 1) / n, len = e - b;
+        size_t sb, se;
+        sd_scatter_segment(count, n, i, &sb, &se);
+        TH_CHECK(sb == b && se == e,
+                 "n %u count %zu member %u: segment [%zu, %zu), want [%zu, %zu)", n, count, i, sb,
+                 se, b, e);
+        int differ = 0, far = 0;
+        for (size_t x = b; x < e; x++) {
+            double exact = 0, mag = 0;
+            for (uint32_t j = 0; j < n; j++) {
+                exact += in[j][x];
+                mag += fabs(in[j][x]);
+            }
+            differ += memcmp(&rs[i][x], &ar[i][x], sizeof(float)) != 0;
+            far += fabs(rs[i][x] - exact) > (double)n * mag * 6e-8;
+        }
+        uint64_t want_sent = (count - len) * sizeof(float); /* both: all but its own segment */
+        size_t ob = count * i / n, oe = count * (i + 1) / n;
+        uint64_t want_recv = (direct ? (uint64_t)(n - 1) * len : count - (oe - ob)) * sizeof(float);
+        TH_CHECK(differ == 0 && far == 0,
+                 "%s n %u count %zu %s scatter: member %u's segment: %d elements differ from the "
+                 "all-reduce's, %d beyond the rounding bound",
+                 dev_under_test->name, n, count, direct ? "direct" : "ring", i, differ, far);
+        TH_CHECK(rss[i].bytes_sent == want_sent && rss[i].bytes_recv == want_recv &&
+                     2 * rss[i].bytes_sent <= ars[i].bytes_sent + 8 * n,
+                 "n %u count %zu member %u scatter: sent %llu received %llu, formula %llu / %llu "
+                 "(the all-reduce sent %llu)",
+                 n, count, i, (unsigned long long)rss[i].bytes_sent,
+                 (unsigned long long)rss[i].bytes_recv, (unsigned long long)want_sent,
+                 (unsigned long long)want_recv, (unsigned long long)ars[i].bytes_sent);
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        free(in[i]);
+        free(ar[i]);
+        free(rs[i]);
     }
 }
 
@@ -609,6 +715,15 @@ int main(void)
                     run_allreduce(n, counts[c], 0, 64, acc);      /* many chunks a step */
                     run_allreduce(n, counts[c], 1 << 20, 0, acc); /* always direct */
                 }
+            }
+    }
+    for (int be = 0; be < 2; be++) {
+        use_backend(backends[be]);
+        for (uint32_t n = 2; n <= 5; n++)
+            for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+                run_scatter(n, counts[c], 0, 4096);
+                run_scatter(n, counts[c], 0, 64);
+                run_scatter(n, counts[c], 1 << 20, 0);
             }
     }
     static const size_t qcounts[] = {1, 63, 64, 65, 1000, 4099, 65536 + 3};

@@ -1218,7 +1218,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     rank gave a gradient (torch's optimizers skip a .grad of None).
     plan: "topo:W/G/OS" (shard factors of the weights, gradients and optimizer states) or a
     preset: "ddp", "zero1", "zero2", "zero3", "mics:P", "topo", "topo-fp", "zeropp" (with
-    ",no-hier", ",no-2hop", ",sec=S" and the quantized ",qw", ",qg", ",qsec", ",ef",
+    ",no-hier", ",no-2hop", ",hop-ar", ",sec=S" and the quantized ",qw", ",qg", ",qsec", ",ef",
     ",qblock=B"; docs/plans.md). Every rank must build the same model; rank 0's values are the
     initial ones. FSDP's and DeepSpeed's names for plans and options ("FULL_SHARD", "hsdp",
     mesh=, mics_shard_size=, zero_hpz_partition_size=, mp_policy=, ...) are refused with

@@ -11,7 +11,9 @@
  *   push     accum (G_g - 1) / G_g S_g, the reduce-scatter inside the g group every micro-step
  *            (plus the all-reduce below every micro-step without 2-hop)
  *   step     the boundary hop, an all-reduce of the node's g block B = S_g / G_g across R nodes:
- *            2 (R - 1) / R B; then each optimizer owner reads its os part. The weights'
+ *            2 (R - 1) / R B, then each optimizer owner reads its os part; where f_os = world
+ *            (exact, not ,hop-ar: sd_plan_hop_scatters) a reduce-scatter that brings each node
+ *            the sums of the elements it owns, (R - 1) / R B. The weights'
  *            all-gather when f_w < f_os and f_os > k: the node's k os parts (S_w / f_os each) to
  *            each node of the os group that holds their w shard, G_os - 1 of them when
  *            f_w <= k, else G_os / G_w - 1. And 8 (N - 1) bytes of norm.
@@ -36,7 +38,8 @@
  *   push    every micro-step: across nodes (f_g > k or no 2-hop) each rank's gradient into the
  *           node partial (S_w each) and the node's result back into each g shard (S_g / f_g);
  *           inside the node each g group's members' gradients (S_w / f_g each) into each holder
- *   step    the hop (R > 1) packs each rank's g shard into the node's buffer and back; on one
+ *   step    the hop (R > 1) packs each rank's g shard into the node's buffer and back (only
+ *           its os part, S_g / f_os, where the hop reduce-scatters); on one
  *           node the replicas of each g shard are summed into the first and copied back; the
  *           weights' parts other ranks own copied into each w shard (S_w / f_os each).
  * Counted for the hierarchical gather.

@@ -101,6 +101,7 @@ struct sd_plan {
     bool qsec; /* ,qsec: the secondary partition is kept as int8 blocks */
     bool ef;   /* ,ef: error feedback for qg (the quantization error goes into the next one) */
     uint32_t qblock; /* ,qblock=B; SD_PLAN_QBLOCK unless given */
+    bool hop_ar;     /* ,hop-ar: the boundary hop all-reduces where it could reduce-scatter */
 };
 
 /* the default block of the quantized options: ZeRO++'s group size for weights */
@@ -115,7 +116,7 @@ static inline bool sd_plan_quantized(const struct sd_plan *plan)
 /* Parse a plan for a topology: topo:W/G/OS (each a number, k or n) or a preset (ddp = 1/1/1,
  * zero1 = 1/1/n, zero2 = 1/n/n, zero3 = n/n/n, mics:P = P/P/P, topo-fp = min(2,k)/k/n, topo =
  * topo-fp,qw,qg,qsec as ZeRO-topo ran it, zeropp = zero3,qw,qg,sec=k as ZeRO++ did), then
- * options ,no-hier ,no-2hop ,sec=S ,qw ,qg ,qsec ,ef ,qblock=B (,qsec without sec=S keeps a
+ * options ,no-hier ,no-2hop ,hop-ar ,sec=S ,qw ,qg ,qsec ,ef ,qblock=B (,qsec without sec=S keeps a
  * secondary over the package; ,ef needs ,qg). Refused (SD_EINVAL, err names the factor and the
  * rule) unless every factor divides the next and the world, and each aligns with a topology level:
  * it divides the package, or is a multiple of the package that divides the node, or a multiple of
@@ -131,6 +132,16 @@ static inline bool sd_plan_sec_active(const struct sd_plan *plan)
 {
     return plan->sec != 0 && plan->f[0] > plan->sec;
 }
+
+/* The boundary hop's owners: with the 2-hop sync across R = nodes / G_g > 1 nodes that hold
+ * replicas of a node's g block, exact (no ,qg), and f_os = world, every element of the block has
+ * its optimizer state on exactly one of the R nodes, 1/R of the block on each (the os shards nest
+ * in the g shards, and a node's replicas differ in the piece they own). The hop then packs the
+ * block with each owner's pieces together and needs the sums only there: */
+bool sd_plan_hop_owned(const struct sd_plan *plan, uint32_t nodes, uint32_t k);
+/* so, unless ,hop-ar, it reduce-scatters them to the owners, (R - 1) / R of the block per node
+ * instead of the all-reduce's 2 (R - 1) / R. */
+bool sd_plan_hop_scatters(const struct sd_plan *plan, uint32_t nodes, uint32_t k);
 
 /* The shard of state that rank holds, in [0, f[state]) (the nesting above). */
 uint32_t sd_plan_shard(const struct sd_plan *plan, int state, uint32_t rank);
