@@ -25,9 +25,10 @@
  * cannot force a later round to finish first.)
  *
  * The ranks' promise of their last micro-step (shard_last_micro_step, mlp_train --mark-last):
- * under mics:2 (the g group inside the node, the boundary hop across nodes) each unit's hop goes
- * during the backward; the parameters are bitwise those of the same run without the promise and
- * the bytes across nodes the same; a rank that pushes after it fails the job, naming it.
+ * under mics:2 and topo-fp (the g group inside the node, the boundary hop across nodes; topo-fp's
+ * a reduce-scatter to the optimizer owners) each unit's hop goes during the backward; the
+ * parameters are bitwise those of the same run without the promise and the bytes across nodes the
+ * same; a rank that pushes after it fails the job, naming it.
  *
  * Transport variants (argv[3]): the same test with rendezvous_bytes (every message above 4 KiB
  * waits for its receiver's clear-to-send), the same with 128 posts per endpoint, 64 KiB chunks
@@ -161,29 +162,29 @@ static void run_one(const struct run *r, int idx)
            r->plan, r->accum, dd.n, dd.differ, dd.maxd, S, th_now_s() - t0);
 }
 
-static void test_mark_last(void)
+static void test_mark_last(const char *plan, bool broken)
 {
     char world[16], a[64], b[64], c[64];
     snprintf(world, sizeof(world), "%d", N * K);
-    snprintf(a, sizeof(a), "ml%d-plain", N);
-    snprintf(b, sizeof(b), "ml%d-marked", N);
+    snprintf(a, sizeof(a), "ml%d-plain-%s", N, plan);
+    snprintf(b, sizeof(b), "ml%d-marked-%s", N, plan);
     snprintf(c, sizeof(c), "ml%d-broken", N);
-    const char *plain[] = {"--world", world, "--steps",  "5",   "--accum", "3", "--plan", "mics:2",
+    const char *plain[] = {"--world", world, "--steps",  "5",   "--accum", "3", "--plan", plan,
                            "--seed",  "4",   "--hidden", "256", "--quiet", NULL};
     const char *marked[] = {"--world",  world,    "--steps", "5",           "--accum",
-                            "3",        "--plan", "mics:2",  "--seed",      "4",
+                            "3",        "--plan", plan,      "--seed",      "4",
                             "--hidden", "256",    "--quiet", "--mark-last", NULL};
     struct th_dump_diff dd;
-    if (!th_cluster_train(&cl, a, plain, "mics:2 unmarked", 1e-5, &dd) ||
-        !th_cluster_train(&cl, b, marked, "mics:2 --mark-last", 1e-5, &dd))
+    if (!th_cluster_train(&cl, a, plain, plan, 1e-5, &dd) ||
+        !th_cluster_train(&cl, b, marked, plan, 1e-5, &dd))
         return;
-    TH_CHECK(dd.outside == 0, "mics:2 --mark-last: %zu parameters outside the tolerance (max %g)",
+    TH_CHECK(dd.outside == 0, "%s --mark-last: %zu parameters outside the tolerance (max %g)", plan,
              dd.outside, dd.maxd);
     char da[400], db[400];
     snprintf(da, sizeof(da), "%s/%s.bin", cl.d[0].dir, a);
     snprintf(db, sizeof(db), "%s/%s.bin", cl.d[0].dir, b);
     TH_CHECK(th_compare_dumps(da, db, 0, &dd) && dd.differ == 0,
-             "mics:2 with and without --mark-last: %zu of %zu parameters differ (max %g)",
+             "%s with and without --mark-last: %zu of %zu parameters differ (max %g)", plan,
              dd.differ, dd.n, dd.maxd);
     long long early_total = 0;
     for (int node = 0; node < N; node++) {
@@ -208,9 +209,11 @@ static void test_mark_last(void)
         json_decref(sa);
         json_decref(sb);
     }
-    printf("%dx%d mics:2 --mark-last: bitwise the unmarked run's; %lld units' boundary hops went "
+    printf("%dx%d %s --mark-last: bitwise the unmarked run's; %lld units' boundary hops went "
            "during the backward\n",
-           N, K, early_total);
+           N, K, plan, early_total);
+    if (!broken)
+        return;
     /* the promise broken: marked from the second-last micro-step of three */
     const char *more[] = {"--mark-last-from", "2", NULL};
     pid_t pids[TH_MAX_RANKS];
@@ -558,8 +561,11 @@ int main(int argc, char **argv)
         return th_summary("test_cluster");
     }
     test_round_order("zero3", 2, 3);
-    if (K > 1) /* a g group inside the node: mics:2's boundary hop crosses nodes */
-        test_mark_last();
+    if (K > 1) { /* a g group inside the node: mics:2's boundary hop crosses nodes, and
+                  * topo-fp's reduce-scatters to the optimizer owners (f_os = world) */
+        test_mark_last("mics:2", true);
+        test_mark_last("topo-fp", false);
+    }
     if (K == 1) /* the all-reduces add into the gradient: one round of the unit at a time */
         test_round_order("ddp,no-2hop", 1, 1);
     if (K == 1)
