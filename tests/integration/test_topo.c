@@ -17,14 +17,15 @@
  *          the g group is inside a node
  *   step   once per step: the boundary hop all-reduces the node's block B (S / G_g, or S when
  *          G_g = 1) across the R nodes, 2 (R - 1) / R B, each optimizer owner then reads its os
- *          part; the weights' all-gather (f_w < f_os, f_os > k) sends each of the node's k os
- *          parts (S_w / f_os each) to every node of the os group that holds its w shard:
- *          G_os - 1 nodes when f_w <= k, else G_os / G_w - 1; 32 (N - 1) bytes of norm and
- *          schedule digest.
- * With an active secondary partition (,sec=S, f_w > S) and a gather pool too small to keep a
- * unit from forward to backward (--max-live-bytes), only the first gather of each weights
- * generation crosses nodes: the fetch formula above holds unchanged, and the run shows gathers
- * served from the secondary copy (without it the same run moves more).
+ *          part; where f_os = n it reduce-scatters B to the owners instead, (R - 1) / R B, and
+ *          ends bitwise equal to the same plan with ,hop-ar (the all-reduce of the same packed
+ *          block: each element summed in the same order); the weights' all-gather (f_w < f_os, f_os
+ * > k) sends each of the node's k os parts (S_w / f_os each) to every node of the os group that
+ * holds its w shard: G_os - 1 nodes when f_w <= k, else G_os / G_w - 1; 32 (N - 1) bytes of norm
+ * and schedule digest. With an active secondary partition (,sec=S, f_w > S) and a gather pool too
+ * small to keep a unit from forward to backward (--max-live-bytes), only the first gather of each
+ * weights generation crosses nodes: the fetch formula above holds unchanged, and the run shows
+ * gathers served from the secondary copy (without it the same run moves more).
  *
  * Inside each node the copies are counted by link class (stats.h): intra_package between ranks
  * of one package (the 2x4 cluster runs with packages of 2 ranks, the 4x2 one with packages of
@@ -34,7 +35,8 @@
  * into local rank 0's copy; a secondary refill copies it out to the S holders; a push round
  * across nodes sums each rank's gradient into the node partial at rank 0 and adds the result
  * into each g shard; one inside the node sends each member's shard to its holder; the hop packs
- * each g shard into rank 0's buffer and back; the weights' parts other ranks own are copied into
+ * each g shard into rank 0's buffer and back (only its os part where the hop reduce-scatters);
+ * the weights' parts other ranks own are copied into
  * each w shard from their owner, or from the first local holder that received them. */
 #include "harness.h"
 #include "sd/model.h"
@@ -328,6 +330,8 @@ int main(int argc, char **argv)
         {"topo:2/2/8,hop-ar", {2, 2, 8}, 1, "adamw", "fp32", 0, false, 1, NULL},
         {"topo:2/2/8", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 0, "0.05"},
         {"topo:2/2/8,hop-ar", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 4, "0.05"},
+        {"zero1", {1, 1, n}, 3, "adamw", "fp32", 0, false, 0, NULL},
+        {"zero1,hop-ar", {1, 1, n}, 3, "adamw", "fp32", 0, false, 7, NULL},
         {"topo-fp", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 0, NULL},
         {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false, 0, NULL}, /* w inside, g across
                                                                              nodes */
