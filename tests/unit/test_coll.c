@@ -140,8 +140,6 @@ static void ar_cb(struct sd_allreduce *ar, int status, uint32_t suspect)
     d->status = status;
 }
 
-/* acc: add the sum into accumulators that start equal on every member (and at a value the
- * sum is exact with), instead of leaving it in the buffers */
 /* the backend the all-reduces sum with: host, and host-deferred, whose sums happen only when the
  * queue is synced or its tickets polled (a send of a sum the engine did not wait for carries the
  * old values); its sync counted, which the engine must never call (it would hold the daemon's
@@ -205,92 +203,10 @@ static void drive(uint32_t n, const struct done *done, struct sd_allreduce *ars)
     }
 }
 
-static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t chunk, bool acc)
-{
-    static struct sd_bulk_pool pools[MAXN];
-    struct sd_gpu_queue *queues[MAXN] = {0};
-    static struct sd_allreduce ars[MAXN];
-    float *bufs[MAXN], *tmps[MAXN], *accs[MAXN] = {0};
-    struct done done[MAXN] = {0};
-    uint32_t members[MAXN];
-    size_t tmpn = sd_allreduce_tmp_floats(count, n, small_bytes);
-    nodes_init(n, pools, 4 * n, queues, members);
-    for (uint32_t i = 0; i < n; i++) {
-        bufs[i] = malloc(count * sizeof(float));
-        tmps[i] = malloc((tmpn + 1) * sizeof(float));
-        for (size_t e = 0; e < count; e++) /* small integers: every sum order is exact */
-            bufs[i][e] = (float)((e * 7 + i * 13) % 64);
-        if (acc) {
-            accs[i] = malloc(count * sizeof(float));
-            for (size_t e = 0; e < count; e++)
-                accs[i][e] = (float)(e % 5) - 2.0f;
-        }
-    }
-    int started = 0;
-    for (uint32_t i = 0; i < n; i++)
-        started += sd_allreduce_start(&ars[i], &(struct sd_allreduce_param){
-                                                   .group = node_group(i, n, pools, members),
-                                                   .dev = dev_under_test,
-                                                   .queue = queues[i],
-                                                   .dtype = SD_DTYPE_FP32,
-                                                   .buf = bufs[i],
-                                                   .count = count,
-                                                   .tmp = tmps[i],
-                                                   .tmp_count = tmpn,
-                                                   .acc = accs[i],
-                                                   .tag_base = 0x1000,
-                                                   .chunk_bytes = chunk,
-                                                   .small_bytes = small_bytes,
-                                                   .cb = ar_cb,
-                                                   .arg = &done[i]}) == SD_OK;
-    TH_CHECK(started == (int)n, "n %u count %zu: %d of %u started", n, count, started, n);
-    drive(n, done, ars);
-    int wrong = 0, unfinished = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        unfinished += !done[i].finished || done[i].status != SD_OK;
-        for (size_t e = 0; e < count; e++) {
-            float want = 0;
-            for (uint32_t j = 0; j < n; j++)
-                want += (float)((e * 7 + j * 13) % 64);
-            if (acc)
-                wrong += accs[i][e] != (float)(e % 5) - 2.0f + want;
-            else
-                wrong += bufs[i][e] != want;
-        }
-    }
-    bool direct = count * sizeof(float) <= small_bytes;
-    TH_CHECK(unfinished == 0 && wrong == 0,
-             "%s n %u count %zu %s%s: %d unfinished, %d wrong elements", dev_under_test->name, n,
-             count, direct ? "direct" : "ring", acc ? " into acc" : "", unfinished, wrong);
-    for (uint32_t i = 0; i < n; i++) {
-        uint64_t want_sent, want_recv;
-        if (direct) {
-            want_sent = want_recv = (uint64_t)(n - 1) * count * sizeof(float);
-        } else {
-            /* reduce-scatter: sends every segment but (pos+1), receives all but its own (pos);
-             * all-gather: sends all but (pos+2), receives all but (pos+1) */
-            size_t b[3], e[3];
-            for (uint32_t d = 0; d < 3; d++)
-                sd_ring_segment(count, n, (i + d) % n, &b[d], &e[d]);
-            want_sent = (uint64_t)(2 * count - (e[1] - b[1]) - (e[2] - b[2])) * sizeof(float);
-            want_recv = (uint64_t)(2 * count - (e[0] - b[0]) - (e[1] - b[1])) * sizeof(float);
-        }
-        TH_CHECK(ars[i].bytes_sent == want_sent && ars[i].bytes_recv == want_recv,
-                 "n %u count %zu member %u: sent %llu received %llu, formula %llu / %llu", n, count,
-                 i, (unsigned long long)ars[i].bytes_sent, (unsigned long long)ars[i].bytes_recv,
-                 (unsigned long long)want_sent, (unsigned long long)want_recv);
-        TH_CHECK(pools[i].in_use == 0, "bulks not returned");
-        free(bufs[i]);
-        free(tmps[i]);
-        free(accs[i]);
-        sd_bulk_pool_fini(&pools[i]);
-        dev_under_test->queue_destroy(queues[i]);
-    }
-}
-
-/* one all-reduce (or reduce-scatter) of n members over bufs, which it changes */
+/* one all-reduce (or reduce-scatter) of n members over bufs, which it changes (into accs[i]
+ * where accs is not NULL); every member must finish, and give its bulks back */
 static void run_exact(uint32_t n, size_t count, size_t small_bytes, size_t chunk, bool scatter,
-                      float **bufs, struct sd_allreduce *ars)
+                      float **bufs, float **accs, struct sd_allreduce *ars)
 {
     static struct sd_bulk_pool pools[MAXN];
     struct sd_gpu_queue *queues[MAXN] = {0};
@@ -311,6 +227,7 @@ static void run_exact(uint32_t n, size_t count, size_t small_bytes, size_t chunk
                                                    .count = count,
                                                    .tmp = tmps[i],
                                                    .tmp_count = tmpn,
+                                                   .acc = accs ? accs[i] : NULL,
                                                    .scatter = scatter,
                                                    .tag_base = 0x1000,
                                                    .chunk_bytes = chunk,
@@ -327,6 +244,60 @@ static void run_exact(uint32_t n, size_t count, size_t small_bytes, size_t chunk
         free(tmps[i]);
         sd_bulk_pool_fini(&pools[i]);
         dev_under_test->queue_destroy(queues[i]);
+    }
+}
+
+/* the all-reduce on small integers (every order of sums exact): the exact sums on every member,
+ * the bytes the formulas'. acc: add the sum into accumulators that start equal on every member
+ * (and at a value the sum is exact with), instead of leaving it in the buffers */
+static void run_allreduce(uint32_t n, size_t count, size_t small_bytes, size_t chunk, bool acc)
+{
+    static struct sd_allreduce ars[MAXN];
+    float *bufs[MAXN], *accs[MAXN] = {0};
+    for (uint32_t i = 0; i < n; i++) {
+        bufs[i] = malloc(count * sizeof(float));
+        for (size_t e = 0; e < count; e++) /* small integers: every sum order is exact */
+            bufs[i][e] = (float)((e * 7 + i * 13) % 64);
+        if (acc) {
+            accs[i] = malloc(count * sizeof(float));
+            for (size_t e = 0; e < count; e++)
+                accs[i][e] = (float)(e % 5) - 2.0f;
+        }
+    }
+    run_exact(n, count, small_bytes, chunk, false, bufs, acc ? accs : NULL, ars);
+    int wrong = 0;
+    for (uint32_t i = 0; i < n; i++)
+        for (size_t e = 0; e < count; e++) {
+            float want = 0;
+            for (uint32_t j = 0; j < n; j++)
+                want += (float)((e * 7 + j * 13) % 64);
+            if (acc)
+                wrong += accs[i][e] != (float)(e % 5) - 2.0f + want;
+            else
+                wrong += bufs[i][e] != want;
+        }
+    bool direct = count * sizeof(float) <= small_bytes;
+    TH_CHECK(wrong == 0, "%s n %u count %zu %s%s: %d wrong elements", dev_under_test->name, n,
+             count, direct ? "direct" : "ring", acc ? " into acc" : "", wrong);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t want_sent, want_recv;
+        if (direct) {
+            want_sent = want_recv = (uint64_t)(n - 1) * count * sizeof(float);
+        } else {
+            /* reduce-scatter: sends every segment but (pos+1), receives all but its own (pos);
+             * all-gather: sends all but (pos+2), receives all but (pos+1) */
+            size_t b[3], e[3];
+            for (uint32_t d = 0; d < 3; d++)
+                sd_ring_segment(count, n, (i + d) % n, &b[d], &e[d]);
+            want_sent = (uint64_t)(2 * count - (e[1] - b[1]) - (e[2] - b[2])) * sizeof(float);
+            want_recv = (uint64_t)(2 * count - (e[0] - b[0]) - (e[1] - b[1])) * sizeof(float);
+        }
+        TH_CHECK(ars[i].bytes_sent == want_sent && ars[i].bytes_recv == want_recv,
+                 "n %u count %zu member %u: sent %llu received %llu, formula %llu / %llu", n, count,
+                 i, (unsigned long long)ars[i].bytes_sent, (unsigned long long)ars[i].bytes_recv,
+                 (unsigned long long)want_sent, (unsigned long long)want_recv);
+        free(bufs[i]);
+        free(accs[i]);
     }
 }
 
@@ -351,8 +322,8 @@ static void run_scatter(uint32_t n, size_t count, size_t small_bytes, size_t chu
         memcpy(ar[i], in[i], count * sizeof(float));
         memcpy(rs[i], in[i], count * sizeof(float));
     }
-    run_exact(n, count, small_bytes, chunk, false, ar, ars);
-    run_exact(n, count, small_bytes, chunk, true, rs, rss);
+    run_exact(n, count, small_bytes, chunk, false, ar, NULL, ars);
+    run_exact(n, count, small_bytes, chunk, true, rs, NULL, rss);
     bool direct = count * sizeof(float) <= small_bytes;
     for (uint32_t i = 0; i < n; i++) {
         size_t b = count * ((i + 1) % n) / n, e = count * ((i + 1) % n + 1) / n, len = e - b;
