@@ -17,6 +17,8 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <float.h>
+#include <math.h>
 #include <netdb.h>
 #include <poll.h>
 #include <stdarg.h>
@@ -1628,19 +1630,35 @@ int shard_step(shard_ctx_t *ctx, double *grad_norm_p)
 
 int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_norm_p)
 {
+    return shard_step_scaled(ctx, args, 1.0, grad_norm_p);
+}
+
+int shard_step_scaled(shard_ctx_t *ctx, const shard_step_args_t *args, double loss_scale,
+                      double *grad_norm_p)
+{
     struct sd_cqe cqe;
     if (ctx == NULL)
         return SD_EINVAL;
     int status = check_attached(ctx, "step", true);
     if (status != SD_OK)
         return status;
+    if (!isfinite(loss_scale) || !(loss_scale >= DBL_MIN))
+        return fail(ctx, SD_EINVAL,
+                    "step: loss scale %g: it must be a finite positive number (the factor the "
+                    "gradients were multiplied by)",
+                    loss_scale);
     uint32_t flags;
     if ((status = write_step_args(ctx, args, &flags)) != SD_OK)
         return status;
     if ((status = settle_pushes(ctx, "step", " (shard_push_staged it first)")) != SD_OK)
         return status;
     ctx->last_micro = false; /* (whatever the step's outcome: the next step's pushes are new) */
-    status = call(ctx, SD_OP_STEP, 0, flags, 0, &cqe);
+    uint64_t scale_bits = 0;
+    if (loss_scale != 1.0) {
+        flags |= SD_STEP_ARG_SCALED;
+        memcpy(&scale_bits, &loss_scale, sizeof(scale_bits));
+    }
+    status = call(ctx, SD_OP_STEP, 0, flags, scale_bits, &cqe);
     if (status == SD_OK && (flags & SD_STEP_ARG_HPARAMS))
         memcpy(ctx->hparams, args->groups, (size_t)ctx->n_groups * sizeof(*ctx->hparams));
     /* rank 0's bytes, which the daemon wrote before the step completed (also one skipped as

@@ -51,6 +51,7 @@ struct opts {
     bool compute_only; /* this rank's compute alone: no shardd, no updates */
     uint64_t seed;
     float lr, max_grad_norm, weight_decay;
+    double loss_scale; /* --loss-scale: gradients pushed times it (shard_step_scaled); 1: none */
     double compute_ms;
     bool compute_sleep; /* --compute-mode sleep: the host waits idle, as for a GPU kernel */
     uint64_t max_live_bytes;
@@ -870,6 +871,9 @@ static int run_shardd(const struct opts *o, const struct model *m)
                     zero_padding(gl, &ui[l], &ti[2 * l]);
                 layer_backward(m, l, wl + ti[2 * l].offset, gl + ti[2 * l].offset,
                                gl + ti[2 * l + 1].offset, &ac, o->batch);
+                if (o->loss_scale != 1.0) /* a loss scaled before its backward */
+                    for (uint64_t i = 0; i < ui[l].numel; i++)
+                        gl[i] = (float)(gl[i] * o->loss_scale);
                 if (o->nonfinite == step + 1 && micro == 0 && o->rank == 0 && l == NONFINITE_UNIT)
                     gl[ti[2 * l].offset + 3] = NAN;
                 CHECK(shard_release(ctx, (uint32_t)l));
@@ -892,7 +896,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
         }
         double norm = 0.0, s0 = now_s();
         if (o->nonfinite == step + 1) { /* the step must fail, naming the unit, and the job go on */
-            int st = shard_step(ctx, &norm);
+            int st = shard_step_scaled(ctx, NULL, o->loss_scale, &norm);
             char want[32];
             snprintf(want, sizeof(want), "unit %d ", NONFINITE_UNIT);
             if (st != SHARD_ENONFINITE || strstr(shard_last_error(ctx), want) == NULL) {
@@ -906,7 +910,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
                    shard_strerror(st), shard_last_error(ctx));
             continue;
         }
-        CHECK(shard_step(ctx, &norm));
+        CHECK(shard_step_scaled(ctx, NULL, o->loss_scale, &norm));
         spent.step += now_s() - s0;
         clock_gettime(CLOCK_MONOTONIC, &ts1);
         if (o->timing && o->rank == 0)
@@ -1024,6 +1028,7 @@ static void usage(FILE *out)
             "                 [--steps N] [--accum S]\n"
             "                 [--optimizer adamw|sgd] [--dtype fp32|bf16] [--seed X]\n"
             "                 [--lr LR] [--weight-decay WD] [--max-grad-norm C]\n"
+            "                 [--loss-scale S]\n"
             "                 [--batch B] [--hidden H] [--layers L] [--compute-ms MS]\n"
             "                 [--max-live-bytes B] [--skip-layer STEP:LAYER] [--eval-every N]\n"
             "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
@@ -1056,6 +1061,8 @@ static void usage(FILE *out)
             "of the weights, without shardd and without updates: the compute alone.\n"
             "--final-loss prints the trained parameters' mean loss on 16 held-out batches of\n"
             "64 (rank 0, or the reference): the same measure for any world, plan or accum.\n"
+            "--loss-scale S pushes every gradient multiplied by S and steps with\n"
+            "shard_step_scaled, which divides them by S again (a power of two: the same bits).\n"
             "--nonfinite makes rank 0 push a NaN in unit 1's gradient in step STEP (from 1):\n"
             "that step must fail with SHARD_ENONFINITE naming the unit, and training go on\n"
             "(the reference skips the step's update alike).\n"
@@ -1095,7 +1102,8 @@ int main(int argc, char **argv)
                      .hidden = 384,
                      .layers = 4,
                      .seed = 1,
-                     .lr = 1e-3f};
+                     .lr = 1e-3f,
+                     .loss_scale = 1.0};
     char launcher_job[96] = "";
     if (!launcher_defaults(&o, launcher_job, sizeof(launcher_job)))
         return 2;
@@ -1153,6 +1161,8 @@ int main(int argc, char **argv)
             o.weight_decay = strtof(v, NULL);
         } else if (ARG("--max-grad-norm")) {
             o.max_grad_norm = strtof(v, NULL);
+        } else if (ARG("--loss-scale")) {
+            o.loss_scale = strtod(v, NULL);
         } else if (ARG("--batch")) {
             o.batch = atoi(v);
         } else if (ARG("--hidden")) {

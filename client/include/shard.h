@@ -23,8 +23,9 @@ extern "C" {
 
 #define SHARD_VERSION_MAJOR 0
 #define SHARD_VERSION_MINOR                                                                        \
-    8 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write, shard_read; 8: trainer      \
-         optimizers (shard_read_own, shard_write_own, shard_step_update_done) */
+    9 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write, shard_read; 8: trainer      \
+         optimizers (shard_read_own, shard_write_own, shard_step_update_done); 9:                  \
+         shard_step_scaled */
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
 enum {
@@ -388,6 +389,14 @@ SHARD_API int shard_step(shard_ctx_t *ctx, double *grad_norm_p);
  * that disagree fail the step on every rank (SHARD_EMISMATCH): it is skipped as a non-finite one
  * is, and the job goes on. */
 SHARD_API int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, double *grad_norm_p);
+/* shard_step_ex of gradients this rank multiplied by loss_scale (a loss scaled before its
+ * backward, as torch.amp.GradScaler does): the daemon divides the sums by it before the norm,
+ * the clipping and the optimizer (*grad_norm_p is the unscaled norm), so a power of two gives the
+ * bits of the same gradients unscaled. A non-finite gradient skips the step on every rank
+ * (SHARD_ENONFINITE, the optimizer's state untouched: lower the scale and go on). Every rank
+ * gives the same loss_scale (SHARD_EMISMATCH otherwise); finite and positive (SHARD_EINVAL). */
+SHARD_API int shard_step_scaled(shard_ctx_t *ctx, const shard_step_args_t *args, double loss_scale,
+                                double *grad_norm_p);
 /* The hyperparameters of group as of the last step (or the registration) */
 SHARD_API int shard_group_hparams(const shard_ctx_t *ctx, uint32_t group, shard_hparams_t *h_p);
 /* Save a checkpoint of the job into dir/step-NNNNNNNN (the steps taken so far), then point

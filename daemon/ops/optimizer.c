@@ -88,12 +88,15 @@ static void update_unit(struct sd_job *job, const struct os_view *o, uint32_t u,
 }
 
 /* the step's global gradient norm, and the factor the gradient sums are multiplied by (the
- * mean over the ranks, clipped) */
-static float grad_scale(const struct sd_job *job, double sumsq, double *norm_p)
+ * mean over the ranks, unscaled by the step's loss scale, clipped); with a loss scale that is a
+ * power of two both are bitwise those of the same gradients unscaled */
+static float grad_scale(const struct sd_job *job, double sumsq, double S, double *norm_p)
 {
     const struct sd_optim *opt = &job->model.optim;
-    double norm = sqrt(sumsq) / (double)job->world;
+    double norm = sqrt(sumsq) / (double)job->world / S;
     float scale = 1.0f / (float)job->world;
+    if (S != 1.0)
+        scale = scale * (float)(1.0 / S);
     if (opt->max_grad_norm > 0.0f && norm > (double)opt->max_grad_norm)
         scale = scale * (float)((double)opt->max_grad_norm / (norm + 1e-6));
     *norm_p = norm;
@@ -114,13 +117,13 @@ static void count_step(struct sd_job *job, const uint64_t *used, double norm)
 }
 
 double sd_optimizer_apply(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
-                          const uint64_t *used)
+                          double loss_scale, const uint64_t *used)
 {
     memcpy(job->opt->hparams, hp, sd_model_groups(&job->model) * sizeof(*hp));
     const struct sd_gpu_ops *dev = job->reg->dev;
     const struct sd_layout *l = &job->layout;
     double norm;
-    float scale = grad_scale(job, sumsq, &norm);
+    float scale = grad_scale(job, sumsq, loss_scale, &norm);
 
     /* every rank's optimizer shard: master weights, moments, its part of its g shard, cast into
      * its part of its w shard (the nesting of model.h: os in g in w) */
@@ -148,11 +151,11 @@ double sd_optimizer_apply(struct sd_job *job, const struct sd_hparams *hp, doubl
 }
 
 double sd_optimizer_handoff(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
-                            const uint64_t *used)
+                            double loss_scale, const uint64_t *used)
 {
     memcpy(job->opt->hparams, hp, sd_model_groups(&job->model) * sizeof(*hp));
     double norm;
-    job->opt->handoff_scale = grad_scale(job, sumsq, &norm);
+    job->opt->handoff_scale = grad_scale(job, sumsq, loss_scale, &norm);
     count_step(job, used, norm);
     return norm;
 }

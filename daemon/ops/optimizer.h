@@ -11,18 +11,19 @@
 #include <stdint.h>
 
 /* The optimizer on every local rank's shards for step job->steps + 1, once the gradients are
- * synchronized and the global sum of squares is known: clipping, AdamW or SGD with each tensor's
- * group's hyperparameters (hp, this step's: they become the job's), the cast into w, the
- * gradients zeroed. used: a bit per tensor that some rank gave a gradient (the others are left
- * as they are), or NULL for every tensor. Returns the global gradient norm. */
+ * synchronized and the global sum of squares is known (of gradients the ranks multiplied by
+ * loss_scale, 1 for none): unscaling, clipping, AdamW or SGD with each tensor's group's
+ * hyperparameters (hp, this step's: they become the job's), the cast into w, the gradients
+ * zeroed. used: a bit per tensor that some rank gave a gradient (the others are left as they
+ * are), or NULL for every tensor. Returns the global gradient norm (unscaled). */
 double sd_optimizer_apply(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
-                          const uint64_t *used);
+                          double loss_scale, const uint64_t *used);
 
 /* A trainer optimizer's step (sd_optim_in_trainer): the same bookkeeping as sd_optimizer_apply
  * (hyperparameters, tensor steps, norm), and the factor of the gradient sums it hands over
  * (sd_optimizer_handoff_scale); nothing on the device. */
 double sd_optimizer_handoff(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
-                            const uint64_t *used);
+                            double loss_scale, const uint64_t *used);
 float sd_optimizer_handoff_scale(const struct sd_job *job);
 /* The trainer wrote every local rank's updated master shards: the cast into w, the gradients
  * zeroed (kernels on the job's queue). */

@@ -20,6 +20,7 @@
 #include "sd/log.h"
 #include "sd/status.h"
 #include "sd/util.h"
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -283,7 +284,7 @@ void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
         return;
     }
     if ((e->arg0 & ~(uint64_t)(SD_STEP_ARG_HPARAMS | SD_STEP_ARG_HAS_GRAD | SD_STEP_ARG_BCAST |
-                               SD_STEP_ARG_UPDATED)) != 0) {
+                               SD_STEP_ARG_UPDATED | SD_STEP_ARG_SCALED)) != 0) {
         sd_session_fail(s, e, SD_EINVAL, "step: unknown argument flags 0x%llx",
                         (unsigned long long)e->arg0);
         return;
@@ -310,6 +311,18 @@ void sd_step(struct sd_job *job, struct sd_session *s, const struct sd_sqe *e)
                         "0)");
         return;
     }
+    double scale = 1.0;
+    if (e->arg0 & SD_STEP_ARG_SCALED) {
+        memcpy(&scale, &e->arg1, sizeof(scale));
+        if (!isfinite(scale) || !(scale >= DBL_MIN)) {
+            sd_session_fail(s, e, SD_EINVAL,
+                            "step: loss scale %g: it must be a finite positive number (the factor "
+                            "the gradients were multiplied by)",
+                            scale);
+            return;
+        }
+    }
+    job->step->rank_scale[s->local] = scale;
     job->step->arg_flags[s->local] = (uint32_t)e->arg0;
     uint64_t now = sd_now_ns();
     sd_barrier_arrive(&job->step->bar, s->local, e->tag, now);
@@ -504,11 +517,13 @@ void sd_step_progress(struct sd_job *job)
             return;
         }
         if (sd_optim_in_trainer(job->model.optim.kind)) {
-            sd_optimizer_handoff(job, job->step->hp_next, sumsq, sd_step__used(job));
+            sd_optimizer_handoff(job, job->step->hp_next, sumsq, job->step->loss_scale,
+                                 sd_step__used(job));
             handoff(job);
             return;
         }
-        sd_optimizer_apply(job, job->step->hp_next, sumsq, sd_step__used(job));
+        sd_optimizer_apply(job, job->step->hp_next, sumsq, job->step->loss_scale,
+                           sd_step__used(job));
         if (!weights_phase(job))
             return;
     }

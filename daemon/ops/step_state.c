@@ -37,11 +37,13 @@ int sd_step_alloc(struct sd_job *job)
     st->norm_stride = st->bcast_at + (job->model.bcast_bytes + 7) / 8 * 8;
     st->norm_buf = calloc(job->nodes, st->norm_stride);
     st->arg_flags = calloc(k, sizeof(*st->arg_flags));
+    st->rank_scale = calloc(k, sizeof(*st->rank_scale));
+    st->loss_scale = 1.0;
     st->hp_next = calloc(n_groups, sizeof(*st->hp_next));
     st->used = calloc(st->used_words, sizeof(*st->used));
     st->hop_final = calloc(l->n_units, sizeof(*st->hop_final));
     if (!st->sumsq_parts || !st->norm_buf || !st->arg_flags || !st->hp_next || !st->used ||
-        !st->hop_final)
+        !st->hop_final || !st->rank_scale)
         return SD_ENOMEM;
     return sd_hop_alloc(job);
 }
@@ -54,6 +56,8 @@ void sd_step_free(struct sd_job *job)
     free(st->sumsq_parts);
     free(st->norm_buf);
     free(st->arg_flags);
+    free(st->rank_scale);
+    st->rank_scale = NULL;
     free(st->hp_next);
     free(st->used);
     free(st->hop_final);
@@ -115,7 +119,8 @@ static void args_of_rank(struct sd_job *job, uint32_t r, bool *hp_set, uint64_t 
     const uint8_t *area = sd_job_control(job, r, job->mem.step_args_off);
     struct sd_step_args hdr;
     memcpy(&hdr, area, sizeof(hdr));
-    if (flags != 0 && (hdr.n_groups != n_groups || hdr.n_tensors != T)) {
+    /* (a loss scale rides in the ring entry, not in the area) */
+    if ((flags & ~SD_STEP_ARG_SCALED) != 0 && (hdr.n_groups != n_groups || hdr.n_tensors != T)) {
         args_refuse(job, SD_EINVAL,
                     "rank %u's step arguments are for %u groups and %u tensors; the job has %u "
                     "and %u",
@@ -151,6 +156,14 @@ static void args_of_rank(struct sd_job *job, uint32_t r, bool *hp_set, uint64_t 
                     "rank %u gave no hyperparameters (the last step's), rank %u new ones: every "
                     "rank must give the same",
                     rank, job->first_rank);
+        return;
+    }
+    double scale = job->step->rank_scale[rank - job->first_rank];
+    if (scale != job->step->rank_scale[0]) {
+        args_refuse(job, SD_EMISMATCH,
+                    "rank %u's loss scale (%g) differs from rank %u's (%g; 1: none): every rank "
+                    "must give the same",
+                    rank, scale, job->first_rank, job->step->rank_scale[0]);
         return;
     }
     if ((flags ^ job->step->arg_flags[0]) & SD_STEP_ARG_BCAST) {
@@ -197,10 +210,15 @@ void sd_step__args_collect(struct sd_job *job)
     for (uint32_t r = 0; r < job->k && job->step->arg_status == SD_OK; r++)
         args_of_rank(job, r, &hp_set, used);
     bool bcast = (job->step->arg_flags[0] & SD_STEP_ARG_BCAST) != 0;
-    /* whether the ranks broadcast is compared across nodes with the hyperparameters */
+    job->step->loss_scale = job->step->rank_scale[0];
+    uint64_t sbits;
+    memcpy(&sbits, &job->step->loss_scale, sizeof(sbits));
+    /* whether the ranks broadcast, and their loss scale, are compared across nodes with the
+     * hyperparameters */
     me->hparams = job->step->arg_status != SD_OK
                       ? SD_HP_REFUSED
-                      : hparams_hash(job->step->hp_next, n_groups) ^ (bcast ? 0x5bd1e995u : 0);
+                      : hparams_hash(job->step->hp_next, n_groups) ^ (bcast ? 0x5bd1e995u : 0) ^
+                            (uint32_t)(sbits ^ sbits >> 32) * 0x9e3779b1u;
     if (bcast && job->first_rank == 0) /* global rank 0's bytes go out in node 0's part */
         memcpy((uint8_t *)me + job->step->bcast_at, bcast_area(job, 0), job->model.bcast_bytes);
 }

@@ -54,10 +54,11 @@ struct run {
     uint32_t f[3]; /* what the plan means on this cluster, written out */
     int accum;
     const char *optimizer, *dtype;
-    uint32_t sec;     /* the plan's ,sec=S (0: none) */
-    bool small_pool;  /* a gather pool that cannot keep units from forward to backward */
-    int twin;         /* 1 + the index of an earlier run this one must end bitwise equal to */
-    const char *clip; /* --max-grad-norm, or NULL */
+    uint32_t sec;      /* the plan's ,sec=S (0: none) */
+    bool small_pool;   /* a gather pool that cannot keep units from forward to backward */
+    int twin;          /* 1 + the index of an earlier run this one must end bitwise equal to */
+    const char *clip;  /* --max-grad-norm, or NULL */
+    const char *scale; /* --loss-scale (shard_step_scaled), or NULL */
 };
 
 /* bytes copied inside one node, by operation (fetch, push, step) and link class */
@@ -146,18 +147,23 @@ static void run_one(const struct run *r, int idx)
     snprintf(accum, sizeof(accum), "%d", r->accum);
     snprintf(world, sizeof(world), "%d", n);
     snprintf(steps, sizeof(steps), "%d", T);
-    const char *args[] = {"--world", world, "--steps", steps, "--accum", accum, "--plan", r->plan,
-                          "--seed", "5", "--hidden", "128", "--optimizer", r->optimizer, "--dtype",
-                          r->dtype, "--quiet",
-                          /* two of the hidden layers' units: the forward's copies are evicted
-                           * before the backward needs them */
-                          r->small_pool ? "--max-live-bytes" : NULL,
-                          strcmp(r->dtype, "bf16") == 0 ? "70000" : "140000", NULL, NULL, NULL};
-    if (r->clip != NULL) { /* in the place of --max-live-bytes or after it */
-        size_t at = r->small_pool ? 19 : 17;
-        args[at] = "--max-grad-norm";
-        args[at + 1] = r->clip;
+    const char *args[] = {
+        "--world", world, "--steps", steps, "--accum", accum, "--plan", r->plan, "--seed", "5",
+        "--hidden", "128", "--optimizer", r->optimizer, "--dtype", r->dtype, "--quiet",
+        /* two of the hidden layers' units: the forward's copies are evicted
+         * before the backward needs them */
+        r->small_pool ? "--max-live-bytes" : NULL,
+        strcmp(r->dtype, "bf16") == 0 ? "70000" : "140000", NULL, NULL, NULL, NULL, NULL};
+    size_t at = r->small_pool ? 19 : 17; /* in the place of --max-live-bytes or after it */
+    if (r->clip != NULL) {
+        args[at++] = "--max-grad-norm";
+        args[at++] = r->clip;
     }
+    if (r->scale != NULL) {
+        args[at++] = "--loss-scale";
+        args[at++] = r->scale;
+    }
+    args[at] = NULL;
     double t0 = th_now_s();
     bool bf16 = strcmp(r->dtype, "bf16") == 0;
     struct th_dump_diff dd;
@@ -261,7 +267,8 @@ static void run_one(const struct run *r, int idx)
                  "allocations after registration");
         json_decref(st);
     }
-    if (r->twin > 0) {
+    TH_CHECK(r->twin <= idx, "run %d's twin %d is not an earlier run", idx, r->twin - 1);
+    if (r->twin > 0 && r->twin <= idx) {
         char twin[400], mine[400];
         snprintf(twin, sizeof(twin), "%s/t%d-%d.bin", cl.d[0].dir, N, r->twin - 1);
         snprintf(mine, sizeof(mine), "%s/%s.bin", cl.d[0].dir, job);
@@ -303,45 +310,51 @@ int main(int argc, char **argv)
      * holds and moves nothing more; the active ones run with a pool too small to keep the
      * forward's units for the backward, next to the same plan without it */
     struct run runs24[] = {
-        {"zero1", {1, 1, n}, 1, "adamw", "fp32", 0, false, 0, NULL},
+        {"zero1", {1, 1, n}, 1, "adamw", "fp32", 0, false, 0, NULL, NULL},
         /* the boundary hop all-reduced instead of reduce-scattered: the same bits */
-        {"zero1,hop-ar", {1, 1, n}, 1, "adamw", "fp32", 0, false, 1, NULL},
-        {"zero2", {1, n, n}, 3, "sgd", "fp32", 0, false, 0, NULL},
-        {"topo:2/4/8", {2, 4, 8}, 1, "sgd", "bf16", 0, false, 0, NULL},
-        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false, 0, NULL},
-        {"topo:1/2/8", {1, 2, 8}, 3, "adamw", "bf16", 0, false, 0, NULL},
-        {"topo:1/2/8", {1, 2, 8}, 1, "sgd", "fp32", 0, false, 0, NULL},
-        {"zero1,sec=2", {1, 1, n}, 3, "sgd", "bf16", 2, false, 0, NULL},
-        {"zero2,sec=4", {1, n, n}, 1, "adamw", "fp32", 4, false, 0, NULL},
-        {"topo:2/4/8,sec=2", {2, 4, 8}, 3, "adamw", "bf16", 2, true, 0, NULL},
-        {"topo:2/4/8,sec=1", {2, 4, 8}, 3, "sgd", "fp32", 1, true, 0, NULL},
-        {"topo:1/2/8,sec=2", {1, 2, 8}, 1, "adamw", "fp32", 2, true, 0, NULL},
-        {"zero3", {n, n, n}, 3, "adamw", "fp32", 0, true, 0, NULL},
-        {"zero3,sec=4", {n, n, n}, 3, "adamw", "fp32", 4, true, 0, NULL},
-        {"zero3,sec=2", {n, n, n}, 1, "sgd", "bf16", 2, true, 0, NULL},
-        {"mics:4,sec=2", {4, 4, 4}, 3, "adamw", "fp32", 2, true, 0, NULL}, /* across packages only
-                                                                            */
+        {"zero1,hop-ar", {1, 1, n}, 1, "adamw", "fp32", 0, false, 1, NULL, NULL},
+        {"zero2", {1, n, n}, 3, "sgd", "fp32", 0, false, 0, NULL, NULL},
+        {"topo:2/4/8", {2, 4, 8}, 1, "sgd", "bf16", 0, false, 0, NULL, NULL},
+        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false, 0, NULL, NULL},
+        {"topo:1/2/8", {1, 2, 8}, 3, "adamw", "bf16", 0, false, 0, NULL, NULL},
+        {"topo:1/2/8", {1, 2, 8}, 1, "sgd", "fp32", 0, false, 0, NULL, NULL},
+        {"zero1,sec=2", {1, 1, n}, 3, "sgd", "bf16", 2, false, 0, NULL, NULL},
+        {"zero2,sec=4", {1, n, n}, 1, "adamw", "fp32", 4, false, 0, NULL, NULL},
+        {"topo:2/4/8,sec=2", {2, 4, 8}, 3, "adamw", "bf16", 2, true, 0, NULL, NULL},
+        {"topo:2/4/8,sec=1", {2, 4, 8}, 3, "sgd", "fp32", 1, true, 0, NULL, NULL},
+        {"topo:1/2/8,sec=2", {1, 2, 8}, 1, "adamw", "fp32", 2, true, 0, NULL, NULL},
+        {"zero3", {n, n, n}, 3, "adamw", "fp32", 0, true, 0, NULL, NULL},
+        {"zero3,sec=4", {n, n, n}, 3, "adamw", "fp32", 4, true, 0, NULL, NULL},
+        {"zero3,sec=2", {n, n, n}, 1, "sgd", "bf16", 2, true, 0, NULL, NULL},
+        {"mics:4,sec=2", {4, 4, 4}, 3, "adamw", "fp32", 2, true, 0, NULL, NULL}, /* across packages
+                                                                                  * only
+                                                                                  */
     };
     struct run runs42[] = {
-        {"topo:2/2/8", {2, 2, 8}, 1, "adamw", "fp32", 0, false, 0, NULL},
-        {"topo:2/2/8", {2, 2, 8}, 3, "sgd", "bf16", 0, false, 0, NULL},
+        {"topo:2/2/8", {2, 2, 8}, 1, "adamw", "fp32", 0, false, 0, NULL, NULL},
+        {"topo:2/2/8", {2, 2, 8}, 3, "sgd", "bf16", 0, false, 0, NULL, NULL},
         /* the boundary hop all-reduced instead of reduce-scattered: the same bits, with the
          * norm clipping too */
-        {"topo:2/2/8,hop-ar", {2, 2, 8}, 1, "adamw", "fp32", 0, false, 1, NULL},
-        {"topo:2/2/8", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 0, "0.05"},
-        {"topo:2/2/8,hop-ar", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 4, "0.05"},
-        {"zero1", {1, 1, n}, 3, "adamw", "fp32", 0, false, 0, NULL},
-        {"zero1,hop-ar", {1, 1, n}, 3, "adamw", "fp32", 0, false, 7, NULL},
-        {"topo-fp", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 0, NULL},
-        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false, 0, NULL}, /* w inside, g across
-                                                                             nodes */
-        {"zero2", {1, n, n}, 1, "adamw", "bf16", 0, false, 0, NULL},
-        {"topo:2/2/8,sec=2", {2, 2, 8}, 3, "adamw", "fp32", 2, true, 0, NULL},
-        {"topo:2/2/8,sec=1", {2, 2, 8}, 1, "sgd", "bf16", 1, true, 0, NULL},
-        {"zero3", {n, n, n}, 3, "sgd", "fp32", 0, true, 0, NULL},
-        {"zero3,sec=2", {n, n, n}, 3, "sgd", "fp32", 2, true, 0, NULL},
-        {"topo:4/4/8,sec=2", {4, 4, 8}, 1, "adamw", "bf16", 2, true, 0, NULL},
-        {"topo:4/4/8,sec=2", {4, 4, 8}, 3, "sgd", "fp32", 2, true, 0, NULL},
+        {"topo:2/2/8,hop-ar", {2, 2, 8}, 1, "adamw", "fp32", 0, false, 1, NULL, NULL},
+        {"topo:2/2/8", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 0, "0.05", NULL},
+        {"topo:2/2/8,hop-ar", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 4, "0.05", NULL},
+        {"zero1", {1, 1, n}, 3, "adamw", "fp32", 0, false, 0, NULL, NULL},
+        {"zero1,hop-ar", {1, 1, n}, 3, "adamw", "fp32", 0, false, 6, NULL, NULL},
+        /* gradients pushed times a loss scale of a power of two and divided by it in the
+         * daemon (shard_step_scaled): the same bits, clipped or not, fp32 or bf16 */
+        {"topo:2/2/8", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 4, "0.05", "1024"},
+        {"topo:2/2/8", {2, 2, 8}, 3, "sgd", "bf16", 0, false, 2, NULL, "65536"},
+        {"topo-fp", {2, 2, 8}, 3, "adamw", "fp32", 0, false, 0, NULL, NULL},
+        {"topo:2/4/8", {2, 4, 8}, 3, "adamw", "fp32", 0, false, 0, NULL, NULL}, /* w inside, g
+                                                                             across nodes */
+        {"zero2", {1, n, n}, 1, "adamw", "bf16", 0, false, 0, NULL, NULL},
+        {"topo:2/2/8,sec=2", {2, 2, 8}, 3, "adamw", "fp32", 2, true, 0, NULL, NULL},
+        {"topo:2/2/8,sec=1", {2, 2, 8}, 1, "sgd", "bf16", 1, true, 0, NULL, NULL},
+        {"zero3", {n, n, n}, 3, "sgd", "fp32", 0, true, 0, NULL, NULL},
+        {"zero3", {n, n, n}, 3, "sgd", "fp32", 0, true, 15, NULL, "4096"},
+        {"zero3,sec=2", {n, n, n}, 3, "sgd", "fp32", 2, true, 0, NULL, NULL},
+        {"topo:4/4/8,sec=2", {4, 4, 8}, 1, "adamw", "bf16", 2, true, 0, NULL, NULL},
+        {"topo:4/4/8,sec=2", {4, 4, 8}, 3, "sgd", "fp32", 2, true, 0, NULL, NULL},
     };
     bool four = N == 4;
     struct run *runs = four ? runs42 : runs24;

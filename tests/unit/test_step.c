@@ -11,7 +11,9 @@
  *  - it waits: for the pushes (until SD_JOB_EV_PUSHED), for a checkpoint's worker on the shards
  *    (until SD_JOB_EV_OS_FREE with the worker gone), for the device (sd_step_queue_poll);
  *  - refusals: a rank calling twice (EBUSY), unknown flags (EINVAL), two ranks' hyperparameters
- *    differing (EMISMATCH on every rank, naming the rank, the optimizer not run), a NaN
+ *    differing (EMISMATCH on every rank, naming the rank, the optimizer not run), a loss scale
+ *    not finite or not positive (EINVAL at the call), two ranks' loss scales differing or given
+ *    by one only (EMISMATCH); the same one reaches the optimizer (1 in a step without), a NaN
  *    (ENONFINITE naming the unit; gradients zeroed, the step count kept);
  *  - two nodes (mics:2, node 0 of 2): one all-reduce per unit, in descending unit order (the
  *    boundary hop's, the same on every node), the next started
@@ -53,7 +55,7 @@
 static struct {
     /* the optimizer */
     int applied, handed, taken; /* sd_optimizer_apply, _handoff, _take_update */
-    double sumsq;
+    double sumsq, loss_scale;
     /* switches */
     bool push_idle, shards_busy, weights_remote;
     float *round_buf;  /* sd_push_idle_round_buf: the early hops' buffer, or NULL */
@@ -181,24 +183,26 @@ int sd_weights_exchange(struct sd_job *job, uint32_t u, uint32_t *posted_p, uint
 }
 
 double sd_optimizer_apply(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
-                          const uint64_t *used)
+                          double loss_scale, const uint64_t *used)
 {
     (void)job;
     (void)hp;
     (void)used;
     F.applied++;
     F.sumsq = sumsq;
+    F.loss_scale = loss_scale;
     return sqrt(sumsq);
 }
 
 double sd_optimizer_handoff(struct sd_job *job, const struct sd_hparams *hp, double sumsq,
-                            const uint64_t *used)
+                            double loss_scale, const uint64_t *used)
 {
     (void)job;
     (void)hp;
     (void)used;
     F.handed++;
     F.sumsq = sumsq;
+    F.loss_scale = loss_scale;
     return sqrt(sumsq);
 }
 
@@ -317,6 +321,14 @@ static void teardown(struct fixture *fx)
 static void call_step(struct fixture *fx, uint32_t r, uint64_t flags)
 {
     struct sd_sqe e = {.tag = 100 + r, .arg0 = flags};
+    sd_step(fx->job, &fx->tj.s[r], &e);
+}
+
+/* the same with a loss scale (SD_STEP_ARG_SCALED, arg1 the double's bits) */
+static void call_scaled(struct fixture *fx, uint32_t r, double scale)
+{
+    struct sd_sqe e = {.tag = 100 + r, .arg0 = SD_STEP_ARG_SCALED};
+    memcpy(&e.arg1, &scale, sizeof(scale));
     sd_step(fx->job, &fx->tj.s[r], &e);
 }
 
@@ -469,17 +481,50 @@ static void test_refusals(void)
     check_answers("hyperparameters that differ", &fx, SD_EMISMATCH, 0);
     TH_CHECK(strstr(msg_of(0), "rank 1's hyperparameters") && F.applied == 0 && job->steps == 0,
              "named rank 1, the optimizer not run, no step (%s)", msg_of(0));
+    /* loss scales: not finite or not positive refused at the call; two ranks' that differ
+     * refuse the step on both, naming the rank; the same one reaches the optimizer */
+    static const double bad[] = {0.0, -2.0, 1e-320, INFINITY, NAN};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        th_fake.fails = 0;
+        call_scaled(&fx, 0, bad[i]);
+        TH_CHECK(th_fake.fails == 1 && th_fake.fail_status == SD_EINVAL &&
+                     strstr(th_fake.fail_msg, "loss scale") && sd_step_arrived(job) == 0,
+                 "loss scale %g: EINVAL naming it, nobody waits (%s)", bad[i], th_fake.fail_msg);
+    }
+    reset_answers();
+    call_scaled(&fx, 0, 1024.0);
+    call_scaled(&fx, 1, 2048.0);
+    check_answers("loss scales that differ", &fx, SD_EMISMATCH, 0);
+    TH_CHECK(strstr(msg_of(0), "rank 1's loss scale (2048)") && F.applied == 0 && job->steps == 0,
+             "named rank 1's loss scale, the optimizer not run (%s)", msg_of(0));
+    reset_answers();
+    call_scaled(&fx, 0, 1024.0);
+    call_step(&fx, 1, 0);
+    check_answers("a loss scale on one rank only", &fx, SD_EMISMATCH, 0);
+    reset_answers();
+    call_scaled(&fx, 0, 65536.0);
+    call_scaled(&fx, 1, 65536.0);
+    check_answers("the same loss scale", &fx, SD_OK, 1);
+    TH_CHECK(F.applied == 1 && F.loss_scale == 65536.0, "the optimizer got loss scale %g",
+             F.loss_scale);
+    reset_answers();
+    all_call(&fx); /* and the next step without one: 1 */
+    check_answers("no loss scale", &fx, SD_OK, 2);
+    TH_CHECK(F.applied == 2 && F.loss_scale == 1.0, "the optimizer got loss scale %g",
+             F.loss_scale);
+    F.applied = 0;
+    uint64_t steps0 = job->steps;
     /* a NaN in unit 1 */
     reset_answers();
     const struct sd_unit_layout *u1 = &job->layout.units[1];
     fx.grad[1][u1->arena_off[SD_STATE_G] + 7] = NAN;
     all_call(&fx);
-    check_answers("a NaN", &fx, SD_ENONFINITE, 0);
+    check_answers("a NaN", &fx, SD_ENONFINITE, steps0);
     uint64_t nonzero = 0;
     for (uint32_t r = 0; r < 2; r++)
         for (uint64_t i = 0; i < job->layout.arena_numel[SD_STATE_G]; i++)
             nonzero += fx.grad[r][i] != 0.0f;
-    TH_CHECK(strstr(msg_of(0), "unit 1") && F.applied == 0 && job->steps == 0 && nonzero == 0,
+    TH_CHECK(strstr(msg_of(0), "unit 1") && F.applied == 0 && job->steps == steps0 && nonzero == 0,
              "named unit 1, no optimizer, no step, gradients zeroed (%llu left): %s",
              (unsigned long long)nonzero, msg_of(0));
     teardown(&fx);

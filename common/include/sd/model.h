@@ -215,7 +215,11 @@ struct sd_step_args {
 #define SD_STEP_ARG_BCAST    4u /* every rank sets it alike: rank 0's broadcast area goes out */
 /* a trainer optimizer's update is written (SD_STATE_OWN): the step goes on to the weights */
 #define SD_STEP_ARG_UPDATED 8u
-#define SD_MAX_BCAST_BYTES  (64ull << 20)
+/* the ranks' gradients of this step were multiplied by a loss scale, which the step's ring
+ * entry carries in arg1 (a double's bits; finite, positive): the daemon divides the sums by it
+ * before the norm, the clipping and the optimizer. Every rank of the job gives the same one. */
+#define SD_STEP_ARG_SCALED 16u
+#define SD_MAX_BCAST_BYTES (64ull << 20)
 _Static_assert(sizeof(struct sd_hparams) == 24, "step arguments layout is ABI");
 
 /* where the broadcast area starts in the step arguments */
