@@ -399,12 +399,10 @@ static size_t norm_sums(struct sd_job *job, bool enqueue)
             continue;
         for (uint32_t u = 0; u < job->layout.n_units; u++) {
             const struct sd_unit_layout *ul = &job->layout.units[u];
-            if (enqueue && owned)
-                job->reg->dev->sum_sq(job->mem.queue, sd_job_os_grad(job, j, u),
-                                      ul->numel / job->plan.f[SD_STATE_OS], &parts[n_parts]);
-            else if (enqueue)
-                job->reg->dev->sum_sq(job->mem.queue, sd_job_g_shard(job, j, ul), ul->numel / f,
-                                      &parts[n_parts]);
+            if (enqueue)
+                job->reg->dev->sum_sq(
+                    job->mem.queue, owned ? sd_job_os_grad(job, j, u) : sd_job_g_shard(job, j, ul),
+                    ul->numel / (owned ? job->plan.f[SD_STATE_OS] : f), &parts[n_parts]);
             n_parts++;
         }
     }
@@ -517,12 +515,12 @@ void sd_step_progress(struct sd_job *job)
             return;
         }
         if (sd_optim_in_trainer(job->model.optim.kind)) {
-            sd_optimizer_handoff(job, job->step->hp_next, sumsq, job->step->loss_scale,
+            sd_optimizer_handoff(job, job->step->hp_next, sumsq, job->step->rank_scale[0],
                                  sd_step__used(job));
             handoff(job);
             return;
         }
-        sd_optimizer_apply(job, job->step->hp_next, sumsq, job->step->loss_scale,
+        sd_optimizer_apply(job, job->step->hp_next, sumsq, job->step->rank_scale[0],
                            sd_step__used(job));
         if (!weights_phase(job))
             return;

@@ -42,9 +42,10 @@ struct sd_step_state {
      * bcast_bytes (node 0's: global rank 0's broadcast; the others' unused) */
     uint8_t *norm_buf;
     size_t norm_stride, bcast_at;
-    uint32_t *arg_flags;        /* [k]: which step arguments each rank wrote (SD_STEP_ARG_*) */
-    double *rank_scale;         /* [k]: each rank's loss scale (SD_STEP_ARG_SCALED), else 1 */
-    double loss_scale;          /* this step's (the local ranks' one), 1 without */
+    uint32_t *arg_flags; /* [k]: which step arguments each rank wrote (SD_STEP_ARG_*) */
+    /* [k]: each rank's loss scale (SD_STEP_ARG_SCALED), else 1; the step's is rank 0's once
+     * sd_step__args_collect found them equal */
+    double *rank_scale;
     struct sd_hparams *hp_next; /* [n_groups]: this step's hyperparameters (the local ranks') */
     int arg_status;             /* SD_OK, or why the local ranks' arguments were refused */
     char arg_msg[160];

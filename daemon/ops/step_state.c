@@ -38,7 +38,6 @@ int sd_step_alloc(struct sd_job *job)
     st->norm_buf = calloc(job->nodes, st->norm_stride);
     st->arg_flags = calloc(k, sizeof(*st->arg_flags));
     st->rank_scale = calloc(k, sizeof(*st->rank_scale));
-    st->loss_scale = 1.0;
     st->hp_next = calloc(n_groups, sizeof(*st->hp_next));
     st->used = calloc(st->used_words, sizeof(*st->used));
     st->hop_final = calloc(l->n_units, sizeof(*st->hop_final));
@@ -210,9 +209,8 @@ void sd_step__args_collect(struct sd_job *job)
     for (uint32_t r = 0; r < job->k && job->step->arg_status == SD_OK; r++)
         args_of_rank(job, r, &hp_set, used);
     bool bcast = (job->step->arg_flags[0] & SD_STEP_ARG_BCAST) != 0;
-    job->step->loss_scale = job->step->rank_scale[0];
     uint64_t sbits;
-    memcpy(&sbits, &job->step->loss_scale, sizeof(sbits));
+    memcpy(&sbits, &job->step->rank_scale[0], sizeof(sbits));
     /* whether the ranks broadcast, and their loss scale, are compared across nodes with the
      * hyperparameters */
     me->hparams = job->step->arg_status != SD_OK

@@ -154,7 +154,9 @@ static void run_one(const struct run *r, int idx)
          * before the backward needs them */
         r->small_pool ? "--max-live-bytes" : NULL,
         strcmp(r->dtype, "bf16") == 0 ? "70000" : "140000", NULL, NULL, NULL, NULL, NULL};
-    size_t at = r->small_pool ? 19 : 17; /* in the place of --max-live-bytes or after it */
+    size_t at = 0; /* in the place of --max-live-bytes or after it */
+    while (args[at] != NULL)
+        at++;
     if (r->clip != NULL) {
         args[at++] = "--max-grad-norm";
         args[at++] = r->clip;
