@@ -1678,6 +1678,42 @@ int shard_step_scaled(shard_ctx_t *ctx, const shard_step_args_t *args, double lo
     return status;
 }
 
+void shard_scaler_init(shard_scaler_t *s)
+{
+    *s = (shard_scaler_t){
+        .scale = 65536.0, .growth_factor = 2.0, .backoff_factor = 0.5, .growth_interval = 2000};
+}
+
+void shard_scaler_update(shard_scaler_t *s, int found_inf)
+{
+    if (found_inf) {
+        s->scale = (float)(s->scale * s->backoff_factor);
+        s->growth_tracker = 0;
+        s->skipped++;
+        return;
+    }
+    uint32_t taken = s->growth_tracker + 1; /* (torch's comparison: an interval 0 never grows) */
+    if (taken != s->growth_interval) {
+        s->growth_tracker = taken;
+        return;
+    }
+    float grown = (float)(s->scale * s->growth_factor);
+    if (isfinite(grown))
+        s->scale = grown;
+    s->growth_tracker = 0;
+}
+
+int shard_step_amp(shard_ctx_t *ctx, const shard_step_args_t *args, shard_scaler_t *s,
+                   double *grad_norm_p)
+{
+    if (s == NULL)
+        return ctx != NULL ? fail(ctx, SD_EINVAL, "step_amp: no scaler") : SD_EINVAL;
+    int status = shard_step_scaled(ctx, args, s->scale, grad_norm_p);
+    if (status == SD_OK || status == SD_ENONFINITE)
+        shard_scaler_update(s, status == SD_ENONFINITE);
+    return status;
+}
+
 /* the context is attached and registered, and unit one of its units */
 static int attached_unit(shard_ctx_t *ctx, const char *op, uint32_t unit)
 {

@@ -23,9 +23,9 @@ extern "C" {
 
 #define SHARD_VERSION_MAJOR 0
 #define SHARD_VERSION_MINOR                                                                        \
-    9 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write, shard_read; 8: trainer      \
+    10 /* 6: shard_fetchx, shard_releasex, shard_pushx; 7: shard_write, shard_read; 8: trainer     \
          optimizers (shard_read_own, shard_write_own, shard_step_update_done); 9:                  \
-         shard_step_scaled */
+         shard_step_scaled; 10: shard_scaler_t, shard_step_amp */
 
 /* Status codes (values are negated errno codes, project codes below -1000). */
 enum {
@@ -397,6 +397,32 @@ SHARD_API int shard_step_ex(shard_ctx_t *ctx, const shard_step_args_t *args, dou
  * gives the same loss_scale (SHARD_EMISMATCH otherwise); finite and positive (SHARD_EINVAL). */
 SHARD_API int shard_step_scaled(shard_ctx_t *ctx, const shard_step_args_t *args, double loss_scale,
                                 double *grad_norm_p);
+
+/* Dynamic loss scaling with torch.amp.GradScaler's rule (fp16 training: the loss is multiplied by
+ * `scale` before its backward, so that small gradients do not underflow to zero). Every rank keeps
+ * one and updates it with each step's outcome, which the daemon decides for all ranks alike (from
+ * the exchanged norm parts), so the ranks' scales stay equal; the daemon checks they do. */
+typedef struct shard_scaler {
+    double scale;             /* the next step's loss scale (a float32 value, as torch's) */
+    double growth_factor;     /* times this after growth_interval steps in a row taken */
+    double backoff_factor;    /* times this after a step skipped for a non-finite gradient */
+    uint32_t growth_interval; /* steps in a row taken before the scale grows */
+    uint32_t growth_tracker;  /* steps in a row taken since the last change */
+    uint64_t skipped;         /* steps skipped so far */
+} shard_scaler_t;
+
+/* torch.amp.GradScaler's defaults: scale 2^16, growth 2 every 2000 steps taken, backoff 0.5 */
+SHARD_API void shard_scaler_init(shard_scaler_t *s);
+/* The scaler after a step: found_inf non-zero (skipped) multiplies the scale by backoff_factor
+ * and restarts the count; else the count grows, and at growth_interval the scale is multiplied
+ * by growth_factor (kept where that would be infinite in float32) and the count restarts; the
+ * scale is rounded to float32 as torch's _amp_update_scale_ keeps it. */
+SHARD_API void shard_scaler_update(shard_scaler_t *s, int found_inf);
+/* shard_step_scaled with s->scale, then shard_scaler_update with its outcome: 0 (the step taken)
+ * or SHARD_ENONFINITE (skipped on every rank, the optimizer's state untouched, the scale lowered:
+ * go on with the next step); any other error leaves the scaler as it was. */
+SHARD_API int shard_step_amp(shard_ctx_t *ctx, const shard_step_args_t *args, shard_scaler_t *s,
+                             double *grad_norm_p);
 /* The hyperparameters of group as of the last step (or the registration) */
 SHARD_API int shard_group_hparams(const shard_ctx_t *ctx, uint32_t group, shard_hparams_t *h_p);
 /* Save a checkpoint of the job into dir/step-NNNNNNNN (the steps taken so far), then point

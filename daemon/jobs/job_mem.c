@@ -321,6 +321,7 @@ static int job_alloc_begin(struct sd_job *job, char *err, size_t errlen)
     job->mem.pool.fd = job->mem.scratch_mem.fd = -1;
     job->stats.pool_bytes = need.pool;
     job->stats.memory_bytes = need.total;
+    job->stats.loss_scale = 1.0; /* until a step says another */
     job->mem.staging_slots = (uint32_t)cfg->staging_slots;
     job->mem.staging_slot_bytes = l->max_unit_numel * sizeof(float);
     /* in the control page, after the fence; a save's directory follows the step arguments

@@ -187,37 +187,46 @@ static uint32_t rank_major(size_t p, uint32_t n_units)
  * discarded, the weights, the optimizer state and the step count stay as they were, and the job
  * goes on (the next micro-steps accumulate afresh, like a GradScaler's skipped step). Every node
  * decides alike from the exchanged norm parts. */
-static void step_skip(struct sd_job *job, int status, const char *msg)
+static void step_skip(struct sd_job *job, int status, const char *msg, bool routine)
 {
     /* enqueued, not waited for: whatever reads the g shards next (a push round's reduction, the
      * step's sums and packing, a node round's partial) is a kernel on the same queue */
     for (uint32_t r = 0; r < job->k; r++)
         job->reg->dev->zero(job->mem.queue, sd_job_state(job, r, SD_STATE_G),
                             job->layout.arena_numel[SD_STATE_G] * sizeof(float));
-    SD_WARN("job", "job '%s': %s", job->name, msg);
+    if (routine)
+        SD_INFO("job", "job '%s': %s", job->name, msg);
+    else
+        SD_WARN("job", "job '%s': %s", job->name, msg);
     job->step->phase = SD_STEP_IDLE;
     step_answer(job, status, msg);
 }
 
 /* A gradient that is not finite (a NaN or an infinity in unit `unit`, or UINT32_MAX: finite parts
  * whose sum of squares overflowed) fails the step on every rank with SD_ENONFINITE, as torch's
- * clip_grad_norm_(error_if_nonfinite=True) raises, and the step is skipped. */
+ * clip_grad_norm_(error_if_nonfinite=True) raises, and the step is skipped. Under a loss scale
+ * that is a dynamic scaler's overflow, GradScaler's found_inf: routine, logged as information. */
 static void step_nonfinite(struct sd_job *job, uint32_t unit)
 {
+    double S = job->step->rank_scale[0];
     job->stats.steps_nonfinite++;
-    char msg[SD_OP_MSG_LEN];
+    job->stats.steps_nonfinite_scaled += S != 1.0;
+    job->stats.loss_scale = S;
+    char msg[SD_OP_MSG_LEN], under[64] = "";
     unsigned long long step = (unsigned long long)job->steps + 1;
+    if (S != 1.0)
+        snprintf(under, sizeof(under), " under loss scale %g", S);
     if (unit != UINT32_MAX)
         snprintf(msg, sizeof(msg),
                  "step %llu: unit %u (first tensor '%.60s') has a non-finite gradient (NaN or "
-                 "inf): step skipped, gradients discarded, weights unchanged",
-                 step, unit, job->model.tensors[job->layout.units[unit].first_tensor].name);
+                 "inf)%s: step skipped, gradients discarded, weights unchanged",
+                 step, unit, job->model.tensors[job->layout.units[unit].first_tensor].name, under);
     else
         snprintf(msg, sizeof(msg),
-                 "step %llu: the gradient norm is not finite (its sum of squares overflowed): "
+                 "step %llu: the gradient norm is not finite (its sum of squares overflowed)%s: "
                  "step skipped, gradients discarded, weights unchanged",
-                 step);
-    step_skip(job, SD_ENONFINITE, msg);
+                 step, under);
+    step_skip(job, SD_ENONFINITE, msg, S != 1.0);
 }
 
 /* One node: the replicas of each g shard are all here (rank i of the first g-partition group
@@ -500,7 +509,7 @@ void sd_step_progress(struct sd_job *job)
         char msg[SD_OP_MSG_LEN];
         if (!sd_step__args_agree(job, &refused, msg, sizeof(msg))) {
             job->stats.steps_refused++;
-            step_skip(job, refused, msg); /* on every node alike */
+            step_skip(job, refused, msg, false); /* on every node alike */
             return;
         }
         sd_step__bcast_deliver(job); /* a step skipped as non-finite broadcasts all the same */
@@ -514,6 +523,7 @@ void sd_step_progress(struct sd_job *job)
             step_nonfinite(job, bad);
             return;
         }
+        job->stats.loss_scale = job->step->rank_scale[0];
         if (sd_optim_in_trainer(job->model.optim.kind)) {
             sd_optimizer_handoff(job, job->step->hp_next, sumsq, job->step->rank_scale[0],
                                  sd_step__used(job));

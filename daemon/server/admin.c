@@ -308,6 +308,9 @@ static json_t *job_stats(const struct sd_job *job)
                           (json_int_t)job->stats.pool_bytes);
     json_object_set_new(o, "units", json_integer((json_int_t)job->layout.n_units));
     json_object_set_new(o, "steps_nonfinite", json_integer((json_int_t)job->stats.steps_nonfinite));
+    json_object_set_new(o, "steps_nonfinite_scaled",
+                        json_integer((json_int_t)job->stats.steps_nonfinite_scaled));
+    json_object_set_new(o, "loss_scale", json_real(job->stats.loss_scale));
     json_object_set_new(o, "steps_refused", json_integer((json_int_t)job->stats.steps_refused));
     /* units sent across nodes during the backward (shard_last_micro_step), not at the step */
     json_object_set_new(o, "boundary_hops_early",

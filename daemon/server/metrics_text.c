@@ -280,6 +280,13 @@ static void job_metrics(const struct shown *s, struct sd_text *t)
     JOB_COUNTER(t, s, "shardd_job_steps_nonfinite_total",
                 "Steps skipped on every rank for a gradient that was not finite.",
                 job->stats.steps_nonfinite);
+    JOB_COUNTER(t, s, "shardd_job_steps_nonfinite_scaled_total",
+                "Of those, steps under a loss scale: a dynamic loss scaler's overflows.",
+                job->stats.steps_nonfinite_scaled);
+    family(t, "shardd_job_loss_scale", "gauge", "The last step's loss scale (1: none).");
+    for (uint32_t i = 0; i < s->n; i++)
+        sd_text_printf(t, "shardd_job_loss_scale{%s} %.17g\n", s->label[i],
+                       s->job[i]->stats.loss_scale);
     JOB_COUNTER(t, s, "shardd_job_steps_refused_total",
                 "Steps skipped for arguments the ranks did not agree on.",
                 job->stats.steps_refused);

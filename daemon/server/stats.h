@@ -54,10 +54,12 @@ struct sd_job_stats {
     uint64_t quant_encodes;   /* buffers quantized (w shards, gradient blocks, secondary pieces) */
     uint64_t quant_fallbacks; /* reductions ,qg left exact: units below quant_min_bytes */
     uint64_t steps_nonfinite; /* steps skipped for a gradient that was not finite */
-    uint64_t steps_refused;   /* steps skipped for arguments the ranks did not agree on */
-    uint64_t tensors_skipped; /* tensors a step left alone: no rank gave them a gradient */
-    uint64_t bcast_bytes;     /* bytes of rank 0's broadcasts delivered to this node's ranks */
-    uint64_t gathers, cache_hits;                /* evictions: the unit cache counts them */
+    uint64_t steps_nonfinite_scaled; /* of those, steps under a loss scale (a scaler's backoff) */
+    double loss_scale;               /* the last step's loss scale (1: none) */
+    uint64_t steps_refused;          /* steps skipped for arguments the ranks did not agree on */
+    uint64_t tensors_skipped;        /* tensors a step left alone: no rank gave them a gradient */
+    uint64_t bcast_bytes;         /* bytes of rank 0's broadcasts delivered to this node's ranks */
+    uint64_t gathers, cache_hits; /* evictions: the unit cache counts them */
     uint64_t coalesced_gathers, coalesced_units; /* transfers that moved several units, and those */
     uint64_t allocs_after_register;
     uint64_t pool_bytes;

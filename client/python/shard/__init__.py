@@ -22,8 +22,8 @@ import re
 import sys
 import weakref
 
-__all__ = ["Context", "ShardError", "Tensor", "FP32", "BF16", "FP16", "admin", "library_path",
-           "device_syncs", "strerror"]
+__all__ = ["Context", "ShardError", "Tensor", "Scaler", "FP32", "BF16", "FP16", "admin",
+           "library_path", "device_syncs", "strerror"]
 
 FP32, BF16, FP16 = 0, 1, 2
 DTYPE_BYTES = {FP32: 4, BF16: 2, FP16: 2}
@@ -69,6 +69,36 @@ class _StepArgs(ctypes.Structure):
     _fields_ = [("groups", ctypes.POINTER(_HParams)), ("n_groups", ctypes.c_uint32),
                 ("has_grad", ctypes.POINTER(ctypes.c_uint8)), ("n_tensors", ctypes.c_uint32),
                 ("bcast", ctypes.c_void_p), ("bcast_bytes", ctypes.c_uint64)]
+
+
+class Scaler(ctypes.Structure):
+    """libshard's dynamic loss scaler (shard_scaler_t) with torch.amp.GradScaler's rule and
+    defaults: multiply the loss by .scale before its backward, step with
+    Context.step_amp(scaler) (or step(loss_scale=scaler.scale) and update(found_inf)): a step
+    skipped for a non-finite gradient (on every rank alike) multiplies the scale by
+    backoff_factor, growth_interval steps taken in a row by growth_factor. The scale is a float32
+    value, as torch keeps it. (shard.torch users keep torch's own GradScaler.)"""
+    _fields_ = [("scale", ctypes.c_double), ("growth_factor", ctypes.c_double),
+                ("backoff_factor", ctypes.c_double), ("growth_interval", ctypes.c_uint32),
+                ("growth_tracker", ctypes.c_uint32), ("skipped", ctypes.c_uint64)]
+
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000):
+        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and
+                int(growth_interval) > 0):
+            raise ValueError(f"shard.Scaler: init_scale {init_scale} > 0, growth_factor "
+                             f"{growth_factor} > 1, 0 < backoff_factor {backoff_factor} < 1 and "
+                             f"growth_interval {growth_interval} > 0 (torch's GradScaler's)")
+        super().__init__(float(_c_float_round(init_scale)), growth_factor, backoff_factor,
+                         int(growth_interval), 0, 0)
+
+    def update(self, found_inf):
+        """the scale after a step: found_inf true (skipped) backs off, else counts a step"""
+        _lib.shard_scaler_update(ctypes.byref(self), 1 if found_inf else 0)
+
+
+def _c_float_round(x):
+    return ctypes.c_float(x).value
 
 
 class _Optimizer(ctypes.Structure):
@@ -179,6 +209,10 @@ _lib.shard_step.argtypes = [_c.c_void_p, _c.POINTER(_c.c_double)]
 _lib.shard_last_micro_step.argtypes = [_c.c_void_p, _c.c_int]
 _lib.shard_group_hparams.argtypes = [_c.c_void_p, _c.c_uint32, _c.POINTER(_HParams)]
 _lib.shard_step_ex.argtypes = [_c.c_void_p, _c.POINTER(_StepArgs), _c.POINTER(_c.c_double)]
+_lib.shard_step_scaled.argtypes = [_c.c_void_p, _c.POINTER(_StepArgs), _c.c_double,
+                                   _c.POINTER(_c.c_double)]
+_lib.shard_scaler_update.argtypes = [_c.POINTER(Scaler), _c.c_int]
+_lib.shard_scaler_update.restype = None
 _lib.shard_detach.argtypes = [_c.c_void_p]
 _lib.shard_save.argtypes = [_c.c_void_p, _c.c_char_p, _c.POINTER(_c.c_uint64)]
 _lib.shard_write.argtypes = [_c.c_void_p, _c.c_uint32, _c.c_uint32, _c.c_void_p, _c.c_size_t]
@@ -502,16 +536,19 @@ class Context:
         same step fails the job. False takes it back; each step resets it."""
         self._check(_lib.shard_last_micro_step(self._ctx, 1 if last else 0), "last_micro_step")
 
-    def step(self, groups=None, has_grad=None, bcast=None):
+    def step(self, groups=None, has_grad=None, bcast=None, loss_scale=None):
         """Optimizer step at the accumulation boundary (all ranks); the gradient norm.
         groups: every parameter group's hyperparameters from this step on (a list of dicts as
         register's, missing keys as in the last step; None: those of the last step). has_grad
         (with skip_unused): one truth value per tensor, whether this rank gave it a gradient
         since the last step (None: all). bcast: a writable ctypes buffer of the registered
         bcast_bytes, given by every rank or none: rank 0's contents are sent, and every other
-        rank's are overwritten with them (also when the step raises ENONFINITE)."""
+        rank's are overwritten with them (also when the step raises ENONFINITE). loss_scale:
+        the factor this step's gradients were multiplied by (shard_step_scaled; every rank
+        gives the same), divided out before the norm, the clipping and the optimizer; a
+        non-finite gradient raises ENONFINITE, the step skipped on every rank."""
         norm = _c.c_double()
-        if groups is None and has_grad is None and bcast is None:
+        if groups is None and has_grad is None and bcast is None and loss_scale is None:
             self._check(_lib.shard_step(self._ctx, _c.byref(norm)), "step")
             return norm.value
         args = _StepArgs()
@@ -527,8 +564,26 @@ class Context:
         if bcast is not None:
             args.bcast = _c.addressof(bcast)
             args.bcast_bytes = _c.sizeof(bcast)
-        self._check(_lib.shard_step_ex(self._ctx, _c.byref(args), _c.byref(norm)), "step")
+        if loss_scale is None:
+            self._check(_lib.shard_step_ex(self._ctx, _c.byref(args), _c.byref(norm)), "step")
+        else:
+            self._check(_lib.shard_step_scaled(self._ctx, _c.byref(args), float(loss_scale),
+                                               _c.byref(norm)), "step")
         return norm.value
+
+    def step_amp(self, scaler, **kwargs):
+        """step(loss_scale=scaler.scale, ...), then scaler.update with its outcome: the norm, or
+        None for a step skipped for a non-finite gradient (the scale lowered; go on). Any other
+        error raises, the scaler unchanged."""
+        try:
+            norm = self.step(loss_scale=scaler.scale, **kwargs)
+        except ShardError as e:
+            if e.status != ENONFINITE:
+                raise
+            scaler.update(True)
+            return None
+        scaler.update(False)
+        return norm
 
     def group_hparams(self, group):
         """A parameter group's hyperparameters as of the last step: a dict."""

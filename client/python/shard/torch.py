@@ -203,6 +203,9 @@ class _State:
         self.opt = None                    # the optimizer object (its param_groups drive steps)
         self.trainer = None                # a trainer optimizer's part of the step (_TrainerStep)
         self.trainer_steps = None          # tensor: its step count in shardd before the step
+        self.grad_scaler = None            # the torch.amp.GradScaler the last step came from
+        self.skipped_steps = 0             # steps a GradScaler's found_inf skipped
+        self.saved_scaler = None           # the GradScaler's state_dict the checkpoint holds
         self.group_of = {}                 # id(param): its param group
         self.bufs, self.rank = None, 0     # the buffers rank 0 broadcasts (_Buffers), this rank
         self.fetches = self.pushes = 0
@@ -396,7 +399,7 @@ class _State:
             out.append(h)
         return out
 
-    def step(self):
+    def step(self, loss_scale=None):
         if self.trainer is not None and self.trainer_steps is None:
             # every tensor's step count before the step: a trainer optimizer tells the tensors
             # no rank gave a gradient by an unchanged count
@@ -407,7 +410,8 @@ class _State:
             bufs.pack()
         try:
             norm = self.ctx.step(groups=self.hparams(), has_grad=self.has_grad,
-                                 bcast=bufs.area if bufs is not None else None)
+                                 bcast=bufs.area if bufs is not None else None,
+                                 loss_scale=loss_scale)
             if self.trainer is not None:  # the hand-off: this rank's shard, then the weights
                 try:
                     self.trainer()
@@ -429,6 +433,35 @@ class _State:
                 self.views[u] = None
         return norm
 
+    def amp_step(self, optimizer, grad_scaler):
+        """scaler.step(optimizer) of a torch.amp.GradScaler: the step with the scaler's current
+        scale, which the daemon divides out before the norm, the clipping and the optimizer, and
+        the outcome told to the scaler as its own unscale_ would have found it (found_inf, the
+        same on every rank: the daemon decides from the exchanged norm), so that scaler.update()
+        backs off after a skipped step and grows after growth_interval steps taken, by torch's
+        own rule. The norm, or None for a skipped step (the optimizer's state untouched)."""
+        scale = float(grad_scaler.get_scale())
+        found_inf = False
+        try:
+            norm = self.step(loss_scale=scale)
+        except _shard.ShardError as e:
+            if e.status != _shard.ENONFINITE:
+                raise
+            found_inf, norm = True, None
+        dev = grad_scaler._scale.device
+        grad_scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = {
+            dev: torch.full((), 1.0 if found_inf else 0.0, dtype=torch.float32, device=dev)}
+        self.skipped_steps += found_inf
+        self.grad_scaler = grad_scaler
+        return norm
+
+
+# torch.amp.GradScaler hands itself to an optimizer whose step takes grad_scaler (the optimizers
+# of a wrapped model: the gradients are in shardd, out of its unscale_'s reach) and warns that
+# this will change; shard.torch follows the change when torch makes it
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself",
+                        category=FutureWarning)
+
 
 def _refusal(call, why):
     """The ShardError a torch call that cannot work on a wrapped model raises: the call, why, and
@@ -448,17 +481,22 @@ class ShardOptimizer(torch.optim.Optimizer):
     the closure's loss, as torch's optimizers do); zero_grad() is accepted (the gradients are in
     shardd once pushed). The optimizer's state (master weights, moments) lives in shardd."""
 
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler: step(grad_scaler=) unscales
+
     def __init__(self, state, groups, defaults):
         super().__init__(groups, defaults)
         self._shard = state
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        norm = self._shard.step()
+        if grad_scaler is not None:
+            norm = self._shard.amp_step(self, grad_scaler)
+        else:
+            norm = self._shard.step()
         return norm if closure is None else loss
 
     def state_dict(self):
@@ -635,7 +673,8 @@ def _clone_optimizer(opt, groups):
     new = object.__new__(type(opt))
     new.__dict__.update({k: v for k, v in opt.__dict__.items()
                          if k not in ("step", "state_dict", "load_state_dict",
-                                      "_shard_translated", "state", "param_groups")})
+                                      "_shard_translated", "_step_supports_amp_scaling", "state",
+                                      "param_groups")})
     new.state = collections.defaultdict(dict)
     new.param_groups = [dict(g, params=list(ps)) for g, ps in zip(opt.param_groups, groups)]
     return new
@@ -1327,6 +1366,7 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
                 for k, v in sg.items():
                     if k == "lr" or k not in pg:
                         pg[k] = tuple(v) if isinstance(v, list) else v
+            state.saved_scaler = saved_torch.get("grad_scaler")
     except BaseException:  # no hooks left behind, the values back, the job left
         for h in state.handles:
             h.remove()
@@ -1362,13 +1402,21 @@ def _make_optimizer(state, opt, reg_params):
         so.param_groups = opt.torch_opt.param_groups
         so.defaults = opt.torch_opt.defaults
 
-        def step(self, closure=None):
+        def step(self, closure=None, grad_scaler=None):
             if hasattr(self, "_step_count"):  # a scheduler counts the steps
                 self._step_count += 1
+            if grad_scaler is not None:  # the scaler's found_inf is this optimizer's
+                loss = None
+                if closure is not None:
+                    with torch.enable_grad():
+                        loss = closure()
+                norm = state.amp_step(self, grad_scaler)
+                return norm if closure is None else loss
             return so.step(closure)
 
         step._with_counter = True  # what torch's schedulers mark a counted step() with
         opt.torch_opt.step = types.MethodType(step, opt.torch_opt)
+        opt.torch_opt._step_supports_amp_scaling = True
         opt.torch_opt.state_dict = so.state_dict
         opt.torch_opt.load_state_dict = so.load_state_dict
         opt.torch_opt._shard_translated = True
@@ -1629,7 +1677,7 @@ def step(model=None):
     return _state_of(model).step()
 
 
-def save(directory, model=None):
+def save(directory, model=None, grad_scaler=None):
     """Save a checkpoint of the wrapped model's job into directory/step-NNNNNNNN and point
     directory/LATEST at it; returns the step saved. Every rank calls it after the same step, with
     the same directory (one every node sees). It holds one copy of the fp32 master weights, the
@@ -1639,12 +1687,18 @@ def save(directory, model=None):
     (save them with torch.save). Rank 0 adds torch.json: the optimizer's param_groups as they
     are now (lr, and what a scheduler keeps there: initial_lr) and the other names of tied
     parameters. Save after scheduler.step(), and resume a scheduler by building it with
-    last_epoch=shard.torch.start_step(model) - 1 (docs/pytorch.md)."""
+    last_epoch=shard.torch.start_step(model) - 1 (docs/pytorch.md). With a torch.amp.GradScaler
+    (grad_scaler, else the one the last step came from; after scaler.update()), its state_dict
+    (the scale, the growth tracker, the factors) goes into torch.json too:
+    scaler.load_state_dict(shard.torch.grad_scaler_state_dict(model)) resumes it."""
     st = _state_of(model)
+    if grad_scaler is None:
+        grad_scaler = st.grad_scaler
     st._push_partial()
     step = st.ctx.save(directory)
     if st.rank == 0:
-        _write_torch_json(os.path.join(os.fspath(directory), f"step-{step:08d}"), st)
+        _write_torch_json(os.path.join(os.fspath(directory), f"step-{step:08d}"), st,
+                          grad_scaler)
     return step
 
 
@@ -1654,12 +1708,20 @@ def save(directory, model=None):
 TORCH_JSON = _checkpoint.TORCH_JSON
 
 
-def _write_torch_json(path, st):
+def _scaler_state(scaler):
+    """a GradScaler's state_dict as plain numbers (empty where it is disabled, as torch's)"""
+    return {k: (v.item() if isinstance(v, torch.Tensor) else v)
+            for k, v in scaler.state_dict().items()}
+
+
+def _write_torch_json(path, st, grad_scaler=None):
     groups = [{k: v for k, v in g.items() if k != "params" and
                isinstance(v, (int, float, str, bool, type(None), tuple, list))}
               for g in st.opt.param_groups]
     doc = {"format": "shard.torch", "version": 1, "param_groups": groups,
            "aliases": st.aliases}
+    if grad_scaler is not None:
+        doc["grad_scaler"] = _scaler_state(grad_scaler)
     if st.trainer is not None:  # torch's names of a trainer optimizer's states (shard.dcp)
         doc["trainer_states"] = list(st.trainer.names)
         doc["trainer_step"] = _step_name(st.trainer.step_type)
@@ -1677,6 +1739,13 @@ def _read_torch_json(load, step):
     if not os.path.exists(os.path.join(path, "MANIFEST")):
         path = os.path.join(path, f"step-{step:08d}")
     return _checkpoint.torch_json(path)
+
+
+def grad_scaler_state_dict(model=None):
+    """The torch.amp.GradScaler state_dict saved with the checkpoint the wrapped model's job
+    started from (wrap(load=...)), for scaler.load_state_dict; None where it holds none."""
+    sd = _state_of(model).saved_scaler
+    return dict(sd) if sd is not None else None
 
 
 def start_step(model=None):
