@@ -45,13 +45,18 @@ struct opts {
     const char *secret_file;    /* --job-secret-file (NULL: $SHARD_JOB_SECRET_FILE, else none) */
     const char *leader;         /* --leader (NULL: libshard's: $SHARD_LEADER, $MASTER_ADDR, ...) */
     int rank, world, steps, accum, batch, hidden, layers;
-    bool bf16, reference, quiet, timing;
+    int dtype; /* --dtype: the weights' and pushed gradients' (SHARD_FP32, BF16, FP16) */
+    bool half; /* dtype is a 16-bit one */
+    bool reference, quiet, timing;
     bool zero_copy;    /* gradients written into shardd's staging buffer (shard_grad_buffer) */
     int mark_last;     /* shard_last_micro_step from micro-step accum - mark_last on (0: never) */
     bool compute_only; /* this rank's compute alone: no shardd, no updates */
     uint64_t seed;
     float lr, max_grad_norm, weight_decay;
     double loss_scale; /* --loss-scale: gradients pushed times it (shard_step_scaled); 1: none */
+    bool dynamic;      /* --loss-scale dynamic: libshard's scaler (shard_step_amp) */
+    double scale_init; /* its initial scale (dynamic:INIT) */
+    uint32_t scale_interval; /* its growth interval (dynamic:INIT:INTERVAL) */
     double compute_ms;
     bool compute_sleep; /* --compute-mode sleep: the host waits idle, as for a GPU kernel */
     uint64_t max_live_bytes;
@@ -337,11 +342,30 @@ static void layer_backward(const struct model *m, int l, const float *w, float *
     ac->dz_prev = t;
 }
 
-/* Round an fp32 buffer through the working dtype (what a bf16 trainer sees and pushes). */
-static void round_bf16(float *x, uint64_t n)
+/* fp32 to a 16-bit dtype and back: round to nearest even (fp16: inf beyond 65504) */
+static uint16_t to_half(float f, int dtype)
+{
+    return dtype == SHARD_FP16 ? sd_f32_to_fp16(f) : sd_f32_to_bf16(f);
+}
+
+static float from_half(uint16_t h, int dtype)
+{
+    return dtype == SHARD_FP16 ? sd_fp16_to_f32(h) : sd_bf16_to_f32(h);
+}
+
+/* Round an fp32 buffer through the working dtype (what a 16-bit trainer sees and pushes). */
+static void round_half(float *x, uint64_t n, int dtype)
 {
     for (uint64_t i = 0; i < n; i++)
-        x[i] = sd_bf16_to_f32(sd_f32_to_bf16(x[i]));
+        x[i] = from_half(to_half(x[i], dtype), dtype);
+}
+
+/* the scaler of --loss-scale dynamic[:INIT[:INTERVAL]] (torch.amp.GradScaler's rule) */
+static void scaler_start(const struct opts *o, shard_scaler_t *s)
+{
+    shard_scaler_init(s);
+    s->scale = (float)o->scale_init;
+    s->growth_interval = o->scale_interval;
 }
 
 /* ---- the reference: plain data parallelism in one process */
@@ -506,14 +530,17 @@ static int run_reference(const struct opts *o, const struct model *m)
     float *y = calloc((size_t)o->batch * OUT_DIM, sizeof(float));
     uint64_t applied = 0; /* optimizer steps taken (AdamW's t) */
     uint64_t first = 0;
+    shard_scaler_t scaler;
+    scaler_start(o, &scaler);
     if (o->load != NULL && ref_load(o, m, master, mom, vel, &first, &applied) != 0)
         return 1;
 
     for (int step = (int)first; step < o->steps; step++) {
-        for (uint32_t t = 0; t < m->n_tensors; t++) { /* working weights */
+        double S = o->dynamic ? scaler.scale : o->loss_scale; /* this step's loss scale */
+        for (uint32_t t = 0; t < m->n_tensors; t++) {         /* working weights */
             memcpy(w[t], master[t], m->numel[t] * sizeof(float));
-            if (o->bf16)
-                round_bf16(w[t], m->numel[t]);
+            if (o->half)
+                round_half(w[t], m->numel[t], o->dtype);
             memset(acc[t], 0, m->numel[t] * sizeof(float));
         }
         double loss_sum = 0.0;
@@ -534,8 +561,11 @@ static int run_reference(const struct opts *o, const struct model *m)
                         layer_backward(m, l, w[2 * l], g[2 * l], g[2 * l + 1], &ac, o->batch);
                     }
                 for (uint32_t t = 0; t < m->n_tensors; t++) {
-                    if (o->bf16)
-                        round_bf16(g[t], m->numel[t]);
+                    if (S != 1.0) /* the loss scaled before its backward, as the ranks */
+                        for (uint64_t i = 0; i < m->numel[t]; i++)
+                            g[t][i] = (float)(g[t][i] * S);
+                    if (o->half)
+                        round_half(g[t], m->numel[t], o->dtype);
                     for (uint64_t i = 0; i < m->numel[t]; i++)
                         tmp[t][i] = r == 0 ? g[t][i] : tmp[t][i] + g[t][i];
                 }
@@ -548,14 +578,23 @@ static int run_reference(const struct opts *o, const struct model *m)
         for (uint32_t t = 0; t < m->n_tensors; t++)
             for (uint64_t i = 0; i < m->numel[t]; i++)
                 sumsq += (double)acc[t][i] * (double)acc[t][i];
-        if (o->nonfinite == step + 1) { /* shardd fails and skips this step: so does this */
+        bool overflow = !isfinite(sumsq);           /* a sum that is inf or NaN makes it so */
+        if (o->nonfinite == step + 1 || overflow) { /* shardd fails and skips this step: so does
+                                                     * this, and a scaler backs off */
+            if (o->dynamic)
+                shard_scaler_update(&scaler, 1);
             if (!o->quiet)
                 printf("step %d skipped (non-finite gradient)\n", step + 1);
             continue;
         }
+        if (o->dynamic)
+            shard_scaler_update(&scaler, 0);
         applied++;
-        double norm = sqrt(sumsq) / (double)o->world;
+        /* the daemon's unscaling and clipping (optimizer.c's grad_scale) */
+        double norm = sqrt(sumsq) / (double)o->world / S;
         float scale = 1.0f / (float)o->world;
+        if (S != 1.0)
+            scale = scale * (float)(1.0 / S);
         if (o->max_grad_norm > 0.0f && norm > (double)o->max_grad_norm)
             scale = scale * (float)((double)o->max_grad_norm / (norm + 1e-6));
         for (uint32_t t = 0; t < m->n_tensors; t++) {
@@ -568,11 +607,14 @@ static int run_reference(const struct opts *o, const struct model *m)
             printf("step %d loss %.6f grad_norm %.6f\n", step + 1,
                    loss_sum / (double)(o->world * o->accum), norm);
     }
+    if (o->dynamic)
+        printf("loss scale %g after step %d, %llu steps skipped\n", scaler.scale, o->steps,
+               (unsigned long long)scaler.skipped);
     int rc = 0;
     if (o->dump != NULL || o->final_loss) {
         for (uint32_t t = 0; t < m->n_tensors; t++)
-            if (o->bf16)
-                round_bf16(master[t], m->numel[t]);
+            if (o->half)
+                round_half(master[t], m->numel[t], o->dtype);
         if (o->final_loss)
             printf("final loss %.9f\n", final_loss(o, m, master));
         if (o->dump != NULL)
@@ -615,7 +657,7 @@ static const float *unit_view(const shard_unit_info_t *ui, const void *data, flo
 static shard_ctx_t *dev_ctx;
 static uint16_t *host_unit;
 
-/* fp32 view of a fetched unit (converts bf16) */
+/* fp32 view of a fetched unit (converts bf16 and fp16) */
 static void unit_to_f32(const shard_unit_info_t *ui, const void *data, float *out)
 {
     if (dev_ctx != NULL) {
@@ -633,7 +675,7 @@ static void unit_to_f32(const shard_unit_info_t *ui, const void *data, float *ou
     }
     const uint16_t *h = data;
     for (uint64_t i = 0; i < ui->numel; i++)
-        out[i] = sd_bf16_to_f32(h[i]);
+        out[i] = from_half(h[i], ui->dtype);
 }
 
 static const float *unit_view(const shard_unit_info_t *ui, const void *data, float *buf)
@@ -765,7 +807,7 @@ static int run_shardd(const struct opts *o, const struct model *m)
             tensors[2 * l + k] = (shard_tensor_t){.name = names[2 * l + k],
                                                   .ndim = k == 0 ? 2u : 1u,
                                                   .dims = dims[2 * l + k],
-                                                  .dtype = o->bf16 ? SHARD_BF16 : SHARD_FP32,
+                                                  .dtype = o->dtype,
                                                   .unit = (uint32_t)l};
     }
     shard_model_t model = {
@@ -833,11 +875,14 @@ static int run_shardd(const struct opts *o, const struct model *m)
     acts_alloc(&ac, m, o->batch);
     y = calloc((size_t)o->batch * OUT_DIM, sizeof(float));
     struct timespec t0, t1;
+    shard_scaler_t scaler;
+    scaler_start(o, &scaler);
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int step = first; step < o->steps; step++) {
         struct timespec ts0, ts1;
         clock_gettime(CLOCK_MONOTONIC, &ts0);
         double loss_sum = 0.0;
+        double S = o->dynamic ? scaler.scale : o->loss_scale; /* this step's loss scale */
         if (step == 0 && o->diverge_from > 0 && o->rank >= o->diverge_from) {
             const void *data; /* an extra fetch: this rank's schedule differs from the others' */
             CHECK(shard_fetch(ctx, units - 1, &data));
@@ -866,37 +911,38 @@ static int run_shardd(const struct opts *o, const struct model *m)
                 spent.push += now_s() - p0;
                 /* on a device's buffer the gradient is made here and copied in below */
                 bool in_place = o->zero_copy && dev_ctx == NULL;
-                float *gl = in_place && !o->bf16 ? sbuf : grad[l];
+                float *gl = in_place && !o->half ? sbuf : grad[l];
                 if (gl != grad[l])
                     zero_padding(gl, &ui[l], &ti[2 * l]);
                 layer_backward(m, l, wl + ti[2 * l].offset, gl + ti[2 * l].offset,
                                gl + ti[2 * l + 1].offset, &ac, o->batch);
-                if (o->loss_scale != 1.0) /* a loss scaled before its backward */
+                if (S != 1.0) /* a loss scaled before its backward */
                     for (uint64_t i = 0; i < ui[l].numel; i++)
-                        gl[i] = (float)(gl[i] * o->loss_scale);
+                        gl[i] = (float)(gl[i] * S);
                 if (o->nonfinite == step + 1 && micro == 0 && o->rank == 0 && l == NONFINITE_UNIT)
                     gl[ti[2 * l].offset + 3] = NAN;
                 CHECK(shard_release(ctx, (uint32_t)l));
                 p0 = now_s();
-                if (o->bf16) {
+                if (o->half) {
                     uint16_t *g16 = in_place ? sbuf : grad16[l];
                     for (uint64_t i = 0; i < ui[l].numel; i++)
-                        g16[i] = sd_f32_to_bf16(grad[l][i]);
+                        g16[i] = to_half(grad[l][i], o->dtype);
                 }
                 if (o->zero_copy && !in_place)
                     CHECK(
-                        shard_copy(ctx, sbuf, o->bf16 ? (void *)grad16[l] : grad[l], ui[l].bytes));
+                        shard_copy(ctx, sbuf, o->half ? (void *)grad16[l] : grad[l], ui[l].bytes));
                 if (o->zero_copy)
                     CHECK(shard_push_staged(ctx, (uint32_t)l));
                 else
-                    CHECK(shard_push_grad(ctx, (uint32_t)l, o->bf16 ? (void *)grad16[l] : grad[l],
+                    CHECK(shard_push_grad(ctx, (uint32_t)l, o->half ? (void *)grad16[l] : grad[l],
                                           ui[l].bytes));
                 spent.push += now_s() - p0;
             }
         }
         double norm = 0.0, s0 = now_s();
+        int st = o->dynamic ? shard_step_amp(ctx, NULL, &scaler, &norm)
+                            : shard_step_scaled(ctx, NULL, o->loss_scale, &norm);
         if (o->nonfinite == step + 1) { /* the step must fail, naming the unit, and the job go on */
-            int st = shard_step_scaled(ctx, NULL, o->loss_scale, &norm);
             char want[32];
             snprintf(want, sizeof(want), "unit %d ", NONFINITE_UNIT);
             if (st != SHARD_ENONFINITE || strstr(shard_last_error(ctx), want) == NULL) {
@@ -910,7 +956,12 @@ static int run_shardd(const struct opts *o, const struct model *m)
                    shard_strerror(st), shard_last_error(ctx));
             continue;
         }
-        CHECK(shard_step_scaled(ctx, NULL, o->loss_scale, &norm));
+        if (o->dynamic && st == SHARD_ENONFINITE) { /* an overflow: skipped on every rank */
+            if (!o->quiet && o->rank == 0)
+                printf("step %d skipped (non-finite gradient at loss scale %g)\n", step + 1, S);
+            continue;
+        }
+        CHECK(st);
         spent.step += now_s() - s0;
         clock_gettime(CLOCK_MONOTONIC, &ts1);
         if (o->timing && o->rank == 0)
@@ -943,6 +994,9 @@ static int run_shardd(const struct opts *o, const struct model *m)
         fflush(stdout);
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (o->dynamic)
+        printf("loss scale %g after step %d, %llu steps skipped\n", scaler.scale, o->steps,
+               (unsigned long long)scaler.skipped);
     if (!o->quiet && o->rank == 0)
         printf("rank 0: %d steps in %.3f s\n", o->steps,
                (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9);
@@ -1026,9 +1080,9 @@ static void usage(FILE *out)
             "                 [--plan topo:W/G/OS|ddp|zero1|zero2|zero3|zeropp|mics:P|topo|\n"
             "                         topo-fp, options ,sec=S ,qw ,qg ,qsec ,ef ...]\n"
             "                 [--steps N] [--accum S]\n"
-            "                 [--optimizer adamw|sgd] [--dtype fp32|bf16] [--seed X]\n"
+            "                 [--optimizer adamw|sgd] [--dtype fp32|bf16|fp16] [--seed X]\n"
             "                 [--lr LR] [--weight-decay WD] [--max-grad-norm C]\n"
-            "                 [--loss-scale S]\n"
+            "                 [--loss-scale S|dynamic[:INIT[:INTERVAL]]]\n"
             "                 [--batch B] [--hidden H] [--layers L] [--compute-ms MS]\n"
             "                 [--max-live-bytes B] [--skip-layer STEP:LAYER] [--eval-every N]\n"
             "                 [--diverge-from R] [--compute-mode busy|sleep]\n"
@@ -1063,6 +1117,11 @@ static void usage(FILE *out)
             "64 (rank 0, or the reference): the same measure for any world, plan or accum.\n"
             "--loss-scale S pushes every gradient multiplied by S and steps with\n"
             "shard_step_scaled, which divides them by S again (a power of two: the same bits).\n"
+            "--loss-scale dynamic scales by libshard's scaler instead (shard_step_amp,\n"
+            "torch.amp.GradScaler's rule: INIT 65536, x2 after INTERVAL 2000 steps taken, x0.5\n"
+            "after a step skipped for an overflow; with --dtype fp16 a gradient beyond 65504\n"
+            "overflows); the reference scales and skips alike. Either prints the last scale and\n"
+            "the steps skipped (the scaler starts afresh after --load).\n"
             "--nonfinite makes rank 0 push a NaN in unit 1's gradient in step STEP (from 1):\n"
             "that step must fail with SHARD_ENONFINITE naming the unit, and training go on\n"
             "(the reference skips the step's update alike).\n"
@@ -1103,7 +1162,10 @@ int main(int argc, char **argv)
                      .layers = 4,
                      .seed = 1,
                      .lr = 1e-3f,
-                     .loss_scale = 1.0};
+                     .loss_scale = 1.0,
+                     .dtype = SHARD_FP32,
+                     .scale_init = 65536.0,
+                     .scale_interval = 2000};
     char launcher_job[96] = "";
     if (!launcher_defaults(&o, launcher_job, sizeof(launcher_job)))
         return 2;
@@ -1148,11 +1210,14 @@ int main(int argc, char **argv)
         } else if (ARG("--optimizer")) {
             o.optimizer = v;
         } else if (ARG("--dtype")) {
-            if (strcmp(v, "bf16") != 0 && strcmp(v, "fp32") != 0) {
-                fprintf(stderr, "mlp_train: --dtype must be fp32 or bf16\n");
+            if (strcmp(v, "bf16") != 0 && strcmp(v, "fp32") != 0 && strcmp(v, "fp16") != 0) {
+                fprintf(stderr, "mlp_train: --dtype must be fp32, bf16 or fp16\n");
                 return 2;
             }
-            o.bf16 = strcmp(v, "bf16") == 0;
+            o.dtype = strcmp(v, "bf16") == 0   ? SHARD_BF16
+                      : strcmp(v, "fp16") == 0 ? SHARD_FP16
+                                               : SHARD_FP32;
+            o.half = o.dtype != SHARD_FP32;
         } else if (ARG("--seed")) {
             o.seed = strtoull(v, NULL, 10);
         } else if (ARG("--lr")) {
@@ -1162,7 +1227,22 @@ int main(int argc, char **argv)
         } else if (ARG("--max-grad-norm")) {
             o.max_grad_norm = strtof(v, NULL);
         } else if (ARG("--loss-scale")) {
-            o.loss_scale = strtod(v, NULL);
+            if (strncmp(v, "dynamic", 7) == 0 && (v[7] == '\0' || v[7] == ':')) {
+                char *end = (char *)v + 7;
+                o.dynamic = true;
+                if (*end == ':')
+                    o.scale_init = strtod(end + 1, &end);
+                if (*end == ':')
+                    o.scale_interval = (uint32_t)strtoul(end + 1, &end, 10);
+                if (*end != '\0' || !(o.scale_init > 0) || !isfinite(o.scale_init) ||
+                    o.scale_interval == 0) {
+                    fprintf(stderr, "mlp_train: --loss-scale dynamic[:INIT[:INTERVAL]]: INIT a "
+                                    "positive number, INTERVAL a positive count\n");
+                    return 2;
+                }
+            } else {
+                o.loss_scale = strtod(v, NULL);
+            }
         } else if (ARG("--batch")) {
             o.batch = atoi(v);
         } else if (ARG("--hidden")) {

@@ -13,7 +13,11 @@
  * same master weights to 8 bits of mantissa, so a reassociation difference can flip one rounding:
  * |a-b| <= 2^-7 |b| + 1e-6 (at most one bf16 ulp). Gradient clipping is compared with the fp32
  * tolerance for every plan: the global norm is summed in shard order, which moves the clip
- * coefficient by an ulp. */
+ * coefficient by an ulp. fp16 with mlp_train's dynamic loss scale (libshard's shard_step_amp;
+ * starting at 2^20, growing every 3 steps taken, so that it overflows at its start and after
+ * growths): the ranks skip the steps the reference skips and their scalers end alike; the fp16
+ * gradients' fp32 sums are exact whatever their order, so every plan ends bitwise (the check:
+ * one fp16 ulp, 2^-10 |b| + 1e-6). */
 #include "harness.h"
 
 #include <jansson.h>
@@ -37,8 +41,23 @@ struct cfg {
     int accum;
     const char *dtype;
     const char *clip;
-    bool zero_copy; /* gradients written into the staging buffer (mlp_train --zero-copy) */
+    bool zero_copy;         /* gradients written into the staging buffer (mlp_train --zero-copy) */
+    const char *loss_scale; /* mlp_train --loss-scale (NULL: none) */
 };
+
+/* the line mlp_train --loss-scale dynamic ends with: "loss scale S after step N, K steps
+ * skipped" (the same on the ranks and the reference when their scalers went alike) */
+static bool scaler_line(const char *log, char *line, size_t len, unsigned *skipped)
+{
+    size_t n;
+    char *text = th_read_file(log, &n);
+    const char *at = text ? strstr(text, "loss scale ") : NULL;
+    bool ok = at != NULL && sscanf(at, "loss scale %*g after step %*d, %u steps", skipped) == 1;
+    if (ok)
+        snprintf(line, len, "%.*s", (int)strcspn(at, "\n"), at);
+    free(text);
+    return ok;
+}
 
 static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c, int idx)
 {
@@ -63,6 +82,10 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
         if (c->clip) {
             argv[n++] = "--max-grad-norm";
             argv[n++] = c->clip;
+        }
+        if (c->loss_scale) {
+            argv[n++] = "--loss-scale";
+            argv[n++] = c->loss_scale;
         }
         if (r < 4) {
             argv[n++] = "--socket";
@@ -98,14 +121,16 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
         free(p0), free(p3), free(ref);
         return 1;
     }
-    bool bf16 = strcmp(c->dtype, "bf16") == 0;
+    bool bf16 = strcmp(c->dtype, "bf16") == 0, fp16 = strcmp(c->dtype, "fp16") == 0;
     bool want_bitwise =
         !c->clip && (strcmp(plan, "zero3") == 0 || (strcmp(plan, "ddp") == 0 && c->accum == 1));
     size_t n = n0 / sizeof(float), differ = 0, outside = 0;
     double max_abs = 0, max_rel = 0;
     for (size_t i = 0; i < n; i++) {
         double a = p0[i], b = ref[i], diff = fabs(a - b);
-        double tol = bf16 ? ldexp(fabs(b), -7) + 1e-6 : 1e-5 + 1e-5 * fabs(b);
+        double tol = bf16   ? ldexp(fabs(b), -7) + 1e-6
+                     : fp16 ? ldexp(fabs(b), -10) + 1e-6
+                            : 1e-5 + 1e-5 * fabs(b);
         differ += memcmp(&p0[i], &ref[i], sizeof(float)) != 0;
         outside += !(diff <= tol);
         max_abs = fmax(max_abs, diff);
@@ -122,6 +147,17 @@ static int run_config(struct th_daemon *d, const char *plan, const struct cfg *c
                  plan, c->optimizer, c->accum, c->dtype, differ, n);
     TH_CHECK(outside == 0, "%s %s accum %d %s: %zu parameters outside the tolerance (max abs %g)",
              plan, c->optimizer, c->accum, c->dtype, outside, max_abs);
+    if (c->loss_scale != NULL && strncmp(c->loss_scale, "dynamic", 7) == 0) {
+        char mine[160] = "", ref_line[160] = "";
+        unsigned k0 = 0, kref = 0;
+        bool ok = scaler_line(logs[0], mine, sizeof(mine), &k0) &&
+                  scaler_line(logs[4], ref_line, sizeof(ref_line), &kref);
+        TH_CHECK(ok && strcmp(mine, ref_line) == 0 && k0 > 0,
+                 "%s %s: rank 0's scaler ends as the reference's, after skipping steps: '%s' vs "
+                 "'%s'",
+                 plan, c->dtype, mine, ref_line);
+        printf("%-7s %s --loss-scale %s: %s\n", plan, c->dtype, c->loss_scale, mine);
+    }
     /* training moved the parameters: the comparison is not between two untouched inits */
     TH_CHECK(p3 && n3 == n0 && memcmp(p0, p3, n0) == 0, "ranks 0 and 3 see different weights");
     free(p0);
@@ -152,19 +188,29 @@ int main(int argc, char **argv)
         setenv("SHARDD_EMU_PEERS", argc > 4 ? argv[4] : "all", 1);
     }
     static const struct cfg cfgs[] = {
-        {"adamw", 1, "fp32", NULL, false},  {"adamw", 4, "fp32", NULL, false},
-        {"sgd", 1, "fp32", NULL, false},    {"sgd", 4, "fp32", NULL, false},
-        {"adamw", 2, "bf16", NULL, false},  {"adamw", 1, "fp32", "0.05", false},
-        {"adamw", 4, "fp32", NULL, true},   {"adamw", 2, "bf16", NULL, true},
-        {"adamw", 2, "fp32", "0.05", true},
+        {"adamw", 1, "fp32", NULL, false, NULL},
+        {"adamw", 4, "fp32", NULL, false, NULL},
+        {"sgd", 1, "fp32", NULL, false, NULL},
+        {"sgd", 4, "fp32", NULL, false, NULL},
+        {"adamw", 2, "bf16", NULL, false, NULL},
+        {"adamw", 1, "fp32", "0.05", false, NULL},
+        {"adamw", 4, "fp32", NULL, true, NULL},
+        {"adamw", 2, "bf16", NULL, true, NULL},
+        {"adamw", 2, "fp32", "0.05", true, NULL},
+        /* fp16 with a dynamic loss scale that overflows at its start and after its growths */
+        {"adamw", 2, "fp16", NULL, false, "dynamic:1048576:3"},
     };
     struct th_daemon d;
     if (th_daemon_start(&d, backend_args) != 0) {
         fprintf(stderr, "cannot start shardd\n");
         return 1;
     }
+    /* fp16's scaler (3 s a run) on the host backend and through the device paths (emu-gpu):
+     * emu's kernels and the deferred queue change nothing it adds to the others' */
+    bool fp16_here = argc <= 2 || strcmp(argv[2], "host") == 0 || strcmp(argv[2], "emu-gpu") == 0;
     for (size_t i = 0; i < sizeof(cfgs) / sizeof(cfgs[0]); i++)
-        if (!several || i == 1 || i == 4 || i == 6) /* accumulation, bf16, zero-copy */
+        if (several ? i == 1 || i == 4 || i == 6 /* accumulation, bf16, zero-copy */
+                    : cfgs[i].loss_scale == NULL || fp16_here)
             run_config(&d, plan, &cfgs[i], (int)i);
     if (several) { /* the jobs' buffers were on every GPU listed, none on the one left out, and
                     * none is left on any once the jobs ended */
