@@ -124,8 +124,8 @@ def batch(seed, step, micro, rank, size, seq):
 def build(a):
     torch.manual_seed(a.seed)
     model = GPT(a.layers, a.width, a.heads, a.seq, tie=a.tie)
-    if a.dtype == "bf16" and not (a.ddp or a.single):
-        model = model.to(torch.bfloat16)
+    if a.dtype in ("bf16", "fp16") and not (a.ddp or a.single):
+        model = model.to(torch.bfloat16 if a.dtype == "bf16" else torch.float16)
     return model.to(a.device)
 
 
@@ -189,7 +189,7 @@ def train(a):
     mode = "ddp" if a.ddp else "single" if a.single else "shardd"
     log = {"mode": mode, "plan": a.plan, "dtype": a.dtype, "device": a.device,
            "params": sum(p.numel() for p in model.parameters()), "steps": [],
-           "loss": [], "norm": [], "lr": [], "step_s": [], "skipped": []}
+           "loss": [], "norm": [], "lr": [], "step_s": [], "skipped": [], "loss_scale": []}
     shardd = mode == "shardd"
     if a.ddp:
         import torch.distributed as dist
@@ -209,6 +209,9 @@ def train(a):
         if a.check_zero_copy:
             checked = zero_copy_checks(model, st)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(a))
+    # fp16 weights: torch's own loss scaler, as an fp16 run with torch.amp does
+    scaler = torch.amp.GradScaler(torch.device(a.device).type,
+                                  enabled=shardd and a.dtype == "fp16")
     tokens = a.batch * a.seq * a.accum * a.world
     syncs0 = shard.device_syncs() if shardd else 0
     t_start = time.time()
@@ -225,7 +228,7 @@ def train(a):
                     loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
                     poison = (a.nan_step == step + 1 and micro == 0 and a.rank == 0 and
                               not a.single)
-                    (loss * (float("nan") if poison else 1.0) / a.accum).backward()
+                    scaler.scale(loss * (float("nan") if poison else 1.0) / a.accum).backward()
                 if a.single:  # rank 0's share of the global batch: its log is rank 0's curve
                     loss = F.cross_entropy(logits[:a.batch].detach().float().reshape(-1, VOCAB),
                                            y[:a.batch].reshape(-1))
@@ -252,6 +255,16 @@ def train(a):
                 log["skipped"].append([step + 1, "non-finite gradient"])
             opt.zero_grad(set_to_none=True)
             norm = float("nan")
+        elif scaler.is_enabled():  # a step with an overflow is skipped and the scale lowered
+            scale = scaler.get_scale()
+            norm = scaler.step(opt)  # shardd's step with the scaler's scale
+            scaler.update()
+            if norm is None:
+                log["skipped"].append([step + 1, f"non-finite gradient at loss scale {scale:g}"])
+                norm = float("nan")
+                if a.rank == 0 and not a.quiet:
+                    print(f"step {step + 1} skipped at loss scale {scale:g}", flush=True)
+            log["loss_scale"].append(scale)
         else:
             try:
                 norm = opt.step()  # shardd's step, with each group's current lr
@@ -461,8 +474,9 @@ def main():
     p.add_argument("--optimizer", choices=["adamw", "adamw-in-trainers"], default="adamw",
                    help="adamw: run by shardd; adamw-in-trainers: torch's AdamW run by each rank "
                         "on its own shard (shardd's path for any other torch optimizer)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="bf16: the weights shardd hands out (the DDP baseline stays fp32)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16, fp16: the weights shardd hands out (the DDP baseline stays "
+                        "fp32); fp16 trains with torch.amp.GradScaler (dynamic loss scaling)")
     p.add_argument("--ddp", action="store_true", help="the DDP (gloo) baseline instead")
     p.add_argument("--single", action="store_true",
                    help="the same model in one process on every rank's micro-batches at once "

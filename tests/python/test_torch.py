@@ -12,6 +12,11 @@ cluster of real daemons (tools/local-cluster.sh, loopback):
     in a different order such elements drift apart by a small fraction of one step; atol allows
     1% of one step (observed at most 3e-6 on 1 or 2 of 800k elements);
   - bf16 weights through shardd (mics:2) vs fp32 DDP: loss within 2% relative every step;
+  - fp16 weights through shardd with torch's GradScaler (mics:2, 12 steps, rank 0's loss NaN in
+    step 4) vs fp32 DDP skipping the same step: loss within 1e-3 relative every step (fp16's
+    rounding of weights and activations, 2^-11 each; measured 2e-5 over 30 steps without the
+    NaN), step 4 skipped on every rank as a GradScaler's overflow (no exception) and every
+    rank's scale 2^16 up to it and 2^15 after;
   - a NaN loss on rank 0 in step 4 of 12 (zero3): every rank's shard.torch.step raises
     ShardError ENONFINITE naming the unit, training goes on, and it ends where DDP skipping the
     same step ends (the same tolerances as above);
@@ -154,6 +159,18 @@ try:
                   f"the unit, alone: {sk}")
         d = json.load(open(f"{work}/ddpnan-0.json"))["skipped"]
         check([x[0] for x in d] == [4], f"DDP skipped step 4: {d}")
+        # fp16 with torch's GradScaler: the NaN step is an overflow the scaler backs off from
+        train("fp16", "mics:2", "fp16", ["--nan-step", "4"], steps=12)
+        compare("fp16", "ddpnan", 1e-3, False, steps=12)
+        for r in range(4):
+            try:
+                lg = json.load(open(f"{work}/fp16-{r}.json"))
+            except OSError:
+                lg = {"skipped": [], "loss_scale": []}
+            want = [2.0 ** 16] * 4 + [2.0 ** 15] * 8
+            check([x[0] for x in lg["skipped"]] == [4] and lg["loss_scale"] == want,
+                  f"rank {r}: fp16 step 4 skipped by the GradScaler and the scale halved after "
+                  f"it: {lg['skipped']}, {lg['loss_scale']}")
         # the example's plot of the loss curves and the schedule (matplotlib)
         spec = importlib.util.spec_from_file_location("train_gpt", GPT)
         gpt = importlib.util.module_from_spec(spec)
