@@ -118,9 +118,10 @@ void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
     double gathers = in->cached_in_step ? 1.0 : 2.0 * in->accum;
     bool sec = sd_plan_sec_active(plan);
     struct sd_cost_out o = {0};
-    /* what moves: int8 weights with ,qw, int4 gradient blocks with ,qg */
+    /* what moves: int8 weights with ,qw, int4 gradient blocks with ,qg, else the gradients in
+     * their wire dtype (,gwire=bf16 or fp16: half of fp32's bytes) */
     double S_wq = plan->qw ? int8_bytes(in->numel, plan) : S_w;
-    double Bq = plan->qg ? int4_bytes(in->numel, plan) / Gg : B;
+    double Bq = plan->qg ? int4_bytes(in->numel, plan) / Gg : plan->gwire ? B / 2.0 : B;
     double fetch_n = (sec ? 1.0 : gathers) * (Gw - 1) * (plan->hierarchical ? 1.0 : k);
     double ar = R > 1 ? 2.0 * (R - 1) / R * B : 0.0;
     double push_ar = plan->two_hop ? 0.0 : ar;
@@ -134,7 +135,7 @@ void sd_cost_step(const struct sd_cost_in *in, const struct sd_plan *plan,
     weights_raw = weights_parts * (S_w / OS);
     o.fetch_bytes = fetch_n * (S_wq / Gw);
     o.push_bytes = in->accum * ((Gg - 1) * Bq + push_ar);
-    o.hop_bytes = plan->qg && R > 1 ? hop_raw * Bq / B : hop_raw;
+    o.hop_bytes = R > 1 ? hop_raw * Bq / B : hop_raw;
     o.weights_bytes = plan->qw ? weights_parts * S_wq / OS : weights_raw;
     o.step_bytes = o.hop_bytes + o.weights_bytes + 8.0 * (N - 1);
     o.total_bytes = o.fetch_bytes + o.push_bytes + o.step_bytes;

@@ -59,7 +59,7 @@ uint32_t sd_group_nodes(const struct sd_topo *t, const struct sd_group *g)
     return n;
 }
 
-#define SD_PLAN_OPTIONS "no-hier, no-2hop, hop-ar, sec=S, qw, qg, qsec, ef, qblock=B"
+#define SD_PLAN_OPTIONS "no-hier, no-2hop, hop-ar, sec=S, qw, qg, qsec, ef, qblock=B, gwire=D"
 
 /* one factor of topo:W/G/OS: a positive number, k (ranks per node) or n (world) */
 static bool parse_factor(const char *tok, uint32_t k, uint32_t world, uint32_t *f_p)
@@ -187,6 +187,20 @@ int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *
                              spec, tok, k);
                     return SD_EINVAL;
                 }
+            } else if (strncmp(tok, "gwire=", 6) == 0) {
+                const char *d = tok + 6;
+                if (strcmp(d, "bf16") == 0)
+                    plan.gwire = SD_DTYPE_BF16;
+                else if (strcmp(d, "fp16") == 0)
+                    plan.gwire = SD_DTYPE_FP16;
+                else if (strcmp(d, "fp32") == 0)
+                    plan.gwire = SD_DTYPE_FP32;
+                else {
+                    snprintf(err, errlen,
+                             "plan '%s': %s: the gradients' wire dtype is bf16, fp16 or fp32", spec,
+                             tok);
+                    return SD_EINVAL;
+                }
             } else if (strncmp(tok, "qblock=", 7) == 0) {
                 char *end;
                 unsigned long b = strtoul(tok + 7, &end, 10);
@@ -282,6 +296,13 @@ bool sd_plan_hop_owned(const struct sd_plan *plan, uint32_t nodes, uint32_t k)
 {
     uint32_t G = plan->f[SD_STATE_G], Gn = G > k ? G / k : 1;
     return plan->two_hop && !plan->qg && nodes / Gn > 1 && plan->f[SD_STATE_OS] == nodes * k;
+}
+
+int sd_plan_gwire_codec(const struct sd_plan *plan)
+{
+    return plan->gwire == SD_DTYPE_BF16   ? SD_CODEC_BF16
+           : plan->gwire == SD_DTYPE_FP16 ? SD_CODEC_FP16
+                                          : 0;
 }
 
 bool sd_plan_hop_scatters(const struct sd_plan *plan, uint32_t nodes, uint32_t k)

@@ -11,6 +11,7 @@
 #include "codec_int.h"
 #include "host_int.h"
 #include "kern_ops.h"
+#include "sd/codec.h"
 #include "sd/dtype.h"
 #include "sd/log.h"
 #include "sd/model.h"
@@ -672,6 +673,31 @@ void sd_gpu_copy_many(const struct sd_gpu_ops *dev, struct sd_gpu_queue *q,
     }
     for (uint32_t i = 0; i < n; i++)
         dev->copy(q, pieces[i].dst, pieces[i].src, pieces[i].bytes);
+}
+
+static int codec_dtype(int codec)
+{
+    return codec == SD_CODEC_FP16 ? SD_DTYPE_FP16 : SD_DTYPE_BF16;
+}
+
+void sd_gpu_encode(const struct sd_gpu_ops *dev, struct sd_gpu_queue *q, void *dst, int codec,
+                   const float *src, size_t n, uint32_t block)
+{
+    if (sd_codec_is_float(codec))
+        dev->from_f32(q, dst, codec_dtype(codec), src, n);
+    else
+        dev->quantize(q, dst, codec, src, SD_DTYPE_FP32, n, block);
+}
+
+void sd_gpu_decode(const struct sd_gpu_ops *dev, struct sd_gpu_queue *q, float *dst,
+                   const void *src, int codec, size_t n, uint32_t block, bool accumulate)
+{
+    if (!sd_codec_is_float(codec))
+        dev->dequantize(q, dst, SD_DTYPE_FP32, src, codec, n, block, accumulate);
+    else if (accumulate)
+        dev->reduce_add(q, dst, src, codec_dtype(codec), n);
+    else
+        dev->to_f32(q, dst, src, codec_dtype(codec), n);
 }
 
 void sd_gpu_uuid_format(char *out, size_t len, const uint8_t b[16])

@@ -153,9 +153,10 @@ static int plan_one(const struct plan_args *a, bool as_json)
         json_object_set_new(doc, "inter_node_bytes_per_step_unquantized",
                             json_real(o.unquantized_bytes));
         json_object_set_new(doc, "quantization",
-                            json_pack("{s:b, s:b, s:b, s:b, s:i, s:i}", "qw", plan.qw, "qg",
+                            json_pack("{s:b, s:b, s:b, s:b, s:i, s:i, s:s}", "qw", plan.qw, "qg",
                                       plan.qg, "qsec", plan.qsec, "ef", plan.ef, "block",
-                                      (int)plan.qblock, "secondary_ranks", (int)plan.sec));
+                                      (int)plan.qblock, "secondary_ranks", (int)plan.sec, "gwire",
+                                      sd_dtype_name(plan.gwire)));
         char *out = json_dumps(doc, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
         puts(out);
         free(out);
@@ -194,6 +195,11 @@ static int plan_one(const struct plan_args *a, bool as_json)
                plan.qw ? " weights int8 (qw)" : "", plan.qg ? " reduce-scatters int4 (qg)" : "",
                plan.qsec ? " secondary int8 (qsec)" : "", plan.ef ? " with error feedback" : "",
                plan.qblock, sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)o.unquantized_bytes));
+    if (plan.gwire != SD_DTYPE_FP32)
+        printf("    gradients across nodes in %s (gwire), summed in fp32 at their owners (in "
+               "fp32 the total would be %s)\n",
+               sd_dtype_name(plan.gwire),
+               sd_fmt_bytes(b[0], sizeof(b[0]), (uint64_t)o.unquantized_bytes));
     if (a->gbit > 0)
         printf("    %.3f s at %g Gbit/s per node: %.3f s beside the forward and backward, %.3f s "
                "after the last backward;\n    predicted step %.3f s (%s)\n",

@@ -370,14 +370,10 @@ static int direct_start(struct sd_allreduce *ar)
 }
 
 /* ring: n-1 reduce-scatter steps, then n-1 all-gather steps (none for a scatter one), pipelined
- * by chunk: what a node
- * sends at step t+1 is the segment it received (and, reducing, added into) at step t, so chunk
- * c of step t+1 leaves as soon as chunk c of step t arrived, and the steps overlap instead of
- * each waiting for the slowest transfer of the one before. Receives of the reduce-scatter land
- * in tmp at the chunk's offset; the receive of chunk c for a later step is posted once the
- * previous receive that used chunk c was added. The all-gather receives in place, or into acc:
- * the last reduce-scatter step adds the finished segment into acc, and the all-gather moves
- * acc. */
+ * by chunk: what a node sends at step t+1 is the segment it received (and added into) at step
+ * t, so chunk c of step t+1 leaves once chunk c of step t arrived. Reduce-scatter receives land
+ * in tmp at the chunk's offset, the next one of chunk c posted once the last was added. The
+ * all-gather receives in place, or into acc (the last reduce-scatter step adds into it). */
 static uint32_t ring_seg(const struct sd_allreduce *ar, uint32_t t, bool send)
 {
     uint32_t n = ar->p.group.n_members;
@@ -614,18 +610,19 @@ static uint8_t *qslot(const struct sd_allreduce *ar, bool recv, uint32_t m)
     return ar->p.qbuf + ((recv ? ar->p.group.n_members : 0) + m) * ar->qstride;
 }
 
-static size_t qlen(const struct sd_allreduce *ar, uint32_t m)
+/* member m's segment (with scatter sd_scatter_segment's): its first element in *b_p, length */
+static size_t qrange(const struct sd_allreduce *ar, uint32_t m, size_t *b_p)
 {
-    size_t b, e;
-    sd_qsegment(ar->p.count, ar->p.group.n_members, ar->p.qblock, m, &b, &e);
-    return e - b;
+    uint32_t n = ar->p.group.n_members;
+    size_t e;
+    sd_qsegment(ar->p.count, n, ar->p.qblock, ar->p.scatter ? (m + 1) % n : m, b_p, &e);
+    return e - *b_p;
 }
 
-static float *qseg(const struct sd_allreduce *ar, uint32_t m)
+static size_t qlen(const struct sd_allreduce *ar, uint32_t m)
 {
-    size_t b, e;
-    sd_qsegment(ar->p.count, ar->p.group.n_members, ar->p.qblock, m, &b, &e);
-    return ar->p.buf + b;
+    size_t b;
+    return qrange(ar, m, &b);
 }
 
 static void qar_done(struct sd_bulk *b, int status);
@@ -696,28 +693,34 @@ static void qar_done(struct sd_bulk *b, int status)
     uint32_t n = ar->p.group.n_members, bits = (uint32_t)ar->p.qbits, B = ar->p.qblock;
     if (ar->status == SD_OK && ar->qphase == 0) {
         /* our segment: our exact values plus the others' decoded, in member order; encoded
-         * once, and decoded back so that we hold what the others will */
-        float *mine = qseg(ar, ar->pos);
-        size_t len = qlen(ar, ar->pos);
+         * once, and decoded back so that we hold what the others will (with scatter the fp32
+         * sum stays, the caller reads it) */
+        size_t at, len = qrange(ar, ar->pos, &at);
+        float *mine = ar->p.buf + at;
         for (uint32_t m = 0; m < n; m++)
             if (m != ar->pos)
-                dev->dequantize(ar->p.queue, mine, SD_DTYPE_FP32, qslot(ar, true, m), (int)bits,
-                                len, B, true);
-        dev->quantize(ar->p.queue, qslot(ar, false, ar->pos), (int)bits, mine, SD_DTYPE_FP32, len,
-                      B);
-        dev->dequantize(ar->p.queue, mine, SD_DTYPE_FP32, qslot(ar, false, ar->pos), (int)bits, len,
-                        B, false);
-        int st = ar_after_queue(ar, AR_W_QLEAVE); /* the encoding leaves */
-        if (st == SD_EAGAIN)
+                sd_gpu_decode(dev, ar->p.queue, mine, qslot(ar, true, m), (int)bits, len, B, true);
+        if (!ar->p.scatter) {
+            sd_gpu_encode(dev, ar->p.queue, qslot(ar, false, ar->pos), (int)bits, mine, len, B);
+            sd_gpu_decode(dev, ar->p.queue, mine, qslot(ar, false, ar->pos), (int)bits, len, B,
+                          false);
+            int st = ar_after_queue(ar, AR_W_QLEAVE); /* the encoding leaves */
+            if (st == SD_EAGAIN)
+                return;
+            ar_fail_self(ar, st);
+            if (!qar_second(ar))
+                ar_finish(ar);
             return;
-        ar_fail_self(ar, st);
-        if (qar_second(ar))
-            return;
+        }
     } else if (ar->status == SD_OK) {
-        for (uint32_t m = 0; m < n; m++)
+        for (uint32_t m = 0; m < n; m++) {
+            size_t bm, lm = qrange(ar, m, &bm);
             if (m != ar->pos)
-                dev->dequantize(ar->p.queue, qseg(ar, m), SD_DTYPE_FP32, qslot(ar, true, m),
-                                (int)bits, qlen(ar, m), B, false);
+                sd_gpu_decode(dev, ar->p.queue, ar->p.buf + bm, qslot(ar, true, m), (int)bits, lm,
+                              B, false);
+        }
+    }
+    if (ar->status == SD_OK) {
         int st = ar_after_queue(ar, AR_W_SUMS); /* the caller reads the sum */
         if (st == SD_EAGAIN)
             return;
@@ -742,14 +745,13 @@ static int qar_start(struct sd_allreduce *ar)
     for (uint32_t m = 0; m < n; m++) {
         if (m == ar->pos)
             continue;
-        size_t b, e;
-        sd_qsegment(ar->p.count, n, ar->p.qblock, m, &b, &e);
+        size_t b, len = qrange(ar, m, &b);
         if (ar->p.qerr != NULL)
             ar->p.dev->quantize_ef(ar->p.queue, qslot(ar, false, m), ar->p.qbits, ar->p.buf + b,
-                                   ar->p.qerr + b, e - b, ar->p.qblock);
+                                   ar->p.qerr + b, len, ar->p.qblock);
         else
-            ar->p.dev->quantize(ar->p.queue, qslot(ar, false, m), ar->p.qbits, ar->p.buf + b,
-                                SD_DTYPE_FP32, e - b, ar->p.qblock);
+            sd_gpu_encode(ar->p.dev, ar->p.queue, qslot(ar, false, m), ar->p.qbits, ar->p.buf + b,
+                          len, ar->p.qblock);
     }
     int st = ar_after_queue(ar, AR_W_QSTART); /* the encodings leave */
     if (st == SD_EAGAIN)
@@ -767,8 +769,8 @@ static int qar_start(struct sd_allreduce *ar)
     return SD_OK;
 }
 
-/* the exact one (buf and acc as the caller's kernels left them leave from now on): direct or
- * the ring; an error with nothing in flight */
+/* the exact one, buf and acc as the caller's kernels left them: direct or the ring; an error with
+ * nothing in flight */
 static int exact_begin(struct sd_allreduce *ar)
 {
     const struct sd_coll_group *g = &ar->p.group;
@@ -870,10 +872,11 @@ int sd_allreduce_start(struct sd_allreduce *ar, const struct sd_allreduce_param 
         g->n_members - 1 > SD_ARRAY_SIZE(ar->direct_rb) || p->dev == NULL ||
         p->dtype != SD_DTYPE_FP32)
         return SD_EINVAL;
+    bool int_codec = p->qbits == SD_CODEC_INT4 || p->qbits == SD_CODEC_INT8;
     if (p->qbits != 0
-            ? (p->qbits != SD_CODEC_INT4 && p->qbits != SD_CODEC_INT8) ||
-                  p->qblock < SD_CODEC_MIN_BLOCK || p->qblock > SD_CODEC_MAX_BLOCK ||
-                  p->qbuf == NULL || p->acc != NULL || p->scatter
+            ? !(int_codec ? p->qblock >= SD_CODEC_MIN_BLOCK && p->qblock <= SD_CODEC_MAX_BLOCK
+                          : sd_codec_is_float(p->qbits) && p->qblock == 1 && p->qerr == NULL) ||
+                  p->qbuf == NULL || p->acc != NULL
             : (p->scatter && p->acc != NULL) ||
                   p->tmp_count < sd_allreduce_tmp_floats(p->count, g->n_members, p->small_bytes))
         return SD_EINVAL;

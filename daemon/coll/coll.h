@@ -128,14 +128,17 @@ struct sd_coll_group {
     uint32_t n_members, self;
 };
 
-/* The quantized all-reduce (qbits 4 or 8, sd/codec.h's blocks): ZeRO++'s two quantization
- * passes whatever the group size. buf is cut into n segments of whole blocks, segment s being
- * member s's. Each member encodes every other member's segment once (with qerr, error feedback:
- * the encoding error of each element is kept there and added before the next encoding) and
- * sends it to its member; a member adds the decoded ones into its own exact segment in member
- * order, encodes that sum once, decodes it back into place (so every member ends with the same
- * values) and sends it to every other member, which decodes it into place. A ring would encode
- * at every one of its 2 (n - 1) steps. qbuf holds sd_allreduce_qbuf_bytes bytes. */
+/* The encoded all-reduce (qbits a codec of sd/codec.h: 4 or 8, blocks of qblock; SD_CODEC_BF16
+ * or FP16, qblock 1): ZeRO++'s two quantization passes whatever the group size. buf is cut into n
+ * segments of whole blocks, segment s being member s's. Each member encodes every other member's
+ * segment once (with qerr, error feedback, int codecs only: the encoding error of each element is
+ * kept there and added before the next encoding) and sends it to its member; a member adds the
+ * decoded ones into its own exact segment in member order, in fp32, encodes that sum once,
+ * decodes it back into place (so every member ends with the same values) and sends it to every
+ * other member, which decodes it into place. A ring would encode at every one of its 2 (n - 1)
+ * steps (and round a partial sum at each). With scatter, only the first pass: member pos owns
+ * the segment sd_scatter_segment names (as the exact one's; with qblock 1 the same elements) and
+ * ends with its fp32 sum there, never encoded. qbuf holds sd_allreduce_qbuf_bytes bytes. */
 size_t sd_allreduce_qbuf_bytes(size_t count, uint32_t n, int qbits, uint32_t qblock);
 /* Segment s of count elements in blocks of qblock among n: [begin, end). */
 void sd_qsegment(size_t count, uint32_t n, uint32_t qblock, uint32_t s, size_t *begin_p,
@@ -147,7 +150,7 @@ struct sd_allreduce_param {
     struct sd_gpu_queue *queue;   /* on this queue: a sum leaves or is read once the queue passed
                                    * it (sd_allreduce_poll), never waited for */
     int dtype;                    /* of buf, tmp and acc: SD_DTYPE_FP32 */
-    int qbits;                    /* 0: exact; 4 or 8: quantized (no acc then; tmp unused) */
+    int qbits; /* 0: exact; else the codec (4, 8, SD_CODEC_BF16, SD_CODEC_FP16): no acc, no tmp */
     uint32_t qblock;
     uint8_t *qbuf;
     void *qbuf_desc;
@@ -160,7 +163,7 @@ struct sd_allreduce_param {
     /* Only the reduce-scatter: member pos ends with the whole sum of one segment,
      * sd_scatter_segment's, and the rest of its buf holds partial sums; half the bytes of the
      * all-reduce, and each element of that segment summed in the all-reduce's order (the same
-     * bits). Exact only (no qbits, no acc). */
+     * bits). No acc; encoded (qbits), the first pass above. */
     bool scatter;
     void *buf_desc, *tmp_desc, *acc_desc; /* registrations (providers with FI_MR_LOCAL) or NULL */
     uint64_t

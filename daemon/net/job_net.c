@@ -72,9 +72,9 @@ int sd_job_net_allreduce(struct sd_job *job, const struct sd_job_allreduce *a)
                                    .small_bytes = job->reg->cfg->small_allreduce_bytes,
                                    .cb = a->cb,
                                    .arg = a->arg};
-    if (a->qbuf != NULL) { /* int4 blocks (quant.h): the boundary hop under ,qg */
-        p.qbits = SD_CODEC_INT4;
-        p.qblock = job->plan.qblock;
+    if (a->codec != 0) { /* encoded (quant.h): the boundary hop under ,qg or ,gwire */
+        p.qbits = a->codec;
+        p.qblock = sd_codec_is_float(a->codec) ? 1 : job->plan.qblock;
         p.qbuf = a->qbuf;
         p.qbuf_desc = sd_job_net_desc(job, p.qbuf);
         p.qerr = a->qerr;

@@ -68,8 +68,9 @@ struct sd_job_allreduce {
     size_t tmp_count;
     float *acc;   /* as sd_allreduce_param's, or NULL */
     bool scatter; /* only the reduce-scatter (sd_allreduce_param's) */
-    /* quantized as int4 blocks (the boundary hop under ,qg): the blocks' buffer and the unit's
-     * error feedback (quant.h); qbuf NULL: fp32 */
+    /* encoded (the boundary hop under ,qg: int4 blocks; ,gwire: bf16 or fp16, sd/codec.h's
+     * codec): the encodings' buffer and the unit's error feedback (quant.h); codec 0: fp32 */
+    int codec;
     uint8_t *qbuf;
     float *qerr;
     sd_allreduce_cb cb;

@@ -16,6 +16,7 @@
 #include "quant.h"
 #include "step.h"
 #include "step_int.h"
+#include "sd/codec.h"
 #include "sd/log.h"
 
 #include <stdlib.h>
@@ -253,23 +254,26 @@ static void hop_start(struct sd_job *job, uint32_t R)
     uint64_t count = hop_pack(job, u, buf);
     st->pending = 1;
     st->early_hops += st->phase != SD_STEP_SYNC;
-    bool q = sd_qg_hop(job, u);
-    job->stats.quant_fallbacks += job->plan.qg && !q;
+    int codec = sd_qg_hop_codec(job, u);
+    bool q = codec != 0;
+    job->stats.quant_fallbacks += job->plan.qg && codec != SD_CODEC_INT4;
     int rc = sd_job_net_allreduce(
-        job, &(struct sd_job_allreduce){.ar = &st->ar,
-                                        .R = R,
-                                        .unit = u,
-                                        .round = job->steps,
-                                        .step_sync = true,
-                                        .buf = buf,
-                                        .count = count,
-                                        .scatter = st->hop_scatter,
-                                        .tmp = sd_push_ar_tmp(job),
-                                        .tmp_count = sd_push_ar_tmp_count(job),
-                                        .qbuf = q ? sd_qg_hop_buf(job) : NULL,
-                                        .qerr = q ? sd_qg_hop_ef(job, u) : NULL,
-                                        .cb = hop_ar_done,
-                                        .arg = job});
+        job,
+        &(struct sd_job_allreduce){.ar = &st->ar,
+                                   .R = R,
+                                   .unit = u,
+                                   .round = job->steps,
+                                   .step_sync = true,
+                                   .buf = buf,
+                                   .count = count,
+                                   .scatter = st->hop_scatter,
+                                   .tmp = sd_push_ar_tmp(job),
+                                   .tmp_count = sd_push_ar_tmp_count(job),
+                                   .codec = codec,
+                                   .qbuf = q ? sd_qg_hop_buf(job) : NULL,
+                                   .qerr = codec == SD_CODEC_INT4 ? sd_qg_hop_ef(job, u) : NULL,
+                                   .cb = hop_ar_done,
+                                   .arg = job});
     if (rc != SD_OK) {
         st->pending = 0;
         sd_step__fail(job, rc, job->xfer.members[0]);

@@ -484,7 +484,7 @@ static void round_after_rs(struct sd_node_round *rd)
 /* every block of the round was exchanged */
 static void rs_all_done(struct sd_node_round *rd)
 {
-    if (rd->quant && rd->status == SD_OK && rd->job->state != SD_JOB_FAILED)
+    if (rd->codec != 0 && rd->status == SD_OK && rd->job->state != SD_JOB_FAILED)
         sd_round_decode(rd);
     round_after_rs(rd);
 }
@@ -523,7 +523,7 @@ static bool round_post_blocks(struct sd_node_round *rd)
     uint32_t G = job->gnodes[SD_STATE_G], me = job->node % G, r = rd->index;
     uint32_t first = sd_job_group_first(job, G);
     size_t block = ul->numel / G, bytes = block * sizeof(float);
-    size_t wire = rd->quant ? sd_codec_bytes(SD_CODEC_INT4, block, job->plan.qblock) : bytes;
+    size_t wire = rd->codec ? sd_codec_bytes(rd->codec, block, job->plan.qblock) : bytes;
     for (; rd->next < G && job->state != SD_JOB_FAILED; rd->next++) {
         uint32_t i = rd->next, o = i < me ? i : i - 1;
         if (i == me)
@@ -537,15 +537,15 @@ static bool round_post_blocks(struct sd_node_round *rd)
         }
         struct sd_exchange_param x = {
             .peer = first + i,
-            .recv = {.buf = rd->quant ? sd_qg_recv(job, r, o)
+            .recv = {.buf = rd->codec ? sd_qg_recv(job, r, o)
                                       : (void *)(rd->rs_recv + (size_t)o * block),
                      .bytes = wire},
             .send = {.buf =
-                         rd->quant ? sd_qg_send(job, r, o) : (void *)(rd->part + (size_t)i * block),
+                         rd->codec ? sd_qg_send(job, r, o) : (void *)(rd->part + (size_t)i * block),
                      .bytes = wire},
             .chunk_bytes = job->reg->cfg->chunk_bytes,
             .cb = rs_done,
-            .chunk_cb = rd->quant ? NULL : sd_round_chunk,
+            .chunk_cb = rd->codec ? NULL : sd_round_chunk,
             .arg = rd,
             .arg2 = bytes};
         rd->pending +=
@@ -583,7 +583,7 @@ static void round_start_next(struct sd_job *job)
                  (unsigned long long)rd->seq + 1);
         rd->status = SD_OK;
         rd->pending = 0;
-        rd->quant = false;
+        rd->codec = 0;
         for (uint32_t j = 0; j < job->k; j++) /* each rank's gradient into the node partial */
             sd_job_count_copy(job, SD_OP_PUSH, j, 0, sd_unit_bytes(ul));
         /* One rank's fp32 gradient is the node partial as it stands: the reduce-scatter's
@@ -607,11 +607,12 @@ static void round_start_next(struct sd_job *job)
         uint32_t me = job->node % G;
         uint32_t r = rd->index;
         /* ,qg: each block leaves as int4, quantized once (with ,ef after adding the error its
-         * last quantization left), and the received ones are decoded when all are in */
-        rd->quant = sd_qg_unit(job, u);
-        if (job->plan.qg && !rd->quant)
+         * last quantization left); ,gwire: rounded once to bf16 or fp16; the received ones are
+         * decoded and summed in fp32 when all are in */
+        rd->codec = sd_qg_codec(job, u);
+        if (job->plan.qg && rd->codec != SD_CODEC_INT4)
             job->stats.quant_fallbacks++;
-        size_t wire = rd->quant ? sd_codec_bytes(SD_CODEC_INT4, block, job->plan.qblock) : bytes;
+        size_t wire = rd->codec ? sd_codec_bytes(rd->codec, block, job->plan.qblock) : bytes;
         rd->chunk = sd_bulk_chunk_bytes(wire, 1, job->reg->cfg->chunk_bytes);
         rd->next = 0;
         for (uint32_t i = 0, o = 0; i < G; i++) {
@@ -621,16 +622,16 @@ static void round_start_next(struct sd_job *job)
             if (!direct)
                 sd_round_partial(job, rd, ent, ul, (uint64_t)i * block, (uint64_t)(i + 1) * block);
             const float *sp = rd->part + (size_t)i * block;
-            if (rd->quant) {
-                if (job->plan.ef)
-                    job->reg->dev->quantize_ef(job->mem.queue, sd_qg_send(job, r, o), SD_CODEC_INT4,
-                                               sp, sd_qg_ef(job, u, i), block, job->plan.qblock);
-                else
-                    job->reg->dev->quantize(job->mem.queue, sd_qg_send(job, r, o), SD_CODEC_INT4,
-                                            sp, SD_DTYPE_FP32, block, job->plan.qblock);
+            if (rd->codec == SD_CODEC_INT4 && job->plan.ef) {
+                job->reg->dev->quantize_ef(job->mem.queue, sd_qg_send(job, r, o), SD_CODEC_INT4, sp,
+                                           sd_qg_ef(job, u, i), block, job->plan.qblock);
+                job->stats.quant_encodes++;
+            } else if (rd->codec != 0) {
+                sd_gpu_encode(job->reg->dev, job->mem.queue, sd_qg_send(job, r, o), rd->codec, sp,
+                              block, job->plan.qblock);
                 job->stats.quant_encodes++;
             }
-            int st = (!direct || rd->quant) /* the block leaves once the device wrote it */
+            int st = (!direct || rd->codec) /* the block leaves once the device wrote it */
                          ? job->reg->dev->record(job->mem.queue, &rd->ticket[i])
                          : SD_OK;
             if (st != SD_OK) {

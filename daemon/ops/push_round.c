@@ -69,8 +69,9 @@ void sd_round_chunk(struct sd_bulk *b, uint32_t piece, size_t off, size_t len)
     }
 }
 
-/* With ,qg every other node's block arrived as int4: this node's block of the sum, in node
- * order as the exact path adds them, from its own partial and the decoded others. */
+/* With ,qg or ,gwire every other node's block arrived encoded (int4, bf16, fp16): this node's
+ * block of the sum, in fp32 in node order as the exact path adds them, from its own partial and
+ * the decoded others. */
 void sd_round_decode(struct sd_node_round *rd)
 {
     struct sd_job *job = rd->job;
@@ -87,7 +88,7 @@ void sd_round_decode(struct sd_node_round *rd)
                 dev->reduce_add(job->mem.queue, rd->rs_out, own, SD_DTYPE_FP32, block);
             continue;
         }
-        dev->dequantize(job->mem.queue, rd->rs_out, SD_DTYPE_FP32, sd_qg_recv(job, r, o++),
-                        SD_CODEC_INT4, block, job->plan.qblock, i != 0);
+        sd_gpu_decode(dev, job->mem.queue, rd->rs_out, sd_qg_recv(job, r, o++), rd->codec, block,
+                      job->plan.qblock, i != 0);
     }
 }

@@ -28,7 +28,8 @@ struct sd_node_round {
     struct sd_job *job;
     uint32_t index; /* in the ring of node rounds (its ,qg buffers are quant.c's of this index) */
     bool net_done;  /* its transfers (and all-reduce) finished */
-    bool quant;     /* ,qg: its blocks travel as int4 (quant.c's buffers of this round) */
+    int codec;      /* 0: fp32 blocks; else how they travel (sd_qg_codec: ,qg's int4, ,gwire's bf16
+                     * or fp16), encoded into quant.c's buffers of this round */
     bool retiring;  /* its result is on the job's queue into the g shards: its buffers and its
                      * pushes wait for the queue to pass retire_ticket (the loop's poll) */
     uint64_t retire_ticket;

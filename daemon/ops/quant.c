@@ -85,11 +85,15 @@ uint64_t sd_qg_hop_count(const struct sd_job *job, uint32_t u)
     return job->gnodes[SD_STATE_G] > 1 ? job->k * (numel / job->plan.f[SD_STATE_G]) : numel;
 }
 
-bool sd_qg_hop(const struct sd_job *job, uint32_t u)
+int sd_qg_hop_codec(const struct sd_job *job, uint32_t u)
 {
     uint32_t R = sd_qg_hop_nodes(job);
-    return job->plan.qg && R > 1 &&
-           sd_qg_hop_count(job, u) / R * sizeof(float) >= (uint64_t)job->reg->cfg->quant_min_bytes;
+    if (R < 2)
+        return 0;
+    if (job->plan.qg &&
+        sd_qg_hop_count(job, u) / R * sizeof(float) >= (uint64_t)job->reg->cfg->quant_min_bytes)
+        return SD_CODEC_INT4;
+    return sd_plan_gwire_codec(&job->plan);
 }
 
 uint64_t sd_qw_remote_bytes(const struct sd_job *job, uint32_t u)
@@ -118,18 +122,24 @@ static struct quant_layout layout_of(const struct sd_job *job, const struct sd_c
             q.rx_slot = align_up(SD_MAX(most, batch));
         }
     }
+    int gw = sd_plan_gwire_codec(&job->plan);
     if (job->plan.qg && G > 1) {
         q.qg_block =
             align_up(sd_codec_bytes(SD_CODEC_INT4, l->max_unit_numel / G, job->plan.qblock));
         if (job->plan.ef)
             q.ef_floats = l->total_numel;
     }
+    if (gw != 0 && G > 1) /* the blocks in the wire dtype (with ,qg: the units it leaves exact) */
+        q.qg_block = SD_MAX(q.qg_block, align_up(sd_codec_bytes(gw, l->max_unit_numel / G, 1)));
     uint32_t R = sd_qg_hop_nodes(job);
-    if (job->plan.qg && R > 1) {
+    if ((job->plan.qg || gw != 0) && R > 1) {
         for (uint32_t u = 0; u < l->n_units; u++) {
             uint64_t count = sd_qg_hop_count(job, u);
-            q.hop =
-                SD_MAX(q.hop, sd_allreduce_qbuf_bytes(count, R, SD_CODEC_INT4, job->plan.qblock));
+            if (job->plan.qg)
+                q.hop = SD_MAX(q.hop,
+                               sd_allreduce_qbuf_bytes(count, R, SD_CODEC_INT4, job->plan.qblock));
+            if (gw != 0)
+                q.hop = SD_MAX(q.hop, sd_allreduce_qbuf_bytes(count, R, gw, 1));
             q.hop_ef_floats += job->plan.ef ? count : 0;
         }
     }
@@ -337,12 +347,15 @@ bool sd_qw_rx_fits(const struct sd_job *job, uint64_t q)
     return q <= job->mem.quant->rx_slot_bytes;
 }
 
-bool sd_qg_unit(const struct sd_job *job, uint32_t u)
+int sd_qg_codec(const struct sd_job *job, uint32_t u)
 {
     uint32_t G = job->gnodes[SD_STATE_G];
-    return job->plan.qg && G > 1 &&
-           job->layout.units[u].numel / G * sizeof(float) >=
-               (uint64_t)job->reg->cfg->quant_min_bytes;
+    if (G < 2)
+        return 0;
+    if (job->plan.qg &&
+        job->layout.units[u].numel / G * sizeof(float) >= (uint64_t)job->reg->cfg->quant_min_bytes)
+        return SD_CODEC_INT4;
+    return sd_plan_gwire_codec(&job->plan);
 }
 
 uint8_t *sd_qg_send(struct sd_job *job, uint32_t r, uint32_t o)

@@ -54,23 +54,24 @@ bool sd_qw_rx_fits(const struct sd_job *job, uint64_t q);
 /* encoded bytes a gather of unit u receives from the other nodes */
 uint64_t sd_qw_remote_bytes(const struct sd_job *job, uint32_t u);
 
-/* ---- ,qg */
-/* Does the reduce-scatter of unit u across nodes move int4 blocks? (false below
- * quant_min_bytes: the exact path, counted as a fallback by the caller) */
-bool sd_qg_unit(const struct sd_job *job, uint32_t u);
-/* node round r's buffers: the int4 encoding of the block sent to the o-th other node, and the
- * one received from it */
+/* ---- ,qg and ,gwire */
+/* How the reduce-scatter of unit u across nodes moves its blocks (sd/codec.h): SD_CODEC_INT4
+ * (,qg; not below quant_min_bytes, a fallback the caller counts), the plan's gradient wire
+ * codec (,gwire=bf16 or fp16), or 0: fp32, exact */
+int sd_qg_codec(const struct sd_job *job, uint32_t u);
+/* node round r's buffers: the encoding of the block sent to the o-th other node, and the one
+ * received from it */
 uint8_t *sd_qg_send(struct sd_job *job, uint32_t r, uint32_t o);
 uint8_t *sd_qg_recv(struct sd_job *job, uint32_t r, uint32_t o);
 /* unit u's error-feedback residual of its block i (fp32, numel / G) */
 float *sd_qg_ef(struct sd_job *job, uint32_t u, uint32_t i);
 /* The boundary hop (the 2-hop sync's all-reduce of each node's g block among the R nodes
- * holding its replicas, count floats of unit u): does it move int4 blocks (false below
- * quant_min_bytes a member's segment: the exact all-reduce, counted as a fallback by the
- * caller)? Its buffer, and unit u's error-feedback residual (NULL without ,ef). */
+ * holding its replicas, count floats of unit u): its codec, as sd_qg_codec's (int4 not below
+ * quant_min_bytes a member's segment). Its buffer, and unit u's error-feedback residual (NULL
+ * without ,ef). */
 uint32_t sd_qg_hop_nodes(const struct sd_job *job);
 uint64_t sd_qg_hop_count(const struct sd_job *job, uint32_t u);
-bool sd_qg_hop(const struct sd_job *job, uint32_t u);
+int sd_qg_hop_codec(const struct sd_job *job, uint32_t u);
 uint8_t *sd_qg_hop_buf(struct sd_job *job);
 float *sd_qg_hop_ef(struct sd_job *job, uint32_t u);
 

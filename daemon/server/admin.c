@@ -142,9 +142,10 @@ static json_t *job_summary(const struct sd_job *job)
 /* The quantized options, as groups and stats show them. */
 static json_t *quant_options_json(const struct sd_job *job)
 {
-    return json_pack("{s:b, s:b, s:b, s:b, s:i, s:I}", "qw", job->plan.qw, "qg", job->plan.qg,
+    return json_pack("{s:b, s:b, s:b, s:b, s:i, s:I, s:s}", "qw", job->plan.qw, "qg", job->plan.qg,
                      "qsec", job->plan.qsec, "ef", job->plan.ef, "block", (int)job->plan.qblock,
-                     "min_bytes", (json_int_t)job->reg->cfg->quant_min_bytes);
+                     "min_bytes", (json_int_t)job->reg->cfg->quant_min_bytes, "gwire",
+                     sd_dtype_name(job->plan.gwire));
 }
 
 /* ... and in groups, what each moves: the encoded size per element. */
@@ -158,6 +159,10 @@ static json_t *quant_json(const struct sd_job *job)
                         json_string("a reduce-scatter across nodes moves each node's block of n "
                                     "elements as int4: ceil(n / 2) + 4 ceil(n / block) bytes; "
                                     "blocks under quant_min_bytes (fp32) go exact"));
+    json_object_set_new(o, "gwire_formula",
+                        json_string("with gwire bf16 or fp16, the gradient blocks that cross "
+                                    "nodes otherwise in fp32 (push rounds, the boundary hop) move "
+                                    "2 bytes an element, summed in fp32 at their owner"));
     json_object_set_new(o, "qsec_formula",
                         json_string("each secondary piece of n elements is kept as n + 4 ceil(n "
                                     "/ block) bytes"));

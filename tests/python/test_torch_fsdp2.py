@@ -386,6 +386,22 @@ def refusals(work):
         ok, msg = raises(lambda: st.wrap(model(), socket="/nonexistent", **kw), *words,
                          kinds=(ValueError,))
         check(ok, f"wrap(**{kw}): {msg}")
+    # FSDP2's reduce_dtype: the plan's ,gwire= option, refused where it contradicts the plan
+    check(st._with_reduce_dtype("mics:2", torch.bfloat16) == "mics:2,gwire=bf16" and
+          st._with_reduce_dtype("zero3", torch.float16) == "zero3,gwire=fp16" and
+          st._with_reduce_dtype("zero3", torch.float32) == "zero3" and
+          st._with_reduce_dtype("zero3,gwire=bf16", torch.bfloat16) == "zero3,gwire=bf16",
+          "reduce_dtype becomes the plan's gwire option")
+    ok, msg = raises(lambda: st.wrap(model(), socket="/nonexistent", plan="zero3,gwire=fp16",
+                                     reduce_dtype=torch.bfloat16), "gwire=fp16", "one of them",
+                     kinds=(ValueError,))
+    check(ok, f"wrap(reduce_dtype=bf16) under gwire=fp16: {msg}")
+    ok, msg = raises(lambda: st.wrap(model(), socket="/nonexistent", reduce_dtype=torch.int8),
+                     "torch.bfloat16, torch.float16 or torch.float32", kinds=(ValueError,))
+    check(ok, f"wrap(reduce_dtype=torch.int8): {msg}")
+    ok, msg = raises(lambda: st.wrap(model(), socket="/nonexistent", mp_policy=None),
+                     "reduce_dtype=torch.bfloat16", kinds=(ValueError,))
+    check(ok, f"wrap(mp_policy=) names reduce_dtype=: {msg}")
     ok, msg = raises(lambda: st.wrap(model(), socket="/nonexistent", colour=2), "colour",
                      kinds=(TypeError,))
     check(ok, f"wrap(colour=2): {msg}")

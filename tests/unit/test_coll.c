@@ -7,6 +7,8 @@
  * error bound, identical on every member, with the encoded byte formulas and error feedback;
  * chunked multi-piece bulk transfers. */
 #include "coll/coll.h"
+#include "sd/codec.h"
+#include "sd/dtype.h"
 #include "sd/model.h"
 #include "harness.h"
 #include "sd/status.h"
@@ -15,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAXN 8
+#define MAXN 16
 
 struct msg {
     struct msg *next;
@@ -673,6 +675,162 @@ static void run_bulk(void)
     TH_CHECK(sd_bulk_start(NULL, &bp) == SD_EBUSY, "no bulk (the pool ran out) is refused");
 }
 
+/* a value rounded to a 16-bit wire dtype and back */
+static double wire_round(float x, int codec)
+{
+    return codec == SD_CODEC_BF16 ? sd_bf16_to_f32(sd_f32_to_bf16(x))
+                                  : sd_fp16_to_f32(sd_f32_to_fp16(x));
+}
+
+/* The encoded all-reduce and reduce-scatter with a gradient wire codec (bf16, fp16; qblock 1):
+ * every other member's contribution rounded once (u = 2^-8 in bf16, 2^-11 in fp16) and summed
+ * in fp32 at the segment's owner, so each element within u (the other members' magnitudes) plus
+ * fp32's rounding of n additions of the exact (double) sum; the all-reduce's second pass rounds
+ * the sum once more (u |sum|) and leaves every member with the same values. The scatter's
+ * segments are sd_scatter_segment's (what the exact one leaves) and its bytes half the
+ * all-reduce's, 2 bytes an element. Beside it, written here, the ring reduce-scatter that sends
+ * its running partial sum in the wire dtype at each of its n - 1 hops (as NCCL's bf16 ring
+ * does): on the same data, the owner's fp32 sum is closer to the exact one (sum of errors)
+ * once n is 8 or 16, and its worst element too. */
+static void run_wire(uint32_t n, size_t count, int codec, bool scatter, bool versus_ring)
+{
+    static struct sd_bulk_pool pools[MAXN];
+    static struct sd_allreduce ars[MAXN];
+    struct sd_gpu_queue *queues[MAXN] = {0};
+    float *bufs[MAXN], *in[MAXN];
+    uint8_t *qbufs[MAXN];
+    struct done done[MAXN] = {0};
+    uint32_t members[MAXN];
+    size_t qb = sd_allreduce_qbuf_bytes(count, n, codec, 1);
+    double u = codec == SD_CODEC_BF16 ? 1.0 / 256 : 1.0 / 2048;
+    nodes_init(n, pools, 2 * n, queues, members);
+    uint64_t seed = 0x51ed27ull ^ (count * 131 + n * 7 + (uint64_t)codec);
+    for (uint32_t i = 0; i < n; i++) {
+        bufs[i] = malloc(count * sizeof(float) + 1);
+        in[i] = malloc(count * sizeof(float) + 1);
+        qbufs[i] = malloc(qb + 1);
+        for (size_t e = 0; e < count; e++) { /* mixed signs, magnitudes over 2^-6 .. 2 */
+            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+            double v = (double)(seed >> 11) / 9007199254740992.0 - 0.5;
+            in[i][e] = bufs[i][e] = (float)(v * 4.0 * ldexp(1.0, -(int)((seed >> 5) % 7)));
+        }
+    }
+    int started = 0;
+    for (uint32_t i = 0; i < n; i++)
+        started += sd_allreduce_start(&ars[i], &(struct sd_allreduce_param){
+                                                   .group = node_group(i, n, pools, members),
+                                                   .dev = dev_under_test,
+                                                   .queue = queues[i],
+                                                   .dtype = SD_DTYPE_FP32,
+                                                   .qbits = codec,
+                                                   .qblock = 1,
+                                                   .qbuf = qbufs[i],
+                                                   .buf = bufs[i],
+                                                   .count = count,
+                                                   .scatter = scatter,
+                                                   .tag_base = 0x1000,
+                                                   .chunk_bytes = 4096,
+                                                   .cb = ar_cb,
+                                                   .arg = &done[i]}) == SD_OK;
+    TH_CHECK(started == (int)n, "wire n %u count %zu: %d of %u started", n, count, started, n);
+    drive(n, done, ars);
+    int unfinished = 0, differ = 0, outside = 0;
+    double err_mine = 0.0, err_ring = 0.0, worst_mine = 0.0, worst_ring = 0.0;
+    for (uint32_t i = 0; i < n; i++) {
+        unfinished += !done[i].finished || done[i].status != SD_OK;
+        size_t b, e;
+        if (scatter)
+            sd_scatter_segment(count, n, i, &b, &e);
+        else
+            b = 0, e = count;
+        for (size_t x = b; x < e; x++) {
+            /* the member that summed x: the scatter's (sd_scatter_segment), the all-reduce's
+             * member s of segment s */
+            uint32_t owner = 0;
+            for (uint32_t m = 0; m < n; m++) {
+                size_t mb, me;
+                if (scatter)
+                    sd_scatter_segment(count, n, m, &mb, &me);
+                else
+                    sd_ring_segment(count, n, m, &mb, &me);
+                owner = x >= mb && x < me ? m : owner;
+            }
+            double exact = 0.0, others = 0.0, mag = 0.0;
+            for (uint32_t m = 0; m < n; m++) {
+                exact += in[m][x];
+                mag += fabs(in[m][x]);
+                others += m == owner ? 0.0 : fabs(in[m][x]);
+            }
+            /* fp16's subnormals below 2^-14 round to within 2^-25 absolute */
+            double sub = codec == SD_CODEC_FP16 ? (double)n * ldexp(1.0, -25) : 0.0;
+            double bound = u * others + (double)n * mag * 6e-8 + sub +
+                           (scatter ? 0.0 : u * (fabs(exact) + u * others) + sub / n);
+            double d = fabs((double)bufs[i][x] - exact);
+            outside += d > bound;
+            if (!scatter) {
+                differ += memcmp(&bufs[i][x], &bufs[0][x], sizeof(float)) != 0;
+                continue;
+            }
+            err_mine += d;
+            worst_mine = d > worst_mine ? d : worst_mine;
+            /* the ring's order for this segment: from member owner + 1 around to the owner,
+             * each hop's partial sent rounded to the wire dtype */
+            float part = in[(owner + 1) % n][x];
+            for (uint32_t h = 2; h <= n; h++)
+                part = (float)(wire_round(part, codec) + (double)in[(owner + h) % n][x]);
+            double dr = fabs((double)part - exact);
+            err_ring += dr;
+            worst_ring = dr > worst_ring ? dr : worst_ring;
+        }
+        uint64_t want_sent = 0, want_recv = 0; /* each member's segment as above */
+        size_t ob, oe;
+        if (scatter)
+            sd_scatter_segment(count, n, i, &ob, &oe);
+        else
+            sd_ring_segment(count, n, i, &ob, &oe);
+        for (uint32_t m = 0; m < n; m++) {
+            size_t mb, me;
+            if (scatter)
+                sd_scatter_segment(count, n, m, &mb, &me);
+            else
+                sd_ring_segment(count, n, m, &mb, &me);
+            if (m != i) {
+                want_sent += 2 * (me - mb) + (scatter ? 0 : 2 * (oe - ob));
+                want_recv += 2 * (oe - ob) + (scatter ? 0 : 2 * (me - mb));
+            }
+        }
+        TH_CHECK(ars[i].bytes_sent == want_sent && ars[i].bytes_recv == want_recv,
+                 "wire %d n %u count %zu member %u %s: sent %llu received %llu, formula %llu / "
+                 "%llu",
+                 codec, n, count, i, scatter ? "scatter" : "all-reduce",
+                 (unsigned long long)ars[i].bytes_sent, (unsigned long long)ars[i].bytes_recv,
+                 (unsigned long long)want_sent, (unsigned long long)want_recv);
+        TH_CHECK(pools[i].in_use == 0, "bulks not returned");
+    }
+    TH_CHECK(unfinished == 0 && differ == 0 && outside == 0,
+             "%s wire %d n %u count %zu %s: %d unfinished, %d elements differ from member 0's, "
+             "%d outside the rounding bound",
+             dev_under_test->name, codec, n, count, scatter ? "scatter" : "all-reduce", unfinished,
+             differ, outside);
+    if (versus_ring) {
+        TH_CHECK(err_mine < err_ring && worst_mine <= worst_ring,
+                 "wire %d n %u: summed in fp32 at the owner, error %.3g in all (worst %.3g) vs "
+                 "the ring that rounds every hop %.3g (worst %.3g)",
+                 codec, n, err_mine, worst_mine, err_ring, worst_ring);
+        printf("wire %s n %2u, %zu elements: fp32 sum at the owner: error %.3e in all, worst "
+               "%.3e; ring rounding every hop: %.3e, worst %.3e (%.1fx)\n",
+               codec == SD_CODEC_BF16 ? "bf16" : "fp16", n, count, err_mine, worst_mine, err_ring,
+               worst_ring, err_ring / err_mine);
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        free(bufs[i]);
+        free(in[i]);
+        free(qbufs[i]);
+        sd_bulk_pool_fini(&pools[i]);
+        dev_under_test->queue_destroy(queues[i]);
+    }
+}
+
 int main(void)
 {
     static const size_t counts[] = {1, 7, 100, 1000, 4099, 65536 + 3};
@@ -707,6 +865,20 @@ int main(void)
                     run_qallreduce(n, qcounts[c], 2048, ef);
                 }
     }
+    static const size_t wcounts[] = {1, 7, 100, 4099};
+    for (int be = 0; be < 2; be++) {
+        use_backend(backends[be]);
+        for (uint32_t n = 2; n <= 5; n++)
+            for (size_t c = 0; c < sizeof(wcounts) / sizeof(wcounts[0]); c++)
+                for (int sc = 0; sc < 2; sc++) {
+                    run_wire(n, wcounts[c], SD_CODEC_BF16, sc, false);
+                    run_wire(n, wcounts[c], SD_CODEC_FP16, sc, false);
+                }
+    }
+    use_backend(&sd_gpu_host_ops);
+    run_wire(8, 65536, SD_CODEC_BF16, true, true);
+    run_wire(16, 65536, SD_CODEC_BF16, true, true);
+    run_wire(16, 65536, SD_CODEC_FP16, true, true);
     run_abort();
     TH_CHECK(syncs == 0, "the all-reduces waited for the device %d times", syncs);
     run_bulk();

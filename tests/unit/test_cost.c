@@ -1,10 +1,13 @@
 /* The cost model against bytes worked out by hand; which plans' boundary hop reduce-scatters,
  * against the ownership worked out rank by rank. */
 #include "harness.h"
+#include "sd/codec.h"
 #include "sd/cost.h"
+#include "sd/status.h"
 
 #include <math.h>
 #include <stdio.h>
+#include <string.h>
 
 static double total(const char *plan_s, uint32_t accum, bool cached)
 {
@@ -146,6 +149,33 @@ int main(void)
              "topo:4/4/8");
     TH_CHECK(total("topo:4/4/8,hop-ar", 1, true) == 0.5e6 + 0.5e6 + 0.5e6 + 2 * 0.125e6 + 24,
              "topo:4/4/8,hop-ar");
+    /* ,gwire=bf16 (or fp16): the gradients that cross nodes in 2 bytes: zero3's reduce-scatters
+     * 4 x 3/8 S, mics:4's too and its hop of the 1/2 S block across 2 nodes at half, topo:2/2/8's
+     * reduce-scattered hop 3/8 S; the weights' gathers and all-gather stay (fp32 weights) */
+    TH_CHECK(total("zero3,gwire=bf16", 4, true) == 0.75e6 + 4 * 0.375e6 + 24, "zero3,gwire=bf16");
+    TH_CHECK(total("mics:4,gwire=fp16", 4, true) == 0.5e6 + 4 * 0.25e6 + 0.25e6 + 24,
+             "mics:4,gwire=fp16");
+    TH_CHECK(total("topo:2/2/8,gwire=bf16", 4, true) == 0.375e6 + 2 * 0.125e6 * 3 + 24,
+             "topo:2/2/8,gwire=bf16");
+    TH_CHECK(total("topo:2/2/8,gwire=fp32", 4, true) == total("topo:2/2/8", 4, true),
+             "gwire=fp32 is the default");
+    /* with ,qg the int4 blocks stay int4 (the model ignores the fallbacks gwire would carry) */
+    TH_CHECK(total("zeropp,gwire=bf16", 4, false) == total("zeropp", 4, false), "zeropp,gwire");
+    {
+        struct sd_topo tt = {.nodes = 4, .ranks_per_node = 2};
+        struct sd_plan pp;
+        char e2[160];
+        TH_CHECK(sd_plan_parse("zero3,gwire=int8", &tt, &pp, e2, sizeof(e2)) == SD_EINVAL &&
+                     strstr(e2, "bf16, fp16 or fp32") != NULL,
+                 "gwire=int8 refused naming the choices: %s", e2);
+        TH_CHECK(sd_plan_parse("mics:2,gwire=fp16", &tt, &pp, e2, sizeof(e2)) == SD_OK &&
+                     pp.gwire == SD_DTYPE_FP16 && sd_plan_gwire_codec(&pp) == SD_CODEC_FP16 &&
+                     sd_plan_hop_scatters(&pp, 4, 2) == false,
+                 "mics:2,gwire=fp16 parses");
+        TH_CHECK(sd_plan_parse("zero1,gwire=bf16", &tt, &pp, e2, sizeof(e2)) == SD_OK &&
+                     sd_plan_hop_scatters(&pp, 4, 2),
+                 "zero1,gwire=bf16: the hop still reduce-scatters (in bf16)");
+    }
     /* memory per rank: w S/f_w, g 4 numel/f_g, AdamW 12 numel/f_os */
     struct sd_topo t = {.nodes = 4, .ranks_per_node = 2};
     struct sd_plan p;

@@ -79,11 +79,11 @@ bool sd_job_net_rounds_accumulate(const struct sd_job *job)
     return false;
 }
 
-bool sd_qg_unit(const struct sd_job *job, uint32_t u)
+int sd_qg_codec(const struct sd_job *job, uint32_t u)
 {
     (void)job;
     (void)u;
-    return false;
+    return 0;
 }
 
 uint8_t *sd_qg_send(struct sd_job *job, uint32_t r, uint32_t o)

@@ -110,14 +110,14 @@ size_t sd_push_ar_tmp_count(const struct sd_job *job)
     return sizeof(ar_tmp) / sizeof(ar_tmp[0]);
 }
 
-bool sd_qg_hop(const struct sd_job *job, uint32_t u)
+int sd_qg_hop_codec(const struct sd_job *job, uint32_t u)
 {
     (void)job;
     (void)u;
-    return false;
+    return 0;
 }
 
-/* (never asked for: sd_qg_hop says no hop is quantized) */
+/* (never asked for: sd_qg_hop_codec says no hop is encoded) */
 uint8_t *sd_qg_hop_buf(struct sd_job *job)
 {
     (void)job;

@@ -941,13 +941,33 @@ _FOREIGN_ARGS = {
     "zero_quantized_gradients": "plan='zeropp,qg' (quantized gradients)",
     "stage": "plan='zero1', 'zero2' or 'zero3'",
     "mp_policy": "the weights travel and compute in the model's dtype (bf16 masters are kept "
-                 "fp32 in shardd): cast the model with .to(torch.bfloat16) before wrap",
+                 "fp32 in shardd): cast the model with .to(torch.bfloat16) before wrap; "
+                 "MixedPrecisionPolicy's reduce_dtype is wrap(reduce_dtype=torch.bfloat16)",
     "mixed_precision": "the weights travel and compute in the model's dtype (bf16 masters are "
-                       "kept fp32 in shardd): cast the model with .to(torch.bfloat16) before wrap",
+                       "kept fp32 in shardd): cast the model with .to(torch.bfloat16) before "
+                       "wrap; reduce_dtype is wrap(reduce_dtype=torch.bfloat16)",
     "offload_policy": "shardd keeps the shards in its own memory (host or GPU by its --backend)",
     "cpu_offload": "shardd keeps the shards in its own memory (host or GPU by its --backend)",
     "process_group": "the job is the daemons' (job=, rank=, world=), not a process group",
 }
+
+
+_GWIRE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _with_reduce_dtype(plan, reduce_dtype):
+    """the plan with reduce_dtype as its ,gwire= option (refused where the plan says another)"""
+    if reduce_dtype is None:
+        return plan
+    if reduce_dtype not in _GWIRE:
+        raise ValueError(f"shard.torch.wrap: reduce_dtype={reduce_dtype}: gradients cross nodes "
+                         f"in torch.bfloat16, torch.float16 or torch.float32")
+    want = _GWIRE[reduce_dtype]
+    given = [o[len("gwire="):] for o in str(plan).split(",")[1:] if o.startswith("gwire=")]
+    if given and given[-1] != want:
+        raise ValueError(f"shard.torch.wrap: reduce_dtype={reduce_dtype} but plan {plan!r} says "
+                         f"gwire={given[-1]}: give one of them")
+    return plan if given or want == "fp32" else f"{plan},gwire={want}"
 
 
 def _foreign(plan, kwargs):
@@ -1216,7 +1236,8 @@ def _post_forward_hook(state, m, module, inputs, outputs):
 
 def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", optimizer=None,
          units=None, max_live_bytes=0, max_grad_norm=None, broadcast_buffers=True, load=None,
-         resume_timeout_ms=0, ranks_per_node=None, job_secret=None, leader=None, **foreign):
+         resume_timeout_ms=0, ranks_per_node=None, job_secret=None, leader=None,
+         reduce_dtype=None, **foreign):
     """Register model's parameters with shardd and install the hooks; returns model.
 
     rank, world and job default from torchrun's RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID
@@ -1258,7 +1279,8 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     plan: "topo:W/G/OS" (shard factors of the weights, gradients and optimizer states) or a
     preset: "ddp", "zero1", "zero2", "zero3", "mics:P", "topo", "topo-fp", "zeropp" (with
     ",no-hier", ",no-2hop", ",hop-ar", ",sec=S" and the quantized ",qw", ",qg", ",qsec", ",ef",
-    ",qblock=B"; docs/plans.md). Every rank must build the same model; rank 0's values are the
+    ",qblock=B", ",gwire=bf16|fp16"; docs/plans.md). Every rank must build the same model;
+    rank 0's values are the
     initial ones. FSDP's and DeepSpeed's names for plans and options ("FULL_SHARD", "hsdp",
     mesh=, mics_shard_size=, zero_hpz_partition_size=, mp_policy=, ...) are refused with
     shardd's spelling (docs/pytorch.md, FSDP2 and DeepSpeed).
@@ -1273,11 +1295,15 @@ def wrap(model, socket=None, job=None, rank=None, world=None, plan="zero3", opti
     resume_timeout_ms, off unless configured): the other ranks' calls raise shard.ShardError
     with .status == shard.EPAUSED naming the rank and the step. Wrapping again (every rank, the
     same model and job) within it resumes the job from that step, as load= would:
-    shard.torch.start_step(model) says which; a step half done is discarded."""
+    shard.torch.start_step(model) says which; a step half done is discarded.
+    reduce_dtype: FSDP2's MixedPrecisionPolicy.reduce_dtype, the dtype gradients cross nodes
+    in: torch.bfloat16 or torch.float16 sends them rounded once and sums them in fp32 at their
+    owners (the plan option ",gwire=bf16|fp16", half the bytes); None or torch.float32: fp32."""
     global _current
     err = _foreign(plan, foreign)
     if err is not None:
         raise err
+    plan = _with_reduce_dtype(plan, reduce_dtype)
     if load is not None and os.path.exists(os.path.join(os.fspath(load), ".metadata")):
         raise ValueError(f"shard.torch.wrap: load={os.fspath(load)!r} is a "
                          "torch.distributed.checkpoint (DCP) directory, not a shardd checkpoint: "

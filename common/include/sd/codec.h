@@ -15,13 +15,21 @@
  * Encoded buffer of n elements: the ceil(n / B) scales (fp32, little-endian), then the values:
  * int8, one byte each; int4, two per byte, element i in the low nibble of byte i / 2 when i is
  * even and in the high nibble when odd, two's complement. Bytes on the wire: 4 ceil(n / B) + n
- * (int8) or 4 ceil(n / B) + ceil(n / 2) (int4). */
+ * (int8) or 4 ceil(n / B) + ceil(n / 2) (int4); 2 n for the 16-bit float codecs below. */
 #ifndef SD_CODEC_H
 #define SD_CODEC_H
 
 #include <stdint.h>
 
-enum { SD_CODEC_INT4 = 4, SD_CODEC_INT8 = 8 };
+enum { SD_CODEC_INT4 = 4, SD_CODEC_INT8 = 8, SD_CODEC_BF16 = 16, SD_CODEC_FP16 = 17 };
+
+/* The 16-bit float codecs of a gradient wire dtype (plan option ,gwire=): each element rounded to
+ * nearest even in bf16 or fp16 (no blocks, no scales; 2 n bytes), decoded exactly into fp32. A
+ * non-finite value stays non-finite (fp16: beyond 65504 it becomes an infinity). */
+static inline int sd_codec_is_float(int codec)
+{
+    return codec == SD_CODEC_BF16 || codec == SD_CODEC_FP16;
+}
 
 #define SD_CODEC_MIN_BLOCK 2
 #define SD_CODEC_MAX_BLOCK 65536
@@ -33,6 +41,8 @@ static inline uint64_t sd_codec_blocks(uint64_t n, uint32_t block)
 
 static inline uint64_t sd_codec_bytes(int bits, uint64_t n, uint32_t block)
 {
+    if (sd_codec_is_float(bits))
+        return 2 * n;
     return 4 * sd_codec_blocks(n, block) + (bits == SD_CODEC_INT8 ? n : (n + 1) / 2);
 }
 

@@ -25,7 +25,9 @@
  * units under quant_min_bytes that go exact); with ,qsec the secondary copies are
  * numel (1 + 4 / B) / S; ,qg also sends the boundary hop as int4 blocks (2 (R - 1) / R of
  * numel (1/2 + 4 / B) / G_g) and ,qw the weights' all-gather after the optimizer as int8 blocks
- * (numel (1 + 4 / B) / f_os a part).
+ * (numel (1 + 4 / B) / f_os a part). With ,gwire=bf16 or fp16 the gradients that cross nodes
+ * otherwise unquantized (the push's blocks and the hop; without ,qg all of them) move 2 bytes an
+ * element instead of 4: half of those terms.
  *
  * Inside the node, intra[SD_COST_PACKAGE] and intra[SD_COST_NODE] count the copies the daemon
  * makes per step on a node, each by the link between the two ranks whose memory it joins (one

@@ -102,7 +102,15 @@ struct sd_plan {
     bool ef;   /* ,ef: error feedback for qg (the quantization error goes into the next one) */
     uint32_t qblock; /* ,qblock=B; SD_PLAN_QBLOCK unless given */
     bool hop_ar;     /* ,hop-ar: the boundary hop all-reduces where it could reduce-scatter */
+    /* ,gwire=bf16|fp16|fp32: the dtype of gradients that cross nodes unquantized (the push
+     * rounds' blocks and the boundary hop; ,qg's int4 blocks stay int4), each sent rounded
+     * once and summed in fp32 at its owner (sd/codec.h's float codecs); SD_DTYPE_FP32: exact */
+    int gwire;
 };
+
+/* The codec of the gradients that cross nodes unquantized: 0 (fp32, exact), SD_CODEC_BF16 or
+ * SD_CODEC_FP16 (sd/codec.h) */
+int sd_plan_gwire_codec(const struct sd_plan *plan);
 
 /* the default block of the quantized options: ZeRO++'s group size for weights */
 #define SD_PLAN_QBLOCK 2048
@@ -116,11 +124,11 @@ static inline bool sd_plan_quantized(const struct sd_plan *plan)
 /* Parse a plan for a topology: topo:W/G/OS (each a number, k or n) or a preset (ddp = 1/1/1,
  * zero1 = 1/1/n, zero2 = 1/n/n, zero3 = n/n/n, mics:P = P/P/P, topo-fp = min(2,k)/k/n, topo =
  * topo-fp,qw,qg,qsec as ZeRO-topo ran it, zeropp = zero3,qw,qg,sec=k as ZeRO++ did), then
- * options ,no-hier ,no-2hop ,hop-ar ,sec=S ,qw ,qg ,qsec ,ef ,qblock=B (,qsec without sec=S keeps a
- * secondary over the package; ,ef needs ,qg). Refused (SD_EINVAL, err names the factor and the
- * rule) unless every factor divides the next and the world, and each aligns with a topology level:
- * it divides the package, or is a multiple of the package that divides the node, or a multiple of
- * the node. */
+ * options ,no-hier ,no-2hop ,hop-ar ,sec=S ,qw ,qg ,qsec ,ef ,qblock=B ,gwire=D (,qsec without
+ * sec=S keeps a secondary over the package; ,ef needs ,qg). Refused (SD_EINVAL, err names the
+ * factor and the rule) unless every factor divides the next and the world, and each aligns with a
+ * topology level: it divides the package, or is a multiple of the package that divides the node, or
+ * a multiple of the node. */
 int sd_plan_parse(const char *spec, const struct sd_topo *topo, struct sd_plan *plan_p, char *err,
                   size_t errlen);
 
@@ -134,7 +142,7 @@ static inline bool sd_plan_sec_active(const struct sd_plan *plan)
 }
 
 /* The boundary hop's owners: with the 2-hop sync across R = nodes / G_g > 1 nodes that hold
- * replicas of a node's g block, exact (no ,qg), and f_os = world, every element of the block has
+ * replicas of a node's g block, not int4 (no ,qg), and f_os = world, every element of the block has
  * its optimizer state on exactly one of the R nodes, 1/R of the block on each (the os shards nest
  * in the g shards, and a node's replicas differ in the piece they own). The hop then packs the
  * block with each owner's pieces together and needs the sums only there: */

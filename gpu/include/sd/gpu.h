@@ -196,6 +196,12 @@ static inline int sd_gpu_first_driven(const struct sd_gpu_ops *dev)
             return d[i].index;
     return 0;
 }
+/* A codec's encoding (sd/codec.h: int4, int8 with blocks; bf16, fp16 rounded element by element)
+ * of src's n fp32 elements into dst, and its decoding into fp32 dst (accumulate: dst +=). */
+void sd_gpu_encode(const struct sd_gpu_ops *dev, struct sd_gpu_queue *q, void *dst, int codec,
+                   const float *src, size_t n, uint32_t block);
+void sd_gpu_decode(const struct sd_gpu_ops *dev, struct sd_gpu_queue *q, float *dst,
+                   const void *src, int codec, size_t n, uint32_t block, bool accumulate);
 /* dev's copy_many, or one copy per piece where it has none */
 void sd_gpu_copy_many(const struct sd_gpu_ops *dev, struct sd_gpu_queue *q,
                       const struct sd_gpu_piece *pieces, uint32_t n);
