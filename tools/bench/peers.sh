@@ -5,6 +5,9 @@
 # hierarchical gather; ZeRO++ with hpZ, qwZ and qgZ, and hpZ alone) and shardd (zero3, mics:2, zeropp, topo and
 # the per-state plan topo:W/G/n that shardctl plan --pick predicts fastest), the same global batch, accumulation, AdamW groups,
 # schedule and steps, one thread per rank (tools/bench/peers_train.py: how each is set up).
+# A system with "+bf16" after it reduces its gradients in bf16 (FSDP2's reduce_dtype, DeepSpeed's
+# communication_data_type, shardd's ,gwire=bf16): fsdp2+bf16 hsdp+bf16 ds-zero3+bf16
+# shardd:zero3+bf16 shardd:mics:2+bf16, compared with each other.
 # Every rank runs in the network namespace of its node; the links between nodes are shaped to
 # --rate (tools/local-cluster.sh --netns). Prints a table per model size (tokens/s, the ratio
 # to the fastest peer with the same sharding, peak memory per rank, the last loss) and writes
@@ -42,6 +45,9 @@ if [ "$report" = 1 ]; then
 else
 . tools/bench/lib.sh
 bench_build
+# shard.torch loads the library of the build just made (else the first build it finds), unless
+# SHARD_LIBRARY names another
+export SHARD_LIBRARY=${SHARD_LIBRARY:-$PWD/$B/client/libshard.so.0}
 dir=$(mktemp -d /tmp/shardd-peers-XXXXXX)
 out=${out:-$dir/out}
 mkdir -p "$out"
@@ -66,10 +72,10 @@ size_args() {
 
 # run SIZE SYSTEM: every rank of SYSTEM in its node's namespace; rank 0's JSON in $out
 run() {
-  local size=$1 sys=$2 r n opts=() job
+  local size=$1 sys=$2 r n opts=() job base=${2%+bf16}
   read -r -a model <<<"$(size_args "$size")"
-  case $sys in
-    ddp | fsdp2 | hsdp) opts=(--system "$sys") ;;
+  case $base in
+    ddp | fsdp2 | hsdp) opts=(--system "$base") ;;
     ds-zero3) opts=(--system deepspeed) ;;
     ds-mics2) opts=(--system deepspeed --ds-mics 2) ;;
     ds-zeropp) opts=(--system deepspeed --ds-zeropp "$k") ;;
@@ -93,11 +99,12 @@ print("%.3f s of communication a step, %.3f s of it after the last backward"
       % (c["comm_s"], c["exposed_s"]))' <<<"$pick")
       echo "   the cost model's plan: $best ($bt)" >&2
       opts=(--system shardd --plan "$best") ;;
-    shardd:*) opts=(--system shardd --plan "${sys#shardd:}") ;;
+    shardd:*) opts=(--system shardd --plan "${base#shardd:}") ;;
     *) echo "peers.sh: unknown system $sys" >&2; exit 2 ;;
   esac
+  [ "$base" = "$sys" ] || opts+=(--reduce-dtype bf16)
   port=$((port + 1))
-  job="peers-$size-${sys//:/-}"
+  job="peers-$size-${sys//[:+]/-}"
   local pids=()
   for r in $(seq 0 $((world - 1))); do
     n=$((r / k))
@@ -137,7 +144,8 @@ out, sizes, systems, rate, nodes, k = sys.argv[1], sys.argv[2].split(), sys.argv
     sys.argv[4], sys.argv[5], sys.argv[6]
 # the sharding semantics each row is compared under, and the peers that have them
 SAME = {"zero3": ["fsdp2", "ds-zero3"], "mics:2": ["hsdp", "ds-mics2"],
-        "zeropp": ["ds-zeropp", "ds-hpz"]}
+        "zeropp": ["ds-zeropp", "ds-hpz"], "zero3+bf16": ["fsdp2+bf16", "ds-zero3+bf16"],
+        "mics:2+bf16": ["hsdp+bf16"]}
 def sem(s):
     return s.split(":", 1)[1] if s.startswith("shardd:") else None
 for size in sizes:

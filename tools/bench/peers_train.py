@@ -40,6 +40,10 @@ def args():
                    choices=["ddp", "fsdp2", "hsdp", "deepspeed", "shardd"])
     p.add_argument("--plan", default="zero3", help="shardd's plan")
     p.add_argument("--ds-stage", type=int, default=3)
+    p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the gradients' reduction dtype: FSDP2's MixedPrecisionPolicy "
+                        "reduce_dtype, DeepSpeed's communication_data_type, shardd's "
+                        "wrap(reduce_dtype=) (,gwire=)")
     p.add_argument("--ds-mics", type=int, default=0, help="DeepSpeed mics_shard_size")
     p.add_argument("--ds-zeropp", type=int, default=0,
                    help="DeepSpeed ZeRO++: zero_hpz_partition_size (with qwZ and qgZ)")
@@ -91,10 +95,14 @@ def fsdp2(a, m, hsdp):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (a.world // a.ranks_per_node, a.ranks_per_node),
                                 mesh_dim_names=("replicate", "shard"))
+    mp = {}
+    if a.reduce_dtype == "bf16":  # gradients reduced in bf16, parameters fp32
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        mp = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)}
     units = m.units()
     for u in units:
-        fully_shard(u, mesh=mesh)
-    fully_shard(m, mesh=mesh)
+        fully_shard(u, mesh=mesh, **mp)
+    fully_shard(m, mesh=mesh, **mp)
     for i, u in enumerate(units if os.environ.get("PEERS_PREFETCH", "1") == "1" else []):  # explicit prefetch: the next unit's all-gather early
         if i + 1 < len(units):
             u.set_modules_to_forward_prefetch([units[i + 1]])
@@ -117,6 +125,8 @@ def deepspeed_engine(a, m, opt):
     cfg = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": a.accum,
            "gradient_clipping": a.clip, "zero_optimization": zero,
            "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    if a.reduce_dtype == "bf16":
+        cfg["communication_data_type"] = "bf16"
     engine, opt, _, _ = deepspeed.initialize(model=m, optimizer=opt, config=cfg)
     return engine, opt
 
@@ -134,7 +144,8 @@ def main():
         import shard.torch as st
         st.wrap(m, socket=a.socket, job=a.job, rank=a.rank, world=a.world, plan=a.plan,
                 optimizer=opt, units=m.units(), max_grad_norm=a.clip,
-                ranks_per_node=a.ranks_per_node)
+                ranks_per_node=a.ranks_per_node,
+                reduce_dtype=torch.bfloat16 if a.reduce_dtype == "bf16" else None)
         net = m
     elif a.system == "deepspeed":
         import deepspeed
@@ -203,7 +214,8 @@ def main():
     if a.rank == 0:
         timed = times[1:] or times
         with open(a.out, "w") as f:
-            json.dump({"system": a.system, "plan": a.plan, "loss": losses, "step_s": times,
+            json.dump({"system": a.system, "plan": a.plan, "reduce_dtype": a.reduce_dtype,
+                       "loss": losses, "step_s": times,
                        "tokens_per_s": tokens * len(timed) / sum(timed), "peak_rss": peak,
                        "daemon_bytes_per_rank": daemon,
                        "params": sum(p.numel() for p in model_of(a).parameters())}, f)
