@@ -5,7 +5,7 @@
   - an fp16 MLP (weights fp16 in the forward, fp32 masters in shardd) learns a fixed teacher
     with a loss multiplied by 2^-24 (a loss whose gradients lie below fp16's smallest
     subnormal, 6e-8, unless scaled): AdamW (eps 1e-12, so that the update does not depend on
-    the gradients' size), accumulation 2, 20 steps, world 4, under mics:2 (the sums cross the
+    the gradients' size), accumulation 2, 14 steps, world 4, under mics:2 (the sums cross the
     nodes). Each rank keeps torch's own torch.amp.GradScaler (init_scale 2^46, growth_interval
     3, so that the run both overflows on its own and grows) and steps with
     scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update(); rank 2 multiplies
@@ -30,10 +30,10 @@
   - The same model in fp32 without loss scaling (single-process torch, the steps the fp16 run
     skipped skipped alike): the fp16 run's loss curve stays within 0.5% of it (fp16's rounding
     of weights and activations, 2^-11 = 4.9e-4 relative each, through three layers and the
-    loss, and the masters' drifting apart by it over 20 steps; measured 2e-4).
+    loss, and the masters' drifting apart by it over the steps; measured 2e-4).
   - The fp16 run through shardd without loss scaling (GradScaler(enabled=False)): every
     gradient underflows to zero, and the weights end bitwise where they began (the loss does
-    not move), while the scaled run's loss falls by more than half: the test can tell.
+    not move), while the scaled run's loss falls by more than a third: the test can tell.
   - libshard's shard_scaler_update (the C API's scaler) against torch._amp_update_scale_ on 200
     random outcomes with factors that round (growth 1.7, backoff 0.37, interval 3): the same
     float32 scale and growth tracker after every one, also where growth would reach infinity.
@@ -54,7 +54,7 @@ from harness import Cluster, check, finish, run_all, shard, torch
 import shard.torch as st  # noqa: E402
 
 nn = torch.nn
-RANKS, ROWS, ACCUM, STEPS, RESUME_AT, INJECT = 4, 8, 2, 20, 10, 7
+RANKS, ROWS, ACCUM, STEPS, RESUME_AT, INJECT = 4, 8, 2, 14, 10, 7
 TINY = 2.0 ** -24
 INIT_SCALE, GROWTH_INTERVAL = 2.0 ** 41, 3
 
@@ -273,8 +273,8 @@ def unscaled_run(cl, work, scaled_losses):
           f"({moved})")
     first = sum(lg["loss"][0] for lg in logs) / RANKS
     ends = scaled_losses and [round(scaled_losses[0], 4), round(scaled_losses[-1], 4)]
-    check(scaled_losses is None or scaled_losses[-1] < 0.5 * scaled_losses[0],
-          f"with loss scaling the loss falls by more than half ({ends}); without, it stays at "
+    check(scaled_losses is None or scaled_losses[-1] < 2 / 3 * scaled_losses[0],
+          f"with loss scaling the loss falls by more than a third ({ends}); without, it stays at "
           f"{first:.4f}")
 
 
